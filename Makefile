@@ -17,7 +17,7 @@ $(VENV)/.stamp: pyproject.toml
 	touch $@
 
 demo: $(VENV)/.stamp
-	$(BIN)/mtpspec demo
+	$(BIN)/mtpspec tp-demo
 
 test: $(VENV)/.stamp
 	$(BIN)/python -m pytest -q tests

@@ -1,0 +1,29 @@
+"""`mtpspec` command line: one subcommand per module, each with ``add_parser`` / ``run``."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from typing import List, Optional
+
+# subcommand -> module providing add_parser(subparsers) and run(args) -> int
+SUBCOMMANDS = {
+    "tp-demo": "mtpspec.entrypoints.tp_demo",
+}
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="mtpspec", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    modules = {}
+    for name, mod_name in SUBCOMMANDS.items():
+        mod = importlib.import_module(mod_name)
+        mod.add_parser(sub)
+        modules[name] = mod
+    args = parser.parse_args(argv)
+    return int(modules[args.command].run(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
