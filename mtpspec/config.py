@@ -64,3 +64,282 @@ class SpeculativeConfig:
         if unknown:
             raise ValueError(f"unknown speculative_config keys: {sorted(unknown)}")
         return cls(**cfg)
+
+
+# --------------------------------------------------------------------------------------------
+# Model config (from a checkpoint folder's config.json)
+# --------------------------------------------------------------------------------------------
+
+SUPPORTED_ARCHITECTURES = ("Glm4MoeForCausalLM",)
+
+# Keys a config.json must carry (no sensible default exists for them).
+_REQUIRED_KEYS = ("architectures", "hidden_size", "intermediate_size", "num_hidden_layers",
+                  "num_attention_heads", "vocab_size", "max_position_embeddings",
+                  "n_routed_experts", "num_experts_per_tok", "moe_intermediate_size")
+
+
+class ModelConfigError(ValueError):
+    """A config.json that mtpspec cannot run: unsupported architecture, missing key, impossible value."""
+
+
+def _dtype_from_name(name: Any) -> Any:
+    import torch
+    table = {"float32": torch.float32, "float": torch.float32, "fp32": torch.float32,
+             "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+             "float16": torch.float16, "half": torch.float16, "fp16": torch.float16}
+    if isinstance(name, torch.dtype):
+        if name in table.values():
+            return name
+        raise ModelConfigError(f"unsupported dtype {name}; expected one of float32, bfloat16, float16")
+    key = str(name).replace("torch.", "")
+    if key not in table:
+        raise ModelConfigError(f"unsupported dtype {name!r}; expected one of float32, bfloat16, float16")
+    return table[key]
+
+
+@dataclass
+class ModelConfig:
+    """A GLM-4.5-family (``Glm4MoeForCausalLM``) model description, read from ``config.json``.
+
+    Field names follow Hugging Face's ``Glm4MoeConfig``. Optional keys take Hugging Face's
+    defaults (listed below) when absent; the keys in ``_REQUIRED_KEYS`` must be present.
+
+    Attributes:
+        architecture: ``"Glm4MoeForCausalLM"`` (the only supported one).
+        hidden_size, intermediate_size (dense MLP), moe_intermediate_size (per expert),
+        num_hidden_layers (target decoder layers, MTP layers excluded),
+        num_attention_heads, num_key_value_heads (default: num_attention_heads),
+        head_dim (default: hidden_size // num_attention_heads), vocab_size,
+        max_position_embeddings: sizes.
+        rms_norm_eps: RMSNorm epsilon (default 1e-5).
+        rope_theta: rotary base (default 10000); read from the top level or from
+            ``rope_parameters`` (Hugging Face >= 5 spelling).
+        partial_rotary_factor: fraction of head_dim that is rotated (default 0.5, Hugging
+            Face's GLM-4-MoE default); same two spellings.
+        rotary_dim: ``int(head_dim * partial_rotary_factor)``, even and > 0.
+        rope_is_neox_style: GLM-4-MoE rotates the two halves of the rotary part
+            (``rotate_half``), i.e. neox style: ``True``.
+        attention_bias: q/k/v projections carry a bias (default False; o_proj never does).
+        use_qk_norm: per-head RMSNorm on q and k before rotary (default False).
+        first_k_dense_replace: the first k layers use the dense MLP, the rest MoE (default 1).
+        n_routed_experts, num_experts_per_tok (top-k), n_shared_experts (default 1),
+        routed_scaling_factor (default 1.0), norm_topk_prob (default True),
+        n_group (default 1), topk_group (default 1): the MoE router.
+        hidden_act: only ``"silu"``.
+        num_nextn_predict_layers: MTP layers in the checkpoint, stored at
+            ``model.layers.{num_hidden_layers + k}`` (default 0 when the key is absent).
+        tie_word_embeddings: lm_head shares the embedding (default False).
+        bos_token_id, pad_token_id: int or None. eos_token_ids: tuple of ints (possibly empty).
+        dtype: the checkpoint's declared dtype (``torch_dtype`` / ``dtype``), a torch dtype;
+            float32 when absent.
+        model_path: the folder it was read from, or None.
+
+    Raises (from :meth:`from_dict` / :meth:`from_pretrained` / :meth:`verify_tensor_parallel`):
+        ModelConfigError: naming the unsupported architecture, the missing key, or the
+            impossible value and what was expected.
+    """
+
+    architecture: str
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    vocab_size: int
+    max_position_embeddings: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    partial_rotary_factor: float = 0.5
+    rope_is_neox_style: bool = True
+    attention_bias: bool = False
+    use_qk_norm: bool = False
+    first_k_dense_replace: int = 1
+    n_routed_experts: int = 0
+    num_experts_per_tok: int = 0
+    n_shared_experts: int = 1
+    moe_intermediate_size: int = 0
+    routed_scaling_factor: float = 1.0
+    norm_topk_prob: bool = True
+    n_group: int = 1
+    topk_group: int = 1
+    hidden_act: str = "silu"
+    num_nextn_predict_layers: int = 0
+    tie_word_embeddings: bool = False
+    bos_token_id: Optional[int] = None
+    pad_token_id: Optional[int] = None
+    eos_token_ids: tuple = ()
+    dtype: Any = None
+    model_path: Optional[str] = None
+
+    # ---------------------------------------------------------------- construction
+    @classmethod
+    def from_pretrained(cls, model_path: str) -> "ModelConfig":
+        """Read ``{model_path}/config.json``.
+
+        Raises:
+            FileNotFoundError: no config.json in the folder.
+            ModelConfigError: see the class docstring; also for invalid JSON.
+        """
+        import json
+        import os
+        path = os.path.join(model_path, "config.json")
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"no config.json in {model_path!r}")
+        try:
+            with open(path, "r", encoding="utf-8") as f:
+                raw = json.load(f)
+        except json.JSONDecodeError as exc:
+            raise ModelConfigError(f"{path}: invalid JSON ({exc})") from exc
+        cfg = cls.from_dict(raw)
+        cfg.model_path = model_path
+        return cfg
+
+    @classmethod
+    def from_dict(cls, raw: Dict[str, Any]) -> "ModelConfig":
+        """Build from a parsed ``config.json`` dict (see the class docstring)."""
+        if not isinstance(raw, dict):
+            raise ModelConfigError(f"config must be a JSON object, got {type(raw).__name__}")
+        for key in _REQUIRED_KEYS:
+            if key not in raw or raw[key] is None:
+                raise ModelConfigError(f"config.json is missing required key {key!r}")
+        archs = raw["architectures"]
+        if not isinstance(archs, list) or not archs:
+            raise ModelConfigError(f"config key 'architectures' must be a non-empty list, got {archs!r}")
+        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        if arch is None:
+            raise ModelConfigError(f"unsupported architecture {archs!r}; supported: {list(SUPPORTED_ARCHITECTURES)}")
+
+        # Rope: top-level spelling, or rope_parameters (HF >= 5), or legacy rope_scaling.
+        rope_params = raw.get("rope_parameters") or {}
+        if not isinstance(rope_params, dict):
+            raise ModelConfigError(f"config key 'rope_parameters' must be an object, got {rope_params!r}")
+        rope_scaling = raw.get("rope_scaling") or {}
+        for source, params in (("rope_parameters", rope_params), ("rope_scaling", rope_scaling)):
+            rtype = params.get("rope_type", params.get("type", "default")) if isinstance(params, dict) else None
+            if rtype not in ("default", None):
+                raise ModelConfigError(f"unsupported {source} rope_type {rtype!r}; only 'default' rope is supported")
+        rope_theta = rope_params.get("rope_theta", raw.get("rope_theta", 10000.0))
+        prf = rope_params.get("partial_rotary_factor", raw.get("partial_rotary_factor", 0.5))
+
+        heads = raw["num_attention_heads"]
+        hidden = raw["hidden_size"]
+        kv_heads = raw.get("num_key_value_heads") or heads
+        head_dim = raw.get("head_dim") or (hidden // heads if isinstance(heads, int) and heads > 0 else 0)
+        eos = raw.get("eos_token_id")
+        eos_ids = () if eos is None else (tuple(eos) if isinstance(eos, (list, tuple)) else (eos,))
+        dtype_name = raw.get("torch_dtype", raw.get("dtype")) or "float32"
+
+        cfg = cls(
+            architecture=arch, hidden_size=hidden, intermediate_size=raw["intermediate_size"],
+            num_hidden_layers=raw["num_hidden_layers"], num_attention_heads=heads,
+            num_key_value_heads=kv_heads, head_dim=head_dim, vocab_size=raw["vocab_size"],
+            max_position_embeddings=raw["max_position_embeddings"],
+            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-5)), rope_theta=float(rope_theta),
+            partial_rotary_factor=float(prf), attention_bias=bool(raw.get("attention_bias", False)),
+            use_qk_norm=bool(raw.get("use_qk_norm", False)),
+            first_k_dense_replace=raw.get("first_k_dense_replace", 1),
+            n_routed_experts=raw["n_routed_experts"], num_experts_per_tok=raw["num_experts_per_tok"],
+            n_shared_experts=raw.get("n_shared_experts", 1) or 0,
+            moe_intermediate_size=raw["moe_intermediate_size"],
+            routed_scaling_factor=float(raw.get("routed_scaling_factor", 1.0)),
+            norm_topk_prob=bool(raw.get("norm_topk_prob", True)),
+            n_group=raw.get("n_group", 1) or 1, topk_group=raw.get("topk_group", 1) or 1,
+            hidden_act=raw.get("hidden_act", "silu"),
+            num_nextn_predict_layers=raw.get("num_nextn_predict_layers", raw.get("num_mtp_layers", 0)) or 0,
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            bos_token_id=raw.get("bos_token_id"), pad_token_id=raw.get("pad_token_id"),
+            eos_token_ids=eos_ids, dtype=_dtype_from_name(dtype_name),
+        )
+        cfg.validate()
+        return cfg
+
+    # ---------------------------------------------------------------- derived
+    @property
+    def rotary_dim(self) -> int:
+        """Rotated channels per head: ``int(head_dim * partial_rotary_factor)``."""
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def num_mtp_layers(self) -> int:
+        """Alias of ``num_nextn_predict_layers``."""
+        return self.num_nextn_predict_layers
+
+    def is_moe_layer(self, layer_idx: int) -> bool:
+        """Whether decoder layer ``layer_idx`` (MTP blocks: ``num_hidden_layers + k``) is MoE."""
+        return self.n_routed_experts > 0 and layer_idx >= self.first_k_dense_replace
+
+    # ---------------------------------------------------------------- checks
+    def validate(self) -> None:
+        """Check values that make no sense at any tp. Raises ModelConfigError naming the field."""
+        positive = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                    "num_key_value_heads", "head_dim", "vocab_size", "max_position_embeddings",
+                    "n_routed_experts", "num_experts_per_tok", "moe_intermediate_size", "n_group",
+                    "topk_group")
+        for name in positive:
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+                raise ModelConfigError(f"config value {name}={v!r} is impossible; expected a positive int")
+        for name in ("first_k_dense_replace", "n_shared_experts", "num_nextn_predict_layers"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                raise ModelConfigError(f"config value {name}={v!r} is impossible; expected an int >= 0")
+        if self.hidden_act != "silu":
+            raise ModelConfigError(f"unsupported hidden_act {self.hidden_act!r}; expected 'silu'")
+        if not self.rms_norm_eps > 0:
+            raise ModelConfigError(f"config value rms_norm_eps={self.rms_norm_eps!r} is impossible; expected > 0")
+        if not self.rope_theta > 0:
+            raise ModelConfigError(f"config value rope_theta={self.rope_theta!r} is impossible; expected > 0")
+        if not 0 < self.partial_rotary_factor <= 1:
+            raise ModelConfigError(f"config value partial_rotary_factor={self.partial_rotary_factor!r} is "
+                                   "impossible; expected 0 < factor <= 1")
+        if self.rotary_dim <= 0 or self.rotary_dim % 2:
+            raise ModelConfigError(f"rotary dim int(head_dim * partial_rotary_factor) = {self.rotary_dim} "
+                                   f"(head_dim={self.head_dim}) must be even and > 0")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ModelConfigError(f"num_attention_heads={self.num_attention_heads} is not divisible by "
+                                   f"num_key_value_heads={self.num_key_value_heads}")
+        if self.num_experts_per_tok > self.n_routed_experts:
+            raise ModelConfigError(f"num_experts_per_tok={self.num_experts_per_tok} exceeds "
+                                   f"n_routed_experts={self.n_routed_experts}")
+        if self.n_routed_experts % self.n_group:
+            raise ModelConfigError(f"n_routed_experts={self.n_routed_experts} is not divisible by "
+                                   f"n_group={self.n_group}")
+        per_group = self.n_routed_experts // self.n_group
+        if self.n_group > 1 and per_group < 2:
+            raise ModelConfigError(f"n_routed_experts / n_group = {per_group} experts per group; grouped top-k "
+                                   "scores each group by its top-2 experts, so it needs >= 2")
+        if self.topk_group > self.n_group:
+            raise ModelConfigError(f"topk_group={self.topk_group} exceeds n_group={self.n_group}")
+        if self.num_experts_per_tok > self.topk_group * per_group:
+            raise ModelConfigError(f"num_experts_per_tok={self.num_experts_per_tok} exceeds the experts in the "
+                                   f"chosen groups (topk_group * experts per group = {self.topk_group * per_group})")
+        if self.routed_scaling_factor <= 0:
+            raise ModelConfigError(f"config value routed_scaling_factor={self.routed_scaling_factor!r} is "
+                                   "impossible; expected > 0")
+
+    def verify_tensor_parallel(self, tp: int) -> None:
+        """Check the model can be split over ``tp`` ranks.
+
+        Attention heads must divide evenly; kv heads either divide evenly (``kv % tp == 0``) or
+        are replicated (``tp % kv == 0``, each rank keeps one kv head); the dense and expert
+        intermediate sizes must divide evenly.
+
+        Raises:
+            ModelConfigError: naming the value that cannot be split.
+        """
+        if not isinstance(tp, int) or tp < 1:
+            raise ModelConfigError(f"tensor_parallel_size must be an int >= 1, got {tp!r}")
+        if self.num_attention_heads % tp:
+            raise ModelConfigError(f"num_attention_heads={self.num_attention_heads} is not divisible by "
+                                   f"tensor_parallel_size={tp}")
+        kv = self.num_key_value_heads
+        if kv % tp and tp % kv:
+            raise ModelConfigError(f"num_key_value_heads={kv} cannot be split over tensor_parallel_size={tp}: "
+                                   "need kv % tp == 0 (sharded) or tp % kv == 0 (replicated)")
+        if self.intermediate_size % tp:
+            raise ModelConfigError(f"intermediate_size={self.intermediate_size} is not divisible by "
+                                   f"tensor_parallel_size={tp}")
+        if self.moe_intermediate_size % tp:
+            raise ModelConfigError(f"moe_intermediate_size={self.moe_intermediate_size} is not divisible by "
+                                   f"tensor_parallel_size={tp}")
