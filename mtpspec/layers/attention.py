@@ -1,0 +1,279 @@
+"""Paged causal attention over a flattened varlen batch, and the forward context that drives it.
+
+One :class:`AttentionMetadata` layout covers prefill, decode and (1 + k)-token verification:
+sequence ``i`` contributes ``q_len_i`` new tokens (rows ``query_start_loc[i]:query_start_loc[i+1]``
+of the flattened batch) and has ``seq_len_i`` tokens in total after them, so its new tokens sit
+at absolute positions ``seq_len_i - q_len_i .. seq_len_i - 1``. Rows past ``query_start_loc[-1]``
+(CUDA-graph padding) are never written to the cache and never read by real rows.
+
+The engine sets the metadata around a model forward with :func:`set_forward_context`; every
+:class:`Attention` layer reads it through :func:`get_forward_context`. KV caches are plain
+tensors ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` assigned to ``layer.kv_cache``
+(:func:`collect_attention_layers` lists a model's layers in forward order,
+:func:`allocate_kv_caches` is a simple allocator for tests and drivers).
+
+Attention itself: Vaswani et al. 2017, "Attention Is All You Need", eq. 1, with grouped kv heads
+(Ainslie et al. 2023, "GQA"): query head ``h`` uses kv head ``h // (num_heads / num_kv_heads)``.
+This file has the CPU / reference path (torch SDPA per sequence); a GPU kernel may replace it
+behind the same contract.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Iterator, List, Optional, Sequence, Union
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass
+class AttentionMetadata:
+    """Where each new token of a flattened varlen batch belongs.
+
+    Attributes (tensors on the model's device):
+        query_start_loc: ``[num_seqs + 1]`` int32, cumulative query lengths;
+            ``query_start_loc[-1]`` is the number of real tokens.
+        seq_lens: ``[num_seqs]`` int32, tokens of each sequence after this step's new tokens.
+        slot_mapping: ``[num_tokens]`` int64, KV slot ``block_id * block_size + offset`` of each
+            row; ``-1`` marks a padding row (its K/V are not written).
+        block_tables: ``[num_seqs, max_blocks_per_seq]`` int32 block ids (entries past a
+            sequence's blocks: any value, e.g. -1), or ``None`` when no KV cache is used.
+
+    Host-side copies (no device sync needed to read them):
+        num_seqs, max_query_len, max_seq_len: ints.
+        query_lens, seq_lens_list: python lists of ints, one per sequence.
+    """
+
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    slot_mapping: torch.Tensor
+    block_tables: Optional[torch.Tensor]
+    num_seqs: int
+    max_query_len: int
+    max_seq_len: int
+    query_lens: List[int] = field(default_factory=list)
+    seq_lens_list: List[int] = field(default_factory=list)
+
+    @property
+    def num_actual_tokens(self) -> int:
+        """Real (non-padding) rows of the flattened batch."""
+        return int(sum(self.query_lens))
+
+
+@dataclass
+class ForwardContext:
+    """What the layers of one model forward read. ``attn_metadata=None``: no varlen layout; the
+    whole flattened batch is one sequence starting at position 0, with no KV cache."""
+
+    attn_metadata: Optional[AttentionMetadata] = None
+
+
+_FORWARD_CONTEXT: Optional[ForwardContext] = None
+
+
+@contextlib.contextmanager
+def set_forward_context(attn_metadata: Optional[AttentionMetadata]) -> Iterator[ForwardContext]:
+    """Make ``attn_metadata`` visible to every :class:`Attention` layer inside the ``with`` block
+    (nested blocks restore the outer context on exit)."""
+    global _FORWARD_CONTEXT
+    prev = _FORWARD_CONTEXT
+    _FORWARD_CONTEXT = ForwardContext(attn_metadata)
+    try:
+        yield _FORWARD_CONTEXT
+    finally:
+        _FORWARD_CONTEXT = prev
+
+
+def get_forward_context() -> ForwardContext:
+    """The current :class:`ForwardContext`; an empty one (``attn_metadata=None``) outside any
+    :func:`set_forward_context` block."""
+    return _FORWARD_CONTEXT if _FORWARD_CONTEXT is not None else ForwardContext(None)
+
+
+def build_attention_metadata(query_lens: Sequence[int], seq_lens: Sequence[int],
+                             block_tables: Optional[Union[Sequence[Sequence[int]], torch.Tensor]] = None,
+                             block_size: int = 16, device: Union[str, torch.device] = "cpu",
+                             num_tokens: Optional[int] = None) -> AttentionMetadata:
+    """Build :class:`AttentionMetadata` from per-sequence lengths and block tables.
+
+    Args:
+        query_lens: new tokens per sequence (each >= 1).
+        seq_lens: total tokens per sequence after the new ones (``seq_len >= query_len``).
+        block_tables: per sequence, its KV block ids in order (lists may differ in length; padded
+            with -1), or ``None`` for no KV cache (every slot is -1).
+        block_size: tokens per KV block.
+        device: where the tensors go.
+        num_tokens: rows of the flattened batch; rows past ``sum(query_lens)`` are padding
+            (slot -1). Default ``sum(query_lens)``.
+
+    Raises:
+        ValueError: mismatched lengths, ``seq_len < query_len``, a sequence with more tokens than
+            its blocks hold, or ``num_tokens < sum(query_lens)``.
+    """
+    q = [int(x) for x in query_lens]
+    s = [int(x) for x in seq_lens]
+    if len(q) != len(s) or not q:
+        raise ValueError(f"need one query_len and one seq_len per sequence, got {len(q)} and {len(s)}")
+    for i, (a, b) in enumerate(zip(q, s)):
+        if a < 1 or b < a:
+            raise ValueError(f"sequence {i}: need 1 <= query_len <= seq_len, got query_len={a}, seq_len={b}")
+    total = sum(q)
+    num_tokens = total if num_tokens is None else int(num_tokens)
+    if num_tokens < total:
+        raise ValueError(f"num_tokens={num_tokens} is smaller than the {total} real tokens")
+    slots = [-1] * num_tokens
+    bt_tensor = None
+    if block_tables is not None:
+        rows = block_tables.tolist() if isinstance(block_tables, torch.Tensor) else [list(r) for r in block_tables]
+        if len(rows) != len(q):
+            raise ValueError(f"need one block table per sequence: {len(rows)} tables for {len(q)} sequences")
+        width = max(1, max(len(r) for r in rows))
+        row = 0
+        for i, (a, b) in enumerate(zip(q, s)):
+            blocks = [x for x in rows[i]]
+            if (b + block_size - 1) // block_size > len(blocks):
+                raise ValueError(f"sequence {i}: {b} tokens need {(b + block_size - 1) // block_size} blocks "
+                                 f"of {block_size}, its table has {len(blocks)}")
+            for pos in range(b - a, b):
+                slots[row] = int(blocks[pos // block_size]) * block_size + pos % block_size
+                row += 1
+        bt_tensor = torch.tensor([r + [-1] * (width - len(r)) for r in rows], dtype=torch.int32, device=device)
+    qsl = [0]
+    for a in q:
+        qsl.append(qsl[-1] + a)
+    return AttentionMetadata(
+        query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=device),
+        seq_lens=torch.tensor(s, dtype=torch.int32, device=device),
+        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+        block_tables=bt_tensor, num_seqs=len(q), max_query_len=max(q), max_seq_len=max(s),
+        query_lens=q, seq_lens_list=s)
+
+
+class Attention(nn.Module):
+    """Causal attention of this rank's heads, with an optional paged KV cache.
+
+    Args:
+        num_heads: query heads on this rank.
+        head_dim: channels per head.
+        scale: softmax scale (usually ``head_dim ** -0.5``).
+        num_kv_heads: kv heads on this rank (``num_heads`` must be a multiple).
+
+    Attributes:
+        kv_cache: ``None`` or a tensor ``[2, num_blocks, block_size, num_kv_heads, head_dim]``
+            (index 0 keys, 1 values), assigned by the engine.
+
+    Raises:
+        ValueError: num_heads not a multiple of num_kv_heads.
+    """
+
+    def __init__(self, num_heads: int, head_dim: int, scale: float, num_kv_heads: Optional[int] = None) -> None:
+        super().__init__()
+        num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+        if num_kv_heads < 1 or num_heads % num_kv_heads:
+            raise ValueError(f"num_heads={num_heads} must be a positive multiple of num_kv_heads={num_kv_heads}")
+        self.num_heads = num_heads
+        self.head_dim = head_dim
+        self.scale = float(scale)
+        self.num_kv_heads = num_kv_heads
+        self.kv_cache: Optional[torch.Tensor] = None
+
+    def _check_cache(self) -> torch.Tensor:
+        c = self.kv_cache
+        assert c is not None
+        if c.dim() != 5 or c.shape[0] != 2 or c.shape[3] != self.num_kv_heads or c.shape[4] != self.head_dim:
+            raise ValueError(f"kv_cache must be [2, num_blocks, block_size, {self.num_kv_heads}, {self.head_dim}], "
+                             f"got {tuple(c.shape)}")
+        return c
+
+    def _sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+              mask: Optional[torch.Tensor]) -> torch.Tensor:
+        # q: [L, nh, hd]; k, v: [S, nkv, hd] -> [L, nh * hd]
+        rep = self.num_heads // self.num_kv_heads
+        if rep > 1:
+            k = k.repeat_interleave(rep, dim=1)
+            v = v.repeat_interleave(rep, dim=1)
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask,
+            is_causal=mask is None, scale=self.scale)
+        return out.transpose(0, 1).reshape(q.shape[0], self.num_heads * self.head_dim)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Attend.
+
+        Args:
+            q: ``[num_tokens, num_heads * head_dim]`` (rotary already applied).
+            k, v: ``[num_tokens, num_kv_heads * head_dim]``.
+
+        Returns:
+            ``[num_tokens, num_heads * head_dim]`` in q's dtype. Padding rows (past
+            ``query_start_loc[-1]``) are zeros.
+
+        With a cache, the K/V of rows whose slot is >= 0 are written first, then query ``j`` of
+        sequence ``i`` attends to cache positions ``0 .. seq_len_i - q_len_i + j``. Without a
+        cache, each sequence attends causally within its own new tokens.
+        """
+        t = q.shape[0]
+        qh = q.view(t, self.num_heads, self.head_dim)
+        kh = k.view(t, self.num_kv_heads, self.head_dim)
+        vh = v.view(t, self.num_kv_heads, self.head_dim)
+        meta = get_forward_context().attn_metadata
+        if meta is None:
+            return self._sdpa(qh, kh, vh, None) if t else q.new_zeros(0, self.num_heads * self.head_dim)
+        q_lens = meta.query_lens or (meta.query_start_loc[1:] - meta.query_start_loc[:-1]).tolist()
+        s_lens = meta.seq_lens_list or meta.seq_lens.tolist()
+        n_real = sum(q_lens)
+        if n_real > t:
+            raise ValueError(f"attention metadata covers {n_real} tokens but the batch has {t} rows")
+        out = q.new_zeros(t, self.num_heads * self.head_dim)
+        if self.kv_cache is None:
+            start = 0
+            for ql in q_lens:
+                out[start:start + ql] = self._sdpa(qh[start:start + ql], kh[start:start + ql], vh[start:start + ql],
+                                                   None)
+                start += ql
+            return out
+        cache = self._check_cache()
+        if meta.block_tables is None:
+            raise ValueError("a KV cache is attached but the attention metadata has no block_tables")
+        block_size = cache.shape[2]
+        k_flat = cache[0].view(-1, self.num_kv_heads, self.head_dim)
+        v_flat = cache[1].view(-1, self.num_kv_heads, self.head_dim)
+        slots = meta.slot_mapping[:n_real]
+        valid = slots >= 0
+        idx = slots[valid]
+        k_flat.index_copy_(0, idx, kh[:n_real][valid].to(cache.dtype))
+        v_flat.index_copy_(0, idx, vh[:n_real][valid].to(cache.dtype))
+        start = 0
+        for i, (ql, sl) in enumerate(zip(q_lens, s_lens)):
+            pos = torch.arange(sl, device=q.device)
+            key_slots = meta.block_tables[i].long()[pos // block_size] * block_size + pos % block_size
+            keys = k_flat.index_select(0, key_slots).to(q.dtype)
+            vals = v_flat.index_select(0, key_slots).to(q.dtype)
+            q_pos = torch.arange(sl - ql, sl, device=q.device)
+            mask = pos[None, :] <= q_pos[:, None]  # [ql, sl] True = may attend
+            out[start:start + ql] = self._sdpa(qh[start:start + ql], keys, vals, mask)
+            start += ql
+        return out
+
+    def extra_repr(self) -> str:
+        return f"num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}"
+
+
+def collect_attention_layers(model: nn.Module) -> List[Attention]:
+    """Every :class:`Attention` inside ``model``, in registration (= forward) order."""
+    return [m for m in model.modules() if isinstance(m, Attention)]
+
+
+def allocate_kv_caches(model: nn.Module, num_blocks: int, block_size: int, dtype: torch.dtype,
+                       device: Union[str, torch.device] = "cpu") -> List[torch.Tensor]:
+    """Give every attention layer of ``model`` its own zeroed cache
+    ``[2, num_blocks, block_size, num_kv_heads, head_dim]``; returns them in layer order."""
+    caches = []
+    for layer in collect_attention_layers(model):
+        layer.kv_cache = torch.zeros(2, num_blocks, block_size, layer.num_kv_heads, layer.head_dim,
+                                     dtype=dtype, device=device)
+        caches.append(layer.kv_cache)
+    return caches

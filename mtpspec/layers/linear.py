@@ -1,0 +1,341 @@
+"""Tensor-parallel linear layers (Megatron-LM's column/row split; vLLM's class names).
+
+Shoeybi et al. 2019, "Megatron-LM", section 3: a column-parallel layer splits the weight's
+output rows across ranks (no communication in forward); a row-parallel layer splits its input
+columns and sums the partial products with an all-reduce. ``weight`` is ``[out, in]`` as in
+``torch.nn.functional.linear``.
+
+Every parameter carries ``weight_loader(param, loaded_weight, loaded_shard_id=None)``, which takes
+the FULL unsharded checkpoint tensor, checks its shape (``ValueError`` naming expected and actual
+shapes) and dtype (``TypeError`` unless floating point), and copies this rank's slice converted to
+the parameter's dtype. Parameters are uninitialised (``torch.empty``) until loaded.
+``forward`` returns a tensor (not vLLM's ``(output, bias)`` tuple).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mtpspec.distributed import (
+    get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size,
+    tensor_model_parallel_all_gather, tensor_model_parallel_all_reduce)
+from mtpspec.layers.weight_utils import check_full_tensor, copy_into, default_weight_loader
+
+
+def _positive_int(cls: str, name: str, v: Any) -> int:
+    if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+        raise ValueError(f"{cls}: {name} must be an int >= 1, got {v!r}")
+    return v
+
+
+def _divide(cls: str, name: str, size: int, tp: int) -> int:
+    if size % tp:
+        raise ValueError(f"{cls}: {name}={size} is not divisible by the tensor-parallel size {tp}")
+    return size // tp
+
+
+class LinearBase(nn.Module):
+    """Common state: sizes, TP rank/size, parameter dtype, input checks.
+
+    Attributes:
+        input_size, output_size: the full (unsharded) sizes.
+        tp_rank, tp_size: this process's place in the TP group at construction.
+        params_dtype: dtype of every parameter.
+    """
+
+    def __init__(self, input_size: int, output_size: int, params_dtype: Optional[torch.dtype] = None):
+        super().__init__()
+        name = type(self).__name__
+        self.input_size = _positive_int(name, "input_size", input_size)
+        self.output_size = _positive_int(name, "output_size", output_size)
+        self.params_dtype = params_dtype or torch.get_default_dtype()
+        self.tp_rank = get_tensor_model_parallel_rank()
+        self.tp_size = get_tensor_model_parallel_world_size()
+
+    def _new_param(self, *shape: int) -> nn.Parameter:
+        p = nn.Parameter(torch.empty(*shape, dtype=self.params_dtype), requires_grad=False)
+        p.weight_loader = self.weight_loader
+        return p
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor,
+                      loaded_shard_id: Optional[Any] = None) -> None:
+        default_weight_loader(param, loaded_weight, loaded_shard_id)
+
+    def _check_input(self, x: torch.Tensor, size: int) -> None:
+        if x.dim() < 1 or x.shape[-1] != size:
+            raise ValueError(f"{type(self).__name__}: expected input [..., {size}], got {list(x.shape)}")
+        if x.dtype != self.weight.dtype:
+            raise TypeError(f"{type(self).__name__}: input dtype {x.dtype} != weight dtype {self.weight.dtype}")
+
+
+class ReplicatedLinear(LinearBase):
+    """``y = x W^T + b`` with the full weight on every rank (no communication).
+
+    Args:
+        input_size, output_size: ``W`` is ``[output_size, input_size]``.
+        bias: add a ``[output_size]`` bias.
+        params_dtype: parameter dtype (default ``torch.get_default_dtype()``).
+
+    ``forward(x)``: ``[..., input_size] -> [..., output_size]`` in ``params_dtype``.
+    """
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False,
+                 params_dtype: Optional[torch.dtype] = None):
+        super().__init__(input_size, output_size, params_dtype)
+        self.weight = self._new_param(output_size, input_size)
+        self.bias = self._new_param(output_size) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self._check_input(x, self.input_size)
+        return F.linear(x, self.weight, self.bias)
+
+
+@dataclass(frozen=True)
+class OutputShard:
+    """One logical output block of a column-parallel weight, as this rank sees it.
+
+    Rows ``[src_start, src_start + size)`` of the block's full ``[full_size, ...]`` checkpoint
+    tensor go to rows ``[dst_start, dst_start + size)`` of this rank's parameter.
+    """
+
+    full_size: int
+    src_start: int
+    size: int
+    dst_start: int
+
+
+class ColumnParallelLinear(LinearBase):
+    """``y = x W^T + b`` with ``W``'s output rows split evenly across ranks.
+
+    Rank ``r`` holds rows ``[r * output_size / tp, (r + 1) * output_size / tp)`` of ``W`` (and of ``b``).
+
+    Args:
+        input_size, output_size: full sizes; ``output_size`` must be divisible by tp.
+        bias: add a bias (sharded like the rows).
+        gather_output: all-gather the output so every rank returns ``[..., output_size]``;
+            otherwise each returns its ``[..., output_size / tp]`` slice.
+        params_dtype: parameter dtype (default ``torch.get_default_dtype()``).
+
+    Raises:
+        ValueError: non-positive sizes or ``output_size % tp != 0``.
+    """
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False, gather_output: bool = False,
+                 params_dtype: Optional[torch.dtype] = None):
+        super().__init__(input_size, output_size, params_dtype)
+        per = _divide(type(self).__name__, "output_size", output_size, self.tp_size)
+        self._init_column({None: OutputShard(output_size, self.tp_rank * per, per, 0)}, per, bias, gather_output)
+
+    def _init_column(self, shards: Dict[Any, OutputShard], per_partition: int, bias: bool,
+                     gather_output: bool) -> None:
+        self.output_shards = shards
+        self.output_size_per_partition = per_partition
+        self.gather_output = gather_output
+        self.weight = self._new_param(per_partition, self.input_size)
+        self.bias = self._new_param(per_partition) if bias else None
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor,
+                      loaded_shard_id: Optional[Any] = None) -> None:
+        """Copy this rank's rows of a full checkpoint tensor into ``param`` (weight or bias).
+
+        Args:
+            loaded_shard_id: ``None`` loads the whole fused tensor ``[output_size, ...]``;
+                subclasses with logical blocks (merged gate/up, q/k/v) also take a block id,
+                with the block's full tensor ``[block_size, ...]``.
+
+        Raises:
+            ValueError: unknown shard id or wrong full shape. TypeError: non-floating tensor.
+        """
+        name = type(self).__name__
+        tail = tuple(param.shape[1:])
+        if loaded_shard_id is None and None not in self.output_shards:
+            full = sum(s.full_size for s in self.output_shards.values())
+            check_full_tensor(f"{name} fused weight", loaded_weight, (full,) + tail)
+            start = 0
+            for sid, sh in self.output_shards.items():
+                self.weight_loader(param, loaded_weight.narrow(0, start, sh.full_size), sid)
+                start += sh.full_size
+            return
+        if loaded_shard_id not in self.output_shards:
+            raise ValueError(f"{name}: unknown loaded_shard_id {loaded_shard_id!r}; "
+                             f"expected one of {list(self.output_shards)}")
+        sh = self.output_shards[loaded_shard_id]
+        what = f"{name} shard {loaded_shard_id!r}" if loaded_shard_id is not None else f"{name} weight"
+        check_full_tensor(what, loaded_weight, (sh.full_size,) + tail)
+        copy_into(param.data.narrow(0, sh.dst_start, sh.size), loaded_weight.narrow(0, sh.src_start, sh.size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``[..., input_size] -> [..., output_size / tp]`` (``[..., output_size]`` if gather_output).
+
+        Raises:
+            ValueError: wrong last dimension. TypeError: ``x.dtype`` differs from the weight's.
+        """
+        self._check_input(x, self.input_size)
+        y = F.linear(x, self.weight, self.bias)
+        return tensor_model_parallel_all_gather(y, dim=-1) if self.gather_output else y
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel outputs fused in one weight (e.g. gate and up projections).
+
+    Each block ``i`` of size ``output_sizes[i]`` is split across ranks separately: rank ``r``'s
+    weight is ``concat_i(block_i rows [r * s_i / tp, (r + 1) * s_i / tp))``, so the local output
+    is ``[gate_r | up_r]``. ``weight_loader(param, block_tensor, i)`` loads block ``i`` from its
+    full ``[output_sizes[i], input_size]`` tensor; ``loaded_shard_id=None`` takes the fused
+    ``[sum(output_sizes), input_size]`` tensor.
+
+    Raises:
+        ValueError: empty ``output_sizes``, a non-positive size, or a size not divisible by tp.
+    """
+
+    def __init__(self, input_size: int, output_sizes: Sequence[int], bias: bool = False,
+                 params_dtype: Optional[torch.dtype] = None):
+        name = type(self).__name__
+        output_sizes = list(output_sizes)
+        if not output_sizes:
+            raise ValueError(f"{name}: output_sizes must not be empty")
+        for s in output_sizes:
+            _positive_int(name, "output_sizes[i]", s)
+        LinearBase.__init__(self, input_size, sum(output_sizes), params_dtype)
+        self.output_sizes: List[int] = output_sizes
+        shards: Dict[Any, OutputShard] = {}
+        dst = 0
+        for i, s in enumerate(output_sizes):
+            per = _divide(name, f"output_sizes[{i}]", s, self.tp_size)
+            shards[i] = OutputShard(s, self.tp_rank * per, per, dst)
+            dst += per
+        self._init_column(shards, dst, bias, gather_output=False)
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """Fused q/k/v projection with grouped-query attention (Ainslie et al. 2023, "GQA").
+
+    Query heads are split evenly across ranks. Key/value heads are split when
+    ``total_num_kv_heads >= tp``; when ``tp > total_num_kv_heads`` they are replicated: each rank
+    holds one kv head, rank ``r`` uses kv head ``r // (tp // total_num_kv_heads)``.
+    The local output is ``[q (q_size) | k (kv_size) | v (kv_size)]``.
+
+    Args:
+        hidden_size: input size.
+        head_size: size of one head.
+        total_num_heads: query heads over all ranks (divisible by tp).
+        total_num_kv_heads: kv heads over all ranks (default ``total_num_heads``); it must divide
+            ``total_num_heads``, and either ``tp % total_num_kv_heads == 0`` or
+            ``total_num_kv_heads % tp == 0``.
+
+    Attributes:
+        num_heads, num_kv_heads: heads per rank; num_kv_head_replicas: ranks sharing a kv head;
+        q_size = num_heads * head_size; kv_size = num_kv_heads * head_size.
+
+    ``weight_loader(param, t, "q"|"k"|"v")`` takes the full ``[total_num_heads * head_size, hidden]``
+    (q) or ``[total_num_kv_heads * head_size, hidden]`` (k, v) tensor; ``None`` takes the fused
+    ``[(total_num_heads + 2 * total_num_kv_heads) * head_size, hidden]`` tensor.
+
+    Raises:
+        ValueError: any of the divisibility rules above is broken.
+    """
+
+    def __init__(self, hidden_size: int, head_size: int, total_num_heads: int,
+                 total_num_kv_heads: Optional[int] = None, bias: bool = False,
+                 params_dtype: Optional[torch.dtype] = None):
+        name = type(self).__name__
+        _positive_int(name, "head_size", head_size)
+        _positive_int(name, "total_num_heads", total_num_heads)
+        total_kv = total_num_heads if total_num_kv_heads is None else total_num_kv_heads
+        _positive_int(name, "total_num_kv_heads", total_kv)
+        LinearBase.__init__(self, hidden_size, (total_num_heads + 2 * total_kv) * head_size, params_dtype)
+        tp, rank = self.tp_size, self.tp_rank
+        if total_num_heads % total_kv:
+            raise ValueError(f"{name}: total_num_heads={total_num_heads} is not a multiple of "
+                             f"total_num_kv_heads={total_kv}")
+        self.hidden_size, self.head_size = hidden_size, head_size
+        self.total_num_heads, self.total_num_kv_heads = total_num_heads, total_kv
+        self.num_heads = _divide(name, "total_num_heads", total_num_heads, tp)
+        if tp >= total_kv:
+            if tp % total_kv:
+                raise ValueError(f"{name}: tensor-parallel size {tp} and total_num_kv_heads={total_kv}: "
+                                 "one must divide the other")
+            self.num_kv_heads, self.num_kv_head_replicas = 1, tp // total_kv
+        else:
+            if total_kv % tp:
+                raise ValueError(f"{name}: total_num_kv_heads={total_kv} is not divisible by the "
+                                 f"tensor-parallel size {tp} (and does not divide it either)")
+            self.num_kv_heads, self.num_kv_head_replicas = total_kv // tp, 1
+        self.q_size = self.num_heads * head_size
+        self.kv_size = self.num_kv_heads * head_size
+        kv_start = (rank // self.num_kv_head_replicas) * self.kv_size
+        shards = {
+            "q": OutputShard(total_num_heads * head_size, rank * self.q_size, self.q_size, 0),
+            "k": OutputShard(total_kv * head_size, kv_start, self.kv_size, self.q_size),
+            "v": OutputShard(total_kv * head_size, kv_start, self.kv_size, self.q_size + self.kv_size),
+        }
+        self._init_column(shards, self.q_size + 2 * self.kv_size, bias, gather_output=False)
+
+
+class RowParallelLinear(LinearBase):
+    """``y = x W^T + b`` with ``W``'s input columns split across ranks and partial sums reduced.
+
+    Rank ``r`` holds columns ``[r * input_size / tp, (r + 1) * input_size / tp)`` of ``W`` and the
+    full bias. The bias is added by rank 0 only, before any reduction, so the sum over ranks
+    contains it exactly once, whether this layer reduces (``reduce_results=True``) or the caller
+    does (``reduce_results=False``, e.g. a fused all-reduce + RMSNorm: ranks return un-reduced
+    partial sums whose sum over ranks is the layer's output).
+
+    Args:
+        input_size, output_size: full sizes; ``input_size`` must be divisible by tp.
+        bias: add a ``[output_size]`` bias (replicated; added on rank 0).
+        input_is_parallel: the input is already this rank's ``[..., input_size / tp]`` slice;
+            if False the input is the full ``[..., input_size]`` and this rank slices it.
+        reduce_results: all-reduce the output; if False return this rank's partial sum.
+        params_dtype: parameter dtype (default ``torch.get_default_dtype()``).
+
+    Raises:
+        ValueError: non-positive sizes or ``input_size % tp != 0``.
+    """
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False, input_is_parallel: bool = True,
+                 reduce_results: bool = True, params_dtype: Optional[torch.dtype] = None):
+        super().__init__(input_size, output_size, params_dtype)
+        self.input_size_per_partition = _divide(type(self).__name__, "input_size", input_size, self.tp_size)
+        self.input_is_parallel = input_is_parallel
+        self.reduce_results = reduce_results
+        self.weight = self._new_param(output_size, self.input_size_per_partition)
+        self.bias = self._new_param(output_size) if bias else None
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor,
+                      loaded_shard_id: Optional[Any] = None) -> None:
+        """Weight: full ``[output_size, input_size]``, keeps this rank's columns. Bias: full ``[output_size]``.
+
+        Raises:
+            ValueError: a shard id was given or the full shape is wrong. TypeError: non-floating tensor.
+        """
+        if param.dim() == 1:
+            default_weight_loader(param, loaded_weight, loaded_shard_id)
+            return
+        if loaded_shard_id is not None:
+            raise ValueError(f"{type(self).__name__}: takes no loaded_shard_id, got {loaded_shard_id!r}")
+        check_full_tensor(f"{type(self).__name__} weight", loaded_weight, (self.output_size, self.input_size))
+        per = self.input_size_per_partition
+        copy_into(param.data, loaded_weight.narrow(1, self.tp_rank * per, per))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``[..., input_size / tp]`` (or ``[..., input_size]`` if not input_is_parallel) -> ``[..., output_size]``.
+
+        Returns the all-reduced output, or this rank's partial sum when ``reduce_results=False``.
+
+        Raises:
+            ValueError: wrong last dimension. TypeError: ``x.dtype`` differs from the weight's.
+        """
+        if self.input_is_parallel:
+            self._check_input(x, self.input_size_per_partition)
+        else:
+            self._check_input(x, self.input_size)
+            per = self.input_size_per_partition
+            x = x.narrow(-1, self.tp_rank * per, per)
+        y = F.linear(x, self.weight, self.bias if self.tp_rank == 0 else None)
+        return tensor_model_parallel_all_reduce(y) if self.reduce_results else y

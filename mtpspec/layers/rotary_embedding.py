@@ -1,0 +1,100 @@
+"""Rotary position embedding (RoPE) on a leading fraction of each head.
+
+RoPE: Su et al. 2021, "RoFormer: Enhanced Transformer with Rotary Position Embedding", eq. 34:
+channel pair ``(a, b)`` at position ``p`` with frequency ``w_i = base ** (-2 i / rotary_dim)``
+becomes ``(a cos(p w_i) - b sin(p w_i), b cos(p w_i) + a sin(p w_i))``.
+
+Only the first ``rotary_dim`` channels of each head rotate (GLM-4.5's ``partial_rotary_factor``
+of 0.5); the rest pass through. Two pairings exist:
+
+* neox style (``is_neox_style=True``, what Hugging Face's GLM-4-MoE does with ``rotate_half``):
+  channel ``i`` pairs with channel ``i + rotary_dim / 2``;
+* interleaved (GPT-J / dense GLM-4 style): channel ``2 i`` pairs with ``2 i + 1``.
+
+Angles are computed in fp32 exactly as Hugging Face does (``position.float() * inv_freq``);
+``cos``/``sin`` are cast to the query dtype before the rotation, as Hugging Face does.
+"""
+
+from __future__ import annotations
+
+from typing import Tuple
+
+import torch
+from torch import nn
+
+
+class RotaryEmbedding(nn.Module):
+    """Applies RoPE to the rotary part of every query and key head.
+
+    Args:
+        head_size: channels per head.
+        rotary_dim: rotated channels per head (even, ``<= head_size``).
+        max_position_embeddings: positions must lie in ``[0, max_position_embeddings)``.
+        base: the RoPE base (``rope_theta``).
+        is_neox_style: pairing, see the module docstring.
+
+    Raises:
+        ValueError: rotary_dim odd, non-positive or larger than head_size.
+    """
+
+    def __init__(self, head_size: int, rotary_dim: int, max_position_embeddings: int, base: float,
+                 is_neox_style: bool = True) -> None:
+        super().__init__()
+        if rotary_dim <= 0 or rotary_dim % 2 or rotary_dim > head_size:
+            raise ValueError(f"rotary_dim must be even and in (0, head_size={head_size}], got {rotary_dim}")
+        self.head_size = head_size
+        self.rotary_dim = rotary_dim
+        self.max_position_embeddings = max_position_embeddings
+        self.base = float(base)
+        self.is_neox_style = is_neox_style
+        inv_freq = 1.0 / (self.base ** (torch.arange(0, rotary_dim, 2, dtype=torch.float) / rotary_dim))
+        t = torch.arange(max_position_embeddings, dtype=torch.float)
+        freqs = t[:, None] * inv_freq[None, :]  # [max_pos, rotary_dim / 2], fp32
+        self.register_buffer("cos_sin_cache", torch.cat([freqs.cos(), freqs.sin()], dim=-1), persistent=False)
+
+    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        # x: [T, heads, head_size]; cos/sin: [T, 1, rotary_dim / 2] in x's dtype.
+        rot, rest = x[..., :self.rotary_dim], x[..., self.rotary_dim:]
+        if self.is_neox_style:
+            half = self.rotary_dim // 2
+            a, b = rot[..., :half], rot[..., half:]
+            out = torch.cat([a * cos - b * sin, b * cos + a * sin], dim=-1)
+        else:
+            a, b = rot[..., 0::2], rot[..., 1::2]
+            out = torch.stack([a * cos - b * sin, b * cos + a * sin], dim=-1).flatten(-2)
+        return torch.cat([out, rest], dim=-1)
+
+    def forward(self, positions: torch.Tensor, query: torch.Tensor,
+                key: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Rotate queries and keys.
+
+        Args:
+            positions: ``[num_tokens]`` int64, each in ``[0, max_position_embeddings)`` (not
+                checked on the device: an index past the cache is an indexing error on CPU).
+            query: ``[num_tokens, num_heads * head_size]``.
+            key: ``[num_tokens, num_kv_heads * head_size]``.
+
+        Returns:
+            ``(query, key)``: new tensors of the input shapes and dtypes.
+        """
+        if positions.dim() != 1 or positions.shape[0] != query.shape[0] or key.shape[0] != query.shape[0]:
+            raise ValueError(f"positions {tuple(positions.shape)}, query {tuple(query.shape)} and key "
+                             f"{tuple(key.shape)} must share the token dimension (positions 1-D)")
+        cs = self.cos_sin_cache.index_select(0, positions.long())
+        half = self.rotary_dim // 2
+        cos = cs[:, None, :half].to(query.dtype)
+        sin = cs[:, None, half:].to(query.dtype)
+        t = query.shape[0]
+        q = self._rotate(query.view(t, -1, self.head_size), cos, sin).reshape(query.shape)
+        k = self._rotate(key.view(t, -1, self.head_size), cos.to(key.dtype), sin.to(key.dtype)).reshape(key.shape)
+        return q, k
+
+    def extra_repr(self) -> str:
+        return (f"head_size={self.head_size}, rotary_dim={self.rotary_dim}, base={self.base}, "
+                f"neox={self.is_neox_style}")
+
+
+def get_rope(head_size: int, rotary_dim: int, max_position: int, base: float,
+             is_neox_style: bool = True) -> RotaryEmbedding:
+    """A :class:`RotaryEmbedding` (vLLM's factory name; only default RoPE is supported)."""
+    return RotaryEmbedding(head_size, rotary_dim, max_position, base, is_neox_style)
