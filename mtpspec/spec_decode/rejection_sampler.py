@@ -1,0 +1,155 @@
+"""Verification of draft tokens against the target model: accepted, recovered and bonus tokens.
+
+Random rows use speculative rejection sampling, which emits tokens distributed exactly as the
+target distribution ``p`` whatever the draft distribution ``q``:
+
+* Leviathan, Kalman and Matias, "Fast Inference from Transformers via Speculative Decoding"
+  (ICML 2023), section 2.3 "Speculative Sampling" and Algorithm 1;
+* Chen et al., "Accelerating Large Language Model Decoding with Speculative Sampling"
+  (2023), section 2, Algorithm 2 "Speculative Sampling (SpS)" and Theorem 1.
+
+For each draft position ``j`` in order: accept draft token ``x`` with probability
+``min(1, p_j(x) / q_j(x))`` (here: ``u * q_j(x) < p_j(x)`` with ``u ~ U[0, 1)``); at the first
+rejection emit a *recovered* token drawn from ``norm(max(0, p_j - q_j))`` and stop; if all ``k``
+drafts are accepted emit a *bonus* token drawn from ``p_k``.
+
+Greedy drafts (the MTP proposer takes the argmax) have a one-hot ``q`` at the draft token:
+acceptance probability ``p(x)`` and the residual is ``p`` with ``x`` removed. Pass
+``draft_probs=None`` for that case.
+
+Greedy rows (temperature 0) accept drafts up to the first one that differs from the target's
+argmax and then emit the target's argmax; when all ``k`` match the target's argmax at position
+``k`` is the bonus token. Every row therefore emits ``num_accepted + 1`` tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from mtpspec.engine.sampler import SamplingMetadata, compute_probs, sample_inverse_cdf
+
+PLACEHOLDER_TOKEN_ID = -1
+
+
+@dataclass
+class RejectionOutput:
+    """Result of one verification.
+
+    Attributes:
+        output_token_ids: ``[B, k + 1]`` int64: slots ``0 .. num_accepted - 1`` hold the accepted
+            drafts, slot ``num_accepted`` the recovered (or bonus) token, later slots
+            :data:`PLACEHOLDER_TOKEN_ID`.
+        num_accepted: ``[B]`` int64 in ``[0, k]``.
+    """
+
+    output_token_ids: torch.Tensor
+    num_accepted: torch.Tensor
+
+
+def _leading_true_count(mask: torch.Tensor) -> torch.Tensor:
+    """``[B, k]`` bool -> ``[B]`` int64: length of the all-True prefix of each row."""
+    return mask.to(torch.int64).cumprod(dim=1).sum(dim=1)
+
+
+def _assemble(drafts: torch.Tensor, final: torch.Tensor, num_accepted: torch.Tensor) -> torch.Tensor:
+    """Slots ``< a``: drafts; slot ``a``: ``final[:, a]``; slots ``> a``: placeholder."""
+    b, k = drafts.shape
+    slots = torch.arange(k + 1, device=drafts.device).unsqueeze(0)
+    a = num_accepted.unsqueeze(1)
+    padded_drafts = torch.cat([drafts, drafts.new_full((b, 1), PLACEHOLDER_TOKEN_ID)], dim=1)
+    out = torch.where(slots < a, padded_drafts, final)
+    return torch.where(slots <= a, out, torch.full_like(out, PLACEHOLDER_TOKEN_ID))
+
+
+def _residual_weights(target_probs: torch.Tensor, draft_token_ids: torch.Tensor,
+                      draft_probs: Optional[torch.Tensor]) -> torch.Tensor:
+    """``max(0, p - q)`` per draft position, ``[B, k, V]`` (unnormalised).
+
+    With ``draft_probs=None`` (one-hot ``q`` at the draft token) this is ``p`` with the draft
+    token's entry set to 0. Rows whose residual is all zero (``p == q``; a rejection is then
+    impossible) fall back to ``p`` so the draw stays well defined.
+    """
+    if draft_probs is None:
+        residual = target_probs.scatter(-1, draft_token_ids.unsqueeze(-1), 0.0)
+    else:
+        residual = (target_probs - draft_probs.float()).clamp_min(0.0)
+    empty = residual.sum(dim=-1, keepdim=True) <= 0
+    return torch.where(empty, target_probs, residual)
+
+
+def greedy_verify(draft_token_ids: torch.Tensor, target_logits: torch.Tensor) -> RejectionOutput:
+    """Greedy verification: accept while ``draft_j == argmax(target_logits_j)``.
+
+    Args:
+        draft_token_ids: ``[B, k]`` int64.
+        target_logits: ``[B, k + 1, V]``; row ``j`` scores the token after draft ``j``'s prefix.
+    """
+    target_argmax = target_logits.argmax(dim=-1)
+    num_accepted = _leading_true_count(draft_token_ids == target_argmax[:, :-1])
+    return RejectionOutput(_assemble(draft_token_ids, target_argmax, num_accepted), num_accepted)
+
+
+def random_verify(draft_token_ids: torch.Tensor, target_logits: torch.Tensor, meta: SamplingMetadata,
+                  accept_uniforms: torch.Tensor, sample_uniforms: torch.Tensor,
+                  draft_probs: Optional[torch.Tensor] = None) -> RejectionOutput:
+    """Speculative rejection sampling (see the module docstring for the sources).
+
+    Args:
+        draft_token_ids: ``[B, k]`` int64, drawn from ``draft_probs`` (or greedy when ``None``).
+        target_logits: ``[B, k + 1, V]``.
+        meta: ``B`` rows of sampling parameters (temperature > 0 expected; see
+            :func:`~mtpspec.engine.sampler.compute_probs`).
+        accept_uniforms: ``[B, k]`` in ``[0, 1)``.
+        sample_uniforms: ``[B, k + 1]`` in ``[0, 1)``: recovered-token draws at slots ``< k``,
+            the bonus draw at slot ``k``.
+        draft_probs: ``[B, k, V]`` draft distributions, or ``None`` for one-hot (greedy) drafts.
+    """
+    b, k1, vocab = target_logits.shape
+    k = k1 - 1
+    probs = compute_probs(target_logits.reshape(b * k1, vocab), meta.repeat_interleave(k1)).view(b, k1, vocab)
+    p_draft = probs[:, :k].gather(-1, draft_token_ids.unsqueeze(-1)).squeeze(-1)
+    if draft_probs is None:
+        q_draft = torch.ones_like(p_draft)
+    else:
+        q_draft = draft_probs.float().gather(-1, draft_token_ids.unsqueeze(-1)).squeeze(-1)
+    accepted = accept_uniforms.double() * q_draft.double() < p_draft.double()
+    num_accepted = _leading_true_count(accepted)
+    weights = torch.cat([_residual_weights(probs[:, :k], draft_token_ids, draft_probs), probs[:, k:]], dim=1)
+    final = sample_inverse_cdf(weights.reshape(b * k1, vocab), sample_uniforms.reshape(b * k1)).view(b, k1)
+    return RejectionOutput(_assemble(draft_token_ids, final, num_accepted), num_accepted)
+
+
+class RejectionSampler(torch.nn.Module):
+    """Verifies ``k`` draft tokens per sequence against the target's ``k + 1`` logits rows."""
+
+    def forward(self, draft_token_ids: torch.Tensor, target_logits: torch.Tensor, meta: SamplingMetadata,
+                accept_uniforms: Optional[torch.Tensor] = None, sample_uniforms: Optional[torch.Tensor] = None,
+                draft_probs: Optional[torch.Tensor] = None) -> RejectionOutput:
+        """Greedy rows via :func:`greedy_verify`, random rows via :func:`random_verify`.
+
+        Shapes as in :func:`random_verify`. The uniforms may be ``None`` only when every row is
+        greedy. Raises ``ValueError`` on inconsistent shapes.
+        """
+        if draft_token_ids.dim() != 2 or target_logits.dim() != 3:
+            raise ValueError(f"need draft_token_ids [B, k] and target_logits [B, k + 1, V], got "
+                             f"{tuple(draft_token_ids.shape)} and {tuple(target_logits.shape)}")
+        b, k = draft_token_ids.shape
+        if target_logits.shape[:2] != (b, k + 1):
+            raise ValueError(f"target_logits must be [B={b}, k + 1={k + 1}, V], got {tuple(target_logits.shape)}")
+        if meta.all_greedy:
+            return greedy_verify(draft_token_ids, target_logits)
+        if accept_uniforms is None or sample_uniforms is None:
+            raise ValueError("random rows need accept_uniforms [B, k] and sample_uniforms [B, k + 1]")
+        if accept_uniforms.shape != (b, k) or sample_uniforms.shape != (b, k + 1):
+            raise ValueError(f"uniforms must be [B, k]={[b, k]} and [B, k + 1]={[b, k + 1]}, got "
+                             f"{list(accept_uniforms.shape)} and {list(sample_uniforms.shape)}")
+        rand = random_verify(draft_token_ids, target_logits, meta, accept_uniforms, sample_uniforms, draft_probs)
+        if meta.all_random:
+            return rand
+        greedy = greedy_verify(draft_token_ids, target_logits)
+        g = meta.is_greedy
+        return RejectionOutput(torch.where(g.unsqueeze(1), greedy.output_token_ids, rand.output_token_ids),
+                               torch.where(g, greedy.num_accepted, rand.num_accepted))
