@@ -1,5 +1,15 @@
 """Fused kernels (Triton) and their torch references."""
 
-from mtpspec.ops.rms_norm import fused_add_rms_norm_ref, rms_norm_ref
+from mtpspec.ops.eh_norm import fused_eh_norm, fused_eh_norm_ref
+from mtpspec.ops.rms_norm import fused_add_rms_norm, fused_add_rms_norm_ref, rms_norm, rms_norm_ref
+from mtpspec.ops.triton_utils import use_triton
 
-__all__ = ["fused_add_rms_norm_ref", "rms_norm_ref"]
+__all__ = [
+    "fused_add_rms_norm",
+    "fused_add_rms_norm_ref",
+    "fused_eh_norm",
+    "fused_eh_norm_ref",
+    "rms_norm",
+    "rms_norm_ref",
+    "use_triton",
+]

@@ -1,15 +1,26 @@
-"""RMSNorm and fused residual-add + RMSNorm: torch references.
+"""RMSNorm and fused residual-add + RMSNorm: Triton kernel and torch references.
 
-RMSNorm (Zhang & Sennrich 2019, eq. 4): ``y = x / sqrt(mean(x**2) + eps) * weight``,
-computed in fp32 and cast back to ``x.dtype``.
+RMSNorm (Zhang & Sennrich 2019, "Root Mean Square Layer Normalization", eq. 4):
+``y = x / sqrt(mean(x**2) + eps) * weight``, statistics in fp32, result cast to ``x.dtype``.
+
+Residual convention (docs/structures.md): ``fused_add_rms_norm(x, residual, w, eps)`` returns
+``(rms_norm(s), s)`` with ``s = round_to_dtype(x + residual)``: the sum is formed in fp32 and
+rounded once to ``x.dtype``, and the norm is taken of that rounded sum (vLLM's kernel and
+Hugging Face models keep the residual stream in the model dtype).
+
+Kernel layout: one program normalises ``BLOCK_M`` rows (several when rows are short). A row
+of up to ``triton_utils.MAX_FUSED_HIDDEN`` elements stays in registers, so memory is touched
+once: read ``x``, ``residual``, ``weight``; write ``out``, ``residual_out``. Longer rows take
+two passes over column blocks (the second reads back ``residual_out``, or ``x``).
 """
-
-from __future__ import annotations
 
 from typing import Optional, Tuple
 
 import torch
 
+from mtpspec.ops.triton_utils import (HAS_TRITON, LazyKernel, as_rows, check_device, check_eps,
+                                      check_float_dtype, check_weight, interpreting, row_launch,
+                                      tl, use_triton)
 
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Reference RMSNorm. ``x``: ``[num_tokens, hidden_size]``; returns ``x``'s shape and dtype."""
@@ -31,3 +42,179 @@ def fused_add_rms_norm_ref(x: torch.Tensor, residual: Optional[torch.Tensor], we
         return rms_norm_ref(x, weight, eps), x
     s = (x.float() + residual.float()).to(x.dtype)
     return rms_norm_ref(s, weight, eps), s
+
+
+if HAS_TRITON:
+    def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, n_rows, n_cols,
+                         stride_x, stride_res, stride_out, eps,
+                         HAS_RESIDUAL: tl.constexpr, ONE_PASS: tl.constexpr, BLOCK_M: tl.constexpr,
+                         BLOCK_N: tl.constexpr, BF16_BY_BITS: tl.constexpr):
+        # out and res_out are fresh contiguous [n_rows, n_cols] tensors sharing stride_out.
+        # BF16_BY_BITS: round fp32 -> bf16 to nearest-even with integer ops (Triton's interpreter
+        # truncates in .to(tl.bfloat16)); compiled kernels use the native conversion.
+        rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        row_mask = rows < n_rows
+        rows = rows.to(tl.int64)
+        cols = tl.arange(0, BLOCK_N)
+        if ONE_PASS:
+            col_mask = cols < n_cols
+            mask = row_mask[:, None] & col_mask[None, :]
+            s = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=mask,
+                        other=0.0).to(tl.float32)
+            if HAS_RESIDUAL:
+                s += tl.load(res_ptr + rows[:, None] * stride_res + cols[None, :], mask=mask,
+                             other=0.0).to(tl.float32)
+                if BF16_BY_BITS:
+                    b = s.to(tl.uint32, bitcast=True)
+                    b = b + 0x7FFF + ((b >> 16) & 1)
+                    s_low = (b >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+                else:
+                    s_low = s.to(res_out_ptr.dtype.element_ty)
+                tl.store(res_out_ptr + rows[:, None] * stride_out + cols[None, :], s_low, mask=mask)
+                s = s_low.to(tl.float32)
+            rstd = tl.rsqrt(tl.sum(s * s, axis=1) / n_cols + eps)
+            w = tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+            y = s * rstd[:, None] * w[None, :]
+            if BF16_BY_BITS:
+                b = y.to(tl.uint32, bitcast=True)
+                b = b + 0x7FFF + ((b >> 16) & 1)
+                y_low = (b >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+            else:
+                y_low = y.to(out_ptr.dtype.element_ty)
+            tl.store(out_ptr + rows[:, None] * stride_out + cols[None, :], y_low, mask=mask)
+        else:
+            # Pass 1: sum of squares of the (rounded) sum; write residual_out.
+            acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            for start in range(0, n_cols, BLOCK_N):
+                c = start + cols
+                mask = row_mask[:, None] & (c < n_cols)[None, :]
+                s = tl.load(x_ptr + rows[:, None] * stride_x + c[None, :], mask=mask,
+                            other=0.0).to(tl.float32)
+                if HAS_RESIDUAL:
+                    s += tl.load(res_ptr + rows[:, None] * stride_res + c[None, :], mask=mask,
+                                 other=0.0).to(tl.float32)
+                    if BF16_BY_BITS:
+                        b = s.to(tl.uint32, bitcast=True)
+                        b = b + 0x7FFF + ((b >> 16) & 1)
+                        s_low = (b >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+                    else:
+                        s_low = s.to(res_out_ptr.dtype.element_ty)
+                    tl.store(res_out_ptr + rows[:, None] * stride_out + c[None, :], s_low,
+                             mask=mask)
+                    s = s_low.to(tl.float32)
+                acc += s * s
+            rstd = tl.rsqrt(tl.sum(acc, axis=1) / n_cols + eps)
+            # Pass 2: read the rounded sum back (this block's own writes: barrier first).
+            tl.debug_barrier()
+            for start in range(0, n_cols, BLOCK_N):
+                c = start + cols
+                col_mask = c < n_cols
+                mask = row_mask[:, None] & col_mask[None, :]
+                if HAS_RESIDUAL:
+                    s = tl.load(res_out_ptr + rows[:, None] * stride_out + c[None, :], mask=mask,
+                                other=0.0).to(tl.float32)
+                else:
+                    s = tl.load(x_ptr + rows[:, None] * stride_x + c[None, :], mask=mask,
+                                other=0.0).to(tl.float32)
+                w = tl.load(w_ptr + c, mask=col_mask, other=0.0).to(tl.float32)
+                y = s * rstd[:, None] * w[None, :]
+                if BF16_BY_BITS:
+                    b = y.to(tl.uint32, bitcast=True)
+                    b = b + 0x7FFF + ((b >> 16) & 1)
+                    y_low = (b >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+                else:
+                    y_low = y.to(out_ptr.dtype.element_ty)
+                tl.store(out_ptr + rows[:, None] * stride_out + c[None, :], y_low, mask=mask)
+
+    _kernel = LazyKernel(_rms_norm_kernel)
+
+
+def _check(x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Tensor,
+           eps: float) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """Validate the inputs; return ``x`` and ``residual`` as ``[num_tokens, hidden_size]`` views."""
+    x2 = as_rows(x, "x")
+    check_float_dtype(x, "x")
+    check_weight(weight, "weight", x2.shape[1], x, "x")
+    check_eps(eps, positive=False)
+    if residual is None:
+        return x2, None
+    if not isinstance(residual, torch.Tensor):
+        raise TypeError(f"residual must be a torch.Tensor or None, got {type(residual).__name__}")
+    if residual.shape != x.shape:
+        raise ValueError(f"residual must have x's shape {list(x.shape)}, "
+                         f"got {list(residual.shape)}")
+    if residual.dtype != x.dtype:
+        raise TypeError(f"residual dtype {residual.dtype} differs from x dtype {x.dtype}; "
+                        "the residual stream must be in the activation dtype")
+    check_device(residual, "residual", x, "x")
+    return x2, as_rows(residual, "residual")
+
+
+def _launch(x2: torch.Tensor, r2: Optional[torch.Tensor], weight: torch.Tensor,
+            eps: float) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """Run the kernel on ``[num_tokens, hidden_size]`` views; returns fresh contiguous tensors."""
+    n_rows, n_cols = x2.shape
+    out = torch.empty((n_rows, n_cols), dtype=x2.dtype, device=x2.device)
+    r_out = torch.empty_like(out) if r2 is not None else None
+    if n_rows == 0:
+        return out, r_out
+    cfg = row_launch(n_rows, n_cols, x2.element_size())
+    # Without a residual, x stands in for the residual pointers, which are then never used.
+    _kernel[(cfg.grid_rows,)](
+        x2, r2 if r2 is not None else x2, weight, out, r_out if r_out is not None else out,
+        n_rows, n_cols, x2.stride(0), r2.stride(0) if r2 is not None else 0, n_cols, float(eps),
+        HAS_RESIDUAL=r2 is not None, ONE_PASS=cfg.one_pass, BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n, BF16_BY_BITS=interpreting() and x2.dtype == torch.bfloat16,
+        num_warps=cfg.num_warps)
+    return out, r_out
+
+
+def fused_add_rms_norm(x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Tensor,
+                       eps: float) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``(rms_norm(s), s)`` with ``s = round_to_dtype(x + residual)`` (sum in fp32, rounded once).
+
+    Args:
+        x: ``[num_tokens, hidden_size]`` (or ``[..., hidden_size]`` whose leading dims flatten
+            without a copy), fp16/bf16/fp32; rows may be strided or offset, the last dim must have
+            unit stride.
+        residual: ``None`` (no add, never read) or a tensor of ``x``'s shape, dtype and device.
+        weight: ``[hidden_size]`` fp16/bf16/fp32 on ``x``'s device.
+        eps: finite, >= 0 (with eps > 0 a zero row, e.g. padding, normalises to zeros, not NaN).
+
+    Returns:
+        ``(out, residual_out)``, both of ``x``'s shape and dtype. ``out`` is a new contiguous
+        tensor; ``residual_out`` is a new contiguous tensor holding ``s``, or ``x`` itself when
+        ``residual`` is None. The inputs are never written.
+
+    Runs the Triton kernel or the torch reference by :func:`use_triton`; statistics are fp32.
+
+    Raises:
+        ValueError: bad shape, stride, device or eps. TypeError: bad dtype or non-tensor input.
+    """
+    x2, r2 = _check(x, residual, weight, eps)
+    if not use_triton(x, residual, weight):
+        return fused_add_rms_norm_ref(x, residual, weight, eps)
+    out, r_out = _launch(x2, r2, weight, eps)
+    return out.view(x.shape), (r_out.view(x.shape) if r_out is not None else x)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm of each row: ``x / sqrt(mean(x**2) + eps) * weight`` in fp32, cast to ``x.dtype``.
+
+    Args:
+        x: ``[num_tokens, hidden_size]`` (or ``[..., hidden_size]`` whose leading dims flatten
+            without a copy), fp16/bf16/fp32; rows may be strided or offset, the last dim must have
+            unit stride.
+        weight: ``[hidden_size]`` fp16/bf16/fp32 on ``x``'s device.
+        eps: finite, >= 0 (with eps > 0 a zero row normalises to zeros, not NaN).
+
+    Returns:
+        A new contiguous tensor of ``x``'s shape and dtype (``x`` is not written).
+
+    Raises:
+        ValueError: bad shape, stride, device or eps. TypeError: bad dtype or non-tensor input.
+    """
+    x2, _ = _check(x, None, weight, eps)
+    if not use_triton(x, weight):
+        return rms_norm_ref(x, weight, eps)
+    return _launch(x2, None, weight, eps)[0].view(x.shape)

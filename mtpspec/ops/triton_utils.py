@@ -1,0 +1,213 @@
+"""Shared plumbing for the Triton ops: dispatch rule, lazily built kernels, input checks.
+
+Dispatch rule (docs/structures.md, "Dispatch of ops"): an op runs its Triton kernel on CUDA
+tensors, and on CPU tensors when the environment variable ``TRITON_INTERPRET`` is ``"1"`` at
+call time (Triton's interpreter, used by the tests); it runs its torch reference otherwise,
+whenever autograd is recording gradients for one of its inputs, and while ``torch.compile``
+traces it (so the compiler sees plain torch math).
+
+Triton decorates its own library functions (``tl.sum``, ...) when ``triton`` is first imported,
+so the interpreter only works if ``TRITON_INTERPRET=1`` was set before that import;
+:func:`interpreter_available` tells whether it was.
+"""
+
+import os
+from typing import Any, Callable, Dict, NamedTuple, Optional, Sequence
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+    HAS_TRITON = True
+except ImportError:  # triton is optional off Linux; every op then runs its torch reference
+    triton = None  # type: ignore[assignment]
+    tl = None  # type: ignore[assignment]
+    HAS_TRITON = False
+
+#: Activation dtypes the kernels accept.
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+#: Longest row (elements) a row-norm kernel keeps whole in registers; longer rows loop.
+MAX_FUSED_HIDDEN = 16384
+#: Column block of a looping row-norm kernel.
+LOOP_BLOCK_N = 4096
+#: Elements per program when rows are short (a program then takes several rows).
+ROWS_TARGET_ELEMS = 2048
+
+
+def interpreting() -> bool:
+    """True when ``TRITON_INTERPRET`` is ``"1"`` now (Triton kernels then run on CPU tensors)."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def interpreter_available() -> bool:
+    """True when Triton was imported with ``TRITON_INTERPRET=1``, so interpreted kernels can run.
+
+    Triton's library functions (``tl.sum``, ``tl.max``, ...) are built as interpreted or compiled
+    functions once, at import; an interpreted kernel calling a compiled one fails.
+    """
+    if not HAS_TRITON:
+        return False
+    from triton.runtime.interpreter import InterpretedFunction
+    return isinstance(tl.standard.sum, InterpretedFunction)
+
+
+def use_triton(t: torch.Tensor, *others: Optional[torch.Tensor]) -> bool:
+    """Whether an op on ``t`` (and ``others``, ``None`` entries ignored) runs its Triton kernel.
+
+    True on CUDA tensors, and on CPU tensors while ``TRITON_INTERPRET == "1"``; False when Triton
+    is not installed, while ``torch.compile`` traces, and when ``torch.is_grad_enabled()`` and any
+    of the tensors requires grad (the torch references are differentiable, the kernels are not).
+    """
+    if not HAS_TRITON:
+        return False
+    if torch.is_grad_enabled() and any(o is not None and o.requires_grad for o in (t, *others)):
+        return False
+    if torch.compiler.is_compiling():
+        return False
+    if t.is_cuda:
+        return True
+    return t.device.type == "cpu" and interpreting()
+
+
+class LazyKernel:
+    """A Triton kernel built on first launch, per mode: interpreted while ``TRITON_INTERPRET`` is
+    ``"1"`` at launch, compiled (``triton.JITFunction``) otherwise. Launch as ``kernel[grid](...)``.
+
+    Building at launch rather than at import makes the dispatch rule hold whatever the order in
+    which modules were imported and the variable was set.
+    """
+
+    def __init__(self, fn: Callable[..., None]) -> None:
+        self.fn = fn
+        self._built: Dict[bool, Any] = {}
+
+    def __getitem__(self, grid: Sequence[int]) -> Callable[..., None]:
+        mode = interpreting()
+        kernel = self._built.get(mode)
+        if kernel is None:
+            kernel = self._built[mode] = self._build(mode)
+        return kernel[tuple(grid)]
+
+    def _build(self, interpret: bool) -> Any:
+        if not HAS_TRITON:
+            raise RuntimeError(f"{self.fn.__name__}: Triton is not installed")
+        if interpret:
+            if not interpreter_available():
+                raise RuntimeError(
+                    f"{self.fn.__name__}: TRITON_INTERPRET=1 was set after triton was imported; "
+                    "set it before the first `import triton` (e.g. in the environment)")
+            from triton.runtime.interpreter import InterpretedFunction
+            return InterpretedFunction(self.fn)
+        return triton.JITFunction(self.fn)
+
+
+def next_power_of_2(n: int) -> int:
+    """Smallest power of two >= ``n`` (1 for ``n <= 1``)."""
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+def cdiv(a: int, b: int) -> int:
+    """``ceil(a / b)`` for ints ``a >= 0``, ``b > 0``."""
+    return -(-a // b)
+
+
+def num_warps_for(block_elems: int, elem_bytes: int) -> int:
+    """Warps for a program holding ``block_elems`` elements of ``elem_bytes`` each: about four
+    16-byte vectors per thread and tensor, a power of two in [1, 16]."""
+    warps = (block_elems * elem_bytes) // (32 * 16 * 4)
+    return max(1, min(16, next_power_of_2(max(1, warps))))
+
+
+class RowLaunch(NamedTuple):
+    """Launch shape of a row-wise kernel: ``block_m`` rows x ``block_n`` columns per program."""
+    block_m: int
+    block_n: int
+    one_pass: bool
+    num_warps: int
+    grid_rows: int
+
+
+def row_launch(n_rows: int, n_cols: int, elem_bytes: int) -> RowLaunch:
+    """Block sizes for normalising ``n_rows`` rows of ``n_cols`` elements.
+
+    A row of up to ``MAX_FUSED_HIDDEN`` elements is one block (``one_pass``: it stays in
+    registers; short rows are packed ``block_m`` to a program); longer rows loop over blocks of
+    ``LOOP_BLOCK_N`` columns, one row per program.
+    """
+    block_n = next_power_of_2(n_cols)
+    if block_n <= MAX_FUSED_HIDDEN:
+        block_m = min(64, max(1, ROWS_TARGET_ELEMS // block_n), next_power_of_2(n_rows))
+        one_pass = True
+    else:
+        block_m, block_n, one_pass = 1, LOOP_BLOCK_N, False
+    return RowLaunch(block_m, block_n, one_pass, num_warps_for(block_m * block_n, elem_bytes),
+                     cdiv(n_rows, block_m))
+
+
+def check_float_dtype(t: torch.Tensor, name: str) -> None:
+    """Raise ``TypeError`` unless ``t`` is fp16, bf16 or fp32."""
+    if t.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"{name} must be float16, bfloat16 or float32, got {t.dtype}")
+
+
+def check_eps(eps: float, positive: bool) -> None:
+    """Raise ``ValueError`` unless ``eps`` is a finite number, > 0 when ``positive`` else >= 0.
+
+    With ``eps > 0`` the RMSNorm of a zero row (a padding row, a masked embedding) is 0, not NaN.
+    """
+    ok = isinstance(eps, (int, float)) and not isinstance(eps, bool)
+    ok = ok and 0.0 <= float(eps) < float("inf") and not (positive and float(eps) == 0.0)
+    if not ok:
+        raise ValueError(f"eps must be a finite number {'> 0' if positive else '>= 0'}, "
+                         f"got {eps!r}")
+
+
+def check_device(t: torch.Tensor, name: str, like: torch.Tensor, like_name: str) -> None:
+    """Raise ``ValueError`` unless ``t`` is on ``like``'s device."""
+    if t.device != like.device:
+        raise ValueError(f"{name} is on {t.device} but {like_name} is on {like.device}; "
+                         "put them on the same device")
+
+
+def check_weight(weight: torch.Tensor, name: str, hidden_size: int, like: torch.Tensor,
+                 like_name: str) -> None:
+    """Raise unless ``weight`` is a float tensor of shape ``[hidden_size]`` with unit stride on
+    ``like``'s device (``ValueError`` for shape/stride/device, ``TypeError`` for dtype)."""
+    if not isinstance(weight, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(weight).__name__}")
+    if tuple(weight.shape) != (hidden_size,):
+        raise ValueError(f"{name} must have shape [hidden_size] = [{hidden_size}], "
+                         f"got {list(weight.shape)}")
+    check_float_dtype(weight, name)
+    check_device(weight, name, like, like_name)
+    if hidden_size > 1 and weight.stride(0) != 1:
+        raise ValueError(f"{name} must have unit stride, got strides {tuple(weight.stride())}")
+
+
+def as_rows(t: torch.Tensor, name: str) -> torch.Tensor:
+    """View ``t`` (``[..., hidden_size]``, at least 1-D) as ``[num_tokens, hidden_size]`` without
+    copying. Rows may have any stride (offset views and column slices work); the last dimension
+    must have unit stride and leading dimensions must flatten into one.
+
+    Raises ``TypeError`` if ``t`` is not a tensor, ``ValueError`` (naming ``name`` and its
+    strides) otherwise.
+    """
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dim() == 0:
+        raise ValueError(f"{name} must be [num_tokens, hidden_size], got a 0-d tensor")
+    hidden = t.shape[-1]
+    if hidden == 0:
+        raise ValueError(f"{name} has hidden_size 0; expected [num_tokens, hidden_size > 0]")
+    if hidden > 1 and t.stride(-1) != 1:
+        raise ValueError(f"{name} must have unit stride in its last dimension, got shape "
+                         f"{list(t.shape)} strides {tuple(t.stride())}; pass {name}.contiguous()")
+    if t.dim() == 2:
+        return t
+    try:
+        return t.view(-1, hidden)
+    except RuntimeError:
+        raise ValueError(f"{name} of shape {list(t.shape)} strides {tuple(t.stride())} cannot be "
+                         f"viewed as [num_tokens, hidden_size]; pass {name}.contiguous()") from None
