@@ -95,7 +95,8 @@ class VocabParallelEmbedding(nn.Module):
             raise ValueError(f"{type(self).__name__}: takes no loaded_shard_id, got {loaded_shard_id!r}")
         check_full_tensor(f"{type(self).__name__} weight", loaded_weight, (self.org_vocab_size, self.embedding_dim))
         n = self.num_real_embeddings_per_partition
-        copy_into(param.data[:n], loaded_weight.narrow(0, self.vocab_start_index, n))
+        if n:  # a trailing rank may hold only padding
+            copy_into(param.data[:n], loaded_weight.narrow(0, self.vocab_start_index, n))
         param.data[n:].zero_()
 
     def check_ids(self, input_ids: torch.Tensor) -> None:
@@ -159,7 +160,8 @@ class ParallelLMHead(VocabParallelEmbedding):
             raise ValueError(f"{type(self).__name__}: takes no loaded_shard_id, got {loaded_shard_id!r}")
         check_full_tensor(f"{type(self).__name__} bias", loaded_weight, (self.org_vocab_size,))
         n = self.num_real_embeddings_per_partition
-        copy_into(param.data[:n], loaded_weight.narrow(0, self.vocab_start_index, n))
+        if n:  # a trailing rank may hold only padding
+            copy_into(param.data[:n], loaded_weight.narrow(0, self.vocab_start_index, n))
         param.data[n:].zero_()
 
     def tie_weights(self, embed_tokens: VocabParallelEmbedding) -> "ParallelLMHead":
