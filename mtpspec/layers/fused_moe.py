@@ -1,0 +1,212 @@
+"""Mixture-of-experts: the sigmoid grouped top-k router and tensor-parallel SwiGLU experts.
+
+Router (DeepSeek-V3 technical report, arXiv:2412.19437, section 2.1.2, eqs. 15-16, and its
+auxiliary-loss-free bias, section 2.1.2 "Auxiliary-Loss-Free Load Balancing"; the same router
+GLM-4.5 uses, as Hugging Face's ``Glm4MoeTopkRouter`` computes it):
+
+* ``s = sigmoid(x W_g^T)`` in fp32 (``W_g`` kept in fp32 like Hugging Face does);
+* choice scores ``c = s + e_score_correction_bias`` (the bias only affects which experts win);
+* experts form ``n_group`` equal groups; a group's score is the sum of its two best ``c``; only
+  the ``topk_group`` best groups stay eligible;
+* the ``top_k`` best eligible ``c`` pick the experts; their weights are the plain ``s``,
+  divided by their sum (+1e-20) when ``norm_topk_prob``, times ``routed_scaling_factor``.
+
+Experts (:class:`FusedMoE`) are split across tensor-parallel ranks by intermediate size
+(Megatron-style, like a dense MLP): every rank holds every expert's slice
+``[r * I / tp, (r + 1) * I / tp)`` of the gate/up rows and the matching down columns, so each
+rank returns a partial sum over its slices that the caller all-reduces (or leaves un-reduced,
+``reduce_results=False``, for a later fused all-reduce + norm).
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mtpspec.distributed import (
+    get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size, tensor_model_parallel_all_reduce)
+from mtpspec.layers.activation import SiluAndMul
+from mtpspec.layers.weight_utils import check_full_tensor, copy_into
+
+
+def grouped_topk(router_logits: torch.Tensor, e_score_correction_bias: Optional[torch.Tensor], top_k: int,
+                 num_expert_group: int = 1, topk_group: int = 1, renormalize: bool = True,
+                 routed_scaling_factor: float = 1.0) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Sigmoid grouped top-k routing (see the module docstring).
+
+    Args:
+        router_logits: ``[num_tokens, num_experts]`` (computed in fp32).
+        e_score_correction_bias: ``[num_experts]`` or ``None`` (no bias).
+        top_k: experts per token.
+        num_expert_group, topk_group: groups, and how many stay eligible (1, 1 = no grouping).
+        renormalize: divide the chosen weights by their sum (``norm_topk_prob``).
+        routed_scaling_factor: multiplies the final weights.
+
+    Returns:
+        ``(topk_weights [num_tokens, top_k] float32, topk_ids [num_tokens, top_k] int64)``.
+
+    Raises:
+        ValueError: inconsistent sizes.
+    """
+    t, e = router_logits.shape
+    if e % num_expert_group or topk_group > num_expert_group or top_k > e:
+        raise ValueError(f"grouped_topk: num_experts={e}, num_expert_group={num_expert_group}, "
+                         f"topk_group={topk_group}, top_k={top_k} are inconsistent")
+    scores = router_logits.float().sigmoid()
+    choice = scores if e_score_correction_bias is None else scores + e_score_correction_bias.float()
+    if num_expert_group > 1:
+        per = e // num_expert_group
+        group_scores = choice.view(t, num_expert_group, per).topk(min(2, per), dim=-1)[0].sum(dim=-1)
+        group_idx = group_scores.topk(topk_group, dim=-1, sorted=False)[1]
+        group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1.0)
+        score_mask = group_mask.unsqueeze(-1).expand(t, num_expert_group, per).reshape(t, e)
+        choice = choice.masked_fill(score_mask == 0, float("-inf"))
+    topk_ids = choice.topk(top_k, dim=-1, sorted=False)[1]
+    topk_weights = scores.gather(1, topk_ids)
+    if renormalize:
+        topk_weights = topk_weights / (topk_weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return topk_weights * routed_scaling_factor, topk_ids
+
+
+class MoEGate(nn.Module):
+    """The router: fp32 ``weight [num_experts, hidden]`` and ``e_score_correction_bias [num_experts]``.
+
+    ``forward(x [T, H]) -> (topk_weights [T, top_k] fp32, topk_ids [T, top_k] int64)``; the
+    logits are computed in fp32 whatever ``x``'s dtype. Both parameters are replicated and
+    always fp32 (checkpoint tensors are converted on load).
+    """
+
+    def __init__(self, hidden_size: int, num_experts: int, top_k: int, num_expert_group: int = 1,
+                 topk_group: int = 1, renormalize: bool = True, routed_scaling_factor: float = 1.0,
+                 use_correction_bias: bool = True) -> None:
+        super().__init__()
+        self.hidden_size, self.num_experts, self.top_k = hidden_size, num_experts, top_k
+        self.num_expert_group, self.topk_group = num_expert_group, topk_group
+        self.renormalize, self.routed_scaling_factor = renormalize, float(routed_scaling_factor)
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size, dtype=torch.float32), requires_grad=False)
+        self.weight.weight_loader = _replicated_loader
+        if use_correction_bias:
+            self.e_score_correction_bias = nn.Parameter(torch.zeros(num_experts, dtype=torch.float32),
+                                                        requires_grad=False)
+            self.e_score_correction_bias.weight_loader = _replicated_loader
+        else:
+            self.register_parameter("e_score_correction_bias", None)
+
+    def forward(self, x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        logits = F.linear(x.float(), self.weight)
+        return grouped_topk(logits, self.e_score_correction_bias, self.top_k, self.num_expert_group,
+                            self.topk_group, self.renormalize, self.routed_scaling_factor)
+
+
+def _replicated_loader(param: nn.Parameter, loaded_weight: torch.Tensor, loaded_shard_id: object = None) -> None:
+    if loaded_shard_id is not None:
+        raise ValueError(f"replicated parameter takes no shard id, got {loaded_shard_id!r}")
+    check_full_tensor("router parameter", loaded_weight, param.shape)
+    copy_into(param.data, loaded_weight)
+
+
+class FusedMoE(nn.Module):
+    """Routed SwiGLU experts, split across TP ranks by intermediate size.
+
+    Args:
+        num_experts: routed experts ``E``.
+        hidden_size: ``H``.
+        intermediate_size: per-expert intermediate size ``I`` (divisible by tp).
+        reduce_results: all-reduce the output; ``False`` returns this rank's partial sum.
+        params_dtype: parameter dtype (default ``torch.get_default_dtype()``).
+
+    Attributes:
+        w13_weight: ``[E, 2 * I / tp, H]``, per expert ``[gate_r | up_r]``.
+        w2_weight: ``[E, H, I / tp]``, per expert the down projection's columns of this rank.
+
+    ``weight_loader(param, full_tensor, shard_id, expert_id)``:
+        ``shard_id`` ``"w1"`` (gate ``[I, H]``), ``"w3"`` (up ``[I, H]``), ``"w2"`` (down ``[H, I]``)
+        for one expert; with ``expert_id=None`` the tensor holds every expert: ``"w13"``
+        ``[E, 2 I, H]`` (gate rows then up rows, Hugging Face's fused ``gate_up_proj``) or
+        ``"w2"`` ``[E, H, I]``.
+
+    Raises:
+        ValueError: ``intermediate_size % tp != 0``; bad shard/expert ids or shapes on load.
+    """
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, reduce_results: bool = True,
+                 params_dtype: Optional[torch.dtype] = None) -> None:
+        super().__init__()
+        self.tp_size = get_tensor_model_parallel_world_size()
+        self.tp_rank = get_tensor_model_parallel_rank()
+        if intermediate_size % self.tp_size:
+            raise ValueError(f"FusedMoE: intermediate_size={intermediate_size} is not divisible by the "
+                             f"tensor-parallel size {self.tp_size}")
+        self.num_experts, self.hidden_size, self.intermediate_size = num_experts, hidden_size, intermediate_size
+        self.intermediate_size_per_partition = ip = intermediate_size // self.tp_size
+        self.reduce_results = reduce_results
+        dtype = params_dtype or torch.get_default_dtype()
+        self.w13_weight = nn.Parameter(torch.empty(num_experts, 2 * ip, hidden_size, dtype=dtype), requires_grad=False)
+        self.w2_weight = nn.Parameter(torch.empty(num_experts, hidden_size, ip, dtype=dtype), requires_grad=False)
+        self.w13_weight.weight_loader = self.weight_loader
+        self.w2_weight.weight_loader = self.weight_loader
+        self.act_fn = SiluAndMul()
+
+    @torch.no_grad()
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: str,
+                      expert_id: Optional[int] = None) -> None:
+        """Copy this rank's slice of a full checkpoint tensor (see the class docstring)."""
+        e, h, i, ip, r = self.num_experts, self.hidden_size, self.intermediate_size, \
+            self.intermediate_size_per_partition, self.tp_rank
+        if expert_id is None:
+            if shard_id == "w13" and param is self.w13_weight:
+                check_full_tensor("FusedMoE gate_up_proj", loaded_weight, (e, 2 * i, h))
+                copy_into(param.data[:, :ip], loaded_weight[:, r * ip:(r + 1) * ip])
+                copy_into(param.data[:, ip:], loaded_weight[:, i + r * ip:i + (r + 1) * ip])
+            elif shard_id == "w2" and param is self.w2_weight:
+                check_full_tensor("FusedMoE down_proj", loaded_weight, (e, h, i))
+                copy_into(param.data, loaded_weight[:, :, r * ip:(r + 1) * ip])
+            else:
+                raise ValueError(f"FusedMoE: shard_id {shard_id!r} does not fit this parameter for all experts")
+            return
+        if not 0 <= expert_id < e:
+            raise ValueError(f"FusedMoE: expert_id {expert_id} out of range [0, {e})")
+        if shard_id in ("w1", "w3") and param is self.w13_weight:
+            check_full_tensor(f"FusedMoE expert {expert_id} {shard_id}", loaded_weight, (i, h))
+            dst = slice(0, ip) if shard_id == "w1" else slice(ip, 2 * ip)
+            copy_into(param.data[expert_id, dst], loaded_weight[r * ip:(r + 1) * ip])
+        elif shard_id == "w2" and param is self.w2_weight:
+            check_full_tensor(f"FusedMoE expert {expert_id} w2", loaded_weight, (h, i))
+            copy_into(param.data[expert_id], loaded_weight[:, r * ip:(r + 1) * ip])
+        else:
+            raise ValueError(f"FusedMoE: shard_id {shard_id!r} does not fit this parameter")
+
+    def forward(self, hidden_states: torch.Tensor, topk_weights: torch.Tensor,
+                topk_ids: torch.Tensor) -> torch.Tensor:
+        """``sum_k topk_weights[t, k] * expert_{topk_ids[t, k]}(x_t)`` over this rank's slices.
+
+        Args:
+            hidden_states: ``[num_tokens, H]`` in the parameter dtype.
+            topk_weights: ``[num_tokens, top_k]`` (fp32).
+            topk_ids: ``[num_tokens, top_k]`` int64 in ``[0, E)``.
+
+        Returns:
+            ``[num_tokens, H]`` in ``hidden_states``' dtype: the full sum when
+            ``reduce_results``, else this rank's partial sum.
+        """
+        out = torch.zeros_like(hidden_states)
+        if hidden_states.shape[0]:
+            flat_ids = topk_ids.reshape(-1)
+            order = torch.argsort(flat_ids, stable=True)
+            counts = torch.bincount(flat_ids, minlength=self.num_experts).tolist()
+            token_of = order // topk_ids.shape[1]
+            start = 0
+            for eid, n in enumerate(counts):
+                if n == 0:
+                    continue
+                sel = order[start:start + n]
+                tok = token_of[start:start + n]
+                start += n
+                x = hidden_states.index_select(0, tok)
+                y = F.linear(self.act_fn(F.linear(x, self.w13_weight[eid])), self.w2_weight[eid])
+                w = topk_weights.reshape(-1).index_select(0, sel).unsqueeze(-1)
+                out.index_add_(0, tok, (y * w).to(out.dtype))
+        return tensor_model_parallel_all_reduce(out) if self.reduce_results else out

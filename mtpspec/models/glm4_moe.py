@@ -1,0 +1,247 @@
+"""GLM-4.5-family target model (``Glm4MoeForCausalLM``) under tensor parallelism.
+
+Same computation as Hugging Face ``transformers``' ``Glm4MoeForCausalLM`` (the reference in
+the tests), laid out like vLLM: a flattened ``[num_tokens]`` batch, fused q/k/v and gate/up
+projections, the residual carried beside the hidden states so each norm adds it in one step
+(``RMSNorm.forward(x, residual) -> (norm(x + residual), x + residual)``).
+
+Per decoder layer ``l``::
+
+    residual = x                            (first layer; later: fused add in the norm)
+    h = input_layernorm(x [+ residual])
+    h = o_proj(attention(rotary(qk_norm(qkv_proj(h)))))        all-reduced over tp
+    h, residual = post_attention_layernorm(h, residual)
+    h = mlp(h)       dense SwiGLU for l < first_k_dense_replace, MoE after; all-reduced
+    -> (h, residual)
+
+and the model ends with ``norm(h, residual)``. Attention reads the forward context
+(:mod:`mtpspec.layers.attention`).
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar, Literal, Optional, Tuple
+
+import torch
+from torch import nn
+
+from mtpspec.config import ModelConfig
+from mtpspec.distributed import get_tensor_model_parallel_world_size, tensor_model_parallel_all_reduce
+from mtpspec.layers.activation import SiluAndMul
+from mtpspec.layers.attention import Attention
+from mtpspec.layers.fused_moe import FusedMoE, MoEGate
+from mtpspec.layers.layernorm import RMSNorm
+from mtpspec.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from mtpspec.layers.logits_processor import LogitsProcessor
+from mtpspec.layers.rotary_embedding import get_rope
+from mtpspec.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
+
+
+class Glm4MoeMLP(nn.Module):
+    """SwiGLU MLP ``down(silu(gate(x)) * up(x))``, gate/up column-parallel, down row-parallel.
+
+    Args:
+        hidden_size, intermediate_size: full sizes (intermediate divisible by tp).
+        reduce_results: all-reduce the output; ``False`` returns this rank's partial sum.
+        params_dtype: parameter dtype.
+
+    ``forward(x [T, H]) -> [T, H]``.
+    """
+
+    def __init__(self, hidden_size: int, intermediate_size: int, reduce_results: bool = True,
+                 params_dtype: Optional[torch.dtype] = None) -> None:
+        super().__init__()
+        self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size] * 2, bias=False,
+                                                       params_dtype=params_dtype)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=False,
+                                           reduce_results=reduce_results, params_dtype=params_dtype)
+        self.act_fn = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+class Glm4MoeMoE(nn.Module):
+    """Routed experts + shared experts: ``experts(x, gate(x)) + shared_experts(x)``.
+
+    Both parts return this rank's partial sums; they are added first and then all-reduced once
+    (``reduce_results=True``) or returned un-reduced (``False``: the MTP block, whose caller
+    finishes the reduction inside the fused all-reduce + norm).
+
+    ``forward(x [T, H]) -> [T, H]`` in x's dtype.
+    """
+
+    def __init__(self, config: ModelConfig, reduce_results: bool = True,
+                 params_dtype: Optional[torch.dtype] = None) -> None:
+        super().__init__()
+        self.reduce_results = reduce_results
+        self.gate = MoEGate(config.hidden_size, config.n_routed_experts, config.num_experts_per_tok,
+                            config.n_group, config.topk_group, config.norm_topk_prob,
+                            config.routed_scaling_factor)
+        self.experts = FusedMoE(config.n_routed_experts, config.hidden_size, config.moe_intermediate_size,
+                                reduce_results=False, params_dtype=params_dtype)
+        self.shared_experts: Optional[Glm4MoeMLP] = None
+        if config.n_shared_experts > 0:
+            self.shared_experts = Glm4MoeMLP(config.hidden_size,
+                                             config.moe_intermediate_size * config.n_shared_experts,
+                                             reduce_results=False, params_dtype=params_dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        topk_weights, topk_ids = self.gate(x)
+        out = self.experts(x, topk_weights, topk_ids)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        return tensor_model_parallel_all_reduce(out) if self.reduce_results else out
+
+
+class Glm4MoeAttention(nn.Module):
+    """GQA self-attention with partial rotary, optional qk-norm and q/k/v bias.
+
+    Heads are split across ranks (``QKVParallelLinear``); ``o_proj`` is row-parallel. The
+    output is all-reduced unless ``forward(..., reduce_output=False)`` (then this rank's partial).
+
+    ``forward(positions [T] int64, hidden_states [T, H], reduce_output=True) -> [T, H]``.
+    """
+
+    def __init__(self, config: ModelConfig, params_dtype: Optional[torch.dtype] = None) -> None:
+        super().__init__()
+        hd = config.head_dim
+        self.head_dim = hd
+        self.qkv_proj = QKVParallelLinear(config.hidden_size, hd, config.num_attention_heads,
+                                          config.num_key_value_heads, bias=config.attention_bias,
+                                          params_dtype=params_dtype)
+        self.num_heads = self.qkv_proj.num_heads
+        self.num_kv_heads = self.qkv_proj.num_kv_heads
+        self.q_size, self.kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
+        self.o_proj = RowParallelLinear(config.num_attention_heads * hd, config.hidden_size, bias=False,
+                                        reduce_results=False, params_dtype=params_dtype)
+        self.use_qk_norm = config.use_qk_norm
+        if self.use_qk_norm:
+            self.q_norm = RMSNorm(hd, config.rms_norm_eps, params_dtype)
+            self.k_norm = RMSNorm(hd, config.rms_norm_eps, params_dtype)
+        self.rotary_emb = get_rope(hd, config.rotary_dim, config.max_position_embeddings, config.rope_theta,
+                                   config.rope_is_neox_style)
+        self.attn = Attention(self.num_heads, hd, hd ** -0.5, self.num_kv_heads)
+
+    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor,
+                reduce_output: bool = True) -> torch.Tensor:
+        qkv = self.qkv_proj(hidden_states)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        if self.use_qk_norm:
+            t = q.shape[0]
+            q = self.q_norm(q.reshape(t, self.num_heads, self.head_dim)).reshape(t, self.q_size)
+            k = self.k_norm(k.reshape(t, self.num_kv_heads, self.head_dim)).reshape(t, self.kv_size)
+        q, k = self.rotary_emb(positions, q, k)
+        out = self.o_proj(self.attn(q, k, v.contiguous()))
+        return tensor_model_parallel_all_reduce(out) if reduce_output else out
+
+
+class Glm4MoeDecoderLayer(nn.Module):
+    """One decoder layer (see the module docstring).
+
+    Args:
+        config: the model config.
+        layer_idx: index in the checkpoint (MTP blocks: ``num_hidden_layers + k``); decides
+            dense MLP vs MoE.
+        reduce_mlp_output: ``False`` leaves the MLP/MoE output un-reduced (this rank's partial
+            sum): the MTP block's last reduction, done later by the caller.
+        params_dtype: parameter dtype.
+
+    ``forward(positions [T], hidden_states [T, H], residual [T, H] or None) -> (h, residual)``;
+    ``h + residual`` (after the all-reduce of ``h`` when un-reduced) is the layer's output.
+    """
+
+    def __init__(self, config: ModelConfig, layer_idx: int, reduce_mlp_output: bool = True,
+                 params_dtype: Optional[torch.dtype] = None) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.self_attn = Glm4MoeAttention(config, params_dtype)
+        self.is_moe = config.is_moe_layer(layer_idx)
+        if self.is_moe:
+            self.mlp: nn.Module = Glm4MoeMoE(config, reduce_mlp_output, params_dtype)
+        else:
+            self.mlp = Glm4MoeMLP(config.hidden_size, config.intermediate_size, reduce_mlp_output, params_dtype)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, params_dtype)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, params_dtype)
+
+    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor,
+                residual: Optional[torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual = hidden_states
+            hidden_states = self.input_layernorm(hidden_states)
+        else:
+            hidden_states, residual = self.input_layernorm(hidden_states, residual)
+        hidden_states = self.self_attn(positions, hidden_states)
+        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
+        return self.mlp(hidden_states), residual
+
+
+class Glm4MoeModel(nn.Module):
+    """Embedding, decoder layers, final norm. ``forward(input_ids [T], positions [T]) -> [T, H]``."""
+
+    def __init__(self, config: ModelConfig, params_dtype: Optional[torch.dtype] = None) -> None:
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, params_dtype)
+        self.layers = nn.ModuleList([Glm4MoeDecoderLayer(config, i, True, params_dtype)
+                                     for i in range(config.num_hidden_layers)])
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, params_dtype)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                inputs_embeds: Optional[torch.Tensor] = None) -> torch.Tensor:
+        hidden_states = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        residual = None
+        for layer in self.layers:
+            hidden_states, residual = layer(positions, hidden_states, residual)
+        hidden_states, _ = self.norm(hidden_states, residual)
+        return hidden_states
+
+
+class Glm4MoeForCausalLM(nn.Module):
+    """The target model.
+
+    Args:
+        config: a :class:`~mtpspec.config.ModelConfig` (checked against the current tp).
+        params_dtype: parameter dtype (default ``config.dtype``); the router stays fp32.
+
+    Use :func:`mtpspec.models.loader.load_target_model` to build one from a checkpoint.
+
+    Methods:
+        forward(input_ids [T] int64, positions [T] int64) -> final post-norm hidden states
+            ``[T, H]`` (params dtype); run it inside ``set_forward_context(...)`` for paged
+            attention, or without for one causal sequence.
+        compute_logits(hidden_states [T, H]) -> ``[T, vocab_size]`` logits (all-gathered).
+        get_top_tokens(hidden_states [T, H], spec_step_idx=0) -> ``[T]`` int64 greedy ids
+            (vocab-parallel local argmax, equal to ``compute_logits(...).argmax(-1)``;
+            ``spec_step_idx`` is ignored, it exists so both models share
+            :class:`~mtpspec.models.interfaces.SupportsLocalArgmax`).
+
+    Raises:
+        ModelConfigError: the config cannot be split over the current tp.
+    """
+
+    supports_local_argmax: ClassVar[Literal[True]] = True
+
+    def __init__(self, config: ModelConfig, params_dtype: Optional[torch.dtype] = None) -> None:
+        super().__init__()
+        config.verify_tensor_parallel(get_tensor_model_parallel_world_size())
+        self.config = config
+        dtype = params_dtype or config.dtype or torch.get_default_dtype()
+        self.params_dtype = dtype
+        self.model = Glm4MoeModel(config, dtype)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, bias=False, params_dtype=dtype)
+        if config.tie_word_embeddings:
+            self.lm_head.tie_weights(self.model.embed_tokens)
+        self.logits_processor = LogitsProcessor(config.vocab_size)
+
+    def get_input_embeddings(self) -> VocabParallelEmbedding:
+        return self.model.embed_tokens
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                inputs_embeds: Optional[torch.Tensor] = None) -> torch.Tensor:
+        return self.model(input_ids, positions, inputs_embeds)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.logits_processor.compute_logits(self.lm_head, hidden_states)
+
+    def get_top_tokens(self, hidden_states: torch.Tensor, spec_step_idx: int = 0) -> torch.Tensor:
+        return self.logits_processor.get_top_tokens(self.lm_head, hidden_states)

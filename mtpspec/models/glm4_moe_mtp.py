@@ -1,0 +1,255 @@
+"""GLM-4.5-family MTP draft layers (multi-token prediction) under tensor parallelism.
+
+An MTP module (DeepSeek-V3 technical report, arXiv:2412.19437, section 2.2, eqs. 21-23; vLLM's
+DeepSeek / GLM-4-MoE MTP models) predicts the token after next from the target's hidden state
+``h_i`` at position ``i`` and the embedding of token ``i + 1``::
+
+    x   = eh_proj([enorm(Emb(t_{i+1})), hnorm(h_i)])     (position-0 embeddings zeroed)
+    h', r = mtp_block(x)                                  a target-style decoder layer
+    out = shared_head.norm(all_reduce(h') + r)            post-norm hidden states
+    logits = shared_head.head(out)
+
+``out`` is returned once and used twice: for the draft logits (``compute_logits`` /
+``get_top_tokens`` apply only ``shared_head.head``) and as the next draft step's
+``previous_hidden_states`` (the recycled state is post-norm).
+
+The block's last reduction (its MLP / MoE down projection, routed + shared partial sums) is left
+undone, so the tail finishes it together with the residual add and the norm:
+
+* ``fuse_allreduce_rmsnorm=True``: ``fused_allreduce_rms_norm(h', r, shared_head.norm)``;
+* ``fuse_allreduce_rmsnorm=False`` (baseline): ``tensor_model_parallel_all_reduce`` then the norm;
+* ``sequence_parallel=True`` at tp > 1: see :meth:`MultiTokenPredictorLayer.forward_sequence_parallel`.
+
+Checkpoint layout (Hugging Face): MTP layer ``k`` lives at ``model.layers.{num_hidden_layers + k}.``
+with ``enorm``, ``hnorm``, ``eh_proj``, ``shared_head.norm``, optional ``shared_head.head`` and
+``embed_tokens``, and the block's ``self_attn``, ``mlp``, ``input_layernorm``,
+``post_attention_layernorm``; here the block's weights sit under ``mtp_block.``.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar, Literal, Optional, Sequence, Union
+
+import torch
+from torch import nn
+
+from mtpspec.config import ModelConfig
+from mtpspec.distributed import (
+    get_tensor_model_parallel_world_size, sp_all_gather, sp_shard, tensor_model_parallel_all_reduce,
+    tensor_model_parallel_reduce_scatter)
+from mtpspec.layers.layernorm import RMSNorm
+from mtpspec.layers.linear import ReplicatedLinear
+from mtpspec.layers.logits_processor import LogitsProcessor
+from mtpspec.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
+from mtpspec.models.glm4_moe import Glm4MoeDecoderLayer
+
+
+class SharedHead(nn.Module):
+    """``norm`` (the MTP layer's final RMSNorm) and ``head`` (its LM head: its own
+    ``ParallelLMHead``, or the target's ``lm_head`` module itself when tied)."""
+
+    def __init__(self, config: ModelConfig, params_dtype: torch.dtype,
+                 tied_head: Optional[ParallelLMHead] = None) -> None:
+        super().__init__()
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, params_dtype)
+        self.head = tied_head if tied_head is not None else ParallelLMHead(
+            config.vocab_size, config.hidden_size, bias=False, params_dtype=params_dtype)
+        self.tied = tied_head is not None
+
+
+def _reduce_scatter_tokens(x: torch.Tensor) -> torch.Tensor:
+    """Sum ``x [T, H]`` over ranks and keep this rank's ``ceil(T / tp)`` token rows (zero-padded)."""
+    tp = get_tensor_model_parallel_world_size()
+    pad = (-x.shape[0]) % tp
+    if pad:
+        x = torch.cat([x, x.new_zeros(pad, x.shape[1])])
+    return tensor_model_parallel_reduce_scatter(x, dim=0)
+
+
+class MultiTokenPredictorLayer(nn.Module):
+    """One MTP layer (see the module docstring).
+
+    Args:
+        config: the model config.
+        layer_idx: its checkpoint index ``num_hidden_layers + k``.
+        params_dtype: parameter dtype.
+        tied_head: the target's ``lm_head`` when the checkpoint has no ``shared_head.head``.
+        fuse_allreduce_rmsnorm: tail through ``fused_allreduce_rms_norm`` (else all-reduce + norm).
+        sequence_parallel: use :meth:`forward_sequence_parallel` when tp > 1.
+
+    ``forward(inputs_embeds [T, H], positions [T] int64, previous_hidden_states [T, H]) -> [T, H]``:
+    the post-final-norm hidden states, in the params dtype.
+    """
+
+    def __init__(self, config: ModelConfig, layer_idx: int, params_dtype: torch.dtype,
+                 tied_head: Optional[ParallelLMHead] = None, fuse_allreduce_rmsnorm: bool = True,
+                 sequence_parallel: bool = False) -> None:
+        super().__init__()
+        h = config.hidden_size
+        self.layer_idx = layer_idx
+        self.eps = config.rms_norm_eps
+        self.enorm = RMSNorm(h, config.rms_norm_eps, params_dtype)
+        self.hnorm = RMSNorm(h, config.rms_norm_eps, params_dtype)
+        self.eh_proj = ReplicatedLinear(2 * h, h, bias=False, params_dtype=params_dtype)
+        self.shared_head = SharedHead(config, params_dtype, tied_head)
+        self.mtp_block = Glm4MoeDecoderLayer(config, layer_idx, reduce_mlp_output=False, params_dtype=params_dtype)
+        self.fuse_allreduce_rmsnorm = fuse_allreduce_rmsnorm
+        self.sequence_parallel = sequence_parallel
+
+    def eh_input(self, inputs_embeds: torch.Tensor, positions: torch.Tensor,
+                 previous_hidden_states: torch.Tensor) -> torch.Tensor:
+        """``[enorm(inputs_embeds, position-0 rows zeroed), hnorm(previous_hidden_states)]``, ``[T, 2H]``."""
+        from mtpspec.ops.eh_norm import fused_eh_norm
+        return fused_eh_norm(positions, inputs_embeds, previous_hidden_states, self.enorm.weight,
+                             self.hnorm.weight, self.eps)
+
+    def forward(self, inputs_embeds: torch.Tensor, positions: torch.Tensor,
+                previous_hidden_states: torch.Tensor) -> torch.Tensor:
+        if inputs_embeds.shape != previous_hidden_states.shape or inputs_embeds.shape[0] != positions.shape[0]:
+            raise ValueError(f"MTP layer: inputs_embeds {tuple(inputs_embeds.shape)}, previous_hidden_states "
+                             f"{tuple(previous_hidden_states.shape)} and positions {tuple(positions.shape)} "
+                             "must agree ([T, H], [T, H], [T])")
+        eh = self.eh_input(inputs_embeds, positions, previous_hidden_states)
+        if self.sequence_parallel and get_tensor_model_parallel_world_size() > 1:
+            return self.forward_sequence_parallel(eh, positions)
+        hidden_states, residual = self.mtp_block(positions, self.eh_proj(eh), None)
+        if self.fuse_allreduce_rmsnorm:
+            from mtpspec.ops.allreduce_rms_norm import fused_allreduce_rms_norm
+            out, _ = fused_allreduce_rms_norm(hidden_states, residual, self.shared_head.norm)
+        else:
+            out, _ = self.shared_head.norm(tensor_model_parallel_all_reduce(hidden_states), residual)
+        return out
+
+    def forward_sequence_parallel(self, eh: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The sequence-parallel path (tp > 1), exact up to summation order.
+
+        Token-wise work runs on this rank's ``m = ceil(T / tp)`` tokens (``sp_shard``: rows
+        ``[rank * m, (rank + 1) * m)`` of the input padded with ``(-T) % tp`` zero rows):
+        ``eh_proj``, both residual adds and all three norms. The tensor-parallel parts need
+        every token (attention needs each sequence's whole context and every token needs every
+        expert slice), so their inputs are all-gathered and their partial outputs
+        reduce-scattered back to token shards (the Megatron-LM sequence-parallel pattern,
+        Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
+        Models", section 4.2.2)::
+
+            x_r  = eh_proj(sp_shard(eh))                       [m, H], no communication
+            a    = attention(all_gather(input_layernorm(x_r))[:T])   partial [T, H]
+            a_r, res_r = post_attention_layernorm(reduce_scatter(a), x_r)
+            f    = mlp(all_gather(a_r)[:T])                    partial [T, H] (experts + shared)
+            out  = all_gather(shared_head.norm(reduce_scatter(f), res_r))[:T]
+
+        Attention and the KV-cache writes see exactly the ``T`` real rows in their original
+        order, so the forward context applies unchanged. Padding rows are zeros throughout
+        (eh_proj has no bias; RMSNorm of a zero row is zero since eps > 0) and are trimmed.
+        Communication per layer: 3 all-gathers of ``[m, H]`` and 2 reduce-scatters of
+        ``[tp * m, H]`` (the plain path: 2 all-reduces of ``[T, H]``); the eh_proj GEMM, the
+        norms and the adds cost ``1 / tp`` of the plain path's.
+        """
+        t = eh.shape[0]
+        blk = self.mtp_block
+        x_local = self.eh_proj(sp_shard(eh))
+        h = blk.input_layernorm(x_local)
+        attn = blk.self_attn(positions, sp_all_gather(h)[:t], reduce_output=False)
+        h, residual = blk.post_attention_layernorm(_reduce_scatter_tokens(attn), x_local)
+        mlp = blk.mlp(sp_all_gather(h)[:t])
+        out, _ = self.shared_head.norm(_reduce_scatter_tokens(mlp), residual)
+        return sp_all_gather(out)[:t]
+
+
+class MultiTokenPredictor(nn.Module):
+    """Holds the MTP layers as ``layers[str(num_hidden_layers + k)]`` (checkpoint numbering)."""
+
+    def __init__(self, config: ModelConfig, params_dtype: torch.dtype, tied_heads: Sequence[Optional[ParallelLMHead]],
+                 fuse_allreduce_rmsnorm: bool, sequence_parallel: bool) -> None:
+        super().__init__()
+        self.mtp_start_layer_idx = config.num_hidden_layers
+        self.num_mtp_layers = config.num_nextn_predict_layers
+        self.layers = nn.ModuleDict({
+            str(self.mtp_start_layer_idx + k): MultiTokenPredictorLayer(
+                config, self.mtp_start_layer_idx + k, params_dtype, tied_heads[k], fuse_allreduce_rmsnorm,
+                sequence_parallel)
+            for k in range(self.num_mtp_layers)})
+
+
+class Glm4MoeMTP(nn.Module):
+    """The MTP draft model: ``num_nextn_predict_layers`` MTP layers sharing the target's embedding.
+
+    Args:
+        config: the model config (``num_nextn_predict_layers >= 1``).
+        embed_tokens: the target's ``VocabParallelEmbedding`` (shared, not copied).
+        lm_head: the target's ``ParallelLMHead`` (used for layers whose head is tied).
+        tie_heads: per MTP layer (or one bool for all), whether its ``shared_head.head`` is the
+            target's ``lm_head`` (checkpoint without ``shared_head.head``) rather than its own.
+        fuse_allreduce_rmsnorm, sequence_parallel: the tail variant (module docstring).
+        params_dtype: parameter dtype (default ``config.dtype``).
+
+    Use :func:`mtpspec.models.loader.load_mtp_model` to build one from a checkpoint.
+
+    Every method takes ``spec_step_idx`` (the draft step, 0-based) and uses layer
+    ``spec_step_idx % num_mtp_layers``:
+
+    * ``forward(input_ids [T] int64, positions [T] int64, previous_hidden_states [T, H],
+      spec_step_idx=0) -> [T, H]`` post-norm hidden states (logits input and the next step's
+      ``previous_hidden_states``). Row ``i`` pairs the embedding of ``input_ids[i]`` (the token
+      after the one whose hidden state is ``previous_hidden_states[i]``) with that state, at
+      ``positions[i]``; rows at position 0 get a zero embedding.
+    * ``compute_logits(hidden_states [T, H], spec_step_idx=0) -> [T, vocab_size]``.
+    * ``get_top_tokens(hidden_states [T, H], spec_step_idx=0) -> [T]`` int64 (local argmax).
+
+    Raises:
+        ValueError: no MTP layers in the config, or ``spec_step_idx < 0``.
+    """
+
+    supports_local_argmax: ClassVar[Literal[True]] = True
+
+    def __init__(self, config: ModelConfig, embed_tokens: VocabParallelEmbedding, lm_head: ParallelLMHead,
+                 tie_heads: Union[bool, Sequence[bool]] = False, fuse_allreduce_rmsnorm: bool = True,
+                 sequence_parallel: bool = False, params_dtype: Optional[torch.dtype] = None) -> None:
+        super().__init__()
+        n = config.num_nextn_predict_layers
+        if n < 1:
+            raise ValueError("the config declares no MTP layers (num_nextn_predict_layers = 0)")
+        config.verify_tensor_parallel(get_tensor_model_parallel_world_size())
+        ties = [tie_heads] * n if isinstance(tie_heads, bool) else list(tie_heads)
+        if len(ties) != n:
+            raise ValueError(f"tie_heads has {len(ties)} entries for {n} MTP layers")
+        dtype = params_dtype or config.dtype or torch.get_default_dtype()
+        self.config = config
+        self.params_dtype = dtype
+        self.embed_tokens = embed_tokens
+        self.model = MultiTokenPredictor(config, dtype, [lm_head if t else None for t in ties],
+                                         fuse_allreduce_rmsnorm, sequence_parallel)
+        self.logits_processor = LogitsProcessor(config.vocab_size)
+
+    @property
+    def num_mtp_layers(self) -> int:
+        return self.model.num_mtp_layers
+
+    def layer_index(self, spec_step_idx: int) -> int:
+        """The MTP layer (0-based) that draft step ``spec_step_idx`` uses."""
+        if not isinstance(spec_step_idx, int) or spec_step_idx < 0:
+            raise ValueError(f"spec_step_idx must be an int >= 0, got {spec_step_idx!r}")
+        return spec_step_idx % self.num_mtp_layers
+
+    def get_layer(self, spec_step_idx: int = 0) -> MultiTokenPredictorLayer:
+        return self.model.layers[str(self.model.mtp_start_layer_idx + self.layer_index(spec_step_idx))]
+
+    def set_variant(self, fuse_allreduce_rmsnorm: Optional[bool] = None,
+                    sequence_parallel: Optional[bool] = None) -> None:
+        """Switch the tail variant of every layer (same weights)."""
+        for layer in self.model.layers.values():
+            if fuse_allreduce_rmsnorm is not None:
+                layer.fuse_allreduce_rmsnorm = fuse_allreduce_rmsnorm
+            if sequence_parallel is not None:
+                layer.sequence_parallel = sequence_parallel
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, previous_hidden_states: torch.Tensor,
+                spec_step_idx: int = 0) -> torch.Tensor:
+        layer = self.get_layer(spec_step_idx)
+        return layer(self.embed_tokens(input_ids), positions, previous_hidden_states)
+
+    def compute_logits(self, hidden_states: torch.Tensor, spec_step_idx: int = 0) -> torch.Tensor:
+        return self.logits_processor.compute_logits(self.get_layer(spec_step_idx).shared_head.head, hidden_states)
+
+    def get_top_tokens(self, hidden_states: torch.Tensor, spec_step_idx: int = 0) -> torch.Tensor:
+        return self.logits_processor.get_top_tokens(self.get_layer(spec_step_idx).shared_head.head, hidden_states)

@@ -1,0 +1,537 @@
+"""Load GLM-4.5-family checkpoints (Hugging Face safetensors layout) into TP-sharded models; write them.
+
+On-disk layout (what ``transformers`` writes with ``save_pretrained``):
+
+* target: ``model.embed_tokens.weight``, ``model.layers.{i}.…`` (``self_attn.{q,k,v,o}_proj``,
+  optional ``q_norm`` / ``k_norm`` / q,k,v biases, ``input_layernorm``,
+  ``post_attention_layernorm``, dense ``mlp.{gate,up,down}_proj`` or MoE ``mlp.gate.weight``,
+  ``mlp.gate.e_score_correction_bias``, ``mlp.experts.{e}.{gate,up,down}_proj.weight``,
+  ``mlp.shared_experts.{gate,up,down}_proj.weight``), ``model.norm.weight``, ``lm_head.weight``
+  (absent when ``tie_word_embeddings``). Experts may instead be stored fused, as
+  ``transformers`` >= 5 keeps them in memory: ``mlp.experts.gate_up_proj [E, 2I, H]`` (gate rows
+  first) and ``mlp.experts.down_proj [E, H, I]``; either layout loads (not both at once).
+* MTP layer ``k`` at ``model.layers.{num_hidden_layers + k}.``: ``enorm``, ``hnorm``, ``eh_proj``,
+  ``shared_head.norm``, optional ``shared_head.head`` (absent: tied to the target's lm_head) and
+  ``embed_tokens`` (ignored: the target's embedding is shared), plus a decoder block's keys.
+
+Loading reads one tensor at a time (``safe_open`` per file, lazily per key) and hands the full
+tensor to the parameter's ``weight_loader``, which keeps this rank's shard, converted to the
+requested dtype. Every key is checked against the config first (names, shapes, dtypes, from
+the headers only); the model is built fresh and returned only when every parameter has been
+loaded, so a failed load never leaves a half-loaded model behind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+from dataclasses import dataclass
+from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Set, Tuple, Union
+
+import torch
+from torch import nn
+
+from mtpspec.config import ModelConfig
+from mtpspec.distributed import get_tensor_model_parallel_world_size, get_tp_group
+
+SUPPORTED_LOAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+SUPPORTED_FILE_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+
+
+# ------------------------------------------------------------------------------------------- errors
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be loaded (base class of the errors below)."""
+
+
+class MissingKeyError(CheckpointError):
+    """A tensor the model needs is not in the checkpoint (``.key`` names it)."""
+
+    def __init__(self, key: str, detail: str = ""):
+        super().__init__(f"checkpoint is missing key {key!r}{detail}")
+        self.key = key
+
+
+class UnexpectedKeyError(CheckpointError):
+    """The checkpoint holds a tensor the model does not know (``.key`` names it)."""
+
+    def __init__(self, key: str, detail: str = ""):
+        super().__init__(f"checkpoint has unexpected key {key!r}{detail}")
+        self.key = key
+
+
+class ShapeMismatchError(CheckpointError):
+    """A tensor's shape differs from what the config implies (``.key``, ``.expected``, ``.actual``)."""
+
+    def __init__(self, key: str, expected: Sequence[int], actual: Sequence[int]):
+        super().__init__(f"checkpoint tensor {key!r}: expected shape {list(expected)}, got {list(actual)}")
+        self.key, self.expected, self.actual = key, tuple(expected), tuple(actual)
+
+
+class UnsupportedDtypeError(CheckpointError):
+    """A tensor (or the requested load dtype) is not float32 / bfloat16 / float16."""
+
+
+class CorruptCheckpointError(CheckpointError):
+    """A file is truncated, has a broken header, is missing, or disagrees with the index."""
+
+
+# ------------------------------------------------------------------------------------------- reading
+class CheckpointReader:
+    """Lazy access to the tensors of a safetensors checkpoint folder.
+
+    Finds ``model.safetensors.index.json`` (sharded), else ``model.safetensors``, else every
+    ``*.safetensors`` file in the folder. Headers are read on open; tensor data only on
+    :meth:`get`. Use as a context manager (closes the files).
+
+    Raises:
+        FileNotFoundError: no safetensors file in the folder.
+        CorruptCheckpointError: a truncated / unreadable file, an index naming a missing file or
+            a key its file does not hold, invalid index JSON, a key in two files.
+    """
+
+    def __init__(self, path: str):
+        from safetensors import safe_open
+        self.path = path
+        self._stack = contextlib.ExitStack()
+        self._files: Dict[str, Any] = {}
+        self._where: Dict[str, str] = {}
+        index_path = os.path.join(path, INDEX_FILE)
+        try:
+            if os.path.isfile(index_path):
+                try:
+                    with open(index_path, "r", encoding="utf-8") as f:
+                        weight_map = json.load(f)["weight_map"]
+                except (json.JSONDecodeError, KeyError, TypeError) as exc:
+                    raise CorruptCheckpointError(f"{index_path}: not a valid safetensors index ({exc})") from exc
+                files = sorted(set(weight_map.values()))
+            elif os.path.isfile(os.path.join(path, SINGLE_FILE)):
+                weight_map, files = None, [SINGLE_FILE]
+            else:
+                files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors")) if os.path.isdir(path) else []
+                weight_map = None
+                if not files:
+                    raise FileNotFoundError(f"no safetensors checkpoint in {path!r}")
+            for name in files:
+                full = os.path.join(path, name)
+                if not os.path.isfile(full):
+                    raise CorruptCheckpointError(f"checkpoint file {full!r} (named by the index) does not exist")
+                try:
+                    handle = self._stack.enter_context(safe_open(full, framework="pt", device="cpu"))
+                except Exception as exc:  # safetensors raises SafetensorError (not exported) or OSError
+                    raise CorruptCheckpointError(f"checkpoint file {full!r} is truncated or corrupt: {exc}") from exc
+                self._files[name] = handle
+                for key in handle.keys():
+                    if weight_map is None:
+                        if key in self._where:
+                            raise CorruptCheckpointError(f"key {key!r} is in both {self._where[key]} and {name}")
+                        self._where[key] = name
+            if weight_map is not None:
+                for key, name in weight_map.items():
+                    if key not in set(self._files[name].keys()):
+                        raise CorruptCheckpointError(f"index maps {key!r} to {name}, which does not hold it")
+                    self._where[key] = name
+        except BaseException:
+            self._stack.close()
+            raise
+
+    def __enter__(self) -> "CheckpointReader":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._stack.close()
+
+    def keys(self) -> List[str]:
+        return sorted(self._where)
+
+    def __contains__(self, key: str) -> bool:
+        return key in self._where
+
+    def shape(self, key: str) -> Tuple[int, ...]:
+        return tuple(self._files[self._where[key]].get_slice(key).get_shape())
+
+    def dtype_name(self, key: str) -> str:
+        """The safetensors dtype string, e.g. ``"BF16"``."""
+        return self._files[self._where[key]].get_slice(key).get_dtype()
+
+    def get(self, key: str) -> torch.Tensor:
+        """Read one full tensor (CPU).
+
+        Raises:
+            CorruptCheckpointError: its bytes cannot be read.
+        """
+        try:
+            return self._files[self._where[key]].get_tensor(key)
+        except Exception as exc:
+            raise CorruptCheckpointError(f"cannot read {key!r} from {self._where[key]}: {exc}") from exc
+
+
+# ------------------------------------------------------------------------------------------- specs
+@dataclass(frozen=True)
+class WeightSpec:
+    """Where one checkpoint tensor goes.
+
+    Attributes:
+        param: dotted parameter name inside the module being loaded.
+        shape: the full (unsharded) shape the checkpoint tensor must have.
+        shard_id: ``weight_loader``'s shard id (``"q"/"k"/"v"``, ``0/1``, ``"w1"/"w3"/"w2"/"w13"``).
+        expert_id: the expert for per-expert MoE tensors (``None`` otherwise).
+        layout: ``None``, or ``"{experts prefix}:per_expert"`` / ``"{experts prefix}:fused"`` for
+            the two alternative expert layouts (exactly one must be present).
+        optional: may be absent (``shared_head.head``, MTP ``embed_tokens``, tied ``lm_head``).
+        ignored: recognised but not loaded (MTP ``embed_tokens``, a tied ``lm_head``).
+    """
+
+    param: str
+    shape: Tuple[int, ...]
+    shard_id: Any = None
+    expert_id: Optional[int] = None
+    layout: Optional[str] = None
+    optional: bool = False
+    ignored: bool = False
+
+
+def _decoder_layer_specs(cfg: ModelConfig, layer_idx: int, ck: str, mp: str) -> Dict[str, WeightSpec]:
+    h, hd = cfg.hidden_size, cfg.head_dim
+    nq, nkv = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd
+    s: Dict[str, WeightSpec] = {
+        f"{ck}input_layernorm.weight": WeightSpec(f"{mp}input_layernorm.weight", (h,)),
+        f"{ck}post_attention_layernorm.weight": WeightSpec(f"{mp}post_attention_layernorm.weight", (h,)),
+        f"{ck}self_attn.o_proj.weight": WeightSpec(f"{mp}self_attn.o_proj.weight", (h, nq)),
+    }
+    for name, rows in (("q", nq), ("k", nkv), ("v", nkv)):
+        s[f"{ck}self_attn.{name}_proj.weight"] = WeightSpec(f"{mp}self_attn.qkv_proj.weight", (rows, h), name)
+        if cfg.attention_bias:
+            s[f"{ck}self_attn.{name}_proj.bias"] = WeightSpec(f"{mp}self_attn.qkv_proj.bias", (rows,), name)
+    if cfg.use_qk_norm:
+        s[f"{ck}self_attn.q_norm.weight"] = WeightSpec(f"{mp}self_attn.q_norm.weight", (hd,))
+        s[f"{ck}self_attn.k_norm.weight"] = WeightSpec(f"{mp}self_attn.k_norm.weight", (hd,))
+
+    def mlp(ckp: str, mpp: str, inter: int) -> None:
+        s[f"{ckp}gate_proj.weight"] = WeightSpec(f"{mpp}gate_up_proj.weight", (inter, h), 0)
+        s[f"{ckp}up_proj.weight"] = WeightSpec(f"{mpp}gate_up_proj.weight", (inter, h), 1)
+        s[f"{ckp}down_proj.weight"] = WeightSpec(f"{mpp}down_proj.weight", (h, inter))
+
+    if not cfg.is_moe_layer(layer_idx):
+        mlp(f"{ck}mlp.", f"{mp}mlp.", cfg.intermediate_size)
+        return s
+    e, i = cfg.n_routed_experts, cfg.moe_intermediate_size
+    s[f"{ck}mlp.gate.weight"] = WeightSpec(f"{mp}mlp.gate.weight", (e, h))
+    s[f"{ck}mlp.gate.e_score_correction_bias"] = WeightSpec(f"{mp}mlp.gate.e_score_correction_bias", (e,))
+    group = f"{ck}mlp.experts"
+    w13, w2 = f"{mp}mlp.experts.w13_weight", f"{mp}mlp.experts.w2_weight"
+    for x in range(e):
+        per = f"{group}:per_expert"
+        s[f"{ck}mlp.experts.{x}.gate_proj.weight"] = WeightSpec(w13, (i, h), "w1", x, per)
+        s[f"{ck}mlp.experts.{x}.up_proj.weight"] = WeightSpec(w13, (i, h), "w3", x, per)
+        s[f"{ck}mlp.experts.{x}.down_proj.weight"] = WeightSpec(w2, (h, i), "w2", x, per)
+    s[f"{ck}mlp.experts.gate_up_proj"] = WeightSpec(w13, (e, 2 * i, h), "w13", None, f"{group}:fused")
+    s[f"{ck}mlp.experts.down_proj"] = WeightSpec(w2, (e, h, i), "w2", None, f"{group}:fused")
+    if cfg.n_shared_experts > 0:
+        mlp(f"{ck}mlp.shared_experts.", f"{mp}mlp.shared_experts.", i * cfg.n_shared_experts)
+    return s
+
+
+def target_weight_specs(cfg: ModelConfig) -> Dict[str, WeightSpec]:
+    """Checkpoint key -> :class:`WeightSpec` for the target model (:class:`Glm4MoeForCausalLM`)."""
+    v, h = cfg.vocab_size, cfg.hidden_size
+    s = {"model.embed_tokens.weight": WeightSpec("model.embed_tokens.weight", (v, h)),
+         "model.norm.weight": WeightSpec("model.norm.weight", (h,)),
+         "lm_head.weight": WeightSpec("lm_head.weight", (v, h), optional=cfg.tie_word_embeddings,
+                                      ignored=cfg.tie_word_embeddings)}
+    for i in range(cfg.num_hidden_layers):
+        s.update(_decoder_layer_specs(cfg, i, f"model.layers.{i}.", f"model.layers.{i}."))
+    return s
+
+
+def mtp_weight_specs(cfg: ModelConfig) -> Dict[str, WeightSpec]:
+    """Checkpoint key -> :class:`WeightSpec` for the MTP model (:class:`Glm4MoeMTP`)."""
+    v, h = cfg.vocab_size, cfg.hidden_size
+    s: Dict[str, WeightSpec] = {}
+    for k in range(cfg.num_nextn_predict_layers):
+        idx = cfg.num_hidden_layers + k
+        ck = mp = f"model.layers.{idx}."
+        s[f"{ck}enorm.weight"] = WeightSpec(f"{mp}enorm.weight", (h,))
+        s[f"{ck}hnorm.weight"] = WeightSpec(f"{mp}hnorm.weight", (h,))
+        s[f"{ck}eh_proj.weight"] = WeightSpec(f"{mp}eh_proj.weight", (h, 2 * h))
+        s[f"{ck}shared_head.norm.weight"] = WeightSpec(f"{mp}shared_head.norm.weight", (h,))
+        s[f"{ck}shared_head.head.weight"] = WeightSpec(f"{mp}shared_head.head.weight", (v, h), optional=True)
+        s[f"{ck}embed_tokens.weight"] = WeightSpec("", (v, h), optional=True, ignored=True)
+        s.update(_decoder_layer_specs(cfg, idx, ck, f"{mp}mtp_block."))
+    return s
+
+
+def _select(reader: CheckpointReader, own: Dict[str, WeightSpec], other: Dict[str, WeightSpec],
+            part: str) -> Dict[str, WeightSpec]:
+    """Check names, layouts, shapes and dtypes; return the keys of ``own`` to load."""
+    for key in reader.keys():
+        if key not in own and key not in other:
+            raise UnexpectedKeyError(key, f" (not a tensor of this {part}'s config; expected names like "
+                                          f"{next(iter(own))!r})")
+    layouts: Dict[str, Dict[str, List[str]]] = {}
+    for key, spec in own.items():
+        if spec.layout is not None:
+            group, kind = spec.layout.rsplit(":", 1)
+            layouts.setdefault(group, {}).setdefault(kind, []).append(key)
+    chosen: Set[str] = set()
+    for group, kinds in layouts.items():
+        present = {kind: [k for k in keys if k in reader] for kind, keys in kinds.items()}
+        full = [kind for kind, keys in kinds.items() if len(present[kind]) == len(keys)]
+        any_present = [kind for kind in kinds if present[kind]]
+        if len(any_present) > 1:
+            raise UnexpectedKeyError(present["fused"][0], f" ({group} is stored both per expert and fused)")
+        kind = any_present[0] if any_present else "per_expert"
+        if kind not in full:
+            missing = next(k for k in kinds[kind] if k not in reader)
+            raise MissingKeyError(missing)
+        chosen.update(kinds[kind])
+    selected: Dict[str, WeightSpec] = {}
+    for key, spec in own.items():
+        if spec.layout is not None and key not in chosen:
+            continue
+        if key not in reader:
+            if spec.optional:
+                continue
+            raise MissingKeyError(key)
+        dt = reader.dtype_name(key)
+        if dt not in SUPPORTED_FILE_DTYPES:
+            raise UnsupportedDtypeError(f"checkpoint tensor {key!r} has unsupported dtype {dt}; "
+                                        f"expected one of {sorted(SUPPORTED_FILE_DTYPES)}")
+        shape = reader.shape(key)
+        if shape != spec.shape:
+            raise ShapeMismatchError(key, spec.shape, shape)
+        if not spec.ignored:
+            selected[key] = spec
+    return selected
+
+
+def _load_selected(module: nn.Module, reader: CheckpointReader, selected: Dict[str, WeightSpec],
+                   shared: Sequence[torch.Tensor], check_finite: bool) -> None:
+    """Load every selected tensor and check that no parameter of ``module`` was left unloaded."""
+    params = dict(module.named_parameters(remove_duplicate=False))
+    shared_ids = {id(t) for t in shared}
+    loaded: Set[int] = set()
+    for key, spec in selected.items():
+        if spec.param not in params:
+            raise CheckpointError(f"internal: {key!r} maps to unknown parameter {spec.param!r}")
+        param = params[spec.param]
+        tensor = reader.get(key)
+        if check_finite and not bool(torch.isfinite(tensor).all()):
+            raise CorruptCheckpointError(f"checkpoint tensor {key!r} holds NaN or infinite values")
+        try:
+            if spec.shard_id in ("w1", "w3", "w13", "w2"):  # FusedMoE: (param, w, shard_id, expert_id)
+                param.weight_loader(param, tensor, spec.shard_id, spec.expert_id)
+            else:
+                param.weight_loader(param, tensor, spec.shard_id)
+        except (ValueError, TypeError) as exc:
+            raise CheckpointError(f"loading {key!r} into {spec.param}: {exc}") from exc
+        loaded.add(id(param))
+    for name, p in params.items():
+        if id(p) not in loaded and id(p) not in shared_ids:
+            # A parameter no checkpoint tensor fed (would hold uninitialised memory).
+            raise MissingKeyError(name, " (no checkpoint tensor loads this parameter)")
+
+
+# ------------------------------------------------------------------------------------------- building
+def _resolve(dtype: Optional[Union[torch.dtype, str]], device: Optional[Union[str, torch.device]],
+             cfg: ModelConfig) -> Tuple[torch.dtype, torch.device]:
+    from mtpspec.config import ModelConfigError, _dtype_from_name
+    if dtype is None:
+        dtype = cfg.dtype or torch.float32
+    try:
+        dtype = _dtype_from_name(dtype)
+    except ModelConfigError as exc:
+        raise UnsupportedDtypeError(f"unsupported load dtype {dtype!r}; expected one of float32, bfloat16, "
+                                    "float16") from exc
+    dev = torch.device(device) if device is not None else get_tp_group().device
+    return dtype, dev
+
+
+def load_models(model_path: str, dtype: Optional[Union[torch.dtype, str]] = None,
+                device: Optional[Union[str, torch.device]] = None, load_mtp: bool = True,
+                fuse_allreduce_rmsnorm: bool = True, sequence_parallel: bool = False,
+                check_finite: bool = True, config: Optional[ModelConfig] = None):
+    """Build the target (and the MTP draft model) from a checkpoint folder, sharded for this rank.
+
+    Call on every TP rank (after ``init_distributed_environment`` / inside ``launch``); each
+    rank keeps only its shards.
+
+    Args:
+        model_path: folder with ``config.json`` and safetensors files.
+        dtype: parameter dtype (float32 / bfloat16 / float16 or their names); default the
+            config's ``torch_dtype``. The router always stays float32.
+        device: default the TP group's device (``cuda:{local_rank}`` under NCCL, else CPU).
+        load_mtp: also build the MTP model (needs ``num_nextn_predict_layers >= 1``).
+        fuse_allreduce_rmsnorm, sequence_parallel: the MTP tail variant.
+        check_finite: reject tensors holding NaN / inf.
+        config: an already-read config (default: read ``config.json``).
+
+    Returns:
+        ``(target: Glm4MoeForCausalLM, mtp: Glm4MoeMTP or None)``, both in eval mode.
+
+    Raises:
+        ModelConfigError: bad config or one that cannot be split over the current tp.
+        MissingKeyError / UnexpectedKeyError / ShapeMismatchError / UnsupportedDtypeError /
+        CorruptCheckpointError: see their docstrings.
+    """
+    cfg = config or ModelConfig.from_pretrained(model_path)
+    cfg.verify_tensor_parallel(get_tensor_model_parallel_world_size())
+    dtype, dev = _resolve(dtype, device, cfg)
+    if load_mtp and cfg.num_nextn_predict_layers < 1:
+        raise CheckpointError(f"{model_path}: config declares no MTP layers (num_nextn_predict_layers = 0)")
+    t_specs, m_specs = target_weight_specs(cfg), mtp_weight_specs(cfg)
+    with CheckpointReader(model_path) as reader:
+        t_sel = _select(reader, t_specs, m_specs, "target")
+        m_sel = _select(reader, m_specs, t_specs, "MTP model") if load_mtp else {}
+        from mtpspec.models.glm4_moe import Glm4MoeForCausalLM
+        from mtpspec.models.glm4_moe_mtp import Glm4MoeMTP
+        with torch.device(dev):
+            target = Glm4MoeForCausalLM(cfg, dtype)
+        _load_selected(target, reader, t_sel, (), check_finite)
+        mtp = None
+        if load_mtp:
+            ties = [f"model.layers.{cfg.num_hidden_layers + k}.shared_head.head.weight" not in reader
+                    for k in range(cfg.num_nextn_predict_layers)]
+            with torch.device(dev):
+                mtp = Glm4MoeMTP(cfg, target.model.embed_tokens, target.lm_head, ties, fuse_allreduce_rmsnorm,
+                                 sequence_parallel, dtype)
+            _load_selected(mtp, reader, m_sel, list(target.parameters()), check_finite)
+            mtp.eval()
+    return target.eval(), mtp
+
+
+def load_target_model(model_path: str, dtype: Optional[Union[torch.dtype, str]] = None,
+                      device: Optional[Union[str, torch.device]] = None, check_finite: bool = True):
+    """Only the target: :func:`load_models` with ``load_mtp=False``; returns the model."""
+    return load_models(model_path, dtype, device, load_mtp=False, check_finite=check_finite)[0]
+
+
+# ------------------------------------------------------------------------------------------- writing
+def _extract(param: torch.Tensor, spec: WeightSpec, module: nn.Module, cfg: ModelConfig) -> torch.Tensor:
+    """The full checkpoint tensor of ``spec`` from a tp-1 parameter (inverse of the loaders)."""
+    sid = spec.shard_id
+    if spec.expert_id is not None:
+        i = cfg.moe_intermediate_size
+        w = param[spec.expert_id]
+        return {"w1": w[:i], "w3": w[i:], "w2": w}[sid]
+    if sid in ("q", "k", "v"):
+        q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+        start = {"q": 0, "k": q, "v": q + kv}[sid]
+        return param[start:start + (q if sid == "q" else kv)]
+    if sid in (0, 1):
+        half = param.shape[0] // 2
+        return param[sid * half:(sid + 1) * half]
+    return param[:spec.shape[0]] if param.shape[0] != spec.shape[0] else param
+
+
+def export_hf_state_dict(target: Optional[nn.Module] = None, mtp: Optional[nn.Module] = None,
+                         dtype: Optional[torch.dtype] = None) -> Dict[str, torch.Tensor]:
+    """The Hugging Face checkpoint tensors of tp-1 mtpspec models (per-expert expert layout).
+
+    Args:
+        target: a ``Glm4MoeForCausalLM`` (or None).
+        mtp: a ``Glm4MoeMTP`` (or None); tied heads and the shared embedding are not exported.
+        dtype: convert to this dtype (default: keep each parameter's dtype).
+
+    Returns:
+        ``{key: CPU tensor}``, ready for :func:`save_checkpoint`.
+
+    Raises:
+        ValueError: the models were built at tp > 1 (gather the shards first).
+    """
+    if get_tensor_model_parallel_world_size() != 1:
+        raise ValueError("export_hf_state_dict needs tp-1 models (every shard is the full tensor)")
+    out: Dict[str, torch.Tensor] = {}
+    for model, spec_fn in ((target, target_weight_specs), (mtp, mtp_weight_specs)):
+        if model is None:
+            continue
+        cfg = model.config
+        params = dict(model.named_parameters(remove_duplicate=False))
+        for key, spec in spec_fn(cfg).items():
+            if spec.ignored or (spec.layout or "").endswith(":fused") or spec.param not in params:
+                continue
+            if key.endswith("shared_head.head.weight"):
+                layer = model.model.layers[key.split(".")[2]]
+                if layer.shared_head.tied:
+                    continue
+            t = _extract(params[spec.param].detach(), spec, model, cfg)
+            out[key] = t.to(device="cpu", dtype=dtype or t.dtype).contiguous().clone()
+    return out
+
+
+def save_checkpoint(path: str, tensors: Mapping[str, torch.Tensor], config: Optional[Mapping[str, Any]] = None,
+                    max_shard_bytes: Optional[int] = None, dtype: Optional[torch.dtype] = None) -> List[str]:
+    """Write tensors in the Hugging Face safetensors layout.
+
+    Args:
+        path: output folder (created). Existing ``model*.safetensors`` files and the index in it
+            are removed first, so stale shards never mix with the new ones.
+        tensors: ``{checkpoint key: tensor}`` (any device; written contiguous, on CPU).
+        config: the ``config.json`` content to write (a dict), or None to leave it alone.
+        max_shard_bytes: when set and the tensors exceed it, write shards
+            ``model-0000i-of-0000n.safetensors`` plus ``model.safetensors.index.json``
+            (a tensor larger than the limit gets a shard of its own); else one ``model.safetensors``.
+        dtype: convert floating tensors to this dtype (float32 / bfloat16 / float16).
+
+    Returns:
+        The file names written.
+
+    Raises:
+        UnsupportedDtypeError: ``dtype`` or a tensor's dtype is not float32 / bfloat16 / float16.
+    """
+    from safetensors.torch import save_file
+    if dtype is not None and dtype not in SUPPORTED_LOAD_DTYPES:
+        raise UnsupportedDtypeError(f"unsupported save dtype {dtype}; expected float32, bfloat16 or float16")
+    os.makedirs(path, exist_ok=True)
+    for name in os.listdir(path):
+        if re.fullmatch(r"model(-\d+-of-\d+)?\.safetensors|model\.safetensors\.index\.json", name):
+            os.remove(os.path.join(path, name))
+    prepared: Dict[str, torch.Tensor] = {}
+    for key in sorted(tensors):
+        t = tensors[key].detach().to("cpu")
+        if t.dtype not in SUPPORTED_LOAD_DTYPES:
+            raise UnsupportedDtypeError(f"tensor {key!r} has unsupported dtype {t.dtype}")
+        prepared[key] = t.to(dtype or t.dtype).contiguous().clone()
+    shards: List[Dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for key, t in prepared.items():
+        nbytes = t.numel() * t.element_size()
+        if max_shard_bytes is not None and shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][key] = t
+        size += nbytes
+    written = []
+    if len(shards) == 1:
+        names = [SINGLE_FILE]
+    else:
+        names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    for name, shard in zip(names, shards):
+        tmp = os.path.join(path, name + ".tmp")
+        save_file(shard, tmp, metadata={"format": "pt"})
+        os.replace(tmp, os.path.join(path, name))
+        written.append(name)
+    if len(shards) > 1:
+        index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in prepared.values())},
+                 "weight_map": {k: n for n, shard in zip(names, shards) for k in shard}}
+        with open(os.path.join(path, INDEX_FILE), "w", encoding="utf-8") as f:
+            json.dump(index, f, indent=2, sort_keys=True)
+        written.append(INDEX_FILE)
+    if config is not None:
+        with open(os.path.join(path, "config.json"), "w", encoding="utf-8") as f:
+            json.dump(dict(config), f, indent=2, sort_keys=True)
+        written.append("config.json")
+    return written
+
+
+def read_checkpoint_tensors(path: str) -> Iterator[Tuple[str, torch.Tensor]]:
+    """Yield ``(key, tensor)`` for every tensor of a checkpoint folder, one at a time."""
+    with CheckpointReader(path) as reader:
+        for key in reader.keys():
+            yield key, reader.get(key)

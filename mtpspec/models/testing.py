@@ -1,0 +1,119 @@
+"""Tiny random GLM-4.5-family checkpoints for tests and smoke runs (needs ``transformers``).
+
+:func:`make_tiny_checkpoint` builds a random ``transformers.Glm4MoeForCausalLM`` (dense and MoE
+layers, partial rotary, GQA), saves it with ``save_pretrained`` (Hugging Face's own on-disk
+layout), then adds random MTP layers with :func:`mtpspec.models.loader.save_checkpoint`.
+Weights are rescaled so activations stay O(1) and routing is not degenerate (Hugging Face's
+0.02-std init gives near-zero logits, which would make comparisons weak).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from typing import Any, Dict, Optional, Tuple
+
+import torch
+
+from mtpspec.config import ModelConfig
+
+TINY_CONFIG: Dict[str, Any] = dict(
+    vocab_size=200, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+    num_key_value_heads=2, head_dim=32, moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=3,
+    n_shared_experts=1, n_group=2, topk_group=1, first_k_dense_replace=1, routed_scaling_factor=1.5,
+    norm_topk_prob=True, use_qk_norm=False, attention_bias=False, partial_rotary_factor=0.5,
+    rope_theta=10000.0, max_position_embeddings=256, rms_norm_eps=1e-5, tie_word_embeddings=False,
+    eos_token_id=[1, 2], bos_token_id=0)
+
+
+def _randomise(name: str, t: torch.Tensor, g: torch.Generator) -> torch.Tensor:
+    """A fresh value for one checkpoint tensor (by its name), float32."""
+    shape = tuple(t.shape)
+    if name.endswith("norm.weight"):
+        return 0.6 + 0.8 * torch.rand(shape, generator=g)
+    if name.endswith("e_score_correction_bias"):
+        return 0.2 * torch.randn(shape, generator=g)
+    if name.endswith(".bias"):
+        return 0.1 * torch.randn(shape, generator=g)
+    if "embed_tokens" in name or "lm_head" in name or "shared_head.head" in name:
+        return torch.randn(shape, generator=g)
+    fan_in = shape[-1]
+    scale = 2.0 if name.endswith("mlp.gate.weight") else 1.0
+    return scale * torch.randn(shape, generator=g) / math.sqrt(fan_in)
+
+
+def make_hf_model(seed: int = 0, **overrides: Any):
+    """A random ``transformers.Glm4MoeForCausalLM`` (eval, float32) from ``TINY_CONFIG`` + overrides."""
+    from transformers import Glm4MoeConfig, Glm4MoeForCausalLM
+    cfg_kwargs = dict(TINY_CONFIG)
+    cfg_kwargs.update(overrides)
+    cfg_kwargs.pop("num_nextn_predict_layers", None)
+    hf_cfg = Glm4MoeConfig(**cfg_kwargs)
+    hf_cfg._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    model = Glm4MoeForCausalLM(hf_cfg).eval()
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(_randomise(name, p, g))
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(_randomise(name, b, g))
+    return model
+
+
+def random_mtp_tensors(config: ModelConfig, num_mtp_layers: int, seed: int = 0, with_head: bool = True,
+                       with_embed: bool = False) -> Dict[str, torch.Tensor]:
+    """Random float32 tensors for MTP layers ``num_hidden_layers + k``, ``k < num_mtp_layers``
+    (Hugging Face names, per-expert layout)."""
+    from dataclasses import replace
+
+    from mtpspec.models.loader import mtp_weight_specs
+    cfg = replace(config, num_nextn_predict_layers=num_mtp_layers)
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for key, spec in mtp_weight_specs(cfg).items():
+        if spec.layout is not None and spec.layout.endswith(":fused"):
+            continue
+        if key.endswith("shared_head.head.weight") and not with_head:
+            continue
+        if key.endswith("embed_tokens.weight") and not with_embed:
+            continue
+        out[key] = _randomise(key, torch.empty(spec.shape), g)
+    return out
+
+
+def make_tiny_checkpoint(path: str, seed: int = 0, num_mtp_layers: int = 1, mtp_head: bool = True,
+                         dtype: Optional[torch.dtype] = None, max_shard_bytes: Optional[int] = None,
+                         **overrides: Any) -> Tuple[Any, ModelConfig]:
+    """Write a tiny checkpoint with ``num_mtp_layers`` random MTP layers to ``path``.
+
+    Args:
+        path: output folder.
+        seed: weights seed.
+        num_mtp_layers: MTP layers to add (0: none).
+        mtp_head: include ``shared_head.head`` (False: the loader ties it to ``lm_head``).
+        dtype: save dtype (default float32).
+        max_shard_bytes: shard the safetensors files (with an index) above this size.
+        overrides: ``Glm4MoeConfig`` fields replacing ``TINY_CONFIG``'s.
+
+    Returns:
+        ``(hf_model, config)``: the float32 ``transformers`` target model and the mtpspec config.
+    """
+    from mtpspec.models.loader import read_checkpoint_tensors, save_checkpoint
+    model = make_hf_model(seed, **overrides)
+    model.save_pretrained(path)
+    with open(os.path.join(path, "config.json"), "r", encoding="utf-8") as f:
+        raw = json.load(f)
+    raw["num_nextn_predict_layers"] = num_mtp_layers
+    tensors = dict(read_checkpoint_tensors(path))
+    cfg = ModelConfig.from_dict(raw)
+    if num_mtp_layers:
+        tensors.update(random_mtp_tensors(cfg, num_mtp_layers, seed + 2, with_head=mtp_head))
+    if dtype is not None:
+        raw["torch_dtype"] = str(dtype).replace("torch.", "")
+        raw.pop("dtype", None)
+    save_checkpoint(path, tensors, raw, max_shard_bytes=max_shard_bytes, dtype=dtype)
+    cfg = ModelConfig.from_pretrained(path)
+    return model, cfg
