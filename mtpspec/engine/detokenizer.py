@@ -1,0 +1,88 @@
+"""Tokenizer loading and incremental detokenization (text grows token by token)."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, List, Optional, Sequence
+
+# Tokens of the prompt kept as left context, so the first output token decodes with the right
+# leading space / byte merges.
+_CONTEXT_TOKENS = 5
+
+
+class Tokenizer:
+    """A uniform face over a ``transformers`` tokenizer or a ``tokenizers.Tokenizer``.
+
+    Attributes:
+        eos_token_id: the EOS id, or ``None``.
+    """
+
+    def __init__(self, backend: Any, eos_token_id: Optional[int] = None):
+        self.backend = backend
+        self._is_fast_lib = backend.__class__.__module__.startswith("tokenizers")
+        self.eos_token_id = eos_token_id if eos_token_id is not None else getattr(backend, "eos_token_id", None)
+
+    def encode(self, text: str) -> List[int]:
+        """Token ids of ``text`` (no special tokens added)."""
+        if self._is_fast_lib:
+            return list(self.backend.encode(text, add_special_tokens=False).ids)
+        return list(self.backend.encode(text, add_special_tokens=False))
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+
+def load_tokenizer(path: str) -> Optional[Tokenizer]:
+    """The tokenizer in directory ``path`` or ``None`` when it holds none.
+
+    Tries ``transformers.AutoTokenizer`` (when ``tokenizer_config.json`` exists), then a bare
+    ``tokenizer.json`` through ``tokenizers``. The EOS id falls back to ``eos_token_id`` in
+    ``config.json`` / ``generation_config.json``.
+    """
+    if not os.path.isdir(path):
+        return None
+    eos = None
+    for name in ("generation_config.json", "config.json"):
+        f = os.path.join(path, name)
+        if eos is None and os.path.exists(f):
+            with open(f) as fh:
+                v = json.load(fh).get("eos_token_id")
+            eos = v[0] if isinstance(v, list) and v else v
+    if os.path.exists(os.path.join(path, "tokenizer_config.json")):
+        from transformers import AutoTokenizer
+        tok = AutoTokenizer.from_pretrained(path)
+        return Tokenizer(tok, tok.eos_token_id if tok.eos_token_id is not None else eos)
+    if os.path.exists(os.path.join(path, "tokenizer.json")):
+        from tokenizers import Tokenizer as HFTokenizer
+        return Tokenizer(HFTokenizer.from_file(os.path.join(path, "tokenizer.json")), eos)
+    return None
+
+
+class IncrementalDetokenizer:
+    """Turns a growing list of output ids into text deltas.
+
+    Each call decodes a short window ``ids[prefix:]`` and ``ids[prefix:read]`` and emits the
+    difference; a delta ending in U+FFFD (an incomplete UTF-8 sequence) waits for more tokens.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, prompt_token_ids: Sequence[int], skip_special_tokens: bool = True):
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.ids: List[int] = list(prompt_token_ids[-_CONTEXT_TOKENS:])
+        self.prefix_offset = 0
+        self.read_offset = len(self.ids)
+        self.text = ""
+
+    def add(self, token_id: int) -> str:
+        """Append one output token; returns the new text (possibly ``""``) and grows ``text``."""
+        self.ids.append(token_id)
+        dec = lambda a, b=None: self.tokenizer.decode(self.ids[a:b], self.skip_special_tokens)  # noqa: E731
+        prefix_text = dec(self.prefix_offset, self.read_offset)
+        new_text = dec(self.prefix_offset)
+        if len(new_text) <= len(prefix_text) or new_text.endswith("\ufffd"):
+            return ""
+        delta = new_text[len(prefix_text):]
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+        self.text += delta
+        return delta

@@ -1,0 +1,83 @@
+"""Per-request state: tokens, KV progress, block table, pending drafts, stop state, metrics."""
+
+from __future__ import annotations
+
+import enum
+from typing import List, Optional, Union
+
+from mtpspec.engine.detokenizer import IncrementalDetokenizer
+from mtpspec.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from mtpspec.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Sequence:
+    """One request (one completion).
+
+    Attributes:
+        request_id: the caller-visible id.
+        prompt: prompt text or ``None``.
+        prompt_token_ids / output_token_ids: token ids.
+        params: its :class:`SamplingParams`.
+        seed_key: 64-bit key of its random draws (:func:`~mtpspec.engine.counter_rng.seed_to_u64`).
+        num_computed_tokens: leading positions whose target (and MTP) KV entries are valid.
+        block_table: KV block ids, one per ``block_size`` positions; shared by the target and
+            the MTP layers' caches.
+        draft_token_ids: drafts proposed in the previous step, verified in the next one.
+        finish_reason / stop_reason: see :class:`~mtpspec.outputs.CompletionOutput`.
+    """
+
+    def __init__(self, request_id: str, prompt: Optional[str], prompt_token_ids: List[int],
+                 params: SamplingParams, seed_key: int, arrival_time: float,
+                 detokenizer: Optional[IncrementalDetokenizer] = None):
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.output_token_ids: List[int] = []
+        self.params = params
+        self.seed_key = seed_key
+        self.status = SequenceStatus.WAITING
+        self.num_computed_tokens = 0
+        self.block_table: List[int] = []
+        self.draft_token_ids: List[int] = []
+        self.finish_reason: Optional[str] = None
+        self.stop_reason: Union[int, str, None] = None
+        self.detokenizer = detokenizer
+        self.output_text = ""
+        self.metrics = RequestMetrics(arrival_time=arrival_time)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> List[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def last_token_id(self) -> int:
+        return self.output_token_ids[-1] if self.output_token_ids else self.prompt_token_ids[-1]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == SequenceStatus.FINISHED
+
+    @property
+    def is_prefill(self) -> bool:
+        """True when no KV entry is valid (new, or preempted and to be recomputed)."""
+        return self.num_computed_tokens == 0
+
+    def to_output(self) -> RequestOutput:
+        comp = CompletionOutput(0, self.output_text, list(self.output_token_ids), self.finish_reason,
+                                self.stop_reason)
+        return RequestOutput(self.request_id, self.prompt, list(self.prompt_token_ids), [comp],
+                             self.is_finished, self.metrics)
+
+    def __repr__(self) -> str:
+        return (f"Sequence({self.request_id!r}, status={self.status.value}, tokens={self.num_tokens}, "
+                f"computed={self.num_computed_tokens}, blocks={len(self.block_table)})")

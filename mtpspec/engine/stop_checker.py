@@ -1,0 +1,45 @@
+"""Appending a step's tokens to a sequence, stopping on EOS / stop ids / stop strings / lengths."""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence as Seq
+
+from mtpspec.engine.sequence import Sequence
+
+
+def append_tokens(seq: Sequence, token_ids: Seq[int], eos_token_id: Optional[int], max_model_len: int) -> int:
+    """Append ``token_ids`` one at a time; stop at the first that finishes the request.
+
+    Order of checks per token (after appending it): EOS (unless ``ignore_eos``) or a stop token
+    id -> ``"stop"`` (the id stays in ``output_token_ids``, not in the text); a stop string in
+    the text -> ``"stop"`` (text cut before it); ``max_tokens`` reached or the sequence
+    reached ``max_model_len`` -> ``"length"``. Tokens after the finishing one are dropped.
+
+    Returns:
+        How many of ``token_ids`` were kept.
+    """
+    p = seq.params
+    stops = p.stop_strings
+    for i, tok in enumerate(token_ids):
+        seq.output_token_ids.append(int(tok))
+        if (tok == eos_token_id and not p.ignore_eos) or (p.stop_token_ids and tok in p.stop_token_ids):
+            seq.finish_reason = "stop"
+            seq.stop_reason = None if (tok == eos_token_id and not p.ignore_eos) else int(tok)
+            return i + 1
+        if seq.detokenizer is not None:
+            before = len(seq.output_text)
+            seq.output_text += seq.detokenizer.add(int(tok))
+            if stops and len(seq.output_text) > before:
+                start = max(0, before - max(len(s) for s in stops) + 1)
+                hits = [(seq.output_text.find(s, start), s) for s in stops]
+                hits = [(pos, s) for pos, s in hits if pos >= 0]
+                if hits:
+                    pos, s = min(hits)
+                    seq.output_text = seq.output_text[:pos]
+                    seq.finish_reason, seq.stop_reason = "stop", s
+                    return i + 1
+        if (p.max_tokens is not None and len(seq.output_token_ids) >= p.max_tokens) \
+                or seq.num_tokens >= max_model_len:
+            seq.finish_reason = "length"
+            return i + 1
+    return len(token_ids)
