@@ -1,3 +1,28 @@
-"""mtpspec: tensor-parallel speculative decoding with MTP draft layers."""
+"""mtpspec: tensor-parallel speculative decoding with MTP draft layers.
+
+``from mtpspec import LLM, SamplingParams`` imports the engine lazily, so ``import mtpspec``
+stays light (no torch import until one of these names is used).
+"""
+
+from typing import Any
 
 __version__ = "0.1.0"
+
+_LAZY = {
+    "LLM": "mtpspec.engine.llm",
+    "SamplingParams": "mtpspec.sampling_params",
+    "RequestOutput": "mtpspec.outputs",
+    "CompletionOutput": "mtpspec.outputs",
+    "RequestMetrics": "mtpspec.outputs",
+}
+
+__all__ = ["__version__", *_LAZY]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'mtpspec' has no attribute {name!r}")

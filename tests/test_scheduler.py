@@ -54,7 +54,7 @@ def run_engine(prompts: List[List[int]], params: List[SamplingParams], k: int, n
                block_size: int = 4, max_num_seqs: int = 4, max_model_len: int = 64, seed: int = 0):
     cfg = SchedulerConfig(max_num_seqs=max_num_seqs, max_model_len=max_model_len, num_speculative_tokens=k)
     bm = BlockManager(num_blocks, block_size, watermark=0.0)
-    sched = Scheduler(cfg, bm, EOS)
+    sched = Scheduler(cfg, bm, [EOS])
     seqs = [Sequence(str(i), None, p, sp, 0, float(i)) for i, (p, sp) in enumerate(zip(prompts, params))]
     for s in seqs:
         sched.add(s)
@@ -116,7 +116,7 @@ def test_tokens_independent_of_batching_and_preemption(k: int) -> None:
 def test_preempted_sequence_is_recomputed_as_prefill() -> None:
     cfg = SchedulerConfig(max_num_seqs=2, max_model_len=32, num_speculative_tokens=0)
     bm = BlockManager(4, 2, watermark=0.0)
-    sched = Scheduler(cfg, bm, EOS)
+    sched = Scheduler(cfg, bm, [EOS])
     a = Sequence("a", None, [1, 2, 3], SamplingParams(max_tokens=20), 0, 0.0)
     b = Sequence("b", None, [4, 5, 6], SamplingParams(max_tokens=20), 0, 1.0)
     sched.add(a)
@@ -138,7 +138,7 @@ def test_preempted_sequence_is_recomputed_as_prefill() -> None:
 
 def test_budget_limits_admissions() -> None:
     cfg = SchedulerConfig(max_num_seqs=2, max_model_len=16, max_num_batched_tokens=16, num_speculative_tokens=1)
-    sched = Scheduler(cfg, BlockManager(100, 4, watermark=0.0), EOS)
+    sched = Scheduler(cfg, BlockManager(100, 4, watermark=0.0), [EOS])
     for i, n in enumerate([10, 5, 3]):
         sched.add(Sequence(str(i), None, list(range(1, n + 1)), SamplingParams(max_tokens=5), 0, float(i)))
     out = sched.schedule()
@@ -153,18 +153,18 @@ def test_stop_conditions_and_truncation() -> None:
         return Sequence("x", None, [1, 2], SamplingParams(**kw), 0, 0.0)
 
     s = mk(max_tokens=10)
-    assert append_tokens(s, [5, EOS, 6], EOS, 100) == 2 and s.output_token_ids == [5, EOS]
+    assert append_tokens(s, [5, EOS, 6], [EOS], 100) == 2 and s.output_token_ids == [5, EOS]
     assert s.finish_reason == "stop" and s.stop_reason is None
     s = mk(max_tokens=10, ignore_eos=True)
-    assert append_tokens(s, [5, EOS, 6], EOS, 100) == 3 and s.finish_reason is None
+    assert append_tokens(s, [5, EOS, 6], [EOS], 100) == 3 and s.finish_reason is None
     s = mk(max_tokens=10, stop_token_ids=[6])
-    assert append_tokens(s, [5, 6, 7], EOS, 100) == 2 and (s.finish_reason, s.stop_reason) == ("stop", 6)
+    assert append_tokens(s, [5, 6, 7], [EOS], 100) == 2 and (s.finish_reason, s.stop_reason) == ("stop", 6)
     s = mk(max_tokens=2)
-    assert append_tokens(s, [5, 6, 7, 8], EOS, 100) == 2 and s.finish_reason == "length"
+    assert append_tokens(s, [5, 6, 7, 8], [EOS], 100) == 2 and s.finish_reason == "length"
     s = mk(max_tokens=1)
-    assert append_tokens(s, [5, 6], EOS, 100) == 1 and s.output_token_ids == [5]
+    assert append_tokens(s, [5, 6], [EOS], 100) == 1 and s.output_token_ids == [5]
     s = mk(max_tokens=None)
-    assert append_tokens(s, [5, 6, 7], EOS, 4) == 2 and s.finish_reason == "length" and s.num_tokens == 4
+    assert append_tokens(s, [5, 6, 7], [EOS], 4) == 2 and s.finish_reason == "length" and s.num_tokens == 4
 
 
 def test_finished_sequences_free_blocks_and_record_metrics() -> None:

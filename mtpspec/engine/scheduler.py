@@ -14,7 +14,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Deque, List, Optional, Sequence as Seq
+from typing import Collection, Deque, List, Optional, Sequence as Seq
 
 from mtpspec.engine.block_manager import BlockManager
 from mtpspec.engine.config import SchedulerConfig
@@ -51,10 +51,10 @@ class SchedulerOutput:
 class Scheduler:
     """Owns the waiting and running queues and the block manager."""
 
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, eos_token_id: Optional[int]):
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, eos_token_ids: Collection[int]):
         self.config = config
         self.block_manager = block_manager
-        self.eos_token_id = eos_token_id
+        self.eos_token_ids = frozenset(eos_token_ids)
         self.waiting: Deque[Sequence] = deque()
         self.running: List[Sequence] = []
         self.num_preemptions = 0
@@ -177,7 +177,7 @@ class Scheduler:
                     for j in range(a):
                         m.num_accepted_tokens_per_pos[j] += 1
                     m.accepted_length_histogram[a] += 1
-            kept = append_tokens(seq, toks, self.eos_token_id, self.config.max_model_len)
+            kept = append_tokens(seq, toks, self.eos_token_ids, self.config.max_model_len)
             m.num_output_tokens = len(seq.output_token_ids)
             if m.first_token_time is None:
                 m.first_token_time = now

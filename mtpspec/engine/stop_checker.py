@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
-from typing import Optional, Sequence as Seq
+from typing import Collection, Sequence as Seq
 
 from mtpspec.engine.sequence import Sequence
 
 
-def append_tokens(seq: Sequence, token_ids: Seq[int], eos_token_id: Optional[int], max_model_len: int) -> int:
+def append_tokens(seq: Sequence, token_ids: Seq[int], eos_token_ids: Collection[int], max_model_len: int) -> int:
     """Append ``token_ids`` one at a time; stop at the first that finishes the request.
+
+    ``eos_token_ids``: the model's EOS ids (any of them ends the request).
 
     Order of checks per token (after appending it): EOS (unless ``ignore_eos``) or a stop token
     id -> ``"stop"`` (the id stays in ``output_token_ids``, not in the text); a stop string in
@@ -22,9 +24,10 @@ def append_tokens(seq: Sequence, token_ids: Seq[int], eos_token_id: Optional[int
     stops = p.stop_strings
     for i, tok in enumerate(token_ids):
         seq.output_token_ids.append(int(tok))
-        if (tok == eos_token_id and not p.ignore_eos) or (p.stop_token_ids and tok in p.stop_token_ids):
+        is_eos = tok in eos_token_ids and not p.ignore_eos
+        if is_eos or (p.stop_token_ids and tok in p.stop_token_ids):
             seq.finish_reason = "stop"
-            seq.stop_reason = None if (tok == eos_token_id and not p.ignore_eos) else int(tok)
+            seq.stop_reason = None if is_eos else int(tok)
             return i + 1
         if seq.detokenizer is not None:
             before = len(seq.output_text)

@@ -1,0 +1,179 @@
+"""Executors: how the engine's steps reach the ranks (see :mod:`mtpspec.engine.worker`)."""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any, Callable, List, Optional
+
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from mtpspec.engine.step_io import StepInput, StepOutput
+from mtpspec.engine.worker import (
+    WorkerConfig, build_runner, cpu_group, handle_message, init_cache_min_over_ranks, spawned_worker_main)
+
+
+class WorkerError(RuntimeError):
+    """A rank failed; the message holds its traceback."""
+
+
+class Executor:
+    """Runs steps on every rank; ``execute`` returns rank 0's :class:`StepOutput`.
+
+    Attributes:
+        num_kv_blocks: KV blocks per layer (minimum over ranks).
+    """
+
+    num_kv_blocks: int = 0
+
+    def execute(self, step: StepInput) -> StepOutput:
+        raise NotImplementedError
+
+    def collective_rpc(self, fn: Callable[..., Any], *args: Any) -> List[Any]:
+        """Run ``fn(runner, *args)`` on every rank this process can reach; results in rank order."""
+        raise NotImplementedError
+
+    def shutdown(self) -> None:
+        pass
+
+
+class InProcessExecutor(Executor):
+    """tp 1, or rank 0 under ``torchrun`` (then every message is broadcast to the other ranks first)."""
+
+    def __init__(self, cfg: WorkerConfig, broadcast: bool = False):
+        self.broadcast = broadcast
+        self.group = cpu_group() if broadcast else None
+        self.runner = build_runner(cfg)
+        self.num_kv_blocks = init_cache_min_over_ranks(self.runner)
+
+    def _send(self, msg: tuple) -> None:
+        if self.broadcast:
+            dist.broadcast_object_list([msg], src=0, group=self.group)
+
+    def execute(self, step: StepInput) -> StepOutput:
+        msg = ("step", step)
+        self._send(msg)
+        return handle_message(self.runner, msg)
+
+    def collective_rpc(self, fn: Callable[..., Any], *args: Any) -> List[Any]:
+        msg = ("rpc", fn, args)
+        self._send(msg)
+        return [handle_message(self.runner, msg)]
+
+    def finish_call(self, payload: Any) -> None:
+        """Under ``torchrun``: release the other ranks' :func:`follower_loop` with ``payload``."""
+        self._send(("done", payload))
+
+    def shutdown(self) -> None:
+        if self.broadcast and dist.is_initialized():
+            self._send(("stop",))
+            self.broadcast = False
+
+
+class MultiprocExecutor(Executor):
+    """Spawns ``world_size`` persistent ranks and feeds them steps through pipes.
+
+    Args:
+        cfg: the workers' config.
+        world_size: number of ranks.
+        start_timeout_s: most seconds to wait for the ranks to load and size their caches.
+        step_timeout_s: most seconds one message may take on a rank before the engine gives up.
+
+    Raises:
+        WorkerError: a rank failed to start (its traceback in the message).
+    """
+
+    def __init__(self, cfg: WorkerConfig, world_size: int, start_timeout_s: float = 600.0,
+                 step_timeout_s: float = 600.0):
+        from mtpspec.distributed.launcher import find_free_port
+        ctx = mp.get_context("spawn")
+        port = find_free_port()
+        threads = max(1, (os.cpu_count() or 1) // world_size)
+        self.step_timeout_s = step_timeout_s
+        self.conns, self.procs = [], []
+        self._closed = False
+        for rank in range(world_size):
+            parent, child = ctx.Pipe()
+            p = ctx.Process(target=spawned_worker_main, args=(rank, world_size, port, cfg, child, threads), daemon=True)
+            p.start()
+            child.close()
+            self.conns.append(parent)
+            self.procs.append(p)
+        try:
+            ready = [self._recv(r, start_timeout_s) for r in range(world_size)]
+        except BaseException:
+            self.shutdown()
+            raise
+        self.num_kv_blocks = int(ready[0])
+
+    def _recv(self, rank: int, timeout_s: float) -> Any:
+        conn, proc = self.conns[rank], self.procs[rank]
+        deadline = time.monotonic() + timeout_s
+        while not conn.poll(0.05):
+            if not proc.is_alive():
+                if conn.poll(0.5):
+                    break
+                raise WorkerError(f"rank {rank} died (exit code {proc.exitcode}) without a reply")
+            if time.monotonic() > deadline:
+                raise WorkerError(f"rank {rank} did not reply within {timeout_s:.0f} s")
+        kind, payload = conn.recv()
+        if kind == "err":
+            raise WorkerError(f"rank {rank} failed:\n{payload}")
+        return payload
+
+    def _broadcast(self, msg: tuple) -> List[Any]:
+        if self._closed:
+            raise WorkerError("the executor was shut down")
+        try:
+            for c in self.conns:
+                c.send(msg)
+            return [self._recv(r, self.step_timeout_s) for r in range(len(self.conns))]
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def execute(self, step: StepInput) -> StepOutput:
+        return self._broadcast(("step", step))[0]
+
+    def collective_rpc(self, fn: Callable[..., Any], *args: Any) -> List[Any]:
+        return self._broadcast(("rpc", fn, args))
+
+    def shutdown(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for c, p in zip(self.conns, self.procs):
+            try:
+                if p.is_alive():
+                    c.send(("stop",))
+            except Exception:
+                pass
+        for p in self.procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.terminate()
+                p.join(timeout=5)
+        for c in self.conns:
+            c.close()
+
+
+def make_executor(cfg: WorkerConfig, tensor_parallel_size: int) -> Executor:
+    """In-process for tp 1 and under ``torchrun`` (``WORLD_SIZE`` set: every rank builds one; rank 0
+    broadcasts, the others serve :func:`~mtpspec.engine.worker.follower_loop`); spawned ranks otherwise.
+
+    Raises:
+        ValueError: under ``torchrun`` with ``WORLD_SIZE`` different from ``tensor_parallel_size``.
+    """
+    world = int(os.environ.get("WORLD_SIZE", "0") or 0)
+    if world > 1 and "RANK" in os.environ:
+        if world != tensor_parallel_size:
+            raise ValueError(f"under torchrun WORLD_SIZE={world} but tensor_parallel_size={tensor_parallel_size}")
+        from mtpspec.distributed import get_tp_group, init_distributed_environment
+        if get_tp_group().world_size != world:
+            init_distributed_environment()
+        return InProcessExecutor(cfg, broadcast=True)
+    if tensor_parallel_size == 1:
+        return InProcessExecutor(cfg)
+    return MultiprocExecutor(cfg, tensor_parallel_size)
+

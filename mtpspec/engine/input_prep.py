@@ -1,0 +1,135 @@
+"""Turn a :class:`~mtpspec.engine.step_io.StepInput` into device tensors and attention metadata."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Optional
+
+import numpy as np
+import torch
+
+from mtpspec.engine.counter_rng import STREAM_ACCEPT, STREAM_SAMPLE, counter_uniforms
+from mtpspec.engine.sampler import SamplingMetadata
+from mtpspec.engine.step_io import SeqInput, StepInput
+from mtpspec.layers.attention import AttentionMetadata
+
+
+@dataclass
+class PreparedStep:
+    """Device tensors of one step (``T`` target rows, ``B`` sequences, decodes first).
+
+    Attributes:
+        input_ids: ``[T]`` int64.
+        positions: ``[T]`` int64, clamped to ``max_position - 1`` (rows past the model's
+            positions only exist beyond ``max_model_len``; their outputs are never emitted).
+        attn_metadata: the varlen layout (shared by the target and the MTP first pass).
+        block_tables: ``[B, max_blocks]`` int32 (-1 padded).
+        start_positions: ``[B]`` int64, position of each sequence's first row.
+        seg_starts: ``[B]`` int64, first row of each sequence.
+        sample_rows: ``[R]`` int64 rows whose logits are needed: all ``1 + k`` rows of each
+            decode, the last row of each prefill (plain decoding: the last row of every sequence).
+        last_row_offsets: ``[B]`` int64 for prefills: ``q - 1``; decodes are filled in after
+            verification (the number of accepted drafts).
+        num_decodes, num_prefills, k: host ints.
+        draft_token_ids: ``[num_decodes, k]`` int64 drafts to verify (``None`` if none).
+        decode_meta / prefill_meta: sampling parameters per decode / per sampled prefill row.
+        accept_uniforms ``[num_decodes, k]``, decode_sample_uniforms ``[num_decodes, k + 1]``,
+        prefill_uniforms ``[num_prefills]``: float64 draws, ``None`` when all rows are greedy.
+        host_query_lens / host_start_positions: python lists.
+    """
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    attn_metadata: AttentionMetadata
+    block_tables: torch.Tensor
+    start_positions: torch.Tensor
+    seg_starts: torch.Tensor
+    sample_rows: torch.Tensor
+    num_decodes: int
+    num_prefills: int
+    k: int
+    draft_token_ids: Optional[torch.Tensor]
+    decode_meta: Optional[SamplingMetadata]
+    prefill_meta: Optional[SamplingMetadata]
+    accept_uniforms: Optional[torch.Tensor]
+    decode_sample_uniforms: Optional[torch.Tensor]
+    prefill_uniforms: Optional[torch.Tensor]
+    host_query_lens: List[int]
+    host_start_positions: List[int]
+
+
+def _meta(seqs: List[SeqInput], device: torch.device) -> Optional[SamplingMetadata]:
+    if not seqs:
+        return None
+    return SamplingMetadata.build([s.temperature for s in seqs], [s.top_k for s in seqs],
+                                  [s.top_p for s in seqs], device)
+
+
+def prepare_step(step: StepInput, k: int, block_size: int, max_position: int, device: torch.device) -> PreparedStep:
+    """Build :class:`PreparedStep` (one host-to-device copy per tensor, no device sync).
+
+    ``k`` is the number of draft tokens (0: plain decoding, where decodes are sampled from
+    their single row like prefills).
+
+    Raises:
+        ValueError: decodes after prefills, a decode with the wrong number of tokens, or a
+            block table too short for the positions the step writes.
+    """
+    seqs = step.seqs
+    decodes = [s for s in seqs if not s.is_prefill] if k else []
+    num_dec = len(decodes)
+    if any(s.is_prefill for s in seqs[:num_dec]):
+        raise ValueError("a step must list its decodes before its prefills")
+    for s in decodes:
+        if s.query_len != k + 1:
+            raise ValueError(f"a decode must feed 1 + k = {k + 1} tokens, got {s.query_len}")
+    rest = seqs[num_dec:]
+    q = np.array([s.query_len for s in seqs], dtype=np.int64)
+    starts = np.array([s.start_position for s in seqs], dtype=np.int64)
+    seg = np.concatenate([[0], np.cumsum(q)])
+    seq_of_row = np.repeat(np.arange(len(seqs)), q)
+    pos = np.arange(int(seg[-1]), dtype=np.int64) - np.repeat(seg[:-1], q) + np.repeat(starts, q)
+    width = max(1, max(len(s.block_table) for s in seqs))
+    bt = np.full((len(seqs), width), -1, dtype=np.int64)
+    for i, s in enumerate(seqs):
+        need = -(-s.seq_len // block_size)
+        if len(s.block_table) < need:
+            raise ValueError(f"sequence {i}: {s.seq_len} positions need {need} blocks, its table has "
+                             f"{len(s.block_table)}")
+        bt[i, :len(s.block_table)] = s.block_table
+    slots = bt[seq_of_row, pos // block_size] * block_size + pos % block_size
+    ids = np.fromiter((t for s in seqs for t in s.input_token_ids), dtype=np.int64, count=int(seg[-1]))
+    seq_lens = (starts + q).tolist()
+    if k:
+        rows = [np.arange(seg[i], seg[i + 1]) for i in range(num_dec)] + [seg[i + 1:i + 2] - 1 for i in
+                                                                            range(num_dec, len(seqs))]
+    else:
+        rows = [seg[1:] - 1]
+    sample_rows = np.concatenate(rows).astype(np.int64) if rows else np.zeros(0, dtype=np.int64)
+
+    def dev(a: np.ndarray, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(a)).to(device=device, dtype=dtype, non_blocking=True)
+
+    meta = AttentionMetadata(
+        query_start_loc=dev(seg, torch.int32), seq_lens=dev(np.array(seq_lens), torch.int32),
+        slot_mapping=dev(slots), block_tables=dev(bt, torch.int32), num_seqs=len(seqs),
+        max_query_len=int(q.max()), max_seq_len=max(seq_lens), query_lens=q.tolist(), seq_lens_list=seq_lens)
+    accept_u = dec_u = pre_u = None
+    if any(s.temperature > 0 for s in decodes):
+        keys = [s.seed_key for s in decodes]
+        decided = np.array([[s.start_position + 1 + j for j in range(k + 1)] for s in decodes], dtype=np.int64)
+        accept_u = dev(counter_uniforms(keys, decided[:, :k], STREAM_ACCEPT), torch.float64)
+        dec_u = dev(counter_uniforms(keys, decided, STREAM_SAMPLE), torch.float64)
+    if any(s.temperature > 0 for s in rest):
+        decided = np.array([[s.seq_len] for s in rest], dtype=np.int64)
+        pre_u = dev(counter_uniforms([s.seed_key for s in rest], decided, STREAM_SAMPLE)[:, 0], torch.float64)
+    drafts = None
+    if num_dec:
+        drafts = dev(np.array([s.input_token_ids[1:] for s in decodes], dtype=np.int64))
+    return PreparedStep(
+        input_ids=dev(ids), positions=dev(np.minimum(pos, max_position - 1)), attn_metadata=meta,
+        block_tables=meta.block_tables, start_positions=dev(starts), seg_starts=dev(seg[:-1]),
+        sample_rows=dev(sample_rows), num_decodes=num_dec, num_prefills=len(rest), k=k,
+        draft_token_ids=drafts, decode_meta=_meta(decodes, device), prefill_meta=_meta(rest, device),
+        accept_uniforms=accept_u, decode_sample_uniforms=dec_u, prefill_uniforms=pre_u,
+        host_query_lens=q.tolist(), host_start_positions=starts.tolist())

@@ -1,0 +1,69 @@
+"""KV-cache sizing and allocation for the target's and the MTP layers' attention."""
+
+from __future__ import annotations
+
+from typing import List
+
+import torch
+from torch import nn
+
+from mtpspec.engine.config import CacheConfig
+from mtpspec.layers.attention import Attention, collect_attention_layers
+
+
+def bytes_per_block(layers: List[Attention], block_size: int, dtype: torch.dtype) -> int:
+    """Bytes one block takes summed over ``layers``: ``2 * block_size * num_kv_heads * head_dim * itemsize``."""
+    item = torch.empty((), dtype=dtype).element_size()
+    return sum(2 * block_size * layer.num_kv_heads * layer.head_dim * item for layer in layers)
+
+
+def attention_layers(*models: nn.Module) -> List[Attention]:
+    """Every attention layer of the given models (``None`` skipped), in forward order, no repeats."""
+    seen, out = set(), []
+    for m in models:
+        if m is None:
+            continue
+        for layer in collect_attention_layers(m):
+            if id(layer) not in seen:
+                seen.add(id(layer))
+                out.append(layer)
+    return out
+
+
+def available_kv_blocks(layers: List[Attention], cfg: CacheConfig, dtype: torch.dtype, device: torch.device,
+                        max_useful_blocks: int) -> int:
+    """Blocks this rank can hold (before the min over ranks).
+
+    ``cfg.num_kv_blocks`` when set. On CUDA: ``gpu_memory_utilization * total`` minus the peak
+    memory measured so far (weights + the profiling forward the caller ran) over
+    :func:`bytes_per_block`. On CPU: ``cpu_kv_cache_gib`` over :func:`bytes_per_block`, capped at
+    ``max_useful_blocks`` (every sequence at full length).
+
+    Raises:
+        RuntimeError: no room for a single block.
+    """
+    if cfg.num_kv_blocks is not None:
+        return cfg.num_kv_blocks
+    per_block = bytes_per_block(layers, cfg.block_size, dtype)
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        used = max(torch.cuda.max_memory_allocated(device), total - free)
+        budget = cfg.gpu_memory_utilization * total - used
+        n = int(budget // per_block)
+    else:
+        n = min(int(cfg.cpu_kv_cache_gib * (1 << 30) // per_block), max_useful_blocks)
+    if n < 1:
+        raise RuntimeError(f"no memory left for the KV cache ({per_block} bytes per block); lower max_num_seqs / "
+                           "max_num_batched_tokens, raise gpu_memory_utilization, or set num_kv_blocks")
+    return n
+
+
+def allocate(layers: List[Attention], num_blocks: int, block_size: int, dtype: torch.dtype,
+             device: torch.device) -> List[torch.Tensor]:
+    """Attach a zeroed ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` cache to each layer."""
+    caches = []
+    for layer in layers:
+        layer.kv_cache = torch.zeros(2, num_blocks, block_size, layer.num_kv_heads, layer.head_dim,
+                                     dtype=dtype, device=device)
+        caches.append(layer.kv_cache)
+    return caches

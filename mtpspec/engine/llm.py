@@ -1,0 +1,179 @@
+"""``LLM``: the offline-inference entry point (vLLM-like)."""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Callable, Dict, List, Optional, Sequence, Union
+
+from mtpspec.config import ModelConfig, SpeculativeConfig
+from mtpspec.engine.config import CacheConfig, SchedulerConfig
+from mtpspec.engine.detokenizer import Tokenizer, load_tokenizer
+from mtpspec.engine.executor import InProcessExecutor, make_executor
+from mtpspec.engine.llm_engine import LLMEngine, PromptType
+from mtpspec.engine.worker import WorkerConfig, follower_loop
+from mtpspec.outputs import RequestOutput
+from mtpspec.sampling_params import SamplingParams
+
+
+class LLM:
+    """Generate from a GLM-4.5-family checkpoint, optionally with MTP speculative decoding.
+
+    Args:
+        model: checkpoint folder (``config.json`` + safetensors; a tokenizer is used if present).
+        tensor_parallel_size: ranks; > 1 spawns them (or, under ``torchrun`` with the same
+            ``WORLD_SIZE``, uses the launched processes: call ``LLM`` and ``generate`` on every
+            rank with the same arguments; rank 0 schedules, every rank returns the outputs).
+        dtype: ``"float32"`` / ``"bfloat16"`` / ``"float16"`` or ``None`` (the checkpoint's).
+        device: ``"cuda"`` / ``"cpu"``; default CUDA when present.
+        speculative_config: ``None`` (plain decoding) or ``{"method": "mtp",
+            "num_speculative_tokens": k, "use_local_argmax_reduction": bool}``.
+        fuse_allreduce_rmsnorm: MTP tail through the fused all-reduce + RMSNorm.
+        sequence_parallel: sequence-parallel MTP layer (tp > 1).
+        max_num_seqs, max_model_len (default: the model's ``max_position_embeddings``),
+        max_num_batched_tokens: scheduler limits (:class:`~mtpspec.engine.config.SchedulerConfig`).
+        block_size, num_kv_blocks, gpu_memory_utilization, cpu_kv_cache_gib: KV cache
+            (:class:`~mtpspec.engine.config.CacheConfig`).
+        tokenizer: a folder to load the tokenizer from, a :class:`Tokenizer`, or ``None`` (the model folder's).
+        seed: seeds the seeds of requests that give none (``None``: random).
+
+    Raises:
+        ValueError / TypeError: a bad argument (k out of range, unknown speculative keys, a
+            ``max_model_len`` above the model's positions, ...).
+        LocalArgmaxUnsupportedError (tp 1) or WorkerError (tp > 1, with the same message):
+            ``use_local_argmax_reduction`` requested from a draft model without ``get_top_tokens``;
+            the message names the model class.
+        ModelConfigError / CheckpointError: see :mod:`mtpspec.models.loader`.
+    """
+
+    def __init__(self, model: str, tensor_parallel_size: int = 1, dtype: Optional[str] = None,
+                 device: Optional[str] = None,
+                 speculative_config: Union[None, Dict[str, Any], SpeculativeConfig] = None,
+                 fuse_allreduce_rmsnorm: bool = True, sequence_parallel: bool = False, max_num_seqs: int = 256,
+                 max_model_len: Optional[int] = None, max_num_batched_tokens: Optional[int] = None,
+                 block_size: int = 16, num_kv_blocks: Optional[int] = None, gpu_memory_utilization: float = 0.9,
+                 cpu_kv_cache_gib: float = 1.0, tokenizer: Union[None, str, Tokenizer] = None,
+                 seed: Optional[int] = None):
+        if not isinstance(tensor_parallel_size, int) or isinstance(tensor_parallel_size, bool) \
+                or tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be an int >= 1, got {tensor_parallel_size!r}")
+        spec = SpeculativeConfig.from_any(speculative_config)
+        mcfg = ModelConfig.from_pretrained(model)
+        mcfg.verify_tensor_parallel(tensor_parallel_size)
+        if spec is not None and mcfg.num_nextn_predict_layers < 1:
+            raise ValueError(f"speculative decoding with MTP needs MTP layers, but {model!r} declares "
+                             "num_nextn_predict_layers = 0")
+        max_model_len = mcfg.max_position_embeddings if max_model_len is None else max_model_len
+        if not isinstance(max_model_len, int) or not 2 <= max_model_len <= mcfg.max_position_embeddings:
+            raise ValueError(f"max_model_len must be an int in [2, max_position_embeddings="
+                             f"{mcfg.max_position_embeddings}], got {max_model_len!r}")
+        k = spec.num_speculative_tokens if spec is not None else 0
+        sched = SchedulerConfig(max_num_seqs, max_model_len, max_num_batched_tokens, k)
+        cache = CacheConfig(block_size, num_kv_blocks, gpu_memory_utilization, cpu_kv_cache_gib)
+        self.model_config = mcfg
+        self.speculative_config = spec
+        wcfg = WorkerConfig(model, dtype, device, spec, fuse_allreduce_rmsnorm, sequence_parallel, cache, sched)
+        if isinstance(tokenizer, Tokenizer):
+            tok: Optional[Tokenizer] = tokenizer
+        else:
+            tok = load_tokenizer(tokenizer or model)
+        self.executor = make_executor(wcfg, tensor_parallel_size)
+        self._torchrun = isinstance(self.executor, InProcessExecutor) and self.executor.broadcast
+        self._rank = int(os.environ.get("RANK", "0")) if self._torchrun else 0
+        eos = set(mcfg.eos_token_ids)
+        if tok is not None and tok.eos_token_id is not None:
+            eos.add(int(tok.eos_token_id))
+        self.llm_engine = LLMEngine(self.executor, tok, sched, cache, mcfg.vocab_size, eos, seed)
+
+    # ------------------------------------------------------------------ API
+    def get_tokenizer(self) -> Optional[Tokenizer]:
+        return self.llm_engine.tokenizer
+
+    def generate(self, prompts: Union[PromptType, Sequence[PromptType]],
+                 sampling_params: Union[None, SamplingParams, Sequence[SamplingParams]] = None,
+                 use_tqdm: bool = True) -> List[RequestOutput]:
+        """Run every prompt to completion; outputs in prompt order.
+
+        Args:
+            prompts: a string, ``{"prompt_token_ids": [...]}`` / ``{"prompt": "..."}``, or a list of them.
+            sampling_params: one for all prompts, one per prompt, or ``None`` (defaults).
+            use_tqdm: show a progress bar (stderr) over finished requests.
+
+        Raises:
+            ValueError / TypeError: a bad prompt or parameter, raised before any work starts and
+                naming the prompt's index; nothing is queued, so other requests are unaffected.
+        """
+        single = isinstance(prompts, (str, dict))
+        plist = [prompts] if single else list(prompts)
+        if sampling_params is None:
+            params = [SamplingParams()] * len(plist)
+        elif isinstance(sampling_params, SamplingParams):
+            params = [sampling_params] * len(plist)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(plist):
+                raise ValueError(f"got {len(params)} sampling params for {len(plist)} prompts")
+        eng = self.llm_engine
+        for i, (p, sp) in enumerate(zip(plist, params)):
+            try:
+                eng.validate_request(p, sp)
+            except (ValueError, TypeError) as exc:
+                raise type(exc)(f"prompt {i}: {exc}") from None
+        if self._torchrun and self._rank != 0:
+            return follower_loop(self.executor.runner, self.executor.group)
+        ids = [eng.add_request(p, sp) for p, sp in zip(plist, params)]
+        wanted = set(ids)
+        done: Dict[str, RequestOutput] = {}
+        bar = None
+        if use_tqdm and len(plist) > 1:
+            from tqdm import tqdm
+            bar = tqdm(total=len(plist), desc="generate", unit="req", dynamic_ncols=True)
+        try:
+            while len(done) < len(ids):
+                for out in eng.step():
+                    if out.request_id in wanted:
+                        done[out.request_id] = out
+                        if bar is not None:
+                            bar.update(1)
+                if not eng.has_unfinished_requests() and len(done) < len(ids):
+                    raise RuntimeError("engine has no work left but requests are unfinished")
+        except BaseException:
+            for rid in ids:
+                if rid not in done:
+                    eng.abort_request(rid)
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
+        outputs = [done[r] for r in ids]
+        if self._torchrun:
+            self.executor.finish_call(outputs)
+        return outputs
+
+    def get_metrics(self) -> Dict[str, object]:
+        """Engine totals: acceptance counters, throughput, TTFT / ITL, eager fall-backs, bytes per step."""
+        return self.llm_engine.get_metrics()
+
+    def reset_metrics(self) -> None:
+        self.llm_engine.reset_metrics()
+
+    def collective_rpc(self, fn: Callable[..., Any], *args: Any) -> List[Any]:
+        """Run the picklable ``fn(model_runner, *args)`` on every rank; results in rank order."""
+        return self.executor.collective_rpc(fn, *args)
+
+    def shutdown(self) -> None:
+        """Stop the ranks (idempotent)."""
+        ex = getattr(self, "executor", None)
+        if ex is not None:
+            ex.shutdown()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.shutdown()
+
+    def __del__(self) -> None:
+        try:
+            self.shutdown()
+        except Exception:
+            pass

@@ -1,0 +1,158 @@
+"""Building a rank's :class:`ModelRunner` and the per-rank step loops.
+
+Three ways ranks receive steps, one runner:
+
+* tp 1: the runner lives in the engine's process (:class:`~mtpspec.engine.executor.InProcessExecutor`).
+* self-launched tp > 1: persistent spawned worker processes read steps from a pipe and
+  acknowledge each one (:func:`spawned_worker_main`).
+* ``torchrun``: every process is a rank; rank 0 schedules and broadcasts each step with
+  ``broadcast_object_list`` over a CPU (gloo) group (:func:`follower_loop` on the others).
+"""
+
+from __future__ import annotations
+
+import os
+import traceback
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+from mtpspec.config import SpeculativeConfig
+from mtpspec.engine.config import CacheConfig, SchedulerConfig
+from mtpspec.engine.model_runner import ModelRunner
+
+
+@dataclass
+class WorkerConfig:
+    """Everything a rank needs to build its runner (picklable).
+
+    Attributes:
+        model: checkpoint folder.
+        dtype: parameter dtype name or ``None`` (the checkpoint's).
+        device: ``"cpu"``, ``"cuda"`` (each rank takes ``cuda:local_rank``) or ``None`` (CUDA when present).
+        spec: speculative config or ``None``.
+        fuse_allreduce_rmsnorm, sequence_parallel: MTP tail variant.
+        cache_config, scheduler_config: sizes.
+    """
+
+    model: str
+    dtype: Optional[str]
+    device: Optional[str]
+    spec: Optional[SpeculativeConfig]
+    fuse_allreduce_rmsnorm: bool
+    sequence_parallel: bool
+    cache_config: CacheConfig
+    scheduler_config: SchedulerConfig
+
+
+def resolve_device(device: Optional[str]) -> torch.device:
+    """This rank's device: the TP group's device for CUDA, else CPU."""
+    from mtpspec.distributed import get_tp_group
+    want = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if want.startswith("cuda"):
+        g = get_tp_group().device
+        return g if g.type == "cuda" else torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device(want)
+
+
+def build_runner(cfg: WorkerConfig) -> ModelRunner:
+    """Load this rank's shards of the target (and MTP) model and wrap them in a runner.
+
+    Raises:
+        LocalArgmaxUnsupportedError, ModelConfigError, CheckpointError: see their docs.
+    """
+    from mtpspec.models.loader import load_models
+    device = resolve_device(cfg.device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    target, mtp = load_models(cfg.model, dtype=cfg.dtype, device=device, load_mtp=cfg.spec is not None,
+                              fuse_allreduce_rmsnorm=cfg.fuse_allreduce_rmsnorm,
+                              sequence_parallel=cfg.sequence_parallel)
+    return ModelRunner(target, mtp, cfg.spec, cfg.cache_config, cfg.scheduler_config, device,
+                       target.config.max_position_embeddings)
+
+
+def init_cache_min_over_ranks(runner: ModelRunner) -> int:
+    """Profile, take the minimum block count over the TP ranks, allocate; returns the count."""
+    from mtpspec.distributed import get_tp_group
+    n = runner.profile_and_count_blocks()
+    g = get_tp_group()
+    if g.world_size > 1:
+        t = torch.tensor([n], dtype=torch.int64, device=runner.device if g.backend == "nccl" else "cpu")
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=g.device_group)
+        n = int(t.item())
+    runner.init_kv_cache(n)
+    return n
+
+
+def cpu_group() -> Any:
+    """A group for pickled control messages: the TP group itself under gloo, else a new gloo group.
+
+    Must be called by every rank at the same point (it may create a group).
+    """
+    from mtpspec.distributed import get_tp_group
+    g = get_tp_group()
+    return g.device_group if g.backend == "gloo" else dist.new_group(backend="gloo")
+
+
+def handle_message(runner: ModelRunner, msg: tuple) -> Any:
+    """Execute one control message on this rank: ``("step", StepInput)`` or ``("rpc", fn, args)``."""
+    if msg[0] == "step":
+        return runner.execute_model(msg[1])
+    if msg[0] == "rpc":
+        fn: Callable[..., Any] = msg[1]
+        return fn(runner, *msg[2])
+    raise ValueError(f"unknown worker message {msg[0]!r}")
+
+
+def follower_loop(runner: ModelRunner, group: Any) -> Any:
+    """Ranks > 0 under ``torchrun``: execute broadcast messages until rank 0 says ``done``/``stop``.
+
+    Returns the payload of ``("done", payload)`` or ``None`` for ``("stop",)``.
+    """
+    while True:
+        box = [None]
+        dist.broadcast_object_list(box, src=0, group=group)
+        msg = box[0]
+        if msg[0] == "done":
+            return msg[1]
+        if msg[0] == "stop":
+            return None
+        handle_message(runner, msg)
+
+
+def spawned_worker_main(rank: int, world_size: int, port: int, cfg: WorkerConfig, conn: Any, threads: int) -> None:
+    """Entry point of a self-launched rank: set up, report ``("ready", num_blocks)``, then serve.
+
+    Replies to every message: rank 0 with the result, the others with ``("ok", None)`` (an
+    acknowledgement; rpc results come back from every rank). Any exception is sent back as
+    ``("err", traceback)`` and ends the worker.
+    """
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(threads)
+    from mtpspec.distributed import destroy_distributed_environment, init_distributed_environment
+    try:
+        backend = "nccl" if (cfg.device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda") \
+            and torch.cuda.device_count() >= world_size else "gloo"
+        init_distributed_environment(world_size, rank, rank, backend=backend)
+        runner = build_runner(cfg)
+        conn.send(("ready", init_cache_min_over_ranks(runner)))
+        while True:
+            msg = conn.recv()
+            if msg[0] == "stop":
+                break
+            result = handle_message(runner, msg)
+            conn.send(("ok", result if (rank == 0 or msg[0] == "rpc") else None))
+    except BaseException:  # noqa: BLE001 - every failure must reach the driver
+        try:
+            conn.send(("err", traceback.format_exc()))
+        except Exception:
+            pass
+    finally:
+        try:
+            destroy_distributed_environment()
+        except Exception:
+            pass

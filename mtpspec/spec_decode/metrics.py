@@ -1,0 +1,125 @@
+"""Engine-wide speculative-decoding and throughput counters (host-side arithmetic only).
+
+Everything here is computed from the token lists a step already brought to the host, from
+``time.perf_counter`` and from the collectives' host byte counters, so gathering it adds no
+device synchronisation to a step.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional
+
+
+@dataclass
+class SpecDecodingStats:
+    """Draft acceptance counters.
+
+    Attributes:
+        k: draft tokens per verification.
+        num_drafts: verifications (one per decode of one sequence).
+        num_draft_tokens: ``k * num_drafts``.
+        num_accepted_tokens: accepted draft tokens.
+        num_accepted_tokens_per_pos: ``[k]``, acceptances at draft position ``j``.
+        accepted_length_histogram: ``[k + 1]``, verifications with ``a`` accepted drafts.
+    """
+
+    k: int
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_accepted_tokens_per_pos: List[int] = field(default_factory=list)
+    accepted_length_histogram: List[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.num_accepted_tokens_per_pos:
+            self.num_accepted_tokens_per_pos = [0] * self.k
+        if not self.accepted_length_histogram:
+            self.accepted_length_histogram = [0] * (self.k + 1)
+
+    def observe(self, num_accepted: int) -> None:
+        """Record one verification that accepted ``num_accepted`` (``0 .. k``) drafts.
+
+        Raises:
+            ValueError: ``num_accepted`` outside ``[0, k]``.
+        """
+        if not 0 <= num_accepted <= self.k:
+            raise ValueError(f"num_accepted must be in [0, {self.k}], got {num_accepted}")
+        self.num_drafts += 1
+        self.num_draft_tokens += self.k
+        self.num_accepted_tokens += num_accepted
+        for j in range(num_accepted):
+            self.num_accepted_tokens_per_pos[j] += 1
+        self.accepted_length_histogram[num_accepted] += 1
+
+    @property
+    def acceptance_length(self) -> Optional[float]:
+        """Mean tokens per verification: ``1 + num_accepted_tokens / num_drafts``."""
+        return None if not self.num_drafts else 1.0 + self.num_accepted_tokens / self.num_drafts
+
+    @property
+    def acceptance_rate(self) -> Optional[float]:
+        """``num_accepted_tokens / num_draft_tokens``."""
+        return None if not self.num_draft_tokens else self.num_accepted_tokens / self.num_draft_tokens
+
+    def as_dict(self) -> Dict[str, object]:
+        return dict(num_drafts=self.num_drafts, num_draft_tokens=self.num_draft_tokens,
+                    num_accepted_tokens=self.num_accepted_tokens,
+                    num_accepted_tokens_per_pos=list(self.num_accepted_tokens_per_pos),
+                    accepted_length_histogram=list(self.accepted_length_histogram),
+                    acceptance_length=self.acceptance_length, acceptance_rate=self.acceptance_rate)
+
+
+def _summary(xs: List[float]) -> Dict[str, Optional[float]]:
+    if not xs:
+        return {"mean": None, "p50": None, "p99": None}
+    s = sorted(xs)
+    return {"mean": statistics.fmean(s), "p50": s[len(s) // 2], "p99": s[min(len(s) - 1, int(0.99 * len(s)))]}
+
+
+@dataclass
+class EngineMetrics:
+    """Totals since the engine started (or :meth:`reset`).
+
+    Attributes:
+        spec: acceptance counters (``None`` for plain decoding).
+        num_steps, num_prompt_tokens (prefilled, recomputes included), num_output_tokens.
+        busy_time_s: host wall time spent inside steps.
+        ttft_s, itl_s, tpot_s: per-request samples (seconds) of finished requests.
+        num_eager_fallbacks: steps that could not use a CUDA graph.
+        num_preemptions: recompute preemptions.
+        comm_bytes: bytes sent by rank 0's collectives, per op, over all steps.
+    """
+
+    spec: Optional[SpecDecodingStats] = None
+    num_steps: int = 0
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    busy_time_s: float = 0.0
+    ttft_s: List[float] = field(default_factory=list)
+    itl_s: List[float] = field(default_factory=list)
+    tpot_s: List[float] = field(default_factory=list)
+    num_eager_fallbacks: int = 0
+    num_preemptions: int = 0
+    comm_bytes: Dict[str, int] = field(default_factory=dict)
+
+    def add_comm(self, delta: Dict[str, int]) -> None:
+        for op, n in delta.items():
+            self.comm_bytes[op] = self.comm_bytes.get(op, 0) + n
+
+    def as_dict(self) -> Dict[str, object]:
+        """Everything, with derived rates: output tokens per busy second, bytes per step."""
+        steps = max(self.num_steps, 1)
+        d: Dict[str, object] = dict(
+            num_steps=self.num_steps, num_prompt_tokens=self.num_prompt_tokens,
+            num_output_tokens=self.num_output_tokens, busy_time_s=self.busy_time_s,
+            output_tokens_per_s=(self.num_output_tokens / self.busy_time_s) if self.busy_time_s > 0 else None,
+            ttft_s=_summary(self.ttft_s), itl_s=_summary(self.itl_s), tpot_s=_summary(self.tpot_s),
+            num_eager_fallbacks=self.num_eager_fallbacks, num_preemptions=self.num_preemptions,
+            comm_bytes_total=dict(self.comm_bytes),
+            comm_bytes_per_step={op: n / steps for op, n in self.comm_bytes.items()},
+        )
+        if self.spec is not None:
+            d.update(self.spec.as_dict())
+        return d

@@ -1,0 +1,126 @@
+"""MTP proposer: ``k`` greedy draft tokens per sequence from the MTP layers.
+
+The MTP layer at position ``i`` takes the target's post-norm hidden state ``h_i`` and the
+embedding of token ``i + 1`` and predicts token ``i + 2`` (DeepSeek-V3 technical report,
+arXiv:2412.19437, section 2.2). After verification a sequence's rows ``0 .. a`` (``a`` = last
+accepted row: the number of accepted drafts for a decode, ``q - 1`` for a prefill) hold valid
+target hidden states, and its tokens at positions ``start + 1 .. start + a + 1`` are known (the
+last one is the recovered / bonus / sampled token).
+
+1. First pass, over the step's whole flattened batch with the target's attention layout:
+   ``input_ids`` shifted left by one inside each sequence with the new token written at row
+   ``a``, the target's hidden states, ``spec_step_idx = 0``. This fills the MTP layers' KV cache
+   at every position the target just computed; rows after ``a`` (rejected drafts) write
+   entries that later passes overwrite before anything reads them. Row ``a``'s output gives
+   draft 1. Running every row (instead of only the accepted ones) keeps the shapes fixed, so
+   no device sync is needed to learn ``a``.
+2. Steps ``j = 1 .. k - 1``: one row per sequence at position ``start + a + j``, the previous
+   draft as input id, the previous step's output hidden state (post-norm) recycled, and
+   ``spec_step_idx = j`` (the model uses layer ``j % num_mtp_layers``).
+
+Drafts are greedy: ``get_top_tokens`` (vocab-parallel local argmax) when
+``use_local_argmax_reduction`` is set, else ``compute_logits(...).argmax(-1)``.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import nn
+
+from mtpspec.engine.input_prep import PreparedStep
+from mtpspec.layers.attention import AttentionMetadata, set_forward_context
+from mtpspec.models.interfaces import supports_local_argmax
+
+
+class LocalArgmaxUnsupportedError(TypeError):
+    """``use_local_argmax_reduction`` was requested from a model without ``get_top_tokens``."""
+
+
+class MTPProposer:
+    """Drafts ``k`` tokens per sequence with an MTP model.
+
+    Args:
+        model: the MTP model: ``forward(input_ids, positions, previous_hidden_states,
+            spec_step_idx)``, ``compute_logits(hidden, spec_step_idx)`` and, for local argmax,
+            ``get_top_tokens(hidden, spec_step_idx)``.
+        k: draft tokens per step (>= 1).
+        use_local_argmax_reduction: draft with ``get_top_tokens``.
+        block_size: KV block size.
+        max_position: the model's positions must stay below this.
+
+    Raises:
+        LocalArgmaxUnsupportedError: the flag is set and the model does not implement
+            :class:`~mtpspec.models.interfaces.SupportsLocalArgmax` (message names its class).
+    """
+
+    def __init__(self, model: nn.Module, k: int, use_local_argmax_reduction: bool, block_size: int,
+                 max_position: int):
+        if use_local_argmax_reduction and not supports_local_argmax(model):
+            raise LocalArgmaxUnsupportedError(
+                f"use_local_argmax_reduction=True but the draft model {type(model).__name__} does not implement "
+                "SupportsLocalArgmax (get_top_tokens); set use_local_argmax_reduction=False")
+        if k < 1:
+            raise ValueError(f"k must be >= 1, got {k}")
+        self.model = model
+        self.k = k
+        self.use_local_argmax = use_local_argmax_reduction
+        self.block_size = block_size
+        self.max_position = max_position
+
+    def _top(self, hidden: torch.Tensor, step: int) -> torch.Tensor:
+        if self.use_local_argmax:
+            return self.model.get_top_tokens(hidden, spec_step_idx=step)
+        return self.model.compute_logits(hidden, spec_step_idx=step).argmax(dim=-1)
+
+    def _step_metadata(self, inp: PreparedStep, positions: torch.Tensor,
+                       host_positions: Optional[list]) -> AttentionMetadata:
+        b = positions.shape[0]
+        bs = self.block_size
+        rows = torch.arange(b, device=positions.device)
+        slots = inp.block_tables[rows, positions // bs].long() * bs + positions % bs
+        seq_lens = (positions + 1).to(torch.int32)
+        upper = max(inp.attn_metadata.seq_lens_list) + self.k  # host bound, no sync
+        return AttentionMetadata(
+            query_start_loc=torch.arange(b + 1, device=positions.device, dtype=torch.int32),
+            seq_lens=seq_lens, slot_mapping=slots, block_tables=inp.block_tables, num_seqs=b, max_query_len=1,
+            max_seq_len=upper, query_lens=[1] * b,
+            seq_lens_list=[p + 1 for p in host_positions] if host_positions is not None else [])
+
+    @torch.inference_mode()
+    def propose(self, inp: PreparedStep, target_hidden: torch.Tensor, new_token_ids: torch.Tensor,
+                last_row_offsets: torch.Tensor, host_last_row_offsets: Optional[list] = None) -> torch.Tensor:
+        """Draft ``k`` tokens per sequence.
+
+        Args:
+            inp: the step's prepared inputs (target layout, block tables, positions).
+            target_hidden: ``[T, H]`` the target's post-norm hidden states of this step.
+            new_token_ids: ``[B]`` int64, each sequence's newest token (sampled / recovered / bonus).
+            last_row_offsets: ``[B]`` int64, ``a`` per sequence (row of the last valid hidden state
+                inside its segment).
+            host_last_row_offsets: the same as a python list when it is free to have (CPU);
+                gives the attention layer exact host-side lengths. ``None`` on GPU.
+
+        Returns:
+            ``[B, k]`` int64 draft tokens.
+        """
+        b = new_token_ids.shape[0]
+        last_rows = inp.seg_starts + last_row_offsets
+        ids = torch.cat([inp.input_ids[1:], inp.input_ids.new_zeros(1)])
+        ids = ids.index_copy(0, last_rows, new_token_ids)
+        with set_forward_context(inp.attn_metadata):
+            hidden = self.model(ids, inp.positions, target_hidden, spec_step_idx=0)
+        hidden = hidden.index_select(0, last_rows)
+        drafts = [self._top(hidden, 0)]
+        base = inp.start_positions + last_row_offsets
+        for step in range(1, self.k):
+            pos = base + step
+            host_pos = None
+            if host_last_row_offsets is not None:
+                host_pos = [s + a + step for s, a in zip(inp.host_start_positions, host_last_row_offsets)]
+            meta = self._step_metadata(inp, pos, host_pos)
+            with set_forward_context(meta):
+                hidden = self.model(drafts[-1], pos.clamp(max=self.max_position - 1), hidden, spec_step_idx=step)
+            drafts.append(self._top(hidden, step))
+        return torch.stack(drafts, dim=1)[:b]
