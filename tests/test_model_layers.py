@@ -1,0 +1,271 @@
+"""Model building blocks vs independent references: rotary (float64 formula and Hugging Face's GLM-4-MoE
+rotation), SiluAndMul, the grouped top-k router (Hugging Face's Glm4MoeTopkRouter and a brute force),
+FusedMoE (float64 loop, both checkpoint layouts), and paged attention (float64 causal softmax)."""
+
+import math
+
+import pytest
+import torch
+
+from mtpspec.layers.activation import SiluAndMul
+from mtpspec.layers.attention import (
+    Attention, allocate_kv_caches, build_attention_metadata, collect_attention_layers, get_forward_context,
+    set_forward_context)
+from mtpspec.layers.fused_moe import FusedMoE, MoEGate, grouped_topk
+from mtpspec.layers.rotary_embedding import RotaryEmbedding
+
+
+# ---------------------------------------------------------------------------------------- rotary
+def _rope_ref(x, pos, head, rot, base, neox):
+    """float64 RoPE by the pair formula (RoFormer eq. 34), independent of the module."""
+    x = x.double().view(x.shape[0], -1, head).clone()
+    out = x.clone()
+    for i in range(rot // 2):
+        w = base ** (-2.0 * i / rot)
+        ang = pos.double()[:, None] * w
+        c, s = torch.cos(ang), torch.sin(ang)
+        a_idx, b_idx = (i, i + rot // 2) if neox else (2 * i, 2 * i + 1)
+        a, b = x[:, :, a_idx], x[:, :, b_idx]
+        out[:, :, a_idx] = a * c - b * s
+        out[:, :, b_idx] = b * c + a * s
+    return out.view(x.shape[0], -1)
+
+
+@pytest.mark.parametrize("neox", [True, False])
+@pytest.mark.parametrize("head,rot", [(32, 16), (16, 16), (24, 8)])
+def test_rotary_matches_float64_formula(neox, head, rot):
+    g = torch.Generator().manual_seed(head + rot + neox)
+    t = 13
+    pos = torch.randint(0, 500, (t,), generator=g)
+    pos[0] = 0
+    q = torch.randn(t, 3 * head, generator=g)
+    k = torch.randn(t, 1 * head, generator=g)
+    rope = RotaryEmbedding(head, rot, 512, 10000.0, is_neox_style=neox)
+    q2, k2 = rope(pos, q, k)
+    torch.testing.assert_close(q2.double(), _rope_ref(q, pos, head, rot, 10000.0, neox), rtol=0, atol=2e-5)
+    torch.testing.assert_close(k2.double(), _rope_ref(k, pos, head, rot, 10000.0, neox), rtol=0, atol=2e-5)
+    assert torch.equal(q2.view(t, 3, head)[..., rot:], q.view(t, 3, head)[..., rot:])  # pass-through part
+
+
+def test_rotary_matches_hf_glm4_moe_bitwise():
+    from transformers import Glm4MoeConfig
+    from transformers.models.glm4_moe.modeling_glm4_moe import Glm4MoeRotaryEmbedding, apply_rotary_pos_emb
+    cfg = Glm4MoeConfig(hidden_size=64, num_attention_heads=2, head_dim=32, partial_rotary_factor=0.5,
+                        max_position_embeddings=300)
+    hf = Glm4MoeRotaryEmbedding(cfg)
+    g = torch.Generator().manual_seed(3)
+    t = 9
+    pos = torch.randint(0, 300, (t,), generator=g)
+    q = torch.randn(t, 2 * 32, generator=g)
+    k = torch.randn(t, 1 * 32, generator=g)
+    cos, sin = hf(q, pos[None])
+    q_hf, k_hf = apply_rotary_pos_emb(q.view(1, t, 2, 32).transpose(1, 2), k.view(1, t, 1, 32).transpose(1, 2),
+                                      cos, sin)
+    ours = RotaryEmbedding(32, 16, 300, cfg.rope_parameters["rope_theta"], True)
+    q2, k2 = ours(pos, q, k)
+    assert torch.equal(q2, q_hf.transpose(1, 2).reshape(t, 64))
+    assert torch.equal(k2, k_hf.transpose(1, 2).reshape(t, 32))
+
+
+def test_rotary_rejects_bad_dims():
+    with pytest.raises(ValueError, match="rotary_dim"):
+        RotaryEmbedding(16, 7, 10, 10000.0)
+    with pytest.raises(ValueError, match="rotary_dim"):
+        RotaryEmbedding(16, 32, 10, 10000.0)
+
+
+def test_silu_and_mul():
+    x = torch.randn(5, 12, dtype=torch.float64)
+    ref = x[:, :6] / (1 + torch.exp(-x[:, :6])) * x[:, 6:]
+    torch.testing.assert_close(SiluAndMul()(x), ref)
+    with pytest.raises(ValueError, match="even"):
+        SiluAndMul()(torch.randn(2, 3))
+
+
+# ---------------------------------------------------------------------------------------- router
+def _brute_force_topk(logits, bias, top_k, n_group, topk_group, renorm, scale):
+    """Per token, plain Python: pick groups by top-2 sums, then experts; float64."""
+    s = torch.sigmoid(logits.double())
+    c = s + bias.double()
+    e = s.shape[1]
+    per = e // n_group
+    ws, ids = [], []
+    for t in range(s.shape[0]):
+        gs = [sorted(c[t, g * per:(g + 1) * per].tolist(), reverse=True)[:2] for g in range(n_group)]
+        groups = sorted(range(n_group), key=lambda g: -sum(gs[g]))[:topk_group]
+        cand = [x for g in groups for x in range(g * per, (g + 1) * per)]
+        chosen = sorted(cand, key=lambda x: -c[t, x].item())[:top_k]
+        w = torch.tensor([s[t, x].item() for x in chosen], dtype=torch.float64)
+        if renorm:
+            w = w / w.sum()
+        ws.append(w * scale)
+        ids.append(chosen)
+    return ws, ids
+
+
+@pytest.mark.parametrize("e,k,ng,tg,renorm,scale", [(8, 3, 2, 1, True, 1.5), (16, 4, 4, 2, False, 2.5),
+                                                    (6, 2, 1, 1, True, 1.0)])
+def test_grouped_topk_vs_brute_force_and_hf(e, k, ng, tg, renorm, scale):
+    from transformers import Glm4MoeConfig
+    from transformers.models.glm4_moe.modeling_glm4_moe import Glm4MoeTopkRouter
+    g = torch.Generator().manual_seed(e * k)
+    h, t = 16, 40
+    x = torch.randn(t, h, generator=g)
+    gate = MoEGate(h, e, k, ng, tg, renorm, scale)
+    with torch.no_grad():
+        gate.weight.copy_(torch.randn(e, h, generator=g))
+        gate.e_score_correction_bias.copy_(0.3 * torch.randn(e, generator=g))
+    w, ids = gate(x)
+    assert w.dtype == torch.float32 and ids.dtype == torch.int64
+    bw, bids = _brute_force_topk(x @ gate.weight.T, gate.e_score_correction_bias, k, ng, tg, renorm, scale)
+    for row in range(t):
+        order = torch.argsort(ids[row])
+        assert ids[row][order].tolist() == sorted(bids[row])
+        ref = dict(zip(bids[row], bw[row].tolist()))
+        torch.testing.assert_close(w[row][order].double(), torch.tensor([ref[i] for i in ids[row][order].tolist()],
+                                                                         dtype=torch.float64), rtol=1e-6, atol=1e-7)
+    cfg = Glm4MoeConfig(hidden_size=h, n_routed_experts=e, num_experts_per_tok=k, n_group=ng, topk_group=tg,
+                        norm_topk_prob=renorm, routed_scaling_factor=scale)
+    hf = Glm4MoeTopkRouter(cfg)
+    with torch.no_grad():
+        hf.weight.copy_(gate.weight)
+        hf.e_score_correction_bias.copy_(gate.e_score_correction_bias)
+    _, hw, hids = hf(x)
+    for row in range(t):
+        a, b = torch.argsort(ids[row]), torch.argsort(hids[row])
+        assert torch.equal(ids[row][a], hids[row][b])
+        assert torch.equal(w[row][a], hw[row][b].float())
+
+
+# ---------------------------------------------------------------------------------------- experts
+def test_fused_moe_vs_float64_loop_and_layouts():
+    g = torch.Generator().manual_seed(11)
+    e, h, i, t, k = 6, 16, 12, 9, 2
+    gate_w = torch.randn(e, i, h, generator=g) / 4
+    up_w = torch.randn(e, i, h, generator=g) / 4
+    down_w = torch.randn(e, h, i, generator=g) / 3
+    x = torch.randn(t, h, generator=g)
+    tw = torch.rand(t, k, generator=g)
+    tid = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)])
+    per = FusedMoE(e, h, i, reduce_results=True, params_dtype=torch.float32)
+    for x_id in range(e):
+        per.weight_loader(per.w13_weight, gate_w[x_id], "w1", x_id)
+        per.weight_loader(per.w13_weight, up_w[x_id], "w3", x_id)
+        per.weight_loader(per.w2_weight, down_w[x_id], "w2", x_id)
+    fused = FusedMoE(e, h, i, reduce_results=True, params_dtype=torch.float32)
+    fused.weight_loader(fused.w13_weight, torch.cat([gate_w, up_w], dim=1), "w13")
+    fused.weight_loader(fused.w2_weight, down_w, "w2")
+    assert torch.equal(per.w13_weight, fused.w13_weight) and torch.equal(per.w2_weight, fused.w2_weight)
+    ref = torch.zeros(t, h, dtype=torch.float64)
+    for r in range(t):
+        for j in range(k):
+            x_id = int(tid[r, j])
+            a = gate_w[x_id].double() @ x[r].double()
+            b = up_w[x_id].double() @ x[r].double()
+            ref[r] += tw[r, j].double() * (down_w[x_id].double() @ (a * torch.sigmoid(a) * b))
+    torch.testing.assert_close(per(x, tw, tid).double(), ref, rtol=1e-5, atol=1e-5)
+    assert per(x[:0], tw[:0], tid[:0]).shape == (0, h)
+    with pytest.raises(ValueError, match=r"expected full shape \[12, 16\], got \[16, 12\]"):
+        per.weight_loader(per.w13_weight, down_w[0], "w1", 0)
+    with pytest.raises(ValueError, match="expert_id 6 out of range"):
+        per.weight_loader(per.w13_weight, gate_w[0], "w1", 6)
+
+
+def test_grouped_topk_rejects_inconsistent_sizes():
+    with pytest.raises(ValueError, match="inconsistent"):
+        grouped_topk(torch.zeros(2, 6), None, 2, num_expert_group=4)
+
+
+# ---------------------------------------------------------------------------------------- attention
+def _attn_ref(q, k, v, nh, nkv, hd, scale):
+    """float64 causal softmax attention of one sequence (all its tokens), GQA by head index."""
+    t = q.shape[0]
+    q, k, v = (z.double().view(t, -1, hd) for z in (q, k, v))
+    out = torch.zeros(t, nh, hd, dtype=torch.float64)
+    for hh in range(nh):
+        kv = hh // (nh // nkv)
+        s = q[:, hh] @ k[:, kv].T * scale
+        s = s.masked_fill(torch.triu(torch.ones(t, t, dtype=torch.bool), 1), float("-inf"))
+        out[:, hh] = torch.softmax(s, -1) @ v[:, kv]
+    return out.view(t, nh * hd)
+
+
+def test_attention_paged_cache_prefill_decode_verify_and_padding():
+    """Three sequences driven through chunked prefill, decode and (1 + k)-token verification steps
+    with a paged cache (scattered, shared-pool blocks); every real row equals float64 full-sequence
+    causal attention, padding rows never touch the cache or the real rows."""
+    g = torch.Generator().manual_seed(5)
+    nh, nkv, hd, bs = 4, 2, 8, 4
+    scale = hd ** -0.5
+    lens = [11, 6, 9]
+    seqs = [(torch.randn(n, nh * hd, generator=g), torch.randn(n, nkv * hd, generator=g),
+             torch.randn(n, nkv * hd, generator=g)) for n in lens]
+    tables = [[7, 2, 9], [0, 5], [3, 8, 1]]  # 10 blocks in the pool, out of order
+    layer = Attention(nh, hd, scale, nkv)
+    container = torch.nn.Sequential(layer)
+    caches = allocate_kv_caches(container, num_blocks=10, block_size=bs, dtype=torch.float32)
+    assert collect_attention_layers(container) == [layer] and caches[0].shape == (2, 10, bs, nkv, hd)
+    # Steps: (query_len per sequence); each step's tokens follow the previous ones.
+    steps = [[5, 3, 4], [1, 1, 1], [4, 2, 3], [1, 0, 1]]
+    done = [0, 0, 0]
+    outs = [torch.zeros(n, nh * hd) for n in lens]
+    for step in steps:
+        active = [i for i, ql in enumerate(step) if ql]
+        qs, ks, vs = [], [], []
+        for i in active:
+            a, b = done[i], done[i] + step[i]
+            qs.append(seqs[i][0][a:b]); ks.append(seqs[i][1][a:b]); vs.append(seqs[i][2][a:b])
+        pad = 3  # CUDA-graph-style padding rows: garbage values, slot -1
+        q = torch.cat(qs + [torch.full((pad, nh * hd), 1e4)])
+        k = torch.cat(ks + [torch.full((pad, nkv * hd), 1e4)])
+        v = torch.cat(vs + [torch.full((pad, nkv * hd), 1e4)])
+        meta = build_attention_metadata([step[i] for i in active], [done[i] + step[i] for i in active],
+                                        [tables[i] for i in active], bs, num_tokens=q.shape[0])
+        assert meta.slot_mapping[-pad:].tolist() == [-1] * pad
+        with set_forward_context(meta):
+            assert get_forward_context().attn_metadata is meta
+            out = layer(q, k, v)
+        assert get_forward_context().attn_metadata is None
+        assert torch.isfinite(out).all() and torch.equal(out[-pad:], torch.zeros(pad, nh * hd))
+        row = 0
+        for i in active:
+            outs[i][done[i]:done[i] + step[i]] = out[row:row + step[i]]
+            row += step[i]
+            done[i] += step[i]
+    assert caches[0].abs().max() < 1e3  # padding values never written
+    for i, n in enumerate(lens):
+        ref = _attn_ref(*seqs[i], nh, nkv, hd, scale)
+        torch.testing.assert_close(outs[i].double(), ref, rtol=1e-5, atol=1e-5)
+
+
+def test_attention_without_cache_is_causal_per_sequence():
+    g = torch.Generator().manual_seed(6)
+    nh, nkv, hd = 2, 1, 8
+    layer = Attention(nh, hd, 0.3, nkv)
+    lens = [4, 1, 6]
+    q, k, v = (torch.randn(sum(lens) + 2, n * hd, generator=g) for n in (nh, nkv, nkv))
+    meta = build_attention_metadata(lens, [l + 5 for l in lens], None, num_tokens=sum(lens) + 2)
+    with set_forward_context(meta):
+        out = layer(q, k, v)
+    start = 0
+    for n in lens:
+        sl = slice(start, start + n)
+        torch.testing.assert_close(out[sl].double(), _attn_ref(q[sl], k[sl], v[sl], nh, nkv, hd, 0.3),
+                                   rtol=1e-5, atol=1e-5)
+        start += n
+    assert torch.equal(out[start:], torch.zeros(2, nh * hd))
+    # No context at all: one causal sequence over every row.
+    torch.testing.assert_close(layer(q, k, v).double(), _attn_ref(q, k, v, nh, nkv, hd, 0.3), rtol=1e-5, atol=1e-5)
+
+
+def test_build_attention_metadata_errors():
+    with pytest.raises(ValueError, match="query_len <= seq_len"):
+        build_attention_metadata([3], [2])
+    with pytest.raises(ValueError, match="need 3 blocks"):
+        build_attention_metadata([9], [9], [[0, 1]], block_size=4)
+    with pytest.raises(ValueError, match="smaller than the 5 real tokens"):
+        build_attention_metadata([2, 3], [2, 3], num_tokens=4)
+    m = build_attention_metadata([2, 1], [5, 1], [[4, 6], [1]], block_size=4)
+    assert m.slot_mapping.tolist() == [4 * 4 + 3, 6 * 4 + 0, 1 * 4 + 0]  # positions 3, 4 and 0
+    assert m.query_start_loc.tolist() == [0, 2, 3] and m.max_seq_len == 5 and m.num_actual_tokens == 3
+    assert math.isclose(Attention(2, 4, 0.5).scale, 0.5)
