@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 import random
 import time
-from typing import Any, Collection, Dict, List, Optional, Tuple, Union
+from typing import Any, Callable, Collection, Dict, List, Optional, Tuple, Union
 
 from mtpspec.engine.block_manager import BlockManager
 from mtpspec.engine.config import CacheConfig, SchedulerConfig
@@ -59,6 +59,9 @@ class LLMEngine:
         self._step_id = itertools.count()
         k = scheduler_config.num_speculative_tokens
         self.metrics = EngineMetrics(spec=SpecDecodingStats(k) if k else None)
+        # Optional hook (analysis / tests / benchmarks): ``hook(seq, proposed_drafts) -> drafts``
+        # replaces the drafts a sequence will verify next step (k ints in [0, vocab)).
+        self.draft_hook: Optional[Callable[[Sequence, List[int]], List[int]]] = None
 
     # ------------------------------------------------------------------ requests
     def validate_request(self, prompt: PromptType, params: SamplingParams) -> Tuple[Optional[str], List[int]]:
@@ -149,6 +152,10 @@ class LLMEngine:
         before = {id(s.seq): len(s.seq.output_token_ids) for s in out.scheduled}
         finished = self.scheduler.update_from_output(out, result.new_token_ids, result.draft_token_ids if k else None,
                                                      now)
+        if self.draft_hook is not None and k:
+            for sch in out.scheduled:
+                if not sch.seq.is_finished:
+                    sch.seq.draft_token_ids = self._checked_drafts(self.draft_hook(sch.seq, list(sch.seq.draft_token_ids)))
         m.num_output_tokens += sum(len(s.seq.output_token_ids) - before[id(s.seq)] for s in out.scheduled)
         m.num_steps += 1
         m.num_eager_fallbacks += result.num_eager_fallbacks
@@ -162,6 +169,12 @@ class LLMEngine:
             if rm.tpot is not None:
                 m.tpot_s.append(rm.tpot)
         return [s.to_output() for s in finished]
+
+    def _checked_drafts(self, drafts: List[int]) -> List[int]:
+        k = self.scheduler_config.num_speculative_tokens
+        if len(drafts) != k or any(not 0 <= int(t) < self.vocab_size for t in drafts):
+            raise ValueError(f"draft_hook must return {k} token ids in [0, {self.vocab_size}), got {drafts!r}")
+        return [int(t) for t in drafts]
 
     def get_metrics(self) -> Dict[str, object]:
         """Totals (:class:`~mtpspec.spec_decode.metrics.EngineMetrics`) as a dict."""

@@ -14,6 +14,11 @@ last one is the recovered / bonus / sampled token).
    entries that later passes overwrite before anything reads them. Row ``a``'s output gives
    draft 1. Running every row (instead of only the accepted ones) keeps the shapes fixed, so
    no device sync is needed to learn ``a``.
+   With several MTP layers, every layer that a step uses (``j % num_mtp_layers``) gets the
+   same first pass (same inputs, its own weights and KV cache; only layer 0's output is used),
+   and every draft row that a later step reads is also written to the other used layers'
+   caches, so each layer attends to the whole context. (GLM-4.5 and DeepSeek-V3 checkpoints
+   have one MTP layer, where none of this runs.)
 2. Steps ``j = 1 .. k - 1``: one row per sequence at position ``start + a + j``, the previous
    draft as input id, the previous step's output hidden state (post-norm) recycled, and
    ``spec_step_idx = j`` (the model uses layer ``j % num_mtp_layers``).
@@ -69,6 +74,10 @@ class MTPProposer:
         self.block_size = block_size
         self.max_position = max_position
 
+    def _used_layers(self) -> list:
+        """MTP layer indices the ``k`` steps use: ``0 .. min(k, num_mtp_layers) - 1``."""
+        return list(range(min(self.k, int(getattr(self.model, "num_mtp_layers", 1)))))
+
     def _top(self, hidden: torch.Tensor, step: int) -> torch.Tensor:
         if self.use_local_argmax:
             return self.model.get_top_tokens(hidden, spec_step_idx=step)
@@ -111,6 +120,10 @@ class MTPProposer:
         ids = ids.index_copy(0, last_rows, new_token_ids)
         with set_forward_context(inp.attn_metadata):
             hidden = self.model(ids, inp.positions, target_hidden, spec_step_idx=0)
+            # Layers other than 0 that later steps use get the same first pass, so their KV
+            # caches hold the accepted context too (outputs unused).
+            for layer in self._used_layers()[1:]:
+                self.model(ids, inp.positions, target_hidden, spec_step_idx=layer)
         hidden = hidden.index_select(0, last_rows)
         drafts = [self._top(hidden, 0)]
         base = inp.start_positions + last_row_offsets
@@ -120,7 +133,13 @@ class MTPProposer:
             if host_last_row_offsets is not None:
                 host_pos = [s + a + step for s, a in zip(inp.host_start_positions, host_last_row_offsets)]
             meta = self._step_metadata(inp, pos, host_pos)
+            clamped = pos.clamp(max=self.max_position - 1)
             with set_forward_context(meta):
-                hidden = self.model(drafts[-1], pos.clamp(max=self.max_position - 1), hidden, spec_step_idx=step)
+                out = self.model(drafts[-1], clamped, hidden, spec_step_idx=step)
+                if step < self.k - 1:  # later steps on other layers read this row from their caches
+                    for layer in self._used_layers():
+                        if layer != step % len(self._used_layers()):
+                            self.model(drafts[-1], clamped, hidden, spec_step_idx=layer)
+            hidden = out
             drafts.append(self._top(hidden, step))
         return torch.stack(drafts, dim=1)[:b]
