@@ -12,13 +12,8 @@ from typing import Optional, Tuple, Union
 import torch
 from torch import nn
 
-try:  # The Triton-dispatching ops (CUDA / TRITON_INTERPRET=1, reference otherwise).
-    from mtpspec.ops import fused_add_rms_norm, rms_norm
-except ImportError:  # Until the kernels land: the torch references.
-    from mtpspec.ops import fused_add_rms_norm_ref as fused_add_rms_norm
-    from mtpspec.ops import rms_norm_ref as rms_norm
-
 from mtpspec.layers.weight_utils import default_weight_loader
+from mtpspec.ops import fused_add_rms_norm, rms_norm  # Triton on CUDA / TRITON_INTERPRET=1, else *_ref
 
 
 class RMSNorm(nn.Module):
