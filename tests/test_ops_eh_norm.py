@@ -41,7 +41,8 @@ ATOL = {torch.float32: 1e-6, torch.float16: 1e-7, torch.bfloat16: 1e-6}
 @pytest.fixture
 def interp(monkeypatch):
     if not interpreter_available():
-        pytest.skip("triton was imported without TRITON_INTERPRET=1: see test_interpreter_in_subprocess")
+        pytest.skip("triton was imported without TRITON_INTERPRET=1: "
+                    "see test_interpreter_in_subprocess")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
 
 
@@ -212,7 +213,32 @@ def test_interpreter_in_subprocess():
     if interpreter_available() or not triton_utils.HAS_TRITON:
         pytest.skip("the interpreter tests ran in this process (or triton is absent)")
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
-                          env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
+        env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
     assert " passed" in proc.stdout
+
+
+def test_compiles_for_sm90_vectorised_without_spills():
+    """The compiled (GPU) kernel, built offline for sm_90 with the dispatcher's launch shapes:
+    every activation load and every store is a 16-byte vector, and nothing spills."""
+    if not triton_utils.HAS_TRITON:
+        pytest.skip("triton is not installed")
+    ptrs = ["pos_ptr", "e_ptr", "h_ptr", "we_ptr", "wh_ptr", "out_ptr"]
+    ints = ["n_rows", "n_cols", "stride_pos", "stride_e", "stride_h", "stride_out"]
+    sig = {**{p: "*bf16" for p in ptrs}, **{i: "i32" for i in ints}, "eps": "fp32",
+           "pos_ptr": "*i64"}
+    specs = []
+    for hidden in (7168, 20000):
+        cfg = triton_utils.row_launch(8192, hidden, 2)
+        specs.append({"module": "mtpspec.ops.eh_norm", "signature": sig,
+                      "constexprs": dict(ONE_PASS=cfg.one_pass, BLOCK_M=cfg.block_m,
+                                         BLOCK_N=cfg.block_n, BF16_BY_BITS=False),
+                      "aligned": ptrs + ["n_cols", "stride_e", "stride_h", "stride_out"],
+                      "num_warps": cfg.num_warps})
+    for spec, rep in zip(specs, triton_utils.compile_reports(specs)):
+        # One scalar load per row: the position.
+        assert rep["ptx_vec4_loads"] == rep["ptx_loads"] - 1 and rep["ptx_vec4_loads"] > 0, rep
+        assert rep["ptx_stores"] > 0 and rep["ptx_vec4_stores"] == rep["ptx_stores"], rep
+        assert rep["spill_bytes"] in (0, None), (spec, rep)

@@ -12,7 +12,7 @@ so the interpreter only works if ``TRITON_INTERPRET=1`` was set before that impo
 """
 
 import os
-from typing import Any, Callable, Dict, NamedTuple, Optional, Sequence
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence
 
 import torch
 
@@ -211,3 +211,75 @@ def as_rows(t: torch.Tensor, name: str) -> torch.Tensor:
     except RuntimeError:
         raise ValueError(f"{name} of shape {list(t.shape)} strides {tuple(t.stride())} cannot be "
                          f"viewed as [num_tokens, hidden_size]; pass {name}.contiguous()") from None
+
+
+
+def compile_reports(specs: Sequence[Dict[str, Any]], arch: int = 90) -> List[Dict[str, Any]]:
+    """Compile kernels ahead of time for ``sm_<arch>`` (no GPU needed) and summarise the code.
+
+    Each spec: ``{"module": "mtpspec.ops.rms_norm", "kernel": "_kernel", "signature": {arg:
+    Triton type such as "*bf16", "i32", "fp32"}, "constexprs": {...}, "aligned": [args Triton
+    would specialise as divisible by 16 at launch: 16-byte-aligned pointers, multiples of 16],
+    "num_warps": n}``. Compiles in a fresh Python process without ``TRITON_INTERPRET`` (as a GPU
+    process would). Returns per spec ``{"ptx_vec4_loads", "ptx_loads", "ptx_vec4_stores",
+    "ptx_stores", "registers", "spill_bytes"}`` (the last two None without ``cuobjdump``).
+    Diagnostics for tests and tuning.
+
+    Raises ``RuntimeError`` with the child's output if compilation fails.
+    """
+    import json
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in [env.get("PYTHONPATH")] if p])
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    code = ("import json, sys\nfrom mtpspec.ops.triton_utils import _compile_report\n"
+            "print(json.dumps([_compile_report(s, int(sys.argv[2])) "
+            "for s in json.loads(sys.argv[1])]))")
+    proc = subprocess.run([sys.executable, "-c", code, json.dumps(list(specs)), str(arch)],
+                          env=env, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"ahead-of-time compile failed:\n{proc.stderr[-4000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _compile_report(spec: Dict[str, Any], arch: int) -> Dict[str, Any]:
+    import importlib
+    import re
+    import subprocess
+    import tempfile
+
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    kernel = getattr(importlib.import_module(spec["module"]), spec.get("kernel", "_kernel"))
+    jit = triton.JITFunction(kernel.fn)
+    names = [p.name for p in jit.params]
+    sig = dict(spec["signature"])
+    sig.update({k: "constexpr" for k in spec["constexprs"]})
+    src = ASTSource(fn=jit, signature=sig,
+                    constexprs={(names.index(k),): v for k, v in spec["constexprs"].items()},
+                    attrs={(names.index(a),): [["tt.divisibility", 16]] for a in spec["aligned"]})
+    compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32),
+                              options={"num_warps": spec["num_warps"]})
+    ptx = compiled.asm["ptx"]
+    report: Dict[str, Any] = {
+        "ptx_vec4_loads": len(re.findall(r"ld\.global[^\n]*\.v4", ptx)),
+        "ptx_loads": len(re.findall(r"ld\.global", ptx)),
+        "ptx_vec4_stores": len(re.findall(r"st\.global[^\n]*\.v4", ptx)),
+        "ptx_stores": len(re.findall(r"st\.global", ptx)),
+        "registers": None, "spill_bytes": None}
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    cubin = compiled.asm.get("cubin")
+    if cubin and os.path.exists(tool):
+        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+            f.write(cubin)
+            f.flush()
+            usage = subprocess.run([tool, "-res-usage", f.name], capture_output=True,
+                                   text=True).stdout
+        regs, stack = re.findall(r"REG:(\d+)", usage), re.findall(r"STACK:(\d+)", usage)
+        report["registers"] = int(regs[0]) if regs else None
+        report["spill_bytes"] = int(stack[0]) if stack else None
+    return report
