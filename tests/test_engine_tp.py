@@ -1,0 +1,114 @@
+"""Tensor parallelism (gloo, 2 CPU ranks): lossless speculative decoding, identical collective
+sequences on every rank, and the ``torchrun`` path (every process a rank, rank 0 broadcasting).
+
+References are single-process (tp 1) plain greedy runs of the same checkpoint.
+"""
+
+from __future__ import annotations
+
+from typing import Any, List
+
+import pytest
+import torch.distributed as dist
+
+from test_engine_fixtures import OracleDrafts, make_model, mixed_prompts, token_prompts
+
+from mtpspec import LLM, SamplingParams
+
+SP = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+LLM_KW = dict(max_model_len=64, block_size=4, num_kv_blocks=96, max_num_seqs=4, seed=0)
+
+_LOG: List[tuple] = []
+_ORIG: dict = {}
+_OPS = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor", "broadcast",
+        "reduce_scatter", "all_to_all_single")
+
+
+def install_recorder(runner: Any) -> bool:
+    """Runs on each rank: wrap torch.distributed's collectives to log (op, shape, dtype)."""
+    for name in _OPS:
+        if name in _ORIG or not hasattr(dist, name):
+            continue
+        orig = getattr(dist, name)
+        _ORIG[name] = orig
+
+        def wrapped(*args, _name=name, _orig=orig, **kwargs):
+            t = args[0] if args else None
+            if isinstance(t, list):
+                t = t[0]
+            _LOG.append((_name, tuple(t.shape) if hasattr(t, "shape") else None, str(getattr(t, "dtype", ""))))
+            return _orig(*args, **kwargs)
+
+        setattr(dist, name, wrapped)
+    return True
+
+
+def fetch_log(runner: Any) -> List[tuple]:
+    out = list(_LOG)
+    _LOG.clear()
+    return out
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("tiny_tp"))
+    _, cfg = make_model(path, seed=11, tokenizer=False)
+    prompts = mixed_prompts(6, cfg.vocab_size, seed=4)
+    with LLM(path, **LLM_KW) as llm:
+        ref = [o.outputs[0].token_ids for o in llm.generate(token_prompts(prompts), SP, use_tqdm=False)]
+        long = llm.generate(token_prompts(prompts), SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True),
+                            use_tqdm=False)
+    oracle = {tuple(p): o.outputs[0].token_ids for p, o in zip(prompts, long)}
+    return path, cfg, prompts, ref, oracle
+
+
+def test_tp2_spec_lossless_and_same_collectives_on_every_rank(setup) -> None:
+    path, cfg, prompts, ref, oracle = setup
+    with LLM(path, tensor_parallel_size=2, speculative_config={"num_speculative_tokens": 3,
+                                                               "use_local_argmax_reduction": True},
+             fuse_allreduce_rmsnorm=True, **LLM_KW) as llm:
+        llm.llm_engine.draft_hook = OracleDrafts(oracle, cfg.vocab_size, corrupt=0.35)
+        assert llm.collective_rpc(install_recorder) == [True, True]
+        outs = llm.generate(token_prompts(prompts), SP, use_tqdm=False)
+        logs = llm.collective_rpc(fetch_log)
+        metrics = llm.get_metrics()
+    assert [o.outputs[0].token_ids for o in outs] == ref
+    hist = metrics["accepted_length_histogram"]
+    assert sum(1 for h in hist if h) >= 3, hist  # sequences accepted different counts
+    assert len(logs) == 2 and len(logs[0]) > 100
+    assert logs[0] == logs[1]
+    ops = {op for op, _, _ in logs[0]}
+    assert {"all_reduce", "all_gather"} <= ops
+    # local argmax: the draft steps gather [T, 2] float64 pairs, never [T, vocab] logits
+    assert any(shape is not None and shape[-1:] == (2,) and dt == "torch.float64" for _, shape, dt in logs[0])
+    assert metrics["comm_bytes_per_step"]["all_reduce"] > 0
+
+
+@pytest.mark.parametrize("k,local_argmax,fused,seq_parallel", [(1, False, False, True), (5, False, True, False)])
+def test_tp2_spec_lossless_variants(setup, k: int, local_argmax: bool, fused: bool, seq_parallel: bool) -> None:
+    path, cfg, prompts, ref, oracle = setup
+    with LLM(path, tensor_parallel_size=2, speculative_config={"num_speculative_tokens": k,
+                                                               "use_local_argmax_reduction": local_argmax},
+             fuse_allreduce_rmsnorm=fused, sequence_parallel=seq_parallel, **LLM_KW) as llm:
+        llm.llm_engine.draft_hook = OracleDrafts(oracle, cfg.vocab_size, corrupt=0.3)
+        outs = llm.generate(token_prompts(prompts), SP, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == ref
+        assert llm.get_metrics()["num_accepted_tokens"] > 0
+
+
+def _torchrun_rank(path: str, prompts, oracle, vocab: int):
+    llm = LLM(path, tensor_parallel_size=2, speculative_config={"num_speculative_tokens": 3}, **LLM_KW)
+    llm.llm_engine.draft_hook = OracleDrafts(oracle, vocab, corrupt=0.3)
+    outs = llm.generate(token_prompts(prompts), SP, use_tqdm=False)
+    again = llm.generate(token_prompts(prompts[:2]), SP, use_tqdm=False)
+    llm.shutdown()
+    return [o.outputs[0].token_ids for o in outs], [o.outputs[0].token_ids for o in again]
+
+
+def test_under_torchrun_style_launch(setup) -> None:
+    """Every process builds the LLM (WORLD_SIZE/RANK set, group initialised, as under torchrun)."""
+    from mtpspec.distributed import launch
+    path, cfg, prompts, ref, oracle = setup
+    results = launch(_torchrun_rank, 2, path, prompts, oracle, cfg.vocab_size, timeout_s=240)
+    for outs, again in results:
+        assert outs == ref and again == ref[:2]
