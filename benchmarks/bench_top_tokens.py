@@ -1,0 +1,239 @@
+"""Benchmark greedy draft tokens: local argmax (``get_top_tokens``) vs ``compute_logits(...).argmax(-1)``.
+
+Part 1, time (GPU; CPU in ``--smoke``): vocab 151552, bf16, hidden 4096 / 6144, tokens 1 / 64, for
+* the full vocab on one rank (tp 1): ``LogitsProcessor.get_top_tokens`` vs
+  ``LogitsProcessor.compute_logits(...).argmax(-1)`` (at tp 1 the collectives are no-ops);
+* the one-eighth shard a rank holds at tp 8 (18944 rows), simulated in one process:
+  local matmul + ``local_top_pairs`` + ``pick_top_tokens`` on a ``[8, T, 2]`` pair stack, vs
+  local matmul + ``argmax`` over a ``[T, 151552]`` buffer standing for the gathered logits.
+  Communication is not timed here (part 2 counts its bytes).
+Each path is checked against the other, then timed eagerly (CUDA events, median of repeats) and,
+on CUDA, inside a CUDA graph (launch overhead removed). "reduce only" times the reduction
+without the matmul.
+
+Part 2, bytes (CPU gloo ranks, small hidden): per-rank bytes sent by the collectives of one draft
+step at 64 sequences, vocab 151552, bf16 logits, tp 2 / 4 / 8, read from ``comm_stats()``:
+full-logits all-gather vs the ``[64, 2]`` float64 pair all-gather, and their ratio.
+
+Usage: ``python3 benchmarks/bench_top_tokens.py [--smoke] [--no-bytes] [--no-time] [--out r.json]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from mtpspec.distributed import comm_stats, launch, reset_comm_stats  # noqa: E402
+from mtpspec.layers import LogitsProcessor, ParallelLMHead, local_top_pairs, pick_top_tokens  # noqa: E402
+from mtpspec.layers.vocab_parallel_embedding import pad_vocab_size  # noqa: E402
+
+VOCAB = 151552
+HIDDEN_SIZES = [4096, 6144]
+TOKEN_COUNTS = [1, 64]
+BYTES_TP = [2, 4, 8]
+BYTES_TOKENS = 64
+
+
+def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--smoke", action="store_true", help="tiny timing shapes on CPU (byte counts stay full size)")
+    p.add_argument("--no-bytes", action="store_true", help="skip the gloo byte count")
+    p.add_argument("--no-time", action="store_true", help="skip the timing part")
+    p.add_argument("--out", help="write results as JSON to this path")
+    return p.parse_args(argv)
+
+
+class Timer:
+    """Median time per call in microseconds: CUDA events (+ CUDA graphs) on GPU, perf_counter on CPU."""
+
+    def __init__(self, device: torch.device, iters: int, repeats: int) -> None:
+        self.cuda = device.type == "cuda"
+        self.iters, self.repeats = iters, repeats
+
+    def eager_us(self, fn: Callable[[], Any]) -> float:
+        for _ in range(3):
+            fn()
+        samples = []
+        for _ in range(self.repeats):
+            if self.cuda:
+                torch.cuda.synchronize()
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                for _ in range(self.iters):
+                    fn()
+                end.record()
+                end.synchronize()
+                samples.append(start.elapsed_time(end) * 1e3 / self.iters)
+            else:
+                t0 = time.perf_counter()
+                for _ in range(self.iters):
+                    fn()
+                samples.append((time.perf_counter() - t0) * 1e6 / self.iters)
+        return statistics.median(samples)
+
+    def graph_us(self, fn: Callable[[], Any]) -> Optional[float]:
+        if not self.cuda:
+            return None
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(3):
+                fn()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(self.iters):
+                fn()
+        graph.replay()
+        torch.cuda.synchronize()
+        samples = []
+        for _ in range(self.repeats):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            graph.replay()
+            end.record()
+            end.synchronize()
+            samples.append(start.elapsed_time(end) * 1e3 / self.iters)
+        return statistics.median(samples)
+
+
+def time_configs(smoke: bool) -> List[Dict[str, Any]]:
+    device = torch.device("cuda" if torch.cuda.is_available() and not smoke else "cpu")
+    vocab, hiddens, counts = (VOCAB, HIDDEN_SIZES, TOKEN_COUNTS) if not smoke else (1000, [64], [1, 4])
+    timer = Timer(device, iters=20 if device.type == "cuda" else 5, repeats=7 if device.type == "cuda" else 3)
+    dtype = torch.bfloat16
+    rows: List[Dict[str, Any]] = []
+    g = torch.Generator(device=device).manual_seed(0)
+    for hidden in hiddens:
+        for shard in ("full (tp 1)", "1/8 (tp 8)"):
+            tp = 1 if shard.startswith("full") else 8
+            per = pad_vocab_size(vocab, tp) // tp
+            start = (tp - 1) * per if tp > 1 else 0  # the last rank: real rows < per (padding inside)
+            num_real = min(vocab - start, per)
+            w = torch.randn(per, hidden, generator=g, device=device).to(dtype)
+            head = lp = None
+            if tp == 1:
+                with device:
+                    head = ParallelLMHead(vocab, hidden, params_dtype=dtype)
+                head.weight.data.copy_(w[:head.num_embeddings_per_partition])
+                lp = LogitsProcessor(vocab)
+            for n in counts:
+                h = torch.randn(n, hidden, generator=g, device=device).to(dtype)
+                full_buf = torch.randn(n, per * tp, generator=g, device=device).to(dtype)
+                other = torch.randn(tp - 1, n, 2, generator=g, device=device, dtype=torch.float64)
+                other[..., 1] = -1.0  # other ranks' pairs: sentinels (values only matter for speed)
+
+                if tp == 1:
+                    def local_path() -> torch.Tensor:
+                        return lp.get_top_tokens(head, h)
+
+                    def full_path() -> torch.Tensor:
+                        return lp.compute_logits(head, h).argmax(-1)
+                else:
+                    def local_path() -> torch.Tensor:
+                        pairs = local_top_pairs(F.linear(h, w), start, num_real)
+                        return pick_top_tokens(torch.cat([other, pairs.unsqueeze(0)]))
+
+                    def full_path() -> torch.Tensor:
+                        full_buf[:, start:start + per].copy_(F.linear(h, w))  # this rank's part of the gather
+                        return full_buf[:, :vocab].argmax(-1)
+                local_logits = F.linear(h, w)
+                full_view = full_buf[:, :vocab]
+
+                def local_reduce() -> torch.Tensor:
+                    return local_top_pairs(local_logits, start, num_real)
+
+                def full_reduce() -> torch.Tensor:
+                    return full_view.argmax(-1)
+
+                a, b = local_path(), full_path()
+                if tp == 1:
+                    assert torch.equal(a, b), (hidden, shard, n)
+                else:  # the shard's own winner must agree with an argmax over its real columns
+                    assert torch.equal(a, local_logits[:, :num_real].argmax(-1) + start), (hidden, shard, n)
+                row: Dict[str, Any] = dict(hidden=hidden, shard=shard, tokens=n, rows=per, device=device.type)
+                for name, fn in (("local", local_path), ("full", full_path),
+                                 ("local_reduce", local_reduce), ("full_reduce", full_reduce)):
+                    row[f"{name}_us"] = timer.eager_us(fn)
+                    row[f"{name}_graph_us"] = timer.graph_us(fn) if name in ("local", "full") else None
+                rows.append(row)
+    return rows
+
+
+def _bytes_rank(vocab: int, hidden: int, n: int) -> Dict[str, Any]:
+    g = torch.Generator().manual_seed(1)
+    head = ParallelLMHead(vocab, hidden, params_dtype=torch.bfloat16)
+    head.weight.weight_loader(head.weight, torch.randn(vocab, hidden, generator=g))
+    h = torch.randn(n, hidden, generator=g).to(torch.bfloat16)
+    lp = LogitsProcessor(vocab)
+    reset_comm_stats()
+    logits = lp.compute_logits(head, h)
+    full = comm_stats()
+    reset_comm_stats()
+    top = lp.get_top_tokens(head, h)
+    pairs = comm_stats()
+    return dict(full=full, pairs=pairs, agree=bool(torch.equal(top, logits.argmax(-1))),
+                per=head.num_embeddings_per_partition)
+
+
+def count_bytes() -> List[Dict[str, Any]]:
+    rows = []
+    for tp in BYTES_TP:
+        res = launch(_bytes_rank, tp, VOCAB, 8, BYTES_TOKENS, backend="gloo")
+        full = [r["full"]["all_gather"] for r in res]
+        pairs = [r["pairs"]["all_gather"] for r in res]
+        assert all(r["agree"] for r in res), f"tp {tp}: get_top_tokens != argmax(compute_logits)"
+        assert all(set(r["pairs"]) == {"all_gather"} and p["calls"] == 1 for r, p in zip(res, pairs))
+        rows.append(dict(tp=tp, per_rank=res[0]["per"], tokens=BYTES_TOKENS,
+                         full_bytes_per_rank=full[0]["bytes_sent"], pair_bytes_per_rank=pairs[0]["bytes_sent"],
+                         full_bytes_all_ranks=sum(f["bytes_sent"] for f in full),
+                         pair_bytes_all_ranks=sum(p["bytes_sent"] for p in pairs),
+                         ratio=pairs[0]["bytes_sent"] / full[0]["bytes_sent"]))
+    return rows
+
+
+def _fmt(v: Optional[float]) -> str:
+    return f"{'-':>9}" if v is None else f"{v:9.1f}"
+
+
+def main(argv: Optional[Sequence[str]] = None) -> None:
+    args = parse_args(argv)
+    out: Dict[str, Any] = {"torch": torch.__version__,
+                           "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"}
+    if not args.no_time:
+        out["time"] = time_configs(args.smoke)
+    if not args.no_bytes:
+        out["bytes"] = count_bytes()
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(out, f, indent=2)
+    print(f"\ntorch {out['torch']} on {out['device']}")
+    if "time" in out:
+        print("\nGreedy token time per call, us (eager | CUDA graph); reduce = reduction only, no matmul")
+        print(f"{'hidden':>6} {'shard':>12} {'T':>3} {'rows':>7} | {'local':>9} {'full':>9} {'speedup':>7} | "
+              f"{'local g':>9} {'full g':>9} | {'red loc':>9} {'red full':>9}")
+        for r in out["time"]:
+            print(f"{r['hidden']:>6} {r['shard']:>12} {r['tokens']:>3} {r['rows']:>7} | {_fmt(r['local_us'])} "
+                  f"{_fmt(r['full_us'])} {r['full_us'] / r['local_us']:7.2f} | {_fmt(r['local_graph_us'])} "
+                  f"{_fmt(r['full_graph_us'])} | {_fmt(r['local_reduce_us'])} {_fmt(r['full_reduce_us'])}")
+    if "bytes" in out:
+        print(f"\nBytes sent per rank, one draft step, {BYTES_TOKENS} sequences, vocab {VOCAB}, bf16 logits")
+        print(f"{'tp':>3} {'rows/rank':>9} | {'full logits':>12} {'pairs':>8} {'ratio':>9} | "
+              f"{'all ranks: full':>15} {'pairs':>8}")
+        for r in out["bytes"]:
+            print(f"{r['tp']:>3} {r['per_rank']:>9} | {r['full_bytes_per_rank']:>12} {r['pair_bytes_per_rank']:>8} "
+                  f"{100 * r['ratio']:8.4f}% | {r['full_bytes_all_ranks']:>15} {r['pair_bytes_all_ranks']:>8}")
+
+
+if __name__ == "__main__":
+    main()
