@@ -107,6 +107,34 @@ class Timer:
         return statistics.median(samples)
 
 
+def check_contract(device: torch.device, cases: int = 200) -> int:
+    """On ``device``: simulated-shard pick == ``torch.argmax`` (device and CPU) with ties/NaN/inf, all dtypes.
+
+    Guards the assumption that ``torch.argmax`` on this device returns the first maximum and the
+    first NaN. Returns the number of cases checked; raises ``AssertionError`` on a mismatch.
+    """
+    g = torch.Generator().manual_seed(2)
+    alphabet = torch.tensor([float("-inf"), float("inf"), float("nan"), -1.0, 0.0, 1.0, 2.0])
+    for i in range(cases):
+        tp = 1 + i % 8
+        v = int(torch.randint(1, 600, (1,), generator=g))
+        t = int(torch.randint(0, 5, (1,), generator=g))
+        dtype = (torch.float32, torch.bfloat16, torch.float16)[i % 3]
+        logits = alphabet[torch.randint(0, len(alphabet), (t, v), generator=g)].to(dtype)
+        per = pad_vocab_size(v, tp) // tp
+        padded = torch.full((t, per * tp), float("inf"), dtype=dtype)
+        padded[:, :v] = logits
+        padded = padded.to(device)
+        pairs = torch.stack([local_top_pairs(padded[:, r * per:(r + 1) * per], r * per, max(0, min(v - r * per, per)))
+                             for r in range(tp)])
+        got = pick_top_tokens(pairs).cpu()
+        ref_dev = torch.argmax(logits.to(device), dim=-1).cpu()
+        ref_cpu = torch.argmax(logits, dim=-1)
+        assert torch.equal(ref_dev, ref_cpu), f"torch.argmax on {device} differs from CPU: {logits}"
+        assert torch.equal(got, ref_cpu), f"pick != torch.argmax (tp {tp}, {dtype}): {logits}"
+    return cases
+
+
 def time_configs(smoke: bool) -> List[Dict[str, Any]]:
     device = torch.device("cuda" if torch.cuda.is_available() and not smoke else "cpu")
     vocab, hiddens, counts = (VOCAB, HIDDEN_SIZES, TOKEN_COUNTS) if not smoke else (1000, [64], [1, 4])
@@ -211,6 +239,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     out: Dict[str, Any] = {"torch": torch.__version__,
                            "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"}
     if not args.no_time:
+        dev = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
+        out["contract_cases"] = check_contract(dev)
         out["time"] = time_configs(args.smoke)
     if not args.no_bytes:
         out["bytes"] = count_bytes()
@@ -219,6 +249,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
             json.dump(out, f, indent=2)
     print(f"\ntorch {out['torch']} on {out['device']}")
     if "time" in out:
+        print(f"argmax contract (ties, NaN, +-inf, padding) checked on {out['device']}: "
+              f"{out['contract_cases']} cases ok")
         print("\nGreedy token time per call, us (eager | CUDA graph); reduce = reduction only, no matmul")
         print(f"{'hidden':>6} {'shard':>12} {'T':>3} {'rows':>7} | {'local':>9} {'full':>9} {'speedup':>7} | "
               f"{'local g':>9} {'full g':>9} | {'red loc':>9} {'red full':>9}")
