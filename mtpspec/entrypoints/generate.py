@@ -1,0 +1,128 @@
+"""`mtpspec generate`: complete prompts with MTP speculative decoding and print the metrics.
+
+Prompts come from ``--prompt`` (repeatable), ``--prompt-file`` (one per line) or
+``--prompt-token-ids`` (comma-separated ids; for checkpoints without a tokenizer). Without
+``--model`` the bundled demo model (``mtpspec/demo_model``) is used when it exists.
+``--num-speculative-tokens 0`` decodes without speculation.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Any, Dict, List
+
+
+def demo_model_path() -> str:
+    """Folder of the bundled demo model (may not exist)."""
+    return os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "demo_model")
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser("generate", help="complete prompts with MTP speculative decoding",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=None, help="checkpoint folder (default: the bundled demo model)")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--prompt", action="append", default=None, help="a prompt (repeat for a batch)")
+    src.add_argument("--prompt-file", default=None, help="file with one prompt per line")
+    src.add_argument("--prompt-token-ids", action="append", default=None,
+                     help="a prompt as comma-separated token ids (repeatable)")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (default 1)")
+    p.add_argument("--num-speculative-tokens", "-k", type=int, default=3, help="draft tokens k (0: no speculation)")
+    p.add_argument("--no-local-argmax", action="store_true", help="drafts via compute_logits + argmax")
+    p.add_argument("--no-fusion", action="store_true", help="MTP tail: all-reduce then RMSNorm (unfused)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None, help="per-request seed")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--num-kv-blocks", type=int, default=None)
+    p.add_argument("--dtype", default=None, help="float32 / bfloat16 / float16 (default: the checkpoint's)")
+    p.add_argument("--device", default=None, help="cuda / cpu (default: cuda when present)")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+
+
+def _prompts(args: argparse.Namespace) -> List[Any]:
+    if args.prompt_file:
+        with open(args.prompt_file, encoding="utf-8") as f:
+            lines = [ln.rstrip("\n") for ln in f]
+        return [ln for ln in lines if ln.strip()]
+    if args.prompt_token_ids:
+        out = []
+        for s in args.prompt_token_ids:
+            try:
+                out.append({"prompt_token_ids": [int(x) for x in s.split(",") if x.strip()]})
+            except ValueError:
+                raise SystemExit(f"--prompt-token-ids: expected comma-separated ints, got {s!r}") from None
+        return out
+    return args.prompt or ["The capital of France is"]
+
+
+def format_metrics(m: Dict[str, Any]) -> str:
+    """A compact multi-line summary of :meth:`LLM.get_metrics`."""
+    def f(x: Any, spec: str = ".3f") -> str:
+        return "-" if x is None else format(x, spec)
+
+    lines = [f"output tokens      {m['num_output_tokens']}  ({f(m['output_tokens_per_s'], '.1f')} tok/s over "
+             f"{m['num_steps']} steps)",
+             f"TTFT mean / p99    {f(m['ttft_s']['mean'])} / {f(m['ttft_s']['p99'])} s",
+             f"ITL  mean / p99    {f(m['itl_s']['mean'])} / {f(m['itl_s']['p99'])} s"]
+    if "num_drafts" in m:
+        lines += [f"acceptance length  {f(m['acceptance_length'], '.3f')}  (rate {f(m['acceptance_rate'], '.3f')}, "
+                  f"{m['num_accepted_tokens']}/{m['num_draft_tokens']} draft tokens)",
+                  f"accepted per pos   {m['num_accepted_tokens_per_pos']}",
+                  f"accepted lengths   {m['accepted_length_histogram']}  (histogram over 0..k)"]
+    comm = m.get("comm_bytes_per_step") or {}
+    lines.append("bytes/step (rank0) " + (", ".join(f"{op} {n:,.0f}" for op, n in sorted(comm.items())) or "0"))
+    lines.append(f"eager fall-backs   {m['num_eager_fallbacks']}   preemptions {m['num_preemptions']}")
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    from mtpspec import LLM, SamplingParams
+
+    model = args.model or demo_model_path()
+    if not os.path.isfile(os.path.join(model, "config.json")):
+        print(f"error: no model at {model!r} (pass --model PATH; the bundled demo model is not there)",
+              file=sys.stderr)
+        return 2
+    k = args.num_speculative_tokens
+    spec = None if k == 0 else {"method": "mtp", "num_speculative_tokens": k,
+                                "use_local_argmax_reduction": not args.no_local_argmax}
+    prompts = _prompts(args)
+    try:
+        params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
+                                max_tokens=args.max_tokens)
+        llm = LLM(model, tensor_parallel_size=args.tp, dtype=args.dtype, device=args.device, speculative_config=spec,
+                  fuse_allreduce_rmsnorm=not args.no_fusion, max_num_seqs=args.max_num_seqs,
+                  max_model_len=args.max_model_len, num_kv_blocks=args.num_kv_blocks)
+    except (ValueError, TypeError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    try:
+        outs = llm.generate(prompts, params, use_tqdm=len(prompts) > 4)
+        metrics = llm.get_metrics()
+    except (ValueError, TypeError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    finally:
+        llm.shutdown()
+    if args.json:
+        import json
+        print(json.dumps({"outputs": [{"prompt": o.prompt, "prompt_token_ids": o.prompt_token_ids,
+                                       "text": o.outputs[0].text, "token_ids": o.outputs[0].token_ids,
+                                       "finish_reason": o.outputs[0].finish_reason} for o in outs],
+                          "metrics": metrics}, default=str))
+        return 0
+    for i, o in enumerate(outs):
+        c = o.outputs[0]
+        head = o.prompt if o.prompt is not None else str(o.prompt_token_ids)
+        print(f"--- [{i}] {head!r}")
+        print(c.text if c.text else c.token_ids)
+        print(f"    ({len(c.token_ids)} tokens, finish_reason={c.finish_reason})")
+    print("--- metrics")
+    print(format_metrics(metrics))
+    return 0

@@ -1,0 +1,58 @@
+"""`mtpspec generate` pieces (``add_parser`` / ``run``), run in-process on a tiny checkpoint."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+
+from test_engine_fixtures import make_model
+
+from mtpspec import LLM, SamplingParams
+from mtpspec.entrypoints import generate
+
+
+def _parse(argv):
+    p = argparse.ArgumentParser()
+    sub = p.add_subparsers(dest="command")
+    generate.add_parser(sub)
+    return p.parse_args(["generate", *argv])
+
+
+@pytest.fixture(scope="module")
+def path(tmp_path_factory):
+    p = str(tmp_path_factory.mktemp("tiny_cli"))
+    make_model(p, seed=31)
+    return p
+
+
+def test_generate_json_matches_llm(path, capsys) -> None:
+    args = _parse(["--model", path, "--prompt", "w5 w6", "--prompt", "w9", "-k", "2", "--max-tokens", "6",
+                   "--max-model-len", "48", "--num-kv-blocks", "64", "--json"])
+    assert generate.run(args) == 0
+    got = json.loads(capsys.readouterr().out)
+    with LLM(path, max_model_len=48, num_kv_blocks=64) as llm:
+        ref = llm.generate(["w5 w6", "w9"], SamplingParams(temperature=0.0, max_tokens=6), use_tqdm=False)
+    assert [o["token_ids"] for o in got["outputs"]] == [r.outputs[0].token_ids for r in ref]
+    assert [o["text"] for o in got["outputs"]] == [r.outputs[0].text for r in ref]
+    assert got["metrics"]["num_drafts"] > 0
+
+
+def test_generate_text_summary_and_prompt_file(path, tmp_path, capsys) -> None:
+    f = tmp_path / "prompts.txt"
+    f.write_text("w3 w4\n\nw7\n")
+    args = _parse(["--model", path, "--prompt-file", str(f), "-k", "1", "--no-local-argmax", "--no-fusion",
+                   "--max-tokens", "4", "--max-model-len", "48", "--num-kv-blocks", "64"])
+    assert generate.run(args) == 0
+    out = capsys.readouterr().out
+    assert out.count("--- [") == 2 and "acceptance length" in out and "eager fall-backs" in out
+
+
+def test_generate_errors(path, capsys) -> None:
+    assert generate.run(_parse(["--model", str(path) + "-missing"])) == 2
+    assert "no model" in capsys.readouterr().err
+    assert generate.run(_parse(["--model", path, "--temperature", "-1"])) == 2
+    assert "temperature" in capsys.readouterr().err
+    assert generate.run(_parse(["--model", path, "-k", "99"])) == 2
+    assert "num_speculative_tokens" in capsys.readouterr().err
