@@ -5,6 +5,7 @@ tokens 1, 64, 384, 8192. Each config is first checked against the torch referenc
 
 * plain: ``triton.testing.do_bench`` median; do_bench clears L2 (a 256 MB write) before every
   call, so each call reads cold inputs. Includes whatever launch gaps the GPU sees.
+* loop: wall time per call of back-to-back calls (host overhead shows when it dominates).
 * graph (token counts <= 384): one CUDA graph replays the op over rotating input sets whose
   total exceeds the H200's 50 MB L2 (so inputs are not L2-resident), launch overhead removed;
   time per call = median graph time / calls in the graph.
@@ -68,6 +69,18 @@ class Bench:
             times.append(time.perf_counter() - t)
         return statistics.median(times) * 1e6
 
+    def loop_us(self, fn: Callable[[], object], calls: int) -> float:
+        """Wall time per call of ``calls`` back-to-back calls, then a sync: host overhead
+        (validation, dispatch, launch) when it exceeds the GPU time."""
+        for _ in range(3):
+            fn()
+        self.sync()
+        t = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        self.sync()
+        return (time.perf_counter() - t) / calls * 1e6
+
     def graph_us(self, fn: Callable[..., object], sets: List[tuple]) -> Optional[float]:
         """Per-call time of ``fn(*s) for s in sets`` captured in one CUDA graph (None on CPU)."""
         if not self.cuda:
@@ -120,6 +133,12 @@ def check_close(name: str, got: torch.Tensor, want: torch.Tensor, exact: bool = 
     return rec
 
 
+def loop_calls(tokens: int, cuda: bool) -> int:
+    if not cuda:
+        return 2
+    return 200 if tokens <= GRAPH_MAX_TOKENS else 20
+
+
 def rotating_sets(make: Callable[[int], tuple], set_bytes: int, tokens: int) -> List[tuple]:
     """Input sets for a graph: enough that together they exceed L2 (``ROTATE_BYTES``)."""
     n = min(MAX_SETS, max(2, math.ceil(ROTATE_BYTES / set_bytes)))
@@ -156,6 +175,8 @@ def bench_fused_add(b: Bench, hidden: int, tokens: int, dtype: torch.dtype, use_
            "checks": checks}
     for name, fn in impls.items():
         rec[f"{name}_us"] = b.plain_us(lambda fn=fn: fn(x, r, weight, EPS))
+        rec[f"{name}_loop_us"] = b.loop_us(lambda fn=fn: fn(x, r, weight, EPS),
+                                           loop_calls(tokens, b.cuda))
     if graphs and tokens <= GRAPH_MAX_TOKENS:
         sets = rotating_sets(make, nbytes, tokens)
         rec["graph_sets"] = len(sets)
@@ -194,6 +215,8 @@ def bench_eh_norm(b: Bench, hidden: int, tokens: int, dtype: torch.dtype, use_co
            "checks": checks}
     for name, fn in impls.items():
         rec[f"{name}_us"] = b.plain_us(lambda fn=fn: fn(pos, e, h, we, wh, EPS))
+        rec[f"{name}_loop_us"] = b.loop_us(lambda fn=fn: fn(pos, e, h, we, wh, EPS),
+                                           loop_calls(tokens, b.cuda))
     if graphs and tokens <= GRAPH_MAX_TOKENS:
         sets = rotating_sets(make, nbytes, tokens)
         rec["graph_sets"] = len(sets)
@@ -220,7 +243,8 @@ def fmt(v: object, digits: int = 1) -> str:
 
 def table(results: List[Dict], copy_gbps: float) -> str:
     head = ("| op | H | T | triton us | GB/s | % copy | eager us | compile us | compile/triton "
-            "| graph: triton us | eager us | compile us | graph % copy |")
+            "| graph: triton us | eager us | compile us | graph % copy "
+            "| loop us: triton/eager/compile |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in results:
         t = r["triton_us"]
@@ -235,7 +259,8 @@ def table(results: List[Dict], copy_gbps: float) -> str:
             f"{fmt(100 * gbps / copy_gbps)} | {fmt(r['eager_us'])} | {fmt(comp)} | "
             f"{fmt(comp / t, 2) if isinstance(comp, float) else '-'} | {fmt(tg, 2)} | "
             f"{fmt(r.get('eager_graph_us'), 2)} | {fmt(r.get('compile_graph_us'), 2)} | "
-            f"{fmt(g_pct)} |")
+            f"{fmt(g_pct)} | {fmt(r.get('triton_loop_us'))}/{fmt(r.get('eager_loop_us'))}/"
+            f"{fmt(r.get('compile_loop_us'))} |")
     return "\n".join(lines)
 
 

@@ -195,7 +195,11 @@ def fused_add_rms_norm(x: torch.Tensor, residual: Optional[torch.Tensor], weight
     if not use_triton(x, residual, weight):
         return fused_add_rms_norm_ref(x, residual, weight, eps)
     out, r_out = _launch(x2, r2, weight, eps)
-    return out.view(x.shape), (r_out.view(x.shape) if r_out is not None else x)
+    if r_out is None:
+        r_out = x
+    elif x.dim() != 2:
+        r_out = r_out.view(x.shape)
+    return (out if x.dim() == 2 else out.view(x.shape)), r_out
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -217,4 +221,5 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     x2, _ = _check(x, None, weight, eps)
     if not use_triton(x, weight):
         return rms_norm_ref(x, weight, eps)
-    return _launch(x2, None, weight, eps)[0].view(x.shape)
+    out = _launch(x2, None, weight, eps)[0]
+    return out if x.dim() == 2 else out.view(x.shape)
