@@ -1,0 +1,343 @@
+"""Benchmark one verify step and one MTP draft step against their memory floors.
+
+Model: random weights at GLM-4.5-Air width (hidden 4096, vocab 151552, 96 heads / 8 kv heads of
+128, 128 routed experts of 1408 + 1 shared, top-8), ``--layers`` target layers (the first dense)
+plus one MTP layer, bf16, tp 1. For each batch size (default 1 and 64 sequences, each with
+``--context`` tokens already in the KV cache):
+
+* verify step: target forward over ``B x (1 + k)`` tokens + ``compute_logits`` + greedy
+  verification;
+* draft step: one single-token MTP step for ``B`` sequences (embedding + ``fused_eh_norm``,
+  ``eh_proj``, the MTP block (attention + MoE), the tail norm, the LM head matmul and the
+  argmax), whole and piece by piece;
+* engine step: ``ModelRunner.execute_model`` of a pure-decode step (host preparation,
+  verification, first MTP pass, ``k - 1`` draft steps, the one device-to-host copy), wall time.
+
+Each row is timed eagerly and, where the code can be captured, as a CUDA graph (a capture
+that fails, e.g. because an op synchronises with the host, is reported with its reason).
+Floors: the bytes a row must read at least once (weights it uses: for MoE only the experts the
+router actually picked; KV entries it attends to; its activations), divided by the read
+bandwidth measured in the same run (``x.sum()`` over 4 GiB). ``x floor`` = time / floor.
+
+Usage: ``python3 benchmarks/bench_engine_step.py [--batch-sizes 1,64] [--k 3] [--context 1024]
+[--layers 3] [--json out.json]``; ``--smoke`` runs a tiny model on CPU (no graphs) to prove
+the script works.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import time
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from mtpspec.config import ModelConfig, SpeculativeConfig  # noqa: E402
+from mtpspec.engine.config import CacheConfig, SchedulerConfig  # noqa: E402
+from mtpspec.engine.input_prep import prepare_step  # noqa: E402
+from mtpspec.engine.model_runner import ModelRunner  # noqa: E402
+from mtpspec.engine.step_io import SeqInput, StepInput  # noqa: E402
+from mtpspec.layers.attention import set_forward_context  # noqa: E402
+from mtpspec.layers.fused_moe import FusedMoE, MoEGate  # noqa: E402
+from mtpspec.spec_decode.rejection_sampler import greedy_verify  # noqa: E402
+
+BLOCK_SIZE = 16
+
+
+def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--batch-sizes", default="1,64")
+    p.add_argument("--k", type=int, default=3, help="draft tokens per step")
+    p.add_argument("--context", type=int, default=1024, help="tokens already cached per sequence")
+    p.add_argument("--layers", type=int, default=3, help="target decoder layers (first dense, rest MoE)")
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--json", help="write the results to this file")
+    p.add_argument("--smoke", action="store_true", help="tiny model on CPU")
+    return p.parse_args(argv)
+
+
+def model_config(smoke: bool, layers: int) -> ModelConfig:
+    if smoke:
+        dims = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                    vocab_size=1000, moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2)
+    else:
+        dims = dict(hidden_size=4096, intermediate_size=10944, num_attention_heads=96, num_key_value_heads=8,
+                    head_dim=128, vocab_size=151552, moe_intermediate_size=1408, n_routed_experts=128,
+                    num_experts_per_tok=8)
+    cfg = ModelConfig(architecture="Glm4MoeForCausalLM", num_hidden_layers=layers, max_position_embeddings=8192,
+                      rms_norm_eps=1e-5, rope_theta=1e6, partial_rotary_factor=0.5, attention_bias=True,
+                      first_k_dense_replace=1, n_shared_experts=1, routed_scaling_factor=1.0, n_group=1,
+                      topk_group=1, num_nextn_predict_layers=1, eos_token_ids=(0,), **dims)
+    cfg.validate()
+    return cfg
+
+
+@torch.no_grad()
+def randomise_(module: torch.nn.Module, seed: int) -> None:
+    """Fill every parameter: norms 1, biases small, matrices N(0, 1 / fan_in)."""
+    gens: Dict[torch.device, torch.Generator] = {}
+    for name, p in module.named_parameters():
+        g = gens.setdefault(p.device, torch.Generator(device=p.device).manual_seed(seed))
+        if name.endswith("norm.weight"):
+            p.fill_(1.0)
+        elif p.dim() == 1:
+            p.normal_(0.0, 0.02, generator=g)
+        else:
+            p.normal_(0.0, 1.0 / math.sqrt(p.shape[-1]), generator=g)
+    for name, b in module.named_buffers():
+        if name.endswith("e_score_correction_bias"):
+            b.zero_()
+
+
+class Timer:
+    """Median milliseconds: CUDA events on the GPU, perf_counter on the CPU."""
+
+    def __init__(self, device: torch.device, iters: int) -> None:
+        self.device, self.iters = device, iters
+        self.cuda = device.type == "cuda"
+
+    def eager(self, fn: Callable[[], Any]) -> float:
+        for _ in range(3):
+            fn()
+        times = []
+        for _ in range(self.iters):
+            if self.cuda:
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a.record()
+                fn()
+                b.record()
+                b.synchronize()
+                times.append(a.elapsed_time(b))
+            else:
+                t0 = time.perf_counter()
+                fn()
+                times.append((time.perf_counter() - t0) * 1e3)
+        return statistics.median(times)
+
+    def graph(self, fn: Callable[[], Any]) -> Tuple[Optional[float], Optional[str]]:
+        if not self.cuda:
+            return None, "CPU"
+        try:
+            s = torch.cuda.Stream()
+            s.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(s):
+                for _ in range(3):
+                    fn()
+            torch.cuda.current_stream().wait_stream(s)
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                fn()
+        except Exception as exc:  # noqa: BLE001 - report why capture is impossible
+            torch.cuda.synchronize()
+            return None, f"{type(exc).__name__}: {str(exc).splitlines()[0][:70]}"
+        return self.eager(g.replay), None
+
+
+def read_bandwidth(device: torch.device, smoke: bool) -> float:
+    """Bytes per second of a read-dominated reduction over a large bf16 tensor."""
+    n = (64 << 20) if smoke or device.type != "cuda" else (4 << 30)
+    x = torch.ones(n // 2, dtype=torch.bfloat16, device=device)
+    t = Timer(device, 10).eager(lambda: x.sum(dtype=torch.float32))
+    return n / (t / 1e3)
+
+
+def param_bytes(module: torch.nn.Module, skip: Tuple[type, ...] = ()) -> int:
+    total = 0
+    for m in module.modules():
+        if isinstance(m, skip):
+            continue
+        for p in m.parameters(recurse=False):
+            total += p.numel() * p.element_size()
+    return total
+
+
+class ExpertCounter:
+    """Forward hooks on every ``MoEGate``: distinct experts picked per call."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.picked: List[int] = []
+        self.handles = [m.register_forward_hook(self._hook) for m in model.modules() if isinstance(m, MoEGate)]
+
+    def _hook(self, module: Any, inputs: Any, output: Any) -> None:
+        self.picked.append(int(torch.unique(output[1]).numel()))
+
+    def close(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+
+def expert_bytes(model: torch.nn.Module) -> int:
+    """Bytes of one routed expert (gate + up + down) in ``model``'s first FusedMoE."""
+    m = next(x for x in model.modules() if isinstance(x, FusedMoE))
+    return (m.w13_weight[0].numel() + m.w2_weight[0].numel()) * m.w13_weight.element_size()
+
+
+def decode_step(b: int, k: int, context: int, vocab: int, blocks_per_seq: int) -> StepInput:
+    g = torch.Generator().manual_seed(b)
+    seqs = []
+    for i in range(b):
+        ids = torch.randint(3, vocab, (k + 1,), generator=g).tolist()
+        table = list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq))
+        seqs.append(SeqInput(ids, context, table, False))
+    return StepInput(seqs)
+
+
+def bench_batch(runner: ModelRunner, timer: Timer, b: int, k: int, context: int, bw: float) -> List[Dict[str, Any]]:
+    target, mtp = runner.target, runner.mtp
+    cfg = target.config
+    dev, dtype = runner.device, runner.kv_dtype
+    e = torch.empty((), dtype=dtype).element_size()
+    h, v = cfg.hidden_size, cfg.vocab_size
+    kv_per_token = sum(2 * layer.num_kv_heads * layer.head_dim * e for layer in runner.layers)
+    kv_per_token_target = kv_per_token * cfg.num_hidden_layers // len(runner.layers)
+    kv_per_token_mtp = kv_per_token - kv_per_token_target
+    step = decode_step(b, k, context, v, runner.num_blocks // max(b, 1))
+    inp = prepare_step(step, k, BLOCK_SIZE, cfg.max_position_embeddings, dev)
+    rows: List[Dict[str, Any]] = []
+
+    def add(name: str, fn: Callable[[], Any], floor_bytes: float, graph: bool = True) -> None:
+        eager = timer.eager(fn)
+        g_ms, why = timer.graph(fn) if graph else (None, "not captured")
+        floor = floor_bytes / bw * 1e3
+        rows.append(dict(batch=b, row=name, eager_ms=eager, graph_ms=g_ms, graph_note=why, floor_ms=floor,
+                         eager_x=eager / floor if floor else None, graph_x=(g_ms / floor) if g_ms else None))
+
+    # ---- verify step
+    drafts = inp.draft_token_ids
+
+    def verify() -> Any:
+        with set_forward_context(inp.attn_metadata):
+            hidden = target(inp.input_ids, inp.positions)
+        logits = target.compute_logits(hidden)
+        return greedy_verify(drafts, logits.view(b, k + 1, -1)).output_token_ids
+
+    counter = ExpertCounter(target)
+    verify()
+    moe_layers = sum(1 for layer in target.model.layers if layer.is_moe)
+    experts_read = sum(counter.picked[-moe_layers:]) if moe_layers else 0
+    counter.close()
+    t_tokens = b * (1 + k)
+    verify_floor = (param_bytes(target, (FusedMoE,)) - target.model.embed_tokens.weight.numel() * e
+                    + experts_read * expert_bytes(target) + b * (context + k + 1) * kv_per_token_target
+                    + t_tokens * v * 4)
+    add(f"verify step ({t_tokens} tok)", verify, verify_floor)
+
+    # ---- one draft step, whole and in pieces
+    layer = mtp.get_layer(0)
+    ids = drafts[:, 0].contiguous()
+    prev = torch.randn(b, h, dtype=dtype, device=dev)
+    pos = inp.start_positions + 1
+    meta = runner.proposer._step_metadata(inp, pos, (pos.tolist() if dev.type == "cpu" else None))
+    head = layer.shared_head.head
+
+    def whole() -> Any:
+        with set_forward_context(meta):
+            out = mtp(ids, pos, prev, spec_step_idx=0)
+        return runner.proposer._top(out, 0)
+
+    with set_forward_context(meta):
+        emb = mtp.embed_tokens(ids)
+        eh = layer.eh_input(emb, pos, prev)
+        x = layer.eh_proj(eh)
+        counter = ExpertCounter(layer)
+        hb, res = layer.mtp_block(pos, x, None)
+        experts_mtp = counter.picked[-1] if counter.picked else 0
+        counter.close()
+    from mtpspec.ops.allreduce_rms_norm import fused_allreduce_rms_norm
+    out, _ = fused_allreduce_rms_norm(hb, res, layer.shared_head.norm)
+    local = F.linear(out, head.weight)
+    blk = layer.mtp_block
+    attn_bytes = param_bytes(blk.self_attn) + param_bytes(blk.input_layernorm) + param_bytes(blk.post_attention_layernorm)
+    mlp = blk.mlp
+    mlp_bytes = (param_bytes(mlp, (FusedMoE,)) + experts_mtp * expert_bytes(layer)) if blk.is_moe else param_bytes(mlp)
+    block_floor = attn_bytes + mlp_bytes + b * (context + 1) * kv_per_token_mtp + 4 * b * h * e
+    pieces = [
+        ("  embed + eh_norm", lambda: layer.eh_input(mtp.embed_tokens(ids), pos, prev), 2 * b * h * e + 2 * b * 2 * h * e),
+        ("  eh_proj", lambda: layer.eh_proj(eh), param_bytes(layer.eh_proj) + b * 3 * h * e),
+        ("  block (attn + MoE)", None, block_floor),
+        ("  tail norm", lambda: fused_allreduce_rms_norm(hb, res, layer.shared_head.norm), 3 * b * h * e),
+        ("  head (matmul)", lambda: F.linear(out, head.weight), head.weight.numel() * e + b * v * e),
+        ("  argmax", lambda: local[:, :v].argmax(dim=-1), b * v * e),
+    ]
+    step_floor = sum(p[2] for p in pieces)
+    add(f"draft step ({b} tok)", whole, step_floor)
+
+    def block() -> Any:
+        with set_forward_context(meta):
+            return layer.mtp_block(pos, x, None)
+
+    for name, fn, floor_b in pieces:
+        add(name, fn or block, floor_b)
+
+    # ---- whole engine step (host included), eager
+    t0 = time.perf_counter()
+    for _ in range(timer.iters):
+        runner.execute_model(step)
+    wall = (time.perf_counter() - t0) / timer.iters * 1e3
+    rows.append(dict(batch=b, row=f"engine step (k={k}, wall)", eager_ms=wall, graph_ms=None, graph_note="eager",
+                     floor_ms=None, eager_x=None, graph_x=None))
+    return rows
+
+
+def fmt(x: Optional[float], d: int = 3) -> str:
+    return "-" if x is None else f"{x:.{d}f}"
+
+
+def table(rows: List[Dict[str, Any]], bw: float) -> str:
+    out = [f"read bandwidth {bw / 1e9:.1f} GB/s", "",
+           f"{'B':>3}  {'row':<28} {'eager ms':>9} {'graph ms':>9} {'floor ms':>9} {'eager x':>8} {'graph x':>8}  note"]
+    for r in rows:
+        out.append(f"{r['batch']:>3}  {r['row']:<28} {fmt(r['eager_ms']):>9} {fmt(r['graph_ms']):>9} "
+                   f"{fmt(r['floor_ms']):>9} {fmt(r['eager_x'], 2):>8} {fmt(r['graph_x'], 2):>8}  "
+                   f"{r['graph_note'] or ''}")
+    return "\n".join(out)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = parse_args(argv)
+    device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
+    dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
+    if args.smoke:
+        args.context, args.iters = min(args.context, 64), min(args.iters, 3)
+    cfg = model_config(args.smoke, args.layers)
+    batches = [int(x) for x in args.batch_sizes.split(",")]
+    k = args.k
+    with torch.device(device):
+        from mtpspec.models.glm4_moe import Glm4MoeForCausalLM
+        from mtpspec.models.glm4_moe_mtp import Glm4MoeMTP
+        target = Glm4MoeForCausalLM(cfg, dtype).eval()
+        mtp = Glm4MoeMTP(cfg, target.model.embed_tokens, target.lm_head, False, True, False, dtype).eval()
+    randomise_(target, 0)
+    randomise_(mtp.model, 1)
+    spec = SpeculativeConfig(num_speculative_tokens=k, use_local_argmax_reduction=True)
+    max_b = max(batches)
+    per_seq = -(-(args.context + 2 * k + 2) // BLOCK_SIZE)
+    sched = SchedulerConfig(max_num_seqs=max_b, max_model_len=args.context + 2 * k + 2, num_speculative_tokens=k)
+    cache = CacheConfig(BLOCK_SIZE, num_kv_blocks=max_b * per_seq)
+    runner = ModelRunner(target, mtp, spec, cache, sched, device, cfg.max_position_embeddings)
+    runner.init_kv_cache(max_b * per_seq)
+    bw = read_bandwidth(device, args.smoke)
+    timer = Timer(device, args.iters)
+    rows: List[Dict[str, Any]] = []
+    with torch.inference_mode():
+        for b in batches:
+            rows += bench_batch(runner, timer, b, k, args.context, bw)
+    print(f"device {torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}, {dtype}, hidden "
+          f"{cfg.hidden_size}, vocab {cfg.vocab_size}, {args.layers} layers + 1 MTP, k={k}, context {args.context}")
+    print(table(rows, bw))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(args=vars(args), bandwidth=bw, rows=rows), f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
