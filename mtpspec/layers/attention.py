@@ -14,8 +14,9 @@ tensors ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` assigned to ``la
 
 Attention itself: Vaswani et al. 2017, "Attention Is All You Need", eq. 1, with grouped kv heads
 (Ainslie et al. 2023, "GQA"): query head ``h`` uses kv head ``h // (num_heads / num_kv_heads)``.
-This file has the CPU / reference path (torch SDPA per sequence); a GPU kernel may replace it
-behind the same contract.
+This file has the torch path: every sequence of the batch in one padded SDPA call (keys gathered
+from the paged cache through the block tables), no host sync beyond the metadata's host lists
+and the cache write's valid-row mask; a fused GPU kernel may replace it behind the same contract.
 """
 
 from __future__ import annotations
@@ -200,6 +201,17 @@ class Attention(nn.Module):
             is_causal=mask is None, scale=self.scale)
         return out.transpose(0, 1).reshape(q.shape[0], self.num_heads * self.head_dim)
 
+    def _sdpa_batched(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, b: int) -> torch.Tensor:
+        # q: [b * L, nh, hd]; k, v: [b * L, nkv, hd]; b causal sequences of equal length L.
+        rep = self.num_heads // self.num_kv_heads
+        if rep > 1:
+            k = k.repeat_interleave(rep, dim=1)
+            v = v.repeat_interleave(rep, dim=1)
+        length = q.shape[0] // b
+        qb, kb, vb = (x.view(b, length, x.shape[1], self.head_dim).transpose(1, 2) for x in (q, k, v))
+        out = F.scaled_dot_product_attention(qb, kb, vb, is_causal=True, scale=self.scale)
+        return out.transpose(1, 2).reshape(q.shape[0], self.num_heads * self.head_dim)
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Attend.
 
@@ -227,35 +239,70 @@ class Attention(nn.Module):
         n_real = sum(q_lens)
         if n_real > t:
             raise ValueError(f"attention metadata covers {n_real} tokens but the batch has {t} rows")
-        out = q.new_zeros(t, self.num_heads * self.head_dim)
+        if self.kv_cache is None and n_real == t and len(set(q_lens)) == 1:
+            # Equal-length sequences and no padding rows (training batches): one batched call.
+            return self._sdpa_batched(qh, kh, vh, len(q_lens))
         if self.kv_cache is None:
-            start = 0
-            for ql in q_lens:
-                out[start:start + ql] = self._sdpa(qh[start:start + ql], kh[start:start + ql], vh[start:start + ql],
-                                                   None)
-                start += ql
-            return out
-        cache = self._check_cache()
-        if meta.block_tables is None:
-            raise ValueError("a KV cache is attached but the attention metadata has no block_tables")
-        block_size = cache.shape[2]
-        k_flat = cache[0].view(-1, self.num_kv_heads, self.head_dim)
-        v_flat = cache[1].view(-1, self.num_kv_heads, self.head_dim)
-        slots = meta.slot_mapping[:n_real]
-        valid = slots >= 0
-        idx = slots[valid]
-        k_flat.index_copy_(0, idx, kh[:n_real][valid].to(cache.dtype))
-        v_flat.index_copy_(0, idx, vh[:n_real][valid].to(cache.dtype))
-        start = 0
-        for i, (ql, sl) in enumerate(zip(q_lens, s_lens)):
-            pos = torch.arange(sl, device=q.device)
-            key_slots = meta.block_tables[i].long()[pos // block_size] * block_size + pos % block_size
-            keys = k_flat.index_select(0, key_slots).to(q.dtype)
-            vals = v_flat.index_select(0, key_slots).to(q.dtype)
-            q_pos = torch.arange(sl - ql, sl, device=q.device)
-            mask = pos[None, :] <= q_pos[:, None]  # [ql, sl] True = may attend
-            out[start:start + ql] = self._sdpa(qh[start:start + ql], keys, vals, mask)
-            start += ql
+            k_src, v_src, key_lens = kh, vh, q_lens  # each sequence sees only its own new tokens
+            key_slots = None
+        else:
+            cache = self._check_cache()
+            if meta.block_tables is None:
+                raise ValueError("a KV cache is attached but the attention metadata has no block_tables")
+            k_src = cache[0].view(-1, self.num_kv_heads, self.head_dim)
+            v_src = cache[1].view(-1, self.num_kv_heads, self.head_dim)
+            slots = meta.slot_mapping[:n_real]
+            valid = slots >= 0
+            idx = slots[valid]
+            k_src.index_copy_(0, idx, kh[:n_real][valid].to(cache.dtype))
+            v_src.index_copy_(0, idx, vh[:n_real][valid].to(cache.dtype))
+            key_lens = s_lens
+            bs = cache.shape[2]
+            pos = torch.arange(max(key_lens), device=q.device)
+            blocks = meta.block_tables.long()[:len(q_lens)].index_select(1, (pos // bs).clamp(
+                max=meta.block_tables.shape[1] - 1))
+            key_slots = (blocks * bs + pos % bs).clamp(0, k_src.shape[0] - 1)  # [B, max_s]; masked below
+        return self._paged_batched(qh, k_src, v_src, key_slots, q_lens, key_lens, meta.query_start_loc, t)
+
+    def _paged_batched(self, qh: torch.Tensor, k_src: torch.Tensor, v_src: torch.Tensor,
+                       key_slots: Optional[torch.Tensor], q_lens: List[int], key_lens: List[int],
+                       query_start_loc: torch.Tensor, t: int) -> torch.Tensor:
+        """All sequences in one SDPA call, padded to ``[B, max_q]`` queries and ``[B, max_s]`` keys.
+
+        Query ``j`` of sequence ``i`` sits at absolute position ``key_len_i - q_len_i + j`` and may
+        attend key positions ``<= that`` and ``< key_len_i``. Keys come from ``k_src[key_slots]``
+        (cache) or, without a cache, from the sequence's own rows. Padded query rows always see key
+        0 (no all-masked row, hence no NaN) and are dropped.
+        """
+        dev = qh.device
+        b, n_real = len(q_lens), sum(q_lens)
+        max_q, max_s = max(q_lens), max(key_lens)
+        q_len_t = torch.tensor(q_lens, device=dev)
+        key_len_t = torch.tensor(key_lens, device=dev)
+        tok_seq = torch.repeat_interleave(torch.arange(b, device=dev), q_len_t, output_size=n_real)
+        tok_off = torch.arange(n_real, device=dev) - query_start_loc[:b].long().index_select(0, tok_seq)
+        qp = qh.new_zeros(b, max_q, self.num_heads, self.head_dim)
+        qp[tok_seq, tok_off] = qh[:n_real]
+        if key_slots is None:
+            kp = qh.new_zeros(b, max_s, self.num_kv_heads, self.head_dim)
+            vp = torch.zeros_like(kp)
+            kp[tok_seq, tok_off] = k_src[:n_real]
+            vp[tok_seq, tok_off] = v_src[:n_real]
+        else:
+            kp = k_src[key_slots].to(qh.dtype)  # [B, max_s, nkv, hd]
+            vp = v_src[key_slots].to(qh.dtype)
+        key_pos = torch.arange(max_s, device=dev)
+        q_abs = (key_len_t - q_len_t)[:, None] + torch.arange(max_q, device=dev)[None, :]  # [B, max_q]
+        mask = (key_pos[None, None, :] <= q_abs[:, :, None]) & (key_pos[None, :] < key_len_t[:, None])[:, None, :]
+        mask[:, :, 0] = True  # padded query rows: keep one key (their output is dropped)
+        rep = self.num_heads // self.num_kv_heads
+        if rep > 1:
+            kp = kp.repeat_interleave(rep, dim=2)
+            vp = vp.repeat_interleave(rep, dim=2)
+        o = F.scaled_dot_product_attention(qp.transpose(1, 2), kp.transpose(1, 2), vp.transpose(1, 2),
+                                           attn_mask=mask[:, None], scale=self.scale)  # [B, nh, max_q, hd]
+        out = qh.new_zeros(t, self.num_heads * self.head_dim)
+        out[:n_real] = o.transpose(1, 2)[tok_seq, tok_off].reshape(n_real, self.num_heads * self.head_dim)
         return out
 
     def extra_repr(self) -> str:
