@@ -234,53 +234,47 @@ class Attention(nn.Module):
         meta = get_forward_context().attn_metadata
         if meta is None:
             return self._sdpa(qh, kh, vh, None) if t else q.new_zeros(0, self.num_heads * self.head_dim)
-        q_lens = meta.query_lens or (meta.query_start_loc[1:] - meta.query_start_loc[:-1]).tolist()
-        s_lens = meta.seq_lens_list or meta.seq_lens.tolist()
-        n_real = sum(q_lens)
+        b = meta.num_seqs
+        q_lens = meta.query_lens
+        n_real = sum(q_lens) if q_lens else int(meta.query_start_loc[-1])
         if n_real > t:
             raise ValueError(f"attention metadata covers {n_real} tokens but the batch has {t} rows")
-        if self.kv_cache is None and n_real == t and len(set(q_lens)) == 1:
+        if self.kv_cache is None and n_real == t and q_lens and len(set(q_lens)) == 1:
             # Equal-length sequences and no padding rows (training batches): one batched call.
             return self._sdpa_batched(qh, kh, vh, len(q_lens))
-        if self.kv_cache is None:
-            k_src, v_src, key_lens = kh, vh, q_lens  # each sequence sees only its own new tokens
-            key_slots = None
-        else:
-            cache = self._check_cache()
-            if meta.block_tables is None:
-                raise ValueError("a KV cache is attached but the attention metadata has no block_tables")
-            k_src = cache[0].view(-1, self.num_kv_heads, self.head_dim)
-            v_src = cache[1].view(-1, self.num_kv_heads, self.head_dim)
-            slots = meta.slot_mapping[:n_real]
-            valid = slots >= 0
-            idx = slots[valid]
-            k_src.index_copy_(0, idx, kh[:n_real][valid].to(cache.dtype))
-            v_src.index_copy_(0, idx, vh[:n_real][valid].to(cache.dtype))
-            key_lens = s_lens
-            bs = cache.shape[2]
-            pos = torch.arange(max(key_lens), device=q.device)
-            blocks = meta.block_tables.long()[:len(q_lens)].index_select(1, (pos // bs).clamp(
-                max=meta.block_tables.shape[1] - 1))
-            key_slots = (blocks * bs + pos % bs).clamp(0, k_src.shape[0] - 1)  # [B, max_s]; masked below
-        return self._paged_batched(qh, k_src, v_src, key_slots, q_lens, key_lens, meta.query_start_loc, t)
+        qsl = meta.query_start_loc[:b + 1].long()
+        q_len_t = qsl[1:] - qsl[:-1]
+        if self.kv_cache is None:  # each sequence sees only its own new tokens
+            return self._paged_batched(qh, kh, vh, None, qsl, q_len_t, q_len_t, meta.max_query_len,
+                                       meta.max_query_len, n_real, t)
+        cache = self._check_cache()
+        if meta.block_tables is None:
+            raise ValueError("a KV cache is attached but the attention metadata has no block_tables")
+        k_src = cache[0].view(-1, self.num_kv_heads, self.head_dim)
+        v_src = cache[1].view(-1, self.num_kv_heads, self.head_dim)
+        _write_kv(k_src, v_src, kh[:n_real], vh[:n_real], meta.slot_mapping[:n_real])
+        bs = cache.shape[2]
+        pos = torch.arange(meta.max_seq_len, device=q.device)
+        blocks = meta.block_tables.long()[:b].index_select(1, (pos // bs).clamp(max=meta.block_tables.shape[1] - 1))
+        key_slots = (blocks * bs + pos % bs).clamp(0, k_src.shape[0] - 1)  # [B, max_s]; masked below
+        return self._paged_batched(qh, k_src, v_src, key_slots, qsl, q_len_t, meta.seq_lens[:b].long(),
+                                   meta.max_query_len, meta.max_seq_len, n_real, t)
 
     def _paged_batched(self, qh: torch.Tensor, k_src: torch.Tensor, v_src: torch.Tensor,
-                       key_slots: Optional[torch.Tensor], q_lens: List[int], key_lens: List[int],
-                       query_start_loc: torch.Tensor, t: int) -> torch.Tensor:
+                       key_slots: Optional[torch.Tensor], qsl: torch.Tensor, q_len_t: torch.Tensor,
+                       key_len_t: torch.Tensor, max_q: int, max_s: int, n_real: int, t: int) -> torch.Tensor:
         """All sequences in one SDPA call, padded to ``[B, max_q]`` queries and ``[B, max_s]`` keys.
 
         Query ``j`` of sequence ``i`` sits at absolute position ``key_len_i - q_len_i + j`` and may
         attend key positions ``<= that`` and ``< key_len_i``. Keys come from ``k_src[key_slots]``
         (cache) or, without a cache, from the sequence's own rows. Padded query rows always see key
-        0 (no all-masked row, hence no NaN) and are dropped.
+        0 (no all-masked row, hence no NaN) and are dropped. Device tensors and host ints only: no
+        host sync.
         """
         dev = qh.device
-        b, n_real = len(q_lens), sum(q_lens)
-        max_q, max_s = max(q_lens), max(key_lens)
-        q_len_t = torch.tensor(q_lens, device=dev)
-        key_len_t = torch.tensor(key_lens, device=dev)
+        b = q_len_t.shape[0]
         tok_seq = torch.repeat_interleave(torch.arange(b, device=dev), q_len_t, output_size=n_real)
-        tok_off = torch.arange(n_real, device=dev) - query_start_loc[:b].long().index_select(0, tok_seq)
+        tok_off = torch.arange(n_real, device=dev) - qsl.index_select(0, tok_seq)
         qp = qh.new_zeros(b, max_q, self.num_heads, self.head_dim)
         qp[tok_seq, tok_off] = qh[:n_real]
         if key_slots is None:
@@ -307,6 +301,27 @@ class Attention(nn.Module):
 
     def extra_repr(self) -> str:
         return f"num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}"
+
+
+def _write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+              slots: torch.Tensor) -> None:
+    """Write rows ``k``/``v`` ``[n, nkv, hd]`` to cache slots ``slots [n]``; rows with slot -1 are skipped.
+
+    Sync-free: a skipped row is redirected to the first valid row's slot with that row's values
+    (duplicate indices then carry identical data, so the result does not depend on write order);
+    with no valid row at all, slot 0 is rewritten with its own content.
+    """
+    if slots.numel() == 0:
+        return
+    valid = slots >= 0
+    any_valid = valid.any()
+    first = torch.argmax(valid.to(torch.int8))
+    fb_slot = torch.where(any_valid, slots[first], torch.zeros_like(slots[first]))
+    idx = torch.where(valid, slots, fb_slot)
+    for cache, new in ((k_cache, k), (v_cache, v)):
+        new = new.to(cache.dtype)
+        fb_val = torch.where(any_valid, new[first], cache[0])
+        cache.index_copy_(0, idx, torch.where(valid[:, None, None], new, fb_val))
 
 
 def collect_attention_layers(model: nn.Module) -> List[Attention]:
