@@ -1,0 +1,41 @@
+"""One training forward: target + MTP layers on a length-bucketed batch, through mtpspec's modules."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from mtpspec.layers.attention import build_attention_metadata, set_forward_context
+from mtpspec.training.mtp_loss import MtpLossOutput, mtp_training_loss
+from mtpspec.training.packing import Batch
+
+
+def forward_loss(target: nn.Module, mtp: nn.Module, batch: Batch, device: torch.device,
+                 mtp_lambda: float, return_hidden: bool = False):
+    """``mtp_training_loss`` of ``batch`` (DeepSeek-V3 eq. 25).
+
+    Each row of ``batch`` is one sequence of the flattened varlen layout (``query_lens = seq_lens
+    = [L] * B``, no KV cache), so attention is causal within a row only, exactly the engine's
+    prefill of one prompt per row; positions restart at 0 in every row.
+
+    Returns:
+        :class:`~mtpspec.training.mtp_loss.MtpLossOutput` (and the target hidden states
+        ``[B*L, H]`` and the flat ids / positions / doc_end when ``return_hidden``).
+    """
+    b, length = batch.input_ids.shape
+    ids, pos, doc_end = batch.flat(device)
+    meta = build_attention_metadata([length] * b, [length] * b, None, device=device)
+    d = mtp.num_mtp_layers
+
+    def logits_fn(h: torch.Tensor, k):
+        return target.compute_logits(h) if k is None else mtp.compute_logits(h, k)
+
+    def mtp_forward(ids_k: torch.Tensor, positions: torch.Tensor, prev: torch.Tensor, k: int) -> torch.Tensor:
+        return mtp(ids_k, positions, prev, spec_step_idx=k)
+
+    with set_forward_context(meta):
+        hidden = target(ids, pos)
+        out: MtpLossOutput = mtp_training_loss(ids, pos, doc_end, hidden, logits_fn, mtp_forward, d, mtp_lambda)
+    if return_hidden:
+        return out, hidden, (ids, pos, doc_end)
+    return out

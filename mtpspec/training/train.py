@@ -1,0 +1,349 @@
+"""Train a small GLM-4.5-style model with one MTP layer on GSM8K + generated word problems.
+
+``python -m mtpspec.training.train --output-dir out/demo`` (or ``mtpspec train``); ``--tiny`` trains a
+much smaller model on the CPU in a few minutes. Steps:
+
+1. read GSM8K train (``--gsm8k-dir``, at run time; the last ``--holdout`` rows are held out for
+   validation and never trained on), generate ``--num-synthetic`` word problems (seeded);
+2. train the byte-level BPE tokenizer (vocabulary not a multiple of 8, ``<|endoftext|>``);
+3. build documents (single examples and 5-shot chains, each ending in ``<|endoftext|>``),
+   tokenise, and batch them by length (one document per row, positions from 0);
+4. train mtpspec's own ``Glm4MoeForCausalLM`` + ``Glm4MoeMTP`` (tp 1) with
+   ``L = L_main + lambda * L_MTP`` (DeepSeek-V3 eq. 25), AdamW with fp32 master weights, bf16
+   compute on CUDA (fp32 on CPU), warm-up + cosine LR over steps or over the time budget,
+   auxiliary-loss-free router balancing;
+5. stop at ``--max-steps`` or when ``--max-minutes`` (wall clock of the whole run) is nearly
+   used, then write ``config.json``, ``model.safetensors`` (bf16, Hugging Face layout; tied
+   ``lm_head`` and MTP ``shared_head.head`` are omitted, the loader ties them) and
+   ``tokenizer.json``, plus ``train_log.jsonl`` (one JSON record per logged step and
+   validation) and ``summary.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import random
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional
+
+import torch
+
+from mtpspec.training import corpus as corpus_mod
+from mtpspec.training.gsm8k_format import default_gsm8k_dir, format_query, load_gsm8k, training_document
+
+
+@dataclass
+class TrainConfig:
+    """Every knob of the recipe (the CLI flags mirror these names)."""
+
+    output_dir: str = "out/demo_model"
+    preset: str = "demo"
+    gsm8k_dir: str = ""
+    gsm8k_limit: int = 0
+    holdout: int = 256
+    vocab_size: int = 10_007
+    tokenizer_synthetic: int = 20_000
+    num_synthetic: int = 800_000
+    gsm8k_epochs: int = 20
+    single_prob: float = 0.6
+    num_shots: int = 5
+    max_len: int = 2048
+    tokens_per_batch: int = 65_536
+    max_steps: int = 1_000_000
+    max_minutes: float = 9.0
+    reserve_seconds: float = 45.0
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 100
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    grad_clip: float = 1.0
+    mtp_lambda: float = 0.3
+    router_bias_speed: float = 0.001
+    seed: int = 0
+    device: str = "auto"
+    dtype: str = "auto"
+    log_every: int = 10
+    eval_every: int = 250
+    eval_docs: int = 64
+    accept_prompts: int = 16
+    accept_max_new: int = 160
+    workers: int = 0
+    threads: int = 0
+    save_dtype: str = "bfloat16"
+    progress: bool = True
+
+
+TINY_OVERRIDES: Dict[str, Any] = dict(
+    preset="tiny", num_synthetic=30_000, tokenizer_synthetic=10_000, gsm8k_epochs=1, tokens_per_batch=4096,
+    max_minutes=4.0, reserve_seconds=40.0, lr=3e-3, warmup_steps=20, log_every=5, eval_every=100, eval_docs=16,
+    accept_prompts=4, accept_max_new=48, device="cpu", dtype="float32")
+
+
+def _log(msg: str) -> None:
+    print(f"[mtpspec train] {msg}", file=sys.stderr, flush=True)
+
+
+def _resolve_device(cfg: TrainConfig) -> torch.device:
+    if cfg.device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(cfg.device)
+
+
+def _resolve_dtype(cfg: TrainConfig, device: torch.device) -> torch.dtype:
+    table = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    if cfg.dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if cfg.dtype not in table:
+        raise ValueError(f"--dtype must be auto, float32, bfloat16 or float16, got {cfg.dtype!r}")
+    return table[cfg.dtype]
+
+
+class JsonlLog:
+    """Append-only JSON-lines log."""
+
+    def __init__(self, path: str) -> None:
+        self.f = open(path, "w", encoding="utf-8")
+
+    def write(self, record: Dict[str, Any]) -> None:
+        self.f.write(json.dumps(record) + "\n")
+        self.f.flush()
+
+    def close(self) -> None:
+        self.f.close()
+
+
+def prepare_data(cfg: TrainConfig, log=_log):
+    """Steps 1-3 of the module docstring. Returns ``(tokenizer, train_docs, val_docs, val_rows, stats)``."""
+    from mtpspec.training.tokenizer import eot_id, train_tokenizer
+    t0 = time.time()
+    gdir = cfg.gsm8k_dir or default_gsm8k_dir()
+    rows = load_gsm8k(os.path.join(gdir, "train.jsonl"))
+    if cfg.gsm8k_limit:
+        rows = rows[:cfg.gsm8k_limit]
+    if not 0 <= cfg.holdout < len(rows):
+        raise ValueError(f"--holdout must be in [0, {len(rows)}), got {cfg.holdout}")
+    train_rows, val_rows = rows[:len(rows) - cfg.holdout], rows[len(rows) - cfg.holdout:]
+    workers = cfg.workers or min(16, os.cpu_count() or 1)
+    synthetic = corpus_mod.generate_examples(cfg.num_synthetic, cfg.seed, workers)
+    t1 = time.time()
+    tok_texts = [training_document([r]) for r in train_rows]
+    tok_texts += [training_document([e]) for e in synthetic[:cfg.tokenizer_synthetic]]
+    tok = train_tokenizer(tok_texts, cfg.vocab_size)
+    t2 = time.time()
+    plan = corpus_mod.CorpusPlan(train_rows, synthetic, cfg.gsm8k_epochs, cfg.single_prob, cfg.num_shots,
+                                 cfg.seed, cfg.max_len)
+    docs, src = plan.documents()
+    train_docs = corpus_mod.tokenize_documents(tok, docs, src, cfg.max_len)
+    vrng = random.Random(cfg.seed + 7)
+    val_texts = corpus_mod.chain_documents(val_rows, vrng, cfg.single_prob, cfg.num_shots)[:cfg.eval_docs]
+    val_docs = corpus_mod.tokenize_documents(tok, val_texts, [0] * len(val_texts), cfg.max_len)
+    t3 = time.time()
+    lengths = train_docs.lengths
+    g_tokens = int(lengths[train_docs.source == 0].sum())
+    stats = {
+        "gsm8k_train_rows": len(train_rows), "gsm8k_holdout_rows": len(val_rows), "synthetic_problems": len(synthetic),
+        "vocab_size": tok.get_vocab_size(), "eot_id": eot_id(tok), "train_documents": len(train_docs),
+        "train_tokens": int(lengths.sum()), "gsm8k_tokens": g_tokens, "synthetic_tokens": int(lengths.sum()) - g_tokens,
+        "dropped_documents": train_docs.dropped, "max_document_tokens": int(lengths.max()),
+        "seconds_generate": round(t1 - t0, 2), "seconds_tokenizer": round(t2 - t1, 2),
+        "seconds_tokenize": round(t3 - t2, 2)}
+    log(f"data: {stats}")
+    return tok, train_docs, val_docs, val_rows, stats
+
+
+def _val_batches(val_docs, pad_id: int, max_len: int, budget: int):
+    import numpy as np
+    from mtpspec.training.packing import bucket_batches, make_batch
+    rng = np.random.default_rng(0)
+    return [make_batch(val_docs, idx, pad_id, max_len) for idx in bucket_batches(val_docs.lengths, budget, max_len, rng)]
+
+
+def save_model(out_dir: str, target, mtp, config_dict: Dict[str, Any], tok, save_dtype: torch.dtype) -> List[str]:
+    """Write ``config.json``, safetensors weights (Hugging Face layout) and ``tokenizer.json``."""
+    from mtpspec.models import export_hf_state_dict, save_checkpoint
+    from mtpspec.training.tokenizer import save_tokenizer
+    tensors = export_hf_state_dict(target, mtp, dtype=save_dtype)
+    # The router's correction bias is fp32 in mtpspec and Hugging Face alike; keep it so.
+    for k in tensors:
+        if k.endswith("e_score_correction_bias") or k.endswith("mlp.gate.weight"):
+            tensors[k] = tensors[k].float()
+    raw = dict(config_dict)
+    raw["torch_dtype"] = str(save_dtype).replace("torch.", "")
+    written = save_checkpoint(out_dir, tensors, raw)
+    save_tokenizer(tok, out_dir)
+    return written + ["tokenizer.json"]
+
+
+def train(cfg: TrainConfig, log=_log) -> Dict[str, Any]:
+    """Run the recipe (module docstring); returns the summary dict (also written to summary.json)."""
+    from mtpspec.config import ModelConfig
+    from mtpspec.training.model_setup import build_models, count_parameters, make_config_dict
+    from mtpspec.training.optim import MasterWeightAdamW, RouterBalancer, lr_at
+    from mtpspec.training.packing import iterate_batches, pad_fraction
+    from mtpspec.training.quick_eval import acceptance_summary, validation_metrics
+    from mtpspec.training.step import forward_loss
+    from mtpspec.training.tokenizer import eot_id
+
+    start = time.time()
+    deadline = start + cfg.max_minutes * 60.0 if cfg.max_minutes > 0 else float("inf")
+    torch.manual_seed(cfg.seed)
+    if cfg.threads > 0:
+        torch.set_num_threads(cfg.threads)
+    device = _resolve_device(cfg)
+    dtype = _resolve_dtype(cfg, device)
+    save_dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}[cfg.save_dtype]
+    os.makedirs(cfg.output_dir, exist_ok=True)
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+
+    tok, train_docs, val_docs, val_rows, data_stats = prepare_data(cfg, log)
+    eot = eot_id(tok)
+    config_dict = make_config_dict(cfg.preset, tok.get_vocab_size(), eot, max_position_embeddings=max(
+        4096, cfg.max_len))
+    mcfg = ModelConfig.from_dict(config_dict)
+    target, mtp = build_models(mcfg, device, dtype, seed=cfg.seed)
+    n_params = count_parameters(target, mtp)
+    log(f"model: preset {cfg.preset}, {n_params}, device {device}, dtype {dtype}")
+
+    unique = list({id(p): p for p in list(target.parameters()) + list(mtp.parameters())}.values())
+    balancer = RouterBalancer([target, mtp.model], cfg.router_bias_speed)
+    trainable = [p for p in unique if p.requires_grad]
+    opt = MasterWeightAdamW(trainable, cfg.lr, (cfg.beta1, cfg.beta2), cfg.weight_decay)
+
+    batches = iterate_batches(train_docs, cfg.tokens_per_batch, cfg.max_len, eot, cfg.seed)
+    val_batches = _val_batches(val_docs, eot, cfg.max_len, cfg.tokens_per_batch)
+    pads = pad_fraction(train_docs, cfg.tokens_per_batch, cfg.max_len)
+    log_path = os.path.join(cfg.output_dir, "train_log.jsonl")
+    jlog = JsonlLog(log_path)
+    train_start = time.time()
+    train_deadline = deadline - cfg.reserve_seconds
+    train_budget = max(train_deadline - train_start, 1e-6)
+    bar = None
+    if cfg.progress:
+        from tqdm import tqdm
+        timed = cfg.max_minutes > 0
+        bar = tqdm(total=int(train_budget) if timed else cfg.max_steps, unit="s" if timed else "step",
+                   desc="train", dynamic_ncols=True, file=sys.stderr)
+    step = tokens = 0
+    history: List[Dict[str, Any]] = []
+    stop_reason = "max_steps"
+    last_bar = 0
+    try:
+        while step < cfg.max_steps:
+            now = time.time()
+            if now >= train_deadline:
+                stop_reason = "time_budget"
+                break
+            progress = max(step / cfg.max_steps, (now - train_start) / train_budget)
+            lr = lr_at(step, progress, cfg.lr, cfg.warmup_steps, cfg.min_lr_ratio)
+            opt.set_lr(lr)
+            batch = next(batches)
+            out = forward_loss(target, mtp, batch, device, cfg.mtp_lambda)
+            out.loss.backward()
+            gnorm = opt.step(cfg.grad_clip)
+            opt.zero_grad()
+            imbalance = balancer.step()
+            step += 1
+            tokens += batch.num_real_tokens
+            if step % cfg.log_every == 0 or step == 1:
+                rec = {"kind": "train", "step": step, "tokens": tokens, "elapsed_s": round(time.time() - start, 2),
+                       "lr": lr, "loss": out.loss.item(), "target_loss": out.target_loss.item(),
+                       "mtp_loss": [x.item() for x in out.mtp_losses], "grad_norm": gnorm,
+                       "router_max_load": round(imbalance, 3),
+                       "tokens_per_s": round(tokens / max(time.time() - train_start, 1e-9), 1)}
+                jlog.write(rec)
+                history.append(rec)
+                if bar is not None:
+                    bar.set_postfix(loss=f"{rec['target_loss']:.3f}", mtp=f"{rec['mtp_loss'][0]:.3f}"
+                                    if rec["mtp_loss"] else "-", tok_s=f"{rec['tokens_per_s']:.0f}")
+            if cfg.eval_every and step % cfg.eval_every == 0 and val_batches:
+                v = validation_metrics(target, mtp, val_batches, device, cfg.mtp_lambda)
+                jlog.write({"kind": "val", "step": step, "tokens": tokens, **v})
+                log(f"step {step} val {json.dumps({k: round(x, 4) for k, x in v.items()})}")
+            if bar is not None:
+                if cfg.max_minutes > 0:
+                    el = int(time.time() - train_start)
+                    bar.update(max(0, min(el, bar.total) - last_bar))
+                    last_bar = max(last_bar, min(el, bar.total))
+                else:
+                    bar.update(1)
+    except KeyboardInterrupt:
+        stop_reason = "interrupted"
+    finally:
+        if bar is not None:
+            bar.close()
+    train_seconds = time.time() - train_start
+    log(f"stopped ({stop_reason}) after {step} steps, {tokens} tokens, {train_seconds:.1f} s "
+        f"({tokens / max(train_seconds, 1e-9):.0f} tokens/s)")
+
+    written = save_model(cfg.output_dir, target, mtp, config_dict, tok, save_dtype)
+    final_val = validation_metrics(target, mtp, val_batches, device, cfg.mtp_lambda) if val_batches else {}
+    jlog.write({"kind": "val", "step": step, "tokens": tokens, **final_val})
+    prompts = [tok.encode(format_query(r["question"])).ids for r in val_rows[:cfg.accept_prompts]]
+    accept = {}
+    for k in (1, 3):
+        if prompts and time.time() < deadline - 5:
+            accept[f"k{k}"] = acceptance_summary(target, mtp, prompts, k, cfg.accept_max_new, eot, device)
+    jlog.close()
+    summary = {
+        "config": dataclasses.asdict(cfg), "device": str(device), "device_name": (
+            torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"),
+        "dtype": str(dtype), "parameters": n_params, "data": data_stats, "pad_fraction": round(pads, 4),
+        "steps": step, "train_tokens_seen": tokens, "train_seconds": round(train_seconds, 1),
+        "tokens_per_second": round(tokens / max(train_seconds, 1e-9), 1), "stop_reason": stop_reason,
+        "total_seconds": round(time.time() - start, 1), "final_val": final_val,
+        "acceptance_holdout_zero_shot": accept, "files": written,
+        "first_logged": history[0] if history else None, "last_logged": history[-1] if history else None}
+    with open(os.path.join(cfg.output_dir, "summary.json"), "w", encoding="utf-8") as f:
+        json.dump(summary, f, indent=2)
+    log(f"final val {final_val}; acceptance {json.dumps({k: round(v['acceptance_length'], 3) for k, v in accept.items()})}; "
+        f"wrote {written} to {cfg.output_dir} in {summary['total_seconds']} s total")
+    return summary
+
+
+# ----------------------------------------------------------------------------------------- CLI
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """Flags for every :class:`TrainConfig` field, plus ``--tiny``."""
+    p.add_argument("--tiny", action="store_true",
+                   help="small model on the CPU in a few minutes (overrides defaults: " +
+                   ", ".join(f"{k}={v}" for k, v in TINY_OVERRIDES.items()) + "; explicit flags still win)")
+    for f in dataclasses.fields(TrainConfig):
+        flag = "--" + f.name.replace("_", "-")
+        if f.type in ("bool", bool):
+            p.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=None)
+        else:
+            typ = {"int": int, "float": float, "str": str}[f.type if isinstance(f.type, str) else f.type.__name__]
+            p.add_argument(flag, dest=f.name, type=typ, default=None, help=f"default {f.default!r}")
+
+
+def config_from_args(args: argparse.Namespace) -> TrainConfig:
+    """Defaults, then ``--tiny``'s overrides, then explicit flags."""
+    values = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
+    if getattr(args, "tiny", False):
+        values.update(TINY_OVERRIDES)
+        values["output_dir"] = "out/tiny_model"
+    for f in dataclasses.fields(TrainConfig):
+        v = getattr(args, f.name, None)
+        if v is not None:
+            values[f.name] = v
+    return TrainConfig(**values)
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m mtpspec.training.train", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(p)
+    train(config_from_args(p.parse_args(argv)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

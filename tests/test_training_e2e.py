@@ -1,0 +1,72 @@
+"""End to end: a very small training run on the CPU (real GSM8K rows, generated problems, the
+real tokenizer, model and loss); the loss must fall, and the written checkpoint must load into
+mtpspec and into Hugging Face transformers with the same logits."""
+
+import json
+import os
+
+import pytest
+import torch
+
+from mtpspec.training.gsm8k_format import default_gsm8k_dir
+from mtpspec.training.train import TrainConfig, train
+
+pytestmark = pytest.mark.skipif(not os.path.exists(os.path.join(default_gsm8k_dir(), "train.jsonl")),
+                                reason="GSM8K data not present")
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("ci_model"))
+    cfg = TrainConfig(output_dir=out, preset="ci", gsm8k_limit=300, holdout=20, num_synthetic=1500,
+                      tokenizer_synthetic=1500, gsm8k_epochs=1, tokens_per_batch=2048, max_steps=24, max_minutes=0,
+                      lr=1e-2, warmup_steps=4, log_every=1, eval_every=0, eval_docs=6, accept_prompts=1,
+                      accept_max_new=8, device="cpu", dtype="float32", save_dtype="float32", progress=False)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        summary = train(cfg, log=lambda m: None)
+    finally:
+        torch.set_num_threads(threads)
+    return out, summary
+
+
+def test_losses_fall_and_are_logged(run):
+    out, summary = run
+    recs = [json.loads(x) for x in open(os.path.join(out, "train_log.jsonl"))]
+    train_recs = [r for r in recs if r["kind"] == "train"]
+    assert len(train_recs) == 24 and summary["steps"] == 24
+    first, last = train_recs[0], train_recs[-4:]
+    mean_t = sum(r["target_loss"] for r in last) / 4
+    mean_m = sum(r["mtp_loss"][0] for r in last) / 4
+    assert mean_t < first["target_loss"] - 1.0, (first, last)
+    assert mean_m < first["mtp_loss"][0] - 1.0, (first, last)
+    v = summary["final_val"]
+    assert v["target_loss"] < first["target_loss"] - 1.0 and v["mtp_loss"] < first["mtp_loss"][0] - 1.0
+    assert summary["data"]["vocab_size"] % 8 != 0
+    assert summary["acceptance_holdout_zero_shot"]["k1"]["acceptance_length"] >= 1.0
+
+
+def test_checkpoint_reloads_in_mtpspec_and_transformers(run):
+    out, _ = run
+    raw = json.load(open(os.path.join(out, "config.json")))
+    assert raw["architectures"] == ["Glm4MoeForCausalLM"] and raw["num_nextn_predict_layers"] == 1
+    from tokenizers import Tokenizer
+    tok = Tokenizer.from_file(os.path.join(out, "tokenizer.json"))
+    assert tok.get_vocab_size() == raw["vocab_size"] and tok.token_to_id("<|endoftext|>") == raw["eos_token_id"]
+
+    from mtpspec.models import load_models
+    target, mtp = load_models(out, dtype=torch.float32, device="cpu")
+    ids = torch.tensor(tok.encode("Question: Tom has 3 apples and buys 4 more. How many?\nAnswer:").ids)
+    pos = torch.arange(len(ids))
+    with torch.no_grad():
+        h = target(ids, pos)
+        ours = target.compute_logits(h)
+        m = mtp.compute_logits(mtp(torch.cat([ids[1:], ids[:1]]), pos, h), 0)
+    assert torch.isfinite(m).all() and mtp.get_layer(0).shared_head.tied
+
+    import transformers
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    with torch.no_grad():
+        ref = hf(ids[None]).logits[0]
+    torch.testing.assert_close(ours, ref, rtol=1e-4, atol=1e-4)
