@@ -9,7 +9,7 @@ import torch
 
 from mtpspec.layers.activation import SiluAndMul
 from mtpspec.layers.attention import (
-    Attention, allocate_kv_caches, build_attention_metadata, collect_attention_layers, get_forward_context,
+    Attention, _write_kv, allocate_kv_caches, build_attention_metadata, collect_attention_layers, get_forward_context,
     set_forward_context)
 from mtpspec.layers.fused_moe import FusedMoE, MoEGate, grouped_topk
 from mtpspec.layers.rotary_embedding import RotaryEmbedding
@@ -163,8 +163,16 @@ def test_fused_moe_vs_float64_loop_and_layouts():
             a = gate_w[x_id].double() @ x[r].double()
             b = up_w[x_id].double() @ x[r].double()
             ref[r] += tw[r, j].double() * (down_w[x_id].double() @ (a * torch.sigmoid(a) * b))
-    torch.testing.assert_close(per(x, tw, tid).double(), ref, rtol=1e-5, atol=1e-5)
-    assert per(x[:0], tw[:0], tid[:0]).shape == (0, h)
+    for budget in (0, 2 ** 30):  # grouped-by-expert path, then the dense all-experts path
+        per.dense_budget_bytes = budget
+        torch.testing.assert_close(per(x, tw, tid).double(), ref, rtol=1e-5, atol=1e-5)
+        assert per(x[:0], tw[:0], tid[:0]).shape == (0, h)
+    # Dense path: an unrouted expert overflowing to inf must not leak (inf * 0 = NaN).
+    with torch.no_grad():
+        per.w2_weight[5] = float("inf")
+    keep = (tid != 5).all(-1)
+    assert 0 < int(keep.sum()) < len(keep)
+    assert torch.isfinite(per(x[keep], tw[keep], tid[keep])).all()
     with pytest.raises(ValueError, match=r"expected full shape \[12, 16\], got \[16, 12\]"):
         per.weight_loader(per.w13_weight, down_w[0], "w1", 0)
     with pytest.raises(ValueError, match="expert_id 6 out of range"):
@@ -271,3 +279,18 @@ def test_build_attention_metadata_errors():
     assert m.slot_mapping.tolist() == [4 * 4 + 3, 6 * 4 + 0, 1 * 4 + 0]  # positions 3, 4 and 0
     assert m.query_start_loc.tolist() == [0, 2, 3] and m.max_seq_len == 5 and m.num_actual_tokens == 3
     assert math.isclose(Attention(2, 4, 0.5).scale, 0.5)
+
+
+def test_kv_write_skips_minus_one_slots_anywhere():
+    g = torch.Generator().manual_seed(8)
+    for slots in ([3, -1, 0, 5, -1], [-1, -1], [-1, 2, 2 + 0 * 1]):
+        k_cache, v_cache = torch.randn(6, 2, 4, generator=g), torch.randn(6, 2, 4, generator=g)
+        k, v = torch.randn(len(slots), 2, 4, generator=g), torch.randn(len(slots), 2, 4, generator=g)
+        if len(set(s for s in slots if s >= 0)) != len([s for s in slots if s >= 0]):
+            k[2], v[2] = k[1], v[1]  # duplicate real slots carry identical data
+        exp_k, exp_v = k_cache.clone(), v_cache.clone()
+        for row, s in enumerate(slots):
+            if s >= 0:
+                exp_k[s], exp_v[s] = k[row], v[row]
+        _write_kv(k_cache, v_cache, k, v, torch.tensor(slots))
+        assert torch.equal(k_cache, exp_k) and torch.equal(v_cache, exp_v)

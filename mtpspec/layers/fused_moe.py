@@ -117,6 +117,12 @@ class FusedMoE(nn.Module):
         intermediate_size: per-expert intermediate size ``I`` (divisible by tp).
         reduce_results: all-reduce the output; ``False`` returns this rank's partial sum.
         params_dtype: parameter dtype (default ``torch.get_default_dtype()``).
+        dense_budget_bytes: batches whose per-expert intermediates fit this budget
+            (``num_tokens * E * max(H, 2 I / tp) * 4`` bytes) run every expert on every token in
+            batched matmuls weighted by the (mostly zero) routing weights: no host sync, one
+            read of every expert's weights (which small decode / verify batches touch anyway),
+            CUDA-graph friendly. Larger batches group tokens by expert (one host sync for the
+            per-expert counts) and run only the routed experts.
 
     Attributes:
         w13_weight: ``[E, 2 * I / tp, H]``, per expert ``[gate_r | up_r]``.
@@ -133,7 +139,7 @@ class FusedMoE(nn.Module):
     """
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, reduce_results: bool = True,
-                 params_dtype: Optional[torch.dtype] = None) -> None:
+                 params_dtype: Optional[torch.dtype] = None, dense_budget_bytes: int = 128 * 2 ** 20) -> None:
         super().__init__()
         self.tp_size = get_tensor_model_parallel_world_size()
         self.tp_rank = get_tensor_model_parallel_rank()
@@ -149,6 +155,7 @@ class FusedMoE(nn.Module):
         self.w13_weight.weight_loader = self.weight_loader
         self.w2_weight.weight_loader = self.weight_loader
         self.act_fn = SiluAndMul()
+        self.dense_budget_bytes = dense_budget_bytes
 
     @torch.no_grad()
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: str,
@@ -192,11 +199,29 @@ class FusedMoE(nn.Module):
             ``[num_tokens, H]`` in ``hidden_states``' dtype: the full sum when
             ``reduce_results``, else this rank's partial sum.
         """
-        out = torch.zeros_like(hidden_states)
-        if hidden_states.shape[0]:
+        t = hidden_states.shape[0]
+        width = max(self.hidden_size, 2 * self.intermediate_size_per_partition)
+        if t and t * self.num_experts * width * 4 <= self.dense_budget_bytes:
+            out = self._forward_dense(hidden_states, topk_weights, topk_ids)
+        else:
+            out = self._forward_grouped(hidden_states, topk_weights, topk_ids)
+        return tensor_model_parallel_all_reduce(out) if self.reduce_results else out
+
+    def _forward_dense(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        t, e = x.shape[0], self.num_experts
+        combine = torch.zeros(t, e, dtype=torch.float32, device=x.device)
+        combine.scatter_add_(1, topk_ids, topk_weights.float())  # [T, E], zero for unrouted experts
+        gate_up = torch.matmul(x.unsqueeze(0), self.w13_weight.transpose(1, 2))  # [E, T, 2 I/tp]
+        y = torch.bmm(self.act_fn(gate_up), self.w2_weight.transpose(1, 2))  # [E, T, H]
+        y = y.masked_fill(combine.t().unsqueeze(-1) == 0, 0)  # unrouted: exactly 0 (no inf * 0)
+        return torch.einsum("te,eth->th", combine, y.float()).to(x.dtype)
+
+    def _forward_grouped(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros_like(x)
+        if x.shape[0]:
             flat_ids = topk_ids.reshape(-1)
             order = torch.argsort(flat_ids, stable=True)
-            counts = torch.bincount(flat_ids, minlength=self.num_experts).tolist()
+            counts = torch.bincount(flat_ids, minlength=self.num_experts).tolist()  # host sync
             token_of = order // topk_ids.shape[1]
             start = 0
             for eid, n in enumerate(counts):
@@ -205,8 +230,8 @@ class FusedMoE(nn.Module):
                 sel = order[start:start + n]
                 tok = token_of[start:start + n]
                 start += n
-                x = hidden_states.index_select(0, tok)
-                y = F.linear(self.act_fn(F.linear(x, self.w13_weight[eid])), self.w2_weight[eid])
+                xe = x.index_select(0, tok)
+                y = F.linear(self.act_fn(F.linear(xe, self.w13_weight[eid])), self.w2_weight[eid])
                 w = topk_weights.reshape(-1).index_select(0, sel).unsqueeze(-1)
                 out.index_add_(0, tok, (y * w).to(out.dtype))
-        return tensor_model_parallel_all_reduce(out) if self.reduce_results else out
+        return out
