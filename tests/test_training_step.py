@@ -213,3 +213,28 @@ def test_router_balancer_pushes_bias_towards_idle_experts(models):
     assert not g0.e_score_correction_bias.requires_grad
     target.zero_grad(set_to_none=True)
     mtp.zero_grad(set_to_none=True)
+
+
+def test_saved_moe_checkpoint_matches_transformers(models, tmp_path):
+    # The config dict of the recipe (tied embeddings, q/k/v bias, half rotary, MoE after the
+    # first layer, MTP layer) means the same model to transformers as to mtpspec.
+    import json
+
+    import transformers
+
+    from mtpspec.models import export_hf_state_dict, save_checkpoint
+    target, mtp = models
+    with torch.no_grad():
+        for m in target.modules():
+            if hasattr(m, "e_score_correction_bias") and m.e_score_correction_bias is not None:
+                m.e_score_correction_bias.copy_(torch.randn(m.e_score_correction_bias.shape) * 0.3)
+    raw = make_config_dict("ci", V, 0, num_hidden_layers=2)
+    raw["torch_dtype"] = "float32"
+    save_checkpoint(str(tmp_path), export_hf_state_dict(target, mtp), raw)
+    assert "lm_head.weight" not in json.dumps(list(export_hf_state_dict(target, mtp)))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path), dtype=torch.float32).eval()
+    ids = torch.randint(0, V, (37,), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ours = target.compute_logits(target(ids, torch.arange(37)))
+        ref = hf(ids[None]).logits[0]
+    torch.testing.assert_close(ours, ref, rtol=1e-4, atol=1e-4)

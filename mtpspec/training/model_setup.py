@@ -23,8 +23,8 @@ PRESETS: Dict[str, Dict[str, Any]] = {
     "demo": dict(hidden_size=384, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=8,
                  num_key_value_heads=2, head_dim=48, moe_intermediate_size=256, n_routed_experts=4,
                  num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1, max_position_embeddings=4096),
-    # Same shapes, dense MLPs everywhere (MTP block included): a quality/speed comparison point.
-    "demo-dense": dict(hidden_size=384, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=8,
+    # Dense MLPs everywhere (MTP block included), about the same total size: a comparison point.
+    "demo-dense": dict(hidden_size=384, intermediate_size=1280, num_hidden_layers=4, num_attention_heads=8,
                        num_key_value_heads=2, head_dim=48, moe_intermediate_size=256, n_routed_experts=4,
                        num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=5,
                        max_position_embeddings=4096),

@@ -122,16 +122,21 @@ def simulate_greedy_spec_decode(target: nn.Module, mtp: nn.Module, prompt: Seque
 
 
 def acceptance_summary(target: nn.Module, mtp: nn.Module, prompts: Sequence[Sequence[int]], k: int,
-                       max_new: int, eot_id: int, device: torch.device) -> Dict[str, object]:
+                       max_new: int, eot_id: int, device: torch.device,
+                       deadline: float = float("inf")) -> Dict[str, object]:
     """Mean acceptance length (tokens per target step) and per-position acceptance rates over
-    ``prompts``."""
+    ``prompts`` (stops early, counting only finished prompts, once ``time.time() > deadline``)."""
+    import time
     was = (target.training, mtp.training)
     target.eval()
     mtp.eval()
-    tokens = steps = 0
+    tokens = steps = done = 0
     per_pos = [0] * k
     try:
         for p in prompts:
+            if time.time() > deadline:
+                break
+            done += 1
             r = simulate_greedy_spec_decode(target, mtp, p, k, max_new, eot_id, device)
             tokens += len(r["tokens"])
             steps += r["steps"]
@@ -139,5 +144,5 @@ def acceptance_summary(target: nn.Module, mtp: nn.Module, prompts: Sequence[Sequ
     finally:
         target.train(was[0])
         mtp.train(was[1])
-    return {"k": k, "acceptance_length": tokens / max(steps, 1), "steps": steps, "tokens": tokens,
+    return {"k": k, "acceptance_length": tokens / max(steps, 1), "prompts": done, "steps": steps, "tokens": tokens,
             "per_position_rate": [c / max(steps, 1) for c in per_pos]}

@@ -72,8 +72,8 @@ class TrainConfig:
     log_every: int = 10
     eval_every: int = 250
     eval_docs: int = 64
-    accept_prompts: int = 16
-    accept_max_new: int = 160
+    accept_prompts: int = 8
+    accept_max_new: int = 128
     workers: int = 0
     threads: int = 0
     save_dtype: str = "bfloat16"
@@ -291,7 +291,8 @@ def train(cfg: TrainConfig, log=_log) -> Dict[str, Any]:
     accept = {}
     for k in (1, 3):
         if prompts and time.time() < deadline - 5:
-            accept[f"k{k}"] = acceptance_summary(target, mtp, prompts, k, cfg.accept_max_new, eot, device)
+            accept[f"k{k}"] = acceptance_summary(target, mtp, prompts, k, cfg.accept_max_new, eot, device,
+                                                 deadline=deadline - 2)
     jlog.close()
     summary = {
         "config": dataclasses.asdict(cfg), "device": str(device), "device_name": (

@@ -1,0 +1,8 @@
+"""Training recipe for small GLM-4.5-style models with MTP layers (the bundled demo model).
+
+Modules: ``word_problems`` (seeded generator of GSM8K-style problems), ``gsm8k_format`` (the
+lm-eval 5-shot text format), ``tokenizer`` (byte-level BPE), ``corpus`` / ``packing`` (documents
+and length-bucketed batches), ``mtp_loss`` (DeepSeek-V3 eqs. 21-25), ``model_setup``, ``optim``,
+``step``, ``quick_eval`` and ``train`` (``python -m mtpspec.training.train`` / ``mtpspec train``).
+Nothing heavy is imported here, so ``word_problems`` stays cheap to import in worker processes.
+"""
