@@ -130,8 +130,9 @@ class CheckpointReader:
                             raise CorruptCheckpointError(f"key {key!r} is in both {self._where[key]} and {name}")
                         self._where[key] = name
             if weight_map is not None:
+                held = {name: set(handle.keys()) for name, handle in self._files.items()}
                 for key, name in weight_map.items():
-                    if key not in set(self._files[name].keys()):
+                    if key not in held[name]:
                         raise CorruptCheckpointError(f"index maps {key!r} to {name}, which does not hold it")
                     self._where[key] = name
         except BaseException:
