@@ -47,7 +47,7 @@ def _brute(model, docs, hidden_docs, depths, lam):
             for k in range(1, depths + 1):
                 if i + k >= len(doc):
                     break
-                prev = model.mtp_row(doc[i + k], i, prev, k - 1)
+                prev = model.mtp_row(doc[i + k], i + k - 1, prev, k - 1)  # depth k at position i + k - 1
                 if i + k + 1 < len(doc):
                     lp = torch.log_softmax(model.logits(prev, k - 1), -1)
                     sums[k] -= lp[doc[i + k + 1]].item()
@@ -100,15 +100,17 @@ def test_position_zero_embedding_is_what_the_model_sees():
     seen = {}
 
     def mtp_forward(ids, positions, prev, k):
-        seen["ids"], seen["pos"] = ids.clone(), positions.clone()
+        seen[k] = (ids.clone(), positions.clone())
         return prev
 
     cu = torch.tensor([0, 3, 5])
     ids = torch.tensor([10, 11, 12, 20, 21])
     mtp_training_loss(ids, positions_from_cu_seqlens(cu), doc_end_from_cu_seqlens(cu), torch.zeros(5, 4),
-                      lambda h, k: torch.zeros(h.shape[0], 30), mtp_forward, 1, 1.0)
-    assert seen["pos"].tolist() == [0, 1, 2, 0, 1]
-    assert seen["ids"].tolist() == [11, 12, 0, 21, 0]  # t[i+1] within the document, filler after
+                      lambda h, k: torch.zeros(h.shape[0], 30), mtp_forward, 2, 1.0)
+    assert seen[0][1].tolist() == [0, 1, 2, 0, 1]
+    assert seen[0][0].tolist() == [11, 12, 0, 21, 0]  # t[i+1] within the document, filler after
+    assert seen[1][1].tolist() == [1, 2, 3, 1, 2]  # depth 2: one position further, never 0
+    assert seen[1][0].tolist() == [12, 0, 0, 0, 0]
 
 
 def test_helpers_against_loops():

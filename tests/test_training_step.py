@@ -59,17 +59,20 @@ def test_batched_attention_equals_per_sequence(heads, kv):
 
 
 def test_packed_forward_equals_per_document_forwards(models):
+    # Two MTP depths with one MTP layer: depth 2 reuses layer 0 on its own depth-1 outputs, one
+    # position further (the engine's second draft step).
     target, mtp = models
     g = torch.Generator().manual_seed(5)
-    lens = [9, 1, 2, 16, 13]
+    lens = [9, 1, 2, 3, 16, 13]
     width = 16
     ids = torch.randint(1, V, (len(lens), width), generator=g)
     for r, n in enumerate(lens):
         ids[r, n:] = 0  # padding (the EOT id) after each document
     batch = Batch(ids, torch.tensor(lens))
-    out, hidden, _ = forward_loss(target, mtp, batch, torch.device("cpu"), 0.5, return_hidden=True)
-    # brute force: each document alone, positions 0..n-1, no attention metadata
-    nll_t, nll_m, n_t, n_m = 0.0, 0.0, 0, 0
+    out, hidden, _ = forward_loss(target, mtp, batch, torch.device("cpu"), 0.5, return_hidden=True, mtp_depth=2)
+    # brute force: each document alone, positions from 0, no attention metadata
+    nll = [0.0, 0.0, 0.0]
+    cnt = [0, 0, 0]
     with torch.no_grad():
         for r, n in enumerate(lens):
             doc = ids[r, :n]
@@ -77,19 +80,24 @@ def test_packed_forward_equals_per_document_forwards(models):
             torch.testing.assert_close(hidden[r * width:r * width + n].detach(), h, rtol=1e-5, atol=1e-5)
             lt = target.compute_logits(h)
             for i in range(n - 1):
-                nll_t -= F.log_softmax(lt[i].double(), -1)[doc[i + 1]].item()
-                n_t += 1
-            if n >= 2:
-                nxt = torch.cat([doc[1:], torch.zeros(1, dtype=doc.dtype)])
-                hm = mtp(nxt, torch.arange(n), h, spec_step_idx=0)
-                lm = mtp.compute_logits(hm, 0)
-                for i in range(n - 2):
-                    nll_m -= F.log_softmax(lm[i].double(), -1)[doc[i + 2]].item()
-                    n_m += 1
-    assert out.counts == [n_t, n_m]
-    assert math.isclose(out.target_loss.item(), nll_t / n_t, rel_tol=1e-5)
-    assert math.isclose(out.mtp_losses[0].item(), nll_m / n_m, rel_tol=1e-5)
-    assert math.isclose(out.loss.item(), nll_t / n_t + 0.5 * nll_m / n_m, rel_tol=1e-5)
+                nll[0] -= F.log_softmax(lt[i].double(), -1)[doc[i + 1]].item()
+                cnt[0] += 1
+            prev = h
+            for k in (1, 2):
+                if n < k + 1:
+                    break
+                nxt = torch.cat([doc[k:], torch.zeros(k, dtype=doc.dtype)])  # token i + k at row i
+                prev = mtp(nxt, torch.arange(n) + k - 1, prev, spec_step_idx=k - 1)
+                lm = mtp.compute_logits(prev, k - 1)
+                for i in range(n - k - 1):
+                    nll[k] -= F.log_softmax(lm[i].double(), -1)[doc[i + k + 1]].item()
+                    cnt[k] += 1
+    assert out.counts == cnt
+    means = [a / b for a, b in zip(nll, cnt)]
+    assert math.isclose(out.target_loss.item(), means[0], rel_tol=1e-5)
+    for k in (1, 2):
+        assert math.isclose(out.mtp_losses[k - 1].item(), means[k], rel_tol=1e-5)
+    assert math.isclose(out.loss.item(), means[0] + 0.5 / 2 * (means[1] + means[2]), rel_tol=1e-5)
 
 
 def test_mtp_uses_zero_embedding_at_position_zero(models):

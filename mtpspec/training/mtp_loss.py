@@ -17,10 +17,17 @@ with the embedding of ``t[i + k]``::
     L_MTP^k = mean over valid i of CE(P_{i+k+1}^k, t[i + k + 1])      (eq. 24)
     L = L_main + lambda / D * sum_k L_MTP^k                           (eq. 25)
 
-Row ``i`` is valid at depth ``k`` when ``i + k + 1 < doc_end[i]``. The embedding is zeroed at rows
-whose position is 0 (the inference rule of ``fused_eh_norm``); that happens inside the model's
-MTP forward, which receives the same ``positions``. Each depth's output hidden state (as the
-model returns it, i.e. the state the inference path recycles) feeds the next depth.
+Row ``i`` is valid at depth ``k`` when ``i + k + 1 < doc_end[i]``. Depth ``k`` runs at positions
+``positions + (k - 1)``: depth 1 at the target's positions, so the embedding is zeroed exactly at
+rows whose position is 0 (the inference rule of ``fused_eh_norm``, applied inside the model's MTP
+forward); deeper depths one position further per step, as the engine's draft step ``k`` runs
+(its new row sits one position after the previous step's). Rotary attention only sees position
+differences, so the shift changes nothing else. Each depth's output hidden state (as the model
+returns it: the post-norm state the inference path recycles) feeds the next depth.
+
+``D`` may exceed the model's number of MTP layers: depth ``k`` then uses layer
+``(k - 1) % num_mtp_layers`` (``spec_step_idx = k - 1``), i.e. the same layer applied recursively
+to its own outputs, which is how the engine drafts ``k`` tokens with one MTP layer.
 """
 
 from __future__ import annotations
@@ -114,8 +121,9 @@ def mtp_training_loss(
         target_hidden: ``[N, H]`` the target's final post-norm hidden states.
         logits_fn: ``(hidden, None)`` -> target logits ``[N, V]``; ``(hidden, k - 1)`` -> depth-k
             MTP logits.
-        mtp_forward: ``(ids_k, positions, previous_hidden, spec_step_idx=k - 1)`` -> depth-k hidden.
-        num_mtp_layers: D >= 0 (0 trains the target alone).
+        mtp_forward: ``(ids_k, positions + k - 1, previous_hidden, spec_step_idx=k - 1)`` -> depth-k
+            hidden.
+        num_mtp_layers: training depth D >= 0 (0 trains the target alone).
         mtp_lambda: weight lambda of the MTP term.
 
     Returns:
@@ -140,7 +148,7 @@ def mtp_training_loss(
     for k in range(1, num_mtp_layers + 1):
         ids_k, _ = shifted(input_ids, doc_end, k, 0)
         labels_k, _ = shifted(input_ids, doc_end, k + 1, IGNORE_INDEX)
-        prev = mtp_forward(ids_k, positions, prev, k - 1)
+        prev = mtp_forward(ids_k, positions + (k - 1), prev, k - 1)
         lk, ck = _ce(logits_fn(prev, k - 1), labels_k)
         mtp_losses.append(lk)
         counts.append(ck)

@@ -23,14 +23,20 @@ from mtpspec.training.step import forward_loss
 
 @torch.no_grad()
 def validation_metrics(target: nn.Module, mtp: nn.Module, batches: Sequence[Batch], device: torch.device,
-                       mtp_lambda: float) -> Dict[str, float]:
-    """Token-weighted held-out ``target_loss``, ``mtp_loss`` (depth 1), top-1 accuracies, and
-    ``draft_agreement``: the fraction of rows where the depth-1 MTP argmax at ``i`` equals the
-    target's argmax at ``i + 1`` (teacher forced; a proxy for the k = 1 acceptance rate)."""
+                       mtp_lambda: float, mtp_depth: int = 1) -> Dict[str, object]:
+    """Token-weighted held-out ``target_loss``, ``mtp_loss`` (depth 1), ``mtp_losses`` (every
+    training depth), top-1 accuracies, and ``draft_agreement``: the fraction of rows where the
+    depth-1 MTP argmax at ``i`` equals the target's argmax at ``i + 1`` (teacher forced; a proxy
+    for the k = 1 acceptance rate)."""
     sums = {"target_loss": 0.0, "mtp_loss": 0.0, "target_acc": 0.0, "mtp_acc": 0.0, "draft_agreement": 0.0}
+    depth_sums, depth_counts = [0.0] * mtp_depth, [0] * mtp_depth
     n_t = n_m = 0
     for batch in batches:
-        out, hidden, (ids, pos, doc_end) = forward_loss(target, mtp, batch, device, mtp_lambda, return_hidden=True)
+        out, hidden, (ids, pos, doc_end) = forward_loss(target, mtp, batch, device, mtp_lambda, return_hidden=True,
+                                                        mtp_depth=mtp_depth)
+        for j, (lj, cj) in enumerate(zip(out.mtp_losses, out.counts[1:])):
+            depth_sums[j] += lj.item() * cj
+            depth_counts[j] += cj
         sums["target_loss"] += out.target_loss.item() * out.counts[0]
         n_t += out.counts[0]
         t_arg = target.compute_logits(hidden).argmax(-1)
@@ -38,7 +44,7 @@ def validation_metrics(target: nn.Module, mtp: nn.Module, batches: Sequence[Batc
         idx = torch.arange(n, device=device)
         v0 = idx + 1 < doc_end
         sums["target_acc"] += (t_arg[:-1] == ids[1:])[v0[:-1]].float().sum().item()
-        if mtp.num_mtp_layers:
+        if mtp_depth >= 1:
             sums["mtp_loss"] += out.mtp_losses[0].item() * out.counts[1]
             n_m += out.counts[1]
             ids1 = torch.where(v0, torch.roll(ids, -1), torch.zeros_like(ids))
@@ -51,7 +57,8 @@ def validation_metrics(target: nn.Module, mtp: nn.Module, batches: Sequence[Batc
     out_d = {"target_loss": sums["target_loss"] / max(n_t, 1), "target_acc": sums["target_acc"] / max(n_t, 1)}
     if n_m:
         out_d.update(mtp_loss=sums["mtp_loss"] / n_m, mtp_acc=sums["mtp_acc"] / n_m,
-                     draft_agreement=sums["draft_agreement"] / n_m)
+                     draft_agreement=sums["draft_agreement"] / n_m,
+                     mtp_losses=[x / max(c, 1) for x, c in zip(depth_sums, depth_counts)])
     return out_d
 
 

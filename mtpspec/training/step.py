@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 from torch import nn
 
@@ -11,8 +13,10 @@ from mtpspec.training.packing import Batch
 
 
 def forward_loss(target: nn.Module, mtp: nn.Module, batch: Batch, device: torch.device,
-                 mtp_lambda: float, return_hidden: bool = False):
-    """``mtp_training_loss`` of ``batch`` (DeepSeek-V3 eq. 25).
+                 mtp_lambda: float, return_hidden: bool = False, mtp_depth: Optional[int] = None):
+    """``mtp_training_loss`` of ``batch`` (DeepSeek-V3 eq. 25) with ``mtp_depth`` MTP depths
+    (default: the model's MTP layers; more than that reuses layer ``(k - 1) % num_mtp_layers``
+    recursively, like the engine's drafts).
 
     Each row of ``batch`` is one sequence of the flattened varlen layout (``query_lens = seq_lens
     = [L] * B``, no KV cache), so attention is causal within a row only, exactly the engine's
@@ -25,7 +29,7 @@ def forward_loss(target: nn.Module, mtp: nn.Module, batch: Batch, device: torch.
     b, length = batch.input_ids.shape
     ids, pos, doc_end = batch.flat(device)
     meta = build_attention_metadata([length] * b, [length] * b, None, device=device)
-    d = mtp.num_mtp_layers
+    d = mtp.num_mtp_layers if mtp_depth is None else mtp_depth
 
     def logits_fn(h: torch.Tensor, k):
         return target.compute_logits(h) if k is None else mtp.compute_logits(h, k)

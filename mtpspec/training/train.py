@@ -57,14 +57,15 @@ class TrainConfig:
     max_steps: int = 1_000_000
     max_minutes: float = 9.0
     reserve_seconds: float = 45.0
-    lr: float = 3e-3
+    lr: float = 2e-3
     min_lr_ratio: float = 0.1
     warmup_steps: int = 100
     weight_decay: float = 0.1
     beta1: float = 0.9
     beta2: float = 0.95
     grad_clip: float = 1.0
-    mtp_lambda: float = 0.3
+    mtp_lambda: float = 0.6
+    mtp_depth: int = 3
     router_bias_speed: float = 0.001
     seed: int = 0
     device: str = "auto"
@@ -84,6 +85,12 @@ TINY_OVERRIDES: Dict[str, Any] = dict(
     preset="tiny", num_synthetic=30_000, tokenizer_synthetic=10_000, gsm8k_epochs=1, tokens_per_batch=4096,
     max_minutes=4.0, reserve_seconds=40.0, lr=3e-3, warmup_steps=20, log_every=5, eval_every=100, eval_docs=16,
     accept_prompts=4, accept_max_new=48, device="cpu", dtype="float32")
+
+
+def _fmt(d: Dict[str, Any]) -> str:
+    r = {k: (round(x, 4) if isinstance(x, float) else [round(y, 4) for y in x] if isinstance(x, list) else x)
+         for k, x in d.items()}
+    return json.dumps(r)
 
 
 def _log(msg: str) -> None:
@@ -236,6 +243,7 @@ def train(cfg: TrainConfig, log=_log) -> Dict[str, Any]:
     history: List[Dict[str, Any]] = []
     stop_reason = "max_steps"
     last_bar = 0
+    v: Dict[str, float] = {}
     try:
         while step < cfg.max_steps:
             now = time.time()
@@ -246,7 +254,7 @@ def train(cfg: TrainConfig, log=_log) -> Dict[str, Any]:
             lr = lr_at(step, progress, cfg.lr, cfg.warmup_steps, cfg.min_lr_ratio)
             opt.set_lr(lr)
             batch = next(batches)
-            out = forward_loss(target, mtp, batch, device, cfg.mtp_lambda)
+            out = forward_loss(target, mtp, batch, device, cfg.mtp_lambda, mtp_depth=cfg.mtp_depth)
             out.loss.backward()
             gnorm = opt.step(cfg.grad_clip)
             opt.zero_grad()
@@ -265,9 +273,9 @@ def train(cfg: TrainConfig, log=_log) -> Dict[str, Any]:
                     bar.set_postfix(loss=f"{rec['target_loss']:.3f}", mtp=f"{rec['mtp_loss'][0]:.3f}"
                                     if rec["mtp_loss"] else "-", tok_s=f"{rec['tokens_per_s']:.0f}")
             if cfg.eval_every and step % cfg.eval_every == 0 and val_batches:
-                v = validation_metrics(target, mtp, val_batches, device, cfg.mtp_lambda)
+                v = validation_metrics(target, mtp, val_batches, device, cfg.mtp_lambda, cfg.mtp_depth)
                 jlog.write({"kind": "val", "step": step, "tokens": tokens, **v})
-                log(f"step {step} val {json.dumps({k: round(x, 4) for k, x in v.items()})}")
+                log(f"step {step} val {_fmt(v)}")
             if bar is not None:
                 if cfg.max_minutes > 0:
                     el = int(time.time() - train_start)
@@ -285,8 +293,11 @@ def train(cfg: TrainConfig, log=_log) -> Dict[str, Any]:
         f"({tokens / max(train_seconds, 1e-9):.0f} tokens/s)")
 
     written = save_model(cfg.output_dir, target, mtp, config_dict, tok, save_dtype)
-    final_val = validation_metrics(target, mtp, val_batches, device, cfg.mtp_lambda) if val_batches else {}
-    jlog.write({"kind": "val", "step": step, "tokens": tokens, **final_val})
+    if val_batches and not (cfg.eval_every and step % cfg.eval_every == 0 and step):
+        final_val = validation_metrics(target, mtp, val_batches, device, cfg.mtp_lambda, cfg.mtp_depth)
+        jlog.write({"kind": "val", "step": step, "tokens": tokens, **final_val})
+    else:
+        final_val = v if val_batches and step else {}
     prompts = [tok.encode(format_query(r["question"])).ids for r in val_rows[:cfg.accept_prompts]]
     accept = {}
     for k in (1, 3):
