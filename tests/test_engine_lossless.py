@@ -117,3 +117,34 @@ def test_batch_sizes_one_to_eight(model, reference) -> None:
             sub = list(itertools.islice(itertools.cycle(range(8)), n * 3, n * 3 + n))
             outs = llm.generate(token_prompts([prompts[i] for i in sub]), SP, use_tqdm=False)
             assert [o.outputs[0].token_ids for o in outs] == [ref[i] for i in sub]
+
+
+@pytest.mark.parametrize("k,local_argmax", [(1, False), (3, True), (4, False)])
+def test_graph_code_path_with_padding_equals_eager(model, reference, k: int, local_argmax: bool) -> None:
+    """The CUDA-graph path's static padded buffers (``graph_mode="static"``: no capture on CPU):
+    batches of 1..8 run padded to 1, 2, 4, 8 sequences; padding rows never reach sampling or
+    emission, so tokens equal plain decoding, and the drafts equal the eager path's."""
+    path, _, cfg = model
+    prompts, ref, oracle = reference
+    spec = {"num_speculative_tokens": k, "use_local_argmax_reduction": local_argmax}
+    seen = {}
+    for mode in ("off", "static"):
+        with _llm(path, max_num_seqs=8, speculative_config=spec, graph_mode=mode) as llm:
+            oracle_hook = OracleDrafts(oracle, cfg.vocab_size, corrupt=0.3)
+            drafts = []
+
+            def hook(seq, proposed, _h=oracle_hook, _d=drafts):
+                _d.append((tuple(seq.all_token_ids), tuple(proposed)))
+                return _h(seq, proposed)
+
+            llm.llm_engine.draft_hook = hook
+            if mode == "static":
+                assert llm.executor.runner.fwd.sizes == [1, 2, 4, 8]
+            for n in (3, 5, 6, 7, 8, 1):
+                outs = llm.generate(token_prompts(prompts[:n]), SP, use_tqdm=False)
+                assert [o.outputs[0].token_ids for o in outs] == ref[:n]
+            assert llm.get_metrics()["num_eager_fallbacks"] == 0
+            if mode == "static":
+                assert llm.executor.runner.fwd.num_graph_steps > 20
+            seen[mode] = sorted(drafts)
+    assert seen["off"] == seen["static"]

@@ -125,6 +125,7 @@ def test_every_draft_step_passes_its_index(model) -> None:
         prop = llm.executor.runner.proposer
         rec = _Recorder(prop.model)
         prop.model = rec
+        llm.executor.runner.fwd.mtp_model = rec
         llm.generate(token_prompts([[5, 6, 7], [8]]), SamplingParams(temperature=0.0, max_tokens=6), use_tqdm=False)
         per_step = [0, 1, 1, 0, 2, 1, 3, 0, 4]  # first pass 0 + fill 1; steps 1..4 (+ fills but the last)
         assert rec.steps and len(rec.steps) % len(per_step) == 0

@@ -84,12 +84,15 @@ def test_tp2_spec_lossless_and_same_collectives_on_every_rank(setup) -> None:
     assert metrics["comm_bytes_per_step"]["all_reduce"] > 0
 
 
-@pytest.mark.parametrize("k,local_argmax,fused,seq_parallel", [(1, False, False, True), (5, False, True, False)])
-def test_tp2_spec_lossless_variants(setup, k: int, local_argmax: bool, fused: bool, seq_parallel: bool) -> None:
+@pytest.mark.parametrize("k,local_argmax,fused,seq_parallel,graph_mode",
+                         [(1, False, False, True, "off"), (5, False, True, False, "static")])
+def test_tp2_spec_lossless_variants(setup, k: int, local_argmax: bool, fused: bool, seq_parallel: bool,
+                                    graph_mode: str) -> None:
+    """``graph_mode="static"``: the CUDA-graph code path (padded static buffers) without capture."""
     path, cfg, prompts, ref, oracle = setup
     with LLM(path, tensor_parallel_size=2, speculative_config={"num_speculative_tokens": k,
                                                                "use_local_argmax_reduction": local_argmax},
-             fuse_allreduce_rmsnorm=fused, sequence_parallel=seq_parallel, **LLM_KW) as llm:
+             fuse_allreduce_rmsnorm=fused, sequence_parallel=seq_parallel, graph_mode=graph_mode, **LLM_KW) as llm:
         llm.llm_engine.draft_hook = OracleDrafts(oracle, cfg.vocab_size, corrupt=0.3)
         outs = llm.generate(token_prompts(prompts), SP, use_tqdm=False)
         assert [o.outputs[0].token_ids for o in outs] == ref

@@ -35,6 +35,10 @@ class LLM:
             (:class:`~mtpspec.engine.config.CacheConfig`).
         tokenizer: a folder to load the tokenizer from, a :class:`Tokenizer`, or ``None`` (the model folder's).
         seed: seeds the seeds of requests that give none (``None``: random).
+        enforce_eager: never use CUDA graphs.
+        graph_mode: override: ``"auto"`` (default: CUDA graphs for pure-decode speculative steps
+            on a GPU), ``"off"``, ``"cuda"``, or ``"static"`` (the graph path's padded static
+            buffers without capture; for CPU tests). See :mod:`mtpspec.engine.forward`.
 
     Raises:
         ValueError / TypeError: a bad argument (k out of range, unknown speculative keys, a
@@ -52,7 +56,7 @@ class LLM:
                  max_model_len: Optional[int] = None, max_num_batched_tokens: Optional[int] = None,
                  block_size: int = 16, num_kv_blocks: Optional[int] = None, gpu_memory_utilization: float = 0.9,
                  cpu_kv_cache_gib: float = 1.0, tokenizer: Union[None, str, Tokenizer] = None,
-                 seed: Optional[int] = None):
+                 seed: Optional[int] = None, enforce_eager: bool = False, graph_mode: Optional[str] = None):
         if not isinstance(tensor_parallel_size, int) or isinstance(tensor_parallel_size, bool) \
                 or tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be an int >= 1, got {tensor_parallel_size!r}")
@@ -71,7 +75,10 @@ class LLM:
         cache = CacheConfig(block_size, num_kv_blocks, gpu_memory_utilization, cpu_kv_cache_gib)
         self.model_config = mcfg
         self.speculative_config = spec
-        wcfg = WorkerConfig(model, dtype, device, spec, fuse_allreduce_rmsnorm, sequence_parallel, cache, sched)
+        mode = "off" if enforce_eager else (graph_mode or "auto")
+        if mode not in ("auto", "off", "cuda", "static"):
+            raise ValueError(f"graph_mode must be 'auto', 'off', 'cuda' or 'static', got {graph_mode!r}")
+        wcfg = WorkerConfig(model, dtype, device, spec, fuse_allreduce_rmsnorm, sequence_parallel, cache, sched, mode)
         if isinstance(tokenizer, Tokenizer):
             tok: Optional[Tokenizer] = tokenizer
         else:

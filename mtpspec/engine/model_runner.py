@@ -21,7 +21,7 @@ from mtpspec.engine.config import CacheConfig, SchedulerConfig
 from mtpspec.engine.input_prep import PreparedStep, prepare_step
 from mtpspec.engine.sampler import Sampler
 from mtpspec.engine.step_io import StepInput, StepOutput
-from mtpspec.layers.attention import set_forward_context
+from mtpspec.engine.forward import EagerForward, GraphedForward
 from mtpspec.spec_decode.mtp_proposer import MTPProposer
 from mtpspec.spec_decode.rejection_sampler import PLACEHOLDER_TOKEN_ID, RejectionSampler
 
@@ -41,6 +41,9 @@ class ModelRunner:
         cache_config, scheduler_config: sizes.
         device: where the models live.
         max_position: the models' ``max_position_embeddings``.
+        graph_mode: ``"auto"`` (CUDA graphs for pure-decode steps on a GPU with speculative
+            decoding, eager otherwise), ``"off"``, ``"cuda"`` or ``"static"`` (see
+            :mod:`mtpspec.engine.forward`).
 
     Raises:
         LocalArgmaxUnsupportedError: see :class:`~mtpspec.spec_decode.mtp_proposer.MTPProposer`.
@@ -48,7 +51,7 @@ class ModelRunner:
 
     def __init__(self, target: torch.nn.Module, mtp: Optional[torch.nn.Module], spec: Optional[SpeculativeConfig],
                  cache_config: CacheConfig, scheduler_config: SchedulerConfig, device: torch.device,
-                 max_position: int):
+                 max_position: int, graph_mode: str = "auto"):
         self.target = target
         self.mtp = mtp
         self.k = spec.num_speculative_tokens if spec is not None else 0
@@ -67,6 +70,19 @@ class ModelRunner:
                                         max_position)
         self.layers = kv_cache.attention_layers(target, mtp)
         self.num_blocks = 0
+        if graph_mode == "auto":
+            graph_mode = "cuda" if (device.type == "cuda" and self.k > 0) else "off"
+        if graph_mode not in ("off", "cuda", "static"):
+            raise ValueError(f"graph_mode must be 'auto', 'off', 'cuda' or 'static', got {graph_mode!r}")
+        if graph_mode != "off" and self.k == 0:
+            graph_mode = "off"  # graphs cover the verify and draft steps of speculative decoding
+        self.graph_mode = graph_mode
+        self.fwd: EagerForward = EagerForward(target, mtp)
+        if graph_mode != "off":
+            sc = scheduler_config
+            width = -(-sc.decode_slots(sc.max_model_len) // cache_config.block_size)
+            self.fwd = GraphedForward(target, mtp, self.k, sc.max_num_seqs, width, target.config.hidden_size,
+                                      self.kv_dtype, device, graph_mode, sc.decode_slots(sc.max_model_len))
 
     # ------------------------------------------------------------------ KV cache
     def max_useful_blocks(self) -> int:
@@ -96,6 +112,11 @@ class ModelRunner:
         """Attach ``num_blocks``-block caches to every target and MTP attention layer."""
         self.num_blocks = num_blocks
         kv_cache.allocate(self.layers, num_blocks, self.cache_config.block_size, self.kv_dtype, self.device)
+        if isinstance(self.fwd, GraphedForward) and self.proposer is not None:
+            used = self.proposer._used_layers()
+            steps = [(j, True) for j in range(1, self.k)]
+            steps += [(layer, False) for layer in used] if self.k > 2 and len(used) > 1 else []
+            self.fwd.capture(steps, used, self.proposer._top)
 
     # ------------------------------------------------------------------ step
     @torch.inference_mode()
@@ -105,16 +126,16 @@ class ModelRunner:
         comm0 = _bytes_sent(comm_stats())
         k = self.k
         inp = prepare_step(step, k, self.cache_config.block_size, self.max_position, self.device)
-        with set_forward_context(inp.attn_metadata):
-            hidden = self.target(inp.input_ids, inp.positions)
-        logits = self.target.compute_logits(hidden.index_select(0, inp.sample_rows))
+        fallbacks0 = self.fwd.num_eager_fallbacks
+        self.fwd.begin_step(step.is_pure_decode, len(step.seqs), inp.block_tables)
+        hidden, logits = self.fwd.verify(inp.input_ids, inp.positions, inp.attn_metadata, inp.sample_rows)
         tokens, last_row = self._sample(inp, logits)
         result = tokens
         if self.proposer is not None:
             b = tokens.shape[0]
             new_tok = tokens.gather(1, last_row_tok_index(inp, last_row).unsqueeze(1)).squeeze(1)
             host_last = last_row.tolist() if self.device.type == "cpu" else None
-            drafts = self.proposer.propose(inp, hidden, new_tok, last_row, host_last)
+            drafts = self.proposer.propose(inp, hidden, new_tok, last_row, host_last, self.fwd)
             result = torch.cat([tokens, drafts.view(b, k)], dim=1)
         host = result.cpu().tolist()  # the step's single device -> host transfer
         new_tokens, drafts_out = [], []
@@ -125,7 +146,8 @@ class ModelRunner:
             drafts_out.append(row[k + 1:])
         comm1 = _bytes_sent(comm_stats())
         delta = {op: comm1[op] - comm0.get(op, 0) for op in comm1 if comm1[op] != comm0.get(op, 0)}
-        return StepOutput(new_tokens, drafts_out, 0, delta, time.perf_counter() - t0)
+        return StepOutput(new_tokens, drafts_out, self.fwd.num_eager_fallbacks - fallbacks0, delta,
+                          time.perf_counter() - t0)
 
     def _sample(self, inp: PreparedStep, logits: torch.Tensor):
         """Tokens ``[B, k + 1]`` (placeholder-padded) and each sequence's last valid row offset ``[B]``."""

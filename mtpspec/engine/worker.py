@@ -35,6 +35,7 @@ class WorkerConfig:
         spec: speculative config or ``None``.
         fuse_allreduce_rmsnorm, sequence_parallel: MTP tail variant.
         cache_config, scheduler_config: sizes.
+        graph_mode: CUDA-graph mode of the runner (:class:`~mtpspec.engine.model_runner.ModelRunner`).
     """
 
     model: str
@@ -45,6 +46,7 @@ class WorkerConfig:
     sequence_parallel: bool
     cache_config: CacheConfig
     scheduler_config: SchedulerConfig
+    graph_mode: str = "auto"
 
 
 def resolve_device(device: Optional[str]) -> torch.device:
@@ -71,7 +73,7 @@ def build_runner(cfg: WorkerConfig) -> ModelRunner:
                               fuse_allreduce_rmsnorm=cfg.fuse_allreduce_rmsnorm,
                               sequence_parallel=cfg.sequence_parallel)
     return ModelRunner(target, mtp, cfg.spec, cfg.cache_config, cfg.scheduler_config, device,
-                       target.config.max_position_embeddings)
+                       target.config.max_position_embeddings, cfg.graph_mode)
 
 
 def init_cache_min_over_ranks(runner: ModelRunner) -> int:

@@ -34,8 +34,9 @@ from typing import Optional
 import torch
 from torch import nn
 
+from mtpspec.engine.forward import EagerForward
 from mtpspec.engine.input_prep import PreparedStep
-from mtpspec.layers.attention import AttentionMetadata, set_forward_context
+from mtpspec.layers.attention import AttentionMetadata
 from mtpspec.models.interfaces import supports_local_argmax
 
 
@@ -99,7 +100,8 @@ class MTPProposer:
 
     @torch.inference_mode()
     def propose(self, inp: PreparedStep, target_hidden: torch.Tensor, new_token_ids: torch.Tensor,
-                last_row_offsets: torch.Tensor, host_last_row_offsets: Optional[list] = None) -> torch.Tensor:
+                last_row_offsets: torch.Tensor, host_last_row_offsets: Optional[list] = None,
+                fwd: Optional[EagerForward] = None) -> torch.Tensor:
         """Draft ``k`` tokens per sequence.
 
         Args:
@@ -110,20 +112,22 @@ class MTPProposer:
                 inside its segment).
             host_last_row_offsets: the same as a python list when it is free to have (CPU);
                 gives the attention layer exact host-side lengths. ``None`` on GPU.
+            fwd: how to call the model (:mod:`mtpspec.engine.forward`; default eager).
 
         Returns:
             ``[B, k]`` int64 draft tokens.
         """
+        fwd = fwd if fwd is not None else EagerForward(None, self.model)
         b = new_token_ids.shape[0]
         last_rows = inp.seg_starts + last_row_offsets
         ids = torch.cat([inp.input_ids[1:], inp.input_ids.new_zeros(1)])
         ids = ids.index_copy(0, last_rows, new_token_ids)
-        with set_forward_context(inp.attn_metadata):
-            hidden = self.model(ids, inp.positions, target_hidden, spec_step_idx=0)
-            # Layers other than 0 that later steps use get the same first pass, so their KV
-            # caches hold the accepted context too (outputs unused).
-            for layer in self._used_layers()[1:]:
-                self.model(ids, inp.positions, target_hidden, spec_step_idx=layer)
+        used = self._used_layers()
+        hidden = fwd.mtp_first(ids, inp.positions, target_hidden, inp.attn_metadata, 0)
+        # Layers other than 0 that later steps use get the same first pass, so their KV
+        # caches hold the accepted context too (outputs unused).
+        for layer in used[1:]:
+            fwd.mtp_first(ids, inp.positions, target_hidden, inp.attn_metadata, layer)
         hidden = hidden.index_select(0, last_rows)
         drafts = [self._top(hidden, 0)]
         base = inp.start_positions + last_row_offsets
@@ -134,12 +138,11 @@ class MTPProposer:
                 host_pos = [s + a + step for s, a in zip(inp.host_start_positions, host_last_row_offsets)]
             meta = self._step_metadata(inp, pos, host_pos)
             clamped = pos.clamp(max=self.max_position - 1)
-            with set_forward_context(meta):
-                out = self.model(drafts[-1], clamped, hidden, spec_step_idx=step)
-                if step < self.k - 1:  # later steps on other layers read this row from their caches
-                    for layer in self._used_layers():
-                        if layer != step % len(self._used_layers()):
-                            self.model(drafts[-1], clamped, hidden, spec_step_idx=layer)
+            out, tok = fwd.mtp_step(drafts[-1], clamped, hidden, meta, step, self._top)
+            if step < self.k - 1:  # later steps on other layers read this row from their caches
+                for layer in used:
+                    if layer != step % len(used):
+                        fwd.mtp_step(drafts[-1], clamped, hidden, meta, layer, None)
             hidden = out
-            drafts.append(self._top(hidden, step))
+            drafts.append(tok)
         return torch.stack(drafts, dim=1)[:b]
