@@ -97,10 +97,14 @@ def load_gsm8k(path: str | os.PathLike) -> List[Dict[str, str]]:
 
 
 def default_gsm8k_dir() -> str:
-    """``$MTPSPEC_GSM8K_DIR``, else ``../shared/data/gsm8k`` beside the repository checkout."""
+    """Where GSM8K's ``train.jsonl`` / ``test.jsonl`` are looked for: ``$MTPSPEC_GSM8K_DIR`` if set,
+    else the first existing of ``shared/data/gsm8k`` beside the repository checkout, inside it,
+    inside or beside the current directory (the first candidate when none exists)."""
     env = os.environ.get("MTPSPEC_GSM8K_DIR")
     if env:
         return env
     repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    return os.path.join(os.path.dirname(repo), "shared", "data", "gsm8k")
-
+    rel = os.path.join("shared", "data", "gsm8k")
+    cands = [os.path.join(os.path.dirname(repo), rel), os.path.join(repo, rel), os.path.join(os.getcwd(), rel),
+             os.path.join(os.path.dirname(os.getcwd()), rel)]
+    return next((c for c in cands if os.path.isfile(os.path.join(c, "train.jsonl"))), cands[0])
