@@ -43,6 +43,26 @@ def install_recorder(runner: Any) -> bool:
     return True
 
 
+_STEPS: List[tuple] = []
+
+
+def install_step_recorder(runner: Any) -> bool:
+    """Runs on each rank: remember every step's tokens and drafts as this rank computed them."""
+    inner = runner.execute_model
+
+    def wrapped(step):
+        out = inner(step)
+        _STEPS.append((out.new_token_ids, out.draft_token_ids))
+        return out
+
+    runner.execute_model = wrapped
+    return True
+
+
+def fetch_steps(runner: Any) -> List[tuple]:
+    return list(_STEPS)
+
+
 def fetch_log(runner: Any) -> List[tuple]:
     out = list(_LOG)
     _LOG.clear()
@@ -69,9 +89,18 @@ def test_tp2_spec_lossless_and_same_collectives_on_every_rank(setup) -> None:
              fuse_allreduce_rmsnorm=True, **LLM_KW) as llm:
         llm.llm_engine.draft_hook = OracleDrafts(oracle, cfg.vocab_size, corrupt=0.35)
         assert llm.collective_rpc(install_recorder) == [True, True]
+        assert llm.collective_rpc(install_step_recorder) == [True, True]
         outs = llm.generate(token_prompts(prompts), SP, use_tqdm=False)
         logs = llm.collective_rpc(fetch_log)
         metrics = llm.get_metrics()
+        # seeded sampling: every rank must draw the same tokens (counter-based draws, same logits)
+        llm.llm_engine.draft_hook = None
+        sampled = llm.generate(token_prompts(prompts[:3]), [
+            SamplingParams(temperature=1.0, top_p=0.95, seed=s, max_tokens=10, ignore_eos=True) for s in range(3)],
+            use_tqdm=False)
+        steps = llm.collective_rpc(fetch_steps)
+    assert len(steps[0]) > 10 and steps[0] == steps[1]
+    assert len({tuple(o.outputs[0].token_ids) for o in sampled}) == 3
     assert [o.outputs[0].token_ids for o in outs] == ref
     hist = metrics["accepted_length_histogram"]
     assert sum(1 for h in hist if h) >= 3, hist  # sequences accepted different counts

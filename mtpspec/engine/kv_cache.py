@@ -34,9 +34,9 @@ def available_kv_blocks(layers: List[Attention], cfg: CacheConfig, dtype: torch.
                         max_useful_blocks: int) -> int:
     """Blocks this rank can hold (before the min over ranks).
 
-    ``cfg.num_kv_blocks`` when set. On CUDA: ``gpu_memory_utilization * total`` minus the peak
-    memory measured so far (weights + the profiling forward the caller ran) over
-    :func:`bytes_per_block`. On CPU: ``cpu_kv_cache_gib`` over :func:`bytes_per_block`, capped at
+    ``cfg.num_kv_blocks`` when set. On CUDA: ``gpu_memory_utilization * total`` minus the memory
+    in use now (weights, context, other processes) minus the activation peak of the profiling
+    forward the caller ran, over :func:`bytes_per_block`. On CPU: ``cpu_kv_cache_gib`` over :func:`bytes_per_block`, capped at
     ``max_useful_blocks`` (every sequence at full length).
 
     Raises:
@@ -47,8 +47,9 @@ def available_kv_blocks(layers: List[Attention], cfg: CacheConfig, dtype: torch.
     per_block = bytes_per_block(layers, cfg.block_size, dtype)
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
-        used = max(torch.cuda.max_memory_allocated(device), total - free)
-        budget = cfg.gpu_memory_utilization * total - used
+        # in use now (weights, CUDA context, other processes) + the profiled activation peak
+        activation_peak = torch.cuda.max_memory_allocated(device) - torch.cuda.memory_allocated(device)
+        budget = cfg.gpu_memory_utilization * total - (total - free) - activation_peak
         n = int(budget // per_block)
     else:
         n = min(int(cfg.cpu_kv_cache_gib * (1 << 30) // per_block), max_useful_blocks)
