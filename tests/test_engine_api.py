@@ -180,3 +180,22 @@ def test_metrics_arithmetic(path) -> None:
         assert 0 <= dropped <= k
         assert r.acceptance_length == pytest.approx(1 + r.num_accepted_tokens / r.num_drafts)
 
+
+
+def test_eager_fallbacks_are_counted_and_logged_once(path, caplog) -> None:
+    """graph_mode="cuda" where capture cannot work (CPU): every pure-decode step runs eagerly,
+    each one is counted, the reason is logged once, and the tokens are unchanged."""
+    import logging
+    prompts = token_prompts([[5, 6, 7], [9, 10]])
+    with LLM(path, speculative_config={"num_speculative_tokens": 2}, **KW) as ref_llm:
+        ref = _ids(ref_llm.generate(prompts, GREEDY, use_tqdm=False))
+    with caplog.at_level(logging.WARNING, logger="mtpspec.engine.forward"):
+        with LLM(path, speculative_config={"num_speculative_tokens": 2}, graph_mode="cuda", **KW) as llm:
+            assert llm.executor.runner.fwd.capture_failed
+            outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+            m = llm.get_metrics()
+    assert _ids(outs) == ref
+    decode_steps = m["num_steps"] - 1  # both prompts prefill in the first step, then pure decodes
+    assert m["num_eager_fallbacks"] == decode_steps > 0
+    step_warnings = [r for r in caplog.records if "runs eagerly instead of through a CUDA graph" in r.getMessage()]
+    assert len(step_warnings) == 1

@@ -148,3 +148,13 @@ def test_graph_code_path_with_padding_equals_eager(model, reference, k: int, loc
                 assert llm.executor.runner.fwd.num_graph_steps > 20
             seen[mode] = sorted(drafts)
     assert seen["off"] == seen["static"]
+
+
+def test_plain_decoding_graph_code_path_equals_eager(model, reference) -> None:
+    path = model[0]
+    prompts, ref, _ = reference
+    with _llm(path, max_num_seqs=8, graph_mode="static") as llm:
+        for n in (3, 8, 5):
+            outs = llm.generate(token_prompts(prompts[:n]), SP, use_tqdm=False)
+            assert [o.outputs[0].token_ids for o in outs] == ref[:n]
+        assert llm.executor.runner.fwd.num_graph_steps > 10

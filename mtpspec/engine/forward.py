@@ -4,7 +4,8 @@ buffers replayed as CUDA graphs.
 Graph units (one per padded batch size ``Bp`` from :func:`capture_sizes`, which covers every
 batch up to ``max_num_seqs``):
 
-* ``verify``: target forward over ``Bp x (1 + k)`` rows + ``compute_logits`` of every row;
+* ``verify``: target forward over ``Bp x (1 + k)`` rows + ``compute_logits`` of every row
+  (``k = 0``: the plain decode step);
 * ``first`` (per used MTP layer): the MTP first pass over the same rows;
 * ``step`` (per ``spec_step_idx``): one MTP row per sequence, + the greedy draft when wanted.
 
@@ -129,7 +130,7 @@ class GraphedForward(EagerForward):
     # ---------------------------------------------------------------- per step
     def begin_step(self, pure_decode: bool, num_seqs: int, block_tables: torch.Tensor) -> None:
         self.active = None
-        if not pure_decode or self.k == 0:
+        if not pure_decode:
             return
         bp = self._padded(num_seqs)
         if bp is None or self.capture_failed is not None:
@@ -232,7 +233,7 @@ class GraphedForward(EagerForward):
 
     # ---------------------------------------------------------------- capture
     @torch.inference_mode()
-    def capture(self, step_units: List[Tuple[int, bool]], first_layers: List[int], top: TopFn) -> None:
+    def capture(self, step_units: List[Tuple[int, bool]], first_layers: List[int], top: Optional[TopFn]) -> None:
         """Capture every unit for every size (``"cuda"`` mode); on failure log once and stay eager.
 
         Args:
@@ -262,9 +263,11 @@ class GraphedForward(EagerForward):
                     self.graphs[key] = self._capture_one(fn, self._meta(bp, host=False, step=step))
         except Exception as exc:  # noqa: BLE001 - any capture problem means: run eagerly, say why once
             self.graphs.clear()
-            self.capture_failed = f"CUDA graph capture failed ({type(exc).__name__}: {str(exc).splitlines()[0]})"
+            first = (str(exc).splitlines() or [""])[0]
+            self.capture_failed = f"CUDA graph capture failed ({type(exc).__name__}: {first})"
             logger.warning("%s; decode steps run eagerly", self.capture_failed)
-            torch.cuda.synchronize()
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
 
     def _capture_one(self, fn: Callable[[AttentionMetadata], tuple], meta: AttentionMetadata):
         s = torch.cuda.Stream()

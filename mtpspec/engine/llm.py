@@ -36,8 +36,7 @@ class LLM:
         tokenizer: a folder to load the tokenizer from, a :class:`Tokenizer`, or ``None`` (the model folder's).
         seed: seeds the seeds of requests that give none (``None``: random).
         enforce_eager: never use CUDA graphs.
-        graph_mode: override: ``"auto"`` (default: CUDA graphs for pure-decode speculative steps
-            on a GPU), ``"off"``, ``"cuda"``, or ``"static"`` (the graph path's padded static
+        graph_mode: override: ``"auto"`` (default: CUDA graphs for pure-decode steps on a GPU), ``"off"``, ``"cuda"``, or ``"static"`` (the graph path's padded static
             buffers without capture; for CPU tests). See :mod:`mtpspec.engine.forward`.
 
     Raises:

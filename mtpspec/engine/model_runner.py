@@ -41,8 +41,7 @@ class ModelRunner:
         cache_config, scheduler_config: sizes.
         device: where the models live.
         max_position: the models' ``max_position_embeddings``.
-        graph_mode: ``"auto"`` (CUDA graphs for pure-decode steps on a GPU with speculative
-            decoding, eager otherwise), ``"off"``, ``"cuda"`` or ``"static"`` (see
+        graph_mode: ``"auto"`` (CUDA graphs for pure-decode steps on a GPU, eager otherwise), ``"off"``, ``"cuda"`` or ``"static"`` (see
             :mod:`mtpspec.engine.forward`).
 
     Raises:
@@ -71,11 +70,9 @@ class ModelRunner:
         self.layers = kv_cache.attention_layers(target, mtp)
         self.num_blocks = 0
         if graph_mode == "auto":
-            graph_mode = "cuda" if (device.type == "cuda" and self.k > 0) else "off"
+            graph_mode = "cuda" if device.type == "cuda" else "off"
         if graph_mode not in ("off", "cuda", "static"):
             raise ValueError(f"graph_mode must be 'auto', 'off', 'cuda' or 'static', got {graph_mode!r}")
-        if graph_mode != "off" and self.k == 0:
-            graph_mode = "off"  # graphs cover the verify and draft steps of speculative decoding
         self.graph_mode = graph_mode
         self.fwd: EagerForward = EagerForward(target, mtp)
         if graph_mode != "off":
@@ -112,11 +109,12 @@ class ModelRunner:
         """Attach ``num_blocks``-block caches to every target and MTP attention layer."""
         self.num_blocks = num_blocks
         kv_cache.allocate(self.layers, num_blocks, self.cache_config.block_size, self.kv_dtype, self.device)
-        if isinstance(self.fwd, GraphedForward) and self.proposer is not None:
-            used = self.proposer._used_layers()
+        if isinstance(self.fwd, GraphedForward):
+            used = self.proposer._used_layers() if self.proposer is not None else []
             steps = [(j, True) for j in range(1, self.k)]
             steps += [(layer, False) for layer in used] if self.k > 2 and len(used) > 1 else []
-            self.fwd.capture(steps, used, self.proposer._top)
+            top = self.proposer._top if self.proposer is not None else None
+            self.fwd.capture(steps, used, top)
 
     # ------------------------------------------------------------------ step
     @torch.inference_mode()
