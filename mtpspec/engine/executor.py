@@ -11,7 +11,8 @@ import torch.multiprocessing as mp
 
 from mtpspec.engine.step_io import StepInput, StepOutput
 from mtpspec.engine.worker import (
-    WorkerConfig, build_runner, cpu_group, handle_message, init_cache_min_over_ranks, spawned_worker_main)
+    WorkerConfig, build_runner, cpu_group, follower_loop, handle_message, init_cache_min_over_ranks,
+    spawned_worker_main)
 
 
 class WorkerError(RuntimeError):
@@ -66,9 +67,13 @@ class InProcessExecutor(Executor):
         self._send(("done", payload))
 
     def shutdown(self) -> None:
+        """Under ``torchrun`` every rank calls it: rank 0 sends ``stop``, the others wait for it."""
         if self.broadcast and dist.is_initialized():
-            self._send(("stop",))
             self.broadcast = False
+            if dist.get_rank() == 0:
+                dist.broadcast_object_list([("stop",)], src=0, group=self.group)
+            else:
+                follower_loop(self.runner, self.group)
 
 
 class MultiprocExecutor(Executor):

@@ -179,6 +179,8 @@ class LLM:
         self.shutdown()
 
     def __del__(self) -> None:
+        if getattr(self, "_torchrun", False) and getattr(self, "_rank", 0) != 0:
+            return  # a follower would wait for rank 0's stop; explicit shutdown() does that
         try:
             self.shutdown()
         except Exception:
