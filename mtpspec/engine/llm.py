@@ -14,6 +14,8 @@ from mtpspec.engine.worker import WorkerConfig, follower_loop
 from mtpspec.outputs import RequestOutput
 from mtpspec.sampling_params import SamplingParams
 
+DEFAULT_MAX_MODEL_LEN = 8192
+
 
 class LLM:
     """Generate from a GLM-4.5-family checkpoint, optionally with MTP speculative decoding.
@@ -29,7 +31,8 @@ class LLM:
             "num_speculative_tokens": k, "use_local_argmax_reduction": bool}``.
         fuse_allreduce_rmsnorm: MTP tail through the fused all-reduce + RMSNorm.
         sequence_parallel: sequence-parallel MTP layer (tp > 1).
-        max_num_seqs, max_model_len (default: the model's ``max_position_embeddings``),
+        max_num_seqs, max_model_len (default: the model's ``max_position_embeddings``, at most
+        8192: prefills are not chunked, so one step may hold a whole ``max_model_len`` prompt),
         max_num_batched_tokens: scheduler limits (:class:`~mtpspec.engine.config.SchedulerConfig`).
         block_size, num_kv_blocks, gpu_memory_utilization, cpu_kv_cache_gib: KV cache
             (:class:`~mtpspec.engine.config.CacheConfig`).
@@ -65,7 +68,8 @@ class LLM:
         if spec is not None and mcfg.num_nextn_predict_layers < 1:
             raise ValueError(f"speculative decoding with MTP needs MTP layers, but {model!r} declares "
                              "num_nextn_predict_layers = 0")
-        max_model_len = mcfg.max_position_embeddings if max_model_len is None else max_model_len
+        if max_model_len is None:
+            max_model_len = min(mcfg.max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
         if not isinstance(max_model_len, int) or not 2 <= max_model_len <= mcfg.max_position_embeddings:
             raise ValueError(f"max_model_len must be an int in [2, max_position_embeddings="
                              f"{mcfg.max_position_embeddings}], got {max_model_len!r}")
