@@ -59,6 +59,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--context", type=int, default=1024, help="tokens already cached per sequence")
     p.add_argument("--layers", type=int, default=3, help="target decoder layers (first dense, rest MoE)")
     p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--graph-mode", default="auto", choices=["auto", "off", "cuda"],
+                   help="the engine runner's CUDA-graph mode for the 'engine step' row")
     p.add_argument("--json", help="write the results to this file")
     p.add_argument("--smoke", action="store_true", help="tiny model on CPU")
     return p.parse_args(argv)
@@ -282,7 +284,9 @@ def bench_batch(runner: ModelRunner, timer: Timer, b: int, k: int, context: int,
     for _ in range(timer.iters):
         runner.execute_model(step)
     wall = (time.perf_counter() - t0) / timer.iters * 1e3
-    rows.append(dict(batch=b, row=f"engine step (k={k}, wall)", eager_ms=wall, graph_ms=None, graph_note="eager",
+    fwd = runner.fwd
+    note = "eager" if not hasattr(fwd, "capture_failed") else (fwd.capture_failed or "graphs")
+    rows.append(dict(batch=b, row=f"engine step (k={k}, wall)", eager_ms=wall, graph_ms=None, graph_note=note[:80],
                      floor_ms=None, eager_x=None, graph_x=None))
     return rows
 
@@ -322,7 +326,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     per_seq = -(-(args.context + 2 * k + 2) // BLOCK_SIZE)
     sched = SchedulerConfig(max_num_seqs=max_b, max_model_len=args.context + 2 * k + 2, num_speculative_tokens=k)
     cache = CacheConfig(BLOCK_SIZE, num_kv_blocks=max_b * per_seq)
-    runner = ModelRunner(target, mtp, spec, cache, sched, device, cfg.max_position_embeddings)
+    runner = ModelRunner(target, mtp, spec, cache, sched, device, cfg.max_position_embeddings, args.graph_mode)
     runner.init_kv_cache(max_b * per_seq)
     bw = read_bandwidth(device, args.smoke)
     timer = Timer(device, args.iters)
