@@ -9,6 +9,7 @@ from typing import List, Optional
 
 # subcommand -> module providing add_parser(subparsers) and run(args) -> int
 SUBCOMMANDS = {
+    "generate": "mtpspec.entrypoints.generate",
     "tp-demo": "mtpspec.entrypoints.tp_demo",
 }
 
