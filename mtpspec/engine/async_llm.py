@@ -1,0 +1,430 @@
+"""``AsyncLLM``: the engine in its own thread, with an asyncio-facing ``generate`` per request.
+
+One background thread owns the :class:`~mtpspec.engine.llm_engine.LLMEngine` (scheduler, block
+manager, executor): it applies queued commands (add / abort / calls), runs ``step()`` while any
+request is unfinished, and hands each step's progress to the asyncio loop of the caller in one
+``call_soon_threadsafe``. Requests therefore join and leave the running batch between any two
+steps (continuous batching); the engine itself is never touched from another thread.
+
+Failure isolation:
+
+* a request that fails validation raises in :meth:`AsyncLLM.generate` before it is queued;
+* an error while queuing or publishing one request (the ``fault_injector`` test hook raises
+  there) aborts that request only: its KV blocks are freed and its iterator raises
+  :class:`RequestError`; the other requests go on;
+* an error raised by ``engine.step()`` cannot be traced to one request: every request in the
+  engine at that moment is aborted (blocks freed) and fails with :class:`RequestError`; new
+  requests are still served. If the executor itself died (a rank is gone),
+  :attr:`AsyncLLM.dead` is set and new requests raise :class:`EngineDeadError`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import queue
+import threading
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Callable, Dict, List, Optional
+
+from mtpspec.engine.llm_engine import LLMEngine, PromptType
+from mtpspec.engine.sequence import Sequence
+from mtpspec.outputs import CompletionOutput, RequestOutput
+from mtpspec.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class QueueFullError(RuntimeError):
+    """More than ``max_queue_len`` requests are waiting to be scheduled."""
+
+
+class EngineDeadError(RuntimeError):
+    """The executor failed (a rank died); the engine cannot run steps any more."""
+
+
+class RequestError(RuntimeError):
+    """One request failed inside the engine loop (the message says why)."""
+
+
+class EngineObserver:
+    """Called in the engine thread (keep it quick); the default methods do nothing."""
+
+    def on_step(self, engine: LLMEngine, finished: List[RequestOutput]) -> None:
+        """After every step, with the requests that finished in it."""
+
+    def on_abort(self, request_id: str) -> None:
+        """A live request was aborted (client gone or cancelled); its blocks are free."""
+
+    def on_error(self, request_id: str) -> None:
+        """A request failed inside the engine loop."""
+
+
+@dataclass
+class _Live:
+    """Engine-thread bookkeeping of one request."""
+
+    request_id: str
+    sink: Callable[[Any], None]
+    seq: Optional[Sequence] = None
+    sent_tokens: int = 0
+    scheduled: bool = False
+
+
+@dataclass
+class EngineStats:
+    """A snapshot taken by the engine thread after every loop iteration.
+
+    Attributes:
+        num_running, num_waiting: the scheduler's queues.
+        num_free_blocks, num_total_blocks: KV blocks (per layer cache).
+        num_pending: requests accepted by :meth:`AsyncLLM.generate` and not yet scheduled.
+        num_steps: engine steps run so far.
+    """
+
+    num_running: int = 0
+    num_waiting: int = 0
+    num_free_blocks: int = 0
+    num_total_blocks: int = 0
+    num_pending: int = 0
+    num_steps: int = 0
+    extra: Dict[str, Any] = field(default_factory=dict)
+
+
+class AsyncLLM:
+    """Serve many concurrent requests from one :class:`~mtpspec.engine.llm.LLM`.
+
+    Args:
+        llm: a constructed ``LLM`` (tp 1 in-process or self-launched tp > 1 ranks; not
+            ``torchrun``). ``AsyncLLM`` takes over its engine: do not call ``llm.generate``
+            while the ``AsyncLLM`` runs.
+        max_queue_len: most requests waiting to be scheduled (``None``: unbounded); one more
+            raises :class:`QueueFullError` in :meth:`generate`.
+
+    Use :meth:`from_model` to build the ``LLM`` too.
+    """
+
+    def __init__(self, llm: Any, max_queue_len: Optional[int] = None):
+        if max_queue_len is not None and (not isinstance(max_queue_len, int) or max_queue_len < 1):
+            raise ValueError(f"max_queue_len must be an int >= 1 or None, got {max_queue_len!r}")
+        if getattr(llm, "_torchrun", False):
+            raise ValueError("AsyncLLM does not run under torchrun; start the ranks with tensor_parallel_size")
+        self.llm = llm
+        self.engine: LLMEngine = llm.llm_engine
+        self.max_queue_len = max_queue_len
+        self.observers: List[EngineObserver] = []
+        # Test hook (server --debug-fault-marker): called in the engine thread for every published
+        # output of a request; an exception fails that request only.
+        self.fault_injector: Optional[Callable[[RequestOutput], None]] = None
+        self.dead: Optional[str] = None
+        self._cmds: "queue.Queue[tuple]" = queue.Queue()
+        self._live: Dict[str, _Live] = {}
+        self._pending = 0
+        self._ids_in_use: set = set()
+        self._lock = threading.Lock()
+        self._ids = itertools.count()
+        self._stats = EngineStats()
+        self._stopping = False
+        self._update_stats()
+        self._thread = threading.Thread(target=self._run, name="mtpspec-engine", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def from_model(cls, model: str, max_queue_len: Optional[int] = None, **llm_kwargs: Any) -> "AsyncLLM":
+        """Build ``LLM(model, **llm_kwargs)`` and serve it."""
+        from mtpspec.engine.llm import LLM
+        return cls(LLM(model, **llm_kwargs), max_queue_len=max_queue_len)
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.scheduler_config.max_model_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self.engine.vocab_size
+
+    @property
+    def num_speculative_tokens(self) -> int:
+        return self.engine.scheduler_config.num_speculative_tokens
+
+    def stats(self) -> EngineStats:
+        """The latest :class:`EngineStats` (taken by the engine thread)."""
+        s = self._stats
+        with self._lock:
+            s.num_pending = self._pending
+        return s
+
+    # ------------------------------------------------------------------ requests
+    def validate(self, prompt: PromptType, params: SamplingParams) -> List[int]:
+        """Check a request (see :meth:`LLMEngine.validate_request`); returns its prompt token ids.
+
+        Raises:
+            ValueError / TypeError: as ``validate_request``.
+        """
+        return self.engine.validate_request(prompt, params)[1]
+
+    def add_request(self, prompt: PromptType, params: SamplingParams, request_id: Optional[str] = None,
+                    arrival_time: Optional[float] = None) -> "RequestStream":
+        """Validate and queue one request now; iterate the returned stream for its progress.
+
+        Must be called from a coroutine (it binds the stream to the running event loop).
+
+        Args:
+            prompt: text, ``{"prompt": text}`` or ``{"prompt_token_ids": [...]}``.
+            params: sampling parameters.
+            request_id: unique id (default: a fresh one).
+            arrival_time: ``time.perf_counter()`` when the request arrived (TTFT counts from it).
+
+        Raises:
+            ValueError / TypeError: the request is invalid (nothing was queued).
+            QueueFullError: ``max_queue_len`` requests are already waiting.
+            EngineDeadError: the executor failed earlier.
+        """
+        if self.dead is not None:
+            raise EngineDeadError(self.dead)
+        self.validate(prompt, params)
+        rid = request_id if request_id is not None else f"req-{next(self._ids)}"
+        loop = asyncio.get_running_loop()
+        q: asyncio.Queue = asyncio.Queue()
+        with self._lock:
+            if rid in self._ids_in_use:
+                raise ValueError(f"request id {rid!r} is already in use")
+            if self.max_queue_len is not None and self._pending >= self.max_queue_len:
+                raise QueueFullError(f"the server queue is full ({self._pending} requests waiting, "
+                                     f"max_queue_len={self.max_queue_len}); retry later")
+            self._pending += 1
+            self._ids_in_use.add(rid)
+        sink = lambda item: loop.call_soon_threadsafe(q.put_nowait, item)  # noqa: E731
+        self._cmds.put(("add", rid, prompt, params, arrival_time or time.perf_counter(), sink))
+        return RequestStream(self, rid, q)
+
+    async def generate(self, prompt: PromptType, params: SamplingParams, request_id: Optional[str] = None,
+                       arrival_time: Optional[float] = None) -> AsyncIterator[RequestOutput]:
+        """:meth:`add_request` then iterate its :class:`RequestStream` (same arguments and errors).
+
+        Yields cumulative :class:`RequestOutput` snapshots; the last one has ``finished=True``.
+        Leaving the iteration early aborts the request and frees its KV blocks.
+        """
+        stream = self.add_request(prompt, params, request_id, arrival_time)
+        async for out in stream:
+            yield out
+
+    def _release_id(self, request_id: str) -> None:
+        with self._lock:
+            self._ids_in_use.discard(request_id)
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request (from any thread); its KV blocks are freed before the next step."""
+        self._cmds.put(("abort", request_id))
+
+    async def call_in_engine(self, fn: Callable[[LLMEngine], Any]) -> Any:
+        """Run ``fn(engine)`` in the engine thread between two steps; returns its result."""
+        if self.dead is not None:
+            raise EngineDeadError(self.dead)
+        fut = asyncio.get_running_loop().create_future()
+        loop = fut.get_loop()
+
+        def done(ok: bool, value: Any) -> None:
+            if fut.cancelled():
+                return
+            if ok:
+                fut.set_result(value)
+            else:
+                fut.set_exception(value)
+
+        self._cmds.put(("call", fn, lambda ok, v: loop.call_soon_threadsafe(done, ok, v)))
+        return await fut
+
+    def shutdown(self) -> None:
+        """Stop the engine thread (pending requests fail) and the ranks (idempotent)."""
+        if not self._stopping:
+            self._stopping = True
+            self._cmds.put(("stop",))
+            self._thread.join(timeout=30)
+            self.llm.shutdown()
+
+    # ------------------------------------------------------------------ engine thread
+    def _run(self) -> None:
+        eng = self.engine
+        while True:
+            block = not eng.has_unfinished_requests()
+            try:
+                cmds = [self._cmds.get(block=block, timeout=None)] if block else []
+            except queue.Empty:
+                cmds = []
+            while True:
+                try:
+                    cmds.append(self._cmds.get_nowait())
+                except queue.Empty:
+                    break
+            for cmd in cmds:
+                if cmd[0] == "stop":
+                    self._fail_all(RequestError("the engine is shutting down"))
+                    return
+                self._apply(cmd)
+            if eng.has_unfinished_requests() and self.dead is None:
+                self._step()
+            self._update_stats()
+
+    def _apply(self, cmd: tuple) -> None:
+        kind = cmd[0]
+        if kind == "add":
+            _, rid, prompt, params, arrival, sink = cmd
+            live = _Live(rid, sink)
+            if self.dead is not None:
+                self._unpend(live)
+                sink(EngineDeadError(self.dead))
+                return
+            try:
+                self.engine.add_request(prompt, params, request_id=rid, arrival_time=arrival)
+                live.seq = self._find_seq(rid)
+                self._live[rid] = live
+            except Exception as exc:  # fails this request only
+                self._unpend(live)
+                self.engine.abort_request(rid)
+                sink(exc if isinstance(exc, (ValueError, TypeError)) else RequestError(f"{type(exc).__name__}: {exc}"))
+        elif kind == "abort":
+            live = self._live.pop(cmd[1], None)
+            if live is not None:
+                self._unpend(live)
+                self.engine.abort_request(cmd[1])
+                self._notify("on_abort", cmd[1])
+        elif kind == "call":
+            _, fn, reply = cmd
+            try:
+                reply(True, fn(self.engine))
+            except Exception as exc:
+                reply(False, exc)
+
+    def _find_seq(self, rid: str) -> Sequence:
+        for s in reversed(self.engine.scheduler.waiting):
+            if s.request_id == rid:
+                return s
+        raise RuntimeError(f"request {rid!r} was added but is not in the waiting queue")
+
+    def _unpend(self, live: _Live) -> None:
+        if not live.scheduled:
+            live.scheduled = True
+            with self._lock:
+                self._pending -= 1
+
+    def _step(self) -> None:
+        try:
+            finished = self.engine.step()
+        except Exception as exc:
+            tb = traceback.format_exc()
+            logger.error("engine step failed; aborting the %d requests in flight:\n%s", len(self._live), tb)
+            from mtpspec.engine.executor import WorkerError
+            if isinstance(exc, WorkerError):
+                self.dead = f"the engine's executor failed: {exc}"
+            self._fail_all(RequestError(f"engine step failed: {type(exc).__name__}: {exc}"))
+            return
+        done = {o.request_id: o for o in finished}
+        batch = []
+        for rid, live in list(self._live.items()):
+            out = done.get(rid)
+            try:
+                if live.seq is not None and live.seq.metrics.first_scheduled_time is not None:
+                    self._unpend(live)
+                if out is None:
+                    seq = live.seq
+                    if seq is None or len(seq.output_token_ids) == live.sent_tokens:
+                        continue
+                    out = _snapshot(seq)
+                live.sent_tokens = len(out.outputs[0].token_ids)
+                if self.fault_injector is not None:
+                    self.fault_injector(out)
+                batch.append((live.sink, out))
+                if out.finished:
+                    del self._live[rid]
+            except Exception as exc:  # this request only
+                logger.warning("request %s failed: %s", rid, exc)
+                self._live.pop(rid, None)
+                self._unpend(live)
+                self.engine.abort_request(rid)
+                batch.append((live.sink, RequestError(f"request {rid} failed: {type(exc).__name__}: {exc}")))
+                self._notify("on_error", rid)
+        for sink, item in batch:
+            sink(item)
+        self._notify("on_step", self.engine, finished)
+
+    def _notify(self, method: str, *args: Any) -> None:
+        for obs in self.observers:
+            try:
+                getattr(obs, method)(*args)
+            except Exception:
+                logger.exception("engine observer %s.%s failed", type(obs).__name__, method)
+
+    def _fail_all(self, exc: BaseException) -> None:
+        for rid, live in list(self._live.items()):
+            self._unpend(live)
+            try:
+                self.engine.abort_request(rid)
+            except Exception:
+                pass
+            live.sink(exc)
+            self._notify("on_error", rid)
+        self._live.clear()
+
+    def _update_stats(self) -> None:
+        sch = self.engine.scheduler
+        bm = sch.block_manager
+        self._stats = EngineStats(num_running=len(sch.running), num_waiting=len(sch.waiting),
+                                  num_free_blocks=bm.num_free_blocks, num_total_blocks=bm.num_blocks,
+                                  num_steps=self.engine.metrics.num_steps)
+
+
+def _snapshot(seq: Sequence) -> RequestOutput:
+    """A cheap cumulative output of a running sequence (prompt ids shared, outputs copied)."""
+    comp = CompletionOutput(0, seq.output_text, list(seq.output_token_ids), None, None)
+    return RequestOutput(seq.request_id, seq.prompt, seq.prompt_token_ids, [comp], False, seq.metrics)
+
+
+class RequestStream:
+    """The progress of one queued request (from :meth:`AsyncLLM.add_request`).
+
+    ``async for out in stream`` yields cumulative :class:`RequestOutput` snapshots (outputs
+    produced faster than they are consumed are coalesced); the last has ``finished=True``.
+    Leaving the loop early, or :meth:`abort`, aborts the request and frees its KV blocks.
+
+    Raises (during iteration):
+        RequestError: the request failed inside the engine loop.
+        EngineDeadError: the executor failed.
+    """
+
+    def __init__(self, engine: AsyncLLM, request_id: str, q: asyncio.Queue):
+        self.engine = engine
+        self.request_id = request_id
+        self._q = q
+        self.finished = False
+
+    def abort(self) -> None:
+        if not self.finished:
+            self.finished = True
+            self.engine.abort(self.request_id)
+            self.engine._release_id(self.request_id)
+
+    async def __aiter__(self) -> AsyncIterator[RequestOutput]:
+        try:
+            while not self.finished:
+                item = await self._q.get()
+                while not self._q.empty() and not isinstance(item, BaseException) and not item.finished:
+                    item = self._q.get_nowait()  # coalesce: only the newest snapshot matters
+                if isinstance(item, BaseException):
+                    self.finished = True
+                    self.engine._release_id(self.request_id)
+                    raise item
+                if item.finished:
+                    self.finished = True
+                    self.engine._release_id(self.request_id)
+                yield item
+        finally:
+            self.abort()

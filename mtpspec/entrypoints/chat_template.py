@@ -1,0 +1,76 @@
+"""Chat messages -> one prompt string for ``/v1/chat/completions``.
+
+The tokenizer's own chat template is used when it has one (a ``transformers`` tokenizer with
+``chat_template``, e.g. from ``tokenizer_config.json`` or ``chat_template.jinja``). Otherwise the
+**plain template** below is used; it is written for the bundled demo model, which was trained
+on GSM8K text in lm-evaluation-harness's format, so a chat turn reads like a solved example:
+
+==============  =================================
+role            rendered as
+==============  =================================
+``system``      ``{content}\\n\\n``
+``developer``   ``{content}\\n\\n`` (as system)
+``user``        ``Question: {content}\\n``
+``assistant``   ``Answer: {content}\\n\\n``
+``tool``        ``{content}\\n``
+==============  =================================
+
+followed by ``Answer:`` when ``add_generation_prompt`` is true (the default). With the plain
+template the server also stops at ``"Question:"`` (the start of the next turn), as
+lm-evaluation-harness does for GSM8K.
+"""
+
+from __future__ import annotations
+
+from typing import Any, List, Sequence, Tuple
+
+PLAIN_STOP = "Question:"
+
+
+def has_chat_template(tokenizer: Any) -> bool:
+    """Whether ``tokenizer`` (an mtpspec ``Tokenizer``) carries a usable chat template."""
+    backend = getattr(tokenizer, "backend", None)
+    return bool(getattr(backend, "chat_template", None)) and hasattr(backend, "apply_chat_template")
+
+
+def render_plain(messages: Sequence[Tuple[str, str]], add_generation_prompt: bool = True) -> str:
+    """The plain template (see the module docstring) of ``(role, text)`` pairs."""
+    parts: List[str] = []
+    for role, text in messages:
+        if role in ("system", "developer"):
+            parts.append(f"{text}\n\n")
+        elif role == "user":
+            parts.append(f"Question: {text}\n")
+        elif role == "assistant":
+            parts.append(f"Answer: {text}\n\n")
+        elif role == "tool":
+            parts.append(f"{text}\n")
+        else:
+            raise ValueError(f"unknown chat role {role!r}; expected system, developer, user, assistant or tool")
+    if add_generation_prompt:
+        parts.append("Answer:")
+    return "".join(parts)
+
+
+def render_chat(tokenizer: Any, messages: Sequence[Tuple[str, str]],
+                add_generation_prompt: bool = True) -> Tuple[str, List[str]]:
+    """The prompt text and the default stop strings for a conversation.
+
+    Args:
+        tokenizer: the engine's tokenizer (or ``None``).
+        messages: ``(role, text)`` pairs, oldest first (at least one).
+        add_generation_prompt: end with the assistant's turn opener.
+
+    Returns:
+        ``(prompt, stops)``: ``stops`` is ``["Question:"]`` for the plain template, else ``[]``.
+
+    Raises:
+        ValueError: no messages, or an unknown role.
+    """
+    if not messages:
+        raise ValueError("messages must hold at least one message")
+    if has_chat_template(tokenizer):
+        conv = [{"role": r, "content": t} for r, t in messages]
+        text = tokenizer.backend.apply_chat_template(conv, tokenize=False, add_generation_prompt=add_generation_prompt)
+        return str(text), []
+    return render_plain(messages, add_generation_prompt), [PLAIN_STOP]

@@ -1,0 +1,135 @@
+"""Request bodies of the OpenAI-compatible server (pydantic) and the OpenAI-style error object.
+
+Fields follow OpenAI's legacy Completions and Chat Completions APIs; extensions (vLLM's names)
+are marked. Unknown fields are rejected (400), so a misspelt parameter is never silently
+ignored. Unsupported OpenAI parameters (``n`` / ``best_of`` other than 1, penalties, logit
+bias, ``suffix``) are accepted only at their neutral values and otherwise rejected with a 400
+that names them.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class OpenAIError(Exception):
+    """An error answered as ``{"error": {"message", "type", "param", "code"}}``.
+
+    Args:
+        status: HTTP status (400 bad request, 503 overloaded, 500 internal).
+        message: what was wrong and what was expected.
+        type: OpenAI's error type (``invalid_request_error``, ``server_error``, ...).
+        param: the offending body field, if any.
+    """
+
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: Optional[str] = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+
+    def body(self) -> Dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.status}}
+
+
+def bad_request(message: str, param: Optional[str] = None) -> OpenAIError:
+    return OpenAIError(400, message, "invalid_request_error", param)
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    include_usage: bool = False
+
+
+class _Sampling(BaseModel):
+    """Fields shared by both endpoints."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: Optional[str] = None
+    temperature: Optional[float] = 1.0
+    top_p: Optional[float] = 1.0
+    top_k: Optional[int] = Field(default=None, description="extension: 0 or -1 = off")
+    n: Optional[int] = 1
+    stream: bool = False
+    stream_options: Optional[StreamOptions] = None
+    stop: Optional[Union[str, List[str]]] = None
+    stop_token_ids: Optional[List[int]] = Field(default=None, description="extension")
+    seed: Optional[int] = None
+    presence_penalty: Optional[float] = 0.0
+    frequency_penalty: Optional[float] = 0.0
+    logit_bias: Optional[Dict[str, float]] = None
+    user: Optional[str] = None
+    ignore_eos: bool = Field(default=False, description="extension")
+    skip_special_tokens: bool = Field(default=True, description="extension")
+    return_token_ids: bool = Field(default=False, description="extension: token ids in every choice")
+
+
+class CompletionRequest(_Sampling):
+    """``POST /v1/completions``.
+
+    ``prompt``: a string, a list of strings, a list of token ids, or a list of token-id lists
+    (one choice per prompt, ``index`` = prompt position). ``max_tokens``: default 16; ``None``
+    = until the context is full; ``0`` only with ``echo`` (score the prompt, generate nothing).
+    ``logprobs``: 0..20 alternatives per token (scored by an extra target forward).
+    """
+
+    prompt: Union[str, List[str], List[int], List[List[int]]]
+    max_tokens: Optional[int] = 16
+    echo: bool = False
+    logprobs: Optional[int] = None
+    best_of: Optional[int] = None
+    suffix: Optional[str] = None
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    role: Literal["system", "user", "assistant", "developer", "tool"]
+    content: Union[str, List[Dict[str, Any]], None] = None
+
+    def text(self) -> str:
+        """The message's text (a list of parts: the ``text`` parts concatenated).
+
+        Raises:
+            OpenAIError: a part other than text (images are not supported).
+        """
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        out = []
+        for part in self.content:
+            if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise bad_request(f"only text content parts are supported, got {part.get('type')!r}", "messages")
+            out.append(part["text"])
+        return "".join(out)
+
+
+class ChatCompletionRequest(_Sampling):
+    """``POST /v1/chat/completions``. ``max_completion_tokens`` (newer name) wins over ``max_tokens``;
+    ``logprobs`` / ``top_logprobs`` as in OpenAI's chat API."""
+
+    messages: List[ChatMessage]
+    max_tokens: Optional[int] = None
+    max_completion_tokens: Optional[int] = None
+    logprobs: bool = False
+    top_logprobs: Optional[int] = None
+    add_generation_prompt: bool = Field(default=True, description="extension")
+
+
+class TokenizeRequest(BaseModel):
+    """``POST /tokenize`` (vLLM's extension): ``prompt`` text, or chat ``messages``."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: Optional[str] = None
+    prompt: Optional[str] = None
+    messages: Optional[List[ChatMessage]] = None
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    model: Optional[str] = None
+    tokens: List[int]

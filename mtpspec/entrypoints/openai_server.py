@@ -1,0 +1,566 @@
+"""The OpenAI-compatible HTTP server (FastAPI) over an :class:`~mtpspec.engine.async_llm.AsyncLLM`.
+
+Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``,
+``GET /health``, ``GET /metrics`` (Prometheus), and vLLM's ``POST /tokenize`` / ``/detokenize``.
+Body fields: :mod:`mtpspec.entrypoints.openai_protocol`; chat prompts:
+:mod:`mtpspec.entrypoints.chat_template`; metrics: :mod:`mtpspec.entrypoints.server_metrics`.
+
+Errors are OpenAI-style objects ``{"error": {"message", "type", "param", "code"}}``:
+
+* 400: body not JSON or not matching the schema, unknown ``model``, an empty, over-long or
+  out-of-vocabulary prompt, bad sampling values, unsupported parameters;
+* 503: the queue is full (``max_queue_len`` requests waiting) or the engine died;
+* 500: the request failed inside the engine loop (other requests are unaffected).
+
+A client that disconnects has its requests aborted (KV blocks freed before the next step),
+whether it streams or not. Streaming uses server-sent events (``data: {json}\\n\\n`` chunks,
+then ``data: [DONE]``); one chunk per engine step that emitted tokens (a speculative step may
+emit several). While stop strings are set, the last ``max(len(stop)) - 1`` characters are
+held back until the request finishes, so streamed text never shows a stop string.
+``logprobs`` come from an extra scoring forward (:mod:`mtpspec.engine.logprobs`) after the
+request finishes, so they are available without ``stream`` only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from typing import Any, AsyncIterator, Dict, List, Optional, Sequence, Tuple, Type, TypeVar
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from pydantic import BaseModel, ValidationError
+
+from mtpspec.engine.async_llm import AsyncLLM, EngineDeadError, QueueFullError, RequestError, RequestStream
+from mtpspec.engine.logprobs import SequenceLogprobs, score_tokens
+from mtpspec.entrypoints.chat_template import render_chat
+from mtpspec.entrypoints.openai_protocol import (
+    ChatCompletionRequest, CompletionRequest, DetokenizeRequest, OpenAIError, TokenizeRequest, bad_request)
+from mtpspec.entrypoints.server_metrics import ServerMetrics
+from mtpspec.outputs import RequestOutput
+from mtpspec.sampling_params import SamplingParams
+
+M = TypeVar("M", bound=BaseModel)
+_POLL_S = 0.25  # how often a waiting handler checks whether its client is still there
+
+
+class ServerContext:
+    """What the handlers share.
+
+    Args:
+        engine: the running :class:`AsyncLLM`.
+        served_model_name: the ``model`` name clients must send (or omit).
+        model_path: the checkpoint folder (reported by ``/v1/models``).
+        info: engine configuration reported by ``/v1/models`` (``mtpspec`` key) and ``/metrics``.
+        metrics: the Prometheus metrics (registered as an engine observer here).
+    """
+
+    def __init__(self, engine: AsyncLLM, served_model_name: str, model_path: str, info: Dict[str, Any],
+                 metrics: ServerMetrics):
+        self.engine = engine
+        self.served_model_name = served_model_name
+        self.model_path = model_path
+        self.info = info
+        self.metrics = metrics
+        self.created = int(time.time())
+        engine.observers.append(metrics)
+
+
+# ---------------------------------------------------------------------------- helpers
+async def _parse(request: Request, cls: Type[M]) -> M:
+    raw = await request.body()
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise bad_request(f"the request body is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise bad_request(f"the request body must be a JSON object, got {type(body).__name__}")
+    try:
+        return cls.model_validate(body)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        loc = ".".join(str(x) for x in err.get("loc", ()))
+        more = f" (and {len(exc.errors()) - 1} more errors)" if len(exc.errors()) > 1 else ""
+        raise bad_request(f"invalid request body: {loc}: {err.get('msg')}{more}", loc or None) from None
+
+
+def _check_model(ctx: ServerContext, name: Optional[str]) -> None:
+    if name is not None and name != ctx.served_model_name:
+        raise bad_request(f"the model {name!r} does not exist; this server serves {ctx.served_model_name!r}", "model")
+
+
+def _check_unsupported(req: Any) -> None:
+    if req.n not in (None, 1):
+        raise bad_request(f"n={req.n} is not supported: one completion per prompt (n=1)", "n")
+    for name in ("presence_penalty", "frequency_penalty"):
+        v = getattr(req, name)
+        if v not in (None, 0, 0.0):
+            raise bad_request(f"{name}={v} is not supported (only 0)", name)
+    if req.logit_bias:
+        raise bad_request("logit_bias is not supported", "logit_bias")
+    if getattr(req, "best_of", None) not in (None, 1):
+        raise bad_request(f"best_of={req.best_of} is not supported (only 1)", "best_of")
+    if getattr(req, "suffix", None):
+        raise bad_request("suffix is not supported", "suffix")
+
+
+def _sampling_params(req: Any, max_tokens: Optional[int], extra_stop: Sequence[str] = ()) -> SamplingParams:
+    stop = req.stop
+    stops = ([stop] if isinstance(stop, str) else list(stop or [])) + [s for s in extra_stop if s not in (stop or [])]
+    try:
+        return SamplingParams(
+            temperature=1.0 if req.temperature is None else req.temperature,
+            top_p=1.0 if req.top_p is None else req.top_p,
+            top_k=0 if req.top_k is None else req.top_k,
+            seed=req.seed, max_tokens=max_tokens, stop=stops or None, stop_token_ids=req.stop_token_ids,
+            ignore_eos=req.ignore_eos, skip_special_tokens=req.skip_special_tokens)
+    except (ValueError, TypeError) as exc:
+        param = str(exc).split(" ", 1)[0]
+        raise bad_request(str(exc), param if param.isidentifier() else None) from None
+
+
+def _normalise_prompts(prompt: Any) -> List[Dict[str, Any]]:
+    if isinstance(prompt, str):
+        return [{"prompt": prompt}]
+    if not prompt:
+        raise bad_request("prompt must not be empty", "prompt")
+    if all(isinstance(p, int) and not isinstance(p, bool) for p in prompt):
+        return [{"prompt_token_ids": list(prompt)}]
+    if all(isinstance(p, str) for p in prompt):
+        return [{"prompt": p} for p in prompt]
+    if all(isinstance(p, list) for p in prompt):
+        return [{"prompt_token_ids": list(p)} for p in prompt]
+    raise bad_request("prompt must be a string, a list of strings, a list of token ids or a list of token-id lists",
+                      "prompt")
+
+
+def _validate_all(engine: AsyncLLM, prompts: List[Dict[str, Any]], params: SamplingParams) -> List[List[int]]:
+    out = []
+    for i, p in enumerate(prompts):
+        try:
+            out.append(engine.validate(p, params))
+        except (ValueError, TypeError) as exc:
+            where = f"prompt {i}: " if len(prompts) > 1 else ""
+            raise bad_request(where + str(exc), "prompt") from None
+    return out
+
+
+def _start(engine: AsyncLLM, prompts: List[Dict[str, Any]], params: SamplingParams, rid: str,
+           arrival: float) -> List[RequestStream]:
+    streams: List[RequestStream] = []
+    try:
+        for i, p in enumerate(prompts):
+            streams.append(engine.add_request(p, params, request_id=f"{rid}-{i}", arrival_time=arrival))
+    except QueueFullError as exc:
+        for s in streams:
+            s.abort()
+        raise OpenAIError(503, str(exc), "server_overloaded") from None
+    except EngineDeadError as exc:
+        for s in streams:
+            s.abort()
+        raise OpenAIError(503, str(exc), "server_error") from None
+    except (ValueError, TypeError) as exc:
+        for s in streams:
+            s.abort()
+        raise bad_request(str(exc), "prompt") from None
+    return streams
+
+
+async def _drain(stream: RequestStream) -> RequestOutput:
+    last = None
+    async for out in stream:
+        last = out
+    assert last is not None and last.finished
+    return last
+
+
+async def _collect(streams: List[RequestStream], request: Request) -> Optional[List[RequestOutput]]:
+    """Run every stream to completion; ``None`` when the client went away (all aborted)."""
+    tasks = [asyncio.ensure_future(_drain(s)) for s in streams]
+    try:
+        while True:
+            done, pending = await asyncio.wait(tasks, timeout=_POLL_S, return_when=asyncio.FIRST_EXCEPTION)
+            for t in done:
+                if t.exception() is not None:
+                    raise t.exception()
+            if not pending:
+                return [t.result() for t in tasks]
+            if await request.is_disconnected():
+                return None
+    finally:
+        for t in tasks:
+            t.cancel()
+        for s in streams:
+            s.abort()
+
+
+def _engine_error(exc: BaseException) -> OpenAIError:
+    if isinstance(exc, EngineDeadError):
+        return OpenAIError(503, str(exc), "server_error")
+    return OpenAIError(500, str(exc), "server_error")
+
+
+def _token_str(engine: AsyncLLM, tid: int) -> str:
+    tok = engine.tokenizer
+    return tok.decode([tid], skip_special_tokens=False) if tok is not None else f"token_id:{tid}"
+
+
+def _prompt_text(engine: AsyncLLM, out: RequestOutput) -> str:
+    if out.prompt is not None:
+        return out.prompt
+    return engine.tokenizer.decode(out.prompt_token_ids, skip_special_tokens=False) if engine.tokenizer else ""
+
+
+async def _score(engine: AsyncLLM, ids: List[int], top_n: int) -> SequenceLogprobs:
+    try:
+        return await engine.call_in_engine(lambda eng: score_tokens(eng, ids, top_n))
+    except ValueError as exc:
+        raise bad_request(str(exc), "logprobs") from None
+
+
+def _completion_logprobs(engine: AsyncLLM, lp: SequenceLogprobs, ids: List[int], first: int,
+                         offset0: int) -> Dict[str, Any]:
+    """OpenAI legacy ``logprobs`` for positions ``first ..`` of ``ids``."""
+    tokens, token_lps, tops, offsets = [], [], [], []
+    off = offset0
+    for i in range(first, len(ids)):
+        s = _token_str(engine, ids[i])
+        tokens.append(s)
+        token_lps.append(lp.token_logprobs[i])
+        tops.append(None if i == 0 else {_token_str(engine, t): v for t, v in zip(lp.top_token_ids[i], lp.top_logprobs[i])})
+        offsets.append(off)
+        off += len(s)
+    return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+def _chat_logprobs(engine: AsyncLLM, lp: SequenceLogprobs, ids: List[int], first: int) -> Dict[str, Any]:
+    content = []
+    for i in range(first, len(ids)):
+        s = _token_str(engine, ids[i])
+        tops = [{"token": (ts := _token_str(engine, t)), "logprob": v, "bytes": list(ts.encode("utf-8"))}
+                for t, v in zip(lp.top_token_ids[i], lp.top_logprobs[i])]
+        content.append({"token": s, "logprob": lp.token_logprobs[i], "bytes": list(s.encode("utf-8")),
+                        "top_logprobs": tops})
+    return {"content": content}
+
+
+def _usage(outs: Sequence[RequestOutput]) -> Dict[str, int]:
+    p = sum(len(o.prompt_token_ids) for o in outs)
+    c = sum(len(o.outputs[0].token_ids) for o in outs)
+    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+
+
+class _Delta:
+    """Per-choice streaming state: what was sent already, with stop-string hold-back."""
+
+    def __init__(self, holdback: int):
+        self.holdback = holdback
+        self.text_sent = 0
+        self.tokens_sent = 0
+
+    def next(self, out: RequestOutput) -> Tuple[str, List[int]]:
+        c = out.outputs[0]
+        visible = c.text if out.finished else c.text[:max(0, len(c.text) - self.holdback)]
+        text = visible[self.text_sent:] if len(visible) > self.text_sent else ""
+        self.text_sent = max(self.text_sent, len(visible))
+        ids = c.token_ids[self.tokens_sent:]
+        self.tokens_sent = len(c.token_ids)
+        return text, ids
+
+
+def _sse(obj: Any) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+async def _merged(streams: List[RequestStream], request: Request) -> AsyncIterator[Tuple[int, Any]]:
+    """``(choice index, RequestOutput)`` from all streams as they come; stops quietly when the
+    client disconnects; raises the first stream error. Every stream is aborted on exit."""
+    q: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, s: RequestStream) -> None:
+        try:
+            async for out in s:
+                q.put_nowait((i, out))
+        except BaseException as exc:  # noqa: BLE001 - forwarded to the consumer
+            q.put_nowait((i, exc))
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    remaining = len(streams)
+    try:
+        while remaining:
+            try:
+                i, item = await asyncio.wait_for(q.get(), timeout=_POLL_S)
+            except asyncio.TimeoutError:
+                if await request.is_disconnected():
+                    return
+                continue
+            if isinstance(item, BaseException):
+                raise item
+            if item.finished:
+                remaining -= 1
+            yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        for s in streams:
+            s.abort()
+
+
+def _stream_error_events(exc: BaseException) -> str:
+    err = exc if isinstance(exc, OpenAIError) else _engine_error(exc)
+    return _sse(err.body()) + "data: [DONE]\n\n"
+
+
+# ---------------------------------------------------------------------------- app
+def build_app(ctx: ServerContext) -> FastAPI:
+    """The FastAPI application over ``ctx`` (run it with uvicorn)."""
+    app = FastAPI(title="mtpspec OpenAI-compatible server")
+    app.state.ctx = ctx
+    engine = ctx.engine
+
+    @app.exception_handler(OpenAIError)
+    async def _openai_error(_: Request, exc: OpenAIError) -> JSONResponse:
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    @app.exception_handler(Exception)
+    async def _internal_error(_: Request, exc: Exception) -> JSONResponse:
+        return JSONResponse(OpenAIError(500, f"internal error: {type(exc).__name__}: {exc}", "server_error").body(),
+                            status_code=500)
+
+    @app.get("/health")
+    async def health() -> Response:
+        if engine.dead is not None:
+            return JSONResponse(OpenAIError(503, engine.dead, "server_error").body(), status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/v1/models")
+    async def models() -> Dict[str, Any]:
+        return {"object": "list", "data": [{
+            "id": ctx.served_model_name, "object": "model", "created": ctx.created, "owned_by": "mtpspec",
+            "root": ctx.model_path, "max_model_len": engine.max_model_len, "vocab_size": engine.vocab_size,
+            "mtpspec": ctx.info}]}
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return PlainTextResponse(ctx.metrics.render(engine.stats()), media_type="text/plain; version=0.0.4")
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> Dict[str, Any]:
+        req = await _parse(request, TokenizeRequest)
+        _check_model(ctx, req.model)
+        if (req.prompt is None) == (req.messages is None):
+            raise bad_request("give exactly one of 'prompt' or 'messages'")
+        if engine.tokenizer is None:
+            raise bad_request("this model has no tokenizer")
+        text = req.prompt if req.prompt is not None else \
+            render_chat(engine.tokenizer, [(m.role, m.text()) for m in req.messages])[0]
+        ids = engine.tokenizer.encode(text)
+        return {"tokens": ids, "count": len(ids), "max_model_len": engine.max_model_len}
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> Dict[str, Any]:
+        req = await _parse(request, DetokenizeRequest)
+        _check_model(ctx, req.model)
+        if engine.tokenizer is None:
+            raise bad_request("this model has no tokenizer")
+        if any(not 0 <= t < engine.vocab_size for t in req.tokens):
+            raise bad_request(f"token ids must be in [0, {engine.vocab_size})", "tokens")
+        return {"prompt": engine.tokenizer.decode(req.tokens, skip_special_tokens=False)}
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        arrival = time.perf_counter()
+        req = await _parse(request, CompletionRequest)
+        _check_model(ctx, req.model)
+        _check_unsupported(req)
+        if req.logprobs is not None and not 0 <= req.logprobs <= 20:
+            raise bad_request(f"logprobs must be an int in [0, 20], got {req.logprobs}", "logprobs")
+        if req.logprobs is not None and req.stream:
+            raise bad_request("logprobs with stream=true is not supported (log-probabilities come from a "
+                              "scoring pass after the request finishes)", "logprobs")
+        if req.max_tokens == 0 and not req.echo:
+            raise bad_request("max_tokens=0 is only allowed with echo=true (prompt scoring)", "max_tokens")
+        prompts = _normalise_prompts(req.prompt)
+        params = _sampling_params(req, req.max_tokens if req.max_tokens != 0 else 1)
+        prompt_ids = _validate_all(engine, prompts, params)
+        rid = f"cmpl-{uuid.uuid4().hex}"
+        if req.max_tokens == 0:
+            return JSONResponse(await _score_only(ctx, req, prompts, prompt_ids, rid))
+        streams = _start(engine, prompts, params, rid, arrival)
+        if req.stream:
+            return StreamingResponse(_completion_sse(ctx, req, streams, params, rid, request),
+                                     media_type="text/event-stream")
+        try:
+            outs = await _collect(streams, request)
+        except (RequestError, EngineDeadError) as exc:
+            raise _engine_error(exc) from None
+        if outs is None:
+            return Response(status_code=499)
+        choices = []
+        for i, out in enumerate(outs):
+            c = out.outputs[0]
+            prefix = _prompt_text(engine, out) if req.echo else ""
+            choice: Dict[str, Any] = {"index": i, "text": prefix + c.text, "logprobs": None,
+                                      "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+            if req.logprobs is not None:
+                ids = list(out.prompt_token_ids) + list(c.token_ids)
+                lp = await _score(engine, ids, req.logprobs)
+                first = 0 if req.echo else len(out.prompt_token_ids)
+                choice["logprobs"] = _completion_logprobs(engine, lp, ids, first, 0)
+            if req.return_token_ids:
+                choice["token_ids"] = list(c.token_ids)
+                choice["prompt_token_ids"] = list(out.prompt_token_ids)
+            choices.append(choice)
+        return JSONResponse({"id": rid, "object": "text_completion", "created": int(time.time()),
+                             "model": ctx.served_model_name, "choices": choices, "usage": _usage(outs)})
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Response:
+        arrival = time.perf_counter()
+        req = await _parse(request, ChatCompletionRequest)
+        _check_model(ctx, req.model)
+        _check_unsupported(req)
+        if req.top_logprobs is not None and not (req.logprobs and 0 <= req.top_logprobs <= 20):
+            raise bad_request("top_logprobs needs logprobs=true and must be in [0, 20]", "top_logprobs")
+        if req.logprobs and req.stream:
+            raise bad_request("logprobs with stream=true is not supported", "logprobs")
+        if engine.tokenizer is None:
+            raise bad_request("chat completions need a tokenizer; this model has none")
+        try:
+            text, stops = render_chat(engine.tokenizer, [(m.role, m.text()) for m in req.messages],
+                                      req.add_generation_prompt)
+        except ValueError as exc:
+            raise bad_request(str(exc), "messages") from None
+        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        params = _sampling_params(req, max_tokens, stops)
+        prompts = [{"prompt": text}]
+        _validate_all(engine, prompts, params)
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        streams = _start(engine, prompts, params, rid, arrival)
+        if req.stream:
+            return StreamingResponse(_chat_sse(ctx, req, streams, params, rid, request), media_type="text/event-stream")
+        try:
+            outs = await _collect(streams, request)
+        except (RequestError, EngineDeadError) as exc:
+            raise _engine_error(exc) from None
+        if outs is None:
+            return Response(status_code=499)
+        out = outs[0]
+        c = out.outputs[0]
+        choice: Dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": c.text},
+                                  "logprobs": None, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+        if req.logprobs:
+            ids = list(out.prompt_token_ids) + list(c.token_ids)
+            lp = await _score(engine, ids, req.top_logprobs or 0)
+            choice["logprobs"] = _chat_logprobs(engine, lp, ids, len(out.prompt_token_ids))
+        if req.return_token_ids:
+            choice["token_ids"] = list(c.token_ids)
+            choice["prompt_token_ids"] = list(out.prompt_token_ids)
+        return JSONResponse({"id": rid, "object": "chat.completion", "created": int(time.time()),
+                             "model": ctx.served_model_name, "choices": [choice], "usage": _usage(outs)})
+
+    return app
+
+
+async def _score_only(ctx: ServerContext, req: CompletionRequest, prompts: List[Dict[str, Any]],
+                      prompt_ids: List[List[int]], rid: str) -> Dict[str, Any]:
+    engine = ctx.engine
+    choices = []
+    for i, (p, ids) in enumerate(zip(prompts, prompt_ids)):
+        text = p.get("prompt")
+        if text is None:
+            text = engine.tokenizer.decode(ids, skip_special_tokens=False) if engine.tokenizer else ""
+        choice: Dict[str, Any] = {"index": i, "text": text, "logprobs": None, "finish_reason": "length",
+                                  "stop_reason": None}
+        if req.logprobs is not None:
+            lp = await _score(engine, ids, req.logprobs)
+            choice["logprobs"] = _completion_logprobs(engine, lp, ids, 0, 0)
+        if req.return_token_ids:
+            choice["token_ids"] = []
+            choice["prompt_token_ids"] = list(ids)
+        choices.append(choice)
+    n = sum(len(x) for x in prompt_ids)
+    return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": ctx.served_model_name,
+            "choices": choices, "usage": {"prompt_tokens": n, "completion_tokens": 0, "total_tokens": n}}
+
+
+def _holdback(params: SamplingParams) -> int:
+    stops = params.stop_strings
+    return max(len(s) for s in stops) - 1 if stops else 0
+
+
+async def _completion_sse(ctx: ServerContext, req: CompletionRequest, streams: List[RequestStream],
+                          params: SamplingParams, rid: str, request: Request) -> AsyncIterator[str]:
+    engine = ctx.engine
+    created = int(time.time())
+    deltas = [_Delta(_holdback(params)) for _ in streams]
+    finals: List[Optional[RequestOutput]] = [None] * len(streams)
+    echoed = [not req.echo] * len(streams)
+
+    def chunk(choices: List[Dict[str, Any]], usage: Optional[Dict[str, int]] = None) -> str:
+        body: Dict[str, Any] = {"id": rid, "object": "text_completion", "created": created,
+                                "model": ctx.served_model_name, "choices": choices}
+        if usage is not None:
+            body["usage"] = usage
+        return _sse(body)
+
+    try:
+        async for i, out in _merged(streams, request):
+            text, ids = deltas[i].next(out)
+            if not echoed[i]:
+                text = _prompt_text(engine, out) + text
+                echoed[i] = True
+            c = out.outputs[0]
+            choice: Dict[str, Any] = {"index": i, "text": text, "logprobs": None,
+                                      "finish_reason": c.finish_reason if out.finished else None,
+                                      "stop_reason": c.stop_reason if out.finished else None}
+            if req.return_token_ids:
+                choice["token_ids"] = ids
+            if out.finished:
+                finals[i] = out
+            yield chunk([choice])
+        if any(f is None for f in finals):
+            return  # the client went away; every request was aborted
+        if req.stream_options is not None and req.stream_options.include_usage:
+            yield chunk([], _usage(finals))  # type: ignore[arg-type]
+        yield "data: [DONE]\n\n"
+    except (RequestError, EngineDeadError, OpenAIError) as exc:
+        yield _stream_error_events(exc)
+
+
+async def _chat_sse(ctx: ServerContext, req: ChatCompletionRequest, streams: List[RequestStream],
+                    params: SamplingParams, rid: str, request: Request) -> AsyncIterator[str]:
+    created = int(time.time())
+    delta = _Delta(_holdback(params))
+    final: Optional[RequestOutput] = None
+
+    def chunk(choices: List[Dict[str, Any]], usage: Optional[Dict[str, int]] = None) -> str:
+        body: Dict[str, Any] = {"id": rid, "object": "chat.completion.chunk", "created": created,
+                                "model": ctx.served_model_name, "choices": choices}
+        if usage is not None:
+            body["usage"] = usage
+        return _sse(body)
+
+    try:
+        yield chunk([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                      "finish_reason": None}])
+        async for _, out in _merged(streams, request):
+            text, ids = delta.next(out)
+            c = out.outputs[0]
+            choice: Dict[str, Any] = {"index": 0, "delta": {"content": text}, "logprobs": None,
+                                      "finish_reason": c.finish_reason if out.finished else None,
+                                      "stop_reason": c.stop_reason if out.finished else None}
+            if req.return_token_ids:
+                choice["token_ids"] = ids
+            if out.finished:
+                final = out
+            yield chunk([choice])
+        if final is None:
+            return
+        if req.stream_options is not None and req.stream_options.include_usage:
+            yield chunk([], _usage([final]))
+        yield "data: [DONE]\n\n"
+    except (RequestError, EngineDeadError, OpenAIError) as exc:
+        yield _stream_error_events(exc)

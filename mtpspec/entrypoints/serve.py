@@ -1,0 +1,156 @@
+"""`mtpspec serve`: an OpenAI-compatible HTTP server (FastAPI + uvicorn) with MTP speculative decoding.
+
+Options mirror ``LLM(...)`` (and ``mtpspec generate``). Without ``--model`` the bundled demo model
+is served. Endpoints, errors and metrics: :mod:`mtpspec.entrypoints.openai_server`.
+
+Example::
+
+    mtpspec serve --tp 2 -k 3 --port 8000
+    curl http://127.0.0.1:8000/v1/completions -H 'Content-Type: application/json' \\
+         -d '{"prompt": "Question: 2+3?\\nAnswer:", "max_tokens": 32, "temperature": 0}'
+
+``--forced-acceptance rate:0.7`` (or ``length:2``) makes the verifier accept drafts at a set
+rate or a fixed length: SYNTHETIC, for kernel A/B runs on random-weight models only (see
+:mod:`mtpspec.spec_decode.forced_acceptance`); the server reports it in ``/v1/models`` and
+``/metrics``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Any, Dict, Optional
+
+
+def default_model_path() -> str:
+    """The bundled demo model's folder: ``mtpspec.demo_model_path()`` when the package has it,
+    else ``mtpspec/demo_model`` (it may not exist)."""
+    import mtpspec
+    fn = getattr(mtpspec, "demo_model_path", None)
+    if callable(fn):
+        return str(fn())
+    return os.path.join(os.path.dirname(os.path.abspath(mtpspec.__file__)), "demo_model")
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    """Options that mirror ``LLM(...)`` (shared with ``mtpspec eval gsm8k --model``)."""
+    p.add_argument("--model", default=None, help="checkpoint folder (default: the bundled demo model)")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (default 1)")
+    p.add_argument("--num-speculative-tokens", "-k", type=int, default=3, help="draft tokens k (0: no speculation)")
+    p.add_argument("--no-local-argmax", action="store_true", help="drafts via compute_logits + argmax")
+    p.add_argument("--no-fusion", action="store_true", help="MTP tail: all-reduce then RMSNorm (unfused)")
+    p.add_argument("--sequence-parallel", action="store_true", help="sequence-parallel MTP layer (tp > 1)")
+    p.add_argument("--max-num-seqs", type=int, default=64, help="most sequences per step (default 64)")
+    p.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None)
+    p.add_argument("--num-kv-blocks", type=int, default=None, help="KV blocks (default: sized from memory)")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--dtype", default=None, help="float32 / bfloat16 / float16 (default: the checkpoint's)")
+    p.add_argument("--device", default=None, help="cuda / cpu (default: cuda when present)")
+    p.add_argument("--enforce-eager", action="store_true", help="never use CUDA graphs")
+    p.add_argument("--seed", type=int, default=0, help="seeds the seeds of requests without one")
+
+
+def llm_kwargs(args: argparse.Namespace) -> Dict[str, Any]:
+    """``LLM(**kwargs)`` from :func:`add_engine_args` options (``model`` included)."""
+    k = args.num_speculative_tokens
+    spec = None if k == 0 else {"method": "mtp", "num_speculative_tokens": k,
+                                "use_local_argmax_reduction": not args.no_local_argmax}
+    return dict(model=args.model or default_model_path(), tensor_parallel_size=args.tp, dtype=args.dtype,
+                device=args.device, speculative_config=spec, fuse_allreduce_rmsnorm=not args.no_fusion,
+                sequence_parallel=args.sequence_parallel, max_num_seqs=args.max_num_seqs,
+                max_model_len=args.max_model_len, max_num_batched_tokens=args.max_num_batched_tokens,
+                block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
+                gpu_memory_utilization=args.gpu_memory_utilization, seed=args.seed,
+                enforce_eager=args.enforce_eager)
+
+
+def engine_info(args: argparse.Namespace, kwargs: Dict[str, Any], forced: Optional[Any]) -> Dict[str, Any]:
+    """The configuration a client can read back (``/v1/models`` -> ``mtpspec``)."""
+    k = args.num_speculative_tokens
+    return {"model": kwargs["model"], "tp": args.tp, "num_speculative_tokens": k,
+            "fusion": (not args.no_fusion) and k > 0, "local_argmax": (not args.no_local_argmax) and k > 0,
+            "sequence_parallel": args.sequence_parallel, "max_num_seqs": args.max_num_seqs,
+            "dtype": args.dtype or "checkpoint", "forced_acceptance": forced.describe() if forced else "off",
+            "synthetic": forced is not None}
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser("serve", help="OpenAI-compatible server (FastAPI + uvicorn)", description=__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_engine_args(p)
+    p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--served-model-name", default=None, help="model name clients send (default: --model as given)")
+    p.add_argument("--max-queue-len", type=int, default=1024,
+                   help="most requests waiting to be scheduled; one more gets 503 (default 1024)")
+    p.add_argument("--forced-acceptance", default=None, metavar="rate:P|length:N",
+                   help="SYNTHETIC: verifier accepts drafts at rate P or a fixed length N (kernel A/B on "
+                        "random-weight models)")
+    p.add_argument("--torch-threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    p.add_argument("--log-level", default="warning", help="uvicorn log level (default warning)")
+    p.add_argument("--debug-fault-marker", default=None, help=argparse.SUPPRESS)
+
+
+def build(args: argparse.Namespace) -> Any:
+    """Construct the engine and the app; returns ``(app, async_llm, info)``.
+
+    Raises:
+        ValueError / TypeError: a bad option (from ``LLM`` or the forced-acceptance setting).
+    """
+    from mtpspec.engine.async_llm import AsyncLLM
+    from mtpspec.engine.llm import LLM
+    from mtpspec.entrypoints.openai_server import ServerContext, build_app
+    from mtpspec.entrypoints.server_metrics import ServerMetrics
+    from mtpspec.spec_decode.forced_acceptance import ForcedAcceptance, enable_forced_acceptance
+
+    forced = ForcedAcceptance.parse(args.forced_acceptance) if args.forced_acceptance else None
+    kwargs = llm_kwargs(args)
+    if not os.path.isfile(os.path.join(kwargs["model"], "config.json")):
+        raise ValueError(f"no model at {kwargs['model']!r} (pass --model PATH; the bundled demo model is not there)")
+    llm = LLM(**kwargs)
+    try:
+        if forced is not None:
+            enable_forced_acceptance(llm, forced)
+        engine = AsyncLLM(llm, max_queue_len=args.max_queue_len)
+    except BaseException:
+        llm.shutdown()
+        raise
+    if args.debug_fault_marker:
+        marker = args.debug_fault_marker
+
+        def fault(out: Any) -> None:
+            if out.prompt is not None and marker in out.prompt and out.outputs[0].token_ids:
+                raise RuntimeError(f"injected fault (prompt contains {marker!r})")
+        engine.fault_injector = fault
+    info = engine_info(args, kwargs, forced)
+    info["max_model_len"] = engine.max_model_len
+    info["num_kv_blocks"] = engine.stats().num_total_blocks
+    name = args.served_model_name or (args.model or "mtpspec-demo")
+    metrics = ServerMetrics(engine.num_speculative_tokens, info, forced_acceptance=forced is not None)
+    ctx = ServerContext(engine, name, kwargs["model"], info, metrics)
+    return build_app(ctx), engine, info
+
+
+def run(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    if args.torch_threads:
+        import torch
+        torch.set_num_threads(args.torch_threads)
+    try:
+        app, engine, info = build(args)
+    except (ValueError, TypeError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    synth = "  [SYNTHETIC: forced acceptance " + info["forced_acceptance"] + "]" if info["synthetic"] else ""
+    print(f"mtpspec serve: {info['model']} (tp {info['tp']}, k {info['num_speculative_tokens']}, fusion "
+          f"{info['fusion']}, local argmax {info['local_argmax']}, {info['num_kv_blocks']} KV blocks){synth} on "
+          f"http://{args.host}:{args.port}", file=sys.stderr, flush=True)
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
+    finally:
+        engine.shutdown()
+    return 0

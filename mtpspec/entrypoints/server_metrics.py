@@ -1,0 +1,152 @@
+"""Prometheus metrics of ``mtpspec serve`` (``GET /metrics``), named after vLLM's with ``mtpspec:``.
+
+Counters come from the engine's own totals (:class:`~mtpspec.spec_decode.metrics.EngineMetrics`),
+read after every step in the engine thread and added as deltas; latencies come from each
+finished request's :class:`~mtpspec.outputs.RequestMetrics`. The engine's per-request sample
+lists (``ttft_s``, ``itl_s``, ``tpot_s``) are drained into the histograms after each step so they
+do not grow for the server's lifetime.
+
+=========================================================  ===========================================
+metric                                                     meaning
+=========================================================  ===========================================
+``mtpspec:num_requests_running`` / ``_waiting`` (gauge)     scheduler queues at scrape time
+``mtpspec:kv_cache_free_blocks`` / ``_total_blocks``        KV blocks (per layer cache)
+``mtpspec:request_success_total{finished_reason}``          finished requests (stop / length)
+``mtpspec:request_aborted_total``                           aborted (client gone) requests
+``mtpspec:request_failed_total``                            requests failed inside the engine loop
+``mtpspec:prompt_tokens_total``                             prefilled tokens (recomputes included)
+``mtpspec:generation_tokens_total``                         emitted tokens
+``mtpspec:engine_steps_total``                              engine steps
+``mtpspec:time_to_first_token_seconds`` (histogram)         TTFT per request
+``mtpspec:inter_token_latency_seconds`` (histogram)         gap between a request's emitting steps
+``mtpspec:time_per_output_token_seconds`` (histogram)       per-request mean after the first token
+``mtpspec:e2e_request_latency_seconds`` (histogram)         arrival to finish
+``mtpspec:spec_decode_num_drafts_total``                    verifications (one per sequence-step)
+``mtpspec:spec_decode_num_draft_tokens_total``              draft tokens checked
+``mtpspec:spec_decode_num_accepted_tokens_total``           draft tokens accepted
+``mtpspec:spec_decode_num_accepted_tokens_per_pos_total``   ``{position}``: accepted at draft position
+``mtpspec:collective_bytes_total{op}``                      bytes rank 0's collectives sent
+``mtpspec:eager_fallbacks_total`` / ``preemptions_total``   CUDA-graph fall-backs, preemptions
+``mtpspec:forced_acceptance``                               1 when SYNTHETIC forced acceptance is on
+``mtpspec:engine_info`` (info)                              model, tp, k, fusion, local argmax, ...
+=========================================================  ===========================================
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Dict, List
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, disable_created_metrics, generate_latest
+
+from mtpspec.engine.async_llm import EngineObserver, EngineStats
+from mtpspec.outputs import RequestOutput
+
+disable_created_metrics()  # no "*_created" timestamp samples: they only add noise to scrapes
+
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0,
+                    2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
+
+
+class ServerMetrics(EngineObserver):
+    """Owns a private registry; :meth:`render` gives the Prometheus text exposition.
+
+    Args:
+        num_speculative_tokens: ``k`` (per-position counters ``0 .. k-1``).
+        info: string labels for ``mtpspec:engine_info``.
+        forced_acceptance: whether forced (synthetic) acceptance is on.
+    """
+
+    def __init__(self, num_speculative_tokens: int, info: Dict[str, str], forced_acceptance: bool = False):
+        r = self.registry = CollectorRegistry()
+        self.k = num_speculative_tokens
+        self._lock = threading.Lock()
+        p = "mtpspec:"
+        self.running = Gauge(p + "num_requests_running", "Requests in the running batch", registry=r)
+        self.waiting = Gauge(p + "num_requests_waiting", "Requests waiting to be scheduled", registry=r)
+        self.free_blocks = Gauge(p + "kv_cache_free_blocks", "Free KV-cache blocks", registry=r)
+        self.total_blocks = Gauge(p + "kv_cache_total_blocks", "KV-cache blocks in total", registry=r)
+        self.success = Counter(p + "request_success", "Finished requests", ["finished_reason"], registry=r)
+        self.aborted = Counter(p + "request_aborted", "Aborted requests (client disconnected)", registry=r)
+        self.failed = Counter(p + "request_failed", "Requests failed inside the engine loop", registry=r)
+        self.prompt_tokens = Counter(p + "prompt_tokens", "Prefilled tokens", registry=r)
+        self.gen_tokens = Counter(p + "generation_tokens", "Emitted tokens", registry=r)
+        self.steps = Counter(p + "engine_steps", "Engine steps", registry=r)
+        self.ttft = Histogram(p + "time_to_first_token_seconds", "Time to first token", buckets=_LATENCY_BUCKETS,
+                              registry=r)
+        self.itl = Histogram(p + "inter_token_latency_seconds", "Gap between emitting steps of a request",
+                             buckets=_LATENCY_BUCKETS, registry=r)
+        self.tpot = Histogram(p + "time_per_output_token_seconds", "Mean time per output token after the first",
+                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram(p + "e2e_request_latency_seconds", "Arrival to finish", buckets=_LATENCY_BUCKETS,
+                             registry=r)
+        self.drafts = Counter(p + "spec_decode_num_drafts", "Verifications of k drafts", registry=r)
+        self.draft_tokens = Counter(p + "spec_decode_num_draft_tokens", "Draft tokens checked", registry=r)
+        self.accepted = Counter(p + "spec_decode_num_accepted_tokens", "Draft tokens accepted", registry=r)
+        self.accepted_pos = Counter(p + "spec_decode_num_accepted_tokens_per_pos", "Accepted at draft position",
+                                    ["position"], registry=r)
+        self.comm = Counter(p + "collective_bytes", "Bytes sent by rank 0's collectives", ["op"], registry=r)
+        self.fallbacks = Counter(p + "eager_fallbacks", "Steps that could not use a CUDA graph", registry=r)
+        self.preemptions = Counter(p + "preemptions", "Recompute preemptions", registry=r)
+        g = Gauge(p + "forced_acceptance", "1: SYNTHETIC forced acceptance is on", registry=r)
+        g.set(1 if forced_acceptance else 0)
+        Info(p + "engine", "Engine configuration", registry=r).info({k: str(v) for k, v in info.items()})
+        for j in range(self.k):
+            self.accepted_pos.labels(position=str(j))
+        self._last: Dict[str, Any] = {}
+
+    # ---------------------------------------------------------------- engine thread
+    def on_step(self, engine: Any, finished: List[RequestOutput]) -> None:
+        m = engine.metrics
+        self._add(self.steps, "steps", m.num_steps)
+        self._add(self.prompt_tokens, "prompt", m.num_prompt_tokens)
+        self._add(self.gen_tokens, "gen", m.num_output_tokens)
+        self._add(self.fallbacks, "fallbacks", m.num_eager_fallbacks)
+        self._add(self.preemptions, "preempt", m.num_preemptions)
+        for op, n in m.comm_bytes.items():
+            self._add(self.comm.labels(op=op), "comm:" + op, n)
+        s = m.spec
+        if s is not None:
+            self._add(self.drafts, "drafts", s.num_drafts)
+            self._add(self.draft_tokens, "draft_tokens", s.num_draft_tokens)
+            self._add(self.accepted, "accepted", s.num_accepted_tokens)
+            for j, n in enumerate(s.num_accepted_tokens_per_pos):
+                self._add(self.accepted_pos.labels(position=str(j)), f"pos:{j}", n)
+        # Bound the engine's sample lists; the histograms below take the samples instead.
+        m.ttft_s.clear()
+        m.itl_s.clear()
+        m.tpot_s.clear()
+        for out in finished:
+            rm = out.metrics
+            self.success.labels(finished_reason=out.outputs[0].finish_reason or "unknown").inc()
+            if rm.ttft is not None:
+                self.ttft.observe(rm.ttft)
+            for gap in rm.itl:
+                self.itl.observe(gap)
+            if rm.tpot is not None:
+                self.tpot.observe(rm.tpot)
+            if rm.finished_time is not None:
+                self.e2e.observe(rm.finished_time - rm.arrival_time)
+
+    def on_abort(self, request_id: str) -> None:
+        self.aborted.inc()
+
+    def on_error(self, request_id: str) -> None:
+        self.failed.inc()
+
+    def _add(self, counter: Any, key: str, total: float) -> None:
+        last = self._last.get(key, 0)
+        if total < last:  # the engine's totals were reset
+            last = 0
+        if total > last:
+            counter.inc(total - last)
+        self._last[key] = total
+
+    # ---------------------------------------------------------------- scrape
+    def render(self, stats: EngineStats) -> bytes:
+        """Prometheus text exposition (gauges set from ``stats`` first)."""
+        self.running.set(stats.num_running)
+        self.waiting.set(stats.num_waiting)
+        self.free_blocks.set(stats.num_free_blocks)
+        self.total_blocks.set(stats.num_total_blocks)
+        return generate_latest(self.registry)
