@@ -82,8 +82,8 @@ class TrainConfig:
 
 
 TINY_OVERRIDES: Dict[str, Any] = dict(
-    preset="tiny", num_synthetic=30_000, tokenizer_synthetic=10_000, gsm8k_epochs=1, tokens_per_batch=4096,
-    max_minutes=4.0, reserve_seconds=40.0, lr=3e-3, warmup_steps=20, log_every=5, eval_every=100, eval_docs=16,
+    preset="tiny", num_synthetic=10_000, tokenizer_synthetic=5_000, gsm8k_epochs=1, tokens_per_batch=2048,
+    max_minutes=4.0, reserve_seconds=30.0, lr=5e-3, warmup_steps=10, log_every=5, eval_every=50, eval_docs=16,
     accept_prompts=4, accept_max_new=48, device="cpu", dtype="float32")
 
 
@@ -205,7 +205,10 @@ def train(cfg: TrainConfig, log=_log) -> Dict[str, Any]:
         torch.set_num_threads(cfg.threads)
     device = _resolve_device(cfg)
     dtype = _resolve_dtype(cfg, device)
-    save_dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}[cfg.save_dtype]
+    save_dtypes = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
+    if cfg.save_dtype not in save_dtypes:
+        raise ValueError(f"--save-dtype must be one of {sorted(save_dtypes)}, got {cfg.save_dtype!r}")
+    save_dtype = save_dtypes[cfg.save_dtype]
     os.makedirs(cfg.output_dir, exist_ok=True)
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
