@@ -48,8 +48,8 @@ class TrainConfig:
     holdout: int = 256
     vocab_size: int = 10_007
     tokenizer_synthetic: int = 20_000
-    num_synthetic: int = 800_000
-    gsm8k_epochs: int = 20
+    num_synthetic: int = 1_000_000
+    gsm8k_epochs: int = 12
     single_prob: float = 0.6
     num_shots: int = 5
     max_len: int = 2048
