@@ -11,6 +11,7 @@ from typing import List, Optional
 SUBCOMMANDS = {
     "generate": "mtpspec.entrypoints.generate",
     "tp-demo": "mtpspec.entrypoints.tp_demo",
+    "train": "mtpspec.entrypoints.train",
     "serve": "mtpspec.entrypoints.serve",
 }
 
