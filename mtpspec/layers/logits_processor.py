@@ -13,6 +13,12 @@ the first maximum, treating NaN as larger than everything (the first NaN wins). 
 the first rank, in rank order, whose value is a NaN if any rank has one, else equals the largest
 value. Values are exact in float64 (every fp32/bf16/fp16 value is), and so are ids below ``2**53``
 (a float32 id would round ids above ``2**24``).
+
+The reductions are :func:`mtpspec.ops.argmax.local_top_pairs` and
+:func:`~mtpspec.ops.argmax.pick_top_tokens` (Triton kernels on CUDA, at most 2 + 1 launches, no
+host sync; torch references ``local_top_pairs_ref`` / ``pick_top_tokens_ref`` otherwise), re-exported
+here. At tp 1 the pair all-gather and the pick are skipped: :func:`~mtpspec.ops.argmax.local_argmax`
+writes the ids directly (the pick of a single rank's non-sentinel pair is its id).
 """
 
 from __future__ import annotations
@@ -23,7 +29,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mtpspec.distributed import tensor_model_parallel_all_gather
+from mtpspec.distributed import get_tensor_model_parallel_world_size, tensor_model_parallel_all_gather
+from mtpspec.ops.argmax import local_argmax, local_top_pairs, pick_top_tokens
+
+__all__ = ["LogitsProcessor", "VocabShardedHead", "local_argmax", "local_top_pairs", "pick_top_tokens"]
 
 
 class VocabShardedHead(Protocol):
@@ -34,66 +43,6 @@ class VocabShardedHead(Protocol):
     embedding_dim: int
     num_embeddings_per_partition: int
     vocab_start_index: int
-
-
-def local_top_pairs(local_logits: torch.Tensor, vocab_start: int, num_real: int) -> torch.Tensor:
-    """Each row's maximum and first arg-max over a shard's real columns.
-
-    Args:
-        local_logits: ``[num_tokens, per_rank]`` logits of the shard whose column 0 is global id
-            ``vocab_start``; only the first ``num_real`` columns are real (the rest is padding).
-        vocab_start: global id of column 0.
-        num_real: number of real columns, ``0 <= num_real <= per_rank``.
-
-    Returns:
-        ``[num_tokens, 2]`` float64: ``(value, global id)``. With ``num_real == 0`` every row is
-        the sentinel ``(-inf, -1)``, which :func:`pick_top_tokens` never selects.
-
-    Raises:
-        ValueError: ``local_logits`` is not 2-D or ``num_real`` is out of range.
-    """
-    if local_logits.dim() != 2:
-        raise ValueError(f"local_top_pairs: expected [num_tokens, per_rank] logits, got {list(local_logits.shape)}")
-    if not 0 <= num_real <= local_logits.shape[1]:
-        raise ValueError(f"local_top_pairs: num_real={num_real} outside [0, {local_logits.shape[1]}]")
-    num_tokens = local_logits.shape[0]
-    if num_real == 0:
-        pairs = torch.empty(num_tokens, 2, dtype=torch.float64, device=local_logits.device)
-        pairs[:, 0] = float("-inf")
-        pairs[:, 1] = -1.0
-        return pairs
-    real = local_logits[:, :num_real]
-    idx = torch.argmax(real, dim=-1)
-    val = real.gather(-1, idx.unsqueeze(-1)).squeeze(-1)
-    return torch.stack([val.to(torch.float64), (idx + vocab_start).to(torch.float64)], dim=-1)
-
-
-def pick_top_tokens(pairs: torch.Tensor) -> torch.Tensor:
-    """Global greedy tokens from every rank's ``(value, id)`` pairs.
-
-    Args:
-        pairs: ``[tp, num_tokens, 2]`` float64, rank-major (``pairs[r, t]`` is rank ``r``'s pair
-            for token ``t``), as produced by :func:`local_top_pairs` on ranks with increasing id
-            ranges. Entries with a negative id are sentinels and never win.
-
-    Returns:
-        ``[num_tokens]`` int64: per token, the id of the first rank (in rank order) holding a
-        NaN if any rank does, else the first rank whose value equals the largest value — the id
-        ``torch.argmax`` returns on the concatenated logits. (A token with no non-sentinel entry
-        returns -1; this cannot happen when rank 0 has real columns.)
-
-    Raises:
-        ValueError: ``pairs`` is not ``[tp, num_tokens, 2]`` float64.
-    """
-    if pairs.dim() != 3 or pairs.shape[-1] != 2 or pairs.dtype != torch.float64:
-        raise ValueError(f"pick_top_tokens: expected [tp, num_tokens, 2] float64, got {list(pairs.shape)} {pairs.dtype}")
-    vals, ids = pairs[..., 0], pairs[..., 1]
-    valid = ids >= 0
-    is_nan = torch.isnan(vals) & valid
-    vmax = vals.masked_fill(~valid, float("-inf")).amax(dim=0, keepdim=True)
-    hit = torch.where(is_nan.any(dim=0, keepdim=True), is_nan, valid & (vals == vmax))
-    first = torch.argmax(hit.to(torch.uint8), dim=0, keepdim=True)  # first True in rank order
-    return ids.gather(0, first).squeeze(0).to(torch.int64)
 
 
 class LogitsProcessor(nn.Module):
@@ -147,7 +96,8 @@ class LogitsProcessor(nn.Module):
         """Greedy tokens ``== torch.argmax(compute_logits(lm_head, hidden_states), -1)``, without the logits.
 
         One all-gather of ``[1, num_tokens, 2]`` float64 pairs per rank (``16 * num_tokens`` bytes),
-        concatenated rank-major to ``[tp, num_tokens, 2]``; no host sync.
+        concatenated rank-major to ``[tp, num_tokens, 2]``; no host sync. Launches after the
+        matmul (CUDA): local pairs 1-2, all-gather, pick 1; at tp 1 only the local ids (1-2).
 
         Args / Raises: as :meth:`compute_logits`.
 
@@ -156,6 +106,8 @@ class LogitsProcessor(nn.Module):
             NaN counts as the maximum (first NaN wins), as in ``torch.argmax``.
         """
         local = self._local_logits(lm_head, hidden_states)
+        if get_tensor_model_parallel_world_size() == 1:  # rank 0 has real columns: its id is the pick
+            return local_argmax(local, lm_head.vocab_start_index, self._num_real(lm_head))
         pairs = local_top_pairs(local, lm_head.vocab_start_index, self._num_real(lm_head))
         gathered = tensor_model_parallel_all_gather(pairs.unsqueeze(0), dim=0)
         return pick_top_tokens(gathered)
