@@ -202,7 +202,11 @@ class AsyncLLM:
                                      f"max_queue_len={self.max_queue_len}); retry later")
             self._pending += 1
             self._ids_in_use.add(rid)
-        sink = lambda item: loop.call_soon_threadsafe(q.put_nowait, item)  # noqa: E731
+        def sink(item: Any) -> None:
+            try:
+                loop.call_soon_threadsafe(q.put_nowait, item)
+            except RuntimeError:  # the caller's event loop is gone: nobody is listening
+                self.abort(rid)
         self._cmds.put(("add", rid, prompt, params, arrival_time or time.perf_counter(), sink))
         return RequestStream(self, rid, q)
 

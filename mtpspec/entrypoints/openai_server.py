@@ -229,7 +229,12 @@ def _completion_logprobs(engine: AsyncLLM, lp: SequenceLogprobs, ids: List[int],
         s = _token_str(engine, ids[i])
         tokens.append(s)
         token_lps.append(lp.token_logprobs[i])
-        tops.append(None if i == 0 else {_token_str(engine, t): v for t, v in zip(lp.top_token_ids[i], lp.top_logprobs[i])})
+        top: Optional[Dict[str, float]] = None
+        if i > 0:
+            top = {}
+            for t, v in zip(lp.top_token_ids[i], lp.top_logprobs[i]):
+                top.setdefault(_token_str(engine, t), v)  # ids that decode alike keep the likelier value
+        tops.append(top)
         offsets.append(off)
         off += len(s)
     return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
@@ -506,8 +511,9 @@ async def _completion_sse(ctx: ServerContext, req: CompletionRequest, streams: L
             body["usage"] = usage
         return _sse(body)
 
+    merged = _merged(streams, request)
     try:
-        async for i, out in _merged(streams, request):
+        async for i, out in merged:
             text, ids = deltas[i].next(out)
             if not echoed[i]:
                 text = _prompt_text(engine, out) + text
@@ -528,6 +534,8 @@ async def _completion_sse(ctx: ServerContext, req: CompletionRequest, streams: L
         yield "data: [DONE]\n\n"
     except (RequestError, EngineDeadError, OpenAIError) as exc:
         yield _stream_error_events(exc)
+    finally:
+        await merged.aclose()
 
 
 async def _chat_sse(ctx: ServerContext, req: ChatCompletionRequest, streams: List[RequestStream],
@@ -543,10 +551,11 @@ async def _chat_sse(ctx: ServerContext, req: ChatCompletionRequest, streams: Lis
             body["usage"] = usage
         return _sse(body)
 
+    merged = _merged(streams, request)
     try:
         yield chunk([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                       "finish_reason": None}])
-        async for _, out in _merged(streams, request):
+        async for _, out in merged:
             text, ids = delta.next(out)
             c = out.outputs[0]
             choice: Dict[str, Any] = {"index": 0, "delta": {"content": text}, "logprobs": None,
@@ -564,3 +573,5 @@ async def _chat_sse(ctx: ServerContext, req: ChatCompletionRequest, streams: Lis
         yield "data: [DONE]\n\n"
     except (RequestError, EngineDeadError, OpenAIError) as exc:
         yield _stream_error_events(exc)
+    finally:
+        await merged.aclose()

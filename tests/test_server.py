@@ -1,0 +1,380 @@
+"""End-to-end tests of `mtpspec serve` (a real server subprocess on 127.0.0.1) on a tiny random checkpoint.
+
+References: the offline ``LLM.generate`` (same checkpoint and settings) for every greedy output,
+and Hugging Face ``transformers``' own model for log-probabilities.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import time
+
+import httpx
+import pytest
+import torch
+
+from test_server_fixtures import ServerProcess, gsm8k_rows, make_served_model, metric_value
+
+from mtpspec import LLM, SamplingParams
+
+MAX_LEN = 512
+K = 3
+SERVER_ARGS = ["-k", str(K), "--max-num-seqs", "8", "--max-model-len", str(MAX_LEN), "--max-queue-len", "256",
+               "--debug-fault-marker", "FAULT-HERE"]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("served_model"))
+    make_served_model(path, seed=3)
+    return path
+
+
+@pytest.fixture(scope="module")
+def server(model_dir):
+    srv = ServerProcess(model_dir, SERVER_ARGS)
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def offline(model_dir):
+    llm = LLM(model_dir, device="cpu", max_num_seqs=8, max_model_len=MAX_LEN,
+              speculative_config={"method": "mtp", "num_speculative_tokens": K, "use_local_argmax_reduction": True})
+    yield llm
+    llm.shutdown()
+
+
+def _post(srv, path, body, timeout=60.0):
+    return httpx.post(srv.url + path, json=body, timeout=timeout)
+
+
+def _sse_events(resp):
+    events = []
+    for line in resp.iter_lines():
+        if line.startswith("data: "):
+            events.append(line[len("data: "):])
+    return events
+
+
+def _prompts(n, seed=0):
+    rows = gsm8k_rows("test", n + seed)[seed:]
+    # mixed lengths: cut each question at a different word count
+    return [" ".join(r["question"].split()[: 3 + (i * 7) % 40]) for i, r in enumerate(rows)]
+
+
+def _metrics(srv):
+    return httpx.get(srv.url + "/metrics", timeout=10).text
+
+
+# ---------------------------------------------------------------------------- basics
+def test_health_models_metrics(server):
+    assert httpx.get(server.url + "/health").json() == {"status": "ok"}
+    data = httpx.get(server.url + "/v1/models").json()["data"]
+    assert len(data) == 1 and data[0]["max_model_len"] == MAX_LEN and data[0]["vocab_size"] == 301
+    info = data[0]["mtpspec"]
+    assert info["num_speculative_tokens"] == K and info["fusion"] and info["local_argmax"] and not info["synthetic"]
+    text = _metrics(server)
+    total = metric_value(text, "mtpspec:kv_cache_total_blocks")
+    assert total > 0 and metric_value(text, "mtpspec:kv_cache_free_blocks") == total
+    for j in range(K):
+        metric_value(text, "mtpspec:spec_decode_num_accepted_tokens_per_pos_total", {"position": str(j)})
+    assert metric_value(text, "mtpspec:forced_acceptance") == 0
+
+
+def test_completion_equals_offline(server, offline):
+    prompt = _prompts(1, seed=5)[0]
+    r = _post(server, "/v1/completions", {"prompt": prompt, "max_tokens": 20, "temperature": 0,
+                                          "return_token_ids": True})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    ref = offline.generate(prompt, SamplingParams(temperature=0, max_tokens=20))[0]
+    ch = body["choices"][0]
+    assert ch["token_ids"] == ref.outputs[0].token_ids
+    assert ch["text"] == ref.outputs[0].text
+    assert ch["finish_reason"] == ref.outputs[0].finish_reason
+    assert ch["prompt_token_ids"] == ref.prompt_token_ids
+    assert body["usage"] == {"prompt_tokens": len(ref.prompt_token_ids),
+                             "completion_tokens": len(ref.outputs[0].token_ids),
+                             "total_tokens": len(ref.prompt_token_ids) + len(ref.outputs[0].token_ids)}
+    assert body["object"] == "text_completion" and body["model"] == server_model_name(server)
+
+
+def server_model_name(srv):
+    return httpx.get(srv.url + "/v1/models").json()["data"][0]["id"]
+
+
+def test_list_prompts_and_token_ids(server, offline):
+    texts = _prompts(3, seed=11)
+    ids = [offline.get_tokenizer().encode(t) for t in texts]
+    params = SamplingParams(temperature=0, max_tokens=12)
+    ref = offline.generate(texts, params, use_tqdm=False)
+    for prompt in (texts, ids):
+        r = _post(server, "/v1/completions", {"prompt": prompt, "max_tokens": 12, "temperature": 0,
+                                              "return_token_ids": True, "model": server_model_name(server)})
+        assert r.status_code == 200, r.text
+        choices = sorted(r.json()["choices"], key=lambda c: c["index"])
+        assert [c["token_ids"] for c in choices] == [o.outputs[0].token_ids for o in ref]
+    r = _post(server, "/v1/completions", {"prompt": ids[0], "max_tokens": 12, "temperature": 0,
+                                          "return_token_ids": True})
+    assert r.json()["choices"][0]["token_ids"] == ref[0].outputs[0].token_ids
+
+
+def test_streaming_equals_non_streaming(server):
+    prompt = _prompts(1, seed=21)[0]
+    base = {"prompt": prompt, "max_tokens": 24, "temperature": 0, "return_token_ids": True}
+    full = _post(server, "/v1/completions", base).json()["choices"][0]
+    with httpx.stream("POST", server.url + "/v1/completions", timeout=60,
+                      json={**base, "stream": True, "stream_options": {"include_usage": True}}) as resp:
+        assert resp.status_code == 200 and resp.headers["content-type"].startswith("text/event-stream")
+        events = _sse_events(resp)
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    usage = chunks[-1]
+    assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == len(full["token_ids"])
+    body = chunks[:-1]
+    assert "".join(c["choices"][0]["text"] for c in body) == full["text"]
+    assert sum((c["choices"][0]["token_ids"] for c in body), []) == full["token_ids"]
+    assert [c["choices"][0]["finish_reason"] for c in body][-1] == full["finish_reason"]
+    assert all(c["choices"][0]["finish_reason"] is None for c in body[:-1])
+
+
+def test_stop_string_cut_and_never_streamed(server, offline):
+    prompt = _prompts(1, seed=30)[0]
+    full = offline.generate(prompt, SamplingParams(temperature=0, max_tokens=40))[0].outputs[0].text
+    assert len(full) > 12, full
+    stop = full[8:11]
+    cut = full[:full.find(stop)]
+    r = _post(server, "/v1/completions", {"prompt": prompt, "max_tokens": 40, "temperature": 0, "stop": [stop]})
+    ch = r.json()["choices"][0]
+    assert ch["text"] == cut and ch["finish_reason"] == "stop" and ch["stop_reason"] == stop
+    with httpx.stream("POST", server.url + "/v1/completions", timeout=60,
+                      json={"prompt": prompt, "max_tokens": 40, "temperature": 0, "stop": stop, "stream": True}) as s:
+        events = _sse_events(s)
+    texts = [json.loads(e)["choices"][0]["text"] for e in events[:-1]]
+    streamed = ""
+    for t in texts:
+        streamed += t
+        assert stop not in streamed
+    assert streamed == cut
+
+
+def test_echo_logprobs_match_transformers(server, model_dir):
+    from transformers import AutoModelForCausalLM
+    prompt = _prompts(1, seed=40)[0]
+    r = _post(server, "/v1/completions", {"prompt": prompt, "max_tokens": 4, "temperature": 0, "echo": True,
+                                          "logprobs": 2, "return_token_ids": True})
+    assert r.status_code == 200, r.text
+    ch = r.json()["choices"][0]
+    assert ch["text"].startswith(prompt)
+    ids = ch["prompt_token_ids"] + ch["token_ids"]
+    lp = ch["logprobs"]
+    assert len(lp["token_logprobs"]) == len(ids) and lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        ref = torch.log_softmax(hf(torch.tensor([ids])).logits[0].double(), -1)
+    for i in range(1, len(ids)):
+        assert math.isclose(lp["token_logprobs"][i], ref[i - 1, ids[i]].item(), abs_tol=2e-4)
+        top = sorted(lp["top_logprobs"][i].values(), reverse=True)
+        assert math.isclose(top[0], ref[i - 1].max().item(), abs_tol=2e-4)
+    # greedy outputs are the argmax: their logprob is the top one
+    n_prompt = len(ch["prompt_token_ids"])
+    for i in range(n_prompt, len(ids)):
+        assert math.isclose(lp["token_logprobs"][i], max(lp["top_logprobs"][i].values()), abs_tol=1e-6)
+    # prompt scoring alone (max_tokens 0 + echo), as lm-eval's loglikelihood would ask
+    r0 = _post(server, "/v1/completions", {"prompt": prompt, "max_tokens": 0, "echo": True, "logprobs": 1})
+    lp0 = r0.json()["choices"][0]["logprobs"]["token_logprobs"]
+    assert len(lp0) == n_prompt and lp0[0] is None
+    assert all(math.isclose(a, b, abs_tol=1e-4) for a, b in zip(lp0[1:], lp["token_logprobs"][1:n_prompt]))
+
+
+def test_chat_plain_template(server, offline):
+    from mtpspec.entrypoints.chat_template import render_plain
+    msgs = [{"role": "system", "content": "Solve it."}, {"role": "user", "content": "What is 2 + 3?"}]
+    r = _post(server, "/v1/chat/completions", {"messages": msgs, "max_tokens": 16, "temperature": 0,
+                                               "return_token_ids": True})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    ch = body["choices"][0]
+    assert body["object"] == "chat.completion" and ch["message"]["role"] == "assistant"
+    prompt = render_plain([(m["role"], m["content"]) for m in msgs])
+    assert prompt == "Solve it.\n\nQuestion: What is 2 + 3?\nAnswer:"
+    ref = offline.generate(prompt, SamplingParams(temperature=0, max_tokens=16, stop=["Question:"]))[0]
+    assert ch["token_ids"] == ref.outputs[0].token_ids and ch["message"]["content"] == ref.outputs[0].text
+    with httpx.stream("POST", server.url + "/v1/chat/completions", timeout=60,
+                      json={"messages": msgs, "max_tokens": 16, "temperature": 0, "stream": True}) as s:
+        events = _sse_events(s)
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert events[-1] == "[DONE]" and chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+    assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks) == ch["message"]["content"]
+
+
+# ---------------------------------------------------------------------------- errors
+BAD_COMPLETIONS = [
+    ({"max_tokens": 4}, "prompt"),                                 # missing prompt
+    ({"prompt": "hi", "max_tokens": 4, "bogus": 1}, "bogus"),      # unknown field
+    ({"prompt": "hi", "model": "no-such-model"}, "model"),
+    ({"prompt": ""}, "empty"),
+    ({"prompt": []}, "empty"),
+    ({"prompt": [5, 301]}, "vocabulary"),
+    ({"prompt": [7] * MAX_LEN}, "max_model_len"),                   # over-long prompt
+    ({"prompt": "hi", "temperature": -0.5}, "temperature"),
+    ({"prompt": "hi", "temperature": "hot"}, "temperature"),
+    ({"prompt": "hi", "top_p": 0}, "top_p"),
+    ({"prompt": "hi", "top_p": 1.5}, "top_p"),
+    ({"prompt": "hi", "top_k": -3}, "top_k"),
+    ({"prompt": "hi", "max_tokens": -1}, "max_tokens"),
+    ({"prompt": "hi", "max_tokens": 0}, "max_tokens"),
+    ({"prompt": "hi", "stop": [""]}, "stop"),
+    ({"prompt": "hi", "n": 2}, "n="),
+    ({"prompt": "hi", "logprobs": 50}, "logprobs"),
+    ({"prompt": "hi", "seed": "abc"}, "seed"),
+    ({"prompt": "hi", "presence_penalty": 0.5}, "presence_penalty"),
+]
+
+
+@pytest.mark.parametrize("body,needle", BAD_COMPLETIONS)
+def test_bad_completion_requests_get_400(server, body, needle):
+    r = _post(server, "/v1/completions", body)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["type"] == "invalid_request_error" and err["code"] == 400
+    assert needle in err["message"] or needle == err["param"], err
+
+
+def test_bad_bodies_and_chat_get_400(server):
+    for raw in (b"{not json", b"[1, 2]", b"\xff\xfe"):
+        r = httpx.post(server.url + "/v1/completions", content=raw, headers={"content-type": "application/json"})
+        assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error", r.text
+    for body in ({"messages": []}, {"messages": [{"role": "wizard", "content": "x"}]},
+                 {"messages": [{"role": "user", "content": "x"}], "model": "other"},
+                 {"messages": [{"role": "user", "content": "x"}], "top_p": -1}):
+        r = _post(server, "/v1/chat/completions", body)
+        assert r.status_code == 400 and r.json()["error"]["code"] == 400, (body, r.text)
+    # the server keeps serving
+    r = _post(server, "/v1/completions", {"prompt": "Ok", "max_tokens": 3, "temperature": 0})
+    assert r.status_code == 200 and httpx.get(server.url + "/health").status_code == 200
+
+
+# ---------------------------------------------------------------------------- concurrency
+def test_32_concurrent_requests_equal_offline(server, offline):
+    prompts = _prompts(32, seed=100)
+    params = SamplingParams(temperature=0, max_tokens=16)
+    ref = offline.generate(prompts, params, use_tqdm=False)
+    before = _metrics(server)
+
+    async def go():
+        async with httpx.AsyncClient(timeout=120) as c:
+            reqs = [c.post(server.url + "/v1/completions",
+                           json={"prompt": p, "max_tokens": 16, "temperature": 0, "return_token_ids": True})
+                    for p in prompts]
+            return await asyncio.gather(*reqs)
+
+    resps = asyncio.run(go())
+    assert all(r.status_code == 200 for r in resps), [r.text for r in resps if r.status_code != 200]
+    got = [r.json()["choices"][0] for r in resps]
+    assert [g["token_ids"] for g in got] == [o.outputs[0].token_ids for o in ref]
+    assert [g["text"] for g in got] == [o.outputs[0].text for o in ref]
+    after = _metrics(server)
+    steps = metric_value(after, "mtpspec:engine_steps_total") - metric_value(before, "mtpspec:engine_steps_total")
+    toks = sum(len(o.outputs[0].token_ids) for o in ref)
+    assert steps < toks / 2, (steps, toks)  # requests shared steps (continuous batching)
+    assert metric_value(after, "mtpspec:kv_cache_free_blocks") == metric_value(after, "mtpspec:kv_cache_total_blocks")
+
+
+def _wait_metric(srv, name, pred, timeout=30.0, labels=None):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        v = metric_value(_metrics(srv), name, labels)
+        if pred(v):
+            return v
+        time.sleep(0.05)
+    raise AssertionError(f"{name} did not reach the expected value (last {v})")
+
+
+def test_disconnect_aborts_and_frees_blocks(server):
+    text = _metrics(server)
+    total = metric_value(text, "mtpspec:kv_cache_total_blocks")
+    aborted0 = metric_value(text, "mtpspec:request_aborted_total")
+    gen0 = metric_value(text, "mtpspec:generation_tokens_total")
+    body = {"prompt": "A long story:", "max_tokens": 400, "temperature": 0, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as s:
+        lines = s.iter_lines()
+        got = 0
+        for line in lines:
+            if line.startswith("data: "):
+                got += 1
+                if got == 3:
+                    break
+        v = metric_value(_metrics(server), "mtpspec:kv_cache_free_blocks")
+        assert v < total  # the request holds blocks while it runs
+    _wait_metric(server, "mtpspec:request_aborted_total", lambda v: v == aborted0 + 1)
+    _wait_metric(server, "mtpspec:kv_cache_free_blocks", lambda v: v == total)
+    after = _metrics(server)
+    assert metric_value(after, "mtpspec:num_requests_running") == 0
+    assert metric_value(after, "mtpspec:generation_tokens_total") - gen0 < 400
+    # non-streaming: the client gives up (timeout) and the server aborts the request too
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(server.url + "/v1/completions", timeout=1.0,
+                   json={"prompt": "Another long story:", "max_tokens": 480, "temperature": 0, "ignore_eos": True})
+    _wait_metric(server, "mtpspec:request_aborted_total", lambda v: v == aborted0 + 2)
+    _wait_metric(server, "mtpspec:kv_cache_free_blocks", lambda v: v == total)
+
+
+# ---------------------------------------------------------------------------- queue limit and faults
+@pytest.fixture(scope="module")
+def small_server(model_dir):
+    srv = ServerProcess(model_dir, ["-k", "1", "--max-num-seqs", "1", "--max-queue-len", "1", "--max-model-len",
+                                    str(MAX_LEN)])
+    yield srv
+    srv.stop()
+
+
+def test_full_queue_gets_503(small_server):
+    srv = small_server
+    long_body = {"prompt": "Count:", "max_tokens": 450, "temperature": 0, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", srv.url + "/v1/completions", json=long_body, timeout=60) as a:
+        a_lines = a.iter_lines()  # keep the iterator: dropping it closes the connection (= disconnect)
+        assert next(a_lines).startswith("data: ")  # A runs
+        with httpx.stream("POST", srv.url + "/v1/completions", json=long_body, timeout=60) as b:
+            assert b.status_code == 200
+            _wait_metric(srv, "mtpspec:num_requests_waiting", lambda v: v == 1)  # B waits (max_num_seqs 1)
+            r = _post(srv, "/v1/completions", {"prompt": "C", "max_tokens": 2})
+            assert r.status_code == 503, r.text
+            err = r.json()["error"]
+            assert err["code"] == 503 and "queue is full" in err["message"]
+    total = metric_value(_metrics(srv), "mtpspec:kv_cache_total_blocks")
+    _wait_metric(srv, "mtpspec:kv_cache_free_blocks", lambda v: v == total)
+    _wait_metric(srv, "mtpspec:num_requests_waiting", lambda v: v == 0)
+    r = _post(srv, "/v1/completions", {"prompt": "C", "max_tokens": 2})
+    assert r.status_code == 200, r.text
+
+
+def test_fault_in_one_request_fails_only_it(server, offline):
+    srv = server
+    ref = offline.generate([f"Fine {i}" for i in range(3)], SamplingParams(temperature=0, max_tokens=6), use_tqdm=False)
+    failed0 = metric_value(_metrics(srv), "mtpspec:request_failed_total")
+
+    async def go():
+        async with httpx.AsyncClient(timeout=120) as c:
+            ok = [c.post(srv.url + "/v1/completions", json={"prompt": f"Fine {i}", "max_tokens": 6, "temperature": 0,
+                                                            "return_token_ids": True}) for i in range(3)]
+            bad = c.post(srv.url + "/v1/completions", json={"prompt": "FAULT-HERE please", "max_tokens": 6})
+            return await asyncio.gather(bad, *ok)
+
+    bad, *ok = asyncio.run(go())
+    assert bad.status_code == 500 and "injected fault" in bad.json()["error"]["message"], bad.text
+    assert all(r.status_code == 200 for r in ok), [r.text for r in ok]
+    assert [r.json()["choices"][0]["token_ids"] for r in ok] == [o.outputs[0].token_ids for o in ref]
+    text = _metrics(srv)
+    assert metric_value(text, "mtpspec:request_failed_total") == failed0 + 1
+    assert metric_value(text, "mtpspec:kv_cache_free_blocks") == metric_value(text, "mtpspec:kv_cache_total_blocks")
+    # streaming: the failing request gets an error event, then [DONE]
+    with httpx.stream("POST", srv.url + "/v1/completions", timeout=60,
+                      json={"prompt": "FAULT-HERE", "max_tokens": 6, "stream": True}) as s:
+        events = _sse_events(s)
+    assert events[-1] == "[DONE]" and json.loads(events[-2])["error"]["code"] == 500
+    assert httpx.get(srv.url + "/health").status_code == 200
