@@ -14,9 +14,12 @@ tensors ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` assigned to ``la
 
 Attention itself: Vaswani et al. 2017, "Attention Is All You Need", eq. 1, with grouped kv heads
 (Ainslie et al. 2023, "GQA"): query head ``h`` uses kv head ``h // (num_heads / num_kv_heads)``.
-This file has the torch path: every sequence of the batch in one padded SDPA call (keys gathered
-from the paged cache through the block tables), no host sync beyond the metadata's host lists
-and the cache write's valid-row mask; a fused GPU kernel may replace it behind the same contract.
+Two paths behind one contract, both without host syncs or data-dependent shapes (so a model
+forward can be captured as a CUDA graph): the Triton paged-attention kernel
+(:mod:`mtpspec.ops.paged_attention`: decode, verification and draft steps on GPU, and any batch
+whose metadata has no host lists), and a torch path with every sequence of the batch in one
+padded SDPA call (keys gathered from the paged cache through the block tables; prefill and CPU).
+The host lists of :class:`AttentionMetadata` are optional hints; no path requires them.
 """
 
 from __future__ import annotations
@@ -28,6 +31,14 @@ from typing import Iterator, List, Optional, Sequence, Union
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from mtpspec.ops.paged_attention import paged_attention, write_kv_cache, write_kv_cache_ref
+from mtpspec.ops.triton_utils import FLOAT_DTYPES, use_triton
+
+#: Longest ``max_query_len`` (host int of the metadata) sent to the Triton kernel when host lists
+#: are present; longer (prefill / mixed) batches take the SDPA path. Without host lists (the
+#: CUDA-graph metadata) the kernel is always used where Triton runs.
+KERNEL_MAX_QUERY_LEN = 16
 
 
 @dataclass
@@ -43,9 +54,13 @@ class AttentionMetadata:
         block_tables: ``[num_seqs, max_blocks_per_seq]`` int32 block ids (entries past a
             sequence's blocks: any value, e.g. -1), or ``None`` when no KV cache is used.
 
-    Host-side copies (no device sync needed to read them):
-        num_seqs, max_query_len, max_seq_len: ints.
-        query_lens, seq_lens_list: python lists of ints, one per sequence.
+    Host-side values (no device sync needed to read them):
+        num_seqs: sequences (rows of ``seq_lens`` / ``block_tables`` used).
+        max_query_len: an upper bound of every ``q_len`` (exact, or static under CUDA graphs).
+        max_seq_len: an upper bound of every ``seq_len`` (idem).
+        query_lens, seq_lens_list: optional python lists of ints, one per sequence (empty when
+            unknown, e.g. in captured CUDA-graph metadata); only used for input checks and the
+            no-cache equal-length fast path, never required.
     """
 
     query_start_loc: torch.Tensor
@@ -226,6 +241,16 @@ class Attention(nn.Module):
         With a cache, the K/V of rows whose slot is >= 0 are written first, then query ``j`` of
         sequence ``i`` attends to cache positions ``0 .. seq_len_i - q_len_i + j``. Without a
         cache, each sequence attends causally within its own new tokens.
+
+        Paths (every one sync-free given the metadata's host ints, so CUDA-graph capturable):
+        with a cache, the KV write is :func:`~mtpspec.ops.paged_attention.write_kv_cache` and
+        attention is the Triton kernel :func:`~mtpspec.ops.paged_attention.paged_attention`
+        when :func:`use_attention_kernel` says so (CUDA or ``TRITON_INTERPRET=1``, and short
+        queries or no host lists), else one padded SDPA call over all sequences.
+
+        Raises:
+            ValueError: the metadata covers more tokens than the batch has (known from host
+                lists), ``slot_mapping`` is shorter than the batch, or a cache without block tables.
         """
         t = q.shape[0]
         qh = q.view(t, self.num_heads, self.head_dim)
@@ -236,68 +261,81 @@ class Attention(nn.Module):
             return self._sdpa(qh, kh, vh, None) if t else q.new_zeros(0, self.num_heads * self.head_dim)
         b = meta.num_seqs
         q_lens = meta.query_lens
-        n_real = sum(q_lens) if q_lens else int(meta.query_start_loc[-1])
-        if n_real > t:
-            raise ValueError(f"attention metadata covers {n_real} tokens but the batch has {t} rows")
-        if self.kv_cache is None and n_real == t and q_lens and len(set(q_lens)) == 1:
+        if q_lens and sum(q_lens) > t:
+            raise ValueError(f"attention metadata covers {sum(q_lens)} tokens but the batch has {t} rows")
+        if self.kv_cache is None and q_lens and sum(q_lens) == t and len(set(q_lens)) == 1:
             # Equal-length sequences and no padding rows (training batches): one batched call.
             return self._sdpa_batched(qh, kh, vh, len(q_lens))
         qsl = meta.query_start_loc[:b + 1].long()
         q_len_t = qsl[1:] - qsl[:-1]
         if self.kv_cache is None:  # each sequence sees only its own new tokens
             return self._paged_batched(qh, kh, vh, None, qsl, q_len_t, q_len_t, meta.max_query_len,
-                                       meta.max_query_len, n_real, t)
+                                       meta.max_query_len)
         cache = self._check_cache()
         if meta.block_tables is None:
             raise ValueError("a KV cache is attached but the attention metadata has no block_tables")
+        if meta.slot_mapping.shape[0] < t:
+            raise ValueError(f"slot_mapping has {meta.slot_mapping.shape[0]} entries for {t} rows; give every row "
+                             "a slot (-1 for padding rows)")
+        write_kv_cache(kh, vh, cache[0], cache[1], meta.slot_mapping[:t])
+        if cache.dtype == q.dtype and use_attention_kernel(qh, meta):
+            out = paged_attention(qh, cache[0], cache[1], meta.query_start_loc[:b + 1], meta.seq_lens[:b],
+                                  meta.block_tables[:b], self.scale, meta.max_query_len, meta.max_seq_len)
+            return out.view(t, self.num_heads * self.head_dim)
         k_src = cache[0].view(-1, self.num_kv_heads, self.head_dim)
         v_src = cache[1].view(-1, self.num_kv_heads, self.head_dim)
-        _write_kv(k_src, v_src, kh[:n_real], vh[:n_real], meta.slot_mapping[:n_real])
         bs = cache.shape[2]
         pos = torch.arange(meta.max_seq_len, device=q.device)
         blocks = meta.block_tables.long()[:b].index_select(1, (pos // bs).clamp(max=meta.block_tables.shape[1] - 1))
         key_slots = (blocks * bs + pos % bs).clamp(0, k_src.shape[0] - 1)  # [B, max_s]; masked below
         return self._paged_batched(qh, k_src, v_src, key_slots, qsl, q_len_t, meta.seq_lens[:b].long(),
-                                   meta.max_query_len, meta.max_seq_len, n_real, t)
+                                   meta.max_query_len, meta.max_seq_len)
 
     def _paged_batched(self, qh: torch.Tensor, k_src: torch.Tensor, v_src: torch.Tensor,
                        key_slots: Optional[torch.Tensor], qsl: torch.Tensor, q_len_t: torch.Tensor,
-                       key_len_t: torch.Tensor, max_q: int, max_s: int, n_real: int, t: int) -> torch.Tensor:
-        """All sequences in one SDPA call, padded to ``[B, max_q]`` queries and ``[B, max_s]`` keys.
+                       key_len_t: torch.Tensor, max_q: int, max_s: int) -> torch.Tensor:
+        """All sequences in one SDPA call, padded to ``[B + 1, max_q]`` queries and ``[B + 1, max_s]`` keys.
 
         Query ``j`` of sequence ``i`` sits at absolute position ``key_len_i - q_len_i + j`` and may
         attend key positions ``<= that`` and ``< key_len_i``. Keys come from ``k_src[key_slots]``
-        (cache) or, without a cache, from the sequence's own rows. Padded query rows always see key
-        0 (no all-masked row, hence no NaN) and are dropped. Device tensors and host ints only: no
-        host sync.
+        (cache) or, without a cache, from the sequence's own rows. Every row of the batch is
+        placed: real rows by ``searchsorted`` over ``query_start_loc``, padding rows (past
+        ``query_start_loc[-1]``) into an extra dummy sequence ``B`` whose output is replaced by
+        zeros. Padded query slots always see key 0 (no all-masked row, hence no NaN). Device
+        tensors and host ints only: no host sync, no data-dependent shape.
         """
         dev = qh.device
+        t = qh.shape[0]
         b = q_len_t.shape[0]
-        tok_seq = torch.repeat_interleave(torch.arange(b, device=dev), q_len_t, output_size=n_real)
-        tok_off = torch.arange(n_real, device=dev) - qsl.index_select(0, tok_seq)
-        qp = qh.new_zeros(b, max_q, self.num_heads, self.head_dim)
-        qp[tok_seq, tok_off] = qh[:n_real]
+        rows = torch.arange(t, device=dev)
+        tok_seq = torch.searchsorted(qsl[1:].contiguous(), rows, right=True)  # b for padding rows
+        real = tok_seq < b
+        tok_off = (rows - qsl.index_select(0, tok_seq)).clamp(0, max(max_q - 1, 0))
+        qp = qh.new_zeros(b + 1, max_q, self.num_heads, self.head_dim)
+        qp[tok_seq, tok_off] = qh
+        q_len_x = torch.cat([q_len_t, q_len_t.new_zeros(1)])
+        key_len_x = torch.cat([key_len_t, key_len_t.new_zeros(1)])
         if key_slots is None:
-            kp = qh.new_zeros(b, max_s, self.num_kv_heads, self.head_dim)
+            kp = qh.new_zeros(b + 1, max_s, self.num_kv_heads, self.head_dim)
             vp = torch.zeros_like(kp)
-            kp[tok_seq, tok_off] = k_src[:n_real]
-            vp[tok_seq, tok_off] = v_src[:n_real]
+            kp[tok_seq, tok_off] = k_src.to(qh.dtype)
+            vp[tok_seq, tok_off] = v_src.to(qh.dtype)
         else:
-            kp = k_src[key_slots].to(qh.dtype)  # [B, max_s, nkv, hd]
+            key_slots = torch.cat([key_slots, key_slots.new_zeros(1, key_slots.shape[1])])
+            kp = k_src[key_slots].to(qh.dtype)  # [B + 1, max_s, nkv, hd]
             vp = v_src[key_slots].to(qh.dtype)
         key_pos = torch.arange(max_s, device=dev)
-        q_abs = (key_len_t - q_len_t)[:, None] + torch.arange(max_q, device=dev)[None, :]  # [B, max_q]
-        mask = (key_pos[None, None, :] <= q_abs[:, :, None]) & (key_pos[None, :] < key_len_t[:, None])[:, None, :]
-        mask[:, :, 0] = True  # padded query rows: keep one key (their output is dropped)
+        q_abs = (key_len_x - q_len_x)[:, None] + torch.arange(max_q, device=dev)[None, :]  # [B + 1, max_q]
+        mask = (key_pos[None, None, :] <= q_abs[:, :, None]) & (key_pos[None, :] < key_len_x[:, None])[:, None, :]
+        mask[:, :, 0] = True  # padded query slots: keep one key (their output is dropped)
         rep = self.num_heads // self.num_kv_heads
         if rep > 1:
             kp = kp.repeat_interleave(rep, dim=2)
             vp = vp.repeat_interleave(rep, dim=2)
         o = F.scaled_dot_product_attention(qp.transpose(1, 2), kp.transpose(1, 2), vp.transpose(1, 2),
-                                           attn_mask=mask[:, None], scale=self.scale)  # [B, nh, max_q, hd]
-        out = qh.new_zeros(t, self.num_heads * self.head_dim)
-        out[:n_real] = o.transpose(1, 2)[tok_seq, tok_off].reshape(n_real, self.num_heads * self.head_dim)
-        return out
+                                           attn_mask=mask[:, None], scale=self.scale)  # [B + 1, nh, max_q, hd]
+        out = o.transpose(1, 2)[tok_seq, tok_off].reshape(t, self.num_heads * self.head_dim)
+        return torch.where(real[:, None], out, torch.zeros_like(out))
 
     def extra_repr(self) -> str:
         return f"num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}"
@@ -305,23 +343,19 @@ class Attention(nn.Module):
 
 def _write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
               slots: torch.Tensor) -> None:
-    """Write rows ``k``/``v`` ``[n, nkv, hd]`` to cache slots ``slots [n]``; rows with slot -1 are skipped.
+    """Torch, sync-free: write rows ``k``/``v`` ``[n, nkv, hd]`` to flat caches ``[num_slots, nkv, hd]``
+    at ``slots [n]``; rows with slot -1 are skipped (:func:`~mtpspec.ops.paged_attention.write_kv_cache_ref`)."""
+    write_kv_cache_ref(k, v, k_cache, v_cache, slots)
 
-    Sync-free: a skipped row is redirected to the first valid row's slot with that row's values
-    (duplicate indices then carry identical data, so the result does not depend on write order);
-    with no valid row at all, slot 0 is rewritten with its own content.
-    """
-    if slots.numel() == 0:
-        return
-    valid = slots >= 0
-    any_valid = valid.any()
-    first = torch.argmax(valid.to(torch.int8))
-    fb_slot = torch.where(any_valid, slots[first], torch.zeros_like(slots[first]))
-    idx = torch.where(valid, slots, fb_slot)
-    for cache, new in ((k_cache, k), (v_cache, v)):
-        new = new.to(cache.dtype)
-        fb_val = torch.where(any_valid, new[first], cache[0])
-        cache.index_copy_(0, idx, torch.where(valid[:, None, None], new, fb_val))
+
+def use_attention_kernel(q: torch.Tensor, meta: AttentionMetadata) -> bool:
+    """Whether attention over ``meta`` runs the Triton paged kernel: Triton runs on ``q``
+    (CUDA, or ``TRITON_INTERPRET=1``), ``q`` is fp16/bf16/fp32, and either
+    ``meta.max_query_len <= KERNEL_MAX_QUERY_LEN`` (decode, verify, draft steps) or the metadata
+    has no host lists. Depends only on static things, so a captured graph always takes one path."""
+    if not use_triton(q) or q.dtype not in FLOAT_DTYPES:
+        return False
+    return meta.max_query_len <= KERNEL_MAX_QUERY_LEN or not meta.query_lens
 
 
 def collect_attention_layers(model: nn.Module) -> List[Attention]:

@@ -1,0 +1,472 @@
+"""Paged attention over a flattened varlen batch, and the paged KV-cache write; both CUDA-graph safe.
+
+Layout (the contract of :mod:`mtpspec.layers.attention`): sequence ``i`` owns query rows
+``query_start_loc[i] .. query_start_loc[i + 1] - 1`` of the flattened batch and has ``seq_lens[i]``
+tokens after them, so its query ``j`` sits at absolute position ``seq_lens[i] - q_len_i + j`` and
+attends cache positions ``0 ..`` that position. Position ``p`` of sequence ``i`` lives in cache
+block ``block_tables[i, p // block_size]``, offset ``p % block_size``. Grouped-query attention
+(Ainslie et al. 2023): query head ``h`` reads kv head ``h // (num_heads / num_kv_heads)``.
+
+Algorithm: online softmax with a split over the key axis, i.e. FlashAttention-2 (Dao 2023,
+"FlashAttention-2", Algorithm 1: running row max ``m``, running sum ``l``, rescaled accumulator,
+one division at the end) plus flash-decoding (Dao, Haziza, Massa, Sizov 2023, "Flash-Decoding for
+long-context inference": keys cut into ``S`` splits processed by separate programs, whose partial
+``(m, l, acc)`` are combined by a second kernel with weights ``2^(m_s - max_s m_s)``). Scores are
+kept in base 2 (``exp2``, scale multiplied by ``log2 e``), all softmax statistics in fp32.
+
+Kernel layout: one program per ``(sequence, block of BLOCK_Q query rows, kv head, split)``. Its
+``BLOCK_M = BLOCK_Q * REP_P`` matrix rows are the block's query rows times the kv head's
+``REP = num_heads / num_kv_heads`` query heads (``REP_P``: next power of two), so each K/V tile
+read from the cache serves every query head of the group and the ``1 + k`` rows of a
+verification at once (``tl.dot`` on ``[BLOCK_M, D] x [D, BLOCK_N]``). Each split covers
+``ceil(ceil(n_keys / S) / BLOCK_N)`` tiles of the sequence's own key range, so every split has
+work whatever the sequence's length.
+
+CUDA-graph safety: the launch grid, the scratch shapes and every branch in Python depend only on
+tensor shapes and the host ints ``max_query_len`` (upper bound of any ``q_len``) and
+``max_seq_len`` (upper bound of any ``seq_len``; only used to choose ``S``). Lengths, slots and
+block ids are read on the device. Programs of query blocks past a sequence's ``q_len`` exit at
+once, so zero-length (padding) sequences cost one scalar load; rows past
+``query_start_loc[num_seqs]`` (padding rows) come out as zeros. :func:`write_kv_cache` skips
+rows with slot ``-1`` on the device.
+
+Dispatch (docs/structures.md): Triton on CUDA tensors and on CPU tensors under
+``TRITON_INTERPRET=1``; the torch references (``*_ref``, also sync-free) otherwise.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from mtpspec.ops.argmax import num_sms
+from mtpspec.ops.triton_utils import HAS_TRITON, LazyKernel, cdiv, interpreting, next_power_of_2, tl, use_triton
+
+#: Keys per inner-loop tile (may span several cache blocks).
+BLOCK_N = 64
+#: Matrix rows (query rows x heads of a kv group) a program aims at: 16 is the smallest
+#: ``tl.dot`` tile; longer queries (prefill) use ``PREFILL_BLOCK_M``.
+DECODE_BLOCK_M = 16
+PREFILL_BLOCK_M = 64
+#: Programs per SM the key split aims at (flash-decoding), and its limits.
+TARGET_PROGRAMS_PER_SM = 2
+MAX_SPLITS = 32
+MIN_KEYS_PER_SPLIT = 256
+#: Warps per attention program.
+NUM_WARPS = 4
+
+_LOG2E = 1.4426950408889634
+
+
+# ---------------------------------------------------------------- checks
+
+def _check_attention_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
+                            block_tables: torch.Tensor, max_query_len: int) -> None:
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("query_start_loc", query_start_loc),
+                    ("seq_lens", seq_lens), ("block_tables", block_tables)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"paged_attention: {name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.device != q.device:
+            raise ValueError(f"paged_attention: {name} is on {t.device} but q is on {q.device}")
+    if q.dim() != 3:
+        raise ValueError(f"paged_attention: q must be [num_tokens, num_heads, head_dim], got {list(q.shape)}")
+    if k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
+        raise ValueError("paged_attention: k_cache and v_cache must both be [num_blocks, block_size, num_kv_heads, "
+                         f"head_dim], got {list(k_cache.shape)} and {list(v_cache.shape)}")
+    nh, hd = q.shape[1], q.shape[2]
+    nkv = k_cache.shape[2]
+    if k_cache.shape[3] != hd:
+        raise ValueError(f"paged_attention: cache head_dim {k_cache.shape[3]} != q head_dim {hd}")
+    if nkv < 1 or nh % nkv:
+        raise ValueError(f"paged_attention: num_heads={nh} must be a positive multiple of num_kv_heads={nkv}")
+    if q.dtype not in (torch.float16, torch.bfloat16, torch.float32) or k_cache.dtype != q.dtype \
+            or v_cache.dtype != q.dtype:
+        raise TypeError(f"paged_attention: q and the caches must share one of float16/bfloat16/float32, got "
+                        f"{q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
+    if q.stride(2) != 1 or k_cache.stride(3) != 1 or v_cache.stride(3) != 1:
+        raise ValueError("paged_attention: q and the caches need unit stride in head_dim")
+    if query_start_loc.dim() != 1 or query_start_loc.shape[0] < 1:
+        raise ValueError(f"paged_attention: query_start_loc must be [num_seqs + 1], got {list(query_start_loc.shape)}")
+    b = query_start_loc.shape[0] - 1
+    if seq_lens.shape != (b,):
+        raise ValueError(f"paged_attention: seq_lens must be [num_seqs] = [{b}], got {list(seq_lens.shape)}")
+    if block_tables.dim() != 2 or block_tables.shape[0] != b:
+        raise ValueError(f"paged_attention: block_tables must be [num_seqs={b}, max_blocks], got "
+                         f"{list(block_tables.shape)}")
+    for name, t in (("query_start_loc", query_start_loc), ("seq_lens", seq_lens), ("block_tables", block_tables)):
+        if t.dtype not in (torch.int32, torch.int64):
+            raise TypeError(f"paged_attention: {name} must be int32 or int64, got {t.dtype}")
+    if block_tables.shape[1] and block_tables.stride(1) != 1:
+        raise ValueError("paged_attention: block_tables rows need unit stride")
+    if not isinstance(max_query_len, int) or isinstance(max_query_len, bool) or max_query_len < 0:
+        raise ValueError(f"paged_attention: max_query_len must be an int >= 0, got {max_query_len!r}")
+
+
+# ---------------------------------------------------------------- torch references
+
+def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                        query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
+                        scale: float, max_query_len: int, max_seq_len: int) -> torch.Tensor:
+    """Torch reference of :func:`paged_attention` (same arguments and result; fp32 softmax, or
+    float64 for float64 inputs). Sync-free like the kernel: every sequence is padded to
+    ``max_query_len`` queries and ``max_seq_len`` keys (``max_seq_len`` must bound every
+    ``seq_len``); memory ``O(num_seqs * max_query_len * num_heads * max_seq_len)``.
+    """
+    t, nh, hd = q.shape
+    b = seq_lens.shape[0]
+    nkv, bs = k_cache.shape[2], k_cache.shape[1]
+    rep = nh // nkv
+    dev = q.device
+    acc_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    out = torch.zeros(t, nh, hd, dtype=q.dtype, device=dev)
+    if t == 0 or b == 0 or max_query_len == 0 or max_seq_len == 0:
+        return out
+    qsl = query_start_loc.long()
+    starts, q_lens, s_lens = qsl[:-1], qsl[1:] - qsl[:-1], seq_lens.long()
+    j = torch.arange(max_query_len, device=dev)
+    rows = starts[:, None] + j[None, :]  # [B, Q]
+    row_ok = j[None, :] < q_lens[:, None]
+    qp = q.index_select(0, torch.where(row_ok, rows, 0).reshape(-1)).view(b, max_query_len, nh, hd)
+    pos = torch.arange(max_seq_len, device=dev)
+    width = block_tables.shape[1]
+    blocks = block_tables.long().index_select(1, (pos // bs).clamp(max=max(width - 1, 0)))
+    key_ok = pos[None, :] < s_lens[:, None]  # [B, S]
+    slots = torch.where(key_ok, blocks * bs + pos % bs, 0).clamp(0, k_cache.shape[0] * bs - 1)
+    kp = k_cache.reshape(-1, nkv, hd).index_select(0, slots.reshape(-1)).view(b, max_seq_len, nkv, hd)
+    vp = v_cache.reshape(-1, nkv, hd).index_select(0, slots.reshape(-1)).view(b, max_seq_len, nkv, hd)
+    kp = kp.to(acc_dtype).repeat_interleave(rep, dim=2)
+    vp = vp.to(acc_dtype).repeat_interleave(rep, dim=2)
+    s = torch.einsum("bqhd,bkhd->bhqk", qp.to(acc_dtype), kp) * scale
+    q_abs = (s_lens - q_lens)[:, None] + j[None, :]  # [B, Q]
+    mask = (pos[None, None, :] <= q_abs[:, :, None]) & key_ok[:, None, :] & row_ok[:, :, None]
+    s = s.masked_fill(~mask[:, None], float("-inf"))
+    m = s.amax(dim=-1, keepdim=True)
+    p = torch.exp(s - torch.where(torch.isfinite(m), m, torch.zeros_like(m)))
+    l = p.sum(dim=-1, keepdim=True)
+    o = torch.einsum("bhqk,bkhd->bqhd", p / torch.where(l > 0, l, torch.ones_like(l)), vp)
+    dst = torch.where(row_ok, rows, t).reshape(-1)  # rows past the sequence go to a dropped extra row
+    full = torch.zeros(t + 1, nh, hd, dtype=acc_dtype, device=dev)
+    full.index_copy_(0, dst, o.reshape(-1, nh, hd))  # duplicates only on the dropped row t
+    return full[:t].to(q.dtype)
+
+
+def write_kv_cache_ref(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                       slot_mapping: torch.Tensor) -> None:
+    """Torch version of :func:`write_kv_cache`, sync-free.
+
+    A row with slot ``-1`` is redirected to the first valid row's slot with that row's values, so
+    duplicate indices of one ``index_copy_`` carry identical data and the result does not depend
+    on write order; with no valid row at all, slot 0 is rewritten with its own content.
+    """
+    n = slot_mapping.shape[0]
+    if n == 0:
+        return
+    nkv, hd = k_cache.shape[-2], k_cache.shape[-1]
+    slots = slot_mapping.long()
+    valid = slots >= 0
+    any_valid = valid.any().view(1)
+    first = torch.argmax(valid.to(torch.int8)).view(1)
+    fb_slot = torch.where(any_valid, slots.index_select(0, first), torch.zeros_like(first))
+    idx = torch.where(valid, slots, fb_slot)
+    for cache, new in ((k_cache, key), (v_cache, value)):
+        flat = cache.view(-1, nkv, hd)
+        new = new.reshape(n, nkv, hd).to(cache.dtype)
+        fb_val = torch.where(any_valid[:, None, None], new.index_select(0, first), flat[:1])
+        flat.index_copy_(0, idx, torch.where(valid[:, None, None], new, fb_val))
+
+
+# ---------------------------------------------------------------- kernels
+
+if HAS_TRITON:
+    def _attn_kernel(q_ptr, k_ptr, v_ptr, out_ptr, part_acc_ptr, part_ml_ptr,
+                     qsl_ptr, seq_lens_ptr, bt_ptr, qk_scale, num_splits,
+                     stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+                     stride_ot, stride_oh, stride_bt, stride_pt, stride_ph,
+                     REP: tl.constexpr, REP_P: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
+                     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                     CACHE_BLOCK: tl.constexpr, SPLIT: tl.constexpr, DOT_FP32: tl.constexpr,
+                     PRECISION: tl.constexpr, BF16_BY_BITS: tl.constexpr):
+        # One program: sequence `seq`, query rows [qb * BLOCK_Q, (qb + 1) * BLOCK_Q) of it, kv head
+        # `g`, key split `split`. qk_scale = softmax scale * log2(e) (scores in base 2).
+        seq = tl.program_id(0)
+        qb = tl.program_id(1)
+        g = tl.program_id(2) // num_splits
+        split = tl.program_id(2) % num_splits
+        q_start = tl.load(qsl_ptr + seq).to(tl.int32)
+        q_len = tl.load(qsl_ptr + seq + 1).to(tl.int32) - q_start
+        if qb * BLOCK_Q >= q_len:  # past this sequence's queries (zero-length padding sequences: all)
+            return
+        ctx = tl.load(seq_lens_ptr + seq).to(tl.int32) - q_len
+        offs_m = tl.arange(0, BLOCK_M)
+        tok = qb * BLOCK_Q + offs_m // REP_P
+        hrep = offs_m % REP_P
+        head = g * REP + hrep
+        row_ok = (tok < q_len) & (hrep < REP)
+        q_pos = ctx + tok
+        row = (q_start + tok).to(tl.int64)
+        offs_d = tl.arange(0, BLOCK_D)
+        d_ok = offs_d < HEAD_DIM
+        q = tl.load(q_ptr + row[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
+                    mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+        if DOT_FP32:
+            q = q.to(tl.float32)
+        # Keys this block needs: 0 .. ctx + (last row of the block); this split's share of them.
+        n_keys = ctx + tl.minimum(q_len, (qb + 1) * BLOCK_Q)
+        chunk = tl.cdiv(tl.cdiv(n_keys, num_splits), BLOCK_N) * BLOCK_N
+        k_lo = split * chunk
+        k_hi = tl.minimum(k_lo + chunk, n_keys)
+        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+        bt_row = bt_ptr + seq.to(tl.int64) * stride_bt
+        for start in range(k_lo, k_hi, BLOCK_N):
+            offs_n = start + tl.arange(0, BLOCK_N)
+            n_ok = offs_n < k_hi
+            blk = tl.load(bt_row + offs_n // CACHE_BLOCK, mask=n_ok, other=0).to(tl.int64)
+            in_blk = offs_n % CACHE_BLOCK
+            k_off = blk * stride_kb + in_blk * stride_ks + g * stride_kh
+            k = tl.load(k_ptr + k_off[None, :] + offs_d[:, None], mask=n_ok[None, :] & d_ok[:, None], other=0.0)
+            if DOT_FP32:
+                k = k.to(tl.float32)
+            s = tl.dot(q, k, input_precision=PRECISION) * qk_scale
+            ok = row_ok[:, None] & n_ok[None, :] & (offs_n[None, :] <= q_pos[:, None])
+            s = tl.where(ok, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.exp2(s - m_safe[:, None])
+            alpha = tl.exp2(m_i - m_safe)
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            v_off = blk * stride_vb + in_blk * stride_vs + g * stride_vh
+            v = tl.load(v_ptr + v_off[:, None] + offs_d[None, :], mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+            if DOT_FP32:
+                pv = tl.dot(p, v.to(tl.float32), input_precision=PRECISION)
+            else:
+                pv = tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+            acc = acc * alpha[:, None] + pv
+            m_i = m_new
+        if SPLIT:
+            base = row * stride_pt + head * stride_ph + split
+            tl.store(part_ml_ptr + 2 * base, m_i, mask=row_ok)
+            tl.store(part_ml_ptr + 2 * base + 1, l_i, mask=row_ok)
+            tl.store(part_acc_ptr + base[:, None] * BLOCK_D + offs_d[None, :], acc, mask=row_ok[:, None])
+        else:
+            o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+            if BF16_BY_BITS:  # round to nearest even by integer ops (the interpreter truncates)
+                bits = o.to(tl.uint32, bitcast=True)
+                bits = bits + 0x7FFF + ((bits >> 16) & 1)
+                o_low = (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+            else:
+                o_low = o.to(out_ptr.dtype.element_ty)
+            tl.store(out_ptr + row[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
+                     o_low, mask=row_ok[:, None] & d_ok[None, :])
+
+    def _combine_kernel(out_ptr, part_acc_ptr, part_ml_ptr, qsl_ptr, num_seqs, num_splits,
+                        stride_ot, stride_oh, stride_pt, stride_ph,
+                        HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
+                        BF16_BY_BITS: tl.constexpr):
+        # One program per (row, head): merge the splits' (m, l, acc); padding rows get zeros.
+        t = tl.program_id(0)
+        h = tl.program_id(1)
+        # (integer limits, not broadcast scalar booleans: Triton's interpreter rejects those in masks)
+        n_valid = num_splits * (t < tl.load(qsl_ptr + num_seqs)).to(tl.int32)
+        offs_s = tl.arange(0, BLOCK_S)
+        s_ok = offs_s < n_valid
+        base = t.to(tl.int64) * stride_pt + h * stride_ph + offs_s
+        m = tl.load(part_ml_ptr + 2 * base, mask=s_ok, other=float("-inf"))
+        l = tl.load(part_ml_ptr + 2 * base + 1, mask=s_ok, other=0.0)
+        m_max = tl.max(m, axis=0)
+        w = tl.exp2(m - tl.where(m_max == float("-inf"), 0.0, m_max))
+        denom = tl.sum(w * l, axis=0)
+        offs_d = tl.arange(0, BLOCK_D)
+        acc = tl.load(part_acc_ptr + base[:, None] * BLOCK_D + offs_d[None, :], mask=s_ok[:, None], other=0.0)
+        o = tl.sum(acc * w[:, None], axis=0) / tl.where(denom > 0, denom, 1.0)
+        if BF16_BY_BITS:
+            bits = o.to(tl.uint32, bitcast=True)
+            bits = bits + 0x7FFF + ((bits >> 16) & 1)
+            o_low = (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+        else:
+            o_low = o.to(out_ptr.dtype.element_ty)
+        tl.store(out_ptr + t.to(tl.int64) * stride_ot + h * stride_oh + offs_d, o_low, mask=offs_d < HEAD_DIM)
+
+    def _write_kv_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, stride_kt, stride_vt,
+                         stride_kcb, stride_kcs, stride_vcb, stride_vcs,
+                         ROW: tl.constexpr, BLOCK_R: tl.constexpr, CACHE_BLOCK: tl.constexpr,
+                         BF16_BY_BITS: tl.constexpr):
+        # One program per row: copy its [num_kv_heads * head_dim] K and V to its slot; slot < 0: skip.
+        t = tl.program_id(0).to(tl.int64)
+        slot = tl.load(slot_ptr + t).to(tl.int64)
+        offs = tl.arange(0, BLOCK_R)
+        ok = offs < ROW * (slot >= 0).to(tl.int32)
+        blk = slot // CACHE_BLOCK
+        off = slot % CACHE_BLOCK
+        kx = tl.load(k_ptr + t * stride_kt + offs, mask=ok)
+        vx = tl.load(v_ptr + t * stride_vt + offs, mask=ok)
+        if BF16_BY_BITS:  # fp32 -> bf16 to nearest even by integer ops (the interpreter truncates)
+            kb = kx.to(tl.uint32, bitcast=True)
+            vb = vx.to(tl.uint32, bitcast=True)
+            kx = ((kb + 0x7FFF + ((kb >> 16) & 1)) >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+            vx = ((vb + 0x7FFF + ((vb >> 16) & 1)) >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+        tl.store(kc_ptr + blk * stride_kcb + off * stride_kcs + offs, kx.to(kc_ptr.dtype.element_ty), mask=ok)
+        tl.store(vc_ptr + blk * stride_vcb + off * stride_vcs + offs, vx.to(vc_ptr.dtype.element_ty), mask=ok)
+
+    _attn = LazyKernel(_attn_kernel)
+    _combine = LazyKernel(_combine_kernel)
+    _write_kv = LazyKernel(_write_kv_kernel)
+
+
+# ---------------------------------------------------------------- launch planning
+
+def attention_plan(num_seqs: int, max_query_len: int, num_heads: int, num_kv_heads: int, max_seq_len: int,
+                   sms: int, num_splits: Optional[int] = None) -> dict:
+    """Launch shape of :func:`paged_attention` from static sizes only (CUDA-graph safe).
+
+    Returns ``dict(rep_p, block_q, block_m, q_blocks, num_splits)``: ``rep_p`` = next power of two
+    of the group size; ``block_m`` matrix rows per program = the next power of two of
+    ``max_query_len * rep_p`` clipped to ``[DECODE_BLOCK_M, PREFILL_BLOCK_M]`` (at least
+    ``rep_p``), i.e. ``block_q = block_m / rep_p`` query rows; ``q_blocks =
+    ceil(max_query_len / block_q)``; and ``num_splits`` =
+    ``min(ceil(TARGET_PROGRAMS_PER_SM * sms / (num_seqs * q_blocks * num_kv_heads)),
+    ceil(max_seq_len / MIN_KEYS_PER_SPLIT), MAX_SPLITS)`` (at least 1) unless given.
+    """
+    rep_p = next_power_of_2(num_heads // num_kv_heads)
+    block_m = max(rep_p, min(PREFILL_BLOCK_M, max(DECODE_BLOCK_M, next_power_of_2(max_query_len * rep_p))))
+    block_q = block_m // rep_p
+    q_blocks = cdiv(max(1, max_query_len), block_q)
+    if num_splits is None:
+        work = max(1, num_seqs * q_blocks * num_kv_heads)
+        num_splits = max(1, min(cdiv(TARGET_PROGRAMS_PER_SM * sms, work), cdiv(max(1, max_seq_len),
+                                                                                MIN_KEYS_PER_SPLIT), MAX_SPLITS))
+    elif not isinstance(num_splits, int) or num_splits < 1:
+        raise ValueError(f"num_splits must be an int >= 1, got {num_splits!r}")
+    return dict(rep_p=rep_p, block_q=block_q, block_m=block_m, q_blocks=q_blocks, num_splits=num_splits)
+
+
+# ---------------------------------------------------------------- public ops
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, query_start_loc: torch.Tensor,
+                    seq_lens: torch.Tensor, block_tables: torch.Tensor, scale: float, max_query_len: int,
+                    max_seq_len: int, num_splits: Optional[int] = None) -> torch.Tensor:
+    """Causal attention of a flattened varlen batch of queries against a paged KV cache.
+
+    Args:
+        q: ``[num_tokens, num_heads, head_dim]`` fp16/bf16/fp32 (rotary applied), unit stride in
+            ``head_dim``; rows may be strided.
+        k_cache, v_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``, q's dtype (e.g.
+            ``kv_cache[0]`` and ``kv_cache[1]`` of a ``[2, ...]`` cache); already holding this
+            step's keys/values (:func:`write_kv_cache`).
+        query_start_loc: ``[num_seqs + 1]`` int32/int64 cumulative query lengths (a zero-length
+            sequence repeats the previous value).
+        seq_lens: ``[num_seqs]`` int32/int64, tokens of each sequence including its queries
+            (``seq_len >= q_len``; 0 for a zero-length padding sequence).
+        block_tables: ``[num_seqs, max_blocks]`` int32/int64, unit-stride rows; entries past a
+            sequence's ``ceil(seq_len / block_size)`` blocks are never read.
+        scale: softmax scale (e.g. ``head_dim ** -0.5``).
+        max_query_len: host int >= every ``q_len`` (a static upper bound under CUDA graphs).
+        max_seq_len: host int >= every ``seq_len``; only chooses the key split (kernel) or the
+            padded key length (reference).
+        num_splits: force the number of key splits (default: :func:`attention_plan`).
+
+    Returns:
+        ``[num_tokens, num_heads, head_dim]`` in q's dtype; rows at or past
+        ``query_start_loc[num_seqs]`` are zeros.
+
+    Raises:
+        TypeError / ValueError: bad dtypes, shapes, strides or devices (named in the message).
+
+    Runs the Triton kernels on CUDA (and CPU tensors under ``TRITON_INTERPRET=1``), else
+    :func:`paged_attention_ref`. No host sync, CUDA-graph capturable.
+    """
+    _check_attention_inputs(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, max_query_len)
+    if not use_triton(q, k_cache, v_cache):
+        return paged_attention_ref(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale,
+                                   max_query_len, max_seq_len)
+    t, nh, hd = q.shape
+    b = seq_lens.shape[0]
+    nkv, bs = k_cache.shape[2], k_cache.shape[1]
+    plan = attention_plan(b, max_query_len, nh, nkv, max_seq_len, num_sms(q.device), num_splits)
+    s = plan["num_splits"]
+    block_d = next_power_of_2(max(hd, 16))
+    # Triton's interpreter: its bf16 tl.dot gives garbage and its fp32 -> bf16 cast truncates, so
+    # bf16 dots run in fp32 there and bf16 results are rounded by integer ops (compiled: native).
+    bf16_interp = interpreting() and q.dtype == torch.bfloat16
+    precision = "ieee" if q.dtype == torch.float32 else "tf32"
+    if t == 0:
+        return torch.empty_like(q)
+    if b == 0 or max_query_len == 0:
+        return torch.zeros_like(q)
+    if s == 1:
+        out = torch.zeros_like(q)  # padding rows stay zero
+        part_acc = part_ml = out  # unused
+    else:
+        out = torch.empty_like(q)
+        part_acc = torch.empty(t, nh, s, block_d, dtype=torch.float32, device=q.device)
+        part_ml = torch.empty(t, nh, s, 2, dtype=torch.float32, device=q.device)
+    if block_tables.shape[1] == 0:  # no blocks at all: give the kernel a valid pointer
+        block_tables = torch.zeros(b, 1, dtype=block_tables.dtype, device=q.device)
+    _attn[(b, plan["q_blocks"], nkv * s)](
+        q, k_cache, v_cache, out, part_acc, part_ml, query_start_loc, seq_lens, block_tables,
+        float(scale) * _LOG2E, s, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
+        k_cache.stride(2), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), out.stride(0),
+        out.stride(1), block_tables.stride(0), nh * s, s,
+        REP=nh // nkv, REP_P=plan["rep_p"], BLOCK_Q=plan["block_q"], BLOCK_M=plan["block_m"], BLOCK_N=BLOCK_N,
+        HEAD_DIM=hd, BLOCK_D=block_d, CACHE_BLOCK=bs, SPLIT=s > 1, DOT_FP32=bf16_interp, PRECISION=precision,
+        BF16_BY_BITS=bf16_interp,
+        num_warps=NUM_WARPS)
+    if s > 1:
+        _combine[(t, nh)](out, part_acc, part_ml, query_start_loc, b, s, out.stride(0), out.stride(1), nh * s, s,
+                          HEAD_DIM=hd, BLOCK_D=block_d, BLOCK_S=next_power_of_2(s), BF16_BY_BITS=bf16_interp,
+                          num_warps=NUM_WARPS)
+    return out
+
+
+def write_kv_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                   slot_mapping: torch.Tensor) -> None:
+    """Write each row's key/value to its paged cache slot; rows with a negative slot are skipped.
+
+    Args:
+        key, value: ``[n, num_kv_heads, head_dim]`` (or ``[n, num_kv_heads * head_dim]``), any
+            float dtype (cast to the cache's); each row's ``num_kv_heads * head_dim`` elements
+            contiguous, rows may be strided.
+        k_cache, v_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``, each slot's
+            ``num_kv_heads * head_dim`` elements contiguous.
+        slot_mapping: ``[n]`` int32/int64, ``block * block_size + offset`` or ``-1`` (skip).
+
+    Real slots must be distinct (or carry identical data). No host sync, CUDA-graph capturable:
+    Triton kernel (one program per row) on CUDA / under ``TRITON_INTERPRET=1``, else
+    :func:`write_kv_cache_ref`.
+
+    Raises:
+        ValueError: mismatched shapes or non-contiguous rows.
+    """
+    n = slot_mapping.shape[0]
+    nb, bs, nkv, hd = k_cache.shape
+    row = nkv * hd
+    if v_cache.shape != k_cache.shape or key.shape[0] != n or value.shape[0] != n:
+        raise ValueError(f"write_kv_cache: {n} slots, key {list(key.shape)}, value {list(value.shape)}, caches "
+                         f"{list(k_cache.shape)} / {list(v_cache.shape)} do not fit together")
+    key2, value2 = key.reshape(n, -1), value.reshape(n, -1)
+    if key2.shape[1] != row or value2.shape[1] != row:
+        raise ValueError(f"write_kv_cache: rows must hold num_kv_heads * head_dim = {row} values, got "
+                         f"{key2.shape[1]} and {value2.shape[1]}")
+    if n == 0:
+        return
+    if not use_triton(k_cache, key, value):
+        write_kv_cache_ref(key2, value2, k_cache, v_cache, slot_mapping)
+        return
+    for name, x in (("key", key2), ("value", value2)):
+        if row > 1 and x.stride(1) != 1:
+            raise ValueError(f"write_kv_cache: {name} rows must be contiguous, got strides {tuple(x.stride())}")
+    for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if c.stride(3) != 1 or c.stride(2) != hd:
+            raise ValueError(f"write_kv_cache: {name} slots must be contiguous [num_kv_heads, head_dim], got "
+                             f"strides {tuple(c.stride())}")
+    _write_kv[(n,)](key2, value2, k_cache, v_cache, slot_mapping, key2.stride(0), value2.stride(0),
+                    k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
+                    ROW=row, BLOCK_R=next_power_of_2(row), CACHE_BLOCK=bs,
+                    BF16_BY_BITS=interpreting() and k_cache.dtype == torch.bfloat16 and key2.dtype == torch.float32,
+                    num_warps=4)
+
+
+__all__ = ["attention_plan", "paged_attention", "paged_attention_ref", "write_kv_cache", "write_kv_cache_ref"]
