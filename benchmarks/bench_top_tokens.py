@@ -1,19 +1,29 @@
 """Benchmark greedy draft tokens: local argmax (``get_top_tokens``) vs ``compute_logits(...).argmax(-1)``.
 
 Part 1, time (GPU; CPU in ``--smoke``): vocab 151552, bf16, hidden 4096 / 6144, tokens 1 / 64, for
-* the full vocab on one rank (tp 1): ``LogitsProcessor.get_top_tokens`` vs
-  ``LogitsProcessor.compute_logits(...).argmax(-1)`` (at tp 1 the collectives are no-ops);
+* the full vocab on one rank (tp 1): ``LogitsProcessor.get_top_tokens`` (Triton ``local_argmax``,
+  1-2 launches) vs ``LogitsProcessor.compute_logits(...).argmax(-1)`` (at tp 1 the collectives are
+  no-ops);
 * the one-eighth shard a rank holds at tp 8 (18944 rows), simulated in one process:
-  local matmul + ``local_top_pairs`` + ``pick_top_tokens`` on a ``[8, T, 2]`` pair stack, vs
-  local matmul + ``argmax`` over a ``[T, 151552]`` buffer standing for the gathered logits.
-  Communication is not timed here (part 2 counts its bytes).
-Each path is checked against the other, then timed eagerly (CUDA events, median of repeats) and,
-on CUDA, inside a CUDA graph (launch overhead removed). "reduce only" times the reduction
-without the matmul.
+  local matmul + ``local_top_pairs`` (Triton, 1-2 launches) + ``pick_top_tokens`` (Triton, 1
+  launch) on a ``[8, T, 2]`` pair stack, vs local matmul + ``argmax`` over a ``[T, 151552]`` buffer
+  standing for the gathered logits. Communication is not timed here (part 2 counts its bytes).
+Column "torch ref" is the same local path with the torch references (``local_top_pairs_ref`` +
+``pick_top_tokens_ref``: argmax, gather, float64 stack, ~12 small kernels for the pick), i.e. the
+implementation before the Triton kernels; "ref/kern" is its time over the kernel path's.
+Before timing, the kernels are checked on the device against ``torch.argmax`` (ties, NaN, +-inf,
+padding, ids above 2**24, shards long enough to be split into column chunks) and against the
+references. Each path is then timed eagerly (CUDA events, median of repeats) and, on CUDA, inside
+a CUDA graph (launch overhead removed; capturing also proves the path is graph-safe). "reduce"
+times the reduction without the matmul (kernel: ``local_argmax`` at tp 1, ``local_top_pairs`` at
+tp 8). ``chunks``: column chunks per row of the kernel's split (1: one launch).
 
 Part 2, bytes (CPU gloo ranks, small hidden): per-rank bytes sent by the collectives of one draft
 step at 64 sequences, vocab 151552, bf16 logits, tp 2 / 4 / 8, read from ``comm_stats()``:
 full-logits all-gather vs the ``[64, 2]`` float64 pair all-gather, and their ratio.
+
+``--smoke`` runs tiny shapes on CPU; without a GPU it sets ``TRITON_INTERPRET=1`` (before triton is
+imported) so the kernel path runs in Triton's interpreter.
 
 Usage: ``python3 benchmarks/bench_top_tokens.py [--smoke] [--no-bytes] [--no-time] [--out r.json]``.
 """
@@ -31,11 +41,17 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 import torch
 import torch.nn.functional as F
 
+if "--smoke" in sys.argv[1:] and not torch.cuda.is_available() and "triton" not in sys.modules:
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # kernels in Triton's interpreter on CPU
+
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from mtpspec.distributed import comm_stats, launch, reset_comm_stats  # noqa: E402
-from mtpspec.layers import LogitsProcessor, ParallelLMHead, local_top_pairs, pick_top_tokens  # noqa: E402
+from mtpspec.layers import LogitsProcessor, ParallelLMHead  # noqa: E402
 from mtpspec.layers.vocab_parallel_embedding import pad_vocab_size  # noqa: E402
+from mtpspec.ops.argmax import (local_argmax, local_top_pairs, local_top_pairs_ref, num_sms,  # noqa: E402
+                                pick_top_tokens, pick_top_tokens_ref, split_plan)
+from mtpspec.ops.triton_utils import use_triton  # noqa: E402
 
 VOCAB = 151552
 HIDDEN_SIZES = [4096, 6144]
@@ -107,11 +123,21 @@ class Timer:
         return statistics.median(samples)
 
 
-def check_contract(device: torch.device, cases: int = 200) -> int:
-    """On ``device``: simulated-shard pick == ``torch.argmax`` (device and CPU) with ties/NaN/inf, all dtypes.
+def _same_pairs(a: torch.Tensor, b: torch.Tensor) -> bool:
+    a, b = a.cpu(), b.cpu()
+    return bool(torch.equal(a[:, 1], b[:, 1]) and torch.equal(a[:, 0].isnan(), b[:, 0].isnan())
+                and torch.equal(a[:, 0].nan_to_num(0.5), b[:, 0].nan_to_num(0.5)))
 
-    Guards the assumption that ``torch.argmax`` on this device returns the first maximum and the
-    first NaN. Returns the number of cases checked; raises ``AssertionError`` on a mismatch.
+
+def check_contract(device: torch.device, cases: int = 200) -> int:
+    """On ``device``: the kernel path == the torch references == ``torch.argmax`` (device and CPU).
+
+    Part 1: simulated shards (ties, NaN, +-inf, padding holding would-be winners), all dtypes,
+    tp 1..8, ``local_top_pairs`` + ``pick_top_tokens`` and ``local_argmax`` vs ``torch.argmax``.
+    Part 2 (CUDA only, or 3 cases off it): long shards (split into column chunks) with ties across
+    chunk boundaries, NaN after +inf, all -inf rows, ids above 2**24. Guards the assumption that
+    ``torch.argmax`` on this device returns the first maximum and the first NaN. Returns the number
+    of cases checked; raises ``AssertionError`` on a mismatch.
     """
     g = torch.Generator().manual_seed(2)
     alphabet = torch.tensor([float("-inf"), float("inf"), float("nan"), -1.0, 0.0, 1.0, 2.0])
@@ -122,17 +148,45 @@ def check_contract(device: torch.device, cases: int = 200) -> int:
         dtype = (torch.float32, torch.bfloat16, torch.float16)[i % 3]
         logits = alphabet[torch.randint(0, len(alphabet), (t, v), generator=g)].to(dtype)
         per = pad_vocab_size(v, tp) // tp
-        padded = torch.full((t, per * tp), float("inf"), dtype=dtype)
+        padded = torch.full((t, per * tp), float("inf") if i % 2 else float("nan"), dtype=dtype)
         padded[:, :v] = logits
         padded = padded.to(device)
-        pairs = torch.stack([local_top_pairs(padded[:, r * per:(r + 1) * per], r * per, max(0, min(v - r * per, per)))
-                             for r in range(tp)])
+        shards = [(padded[:, r * per:(r + 1) * per], r * per, max(0, min(v - r * per, per))) for r in range(tp)]
+        pairs = torch.stack([local_top_pairs(*sh) for sh in shards])
+        ref_pairs = torch.stack([local_top_pairs_ref(*sh) for sh in shards])
+        for r in range(tp):
+            assert _same_pairs(pairs[r], ref_pairs[r]), f"local_top_pairs != ref (tp {tp}, rank {r}, {dtype})"
         got = pick_top_tokens(pairs).cpu()
         ref_dev = torch.argmax(logits.to(device), dim=-1).cpu()
         ref_cpu = torch.argmax(logits, dim=-1)
         assert torch.equal(ref_dev, ref_cpu), f"torch.argmax on {device} differs from CPU: {logits}"
         assert torch.equal(got, ref_cpu), f"pick != torch.argmax (tp {tp}, {dtype}): {logits}"
-    return cases
+        assert torch.equal(pick_top_tokens_ref(ref_pairs).cpu(), ref_cpu), "pick_top_tokens_ref"
+        assert torch.equal(local_argmax(*shards[0]).cpu(), torch.argmax(logits[:, :shards[0][2]], -1)
+                           if shards[0][2] else torch.full((t,), -1)), f"local_argmax (tp {tp}, {dtype})"
+    long_cases = [(151552, 1), (151552, 3), (18944, 1), (18944, 64), (75776, 5)]
+    if device.type != "cuda":
+        long_cases = [(5000, 1), (5000, 3), (2100, 2)]
+    start = 2**24 + 1
+    for j, (v, t) in enumerate(long_cases):
+        for dtype in (torch.bfloat16, torch.float16, torch.float32):
+            x = (torch.randn(t, v, generator=g) * 2).round().to(dtype)  # many ties
+            c = min(split_plan(t, v - 3, num_sms(device)).chunk, v - 4)
+            x[0, c - 1] = x[0, c] = 100.0  # tie across the first chunk boundary
+            if t > 1:
+                x[1, 7] = float("inf")
+                x[1, min(c + 5, v - 4)] = x[1, v - 4] = float("nan")
+            if t > 2:
+                x[2] = float("-inf")
+            x[:, v - 3:] = float("inf")  # padding: would win if read
+            x = x.to(device)
+            want = torch.argmax(x[:, :v - 3], dim=-1)
+            pairs = local_top_pairs(x, start, v - 3)
+            assert _same_pairs(pairs, local_top_pairs_ref(x, start, v - 3)), f"long shard {v} {dtype}"
+            assert torch.equal(pairs[:, 1].long().cpu(), (want + start).cpu()), f"long shard {v} {dtype}"
+            assert torch.equal(local_argmax(x, 0, v - 3), want), f"local_argmax long shard {v} {dtype}"
+            assert torch.equal(pick_top_tokens(pairs.unsqueeze(0)).cpu(), (want + start).cpu())
+    return cases + 3 * len(long_cases)
 
 
 def time_configs(smoke: bool) -> List[Dict[str, Any]]:
@@ -165,12 +219,20 @@ def time_configs(smoke: bool) -> List[Dict[str, Any]]:
                     def local_path() -> torch.Tensor:
                         return lp.get_top_tokens(head, h)
 
+                    def ref_path() -> torch.Tensor:  # get_top_tokens before the kernels
+                        pairs = local_top_pairs_ref(F.linear(h, head.weight), 0, num_real)
+                        return pick_top_tokens_ref(pairs.unsqueeze(0))
+
                     def full_path() -> torch.Tensor:
                         return lp.compute_logits(head, h).argmax(-1)
                 else:
                     def local_path() -> torch.Tensor:
                         pairs = local_top_pairs(F.linear(h, w), start, num_real)
                         return pick_top_tokens(torch.cat([other, pairs.unsqueeze(0)]))
+
+                    def ref_path() -> torch.Tensor:
+                        pairs = local_top_pairs_ref(F.linear(h, w), start, num_real)
+                        return pick_top_tokens_ref(torch.cat([other, pairs.unsqueeze(0)]))
 
                     def full_path() -> torch.Tensor:
                         full_buf[:, start:start + per].copy_(F.linear(h, w))  # this rank's part of the gather
@@ -179,21 +241,30 @@ def time_configs(smoke: bool) -> List[Dict[str, Any]]:
                 full_view = full_buf[:, :vocab]
 
                 def local_reduce() -> torch.Tensor:
+                    if tp == 1:
+                        return local_argmax(local_logits, start, num_real)
                     return local_top_pairs(local_logits, start, num_real)
+
+                def ref_reduce() -> torch.Tensor:
+                    return local_top_pairs_ref(local_logits, start, num_real)
 
                 def full_reduce() -> torch.Tensor:
                     return full_view.argmax(-1)
 
-                a, b = local_path(), full_path()
+                a, r, b = local_path(), ref_path(), full_path()
+                assert torch.equal(a, r), (hidden, shard, n)
                 if tp == 1:
                     assert torch.equal(a, b), (hidden, shard, n)
                 else:  # the shard's own winner must agree with an argmax over its real columns
                     assert torch.equal(a, local_logits[:, :num_real].argmax(-1) + start), (hidden, shard, n)
-                row: Dict[str, Any] = dict(hidden=hidden, shard=shard, tokens=n, rows=per, device=device.type)
-                for name, fn in (("local", local_path), ("full", full_path),
-                                 ("local_reduce", local_reduce), ("full_reduce", full_reduce)):
+                row: Dict[str, Any] = dict(hidden=hidden, shard=shard, tokens=n, rows=per, device=device.type,
+                                           kernels=use_triton(local_logits),
+                                           chunks=split_plan(n, num_real, num_sms(device)).n_chunks)
+                for name, fn in (("local", local_path), ("ref", ref_path), ("full", full_path),
+                                 ("local_reduce", local_reduce), ("ref_reduce", ref_reduce),
+                                 ("full_reduce", full_reduce)):
                     row[f"{name}_us"] = timer.eager_us(fn)
-                    row[f"{name}_graph_us"] = timer.graph_us(fn) if name in ("local", "full") else None
+                    row[f"{name}_graph_us"] = timer.graph_us(fn) if name in ("local", "ref", "full") else None
                 rows.append(row)
     return rows
 
@@ -240,7 +311,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
                            "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"}
     if not args.no_time:
         dev = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
-        out["contract_cases"] = check_contract(dev)
+        out["contract_cases"] = check_contract(dev, cases=200 if dev.type == "cuda" else 40)
         out["time"] = time_configs(args.smoke)
     if not args.no_bytes:
         out["bytes"] = count_bytes()
@@ -251,13 +322,19 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     if "time" in out:
         print(f"argmax contract (ties, NaN, +-inf, padding) checked on {out['device']}: "
               f"{out['contract_cases']} cases ok")
-        print("\nGreedy token time per call, us (eager | CUDA graph); reduce = reduction only, no matmul")
-        print(f"{'hidden':>6} {'shard':>12} {'T':>3} {'rows':>7} | {'local':>9} {'full':>9} {'speedup':>7} | "
-              f"{'local g':>9} {'full g':>9} | {'red loc':>9} {'red full':>9}")
+        kern = "Triton kernels" if all(r["kernels"] for r in out["time"]) else "torch references (no kernels here)"
+        print(f"\nGreedy token time per call, us (eager | CUDA graph); local = kernel path ({kern}),"
+              " torch ref = the same path on the torch references, full = argmax of the full logits;"
+              " reduce = reduction only, no matmul")
+        print(f"{'hidden':>6} {'shard':>12} {'T':>3} {'rows':>7} {'chunks':>6} | {'local':>9} {'torch ref':>9} "
+              f"{'full':>9} {'ref/kern':>8} {'full/kern':>9} | {'local g':>9} {'ref g':>9} {'full g':>9} | "
+              f"{'red kern':>9} {'red ref':>9} {'red full':>9}")
         for r in out["time"]:
-            print(f"{r['hidden']:>6} {r['shard']:>12} {r['tokens']:>3} {r['rows']:>7} | {_fmt(r['local_us'])} "
-                  f"{_fmt(r['full_us'])} {r['full_us'] / r['local_us']:7.2f} | {_fmt(r['local_graph_us'])} "
-                  f"{_fmt(r['full_graph_us'])} | {_fmt(r['local_reduce_us'])} {_fmt(r['full_reduce_us'])}")
+            print(f"{r['hidden']:>6} {r['shard']:>12} {r['tokens']:>3} {r['rows']:>7} {r['chunks']:>6} | "
+                  f"{_fmt(r['local_us'])} {_fmt(r['ref_us'])} {_fmt(r['full_us'])} "
+                  f"{r['ref_us'] / r['local_us']:8.2f} {r['full_us'] / r['local_us']:9.2f} | "
+                  f"{_fmt(r['local_graph_us'])} {_fmt(r['ref_graph_us'])} {_fmt(r['full_graph_us'])} | "
+                  f"{_fmt(r['local_reduce_us'])} {_fmt(r['ref_reduce_us'])} {_fmt(r['full_reduce_us'])}")
     if "bytes" in out:
         print(f"\nBytes sent per rank, one draft step, {BYTES_TOKENS} sequences, vocab {VOCAB}, bf16 logits")
         print(f"{'tp':>3} {'rows/rank':>9} | {'full logits':>12} {'pairs':>8} {'ratio':>9} | "

@@ -448,10 +448,14 @@ def test_compiles_for_sm90():
     specs = [{"module": "mtpspec.ops.argmax", "kernel": "_chunk", "signature": chunk_sig,
               "constexprs": dict(MODE=mode, BLOCK=2048, BF16_BY_BITS=False),
               "aligned": ["x_ptr", "stride_row", "chunk"], "num_warps": am.NUM_WARPS} for mode in (0, 1)]
+    specs.append({**specs[0], "constexprs": dict(MODE=2, BLOCK=1, BF16_BY_BITS=False), "aligned": [],
+                  "signature": {**chunk_sig, "x_ptr": "*fp16", "pair_ptr": "*i64", "id_ptr": "*i64"}})
     specs.append({"module": "mtpspec.ops.argmax", "kernel": "_combine",
                   "signature": {"part_val_ptr": "*fp32", "part_idx_ptr": "*i32", "pair_ptr": "*i64",
                                 "id_ptr": "*i64", "n_rows": "i32", "n_chunks": "i32", "vocab_start": "i32"},
                   "constexprs": dict(MODE=2, BLOCK_T=32, BLOCK_C=128), "aligned": [], "num_warps": am.NUM_WARPS})
+    specs.append({**specs[-1], "constexprs": dict(MODE=1, BLOCK_T=64, BLOCK_C=1), "num_warps": 1,
+                  "signature": {**specs[-1]["signature"], "pair_ptr": "*fp64", "id_ptr": "*fp64"}})
     specs.append({"module": "mtpspec.ops.argmax", "kernel": "_pick",
                   "signature": {"pairs_ptr": "*fp64", "out_ptr": "*i64", "n_ranks": "i32", "n_tokens": "i32",
                                 "stride_r": "i32", "stride_t": "i32", "stride_c": "i32"},

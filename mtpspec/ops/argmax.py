@@ -24,7 +24,8 @@ shape depends only on shapes and the device's SM count):
   that must start zeroed and be reset), i.e. persistent per-device state or a memset launch,
   and its output would still need converting to the float64 pair; the second launch reads
   ``num_tokens * C * 8`` bytes and costs a few microseconds inside a CUDA graph.
-  With ``num_real == 0`` a single stage-2 launch writes the sentinels.
+  With ``num_real == 0`` a single stage-2 launch writes the sentinels. Rows may have any stride;
+  logits whose column stride is not 1 are first copied (one more launch).
 * :func:`pick_top_tokens`: 1 launch, one lane per token, a loop over the ranks in rank order.
 
 Dispatch (docs/structures.md, "Dispatch of ops"): the kernels run on CUDA tensors (and on CPU
@@ -330,7 +331,7 @@ def _launch_local(x: torch.Tensor, vocab_start: int, num_real: int, mode: int) -
 # ---------------------------------------------------------------- public dispatchers
 
 def _kernel_ok(x: torch.Tensor) -> bool:
-    return x.dtype in FLOAT_DTYPES and use_triton(x)
+    return x.dtype in FLOAT_DTYPES and x.shape[1] < 2**31 - 1 and use_triton(x)  # int32 columns
 
 
 def local_top_pairs(local_logits: torch.Tensor, vocab_start: int, num_real: int) -> torch.Tensor:
@@ -340,7 +341,8 @@ def local_top_pairs(local_logits: torch.Tensor, vocab_start: int, num_real: int)
         local_logits: ``[num_tokens, per_rank]`` logits (fp32/bf16/fp16 for the kernel; other
             float dtypes run the reference) of the shard whose column 0 is global id
             ``vocab_start``; only the first ``num_real`` columns are real (the rest is padding
-            and is never read by the kernel). Any strides (rows may be strided views).
+            and is never read by the kernel). Rows may have any stride; a column stride other than 1
+            costs one copy.
         vocab_start: global id of column 0, ``>= 0``.
         num_real: number of real columns, ``0 <= num_real <= per_rank``, with
             ``vocab_start + num_real <= 2**53``.
