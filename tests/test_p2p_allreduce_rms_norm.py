@@ -198,6 +198,17 @@ def _rank_main(tp: int, seed: int, absent: int) -> Dict[str, object]:
     flags = lonely.peers.buffers[rank][lonely.flag_offset:].view(torch.int64)
     out["timeout"] = (timeout, flags.view(lonely.num_buffers, tp, lonely.max_programs)[:, :, 0].clone(),
                       lonely._state.clone())
+
+    # Ranks that disagree on the shape of a call: an error naming the cause, not mixed rows.
+    mismatch = P2PAllReduceRMSNorm(CAP_BYTES, max_spins=300)
+    n = 3 if rank == 0 else 4
+    parts, residual, weight = _inputs(seed + 6, tp, n, torch.float32)
+    dist.barrier()
+    try:
+        mismatch(parts[rank].clone(), residual, weight, EPS)
+        out["mismatch"] = None
+    except PeerTimeoutError as exc:
+        out["mismatch"] = str(exc)
     return out
 
 
@@ -280,14 +291,18 @@ def test_p2p_allreduce_rms_norm_ranks(interp, tp):
             assert errors is None
             # Present ranks signalled epoch 1 (buffer 1) and nothing for epoch 2 (buffer 0).
             present = [r for r in range(tp) if r != absent]
-            assert flags[1, present].tolist() == [1] * len(present)
-            assert (flags[0] != 2).all() and flags[1, absent].item() == 0
+            tag_bits = 20
+            assert (flags[1, present] >> tag_bits).tolist() == [1] * len(present)
+            assert ((flags[0] >> tag_bits) != 2).all() and flags[1, absent].item() == 0
             continue
         assert state[2].item() == 1, "failure must be sticky"
         for msg, elapsed, outputs in errors:
             assert f"waiting for rank {absent}" in msg and "rebuild the backend" in msg
             assert outputs is not None and all(t.isnan().all() for t in outputs)
         assert "at call 1 " in errors[0][0] and "at call 1 " in errors[1][0]
+        assert "its last signal here was for call 0" in errors[0][0]
+    for rank, res in enumerate(results):
+        assert res["mismatch"] is not None and "different shape or dtype" in res["mismatch"]
 
 
 def test_single_rank_kernel_paths(interp):
@@ -359,7 +374,7 @@ names = [p.name for p in jit.params]
 ptr = {n: "*bf16" for n in ("x_ptr", "res_ptr", "w_ptr", "out_ptr", "res_out_ptr")}
 ptr.update({n: "*i64" for n in ("data_table", "flag_table", "state_ptr", "err_ptr")})
 sig = dict(ptr, n_rows="i32", n_cols="i32", stride_x="i32", stride_res="i32", eps="fp32",
-           rank="i32", slot_stride="i32", timeout_ns="i64", max_spins="i64")
+           rank="i32", slot_stride="i32", timeout_ns="i64", max_spins="i64", call_tag="i32")
 cons = dict(WORLD=4, NUM_BUFFERS=2, MAX_PROGRAMS=128, HAS_RESIDUAL=True, ONE_PASS=True, BLOCK_M=1,
             BLOCK_N=8192, BF16_BY_BITS=False, USE_GLOBALTIMER=True)
 sig.update({k: "constexpr" for k in cons})

@@ -15,12 +15,13 @@ Protocol (one launch per call; ``W`` ranks; rank ``r``; program ``j`` of ``G``):
    collective), so their counters agree.
 2. **Push.** Program ``j`` copies its rows of ``hidden_states`` into slot ``(b, r)`` of every
    rank's buffer (peer pointers from a table of addresses mapped by
-   :mod:`mtpspec.distributed.peer_memory`), then, after a block barrier, writes ``e`` into flag
-   ``(b, r, j)`` of every rank with a release store at system scope
-   (``atomic_xchg(sem="release", scope="sys")``): the data is visible to a reader that sees the
-   flag.
+   :mod:`mtpspec.distributed.peer_memory`), then, after a block barrier, writes
+   ``e * 2**20 + tag`` into flag ``(b, r, j)`` of every rank with a release store at system
+   scope (``atomic_xchg(sem="release", scope="sys")``): the data is visible to a reader that
+   sees the flag. ``tag`` (:func:`call_tag`) hashes the call's shape and dtype, so a peer that
+   made the same call with another shape is reported, not silently mixed in.
 3. **Wait.** Program ``j`` spins on its own flags ``(b, s, j)`` for ``s = 0..W-1`` with acquire
-   loads (``atomic_add(0, sem="acquire", scope="sys")``) until each holds ``e``; a block barrier
+   loads (``atomic_add(0, sem="acquire", scope="sys")``) until each holds its value; a block barrier
    then orders the whole block's data loads after them. The spin is bounded: after
    ``timeout_s`` (the GPU's ``%globaltimer``) or ``max_spins`` tries it gives up, records which
    peer and epoch in a host-visible error word, marks this rank failed (sticky: later calls
@@ -94,7 +95,9 @@ LOOP_BLOCK_N = 4096
 #: Interpreter spin pace used to turn ``timeout_s`` into a spin count (measured: ~0.5 ms/spin).
 INTERPRETER_SECONDS_PER_SPIN = 5e-4
 #: Error-word layout (int64): failed flag, peer that did not arrive, epoch, program, this rank.
-ERR_FAILED, ERR_PEER, ERR_EPOCH, ERR_PROGRAM, ERR_RANK = range(5)
+ERR_FAILED, ERR_PEER, ERR_EPOCH, ERR_PROGRAM, ERR_RANK, ERR_SEEN, ERR_TAG = range(7)
+#: Flags hold ``epoch * 2**TAG_BITS + tag``, the tag a hash of the call's shape and dtype.
+TAG_BITS = 20
 #: Device-state layout (int64): call counter, arrivals of the current launch, sticky failure.
 STATE_EPOCH, STATE_ARRIVALS, STATE_FAILED = range(3)
 
@@ -116,7 +119,7 @@ if HAS_TRITON:
             x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr,
             data_table, flag_table, state_ptr, err_ptr,
             n_rows, n_cols, stride_x, stride_res, eps, rank, slot_stride, timeout_ns, max_spins,
-            WORLD: tl.constexpr, NUM_BUFFERS: tl.constexpr, MAX_PROGRAMS: tl.constexpr,
+            call_tag, WORLD: tl.constexpr, NUM_BUFFERS: tl.constexpr, MAX_PROGRAMS: tl.constexpr,
             HAS_RESIDUAL: tl.constexpr, ONE_PASS: tl.constexpr, BLOCK_M: tl.constexpr,
             BLOCK_N: tl.constexpr, BF16_BY_BITS: tl.constexpr, USE_GLOBALTIMER: tl.constexpr):
         # data_table / flag_table: int64 [WORLD], addresses (in this process) of every rank's
@@ -134,6 +137,9 @@ if HAS_TRITON:
             tl.store(state_ptr, epoch + 1)
         e = epoch + 1
         buf = e % NUM_BUFFERS
+        # A flag holds epoch * 2**20 + a 20-bit tag of (shape, dtype): a peer at the same epoch
+        # with a different shape never passes for a match.
+        fv = e * 1048576 + call_tag
         dt = x_ptr.dtype.element_ty
         n_blocks = tl.cdiv(n_rows, BLOCK_M)
         cols = tl.arange(0, BLOCK_N)
@@ -160,7 +166,7 @@ if HAS_TRITON:
             for i in tl.static_range(WORLD):
                 p = (rank + i) % WORLD
                 flag = tl.load(flag_table + p).to(tl.pointer_type(tl.int64))
-                tl.atomic_xchg(flag + (buf * WORLD + rank) * MAX_PROGRAMS + pid, e,
+                tl.atomic_xchg(flag + (buf * WORLD + rank) * MAX_PROGRAMS + pid, fv,
                                sem="release", scope="sys")
             # 3. Wait (bounded) for every rank's flag of this epoch on this program's slot.
             my_flags = tl.load(flag_table + rank).to(tl.pointer_type(tl.int64))
@@ -173,22 +179,25 @@ if HAS_TRITON:
                 seen = tl.atomic_add(fp, 0, sem="acquire", scope="sys")
                 spins = 0
                 waited = t0 - t0  # int64 0 with the timer, a constant 0 without
-                while (seen != e) & (spins < max_spins) & (waited <= timeout_ns):
+                while (seen != fv) & (spins < max_spins) & (waited <= timeout_ns):
                     seen = tl.atomic_add(fp, 0, sem="acquire", scope="sys")
                     spins += 1
                     if USE_GLOBALTIMER:
                         waited = tl.inline_asm_elementwise(
                             "mov.u64 $0, %globaltimer;", "=l,r", [rank], dtype=tl.int64,
                             is_pure=False, pack=1) - t0
-                if seen != e:
-                    # err: [0] failed, [1] peer, [2] epoch, [3] program, [4] rank (ERR_*).
+                if seen != fv:
+                    # err: [0] failed, [1] peer, [2] epoch, [3] program, [4] rank, [5] the flag
+                    # value last seen, [6] this call's tag (ERR_*).
                     tl.store(state_ptr + 2, 1)
                     tl.store(err_ptr + 1, s)
                     tl.store(err_ptr + 2, e)
                     tl.store(err_ptr + 3, pid)
                     tl.store(err_ptr + 4, rank)
+                    tl.store(err_ptr + 5, seen)
+                    tl.store(err_ptr + 6, call_tag)
                     tl.store(err_ptr, 1)
-                ok = ok & (seen == e)
+                ok = ok & (seen == fv)
             tl.debug_barrier()
         # 4. Reduce in rank order 0..WORLD-1 (fp32), add the residual, round once, normalise.
         poison = tl.where(ok, 0.0, float("nan"))
@@ -271,6 +280,13 @@ if HAS_TRITON:
         tl.store(ptr + 7, tl.load(ptr + 7))
 
     _touch = LazyKernel(_touch_kernel)
+
+
+def call_tag(num_tokens: int, hidden_size: int, dtype: torch.dtype) -> int:
+    """A :data:`TAG_BITS`-bit hash of a call's shape and dtype, carried in every flag."""
+    code = FLOAT_DTYPES.index(dtype) + 1
+    h = (num_tokens * 0x9E3779B1 + hidden_size * 0x85EBCA77 + code * 0xC2B2AE3D) & 0xFFFFFFFF
+    return (h ^ (h >> 15)) & ((1 << TAG_BITS) - 1)
 
 
 def _round_up(n: int, m: int) -> int:
@@ -448,12 +464,19 @@ class P2PAllReduceRMSNorm(AllReduceRMSNormBackend):
         if err[ERR_FAILED]:
             spins, timeout_ns, use_timer = self._spin_bounds()
             bound = f"{timeout_ns / 1e9:g} s" if use_timer and spins >= 2 ** 62 else f"{spins} spins"
+            epoch, seen = int(err[ERR_EPOCH]), int(err[ERR_SEEN])
+            seen_epoch, seen_tag = seen >> TAG_BITS, seen & ((1 << TAG_BITS) - 1)
+            if seen_epoch == epoch and seen_tag != int(err[ERR_TAG]):
+                why = ("it made this call with a different shape or dtype (ranks must pass "
+                       "hidden_states of the same [num_tokens, hidden_size] and dtype)")
+            else:
+                why = (f"its last signal here was for call {seen_epoch}: it failed, stopped, is "
+                       "still far behind, or called the backend in a different order")
             raise PeerTimeoutError(
                 f"p2p all-reduce + RMSNorm: rank {int(err[ERR_RANK])} gave up waiting for rank "
-                f"{int(err[ERR_PEER])} at call {int(err[ERR_EPOCH])} (program {int(err[ERR_PROGRAM])}) "
-                f"after {bound}: that rank failed, "
-                f"stopped, or called the backend in a different order. Outputs of that call and "
-                f"of every later call of this backend are NaN; rebuild the backend on all ranks.")
+                f"{int(err[ERR_PEER])} at call {epoch} (program {int(err[ERR_PROGRAM])}) after "
+                f"{bound}; {why}. Outputs of that call and of every later call of this backend "
+                f"are NaN; rebuild the backend on all ranks.")
 
     def __call__(self, hidden_states: torch.Tensor, residual: Optional[torch.Tensor],
                  weight: torch.Tensor, eps: float) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -491,7 +514,7 @@ class P2PAllReduceRMSNorm(AllReduceRMSNormBackend):
             self._data_table, self._flag_table, self._state, self._err,
             n_rows, n_cols, x2.stride(0), r2.stride(0) if r2 is not None else 0, float(eps),
             self.rank, self.slot_stride_bytes // x2.element_size(), timeout_ns, max_spins,
-            WORLD=self.world_size, NUM_BUFFERS=self.num_buffers, MAX_PROGRAMS=self.max_programs,
+            call_tag(n_rows, n_cols, x2.dtype), WORLD=self.world_size, NUM_BUFFERS=self.num_buffers, MAX_PROGRAMS=self.max_programs,
             HAS_RESIDUAL=r2 is not None, ONE_PASS=one_pass, BLOCK_M=block_m, BLOCK_N=block_n,
             BF16_BY_BITS=interpreting() and x2.dtype == torch.bfloat16, USE_GLOBALTIMER=use_timer,
             num_warps=num_warps)
