@@ -257,26 +257,33 @@ class AsyncLLM:
 
     # ------------------------------------------------------------------ engine thread
     def _run(self) -> None:
-        eng = self.engine
         while True:
-            block = not eng.has_unfinished_requests()
             try:
-                cmds = [self._cmds.get(block=block, timeout=None)] if block else []
-            except queue.Empty:
-                cmds = []
-            while True:
-                try:
-                    cmds.append(self._cmds.get_nowait())
-                except queue.Empty:
-                    break
-            for cmd in cmds:
-                if cmd[0] == "stop":
-                    self._fail_all(RequestError("the engine is shutting down"))
+                if not self._iterate():
                     return
-                self._apply(cmd)
-            if eng.has_unfinished_requests() and self.dead is None:
-                self._step()
-            self._update_stats()
+            except Exception:  # never let the engine thread die: fail what is in flight, go on
+                logger.exception("engine loop error; failing the requests in flight")
+                self._fail_all(RequestError("internal engine loop error"))
+
+    def _iterate(self) -> bool:
+        """One loop iteration: commands, then a step if there is work. False on ``stop``."""
+        eng = self.engine
+        block = not eng.has_unfinished_requests()
+        cmds = [self._cmds.get()] if block else []
+        while True:
+            try:
+                cmds.append(self._cmds.get_nowait())
+            except queue.Empty:
+                break
+        for cmd in cmds:
+            if cmd[0] == "stop":
+                self._fail_all(RequestError("the engine is shutting down"))
+                return False
+            self._apply(cmd)
+        if eng.has_unfinished_requests() and self.dead is None:
+            self._step()
+        self._update_stats()
+        return True
 
     def _apply(self, cmd: tuple) -> None:
         kind = cmd[0]

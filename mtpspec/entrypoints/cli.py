@@ -13,6 +13,8 @@ SUBCOMMANDS = {
     "tp-demo": "mtpspec.entrypoints.tp_demo",
     "train": "mtpspec.entrypoints.train",
     "serve": "mtpspec.entrypoints.serve",
+    "bench": "mtpspec.entrypoints.bench",
+    "eval": "mtpspec.entrypoints.eval_gsm8k",
 }
 
 

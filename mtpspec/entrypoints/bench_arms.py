@@ -1,0 +1,420 @@
+"""`mtpspec bench arms`: A/B/C of engine arms, one server per arm, runs interleaved A B C A B C.
+
+Arms (``--arms``, default all three; ``--arm NAME=FLAGS`` adds or redefines one):
+
+==============  =======================================  ===================================
+arm             `mtpspec serve` flags                    what it is
+==============  =======================================  ===================================
+``baseline``    ``--no-fusion --no-local-argmax``        unfused MTP tail, full-logits argmax
+``fusion``      ``--no-local-argmax``                    + fused all-reduce + RMSNorm
+``both``        (none)                                   + vocab-parallel local argmax
+==============  =======================================  ===================================
+
+Every arm's server is started once (one after another, each on its own free port; with
+``--base-url NAME=URL`` an already running server is used instead), then each workload runs
+``--repeats`` times per arm, interleaved (A B C A B C ...), so that drift (thermals, other
+load) hits every arm alike. Workload presets (``--scale`` shrinks lengths and prompt counts for
+small machines; explicit ``--input-len`` etc. override):
+
+* ``batch1``: 8192 tokens in, 1024 out, 8 prompts, concurrency 1;
+* ``c64``: 1024 in, 1024 out, 256 prompts, concurrency 64.
+
+Reported per workload and arm: every run's figures (:mod:`mtpspec.entrypoints.bench_serve`),
+their median and spread (max - min over runs), collective bytes per engine step, and a verdict
+per pair of arms and figure: a difference counts only when the medians differ by more than the
+larger of the two spreads. Output: tables on stdout, ``bench_arms.json`` (every figure) and PNG
+plots (each arm's runs of output tok/s and steps/s with median and spread; acceptance rate per
+draft position) in ``--output-dir``. Synthetic runs (random prompts, ``--ignore-eos``,
+``--forced-acceptance``) are marked SYNTHETIC in every table, plot title and the JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import asdict
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+from mtpspec.entrypoints.bench_serve import BenchConfig, add_arguments, run_benchmark
+
+DEFAULT_ARMS: Dict[str, List[str]] = {
+    "baseline": ["--no-fusion", "--no-local-argmax"],
+    "fusion": ["--no-local-argmax"],
+    "both": [],
+}
+
+PRESETS: Dict[str, Dict[str, int]] = {
+    "batch1": dict(input_len=8192, output_len=1024, num_prompts=8, max_concurrency=1),
+    "c64": dict(input_len=1024, output_len=1024, num_prompts=256, max_concurrency=64),
+}
+
+# figure -> (label, higher is better)
+FIGURES: Dict[str, Tuple[str, bool]] = {
+    "output_throughput": ("output tok/s", True),
+    "steps_per_s": ("steps/s", True),
+    "ttft_median_ms": ("TTFT p50 ms", False),
+    "itl_median_ms": ("ITL p50 ms", False),
+    "acceptance_length": ("acc. length", True),
+    "collective_bytes_per_step": ("coll. B/step", False),
+}
+
+
+def scaled_preset(name: str, scale: float) -> Dict[str, int]:
+    """A preset with lengths and prompt count multiplied by ``scale`` (concurrency capped by prompts).
+
+    Raises:
+        ValueError: unknown preset or ``scale`` not in (0, 1].
+    """
+    if name not in PRESETS:
+        raise ValueError(f"unknown workload {name!r}; expected one of {sorted(PRESETS)}")
+    if not 0.0 < scale <= 1.0:
+        raise ValueError(f"--scale must be in (0, 1], got {scale}")
+    p = PRESETS[name]
+    n = max(1, round(p["num_prompts"] * scale))
+    return dict(input_len=max(8, round(p["input_len"] * scale)), output_len=max(4, round(p["output_len"] * scale)),
+                num_prompts=n, max_concurrency=min(p["max_concurrency"], n))
+
+
+def parse_arms(names: str, extra: Sequence[str]) -> Dict[str, List[str]]:
+    """Arms to run, in order: ``names`` (comma-separated) from the defaults and ``--arm NAME=FLAGS``.
+
+    Raises:
+        ValueError: an unknown arm name or a malformed ``--arm``.
+    """
+    table = dict(DEFAULT_ARMS)
+    custom = []
+    for spec in extra:
+        name, sep, flags = spec.partition("=")
+        if not sep or not name.strip():
+            raise ValueError(f"--arm must look like NAME=FLAGS (e.g. 'nofuse=--no-fusion'), got {spec!r}")
+        table[name.strip()] = shlex.split(flags)
+        custom.append(name.strip())
+    wanted = [n.strip() for n in names.split(",") if n.strip()] if names else list(DEFAULT_ARMS)
+    for n in custom:
+        if n not in wanted:
+            wanted.append(n)
+    unknown = [n for n in wanted if n not in table]
+    if unknown:
+        raise ValueError(f"unknown arm(s) {unknown}; known: {sorted(table)} (define one with --arm NAME=FLAGS)")
+    return {n: table[n] for n in wanted}
+
+
+# ---------------------------------------------------------------------------- servers
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ArmServer:
+    """`mtpspec serve` for one arm in a subprocess on 127.0.0.1 (its output in ``log_path``)."""
+
+    def __init__(self, name: str, flags: List[str], common: List[str], log_path: str, timeout_s: float = 1800.0):
+        import httpx
+        self.name = name
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.cmd = [sys.executable, "-m", "mtpspec.entrypoints.cli", "serve", "--host", "127.0.0.1",
+                    "--port", str(self.port)] + common + flags
+        self.log_path = log_path
+        self._log = open(log_path, "w")
+        self.proc = subprocess.Popen(self.cmd, stdout=self._log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if self.proc.poll() is not None:
+                self._log.close()
+                raise RuntimeError(f"server for arm {name!r} exited ({self.proc.returncode}); log {log_path}:\n"
+                                   + open(log_path).read()[-3000:])
+            try:
+                if httpx.get(self.url + "/health", timeout=2.0).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"server for arm {name!r} not healthy after {timeout_s:.0f} s; log {log_path}")
+            time.sleep(0.5)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        if not self._log.closed:
+            self._log.close()
+
+
+# ---------------------------------------------------------------------------- statistics
+def _median(xs: Sequence[float]) -> Optional[float]:
+    s = sorted(x for x in xs if x is not None)
+    if not s:
+        return None
+    m = len(s) // 2
+    return s[m] if len(s) % 2 else 0.5 * (s[m - 1] + s[m])
+
+
+def run_figures(res: Dict[str, Any]) -> Dict[str, Optional[float]]:
+    """The figures compared between arms, from one :func:`run_benchmark` result."""
+    return {"output_throughput": res["output_throughput"], "steps_per_s": res["steps_per_s"],
+            "ttft_median_ms": res["ttft_ms"]["median"], "itl_median_ms": res["itl_ms"]["median"],
+            "acceptance_length": res["acceptance_length"],
+            "collective_bytes_per_step": res["collective_bytes_per_step_total"]}
+
+
+def summarise(runs: Sequence[Dict[str, Any]]) -> Dict[str, Dict[str, Any]]:
+    """Per figure: the runs' values, their median and spread (max - min)."""
+    out: Dict[str, Dict[str, Any]] = {}
+    for key in FIGURES:
+        vals = [run_figures(r)[key] for r in runs]
+        real = [v for v in vals if v is not None]
+        out[key] = {"runs": vals, "median": _median(real),
+                    "spread": (max(real) - min(real)) if real else None}
+    k = max((len(r["acceptance_rate_per_pos"]) for r in runs), default=0)
+    out["acceptance_rate_per_pos"] = {"median": [_median([r["acceptance_rate_per_pos"][j] for r in runs
+                                                          if j < len(r["acceptance_rate_per_pos"])])
+                                                 for j in range(k)]}
+    return out
+
+
+def verdict(a: Dict[str, Any], b: Dict[str, Any], higher_is_better: bool, repeats: int) -> Dict[str, Any]:
+    """Compare arm B's summary of one figure with arm A's.
+
+    A difference counts only when ``|median_B - median_A|`` exceeds the larger spread.
+    Returns ``{"delta", "delta_pct", "spread", "significant", "text"}``.
+    """
+    ma, mb = a["median"], b["median"]
+    if ma is None or mb is None:
+        return {"delta": None, "delta_pct": None, "spread": None, "significant": False, "text": "n/a"}
+    delta = mb - ma
+    spread = max(a["spread"] or 0.0, b["spread"] or 0.0)
+    pct = 100.0 * delta / ma if ma else None
+    pct_s = f"{pct:+.1f}%" if pct is not None else f"{delta:+.3g}"
+    if repeats < 2:
+        return {"delta": delta, "delta_pct": pct, "spread": None, "significant": False,
+                "text": f"{pct_s} (one run per arm: no spread, no verdict)"}
+    sig = abs(delta) > spread
+    if not sig:
+        text = f"no difference beyond run-to-run spread ({pct_s}, spread {spread:.3g})"
+    else:
+        better = (delta > 0) == higher_is_better
+        size = f"{abs(pct):.1f}%" if pct is not None else f"{abs(delta):.3g}"
+        text = (f"{'higher' if delta > 0 else 'lower'} by {size}: {'better' if better else 'worse'} "
+                f"(beyond spread {spread:.3g})")
+    return {"delta": delta, "delta_pct": pct, "spread": spread, "significant": sig, "text": text}
+
+
+# ---------------------------------------------------------------------------- report
+def _f(x: Any) -> str:
+    if x is None:
+        return "-"
+    return f"{x:,.0f}" if abs(x) >= 1000 else f"{x:.3g}" if abs(x) < 10 else f"{x:.1f}"
+
+
+def format_workload(name: str, wl: Dict[str, Any]) -> str:
+    """Tables of one workload: per-run figures, medians and spreads, verdicts."""
+    synth = "   [SYNTHETIC: " + ", ".join(wl["synthetic_reasons"]) + "]" if wl["synthetic"] else ""
+    c = wl["config"]
+    lines = ["=" * 96, f"workload {name}: in {c['input_len'] or 'natural'}, out {c['output_len']}, "
+             f"{c['num_prompts']} prompts, concurrency {c['max_concurrency']}, {wl['repeats']} runs/arm{synth}",
+             "=" * 96]
+    head = f"{'arm':<10} {'run':>4} " + " ".join(f"{FIGURES[k][0]:>14}" for k in FIGURES)
+    lines.append(head)
+    for arm, data in wl["arms"].items():
+        for i, res in enumerate(data["runs"]):
+            fig = run_figures(res)
+            lines.append(f"{arm:<10} {i + 1:>4} " + " ".join(f"{_f(fig[k]):>14}" for k in FIGURES))
+        s = data["summary"]
+        lines.append(f"{arm:<10} {'med':>4} " + " ".join(f"{_f(s[k]['median']):>14}" for k in FIGURES))
+        lines.append(f"{arm:<10} {'sprd':>4} " + " ".join(f"{_f(s[k]['spread']):>14}" for k in FIGURES))
+        rates = ", ".join("-" if r is None else f"{r:.3f}" for r in s["acceptance_rate_per_pos"]["median"])
+        lines.append(f"{'':<10} acceptance rate per draft position (median): [{rates}]")
+        lines.append("-" * 96)
+    for pair, figs in wl["verdicts"].items():
+        lines.append(f"{pair}:")
+        for key, v in figs.items():
+            lines.append(f"    {FIGURES[key][0]:<14} {v['text']}")
+    return "\n".join(lines)
+
+
+def plot_workload(name: str, wl: Dict[str, Any], out_dir: str) -> List[str]:
+    """PNGs: each arm's runs (output tok/s, steps/s; median bar and spread) and acceptance per position."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    synth = " [SYNTHETIC]" if wl["synthetic"] else ""
+    arms = list(wl["arms"])
+    paths = []
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for ax, key in zip(axes, ("output_throughput", "steps_per_s")):
+        for x, arm in enumerate(arms):
+            s = wl["arms"][arm]["summary"][key]
+            vals = [v for v in s["runs"] if v is not None]
+            n = len(vals)
+            xs = [x + (i - (n - 1) / 2) * 0.08 for i in range(n)]
+            ax.scatter(xs, vals, s=18, zorder=3, label="runs" if x == 0 else None)
+            if s["median"] is not None:
+                lo, hi = min(vals), max(vals)
+                ax.errorbar([x], [s["median"]], yerr=[[s["median"] - lo], [hi - s["median"]]], fmt="_",
+                            markersize=24, capsize=6, color="black", zorder=4,
+                            label="median, spread" if x == 0 else None)
+        ax.set_xticks(range(len(arms)), arms)
+        ax.set_title(FIGURES[key][0])
+        ax.grid(axis="y", alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.suptitle(f"mtpspec bench arms: {name}{synth}")
+    fig.tight_layout()
+    p = os.path.join(out_dir, f"{name}_runs.png")
+    fig.savefig(p, dpi=110)
+    plt.close(fig)
+    paths.append(p)
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for arm in arms:
+        rates = wl["arms"][arm]["summary"]["acceptance_rate_per_pos"]["median"]
+        if rates and any(r is not None for r in rates):
+            ax.plot(range(1, len(rates) + 1), [r if r is not None else float("nan") for r in rates], marker="o",
+                    label=arm)
+    ax.set_xlabel("draft position")
+    ax.set_ylabel("acceptance rate (accepted / drafts)")
+    ax.set_ylim(0, 1.05)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    ax.set_title(f"acceptance per draft position: {name}{synth}")
+    fig.tight_layout()
+    p = os.path.join(out_dir, f"{name}_acceptance.png")
+    fig.savefig(p, dpi=110)
+    plt.close(fig)
+    paths.append(p)
+    return paths
+
+
+# ---------------------------------------------------------------------------- driver
+def run_arms(arms: Dict[str, List[str]], workloads: Dict[str, BenchConfig], repeats: int, out_dir: str,
+             common: List[str], urls: Optional[Dict[str, str]] = None, progress: bool = True,
+             plots: bool = True) -> Dict[str, Any]:
+    """Start the servers, run every workload ``repeats`` times per arm interleaved, summarise.
+
+    Args:
+        arms: name -> `mtpspec serve` flags, in comparison order.
+        workloads: name -> :class:`BenchConfig`.
+        repeats: runs per arm and workload (>= 1; >= 2 for verdicts).
+        out_dir: where the JSON, plots and server logs go.
+        common: `mtpspec serve` flags every arm gets (``--model`` etc.).
+        urls: arm -> base URL of an already running server (those arms start none).
+        progress, plots: progress bars; PNG plots.
+
+    Returns:
+        Everything, as written to ``bench_arms.json``.
+    """
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
+    os.makedirs(out_dir, exist_ok=True)
+    urls = dict(urls or {})
+    servers: Dict[str, ArmServer] = {}
+    result: Dict[str, Any] = {"arms": {a: {"flags": f, "url": urls.get(a)} for a, f in arms.items()},
+                              "common_server_args": common, "repeats": repeats, "workloads": {}}
+    bar = None
+    try:
+        for arm, flags in arms.items():
+            if arm not in urls:
+                print(f"starting the server for arm {arm!r} ...", file=sys.stderr, flush=True)
+                servers[arm] = ArmServer(arm, flags, common, os.path.join(out_dir, f"server_{arm}.log"))
+                urls[arm] = servers[arm].url
+                result["arms"][arm]["url"] = urls[arm]
+        total = repeats * len(arms) * len(workloads)
+        if progress:
+            from tqdm import tqdm
+            bar = tqdm(total=total, desc="bench arms", unit="run", dynamic_ncols=True, file=sys.stderr)
+        for wname, cfg in workloads.items():
+            per_arm: Dict[str, List[Dict[str, Any]]] = {a: [] for a in arms}
+            for rep in range(repeats):
+                for arm in arms:  # interleaved: A B C A B C ...
+                    res = run_benchmark(urls[arm], cfg, progress=progress, desc=f"{wname} {arm} #{rep + 1}")
+                    res["run_index"] = rep
+                    per_arm[arm].append(res)
+                    if bar is not None:
+                        bar.update(1)
+            reasons = sorted({r for runs in per_arm.values() for res in runs for r in res["synthetic_reasons"]})
+            wl: Dict[str, Any] = {"config": asdict(cfg), "repeats": repeats, "synthetic": bool(reasons),
+                                  "synthetic_reasons": reasons, "arms": {}, "verdicts": {}}
+            for arm, runs in per_arm.items():
+                wl["arms"][arm] = {"runs": runs, "summary": summarise(runs)}
+            names = list(arms)
+            for i in range(len(names)):
+                for j in range(i + 1, len(names)):
+                    a, b = names[i], names[j]
+                    wl["verdicts"][f"{b} vs {a}"] = {
+                        key: verdict(wl["arms"][a]["summary"][key], wl["arms"][b]["summary"][key], hib, repeats)
+                        for key, (_, hib) in FIGURES.items()}
+            result["workloads"][wname] = wl
+    finally:
+        if bar is not None:
+            bar.close()
+        for s in servers.values():
+            s.stop()
+    result["synthetic"] = any(w["synthetic"] for w in result["workloads"].values())
+    if plots:
+        result["plots"] = [p for name, wl in result["workloads"].items() for p in plot_workload(name, wl, out_dir)]
+    with open(os.path.join(out_dir, "bench_arms.json"), "w") as f:
+        json.dump(result, f, indent=1)
+    return result
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser("arms", help="A/B of engine arms (one server per arm, interleaved runs, verdicts)",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=None, help="checkpoint folder (default: the bundled demo model)")
+    p.add_argument("--arms", default="baseline,fusion,both", help="comma-separated arm names, in comparison order")
+    p.add_argument("--arm", action="append", default=[], metavar="NAME=FLAGS",
+                   help="define an arm by its `mtpspec serve` flags (repeatable)")
+    p.add_argument("--base-url", action="append", default=[], metavar="NAME=URL",
+                   help="use an already running server for arm NAME (repeatable)")
+    p.add_argument("--workloads", default="batch1,c64", help=f"comma-separated presets: {', '.join(PRESETS)}")
+    p.add_argument("--scale", type=float, default=1.0, help="multiply the presets' lengths and prompt counts (0, 1]")
+    p.add_argument("--repeats", type=int, default=3, help="runs per arm and workload (default 3)")
+    p.add_argument("--server-args", default="", help="extra `mtpspec serve` flags for every arm, e.g. '--tp 2'")
+    p.add_argument("--forced-acceptance", default=None, metavar="rate:P|length:N",
+                   help="passed to every server (SYNTHETIC, for random-weight models)")
+    p.add_argument("--output-dir", default="bench_arms_out", help="JSON, plots and server logs")
+    p.add_argument("--no-plots", action="store_true")
+    add_arguments(p)
+
+
+def run(args: argparse.Namespace) -> int:
+    from mtpspec.entrypoints.serve import default_model_path
+    try:
+        arms = parse_arms(args.arms, args.arm)
+        urls = {}
+        for spec in args.base_url:
+            name, sep, url = spec.partition("=")
+            if not sep or name not in arms:
+                raise ValueError(f"--base-url must be NAME=URL with NAME one of {list(arms)}, got {spec!r}")
+            urls[name] = url
+        workloads = {}
+        for w in [x.strip() for x in args.workloads.split(",") if x.strip()]:
+            preset = scaled_preset(w, args.scale)
+            from mtpspec.entrypoints.bench_serve import config_from_args
+            workloads[w] = config_from_args(args, preset)
+        common = ["--model", args.model or default_model_path()] + shlex.split(args.server_args)
+        if args.forced_acceptance:
+            common += ["--forced-acceptance", args.forced_acceptance]
+        if not any(a.startswith(("--gpu-memory-utilization", "--num-kv-blocks")) for a in common):
+            common += ["--gpu-memory-utilization", f"{0.85 / max(1, len(arms) - len(urls)):.3f}"]
+        res = run_arms(arms, workloads, args.repeats, args.output_dir, common, urls, progress=not args.no_progress,
+                       plots=not args.no_plots)
+    except (ValueError, FileNotFoundError, RuntimeError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    for name, wl in res["workloads"].items():
+        print(format_workload(name, wl))
+    print(f"\nevery figure: {os.path.join(args.output_dir, 'bench_arms.json')}"
+          + (f"; plots: {', '.join(res.get('plots', []))}" if res.get("plots") else ""))
+    return 0

@@ -1,0 +1,365 @@
+"""`mtpspec bench serve`: a load generator for a running `mtpspec serve` (like vLLM's ``bench serve``).
+
+Sends ``num_prompts`` streaming ``/v1/completions`` requests, at most ``max_concurrency`` at a
+time, and measures on the client:
+
+* output tokens/s: output tokens (from each request's ``usage``) over the run's wall time;
+* TTFT: request sent -> first streamed chunk with tokens; ITL: gap between a request's
+  consecutive chunks (one chunk per engine step, which may carry several tokens under
+  speculation); TPOT: per request ``(latency - TTFT) / (output tokens - 1)``; median and p99.
+
+and from the server's ``/metrics`` before and after the run (deltas):
+
+* acceptance length ``1 + accepted / drafts`` and the per-position acceptance rates
+  ``accepted_at_position_j / drafts``;
+* steps/s ``= output tokens/s / acceptance length`` (throughput normalised by acceptance, so
+  that speculation luck cannot pass for speed); also the engine's own steps/s;
+* collective bytes per engine step (rank 0, by op).
+
+Runs with random-token prompts, ``ignore_eos`` or a server with forced acceptance are marked
+SYNTHETIC in every table and in the JSON (``"synthetic": true`` with the reasons).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Dict, List, Optional, Sequence
+
+import httpx
+
+
+@dataclass
+class BenchConfig:
+    """One run's workload.
+
+    Attributes:
+        num_prompts, max_concurrency, input_len (``None``: natural GSM8K 5-shot prompts),
+        output_len (``max_tokens``), prompts (``"gsm8k"`` or ``"random"``), dataset (GSM8K JSONL
+        path or ``None`` for the default), ignore_eos, temperature, seed, warmup (requests
+        sent first and not measured).
+    """
+
+    num_prompts: int = 64
+    max_concurrency: int = 8
+    input_len: Optional[int] = None
+    output_len: int = 256
+    prompts: str = "gsm8k"
+    dataset: Optional[str] = None
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    seed: int = 0
+    warmup: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("num_prompts", "max_concurrency", "output_len"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+        if self.input_len is not None and (not isinstance(self.input_len, int) or self.input_len < 1):
+            raise ValueError(f"input_len must be an int >= 1 or None, got {self.input_len!r}")
+        if self.prompts not in ("gsm8k", "random"):
+            raise ValueError(f"prompts must be 'gsm8k' or 'random', got {self.prompts!r}")
+        if self.warmup < 0:
+            raise ValueError(f"warmup must be >= 0, got {self.warmup}")
+
+
+@dataclass
+class RequestRecord:
+    """Client-side timings of one request (seconds, ``time.perf_counter``)."""
+
+    ok: bool = False
+    error: str = ""
+    input_tokens: int = 0
+    output_tokens: int = 0
+    latency: float = 0.0
+    ttft: Optional[float] = None
+    chunk_gaps: List[float] = field(default_factory=list)
+
+
+# ---------------------------------------------------------------------------- server access
+class ServerInfo:
+    """What ``/v1/models`` says about the server."""
+
+    def __init__(self, base_url: str, client: httpx.Client):
+        data = client.get(base_url + "/v1/models").json()["data"][0]
+        self.model: str = data["id"]
+        self.max_model_len: int = int(data.get("max_model_len") or 0)
+        self.vocab_size: int = int(data.get("vocab_size") or 0)
+        self.info: Dict[str, Any] = data.get("mtpspec") or {}
+
+    @property
+    def forced_acceptance(self) -> Optional[str]:
+        fa = self.info.get("forced_acceptance")
+        return None if fa in (None, "off") else str(fa)
+
+
+def scrape(base_url: str, client: httpx.Client) -> Dict[str, float]:
+    """``/metrics`` as ``{"name{label=value,...}": value}`` (``_total`` names as exposed)."""
+    from prometheus_client.parser import text_string_to_metric_families
+    text = client.get(base_url + "/metrics").text
+    out: Dict[str, float] = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            key = s.name + ("{" + ",".join(f"{k}={v}" for k, v in sorted(s.labels.items())) + "}" if s.labels else "")
+            out[key] = float(s.value)
+    return out
+
+
+def spec_figures(before: Dict[str, float], after: Dict[str, float], k: int) -> Dict[str, Any]:
+    """Server-side deltas: drafts, acceptance length and per-position rates, steps, collective bytes."""
+    d = lambda key: after.get(key, 0.0) - before.get(key, 0.0)  # noqa: E731
+    drafts = d("mtpspec:spec_decode_num_drafts_total")
+    accepted = d("mtpspec:spec_decode_num_accepted_tokens_total")
+    steps = d("mtpspec:engine_steps_total")
+    per_pos = [d(f"mtpspec:spec_decode_num_accepted_tokens_per_pos_total{{position={j}}}") for j in range(k)]
+    comm = {}
+    for key in after:
+        if key.startswith("mtpspec:collective_bytes_total{"):
+            op = key[len("mtpspec:collective_bytes_total{op="):-1]
+            comm[op] = d(key)
+    return {
+        "num_drafts": drafts, "num_draft_tokens": d("mtpspec:spec_decode_num_draft_tokens_total"),
+        "num_accepted_tokens": accepted,
+        "acceptance_length": (1.0 + accepted / drafts) if drafts > 0 else None,
+        "acceptance_rate_per_pos": [(a / drafts) if drafts > 0 else None for a in per_pos],
+        "engine_steps": steps, "server_generation_tokens": d("mtpspec:generation_tokens_total"),
+        "collective_bytes_per_step": {op: (b / steps if steps else 0.0) for op, b in sorted(comm.items())},
+        "collective_bytes_per_step_total": (sum(comm.values()) / steps) if steps else 0.0,
+        "preemptions": d("mtpspec:preemptions_total"), "eager_fallbacks": d("mtpspec:eager_fallbacks_total"),
+    }
+
+
+# ---------------------------------------------------------------------------- load
+async def _one(client: httpx.AsyncClient, url: str, model: str, prompt: Any, cfg: BenchConfig,
+               seed: int) -> RequestRecord:
+    rec = RequestRecord()
+    body = {"model": model, "prompt": prompt, "max_tokens": cfg.output_len, "temperature": cfg.temperature,
+            "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": cfg.ignore_eos,
+            "seed": seed, "return_token_ids": True}
+    t0 = time.perf_counter()
+    last = None
+    try:
+        async with client.stream("POST", url + "/v1/completions", json=body) as resp:
+            if resp.status_code != 200:
+                rec.error = f"HTTP {resp.status_code}: {(await resp.aread()).decode(errors='replace')[:300]}"
+                return rec
+            async for line in resp.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    rec.error = chunk["error"].get("message", "error")
+                    return rec
+                if chunk.get("usage"):
+                    rec.input_tokens = chunk["usage"]["prompt_tokens"]
+                    rec.output_tokens = chunk["usage"]["completion_tokens"]
+                for ch in chunk.get("choices", []):
+                    if ch.get("token_ids"):
+                        now = time.perf_counter()
+                        if rec.ttft is None:
+                            rec.ttft = now - t0
+                        else:
+                            rec.chunk_gaps.append(now - last)
+                        last = now
+        rec.latency = time.perf_counter() - t0
+        rec.ok = rec.ttft is not None
+        if not rec.ok:
+            rec.error = "no tokens streamed"
+    except (httpx.HTTPError, json.JSONDecodeError) as exc:
+        rec.error = f"{type(exc).__name__}: {exc}"
+    return rec
+
+
+async def _run_load(url: str, model: str, prompts: Sequence[Any], cfg: BenchConfig, progress: bool,
+                    desc: str) -> List[RequestRecord]:
+    sem = asyncio.Semaphore(cfg.max_concurrency)
+    limits = httpx.Limits(max_connections=cfg.max_concurrency + 4, max_keepalive_connections=cfg.max_concurrency + 4)
+    bar = None
+    if progress:
+        from tqdm import tqdm
+        bar = tqdm(total=len(prompts), desc=desc, unit="req", leave=False, dynamic_ncols=True, file=sys.stderr)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(3600.0), limits=limits) as client:
+        async def guarded(i: int, p: Any) -> RequestRecord:
+            async with sem:
+                rec = await _one(client, url, model, p, cfg, cfg.seed + i)
+            if bar is not None:
+                bar.update(1)
+            return rec
+        try:
+            return list(await asyncio.gather(*(guarded(i, p) for i, p in enumerate(prompts))))
+        finally:
+            if bar is not None:
+                bar.close()
+
+
+def _pct(xs: Sequence[float], q: float) -> Optional[float]:
+    """Linear-interpolated percentile ``q`` in [0, 100] (numpy's default), ``None`` when empty."""
+    if not xs:
+        return None
+    s = sorted(xs)
+    pos = (len(s) - 1) * q / 100.0
+    lo, hi = math.floor(pos), math.ceil(pos)
+    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
+
+
+def _ms(xs: Sequence[float]) -> Dict[str, Optional[float]]:
+    xs = [x * 1000.0 for x in xs]
+    return {"median": _pct(xs, 50), "p99": _pct(xs, 99), "mean": statistics.fmean(xs) if xs else None}
+
+
+def run_benchmark(base_url: str, cfg: BenchConfig, progress: bool = True, desc: str = "bench") -> Dict[str, Any]:
+    """Run one workload against ``base_url``; returns every figure (see the module docstring).
+
+    Raises:
+        ValueError: the workload does not fit the server's context (``input_len + output_len >
+            max_model_len``), or no request succeeded.
+        httpx.HTTPError: the server cannot be reached.
+    """
+    base_url = base_url.rstrip("/")
+    with httpx.Client(timeout=600.0) as client:
+        info = ServerInfo(base_url, client)
+        if cfg.input_len is not None and info.max_model_len and cfg.input_len + cfg.output_len > info.max_model_len:
+            raise ValueError(f"input_len {cfg.input_len} + output_len {cfg.output_len} exceed the server's "
+                             f"max_model_len {info.max_model_len}; lower them (or --scale for presets)")
+
+        def tokenize(text: str) -> List[int]:
+            r = client.post(base_url + "/tokenize", json={"prompt": text})
+            r.raise_for_status()
+            return r.json()["tokens"]
+
+        from mtpspec.entrypoints.bench_dataset import build_prompts
+        prompts = build_prompts(cfg.prompts, cfg.num_prompts + cfg.warmup, cfg.input_len, info.vocab_size, tokenize,
+                                cfg.dataset, cfg.seed)
+        warm, prompts = prompts[:cfg.warmup], prompts[cfg.warmup:]
+        if warm:
+            asyncio.run(_run_load(base_url, info.model, warm, BenchConfig(**{**asdict(cfg), "num_prompts": len(warm)}),
+                                  False, "warmup"))
+        before = scrape(base_url, client)
+        started_at = time.time()
+        t0 = time.perf_counter()
+        recs = asyncio.run(_run_load(base_url, info.model, prompts, cfg, progress, desc))
+        duration = time.perf_counter() - t0
+        after = scrape(base_url, client)
+    ok = [r for r in recs if r.ok]
+    if not ok:
+        raise ValueError(f"no request succeeded; first error: {recs[0].error if recs else 'none'}")
+    k = int(info.info.get("num_speculative_tokens") or 0)
+    spec = spec_figures(before, after, k)
+    out_tokens = sum(r.output_tokens for r in ok)
+    out_tps = out_tokens / duration
+    acc = spec["acceptance_length"]
+    tpots = [(r.latency - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1 and r.ttft is not None]
+    reasons = []
+    if cfg.prompts == "random":
+        reasons.append("random-token prompts")
+    if cfg.ignore_eos:
+        reasons.append("ignore_eos")
+    if info.forced_acceptance:
+        reasons.append(f"forced acceptance {info.forced_acceptance}")
+    return {
+        "synthetic": bool(reasons), "synthetic_reasons": reasons,
+        "server": {"base_url": base_url, "model": info.model, "max_model_len": info.max_model_len, **info.info},
+        "config": asdict(cfg), "started_at": started_at,
+        "duration_s": duration, "completed": len(ok), "failed": len(recs) - len(ok),
+        "errors": sorted({r.error for r in recs if not r.ok})[:5],
+        "total_input_tokens": sum(r.input_tokens for r in ok), "total_output_tokens": out_tokens,
+        "mean_output_len": out_tokens / len(ok),
+        "request_throughput": len(ok) / duration, "output_throughput": out_tps,
+        "ttft_ms": _ms([r.ttft for r in ok if r.ttft is not None]),
+        "itl_ms": _ms([g for r in ok for g in r.chunk_gaps]),
+        "tpot_ms": _ms(tpots),
+        "steps_per_s": out_tps / (acc if acc else 1.0),
+        "engine_steps_per_s": spec["engine_steps"] / duration,
+        **spec,
+    }
+
+
+# ---------------------------------------------------------------------------- report
+def _f(x: Any, spec: str = ".2f") -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def format_result(res: Dict[str, Any]) -> str:
+    """A compact table of one run (SYNTHETIC runs say so in the title)."""
+    title = "mtpspec bench serve"
+    if res["synthetic"]:
+        title += "   [SYNTHETIC: " + ", ".join(res["synthetic_reasons"]) + "]"
+    s = res["server"]
+    arm = f"k={s.get('num_speculative_tokens')} fusion={s.get('fusion')} local_argmax={s.get('local_argmax')} tp={s.get('tp')}"
+    c = res["config"]
+    rates = ", ".join(_f(r, ".3f") for r in res["acceptance_rate_per_pos"]) or "-"
+    comm = ", ".join(f"{op} {b:,.0f}" for op, b in res["collective_bytes_per_step"].items()) or "0"
+    lines = [
+        "=" * 72, title, "=" * 72,
+        f"server                      {s.get('model')}  ({arm})",
+        f"workload                    {res['completed']} ok / {res['failed']} failed, concurrency {c['max_concurrency']}, "
+        f"in {c['input_len'] or 'natural'}, out {c['output_len']}, prompts {c['prompts']}",
+        f"duration                    {res['duration_s']:.2f} s",
+        f"input / output tokens       {res['total_input_tokens']} / {res['total_output_tokens']}  "
+        f"(mean out {res['mean_output_len']:.1f})",
+        f"output throughput           {res['output_throughput']:.2f} tok/s",
+        f"acceptance length           {_f(res['acceptance_length'], '.3f')}",
+        f"acceptance rate per pos     [{rates}]",
+        f"steps/s (tok/s / acc. len)  {res['steps_per_s']:.2f}   (engine steps/s {res['engine_steps_per_s']:.2f})",
+        f"TTFT median / p99           {_f(res['ttft_ms']['median'])} / {_f(res['ttft_ms']['p99'])} ms",
+        f"ITL  median / p99           {_f(res['itl_ms']['median'])} / {_f(res['itl_ms']['p99'])} ms  (per chunk)",
+        f"TPOT median / p99           {_f(res['tpot_ms']['median'])} / {_f(res['tpot_ms']['p99'])} ms",
+        f"collective bytes / step     {comm}  (rank 0)",
+        "=" * 72,
+    ]
+    return "\n".join(lines)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """Workload options shared by ``bench serve`` and ``bench arms``."""
+    p.add_argument("--num-prompts", type=int, default=None, help="requests per run")
+    p.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight")
+    p.add_argument("--input-len", type=int, default=None,
+                   help="prompt tokens (default: natural GSM8K 5-shot prompts; 1024 for random prompts)")
+    p.add_argument("--output-len", type=int, default=None, help="max_tokens per request")
+    p.add_argument("--dataset", default=None, help="GSM8K JSONL for prompts (default ../shared/data/gsm8k/test.jsonl)")
+    p.add_argument("--random-prompts", action="store_true", help="random token ids (SYNTHETIC: distorts acceptance)")
+    p.add_argument("--ignore-eos", action="store_true", help="generate output-len tokens regardless of EOS (SYNTHETIC)")
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--warmup", type=int, default=1, help="unmeasured requests before each run")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser("serve", help="load generator against a running mtpspec serve", description=__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--base-url", required=True, help="e.g. http://127.0.0.1:8000")
+    add_arguments(p)
+    p.add_argument("--json", default=None, help="write every figure to this JSON file")
+
+
+def config_from_args(args: argparse.Namespace, defaults: Dict[str, Any]) -> BenchConfig:
+    pick = lambda name: getattr(args, name) if getattr(args, name) is not None else defaults.get(name)  # noqa: E731
+    kw = dict(num_prompts=pick("num_prompts"), max_concurrency=pick("max_concurrency"), input_len=pick("input_len"),
+              output_len=pick("output_len"), prompts="random" if args.random_prompts else "gsm8k",
+              dataset=args.dataset, ignore_eos=args.ignore_eos, temperature=args.temperature, seed=args.seed,
+              warmup=args.warmup)
+    kw["max_concurrency"] = min(kw["max_concurrency"], kw["num_prompts"])
+    return BenchConfig(**kw)
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        cfg = config_from_args(args, {"num_prompts": 64, "max_concurrency": 8, "output_len": 256})
+        res = run_benchmark(args.base_url, cfg, progress=not args.no_progress)
+    except (ValueError, FileNotFoundError, httpx.HTTPError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(format_result(res))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(res, f, indent=1)
+    return 0

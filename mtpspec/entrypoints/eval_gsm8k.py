@@ -1,0 +1,268 @@
+"""`mtpspec eval gsm8k`: GSM8K accuracy (5-shot, greedy) per engine arm, and whether the arms agree.
+
+Prompts are lm-evaluation-harness's ``gsm8k`` format (:mod:`mtpspec.training.gsm8k_format`):
+``--num-fewshot`` solved examples from the train split, joined by a blank line, then
+``"Question: ...\\nAnswer:"``. The shots are the first ``--num-fewshot`` rows of the train split
+for every question (lm-eval draws them at random per question with a fixed seed; fixed shots
+keep the prompts identical across arms and runs). Generation is greedy, stops at
+``"Question:"``, ``"</s>"`` or ``"<|im_end|>"``, at most ``--max-tokens`` tokens (lm-eval's
+default 256). Scores: strict-match and flexible-extract with standard errors, exactly as
+lm-eval computes them (:mod:`mtpspec.entrypoints.eval_gsm8k_score`).
+
+Sources of completions:
+
+* ``--base-url URL`` (or several ``--base-url NAME=URL``): running `mtpspec serve` servers, one
+  arm each; acceptance figures come from their ``/metrics``;
+* ``--model PATH`` (default: the bundled demo model): offline ``LLM.generate``, once per arm of
+  ``--arms`` (``baseline``: no fusion, no local argmax; ``fusion``; ``both``), or once with the
+  engine flags given when ``--arms`` is not set.
+
+With two or more arms it reports, per pair, how many questions got token-for-token identical
+greedy completions (lossless speculative decoding and exact kernels should give all of them).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+import time
+from typing import Any, Dict, List, Optional, Sequence
+
+from mtpspec.entrypoints.eval_gsm8k_score import STOP_SEQUENCES, score_completions
+
+ARM_FLAGS = {"baseline": (False, False), "fusion": (True, False), "both": (True, True)}  # (fusion, local argmax)
+
+
+def build_prompts(test_rows: Sequence[Dict[str, str]], train_rows: Sequence[Dict[str, str]],
+                  num_fewshot: int) -> List[str]:
+    """One prompt per test row with the first ``num_fewshot`` train rows as shots.
+
+    Raises:
+        ValueError: fewer train rows than shots.
+    """
+    from mtpspec.training.gsm8k_format import fewshot_prompt
+    if num_fewshot < 0 or len(train_rows) < num_fewshot:
+        raise ValueError(f"need {num_fewshot} train rows for the shots, have {len(train_rows)}")
+    shots = list(train_rows[:num_fewshot])
+    return [fewshot_prompt(shots, r["question"]) for r in test_rows]
+
+
+# ---------------------------------------------------------------------------- sources
+def generate_http(base_url: str, prompts: Sequence[str], max_tokens: int, concurrency: int,
+                  progress: bool = True, desc: str = "gsm8k") -> Dict[str, Any]:
+    """Greedy completions from a running server: ``{"texts", "token_ids", "spec", "seconds"}``.
+
+    Raises:
+        RuntimeError: a request failed (the message has the server's error).
+    """
+    import httpx
+
+    from mtpspec.entrypoints.bench_serve import ServerInfo, scrape, spec_figures
+    base_url = base_url.rstrip("/")
+    with httpx.Client(timeout=600) as c:
+        info = ServerInfo(base_url, c)
+        before = scrape(base_url, c)
+
+    async def go() -> List[Dict[str, Any]]:
+        sem = asyncio.Semaphore(concurrency)
+        bar = None
+        if progress:
+            from tqdm import tqdm
+            bar = tqdm(total=len(prompts), desc=desc, unit="q", dynamic_ncols=True, file=sys.stderr)
+        async with httpx.AsyncClient(timeout=httpx.Timeout(3600.0)) as client:
+            async def one(p: str) -> Dict[str, Any]:
+                async with sem:
+                    r = await client.post(base_url + "/v1/completions", json={
+                        "model": info.model, "prompt": p, "max_tokens": max_tokens, "temperature": 0.0,
+                        "stop": STOP_SEQUENCES, "return_token_ids": True})
+                if bar is not None:
+                    bar.update(1)
+                if r.status_code != 200:
+                    raise RuntimeError(f"{base_url}: HTTP {r.status_code}: {r.text[:300]}")
+                return r.json()["choices"][0]
+            try:
+                return list(await asyncio.gather(*(one(p) for p in prompts)))
+            finally:
+                if bar is not None:
+                    bar.close()
+
+    t0 = time.perf_counter()
+    choices = asyncio.run(go())
+    seconds = time.perf_counter() - t0
+    with httpx.Client(timeout=600) as c:
+        after = scrape(base_url, c)
+    k = int(info.info.get("num_speculative_tokens") or 0)
+    spec = spec_figures(before, after, k)
+    return {"texts": [ch["text"] for ch in choices], "token_ids": [ch["token_ids"] for ch in choices],
+            "seconds": seconds, "acceptance_length": spec["acceptance_length"],
+            "acceptance_rate_per_pos": spec["acceptance_rate_per_pos"], "server": info.info}
+
+
+def generate_offline(llm_kwargs: Dict[str, Any], prompts: Sequence[str], max_tokens: int,
+                     progress: bool = True) -> Dict[str, Any]:
+    """Greedy completions with ``LLM(**llm_kwargs).generate`` (the engine is shut down after)."""
+    from mtpspec import LLM, SamplingParams
+    llm = LLM(**llm_kwargs)
+    try:
+        t0 = time.perf_counter()
+        outs = llm.generate(list(prompts), SamplingParams(temperature=0.0, max_tokens=max_tokens, stop=STOP_SEQUENCES),
+                            use_tqdm=progress)
+        seconds = time.perf_counter() - t0
+        m = llm.get_metrics()
+    finally:
+        llm.shutdown()
+    drafts = m.get("num_drafts") or 0
+    return {"texts": [o.outputs[0].text for o in outs], "token_ids": [o.outputs[0].token_ids for o in outs],
+            "seconds": seconds, "acceptance_length": m.get("acceptance_length"),
+            "acceptance_rate_per_pos": [a / drafts for a in m.get("num_accepted_tokens_per_pos", [])] if drafts else [],
+            "server": None}
+
+
+# ---------------------------------------------------------------------------- comparison
+def compare_arms(token_ids: Dict[str, Sequence[Sequence[int]]]) -> Dict[str, Dict[str, Any]]:
+    """Per pair of arms: identical completions and the first differing questions.
+
+    Returns:
+        ``{"B vs A": {"identical", "total", "first_differences": [{"question", "token"}]}}``
+        (``token``: index of the first differing token).
+    """
+    names = list(token_ids)
+    out = {}
+    for i in range(len(names)):
+        for j in range(i + 1, len(names)):
+            a, b = token_ids[names[i]], token_ids[names[j]]
+            diffs = []
+            for q, (x, y) in enumerate(zip(a, b)):
+                if list(x) != list(y):
+                    t = next((n for n, (u, v) in enumerate(zip(x, y)) if u != v), min(len(x), len(y)))
+                    diffs.append({"question": q, "token": t})
+            out[f"{names[j]} vs {names[i]}"] = {"identical": len(a) - len(diffs), "total": len(a),
+                                                "first_differences": diffs[:10]}
+    return out
+
+
+def format_report(res: Dict[str, Any]) -> str:
+    c = res["config"]
+    lines = [f"GSM8K: {c['data']} ({res['n']} questions), {c['num_fewshot']}-shot from {c['train']}, greedy, "
+             f"max_tokens {c['max_tokens']}",
+             f"{'arm':<12} {'strict-match':>18} {'flexible-extract':>18} {'acc. length':>12} {'seconds':>9}"]
+    for arm, r in res["arms"].items():
+        s, f = r["scores"]["strict-match"], r["scores"]["flexible-extract"]
+        pm = lambda d: f"{d['accuracy']:.4f} ± {d['stderr']:.4f}" if d["stderr"] is not None else f"{d['accuracy']:.4f}"  # noqa: E731
+        acc = "-" if r["acceptance_length"] is None else f"{r['acceptance_length']:.3f}"
+        lines.append(f"{arm:<12} {pm(s):>18} {pm(f):>18} {acc:>12} {r['seconds']:>9.1f}")
+    if res["comparison"]:
+        lines.append("greedy completions token-for-token identical:")
+        for pair, cmp in res["comparison"].items():
+            extra = ""
+            if cmp["first_differences"]:
+                extra = "; first differences: " + ", ".join(f"q{d['question']} at token {d['token']}"
+                                                             for d in cmp["first_differences"][:5])
+            lines.append(f"  {pair}: {cmp['identical']}/{cmp['total']} "
+                         f"({100.0 * cmp['identical'] / max(cmp['total'], 1):.1f}%){extra}")
+    return "\n".join(lines)
+
+
+def evaluate(sources: Dict[str, Any], data: str, train: str, num_fewshot: int = 5, limit: Optional[int] = None,
+             max_tokens: int = 256, concurrency: int = 32, progress: bool = True) -> Dict[str, Any]:
+    """Run every arm and score it.
+
+    Args:
+        sources: arm -> base URL (str) or ``LLM`` keyword arguments (dict), in report order.
+        data, train: GSM8K JSONL files (test questions; shots).
+        num_fewshot, limit (first ``limit`` questions), max_tokens, concurrency (HTTP).
+
+    Raises:
+        ValueError / FileNotFoundError: bad files or settings; RuntimeError: a request failed.
+    """
+    from mtpspec.training.gsm8k_format import load_gsm8k
+    if max_tokens < 1:
+        raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+    rows = load_gsm8k(data)
+    if limit is not None:
+        if limit < 1:
+            raise ValueError(f"--limit must be >= 1, got {limit}")
+        rows = rows[:limit]
+    prompts = build_prompts(rows, load_gsm8k(train), num_fewshot)
+    answers = [r["answer"] for r in rows]
+    arms: Dict[str, Any] = {}
+    for name, src in sources.items():
+        if isinstance(src, str):
+            gen = generate_http(src, prompts, max_tokens, concurrency, progress, desc=f"gsm8k {name}")
+        else:
+            gen = generate_offline(src, prompts, max_tokens, progress)
+        scores = score_completions(gen["texts"], answers)
+        arms[name] = {**gen, "scores": scores, "source": src if isinstance(src, str) else "offline"}
+    comparison = compare_arms({a: r["token_ids"] for a, r in arms.items()}) if len(arms) > 1 else {}
+    return {"config": {"data": data, "train": train, "num_fewshot": num_fewshot, "limit": limit,
+                       "max_tokens": max_tokens}, "n": len(rows), "arms": arms, "comparison": comparison}
+
+
+def add_parser(sub: Any) -> None:
+    from mtpspec.entrypoints.serve import add_engine_args
+    p = sub.add_parser("eval", help="accuracy evaluations: eval gsm8k")
+    inner = p.add_subparsers(dest="eval_command", required=True)
+    g = inner.add_parser("gsm8k", help="GSM8K 5-shot accuracy per arm", description=__doc__,
+                         formatter_class=argparse.RawDescriptionHelpFormatter)
+    g.add_argument("--base-url", action="append", default=[], metavar="[NAME=]URL",
+                   help="a running mtpspec serve (repeat with NAME=URL for several arms)")
+    add_engine_args(g)
+    g.add_argument("--arms", default=None, help="with --model: comma-separated arms among baseline,fusion,both")
+    g.add_argument("--data", default=None, help="GSM8K test JSONL (default ../shared/data/gsm8k/test.jsonl)")
+    g.add_argument("--train", default=None, help="JSONL of the shots (default: train.jsonl beside --data)")
+    g.add_argument("--num-fewshot", type=int, default=5)
+    g.add_argument("--limit", type=int, default=None, help="first N questions only")
+    g.add_argument("--max-tokens", type=int, default=256)
+    g.add_argument("--max-concurrency", type=int, default=32, help="requests in flight per server")
+    g.add_argument("--json", default=None, help="write every completion and score to this file")
+    g.add_argument("--no-progress", action="store_true")
+
+
+def _sources(args: argparse.Namespace) -> Dict[str, Any]:
+    from mtpspec.entrypoints.serve import default_model_path, llm_kwargs
+    if args.base_url:
+        if args.arms or args.model:
+            raise ValueError("give either --base-url or --model/--arms, not both")
+        out = {}
+        for i, spec in enumerate(args.base_url):
+            name, sep, url = spec.partition("=")
+            if sep and not name.startswith("http"):
+                out[name] = url
+            else:
+                out[f"server{i}" if len(args.base_url) > 1 else "server"] = spec
+        return out
+    base = llm_kwargs(args)
+    if not os.path.isfile(os.path.join(base["model"] or default_model_path(), "config.json")):
+        raise ValueError(f"no model at {base['model']!r} (pass --model PATH or --base-url URL)")
+    if not args.arms:
+        return {"model": base}
+    out = {}
+    for name in [a.strip() for a in args.arms.split(",") if a.strip()]:
+        if name not in ARM_FLAGS:
+            raise ValueError(f"unknown arm {name!r}; expected some of {list(ARM_FLAGS)}")
+        if base["speculative_config"] is None:
+            raise ValueError("--arms compare draft-path variants; they need -k >= 1")
+        fusion, local = ARM_FLAGS[name]
+        spec = dict(base["speculative_config"], use_local_argmax_reduction=local)
+        out[name] = dict(base, fuse_allreduce_rmsnorm=fusion, speculative_config=spec)
+    return out
+
+
+def run(args: argparse.Namespace) -> int:
+    from mtpspec.training.gsm8k_format import default_gsm8k_dir
+    data = args.data or os.path.join(default_gsm8k_dir(), "test.jsonl")
+    train = args.train or os.path.join(os.path.dirname(os.path.abspath(data)), "train.jsonl")
+    try:
+        res = evaluate(_sources(args), data, train, args.num_fewshot, args.limit, args.max_tokens,
+                       args.max_concurrency, progress=not args.no_progress)
+    except (ValueError, TypeError, FileNotFoundError, RuntimeError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(format_report(res))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(res, f, indent=1)
+    return 0
