@@ -1,6 +1,7 @@
 """Model building blocks vs independent references: rotary (float64 formula and Hugging Face's GLM-4-MoE
 rotation), SiluAndMul, the grouped top-k router (Hugging Face's Glm4MoeTopkRouter and a brute force),
-FusedMoE (float64 loop, both checkpoint layouts), and paged attention (float64 causal softmax)."""
+FusedMoE (float64 loop, both checkpoint layouts, every expert path incl. the Triton kernels under the
+interpreter, host-sync freedom of the graph-safe paths), and paged attention (float64 causal softmax)."""
 
 import math
 
@@ -11,7 +12,10 @@ from mtpspec.layers.activation import SiluAndMul
 from mtpspec.layers.attention import (
     Attention, _write_kv, allocate_kv_caches, build_attention_metadata, collect_attention_layers, get_forward_context,
     set_forward_context)
-from mtpspec.layers.fused_moe import FusedMoE, MoEGate, grouped_topk
+from mtpspec.layers.fused_moe import GRAPH_SAFE_PATHS, FusedMoE, MoEGate, grouped_topk, moe_path
+from mtpspec.ops import moe_gemm
+from mtpspec.ops.moe_gemm import moe_align
+from mtpspec.ops.triton_utils import interpreter_available
 from mtpspec.layers.rotary_embedding import RotaryEmbedding
 
 
@@ -177,6 +181,141 @@ def test_fused_moe_vs_float64_loop_and_layouts():
         per.weight_loader(per.w13_weight, down_w[0], "w1", 0)
     with pytest.raises(ValueError, match="expert_id 6 out of range"):
         per.weight_loader(per.w13_weight, gate_w[0], "w1", 6)
+
+
+def _moe_float64(x, w13, w2, tw, tid):
+    """float64 loop over (token, chosen expert): silu(gate x) * (up x), down, weighted sum."""
+    d = w13.shape[1] // 2
+    ref = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float64)
+    for r in range(x.shape[0]):
+        for j in range(tid.shape[1]):
+            e = int(tid[r, j])
+            gu = w13[e].double() @ x[r].double()
+            ref[r] += tw[r, j].double() * (w2[e].double() @ (torch.nn.functional.silu(gu[:d]) * gu[d:]))
+    return ref
+
+
+def _random_moe(g, e, h, i, dtype):
+    moe = FusedMoE(e, h, i, reduce_results=True, params_dtype=dtype)
+    with torch.no_grad():
+        moe.w13_weight.copy_(torch.randn(e, 2 * i, h, generator=g) / h ** 0.5)
+        moe.w2_weight.copy_(torch.randn(e, h, i, generator=g) / i ** 0.5)
+    return moe
+
+
+MOE_ATOL = {torch.float32: 1e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}
+
+
+@pytest.mark.parametrize("path", ["kernel", "kernel_chunked", "gather", "dense", "grouped"])
+def test_fused_moe_every_path_vs_float64(monkeypatch, path):
+    """Each expert path on decode-, verify- and graph-padded-sized batches against the float64
+    loop; the kernel path (Triton, interpreted) also in fp16 and bf16."""
+    if path.startswith("kernel"):
+        if not interpreter_available():
+            pytest.skip("Triton interpreter unavailable")
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+        dtypes = [torch.float32, torch.float16, torch.bfloat16]
+    else:
+        monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+        dtypes = [torch.float32]
+    g = torch.Generator().manual_seed(12)
+    e, h, i, k = 16, 48, 40, 2
+    for dtype in dtypes:
+        moe = _random_moe(g, e, h, i, dtype)
+        budgets = dict(kernel="kernel_budget_bytes", kernel_chunked="kernel_budget_bytes", gather="gather_budget_bytes",
+                       dense="dense_budget_bytes", grouped=None)
+        moe.dense_budget_bytes = 2 ** 30 if path == "dense" else 0
+        moe.gather_budget_bytes = 2 ** 30 if path == "gather" else 0
+        if path == "kernel_chunked":
+            moe.kernel_budget_bytes = 3 * k * (h * 4 + i * moe.w13_weight.element_size())  # 3 tokens per launch
+        assert budgets[path] is None or hasattr(moe, budgets[path])
+        for t in ((1, 2) if path == "gather" else (1, 5, 11)):  # gather: 3 * t * k <= E
+            x = torch.randn(t, h, generator=g).to(dtype)
+            x[-1] = 0  # a graph padding row: zero hidden state, whatever it routes to
+            tw = torch.rand(t, k, generator=g)
+            tid = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)])
+            assert moe.select_path(t, k, x) == path.split("_")[0]
+            out = moe(x, tw, tid)
+            assert out.dtype == dtype and out.shape == (t, h)
+            torch.testing.assert_close(out.double(), _moe_float64(x, moe.w13_weight, moe.w2_weight, tw, tid),
+                                       rtol=0, atol=MOE_ATOL[dtype])
+            assert torch.equal(out[-1], torch.zeros_like(out[-1]))
+        assert moe(x[:0], tw[:0], tid[:0]).shape == (0, h)
+
+
+def test_moe_align_groups_pairs_by_expert_with_static_padding():
+    g = torch.Generator().manual_seed(13)
+    for t, k, e, bm in ((1, 2, 16, 16), (9, 3, 4, 16), (40, 2, 5, 64), (3, 4, 64, 16)):
+        tid = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)])
+        n = t * k
+        pairs, block_expert = moe_align(tid, e, bm)
+        assert pairs.shape[0] == -(-(n + min(n, e) * (bm - 1)) // bm) * bm == block_expert.shape[0] * bm
+        flat = tid.reshape(-1).tolist()
+        seen = []
+        for b, ex in enumerate(block_expert.tolist()):
+            blk = pairs[b * bm:(b + 1) * bm].tolist()
+            real = [p for p in blk if p < n]
+            if ex == e:  # past the last run: only padding
+                assert not real
+                continue
+            assert all(flat[p] == ex for p in real) and blk == real + [n] * (bm - len(real))
+            seen += real
+        assert sorted(seen) == list(range(n))
+        assert block_expert.tolist() == sorted(block_expert.tolist())  # runs in expert order
+
+
+def test_moe_path_depends_on_static_sizes_and_captured_sizes_are_graph_safe():
+    # GLM-4.5 (E = 160, H = 5120, I = 1536, top 8) at tp 8, bf16: every captured verify size of
+    # max_num_seqs = 512, k = 3 takes a sync-free path, on GPU (kernel) and on the torch paths.
+    for tokens in (1, 4, 8, 64, 256, 2048):
+        assert moe_path(tokens, 8, 160, 5120, 192, 2, True, 256 << 20, 256 << 20, 128 << 20) == "kernel"
+    assert moe_path(1, 8, 160, 5120, 192, 2, False, 256 << 20, 256 << 20, 128 << 20) == "gather"
+    assert moe_path(6, 8, 160, 5120, 192, 2, False, 256 << 20, 256 << 20, 128 << 20) == "dense"
+    assert moe_path(400, 8, 160, 5120, 192, 2, False, 256 << 20, 256 << 20, 128 << 20) == "grouped"
+    assert moe_path(0, 8, 160, 5120, 192, 2, True, 1, 1, 1) == "grouped"  # empty: zeros, no work
+    assert "grouped" not in GRAPH_SAFE_PATHS and set(GRAPH_SAFE_PATHS) == {"kernel", "gather", "dense"}
+
+
+@pytest.mark.parametrize("path", ["kernel", "gather", "dense"])
+def test_fused_moe_graph_safe_paths_have_no_host_sync(monkeypatch, path):
+    """Router + experts under the host-sync guard; the kernel path with its launches recorded
+    (the interpreter itself reads tensors on the host)."""
+    from test_paged_attention import HostSyncError, no_host_sync
+    g = torch.Generator().manual_seed(14)
+    e, h, i, k, t = 16, 32, 24, 2, 2
+    moe = _random_moe(g, e, h, i, torch.float32)
+    gate = MoEGate(h, e, k, num_expert_group=4, topk_group=2)
+    with torch.no_grad():
+        gate.weight.normal_(generator=g)
+    launched = []
+    if path == "kernel":
+        if not interpreter_available():
+            pytest.skip("Triton interpreter unavailable")
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+
+        class Recorder:
+            def __init__(self, name):
+                self.name = name
+
+            def __getitem__(self, grid):
+                return lambda *a, **kw: launched.append(self.name)
+        monkeypatch.setattr(moe_gemm, "_gate_up", Recorder("gate_up"))
+        monkeypatch.setattr(moe_gemm, "_down", Recorder("down"))
+    else:
+        monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+        moe.dense_budget_bytes = 2 ** 30 if path == "dense" else 0
+        moe.gather_budget_bytes = 2 ** 30 if path == "gather" else 0
+    x = torch.randn(t, h, generator=g)
+    assert moe.select_path(t, k, x) == path
+    for mode in (torch.no_grad, torch.inference_mode):
+        with mode(), no_host_sync():
+            moe(x, *gate(x))
+    assert launched == (["gate_up", "down"] * 2 if path == "kernel" else [])
+    moe.dense_budget_bytes = moe.gather_budget_bytes = 0
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(HostSyncError):  # the guard does see the grouped path's sync
+        with torch.no_grad(), no_host_sync():
+            moe(x, *gate(x))
 
 
 def test_grouped_topk_rejects_inconsistent_sizes():

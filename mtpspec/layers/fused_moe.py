@@ -30,6 +30,41 @@ from mtpspec.distributed import (
     get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size, tensor_model_parallel_all_reduce)
 from mtpspec.layers.activation import SiluAndMul
 from mtpspec.layers.weight_utils import check_full_tensor, copy_into
+from mtpspec.ops.moe_gemm import moe_experts, moe_experts_ref
+from mtpspec.ops.triton_utils import FLOAT_DTYPES, use_triton
+
+#: Paths of :meth:`FusedMoE.forward` without a host sync (CUDA-graph capturable).
+GRAPH_SAFE_PATHS = ("kernel", "gather", "dense")
+
+
+def kernel_chunk_tokens(top_k: int, hidden: int, inter_per_rank: int, elem_bytes: int, budget_bytes: int) -> int:
+    """Tokens per launch of the expert kernels so their scratch (``top_k`` pairs per token, each
+    ``H`` fp32 + ``I / tp`` weight-dtype values) stays within ``budget_bytes`` (at least 1)."""
+    return max(1, budget_bytes // max(1, top_k * (hidden * 4 + inter_per_rank * elem_bytes)))
+
+
+def moe_path(num_tokens: int, top_k: int, num_experts: int, hidden: int, inter_per_rank: int, elem_bytes: int,
+             triton: bool, kernel_budget_bytes: int, gather_budget_bytes: int, dense_budget_bytes: int) -> str:
+    """Which expert path a batch takes, from static sizes only.
+
+    * ``"kernel"`` whenever the Triton kernels run (``triton``: CUDA, or CPU under
+      ``TRITON_INTERPRET=1``, and fp16/bf16/fp32): expert-grouped GEMMs reading only routed
+      experts (:mod:`mtpspec.ops.moe_gemm`), in chunks of :func:`kernel_chunk_tokens` tokens.
+    * ``"gather"`` (torch) when ``3 * num_tokens * top_k <= num_experts`` (gathering, copying
+      and reading the routed experts' weights costs less than reading all experts once) and the
+      gathered weights fit ``gather_budget_bytes``.
+    * ``"dense"`` (torch) when every expert on every token fits ``dense_budget_bytes``
+      (``num_tokens * E * max(H, 2 I / tp) * 4``).
+    * ``"grouped"`` otherwise (torch, per-expert loop, one host sync).
+    """
+    n = num_tokens * top_k
+    if triton and num_tokens:
+        return "kernel"
+    if num_tokens and 3 * n <= num_experts and n * 3 * inter_per_rank * hidden * elem_bytes <= gather_budget_bytes:
+        return "gather"
+    if num_tokens and num_tokens * num_experts * max(hidden, 2 * inter_per_rank) * 4 <= dense_budget_bytes:
+        return "dense"
+    return "grouped"
 
 
 def grouped_topk(router_logits: torch.Tensor, e_score_correction_bias: Optional[torch.Tensor], top_k: int,
@@ -117,12 +152,17 @@ class FusedMoE(nn.Module):
         intermediate_size: per-expert intermediate size ``I`` (divisible by tp).
         reduce_results: all-reduce the output; ``False`` returns this rank's partial sum.
         params_dtype: parameter dtype (default ``torch.get_default_dtype()``).
-        dense_budget_bytes: batches whose per-expert intermediates fit this budget
+        dense_budget_bytes: torch path: batches whose per-expert intermediates fit this budget
             (``num_tokens * E * max(H, 2 I / tp) * 4`` bytes) run every expert on every token in
-            batched matmuls weighted by the (mostly zero) routing weights: no host sync, one
-            read of every expert's weights (which small decode / verify batches touch anyway),
-            CUDA-graph friendly. Larger batches group tokens by expert (one host sync for the
-            per-expert counts) and run only the routed experts.
+            batched matmuls weighted by the (mostly zero) routing weights (no host sync).
+        gather_budget_bytes: torch path: very small batches (``3 * num_tokens * top_k <= E``)
+            gather their routed experts' weights (``w[topk_ids]``, at most this many bytes) and
+            run batched matmuls (no host sync, reads only routed experts).
+        kernel_budget_bytes: Triton path (CUDA): scratch per launch; larger batches run in
+            token chunks. Used for every batch size where Triton runs (no host sync).
+
+        Paths and their choice: :func:`moe_path`. Only the torch ``"grouped"`` fallback (large
+        batches without Triton) syncs with the host, for the per-expert counts.
 
     Attributes:
         w13_weight: ``[E, 2 * I / tp, H]``, per expert ``[gate_r | up_r]``.
@@ -139,7 +179,8 @@ class FusedMoE(nn.Module):
     """
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, reduce_results: bool = True,
-                 params_dtype: Optional[torch.dtype] = None, dense_budget_bytes: int = 128 * 2 ** 20) -> None:
+                 params_dtype: Optional[torch.dtype] = None, dense_budget_bytes: int = 128 * 2 ** 20,
+                 gather_budget_bytes: int = 256 * 2 ** 20, kernel_budget_bytes: int = 256 * 2 ** 20) -> None:
         super().__init__()
         self.tp_size = get_tensor_model_parallel_world_size()
         self.tp_rank = get_tensor_model_parallel_rank()
@@ -156,6 +197,8 @@ class FusedMoE(nn.Module):
         self.w2_weight.weight_loader = self.weight_loader
         self.act_fn = SiluAndMul()
         self.dense_budget_bytes = dense_budget_bytes
+        self.gather_budget_bytes = gather_budget_bytes
+        self.kernel_budget_bytes = kernel_budget_bytes
 
     @torch.no_grad()
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: str,
@@ -186,6 +229,13 @@ class FusedMoE(nn.Module):
         else:
             raise ValueError(f"FusedMoE: shard_id {shard_id!r} does not fit this parameter")
 
+    def select_path(self, num_tokens: int, top_k: int, x: torch.Tensor) -> str:
+        """The path :meth:`forward` takes for ``num_tokens`` rows like ``x`` (see :func:`moe_path`)."""
+        return moe_path(num_tokens, top_k, self.num_experts, self.hidden_size, self.intermediate_size_per_partition,
+                        self.w13_weight.element_size(),
+                        use_triton(x, self.w13_weight) and x.dtype in FLOAT_DTYPES and x.dtype == self.w13_weight.dtype,
+                        self.kernel_budget_bytes, self.gather_budget_bytes, self.dense_budget_bytes)
+
     def forward(self, hidden_states: torch.Tensor, topk_weights: torch.Tensor,
                 topk_ids: torch.Tensor) -> torch.Tensor:
         """``sum_k topk_weights[t, k] * expert_{topk_ids[t, k]}(x_t)`` over this rank's slices.
@@ -198,16 +248,34 @@ class FusedMoE(nn.Module):
         Returns:
             ``[num_tokens, H]`` in ``hidden_states``' dtype: the full sum when
             ``reduce_results``, else this rank's partial sum.
+
+        The path (:meth:`select_path`) depends only on shapes, dtypes and where the tensors
+        live, so one captured CUDA graph always replays the path it captured; every path but
+        ``"grouped"`` is free of host syncs.
         """
-        t = hidden_states.shape[0]
-        width = max(self.hidden_size, 2 * self.intermediate_size_per_partition)
-        if t and t * self.num_experts * width * 4 <= self.dense_budget_bytes:
+        t, k = topk_ids.shape
+        path = self.select_path(t, k, hidden_states)
+        if path == "kernel":
+            out = self._forward_kernel(hidden_states, topk_weights, topk_ids)
+        elif path == "gather":
+            out = moe_experts_ref(hidden_states, self.w13_weight, self.w2_weight, topk_weights, topk_ids)
+        elif path == "dense":
             out = self._forward_dense(hidden_states, topk_weights, topk_ids)
         else:
             out = self._forward_grouped(hidden_states, topk_weights, topk_ids)
         return tensor_model_parallel_all_reduce(out) if self.reduce_results else out
 
+    def _forward_kernel(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        t, k = topk_ids.shape
+        chunk = kernel_chunk_tokens(k, self.hidden_size, self.intermediate_size_per_partition,
+                                    self.w13_weight.element_size(), self.kernel_budget_bytes)
+        if t <= chunk:
+            return moe_experts(x, self.w13_weight, self.w2_weight, topk_weights, topk_ids)
+        return torch.cat([moe_experts(x[s:s + chunk], self.w13_weight, self.w2_weight, topk_weights[s:s + chunk],
+                                      topk_ids[s:s + chunk]) for s in range(0, t, chunk)])
+
     def _forward_dense(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        # Every expert on every token, unrouted (expert, token) products zeroed: sync-free.
         t, e = x.shape[0], self.num_experts
         combine = torch.zeros(t, e, dtype=torch.float32, device=x.device)
         combine.scatter_add_(1, topk_ids, topk_weights.float())  # [T, E], zero for unrouted experts
