@@ -326,6 +326,12 @@ def test_single_rank_kernel_paths(interp):
                 torch.testing.assert_close(y, y_ref, rtol=ULP[dtype], atol=1e-6)
     assert one._state[0].item() == 9 and multi._state[0].item() == 6
     assert one.guards_intact() and multi.guards_intact()
+    # Padding rows (zeros, residual zeros or absent) normalise to zeros, not NaN (fault 5).
+    for res in (torch.zeros(3, 36), None):
+        y, s = one(torch.zeros(3, 36), res, torch.ones(36), EPS)
+        assert torch.equal(y, torch.zeros(3, 36)) and torch.equal(s, torch.zeros(3, 36))
+    one.close()
+    assert not one.accepts(torch.zeros(1, 36))
 
 
 def test_accepts_is_a_byte_limit(interp, monkeypatch):

@@ -149,19 +149,19 @@ if HAS_TRITON:
         if ok:
             # 2. Push this program's rows into slot (buf, rank) of every rank, then signal.
             src_off = (buf * WORLD + rank).to(tl.int64) * slot_stride
-            for i in tl.static_range(WORLD):
-                p = (rank + i) % WORLD  # staggered: ranks do not all start on the same peer
-                # Buffers are 256-byte aligned (allocator / mmap) and slots are 256-byte multiples.
-                dst = tl.multiple_of(tl.load(data_table + p).to(tl.pointer_type(dt)), 16) + src_off
-                for rb in range(pid, n_blocks, n_prog):
-                    rows = rb * BLOCK_M + tl.arange(0, BLOCK_M)
-                    row_mask = rows < n_rows
-                    rows = rows.to(tl.int64)
-                    for start in range(0, n_cols, BLOCK_N):
-                        c = start + cols
-                        mask = row_mask[:, None] & (c < n_cols)[None, :]
-                        v = tl.load(x_ptr + rows[:, None] * stride_x + c[None, :], mask=mask)
-                        tl.store(dst + rows[:, None] * n_cols + c[None, :], v, mask=mask)
+            for rb in range(pid, n_blocks, n_prog):
+                rows = rb * BLOCK_M + tl.arange(0, BLOCK_M)
+                row_mask = rows < n_rows
+                rows = rows.to(tl.int64)
+                for start in range(0, n_cols, BLOCK_N):
+                    c = start + cols
+                    mask = row_mask[:, None] & (c < n_cols)[None, :]
+                    v = tl.load(x_ptr + rows[:, None] * stride_x + c[None, :], mask=mask)
+                    for i in tl.static_range(WORLD):
+                        p = (rank + i) % WORLD  # staggered: ranks do not all start on one peer
+                        # Buffers are 256-byte aligned (allocator, mmap); slots 256-byte multiples.
+                        dst = tl.multiple_of(tl.load(data_table + p).to(tl.pointer_type(dt)), 16)
+                        tl.store(dst + src_off + rows[:, None] * n_cols + c[None, :], v, mask=mask)
             tl.debug_barrier()
             for i in tl.static_range(WORLD):
                 p = (rank + i) % WORLD
@@ -172,7 +172,7 @@ if HAS_TRITON:
             my_flags = tl.load(flag_table + rank).to(tl.pointer_type(tl.int64))
             t0 = 0
             if USE_GLOBALTIMER:  # %globaltimer: a nanosecond clock (CUDA only)
-                t0 = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,r", [rank],
+                t0 = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,r", [pid],
                                                dtype=tl.int64, is_pure=False, pack=1)
             for s in tl.static_range(WORLD):
                 fp = my_flags + (buf * WORLD + s) * MAX_PROGRAMS + pid
@@ -184,7 +184,7 @@ if HAS_TRITON:
                     spins += 1
                     if USE_GLOBALTIMER:
                         waited = tl.inline_asm_elementwise(
-                            "mov.u64 $0, %globaltimer;", "=l,r", [rank], dtype=tl.int64,
+                            "mov.u64 $0, %globaltimer;", "=l,r", [pid], dtype=tl.int64,
                             is_pure=False, pack=1) - t0
                 if seen != fv:
                     # err: [0] failed, [1] peer, [2] epoch, [3] program, [4] rank, [5] the flag
@@ -398,6 +398,7 @@ class P2PAllReduceRMSNorm(AllReduceRMSNormBackend):
         if self.world_size > 1:
             dist.barrier(group=tp.device_group)  # guards filled everywhere before any call
         self.calls = 0
+        self.closed = False
 
     # -- layout ------------------------------------------------------------------------------
     def _guards(self) -> torch.Tensor:
@@ -418,7 +419,7 @@ class P2PAllReduceRMSNorm(AllReduceRMSNormBackend):
         kernel can run (CUDA, or CPU under ``TRITON_INTERPRET=1``; no autograd). The answer
         depends only on the shape, dtype and device, so every rank takes the same path."""
         h = hidden_states
-        if h.dim() != 2 or h.dtype not in FLOAT_DTYPES or h.device != self.device:
+        if self.closed or h.dim() != 2 or h.dtype not in FLOAT_DTYPES or h.device != self.device:
             return False
         if h.shape[1] > 1 and h.stride(1) != 1:
             return False
@@ -528,5 +529,7 @@ class P2PAllReduceRMSNorm(AllReduceRMSNormBackend):
         return out, r_out
 
     def close(self) -> None:
-        """Release the peer mappings (every rank, after its last call has finished)."""
+        """Release the peer mappings (every rank, after its last call has finished); the
+        backend then accepts nothing (unregister it first)."""
+        self.closed = True
         self.peers.close()
