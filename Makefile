@@ -17,7 +17,7 @@ $(VENV)/.stamp: pyproject.toml
 	touch $@
 
 demo: $(VENV)/.stamp
-	$(BIN)/mtpspec tp-demo
+	$(BIN)/mtpspec generate --gsm8k-question 0 --num-speculative-tokens 3 --max-tokens 256
 
 test: $(VENV)/.stamp
 	$(BIN)/python -m pytest -q tests

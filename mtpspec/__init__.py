@@ -16,7 +16,13 @@ _LAZY = {
     "RequestMetrics": "mtpspec.outputs",
 }
 
-__all__ = ["__version__", *_LAZY]
+__all__ = ["__version__", "demo_model_path", *_LAZY]
+
+
+def demo_model_path() -> str:
+    """Folder of the bundled demo model (``mtpspec/demo_model``), the default of every command."""
+    import os
+    return os.path.join(os.path.dirname(os.path.abspath(__file__)), "demo_model")
 
 
 def __getattr__(name: str) -> Any:

@@ -13,10 +13,7 @@ import os
 import sys
 from typing import Any, Dict, List
 
-
-def demo_model_path() -> str:
-    """Folder of the bundled demo model (may not exist)."""
-    return os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "demo_model")
+from mtpspec import demo_model_path
 
 
 def add_parser(sub: Any) -> None:
@@ -28,6 +25,13 @@ def add_parser(sub: Any) -> None:
     src.add_argument("--prompt-file", default=None, help="file with one prompt per line")
     src.add_argument("--prompt-token-ids", action="append", default=None,
                      help="a prompt as comma-separated token ids (repeatable)")
+    src.add_argument("--gsm8k-question", type=int, action="append", default=None, metavar="INDEX",
+                     help="prompt with GSM8K question INDEX of --gsm8k-data as 'Question: ...\\nAnswer:' "
+                          "(repeatable); stops at 'Question:' and prints the reference answer")
+    p.add_argument("--gsm8k-data", default=None,
+                   help="GSM8K JSONL for --gsm8k-question (default: ../shared/data/gsm8k/test.jsonl "
+                        "beside the working directory or the repository)")
+    p.add_argument("--stop", action="append", default=None, help="a stop string (repeatable)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (default 1)")
     p.add_argument("--num-speculative-tokens", "-k", type=int, default=3, help="draft tokens k (0: no speculation)")
     p.add_argument("--no-local-argmax", action="store_true", help="drafts via compute_logits + argmax")
@@ -45,7 +49,31 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
 
 
+def _gsm8k_path(arg: Any) -> str:
+    if arg:
+        return arg
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    for base in (os.getcwd(), repo):
+        path = os.path.join(base, "..", "shared", "data", "gsm8k", "test.jsonl")
+        if os.path.isfile(path):
+            return os.path.normpath(path)
+    raise SystemExit("--gsm8k-question: no GSM8K test file found; pass --gsm8k-data PATH")
+
+
+def _gsm8k_examples(args: argparse.Namespace) -> List[Dict[str, str]]:
+    from mtpspec.training.gsm8k_format import load_gsm8k
+    path = _gsm8k_path(args.gsm8k_data)
+    rows = load_gsm8k(path)
+    for i in args.gsm8k_question:
+        if not 0 <= i < len(rows):
+            raise SystemExit(f"--gsm8k-question: index {i} outside [0, {len(rows)}) of {path}")
+    return [rows[i] for i in args.gsm8k_question]
+
+
 def _prompts(args: argparse.Namespace) -> List[Any]:
+    if args.gsm8k_question:
+        from mtpspec.training.gsm8k_format import format_query
+        return [format_query(ex["question"]) for ex in _gsm8k_examples(args)]
     if args.prompt_file:
         with open(args.prompt_file, encoding="utf-8") as f:
             lines = [ln.rstrip("\n") for ln in f]
@@ -94,8 +122,9 @@ def run(args: argparse.Namespace) -> int:
                                 "use_local_argmax_reduction": not args.no_local_argmax}
     prompts = _prompts(args)
     try:
+        stop = args.stop if args.stop is not None else (["Question:"] if args.gsm8k_question else None)
         params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
-                                max_tokens=args.max_tokens)
+                                max_tokens=args.max_tokens, stop=stop)
         llm = LLM(model, tensor_parallel_size=args.tp, dtype=args.dtype, device=args.device, speculative_config=spec,
                   fuse_allreduce_rmsnorm=not args.no_fusion, max_num_seqs=args.max_num_seqs,
                   max_model_len=args.max_model_len, num_kv_blocks=args.num_kv_blocks)
@@ -123,6 +152,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"--- [{i}] {head!r}")
         print(c.text if c.text else c.token_ids)
         print(f"    ({len(c.token_ids)} tokens, finish_reason={c.finish_reason})")
+        if args.gsm8k_question:
+            ref = _gsm8k_examples(args)[i]["answer"].rsplit("####", 1)[-1].strip()
+            print(f"    reference answer: {ref}")
     print("--- metrics")
     print(format_metrics(metrics))
     return 0

@@ -1,0 +1,1 @@
+"""The bundled demo model: config.json, tokenizer.json and safetensors shards (see README.md)."""
