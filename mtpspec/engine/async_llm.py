@@ -363,9 +363,9 @@ class AsyncLLM:
                 self.engine.abort_request(rid)
                 batch.append((live.sink, RequestError(f"request {rid} failed: {type(exc).__name__}: {exc}")))
                 self._notify("on_error", rid)
-        for sink, item in batch:
+        self._notify("on_step", self.engine, finished)  # counters first: a client that sees its last
+        for sink, item in batch:                         # token and then scrapes /metrics finds it counted
             sink(item)
-        self._notify("on_step", self.engine, finished)
 
     def _notify(self, method: str, *args: Any) -> None:
         for obs in self.observers:

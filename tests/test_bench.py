@@ -1,0 +1,134 @@
+"""`mtpspec bench serve` / `bench arms` smoke runs at tiny sizes, and their arithmetic."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import httpx
+import pytest
+
+from test_server_fixtures import REPO, ServerProcess, child_env, make_served_model
+
+from mtpspec.entrypoints import bench_arms
+from mtpspec.entrypoints.bench_dataset import gsm8k_token_prompts
+from mtpspec.entrypoints.bench_serve import BenchConfig, run_benchmark
+from mtpspec.training.gsm8k_format import format_query, load_gsm8k
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("bench_model"))
+    make_served_model(path, seed=7)
+    return path
+
+
+@pytest.fixture(scope="module")
+def forced_server(model_dir):
+    srv = ServerProcess(model_dir, ["-k", "3", "--max-model-len", "512", "--forced-acceptance", "length:2"])
+    yield srv
+    srv.stop()
+
+
+def test_token_prompts_exact_length_and_real_text(forced_server):
+    rows = load_gsm8k(os.path.join(REPO, "..", "shared", "data", "gsm8k", "test.jsonl"))[:40]
+
+    def tok(text):
+        return httpx.post(forced_server.url + "/tokenize", json={"prompt": text}).json()["tokens"]
+
+    prompts = gsm8k_token_prompts(rows, 5, 900, tok)  # this tiny BPE needs ~1 token per character
+    assert all(len(p) == 900 for p in prompts)
+    assert len({tuple(p) for p in prompts}) == 5
+    for i, p in enumerate(prompts):  # every prompt ends with its own query
+        q = tok(format_query(rows[i]["question"]))
+        assert p[-len(q):] == q
+    text = httpx.post(forced_server.url + "/detokenize", json={"tokens": prompts[0]}).json()["prompt"]
+    assert "Question: " in text and "#### " in text and text.endswith("Answer:")
+
+
+def test_bench_serve_forced_acceptance_figures(forced_server):
+    cfg = BenchConfig(num_prompts=6, max_concurrency=3, input_len=64, output_len=24, warmup=1)
+    res = run_benchmark(forced_server.url, cfg, progress=False)
+    assert res["completed"] == 6 and res["failed"] == 0
+    # forced accepted length 2 of k = 3: every verification accepts exactly positions 0 and 1
+    assert res["acceptance_length"] == pytest.approx(3.0)
+    assert res["acceptance_rate_per_pos"] == pytest.approx([1.0, 1.0, 0.0])
+    assert res["synthetic"] and any("forced acceptance length:2" in r for r in res["synthetic_reasons"])
+    assert res["steps_per_s"] == pytest.approx(res["output_throughput"] / 3.0)
+    # client token counts agree with the server's counter; lengths with the workload
+    assert res["total_output_tokens"] == res["server_generation_tokens"]
+    assert res["total_input_tokens"] == 6 * 64
+    assert res["total_output_tokens"] <= 6 * 24
+    for key in ("ttft_ms", "itl_ms", "tpot_ms"):
+        assert res[key]["median"] is not None and res[key]["median"] <= res[key]["p99"]
+    assert res["config"]["prompts"] == "gsm8k"
+
+
+def test_bench_serve_cli_random_prompts_marked_synthetic(forced_server, tmp_path):
+    out = tmp_path / "r.json"
+    cmd = [sys.executable, "-m", "mtpspec.entrypoints.cli", "bench", "serve", "--base-url", forced_server.url,
+           "--num-prompts", "3", "--max-concurrency", "2", "--input-len", "16", "--output-len", "8",
+           "--random-prompts", "--ignore-eos", "--no-progress", "--json", str(out)]
+    p = subprocess.run(cmd, capture_output=True, text=True, env=child_env(), cwd=REPO, timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert "SYNTHETIC" in p.stdout and "random-token prompts" in p.stdout and "ignore_eos" in p.stdout
+    res = json.loads(out.read_text())
+    assert res["synthetic"] and res["total_output_tokens"] == 3 * 8  # ignore_eos: every request runs to the end
+    # a workload that cannot fit the context is refused before any request
+    bad = cmd[:-2] + ["--input-len", "600"]
+    p = subprocess.run(bad, capture_output=True, text=True, env=child_env(), cwd=REPO, timeout=120)
+    assert p.returncode == 2 and "max_model_len" in p.stderr
+
+
+def test_verdict_rule():
+    a = {"median": 100.0, "spread": 4.0}
+    assert not bench_arms.verdict(a, {"median": 103.0, "spread": 2.0}, True, 3)["significant"]
+    v = bench_arms.verdict(a, {"median": 106.0, "spread": 2.0}, True, 3)
+    assert v["significant"] and "better" in v["text"] and v["delta_pct"] == pytest.approx(6.0)
+    v = bench_arms.verdict(a, {"median": 90.0, "spread": 5.0}, True, 3)
+    assert v["significant"] and "worse" in v["text"]
+    v = bench_arms.verdict(a, {"median": 90.0, "spread": 5.0}, False, 3)  # lower latency is better
+    assert "better" in v["text"]
+    assert not bench_arms.verdict(a, {"median": 200.0, "spread": 0.0}, True, 1)["significant"]  # one run: no verdict
+    s = bench_arms.summarise([{"output_throughput": x, "steps_per_s": x / 2, "ttft_ms": {"median": 1.0},
+                               "itl_ms": {"median": 2.0}, "acceptance_length": 2.0,
+                               "collective_bytes_per_step_total": 0.0, "acceptance_rate_per_pos": [0.5, 0.25]}
+                              for x in (10.0, 14.0, 11.0)])
+    assert s["output_throughput"]["median"] == 11.0 and s["output_throughput"]["spread"] == 4.0
+    assert s["acceptance_rate_per_pos"]["median"] == [0.5, 0.25]
+    assert bench_arms.scaled_preset("c64", 0.01) == dict(input_len=10, output_len=10, num_prompts=3, max_concurrency=3)
+    assert bench_arms.scaled_preset("batch1", 1.0)["input_len"] == 8192
+    with pytest.raises(ValueError, match="unknown arm"):
+        bench_arms.parse_arms("baseline,turbo", [])
+    assert bench_arms.parse_arms("baseline", ["k1=-k 1"]) == {"baseline": ["--no-fusion", "--no-local-argmax"],
+                                                              "k1": ["-k", "1"]}
+
+
+def test_bench_arms_smoke(model_dir, tmp_path):
+    out = tmp_path / "arms"
+    cmd = [sys.executable, "-m", "mtpspec.entrypoints.cli", "bench", "arms", "--model", model_dir,
+           "--arms", "baseline,both", "--scale", "0.01", "--repeats", "2", "--warmup", "0", "--output-dir", str(out),
+           "--no-progress",
+           "--server-args", "--device cpu --torch-threads 1 --max-model-len 256"]
+    p = subprocess.run(cmd, capture_output=True, text=True, env=child_env(), cwd=REPO, timeout=300)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    assert "workload batch1" in p.stdout and "workload c64" in p.stdout and "both vs baseline" in p.stdout
+    assert "SYNTHETIC" not in p.stdout
+    res = json.loads((out / "bench_arms.json").read_text())
+    assert list(res["arms"]) == ["baseline", "both"]
+    for name, wl in res["workloads"].items():
+        runs = sorted(((r["started_at"], arm) for arm, d in wl["arms"].items() for r in d["runs"]))
+        assert [arm for _, arm in runs] == ["baseline", "both"] * 2  # interleaved A B A B
+        for arm, d in wl["arms"].items():
+            srv = d["runs"][0]["server"]
+            fusion, local = {"baseline": (False, False), "fusion": (True, False), "both": (True, True)}[arm]
+            assert (srv["fusion"], srv["local_argmax"]) == (fusion, local)  # each arm ran its own server flags
+            vals = d["summary"]["output_throughput"]["runs"]
+            assert len(vals) == 2 and d["summary"]["output_throughput"]["spread"] == pytest.approx(max(vals) - min(vals))
+            assert all(r["completed"] == wl["config"]["num_prompts"] for r in d["runs"])
+        assert set(wl["verdicts"]) == {"both vs baseline"}
+        assert set(wl["verdicts"]["both vs baseline"]) == set(bench_arms.FIGURES)
+    for png in ("batch1_runs.png", "batch1_acceptance.png", "c64_runs.png", "c64_acceptance.png"):
+        assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
