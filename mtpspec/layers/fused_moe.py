@@ -16,6 +16,11 @@ Experts (:class:`FusedMoE`) are split across tensor-parallel ranks by intermedia
 ``[r * I / tp, (r + 1) * I / tp)`` of the gate/up rows and the matching down columns, so each
 rank returns a partial sum over its slices that the caller all-reduces (or leaves un-reduced,
 ``reduce_results=False``, for a later fused all-reduce + norm).
+
+How the experts run (:func:`moe_path`, chosen from static sizes so a captured CUDA graph always
+replays one path): Triton expert-grouped GEMMs wherever Triton runs (every batch size, no host
+sync, only routed experts' weights read); without Triton, a gather path for tiny batches, an
+all-experts dense path for small ones, and a per-expert grouped loop (one host sync) above.
 """
 
 from __future__ import annotations
