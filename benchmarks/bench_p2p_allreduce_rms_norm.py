@@ -48,7 +48,7 @@ import os
 import statistics
 import sys
 import time
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, Optional, Sequence
 
 for _k, _v in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
                ("NVSHMEM_DISABLE_NVLS", "1")):
@@ -290,8 +290,10 @@ def _rank_main(cfg: Dict[str, Any]) -> Dict[str, Any]:
 
     # Fault test: the last rank never calls; the others must get PeerTimeoutError, not hang.
     if cfg["fault_test"]:
+        # The GPU clock should end the wait after fault_timeout_s; the spin cap (>= 0.5 s at any
+        # plausible spin rate) only keeps a broken clock from hanging the script.
         lonely = P2PAllReduceRMSNorm(max_bytes, timeout_s=cfg["fault_timeout_s"],
-                                     max_spins=None if gpu else 200)
+                                     max_spins=50_000_000 if gpu else 200)
         dist.barrier()
         fault: Dict[str, Any] = {"absent": rank == tp - 1}
         if rank != tp - 1:

@@ -25,7 +25,8 @@ Protocol (one launch per call; ``W`` ranks; rank ``r``; program ``j`` of ``G``):
    then orders the whole block's data loads after them. The spin is bounded: after
    ``timeout_s`` (the GPU's ``%globaltimer``) or ``max_spins`` tries it gives up, records which
    peer and epoch in a host-visible error word, marks this rank failed (sticky: later calls
-   neither push, signal nor wait) and writes NaN outputs. The host raises
+   neither push, signal nor wait; they re-raise the error word and write NaN) and writes NaN
+   outputs. A peer that stopped signalling makes every rank fail in turn. The host raises
    :class:`PeerTimeoutError` (at once on CPU; on CUDA at the next call or at
    :meth:`P2PAllReduceRMSNorm.check_error`), so a dead peer is an error, not a hang.
 4. **Reduce + norm.** Program ``j`` sums slots ``(b, 0) .. (b, W-1)`` of its own buffer in fp32
@@ -47,8 +48,10 @@ Multi-buffer invariant (``NUM_BUFFERS >= 2``): when rank ``r`` starts call ``e``
 call ``e - 1``, whose programs each saw peer ``p``'s flag for ``e - 1``; so ``p`` had started call
 ``e - 1``, hence (stream order on ``p``) finished call ``e - 2`` and every earlier call. Slot
 ``(e mod NUM_BUFFERS, r)`` of ``p``'s buffer was last read at call ``e - NUM_BUFFERS <= e - 2``:
-``r`` never overwrites data or a flag a slow peer may still read. Flags carry the epoch, so a
-stale flag (``e - NUM_BUFFERS``) never passes for a new one. Zero-token calls and calls too big
+``r`` never overwrites data or a flag a slow peer may still read (a rank whose wait failed
+pushes nothing more, so it cannot run ahead). Flags carry the epoch (int64, ``2**43`` calls
+before the tag bits would overflow), so a stale flag (``e - NUM_BUFFERS``) never passes for a
+new one. Zero-token calls and calls too big
 for the buffers launch nothing and advance no epoch, on every rank alike (the decision depends
 only on the shape and dtype, equal on all ranks). Calls of one backend must be ordered on the
 device (one stream, eager or graphed).
@@ -73,7 +76,7 @@ constructor fills with a pattern (:meth:`guards_intact` checks it).
 from __future__ import annotations
 
 import math
-from typing import List, Optional, Tuple
+from typing import Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -94,7 +97,8 @@ GUARD_BYTE = 0xA5
 LOOP_BLOCK_N = 4096
 #: Interpreter spin pace used to turn ``timeout_s`` into a spin count (measured: ~0.5 ms/spin).
 INTERPRETER_SECONDS_PER_SPIN = 5e-4
-#: Error-word layout (int64): failed flag, peer that did not arrive, epoch, program, this rank.
+#: Error-word layout (int64): failed flag, peer that did not arrive, epoch, program, this rank,
+#: the flag value last seen from that peer, this call's tag.
 ERR_FAILED, ERR_PEER, ERR_EPOCH, ERR_PROGRAM, ERR_RANK, ERR_SEEN, ERR_TAG = range(7)
 #: Flags hold ``epoch * 2**TAG_BITS + tag``, the tag a hash of the call's shape and dtype.
 TAG_BITS = 20
@@ -313,7 +317,8 @@ class P2PAllReduceRMSNorm(AllReduceRMSNormBackend):
             expected skew between ranks (on one GPU shared by time-sliced processes, several
             scheduler time slices).
         max_spins: an upper bound on spin iterations per wait, in addition to ``timeout_s``;
-            ``None``: none on the GPU, the interpreter's count from ``timeout_s`` on CPU.
+            ``None``: on the GPU ``timeout_s * 1e8`` (a safety net behind the clock), on CPU the
+            interpreter's count from ``timeout_s``.
         max_programs: most programs (thread blocks) per launch; default ``min(128, SM count)`` on
             CUDA, 128 on CPU. Kept at or below the SM count so all can be resident.
         max_block_rows: most rows a program handles at once (default: as many as fit
@@ -430,7 +435,9 @@ class P2PAllReduceRMSNorm(AllReduceRMSNormBackend):
     def _spin_bounds(self) -> Tuple[int, int, bool]:
         """(max_spins, timeout_ns, use the GPU clock) for this launch mode."""
         if self.device.type == "cuda" and not interpreting():
-            spins = self.max_spins if self.max_spins is not None else 2 ** 62
+            # Safety net should the clock misbehave: a spin (a system-scope acquire load) takes
+            # well over 10 ns, so this count outlasts timeout_s.
+            spins = self.max_spins if self.max_spins is not None else max(1, int(self.timeout_s * 1e8))
             return spins, int(self.timeout_s * 1e9), True
         spins = max(1, int(self.timeout_s / INTERPRETER_SECONDS_PER_SPIN))
         if self.max_spins is not None:
@@ -464,7 +471,7 @@ class P2PAllReduceRMSNorm(AllReduceRMSNormBackend):
             return
         if err[ERR_FAILED]:
             spins, timeout_ns, use_timer = self._spin_bounds()
-            bound = f"{timeout_ns / 1e9:g} s" if use_timer and spins >= 2 ** 62 else f"{spins} spins"
+            bound = f"{timeout_ns / 1e9:g} s or {spins} spins" if use_timer else f"{spins} spins"
             epoch, seen = int(err[ERR_EPOCH]), int(err[ERR_SEEN])
             seen_epoch, seen_tag = seen >> TAG_BITS, seen & ((1 << TAG_BITS) - 1)
             if seen_epoch == epoch and seen_tag != int(err[ERR_TAG]):
