@@ -1,0 +1,161 @@
+"""`mtpspec eval gsm8k`: lm-eval-identical scoring, offline and HTTP arms, and lm-eval's own client
+(`local-completions`) running the repo's task config against `mtpspec serve`, offline."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import subprocess
+import sys
+
+import httpx
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from test_server_fixtures import GSM8K_DIR, REPO, ServerProcess, child_env, gsm8k_rows, make_served_model
+
+from mtpspec import LLM, SamplingParams
+from mtpspec.entrypoints import eval_gsm8k
+from mtpspec.entrypoints.eval_gsm8k_score import (
+    IGNORE_RES, STOP_SEQUENCES, exact_match, flexible_extract, mean_stderr, score_completions, strict_extract)
+from mtpspec.training.gsm8k_format import fewshot_prompt
+
+lm_metrics = pytest.importorskip("lm_eval.api.metrics")
+lm_filters = pytest.importorskip("lm_eval.filters.extraction")
+
+
+def _lm_eval_score(completion: str, answer: str):
+    strict = lm_filters.RegexFilter(regex_pattern=r"#### (\-?[0-9\.\,]+)", group_select=0)
+    flex = lm_filters.RegexFilter(regex_pattern=r"(-?[$0-9.,]{2,})|(-?[0-9]+)", group_select=-1)
+    out = []
+    for f in (strict, flex):
+        pred = f.apply([[completion]], None)[0][0]
+        em = lm_metrics.exact_match_hf_evaluate(predictions=[pred], references=[answer], regexes_to_ignore=IGNORE_RES,
+                                                ignore_case=True, ignore_punctuation=False)["exact_match"]
+        out.append((pred, bool(em)))
+    return out
+
+
+ANSWERS = [r["answer"] for r in gsm8k_rows("test", 30)] + ["x\n#### 1,234", "y\n#### -5", "z\n#### 3.50", "w\n#### 7."]
+PIECES = ["#### ", "18", "1,234", "-5", "$", ".", ",", " ", "\n", "3.50", "abc", "7", "####", "-", "The answer is "]
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.sampled_from(PIECES), max_size=12), st.sampled_from(ANSWERS))
+def test_scoring_equals_lm_eval(pieces, answer):
+    completion = "".join(pieces)
+    (sp, sok), (fp, fok) = _lm_eval_score(completion, answer)
+    assert strict_extract(completion) == sp and exact_match(sp, answer) == sok
+    assert flexible_extract(completion) == fp and exact_match(fp, answer) == fok
+
+
+def test_scoring_known_cases_and_stderr():
+    ans = "She makes 9 * 2 = $<<9*2=18>>18.\n#### 18"
+    s = score_completions([" 9 * 2 = 18\n#### 18", " so $18.", " 17\n#### 17 then 18", "nothing"], [ans] * 4)
+    assert s["strict-match"]["correct"] == [True, False, False, False]
+    assert s["flexible-extract"]["correct"] == [True, True, True, False]
+    for xs in ([1.0, 0.0, 1.0, 1.0], [0.0] * 5 + [1.0] * 3):
+        mu, se = mean_stderr(xs)
+        assert mu == pytest.approx(lm_metrics.mean(xs)) and se == pytest.approx(lm_metrics.mean_stderr(xs))
+    assert s["flexible-extract"]["accuracy"] == 0.75
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("eval_model"))
+    make_served_model(path, seed=5)
+    return path
+
+
+def _offline_kwargs(model_dir, fusion, local):
+    return dict(model=model_dir, device="cpu", max_model_len=2048, max_num_seqs=8,
+                fuse_allreduce_rmsnorm=fusion,
+                speculative_config={"method": "mtp", "num_speculative_tokens": 3, "use_local_argmax_reduction": local})
+
+
+def test_offline_arms_identical_and_scored(model_dir):
+    data, train = os.path.join(GSM8K_DIR, "test.jsonl"), os.path.join(GSM8K_DIR, "train.jsonl")
+    sources = {"baseline": _offline_kwargs(model_dir, False, False), "both": _offline_kwargs(model_dir, True, True)}
+    res = eval_gsm8k.evaluate(sources, data, train, num_fewshot=1, limit=3, max_tokens=8, progress=False)
+    assert res["n"] == 3
+    cmp = res["comparison"]["both vs baseline"]
+    assert cmp["identical"] == 3 and cmp["total"] == 3  # greedy speculative decoding is lossless across arms
+    rows, shots = gsm8k_rows("test", 3), gsm8k_rows("train", 1)
+    plain = LLM(model_dir, device="cpu", max_model_len=2048)  # no speculation at all: the reference
+    try:
+        ref = plain.generate([fewshot_prompt(shots, r["question"]) for r in rows],
+                             SamplingParams(temperature=0, max_tokens=8, stop=STOP_SEQUENCES), use_tqdm=False)
+    finally:
+        plain.shutdown()
+    for arm in sources:
+        r = res["arms"][arm]
+        assert r["token_ids"] == [o.outputs[0].token_ids for o in ref]
+        again = score_completions(r["texts"], [row["answer"] for row in rows])
+        assert r["scores"]["strict-match"]["accuracy"] == again["strict-match"]["accuracy"]
+    report = eval_gsm8k.format_report(res)
+    assert "both vs baseline: 3/3 (100.0%)" in report and "strict-match" in report
+
+
+@pytest.fixture(scope="module")
+def server(model_dir):
+    srv = ServerProcess(model_dir, ["-k", "3", "--max-num-seqs", "8"])
+    yield srv
+    srv.stop()
+
+
+def test_eval_cli_over_http_equals_offline(server, model_dir, tmp_path):
+    out = tmp_path / "eval.json"
+    cmd = [sys.executable, "-m", "mtpspec.entrypoints.cli", "eval", "gsm8k", "--base-url", f"a={server.url}",
+           "--base-url", f"b={server.url}", "--limit", "4", "--num-fewshot", "1", "--max-tokens", "8",
+           "--no-progress", "--json", str(out)]
+    p = subprocess.run(cmd, capture_output=True, text=True, env=child_env(), cwd=REPO, timeout=180)
+    assert p.returncode == 0, p.stderr
+    assert "b vs a: 4/4" in p.stdout and "flexible-extract" in p.stdout
+    res = json.loads(out.read_text())
+    rows, shots = gsm8k_rows("test", 4), gsm8k_rows("train", 1)
+    llm = LLM(**_offline_kwargs(model_dir, True, True))
+    try:
+        ref = llm.generate([fewshot_prompt(shots, r["question"]) for r in rows],
+                           SamplingParams(temperature=0, max_tokens=8, stop=STOP_SEQUENCES), use_tqdm=False)
+    finally:
+        llm.shutdown()
+    assert res["arms"]["a"]["token_ids"] == [o.outputs[0].token_ids for o in ref]
+    assert res["arms"]["a"]["texts"] == [o.outputs[0].text for o in ref]
+    # bad input: no such file
+    p = subprocess.run(cmd[:5] + ["--base-url", server.url, "--data", str(tmp_path / "missing.jsonl")],
+                       capture_output=True, text=True, env=child_env(), cwd=REPO, timeout=120)
+    assert p.returncode == 2 and "missing.jsonl" in p.stderr
+
+
+def test_lm_eval_local_completions_against_server(server, tmp_path):
+    name = httpx.get(server.url + "/v1/models").json()["data"][0]["id"]
+    out = tmp_path / "lm_eval_out"
+    cmd = [sys.executable, "-m", "lm_eval", "--model", "local-completions", "--model_args",
+           f"model={name},base_url={server.url}/v1/completions,tokenizer_backend=none,tokenized_requests=False,"
+           "max_gen_toks=12,num_concurrent=2",
+           "--include_path", os.path.join(REPO, "lm_eval_tasks"), "--tasks", "gsm8k_local", "--limit", "3",
+           "--num_fewshot", "1", "--output_path", str(out), "--log_samples"]
+    p = subprocess.run(cmd, capture_output=True, text=True, env=child_env(), cwd=str(tmp_path), timeout=300)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    results = json.loads(open(glob.glob(str(out / "*" / "results_*.json"))[0]).read())["results"]["gsm8k_local"]
+    samples = [json.loads(line) for f in glob.glob(str(out / "*" / "samples_gsm8k_local_*.jsonl")) for line in open(f)]
+    assert len({s["doc_id"] for s in samples}) == 3
+    rows = gsm8k_rows("test", 3)
+    for s in samples:
+        assert s["doc"]["question"] == rows[s["doc_id"]]["question"]  # read from the local JSONL
+        prompt = s["arguments"]["gen_args_0"]["arg_0"]
+        assert prompt.endswith("Question: " + s["doc"]["question"] + "\nAnswer:")
+        # lm-eval's recorded completion is exactly what the server generates for that prompt
+        r = httpx.post(server.url + "/v1/completions", timeout=60, json={
+            "prompt": prompt, "max_tokens": 12, "temperature": 0, "stop": STOP_SEQUENCES}).json()
+        assert s["resps"][0][0] == r["choices"][0]["text"]
+        fn = strict_extract if s["filter"] == "strict-match" else flexible_extract
+        pred = fn(s["resps"][0][0])
+        assert s["filtered_resps"][0] == pred
+        assert float(exact_match(pred, s["target"])) == s["exact_match"]
+    for flt in ("strict-match", "flexible-extract"):
+        mine = [float(exact_match((strict_extract if flt == "strict-match" else flexible_extract)(s["resps"][0][0]),
+                                  s["target"])) for s in samples if s["filter"] == flt]
+        assert results[f"exact_match,{flt}"] == pytest.approx(sum(mine) / len(mine))
