@@ -378,3 +378,27 @@ def test_fault_in_one_request_fails_only_it(server, offline):
         events = _sse_events(s)
     assert events[-1] == "[DONE]" and json.loads(events[-2])["error"]["code"] == 500
     assert httpx.get(srv.url + "/health").status_code == 200
+
+
+# ---------------------------------------------------------------------------- tensor parallel
+def test_tp2_server_equals_offline_tp1(model_dir, offline):
+    srv = ServerProcess(model_dir, ["--tp", "2"] + SERVER_ARGS[:-2])
+    try:
+        prompts = _prompts(4, seed=60)
+        ref = offline.generate(prompts, SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)
+        r = _post(srv, "/v1/completions", {"prompt": prompts, "max_tokens": 12, "temperature": 0,
+                                           "return_token_ids": True, "logprobs": 1})
+        assert r.status_code == 200, r.text
+        choices = sorted(r.json()["choices"], key=lambda c: c["index"])
+        assert [c["token_ids"] for c in choices] == [o.outputs[0].token_ids for o in ref]
+        for c in choices:  # the scoring pass ran on both ranks; greedy tokens are the top alternative
+            lp = c["logprobs"]
+            assert len(lp["token_logprobs"]) == len(c["token_ids"])
+            assert all(math.isclose(t, max(top.values()), abs_tol=1e-5)
+                       for t, top in zip(lp["token_logprobs"], lp["top_logprobs"]))
+        text = _metrics(srv)
+        assert httpx.get(srv.url + "/v1/models").json()["data"][0]["mtpspec"]["tp"] == 2
+        assert metric_value(text, "mtpspec:collective_bytes_total", {"op": "all_reduce"}) > 0
+        assert metric_value(text, "mtpspec:kv_cache_free_blocks") == metric_value(text, "mtpspec:kv_cache_total_blocks")
+    finally:
+        srv.stop()
