@@ -510,3 +510,58 @@ def test_engine_kernel_path_tokens_equal_torch_path(tiny_model, monkeypatch) -> 
         outs = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
     assert outs == ref
     assert len(calls) > 50 and {4, 16} <= set(calls)  # draft steps (4 padded rows), verify (4 x (1 + 3))
+
+
+def test_kernels_compile_for_hopper() -> None:
+    """Ahead-of-time sm_90 compile (no GPU needed) of the attention, combine and KV-write kernels
+    and the MoE GEMMs at GLM-4.5-like shapes, with the launch's 16-divisibility of pointers and
+    strides: they must compile (the interpreter does not check tile-size rules), load K/V with
+    16-byte vectors and not spill more than a few bytes."""
+    from mtpspec.ops import triton_utils
+    ptr = lambda dt: "*" + dt  # noqa: E731
+    plan = attention_plan(1, 4, 32, 8, 8192, sms=132)
+    attn_sig = {n: ptr("bf16") for n in ("q_ptr", "k_ptr", "v_ptr", "out_ptr")}
+    attn_sig.update({"part_acc_ptr": "*fp32", "part_ml_ptr": "*fp32", "qsl_ptr": "*i32", "seq_lens_ptr": "*i32",
+                     "bt_ptr": "*i32", "qk_scale": "fp32", "num_splits": "i32"})
+    strides = ["stride_qt", "stride_qh", "stride_kb", "stride_ks", "stride_kh", "stride_vb", "stride_vs", "stride_vh",
+               "stride_ot", "stride_oh", "stride_bt", "stride_pt", "stride_ph"]
+    attn_sig.update({s: "i32" for s in strides})
+    specs = [{"module": "mtpspec.ops.paged_attention", "kernel": "_attn", "signature": attn_sig,
+              "constexprs": dict(REP=4, REP_P=plan["rep_p"], BLOCK_Q=plan["block_q"], BLOCK_M=plan["block_m"],
+                                 BLOCK_N=pa.BLOCK_N, HEAD_DIM=128, BLOCK_D=128, CACHE_BLOCK=16, SPLIT=True,
+                                 DOT_FP32=False, PRECISION="tf32", BF16_BY_BITS=False),
+              "aligned": ["q_ptr", "k_ptr", "v_ptr", "out_ptr", "part_acc_ptr", "part_ml_ptr", "bt_ptr"] + strides[:11],
+              "num_warps": pa.NUM_WARPS},
+             {"module": "mtpspec.ops.paged_attention", "kernel": "_combine",
+              "signature": {"out_ptr": "*bf16", "part_acc_ptr": "*fp32", "part_ml_ptr": "*fp32", "qsl_ptr": "*i32",
+                            "num_seqs": "i32", "num_splits": "i32", "stride_ot": "i32", "stride_oh": "i32",
+                            "stride_pt": "i32", "stride_ph": "i32"},
+              "constexprs": dict(HEAD_DIM=128, BLOCK_D=128, BLOCK_S=32, BF16_BY_BITS=False),
+              "aligned": ["out_ptr", "part_acc_ptr", "part_ml_ptr", "stride_ot", "stride_oh"], "num_warps": pa.NUM_WARPS},
+             {"module": "mtpspec.ops.paged_attention", "kernel": "_write_kv",
+              "signature": {"k_ptr": "*bf16", "v_ptr": "*bf16", "kc_ptr": "*bf16", "vc_ptr": "*bf16", "slot_ptr": "*i64",
+                            "stride_kt": "i32", "stride_vt": "i32", "stride_kcb": "i32", "stride_kcs": "i32",
+                            "stride_vcb": "i32", "stride_vcs": "i32"},
+              "constexprs": dict(ROW=1024, BLOCK_R=1024, CACHE_BLOCK=16, BF16_BY_BITS=False),
+              "aligned": ["k_ptr", "v_ptr", "kc_ptr", "vc_ptr", "stride_kt", "stride_vt", "stride_kcb", "stride_kcs",
+                          "stride_vcb", "stride_vcs"], "num_warps": 4}]
+    moe_ints = ["num_pairs", "num_experts", "hidden", "inter_size"]
+    specs += [{"module": "mtpspec.ops.moe_gemm", "kernel": "_gate_up",
+               "signature": dict({"x_ptr": "*bf16", "w_ptr": "*bf16", "inter_ptr": "*bf16", "sorted_ptr": "*i32",
+                                  "block_expert_ptr": "*i32"}, **{n: "i32" for n in moe_ints + [
+                                      "stride_xt", "stride_we", "stride_wn", "stride_it"]}),
+               "constexprs": dict(TOPK=8, BLOCK_M=16, BLOCK_N=64, BLOCK_K=64, DOT_FP32=False, PRECISION="tf32",
+                                  BF16_BY_BITS=False),
+               "aligned": ["x_ptr", "w_ptr", "inter_ptr", "hidden", "stride_xt", "stride_we", "stride_wn", "stride_it"],
+               "num_warps": 4},
+              {"module": "mtpspec.ops.moe_gemm", "kernel": "_down",
+               "signature": dict({"inter_ptr": "*bf16", "w_ptr": "*bf16", "y_ptr": "*fp32", "sorted_ptr": "*i32",
+                                  "block_expert_ptr": "*i32", "topk_w_ptr": "*fp32"}, **{n: "i32" for n in moe_ints + [
+                                      "stride_it", "stride_we", "stride_wn", "stride_yt"]}),
+               "constexprs": dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=64, DOT_FP32=False, PRECISION="tf32"),
+               "aligned": ["inter_ptr", "w_ptr", "y_ptr", "inter_size", "stride_it", "stride_we", "stride_wn",
+                           "stride_yt"], "num_warps": 4}]
+    reports = triton_utils.compile_reports(specs)
+    for spec, rep in zip(specs, reports):
+        assert rep["spill_bytes"] in (0, None) or rep["spill_bytes"] <= 64, (spec["kernel"], rep)
+    assert reports[0]["ptx_vec4_loads"] > 0 and reports[2]["ptx_vec4_loads"] > 0, reports
