@@ -396,6 +396,7 @@ print(json.dumps({
     "scalar_b16": sum(bool(re.search(r"(ld|st)\.global\.b16", l)) for l in lines),
     "v4_loads": sum(bool(re.search(r"ld\.global\S*\.v4", l)) for l in lines),
     "v4_stores": sum(bool(re.search(r"st\.global\S*\.v4", l)) for l in lines),
+    "cg_v4_loads": sum(bool(re.search(r"ld\.global\.cg\S*\.v4", l)) for l in lines),
     "multicast": sum("multimem" in l for l in lines)}))
 """
 
@@ -419,4 +420,5 @@ def test_compiles_for_sm90_with_release_acquire():
     assert rep["acquire_sys"] >= 4, rep
     assert rep["globaltimer"] >= 2, rep
     assert rep["scalar_b16"] == 0 and rep["v4_loads"] > 0 and rep["v4_stores"] > 0, rep
+    assert rep["cg_v4_loads"] >= 4, rep  # the 4 slots are read through L2, 16 bytes at a time
     assert rep["multicast"] == 0, rep

@@ -204,6 +204,7 @@ if HAS_TRITON:
                 ok = ok & (seen == fv)
             tl.debug_barrier()
         # 4. Reduce in rank order 0..WORLD-1 (fp32), add the residual, round once, normalise.
+        # Slots are read through L2 (.cg): peers wrote them from other GPUs / processes.
         poison = tl.where(ok, 0.0, float("nan"))
         own = tl.multiple_of(tl.load(data_table + rank).to(tl.pointer_type(dt)), 16) \
             + (buf * WORLD).to(tl.int64) * slot_stride
@@ -217,7 +218,7 @@ if HAS_TRITON:
                 s = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32) + poison
                 for src in tl.static_range(WORLD):
                     s += tl.load(own + (src * slot_stride).to(tl.int64) + rows[:, None] * n_cols + cols[None, :],
-                                 mask=mask, other=0.0).to(tl.float32)
+                                 mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
                 if HAS_RESIDUAL:
                     s += tl.load(res_ptr + rows[:, None] * stride_res + cols[None, :], mask=mask,
                                  other=0.0).to(tl.float32)
@@ -247,7 +248,7 @@ if HAS_TRITON:
                     s = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32) + poison
                     for src in tl.static_range(WORLD):
                         s += tl.load(own + (src * slot_stride).to(tl.int64) + rows[:, None] * n_cols + c[None, :],
-                                     mask=mask, other=0.0).to(tl.float32)
+                                     mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
                     if HAS_RESIDUAL:
                         s += tl.load(res_ptr + rows[:, None] * stride_res + c[None, :], mask=mask,
                                      other=0.0).to(tl.float32)
