@@ -210,10 +210,14 @@ MOE_ATOL = {torch.float32: 1e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}
 def test_fused_moe_every_path_vs_float64(monkeypatch, path):
     """Each expert path on decode-, verify- and graph-padded-sized batches against the float64
     loop; the kernel path (Triton, interpreted) also in fp16 and bf16."""
-    if path.startswith("kernel"):
-        if not interpreter_available():
-            pytest.skip("Triton interpreter unavailable")
-        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    dev = "cpu"
+    if path.startswith("kernel"):  # a CUDA GPU when there is one, else the interpreter
+        if torch.cuda.is_available():
+            dev = "cuda"
+        elif not interpreter_available():
+            pytest.skip("no GPU and no Triton interpreter")
+        else:
+            monkeypatch.setenv("TRITON_INTERPRET", "1")
         dtypes = [torch.float32, torch.float16, torch.bfloat16]
     else:
         monkeypatch.delenv("TRITON_INTERPRET", raising=False)
@@ -234,8 +238,10 @@ def test_fused_moe_every_path_vs_float64(monkeypatch, path):
             x[-1] = 0  # a graph padding row: zero hidden state, whatever it routes to
             tw = torch.rand(t, k, generator=g)
             tid = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)])
-            assert moe.select_path(t, k, x) == path.split("_")[0]
-            out = moe(x, tw, tid)
+            moe.to(dev)
+            assert moe.select_path(t, k, x.to(dev)) == path.split("_")[0]
+            out = moe(x.to(dev), tw.to(dev), tid.to(dev)).cpu()
+            moe.to("cpu")
             assert out.dtype == dtype and out.shape == (t, h)
             torch.testing.assert_close(out.double(), _moe_float64(x, moe.w13_weight, moe.w2_weight, tw, tid),
                                        rtol=0, atol=MOE_ATOL[dtype])

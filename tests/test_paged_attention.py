@@ -38,6 +38,17 @@ def interpret(monkeypatch):
 
 
 @pytest.fixture
+def kdev(monkeypatch) -> str:
+    """Where the kernel tests run: a CUDA GPU when there is one, else CPU under the interpreter."""
+    if torch.cuda.is_available():
+        return "cuda"
+    if not interpreter_available():
+        pytest.skip("no GPU and no Triton interpreter")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    return "cpu"
+
+
+@pytest.fixture
 def no_interpret(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
 
@@ -102,17 +113,17 @@ CASES = [  # nh, nkv, hd, bs, dtype, q_lens, seq_lens
 ]
 
 
-@needs_interpreter
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"h{c[0]}kv{c[1]}d{c[2]}bs{c[3]}{str(c[4])[6:]}q{max(c[5])}")
-def test_kernel_matches_float64_brute_force(interpret, case) -> None:
+def test_kernel_matches_float64_brute_force(kdev, case) -> None:
     nh, nkv, hd, bs, dtype, q_lens, seq_lens = case
     g = torch.Generator().manual_seed(hd * 7 + nh + bs)
     q, kc, vc, qsl_t, sl_t, bt, qsl, tables = make_batch(g, q_lens, seq_lens, nh, nkv, hd, bs, dtype)
     scale = hd ** -0.5
     ref = brute_force(q, kc, vc, qsl, seq_lens, tables, scale)
     n_real = qsl[-1]
+    dq, dk, dv, dqsl, dsl, dbt = (x.to(kdev) for x in (q, kc, vc, qsl_t, sl_t, bt))
     for splits in (None, 1, 3):
-        out = paged_attention(q, kc, vc, qsl_t, sl_t, bt, scale, max(q_lens), max(seq_lens), num_splits=splits)
+        out = paged_attention(dq, dk, dv, dqsl, dsl, dbt, scale, max(q_lens), max(seq_lens), num_splits=splits).cpu()
         assert out.shape == q.shape and out.dtype == dtype
         assert torch.isfinite(out).all()
         assert torch.equal(out[n_real:], torch.zeros_like(out[n_real:]))  # padding rows: zeros
@@ -122,8 +133,7 @@ def test_kernel_matches_float64_brute_force(interpret, case) -> None:
     torch.testing.assert_close(out.double(), ref, rtol=0, atol=ATOL[dtype])
 
 
-@needs_interpreter
-def test_kernel_long_queries_several_query_blocks_and_loose_bounds(interpret) -> None:
+def test_kernel_long_queries_several_query_blocks_and_loose_bounds(kdev) -> None:
     """Prefill-like rows (several query blocks per sequence, chunked prefill with context) and
     host bounds larger than the real lengths (as captured graphs pass them)."""
     g = torch.Generator().manual_seed(21)
@@ -131,19 +141,19 @@ def test_kernel_long_queries_several_query_blocks_and_loose_bounds(interpret) ->
     q_lens, seq_lens = [20, 37, 1, 0], [20, 50, 33, 0]
     q, kc, vc, qsl_t, sl_t, bt, qsl, tables = make_batch(g, q_lens, seq_lens, nh, nkv, hd, bs, torch.float32)
     ref = brute_force(q, kc, vc, qsl, seq_lens, tables, 0.2)
+    dev = [x.to(kdev) for x in (q, kc, vc, qsl_t, sl_t, bt)]
     for splits in (None, 2):
-        out = paged_attention(q, kc, vc, qsl_t, sl_t, bt, 0.2, 40, 300, num_splits=splits)
+        out = paged_attention(*dev, 0.2, 40, 300, num_splits=splits).cpu()
         torch.testing.assert_close(out.double(), ref, rtol=0, atol=2e-5)
 
 
-@needs_interpreter
-def test_kernel_all_padding_and_empty(interpret) -> None:
+def test_kernel_all_padding_and_empty(kdev) -> None:
     """A captured batch whose every sequence is padding (q_len 0, seq_len 0, tables -1): zeros."""
     g = torch.Generator().manual_seed(3)
-    kc, vc = torch.randn(2, 16, 2, 64, generator=g), torch.randn(2, 16, 2, 64, generator=g)
-    q = torch.randn(8, 4, 64, generator=g)
-    qsl, sl = torch.zeros(5, dtype=torch.int32), torch.zeros(4, dtype=torch.int32)
-    bt = torch.full((4, 3), -1, dtype=torch.int32)
+    kc, vc = torch.randn(2, 16, 2, 64, generator=g).to(kdev), torch.randn(2, 16, 2, 64, generator=g).to(kdev)
+    q = torch.randn(8, 4, 64, generator=g).to(kdev)
+    qsl, sl = torch.zeros(5, dtype=torch.int32, device=kdev), torch.zeros(4, dtype=torch.int32, device=kdev)
+    bt = torch.full((4, 3), -1, dtype=torch.int32, device=kdev)
     for splits in (1, 4):
         out = paged_attention(q, kc, vc, qsl, sl, bt, 0.1, 2, 64, num_splits=splits)
         assert torch.equal(out, torch.zeros_like(q))
@@ -183,11 +193,12 @@ def test_paged_attention_input_errors() -> None:
 
 # ------------------------------------------------------------------------------------------ KV write
 @pytest.mark.parametrize("kernel", [True, False])
-def test_write_kv_cache_skips_minus_one_and_keeps_other_slots(monkeypatch, kernel: bool) -> None:
-    if kernel and not interpreter_available():
-        pytest.skip("Triton interpreter unavailable")
+def test_write_kv_cache_skips_minus_one_and_keeps_other_slots(request, monkeypatch, kernel: bool) -> None:
+    """Kernel (GPU, or the interpreter) and torch versions: real slots written (cast to the
+    cache dtype), -1 rows anywhere skipped, every other slot untouched."""
+    dev = "cpu"
     if kernel:
-        monkeypatch.setenv("TRITON_INTERPRET", "1")
+        dev = request.getfixturevalue("kdev")
     else:
         monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     g = torch.Generator().manual_seed(4)
@@ -202,8 +213,9 @@ def test_write_kv_cache_skips_minus_one_and_keeps_other_slots(monkeypatch, kerne
         for row, s in enumerate(slots):
             if s >= 0:
                 exp_k[s], exp_v[s] = k[row].to(dtype), v[row].to(dtype)
-        write_kv_cache(k, v, kc, vc, torch.tensor(slots))
-        assert torch.equal(kc.view(-1, nkv, hd), exp_k) and torch.equal(vc.view(-1, nkv, hd), exp_v)
+        dkc, dvc = kc.to(dev), vc.to(dev)
+        write_kv_cache(k.to(dev), v.to(dev), dkc, dvc, torch.tensor(slots, device=dev))
+        assert torch.equal(dkc.cpu().view(-1, nkv, hd), exp_k) and torch.equal(dvc.cpu().view(-1, nkv, hd), exp_v)
     with pytest.raises(ValueError, match="do not fit together"):
         write_kv_cache(k[:1], v, kc, vc, torch.tensor(slots))
 
