@@ -190,7 +190,9 @@ class AsyncLLM:
         """
         if self.dead is not None:
             raise EngineDeadError(self.dead)
-        self.validate(prompt, params)
+        text, ids = self.engine.validate_request(prompt, params)
+        # Tokenized here, on the caller's thread: the engine thread does not tokenize again.
+        prompt = {"prompt_token_ids": ids} if text is None else {"prompt": text, "prompt_token_ids": ids}
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         loop = asyncio.get_running_loop()
         q: asyncio.Queue = asyncio.Queue()

@@ -393,6 +393,7 @@ def build_app(ctx: ServerContext) -> FastAPI:
         rid = f"cmpl-{uuid.uuid4().hex}"
         if req.max_tokens == 0:
             return JSONResponse(await _score_only(ctx, req, prompts, prompt_ids, rid))
+        prompts = [dict(p, prompt_token_ids=ids) for p, ids in zip(prompts, prompt_ids)]  # tokenize once
         streams = _start(engine, prompts, params, rid, arrival)
         if req.stream:
             return StreamingResponse(_completion_sse(ctx, req, streams, params, rid, request),
@@ -441,7 +442,7 @@ def build_app(ctx: ServerContext) -> FastAPI:
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         params = _sampling_params(req, max_tokens, stops)
         prompts = [{"prompt": text}]
-        _validate_all(engine, prompts, params)
+        prompts[0]["prompt_token_ids"] = _validate_all(engine, prompts, params)[0]
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         streams = _start(engine, prompts, params, rid, arrival)
         if req.stream:
