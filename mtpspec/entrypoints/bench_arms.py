@@ -299,7 +299,7 @@ def plot_workload(name: str, wl: Dict[str, Any], out_dir: str) -> List[str]:
 # ---------------------------------------------------------------------------- driver
 def run_arms(arms: Dict[str, List[str]], workloads: Dict[str, BenchConfig], repeats: int, out_dir: str,
              common: List[str], urls: Optional[Dict[str, str]] = None, progress: bool = True,
-             plots: bool = True) -> Dict[str, Any]:
+             plots: bool = True, share_gpu: bool = False) -> Dict[str, Any]:
     """Start the servers, run every workload ``repeats`` times per arm interleaved, summarise.
 
     Args:
@@ -310,6 +310,9 @@ def run_arms(arms: Dict[str, List[str]], workloads: Dict[str, BenchConfig], repe
         common: `mtpspec serve` flags every arm gets (``--model`` etc.).
         urls: arm -> base URL of an already running server (those arms start none).
         progress, plots: progress bars; PNG plots.
+        share_gpu: split 85% of the GPU between the servers. They run at the same time and a
+            server's ``--gpu-memory-utilization`` counts the memory other processes already use,
+            so the i-th server started (0-based) of ``n`` gets ``0.85 * (i + 1) / n``.
 
     Returns:
         Everything, as written to ``bench_arms.json``.
@@ -323,12 +326,15 @@ def run_arms(arms: Dict[str, List[str]], workloads: Dict[str, BenchConfig], repe
                               "common_server_args": common, "repeats": repeats, "workloads": {}}
     bar = None
     try:
-        for arm, flags in arms.items():
-            if arm not in urls:
-                print(f"starting the server for arm {arm!r} ...", file=sys.stderr, flush=True)
-                servers[arm] = ArmServer(arm, flags, common, os.path.join(out_dir, f"server_{arm}.log"))
-                urls[arm] = servers[arm].url
-                result["arms"][arm]["url"] = urls[arm]
+        to_start = [a for a in arms if a not in urls]
+        for i, arm in enumerate(to_start):
+            flags = arms[arm]
+            if share_gpu:
+                flags = flags + ["--gpu-memory-utilization", f"{0.85 * (i + 1) / len(to_start):.4f}"]
+            print(f"starting the server for arm {arm!r} ...", file=sys.stderr, flush=True)
+            servers[arm] = ArmServer(arm, flags, common, os.path.join(out_dir, f"server_{arm}.log"))
+            urls[arm] = servers[arm].url
+            result["arms"][arm]["url"] = urls[arm]
         total = repeats * len(arms) * len(workloads)
         if progress:
             from tqdm import tqdm
@@ -406,10 +412,9 @@ def run(args: argparse.Namespace) -> int:
         common = ["--model", args.model or default_model_path()] + shlex.split(args.server_args)
         if args.forced_acceptance:
             common += ["--forced-acceptance", args.forced_acceptance]
-        if not any(a.startswith(("--gpu-memory-utilization", "--num-kv-blocks")) for a in common):
-            common += ["--gpu-memory-utilization", f"{0.85 / max(1, len(arms) - len(urls)):.3f}"]
+        share = not any(a.startswith(("--gpu-memory-utilization", "--num-kv-blocks")) for a in common)
         res = run_arms(arms, workloads, args.repeats, args.output_dir, common, urls, progress=not args.no_progress,
-                       plots=not args.no_plots)
+                       plots=not args.no_plots, share_gpu=share)
     except (ValueError, FileNotFoundError, RuntimeError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
