@@ -259,6 +259,11 @@ class AsyncLLM:
 
     # ------------------------------------------------------------------ engine thread
     def _run(self) -> None:
+        runner = getattr(self.engine.executor, "runner", None)  # in-process ranks (tp 1)
+        device = getattr(runner, "device", None)
+        if device is not None and device.type == "cuda":
+            import torch
+            torch.cuda.set_device(device)  # the current device is per thread
         while True:
             try:
                 if not self._iterate():
