@@ -318,7 +318,7 @@ def test_disconnect_aborts_and_frees_blocks(server):
     assert metric_value(after, "mtpspec:generation_tokens_total") - gen0 < 400
     # non-streaming: the client gives up (timeout) and the server aborts the request too
     with pytest.raises(httpx.TimeoutException):
-        httpx.post(server.url + "/v1/completions", timeout=1.0,
+        httpx.post(server.url + "/v1/completions", timeout=0.5,
                    json={"prompt": "Another long story:", "max_tokens": 480, "temperature": 0, "ignore_eos": True})
     _wait_metric(server, "mtpspec:request_aborted_total", lambda v: v == aborted0 + 2)
     _wait_metric(server, "mtpspec:kv_cache_free_blocks", lambda v: v == total)
