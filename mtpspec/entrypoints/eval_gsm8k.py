@@ -114,11 +114,23 @@ def generate_offline(llm_kwargs: Dict[str, Any], prompts: Sequence[str], max_tok
         m = llm.get_metrics()
     finally:
         llm.shutdown()
+        del llm
+        _release_device_memory()  # the next arm sizes its KV cache from the free memory
     drafts = m.get("num_drafts") or 0
     return {"texts": [o.outputs[0].text for o in outs], "token_ids": [o.outputs[0].token_ids for o in outs],
             "seconds": seconds, "acceptance_length": m.get("acceptance_length"),
             "acceptance_rate_per_pos": [a / drafts for a in m.get("num_accepted_tokens_per_pos", [])] if drafts else [],
             "server": None}
+
+
+def _release_device_memory() -> None:
+    import gc
+
+    import torch
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
 
 
 # ---------------------------------------------------------------------------- comparison
