@@ -201,7 +201,7 @@ def bench_batch(runner: ModelRunner, timer: Timer, b: int, k: int, context: int,
     kv_per_token = sum(2 * layer.num_kv_heads * layer.head_dim * e for layer in runner.layers)
     kv_per_token_target = kv_per_token * cfg.num_hidden_layers // len(runner.layers)
     kv_per_token_mtp = kv_per_token - kv_per_token_target
-    step = decode_step(b, k, context, v, runner.num_blocks // max(b, 1))
+    step = decode_step(b, k, context, v, -(-(context + 2 * k + 2) // BLOCK_SIZE))
     inp = prepare_step(step, k, BLOCK_SIZE, cfg.max_position_embeddings, dev)
     rows: List[Dict[str, Any]] = []
 
