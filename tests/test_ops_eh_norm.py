@@ -1,8 +1,7 @@
 """fused_eh_norm (MTP input): Triton kernel (interpreter) and torch paths vs float64 math.
 
 The MTP convention (DeepSeek-V3 report section 2.2; vLLM's MTP layers): the embedding at
-position 0 is zeroed (no previous token), then ``[enorm(embeds), hnorm(hidden)]``. See
-tests/test_ops_norm.py for why TRITON_INTERPRET is set around the first triton import.
+position 0 is zeroed (no previous token), then ``[enorm(embeds), hnorm(hidden)]``. tests/conftest.py imports triton with the interpreter enabled (see its docstring).
 """
 
 import importlib
@@ -12,19 +11,6 @@ import sys
 
 import pytest
 import torch
-
-if "triton" not in sys.modules and not torch.cuda.is_available():
-    _saved = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"
-    try:
-        import triton.language  # noqa: F401
-    except ImportError:
-        pass
-    finally:
-        if _saved is None:
-            del os.environ["TRITON_INTERPRET"]
-        else:
-            os.environ["TRITON_INTERPRET"] = _saved
 
 from mtpspec.ops import fused_eh_norm, fused_eh_norm_ref
 from mtpspec.ops import triton_utils

@@ -1,10 +1,10 @@
 """rms_norm / fused_add_rms_norm: Triton kernel (interpreter) and torch paths vs float64 math.
 
 Triton builds its own library functions (``tl.sum``, ...) when first imported, so the
-interpreter needs ``TRITON_INTERPRET=1`` at that moment: this module sets it around the import
-(when nothing imported triton before and there is no GPU) and restores the variable; each
-interpreter test then sets it for its own duration. If triton was already imported without it,
-the interpreter tests run in a subprocess instead (``test_interpreter_in_subprocess``).
+interpreter needs ``TRITON_INTERPRET=1`` at that moment: tests/conftest.py sets it around that
+import and restores the variable; each interpreter test then sets it for its own duration. If
+triton was already imported without it, the interpreter tests run in a subprocess instead
+(``test_interpreter_in_subprocess``).
 """
 
 import importlib
@@ -14,19 +14,6 @@ import sys
 
 import pytest
 import torch
-
-if "triton" not in sys.modules and not torch.cuda.is_available():
-    _saved = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"
-    try:
-        import triton.language  # noqa: F401
-    except ImportError:
-        pass
-    finally:
-        if _saved is None:
-            del os.environ["TRITON_INTERPRET"]
-        else:
-            os.environ["TRITON_INTERPRET"] = _saved
 
 from mtpspec.ops import fused_add_rms_norm, fused_add_rms_norm_ref, rms_norm, rms_norm_ref
 from mtpspec.ops import triton_utils
