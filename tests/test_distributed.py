@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from mtpspec.distributed import (
-    comm_stats, get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size, launch,
+    comm_stats, get_tensor_model_parallel_rank, get_tp_group, get_tensor_model_parallel_world_size, launch,
     reset_comm_stats, sp_all_gather, sp_shard, tensor_model_parallel_all_gather,
     tensor_model_parallel_all_reduce, tensor_model_parallel_reduce_scatter)
 
@@ -37,6 +37,16 @@ def _collectives(tp, seed):
     y = _data(seed + 1, tp, (3, 4 * tp, 2))
     out["all_gather_3d"] = tensor_model_parallel_all_gather(y[rank][:, :4], dim=1)
     out["stats_ag"] = comm_stats()
+    # The NCCL branch (all_gather_into_tensor on dim 0, then a rank-major reshape) runs on gloo
+    # too: check its layout here, since CI has no second GPU (known fault 8).
+    g = get_tp_group()
+    saved, g.backend = g.backend, "nccl"
+    try:
+        for dim in (0, 1, -1):
+            out[f"all_gather_flat_{dim}"] = tensor_model_parallel_all_gather(x[rank], dim=dim)
+        out["all_gather_flat_3d"] = tensor_model_parallel_all_gather(y[rank][:, :4], dim=1)
+    finally:
+        g.backend = saved
     reset_comm_stats()
     out["reduce_scatter_0"] = tensor_model_parallel_reduce_scatter(y[rank].transpose(0, 1).contiguous(), dim=0)
     out["reduce_scatter_1"] = tensor_model_parallel_reduce_scatter(y[rank], dim=1)
@@ -66,6 +76,9 @@ def test_collectives_match_single_process(tp):
         assert torch.equal(out["all_gather_1"], torch.cat(list(x), 1))
         assert torch.equal(out["all_gather_-1"], torch.cat(list(x), 1))
         assert torch.equal(out["all_gather_3d"], torch.cat([y[r][:, :4] for r in range(tp)], 1))
+        for dim, cat_dim in ((0, 0), (1, 1), (-1, 1)):
+            assert torch.equal(out[f"all_gather_flat_{dim}"], torch.cat(list(x), cat_dim))
+        assert torch.equal(out["all_gather_flat_3d"], torch.cat([y[r][:, :4] for r in range(tp)], 1))
         full = y.sum(0)
         torch.testing.assert_close(out["reduce_scatter_1"], full[:, 4 * rank:4 * rank + 4])
         torch.testing.assert_close(out["reduce_scatter_0"], full.transpose(0, 1)[4 * rank:4 * rank + 4])

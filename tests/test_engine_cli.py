@@ -56,3 +56,18 @@ def test_generate_errors(path, capsys) -> None:
     assert "temperature" in capsys.readouterr().err
     assert generate.run(_parse(["--model", path, "-k", "99"])) == 2
     assert "num_speculative_tokens" in capsys.readouterr().err
+
+
+def test_gsm8k_question_without_gsm8k_file_falls_back_to_generated_problems(monkeypatch, capsys):
+    """`make demo` on a machine without ../shared: the prompt comes from mtpspec's own generator."""
+    import argparse
+
+    import mtpspec.entrypoints.generate as gen
+    from mtpspec.training.word_problems import generate_problem
+
+    monkeypatch.setattr(gen, "_gsm8k_path", lambda arg: None)
+    args = argparse.Namespace(gsm8k_data=None, gsm8k_question=[0, 2], prompt_file=None, prompt_token_ids=None,
+                              prompt=None)
+    prompts = gen._prompts(args)
+    assert prompts == [f"Question: {generate_problem(1, i).question}\nAnswer:" for i in (0, 2)]
+    assert "no GSM8K test file found" in capsys.readouterr().err

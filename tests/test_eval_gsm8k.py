@@ -22,8 +22,9 @@ from mtpspec.entrypoints.eval_gsm8k_score import (
     IGNORE_RES, STOP_SEQUENCES, exact_match, flexible_extract, mean_stderr, score_completions, strict_extract)
 from mtpspec.training.gsm8k_format import fewshot_prompt
 
-lm_metrics = pytest.importorskip("lm_eval.api.metrics")
-lm_filters = pytest.importorskip("lm_eval.filters.extraction")
+# lm-eval is in the `test` extra: a missing install must fail here, not skip the file.
+import lm_eval.api.metrics as lm_metrics  # noqa: E402
+import lm_eval.filters.extraction as lm_filters  # noqa: E402
 
 
 def _lm_eval_score(completion: str, answer: str):

@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional
 
 from mtpspec import demo_model_path
 
@@ -49,20 +49,34 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
 
 
-def _gsm8k_path(arg: Any) -> str:
+def _gsm8k_path(arg: Any) -> Optional[str]:
+    """The GSM8K test file: ``--gsm8k-data``, else ``../shared/data/gsm8k/test.jsonl`` beside the
+    working directory or the repository, else ``None``."""
     if arg:
+        if not os.path.isfile(arg):
+            raise SystemExit(f"--gsm8k-data: no file at {arg!r}")
         return arg
     repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     for base in (os.getcwd(), repo):
         path = os.path.join(base, "..", "shared", "data", "gsm8k", "test.jsonl")
         if os.path.isfile(path):
             return os.path.normpath(path)
-    raise SystemExit("--gsm8k-question: no GSM8K test file found; pass --gsm8k-data PATH")
+    return None
 
 
 def _gsm8k_examples(args: argparse.Namespace) -> List[Dict[str, str]]:
-    from mtpspec.training.gsm8k_format import load_gsm8k
+    """The requested GSM8K test rows; without a GSM8K file, problems of the same form from
+    mtpspec's own seeded generator (seed 1; the demo model trained on seed 0), with a note."""
     path = _gsm8k_path(args.gsm8k_data)
+    if path is None:
+        from mtpspec.training.word_problems import generate_problem
+        if not getattr(args, "_warned_no_gsm8k", False):
+            args._warned_no_gsm8k = True
+            print("note: no GSM8K test file found (pass --gsm8k-data PATH); using generated problems "
+                  "of the same form instead", file=sys.stderr)
+        probs = [generate_problem(1, i) for i in args.gsm8k_question]
+        return [{"question": p.question, "answer": p.answer} for p in probs]
+    from mtpspec.training.gsm8k_format import load_gsm8k
     rows = load_gsm8k(path)
     for i in args.gsm8k_question:
         if not 0 <= i < len(rows):
