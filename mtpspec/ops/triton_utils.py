@@ -32,6 +32,8 @@ FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_FUSED_HIDDEN = 16384
 #: Column block of a looping row-norm kernel.
 LOOP_BLOCK_N = 4096
+#: Up to this many rows a row-norm launch is latency-bound (decode and draft steps).
+DECODE_ROWS = 64
 #: Elements per program when rows are short (a program then takes several rows).
 ROWS_TARGET_ELEMS = 2048
 
@@ -142,8 +144,13 @@ def row_launch(n_rows: int, n_cols: int, elem_bytes: int) -> RowLaunch:
         one_pass = True
     else:
         block_m, block_n, one_pass = 1, LOOP_BLOCK_N, False
-    return RowLaunch(block_m, block_n, one_pass, num_warps_for(block_m * block_n, elem_bytes),
-                     cdiv(n_rows, block_m))
+    warps = num_warps_for(block_m * block_n, elem_bytes)
+    if one_pass and n_rows <= DECODE_ROWS:
+        # Decode sizes are pure latency: 4 warps measured fastest or within 3% of the fastest at
+        # hidden 6144 / 7168 x 1, 4, 64 rows on the H200 (benchmarks/sweep_norm_warps.py), and
+        # 11% faster than 8 at 6144 x 1 (2.06 vs 2.31 us; torch.compile 2.10).
+        warps = min(warps, 4)
+    return RowLaunch(block_m, block_n, one_pass, warps, cdiv(n_rows, block_m))
 
 
 def check_float_dtype(t: torch.Tensor, name: str) -> None:
