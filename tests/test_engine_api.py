@@ -83,6 +83,15 @@ def test_bad_engine_limits(path) -> None:
         LLM(path, tensor_parallel_size=0)
 
 
+@pytest.mark.parametrize("device,match", [("tpu", "device must be"), (3, "device must be"),
+                                          ("cuda", "sees no CUDA GPU"), ("cuda:1", "sees no CUDA GPU")])
+def test_bad_device_is_a_clear_value_error(path, device, match, monkeypatch) -> None:
+    import torch
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # a CPU-only machine, also on a GPU box
+    with pytest.raises(ValueError, match=match):
+        LLM(path, device=device, **KW)
+
+
 def test_local_argmax_requested_from_model_without_it(path, monkeypatch) -> None:
     from mtpspec.models.glm4_moe_mtp import Glm4MoeMTP
     monkeypatch.setattr(Glm4MoeMTP, "supports_local_argmax", False)

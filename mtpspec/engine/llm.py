@@ -17,6 +17,17 @@ from mtpspec.sampling_params import SamplingParams
 DEFAULT_MAX_MODEL_LEN = 8192
 
 
+def _check_device(device: Optional[str]) -> None:
+    """Raise ValueError unless ``device`` is None, ``"cpu"``, or ``"cuda"`` / ``"cuda:N"`` with CUDA present."""
+    if device is None:
+        return
+    if not isinstance(device, str) or device.split(":", 1)[0] not in ("cpu", "cuda"):
+        raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N' (or None for CUDA when present), got {device!r}")
+    import torch
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"device={device!r} but this torch ({torch.__version__}) sees no CUDA GPU; use device='cpu'")
+
+
 class LLM:
     """Generate from a GLM-4.5-family checkpoint, optionally with MTP speculative decoding.
 
@@ -44,7 +55,8 @@ class LLM:
 
     Raises:
         ValueError / TypeError: a bad argument (k out of range, unknown speculative keys, a
-            ``max_model_len`` above the model's positions, ...).
+            ``max_model_len`` above the model's positions, a ``device`` other than ``"cpu"`` /
+            ``"cuda"`` / ``"cuda:N"``, or ``"cuda"`` on a machine without CUDA, ...).
         LocalArgmaxUnsupportedError (tp 1) or WorkerError (tp > 1, with the same message):
             ``use_local_argmax_reduction`` requested from a draft model without ``get_top_tokens``;
             the message names the model class.
@@ -62,6 +74,7 @@ class LLM:
         if not isinstance(tensor_parallel_size, int) or isinstance(tensor_parallel_size, bool) \
                 or tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be an int >= 1, got {tensor_parallel_size!r}")
+        _check_device(device)
         spec = SpeculativeConfig.from_any(speculative_config)
         mcfg = ModelConfig.from_pretrained(model)
         mcfg.verify_tensor_parallel(tensor_parallel_size)
