@@ -238,10 +238,20 @@ class Glm4MoeForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 inputs_embeds: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Final post-norm hidden states ``[num_tokens, hidden_size]`` (model dtype).
+
+        ``input_ids`` / ``positions``: ``[num_tokens]`` int64 of the flattened varlen batch that the
+        current ``AttentionMetadata`` (``set_forward_context``) describes; ``inputs_embeds``
+        ``[num_tokens, hidden_size]`` replaces the embedding lookup when given. Out-of-range ids
+        raise ``ValueError`` (see ``VocabParallelEmbedding``).
+        """
         return self.model(input_ids, positions, inputs_embeds)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """Full logits ``[num_tokens, vocab_size]`` from post-norm ``hidden_states`` (one all-gather)."""
         return self.logits_processor.compute_logits(self.lm_head, hidden_states)
 
     def get_top_tokens(self, hidden_states: torch.Tensor, spec_step_idx: int = 0) -> torch.Tensor:
+        """Greedy ids ``[num_tokens]`` int64, ``== compute_logits(h).argmax(-1)``, by vocab-parallel
+        local argmax (``spec_step_idx`` is ignored; it keeps one signature with the MTP model)."""
         return self.logits_processor.get_top_tokens(self.lm_head, hidden_states)

@@ -245,11 +245,25 @@ class Glm4MoeMTP(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, previous_hidden_states: torch.Tensor,
                 spec_step_idx: int = 0) -> torch.Tensor:
+        """One MTP draft pass: post-final-norm hidden states ``[num_tokens, hidden_size]``.
+
+        Args:
+            input_ids: ``[num_tokens]`` int64, the token after each position (ids shifted by one).
+            positions: ``[num_tokens]`` int64; rows at position 0 get a zero embedding.
+            previous_hidden_states: ``[num_tokens, hidden_size]``, the target's post-norm hidden
+                states (first pass) or this model's previous output (recycled).
+            spec_step_idx: draft step; selects layer ``spec_step_idx % num_mtp_layers``.
+
+        The result feeds :meth:`compute_logits` / :meth:`get_top_tokens` (which apply only
+        ``shared_head.head``) and is the next step's ``previous_hidden_states``.
+        """
         layer = self.get_layer(spec_step_idx)
         return layer(self.embed_tokens(input_ids), positions, previous_hidden_states)
 
     def compute_logits(self, hidden_states: torch.Tensor, spec_step_idx: int = 0) -> torch.Tensor:
+        """Draft logits ``[num_tokens, vocab_size]`` through layer ``spec_step_idx``'s ``shared_head.head``."""
         return self.logits_processor.compute_logits(self.get_layer(spec_step_idx).shared_head.head, hidden_states)
 
     def get_top_tokens(self, hidden_states: torch.Tensor, spec_step_idx: int = 0) -> torch.Tensor:
+        """Greedy draft ids ``[num_tokens]`` int64 by vocab-parallel local argmax (no logits gathered)."""
         return self.logits_processor.get_top_tokens(self.get_layer(spec_step_idx).shared_head.head, hidden_states)
