@@ -58,6 +58,17 @@ def test_generate_errors(path, capsys) -> None:
     assert "num_speculative_tokens" in capsys.readouterr().err
 
 
+def test_generate_corrupt_tokenizer_is_a_clear_error(path, tmp_path, capsys) -> None:
+    import shutil
+    bad = tmp_path / "corrupt_tok"
+    shutil.copytree(path, bad)
+    (bad / "tokenizer.json").write_text("garbage{")
+    assert generate.run(_parse(["--model", str(bad), "--max-tokens", "2", "--max-model-len", "48",
+                                "--num-kv-blocks", "64"])) == 2
+    err = capsys.readouterr().err
+    assert "tokenizer.json: cannot load the tokenizer" in err and "Traceback" not in err
+
+
 def test_gsm8k_question_without_gsm8k_file_falls_back_to_generated_problems(monkeypatch, capsys):
     """`make demo` on a machine without ../shared: the prompt comes from mtpspec's own generator."""
     import argparse

@@ -39,6 +39,9 @@ def load_tokenizer(path: str) -> Optional[Tokenizer]:
     Tries ``transformers.AutoTokenizer`` (when ``tokenizer_config.json`` exists), then a bare
     ``tokenizer.json`` through ``tokenizers``. The EOS id falls back to ``eos_token_id`` in
     ``config.json`` / ``generation_config.json``.
+
+    Raises:
+        ValueError: ``tokenizer.json`` exists but cannot be parsed (the message names the file).
     """
     if not os.path.isdir(path):
         return None
@@ -55,7 +58,13 @@ def load_tokenizer(path: str) -> Optional[Tokenizer]:
         return Tokenizer(tok, tok.eos_token_id if tok.eos_token_id is not None else eos)
     if os.path.exists(os.path.join(path, "tokenizer.json")):
         from tokenizers import Tokenizer as HFTokenizer
-        return Tokenizer(HFTokenizer.from_file(os.path.join(path, "tokenizer.json")), eos)
+        f = os.path.join(path, "tokenizer.json")
+        try:
+            backend = HFTokenizer.from_file(f)
+        except Exception as exc:  # tokenizers raises a bare Exception for a corrupt file
+            raise ValueError(f"{f}: cannot load the tokenizer ({exc}); the file is corrupt or not a "
+                             "tokenizers JSON") from None
+        return Tokenizer(backend, eos)
     return None
 
 
