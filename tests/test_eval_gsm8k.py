@@ -130,6 +130,21 @@ def test_eval_cli_over_http_equals_offline(server, model_dir, tmp_path):
     assert p.returncode == 2 and "missing.jsonl" in p.stderr
 
 
+def test_eval_cli_unreachable_server_is_a_clear_error(capsys):
+    import argparse
+    import socket
+    with socket.socket() as s:  # a port nobody listens on once closed
+        s.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{s.getsockname()[1]}"
+    p = argparse.ArgumentParser()
+    eval_gsm8k.add_parser(p.add_subparsers(dest="command"))
+    args = p.parse_args(["eval", "gsm8k", "--base-url", url, "--data", os.path.join(GSM8K_DIR, "test.jsonl"),
+                         "--limit", "1", "--num-fewshot", "1", "--no-progress"])
+    assert eval_gsm8k.run(args) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: talking to " + url) and "ConnectError" in err
+
+
 def test_lm_eval_local_completions_against_server(server, tmp_path):
     name = httpx.get(server.url + "/v1/models").json()["data"][0]["id"]
     out = tmp_path / "lm_eval_out"

@@ -264,6 +264,8 @@ def _sources(args: argparse.Namespace) -> Dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> int:
+    import httpx
+
     from mtpspec.training.gsm8k_format import default_gsm8k_dir
     data = args.data or os.path.join(default_gsm8k_dir(), "test.jsonl")
     train = args.train or os.path.join(os.path.dirname(os.path.abspath(data)), "train.jsonl")
@@ -272,6 +274,9 @@ def run(args: argparse.Namespace) -> int:
                        args.max_concurrency, progress=not args.no_progress)
     except (ValueError, TypeError, FileNotFoundError, RuntimeError) as exc:
         print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except httpx.HTTPError as exc:  # server unreachable, timed out, bad URL
+        print(f"error: talking to {', '.join(args.base_url)}: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 2
     print(format_report(res))
     if args.json:
