@@ -232,6 +232,9 @@ BAD_COMPLETIONS = [
     ({"prompt": "hi", "n": 2}, "n="),
     ({"prompt": "hi", "logprobs": 50}, "logprobs"),
     ({"prompt": "hi", "seed": "abc"}, "seed"),
+    ({"prompt": "hi", "max_tokens": "12"}, "max_tokens"),          # strict types: no coercion
+    ({"prompt": "hi", "max_tokens": True}, "max_tokens"),
+    ({"prompt": "hi", "ignore_eos": "yes"}, "ignore_eos"),
     ({"prompt": "hi", "presence_penalty": 0.5}, "presence_penalty"),
 ]
 

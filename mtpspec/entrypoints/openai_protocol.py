@@ -45,9 +45,10 @@ class StreamOptions(BaseModel):
 
 
 class _Sampling(BaseModel):
-    """Fields shared by both endpoints."""
+    """Fields shared by both endpoints. Strict types: ``"12"`` or ``true`` for ``max_tokens`` and
+    ``"yes"`` for a flag are 400s, not coerced (an int is still accepted where a float is)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     model: Optional[str] = None
     temperature: Optional[float] = 1.0
