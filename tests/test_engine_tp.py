@@ -6,6 +6,7 @@ References are single-process (tp 1) plain greedy runs of the same checkpoint.
 
 from __future__ import annotations
 
+import json
 from typing import Any, List
 
 import pytest
@@ -144,3 +145,43 @@ def test_under_torchrun_style_launch(setup) -> None:
     results = launch(_torchrun_rank, 2, path, prompts, oracle, cfg.vocab_size, timeout_s=240)
     for outs, again in results:
         assert outs == ref and again == ref[:2]
+
+
+def test_llm_under_real_torchrun(tmp_path) -> None:
+    """`torchrun --nproc-per-node 2 script.py`: every rank builds LLM(tp=2) and gets the outputs of a
+    single-process run (fp32, greedy, k = 3, the bundled demo model)."""
+    import subprocess
+    import sys
+    import textwrap
+
+    from mtpspec import LLM, SamplingParams, demo_model_path
+    from mtpspec.distributed.launcher import find_free_port
+
+    prompts = ["Question: Tom has 3 apples and buys 4 more. How many apples does he have?\nAnswer:",
+               "Question: A box holds 12 eggs. How many eggs are in 5 boxes?\nAnswer:"]
+    spec = {"method": "mtp", "num_speculative_tokens": 3, "use_local_argmax_reduction": True}
+    params = SamplingParams(temperature=0.0, max_tokens=24)
+    llm = LLM(demo_model_path(), dtype="float32", device="cpu", speculative_config=spec, max_num_seqs=4)
+    try:
+        ref = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    finally:
+        llm.shutdown()
+    script = tmp_path / "tr_llm.py"
+    script.write_text(textwrap.dedent(f"""
+        import json, os, torch
+        torch.set_num_threads(1)
+        from mtpspec import LLM, SamplingParams, demo_model_path
+        llm = LLM(demo_model_path(), tensor_parallel_size=2, dtype="float32", device="cpu",
+                  speculative_config={spec!r}, max_num_seqs=4)
+        outs = llm.generate({prompts!r}, SamplingParams(temperature=0.0, max_tokens=24), use_tqdm=False)
+        print("RANK", os.environ["RANK"], json.dumps([o.outputs[0].token_ids for o in outs]), flush=True)
+        llm.shutdown()
+    """))
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                           "--master-port", str(find_free_port()), str(script)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RANK ")]
+    assert len(lines) == 2, proc.stdout[-2000:]
+    for ln in lines:
+        assert json.loads(ln.split(" ", 2)[2]) == ref
