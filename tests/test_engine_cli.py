@@ -82,3 +82,16 @@ def test_gsm8k_question_without_gsm8k_file_falls_back_to_generated_problems(monk
     prompts = gen._prompts(args)
     assert prompts == [f"Question: {generate_problem(1, i).question}\nAnswer:" for i in (0, 2)]
     assert "no GSM8K test file found" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--prompt-token-ids", "1,,2"], "no empty items"),
+    (["--prompt-token-ids", "abc"], "comma-separated ints"),
+    (["--gsm8k-data", "/no/such/file.jsonl", "--gsm8k-question", "0"], "no file at"),
+])
+def test_generate_bad_prompt_sources_exit_2_with_error(argv, needle, capsys):
+    from mtpspec.entrypoints.cli import main
+    with pytest.raises(SystemExit) as info:
+        main(["generate", *argv])
+    assert info.value.code == 2
+    assert needle in capsys.readouterr().err

@@ -49,12 +49,18 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
 
 
+def _usage_error(msg: str) -> None:
+    """Print ``error: msg`` and exit with status 2, like every other bad input of this command."""
+    print(f"error: {msg}", file=sys.stderr)
+    raise SystemExit(2)
+
+
 def _gsm8k_path(arg: Any) -> Optional[str]:
     """The GSM8K test file: ``--gsm8k-data``, else ``../shared/data/gsm8k/test.jsonl`` beside the
     working directory or the repository, else ``None``."""
     if arg:
         if not os.path.isfile(arg):
-            raise SystemExit(f"--gsm8k-data: no file at {arg!r}")
+            _usage_error(f"--gsm8k-data: no file at {arg!r}")
         return arg
     repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     for base in (os.getcwd(), repo):
@@ -80,7 +86,7 @@ def _gsm8k_examples(args: argparse.Namespace) -> List[Dict[str, str]]:
     rows = load_gsm8k(path)
     for i in args.gsm8k_question:
         if not 0 <= i < len(rows):
-            raise SystemExit(f"--gsm8k-question: index {i} outside [0, {len(rows)}) of {path}")
+            _usage_error(f"--gsm8k-question: index {i} outside [0, {len(rows)}) of {path}")
     return [rows[i] for i in args.gsm8k_question]
 
 
@@ -95,10 +101,10 @@ def _prompts(args: argparse.Namespace) -> List[Any]:
     if args.prompt_token_ids:
         out = []
         for s in args.prompt_token_ids:
-            try:
-                out.append({"prompt_token_ids": [int(x) for x in s.split(",") if x.strip()]})
-            except ValueError:
-                raise SystemExit(f"--prompt-token-ids: expected comma-separated ints, got {s!r}") from None
+            items = [x.strip() for x in s.split(",")]
+            if not all(x.lstrip("-").isdigit() for x in items):
+                _usage_error(f"--prompt-token-ids: expected comma-separated ints with no empty items, got {s!r}")
+            out.append({"prompt_token_ids": [int(x) for x in items]})
         return out
     return args.prompt or ["The capital of France is"]
 
