@@ -74,6 +74,10 @@ class InProcessExecutor(Executor):
                 dist.broadcast_object_list([("stop",)], src=0, group=self.group)
             else:
                 follower_loop(self.runner, self.group)
+            # No rank may exit while a peer still reads the stop message from it: a process that
+            # exits with a gloo transfer in flight aborts ("terminate called without an active
+            # exception"), seen under a real torchrun.
+            dist.barrier(group=self.group)
 
 
 class MultiprocExecutor(Executor):
