@@ -8,6 +8,7 @@ process (tp = 1) without ``torch.distributed``.
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import os
 from dataclasses import dataclass
@@ -117,8 +118,27 @@ def init_distributed_environment(
             timeout=datetime.timedelta(seconds=timeout_s),
             **kwargs,
         )
+        atexit.register(_destroy_at_exit)
     _TP = GroupCoordinator(rank, world_size, dist.group.WORLD, backend, device)
     return _TP
+
+
+def _destroy_at_exit() -> None:
+    """At interpreter exit: meet the peers (bounded), then destroy the process group.
+
+    A process that exits with its gloo group alive, or while a peer still reads from it, aborts in
+    the group's destructor ("terminate called without an active exception"); seen under torchrun
+    when ranks finished at different moments. Errors here (a dead peer, a timeout) are ignored:
+    the process is leaving anyway.
+    """
+    if not dist.is_initialized():
+        return
+    try:
+        if dist.get_backend() == "gloo":
+            dist.monitored_barrier(timeout=datetime.timedelta(seconds=30))
+        dist.destroy_process_group()
+    except Exception:  # noqa: BLE001 - best effort at exit
+        pass
 
 
 def default_backend(world_size: int) -> str:
