@@ -1,4 +1,4 @@
-"""Import triton once with TRITON_INTERPRET=1 (then restore the variable).
+"""Import triton once with TRITON_INTERPRET=1 (then restore the variable); the kernel-test fixtures.
 
 Triton builds its language functions at first import, so its CPU interpreter only works when
 ``TRITON_INTERPRET=1`` was set at that moment. Doing it here, before any test module imports
@@ -9,6 +9,7 @@ while every other test runs the torch references.
 import os
 import sys
 
+import pytest
 import torch
 
 if "triton" not in sys.modules and not torch.cuda.is_available():
@@ -23,3 +24,18 @@ if "triton" not in sys.modules and not torch.cuda.is_available():
             del os.environ["TRITON_INTERPRET"]
         else:
             os.environ["TRITON_INTERPRET"] = _saved
+
+
+@pytest.fixture
+def interp(monkeypatch):
+    """Run Triton kernels on CPU tensors (the interpreter) for this test, here and in spawned ranks."""
+    from mtpspec.ops.triton_utils import interpreter_available
+    if not interpreter_available():
+        pytest.skip("triton was imported without TRITON_INTERPRET=1: see test_interpreter_in_subprocess")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+
+
+@pytest.fixture
+def no_interp(monkeypatch):
+    """Run the torch references on CPU tensors for this test."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)

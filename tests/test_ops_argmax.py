@@ -38,18 +38,6 @@ SETTINGS = dict(deadline=None, suppress_health_check=[HealthCheck.function_scope
 
 
 @pytest.fixture
-def interp(monkeypatch):
-    if not interpreter_available():
-        pytest.skip("triton was imported without TRITON_INTERPRET=1 (tests/conftest.py does it)")
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-
-
-@pytest.fixture
-def no_interp(monkeypatch):
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-
-
-@pytest.fixture
 def small_split(monkeypatch):
     """Blocks of 8 columns, chunks of >= 8, 4 SMs: a 70-column row is 5 chunks of 16 at 1 token."""
     monkeypatch.setattr(am, "BLOCK_COLS", 8)

@@ -24,19 +24,6 @@ RTOL = {torch.float32: 1e-5, torch.float16: 2.0 ** -10, torch.bfloat16: 2.0 ** -
 ATOL = {torch.float32: 1e-6, torch.float16: 1e-7, torch.bfloat16: 1e-6}
 
 
-@pytest.fixture
-def interp(monkeypatch):
-    if not interpreter_available():
-        pytest.skip("triton was imported without TRITON_INTERPRET=1: "
-                    "see test_interpreter_in_subprocess")
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-
-
-@pytest.fixture
-def no_interp(monkeypatch):
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-
-
 class _NoKernel:
     def __getitem__(self, grid):
         raise AssertionError("Triton kernel launched on the reference path")

@@ -41,20 +41,6 @@ def token_counts(hidden: int):
     return [0, 1, 3, SPEC_COUNTS[0]]
 
 
-@pytest.fixture
-def interp(monkeypatch):
-    """Run Triton kernels on CPU tensors (the interpreter) for this test."""
-    if not interpreter_available():
-        pytest.skip("triton was imported without TRITON_INTERPRET=1: "
-                    "see test_interpreter_in_subprocess")
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-
-
-@pytest.fixture
-def no_interp(monkeypatch):
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-
-
 class _NoKernel:
     """Stands in for a kernel that must not be launched."""
 

@@ -27,7 +27,6 @@ from mtpspec.ops.allreduce_rms_norm import (NcclAllReduceThenAddRMSNorm, backend
                                             unregister_allreduce_rms_norm_backend)
 from mtpspec.ops.p2p_allreduce_rms_norm import P2PAllReduceRMSNorm, PeerTimeoutError
 from mtpspec.ops.rms_norm import rms_norm_ref
-from mtpspec.ops.triton_utils import interpreter_available
 
 EPS = 1e-5
 CAP_TOKENS = 16
@@ -48,14 +47,6 @@ class _Norm(torch.nn.Module):
         super().__init__()
         self.weight = torch.nn.Parameter(weight, requires_grad=False)
         self.eps = eps
-
-
-@pytest.fixture
-def interp(monkeypatch):
-    """Run Triton kernels on CPU tensors (the interpreter), here and in spawned ranks."""
-    if not interpreter_available():
-        pytest.skip("triton was imported without TRITON_INTERPRET=1")
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
 
 
 # ------------------------------------------------------------------------------------------
