@@ -12,7 +12,8 @@ import argparse
 
 import torch
 
-from mtpspec.distributed import comm_stats, get_tensor_model_parallel_rank, launch, reset_comm_stats
+from mtpspec.distributed import (comm_stats, get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size,
+                                 launch, reset_comm_stats)
 
 
 def _rank_main(num_seqs: int, hidden: int, vocab: int, seed: int):
@@ -22,8 +23,7 @@ def _rank_main(num_seqs: int, hidden: int, vocab: int, seed: int):
 
     g = torch.Generator().manual_seed(seed)
     head_w = torch.randn(vocab, hidden, generator=g) / hidden ** 0.5
-    partials = torch.randn(torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1,
-                           num_seqs, hidden, generator=g)
+    partials = torch.randn(get_tensor_model_parallel_world_size(), num_seqs, hidden, generator=g)
     residual = torch.randn(num_seqs, hidden, generator=g)
     lm_head = ParallelLMHead(vocab, hidden, params_dtype=torch.float32)
     lm_head.weight.weight_loader(lm_head.weight, head_w)
