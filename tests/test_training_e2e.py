@@ -70,3 +70,33 @@ def test_checkpoint_reloads_in_mtpspec_and_transformers(run):
     with torch.no_grad():
         ref = hf(ids[None]).logits[0]
     torch.testing.assert_close(ours, ref, rtol=1e-4, atol=1e-4)
+
+
+def test_mtp_only_distillation_from_a_checkpoint(run, tmp_path):
+    """``--init-from`` + ``--freeze-target`` + ``--mtp-distill``: the target (and the shared
+    embedding / head) come back bit-identical, the tokenizer is reused, the MTP layer changes, and
+    its distillation loss (cross-entropy to the target's next-position distribution) falls."""
+    src, _ = run
+    out = str(tmp_path / "phase2")
+    cfg = TrainConfig(output_dir=out, init_from=src, freeze_target=True, mtp_distill=1.0, gsm8k_limit=300,
+                      holdout=20, num_synthetic=1500, gsm8k_epochs=1, tokens_per_batch=2048, max_steps=16,
+                      max_minutes=0, lr=1e-2, warmup_steps=2, log_every=1, eval_every=0, eval_docs=6,
+                      accept_prompts=0, device="cpu", dtype="float32", save_dtype="float32", progress=False)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        train(cfg, log=lambda m: None)
+    finally:
+        torch.set_num_threads(threads)
+    assert open(os.path.join(out, "tokenizer.json")).read() == open(os.path.join(src, "tokenizer.json")).read()
+    assert json.load(open(os.path.join(out, "config.json")))["vocab_size"] == json.load(
+        open(os.path.join(src, "config.json")))["vocab_size"]
+    from mtpspec.models.loader import read_checkpoint_tensors
+    before, after = dict(read_checkpoint_tensors(src)), dict(read_checkpoint_tensors(out))
+    assert before.keys() == after.keys()
+    mtp_prefix = f"model.layers.{json.load(open(os.path.join(src, 'config.json')))['num_hidden_layers']}."
+    changed = [k for k in before if not torch.equal(before[k], after[k])]
+    assert changed and all(k.startswith(mtp_prefix) for k in changed), changed
+    recs = [json.loads(x) for x in open(os.path.join(out, "train_log.jsonl")) if '"train"' in x]
+    first, last = recs[0]["mtp_loss"], [r["mtp_loss"] for r in recs[-4:]]
+    assert sum(x[0] for x in last) / 4 < first[0], (first, last)

@@ -34,8 +34,9 @@ class FakeModel:
         return h @ (self.head if k is None else self.heads[k])
 
 
-def _brute(model, docs, hidden_docs, depths, lam):
-    """Loop over documents and positions, indexing tokens explicitly."""
+def _brute(model, docs, hidden_docs, depths, lam, alpha=0.0):
+    """Loop over documents and positions, indexing tokens explicitly. ``alpha``: self-distillation
+    weight; the teacher of depth k at row i is softmax of the target head at row i + k."""
     sums, counts = [0.0] * (depths + 1), [0] * (depths + 1)
     for doc, hid in zip(docs, hidden_docs):
         for i in range(len(doc)):
@@ -50,7 +51,8 @@ def _brute(model, docs, hidden_docs, depths, lam):
                 prev = model.mtp_row(doc[i + k], i + k - 1, prev, k - 1)  # depth k at position i + k - 1
                 if i + k + 1 < len(doc):
                     lp = torch.log_softmax(model.logits(prev, k - 1), -1)
-                    sums[k] -= lp[doc[i + k + 1]].item()
+                    teacher = torch.softmax(model.logits(hid[i + k], None), -1)
+                    sums[k] -= (1 - alpha) * lp[doc[i + k + 1]].item() + alpha * (teacher * lp).sum().item()
                     counts[k] += 1
     means = [s / c if c else 0.0 for s, c in zip(sums, counts)]
     total = means[0] + (lam / depths * sum(means[1:]) if depths else 0.0)
@@ -59,7 +61,8 @@ def _brute(model, docs, hidden_docs, depths, lam):
 
 @pytest.mark.parametrize("depths", [0, 1, 2, 3])
 @pytest.mark.parametrize("seed", [0, 1])
-def test_loss_matches_brute_force(depths, seed):
+@pytest.mark.parametrize("alpha", [0.0, 0.4, 1.0])
+def test_loss_matches_brute_force(depths, seed, alpha):
     g = torch.Generator().manual_seed(100 + seed)
     lens = [1, 2, 3, 7, 4, 12, 5] if seed == 0 else [int(x) for x in torch.randint(1, 15, (9,), generator=g)]
     docs = [torch.randint(0, V, (n,), generator=g).tolist() for n in lens]
@@ -68,9 +71,9 @@ def test_loss_matches_brute_force(depths, seed):
     cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)))
     ids = torch.tensor([t for d in docs for t in d])
     out = mtp_training_loss(ids, positions_from_cu_seqlens(cu), doc_end_from_cu_seqlens(cu), hidden,
-                            model.logits, model.mtp_forward, depths, mtp_lambda=0.3)
+                            model.logits, model.mtp_forward, depths, mtp_lambda=0.3, mtp_distill=alpha)
     hidden_docs = torch.split(hidden.detach(), lens)
-    total, means, counts = _brute(model, docs, hidden_docs, depths, 0.3)
+    total, means, counts = _brute(model, docs, hidden_docs, depths, 0.3, alpha)
     assert out.counts == counts
     assert counts[0] == sum(n - 1 for n in lens)
     assert all(counts[k] == sum(max(n - k - 1, 0) for n in lens) for k in range(depths + 1))
@@ -93,6 +96,31 @@ def test_mtp_gradient_reaches_target_hidden_at_row_i():
     (g,) = torch.autograd.grad(out.mtp_losses[0], hidden)
     # rows 0..2 have labels t[2..4]; rows 3, 4 have none
     assert (g[:3].abs().sum(-1) > 0).all() and (g[3:] == 0).all()
+
+
+def test_distillation_teacher_gets_no_gradient():
+    # alpha = 1: the depth-1 loss at row i reads the target at rows i (input) and i + 1 (teacher);
+    # the teacher is detached, so row 3 (teacher of row 2 only) gets no gradient.
+    model = FakeModel(1, 3)
+    ids = torch.tensor([1, 2, 3, 4, 5])
+    cu = torch.tensor([0, 5])
+    hidden = torch.randn(5, H, dtype=torch.float64, requires_grad=True)
+    out = mtp_training_loss(ids, positions_from_cu_seqlens(cu), doc_end_from_cu_seqlens(cu), hidden,
+                            model.logits, model.mtp_forward, 1, 1.0, mtp_distill=1.0)
+    (g,) = torch.autograd.grad(out.mtp_losses[0], hidden)
+    assert (g[:3].abs().sum(-1) > 0).all() and (g[3:] == 0).all()
+    # the distilled loss is minimised by the teacher's own distribution: cross-entropy >= entropy
+    teacher = torch.softmax(model.logits(hidden.detach()[1:4], None), -1)
+    entropy = -(teacher * teacher.log()).sum(-1).mean().item()
+    assert out.mtp_losses[0].item() >= entropy - 1e-12
+
+
+def test_distillation_weight_out_of_range():
+    ids, cu = torch.tensor([1, 2, 3]), torch.tensor([0, 3])
+    for bad in (-0.1, 1.5):
+        with pytest.raises(ValueError, match=r"mtp_distill must be in \[0, 1\], got"):
+            mtp_training_loss(ids, positions_from_cu_seqlens(cu), doc_end_from_cu_seqlens(cu), torch.zeros(3, H),
+                              FakeModel(1, 0).logits, FakeModel(1, 0).mtp_forward, 1, 1.0, mtp_distill=bad)
 
 
 def test_position_zero_embedding_is_what_the_model_sees():

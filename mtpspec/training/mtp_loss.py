@@ -25,6 +25,15 @@ forward); deeper depths one position further per step, as the engine's draft ste
 differences, so the shift changes nothing else. Each depth's output hidden state (as the model
 returns it: the post-norm state the inference path recycles) feeds the next depth.
 
+Optional self-distillation (``mtp_distill = alpha > 0``, off by default): the label term of
+depth ``k`` becomes ``(1 - alpha) * CE(P^k_i, t[i+k+1]) + alpha * H(stopgrad(softmax(z_{i+k})),
+P^k_i)``, where ``z_{i+k}`` are the target's logits at row ``i + k``, i.e. the target's own
+prediction of the same token ``t[i+k+1]``. Greedy verification accepts a draft when it equals the
+*target's* argmax, not the reference text, so this pulls the draft distribution towards the one
+it is verified against (DistillSpec, Zhou et al. 2024, section 3: training the draft on the
+target's distribution raises acceptance; Medusa-2's self-distillation, Cai et al. 2024, section
+2.3.2). The target term is unchanged and gets no gradient from the distillation term.
+
 ``D`` may exceed the model's number of MTP layers: depth ``k`` then uses layer
 ``(k - 1) % num_mtp_layers`` (``spec_step_idx = k - 1``), i.e. the same layer applied recursively
 to its own outputs, which is how the engine drafts ``k`` tokens with one MTP layer.
@@ -97,9 +106,21 @@ def _ce(logits: torch.Tensor, labels: torch.Tensor) -> Tuple[torch.Tensor, int]:
     count = int((labels != IGNORE_INDEX).sum())
     if count == 0:
         return logits.sum() * 0.0, 0
-    if logits.dtype in (torch.float16, torch.bfloat16):
-        logits = logits.float()  # softmax statistics in fp32 under autocast
-    return F.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX, reduction="mean"), count
+    return F.cross_entropy(_upcast(logits), labels, ignore_index=IGNORE_INDEX, reduction="mean"), count
+
+
+def _upcast(x: torch.Tensor) -> torch.Tensor:
+    """fp16 / bf16 -> fp32 for softmax statistics; fp32 / fp64 unchanged."""
+    return x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+
+
+def _soft_ce(logits: torch.Tensor, teacher: torch.Tensor, valid: torch.Tensor, shift: int) -> torch.Tensor:
+    """Mean over valid rows ``i`` of ``-sum_v teacher[i + shift, v] * log_softmax(logits[i])_v``."""
+    rows = valid.nonzero().squeeze(1)
+    if rows.numel() == 0:
+        return logits.sum() * 0.0
+    logp = torch.log_softmax(_upcast(logits[rows]), dim=-1)
+    return -(teacher[rows + shift] * logp).sum(-1).mean()
 
 
 def mtp_training_loss(
@@ -111,6 +132,7 @@ def mtp_training_loss(
     mtp_forward: MtpForward,
     num_mtp_layers: int,
     mtp_lambda: float,
+    mtp_distill: float = 0.0,
 ) -> MtpLossOutput:
     """``L_main + mtp_lambda / D * sum_k L_MTP^k`` (DeepSeek-V3 eq. 25) for one flattened batch.
 
@@ -125,12 +147,14 @@ def mtp_training_loss(
             hidden.
         num_mtp_layers: training depth D >= 0 (0 trains the target alone).
         mtp_lambda: weight lambda of the MTP term.
+        mtp_distill: weight alpha in [0, 1] of the self-distillation term (module docstring);
+            0 is the plain eq. 24 loss.
 
     Returns:
         :class:`MtpLossOutput`.
 
     Raises:
-        ValueError: shapes that disagree or D < 0.
+        ValueError: shapes that disagree, D < 0, or ``mtp_distill`` outside [0, 1].
     """
     n = input_ids.numel()
     if input_ids.dim() != 1 or positions.shape != (n,) or doc_end.shape != (n,):
@@ -140,16 +164,25 @@ def mtp_training_loss(
         raise ValueError(f"target_hidden must be [N={n}, H], got {tuple(target_hidden.shape)}")
     if num_mtp_layers < 0:
         raise ValueError(f"num_mtp_layers must be >= 0, got {num_mtp_layers}")
+    if not 0.0 <= mtp_distill <= 1.0:
+        raise ValueError(f"mtp_distill must be in [0, 1], got {mtp_distill}")
 
     labels0, _ = shifted(input_ids, doc_end, 1, IGNORE_INDEX)
-    target_loss, c0 = _ce(logits_fn(target_hidden, None), labels0)
+    target_logits = logits_fn(target_hidden, None)
+    target_loss, c0 = _ce(target_logits, labels0)
+    teacher = None
+    if mtp_distill > 0 and num_mtp_layers > 0:
+        teacher = torch.softmax(_upcast(target_logits.detach()), dim=-1)
     counts, mtp_losses = [c0], []
     prev = target_hidden
     for k in range(1, num_mtp_layers + 1):
         ids_k, _ = shifted(input_ids, doc_end, k, 0)
         labels_k, _ = shifted(input_ids, doc_end, k + 1, IGNORE_INDEX)
         prev = mtp_forward(ids_k, positions + (k - 1), prev, k - 1)
-        lk, ck = _ce(logits_fn(prev, k - 1), labels_k)
+        logits_k = logits_fn(prev, k - 1)
+        lk, ck = _ce(logits_k, labels_k)
+        if teacher is not None:
+            lk = (1.0 - mtp_distill) * lk + mtp_distill * _soft_ce(logits_k, teacher, labels_k != IGNORE_INDEX, k)
         mtp_losses.append(lk)
         counts.append(ck)
     loss = target_loss

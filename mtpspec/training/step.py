@@ -13,10 +13,10 @@ from mtpspec.training.packing import Batch
 
 
 def forward_loss(target: nn.Module, mtp: nn.Module, batch: Batch, device: torch.device,
-                 mtp_lambda: float, return_hidden: bool = False, mtp_depth: Optional[int] = None):
+                 mtp_lambda: float, return_hidden: bool = False, mtp_depth: Optional[int] = None, mtp_distill: float = 0.0):
     """``mtp_training_loss`` of ``batch`` (DeepSeek-V3 eq. 25) with ``mtp_depth`` MTP depths
     (default: the model's MTP layers; more than that reuses layer ``(k - 1) % num_mtp_layers``
-    recursively, like the engine's drafts).
+    recursively, like the engine's drafts) and self-distillation weight ``mtp_distill``.
 
     Each row of ``batch`` is one sequence of the flattened varlen layout (``query_lens = seq_lens
     = [L] * B``, no KV cache), so attention is causal within a row only, exactly the engine's
@@ -39,7 +39,8 @@ def forward_loss(target: nn.Module, mtp: nn.Module, batch: Batch, device: torch.
 
     with set_forward_context(meta):
         hidden = target(ids, pos)
-        out: MtpLossOutput = mtp_training_loss(ids, pos, doc_end, hidden, logits_fn, mtp_forward, d, mtp_lambda)
+        out: MtpLossOutput = mtp_training_loss(ids, pos, doc_end, hidden, logits_fn, mtp_forward, d, mtp_lambda,
+                                               mtp_distill=mtp_distill)
     if return_hidden:
         return out, hidden, (ids, pos, doc_end)
     return out

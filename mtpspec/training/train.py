@@ -12,6 +12,10 @@ much smaller model on the CPU in a few minutes. Steps:
    ``L = L_main + lambda * L_MTP`` (DeepSeek-V3 eq. 25), AdamW with fp32 master weights, bf16
    compute on CUDA (fp32 on CPU), warm-up + cosine LR over steps or over the time budget,
    auxiliary-loss-free router balancing;
+   ``--init-from DIR`` starts from a saved model (its config and tokenizer; step 2 is skipped) and
+   ``--freeze-target`` then trains only the MTP layers (the target stays bit-identical), which
+   is how to retrain the MTP layers of an existing model; ``--mtp-distill alpha`` mixes self-distillation towards the
+   target's own next-position distribution into the MTP loss (``mtp_loss`` module docstring);
 5. stop at ``--max-steps`` or when ``--max-minutes`` (wall clock of the whole run) is nearly
    used, then write ``config.json``, ``model.safetensors`` (bf16, Hugging Face layout; tied
    ``lm_head`` and MTP ``shared_head.head`` are omitted, the loader ties them) and
@@ -66,6 +70,9 @@ class TrainConfig:
     grad_clip: float = 1.0
     mtp_lambda: float = 0.6
     mtp_depth: int = 3
+    mtp_distill: float = 0.0
+    init_from: str = ""
+    freeze_target: bool = False
     router_bias_speed: float = 0.001
     seed: int = 0
     device: str = "auto"
@@ -126,8 +133,9 @@ class JsonlLog:
         self.f.close()
 
 
-def prepare_data(cfg: TrainConfig, log=_log):
-    """Steps 1-3 of the module docstring. Returns ``(tokenizer, train_docs, val_docs, val_rows, stats)``."""
+def prepare_data(cfg: TrainConfig, log=_log, tok=None):
+    """Steps 1-3 of the module docstring (step 2 skipped when a tokenizer ``tok`` is given).
+    Returns ``(tokenizer, train_docs, val_docs, val_rows, stats)``."""
     from mtpspec.training.tokenizer import eot_id, train_tokenizer
     t0 = time.time()
     gdir = cfg.gsm8k_dir or default_gsm8k_dir()
@@ -142,7 +150,8 @@ def prepare_data(cfg: TrainConfig, log=_log):
     t1 = time.time()
     tok_texts = [training_document([r]) for r in train_rows]
     tok_texts += [training_document([e]) for e in synthetic[:cfg.tokenizer_synthetic]]
-    tok = train_tokenizer(tok_texts, cfg.vocab_size)
+    if tok is None:
+        tok = train_tokenizer(tok_texts, cfg.vocab_size)
     t2 = time.time()
     plan = corpus_mod.CorpusPlan(train_rows, synthetic, cfg.gsm8k_epochs, cfg.single_prob, cfg.num_shots,
                                  cfg.seed, cfg.max_len)
@@ -188,6 +197,30 @@ def save_model(out_dir: str, target, mtp, config_dict: Dict[str, Any], tok, save
     return written + ["tokenizer.json"]
 
 
+def load_initial_model(path: str, device: torch.device, dtype: torch.dtype):
+    """``--init-from``: ``(target, mtp, config_dict, tokenizer)`` of an mtpspec / Hugging Face
+    checkpoint folder (``config.json``, safetensors, ``tokenizer.json``), trainable, at tp 1.
+
+    Raises:
+        FileNotFoundError: no ``config.json`` or ``tokenizer.json`` in ``path``.
+        CheckpointError (and subclasses): weights that do not load (see ``load_models``).
+    """
+    from mtpspec.models import load_models
+    from mtpspec.training.tokenizer import load_tokenizer
+    for name in ("config.json", "tokenizer.json"):
+        if not os.path.isfile(os.path.join(path, name)):
+            raise FileNotFoundError(f"--init-from {path}: no {name} there (expected a model folder with config.json, "
+                                    "safetensors weights and tokenizer.json)")
+    with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
+        config_dict = json.load(f)
+    target, mtp = load_models(path, dtype=dtype, device=device)
+    for m in (target, mtp):
+        for p in m.parameters():
+            p.requires_grad_(True)
+        m.train()
+    return target, mtp, config_dict, load_tokenizer(os.path.join(path, "tokenizer.json"))
+
+
 def train(cfg: TrainConfig, log=_log) -> Dict[str, Any]:
     """Run the recipe (module docstring); returns the summary dict (also written to summary.json)."""
     from mtpspec.config import ModelConfig
@@ -214,17 +247,26 @@ def train(cfg: TrainConfig, log=_log) -> Dict[str, Any]:
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
 
-    tok, train_docs, val_docs, val_rows, data_stats = prepare_data(cfg, log)
+    if cfg.init_from:
+        target, mtp, config_dict, tok = load_initial_model(cfg.init_from, device, dtype)
+        tok, train_docs, val_docs, val_rows, data_stats = prepare_data(cfg, log, tok=tok)
+    else:
+        tok, train_docs, val_docs, val_rows, data_stats = prepare_data(cfg, log)
+        config_dict = make_config_dict(cfg.preset, tok.get_vocab_size(), eot_id(tok), max_position_embeddings=max(
+            4096, cfg.max_len))
+        target, mtp = build_models(ModelConfig.from_dict(config_dict), device, dtype, seed=cfg.seed)
     eot = eot_id(tok)
-    config_dict = make_config_dict(cfg.preset, tok.get_vocab_size(), eot, max_position_embeddings=max(
-        4096, cfg.max_len))
-    mcfg = ModelConfig.from_dict(config_dict)
-    target, mtp = build_models(mcfg, device, dtype, seed=cfg.seed)
     n_params = count_parameters(target, mtp)
-    log(f"model: preset {cfg.preset}, {n_params}, device {device}, dtype {dtype}")
+    log(f"model: {cfg.init_from or 'preset ' + cfg.preset}, {n_params}, device {device}, dtype {dtype}"
+        f"{', target frozen' if cfg.freeze_target else ''}")
 
+    if cfg.freeze_target:
+        # Only the MTP layers' own parameters train; the shared embedding / head stay the target's.
+        for p in target.parameters():
+            p.requires_grad_(False)
+        target.eval()
     unique = list({id(p): p for p in list(target.parameters()) + list(mtp.parameters())}.values())
-    balancer = RouterBalancer([target, mtp.model], cfg.router_bias_speed)
+    balancer = RouterBalancer([mtp.model] if cfg.freeze_target else [target, mtp.model], cfg.router_bias_speed)
     trainable = [p for p in unique if p.requires_grad]
     opt = MasterWeightAdamW(trainable, cfg.lr, (cfg.beta1, cfg.beta2), cfg.weight_decay)
 
@@ -257,7 +299,8 @@ def train(cfg: TrainConfig, log=_log) -> Dict[str, Any]:
             lr = lr_at(step, progress, cfg.lr, cfg.warmup_steps, cfg.min_lr_ratio)
             opt.set_lr(lr)
             batch = next(batches)
-            out = forward_loss(target, mtp, batch, device, cfg.mtp_lambda, mtp_depth=cfg.mtp_depth)
+            out = forward_loss(target, mtp, batch, device, cfg.mtp_lambda, mtp_depth=cfg.mtp_depth,
+                               mtp_distill=cfg.mtp_distill)
             out.loss.backward()
             gnorm = opt.step(cfg.grad_clip)
             opt.zero_grad()
