@@ -21,7 +21,8 @@ def run(tmp_path_factory):
     cfg = TrainConfig(output_dir=out, preset="ci", gsm8k_limit=300, holdout=20, num_synthetic=1500,
                       tokenizer_synthetic=1500, gsm8k_epochs=1, tokens_per_batch=2048, max_steps=24, max_minutes=0,
                       lr=1e-2, warmup_steps=4, log_every=1, eval_every=0, eval_docs=6, accept_prompts=1,
-                      accept_max_new=8, device="cpu", dtype="float32", save_dtype="float32", progress=False)
+                      accept_max_new=8, device="cpu", dtype="float32", save_dtype="float32", progress=False,
+                      distill_fraction=0.0)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -81,7 +82,8 @@ def test_mtp_only_distillation_from_a_checkpoint(run, tmp_path):
     cfg = TrainConfig(output_dir=out, init_from=src, freeze_target=True, mtp_distill=1.0, gsm8k_limit=300,
                       holdout=20, num_synthetic=1500, gsm8k_epochs=1, tokens_per_batch=2048, max_steps=16,
                       max_minutes=0, lr=1e-2, warmup_steps=2, log_every=1, eval_every=0, eval_docs=6,
-                      accept_prompts=0, device="cpu", dtype="float32", save_dtype="float32", progress=False)
+                      accept_prompts=0, device="cpu", dtype="float32", save_dtype="float32", progress=False,
+                      distill_fraction=0.0)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -100,3 +102,34 @@ def test_mtp_only_distillation_from_a_checkpoint(run, tmp_path):
     recs = [json.loads(x) for x in open(os.path.join(out, "train_log.jsonl")) if '"train"' in x]
     first, last = recs[0]["mtp_loss"], [r["mtp_loss"] for r in recs[-4:]]
     assert sum(x[0] for x in last) / 4 < first[0], (first, last)
+
+
+def test_one_run_with_a_distillation_phase(run, tmp_path):
+    """``--distill-fraction``: the first (1 - f) of the budget is the plain recipe (so with the
+    fixture's settings and 24 / (1 - 0.25) = 32 steps, the target after phase 1 is bit-identical to
+    the fixture's 24-step model), then the target freezes and only the MTP layer trains."""
+    src, _ = run
+    out = str(tmp_path / "two_phase")
+    cfg = TrainConfig(output_dir=out, preset="ci", gsm8k_limit=300, holdout=20, num_synthetic=1500,
+                      tokenizer_synthetic=1500, gsm8k_epochs=1, tokens_per_batch=2048, max_steps=32, max_minutes=0,
+                      lr=1e-2, warmup_steps=4, log_every=1, eval_every=0, eval_docs=6, accept_prompts=0,
+                      device="cpu", dtype="float32", save_dtype="float32", progress=False,
+                      distill_fraction=0.25, distill_lr=1e-2, distill_warmup_steps=2, distill_depth=1)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        summary = train(cfg, log=lambda m: None)
+    finally:
+        torch.set_num_threads(threads)
+    assert summary["distill_phase"]["start_step"] == 24 and summary["steps"] == 32
+    recs = [json.loads(x) for x in open(os.path.join(out, "train_log.jsonl"))]
+    train_recs = [r for r in recs if r["kind"] == "train"]
+    assert [r["phase"] for r in train_recs] == [1] * 24 + [2] * 8
+    assert all(len(r["mtp_loss"]) == 3 for r in train_recs[:24]) and all(len(r["mtp_loss"]) == 1 for r in train_recs[24:])
+    assert train_recs[24]["lr"] == pytest.approx(1e-2 / 2)  # phase 2 restarts its warm-up
+    from mtpspec.models.loader import read_checkpoint_tensors
+    ref, got = dict(read_checkpoint_tensors(src)), dict(read_checkpoint_tensors(out))
+    mtp_prefix = f"model.layers.{json.load(open(os.path.join(src, 'config.json')))['num_hidden_layers']}."
+    target_keys = [k for k in ref if not k.startswith(mtp_prefix)]
+    assert target_keys and all(torch.equal(ref[k], got[k]) for k in target_keys)
+    assert any(not torch.equal(ref[k], got[k]) for k in ref if k.startswith(mtp_prefix))

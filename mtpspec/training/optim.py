@@ -95,6 +95,11 @@ class RouterBalancer:
         c = torch.bincount(ids, minlength=gate.e_score_correction_bias.numel()).float()
         self.counts[id(gate)] = self.counts.get(id(gate), 0) + c
 
+    def restrict_to(self, modules: Iterable[nn.Module]) -> None:
+        """From now on update only the gates inside ``modules`` (the others keep their bias)."""
+        keep = {id(m) for mod in modules for m in mod.modules()}
+        self.gates = [g for g in self.gates if id(g) in keep]
+
     @torch.no_grad()
     def step(self) -> float:
         """Apply the update; returns the largest ``max_load / mean_load`` among the gates (1 = even)."""

@@ -60,7 +60,7 @@ class TrainConfig:
     tokens_per_batch: int = 65_536
     max_steps: int = 1_000_000
     max_minutes: float = 9.0
-    reserve_seconds: float = 45.0
+    reserve_seconds: float = 20.0
     lr: float = 2e-3
     min_lr_ratio: float = 0.1
     warmup_steps: int = 100
@@ -73,6 +73,10 @@ class TrainConfig:
     mtp_distill: float = 0.0
     init_from: str = ""
     freeze_target: bool = False
+    distill_fraction: float = 0.33
+    distill_lr: float = 5e-4
+    distill_warmup_steps: int = 50
+    distill_depth: int = 1
     router_bias_speed: float = 0.001
     seed: int = 0
     device: str = "auto"
@@ -90,8 +94,8 @@ class TrainConfig:
 
 TINY_OVERRIDES: Dict[str, Any] = dict(
     preset="tiny", num_synthetic=10_000, tokenizer_synthetic=5_000, gsm8k_epochs=1, tokens_per_batch=2048,
-    max_minutes=4.0, reserve_seconds=30.0, lr=5e-3, warmup_steps=10, log_every=5, eval_every=50, eval_docs=16,
-    accept_prompts=4, accept_max_new=48, device="cpu", dtype="float32")
+    max_minutes=4.0, reserve_seconds=30.0, lr=5e-3, warmup_steps=10, distill_warmup_steps=5, log_every=5,
+    eval_every=50, eval_docs=16, accept_prompts=4, accept_max_new=48, device="cpu", dtype="float32")
 
 
 def _fmt(d: Dict[str, Any]) -> str:
@@ -197,6 +201,31 @@ def save_model(out_dir: str, target, mtp, config_dict: Dict[str, Any], tok, save
     return written + ["tokenizer.json"]
 
 
+def _freeze(target: torch.nn.Module) -> None:
+    """Target frozen: only the MTP layers' own parameters train (the shared embedding / head are
+    the target's and stay bit-identical)."""
+    for p in target.parameters():
+        p.requires_grad_(False)
+    target.eval()
+
+
+def _start_distill_phase(target, mtp, opt, balancer, cfg: TrainConfig):
+    """Phase 2 of a ``distill_fraction`` run: freeze the target, stop its router updates, and
+    return a fresh AdamW over the MTP layers' own parameters (fp32 masters carried over)."""
+    from mtpspec.training.optim import MasterWeightAdamW
+    _freeze(target)
+    balancer.restrict_to([mtp.model])
+    frozen = {id(p) for p in target.parameters()}
+    params = [p for p in {id(p): p for p in mtp.parameters()}.values() if p.requires_grad and id(p) not in frozen]
+    old_masters = {id(p): m for p, m in opt.pairs}
+    new = MasterWeightAdamW(params, cfg.distill_lr, (cfg.beta1, cfg.beta2), cfg.weight_decay)
+    with torch.no_grad():
+        for p, m in new.pairs:
+            if m is not p:
+                m.copy_(old_masters[id(p)])
+    return new
+
+
 def load_initial_model(path: str, device: torch.device, dtype: torch.dtype):
     """``--init-from``: ``(target, mtp, config_dict, tokenizer)`` of an mtpspec / Hugging Face
     checkpoint folder (``config.json``, safetensors, ``tokenizer.json``), trainable, at tp 1.
@@ -260,15 +289,20 @@ def train(cfg: TrainConfig, log=_log) -> Dict[str, Any]:
     log(f"model: {cfg.init_from or 'preset ' + cfg.preset}, {n_params}, device {device}, dtype {dtype}"
         f"{', target frozen' if cfg.freeze_target else ''}")
 
+    if not 0.0 <= cfg.distill_fraction < 1.0:
+        raise ValueError(f"--distill-fraction must be in [0, 1), got {cfg.distill_fraction}")
+    if cfg.distill_fraction > 0 and cfg.distill_depth < 1:
+        raise ValueError(f"--distill-depth must be >= 1, got {cfg.distill_depth}")
     if cfg.freeze_target:
-        # Only the MTP layers' own parameters train; the shared embedding / head stay the target's.
-        for p in target.parameters():
-            p.requires_grad_(False)
-        target.eval()
+        _freeze(target)
     unique = list({id(p): p for p in list(target.parameters()) + list(mtp.parameters())}.values())
     balancer = RouterBalancer([mtp.model] if cfg.freeze_target else [target, mtp.model], cfg.router_bias_speed)
     trainable = [p for p in unique if p.requires_grad]
     opt = MasterWeightAdamW(trainable, cfg.lr, (cfg.beta1, cfg.beta2), cfg.weight_decay)
+    # Phase 2 (``distill_fraction`` > 0): the last part of the budget retrains the MTP layers only.
+    phase = 1
+    phase2: Dict[str, Any] = {}
+    phase_lr, phase_warmup, phase_depth, phase_alpha = cfg.lr, cfg.warmup_steps, cfg.mtp_depth, cfg.mtp_distill
 
     batches = iterate_batches(train_docs, cfg.tokens_per_batch, cfg.max_len, eot, cfg.seed)
     val_batches = _val_batches(val_docs, eot, cfg.max_len, cfg.tokens_per_batch)
@@ -278,6 +312,10 @@ def train(cfg: TrainConfig, log=_log) -> Dict[str, Any]:
     train_start = time.time()
     train_deadline = deadline - cfg.reserve_seconds
     train_budget = max(train_deadline - train_start, 1e-6)
+    # Phase 1 ends at this time (time budget) or step (``max_steps``), whichever comes first.
+    p1_end_time = train_start + (1.0 - cfg.distill_fraction) * train_budget
+    p1_end_step = round((1.0 - cfg.distill_fraction) * cfg.max_steps)
+    p_start_time, p_start_step = train_start, 0
     bar = None
     if cfg.progress:
         from tqdm import tqdm
@@ -295,12 +333,24 @@ def train(cfg: TrainConfig, log=_log) -> Dict[str, Any]:
             if now >= train_deadline:
                 stop_reason = "time_budget"
                 break
-            progress = max(step / cfg.max_steps, (now - train_start) / train_budget)
-            lr = lr_at(step, progress, cfg.lr, cfg.warmup_steps, cfg.min_lr_ratio)
+            if phase == 1 and cfg.distill_fraction > 0 and (now >= p1_end_time or step >= p1_end_step):
+                phase, p_start_time, p_start_step = 2, now, step
+                phase2 = {"start_step": step, "start_tokens": tokens, "start_train_s": round(now - train_start, 1)}
+                phase_lr, phase_warmup, phase_depth, phase_alpha = (cfg.distill_lr, cfg.distill_warmup_steps,
+                                                                    cfg.distill_depth, 1.0)
+                opt = _start_distill_phase(target, mtp, opt, balancer, cfg)
+                jlog.write({"kind": "phase", "phase": 2, "step": step, "tokens": tokens,
+                            "elapsed_s": round(now - start, 2)})
+                log(f"step {step}: phase 2, target frozen, MTP layers distilled at depth {phase_depth}")
+            p_end_time = p1_end_time if phase == 1 and cfg.distill_fraction > 0 else train_deadline
+            p_end_step = p1_end_step if phase == 1 and cfg.distill_fraction > 0 else cfg.max_steps
+            progress = max((step - p_start_step) / max(p_end_step - p_start_step, 1),
+                           (now - p_start_time) / max(p_end_time - p_start_time, 1e-6))
+            lr = lr_at(step - p_start_step, progress, phase_lr, phase_warmup, cfg.min_lr_ratio)
             opt.set_lr(lr)
             batch = next(batches)
-            out = forward_loss(target, mtp, batch, device, cfg.mtp_lambda, mtp_depth=cfg.mtp_depth,
-                               mtp_distill=cfg.mtp_distill)
+            out = forward_loss(target, mtp, batch, device, cfg.mtp_lambda, mtp_depth=phase_depth,
+                               mtp_distill=phase_alpha)
             out.loss.backward()
             gnorm = opt.step(cfg.grad_clip)
             opt.zero_grad()
@@ -308,7 +358,8 @@ def train(cfg: TrainConfig, log=_log) -> Dict[str, Any]:
             step += 1
             tokens += batch.num_real_tokens
             if step % cfg.log_every == 0 or step == 1:
-                rec = {"kind": "train", "step": step, "tokens": tokens, "elapsed_s": round(time.time() - start, 2),
+                rec = {"kind": "train", "phase": phase, "step": step, "tokens": tokens,
+                       "elapsed_s": round(time.time() - start, 2),
                        "lr": lr, "loss": out.loss.item(), "target_loss": out.target_loss.item(),
                        "mtp_loss": [x.item() for x in out.mtp_losses], "grad_norm": gnorm,
                        "router_max_load": round(imbalance, 3),
@@ -357,6 +408,7 @@ def train(cfg: TrainConfig, log=_log) -> Dict[str, Any]:
         "dtype": str(dtype), "parameters": n_params, "data": data_stats, "pad_fraction": round(pads, 4),
         "steps": step, "train_tokens_seen": tokens, "train_seconds": round(train_seconds, 1),
         "tokens_per_second": round(tokens / max(train_seconds, 1e-9), 1), "stop_reason": stop_reason,
+        "distill_phase": phase2,
         "total_seconds": round(time.time() - start, 1), "final_val": final_val,
         "acceptance_holdout_zero_shot": accept, "files": written,
         "first_logged": history[0] if history else None, "last_logged": history[-1] if history else None}
