@@ -183,6 +183,16 @@ def test_echo_logprobs_match_transformers(server, model_dir):
     n_prompt = len(ch["prompt_token_ids"])
     for i in range(n_prompt, len(ids)):
         assert math.isclose(lp["token_logprobs"][i], max(lp["top_logprobs"][i].values()), abs_tol=1e-6)
+    # vLLM's convention: the chosen token is always among the alternatives (N or N + 1 entries)
+    for i in range(1, len(ids)):
+        top = lp["top_logprobs"][i]
+        assert lp["tokens"][i] in top and top[lp["tokens"][i]] == lp["token_logprobs"][i] and len(top) <= 3
+    r00 = _post(server, "/v1/completions", {"prompt": prompt, "max_tokens": 2, "temperature": 0, "echo": True,
+                                            "logprobs": 0})
+    lp00 = r00.json()["choices"][0]["logprobs"]
+    assert lp00["top_logprobs"][0] is None
+    assert all(top == {t: v} for t, v, top in zip(lp00["tokens"][1:], lp00["token_logprobs"][1:],
+                                                  lp00["top_logprobs"][1:]))
     # prompt scoring alone (max_tokens 0 + echo), as lm-eval's loglikelihood would ask
     r0 = _post(server, "/v1/completions", {"prompt": prompt, "max_tokens": 0, "echo": True, "logprobs": 1})
     lp0 = r0.json()["choices"][0]["logprobs"]["token_logprobs"]

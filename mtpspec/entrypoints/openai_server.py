@@ -222,7 +222,9 @@ async def _score(engine: AsyncLLM, ids: List[int], top_n: int) -> SequenceLogpro
 
 def _completion_logprobs(engine: AsyncLLM, lp: SequenceLogprobs, ids: List[int], first: int,
                          offset0: int) -> Dict[str, Any]:
-    """OpenAI legacy ``logprobs`` for positions ``first ..`` of ``ids``."""
+    """OpenAI legacy ``logprobs`` for positions ``first ..`` of ``ids``: ``top_logprobs[i]`` holds the
+    ``N`` likeliest tokens plus the chosen one when it is not among them (vLLM's convention, so
+    ``logprobs: 0`` gives just the chosen token); position 0 of an echoed prompt has ``None``."""
     tokens, token_lps, tops, offsets = [], [], [], []
     off = offset0
     for i in range(first, len(ids)):
@@ -234,6 +236,7 @@ def _completion_logprobs(engine: AsyncLLM, lp: SequenceLogprobs, ids: List[int],
             top = {}
             for t, v in zip(lp.top_token_ids[i], lp.top_logprobs[i]):
                 top.setdefault(_token_str(engine, t), v)  # ids that decode alike keep the likelier value
+            top.setdefault(s, lp.token_logprobs[i])  # as vLLM: the chosen token is always listed (N or N + 1)
         tops.append(top)
         offsets.append(off)
         off += len(s)
