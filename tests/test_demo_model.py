@@ -3,8 +3,9 @@
 Acceptance length is the figure that silently decays when the draft path breaks (off-by-one
 draft inputs, pre-norm recycling, wrong layer choice, padding leaks: known faults 1-5), so this
 test fails when it drops below a floor set just under the value measured when the model was
-bundled (2026-11-29, MTP layer distilled: 3.21 at k = 3 and 1.87 at k = 1 over the first 32 test
-questions; the 8 questions used here measured 3.203 and 1.861, kept below as FLOOR_*_MEASURED). It also checks that the
+bundled (2026-11-29, one run with a distilled MTP phase: 3.23 at k = 3 and 1.88 at k = 1 over the
+first 32 test questions; the 8 questions used here measured 3.241 and 1.861, kept below as
+FLOOR_*_MEASURED). It also checks that the
 drafts change nothing: greedy completions with MTP equal the target's alone.
 """
 
@@ -21,8 +22,8 @@ GSM8K_TEST = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data
 NUM_PROMPTS = 8
 MAX_TOKENS = 96
 # Measured on these 8 prompts (fp32, CPU) when the model was bundled; the floors sit just under.
-FLOOR_K3_MEASURED, FLOOR_K1_MEASURED = 3.203, 1.861
-FLOOR_K3, FLOOR_K1 = 3.10, 1.82
+FLOOR_K3_MEASURED, FLOOR_K1_MEASURED = 3.241, 1.861
+FLOOR_K3, FLOOR_K1 = 3.14, 1.82
 
 
 def _prompts():
