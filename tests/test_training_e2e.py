@@ -15,6 +15,16 @@ pytestmark = pytest.mark.skipif(not os.path.exists(os.path.join(default_gsm8k_di
                                 reason="GSM8K data not present")
 
 
+def _train_one_thread(cfg: TrainConfig):
+    """``train(cfg)`` on one CPU thread (deterministic and fair to the other tests), no log."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return train(cfg, log=lambda m: None)
+    finally:
+        torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     out = str(tmp_path_factory.mktemp("ci_model"))
@@ -23,12 +33,7 @@ def run(tmp_path_factory):
                       lr=1e-2, warmup_steps=4, log_every=1, eval_every=0, eval_docs=6, accept_prompts=1,
                       accept_max_new=8, device="cpu", dtype="float32", save_dtype="float32", progress=False,
                       distill_fraction=0.0)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        summary = train(cfg, log=lambda m: None)
-    finally:
-        torch.set_num_threads(threads)
+    summary = _train_one_thread(cfg)
     return out, summary
 
 
@@ -84,12 +89,7 @@ def test_mtp_only_distillation_from_a_checkpoint(run, tmp_path):
                       max_minutes=0, lr=1e-2, warmup_steps=2, log_every=1, eval_every=0, eval_docs=6,
                       accept_prompts=0, device="cpu", dtype="float32", save_dtype="float32", progress=False,
                       distill_fraction=0.0)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        train(cfg, log=lambda m: None)
-    finally:
-        torch.set_num_threads(threads)
+    _train_one_thread(cfg)
     assert open(os.path.join(out, "tokenizer.json")).read() == open(os.path.join(src, "tokenizer.json")).read()
     assert json.load(open(os.path.join(out, "config.json")))["vocab_size"] == json.load(
         open(os.path.join(src, "config.json")))["vocab_size"]
@@ -115,12 +115,7 @@ def test_one_run_with_a_distillation_phase(run, tmp_path):
                       lr=1e-2, warmup_steps=4, log_every=1, eval_every=0, eval_docs=6, accept_prompts=0,
                       device="cpu", dtype="float32", save_dtype="float32", progress=False,
                       distill_fraction=0.25, distill_lr=1e-2, distill_warmup_steps=2, distill_depth=1)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        summary = train(cfg, log=lambda m: None)
-    finally:
-        torch.set_num_threads(threads)
+    summary = _train_one_thread(cfg)
     assert summary["distill_phase"]["start_step"] == 24 and summary["steps"] == 32
     recs = [json.loads(x) for x in open(os.path.join(out, "train_log.jsonl"))]
     train_recs = [r for r in recs if r["kind"] == "train"]
