@@ -14,8 +14,10 @@ much smaller model on the CPU in a few minutes. Steps:
    auxiliary-loss-free router balancing;
    ``--init-from DIR`` starts from a saved model (its config and tokenizer; step 2 is skipped) and
    ``--freeze-target`` then trains only the MTP layers (the target stays bit-identical), which
-   is how to retrain the MTP layers of an existing model; ``--mtp-distill alpha`` mixes self-distillation towards the
-   target's own next-position distribution into the MTP loss (``mtp_loss`` module docstring);
+   is how to retrain the MTP layers of an existing model; ``--mtp-distill alpha`` mixes
+   self-distillation towards the target's own next-position distribution into the MTP loss
+   (``mtp_loss`` module docstring); ``--distill-fraction f`` ends the run with a phase 2 of
+   that share of the budget in which the target is frozen and the MTP layers are distilled;
 5. stop at ``--max-steps`` or when ``--max-minutes`` (wall clock of the whole run) is nearly
    used, then write ``config.json``, ``model.safetensors`` (bf16, Hugging Face layout; tied
    ``lm_head`` and MTP ``shared_head.head`` are omitted, the loader ties them) and
@@ -152,9 +154,9 @@ def prepare_data(cfg: TrainConfig, log=_log, tok=None):
     workers = cfg.workers or min(16, os.cpu_count() or 1)
     synthetic = corpus_mod.generate_examples(cfg.num_synthetic, cfg.seed, workers)
     t1 = time.time()
-    tok_texts = [training_document([r]) for r in train_rows]
-    tok_texts += [training_document([e]) for e in synthetic[:cfg.tokenizer_synthetic]]
     if tok is None:
+        tok_texts = [training_document([r]) for r in train_rows]
+        tok_texts += [training_document([e]) for e in synthetic[:cfg.tokenizer_synthetic]]
         tok = train_tokenizer(tok_texts, cfg.vocab_size)
     t2 = time.time()
     plan = corpus_mod.CorpusPlan(train_rows, synthetic, cfg.gsm8k_epochs, cfg.single_prob, cfg.num_shots,
@@ -199,6 +201,27 @@ def save_model(out_dir: str, target, mtp, config_dict: Dict[str, Any], tok, save
     written = save_checkpoint(out_dir, tensors, raw)
     save_tokenizer(tok, out_dir)
     return written + ["tokenizer.json"]
+
+
+@dataclass
+class _Phase:
+    """One training phase: its LR schedule (warm-up + cosine over the phase's own steps or time,
+    whichever ends first), MTP depth and distillation weight."""
+
+    lr: float
+    warmup_steps: int
+    depth: int
+    alpha: float
+    start_step: int
+    start_time: float
+    end_step: int
+    end_time: float
+
+    def lr_at(self, step: int, now: float, min_lr_ratio: float) -> float:
+        from mtpspec.training.optim import lr_at
+        progress = max((step - self.start_step) / max(self.end_step - self.start_step, 1),
+                       (now - self.start_time) / max(self.end_time - self.start_time, 1e-6))
+        return lr_at(step - self.start_step, progress, self.lr, self.warmup_steps, min_lr_ratio)
 
 
 def _freeze(target: torch.nn.Module) -> None:
@@ -254,7 +277,7 @@ def train(cfg: TrainConfig, log=_log) -> Dict[str, Any]:
     """Run the recipe (module docstring); returns the summary dict (also written to summary.json)."""
     from mtpspec.config import ModelConfig
     from mtpspec.training.model_setup import build_models, count_parameters, make_config_dict
-    from mtpspec.training.optim import MasterWeightAdamW, RouterBalancer, lr_at
+    from mtpspec.training.optim import MasterWeightAdamW, RouterBalancer
     from mtpspec.training.packing import iterate_batches, pad_fraction
     from mtpspec.training.quick_eval import acceptance_summary, validation_metrics
     from mtpspec.training.step import forward_loss
@@ -299,10 +322,7 @@ def train(cfg: TrainConfig, log=_log) -> Dict[str, Any]:
     balancer = RouterBalancer([mtp.model] if cfg.freeze_target else [target, mtp.model], cfg.router_bias_speed)
     trainable = [p for p in unique if p.requires_grad]
     opt = MasterWeightAdamW(trainable, cfg.lr, (cfg.beta1, cfg.beta2), cfg.weight_decay)
-    # Phase 2 (``distill_fraction`` > 0): the last part of the budget retrains the MTP layers only.
-    phase = 1
     phase2: Dict[str, Any] = {}
-    phase_lr, phase_warmup, phase_depth, phase_alpha = cfg.lr, cfg.warmup_steps, cfg.mtp_depth, cfg.mtp_distill
 
     batches = iterate_batches(train_docs, cfg.tokens_per_batch, cfg.max_len, eot, cfg.seed)
     val_batches = _val_batches(val_docs, eot, cfg.max_len, cfg.tokens_per_batch)
@@ -312,10 +332,12 @@ def train(cfg: TrainConfig, log=_log) -> Dict[str, Any]:
     train_start = time.time()
     train_deadline = deadline - cfg.reserve_seconds
     train_budget = max(train_deadline - train_start, 1e-6)
-    # Phase 1 ends at this time (time budget) or step (``max_steps``), whichever comes first.
-    p1_end_time = train_start + (1.0 - cfg.distill_fraction) * train_budget
-    p1_end_step = round((1.0 - cfg.distill_fraction) * cfg.max_steps)
-    p_start_time, p_start_step = train_start, 0
+    # Phase 1 takes the first (1 - distill_fraction) of the steps or time; phase 2 (the MTP layers
+    # only, distilled) the rest.
+    phase = _Phase(cfg.lr, cfg.warmup_steps, cfg.mtp_depth, cfg.mtp_distill, 0, train_start,
+                   round((1.0 - cfg.distill_fraction) * cfg.max_steps),
+                   train_start + (1.0 - cfg.distill_fraction) * train_budget)
+    phase_no = 1
     bar = None
     if cfg.progress:
         from tqdm import tqdm
@@ -333,24 +355,21 @@ def train(cfg: TrainConfig, log=_log) -> Dict[str, Any]:
             if now >= train_deadline:
                 stop_reason = "time_budget"
                 break
-            if phase == 1 and cfg.distill_fraction > 0 and (now >= p1_end_time or step >= p1_end_step):
-                phase, p_start_time, p_start_step = 2, now, step
+            phase_over = now >= phase.end_time or step >= phase.end_step
+            if phase_no == 1 and cfg.distill_fraction > 0 and phase_over:
+                phase_no = 2
+                phase = _Phase(cfg.distill_lr, cfg.distill_warmup_steps, cfg.distill_depth, 1.0, step, now,
+                               cfg.max_steps, train_deadline)
                 phase2 = {"start_step": step, "start_tokens": tokens, "start_train_s": round(now - train_start, 1)}
-                phase_lr, phase_warmup, phase_depth, phase_alpha = (cfg.distill_lr, cfg.distill_warmup_steps,
-                                                                    cfg.distill_depth, 1.0)
                 opt = _start_distill_phase(target, mtp, opt, balancer, cfg)
                 jlog.write({"kind": "phase", "phase": 2, "step": step, "tokens": tokens,
                             "elapsed_s": round(now - start, 2)})
-                log(f"step {step}: phase 2, target frozen, MTP layers distilled at depth {phase_depth}")
-            p_end_time = p1_end_time if phase == 1 and cfg.distill_fraction > 0 else train_deadline
-            p_end_step = p1_end_step if phase == 1 and cfg.distill_fraction > 0 else cfg.max_steps
-            progress = max((step - p_start_step) / max(p_end_step - p_start_step, 1),
-                           (now - p_start_time) / max(p_end_time - p_start_time, 1e-6))
-            lr = lr_at(step - p_start_step, progress, phase_lr, phase_warmup, cfg.min_lr_ratio)
+                log(f"step {step}: phase 2, target frozen, MTP layers distilled at depth {phase.depth}")
+            lr = phase.lr_at(step, now, cfg.min_lr_ratio)
             opt.set_lr(lr)
             batch = next(batches)
-            out = forward_loss(target, mtp, batch, device, cfg.mtp_lambda, mtp_depth=phase_depth,
-                               mtp_distill=phase_alpha)
+            out = forward_loss(target, mtp, batch, device, cfg.mtp_lambda, mtp_depth=phase.depth,
+                               mtp_distill=phase.alpha)
             out.loss.backward()
             gnorm = opt.step(cfg.grad_clip)
             opt.zero_grad()
@@ -358,7 +377,7 @@ def train(cfg: TrainConfig, log=_log) -> Dict[str, Any]:
             step += 1
             tokens += batch.num_real_tokens
             if step % cfg.log_every == 0 or step == 1:
-                rec = {"kind": "train", "phase": phase, "step": step, "tokens": tokens,
+                rec = {"kind": "train", "phase": phase_no, "step": step, "tokens": tokens,
                        "elapsed_s": round(time.time() - start, 2),
                        "lr": lr, "loss": out.loss.item(), "target_loss": out.target_loss.item(),
                        "mtp_loss": [x.item() for x in out.mtp_losses], "grad_norm": gnorm,
