@@ -66,7 +66,7 @@ from mtpspec.distributed import (comm_stats, get_tensor_model_parallel_rank, get
                                  tensor_model_parallel_all_reduce, total_comm_bytes)
 from mtpspec.layers import LogitsProcessor, ParallelLMHead  # noqa: E402
 from mtpspec.layers.layernorm import RMSNorm  # noqa: E402
-from mtpspec.ops.allreduce_rms_norm import (fused_allreduce_rms_norm,  # noqa: E402
+from mtpspec.distributed.allreduce_rms_norm import (fused_allreduce_rms_norm,  # noqa: E402
                                             register_allreduce_rms_norm_backend, select_backend,
                                             unregister_allreduce_rms_norm_backend)
 
@@ -282,7 +282,7 @@ def _rank_main(cfg: Dict[str, Any]) -> Dict[str, Any]:
 
     p2p = None
     if gpu and cfg["p2p"]:
-        from mtpspec.ops.p2p_allreduce_rms_norm import P2PAllReduceRMSNorm
+        from mtpspec.distributed.p2p_allreduce_rms_norm import P2PAllReduceRMSNorm
         p2p = P2PAllReduceRMSNorm(max(cfg["seqs"]) * hidden * torch.finfo(DTYPE).bits // 8, timeout_s=10.0)
 
     for n in cfg["seqs"]:

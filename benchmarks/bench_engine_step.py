@@ -253,7 +253,7 @@ def bench_batch(runner: ModelRunner, timer: Timer, b: int, k: int, context: int,
         hb, res = layer.mtp_block(pos, x, None)
         experts_mtp = counter.picked[-1] if counter.picked else 0
         counter.close()
-    from mtpspec.ops.allreduce_rms_norm import fused_allreduce_rms_norm
+    from mtpspec.distributed.allreduce_rms_norm import fused_allreduce_rms_norm
     out, _ = fused_allreduce_rms_norm(hb, res, layer.shared_head.norm)
     local = F.linear(out, head.weight)
     blk = layer.mtp_block

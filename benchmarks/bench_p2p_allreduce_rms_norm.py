@@ -1,6 +1,6 @@
 """Benchmark and check the one-shot peer-memory all-reduce + residual + RMSNorm backend.
 
-``mtpspec.ops.p2p_allreduce_rms_norm.P2PAllReduceRMSNorm`` against the exact fallback
+``mtpspec.distributed.p2p_allreduce_rms_norm.P2PAllReduceRMSNorm`` against the exact fallback
 (all-reduce + ``fused_add_rms_norm``) and the unfused arm (all-reduce, residual add in torch,
 ``rms_norm``), bf16, tokens 1 / 4 / 16 / 64 / 384 x hidden 4096 / 6144 / 7168, tp 2 and 4.
 
@@ -65,8 +65,8 @@ import torch.distributed as dist  # noqa: E402
 
 from mtpspec.distributed import (get_tensor_model_parallel_rank, get_tp_group, launch,  # noqa: E402
                                  tensor_model_parallel_all_reduce)
-from mtpspec.ops.allreduce_rms_norm import NcclAllReduceThenAddRMSNorm  # noqa: E402
-from mtpspec.ops.p2p_allreduce_rms_norm import P2PAllReduceRMSNorm, PeerTimeoutError  # noqa: E402
+from mtpspec.distributed.allreduce_rms_norm import NcclAllReduceThenAddRMSNorm  # noqa: E402
+from mtpspec.distributed.p2p_allreduce_rms_norm import P2PAllReduceRMSNorm, PeerTimeoutError  # noqa: E402
 from mtpspec.ops.rms_norm import fused_add_rms_norm, rms_norm  # noqa: E402
 
 EPS = 1e-6

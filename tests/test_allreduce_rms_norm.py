@@ -5,7 +5,7 @@ import torch
 
 from mtpspec.distributed import (comm_stats, get_tensor_model_parallel_rank, launch,
                                  reset_comm_stats)
-from mtpspec.ops.allreduce_rms_norm import (
+from mtpspec.distributed.allreduce_rms_norm import (
     ReduceScatterNormAllGather, backend_usage, fused_allreduce_rms_norm,
     register_allreduce_rms_norm_backend, select_backend, unregister_allreduce_rms_norm_backend)
 

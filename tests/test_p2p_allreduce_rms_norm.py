@@ -21,11 +21,11 @@ import torch.distributed as dist
 
 from mtpspec.distributed import get_tensor_model_parallel_rank, launch
 from mtpspec.distributed.peer_memory import allocate_peer_buffers
-from mtpspec.ops.allreduce_rms_norm import (NcclAllReduceThenAddRMSNorm, backend_usage,
+from mtpspec.distributed.allreduce_rms_norm import (NcclAllReduceThenAddRMSNorm, backend_usage,
                                             fused_allreduce_rms_norm,
                                             register_allreduce_rms_norm_backend, select_backend,
                                             unregister_allreduce_rms_norm_backend)
-from mtpspec.ops.p2p_allreduce_rms_norm import P2PAllReduceRMSNorm, PeerTimeoutError
+from mtpspec.distributed.p2p_allreduce_rms_norm import P2PAllReduceRMSNorm, PeerTimeoutError
 from mtpspec.ops.rms_norm import rms_norm_ref
 
 EPS = 1e-5
@@ -365,7 +365,7 @@ import json, re, sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from mtpspec.ops.p2p_allreduce_rms_norm import _kernel
+from mtpspec.distributed.p2p_allreduce_rms_norm import _kernel
 jit = triton.JITFunction(_kernel.fn)
 names = [p.name for p in jit.params]
 ptr = {n: "*bf16" for n in ("x_ptr", "res_ptr", "w_ptr", "out_ptr", "res_out_ptr")}

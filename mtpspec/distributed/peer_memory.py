@@ -1,6 +1,6 @@
 """Peer memory: one byte buffer per rank of a host, every rank's buffer mapped into every rank.
 
-A one-shot collective kernel (``mtpspec.ops.p2p_allreduce_rms_norm``) stores straight into its
+A one-shot collective kernel (``mtpspec.distributed.p2p_allreduce_rms_norm``) stores straight into its
 peers' buffers, so each rank needs the addresses, valid in its own process, of all ranks'
 buffers. :func:`allocate_peer_buffers` makes them, once, at start-up (a collective over the TP
 group):

@@ -19,7 +19,7 @@ from mtpspec.distributed import (comm_stats, get_tensor_model_parallel_rank, get
 def _rank_main(num_seqs: int, hidden: int, vocab: int, seed: int):
     from mtpspec.distributed import tensor_model_parallel_all_reduce
     from mtpspec.layers import LogitsProcessor, ParallelLMHead, RMSNorm
-    from mtpspec.ops.allreduce_rms_norm import fused_allreduce_rms_norm
+    from mtpspec.distributed.allreduce_rms_norm import fused_allreduce_rms_norm
 
     g = torch.Generator().manual_seed(seed)
     head_w = torch.randn(vocab, hidden, generator=g) / hidden ** 0.5

@@ -114,7 +114,7 @@ class MultiTokenPredictorLayer(nn.Module):
             return self.forward_sequence_parallel(eh, positions)
         hidden_states, residual = self.mtp_block(positions, self.eh_proj(eh), None)
         if self.fuse_allreduce_rmsnorm:
-            from mtpspec.ops.allreduce_rms_norm import fused_allreduce_rms_norm
+            from mtpspec.distributed.allreduce_rms_norm import fused_allreduce_rms_norm
             out, _ = fused_allreduce_rms_norm(hidden_states, residual, self.shared_head.norm)
         else:
             out, _ = self.shared_head.norm(tensor_model_parallel_all_reduce(hidden_states), residual)

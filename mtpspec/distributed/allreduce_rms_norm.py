@@ -7,8 +7,8 @@ MoE partial sums). :func:`fused_allreduce_rms_norm` finishes it in one call:
 Backends implement :class:`AllReduceRMSNormBackend`: a name, the largest input (bytes =
 ``num_tokens * hidden_size * element_size``) they accept, and the call. The dispatcher tries
 registered backends in priority order and falls back to the exact NCCL backend
-(:class:`NcclAllReduceThenAddRMSNorm`) for anything no other backend accepts, so a one-kernel
-peer-to-peer backend can be added later without touching callers.
+(:class:`NcclAllReduceThenAddRMSNorm`) for anything no other backend accepts. The one-kernel
+peer-memory backend (:mod:`mtpspec.distributed.p2p_allreduce_rms_norm`) is one such backend.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """One-kernel ("one-shot") all-reduce + residual add + RMSNorm over peer memory.
 
-A backend of :func:`mtpspec.ops.allreduce_rms_norm.fused_allreduce_rms_norm` for draft-step
+A backend of :func:`mtpspec.distributed.allreduce_rms_norm.fused_allreduce_rms_norm` for draft-step
 sizes, where an NCCL all-reduce is latency-bound and the norm is a second launch. Callers opt in:
 ``register_allreduce_rms_norm_backend(P2PAllReduceRMSNorm(capacity_bytes))`` on every rank.
 
@@ -83,7 +83,7 @@ import torch.distributed as dist
 
 from mtpspec.distributed.parallel_state import get_tp_group
 from mtpspec.distributed.peer_memory import PeerBuffers, allocate_peer_buffers
-from mtpspec.ops.allreduce_rms_norm import AllReduceRMSNormBackend
+from mtpspec.distributed.allreduce_rms_norm import AllReduceRMSNormBackend
 from mtpspec.ops.rms_norm import _check
 from mtpspec.ops.triton_utils import (FLOAT_DTYPES, HAS_TRITON, MAX_FUSED_HIDDEN, ROWS_TARGET_ELEMS,
                                       LazyKernel, cdiv, interpreting, next_power_of_2,
