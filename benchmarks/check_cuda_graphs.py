@@ -40,7 +40,7 @@ import torch  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-import mtpspec.layers.attention as attention_mod  # noqa: E402
+import mtpspec.attention.backends.paged_gqa as attention_mod  # noqa: E402
 from mtpspec.layers.attention import Attention, build_attention_metadata, set_forward_context  # noqa: E402
 from mtpspec.layers.fused_moe import FusedMoE, MoEGate  # noqa: E402
 

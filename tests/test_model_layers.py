@@ -10,11 +10,12 @@ import torch
 
 from mtpspec.layers.activation import SiluAndMul
 from mtpspec.layers.attention import (
-    Attention, _write_kv, allocate_kv_caches, build_attention_metadata, collect_attention_layers, get_forward_context,
+    Attention, allocate_kv_caches, build_attention_metadata, collect_attention_layers, get_forward_context,
     set_forward_context)
 from mtpspec.layers.fused_moe import GRAPH_SAFE_PATHS, FusedMoE, MoEGate, grouped_topk, moe_path
 from mtpspec.ops import moe_gemm
 from mtpspec.ops.moe_gemm import moe_align
+from mtpspec.ops.paged_attention import write_kv_cache_ref
 from mtpspec.ops.triton_utils import interpreter_available
 from mtpspec.layers.rotary_embedding import RotaryEmbedding
 
@@ -437,5 +438,5 @@ def test_kv_write_skips_minus_one_slots_anywhere():
         for row, s in enumerate(slots):
             if s >= 0:
                 exp_k[s], exp_v[s] = k[row], v[row]
-        _write_kv(k_cache, v_cache, k, v, torch.tensor(slots))
+        write_kv_cache_ref(k, v, k_cache, v_cache, torch.tensor(slots))
         assert torch.equal(k_cache, exp_k) and torch.equal(v_cache, exp_v)

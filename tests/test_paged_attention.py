@@ -19,10 +19,11 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import mtpspec.layers.attention as attention_mod
+import mtpspec.attention.backends.paged_gqa as attention_mod
 import mtpspec.ops.paged_attention as pa
+from mtpspec.attention.backends.paged_gqa import use_attention_kernel
 from mtpspec.layers.attention import (Attention, AttentionMetadata, allocate_kv_caches, build_attention_metadata,
-                                      set_forward_context, use_attention_kernel)
+                                      set_forward_context)
 from mtpspec.ops.paged_attention import (attention_plan, paged_attention, paged_attention_ref, write_kv_cache,
                                          write_kv_cache_ref)
 from mtpspec.ops.triton_utils import interpreter_available

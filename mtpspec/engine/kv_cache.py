@@ -1,4 +1,10 @@
-"""KV-cache sizing and allocation for the target's and the MTP layers' attention."""
+"""KV-cache sizing and allocation for the target's and the MTP layers' attention.
+
+Sizing asks each cache-owning layer for its spec
+(:meth:`~mtpspec.attention.backends.abstract.AttentionLayerBase.get_kv_cache_spec`) and sums
+``page_size_bytes``; allocation asks each layer's backend for its tensor. Every layer gets the same
+number of blocks, so one block table serves them all. Nothing here knows a cache layout.
+"""
 
 from __future__ import annotations
 
@@ -8,16 +14,18 @@ import torch
 from torch import nn
 
 from mtpspec.engine.config import CacheConfig
-from mtpspec.layers.attention import Attention, collect_attention_layers
+from mtpspec.attention.backends.abstract import AttentionLayerBase
+from mtpspec.layers.attention import collect_attention_layers
 
 
-def bytes_per_block(layers: List[Attention], block_size: int, dtype: torch.dtype) -> int:
-    """Bytes one block takes summed over ``layers``: ``2 * block_size * num_kv_heads * head_dim * itemsize``."""
-    item = torch.empty((), dtype=dtype).element_size()
-    return sum(2 * block_size * layer.num_kv_heads * layer.head_dim * item for layer in layers)
+def bytes_per_block(layers: List[AttentionLayerBase], block_size: int, dtype: torch.dtype) -> int:
+    """Bytes one block of ``block_size`` tokens takes summed over ``layers``, each layer's
+    ``get_kv_cache_spec(block_size, dtype).page_size_bytes`` (paged GQA:
+    ``2 * block_size * num_kv_heads * head_dim * itemsize``). ``dtype``: the engine's cache dtype."""
+    return sum(layer.get_kv_cache_spec(block_size, dtype).page_size_bytes for layer in layers)
 
 
-def attention_layers(*models: nn.Module) -> List[Attention]:
+def attention_layers(*models: nn.Module) -> List[AttentionLayerBase]:
     """Every attention layer of the given models (``None`` skipped), in forward order, no repeats."""
     seen, out = set(), []
     for m in models:
@@ -30,7 +38,7 @@ def attention_layers(*models: nn.Module) -> List[Attention]:
     return out
 
 
-def available_kv_blocks(layers: List[Attention], cfg: CacheConfig, dtype: torch.dtype, device: torch.device,
+def available_kv_blocks(layers: List[AttentionLayerBase], cfg: CacheConfig, dtype: torch.dtype, device: torch.device,
                         max_useful_blocks: int) -> int:
     """Blocks this rank can hold (before the min over ranks).
 
@@ -59,12 +67,13 @@ def available_kv_blocks(layers: List[Attention], cfg: CacheConfig, dtype: torch.
     return n
 
 
-def allocate(layers: List[Attention], num_blocks: int, block_size: int, dtype: torch.dtype,
+def allocate(layers: List[AttentionLayerBase], num_blocks: int, block_size: int, dtype: torch.dtype,
              device: torch.device) -> List[torch.Tensor]:
-    """Attach a zeroed ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` cache to each layer."""
-    caches = []
-    for layer in layers:
-        layer.kv_cache = torch.zeros(2, num_blocks, block_size, layer.num_kv_heads, layer.head_dim,
-                                     dtype=dtype, device=device)
-        caches.append(layer.kv_cache)
-    return caches
+    """Attach to each layer a zeroed cache of ``num_blocks`` blocks in its backend's layout and
+    its spec's dtype (paged GQA: ``[2, num_blocks, block_size, num_kv_heads, head_dim]``);
+    returns them in layer order.
+
+    Raises:
+        ValueError: a backend's tensor disagrees with the bytes its spec gave the sizing.
+    """
+    return [layer.allocate_kv_cache(num_blocks, block_size, dtype, device) for layer in layers]
