@@ -1,4 +1,4 @@
-"""Paged causal attention over a flattened varlen batch, and the forward context that drives it.
+"""The attention layer the models build, and the varlen metadata / forward context that drive it.
 
 One :class:`AttentionMetadata` layout covers prefill, decode and (1 + k)-token verification:
 sequence ``i`` contributes ``q_len_i`` new tokens (rows ``query_start_loc[i]:query_start_loc[i+1]``

@@ -112,16 +112,16 @@ class PagedGQAImpl(AttentionImpl):
         out = F.scaled_dot_product_attention(qb, kb, vb, is_causal=True, scale=self.scale)
         return out.transpose(1, 2).reshape(q.shape[0], self.num_heads * self.head_dim)
 
-    def forward(self, layer: AttentionLayerBase, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                kv_cache: Optional[torch.Tensor], meta: Optional["AttentionMetadata"]) -> torch.Tensor:
+    def forward(self, layer: AttentionLayerBase, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                kv_cache: Optional[torch.Tensor], attn_metadata: Optional["AttentionMetadata"]) -> torch.Tensor:
         """Attend.
 
         Args:
             layer: the calling layer (unused here; later backends read per-layer scales).
-            q: ``[num_tokens, num_heads * head_dim]`` (rotary already applied).
-            k, v: ``[num_tokens, num_kv_heads * head_dim]``.
+            query: ``[num_tokens, num_heads * head_dim]`` (rotary already applied).
+            key, value: ``[num_tokens, num_kv_heads * head_dim]``.
             kv_cache: ``None`` or ``[2, num_blocks, block_size, num_kv_heads, head_dim]``.
-            meta: the forward context's metadata or ``None``.
+            attn_metadata: the forward context's metadata or ``None``.
 
         Returns:
             ``[num_tokens, num_heads * head_dim]`` in q's dtype. Padding rows (past
@@ -143,6 +143,7 @@ class PagedGQAImpl(AttentionImpl):
                 lists), ``slot_mapping`` is shorter than the batch, a cache without block tables,
                 or a cache of the wrong shape.
         """
+        q, k, v, meta = query, key, value, attn_metadata
         t = q.shape[0]
         qh = q.view(t, self.num_heads, self.head_dim)
         kh = k.view(t, self.num_kv_heads, self.head_dim)
