@@ -11,7 +11,7 @@ from test_server_fixtures import make_served_model
 
 from mtpspec import LLM, SamplingParams
 from mtpspec.spec_decode.forced_acceptance import ForcedAcceptance, ForcedAcceptanceSampler, enable_forced_acceptance
-from mtpspec.spec_decode.rejection_sampler import PLACEHOLDER_TOKEN_ID
+from mtpspec.sample.rejection_sampler import PLACEHOLDER_TOKEN_ID
 
 
 def test_parse_and_errors():

@@ -15,11 +15,11 @@ import numpy as np
 import pytest
 import torch
 
-from mtpspec.engine import sampler as sampler_mod
-from mtpspec.engine.counter_rng import STREAM_ACCEPT, STREAM_SAMPLE, counter_uniforms, seed_to_u64
-from mtpspec.engine.sampler import Sampler, SamplingMetadata
-from mtpspec.spec_decode import rejection_sampler as rs
-from mtpspec.spec_decode.rejection_sampler import PLACEHOLDER_TOKEN_ID, RejectionSampler
+from mtpspec.sample import rejection_sampler as rs
+from mtpspec.sample import sampler as sampler_mod
+from mtpspec.sample.counter_rng import STREAM_ACCEPT, STREAM_SAMPLE, counter_uniforms, seed_to_u64
+from mtpspec.sample.rejection_sampler import PLACEHOLDER_TOKEN_ID, RejectionSampler
+from mtpspec.sample.sampler import Sampler, SamplingMetadata
 
 P_VALUE_FLOOR = 1e-4  # fixed seeds make each run deterministic; a correct sampler sits far above
 

@@ -8,8 +8,8 @@ from typing import List, Optional
 import numpy as np
 import torch
 
-from mtpspec.engine.counter_rng import STREAM_ACCEPT, STREAM_SAMPLE, counter_uniforms
-from mtpspec.engine.sampler import SamplingMetadata
+from mtpspec.sample.counter_rng import STREAM_ACCEPT, STREAM_SAMPLE, counter_uniforms
+from mtpspec.sample.sampler import SamplingMetadata
 from mtpspec.engine.step_io import SeqInput, StepInput
 from mtpspec.layers.attention import AttentionMetadata
 

@@ -9,7 +9,7 @@ from typing import Any, Callable, Collection, Dict, List, Optional, Tuple, Union
 
 from mtpspec.engine.block_manager import BlockManager
 from mtpspec.engine.config import CacheConfig, SchedulerConfig
-from mtpspec.engine.counter_rng import seed_to_u64
+from mtpspec.sample.counter_rng import seed_to_u64
 from mtpspec.engine.detokenizer import IncrementalDetokenizer, Tokenizer
 from mtpspec.engine.executor import Executor
 from mtpspec.engine.scheduler import Scheduler, SchedulerOutput

@@ -24,7 +24,7 @@ class Sequence:
         prompt: prompt text or ``None``.
         prompt_token_ids / output_token_ids: token ids.
         params: its :class:`SamplingParams`.
-        seed_key: 64-bit key of its random draws (:func:`~mtpspec.engine.counter_rng.seed_to_u64`).
+        seed_key: 64-bit key of its random draws (:func:`~mtpspec.sample.counter_rng.seed_to_u64`).
         num_computed_tokens: leading positions whose target (and MTP) KV entries are valid.
         block_table: KV block ids, one per ``block_size`` positions; shared by the target and
             the MTP layers' caches.

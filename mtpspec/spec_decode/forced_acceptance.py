@@ -28,7 +28,7 @@ from typing import Any, Optional
 
 import torch
 
-from mtpspec.spec_decode.rejection_sampler import PLACEHOLDER_TOKEN_ID, RejectionOutput, RejectionSampler
+from mtpspec.sample.rejection_sampler import PLACEHOLDER_TOKEN_ID, RejectionOutput, RejectionSampler
 
 
 @dataclass(frozen=True)

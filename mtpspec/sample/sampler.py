@@ -1,7 +1,7 @@
 """Token sampling from target logits: temperature, top-k, top-p, greedy, seeded inverse-CDF draws.
 
 Random rows draw by inverse transform sampling (one uniform per row from
-:mod:`mtpspec.engine.counter_rng`): the token is the first index whose cumulative probability
+:mod:`mtpspec.sample.counter_rng`): the token is the first index whose cumulative probability
 exceeds ``u * total``. This needs one uniform per decision instead of one per vocabulary entry.
 """
 
@@ -126,7 +126,7 @@ class Sampler(torch.nn.Module):
         Args:
             logits: ``[N, V]`` (padding vocab columns already removed).
             meta: per-row parameters.
-            uniforms: ``[N]`` float64 in ``[0, 1)`` (:data:`~mtpspec.engine.counter_rng.STREAM_SAMPLE`).
+            uniforms: ``[N]`` float64 in ``[0, 1)`` (:data:`~mtpspec.sample.counter_rng.STREAM_SAMPLE`).
 
         Returns:
             ``[N]`` int64 token ids: argmax (first maximum) for greedy rows, a draw from

@@ -29,7 +29,7 @@ from typing import Optional
 
 import torch
 
-from mtpspec.engine.sampler import SamplingMetadata, compute_probs, sample_inverse_cdf
+from mtpspec.sample.sampler import SamplingMetadata, compute_probs, sample_inverse_cdf
 
 PLACEHOLDER_TOKEN_ID = -1
 
@@ -101,7 +101,7 @@ def random_verify(draft_token_ids: torch.Tensor, target_logits: torch.Tensor, me
         draft_token_ids: ``[B, k]`` int64, drawn from ``draft_probs`` (or greedy when ``None``).
         target_logits: ``[B, k + 1, V]``.
         meta: ``B`` rows of sampling parameters (temperature > 0 expected; see
-            :func:`~mtpspec.engine.sampler.compute_probs`).
+            :func:`~mtpspec.sample.sampler.compute_probs`).
         accept_uniforms: ``[B, k]`` in ``[0, 1)``.
         sample_uniforms: ``[B, k + 1]`` in ``[0, 1)``: recovered-token draws at slots ``< k``,
             the bonus draw at slot ``k``.
