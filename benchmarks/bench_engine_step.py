@@ -44,10 +44,10 @@ from mtpspec.config import ModelConfig, SpeculativeConfig  # noqa: E402
 from mtpspec.engine.config import CacheConfig, SchedulerConfig  # noqa: E402
 from mtpspec.engine.input_prep import prepare_step  # noqa: E402
 from mtpspec.engine.model_runner import ModelRunner  # noqa: E402
-from mtpspec.engine.step_io import SeqInput, StepInput  # noqa: E402
 from mtpspec.layers.attention import set_forward_context  # noqa: E402
 from mtpspec.layers.fused_moe import FusedMoE, MoEGate  # noqa: E402
 from mtpspec.sample.rejection_sampler import greedy_verify  # noqa: E402
+from mtpspec.step_io import SeqInput, StepInput  # noqa: E402
 
 BLOCK_SIZE = 16
 

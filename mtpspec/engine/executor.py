@@ -9,7 +9,7 @@ from typing import Any, Callable, List, Optional
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from mtpspec.engine.step_io import StepInput, StepOutput
+from mtpspec.step_io import StepInput, StepOutput
 from mtpspec.engine.worker import (
     WorkerConfig, build_runner, cpu_group, follower_loop, handle_message, init_cache_min_over_ranks,
     spawned_worker_main)

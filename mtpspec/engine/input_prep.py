@@ -1,61 +1,17 @@
-"""Turn a :class:`~mtpspec.engine.step_io.StepInput` into device tensors and attention metadata."""
+"""Turn a :class:`~mtpspec.step_io.StepInput` into a :class:`~mtpspec.step_io.PreparedStep`: device tensors
+and attention metadata."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import List, Optional
 
 import numpy as np
 import torch
 
+from mtpspec.layers.attention import AttentionMetadata
 from mtpspec.sample.counter_rng import STREAM_ACCEPT, STREAM_SAMPLE, counter_uniforms
 from mtpspec.sample.sampler import SamplingMetadata
-from mtpspec.engine.step_io import SeqInput, StepInput
-from mtpspec.layers.attention import AttentionMetadata
-
-
-@dataclass
-class PreparedStep:
-    """Device tensors of one step (``T`` target rows, ``B`` sequences, decodes first).
-
-    Attributes:
-        input_ids: ``[T]`` int64.
-        positions: ``[T]`` int64, clamped to ``max_position - 1`` (rows past the model's
-            positions only exist beyond ``max_model_len``; their outputs are never emitted).
-        attn_metadata: the varlen layout (shared by the target and the MTP first pass).
-        block_tables: ``[B, max_blocks]`` int32 (-1 padded).
-        start_positions: ``[B]`` int64, position of each sequence's first row.
-        seg_starts: ``[B]`` int64, first row of each sequence.
-        sample_rows: ``[R]`` int64 rows whose logits are needed: all ``1 + k`` rows of each
-            decode, the last row of each prefill (plain decoding: the last row of every sequence).
-        last_row_offsets: ``[B]`` int64 for prefills: ``q - 1``; decodes are filled in after
-            verification (the number of accepted drafts).
-        num_decodes, num_prefills, k: host ints.
-        draft_token_ids: ``[num_decodes, k]`` int64 drafts to verify (``None`` if none).
-        decode_meta / prefill_meta: sampling parameters per decode / per sampled prefill row.
-        accept_uniforms ``[num_decodes, k]``, decode_sample_uniforms ``[num_decodes, k + 1]``,
-        prefill_uniforms ``[num_prefills]``: float64 draws, ``None`` when all rows are greedy.
-        host_query_lens / host_start_positions: python lists.
-    """
-
-    input_ids: torch.Tensor
-    positions: torch.Tensor
-    attn_metadata: AttentionMetadata
-    block_tables: torch.Tensor
-    start_positions: torch.Tensor
-    seg_starts: torch.Tensor
-    sample_rows: torch.Tensor
-    num_decodes: int
-    num_prefills: int
-    k: int
-    draft_token_ids: Optional[torch.Tensor]
-    decode_meta: Optional[SamplingMetadata]
-    prefill_meta: Optional[SamplingMetadata]
-    accept_uniforms: Optional[torch.Tensor]
-    decode_sample_uniforms: Optional[torch.Tensor]
-    prefill_uniforms: Optional[torch.Tensor]
-    host_query_lens: List[int]
-    host_start_positions: List[int]
+from mtpspec.step_io import PreparedStep, SeqInput, StepInput
 
 
 def _meta(seqs: List[SeqInput], device: torch.device) -> Optional[SamplingMetadata]:

@@ -14,7 +14,7 @@ from mtpspec.engine.detokenizer import IncrementalDetokenizer, Tokenizer
 from mtpspec.engine.executor import Executor
 from mtpspec.engine.scheduler import Scheduler, SchedulerOutput
 from mtpspec.engine.sequence import Sequence
-from mtpspec.engine.step_io import SeqInput, StepInput
+from mtpspec.step_io import SeqInput, StepInput
 from mtpspec.outputs import RequestOutput
 from mtpspec.sampling_params import SamplingParams
 from mtpspec.spec_decode.metrics import EngineMetrics, SpecDecodingStats

@@ -1,7 +1,7 @@
 """Per-rank executor of one engine step: target forward, sampling / verification, MTP drafting.
 
 Every tensor-parallel rank runs the same :meth:`ModelRunner.execute_model` on the same
-:class:`~mtpspec.engine.step_io.StepInput`. Logits are all-gathered and the random draws are
+:class:`~mtpspec.step_io.StepInput`. Logits are all-gathered and the random draws are
 counter-based (:mod:`mtpspec.sample.counter_rng`), so every rank computes the same tokens and the
 same accepted counts, hence the same shapes and the same collectives in the same order. The
 only device-to-host transfer of a step is the final ``[B, 2k + 1]`` token block.
@@ -20,7 +20,7 @@ from mtpspec.engine import kv_cache
 from mtpspec.engine.config import CacheConfig, SchedulerConfig
 from mtpspec.engine.input_prep import PreparedStep, prepare_step
 from mtpspec.sample.sampler import Sampler
-from mtpspec.engine.step_io import StepInput, StepOutput
+from mtpspec.step_io import StepInput, StepOutput
 from mtpspec.engine.forward import EagerForward, GraphedForward
 from mtpspec.spec_decode.mtp_proposer import MTPProposer
 from mtpspec.sample.rejection_sampler import PLACEHOLDER_TOKEN_ID, RejectionSampler

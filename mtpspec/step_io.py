@@ -1,0 +1,132 @@
+"""The data of one engine step, as it crosses module boundaries.
+
+* :class:`StepInput` / :class:`SeqInput`: what the scheduler (rank 0) sends every rank. Plain
+  picklable host data: every rank receives the same :class:`StepInput`, runs the same forwards
+  and therefore issues the same collectives in the same order.
+* :class:`PreparedStep`: the same step as device tensors + attention metadata, built by
+  :func:`mtpspec.engine.input_prep.prepare_step` and read by the samplers and the proposer.
+* :class:`StepOutput`: what rank 0's runner sends back.
+
+The types live outside ``engine/`` (beside ``config.py`` and ``outputs.py``) so that
+``spec_decode/`` and ``sample/`` read them without importing the engine.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional
+
+import torch
+
+from mtpspec.layers.attention import AttentionMetadata
+from mtpspec.sample.sampler import SamplingMetadata
+
+
+@dataclass
+class SeqInput:
+    """One sequence of the flattened batch.
+
+    Attributes:
+        input_token_ids: the target's new tokens: the whole prompt (+ earlier outputs after a
+            preemption) for a prefill, ``[last token] + k drafts`` for a decode.
+        start_position: absolute position of ``input_token_ids[0]`` (= KV entries already valid).
+        block_table: the sequence's KV blocks (covering every slot the step writes).
+        is_prefill: prefill (sample from the last row) or decode (verify ``k`` drafts).
+        temperature, top_k, top_p: sampling parameters (``temperature == 0``: greedy).
+        seed_key: 64-bit key of the counter-based draws.
+    """
+
+    input_token_ids: List[int]
+    start_position: int
+    block_table: List[int]
+    is_prefill: bool
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed_key: int = 0
+
+    @property
+    def query_len(self) -> int:
+        return len(self.input_token_ids)
+
+    @property
+    def seq_len(self) -> int:
+        return self.start_position + len(self.input_token_ids)
+
+
+@dataclass
+class StepInput:
+    """One engine step: decodes first, then prefills (batch order = output order)."""
+
+    seqs: List[SeqInput]
+    step_id: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.query_len for s in self.seqs)
+
+    @property
+    def is_pure_decode(self) -> bool:
+        return all(not s.is_prefill for s in self.seqs)
+
+
+@dataclass
+class PreparedStep:
+    """Device tensors of one step (``T`` target rows, ``B`` sequences, decodes first).
+
+    Attributes:
+        input_ids: ``[T]`` int64.
+        positions: ``[T]`` int64, clamped to ``max_position - 1`` (rows past the model's
+            positions only exist beyond ``max_model_len``; their outputs are never emitted).
+        attn_metadata: the varlen layout (shared by the target and the MTP first pass).
+        block_tables: ``[B, max_blocks]`` int32 (-1 padded).
+        start_positions: ``[B]`` int64, position of each sequence's first row.
+        seg_starts: ``[B]`` int64, first row of each sequence.
+        sample_rows: ``[R]`` int64 rows whose logits are needed: all ``1 + k`` rows of each
+            decode, the last row of each prefill (plain decoding: the last row of every sequence).
+        num_decodes, num_prefills, k: host ints.
+        draft_token_ids: ``[num_decodes, k]`` int64 drafts to verify (``None`` if none).
+        decode_meta / prefill_meta: sampling parameters per decode / per sampled prefill row.
+        accept_uniforms ``[num_decodes, k]``, decode_sample_uniforms ``[num_decodes, k + 1]``,
+        prefill_uniforms ``[num_prefills]``: float64 draws, ``None`` when all rows are greedy.
+        host_query_lens / host_start_positions: python lists.
+    """
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    attn_metadata: AttentionMetadata
+    block_tables: torch.Tensor
+    start_positions: torch.Tensor
+    seg_starts: torch.Tensor
+    sample_rows: torch.Tensor
+    num_decodes: int
+    num_prefills: int
+    k: int
+    draft_token_ids: Optional[torch.Tensor]
+    decode_meta: Optional[SamplingMetadata]
+    prefill_meta: Optional[SamplingMetadata]
+    accept_uniforms: Optional[torch.Tensor]
+    decode_sample_uniforms: Optional[torch.Tensor]
+    prefill_uniforms: Optional[torch.Tensor]
+    host_query_lens: List[int]
+    host_start_positions: List[int]
+
+
+@dataclass
+class StepOutput:
+    """Rank 0's results, per sequence in batch order.
+
+    Attributes:
+        new_token_ids: emitted tokens (1 for a prefill, ``1 + accepted`` for a decode).
+        draft_token_ids: the ``k`` drafts for the next step (empty lists when ``k == 0``).
+        num_eager_fallbacks: steps that would have used a CUDA graph but ran eagerly.
+        comm_bytes: bytes this rank's collectives sent during the step, per op
+            (host counters, no device sync).
+        execute_time_s: host wall time of the step on rank 0, seconds.
+    """
+
+    new_token_ids: List[List[int]]
+    draft_token_ids: List[List[int]]
+    num_eager_fallbacks: int = 0
+    comm_bytes: Dict[str, int] = field(default_factory=dict)
+    execute_time_s: float = 0.0
