@@ -238,12 +238,13 @@ def bench_batch(runner: ModelRunner, timer: Timer, b: int, k: int, context: int,
     prev = torch.randn(b, h, dtype=dtype, device=dev)
     pos = inp.start_positions + 1
     meta = runner.proposer._step_metadata(inp, pos, (pos.tolist() if dev.type == "cpu" else None))
+    draft_fn = runner.proposer.graph_units().draft_fn
     head = layer.shared_head.head
 
     def whole() -> Any:
         with set_forward_context(meta):
             out = mtp(ids, pos, prev, spec_step_idx=0)
-        return runner.proposer._top(out, 0)
+        return draft_fn(out, 0)
 
     with set_forward_context(meta):
         emb = mtp.embed_tokens(ids)

@@ -9,6 +9,11 @@ batch up to ``max_num_seqs``):
 * ``first`` (per used MTP layer): the MTP first pass over the same rows;
 * ``step`` (per ``spec_step_idx``): one MTP row per sequence, + the greedy draft when wanted.
 
+The proposer names its units (:meth:`~mtpspec.spec_decode.proposer.Proposer.graph_units`) and
+capture brackets them with its lifecycle hooks, as :meth:`~mtpspec.spec_decode.proposer.Proposer.propose`
+does at run time. The draft-model calls implement the proposer's
+:class:`~mtpspec.spec_decode.draft_forward.DraftForward`.
+
 Padding (batch ``B < Bp``): padded sequences get ``q_len = 0`` (``query_start_loc`` repeats its
 last value) and ``seq_len = 0``; padded rows get slot ``-1``, position 0, token 0 and a zero
 hidden state (zero rows stay finite through RMSNorm). Callers slice every output to the real
@@ -28,10 +33,10 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 
 from mtpspec.layers.attention import AttentionMetadata, set_forward_context
+from mtpspec.spec_decode.draft_forward import DraftTokenFn, EagerDraftForward
+from mtpspec.spec_decode.proposer import Proposer
 
 logger = logging.getLogger(__name__)
-
-TopFn = Callable[[torch.Tensor, int], torch.Tensor]
 
 
 def capture_sizes(max_num_seqs: int) -> List[int]:
@@ -41,11 +46,12 @@ def capture_sizes(max_num_seqs: int) -> List[int]:
     return sorted(set(sizes + [max_num_seqs]))
 
 
-class EagerForward:
-    """Calls the models directly (prefills, mixed steps, CPU)."""
+class EagerForward(EagerDraftForward):
+    """Calls the models directly (prefills, mixed steps, CPU); the draft calls are inherited."""
 
     def __init__(self, target: torch.nn.Module, mtp: Optional[torch.nn.Module]):
-        self.target_model, self.mtp_model = target, mtp
+        super().__init__(mtp)
+        self.target_model = target
         self.num_eager_fallbacks = 0
 
     def begin_step(self, pure_decode: bool, num_seqs: int, block_tables: torch.Tensor) -> None:
@@ -57,17 +63,6 @@ class EagerForward:
         with set_forward_context(meta):
             hidden = self.target_model(ids, pos)
         return hidden, self.target_model.compute_logits(hidden.index_select(0, sample_rows))
-
-    def mtp_first(self, ids: torch.Tensor, pos: torch.Tensor, hidden: torch.Tensor, meta: AttentionMetadata,
-                  spec_step_idx: int) -> torch.Tensor:
-        with set_forward_context(meta):
-            return self.mtp_model(ids, pos, hidden, spec_step_idx=spec_step_idx)
-
-    def mtp_step(self, ids: torch.Tensor, pos: torch.Tensor, hidden: torch.Tensor, meta: AttentionMetadata,
-                 spec_step_idx: int, top: Optional[TopFn]) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
-        with set_forward_context(meta):
-            out = self.mtp_model(ids, pos, hidden, spec_step_idx=spec_step_idx)
-        return out, (top(out, spec_step_idx) if top is not None else None)
 
 
 class GraphedForward(EagerForward):
@@ -224,7 +219,7 @@ class GraphedForward(EagerForward):
         out, tok = self._run(key, self._step_fn(bp, spec_step_idx, top), bp, step=True)
         return out[:b], (tok[:b] if tok is not None else None)
 
-    def _step_fn(self, bp: int, idx: int, top: Optional[TopFn]) -> Callable[[AttentionMetadata], tuple]:
+    def _step_fn(self, bp: int, idx: int, top: Optional[DraftTokenFn]) -> Callable[[AttentionMetadata], tuple]:
         def fn(meta: AttentionMetadata) -> tuple:
             with set_forward_context(meta):
                 out = self.mtp_model(self.s_ids[:bp], self.s_pos[:bp], self.s_hidden[:bp], spec_step_idx=idx)
@@ -233,16 +228,20 @@ class GraphedForward(EagerForward):
 
     # ---------------------------------------------------------------- capture
     @torch.inference_mode()
-    def capture(self, step_units: List[Tuple[int, bool]], first_layers: List[int], top: Optional[TopFn]) -> None:
+    def capture(self, proposer: Optional[Proposer]) -> None:
         """Capture every unit for every size (``"cuda"`` mode); on failure log once and stay eager.
 
+        Per size: ``verify``; the proposer's first-pass units between its ``on_prefill_begin`` /
+        ``on_prefill_end`` (with the captured layout); its step units between
+        ``on_multi_step_decode_begin`` / ``_end(Bp, k - 1)``.
+
         Args:
-            step_units: ``(spec_step_idx, with_top)`` pairs the proposer runs per step.
-            first_layers: MTP layer indices of the first pass.
-            top: the greedy draft function.
+            proposer: names the draft units (:meth:`~mtpspec.spec_decode.proposer.Proposer.graph_units`);
+                ``None``: plain decoding, ``verify`` only.
         """
         if self.mode != "cuda":
             return
+        units = proposer.graph_units() if proposer is not None else None
         try:
             for bp in sorted(self.sizes, reverse=True):
                 b_rows = bp * (1 + self.k)
@@ -255,12 +254,20 @@ class GraphedForward(EagerForward):
                 self.s_qsl[:bp + 1].copy_(torch.arange(bp + 1, device=self.qsl.device))
                 self.s_seq_lens[:bp].fill_(1)
                 self.s_slots[:bp].zero_()
-                units = [(("verify", bp), self._verify_fn(bp), False)]
-                units += [(("first", bp, i), self._first_fn(bp, i), False) for i in first_layers]
-                units += [(("step", bp, i, wt), self._step_fn(bp, i, top if wt else None), True)
-                          for i, wt in step_units]
-                for key, fn, step in units:
-                    self.graphs[key] = self._capture_one(fn, self._meta(bp, host=False, step=step))
+                meta = self._meta(bp, host=False, step=False)
+                self.graphs[("verify", bp)] = self._capture_one(self._verify_fn(bp), meta)
+                if units is None:
+                    continue
+                proposer.on_prefill_begin(meta)
+                for i in units.first_pass_layers:
+                    self.graphs[("first", bp, i)] = self._capture_one(self._first_fn(bp, i), meta)
+                proposer.on_prefill_end(meta)
+                step_meta = self._meta(bp, host=False, step=True)
+                proposer.on_multi_step_decode_begin(bp, self.k - 1)
+                for i, wt in units.step_units:
+                    fn = self._step_fn(bp, i, units.draft_fn if wt else None)
+                    self.graphs[("step", bp, i, wt)] = self._capture_one(fn, step_meta)
+                proposer.on_multi_step_decode_end(bp, self.k - 1)
         except Exception as exc:  # noqa: BLE001 - any capture problem means: run eagerly, say why once
             self.graphs.clear()
             first = (str(exc).splitlines() or [""])[0]

@@ -1,4 +1,4 @@
-"""Per-rank executor of one engine step: target forward, sampling / verification, MTP drafting.
+"""Per-rank executor of one engine step: prepare -> verify -> accept -> propose -> copy out.
 
 Every tensor-parallel rank runs the same :meth:`ModelRunner.execute_model` on the same
 :class:`~mtpspec.step_io.StepInput`. Logits are all-gathered and the random draws are
@@ -10,7 +10,7 @@ only device-to-host transfer of a step is the final ``[B, 2k + 1]`` token block.
 from __future__ import annotations
 
 import time
-from typing import Optional
+from typing import List, Optional, Tuple
 
 import torch
 
@@ -18,12 +18,12 @@ from mtpspec.config import SpeculativeConfig
 from mtpspec.distributed import comm_stats
 from mtpspec.engine import kv_cache
 from mtpspec.engine.config import CacheConfig, SchedulerConfig
-from mtpspec.engine.input_prep import PreparedStep, prepare_step
-from mtpspec.sample.sampler import Sampler
-from mtpspec.step_io import StepInput, StepOutput
 from mtpspec.engine.forward import EagerForward, GraphedForward
-from mtpspec.spec_decode.mtp_proposer import MTPProposer
+from mtpspec.engine.input_prep import prepare_step
 from mtpspec.sample.rejection_sampler import PLACEHOLDER_TOKEN_ID, RejectionSampler
+from mtpspec.sample.sampler import Sampler
+from mtpspec.spec_decode.proposer import Proposer, build_proposer
+from mtpspec.step_io import PreparedStep, StepInput, StepOutput
 
 
 def _bytes_sent(stats: dict) -> dict:
@@ -45,6 +45,7 @@ class ModelRunner:
             :mod:`mtpspec.engine.forward`).
 
     Raises:
+        ValueError: ``spec`` without an MTP model, or an unknown ``graph_mode`` / ``spec.method``.
         LocalArgmaxUnsupportedError: see :class:`~mtpspec.spec_decode.mtp_proposer.MTPProposer`.
     """
 
@@ -61,12 +62,11 @@ class ModelRunner:
         self.kv_dtype = next(target.parameters()).dtype
         self.sampler = Sampler()
         self.rejection_sampler = RejectionSampler()
-        self.proposer = None
+        self.proposer: Optional[Proposer] = None
         if spec is not None:
             if mtp is None:
                 raise ValueError("speculative decoding needs the MTP model")
-            self.proposer = MTPProposer(mtp, self.k, spec.use_local_argmax_reduction, cache_config.block_size,
-                                        max_position)
+            self.proposer = build_proposer(spec, mtp, block_size=cache_config.block_size, max_position=max_position)
         self.layers = kv_cache.attention_layers(target, mtp)
         self.num_blocks = 0
         if graph_mode == "auto":
@@ -110,45 +110,44 @@ class ModelRunner:
         self.num_blocks = num_blocks
         kv_cache.allocate(self.layers, num_blocks, self.cache_config.block_size, self.kv_dtype, self.device)
         if isinstance(self.fwd, GraphedForward):
-            used = self.proposer._used_layers() if self.proposer is not None else []
-            steps = [(j, True) for j in range(1, self.k)]
-            steps += [(layer, False) for layer in used] if self.k > 2 and len(used) > 1 else []
-            top = self.proposer._top if self.proposer is not None else None
-            self.fwd.capture(steps, used, top)
+            self.fwd.capture(self.proposer)
 
     # ------------------------------------------------------------------ step
     @torch.inference_mode()
     def execute_model(self, step: StepInput) -> StepOutput:
-        """Run one step. Returns per-sequence emitted tokens and next drafts (batch order)."""
-        t0 = time.perf_counter()
-        comm0 = _bytes_sent(comm_stats())
-        k = self.k
-        inp = prepare_step(step, k, self.cache_config.block_size, self.max_position, self.device)
-        fallbacks0 = self.fwd.num_eager_fallbacks
-        self.fwd.begin_step(step.is_pure_decode, len(step.seqs), inp.block_tables)
+        """Run one step: prepare -> verify -> accept -> propose -> copy out.
+
+        Returns:
+            per sequence in batch order, the emitted tokens and the next ``k`` drafts (one
+            device -> host copy), with the step's eager fall-backs, collective bytes and wall time.
+
+        Raises:
+            ValueError: a malformed ``step`` (see :func:`~mtpspec.engine.input_prep.prepare_step`).
+        """
+        t0, comm0, fallbacks0 = time.perf_counter(), _bytes_sent(comm_stats()), self.fwd.num_eager_fallbacks
+        inp = self._prepare(step)
         hidden, logits = self.fwd.verify(inp.input_ids, inp.positions, inp.attn_metadata, inp.sample_rows)
-        tokens, last_row = self._sample(inp, logits)
-        result = tokens
-        if self.proposer is not None:
-            b = tokens.shape[0]
-            new_tok = tokens.gather(1, last_row_tok_index(inp, last_row).unsqueeze(1)).squeeze(1)
-            host_last = last_row.tolist() if self.device.type == "cpu" else None
-            drafts = self.proposer.propose(inp, hidden, new_tok, last_row, host_last, self.fwd)
-            result = torch.cat([tokens, drafts.view(b, k)], dim=1)
-        host = result.cpu().tolist()  # the step's single device -> host transfer
-        new_tokens, drafts_out = [], []
-        for row in host:
-            emitted = row[:k + 1]
-            n = next((i for i, t in enumerate(emitted) if t == PLACEHOLDER_TOKEN_ID), len(emitted))
-            new_tokens.append(emitted[:n])
-            drafts_out.append(row[k + 1:])
+        tokens, last_row = self._accept(inp, logits)
+        drafts = self._propose(inp, hidden, tokens, last_row)
+        new_tokens, drafts_out = self._copy_out(tokens, drafts)
         comm1 = _bytes_sent(comm_stats())
         delta = {op: comm1[op] - comm0.get(op, 0) for op in comm1 if comm1[op] != comm0.get(op, 0)}
         return StepOutput(new_tokens, drafts_out, self.fwd.num_eager_fallbacks - fallbacks0, delta,
                           time.perf_counter() - t0)
 
-    def _sample(self, inp: PreparedStep, logits: torch.Tensor):
-        """Tokens ``[B, k + 1]`` (placeholder-padded) and each sequence's last valid row offset ``[B]``."""
+    def _prepare(self, step: StepInput) -> PreparedStep:
+        """Device tensors of ``step``; tells the forward the batch (graph buffers for pure decodes)."""
+        inp = prepare_step(step, self.k, self.cache_config.block_size, self.max_position, self.device)
+        self.fwd.begin_step(step.is_pure_decode, len(step.seqs), inp.block_tables)
+        return inp
+
+    def _accept(self, inp: PreparedStep, logits: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Verify the decodes' drafts (rejection sampler) and sample the prefills (sampler).
+
+        Returns:
+            tokens ``[B, k + 1]`` int64 (:data:`PLACEHOLDER_TOKEN_ID`-padded) and each sequence's
+            last valid row offset ``[B]`` int64 (accepted drafts; ``q - 1`` for a prefill).
+        """
         k = self.k
         nd, npf = inp.num_decodes, inp.num_prefills
         parts, last = [], []
@@ -165,6 +164,29 @@ class ModelRunner:
             q = torch.tensor(inp.host_query_lens[nd:], dtype=torch.int64)
             last.append((q - 1).to(self.device, non_blocking=True))
         return torch.cat(parts), torch.cat(last)
+
+    def _propose(self, inp: PreparedStep, hidden: torch.Tensor, tokens: torch.Tensor,
+                 last_row: torch.Tensor) -> Optional[torch.Tensor]:
+        """The next drafts ``[B, k]`` int64 from the proposer, or ``None`` without one."""
+        if self.proposer is None:
+            return None
+        new_tok = tokens.gather(1, last_row_tok_index(inp, last_row).unsqueeze(1)).squeeze(1)
+        host_last = last_row.tolist() if self.device.type == "cpu" else None
+        return self.proposer.propose(inp, hidden, new_tok, last_row, host_last, self.fwd)
+
+    def _copy_out(self, tokens: torch.Tensor,
+                  drafts: Optional[torch.Tensor]) -> Tuple[List[List[int]], List[List[int]]]:
+        """The step's single device -> host transfer: emitted tokens (placeholders cut) and drafts."""
+        k = self.k
+        result = tokens if drafts is None else torch.cat([tokens, drafts.view(tokens.shape[0], k)], dim=1)
+        host = result.cpu().tolist()
+        new_tokens, drafts_out = [], []
+        for row in host:
+            emitted = row[:k + 1]
+            n = next((i for i, t in enumerate(emitted) if t == PLACEHOLDER_TOKEN_ID), len(emitted))
+            new_tokens.append(emitted[:n])
+            drafts_out.append(row[k + 1:])
+        return new_tokens, drafts_out
 
 
 def last_row_tok_index(inp: PreparedStep, last_row: torch.Tensor) -> torch.Tensor:

@@ -25,6 +25,10 @@ last one is the recovered / bonus / sampled token).
 
 Drafts are greedy: ``get_top_tokens`` (vocab-parallel local argmax) when
 ``use_local_argmax_reduction`` is set, else ``compute_logits(...).argmax(-1)``.
+
+Phase 1 is the proposer's *prefill*, phase 2 its *multi-step decode*; :meth:`MTPProposer.propose`
+brackets them with the lifecycle hooks of :class:`~mtpspec.spec_decode.proposer.Proposer`
+(no-ops here).
 """
 
 from __future__ import annotations
@@ -34,18 +38,20 @@ from typing import Optional
 import torch
 from torch import nn
 
-from mtpspec.engine.forward import EagerForward
-from mtpspec.engine.input_prep import PreparedStep
+from mtpspec.config import SpeculativeConfig
 from mtpspec.layers.attention import AttentionMetadata
 from mtpspec.models.interfaces import supports_local_argmax
+from mtpspec.spec_decode.draft_forward import DraftForward, EagerDraftForward
+from mtpspec.spec_decode.proposer import GraphUnits, Proposer
+from mtpspec.step_io import PreparedStep
 
 
 class LocalArgmaxUnsupportedError(TypeError):
     """``use_local_argmax_reduction`` was requested from a model without ``get_top_tokens``."""
 
 
-class MTPProposer:
-    """Drafts ``k`` tokens per sequence with an MTP model.
+class MTPProposer(Proposer):
+    """Drafts ``k`` tokens per sequence with an MTP model (``SpeculativeConfig.method == "mtp"``).
 
     Args:
         model: the MTP model: ``forward(input_ids, positions, previous_hidden_states,
@@ -75,6 +81,22 @@ class MTPProposer:
         self.block_size = block_size
         self.max_position = max_position
 
+    @classmethod
+    def from_config(cls, spec: SpeculativeConfig, draft_model: nn.Module, *, block_size: int,
+                    max_position: int) -> "MTPProposer":
+        """``k = spec.num_speculative_tokens`` and ``spec.use_local_argmax_reduction``; raises as the constructor."""
+        return cls(draft_model, spec.num_speculative_tokens, spec.use_local_argmax_reduction, block_size,
+                   max_position)
+
+    def graph_units(self) -> GraphUnits:
+        """First pass: every used MTP layer. Steps: ``(j, True)`` for ``j = 1 .. k - 1``, plus the
+        cache-filling ``(layer, False)`` calls when several layers are used and ``k > 2``.
+        Draft function: :meth:`_top`."""
+        used = self._used_layers()
+        steps = [(j, True) for j in range(1, self.k)]
+        steps += [(layer, False) for layer in used] if self.k > 2 and len(used) > 1 else []
+        return GraphUnits(tuple(used), tuple(steps), self._top)
+
     def _used_layers(self) -> list:
         """MTP layer indices the ``k`` steps use: ``0 .. min(k, num_mtp_layers) - 1``."""
         return list(range(min(self.k, int(getattr(self.model, "num_mtp_layers", 1)))))
@@ -101,8 +123,8 @@ class MTPProposer:
     @torch.inference_mode()
     def propose(self, inp: PreparedStep, target_hidden: torch.Tensor, new_token_ids: torch.Tensor,
                 last_row_offsets: torch.Tensor, host_last_row_offsets: Optional[list] = None,
-                fwd: Optional[EagerForward] = None) -> torch.Tensor:
-        """Draft ``k`` tokens per sequence.
+                fwd: Optional[DraftForward] = None) -> torch.Tensor:
+        """Draft ``k`` tokens per sequence (the module docstring's phases 1 and 2).
 
         Args:
             inp: the step's prepared inputs (target layout, block tables, positions).
@@ -112,25 +134,29 @@ class MTPProposer:
                 inside its segment).
             host_last_row_offsets: the same as a python list when it is free to have (CPU);
                 gives the attention layer exact host-side lengths. ``None`` on GPU.
-            fwd: how to call the model (:mod:`mtpspec.engine.forward`; default eager).
+            fwd: how to call the model (a :class:`~mtpspec.spec_decode.draft_forward.DraftForward`;
+                default :class:`~mtpspec.spec_decode.draft_forward.EagerDraftForward`).
 
         Returns:
             ``[B, k]`` int64 draft tokens.
         """
-        fwd = fwd if fwd is not None else EagerForward(None, self.model)
+        fwd = fwd if fwd is not None else EagerDraftForward(self.model)
         b = new_token_ids.shape[0]
         last_rows = inp.seg_starts + last_row_offsets
         ids = torch.cat([inp.input_ids[1:], inp.input_ids.new_zeros(1)])
         ids = ids.index_copy(0, last_rows, new_token_ids)
         used = self._used_layers()
+        self.on_prefill_begin(inp.attn_metadata)
         hidden = fwd.mtp_first(ids, inp.positions, target_hidden, inp.attn_metadata, 0)
         # Layers other than 0 that later steps use get the same first pass, so their KV
         # caches hold the accepted context too (outputs unused).
         for layer in used[1:]:
             fwd.mtp_first(ids, inp.positions, target_hidden, inp.attn_metadata, layer)
+        self.on_prefill_end(inp.attn_metadata)
         hidden = hidden.index_select(0, last_rows)
         drafts = [self._top(hidden, 0)]
         base = inp.start_positions + last_row_offsets
+        self.on_multi_step_decode_begin(b, self.k - 1)
         for step in range(1, self.k):
             pos = base + step
             host_pos = None
@@ -145,4 +171,5 @@ class MTPProposer:
                         fwd.mtp_step(drafts[-1], clamped, hidden, meta, layer, None)
             hidden = out
             drafts.append(tok)
+        self.on_multi_step_decode_end(b, self.k - 1)
         return torch.stack(drafts, dim=1)[:b]
