@@ -131,3 +131,33 @@ def test_every_draft_step_passes_its_index(model) -> None:
         assert rec.steps and len(rec.steps) % len(per_step) == 0
         assert rec.steps == per_step * (len(rec.steps) // len(per_step))
         assert [prop.model.inner.layer_index(s) for s in range(5)] == [0, 1, 0, 1, 0]
+
+
+def test_lifecycle_hooks_bracket_the_two_phases(model) -> None:
+    """At run time ``propose`` calls ``on_prefill_begin/end`` around the first pass (every used
+    layer) and ``on_multi_step_decode_begin/end(B, k - 1)`` around the draft steps, once per step
+    (``graph_mode="static"``: the graphed forward's path)."""
+    path = model[0]
+    k = 3
+    with LLM(path, max_model_len=64, block_size=4, num_kv_blocks=64, max_num_seqs=2, seed=0, graph_mode="static",
+             speculative_config={"num_speculative_tokens": k}) as llm:
+        runner = llm.executor.runner
+        prop, fwd, events = runner.proposer, runner.fwd, []
+        prop.on_prefill_begin = lambda meta: events.append(("prefill_begin", meta.num_seqs))
+        prop.on_prefill_end = lambda meta: events.append(("prefill_end", meta.num_seqs))
+        prop.on_multi_step_decode_begin = lambda b, n: events.append(("decode_begin", b, n))
+        prop.on_multi_step_decode_end = lambda b, n: events.append(("decode_end", b, n))
+        first, step = fwd.mtp_first, fwd.mtp_step
+        fwd.mtp_first = lambda *a: events.append(("first",)) or first(*a)
+        fwd.mtp_step = lambda *a: events.append(("step",)) or step(*a)
+        llm.generate(token_prompts([[5, 6, 7], [8]]), SamplingParams(temperature=0.0, max_tokens=6), use_tqdm=False)
+    # 2 MTP layers, k = 3: first pass on layers 0 and 1; step 1 + its fill of layer 0; step 2
+    steps = 0
+    while events:
+        b = events[0][1]
+        want = [("prefill_begin", b), ("first",), ("first",), ("prefill_end", b), ("decode_begin", b, k - 1),
+                ("step",), ("step",), ("step",), ("decode_end", b, k - 1)]
+        assert events[:len(want)] == want, events[:len(want)]
+        del events[:len(want)]
+        steps += 1
+    assert steps >= 3
