@@ -6,16 +6,17 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import httpx
 import pytest
 
-from test_server_fixtures import REPO, ServerProcess, child_env, make_served_model
+from test_server_fixtures import GSM8K_DIR, REPO, ServerProcess, child_env, make_served_model
 
 from mtpspec.entrypoints import bench_arms
 from mtpspec.entrypoints.bench_dataset import gsm8k_token_prompts
 from mtpspec.entrypoints.bench_serve import BenchConfig, run_benchmark
-from mtpspec.training.gsm8k_format import format_query, load_gsm8k
+from mtpspec.data.gsm8k import format_query, load_gsm8k
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +34,7 @@ def forced_server(model_dir):
 
 
 def test_token_prompts_exact_length_and_real_text(forced_server):
-    rows = load_gsm8k(os.path.join(REPO, "..", "shared", "data", "gsm8k", "test.jsonl"))[:40]
+    rows = load_gsm8k(os.path.join(GSM8K_DIR, "test.jsonl"))[:40]
 
     def tok(text):
         return httpx.post(forced_server.url + "/tokenize", json={"prompt": text}).json()["tokens"]
@@ -132,3 +133,23 @@ def test_bench_arms_smoke(model_dir, tmp_path):
         assert set(wl["verdicts"]["both vs baseline"]) == set(bench_arms.FIGURES)
     for png in ("batch1_runs.png", "batch1_acceptance.png", "c64_runs.png", "c64_acceptance.png"):
         assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("bad", ["missing", "malformed"])
+def test_bench_arms_checks_its_dataset_before_starting_servers(tmp_path, bad):
+    out = tmp_path / "arms"
+    data = tmp_path / "gsm.jsonl"
+    if bad == "malformed":
+        data.write_text('{"question": "x?"}\n')
+    cmd = [sys.executable, "-m", "mtpspec.entrypoints.cli", "bench", "arms", "--dataset", str(data),
+           "--output-dir", str(out), "--no-progress", "--no-plots", "--server-args", "--device cpu"]
+    t0 = time.monotonic()
+    p = subprocess.run(cmd, capture_output=True, text=True, env=child_env(), cwd=REPO, timeout=120)
+    assert p.returncode == 2, p.stderr
+    if bad == "missing":
+        assert p.stderr == (f"error: --dataset: no file or folder at {str(data)!r} "
+                            "(expected a GSM8K JSONL file, or a folder holding test.jsonl)\n")
+    else:
+        assert p.stderr == f"error: {data}:1: expected keys 'question' and 'answer', got ['question']\n"
+    assert not out.exists()  # no server was started: its log would be there
+    assert time.monotonic() - t0 < 60  # an interpreter start, not a server start

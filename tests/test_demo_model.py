@@ -9,16 +9,15 @@ FLOOR_*_MEASURED). It also checks that the
 drafts change nothing: greedy completions with MTP equal the target's alone.
 """
 
-import json
 import os
 
 import pytest
 import torch
 
 from mtpspec import LLM, SamplingParams, demo_model_path
-from mtpspec.training.gsm8k_format import format_query
+from mtpspec.data.gsm8k import bundled_gsm8k_dir, format_query, load_gsm8k
 
-GSM8K_TEST = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data", "gsm8k", "test.jsonl")
+GSM8K_TEST = os.path.join(bundled_gsm8k_dir(), "test.jsonl")  # shipped in the package
 NUM_PROMPTS = 8
 MAX_TOKENS = 96
 # Measured on these 8 prompts (fp32, CPU) when the model was bundled; the floors sit just under.
@@ -27,10 +26,7 @@ FLOOR_K3, FLOOR_K1 = 3.14, 1.82
 
 
 def _prompts():
-    if not os.path.isfile(GSM8K_TEST):
-        pytest.skip(f"GSM8K test split not found at {GSM8K_TEST}")
-    with open(GSM8K_TEST) as f:
-        rows = [json.loads(line) for _, line in zip(range(NUM_PROMPTS), f)]
+    rows = load_gsm8k(GSM8K_TEST)[:NUM_PROMPTS]
     return [format_query(r["question"]) for r in rows]
 
 

@@ -69,25 +69,29 @@ def test_generate_corrupt_tokenizer_is_a_clear_error(path, tmp_path, capsys) -> 
     assert "tokenizer.json: cannot load the tokenizer" in err and "Traceback" not in err
 
 
-def test_gsm8k_question_without_gsm8k_file_falls_back_to_generated_problems(monkeypatch, capsys):
-    """`make demo` on a machine without ../shared: the prompt comes from mtpspec's own generator."""
+def test_gsm8k_question_reads_the_bundled_gsm8k(monkeypatch, capsys):
+    """`make demo` on a fresh clone: the prompt is the bundled GSM8K test row (no generated stand-in)."""
     import argparse
+    import os
 
     import mtpspec.entrypoints.generate as gen
-    from mtpspec.training.word_problems import generate_problem
+    from mtpspec.data.gsm8k import ENV_VAR, bundled_gsm8k_dir, format_query, load_gsm8k
 
-    monkeypatch.setattr(gen, "_gsm8k_path", lambda arg: None)
+    monkeypatch.delenv(ENV_VAR, raising=False)
     args = argparse.Namespace(gsm8k_data=None, gsm8k_question=[0, 2], prompt_file=None, prompt_token_ids=None,
                               prompt=None)
-    prompts = gen._prompts(args)
-    assert prompts == [f"Question: {generate_problem(1, i).question}\nAnswer:" for i in (0, 2)]
-    assert "no GSM8K test file found" in capsys.readouterr().err
+    rows = load_gsm8k(os.path.join(bundled_gsm8k_dir(), "test.jsonl"))
+    assert gen._prompts(args) == [format_query(rows[i]["question"]) for i in (0, 2)]
+    assert capsys.readouterr().err == ""
 
 
 @pytest.mark.parametrize("argv,needle", [
     (["--prompt-token-ids", "1,,2"], "no empty items"),
     (["--prompt-token-ids", "abc"], "comma-separated ints"),
-    (["--gsm8k-data", "/no/such/file.jsonl", "--gsm8k-question", "0"], "no file at"),
+    (["--gsm8k-data", "/no/such/file.jsonl", "--gsm8k-question", "0"],
+     "error: --gsm8k-data: no file or folder at '/no/such/file.jsonl' (expected a GSM8K JSONL file, or a folder "
+     "holding test.jsonl)"),
+    (["--gsm8k-question", "1319"], "--gsm8k-question: index 1319 outside [0, 1319)"),
 ])
 def test_generate_bad_prompt_sources_exit_2_with_error(argv, needle, capsys):
     from mtpspec.entrypoints.cli import main

@@ -20,7 +20,7 @@ from mtpspec import LLM, SamplingParams
 from mtpspec.entrypoints import eval_gsm8k
 from mtpspec.entrypoints.eval_gsm8k_score import (
     IGNORE_RES, STOP_SEQUENCES, exact_match, flexible_extract, mean_stderr, score_completions, strict_extract)
-from mtpspec.training.gsm8k_format import fewshot_prompt
+from mtpspec.data.gsm8k import fewshot_prompt
 
 # lm-eval is in the `test` extra: a missing install must fail here, not skip the file.
 import lm_eval.api.metrics as lm_metrics  # noqa: E402

@@ -18,10 +18,12 @@ from typing import List, Optional
 
 import torch
 
+from mtpspec.data.gsm8k import bundled_gsm8k_dir
+
 torch.set_num_threads(1)  # the CI box has 2 cores shared by the test process and the server processes
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-GSM8K_DIR = os.path.join(os.path.dirname(REPO), "shared", "data", "gsm8k")
+GSM8K_DIR = bundled_gsm8k_dir()  # the copy shipped in the package (mtpspec/data/gsm8k)
 VOCAB = 301  # not a multiple of 8: the vocab shards carry padding
 MAX_POS = 2048
 

@@ -11,8 +11,8 @@ from fractions import Fraction
 import pytest
 
 from mtpspec.training.calc import fmt, step
-from mtpspec.training.gsm8k_format import (EOT, fewshot_prompt, format_example, format_query, load_gsm8k,
-                                           default_gsm8k_dir, training_document)
+from mtpspec.data.gsm8k import (EOT, bundled_gsm8k_dir, fewshot_prompt, format_example, format_query, load_gsm8k,
+                                training_document)
 from mtpspec.training.word_problems import TEMPLATES, generate_problem, generate_problems
 
 ANNOT = re.compile(r"<<([^=<>]+)=([^<>]+)>>")
@@ -126,9 +126,7 @@ def test_format_rejects_bad_input():
 
 
 def test_load_gsm8k_real_file(tmp_path):
-    path = os.path.join(default_gsm8k_dir(), "train.jsonl")
-    if not os.path.exists(path):
-        pytest.skip("GSM8K data not present")
+    path = os.path.join(bundled_gsm8k_dir(), "train.jsonl")
     rows = load_gsm8k(path)
     assert len(rows) == 7473 and all(STRICT.search(r["answer"]) for r in rows)
     bad = tmp_path / "bad.jsonl"

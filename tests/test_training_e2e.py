@@ -8,11 +8,7 @@ import os
 import pytest
 import torch
 
-from mtpspec.training.gsm8k_format import default_gsm8k_dir
 from mtpspec.training.train import TrainConfig, train
-
-pytestmark = pytest.mark.skipif(not os.path.exists(os.path.join(default_gsm8k_dir(), "train.jsonl")),
-                                reason="GSM8K data not present")
 
 
 def _train_one_thread(cfg: TrainConfig):

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from mtpspec.config import ModelConfig
 from mtpspec.layers.attention import Attention, build_attention_metadata, set_forward_context
 from mtpspec.training.corpus import TokenDocs, chain_documents, generate_examples
-from mtpspec.training.gsm8k_format import EOT, fewshot_prompt
+from mtpspec.data.gsm8k import EOT, fewshot_prompt
 from mtpspec.training.model_setup import build_models, make_config_dict
 from mtpspec.training.optim import MasterWeightAdamW, RouterBalancer, lr_at
 from mtpspec.training.packing import Batch, bucket_batches, make_batch, pad_fraction

@@ -6,16 +6,14 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from mtpspec.training import tokenizer as tk
-from mtpspec.training.gsm8k_format import EOT, default_gsm8k_dir, format_example, load_gsm8k, training_document
+from mtpspec.data.gsm8k import EOT, bundled_gsm8k_dir, format_example, load_gsm8k, training_document
 from mtpspec.training.word_problems import generate_problems
 
 
 @pytest.fixture(scope="module")
 def corpus():
     texts = [training_document([{"question": p.question, "answer": p.answer}]) for p in generate_problems(3000, 1)]
-    path = os.path.join(default_gsm8k_dir(), "train.jsonl")
-    if os.path.exists(path):
-        texts += [training_document([r]) for r in load_gsm8k(path)[:3000]]
+    texts += [training_document([r]) for r in load_gsm8k(os.path.join(bundled_gsm8k_dir(), "train.jsonl"))[:3000]]
     return texts
 
 

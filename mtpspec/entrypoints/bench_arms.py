@@ -316,9 +316,18 @@ def run_arms(arms: Dict[str, List[str]], workloads: Dict[str, BenchConfig], repe
 
     Returns:
         Everything, as written to ``bench_arms.json``.
+
+    Raises:
+        ValueError: ``repeats < 1``, a malformed or too small GSM8K dataset; FileNotFoundError:
+            no GSM8K dataset (both checked before any server starts); RuntimeError: a server
+            did not come up.
     """
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
+    from mtpspec.entrypoints.bench_dataset import load_dataset
+    for cfg in workloads.values():  # a missing or bad dataset is reported before any server starts
+        if cfg.prompts == "gsm8k":
+            load_dataset(cfg.dataset, 6 if cfg.input_len is None else 1)
     os.makedirs(out_dir, exist_ok=True)
     urls = dict(urls or {})
     servers: Dict[str, ArmServer] = {}

@@ -2,7 +2,8 @@
 
 Real-text prompts are in-distribution text for a GSM8K-trained draft model, so acceptance is
 realistic. Each prompt is a chain of solved GSM8K examples in lm-evaluation-harness's format
-(:mod:`mtpspec.training.gsm8k_format`) ending with an unsolved query ``"Question: ...\\nAnswer:"``;
+(:mod:`mtpspec.data.gsm8k`; the data: ``--dataset``, else ``$MTPSPEC_GSM8K_DIR``, else the bundled
+copy) ending with an unsolved query ``"Question: ...\\nAnswer:"``;
 prompt ``i`` starts its chain at a different row, so prompts differ.
 
 * Without ``input_len``: 5 solved examples + the query, sent as text (natural lengths).
@@ -20,16 +21,36 @@ from __future__ import annotations
 import random
 from typing import Any, Callable, Dict, List, Optional, Sequence, Union
 
-from mtpspec.training.gsm8k_format import FEWSHOT_DELIMITER, fewshot_prompt, format_example, format_query, load_gsm8k
+from mtpspec.data.gsm8k import (FEWSHOT_DELIMITER, fewshot_prompt, format_example, format_query, load_gsm8k,
+                                resolve_gsm8k)
 
 Prompt = Union[str, List[int]]
 
 
-def default_dataset_path() -> str:
-    """``../shared/data/gsm8k/test.jsonl`` beside the checkout (``$MTPSPEC_GSM8K_DIR`` overrides the folder)."""
-    import os
-    from mtpspec.training.gsm8k_format import default_gsm8k_dir
-    return os.path.join(default_gsm8k_dir(), "test.jsonl")
+def dataset_path(dataset: Optional[str] = None) -> str:
+    """The GSM8K file the prompts come from: ``dataset`` (a JSONL file or a folder holding
+    ``test.jsonl``), else ``$MTPSPEC_GSM8K_DIR/test.jsonl``, else the bundled test split.
+
+    Raises:
+        mtpspec.data.gsm8k.GSM8KNotFoundError (a ``FileNotFoundError``): nothing there; the
+            message names ``--dataset`` (or the variable) and the path.
+    """
+    return resolve_gsm8k("test", dataset, "--dataset")
+
+
+def load_dataset(dataset: Optional[str] = None, min_rows: int = 1) -> List[Dict[str, str]]:
+    """The rows of :func:`dataset_path` (``{"question", "answer"}``), at least ``min_rows`` of them
+    (text prompts need 6: 5 shots + the query; token prompts 1).
+
+    Raises:
+        FileNotFoundError: as :func:`dataset_path`; ValueError: a malformed line or fewer than
+            ``min_rows`` rows (the message names the file).
+    """
+    path = dataset_path(dataset)
+    rows = load_gsm8k(path)
+    if len(rows) < min_rows:
+        raise ValueError(f"GSM8K dataset {path!r}: need at least {min_rows} rows, got {len(rows)}")
+    return rows
 
 
 def gsm8k_text_prompts(rows: Sequence[Dict[str, str]], num_prompts: int, num_shots: int = 5) -> List[str]:
@@ -104,13 +125,14 @@ def build_prompts(kind: str, num_prompts: int, input_len: Optional[int], vocab_s
     """Prompts for a run: ``kind`` is ``"gsm8k"`` or ``"random"`` (``input_len`` default 1024 there).
 
     Raises:
-        ValueError: unknown kind; FileNotFoundError: no dataset file.
+        ValueError: unknown kind or a bad dataset; FileNotFoundError: no dataset file
+            (see :func:`dataset_path`).
     """
     if kind == "random":
         return random_prompts(num_prompts, input_len or 1024, vocab_size, seed)  # type: ignore[return-value]
     if kind != "gsm8k":
         raise ValueError(f"unknown prompt kind {kind!r}; expected 'gsm8k' or 'random'")
-    rows = load_gsm8k(dataset or default_dataset_path())
+    rows = load_dataset(dataset, 6 if input_len is None else 1)
     if input_len is None:
         return gsm8k_text_prompts(rows, num_prompts)  # type: ignore[return-value]
     return gsm8k_token_prompts(rows, num_prompts, input_len, tokenize)  # type: ignore[return-value]

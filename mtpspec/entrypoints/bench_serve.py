@@ -42,7 +42,7 @@ class BenchConfig:
     Attributes:
         num_prompts, max_concurrency, input_len (``None``: natural GSM8K 5-shot prompts),
         output_len (``max_tokens``), prompts (``"gsm8k"`` or ``"random"``), dataset (GSM8K JSONL
-        path or ``None`` for the default), ignore_eos, temperature, seed, warmup (requests
+        file or folder, or ``None``: ``$MTPSPEC_GSM8K_DIR``, else the bundled test split), ignore_eos, temperature, seed, warmup (requests
         sent first and not measured).
     """
 
@@ -324,7 +324,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--input-len", type=int, default=None,
                    help="prompt tokens (default: natural GSM8K 5-shot prompts; 1024 for random prompts)")
     p.add_argument("--output-len", type=int, default=None, help="max_tokens per request")
-    p.add_argument("--dataset", default=None, help="GSM8K JSONL for prompts (default ../shared/data/gsm8k/test.jsonl)")
+    p.add_argument("--dataset", default=None,
+                   help="GSM8K JSONL file, or a folder with test.jsonl, for prompts (default: $MTPSPEC_GSM8K_DIR, "
+                        "else the GSM8K test split bundled in mtpspec/data/gsm8k)")
     p.add_argument("--random-prompts", action="store_true", help="random token ids (SYNTHETIC: distorts acceptance)")
     p.add_argument("--ignore-eos", action="store_true", help="generate output-len tokens regardless of EOS (SYNTHETIC)")
     p.add_argument("--temperature", type=float, default=0.0)

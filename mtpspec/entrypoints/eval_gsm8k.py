@@ -1,6 +1,7 @@
 """`mtpspec eval gsm8k`: GSM8K accuracy (5-shot, greedy) per engine arm, and whether the arms agree.
 
-Prompts are lm-evaluation-harness's ``gsm8k`` format (:mod:`mtpspec.training.gsm8k_format`):
+Prompts are lm-evaluation-harness's ``gsm8k`` format (:mod:`mtpspec.data.gsm8k`) built from
+``--data`` (default: ``$MTPSPEC_GSM8K_DIR``, else the GSM8K copy bundled with the package):
 ``--num-fewshot`` solved examples from the train split, joined by a blank line, then
 ``"Question: ...\\nAnswer:"``. The shots are the first ``--num-fewshot`` rows of the train split
 for every question (lm-eval draws them at random per question with a fixed seed; fixed shots
@@ -29,7 +30,7 @@ import json
 import os
 import sys
 import time
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from mtpspec.entrypoints.eval_gsm8k_score import STOP_SEQUENCES, score_completions
 
@@ -43,7 +44,7 @@ def build_prompts(test_rows: Sequence[Dict[str, str]], train_rows: Sequence[Dict
     Raises:
         ValueError: fewer train rows than shots.
     """
-    from mtpspec.training.gsm8k_format import fewshot_prompt
+    from mtpspec.data.gsm8k import fewshot_prompt
     if num_fewshot < 0 or len(train_rows) < num_fewshot:
         raise ValueError(f"need {num_fewshot} train rows for the shots, have {len(train_rows)}")
     shots = list(train_rows[:num_fewshot])
@@ -190,7 +191,7 @@ def evaluate(sources: Dict[str, Any], data: str, train: str, num_fewshot: int = 
     Raises:
         ValueError / FileNotFoundError: bad files or settings; RuntimeError: a request failed.
     """
-    from mtpspec.training.gsm8k_format import load_gsm8k
+    from mtpspec.data.gsm8k import load_gsm8k
     if max_tokens < 1:
         raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
     rows = load_gsm8k(data)
@@ -223,8 +224,11 @@ def add_parser(sub: Any) -> None:
                    help="a running mtpspec serve (repeat with NAME=URL for several arms)")
     add_engine_args(g)
     g.add_argument("--arms", default=None, help="with --model: comma-separated arms among baseline,fusion,both")
-    g.add_argument("--data", default=None, help="GSM8K test JSONL (default ../shared/data/gsm8k/test.jsonl)")
-    g.add_argument("--train", default=None, help="JSONL of the shots (default: train.jsonl beside --data)")
+    g.add_argument("--data", default=None,
+                   help="GSM8K test JSONL, or a folder with test.jsonl and train.jsonl (default: $MTPSPEC_GSM8K_DIR, "
+                        "else the copy bundled in mtpspec/data/gsm8k)")
+    g.add_argument("--train", default=None,
+                   help="JSONL of the shots, or a folder with train.jsonl (default: train.jsonl beside the test file)")
     g.add_argument("--num-fewshot", type=int, default=5)
     g.add_argument("--limit", type=int, default=None, help="first N questions only")
     g.add_argument("--max-tokens", type=int, default=256)
@@ -263,13 +267,29 @@ def _sources(args: argparse.Namespace) -> Dict[str, Any]:
     return out
 
 
+def data_files(data: Optional[str] = None, train: Optional[str] = None) -> Tuple[str, str]:
+    """The test and shots files: ``data`` (file or folder) else ``$MTPSPEC_GSM8K_DIR`` else the
+    bundled test split (:func:`mtpspec.data.gsm8k.resolve_gsm8k`); ``train`` (file or folder) else
+    ``train.jsonl`` beside the test file.
+
+    Raises:
+        mtpspec.data.gsm8k.GSM8KNotFoundError (a ``FileNotFoundError``): a file is missing; the
+            message names the flag (``--data`` / ``--train``) and the path.
+    """
+    from mtpspec.data.gsm8k import resolve_gsm8k
+    data = resolve_gsm8k("test", data, "--data")
+    if not train:
+        train, source = os.path.dirname(os.path.abspath(data)), "--train (default: beside the test file)"
+    else:
+        source = "--train"
+    return data, resolve_gsm8k("train", train, source)
+
+
 def run(args: argparse.Namespace) -> int:
     import httpx
 
-    from mtpspec.training.gsm8k_format import default_gsm8k_dir
-    data = args.data or os.path.join(default_gsm8k_dir(), "test.jsonl")
-    train = args.train or os.path.join(os.path.dirname(os.path.abspath(data)), "train.jsonl")
     try:
+        data, train = data_files(args.data, args.train)
         res = evaluate(_sources(args), data, train, args.num_fewshot, args.limit, args.max_tokens,
                        args.max_concurrency, progress=not args.no_progress)
     except (ValueError, TypeError, FileNotFoundError, RuntimeError) as exc:

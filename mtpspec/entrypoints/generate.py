@@ -29,8 +29,8 @@ def add_parser(sub: Any) -> None:
                      help="prompt with GSM8K question INDEX of --gsm8k-data as 'Question: ...\\nAnswer:' "
                           "(repeatable); stops at 'Question:' and prints the reference answer")
     p.add_argument("--gsm8k-data", default=None,
-                   help="GSM8K JSONL for --gsm8k-question (default: ../shared/data/gsm8k/test.jsonl "
-                        "beside the working directory or the repository)")
+                   help="GSM8K JSONL, or a folder with test.jsonl, for --gsm8k-question (default: "
+                        "$MTPSPEC_GSM8K_DIR, else the GSM8K test split bundled in mtpspec/data/gsm8k)")
     p.add_argument("--stop", action="append", default=None, help="a stop string (repeatable)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (default 1)")
     p.add_argument("--num-speculative-tokens", "-k", type=int, default=3, help="draft tokens k (0: no speculation)")
@@ -55,34 +55,21 @@ def _usage_error(msg: str) -> None:
     raise SystemExit(2)
 
 
-def _gsm8k_path(arg: Any) -> Optional[str]:
-    """The GSM8K test file: ``--gsm8k-data``, else ``../shared/data/gsm8k/test.jsonl`` beside the
-    working directory or the repository, else ``None``."""
-    if arg:
-        if not os.path.isfile(arg):
-            _usage_error(f"--gsm8k-data: no file at {arg!r}")
-        return arg
-    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    for base in (os.getcwd(), repo):
-        path = os.path.join(base, "..", "shared", "data", "gsm8k", "test.jsonl")
-        if os.path.isfile(path):
-            return os.path.normpath(path)
-    return None
+def _gsm8k_path(arg: Any) -> str:
+    """The GSM8K test file: ``--gsm8k-data`` (file or folder), else ``$MTPSPEC_GSM8K_DIR``, else the
+    copy bundled with the package; a path given but not found is a usage error (exit 2)."""
+    from mtpspec.data.gsm8k import GSM8KNotFoundError, resolve_gsm8k
+    try:
+        return resolve_gsm8k("test", arg, "--gsm8k-data")
+    except GSM8KNotFoundError as exc:
+        _usage_error(str(exc))
+        raise  # not reached: _usage_error exits
 
 
 def _gsm8k_examples(args: argparse.Namespace) -> List[Dict[str, str]]:
-    """The requested GSM8K test rows; without a GSM8K file, problems of the same form from
-    mtpspec's own seeded generator (seed 1; the demo model trained on seed 0), with a note."""
+    """The requested GSM8K test rows (``--gsm8k-question`` indices into :func:`_gsm8k_path`)."""
+    from mtpspec.data.gsm8k import load_gsm8k
     path = _gsm8k_path(args.gsm8k_data)
-    if path is None:
-        from mtpspec.training.word_problems import generate_problem
-        if not getattr(args, "_warned_no_gsm8k", False):
-            args._warned_no_gsm8k = True
-            print("note: no GSM8K test file found (pass --gsm8k-data PATH); using generated problems "
-                  "of the same form instead", file=sys.stderr)
-        probs = [generate_problem(1, i) for i in args.gsm8k_question]
-        return [{"question": p.question, "answer": p.answer} for p in probs]
-    from mtpspec.training.gsm8k_format import load_gsm8k
     rows = load_gsm8k(path)
     for i in args.gsm8k_question:
         if not 0 <= i < len(rows):
@@ -92,7 +79,7 @@ def _gsm8k_examples(args: argparse.Namespace) -> List[Dict[str, str]]:
 
 def _prompts(args: argparse.Namespace) -> List[Any]:
     if args.gsm8k_question:
-        from mtpspec.training.gsm8k_format import format_query
+        from mtpspec.data.gsm8k import format_query
         return [format_query(ex["question"]) for ex in _gsm8k_examples(args)]
     if args.prompt_file:
         with open(args.prompt_file, encoding="utf-8") as f:

@@ -1,6 +1,6 @@
 """Training corpus: GSM8K train rows plus generated word problems, as token-id documents.
 
-Documents (:func:`mtpspec.training.gsm8k_format.training_document`) are single solved examples
+Documents (:func:`mtpspec.data.gsm8k.training_document`) are single solved examples
 or k-shot chains (``num_shots`` solved examples and one more, joined by ``"\\n\\n"`` exactly as a
 ``num_shots``-shot evaluation prompt shows them), each ending with the end-of-text token.
 Chains are drawn within one source (GSM8K with GSM8K, generated with generated), so a 5-shot
@@ -20,7 +20,7 @@ from typing import Dict, List, Sequence, Tuple
 
 import numpy as np
 
-from mtpspec.training.gsm8k_format import training_document
+from mtpspec.data.gsm8k import training_document
 from mtpspec.training.word_problems import generate_problem
 
 

@@ -16,7 +16,7 @@ from typing import Iterable, Iterator
 
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from mtpspec.training.gsm8k_format import EOT
+from mtpspec.data.gsm8k import EOT
 
 DEFAULT_VOCAB_SIZE = 10_007
 # GPT-2's pre-tokenization regex with numbers split into single digits (" 48" -> " 4", "8").

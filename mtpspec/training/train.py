@@ -3,7 +3,8 @@
 ``python -m mtpspec.training.train --output-dir out/demo`` (or ``mtpspec train``); ``--tiny`` trains a
 much smaller model on the CPU in a few minutes. Steps:
 
-1. read GSM8K train (``--gsm8k-dir``, at run time; the last ``--holdout`` rows are held out for
+1. read GSM8K train (``--gsm8k-dir`` file or folder, else ``$MTPSPEC_GSM8K_DIR``, else the copy in
+   :mod:`mtpspec.data.gsm8k`; the last ``--holdout`` rows are held out for
    validation and never trained on), generate ``--num-synthetic`` word problems (seeded);
 2. train the byte-level BPE tokenizer (vocabulary not a multiple of 8, ``<|endoftext|>``);
 3. build documents (single examples and 5-shot chains, each ending in ``<|endoftext|>``),
@@ -40,7 +41,7 @@ from typing import Any, Dict, List, Optional
 import torch
 
 from mtpspec.training import corpus as corpus_mod
-from mtpspec.training.gsm8k_format import default_gsm8k_dir, format_query, load_gsm8k, training_document
+from mtpspec.data.gsm8k import format_query, load_gsm8k, resolve_gsm8k, training_document
 
 
 @dataclass
@@ -144,8 +145,7 @@ def prepare_data(cfg: TrainConfig, log=_log, tok=None):
     Returns ``(tokenizer, train_docs, val_docs, val_rows, stats)``."""
     from mtpspec.training.tokenizer import eot_id, train_tokenizer
     t0 = time.time()
-    gdir = cfg.gsm8k_dir or default_gsm8k_dir()
-    rows = load_gsm8k(os.path.join(gdir, "train.jsonl"))
+    rows = load_gsm8k(resolve_gsm8k("train", cfg.gsm8k_dir, "--gsm8k-dir"))
     if cfg.gsm8k_limit:
         rows = rows[:cfg.gsm8k_limit]
     if not 0 <= cfg.holdout < len(rows):

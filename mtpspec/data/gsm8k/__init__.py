@@ -1,4 +1,12 @@
-"""GSM8K text format, exactly as lm-evaluation-harness's 5-shot ``gsm8k`` task prompts it.
+"""GSM8K: the bundled data (``mtpspec/data/gsm8k/*.jsonl``), where to find it, and its text format.
+
+Data: :func:`resolve_gsm8k` picks one split file: an explicit path (a command's data flag: a
+JSONL file, or a folder holding ``train.jsonl`` / ``test.jsonl``), else the folder in
+``$MTPSPEC_GSM8K_DIR``, else the copy bundled with the package (MIT licence, verbatim from
+openai/grade-school-math; see ``README.md`` beside this file). A path that is given but holds
+no such file raises :class:`GSM8KNotFoundError` naming it; nothing is searched beyond.
+
+Format: exactly as lm-evaluation-harness's 5-shot ``gsm8k`` task prompts it.
 
 From EleutherAI lm-evaluation-harness ``lm_eval/tasks/gsm8k/gsm8k.yaml`` (task version 3) and
 the ``TaskConfig`` defaults in ``lm_eval/api/task.py``:
@@ -23,12 +31,16 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Dict, List, Sequence
+from typing import Dict, List, Sequence, Union
 
 EOT = "<|endoftext|>"
 FEWSHOT_DELIMITER = "\n\n"
 TARGET_DELIMITER = " "
 ANSWER_PROMPT = "Answer:"
+
+BUNDLED_DIR = os.path.dirname(os.path.abspath(__file__))
+ENV_VAR = "MTPSPEC_GSM8K_DIR"
+SPLITS = ("train", "test")
 
 
 def _check(question: str, answer: str | None = None) -> None:
@@ -96,15 +108,63 @@ def load_gsm8k(path: str | os.PathLike) -> List[Dict[str, str]]:
     return rows
 
 
-def default_gsm8k_dir() -> str:
-    """Where GSM8K's ``train.jsonl`` / ``test.jsonl`` are looked for: ``$MTPSPEC_GSM8K_DIR`` if set,
-    else the first existing of ``shared/data/gsm8k`` beside the repository checkout, inside it,
-    inside or beside the current directory (the first candidate when none exists)."""
-    env = os.environ.get("MTPSPEC_GSM8K_DIR")
-    if env:
-        return env
-    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    rel = os.path.join("shared", "data", "gsm8k")
-    cands = [os.path.join(os.path.dirname(repo), rel), os.path.join(repo, rel), os.path.join(os.getcwd(), rel),
-             os.path.join(os.path.dirname(os.getcwd()), rel)]
-    return next((c for c in cands if os.path.isfile(os.path.join(c, "train.jsonl"))), cands[0])
+class GSM8KNotFoundError(FileNotFoundError):
+    """A GSM8K path was given (flag or ``$MTPSPEC_GSM8K_DIR``) but holds no GSM8K split file.
+
+    ``str(err)`` is the whole message: which setting, the path and what was expected there.
+    """
+
+
+def bundled_gsm8k_dir() -> str:
+    """The folder of the GSM8K copy shipped inside the package (``mtpspec/data/gsm8k``)."""
+    return BUNDLED_DIR
+
+
+def resolve_gsm8k(split: str = "test", path: Union[str, "os.PathLike[str]", None] = None,
+                  source: str = "--data") -> str:
+    """The GSM8K ``split`` file to read: ``path``, else ``$MTPSPEC_GSM8K_DIR``, else the bundled copy.
+
+    Args:
+        split: ``"train"`` or ``"test"``; names the file looked for in a folder.
+        path: an explicit JSONL file (used as is, whatever its name) or a folder holding
+            ``<split>.jsonl``; ``None`` or ``""`` means not given. ``$MTPSPEC_GSM8K_DIR`` must
+            name a folder.
+        source: how ``path`` was given (the flag's name), quoted in the error message.
+
+    Returns:
+        the path of an existing file (a string).
+
+    Raises:
+        ValueError: ``split`` is not ``"train"`` / ``"test"``.
+        GSM8KNotFoundError: ``path`` (or ``$MTPSPEC_GSM8K_DIR`` when ``path`` is not given) is
+            set but is neither a file nor a folder with ``<split>.jsonl``; the message names the
+            setting and the path.
+    """
+    if split not in SPLITS:
+        raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
+    explicit = path is not None and os.fspath(path) != ""
+    if explicit:
+        given, what = os.fspath(path), source
+    elif os.environ.get(ENV_VAR):
+        given, what = os.environ[ENV_VAR], f"${ENV_VAR}"
+    else:
+        given, what = BUNDLED_DIR, "the bundled GSM8K copy"
+    if explicit and os.path.isfile(given):  # a file only as an explicit path: the variable names a folder
+        return given
+    expected = f"a GSM8K JSONL file, or a folder holding {split}.jsonl" if explicit else f"a folder holding {split}.jsonl"
+    if os.path.isdir(given):
+        f = os.path.join(given, f"{split}.jsonl")
+        if os.path.isfile(f):
+            return f
+        raise GSM8KNotFoundError(f"{what}: no {split}.jsonl in the folder {given!r} (expected {expected})")
+    raise GSM8KNotFoundError(f"{what}: no {'file or ' if explicit else ''}folder at {given!r} (expected {expected})")
+
+
+def load_split(split: str = "test", path: Union[str, "os.PathLike[str]", None] = None,
+               source: str = "--data") -> List[Dict[str, str]]:
+    """``load_gsm8k(resolve_gsm8k(split, path, source))``: the rows of one split.
+
+    Raises:
+        GSM8KNotFoundError, ValueError: as :func:`resolve_gsm8k` and :func:`load_gsm8k`.
+    """
+    return load_gsm8k(resolve_gsm8k(split, path, source))
