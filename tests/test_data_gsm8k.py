@@ -219,3 +219,33 @@ def test_generate_gsm8k_data_flag_and_env(tmp_path, monkeypatch, capsys):
     assert info.value.code == 2
     assert capsys.readouterr().err == f"error: $MTPSPEC_GSM8K_DIR: no folder at {str(tmp_path / 'missing')!r} " \
                                       "(expected a folder holding test.jsonl)\n"
+
+
+def test_inference_commands_through_the_cli_do_not_import_training():
+    """`mtpspec generate | serve | bench | eval | tp-demo` (parsing and a bad-data exit) load no
+    mtpspec.training module; `mtpspec train` does (so the check can see one)."""
+    code = """
+import json, sys
+from mtpspec.entrypoints import cli
+argv = json.loads(sys.argv[1])
+try:
+    cli.main(argv)
+except SystemExit as e:
+    code = e.code
+print(json.dumps([code, sorted(k for k in sys.modules if k.startswith("mtpspec.training"))]))
+"""
+    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    runs = {"generate": ["generate", "--gsm8k-data", "/no/such/gsm8k", "--gsm8k-question", "0"],
+            "serve": ["serve", "--help"], "bench arms": ["bench", "arms", "--help"],
+            "bench serve": ["bench", "serve", "--help"], "eval": ["eval", "gsm8k", "--help"],
+            "tp-demo": ["tp-demo", "--help"], "train": ["train", "--help"]}
+    for what, argv in runs.items():
+        p = subprocess.run([sys.executable, "-c", code, json.dumps(argv)], capture_output=True, text=True, env=env,
+                           cwd=REPO, timeout=120)
+        assert p.returncode == 0, p.stderr
+        code_, training = json.loads(p.stdout.strip().splitlines()[-1])
+        assert code_ == (2 if what == "generate" else 0), (what, p.stderr)
+        if what == "train":
+            assert "mtpspec.training.train" in training
+        else:
+            assert training == [], what

@@ -22,7 +22,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="mtpspec", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     modules = {}
+    argv = sys.argv[1:] if argv is None else list(argv)
+    chosen = next((a for a in argv if not a.startswith("-")), None)
     for name, mod_name in SUBCOMMANDS.items():
+        if chosen in SUBCOMMANDS and name != chosen:  # import only the chosen command (inference never imports training)
+            sub.add_parser(name)
+            continue
         mod = importlib.import_module(mod_name)
         mod.add_parser(sub)
         modules[name] = mod
