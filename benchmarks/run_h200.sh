@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # One H200 session's GPU work, in order of importance; each step bounded so one failure or
 # hang cannot eat the rest. Usage (on the GPU machine, repo root): bash benchmarks/run_h200.sh OUTDIR
-# GSM8K must be readable at $GSM8K (default .data/gsm8k, an ignored copy of ../shared/data/gsm8k).
+# GSM8K is read from $GSM8K (default mtpspec/data/gsm8k, the copy bundled with the package).
 set -u
 OUT=${1:?output folder}
-GSM8K=${GSM8K:-.data/gsm8k}
+GSM8K=${GSM8K:-mtpspec/data/gsm8k}
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 step() { local t=$1 name=$2; shift 2; echo "=== $name ($(date +%T))"; timeout "$t" "$@" 2>&1 | tail -n 40; echo "=== $name rc=${PIPESTATUS[0]}"; }
 step 90 top_tokens python3 benchmarks/bench_top_tokens.py --no-bytes --out "$OUT/top.json"

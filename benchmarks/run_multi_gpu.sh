@@ -2,7 +2,7 @@
 # Issue 7's multi-GPU session (2, 4 or 8 GPUs of one host), in bounded steps: one failure or hang
 # cannot eat the rest, and the whole call stays inside BUDGET_S (default 570 s, under a device
 # command's 600 s limit); steps that no longer fit are skipped and the command that resumes them
-# is printed. Usage (repo root on the GPU machine; carry .whl and .data):
+# is printed. Usage (repo root on the GPU machine; carry .whl):
 #   bash benchmarks/run_multi_gpu.sh OUTDIR [STEP ...]
 # STEPs (default: all, in this order):
 #   collectives      benchmarks/bench_draft_collectives.py at every tp in TPS
@@ -12,7 +12,7 @@
 #   arms-demo:TP:K   `mtpspec bench arms` batch1,c64 on the demo model (GSM8K prompts), --tp TP -k K
 # Environment: TPS (default: 2 4 8 up to the GPU count), KS (3 5), SCALE (0.25: preset lengths and
 # prompt counts), REPEATS (2), FORCED (rate:0.7), AIR_DIR (/tmp/glm45air_random), AIR_LAYERS (2
-# target layers, the first dense, + 1 MTP layer), GSM8K (.data/gsm8k), BUDGET_S (570), ARMS_MIN_S (400:
+# target layers, the first dense, + 1 MTP layer), GSM8K (mtpspec/data/gsm8k), BUDGET_S (570), ARMS_MIN_S (400:
 # an arms step starts only with this much budget left). One arms step is ~250 s at SCALE 0.25 on one
 # H200 (tp 1, demo model); give each device call one or two arms steps.
 set -u
@@ -29,7 +29,7 @@ REPEATS=${REPEATS:-2}
 FORCED=${FORCED:-rate:0.7}
 AIR_DIR=${AIR_DIR:-/tmp/glm45air_random}
 AIR_LAYERS=${AIR_LAYERS:-2}
-GSM8K=${GSM8K:-.data/gsm8k}
+GSM8K=${GSM8K:-mtpspec/data/gsm8k}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 # The server's wheels (fastapi, uvicorn, pydantic, opentelemetry-api, ...) travel in .whl/.
 SITE=/tmp/site

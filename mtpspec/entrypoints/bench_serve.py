@@ -42,8 +42,8 @@ class BenchConfig:
     Attributes:
         num_prompts, max_concurrency, input_len (``None``: natural GSM8K 5-shot prompts),
         output_len (``max_tokens``), prompts (``"gsm8k"`` or ``"random"``), dataset (GSM8K JSONL
-        file or folder, or ``None``: ``$MTPSPEC_GSM8K_DIR``, else the bundled test split), ignore_eos, temperature, seed, warmup (requests
-        sent first and not measured).
+        file or folder, or ``None``: ``$MTPSPEC_GSM8K_DIR``, else the bundled test split),
+        ignore_eos, temperature, seed, warmup (requests sent first and not measured).
     """
 
     num_prompts: int = 64
