@@ -180,13 +180,14 @@ print(json.dumps(sorted(k for k in sys.modules if k.startswith("mtpspec"))))
     assert [m for m in loaded if m == "mtpspec.training" or m.startswith("mtpspec.training.")] == []
 
 
-def test_generate_gsm8k_question_reads_the_bundled_copy_without_training(tmp_path, monkeypatch):
+def test_generate_gsm8k_question_reads_the_bundled_copy_without_training(tmp_path):
     """`make demo`'s prompt: the bundled test row, never a generated stand-in; no training import."""
     code = """
 import argparse, json, sys
 import mtpspec.entrypoints.generate as gen
 args = argparse.Namespace(gsm8k_data=None, gsm8k_question=[0, 2], prompt_file=None, prompt_token_ids=None, prompt=None)
-print(json.dumps({"prompts": gen._prompts(args), "training": any(k.startswith("mtpspec.training") for k in sys.modules)}))
+training = any(k.startswith("mtpspec.training") for k in sys.modules)
+print(json.dumps({"prompts": gen._prompts(args), "training": training}))
 """
     env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
     env.pop(gsm8k.ENV_VAR, None)
@@ -249,3 +250,18 @@ print(json.dumps([code, sorted(k for k in sys.modules if k.startswith("mtpspec.t
             assert "mtpspec.training.train" in training
         else:
             assert training == [], what
+
+
+def test_lm_eval_task_reads_through_resolve_gsm8k(tmp_path, monkeypatch):
+    """lm_eval_tasks/gsm8k_local_utils: --metadata data_dir, else the variable, else the bundled copy."""
+    monkeypatch.syspath_prepend(os.path.join(REPO, "lm_eval_tasks"))
+    import gsm8k_local_utils as u
+    monkeypatch.delenv(gsm8k.ENV_VAR, raising=False)
+    assert u._resolve("test") == os.path.join(bundled_gsm8k_dir(), "test.jsonl")
+    (tmp_path / "train.jsonl").write_text("")
+    monkeypatch.setenv(gsm8k.ENV_VAR, str(tmp_path))
+    assert u._resolve("train") == str(tmp_path / "train.jsonl")
+    assert u._resolve("train", bundled_gsm8k_dir()) == os.path.join(bundled_gsm8k_dir(), "train.jsonl")
+    with pytest.raises(FileNotFoundError, match=r"^--metadata data_dir: no file or folder at '/no/such'"):
+        u._resolve("test", "/no/such")
+    assert len(u._rows(u._resolve("test", bundled_gsm8k_dir()))) == 1319

@@ -25,7 +25,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     chosen = next((a for a in argv if not a.startswith("-")), None)
     for name, mod_name in SUBCOMMANDS.items():
-        if chosen in SUBCOMMANDS and name != chosen:  # import only the chosen command (inference never imports training)
+        if chosen in SUBCOMMANDS and name != chosen:  # import only the chosen command: inference never imports training
             sub.add_parser(name)
             continue
         mod = importlib.import_module(mod_name)

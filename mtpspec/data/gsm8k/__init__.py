@@ -151,7 +151,9 @@ def resolve_gsm8k(split: str = "test", path: Union[str, "os.PathLike[str]", None
         given, what = BUNDLED_DIR, "the bundled GSM8K copy"
     if explicit and os.path.isfile(given):  # a file only as an explicit path: the variable names a folder
         return given
-    expected = f"a GSM8K JSONL file, or a folder holding {split}.jsonl" if explicit else f"a folder holding {split}.jsonl"
+    expected = f"a folder holding {split}.jsonl"
+    if explicit:
+        expected = "a GSM8K JSONL file, or " + expected
     if os.path.isdir(given):
         f = os.path.join(given, f"{split}.jsonl")
         if os.path.isfile(f):
