@@ -74,12 +74,11 @@ def model_config(smoke: bool, layers: int) -> ModelConfig:
         dims = dict(hidden_size=4096, intermediate_size=10944, num_attention_heads=96, num_key_value_heads=8,
                     head_dim=128, vocab_size=151552, moe_intermediate_size=1408, n_routed_experts=128,
                     num_experts_per_tok=8)
-    cfg = ModelConfig(architecture="Glm4MoeForCausalLM", num_hidden_layers=layers, max_position_embeddings=8192,
-                      rms_norm_eps=1e-5, rope_theta=1e6, partial_rotary_factor=0.5, attention_bias=True,
-                      first_k_dense_replace=1, n_shared_experts=1, routed_scaling_factor=1.0, n_group=1,
-                      topk_group=1, num_nextn_predict_layers=1, eos_token_ids=(0,), **dims)
-    cfg.validate()
-    return cfg
+    return ModelConfig.from_dict(dict(
+        architectures=["Glm4MoeForCausalLM"], num_hidden_layers=layers, max_position_embeddings=8192,
+        rms_norm_eps=1e-5, rope_theta=1e6, partial_rotary_factor=0.5, attention_bias=True, first_k_dense_replace=1,
+        n_shared_experts=1, routed_scaling_factor=1.0, n_group=1, topk_group=1, num_nextn_predict_layers=1,
+        eos_token_id=0, **dims))
 
 
 @torch.no_grad()

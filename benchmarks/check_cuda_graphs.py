@@ -115,7 +115,8 @@ def fmt(x: Optional[float], d: int = 3) -> str:
 # ---------------------------------------------------------------------------------------- 1. engine
 def engine_check(device: torch.device, k: int, smoke: bool) -> List[Dict[str, Any]]:
     from mtpspec import LLM, SamplingParams
-    from mtpspec.models.testing import make_tiny_checkpoint
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+    from tiny_models import make_tiny_checkpoint  # test helper (needs transformers)
 
     mode = "static" if smoke else "cuda"
     max_num_seqs = 4 if smoke else 8

@@ -66,7 +66,9 @@ cat > "$OUT/make_air_ckpt.py" <<'EOF'
 import json, math, os, shutil, sys
 import torch
 from mtpspec.config import ModelConfig
-from mtpspec.models.loader import mtp_weight_specs, save_checkpoint, target_weight_specs
+from mtpspec.models.glm4_moe import target_weight_specs
+from mtpspec.models.glm4_moe_mtp import mtp_weight_specs
+from mtpspec.models.loader import save_checkpoint
 path = sys.argv[1]
 e = lambda k, d: int(os.environ.get(k, d))
 raw = dict(architectures=["Glm4MoeForCausalLM"], model_type="glm4_moe", hidden_act="silu",

@@ -70,9 +70,8 @@ class SpeculativeConfig:
 # Model config (from a checkpoint folder's config.json)
 # --------------------------------------------------------------------------------------------
 
-SUPPORTED_ARCHITECTURES = ("Glm4MoeForCausalLM",)
-
-# Keys a config.json must carry (no sensible default exists for them).
+# Keys every config.json must carry, whatever the architecture (no sensible default exists for
+# them); an architecture's own part may require more.
 _REQUIRED_KEYS = ("architectures", "hidden_size", "intermediate_size", "num_hidden_layers",
                   "num_attention_heads", "vocab_size", "max_position_embeddings",
                   "n_routed_experts", "num_experts_per_tok", "moe_intermediate_size")
@@ -97,30 +96,73 @@ def _dtype_from_name(name: Any) -> Any:
     return table[key]
 
 
+def require_int(name: str, value: Any, minimum: int = 1) -> None:
+    """Raise ModelConfigError unless ``value`` is an int (not a bool) >= ``minimum`` (1 or 0)."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        expected = "a positive int" if minimum == 1 else f"an int >= {minimum}"
+        raise ModelConfigError(f"config value {name}={value!r} is impossible; expected {expected}")
+
+
+def rope_parameters(raw: Dict[str, Any]) -> Dict[str, Any]:
+    """``raw["rope_parameters"]`` (the Hugging Face >= 5 spelling of the rope keys), ``{}`` when absent.
+
+    Raises:
+        ModelConfigError: it is present but not a JSON object.
+    """
+    params = raw.get("rope_parameters") or {}
+    if not isinstance(params, dict):
+        raise ModelConfigError(f"config key 'rope_parameters' must be an object, got {params!r}")
+    return params
+
+
+class ArchConfig:
+    """The architecture-specific part of a :class:`ModelConfig` (``ModelConfig.arch``).
+
+    Each architecture subclasses it (as a dataclass) in its own module and names that class in
+    :mod:`mtpspec.models.registry`; :meth:`ModelConfig.from_dict` calls :meth:`from_dict` after
+    the common keys are checked and :meth:`validate` / :meth:`verify_tensor_parallel` after the
+    common checks. Its fields are readable on the ``ModelConfig`` itself (``cfg.head_dim`` is
+    ``cfg.arch.head_dim``).
+    """
+
+    @classmethod
+    def from_dict(cls, raw: Dict[str, Any]) -> "ArchConfig":
+        """Read this architecture's fields from a parsed ``config.json`` (common keys present).
+
+        Raises:
+            ModelConfigError: a value this architecture cannot run.
+        """
+        raise NotImplementedError
+
+    def validate(self, config: "ModelConfig") -> None:
+        """Check this part's values against the whole config (any tp). Raises ModelConfigError."""
+
+    def verify_tensor_parallel(self, config: "ModelConfig", tp: int) -> None:
+        """Check this part can be split over ``tp`` ranks (heads checked already). Raises ModelConfigError."""
+
+
 @dataclass
 class ModelConfig:
-    """A GLM-4.5-family (``Glm4MoeForCausalLM``) model description, read from ``config.json``.
+    """A model description read from ``config.json``: the fields every supported architecture
+    shares, plus ``arch``, the architecture's own part (e.g. GLM-4.5's grouped-query attention
+    fields in :class:`mtpspec.models.glm4_moe_config.Glm4MoeArchConfig`).
 
-    Field names follow Hugging Face's ``Glm4MoeConfig``. Optional keys take Hugging Face's
-    defaults (listed below) when absent; the keys in ``_REQUIRED_KEYS`` must be present.
+    Field names follow Hugging Face's configs (``Glm4MoeConfig``, ``DeepseekV3Config``). Optional
+    keys take Hugging Face's defaults (listed below) when absent; the keys in ``_REQUIRED_KEYS``
+    must be present. The architecture is the first entry of ``architectures`` that
+    :mod:`mtpspec.models.registry` lists.
 
     Attributes:
-        architecture: ``"Glm4MoeForCausalLM"`` (the only supported one).
+        architecture: the registry name, e.g. ``"Glm4MoeForCausalLM"``.
         hidden_size, intermediate_size (dense MLP), moe_intermediate_size (per expert),
-        num_hidden_layers (target decoder layers, MTP layers excluded),
-        num_attention_heads, num_key_value_heads (default: num_attention_heads),
-        head_dim (default: hidden_size // num_attention_heads), vocab_size,
-        max_position_embeddings: sizes.
+        num_hidden_layers (target decoder layers, MTP layers excluded), num_attention_heads,
+        vocab_size, max_position_embeddings: sizes.
+        arch: the architecture's part (an :class:`ArchConfig`); its fields are also readable
+            as attributes of this config (``cfg.num_key_value_heads``, ``cfg.head_dim``,
+            ``cfg.rotary_dim`` for GLM-4.5), not settable through it.
         rms_norm_eps: RMSNorm epsilon (default 1e-5).
         rope_theta: rotary base (default 10000); read from the top level or from
             ``rope_parameters`` (Hugging Face >= 5 spelling).
-        partial_rotary_factor: fraction of head_dim that is rotated (default 0.5, Hugging
-            Face's GLM-4-MoE default); same two spellings.
-        rotary_dim: ``int(head_dim * partial_rotary_factor)``, even and > 0.
-        rope_is_neox_style: GLM-4-MoE rotates the two halves of the rotary part
-            (``rotate_half``), i.e. neox style: ``True``.
-        attention_bias: q/k/v projections carry a bias (default False; o_proj never does).
-        use_qk_norm: per-head RMSNorm on q and k before rotary (default False).
         first_k_dense_replace: the first k layers use the dense MLP, the rest MoE (default 1).
         n_routed_experts, num_experts_per_tok (top-k), n_shared_experts (default 1),
         routed_scaling_factor (default 1.0), norm_topk_prob (default True),
@@ -135,8 +177,8 @@ class ModelConfig:
         model_path: the folder it was read from, or None.
 
     Raises (from :meth:`from_dict` / :meth:`from_pretrained` / :meth:`verify_tensor_parallel`):
-        ModelConfigError: naming the unsupported architecture, the missing key, or the
-            impossible value and what was expected.
+        ModelConfigError: naming the unsupported architecture (and the supported ones), the
+            missing key, or the impossible value and what was expected.
     """
 
     architecture: str
@@ -144,16 +186,11 @@ class ModelConfig:
     intermediate_size: int
     num_hidden_layers: int
     num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
     vocab_size: int
     max_position_embeddings: int
+    arch: ArchConfig
     rms_norm_eps: float = 1e-5
     rope_theta: float = 10000.0
-    partial_rotary_factor: float = 0.5
-    rope_is_neox_style: bool = True
-    attention_bias: bool = False
-    use_qk_norm: bool = False
     first_k_dense_replace: int = 1
     n_routed_experts: int = 0
     num_experts_per_tok: int = 0
@@ -171,6 +208,23 @@ class ModelConfig:
     eos_token_ids: tuple = ()
     dtype: Any = None
     model_path: Optional[str] = None
+
+    # ---------------------------------------------------------------- the architecture's part
+    def __getattr__(self, name: str) -> Any:
+        # Only called when normal lookup fails: forward to the architecture's part.
+        arch = self.__dict__.get("arch")
+        if arch is None or name.startswith("__"):
+            raise AttributeError(f"'ModelConfig' object has no attribute {name!r}")
+        try:
+            return getattr(arch, name)
+        except AttributeError:
+            raise AttributeError(f"'ModelConfig' object has no attribute {name!r} (nor has its "
+                                 f"{type(arch).__name__} part)") from None
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name not in self.__dataclass_fields__ and hasattr(self.__dict__.get("arch"), name):
+            raise AttributeError(f"{name!r} belongs to the {type(self.arch).__name__} part: set config.arch.{name}")
+        object.__setattr__(self, name, value)
 
     # ---------------------------------------------------------------- construction
     @classmethod
@@ -197,7 +251,9 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, raw: Dict[str, Any]) -> "ModelConfig":
-        """Build from a parsed ``config.json`` dict (see the class docstring)."""
+        """Build from a parsed ``config.json`` dict (see the class docstring); the architecture's
+        part is parsed by the ``ArchConfig`` class the registry names for it."""
+        from mtpspec.models.registry import supported_architectures
         if not isinstance(raw, dict):
             raise ModelConfigError(f"config must be a JSON object, got {type(raw).__name__}")
         for key in _REQUIRED_KEYS:
@@ -206,38 +262,22 @@ class ModelConfig:
         archs = raw["architectures"]
         if not isinstance(archs, list) or not archs:
             raise ModelConfigError(f"config key 'architectures' must be a non-empty list, got {archs!r}")
-        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
-        if arch is None:
-            raise ModelConfigError(f"unsupported architecture {archs!r}; supported: {list(SUPPORTED_ARCHITECTURES)}")
+        supported = supported_architectures()
+        arch_name = next((a for a in archs if a in supported), None)
+        if arch_name is None:
+            raise ModelConfigError(f"unsupported architecture {archs!r}; supported: {supported}")
+        from mtpspec.models.registry import get_architecture
+        rope_theta = rope_parameters(raw).get("rope_theta", raw.get("rope_theta", 10000.0))
+        arch = get_architecture(arch_name).config_class().from_dict(raw)
 
-        # Rope: top-level spelling, or rope_parameters (HF >= 5), or legacy rope_scaling.
-        rope_params = raw.get("rope_parameters") or {}
-        if not isinstance(rope_params, dict):
-            raise ModelConfigError(f"config key 'rope_parameters' must be an object, got {rope_params!r}")
-        rope_scaling = raw.get("rope_scaling") or {}
-        for source, params in (("rope_parameters", rope_params), ("rope_scaling", rope_scaling)):
-            rtype = params.get("rope_type", params.get("type", "default")) if isinstance(params, dict) else None
-            if rtype not in ("default", None):
-                raise ModelConfigError(f"unsupported {source} rope_type {rtype!r}; only 'default' rope is supported")
-        rope_theta = rope_params.get("rope_theta", raw.get("rope_theta", 10000.0))
-        prf = rope_params.get("partial_rotary_factor", raw.get("partial_rotary_factor", 0.5))
-
-        heads = raw["num_attention_heads"]
-        hidden = raw["hidden_size"]
-        kv_heads = raw.get("num_key_value_heads") or heads
-        head_dim = raw.get("head_dim") or (hidden // heads if isinstance(heads, int) and heads > 0 else 0)
         eos = raw.get("eos_token_id")
         eos_ids = () if eos is None else (tuple(eos) if isinstance(eos, (list, tuple)) else (eos,))
         dtype_name = raw.get("torch_dtype", raw.get("dtype")) or "float32"
-
         cfg = cls(
-            architecture=arch, hidden_size=hidden, intermediate_size=raw["intermediate_size"],
-            num_hidden_layers=raw["num_hidden_layers"], num_attention_heads=heads,
-            num_key_value_heads=kv_heads, head_dim=head_dim, vocab_size=raw["vocab_size"],
-            max_position_embeddings=raw["max_position_embeddings"],
+            architecture=arch_name, hidden_size=raw["hidden_size"], intermediate_size=raw["intermediate_size"],
+            num_hidden_layers=raw["num_hidden_layers"], num_attention_heads=raw["num_attention_heads"],
+            vocab_size=raw["vocab_size"], max_position_embeddings=raw["max_position_embeddings"], arch=arch,
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-5)), rope_theta=float(rope_theta),
-            partial_rotary_factor=float(prf), attention_bias=bool(raw.get("attention_bias", False)),
-            use_qk_norm=bool(raw.get("use_qk_norm", False)),
             first_k_dense_replace=raw.get("first_k_dense_replace", 1),
             n_routed_experts=raw["n_routed_experts"], num_experts_per_tok=raw["num_experts_per_tok"],
             n_shared_experts=raw.get("n_shared_experts", 1) or 0,
@@ -256,11 +296,6 @@ class ModelConfig:
 
     # ---------------------------------------------------------------- derived
     @property
-    def rotary_dim(self) -> int:
-        """Rotated channels per head: ``int(head_dim * partial_rotary_factor)``."""
-        return int(self.head_dim * self.partial_rotary_factor)
-
-    @property
     def num_mtp_layers(self) -> int:
         """Alias of ``num_nextn_predict_layers``."""
         return self.num_nextn_predict_layers
@@ -271,34 +306,23 @@ class ModelConfig:
 
     # ---------------------------------------------------------------- checks
     def validate(self) -> None:
-        """Check values that make no sense at any tp. Raises ModelConfigError naming the field."""
-        positive = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                    "num_key_value_heads", "head_dim", "vocab_size", "max_position_embeddings",
-                    "n_routed_experts", "num_experts_per_tok", "moe_intermediate_size", "n_group",
-                    "topk_group")
-        for name in positive:
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
-                raise ModelConfigError(f"config value {name}={v!r} is impossible; expected a positive int")
+        """Check values that make no sense at any tp: the common fields, then ``arch.validate``.
+
+        Raises:
+            ModelConfigError: naming the field.
+        """
+        for name in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size",
+                     "max_position_embeddings", "n_routed_experts", "num_experts_per_tok", "moe_intermediate_size",
+                     "n_group", "topk_group"):
+            require_int(name, getattr(self, name))
         for name in ("first_k_dense_replace", "n_shared_experts", "num_nextn_predict_layers"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
-                raise ModelConfigError(f"config value {name}={v!r} is impossible; expected an int >= 0")
+            require_int(name, getattr(self, name), minimum=0)
         if self.hidden_act != "silu":
             raise ModelConfigError(f"unsupported hidden_act {self.hidden_act!r}; expected 'silu'")
         if not self.rms_norm_eps > 0:
             raise ModelConfigError(f"config value rms_norm_eps={self.rms_norm_eps!r} is impossible; expected > 0")
         if not self.rope_theta > 0:
             raise ModelConfigError(f"config value rope_theta={self.rope_theta!r} is impossible; expected > 0")
-        if not 0 < self.partial_rotary_factor <= 1:
-            raise ModelConfigError(f"config value partial_rotary_factor={self.partial_rotary_factor!r} is "
-                                   "impossible; expected 0 < factor <= 1")
-        if self.rotary_dim <= 0 or self.rotary_dim % 2:
-            raise ModelConfigError(f"rotary dim int(head_dim * partial_rotary_factor) = {self.rotary_dim} "
-                                   f"(head_dim={self.head_dim}) must be even and > 0")
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise ModelConfigError(f"num_attention_heads={self.num_attention_heads} is not divisible by "
-                                   f"num_key_value_heads={self.num_key_value_heads}")
         if self.num_experts_per_tok > self.n_routed_experts:
             raise ModelConfigError(f"num_experts_per_tok={self.num_experts_per_tok} exceeds "
                                    f"n_routed_experts={self.n_routed_experts}")
@@ -317,13 +341,14 @@ class ModelConfig:
         if self.routed_scaling_factor <= 0:
             raise ModelConfigError(f"config value routed_scaling_factor={self.routed_scaling_factor!r} is "
                                    "impossible; expected > 0")
+        self.arch.validate(self)
 
     def verify_tensor_parallel(self, tp: int) -> None:
         """Check the model can be split over ``tp`` ranks.
 
-        Attention heads must divide evenly; kv heads either divide evenly (``kv % tp == 0``) or
-        are replicated (``tp % kv == 0``, each rank keeps one kv head); the dense and expert
-        intermediate sizes must divide evenly.
+        Attention heads must divide evenly, then the architecture's own attention split is
+        checked (``arch.verify_tensor_parallel``), then the dense and expert intermediate sizes
+        must divide evenly.
 
         Raises:
             ModelConfigError: naming the value that cannot be split.
@@ -333,10 +358,7 @@ class ModelConfig:
         if self.num_attention_heads % tp:
             raise ModelConfigError(f"num_attention_heads={self.num_attention_heads} is not divisible by "
                                    f"tensor_parallel_size={tp}")
-        kv = self.num_key_value_heads
-        if kv % tp and tp % kv:
-            raise ModelConfigError(f"num_key_value_heads={kv} cannot be split over tensor_parallel_size={tp}: "
-                                   "need kv % tp == 0 (sharded) or tp % kv == 0 (replicated)")
+        self.arch.verify_tensor_parallel(self, tp)
         if self.intermediate_size % tp:
             raise ModelConfigError(f"intermediate_size={self.intermediate_size} is not divisible by "
                                    f"tensor_parallel_size={tp}")

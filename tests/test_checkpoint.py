@@ -14,7 +14,7 @@ from mtpspec.models import (
     CorruptCheckpointError, MissingKeyError, ShapeMismatchError, UnexpectedKeyError, UnsupportedDtypeError,
     export_hf_state_dict, load_models, load_target_model, save_checkpoint)
 from mtpspec.models.loader import CheckpointReader, read_checkpoint_tensors
-from mtpspec.models.testing import make_tiny_checkpoint
+from tiny_models import make_tiny_checkpoint
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -22,7 +22,7 @@ torch.set_num_threads(1)  # the CI box has 2 cores shared by several processes
 
 def make_model(path: str, seed: int = 0, num_mtp_layers: int = 1, tokenizer: bool = True, **overrides) -> Tuple:
     """Write the checkpoint (and tokenizer) to ``path``; returns ``(hf_model, config)``."""
-    from mtpspec.models.testing import make_tiny_checkpoint
+    from tiny_models import make_tiny_checkpoint
     hf, cfg = make_tiny_checkpoint(path, seed=seed, num_mtp_layers=num_mtp_layers, **overrides)
     if tokenizer:
         write_word_tokenizer(path, cfg.vocab_size)

@@ -13,7 +13,7 @@ from mtpspec.layers.attention import (
     allocate_kv_caches, build_attention_metadata, collect_attention_layers, set_forward_context)
 from mtpspec.models import load_models, save_checkpoint, supports_local_argmax
 from mtpspec.models.loader import read_checkpoint_tensors
-from mtpspec.models.testing import make_tiny_checkpoint
+from tiny_models import make_tiny_checkpoint
 
 ATOL, RTOL = 1e-4, 1e-5
 

@@ -19,7 +19,7 @@ import torch
 from mtpspec.distributed import comm_stats, get_tensor_model_parallel_rank, launch, reset_comm_stats
 from mtpspec.layers.attention import allocate_kv_caches, build_attention_metadata, set_forward_context
 from mtpspec.models import load_models, supports_local_argmax
-from mtpspec.models.testing import make_tiny_checkpoint
+from tiny_models import make_tiny_checkpoint
 
 VARIANTS = {
     "plain": dict(num_mtp_layers=2),

@@ -55,7 +55,7 @@ def write_bpe_tokenizer(path: str, vocab_size: int = VOCAB) -> int:
 
 def make_served_model(path: str, seed: int = 0, **overrides) -> None:
     """Checkpoint + tokenizer in ``path`` (vocab 301, 2048 positions, EOS id 0)."""
-    from mtpspec.models.testing import make_tiny_checkpoint
+    from tiny_models import make_tiny_checkpoint
     cfg = dict(vocab_size=VOCAB, max_position_embeddings=MAX_POS, eos_token_id=0, bos_token_id=0)
     cfg.update(overrides)
     make_tiny_checkpoint(path, seed=seed, num_mtp_layers=1, **cfg)

@@ -1,15 +1,33 @@
-"""GLM-4.5-family target model, its MTP draft layers, and the checkpoint loader / writer."""
+"""Model classes, the model registry, and the checkpoint loader / writer.
 
-from mtpspec.models.glm4_moe import Glm4MoeForCausalLM
-from mtpspec.models.glm4_moe_mtp import Glm4MoeMTP, MultiTokenPredictorLayer
-from mtpspec.models.interfaces import SupportsLocalArgmax, supports_local_argmax
-from mtpspec.models.loader import (
-    CheckpointError, CorruptCheckpointError, MissingKeyError, ShapeMismatchError, UnexpectedKeyError,
-    UnsupportedDtypeError, export_hf_state_dict, load_models, load_target_model, save_checkpoint)
+Names are imported lazily (``from mtpspec.models import load_models`` imports the loader then),
+so ``mtpspec.models.registry`` and the architectures' config parts can be read without
+importing any model code. The supported architectures: :mod:`mtpspec.models.registry`.
+"""
 
-__all__ = [
-    "CheckpointError", "CorruptCheckpointError", "Glm4MoeForCausalLM", "Glm4MoeMTP", "MissingKeyError",
-    "MultiTokenPredictorLayer", "ShapeMismatchError", "SupportsLocalArgmax", "UnexpectedKeyError",
-    "UnsupportedDtypeError", "export_hf_state_dict", "load_models", "load_target_model", "save_checkpoint",
-    "supports_local_argmax",
-]
+from typing import Any
+
+_LAZY = {
+    "Glm4MoeForCausalLM": "mtpspec.models.glm4_moe",
+    "Glm4MoeMTP": "mtpspec.models.glm4_moe_mtp",
+    "MultiTokenPredictorLayer": "mtpspec.models.glm4_moe_mtp",
+    "SupportsLocalArgmax": "mtpspec.models.interfaces",
+    "supports_local_argmax": "mtpspec.models.interfaces",
+    "WeightSpec": "mtpspec.models.interfaces",
+    "supported_architectures": "mtpspec.models.registry",
+    "get_architecture": "mtpspec.models.registry",
+    **{name: "mtpspec.models.loader" for name in (
+        "CheckpointError", "CorruptCheckpointError", "MissingKeyError", "ShapeMismatchError", "UnexpectedKeyError",
+        "UnsupportedDtypeError", "export_hf_state_dict", "load_models", "load_target_model", "save_checkpoint")},
+}
+
+__all__ = sorted(_LAZY)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'mtpspec.models' has no attribute {name!r}")

@@ -16,11 +16,21 @@ Per decoder layer ``l``::
 
 and the model ends with ``norm(h, residual)``. Attention reads the forward context
 (:mod:`mtpspec.layers.attention`).
+
+Checkpoint layout (what ``transformers`` writes with ``save_pretrained``; :func:`target_weight_specs`):
+``model.embed_tokens.weight``, ``model.layers.{i}.…`` (``self_attn.{q,k,v,o}_proj``, optional
+``q_norm`` / ``k_norm`` / q,k,v biases, ``input_layernorm``, ``post_attention_layernorm``, dense
+``mlp.{gate,up,down}_proj`` or MoE ``mlp.gate.weight``, ``mlp.gate.e_score_correction_bias``,
+``mlp.experts.{e}.{gate,up,down}_proj.weight``, ``mlp.shared_experts.{gate,up,down}_proj.weight``),
+``model.norm.weight``, ``lm_head.weight`` (absent when ``tie_word_embeddings``). Experts may
+instead be stored fused, as ``transformers`` >= 5 keeps them in memory: ``mlp.experts.gate_up_proj
+[E, 2I, H]`` (gate rows first) and ``mlp.experts.down_proj [E, H, I]``; either layout loads (not
+both at once). The architecture's config part: :mod:`mtpspec.models.glm4_moe_config`.
 """
 
 from __future__ import annotations
 
-from typing import ClassVar, Literal, Optional, Tuple
+from typing import ClassVar, Dict, Literal, Optional, Tuple
 
 import torch
 from torch import nn
@@ -35,6 +45,7 @@ from mtpspec.layers.linear import MergedColumnParallelLinear, QKVParallelLinear,
 from mtpspec.layers.logits_processor import LogitsProcessor
 from mtpspec.layers.rotary_embedding import get_rope
 from mtpspec.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
+from mtpspec.models.interfaces import WeightSpec
 
 
 class Glm4MoeMLP(nn.Module):
@@ -255,3 +266,70 @@ class Glm4MoeForCausalLM(nn.Module):
         """Greedy ids ``[num_tokens]`` int64, ``== compute_logits(h).argmax(-1)``, by vocab-parallel
         local argmax (``spec_step_idx`` is ignored; it keeps one signature with the MTP model)."""
         return self.logits_processor.get_top_tokens(self.lm_head, hidden_states)
+
+
+# ------------------------------------------------------------------------------------------- weight specs
+def decoder_layer_weight_specs(cfg: ModelConfig, layer_idx: int, ck: str, mp: str) -> Dict[str, WeightSpec]:
+    """Checkpoint key -> :class:`WeightSpec` of one :class:`Glm4MoeDecoderLayer`.
+
+    Args:
+        cfg: the model config.
+        layer_idx: the layer's checkpoint index (decides dense MLP vs MoE).
+        ck: checkpoint key prefix, e.g. ``"model.layers.3."``.
+        mp: parameter name prefix of the layer inside the module being loaded.
+
+    Both expert layouts are listed (``layout`` ``":per_expert"`` / ``":fused"``).
+    """
+    h, hd = cfg.hidden_size, cfg.head_dim
+    nq, nkv = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd
+    s: Dict[str, WeightSpec] = {
+        f"{ck}input_layernorm.weight": WeightSpec(f"{mp}input_layernorm.weight", (h,)),
+        f"{ck}post_attention_layernorm.weight": WeightSpec(f"{mp}post_attention_layernorm.weight", (h,)),
+        f"{ck}self_attn.o_proj.weight": WeightSpec(f"{mp}self_attn.o_proj.weight", (h, nq)),
+    }
+    for name, start, rows in (("q", 0, nq), ("k", nq, nkv), ("v", nq + nkv, nkv)):
+        span = (start, start + rows)
+        s[f"{ck}self_attn.{name}_proj.weight"] = WeightSpec(f"{mp}self_attn.qkv_proj.weight", (rows, h), name,
+                                                            rows=span)
+        if cfg.attention_bias:
+            s[f"{ck}self_attn.{name}_proj.bias"] = WeightSpec(f"{mp}self_attn.qkv_proj.bias", (rows,), name,
+                                                              rows=span)
+    if cfg.use_qk_norm:
+        s[f"{ck}self_attn.q_norm.weight"] = WeightSpec(f"{mp}self_attn.q_norm.weight", (hd,))
+        s[f"{ck}self_attn.k_norm.weight"] = WeightSpec(f"{mp}self_attn.k_norm.weight", (hd,))
+
+    def mlp(ckp: str, mpp: str, inter: int) -> None:
+        s[f"{ckp}gate_proj.weight"] = WeightSpec(f"{mpp}gate_up_proj.weight", (inter, h), 0, rows=(0, inter))
+        s[f"{ckp}up_proj.weight"] = WeightSpec(f"{mpp}gate_up_proj.weight", (inter, h), 1, rows=(inter, 2 * inter))
+        s[f"{ckp}down_proj.weight"] = WeightSpec(f"{mpp}down_proj.weight", (h, inter))
+
+    if not cfg.is_moe_layer(layer_idx):
+        mlp(f"{ck}mlp.", f"{mp}mlp.", cfg.intermediate_size)
+        return s
+    e, i = cfg.n_routed_experts, cfg.moe_intermediate_size
+    s[f"{ck}mlp.gate.weight"] = WeightSpec(f"{mp}mlp.gate.weight", (e, h))
+    s[f"{ck}mlp.gate.e_score_correction_bias"] = WeightSpec(f"{mp}mlp.gate.e_score_correction_bias", (e,))
+    group = f"{ck}mlp.experts"
+    w13, w2 = f"{mp}mlp.experts.w13_weight", f"{mp}mlp.experts.w2_weight"
+    for x in range(e):
+        per = f"{group}:per_expert"
+        s[f"{ck}mlp.experts.{x}.gate_proj.weight"] = WeightSpec(w13, (i, h), "w1", x, per, rows=(0, i))
+        s[f"{ck}mlp.experts.{x}.up_proj.weight"] = WeightSpec(w13, (i, h), "w3", x, per, rows=(i, 2 * i))
+        s[f"{ck}mlp.experts.{x}.down_proj.weight"] = WeightSpec(w2, (h, i), "w2", x, per)
+    s[f"{ck}mlp.experts.gate_up_proj"] = WeightSpec(w13, (e, 2 * i, h), "w13", None, f"{group}:fused")
+    s[f"{ck}mlp.experts.down_proj"] = WeightSpec(w2, (e, h, i), "w2", None, f"{group}:fused")
+    if cfg.n_shared_experts > 0:
+        mlp(f"{ck}mlp.shared_experts.", f"{mp}mlp.shared_experts.", i * cfg.n_shared_experts)
+    return s
+
+
+def target_weight_specs(cfg: ModelConfig) -> Dict[str, WeightSpec]:
+    """Checkpoint key -> :class:`WeightSpec` for the target model (:class:`Glm4MoeForCausalLM`)."""
+    v, h = cfg.vocab_size, cfg.hidden_size
+    s = {"model.embed_tokens.weight": WeightSpec("model.embed_tokens.weight", (v, h)),
+         "model.norm.weight": WeightSpec("model.norm.weight", (h,)),
+         "lm_head.weight": WeightSpec("lm_head.weight", (v, h), optional=cfg.tie_word_embeddings,
+                                      ignored=cfg.tie_word_embeddings)}
+    for i in range(cfg.num_hidden_layers):
+        s.update(decoder_layer_weight_specs(cfg, i, f"model.layers.{i}.", f"model.layers.{i}."))
+    return s

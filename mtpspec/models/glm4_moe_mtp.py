@@ -23,12 +23,13 @@ undone, so the tail finishes it together with the residual add and the norm:
 Checkpoint layout (Hugging Face): MTP layer ``k`` lives at ``model.layers.{num_hidden_layers + k}.``
 with ``enorm``, ``hnorm``, ``eh_proj``, ``shared_head.norm``, optional ``shared_head.head`` and
 ``embed_tokens``, and the block's ``self_attn``, ``mlp``, ``input_layernorm``,
-``post_attention_layernorm``; here the block's weights sit under ``mtp_block.``.
+``post_attention_layernorm``; here the block's weights sit under ``mtp_block.``
+(:func:`mtp_weight_specs`).
 """
 
 from __future__ import annotations
 
-from typing import ClassVar, Literal, Optional, Sequence, Union
+from typing import ClassVar, Dict, Literal, Optional, Sequence, Union
 
 import torch
 from torch import nn
@@ -41,7 +42,8 @@ from mtpspec.layers.layernorm import RMSNorm
 from mtpspec.layers.linear import ReplicatedLinear
 from mtpspec.layers.logits_processor import LogitsProcessor
 from mtpspec.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
-from mtpspec.models.glm4_moe import Glm4MoeDecoderLayer
+from mtpspec.models.glm4_moe import Glm4MoeDecoderLayer, decoder_layer_weight_specs
+from mtpspec.models.interfaces import WeightSpec
 
 
 class SharedHead(nn.Module):
@@ -179,11 +181,12 @@ class Glm4MoeMTP(nn.Module):
         embed_tokens: the target's ``VocabParallelEmbedding`` (shared, not copied).
         lm_head: the target's ``ParallelLMHead`` (used for layers whose head is tied).
         tie_heads: per MTP layer (or one bool for all), whether its ``shared_head.head`` is the
-            target's ``lm_head`` (checkpoint without ``shared_head.head``) rather than its own.
+            target's ``lm_head`` (checkpoint without ``shared_head.head``) rather than its own;
+            kept as ``self.tie_heads`` (a list, one bool per layer).
         fuse_allreduce_rmsnorm, sequence_parallel: the tail variant (module docstring).
         params_dtype: parameter dtype (default ``config.dtype``).
 
-    Use :func:`mtpspec.models.loader.load_mtp_model` to build one from a checkpoint.
+    Use :func:`mtpspec.models.loader.load_models` to build one from a checkpoint.
 
     Every method takes ``spec_step_idx`` (the draft step, 0-based) and uses layer
     ``spec_step_idx % num_mtp_layers``:
@@ -216,6 +219,7 @@ class Glm4MoeMTP(nn.Module):
         dtype = params_dtype or config.dtype or torch.get_default_dtype()
         self.config = config
         self.params_dtype = dtype
+        self.tie_heads = ties
         self.embed_tokens = embed_tokens
         self.model = MultiTokenPredictor(config, dtype, [lm_head if t else None for t in ties],
                                          fuse_allreduce_rmsnorm, sequence_parallel)
@@ -267,3 +271,22 @@ class Glm4MoeMTP(nn.Module):
     def get_top_tokens(self, hidden_states: torch.Tensor, spec_step_idx: int = 0) -> torch.Tensor:
         """Greedy draft ids ``[num_tokens]`` int64 by vocab-parallel local argmax (no logits gathered)."""
         return self.logits_processor.get_top_tokens(self.get_layer(spec_step_idx).shared_head.head, hidden_states)
+
+
+def mtp_weight_specs(cfg: ModelConfig) -> Dict[str, WeightSpec]:
+    """Checkpoint key -> :class:`WeightSpec` for the MTP model (:class:`Glm4MoeMTP`): layer ``k``
+    of ``num_nextn_predict_layers`` at ``model.layers.{num_hidden_layers + k}.`` (module docstring)."""
+    v, h = cfg.vocab_size, cfg.hidden_size
+    s: Dict[str, WeightSpec] = {}
+    for k in range(cfg.num_nextn_predict_layers):
+        idx = cfg.num_hidden_layers + k
+        ck = mp = f"model.layers.{idx}."
+        s[f"{ck}enorm.weight"] = WeightSpec(f"{mp}enorm.weight", (h,))
+        s[f"{ck}hnorm.weight"] = WeightSpec(f"{mp}hnorm.weight", (h,))
+        s[f"{ck}eh_proj.weight"] = WeightSpec(f"{mp}eh_proj.weight", (h, 2 * h))
+        s[f"{ck}shared_head.norm.weight"] = WeightSpec(f"{mp}shared_head.norm.weight", (h,))
+        s[f"{ck}shared_head.head.weight"] = WeightSpec(f"{mp}shared_head.head.weight", (v, h), optional=True,
+                                                       tied_head=True)
+        s[f"{ck}embed_tokens.weight"] = WeightSpec("", (v, h), optional=True, ignored=True)
+        s.update(decoder_layer_weight_specs(cfg, idx, ck, f"{mp}mtp_block."))
+    return s

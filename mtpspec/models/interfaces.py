@@ -1,8 +1,10 @@
-"""Typed capabilities a model may offer to the engine; callers check them explicitly."""
+"""Typed capabilities a model may offer to the engine (callers check them explicitly), and
+:class:`WeightSpec`, the contract between a model's weight-spec functions and the loader."""
 
 from __future__ import annotations
 
-from typing import ClassVar, Literal, Protocol, runtime_checkable
+from dataclasses import dataclass
+from typing import Any, ClassVar, Literal, Optional, Protocol, Tuple, runtime_checkable
 
 import torch
 
@@ -29,3 +31,34 @@ class SupportsLocalArgmax(Protocol):
 def supports_local_argmax(model: object) -> bool:
     """Whether ``model`` implements :class:`SupportsLocalArgmax` (and says so)."""
     return isinstance(model, SupportsLocalArgmax) and getattr(model, "supports_local_argmax", False) is True
+
+
+@dataclass(frozen=True)
+class WeightSpec:
+    """Where one checkpoint tensor goes (one value of a weight-spec function's result).
+
+    Attributes:
+        param: dotted parameter name inside the module being loaded.
+        shape: the full (unsharded) shape the checkpoint tensor must have.
+        shard_id: ``weight_loader``'s shard id (``"q"/"k"/"v"``, ``0/1``, ``"w1"/"w3"/"w2"/"w13"``).
+        expert_id: the expert for per-expert MoE tensors (``None`` otherwise).
+        layout: ``None``, or ``"{experts prefix}:per_expert"`` / ``"{experts prefix}:fused"`` for
+            the two alternative expert layouts (exactly one must be present).
+        optional: may be absent (``shared_head.head``, MTP ``embed_tokens``, tied ``lm_head``).
+        ignored: recognised but not loaded (MTP ``embed_tokens``, a tied ``lm_head``).
+        rows: for export, the rows ``[start, stop)`` of the tp-1 parameter (of its
+            ``expert_id`` slice for per-expert tensors) that hold this tensor; ``None``: the
+            whole parameter, or its first ``shape[0]`` rows when it is padded (the vocab).
+        tied_head: an MTP layer's own LM head (one such spec per MTP layer, in layer order):
+            when it is absent from the checkpoint the layer uses the target's ``lm_head``.
+    """
+
+    param: str
+    shape: Tuple[int, ...]
+    shard_id: Any = None
+    expert_id: Optional[int] = None
+    layout: Optional[str] = None
+    optional: bool = False
+    ignored: bool = False
+    rows: Optional[Tuple[int, int]] = None
+    tied_head: bool = False

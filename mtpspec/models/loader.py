@@ -1,18 +1,12 @@
-"""Load GLM-4.5-family checkpoints (Hugging Face safetensors layout) into TP-sharded models; write them.
+"""Load checkpoints (Hugging Face safetensors layout) into TP-sharded models; write them.
 
-On-disk layout (what ``transformers`` writes with ``save_pretrained``):
-
-* target: ``model.embed_tokens.weight``, ``model.layers.{i}.…`` (``self_attn.{q,k,v,o}_proj``,
-  optional ``q_norm`` / ``k_norm`` / q,k,v biases, ``input_layernorm``,
-  ``post_attention_layernorm``, dense ``mlp.{gate,up,down}_proj`` or MoE ``mlp.gate.weight``,
-  ``mlp.gate.e_score_correction_bias``, ``mlp.experts.{e}.{gate,up,down}_proj.weight``,
-  ``mlp.shared_experts.{gate,up,down}_proj.weight``), ``model.norm.weight``, ``lm_head.weight``
-  (absent when ``tie_word_embeddings``). Experts may instead be stored fused, as
-  ``transformers`` >= 5 keeps them in memory: ``mlp.experts.gate_up_proj [E, 2I, H]`` (gate rows
-  first) and ``mlp.experts.down_proj [E, H, I]``; either layout loads (not both at once).
-* MTP layer ``k`` at ``model.layers.{num_hidden_layers + k}.``: ``enorm``, ``hnorm``, ``eh_proj``,
-  ``shared_head.norm``, optional ``shared_head.head`` (absent: tied to the target's lm_head) and
-  ``embed_tokens`` (ignored: the target's embedding is shared), plus a decoder block's keys.
+Architecture-agnostic: the model classes and the checkpoint layout come from
+:mod:`mtpspec.models.registry` (each architecture's weight-spec functions map every checkpoint
+key to a :class:`~mtpspec.models.interfaces.WeightSpec`; e.g. GLM-4.5's layout is described in
+:mod:`mtpspec.models.glm4_moe` and :mod:`mtpspec.models.glm4_moe_mtp`). Here: reading
+(:class:`CheckpointReader`), checking a checkpoint against the specs, loading through each
+parameter's ``weight_loader``, writing (:func:`save_checkpoint`, :func:`export_hf_state_dict`)
+and the errors.
 
 Loading reads one tensor at a time (``safe_open`` per file, lazily per key) and hands the full
 tensor to the parameter's ``weight_loader``, which keeps this rank's shard, converted to the
@@ -27,7 +21,6 @@ import contextlib
 import json
 import os
 import re
-from dataclasses import dataclass
 from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Set, Tuple, Union
 
 import torch
@@ -35,6 +28,8 @@ from torch import nn
 
 from mtpspec.config import ModelConfig
 from mtpspec.distributed import get_tensor_model_parallel_world_size, get_tp_group
+from mtpspec.models.interfaces import WeightSpec
+from mtpspec.models.registry import get_architecture
 
 SUPPORTED_LOAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 SUPPORTED_FILE_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
@@ -173,101 +168,6 @@ class CheckpointReader:
             raise CorruptCheckpointError(f"cannot read {key!r} from {self._where[key]}: {exc}") from exc
 
 
-# ------------------------------------------------------------------------------------------- specs
-@dataclass(frozen=True)
-class WeightSpec:
-    """Where one checkpoint tensor goes.
-
-    Attributes:
-        param: dotted parameter name inside the module being loaded.
-        shape: the full (unsharded) shape the checkpoint tensor must have.
-        shard_id: ``weight_loader``'s shard id (``"q"/"k"/"v"``, ``0/1``, ``"w1"/"w3"/"w2"/"w13"``).
-        expert_id: the expert for per-expert MoE tensors (``None`` otherwise).
-        layout: ``None``, or ``"{experts prefix}:per_expert"`` / ``"{experts prefix}:fused"`` for
-            the two alternative expert layouts (exactly one must be present).
-        optional: may be absent (``shared_head.head``, MTP ``embed_tokens``, tied ``lm_head``).
-        ignored: recognised but not loaded (MTP ``embed_tokens``, a tied ``lm_head``).
-    """
-
-    param: str
-    shape: Tuple[int, ...]
-    shard_id: Any = None
-    expert_id: Optional[int] = None
-    layout: Optional[str] = None
-    optional: bool = False
-    ignored: bool = False
-
-
-def _decoder_layer_specs(cfg: ModelConfig, layer_idx: int, ck: str, mp: str) -> Dict[str, WeightSpec]:
-    h, hd = cfg.hidden_size, cfg.head_dim
-    nq, nkv = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd
-    s: Dict[str, WeightSpec] = {
-        f"{ck}input_layernorm.weight": WeightSpec(f"{mp}input_layernorm.weight", (h,)),
-        f"{ck}post_attention_layernorm.weight": WeightSpec(f"{mp}post_attention_layernorm.weight", (h,)),
-        f"{ck}self_attn.o_proj.weight": WeightSpec(f"{mp}self_attn.o_proj.weight", (h, nq)),
-    }
-    for name, rows in (("q", nq), ("k", nkv), ("v", nkv)):
-        s[f"{ck}self_attn.{name}_proj.weight"] = WeightSpec(f"{mp}self_attn.qkv_proj.weight", (rows, h), name)
-        if cfg.attention_bias:
-            s[f"{ck}self_attn.{name}_proj.bias"] = WeightSpec(f"{mp}self_attn.qkv_proj.bias", (rows,), name)
-    if cfg.use_qk_norm:
-        s[f"{ck}self_attn.q_norm.weight"] = WeightSpec(f"{mp}self_attn.q_norm.weight", (hd,))
-        s[f"{ck}self_attn.k_norm.weight"] = WeightSpec(f"{mp}self_attn.k_norm.weight", (hd,))
-
-    def mlp(ckp: str, mpp: str, inter: int) -> None:
-        s[f"{ckp}gate_proj.weight"] = WeightSpec(f"{mpp}gate_up_proj.weight", (inter, h), 0)
-        s[f"{ckp}up_proj.weight"] = WeightSpec(f"{mpp}gate_up_proj.weight", (inter, h), 1)
-        s[f"{ckp}down_proj.weight"] = WeightSpec(f"{mpp}down_proj.weight", (h, inter))
-
-    if not cfg.is_moe_layer(layer_idx):
-        mlp(f"{ck}mlp.", f"{mp}mlp.", cfg.intermediate_size)
-        return s
-    e, i = cfg.n_routed_experts, cfg.moe_intermediate_size
-    s[f"{ck}mlp.gate.weight"] = WeightSpec(f"{mp}mlp.gate.weight", (e, h))
-    s[f"{ck}mlp.gate.e_score_correction_bias"] = WeightSpec(f"{mp}mlp.gate.e_score_correction_bias", (e,))
-    group = f"{ck}mlp.experts"
-    w13, w2 = f"{mp}mlp.experts.w13_weight", f"{mp}mlp.experts.w2_weight"
-    for x in range(e):
-        per = f"{group}:per_expert"
-        s[f"{ck}mlp.experts.{x}.gate_proj.weight"] = WeightSpec(w13, (i, h), "w1", x, per)
-        s[f"{ck}mlp.experts.{x}.up_proj.weight"] = WeightSpec(w13, (i, h), "w3", x, per)
-        s[f"{ck}mlp.experts.{x}.down_proj.weight"] = WeightSpec(w2, (h, i), "w2", x, per)
-    s[f"{ck}mlp.experts.gate_up_proj"] = WeightSpec(w13, (e, 2 * i, h), "w13", None, f"{group}:fused")
-    s[f"{ck}mlp.experts.down_proj"] = WeightSpec(w2, (e, h, i), "w2", None, f"{group}:fused")
-    if cfg.n_shared_experts > 0:
-        mlp(f"{ck}mlp.shared_experts.", f"{mp}mlp.shared_experts.", i * cfg.n_shared_experts)
-    return s
-
-
-def target_weight_specs(cfg: ModelConfig) -> Dict[str, WeightSpec]:
-    """Checkpoint key -> :class:`WeightSpec` for the target model (:class:`Glm4MoeForCausalLM`)."""
-    v, h = cfg.vocab_size, cfg.hidden_size
-    s = {"model.embed_tokens.weight": WeightSpec("model.embed_tokens.weight", (v, h)),
-         "model.norm.weight": WeightSpec("model.norm.weight", (h,)),
-         "lm_head.weight": WeightSpec("lm_head.weight", (v, h), optional=cfg.tie_word_embeddings,
-                                      ignored=cfg.tie_word_embeddings)}
-    for i in range(cfg.num_hidden_layers):
-        s.update(_decoder_layer_specs(cfg, i, f"model.layers.{i}.", f"model.layers.{i}."))
-    return s
-
-
-def mtp_weight_specs(cfg: ModelConfig) -> Dict[str, WeightSpec]:
-    """Checkpoint key -> :class:`WeightSpec` for the MTP model (:class:`Glm4MoeMTP`)."""
-    v, h = cfg.vocab_size, cfg.hidden_size
-    s: Dict[str, WeightSpec] = {}
-    for k in range(cfg.num_nextn_predict_layers):
-        idx = cfg.num_hidden_layers + k
-        ck = mp = f"model.layers.{idx}."
-        s[f"{ck}enorm.weight"] = WeightSpec(f"{mp}enorm.weight", (h,))
-        s[f"{ck}hnorm.weight"] = WeightSpec(f"{mp}hnorm.weight", (h,))
-        s[f"{ck}eh_proj.weight"] = WeightSpec(f"{mp}eh_proj.weight", (h, 2 * h))
-        s[f"{ck}shared_head.norm.weight"] = WeightSpec(f"{mp}shared_head.norm.weight", (h,))
-        s[f"{ck}shared_head.head.weight"] = WeightSpec(f"{mp}shared_head.head.weight", (v, h), optional=True)
-        s[f"{ck}embed_tokens.weight"] = WeightSpec("", (v, h), optional=True, ignored=True)
-        s.update(_decoder_layer_specs(cfg, idx, ck, f"{mp}mtp_block."))
-    return s
-
-
 def _select(reader: CheckpointReader, own: Dict[str, WeightSpec], other: Dict[str, WeightSpec],
             part: str) -> Dict[str, WeightSpec]:
     """Check names, layouts, shapes and dtypes; return the keys of ``own`` to load."""
@@ -374,7 +274,8 @@ def load_models(model_path: str, dtype: Optional[Union[torch.dtype, str]] = None
         config: an already-read config (default: read ``config.json``).
 
     Returns:
-        ``(target: Glm4MoeForCausalLM, mtp: Glm4MoeMTP or None)``, both in eval mode.
+        ``(target, mtp or None)``, both in eval mode, of the classes the registry names for the
+        config's architecture (e.g. ``Glm4MoeForCausalLM``, ``Glm4MoeMTP``).
 
     Raises:
         ModelConfigError: bad config or one that cannot be split over the current tp.
@@ -386,22 +287,20 @@ def load_models(model_path: str, dtype: Optional[Union[torch.dtype, str]] = None
     dtype, dev = _resolve(dtype, device, cfg)
     if load_mtp and cfg.num_nextn_predict_layers < 1:
         raise CheckpointError(f"{model_path}: config declares no MTP layers (num_nextn_predict_layers = 0)")
-    t_specs, m_specs = target_weight_specs(cfg), mtp_weight_specs(cfg)
+    arch = get_architecture(cfg.architecture)
+    t_specs, m_specs = arch.target_weight_specs(cfg), arch.mtp_weight_specs(cfg)
     with CheckpointReader(model_path) as reader:
         t_sel = _select(reader, t_specs, m_specs, "target")
         m_sel = _select(reader, m_specs, t_specs, "MTP model") if load_mtp else {}
-        from mtpspec.models.glm4_moe import Glm4MoeForCausalLM
-        from mtpspec.models.glm4_moe_mtp import Glm4MoeMTP
         with torch.device(dev):
-            target = Glm4MoeForCausalLM(cfg, dtype)
+            target = arch.target_class()(cfg, dtype)
         _load_selected(target, reader, t_sel, (), check_finite)
         mtp = None
         if load_mtp:
-            ties = [f"model.layers.{cfg.num_hidden_layers + k}.shared_head.head.weight" not in reader
-                    for k in range(cfg.num_nextn_predict_layers)]
+            ties = [key not in reader for key, spec in m_specs.items() if spec.tied_head]
             with torch.device(dev):
-                mtp = Glm4MoeMTP(cfg, target.model.embed_tokens, target.lm_head, ties, fuse_allreduce_rmsnorm,
-                                 sequence_parallel, dtype)
+                mtp = arch.mtp_class()(cfg, target.get_input_embeddings(), target.lm_head, ties,
+                                       fuse_allreduce_rmsnorm, sequence_parallel, dtype)
             _load_selected(mtp, reader, m_sel, list(target.parameters()), check_finite)
             mtp.eval()
     return target.eval(), mtp
@@ -414,30 +313,24 @@ def load_target_model(model_path: str, dtype: Optional[Union[torch.dtype, str]] 
 
 
 # ------------------------------------------------------------------------------------------- writing
-def _extract(param: torch.Tensor, spec: WeightSpec, module: nn.Module, cfg: ModelConfig) -> torch.Tensor:
+def _extract(param: torch.Tensor, spec: WeightSpec) -> torch.Tensor:
     """The full checkpoint tensor of ``spec`` from a tp-1 parameter (inverse of the loaders)."""
-    sid = spec.shard_id
     if spec.expert_id is not None:
-        i = cfg.moe_intermediate_size
-        w = param[spec.expert_id]
-        return {"w1": w[:i], "w3": w[i:], "w2": w}[sid]
-    if sid in ("q", "k", "v"):
-        q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
-        start = {"q": 0, "k": q, "v": q + kv}[sid]
-        return param[start:start + (q if sid == "q" else kv)]
-    if sid in (0, 1):
-        half = param.shape[0] // 2
-        return param[sid * half:(sid + 1) * half]
+        param = param[spec.expert_id]
+    if spec.rows is not None:
+        return param[spec.rows[0]:spec.rows[1]]
     return param[:spec.shape[0]] if param.shape[0] != spec.shape[0] else param
 
 
 def export_hf_state_dict(target: Optional[nn.Module] = None, mtp: Optional[nn.Module] = None,
                          dtype: Optional[torch.dtype] = None) -> Dict[str, torch.Tensor]:
-    """The Hugging Face checkpoint tensors of tp-1 mtpspec models (per-expert expert layout).
+    """The Hugging Face checkpoint tensors of tp-1 mtpspec models (per-expert expert layout), by
+    the weight specs the registry names for each model's ``config.architecture``.
 
     Args:
-        target: a ``Glm4MoeForCausalLM`` (or None).
-        mtp: a ``Glm4MoeMTP`` (or None); tied heads and the shared embedding are not exported.
+        target: a target model, e.g. ``Glm4MoeForCausalLM`` (or None).
+        mtp: an MTP model, e.g. ``Glm4MoeMTP`` (or None); tied heads and the shared embedding
+            are not exported.
         dtype: convert to this dtype (default: keep each parameter's dtype).
 
     Returns:
@@ -445,23 +338,25 @@ def export_hf_state_dict(target: Optional[nn.Module] = None, mtp: Optional[nn.Mo
 
     Raises:
         ValueError: the models were built at tp > 1 (gather the shards first).
+        ModelConfigError: a model's architecture is not registered.
     """
     if get_tensor_model_parallel_world_size() != 1:
         raise ValueError("export_hf_state_dict needs tp-1 models (every shard is the full tensor)")
     out: Dict[str, torch.Tensor] = {}
-    for model, spec_fn in ((target, target_weight_specs), (mtp, mtp_weight_specs)):
+    for model, role in ((target, "target"), (mtp, "mtp")):
         if model is None:
             continue
         cfg = model.config
+        arch = get_architecture(cfg.architecture)
+        specs = arch.target_weight_specs(cfg) if role == "target" else arch.mtp_weight_specs(cfg)
+        tied = iter(getattr(model, "tie_heads", ()))
         params = dict(model.named_parameters(remove_duplicate=False))
-        for key, spec in spec_fn(cfg).items():
+        for key, spec in specs.items():
+            if spec.tied_head and next(tied, False):
+                continue
             if spec.ignored or (spec.layout or "").endswith(":fused") or spec.param not in params:
                 continue
-            if key.endswith("shared_head.head.weight"):
-                layer = model.model.layers[key.split(".")[2]]
-                if layer.shared_head.tied:
-                    continue
-            t = _extract(params[spec.param].detach(), spec, model, cfg)
+            t = _extract(params[spec.param].detach(), spec)
             out[key] = t.to(device="cpu", dtype=dtype or t.dtype).contiguous().clone()
     return out
 

@@ -1,4 +1,6 @@
-"""Tiny random GLM-4.5-family checkpoints for tests and smoke runs (needs ``transformers``).
+"""Tiny random GLM-4.5-family checkpoints for tests and smoke runs (needs ``transformers``, a test
+dependency, so it lives with the tests: ``from tiny_models import make_tiny_checkpoint`` in a test
+module; scripts outside tests/ put this folder on ``sys.path`` first).
 
 :func:`make_tiny_checkpoint` builds a random ``transformers.Glm4MoeForCausalLM`` (dense and MoE
 layers, partial rotary, GQA), saves it with ``save_pretrained`` (Hugging Face's own on-disk
@@ -69,11 +71,11 @@ def random_mtp_tensors(config: ModelConfig, num_mtp_layers: int, seed: int = 0, 
     (Hugging Face names, per-expert layout)."""
     from dataclasses import replace
 
-    from mtpspec.models.loader import mtp_weight_specs
+    from mtpspec.models.registry import get_architecture
     cfg = replace(config, num_nextn_predict_layers=num_mtp_layers)
     g = torch.Generator().manual_seed(seed)
     out = {}
-    for key, spec in mtp_weight_specs(cfg).items():
+    for key, spec in get_architecture(cfg.architecture).mtp_weight_specs(cfg).items():
         if spec.layout is not None and spec.layout.endswith(":fused"):
             continue
         if key.endswith("shared_head.head.weight") and not with_head:
