@@ -25,7 +25,11 @@ from typing import Any, Callable, Dict, List
 
 @dataclass(frozen=True)
 class ModelArchitecture:
-    """Where one architecture's pieces live (``"module:attribute"`` under ``mtpspec.models``)."""
+    """Where one architecture's pieces live (``"module:attribute"`` under ``mtpspec.models``).
+
+    The accessors import the named module on first use (``ImportError`` / ``AttributeError``
+    when an entry names something that does not exist).
+    """
 
     config: str
     target: str
@@ -43,9 +47,12 @@ class ModelArchitecture:
         return self._resolve(self.config)
 
     def target_class(self) -> type:
+        """The target model class (``nn.Module``; ``forward(input_ids [T], positions [T]) -> [T, H]``)."""
         return self._resolve(self.target)
 
     def mtp_class(self) -> type:
+        """The MTP draft model class (``nn.Module``; ``forward(input_ids, positions, previous_hidden_states,
+        spec_step_idx) -> [T, H]``)."""
         return self._resolve(self.mtp)
 
     def target_weight_specs(self, config: Any) -> Dict[str, Any]:
