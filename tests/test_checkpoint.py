@@ -244,3 +244,20 @@ def test_export_round_trip_and_transformers_reads_our_writer(tmp_path, base):
     save_checkpoint(nohead, {k: v for k, v in tensors.items() if "shared_head.head" not in k}, raw)
     t2, m2 = load_models(nohead, device="cpu")
     assert "model.layers.3.shared_head.head.weight" not in export_hf_state_dict(t2, m2)
+
+
+def test_export_round_trip_bias_qk_norm_and_mixed_mtp_head_ties(tmp_path):
+    """Export slices q/k/v weights and biases by their spec rows; a tied head (layer N) is left out
+    while layer N + 1's own head is written."""
+    path = str(tmp_path / "src")
+    make_tiny_checkpoint(path, seed=5, num_mtp_layers=2, attention_bias=True, use_qk_norm=True)
+    raw = json.load(open(os.path.join(path, "config.json")))
+    tensors = {k: v for k, v in read_checkpoint_tensors(path) if k != "model.layers.3.shared_head.head.weight"}
+    mixed = str(tmp_path / "mixed")
+    save_checkpoint(mixed, tensors, raw)
+    target, mtp = load_models(mixed, dtype=torch.float32, device="cpu")
+    assert mtp.tie_heads == [True, False]
+    exported = export_hf_state_dict(target, mtp)
+    assert exported.keys() == tensors.keys()
+    assert "model.layers.1.self_attn.k_proj.bias" in exported and "model.layers.4.shared_head.head.weight" in exported
+    assert all(torch.equal(exported[k], tensors[k]) for k in tensors)
