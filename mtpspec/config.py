@@ -6,22 +6,47 @@ from dataclasses import dataclass
 from typing import Any, Dict, Optional, Union
 
 
+#: Backends of the MTP layer's fused all-reduce + RMSNorm tail (``ParallelConfig.allreduce_backend``).
+ALLREDUCE_BACKENDS = ("nccl", "p2p")
+
+
 @dataclass
 class ParallelConfig:
-    """Tensor parallelism.
+    """Tensor parallelism and the collectives of the MTP draft path.
 
     Attributes:
-        tensor_parallel_size: number of TP ranks (>= 1).
+        tensor_parallel_size: number of TP ranks (int >= 1; default 1).
         sequence_parallel: shard the MTP layer's tokens across ranks (``sp_shard`` /
-            ``sp_all_gather``) instead of all-reducing its output; only at tp > 1.
+            ``sp_all_gather``) instead of all-reducing its output; only at tp > 1 (default False).
+        fuse_allreduce_rmsnorm: the MTP tail goes through ``fused_allreduce_rms_norm`` (all-reduce,
+            residual add and RMSNorm in one call); ``False``: all-reduce, then the norm (default True).
+        allreduce_backend: who serves ``fused_allreduce_rms_norm`` at tp > 1, set once per rank at
+            worker start (:func:`mtpspec.distributed.allreduce_rms_norm.init_allreduce_rms_norm_backend`):
+            ``"nccl"`` (default: the group's all-reduce + the fused add + RMSNorm kernel) or
+            ``"p2p"`` (the one-kernel peer-memory backend for inputs up to its capacity, NCCL
+            above it; needs the ranks on one host and CUDA, or CPU under ``TRITON_INTERPRET=1``).
+            Only the fused tail uses it (not ``fuse_allreduce_rmsnorm=False`` nor sequence parallel).
+
+    Raises:
+        ValueError: tensor_parallel_size not an int >= 1, a non-bool flag, or an
+            ``allreduce_backend`` not in :data:`ALLREDUCE_BACKENDS` (the message lists them).
     """
 
     tensor_parallel_size: int = 1
     sequence_parallel: bool = False
+    fuse_allreduce_rmsnorm: bool = True
+    allreduce_backend: str = "nccl"
 
     def __post_init__(self) -> None:
-        if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
-            raise ValueError(f"tensor_parallel_size must be an int >= 1, got {self.tensor_parallel_size!r}")
+        tp = self.tensor_parallel_size
+        if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
+            raise ValueError(f"tensor_parallel_size must be an int >= 1, got {tp!r}")
+        for name in ("sequence_parallel", "fuse_allreduce_rmsnorm"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if self.allreduce_backend not in ALLREDUCE_BACKENDS:
+            raise ValueError(f"allreduce_backend must be one of {list(ALLREDUCE_BACKENDS)}, "
+                             f"got {self.allreduce_backend!r}")
 
 
 MAX_NUM_SPECULATIVE_TOKENS = 16
@@ -33,14 +58,18 @@ class SpeculativeConfig:
 
     Attributes:
         method: only ``"mtp"``.
-        num_speculative_tokens: k, draft tokens proposed per target step, 1..16.
-        use_local_argmax_reduction: greedy drafts via the model's ``get_top_tokens``
+        num_speculative_tokens: k, draft tokens proposed per target step, 1..16 (default 1;
+            no speculation is ``speculative_config=None``, on the command line ``-k 0``).
+        use_local_argmax_reduction: (default False) greedy drafts via the model's ``get_top_tokens``
             (vocab-parallel local argmax: gathers ``[num_tokens, 2]`` pairs per rank instead of
             ``[num_tokens, vocab]`` logits). The model must implement ``SupportsLocalArgmax``.
 
     Raises:
         ValueError: unknown method or k out of range.
     """
+
+    #: The keys of a ``speculative_config`` dict (vLLM's spelling).
+    KEYS = ("method", "num_speculative_tokens", "use_local_argmax_reduction")
 
     method: str = "mtp"
     num_speculative_tokens: int = 1
@@ -51,7 +80,8 @@ class SpeculativeConfig:
             raise ValueError(f"speculative method must be 'mtp', got {self.method!r}")
         k = self.num_speculative_tokens
         if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= MAX_NUM_SPECULATIVE_TOKENS:
-            raise ValueError(f"num_speculative_tokens must be an int in [1, {MAX_NUM_SPECULATIVE_TOKENS}], got {k!r}")
+            raise ValueError(f"num_speculative_tokens must be an int in [1, {MAX_NUM_SPECULATIVE_TOKENS}], got {k!r} "
+                             "(for no speculation give no speculative config; on the command line -k 0)")
 
     @classmethod
     def from_any(cls, cfg: Union[None, Dict[str, Any], "SpeculativeConfig"]) -> Optional["SpeculativeConfig"]:
@@ -60,7 +90,7 @@ class SpeculativeConfig:
             return cfg
         if not isinstance(cfg, dict):
             raise TypeError(f"speculative_config must be a dict, SpeculativeConfig or None, got {type(cfg).__name__}")
-        unknown = set(cfg) - {"method", "num_speculative_tokens", "use_local_argmax_reduction"}
+        unknown = set(cfg) - set(cls.KEYS)
         if unknown:
             raise ValueError(f"unknown speculative_config keys: {sorted(unknown)}")
         return cls(**cfg)

@@ -9,6 +9,11 @@ Backends implement :class:`AllReduceRMSNormBackend`: a name, the largest input (
 registered backends in priority order and falls back to the exact NCCL backend
 (:class:`NcclAllReduceThenAddRMSNorm`) for anything no other backend accepts. The one-kernel
 peer-memory backend (:mod:`mtpspec.distributed.p2p_allreduce_rms_norm`) is one such backend.
+
+Engine selection: the backend is a per-process setting, chosen once per rank at worker start by
+:func:`init_allreduce_rms_norm_backend` from ``ParallelConfig.allreduce_backend`` (``"nccl"`` or
+``"p2p"``), as vLLM sets up its custom all-reduce in ``parallel_state``; call sites (the MTP
+layer's fused tail) stay ``fused_allreduce_rms_norm(hidden, residual, norm)``.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from typing import List, Optional, Tuple
 
 import torch
 
+from mtpspec.config import ALLREDUCE_BACKENDS  # noqa: F401 - engine-level names, re-exported
 from mtpspec.distributed import (
     get_tensor_model_parallel_world_size, sp_all_gather, sp_shard, tensor_model_parallel_all_reduce,
     tensor_model_parallel_reduce_scatter)
@@ -106,6 +112,100 @@ def unregister_allreduce_rms_norm_backend(backend: AllReduceRMSNormBackend) -> N
 def backend_usage() -> dict:
     """How many calls each backend served in this process: ``{name: calls}``."""
     return dict(_USAGE)
+
+
+#: Default capacity of the engine's p2p backend: the largest ``hidden_states`` it takes, in bytes
+#: (larger calls, e.g. prefills, go to the NCCL fallback). vLLM's custom all-reduce uses 8 MiB too.
+DEFAULT_P2P_CAPACITY_BYTES = 8 << 20
+
+_ENGINE_BACKEND: Optional[AllReduceRMSNormBackend] = None
+_ENGINE_BACKEND_NAME = "nccl"
+
+
+def check_allreduce_backend_supported(name: str, device: torch.device) -> None:
+    """Raise ValueError unless backend ``name`` can run on ``device`` in this process.
+
+    ``"nccl"`` runs everywhere. ``"p2p"`` needs Triton and either a CUDA device or a CPU device
+    with Triton's interpreter (``TRITON_INTERPRET=1`` set before ``triton`` was first imported
+    and at call time), and ranks on one host (not checked here: peer-memory setup fails clearly).
+    """
+    if name not in ALLREDUCE_BACKENDS:
+        raise ValueError(f"allreduce_backend must be one of {list(ALLREDUCE_BACKENDS)}, got {name!r}")
+    if name != "p2p":
+        return
+    from mtpspec.ops.triton_utils import HAS_TRITON, interpreter_available, interpreting
+    if not HAS_TRITON:
+        raise ValueError("allreduce_backend='p2p' needs Triton, which is not installed; use 'nccl'")
+    if device.type == "cuda":
+        return
+    if device.type == "cpu" and interpreting() and interpreter_available():
+        return
+    raise ValueError(f"allreduce_backend='p2p' runs its Triton kernel on CUDA GPUs, or on CPU only under "
+                     f"Triton's interpreter (TRITON_INTERPRET=1 set before triton is imported; tests); "
+                     f"this rank's device is {device}; use allreduce_backend='nccl'")
+
+
+def init_allreduce_rms_norm_backend(name: str = "nccl", capacity_bytes: int = DEFAULT_P2P_CAPACITY_BYTES,
+                                    device: Optional[torch.device] = None) -> Optional[AllReduceRMSNormBackend]:
+    """Select this process's backend of :func:`fused_allreduce_rms_norm` (once per rank, at worker start).
+
+    A collective for ``"p2p"`` at tp > 1: call it on every rank of the TP group, after
+    ``init_distributed_environment``, with the same arguments. Replaces (unregisters and closes)
+    the backend a previous call installed; backends registered by hand with
+    :func:`register_allreduce_rms_norm_backend` are left alone.
+
+    Args:
+        name: ``"nccl"`` (default: the exact fallback serves every call) or ``"p2p"`` (a
+            :class:`~mtpspec.distributed.p2p_allreduce_rms_norm.P2PAllReduceRMSNorm` serves calls up
+            to ``capacity_bytes``; larger ones take the NCCL fallback).
+        capacity_bytes: the p2p backend's largest input in bytes (default
+            :data:`DEFAULT_P2P_CAPACITY_BYTES`); ignored for ``"nccl"``.
+        device: this rank's device (default: the TP group's).
+
+    Returns:
+        The installed backend, or ``None`` for ``"nccl"`` and at tp 1 (no collective at all: the
+        choice is a no-op there).
+
+    Raises:
+        ValueError: an unknown name (the message lists :data:`ALLREDUCE_BACKENDS`), or ``"p2p"``
+            on a device it cannot run on (see :func:`check_allreduce_backend_supported`).
+        RuntimeError: peer memory could not be set up (e.g. ranks on different hosts).
+    """
+    global _ENGINE_BACKEND, _ENGINE_BACKEND_NAME
+    from mtpspec.distributed.parallel_state import get_tp_group
+    group = get_tp_group()
+    dev = torch.device(device) if device is not None else group.device
+    if name not in ALLREDUCE_BACKENDS:
+        raise ValueError(f"allreduce_backend must be one of {list(ALLREDUCE_BACKENDS)}, got {name!r}")
+    close_allreduce_rms_norm_backend()
+    if name == "nccl" or group.world_size == 1:
+        _ENGINE_BACKEND_NAME = name
+        return None
+    check_allreduce_backend_supported(name, dev)
+    from mtpspec.distributed.p2p_allreduce_rms_norm import P2PAllReduceRMSNorm
+    backend = P2PAllReduceRMSNorm(int(capacity_bytes), device=dev)
+    register_allreduce_rms_norm_backend(backend)
+    _ENGINE_BACKEND, _ENGINE_BACKEND_NAME = backend, name
+    return backend
+
+
+def get_allreduce_rms_norm_backend() -> str:
+    """The engine-level backend name chosen in this process (``"nccl"`` until
+    :func:`init_allreduce_rms_norm_backend` picks another)."""
+    return _ENGINE_BACKEND_NAME
+
+
+def close_allreduce_rms_norm_backend() -> None:
+    """Unregister and close the backend :func:`init_allreduce_rms_norm_backend` installed (if
+    any); the process is back to ``"nccl"``. Every rank calls it, after its last call."""
+    global _ENGINE_BACKEND, _ENGINE_BACKEND_NAME
+    b, _ENGINE_BACKEND, _ENGINE_BACKEND_NAME = _ENGINE_BACKEND, None, "nccl"
+    if b is not None:
+        if b in _BACKENDS:
+            unregister_allreduce_rms_norm_backend(b)
+        close = getattr(b, "close", None)
+        if callable(close):
+            close()
 
 
 def select_backend(hidden_states: torch.Tensor) -> AllReduceRMSNormBackend:

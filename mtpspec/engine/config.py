@@ -1,9 +1,12 @@
-"""Engine-side configs: scheduler limits and KV-cache sizing."""
+"""Engine-side configs: scheduler limits, KV-cache sizing, and the :class:`EngineConfig` bundle."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
+
+if TYPE_CHECKING:
+    from mtpspec.config import ModelConfig, ParallelConfig, SpeculativeConfig
 
 
 def _positive_int(name: str, value: object) -> None:
@@ -96,3 +99,37 @@ class SchedulerConfig:
         ``a`` accepted drafts the draft steps write ``n+a+1 .. n+a+k-1 <= n+2k-1``.
         """
         return num_tokens + 2 * self.num_speculative_tokens
+
+
+@dataclass
+class EngineConfig:
+    """The one engine config every rank receives (vLLM's ``VllmConfig``); picklable.
+
+    Built by :meth:`mtpspec.engine.arg_utils.EngineArgs.create_engine_config` (which ``LLM``
+    uses too).
+
+    Attributes:
+        model: checkpoint folder.
+        dtype: parameter dtype name or ``None`` (the checkpoint's).
+        device: ``"cpu"``, ``"cuda"`` (each rank takes ``cuda:local_rank``), ``"cuda:N"`` or
+            ``None`` (CUDA when present).
+        model_config: the checkpoint's :class:`~mtpspec.config.ModelConfig`.
+        parallel_config: :class:`~mtpspec.config.ParallelConfig` (tp, sequence parallel, fused
+            tail, all-reduce backend).
+        speculative_config: :class:`~mtpspec.config.SpeculativeConfig` or ``None`` (plain decoding).
+        cache_config, scheduler_config: KV cache and batching limits.
+        graph_mode: CUDA-graph mode of the runner (``"auto"``, ``"off"``, ``"cuda"``, ``"static"``;
+            :class:`~mtpspec.engine.model_runner.ModelRunner`).
+        seed: engine seed (seeds the seeds of requests that give none); ``None``: random.
+    """
+
+    model: str
+    dtype: Optional[str]
+    device: Optional[str]
+    model_config: "ModelConfig"
+    parallel_config: "ParallelConfig"
+    speculative_config: Optional["SpeculativeConfig"]
+    cache_config: CacheConfig
+    scheduler_config: SchedulerConfig
+    graph_mode: str = "auto"
+    seed: Optional[int] = None

@@ -9,9 +9,10 @@ from typing import Any, Callable, List, Optional
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from mtpspec.engine.config import EngineConfig
 from mtpspec.step_io import StepInput, StepOutput
 from mtpspec.engine.worker import (
-    WorkerConfig, build_runner, cpu_group, follower_loop, handle_message, init_cache_min_over_ranks,
+    build_runner, cpu_group, follower_loop, handle_message, init_cache_min_over_ranks,
     spawned_worker_main)
 
 
@@ -42,7 +43,7 @@ class Executor:
 class InProcessExecutor(Executor):
     """tp 1, or rank 0 under ``torchrun`` (then every message is broadcast to the other ranks first)."""
 
-    def __init__(self, cfg: WorkerConfig, broadcast: bool = False):
+    def __init__(self, cfg: EngineConfig, broadcast: bool = False):
         self.broadcast = broadcast
         self.group = cpu_group() if broadcast else None
         self.runner = build_runner(cfg)
@@ -93,7 +94,7 @@ class MultiprocExecutor(Executor):
         WorkerError: a rank failed to start (its traceback in the message).
     """
 
-    def __init__(self, cfg: WorkerConfig, world_size: int, start_timeout_s: float = 600.0,
+    def __init__(self, cfg: EngineConfig, world_size: int, start_timeout_s: float = 600.0,
                  step_timeout_s: float = 600.0):
         from mtpspec.distributed.launcher import find_free_port
         ctx = mp.get_context("spawn")
@@ -167,13 +168,16 @@ class MultiprocExecutor(Executor):
             c.close()
 
 
-def make_executor(cfg: WorkerConfig, tensor_parallel_size: int) -> Executor:
+def make_executor(cfg: EngineConfig, tensor_parallel_size: Optional[int] = None) -> Executor:
     """In-process for tp 1 and under ``torchrun`` (``WORLD_SIZE`` set: every rank builds one; rank 0
     broadcasts, the others serve :func:`~mtpspec.engine.worker.follower_loop`); spawned ranks otherwise.
 
     Raises:
-        ValueError: under ``torchrun`` with ``WORLD_SIZE`` different from ``tensor_parallel_size``.
+        ValueError: under ``torchrun`` with ``WORLD_SIZE`` different from ``tensor_parallel_size``
+            (default ``cfg.parallel_config.tensor_parallel_size``).
     """
+    if tensor_parallel_size is None:
+        tensor_parallel_size = cfg.parallel_config.tensor_parallel_size
     world = int(os.environ.get("WORLD_SIZE", "0") or 0)
     if world > 1 and "RANK" in os.environ:
         if world != tensor_parallel_size:

@@ -5,28 +5,14 @@ from __future__ import annotations
 import os
 from typing import Any, Callable, Dict, List, Optional, Sequence, Union
 
-from mtpspec.config import ModelConfig, SpeculativeConfig
-from mtpspec.engine.config import CacheConfig, SchedulerConfig
+from mtpspec.config import SpeculativeConfig
+from mtpspec.engine.arg_utils import DEFAULT_MAX_MODEL_LEN, EngineArgs  # noqa: F401 - re-exported
 from mtpspec.engine.detokenizer import Tokenizer, load_tokenizer
 from mtpspec.engine.executor import InProcessExecutor, make_executor
 from mtpspec.engine.llm_engine import LLMEngine, PromptType
-from mtpspec.engine.worker import WorkerConfig, follower_loop
+from mtpspec.engine.worker import follower_loop
 from mtpspec.outputs import RequestOutput
 from mtpspec.sampling_params import SamplingParams
-
-DEFAULT_MAX_MODEL_LEN = 8192
-
-
-def _check_device(device: Optional[str]) -> None:
-    """Raise ValueError unless ``device`` is None, ``"cpu"``, or ``"cuda"`` / ``"cuda:N"`` with CUDA present."""
-    if device is None:
-        return
-    if not isinstance(device, str) or device.split(":", 1)[0] not in ("cpu", "cuda"):
-        raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N' (or None for CUDA when present), got {device!r}")
-    import torch
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError(f"device={device!r} but this torch ({torch.__version__}) sees no CUDA GPU; use device='cpu'")
-
 
 class LLM:
     """Generate from a GLM-4.5-family checkpoint, optionally with MTP speculative decoding.
@@ -40,15 +26,18 @@ class LLM:
         device: ``"cuda"`` / ``"cpu"``; default CUDA when present.
         speculative_config: ``None`` (plain decoding) or ``{"method": "mtp",
             "num_speculative_tokens": k, "use_local_argmax_reduction": bool}``.
-        fuse_allreduce_rmsnorm: MTP tail through the fused all-reduce + RMSNorm.
-        sequence_parallel: sequence-parallel MTP layer (tp > 1).
+        fuse_allreduce_rmsnorm: MTP tail through the fused all-reduce + RMSNorm (default True).
+        sequence_parallel: sequence-parallel MTP layer (tp > 1; default False).
+        allreduce_backend: ``"nccl"`` (default) or ``"p2p"``: who serves the fused tail's
+            all-reduce + RMSNorm on every rank (:class:`~mtpspec.config.ParallelConfig`; a no-op
+            at tp 1; ``"p2p"`` needs CUDA, or CPU under ``TRITON_INTERPRET=1``).
         max_num_seqs, max_model_len (default: the model's ``max_position_embeddings``, at most
         8192: prefills are not chunked, so one step may hold a whole ``max_model_len`` prompt),
         max_num_batched_tokens: scheduler limits (:class:`~mtpspec.engine.config.SchedulerConfig`).
         block_size, num_kv_blocks, gpu_memory_utilization, cpu_kv_cache_gib: KV cache
             (:class:`~mtpspec.engine.config.CacheConfig`).
         tokenizer: a folder to load the tokenizer from, a :class:`Tokenizer`, or ``None`` (the model folder's).
-        seed: seeds the seeds of requests that give none (``None``: random).
+        seed: engine seed: seeds the seeds of requests that give none (``None``: random).
         enforce_eager: never use CUDA graphs.
         graph_mode: override: ``"auto"`` (default: CUDA graphs for pure-decode steps on a GPU), ``"off"``, ``"cuda"``, or ``"static"`` (the graph path's padded static
             buffers without capture; for CPU tests). See :mod:`mtpspec.engine.forward`.
@@ -56,7 +45,10 @@ class LLM:
     Raises:
         ValueError / TypeError: a bad argument (k out of range, unknown speculative keys, a
             ``max_model_len`` above the model's positions, a ``device`` other than ``"cpu"`` /
-            ``"cuda"`` / ``"cuda:N"``, or ``"cuda"`` on a machine without CUDA, ...).
+            ``"cuda"`` / ``"cuda:N"``, or ``"cuda"`` on a machine without CUDA, an
+            ``allreduce_backend`` other than ``"nccl"`` / ``"p2p"`` (the message lists them), ...);
+            ``"p2p"`` on a device it cannot run on (ValueError at tp 1 is not raised: no collective;
+            at tp > 1 the ranks raise it, as WorkerError when spawned).
         LocalArgmaxUnsupportedError (tp 1) or WorkerError (tp > 1, with the same message):
             ``use_local_argmax_reduction`` requested from a draft model without ``get_top_tokens``;
             the message names the model class.
@@ -66,46 +58,36 @@ class LLM:
     def __init__(self, model: str, tensor_parallel_size: int = 1, dtype: Optional[str] = None,
                  device: Optional[str] = None,
                  speculative_config: Union[None, Dict[str, Any], SpeculativeConfig] = None,
-                 fuse_allreduce_rmsnorm: bool = True, sequence_parallel: bool = False, max_num_seqs: int = 256,
+                 fuse_allreduce_rmsnorm: bool = True, sequence_parallel: bool = False, allreduce_backend: str = "nccl",
+                 max_num_seqs: int = 256,
                  max_model_len: Optional[int] = None, max_num_batched_tokens: Optional[int] = None,
                  block_size: int = 16, num_kv_blocks: Optional[int] = None, gpu_memory_utilization: float = 0.9,
                  cpu_kv_cache_gib: float = 1.0, tokenizer: Union[None, str, Tokenizer] = None,
                  seed: Optional[int] = None, enforce_eager: bool = False, graph_mode: Optional[str] = None):
-        if not isinstance(tensor_parallel_size, int) or isinstance(tensor_parallel_size, bool) \
-                or tensor_parallel_size < 1:
-            raise ValueError(f"tensor_parallel_size must be an int >= 1, got {tensor_parallel_size!r}")
-        _check_device(device)
-        spec = SpeculativeConfig.from_any(speculative_config)
-        mcfg = ModelConfig.from_pretrained(model)
-        mcfg.verify_tensor_parallel(tensor_parallel_size)
-        if spec is not None and mcfg.num_nextn_predict_layers < 1:
-            raise ValueError(f"speculative decoding with MTP needs MTP layers, but {model!r} declares "
-                             "num_nextn_predict_layers = 0")
-        if max_model_len is None:
-            max_model_len = min(mcfg.max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
-        if not isinstance(max_model_len, int) or not 2 <= max_model_len <= mcfg.max_position_embeddings:
-            raise ValueError(f"max_model_len must be an int in [2, max_position_embeddings="
-                             f"{mcfg.max_position_embeddings}], got {max_model_len!r}")
-        k = spec.num_speculative_tokens if spec is not None else 0
-        sched = SchedulerConfig(max_num_seqs, max_model_len, max_num_batched_tokens, k)
-        cache = CacheConfig(block_size, num_kv_blocks, gpu_memory_utilization, cpu_kv_cache_gib)
-        self.model_config = mcfg
-        self.speculative_config = spec
-        mode = "off" if enforce_eager else (graph_mode or "auto")
-        if mode not in ("auto", "off", "cuda", "static"):
-            raise ValueError(f"graph_mode must be 'auto', 'off', 'cuda' or 'static', got {graph_mode!r}")
-        wcfg = WorkerConfig(model, dtype, device, spec, fuse_allreduce_rmsnorm, sequence_parallel, cache, sched, mode)
+        args = EngineArgs(
+            model=model, tensor_parallel_size=tensor_parallel_size, speculative_config=speculative_config,
+            fuse_allreduce_rmsnorm=fuse_allreduce_rmsnorm, sequence_parallel=sequence_parallel,
+            allreduce_backend=allreduce_backend, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens, block_size=block_size, num_kv_blocks=num_kv_blocks,
+            gpu_memory_utilization=gpu_memory_utilization, cpu_kv_cache_gib=cpu_kv_cache_gib, dtype=dtype,
+            device=device, enforce_eager=enforce_eager, graph_mode=graph_mode, seed=seed)
+        config = args.create_engine_config()
+        self.engine_config = config
+        self.model_config = mcfg = config.model_config
+        self.speculative_config = config.speculative_config
+        self.parallel_config = config.parallel_config
+        sched, cache = config.scheduler_config, config.cache_config
         if isinstance(tokenizer, Tokenizer):
             tok: Optional[Tokenizer] = tokenizer
         else:
             tok = load_tokenizer(tokenizer or model)
-        self.executor = make_executor(wcfg, tensor_parallel_size)
+        self.executor = make_executor(config)
         self._torchrun = isinstance(self.executor, InProcessExecutor) and self.executor.broadcast
         self._rank = int(os.environ.get("RANK", "0")) if self._torchrun else 0
         eos = set(mcfg.eos_token_ids)
         if tok is not None and tok.eos_token_id is not None:
             eos.add(int(tok.eos_token_id))
-        self.llm_engine = LLMEngine(self.executor, tok, sched, cache, mcfg.vocab_size, eos, seed)
+        self.llm_engine = LLMEngine(self.executor, tok, sched, cache, mcfg.vocab_size, eos, config.seed)
 
     # ------------------------------------------------------------------ API
     def get_tokenizer(self) -> Optional[Tokenizer]:

@@ -13,40 +13,13 @@ from __future__ import annotations
 
 import os
 import traceback
-from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
 
-from mtpspec.config import SpeculativeConfig
-from mtpspec.engine.config import CacheConfig, SchedulerConfig
+from mtpspec.engine.config import EngineConfig
 from mtpspec.engine.model_runner import ModelRunner
-
-
-@dataclass
-class WorkerConfig:
-    """Everything a rank needs to build its runner (picklable).
-
-    Attributes:
-        model: checkpoint folder.
-        dtype: parameter dtype name or ``None`` (the checkpoint's).
-        device: ``"cpu"``, ``"cuda"`` (each rank takes ``cuda:local_rank``) or ``None`` (CUDA when present).
-        spec: speculative config or ``None``.
-        fuse_allreduce_rmsnorm, sequence_parallel: MTP tail variant.
-        cache_config, scheduler_config: sizes.
-        graph_mode: CUDA-graph mode of the runner (:class:`~mtpspec.engine.model_runner.ModelRunner`).
-    """
-
-    model: str
-    dtype: Optional[str]
-    device: Optional[str]
-    spec: Optional[SpeculativeConfig]
-    fuse_allreduce_rmsnorm: bool
-    sequence_parallel: bool
-    cache_config: CacheConfig
-    scheduler_config: SchedulerConfig
-    graph_mode: str = "auto"
 
 
 def resolve_device(device: Optional[str]) -> torch.device:
@@ -59,20 +32,38 @@ def resolve_device(device: Optional[str]) -> torch.device:
     return torch.device(want)
 
 
-def build_runner(cfg: WorkerConfig) -> ModelRunner:
-    """Load this rank's shards of the target (and MTP) model and wrap them in a runner.
+def p2p_capacity_bytes(cfg: EngineConfig, dtype: torch.dtype) -> int:
+    """Capacity of the engine's p2p all-reduce backend: the MTP first pass of a full decode batch,
+    ``max_num_seqs * (1 + k) * hidden_size * element_size`` bytes, at most
+    :data:`~mtpspec.distributed.allreduce_rms_norm.DEFAULT_P2P_CAPACITY_BYTES` (larger calls,
+    e.g. prefills, take the NCCL fallback)."""
+    from mtpspec.distributed.allreduce_rms_norm import DEFAULT_P2P_CAPACITY_BYTES
+    sched = cfg.scheduler_config
+    need = sched.max_num_seqs * sched.decode_query_len * cfg.model_config.hidden_size * dtype.itemsize
+    return max(1, min(need, DEFAULT_P2P_CAPACITY_BYTES))
+
+
+def build_runner(cfg: EngineConfig) -> ModelRunner:
+    """Load this rank's shards of the target (and MTP) model, select this rank's fused
+    all-reduce + RMSNorm backend (``cfg.parallel_config.allreduce_backend``; a collective at
+    tp > 1 for ``"p2p"``) and wrap the models in a runner.
 
     Raises:
         LocalArgmaxUnsupportedError, ModelConfigError, CheckpointError: see their docs.
+        ValueError: ``"p2p"`` on a device it cannot run on (the message says which it needs).
     """
+    from mtpspec.distributed.allreduce_rms_norm import init_allreduce_rms_norm_backend
     from mtpspec.models.loader import load_models
     device = resolve_device(cfg.device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    target, mtp = load_models(cfg.model, dtype=cfg.dtype, device=device, load_mtp=cfg.spec is not None,
-                              fuse_allreduce_rmsnorm=cfg.fuse_allreduce_rmsnorm,
-                              sequence_parallel=cfg.sequence_parallel)
-    return ModelRunner(target, mtp, cfg.spec, cfg.cache_config, cfg.scheduler_config, device,
+    par = cfg.parallel_config
+    target, mtp = load_models(cfg.model, dtype=cfg.dtype, device=device, load_mtp=cfg.speculative_config is not None,
+                              fuse_allreduce_rmsnorm=par.fuse_allreduce_rmsnorm,
+                              sequence_parallel=par.sequence_parallel)
+    act_dtype = target.get_input_embeddings().weight.dtype
+    init_allreduce_rms_norm_backend(par.allreduce_backend, p2p_capacity_bytes(cfg, act_dtype), device)
+    return ModelRunner(target, mtp, cfg.speculative_config, cfg.cache_config, cfg.scheduler_config, device,
                        target.config.max_position_embeddings, cfg.graph_mode)
 
 
@@ -125,7 +116,7 @@ def follower_loop(runner: ModelRunner, group: Any) -> Any:
         handle_message(runner, msg)
 
 
-def spawned_worker_main(rank: int, world_size: int, port: int, cfg: WorkerConfig, conn: Any, threads: int) -> None:
+def spawned_worker_main(rank: int, world_size: int, port: int, cfg: EngineConfig, conn: Any, threads: int) -> None:
     """Entry point of a self-launched rank: set up, report ``("ready", num_blocks)``, then serve.
 
     Replies to every message: rank 0 with the result, the others with ``("ok", None)`` (an

@@ -1,0 +1,335 @@
+"""``EngineArgs``: the engine's arguments, one set for ``LLM(...)`` and every command (vLLM's
+``vllm/engine/arg_utils.py``).
+
+``mtpspec generate``, ``serve``, ``eval gsm8k --model`` (and ``bench arms``' ``--server-args``,
+which are ``serve`` flags) take these flags through :meth:`EngineArgs.add_cli_args` and read
+them back with :meth:`EngineArgs.from_cli_args`; ``LLM(...)`` builds an ``EngineArgs`` from its
+keyword arguments; :meth:`EngineArgs.create_engine_config` validates everything and returns the
+one :class:`~mtpspec.engine.config.EngineConfig` that goes to the ranks.
+
+Primary spellings are vLLM's; today's short flags stay as aliases:
+
+==============================  ============================  ==========  ==========================================
+flag (vLLM spelling)            aliases                       default     meaning
+==============================  ============================  ==========  ==========================================
+``--model``                                                   demo model  checkpoint folder
+``--tensor-parallel-size``      ``-tp``, ``--tp``             1           tensor-parallel ranks
+``--speculative-config JSON``                                 none        ``{"method": "mtp", "num_speculative_tokens":
+                                                                          k, "use_local_argmax_reduction": bool}``
+``--num-speculative-tokens``    ``-k``                        3           shorthand: k (0 = no speculation), [0, 16]
+``--no-local-argmax``                                         off         shorthand: ``use_local_argmax_reduction`` false
+``--no-fusion``                                               off         MTP tail: all-reduce, then RMSNorm
+``--sequence-parallel``                                       off         sequence-parallel MTP layer (tp > 1)
+``--allreduce-backend``                                       nccl        fused tail's backend: nccl | p2p
+``--max-model-len``                                           model's     tokens per sequence (at most 8192 default)
+``--max-num-seqs``                                            64          sequences per step
+``--max-num-batched-tokens``                                  derived     new tokens per step
+``--gpu-memory-utilization``                                  0.9         GPU memory fraction for the engine
+``--block-size``                                              16          tokens per KV block
+``--num-kv-blocks``             ``--num-gpu-blocks-override`` sized       KV blocks per layer (skip profiling)
+``--dtype``                                                   checkpoint  float32 / bfloat16 / float16
+``--device``                                                  cuda if any cpu / cuda / cuda:N
+``--enforce-eager``                                           off         never use CUDA graphs
+``--seed``                                                    0           engine seed: seeds requests without one
+==============================  ============================  ==========  ==========================================
+
+How the shorthand flags combine with ``--speculative-config``: the JSON is read as vLLM reads it
+(absent keys take :class:`~mtpspec.config.SpeculativeConfig`'s defaults: k 1, local argmax
+off). ``-k N`` (N >= 1) and ``--no-local-argmax`` fill in or agree with the JSON; a shorthand that
+contradicts a key the JSON sets (``-k 2`` with ``"num_speculative_tokens": 3``, ``-k 0`` with any
+JSON, ``--no-local-argmax`` with ``"use_local_argmax_reduction": true``) is an error naming both.
+Without either, the command line decodes with k = 3 and local argmax on (``-k 3``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from dataclasses import dataclass, fields
+from typing import Any, Dict, Optional, Union
+
+from mtpspec.config import ALLREDUCE_BACKENDS, MAX_NUM_SPECULATIVE_TOKENS, ModelConfig, ParallelConfig, SpeculativeConfig
+
+#: ``max_model_len`` when none is given: the model's ``max_position_embeddings``, at most this
+#: (prefills are not chunked, so one step may hold a whole ``max_model_len`` prompt).
+DEFAULT_MAX_MODEL_LEN = 8192
+#: k on the command line when neither ``-k`` nor ``--speculative-config`` is given.
+DEFAULT_CLI_NUM_SPECULATIVE_TOKENS = 3
+GRAPH_MODES = ("auto", "off", "cuda", "static")
+
+SpecArg = Union[None, str, Dict[str, Any], SpeculativeConfig]
+
+
+def check_device(device: Optional[str]) -> None:
+    """Raise ValueError unless ``device`` is None, ``"cpu"``, or ``"cuda"`` / ``"cuda:N"`` with CUDA present."""
+    if device is None:
+        return
+    if not isinstance(device, str) or device.split(":", 1)[0] not in ("cpu", "cuda"):
+        raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N' (or None for CUDA when present), got {device!r}")
+    import torch
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"device={device!r} but this torch ({torch.__version__}) sees no CUDA GPU; use device='cpu'")
+
+
+def parse_speculative_config(value: SpecArg) -> Optional[Dict[str, Any]]:
+    """A ``speculative_config`` as a plain dict (or ``None``), keys and values checked.
+
+    Args:
+        value: ``None``; a JSON string (``--speculative-config``; ``"null"`` = none); a dict; or a
+            :class:`~mtpspec.config.SpeculativeConfig`.
+
+    Raises:
+        ValueError: invalid JSON, not an object, an unknown key (named, with the accepted keys),
+            or a bad value (named: ``method`` must be ``"mtp"``, ``num_speculative_tokens`` an int in
+            [1, 16], ``use_local_argmax_reduction`` a bool).
+        TypeError: ``value`` of another type.
+    """
+    if value is None:
+        return None
+    if isinstance(value, SpeculativeConfig):
+        return {k: getattr(value, k) for k in SpeculativeConfig.KEYS}
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"--speculative-config: invalid JSON ({exc}); expected e.g. "
+                             '\'{"method": "mtp", "num_speculative_tokens": 3}\'') from None
+        if value is None:
+            return None
+        if not isinstance(value, dict):
+            raise ValueError(f"--speculative-config must be a JSON object, got {json.dumps(value)}")
+    if not isinstance(value, dict):
+        raise TypeError(f"speculative_config must be a dict, SpeculativeConfig, JSON string or None, "
+                        f"got {type(value).__name__}")
+    unknown = [key for key in value if key not in SpeculativeConfig.KEYS]
+    if unknown:
+        raise ValueError(f"unknown speculative_config keys: {unknown}; expected some of {list(SpeculativeConfig.KEYS)}")
+    out = dict(value)
+    if "method" in out and out["method"] != "mtp":
+        raise ValueError(f"speculative_config: method must be 'mtp', got {out['method']!r}")
+    k = out.get("num_speculative_tokens", 1)
+    if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= MAX_NUM_SPECULATIVE_TOKENS:
+        raise ValueError(f"speculative_config: num_speculative_tokens must be an int in "
+                         f"[1, {MAX_NUM_SPECULATIVE_TOKENS}], got {k!r} (for no speculation give no "
+                         "speculative config; on the command line -k 0)")
+    la = out.get("use_local_argmax_reduction", False)
+    if not isinstance(la, bool):
+        raise ValueError(f"speculative_config: use_local_argmax_reduction must be true or false, got {la!r}")
+    return out
+
+
+def check_num_speculative_tokens(k: Any) -> None:
+    """Raise ValueError unless ``k`` (the ``-k`` shorthand) is an int in [0, 16] (0 = no speculation)."""
+    if not isinstance(k, int) or isinstance(k, bool) or not 0 <= k <= MAX_NUM_SPECULATIVE_TOKENS:
+        raise ValueError(f"-k/--num-speculative-tokens (num_speculative_tokens) must be an int in "
+                         f"[0, {MAX_NUM_SPECULATIVE_TOKENS}] (0 = no speculation), got {k!r}")
+
+
+@dataclass
+class EngineArgs:
+    """Arguments of the engine (see the module docstring for the flags and their defaults).
+
+    Attributes:
+        model: checkpoint folder; ``None``: the bundled demo model.
+        tensor_parallel_size: ranks (int >= 1).
+        speculative_config: ``None``, a dict / JSON string / :class:`SpeculativeConfig` (vLLM's keys).
+        num_speculative_tokens: shorthand k in [0, 16] (0 = no speculation) or ``None`` (not given);
+            combines with ``speculative_config`` as the module docstring says.
+        no_local_argmax: shorthand for ``use_local_argmax_reduction: false``.
+        fuse_allreduce_rmsnorm, sequence_parallel, allreduce_backend: see
+            :class:`~mtpspec.config.ParallelConfig`.
+        max_model_len (``None``: the model's positions, at most 8192), max_num_seqs,
+            max_num_batched_tokens (``None``: derived): see :class:`~mtpspec.engine.config.SchedulerConfig`.
+        block_size, num_kv_blocks (``None``: sized from memory), gpu_memory_utilization,
+            cpu_kv_cache_gib: see :class:`~mtpspec.engine.config.CacheConfig`.
+        dtype: ``"float32"`` / ``"bfloat16"`` / ``"float16"`` or ``None`` (the checkpoint's).
+        device: ``"cpu"`` / ``"cuda"`` / ``"cuda:N"`` or ``None`` (CUDA when present).
+        enforce_eager: never use CUDA graphs.
+        graph_mode: override of the runner's graph mode (``"auto"``, ``"off"``, ``"cuda"``,
+            ``"static"``); ``None``: ``"off"`` with ``enforce_eager``, else ``"auto"``.
+        seed: engine seed; seeds the seeds of requests that give none (``None``: random).
+    """
+
+    model: Optional[str] = None
+    tensor_parallel_size: int = 1
+    speculative_config: SpecArg = None
+    num_speculative_tokens: Optional[int] = None
+    no_local_argmax: bool = False
+    fuse_allreduce_rmsnorm: bool = True
+    sequence_parallel: bool = False
+    allreduce_backend: str = "nccl"
+    max_model_len: Optional[int] = None
+    max_num_seqs: int = 64
+    max_num_batched_tokens: Optional[int] = None
+    block_size: int = 16
+    num_kv_blocks: Optional[int] = None
+    gpu_memory_utilization: float = 0.9
+    cpu_kv_cache_gib: float = 1.0
+    dtype: Optional[str] = None
+    device: Optional[str] = None
+    enforce_eager: bool = False
+    graph_mode: Optional[str] = None
+    seed: Optional[int] = 0
+
+    # ------------------------------------------------------------------ command line
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser, model: bool = True) -> argparse.ArgumentParser:
+        """Add the engine flags (module docstring) to ``parser``; returns it.
+
+        Args:
+            parser: a parser or an argument group.
+            model: also add ``--model`` (``False`` where the command defines it itself).
+        """
+        p = parser
+        if model:
+            p.add_argument("--model", default=None, help="checkpoint folder (default: the bundled demo model)")
+        p.add_argument("--tensor-parallel-size", "-tp", "--tp", dest="tensor_parallel_size", type=int, default=1,
+                       help="tensor-parallel ranks (default 1)")
+        p.add_argument("--speculative-config", default=None, metavar="JSON",
+                       help='speculative decoding, vLLM\'s JSON: \'{"method": "mtp", "num_speculative_tokens": 3, '
+                            '"use_local_argmax_reduction": true}\' (absent keys: k 1, local argmax off)')
+        p.add_argument("--num-speculative-tokens", "-k", type=int, default=None,
+                       help=f"shorthand: draft tokens k in [0, {MAX_NUM_SPECULATIVE_TOKENS}] (0: no speculation; "
+                            f"default {DEFAULT_CLI_NUM_SPECULATIVE_TOKENS} unless --speculative-config is given)")
+        p.add_argument("--no-local-argmax", action="store_true",
+                       help="shorthand: use_local_argmax_reduction false (drafts via compute_logits + argmax)")
+        p.add_argument("--no-fusion", action="store_true", help="MTP tail: all-reduce then RMSNorm (unfused)")
+        p.add_argument("--sequence-parallel", action="store_true", help="sequence-parallel MTP layer (tp > 1)")
+        p.add_argument("--allreduce-backend", default="nccl", choices=list(ALLREDUCE_BACKENDS),
+                       help="backend of the fused all-reduce + RMSNorm tail (default nccl; p2p: one-kernel "
+                            "peer-memory backend, ranks on one host)")
+        p.add_argument("--max-model-len", type=int, default=None,
+                       help=f"context length (default: the model's, at most {DEFAULT_MAX_MODEL_LEN})")
+        p.add_argument("--max-num-seqs", type=int, default=64, help="most sequences per step (default 64)")
+        p.add_argument("--max-num-batched-tokens", type=int, default=None,
+                       help="most new tokens per step (default max(max_model_len, max_num_seqs * (1 + k)))")
+        p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                       help="fraction of GPU memory the engine may use (default 0.9)")
+        p.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
+        p.add_argument("--num-kv-blocks", "--num-gpu-blocks-override", dest="num_kv_blocks", type=int, default=None,
+                       help="KV blocks per layer (default: sized from free memory)")
+        p.add_argument("--dtype", default=None, help="float32 / bfloat16 / float16 (default: the checkpoint's)")
+        p.add_argument("--device", default=None, help="cuda / cuda:N / cpu (default: cuda when present)")
+        p.add_argument("--enforce-eager", action="store_true", help="never use CUDA graphs")
+        p.add_argument("--seed", type=int, default=0,
+                       help="engine seed: seeds the sampling of requests that give no seed (default 0)")
+        return parser
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> "EngineArgs":
+        """The :class:`EngineArgs` of parsed :meth:`add_cli_args` flags (other attributes ignored).
+
+        Without ``-k`` and ``--speculative-config`` k is :data:`DEFAULT_CLI_NUM_SPECULATIVE_TOKENS`.
+        """
+        kw: Dict[str, Any] = {}
+        for f in fields(cls):
+            if hasattr(args, f.name):
+                kw[f.name] = getattr(args, f.name)
+        if hasattr(args, "no_fusion"):
+            kw["fuse_allreduce_rmsnorm"] = not args.no_fusion
+        if kw.get("num_speculative_tokens") is None and kw.get("speculative_config") is None:
+            kw["num_speculative_tokens"] = DEFAULT_CLI_NUM_SPECULATIVE_TOKENS
+        return cls(**kw)
+
+    # ------------------------------------------------------------------ resolution
+    def model_path(self) -> str:
+        """``model``, or the bundled demo model's folder."""
+        if self.model:
+            return self.model
+        from mtpspec import demo_model_path
+        return str(demo_model_path())
+
+    def resolved_speculative_config(self) -> Optional[SpeculativeConfig]:
+        """``speculative_config`` combined with the shorthand flags (module docstring).
+
+        Raises:
+            ValueError: a bad JSON key / value, ``-k`` outside [0, 16], or a shorthand that
+                contradicts the JSON (both named).
+        """
+        spec = parse_speculative_config(self.speculative_config)
+        k = self.num_speculative_tokens
+        if k is not None:
+            check_num_speculative_tokens(k)
+        if spec is None:
+            if not k:
+                return None
+            return SpeculativeConfig("mtp", k, not self.no_local_argmax)
+        if k is not None:
+            if k == 0:
+                raise ValueError("-k/--num-speculative-tokens 0 (no speculation) conflicts with "
+                                 f"--speculative-config {json.dumps(spec)}; give one of them")
+            if "num_speculative_tokens" in spec and spec["num_speculative_tokens"] != k:
+                raise ValueError(f"-k/--num-speculative-tokens {k} conflicts with --speculative-config "
+                                 f"num_speculative_tokens={spec['num_speculative_tokens']}; give one of them")
+            spec["num_speculative_tokens"] = k
+        if self.no_local_argmax:
+            if spec.get("use_local_argmax_reduction") is True:
+                raise ValueError("--no-local-argmax conflicts with --speculative-config "
+                                 "use_local_argmax_reduction=true; give one of them")
+            spec["use_local_argmax_reduction"] = False
+        return SpeculativeConfig(**spec)
+
+    def parallel_config(self) -> ParallelConfig:
+        """The :class:`~mtpspec.config.ParallelConfig` (raises ValueError on a bad value)."""
+        return ParallelConfig(self.tensor_parallel_size, self.sequence_parallel, self.fuse_allreduce_rmsnorm,
+                              self.allreduce_backend)
+
+    def create_engine_config(self, model_config: Optional[ModelConfig] = None) -> Any:
+        """Validate every argument and build the :class:`~mtpspec.engine.config.EngineConfig`.
+
+        Args:
+            model_config: the checkpoint's config if already read (default: read ``config.json``).
+
+        Raises:
+            ValueError / TypeError: a bad argument, naming it (tp, device, speculative config /
+                shorthand, backend, ``max_model_len`` above the model's positions, MTP requested
+                from a checkpoint without MTP layers, graph mode, scheduler / cache limits).
+            FileNotFoundError, ModelConfigError: no or a bad ``config.json``.
+        """
+        from mtpspec.engine.config import CacheConfig, EngineConfig, SchedulerConfig
+        par = self.parallel_config()
+        check_device(self.device)
+        spec = self.resolved_speculative_config()
+        model = self.model_path()
+        mcfg = model_config or ModelConfig.from_pretrained(model)
+        mcfg.verify_tensor_parallel(par.tensor_parallel_size)
+        if spec is not None and mcfg.num_nextn_predict_layers < 1:
+            raise ValueError(f"speculative decoding with MTP needs MTP layers, but {model!r} declares "
+                             "num_nextn_predict_layers = 0")
+        max_model_len = self.max_model_len
+        if max_model_len is None:
+            max_model_len = min(mcfg.max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
+        if not isinstance(max_model_len, int) or not 2 <= max_model_len <= mcfg.max_position_embeddings:
+            raise ValueError(f"max_model_len must be an int in [2, max_position_embeddings="
+                             f"{mcfg.max_position_embeddings}], got {max_model_len!r}")
+        k = spec.num_speculative_tokens if spec is not None else 0
+        sched = SchedulerConfig(self.max_num_seqs, max_model_len, self.max_num_batched_tokens, k)
+        cache = CacheConfig(self.block_size, self.num_kv_blocks, self.gpu_memory_utilization, self.cpu_kv_cache_gib)
+        mode = "off" if self.enforce_eager else (self.graph_mode or "auto")
+        if mode not in GRAPH_MODES:
+            raise ValueError(f"graph_mode must be 'auto', 'off', 'cuda' or 'static', got {self.graph_mode!r}")
+        return EngineConfig(model, self.dtype, self.device, mcfg, par, spec, cache, sched, mode, self.seed)
+
+    def llm_kwargs(self) -> Dict[str, Any]:
+        """``LLM(**kwargs)`` for these arguments (``model`` resolved; speculative config resolved
+        to a dict or ``None``).
+
+        Raises:
+            ValueError: as :meth:`resolved_speculative_config`.
+        """
+        spec = self.resolved_speculative_config()
+        return dict(model=self.model_path(), tensor_parallel_size=self.tensor_parallel_size, dtype=self.dtype,
+                    device=self.device,
+                    speculative_config=None if spec is None else parse_speculative_config(spec),
+                    fuse_allreduce_rmsnorm=self.fuse_allreduce_rmsnorm, sequence_parallel=self.sequence_parallel,
+                    allreduce_backend=self.allreduce_backend, max_num_seqs=self.max_num_seqs,
+                    max_model_len=self.max_model_len, max_num_batched_tokens=self.max_num_batched_tokens,
+                    block_size=self.block_size, num_kv_blocks=self.num_kv_blocks,
+                    gpu_memory_utilization=self.gpu_memory_utilization, cpu_kv_cache_gib=self.cpu_kv_cache_gib,
+                    seed=self.seed, enforce_eager=self.enforce_eager, graph_mode=self.graph_mode)
+
+
+def model_exists(path: str) -> bool:
+    """Whether ``path`` holds a ``config.json``."""
+    return os.path.isfile(os.path.join(path, "config.json"))
