@@ -395,7 +395,9 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--workloads", default="batch1,c64", help=f"comma-separated presets: {', '.join(PRESETS)}")
     p.add_argument("--scale", type=float, default=1.0, help="multiply the presets' lengths and prompt counts (0, 1]")
     p.add_argument("--repeats", type=int, default=3, help="runs per arm and workload (default 3)")
-    p.add_argument("--server-args", default="", help="extra `mtpspec serve` flags for every arm, e.g. '--tp 2'")
+    p.add_argument("--server-args", default="",
+                   help="extra `mtpspec serve` flags for every arm (checked before any server starts), e.g. "
+                        "'--tensor-parallel-size 2' or '-tp 2 --allreduce-backend p2p'")
     p.add_argument("--forced-acceptance", default=None, metavar="rate:P|length:N",
                    help="passed to every server (SYNTHETIC, for random-weight models)")
     p.add_argument("--output-dir", default="bench_arms_out", help="JSON, plots and server logs")
@@ -421,7 +423,11 @@ def run(args: argparse.Namespace) -> int:
         common = ["--model", args.model or default_model_path()] + shlex.split(args.server_args)
         if args.forced_acceptance:
             common += ["--forced-acceptance", args.forced_acceptance]
-        share = not any(a.startswith(("--gpu-memory-utilization", "--num-kv-blocks")) for a in common)
+        from mtpspec.entrypoints.serve import check_serve_args
+        for arm_flags in arms.values():
+            check_serve_args(common + arm_flags)  # a bad flag fails here, before any server starts
+        share = not any(a.startswith(("--gpu-memory-utilization", "--num-kv-blocks", "--num-gpu-blocks-override"))
+                        for a in common)
         res = run_arms(arms, workloads, args.repeats, args.output_dir, common, urls, progress=not args.no_progress,
                        plots=not args.no_plots, share_gpu=share)
     except (ValueError, FileNotFoundError, RuntimeError) as exc:

@@ -3,7 +3,9 @@
 Prompts come from ``--prompt`` (repeatable), ``--prompt-file`` (one per line) or
 ``--prompt-token-ids`` (comma-separated ids; for checkpoints without a tokenizer). Without
 ``--model`` the bundled demo model (``mtpspec/demo_model``) is used when it exists.
-``--num-speculative-tokens 0`` decodes without speculation.
+``-k 0`` decodes without speculation. Engine flags (vLLM's spellings: ``--tensor-parallel-size``,
+``--speculative-config``, ``--seed`` = engine seed, ...): :mod:`mtpspec.engine.arg_utils`;
+``--sampling-seed`` gives every prompt one per-request seed.
 """
 
 from __future__ import annotations
@@ -32,21 +34,15 @@ def add_parser(sub: Any) -> None:
                    help="GSM8K JSONL, or a folder with test.jsonl, for --gsm8k-question (default: "
                         "$MTPSPEC_GSM8K_DIR, else the GSM8K test split bundled in mtpspec/data/gsm8k)")
     p.add_argument("--stop", action="append", default=None, help="a stop string (repeatable)")
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (default 1)")
-    p.add_argument("--num-speculative-tokens", "-k", type=int, default=3, help="draft tokens k (0: no speculation)")
-    p.add_argument("--no-local-argmax", action="store_true", help="drafts via compute_logits + argmax")
-    p.add_argument("--no-fusion", action="store_true", help="MTP tail: all-reduce then RMSNorm (unfused)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--seed", type=int, default=None, help="per-request seed")
+    p.add_argument("--sampling-seed", type=int, default=None,
+                   help="per-request seed (SamplingParams.seed) for every prompt; default: derived from --seed")
     p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--num-kv-blocks", type=int, default=None)
-    p.add_argument("--dtype", default=None, help="float32 / bfloat16 / float16 (default: the checkpoint's)")
-    p.add_argument("--device", default=None, help="cuda / cpu (default: cuda when present)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    from mtpspec.engine.arg_utils import EngineArgs
+    EngineArgs.add_cli_args(p.add_argument_group("engine (vLLM's flags; mtpspec.engine.arg_utils)"), model=False)
 
 
 def _usage_error(msg: str) -> None:
@@ -124,17 +120,15 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: no model at {model!r} (pass --model PATH; the bundled demo model is not there)",
               file=sys.stderr)
         return 2
-    k = args.num_speculative_tokens
-    spec = None if k == 0 else {"method": "mtp", "num_speculative_tokens": k,
-                                "use_local_argmax_reduction": not args.no_local_argmax}
+    from mtpspec.engine.arg_utils import EngineArgs
     prompts = _prompts(args)
     try:
+        engine_args = EngineArgs.from_cli_args(args)
+        engine_args.model = model
         stop = args.stop if args.stop is not None else (["Question:"] if args.gsm8k_question else None)
-        params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
-                                max_tokens=args.max_tokens, stop=stop)
-        llm = LLM(model, tensor_parallel_size=args.tp, dtype=args.dtype, device=args.device, speculative_config=spec,
-                  fuse_allreduce_rmsnorm=not args.no_fusion, max_num_seqs=args.max_num_seqs,
-                  max_model_len=args.max_model_len, num_kv_blocks=args.num_kv_blocks)
+        params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                                seed=args.sampling_seed, max_tokens=args.max_tokens, stop=stop)
+        llm = LLM(**engine_args.llm_kwargs())
     except (ValueError, TypeError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

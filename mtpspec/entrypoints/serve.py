@@ -1,11 +1,13 @@
 """`mtpspec serve`: an OpenAI-compatible HTTP server (FastAPI + uvicorn) with MTP speculative decoding.
 
-Options mirror ``LLM(...)`` (and ``mtpspec generate``). Without ``--model`` the bundled demo model
+Engine flags: :class:`mtpspec.engine.arg_utils.EngineArgs` (vLLM's spellings, shared with
+``mtpspec generate``). Without ``--model`` the bundled demo model
 is served. Endpoints, errors and metrics: :mod:`mtpspec.entrypoints.openai_server`.
 
 Example::
 
-    mtpspec serve --tp 2 -k 3 --port 8000
+    mtpspec serve --tensor-parallel-size 2 --speculative-config '{"method": "mtp", "num_speculative_tokens": 3, "use_local_argmax_reduction": true}' --port 8000
+    mtpspec serve -tp 2 -k 3 --port 8000          # the same, short flags
     curl http://127.0.0.1:8000/v1/completions -H 'Content-Type: application/json' \\
          -d '{"prompt": "Question: 2+3?\\nAnswer:", "max_tokens": 32, "temperature": 0}'
 
@@ -34,46 +36,51 @@ def default_model_path() -> str:
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
-    """Options that mirror ``LLM(...)`` (shared with ``mtpspec eval gsm8k --model``)."""
-    p.add_argument("--model", default=None, help="checkpoint folder (default: the bundled demo model)")
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (default 1)")
-    p.add_argument("--num-speculative-tokens", "-k", type=int, default=3, help="draft tokens k (0: no speculation)")
-    p.add_argument("--no-local-argmax", action="store_true", help="drafts via compute_logits + argmax")
-    p.add_argument("--no-fusion", action="store_true", help="MTP tail: all-reduce then RMSNorm (unfused)")
-    p.add_argument("--sequence-parallel", action="store_true", help="sequence-parallel MTP layer (tp > 1)")
-    p.add_argument("--max-num-seqs", type=int, default=64, help="most sequences per step (default 64)")
-    p.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
-    p.add_argument("--max-num-batched-tokens", type=int, default=None)
-    p.add_argument("--num-kv-blocks", type=int, default=None, help="KV blocks (default: sized from memory)")
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    p.add_argument("--dtype", default=None, help="float32 / bfloat16 / float16 (default: the checkpoint's)")
-    p.add_argument("--device", default=None, help="cuda / cpu (default: cuda when present)")
-    p.add_argument("--enforce-eager", action="store_true", help="never use CUDA graphs")
-    p.add_argument("--seed", type=int, default=0, help="seeds the seeds of requests without one")
+    """The engine flags of :class:`~mtpspec.engine.arg_utils.EngineArgs` (shared with
+    ``mtpspec generate`` and ``mtpspec eval gsm8k --model``)."""
+    from mtpspec.engine.arg_utils import EngineArgs
+    EngineArgs.add_cli_args(p)
 
 
 def llm_kwargs(args: argparse.Namespace) -> Dict[str, Any]:
-    """``LLM(**kwargs)`` from :func:`add_engine_args` options (``model`` included)."""
-    k = args.num_speculative_tokens
-    spec = None if k == 0 else {"method": "mtp", "num_speculative_tokens": k,
-                                "use_local_argmax_reduction": not args.no_local_argmax}
-    return dict(model=args.model or default_model_path(), tensor_parallel_size=args.tp, dtype=args.dtype,
-                device=args.device, speculative_config=spec, fuse_allreduce_rmsnorm=not args.no_fusion,
-                sequence_parallel=args.sequence_parallel, max_num_seqs=args.max_num_seqs,
-                max_model_len=args.max_model_len, max_num_batched_tokens=args.max_num_batched_tokens,
-                block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
-                gpu_memory_utilization=args.gpu_memory_utilization, seed=args.seed,
-                enforce_eager=args.enforce_eager)
+    """``LLM(**kwargs)`` from :func:`add_engine_args` options (``model`` resolved).
+
+    Raises:
+        ValueError: a bad ``-k`` / ``--speculative-config`` or a conflict between them.
+    """
+    from mtpspec.engine.arg_utils import EngineArgs
+    return EngineArgs.from_cli_args(args).llm_kwargs()
+
+
+class _RaisingParser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise ValueError(message)
+
+
+def check_serve_args(argv: Any) -> None:
+    """Check that ``argv`` (a list of strings) are valid ``mtpspec serve`` flags, engine flags
+    combining without conflict, before any server starts (``bench arms --server-args``).
+
+    Raises:
+        ValueError: an unknown flag, a bad value, or conflicting speculative flags (named).
+    """
+    parser = _RaisingParser(prog="mtpspec", add_help=False)
+    sub = parser.add_subparsers(dest="command")
+    add_parser(sub)
+    args = parser.parse_args(["serve", *argv])
+    llm_kwargs(args)
 
 
 def engine_info(args: argparse.Namespace, kwargs: Dict[str, Any], forced: Optional[Any]) -> Dict[str, Any]:
     """The configuration a client can read back (``/v1/models`` -> ``mtpspec``)."""
-    k = args.num_speculative_tokens
-    return {"model": kwargs["model"], "tp": args.tp, "num_speculative_tokens": k,
-            "fusion": (not args.no_fusion) and k > 0, "local_argmax": (not args.no_local_argmax) and k > 0,
-            "sequence_parallel": args.sequence_parallel, "max_num_seqs": args.max_num_seqs,
-            "dtype": args.dtype or "checkpoint", "forced_acceptance": forced.describe() if forced else "off",
+    spec = kwargs["speculative_config"] or {}
+    k = int(spec.get("num_speculative_tokens", 1)) if spec else 0
+    return {"model": kwargs["model"], "tp": kwargs["tensor_parallel_size"], "num_speculative_tokens": k,
+            "fusion": kwargs["fuse_allreduce_rmsnorm"] and k > 0,
+            "local_argmax": bool(spec.get("use_local_argmax_reduction", False)) and k > 0,
+            "sequence_parallel": kwargs["sequence_parallel"], "allreduce_backend": kwargs["allreduce_backend"],
+            "max_num_seqs": kwargs["max_num_seqs"], "dtype": kwargs["dtype"] or "checkpoint",
+            "seed": kwargs["seed"], "forced_acceptance": forced.describe() if forced else "off",
             "synthetic": forced is not None}
 
 

@@ -1,6 +1,6 @@
 """`mtpspec tp-demo`: one MTP draft step's two collectives, fused vs unfused, on CPU ranks.
 
-Runs on ``--tp`` local gloo ranks (or NCCL GPUs): for ``--num-seqs`` sequences it computes the
+Runs on ``--tensor-parallel-size`` (``-tp``, ``--tp``) local gloo ranks (or NCCL GPUs): for ``--num-seqs`` sequences it computes the
 draft token ids both ways (full-logits all-gather + argmax, and vocab-parallel local argmax)
 and the MTP tail both ways (all-reduce then RMSNorm, and ``fused_allreduce_rms_norm``),
 checks that each pair agrees, and prints the bytes each rank sent, from the counters.
@@ -16,10 +16,13 @@ from mtpspec.distributed import (comm_stats, get_tensor_model_parallel_rank, get
                                  launch, reset_comm_stats)
 
 
-def _rank_main(num_seqs: int, hidden: int, vocab: int, seed: int):
+def _rank_main(num_seqs: int, hidden: int, vocab: int, seed: int, allreduce_backend: str = "nccl"):
     from mtpspec.distributed import tensor_model_parallel_all_reduce
     from mtpspec.layers import LogitsProcessor, ParallelLMHead, RMSNorm
-    from mtpspec.distributed.allreduce_rms_norm import fused_allreduce_rms_norm
+    from mtpspec.distributed.allreduce_rms_norm import (close_allreduce_rms_norm_backend, fused_allreduce_rms_norm,
+                                                        init_allreduce_rms_norm_backend)
+
+    init_allreduce_rms_norm_backend(allreduce_backend, num_seqs * hidden * 4)
 
     g = torch.Generator().manual_seed(seed)
     head_w = torch.randn(vocab, hidden, generator=g) / hidden ** 0.5
@@ -46,21 +49,26 @@ def _rank_main(num_seqs: int, hidden: int, vocab: int, seed: int):
     reset_comm_stats()
     ids_local = lp.get_top_tokens(lm_head, y_fused)
     rows["draft ids: get_top_tokens"] = comm_stats()
+    close_allreduce_rms_norm_backend()
     return rows, tail_equal, bool(torch.equal(ids_full, ids_local))
 
 
 def add_parser(sub) -> None:
     p = sub.add_parser("tp-demo", help="one draft step's collectives, fused vs unfused, on CPU ranks",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--tp", type=int, default=2, help="tensor-parallel ranks (default 2)")
+    p.add_argument("--tensor-parallel-size", "-tp", "--tp", dest="tp", type=int, default=2,
+                   help="tensor-parallel ranks (default 2)")
     p.add_argument("--num-seqs", type=int, default=64, help="sequences in the draft step (default 64)")
     p.add_argument("--hidden-size", type=int, default=256, help="hidden size (default 256)")
     p.add_argument("--vocab-size", type=int, default=151552, help="vocabulary (default 151552, GLM-4.5)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the random inputs (default 0)")
+    p.add_argument("--allreduce-backend", default="nccl", choices=["nccl", "p2p"],
+                   help="backend of the fused tail (default nccl; p2p needs GPUs, or TRITON_INTERPRET=1 on CPU)")
 
 
 def run(args) -> int:
-    results = launch(_rank_main, args.tp, args.num_seqs, args.hidden_size, args.vocab_size, args.seed)
+    results = launch(_rank_main, args.tp, args.num_seqs, args.hidden_size, args.vocab_size, args.seed,
+                     args.allreduce_backend)
     rows, tail_equal, ids_equal = results[0]
     print(f"tp={args.tp}  sequences={args.num_seqs}  hidden={args.hidden_size}  vocab={args.vocab_size}  "
           f"(bytes rank 0 sent, ring model; see mtpspec/distributed/communication_op.py)")
