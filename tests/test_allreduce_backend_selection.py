@@ -1,0 +1,132 @@
+"""Selecting the fused all-reduce + RMSNorm backend from the engine (``allreduce_backend``).
+
+The p2p backend on CPU runs in Triton's interpreter over /dev/shm, so the end-to-end check
+(an ``LLM`` at tp 2 with ``allreduce_backend="p2p"`` against ``"nccl"``) runs every op of the
+spawned ranks interpreted: a tiny model, two prompts, a few tokens.
+"""
+
+from __future__ import annotations
+
+from typing import Any, List
+
+import pytest
+import torch
+
+from test_engine_fixtures import make_model, mixed_prompts, token_prompts
+
+from mtpspec import LLM, SamplingParams
+from mtpspec.config import ParallelConfig
+from mtpspec.distributed.allreduce_rms_norm import (
+    backend_usage, check_allreduce_backend_supported, close_allreduce_rms_norm_backend, fused_allreduce_rms_norm,
+    get_allreduce_rms_norm_backend, init_allreduce_rms_norm_backend)
+from mtpspec.distributed.p2p_allreduce_rms_norm import P2PAllReduceRMSNorm
+from mtpspec.layers import RMSNorm
+
+P2P = P2PAllReduceRMSNorm.name
+SPEC = {"method": "mtp", "num_speculative_tokens": 2, "use_local_argmax_reduction": True}
+KW = dict(max_model_len=48, block_size=4, num_kv_blocks=64, max_num_seqs=2, seed=0, device="cpu")
+
+
+@pytest.fixture(scope="module")
+def path(tmp_path_factory):
+    p = str(tmp_path_factory.mktemp("tiny_backend"))
+    make_model(p, seed=5, tokenizer=False)
+    return p
+
+
+# ------------------------------------------------------------------------ config-level checks
+def test_bad_backend_name_lists_the_choices(path) -> None:
+    with pytest.raises(ValueError, match=r"allreduce_backend must be one of \['nccl', 'p2p'\], got 'mpi'"):
+        ParallelConfig(2, allreduce_backend="mpi")
+    with pytest.raises(ValueError, match=r"\['nccl', 'p2p'\].*'custom'"):
+        LLM(path, allreduce_backend="custom", **KW)
+    with pytest.raises(ValueError, match=r"\['nccl', 'p2p'\]"):
+        init_allreduce_rms_norm_backend("NCCL")
+    assert ParallelConfig().allreduce_backend == "nccl" and ParallelConfig().fuse_allreduce_rmsnorm
+
+
+def test_parallel_config_rejects_bad_values() -> None:
+    for bad in (0, -1, True, 2.0):
+        with pytest.raises(ValueError, match="tensor_parallel_size"):
+            ParallelConfig(bad)
+    with pytest.raises(ValueError, match="sequence_parallel"):
+        ParallelConfig(2, sequence_parallel="yes")
+
+
+def test_p2p_at_tp1_is_a_no_op(interp) -> None:
+    """One process = tp 1: no collective, so 'p2p' installs nothing and the local path serves."""
+    before = backend_usage().get("local", 0)
+    assert init_allreduce_rms_norm_backend("p2p") is None
+    assert get_allreduce_rms_norm_backend() == "p2p"
+    h, r = torch.randn(3, 8), torch.randn(3, 8)
+    norm = RMSNorm(8, eps=1e-6)
+    fused_allreduce_rms_norm(h, r, norm)
+    assert backend_usage()["local"] == before + 1
+    close_allreduce_rms_norm_backend()
+    assert get_allreduce_rms_norm_backend() == "nccl"
+
+
+def test_p2p_on_cpu_without_interpreter_is_a_clear_error(no_interp) -> None:
+    with pytest.raises(ValueError, match="TRITON_INTERPRET=1.*allreduce_backend='nccl'"):
+        check_allreduce_backend_supported("p2p", torch.device("cpu"))
+    check_allreduce_backend_supported("nccl", torch.device("cpu"))  # always fine
+
+
+def test_llm_tp2_p2p_on_cpu_without_interpreter_fails_at_start(path, no_interp) -> None:
+    from mtpspec.engine.executor import WorkerError
+    with pytest.raises(WorkerError, match="TRITON_INTERPRET=1"):
+        LLM(path, tensor_parallel_size=2, allreduce_backend="p2p", speculative_config=SPEC, **KW)
+
+
+# ------------------------------------------------------------------------ the engine end to end
+_STEPS: List[tuple] = []
+
+
+def _record_steps(runner: Any) -> bool:
+    inner = runner.execute_model
+
+    def wrapped(step):
+        out = inner(step)
+        _STEPS.append((list(out.new_token_ids), list(out.draft_token_ids)))
+        return out
+
+    runner.execute_model = wrapped
+    return True
+
+
+def _steps(runner: Any) -> List[tuple]:
+    return list(_STEPS)
+
+
+def _usage(runner: Any) -> tuple:
+    from mtpspec.distributed.allreduce_rms_norm import backend_usage, get_allreduce_rms_norm_backend, select_backend
+    p2p_installed = select_backend(torch.zeros(1, runner.target.config.hidden_size)).name
+    return get_allreduce_rms_norm_backend(), backend_usage(), p2p_installed
+
+
+def _run(path: str, backend: str, prompts) -> tuple:
+    with LLM(path, tensor_parallel_size=2, allreduce_backend=backend, speculative_config=SPEC, **KW) as llm:
+        assert llm.parallel_config.allreduce_backend == backend
+        llm.collective_rpc(_record_steps)
+        outs = llm.generate(token_prompts(prompts), SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True),
+                            use_tqdm=False)
+        return [o.outputs[0].token_ids for o in outs], llm.collective_rpc(_steps), llm.collective_rpc(_usage)
+
+
+def test_llm_tp2_p2p_same_tokens_and_drafts_as_nccl(path, interp, monkeypatch) -> None:
+    """Every step's accepted tokens and MTP drafts (which come out of the fused tail) agree, on
+    both ranks; the p2p backend served the draft-step calls, NCCL the rest. The NCCL run uses the
+    torch references (no interpreter: faster); the p2p run needs the interpreter in its ranks."""
+    from mtpspec.config import ModelConfig
+    vocab = ModelConfig.from_pretrained(path).vocab_size
+    prompts = mixed_prompts(2, vocab, seed=3, max_len=6)
+    toks_p, steps_p, usage_p = _run(path, "p2p", prompts)
+    monkeypatch.delenv("TRITON_INTERPRET")
+    toks_n, steps_n, usage_n = _run(path, "nccl", prompts)
+    assert toks_p == toks_n and all(len(t) == 6 for t in toks_n)
+    assert steps_p[0] == steps_n[0] and steps_p[1] == steps_p[0]  # rank 0 vs nccl; rank 1 vs rank 0
+    assert any(d for _, d in steps_n[0])  # drafts were proposed
+    for name, usage, installed in usage_n:
+        assert name == "nccl" and P2P not in usage and installed != P2P
+    for name, usage, installed in usage_p:
+        assert name == "p2p" and installed == P2P and usage.get(P2P, 0) > 0

@@ -1,0 +1,182 @@
+"""``EngineArgs``: vLLM's flag spellings, today's aliases, how the shorthand flags combine with
+``--speculative-config``, the ``-k`` range message, one ``--seed`` meaning, and the one
+``EngineConfig`` that ``LLM`` builds from its keyword arguments."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+
+from test_engine_fixtures import make_model
+
+from mtpspec import LLM, SamplingParams
+from mtpspec.config import ParallelConfig, SpeculativeConfig
+from mtpspec.engine.arg_utils import EngineArgs
+from mtpspec.entrypoints import bench_arms, generate, tp_demo
+from mtpspec.entrypoints.serve import check_serve_args, engine_info, llm_kwargs
+
+JSON3 = '{"method": "mtp", "num_speculative_tokens": 3, "use_local_argmax_reduction": true}'
+
+
+def _engine(argv):
+    p = argparse.ArgumentParser()
+    EngineArgs.add_cli_args(p)
+    return EngineArgs.from_cli_args(p.parse_args(argv))
+
+
+def _spec(argv):
+    return _engine(argv).resolved_speculative_config()
+
+
+@pytest.fixture(scope="module")
+def path(tmp_path_factory):
+    p = str(tmp_path_factory.mktemp("tiny_args"))
+    make_model(p, seed=21)
+    return p
+
+
+# ------------------------------------------------------------------------ spellings and defaults
+def test_defaults() -> None:
+    e = _engine([])
+    assert _spec([]) == SpeculativeConfig("mtp", 3, True)
+    assert (e.tensor_parallel_size, e.seed, e.allreduce_backend, e.fuse_allreduce_rmsnorm, e.sequence_parallel,
+            e.max_num_seqs, e.max_model_len, e.num_kv_blocks, e.enforce_eager) == (1, 0, "nccl", True, False, 64,
+                                                                                   None, None, False)
+    assert EngineArgs().resolved_speculative_config() is None  # Python default: like LLM(), no speculation
+
+
+@pytest.mark.parametrize("argv", [["--tensor-parallel-size", "2"], ["-tp", "2"], ["--tp", "2"]])
+def test_tensor_parallel_aliases(argv) -> None:
+    assert _engine(argv).tensor_parallel_size == 2
+    assert _engine(argv).parallel_config() == ParallelConfig(2, False, True, "nccl")
+
+
+@pytest.mark.parametrize("argv", [["--speculative-config", JSON3], ["-k", "3"], ["--num-speculative-tokens", "3"],
+                                  ["--speculative-config", JSON3, "-k", "3"],
+                                  ["--speculative-config", '{"use_local_argmax_reduction": true}', "-k", "3"]])
+def test_speculative_spellings_agree(argv) -> None:
+    assert _spec(argv) == SpeculativeConfig("mtp", 3, True)
+
+
+def test_shorthand_fills_in_and_json_keeps_vllm_defaults() -> None:
+    assert _spec(["--speculative-config", '{"num_speculative_tokens": 2}']) == SpeculativeConfig("mtp", 2, False)
+    assert _spec(["--speculative-config", "{}"]) == SpeculativeConfig("mtp", 1, False)
+    assert _spec(["--speculative-config", "{}", "-k", "4"]) == SpeculativeConfig("mtp", 4, False)
+    assert _spec(["--speculative-config", '{"num_speculative_tokens": 2}', "--no-local-argmax"]) == \
+        SpeculativeConfig("mtp", 2, False)
+    assert _spec(["-k", "2", "--no-local-argmax"]) == SpeculativeConfig("mtp", 2, False)
+    assert _spec(["-k", "0"]) is None and _spec(["--speculative-config", "null"]) is None
+
+
+@pytest.mark.parametrize("argv,match", [
+    (["--speculative-config", JSON3, "-k", "2"],
+     r"-k/--num-speculative-tokens 2 conflicts with --speculative-config num_speculative_tokens=3"),
+    (["--speculative-config", JSON3, "-k", "0"], r"-k/--num-speculative-tokens 0 \(no speculation\) conflicts"),
+    (["--speculative-config", JSON3, "--no-local-argmax"],
+     "--no-local-argmax conflicts with --speculative-config use_local_argmax_reduction=true"),
+    (["--speculative-config", '{"k": 3}'], r"unknown speculative_config keys: \['k'\]; expected some of"),
+    (["--speculative-config", '{"method": "eagle"}'], "method must be 'mtp', got 'eagle'"),
+    (["--speculative-config", '{"num_speculative_tokens": 0}'], r"num_speculative_tokens must be an int in \[1, 16\], got 0"),
+    (["--speculative-config", '{"num_speculative_tokens": "3"}'], r"num_speculative_tokens must be an int in \[1, 16\], got '3'"),
+    (["--speculative-config", '{"use_local_argmax_reduction": 1}'], "use_local_argmax_reduction must be true or false, got 1"),
+    (["--speculative-config", "{method: mtp}"], "--speculative-config: invalid JSON"),
+    (["--speculative-config", "[3]"], "--speculative-config must be a JSON object, got \\[3\\]"),
+])
+def test_speculative_errors_name_the_key(argv, match) -> None:
+    with pytest.raises(ValueError, match=match):
+        _spec(argv)
+
+
+@pytest.mark.parametrize("k", ["17", "-1", "99"])
+def test_k_range_message_includes_zero(k) -> None:
+    with pytest.raises(ValueError, match=r"^-k/--num-speculative-tokens \(num_speculative_tokens\) must be an int in "
+                                         r"\[0, 16\] \(0 = no speculation\), got " + k + "$"):
+        _spec(["-k", k])
+
+
+def test_generate_k_error_states_the_range(path, capsys) -> None:
+    p = argparse.ArgumentParser()
+    generate.add_parser(p.add_subparsers(dest="command"))
+    assert generate.run(p.parse_args(["generate", "--model", path, "-k", "17"])) == 2
+    assert "-k/--num-speculative-tokens (num_speculative_tokens) must be an int in [0, 16] (0 = no speculation)" \
+        in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------ commands
+def test_serve_flags_checked_and_info(path) -> None:
+    check_serve_args(["-tp", "2", "--allreduce-backend", "p2p", "--served-model-name", "x", "--num-gpu-blocks-override", "8"])
+    for argv, match in ((["--allreduce-backend", "mpi"], "invalid choice: 'mpi'"), (["--bogus"], "unrecognized"),
+                        (["-k", "2", "--speculative-config", JSON3], "conflicts")):
+        with pytest.raises(ValueError, match=match):
+            check_serve_args(argv)
+    p = argparse.ArgumentParser()
+    EngineArgs.add_cli_args(p)
+    args = p.parse_args(["--model", path, "--speculative-config", JSON3, "--no-fusion", "--seed", "7",
+                         "--num-gpu-blocks-override", "9"])
+    kw = llm_kwargs(args)
+    assert kw["speculative_config"] == json.loads(JSON3) and kw["num_kv_blocks"] == 9 and kw["seed"] == 7
+    info = engine_info(args, kw, None)
+    assert (info["tp"], info["num_speculative_tokens"], info["fusion"], info["local_argmax"], info["allreduce_backend"],
+            info["seed"]) == (1, 3, False, True, "nccl", 7)
+
+
+def test_bench_arms_checks_server_args_before_any_server(monkeypatch, tmp_path, capsys) -> None:
+    started = []
+    monkeypatch.setattr(bench_arms, "ArmServer", lambda *a, **k: started.append(a) or 1 / 0)
+    p = argparse.ArgumentParser()
+    bench_arms.add_parser(p.add_subparsers(dest="command"))
+    for server_args, match in (("--tp 2 --bogus", "unrecognized arguments: --bogus"),
+                               (f"--speculative-config '{JSON3}'", "--no-local-argmax conflicts")):
+        args = p.parse_args(["arms", "--server-args", server_args, "--random-prompts", "--output-dir", str(tmp_path)])
+        assert bench_arms.run(args) == 2
+        assert match in capsys.readouterr().err and not started
+
+
+def test_tp_demo_aliases() -> None:
+    p = argparse.ArgumentParser()
+    tp_demo.add_parser(p.add_subparsers(dest="command"))
+    for flag in ("--tensor-parallel-size", "-tp", "--tp"):
+        args = p.parse_args(["tp-demo", flag, "3"])
+        assert args.tp == 3 and args.allreduce_backend == "nccl"
+
+
+# ------------------------------------------------------------------------ one config, one seed
+def test_llm_builds_one_engine_config_from_its_kwargs(path) -> None:
+    with LLM(path, speculative_config={"num_speculative_tokens": 2}, fuse_allreduce_rmsnorm=False,
+             max_model_len=48, block_size=4, num_kv_blocks=64, max_num_seqs=3, seed=11, enforce_eager=True) as llm:
+        cfg = llm.engine_config
+        assert cfg.parallel_config == ParallelConfig(1, False, False, "nccl") == llm.parallel_config
+        assert cfg.speculative_config == SpeculativeConfig("mtp", 2, False)
+        assert (cfg.scheduler_config.max_num_seqs, cfg.scheduler_config.max_model_len,
+                cfg.scheduler_config.num_speculative_tokens) == (3, 48, 2)
+        assert (cfg.cache_config.block_size, cfg.cache_config.num_kv_blocks) == (4, 64)
+        assert (cfg.graph_mode, cfg.seed, cfg.model, cfg.model_config.vocab_size) == ("off", 11, path, llm.model_config.vocab_size)
+    e = EngineArgs(model=path, speculative_config={"num_speculative_tokens": 2}, fuse_allreduce_rmsnorm=False,
+                   max_model_len=48, block_size=4, num_kv_blocks=64, max_num_seqs=3, seed=11, enforce_eager=True)
+    assert e.create_engine_config() == cfg
+
+
+def test_seed_is_the_engine_seed_and_sampling_seed_is_per_request(path, capsys) -> None:
+    p = argparse.ArgumentParser()
+    generate.add_parser(p.add_subparsers(dest="command"))
+    base = ["generate", "--model", path, "--prompt", "w5 w6", "--prompt", "w9", "-k", "2", "--max-tokens", "8",
+            "--max-model-len", "48", "--num-kv-blocks", "64", "--temperature", "1.0", "--json"]
+    kw = dict(max_model_len=48, num_kv_blocks=64, speculative_config={"num_speculative_tokens": 2,
+                                                                      "use_local_argmax_reduction": True},
+              max_num_seqs=64)
+    sp = SamplingParams(temperature=1.0, max_tokens=8)
+
+    def cli(*extra):
+        assert generate.run(p.parse_args(base + list(extra))) == 0
+        return [o["token_ids"] for o in json.loads(capsys.readouterr().out)["outputs"]]
+
+    with LLM(path, seed=5, **kw) as llm:
+        engine_seeded = [o.outputs[0].token_ids for o in llm.generate(["w5 w6", "w9"], sp, use_tqdm=False)]
+    with LLM(path, seed=0, **kw) as llm:
+        per_request = [o.outputs[0].token_ids for o in llm.generate(
+            ["w5 w6", "w9"], SamplingParams(temperature=1.0, max_tokens=8, seed=123), use_tqdm=False)]
+    default = cli()
+    assert cli("--seed", "5") == engine_seeded != default  # the seed matters, and --seed is the engine's
+    assert cli("--sampling-seed", "123") == per_request != default
