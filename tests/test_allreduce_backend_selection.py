@@ -130,3 +130,29 @@ def test_llm_tp2_p2p_same_tokens_and_drafts_as_nccl(path, interp, monkeypatch) -
         assert name == "nccl" and P2P not in usage and installed != P2P
     for name, usage, installed in usage_p:
         assert name == "p2p" and installed == P2P and usage.get(P2P, 0) > 0
+
+
+# ------------------------------------------------------------------------ tp-demo
+def _tp_demo_args(backend: str):
+    import argparse
+
+    from mtpspec.entrypoints import tp_demo
+    p = argparse.ArgumentParser()
+    tp_demo.add_parser(p.add_subparsers(dest="command"))
+    return tp_demo, p.parse_args(["tp-demo", "-tp", "2", "--allreduce-backend", backend, "--num-seqs", "4",
+                                  "--hidden-size", "64", "--vocab-size", "1000"])
+
+
+def test_tp_demo_p2p_tail_equals_unfused(interp, capsys) -> None:
+    tp_demo, args = _tp_demo_args("p2p")
+    assert tp_demo.run(args) == 0
+    out = capsys.readouterr().out
+    assert "fused tail equals unfused: True" in out and "ran on the p2p backend" in out
+    # the p2p tail issues no process-group collective at all
+    assert [ln for ln in out.splitlines() if ln.startswith("tail: fused_allreduce_rms_norm")][0].split()[-2:] == ["none", "0"]
+
+
+def test_tp_demo_p2p_without_interpreter_is_a_clear_error(no_interp, capsys) -> None:
+    tp_demo, args = _tp_demo_args("p2p")
+    assert tp_demo.run(args) == 2
+    assert "TRITON_INTERPRET=1" in capsys.readouterr().err
