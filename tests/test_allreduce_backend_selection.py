@@ -72,10 +72,21 @@ def test_p2p_on_cpu_without_interpreter_is_a_clear_error(no_interp) -> None:
     check_allreduce_backend_supported("nccl", torch.device("cpu"))  # always fine
 
 
-def test_llm_tp2_p2p_on_cpu_without_interpreter_fails_at_start(path, no_interp) -> None:
-    from mtpspec.engine.executor import WorkerError
-    with pytest.raises(WorkerError, match="TRITON_INTERPRET=1"):
+def test_llm_tp2_p2p_on_cpu_without_interpreter_fails_before_any_rank_starts(path, no_interp, monkeypatch) -> None:
+    import mtpspec.engine.executor as executor
+    real = executor.MultiprocExecutor
+    monkeypatch.setattr(executor, "MultiprocExecutor", lambda *a, **k: pytest.fail("ranks were started"))
+    with pytest.raises(ValueError, match="TRITON_INTERPRET=1.*allreduce_backend='nccl'"):
         LLM(path, tensor_parallel_size=2, allreduce_backend="p2p", speculative_config=SPEC, **KW)
+    # the ranks check again at start (under torchrun, or when the driver's check is bypassed)
+    from mtpspec.engine.executor import WorkerError
+    from mtpspec.engine.arg_utils import EngineArgs
+    monkeypatch.setattr(executor, "MultiprocExecutor", real)
+    cfg = EngineArgs(model=path, tensor_parallel_size=2, speculative_config=SPEC, max_model_len=48, block_size=4,
+                     num_kv_blocks=64, max_num_seqs=2, device="cpu").create_engine_config()
+    cfg.parallel_config.allreduce_backend = "p2p"
+    with pytest.raises(WorkerError, match="TRITON_INTERPRET=1"):
+        executor.make_executor(cfg)
 
 
 # ------------------------------------------------------------------------ the engine end to end

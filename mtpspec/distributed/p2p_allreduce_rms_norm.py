@@ -1,7 +1,9 @@
 """One-kernel ("one-shot") all-reduce + residual add + RMSNorm over peer memory.
 
 A backend of :func:`mtpspec.distributed.allreduce_rms_norm.fused_allreduce_rms_norm` for draft-step
-sizes, where an NCCL all-reduce is latency-bound and the norm is a second launch. Callers opt in:
+sizes, where an NCCL all-reduce is latency-bound and the norm is a second launch. The engine
+installs it on every rank at worker start with ``allreduce_backend="p2p"`` (``--allreduce-backend
+p2p``; :func:`~mtpspec.distributed.allreduce_rms_norm.init_allreduce_rms_norm_backend`); by hand:
 ``register_allreduce_rms_norm_backend(P2PAllReduceRMSNorm(capacity_bytes))`` on every rank.
 
 Protocol (one launch per call; ``W`` ranks; rank ``r``; program ``j`` of ``G``):

@@ -72,6 +72,26 @@ def check_device(device: Optional[str]) -> None:
         raise ValueError(f"device={device!r} but this torch ({torch.__version__}) sees no CUDA GPU; use device='cpu'")
 
 
+def check_p2p_supported(par: ParallelConfig, device: Optional[str]) -> None:
+    """Before any rank starts: ``allreduce_backend="p2p"`` at tp > 1 on CPU ranks needs
+    ``TRITON_INTERPRET=1`` (the ranks inherit the environment). The ranks check again at start
+    (:func:`~mtpspec.distributed.allreduce_rms_norm.check_allreduce_backend_supported`).
+
+    Raises:
+        ValueError: saying what ``"p2p"`` needs and naming ``"nccl"`` as the alternative.
+    """
+    if par.allreduce_backend != "p2p" or par.tensor_parallel_size == 1:
+        return
+    import torch
+    on_cuda = device.startswith("cuda") if device else torch.cuda.is_available()
+    if not on_cuda:
+        from mtpspec.distributed.allreduce_rms_norm import check_allreduce_backend_supported
+        from mtpspec.ops.triton_utils import interpreting
+        if not interpreting():
+            check_allreduce_backend_supported("p2p", torch.device("cpu"))
+            raise ValueError("allreduce_backend='p2p' on CPU ranks needs TRITON_INTERPRET=1; use 'nccl'")
+
+
 def parse_speculative_config(value: SpecArg) -> Optional[Dict[str, Any]]:
     """A ``speculative_config`` as a plain dict (or ``None``), keys and values checked.
 
@@ -290,6 +310,7 @@ class EngineArgs:
         from mtpspec.engine.config import CacheConfig, EngineConfig, SchedulerConfig
         par = self.parallel_config()
         check_device(self.device)
+        check_p2p_supported(par, self.device)
         spec = self.resolved_speculative_config()
         model = self.model_path()
         mcfg = model_config or ModelConfig.from_pretrained(model)

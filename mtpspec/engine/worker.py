@@ -146,6 +146,11 @@ def spawned_worker_main(rank: int, world_size: int, port: int, cfg: EngineConfig
             pass
     finally:
         try:
+            from mtpspec.distributed.allreduce_rms_norm import close_allreduce_rms_norm_backend
+            close_allreduce_rms_norm_backend()
+        except Exception:
+            pass
+        try:
             destroy_distributed_environment()
         except Exception:
             pass

@@ -154,7 +154,8 @@ def run(args: argparse.Namespace) -> int:
         return 2
     synth = "  [SYNTHETIC: forced acceptance " + info["forced_acceptance"] + "]" if info["synthetic"] else ""
     print(f"mtpspec serve: {info['model']} (tp {info['tp']}, k {info['num_speculative_tokens']}, fusion "
-          f"{info['fusion']}, local argmax {info['local_argmax']}, {info['num_kv_blocks']} KV blocks){synth} on "
+          f"{info['fusion']}, local argmax {info['local_argmax']}, all-reduce {info['allreduce_backend']}, "
+          f"{info['num_kv_blocks']} KV blocks){synth} on "
           f"http://{args.host}:{args.port}", file=sys.stderr, flush=True)
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
