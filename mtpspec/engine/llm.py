@@ -46,9 +46,10 @@ class LLM:
         ValueError / TypeError: a bad argument (k out of range, unknown speculative keys, a
             ``max_model_len`` above the model's positions, a ``device`` other than ``"cpu"`` /
             ``"cuda"`` / ``"cuda:N"``, or ``"cuda"`` on a machine without CUDA, an
-            ``allreduce_backend`` other than ``"nccl"`` / ``"p2p"`` (the message lists them), ...);
-            ``"p2p"`` on a device it cannot run on (ValueError at tp 1 is not raised: no collective;
-            at tp > 1 the ranks raise it, as WorkerError when spawned).
+            ``allreduce_backend`` other than ``"nccl"`` / ``"p2p"`` (the message lists them),
+            ``"p2p"`` at tp > 1 on CPU without ``TRITON_INTERPRET=1`` (before any rank starts; at
+            tp 1 ``"p2p"`` is a no-op), ...). Spawned ranks that cannot set up ``"p2p"`` (e.g. no
+            Triton, peer memory refused) fail with WorkerError carrying the rank's message.
         LocalArgmaxUnsupportedError (tp 1) or WorkerError (tp > 1, with the same message):
             ``use_local_argmax_reduction`` requested from a draft model without ``get_top_tokens``;
             the message names the model class.
