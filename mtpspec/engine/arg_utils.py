@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 from dataclasses import dataclass, fields
 from typing import Any, Dict, Optional, Union
 
@@ -349,8 +348,3 @@ class EngineArgs:
                     block_size=self.block_size, num_kv_blocks=self.num_kv_blocks,
                     gpu_memory_utilization=self.gpu_memory_utilization, cpu_kv_cache_gib=self.cpu_kv_cache_gib,
                     seed=self.seed, enforce_eager=self.enforce_eager, graph_mode=self.graph_mode)
-
-
-def model_exists(path: str) -> bool:
-    """Whether ``path`` holds a ``config.json``."""
-    return os.path.isfile(os.path.join(path, "config.json"))
