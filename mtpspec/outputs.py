@@ -18,7 +18,9 @@ class RequestMetrics:
         num_output_tokens: tokens emitted.
         num_drafts: verification steps that checked drafts for this request.
         num_draft_tokens: draft tokens checked (``k`` per draft).
-        num_accepted_tokens: draft tokens the verifier accepted (counted before stop truncation).
+        num_accepted_tokens: accepted draft tokens that were emitted: drafts the verifier accepted
+            but that came after a stop (EOS, stop id or string, ``max_tokens``,
+            ``max_model_len``) are dropped and not counted.
         num_accepted_tokens_per_pos: ``[k]``: how often the draft at position ``j`` was accepted.
         accepted_length_histogram: ``[k + 1]``: how many drafts had ``a`` accepted tokens.
         num_preemptions: times the request was preempted and recomputed.
@@ -52,7 +54,8 @@ class RequestMetrics:
 
     @property
     def acceptance_length(self) -> Optional[float]:
-        """Mean tokens emitted per verification: ``1 + accepted / drafts``."""
+        """``1 + num_accepted_tokens / num_drafts`` (vLLM's mean acceptance length), counting
+        only emitted drafts; ``None`` before the first verification."""
         return None if self.num_drafts == 0 else 1.0 + self.num_accepted_tokens / self.num_drafts
 
     @property

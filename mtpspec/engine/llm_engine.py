@@ -144,14 +144,14 @@ class LLMEngine:
         result = self.executor.execute(self._step_input(out))
         now = time.perf_counter()
         k = self.scheduler_config.num_speculative_tokens
-        for sch, toks in zip(out.scheduled, result.new_token_ids):
-            if sch.is_prefill:
-                m.num_prompt_tokens += len(sch.input_token_ids)
-            elif k:
-                m.spec.observe(len(toks) - 1)
+        m.num_prompt_tokens += sum(len(s.input_token_ids) for s in out.scheduled if s.is_prefill)
         before = {id(s.seq): len(s.seq.output_token_ids) for s in out.scheduled}
         finished = self.scheduler.update_from_output(out, result.new_token_ids, result.draft_token_ids if k else None,
                                                      now)
+        if k:  # emitted accepted drafts only (see Scheduler.update_from_output)
+            for sch in out.scheduled:
+                if not sch.is_prefill:
+                    m.spec.observe(sch.num_accepted_tokens)
         if self.draft_hook is not None and k:
             for sch in out.scheduled:
                 if not sch.seq.is_finished:

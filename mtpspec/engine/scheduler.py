@@ -24,12 +24,17 @@ from mtpspec.engine.stop_checker import append_tokens
 
 @dataclass
 class ScheduledSeq:
-    """One sequence in a step: its target query tokens and whether it is a prefill."""
+    """One sequence in a step: its target query tokens and whether it is a prefill.
+
+    ``num_accepted_tokens`` is set by :meth:`Scheduler.update_from_output` for a decode: the
+    accepted drafts that were emitted (accepted drafts dropped after a stop do not count).
+    """
 
     seq: Sequence
     is_prefill: bool
     input_token_ids: List[int]
     start_position: int
+    num_accepted_tokens: int = 0
 
 
 @dataclass
@@ -147,6 +152,13 @@ class Scheduler:
                 ``1 + num_accepted`` for a decode (accepted drafts then the recovered/bonus one).
             drafts: per scheduled sequence, the ``k`` drafts for the next step (``None`` when
                 ``k == 0``).
+
+        Speculative counters (the request's :class:`~mtpspec.outputs.RequestMetrics` and each
+        decode's ``ScheduledSeq.num_accepted_tokens``): a decode is one draft of ``k`` draft
+        tokens; its accepted tokens are the accepted drafts that were *emitted*, i.e.
+        ``min(num_accepted, kept)`` where ``kept`` tokens survived the stop checks. Drafts that
+        the verifier accepted but that fall after a stop (EOS, stop id / string, ``max_tokens``,
+        ``max_model_len``) count as drafted, not accepted.
             now: host timestamp of the step's end (default: now).
 
         Returns:
@@ -167,17 +179,20 @@ class Scheduler:
                 if not 0 <= a <= k:
                     raise RuntimeError(f"decode of {seq.request_id!r} returned {len(toks)} tokens, expected 1..{k + 1}")
                 seq.num_computed_tokens += 1 + a
-                if k:
-                    if not m.num_accepted_tokens_per_pos:
-                        m.num_accepted_tokens_per_pos = [0] * k
-                        m.accepted_length_histogram = [0] * (k + 1)
-                    m.num_drafts += 1
-                    m.num_draft_tokens += k
-                    m.num_accepted_tokens += a
-                    for j in range(a):
-                        m.num_accepted_tokens_per_pos[j] += 1
-                    m.accepted_length_histogram[a] += 1
             kept = append_tokens(seq, toks, self.eos_token_ids, self.config.max_model_len)
+            if not sch.is_prefill and k:
+                # Only emitted drafts count as accepted: a stop inside the accepted block drops
+                # the drafts after it (and the bonus / recovered token).
+                a = sch.num_accepted_tokens = min(len(toks) - 1, kept)
+                if not m.num_accepted_tokens_per_pos:
+                    m.num_accepted_tokens_per_pos = [0] * k
+                    m.accepted_length_histogram = [0] * (k + 1)
+                m.num_drafts += 1
+                m.num_draft_tokens += k
+                m.num_accepted_tokens += a
+                for j in range(a):
+                    m.num_accepted_tokens_per_pos[j] += 1
+                m.accepted_length_histogram[a] += 1
             m.num_output_tokens = len(seq.output_token_ids)
             if m.first_token_time is None:
                 m.first_token_time = now

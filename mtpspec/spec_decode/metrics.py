@@ -14,13 +14,18 @@ from typing import Dict, List, Optional
 
 @dataclass
 class SpecDecodingStats:
-    """Draft acceptance counters.
+    """Draft acceptance counters (vLLM's names).
+
+    Only emitted tokens count: when a stop (EOS, stop id or string, ``max_tokens``,
+    ``max_model_len``) lands inside an accepted block, the accepted drafts after it are dropped
+    and counted as drafted but not accepted (see
+    :meth:`~mtpspec.engine.scheduler.Scheduler.update_from_output`).
 
     Attributes:
         k: draft tokens per verification.
         num_drafts: verifications (one per decode of one sequence).
         num_draft_tokens: ``k * num_drafts``.
-        num_accepted_tokens: accepted draft tokens.
+        num_accepted_tokens: accepted draft tokens that were emitted.
         num_accepted_tokens_per_pos: ``[k]``, acceptances at draft position ``j``.
         accepted_length_histogram: ``[k + 1]``, verifications with ``a`` accepted drafts.
     """
@@ -39,7 +44,7 @@ class SpecDecodingStats:
             self.accepted_length_histogram = [0] * (self.k + 1)
 
     def observe(self, num_accepted: int) -> None:
-        """Record one verification that accepted ``num_accepted`` (``0 .. k``) drafts.
+        """Record one verification whose first ``num_accepted`` (``0 .. k``) drafts were accepted and emitted.
 
         Raises:
             ValueError: ``num_accepted`` outside ``[0, k]``.
