@@ -11,10 +11,15 @@ The mixer is SplitMix64's finaliser (Steele, Lea and Flood, "Fast splittable pse
 generators", OOPSLA 2014, section 3), applied twice: ``h = mix(seed_hash ^ mix(position * 4 +
 stream))``; the top 53 bits give a float64 in ``[0, 1)``.
 
-Streams: :data:`STREAM_ACCEPT` for the accept/reject test of a draft token,
-:data:`STREAM_SAMPLE` for drawing a token (plain sampling, recovered and bonus tokens).
+Streams: :data:`STREAM_SAMPLE` for drawing a token (plain sampling; with one-hot drafts also the
+verification, which draws the position's token as plain sampling would and accepts a draft iff
+it equals it, see :func:`~mtpspec.spec_decode.rejection_sampler.random_verify`);
+:data:`STREAM_ACCEPT` for the accept test of drafts that come with draft probabilities.
 Re-using ``(seed, position)`` across steps is sound: a position's draws decide at most one
-emitted token, and draws at positions that were not decided in a step influenced nothing.
+emitted token, and draws at positions that were not decided in a step influenced nothing. Since
+the token at a position is a function of ``(seed, position, logits)`` only, a seeded request
+gives the same tokens with or without drafts, for any k, and after a preemption (whose
+recompute drops the pending drafts).
 """
 
 from __future__ import annotations

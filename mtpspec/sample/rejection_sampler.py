@@ -15,7 +15,8 @@ drafts are accepted emit a *bonus* token drawn from ``p_k``.
 
 Greedy drafts (the MTP proposer takes the argmax) have a one-hot ``q`` at the draft token:
 acceptance probability ``p(x)`` and the residual is ``p`` with ``x`` removed. Pass
-``draft_probs=None`` for that case.
+``draft_probs=None`` for that case; it is verified by a draw coupled with plain sampling (see
+:func:`random_verify`), so seeded tokens do not depend on the drafts.
 
 Greedy rows (temperature 0) accept drafts up to the first one that differs from the target's
 argmax and then emit the target's argmax; when all ``k`` match the target's argmax at position
@@ -102,23 +103,43 @@ def random_verify(draft_token_ids: torch.Tensor, target_logits: torch.Tensor, me
         target_logits: ``[B, k + 1, V]``.
         meta: ``B`` rows of sampling parameters (temperature > 0 expected; see
             :func:`~mtpspec.sample.sampler.compute_probs`).
-        accept_uniforms: ``[B, k]`` in ``[0, 1)``.
-        sample_uniforms: ``[B, k + 1]`` in ``[0, 1)``: recovered-token draws at slots ``< k``,
-            the bonus draw at slot ``k``.
+        accept_uniforms: ``[B, k]`` in ``[0, 1)``: the accept tests (only with ``draft_probs``).
+        sample_uniforms: ``[B, k + 1]`` in ``[0, 1)``: one per decided position (slot ``k``:
+            the bonus draw).
         draft_probs: ``[B, k, V]`` draft distributions, or ``None`` for one-hot (greedy) drafts.
+
+    With ``draft_probs=None`` slot ``j`` draws ``x_j = sample_inverse_cdf(p_j, sample_uniforms[:, j])``
+    (what :class:`~mtpspec.sample.sampler.Sampler` draws from the same row), accepts the draft
+    iff it equals ``x_j`` and otherwise emits ``x_j`` (drawn from the residual with the uniform
+    rescaled around the draft's interval): the same distribution as the accept test, and the
+    emitted tokens equal plain sampling's with the same uniforms, whatever the drafts were.
     """
     b, k1, vocab = target_logits.shape
     k = k1 - 1
     probs = compute_probs(target_logits.reshape(b * k1, vocab), meta.repeat_interleave(k1)).view(b, k1, vocab)
     p_draft = probs[:, :k].gather(-1, draft_token_ids.unsqueeze(-1)).squeeze(-1)
+    draws = sample_uniforms.double()
     if draft_probs is None:
-        q_draft = torch.ones_like(p_draft)
+        # One-hot drafts, coupled with plain sampling: x_j = the token plain sampling draws with
+        # this position's uniform; accept iff x_j == draft (probability p(draft), as in
+        # Leviathan et al.); on rejection the uniform is mapped onto the residual so that the
+        # recovered token is x_j. Emitted tokens then do not depend on the drafts (k, preemption).
+        x = sample_inverse_cdf(probs[:, :k].reshape(b * k, vocab), draws[:, :k].reshape(b * k)).view(b, k)
+        accepted = x == draft_token_ids
+        cdf = probs[:, :k].double().cumsum(dim=-1)
+        total = cdf[..., -1]
+        t = draws[:, :k] * total
+        p_d = p_draft.double()
+        below = cdf.gather(-1, draft_token_ids.unsqueeze(-1)).squeeze(-1) - p_d  # mass before the draft
+        t = torch.where(t < below, t, t - p_d)
+        u_res = (t / (total - p_d).clamp_min(1e-300)).clamp(0.0, 1.0 - 2 ** -53)
+        draws = torch.cat([u_res, draws[:, k:]], dim=1)
     else:
         q_draft = draft_probs.float().gather(-1, draft_token_ids.unsqueeze(-1)).squeeze(-1)
-    accepted = accept_uniforms.double() * q_draft.double() < p_draft.double()
+        accepted = accept_uniforms.double() * q_draft.double() < p_draft.double()
     num_accepted = _leading_true_count(accepted)
     weights = torch.cat([_residual_weights(probs[:, :k], draft_token_ids, draft_probs), probs[:, k:]], dim=1)
-    final = sample_inverse_cdf(weights.reshape(b * k1, vocab), sample_uniforms.reshape(b * k1)).view(b, k1)
+    final = sample_inverse_cdf(weights.reshape(b * k1, vocab), draws.reshape(b * k1)).view(b, k1)
     return RejectionOutput(_assemble(draft_token_ids, final, num_accepted), num_accepted)
 
 
