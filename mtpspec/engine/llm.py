@@ -104,9 +104,15 @@ class LLM:
             sampling_params: one for all prompts, one per prompt, or ``None`` (defaults).
             use_tqdm: show a progress bar (stderr) over finished requests.
 
+        Context length (vLLM's offline rules): a prompt must leave room for one token (at most
+        ``max_model_len - 1`` tokens); prompt + ``max_tokens`` beyond ``max_model_len`` is not an
+        error: the request stops at the end of the context with ``finish_reason == "length"``
+        (the OpenAI server answers such a request with a 400 instead).
+
         Raises:
-            ValueError / TypeError: a bad prompt or parameter, raised before any work starts and
-                naming the prompt's index; nothing is queued, so other requests are unaffected.
+            ValueError / TypeError: a bad prompt (e.g. ``max_model_len`` tokens or more) or
+                parameter, raised before any work starts and naming the prompt's index; nothing
+                is queued, so other requests are unaffected.
         """
         single = isinstance(prompts, (str, dict))
         plist = [prompts] if single else list(prompts)

@@ -67,6 +67,10 @@ class LLMEngine:
     def validate_request(self, prompt: PromptType, params: SamplingParams) -> Tuple[Optional[str], List[int]]:
         """Check one request without queuing it; returns ``(prompt_text, prompt_token_ids)``.
 
+        A prompt may have at most ``max_model_len - 1`` tokens; ``max_tokens`` is not checked
+        against the context (generation stops at ``max_model_len`` with ``"length"``; the OpenAI
+        server checks it and answers 400).
+
         Raises:
             ValueError / TypeError: empty prompt, prompt too long for the context, token id outside
             ``[0, vocab_size)``, a text prompt or stop strings without a tokenizer, wrong types.

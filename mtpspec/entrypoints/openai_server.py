@@ -8,7 +8,10 @@ Body fields: :mod:`mtpspec.entrypoints.openai_protocol`; chat prompts:
 Errors are OpenAI-style objects ``{"error": {"message", "type", "param", "code"}}``:
 
 * 400: body not JSON or not matching the schema, unknown ``model``, an empty, over-long or
-  out-of-vocabulary prompt, bad sampling values, unsupported parameters;
+  out-of-vocabulary prompt, prompt tokens + ``max_tokens`` above ``max_model_len`` (vLLM's
+  "This model's maximum context length is N tokens. However, you requested M tokens (P in the
+  messages, T in the completion). ..."; ``max_tokens`` null: up to the context, never an
+  error), bad sampling values, unsupported parameters;
 * 503: the queue is full (``max_queue_len`` requests waiting) or the engine died;
 * 500: the request failed inside the engine loop (other requests are unaffected).
 
@@ -145,6 +148,23 @@ def _validate_all(engine: AsyncLLM, prompts: List[Dict[str, Any]], params: Sampl
             where = f"prompt {i}: " if len(prompts) > 1 else ""
             raise bad_request(where + str(exc), "prompt") from None
     return out
+
+
+def _check_context(engine: AsyncLLM, prompt_ids: List[List[int]], max_tokens: Optional[int], param: str) -> None:
+    """400 when prompt + ``max_tokens`` exceeds ``max_model_len`` (vLLM's check and message).
+
+    ``max_tokens=None`` means "until the context is full" and always fits.
+    """
+    if max_tokens is None:
+        return
+    limit = engine.max_model_len
+    for i, ids in enumerate(prompt_ids):
+        if len(ids) + max_tokens > limit:
+            where = f"prompt {i}: " if len(prompt_ids) > 1 else ""
+            raise bad_request(
+                f"{where}This model's maximum context length is {limit} tokens. However, you requested "
+                f"{len(ids) + max_tokens} tokens ({len(ids)} in the messages, {max_tokens} in the completion). "
+                "Please reduce the length of the messages or completion.", param)
 
 
 def _start(engine: AsyncLLM, prompts: List[Dict[str, Any]], params: SamplingParams, rid: str,
@@ -396,6 +416,7 @@ def build_app(ctx: ServerContext) -> FastAPI:
         rid = f"cmpl-{uuid.uuid4().hex}"
         if req.max_tokens == 0:
             return JSONResponse(await _score_only(ctx, req, prompts, prompt_ids, rid))
+        _check_context(engine, prompt_ids, req.max_tokens, "max_tokens")
         prompts = [dict(p, prompt_token_ids=ids) for p, ids in zip(prompts, prompt_ids)]  # tokenize once
         streams = _start(engine, prompts, params, rid, arrival)
         if req.stream:
@@ -446,6 +467,8 @@ def build_app(ctx: ServerContext) -> FastAPI:
         params = _sampling_params(req, max_tokens, stops)
         prompts = [{"prompt": text}]
         prompts[0]["prompt_token_ids"] = _validate_all(engine, prompts, params)[0]
+        _check_context(engine, [prompts[0]["prompt_token_ids"]], max_tokens,
+                       "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens")
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         streams = _start(engine, prompts, params, rid, arrival)
         if req.stream:
