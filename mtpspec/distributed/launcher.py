@@ -38,6 +38,68 @@ def find_free_port() -> int:
         return s.getsockname()[1]
 
 
+def _main_guard_spans(path: str) -> Optional[List[range]]:
+    """Line ranges of the top-level ``if __name__ == "__main__":`` blocks of ``path`` (``None``: unreadable)."""
+    import ast
+    try:
+        with open(path, encoding="utf-8") as f:
+            tree = ast.parse(f.read(), filename=path)
+    except (OSError, SyntaxError, ValueError):
+        return None
+    spans = []
+    for node in tree.body:
+        t = node.test if isinstance(node, ast.If) else None
+        if isinstance(t, ast.Compare) and len(t.ops) == 1 and isinstance(t.ops[0], ast.Eq):
+            sides = [t.left, t.comparators[0]]
+            if any(isinstance(x, ast.Name) and x.id == "__name__" for x in sides) and \
+                    any(isinstance(x, ast.Constant) and x.value == "__main__" for x in sides):
+                spans.append(range(node.lineno, (node.end_lineno or node.lineno) + 1))
+    return spans
+
+
+def check_main_guard(what: str = "this spawns ranks as new processes") -> None:
+    """Raise before spawning when spawned children would re-run the caller (a missing main guard).
+
+    The ``spawn`` start method re-imports the main script in every child (as ``__mp_main__``,
+    the rules of :func:`multiprocessing.spawn.get_preparation_data`); when the code that
+    spawns runs at import time (not under ``if __name__ == "__main__":``), each child would run
+    it again and die in its bootstrapping phase (the parent then saw a bare ``EOFError``). This
+    looks at the call stack: a module-level frame of ``__main__`` outside a top-level guard
+    block means exactly that. Interactive sessions, ``python -c`` and ``python -m pkg`` (a
+    package's ``__main__``) are not re-imported and pass.
+
+    Raises:
+        RuntimeError: naming the script, the line and the missing guard; also when called inside
+            a spawned child's bootstrapping phase (the same mistake seen from the child).
+    """
+    import multiprocessing
+    import sys
+    if getattr(multiprocessing.current_process(), "_inheriting", False):
+        raise RuntimeError(f"{what}, but this process is itself a spawned child still importing the main "
+                           "script: create the LLM (or call launch) under `if __name__ == \"__main__\":` "
+                           "in the script")
+    main = sys.modules.get("__main__")
+    spec_name = getattr(getattr(main, "__spec__", None), "name", None)
+    path = getattr(main, "__file__", None)
+    if main is None or path is None or (spec_name or "").endswith("__main__") or \
+            os.path.splitext(os.path.basename(path))[0] == "ipython":
+        return
+    frame = sys._getframe(1)
+    while frame is not None and not (frame.f_code.co_name == "<module>" and frame.f_globals.get("__name__") == "__main__"):
+        frame = frame.f_back
+    if frame is None:
+        return
+    spans = _main_guard_spans(frame.f_code.co_filename)
+    if spans is None or any(frame.f_lineno in r for r in spans):
+        return
+    script = os.path.basename(frame.f_code.co_filename)
+    raise RuntimeError(
+        f"{what}: multiprocessing 'spawn' re-imports the main script in every new process, and {script} "
+        f"line {frame.f_lineno} runs at import time, so each rank would run it again and die while starting. "
+        f"Put the code that creates and uses the LLM under `if __name__ == \"__main__\":` in {script} "
+        "(see the README's Python example and 'Safe importing of main module' in Python's multiprocessing docs).")
+
+
 def _worker(rank, world_size, port, backend, timeout_s, fn, args, q, threads):
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -86,9 +148,12 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, backend: Optiona
         other ranks then fail waiting for it), chained to a :class:`RemoteTraceback` that
         holds the rank's traceback. ``RuntimeError`` if a rank dies without reporting or
         the run exceeds ``timeout_s``; every rank is terminated before raising.
+        ``RuntimeError`` from :func:`check_main_guard` (nothing spawned) when called at import
+        time of a main script without ``if __name__ == "__main__":``.
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
+    check_main_guard(f"launch(world_size={world_size}) spawns its ranks as new processes")
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     port = find_free_port()

@@ -91,12 +91,15 @@ class MultiprocExecutor(Executor):
         step_timeout_s: most seconds one message may take on a rank before the engine gives up.
 
     Raises:
-        WorkerError: a rank failed to start (its traceback in the message).
+        WorkerError: a rank failed to start (its traceback in the message) or exited without a reply.
+        RuntimeError: called at import time of a main script without ``if __name__ == "__main__":``
+            (:func:`~mtpspec.distributed.launcher.check_main_guard`; nothing is spawned).
     """
 
     def __init__(self, cfg: EngineConfig, world_size: int, start_timeout_s: float = 600.0,
                  step_timeout_s: float = 600.0):
-        from mtpspec.distributed.launcher import find_free_port
+        from mtpspec.distributed.launcher import check_main_guard, find_free_port
+        check_main_guard(f"tensor_parallel_size={world_size} spawns its ranks as new processes")
         ctx = mp.get_context("spawn")
         port = find_free_port()
         threads = max(1, (os.cpu_count() or 1) // world_size)
@@ -127,7 +130,12 @@ class MultiprocExecutor(Executor):
                 raise WorkerError(f"rank {rank} died (exit code {proc.exitcode}) without a reply")
             if time.monotonic() > deadline:
                 raise WorkerError(f"rank {rank} did not reply within {timeout_s:.0f} s")
-        kind, payload = conn.recv()
+        try:
+            kind, payload = conn.recv()
+        except EOFError:  # the rank closed its pipe (exited) without a reply
+            proc.join(timeout=5)
+            raise WorkerError(f"rank {rank} exited (exit code {proc.exitcode}) without a reply; its output "
+                              "above says why") from None
         if kind == "err":
             raise WorkerError(f"rank {rank} failed:\n{payload}")
         return payload

@@ -1,0 +1,108 @@
+"""A script that spawns ranks (tensor_parallel_size > 1, ``launch``) without the
+``if __name__ == "__main__":`` guard gets one clear RuntimeError, at once, instead of a bare
+EOFError after its ranks died; with the guard the same script runs (tp 2 on gloo)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from test_engine_fixtures import make_model
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+GUARD = 'if __name__ == "__main__":'
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    p = str(tmp_path_factory.mktemp("tiny_guard"))
+    make_model(p, seed=21)
+    return p
+
+
+def _run_script(folder, name: str, body: str, timeout_s: float = 240.0):
+    path = os.path.join(folder, name)
+    with open(path, "w") as f:
+        f.write(textwrap.dedent(body))
+    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false",
+               PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    t0 = time.monotonic()
+    res = subprocess.run([sys.executable, path], cwd=folder, env=env, capture_output=True, text=True,
+                         timeout=timeout_s)  # a hang fails the test (TimeoutExpired)
+    return res, time.monotonic() - t0
+
+
+LLM_LINE = ("llm = LLM({model!r}, tensor_parallel_size=2, device='cpu', max_model_len=32, block_size=4, "
+            "num_kv_blocks=64, speculative_config={{'num_speculative_tokens': 1}})")
+
+
+@pytest.mark.parametrize("name,body,line", [
+    ("noguard.py", """\
+        from mtpspec import LLM, SamplingParams
+        {llm}
+        out = llm.generate([{{"prompt_token_ids": [5, 6, 7]}}], SamplingParams(temperature=0.0, max_tokens=4))
+        print("TOKENS", out[0].outputs[0].token_ids)
+        """, 2),
+    ("main_unguarded.py", """\
+        from mtpspec import LLM, SamplingParams
+
+
+        def main():
+            {llm}
+            print("TOKENS", llm.generate([{{"prompt_token_ids": [5, 6]}}], SamplingParams(max_tokens=2)))
+
+
+        main()
+        """, 9),
+    ("launch_unguarded.py", """\
+        import os
+        from mtpspec.distributed.launcher import launch
+        print(launch(os.getpid, 2))
+        """, 3),
+])
+def test_missing_main_guard_is_one_clear_error(model, tmp_path, name, body, line) -> None:
+    res, elapsed = _run_script(str(tmp_path), name, body.format(llm=LLM_LINE.format(model=model)))
+    err = res.stderr
+    assert res.returncode == 1 and "TOKENS" not in res.stdout, (res.stdout, err)
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("RuntimeError: ") and GUARD in last and f"{name} line {line} runs at import time" in last, err
+    assert "EOFError" not in err and "bootstrapping" not in err  # no rank was started
+    assert elapsed < 120
+
+
+def test_guarded_script_runs_with_tp2(model, tmp_path) -> None:
+    body = f"""\
+        from mtpspec import LLM, SamplingParams
+
+        if __name__ == "__main__":
+            {LLM_LINE.format(model=model)}
+            out = llm.generate([{{"prompt_token_ids": [5, 6, 7]}}], SamplingParams(temperature=0.0, max_tokens=4))
+            print("TOKENS", len(out[0].outputs[0].token_ids))
+            llm.shutdown()
+        """
+    res, _ = _run_script(str(tmp_path), "guarded.py", body)
+    assert res.returncode == 0 and "TOKENS 4" in res.stdout, res.stderr[-3000:]
+
+
+def test_rank_that_exits_without_reply_is_a_worker_error() -> None:
+    """The fall-back when a rank dies before replying: WorkerError with its exit code, not EOFError."""
+    import multiprocessing as mp
+
+    from mtpspec.engine.executor import MultiprocExecutor, WorkerError
+
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=os._exit, args=(3,), daemon=True)
+    proc.start()
+    child.close()  # as MultiprocExecutor does: the only write end left was the rank's
+    ex = object.__new__(MultiprocExecutor)
+    ex.conns, ex.procs, ex._closed = [parent], [proc], False
+    with pytest.raises(WorkerError, match="rank 0 .*exit code 3"):
+        ex._recv(0, 30)
+    proc.join()
+    parent.close()
