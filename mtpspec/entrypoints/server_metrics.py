@@ -23,7 +23,7 @@ metric                                                     meaning
 ``mtpspec:e2e_request_latency_seconds`` (histogram)         arrival to finish
 ``mtpspec:spec_decode_num_drafts_total``                    verifications (one per sequence-step)
 ``mtpspec:spec_decode_num_draft_tokens_total``              draft tokens checked
-``mtpspec:spec_decode_num_accepted_tokens_total``           draft tokens accepted
+``mtpspec:spec_decode_num_accepted_tokens_total``           draft tokens accepted and emitted
 ``mtpspec:spec_decode_num_accepted_tokens_per_pos_total``   ``{position}``: accepted at draft position
 ``mtpspec:collective_bytes_total{op}``                      bytes rank 0's collectives sent
 ``mtpspec:eager_fallbacks_total`` / ``preemptions_total``   CUDA-graph fall-backs, preemptions
