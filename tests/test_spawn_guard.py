@@ -89,9 +89,12 @@ def test_guarded_script_runs_with_tp2(model, tmp_path) -> None:
     assert res.returncode == 0 and "TOKENS 4" in res.stdout, res.stderr[-3000:]
 
 
-def test_rank_that_exits_without_reply_is_a_worker_error() -> None:
-    """The fall-back when a rank dies before replying: WorkerError with its exit code, not EOFError."""
+@pytest.mark.parametrize("guarded", [False, True])
+def test_rank_that_exits_without_reply_is_a_worker_error(tmp_path, monkeypatch, guarded) -> None:
+    """The fall-back when a rank dies before replying: WorkerError with its exit code, not EOFError,
+    and a hint about the guard when the main script has none."""
     import multiprocessing as mp
+    import types
 
     from mtpspec.engine.executor import MultiprocExecutor, WorkerError
 
@@ -100,9 +103,16 @@ def test_rank_that_exits_without_reply_is_a_worker_error() -> None:
     proc = ctx.Process(target=os._exit, args=(3,), daemon=True)
     proc.start()
     child.close()  # as MultiprocExecutor does: the only write end left was the rank's
+    script = tmp_path / "user_script.py"
+    script.write_text("x = 1\n" + (GUARD + "\n    print(x)\n" if guarded else "print(x)\n"))
+    fake_main = types.ModuleType("__main__")
+    fake_main.__file__, fake_main.__spec__ = str(script), None
     ex = object.__new__(MultiprocExecutor)
     ex.conns, ex.procs, ex._closed = [parent], [proc], False
-    with pytest.raises(WorkerError, match="rank 0 .*exit code 3"):
-        ex._recv(0, 30)
+    with monkeypatch.context() as m:
+        m.setitem(sys.modules, "__main__", fake_main)
+        with pytest.raises(WorkerError, match="rank 0 .*exit code 3") as info:
+            ex._recv(0, 30)
+    assert (GUARD in str(info.value)) == (not guarded) and ("user_script.py" in str(info.value)) == (not guarded)
     proc.join()
     parent.close()

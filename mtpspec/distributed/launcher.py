@@ -57,6 +57,22 @@ def _main_guard_spans(path: str) -> Optional[List[range]]:
     return spans
 
 
+def main_guard_hint() -> str:
+    """For a rank that died while starting: a hint when the main script (re-imported by spawned
+    children) has no top-level ``if __name__ == "__main__":`` block at all; else ``""``."""
+    import sys
+    main = sys.modules.get("__main__")
+    path = getattr(main, "__file__", None)
+    spec_name = getattr(getattr(main, "__spec__", None), "name", None)
+    if path is None or (spec_name or "").endswith("__main__"):
+        return ""
+    spans = _main_guard_spans(path)
+    if spans is None or spans:
+        return ""
+    return (f" ({os.path.basename(path)} has no `if __name__ == \"__main__\":` block; spawned ranks re-import it, "
+            "so code that starts ranks must sit under that guard)")
+
+
 def check_main_guard(what: str = "this spawns ranks as new processes") -> None:
     """Raise before spawning when spawned children would re-run the caller (a missing main guard).
 
@@ -181,7 +197,7 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, backend: Optiona
                         time.sleep(0.5)
                         if q.empty():
                             raise RuntimeError(f"launch: rank {r} died with exit code {p.exitcode} "
-                                               "without reporting a result")
+                                               "without reporting a result" + main_guard_hint())
                 continue
             done[rank] = True
             if kind == "ok":

@@ -9,6 +9,7 @@ from typing import Any, Callable, List, Optional
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from mtpspec.distributed.launcher import main_guard_hint
 from mtpspec.engine.config import EngineConfig
 from mtpspec.step_io import StepInput, StepOutput
 from mtpspec.engine.worker import (
@@ -127,7 +128,7 @@ class MultiprocExecutor(Executor):
             if not proc.is_alive():
                 if conn.poll(0.5):
                     break
-                raise WorkerError(f"rank {rank} died (exit code {proc.exitcode}) without a reply")
+                raise WorkerError(f"rank {rank} died (exit code {proc.exitcode}) without a reply" + main_guard_hint())
             if time.monotonic() > deadline:
                 raise WorkerError(f"rank {rank} did not reply within {timeout_s:.0f} s")
         try:
@@ -135,7 +136,7 @@ class MultiprocExecutor(Executor):
         except EOFError:  # the rank closed its pipe (exited) without a reply
             proc.join(timeout=5)
             raise WorkerError(f"rank {rank} exited (exit code {proc.exitcode}) without a reply; its output "
-                              "above says why") from None
+                              "above says why" + main_guard_hint()) from None
         if kind == "err":
             raise WorkerError(f"rank {rank} failed:\n{payload}")
         return payload
