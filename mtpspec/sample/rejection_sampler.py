@@ -126,11 +126,12 @@ def random_verify(draft_token_ids: torch.Tensor, target_logits: torch.Tensor, me
         # recovered token is x_j. Emitted tokens then do not depend on the drafts (k, preemption).
         x = sample_inverse_cdf(probs[:, :k].reshape(b * k, vocab), draws[:, :k].reshape(b * k)).view(b, k)
         accepted = x == draft_token_ids
-        cdf = probs[:, :k].double().cumsum(dim=-1)
-        total = cdf[..., -1]
+        pk = probs[:, :k]
+        total = pk.sum(dim=-1, dtype=torch.float64)
         t = draws[:, :k] * total
         p_d = p_draft.double()
-        below = cdf.gather(-1, draft_token_ids.unsqueeze(-1)).squeeze(-1) - p_d  # mass before the draft
+        ids = torch.arange(vocab, device=pk.device)
+        below = torch.where(ids < draft_token_ids.unsqueeze(-1), pk, 0.0).sum(dim=-1, dtype=torch.float64)
         t = torch.where(t < below, t, t - p_d)
         u_res = (t / (total - p_d).clamp_min(1e-300)).clamp(0.0, 1.0 - 2 ** -53)
         draws = torch.cat([u_res, draws[:, k:]], dim=1)
