@@ -3,7 +3,7 @@
 Preemption by recompute drops a sequence's pending drafts; its next token is then drawn by a
 prefill instead of a verification. With one-hot (greedy) drafts the verifier draws each
 position's token with that position's seeded uniform exactly as plain sampling does and accepts
-a draft iff it equals that token (:func:`~mtpspec.spec_decode.rejection_sampler.random_verify`),
+a draft iff it equals that token (:func:`~mtpspec.sample.rejection_sampler.random_verify`),
 so the tokens depend neither on the drafts nor on preemption (nor on k).
 
 Random MTP layers almost never propose a likely token, so drafts come from a hook: the plain
@@ -80,8 +80,8 @@ def test_one_hot_verification_emits_plain_sampling_tokens() -> None:
     same row with the same uniform, and a draft is accepted iff it equals that draw."""
     import torch
 
-    from mtpspec.engine.sampler import Sampler, SamplingMetadata
-    from mtpspec.spec_decode.rejection_sampler import RejectionSampler
+    from mtpspec.sample.sampler import Sampler, SamplingMetadata
+    from mtpspec.sample.rejection_sampler import RejectionSampler
 
     g = torch.Generator().manual_seed(5)
     b, k, vocab = 400, 3, 9

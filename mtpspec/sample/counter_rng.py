@@ -13,7 +13,7 @@ stream))``; the top 53 bits give a float64 in ``[0, 1)``.
 
 Streams: :data:`STREAM_SAMPLE` for drawing a token (plain sampling; with one-hot drafts also the
 verification, which draws the position's token as plain sampling would and accepts a draft iff
-it equals it, see :func:`~mtpspec.spec_decode.rejection_sampler.random_verify`);
+it equals it, see :func:`~mtpspec.sample.rejection_sampler.random_verify`);
 :data:`STREAM_ACCEPT` for the accept test of drafts that come with draft probabilities.
 Re-using ``(seed, position)`` across steps is sound: a position's draws decide at most one
 emitted token, and draws at positions that were not decided in a step influenced nothing. Since
