@@ -35,7 +35,8 @@ Protocol (one launch per call; ``W`` ranks; rank ``r``; program ``j`` of ``G``):
    in that fixed order (so the result does not depend on arrival order and is bit-identical on
    every rank and every run), adds the residual in fp32, rounds once to the dtype
    (``new_residual``), and applies RMSNorm to the rounded sum with fp32 statistics: the
-   convention of :func:`mtpspec.ops.rms_norm.fused_add_rms_norm` (docs/structures.md). The NCCL
+   convention of :func:`mtpspec.ops.rms_norm.fused_add_rms_norm` (docs/structures.md), with its
+   row arithmetic (:mod:`mtpspec.ops.triton_helpers`). The NCCL
    fallback rounds the all-reduced sum before adding the residual, so the two agree within one
    rounding of the dtype.
 
@@ -90,6 +91,9 @@ from mtpspec.ops.rms_norm import _check
 from mtpspec.ops.triton_utils import (FLOAT_DTYPES, HAS_TRITON, MAX_FUSED_HIDDEN, ROWS_TARGET_ELEMS,
                                       LazyKernel, cdiv, interpreting, next_power_of_2,
                                       num_warps_for, tl, use_triton)
+
+if HAS_TRITON:
+    from mtpspec.ops.triton_helpers import rms_normed, rms_rstd, round_to_dtype
 
 #: Least bytes of guard pattern after every data slot (the slot stride rounds up to 256 bytes).
 GUARD_BYTES = 64
@@ -224,23 +228,12 @@ if HAS_TRITON:
                 if HAS_RESIDUAL:
                     s += tl.load(res_ptr + rows[:, None] * stride_res + cols[None, :], mask=mask,
                                  other=0.0).to(tl.float32)
-                if BF16_BY_BITS:
-                    b = s.to(tl.uint32, bitcast=True)
-                    b = b + 0x7FFF + ((b >> 16) & 1)
-                    s_low = (b >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
-                else:
-                    s_low = s.to(dt)
+                s_low = round_to_dtype(s, dt, BF16_BY_BITS)
                 tl.store(res_out_ptr + rows[:, None] * n_cols + cols[None, :], s_low, mask=mask)
                 s = tl.where(mask, s_low.to(tl.float32), 0.0)
-                rstd = tl.rsqrt(tl.sum(s * s, axis=1) / n_cols + eps)
+                rstd = rms_rstd(s * s, n_cols, eps)
                 w = tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
-                y = s * rstd[:, None] * w[None, :]
-                if BF16_BY_BITS:
-                    b = y.to(tl.uint32, bitcast=True)
-                    b = b + 0x7FFF + ((b >> 16) & 1)
-                    y_low = (b >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
-                else:
-                    y_low = y.to(dt)
+                y_low = rms_normed(s, rstd, w, dt, BF16_BY_BITS)
                 tl.store(out_ptr + rows[:, None] * n_cols + cols[None, :], y_low, mask=mask)
             else:
                 acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -254,16 +247,11 @@ if HAS_TRITON:
                     if HAS_RESIDUAL:
                         s += tl.load(res_ptr + rows[:, None] * stride_res + c[None, :], mask=mask,
                                      other=0.0).to(tl.float32)
-                    if BF16_BY_BITS:
-                        b = s.to(tl.uint32, bitcast=True)
-                        b = b + 0x7FFF + ((b >> 16) & 1)
-                        s_low = (b >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
-                    else:
-                        s_low = s.to(dt)
+                    s_low = round_to_dtype(s, dt, BF16_BY_BITS)
                     tl.store(res_out_ptr + rows[:, None] * n_cols + c[None, :], s_low, mask=mask)
                     s = tl.where(mask, s_low.to(tl.float32), 0.0)
                     acc += s * s
-                rstd = tl.rsqrt(tl.sum(acc, axis=1) / n_cols + eps)
+                rstd = rms_rstd(acc, n_cols, eps)
                 tl.debug_barrier()  # pass 2 reads back this block's own res_out stores
                 for start in range(0, n_cols, BLOCK_N):
                     c = start + cols
@@ -272,13 +260,7 @@ if HAS_TRITON:
                     s = tl.load(res_out_ptr + rows[:, None] * n_cols + c[None, :], mask=mask,
                                 other=0.0).to(tl.float32)
                     w = tl.load(w_ptr + c, mask=col_mask, other=0.0).to(tl.float32)
-                    y = s * rstd[:, None] * w[None, :]
-                    if BF16_BY_BITS:
-                        b = y.to(tl.uint32, bitcast=True)
-                        b = b + 0x7FFF + ((b >> 16) & 1)
-                        y_low = (b >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
-                    else:
-                        y_low = y.to(dt)
+                    y_low = rms_normed(s, rstd, w, dt, BF16_BY_BITS)
                     tl.store(out_ptr + rows[:, None] * n_cols + c[None, :], y_low, mask=mask)
 
     _kernel = LazyKernel(_p2p_allreduce_rms_norm_kernel)

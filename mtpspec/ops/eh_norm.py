@@ -6,7 +6,8 @@ position ``i``, the embedding of token ``i + 1`` with the previous depth's hidde
 ``hnorm``, ``eh_proj``) order the halves ``[enorm(inputs_embeds), hnorm(previous_hidden_states)]``
 and zero ``inputs_embeds`` where ``positions == 0`` (there is no previous token there); this
 module follows vLLM. RMSNorm as in :mod:`mtpspec.ops.rms_norm` (fp32 statistics, result cast to
-the activation dtype); a zeroed row normalises to zeros since ``eps > 0``.
+the activation dtype; the arithmetic is :mod:`mtpspec.ops.triton_helpers`' ``rms_rstd`` /
+``rms_normed``, shared with it); a zeroed row normalises to zeros since ``eps > 0``.
 
 Kernel layout: a 2-D grid, axis 0 over blocks of rows, axis 1 over the two halves (0: embeds
 with ``enorm``, 1: hidden states with ``hnorm``). Embedding rows at position 0 are never read.
@@ -18,6 +19,9 @@ from mtpspec.ops.rms_norm import rms_norm_ref
 from mtpspec.ops.triton_utils import (HAS_TRITON, LazyKernel, as_rows, check_device, check_eps,
                                       check_float_dtype, check_weight, interpreting, row_launch,
                                       tl, use_triton)
+
+if HAS_TRITON:
+    from mtpspec.ops.triton_helpers import rms_normed, rms_rstd
 
 
 def fused_eh_norm_ref(positions: torch.Tensor, inputs_embeds: torch.Tensor,
@@ -43,7 +47,8 @@ if HAS_TRITON:
         # zero row/column limits (integer limits, not broadcast scalar booleans, which Triton's
         # interpreter mishandles in masks).
         # BF16_BY_BITS: round fp32 -> bf16 to nearest-even with integer ops (Triton's
-        # interpreter truncates in .to(tl.bfloat16)); compiled kernels use the native conversion.
+        # interpreter truncates in .to(tl.bfloat16); triton_helpers.round_to_dtype); compiled
+        # kernels use the native conversion.
         half = tl.program_id(1)
         is_e = half == 0
         e_cols = n_cols * (1 - half)
@@ -64,17 +69,11 @@ if HAS_TRITON:
             v = tl.where(is_e,
                          tl.load(e_base + cols[None, :], mask=e_mask, other=0.0).to(tl.float32),
                          tl.load(h_base + cols[None, :], mask=h_mask, other=0.0).to(tl.float32))
-            rstd = tl.rsqrt(tl.sum(v * v, axis=1) / n_cols + eps)
+            rstd = rms_rstd(v * v, n_cols, eps)
             w = tl.where(is_e,
                          tl.load(we_ptr + cols, mask=cols < e_cols, other=0.0).to(tl.float32),
                          tl.load(wh_ptr + cols, mask=cols < h_cols, other=0.0).to(tl.float32))
-            y = v * rstd[:, None] * w[None, :]
-            if BF16_BY_BITS:
-                b = y.to(tl.uint32, bitcast=True)
-                b = b + 0x7FFF + ((b >> 16) & 1)
-                y_low = (b >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
-            else:
-                y_low = y.to(out_ptr.dtype.element_ty)
+            y_low = rms_normed(v, rstd, w, out_ptr.dtype.element_ty, BF16_BY_BITS)
             tl.store(out_base + cols[None, :], y_low,
                      mask=row_mask[:, None] & (cols < n_cols)[None, :])
         else:
@@ -87,7 +86,7 @@ if HAS_TRITON:
                              tl.load(e_base + c[None, :], mask=e_mask, other=0.0).to(tl.float32),
                              tl.load(h_base + c[None, :], mask=h_mask, other=0.0).to(tl.float32))
                 acc += v * v
-            rstd = tl.rsqrt(tl.sum(acc, axis=1) / n_cols + eps)
+            rstd = rms_rstd(acc, n_cols, eps)
             for start in range(0, n_cols, BLOCK_N):
                 c = start + cols
                 e_mask = e_rows[:, None] & (c < e_cols)[None, :]
@@ -98,13 +97,7 @@ if HAS_TRITON:
                 w = tl.where(is_e,
                              tl.load(we_ptr + c, mask=c < e_cols, other=0.0).to(tl.float32),
                              tl.load(wh_ptr + c, mask=c < h_cols, other=0.0).to(tl.float32))
-                y = v * rstd[:, None] * w[None, :]
-                if BF16_BY_BITS:
-                    b = y.to(tl.uint32, bitcast=True)
-                    b = b + 0x7FFF + ((b >> 16) & 1)
-                    y_low = (b >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
-                else:
-                    y_low = y.to(out_ptr.dtype.element_ty)
+                y_low = rms_normed(v, rstd, w, out_ptr.dtype.element_ty, BF16_BY_BITS)
                 tl.store(out_base + c[None, :], y_low,
                          mask=row_mask[:, None] & (c < n_cols)[None, :])
 

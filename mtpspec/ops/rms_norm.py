@@ -22,6 +22,9 @@ from mtpspec.ops.triton_utils import (HAS_TRITON, LazyKernel, as_rows, check_dev
                                       check_float_dtype, check_weight, interpreting, row_launch,
                                       tl, use_triton)
 
+if HAS_TRITON:
+    from mtpspec.ops.triton_helpers import rms_normed, rms_rstd, round_to_dtype
+
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Reference RMSNorm. ``x``: ``[num_tokens, hidden_size]``; returns ``x``'s shape and dtype."""
     xf = x.float()
@@ -51,7 +54,8 @@ if HAS_TRITON:
                          BLOCK_N: tl.constexpr, BF16_BY_BITS: tl.constexpr):
         # out and res_out are fresh contiguous [n_rows, n_cols] tensors sharing stride_out.
         # BF16_BY_BITS: round fp32 -> bf16 to nearest-even with integer ops (Triton's interpreter
-        # truncates in .to(tl.bfloat16)); compiled kernels use the native conversion.
+        # truncates in .to(tl.bfloat16); triton_helpers.round_to_dtype); compiled kernels use the
+        # native conversion.
         rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         row_mask = rows < n_rows
         rows = rows.to(tl.int64)
@@ -64,23 +68,12 @@ if HAS_TRITON:
             if HAS_RESIDUAL:
                 s += tl.load(res_ptr + rows[:, None] * stride_res + cols[None, :], mask=mask,
                              other=0.0).to(tl.float32)
-                if BF16_BY_BITS:
-                    b = s.to(tl.uint32, bitcast=True)
-                    b = b + 0x7FFF + ((b >> 16) & 1)
-                    s_low = (b >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
-                else:
-                    s_low = s.to(res_out_ptr.dtype.element_ty)
+                s_low = round_to_dtype(s, res_out_ptr.dtype.element_ty, BF16_BY_BITS)
                 tl.store(res_out_ptr + rows[:, None] * stride_out + cols[None, :], s_low, mask=mask)
                 s = s_low.to(tl.float32)
-            rstd = tl.rsqrt(tl.sum(s * s, axis=1) / n_cols + eps)
+            rstd = rms_rstd(s * s, n_cols, eps)
             w = tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
-            y = s * rstd[:, None] * w[None, :]
-            if BF16_BY_BITS:
-                b = y.to(tl.uint32, bitcast=True)
-                b = b + 0x7FFF + ((b >> 16) & 1)
-                y_low = (b >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
-            else:
-                y_low = y.to(out_ptr.dtype.element_ty)
+            y_low = rms_normed(s, rstd, w, out_ptr.dtype.element_ty, BF16_BY_BITS)
             tl.store(out_ptr + rows[:, None] * stride_out + cols[None, :], y_low, mask=mask)
         else:
             # Pass 1: sum of squares of the (rounded) sum; write residual_out.
@@ -93,17 +86,12 @@ if HAS_TRITON:
                 if HAS_RESIDUAL:
                     s += tl.load(res_ptr + rows[:, None] * stride_res + c[None, :], mask=mask,
                                  other=0.0).to(tl.float32)
-                    if BF16_BY_BITS:
-                        b = s.to(tl.uint32, bitcast=True)
-                        b = b + 0x7FFF + ((b >> 16) & 1)
-                        s_low = (b >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
-                    else:
-                        s_low = s.to(res_out_ptr.dtype.element_ty)
+                    s_low = round_to_dtype(s, res_out_ptr.dtype.element_ty, BF16_BY_BITS)
                     tl.store(res_out_ptr + rows[:, None] * stride_out + c[None, :], s_low,
                              mask=mask)
                     s = s_low.to(tl.float32)
                 acc += s * s
-            rstd = tl.rsqrt(tl.sum(acc, axis=1) / n_cols + eps)
+            rstd = rms_rstd(acc, n_cols, eps)
             # Pass 2: read the rounded sum back (this block's own writes: barrier first).
             tl.debug_barrier()
             for start in range(0, n_cols, BLOCK_N):
@@ -117,13 +105,7 @@ if HAS_TRITON:
                     s = tl.load(x_ptr + rows[:, None] * stride_x + c[None, :], mask=mask,
                                 other=0.0).to(tl.float32)
                 w = tl.load(w_ptr + c, mask=col_mask, other=0.0).to(tl.float32)
-                y = s * rstd[:, None] * w[None, :]
-                if BF16_BY_BITS:
-                    b = y.to(tl.uint32, bitcast=True)
-                    b = b + 0x7FFF + ((b >> 16) & 1)
-                    y_low = (b >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
-                else:
-                    y_low = y.to(out_ptr.dtype.element_ty)
+                y_low = rms_normed(s, rstd, w, out_ptr.dtype.element_ty, BF16_BY_BITS)
                 tl.store(out_ptr + rows[:, None] * stride_out + c[None, :], y_low, mask=mask)
 
     _kernel = LazyKernel(_rms_norm_kernel)

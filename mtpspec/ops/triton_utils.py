@@ -1,4 +1,5 @@
-"""Shared plumbing for the Triton ops: dispatch rule, lazily built kernels, input checks.
+"""Shared plumbing for the Triton ops: dispatch rule, lazily built kernels and device functions,
+input checks.
 
 Dispatch rule (docs/structures.md, "Dispatch of ops"): an op runs its Triton kernel on CUDA
 tensors, and on CPU tensors when the environment variable ``TRITON_INTERPRET`` is ``"1"`` at
@@ -103,6 +104,31 @@ class LazyKernel:
             from triton.runtime.interpreter import InterpretedFunction
             return InterpretedFunction(self.fn)
         return triton.JITFunction(self.fn)
+
+
+if HAS_TRITON:
+    class DeviceFunction(triton.JITFunction):
+        """A Triton device function (a helper that kernels call) for both launch modes: a
+        ``triton.JITFunction``, so a compiled kernel inlines it exactly as an ``@triton.jit``
+        helper, and callable from a kernel running under the interpreter, whatever
+        ``TRITON_INTERPRET`` was when its module was imported. Made by :func:`device_function`.
+        """
+
+        def __call__(self, *args: Any, **kwargs: Any) -> Any:
+            # Reached only from an interpreted kernel (a compiled kernel inlines the function
+            # while compiling and never calls it): run it as an interpreted device function.
+            interpreted = self.__dict__.get("_interpreted")
+            if interpreted is None:
+                from triton.runtime.interpreter import InterpretedFunction
+                interpreted = self.__dict__["_interpreted"] = InterpretedFunction(self.fn)
+            return interpreted(*args, **kwargs)
+
+
+def device_function(fn: Callable[..., Any]) -> Any:
+    """Decorate a Triton helper that kernels call (the counterpart of :class:`LazyKernel` for
+    device functions): compiled kernels inline it like any ``@triton.jit`` function, interpreted
+    kernels run it interpreted. Without Triton, ``fn`` is returned unchanged (never called)."""
+    return DeviceFunction(fn) if HAS_TRITON else fn
 
 
 def next_power_of_2(n: int) -> int:
