@@ -103,6 +103,8 @@ def moe_experts_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_w
 
 
 if HAS_TRITON:
+    from mtpspec.ops.triton_helpers import round_to_dtype
+
     def _gate_up_kernel(x_ptr, w_ptr, inter_ptr, sorted_ptr, block_expert_ptr, num_pairs, num_experts, hidden,
                         inter_size, stride_xt, stride_we, stride_wn, stride_it,
                         TOPK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -133,11 +135,8 @@ if HAS_TRITON:
             acc_g += tl.dot(a, wg, input_precision=PRECISION)
             acc_u += tl.dot(a, wu, input_precision=PRECISION)
         act = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
-        if BF16_BY_BITS:  # round to nearest even by integer ops (the interpreter truncates)
-            bits = act.to(tl.uint32, bitcast=True)
-            act_low = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
-        else:
-            act_low = act.to(inter_ptr.dtype.element_ty)
+        # BF16_BY_BITS: round to nearest even by integer ops (the interpreter truncates)
+        act_low = round_to_dtype(act, inter_ptr.dtype.element_ty, BF16_BY_BITS)
         tl.store(inter_ptr + pair[:, None].to(tl.int64) * stride_it + offs_n[None, :], act_low,
                  mask=ok_m[:, None] & ok_n[None, :])
 

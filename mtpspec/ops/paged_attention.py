@@ -180,6 +180,8 @@ def write_kv_cache_ref(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Te
 # ---------------------------------------------------------------- kernels
 
 if HAS_TRITON:
+    from mtpspec.ops.triton_helpers import round_to_dtype
+
     def _attn_kernel(q_ptr, k_ptr, v_ptr, out_ptr, part_acc_ptr, part_ml_ptr,
                      qsl_ptr, seq_lens_ptr, bt_ptr, qk_scale, num_splits,
                      stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
@@ -253,12 +255,8 @@ if HAS_TRITON:
             tl.store(part_acc_ptr + base[:, None] * BLOCK_D + offs_d[None, :], acc, mask=row_ok[:, None])
         else:
             o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-            if BF16_BY_BITS:  # round to nearest even by integer ops (the interpreter truncates)
-                bits = o.to(tl.uint32, bitcast=True)
-                bits = bits + 0x7FFF + ((bits >> 16) & 1)
-                o_low = (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
-            else:
-                o_low = o.to(out_ptr.dtype.element_ty)
+            # BF16_BY_BITS: round to nearest even by integer ops (the interpreter truncates)
+            o_low = round_to_dtype(o, out_ptr.dtype.element_ty, BF16_BY_BITS)
             tl.store(out_ptr + row[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
                      o_low, mask=row_ok[:, None] & d_ok[None, :])
 
@@ -282,12 +280,7 @@ if HAS_TRITON:
         offs_d = tl.arange(0, BLOCK_D)
         acc = tl.load(part_acc_ptr + base[:, None] * BLOCK_D + offs_d[None, :], mask=s_ok[:, None], other=0.0)
         o = tl.sum(acc * w[:, None], axis=0) / tl.where(denom > 0, denom, 1.0)
-        if BF16_BY_BITS:
-            bits = o.to(tl.uint32, bitcast=True)
-            bits = bits + 0x7FFF + ((bits >> 16) & 1)
-            o_low = (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
-        else:
-            o_low = o.to(out_ptr.dtype.element_ty)
+        o_low = round_to_dtype(o, out_ptr.dtype.element_ty, BF16_BY_BITS)
         tl.store(out_ptr + t.to(tl.int64) * stride_ot + h * stride_oh + offs_d, o_low, mask=offs_d < HEAD_DIM)
 
     def _write_kv_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, stride_kt, stride_vt,
@@ -303,13 +296,11 @@ if HAS_TRITON:
         off = slot % CACHE_BLOCK
         kx = tl.load(k_ptr + t * stride_kt + offs, mask=ok)
         vx = tl.load(v_ptr + t * stride_vt + offs, mask=ok)
-        if BF16_BY_BITS:  # fp32 -> bf16 to nearest even by integer ops (the interpreter truncates)
-            kb = kx.to(tl.uint32, bitcast=True)
-            vb = vx.to(tl.uint32, bitcast=True)
-            kx = ((kb + 0x7FFF + ((kb >> 16) & 1)) >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
-            vx = ((vb + 0x7FFF + ((vb >> 16) & 1)) >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
-        tl.store(kc_ptr + blk * stride_kcb + off * stride_kcs + offs, kx.to(kc_ptr.dtype.element_ty), mask=ok)
-        tl.store(vc_ptr + blk * stride_vcb + off * stride_vcs + offs, vx.to(vc_ptr.dtype.element_ty), mask=ok)
+        # BF16_BY_BITS: fp32 -> bf16 to nearest even by integer ops (the interpreter truncates)
+        tl.store(kc_ptr + blk * stride_kcb + off * stride_kcs + offs,
+                 round_to_dtype(kx, kc_ptr.dtype.element_ty, BF16_BY_BITS), mask=ok)
+        tl.store(vc_ptr + blk * stride_vcb + off * stride_vcs + offs,
+                 round_to_dtype(vx, vc_ptr.dtype.element_ty, BF16_BY_BITS), mask=ok)
 
     _attn = LazyKernel(_attn_kernel)
     _combine = LazyKernel(_combine_kernel)
