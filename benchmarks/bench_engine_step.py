@@ -30,7 +30,6 @@ import argparse
 import json
 import math
 import os
-import statistics
 import sys
 import time
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
@@ -40,6 +39,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from benchmarks._timing import Timer, fmt, read_bandwidth  # noqa: E402
 from mtpspec.config import ModelConfig, SpeculativeConfig  # noqa: E402
 from mtpspec.engine.config import CacheConfig, SchedulerConfig  # noqa: E402
 from mtpspec.engine.input_prep import prepare_step  # noqa: E402
@@ -96,58 +96,6 @@ def randomise_(module: torch.nn.Module, seed: int) -> None:
     for name, b in module.named_buffers():
         if name.endswith("e_score_correction_bias"):
             b.zero_()
-
-
-class Timer:
-    """Median milliseconds: CUDA events on the GPU, perf_counter on the CPU."""
-
-    def __init__(self, device: torch.device, iters: int) -> None:
-        self.device, self.iters = device, iters
-        self.cuda = device.type == "cuda"
-
-    def eager(self, fn: Callable[[], Any]) -> float:
-        for _ in range(3):
-            fn()
-        times = []
-        for _ in range(self.iters):
-            if self.cuda:
-                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                a.record()
-                fn()
-                b.record()
-                b.synchronize()
-                times.append(a.elapsed_time(b))
-            else:
-                t0 = time.perf_counter()
-                fn()
-                times.append((time.perf_counter() - t0) * 1e3)
-        return statistics.median(times)
-
-    def graph(self, fn: Callable[[], Any]) -> Tuple[Optional[float], Optional[str]]:
-        if not self.cuda:
-            return None, "CPU"
-        try:
-            s = torch.cuda.Stream()
-            s.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(s):
-                for _ in range(3):
-                    fn()
-            torch.cuda.current_stream().wait_stream(s)
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g):
-                fn()
-        except Exception as exc:  # noqa: BLE001 - report why capture is impossible
-            torch.cuda.synchronize()
-            return None, f"{type(exc).__name__}: {str(exc).splitlines()[0][:70]}"
-        return self.eager(g.replay), None
-
-
-def read_bandwidth(device: torch.device, smoke: bool) -> float:
-    """Bytes per second of a read-dominated reduction over a large bf16 tensor."""
-    n = (64 << 20) if smoke or device.type != "cuda" else (4 << 30)
-    x = torch.ones(n // 2, dtype=torch.bfloat16, device=device)
-    t = Timer(device, 10).eager(lambda: x.sum(dtype=torch.float32))
-    return n / (t / 1e3)
 
 
 def param_bytes(module: torch.nn.Module, skip: Tuple[type, ...] = ()) -> int:
@@ -291,10 +239,6 @@ def bench_batch(runner: ModelRunner, timer: Timer, b: int, k: int, context: int,
     return rows
 
 
-def fmt(x: Optional[float], d: int = 3) -> str:
-    return "-" if x is None else f"{x:.{d}f}"
-
-
 def table(rows: List[Dict[str, Any]], bw: float) -> str:
     out = [f"read bandwidth {bw / 1e9:.1f} GB/s", "",
            f"{'B':>3}  {'row':<28} {'eager ms':>9} {'graph ms':>9} {'floor ms':>9} {'eager x':>8} {'graph x':>8}  note"]
@@ -328,7 +272,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     cache = CacheConfig(BLOCK_SIZE, num_kv_blocks=max_b * per_seq)
     runner = ModelRunner(target, mtp, spec, cache, sched, device, cfg.max_position_embeddings, args.graph_mode)
     runner.init_kv_cache(max_b * per_seq)
-    bw = read_bandwidth(device, args.smoke)
+    bw = read_bandwidth(device)
     timer = Timer(device, args.iters)
     rows: List[Dict[str, Any]] = []
     with torch.inference_mode():

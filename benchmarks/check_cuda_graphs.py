@@ -27,11 +27,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import tempfile
 import time
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence
 
 if "--smoke" in sys.argv:  # the interpreter must be on before triton is first imported
     os.environ["TRITON_INTERPRET"] = "1"
@@ -43,6 +42,10 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import mtpspec.attention.backends.paged_gqa as attention_mod  # noqa: E402
 from mtpspec.layers.attention import Attention, build_attention_metadata, set_forward_context  # noqa: E402
 from mtpspec.layers.fused_moe import FusedMoE, MoEGate  # noqa: E402
+from benchmarks._timing import Timer, fmt, read_bandwidth  # noqa: E402
+
+#: Untimed calls before each measurement and before a graph capture.
+WARMUP = 2
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
@@ -53,63 +56,6 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--json", help="write the results to this file")
     p.add_argument("--smoke", action="store_true", help="tiny sizes on CPU (static graph mode, Triton interpreter)")
     return p.parse_args(argv)
-
-
-# ---------------------------------------------------------------------------------------- timing
-class Timer:
-    """Median milliseconds of ``fn``: CUDA events on the GPU, perf_counter on the CPU."""
-
-    def __init__(self, device: torch.device, iters: int) -> None:
-        self.device, self.iters, self.cuda = device, iters, device.type == "cuda"
-
-    def eager(self, fn: Callable[[], Any]) -> float:
-        for _ in range(2):
-            fn()
-        times = []
-        for _ in range(self.iters):
-            if self.cuda:
-                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                a.record()
-                fn()
-                b.record()
-                b.synchronize()
-                times.append(a.elapsed_time(b))
-            else:
-                t0 = time.perf_counter()
-                fn()
-                times.append((time.perf_counter() - t0) * 1e3)
-        return statistics.median(times)
-
-    def graph(self, fn: Callable[[], Any]) -> Tuple[Optional[float], str]:
-        """Median replay time, or ``(None, why)`` when capture is impossible (CPU, a host sync)."""
-        if not self.cuda:
-            return None, "cpu"
-        try:
-            s = torch.cuda.Stream()
-            s.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(s):
-                for _ in range(2):
-                    fn()
-            torch.cuda.current_stream().wait_stream(s)
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g):
-                fn()
-        except Exception as exc:  # noqa: BLE001 - report why capture failed
-            torch.cuda.synchronize()
-            return None, f"{type(exc).__name__}: {str(exc).splitlines()[0][:60]}"
-        return self.eager(g.replay), ""
-
-
-def read_bandwidth(device: torch.device) -> float:
-    """Bytes per second of ``x.sum()`` over a large bf16 tensor (4 GiB on a GPU)."""
-    n = (4 << 30) if device.type == "cuda" else (32 << 20)
-    x = torch.ones(n // 2, dtype=torch.bfloat16, device=device)
-    ms = Timer(device, 10).eager(lambda: x.sum(dtype=torch.float32))
-    return n / (ms * 1e-3)
-
-
-def fmt(x: Optional[float], d: int = 3) -> str:
-    return "-" if x is None else f"{x:.{d}f}"
 
 
 # ---------------------------------------------------------------------------------------- 1. engine
@@ -209,8 +155,8 @@ def attention_bench(device: torch.device, k: int, timer: Timer, smoke: bool) -> 
                         except torch.OutOfMemoryError:
                             res[f"{path}_ms"] = None
                             torch.cuda.empty_cache()
-                        res[f"{path}_graph_ms"], note = timer.graph(fn) if res[f"{path}_ms"] is not None else (None, "")
-                        res[f"{path}_note"] = note
+                        res[f"{path}_graph_ms"], note = timer.graph(fn, why_chars=60) if res[f"{path}_ms"] is not None else (None, "")
+                        res[f"{path}_note"] = note or ""
                 attention_mod.KERNEL_MAX_QUERY_LEN = 16
                 res["max_abs_diff"] = float((outs["kernel"] - outs["sdpa"]).abs().max())
                 kv_bytes = 2 * b * (ctx + q_len) * nkv * hd * layer.kv_cache.element_size()
@@ -285,7 +231,7 @@ def moe_bench(device: torch.device, timer: Timer, bw: float, smoke: bool) -> Lis
                         ref = out
                     res[f"{path}_diff"] = float((out - ref).abs().max())
                     res[f"{path}_ms"] = timer.eager(fn)
-                    res[f"{path}_graph_ms"], _ = timer.graph(fn)
+                    res[f"{path}_graph_ms"], _ = timer.graph(fn, why_chars=60)
             except (RuntimeError, AssertionError, torch.OutOfMemoryError) as exc:
                 res[f"{path}_ms"] = res[f"{path}_graph_ms"] = res[f"{path}_diff"] = None
                 res[f"{path}_note"] = str(exc).splitlines()[0][:40]
@@ -322,7 +268,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.smoke:
         args.iters = min(args.iters, 2)
     skip = set(filter(None, args.skip.split(",")))
-    timer = Timer(device, args.iters)
+    timer = Timer(device, args.iters, WARMUP)
     name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu (smoke)"
     print(f"device {name}, torch {torch.__version__}, k={args.k}")
     results: Dict[str, Any] = {}
@@ -333,7 +279,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print("\n== engine: CUDA-graph steps vs eager ==")
         print(engine_table(rows))
         status = 0 if all(r["ok"] for r in rows) else 1
-    bw = read_bandwidth(device)
+    bw = read_bandwidth(device, cpu_bytes=32 << 20, warmup=WARMUP)
     results["read_bandwidth_GBps"] = bw / 1e9
     if "attention" not in skip:
         rows = attention_bench(device, args.k, timer, args.smoke)

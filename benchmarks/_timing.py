@@ -1,0 +1,80 @@
+"""Timing shared by the benchmark scripts (bench_engine_step.py, check_cuda_graphs.py).
+
+:class:`Timer`: median milliseconds of a call, eagerly (CUDA events on the GPU, ``perf_counter``
+on the CPU) and as a replayed CUDA graph; :func:`read_bandwidth`: the device's read bandwidth
+(``x.sum()`` over a large bf16 tensor), the denominator of memory floors; :func:`fmt` prints an
+optional figure.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any, Callable, Optional, Tuple
+
+import torch
+
+
+class Timer:
+    """Median milliseconds of ``fn``: CUDA events on the GPU, perf_counter on the CPU.
+
+    Args:
+        device: where ``fn`` runs. iters: timed calls per measurement.
+        warmup: untimed calls first (and before a graph capture, on a side stream).
+    """
+
+    def __init__(self, device: torch.device, iters: int, warmup: int = 3) -> None:
+        self.device, self.iters, self.warmup = device, iters, warmup
+        self.cuda = device.type == "cuda"
+
+    def eager(self, fn: Callable[[], Any]) -> float:
+        for _ in range(self.warmup):
+            fn()
+        times = []
+        for _ in range(self.iters):
+            if self.cuda:
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a.record()
+                fn()
+                b.record()
+                b.synchronize()
+                times.append(a.elapsed_time(b))
+            else:
+                t0 = time.perf_counter()
+                fn()
+                times.append((time.perf_counter() - t0) * 1e3)
+        return statistics.median(times)
+
+    def graph(self, fn: Callable[[], Any], why_chars: int = 70) -> Tuple[Optional[float], Optional[str]]:
+        """``(median replay ms, None)``, or ``(None, why)`` when capture is impossible (CPU, or an
+        op that synchronises with the host: the exception's first line, ``why_chars`` at most)."""
+        if not self.cuda:
+            return None, "CPU"
+        try:
+            s = torch.cuda.Stream()
+            s.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(s):
+                for _ in range(self.warmup):
+                    fn()
+            torch.cuda.current_stream().wait_stream(s)
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                fn()
+        except Exception as exc:  # noqa: BLE001 - report why capture is impossible
+            torch.cuda.synchronize()
+            return None, f"{type(exc).__name__}: {str(exc).splitlines()[0][:why_chars]}"
+        return self.eager(g.replay), None
+
+
+def read_bandwidth(device: torch.device, cpu_bytes: int = 64 << 20, warmup: int = 3) -> float:
+    """Bytes per second of a read-dominated reduction (``x.sum()``) over a bf16 tensor of 4 GiB
+    on a GPU, ``cpu_bytes`` on the CPU; median of 10 calls."""
+    n = (4 << 30) if device.type == "cuda" else cpu_bytes
+    x = torch.ones(n // 2, dtype=torch.bfloat16, device=device)
+    ms = Timer(device, 10, warmup).eager(lambda: x.sum(dtype=torch.float32))
+    return n / (ms / 1e3)
+
+
+def fmt(x: Optional[float], d: int = 3) -> str:
+    """``x`` with ``d`` decimals, ``-`` for None."""
+    return "-" if x is None else f"{x:.{d}f}"
