@@ -93,7 +93,9 @@ from mtpspec.ops.triton_utils import (FLOAT_DTYPES, HAS_TRITON, MAX_FUSED_HIDDEN
                                       num_warps_for, tl, use_triton)
 
 if HAS_TRITON:
-    from mtpspec.ops.triton_helpers import rms_normed, rms_rstd, round_to_dtype
+    from mtpspec.ops.triton_helpers import (rms_norm_pass2, rms_rstd, store_rms_normed,
+                                            store_rounded)
+    from mtpspec.ops.triton_utils import device_function
 
 #: Least bytes of guard pattern after every data slot (the slot stride rounds up to 256 bytes).
 GUARD_BYTES = 64
@@ -125,6 +127,23 @@ class PeerTimeoutError(RuntimeError):
 
 
 if HAS_TRITON:
+    @device_function
+    def _reduce_block(own, slot_stride, res_ptr, res_out_ptr, rows, cols, mask, n_cols, stride_res,
+                      poison, WORLD: tl.constexpr, HAS_RESIDUAL: tl.constexpr, BLOCK_M: tl.constexpr,
+                      BLOCK_N: tl.constexpr, BF16_BY_BITS: tl.constexpr):
+        # Columns `cols` of rows `rows`: the slots of ranks 0..WORLD-1 summed in fp32 in that order
+        # (+ poison: NaN after a failed wait), + residual, rounded once and written to res_out;
+        # returned in fp32, zero where masked off. Slots are read through L2 (.cg): peers wrote
+        # them from other GPUs / processes.
+        s = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32) + poison
+        for src in tl.static_range(WORLD):
+            s += tl.load(own + (src * slot_stride).to(tl.int64) + rows[:, None] * n_cols + cols[None, :],
+                         mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
+        if HAS_RESIDUAL:
+            s += tl.load(res_ptr + rows[:, None] * stride_res + cols[None, :], mask=mask,
+                         other=0.0).to(tl.float32)
+        return tl.where(mask, store_rounded(res_out_ptr, rows, n_cols, cols, s, mask, BF16_BY_BITS), 0.0)
+
     def _p2p_allreduce_rms_norm_kernel(
             x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr,
             data_table, flag_table, state_ptr, err_ptr,
@@ -221,47 +240,23 @@ if HAS_TRITON:
             if ONE_PASS:
                 col_mask = cols < n_cols
                 mask = row_mask[:, None] & col_mask[None, :]
-                s = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32) + poison
-                for src in tl.static_range(WORLD):
-                    s += tl.load(own + (src * slot_stride).to(tl.int64) + rows[:, None] * n_cols + cols[None, :],
-                                 mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
-                if HAS_RESIDUAL:
-                    s += tl.load(res_ptr + rows[:, None] * stride_res + cols[None, :], mask=mask,
-                                 other=0.0).to(tl.float32)
-                s_low = round_to_dtype(s, dt, BF16_BY_BITS)
-                tl.store(res_out_ptr + rows[:, None] * n_cols + cols[None, :], s_low, mask=mask)
-                s = tl.where(mask, s_low.to(tl.float32), 0.0)
+                s = _reduce_block(own, slot_stride, res_ptr, res_out_ptr, rows, cols, mask, n_cols,
+                                  stride_res, poison, WORLD, HAS_RESIDUAL, BLOCK_M, BLOCK_N, BF16_BY_BITS)
                 rstd = rms_rstd(s * s, n_cols, eps)
-                w = tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
-                y_low = rms_normed(s, rstd, w, dt, BF16_BY_BITS)
-                tl.store(out_ptr + rows[:, None] * n_cols + cols[None, :], y_low, mask=mask)
+                store_rms_normed(out_ptr, w_ptr, rows, n_cols, cols, col_mask, mask, s, rstd,
+                                 BF16_BY_BITS)
             else:
                 acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
                 for start in range(0, n_cols, BLOCK_N):
                     c = start + cols
                     mask = row_mask[:, None] & (c < n_cols)[None, :]
-                    s = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32) + poison
-                    for src in tl.static_range(WORLD):
-                        s += tl.load(own + (src * slot_stride).to(tl.int64) + rows[:, None] * n_cols + c[None, :],
-                                     mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
-                    if HAS_RESIDUAL:
-                        s += tl.load(res_ptr + rows[:, None] * stride_res + c[None, :], mask=mask,
-                                     other=0.0).to(tl.float32)
-                    s_low = round_to_dtype(s, dt, BF16_BY_BITS)
-                    tl.store(res_out_ptr + rows[:, None] * n_cols + c[None, :], s_low, mask=mask)
-                    s = tl.where(mask, s_low.to(tl.float32), 0.0)
+                    s = _reduce_block(own, slot_stride, res_ptr, res_out_ptr, rows, c, mask, n_cols,
+                                      stride_res, poison, WORLD, HAS_RESIDUAL, BLOCK_M, BLOCK_N, BF16_BY_BITS)
                     acc += s * s
                 rstd = rms_rstd(acc, n_cols, eps)
-                tl.debug_barrier()  # pass 2 reads back this block's own res_out stores
-                for start in range(0, n_cols, BLOCK_N):
-                    c = start + cols
-                    col_mask = c < n_cols
-                    mask = row_mask[:, None] & col_mask[None, :]
-                    s = tl.load(res_out_ptr + rows[:, None] * n_cols + c[None, :], mask=mask,
-                                other=0.0).to(tl.float32)
-                    w = tl.load(w_ptr + c, mask=col_mask, other=0.0).to(tl.float32)
-                    y_low = rms_normed(s, rstd, w, dt, BF16_BY_BITS)
-                    tl.store(out_ptr + rows[:, None] * n_cols + c[None, :], y_low, mask=mask)
+                # Pass 2 reads back this block's own res_out stores.
+                rms_norm_pass2(res_out_ptr, n_cols, out_ptr, w_ptr, rows, row_mask, n_cols, cols,
+                               n_cols, rstd, BLOCK_N, BF16_BY_BITS)
 
     _kernel = LazyKernel(_p2p_allreduce_rms_norm_kernel)
 

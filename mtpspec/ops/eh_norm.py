@@ -22,6 +22,7 @@ from mtpspec.ops.triton_utils import (HAS_TRITON, LazyKernel, as_rows, check_dev
 
 if HAS_TRITON:
     from mtpspec.ops.triton_helpers import rms_normed, rms_rstd
+    from mtpspec.ops.triton_utils import device_function
 
 
 def fused_eh_norm_ref(positions: torch.Tensor, inputs_embeds: torch.Tensor,
@@ -39,6 +40,27 @@ def fused_eh_norm_ref(positions: torch.Tensor, inputs_embeds: torch.Tensor,
 
 
 if HAS_TRITON:
+    @device_function
+    def _load_half(e_base, h_base, cols, e_rows, row_mask, e_cols, h_cols, is_e):
+        # Columns `cols` of this program's half in fp32: embeddings (rows with pos == 0 masked
+        # off) or hidden states; the other half's load is masked off by its zero column limit.
+        e_mask = e_rows[:, None] & (cols < e_cols)[None, :]
+        h_mask = row_mask[:, None] & (cols < h_cols)[None, :]
+        return tl.where(is_e,
+                        tl.load(e_base + cols[None, :], mask=e_mask, other=0.0).to(tl.float32),
+                        tl.load(h_base + cols[None, :], mask=h_mask, other=0.0).to(tl.float32))
+
+    @device_function
+    def _store_normed_half(out_base, we_ptr, wh_ptr, cols, row_mask, n_cols, e_cols, h_cols, is_e,
+                           v, rstd, BF16_BY_BITS: tl.constexpr):
+        # Normalise columns `cols` with this half's weight (enorm or hnorm) and store them.
+        w = tl.where(is_e,
+                     tl.load(we_ptr + cols, mask=cols < e_cols, other=0.0).to(tl.float32),
+                     tl.load(wh_ptr + cols, mask=cols < h_cols, other=0.0).to(tl.float32))
+        y_low = rms_normed(v, rstd, w, out_base.dtype.element_ty, BF16_BY_BITS)
+        tl.store(out_base + cols[None, :], y_low,
+                 mask=row_mask[:, None] & (cols < n_cols)[None, :])
+
     def _eh_norm_kernel(pos_ptr, e_ptr, h_ptr, we_ptr, wh_ptr, out_ptr, n_rows, n_cols,
                         stride_pos, stride_e, stride_h, stride_out, eps,
                         ONE_PASS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -64,42 +86,22 @@ if HAS_TRITON:
         out_base = out_ptr + rows[:, None] * stride_out + half * n_cols
         cols = tl.arange(0, BLOCK_N)
         if ONE_PASS:
-            e_mask = e_rows[:, None] & (cols < e_cols)[None, :]
-            h_mask = row_mask[:, None] & (cols < h_cols)[None, :]
-            v = tl.where(is_e,
-                         tl.load(e_base + cols[None, :], mask=e_mask, other=0.0).to(tl.float32),
-                         tl.load(h_base + cols[None, :], mask=h_mask, other=0.0).to(tl.float32))
+            v = _load_half(e_base, h_base, cols, e_rows, row_mask, e_cols, h_cols, is_e)
             rstd = rms_rstd(v * v, n_cols, eps)
-            w = tl.where(is_e,
-                         tl.load(we_ptr + cols, mask=cols < e_cols, other=0.0).to(tl.float32),
-                         tl.load(wh_ptr + cols, mask=cols < h_cols, other=0.0).to(tl.float32))
-            y_low = rms_normed(v, rstd, w, out_ptr.dtype.element_ty, BF16_BY_BITS)
-            tl.store(out_base + cols[None, :], y_low,
-                     mask=row_mask[:, None] & (cols < n_cols)[None, :])
+            _store_normed_half(out_base, we_ptr, wh_ptr, cols, row_mask, n_cols, e_cols, h_cols,
+                               is_e, v, rstd, BF16_BY_BITS)
         else:
             acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
             for start in range(0, n_cols, BLOCK_N):
                 c = start + cols
-                e_mask = e_rows[:, None] & (c < e_cols)[None, :]
-                h_mask = row_mask[:, None] & (c < h_cols)[None, :]
-                v = tl.where(is_e,
-                             tl.load(e_base + c[None, :], mask=e_mask, other=0.0).to(tl.float32),
-                             tl.load(h_base + c[None, :], mask=h_mask, other=0.0).to(tl.float32))
+                v = _load_half(e_base, h_base, c, e_rows, row_mask, e_cols, h_cols, is_e)
                 acc += v * v
             rstd = rms_rstd(acc, n_cols, eps)
             for start in range(0, n_cols, BLOCK_N):
                 c = start + cols
-                e_mask = e_rows[:, None] & (c < e_cols)[None, :]
-                h_mask = row_mask[:, None] & (c < h_cols)[None, :]
-                v = tl.where(is_e,
-                             tl.load(e_base + c[None, :], mask=e_mask, other=0.0).to(tl.float32),
-                             tl.load(h_base + c[None, :], mask=h_mask, other=0.0).to(tl.float32))
-                w = tl.where(is_e,
-                             tl.load(we_ptr + c, mask=c < e_cols, other=0.0).to(tl.float32),
-                             tl.load(wh_ptr + c, mask=c < h_cols, other=0.0).to(tl.float32))
-                y_low = rms_normed(v, rstd, w, out_ptr.dtype.element_ty, BF16_BY_BITS)
-                tl.store(out_base + c[None, :], y_low,
-                         mask=row_mask[:, None] & (c < n_cols)[None, :])
+                v = _load_half(e_base, h_base, c, e_rows, row_mask, e_cols, h_cols, is_e)
+                _store_normed_half(out_base, we_ptr, wh_ptr, c, row_mask, n_cols, e_cols, h_cols,
+                                   is_e, v, rstd, BF16_BY_BITS)
 
     _kernel = LazyKernel(_eh_norm_kernel)
 

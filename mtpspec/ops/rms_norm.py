@@ -23,7 +23,9 @@ from mtpspec.ops.triton_utils import (HAS_TRITON, LazyKernel, as_rows, check_dev
                                       tl, use_triton)
 
 if HAS_TRITON:
-    from mtpspec.ops.triton_helpers import rms_normed, rms_rstd, round_to_dtype
+    from mtpspec.ops.triton_helpers import (rms_norm_pass2, rms_rstd, store_rms_normed,
+                                            store_rounded)
+    from mtpspec.ops.triton_utils import device_function
 
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Reference RMSNorm. ``x``: ``[num_tokens, hidden_size]``; returns ``x``'s shape and dtype."""
@@ -48,6 +50,19 @@ def fused_add_rms_norm_ref(x: torch.Tensor, residual: Optional[torch.Tensor], we
 
 
 if HAS_TRITON:
+    @device_function
+    def _sum_block(x_ptr, res_ptr, res_out_ptr, rows, cols, mask, stride_x, stride_res, stride_out,
+                   HAS_RESIDUAL: tl.constexpr, BF16_BY_BITS: tl.constexpr):
+        # Columns `cols` of rows `rows` in fp32: x, or x + residual rounded once to the dtype and
+        # written to residual_out.
+        s = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=mask,
+                    other=0.0).to(tl.float32)
+        if HAS_RESIDUAL:
+            s += tl.load(res_ptr + rows[:, None] * stride_res + cols[None, :], mask=mask,
+                         other=0.0).to(tl.float32)
+            s = store_rounded(res_out_ptr, rows, stride_out, cols, s, mask, BF16_BY_BITS)
+        return s
+
     def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, n_rows, n_cols,
                          stride_x, stride_res, stride_out, eps,
                          HAS_RESIDUAL: tl.constexpr, ONE_PASS: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -63,50 +78,28 @@ if HAS_TRITON:
         if ONE_PASS:
             col_mask = cols < n_cols
             mask = row_mask[:, None] & col_mask[None, :]
-            s = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=mask,
-                        other=0.0).to(tl.float32)
-            if HAS_RESIDUAL:
-                s += tl.load(res_ptr + rows[:, None] * stride_res + cols[None, :], mask=mask,
-                             other=0.0).to(tl.float32)
-                s_low = round_to_dtype(s, res_out_ptr.dtype.element_ty, BF16_BY_BITS)
-                tl.store(res_out_ptr + rows[:, None] * stride_out + cols[None, :], s_low, mask=mask)
-                s = s_low.to(tl.float32)
+            s = _sum_block(x_ptr, res_ptr, res_out_ptr, rows, cols, mask, stride_x, stride_res,
+                           stride_out, HAS_RESIDUAL, BF16_BY_BITS)
             rstd = rms_rstd(s * s, n_cols, eps)
-            w = tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
-            y_low = rms_normed(s, rstd, w, out_ptr.dtype.element_ty, BF16_BY_BITS)
-            tl.store(out_ptr + rows[:, None] * stride_out + cols[None, :], y_low, mask=mask)
+            store_rms_normed(out_ptr, w_ptr, rows, stride_out, cols, col_mask, mask, s, rstd,
+                             BF16_BY_BITS)
         else:
             # Pass 1: sum of squares of the (rounded) sum; write residual_out.
             acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
             for start in range(0, n_cols, BLOCK_N):
                 c = start + cols
                 mask = row_mask[:, None] & (c < n_cols)[None, :]
-                s = tl.load(x_ptr + rows[:, None] * stride_x + c[None, :], mask=mask,
-                            other=0.0).to(tl.float32)
-                if HAS_RESIDUAL:
-                    s += tl.load(res_ptr + rows[:, None] * stride_res + c[None, :], mask=mask,
-                                 other=0.0).to(tl.float32)
-                    s_low = round_to_dtype(s, res_out_ptr.dtype.element_ty, BF16_BY_BITS)
-                    tl.store(res_out_ptr + rows[:, None] * stride_out + c[None, :], s_low,
-                             mask=mask)
-                    s = s_low.to(tl.float32)
+                s = _sum_block(x_ptr, res_ptr, res_out_ptr, rows, c, mask, stride_x, stride_res,
+                               stride_out, HAS_RESIDUAL, BF16_BY_BITS)
                 acc += s * s
             rstd = rms_rstd(acc, n_cols, eps)
-            # Pass 2: read the rounded sum back (this block's own writes: barrier first).
-            tl.debug_barrier()
-            for start in range(0, n_cols, BLOCK_N):
-                c = start + cols
-                col_mask = c < n_cols
-                mask = row_mask[:, None] & col_mask[None, :]
-                if HAS_RESIDUAL:
-                    s = tl.load(res_out_ptr + rows[:, None] * stride_out + c[None, :], mask=mask,
-                                other=0.0).to(tl.float32)
-                else:
-                    s = tl.load(x_ptr + rows[:, None] * stride_x + c[None, :], mask=mask,
-                                other=0.0).to(tl.float32)
-                w = tl.load(w_ptr + c, mask=col_mask, other=0.0).to(tl.float32)
-                y_low = rms_normed(s, rstd, w, out_ptr.dtype.element_ty, BF16_BY_BITS)
-                tl.store(out_ptr + rows[:, None] * stride_out + c[None, :], y_low, mask=mask)
+            # Pass 2: read the rounded sum (this block's own writes) or x back; normalise.
+            if HAS_RESIDUAL:
+                rms_norm_pass2(res_out_ptr, stride_out, out_ptr, w_ptr, rows, row_mask, stride_out,
+                               cols, n_cols, rstd, BLOCK_N, BF16_BY_BITS)
+            else:
+                rms_norm_pass2(x_ptr, stride_x, out_ptr, w_ptr, rows, row_mask, stride_out,
+                               cols, n_cols, rstd, BLOCK_N, BF16_BY_BITS)
 
     _kernel = LazyKernel(_rms_norm_kernel)
 

@@ -6,15 +6,17 @@
   kernels pass ``False`` and use the native conversion (the GPU rounds to nearest even).
 - The two halves of a row RMSNorm (Zhang & Sennrich 2019, eq. 4), statistics in fp32:
   :func:`rms_rstd` (``1 / sqrt(mean(x**2) + eps)`` per row) and :func:`rms_normed`
-  (``x * rstd * weight`` rounded to the output dtype). Used by ``rms_norm`` /
-  ``fused_add_rms_norm``, ``fused_eh_norm`` and the p2p all-reduce backend, which round the
-  residual sum with :func:`round_to_dtype` and normalise that rounded sum (the residual
-  convention of docs/structures.md).
+  (``x * rstd * weight`` rounded to the output dtype), used by ``rms_norm`` /
+  ``fused_add_rms_norm``, ``fused_eh_norm`` and the p2p all-reduce backend;
+  :func:`store_rounded` (the residual sum rounded once to the dtype and stored; the norm is
+  taken of that rounded sum, the residual convention of docs/structures.md) and
+  :func:`store_rms_normed` (weight load, normalise, store) for the kernels whose rows live in
+  ``[rows, stride]`` tensors (``rms_norm`` and the p2p backend).
 
-The kernels keep their loads and stores (where a row comes from and goes to differs: one
-tensor, one of two halves, a sum over peers' slots); these functions hold the arithmetic, with
-the same operations in the same order as when it was written out in each kernel, so the compiled
-code is unchanged (same PTX for sm_90).
+Where a row comes from differs (one tensor, one of two halves, a sum over peers' slots), so
+those loads stay in the kernels. Each function holds the same operations in the same order as
+when they were written out in each kernel (address arithmetic included, computed where it was),
+so the compiled code is unchanged: identical PTX for sm_90.
 """
 
 from mtpspec.ops.triton_utils import HAS_TRITON, device_function, tl
@@ -46,3 +48,37 @@ if HAS_TRITON:
         fp32, ``rstd`` ``[BLOCK_M]`` from :func:`rms_rstd`, ``w`` ``[BLOCK_N]`` fp32 weight)."""
         y = x * rstd[:, None] * w[None, :]
         return round_to_dtype(y, dtype, BF16_BY_BITS)
+
+    @device_function
+    def store_rounded(ptr, rows, stride, cols, x, mask, BF16_BY_BITS: tl.constexpr):
+        """Store fp32 ``x`` (``[BLOCK_M, BLOCK_N]``) rounded to ``ptr``'s element type at
+        ``ptr + rows[:, None] * stride + cols[None, :]``; return the stored values in fp32 (a
+        residual sum: the norm is then taken of the rounded values)."""
+        x_low = round_to_dtype(x, ptr.dtype.element_ty, BF16_BY_BITS)
+        tl.store(ptr + rows[:, None] * stride + cols[None, :], x_low, mask=mask)
+        return x_low.to(tl.float32)
+
+    @device_function
+    def store_rms_normed(out_ptr, w_ptr, rows, stride, cols, col_mask, mask, x, rstd,
+                         BF16_BY_BITS: tl.constexpr):
+        """Load the weight's columns ``cols`` and store :func:`rms_normed` of ``x`` at
+        ``out_ptr + rows[:, None] * stride + cols[None, :]`` in ``out_ptr``'s element type."""
+        w = tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+        y_low = rms_normed(x, rstd, w, out_ptr.dtype.element_ty, BF16_BY_BITS)
+        tl.store(out_ptr + rows[:, None] * stride + cols[None, :], y_low, mask=mask)
+
+    @device_function
+    def rms_norm_pass2(src_ptr, src_stride, out_ptr, w_ptr, rows, row_mask, out_stride, cols,
+                       n_cols, rstd, BLOCK_N: tl.constexpr, BF16_BY_BITS: tl.constexpr):
+        """Second pass of a row norm over column blocks (rows too long for one block): after a
+        block barrier (``src`` may hold this block's own stores of the first pass), read each
+        block of ``cols`` of the rows back from ``src`` and store it normalised with ``rstd``."""
+        tl.debug_barrier()
+        for start in range(0, n_cols, BLOCK_N):
+            c = start + cols
+            col_mask = c < n_cols
+            mask = row_mask[:, None] & col_mask[None, :]
+            s = tl.load(src_ptr + rows[:, None] * src_stride + c[None, :], mask=mask,
+                        other=0.0).to(tl.float32)
+            store_rms_normed(out_ptr, w_ptr, rows, out_stride, c, col_mask, mask, s, rstd,
+                             BF16_BY_BITS)
