@@ -10,13 +10,17 @@
   ``fused_add_rms_norm``, ``fused_eh_norm`` and the p2p all-reduce backend;
   :func:`store_rounded` (the residual sum rounded once to the dtype and stored; the norm is
   taken of that rounded sum, the residual convention of docs/structures.md) and
-  :func:`store_rms_normed` (weight load, normalise, store) for the kernels whose rows live in
+  :func:`store_rms_normed` (weight load, normalise, store) and :func:`rms_norm_pass2` (the
+  read-back pass of rows longer than one block) for the kernels whose rows live in
   ``[rows, stride]`` tensors (``rms_norm`` and the p2p backend).
 
 Where a row comes from differs (one tensor, one of two halves, a sum over peers' slots), so
-those loads stay in the kernels. Each function holds the same operations in the same order as
-when they were written out in each kernel (address arithmetic included, computed where it was),
-so the compiled code is unchanged: identical PTX for sm_90.
+those loads stay in the kernels (as kernel-local device functions). Each function holds the same
+operations in the same order as when they were written out in each kernel (address arithmetic
+included, computed where it was), so the compiled code did not change: identical sm_90 PTX for
+every variant a GPU compiles (``BF16_BY_BITS=False``). Define new helpers with
+:func:`~mtpspec.ops.triton_utils.device_function`, not ``@triton.jit``, so that kernels run by
+the interpreter can call them too.
 """
 
 from mtpspec.ops.triton_utils import HAS_TRITON, device_function, tl
