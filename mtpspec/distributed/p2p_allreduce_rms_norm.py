@@ -93,7 +93,7 @@ from mtpspec.ops.triton_utils import (FLOAT_DTYPES, HAS_TRITON, MAX_FUSED_HIDDEN
                                       num_warps_for, tl, use_triton)
 
 if HAS_TRITON:
-    from mtpspec.ops.triton_helpers import (rms_norm_pass2, rms_rstd, store_rms_normed,
+    from mtpspec.ops.triton_helpers import (rms_norm_pass2, rms_rstd, store_rms_norm_rows,
                                             store_rounded)
     from mtpspec.ops.triton_utils import device_function
 
@@ -242,9 +242,8 @@ if HAS_TRITON:
                 mask = row_mask[:, None] & col_mask[None, :]
                 s = _reduce_block(own, slot_stride, res_ptr, res_out_ptr, rows, cols, mask, n_cols,
                                   stride_res, poison, WORLD, HAS_RESIDUAL, BLOCK_M, BLOCK_N, BF16_BY_BITS)
-                rstd = rms_rstd(s * s, n_cols, eps)
-                store_rms_normed(out_ptr, w_ptr, rows, n_cols, cols, col_mask, mask, s, rstd,
-                                 BF16_BY_BITS)
+                store_rms_norm_rows(out_ptr, w_ptr, rows, n_cols, cols, col_mask, mask, s, n_cols, eps,
+                                    BF16_BY_BITS)
             else:
                 acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
                 for start in range(0, n_cols, BLOCK_N):

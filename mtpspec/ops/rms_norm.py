@@ -23,7 +23,7 @@ from mtpspec.ops.triton_utils import (HAS_TRITON, LazyKernel, as_rows, check_dev
                                       tl, use_triton)
 
 if HAS_TRITON:
-    from mtpspec.ops.triton_helpers import (rms_norm_pass2, rms_rstd, store_rms_normed,
+    from mtpspec.ops.triton_helpers import (rms_norm_pass2, rms_rstd, store_rms_norm_rows,
                                             store_rounded)
     from mtpspec.ops.triton_utils import device_function
 
@@ -80,9 +80,8 @@ if HAS_TRITON:
             mask = row_mask[:, None] & col_mask[None, :]
             s = _sum_block(x_ptr, res_ptr, res_out_ptr, rows, cols, mask, stride_x, stride_res,
                            stride_out, HAS_RESIDUAL, BF16_BY_BITS)
-            rstd = rms_rstd(s * s, n_cols, eps)
-            store_rms_normed(out_ptr, w_ptr, rows, stride_out, cols, col_mask, mask, s, rstd,
-                             BF16_BY_BITS)
+            store_rms_norm_rows(out_ptr, w_ptr, rows, stride_out, cols, col_mask, mask, s, n_cols,
+                                eps, BF16_BY_BITS)
         else:
             # Pass 1: sum of squares of the (rounded) sum; write residual_out.
             acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)

@@ -10,8 +10,9 @@
   ``fused_add_rms_norm``, ``fused_eh_norm`` and the p2p all-reduce backend;
   :func:`store_rounded` (the residual sum rounded once to the dtype and stored; the norm is
   taken of that rounded sum, the residual convention of docs/structures.md) and
-  :func:`store_rms_normed` (weight load, normalise, store) and :func:`rms_norm_pass2` (the
-  read-back pass of rows longer than one block) for the kernels whose rows live in
+  :func:`store_rms_normed` (weight load, normalise, store), :func:`store_rms_norm_rows` (both
+  halves for rows held whole in one block) and :func:`rms_norm_pass2` (the read-back pass of
+  rows longer than one block) for the kernels whose rows live in
   ``[rows, stride]`` tensors (``rms_norm`` and the p2p backend).
 
 Where a row comes from differs (one tensor, one of two halves, a sum over peers' slots), so
@@ -70,6 +71,14 @@ if HAS_TRITON:
         w = tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
         y_low = rms_normed(x, rstd, w, out_ptr.dtype.element_ty, BF16_BY_BITS)
         tl.store(out_ptr + rows[:, None] * stride + cols[None, :], y_low, mask=mask)
+
+    @device_function
+    def store_rms_norm_rows(out_ptr, w_ptr, rows, stride, cols, col_mask, mask, x, n_cols, eps,
+                            BF16_BY_BITS: tl.constexpr):
+        """RMSNorm of whole rows held in one block: :func:`rms_rstd` of fp32 ``x``
+        (``[BLOCK_M, BLOCK_N]``, zero where masked off), then :func:`store_rms_normed`."""
+        rstd = rms_rstd(x * x, n_cols, eps)
+        store_rms_normed(out_ptr, w_ptr, rows, stride, cols, col_mask, mask, x, rstd, BF16_BY_BITS)
 
     @device_function
     def rms_norm_pass2(src_ptr, src_stride, out_ptr, w_ptr, rows, row_mask, out_stride, cols,
