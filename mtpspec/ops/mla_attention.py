@@ -1,0 +1,424 @@
+"""MLA attention over a paged latent KV cache (absorbed form), and the latent KV write; both
+CUDA-graph safe.
+
+Multi-head latent attention (DeepSeek-V2 paper, sec. 2.1; DeepSeek-V3 paper, sec. 2.1.1, eq. 1-11)
+caches one entry per token: the post-norm latent ``c_kv`` (``kv_lora_rank`` values) and the
+post-rope shared key ``k_pe`` (``qk_rope_head_dim`` values), side by side in one cache
+``[num_blocks, block_size, kv_lora_rank + qk_rope_head_dim]``. With ``kv_b_proj``'s key half
+folded into the query (``q_latent = q_nope @ W_UK``) and its value half applied after attention,
+every head attends the same latent "head": MQA with keys ``[c_kv | k_pe]`` and values ``c_kv``::
+
+    o_latent[t, h] = softmax_k(scale * (q_latent[t, h] . c_kv[k] + q_pe[t, h] . k_pe[k])) @ c_kv
+
+over each query's causal context. Layout of the varlen batch: that of
+:mod:`mtpspec.ops.paged_attention` (sequence ``i`` owns rows ``query_start_loc[i] ..
+query_start_loc[i + 1] - 1``; its query ``j`` sits at position ``seq_lens[i] - q_len_i + j`` and
+attends cache positions ``0 ..`` that position; position ``p`` lives in block
+``block_tables[i, p // block_size]`` at offset ``p % block_size``).
+
+Kernel (decode and verification: ``1 + k`` query rows per sequence): one program per
+``(block of BLOCK_M (query row, head) pairs, key split, sequence)``. A sequence's
+``q_len * num_heads`` (row, head) pairs are flattened row-major, so a program's ``BLOCK_M``
+matrix rows are several heads (of one or more query rows) and every latent tile it loads from
+the cache (``[BLOCK_N, kv_lora_rank]`` + ``[BLOCK_N, rope]``, read once) serves all of them: the
+scores are two ``tl.dot`` (latent part and rope part) and the same latent tile is the value
+operand of ``p @ c_kv``. The block index varies fastest in the grid, so programs that share a
+sequence's tiles run side by side (L2). Online softmax in base 2 with fp32 statistics and
+accumulator (FlashAttention-2, Dao 2023, Algorithm 1) plus the flash-decoding split over keys
+(Dao, Haziza, Massa, Sizov 2023) whose partial ``(m, l, acc)`` are merged by the combine kernel of
+:mod:`mtpspec.ops.paged_attention` (same scratch layout).
+
+CUDA-graph safety: the grid, scratch shapes and every Python branch depend only on tensor shapes
+and the host ints ``max_query_len`` / ``max_seq_len`` (upper bounds); lengths, slots and block
+ids are read on the device. Programs past a sequence's rows exit at once (zero-length padding
+sequences cost one load); rows past ``query_start_loc[num_seqs]`` come out as zeros;
+:func:`write_mla_kv_cache` skips slot ``-1`` on the device.
+
+Dispatch (docs/structures.md): Triton on CUDA tensors and on CPU tensors under
+``TRITON_INTERPRET=1``; the torch references (``*_ref``, sync-free) otherwise.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from mtpspec.ops.argmax import num_sms
+from mtpspec.ops.triton_utils import HAS_TRITON, LazyKernel, cdiv, interpreting, next_power_of_2, tl, use_triton
+
+#: (query row, head) pairs per program: matrix rows of the score tile (16 = smallest tl.dot tile).
+BLOCK_M = 32
+MIN_BLOCK_M = 16
+#: Keys per inner-loop tile (may span several cache blocks).
+BLOCK_N = 32
+#: Warps / software-pipeline stages of the attention program (a [BLOCK_M, kv_lora_rank] fp32
+#: accumulator per program: 8 warps keep it at 64 registers per thread for 32 x 512).
+NUM_WARPS = 8
+NUM_STAGES = 2
+#: Flash-decoding split: programs per SM aimed at, and its limits.
+TARGET_PROGRAMS_PER_SM = 2
+MAX_SPLITS = 32
+MIN_KEYS_PER_SPLIT = 256
+
+_LOG2E = 1.4426950408889634
+
+
+# ---------------------------------------------------------------- checks
+
+def _check_mla_inputs(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,
+                      query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
+                      max_query_len: int) -> None:
+    for name, t in (("q_latent", q_latent), ("q_pe", q_pe), ("kv_cache", kv_cache),
+                    ("query_start_loc", query_start_loc), ("seq_lens", seq_lens), ("block_tables", block_tables)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"mla_attention: {name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.device != q_latent.device:
+            raise ValueError(f"mla_attention: {name} is on {t.device} but q_latent is on {q_latent.device}")
+    if q_latent.dim() != 3 or q_pe.dim() != 3 or q_pe.shape[:2] != q_latent.shape[:2]:
+        raise ValueError(f"mla_attention: q_latent must be [num_tokens, num_heads, kv_lora_rank] and q_pe "
+                         f"[num_tokens, num_heads, rope], got {list(q_latent.shape)} and {list(q_pe.shape)}")
+    if kv_cache.dim() != 3 or kv_cache.shape[2] != q_latent.shape[2] + q_pe.shape[2]:
+        raise ValueError(f"mla_attention: kv_cache must be [num_blocks, block_size, kv_lora_rank + rope = "
+                         f"{q_latent.shape[2] + q_pe.shape[2]}], got {list(kv_cache.shape)}")
+    if q_latent.dtype not in (torch.float16, torch.bfloat16, torch.float32) or q_pe.dtype != q_latent.dtype \
+            or kv_cache.dtype != q_latent.dtype:
+        raise TypeError(f"mla_attention: q_latent, q_pe and kv_cache must share one of float16/bfloat16/float32, "
+                        f"got {q_latent.dtype}, {q_pe.dtype}, {kv_cache.dtype}")
+    if q_latent.stride(2) != 1 or q_pe.stride(2) != 1 or kv_cache.stride(2) != 1:
+        raise ValueError("mla_attention: q_latent, q_pe and kv_cache need unit stride in their last dimension")
+    if query_start_loc.dim() != 1 or query_start_loc.shape[0] < 1:
+        raise ValueError(f"mla_attention: query_start_loc must be [num_seqs + 1], got {list(query_start_loc.shape)}")
+    b = query_start_loc.shape[0] - 1
+    if seq_lens.shape != (b,):
+        raise ValueError(f"mla_attention: seq_lens must be [num_seqs] = [{b}], got {list(seq_lens.shape)}")
+    if block_tables.dim() != 2 or block_tables.shape[0] != b:
+        raise ValueError(f"mla_attention: block_tables must be [num_seqs={b}, max_blocks], got "
+                         f"{list(block_tables.shape)}")
+    for name, t in (("query_start_loc", query_start_loc), ("seq_lens", seq_lens), ("block_tables", block_tables)):
+        if t.dtype not in (torch.int32, torch.int64):
+            raise TypeError(f"mla_attention: {name} must be int32 or int64, got {t.dtype}")
+    if block_tables.shape[1] and block_tables.stride(1) != 1:
+        raise ValueError("mla_attention: block_tables rows need unit stride")
+    if not isinstance(max_query_len, int) or isinstance(max_query_len, bool) or max_query_len < 0:
+        raise ValueError(f"mla_attention: max_query_len must be an int >= 0, got {max_query_len!r}")
+
+
+# ---------------------------------------------------------------- torch references
+
+def mla_attention_ref(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,
+                      query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
+                      scale: float, max_query_len: int, max_seq_len: int) -> torch.Tensor:
+    """Torch reference of :func:`mla_attention` (same arguments and result; fp32 softmax and
+    products, float64 for float64 inputs). Sync-free: every sequence padded to ``max_query_len``
+    queries and ``max_seq_len`` keys (``max_seq_len`` must bound every ``seq_len``); memory
+    ``O(num_seqs * max_query_len * num_heads * max_seq_len)`` plus the gathered latent context
+    ``num_seqs * max_seq_len * (kv_lora_rank + rope)``."""
+    t, nh, r = q_latent.shape
+    d = kv_cache.shape[2]
+    b = seq_lens.shape[0]
+    bs = kv_cache.shape[1]
+    dev = q_latent.device
+    acc_dtype = torch.float64 if q_latent.dtype == torch.float64 else torch.float32
+    if t == 0 or b == 0 or max_query_len == 0 or max_seq_len == 0:
+        return torch.zeros(t, nh, r, dtype=q_latent.dtype, device=dev)
+    qsl = query_start_loc.long()
+    starts, q_lens, s_lens = qsl[:-1], qsl[1:] - qsl[:-1], seq_lens.long()
+    j = torch.arange(max_query_len, device=dev)
+    rows = starts[:, None] + j[None, :]  # [B, Q]
+    row_ok = j[None, :] < q_lens[:, None]
+    q = torch.cat([q_latent, q_pe], dim=-1).to(acc_dtype)
+    qp = q.index_select(0, torch.where(row_ok, rows, 0).reshape(-1)).view(b, max_query_len, nh, d)
+    pos = torch.arange(max_seq_len, device=dev)
+    width = block_tables.shape[1]
+    blocks = block_tables.long().index_select(1, (pos // bs).clamp(max=max(width - 1, 0)))
+    key_ok = pos[None, :] < s_lens[:, None]  # [B, S]
+    slots = torch.where(key_ok, blocks * bs + pos % bs, 0).clamp(0, kv_cache.shape[0] * bs - 1)
+    kp = kv_cache.reshape(-1, d).index_select(0, slots.reshape(-1)).view(b, max_seq_len, d).to(acc_dtype)
+    kp = torch.where(key_ok[:, :, None], kp, torch.zeros_like(kp))  # stale slots never reach p @ v
+    s = torch.einsum("bqhd,bkd->bhqk", qp, kp) * scale
+    q_abs = (s_lens - q_lens)[:, None] + j[None, :]
+    mask = (pos[None, None, :] <= q_abs[:, :, None]) & key_ok[:, None, :] & row_ok[:, :, None]
+    s = s.masked_fill(~mask[:, None], float("-inf"))
+    m = s.amax(dim=-1, keepdim=True)
+    p = torch.exp(s - torch.where(torch.isfinite(m), m, torch.zeros_like(m)))
+    l = p.sum(dim=-1, keepdim=True)
+    o = torch.einsum("bhqk,bkd->bqhd", p / torch.where(l > 0, l, torch.ones_like(l)), kp[..., :r])
+    dst = torch.where(row_ok, rows, t).reshape(-1)  # rows past a sequence go to a dropped extra row
+    full = torch.zeros(t + 1, nh, r, dtype=acc_dtype, device=dev)
+    full.index_copy_(0, dst, o.reshape(-1, nh, r))
+    return full[:t].to(q_latent.dtype)
+
+
+def write_mla_kv_cache_ref(c_kv: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor,
+                           slot_mapping: torch.Tensor) -> None:
+    """Torch version of :func:`write_mla_kv_cache`, sync-free: a row with slot ``-1`` is
+    redirected to the first valid row's slot with that row's values (identical duplicates, so
+    the result does not depend on write order); with no valid row, slot 0 gets its own content."""
+    n = slot_mapping.shape[0]
+    if n == 0:
+        return
+    d = kv_cache.shape[-1]
+    flat = kv_cache.view(-1, d)
+    new = torch.cat([c_kv.reshape(n, -1), k_pe.reshape(n, -1)], dim=-1).to(kv_cache.dtype)
+    slots = slot_mapping.long()
+    valid = slots >= 0
+    any_valid = valid.any().view(1)
+    first = torch.argmax(valid.to(torch.int8)).view(1)
+    idx = torch.where(valid, slots, torch.where(any_valid, slots.index_select(0, first), torch.zeros_like(first)))
+    fb_val = torch.where(any_valid[:, None], new.index_select(0, first), flat[:1])
+    flat.index_copy_(0, idx, torch.where(valid[:, None], new, fb_val))
+
+
+# ---------------------------------------------------------------- kernels
+
+if HAS_TRITON:
+    from mtpspec.ops.paged_attention import _combine  # same (m, l, acc) scratch layout
+    from mtpspec.ops.triton_helpers import round_to_dtype
+
+    def _mla_attn_kernel(ql_ptr, qp_ptr, kv_ptr, out_ptr, part_acc_ptr, part_ml_ptr,
+                         qsl_ptr, seq_lens_ptr, bt_ptr, qk_scale, num_splits,
+                         stride_qlt, stride_qlh, stride_qpt, stride_qph, stride_kb, stride_ks,
+                         stride_ot, stride_oh, stride_bt, stride_pt, stride_ph,
+                         NUM_HEADS: tl.constexpr, LORA: tl.constexpr, ROPE: tl.constexpr,
+                         BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_M: tl.constexpr,
+                         BLOCK_N: tl.constexpr, CACHE_BLOCK: tl.constexpr, SPLIT: tl.constexpr,
+                         DOT_FP32: tl.constexpr, PRECISION: tl.constexpr, BF16_BY_BITS: tl.constexpr):
+        # One program: (query row, head) pairs [rb * BLOCK_M, (rb + 1) * BLOCK_M) of sequence
+        # `seq` (row-major over [q_len, NUM_HEADS]), key split `split`. Scores in base 2.
+        rb = tl.program_id(0)
+        split = tl.program_id(1)
+        seq = tl.program_id(2)
+        q_start = tl.load(qsl_ptr + seq).to(tl.int32)
+        q_len = tl.load(qsl_ptr + seq + 1).to(tl.int32) - q_start
+        if rb * BLOCK_M >= q_len * NUM_HEADS:  # past this sequence's rows (padding sequences: all)
+            return
+        ctx = tl.load(seq_lens_ptr + seq).to(tl.int32) - q_len
+        pair = rb * BLOCK_M + tl.arange(0, BLOCK_M)
+        tok = pair // NUM_HEADS
+        head = pair % NUM_HEADS
+        row_ok = tok < q_len
+        q_pos = ctx + tok
+        row = (q_start + tok).to(tl.int64)
+        offs_l = tl.arange(0, BLOCK_L)
+        l_ok = offs_l < LORA
+        offs_r = tl.arange(0, BLOCK_R)
+        r_ok = offs_r < ROPE
+        ql = tl.load(ql_ptr + row[:, None] * stride_qlt + head[:, None] * stride_qlh + offs_l[None, :],
+                     mask=row_ok[:, None] & l_ok[None, :], other=0.0)
+        qp = tl.load(qp_ptr + row[:, None] * stride_qpt + head[:, None] * stride_qph + offs_r[None, :],
+                     mask=row_ok[:, None] & r_ok[None, :], other=0.0)
+        if DOT_FP32:
+            ql = ql.to(tl.float32)
+            qp = qp.to(tl.float32)
+        # Keys this block needs: 0 .. ctx + its last query row; this split's share of them.
+        n_keys = ctx + tl.minimum(q_len, ((rb + 1) * BLOCK_M - 1) // NUM_HEADS + 1)
+        chunk = tl.cdiv(tl.cdiv(n_keys, num_splits), BLOCK_N) * BLOCK_N
+        k_lo = split * chunk
+        k_hi = tl.minimum(k_lo + chunk, n_keys)
+        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_L], dtype=tl.float32)
+        bt_row = bt_ptr + seq.to(tl.int64) * stride_bt
+        for start in range(k_lo, k_hi, BLOCK_N):
+            offs_n = start + tl.arange(0, BLOCK_N)
+            n_ok = offs_n < k_hi
+            blk = tl.load(bt_row + offs_n // CACHE_BLOCK, mask=n_ok, other=0).to(tl.int64)
+            base = blk * stride_kb + (offs_n % CACHE_BLOCK) * stride_ks
+            # the latent tile: keys' first part and the values, loaded once for every head
+            kl = tl.load(kv_ptr + base[:, None] + offs_l[None, :], mask=n_ok[:, None] & l_ok[None, :], other=0.0)
+            kr = tl.load(kv_ptr + base[:, None] + LORA + offs_r[None, :], mask=n_ok[:, None] & r_ok[None, :],
+                         other=0.0)
+            if DOT_FP32:
+                kl = kl.to(tl.float32)
+                kr = kr.to(tl.float32)
+            s = tl.dot(ql, tl.trans(kl), input_precision=PRECISION)
+            s = tl.dot(qp, tl.trans(kr), acc=s, input_precision=PRECISION)
+            s = s * qk_scale
+            ok = row_ok[:, None] & n_ok[None, :] & (offs_n[None, :] <= q_pos[:, None])
+            s = tl.where(ok, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.exp2(s - m_safe[:, None])
+            alpha = tl.exp2(m_i - m_safe)
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(kl.dtype), kl, input_precision=PRECISION)
+            m_i = m_new
+        if SPLIT:
+            pbase = row * stride_pt + head * stride_ph + split
+            tl.store(part_ml_ptr + 2 * pbase, m_i, mask=row_ok)
+            tl.store(part_ml_ptr + 2 * pbase + 1, l_i, mask=row_ok)
+            tl.store(part_acc_ptr + pbase[:, None] * BLOCK_L + offs_l[None, :], acc, mask=row_ok[:, None])
+        else:
+            o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+            o_low = round_to_dtype(o, out_ptr.dtype.element_ty, BF16_BY_BITS)
+            tl.store(out_ptr + row[:, None] * stride_ot + head[:, None] * stride_oh + offs_l[None, :],
+                     o_low, mask=row_ok[:, None] & l_ok[None, :])
+
+    def _write_mla_kv_kernel(ckv_ptr, kpe_ptr, cache_ptr, slot_ptr, stride_ct, stride_pt, stride_cb, stride_cs,
+                             LORA: tl.constexpr, ROPE: tl.constexpr, BLOCK_L: tl.constexpr,
+                             BLOCK_R: tl.constexpr, CACHE_BLOCK: tl.constexpr, BF16_BY_BITS: tl.constexpr):
+        # One program per row: [c_kv | k_pe] to its slot's LORA + ROPE values; slot < 0: skip.
+        # (values pass through fp32: exact for fp16/bf16 inputs, one rounding for fp32 inputs)
+        t = tl.program_id(0).to(tl.int64)
+        slot = tl.load(slot_ptr + t).to(tl.int64)
+        live = (slot >= 0).to(tl.int32)
+        dst = cache_ptr + (slot // CACHE_BLOCK) * stride_cb + (slot % CACHE_BLOCK) * stride_cs
+        offs_l = tl.arange(0, BLOCK_L)
+        ok_l = offs_l < LORA * live
+        x = tl.load(ckv_ptr + t * stride_ct + offs_l, mask=ok_l).to(tl.float32)
+        tl.store(dst + offs_l, round_to_dtype(x, cache_ptr.dtype.element_ty, BF16_BY_BITS), mask=ok_l)
+        offs_r = tl.arange(0, BLOCK_R)
+        ok_r = offs_r < ROPE * live
+        y = tl.load(kpe_ptr + t * stride_pt + offs_r, mask=ok_r).to(tl.float32)
+        tl.store(dst + LORA + offs_r, round_to_dtype(y, cache_ptr.dtype.element_ty, BF16_BY_BITS), mask=ok_r)
+
+    _mla_attn = LazyKernel(_mla_attn_kernel)
+    _write_mla_kv = LazyKernel(_write_mla_kv_kernel)
+
+
+# ---------------------------------------------------------------- launch planning
+
+def mla_attention_plan(num_seqs: int, max_query_len: int, num_heads: int, max_seq_len: int, sms: int,
+                       num_splits: Optional[int] = None, block_m: Optional[int] = None) -> dict:
+    """Launch shape of :func:`mla_attention` from static sizes only (CUDA-graph safe).
+
+    Returns ``dict(block_m, row_blocks, num_splits)``: ``block_m`` (query row, head) pairs per
+    program = ``BLOCK_M`` (or the given one) clipped to ``[MIN_BLOCK_M, next power of two of
+    max_query_len * num_heads]``; ``row_blocks = ceil(max_query_len * num_heads / block_m)``;
+    ``num_splits`` = ``min(ceil(TARGET_PROGRAMS_PER_SM * sms / (num_seqs * row_blocks)),
+    ceil(max_seq_len / MIN_KEYS_PER_SPLIT), MAX_SPLITS)`` (at least 1) unless given.
+    """
+    pairs = max(1, max_query_len * num_heads)
+    block_m = BLOCK_M if block_m is None else int(block_m)
+    if block_m < MIN_BLOCK_M or block_m & (block_m - 1):
+        raise ValueError(f"block_m must be a power of two >= {MIN_BLOCK_M}, got {block_m}")
+    block_m = max(MIN_BLOCK_M, min(block_m, next_power_of_2(pairs)))
+    row_blocks = cdiv(pairs, block_m)
+    if num_splits is None:
+        work = max(1, num_seqs * row_blocks)
+        num_splits = max(1, min(cdiv(TARGET_PROGRAMS_PER_SM * sms, work),
+                                cdiv(max(1, max_seq_len), MIN_KEYS_PER_SPLIT), MAX_SPLITS))
+    elif not isinstance(num_splits, int) or num_splits < 1:
+        raise ValueError(f"num_splits must be an int >= 1, got {num_splits!r}")
+    return dict(block_m=block_m, row_blocks=row_blocks, num_splits=num_splits)
+
+
+# ---------------------------------------------------------------- public ops
+
+def mla_attention(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,
+                  query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
+                  scale: float, max_query_len: int, max_seq_len: int, num_splits: Optional[int] = None,
+                  block_m: Optional[int] = None, block_n: Optional[int] = None,
+                  num_warps: Optional[int] = None, num_stages: Optional[int] = None) -> torch.Tensor:
+    """Absorbed MLA attention of a flattened varlen batch against a paged latent cache.
+
+    Args:
+        q_latent: ``[num_tokens, num_heads, kv_lora_rank]`` fp16/bf16/fp32 (``q_nope`` folded
+            through ``kv_b_proj``'s key half); q_pe: ``[num_tokens, num_heads, rope]`` (rope
+            applied); unit stride in the last dimension, rows / heads may be strided.
+        kv_cache: ``[num_blocks, block_size, kv_lora_rank + rope]`` of q's dtype, already holding
+            this step's entries (:func:`write_mla_kv_cache`).
+        query_start_loc, seq_lens, block_tables, max_query_len, max_seq_len: as
+            :func:`mtpspec.ops.paged_attention.paged_attention`.
+        scale: softmax scale (the qk head dim's ``** -0.5``, times YaRN's mscale squared where used).
+        num_splits, block_m, block_n, num_warps, num_stages: launch overrides (tuning; default
+            :func:`mla_attention_plan` and the module constants).
+
+    Returns:
+        ``o_latent [num_tokens, num_heads, kv_lora_rank]`` in q's dtype; rows at or past
+        ``query_start_loc[num_seqs]`` are zeros.
+
+    Raises:
+        TypeError / ValueError: bad dtypes, shapes, strides or devices (named in the message).
+
+    Triton kernel on CUDA (and CPU under ``TRITON_INTERPRET=1``), else :func:`mla_attention_ref`.
+    No host sync, CUDA-graph capturable.
+    """
+    _check_mla_inputs(q_latent, q_pe, kv_cache, query_start_loc, seq_lens, block_tables, max_query_len)
+    if not use_triton(q_latent, q_pe, kv_cache):
+        return mla_attention_ref(q_latent, q_pe, kv_cache, query_start_loc, seq_lens, block_tables, scale,
+                                 max_query_len, max_seq_len)
+    t, nh, r = q_latent.shape
+    rope = q_pe.shape[2]
+    b = seq_lens.shape[0]
+    bs = kv_cache.shape[1]
+    plan = mla_attention_plan(b, max_query_len, nh, max_seq_len, num_sms(q_latent.device), num_splits, block_m)
+    s = plan["num_splits"]
+    block_l = next_power_of_2(max(r, 16))
+    block_r = next_power_of_2(max(rope, 16))
+    bn = BLOCK_N if block_n is None else int(block_n)
+    # Triton's interpreter: bf16 tl.dot is wrong and fp32 -> bf16 truncates; run the dots in
+    # fp32 and round by integer ops there (compiled: native bf16 dots, fp32 accumulation).
+    bf16_interp = interpreting() and q_latent.dtype == torch.bfloat16
+    precision = "ieee" if q_latent.dtype == torch.float32 else "tf32"
+    if t == 0:
+        return torch.empty_like(q_latent)
+    if b == 0 or max_query_len == 0:
+        return torch.zeros_like(q_latent)
+    if s == 1:
+        out = torch.zeros_like(q_latent)  # padding rows stay zero
+        part_acc = part_ml = out  # unused
+    else:
+        out = torch.empty_like(q_latent)
+        part_acc = torch.empty(t, nh, s, block_l, dtype=torch.float32, device=q_latent.device)
+        part_ml = torch.empty(t, nh, s, 2, dtype=torch.float32, device=q_latent.device)
+    if block_tables.shape[1] == 0:  # no blocks at all: give the kernel a valid pointer
+        block_tables = torch.zeros(b, 1, dtype=block_tables.dtype, device=q_latent.device)
+    _mla_attn[(plan["row_blocks"], s, b)](
+        q_latent, q_pe, kv_cache, out, part_acc, part_ml, query_start_loc, seq_lens, block_tables,
+        float(scale) * _LOG2E, s, q_latent.stride(0), q_latent.stride(1), q_pe.stride(0), q_pe.stride(1),
+        kv_cache.stride(0), kv_cache.stride(1), out.stride(0), out.stride(1), block_tables.stride(0), nh * s, s,
+        NUM_HEADS=nh, LORA=r, ROPE=rope, BLOCK_L=block_l, BLOCK_R=block_r, BLOCK_M=plan["block_m"], BLOCK_N=bn,
+        CACHE_BLOCK=bs, SPLIT=s > 1, DOT_FP32=bf16_interp, PRECISION=precision, BF16_BY_BITS=bf16_interp,
+        num_warps=NUM_WARPS if num_warps is None else num_warps,
+        num_stages=NUM_STAGES if num_stages is None else num_stages)
+    if s > 1:
+        _combine[(t, nh)](out, part_acc, part_ml, query_start_loc, b, s, out.stride(0), out.stride(1), nh * s, s,
+                          HEAD_DIM=r, BLOCK_D=block_l, BLOCK_S=next_power_of_2(s), BF16_BY_BITS=bf16_interp,
+                          num_warps=4)
+    return out
+
+
+def write_mla_kv_cache(c_kv: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor,
+                       slot_mapping: torch.Tensor) -> None:
+    """Write each row's ``[c_kv | k_pe]`` to its paged latent-cache slot; negative slots skipped.
+
+    Args:
+        c_kv: ``[n, kv_lora_rank]``; k_pe: ``[n, rope]`` (or ``[n, 1, rope]``); any float dtype
+            (cast to the cache's); unit stride in the last dimension, rows may be strided.
+        kv_cache: ``[num_blocks, block_size, kv_lora_rank + rope]``, unit stride in the last dim.
+        slot_mapping: ``[n]`` int32/int64, ``block * block_size + offset`` or ``-1`` (skip).
+
+    Real slots must be distinct (or carry identical data). No host sync, CUDA-graph capturable:
+    Triton kernel (one program per row) on CUDA / under ``TRITON_INTERPRET=1``, else
+    :func:`write_mla_kv_cache_ref`.
+
+    Raises:
+        ValueError: mismatched shapes or strides.
+    """
+    n = slot_mapping.shape[0]
+    if kv_cache.dim() != 3 or c_kv.shape[0] != n or k_pe.shape[0] != n:
+        raise ValueError(f"write_mla_kv_cache: {n} slots, c_kv {list(c_kv.shape)}, k_pe {list(k_pe.shape)}, cache "
+                         f"{list(kv_cache.shape)} do not fit together")
+    c2, p2 = c_kv.reshape(n, -1), k_pe.reshape(n, -1)
+    r, rope = c2.shape[1], p2.shape[1]
+    if r + rope != kv_cache.shape[2]:
+        raise ValueError(f"write_mla_kv_cache: kv_lora_rank {r} + rope {rope} != cache entry {kv_cache.shape[2]}")
+    if n == 0:
+        return
+    if not use_triton(kv_cache, c2, p2):
+        write_mla_kv_cache_ref(c2, p2, kv_cache, slot_mapping)
+        return
+    if (r > 1 and c2.stride(1) != 1) or (rope > 1 and p2.stride(1) != 1) or kv_cache.stride(2) != 1:
+        raise ValueError(f"write_mla_kv_cache: need unit stride in the last dimension, got c_kv {tuple(c2.stride())}, "
+                         f"k_pe {tuple(p2.stride())}, cache {tuple(kv_cache.stride())}")
+    _write_mla_kv[(n,)](c2, p2, kv_cache, slot_mapping, c2.stride(0), p2.stride(0), kv_cache.stride(0),
+                        kv_cache.stride(1), LORA=r, ROPE=rope, BLOCK_L=next_power_of_2(r),
+                        BLOCK_R=next_power_of_2(rope), CACHE_BLOCK=kv_cache.shape[1],
+                        BF16_BY_BITS=interpreting() and kv_cache.dtype == torch.bfloat16,
+                        num_warps=4)
+
+
+__all__ = ["mla_attention", "mla_attention_plan", "mla_attention_ref", "write_mla_kv_cache",
+           "write_mla_kv_cache_ref"]
