@@ -52,9 +52,11 @@ BLOCK_M = 32
 MIN_BLOCK_M = 16
 #: Keys per inner-loop tile (may span several cache blocks).
 BLOCK_N = 32
-#: Warps / software-pipeline stages of the attention program (a [BLOCK_M, kv_lora_rank] fp32
-#: accumulator per program: 8 warps keep it at 64 registers per thread for 32 x 512).
-NUM_WARPS = 8
+#: Warps per attention program by ``block_m`` (a ``[block_m, kv_lora_rank]`` fp32 accumulator
+#: plus the query tile stay in registers: sm_90 ahead-of-time compiles at 512 + 64, bf16, BLOCK_N
+#: 32 give 186 registers at 16 x 4 warps and 170 at 32 x 8 warps without spills; 64 x 8 warps
+#: (wgmma) spills 152 bytes, so 64 is a tuning option, not the default), and pipeline stages.
+NUM_WARPS = {16: 4, 32: 8, 64: 8}
 NUM_STAGES = 2
 #: Flash-decoding split: programs per SM aimed at, and its limits.
 TARGET_PROGRAMS_PER_SM = 2
@@ -371,7 +373,7 @@ def mla_attention(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Te
         kv_cache.stride(0), kv_cache.stride(1), out.stride(0), out.stride(1), block_tables.stride(0), nh * s, s,
         NUM_HEADS=nh, LORA=r, ROPE=rope, BLOCK_L=block_l, BLOCK_R=block_r, BLOCK_M=plan["block_m"], BLOCK_N=bn,
         CACHE_BLOCK=bs, SPLIT=s > 1, DOT_FP32=bf16_interp, PRECISION=precision, BF16_BY_BITS=bf16_interp,
-        num_warps=NUM_WARPS if num_warps is None else num_warps,
+        num_warps=NUM_WARPS.get(plan["block_m"], 8) if num_warps is None else num_warps,
         num_stages=NUM_STAGES if num_stages is None else num_stages)
     if s > 1:
         _combine[(t, nh)](out, part_acc, part_ml, query_start_loc, b, s, out.stride(0), out.stride(1), nh * s, s,
