@@ -350,3 +350,37 @@ def test_kernel_fixture_runs_the_kernels(kernel) -> None:
     meta = padded_metadata(pb)
     run_layer(pb, torch.float32, meta)
     assert True in mod._mla_attn._built and True in mod._write_mla_kv._built
+
+
+def test_kernels_compile_for_hopper() -> None:
+    """Ahead-of-time sm_90 compile (no GPU needed) of the MLA attention kernel at DeepSeek-V3
+    sizes (512 + 64, bf16) with the default plans of 16 heads x 1 row and 128 heads x 4 rows, and
+    of the latent KV write: they must compile (the interpreter does not check tile rules) without
+    spilling, and the write must use 16-byte vectors."""
+    from mtpspec.ops import mla_attention as mla
+    from mtpspec.ops import triton_utils
+    sig = {n: "*bf16" for n in ("ql_ptr", "qp_ptr", "kv_ptr", "out_ptr")}
+    sig.update({"part_acc_ptr": "*fp32", "part_ml_ptr": "*fp32", "qsl_ptr": "*i32", "seq_lens_ptr": "*i32",
+                "bt_ptr": "*i32", "qk_scale": "fp32", "num_splits": "i32"})
+    strides = ["stride_qlt", "stride_qlh", "stride_qpt", "stride_qph", "stride_kb", "stride_ks", "stride_ot",
+               "stride_oh", "stride_bt", "stride_pt", "stride_ph"]
+    sig.update({s: "i32" for s in strides})
+    specs = []
+    for heads, q in ((16, 1), (128, 4)):
+        plan = mla_attention_plan(64, q, heads, 8192, sms=132)
+        specs.append({"module": "mtpspec.ops.mla_attention", "kernel": "_mla_attn", "signature": sig,
+                      "constexprs": dict(NUM_HEADS=heads, LORA=512, ROPE=64, BLOCK_L=512, BLOCK_R=64,
+                                         BLOCK_M=plan["block_m"], BLOCK_N=mla.BLOCK_N, CACHE_BLOCK=16,
+                                         SPLIT=True, DOT_FP32=False, PRECISION="tf32", BF16_BY_BITS=False),
+                      "aligned": ["ql_ptr", "qp_ptr", "kv_ptr", "out_ptr", "part_acc_ptr", "part_ml_ptr", "bt_ptr"]
+                      + strides[:8], "num_warps": mla.NUM_WARPS[plan["block_m"]]})
+    specs.append({"module": "mtpspec.ops.mla_attention", "kernel": "_write_mla_kv",
+                  "signature": {"ckv_ptr": "*bf16", "kpe_ptr": "*bf16", "cache_ptr": "*bf16", "slot_ptr": "*i64",
+                                "stride_ct": "i32", "stride_pt": "i32", "stride_cb": "i32", "stride_cs": "i32"},
+                  "constexprs": dict(LORA=512, ROPE=64, BLOCK_L=512, BLOCK_R=64, CACHE_BLOCK=16, BF16_BY_BITS=False),
+                  "aligned": ["ckv_ptr", "kpe_ptr", "cache_ptr", "stride_ct", "stride_pt", "stride_cb", "stride_cs"],
+                  "num_warps": mla.write_warps(512)})
+    reports = triton_utils.compile_reports(specs)
+    for spec, rep in zip(specs, reports):
+        assert rep["spill_bytes"] in (0, None), (spec["constexprs"], rep)
+    assert reports[2]["ptx_vec4_loads"] > 0, reports

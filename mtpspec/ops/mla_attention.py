@@ -306,6 +306,11 @@ def mla_attention_plan(num_seqs: int, max_query_len: int, num_heads: int, max_se
     return dict(block_m=block_m, row_blocks=row_blocks, num_splits=num_splits)
 
 
+def write_warps(kv_lora_rank: int) -> int:
+    """Warps of the KV-write program: 8 latent values (16 bytes of bf16) per thread, 1 to 4 warps."""
+    return max(1, min(4, next_power_of_2(kv_lora_rank) // 256))
+
+
 # ---------------------------------------------------------------- public ops
 
 def mla_attention(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,
@@ -419,7 +424,7 @@ def write_mla_kv_cache(c_kv: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.T
                         kv_cache.stride(1), LORA=r, ROPE=rope, BLOCK_L=next_power_of_2(r),
                         BLOCK_R=next_power_of_2(rope), CACHE_BLOCK=kv_cache.shape[1],
                         BF16_BY_BITS=interpreting() and kv_cache.dtype == torch.bfloat16,
-                        num_warps=4)
+                        num_warps=write_warps(r))
 
 
 __all__ = ["mla_attention", "mla_attention_plan", "mla_attention_ref", "write_mla_kv_cache",
