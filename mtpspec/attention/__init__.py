@@ -9,9 +9,9 @@ The layer the models build, the metadata and the forward context live in
 :mod:`mtpspec.layers.attention`.
 """
 
-from mtpspec.attention.backends import (AttentionBackend, AttentionImpl, AttentionLayerBase, PagedGQABackend,
-                                        PagedGQAImpl)
+from mtpspec.attention.backends import (AttentionBackend, AttentionImpl, AttentionLayerBase, MLABackend, MLAImpl,
+                                        PagedGQABackend, PagedGQAImpl)
 from mtpspec.attention.kv_cache_interface import AttentionSpec, FullAttentionSpec, KVCacheSpec
 
 __all__ = ["AttentionBackend", "AttentionImpl", "AttentionLayerBase", "AttentionSpec", "FullAttentionSpec",
-           "KVCacheSpec", "PagedGQABackend", "PagedGQAImpl"]
+           "KVCacheSpec", "MLABackend", "MLAImpl", "PagedGQABackend", "PagedGQAImpl"]
