@@ -19,8 +19,9 @@ paged latent cache ``[blocks, --block-size, kv_lora_rank + rope]`` (bf16, blocks
   matmuls not counted; bottom-right causal mask for q > 1), graph replay; and
   ``compile_ref_ms``, ``torch.compile`` of :func:`mla_attention_ref` (the padded torch
   reference) on the same paged cache, graph replay.
-* ``--sweep``: the kernel over launch configurations (block_m, block_n, warps, stages, splits);
-  the fastest is reported per configuration with the default's time.
+* ``--sweep``: the kernel over launch configurations, in two stages (block_m x block_n x warps
+  at the default stages / splits, then stages and splits around the fastest); the fastest is
+  reported per configuration beside the default's time.
 
 Usage: ``python3 benchmarks/bench_mla_attention.py [--out mla.json] [--sweep] [--no-compile]
 [--no-sdpa] [--heads 16,128] [--query-lens 1,4] [--block-size 16]``; ``--smoke`` runs tiny
@@ -196,23 +197,34 @@ def compiled_ref(a: argparse.Namespace, c: Case, timer: Timer) -> Dict[str, Any]
 
 
 def sweep(c: Case, timer: Timer, smoke: bool) -> List[Dict[str, Any]]:
+    """Two stages: tiles and warps (block_m x block_n x warps) at the default stages and splits,
+    then stages and splits around the fastest of those."""
     pairs = c.q * c.heads
     plan = mla.mla_attention_plan(c.seq_lens.shape[0], c.max_q, c.heads, c.max_s, num_sms(c.cache.device))
     bms = [m for m in (16, 32, 64) if m <= max(16, 1 << (pairs - 1).bit_length())]
-    splits = sorted({max(1, plan["num_splits"] // 2), plan["num_splits"], plan["num_splits"] * 2,
-                     plan["num_splits"] * 4})
-    grid = list(itertools.product(bms, (16, 32, 64), (4, 8), (2, 3), splits))
-    if smoke:
-        grid = grid[:2]
-    rows = []
-    for bm, bn, w, st, sp in grid:
-        cfg = dict(block_m=bm, block_n=bn, num_warps=w, num_stages=st, num_splits=sp)
+    rows: List[Dict[str, Any]] = []
+
+    def run(cfg: Dict[str, Any]) -> None:
         try:
             fn = c.kernel(**cfg)
             fn()
             rows.append(dict(cfg, ms=time_graph(timer, fn)["ms"]))
         except Exception as exc:  # noqa: BLE001 - e.g. out of shared memory
             rows.append(dict(cfg, ms=None, error=f"{type(exc).__name__}: {str(exc).splitlines()[0][:80]}"))
+
+    stage1 = list(itertools.product(bms, (16, 32, 64), (4, 8)))
+    for bm, bn, w in (stage1[:2] if smoke else stage1):
+        run(dict(block_m=bm, block_n=bn, num_warps=w, num_stages=mla.NUM_STAGES, num_splits=plan["num_splits"]))
+    ok = [r for r in rows if r.get("ms") is not None]
+    if not ok:
+        return rows
+    best = min(ok, key=lambda r: r["ms"])
+    splits = sorted({max(1, plan["num_splits"] // 2), plan["num_splits"] * 2, plan["num_splits"] * 4})
+    stage2 = [(st, plan["num_splits"]) for st in (1, 3)] + [(mla.NUM_STAGES, sp) for sp in splits
+                                                              if sp != plan["num_splits"]]
+    for st, sp in (stage2[:1] if smoke else stage2):
+        run(dict(block_m=best["block_m"], block_n=best["block_n"], num_warps=best["num_warps"], num_stages=st,
+                 num_splits=sp))
     return rows
 
 
