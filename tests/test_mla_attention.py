@@ -339,7 +339,7 @@ def test_plan_is_static() -> None:
     p = mla_attention_plan(64, 1, 16, 8192, sms=132)
     assert p["block_m"] == 16 and p["row_blocks"] == 1 and p["num_splits"] == 5
     p = mla_attention_plan(64, 4, 128, 8192, sms=132)
-    assert p["block_m"] == 32 and p["row_blocks"] == 16 and p["num_splits"] == 1
+    assert p["block_m"] == 64 and p["row_blocks"] == 8 and p["num_splits"] == 1
     with pytest.raises(ValueError):
         mla_attention_plan(1, 1, 16, 10, sms=1, block_m=24)
 
@@ -355,8 +355,9 @@ def test_kernel_fixture_runs_the_kernels(kernel) -> None:
 def test_kernels_compile_for_hopper() -> None:
     """Ahead-of-time sm_90 compile (no GPU needed) of the MLA attention kernel at DeepSeek-V3
     sizes (512 + 64, bf16) with the default plans of 16 heads x 1 row and 128 heads x 4 rows, and
-    of the latent KV write: they must compile (the interpreter does not check tile rules) without
-    spilling, and the write must use 16-byte vectors."""
+    of the latent KV write: they must compile (the interpreter does not check tile rules), the
+    attention plans spilling at most 512 bytes, the write not at all, and the write must use 16-byte
+    vectors."""
     from mtpspec.ops import mla_attention as mla
     from mtpspec.ops import triton_utils
     sig = {n: "*bf16" for n in ("ql_ptr", "qp_ptr", "kv_ptr", "out_ptr")}
@@ -382,5 +383,9 @@ def test_kernels_compile_for_hopper() -> None:
                   "num_warps": mla.write_warps(512)})
     reports = triton_utils.compile_reports(specs)
     for spec, rep in zip(specs, reports):
-        assert rep["spill_bytes"] in (0, None), (spec["constexprs"], rep)
+        # The default attention plans (64-key tiles, 8 warps) spill a little (16 bytes at 16 rows,
+        # 272 at 64) and are still faster on the H200 than the spill-free 32 x 32 plans (2.7x to 3x
+        # at 128 heads: BENCHMARKS.md, MLA sweep); bound the spill so a regression shows.
+        limit = 512 if spec["kernel"] == "_mla_attn" else 0
+        assert (rep["spill_bytes"] or 0) <= limit, (spec["constexprs"], rep)
     assert reports[2]["ptx_vec4_loads"] > 0, reports

@@ -48,15 +48,16 @@ from mtpspec.ops.argmax import num_sms
 from mtpspec.ops.triton_utils import HAS_TRITON, LazyKernel, cdiv, interpreting, next_power_of_2, tl, use_triton
 
 #: (query row, head) pairs per program: matrix rows of the score tile (16 = smallest tl.dot tile).
-BLOCK_M = 32
+#: 64 x 64 tiles with 8 warps are the defaults from the H200 sweep of 2026-12-02
+#: (`bench_mla_attention.py --sweep`, BENCHMARKS.md): 2.7x to 3.0x faster than 32 x 32 at 128 heads and at
+#: 16 heads x 4 rows, although the 64-row plan spills 152 bytes in the sm_90 compile (the wgmma tile wins).
+BLOCK_M = 64
 MIN_BLOCK_M = 16
 #: Keys per inner-loop tile (may span several cache blocks).
-BLOCK_N = 32
-#: Warps per attention program by ``block_m`` (a ``[block_m, kv_lora_rank]`` fp32 accumulator
-#: plus the query tile stay in registers: sm_90 ahead-of-time compiles at 512 + 64, bf16, BLOCK_N
-#: 32 give 186 registers at 16 x 4 warps and 170 at 32 x 8 warps without spills; 64 x 8 warps
-#: (wgmma) spills 152 bytes, so 64 is a tuning option, not the default), and pipeline stages.
-NUM_WARPS = {16: 4, 32: 8, 64: 8}
+BLOCK_N = 64
+#: Warps per attention program by ``block_m`` (a ``[block_m, kv_lora_rank]`` fp32 accumulator plus the
+#: query tile stay in registers), and pipeline stages.
+NUM_WARPS = {16: 8, 32: 8, 64: 8}
 NUM_STAGES = 2
 #: Flash-decoding split: programs per SM aimed at, and its limits.
 TARGET_PROGRAMS_PER_SM = 2
