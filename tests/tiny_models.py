@@ -1,10 +1,12 @@
-"""Tiny random GLM-4.5-family checkpoints for tests and smoke runs (needs ``transformers``, a test
+"""Tiny random GLM-4.5-family and DeepSeek-V3 checkpoints for tests and smoke runs (needs ``transformers``, a test
 dependency, so it lives with the tests: ``from tiny_models import make_tiny_checkpoint`` in a test
 module; scripts outside tests/ put this folder on ``sys.path`` first).
 
 :func:`make_tiny_checkpoint` builds a random ``transformers.Glm4MoeForCausalLM`` (dense and MoE
 layers, partial rotary, GQA), saves it with ``save_pretrained`` (Hugging Face's own on-disk
 layout), then adds random MTP layers with :func:`mtpspec.models.loader.save_checkpoint`.
+``family="deepseek_v3"`` does the same with ``transformers.DeepseekV3ForCausalLM`` (MLA with
+q-lora, ``v_head_dim`` != qk head dim, 2 expert groups; ``DSV3_TINY_CONFIG``).
 Weights are rescaled so activations stay O(1) and routing is not degenerate (Hugging Face's
 0.02-std init gives near-zero logits, which would make comparisons weak).
 """
@@ -28,6 +30,19 @@ TINY_CONFIG: Dict[str, Any] = dict(
     rope_theta=10000.0, max_position_embeddings=256, rms_norm_eps=1e-5, tie_word_embeddings=False,
     eos_token_id=[1, 2], bos_token_id=0)
 
+DSV3_TINY_CONFIG: Dict[str, Any] = dict(
+    vocab_size=200, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+    q_lora_rank=24, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=12, v_head_dim=10,
+    moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=3, n_shared_experts=1, n_group=2,
+    topk_group=1, first_k_dense_replace=1, routed_scaling_factor=1.5, norm_topk_prob=True, rope_interleave=True,
+    rope_theta=10000.0, max_position_embeddings=256, rms_norm_eps=1e-6, tie_word_embeddings=False,
+    eos_token_id=[1, 2], bos_token_id=0)
+
+#: YaRN rope for ``DSV3_TINY_CONFIG`` (``rope_parameters`` override): factor 4 over 64 original
+#: positions, mscale != mscale_all_dim, so frequencies, the cos / sin factor and the softmax scale all change
+DSV3_YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64,
+             "mscale": 1.0, "mscale_all_dim": 0.8, "beta_fast": 32, "beta_slow": 1}
+
 
 def _randomise(name: str, t: torch.Tensor, g: torch.Generator) -> torch.Tensor:
     """A fresh value for one checkpoint tensor (by its name), float32."""
@@ -45,16 +60,23 @@ def _randomise(name: str, t: torch.Tensor, g: torch.Generator) -> torch.Tensor:
     return scale * torch.randn(shape, generator=g) / math.sqrt(fan_in)
 
 
-def make_hf_model(seed: int = 0, **overrides: Any):
-    """A random ``transformers.Glm4MoeForCausalLM`` (eval, float32) from ``TINY_CONFIG`` + overrides."""
-    from transformers import Glm4MoeConfig, Glm4MoeForCausalLM
-    cfg_kwargs = dict(TINY_CONFIG)
+def make_hf_model(seed: int = 0, family: str = "glm4_moe", **overrides: Any):
+    """A random ``transformers.Glm4MoeForCausalLM`` (eval, float32) from ``TINY_CONFIG`` + overrides
+    (``family="deepseek_v3"``: ``DeepseekV3ForCausalLM`` from ``DSV3_TINY_CONFIG``)."""
+    import transformers
+    if family == "deepseek_v3":
+        base, cfg_cls, model_cls = DSV3_TINY_CONFIG, transformers.DeepseekV3Config, transformers.DeepseekV3ForCausalLM
+    else:
+        base, cfg_cls, model_cls = TINY_CONFIG, transformers.Glm4MoeConfig, transformers.Glm4MoeForCausalLM
+    cfg_kwargs = dict(base)
     cfg_kwargs.update(overrides)
     cfg_kwargs.pop("num_nextn_predict_layers", None)
-    hf_cfg = Glm4MoeConfig(**cfg_kwargs)
+    if "rope_parameters" in cfg_kwargs:
+        cfg_kwargs.pop("rope_theta", None)
+    hf_cfg = cfg_cls(**cfg_kwargs)
     hf_cfg._attn_implementation = "eager"
     torch.manual_seed(seed)
-    model = Glm4MoeForCausalLM(hf_cfg).eval()
+    model = model_cls(hf_cfg).eval()
     g = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -88,7 +110,7 @@ def random_mtp_tensors(config: ModelConfig, num_mtp_layers: int, seed: int = 0, 
 
 def make_tiny_checkpoint(path: str, seed: int = 0, num_mtp_layers: int = 1, mtp_head: bool = True,
                          dtype: Optional[torch.dtype] = None, max_shard_bytes: Optional[int] = None,
-                         **overrides: Any) -> Tuple[Any, ModelConfig]:
+                         family: str = "glm4_moe", **overrides: Any) -> Tuple[Any, ModelConfig]:
     """Write a tiny checkpoint with ``num_mtp_layers`` random MTP layers to ``path``.
 
     Args:
@@ -98,13 +120,15 @@ def make_tiny_checkpoint(path: str, seed: int = 0, num_mtp_layers: int = 1, mtp_
         mtp_head: include ``shared_head.head`` (False: the loader ties it to ``lm_head``).
         dtype: save dtype (default float32).
         max_shard_bytes: shard the safetensors files (with an index) above this size.
-        overrides: ``Glm4MoeConfig`` fields replacing ``TINY_CONFIG``'s.
+        family: ``"glm4_moe"`` or ``"deepseek_v3"`` (see the module docstring).
+        overrides: ``Glm4MoeConfig`` fields replacing ``TINY_CONFIG``'s (``DeepseekV3Config`` /
+            ``DSV3_TINY_CONFIG`` for DeepSeek-V3).
 
     Returns:
         ``(hf_model, config)``: the float32 ``transformers`` target model and the mtpspec config.
     """
     from mtpspec.models.loader import read_checkpoint_tensors, save_checkpoint
-    model = make_hf_model(seed, **overrides)
+    model = make_hf_model(seed, family, **overrides)
     model.save_pretrained(path)
     with open(os.path.join(path, "config.json"), "r", encoding="utf-8") as f:
         raw = json.load(f)

@@ -17,7 +17,7 @@ Angles are computed in fp32 exactly as Hugging Face does (``position.float() * i
 
 from __future__ import annotations
 
-from typing import Tuple
+from typing import Optional, Tuple
 
 import torch
 from torch import nn
@@ -32,13 +32,17 @@ class RotaryEmbedding(nn.Module):
         max_position_embeddings: positions must lie in ``[0, max_position_embeddings)``.
         base: the RoPE base (``rope_theta``).
         is_neox_style: pairing, see the module docstring.
+        inv_freq: ``[rotary_dim / 2]`` fp32 inverse frequencies replacing ``base ** (-2 i /
+            rotary_dim)`` (scaled rope such as YaRN, computed by the caller).
+        attention_factor: multiplies cos and sin (in fp32, as Hugging Face's scaled ropes do).
 
     Raises:
         ValueError: rotary_dim odd, non-positive or larger than head_size.
     """
 
     def __init__(self, head_size: int, rotary_dim: int, max_position_embeddings: int, base: float,
-                 is_neox_style: bool = True) -> None:
+                 is_neox_style: bool = True, inv_freq: Optional[torch.Tensor] = None,
+                 attention_factor: float = 1.0) -> None:
         super().__init__()
         if rotary_dim <= 0 or rotary_dim % 2 or rotary_dim > head_size:
             raise ValueError(f"rotary_dim must be even and in (0, head_size={head_size}], got {rotary_dim}")
@@ -47,10 +51,17 @@ class RotaryEmbedding(nn.Module):
         self.max_position_embeddings = max_position_embeddings
         self.base = float(base)
         self.is_neox_style = is_neox_style
-        inv_freq = 1.0 / (self.base ** (torch.arange(0, rotary_dim, 2, dtype=torch.float) / rotary_dim))
+        if inv_freq is None:
+            inv_freq = 1.0 / (self.base ** (torch.arange(0, rotary_dim, 2, dtype=torch.float) / rotary_dim))
+        elif tuple(inv_freq.shape) != (rotary_dim // 2,):
+            raise ValueError(f"inv_freq must have shape ({rotary_dim // 2},), got {tuple(inv_freq.shape)}")
+        inv_freq = inv_freq.float()
         t = torch.arange(max_position_embeddings, dtype=torch.float)
         freqs = t[:, None] * inv_freq[None, :]  # [max_pos, rotary_dim / 2], fp32
-        self.register_buffer("cos_sin_cache", torch.cat([freqs.cos(), freqs.sin()], dim=-1), persistent=False)
+        cos, sin = freqs.cos(), freqs.sin()
+        if attention_factor != 1.0:
+            cos, sin = cos * attention_factor, sin * attention_factor
+        self.register_buffer("cos_sin_cache", torch.cat([cos, sin], dim=-1), persistent=False)
 
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         # x: [T, heads, head_size]; cos/sin: [T, 1, rotary_dim / 2] in x's dtype.

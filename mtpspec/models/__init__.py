@@ -8,6 +8,8 @@ importing any model code. The supported architectures: :mod:`mtpspec.models.regi
 from typing import Any
 
 _LAZY = {
+    "DeepseekV3ForCausalLM": "mtpspec.models.deepseek_v3",
+    "DeepseekV3MTP": "mtpspec.models.deepseek_v3_mtp",
     "Glm4MoeForCausalLM": "mtpspec.models.glm4_moe",
     "Glm4MoeMTP": "mtpspec.models.glm4_moe_mtp",
     "MultiTokenPredictorLayer": "mtpspec.models.glm4_moe_mtp",

@@ -30,7 +30,7 @@ both at once). The architecture's config part: :mod:`mtpspec.models.glm4_moe_con
 
 from __future__ import annotations
 
-from typing import ClassVar, Dict, Literal, Optional, Tuple
+from typing import Callable, ClassVar, Dict, Literal, Optional, Tuple
 
 import torch
 from torch import nn
@@ -160,13 +160,19 @@ class Glm4MoeDecoderLayer(nn.Module):
 
     ``forward(positions [T], hidden_states [T, H], residual [T, H] or None) -> (h, residual)``;
     ``h + residual`` (after the all-reduce of ``h`` when un-reduced) is the layer's output.
+
+    ``attention_cls``: the attention module class (``cls(config, params_dtype)``, ``forward(positions,
+    hidden_states, reduce_output=True)``); other architectures subclass and replace it
+    (DeepSeek-V3: MLA).
     """
+
+    attention_cls: type = Glm4MoeAttention
 
     def __init__(self, config: ModelConfig, layer_idx: int, reduce_mlp_output: bool = True,
                  params_dtype: Optional[torch.dtype] = None) -> None:
         super().__init__()
         self.layer_idx = layer_idx
-        self.self_attn = Glm4MoeAttention(config, params_dtype)
+        self.self_attn = self.attention_cls(config, params_dtype)
         self.is_moe = config.is_moe_layer(layer_idx)
         if self.is_moe:
             self.mlp: nn.Module = Glm4MoeMoE(config, reduce_mlp_output, params_dtype)
@@ -188,12 +194,15 @@ class Glm4MoeDecoderLayer(nn.Module):
 
 
 class Glm4MoeModel(nn.Module):
-    """Embedding, decoder layers, final norm. ``forward(input_ids [T], positions [T]) -> [T, H]``."""
+    """Embedding, decoder layers, final norm. ``forward(input_ids [T], positions [T]) -> [T, H]``.
 
-    def __init__(self, config: ModelConfig, params_dtype: Optional[torch.dtype] = None) -> None:
+    ``layer_cls``: the decoder layer class (default :class:`Glm4MoeDecoderLayer`)."""
+
+    def __init__(self, config: ModelConfig, params_dtype: Optional[torch.dtype] = None,
+                 layer_cls: type = Glm4MoeDecoderLayer) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, params_dtype)
-        self.layers = nn.ModuleList([Glm4MoeDecoderLayer(config, i, True, params_dtype)
+        self.layers = nn.ModuleList([layer_cls(config, i, True, params_dtype)
                                      for i in range(config.num_hidden_layers)])
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, params_dtype)
 
@@ -231,6 +240,9 @@ class Glm4MoeForCausalLM(nn.Module):
     """
 
     supports_local_argmax: ClassVar[Literal[True]] = True
+    #: the decoder layer class; another architecture with the same layer skeleton subclasses this
+    #: model and replaces it (DeepSeek-V3: :class:`~mtpspec.models.deepseek_v3.DeepseekV3DecoderLayer`)
+    decoder_layer_cls: ClassVar[type] = Glm4MoeDecoderLayer
 
     def __init__(self, config: ModelConfig, params_dtype: Optional[torch.dtype] = None) -> None:
         super().__init__()
@@ -238,7 +250,7 @@ class Glm4MoeForCausalLM(nn.Module):
         self.config = config
         dtype = params_dtype or config.dtype or torch.get_default_dtype()
         self.params_dtype = dtype
-        self.model = Glm4MoeModel(config, dtype)
+        self.model = Glm4MoeModel(config, dtype, self.decoder_layer_cls)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, bias=False, params_dtype=dtype)
         if config.tie_word_embeddings:
             self.lm_head.tie_weights(self.model.embed_tokens)
@@ -283,8 +295,6 @@ def decoder_layer_weight_specs(cfg: ModelConfig, layer_idx: int, ck: str, mp: st
     h, hd = cfg.hidden_size, cfg.head_dim
     nq, nkv = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd
     s: Dict[str, WeightSpec] = {
-        f"{ck}input_layernorm.weight": WeightSpec(f"{mp}input_layernorm.weight", (h,)),
-        f"{ck}post_attention_layernorm.weight": WeightSpec(f"{mp}post_attention_layernorm.weight", (h,)),
         f"{ck}self_attn.o_proj.weight": WeightSpec(f"{mp}self_attn.o_proj.weight", (h, nq)),
     }
     for name, start, rows in (("q", 0, nq), ("k", nq, nkv), ("v", nq + nkv, nkv)):
@@ -297,6 +307,19 @@ def decoder_layer_weight_specs(cfg: ModelConfig, layer_idx: int, ck: str, mp: st
     if cfg.use_qk_norm:
         s[f"{ck}self_attn.q_norm.weight"] = WeightSpec(f"{mp}self_attn.q_norm.weight", (hd,))
         s[f"{ck}self_attn.k_norm.weight"] = WeightSpec(f"{mp}self_attn.k_norm.weight", (hd,))
+    s.update(norm_and_mlp_weight_specs(cfg, layer_idx, ck, mp))
+    return s
+
+
+def norm_and_mlp_weight_specs(cfg: ModelConfig, layer_idx: int, ck: str, mp: str) -> Dict[str, WeightSpec]:
+    """The attention-independent part of :func:`decoder_layer_weight_specs` (same arguments): the
+    two layer norms and the dense MLP or the MoE (router, both expert layouts, shared experts).
+    Shared with other architectures whose layers differ only in attention (DeepSeek-V3)."""
+    h = cfg.hidden_size
+    s: Dict[str, WeightSpec] = {
+        f"{ck}input_layernorm.weight": WeightSpec(f"{mp}input_layernorm.weight", (h,)),
+        f"{ck}post_attention_layernorm.weight": WeightSpec(f"{mp}post_attention_layernorm.weight", (h,)),
+    }
 
     def mlp(ckp: str, mpp: str, inter: int) -> None:
         s[f"{ckp}gate_proj.weight"] = WeightSpec(f"{mpp}gate_up_proj.weight", (inter, h), 0, rows=(0, inter))
@@ -323,13 +346,18 @@ def decoder_layer_weight_specs(cfg: ModelConfig, layer_idx: int, ck: str, mp: st
     return s
 
 
-def target_weight_specs(cfg: ModelConfig) -> Dict[str, WeightSpec]:
-    """Checkpoint key -> :class:`WeightSpec` for the target model (:class:`Glm4MoeForCausalLM`)."""
+def target_weight_specs(cfg: ModelConfig, layer_specs: Optional[Callable[..., Dict[str, WeightSpec]]] = None
+                        ) -> Dict[str, WeightSpec]:
+    """Checkpoint key -> :class:`WeightSpec` for the target model (:class:`Glm4MoeForCausalLM`).
+
+    ``layer_specs``: the per-layer function (default :func:`decoder_layer_weight_specs`; another
+    architecture with the same top-level layout passes its own)."""
+    layer_specs = layer_specs or decoder_layer_weight_specs
     v, h = cfg.vocab_size, cfg.hidden_size
     s = {"model.embed_tokens.weight": WeightSpec("model.embed_tokens.weight", (v, h)),
          "model.norm.weight": WeightSpec("model.norm.weight", (h,)),
          "lm_head.weight": WeightSpec("lm_head.weight", (v, h), optional=cfg.tie_word_embeddings,
                                       ignored=cfg.tie_word_embeddings)}
     for i in range(cfg.num_hidden_layers):
-        s.update(decoder_layer_weight_specs(cfg, i, f"model.layers.{i}.", f"model.layers.{i}."))
+        s.update(layer_specs(cfg, i, f"model.layers.{i}.", f"model.layers.{i}."))
     return s

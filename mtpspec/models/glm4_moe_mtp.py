@@ -29,7 +29,7 @@ with ``enorm``, ``hnorm``, ``eh_proj``, ``shared_head.norm``, optional ``shared_
 
 from __future__ import annotations
 
-from typing import ClassVar, Dict, Literal, Optional, Sequence, Union
+from typing import Callable, ClassVar, Dict, Literal, Optional, Sequence, Union
 
 import torch
 from torch import nn
@@ -78,6 +78,8 @@ class MultiTokenPredictorLayer(nn.Module):
         tied_head: the target's ``lm_head`` when the checkpoint has no ``shared_head.head``.
         fuse_allreduce_rmsnorm: tail through ``fused_allreduce_rms_norm`` (else all-reduce + norm).
         sequence_parallel: use :meth:`forward_sequence_parallel` when tp > 1.
+        block_cls: the decoder layer class of ``mtp_block`` (default :class:`Glm4MoeDecoderLayer`;
+            DeepSeek-V3: its MLA layer), built with ``reduce_mlp_output=False``.
 
     ``forward(inputs_embeds [T, H], positions [T] int64, previous_hidden_states [T, H]) -> [T, H]``:
     the post-final-norm hidden states, in the params dtype.
@@ -85,7 +87,7 @@ class MultiTokenPredictorLayer(nn.Module):
 
     def __init__(self, config: ModelConfig, layer_idx: int, params_dtype: torch.dtype,
                  tied_head: Optional[ParallelLMHead] = None, fuse_allreduce_rmsnorm: bool = True,
-                 sequence_parallel: bool = False) -> None:
+                 sequence_parallel: bool = False, block_cls: type = Glm4MoeDecoderLayer) -> None:
         super().__init__()
         h = config.hidden_size
         self.layer_idx = layer_idx
@@ -94,7 +96,7 @@ class MultiTokenPredictorLayer(nn.Module):
         self.hnorm = RMSNorm(h, config.rms_norm_eps, params_dtype)
         self.eh_proj = ReplicatedLinear(2 * h, h, bias=False, params_dtype=params_dtype)
         self.shared_head = SharedHead(config, params_dtype, tied_head)
-        self.mtp_block = Glm4MoeDecoderLayer(config, layer_idx, reduce_mlp_output=False, params_dtype=params_dtype)
+        self.mtp_block = block_cls(config, layer_idx, reduce_mlp_output=False, params_dtype=params_dtype)
         self.fuse_allreduce_rmsnorm = fuse_allreduce_rmsnorm
         self.sequence_parallel = sequence_parallel
 
@@ -162,14 +164,15 @@ class MultiTokenPredictor(nn.Module):
     """Holds the MTP layers as ``layers[str(num_hidden_layers + k)]`` (checkpoint numbering)."""
 
     def __init__(self, config: ModelConfig, params_dtype: torch.dtype, tied_heads: Sequence[Optional[ParallelLMHead]],
-                 fuse_allreduce_rmsnorm: bool, sequence_parallel: bool) -> None:
+                 fuse_allreduce_rmsnorm: bool, sequence_parallel: bool,
+                 block_cls: type = Glm4MoeDecoderLayer) -> None:
         super().__init__()
         self.mtp_start_layer_idx = config.num_hidden_layers
         self.num_mtp_layers = config.num_nextn_predict_layers
         self.layers = nn.ModuleDict({
             str(self.mtp_start_layer_idx + k): MultiTokenPredictorLayer(
                 config, self.mtp_start_layer_idx + k, params_dtype, tied_heads[k], fuse_allreduce_rmsnorm,
-                sequence_parallel)
+                sequence_parallel, block_cls)
             for k in range(self.num_mtp_layers)})
 
 
@@ -204,6 +207,9 @@ class Glm4MoeMTP(nn.Module):
     """
 
     supports_local_argmax: ClassVar[Literal[True]] = True
+    #: the MTP block's decoder layer class; another architecture with the same MTP layout
+    #: subclasses this model and replaces it (DeepSeek-V3)
+    decoder_layer_cls: ClassVar[type] = Glm4MoeDecoderLayer
 
     def __init__(self, config: ModelConfig, embed_tokens: VocabParallelEmbedding, lm_head: ParallelLMHead,
                  tie_heads: Union[bool, Sequence[bool]] = False, fuse_allreduce_rmsnorm: bool = True,
@@ -222,7 +228,7 @@ class Glm4MoeMTP(nn.Module):
         self.tie_heads = ties
         self.embed_tokens = embed_tokens
         self.model = MultiTokenPredictor(config, dtype, [lm_head if t else None for t in ties],
-                                         fuse_allreduce_rmsnorm, sequence_parallel)
+                                         fuse_allreduce_rmsnorm, sequence_parallel, self.decoder_layer_cls)
         self.logits_processor = LogitsProcessor(config.vocab_size)
 
     @property
@@ -273,9 +279,12 @@ class Glm4MoeMTP(nn.Module):
         return self.logits_processor.get_top_tokens(self.get_layer(spec_step_idx).shared_head.head, hidden_states)
 
 
-def mtp_weight_specs(cfg: ModelConfig) -> Dict[str, WeightSpec]:
+def mtp_weight_specs(cfg: ModelConfig, layer_specs: Optional[Callable[..., Dict[str, WeightSpec]]] = None
+                     ) -> Dict[str, WeightSpec]:
     """Checkpoint key -> :class:`WeightSpec` for the MTP model (:class:`Glm4MoeMTP`): layer ``k``
-    of ``num_nextn_predict_layers`` at ``model.layers.{num_hidden_layers + k}.`` (module docstring)."""
+    of ``num_nextn_predict_layers`` at ``model.layers.{num_hidden_layers + k}.`` (module docstring).
+    ``layer_specs``: the block's per-layer function (default :func:`decoder_layer_weight_specs`)."""
+    layer_specs = layer_specs or decoder_layer_weight_specs
     v, h = cfg.vocab_size, cfg.hidden_size
     s: Dict[str, WeightSpec] = {}
     for k in range(cfg.num_nextn_predict_layers):
@@ -288,5 +297,5 @@ def mtp_weight_specs(cfg: ModelConfig) -> Dict[str, WeightSpec]:
         s[f"{ck}shared_head.head.weight"] = WeightSpec(f"{mp}shared_head.head.weight", (v, h), optional=True,
                                                        tied_head=True)
         s[f"{ck}embed_tokens.weight"] = WeightSpec("", (v, h), optional=True, ignored=True)
-        s.update(decoder_layer_weight_specs(cfg, idx, ck, f"{mp}mtp_block."))
+        s.update(layer_specs(cfg, idx, ck, f"{mp}mtp_block."))
     return s

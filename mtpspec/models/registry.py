@@ -70,6 +70,9 @@ _ARCHITECTURES: Dict[str, ModelArchitecture] = {
     "Glm4MoeForCausalLM": ModelArchitecture("glm4_moe_config:Glm4MoeArchConfig", "glm4_moe:Glm4MoeForCausalLM",
                                             "glm4_moe:target_weight_specs", "glm4_moe_mtp:Glm4MoeMTP",
                                             "glm4_moe_mtp:mtp_weight_specs"),
+    "DeepseekV3ForCausalLM": ModelArchitecture("deepseek_v3_config:DeepseekV3ArchConfig",
+                                               "deepseek_v3:DeepseekV3ForCausalLM", "deepseek_v3:target_weight_specs",
+                                               "deepseek_v3_mtp:DeepseekV3MTP", "deepseek_v3_mtp:mtp_weight_specs"),
 }
 
 
