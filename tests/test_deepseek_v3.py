@@ -145,3 +145,195 @@ def test_model_refuses_tp_not_dividing_heads(monkeypatch):
     monkeypatch.setattr(glm, "get_tensor_model_parallel_world_size", lambda: 3)
     with pytest.raises(ModelConfigError, match="num_attention_heads=4 is not divisible by tensor_parallel_size=3"):
         DeepseekV3ForCausalLM(cfg, torch.float32)
+
+
+# ------------------------------------------------------------------------------------- target + MTP, tp 1 and 2
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    from test_model_tp import _mtp_batches
+    g = torch.Generator().manual_seed(4321)
+    out, hfs = {}, {}
+    for i, (name, overrides) in enumerate(VARIANTS.items()):
+        path = str(tmp_path_factory.mktemp(name))
+        hf, cfg = make_tiny_checkpoint(path, seed=60 + i, family="deepseek_v3", **overrides)
+        prompts = [torch.randint(0, cfg.vocab_size, (n,), generator=g) for n in PROMPT_LENS]
+        with torch.no_grad():
+            ref = [hf(p[None]).logits[0] for p in prompts]
+        mtp_inputs = {}
+        for tp in (1, 2):
+            for bname, lens in _mtp_batches(tp):
+                t = sum(lens)
+                mtp_inputs[bname] = (torch.randint(0, cfg.vocab_size, (t,), generator=g),
+                                     torch.cat([torch.arange(n) + (3 if j else 0) for j, n in enumerate(lens)]),
+                                     torch.randn(t, cfg.hidden_size, generator=g), lens)
+        out[name] = (path, prompts, ref, mtp_inputs)
+        hfs[name] = hf
+    runs = {1: [_rank_all(out)], 2: launch(_rank_all, 2, out, timeout_s=600)}
+    return out, runs, hfs
+
+
+def _target_checks(model, prompts):
+    res = {}
+    with torch.no_grad():
+        res["single"] = [model.compute_logits(model(p, torch.arange(len(p)))) for p in prompts]
+        pad = 2
+        ids = torch.cat(prompts + [torch.zeros(pad, dtype=torch.long)])
+        pos = torch.cat([torch.arange(len(p)) for p in prompts] + [torch.zeros(pad, dtype=torch.long)])
+        meta = build_attention_metadata([len(p) for p in prompts], [len(p) for p in prompts], None,
+                                        num_tokens=len(ids))
+        with set_forward_context(meta):
+            h = model(ids, pos)
+        logits = model.compute_logits(h)
+        res["batched"] = logits[:-pad]
+        res["top_equal"] = torch.equal(model.get_top_tokens(h), logits.argmax(-1))
+        res["pad_finite"] = bool(torch.isfinite(h).all())
+        bs = 4
+        allocate_kv_caches(model, num_blocks=16, block_size=bs, dtype=torch.float32)
+        tables, nxt = [], 0
+        for p in prompts:
+            n = -(-len(p) // bs)
+            tables.append(list(range(nxt + n - 1, nxt - 1, -1)))  # reversed block order
+            nxt += n
+        done, cached = [0] * len(prompts), [[] for _ in prompts]
+        while True:  # first step: prefill all but the last 3 tokens; then one token per step
+            active = [i for i, p in enumerate(prompts) if done[i] < len(p)]
+            if not active:
+                break
+            qlens = [1 if done[i] else max(1, len(prompts[i]) - 3) for i in active]
+            ids = torch.cat([prompts[i][done[i]:done[i] + q] for i, q in zip(active, qlens)])
+            pos = torch.cat([torch.arange(done[i], done[i] + q) for i, q in zip(active, qlens)])
+            meta = build_attention_metadata(qlens, [done[i] + q for i, q in zip(active, qlens)],
+                                            [tables[i] for i in active], bs)
+            with set_forward_context(meta):
+                lg = model.compute_logits(model(ids, pos))
+            row = 0
+            for i, q in zip(active, qlens):
+                cached[i].append(lg[row:row + q])
+                row += q
+                done[i] += q
+        for layer in collect_attention_layers(model):
+            layer.kv_cache = None
+        res["cached"] = [torch.cat(c) for c in cached]
+        attn = model.model.layers[0].self_attn
+        res["kv_b_rows"] = attn.kv_b_proj.weight.shape[0]
+        res["latent_replicated"] = tuple(attn.kv_a_proj_with_mqa.weight.shape)
+        res["local_heads"] = attn.num_local_heads
+    return res
+
+
+def _rank_all(setup_data):
+    from test_model_tp import _mtp_checks
+    torch.manual_seed(0)
+    out = {"rank": get_tensor_model_parallel_rank()}
+    for name, (path, prompts, _, mtp_inputs) in setup_data.items():
+        target, mtp = load_models(path, dtype=torch.float32, device="cpu")
+        out[name] = {"target": _target_checks(target, prompts), "mtp": _mtp_checks(mtp, mtp_inputs),
+                     "tied": [mtp.get_layer(s).shared_head.head is target.lm_head for s in range(mtp.num_mtp_layers)],
+                     "types": (type(target).__name__, type(mtp).__name__)}
+    return out
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_target_matches_transformers(setup, variant, tp):
+    data, runs, _ = setup
+    ref = data[variant][2]
+    for r in runs[tp]:
+        t = r[variant]["target"]
+        assert r[variant]["types"] == ("DeepseekV3ForCausalLM", "DeepseekV3MTP")
+        assert t["top_equal"] and t["pad_finite"]
+        for name in ("single", "batched", "cached"):
+            got = torch.cat(t[name]) if isinstance(t[name], list) else t[name]
+            torch.testing.assert_close(got, torch.cat(ref), atol=ATOL, rtol=RTOL,
+                                       msg=lambda m: f"tp={tp} rank={r['rank']} {name}: {m}")
+        # heads split (kv_b_proj rows: heads/tp * (nope 12 + v 10)), latent projection replicated
+        assert t["local_heads"] == 4 // tp and t["kv_b_rows"] == (4 // tp) * 22
+        assert t["latent_replicated"] == (16 + 8, 64)
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_mtp_tp2_equals_tp1_and_arms_agree(setup, variant):
+    from test_model_tp import _mtp_batches
+    _, runs, _ = setup
+    base = runs[1][0][variant]["mtp"]
+    tied = [not VARIANTS[variant].get("mtp_head", True)] * VARIANTS[variant]["num_mtp_layers"]
+    assert runs[1][0][variant]["tied"] == tied
+    for (bname, step, arm), (out, _, top_ok, stats) in base.items():  # tp 1: no communication, arms identical
+        assert top_ok and stats == {} and torch.equal(out, base[(bname, step, "fused")][0])
+    for r in runs[2]:
+        assert r[variant]["tied"] == tied
+        m = r[variant]["mtp"]
+        for bname, _ in _mtp_batches(2):
+            for step in (0, 1):
+                for arm in ("fused", "baseline", "sp"):
+                    out, logits, top_ok, stats = m[(bname, step, arm)]
+                    where = f"rank={r['rank']} {bname} step={step} {arm}"
+                    assert top_ok, f"{where}: get_top_tokens != argmax(compute_logits)"
+                    ref_out, ref_logits = base[(bname, step, "fused")][:2]
+                    torch.testing.assert_close(out, ref_out, atol=MTP_ATOL, rtol=MTP_RTOL,
+                                               msg=lambda msg: f"{where} hidden vs tp1: {msg}")
+                    torch.testing.assert_close(logits, ref_logits, atol=5 * MTP_ATOL, rtol=MTP_RTOL,
+                                               msg=lambda msg: f"{where} logits vs tp1: {msg}")
+                    if arm == "sp":
+                        assert "all_reduce" not in stats, f"{where}: SP path issued {stats}"
+                        assert stats["all_gather"]["calls"] == 3 and stats["reduce_scatter"]["calls"] == 2
+                    else:
+                        assert stats["all_reduce"]["calls"] == 2, f"{where}: {stats}"
+
+
+def _hf_mtp_reference(hf, path, cfg, k, ids, pos, prev):
+    """MTP layer ``k`` in float64 from transformers' own DeepseekV3DecoderLayer + the MTP weights
+    (eh_proj([enorm(emb; position-0 rows zero), hnorm(prev)]) -> layer -> shared_head.norm)."""
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3DecoderLayer, DeepseekV3RotaryEmbedding
+
+    from mtpspec.models.loader import read_checkpoint_tensors
+    idx = cfg.num_hidden_layers + k
+    pre = f"model.layers.{idx}."
+    sub = {key[len(pre):]: t.double() for key, t in read_checkpoint_tensors(path) if key.startswith(pre)}
+    import copy
+    hf_cfg = copy.deepcopy(hf.config)
+    hf_cfg._experts_implementation = "eager"  # the per-expert loop (grouped_mm has no float64)
+    layer = DeepseekV3DecoderLayer(hf_cfg, idx).eval()
+    sd = {}
+    for name in layer.state_dict():
+        if name == "mlp.experts.gate_up_proj":
+            sd[name] = torch.stack([torch.cat([sub[f"mlp.experts.{e}.gate_proj.weight"],
+                                               sub[f"mlp.experts.{e}.up_proj.weight"]]) for e in range(cfg.n_routed_experts)])
+        elif name == "mlp.experts.down_proj":
+            sd[name] = torch.stack([sub[f"mlp.experts.{e}.down_proj.weight"] for e in range(cfg.n_routed_experts)])
+        else:
+            sd[name] = sub[name]
+    layer.load_state_dict(sd)
+    layer.double()
+
+    def rms(x, w):
+        return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + cfg.rms_norm_eps))
+
+    emb = hf.model.embed_tokens.weight.detach().double()[ids]
+    emb[pos == 0] = 0
+    x = torch.cat([rms(emb, sub["enorm.weight"]), rms(prev.double(), sub["hnorm.weight"])], -1) @ sub["eh_proj.weight"].T
+    t = len(ids)
+    cos, sin = DeepseekV3RotaryEmbedding(hf.config)(x[None], pos[None])
+    mask = torch.full((t, t), float("-inf"), dtype=torch.float64).triu(1)[None, None]
+    with torch.no_grad():
+        h = layer(x[None], attention_mask=mask, position_ids=pos[None], position_embeddings=(cos, sin))
+    h = h[0] if isinstance(h, tuple) else h
+    return rms(h[0], sub["shared_head.norm.weight"])
+
+
+@pytest.mark.parametrize("variant", ["qlora_yarn_interleave", "qproj_default_neox"])
+def test_mtp_matches_independent_transformers_reference(setup, variant):
+    data, _, hfs = setup
+    path = data[variant][0]
+    target, mtp = load_models(path, dtype=torch.float32, device="cpu")
+    cfg = target.config
+    g = torch.Generator().manual_seed(7)
+    ids, pos = torch.randint(0, cfg.vocab_size, (9,), generator=g), torch.arange(9)
+    prev = torch.randn(9, cfg.hidden_size, generator=g)
+    for step in range(2):
+        k = step % cfg.num_nextn_predict_layers
+        with torch.no_grad():
+            got = mtp(ids, pos, prev, spec_step_idx=step)
+        want = _hf_mtp_reference(hfs[variant], path, cfg, k, ids, pos, prev)
+        torch.testing.assert_close(got.double(), want, atol=2e-4, rtol=1e-4)
+        assert torch.equal(mtp.get_top_tokens(got, step), mtp.compute_logits(got, step).argmax(-1))

@@ -32,6 +32,7 @@ TINY_CONFIG: Dict[str, Any] = dict(
 
 DSV3_TINY_CONFIG: Dict[str, Any] = dict(
     vocab_size=200, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+    num_key_value_heads=4,  # transformers' MLA repeats kv by heads // kv heads: must equal the heads
     q_lora_rank=24, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=12, v_head_dim=10,
     moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=3, n_shared_experts=1, n_group=2,
     topk_group=1, first_k_dense_replace=1, routed_scaling_factor=1.5, norm_topk_prob=True, rope_interleave=True,
