@@ -16,63 +16,23 @@ MTP layers (``tests/tiny_models.py``, ``family="deepseek_v3"``):
   (k 1 and 3, fused / unfused, local argmax on / off) emits exactly the plain greedy tokens;
 * loader: a missing tensor and a wrong shape are named, nothing half-loaded.
 
-Until the ``mla`` branch's :class:`~mtpspec.layers.mla_attention.MLAAttention` is present, this
-module installs a TEST-ONLY stand-in of that exact interface (absorbed MLA computed as
-multi-query attention over ``[c_kv | k_pe]`` keys and ``[c_kv | 0]`` values through the existing
-paged :class:`~mtpspec.layers.attention.Attention`); spawned ranks import this module, so they
-get it too. The engine tests run at tp 1 (in-process) for that reason.
+Attention runs through the real :class:`~mtpspec.layers.mla_attention.MLAAttention` (paged latent
+cache, torch path on CPU).
 """
 
 from __future__ import annotations
-
-import json
-import os
-import sys
-import types
 
 import pytest
 import torch
 
 torch.set_num_threads(1)
 
-
-def _install_mla_stand_in() -> bool:
-    try:
-        import mtpspec.layers.mla_attention  # noqa: F401  (the real layer, once branch mla is merged)
-        return False
-    except ImportError:
-        pass
-    from mtpspec.layers.attention import Attention
-
-    class MLAAttention(Attention):
-        """TEST stand-in of the mla branch's interface: ``forward(q_latent [T, H, r], q_pe [T, H, rope],
-        c_kv [T, r], k_pe [T, rope]) -> o_latent [T, H, r]``."""
-
-        def __init__(self, num_heads: int, kv_lora_rank: int, qk_rope_head_dim: int, scale: float) -> None:
-            super().__init__(num_heads, kv_lora_rank + qk_rope_head_dim, scale, num_kv_heads=1)
-            self.kv_lora_rank = kv_lora_rank
-
-        def forward(self, q_latent, q_pe, c_kv, k_pe):  # type: ignore[override]
-            t, h, r = q_latent.shape
-            q = torch.cat([q_latent, q_pe], -1).reshape(t, -1)
-            k = torch.cat([c_kv, k_pe], -1)
-            v = torch.cat([c_kv, torch.zeros_like(k_pe)], -1)
-            return super().forward(q, k, v).view(t, h, -1)[..., :r]
-
-    mod = types.ModuleType("mtpspec.layers.mla_attention")
-    mod.MLAAttention = MLAAttention
-    sys.modules["mtpspec.layers.mla_attention"] = mod
-    return True
-
-
-STAND_IN = _install_mla_stand_in()
-
-from mtpspec.config import ModelConfig, ModelConfigError  # noqa: E402
-from mtpspec.distributed import comm_stats, get_tensor_model_parallel_rank, launch, reset_comm_stats  # noqa: E402
-from mtpspec.layers.attention import (  # noqa: E402
+from mtpspec.config import ModelConfig, ModelConfigError
+from mtpspec.distributed import get_tensor_model_parallel_rank, launch
+from mtpspec.layers.attention import (
     allocate_kv_caches, build_attention_metadata, collect_attention_layers, set_forward_context)
-from mtpspec.models import load_models  # noqa: E402
-from tiny_models import DSV3_TINY_CONFIG, DSV3_YARN, make_tiny_checkpoint  # noqa: E402
+from mtpspec.models import load_models
+from tiny_models import DSV3_TINY_CONFIG, DSV3_YARN, make_tiny_checkpoint
 
 VARIANTS = {
     # q-lora, YaRN, interleaved rope, 2 MTP layers with their own heads

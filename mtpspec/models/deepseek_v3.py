@@ -42,6 +42,7 @@ from mtpspec.config import ModelConfig
 from mtpspec.distributed import get_tensor_model_parallel_world_size, tensor_model_parallel_all_reduce
 from mtpspec.layers.layernorm import RMSNorm
 from mtpspec.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
+from mtpspec.layers.mla_attention import MLAAttention
 from mtpspec.layers.rotary_embedding import RotaryEmbedding
 from mtpspec.models import glm4_moe
 from mtpspec.models.glm4_moe import Glm4MoeDecoderLayer, Glm4MoeForCausalLM, norm_and_mlp_weight_specs
@@ -83,7 +84,6 @@ class DeepseekV3Attention(nn.Module):
         self.rotary_emb = RotaryEmbedding(self.rope_dim, self.rope_dim, config.max_position_embeddings,
                                           config.rope_theta, is_neox_style=not config.rope_interleave,
                                           inv_freq=inv_freq, attention_factor=config.rope_attention_factor)
-        from mtpspec.layers.mla_attention import MLAAttention  # (lazy until the layer is on every branch)
         self.mla_attn = MLAAttention(self.num_local_heads, self.kv_lora_rank, self.rope_dim, config.softmax_scale)
 
     def _w_uk_uv(self):
