@@ -22,6 +22,9 @@ cache, torch path on CPU).
 
 from __future__ import annotations
 
+import json
+import os
+
 import pytest
 import torch
 
@@ -297,3 +300,126 @@ def test_mtp_matches_independent_transformers_reference(setup, variant):
         want = _hf_mtp_reference(hfs[variant], path, cfg, k, ids, pos, prev)
         torch.testing.assert_close(got.double(), want, atol=2e-4, rtol=1e-4)
         assert torch.equal(mtp.get_top_tokens(got, step), mtp.compute_logits(got, step).argmax(-1))
+
+
+# ------------------------------------------------------------------------------------------------- engine
+MAX_TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def engine_model(tmp_path_factory):
+    from test_engine_fixtures import make_model, mixed_prompts
+    path = str(tmp_path_factory.mktemp("dsv3_engine"))
+    hf, cfg = make_model(path, seed=11, num_mtp_layers=2, family="deepseek_v3", rope_parameters=DSV3_YARN)
+    prompts = mixed_prompts(6, cfg.vocab_size, seed=2)
+    return path, hf, cfg, prompts
+
+
+def _llm(path, **kw):
+    from mtpspec import LLM
+    kw.setdefault("max_num_seqs", 4)
+    return LLM(path, max_model_len=64, block_size=4, num_kv_blocks=128, seed=0, **kw)
+
+
+def _generate(llm, prompts):
+    from mtpspec import SamplingParams
+    from test_engine_fixtures import token_prompts
+    sp = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    return [o.outputs[0].token_ids for o in llm.generate(token_prompts(prompts), sp, use_tqdm=False)]
+
+
+@pytest.fixture(scope="module")
+def plain_greedy(engine_model):
+    path, _, _, prompts = engine_model
+    with _llm(path) as llm:
+        return _generate(llm, prompts)
+
+
+def test_plain_greedy_matches_transformers_generate(engine_model, plain_greedy):
+    _, hf, _, prompts = engine_model
+    hf.generation_config.eos_token_id = None
+    hf.generation_config.pad_token_id = 0
+    for p, r in zip(prompts, plain_greedy):
+        ids = torch.tensor([p])
+        out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_TOKENS, do_sample=False)
+        assert out[0, len(p):].tolist() == r and len(r) == MAX_TOKENS
+
+
+@pytest.mark.parametrize("k,local_argmax,fused", [(1, True, True), (3, False, False), (3, True, True)])
+def test_mtp_spec_decoding_equals_plain_greedy(engine_model, plain_greedy, k, local_argmax, fused):
+    path, _, _, prompts = engine_model
+    with _llm(path, speculative_config={"num_speculative_tokens": k, "use_local_argmax_reduction": local_argmax},
+              fuse_allreduce_rmsnorm=fused) as llm:
+        assert _generate(llm, prompts) == plain_greedy
+        m = llm.get_metrics()
+        assert m["num_drafts"] > 0 and m["num_draft_tokens"] == k * m["num_drafts"]
+
+
+def test_spec_decoding_with_oracle_drafts_covers_every_accepted_length(engine_model, plain_greedy):
+    """Drafts from the true continuation, 30% corrupted, so verification accepts 0 .. k drafts."""
+    from test_engine_fixtures import OracleDrafts
+    path, _, cfg, prompts = engine_model
+    from mtpspec import SamplingParams
+    from test_engine_fixtures import token_prompts
+    with _llm(path) as llm:
+        sp = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS + 6, ignore_eos=True)
+        long = llm.generate(token_prompts(prompts), sp, use_tqdm=False)
+    oracle = {tuple(p): o.outputs[0].token_ids for p, o in zip(prompts, long)}
+    with _llm(path, speculative_config={"num_speculative_tokens": 3}) as llm:
+        llm.llm_engine.draft_hook = OracleDrafts(oracle, cfg.vocab_size, corrupt=0.3)
+        assert _generate(llm, prompts) == plain_greedy
+        hist = llm.get_metrics()["accepted_length_histogram"]
+        assert sum(1 for h in hist if h) >= 3, hist
+
+
+@pytest.mark.parametrize("fused,seq_parallel,local_argmax", [(True, False, True), (False, False, False),
+                                                              (True, True, True)])
+def test_mtp_spec_decoding_tp2_equals_plain_greedy(engine_model, plain_greedy, fused, seq_parallel, local_argmax):
+    path, _, _, prompts = engine_model
+    with _llm(path, tensor_parallel_size=2, speculative_config={"num_speculative_tokens": 3,
+                                                                 "use_local_argmax_reduction": local_argmax},
+              fuse_allreduce_rmsnorm=fused, sequence_parallel=seq_parallel, device="cpu") as llm:
+        assert _generate(llm, prompts) == plain_greedy
+
+
+# ------------------------------------------------------------------------------------------------- loader
+@pytest.fixture(scope="module")
+def loader_base(tmp_path_factory):
+    from mtpspec.models.loader import read_checkpoint_tensors
+    path = str(tmp_path_factory.mktemp("dsv3_loader"))
+    _, cfg = make_tiny_checkpoint(path, seed=3, num_mtp_layers=1, family="deepseek_v3")
+    with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
+        raw = json.load(f)
+    return dict(read_checkpoint_tensors(path)), raw
+
+
+def _write_variant(tmp_path, base, edit):
+    from mtpspec.models.loader import save_checkpoint
+    tensors, raw = dict(base[0]), dict(base[1])
+    edit(tensors)
+    save_checkpoint(str(tmp_path), tensors, raw)
+    return str(tmp_path)
+
+
+@pytest.mark.parametrize("key", ["model.layers.1.self_attn.kv_b_proj.weight",
+                                 "model.layers.3.self_attn.q_a_layernorm.weight",
+                                 "model.layers.2.mlp.experts.5.up_proj.weight"])
+def test_missing_tensor_is_named(tmp_path, loader_base, key, monkeypatch):
+    from mtpspec.models import MissingKeyError
+    from mtpspec.models import deepseek_v3
+    path = _write_variant(tmp_path, loader_base, lambda t: t.pop(key))
+    built = []
+    monkeypatch.setattr(deepseek_v3.DeepseekV3Attention, "__init__",
+                        lambda self, *a, **k: built.append(1) or (_ for _ in ()).throw(AssertionError("built")))
+    with pytest.raises(MissingKeyError, match=key.replace(".", r"\.")) as info:
+        load_models(path, dtype=torch.float32, device="cpu")
+    assert info.value.key == key and not built  # checked before any module is built
+
+
+def test_wrong_shape_names_expected_and_actual(tmp_path, loader_base):
+    from mtpspec.models import ShapeMismatchError
+    key = "model.layers.0.self_attn.kv_b_proj.weight"  # [4 * (12 + 10), 16]
+    path = _write_variant(tmp_path, loader_base, lambda t: t.__setitem__(key, t[key].T.contiguous()))
+    with pytest.raises(ShapeMismatchError, match=r"kv_b_proj\.weight'.*expected shape \[88, 16\], got \[16, 88\]") as e:
+        load_models(path, dtype=torch.float32, device="cpu")
+    assert (e.value.expected, e.value.actual) == ((88, 16), (16, 88))
