@@ -257,13 +257,13 @@ def _hf_mtp_reference(hf, path, cfg, k, ids, pos, prev):
     hf_cfg = copy.deepcopy(hf.config)
     hf_cfg._experts_implementation = "eager"  # the per-expert loop (grouped_mm has no float64)
     layer = DeepseekV3DecoderLayer(hf_cfg, idx).eval()
-    sd = {}
+    sd, experts = {}, range(cfg.n_routed_experts)
     for name in layer.state_dict():
         if name == "mlp.experts.gate_up_proj":
             sd[name] = torch.stack([torch.cat([sub[f"mlp.experts.{e}.gate_proj.weight"],
-                                               sub[f"mlp.experts.{e}.up_proj.weight"]]) for e in range(cfg.n_routed_experts)])
+                                               sub[f"mlp.experts.{e}.up_proj.weight"]]) for e in experts])
         elif name == "mlp.experts.down_proj":
-            sd[name] = torch.stack([sub[f"mlp.experts.{e}.down_proj.weight"] for e in range(cfg.n_routed_experts)])
+            sd[name] = torch.stack([sub[f"mlp.experts.{e}.down_proj.weight"] for e in experts])
         else:
             sd[name] = sub[name]
     layer.load_state_dict(sd)
@@ -274,7 +274,8 @@ def _hf_mtp_reference(hf, path, cfg, k, ids, pos, prev):
 
     emb = hf.model.embed_tokens.weight.detach().double()[ids]
     emb[pos == 0] = 0
-    x = torch.cat([rms(emb, sub["enorm.weight"]), rms(prev.double(), sub["hnorm.weight"])], -1) @ sub["eh_proj.weight"].T
+    eh = torch.cat([rms(emb, sub["enorm.weight"]), rms(prev.double(), sub["hnorm.weight"])], -1)
+    x = eh @ sub["eh_proj.weight"].T
     t = len(ids)
     cos, sin = DeepseekV3RotaryEmbedding(hf.config)(x[None], pos[None])
     mask = torch.full((t, t), float("-inf"), dtype=torch.float64).triu(1)[None, None]
@@ -423,3 +424,32 @@ def test_wrong_shape_names_expected_and_actual(tmp_path, loader_base):
     with pytest.raises(ShapeMismatchError, match=r"kv_b_proj\.weight'.*expected shape \[88, 16\], got \[16, 88\]") as e:
         load_models(path, dtype=torch.float32, device="cpu")
     assert (e.value.expected, e.value.actual) == ((88, 16), (16, 88))
+
+
+def test_export_round_trips_the_checkpoint(tmp_path, loader_base):
+    """tp-1 models export exactly the tensors they were loaded from (per-expert layout), and a
+    checkpoint in the fused expert layout loads to the same models."""
+    from mtpspec.models import export_hf_state_dict
+    tensors = loader_base[0]
+    for sub in ("a", "b"):
+        (tmp_path / sub).mkdir()
+    path = _write_variant(tmp_path / "a", loader_base, lambda t: None)
+    target, mtp = load_models(path, dtype=torch.float32, device="cpu")
+    out = export_hf_state_dict(target, mtp)
+    assert set(out) == set(tensors)
+    for key, t in tensors.items():
+        assert torch.equal(out[key], t), key
+
+    def fuse(t):
+        for layer in range(1, 4):  # MoE layers 1, 2 and the MTP block 3
+            pre = f"model.layers.{layer}.mlp.experts."
+            gate_up = [torch.cat([t.pop(f"{pre}{e}.gate_proj.weight"), t.pop(f"{pre}{e}.up_proj.weight")])
+                       for e in range(8)]
+            t[f"{pre}gate_up_proj"] = torch.stack(gate_up)
+            t[f"{pre}down_proj"] = torch.stack([t.pop(f"{pre}{e}.down_proj.weight") for e in range(8)])
+
+    fused_path = _write_variant(tmp_path / "b", loader_base, fuse)
+    target2, mtp2 = load_models(fused_path, dtype=torch.float32, device="cpu")
+    assert export_hf_state_dict(target2, mtp2).keys() == out.keys()
+    for key, t in export_hf_state_dict(target2, mtp2).items():
+        assert torch.equal(t, out[key]), key
