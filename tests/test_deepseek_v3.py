@@ -6,15 +6,17 @@ MTP layers (``tests/tiny_models.py``, ``family="deepseek_v3"``):
 
 * config: YaRN frequencies, cos / sin factor and softmax scale equal ``transformers``'; tp that
   does not divide the heads, unsupported rope types and attention biases give clear errors;
-* target logits equal ``transformers``' ``DeepseekV3ForCausalLM`` (fp32, eager) at tp 1 and tp 2
+* target logits equal ``transformers``' ``DeepseekV3ForCausalLM`` (fp32, eager) at tp 1, 2 and 4
   (gloo ranks; one prompt at a time, a padded varlen batch, and through the paged latent cache:
   chunked prefill then decode) for q-lora on / off, YaRN on / off, ``rope_interleave`` both ways;
-* MTP: tp 2 equals tp 1, the fused / baseline / sequence-parallel tails agree, ``get_top_tokens``
+* MTP: tp 2 and 4 equal tp 1, the fused / baseline / sequence-parallel tails agree, ``get_top_tokens``
   equals the argmax of the logits, and layer 0 equals an independent reference built from
   ``transformers``' own ``DeepseekV3DecoderLayer`` loaded with the MTP block's weights;
-* engine (tp 1): greedy decoding equals ``transformers`` ``generate``; MTP speculative decoding
-  (k 1 and 3, fused / unfused, local argmax on / off) emits exactly the plain greedy tokens;
-* loader: a missing tensor and a wrong shape are named, nothing half-loaded.
+* engine: greedy decoding equals ``transformers`` ``generate``; MTP speculative decoding (k 1 and
+  3, 2 MTP layers, fused / unfused / sequence-parallel, local argmax on / off, tp 1 and 2, the
+  CUDA-graph code path with padded batches) emits exactly the plain greedy tokens;
+* loader: a missing tensor and a wrong shape are named, nothing half-loaded; export round-trips
+  and the fused expert layout loads the same weights.
 
 Attention runs through the real :class:`~mtpspec.layers.mla_attention.MLAAttention` (paged latent
 cache, torch path on CPU).
@@ -123,7 +125,7 @@ def setup(tmp_path_factory):
         with torch.no_grad():
             ref = [hf(p[None]).logits[0] for p in prompts]
         mtp_inputs = {}
-        for tp in (1, 2):
+        for tp in (1, 2, 4):
             for bname, lens in _mtp_batches(tp):
                 t = sum(lens)
                 mtp_inputs[bname] = (torch.randint(0, cfg.vocab_size, (t,), generator=g),
@@ -131,7 +133,7 @@ def setup(tmp_path_factory):
                                      torch.randn(t, cfg.hidden_size, generator=g), lens)
         out[name] = (path, prompts, ref, mtp_inputs)
         hfs[name] = hf
-    runs = {1: [_rank_all(out)], 2: launch(_rank_all, 2, out, timeout_s=600)}
+    runs = {1: [_rank_all(out)], **{tp: launch(_rank_all, tp, out, timeout_s=600) for tp in (2, 4)}}
     return out, runs, hfs
 
 
@@ -196,7 +198,7 @@ def _rank_all(setup_data):
     return out
 
 
-@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize("tp", [1, 2, 4])
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_target_matches_transformers(setup, variant, tp):
     data, runs, _ = setup
@@ -214,8 +216,9 @@ def test_target_matches_transformers(setup, variant, tp):
         assert t["latent_replicated"] == (16 + 8, 64)
 
 
+@pytest.mark.parametrize("tp", [2, 4])
 @pytest.mark.parametrize("variant", list(VARIANTS))
-def test_mtp_tp2_equals_tp1_and_arms_agree(setup, variant):
+def test_mtp_tp_equals_tp1_and_arms_agree(setup, variant, tp):
     from test_model_tp import _mtp_batches
     _, runs, _ = setup
     base = runs[1][0][variant]["mtp"]
@@ -223,14 +226,14 @@ def test_mtp_tp2_equals_tp1_and_arms_agree(setup, variant):
     assert runs[1][0][variant]["tied"] == tied
     for (bname, step, arm), (out, _, top_ok, stats) in base.items():  # tp 1: no communication, arms identical
         assert top_ok and stats == {} and torch.equal(out, base[(bname, step, "fused")][0])
-    for r in runs[2]:
+    for r in runs[tp]:
         assert r[variant]["tied"] == tied
         m = r[variant]["mtp"]
-        for bname, _ in _mtp_batches(2):
+        for bname, _ in _mtp_batches(tp):
             for step in (0, 1):
                 for arm in ("fused", "baseline", "sp"):
                     out, logits, top_ok, stats = m[(bname, step, arm)]
-                    where = f"rank={r['rank']} {bname} step={step} {arm}"
+                    where = f"tp={tp} rank={r['rank']} {bname} step={step} {arm}"
                     assert top_ok, f"{where}: get_top_tokens != argmax(compute_logits)"
                     ref_out, ref_logits = base[(bname, step, "fused")][:2]
                     torch.testing.assert_close(out, ref_out, atol=MTP_ATOL, rtol=MTP_RTOL,
@@ -371,6 +374,20 @@ def test_spec_decoding_with_oracle_drafts_covers_every_accepted_length(engine_mo
         assert _generate(llm, prompts) == plain_greedy
         hist = llm.get_metrics()["accepted_length_histogram"]
         assert sum(1 for h in hist if h) >= 3, hist
+
+
+@pytest.mark.parametrize("k,local_argmax", [(1, False), (3, True)])
+def test_graph_code_path_with_padding_equals_plain_greedy(engine_model, plain_greedy, k, local_argmax):
+    """The CUDA-graph path's static padded buffers (``graph_mode="static"``: no capture on CPU):
+    batches padded to 1, 2, 4, 8 sequences; padding rows (seq_len 0, slot -1) reach neither the
+    latent cache nor emission."""
+    path, _, _, prompts = engine_model
+    with _llm(path, max_num_seqs=8, graph_mode="static",
+              speculative_config={"num_speculative_tokens": k, "use_local_argmax_reduction": local_argmax}) as llm:
+        for n in (3, 6, 1):
+            assert _generate(llm, prompts[:n]) == plain_greedy[:n]
+        assert llm.get_metrics()["num_eager_fallbacks"] == 0
+        assert llm.executor.runner.fwd.num_graph_steps > 10
 
 
 @pytest.mark.parametrize("fused,seq_parallel,local_argmax", [(True, False, True), (False, False, False),
