@@ -50,7 +50,8 @@ class DeepseekV3ArchConfig(ArchConfig):
         rope_scaling: the YaRN keys (``factor``, ``original_max_position_embeddings``,
             ``beta_fast``, ``beta_slow``, ``mscale``, ``mscale_all_dim``, ``attention_factor``,
             ``truncate``) as given; empty for default rope.
-        max_position_embeddings: copied from the common part (the YaRN defaults read it).
+        max_position_embeddings: copied from the common part when parsed (YaRN's defaults for
+            ``original_max_position_embeddings`` and ``factor`` read it).
         qk_head_dim (property): ``qk_nope_head_dim + qk_rope_head_dim``.
         kv_cache_head_size (property): ``kv_lora_rank + qk_rope_head_dim`` values per token.
     """
