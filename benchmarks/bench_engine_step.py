@@ -22,6 +22,14 @@ bandwidth measured in the same run (``x.sum()`` over 4 GiB). ``x floor`` = time 
 Usage: ``python3 benchmarks/bench_engine_step.py [--batch-sizes 1,64] [--k 3] [--context 1024]
 [--layers 3] [--json out.json]``; ``--smoke`` runs a tiny model on CPU (no graphs) to prove
 the script works.
+
+``--arch deepseek_v3``: the same rows at DeepSeek-V3 width instead (hidden 7168, vocab 129280,
+MLA with 128 heads (``--heads`` overrides), q_lora_rank 1536, kv_lora_rank 512 + rope 64, nope
+128, v 128; 256 routed experts of 2048 + 1 shared, top-8 in 8 groups (top 4 groups); the first
+layer dense (18432); YaRN rope as the released config), built through the model registry. Its
+floors count the MLA weights (``q_a`` / ``q_b`` / ``kv_a`` / ``kv_b`` / ``o`` projections and
+latent norms) and the latent cache, ``kv_lora_rank + qk_rope_head_dim`` values per token per
+layer (every layer's cache bytes per token come from its own ``get_kv_cache_spec``).
 """
 
 from __future__ import annotations
@@ -46,6 +54,7 @@ from mtpspec.engine.input_prep import prepare_step  # noqa: E402
 from mtpspec.engine.model_runner import ModelRunner  # noqa: E402
 from mtpspec.layers.attention import set_forward_context  # noqa: E402
 from mtpspec.layers.fused_moe import FusedMoE, MoEGate  # noqa: E402
+from mtpspec.models.registry import get_architecture  # noqa: E402
 from mtpspec.sample.rejection_sampler import greedy_verify  # noqa: E402
 from mtpspec.step_io import SeqInput, StepInput  # noqa: E402
 
@@ -58,6 +67,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--k", type=int, default=3, help="draft tokens per step")
     p.add_argument("--context", type=int, default=1024, help="tokens already cached per sequence")
     p.add_argument("--layers", type=int, default=3, help="target decoder layers (first dense, rest MoE)")
+    p.add_argument("--arch", default="glm4_moe", choices=["glm4_moe", "deepseek_v3"],
+                   help="model width: GLM-4.5-Air (default) or DeepSeek-V3 (MLA)")
+    p.add_argument("--heads", type=int, help="deepseek_v3 only: attention heads (default 128, as at tp 1)")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--graph-mode", default="auto", choices=["auto", "off", "cuda"],
                    help="the engine runner's CUDA-graph mode for the 'engine step' row")
@@ -66,7 +78,11 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def model_config(smoke: bool, layers: int) -> ModelConfig:
+def model_config(smoke: bool, layers: int, arch: str = "glm4_moe", heads: Optional[int] = None) -> ModelConfig:
+    if arch == "deepseek_v3":
+        return deepseek_v3_config(smoke, layers, heads)
+    if heads is not None:
+        raise SystemExit("--heads is for --arch deepseek_v3 only")
     if smoke:
         dims = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                     vocab_size=1000, moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2)
@@ -79,6 +95,31 @@ def model_config(smoke: bool, layers: int) -> ModelConfig:
         rms_norm_eps=1e-5, rope_theta=1e6, partial_rotary_factor=0.5, attention_bias=True, first_k_dense_replace=1,
         n_shared_experts=1, routed_scaling_factor=1.0, n_group=1, topk_group=1, num_nextn_predict_layers=1,
         eos_token_id=0, **dims))
+
+
+def deepseek_v3_config(smoke: bool, layers: int, heads: Optional[int]) -> ModelConfig:
+    """DeepSeek-V3's released config.json at ``layers`` target layers (tiny dims with ``smoke``)."""
+    if smoke:
+        dims = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, q_lora_rank=24, kv_lora_rank=16,
+                    qk_rope_head_dim=8, qk_nope_head_dim=12, v_head_dim=16, vocab_size=1000,
+                    moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1,
+                    max_position_embeddings=8192)
+    else:
+        dims = dict(hidden_size=7168, intermediate_size=18432, num_attention_heads=128, q_lora_rank=1536,
+                    kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128, vocab_size=129280,
+                    moe_intermediate_size=2048, n_routed_experts=256, num_experts_per_tok=8, n_group=8, topk_group=4,
+                    max_position_embeddings=163840)
+    if heads is not None:
+        dims["num_attention_heads"] = heads
+    dims["num_key_value_heads"] = dims["num_attention_heads"]
+    return ModelConfig.from_dict(dict(
+        architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3", num_hidden_layers=layers,
+        rms_norm_eps=1e-6, rope_theta=10000.0, rope_interleave=True,
+        rope_scaling=dict(type="yarn", factor=40.0, original_max_position_embeddings=4096, beta_fast=32, beta_slow=1,
+                          mscale=1.0, mscale_all_dim=1.0),
+        first_k_dense_replace=1, n_shared_experts=1, routed_scaling_factor=2.5, norm_topk_prob=True,
+        scoring_func="sigmoid", topk_method="noaux_tc", num_nextn_predict_layers=1, tie_word_embeddings=False,
+        eos_token_id=1, **dims))
 
 
 @torch.no_grad()
@@ -145,7 +186,9 @@ def bench_batch(runner: ModelRunner, timer: Timer, b: int, k: int, context: int,
     dev, dtype = runner.device, runner.kv_dtype
     e = torch.empty((), dtype=dtype).element_size()
     h, v = cfg.hidden_size, cfg.vocab_size
-    kv_per_token = sum(2 * layer.num_kv_heads * layer.head_dim * e for layer in runner.layers)
+    # cache bytes per token of every layer (GQA: K and V of each kv head; MLA: one latent entry)
+    kv_per_token = sum(layer.get_kv_cache_spec(BLOCK_SIZE, dtype).page_size_bytes // BLOCK_SIZE
+                       for layer in runner.layers)
     kv_per_token_target = kv_per_token * cfg.num_hidden_layers // len(runner.layers)
     kv_per_token_mtp = kv_per_token - kv_per_token_target
     step = decode_step(b, k, context, v, -(-(context + 2 * k + 2) // BLOCK_SIZE))
@@ -255,14 +298,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
     if args.smoke:
         args.context, args.iters = min(args.context, 64), min(args.iters, 3)
-    cfg = model_config(args.smoke, args.layers)
+    cfg = model_config(args.smoke, args.layers, args.arch, args.heads)
     batches = [int(x) for x in args.batch_sizes.split(",")]
     k = args.k
+    arch = get_architecture(cfg.architecture)
     with torch.device(device):
-        from mtpspec.models.glm4_moe import Glm4MoeForCausalLM
-        from mtpspec.models.glm4_moe_mtp import Glm4MoeMTP
-        target = Glm4MoeForCausalLM(cfg, dtype).eval()
-        mtp = Glm4MoeMTP(cfg, target.model.embed_tokens, target.lm_head, False, True, False, dtype).eval()
+        target = arch.target_class()(cfg, dtype).eval()
+        mtp = arch.mtp_class()(cfg, target.model.embed_tokens, target.lm_head, False, True, False, dtype).eval()
     randomise_(target, 0)
     randomise_(mtp.model, 1)
     spec = SpeculativeConfig(num_speculative_tokens=k, use_local_argmax_reduction=True)
@@ -280,6 +322,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             rows += bench_batch(runner, timer, b, k, args.context, bw)
     print(f"device {torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}, {dtype}, hidden "
           f"{cfg.hidden_size}, vocab {cfg.vocab_size}, {args.layers} layers + 1 MTP, k={k}, context {args.context}")
+    if args.arch == "deepseek_v3":
+        print(f"DeepSeek-V3 MLA: {cfg.num_attention_heads} heads, q_lora_rank {cfg.q_lora_rank}, kv_lora_rank "
+              f"{cfg.kv_lora_rank} + rope {cfg.qk_rope_head_dim} cached per token per layer; {cfg.n_routed_experts} "
+              f"experts of {cfg.moe_intermediate_size}, top {cfg.num_experts_per_tok} ({cfg.n_group} groups, top "
+              f"{cfg.topk_group}), first {cfg.first_k_dense_replace} dense ({cfg.intermediate_size})")
     print(table(rows, bw))
     if args.json:
         with open(args.json, "w") as f:
