@@ -370,8 +370,11 @@ class AsyncLLM:
                 self.engine.abort_request(rid)
                 batch.append((live.sink, RequestError(f"request {rid} failed: {type(exc).__name__}: {exc}")))
                 self._notify("on_error", rid)
-        self._notify("on_step", self.engine, finished)  # counters first: a client that sees its last
-        for sink, item in batch:                         # token and then scrapes /metrics finds it counted
+        # Counters and stats first: a client that sees its last token and then scrapes /metrics or
+        # reads stats() finds it counted and its sequence freed.
+        self._notify("on_step", self.engine, finished)
+        self._update_stats()
+        for sink, item in batch:
             sink(item)
 
     def _notify(self, method: str, *args: Any) -> None:
