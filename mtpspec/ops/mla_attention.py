@@ -45,7 +45,10 @@ from typing import Optional
 import torch
 
 from mtpspec.ops.argmax import num_sms
-from mtpspec.ops.triton_utils import HAS_TRITON, LazyKernel, cdiv, interpreting, next_power_of_2, tl, use_triton
+from mtpspec.ops.paged_common import (causal_probs, choose_num_splits, launchable_block_tables, padded_queries,
+                                      padded_slots, scatter_padded_rows, split_outputs)
+from mtpspec.ops.triton_utils import (HAS_TRITON, LazyKernel, cdiv, check_paged_metadata, check_tensor_args,
+                                      interpreting, next_power_of_2, tl, use_triton)
 
 #: (query row, head) pairs per program: matrix rows of the score tile (16 = smallest tl.dot tile).
 #: 64 x 64 tiles with 8 warps are the defaults from the H200 sweep of 2026-12-02
@@ -72,12 +75,9 @@ _LOG2E = 1.4426950408889634
 def _check_mla_inputs(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,
                       query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
                       max_query_len: int) -> None:
-    for name, t in (("q_latent", q_latent), ("q_pe", q_pe), ("kv_cache", kv_cache),
-                    ("query_start_loc", query_start_loc), ("seq_lens", seq_lens), ("block_tables", block_tables)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"mla_attention: {name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.device != q_latent.device:
-            raise ValueError(f"mla_attention: {name} is on {t.device} but q_latent is on {q_latent.device}")
+    check_tensor_args("mla_attention", "q_latent", q_latent,
+                      (("q_latent", q_latent), ("q_pe", q_pe), ("kv_cache", kv_cache),
+                       ("query_start_loc", query_start_loc), ("seq_lens", seq_lens), ("block_tables", block_tables)))
     if q_latent.dim() != 3 or q_pe.dim() != 3 or q_pe.shape[:2] != q_latent.shape[:2]:
         raise ValueError(f"mla_attention: q_latent must be [num_tokens, num_heads, kv_lora_rank] and q_pe "
                          f"[num_tokens, num_heads, rope], got {list(q_latent.shape)} and {list(q_pe.shape)}")
@@ -90,21 +90,7 @@ def _check_mla_inputs(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: torc
                         f"got {q_latent.dtype}, {q_pe.dtype}, {kv_cache.dtype}")
     if q_latent.stride(2) != 1 or q_pe.stride(2) != 1 or kv_cache.stride(2) != 1:
         raise ValueError("mla_attention: q_latent, q_pe and kv_cache need unit stride in their last dimension")
-    if query_start_loc.dim() != 1 or query_start_loc.shape[0] < 1:
-        raise ValueError(f"mla_attention: query_start_loc must be [num_seqs + 1], got {list(query_start_loc.shape)}")
-    b = query_start_loc.shape[0] - 1
-    if seq_lens.shape != (b,):
-        raise ValueError(f"mla_attention: seq_lens must be [num_seqs] = [{b}], got {list(seq_lens.shape)}")
-    if block_tables.dim() != 2 or block_tables.shape[0] != b:
-        raise ValueError(f"mla_attention: block_tables must be [num_seqs={b}, max_blocks], got "
-                         f"{list(block_tables.shape)}")
-    for name, t in (("query_start_loc", query_start_loc), ("seq_lens", seq_lens), ("block_tables", block_tables)):
-        if t.dtype not in (torch.int32, torch.int64):
-            raise TypeError(f"mla_attention: {name} must be int32 or int64, got {t.dtype}")
-    if block_tables.shape[1] and block_tables.stride(1) != 1:
-        raise ValueError("mla_attention: block_tables rows need unit stride")
-    if not isinstance(max_query_len, int) or isinstance(max_query_len, bool) or max_query_len < 0:
-        raise ValueError(f"mla_attention: max_query_len must be an int >= 0, got {max_query_len!r}")
+    check_paged_metadata("mla_attention", query_start_loc, seq_lens, block_tables, max_query_len)
 
 
 # ---------------------------------------------------------------- torch references
@@ -125,32 +111,16 @@ def mla_attention_ref(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: torc
     acc_dtype = torch.float64 if q_latent.dtype == torch.float64 else torch.float32
     if t == 0 or b == 0 or max_query_len == 0 or max_seq_len == 0:
         return torch.zeros(t, nh, r, dtype=q_latent.dtype, device=dev)
-    qsl = query_start_loc.long()
-    starts, q_lens, s_lens = qsl[:-1], qsl[1:] - qsl[:-1], seq_lens.long()
-    j = torch.arange(max_query_len, device=dev)
-    rows = starts[:, None] + j[None, :]  # [B, Q]
-    row_ok = j[None, :] < q_lens[:, None]
+    q_lens, s_lens, j, rows, row_ok = padded_queries(query_start_loc, seq_lens, max_query_len, dev)
     q = torch.cat([q_latent, q_pe], dim=-1).to(acc_dtype)
     qp = q.index_select(0, torch.where(row_ok, rows, 0).reshape(-1)).view(b, max_query_len, nh, d)
-    pos = torch.arange(max_seq_len, device=dev)
-    width = block_tables.shape[1]
-    blocks = block_tables.long().index_select(1, (pos // bs).clamp(max=max(width - 1, 0)))
-    key_ok = pos[None, :] < s_lens[:, None]  # [B, S]
-    slots = torch.where(key_ok, blocks * bs + pos % bs, 0).clamp(0, kv_cache.shape[0] * bs - 1)
+    pos, key_ok, slots = padded_slots(block_tables, s_lens, max_seq_len, bs, kv_cache.shape[0], dev)
     kp = kv_cache.reshape(-1, d).index_select(0, slots.reshape(-1)).view(b, max_seq_len, d).to(acc_dtype)
     kp = torch.where(key_ok[:, :, None], kp, torch.zeros_like(kp))  # stale slots never reach p @ v
     s = torch.einsum("bqhd,bkd->bhqk", qp, kp) * scale
-    q_abs = (s_lens - q_lens)[:, None] + j[None, :]
-    mask = (pos[None, None, :] <= q_abs[:, :, None]) & key_ok[:, None, :] & row_ok[:, :, None]
-    s = s.masked_fill(~mask[:, None], float("-inf"))
-    m = s.amax(dim=-1, keepdim=True)
-    p = torch.exp(s - torch.where(torch.isfinite(m), m, torch.zeros_like(m)))
-    l = p.sum(dim=-1, keepdim=True)
-    o = torch.einsum("bhqk,bkd->bqhd", p / torch.where(l > 0, l, torch.ones_like(l)), kp[..., :r])
-    dst = torch.where(row_ok, rows, t).reshape(-1)  # rows past a sequence go to a dropped extra row
-    full = torch.zeros(t + 1, nh, r, dtype=acc_dtype, device=dev)
-    full.index_copy_(0, dst, o.reshape(-1, nh, r))
-    return full[:t].to(q_latent.dtype)
+    p = causal_probs(s, q_lens, s_lens, j, pos, key_ok, row_ok)
+    o = torch.einsum("bhqk,bkd->bqhd", p, kp[..., :r])
+    return scatter_padded_rows(o, rows, row_ok, t, acc_dtype, q_latent.dtype)
 
 
 def write_mla_kv_cache_ref(c_kv: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor,
@@ -298,12 +268,8 @@ def mla_attention_plan(num_seqs: int, max_query_len: int, num_heads: int, max_se
         raise ValueError(f"block_m must be a power of two >= {MIN_BLOCK_M}, got {block_m}")
     block_m = max(MIN_BLOCK_M, min(block_m, next_power_of_2(pairs)))
     row_blocks = cdiv(pairs, block_m)
-    if num_splits is None:
-        work = max(1, num_seqs * row_blocks)
-        num_splits = max(1, min(cdiv(TARGET_PROGRAMS_PER_SM * sms, work),
-                                cdiv(max(1, max_seq_len), MIN_KEYS_PER_SPLIT), MAX_SPLITS))
-    elif not isinstance(num_splits, int) or num_splits < 1:
-        raise ValueError(f"num_splits must be an int >= 1, got {num_splits!r}")
+    num_splits = choose_num_splits(num_splits, num_seqs * row_blocks, sms, max_seq_len, TARGET_PROGRAMS_PER_SM,
+                                   MIN_KEYS_PER_SPLIT, MAX_SPLITS)
     return dict(block_m=block_m, row_blocks=row_blocks, num_splits=num_splits)
 
 
@@ -364,15 +330,8 @@ def mla_attention(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Te
         return torch.empty_like(q_latent)
     if b == 0 or max_query_len == 0:
         return torch.zeros_like(q_latent)
-    if s == 1:
-        out = torch.zeros_like(q_latent)  # padding rows stay zero
-        part_acc = part_ml = out  # unused
-    else:
-        out = torch.empty_like(q_latent)
-        part_acc = torch.empty(t, nh, s, block_l, dtype=torch.float32, device=q_latent.device)
-        part_ml = torch.empty(t, nh, s, 2, dtype=torch.float32, device=q_latent.device)
-    if block_tables.shape[1] == 0:  # no blocks at all: give the kernel a valid pointer
-        block_tables = torch.zeros(b, 1, dtype=block_tables.dtype, device=q_latent.device)
+    out, part_acc, part_ml = split_outputs(q_latent, s, block_l)
+    block_tables = launchable_block_tables(block_tables, b)
     _mla_attn[(plan["row_blocks"], s, b)](
         q_latent, q_pe, kv_cache, out, part_acc, part_ml, query_start_loc, seq_lens, block_tables,
         float(scale) * _LOG2E, s, q_latent.stride(0), q_latent.stride(1), q_pe.stride(0), q_pe.stride(1),

@@ -41,7 +41,10 @@ from typing import Optional
 import torch
 
 from mtpspec.ops.argmax import num_sms
-from mtpspec.ops.triton_utils import HAS_TRITON, LazyKernel, cdiv, interpreting, next_power_of_2, tl, use_triton
+from mtpspec.ops.paged_common import (causal_probs, choose_num_splits, launchable_block_tables, padded_queries,
+                                      padded_slots, scatter_padded_rows, split_outputs)
+from mtpspec.ops.triton_utils import (HAS_TRITON, LazyKernel, cdiv, check_paged_metadata, check_tensor_args,
+                                      interpreting, next_power_of_2, tl, use_triton)
 
 #: Keys per inner-loop tile (may span several cache blocks).
 BLOCK_N = 64
@@ -64,12 +67,9 @@ _LOG2E = 1.4426950408889634
 def _check_attention_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
                             block_tables: torch.Tensor, max_query_len: int) -> None:
-    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("query_start_loc", query_start_loc),
-                    ("seq_lens", seq_lens), ("block_tables", block_tables)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"paged_attention: {name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.device != q.device:
-            raise ValueError(f"paged_attention: {name} is on {t.device} but q is on {q.device}")
+    check_tensor_args("paged_attention", "q", q,
+                      (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("query_start_loc", query_start_loc),
+                       ("seq_lens", seq_lens), ("block_tables", block_tables)))
     if q.dim() != 3:
         raise ValueError(f"paged_attention: q must be [num_tokens, num_heads, head_dim], got {list(q.shape)}")
     if k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
@@ -87,21 +87,7 @@ def _check_attention_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                         f"{q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
     if q.stride(2) != 1 or k_cache.stride(3) != 1 or v_cache.stride(3) != 1:
         raise ValueError("paged_attention: q and the caches need unit stride in head_dim")
-    if query_start_loc.dim() != 1 or query_start_loc.shape[0] < 1:
-        raise ValueError(f"paged_attention: query_start_loc must be [num_seqs + 1], got {list(query_start_loc.shape)}")
-    b = query_start_loc.shape[0] - 1
-    if seq_lens.shape != (b,):
-        raise ValueError(f"paged_attention: seq_lens must be [num_seqs] = [{b}], got {list(seq_lens.shape)}")
-    if block_tables.dim() != 2 or block_tables.shape[0] != b:
-        raise ValueError(f"paged_attention: block_tables must be [num_seqs={b}, max_blocks], got "
-                         f"{list(block_tables.shape)}")
-    for name, t in (("query_start_loc", query_start_loc), ("seq_lens", seq_lens), ("block_tables", block_tables)):
-        if t.dtype not in (torch.int32, torch.int64):
-            raise TypeError(f"paged_attention: {name} must be int32 or int64, got {t.dtype}")
-    if block_tables.shape[1] and block_tables.stride(1) != 1:
-        raise ValueError("paged_attention: block_tables rows need unit stride")
-    if not isinstance(max_query_len, int) or isinstance(max_query_len, bool) or max_query_len < 0:
-        raise ValueError(f"paged_attention: max_query_len must be an int >= 0, got {max_query_len!r}")
+    check_paged_metadata("paged_attention", query_start_loc, seq_lens, block_tables, max_query_len)
 
 
 # ---------------------------------------------------------------- torch references
@@ -123,33 +109,17 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     out = torch.zeros(t, nh, hd, dtype=q.dtype, device=dev)
     if t == 0 or b == 0 or max_query_len == 0 or max_seq_len == 0:
         return out
-    qsl = query_start_loc.long()
-    starts, q_lens, s_lens = qsl[:-1], qsl[1:] - qsl[:-1], seq_lens.long()
-    j = torch.arange(max_query_len, device=dev)
-    rows = starts[:, None] + j[None, :]  # [B, Q]
-    row_ok = j[None, :] < q_lens[:, None]
+    q_lens, s_lens, j, rows, row_ok = padded_queries(query_start_loc, seq_lens, max_query_len, dev)
     qp = q.index_select(0, torch.where(row_ok, rows, 0).reshape(-1)).view(b, max_query_len, nh, hd)
-    pos = torch.arange(max_seq_len, device=dev)
-    width = block_tables.shape[1]
-    blocks = block_tables.long().index_select(1, (pos // bs).clamp(max=max(width - 1, 0)))
-    key_ok = pos[None, :] < s_lens[:, None]  # [B, S]
-    slots = torch.where(key_ok, blocks * bs + pos % bs, 0).clamp(0, k_cache.shape[0] * bs - 1)
+    pos, key_ok, slots = padded_slots(block_tables, s_lens, max_seq_len, bs, k_cache.shape[0], dev)
     kp = k_cache.reshape(-1, nkv, hd).index_select(0, slots.reshape(-1)).view(b, max_seq_len, nkv, hd)
     vp = v_cache.reshape(-1, nkv, hd).index_select(0, slots.reshape(-1)).view(b, max_seq_len, nkv, hd)
     kp = kp.to(acc_dtype).repeat_interleave(rep, dim=2)
     vp = vp.to(acc_dtype).repeat_interleave(rep, dim=2)
     s = torch.einsum("bqhd,bkhd->bhqk", qp.to(acc_dtype), kp) * scale
-    q_abs = (s_lens - q_lens)[:, None] + j[None, :]  # [B, Q]
-    mask = (pos[None, None, :] <= q_abs[:, :, None]) & key_ok[:, None, :] & row_ok[:, :, None]
-    s = s.masked_fill(~mask[:, None], float("-inf"))
-    m = s.amax(dim=-1, keepdim=True)
-    p = torch.exp(s - torch.where(torch.isfinite(m), m, torch.zeros_like(m)))
-    l = p.sum(dim=-1, keepdim=True)
-    o = torch.einsum("bhqk,bkhd->bqhd", p / torch.where(l > 0, l, torch.ones_like(l)), vp)
-    dst = torch.where(row_ok, rows, t).reshape(-1)  # rows past the sequence go to a dropped extra row
-    full = torch.zeros(t + 1, nh, hd, dtype=acc_dtype, device=dev)
-    full.index_copy_(0, dst, o.reshape(-1, nh, hd))  # duplicates only on the dropped row t
-    return full[:t].to(q.dtype)
+    p = causal_probs(s, q_lens, s_lens, j, pos, key_ok, row_ok)
+    o = torch.einsum("bhqk,bkhd->bqhd", p, vp)
+    return scatter_padded_rows(o, rows, row_ok, t, acc_dtype, q.dtype)
 
 
 def write_kv_cache_ref(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -325,12 +295,8 @@ def attention_plan(num_seqs: int, max_query_len: int, num_heads: int, num_kv_hea
     block_m = max(rep_p, min(PREFILL_BLOCK_M, max(DECODE_BLOCK_M, next_power_of_2(max_query_len * rep_p))))
     block_q = block_m // rep_p
     q_blocks = cdiv(max(1, max_query_len), block_q)
-    if num_splits is None:
-        work = max(1, num_seqs * q_blocks * num_kv_heads)
-        num_splits = max(1, min(cdiv(TARGET_PROGRAMS_PER_SM * sms, work), cdiv(max(1, max_seq_len),
-                                                                                MIN_KEYS_PER_SPLIT), MAX_SPLITS))
-    elif not isinstance(num_splits, int) or num_splits < 1:
-        raise ValueError(f"num_splits must be an int >= 1, got {num_splits!r}")
+    num_splits = choose_num_splits(num_splits, num_seqs * q_blocks * num_kv_heads, sms, max_seq_len,
+                                   TARGET_PROGRAMS_PER_SM, MIN_KEYS_PER_SPLIT, MAX_SPLITS)
     return dict(rep_p=rep_p, block_q=block_q, block_m=block_m, q_blocks=q_blocks, num_splits=num_splits)
 
 
@@ -387,15 +353,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         return torch.empty_like(q)
     if b == 0 or max_query_len == 0:
         return torch.zeros_like(q)
-    if s == 1:
-        out = torch.zeros_like(q)  # padding rows stay zero
-        part_acc = part_ml = out  # unused
-    else:
-        out = torch.empty_like(q)
-        part_acc = torch.empty(t, nh, s, block_d, dtype=torch.float32, device=q.device)
-        part_ml = torch.empty(t, nh, s, 2, dtype=torch.float32, device=q.device)
-    if block_tables.shape[1] == 0:  # no blocks at all: give the kernel a valid pointer
-        block_tables = torch.zeros(b, 1, dtype=block_tables.dtype, device=q.device)
+    out, part_acc, part_ml = split_outputs(q, s, block_d)
+    block_tables = launchable_block_tables(block_tables, b)
     _attn[(b, plan["q_blocks"], nkv * s)](
         q, k_cache, v_cache, out, part_acc, part_ml, query_start_loc, seq_lens, block_tables,
         float(scale) * _LOG2E, s, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),

@@ -219,6 +219,36 @@ def check_weight(weight: torch.Tensor, name: str, hidden_size: int, like: torch.
         raise ValueError(f"{name} must have unit stride, got strides {tuple(weight.stride())}")
 
 
+def check_tensor_args(op: str, like_name: str, like: torch.Tensor,
+                      named: Sequence[tuple]) -> None:
+    """Each ``(name, t)`` of ``named`` must be a torch.Tensor on ``like``'s device (errors name ``op``)."""
+    for name, t in named:
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{op}: {name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.device != like.device:
+            raise ValueError(f"{op}: {name} is on {t.device} but {like_name} is on {like.device}")
+
+
+def check_paged_metadata(op: str, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
+                         block_tables: torch.Tensor, max_query_len: int) -> None:
+    """Shapes, dtypes and strides of the paged-attention metadata (errors name ``op``)."""
+    if query_start_loc.dim() != 1 or query_start_loc.shape[0] < 1:
+        raise ValueError(f"{op}: query_start_loc must be [num_seqs + 1], got {list(query_start_loc.shape)}")
+    b = query_start_loc.shape[0] - 1
+    if seq_lens.shape != (b,):
+        raise ValueError(f"{op}: seq_lens must be [num_seqs] = [{b}], got {list(seq_lens.shape)}")
+    if block_tables.dim() != 2 or block_tables.shape[0] != b:
+        raise ValueError(f"{op}: block_tables must be [num_seqs={b}, max_blocks], got "
+                         f"{list(block_tables.shape)}")
+    for name, t in (("query_start_loc", query_start_loc), ("seq_lens", seq_lens), ("block_tables", block_tables)):
+        if t.dtype not in (torch.int32, torch.int64):
+            raise TypeError(f"{op}: {name} must be int32 or int64, got {t.dtype}")
+    if block_tables.shape[1] and block_tables.stride(1) != 1:
+        raise ValueError(f"{op}: block_tables rows need unit stride")
+    if not isinstance(max_query_len, int) or isinstance(max_query_len, bool) or max_query_len < 0:
+        raise ValueError(f"{op}: max_query_len must be an int >= 0, got {max_query_len!r}")
+
+
 def as_rows(t: torch.Tensor, name: str) -> torch.Tensor:
     """View ``t`` (``[..., hidden_size]``, at least 1-D) as ``[num_tokens, hidden_size]`` without
     copying. Rows may have any stride (offset views and column slices work); the last dimension
