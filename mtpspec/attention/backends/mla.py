@@ -25,6 +25,8 @@ import torch
 import torch.nn.functional as F
 
 from mtpspec.attention.backends.abstract import AttentionBackend, AttentionImpl, AttentionLayerBase
+from mtpspec.attention.backends.paged_common import (cache_key_slots, check_cache_metadata, check_metadata_rows,
+                                                     padded_batch)
 from mtpspec.attention.backends.paged_gqa import use_attention_kernel
 from mtpspec.ops.mla_attention import mla_attention, write_mla_kv_cache
 
@@ -126,9 +128,7 @@ class MLAImpl(AttentionImpl):
                 return ql.new_zeros(0, nh, r)
             return self._sdpa_causal(ql, qp, c_kv, k_pe)
         b = meta.num_seqs
-        q_lens = meta.query_lens
-        if q_lens and sum(q_lens) > t:
-            raise ValueError(f"attention metadata covers {sum(q_lens)} tokens but the batch has {t} rows")
+        check_metadata_rows(meta, t)
         qsl = meta.query_start_loc[:b + 1].long()
         q_len_t = qsl[1:] - qsl[:-1]
         if kv_cache is None:  # each sequence sees only its own new tokens
@@ -136,11 +136,7 @@ class MLAImpl(AttentionImpl):
             return self._paged_batched(ql, qp, keys, None, qsl, q_len_t, q_len_t, meta.max_query_len,
                                        meta.max_query_len)
         cache = self._check_cache(kv_cache)
-        if meta.block_tables is None:
-            raise ValueError("a KV cache is attached but the attention metadata has no block_tables")
-        if meta.slot_mapping.shape[0] < t:
-            raise ValueError(f"slot_mapping has {meta.slot_mapping.shape[0]} entries for {t} rows; give every row "
-                             "a slot (-1 for padding rows)")
+        check_cache_metadata(meta, t)
         self.do_kv_cache_update(layer, c_kv, k_pe, cache, meta.slot_mapping[:t])
         if cache.dtype == ql.dtype and qp.dtype == ql.dtype and use_attention_kernel(ql, meta):
             if ql.stride(2) != 1:
@@ -151,9 +147,7 @@ class MLAImpl(AttentionImpl):
                                  meta.block_tables[:b], self.scale, meta.max_query_len, meta.max_seq_len)
         src = cache.view(-1, self.entry)
         bs = cache.shape[1]
-        pos = torch.arange(meta.max_seq_len, device=ql.device)
-        blocks = meta.block_tables.long()[:b].index_select(1, (pos // bs).clamp(max=meta.block_tables.shape[1] - 1))
-        key_slots = (blocks * bs + pos % bs).clamp(0, src.shape[0] - 1)  # [B, max_s]; masked below
+        key_slots = cache_key_slots(meta, bs, src.shape[0], ql.device)  # [B, max_s]; masked below
         return self._paged_batched(ql, qp, src, key_slots, qsl, q_len_t, meta.seq_lens[:b].long(),
                                    meta.max_query_len, meta.max_seq_len)
 
@@ -182,27 +176,17 @@ class MLAImpl(AttentionImpl):
         t = ql.shape[0]
         b = q_len_t.shape[0]
         nh, r, e = self.num_heads, self.kv_lora_rank, self.entry
-        rows = torch.arange(t, device=dev)
-        tok_seq = torch.searchsorted(qsl[1:].contiguous(), rows, right=True)  # b for padding rows
-        real = tok_seq < b
-        tok_off = (rows - qsl.index_select(0, tok_seq)).clamp(0, max(max_q - 1, 0))
+        tok_seq, tok_off, real, key_ok, mask = padded_batch(qsl, q_len_t, key_len_t, t, max_q, max_s, dev)
         qpad = ql.new_zeros(b + 1, max_q, nh, e)
         qpad[tok_seq, tok_off] = torch.cat([ql, qp.to(ql.dtype)], dim=-1)
-        q_len_x = torch.cat([q_len_t, q_len_t.new_zeros(1)])
-        key_len_x = torch.cat([key_len_t, key_len_t.new_zeros(1)])
         if key_slots is None:
             kpad = ql.new_zeros(b + 1, max_s, e)
             kpad[tok_seq, tok_off] = k_src.to(ql.dtype)
         else:
             key_slots = torch.cat([key_slots, key_slots.new_zeros(1, key_slots.shape[1])])
             kpad = k_src[key_slots].to(ql.dtype)  # [B + 1, max_s, r + rope]
-        key_pos = torch.arange(max_s, device=dev)
-        key_ok = key_pos[None, :] < key_len_x[:, None]  # [B + 1, max_s]
         if key_slots is not None:  # never let stale slots (past seq_len, block -1) reach p @ v
             kpad = torch.where(key_ok[:, :, None], kpad, torch.zeros_like(kpad))
-        q_abs = (key_len_x - q_len_x)[:, None] + torch.arange(max_q, device=dev)[None, :]  # [B + 1, max_q]
-        mask = (key_pos[None, None, :] <= q_abs[:, :, None]) & key_ok[:, None, :]
-        mask[:, :, 0] = True  # padded query slots: keep one key (their output is dropped)
         k4 = kpad[:, None]  # [B + 1, 1, max_s, e]
         o = F.scaled_dot_product_attention(qpad.transpose(1, 2), k4, k4[..., :r], attn_mask=mask[:, None],
                                            scale=self.scale, enable_gqa=True)  # [B + 1, nh, max_q, r]

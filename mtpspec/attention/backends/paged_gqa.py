@@ -23,6 +23,8 @@ import torch
 import torch.nn.functional as F
 
 from mtpspec.attention.backends.abstract import AttentionBackend, AttentionImpl, AttentionLayerBase
+from mtpspec.attention.backends.paged_common import (cache_key_slots, check_cache_metadata, check_metadata_rows,
+                                                     padded_batch)
 from mtpspec.ops.paged_attention import paged_attention, write_kv_cache
 from mtpspec.ops.triton_utils import FLOAT_DTYPES, use_triton
 
@@ -152,8 +154,7 @@ class PagedGQAImpl(AttentionImpl):
             return self._sdpa(qh, kh, vh, None) if t else q.new_zeros(0, self.num_heads * self.head_dim)
         b = meta.num_seqs
         q_lens = meta.query_lens
-        if q_lens and sum(q_lens) > t:
-            raise ValueError(f"attention metadata covers {sum(q_lens)} tokens but the batch has {t} rows")
+        check_metadata_rows(meta, t)
         if kv_cache is None and q_lens and sum(q_lens) == t and len(set(q_lens)) == 1:
             # Equal-length sequences and no padding rows (training batches): one batched call.
             return self._sdpa_batched(qh, kh, vh, len(q_lens))
@@ -163,11 +164,7 @@ class PagedGQAImpl(AttentionImpl):
             return self._paged_batched(qh, kh, vh, None, qsl, q_len_t, q_len_t, meta.max_query_len,
                                        meta.max_query_len)
         cache = self._check_cache(kv_cache)
-        if meta.block_tables is None:
-            raise ValueError("a KV cache is attached but the attention metadata has no block_tables")
-        if meta.slot_mapping.shape[0] < t:
-            raise ValueError(f"slot_mapping has {meta.slot_mapping.shape[0]} entries for {t} rows; give every row "
-                             "a slot (-1 for padding rows)")
+        check_cache_metadata(meta, t)
         self.do_kv_cache_update(layer, kh, vh, cache, meta.slot_mapping[:t])
         if cache.dtype == q.dtype and use_attention_kernel(qh, meta):
             out = paged_attention(qh, cache[0], cache[1], meta.query_start_loc[:b + 1], meta.seq_lens[:b],
@@ -176,9 +173,7 @@ class PagedGQAImpl(AttentionImpl):
         k_src = cache[0].view(-1, self.num_kv_heads, self.head_dim)
         v_src = cache[1].view(-1, self.num_kv_heads, self.head_dim)
         bs = cache.shape[2]
-        pos = torch.arange(meta.max_seq_len, device=q.device)
-        blocks = meta.block_tables.long()[:b].index_select(1, (pos // bs).clamp(max=meta.block_tables.shape[1] - 1))
-        key_slots = (blocks * bs + pos % bs).clamp(0, k_src.shape[0] - 1)  # [B, max_s]; masked below
+        key_slots = cache_key_slots(meta, bs, k_src.shape[0], q.device)  # [B, max_s]; masked below
         return self._paged_batched(qh, k_src, v_src, key_slots, qsl, q_len_t, meta.seq_lens[:b].long(),
                                    meta.max_query_len, meta.max_seq_len)
 
@@ -198,14 +193,9 @@ class PagedGQAImpl(AttentionImpl):
         dev = qh.device
         t = qh.shape[0]
         b = q_len_t.shape[0]
-        rows = torch.arange(t, device=dev)
-        tok_seq = torch.searchsorted(qsl[1:].contiguous(), rows, right=True)  # b for padding rows
-        real = tok_seq < b
-        tok_off = (rows - qsl.index_select(0, tok_seq)).clamp(0, max(max_q - 1, 0))
+        tok_seq, tok_off, real, _, mask = padded_batch(qsl, q_len_t, key_len_t, t, max_q, max_s, dev)
         qp = qh.new_zeros(b + 1, max_q, self.num_heads, self.head_dim)
         qp[tok_seq, tok_off] = qh
-        q_len_x = torch.cat([q_len_t, q_len_t.new_zeros(1)])
-        key_len_x = torch.cat([key_len_t, key_len_t.new_zeros(1)])
         if key_slots is None:
             kp = qh.new_zeros(b + 1, max_s, self.num_kv_heads, self.head_dim)
             vp = torch.zeros_like(kp)
@@ -215,10 +205,6 @@ class PagedGQAImpl(AttentionImpl):
             key_slots = torch.cat([key_slots, key_slots.new_zeros(1, key_slots.shape[1])])
             kp = k_src[key_slots].to(qh.dtype)  # [B + 1, max_s, nkv, hd]
             vp = v_src[key_slots].to(qh.dtype)
-        key_pos = torch.arange(max_s, device=dev)
-        q_abs = (key_len_x - q_len_x)[:, None] + torch.arange(max_q, device=dev)[None, :]  # [B + 1, max_q]
-        mask = (key_pos[None, None, :] <= q_abs[:, :, None]) & (key_pos[None, :] < key_len_x[:, None])[:, None, :]
-        mask[:, :, 0] = True  # padded query slots: keep one key (their output is dropped)
         rep = self.num_heads // self.num_kv_heads
         if rep > 1:
             kp = kp.repeat_interleave(rep, dim=2)

@@ -1,0 +1,67 @@
+"""Pieces shared by the paged backends' impls (:mod:`~mtpspec.attention.backends.paged_gqa`,
+:mod:`~mtpspec.attention.backends.mla`): metadata checks, cache key slots and the padded
+``[B + 1, max_q]`` batch layout of their torch (SDPA) paths. Sync-free, static shapes."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, NamedTuple
+
+import torch
+
+if TYPE_CHECKING:
+    from mtpspec.layers.attention import AttentionMetadata
+
+
+def check_metadata_rows(meta: "AttentionMetadata", num_rows: int) -> None:
+    """The metadata's host ``query_lens`` (when present) must not cover more than ``num_rows``."""
+    q_lens = meta.query_lens
+    if q_lens and sum(q_lens) > num_rows:
+        raise ValueError(f"attention metadata covers {sum(q_lens)} tokens but the batch has {num_rows} rows")
+
+
+def check_cache_metadata(meta: "AttentionMetadata", num_rows: int) -> None:
+    """With a cache attached: block tables present and a slot for every one of ``num_rows`` rows."""
+    if meta.block_tables is None:
+        raise ValueError("a KV cache is attached but the attention metadata has no block_tables")
+    if meta.slot_mapping.shape[0] < num_rows:
+        raise ValueError(f"slot_mapping has {meta.slot_mapping.shape[0]} entries for {num_rows} rows; give every "
+                         "row a slot (-1 for padding rows)")
+
+
+def cache_key_slots(meta: "AttentionMetadata", block_size: int, num_slots: int,
+                    device: torch.device) -> torch.Tensor:
+    """``[B, max_seq_len]`` cache slots of every key position through ``meta.block_tables``,
+    clamped into ``[0, num_slots)`` (positions past a sequence are masked by the caller)."""
+    b = meta.num_seqs
+    pos = torch.arange(meta.max_seq_len, device=device)
+    blocks = meta.block_tables.long()[:b].index_select(1, (pos // block_size).clamp(max=meta.block_tables.shape[1] - 1))
+    return (blocks * block_size + pos % block_size).clamp(0, num_slots - 1)  # [B, max_s]; masked below
+
+
+class PaddedBatch(NamedTuple):
+    """Placement of ``t`` rows into ``[B + 1, max_q]`` (sequence ``B`` = padding rows)."""
+    tok_seq: torch.Tensor  # [t] sequence of each row (B for padding rows)
+    tok_off: torch.Tensor  # [t] query slot of each row
+    real: torch.Tensor  # [t] row belongs to a real sequence
+    key_ok: torch.Tensor  # [B + 1, max_s] key position < key_len
+    mask: torch.Tensor  # [B + 1, max_q, max_s] causal & key_ok, key 0 always kept
+
+
+def padded_batch(qsl: torch.Tensor, q_len_t: torch.Tensor, key_len_t: torch.Tensor, num_rows: int, max_q: int,
+                 max_s: int, device: torch.device) -> PaddedBatch:
+    """Rows placed by ``searchsorted`` over ``query_start_loc``; query ``j`` of sequence ``i`` may
+    attend key positions ``<= key_len_i - q_len_i + j`` and ``< key_len_i``; padded query slots
+    always see key 0 (no all-masked row, hence no NaN; their output is dropped)."""
+    b = q_len_t.shape[0]
+    rows = torch.arange(num_rows, device=device)
+    tok_seq = torch.searchsorted(qsl[1:].contiguous(), rows, right=True)  # b for padding rows
+    real = tok_seq < b
+    tok_off = (rows - qsl.index_select(0, tok_seq)).clamp(0, max(max_q - 1, 0))
+    q_len_x = torch.cat([q_len_t, q_len_t.new_zeros(1)])
+    key_len_x = torch.cat([key_len_t, key_len_t.new_zeros(1)])
+    key_pos = torch.arange(max_s, device=device)
+    key_ok = key_pos[None, :] < key_len_x[:, None]  # [B + 1, max_s]
+    q_abs = (key_len_x - q_len_x)[:, None] + torch.arange(max_q, device=device)[None, :]  # [B + 1, max_q]
+    mask = (key_pos[None, None, :] <= q_abs[:, :, None]) & key_ok[:, None, :]
+    mask[:, :, 0] = True  # padded query slots: keep one key (their output is dropped)
+    return PaddedBatch(tok_seq, tok_off, real, key_ok, mask)
