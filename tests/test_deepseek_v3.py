@@ -34,8 +34,7 @@ torch.set_num_threads(1)
 
 from mtpspec.config import ModelConfig, ModelConfigError
 from mtpspec.distributed import get_tensor_model_parallel_rank, launch
-from mtpspec.layers.attention import (
-    allocate_kv_caches, build_attention_metadata, collect_attention_layers, set_forward_context)
+from mtpspec.layers.attention import collect_attention_layers
 from mtpspec.models import load_models
 from tiny_models import DSV3_TINY_CONFIG, DSV3_YARN, make_tiny_checkpoint
 
@@ -138,51 +137,12 @@ def setup(tmp_path_factory):
 
 
 def _target_checks(model, prompts):
-    res = {}
-    with torch.no_grad():
-        res["single"] = [model.compute_logits(model(p, torch.arange(len(p)))) for p in prompts]
-        pad = 2
-        ids = torch.cat(prompts + [torch.zeros(pad, dtype=torch.long)])
-        pos = torch.cat([torch.arange(len(p)) for p in prompts] + [torch.zeros(pad, dtype=torch.long)])
-        meta = build_attention_metadata([len(p) for p in prompts], [len(p) for p in prompts], None,
-                                        num_tokens=len(ids))
-        with set_forward_context(meta):
-            h = model(ids, pos)
-        logits = model.compute_logits(h)
-        res["batched"] = logits[:-pad]
-        res["top_equal"] = torch.equal(model.get_top_tokens(h), logits.argmax(-1))
-        res["pad_finite"] = bool(torch.isfinite(h).all())
-        bs = 4
-        allocate_kv_caches(model, num_blocks=16, block_size=bs, dtype=torch.float32)
-        tables, nxt = [], 0
-        for p in prompts:
-            n = -(-len(p) // bs)
-            tables.append(list(range(nxt + n - 1, nxt - 1, -1)))  # reversed block order
-            nxt += n
-        done, cached = [0] * len(prompts), [[] for _ in prompts]
-        while True:  # first step: prefill all but the last 3 tokens; then one token per step
-            active = [i for i, p in enumerate(prompts) if done[i] < len(p)]
-            if not active:
-                break
-            qlens = [1 if done[i] else max(1, len(prompts[i]) - 3) for i in active]
-            ids = torch.cat([prompts[i][done[i]:done[i] + q] for i, q in zip(active, qlens)])
-            pos = torch.cat([torch.arange(done[i], done[i] + q) for i, q in zip(active, qlens)])
-            meta = build_attention_metadata(qlens, [done[i] + q for i, q in zip(active, qlens)],
-                                            [tables[i] for i in active], bs)
-            with set_forward_context(meta):
-                lg = model.compute_logits(model(ids, pos))
-            row = 0
-            for i, q in zip(active, qlens):
-                cached[i].append(lg[row:row + q])
-                row += q
-                done[i] += q
-        for layer in collect_attention_layers(model):
-            layer.kv_cache = None
-        res["cached"] = [torch.cat(c) for c in cached]
-        attn = model.model.layers[0].self_attn
-        res["kv_b_rows"] = attn.kv_b_proj.weight.shape[0]
-        res["latent_replicated"] = tuple(attn.kv_a_proj_with_mqa.weight.shape)
-        res["local_heads"] = attn.num_local_heads
+    from test_model_tp import paged_target_checks
+    res, _ = paged_target_checks(model, prompts, collect_attention_layers)
+    attn = model.model.layers[0].self_attn
+    res["kv_b_rows"] = attn.kv_b_proj.weight.shape[0]
+    res["latent_replicated"] = tuple(attn.kv_a_proj_with_mqa.weight.shape)
+    res["local_heads"] = attn.num_local_heads
     return res
 
 

@@ -263,9 +263,10 @@ def test_kernel_bf16_strided_queries(kernel) -> None:
     assert o.shape == (t, pb.h, pb.r)
 
 
-def test_kernel_path_has_no_host_sync(kernel) -> None:
+def _check_layer_has_no_host_sync(pb: "Problem") -> None:
+    """The layer (cache attached, one padding row and one padding sequence, no host lists) runs
+    without a host sync and gives the reference result."""
     from test_paged_attention import no_host_sync
-    pb = Problem(**DECODE, seed=9)
     meta = padded_metadata(pb, extra_rows=1, extra_seqs=1, host_lists=False)
     layer = MLAAttention(pb.h, pb.r, pb.rope, pb.scale)
     layer.kv_cache = pb.cache_with_context(torch.float32)
@@ -274,19 +275,14 @@ def test_kernel_path_has_no_host_sync(kernel) -> None:
     with torch.no_grad(), set_forward_context(meta), no_host_sync():
         o = layer(*args)
     check(pb, o, torch.float32, extra_rows=1)
+
+
+def test_kernel_path_has_no_host_sync(kernel) -> None:
+    _check_layer_has_no_host_sync(Problem(**DECODE, seed=9))
 
 
 def test_torch_path_has_no_host_sync(torch_path) -> None:
-    from test_paged_attention import no_host_sync
-    pb = Problem(**VERIFY, seed=10)
-    meta = padded_metadata(pb, extra_rows=1, extra_seqs=1, host_lists=False)
-    layer = MLAAttention(pb.h, pb.r, pb.rope, pb.scale)
-    layer.kv_cache = pb.cache_with_context(torch.float32)
-    args = [torch.cat([x, torch.zeros(1, *x.shape[1:], dtype=x.dtype)]).float()
-            for x in (pb.q_latent(), pb.q_pe, pb.new_rows("c"), pb.new_rows("k"))]
-    with torch.no_grad(), set_forward_context(meta), no_host_sync():
-        o = layer(*args)
-    check(pb, o, torch.float32, extra_rows=1)
+    _check_layer_has_no_host_sync(Problem(**VERIFY, seed=10))
 
 
 # ------------------------------------------------------------------------------------------ KV write

@@ -64,7 +64,11 @@ def setup(tmp_path_factory):
     return out, runs
 
 
-def _target_checks(model, prompts):
+def paged_target_checks(model, prompts, attention_layers):
+    """Target forward checks shared with test_deepseek_v3: each prompt alone, all prompts in one
+    padded batch, and a paged-cache decode (prefill all but the last 3 tokens, then one token a
+    step, reversed block order). ``attention_layers(model)`` gives the layers whose cache is
+    dropped at the end. Returns ``(res, done)``."""
     res = {}
     with torch.no_grad():
         res["single"] = [model.compute_logits(model(p, torch.arange(len(p)))) for p in prompts]
@@ -104,13 +108,18 @@ def _target_checks(model, prompts):
                 cached[i].append(lg[row:row + q])
                 row += q
                 done[i] += q
-        for layer in model.model.layers:
-            layer.self_attn.attn.kv_cache = None
+        for layer in attention_layers(model):
+            layer.kv_cache = None
         res["cached"] = [torch.cat(c) for c in cached]
-        res["complete"] = done == [len(p) for p in prompts]
-        res["qkv_rows"] = model.model.layers[0].self_attn.qkv_proj.weight.shape[0]
-        res["w13"] = tuple(model.model.layers[-1].mlp.experts.w13_weight.shape)
-        res["local_argmax"] = supports_local_argmax(model)
+    return res, done
+
+
+def _target_checks(model, prompts):
+    res, done = paged_target_checks(model, prompts, lambda m: [layer.self_attn.attn for layer in m.model.layers])
+    res["complete"] = done == [len(p) for p in prompts]
+    res["qkv_rows"] = model.model.layers[0].self_attn.qkv_proj.weight.shape[0]
+    res["w13"] = tuple(model.model.layers[-1].mlp.experts.w13_weight.shape)
+    res["local_argmax"] = supports_local_argmax(model)
     return res
 
 
