@@ -114,22 +114,13 @@ def test_model_refuses_tp_not_dividing_heads(monkeypatch):
 # ------------------------------------------------------------------------------------- target + MTP, tp 1 and 2
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    from test_model_tp import _mtp_batches
+    from test_model_tp import make_check_inputs
     g = torch.Generator().manual_seed(4321)
     out, hfs = {}, {}
     for i, (name, overrides) in enumerate(VARIANTS.items()):
         path = str(tmp_path_factory.mktemp(name))
         hf, cfg = make_tiny_checkpoint(path, seed=60 + i, family="deepseek_v3", **overrides)
-        prompts = [torch.randint(0, cfg.vocab_size, (n,), generator=g) for n in PROMPT_LENS]
-        with torch.no_grad():
-            ref = [hf(p[None]).logits[0] for p in prompts]
-        mtp_inputs = {}
-        for tp in (1, 2, 4):
-            for bname, lens in _mtp_batches(tp):
-                t = sum(lens)
-                mtp_inputs[bname] = (torch.randint(0, cfg.vocab_size, (t,), generator=g),
-                                     torch.cat([torch.arange(n) + (3 if j else 0) for j, n in enumerate(lens)]),
-                                     torch.randn(t, cfg.hidden_size, generator=g), lens)
+        prompts, ref, mtp_inputs = make_check_inputs(hf, cfg, g, PROMPT_LENS)
         out[name] = (path, prompts, ref, mtp_inputs)
         hfs[name] = hf
     runs = {1: [_rank_all(out)], **{tp: launch(_rank_all, tp, out, timeout_s=600) for tp in (2, 4)}}
@@ -161,16 +152,14 @@ def _rank_all(setup_data):
 @pytest.mark.parametrize("tp", [1, 2, 4])
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_target_matches_transformers(setup, variant, tp):
+    from test_model_tp import assert_target_matches
     data, runs, _ = setup
     ref = data[variant][2]
     for r in runs[tp]:
         t = r[variant]["target"]
         assert r[variant]["types"] == ("DeepseekV3ForCausalLM", "DeepseekV3MTP")
         assert t["top_equal"] and t["pad_finite"]
-        for name in ("single", "batched", "cached"):
-            got = torch.cat(t[name]) if isinstance(t[name], list) else t[name]
-            torch.testing.assert_close(got, torch.cat(ref), atol=ATOL, rtol=RTOL,
-                                       msg=lambda m: f"tp={tp} rank={r['rank']} {name}: {m}")
+        assert_target_matches(t, ref, ATOL, RTOL, f"tp={tp} rank={r['rank']}")
         # heads split (kv_b_proj rows: heads/tp * (nope 12 + v 10)), latent projection replicated
         assert t["local_heads"] == 4 // tp and t["kv_b_rows"] == (4 // tp) * 22
         assert t["latent_replicated"] == (16 + 8, 64)
@@ -179,7 +168,7 @@ def test_target_matches_transformers(setup, variant, tp):
 @pytest.mark.parametrize("tp", [2, 4])
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_mtp_tp_equals_tp1_and_arms_agree(setup, variant, tp):
-    from test_model_tp import _mtp_batches
+    from test_model_tp import _mtp_batches, assert_mtp_arm_matches_tp1
     _, runs, _ = setup
     base = runs[1][0][variant]["mtp"]
     tied = [not VARIANTS[variant].get("mtp_head", True)] * VARIANTS[variant]["num_mtp_layers"]
@@ -192,19 +181,9 @@ def test_mtp_tp_equals_tp1_and_arms_agree(setup, variant, tp):
         for bname, _ in _mtp_batches(tp):
             for step in (0, 1):
                 for arm in ("fused", "baseline", "sp"):
-                    out, logits, top_ok, stats = m[(bname, step, arm)]
                     where = f"tp={tp} rank={r['rank']} {bname} step={step} {arm}"
-                    assert top_ok, f"{where}: get_top_tokens != argmax(compute_logits)"
-                    ref_out, ref_logits = base[(bname, step, "fused")][:2]
-                    torch.testing.assert_close(out, ref_out, atol=MTP_ATOL, rtol=MTP_RTOL,
-                                               msg=lambda msg: f"{where} hidden vs tp1: {msg}")
-                    torch.testing.assert_close(logits, ref_logits, atol=5 * MTP_ATOL, rtol=MTP_RTOL,
-                                               msg=lambda msg: f"{where} logits vs tp1: {msg}")
-                    if arm == "sp":
-                        assert "all_reduce" not in stats, f"{where}: SP path issued {stats}"
-                        assert stats["all_gather"]["calls"] == 3 and stats["reduce_scatter"]["calls"] == 2
-                    else:
-                        assert stats["all_reduce"]["calls"] == 2, f"{where}: {stats}"
+                    assert_mtp_arm_matches_tp1(m[(bname, step, arm)], base[(bname, step, "fused")], arm, where,
+                                               MTP_ATOL, MTP_RTOL)
 
 
 def _hf_mtp_reference(hf, path, cfg, k, ids, pos, prev):

@@ -39,6 +39,48 @@ def _mtp_batches(tp):
     return [(f"T={n}", [n]) for n in counts] + [("two_seqs", [5, 2])]
 
 
+def make_check_inputs(hf, cfg, g, prompt_lens):
+    """``(prompts, ref, mtp_inputs)`` for the target / MTP checks (shared with test_deepseek_v3):
+    random prompts of ``prompt_lens``, transformers' logits of each, and the MTP draft batches of
+    every tp (token ids, positions, previous hidden states, seq_lens) drawn from ``g``."""
+    prompts = [torch.randint(0, cfg.vocab_size, (n,), generator=g) for n in prompt_lens]
+    with torch.no_grad():
+        ref = [hf(p[None]).logits[0] for p in prompts]
+    mtp_inputs = {}
+    for tp in (1, 2, 4):
+        for bname, lens in _mtp_batches(tp):
+            t = sum(lens)
+            mtp_inputs[bname] = (torch.randint(0, cfg.vocab_size, (t,), generator=g),
+                                 torch.cat([torch.arange(n) + (3 if j else 0) for j, n in enumerate(lens)]),
+                                 torch.randn(t, cfg.hidden_size, generator=g), lens)
+    return prompts, ref, mtp_inputs
+
+
+def assert_target_matches(t, ref, atol, rtol, where):
+    """The single, batched and cached logits of target result ``t`` all match ``ref``."""
+    for name in ("single", "batched", "cached"):
+        got = torch.cat(t[name]) if isinstance(t[name], list) else t[name]
+        torch.testing.assert_close(got, torch.cat(ref), atol=atol, rtol=rtol,
+                                   msg=lambda m: f"{where} {name}: {m}")
+
+
+def assert_mtp_arm_matches_tp1(result, base, arm, where, atol, rtol):
+    """One MTP arm's ``(out, logits, top_ok, stats)`` at tp > 1: top tokens = argmax, hidden and
+    logits match tp 1's fused ``base``, and the arm issued the expected collectives."""
+    out, logits, top_ok, stats = result
+    assert top_ok, f"{where}: get_top_tokens != argmax(compute_logits)"
+    ref_out, ref_logits = base[:2]
+    torch.testing.assert_close(out, ref_out, atol=atol, rtol=rtol,
+                               msg=lambda msg: f"{where} hidden vs tp1: {msg}")
+    torch.testing.assert_close(logits, ref_logits, atol=5 * atol, rtol=rtol,
+                               msg=lambda msg: f"{where} logits vs tp1: {msg}")
+    if arm == "sp":
+        assert "all_reduce" not in stats, f"{where}: SP path issued {stats}"
+        assert stats["all_gather"]["calls"] == 3 and stats["reduce_scatter"]["calls"] == 2
+    else:
+        assert stats["all_reduce"]["calls"] == 2, f"{where}: {stats}"
+
+
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     torch.set_num_threads(1)
@@ -47,16 +89,7 @@ def setup(tmp_path_factory):
     for i, (name, overrides) in enumerate(VARIANTS.items()):
         path = str(tmp_path_factory.mktemp(name))
         hf, cfg = make_tiny_checkpoint(path, seed=40 + i, **overrides)
-        prompts = [torch.randint(0, cfg.vocab_size, (n,), generator=g) for n in PROMPT_LENS]
-        with torch.no_grad():
-            ref = [hf(p[None]).logits[0] for p in prompts]
-        mtp_inputs = {}
-        for tp in (1, 2, 4):
-            for bname, lens in _mtp_batches(tp):
-                t = sum(lens)
-                mtp_inputs[bname] = (torch.randint(0, cfg.vocab_size, (t,), generator=g),
-                                     torch.cat([torch.arange(n) + (3 if j else 0) for j, n in enumerate(lens)]),
-                                     torch.randn(t, cfg.hidden_size, generator=g), lens)
+        prompts, ref, mtp_inputs = make_check_inputs(hf, cfg, g, PROMPT_LENS)
         out[name] = (path, prompts, ref, mtp_inputs)
     runs = {1: [_rank_all(out)]}
     for tp in (2, 4):
@@ -164,10 +197,7 @@ def test_target_matches_transformers(setup, variant, tp):
     for r in runs[tp]:
         t = r[variant]["target"]
         assert t["local_argmax"] and t["complete"] and t["top_equal"] and t["pad_finite"]
-        for name in ("single", "batched", "cached"):
-            got = torch.cat(t[name]) if isinstance(t[name], list) else t[name]
-            torch.testing.assert_close(got, torch.cat(ref), atol=ATOL, rtol=RTOL,
-                                       msg=lambda m: f"tp={tp} rank={r['rank']} {name}: {m}")
+        assert_target_matches(t, ref, ATOL, RTOL, f"tp={tp} rank={r['rank']}")
         # Each rank holds only its shard: q heads split, kv heads (2) split or replicated.
         assert t["qkv_rows"] == (4 // tp + 2 * max(1, 2 // tp)) * 32
         assert t["w13"] == (8, 2 * 32 // tp, 64)
@@ -186,24 +216,16 @@ def test_mtp_tp_equals_tp1_and_arms_agree(setup, variant, tp):
             for step in (0, 1):
                 fused = m[(bname, step, "fused")]
                 for arm in ("fused", "baseline", "sp"):
-                    out, logits, top_ok, stats = m[(bname, step, arm)]
+                    out = m[(bname, step, arm)][0]
                     where = f"tp={tp} rank={r['rank']} {bname} step={step} {arm}"
-                    assert top_ok, f"{where}: get_top_tokens != argmax(compute_logits)"
+                    # Against tp 1 (same arm code path at tp 1 is the plain local computation),
+                    # and the communication each arm issues.
+                    assert_mtp_arm_matches_tp1(m[(bname, step, arm)], base[(bname, step, "fused")], arm, where,
+                                               MTP_ATOL, MTP_RTOL)
                     assert torch.isfinite(out).all(), where
-                    # Against tp 1 (same arm code path at tp 1 is the plain local computation).
-                    ref_out, ref_logits = base[(bname, step, "fused")][:2]
-                    torch.testing.assert_close(out, ref_out, atol=MTP_ATOL, rtol=MTP_RTOL,
-                                               msg=lambda msg: f"{where} hidden vs tp1: {msg}")
-                    torch.testing.assert_close(logits, ref_logits, atol=5 * MTP_ATOL, rtol=MTP_RTOL,
-                                               msg=lambda msg: f"{where} logits vs tp1: {msg}")
                     # Arms against each other at this tp.
                     torch.testing.assert_close(out, fused[0], atol=MTP_ATOL, rtol=MTP_RTOL,
                                                msg=lambda msg: f"{where} vs fused arm: {msg}")
-                    if arm == "sp":
-                        assert "all_reduce" not in stats, f"{where}: SP path issued {stats}"
-                        assert stats["all_gather"]["calls"] == 3 and stats["reduce_scatter"]["calls"] == 2
-                    else:
-                        assert stats["all_reduce"]["calls"] == 2, f"{where}: {stats}"
 
 
 def test_mtp_tp1_arms_identical(setup):
