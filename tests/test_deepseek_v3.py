@@ -33,7 +33,7 @@ import torch
 torch.set_num_threads(1)
 
 from mtpspec.config import ModelConfig, ModelConfigError
-from mtpspec.distributed import get_tensor_model_parallel_rank, launch
+from mtpspec.distributed import launch
 from mtpspec.layers.attention import collect_attention_layers
 from mtpspec.models import load_models
 from tiny_models import DSV3_TINY_CONFIG, DSV3_YARN, make_tiny_checkpoint
@@ -138,15 +138,10 @@ def _target_checks(model, prompts):
 
 
 def _rank_all(setup_data):
-    from test_model_tp import _mtp_checks
-    torch.manual_seed(0)
-    out = {"rank": get_tensor_model_parallel_rank()}
-    for name, (path, prompts, _, mtp_inputs) in setup_data.items():
-        target, mtp = load_models(path, dtype=torch.float32, device="cpu")
-        out[name] = {"target": _target_checks(target, prompts), "mtp": _mtp_checks(mtp, mtp_inputs),
-                     "tied": [mtp.get_layer(s).shared_head.head is target.lm_head for s in range(mtp.num_mtp_layers)],
-                     "types": (type(target).__name__, type(mtp).__name__)}
-    return out
+    from test_model_tp import rank_all_checks
+    return rank_all_checks(setup_data, _target_checks, lambda target, mtp: {
+        "tied": [mtp.get_layer(s).shared_head.head is target.lm_head for s in range(mtp.num_mtp_layers)],
+        "types": (type(target).__name__, type(mtp).__name__)})
 
 
 @pytest.mark.parametrize("tp", [1, 2, 4])

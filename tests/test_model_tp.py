@@ -179,14 +179,21 @@ def _mtp_checks(mtp, inputs):
     return res
 
 
-def _rank_all(setup_data):
+def rank_all_checks(setup_data, target_checks, extras):
+    """One rank's results over every variant of ``setup_data`` (shared with test_deepseek_v3):
+    ``target_checks(target, prompts)``, :func:`_mtp_checks` and ``extras(target, mtp)``."""
     torch.manual_seed(0)
     out = {"rank": get_tensor_model_parallel_rank()}
     for name, (path, prompts, _, mtp_inputs) in setup_data.items():
         target, mtp = load_models(path, dtype=torch.float32, device="cpu")
-        out[name] = {"target": _target_checks(target, prompts), "mtp": _mtp_checks(mtp, mtp_inputs),
-                     "tied": mtp.get_layer(0).shared_head.head is target.lm_head}
+        out[name] = {"target": target_checks(target, prompts), "mtp": _mtp_checks(mtp, mtp_inputs),
+                     **extras(target, mtp)}
     return out
+
+
+def _rank_all(setup_data):
+    return rank_all_checks(setup_data, _target_checks,
+                           lambda target, mtp: {"tied": mtp.get_layer(0).shared_head.head is target.lm_head})
 
 
 @pytest.mark.parametrize("tp", [1, 2, 4])
