@@ -55,8 +55,10 @@ def _leading_true_count(mask: torch.Tensor) -> torch.Tensor:
     return mask.to(torch.int64).cumprod(dim=1).sum(dim=1)
 
 
-def _assemble(drafts: torch.Tensor, final: torch.Tensor, num_accepted: torch.Tensor) -> torch.Tensor:
-    """Slots ``< a``: drafts; slot ``a``: ``final[:, a]``; slots ``> a``: placeholder."""
+def assemble_output_tokens(drafts: torch.Tensor, final: torch.Tensor, num_accepted: torch.Tensor) -> torch.Tensor:
+    """The ``[B, k + 1]`` int64 token block of a verification: slots ``< a``: the accepted drafts
+    (``drafts [B, k]``), slot ``a``: ``final[:, a]`` (``final [B, k + 1]``: recovered or bonus token),
+    slots ``> a``: :data:`PLACEHOLDER_TOKEN_ID`; ``a = num_accepted [B]`` (int64, ``0 .. k``)."""
     b, k = drafts.shape
     slots = torch.arange(k + 1, device=drafts.device).unsqueeze(0)
     a = num_accepted.unsqueeze(1)
@@ -90,7 +92,7 @@ def greedy_verify(draft_token_ids: torch.Tensor, target_logits: torch.Tensor) ->
     """
     target_argmax = target_logits.argmax(dim=-1)
     num_accepted = _leading_true_count(draft_token_ids == target_argmax[:, :-1])
-    return RejectionOutput(_assemble(draft_token_ids, target_argmax, num_accepted), num_accepted)
+    return RejectionOutput(assemble_output_tokens(draft_token_ids, target_argmax, num_accepted), num_accepted)
 
 
 def random_verify(draft_token_ids: torch.Tensor, target_logits: torch.Tensor, meta: SamplingMetadata,
@@ -141,7 +143,7 @@ def random_verify(draft_token_ids: torch.Tensor, target_logits: torch.Tensor, me
     num_accepted = _leading_true_count(accepted)
     weights = torch.cat([_residual_weights(probs[:, :k], draft_token_ids, draft_probs), probs[:, k:]], dim=1)
     final = sample_inverse_cdf(weights.reshape(b * k1, vocab), draws.reshape(b * k1)).view(b, k1)
-    return RejectionOutput(_assemble(draft_token_ids, final, num_accepted), num_accepted)
+    return RejectionOutput(assemble_output_tokens(draft_token_ids, final, num_accepted), num_accepted)
 
 
 class RejectionSampler(torch.nn.Module):

@@ -28,7 +28,7 @@ from typing import Any, Optional
 
 import torch
 
-from mtpspec.sample.rejection_sampler import PLACEHOLDER_TOKEN_ID, RejectionOutput, RejectionSampler
+from mtpspec.sample.rejection_sampler import RejectionOutput, RejectionSampler, assemble_output_tokens
 
 
 @dataclass(frozen=True)
@@ -91,15 +91,6 @@ class ForcedAcceptance:
         return 1.0 + sum(p ** j for j in range(1, k + 1))
 
 
-def _assemble(drafts: torch.Tensor, final: torch.Tensor, num_accepted: torch.Tensor) -> torch.Tensor:
-    b, k = drafts.shape
-    slots = torch.arange(k + 1, device=drafts.device).unsqueeze(0)
-    a = num_accepted.unsqueeze(1)
-    padded = torch.cat([drafts, drafts.new_full((b, 1), PLACEHOLDER_TOKEN_ID)], dim=1)
-    out = torch.where(slots < a, padded, final)
-    return torch.where(slots <= a, out, torch.full_like(out, PLACEHOLDER_TOKEN_ID))
-
-
 class ForcedAcceptanceSampler(RejectionSampler):
     """A :class:`RejectionSampler` whose accepted counts follow a :class:`ForcedAcceptance`."""
 
@@ -124,7 +115,7 @@ class ForcedAcceptanceSampler(RejectionSampler):
             raise ValueError(f"target_logits must be [B={b}, k + 1={k + 1}, V], got {tuple(target_logits.shape)}")
         a = self.forced_counts(b, k).to(draft_token_ids.device, non_blocking=True)
         final = target_logits.argmax(dim=-1)
-        return RejectionOutput(_assemble(draft_token_ids, final, a), a)
+        return RejectionOutput(assemble_output_tokens(draft_token_ids, final, a), a)
 
 
 def _install_on_rank(runner: Any, setting: Optional[ForcedAcceptance]) -> str:
