@@ -22,22 +22,8 @@ from mtpspec.layers.attention import Attention, AttentionMetadata, build_attenti
 from mtpspec.layers.mla_attention import MLAAttention
 from mtpspec.ops.mla_attention import (mla_attention, mla_attention_plan, mla_attention_ref, write_mla_kv_cache,
                                        write_mla_kv_cache_ref)
-from mtpspec.ops.triton_utils import interpreter_available
 
 BS = 8  # cache block size of the tests (small: sequences cross block boundaries)
-
-
-@pytest.fixture
-def kernel(monkeypatch):
-    """Kernel path: the Triton interpreter on CPU tensors."""
-    if not interpreter_available():
-        pytest.skip("Triton interpreter unavailable (import triton with TRITON_INTERPRET=1)")
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-
-
-@pytest.fixture
-def torch_path(monkeypatch):
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
 
 
 class Problem:
@@ -168,13 +154,13 @@ VERIFY = dict(query_lens=[4, 4], seq_lens=[4, 30])
 
 # ------------------------------------------------------------------------------------------ torch path
 @pytest.mark.parametrize("case", [MIXED, DECODE, VERIFY], ids=["mixed", "decode", "verify"])
-def test_torch_path_matches_expanded_reference(torch_path, case) -> None:
+def test_torch_path_matches_expanded_reference(no_interp, case) -> None:
     pb = Problem(**case)
     o, _ = run_layer(pb, torch.float32, padded_metadata(pb))
     check(pb, o, torch.float32)
 
 
-def test_torch_path_graph_padding(torch_path) -> None:
+def test_torch_path_graph_padding(no_interp) -> None:
     pb = Problem(**MIXED, seed=1)
     meta = padded_metadata(pb, extra_rows=3, extra_seqs=2, host_lists=False)
     o, layer = run_layer(pb, torch.float32, meta, extra_rows=3)
@@ -189,13 +175,13 @@ def test_torch_path_graph_padding(torch_path) -> None:
     assert int(torch.isnan(layer.kv_cache).any(-1).logical_not().sum()) == written
 
 
-def test_torch_path_bf16(torch_path) -> None:
+def test_torch_path_bf16(no_interp) -> None:
     pb = Problem(**VERIFY, seed=2)
     o, _ = run_layer(pb, torch.bfloat16, padded_metadata(pb))
     check(pb, o, torch.bfloat16)
 
 
-def test_no_cache_and_no_metadata(torch_path) -> None:
+def test_no_cache_and_no_metadata(no_interp) -> None:
     # no cache: each sequence attends within its own new rows (prefill of two sequences + padding)
     pb = Problem(query_lens=[6, 3], seq_lens=[6, 3], seed=3)
     meta = build_attention_metadata(pb.q_lens, pb.s_lens, None, num_tokens=11)
@@ -207,7 +193,7 @@ def test_no_cache_and_no_metadata(torch_path) -> None:
     check(pb1, o1, torch.float32, cached=False)
 
 
-def test_ops_reference_matches_expanded_reference(torch_path) -> None:
+def test_ops_reference_matches_expanded_reference(no_interp) -> None:
     pb = Problem(**MIXED, seed=5)
     cache = pb.cache_with_context(torch.float32)
     meta = padded_metadata(pb, extra_rows=2, extra_seqs=1)
@@ -223,7 +209,7 @@ def test_ops_reference_matches_expanded_reference(torch_path) -> None:
 
 # ------------------------------------------------------------------------------------------ kernel
 @pytest.mark.parametrize("case", [MIXED, DECODE], ids=["mixed", "decode"])
-def test_kernel_matches_expanded_reference(kernel, case) -> None:
+def test_kernel_matches_expanded_reference(interp, case) -> None:
     # r = 24 and rope = 8 exercise the channel masks (blocks of 32 and 16)
     pb = Problem(**case, r=24, seed=6)
     meta = padded_metadata(pb, extra_rows=2, extra_seqs=1, host_lists=False)
@@ -232,7 +218,7 @@ def test_kernel_matches_expanded_reference(kernel, case) -> None:
 
 
 @pytest.mark.parametrize("num_splits,block_m", [(1, 16), (3, 16), (2, 32)])
-def test_kernel_splits_and_blocks(kernel, num_splits, block_m) -> None:
+def test_kernel_splits_and_blocks(interp, num_splits, block_m) -> None:
     # 1 + 3 rows x 6 heads = 24 (row, head) pairs: several row blocks at block_m 16
     pb = Problem(query_lens=[4, 1, 4], seq_lens=[4, 19, 26], heads=6, seed=7)
     cache = pb.cache_with_context(torch.float32)
@@ -246,7 +232,7 @@ def test_kernel_splits_and_blocks(kernel, num_splits, block_m) -> None:
     check(pb, o, torch.float32, extra_rows=1)
 
 
-def test_kernel_bf16_strided_queries(kernel) -> None:
+def test_kernel_bf16_strided_queries(interp) -> None:
     pb = Problem(**VERIFY, seed=8)
     cache = pb.cache_with_context(torch.bfloat16)
     meta = padded_metadata(pb)
@@ -277,16 +263,16 @@ def _check_layer_has_no_host_sync(pb: "Problem") -> None:
     check(pb, o, torch.float32, extra_rows=1)
 
 
-def test_kernel_path_has_no_host_sync(kernel) -> None:
+def test_kernel_path_has_no_host_sync(interp) -> None:
     _check_layer_has_no_host_sync(Problem(**DECODE, seed=9))
 
 
-def test_torch_path_has_no_host_sync(torch_path) -> None:
+def test_torch_path_has_no_host_sync(no_interp) -> None:
     _check_layer_has_no_host_sync(Problem(**VERIFY, seed=10))
 
 
 # ------------------------------------------------------------------------------------------ KV write
-@pytest.mark.parametrize("path", ["kernel", "torch_path"])
+@pytest.mark.parametrize("path", ["interp", "no_interp"])
 @pytest.mark.parametrize("src_dtype,cache_dtype", [(torch.float32, torch.float32), (torch.float32, torch.bfloat16),
                                                    (torch.bfloat16, torch.bfloat16)])
 def test_write_mla_kv_cache(request, path, src_dtype, cache_dtype) -> None:
@@ -340,7 +326,7 @@ def test_plan_is_static() -> None:
         mla_attention_plan(1, 1, 16, 10, sms=1, block_m=24)
 
 
-def test_kernel_fixture_runs_the_kernels(kernel) -> None:
+def test_kernel_fixture_runs_the_kernels(interp) -> None:
     import mtpspec.ops.mla_attention as mod
     pb = Problem(**DECODE, seed=12)
     meta = padded_metadata(pb)
