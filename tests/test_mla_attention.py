@@ -11,7 +11,7 @@ gets ``q_latent = q_nope @ W_UK`` and its ``o_latent`` is mapped back with ``W_U
 from __future__ import annotations
 
 import math
-from typing import List, Optional, Sequence
+from typing import Optional, Sequence
 
 import pytest
 import torch

@@ -12,8 +12,7 @@ run on the captured-style metadata (no host lists, padded sequences) under that 
 from __future__ import annotations
 
 import contextlib
-import math
-from typing import Iterator, List, Optional
+from typing import Iterator, List
 
 import pytest
 import torch
@@ -24,8 +23,7 @@ import mtpspec.ops.paged_attention as pa
 from mtpspec.attention.backends.paged_gqa import use_attention_kernel
 from mtpspec.layers.attention import (Attention, AttentionMetadata, allocate_kv_caches, build_attention_metadata,
                                       set_forward_context)
-from mtpspec.ops.paged_attention import (attention_plan, paged_attention, paged_attention_ref, write_kv_cache,
-                                         write_kv_cache_ref)
+from mtpspec.ops.paged_attention import attention_plan, paged_attention, paged_attention_ref, write_kv_cache
 from mtpspec.ops.triton_utils import interpreter_available
 
 needs_interpreter = pytest.mark.skipif(not interpreter_available(),
