@@ -221,7 +221,11 @@ def check_weight(weight: torch.Tensor, name: str, hidden_size: int, like: torch.
 
 def check_tensor_args(op: str, like_name: str, like: torch.Tensor,
                       named: Sequence[tuple]) -> None:
-    """Each ``(name, t)`` of ``named`` must be a torch.Tensor on ``like``'s device (errors name ``op``)."""
+    """Each ``(name, t)`` of ``named`` must be a torch.Tensor on ``like``'s device.
+
+    Raises:
+        TypeError: a non-tensor argument; ValueError: a tensor on another device (both name ``op``).
+    """
     for name, t in named:
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{op}: {name} must be a torch.Tensor, got {type(t).__name__}")
@@ -231,7 +235,13 @@ def check_tensor_args(op: str, like_name: str, like: torch.Tensor,
 
 def check_paged_metadata(op: str, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
                          block_tables: torch.Tensor, max_query_len: int) -> None:
-    """Shapes, dtypes and strides of the paged-attention metadata (errors name ``op``)."""
+    """Shapes, dtypes and strides of the paged-attention metadata: ``query_start_loc [B + 1]``,
+    ``seq_lens [B]``, ``block_tables [B, max_blocks]`` (int32 / int64, unit row stride),
+    ``max_query_len`` an int >= 0.
+
+    Raises:
+        ValueError: a wrong shape, stride or ``max_query_len``; TypeError: a wrong dtype (both name ``op``).
+    """
     if query_start_loc.dim() != 1 or query_start_loc.shape[0] < 1:
         raise ValueError(f"{op}: query_start_loc must be [num_seqs + 1], got {list(query_start_loc.shape)}")
     b = query_start_loc.shape[0] - 1

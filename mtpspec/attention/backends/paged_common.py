@@ -13,14 +13,22 @@ if TYPE_CHECKING:
 
 
 def check_metadata_rows(meta: "AttentionMetadata", num_rows: int) -> None:
-    """The metadata's host ``query_lens`` (when present) must not cover more than ``num_rows``."""
+    """The metadata's host ``query_lens`` (when present) must not cover more than ``num_rows``.
+
+    Raises:
+        ValueError: they cover more tokens than the batch has rows.
+    """
     q_lens = meta.query_lens
     if q_lens and sum(q_lens) > num_rows:
         raise ValueError(f"attention metadata covers {sum(q_lens)} tokens but the batch has {num_rows} rows")
 
 
 def check_cache_metadata(meta: "AttentionMetadata", num_rows: int) -> None:
-    """With a cache attached: block tables present and a slot for every one of ``num_rows`` rows."""
+    """With a cache attached: block tables present and a slot for every one of ``num_rows`` rows.
+
+    Raises:
+        ValueError: no ``block_tables``, or ``slot_mapping`` shorter than ``num_rows``.
+    """
     if meta.block_tables is None:
         raise ValueError("a KV cache is attached but the attention metadata has no block_tables")
     if meta.slot_mapping.shape[0] < num_rows:
