@@ -197,11 +197,12 @@ def compiled_ref(a: argparse.Namespace, c: Case, timer: Timer) -> Dict[str, Any]
 
 
 def sweep(c: Case, timer: Timer, smoke: bool) -> List[Dict[str, Any]]:
-    """Two stages: tiles and warps (block_m x block_n x warps) at the default stages and splits,
-    then stages and splits around the fastest of those."""
+    """Two stages: tiles, warps and the key-tile read (pointer gathers or bulk tensor copies
+    where the cache block holds whole tiles) at the default stages and splits, then stages and
+    splits around the fastest of those."""
     pairs = c.q * c.heads
     plan = mla.mla_attention_plan(c.seq_lens.shape[0], c.max_q, c.heads, c.max_s, num_sms(c.cache.device))
-    bms = [m for m in (16, 32, 64) if m <= max(16, 1 << (pairs - 1).bit_length())]
+    bms = [m for m in (16, 32, 64) if m <= max(16, 1 << (pairs - 1).bit_length())][-2:]
     rows: List[Dict[str, Any]] = []
 
     def run(cfg: Dict[str, Any]) -> None:
@@ -212,19 +213,22 @@ def sweep(c: Case, timer: Timer, smoke: bool) -> List[Dict[str, Any]]:
         except Exception as exc:  # noqa: BLE001 - e.g. out of shared memory
             rows.append(dict(cfg, ms=None, error=f"{type(exc).__name__}: {str(exc).splitlines()[0][:80]}"))
 
-    stage1 = list(itertools.product(bms, (16, 32, 64), (4, 8)))
-    for bm, bn, w in (stage1[:2] if smoke else stage1):
-        run(dict(block_m=bm, block_n=bn, num_warps=w, num_stages=mla.NUM_STAGES, num_splits=plan["num_splits"]))
+    tmas = [False] + [True for bn in (32, 64) if mla.tma_eligible(c.q_latent, c.cache, bn)][:1]
+    stage1 = [(bm, bn, w, tma) for bm, bn, w, tma in itertools.product(bms, (32, 64), (4, 8), tmas)
+              if not tma or mla.tma_eligible(c.q_latent, c.cache, bn)]
+    for bm, bn, w, tma in (stage1[:2] if smoke else stage1):
+        run(dict(block_m=bm, block_n=bn, num_warps=w, num_stages=mla.NUM_STAGES, num_splits=plan["num_splits"],
+                 tma=tma))
     ok = [r for r in rows if r.get("ms") is not None]
     if not ok:
         return rows
     best = min(ok, key=lambda r: r["ms"])
-    splits = sorted({max(1, plan["num_splits"] // 2), plan["num_splits"] * 2, plan["num_splits"] * 4})
-    stage2 = [(st, plan["num_splits"]) for st in (1, 3)] + [(mla.NUM_STAGES, sp) for sp in splits
-                                                              if sp != plan["num_splits"]]
+    splits = sorted({max(1, plan["num_splits"] // 2), plan["num_splits"] * 2})
+    stage2 = [(st, plan["num_splits"]) for st in (1, 3, 4)] + [(mla.NUM_STAGES, sp) for sp in splits
+                                                                 if sp != plan["num_splits"]]
     for st, sp in (stage2[:1] if smoke else stage2):
         run(dict(block_m=best["block_m"], block_n=best["block_n"], num_warps=best["num_warps"], num_stages=st,
-                 num_splits=sp))
+                 num_splits=sp, tma=best["tma"]))
     return rows
 
 

@@ -20,8 +20,8 @@ from mtpspec.attention.backends.mla import MLABackend
 from mtpspec.engine.kv_cache import allocate, attention_layers, bytes_per_block
 from mtpspec.layers.attention import Attention, AttentionMetadata, build_attention_metadata, set_forward_context
 from mtpspec.layers.mla_attention import MLAAttention
-from mtpspec.ops.mla_attention import (mla_attention, mla_attention_plan, mla_attention_ref, write_mla_kv_cache,
-                                       write_mla_kv_cache_ref)
+from mtpspec.ops.mla_attention import (mla_attention, mla_attention_plan, mla_attention_ref, tma_eligible,
+                                       write_mla_kv_cache, write_mla_kv_cache_ref)
 
 BS = 8  # cache block size of the tests (small: sequences cross block boundaries)
 
@@ -30,8 +30,9 @@ class Problem:
     """A random MLA problem: sequences with a cached context and new query rows."""
 
     def __init__(self, query_lens: Sequence[int], seq_lens: Sequence[int], heads: int = 4, r: int = 32,
-                 rope: int = 8, nope: int = 8, v: int = 8, seed: int = 0) -> None:
+                 rope: int = 8, nope: int = 8, v: int = 8, seed: int = 0, bs: int = BS) -> None:
         g = torch.Generator().manual_seed(seed)
+        self.bs = bs
         self.q_lens, self.s_lens = list(query_lens), list(seq_lens)
         self.h, self.r, self.rope, self.nope, self.v = heads, r, rope, nope, v
         self.scale = (nope + rope) ** -0.5
@@ -45,7 +46,7 @@ class Problem:
         self.q_nope = torch.randn(t, heads, nope, generator=g, dtype=torch.float64)
         self.q_pe = torch.randn(t, heads, rope, generator=g, dtype=torch.float64)
         # block tables: scattered, non-monotonic block ids
-        need = [(s + BS - 1) // BS for s in self.s_lens]
+        need = [(s + bs - 1) // bs for s in self.s_lens]
         perm = torch.randperm(sum(need) + 3, generator=g).tolist()
         self.tables, k = [], 0
         for n in need:
@@ -63,12 +64,13 @@ class Problem:
     def cache_with_context(self, dtype: torch.dtype) -> torch.Tensor:
         """The cache holding every sequence's positions before this step's rows (the rest NaN
         garbage where nothing is written, so reads of unwritten slots would show)."""
-        cache = torch.full((self.num_blocks, BS, self.r + self.rope), float("nan"), dtype=dtype)
+        bs = self.bs
+        cache = torch.full((self.num_blocks, bs, self.r + self.rope), float("nan"), dtype=dtype)
         for i, s in enumerate(self.s_lens):
             for p in range(s - self.q_lens[i]):
-                blk = self.tables[i][p // BS]
-                cache[blk, p % BS, :self.r] = self.c_all[i][p].to(dtype)
-                cache[blk, p % BS, self.r:] = self.kpe_all[i][p].to(dtype)
+                blk = self.tables[i][p // bs]
+                cache[blk, p % bs, :self.r] = self.c_all[i][p].to(dtype)
+                cache[blk, p % bs, self.r:] = self.kpe_all[i][p].to(dtype)
         return cache
 
     def reference(self, cached: bool = True) -> torch.Tensor:
@@ -101,7 +103,7 @@ def padded_metadata(pb: Problem, extra_rows: int = 0, extra_seqs: int = 0, host_
     real ones and ``extra_seqs`` sequences of seq_len 0 and no rows; ``host_lists=False`` drops
     the host lists (captured-graph metadata; then max_query_len / max_seq_len are loose bounds)."""
     t = sum(pb.q_lens)
-    m = build_attention_metadata(pb.q_lens, pb.s_lens, pb.tables, block_size=BS, device=device,
+    m = build_attention_metadata(pb.q_lens, pb.s_lens, pb.tables, block_size=pb.bs, device=device,
                                  num_tokens=t + extra_rows)
     if extra_seqs:
         bt = torch.cat([m.block_tables, torch.full((extra_seqs, m.block_tables.shape[1]), -1, dtype=torch.int32)])
@@ -139,7 +141,7 @@ def check(pb: Problem, o: torch.Tensor, dtype: torch.dtype, cached: bool = True,
     assert o.shape == (t + extra_rows, pb.h, pb.r) and o.dtype == dtype
     ref = pb.reference(cached)
     got = pb.expand_out(o[:t])
-    tol = {torch.float32: 1e-4, torch.bfloat16: 4e-2}[dtype]
+    tol = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 4e-2}[dtype]
     torch.testing.assert_close(got, ref, atol=tol, rtol=tol)
     if extra_rows:
         assert torch.equal(o[t:], torch.zeros_like(o[t:])), "padding rows must be zero"
@@ -249,6 +251,33 @@ def test_kernel_bf16_strided_queries(interp) -> None:
     assert o.shape == (t, pb.h, pb.r)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("num_splits", [1, 2])
+def test_kernel_tma_path(interp, dtype, num_splits) -> None:
+    # Bulk-copy tiles (cache blocks of 32 = two 16-key tiles): full tiles unmasked, the last partial
+    # tile of each split through the masked pointer path; the NaN garbage in unwritten slots of the
+    # last block must not reach the output. Decode, 1 + 3 verification, a length-1 sequence.
+    pb = Problem(query_lens=[1, 4, 1, 3], seq_lens=[50, 45, 1, 32], heads=4, r=64, rope=16, seed=9, bs=32)
+    cache = pb.cache_with_context(dtype)
+    meta = padded_metadata(pb, extra_rows=1, extra_seqs=1)
+    t = sum(pb.q_lens)
+    write_mla_kv_cache(pb.new_rows("c").to(dtype), pb.new_rows("k").to(dtype), cache, meta.slot_mapping[:t])
+    ql = torch.cat([pb.q_latent(), torch.ones(1, pb.h, pb.r, dtype=torch.float64)]).to(dtype)
+    qp = torch.cat([pb.q_pe, torch.ones(1, pb.h, pb.rope, dtype=torch.float64)]).to(dtype)
+    kw = dict(num_splits=num_splits, block_n=16)
+    assert tma_eligible(ql, cache, 16) and not tma_eligible(ql, cache, 64)
+    o = mla_attention(ql, qp, cache, meta.query_start_loc, meta.seq_lens, meta.block_tables, pb.scale,
+                      meta.max_query_len, meta.max_seq_len, tma=True, **kw)
+    ptr = mla_attention(ql, qp, cache, meta.query_start_loc, meta.seq_lens, meta.block_tables, pb.scale,
+                        meta.max_query_len, meta.max_seq_len, tma=False, **kw)
+    assert torch.isfinite(o.float()).all()
+    check(pb, o, dtype, extra_rows=1)
+    torch.testing.assert_close(o.float(), ptr.float(), atol=1e-2, rtol=1e-2)
+    with pytest.raises(ValueError, match="tma=True"):
+        mla_attention(ql, qp, cache, meta.query_start_loc, meta.seq_lens, meta.block_tables, pb.scale,
+                      meta.max_query_len, meta.max_seq_len, tma=True, block_n=64)
+
+
 def _check_layer_has_no_host_sync(pb: "Problem") -> None:
     """The layer (cache attached, one padding row and one padding sequence, no host lists) runs
     without a host sync and gives the reference result."""
@@ -349,12 +378,19 @@ def test_kernels_compile_for_hopper() -> None:
                "stride_oh", "stride_bt", "stride_pt", "stride_ph"]
     sig.update({s: "i32" for s in strides})
     specs = []
-    for heads, q in ((16, 1), (128, 4)):
+    for heads, q, tma in ((16, 1, False), (128, 4, False), (16, 1, True)):
         plan = mla_attention_plan(64, q, heads, 8192, sms=132)
-        specs.append({"module": "mtpspec.ops.mla_attention", "kernel": "_mla_attn", "signature": sig,
-                      "constexprs": dict(NUM_HEADS=heads, LORA=512, ROPE=64, BLOCK_L=512, BLOCK_R=64,
-                                         BLOCK_M=plan["block_m"], BLOCK_N=mla.BLOCK_N, CACHE_BLOCK=16,
-                                         SPLIT=True, DOT_FP32=False, PRECISION="tf32", BF16_BY_BITS=False),
+        ce = dict(NUM_HEADS=heads, LORA=512, ROPE=64, BLOCK_L=512, BLOCK_R=64, BLOCK_M=plan["block_m"],
+                  BLOCK_N=mla.BLOCK_N, CACHE_BLOCK=64 if tma else 16, SPLIT=True, TMA=tma, DOT_FP32=False,
+                  PRECISION="tf32", BF16_BY_BITS=False)
+        kernel_sig = dict(sig)
+        if tma:  # bulk tensor copies of [BLOCK_N, 256] latent halves and [BLOCK_N, 64] rope keys
+            kernel_sig.update(kvl_desc=f"tensordesc<bf16[{mla.BLOCK_N}, 256]>",
+                              kvr_desc=f"tensordesc<bf16[{mla.BLOCK_N}, 64]>")
+        else:
+            ce.update(kvl_desc=None, kvr_desc=None)
+        specs.append({"module": "mtpspec.ops.mla_attention", "kernel": "_mla_attn", "signature": kernel_sig,
+                      "constexprs": ce,
                       "aligned": ["ql_ptr", "qp_ptr", "kv_ptr", "out_ptr", "part_acc_ptr", "part_ml_ptr", "bt_ptr"]
                       + strides[:8], "num_warps": mla.NUM_WARPS[plan["block_m"]]})
     specs.append({"module": "mtpspec.ops.mla_attention", "kernel": "_write_mla_kv",
@@ -370,4 +406,5 @@ def test_kernels_compile_for_hopper() -> None:
         # at 128 heads: BENCHMARKS.md, MLA sweep); bound the spill so a regression shows.
         limit = 512 if spec["kernel"] == "_mla_attn" else 0
         assert (rep["spill_bytes"] or 0) <= limit, (spec["constexprs"], rep)
-    assert reports[2]["ptx_vec4_loads"] > 0, reports
+    assert reports[3]["ptx_vec4_loads"] > 0, reports
+    assert reports[2]["ptx_bulk_tensor_loads"] > 0 and reports[0]["ptx_bulk_tensor_loads"] == 0, reports

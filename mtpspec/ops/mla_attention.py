@@ -48,7 +48,7 @@ from mtpspec.ops.argmax import num_sms
 from mtpspec.ops.paged_common import (causal_probs, choose_num_splits, launchable_block_tables, padded_queries,
                                       padded_slots, scatter_padded_rows, split_outputs)
 from mtpspec.ops.triton_utils import (HAS_TRITON, LazyKernel, cdiv, check_paged_metadata, check_tensor_args,
-                                      interpreting, next_power_of_2, tl, use_triton)
+                                      device_function, interpreting, next_power_of_2, tl, use_triton)
 
 #: (query row, head) pairs per program: matrix rows of the score tile (16 = smallest tl.dot tile).
 #: 64 x 64 tiles with 8 warps are the defaults from the H200 sweep of 2026-12-02
@@ -145,20 +145,58 @@ def write_mla_kv_cache_ref(c_kv: torch.Tensor, k_pe: torch.Tensor, kv_cache: tor
 
 # ---------------------------------------------------------------- kernels
 
+try:  # Triton >= 3.4: host-side tensor descriptors (bulk tensor copies on Hopper)
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # pragma: no cover - older Triton or none: the pointer path only
+    TensorDescriptor = None
+
 if HAS_TRITON:
     from mtpspec.ops.paged_attention import _combine  # same (m, l, acc) scratch layout
     from mtpspec.ops.triton_helpers import round_to_dtype
 
-    def _mla_attn_kernel(ql_ptr, qp_ptr, kv_ptr, out_ptr, part_acc_ptr, part_ml_ptr,
+    @device_function
+    def _mla_tile(acc0, acc1, m_i, l_i, ql0, ql1, qp, k0, k1, kr, offs_n, n_ok, q_pos, row_ok, qk_scale,
+                  PRECISION: tl.constexpr):
+        """One key tile of the online softmax (base 2): the scores from the two latent halves and
+        the rope part (``[BLOCK_M, BLOCK_N]``), then the same latent halves as the value operand.
+        Returns the updated ``(acc0, acc1, m_i, l_i)``."""
+        s = tl.dot(ql0, tl.trans(k0), input_precision=PRECISION)
+        s = tl.dot(ql1, tl.trans(k1), acc=s, input_precision=PRECISION)
+        s = tl.dot(qp, tl.trans(kr), acc=s, input_precision=PRECISION)
+        s = s * qk_scale
+        ok = row_ok[:, None] & n_ok[None, :] & (offs_n[None, :] <= q_pos[:, None])
+        s = tl.where(ok, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        p = p.to(k0.dtype)
+        acc0 = acc0 * alpha[:, None] + tl.dot(p, k0, input_precision=PRECISION)
+        acc1 = acc1 * alpha[:, None] + tl.dot(p, k1, input_precision=PRECISION)
+        return acc0, acc1, m_new, l_i
+
+    @device_function
+    def _masked_latent(kv_ptr, base, cols, col_ok, n_ok, DOT_FP32: tl.constexpr):
+        """``[BLOCK_N, len(cols)]`` cache values at ``kv_ptr + base[:, None] + cols[None, :]``,
+        zero where the key (``n_ok``) or column (``col_ok``) is out of range."""
+        x = tl.load(kv_ptr + base[:, None] + cols[None, :], mask=n_ok[:, None] & col_ok[None, :], other=0.0)
+        if DOT_FP32:
+            x = x.to(tl.float32)
+        return x
+
+    def _mla_attn_kernel(ql_ptr, qp_ptr, kv_ptr, kvl_desc, kvr_desc, out_ptr, part_acc_ptr, part_ml_ptr,
                          qsl_ptr, seq_lens_ptr, bt_ptr, qk_scale, num_splits,
                          stride_qlt, stride_qlh, stride_qpt, stride_qph, stride_kb, stride_ks,
                          stride_ot, stride_oh, stride_bt, stride_pt, stride_ph,
                          NUM_HEADS: tl.constexpr, LORA: tl.constexpr, ROPE: tl.constexpr,
                          BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_M: tl.constexpr,
-                         BLOCK_N: tl.constexpr, CACHE_BLOCK: tl.constexpr, SPLIT: tl.constexpr,
+                         BLOCK_N: tl.constexpr, CACHE_BLOCK: tl.constexpr, SPLIT: tl.constexpr, TMA: tl.constexpr,
                          DOT_FP32: tl.constexpr, PRECISION: tl.constexpr, BF16_BY_BITS: tl.constexpr):
         # One program: (query row, head) pairs [rb * BLOCK_M, (rb + 1) * BLOCK_M) of sequence
-        # `seq` (row-major over [q_len, NUM_HEADS]), key split `split`. Scores in base 2.
+        # `seq` (row-major over [q_len, NUM_HEADS]), key split `split`. Scores in base 2. The
+        # latent is handled as two halves of HALF columns (a TMA box is at most 256 wide).
+        HALF: tl.constexpr = BLOCK_L // 2
         rb = tl.program_id(0)
         split = tl.program_id(1)
         seq = tl.program_id(2)
@@ -173,16 +211,19 @@ if HAS_TRITON:
         row_ok = tok < q_len
         q_pos = ctx + tok
         row = (q_start + tok).to(tl.int64)
-        offs_l = tl.arange(0, BLOCK_L)
-        l_ok = offs_l < LORA
+        offs_h = tl.arange(0, HALF)
+        h0_ok = offs_h < LORA
+        h1_ok = offs_h + HALF < LORA
         offs_r = tl.arange(0, BLOCK_R)
         r_ok = offs_r < ROPE
-        ql = tl.load(ql_ptr + row[:, None] * stride_qlt + head[:, None] * stride_qlh + offs_l[None, :],
-                     mask=row_ok[:, None] & l_ok[None, :], other=0.0)
+        ql_rows = ql_ptr + row[:, None] * stride_qlt + head[:, None] * stride_qlh
+        ql0 = tl.load(ql_rows + offs_h[None, :], mask=row_ok[:, None] & h0_ok[None, :], other=0.0)
+        ql1 = tl.load(ql_rows + HALF + offs_h[None, :], mask=row_ok[:, None] & h1_ok[None, :], other=0.0)
         qp = tl.load(qp_ptr + row[:, None] * stride_qpt + head[:, None] * stride_qph + offs_r[None, :],
                      mask=row_ok[:, None] & r_ok[None, :], other=0.0)
         if DOT_FP32:
-            ql = ql.to(tl.float32)
+            ql0 = ql0.to(tl.float32)
+            ql1 = ql1.to(tl.float32)
             qp = qp.to(tl.float32)
         # Keys this block needs: 0 .. ctx + its last query row; this split's share of them.
         n_keys = ctx + tl.minimum(q_len, ((rb + 1) * BLOCK_M - 1) // NUM_HEADS + 1)
@@ -191,42 +232,49 @@ if HAS_TRITON:
         k_hi = tl.minimum(k_lo + chunk, n_keys)
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-        acc = tl.zeros([BLOCK_M, BLOCK_L], dtype=tl.float32)
+        acc0 = tl.zeros([BLOCK_M, HALF], dtype=tl.float32)
+        acc1 = tl.zeros([BLOCK_M, HALF], dtype=tl.float32)
         bt_row = bt_ptr + seq.to(tl.int64) * stride_bt
-        for start in range(k_lo, k_hi, BLOCK_N):
+        if TMA:
+            # Whole tiles lie in one cache block (CACHE_BLOCK % BLOCK_N == 0): one bulk tensor copy per
+            # part, unmasked (stale slots past k_hi only occur in the last, partial tile, below).
+            k_full = k_lo + (k_hi - k_lo) // BLOCK_N * BLOCK_N
+            for start in range(k_lo, k_full, BLOCK_N):
+                offs_n = start + tl.arange(0, BLOCK_N)
+                blk = tl.load(bt_row + start // CACHE_BLOCK).to(tl.int32)
+                r0 = blk * CACHE_BLOCK + start % CACHE_BLOCK
+                k0 = kvl_desc.load([r0, 0])
+                k1 = kvl_desc.load([r0, HALF])
+                kr = kvr_desc.load([r0, LORA])
+                if DOT_FP32:
+                    k0, k1, kr = k0.to(tl.float32), k1.to(tl.float32), kr.to(tl.float32)
+                acc0, acc1, m_i, l_i = _mla_tile(acc0, acc1, m_i, l_i, ql0, ql1, qp, k0, k1, kr, offs_n,
+                                                 offs_n < k_hi, q_pos, row_ok, qk_scale, PRECISION)
+            k_lo = k_full
+        for start in range(k_lo, k_hi, BLOCK_N):  # the pointer path (TMA: the partial last tile only)
             offs_n = start + tl.arange(0, BLOCK_N)
             n_ok = offs_n < k_hi
             blk = tl.load(bt_row + offs_n // CACHE_BLOCK, mask=n_ok, other=0).to(tl.int64)
             base = blk * stride_kb + (offs_n % CACHE_BLOCK) * stride_ks
-            # the latent tile: keys' first part and the values, loaded once for every head
-            kl = tl.load(kv_ptr + base[:, None] + offs_l[None, :], mask=n_ok[:, None] & l_ok[None, :], other=0.0)
-            kr = tl.load(kv_ptr + base[:, None] + LORA + offs_r[None, :], mask=n_ok[:, None] & r_ok[None, :],
-                         other=0.0)
-            if DOT_FP32:
-                kl = kl.to(tl.float32)
-                kr = kr.to(tl.float32)
-            s = tl.dot(ql, tl.trans(kl), input_precision=PRECISION)
-            s = tl.dot(qp, tl.trans(kr), acc=s, input_precision=PRECISION)
-            s = s * qk_scale
-            ok = row_ok[:, None] & n_ok[None, :] & (offs_n[None, :] <= q_pos[:, None])
-            s = tl.where(ok, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            p = tl.exp2(s - m_safe[:, None])
-            alpha = tl.exp2(m_i - m_safe)
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(kl.dtype), kl, input_precision=PRECISION)
-            m_i = m_new
+            k0 = _masked_latent(kv_ptr, base, offs_h, h0_ok, n_ok, DOT_FP32)
+            k1 = _masked_latent(kv_ptr, base + HALF, offs_h, h1_ok, n_ok, DOT_FP32)
+            kr = _masked_latent(kv_ptr, base + LORA, offs_r, r_ok, n_ok, DOT_FP32)
+            acc0, acc1, m_i, l_i = _mla_tile(acc0, acc1, m_i, l_i, ql0, ql1, qp, k0, k1, kr, offs_n, n_ok, q_pos,
+                                             row_ok, qk_scale, PRECISION)
         if SPLIT:
             pbase = row * stride_pt + head * stride_ph + split
             tl.store(part_ml_ptr + 2 * pbase, m_i, mask=row_ok)
             tl.store(part_ml_ptr + 2 * pbase + 1, l_i, mask=row_ok)
-            tl.store(part_acc_ptr + pbase[:, None] * BLOCK_L + offs_l[None, :], acc, mask=row_ok[:, None])
+            acc_rows = part_acc_ptr + pbase[:, None] * BLOCK_L
+            tl.store(acc_rows + offs_h[None, :], acc0, mask=row_ok[:, None])
+            tl.store(acc_rows + HALF + offs_h[None, :], acc1, mask=row_ok[:, None])
         else:
-            o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-            o_low = round_to_dtype(o, out_ptr.dtype.element_ty, BF16_BY_BITS)
-            tl.store(out_ptr + row[:, None] * stride_ot + head[:, None] * stride_oh + offs_l[None, :],
-                     o_low, mask=row_ok[:, None] & l_ok[None, :])
+            denom = tl.where(l_i > 0, l_i, 1.0)[:, None]
+            out_rows = out_ptr + row[:, None] * stride_ot + head[:, None] * stride_oh
+            o0 = round_to_dtype(acc0 / denom, out_ptr.dtype.element_ty, BF16_BY_BITS)
+            tl.store(out_rows + offs_h[None, :], o0, mask=row_ok[:, None] & h0_ok[None, :])
+            o1 = round_to_dtype(acc1 / denom, out_ptr.dtype.element_ty, BF16_BY_BITS)
+            tl.store(out_rows + HALF + offs_h[None, :], o1, mask=row_ok[:, None] & h1_ok[None, :])
 
     def _write_mla_kv_kernel(ckv_ptr, kpe_ptr, cache_ptr, slot_ptr, stride_ct, stride_pt, stride_cb, stride_cs,
                              LORA: tl.constexpr, ROPE: tl.constexpr, BLOCK_L: tl.constexpr,
@@ -273,6 +321,19 @@ def mla_attention_plan(num_seqs: int, max_query_len: int, num_heads: int, max_se
     return dict(block_m=block_m, row_blocks=row_blocks, num_splits=num_splits)
 
 
+def tma_eligible(q_latent: torch.Tensor, kv_cache: torch.Tensor, block_n: int) -> bool:
+    """Whether :func:`mla_attention` can read key tiles by bulk tensor copies: Triton tensor
+    descriptors available; a 16-bit, contiguous ``kv_cache`` (16-byte aligned) whose
+    ``block_size`` is a multiple of ``block_n`` (a tile never spans two cache blocks); and
+    ``kv_lora_rank / 2`` and ``rope`` powers of two of at most 256 (one copy box each)."""
+    r, rope = q_latent.shape[2], kv_cache.shape[2] - q_latent.shape[2]
+    half = r // 2
+    return (TensorDescriptor is not None and kv_cache.dtype in (torch.float16, torch.bfloat16)
+            and kv_cache.is_contiguous() and kv_cache.data_ptr() % 16 == 0 and kv_cache.shape[1] % block_n == 0
+            and r % 2 == 0 and 16 <= half <= 256 and half & (half - 1) == 0
+            and 16 <= rope <= 256 and rope & (rope - 1) == 0)
+
+
 def write_warps(kv_lora_rank: int) -> int:
     """Warps of the KV-write program: 8 latent values (16 bytes of bf16) per thread, 1 to 4 warps."""
     return max(1, min(4, next_power_of_2(kv_lora_rank) // 256))
@@ -284,7 +345,8 @@ def mla_attention(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Te
                   query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
                   scale: float, max_query_len: int, max_seq_len: int, num_splits: Optional[int] = None,
                   block_m: Optional[int] = None, block_n: Optional[int] = None,
-                  num_warps: Optional[int] = None, num_stages: Optional[int] = None) -> torch.Tensor:
+                  num_warps: Optional[int] = None, num_stages: Optional[int] = None,
+                  tma: Optional[bool] = None) -> torch.Tensor:
     """Absorbed MLA attention of a flattened varlen batch against a paged latent cache.
 
     Args:
@@ -298,6 +360,9 @@ def mla_attention(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Te
         scale: softmax scale (the qk head dim's ``** -0.5``, times YaRN's mscale squared where used).
         num_splits, block_m, block_n, num_warps, num_stages: launch overrides (tuning; default
             :func:`mla_attention_plan` and the module constants).
+        tma: read whole key tiles with bulk tensor copies (Hopper's TMA, through Triton tensor
+            descriptors) instead of per-element gathers; ``None`` = where :func:`tma_eligible`
+            (a GPU of compute capability >= 9). ``True`` where not eligible raises ValueError.
 
     Returns:
         ``o_latent [num_tokens, num_heads, kv_lora_rank]`` in q's dtype; rows at or past
@@ -319,9 +384,16 @@ def mla_attention(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Te
     bs = kv_cache.shape[1]
     plan = mla_attention_plan(b, max_query_len, nh, max_seq_len, num_sms(q_latent.device), num_splits, block_m)
     s = plan["num_splits"]
-    block_l = next_power_of_2(max(r, 16))
+    block_l = next_power_of_2(max(r, 32))  # two halves of >= 16 columns (the smallest tl.dot)
     block_r = next_power_of_2(max(rope, 16))
     bn = BLOCK_N if block_n is None else int(block_n)
+    eligible = tma_eligible(q_latent, kv_cache, bn)
+    if tma and not eligible:
+        raise ValueError(f"mla_attention: tma=True needs a contiguous 16-bit kv_cache whose block_size "
+                         f"({bs}) is a multiple of block_n ({bn}), power-of-two kv_lora_rank / 2 and rope <= 256, "
+                         f"and Triton tensor descriptors")
+    use_tma = eligible and (tma if tma is not None else (q_latent.is_cuda and
+                                                         torch.cuda.get_device_capability(q_latent.device)[0] >= 9))
     # Triton's interpreter: bf16 tl.dot is wrong and fp32 -> bf16 truncates; run the dots in
     # fp32 and round by integer ops there (compiled: native bf16 dots, fp32 accumulation).
     bf16_interp = interpreting() and q_latent.dtype == torch.bfloat16
@@ -332,12 +404,17 @@ def mla_attention(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Te
         return torch.zeros_like(q_latent)
     out, part_acc, part_ml = split_outputs(q_latent, s, block_l)
     block_tables = launchable_block_tables(block_tables, b)
+    kvl_desc = kvr_desc = None
+    if use_tma:
+        flat = kv_cache.view(-1, kv_cache.shape[2])
+        kvl_desc = TensorDescriptor(flat, list(flat.shape), list(flat.stride()), [bn, block_l // 2])
+        kvr_desc = TensorDescriptor(flat, list(flat.shape), list(flat.stride()), [bn, block_r])
     _mla_attn[(plan["row_blocks"], s, b)](
-        q_latent, q_pe, kv_cache, out, part_acc, part_ml, query_start_loc, seq_lens, block_tables,
+        q_latent, q_pe, kv_cache, kvl_desc, kvr_desc, out, part_acc, part_ml, query_start_loc, seq_lens, block_tables,
         float(scale) * _LOG2E, s, q_latent.stride(0), q_latent.stride(1), q_pe.stride(0), q_pe.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), out.stride(0), out.stride(1), block_tables.stride(0), nh * s, s,
         NUM_HEADS=nh, LORA=r, ROPE=rope, BLOCK_L=block_l, BLOCK_R=block_r, BLOCK_M=plan["block_m"], BLOCK_N=bn,
-        CACHE_BLOCK=bs, SPLIT=s > 1, DOT_FP32=bf16_interp, PRECISION=precision, BF16_BY_BITS=bf16_interp,
+        CACHE_BLOCK=bs, SPLIT=s > 1, TMA=use_tma, DOT_FP32=bf16_interp, PRECISION=precision, BF16_BY_BITS=bf16_interp,
         num_warps=NUM_WARPS.get(plan["block_m"], 8) if num_warps is None else num_warps,
         num_stages=NUM_STAGES if num_stages is None else num_stages)
     if s > 1:
@@ -387,5 +464,5 @@ def write_mla_kv_cache(c_kv: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.T
                         num_warps=write_warps(r))
 
 
-__all__ = ["mla_attention", "mla_attention_plan", "mla_attention_ref", "write_mla_kv_cache",
+__all__ = ["mla_attention", "mla_attention_plan", "mla_attention_ref", "tma_eligible", "write_mla_kv_cache",
            "write_mla_kv_cache_ref"]

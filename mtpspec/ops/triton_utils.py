@@ -343,6 +343,7 @@ def _compile_report(spec: Dict[str, Any], arch: int) -> Dict[str, Any]:
         "ptx_loads": len(re.findall(r"ld\.global", ptx)),
         "ptx_vec4_stores": len(re.findall(r"st\.global[^\n]*\.v4", ptx)),
         "ptx_stores": len(re.findall(r"st\.global", ptx)),
+        "ptx_bulk_tensor_loads": len(re.findall(r"cp\.async\.bulk\.tensor", ptx)),
         "registers": None, "spill_bytes": None}
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     cubin = compiled.asm.get("cubin")
