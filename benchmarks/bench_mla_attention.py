@@ -223,12 +223,14 @@ def sweep(c: Case, timer: Timer, smoke: bool) -> List[Dict[str, Any]]:
     if not ok:
         return rows
     best = min(ok, key=lambda r: r["ms"])
-    splits = sorted({max(1, plan["num_splits"] // 2), plan["num_splits"] * 2})
-    stage2 = [(st, plan["num_splits"]) for st in (1, 3, 4)] + [(mla.NUM_STAGES, sp) for sp in splits
-                                                                 if sp != plan["num_splits"]]
-    for st, sp in (stage2[:1] if smoke else stage2):
+    splits = sorted({max(1, plan["num_splits"] // 2), plan["num_splits"] * 2, plan["num_splits"] * 4})
+    stage2 = [(st, plan["num_splits"], False) for st in (1, 3)] + [(mla.NUM_STAGES, sp, False) for sp in splits
+                                                                     if sp != plan["num_splits"]]
+    if best["tma"]:
+        stage2.append((mla.NUM_STAGES, plan["num_splits"], True))
+    for st, sp, ws in (stage2[:1] if smoke else stage2):
         run(dict(block_m=best["block_m"], block_n=best["block_n"], num_warps=best["num_warps"], num_stages=st,
-                 num_splits=sp, tma=best["tma"]))
+                 num_splits=sp, tma=best["tma"], warp_specialize=ws))
     return rows
 
 

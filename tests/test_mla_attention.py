@@ -381,7 +381,8 @@ def test_kernels_compile_for_hopper() -> None:
     for heads, q, tma in ((16, 1, False), (128, 4, False), (16, 1, True)):
         plan = mla_attention_plan(64, q, heads, 8192, sms=132)
         ce = dict(NUM_HEADS=heads, LORA=512, ROPE=64, BLOCK_L=512, BLOCK_R=64, BLOCK_M=plan["block_m"],
-                  BLOCK_N=mla.BLOCK_N, CACHE_BLOCK=64 if tma else 16, SPLIT=True, TMA=tma, DOT_FP32=False,
+                  BLOCK_N=mla.BLOCK_N, CACHE_BLOCK=64 if tma else 16, SPLIT=True, TMA=tma, WARP_SPECIALIZE=False,
+                  TAIL_STAGES=1 if tma else mla.NUM_STAGES, DOT_FP32=False,
                   PRECISION="tf32", BF16_BY_BITS=False)
         kernel_sig = dict(sig)
         if tma:  # bulk tensor copies of [BLOCK_N, 256] latent halves and [BLOCK_N, 64] rope keys

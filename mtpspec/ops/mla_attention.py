@@ -192,6 +192,7 @@ if HAS_TRITON:
                          NUM_HEADS: tl.constexpr, LORA: tl.constexpr, ROPE: tl.constexpr,
                          BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_M: tl.constexpr,
                          BLOCK_N: tl.constexpr, CACHE_BLOCK: tl.constexpr, SPLIT: tl.constexpr, TMA: tl.constexpr,
+                         WARP_SPECIALIZE: tl.constexpr, TAIL_STAGES: tl.constexpr,
                          DOT_FP32: tl.constexpr, PRECISION: tl.constexpr, BF16_BY_BITS: tl.constexpr):
         # One program: (query row, head) pairs [rb * BLOCK_M, (rb + 1) * BLOCK_M) of sequence
         # `seq` (row-major over [q_len, NUM_HEADS]), key split `split`. Scores in base 2. The
@@ -239,7 +240,7 @@ if HAS_TRITON:
             # Whole tiles lie in one cache block (CACHE_BLOCK % BLOCK_N == 0): one bulk tensor copy per
             # part, unmasked (stale slots past k_hi only occur in the last, partial tile, below).
             k_full = k_lo + (k_hi - k_lo) // BLOCK_N * BLOCK_N
-            for start in range(k_lo, k_full, BLOCK_N):
+            for start in tl.range(k_lo, k_full, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
                 offs_n = start + tl.arange(0, BLOCK_N)
                 blk = tl.load(bt_row + start // CACHE_BLOCK).to(tl.int32)
                 r0 = blk * CACHE_BLOCK + start % CACHE_BLOCK
@@ -251,7 +252,7 @@ if HAS_TRITON:
                 acc0, acc1, m_i, l_i = _mla_tile(acc0, acc1, m_i, l_i, ql0, ql1, qp, k0, k1, kr, offs_n,
                                                  offs_n < k_hi, q_pos, row_ok, qk_scale, PRECISION)
             k_lo = k_full
-        for start in range(k_lo, k_hi, BLOCK_N):  # the pointer path (TMA: the partial last tile only)
+        for start in tl.range(k_lo, k_hi, BLOCK_N, num_stages=TAIL_STAGES):  # pointer path (TMA: last tile)
             offs_n = start + tl.arange(0, BLOCK_N)
             n_ok = offs_n < k_hi
             blk = tl.load(bt_row + offs_n // CACHE_BLOCK, mask=n_ok, other=0).to(tl.int64)
@@ -346,7 +347,7 @@ def mla_attention(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Te
                   scale: float, max_query_len: int, max_seq_len: int, num_splits: Optional[int] = None,
                   block_m: Optional[int] = None, block_n: Optional[int] = None,
                   num_warps: Optional[int] = None, num_stages: Optional[int] = None,
-                  tma: Optional[bool] = None) -> torch.Tensor:
+                  tma: Optional[bool] = None, warp_specialize: bool = False) -> torch.Tensor:
     """Absorbed MLA attention of a flattened varlen batch against a paged latent cache.
 
     Args:
@@ -363,6 +364,7 @@ def mla_attention(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Te
         tma: read whole key tiles with bulk tensor copies (Hopper's TMA, through Triton tensor
             descriptors) instead of per-element gathers; ``None`` = where :func:`tma_eligible`
             (a GPU of compute capability >= 9). ``True`` where not eligible raises ValueError.
+        warp_specialize: Triton's automatic warp specialization of the bulk-copy loop (tuning).
 
     Returns:
         ``o_latent [num_tokens, num_heads, kv_lora_rank]`` in q's dtype; rows at or past
@@ -404,6 +406,7 @@ def mla_attention(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Te
         return torch.zeros_like(q_latent)
     out, part_acc, part_ml = split_outputs(q_latent, s, block_l)
     block_tables = launchable_block_tables(block_tables, b)
+    stages = NUM_STAGES if num_stages is None else int(num_stages)
     kvl_desc = kvr_desc = None
     if use_tma:
         flat = kv_cache.view(-1, kv_cache.shape[2])
@@ -414,9 +417,10 @@ def mla_attention(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Te
         float(scale) * _LOG2E, s, q_latent.stride(0), q_latent.stride(1), q_pe.stride(0), q_pe.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), out.stride(0), out.stride(1), block_tables.stride(0), nh * s, s,
         NUM_HEADS=nh, LORA=r, ROPE=rope, BLOCK_L=block_l, BLOCK_R=block_r, BLOCK_M=plan["block_m"], BLOCK_N=bn,
-        CACHE_BLOCK=bs, SPLIT=s > 1, TMA=use_tma, DOT_FP32=bf16_interp, PRECISION=precision, BF16_BY_BITS=bf16_interp,
+        CACHE_BLOCK=bs, SPLIT=s > 1, TMA=use_tma, WARP_SPECIALIZE=bool(warp_specialize),
+        TAIL_STAGES=1 if use_tma else stages, DOT_FP32=bf16_interp, PRECISION=precision, BF16_BY_BITS=bf16_interp,
         num_warps=NUM_WARPS.get(plan["block_m"], 8) if num_warps is None else num_warps,
-        num_stages=NUM_STAGES if num_stages is None else num_stages)
+        num_stages=stages)
     if s > 1:
         _combine[(t, nh)](out, part_acc, part_ml, query_start_loc, b, s, out.stride(0), out.stride(1), nh * s, s,
                           HEAD_DIM=r, BLOCK_D=block_l, BLOCK_S=next_power_of_2(s), BF16_BY_BITS=bf16_interp,
