@@ -24,7 +24,7 @@ paged latent cache ``[blocks, --block-size, kv_lora_rank + rope]`` (bf16, blocks
   reported per configuration beside the default's time.
 
 Usage: ``python3 benchmarks/bench_mla_attention.py [--out mla.json] [--sweep] [--no-compile]
-[--no-sdpa] [--heads 16,128] [--query-lens 1,4] [--block-size 16]``; ``--smoke`` runs tiny
+[--no-sdpa] [--heads 16,128] [--query-lens 1,4] [--block-size 64]``; ``--smoke`` runs tiny
 shapes on the CPU (the kernel under Triton's interpreter, torch.compile with the eager backend)
 to prove the script works.
 """
@@ -64,7 +64,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--rope", type=int, default=64)
     p.add_argument("--nope", type=int, default=128, help="qk_nope_head_dim (expanded path and softmax scale)")
     p.add_argument("--v-head-dim", type=int, default=128, help="(expanded path)")
-    p.add_argument("--block-size", type=int, default=16, help="cache block size (the engine's default: 16)")
+    p.add_argument("--block-size", type=int, default=64, help="cache block size (MLA models: 64 by default)")
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--check-seqs", type=int, default=2, help="sequences checked against the torch reference")
     p.add_argument("--sweep", action="store_true", help="time the kernel over launch configurations")

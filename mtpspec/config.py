@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Dict, Optional, Union
+from typing import Any, ClassVar, Dict, Optional, Union
 
 
 #: Backends of the MTP layer's fused all-reduce + RMSNorm tail (``ParallelConfig.allreduce_backend``).
@@ -154,6 +154,9 @@ class ArchConfig:
     common checks. Its fields are readable on the ``ModelConfig`` itself (``cfg.head_dim`` is
     ``cfg.arch.head_dim``).
     """
+
+    #: KV-cache block size (tokens) when none is given (``--block-size``).
+    default_block_size: ClassVar[int] = 16
 
     @classmethod
     def from_dict(cls, raw: Dict[str, Any]) -> "ArchConfig":

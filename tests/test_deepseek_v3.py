@@ -419,3 +419,15 @@ def test_paged_decode_through_the_triton_kernels_matches_transformers(setup, int
     got = _target_checks(target, prompts[1:3])["cached"]
     torch.testing.assert_close(torch.cat(got), torch.cat(ref[1:3]), atol=ATOL, rtol=RTOL)
     assert len(calls) >= 3 * 3  # 3 layers x (prefill chunk + 3 decode steps), at least
+
+
+def test_default_block_size_is_the_architectures(engine_model, tmp_path) -> None:
+    # MLA models default to 64-token cache blocks (whole bulk-copy key tiles), GLM-4.5 to 16; a
+    # given --block-size wins.
+    from mtpspec.engine.arg_utils import EngineArgs
+    from test_engine_fixtures import make_model
+    path = engine_model[0]
+    assert EngineArgs(model=path).create_engine_config().cache_config.block_size == 64
+    assert EngineArgs(model=path, block_size=16).create_engine_config().cache_config.block_size == 16
+    make_model(str(tmp_path), seed=3)
+    assert EngineArgs(model=str(tmp_path)).create_engine_config().cache_config.block_size == 16

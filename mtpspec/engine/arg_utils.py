@@ -25,7 +25,7 @@ flag (vLLM spelling)            aliases                       default     meanin
 ``--max-num-seqs``                                            64          sequences per step
 ``--max-num-batched-tokens``                                  derived     new tokens per step
 ``--gpu-memory-utilization``                                  0.9         GPU memory fraction for the engine
-``--block-size``                                              16          tokens per KV block
+``--block-size``                                              arch's      tokens per KV block (16; MLA: 64)
 ``--num-kv-blocks``             ``--num-gpu-blocks-override`` sized       KV blocks per layer (skip profiling)
 ``--dtype``                                                   checkpoint  float32 / bfloat16 / float16
 ``--device``                                                  cuda if any cpu / cuda / cuda:N
@@ -181,7 +181,7 @@ class EngineArgs:
     max_model_len: Optional[int] = None
     max_num_seqs: int = 64
     max_num_batched_tokens: Optional[int] = None
-    block_size: int = 16
+    block_size: Optional[int] = None
     num_kv_blocks: Optional[int] = None
     gpu_memory_utilization: float = 0.9
     cpu_kv_cache_gib: float = 1.0
@@ -225,7 +225,8 @@ class EngineArgs:
                        help="most new tokens per step (default max(max_model_len, max_num_seqs * (1 + k)))")
         p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                        help="fraction of GPU memory the engine may use (default 0.9)")
-        p.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
+        p.add_argument("--block-size", type=int, default=None,
+                       help="tokens per KV block (default: the architecture's, 16; 64 for MLA models)")
         p.add_argument("--num-kv-blocks", "--num-gpu-blocks-override", dest="num_kv_blocks", type=int, default=None,
                        help="KV blocks per layer (default: sized from free memory)")
         p.add_argument("--dtype", default=None, help="float32 / bfloat16 / float16 (default: the checkpoint's)")
@@ -325,7 +326,8 @@ class EngineArgs:
                              f"{mcfg.max_position_embeddings}], got {max_model_len!r}")
         k = spec.num_speculative_tokens if spec is not None else 0
         sched = SchedulerConfig(self.max_num_seqs, max_model_len, self.max_num_batched_tokens, k)
-        cache = CacheConfig(self.block_size, self.num_kv_blocks, self.gpu_memory_utilization, self.cpu_kv_cache_gib)
+        block_size = mcfg.arch.default_block_size if self.block_size is None else self.block_size
+        cache = CacheConfig(block_size, self.num_kv_blocks, self.gpu_memory_utilization, self.cpu_kv_cache_gib)
         mode = "off" if self.enforce_eager else (self.graph_mode or "auto")
         if mode not in GRAPH_MODES:
             raise ValueError(f"graph_mode must be 'auto', 'off', 'cuda' or 'static', got {self.graph_mode!r}")

@@ -62,7 +62,7 @@ class LLM:
                  fuse_allreduce_rmsnorm: bool = True, sequence_parallel: bool = False, allreduce_backend: str = "nccl",
                  max_num_seqs: int = 256,
                  max_model_len: Optional[int] = None, max_num_batched_tokens: Optional[int] = None,
-                 block_size: int = 16, num_kv_blocks: Optional[int] = None, gpu_memory_utilization: float = 0.9,
+                 block_size: Optional[int] = None, num_kv_blocks: Optional[int] = None, gpu_memory_utilization: float = 0.9,
                  cpu_kv_cache_gib: float = 1.0, tokenizer: Union[None, str, Tokenizer] = None,
                  seed: Optional[int] = None, enforce_eager: bool = False, graph_mode: Optional[str] = None):
         args = EngineArgs(

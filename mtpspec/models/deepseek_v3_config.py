@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional
+from typing import Any, ClassVar, Dict, List, Optional
 
 from mtpspec.config import ArchConfig, ModelConfig, ModelConfigError, require_int, rope_parameters
 
@@ -55,6 +55,10 @@ class DeepseekV3ArchConfig(ArchConfig):
         qk_head_dim (property): ``qk_nope_head_dim + qk_rope_head_dim``.
         kv_cache_head_size (property): ``kv_lora_rank + qk_rope_head_dim`` values per token.
     """
+
+    #: 64-token cache blocks: the MLA kernel's bulk-copy key tiles (64 keys) must lie in one block
+    #: (:func:`mtpspec.ops.mla_attention.tma_eligible`; FlashMLA's page size is 64 too).
+    default_block_size: ClassVar[int] = 64
 
     q_lora_rank: Optional[int]
     kv_lora_rank: int

@@ -23,7 +23,11 @@ matrix rows are several heads (of one or more query rows) and every latent tile 
 the cache (``[BLOCK_N, kv_lora_rank]`` + ``[BLOCK_N, rope]``, read once) serves all of them: the
 scores are two ``tl.dot`` (latent part and rope part) and the same latent tile is the value
 operand of ``p @ c_kv``. The block index varies fastest in the grid, so programs that share a
-sequence's tiles run side by side (L2). Online softmax in base 2 with fp32 statistics and
+sequence's tiles run side by side (L2). Where a cache block holds whole key tiles (``block_size``
+a multiple of ``BLOCK_N``: MLA models default to 64-token blocks) a GPU of compute capability
+>= 9 reads the full tiles by bulk tensor copies (TMA, Triton tensor descriptors over the cache
+viewed as ``[blocks * block_size, entry]``) and only a split's partial last tile through the
+masked per-element path, so stale slots never reach ``p @ c_kv``. Online softmax in base 2 with fp32 statistics and
 accumulator (FlashAttention-2, Dao 2023, Algorithm 1) plus the flash-decoding split over keys
 (Dao, Haziza, Massa, Sizov 2023) whose partial ``(m, l, acc)`` are merged by the combine kernel of
 :mod:`mtpspec.ops.paged_attention` (same scratch layout).
@@ -51,19 +55,21 @@ from mtpspec.ops.triton_utils import (HAS_TRITON, LazyKernel, cdiv, check_paged_
                                       device_function, interpreting, next_power_of_2, tl, use_triton)
 
 #: (query row, head) pairs per program: matrix rows of the score tile (16 = smallest tl.dot tile).
-#: 64 x 64 tiles with 8 warps are the defaults from the H200 sweep of 2026-12-02
-#: (`bench_mla_attention.py --sweep`, BENCHMARKS.md): 2.7x to 3.0x faster than 32 x 32 at 128 heads and at
-#: 16 heads x 4 rows, although the 64-row plan spills 152 bytes in the sm_90 compile (the wgmma tile wins).
 BLOCK_M = 64
 MIN_BLOCK_M = 16
-#: Keys per inner-loop tile (may span several cache blocks).
+#: Keys per inner-loop tile (may span several cache blocks on the pointer path; one block on the
+#: bulk-copy path).
 BLOCK_N = 64
-#: Warps per attention program by ``block_m`` (a ``[block_m, kv_lora_rank]`` fp32 accumulator plus the
-#: query tile stay in registers), and pipeline stages.
-NUM_WARPS = {16: 8, 32: 8, 64: 8}
+#: Launch defaults by ``block_m``, from the H200 sweeps of 2026-12-02 (``bench_mla_attention.py
+#: --sweep --block-size 64``, BENCHMARKS.md): 16-row tiles (16 heads x 1 query) are memory-bound
+#: and fastest with 4 warps, per-element gathers and about 5 programs per SM (several in flight
+#: hide the gather latency); 32- and 64-row tiles run the wgmma path with 8 warps, bulk-copy
+#: tiles where eligible and at most one wave of programs (``floor(sms / work)`` splits: a second,
+#: partial wave cost 20 to 25%).
+NUM_WARPS = {16: 4, 32: 8, 64: 8}
+TARGET_PROGRAMS_PER_SM = {16: 5, 32: 1, 64: 1}
 NUM_STAGES = 2
-#: Flash-decoding split: programs per SM aimed at, and its limits.
-TARGET_PROGRAMS_PER_SM = 2
+#: Flash-decoding split limits.
 MAX_SPLITS = 32
 MIN_KEYS_PER_SPLIT = 256
 
@@ -305,11 +311,15 @@ def mla_attention_plan(num_seqs: int, max_query_len: int, num_heads: int, max_se
                        num_splits: Optional[int] = None, block_m: Optional[int] = None) -> dict:
     """Launch shape of :func:`mla_attention` from static sizes only (CUDA-graph safe).
 
-    Returns ``dict(block_m, row_blocks, num_splits)``: ``block_m`` (query row, head) pairs per
-    program = ``BLOCK_M`` (or the given one) clipped to ``[MIN_BLOCK_M, next power of two of
-    max_query_len * num_heads]``; ``row_blocks = ceil(max_query_len * num_heads / block_m)``;
-    ``num_splits`` = ``min(ceil(TARGET_PROGRAMS_PER_SM * sms / (num_seqs * row_blocks)),
-    ceil(max_seq_len / MIN_KEYS_PER_SPLIT), MAX_SPLITS)`` (at least 1) unless given.
+    Returns ``dict(block_m, row_blocks, num_splits, num_warps)``: ``block_m`` (query row, head)
+    pairs per program = ``BLOCK_M`` (or the given one) clipped to ``[MIN_BLOCK_M, next power of
+    two of max_query_len * num_heads]``; ``row_blocks = ceil(max_query_len * num_heads /
+    block_m)``; ``num_splits`` unless given = ``min(T * sms // work, ceil(max_seq_len /
+    MIN_KEYS_PER_SPLIT), MAX_SPLITS)``, at least 1, with ``work = num_seqs * row_blocks`` and
+    ``T = TARGET_PROGRAMS_PER_SM[block_m]``; ``num_warps = NUM_WARPS[block_m]``.
+
+    Raises:
+        ValueError: ``block_m`` not a power of two >= ``MIN_BLOCK_M``; ``num_splits`` < 1.
     """
     pairs = max(1, max_query_len * num_heads)
     block_m = BLOCK_M if block_m is None else int(block_m)
@@ -317,9 +327,13 @@ def mla_attention_plan(num_seqs: int, max_query_len: int, num_heads: int, max_se
         raise ValueError(f"block_m must be a power of two >= {MIN_BLOCK_M}, got {block_m}")
     block_m = max(MIN_BLOCK_M, min(block_m, next_power_of_2(pairs)))
     row_blocks = cdiv(pairs, block_m)
-    num_splits = choose_num_splits(num_splits, num_seqs * row_blocks, sms, max_seq_len, TARGET_PROGRAMS_PER_SM,
-                                   MIN_KEYS_PER_SPLIT, MAX_SPLITS)
-    return dict(block_m=block_m, row_blocks=row_blocks, num_splits=num_splits)
+    if num_splits is None:
+        work = max(1, num_seqs * row_blocks)
+        num_splits = max(1, min(TARGET_PROGRAMS_PER_SM.get(block_m, 1) * sms // work,
+                                cdiv(max(1, max_seq_len), MIN_KEYS_PER_SPLIT), MAX_SPLITS))
+    num_splits = choose_num_splits(num_splits, 0, sms, max_seq_len, 1, MIN_KEYS_PER_SPLIT, MAX_SPLITS)
+    return dict(block_m=block_m, row_blocks=row_blocks, num_splits=num_splits,
+                num_warps=NUM_WARPS.get(block_m, 8))
 
 
 def tma_eligible(q_latent: torch.Tensor, kv_cache: torch.Tensor, block_n: int) -> bool:
@@ -419,7 +433,7 @@ def mla_attention(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Te
         NUM_HEADS=nh, LORA=r, ROPE=rope, BLOCK_L=block_l, BLOCK_R=block_r, BLOCK_M=plan["block_m"], BLOCK_N=bn,
         CACHE_BLOCK=bs, SPLIT=s > 1, TMA=use_tma, WARP_SPECIALIZE=bool(warp_specialize),
         TAIL_STAGES=1 if use_tma else stages, DOT_FP32=bf16_interp, PRECISION=precision, BF16_BY_BITS=bf16_interp,
-        num_warps=NUM_WARPS.get(plan["block_m"], 8) if num_warps is None else num_warps,
+        num_warps=plan["num_warps"] if num_warps is None else num_warps,
         num_stages=stages)
     if s > 1:
         _combine[(t, nh)](out, part_acc, part_ml, query_start_loc, b, s, out.stride(0), out.stride(1), nh * s, s,
