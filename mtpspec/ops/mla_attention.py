@@ -67,6 +67,7 @@ BLOCK_N = 64
 #: tiles where eligible and at most one wave of programs (``floor(sms / work)`` splits: a second,
 #: partial wave cost 20 to 25%).
 NUM_WARPS = {16: 4, 32: 8, 64: 8}
+USE_TMA = {16: False, 32: True, 64: True}  # where eligible (16 rows: 1.9x slower with bulk copies)
 TARGET_PROGRAMS_PER_SM = {16: 5, 32: 1, 64: 1}
 NUM_STAGES = 2
 #: Flash-decoding split limits.
@@ -311,12 +312,13 @@ def mla_attention_plan(num_seqs: int, max_query_len: int, num_heads: int, max_se
                        num_splits: Optional[int] = None, block_m: Optional[int] = None) -> dict:
     """Launch shape of :func:`mla_attention` from static sizes only (CUDA-graph safe).
 
-    Returns ``dict(block_m, row_blocks, num_splits, num_warps)``: ``block_m`` (query row, head)
+    Returns ``dict(block_m, row_blocks, num_splits, num_warps, tma)``: ``block_m`` (query row, head)
     pairs per program = ``BLOCK_M`` (or the given one) clipped to ``[MIN_BLOCK_M, next power of
     two of max_query_len * num_heads]``; ``row_blocks = ceil(max_query_len * num_heads /
     block_m)``; ``num_splits`` unless given = ``min(T * sms // work, ceil(max_seq_len /
     MIN_KEYS_PER_SPLIT), MAX_SPLITS)``, at least 1, with ``work = num_seqs * row_blocks`` and
-    ``T = TARGET_PROGRAMS_PER_SM[block_m]``; ``num_warps = NUM_WARPS[block_m]``.
+    ``T = TARGET_PROGRAMS_PER_SM[block_m]``; ``num_warps = NUM_WARPS[block_m]``; ``tma`` =
+    ``USE_TMA[block_m]`` (bulk-copy key tiles where :func:`tma_eligible`).
 
     Raises:
         ValueError: ``block_m`` not a power of two >= ``MIN_BLOCK_M``; ``num_splits`` < 1.
@@ -333,7 +335,7 @@ def mla_attention_plan(num_seqs: int, max_query_len: int, num_heads: int, max_se
                                 cdiv(max(1, max_seq_len), MIN_KEYS_PER_SPLIT), MAX_SPLITS))
     num_splits = choose_num_splits(num_splits, 0, sms, max_seq_len, 1, MIN_KEYS_PER_SPLIT, MAX_SPLITS)
     return dict(block_m=block_m, row_blocks=row_blocks, num_splits=num_splits,
-                num_warps=NUM_WARPS.get(block_m, 8))
+                num_warps=NUM_WARPS.get(block_m, 8), tma=USE_TMA.get(block_m, True))
 
 
 def tma_eligible(q_latent: torch.Tensor, kv_cache: torch.Tensor, block_n: int) -> bool:
@@ -376,8 +378,8 @@ def mla_attention(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Te
         num_splits, block_m, block_n, num_warps, num_stages: launch overrides (tuning; default
             :func:`mla_attention_plan` and the module constants).
         tma: read whole key tiles with bulk tensor copies (Hopper's TMA, through Triton tensor
-            descriptors) instead of per-element gathers; ``None`` = where :func:`tma_eligible`
-            (a GPU of compute capability >= 9). ``True`` where not eligible raises ValueError.
+            descriptors) instead of per-element gathers; ``None`` = the plan's choice where
+            :func:`tma_eligible` on a GPU of compute capability >= 9. ``True`` where not eligible raises ValueError.
         warp_specialize: Triton's automatic warp specialization of the bulk-copy loop (tuning).
 
     Returns:
@@ -408,7 +410,7 @@ def mla_attention(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Te
         raise ValueError(f"mla_attention: tma=True needs a contiguous 16-bit kv_cache whose block_size "
                          f"({bs}) is a multiple of block_n ({bn}), power-of-two kv_lora_rank / 2 and rope <= 256, "
                          f"and Triton tensor descriptors")
-    use_tma = eligible and (tma if tma is not None else (q_latent.is_cuda and
+    use_tma = eligible and (tma if tma is not None else (plan["tma"] and q_latent.is_cuda and
                                                          torch.cuda.get_device_capability(q_latent.device)[0] >= 9))
     # Triton's interpreter: bf16 tl.dot is wrong and fp32 -> bf16 truncates; run the dots in
     # fp32 and round by integer ops there (compiled: native bf16 dots, fp32 accumulation).
