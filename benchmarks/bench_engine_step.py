@@ -58,7 +58,6 @@ from mtpspec.models.registry import get_architecture  # noqa: E402
 from mtpspec.sample.rejection_sampler import greedy_verify  # noqa: E402
 from mtpspec.step_io import SeqInput, StepInput  # noqa: E402
 
-BLOCK_SIZE = 16
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
@@ -187,12 +186,12 @@ def bench_batch(runner: ModelRunner, timer: Timer, b: int, k: int, context: int,
     e = torch.empty((), dtype=dtype).element_size()
     h, v = cfg.hidden_size, cfg.vocab_size
     # cache bytes per token of every layer (GQA: K and V of each kv head; MLA: one latent entry)
-    kv_per_token = sum(layer.get_kv_cache_spec(BLOCK_SIZE, dtype).page_size_bytes // BLOCK_SIZE
-                       for layer in runner.layers)
+    bs = runner.cache_config.block_size
+    kv_per_token = sum(layer.get_kv_cache_spec(bs, dtype).page_size_bytes // bs for layer in runner.layers)
     kv_per_token_target = kv_per_token * cfg.num_hidden_layers // len(runner.layers)
     kv_per_token_mtp = kv_per_token - kv_per_token_target
-    step = decode_step(b, k, context, v, -(-(context + 2 * k + 2) // BLOCK_SIZE))
-    inp = prepare_step(step, k, BLOCK_SIZE, cfg.max_position_embeddings, dev)
+    step = decode_step(b, k, context, v, -(-(context + 2 * k + 2) // bs))
+    inp = prepare_step(step, k, bs, cfg.max_position_embeddings, dev)
     rows: List[Dict[str, Any]] = []
 
     def add(name: str, fn: Callable[[], Any], floor_bytes: float, graph: bool = True) -> None:
@@ -309,9 +308,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     randomise_(mtp.model, 1)
     spec = SpeculativeConfig(num_speculative_tokens=k, use_local_argmax_reduction=True)
     max_b = max(batches)
-    per_seq = -(-(args.context + 2 * k + 2) // BLOCK_SIZE)
+    block_size = cfg.arch.default_block_size  # the engine's default for the architecture
+    per_seq = -(-(args.context + 2 * k + 2) // block_size)
     sched = SchedulerConfig(max_num_seqs=max_b, max_model_len=args.context + 2 * k + 2, num_speculative_tokens=k)
-    cache = CacheConfig(BLOCK_SIZE, num_kv_blocks=max_b * per_seq)
+    cache = CacheConfig(block_size, num_kv_blocks=max_b * per_seq)
     runner = ModelRunner(target, mtp, spec, cache, sched, device, cfg.max_position_embeddings, args.graph_mode)
     runner.init_kv_cache(max_b * per_seq)
     bw = read_bandwidth(device)
