@@ -348,7 +348,7 @@ def test_kv_cache_spec_and_sizing_at_deepseek_v3_sizes() -> None:
 
 def test_plan_is_static() -> None:
     p = mla_attention_plan(64, 1, 16, 8192, sms=132)
-    assert p["block_m"] == 16 and p["row_blocks"] == 1 and p["num_splits"] == 10 and p["num_warps"] == 4
+    assert p["block_m"] == 16 and p["row_blocks"] == 1 and p["num_splits"] == 16 and p["num_warps"] == 4
     p = mla_attention_plan(64, 4, 16, 8192, sms=132)  # one wave: 2 splits x 64 programs
     assert p["block_m"] == 64 and p["row_blocks"] == 1 and p["num_splits"] == 2 and p["num_warps"] == 8
     p = mla_attention_plan(64, 4, 128, 8192, sms=132)

@@ -62,13 +62,13 @@ MIN_BLOCK_M = 16
 BLOCK_N = 64
 #: Launch defaults by ``block_m``, from the H200 sweeps of 2026-12-02 (``bench_mla_attention.py
 #: --sweep --block-size 64``, BENCHMARKS.md): 16-row tiles (16 heads x 1 query) are memory-bound
-#: and fastest with 4 warps, per-element gathers and about 5 programs per SM (several in flight
-#: hide the gather latency); 32- and 64-row tiles run the wgmma path with 8 warps, bulk-copy
+#: and fastest with 4 warps, per-element gathers and about 8 programs per SM (several in flight
+#: hide the gather latency; 0.186 ms at 16 splits vs 0.198 at 10); 32- and 64-row tiles run the wgmma path with 8 warps, bulk-copy
 #: tiles where eligible and at most one wave of programs (``floor(sms / work)`` splits: a second,
 #: partial wave cost 20 to 25%).
 NUM_WARPS = {16: 4, 32: 8, 64: 8}
 USE_TMA = {16: False, 32: True, 64: True}  # where eligible (16 rows: 1.9x slower with bulk copies)
-TARGET_PROGRAMS_PER_SM = {16: 5, 32: 1, 64: 1}
+TARGET_PROGRAMS_PER_SM = {16: 8, 32: 1, 64: 1}
 NUM_STAGES = 2
 #: Flash-decoding split limits.
 MAX_SPLITS = 32
