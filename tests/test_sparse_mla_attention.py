@@ -23,12 +23,13 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def make_case(t: int, heads: int, k: int, dtype: torch.dtype, seed: int = 0, num_blocks: int = 9):
     """Random queries, a cache whose never-selected slots hold NaN (a stray read shows), and
     ``topk_slots [t, k]``: distinct slots per row, ``-1`` scattered through each row, row 1 all
-    ``-1`` (a graph padding row), the last row with fewer valid slots than ``k`` at its end."""
+    ``-1`` (a graph padding row), row 0 with a ``-1`` head, the last row with a ``-1`` tail."""
     g = torch.Generator().manual_seed(seed)
     n = num_blocks * BS
     slots = torch.stack([torch.randperm(n, generator=g)[:k] for _ in range(t)]).to(torch.int32)
     unused = torch.rand(t, k, generator=g) < 0.3
     slots[unused] = -1
+    slots[0, :k // 4] = -1
     slots[1] = -1
     slots[-1, k // 3:] = -1
     cache = torch.full((num_blocks, BS, R + ROPE), float("nan"), dtype=dtype)
@@ -249,7 +250,7 @@ def test_kernel_compiles_for_hopper() -> None:
         plan = sparse_mla_attention_plan(64, heads, 2048, 132)
         specs.append({"module": "mtpspec.ops.sparse_mla_attention", "kernel": "_sparse_mla", "signature": sig,
                       "constexprs": dict(NUM_HEADS=heads, LORA=512, ROPE=64, BLOCK_L=512, BLOCK_R=64,
-                                         BLOCK_M=plan["block_m"], BLOCK_N=64, CACHE_BLOCK=16, SPLIT=True,
+                                         BLOCK_M=plan["block_m"], BLOCK_N=64, SCAN_N=256, CACHE_BLOCK=16, SPLIT=True,
                                          DOT_FP32=False, PRECISION="tf32", BF16_BY_BITS=False),
                       "aligned": ["ql_ptr", "qp_ptr", "kv_ptr", "out_ptr", "part_acc_ptr", "part_ml_ptr",
                                   "slots_ptr"] + strides[:7], "num_warps": 8})

@@ -20,7 +20,9 @@ Kernel: one program per ``(block of BLOCK_M heads, split of the K entries, query
 row's heads are the tile's matrix rows (padded to a power of two >= 16, masked), so each latent
 tile gathered from the cache (``BLOCK_N`` selected rows, ``[BLOCK_N, kv_lora_rank]`` +
 ``[BLOCK_N, rope]``, loaded once) serves every head: two ``tl.dot`` for the scores and the same
-latent tile as the value operand of ``p @ c_kv``. Tiles whose entries are all unused are skipped.
+latent tile as the value operand of ``p @ c_kv``. A cheap pre-pass over the split's slot ids
+(4 bytes each) finds the span holding its valid entries, so trailing (or leading) ``-1`` cost no
+tiles; ``-1`` inside the span are masked.
 With more heads than ``BLOCK_M`` (128 heads: 2 head blocks of 64, the fp32 accumulator
 ``[BLOCK_M, kv_lora_rank]`` lives in registers) the head blocks of a row are adjacent in the
 grid, so the second gather of each row hits L2. Online softmax in base 2 with fp32 statistics
@@ -48,8 +50,9 @@ from mtpspec.ops.triton_utils import (HAS_TRITON, LazyKernel, cdiv, check_tensor
 #: MLA kernel's H200 default: a [64, kv_lora_rank] fp32 accumulator fits in registers, 128 does not).
 BLOCK_M = 64
 MIN_BLOCK_M = 16
-#: Selected entries per inner-loop tile.
+#: Selected entries per inner-loop tile; slot ids per step of the pre-pass that finds a split's valid span.
 BLOCK_N = 64
+SCAN_N = 256
 NUM_WARPS = {16: 8, 32: 8, 64: 8}
 NUM_STAGES = 2
 #: Split over the K entries (flash-decoding): programs per SM aimed at, and its limits.
@@ -180,8 +183,9 @@ if HAS_TRITON:
                            stride_ot, stride_oh, stride_pt, stride_ph,
                            NUM_HEADS: tl.constexpr, LORA: tl.constexpr, ROPE: tl.constexpr,
                            BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_M: tl.constexpr,
-                           BLOCK_N: tl.constexpr, CACHE_BLOCK: tl.constexpr, SPLIT: tl.constexpr,
-                           DOT_FP32: tl.constexpr, PRECISION: tl.constexpr, BF16_BY_BITS: tl.constexpr):
+                           BLOCK_N: tl.constexpr, SCAN_N: tl.constexpr, CACHE_BLOCK: tl.constexpr,
+                           SPLIT: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
+                           BF16_BY_BITS: tl.constexpr):
         # One program: heads [hb * BLOCK_M, (hb + 1) * BLOCK_M) of query row `row`, its split `split`
         # of the row's K selected slots. Scores in base 2.
         hb = tl.program_id(0)
@@ -203,33 +207,42 @@ if HAS_TRITON:
         chunk = tl.cdiv(tl.cdiv(num_topk, num_splits), BLOCK_N) * BLOCK_N
         k_lo = split * chunk
         k_hi = tl.minimum(k_lo + chunk, num_topk)
+        # Pre-pass over this split's slot ids (4 bytes per entry): the span [v_lo, v_hi) holding its
+        # valid ones, so the -1 tail of a short context's selection (indexer_topk puts unused
+        # entries last) costs no tiles, while the main loop stays branch-free (pipelined).
+        v_lo = k_hi
+        v_hi = v_lo * 0  # (k_hi < k_lo in splits past the end: start from an empty span)
+        for start in range(k_lo, k_hi, SCAN_N):
+            offs = start + tl.arange(0, SCAN_N)
+            sl = tl.load(slots_ptr + row * stride_st + offs, mask=offs < k_hi, other=-1)
+            ok = (sl >= 0) & (sl < n_slots)
+            v_lo = tl.minimum(v_lo, tl.min(tl.where(ok, offs, k_hi), axis=0))
+            v_hi = tl.maximum(v_hi, tl.max(tl.where(ok, offs + 1, 0), axis=0))
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_L], dtype=tl.float32)
-        for start in range(k_lo, k_hi, BLOCK_N):
+        for start in range(v_lo, v_hi, BLOCK_N):
             offs_n = start + tl.arange(0, BLOCK_N)
-            slot = tl.load(slots_ptr + row * stride_st + offs_n, mask=offs_n < k_hi, other=-1).to(tl.int64)
+            slot = tl.load(slots_ptr + row * stride_st + offs_n, mask=offs_n < v_hi, other=-1).to(tl.int64)
             n_ok = (slot >= 0) & (slot < n_slots)
-            if tl.max(n_ok.to(tl.int32), axis=0) > 0:  # a tile of unused entries costs one load
-                base = (slot // CACHE_BLOCK) * stride_kb + (slot % CACHE_BLOCK) * stride_ks
-                # the gathered latent tile: keys' first part and the values, loaded once for every head
-                kl = tl.load(kv_ptr + base[:, None] + offs_l[None, :], mask=n_ok[:, None] & l_ok[None, :],
-                             other=0.0)
-                kr = tl.load(kv_ptr + base[:, None] + LORA + offs_r[None, :], mask=n_ok[:, None] & r_ok[None, :],
-                             other=0.0)
-                if DOT_FP32:
-                    kl = kl.to(tl.float32)
-                    kr = kr.to(tl.float32)
-                s = tl.dot(ql, tl.trans(kl), input_precision=PRECISION)
-                s = tl.dot(qp, tl.trans(kr), acc=s, input_precision=PRECISION)
-                s = tl.where(n_ok[None, :], s * qk_scale, float("-inf"))
-                m_new = tl.maximum(m_i, tl.max(s, axis=1))
-                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-                p = tl.exp2(s - m_safe[:, None])
-                alpha = tl.exp2(m_i - m_safe)
-                l_i = l_i * alpha + tl.sum(p, axis=1)
-                acc = acc * alpha[:, None] + tl.dot(p.to(kl.dtype), kl, input_precision=PRECISION)
-                m_i = m_new
+            base = (slot // CACHE_BLOCK) * stride_kb + (slot % CACHE_BLOCK) * stride_ks
+            # the gathered latent tile: keys' first part and the values, loaded once for every head
+            kl = tl.load(kv_ptr + base[:, None] + offs_l[None, :], mask=n_ok[:, None] & l_ok[None, :], other=0.0)
+            kr = tl.load(kv_ptr + base[:, None] + LORA + offs_r[None, :], mask=n_ok[:, None] & r_ok[None, :],
+                         other=0.0)
+            if DOT_FP32:
+                kl = kl.to(tl.float32)
+                kr = kr.to(tl.float32)
+            s = tl.dot(ql, tl.trans(kl), input_precision=PRECISION)
+            s = tl.dot(qp, tl.trans(kr), acc=s, input_precision=PRECISION)
+            s = tl.where(n_ok[None, :], s * qk_scale, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.exp2(s - m_safe[:, None])
+            alpha = tl.exp2(m_i - m_safe)
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(kl.dtype), kl, input_precision=PRECISION)
+            m_i = m_new
         if SPLIT:
             pbase = row * stride_pt + head * stride_ph + split
             tl.store(part_ml_ptr + 2 * pbase, m_i, mask=h_ok)
@@ -322,7 +335,8 @@ def sparse_mla_attention(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: t
         q_latent.stride(0), q_latent.stride(1), q_pe.stride(0), q_pe.stride(1), kv_cache.stride(0),
         kv_cache.stride(1), topk_slots.stride(0), out.stride(0), out.stride(1), nh * s, s,
         NUM_HEADS=nh, LORA=r, ROPE=rope, BLOCK_L=block_l, BLOCK_R=next_power_of_2(max(rope, 16)),
-        BLOCK_M=plan["block_m"], BLOCK_N=BLOCK_N if block_n is None else int(block_n), CACHE_BLOCK=kv_cache.shape[1],
+        BLOCK_M=plan["block_m"], BLOCK_N=BLOCK_N if block_n is None else int(block_n), SCAN_N=SCAN_N,
+        CACHE_BLOCK=kv_cache.shape[1],
         SPLIT=s > 1, DOT_FP32=bf16_interp, PRECISION="ieee" if q_latent.dtype == torch.float32 else "tf32",
         BF16_BY_BITS=bf16_interp, num_warps=NUM_WARPS.get(plan["block_m"], 8) if num_warps is None else num_warps,
         num_stages=NUM_STAGES if num_stages is None else num_stages)
