@@ -12,9 +12,13 @@ position::
 
 and attends the ``index_topk`` best (:mod:`mtpspec.ops.sparse_mla_attention`). transformers
 computes ``sum_h (weights_proj(x)[h] * index_n_heads**-0.5) * relu((q_h . k_s) * index_head_dim**-0.5)``
-in fp32; both factors are positive, so :func:`indexer_logits` takes them folded into ``weights``
-(the caller passes ``w = weights_proj(x).float() * index_n_heads**-0.5 * index_head_dim**-0.5``)
-and computes exactly the sum above in fp32 (equal to transformers' up to fp32 rounding order).
+in fp32 (``weights_proj`` kept in fp32, q and k cast to fp32); both factors are positive, so
+:func:`indexer_logits` takes them folded into ``weights`` (the caller passes ``w =
+weights_proj(x).float() * index_n_heads**-0.5 * index_head_dim**-0.5``) and computes exactly the
+sum above in fp32: transformers' index scores up to fp32 rounding order. (The factors are the
+same for every head and position, so they scale a row's logits and never change its selection,
+except through rounding.) The logits tensor is ``[T, max_seq_len]`` fp32: a prefill of ``T``
+rows needs ``4 * T * max_seq_len`` bytes.
 
 Layout of the varlen batch: that of :mod:`mtpspec.ops.mla_attention` (sequence ``i`` owns rows
 ``query_start_loc[i] .. query_start_loc[i + 1] - 1``, its query ``j`` sits at position

@@ -20,12 +20,12 @@ Kernel: one program per ``(block of BLOCK_M heads, split of the K entries, query
 row's heads are the tile's matrix rows (padded to a power of two >= 16, masked), so each latent
 tile gathered from the cache (``BLOCK_N`` selected rows, ``[BLOCK_N, kv_lora_rank]`` +
 ``[BLOCK_N, rope]``, loaded once) serves every head: two ``tl.dot`` for the scores and the same
-latent tile as the value operand of ``p @ c_kv``. A cheap pre-pass over the split's slot ids
-(4 bytes each) finds the span holding its valid entries, so trailing (or leading) ``-1`` cost no
-tiles; ``-1`` inside the span are masked.
-With more heads than ``BLOCK_M`` (128 heads: 2 head blocks of 64, the fp32 accumulator
-``[BLOCK_M, kv_lora_rank]`` lives in registers) the head blocks of a row are adjacent in the
-grid, so the second gather of each row hits L2. Online softmax in base 2 with fp32 statistics
+latent tile as the value operand of ``p @ c_kv``. A pre-pass over the split's slot ids (4 bytes
+each) finds the span holding its valid entries, so leading and trailing ``-1`` cost no tiles
+(``-1`` inside the span are masked) and the main loop stays branch-free, hence pipelined. With
+more heads than ``BLOCK_M`` (128 heads: 2 head blocks of 64; the fp32 accumulator ``[BLOCK_M,
+kv_lora_rank]`` lives in registers, 128 rows of it would not fit) the head blocks of a row are
+adjacent in the grid, so the second gather of each latent row should come from L2. Online softmax in base 2 with fp32 statistics
 (FlashAttention-2, Dao 2023, Algorithm 1) and the flash-decoding split over K (Dao, Haziza,
 Massa, Sizov 2023) merged by the combine kernel of :mod:`mtpspec.ops.paged_attention` (same
 ``(m, l, acc)`` scratch layout as the dense MLA op).
