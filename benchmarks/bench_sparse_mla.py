@@ -81,7 +81,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     a = p.parse_args(argv)
     if a.smoke:
         a.seqs, a.context, a.topk, a.heads, a.kv_lora_rank, a.rope = 2, 40, 16, "2,4", 32, 16
-        a.index_heads, a.index_dim, a.iters, a.block_size = 4, 16, 2, 8
+        a.index_heads, a.index_dim, a.iters, a.block_size = 4, 16, 1, 8
     return a
 
 
@@ -228,10 +228,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     a = parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() and not a.smoke else "cpu")
     dtype = torch.bfloat16
-    timer = Timer(device, a.iters, warmup=1 if a.smoke else 3)
+    timer = Timer(device, a.iters, warmup=0 if a.smoke else 3)
     t0 = time.time()
-    bw_sum = read_bandwidth(device)
-    bw_copy = copy_read_bandwidth(device, (4 << 30) if device.type == "cuda" else (64 << 20))
+    bw_sum = read_bandwidth(device, cpu_bytes=8 << 20)
+    bw_copy = copy_read_bandwidth(device, (4 << 30) if device.type == "cuda" else (8 << 20))
     bw = max(bw_sum, bw_copy)
     mm = matmul_rate(device, 8192 if device.type == "cuda" else 256)
     name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"

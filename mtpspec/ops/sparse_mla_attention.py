@@ -18,17 +18,18 @@ twice in the softmax).
 
 Kernel: one program per ``(block of BLOCK_M heads, split of the K entries, query row)``. The
 row's heads are the tile's matrix rows (padded to a power of two >= 16, masked), so each latent
-tile gathered from the cache (``BLOCK_N`` selected rows, ``[BLOCK_N, kv_lora_rank]`` +
-``[BLOCK_N, rope]``, loaded once) serves every head: two ``tl.dot`` for the scores and the same
-latent tile as the value operand of ``p @ c_kv``. A pre-pass over the split's slot ids (4 bytes
+tile gathered from the cache (``BLOCK_N`` selected rows, ``[BLOCK_N, kv_lora_rank]`` in two
+halves + ``[BLOCK_N, rope]``, loaded once) serves every head: the dense MLA kernel's tile step
+(``_mla_tile``: the score dots, then the same latent halves as the value operand of
+``p @ c_kv``) with its causal test switched off. A pre-pass over the split's slot ids (4 bytes
 each) finds the span holding its valid entries, so leading and trailing ``-1`` cost no tiles
 (``-1`` inside the span are masked) and the main loop stays branch-free, hence pipelined. With
 more heads than ``BLOCK_M`` (128 heads: 2 head blocks of 64; the fp32 accumulator ``[BLOCK_M,
 kv_lora_rank]`` lives in registers, 128 rows of it would not fit) the head blocks of a row are
-adjacent in the grid, so the second gather of each latent row should come from L2. Online softmax in base 2 with fp32 statistics
-(FlashAttention-2, Dao 2023, Algorithm 1) and the flash-decoding split over K (Dao, Haziza,
-Massa, Sizov 2023) merged by the combine kernel of :mod:`mtpspec.ops.paged_attention` (same
-``(m, l, acc)`` scratch layout as the dense MLA op).
+adjacent in the grid, so the second gather of each latent row should come from L2. Online
+softmax in base 2 with fp32 statistics (FlashAttention-2, Dao 2023, Algorithm 1) and the
+flash-decoding split over K (Dao, Haziza, Massa, Sizov 2023) merged by the combine kernel of
+:mod:`mtpspec.ops.paged_attention` (same ``(m, l, acc)`` scratch layout as the dense MLA op).
 
 CUDA-graph safety: grid, scratch shapes and every Python branch depend only on tensor shapes;
 slots are read on the device. Dispatch (docs/structures.md): Triton on CUDA tensors and on CPU
@@ -174,6 +175,7 @@ def positions_to_slots(topk_pos: torch.Tensor, token_seq_idx: torch.Tensor, bloc
 # ---------------------------------------------------------------- kernel
 
 if HAS_TRITON:
+    from mtpspec.ops.mla_attention import _masked_latent, _mla_tile  # the dense kernel's tile, shared
     from mtpspec.ops.paged_attention import _combine  # same (m, l, acc) scratch layout
     from mtpspec.ops.triton_helpers import round_to_dtype
 
@@ -187,22 +189,27 @@ if HAS_TRITON:
                            SPLIT: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
                            BF16_BY_BITS: tl.constexpr):
         # One program: heads [hb * BLOCK_M, (hb + 1) * BLOCK_M) of query row `row`, its split `split`
-        # of the row's K selected slots. Scores in base 2.
+        # of the row's K selected slots. Scores in base 2; the latent in two halves of HALF columns
+        # and each tile through the dense kernel's _mla_tile (no causal mask: the selection is the mask).
+        HALF: tl.constexpr = BLOCK_L // 2
         hb = tl.program_id(0)
         split = tl.program_id(1)
         row = tl.program_id(2).to(tl.int64)
         head = hb * BLOCK_M + tl.arange(0, BLOCK_M)
         h_ok = head < NUM_HEADS
-        offs_l = tl.arange(0, BLOCK_L)
-        l_ok = offs_l < LORA
+        offs_h = tl.arange(0, HALF)
+        h0_ok = offs_h < LORA
+        h1_ok = offs_h + HALF < LORA
         offs_r = tl.arange(0, BLOCK_R)
         r_ok = offs_r < ROPE
-        ql = tl.load(ql_ptr + row * stride_qlt + head[:, None] * stride_qlh + offs_l[None, :],
-                     mask=h_ok[:, None] & l_ok[None, :], other=0.0)
+        ql_rows = ql_ptr + row * stride_qlt + head[:, None] * stride_qlh
+        ql0 = tl.load(ql_rows + offs_h[None, :], mask=h_ok[:, None] & h0_ok[None, :], other=0.0)
+        ql1 = tl.load(ql_rows + HALF + offs_h[None, :], mask=h_ok[:, None] & h1_ok[None, :], other=0.0)
         qp = tl.load(qp_ptr + row * stride_qpt + head[:, None] * stride_qph + offs_r[None, :],
                      mask=h_ok[:, None] & r_ok[None, :], other=0.0)
         if DOT_FP32:
-            ql = ql.to(tl.float32)
+            ql0 = ql0.to(tl.float32)
+            ql1 = ql1.to(tl.float32)
             qp = qp.to(tl.float32)
         chunk = tl.cdiv(tl.cdiv(num_topk, num_splits), BLOCK_N) * BLOCK_N
         k_lo = split * chunk
@@ -220,39 +227,35 @@ if HAS_TRITON:
             v_hi = tl.maximum(v_hi, tl.max(tl.where(ok, offs + 1, 0), axis=0))
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-        acc = tl.zeros([BLOCK_M, BLOCK_L], dtype=tl.float32)
+        acc0 = tl.zeros([BLOCK_M, HALF], dtype=tl.float32)
+        acc1 = tl.zeros([BLOCK_M, HALF], dtype=tl.float32)
+        no_pos = tl.zeros([BLOCK_N], dtype=tl.int32)  # _mla_tile's causal test `pos <= q_pos`: always true
+        no_q_pos = tl.zeros([BLOCK_M], dtype=tl.int32)
         for start in range(v_lo, v_hi, BLOCK_N):
             offs_n = start + tl.arange(0, BLOCK_N)
             slot = tl.load(slots_ptr + row * stride_st + offs_n, mask=offs_n < v_hi, other=-1).to(tl.int64)
             n_ok = (slot >= 0) & (slot < n_slots)
             base = (slot // CACHE_BLOCK) * stride_kb + (slot % CACHE_BLOCK) * stride_ks
             # the gathered latent tile: keys' first part and the values, loaded once for every head
-            kl = tl.load(kv_ptr + base[:, None] + offs_l[None, :], mask=n_ok[:, None] & l_ok[None, :], other=0.0)
-            kr = tl.load(kv_ptr + base[:, None] + LORA + offs_r[None, :], mask=n_ok[:, None] & r_ok[None, :],
-                         other=0.0)
-            if DOT_FP32:
-                kl = kl.to(tl.float32)
-                kr = kr.to(tl.float32)
-            s = tl.dot(ql, tl.trans(kl), input_precision=PRECISION)
-            s = tl.dot(qp, tl.trans(kr), acc=s, input_precision=PRECISION)
-            s = tl.where(n_ok[None, :], s * qk_scale, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            p = tl.exp2(s - m_safe[:, None])
-            alpha = tl.exp2(m_i - m_safe)
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(kl.dtype), kl, input_precision=PRECISION)
-            m_i = m_new
+            k0 = _masked_latent(kv_ptr, base, offs_h, h0_ok, n_ok, DOT_FP32)
+            k1 = _masked_latent(kv_ptr, base + HALF, offs_h, h1_ok, n_ok, DOT_FP32)
+            kr = _masked_latent(kv_ptr, base + LORA, offs_r, r_ok, n_ok, DOT_FP32)
+            acc0, acc1, m_i, l_i = _mla_tile(acc0, acc1, m_i, l_i, ql0, ql1, qp, k0, k1, kr, no_pos, n_ok, no_q_pos,
+                                             h_ok, qk_scale, PRECISION)
         if SPLIT:
             pbase = row * stride_pt + head * stride_ph + split
             tl.store(part_ml_ptr + 2 * pbase, m_i, mask=h_ok)
             tl.store(part_ml_ptr + 2 * pbase + 1, l_i, mask=h_ok)
-            tl.store(part_acc_ptr + pbase[:, None] * BLOCK_L + offs_l[None, :], acc, mask=h_ok[:, None])
+            acc_rows = part_acc_ptr + pbase[:, None] * BLOCK_L
+            tl.store(acc_rows + offs_h[None, :], acc0, mask=h_ok[:, None])
+            tl.store(acc_rows + HALF + offs_h[None, :], acc1, mask=h_ok[:, None])
         else:
-            o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-            o_low = round_to_dtype(o, out_ptr.dtype.element_ty, BF16_BY_BITS)
-            tl.store(out_ptr + row * stride_ot + head[:, None] * stride_oh + offs_l[None, :], o_low,
-                     mask=h_ok[:, None] & l_ok[None, :])
+            denom = tl.where(l_i > 0, l_i, 1.0)[:, None]
+            out_rows = out_ptr + row * stride_ot + head[:, None] * stride_oh
+            o0 = round_to_dtype(acc0 / denom, out_ptr.dtype.element_ty, BF16_BY_BITS)
+            tl.store(out_rows + offs_h[None, :], o0, mask=h_ok[:, None] & h0_ok[None, :])
+            o1 = round_to_dtype(acc1 / denom, out_ptr.dtype.element_ty, BF16_BY_BITS)
+            tl.store(out_rows + HALF + offs_h[None, :], o1, mask=h_ok[:, None] & h1_ok[None, :])
 
     _sparse_mla = LazyKernel(_sparse_mla_kernel)
 
@@ -324,7 +327,7 @@ def sparse_mla_attention(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: t
         return torch.zeros_like(q_latent)
     plan = sparse_mla_attention_plan(t, nh, k, num_sms(q_latent.device), num_splits, block_m)
     s = plan["num_splits"]
-    block_l = next_power_of_2(max(r, 16))
+    block_l = next_power_of_2(max(r, 32))  # two halves of >= 16 columns (the smallest tl.dot), as mla_attention
     # Triton's interpreter: bf16 tl.dot is wrong and fp32 -> bf16 truncates; as in mla_attention,
     # fp32 dots and rounding by integer ops there (compiled: native bf16 dots, fp32 accumulation).
     bf16_interp = interpreting() and q_latent.dtype == torch.bfloat16
