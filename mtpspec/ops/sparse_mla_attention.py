@@ -138,7 +138,8 @@ def positions_to_slots(topk_pos: torch.Tensor, token_seq_idx: torch.Tensor, bloc
     Args:
         topk_pos: ``[T, K]`` int32/int64 positions within row ``t``'s sequence, ``-1`` = unused
             (e.g. :func:`mtpspec.ops.indexer.indexer_topk`'s output).
-        token_seq_idx: ``[T]`` int32/int64, the ``block_tables`` row of each query row.
+        token_seq_idx: ``[T]`` int32/int64, the ``block_tables`` row of each query row (values
+            outside ``[0, num_seqs)`` are clamped into it, not checked: no host sync).
         block_tables: ``[num_seqs, max_blocks]`` int32/int64 (padding entries may be ``-1``).
         block_size: cache block size (tokens per block), an int >= 1.
 
