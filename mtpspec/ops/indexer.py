@@ -29,7 +29,8 @@ Logits kernel: one program per ``(query row j of a sequence, chunk of KEYS_PER_P
 positions, sequence)``; the row's ``[index_n_heads, index_head_dim]`` query tile is loaded once
 and each ``BLOCK_N``-key tile read from the cache gives ``tl.dot(k, q^T)`` (``[BLOCK_N, heads]``,
 fp32 accumulation), ``relu``, times the weights, summed over heads. The row index varies fastest
-in the grid, so the ``1 + k`` rows of a verification read each key tile from L2 after the first.
+in the grid, so the ``1 + k`` rows of a verification should find each key tile in L2 after the
+first read (not yet measured).
 Chunks past the row's position exit at once; the ``-inf`` outside the causal context comes from
 the ``-inf``-filled output. Graph safety as the dense MLA op (grid from ``max_query_len`` /
 ``max_seq_len`` and shapes; lengths and block ids read on the device).
