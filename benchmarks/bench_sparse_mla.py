@@ -2,8 +2,8 @@
 decode / verify and the lightning indexer (logits + top-k).
 
 Workload (issue 15): ``--seqs`` sequences (64) of ``--context`` tokens (32,768) in a paged cache
-(``--block-size`` 16, blocks shuffled), 1 and 4 (= 1 + k) query tokens per sequence (the last
-``q`` positions), bf16.
+(``--block-size`` 64, MLA models' default; blocks shuffled), 1 and 4 (= 1 + k) query tokens per
+sequence (the last ``q`` positions), bf16.
 
 * Sparse MLA (:func:`mtpspec.ops.sparse_mla_attention.sparse_mla_attention`, split combine
   included), 16 heads (DeepSeek-V3.2 at tp 8) and 128 (tp 1), kv_lora_rank 512 + rope 64, each row
@@ -69,7 +69,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--nope", type=int, default=128, help="qk_nope_head_dim (softmax scale)")
     p.add_argument("--index-heads", type=int, default=64)
     p.add_argument("--index-dim", type=int, default=128)
-    p.add_argument("--block-size", type=int, default=16, help="cache block size (the engine's default: 16)")
+    p.add_argument("--block-size", type=int, default=64, help="cache block size (MLA models: 64 by default)")
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--check-seqs", type=int, default=2, help="sequences checked against the torch reference")
     p.add_argument("--sweep", action="store_true", help="time the kernels over launch configurations")

@@ -12,7 +12,7 @@ import sys
 import pytest
 import torch
 
-from mtpspec.ops.mla_attention import mla_attention, write_mla_kv_cache
+from mtpspec.ops.mla_attention import mla_attention
 from mtpspec.ops.sparse_mla_attention import (positions_to_slots, sparse_mla_attention, sparse_mla_attention_plan,
                                               sparse_mla_attention_ref)
 
@@ -228,8 +228,9 @@ def test_bad_inputs_raise() -> None:
 
 def test_plan_is_static() -> None:
     # the target: 64 sequences x 1 or 4 rows, index_topk 2048, 16 / 128 heads, 132 SMs
-    assert sparse_mla_attention_plan(64, 16, 2048, 132) == dict(block_m=16, head_blocks=1, num_splits=5)
-    assert sparse_mla_attention_plan(256, 128, 2048, 132) == dict(block_m=64, head_blocks=2, num_splits=1)
+    assert sparse_mla_attention_plan(64, 16, 2048, 132) == dict(block_m=16, head_blocks=1, num_splits=8, num_warps=4)
+    assert sparse_mla_attention_plan(256, 16, 2048, 132)["num_splits"] == 2  # 5 * 132 // 256
+    assert sparse_mla_attention_plan(256, 128, 2048, 132) == dict(block_m=64, head_blocks=2, num_splits=1, num_warps=8)
     assert sparse_mla_attention_plan(1, 6, 100, 132)["block_m"] == 16
     with pytest.raises(ValueError):
         sparse_mla_attention_plan(1, 16, 10, 1, block_m=24)
@@ -253,10 +254,11 @@ def test_kernel_compiles_for_hopper() -> None:
                                          BLOCK_M=plan["block_m"], BLOCK_N=64, SCAN_N=256, CACHE_BLOCK=16, SPLIT=True,
                                          DOT_FP32=False, PRECISION="tf32", BF16_BY_BITS=False),
                       "aligned": ["ql_ptr", "qp_ptr", "kv_ptr", "out_ptr", "part_acc_ptr", "part_ml_ptr",
-                                  "slots_ptr"] + strides[:7], "num_warps": 8})
+                                  "slots_ptr"] + strides[:7], "num_warps": plan["num_warps"]})
     reports = triton_utils.compile_reports(specs)
-    # like the dense kernel's 64-row plan, the 64-head plan spills a little (528 bytes with triton 3.9)
-    assert (reports[0]["spill_bytes"] or 0) == 0 and (reports[1]["spill_bytes"] or 0) <= 1024, reports
+    # like the dense kernel's default plans these spill a little (triton 3.9: 136 bytes at 16 heads
+    # with 4 warps, 280 at 64 heads with 8); the dense test's bound, so a regression shows
+    assert all((r["spill_bytes"] or 0) <= 512 for r in reports), reports
 
 
 def test_bench_smoke(tmp_path) -> None:

@@ -54,10 +54,14 @@ MIN_BLOCK_M = 16
 #: Selected entries per inner-loop tile; slot ids per step of the pre-pass that finds a split's valid span.
 BLOCK_N = 64
 SCAN_N = 256
-NUM_WARPS = {16: 8, 32: 8, 64: 8}
+#: Launch defaults by ``block_m``, taken from the dense MLA kernel's H200 sweeps (same tile step;
+#: its 16-row tiles gather like this kernel): 16-row tiles 4 warps and about 5 programs per SM in
+#: flight to hide the gather latency, 32 / 64-row tiles 8 warps and at most one wave
+#: (``floor(T * sms / work)`` splits). Not yet swept for this kernel (bench_sparse_mla.py --sweep).
+NUM_WARPS = {16: 4, 32: 8, 64: 8}
+TARGET_PROGRAMS_PER_SM = {16: 5, 32: 1, 64: 1}
 NUM_STAGES = 2
-#: Split over the K entries (flash-decoding): programs per SM aimed at, and its limits.
-TARGET_PROGRAMS_PER_SM = 2
+#: Split over the K entries (flash-decoding): its limits.
 MAX_SPLITS = 32
 MIN_SLOTS_PER_SPLIT = 256
 #: Torch reference: rows per chunk are chosen so one chunk's gathered latents stay under this
@@ -267,11 +271,11 @@ def sparse_mla_attention_plan(num_tokens: int, num_heads: int, topk: int, sms: i
                               num_splits: Optional[int] = None, block_m: Optional[int] = None) -> dict:
     """Launch shape of :func:`sparse_mla_attention` from static sizes only (CUDA-graph safe).
 
-    Returns ``dict(block_m, head_blocks, num_splits)``: ``block_m`` heads per program =
+    Returns ``dict(block_m, head_blocks, num_splits, num_warps)``: ``block_m`` heads per program =
     ``BLOCK_M`` (or the given power of two >= 16) clipped to ``[MIN_BLOCK_M, next power of two of
-    num_heads]``; ``head_blocks = ceil(num_heads / block_m)``; ``num_splits`` =
-    ``min(ceil(TARGET_PROGRAMS_PER_SM * sms / (num_tokens * head_blocks)), ceil(topk /
-    MIN_SLOTS_PER_SPLIT), MAX_SPLITS)`` (at least 1) unless given.
+    num_heads]``; ``head_blocks = ceil(num_heads / block_m)``; ``num_splits`` unless given =
+    ``min(T * sms // (num_tokens * head_blocks), ceil(topk / MIN_SLOTS_PER_SPLIT), MAX_SPLITS)``,
+    at least 1, with ``T = TARGET_PROGRAMS_PER_SM[block_m]``; ``num_warps = NUM_WARPS[block_m]``.
 
     Raises:
         ValueError: ``block_m`` not a power of two >= 16, ``num_splits`` not an int >= 1.
@@ -281,9 +285,12 @@ def sparse_mla_attention_plan(num_tokens: int, num_heads: int, topk: int, sms: i
         raise ValueError(f"block_m must be a power of two >= {MIN_BLOCK_M}, got {block_m}")
     block_m = max(MIN_BLOCK_M, min(block_m, next_power_of_2(num_heads)))
     head_blocks = cdiv(max(1, num_heads), block_m)
-    num_splits = choose_num_splits(num_splits, num_tokens * head_blocks, sms, topk, TARGET_PROGRAMS_PER_SM,
-                                   MIN_SLOTS_PER_SPLIT, MAX_SPLITS)
-    return dict(block_m=block_m, head_blocks=head_blocks, num_splits=num_splits)
+    if num_splits is None:
+        work = max(1, num_tokens * head_blocks)
+        num_splits = max(1, min(TARGET_PROGRAMS_PER_SM.get(block_m, 1) * sms // work,
+                                cdiv(max(1, topk), MIN_SLOTS_PER_SPLIT), MAX_SPLITS))
+    num_splits = choose_num_splits(num_splits, 0, sms, topk, 1, MIN_SLOTS_PER_SPLIT, MAX_SPLITS)  # (checks it)
+    return dict(block_m=block_m, head_blocks=head_blocks, num_splits=num_splits, num_warps=NUM_WARPS.get(block_m, 8))
 
 
 # ---------------------------------------------------------------- public op
@@ -342,7 +349,7 @@ def sparse_mla_attention(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: t
         BLOCK_M=plan["block_m"], BLOCK_N=BLOCK_N if block_n is None else int(block_n), SCAN_N=SCAN_N,
         CACHE_BLOCK=kv_cache.shape[1],
         SPLIT=s > 1, DOT_FP32=bf16_interp, PRECISION="ieee" if q_latent.dtype == torch.float32 else "tf32",
-        BF16_BY_BITS=bf16_interp, num_warps=NUM_WARPS.get(plan["block_m"], 8) if num_warps is None else num_warps,
+        BF16_BY_BITS=bf16_interp, num_warps=plan["num_warps"] if num_warps is None else num_warps,
         num_stages=NUM_STAGES if num_stages is None else num_stages)
     if s > 1:
         # the combine's padding-row test reads query_start_loc[num_seqs]: one entry = T, every row real
