@@ -63,21 +63,31 @@ class SpeculativeConfig:
         use_local_argmax_reduction: (default False) greedy drafts via the model's ``get_top_tokens``
             (vocab-parallel local argmax: gathers ``[num_tokens, 2]`` pairs per rank instead of
             ``[num_tokens, vocab]`` logits). The model must implement ``SupportsLocalArgmax``.
+        index_share_for_mtp_iteration: (sparse-attention models: DeepSeek-V3.2, GLM-5) the MTP
+            layer's indexer runs once per round, in the first draft pass, and draft steps 2..k
+            reuse its selection at each request's last accepted row plus the positions drafted
+            since. ``None`` (default): the checkpoint's ``config.json`` value, else off. Setting
+            it for a model without an indexer is a start-up error
+            (:func:`resolve_index_share`).
 
     Raises:
         ValueError: unknown method or k out of range.
     """
 
     #: The keys of a ``speculative_config`` dict (vLLM's spelling).
-    KEYS = ("method", "num_speculative_tokens", "use_local_argmax_reduction")
+    KEYS = ("method", "num_speculative_tokens", "use_local_argmax_reduction", "index_share_for_mtp_iteration")
 
     method: str = "mtp"
     num_speculative_tokens: int = 1
     use_local_argmax_reduction: bool = False
+    index_share_for_mtp_iteration: Optional[bool] = None
 
     def __post_init__(self) -> None:
         if self.method != "mtp":
             raise ValueError(f"speculative method must be 'mtp', got {self.method!r}")
+        if self.index_share_for_mtp_iteration is not None and not isinstance(self.index_share_for_mtp_iteration, bool):
+            raise ValueError(f"index_share_for_mtp_iteration must be true, false or null, got "
+                             f"{self.index_share_for_mtp_iteration!r}")
         k = self.num_speculative_tokens
         if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= MAX_NUM_SPECULATIVE_TOKENS:
             raise ValueError(f"num_speculative_tokens must be an int in [1, {MAX_NUM_SPECULATIVE_TOKENS}], got {k!r} "

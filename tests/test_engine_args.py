@@ -148,7 +148,8 @@ def test_llm_builds_one_engine_config_from_its_kwargs(path) -> None:
              max_model_len=48, block_size=4, num_kv_blocks=64, max_num_seqs=3, seed=11, enforce_eager=True) as llm:
         cfg = llm.engine_config
         assert cfg.parallel_config == ParallelConfig(1, False, False, "nccl") == llm.parallel_config
-        assert cfg.speculative_config == SpeculativeConfig("mtp", 2, False)
+        # resolved against the model: GLM-4.5 has no indexer, so index sharing is off
+        assert cfg.speculative_config == SpeculativeConfig("mtp", 2, False, False)
         assert (cfg.scheduler_config.max_num_seqs, cfg.scheduler_config.max_model_len,
                 cfg.scheduler_config.num_speculative_tokens) == (3, 48, 2)
         assert (cfg.cache_config.block_size, cfg.cache_config.num_kv_blocks) == (4, 64)
@@ -180,3 +181,21 @@ def test_seed_is_the_engine_seed_and_sampling_seed_is_per_request(path, capsys) 
     default = cli()
     assert cli("--seed", "5") == engine_seeded != default  # the seed matters, and --seed is the engine's
     assert cli("--sampling-seed", "123") == per_request != default
+
+
+def test_index_share_needs_an_indexer(path) -> None:
+    # index_share_for_mtp_iteration: JSON spelling checked; on a model without an indexer it
+    # resolves to off when unset and is a start-up error when requested.
+    from mtpspec.engine.arg_utils import parse_speculative_config
+    assert parse_speculative_config('{"num_speculative_tokens": 2, "index_share_for_mtp_iteration": true}') == \
+        {"num_speculative_tokens": 2, "index_share_for_mtp_iteration": True}
+    with pytest.raises(ValueError, match="index_share_for_mtp_iteration must be true, false or null"):
+        parse_speculative_config('{"index_share_for_mtp_iteration": "yes"}')
+    with pytest.raises(ValueError, match="index_share_for_mtp_iteration must be true, false or null"):
+        SpeculativeConfig(index_share_for_mtp_iteration=1)
+    off = EngineArgs(model=path, speculative_config={"num_speculative_tokens": 2}).create_engine_config()
+    assert off.speculative_config.index_share_for_mtp_iteration is False
+    on = EngineArgs(model=path, speculative_config={"num_speculative_tokens": 2,
+                                                    "index_share_for_mtp_iteration": True})
+    with pytest.raises(ValueError, match="needs a sparse-attention model with an indexer.*Glm4MoeForCausalLM has none"):
+        on.create_engine_config()

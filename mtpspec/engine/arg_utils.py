@@ -45,7 +45,7 @@ from __future__ import annotations
 
 import argparse
 import json
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import Any, Dict, Optional, Union
 
 from mtpspec.config import ALLREDUCE_BACKENDS, MAX_NUM_SPECULATIVE_TOKENS, ModelConfig, ParallelConfig, SpeculativeConfig
@@ -107,7 +107,7 @@ def parse_speculative_config(value: SpecArg) -> Optional[Dict[str, Any]]:
     if value is None:
         return None
     if isinstance(value, SpeculativeConfig):
-        return {k: getattr(value, k) for k in SpeculativeConfig.KEYS}
+        return {k: getattr(value, k) for k in SpeculativeConfig.KEYS if getattr(value, k) is not None}
     if isinstance(value, str):
         try:
             value = json.loads(value)
@@ -135,7 +135,32 @@ def parse_speculative_config(value: SpecArg) -> Optional[Dict[str, Any]]:
     la = out.get("use_local_argmax_reduction", False)
     if not isinstance(la, bool):
         raise ValueError(f"speculative_config: use_local_argmax_reduction must be true or false, got {la!r}")
+    share = out.get("index_share_for_mtp_iteration")
+    if share is not None and not isinstance(share, bool):
+        raise ValueError(f"speculative_config: index_share_for_mtp_iteration must be true, false or null, "
+                         f"got {share!r}")
     return out
+
+
+def resolve_index_share(spec: Optional[SpeculativeConfig], mcfg: ModelConfig) -> Optional[SpeculativeConfig]:
+    """``spec`` with ``index_share_for_mtp_iteration`` resolved against the model: the given
+    value, else the checkpoint's (``config.json``'s ``index_share_for_mtp_iteration``), else off;
+    always off for a model without an indexer (no ``index_topk``).
+
+    Raises:
+        ValueError: sharing requested for a model without an indexer (names the architecture).
+    """
+    if spec is None:
+        return None
+    has_indexer = getattr(mcfg.arch, "index_topk", None) is not None
+    want = spec.index_share_for_mtp_iteration
+    if not has_indexer:
+        if want:
+            raise ValueError(f"speculative_config: index_share_for_mtp_iteration=true needs a sparse-attention "
+                             f"model with an indexer (DeepSeek-V3.2, GLM-5); {mcfg.architecture} has none")
+        return replace(spec, index_share_for_mtp_iteration=False)
+    ckpt = bool(getattr(mcfg.arch, "index_share_for_mtp_iteration", None) or False)
+    return replace(spec, index_share_for_mtp_iteration=ckpt if want is None else want)
 
 
 def check_num_speculative_tokens(k: Any) -> None:
@@ -318,6 +343,7 @@ class EngineArgs:
         if spec is not None and mcfg.num_nextn_predict_layers < 1:
             raise ValueError(f"speculative decoding with MTP needs MTP layers, but {model!r} declares "
                              "num_nextn_predict_layers = 0")
+        spec = resolve_index_share(spec, mcfg)
         max_model_len = self.max_model_len
         if max_model_len is None:
             max_model_len = min(mcfg.max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
