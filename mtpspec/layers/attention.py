@@ -50,6 +50,14 @@ class AttentionMetadata:
         query_lens, seq_lens_list: optional python lists of ints, one per sequence (empty when
             unknown, e.g. in captured CUDA-graph metadata); only used for input checks and the
             no-cache equal-length fast path, never required.
+
+    DeepSeek Sparse Attention (DeepSeek-V3.2, GLM-5):
+        precomputed_topk_pos: ``None`` (every DSA layer with an indexer selects its own
+            positions) or ``[num_tokens, K]`` int32 / int64 positions in each row's sequence
+            (``-1`` = none, distinct per row, any ``K``) that the DSA layers of this forward
+            attend instead: their indexers still write their key caches but skip scoring and
+            top-k (the seam for MTP index sharing across draft steps,
+            :class:`~mtpspec.layers.indexer.Indexer`).
     """
 
     query_start_loc: torch.Tensor
@@ -61,6 +69,7 @@ class AttentionMetadata:
     max_seq_len: int
     query_lens: List[int] = field(default_factory=list)
     seq_lens_list: List[int] = field(default_factory=list)
+    precomputed_topk_pos: Optional[torch.Tensor] = None
 
     @property
     def num_actual_tokens(self) -> int:

@@ -1,4 +1,6 @@
-"""RMSNorm layer (Zhang & Sennrich 2019, "Root Mean Square Layer Normalization", eq. 4).
+"""RMSNorm (and the biased LayerNorm of the DSA indexer) layers.
+
+RMSNorm (Zhang & Sennrich 2019, "Root Mean Square Layer Normalization", eq. 4).
 
 ``y = x / sqrt(mean(x**2, -1) + eps) * weight`` with fp32 statistics, cast back to ``x.dtype``.
 With a residual, follows the fused-add convention of ``docs/structures.md``:
@@ -81,6 +83,48 @@ class RMSNorm(nn.Module):
             return rms_norm(x2, self.weight, self.eps).reshape(x.shape)
         out, s = fused_add_rms_norm(x2, residual.reshape(-1, self.hidden_size), self.weight, self.eps)
         return out.reshape(lead + (self.hidden_size,)), s.reshape(lead + (self.hidden_size,))
+
+    def extra_repr(self) -> str:
+        return f"{self.hidden_size}, eps={self.eps}"
+
+
+class LayerNorm(nn.Module):
+    """Layer normalisation with a bias (Ba, Kiros & Hinton 2016, "Layer Normalization", eq. 4):
+    ``y = (x - mean(x)) / sqrt(var(x) + eps) * weight + bias`` over the last dimension, as
+    ``torch.nn.LayerNorm`` computes it (the DSA indexer's ``k_norm``).
+
+    Args:
+        hidden_size: size of the normalised (last) dimension, >= 1.
+        eps: added to the variance (>= 0).
+        params_dtype: dtype of ``weight`` and ``bias`` (default ``torch.get_default_dtype()``).
+
+    Attributes:
+        weight, bias: ``[hidden_size]`` (ones / zeros until loaded), each with a
+            ``weight_loader`` that copies a full ``[hidden_size]`` checkpoint tensor.
+
+    ``forward(x [..., hidden_size]) -> x``'s shape and dtype.
+
+    Raises:
+        ValueError: ``hidden_size < 1``, ``eps < 0``, or an input whose last dimension differs.
+    """
+
+    def __init__(self, hidden_size: int, eps: float = 1e-5, params_dtype: Optional[torch.dtype] = None):
+        super().__init__()
+        if not isinstance(hidden_size, int) or hidden_size < 1:
+            raise ValueError(f"LayerNorm: hidden_size must be an int >= 1, got {hidden_size!r}")
+        if not eps >= 0:
+            raise ValueError(f"LayerNorm: eps must be >= 0, got {eps!r}")
+        self.hidden_size, self.eps = hidden_size, float(eps)
+        dtype = params_dtype or torch.get_default_dtype()
+        self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype), requires_grad=False)
+        self.bias = nn.Parameter(torch.zeros(hidden_size, dtype=dtype), requires_grad=False)
+        self.weight.weight_loader = default_weight_loader
+        self.bias.weight_loader = default_weight_loader
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[-1:] != (self.hidden_size,):
+            raise ValueError(f"LayerNorm: expected input [..., {self.hidden_size}], got {list(x.shape)}")
+        return torch.nn.functional.layer_norm(x, (self.hidden_size,), self.weight, self.bias, self.eps)
 
     def extra_repr(self) -> str:
         return f"{self.hidden_size}, eps={self.eps}"
