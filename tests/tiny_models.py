@@ -6,7 +6,9 @@ module; scripts outside tests/ put this folder on ``sys.path`` first).
 layers, partial rotary, GQA), saves it with ``save_pretrained`` (Hugging Face's own on-disk
 layout), then adds random MTP layers with :func:`mtpspec.models.loader.save_checkpoint`.
 ``family="deepseek_v3"`` does the same with ``transformers.DeepseekV3ForCausalLM`` (MLA with
-q-lora, ``v_head_dim`` != qk head dim, 2 expert groups; ``DSV3_TINY_CONFIG``).
+q-lora, ``v_head_dim`` != qk head dim, 2 expert groups; ``DSV3_TINY_CONFIG``); ``"deepseek_v32"`` and
+``"glm_moe_dsa"`` (``DeepseekV32ForCausalLM``, ``GlmMoeDsaForCausalLM``: DSA indexers with ``index_topk`` 6,
+GLM-5 with two ``"shared"`` layers) likewise.
 Weights are rescaled so activations stay O(1) and routing is not degenerate (Hugging Face's
 0.02-std init gives near-zero logits, which would make comparisons weak).
 """
@@ -39,6 +41,22 @@ DSV3_TINY_CONFIG: Dict[str, Any] = dict(
     rope_theta=10000.0, max_position_embeddings=256, rms_norm_eps=1e-6, tie_word_embeddings=False,
     eos_token_id=[1, 2], bos_token_id=0)
 
+#: DeepSeek-V3.2: DeepSeek-V3's tiny MLA (q-lora; MLA rope always interleaved) plus a DSA indexer with
+#: ``index_topk`` 6, so test prompts longer than 6 tokens really prune; 8 indexer heads keep exact ties of
+#: the ReLU'd scores (all heads negative) rare
+DSV32_TINY_CONFIG: Dict[str, Any] = {**{k: v for k, v in DSV3_TINY_CONFIG.items() if k != "rope_interleave"},
+                                     "index_topk": 6, "index_head_dim": 16, "index_n_heads": 8}
+
+#: GLM-5: DeepSeek-V3.2's tiny config with 4 layers, two of them "shared" (each after a different full layer)
+GLM5_TINY_CONFIG: Dict[str, Any] = {**DSV32_TINY_CONFIG, "num_hidden_layers": 4,
+                                    "indexer_types": ["full", "shared", "full", "shared"]}
+
+#: family name -> (transformers config class, model class, tiny config)
+FAMILIES = {"glm4_moe": ("Glm4MoeConfig", "Glm4MoeForCausalLM", TINY_CONFIG),
+            "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM", DSV3_TINY_CONFIG),
+            "deepseek_v32": ("DeepseekV32Config", "DeepseekV32ForCausalLM", DSV32_TINY_CONFIG),
+            "glm_moe_dsa": ("GlmMoeDsaConfig", "GlmMoeDsaForCausalLM", GLM5_TINY_CONFIG)}
+
 #: YaRN rope for ``DSV3_TINY_CONFIG`` (``rope_parameters`` override): factor 4 over 64 original
 #: positions, mscale != mscale_all_dim, so frequencies, the cos / sin factor and the softmax scale all change
 DSV3_YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64,
@@ -63,12 +81,11 @@ def _randomise(name: str, t: torch.Tensor, g: torch.Generator) -> torch.Tensor:
 
 def make_hf_model(seed: int = 0, family: str = "glm4_moe", **overrides: Any):
     """A random ``transformers.Glm4MoeForCausalLM`` (eval, float32) from ``TINY_CONFIG`` + overrides
-    (``family="deepseek_v3"``: ``DeepseekV3ForCausalLM`` from ``DSV3_TINY_CONFIG``)."""
+    (other families: :data:`FAMILIES`, e.g. ``"deepseek_v3"``: ``DeepseekV3ForCausalLM`` from
+    ``DSV3_TINY_CONFIG``)."""
     import transformers
-    if family == "deepseek_v3":
-        base, cfg_cls, model_cls = DSV3_TINY_CONFIG, transformers.DeepseekV3Config, transformers.DeepseekV3ForCausalLM
-    else:
-        base, cfg_cls, model_cls = TINY_CONFIG, transformers.Glm4MoeConfig, transformers.Glm4MoeForCausalLM
+    cfg_name, model_name, base = FAMILIES[family]
+    cfg_cls, model_cls = getattr(transformers, cfg_name), getattr(transformers, model_name)
     cfg_kwargs = dict(base)
     cfg_kwargs.update(overrides)
     cfg_kwargs.pop("num_nextn_predict_layers", None)
@@ -121,7 +138,7 @@ def make_tiny_checkpoint(path: str, seed: int = 0, num_mtp_layers: int = 1, mtp_
         mtp_head: include ``shared_head.head`` (False: the loader ties it to ``lm_head``).
         dtype: save dtype (default float32).
         max_shard_bytes: shard the safetensors files (with an index) above this size.
-        family: ``"glm4_moe"`` or ``"deepseek_v3"`` (see the module docstring).
+        family: ``"glm4_moe"``, ``"deepseek_v3"``, ``"deepseek_v32"`` or ``"glm_moe_dsa"`` (:data:`FAMILIES`).
         overrides: ``Glm4MoeConfig`` fields replacing ``TINY_CONFIG``'s (``DeepseekV3Config`` /
             ``DSV3_TINY_CONFIG`` for DeepSeek-V3).
 

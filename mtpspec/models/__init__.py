@@ -10,6 +10,10 @@ from typing import Any
 _LAZY = {
     "DeepseekV3ForCausalLM": "mtpspec.models.deepseek_v3",
     "DeepseekV3MTP": "mtpspec.models.deepseek_v3_mtp",
+    "DeepseekV32ForCausalLM": "mtpspec.models.deepseek_v32",
+    "DeepseekV32MTP": "mtpspec.models.deepseek_v32_mtp",
+    "GlmMoeDsaForCausalLM": "mtpspec.models.glm_moe_dsa",
+    "GlmMoeDsaMTP": "mtpspec.models.glm_moe_dsa",
     "Glm4MoeForCausalLM": "mtpspec.models.glm4_moe",
     "Glm4MoeMTP": "mtpspec.models.glm4_moe_mtp",
     "MultiTokenPredictorLayer": "mtpspec.models.glm4_moe_mtp",

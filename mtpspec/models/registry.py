@@ -73,6 +73,12 @@ _ARCHITECTURES: Dict[str, ModelArchitecture] = {
     "DeepseekV3ForCausalLM": ModelArchitecture("deepseek_v3_config:DeepseekV3ArchConfig",
                                                "deepseek_v3:DeepseekV3ForCausalLM", "deepseek_v3:target_weight_specs",
                                                "deepseek_v3_mtp:DeepseekV3MTP", "deepseek_v3_mtp:mtp_weight_specs"),
+    "DeepseekV32ForCausalLM": ModelArchitecture("deepseek_v32_config:DeepseekV32ArchConfig",
+                                                "deepseek_v32:DeepseekV32ForCausalLM", "deepseek_v32:target_weight_specs",
+                                                "deepseek_v32_mtp:DeepseekV32MTP", "deepseek_v32_mtp:mtp_weight_specs"),
+    "GlmMoeDsaForCausalLM": ModelArchitecture("glm_moe_dsa_config:GlmMoeDsaArchConfig",
+                                              "glm_moe_dsa:GlmMoeDsaForCausalLM", "deepseek_v32:target_weight_specs",
+                                              "glm_moe_dsa:GlmMoeDsaMTP", "deepseek_v32_mtp:mtp_weight_specs"),
 }
 
 
