@@ -168,9 +168,10 @@ def check_mtp_tp(runs, variant, tp, variants):
                                                MTP_ATOL, MTP_RTOL)
 
 
-def check_pruning_matters(hf, prompts, ref):
+def check_pruning_matters(hf, prompts, ref, path):
     """transformers with the selection switched off (index_topk beyond any length) gives other
-    logits on these prompts: the sparse selection is what the comparison tests."""
+    logits on these prompts, so the sparse selection is what the comparison tests; and our target
+    with every indexer keeping the whole context (context <= index_topk) equals that dense model."""
     indexers = [m for m in hf.modules() if type(m).__name__.endswith("Indexer")]
     assert indexers
     saved = [m.index_topk for m in indexers]
@@ -184,6 +185,14 @@ def check_pruning_matters(hf, prompts, ref):
             m.index_topk = k
     diff = max(float((a - b).abs().max()) for a, b in zip(dense, ref))
     assert diff > 1e-2, diff
+    target = load_models(path, dtype=torch.float32, device="cpu", load_mtp=False)[0]
+    for layer in target.model.layers:
+        if layer.self_attn.indexer is not None:
+            layer.self_attn.indexer.k_cache.impl.index_topk = 64  # > every prompt
+    with torch.no_grad():
+        for p, want in zip(prompts, dense):
+            got = target.compute_logits(target(p, torch.arange(len(p))))
+            torch.testing.assert_close(got, want, atol=ATOL, rtol=RTOL)
 
 
 def hf_mtp_reference(hf, path, cfg, k, ids, pos, prev):
@@ -522,7 +531,7 @@ def test_selection_prunes_and_has_no_near_ties(setup):
     data, _, hfs, guard = setup
     guard.assert_well_posed(min_pruned=20)
     for name in VARIANTS:
-        check_pruning_matters(hfs[name], data[name][1], data[name][2])
+        check_pruning_matters(hfs[name], data[name][1], data[name][2], data[name][0])
 
 
 @pytest.mark.parametrize("tp", [1, 2, 4])

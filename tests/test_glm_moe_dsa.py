@@ -95,7 +95,7 @@ def test_selection_prunes_and_has_no_near_ties(setup):
     data, _, hfs, guard = setup
     guard.assert_well_posed(min_pruned=20)
     for name in VARIANTS:
-        check_pruning_matters(hfs[name], data[name][1], data[name][2])
+        check_pruning_matters(hfs[name], data[name][1], data[name][2], data[name][0])
 
 
 def _indexer_rows(variant):

@@ -42,6 +42,9 @@ class DeepseekV32MTP(DeepseekV3MTP):
         ``[num_tokens, K]`` int positions (``-1`` = none) in each row's sequence, computed by its
         own indexer (``K = index_topk``) or taken from ``precomputed_topk_pos``; ``None`` before
         its first forward. Kept until that layer's next forward (no copy: clone to keep longer).
+        Under CUDA graphs, read it inside the captured function and return it as a graph output:
+        after a replay this attribute still names the tensor of the last capture (of whatever
+        batch size), not the replayed graph's.
 
         Raises:
             ValueError: ``spec_step_idx < 0``.

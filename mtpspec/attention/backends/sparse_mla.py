@@ -170,7 +170,7 @@ class SparseMLAImpl(MLAImpl):
             layout = dsa_layout(meta, t, None, ql.device)
         slots = positions_to_slots(causal_selection(topk_pos, layout), layout.token_seq_idx, layout.block_tables,
                                    layout.block_size)
-        out = sparse_mla_attention(ql, qp, cache.to(ql.dtype), slots, self.scale)
+        out = sparse_mla_attention(ql, qp, cache, slots, self.scale)
         return torch.where(layout.real[:, None, None], out, torch.zeros_like(out))
 
 
