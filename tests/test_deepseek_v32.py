@@ -9,7 +9,7 @@ really prune) plus random MTP layers with their own indexers (``tests/tiny_model
   select (both rope layouts, paged and not); sparse MLA with the whole context selected equals
   dense MLA (paged, block boundaries, length-1 sequences, graph padding rows, no cache) and with a
   partial selection equals a float64 masked-softmax reference; the KV sizing counts the indexer
-  caches; the placeholder ops keep their contract (ties to the lower position, ``-1`` padding);
+  caches;
 * ``precomputed_topk_pos`` (the MTP index-sharing seam): skips the scoring, still writes the
   indexer keys, is clamped to each row's causal range, and ``DeepseekV32MTP.index_selection``
   reads back what a layer used;
@@ -494,33 +494,6 @@ def test_layers_run_without_host_sync():
     assert sel.shape == (t, 6) and bool((sel[-1] == -1).all()) and bool((out[-1] == 0).all())
 
 
-def test_ops_reference_contract():
-    """The placeholder ops: logits = brute force; top-k ties to the lower position, -1 padded; a
-    cache write skips slot -1; positions_to_slots keeps -1."""
-    from mtpspec.ops.indexer import indexer_k_cache_write, indexer_logits, indexer_topk
-    from mtpspec.ops.sparse_mla_attention import positions_to_slots
-    logits = torch.tensor([[1.0, 3.0, 3.0, 3.0, float("-inf")], [2.0, float("-inf")] + [float("-inf")] * 3])
-    assert indexer_topk(logits, 3).tolist() == [[1, 2, 3], [0, -1, -1]]
-    assert indexer_topk(logits, 7).tolist() == [[1, 2, 3, 0, -1, -1, -1], [0, -1, -1, -1, -1, -1, -1]]
-    assert indexer_topk(logits, 1).dtype == torch.int32
-    g = torch.Generator().manual_seed(0)
-    cache = torch.zeros(3, 2, 4)
-    k = torch.randn(4, 4, generator=g)
-    indexer_k_cache_write(k, cache, torch.tensor([5, -1, 0, 2]))
-    assert torch.equal(cache.view(-1, 4)[[5, 0, 2]], k[[0, 2, 3]]) and bool((cache.view(-1, 4)[[1, 3, 4]] == 0).all())
-    q, w = torch.randn(3, 2, 4, generator=g), torch.randn(3, 2, generator=g)
-    qsl, sl, bt = torch.tensor([0, 2, 3]), torch.tensor([3, 1]), torch.tensor([[2, 0], [1, 1]])
-    got = indexer_logits(q, w, cache, qsl, sl, bt, 2, 4)
-    slot = {(0, 0): 4, (0, 1): 5, (0, 2): 0, (1, 0): 2}
-    for tok, (seq, last) in enumerate([(0, 1), (0, 2), (1, 0)]):
-        for s in range(4):
-            want = float("-inf") if s > last else float((w[tok] * torch.relu(q[tok] @ cache.view(-1, 4)[slot[seq, s]])).sum())
-            assert got[tok, s] == pytest.approx(want, rel=1e-6, abs=1e-6)
-    pos = torch.tensor([[0, 3, -1], [1, -1, 2]], dtype=torch.int32)
-    assert positions_to_slots(pos, torch.tensor([0, 1]), torch.tensor([[4, 7], [1, 2]]), 2).tolist() == \
-        [[8, 15, -1], [3, -1, 4]]
-
-
 # ------------------------------------------------------------------------------------- target + MTP, tp 1 2 4
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
@@ -787,3 +760,23 @@ def test_export_round_trips_the_checkpoint(tmp_path, loader_base):
     assert set(out) == set(tensors) and any(".indexer." in k for k in out)
     for key, t in tensors.items():
         assert torch.equal(out[key], t), key
+
+
+def test_paged_decode_through_the_triton_kernels_matches_transformers(setup, interp, monkeypatch):
+    """The cached path (chunked prefill, then one token per step) and the no-cache forwards with
+    every Triton kernel on (the interpreter on CPU): indexer key write and logits, sparse MLA."""
+    import mtpspec.attention.backends.indexer as indexer_backend
+    import mtpspec.attention.backends.sparse_mla as sparse_backend
+    calls = {"indexer_logits": 0, "sparse_mla_attention": 0}
+    for mod, name in ((indexer_backend, "indexer_logits"), (sparse_backend, "sparse_mla_attention")):
+        real = getattr(mod, name)
+        monkeypatch.setattr(mod, name, lambda *a, _real=real, _name=name, **k:
+                            calls.__setitem__(_name, calls[_name] + 1) or _real(*a, **k))
+    data = setup[0]
+    path, prompts, ref, _ = data["default"]
+    target = load_models(path, dtype=torch.float32, device="cpu", load_mtp=False)[0]
+    res = dsa_target_checks(target, prompts[1:3])
+    for name in ("single", "batched", "cached"):
+        got = torch.cat(res[name]) if isinstance(res[name], list) else res[name]
+        torch.testing.assert_close(got, torch.cat(ref[1:3]), atol=ATOL, rtol=RTOL, msg=lambda m: f"{name}: {m}")
+    assert min(calls.values()) >= 3 * (2 + 1 + 3)  # 3 layers x (2 single + batched + prefill chunk + 3 steps)

@@ -118,8 +118,9 @@ class DeepseekV32IndexerImpl(AttentionImpl):
             attn_metadata: the forward context's metadata or ``None`` (one causal sequence).
 
         Returns:
-            ``topk_pos [T, index_topk]`` int32 positions in each row's sequence, best first, ties
-            to the lower position, ``-1`` past the row's causal context and on padding rows.
+            ``topk_pos [T, index_topk]`` int32 positions in each row's sequence (ascending; ties at
+            the top-k boundary to the lower position, :func:`~mtpspec.ops.indexer.indexer_topk`),
+            ``-1`` where a row has fewer selectable positions and on padding rows.
 
         Raises:
             ValueError: as :meth:`update`, or ``weights`` missing / of the wrong shape.
