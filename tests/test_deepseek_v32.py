@@ -302,7 +302,15 @@ def test_config_fields_and_errors():
     defaults = ModelConfig.from_dict({k: v for k, v in _raw().items() if not k.startswith("index_")})
     assert (defaults.index_topk, defaults.index_head_dim, defaults.index_n_heads) == (2048, 128, 64)
     cfg.verify_tensor_parallel(4)
-    for over, msg in [(dict(q_lora_rank=None), "needs q_lora_rank"),
+    assert cfg.index_share_for_mtp_iteration is None
+    assert ModelConfig.from_dict(_raw(index_share_for_mtp_iteration=True)).index_share_for_mtp_iteration is True
+    from mtpspec.config import SpeculativeConfig
+    from mtpspec.engine.arg_utils import resolve_index_share
+    shared = ModelConfig.from_dict(_raw(index_share_for_mtp_iteration=True))
+    assert resolve_index_share(SpeculativeConfig(), shared).index_share_for_mtp_iteration is True  # the checkpoint's
+    assert resolve_index_share(SpeculativeConfig(), cfg).index_share_for_mtp_iteration is False
+    for over, msg in [(dict(index_share_for_mtp_iteration="yes"), "'index_share_for_mtp_iteration' must be true"),
+                      (dict(q_lora_rank=None), "needs q_lora_rank"),
                       (dict(rope_interleave=False), "rope_interleave=false is not supported for DeepseekV32"),
                       (dict(indexer_rope_interleave=True), "indexer_rope_interleave=True contradicts"),
                       (dict(indexer_types=["full", "shared", "full"]), "runs its indexer in every layer"),

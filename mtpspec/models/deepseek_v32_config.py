@@ -47,6 +47,9 @@ class DeepseekV32ArchConfig(DeepseekV3ArchConfig):
             full layer's selection) per target layer, ``num_hidden_layers`` entries.
         mlp_layer_types: Hugging Face's per-layer ``"dense"`` / ``"sparse"`` list when the config
             carries it (checked against ``first_k_dense_replace``), else empty.
+        index_share_for_mtp_iteration: the checkpoint's ``index_share_for_mtp_iteration`` (share
+            the MTP layer's selection across the draft steps of a round), ``None`` when absent;
+            ``SpeculativeConfig`` may override it (``engine.arg_utils.resolve_index_share``).
     """
 
     index_topk: int = 2048
@@ -55,6 +58,7 @@ class DeepseekV32ArchConfig(DeepseekV3ArchConfig):
     indexer_rope_interleave: bool = False
     indexer_types: Tuple[str, ...] = ()
     mlp_layer_types: Tuple[str, ...] = ()
+    index_share_for_mtp_iteration: Optional[bool] = None
 
     #: the registry name this part belongs to (named in error messages)
     ARCHITECTURE: ClassVar[str] = "DeepseekV32ForCausalLM"
@@ -70,7 +74,8 @@ class DeepseekV32ArchConfig(DeepseekV3ArchConfig):
         Raises:
             ModelConfigError: the DeepSeek-V3 part's errors (rope type, ``attention_bias``);
                 ``rope_interleave: false``; an ``indexer_rope_interleave`` that contradicts the
-                architecture; malformed ``indexer_types`` / ``mlp_layer_types``.
+                architecture; malformed ``indexer_types`` / ``mlp_layer_types``; an
+                ``index_share_for_mtp_iteration`` other than true / false / null.
         """
         if raw.get("rope_interleave") is False:
             raise ModelConfigError(f"rope_interleave=false is not supported for {cls.ARCHITECTURE}: its MLA rope is "
@@ -84,6 +89,10 @@ class DeepseekV32ArchConfig(DeepseekV3ArchConfig):
             base = super().from_dict(raw)
         except ModelConfigError as exc:  # name this architecture, not DeepSeek-V3
             raise ModelConfigError(str(exc).replace("DeepseekV3ForCausalLM", cls.ARCHITECTURE)) from None
+        share = raw.get("index_share_for_mtp_iteration")
+        if share is not None and not isinstance(share, bool):
+            raise ModelConfigError(f"config key 'index_share_for_mtp_iteration' must be true, false or null, got "
+                                   f"{share!r}")
         mlp = raw.get("mlp_layer_types") or ()
         if not isinstance(mlp, (list, tuple)):
             raise ModelConfigError(f"config key 'mlp_layer_types' must be a list, got {mlp!r}")
@@ -91,7 +100,8 @@ class DeepseekV32ArchConfig(DeepseekV3ArchConfig):
                        index_topk=raw.get("index_topk", 2048), index_head_dim=raw.get("index_head_dim", 128),
                        index_n_heads=raw.get("index_n_heads", cls.DEFAULT_INDEX_N_HEADS),
                        indexer_rope_interleave=cls.INDEXER_ROPE_INTERLEAVE,
-                       indexer_types=cls.parse_indexer_types(raw), mlp_layer_types=tuple(mlp))
+                       indexer_types=cls.parse_indexer_types(raw), mlp_layer_types=tuple(mlp),
+                       index_share_for_mtp_iteration=share)
 
     @classmethod
     def parse_indexer_types(cls, raw: Dict[str, Any]) -> Tuple[str, ...]:
