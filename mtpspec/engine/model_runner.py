@@ -66,7 +66,8 @@ class ModelRunner:
         if spec is not None:
             if mtp is None:
                 raise ValueError("speculative decoding needs the MTP model")
-            self.proposer = build_proposer(spec, mtp, block_size=cache_config.block_size, max_position=max_position)
+            self.proposer = build_proposer(spec, mtp, block_size=cache_config.block_size, max_position=max_position,
+                                           max_num_seqs=scheduler_config.max_num_seqs)
         self.layers = kv_cache.attention_layers(target, mtp)
         self.num_blocks = 0
         if graph_mode == "auto":

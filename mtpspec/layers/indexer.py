@@ -152,6 +152,9 @@ class Indexer(nn.Module):
         #: index_n_heads ** -0.5 (transformers' head weighting) * index_head_dim ** -0.5 (its softmax_scale)
         self.weights_scale = index_n_heads ** -0.5 * index_head_dim ** -0.5
         self.k_cache = DeepseekV32IndexerCache(index_n_heads, index_head_dim, index_topk)
+        #: MTP index sharing (:mod:`mtpspec.spec_decode.index_share`): set on MTP layers' indexers
+        #: by the proposer when ``index_share_for_mtp_iteration`` is on, else ``None``.
+        self.share = None
 
     def forward(self, hidden_states: torch.Tensor, q_resid: torch.Tensor, positions: torch.Tensor,
                 cos_sin_cache: torch.Tensor) -> torch.Tensor:
@@ -165,10 +168,14 @@ class Indexer(nn.Module):
                 :class:`~mtpspec.layers.rotary_embedding.RotaryEmbedding` ``cos_sin_cache``).
 
         Returns:
-            ``[T, K]`` int positions (``-1`` = none): the forward context's
-            ``attn_metadata.precomputed_topk_pos`` when set (the query, the weights and the
-            scoring are skipped), else this indexer's top ``index_topk`` (``K = index_topk``,
-            :meth:`~mtpspec.attention.backends.indexer.DeepseekV32IndexerImpl.forward`).
+            ``[T, K]`` int positions (``-1`` = none): in a sharing round's draft step
+            (``self.share.mode == "reuse"``) the shared selection
+            (:meth:`~mtpspec.spec_decode.index_share.IndexShareState.shared_selection`, scoring
+            skipped); else the forward context's ``attn_metadata.precomputed_topk_pos`` when set
+            (the query, the weights and the scoring are skipped); else this indexer's top
+            ``index_topk`` (``K = index_topk``,
+            :meth:`~mtpspec.attention.backends.indexer.DeepseekV32IndexerImpl.forward`), also
+            recorded at the anchor rows in a sharing round's first pass (``"record"``).
 
         Raises:
             ValueError: a precomputed selection that is not ``[T, K]`` of an integer dtype, or
@@ -179,6 +186,10 @@ class Indexer(nn.Module):
         k = self.k_norm(self.wk(hidden_states))
         k = apply_indexer_rope(k[:, None, :], cs, self.qk_rope_head_dim, self.rope_interleave)[:, 0]
         meta = get_forward_context().attn_metadata
+        share = self.share
+        if share is not None and share.mode == "reuse":  # a draft step of a sharing round
+            self.k_cache.write(k)
+            return share.shared_selection(positions)
         given = meta.precomputed_topk_pos if meta is not None else None
         if given is not None:
             if given.dim() != 2 or given.shape[0] != t or given.dtype not in (torch.int32, torch.int64):
@@ -189,7 +200,12 @@ class Indexer(nn.Module):
         q = self.wq_b(q_resid).view(t, self.index_n_heads, self.index_head_dim)
         q = apply_indexer_rope(q, cs, self.qk_rope_head_dim, self.rope_interleave)
         weights = self.weights_proj(hidden_states.float()) * self.weights_scale
-        return self.k_cache(q, k, weights)
+        topk_pos = self.k_cache(q, k, weights)
+        if share is not None:
+            share.num_scoring_calls += 1
+            if share.mode == "record" and meta is not None:  # the round's first draft pass
+                share.record(topk_pos, positions, meta.num_seqs)
+        return topk_pos
 
     def extra_repr(self) -> str:
         return (f"index_n_heads={self.index_n_heads}, index_head_dim={self.index_head_dim}, "

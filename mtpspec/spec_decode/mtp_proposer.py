@@ -27,13 +27,14 @@ Drafts are greedy: ``get_top_tokens`` (vocab-parallel local argmax) when
 ``use_local_argmax_reduction`` is set, else ``compute_logits(...).argmax(-1)``.
 
 Phase 1 is the proposer's *prefill*, phase 2 its *multi-step decode*; :meth:`MTPProposer.propose`
-brackets them with the lifecycle hooks of :class:`~mtpspec.spec_decode.proposer.Proposer`
-(no-ops here).
+brackets them with the lifecycle hooks of :class:`~mtpspec.spec_decode.proposer.Proposer`, which
+drive MTP index sharing (sparse-attention models, ``index_share_for_mtp_iteration``:
+:mod:`mtpspec.spec_decode.index_share`) and are no-ops otherwise.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import List, Optional
 
 import torch
 from torch import nn
@@ -42,6 +43,7 @@ from mtpspec.config import SpeculativeConfig
 from mtpspec.layers.attention import AttentionMetadata
 from mtpspec.models.interfaces import supports_local_argmax
 from mtpspec.spec_decode.draft_forward import DraftForward, EagerDraftForward
+from mtpspec.spec_decode.index_share import IndexShareState, attach_index_share
 from mtpspec.spec_decode.proposer import GraphUnits, Proposer
 from mtpspec.step_io import PreparedStep
 
@@ -61,14 +63,18 @@ class MTPProposer(Proposer):
         use_local_argmax_reduction: draft with ``get_top_tokens``.
         block_size: KV block size.
         max_position: the model's positions must stay below this.
+        index_share: share the MTP indexers' selection across the round's draft steps
+            (``index_share_for_mtp_iteration``, :mod:`mtpspec.spec_decode.index_share`).
+        max_num_seqs: requests per step (the sharing buffers' rows).
 
     Raises:
         LocalArgmaxUnsupportedError: the flag is set and the model does not implement
             :class:`~mtpspec.models.interfaces.SupportsLocalArgmax` (message names its class).
+        ValueError: ``k < 1``; ``index_share`` with a draft model without an indexer.
     """
 
     def __init__(self, model: nn.Module, k: int, use_local_argmax_reduction: bool, block_size: int,
-                 max_position: int):
+                 max_position: int, index_share: bool = False, max_num_seqs: int = 256):
         if use_local_argmax_reduction and not supports_local_argmax(model):
             raise LocalArgmaxUnsupportedError(
                 f"use_local_argmax_reduction=True but the draft model {type(model).__name__} does not implement "
@@ -80,13 +86,37 @@ class MTPProposer(Proposer):
         self.use_local_argmax = use_local_argmax_reduction
         self.block_size = block_size
         self.max_position = max_position
+        self.index_share: List[IndexShareState] = (attach_index_share(model, k, max_num_seqs) if index_share
+                                                   else [])
 
     @classmethod
     def from_config(cls, spec: SpeculativeConfig, draft_model: nn.Module, *, block_size: int,
-                    max_position: int) -> "MTPProposer":
-        """``k = spec.num_speculative_tokens`` and ``spec.use_local_argmax_reduction``; raises as the constructor."""
+                    max_position: int, max_num_seqs: int = 256) -> "MTPProposer":
+        """``k = spec.num_speculative_tokens``, ``spec.use_local_argmax_reduction`` and
+        ``spec.index_share_for_mtp_iteration`` (``None``: off); raises as the constructor."""
         return cls(draft_model, spec.num_speculative_tokens, spec.use_local_argmax_reduction, block_size,
-                   max_position)
+                   max_position, bool(spec.index_share_for_mtp_iteration), max_num_seqs)
+
+    # ---------------------------------------------------------------- lifecycle hooks (index sharing)
+    def _set_share_mode(self, mode: str) -> None:
+        for state in self.index_share:
+            state.set_mode(mode)
+
+    def on_prefill_begin(self, attn_metadata: AttentionMetadata) -> None:
+        """Sharing with ``k > 1``: the MTP indexers record each request's anchor selection."""
+        if self.k > 1:
+            self._set_share_mode("record")
+
+    def on_prefill_end(self, attn_metadata: AttentionMetadata) -> None:
+        self._set_share_mode("off")
+
+    def on_multi_step_decode_begin(self, num_seqs: int, num_steps: int) -> None:
+        """Sharing: the draft steps reuse the recorded selection (no indexer scoring)."""
+        if num_steps > 0:
+            self._set_share_mode("reuse")
+
+    def on_multi_step_decode_end(self, num_seqs: int, num_steps: int) -> None:
+        self._set_share_mode("off")
 
     def graph_units(self) -> GraphUnits:
         """First pass: every used MTP layer. Steps: ``(j, True)`` for ``j = 1 .. k - 1``, plus the
@@ -146,6 +176,8 @@ class MTPProposer(Proposer):
         ids = torch.cat([inp.input_ids[1:], inp.input_ids.new_zeros(1)])
         ids = ids.index_copy(0, last_rows, new_token_ids)
         used = self._used_layers()
+        for state in self.index_share:  # anchor: each request's last accepted row of the first pass
+            state.set_anchor_rows(last_rows)
         self.on_prefill_begin(inp.attn_metadata)
         hidden = fwd.mtp_first(ids, inp.positions, target_hidden, inp.attn_metadata, 0)
         # Layers other than 0 that later steps use get the same first pass, so their KV

@@ -70,9 +70,10 @@ class Proposer(ABC):
     @classmethod
     @abstractmethod
     def from_config(cls, spec: SpeculativeConfig, draft_model: nn.Module, *, block_size: int,
-                    max_position: int) -> "Proposer":
-        """Build from the speculative config, the loaded draft model, the KV block size and the
-        models' position limit. Raises ``ValueError`` / ``TypeError`` on an unusable combination."""
+                    max_position: int, max_num_seqs: int = 256) -> "Proposer":
+        """Build from the speculative config, the loaded draft model, the KV block size, the
+        models' position limit and the most requests per step. Raises ``ValueError`` /
+        ``TypeError`` on an unusable combination."""
 
     @abstractmethod
     def propose(self, inp: PreparedStep, target_hidden: torch.Tensor, new_token_ids: torch.Tensor,
@@ -127,8 +128,8 @@ def get_proposer_cls(method: str) -> Type[Proposer]:
 
 
 def build_proposer(spec: SpeculativeConfig, draft_model: nn.Module, *, block_size: int,
-                   max_position: int) -> Proposer:
+                   max_position: int, max_num_seqs: int = 256) -> Proposer:
     """The proposer of ``spec.method`` over ``draft_model``. Raises what
     :func:`get_proposer_cls` and the class's ``from_config`` raise."""
     return get_proposer_cls(spec.method).from_config(spec, draft_model, block_size=block_size,
-                                                     max_position=max_position)
+                                                     max_position=max_position, max_num_seqs=max_num_seqs)
