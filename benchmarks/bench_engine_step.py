@@ -66,9 +66,10 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--k", type=int, default=3, help="draft tokens per step")
     p.add_argument("--context", type=int, default=1024, help="tokens already cached per sequence")
     p.add_argument("--layers", type=int, default=3, help="target decoder layers (first dense, rest MoE)")
-    p.add_argument("--arch", default="glm4_moe", choices=["glm4_moe", "deepseek_v3"],
-                   help="model width: GLM-4.5-Air (default) or DeepSeek-V3 (MLA)")
-    p.add_argument("--heads", type=int, help="deepseek_v3 only: attention heads (default 128, as at tp 1)")
+    p.add_argument("--arch", default="glm4_moe", choices=["glm4_moe", "deepseek_v3", "deepseek_v32"],
+                   help="model width: GLM-4.5-Air (default), DeepSeek-V3 (MLA) or DeepSeek-V3.2 (MLA + DSA indexer, "
+                        "index_topk 2048: adds a draft-step row with the MTP index sharing's reused selection)")
+    p.add_argument("--heads", type=int, help="deepseek_v3(2) only: attention heads (default 128, as at tp 1)")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--graph-mode", default="auto", choices=["auto", "off", "cuda"],
                    help="the engine runner's CUDA-graph mode for the 'engine step' row")
@@ -78,8 +79,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
 
 
 def model_config(smoke: bool, layers: int, arch: str = "glm4_moe", heads: Optional[int] = None) -> ModelConfig:
-    if arch == "deepseek_v3":
-        return deepseek_v3_config(smoke, layers, heads)
+    if arch in ("deepseek_v3", "deepseek_v32"):
+        return deepseek_v3_config(smoke, layers, heads, sparse=arch == "deepseek_v32")
     if heads is not None:
         raise SystemExit("--heads is for --arch deepseek_v3 only")
     if smoke:
@@ -96,8 +97,10 @@ def model_config(smoke: bool, layers: int, arch: str = "glm4_moe", heads: Option
         eos_token_id=0, **dims))
 
 
-def deepseek_v3_config(smoke: bool, layers: int, heads: Optional[int]) -> ModelConfig:
-    """DeepSeek-V3's released config.json at ``layers`` target layers (tiny dims with ``smoke``)."""
+def deepseek_v3_config(smoke: bool, layers: int, heads: Optional[int], sparse: bool = False) -> ModelConfig:
+    """DeepSeek-V3's released config.json at ``layers`` target layers (tiny dims with ``smoke``);
+    ``sparse``: DeepSeek-V3.2's (the same plus the DSA indexer: 64 heads of 128, ``index_topk``
+    2048; tiny: 4 heads of 16, top 8)."""
     if smoke:
         dims = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, q_lora_rank=24, kv_lora_rank=16,
                     qk_rope_head_dim=8, qk_nope_head_dim=12, v_head_dim=16, vocab_size=1000,
@@ -111,8 +114,12 @@ def deepseek_v3_config(smoke: bool, layers: int, heads: Optional[int]) -> ModelC
     if heads is not None:
         dims["num_attention_heads"] = heads
     dims["num_key_value_heads"] = dims["num_attention_heads"]
+    if sparse:
+        dims.update(index_n_heads=4, index_head_dim=16, index_topk=8) if smoke else \
+            dims.update(index_n_heads=64, index_head_dim=128, index_topk=2048)
+    arch = ("DeepseekV32ForCausalLM", "deepseek_v32") if sparse else ("DeepseekV3ForCausalLM", "deepseek_v3")
     return ModelConfig.from_dict(dict(
-        architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3", num_hidden_layers=layers,
+        architectures=[arch[0]], model_type=arch[1], num_hidden_layers=layers,
         rms_norm_eps=1e-6, rope_theta=10000.0, rope_interleave=True,
         rope_scaling=dict(type="yarn", factor=40.0, original_max_position_embeddings=4096, beta_fast=32, beta_slow=1,
                           mscale=1.0, mscale_all_dim=1.0),
@@ -261,6 +268,13 @@ def bench_batch(runner: ModelRunner, timer: Timer, b: int, k: int, context: int,
     ]
     step_floor = sum(p[2] for p in pieces)
     add(f"draft step ({b} tok)", whole, step_floor)
+    shared = share_states(mtp, k, b, meta, whole)
+    if shared:  # DSA: the same step with the MTP indexer's selection shared (scoring skipped)
+        for st in shared:
+            st.set_mode("reuse")
+        add(f"draft step, shared sel.", whole, step_floor)
+        for st in shared:
+            st.set_mode("off")
 
     def block() -> Any:
         with set_forward_context(meta):
@@ -279,6 +293,22 @@ def bench_batch(runner: ModelRunner, timer: Timer, b: int, k: int, context: int,
     rows.append(dict(batch=b, row=f"engine step (k={k}, wall)", eager_ms=wall, graph_ms=None, graph_note=note[:80],
                      floor_ms=None, eager_x=None, graph_x=None))
     return rows
+
+
+def share_states(mtp: torch.nn.Module, k: int, b: int, meta: Any, whole: Callable[[], Any]) -> List[Any]:
+    """For a DSA draft model: index-sharing states on its indexers, their anchors set to the
+    selection one step of ``whole`` makes (positions one before the step's); else ``[]``."""
+    from mtpspec.layers.indexer import Indexer
+    from mtpspec.spec_decode.index_share import attach_index_share
+    if not any(isinstance(m, Indexer) for m in mtp.modules()):
+        return []
+    states = attach_index_share(mtp, max(k, 2), b)
+    whole()
+    sel = mtp.index_selection(0)
+    for st in states:
+        st.anchor_sel[:b].copy_(sel[:b])
+        st.anchor_pos[:b].copy_(meta.seq_lens[:b].long() - 2)
+    return states
 
 
 def table(rows: List[Dict[str, Any]], bw: float) -> str:
