@@ -320,3 +320,26 @@ def test_engine_tp2_lossless_with_sharing(engine_model, plain_greedy):
     with engine_llm(engine_model[0], speculative_config=_spec(3, local_argmax=True), tensor_parallel_size=2,
                     device="cpu", sequence_parallel=True) as llm:
         assert engine_generate(llm, engine_model[3]) == plain_greedy
+
+
+def test_checkpoint_value_is_the_default_and_the_config_overrides(ckpt, tmp_path):
+    # index_share_for_mtp_iteration: the checkpoint's config.json value unless the speculative
+    # config gives one; null / absent in both: off.
+    import json
+    import shutil
+
+    from mtpspec.engine.arg_utils import EngineArgs
+    path, _ = ckpt
+    spec = {"num_speculative_tokens": 2}
+    assert EngineArgs(model=path, speculative_config=spec).create_engine_config() \
+        .speculative_config.index_share_for_mtp_iteration is False
+    on = str(tmp_path / "on")
+    shutil.copytree(path, on)
+    raw = json.load(open(f"{on}/config.json"))
+    raw["index_share_for_mtp_iteration"] = True
+    json.dump(raw, open(f"{on}/config.json", "w"))
+    resolved = lambda s: EngineArgs(model=on, speculative_config=s).create_engine_config() \
+        .speculative_config.index_share_for_mtp_iteration  # noqa: E731
+    assert resolved(spec) is True
+    assert resolved(dict(spec, index_share_for_mtp_iteration=False)) is False
+    assert resolved('{"num_speculative_tokens": 2, "index_share_for_mtp_iteration": false}') is False
