@@ -27,13 +27,18 @@ class SeqInput:
     """One sequence of the flattened batch.
 
     Attributes:
-        input_token_ids: the target's new tokens: the whole prompt (+ earlier outputs after a
-            preemption) for a prefill, ``[last token] + k drafts`` for a decode.
+        input_token_ids: the target's new tokens: the prompt (+ earlier outputs after a
+            preemption), or with chunked prefill the next chunk of it, for a prefill;
+            ``[last token] + k drafts`` for a decode.
         start_position: absolute position of ``input_token_ids[0]`` (= KV entries already valid).
         block_table: the sequence's KV blocks (covering every slot the step writes).
         is_prefill: prefill (sample from the last row) or decode (verify ``k`` drafts).
         temperature, top_k, top_p: sampling parameters (``temperature == 0``: greedy).
         seed_key: 64-bit key of the counter-based draws.
+        next_token_id: only on a prefill chunk that does not end the prompt (a *partial*
+            prefill): the prompt token at position ``seq_len``. Such a chunk is not sampled and
+            emits nothing; the MTP first pass takes this token at the chunk's last row (where a
+            final chunk takes its sampled token), so the MTP KV cache equals a whole prefill's.
     """
 
     input_token_ids: List[int]
@@ -44,6 +49,12 @@ class SeqInput:
     top_k: int = 0
     top_p: float = 1.0
     seed_key: int = 0
+    next_token_id: Optional[int] = None
+
+    @property
+    def is_partial_prefill(self) -> bool:
+        """A prefill chunk that does not end the prompt (see ``next_token_id``)."""
+        return self.next_token_id is not None
 
     @property
     def query_len(self) -> int:
@@ -83,13 +94,21 @@ class PreparedStep:
         start_positions: ``[B]`` int64, position of each sequence's first row.
         seg_starts: ``[B]`` int64, first row of each sequence.
         sample_rows: ``[R]`` int64 rows whose logits are needed: all ``1 + k`` rows of each
-            decode, the last row of each prefill (plain decoding: the last row of every sequence).
-        num_decodes, num_prefills, k: host ints.
+            decode, the last row of each prefill that ends its prompt (plain decoding: the last
+            row of every sequence but partial prefill chunks).
+        num_decodes, num_prefills, k: host ints; ``num_prefills`` counts every sequence after
+            the decodes (partial chunks included).
         draft_token_ids: ``[num_decodes, k]`` int64 drafts to verify (``None`` if none).
         decode_meta / prefill_meta: sampling parameters per decode / per sampled prefill row.
         accept_uniforms ``[num_decodes, k]``, decode_sample_uniforms ``[num_decodes, k + 1]``,
-        prefill_uniforms ``[num_prefills]``: float64 draws, ``None`` when all rows are greedy.
+        prefill_uniforms ``[S]`` (``S`` sampled prefill rows): float64 draws, ``None`` when all
+            rows are greedy.
         host_query_lens / host_start_positions: python lists.
+        host_partial: batch indices of the partial prefill chunks (empty in most steps).
+        prefill_sample_index: ``[S]`` int64, index among the ``num_prefills`` sequences of each
+            sampled prefill row; ``None`` when every one is sampled (no partial chunk).
+        next_token_ids: ``[B]`` int64, ``SeqInput.next_token_id`` of partial chunks, -1
+            elsewhere; ``None`` without partial chunks.
     """
 
     input_ids: torch.Tensor
@@ -110,6 +129,9 @@ class PreparedStep:
     prefill_uniforms: Optional[torch.Tensor]
     host_query_lens: List[int]
     host_start_positions: List[int]
+    host_partial: List[int] = field(default_factory=list)
+    prefill_sample_index: Optional[torch.Tensor] = None
+    next_token_ids: Optional[torch.Tensor] = None
 
 
 @dataclass
@@ -117,8 +139,10 @@ class StepOutput:
     """Rank 0's results, per sequence in batch order.
 
     Attributes:
-        new_token_ids: emitted tokens (1 for a prefill, ``1 + accepted`` for a decode).
-        draft_token_ids: the ``k`` drafts for the next step (empty lists when ``k == 0``).
+        new_token_ids: emitted tokens (1 for a prefill that ends its prompt, none for a partial
+            prefill chunk, ``1 + accepted`` for a decode).
+        draft_token_ids: the ``k`` drafts for the next step (empty lists when ``k == 0`` and
+            for partial prefill chunks).
         num_eager_fallbacks: steps that would have used a CUDA graph but ran eagerly.
         comm_bytes: bytes this rank's collectives sent during the step, per op
             (host counters, no device sync).

@@ -27,9 +27,14 @@ def prepare_step(step: StepInput, k: int, block_size: int, max_position: int, de
     ``k`` is the number of draft tokens (0: plain decoding, where decodes are sampled from
     their single row like prefills).
 
+    Partial prefill chunks (``SeqInput.next_token_id`` set) get no sample row, no sampling
+    parameters and no draws; ``host_partial``, ``prefill_sample_index`` and ``next_token_ids``
+    tell the runner where they are.
+
     Raises:
-        ValueError: decodes after prefills, a decode with the wrong number of tokens, or a
-            block table too short for the positions the step writes.
+        ValueError: decodes after prefills, a decode with the wrong number of tokens, a
+            ``next_token_id`` on a decode, or a block table too short for the positions the
+            step writes.
     """
     seqs = step.seqs
     decodes = [s for s in seqs if not s.is_prefill] if k else []
@@ -39,7 +44,14 @@ def prepare_step(step: StepInput, k: int, block_size: int, max_position: int, de
     for s in decodes:
         if s.query_len != k + 1:
             raise ValueError(f"a decode must feed 1 + k = {k + 1} tokens, got {s.query_len}")
+    partial = [i for i, s in enumerate(seqs) if s.is_partial_prefill]
+    for i in partial:
+        if not seqs[i].is_prefill:
+            raise ValueError(f"sequence {i}: next_token_id={seqs[i].next_token_id} is only for a partial prefill "
+                             "chunk, but it is a decode")
     rest = seqs[num_dec:]
+    sampled = [j for j, s in enumerate(rest) if not s.is_partial_prefill]
+    rest_sampled = [rest[j] for j in sampled]
     q = np.array([s.query_len for s in seqs], dtype=np.int64)
     starts = np.array([s.start_position for s in seqs], dtype=np.int64)
     seg = np.concatenate([[0], np.cumsum(q)])
@@ -56,12 +68,9 @@ def prepare_step(step: StepInput, k: int, block_size: int, max_position: int, de
     slots = bt[seq_of_row, pos // block_size] * block_size + pos % block_size
     ids = np.fromiter((t for s in seqs for t in s.input_token_ids), dtype=np.int64, count=int(seg[-1]))
     seq_lens = (starts + q).tolist()
-    if k:
-        rows = [np.arange(seg[i], seg[i + 1]) for i in range(num_dec)] + [seg[i + 1:i + 2] - 1 for i in
-                                                                            range(num_dec, len(seqs))]
-    else:
-        rows = [seg[1:] - 1]
-    sample_rows = np.concatenate(rows).astype(np.int64) if rows else np.zeros(0, dtype=np.int64)
+    rows = [np.arange(seg[i], seg[i + 1]) for i in range(num_dec)]  # k == 0: no decodes here
+    rows.append(seg[1:][num_dec + np.array(sampled, dtype=np.int64)] - 1)  # last row of each sampled prefill
+    sample_rows = np.concatenate(rows).astype(np.int64)
 
     def dev(a: np.ndarray, dtype: torch.dtype = torch.int64) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(a)).to(device=device, dtype=dtype, non_blocking=True)
@@ -76,9 +85,16 @@ def prepare_step(step: StepInput, k: int, block_size: int, max_position: int, de
         decided = np.array([[s.start_position + 1 + j for j in range(k + 1)] for s in decodes], dtype=np.int64)
         accept_u = dev(counter_uniforms(keys, decided[:, :k], STREAM_ACCEPT), torch.float64)
         dec_u = dev(counter_uniforms(keys, decided, STREAM_SAMPLE), torch.float64)
-    if any(s.temperature > 0 for s in rest):
-        decided = np.array([[s.seq_len] for s in rest], dtype=np.int64)
-        pre_u = dev(counter_uniforms([s.seed_key for s in rest], decided, STREAM_SAMPLE)[:, 0], torch.float64)
+    if any(s.temperature > 0 for s in rest_sampled):
+        decided = np.array([[s.seq_len] for s in rest_sampled], dtype=np.int64)
+        pre_u = dev(counter_uniforms([s.seed_key for s in rest_sampled], decided, STREAM_SAMPLE)[:, 0],
+                    torch.float64)
+    sample_index = next_ids = None
+    if partial:
+        sample_index = dev(np.array(sampled, dtype=np.int64))
+        nxt = np.full(len(seqs), -1, dtype=np.int64)
+        nxt[partial] = [seqs[i].next_token_id for i in partial]
+        next_ids = dev(nxt)
     drafts = None
     if num_dec:
         drafts = dev(np.array([s.input_token_ids[1:] for s in decodes], dtype=np.int64))
@@ -86,6 +102,7 @@ def prepare_step(step: StepInput, k: int, block_size: int, max_position: int, de
         input_ids=dev(ids), positions=dev(np.minimum(pos, max_position - 1)), attn_metadata=meta,
         block_tables=meta.block_tables, start_positions=dev(starts), seg_starts=dev(seg[:-1]),
         sample_rows=dev(sample_rows), num_decodes=num_dec, num_prefills=len(rest), k=k,
-        draft_token_ids=drafts, decode_meta=_meta(decodes, device), prefill_meta=_meta(rest, device),
+        draft_token_ids=drafts, decode_meta=_meta(decodes, device), prefill_meta=_meta(rest_sampled, device),
         accept_uniforms=accept_u, decode_sample_uniforms=dec_u, prefill_uniforms=pre_u,
-        host_query_lens=q.tolist(), host_start_positions=starts.tolist())
+        host_query_lens=q.tolist(), host_start_positions=starts.tolist(), host_partial=partial,
+        prefill_sample_index=sample_index, next_token_ids=next_ids)

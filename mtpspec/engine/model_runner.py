@@ -10,7 +10,7 @@ only device-to-host transfer of a step is the final ``[B, 2k + 1]`` token block.
 from __future__ import annotations
 
 import time
-from typing import List, Optional, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 
@@ -130,7 +130,7 @@ class ModelRunner:
         hidden, logits = self.fwd.verify(inp.input_ids, inp.positions, inp.attn_metadata, inp.sample_rows)
         tokens, last_row = self._accept(inp, logits)
         drafts = self._propose(inp, hidden, tokens, last_row)
-        new_tokens, drafts_out = self._copy_out(tokens, drafts)
+        new_tokens, drafts_out = self._copy_out(tokens, drafts, inp.host_partial)
         comm1 = _bytes_sent(comm_stats())
         delta = {op: comm1[op] - comm0.get(op, 0) for op in comm1 if comm1[op] != comm0.get(op, 0)}
         return StepOutput(new_tokens, drafts_out, self.fwd.num_eager_fallbacks - fallbacks0, delta,
@@ -146,8 +146,9 @@ class ModelRunner:
         """Verify the decodes' drafts (rejection sampler) and sample the prefills (sampler).
 
         Returns:
-            tokens ``[B, k + 1]`` int64 (:data:`PLACEHOLDER_TOKEN_ID`-padded) and each sequence's
-            last valid row offset ``[B]`` int64 (accepted drafts; ``q - 1`` for a prefill).
+            tokens ``[B, k + 1]`` int64 (:data:`PLACEHOLDER_TOKEN_ID`-padded; all placeholders for
+            a partial prefill chunk, which samples nothing) and each sequence's last valid row
+            offset ``[B]`` int64 (accepted drafts; ``q - 1`` for a prefill or a chunk).
         """
         k = self.k
         nd, npf = inp.num_decodes, inp.num_prefills
@@ -159,7 +160,14 @@ class ModelRunner:
             parts.append(res.output_token_ids)
             last.append(res.num_accepted)
         if npf:
-            sampled = self.sampler(logits[nd * (k + 1):], inp.prefill_meta, inp.prefill_uniforms)
+            pre_logits = logits[nd * (k + 1):]
+            if inp.prefill_sample_index is None:
+                sampled = self.sampler(pre_logits, inp.prefill_meta, inp.prefill_uniforms)
+            else:  # partial chunks: placeholders; the sampled prefills' tokens scattered in between
+                sampled = torch.full((npf,), PLACEHOLDER_TOKEN_ID, dtype=torch.int64, device=logits.device)
+                if pre_logits.shape[0]:
+                    sampled[inp.prefill_sample_index] = self.sampler(pre_logits, inp.prefill_meta,
+                                                                     inp.prefill_uniforms)
             pad = sampled.new_full((npf, k), PLACEHOLDER_TOKEN_ID)
             parts.append(torch.cat([sampled.unsqueeze(1), pad], dim=1))
             q = torch.tensor(inp.host_query_lens[nd:], dtype=torch.int64)
@@ -168,16 +176,24 @@ class ModelRunner:
 
     def _propose(self, inp: PreparedStep, hidden: torch.Tensor, tokens: torch.Tensor,
                  last_row: torch.Tensor) -> Optional[torch.Tensor]:
-        """The next drafts ``[B, k]`` int64 from the proposer, or ``None`` without one."""
+        """The next drafts ``[B, k]`` int64 from the proposer, or ``None`` without one.
+
+        A partial prefill chunk's newest token is the prompt token after it
+        (``inp.next_token_ids``): the MTP first pass writes the same KV entries as a whole
+        prefill; the drafts it yields are dropped by :meth:`_copy_out`.
+        """
         if self.proposer is None:
             return None
         new_tok = tokens.gather(1, last_row_tok_index(inp, last_row).unsqueeze(1)).squeeze(1)
+        if inp.next_token_ids is not None:
+            new_tok = torch.where(inp.next_token_ids >= 0, inp.next_token_ids, new_tok)
         host_last = last_row.tolist() if self.device.type == "cpu" else None
         return self.proposer.propose(inp, hidden, new_tok, last_row, host_last, self.fwd)
 
-    def _copy_out(self, tokens: torch.Tensor,
-                  drafts: Optional[torch.Tensor]) -> Tuple[List[List[int]], List[List[int]]]:
-        """The step's single device -> host transfer: emitted tokens (placeholders cut) and drafts."""
+    def _copy_out(self, tokens: torch.Tensor, drafts: Optional[torch.Tensor],
+                  partial: Sequence[int] = ()) -> Tuple[List[List[int]], List[List[int]]]:
+        """The step's single device -> host transfer: emitted tokens (placeholders cut) and drafts
+        (none for the batch indices in ``partial``: partial prefill chunks)."""
         k = self.k
         result = tokens if drafts is None else torch.cat([tokens, drafts.view(tokens.shape[0], k)], dim=1)
         host = result.cpu().tolist()
@@ -187,6 +203,8 @@ class ModelRunner:
             n = next((i for i, t in enumerate(emitted) if t == PLACEHOLDER_TOKEN_ID), len(emitted))
             new_tokens.append(emitted[:n])
             drafts_out.append(row[k + 1:])
+        for i in partial:
+            drafts_out[i] = []
         return new_tokens, drafts_out
 
 
