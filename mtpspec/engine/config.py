@@ -42,6 +42,12 @@ class CacheConfig:
             raise ValueError(f"cpu_kv_cache_gib must be > 0, got {self.cpu_kv_cache_gib!r}")
 
 
+#: ``max_num_batched_tokens`` when none is given and prefills are chunked: vLLM's default
+#: (``SchedulerConfig.DEFAULT_MAX_NUM_BATCHED_TOKENS``), raised to one decode step of every
+#: sequence (``max_num_seqs * (1 + k)``) and lowered to ``max_model_len`` when that is smaller.
+DEFAULT_CHUNKED_MAX_NUM_BATCHED_TOKENS = 2048
+
+
 @dataclass
 class SchedulerConfig:
     """Continuous-batching limits.
@@ -49,19 +55,28 @@ class SchedulerConfig:
     Attributes:
         max_num_seqs: most sequences in one step.
         max_model_len: most tokens (prompt + output) per sequence.
-        max_num_batched_tokens: most new tokens fed to the target in one step; ``None`` picks
-            ``max(max_model_len, max_num_seqs * (1 + k))``. Must hold a whole prompt (prefills
-            are not chunked) and a decode step of every running sequence.
+        max_num_batched_tokens: most new tokens fed to the target in one step (decode rows +
+            prefill chunk rows). ``None`` picks ``max(min(max_model_len, 2048), max_num_seqs *
+            (1 + k))`` with chunked prefill, ``max(max_model_len, max_num_seqs * (1 + k))``
+            without. Must hold a decode step of every running sequence (``>= max_num_seqs *
+            (1 + k)``) and, without chunked prefill, a whole prompt (``>= max_model_len``).
         num_speculative_tokens: ``k`` (0 = plain decoding).
+        enable_chunked_prefill: split prompts into chunks that fill each step's token budget
+            after the running decodes (vLLM's name; default on, as in vLLM V1). Off: a prompt is
+            prefilled in one step, as before chunking existed.
+        long_prefill_token_threshold: most tokens of one prompt per step (vLLM's name; ``0`` = no
+            cap beyond the step's budget). Needs ``enable_chunked_prefill``.
 
     Raises:
-        ValueError: limits that could never schedule a request.
+        ValueError: limits that could never schedule a request (the message names the value).
     """
 
     max_num_seqs: int = 256
     max_model_len: int = 4096
     max_num_batched_tokens: Optional[int] = None
     num_speculative_tokens: int = 0
+    enable_chunked_prefill: bool = True
+    long_prefill_token_threshold: int = 0
 
     def __post_init__(self) -> None:
         _positive_int("max_num_seqs", self.max_num_seqs)
@@ -69,15 +84,31 @@ class SchedulerConfig:
         k = self.num_speculative_tokens
         if not isinstance(k, int) or k < 0:
             raise ValueError(f"num_speculative_tokens must be an int >= 0, got {k!r}")
-        need = max(self.max_model_len, self.max_num_seqs * (1 + k))
+        if not isinstance(self.enable_chunked_prefill, bool):
+            raise ValueError(f"enable_chunked_prefill must be True or False, got {self.enable_chunked_prefill!r}")
+        thr = self.long_prefill_token_threshold
+        if not isinstance(thr, int) or isinstance(thr, bool) or thr < 0:
+            raise ValueError(f"long_prefill_token_threshold must be an int >= 0 (0 = no cap), got {thr!r}")
+        if thr and not self.enable_chunked_prefill:
+            raise ValueError(f"long_prefill_token_threshold={thr} caps prefill chunks, so it needs "
+                             "enable_chunked_prefill=True (or leave it 0)")
+        decode_rows = self.max_num_seqs * (1 + k)
+        if self.enable_chunked_prefill:
+            default = max(min(self.max_model_len, DEFAULT_CHUNKED_MAX_NUM_BATCHED_TOKENS), decode_rows)
+        else:
+            default = max(self.max_model_len, decode_rows)
         if self.max_num_batched_tokens is None:
-            self.max_num_batched_tokens = need
+            self.max_num_batched_tokens = default
         _positive_int("max_num_batched_tokens", self.max_num_batched_tokens)
-        if self.max_num_batched_tokens < need:
+        if self.max_num_batched_tokens < decode_rows:
             raise ValueError(
-                f"max_num_batched_tokens={self.max_num_batched_tokens} is too small: prefills are not "
-                f"chunked, so it must be >= max_model_len ({self.max_model_len}) and >= max_num_seqs * "
-                f"(1 + k) ({self.max_num_seqs * (1 + k)})")
+                f"max_num_batched_tokens={self.max_num_batched_tokens} is too small: a step must hold a decode "
+                f"of every running sequence, max_num_seqs * (1 + k) = {self.max_num_seqs} * {1 + k} = {decode_rows}")
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(
+                f"max_num_batched_tokens={self.max_num_batched_tokens} is too small: with chunked prefill off "
+                f"(--no-enable-chunked-prefill) a whole prompt is prefilled in one step, so it must be >= "
+                f"max_model_len ({self.max_model_len}); enable chunked prefill or raise it")
 
     @property
     def decode_query_len(self) -> int:
@@ -88,7 +119,8 @@ class SchedulerConfig:
         """KV slots a prefill of ``num_tokens`` touches (target and MTP caches share the table).
 
         The target and the MTP first pass write positions ``0 .. n-1``; the ``k - 1`` further
-        draft steps write ``n .. n + k - 2``.
+        draft steps write ``n .. n + k - 2``. A chunk ending at ``c <= n`` writes ``.. c + k - 2``
+        (its draft steps run too, their drafts are dropped), inside the same bound.
         """
         return num_tokens + max(self.num_speculative_tokens - 1, 0)
 

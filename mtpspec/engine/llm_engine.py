@@ -134,7 +134,7 @@ class LLMEngine:
         for s in out.scheduled:
             p = s.seq.params
             seqs.append(SeqInput(s.input_token_ids, s.start_position, list(s.seq.block_table), s.is_prefill,
-                                 p.temperature, p.top_k, p.top_p, s.seq.seed_key))
+                                 p.temperature, p.top_k, p.top_p, s.seq.seed_key, s.next_token_id))
         return StepInput(seqs, next(self._step_id))
 
     def step(self) -> List[RequestOutput]:
@@ -158,7 +158,7 @@ class LLMEngine:
                     m.spec.observe(sch.num_accepted_tokens)
         if self.draft_hook is not None and k:
             for sch in out.scheduled:
-                if not sch.seq.is_finished:
+                if not sch.seq.is_finished and not sch.is_partial_prefill:
                     sch.seq.draft_token_ids = self._checked_drafts(self.draft_hook(sch.seq, list(sch.seq.draft_token_ids)))
         m.num_output_tokens += sum(len(s.seq.output_token_ids) - before[id(s.seq)] for s in out.scheduled)
         m.num_steps += 1

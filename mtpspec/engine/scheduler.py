@@ -1,12 +1,25 @@
 """Continuous batching: which sequences run in the next step, and bookkeeping after it.
 
-Each step first gives every running sequence a decode slot (``1 + k`` target tokens: its last
-token and its ``k`` drafts), growing its block table to the lookahead it needs; when blocks
-run out the most recently admitted running sequence is preempted (its blocks freed, to be
-recomputed from scratch later: "preemption by recompute"). Then waiting sequences are admitted
-first-come first-served as whole prefills while the token budget, the sequence budget and the
-free blocks allow (no admissions in a step that preempted). Prefill and decode sequences share
-one flattened batch.
+Each step spends a token budget (``max_num_batched_tokens``) in this order:
+
+1. Every running sequence that is decoding gets a decode slot (``1 + k`` target tokens: its
+   last token and its ``k`` drafts), growing its block table to the lookahead it needs; when
+   blocks run out the most recently admitted running sequence is preempted (its blocks freed,
+   to be recomputed from scratch later: "preemption by recompute"); partially prefilled
+   sequences count as the most recent, so they go first.
+2. Running sequences that are partway through their prompt (chunked prefill) get their next
+   chunk: as many of their remaining prompt tokens as the budget left (and
+   ``long_prefill_token_threshold``) allows.
+3. Waiting sequences are admitted first-come first-served while the budget, the sequence limit
+   and the free blocks allow (no admissions in a step that preempted); with chunked prefill the
+   last one admitted may get only a first chunk. Without chunked prefill a prompt that does not
+   fit the budget whole waits.
+
+A prefill (whole or chunked) gets the blocks of its whole prompt at admission, so its later
+chunks never wait for blocks (they can still be preempted by decodes growing). Only the step
+holding a prompt's last chunk samples its next token and proposes drafts; an earlier chunk
+fills the target's and the MTP layers' KV caches (vLLM V1's scheme: every step is one flattened
+batch of decode rows and prefill-chunk rows).
 """
 
 from __future__ import annotations
@@ -26,20 +39,34 @@ from mtpspec.engine.stop_checker import append_tokens
 class ScheduledSeq:
     """One sequence in a step: its target query tokens and whether it is a prefill.
 
-    ``num_accepted_tokens`` is set by :meth:`Scheduler.update_from_output` for a decode: the
-    accepted drafts that were emitted (accepted drafts dropped after a stop do not count).
+    Attributes:
+        seq: the sequence.
+        is_prefill: a prefill chunk (the whole prompt when it fits) or a decode.
+        input_token_ids: the target's tokens this step: the chunk, or ``[last] + k drafts``.
+        start_position: position of ``input_token_ids[0]`` (= the sequence's computed tokens).
+        next_token_id: for a chunk that does not end the prompt (a *partial* prefill): the
+            prompt token after it (the MTP first pass's input at the chunk's last row); such a
+            chunk samples nothing. ``None`` otherwise.
+        num_accepted_tokens: set by :meth:`Scheduler.update_from_output` for a decode: the
+            accepted drafts that were emitted (accepted drafts dropped after a stop do not count).
     """
 
     seq: Sequence
     is_prefill: bool
     input_token_ids: List[int]
     start_position: int
+    next_token_id: Optional[int] = None
     num_accepted_tokens: int = 0
+
+    @property
+    def is_partial_prefill(self) -> bool:
+        """A prefill chunk that does not end the prompt (samples no token)."""
+        return self.next_token_id is not None
 
 
 @dataclass
 class SchedulerOutput:
-    """The step's sequences (prefills and decodes, in batch order) and who got preempted."""
+    """The step's sequences (decodes first, then prefill chunks, in batch order) and who got preempted."""
 
     scheduled: List[ScheduledSeq] = field(default_factory=list)
     preempted: List[Sequence] = field(default_factory=list)
@@ -49,12 +76,27 @@ class SchedulerOutput:
         return sum(len(s.input_token_ids) for s in self.scheduled)
 
     @property
+    def num_decode_tokens(self) -> int:
+        """Target rows of the step's decodes (``1 + k`` each)."""
+        return sum(len(s.input_token_ids) for s in self.scheduled if not s.is_prefill)
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        """Target rows of the step's prefill chunks."""
+        return sum(len(s.input_token_ids) for s in self.scheduled if s.is_prefill)
+
+    @property
+    def num_partial_prefills(self) -> int:
+        """Prefill chunks that do not end their prompt."""
+        return sum(1 for s in self.scheduled if s.is_partial_prefill)
+
+    @property
     def is_empty(self) -> bool:
         return not self.scheduled
 
 
 class Scheduler:
-    """Owns the waiting and running queues and the block manager."""
+    """Owns the waiting and running queues and the block manager (see the module docstring)."""
 
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager, eos_token_ids: Collection[int]):
         self.config = config
@@ -84,20 +126,53 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         self.block_manager.free(seq)
         seq.num_computed_tokens = 0
+        seq.is_prefill = True
         seq.draft_token_ids = []
         seq.status = SequenceStatus.WAITING
         seq.metrics.num_preemptions += 1
         self.num_preemptions += 1
+
+    def _chunk_len(self, seq: Sequence, budget: int) -> int:
+        """Tokens of ``seq``'s remaining prefill that fit this step (0: none).
+
+        Chunked: ``min(remaining, budget, long_prefill_token_threshold or inf)``; not chunked:
+        the whole remainder if it fits the budget, else 0.
+        """
+        remaining = seq.num_tokens - seq.num_computed_tokens
+        if not self.config.enable_chunked_prefill:
+            return remaining if remaining <= budget else 0
+        n = min(remaining, budget)
+        if self.config.long_prefill_token_threshold:
+            n = min(n, self.config.long_prefill_token_threshold)
+        return max(n, 0)
+
+    def _prefill_chunk(self, seq: Sequence, n: int) -> ScheduledSeq:
+        """The :class:`ScheduledSeq` of ``seq``'s next ``n`` prefill tokens."""
+        start = seq.num_computed_tokens
+        tokens = seq.all_token_ids
+        end = start + n
+        if not 0 < n <= len(tokens) - start:
+            raise RuntimeError(f"{seq!r}: a chunk of {n} tokens at {start} is outside its {len(tokens)} tokens")
+        return ScheduledSeq(seq, True, tokens[start:end], start, tokens[end] if end < len(tokens) else None)
 
     def schedule(self) -> SchedulerOutput:
         """Pick the next step's batch (see the module docstring)."""
         cfg, bm = self.config, self.block_manager
         out = SchedulerOutput()
         budget = cfg.max_num_batched_tokens
-        queue = list(self.running)
+        # Decoding sequences first, then partially prefilled ones (each in admission order);
+        # preemption victims are taken from the end of this queue.
+        queue = [s for s in self.running if not s.is_prefill] + [s for s in self.running if s.is_prefill]
         kept: List[Sequence] = []
         while queue:
             seq = queue.pop(0)
+            if seq.is_prefill:  # partway through its prompt; its blocks cover the whole prompt
+                n = self._chunk_len(seq, budget) if len(out.scheduled) < cfg.max_num_seqs else 0
+                kept.append(seq)  # stays running; skips this step when n == 0
+                if n:
+                    out.scheduled.append(self._prefill_chunk(seq, n))
+                    budget -= n
+                continue
             q_len = cfg.decode_query_len
             if q_len > budget or len(out.scheduled) >= cfg.max_num_seqs:
                 kept.append(seq)  # stays running, skips this step
@@ -124,12 +199,12 @@ class Scheduler:
         # Preempted sequences go back to the front of the queue, earliest admitted first.
         for seq in sorted(out.preempted, key=lambda s: s.metrics.arrival_time, reverse=True):
             self.waiting.appendleft(seq)
-        while self.waiting and not out.preempted:
+        while self.waiting and not out.preempted and len(out.scheduled) < cfg.max_num_seqs:
             seq = self.waiting[0]
-            n = seq.num_tokens
-            if n > budget or len(out.scheduled) >= cfg.max_num_seqs:
+            n = self._chunk_len(seq, budget)
+            if n == 0:
                 break
-            slots = cfg.prefill_slots(n)
+            slots = cfg.prefill_slots(seq.num_tokens)
             if not bm.can_allocate(seq, slots):
                 break
             bm.grow(seq, slots)
@@ -138,7 +213,7 @@ class Scheduler:
             if seq.metrics.first_scheduled_time is None:
                 seq.metrics.first_scheduled_time = time.perf_counter()
             self.running.append(seq)
-            out.scheduled.append(ScheduledSeq(seq, True, seq.all_token_ids, 0))
+            out.scheduled.append(self._prefill_chunk(seq, n))
             budget -= n
         return out
 
@@ -148,10 +223,11 @@ class Scheduler:
 
         Args:
             out: the step's :class:`SchedulerOutput`.
-            new_tokens: per scheduled sequence, the tokens the step emitted: 1 for a prefill,
-                ``1 + num_accepted`` for a decode (accepted drafts then the recovered/bonus one).
+            new_tokens: per scheduled sequence, the tokens the step emitted: 1 for a prefill
+                that ends its prompt, none for a partial prefill chunk, ``1 + num_accepted``
+                for a decode (accepted drafts then the recovered/bonus one).
             drafts: per scheduled sequence, the ``k`` drafts for the next step (``None`` when
-                ``k == 0``).
+                ``k == 0``; ignored for a partial prefill chunk).
 
         Speculative counters (the request's :class:`~mtpspec.outputs.RequestMetrics` and each
         decode's ``ScheduledSeq.num_accepted_tokens``): a decode is one draft of ``k`` draft
@@ -171,9 +247,17 @@ class Scheduler:
             seq, toks = sch.seq, list(new_tokens[i])
             m = seq.metrics
             if sch.is_prefill:
+                end = sch.start_position + len(sch.input_token_ids)
+                if sch.is_partial_prefill:  # KV written, nothing sampled: no output, no timing
+                    if toks:
+                        raise RuntimeError(f"partial prefill chunk of {seq.request_id!r} returned {len(toks)} "
+                                           "tokens, expected none")
+                    seq.num_computed_tokens = end
+                    continue
                 if len(toks) != 1:
                     raise RuntimeError(f"prefill of {seq.request_id!r} returned {len(toks)} tokens, expected 1")
-                seq.num_computed_tokens = len(sch.input_token_ids)
+                seq.num_computed_tokens = end
+                seq.is_prefill = False
             else:
                 a = len(toks) - 1
                 if not 0 <= a <= k:

@@ -26,6 +26,10 @@ class Sequence:
         params: its :class:`SamplingParams`.
         seed_key: 64-bit key of its random draws (:func:`~mtpspec.sample.counter_rng.seed_to_u64`).
         num_computed_tokens: leading positions whose target (and MTP) KV entries are valid.
+        is_prefill: the sequence still has prompt (after a preemption: prompt + output) tokens
+            to prefill: new, partially prefilled (chunked prefill), or preempted. Cleared by the
+            step that prefills its last chunk (which samples its next token); set again by a
+            preemption.
         block_table: KV block ids, one per ``block_size`` positions; shared by the target and
             the MTP layers' caches.
         draft_token_ids: drafts proposed in the previous step, verified in the next one.
@@ -43,6 +47,7 @@ class Sequence:
         self.seed_key = seed_key
         self.status = SequenceStatus.WAITING
         self.num_computed_tokens = 0
+        self.is_prefill = True
         self.block_table: List[int] = []
         self.draft_token_ids: List[int] = []
         self.finish_reason: Optional[str] = None
@@ -67,11 +72,6 @@ class Sequence:
     def is_finished(self) -> bool:
         return self.status == SequenceStatus.FINISHED
 
-    @property
-    def is_prefill(self) -> bool:
-        """True when no KV entry is valid (new, or preempted and to be recomputed)."""
-        return self.num_computed_tokens == 0
-
     def to_output(self) -> RequestOutput:
         comp = CompletionOutput(0, self.output_text, list(self.output_token_ids), self.finish_reason,
                                 self.stop_reason)
@@ -80,4 +80,4 @@ class Sequence:
 
     def __repr__(self) -> str:
         return (f"Sequence({self.request_id!r}, status={self.status.value}, tokens={self.num_tokens}, "
-                f"computed={self.num_computed_tokens}, blocks={len(self.block_table)})")
+                f"computed={self.num_computed_tokens}, prefill={self.is_prefill}, blocks={len(self.block_table)})")
