@@ -24,6 +24,8 @@ flag (vLLM spelling)            aliases                       default     meanin
 ``--max-model-len``                                           model's     tokens per sequence (at most 8192 default)
 ``--max-num-seqs``                                            64          sequences per step
 ``--max-num-batched-tokens``                                  derived     new tokens per step
+``--enable-chunked-prefill``    ``--no-enable-chunked-prefill`` on        split prompts to fill each step's budget
+``--long-prefill-token-threshold``                            0           most tokens of one prompt per step (0: no cap)
 ``--gpu-memory-utilization``                                  0.9         GPU memory fraction for the engine
 ``--block-size``                                              arch's      tokens per KV block (16; MLA: 64)
 ``--num-kv-blocks``             ``--num-gpu-blocks-override`` sized       KV blocks per layer (skip profiling)
@@ -51,7 +53,7 @@ from typing import Any, Dict, Optional, Union
 from mtpspec.config import ALLREDUCE_BACKENDS, MAX_NUM_SPECULATIVE_TOKENS, ModelConfig, ParallelConfig, SpeculativeConfig
 
 #: ``max_model_len`` when none is given: the model's ``max_position_embeddings``, at most this
-#: (prefills are not chunked, so one step may hold a whole ``max_model_len`` prompt).
+#: (without chunked prefill one step may hold a whole ``max_model_len`` prompt).
 DEFAULT_MAX_MODEL_LEN = 8192
 #: k on the command line when neither ``-k`` nor ``--speculative-config`` is given.
 DEFAULT_CLI_NUM_SPECULATIVE_TOKENS = 3
@@ -184,7 +186,8 @@ class EngineArgs:
         fuse_allreduce_rmsnorm, sequence_parallel, allreduce_backend: see
             :class:`~mtpspec.config.ParallelConfig`.
         max_model_len (``None``: the model's positions, at most 8192), max_num_seqs,
-            max_num_batched_tokens (``None``: derived): see :class:`~mtpspec.engine.config.SchedulerConfig`.
+            max_num_batched_tokens (``None``: derived), enable_chunked_prefill (default on),
+            long_prefill_token_threshold (0: no cap): see :class:`~mtpspec.engine.config.SchedulerConfig`.
         block_size, num_kv_blocks (``None``: sized from memory), gpu_memory_utilization,
             cpu_kv_cache_gib: see :class:`~mtpspec.engine.config.CacheConfig`.
         dtype: ``"float32"`` / ``"bfloat16"`` / ``"float16"`` or ``None`` (the checkpoint's).
@@ -206,6 +209,8 @@ class EngineArgs:
     max_model_len: Optional[int] = None
     max_num_seqs: int = 64
     max_num_batched_tokens: Optional[int] = None
+    enable_chunked_prefill: bool = True
+    long_prefill_token_threshold: int = 0
     block_size: Optional[int] = None
     num_kv_blocks: Optional[int] = None
     gpu_memory_utilization: float = 0.9
@@ -247,7 +252,14 @@ class EngineArgs:
                        help=f"context length (default: the model's, at most {DEFAULT_MAX_MODEL_LEN})")
         p.add_argument("--max-num-seqs", type=int, default=64, help="most sequences per step (default 64)")
         p.add_argument("--max-num-batched-tokens", type=int, default=None,
-                       help="most new tokens per step (default max(max_model_len, max_num_seqs * (1 + k)))")
+                       help="most new tokens per step, decode rows + prefill chunks (default: max(min(max_model_len, "
+                            "2048), max_num_seqs * (1 + k)); with --no-enable-chunked-prefill max(max_model_len, "
+                            "max_num_seqs * (1 + k)))")
+        p.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True,
+                       help="split prompts into chunks that fill each step after the running decodes (default on; "
+                            "--no-enable-chunked-prefill prefills every prompt in one step)")
+        p.add_argument("--long-prefill-token-threshold", type=int, default=0,
+                       help="most tokens of one prompt per step with chunked prefill (default 0: no cap)")
         p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                        help="fraction of GPU memory the engine may use (default 0.9)")
         p.add_argument("--block-size", type=int, default=None,
@@ -351,7 +363,8 @@ class EngineArgs:
             raise ValueError(f"max_model_len must be an int in [2, max_position_embeddings="
                              f"{mcfg.max_position_embeddings}], got {max_model_len!r}")
         k = spec.num_speculative_tokens if spec is not None else 0
-        sched = SchedulerConfig(self.max_num_seqs, max_model_len, self.max_num_batched_tokens, k)
+        sched = SchedulerConfig(self.max_num_seqs, max_model_len, self.max_num_batched_tokens, k,
+                                self.enable_chunked_prefill, self.long_prefill_token_threshold)
         block_size = mcfg.arch.default_block_size if self.block_size is None else self.block_size
         cache = CacheConfig(block_size, self.num_kv_blocks, self.gpu_memory_utilization, self.cpu_kv_cache_gib)
         mode = "off" if self.enforce_eager else (self.graph_mode or "auto")
@@ -373,6 +386,8 @@ class EngineArgs:
                     fuse_allreduce_rmsnorm=self.fuse_allreduce_rmsnorm, sequence_parallel=self.sequence_parallel,
                     allreduce_backend=self.allreduce_backend, max_num_seqs=self.max_num_seqs,
                     max_model_len=self.max_model_len, max_num_batched_tokens=self.max_num_batched_tokens,
+                    enable_chunked_prefill=self.enable_chunked_prefill,
+                    long_prefill_token_threshold=self.long_prefill_token_threshold,
                     block_size=self.block_size, num_kv_blocks=self.num_kv_blocks,
                     gpu_memory_utilization=self.gpu_memory_utilization, cpu_kv_cache_gib=self.cpu_kv_cache_gib,
                     seed=self.seed, enforce_eager=self.enforce_eager, graph_mode=self.graph_mode)

@@ -32,8 +32,11 @@ class LLM:
             all-reduce + RMSNorm on every rank (:class:`~mtpspec.config.ParallelConfig`; a no-op
             at tp 1; ``"p2p"`` needs CUDA, or CPU under ``TRITON_INTERPRET=1``).
         max_num_seqs, max_model_len (default: the model's ``max_position_embeddings``, at most
-        8192: prefills are not chunked, so one step may hold a whole ``max_model_len`` prompt),
-        max_num_batched_tokens: scheduler limits (:class:`~mtpspec.engine.config.SchedulerConfig`).
+        8192), max_num_batched_tokens: scheduler limits (:class:`~mtpspec.engine.config.SchedulerConfig`).
+        enable_chunked_prefill: split prompts into chunks that fill each step after the running
+            decodes (default True, as vLLM V1); ``False``: every prompt in one step (then
+            ``max_num_batched_tokens >= max_model_len``).
+        long_prefill_token_threshold: most tokens of one prompt per step (0: no cap; needs chunking).
         block_size, num_kv_blocks, gpu_memory_utilization, cpu_kv_cache_gib: KV cache
             (:class:`~mtpspec.engine.config.CacheConfig`).
         tokenizer: a folder to load the tokenizer from, a :class:`Tokenizer`, or ``None`` (the model folder's).
@@ -62,6 +65,7 @@ class LLM:
                  fuse_allreduce_rmsnorm: bool = True, sequence_parallel: bool = False, allreduce_backend: str = "nccl",
                  max_num_seqs: int = 256,
                  max_model_len: Optional[int] = None, max_num_batched_tokens: Optional[int] = None,
+                 enable_chunked_prefill: bool = True, long_prefill_token_threshold: int = 0,
                  block_size: Optional[int] = None, num_kv_blocks: Optional[int] = None, gpu_memory_utilization: float = 0.9,
                  cpu_kv_cache_gib: float = 1.0, tokenizer: Union[None, str, Tokenizer] = None,
                  seed: Optional[int] = None, enforce_eager: bool = False, graph_mode: Optional[str] = None):
@@ -69,7 +73,9 @@ class LLM:
             model=model, tensor_parallel_size=tensor_parallel_size, speculative_config=speculative_config,
             fuse_allreduce_rmsnorm=fuse_allreduce_rmsnorm, sequence_parallel=sequence_parallel,
             allreduce_backend=allreduce_backend, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens, block_size=block_size, num_kv_blocks=num_kv_blocks,
+            max_num_batched_tokens=max_num_batched_tokens, enable_chunked_prefill=enable_chunked_prefill,
+            long_prefill_token_threshold=long_prefill_token_threshold, block_size=block_size,
+            num_kv_blocks=num_kv_blocks,
             gpu_memory_utilization=gpu_memory_utilization, cpu_kv_cache_gib=cpu_kv_cache_gib, dtype=dtype,
             device=device, enforce_eager=enforce_eager, graph_mode=graph_mode, seed=seed)
         config = args.create_engine_config()
