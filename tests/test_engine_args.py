@@ -120,6 +120,34 @@ def test_serve_flags_checked_and_info(path) -> None:
     info = engine_info(args, kw, None)
     assert (info["tp"], info["num_speculative_tokens"], info["fusion"], info["local_argmax"], info["allreduce_backend"],
             info["seed"]) == (1, 3, False, True, "nccl", 7)
+    assert (info["enable_chunked_prefill"], info["max_num_batched_tokens"], info["long_prefill_token_threshold"]) == \
+        (True, "derived", 0)
+
+
+def test_chunked_prefill_flags(path) -> None:
+    """vLLM's spellings: on by default, ``--no-enable-chunked-prefill`` keeps whole-prompt prefills
+    (and then the budget must hold ``max_model_len``), ``--long-prefill-token-threshold`` caps a
+    prompt's chunk; both reach the scheduler config and ``LLM(...)``'s keyword arguments."""
+    assert (_engine([]).enable_chunked_prefill, _engine([]).long_prefill_token_threshold) == (True, 0)
+    off = _engine(["--model", path, "--no-enable-chunked-prefill", "--max-model-len", "64"])
+    assert off.llm_kwargs()["enable_chunked_prefill"] is False
+    sched = off.create_engine_config().scheduler_config
+    assert (sched.enable_chunked_prefill, sched.max_num_batched_tokens) == (False, 256)  # max(64, 64 * (1 + 3))
+    on = _engine(["--model", path, "--enable-chunked-prefill", "--long-prefill-token-threshold", "32",
+                  "--max-num-batched-tokens", "256", "--max-model-len", "200"])
+    assert on.llm_kwargs()["long_prefill_token_threshold"] == 32
+    sched = on.create_engine_config().scheduler_config
+    assert (sched.enable_chunked_prefill, sched.long_prefill_token_threshold, sched.max_num_batched_tokens) == \
+        (True, 32, 256)
+    with pytest.raises(ValueError, match=r"max_num_batched_tokens=100 is too small: with chunked prefill off"):
+        _engine(["--model", path, "--no-enable-chunked-prefill", "--max-num-batched-tokens", "100",
+                 "--max-model-len", "200", "--max-num-seqs", "8"]).create_engine_config()
+    assert _engine(["--model", path, "--max-num-batched-tokens", "100", "--max-model-len", "200", "--max-num-seqs",
+                    "8"]).create_engine_config().scheduler_config.max_num_batched_tokens == 100
+    with pytest.raises(ValueError, match="long_prefill_token_threshold=32 caps prefill chunks"):
+        _engine(["--model", path, "--no-enable-chunked-prefill", "--long-prefill-token-threshold", "32"]
+                ).create_engine_config()
+    check_serve_args(["--no-enable-chunked-prefill"])
 
 
 def test_bench_arms_checks_server_args_before_any_server(monkeypatch, tmp_path, capsys) -> None:

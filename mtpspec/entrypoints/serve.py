@@ -79,7 +79,10 @@ def engine_info(args: argparse.Namespace, kwargs: Dict[str, Any], forced: Option
             "fusion": kwargs["fuse_allreduce_rmsnorm"] and k > 0,
             "local_argmax": bool(spec.get("use_local_argmax_reduction", False)) and k > 0,
             "sequence_parallel": kwargs["sequence_parallel"], "allreduce_backend": kwargs["allreduce_backend"],
-            "max_num_seqs": kwargs["max_num_seqs"], "dtype": kwargs["dtype"] or "checkpoint",
+            "max_num_seqs": kwargs["max_num_seqs"], "enable_chunked_prefill": kwargs["enable_chunked_prefill"],
+            "max_num_batched_tokens": kwargs["max_num_batched_tokens"] or "derived",
+            "long_prefill_token_threshold": kwargs["long_prefill_token_threshold"],
+            "dtype": kwargs["dtype"] or "checkpoint",
             "seed": kwargs["seed"], "forced_acceptance": forced.describe() if forced else "off",
             "synthetic": forced is not None}
 
