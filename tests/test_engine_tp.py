@@ -129,6 +129,26 @@ def test_tp2_spec_lossless_variants(setup, k: int, local_argmax: bool, fused: bo
         assert llm.get_metrics()["num_accepted_tokens"] > 0
 
 
+def test_tp2_chunked_prefill_lossless_and_same_collectives(setup) -> None:
+    """Chunked prefill at tp 2 (3-token chunks, some steps with no sampled row at all): the same
+    tokens and drafts on both ranks, the same collective sequence, the tp-1 greedy tokens."""
+    path, cfg, prompts, ref, oracle = setup
+    with LLM(path, tensor_parallel_size=2, speculative_config={"num_speculative_tokens": 3,
+                                                               "use_local_argmax_reduction": True},
+             long_prefill_token_threshold=3, **LLM_KW) as llm:
+        llm.llm_engine.draft_hook = OracleDrafts(oracle, cfg.vocab_size, corrupt=0.3)
+        assert llm.collective_rpc(install_recorder) == [True, True]
+        assert llm.collective_rpc(install_step_recorder) == [True, True]
+        outs = llm.generate(token_prompts(prompts), SP, use_tqdm=False)
+        alone = llm.generate(token_prompts(prompts[1:2]), SP, use_tqdm=False)  # 20 tokens: 6 steps, no sampled row
+        logs = llm.collective_rpc(fetch_log)
+        steps = llm.collective_rpc(fetch_steps)
+    assert [o.outputs[0].token_ids for o in outs] == ref and alone[0].outputs[0].token_ids == ref[1]
+    assert len(prompts[1]) == 20 and steps[0] == steps[1]
+    assert sum(new == [[]] for new, _ in steps[0]) >= 6  # steps holding one partial chunk and nothing else
+    assert logs[0] == logs[1] and len(logs[0]) > 100
+
+
 def _torchrun_rank(path: str, prompts, oracle, vocab: int):
     llm = LLM(path, tensor_parallel_size=2, speculative_config={"num_speculative_tokens": 3}, **LLM_KW)
     llm.llm_engine.draft_hook = OracleDrafts(oracle, vocab, corrupt=0.3)
