@@ -5,7 +5,9 @@ embedding of token ``i + 1`` and predicts token ``i + 2`` (DeepSeek-V3 technical
 arXiv:2412.19437, section 2.2). After verification a sequence's rows ``0 .. a`` (``a`` = last
 accepted row: the number of accepted drafts for a decode, ``q - 1`` for a prefill) hold valid
 target hidden states, and its tokens at positions ``start + 1 .. start + a + 1`` are known (the
-last one is the recovered / bonus / sampled token).
+last one is the recovered / bonus / sampled token; for a prefill chunk that does not end its
+prompt, chunked prefill, it is the next prompt token, so the chunk's first pass writes the MTP
+KV entries a whole prefill would, and the drafts it yields are dropped by the runner).
 
 1. First pass, over the step's whole flattened batch with the target's attention layout:
    ``input_ids`` shifted left by one inside each sequence with the new token written at row
@@ -159,7 +161,8 @@ class MTPProposer(Proposer):
         Args:
             inp: the step's prepared inputs (target layout, block tables, positions).
             target_hidden: ``[T, H]`` the target's post-norm hidden states of this step.
-            new_token_ids: ``[B]`` int64, each sequence's newest token (sampled / recovered / bonus).
+            new_token_ids: ``[B]`` int64, each sequence's newest token (sampled / recovered / bonus;
+                the next prompt token for a partial prefill chunk).
             last_row_offsets: ``[B]`` int64, ``a`` per sequence (row of the last valid hidden state
                 inside its segment).
             host_last_row_offsets: the same as a python list when it is free to have (CPU);

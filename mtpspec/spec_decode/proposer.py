@@ -9,8 +9,8 @@ Lifecycle hooks (no-ops by default; a proposer whose attention keeps state acros
 steps, e.g. sparse-attention indices shared by every step, overrides them). A step's proposing
 has two phases, and each is bracketed by a pair of hooks:
 
-* *prefill*: the first pass over the step's flattened target layout (whole prompts of
-  prefills, the ``1 + k`` rows of decodes; it fills the draft model's KV cache).
+* *prefill*: the first pass over the step's flattened target layout (prompts or prompt chunks
+  of prefills, the ``1 + k`` rows of decodes; it fills the draft model's KV cache).
   ``on_prefill_begin(attn_metadata)`` / ``on_prefill_end(attn_metadata)``, with the layout
   of that pass.
 * *multi-step decode*: the ``k - 1`` single-token draft steps (one row per sequence).
@@ -85,7 +85,8 @@ class Proposer(ABC):
             inp: the step's prepared inputs (target layout, block tables, positions); ``B``
                 sequences, ``T`` rows.
             target_hidden: ``[T, H]`` the target's post-norm hidden states of this step.
-            new_token_ids: ``[B]`` int64, each sequence's newest token (sampled / recovered / bonus).
+            new_token_ids: ``[B]`` int64, each sequence's newest token (sampled / recovered / bonus;
+                the next prompt token for a partial prefill chunk, whose drafts are dropped).
             last_row_offsets: ``[B]`` int64, the row of each sequence's last valid hidden state
                 inside its segment (accepted drafts for a decode, ``q - 1`` for a prefill).
             host_last_row_offsets: the same as a python list when it is free to have (CPU), else ``None``.
