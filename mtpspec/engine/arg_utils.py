@@ -9,31 +9,32 @@ one :class:`~mtpspec.engine.config.EngineConfig` that goes to the ranks.
 
 Primary spellings are vLLM's; today's short flags stay as aliases:
 
-==============================  ============================  ==========  ==========================================
-flag (vLLM spelling)            aliases                       default     meaning
-==============================  ============================  ==========  ==========================================
-``--model``                                                   demo model  checkpoint folder
-``--tensor-parallel-size``      ``-tp``, ``--tp``             1           tensor-parallel ranks
-``--speculative-config JSON``                                 none        ``{"method": "mtp", "num_speculative_tokens":
-                                                                          k, "use_local_argmax_reduction": bool}``
-``--num-speculative-tokens``    ``-k``                        3           shorthand: k (0 = no speculation), [0, 16]
-``--no-local-argmax``                                         off         shorthand: ``use_local_argmax_reduction`` false
-``--no-fusion``                                               off         MTP tail: all-reduce, then RMSNorm
-``--sequence-parallel``                                       off         sequence-parallel MTP layer (tp > 1)
-``--allreduce-backend``                                       nccl        fused tail's backend: nccl | p2p
-``--max-model-len``                                           model's     tokens per sequence (at most 8192 default)
-``--max-num-seqs``                                            64          sequences per step
-``--max-num-batched-tokens``                                  derived     new tokens per step
-``--enable-chunked-prefill``    ``--no-enable-chunked-prefill`` on        split prompts to fill each step's budget
-``--long-prefill-token-threshold``                            0           most tokens of one prompt per step (0: no cap)
-``--gpu-memory-utilization``                                  0.9         GPU memory fraction for the engine
-``--block-size``                                              arch's      tokens per KV block (16; MLA: 64)
-``--num-kv-blocks``             ``--num-gpu-blocks-override`` sized       KV blocks per layer (skip profiling)
-``--dtype``                                                   checkpoint  float32 / bfloat16 / float16
-``--device``                                                  cuda if any cpu / cuda / cuda:N
-``--enforce-eager``                                           off         never use CUDA graphs
-``--seed``                                                    0           engine seed: seeds requests without one
-==============================  ============================  ==========  ==========================================
+====================================  ============================  ==========  ==========================================
+flag (vLLM spelling)                  aliases                       default     meaning
+====================================  ============================  ==========  ==========================================
+``--model``                                                         demo model  checkpoint folder
+``--tensor-parallel-size``            ``-tp``, ``--tp``             1           tensor-parallel ranks
+``--speculative-config JSON``                                       none        ``{"method": "mtp", "num_speculative_tokens":
+                                                                                k, "use_local_argmax_reduction": bool}``
+``--num-speculative-tokens``          ``-k``                        3           shorthand: k (0 = no speculation), [0, 16]
+``--no-local-argmax``                                               off         shorthand: ``use_local_argmax_reduction`` false
+``--no-fusion``                                                     off         MTP tail: all-reduce, then RMSNorm
+``--sequence-parallel``                                             off         sequence-parallel MTP layer (tp > 1)
+``--allreduce-backend``                                             nccl        fused tail's backend: nccl | p2p
+``--max-model-len``                                                 model's     tokens per sequence (at most 8192 default)
+``--max-num-seqs``                                                  64          sequences per step
+``--max-num-batched-tokens``                                        derived     new tokens per step
+``--enable-chunked-prefill``                                        on          split prompts to fill each step's budget;
+                                                                                off: ``--no-enable-chunked-prefill``
+``--long-prefill-token-threshold``                                  0           most tokens of one prompt per step (0: no cap)
+``--gpu-memory-utilization``                                        0.9         GPU memory fraction for the engine
+``--block-size``                                                    arch's      tokens per KV block (16; MLA: 64)
+``--num-kv-blocks``                   ``--num-gpu-blocks-override`` sized       KV blocks per layer (skip profiling)
+``--dtype``                                                         checkpoint  float32 / bfloat16 / float16
+``--device``                                                        cuda if any cpu / cuda / cuda:N
+``--enforce-eager``                                                 off         never use CUDA graphs
+``--seed``                                                          0           engine seed: seeds requests without one
+====================================  ============================  ==========  ==========================================
 
 How the shorthand flags combine with ``--speculative-config``: the JSON is read as vLLM reads it
 (absent keys take :class:`~mtpspec.config.SpeculativeConfig`'s defaults: k 1, local argmax
