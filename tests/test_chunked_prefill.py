@@ -301,14 +301,20 @@ def test_dense_mla_verify_rows_after_chunks(dsv3):
     assert runs[0].proposals == runs[1].proposals
 
 
-def test_mla_triton_kernels_after_chunks(dsv3, interp, monkeypatch):
+@pytest.mark.parametrize("family", ["deepseek_v3", "deepseek_v32"])
+def test_mla_triton_kernels_after_chunks(dsv3, dsv32, family, interp, monkeypatch):
     """The same through the Triton kernels (interpreter): chunks of 3 rows with cached context and
-    the (1 + k)-row verify rows both go through the MLA decode / verify kernel."""
-    from mtpspec.attention.backends import mla
+    the (1 + k)-row verify rows, in mixed steps, go through the dense MLA decode / verify kernel
+    (DeepSeek-V3) or the indexer's logits kernel and sparse MLA (DeepSeek-V3.2)."""
+    from mtpspec.attention.backends import indexer, mla
     calls = []
-    kernel = mla.mla_attention
-    monkeypatch.setattr(mla, "mla_attention", lambda *a, **kw: calls.append(a[0].shape[0]) or kernel(*a, **kw))
-    path, prompts, ref, oracle = dsv3
+    if family == "deepseek_v3":
+        mod, name, data = mla, "mla_attention", dsv3
+    else:
+        mod, name, data = indexer, "indexer_logits", dsv32
+    kernel = getattr(mod, name)
+    monkeypatch.setattr(mod, name, lambda *a, **kw: calls.append(a[0].shape[0]) or kernel(*a, **kw))
+    path, prompts, ref, oracle = data
     sub = [prompts[2], prompts[4]]  # 9 and 4 tokens: 3 and 2 chunks
     sp = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     run = Run(path, sub, sp, k=3, oracle=oracle, max_model_len=64, long_prefill_token_threshold=3, max_num_seqs=2)
