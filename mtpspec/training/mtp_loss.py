@@ -41,8 +41,8 @@ to its own outputs, which is how the engine drafts ``k`` tokens with one MTP lay
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable, List, Tuple
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -58,12 +58,18 @@ LogitsFn = Callable[[torch.Tensor, "int | None"], torch.Tensor]
 @dataclass
 class MtpLossOutput:
     """``loss`` (scalar to backprop), ``target_loss`` and per-depth ``mtp_losses`` (detached floats
-    are taken by the caller), and per-depth valid-row counts ``counts`` (index 0 = target)."""
+    are taken by the caller), and per-depth valid-row counts ``counts`` (index 0 = target).
+
+    DSA models (:mod:`mtpspec.training.dsa`, set by :func:`mtpspec.training.step.forward_loss`):
+    ``indexer_loss`` is the lightning indexers' ``L^I`` of the forward (already in ``loss`` with
+    its weight), ``dsa_stats`` its detached figures; ``None`` / empty otherwise."""
 
     loss: torch.Tensor
     target_loss: torch.Tensor
     mtp_losses: List[torch.Tensor]
     counts: List[int]
+    indexer_loss: Optional[torch.Tensor] = None
+    dsa_stats: Dict[str, object] = field(default_factory=dict)
 
 
 def doc_end_from_cu_seqlens(cu_seqlens: torch.Tensor) -> torch.Tensor:
