@@ -12,7 +12,7 @@ emits ``x`` plus the accepted prefix of the drafts.
 
 from __future__ import annotations
 
-from typing import Dict, List, Sequence
+from typing import TYPE_CHECKING, Dict, List, Optional, Sequence
 
 import torch
 from torch import nn
@@ -20,20 +20,35 @@ from torch import nn
 from mtpspec.training.packing import Batch
 from mtpspec.training.step import forward_loss
 
+if TYPE_CHECKING:
+    from mtpspec.training.dsa import DsaTraining
+
 
 @torch.no_grad()
 def validation_metrics(target: nn.Module, mtp: nn.Module, batches: Sequence[Batch], device: torch.device,
-                       mtp_lambda: float, mtp_depth: int = 1) -> Dict[str, object]:
+                       mtp_lambda: float, mtp_depth: int = 1, dsa: Optional["DsaTraining"] = None) -> Dict[str, object]:
     """Token-weighted held-out ``target_loss``, ``mtp_loss`` (depth 1), ``mtp_losses`` (every
     training depth), top-1 accuracies, and ``draft_agreement``: the fraction of rows where the
     depth-1 MTP argmax at ``i`` equals the target's argmax at ``i + 1`` (teacher forced; a proxy
-    for the k = 1 acceptance rate)."""
+    for the k = 1 acceptance rate).
+
+    DSA models (``dsa`` given; the attention runs in its current mode): ``indexer_kl``, the mean
+    over batches of the indexers' ``L^I`` (per-call means averaged), and ``index_recall``, the share
+    of the dense attention mass (mean over heads) that the indexers' top-k holds on rows whose
+    context is longer than ``index_topk`` (``None`` without such rows)."""
     sums = {"target_loss": 0.0, "mtp_loss": 0.0, "target_acc": 0.0, "mtp_acc": 0.0, "draft_agreement": 0.0}
     depth_sums, depth_counts = [0.0] * mtp_depth, [0] * mtp_depth
     n_t = n_m = 0
+    kl_sum, kl_n, recall_mass, recall_rows = 0.0, 0, 0.0, 0
     for batch in batches:
         out, hidden, (ids, pos, doc_end) = forward_loss(target, mtp, batch, device, mtp_lambda, return_hidden=True,
-                                                        mtp_depth=mtp_depth)
+                                                        mtp_depth=mtp_depth, dsa=dsa, measure_dsa=dsa is not None)
+        if "indexer_kl" in out.dsa_stats:
+            kl_sum += out.dsa_stats["indexer_kl"]
+            kl_n += 1
+        if out.dsa_stats.get("index_recall") is not None:
+            recall_mass += out.dsa_stats["index_recall"] * out.dsa_stats["index_recall_rows"]
+            recall_rows += out.dsa_stats["index_recall_rows"]
         for j, (lj, cj) in enumerate(zip(out.mtp_losses, out.counts[1:])):
             depth_sums[j] += lj.item() * cj
             depth_counts[j] += cj
@@ -59,6 +74,9 @@ def validation_metrics(target: nn.Module, mtp: nn.Module, batches: Sequence[Batc
         out_d.update(mtp_loss=sums["mtp_loss"] / n_m, mtp_acc=sums["mtp_acc"] / n_m,
                      draft_agreement=sums["draft_agreement"] / n_m,
                      mtp_losses=[x / max(c, 1) for x, c in zip(depth_sums, depth_counts)])
+    if dsa is not None:
+        out_d.update(indexer_kl=kl_sum / kl_n if kl_n else None,
+                     index_recall=recall_mass / recall_rows if recall_rows else None, dsa_mode=dsa.mode)
     return out_d
 
 

@@ -1,4 +1,5 @@
-"""Train a small GLM-4.5-style model with one MTP layer on GSM8K + generated word problems.
+"""Train a small GLM-4.5-style (default) or GLM-5-architecture (``--arch glm_moe_dsa``) model with
+one MTP layer on GSM8K + generated word problems.
 
 ``python -m mtpspec.training.train --output-dir out/demo`` (or ``mtpspec train``); ``--tiny`` trains a
 much smaller model on the CPU in a few minutes. Steps:
@@ -9,10 +10,15 @@ much smaller model on the CPU in a few minutes. Steps:
 2. train the byte-level BPE tokenizer (vocabulary not a multiple of 8, ``<|endoftext|>``);
 3. build documents (single examples and 5-shot chains, each ending in ``<|endoftext|>``),
    tokenise, and batch them by length (one document per row, positions from 0);
-4. train mtpspec's own ``Glm4MoeForCausalLM`` + ``Glm4MoeMTP`` (tp 1) with
-   ``L = L_main + lambda * L_MTP`` (DeepSeek-V3 eq. 25), AdamW with fp32 master weights, bf16
-   compute on CUDA (fp32 on CPU), warm-up + cosine LR over steps or over the time budget,
-   auxiliary-loss-free router balancing;
+4. train mtpspec's own ``Glm4MoeForCausalLM`` + ``Glm4MoeMTP`` (``--arch glm4_moe``, the default) or
+   ``GlmMoeDsaForCausalLM`` + ``GlmMoeDsaMTP`` (``--arch glm_moe_dsa``: MLA, the DSA lightning
+   indexer, DeepSeek MoE with expert groups; presets in :mod:`mtpspec.training.model_setup`) at
+   tp 1 with ``L = L_main + lambda * L_MTP`` (DeepSeek-V3 eq. 25), AdamW with fp32 master weights,
+   bf16 compute on CUDA (fp32 on CPU), warm-up + cosine LR over steps or over the time budget,
+   auxiliary-loss-free router balancing; for ``glm_moe_dsa`` the attention runs dense for the first
+   ``--indexer-warmup-fraction`` of the budget and sparse (each query attends its indexer's top
+   ``index_topk``) after it, and the indexers learn from the KL objective of DeepSeek-V3.2
+   (:mod:`mtpspec.training.dsa`), weighted by ``--indexer-kl-weight``;
    ``--init-from DIR`` starts from a saved model (its config and tokenizer; step 2 is skipped) and
    ``--freeze-target`` then trains only the MTP layers (the target stays bit-identical), which
    is how to retrain the MTP layers of an existing model; ``--mtp-distill alpha`` mixes
@@ -29,6 +35,7 @@ much smaller model on the CPU in a few minutes. Steps:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -50,6 +57,10 @@ class TrainConfig:
 
     output_dir: str = "out/demo_model"
     preset: str = "demo"
+    arch: str = "glm4_moe"
+    index_topk: int = 0
+    indexer_warmup_fraction: float = 0.25
+    indexer_kl_weight: float = 1.0
     gsm8k_dir: str = ""
     gsm8k_limit: int = 0
     holdout: int = 256
@@ -194,7 +205,11 @@ def save_model(out_dir: str, target, mtp, config_dict: Dict[str, Any], tok, save
     tensors = export_hf_state_dict(target, mtp, dtype=save_dtype)
     # The router's correction bias is fp32 in mtpspec and Hugging Face alike; keep it so.
     for k in tensors:
-        if k.endswith("e_score_correction_bias") or k.endswith("mlp.gate.weight"):
+        if k.endswith(("e_score_correction_bias", "mlp.gate.weight")):
+            tensors[k] = tensors[k].float()
+    # So is the DSA indexer's weights_proj (mtpspec keeps it in fp32; its output decides the selection).
+    for k in tensors:
+        if k.endswith("indexer.weights_proj.weight"):
             tensors[k] = tensors[k].float()
     raw = dict(config_dict)
     raw["torch_dtype"] = str(save_dtype).replace("torch.", "")
@@ -273,6 +288,34 @@ def load_initial_model(path: str, device: torch.device, dtype: torch.dtype):
     return target, mtp, config_dict, load_tokenizer(os.path.join(path, "tokenizer.json"))
 
 
+def check_config(cfg: TrainConfig) -> None:
+    """The checks that need no data or model, run before anything is built.
+
+    Raises:
+        ValueError: an unknown ``--arch``, ``--index-topk`` below 0 or given for an architecture
+            without an indexer (or with ``--init-from``, whose model keeps its own), an
+            ``--indexer-warmup-fraction`` outside ``[0, 1 - distill_fraction]``, a negative
+            ``--indexer-kl-weight``, or a ``--distill-fraction`` outside ``[0, 1)``.
+    """
+    from mtpspec.training.model_setup import ARCHS
+    if cfg.arch not in ARCHS:
+        raise ValueError(f"--arch must be one of {sorted(ARCHS)}, got {cfg.arch!r}")
+    if not 0.0 <= cfg.distill_fraction < 1.0:
+        raise ValueError(f"--distill-fraction must be in [0, 1), got {cfg.distill_fraction}")
+    if cfg.index_topk < 0:
+        raise ValueError(f"--index-topk must be >= 0 (0: the preset's), got {cfg.index_topk}")
+    if cfg.index_topk and cfg.arch != "glm_moe_dsa":
+        raise ValueError(f"--index-topk applies to --arch glm_moe_dsa (a DSA indexer), not {cfg.arch}")
+    if cfg.index_topk and cfg.init_from:
+        raise ValueError("--index-topk sets a new model's selection size; an --init-from model keeps its own")
+    if not 0.0 <= cfg.indexer_warmup_fraction <= 1.0 - cfg.distill_fraction:
+        raise ValueError(f"--indexer-warmup-fraction must be in [0, 1 - distill_fraction = "
+                         f"{1.0 - cfg.distill_fraction:g}] (the dense warm-up lies inside phase 1), got "
+                         f"{cfg.indexer_warmup_fraction}")
+    if not cfg.indexer_kl_weight >= 0:
+        raise ValueError(f"--indexer-kl-weight must be >= 0, got {cfg.indexer_kl_weight}")
+
+
 def train(cfg: TrainConfig, log=_log) -> Dict[str, Any]:
     """Run the recipe (module docstring); returns the summary dict (also written to summary.json)."""
     from mtpspec.config import ModelConfig
@@ -283,6 +326,7 @@ def train(cfg: TrainConfig, log=_log) -> Dict[str, Any]:
     from mtpspec.training.step import forward_loss
     from mtpspec.training.tokenizer import eot_id
 
+    check_config(cfg)
     start = time.time()
     deadline = start + cfg.max_minutes * 60.0 if cfg.max_minutes > 0 else float("inf")
     torch.manual_seed(cfg.seed)
@@ -301,19 +345,26 @@ def train(cfg: TrainConfig, log=_log) -> Dict[str, Any]:
 
     if cfg.init_from:
         target, mtp, config_dict, tok = load_initial_model(cfg.init_from, device, dtype)
+        if config_dict.get("model_type") != cfg.arch:
+            raise ValueError(f"--init-from {cfg.init_from} holds a {config_dict.get('model_type')!r} model; pass "
+                             f"--arch {config_dict.get('model_type')} (got --arch {cfg.arch})")
         tok, train_docs, val_docs, val_rows, data_stats = prepare_data(cfg, log, tok=tok)
     else:
         tok, train_docs, val_docs, val_rows, data_stats = prepare_data(cfg, log)
-        config_dict = make_config_dict(cfg.preset, tok.get_vocab_size(), eot_id(tok), max_position_embeddings=max(
-            4096, cfg.max_len))
+        extra = {"index_topk": cfg.index_topk} if cfg.index_topk else {}
+        config_dict = make_config_dict(cfg.preset, tok.get_vocab_size(), eot_id(tok), arch=cfg.arch,
+                                       max_position_embeddings=max(4096, cfg.max_len), **extra)
         target, mtp = build_models(ModelConfig.from_dict(config_dict), device, dtype, seed=cfg.seed)
+    dsa = None
+    if cfg.arch == "glm_moe_dsa":
+        from mtpspec.training.dsa import DsaTraining
+        dsa = DsaTraining([target, mtp], "dense" if cfg.indexer_warmup_fraction > 0 else "sparse",
+                          cfg.indexer_kl_weight)
     eot = eot_id(tok)
     n_params = count_parameters(target, mtp)
-    log(f"model: {cfg.init_from or 'preset ' + cfg.preset}, {n_params}, device {device}, dtype {dtype}"
+    log(f"model: {cfg.init_from or cfg.arch + ' preset ' + cfg.preset}, {n_params}, device {device}, dtype {dtype}"
         f"{', target frozen' if cfg.freeze_target else ''}")
 
-    if not 0.0 <= cfg.distill_fraction < 1.0:
-        raise ValueError(f"--distill-fraction must be in [0, 1), got {cfg.distill_fraction}")
     if cfg.distill_fraction > 0 and cfg.distill_depth < 1:
         raise ValueError(f"--distill-depth must be >= 1, got {cfg.distill_depth}")
     if cfg.freeze_target:
@@ -338,6 +389,14 @@ def train(cfg: TrainConfig, log=_log) -> Dict[str, Any]:
                    round((1.0 - cfg.distill_fraction) * cfg.max_steps),
                    train_start + (1.0 - cfg.distill_fraction) * train_budget)
     phase_no = 1
+    # DSA: dense attention (indexer warm-up) for the first indexer_warmup_fraction of the steps or
+    # time, whichever ends first, sparse after it (mtpspec.training.dsa).
+    dsa_info: Dict[str, Any] = {}
+    if dsa is not None:
+        dsa_info = {"index_topk": int(config_dict["index_topk"]), "warmup_fraction": cfg.indexer_warmup_fraction,
+                    "kl_weight": cfg.indexer_kl_weight, "sparse_start": None}
+    warm_end_step = round(cfg.indexer_warmup_fraction * cfg.max_steps)
+    warm_end_time = train_start + cfg.indexer_warmup_fraction * train_budget
     bar = None
     if cfg.progress:
         from tqdm import tqdm
@@ -355,6 +414,12 @@ def train(cfg: TrainConfig, log=_log) -> Dict[str, Any]:
             if now >= train_deadline:
                 stop_reason = "time_budget"
                 break
+            if dsa is not None and dsa.mode == "dense" and (now >= warm_end_time or step >= warm_end_step):
+                dsa.set_mode("sparse")
+                dsa_info["sparse_start"] = {"step": step, "tokens": tokens, "train_s": round(now - train_start, 1)}
+                jlog.write({"kind": "dsa", "mode": "sparse", "step": step, "tokens": tokens,
+                            "elapsed_s": round(now - start, 2)})
+                log(f"step {step}: DSA sparse attention (top {dsa_info['index_topk']}), indexer KL over the selection")
             phase_over = now >= phase.end_time or step >= phase.end_step
             if phase_no == 1 and cfg.distill_fraction > 0 and phase_over:
                 phase_no = 2
@@ -369,7 +434,7 @@ def train(cfg: TrainConfig, log=_log) -> Dict[str, Any]:
             opt.set_lr(lr)
             batch = next(batches)
             out = forward_loss(target, mtp, batch, device, cfg.mtp_lambda, mtp_depth=phase.depth,
-                               mtp_distill=phase.alpha)
+                               mtp_distill=phase.alpha, dsa=dsa)
             out.loss.backward()
             gnorm = opt.step(cfg.grad_clip)
             opt.zero_grad()
@@ -383,13 +448,15 @@ def train(cfg: TrainConfig, log=_log) -> Dict[str, Any]:
                        "mtp_loss": [x.item() for x in out.mtp_losses], "grad_norm": gnorm,
                        "router_max_load": round(imbalance, 3),
                        "tokens_per_s": round(tokens / max(time.time() - train_start, 1e-9), 1)}
+                if dsa is not None:
+                    rec.update(dsa_mode=dsa.mode, indexer_kl=out.dsa_stats.get("indexer_kl"))
                 jlog.write(rec)
                 history.append(rec)
                 if bar is not None:
                     bar.set_postfix(loss=f"{rec['target_loss']:.3f}", mtp=f"{rec['mtp_loss'][0]:.3f}"
                                     if rec["mtp_loss"] else "-", tok_s=f"{rec['tokens_per_s']:.0f}")
             if cfg.eval_every and step % cfg.eval_every == 0 and val_batches:
-                v = validation_metrics(target, mtp, val_batches, device, cfg.mtp_lambda, cfg.mtp_depth)
+                v = validation_metrics(target, mtp, val_batches, device, cfg.mtp_lambda, cfg.mtp_depth, dsa=dsa)
                 jlog.write({"kind": "val", "step": step, "tokens": tokens, **v})
                 log(f"step {step} val {_fmt(v)}")
             if bar is not None:
@@ -410,16 +477,18 @@ def train(cfg: TrainConfig, log=_log) -> Dict[str, Any]:
 
     written = save_model(cfg.output_dir, target, mtp, config_dict, tok, save_dtype)
     if val_batches and not (cfg.eval_every and step % cfg.eval_every == 0 and step):
-        final_val = validation_metrics(target, mtp, val_batches, device, cfg.mtp_lambda, cfg.mtp_depth)
+        final_val = validation_metrics(target, mtp, val_batches, device, cfg.mtp_lambda, cfg.mtp_depth, dsa=dsa)
         jlog.write({"kind": "val", "step": step, "tokens": tokens, **final_val})
     else:
         final_val = v if val_batches and step else {}
     prompts = [tok.encode(format_query(r["question"])).ids for r in val_rows[:cfg.accept_prompts]]
     accept = {}
-    for k in (1, 3):
-        if prompts and time.time() < deadline - 5:
-            accept[f"k{k}"] = acceptance_summary(target, mtp, prompts, k, cfg.accept_max_new, eot, device,
-                                                 deadline=deadline - 2)
+    # The acceptance estimate runs the layers' own (engine) forward: DSA through the indexer ops.
+    with (dsa.inference() if dsa is not None else contextlib.nullcontext()):
+        for k in (1, 3):
+            if prompts and time.time() < deadline - 5:
+                accept[f"k{k}"] = acceptance_summary(target, mtp, prompts, k, cfg.accept_max_new, eot, device,
+                                                     deadline=deadline - 2)
     jlog.close()
     summary = {
         "config": dataclasses.asdict(cfg), "device": str(device), "device_name": (
@@ -427,7 +496,7 @@ def train(cfg: TrainConfig, log=_log) -> Dict[str, Any]:
         "dtype": str(dtype), "parameters": n_params, "data": data_stats, "pad_fraction": round(pads, 4),
         "steps": step, "train_tokens_seen": tokens, "train_seconds": round(train_seconds, 1),
         "tokens_per_second": round(tokens / max(train_seconds, 1e-9), 1), "stop_reason": stop_reason,
-        "distill_phase": phase2,
+        "distill_phase": phase2, "dsa": dsa_info,
         "total_seconds": round(time.time() - start, 1), "final_val": final_val,
         "acceptance_holdout_zero_shot": accept, "files": written,
         "first_logged": history[0] if history else None, "last_logged": history[-1] if history else None}
