@@ -23,6 +23,15 @@ V = 301
 CPU = torch.device("cpu")
 
 
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """One CPU thread for the whole module (deterministic, and fair to tests running beside it)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def _models(index_topk=6, scale=10.0, seed=3, mode="sparse"):
     """The ci preset at vocab V with ``index_topk``, weights scaled up (the 0.02 init gives near-uniform
     attention and indexer logits, which would make the comparisons weak), DSA training installed."""
@@ -256,21 +265,11 @@ CLI = ["train", "--arch", "glm_moe_dsa", "--preset", "ci", "--gsm8k-limit", "300
        "--indexer-warmup-fraction", "0.25"]
 
 
-def _one_thread(fn, *args):
-    """``fn(*args)`` on one CPU thread (deterministic and fair to the other tests)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        return fn(*args)
-    finally:
-        torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     from mtpspec.entrypoints.cli import main
     out = str(tmp_path_factory.mktemp("dsa_ci_model"))
-    assert _one_thread(main, CLI + ["--output-dir", out]) == 0
+    assert main(CLI + ["--output-dir", out]) == 0
     with open(os.path.join(out, "summary.json")) as f:
         return out, json.load(f)
 
@@ -367,8 +366,8 @@ def test_checkpoint_decodes_losslessly_with_mtp(run, prompts, k, share):
     the same engine path is test_glm_moe_dsa / test_index_share's."""
     out, _ = run
     assert min(map(len, prompts)) > json.load(open(os.path.join(out, "config.json")))["index_topk"]
-    plain, _ = _one_thread(_generate, out, prompts)
-    got, metrics = _one_thread(_generate, out, prompts, k, share)
+    plain, _ = _generate(out, prompts)
+    got, metrics = _generate(out, prompts, k, share)
     assert got == plain
     assert metrics["num_drafts"] > 0 and metrics["num_draft_tokens"] == k * metrics["num_drafts"]
 
@@ -389,7 +388,7 @@ def test_mtp_only_distillation_from_the_checkpoint(run, tmp_path):
             "--indexer-warmup-fraction", "0", "--output-dir", out]
     with pytest.raises(ValueError, match="pass --arch glm_moe_dsa"):
         main(argv)  # the default --arch is glm4_moe
-    assert _one_thread(main, argv[:1] + ["--arch", "glm_moe_dsa"] + argv[1:]) == 0
+    assert main(argv[:1] + ["--arch", "glm_moe_dsa"] + argv[1:]) == 0
     before, after = dict(read_checkpoint_tensors(src)), dict(read_checkpoint_tensors(out))
     assert before.keys() == after.keys()
     mtp_prefix = f"model.layers.{json.load(open(os.path.join(src, 'config.json')))['num_hidden_layers']}."
