@@ -24,12 +24,18 @@ much smaller model on the CPU in a few minutes. Steps:
    is how to retrain the MTP layers of an existing model; ``--mtp-distill alpha`` mixes
    self-distillation towards the target's own next-position distribution into the MTP loss
    (``mtp_loss`` module docstring); ``--distill-fraction f`` ends the run with a phase 2 of
-   that share of the budget in which the target is frozen and the MTP layers are distilled;
+   that share of the budget in which the target is frozen and the MTP layers are distilled
+   (for ``glm_moe_dsa`` with sparse attention, the MTP layer's own indexer still learning from its
+   KL); retraining the MTP layer of a trained ``glm_moe_dsa`` model takes
+   ``--indexer-warmup-fraction 0`` (sparse attention throughout, as the target was trained);
 5. stop at ``--max-steps`` or when ``--max-minutes`` (wall clock of the whole run) is nearly
    used, then write ``config.json``, ``model.safetensors`` (bf16, Hugging Face layout; tied
    ``lm_head`` and MTP ``shared_head.head`` are omitted, the loader ties them) and
    ``tokenizer.json``, plus ``train_log.jsonl`` (one JSON record per logged step and
    validation) and ``summary.json``.
+
+The GLM-5-architecture recipe (9 minutes on one H200, the defaults otherwise):
+``mtpspec train --arch glm_moe_dsa --output-dir out/glm_moe_dsa_demo``.
 """
 
 from __future__ import annotations
