@@ -63,10 +63,10 @@ class TrainConfig:
 
     output_dir: str = "out/demo_model"
     preset: str = "demo"
-    arch: str = "glm4_moe"
-    index_topk: int = 0
-    indexer_warmup_fraction: float = 0.25
-    indexer_kl_weight: float = 1.0
+    arch: str = "glm4_moe"                  # glm4_moe | glm_moe_dsa (model_setup.ARCHS)
+    index_topk: int = 0                     # glm_moe_dsa: the DSA selection size; 0 = the preset's (demo: 256)
+    indexer_warmup_fraction: float = 0.25   # glm_moe_dsa: share of the budget trained with dense attention
+    indexer_kl_weight: float = 1.0          # glm_moe_dsa: weight of the indexers' KL (training/dsa.py) in the loss
     gsm8k_dir: str = ""
     gsm8k_limit: int = 0
     holdout: int = 256
