@@ -255,7 +255,7 @@ def test_mtp_loss_on_the_dsa_model_equals_per_document_forwards():
 
 
 # ------------------------------------------------------------------------------ CLI smoke run
-STEPS, DENSE_STEPS, PHASE1_STEPS = 20, 5, 15
+STEPS, DENSE_STEPS, PHASE1_STEPS = 16, 4, 12
 CLI = ["train", "--arch", "glm_moe_dsa", "--preset", "ci", "--gsm8k-limit", "300", "--holdout", "20",
        "--num-synthetic", "1500", "--tokenizer-synthetic", "1500", "--gsm8k-epochs", "1", "--max-len", "512",
        "--tokens-per-batch", "2048", "--max-steps", str(STEPS), "--max-minutes", "0", "--lr", "1e-2",
@@ -324,15 +324,48 @@ def test_checkpoint_layout_loads_in_mtpspec_and_transformers(run):
     from mtpspec.models import load_models
     tok = Tokenizer.from_file(os.path.join(out, "tokenizer.json"))
     ids = torch.tensor(tok.encode(format_query(load_gsm8k(resolve_gsm8k("test"))[0]["question"])).ids)
-    assert len(ids) > raw["index_topk"]  # the selection prunes
+    n_tok, topk = len(ids), raw["index_topk"]
+    assert n_tok > topk  # the selection prunes
+    assert raw["indexer_types"] == ["full", "shared"]  # one selection for the whole target (below)
     target, mtp = load_models(out, dtype=torch.float32, device="cpu")
-    with torch.no_grad():
-        ours = target.compute_logits(target(ids, torch.arange(len(ids))))
     import transformers
     hf = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    seen = {}
+
+    def keep_selection(module, args, out):  # returns None: the output stays
+        seen["pos"] = out[0]
+    hook = hf.model.layers[0].self_attn.indexer.register_forward_hook(keep_selection)
     with torch.no_grad():
         ref = hf(ids[None]).logits[0]
+    hook.remove()
+    hf_pos = seen["pos"]  # [T, index_topk] transformers' selection (its top-k has no tie rule)
+    # 1. Every tensor but the indexer's: with transformers' selection, mtpspec gives transformers' logits.
+    meta = build_attention_metadata([n_tok], [n_tok], None)
+    meta.precomputed_topk_pos = hf_pos
+    attn0 = target.model.layers[0].self_attn
+    got = {}
+
+    def keep_input(module, args):
+        got["x"] = args[1]
+    pre = attn0.register_forward_pre_hook(keep_input)
+    with torch.no_grad(), set_forward_context(meta):
+        ours = target.compute_logits(target(ids, torch.arange(n_tok)))
+    pre.remove()
     torch.testing.assert_close(ours, ref, rtol=1e-4, atol=1e-4)
+    # 2. The indexer's tensors: transformers' selection is the top-k of mtpspec's indexer logits, up to
+    # near-ties (a barely trained indexer has many; their order depends on rounding).
+    from mtpspec.training.dsa import indexer_scores
+    with torch.no_grad():
+        x = got["x"]
+        q_resid = attn0.q_a_layernorm(attn0.q_a_proj(x))
+        logits = indexer_scores(attn0.indexer, x, q_resid, torch.arange(n_tok), attn0.rotary_emb.cos_sin_cache, 1,
+                                n_tok)[0]
+    rows = torch.arange(topk, n_tok)  # rows with more causal positions than index_topk
+    kth = logits[rows].topk(topk, dim=-1).values[:, -1]
+    picked_min = logits[rows].gather(1, hf_pos[rows].long()).min(-1).values
+    finite = logits[rows][torch.isfinite(logits[rows])]  # -inf past each row's position
+    tol = 1e-5 * float(finite.abs().max()) + 1e-7  # a row-flipped wk, noise on k_norm.bias: gaps of 1e-3 .. 0.5
+    assert (picked_min >= kth - tol).all(), (picked_min - kth).min()
 
 
 @pytest.fixture(scope="module")
