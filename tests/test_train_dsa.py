@@ -433,6 +433,7 @@ def test_mtp_only_distillation_from_the_checkpoint(run, tmp_path):
 def test_bad_dsa_flags_are_refused():
     from mtpspec.training.train import TrainConfig, check_config
     check_config(TrainConfig(arch="glm_moe_dsa", index_topk=128))
+    check_config(TrainConfig(distill_fraction=0.9))  # GLM-4.5: the indexer's warm-up fraction is not read
     for cfg, msg in [(TrainConfig(arch="llama"), "--arch"), (TrainConfig(index_topk=64), "applies to --arch"),
                      (TrainConfig(arch="glm_moe_dsa", index_topk=-1), "--index-topk"),
                      (TrainConfig(arch="glm_moe_dsa", indexer_warmup_fraction=0.8), "indexer-warmup-fraction"),

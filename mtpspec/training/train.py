@@ -299,9 +299,10 @@ def check_config(cfg: TrainConfig) -> None:
 
     Raises:
         ValueError: an unknown ``--arch``, ``--index-topk`` below 0 or given for an architecture
-            without an indexer (or with ``--init-from``, whose model keeps its own), an
-            ``--indexer-warmup-fraction`` outside ``[0, 1 - distill_fraction]``, a negative
-            ``--indexer-kl-weight``, or a ``--distill-fraction`` outside ``[0, 1)``.
+            without an indexer (or with ``--init-from``, whose model keeps its own), a
+            ``--distill-fraction`` outside ``[0, 1)``; for ``glm_moe_dsa`` an
+            ``--indexer-warmup-fraction`` outside ``[0, 1 - distill_fraction]`` or a negative
+            ``--indexer-kl-weight`` (the other architectures ignore both).
     """
     from mtpspec.training.model_setup import ARCHS
     if cfg.arch not in ARCHS:
@@ -314,6 +315,8 @@ def check_config(cfg: TrainConfig) -> None:
         raise ValueError(f"--index-topk applies to --arch glm_moe_dsa (a DSA indexer), not {cfg.arch}")
     if cfg.index_topk and cfg.init_from:
         raise ValueError("--index-topk sets a new model's selection size; an --init-from model keeps its own")
+    if cfg.arch != "glm_moe_dsa":
+        return  # the indexer flags below mean nothing to the other architectures
     if not 0.0 <= cfg.indexer_warmup_fraction <= 1.0 - cfg.distill_fraction:
         raise ValueError(f"--indexer-warmup-fraction must be in [0, 1 - distill_fraction = "
                          f"{1.0 - cfg.distill_fraction:g}] (the dense warm-up lies inside phase 1), got "
