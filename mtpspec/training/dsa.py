@@ -21,7 +21,8 @@ plain torch:
 * GLM-5 ``"shared"`` layers attend the selection of the previous full layer (the model's
   :class:`~mtpspec.layers.indexer.IndexSelection`), as in inference.
 
-Indexer training (DeepSeek-V3.2-Exp report, sec. 2.1 "Continued Pre-Training")::
+Indexer training (DeepSeek-V3.2-Exp report, sec. 2.1 "Continued Pre-Training": its "Dense Warm-up Stage" and
+"Sparse Training Stage"; the indexer itself is the report's eq. 1)::
 
     p_t      = (sum_h P_h[t, :]) / (sum_s sum_h P_h[t, s])   main attention probabilities at query t,
                                                               summed over heads, L1-normalised, detached
@@ -144,7 +145,7 @@ def sequence_rows(num_tokens: int) -> Tuple[int, int]:
 def indexer_scores(indexer: Indexer, hidden_states: torch.Tensor, q_resid: torch.Tensor, positions: torch.Tensor,
                    cos_sin_cache: torch.Tensor, b: int, length: int) -> torch.Tensor:
     """The lightning indexer's logits with autograd (:mod:`mtpspec.layers.indexer`; DeepSeek-V3.2-Exp
-    report, sec. 2.1, eq. 1), for ``B`` sequences of ``L`` rows.
+    report, eq. 1), for ``B`` sequences of ``L`` rows.
 
     ``I[b, t, s] = sum_h w[t, h] * relu(q[t, h] . k[s])`` in fp32 for ``s <= t``, ``-inf``
     elsewhere, with ``q = rope(wq_b(q_resid))``, ``k = rope(k_norm(wk(x)))`` and ``w =
@@ -213,7 +214,8 @@ def head_mean_probs(q: torch.Tensor, k: torch.Tensor, allowed: torch.Tensor, sca
 
 
 def indexer_kl(p: torch.Tensor, logits: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
-    """Per row ``KL(p_t || softmax(I_t))`` over the ``allowed`` keys (DeepSeek-V3.2-Exp, sec. 2.1).
+    """Per row ``KL(p_t || softmax(I_t))`` over the ``allowed`` keys (DeepSeek-V3.2-Exp report, sec. 2.1:
+    the dense warm-up loss with every causal key allowed, the sparse-stage loss with ``S_t``).
 
     Args:
         p: ``[B, L, L]`` target distribution over ``allowed`` (rows sum to 1; detached).
