@@ -15,7 +15,8 @@ MTP layers (``tests/tiny_models.py``, ``family="deepseek_v3"``):
 * engine: greedy decoding equals ``transformers`` ``generate``; MTP speculative decoding (k 1 and
   3, 2 MTP layers, fused / unfused / sequence-parallel, local argmax on / off, tp 1 and 2, the
   CUDA-graph code path with padded batches) emits exactly the plain greedy tokens;
-* loader: a missing tensor and a wrong shape are named, nothing half-loaded; export round-trips
+* loader: a missing tensor and a wrong shape are named, nothing half-loaded; a declared MTP layer
+  with no tensor at all (plain `save_pretrained`) is named as a layer; export round-trips
   and the fused expert layout loads the same weights.
 
 Attention runs through the real :class:`~mtpspec.layers.mla_attention.MLAAttention` (paged latent
@@ -375,6 +376,26 @@ def test_wrong_shape_names_expected_and_actual(tmp_path, loader_base):
     with pytest.raises(ShapeMismatchError, match=r"kv_b_proj\.weight'.*expected shape \[88, 16\], got \[16, 88\]") as e:
         load_models(path, dtype=torch.float32, device="cpu")
     assert (e.value.expected, e.value.actual) == ((88, 16), (16, 88))
+
+
+@pytest.mark.parametrize("declared", [1, 2])
+def test_declared_mtp_layer_absent_is_named_as_a_layer(tmp_path, loader_base, declared):
+    """A plain ``save_pretrained`` checkpoint keeps ``DeepseekV3Config``'s default
+    ``num_nextn_predict_layers=1`` but holds no MTP tensors: the error names the MTP layer, its
+    prefix and the way out (no speculation), not one expert tensor of it; the target still loads."""
+    from mtpspec.models import MissingKeyError, load_target_model
+    from mtpspec.models.loader import save_checkpoint
+    tensors, raw = dict(loader_base[0]), dict(loader_base[1], num_nextn_predict_layers=declared)
+    if declared == 1:
+        tensors = {k: v for k, v in tensors.items() if not k.startswith("model.layers.3.")}
+    save_checkpoint(str(tmp_path), tensors, raw)
+    missing = 3 + declared - 1
+    way_out = r"-k 0, speculative_config=None" if declared == 1 else r"it holds 1: set num_nextn_predict_layers=1"
+    with pytest.raises(MissingKeyError, match=rf"MTP layer {declared - 1}: nothing under 'model\.layers\.{missing}\.'"
+                                              rf".*{way_out}") as e:
+        load_models(str(tmp_path), dtype=torch.float32, device="cpu")
+    assert e.value.key == f"model.layers.{missing}.enorm.weight"
+    assert load_target_model(str(tmp_path), device="cpu") is not None
 
 
 def test_export_round_trips_the_checkpoint(tmp_path, loader_base):

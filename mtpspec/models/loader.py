@@ -212,6 +212,26 @@ def _select(reader: CheckpointReader, own: Dict[str, WeightSpec], other: Dict[st
     return selected
 
 
+def _check_mtp_layers_present(reader: CheckpointReader, cfg: ModelConfig, m_specs: Dict[str, WeightSpec],
+                              model_path: str) -> None:
+    """Raise MissingKeyError naming the whole MTP layer when ``config.json`` declares it but the
+    checkpoint holds no tensor of it (``transformers``' ``save_pretrained`` writes no MTP layers,
+    yet ``DeepseekV3Config`` declares one by default), rather than the first missing tensor."""
+    n = cfg.num_nextn_predict_layers
+    for k in range(n):
+        prefix = f"model.layers.{cfg.num_hidden_layers + k}."
+        keys = [key for key in m_specs if key.startswith(prefix)]
+        if keys and not any(key in reader for key in keys):
+            first = next((key for key in keys if not m_specs[key].optional), keys[0])
+            if k == 0:
+                way_out = ("transformers' save_pretrained does not write MTP layers; add the MTP weights, or run "
+                           "without speculative decoding: -k 0, speculative_config=None")
+            else:
+                way_out = f"it holds {k}: set num_nextn_predict_layers={k} in config.json, or add the missing layers"
+            raise MissingKeyError(first, f" (config.json declares num_nextn_predict_layers={n}, but {model_path} "
+                                         f"holds no tensor of MTP layer {k}: nothing under {prefix!r}; {way_out})")
+
+
 def _load_selected(module: nn.Module, reader: CheckpointReader, selected: Dict[str, WeightSpec],
                    shared: Sequence[torch.Tensor], check_finite: bool) -> None:
     """Load every selected tensor and check that no parameter of ``module`` was left unloaded."""
@@ -291,6 +311,8 @@ def load_models(model_path: str, dtype: Optional[Union[torch.dtype, str]] = None
     t_specs, m_specs = arch.target_weight_specs(cfg), arch.mtp_weight_specs(cfg)
     with CheckpointReader(model_path) as reader:
         t_sel = _select(reader, t_specs, m_specs, "target")
+        if load_mtp:
+            _check_mtp_layers_present(reader, cfg, m_specs, model_path)
         m_sel = _select(reader, m_specs, t_specs, "MTP model") if load_mtp else {}
         with torch.device(dev):
             target = arch.target_class()(cfg, dtype)
