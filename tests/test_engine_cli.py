@@ -69,6 +69,33 @@ def test_generate_corrupt_tokenizer_is_a_clear_error(path, tmp_path, capsys) -> 
     assert "tokenizer.json: cannot load the tokenizer" in err and "Traceback" not in err
 
 
+def test_generate_tp2_checkpoint_error_is_the_same_clear_error_as_at_tp1(path, tmp_path, capsys) -> None:
+    """A checkpoint error raised inside spawned ranks reaches the command as the rank's message
+    (``error: rank 0: ...``, exit 2), as at tp 1, not as two nested tracebacks and exit 1."""
+    from mtpspec.models.loader import read_checkpoint_tensors, save_checkpoint
+    key = "model.layers.1.self_attn.o_proj.weight"
+    bad = tmp_path / "missing_key"
+    tensors = {k: v for k, v in read_checkpoint_tensors(path) if k != key}
+    save_checkpoint(str(bad), tensors, json.load(open(f"{path}/config.json")))
+    (bad / "tokenizer.json").write_text(open(f"{path}/tokenizer.json").read())
+    for tp in ("1", "2"):
+        assert generate.run(_parse(["--model", str(bad), "-tp", tp, "--max-tokens", "2", "--max-model-len", "48",
+                                    "--num-kv-blocks", "64", "--device", "cpu"])) == 2
+        err = capsys.readouterr().err
+        assert f"checkpoint is missing key {key!r}" in err and "Traceback" not in err, err
+        assert ("error: rank 0: " in err) == (tp == "2")
+
+
+def test_rank_errors_keep_the_traceback_and_only_input_errors_are_value_errors() -> None:
+    from mtpspec.engine.executor import WorkerError, WorkerInputError, rank_error
+    tb = "Traceback (most recent call last):\n  ...\nValueError: bad"
+    e = rank_error(1, {"traceback": tb, "message": "bad", "input_error": True})
+    assert isinstance(e, WorkerInputError) and isinstance(e, ValueError) and isinstance(e, WorkerError)
+    assert str(e) == "rank 1: bad" and e.rank_traceback == tb
+    e = rank_error(0, {"traceback": tb, "message": "boom", "input_error": False})
+    assert type(e) is WorkerError and not isinstance(e, ValueError) and tb in str(e) and e.rank_traceback == tb
+
+
 def test_gsm8k_question_reads_the_bundled_gsm8k(monkeypatch, capsys):
     """`make demo` on a fresh clone: the prompt is the bundled GSM8K test row (no generated stand-in)."""
     import argparse

@@ -18,7 +18,28 @@ from mtpspec.engine.worker import (
 
 
 class WorkerError(RuntimeError):
-    """A rank failed; the message holds its traceback."""
+    """A rank failed; the message holds its traceback (``rank_traceback``: the traceback alone)."""
+
+    rank_traceback: str = ""
+
+
+class WorkerInputError(WorkerError, ValueError):
+    """A rank rejected its input with a ``ValueError`` / ``TypeError`` (a bad checkpoint, config or
+    argument: the errors ``LLM(...)`` raises itself at tp 1). The message is the rank's own,
+    prefixed by the rank, so callers that report ``ValueError`` s as user errors (the commands'
+    ``error: ...``, exit 2) do so at any tp; the traceback is in ``rank_traceback``."""
+
+
+def rank_error(rank: int, payload: Any) -> WorkerError:
+    """The exception for a rank's ``("err", payload)`` reply (:func:`~mtpspec.engine.worker.spawned_worker_main`)."""
+    if not isinstance(payload, dict):
+        return WorkerError(f"rank {rank} failed:\n{payload}")
+    if payload.get("input_error"):
+        err: WorkerError = WorkerInputError(f"rank {rank}: {payload['message']}")
+    else:
+        err = WorkerError(f"rank {rank} failed:\n{payload['traceback']}")
+    err.rank_traceback = payload["traceback"]
+    return err
 
 
 class Executor:
@@ -92,7 +113,9 @@ class MultiprocExecutor(Executor):
         step_timeout_s: most seconds one message may take on a rank before the engine gives up.
 
     Raises:
-        WorkerError: a rank failed to start (its traceback in the message) or exited without a reply.
+        WorkerError: a rank failed to start (its traceback in the message) or exited without a reply;
+            :class:`WorkerInputError` (also a ``ValueError``; the rank's message) where the rank
+            raised a ``ValueError`` / ``TypeError`` (e.g. a checkpoint or config error).
         RuntimeError: called at import time of a main script without ``if __name__ == "__main__":``
             (:func:`~mtpspec.distributed.launcher.check_main_guard`; nothing is spawned).
     """
@@ -138,7 +161,7 @@ class MultiprocExecutor(Executor):
             raise WorkerError(f"rank {rank} exited (exit code {proc.exitcode}) without a reply; its output "
                               "above says why" + main_guard_hint()) from None
         if kind == "err":
-            raise WorkerError(f"rank {rank} failed:\n{payload}")
+            raise rank_error(rank, payload)
         return payload
 
     def _broadcast(self, msg: tuple) -> List[Any]:

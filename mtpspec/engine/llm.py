@@ -56,7 +56,8 @@ class LLM:
         LocalArgmaxUnsupportedError (tp 1) or WorkerError (tp > 1, with the same message):
             ``use_local_argmax_reduction`` requested from a draft model without ``get_top_tokens``;
             the message names the model class.
-        ModelConfigError / CheckpointError: see :mod:`mtpspec.models.loader`.
+        ModelConfigError / CheckpointError: see :mod:`mtpspec.models.loader` (a checkpoint is read
+            by the ranks: at tp > 1 a WorkerInputError, also a ValueError, with the rank's message).
     """
 
     def __init__(self, model: str, tensor_parallel_size: int = 1, dtype: Optional[str] = None,

@@ -121,7 +121,9 @@ def spawned_worker_main(rank: int, world_size: int, port: int, cfg: EngineConfig
 
     Replies to every message: rank 0 with the result, the others with ``("ok", None)`` (an
     acknowledgement; rpc results come back from every rank). Any exception is sent back as
-    ``("err", traceback)`` and ends the worker.
+    ``("err", {"traceback", "message", "input_error"})`` (``input_error``: a ``ValueError``
+    / ``TypeError``, e.g. a bad checkpoint or config, which the driver re-raises as a
+    :class:`~mtpspec.engine.executor.WorkerInputError`) and ends the worker.
     """
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -139,9 +141,10 @@ def spawned_worker_main(rank: int, world_size: int, port: int, cfg: EngineConfig
                 break
             result = handle_message(runner, msg)
             conn.send(("ok", result if (rank == 0 or msg[0] == "rpc") else None))
-    except BaseException:  # noqa: BLE001 - every failure must reach the driver
+    except BaseException as exc:  # noqa: BLE001 - every failure must reach the driver
         try:
-            conn.send(("err", traceback.format_exc()))
+            conn.send(("err", {"traceback": traceback.format_exc(), "message": str(exc),
+                               "input_error": isinstance(exc, (ValueError, TypeError))}))
         except Exception:
             pass
     finally:
