@@ -208,3 +208,32 @@ def test_eager_fallbacks_are_counted_and_logged_once(path, caplog) -> None:
     assert m["num_eager_fallbacks"] == decode_steps > 0
     step_warnings = [r for r in caplog.records if "runs eagerly instead of through a CUDA graph" in r.getMessage()]
     assert len(step_warnings) == 1
+
+
+def test_shutdown_releases_the_in_process_runner(path, monkeypatch) -> None:
+    """At tp 1, ``shutdown()`` frees the weights, KV cache and graphs (as spawned ranks do by
+    exiting) and returns cached CUDA memory, so a next ``LLM`` in the same process can size its KV
+    cache from the free memory; steps after it are a clear error."""
+    import gc
+    import weakref
+
+    import torch
+
+    from mtpspec.engine.executor import WorkerError
+    emptied = []
+    llm = LLM(path, speculative_config={"num_speculative_tokens": 2}, **KW)
+    first = _ids(llm.generate([{"prompt_token_ids": [5, 6, 7]}], GREEDY, use_tqdm=False))
+    runner, target = weakref.ref(llm.executor.runner), weakref.ref(llm.executor.runner.target)
+    with monkeypatch.context() as m:  # as if on a GPU: the allocator's cache is emptied
+        m.setattr(torch.cuda, "is_available", lambda: True)
+        m.setattr(torch.cuda, "is_initialized", lambda: True)
+        m.setattr(torch.cuda, "synchronize", lambda *a: None)
+        m.setattr(torch.cuda, "empty_cache", lambda: emptied.append(1))
+        llm.shutdown()
+    gc.collect()
+    assert runner() is None and target() is None and emptied == [1]
+    llm.shutdown()  # idempotent
+    with pytest.raises(WorkerError, match="shut down"):
+        llm.generate([{"prompt_token_ids": [5, 6, 7]}], GREEDY, use_tqdm=False)
+    with LLM(path, speculative_config={"num_speculative_tokens": 2}, **KW) as again:
+        assert _ids(again.generate([{"prompt_token_ids": [5, 6, 7]}], GREEDY, use_tqdm=False)) == first

@@ -75,12 +75,18 @@ class InProcessExecutor(Executor):
         if self.broadcast:
             dist.broadcast_object_list([msg], src=0, group=self.group)
 
+    def _check_open(self) -> None:
+        if self.runner is None:
+            raise WorkerError("the executor was shut down")
+
     def execute(self, step: StepInput) -> StepOutput:
+        self._check_open()
         msg = ("step", step)
         self._send(msg)
         return handle_message(self.runner, msg)
 
     def collective_rpc(self, fn: Callable[..., Any], *args: Any) -> List[Any]:
+        self._check_open()
         msg = ("rpc", fn, args)
         self._send(msg)
         return [handle_message(self.runner, msg)]
@@ -90,7 +96,10 @@ class InProcessExecutor(Executor):
         self._send(("done", payload))
 
     def shutdown(self) -> None:
-        """Under ``torchrun`` every rank calls it: rank 0 sends ``stop``, the others wait for it."""
+        """Under ``torchrun`` every rank calls it: rank 0 sends ``stop``, the others wait for it.
+        Then the runner is released (weights, KV caches, CUDA graphs; the CUDA caching allocator's
+        free blocks go back to the device), as a spawned rank frees its memory by exiting, so a
+        next engine in this process can size its KV cache; later steps raise WorkerError."""
         if self.broadcast and dist.is_initialized():
             self.broadcast = False
             if dist.get_rank() == 0:
@@ -101,6 +110,21 @@ class InProcessExecutor(Executor):
             # exits with a gloo transfer in flight aborts ("terminate called without an active
             # exception"), seen under a real torchrun.
             dist.barrier(group=self.group)
+        if self.runner is not None:
+            self.runner = None
+            release_device_memory()
+
+
+def release_device_memory() -> None:
+    """Collect garbage, then return the CUDA caching allocator's free blocks to the device (the
+    KV sizing reads the device's free memory, which counts cached blocks as used)."""
+    import gc
+
+    import torch
+    gc.collect()
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
 
 
 class MultiprocExecutor(Executor):
