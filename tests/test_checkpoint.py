@@ -107,6 +107,27 @@ def test_unsupported_tensor_dtype(tmp_path, base, bad):
         save_checkpoint(str(tmp_path / "w"), {key: tensors[key]})
 
 
+def test_fp8_checkpoint_is_named_as_unsupported_quantization(tmp_path, base):
+    """An FP8 checkpoint (DeepSeek-V3's: float8_e4m3fn weights + ``weight_scale_inv`` block scales)
+    says that quantized checkpoints are not supported, whichever of the two is met first."""
+    _, tensors, raw, _ = base
+    key = "model.layers.1.self_attn.o_proj.weight"
+    for with_scale in (True, False):
+        t = dict(tensors)
+        t[key] = t[key].to(torch.float8_e4m3fn)
+        if with_scale:
+            t[key + "_scale_inv"] = torch.ones(1, 1)
+        d = tmp_path / str(with_scale)
+        d.mkdir()
+        save_file({k: v.contiguous() for k, v in t.items()}, str(d / "model.safetensors"))
+        (d / "config.json").write_text(json.dumps(dict(raw, quantization_config={"quant_method": "fp8"})))
+        err = UnexpectedKeyError if with_scale else UnsupportedDtypeError
+        name = key + "_scale_inv" if with_scale else key
+        with pytest.raises(err, match=name.replace(".", r"\.") + r".*quantized \(e\.g\. FP8\) checkpoints are not "
+                                                                 r"supported; convert the weights to bfloat16"):
+            load_models(str(d), device="cpu")
+
+
 def test_unsupported_load_dtype(base):
     for bad in (torch.float64, "int8"):
         with pytest.raises(UnsupportedDtypeError, match="unsupported load dtype"):

@@ -35,6 +35,10 @@ SUPPORTED_LOAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 SUPPORTED_FILE_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
+#: What FP8 (or otherwise quantized) checkpoints hold beside the weights: DeepSeek-V3's block scales
+#: (``*.weight_scale_inv``), compressed-tensors' ``*.weight_scale`` / ``*.input_scale``.
+QUANT_SCALE_SUFFIXES = ("_scale_inv", ".weight_scale", ".input_scale")
+QUANTIZED_HINT = "quantized (e.g. FP8) checkpoints are not supported; convert the weights to bfloat16 first"
 
 
 # ------------------------------------------------------------------------------------------- errors
@@ -173,6 +177,8 @@ def _select(reader: CheckpointReader, own: Dict[str, WeightSpec], other: Dict[st
     """Check names, layouts, shapes and dtypes; return the keys of ``own`` to load."""
     for key in reader.keys():
         if key not in own and key not in other:
+            if key.endswith(QUANT_SCALE_SUFFIXES):
+                raise UnexpectedKeyError(key, f" (a quantization scale: {QUANTIZED_HINT})")
             raise UnexpectedKeyError(key, f" (not a tensor of this {part}'s config; expected names like "
                                           f"{next(iter(own))!r})")
     layouts: Dict[str, Dict[str, List[str]]] = {}
@@ -202,8 +208,9 @@ def _select(reader: CheckpointReader, own: Dict[str, WeightSpec], other: Dict[st
             raise MissingKeyError(key)
         dt = reader.dtype_name(key)
         if dt not in SUPPORTED_FILE_DTYPES:
+            hint = f" ({QUANTIZED_HINT})" if dt.startswith(("F8", "I8", "U8")) else ""
             raise UnsupportedDtypeError(f"checkpoint tensor {key!r} has unsupported dtype {dt}; "
-                                        f"expected one of {sorted(SUPPORTED_FILE_DTYPES)}")
+                                        f"expected one of {sorted(SUPPORTED_FILE_DTYPES)}{hint}")
         shape = reader.shape(key)
         if shape != spec.shape:
             raise ShapeMismatchError(key, spec.shape, shape)
