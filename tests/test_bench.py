@@ -83,6 +83,15 @@ def test_bench_serve_cli_random_prompts_marked_synthetic(forced_server, tmp_path
     assert p.returncode == 2 and "max_model_len" in p.stderr
 
 
+def test_bench_serve_natural_prompts_longer_than_the_context_say_to_pass_input_len(forced_server):
+    """Natural GSM8K 5-shot prompts (this tiny BPE: thousands of tokens) against a 512-token server:
+    every request fails, and the error says how to run the benchmark (``--input-len``)."""
+    cfg = BenchConfig(num_prompts=2, max_concurrency=2, output_len=8, warmup=0)
+    with pytest.raises(ValueError, match=r"no request succeeded; first error: .*max_model_len.*the natural GSM8K "
+                                         r"5-shot prompts do not fit the server's max_model_len 512: pass --input-len"):
+        run_benchmark(forced_server.url, cfg, progress=False)
+
+
 def test_verdict_rule():
     a = {"median": 100.0, "spread": 4.0}
     assert not bench_arms.verdict(a, {"median": 103.0, "spread": 2.0}, True, 3)["significant"]

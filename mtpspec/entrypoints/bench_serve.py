@@ -219,7 +219,8 @@ def run_benchmark(base_url: str, cfg: BenchConfig, progress: bool = True, desc: 
 
     Raises:
         ValueError: the workload does not fit the server's context (``input_len + output_len >
-            max_model_len``), or no request succeeded.
+            max_model_len``), or no request succeeded (natural prompts longer than the context:
+            the message says to pass ``input_len``).
         httpx.HTTPError: the server cannot be reached.
     """
     base_url = base_url.rstrip("/")
@@ -249,7 +250,12 @@ def run_benchmark(base_url: str, cfg: BenchConfig, progress: bool = True, desc: 
         after = scrape(base_url, client)
     ok = [r for r in recs if r.ok]
     if not ok:
-        raise ValueError(f"no request succeeded; first error: {recs[0].error if recs else 'none'}")
+        first = str(recs[0].error) if recs else "none"
+        hint = ""
+        if cfg.input_len is None and ("max_model_len" in first or "maximum context length" in first):
+            hint = (f"; the natural GSM8K 5-shot prompts do not fit the server's max_model_len {info.max_model_len}: "
+                    "pass --input-len N (prompts of exactly N tokens, N + --output-len <= max_model_len)")
+        raise ValueError(f"no request succeeded; first error: {first}{hint}")
     k = int(info.info.get("num_speculative_tokens") or 0)
     spec = spec_figures(before, after, k)
     out_tokens = sum(r.output_tokens for r in ok)
