@@ -30,3 +30,20 @@ def test_defaults_tiny_and_explicit_flags():
 def test_bad_flag_values_are_rejected():
     with pytest.raises(SystemExit):
         _parse(["--max-steps", "many"])
+
+
+def test_init_from_a_model_with_fewer_positions_than_max_len_is_refused_first(tmp_path, monkeypatch):
+    """``--init-from`` a model whose ``max_position_embeddings`` is below ``--max-len``: a
+    ValueError naming both before any data is prepared or weight loaded (it used to fail with an
+    IndexError in the rotary table at the first long batch)."""
+    import json
+
+    from mtpspec.training import train as train_mod
+    (tmp_path / "config.json").write_text(json.dumps({"max_position_embeddings": 512}))
+    (tmp_path / "tokenizer.json").write_text("{}")
+    monkeypatch.setattr(train_mod, "prepare_data", lambda *a, **k: pytest.fail("data prepared"))
+    cfg = TrainConfig(output_dir=str(tmp_path / "out"), init_from=str(tmp_path), max_len=2048, device="cpu",
+                      dtype="float32", progress=False)
+    with pytest.raises(ValueError, match=r"--max-len 2048 exceeds the max_position_embeddings 512 of --init-from "
+                                         r".*pass --max-len 512 or less"):
+        train_mod.train(cfg, log=lambda *a, **k: None)

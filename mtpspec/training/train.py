@@ -270,12 +270,14 @@ def _start_distill_phase(target, mtp, opt, balancer, cfg: TrainConfig):
     return new
 
 
-def load_initial_model(path: str, device: torch.device, dtype: torch.dtype):
+def load_initial_model(path: str, device: torch.device, dtype: torch.dtype, max_len: Optional[int] = None):
     """``--init-from``: ``(target, mtp, config_dict, tokenizer)`` of an mtpspec / Hugging Face
     checkpoint folder (``config.json``, safetensors, ``tokenizer.json``), trainable, at tp 1.
 
     Raises:
         FileNotFoundError: no ``config.json`` or ``tokenizer.json`` in ``path``.
+        ValueError: ``max_len`` (``--max-len``, the longest training document) above the model's
+            ``max_position_embeddings`` (its rotary table ends there), before anything is loaded.
         CheckpointError (and subclasses): weights that do not load (see ``load_models``).
     """
     from mtpspec.models import load_models
@@ -286,6 +288,10 @@ def load_initial_model(path: str, device: torch.device, dtype: torch.dtype):
                                     "safetensors weights and tokenizer.json)")
     with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
         config_dict = json.load(f)
+    positions = config_dict.get("max_position_embeddings")
+    if max_len is not None and isinstance(positions, int) and max_len > positions:
+        raise ValueError(f"--max-len {max_len} exceeds the max_position_embeddings {positions} of --init-from {path} "
+                         f"(training documents would run past its rotary table); pass --max-len {positions} or less")
     target, mtp = load_models(path, dtype=dtype, device=device)
     for m in (target, mtp):
         for p in m.parameters():
@@ -353,7 +359,7 @@ def train(cfg: TrainConfig, log=_log) -> Dict[str, Any]:
         torch.backends.cudnn.allow_tf32 = True
 
     if cfg.init_from:
-        target, mtp, config_dict, tok = load_initial_model(cfg.init_from, device, dtype)
+        target, mtp, config_dict, tok = load_initial_model(cfg.init_from, device, dtype, cfg.max_len)
         if config_dict.get("model_type") != cfg.arch:
             raise ValueError(f"--init-from {cfg.init_from} holds a {config_dict.get('model_type')!r} model; pass "
                              f"--arch {config_dict.get('model_type')} (got --arch {cfg.arch})")
