@@ -15,7 +15,7 @@ What is compared:
   exactly as a whole prefill does (each chunk's last row takes the next prompt token);
 * verification after chunking: drafts come from an oracle (the reference continuation with 30%
   corrupted) so every accepted length occurs and the verify rows read a context written by
-  several chunks (../shared/docs/known-faults.md, item 11: MLA + speculative decoding wrong only
+  several chunks (the known-faults list, item 11: MLA + speculative decoding wrong only
   with chunked prefill), on GQA, sparse MLA + indexer (DeepSeek-V3.2) and dense MLA (DeepSeek-V3),
   also through the Triton kernels (interpreter);
 * preemption of a partially prefilled request (tiny ``num_kv_blocks``), the CUDA-graph code path

@@ -6,7 +6,7 @@ three requests accept 0, 3 and 1 of their 3 drafts. Its drafts are compared with
 full-recompute reference: a cache-less copy of the MTP model run over each request's whole
 history, with the shared selection (the request's last accepted row's selection from the first
 pass + the positions drafted since) given through ``precomputed_topk_pos``. The tests tell
-apart the four known faults (../shared/docs/known-faults.md item 12): the MTP layer's own indexer
+apart the four known faults that other engines shipped in this path (the project's known-faults list, item 12): the MTP layer's own indexer
 (never the target's), rows compacted per request with uneven accepted lengths, no
 rejected-branch rows, the reuse engaging (scoring calls per round counted) and the anchor being
 the first draft pass. Engine runs check losslessness with sharing on (eager, the graph code path,

@@ -26,7 +26,7 @@ How it runs (graph-safe: persistent buffers, modes fixed at capture by the propo
   ``*_end`` hooks return to ``"off"``.
 
 Each MTP layer keeps its own :class:`IndexShareState` (its own anchor selection). The four
-public bugs in this path (``../shared/docs/known-faults.md`` item 12) each have a test in
+public bugs in this path (the known-faults list of the project, item 12) each have a test in
 ``tests/test_index_share.py``.
 """
 
