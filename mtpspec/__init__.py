@@ -14,6 +14,7 @@ _LAZY = {
     "RequestOutput": "mtpspec.outputs",
     "CompletionOutput": "mtpspec.outputs",
     "RequestMetrics": "mtpspec.outputs",
+    "Logprob": "mtpspec.outputs",
 }
 
 __all__ = ["__version__", "demo_model_path", *_LAZY]

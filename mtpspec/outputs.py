@@ -1,9 +1,32 @@
-"""What ``LLM.generate`` returns (vLLM's ``RequestOutput`` / ``CompletionOutput`` names)."""
+"""What ``LLM.generate`` returns (vLLM's ``RequestOutput`` / ``CompletionOutput`` / ``Logprob`` names)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Union
+
+
+@dataclass
+class Logprob:
+    """One token's log-probability at one position (vLLM's ``Logprob``).
+
+    Attributes:
+        logprob: ``log p(token | prefix)`` under the raw model distribution (``log_softmax`` of
+            the target's logits, before penalties, temperature, top-k and top-p), float32 math.
+        rank: 1-based rank in that distribution: how many tokens have a log-probability ``>=``
+            this one's (vLLM's definition; ties count against the token).
+        decoded_token: the token's text alone (``None`` without a tokenizer).
+    """
+
+    logprob: float
+    rank: Optional[int] = None
+    decoded_token: Optional[str] = None
+
+
+# Per generated token: {token id: Logprob} holding the generated token and the top-N alternatives
+# (N or N + 1 entries; the generated token first). Per prompt token: the same, ``None`` for the first.
+SampleLogprobs = List[Dict[int, Logprob]]
+PromptLogprobs = List[Optional[Dict[int, Logprob]]]
 
 
 @dataclass
@@ -83,6 +106,10 @@ class CompletionOutput:
         finish_reason: ``"stop"`` (EOS, stop token or stop string), ``"length"`` (``max_tokens``
             or the context length), ``"abort"``, or ``None`` while running.
         stop_reason: the stop string or stop token id that matched (``None`` for EOS/length).
+        logprobs: with ``SamplingParams.logprobs``: one ``{token id: Logprob}`` per token of
+            ``token_ids`` (the generated token and the top-N alternatives), else ``None``.
+        cumulative_logprob: the sum of the generated tokens' log-probabilities (with
+            ``logprobs``), else ``None``.
     """
 
     index: int
@@ -90,6 +117,8 @@ class CompletionOutput:
     token_ids: List[int]
     finish_reason: Optional[str] = None
     stop_reason: Union[int, str, None] = None
+    logprobs: Optional[SampleLogprobs] = None
+    cumulative_logprob: Optional[float] = None
 
     def finished(self) -> bool:
         return self.finish_reason is not None
@@ -106,6 +135,9 @@ class RequestOutput:
         outputs: one :class:`CompletionOutput`.
         finished: whether the request is done.
         metrics: timings and speculative-decoding counters.
+        prompt_logprobs: with ``SamplingParams.prompt_logprobs``: per prompt token, ``None`` for
+            the first, then ``{token id: Logprob}`` (the prompt token and the top-N
+            alternatives), from the prefill's logits; else ``None``.
     """
 
     request_id: str
@@ -114,3 +146,4 @@ class RequestOutput:
     outputs: List[CompletionOutput]
     finished: bool
     metrics: RequestMetrics
+    prompt_logprobs: Optional[PromptLogprobs] = None

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import List, Optional, Sequence, Union
+from typing import Dict, List, Optional, Sequence, Union
 
 
 def _is_int(x: object) -> bool:
@@ -37,6 +37,30 @@ class SamplingParams:
         stop_token_ids: token ids that end generation (kept in ``token_ids``, not in text).
         ignore_eos: keep generating past the model's EOS token.
         skip_special_tokens: drop special tokens when detokenizing.
+        presence_penalty: subtracted from the logit of every token that occurs in the output so
+            far, in ``[-2, 2]`` (vLLM / OpenAI). ``0`` = off.
+        frequency_penalty: subtracted once per occurrence in the output so far, in ``[-2, 2]``.
+            ``0`` = off.
+        repetition_penalty: for every token that occurs in the prompt or the output so far, a
+            positive logit is divided by it and a negative one multiplied (vLLM's definition), a
+            finite number > 0. ``1`` = off.
+        min_tokens: the model's EOS ids and ``stop_token_ids`` cannot be generated (their logits
+            are masked to ``-inf``) before ``min_tokens`` tokens were; stop strings are not
+            checked before then either (vLLM). An int in ``[0, max_tokens]``.
+        logit_bias: ``{token_id: bias}`` added to the raw logits before the penalties and the
+            temperature (ids >= 0; the engine checks them against the vocabulary). Finite biases;
+            the OpenAI server clamps them to ``[-100, 100]`` as vLLM does.
+        logprobs: return the log-probability of every generated token plus the ``logprobs``
+            most likely alternatives at its position (vLLM's semantics: the raw model
+            distribution, ``log_softmax`` of the logits before penalties, temperature, top-k and
+            top-p); ``0`` = just the generated token, ``None`` = none, ``-1`` = the whole
+            vocabulary (subject to the engine's maximum, 20).
+        prompt_logprobs: the same for every prompt token after the first, from the prefill's
+            logits (first entry ``None``).
+
+    Speculative decoding changes none of these: every parameter acts on the target's
+    distribution of each verified row, with counts that include the drafts the row is
+    conditioned on, so greedy outputs and seeded samples equal plain decoding's.
 
     Raises:
         ValueError / TypeError: on construction, for any value out of range, non-finite or of
@@ -52,6 +76,13 @@ class SamplingParams:
     stop_token_ids: Optional[List[int]] = None
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0
+    logit_bias: Optional[Dict[int, float]] = None
+    logprobs: Optional[int] = None
+    prompt_logprobs: Optional[int] = None
     _stop_list: List[str] = field(default_factory=list, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -80,6 +111,42 @@ class SamplingParams:
             self.stop_token_ids = list(ids)
         if not isinstance(self.ignore_eos, bool):
             raise TypeError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not _is_real(v) or not -2.0 <= v <= 2.0:  # NaN fails the range test
+                raise ValueError(f"{name} must be in [-2, 2], got {v!r}.")
+            setattr(self, name, float(v))
+        rp = self.repetition_penalty
+        if not _is_real(rp) or not math.isfinite(rp):
+            raise ValueError(f"repetition_penalty must be a finite number, got {rp!r}.")
+        if rp <= 0.0:
+            raise ValueError(f"repetition_penalty must be greater than zero, got {rp!r}.")
+        self.repetition_penalty = float(rp)
+        if not _is_int(self.min_tokens) or self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be greater than or equal to 0, got {self.min_tokens!r}.")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens must be less than or equal to max_tokens={self.max_tokens}, "
+                             f"got {self.min_tokens}.")
+        self.logit_bias = self._check_logit_bias(self.logit_bias)
+        for name in ("logprobs", "prompt_logprobs"):
+            v = getattr(self, name)
+            if v is not None and (not _is_int(v) or (v < 0 and v != -1)):
+                raise ValueError(f"{name} must be non-negative or -1, got {v!r}.")
+
+    @staticmethod
+    def _check_logit_bias(bias: object) -> Optional[Dict[int, float]]:
+        if bias is None:
+            return None
+        if not isinstance(bias, dict):
+            raise TypeError(f"logit_bias must be a dict of token id -> bias, got {bias!r}")
+        out = {}
+        for t, b in bias.items():
+            if not _is_int(t) or t < 0:
+                raise ValueError(f"logit_bias keys must be token ids (ints >= 0), got {t!r}")
+            if not _is_real(b) or not math.isfinite(b):
+                raise ValueError(f"logit_bias values must be finite numbers, got {b!r} for token {t}")
+            out[int(t)] = float(b)
+        return out or None
 
     @staticmethod
     def _check_stop(stop: object) -> List[str]:
@@ -99,6 +166,11 @@ class SamplingParams:
     def stop_strings(self) -> List[str]:
         """``stop`` as a (possibly empty) list."""
         return list(self._stop_list)
+
+    @property
+    def uses_penalties(self) -> bool:
+        """True when a presence, frequency or repetition penalty is set."""
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
 
     @property
     def is_greedy(self) -> bool:

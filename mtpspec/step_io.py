@@ -19,6 +19,8 @@ from typing import Dict, List, Optional
 import torch
 
 from mtpspec.layers.attention import AttentionMetadata
+from mtpspec.sample.logits_processors import LogitsProcessorMetadata, SeqLogitsParams
+from mtpspec.sample.logprobs import LogprobsMetadata, TokenLogprobs
 from mtpspec.sample.sampler import SamplingMetadata
 
 
@@ -39,6 +41,13 @@ class SeqInput:
             prefill): the prompt token at position ``seq_len``. Such a chunk is not sampled and
             emits nothing; the MTP first pass takes this token at the chunk's last row (where a
             final chunk takes its sampled token), so the MTP KV cache equals a whole prefill's.
+        logprobs: ``N``: score every emitted token and its top-``N`` alternatives (``None``: no).
+        prompt_logprobs: ``N`` for the prompt rows below (``None``: no).
+        prompt_logprob_rows: leading rows to score against the prompt token after them (row
+            ``i``: the token at ``start_position + i + 1``, ``input_token_ids[i + 1]`` or, for the
+            last row of a partial chunk, ``next_token_id``); ``0`` = none.
+        logits_params: ``logit_bias`` / ``min_tokens`` / penalties of the step's rows
+            (:class:`~mtpspec.sample.logits_processors.SeqLogitsParams`), ``None`` = none.
     """
 
     input_token_ids: List[int]
@@ -50,6 +59,10 @@ class SeqInput:
     top_p: float = 1.0
     seed_key: int = 0
     next_token_id: Optional[int] = None
+    logprobs: Optional[int] = None
+    prompt_logprobs: Optional[int] = None
+    prompt_logprob_rows: int = 0
+    logits_params: Optional[SeqLogitsParams] = None
 
     @property
     def is_partial_prefill(self) -> bool:
@@ -109,6 +122,8 @@ class PreparedStep:
             sampled prefill row; ``None`` when every one is sampled (no partial chunk).
         next_token_ids: ``[B]`` int64, ``SeqInput.next_token_id`` of partial chunks, -1
             elsewhere; ``None`` without partial chunks.
+        logits_meta: the rows' ``logit_bias`` / ``min_tokens`` / penalty edits (``None``: none).
+        logprobs_meta: rows to score for ``logprobs`` / ``prompt_logprobs`` (``None``: none).
     """
 
     input_ids: torch.Tensor
@@ -132,6 +147,8 @@ class PreparedStep:
     host_partial: List[int] = field(default_factory=list)
     prefill_sample_index: Optional[torch.Tensor] = None
     next_token_ids: Optional[torch.Tensor] = None
+    logits_meta: Optional[LogitsProcessorMetadata] = None
+    logprobs_meta: Optional[LogprobsMetadata] = None
 
 
 @dataclass
@@ -147,6 +164,10 @@ class StepOutput:
         comm_bytes: bytes this rank's collectives sent during the step, per op
             (host counters, no device sync).
         execute_time_s: host wall time of the step on rank 0, seconds.
+        logprobs: per sequence, ``None`` or one :class:`~mtpspec.sample.logprobs.TokenLogprobs`
+            per emitted token (``None`` for the whole field when no sequence asked).
+        prompt_logprobs: per sequence, ``None`` or one per scored prompt row (the token at
+            ``start_position + 1 + i`` for row ``i``).
     """
 
     new_token_ids: List[List[int]]
@@ -154,3 +175,5 @@ class StepOutput:
     num_eager_fallbacks: int = 0
     comm_bytes: Dict[str, int] = field(default_factory=dict)
     execute_time_s: float = 0.0
+    logprobs: Optional[List[Optional[List[TokenLogprobs]]]] = None
+    prompt_logprobs: Optional[List[Optional[List[TokenLogprobs]]]] = None

@@ -405,8 +405,10 @@ class AsyncLLM:
 
 def _snapshot(seq: Sequence) -> RequestOutput:
     """A cheap cumulative output of a running sequence (prompt ids shared, outputs copied)."""
-    comp = CompletionOutput(0, seq.output_text, list(seq.output_token_ids), None, None)
-    return RequestOutput(seq.request_id, seq.prompt, seq.prompt_token_ids, [comp], False, seq.metrics)
+    lps = None if seq.output_logprobs is None else list(seq.output_logprobs)
+    comp = CompletionOutput(0, seq.output_text, list(seq.output_token_ids), None, None, lps, seq.cumulative_logprob)
+    return RequestOutput(seq.request_id, seq.prompt, seq.prompt_token_ids, [comp], False, seq.metrics,
+                         seq.prompt_logprobs)
 
 
 class RequestStream:

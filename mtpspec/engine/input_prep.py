@@ -10,6 +10,8 @@ import torch
 
 from mtpspec.layers.attention import AttentionMetadata
 from mtpspec.sample.counter_rng import STREAM_ACCEPT, STREAM_SAMPLE, counter_uniforms
+from mtpspec.sample.logits_processors import LogitsProcessorMetadata
+from mtpspec.sample.logprobs import LogprobsMetadata
 from mtpspec.sample.sampler import SamplingMetadata
 from mtpspec.step_io import PreparedStep, SeqInput, StepInput
 
@@ -21,11 +23,50 @@ def _meta(seqs: List[SeqInput], device: torch.device) -> Optional[SamplingMetada
                                   [s.top_p for s in seqs], device)
 
 
+def _row_layout(seqs: List[SeqInput], num_dec: int, k: int) -> List[List[int]]:
+    """Rows of the step's logits per sequence: ``1 + k`` per decode, then one per other sequence
+    that samples (none for a partial prefill chunk)."""
+    out = [list(range(i * (k + 1), (i + 1) * (k + 1))) for i in range(num_dec)]
+    row = num_dec * (k + 1)
+    for s in seqs[num_dec:]:
+        out.append([] if s.is_partial_prefill else [row])
+        row += 0 if s.is_partial_prefill else 1
+    return out
+
+
+def _logits_meta(seqs: List[SeqInput], layout: List[List[int]], num_dec: int,
+                 device: torch.device) -> Optional[LogitsProcessorMetadata]:
+    items = [(layout[i], s.input_token_ids[1:] if i < num_dec else [], s.logits_params)
+             for i, s in enumerate(seqs) if s.logits_params is not None and layout[i]]
+    return LogitsProcessorMetadata.build(items, device) if items else None
+
+
+def _logprobs_meta(seqs: List[SeqInput], layout: List[List[int]], k: int, seg: np.ndarray,
+                   device: torch.device) -> Optional[LogprobsMetadata]:
+    sample, prompt = [], []
+    for i, s in enumerate(seqs):
+        rows = layout[i]
+        sample.append(None if s.logprobs is None or not rows else
+                      (rows, [i * (k + 1) + j for j in range(len(rows))], s.logprobs))
+        n = s.prompt_logprob_rows
+        if s.prompt_logprobs is None or n <= 0:
+            prompt.append(None)
+            continue
+        targets = s.input_token_ids[1:] + ([s.next_token_id] if s.is_partial_prefill else [])
+        if n > len(targets):
+            raise ValueError(f"sequence {i}: prompt_logprob_rows={n}, but its input holds the next token of "
+                             f"{len(targets)} rows")
+        prompt.append((list(range(int(seg[i]), int(seg[i]) + n)), targets[:n], s.prompt_logprobs))
+    return LogprobsMetadata.build(sample, prompt, device)
+
+
 def prepare_step(step: StepInput, k: int, block_size: int, max_position: int, device: torch.device) -> PreparedStep:
     """Build :class:`PreparedStep` (one host-to-device copy per tensor, no device sync).
 
     ``k`` is the number of draft tokens (0: plain decoding, where decodes are sampled from
-    their single row like prefills).
+    their single row like prefills). Rows of the step's logits: ``1 + k`` per decode, then one
+    per other sequence that samples (not partial chunks); the logits edits (``logits_meta``) and the rows to score for
+    log-probabilities (``logprobs_meta``) address them in that layout.
 
     Partial prefill chunks (``SeqInput.next_token_id`` set) get no sample row, no sampling
     parameters and no draws; ``host_partial``, ``prefill_sample_index`` and ``next_token_ids``
@@ -33,8 +74,8 @@ def prepare_step(step: StepInput, k: int, block_size: int, max_position: int, de
 
     Raises:
         ValueError: decodes after prefills, a decode with the wrong number of tokens, a
-            ``next_token_id`` on a decode, or a block table too short for the positions the
-            step writes.
+            ``next_token_id`` on a decode, a block table too short for the positions the step
+            writes, or more prompt rows to score than the input (and ``next_token_id``) holds.
     """
     seqs = step.seqs
     decodes = [s for s in seqs if not s.is_prefill] if k else []
@@ -98,6 +139,7 @@ def prepare_step(step: StepInput, k: int, block_size: int, max_position: int, de
     drafts = None
     if num_dec:
         drafts = dev(np.array([s.input_token_ids[1:] for s in decodes], dtype=np.int64))
+    layout = _row_layout(seqs, num_dec, k)
     return PreparedStep(
         input_ids=dev(ids), positions=dev(np.minimum(pos, max_position - 1)), attn_metadata=meta,
         block_tables=meta.block_tables, start_positions=dev(starts), seg_starts=dev(seg[:-1]),
@@ -105,4 +147,6 @@ def prepare_step(step: StepInput, k: int, block_size: int, max_position: int, de
         draft_token_ids=drafts, decode_meta=_meta(decodes, device), prefill_meta=_meta(rest_sampled, device),
         accept_uniforms=accept_u, decode_sample_uniforms=dec_u, prefill_uniforms=pre_u,
         host_query_lens=q.tolist(), host_start_positions=starts.tolist(), host_partial=partial,
-        prefill_sample_index=sample_index, next_token_ids=next_ids)
+        prefill_sample_index=sample_index, next_token_ids=next_ids,
+        logits_meta=_logits_meta(seqs, layout, num_dec, device),
+        logprobs_meta=_logprobs_meta(seqs, layout, k, seg, device))

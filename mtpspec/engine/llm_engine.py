@@ -12,14 +12,19 @@ from mtpspec.engine.config import CacheConfig, SchedulerConfig
 from mtpspec.sample.counter_rng import seed_to_u64
 from mtpspec.engine.detokenizer import IncrementalDetokenizer, Tokenizer
 from mtpspec.engine.executor import Executor
-from mtpspec.engine.scheduler import Scheduler, SchedulerOutput
+from mtpspec.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from mtpspec.engine.sequence import Sequence
-from mtpspec.step_io import SeqInput, StepInput
-from mtpspec.outputs import RequestOutput
+from mtpspec.step_io import SeqInput, StepInput, StepOutput
+from mtpspec.outputs import Logprob, RequestOutput
+from mtpspec.sample.logits_processors import SeqLogitsParams
+from mtpspec.sample.logprobs import TokenLogprobs
 from mtpspec.sampling_params import SamplingParams
 from mtpspec.spec_decode.metrics import EngineMetrics, SpecDecodingStats
 
 PromptType = Union[str, Dict[str, Any]]
+
+# Most alternatives per position a request may ask for (vLLM's default --max-logprobs).
+MAX_LOGPROBS = 20
 
 
 class LLMEngine:
@@ -62,6 +67,7 @@ class LLMEngine:
         # Optional hook (analysis / tests / benchmarks): ``hook(seq, proposed_drafts) -> drafts``
         # replaces the drafts a sequence will verify next step (k ints in [0, vocab)).
         self.draft_hook: Optional[Callable[[Sequence, List[int]], List[int]]] = None
+        self._token_texts: Dict[int, str] = {}  # token id -> its text alone (Logprob.decoded_token)
 
     # ------------------------------------------------------------------ requests
     def validate_request(self, prompt: PromptType, params: SamplingParams) -> Tuple[Optional[str], List[int]]:
@@ -73,7 +79,9 @@ class LLMEngine:
 
         Raises:
             ValueError / TypeError: empty prompt, prompt too long for the context, token id outside
-            ``[0, vocab_size)``, a text prompt or stop strings without a tokenizer, wrong types.
+            ``[0, vocab_size)``, a text prompt or stop strings without a tokenizer, wrong types,
+            ``logprobs`` / ``prompt_logprobs`` above :data:`MAX_LOGPROBS` (``-1`` = the whole
+            vocabulary), ``logit_bias`` ids outside the vocabulary (vLLM's messages).
         """
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
@@ -107,7 +115,19 @@ class LLMEngine:
                              "so a prompt may have at most max_model_len - 1 tokens")
         if params.stop_strings and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer; the model folder has none (use stop_token_ids)")
+        for name, what in (("logprobs", "sample"), ("prompt_logprobs", "prompt")):
+            n = self._num_logprobs(getattr(params, name))
+            if n is not None and n > MAX_LOGPROBS:
+                raise ValueError(f"Requested {what} logprobs of {n}, which is greater than max allowed: {MAX_LOGPROBS}")
+        if params.logit_bias:
+            bad = [t for t in params.logit_bias if t >= self.vocab_size]
+            if bad:
+                raise ValueError(f"token_id(s) {bad} in logit_bias contain out-of-vocab token ids. "
+                                 f"Vocabulary size: {self.vocab_size}")
         return text, list(ids)
+
+    def _num_logprobs(self, n: Optional[int]) -> Optional[int]:
+        return self.vocab_size if n == -1 else n
 
     def add_request(self, prompt: PromptType, params: SamplingParams, request_id: Optional[str] = None,
                     arrival_time: Optional[float] = None) -> str:
@@ -132,10 +152,57 @@ class LLMEngine:
     def _step_input(self, out: SchedulerOutput) -> StepInput:
         seqs = []
         for s in out.scheduled:
-            p = s.seq.params
-            seqs.append(SeqInput(s.input_token_ids, s.start_position, list(s.seq.block_table), s.is_prefill,
-                                 p.temperature, p.top_k, p.top_p, s.seq.seed_key, s.next_token_id))
+            seq, p = s.seq, s.seq.params
+            si = SeqInput(s.input_token_ids, s.start_position, list(seq.block_table), s.is_prefill,
+                          p.temperature, p.top_k, p.top_p, seq.seed_key, s.next_token_id)
+            si.logprobs = self._num_logprobs(p.logprobs)
+            if p.prompt_logprobs is not None and s.is_prefill:
+                self._prompt_logprob_rows(s, si)
+            si.logits_params = None if s.is_partial_prefill else self._logits_params(seq)
+            seqs.append(si)
         return StepInput(seqs, next(self._step_id))
+
+    def _prompt_logprob_rows(self, sch: ScheduledSeq, si: SeqInput) -> None:
+        """Ask a prefill (chunk) to score the prompt positions it predicts that are not scored yet.
+
+        Row ``i`` of a chunk starting at position ``s`` predicts position ``s + i + 1``; the
+        prompt's positions ``1 .. P - 1`` are scored once, chunk after chunk. A preemption before
+        they are all scored restarts them with the recomputed prefill (same values).
+        """
+        seq = sch.seq
+        n_prompt = len(seq.prompt_token_ids)
+        done = seq.prompt_logprobs
+        if done is not None and len(done) >= n_prompt:
+            return  # complete (a recompute after a preemption needs none)
+        if done is None or sch.start_position != len(done) - 1:
+            done = seq.prompt_logprobs = [None]  # first chunk, or a recompute from position 0
+            if sch.start_position != 0:
+                raise RuntimeError(f"{seq!r}: prompt logprobs would skip positions before {sch.start_position}")
+        rows = min(len(sch.input_token_ids) + (1 if sch.is_partial_prefill else 0) - 1,
+                   n_prompt - 1 - sch.start_position)
+        if rows > 0:
+            si.prompt_logprobs = self._num_logprobs(seq.params.prompt_logprobs)
+            si.prompt_logprob_rows = rows
+
+    def _logits_params(self, seq: Sequence) -> Optional[SeqLogitsParams]:
+        """The sequence's logit edits for its next rows, or ``None`` when nothing applies."""
+        p = seq.params
+        remaining = max(0, p.min_tokens - len(seq.output_token_ids))
+        if not (p.uses_penalties or p.logit_bias or remaining):
+            return None
+        lp = SeqLogitsParams(p.presence_penalty, p.frequency_penalty, p.repetition_penalty)
+        if p.uses_penalties:
+            lp.output_token_ids = list(seq.output_token_ids)
+            if p.repetition_penalty != 1.0:
+                lp.prompt_token_ids = seq.distinct_prompt_token_ids
+        if p.logit_bias:
+            lp.logit_bias = sorted(p.logit_bias.items())
+        if remaining:
+            # vLLM's all_stop_token_ids: the EOS ids (also with ignore_eos) and the stop ids
+            stop = set(self.eos_token_ids) | set(p.stop_token_ids or ())
+            lp.suppressed_token_ids = sorted(t for t in stop if 0 <= t < self.vocab_size)
+            lp.min_tokens_remaining = remaining
+        return None if lp.is_noop else lp
 
     def step(self) -> List[RequestOutput]:
         """Schedule and run one step; returns the requests that finished in it."""
@@ -152,6 +219,8 @@ class LLMEngine:
         before = {id(s.seq): len(s.seq.output_token_ids) for s in out.scheduled}
         finished = self.scheduler.update_from_output(out, result.new_token_ids, result.draft_token_ids if k else None,
                                                      now)
+        if result.logprobs is not None or result.prompt_logprobs is not None:
+            self._store_logprobs(out, result, before)
         if k:  # emitted accepted drafts only (see Scheduler.update_from_output)
             for sch in out.scheduled:
                 if not sch.is_prefill:
@@ -173,6 +242,39 @@ class LLMEngine:
             if rm.tpot is not None:
                 m.tpot_s.append(rm.tpot)
         return [s.to_output() for s in finished]
+
+    def _token_text(self, tid: int) -> Optional[str]:
+        if self.tokenizer is None:
+            return None
+        text = self._token_texts.get(tid)
+        if text is None:
+            text = self._token_texts[tid] = self.tokenizer.decode([tid], skip_special_tokens=False)
+        return text
+
+    def _logprob_dict(self, token: int, lp: TokenLogprobs) -> Dict[int, Logprob]:
+        """vLLM's layout: the chosen token first (its rank), then the top-N (ranks 1 .. N)."""
+        d = {token: Logprob(lp.logprob, lp.rank, self._token_text(token))}
+        for r, (t, v) in enumerate(zip(lp.top_token_ids, lp.top_logprobs), start=1):
+            if t not in d:
+                d[t] = Logprob(v, r, self._token_text(t))
+        return d
+
+    def _store_logprobs(self, out: SchedulerOutput, result: StepOutput, before: Dict[int, int]) -> None:
+        """Attach the step's scores to the sequences: one per output token that was kept (tokens
+        dropped after a stop lose theirs), the prompt's after its prefill."""
+        for i, sch in enumerate(out.scheduled):
+            seq = sch.seq
+            if result.prompt_logprobs is not None and result.prompt_logprobs[i] is not None:
+                # row j scored the token after it (a partial chunk's last row: the next chunk's first)
+                toks = sch.input_token_ids[1:] + ([sch.next_token_id] if sch.is_partial_prefill else [])
+                seq.prompt_logprobs.extend(self._logprob_dict(toks[j], lp)
+                                           for j, lp in enumerate(result.prompt_logprobs[i]))
+            if result.logprobs is None or result.logprobs[i] is None or seq.output_logprobs is None:
+                continue
+            new = seq.output_token_ids[before[id(seq)]:]
+            for tok, lp in zip(new, result.logprobs[i]):
+                seq.output_logprobs.append(self._logprob_dict(tok, lp))
+                seq.cumulative_logprob += lp.logprob
 
     def _checked_drafts(self, drafts: List[int]) -> List[int]:
         k = self.scheduler_config.num_speculative_tokens

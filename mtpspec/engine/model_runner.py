@@ -4,7 +4,14 @@ Every tensor-parallel rank runs the same :meth:`ModelRunner.execute_model` on th
 :class:`~mtpspec.step_io.StepInput`. Logits are all-gathered and the random draws are
 counter-based (:mod:`mtpspec.sample.counter_rng`), so every rank computes the same tokens and the
 same accepted counts, hence the same shapes and the same collectives in the same order. The
-only device-to-host transfer of a step is the final ``[B, 2k + 1]`` token block.
+only device-to-host transfer of a step is the final ``[B, 2k + 1]`` token block (with the
+step's log-probabilities packed beside it when a sequence asked for them).
+
+Sampling and verification read the verify forward's logits after per-request edits
+(:mod:`mtpspec.sample.logits_processors`: ``logit_bias``, ``min_tokens``, penalties);
+log-probabilities (:mod:`mtpspec.sample.logprobs`) are scored from the unedited logits of the
+same rows, on rank 0 only (the other ranks' step outputs are never read), so no forward runs
+twice. Both happen eagerly after the (possibly graphed) verify forward.
 """
 
 from __future__ import annotations
@@ -12,14 +19,17 @@ from __future__ import annotations
 import time
 from typing import List, Optional, Sequence, Tuple
 
+import numpy as np
 import torch
 
 from mtpspec.config import SpeculativeConfig
-from mtpspec.distributed import comm_stats
+from mtpspec.distributed import comm_stats, get_tp_group
 from mtpspec.engine import kv_cache
 from mtpspec.engine.config import CacheConfig, SchedulerConfig
 from mtpspec.engine.forward import EagerForward, GraphedForward
 from mtpspec.engine.input_prep import prepare_step
+from mtpspec.sample.logits_processors import apply_logits_processors
+from mtpspec.sample.logprobs import PROMPT_CHUNK_ROWS, score_rows, unpack_rows
 from mtpspec.sample.rejection_sampler import PLACEHOLDER_TOKEN_ID, RejectionSampler
 from mtpspec.sample.sampler import Sampler
 from mtpspec.spec_decode.proposer import Proposer, build_proposer
@@ -62,6 +72,7 @@ class ModelRunner:
         self.kv_dtype = next(target.parameters()).dtype
         self.sampler = Sampler()
         self.rejection_sampler = RejectionSampler()
+        self.is_driver = get_tp_group().rank_in_group == 0  # the rank whose StepOutput is read
         self.proposer: Optional[Proposer] = None
         if spec is not None:
             if mtp is None:
@@ -129,12 +140,16 @@ class ModelRunner:
         inp = self._prepare(step)
         hidden, logits = self.fwd.verify(inp.input_ids, inp.positions, inp.attn_metadata, inp.sample_rows)
         tokens, last_row = self._accept(inp, logits)
+        scores = self._score_logprobs(inp, hidden, logits, tokens)
         drafts = self._propose(inp, hidden, tokens, last_row)
-        new_tokens, drafts_out = self._copy_out(tokens, drafts, inp.host_partial)
+        new_tokens, drafts_out, host_scores = self._copy_out(tokens, drafts, inp.host_partial, scores)
         comm1 = _bytes_sent(comm_stats())
         delta = {op: comm1[op] - comm0.get(op, 0) for op in comm1 if comm1[op] != comm0.get(op, 0)}
-        return StepOutput(new_tokens, drafts_out, self.fwd.num_eager_fallbacks - fallbacks0, delta,
-                          time.perf_counter() - t0)
+        out = StepOutput(new_tokens, drafts_out, self.fwd.num_eager_fallbacks - fallbacks0, delta,
+                         time.perf_counter() - t0)
+        if host_scores is not None:
+            out.logprobs, out.prompt_logprobs = self._split_logprobs(step, inp, new_tokens, host_scores)
+        return out
 
     def _prepare(self, step: StepInput) -> PreparedStep:
         """Device tensors of ``step``; tells the forward the batch (graph buffers for pure decodes)."""
@@ -153,6 +168,7 @@ class ModelRunner:
         k = self.k
         nd, npf = inp.num_decodes, inp.num_prefills
         parts, last = [], []
+        logits = apply_logits_processors(logits, inp.logits_meta)
         if nd:
             dec_logits = logits[: nd * (k + 1)].view(nd, k + 1, -1)
             res = self.rejection_sampler(inp.draft_token_ids, dec_logits, inp.decode_meta, inp.accept_uniforms,
@@ -190,13 +206,76 @@ class ModelRunner:
         host_last = last_row.tolist() if self.device.type == "cpu" else None
         return self.proposer.propose(inp, hidden, new_tok, last_row, host_last, self.fwd)
 
-    def _copy_out(self, tokens: torch.Tensor, drafts: Optional[torch.Tensor],
-                  partial: Sequence[int] = ()) -> Tuple[List[List[int]], List[List[int]]]:
-        """The step's single device -> host transfer: emitted tokens (placeholders cut) and drafts
-        (none for the batch indices in ``partial``: partial prefill chunks)."""
+    def _score_logprobs(self, inp: PreparedStep, hidden: torch.Tensor, logits: torch.Tensor,
+                        tokens: torch.Tensor) -> Optional[List[torch.Tensor]]:
+        """Packed ``[sample block, prompt block]`` (:func:`~mtpspec.sample.logprobs.score_rows`) on
+        the driver rank, ``None`` elsewhere or when no sequence asked.
+
+        Emitted tokens are scored from the unedited ``logits`` rows they were sampled from;
+        prompt rows go through ``compute_logits`` in chunks on every rank (it all-gathers the
+        vocab shards), the scoring itself only on the driver.
+        """
+        lm = inp.logprobs_meta
+        if lm is None:
+            return None
+        sample = prompt = None
+        if lm.rows is not None and self.is_driver:
+            chosen = tokens.reshape(-1).index_select(0, lm.token_index)
+            sample = score_rows(logits.index_select(0, lm.rows), chosen, lm.num_top)
+        if lm.prompt_rows is not None:
+            chunks = []
+            for a in range(0, lm.prompt_rows.shape[0], PROMPT_CHUNK_ROWS):
+                rows = lm.prompt_rows[a:a + PROMPT_CHUNK_ROWS]
+                chunk_logits = self.target.compute_logits(hidden.index_select(0, rows))
+                if self.is_driver:
+                    chunks.append(score_rows(chunk_logits, lm.prompt_tokens[a:a + PROMPT_CHUNK_ROWS], lm.prompt_num_top))
+            prompt = torch.cat(chunks) if chunks else None
+        if not self.is_driver:
+            return None
+        return [sample, prompt]
+
+    def _split_logprobs(self, step: StepInput, inp: PreparedStep, new_tokens: List[List[int]],
+                        blocks: List[Optional[np.ndarray]]):
+        """Per sequence: the emitted tokens' and the prompt rows' :class:`TokenLogprobs` (or ``None``)."""
+        lm = inp.logprobs_meta
+        sample, prompt = blocks
+        out_s: List = [None] * len(step.seqs)
+        out_p: List = [None] * len(step.seqs)
+        a = b = 0
+        for i, s in enumerate(step.seqs):
+            n = lm.row_counts[i]
+            if n:
+                out_s[i] = unpack_rows(sample[a:a + len(new_tokens[i])], s.logprobs)
+                a += n
+            n = lm.prompt_row_counts[i]
+            if n:
+                out_p[i] = unpack_rows(prompt[b:b + n], s.prompt_logprobs)
+                b += n
+        return out_s, out_p
+
+    def _copy_out(self, tokens: torch.Tensor, drafts: Optional[torch.Tensor], partial: Sequence[int] = (),
+                  scores: Optional[List[Optional[torch.Tensor]]] = None
+                  ) -> Tuple[List[List[int]], List[List[int]], Optional[List[Optional[np.ndarray]]]]:
+        """The step's single device -> host transfer: emitted tokens (placeholders cut), drafts
+        (none for the batch indices in ``partial``: partial prefill chunks), and the packed
+        log-probability blocks (float64, sent in the same copy), if any."""
         k = self.k
         result = tokens if drafts is None else torch.cat([tokens, drafts.view(tokens.shape[0], k)], dim=1)
-        host = result.cpu().tolist()
+        host_scores = None
+        if scores is None:
+            host = result.cpu().tolist()
+        else:
+            parts = [result.double().reshape(-1)] + [t.reshape(-1) for t in scores if t is not None]
+            flat = torch.cat(parts).cpu().numpy()
+            n = result.numel()
+            host = flat[:n].reshape(result.shape).astype(np.int64).tolist()
+            host_scores, off = [], n
+            for t in scores:
+                if t is None:
+                    host_scores.append(None)
+                    continue
+                host_scores.append(flat[off:off + t.numel()].reshape(t.shape))
+                off += t.numel()
         new_tokens, drafts_out = [], []
         for row in host:
             emitted = row[:k + 1]
@@ -205,7 +284,7 @@ class ModelRunner:
             drafts_out.append(row[k + 1:])
         for i in partial:
             drafts_out[i] = []
-        return new_tokens, drafts_out
+        return new_tokens, drafts_out, host_scores
 
 
 def last_row_tok_index(inp: PreparedStep, last_row: torch.Tensor) -> torch.Tensor:

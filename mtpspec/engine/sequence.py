@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import enum
-from typing import List, Optional, Union
+from typing import Dict, List, Optional, Union
 
 from mtpspec.engine.detokenizer import IncrementalDetokenizer
-from mtpspec.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from mtpspec.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from mtpspec.sampling_params import SamplingParams
 
 
@@ -34,6 +34,10 @@ class Sequence:
             the MTP layers' caches.
         draft_token_ids: drafts proposed in the previous step, verified in the next one.
         finish_reason / stop_reason: see :class:`~mtpspec.outputs.CompletionOutput`.
+        output_logprobs / cumulative_logprob: one ``{token id: Logprob}`` per output token and
+            their sum (``None`` unless ``params.logprobs`` is set).
+        prompt_logprobs: ``[None, {id: Logprob}, ...]`` once the prefill scored the prompt
+            (``None`` before, and unless ``params.prompt_logprobs`` is set).
     """
 
     def __init__(self, request_id: str, prompt: Optional[str], prompt_token_ids: List[int],
@@ -55,6 +59,18 @@ class Sequence:
         self.detokenizer = detokenizer
         self.output_text = ""
         self.metrics = RequestMetrics(arrival_time=arrival_time)
+        self.output_logprobs: Optional[List[Dict[int, Logprob]]] = [] if params.logprobs is not None else None
+        self.cumulative_logprob: Optional[float] = 0.0 if params.logprobs is not None else None
+        self.prompt_logprobs: Optional[List[Optional[Dict[int, Logprob]]]] = None
+        # distinct prompt ids (the repetition penalty's prompt mask), computed once when needed
+        self._distinct_prompt_ids: Optional[List[int]] = None
+
+    @property
+    def distinct_prompt_token_ids(self) -> List[int]:
+        """The prompt's distinct token ids, sorted (cached)."""
+        if self._distinct_prompt_ids is None:
+            self._distinct_prompt_ids = sorted(set(self.prompt_token_ids))
+        return self._distinct_prompt_ids
 
     @property
     def num_tokens(self) -> int:
@@ -74,10 +90,14 @@ class Sequence:
 
     def to_output(self) -> RequestOutput:
         comp = CompletionOutput(0, self.output_text, list(self.output_token_ids), self.finish_reason,
-                                self.stop_reason)
+                                self.stop_reason, _copy(self.output_logprobs), self.cumulative_logprob)
         return RequestOutput(self.request_id, self.prompt, list(self.prompt_token_ids), [comp],
-                             self.is_finished, self.metrics)
+                             self.is_finished, self.metrics, _copy(self.prompt_logprobs))
 
     def __repr__(self) -> str:
         return (f"Sequence({self.request_id!r}, status={self.status.value}, tokens={self.num_tokens}, "
                 f"computed={self.num_computed_tokens}, prefill={self.is_prefill}, blocks={len(self.block_table)})")
+
+
+def _copy(x: Optional[list]) -> Optional[list]:
+    return None if x is None else list(x)

@@ -17,6 +17,12 @@ def append_tokens(seq: Sequence, token_ids: Seq[int], eos_token_ids: Collection[
     the text -> ``"stop"`` (text cut before it); ``max_tokens`` reached or the sequence
     reached ``max_model_len`` -> ``"length"``. Tokens after the finishing one are dropped.
 
+    ``min_tokens`` (vLLM's rules): EOS and stop ids do not stop the request while it has fewer
+    than ``min_tokens`` output tokens (the sampler masks them then anyway), and stop strings are
+    looked for only once it has more than ``min_tokens``, in text that includes at least one
+    character of a later token. Each stop string is searched from ``len(s) - 1`` characters
+    before the newly added text, so it matches only if it ends in the new text.
+
     Returns:
         How many of ``token_ids`` were kept.
     """
@@ -24,17 +30,17 @@ def append_tokens(seq: Sequence, token_ids: Seq[int], eos_token_ids: Collection[
     stops = p.stop_strings
     for i, tok in enumerate(token_ids):
         seq.output_token_ids.append(int(tok))
+        n_out = len(seq.output_token_ids)
         is_eos = tok in eos_token_ids and not p.ignore_eos
-        if is_eos or (p.stop_token_ids and tok in p.stop_token_ids):
+        if n_out >= p.min_tokens and (is_eos or (p.stop_token_ids and tok in p.stop_token_ids)):
             seq.finish_reason = "stop"
             seq.stop_reason = None if is_eos else int(tok)
             return i + 1
         if seq.detokenizer is not None:
             before = len(seq.output_text)
             seq.output_text += seq.detokenizer.add(int(tok))
-            if stops and len(seq.output_text) > before:
-                start = max(0, before - max(len(s) for s in stops) + 1)
-                hits = [(seq.output_text.find(s, start), s) for s in stops]
+            if stops and len(seq.output_text) > before and n_out > p.min_tokens:
+                hits = [(seq.output_text.find(s, max(0, before - len(s) + 1)), s) for s in stops]
                 hits = [(pos, s) for pos, s in hits if pos >= 0]
                 if hits:
                     pos, s = min(hits)
