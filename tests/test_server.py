@@ -200,6 +200,67 @@ def test_echo_logprobs_match_transformers(server, model_dir):
     assert all(math.isclose(a, b, abs_tol=1e-4) for a, b in zip(lp0[1:], lp["token_logprobs"][1:n_prompt]))
 
 
+def _stream(srv, path, body):
+    with httpx.stream("POST", srv.url + path, timeout=60, json={**body, "stream": True}) as resp:
+        assert resp.status_code == 200, resp.read()
+        events = _sse_events(resp)
+    assert events[-1] == "[DONE]"
+    return [json.loads(e) for e in events[:-1]]
+
+
+@pytest.mark.parametrize("echo", [False, True])
+def test_streamed_logprobs_equal_non_streamed(server, offline, echo):
+    """Logprobs stream with the tokens (one entry per streamed token, text offsets continued) and
+    equal the non-streamed answer, which equals the offline engine's Logprob values."""
+    prompt = _prompts(1, seed=44)[0]
+    body = {"prompt": prompt, "max_tokens": 20, "temperature": 0, "logprobs": 3, "echo": echo,
+            "return_token_ids": True, "stop": [" the"]}
+    full = _post(server, "/v1/completions", body).json()["choices"][0]
+    chunks = _stream(server, "/v1/completions", body)
+    merged = {k: sum((c["choices"][0]["logprobs"][k] for c in chunks), []) for k in full["logprobs"]}
+    assert merged == full["logprobs"]
+    assert "".join(c["choices"][0]["text"] for c in chunks) == full["text"]
+    assert len(chunks) > 2  # several steps, each with its tokens' entries
+    n_prompt = len(full["prompt_token_ids"]) if echo else 0
+    assert len(full["logprobs"]["tokens"]) == n_prompt + len(full["token_ids"])
+    ref = offline.generate(prompt, SamplingParams(temperature=0, max_tokens=20, stop=[" the"], logprobs=3))[0]
+    assert full["token_ids"] == ref.outputs[0].token_ids
+    for i, d in enumerate(ref.outputs[0].logprobs):
+        tid = ref.outputs[0].token_ids[i]
+        assert math.isclose(full["logprobs"]["token_logprobs"][n_prompt + i], d[tid].logprob, abs_tol=1e-5)
+        assert 1 <= len(full["logprobs"]["top_logprobs"][n_prompt + i]) <= 4  # ids that decode alike merge
+    # chat: logprobs + top_logprobs, streamed == non-streamed
+    chat = {"messages": [{"role": "user", "content": "What is 2 + 3?"}], "max_tokens": 12, "temperature": 0,
+            "logprobs": True, "top_logprobs": 2}
+    cfull = _post(server, "/v1/chat/completions", chat).json()["choices"][0]["logprobs"]["content"]
+    cchunks = _stream(server, "/v1/chat/completions", chat)
+    streamed = sum(((c["choices"][0]["logprobs"] or {"content": []})["content"] for c in cchunks), [])
+    assert streamed == cfull and len(cfull) > 0 and all(len(e["top_logprobs"]) == 2 for e in cfull)
+
+
+def test_penalties_min_tokens_logit_bias_equal_offline(server, offline):
+    """vLLM's parameter names through the server give the offline engine's tokens (k = 3 both)."""
+    prompts = _prompts(3, seed=70)
+    extra = {"presence_penalty": 0.8, "frequency_penalty": 0.5, "repetition_penalty": 1.4,
+             "logit_bias": {"0": 30.0, "17": -100}, "min_tokens": 6}
+    ref = offline.generate(prompts, SamplingParams(temperature=0, max_tokens=16, presence_penalty=0.8,
+                                                   frequency_penalty=0.5, repetition_penalty=1.4,
+                                                   logit_bias={0: 30.0, 17: -100.0}, min_tokens=6), use_tqdm=False)
+    r = _post(server, "/v1/completions", {"prompt": prompts, "max_tokens": 16, "temperature": 0,
+                                          "return_token_ids": True, **extra})
+    assert r.status_code == 200, r.text
+    choices = sorted(r.json()["choices"], key=lambda c: c["index"])
+    assert [c["token_ids"] for c in choices] == [o.outputs[0].token_ids for o in ref]
+    for c in choices:  # EOS (id 0, biased up) waits for min_tokens, then ends the request
+        assert len(c["token_ids"]) == 7 and c["token_ids"][-1] == 0 and c["finish_reason"] == "stop"
+    plain = _post(server, "/v1/completions", {"prompt": prompts[0], "max_tokens": 16, "temperature": 0,
+                                              "return_token_ids": True}).json()["choices"][0]["token_ids"]
+    assert plain != choices[0]["token_ids"]
+    msg = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, "top_logprobs": 2}
+    r = _post(server, "/v1/chat/completions", msg)
+    assert r.status_code == 400 and "when using `top_logprobs`, `logprobs` must be set to true." in r.text
+
+
 def test_chat_plain_template(server, offline):
     from mtpspec.entrypoints.chat_template import render_plain
     msgs = [{"role": "system", "content": "Solve it."}, {"role": "user", "content": "What is 2 + 3?"}]
@@ -245,7 +306,17 @@ BAD_COMPLETIONS = [
     ({"prompt": "hi", "max_tokens": "12"}, "max_tokens"),          # strict types: no coercion
     ({"prompt": "hi", "max_tokens": True}, "max_tokens"),
     ({"prompt": "hi", "ignore_eos": "yes"}, "ignore_eos"),
-    ({"prompt": "hi", "presence_penalty": 0.5}, "presence_penalty"),
+    ({"prompt": "hi", "presence_penalty": 2.5}, "presence_penalty must be in [-2, 2], got 2.5."),
+    ({"prompt": "hi", "frequency_penalty": -3}, "frequency_penalty must be in [-2, 2]"),
+    ({"prompt": "hi", "repetition_penalty": 0}, "repetition_penalty must be greater than zero"),
+    ({"prompt": "hi", "min_tokens": -1}, "min_tokens must be greater than or equal to 0"),
+    ({"prompt": "hi", "max_tokens": 4, "min_tokens": 5}, "min_tokens must be less than or equal to max_tokens=4"),
+    ({"prompt": "hi", "logit_bias": {"abc": 1.0}}, "logit_bias contains key(s) that cannot be converted"),
+    ({"prompt": "hi", "logit_bias": {"301": 1.0}}, "token_id(s) [301] in logit_bias contain out-of-vocab token ids"),
+    ({"prompt": "hi", "logprobs": -2}, "`logprobs` must be a positive value or -1."),
+    ({"prompt": "hi", "logprobs": 21}, "Requested sample logprobs of 21, which is greater than max allowed: 20"),
+    ({"prompt": "hi", "prompt_logprobs": 2, "stream": True}, "`prompt_logprobs` are not available when `stream=True`."),
+    ({"prompt": "hi", "suffix": "x"}, "suffix"),
 ]
 
 
@@ -404,7 +475,7 @@ def test_tp2_server_equals_offline_tp1(model_dir, offline):
         assert r.status_code == 200, r.text
         choices = sorted(r.json()["choices"], key=lambda c: c["index"])
         assert [c["token_ids"] for c in choices] == [o.outputs[0].token_ids for o in ref]
-        for c in choices:  # the scoring pass ran on both ranks; greedy tokens are the top alternative
+        for c in choices:  # scored from the gathered verify logits; greedy tokens are the top alternative
             lp = c["logprobs"]
             assert len(lp["token_logprobs"]) == len(c["token_ids"])
             assert all(math.isclose(t, max(top.values()), abs_tol=1e-5)

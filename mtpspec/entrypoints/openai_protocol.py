@@ -2,9 +2,10 @@
 
 Fields follow OpenAI's legacy Completions and Chat Completions APIs; extensions (vLLM's names)
 are marked. Unknown fields are rejected (400), so a misspelt parameter is never silently
-ignored. Unsupported OpenAI parameters (``n`` / ``best_of`` other than 1, penalties, logit
-bias, ``suffix``) are accepted only at their neutral values and otherwise rejected with a 400
-that names them.
+ignored. Unsupported OpenAI parameters (``n`` / ``best_of`` other than 1, ``suffix``) are
+accepted only at their neutral values and otherwise rejected with a 400 that names them.
+``presence_penalty``, ``frequency_penalty`` and ``logit_bias`` (OpenAI) and
+``repetition_penalty``, ``min_tokens`` and ``prompt_logprobs`` (vLLM's extensions) are served.
 """
 
 from __future__ import annotations
@@ -62,7 +63,10 @@ class _Sampling(BaseModel):
     seed: Optional[int] = None
     presence_penalty: Optional[float] = 0.0
     frequency_penalty: Optional[float] = 0.0
+    repetition_penalty: Optional[float] = Field(default=None, description="extension: 1 = off")
+    min_tokens: int = Field(default=0, description="extension: EOS / stop ids suppressed before it")
     logit_bias: Optional[Dict[str, float]] = None
+    prompt_logprobs: Optional[int] = Field(default=None, description="extension: top-N per prompt token")
     user: Optional[str] = None
     ignore_eos: bool = Field(default=False, description="extension")
     skip_special_tokens: bool = Field(default=True, description="extension")
@@ -75,7 +79,8 @@ class CompletionRequest(_Sampling):
     ``prompt``: a string, a list of strings, a list of token ids, or a list of token-id lists
     (one choice per prompt, ``index`` = prompt position). ``max_tokens``: default 16; ``None``
     = until the context is full; ``0`` only with ``echo`` (score the prompt, generate nothing).
-    ``logprobs``: 0..20 alternatives per token (scored by an extra target forward).
+    ``logprobs``: 0..20 alternatives per token, from the logits the engine sampled or verified
+    with (streaming too); with ``echo`` also for the prompt tokens (from the prefill's logits).
     """
 
     prompt: Union[str, List[str], List[int], List[List[int]]]

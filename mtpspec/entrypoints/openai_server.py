@@ -20,8 +20,11 @@ whether it streams or not. Streaming uses server-sent events (``data: {json}\\n\
 then ``data: [DONE]``); one chunk per engine step that emitted tokens (a speculative step may
 emit several). While stop strings are set, the last ``max(len(stop)) - 1`` characters are
 held back until the request finishes, so streamed text never shows a stop string.
-``logprobs`` come from an extra scoring forward (:mod:`mtpspec.engine.logprobs`) after the
-request finishes, so they are available without ``stream`` only.
+``logprobs`` are the engine's (:class:`~mtpspec.outputs.Logprob`: scored from the very logits
+each token was sampled or verified with, the raw model distribution), so they stream with the
+tokens: each chunk carries its new tokens' entries. ``echo`` with ``logprobs`` asks the engine
+for ``prompt_logprobs`` (the prefill's logits); ``max_tokens: 0`` with ``echo`` runs just that
+prefill (its one sampled token is not returned).
 """
 
 from __future__ import annotations
@@ -37,12 +40,12 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from pydantic import BaseModel, ValidationError
 
 from mtpspec.engine.async_llm import AsyncLLM, EngineDeadError, QueueFullError, RequestError, RequestStream
-from mtpspec.engine.logprobs import SequenceLogprobs, score_tokens
+from mtpspec.engine.llm_engine import MAX_LOGPROBS
 from mtpspec.entrypoints.chat_template import render_chat
 from mtpspec.entrypoints.openai_protocol import (
     ChatCompletionRequest, CompletionRequest, DetokenizeRequest, OpenAIError, TokenizeRequest, bad_request)
 from mtpspec.entrypoints.server_metrics import ServerMetrics
-from mtpspec.outputs import RequestOutput
+from mtpspec.outputs import Logprob, RequestOutput
 from mtpspec.sampling_params import SamplingParams
 
 M = TypeVar("M", bound=BaseModel)
@@ -97,19 +100,42 @@ def _check_model(ctx: ServerContext, name: Optional[str]) -> None:
 def _check_unsupported(req: Any) -> None:
     if req.n not in (None, 1):
         raise bad_request(f"n={req.n} is not supported: one completion per prompt (n=1)", "n")
-    for name in ("presence_penalty", "frequency_penalty"):
-        v = getattr(req, name)
-        if v not in (None, 0, 0.0):
-            raise bad_request(f"{name}={v} is not supported (only 0)", name)
-    if req.logit_bias:
-        raise bad_request("logit_bias is not supported", "logit_bias")
     if getattr(req, "best_of", None) not in (None, 1):
         raise bad_request(f"best_of={req.best_of} is not supported (only 1)", "best_of")
     if getattr(req, "suffix", None):
         raise bad_request("suffix is not supported", "suffix")
 
 
-def _sampling_params(req: Any, max_tokens: Optional[int], extra_stop: Sequence[str] = ()) -> SamplingParams:
+def _logit_bias(bias: Optional[Dict[str, float]]) -> Optional[Dict[int, float]]:
+    """OpenAI's ``{"token id": bias}`` as vLLM reads it: integer keys, biases clamped to [-100, 100]."""
+    if not bias:
+        return None
+    bad = []
+    out: Dict[int, float] = {}
+    for key, value in bias.items():
+        try:
+            out[int(key)] = min(100.0, max(-100.0, value))
+        except (ValueError, TypeError):
+            bad.append(key)
+    if bad:
+        raise bad_request(f"logit_bias contains key(s) that cannot be converted to integer token IDs: {bad!r}",
+                          "logit_bias")
+    return out
+
+
+def _check_num_logprobs(n: Optional[int], what: str, param: str, vocab_size: int) -> None:
+    """vLLM's checks: ``N >= 0`` or ``-1`` (the whole vocabulary), at most ``MAX_LOGPROBS``."""
+    if n is None:
+        return
+    if n < 0 and n != -1:
+        raise bad_request(f"`{param}` must be a positive value or -1.", param)
+    if (vocab_size if n == -1 else n) > MAX_LOGPROBS:
+        raise bad_request(f"Requested {what} logprobs of {vocab_size if n == -1 else n}, which is greater than "
+                          f"max allowed: {MAX_LOGPROBS}", param)
+
+
+def _sampling_params(req: Any, max_tokens: Optional[int], extra_stop: Sequence[str] = (),
+                     logprobs: Optional[int] = None, prompt_logprobs: Optional[int] = None) -> SamplingParams:
     stop = req.stop
     stops = ([stop] if isinstance(stop, str) else list(stop or [])) + [s for s in extra_stop if s not in (stop or [])]
     try:
@@ -118,7 +144,12 @@ def _sampling_params(req: Any, max_tokens: Optional[int], extra_stop: Sequence[s
             top_p=1.0 if req.top_p is None else req.top_p,
             top_k=0 if req.top_k is None else req.top_k,
             seed=req.seed, max_tokens=max_tokens, stop=stops or None, stop_token_ids=req.stop_token_ids,
-            ignore_eos=req.ignore_eos, skip_special_tokens=req.skip_special_tokens)
+            ignore_eos=req.ignore_eos, skip_special_tokens=req.skip_special_tokens,
+            presence_penalty=0.0 if req.presence_penalty is None else req.presence_penalty,
+            frequency_penalty=0.0 if req.frequency_penalty is None else req.frequency_penalty,
+            repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+            min_tokens=req.min_tokens, logit_bias=_logit_bias(req.logit_bias), logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs)
     except (ValueError, TypeError) as exc:
         param = str(exc).split(" ", 1)[0]
         raise bad_request(str(exc), param if param.isidentifier() else None) from None
@@ -146,7 +177,7 @@ def _validate_all(engine: AsyncLLM, prompts: List[Dict[str, Any]], params: Sampl
             out.append(engine.validate(p, params))
         except (ValueError, TypeError) as exc:
             where = f"prompt {i}: " if len(prompts) > 1 else ""
-            raise bad_request(where + str(exc), "prompt") from None
+            raise bad_request(where + str(exc), "logit_bias" if "logit_bias" in str(exc) else "prompt") from None
     return out
 
 
@@ -233,45 +264,64 @@ def _prompt_text(engine: AsyncLLM, out: RequestOutput) -> str:
     return engine.tokenizer.decode(out.prompt_token_ids, skip_special_tokens=False) if engine.tokenizer else ""
 
 
-async def _score(engine: AsyncLLM, ids: List[int], top_n: int) -> SequenceLogprobs:
-    try:
-        return await engine.call_in_engine(lambda eng: score_tokens(eng, ids, top_n))
-    except ValueError as exc:
-        raise bad_request(str(exc), "logprobs") from None
+def _lp(v: float) -> float:
+    return max(v, -9999.0)  # as vLLM: -inf is not JSON
 
 
-def _completion_logprobs(engine: AsyncLLM, lp: SequenceLogprobs, ids: List[int], first: int,
-                         offset0: int) -> Dict[str, Any]:
-    """OpenAI legacy ``logprobs`` for positions ``first ..`` of ``ids``: ``top_logprobs[i]`` holds the
-    ``N`` likeliest tokens plus the chosen one when it is not among them (vLLM's convention, so
-    ``logprobs: 0`` gives just the chosen token); position 0 of an echoed prompt has ``None``."""
+def _entry_text(engine: AsyncLLM, tid: int, lp: Optional[Logprob]) -> str:
+    return lp.decoded_token if lp is not None and lp.decoded_token is not None else _token_str(engine, tid)
+
+
+def _top(entries: Dict[int, Logprob], num: int) -> List[Tuple[int, Logprob]]:
+    """The ``num`` likeliest entries of a ``{id: Logprob}`` (ranks 1 .. num), most likely first."""
+    return sorted(((t, v) for t, v in entries.items() if v.rank is not None and v.rank <= num),
+                  key=lambda x: (x[1].rank, -x[1].logprob))[:num]
+
+
+def _completion_logprobs(engine: AsyncLLM, ids: Sequence[int], entries: Sequence[Optional[Dict[int, Logprob]]],
+                         num: int, offset0: int) -> Dict[str, Any]:
+    """OpenAI legacy ``logprobs`` for ``ids`` (``entries[i]`` scores ``ids[i]``; ``None`` for an echoed
+    prompt's first token): ``top_logprobs[i]`` holds the ``num`` likeliest tokens plus the chosen
+    one when it is not among them (vLLM's convention, so ``logprobs: 0`` gives just the chosen
+    token); ``text_offset`` counts from ``offset0``."""
     tokens, token_lps, tops, offsets = [], [], [], []
     off = offset0
-    for i in range(first, len(ids)):
-        s = _token_str(engine, ids[i])
+    for tid, d in zip(ids, entries):
+        chosen = None if d is None else d[tid]
+        s = _entry_text(engine, tid, chosen)
         tokens.append(s)
-        token_lps.append(lp.token_logprobs[i])
+        token_lps.append(None if chosen is None else _lp(chosen.logprob))
         top: Optional[Dict[str, float]] = None
-        if i > 0:
+        if d is not None:
             top = {}
-            for t, v in zip(lp.top_token_ids[i], lp.top_logprobs[i]):
-                top.setdefault(_token_str(engine, t), v)  # ids that decode alike keep the likelier value
-            top.setdefault(s, lp.token_logprobs[i])  # as vLLM: the chosen token is always listed (N or N + 1)
+            for t, v in _top(d, num):
+                top.setdefault(_entry_text(engine, t, v), _lp(v.logprob))  # ids that decode alike: the likelier
+            top.setdefault(s, _lp(chosen.logprob))  # as vLLM: the chosen token is always listed (N or N + 1)
         tops.append(top)
         offsets.append(off)
         off += len(s)
     return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
 
 
-def _chat_logprobs(engine: AsyncLLM, lp: SequenceLogprobs, ids: List[int], first: int) -> Dict[str, Any]:
+def _chat_logprobs(engine: AsyncLLM, ids: Sequence[int], entries: Sequence[Dict[int, Logprob]],
+                   num: int) -> Dict[str, Any]:
+    """OpenAI chat ``logprobs.content`` for ``ids``: each token with its ``num`` likeliest alternatives."""
     content = []
-    for i in range(first, len(ids)):
-        s = _token_str(engine, ids[i])
-        tops = [{"token": (ts := _token_str(engine, t)), "logprob": v, "bytes": list(ts.encode("utf-8"))}
-                for t, v in zip(lp.top_token_ids[i], lp.top_logprobs[i])]
-        content.append({"token": s, "logprob": lp.token_logprobs[i], "bytes": list(s.encode("utf-8")),
+    for tid, d in zip(ids, entries):
+        s = _entry_text(engine, tid, d[tid])
+        tops = [{"token": (ts := _entry_text(engine, t, v)), "logprob": _lp(v.logprob), "bytes": list(ts.encode("utf-8"))}
+                for t, v in _top(d, num)]
+        content.append({"token": s, "logprob": _lp(d[tid].logprob), "bytes": list(s.encode("utf-8")),
                         "top_logprobs": tops})
     return {"content": content}
+
+
+def _prompt_logprobs_json(entries: Optional[Sequence[Optional[Dict[int, Logprob]]]]) -> Optional[List[Any]]:
+    """vLLM's ``prompt_logprobs`` field: per prompt token ``None`` or ``{id: {logprob, rank, decoded_token}}``."""
+    if entries is None:
+        return None
+    return [None if d is None else {str(t): {"logprob": _lp(v.logprob), "rank": v.rank, "decoded_token": v.decoded_token}
+                                    for t, v in d.items()} for d in entries]
 
 
 def _usage(outs: Sequence[RequestOutput]) -> Dict[str, int]:
@@ -281,21 +331,27 @@ def _usage(outs: Sequence[RequestOutput]) -> Dict[str, int]:
 
 
 class _Delta:
-    """Per-choice streaming state: what was sent already, with stop-string hold-back."""
+    """Per-choice streaming state: what was sent already, with stop-string hold-back.
+
+    ``logprob_offset``: ``text_offset`` of the next token's logprob entry (completions).
+    """
 
     def __init__(self, holdback: int):
         self.holdback = holdback
         self.text_sent = 0
         self.tokens_sent = 0
+        self.logprob_offset = 0
 
-    def next(self, out: RequestOutput) -> Tuple[str, List[int]]:
+    def next(self, out: RequestOutput) -> Tuple[str, List[int], List[Dict[int, Logprob]]]:
+        """New text, token ids and (with ``logprobs``) their entries since the last call."""
         c = out.outputs[0]
         visible = c.text if out.finished else c.text[:max(0, len(c.text) - self.holdback)]
         text = visible[self.text_sent:] if len(visible) > self.text_sent else ""
         self.text_sent = max(self.text_sent, len(visible))
         ids = c.token_ids[self.tokens_sent:]
+        lps = (c.logprobs or [])[self.tokens_sent:len(c.token_ids)]
         self.tokens_sent = len(c.token_ids)
-        return text, ids
+        return text, ids, lps
 
 
 def _sse(obj: Any) -> str:
@@ -403,20 +459,27 @@ def build_app(ctx: ServerContext) -> FastAPI:
         req = await _parse(request, CompletionRequest)
         _check_model(ctx, req.model)
         _check_unsupported(req)
-        if req.logprobs is not None and not 0 <= req.logprobs <= 20:
-            raise bad_request(f"logprobs must be an int in [0, 20], got {req.logprobs}", "logprobs")
-        if req.logprobs is not None and req.stream:
-            raise bad_request("logprobs with stream=true is not supported (log-probabilities come from a "
-                              "scoring pass after the request finishes)", "logprobs")
+        _check_num_logprobs(req.logprobs, "sample", "logprobs", engine.vocab_size)
+        _check_num_logprobs(req.prompt_logprobs, "prompt", "prompt_logprobs", engine.vocab_size)
+        _check_stream_prompt_logprobs(req)
         if req.max_tokens == 0 and not req.echo:
             raise bad_request("max_tokens=0 is only allowed with echo=true (prompt scoring)", "max_tokens")
+        if req.max_tokens == 0 and req.min_tokens > 0:
+            raise bad_request(f"min_tokens must be less than or equal to max_tokens=0, got {req.min_tokens}.",
+                              "min_tokens")
+        score_only = req.max_tokens == 0
+        prompt_lp = req.prompt_logprobs
+        if prompt_lp is None and req.echo and req.logprobs is not None:
+            prompt_lp = req.logprobs  # as vLLM: echo + logprobs scores the prompt too
         prompts = _normalise_prompts(req.prompt)
-        params = _sampling_params(req, req.max_tokens if req.max_tokens != 0 else 1)
+        params = _sampling_params(req, 1 if score_only else req.max_tokens,
+                                  logprobs=None if score_only else req.logprobs, prompt_logprobs=prompt_lp)
         prompt_ids = _validate_all(engine, prompts, params)
         rid = f"cmpl-{uuid.uuid4().hex}"
-        if req.max_tokens == 0:
-            return JSONResponse(await _score_only(ctx, req, prompts, prompt_ids, rid))
-        _check_context(engine, prompt_ids, req.max_tokens, "max_tokens")
+        if score_only and prompt_lp is None:
+            return JSONResponse(_echo_only(ctx, req, prompts, prompt_ids, rid))
+        if not score_only:
+            _check_context(engine, prompt_ids, req.max_tokens, "max_tokens")
         prompts = [dict(p, prompt_token_ids=ids) for p, ids in zip(prompts, prompt_ids)]  # tokenize once
         streams = _start(engine, prompts, params, rid, arrival)
         if req.stream:
@@ -431,20 +494,26 @@ def build_app(ctx: ServerContext) -> FastAPI:
         choices = []
         for i, out in enumerate(outs):
             c = out.outputs[0]
+            gen_ids, gen_lps = ([], []) if score_only else (list(c.token_ids), list(c.logprobs or []))
             prefix = _prompt_text(engine, out) if req.echo else ""
-            choice: Dict[str, Any] = {"index": i, "text": prefix + c.text, "logprobs": None,
-                                      "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+            choice: Dict[str, Any] = {"index": i, "text": prefix + ("" if score_only else c.text), "logprobs": None,
+                                      "finish_reason": "length" if score_only else c.finish_reason,
+                                      "stop_reason": None if score_only else c.stop_reason}
             if req.logprobs is not None:
-                ids = list(out.prompt_token_ids) + list(c.token_ids)
-                lp = await _score(engine, ids, req.logprobs)
-                first = 0 if req.echo else len(out.prompt_token_ids)
-                choice["logprobs"] = _completion_logprobs(engine, lp, ids, first, 0)
+                ids = (list(out.prompt_token_ids) if req.echo else []) + gen_ids
+                entries = (list(out.prompt_logprobs) if req.echo else []) + gen_lps
+                choice["logprobs"] = _completion_logprobs(engine, ids, entries, req.logprobs, 0)
+            if req.prompt_logprobs is not None:
+                choice["prompt_logprobs"] = _prompt_logprobs_json(out.prompt_logprobs)
             if req.return_token_ids:
-                choice["token_ids"] = list(c.token_ids)
+                choice["token_ids"] = gen_ids
                 choice["prompt_token_ids"] = list(out.prompt_token_ids)
             choices.append(choice)
+        usage = _usage(outs)
+        if score_only:
+            usage.update(completion_tokens=0, total_tokens=usage["prompt_tokens"])
         return JSONResponse({"id": rid, "object": "text_completion", "created": int(time.time()),
-                             "model": ctx.served_model_name, "choices": choices, "usage": _usage(outs)})
+                             "model": ctx.served_model_name, "choices": choices, "usage": usage})
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
@@ -452,10 +521,15 @@ def build_app(ctx: ServerContext) -> FastAPI:
         req = await _parse(request, ChatCompletionRequest)
         _check_model(ctx, req.model)
         _check_unsupported(req)
-        if req.top_logprobs is not None and not (req.logprobs and 0 <= req.top_logprobs <= 20):
-            raise bad_request("top_logprobs needs logprobs=true and must be in [0, 20]", "top_logprobs")
-        if req.logprobs and req.stream:
-            raise bad_request("logprobs with stream=true is not supported", "logprobs")
+        if req.top_logprobs is not None:
+            if req.top_logprobs < 0 and req.top_logprobs != -1:
+                raise bad_request("`top_logprobs` must be a positive value or -1.", "top_logprobs")
+            if (req.top_logprobs == -1 or req.top_logprobs > 0) and not req.logprobs:
+                raise bad_request("when using `top_logprobs`, `logprobs` must be set to true.", "top_logprobs")
+        num_lp = (req.top_logprobs or 0) if req.logprobs else None
+        _check_num_logprobs(num_lp, "sample", "top_logprobs", engine.vocab_size)
+        _check_num_logprobs(req.prompt_logprobs, "prompt", "prompt_logprobs", engine.vocab_size)
+        _check_stream_prompt_logprobs(req)
         if engine.tokenizer is None:
             raise bad_request("chat completions need a tokenizer; this model has none")
         try:
@@ -464,7 +538,7 @@ def build_app(ctx: ServerContext) -> FastAPI:
         except ValueError as exc:
             raise bad_request(str(exc), "messages") from None
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        params = _sampling_params(req, max_tokens, stops)
+        params = _sampling_params(req, max_tokens, stops, logprobs=num_lp, prompt_logprobs=req.prompt_logprobs)
         prompts = [{"prompt": text}]
         prompts[0]["prompt_token_ids"] = _validate_all(engine, prompts, params)[0]
         _check_context(engine, [prompts[0]["prompt_token_ids"]], max_tokens,
@@ -484,20 +558,28 @@ def build_app(ctx: ServerContext) -> FastAPI:
         choice: Dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": c.text},
                                   "logprobs": None, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
         if req.logprobs:
-            ids = list(out.prompt_token_ids) + list(c.token_ids)
-            lp = await _score(engine, ids, req.top_logprobs or 0)
-            choice["logprobs"] = _chat_logprobs(engine, lp, ids, len(out.prompt_token_ids))
+            choice["logprobs"] = _chat_logprobs(engine, c.token_ids, c.logprobs, num_lp)
         if req.return_token_ids:
             choice["token_ids"] = list(c.token_ids)
             choice["prompt_token_ids"] = list(out.prompt_token_ids)
-        return JSONResponse({"id": rid, "object": "chat.completion", "created": int(time.time()),
-                             "model": ctx.served_model_name, "choices": [choice], "usage": _usage(outs)})
+        body = {"id": rid, "object": "chat.completion", "created": int(time.time()),
+                "model": ctx.served_model_name, "choices": [choice], "usage": _usage(outs)}
+        if req.prompt_logprobs is not None:
+            body["prompt_logprobs"] = _prompt_logprobs_json(out.prompt_logprobs)  # vLLM: on the response
+        return JSONResponse(body)
 
     return app
 
 
-async def _score_only(ctx: ServerContext, req: CompletionRequest, prompts: List[Dict[str, Any]],
-                      prompt_ids: List[List[int]], rid: str) -> Dict[str, Any]:
+def _check_stream_prompt_logprobs(req: Any) -> None:
+    n = req.prompt_logprobs
+    if n is not None and req.stream and (n > 0 or n == -1):
+        raise bad_request("`prompt_logprobs` are not available when `stream=True`.", "prompt_logprobs")
+
+
+def _echo_only(ctx: ServerContext, req: CompletionRequest, prompts: List[Dict[str, Any]],
+               prompt_ids: List[List[int]], rid: str) -> Dict[str, Any]:
+    """``max_tokens: 0`` + ``echo`` without log-probabilities: the prompts back, no engine work."""
     engine = ctx.engine
     choices = []
     for i, (p, ids) in enumerate(zip(prompts, prompt_ids)):
@@ -506,9 +588,6 @@ async def _score_only(ctx: ServerContext, req: CompletionRequest, prompts: List[
             text = engine.tokenizer.decode(ids, skip_special_tokens=False) if engine.tokenizer else ""
         choice: Dict[str, Any] = {"index": i, "text": text, "logprobs": None, "finish_reason": "length",
                                   "stop_reason": None}
-        if req.logprobs is not None:
-            lp = await _score(engine, ids, req.logprobs)
-            choice["logprobs"] = _completion_logprobs(engine, lp, ids, 0, 0)
         if req.return_token_ids:
             choice["token_ids"] = []
             choice["prompt_token_ids"] = list(ids)
@@ -538,17 +617,29 @@ async def _completion_sse(ctx: ServerContext, req: CompletionRequest, streams: L
             body["usage"] = usage
         return _sse(body)
 
+    score_only = req.max_tokens == 0  # echo of the prompt (and its logprobs) only
     merged = _merged(streams, request)
     try:
         async for i, out in merged:
-            text, ids = deltas[i].next(out)
+            text, ids, lps = deltas[i].next(out)
+            if score_only:
+                text, ids, lps = "", [], []
+            lp_ids, lp_entries = ids, lps
             if not echoed[i]:
                 text = _prompt_text(engine, out) + text
+                if req.logprobs is not None:
+                    lp_ids, lp_entries = list(out.prompt_token_ids) + ids, list(out.prompt_logprobs) + lps
                 echoed[i] = True
             c = out.outputs[0]
             choice: Dict[str, Any] = {"index": i, "text": text, "logprobs": None,
-                                      "finish_reason": c.finish_reason if out.finished else None,
-                                      "stop_reason": c.stop_reason if out.finished else None}
+                                      "finish_reason": ("length" if score_only else c.finish_reason)
+                                      if out.finished else None,
+                                      "stop_reason": c.stop_reason if out.finished and not score_only else None}
+            if req.logprobs is not None:
+                lp = _completion_logprobs(engine, lp_ids, lp_entries, req.logprobs, deltas[i].logprob_offset)
+                if lp["tokens"]:
+                    deltas[i].logprob_offset = lp["text_offset"][-1] + len(lp["tokens"][-1])
+                choice["logprobs"] = lp
             if req.return_token_ids:
                 choice["token_ids"] = ids
             if out.finished:
@@ -557,7 +648,10 @@ async def _completion_sse(ctx: ServerContext, req: CompletionRequest, streams: L
         if any(f is None for f in finals):
             return  # the client went away; every request was aborted
         if req.stream_options is not None and req.stream_options.include_usage:
-            yield chunk([], _usage(finals))  # type: ignore[arg-type]
+            usage = _usage(finals)  # type: ignore[arg-type]
+            if score_only:
+                usage.update(completion_tokens=0, total_tokens=usage["prompt_tokens"])
+            yield chunk([], usage)
         yield "data: [DONE]\n\n"
     except (RequestError, EngineDeadError, OpenAIError) as exc:
         yield _stream_error_events(exc)
@@ -583,11 +677,13 @@ async def _chat_sse(ctx: ServerContext, req: ChatCompletionRequest, streams: Lis
         yield chunk([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                       "finish_reason": None}])
         async for _, out in merged:
-            text, ids = delta.next(out)
+            text, ids, lps = delta.next(out)
             c = out.outputs[0]
             choice: Dict[str, Any] = {"index": 0, "delta": {"content": text}, "logprobs": None,
                                       "finish_reason": c.finish_reason if out.finished else None,
                                       "stop_reason": c.stop_reason if out.finished else None}
+            if req.logprobs:
+                choice["logprobs"] = _chat_logprobs(ctx.engine, ids, lps, req.top_logprobs or 0)
             if req.return_token_ids:
                 choice["token_ids"] = ids
             if out.finished:
