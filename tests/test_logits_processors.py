@@ -187,3 +187,20 @@ def test_plain_sampler_follows_the_edited_distribution() -> None:
         [([r], [], p) for r in range(n)], CPU))
     toks = Sampler()(x, _meta(n, 1.1), torch.rand(n, generator=g, dtype=torch.float64))
     assert chi_square_p_value(np.bincount(toks.numpy(), minlength=vocab), target) > P_VALUE_FLOOR
+
+
+def test_no_host_sync() -> None:
+    """The edits and the logprob scoring run on device tensors only (the index tensors are built
+    on the host beforehand): nothing in them waits for the device."""
+    from test_paged_attention import no_host_sync
+
+    from mtpspec.sample.logprobs import score_rows
+    g = torch.Generator().manual_seed(2)
+    logits = torch.randn(8, 13, generator=g)
+    items = [(list(range(i * 4, (i + 1) * 4)), [1, 2, 3], p) for i, p in enumerate(PARAMS[2:4])]
+    meta = LogitsProcessorMetadata.build(items, CPU)
+    chosen = torch.tensor([1, 2, 3, 4, 5, 6, 7, 8])
+    with torch.inference_mode(), no_host_sync():
+        out = apply_logits_processors(logits, meta)
+        block = score_rows(logits, chosen, 3)
+    assert out.shape == logits.shape and block.shape == (8, 8)

@@ -29,7 +29,11 @@ forward returned, after the captured region; the index tensors are built on the 
 :func:`~mtpspec.engine.input_prep.prepare_step` and copied with the step's other inputs, so
 applying the edits adds no host sync. Only rows of sequences that use a parameter are touched;
 the count / prompt tensors are ``[num_sequences, V]`` and ``[num_rows, V]`` over those only, and
-a step without any such sequence skips this module entirely.
+a step without any such sequence skips this module entirely. Host side, the engine is stateless
+across steps: a penalised sequence's :class:`SeqLogitsParams` carries its output token ids (and,
+with a repetition penalty, its distinct prompt ids) to every rank in every step, O(length) per
+step for those sequences only; persistent per-rank counts updated with each step's new tokens
+(vLLM's ``output_bin_counts``) would make that O(new tokens) and are not built.
 """
 
 from __future__ import annotations
