@@ -101,6 +101,16 @@ def test_spec_greedy_equals_plain(model, plain, case, graph_mode) -> None:
         assert m["num_eager_fallbacks"] == 0
 
 
+def test_chunked_prefill_equals_plain(model, plain) -> None:
+    """Prompts prefilled 3 tokens a step (no sampling, no edits for the partial chunks) give the
+    same penalised / biased / min_tokens greedy tokens, k = 3."""
+    path, _, cfg, prompts = model
+    oracle = {tuple(p): t + [3] * 4 for p, t in zip(prompts, plain["mixed"])}
+    got, m, _ = _run(path, prompts, _sp("mixed"), k=3, hook=OracleDrafts(oracle, cfg.vocab_size, corrupt=0.3),
+                     long_prefill_token_threshold=3)
+    assert got == plain["mixed"] and m["num_accepted_tokens"] > 10
+
+
 @pytest.mark.parametrize("case", ["presence", "repetition", "mixed"])
 def test_spec_seeded_sampling_equals_plain(model, case) -> None:
     """Seeded rejection sampling of the penalised distribution draws the same tokens at any k."""

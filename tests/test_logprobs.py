@@ -63,12 +63,22 @@ def _params(temperature: float, seed: int = 0, **kw) -> SamplingParams:
 
 
 def _run(path, prompts, params, k=0, hook_ref=None, vocab=None, **kw):
+    """Outputs and metrics; ``metrics["partial_chunks_scored"]``: partial prefill chunks that
+    carried prompt rows to score."""
     spec = {"num_speculative_tokens": k} if k else None
     with LLM(path, speculative_config=spec, **{**KW, **kw}) as llm:
+        eng = llm.llm_engine
         if hook_ref is not None:
-            llm.llm_engine.draft_hook = OracleDrafts(hook_ref, vocab, corrupt=0.3)
+            eng.draft_hook = OracleDrafts(hook_ref, vocab, corrupt=0.3)
+        inner, seen = eng._step_input, [0]
+
+        def step_input(out):
+            step = inner(out)
+            seen[0] += sum(1 for s in step.seqs if s.is_partial_prefill and s.prompt_logprob_rows)
+            return step
+        eng._step_input = step_input
         outs = llm.generate(token_prompts(prompts), params, use_tqdm=False)
-        return outs, llm.get_metrics()
+        return outs, {**llm.get_metrics(), "partial_chunks_scored": seen[0]}
 
 
 def _flat(lps):
@@ -184,6 +194,26 @@ def test_logprobs_survive_preemption_and_stops(model, plain) -> None:
     c = outs[0].outputs[0]
     assert c.finish_reason == "stop" and len(c.token_ids) == len(c.logprobs) == cut
     _assert_same(_flat(c.logprobs), _flat(ref[0].outputs[0].logprobs[:cut]))
+
+
+@pytest.mark.parametrize("chunk,num_kv_blocks", [(1, 256), (3, 256), (5, 14)])
+def test_chunked_prefill_gives_the_same_logprobs(model, plain, chunk, num_kv_blocks) -> None:
+    """Prompts prefilled in chunks of 1, 3 or 5 tokens (a partial chunk's last row scores the next
+    chunk's first token), k = 3, with decodes sharing the steps; 14 blocks: preemptions, also of
+    partially prefilled prompts (their prompt logprobs restart with the recompute)."""
+    path, _, cfg, prompts = model
+    ref = plain[0]
+    oracle = {tuple(p): o.outputs[0].token_ids + [3] * 4 for p, o in zip(prompts, ref)}
+    kw = dict(long_prefill_token_threshold=chunk, num_kv_blocks=num_kv_blocks)
+    if num_kv_blocks < 256:
+        kw.update(max_model_len=40, max_num_seqs=6)
+    outs, m = _run(path, prompts, _params(0.0), k=3, hook_ref=oracle, vocab=cfg.vocab_size, **kw)
+    assert m["num_accepted_tokens"] > 0 and (num_kv_blocks == 256 or m["num_preemptions"] > 0)
+    assert m["partial_chunks_scored"] >= sum(-(-len(p) // chunk) - 1 for p in prompts)
+    for o, r in zip(outs, ref):
+        assert o.outputs[0].token_ids == r.outputs[0].token_ids
+        _assert_same(_flat(o.outputs[0].logprobs), _flat(r.outputs[0].logprobs))
+        _assert_same(_flat(o.prompt_logprobs), _flat(r.prompt_logprobs))
 
 
 def test_only_requests_that_ask_get_logprobs(model, plain) -> None:
