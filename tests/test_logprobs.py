@@ -20,6 +20,7 @@ from mtpspec import LLM, SamplingParams
 from mtpspec.sample.logprobs import score_rows, unpack_rows
 
 ABS = 2e-5  # fp32 logits of different batch shapes (k = 3 block vs single rows)
+CHUNKED_ABS = 1e-4  # prompts prefilled in chunks of 1 to 5 rows vs whole
 
 
 # ---------------------------------------------------------------------------- unit
@@ -212,8 +213,12 @@ def test_chunked_prefill_gives_the_same_logprobs(model, plain, chunk, num_kv_blo
     assert m["partial_chunks_scored"] >= sum(-(-len(p) // chunk) - 1 for p in prompts)
     for o, r in zip(outs, ref):
         assert o.outputs[0].token_ids == r.outputs[0].token_ids
-        _assert_same(_flat(o.outputs[0].logprobs), _flat(r.outputs[0].logprobs))
-        _assert_same(_flat(o.prompt_logprobs), _flat(r.prompt_logprobs))
+        # Chunks of 1 to 5 rows run attention and the LM head in other batch shapes than the
+        # whole-prompt reference (other fp32 reduction orders; in one full-suite run on a fresh
+        # clone a top-N value differed by more than 2e-5 at chunk 1, not reproduced alone): values
+        # to 1e-4, tokens and ranks exactly (a wrong row would differ by O(1)).
+        _assert_same(_flat(o.outputs[0].logprobs), _flat(r.outputs[0].logprobs), abs_tol=CHUNKED_ABS)
+        _assert_same(_flat(o.prompt_logprobs), _flat(r.prompt_logprobs), abs_tol=CHUNKED_ABS)
 
 
 def test_only_requests_that_ask_get_logprobs(model, plain) -> None:
