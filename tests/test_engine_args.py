@@ -156,7 +156,8 @@ def test_bench_arms_checks_server_args_before_any_server(monkeypatch, tmp_path, 
     p = argparse.ArgumentParser()
     bench_arms.add_parser(p.add_subparsers(dest="command"))
     for server_args, match in (("--tp 2 --bogus", "unrecognized arguments: --bogus"),
-                               (f"--speculative-config '{JSON3}'", "--no-local-argmax conflicts")):
+                               (f"--speculative-config '{JSON3}'", "--no-local-argmax conflicts"),
+                               ("--max-model-len 64", "tokens exceed arm 'baseline''s max_model_len=64")):
         args = p.parse_args(["arms", "--server-args", server_args, "--random-prompts", "--output-dir", str(tmp_path)])
         assert bench_arms.run(args) == 2
         assert match in capsys.readouterr().err and not started

@@ -297,6 +297,23 @@ def plot_workload(name: str, wl: Dict[str, Any], out_dir: str) -> List[str]:
 
 
 # ---------------------------------------------------------------------------- driver
+def check_workload_lengths(workloads: Dict[str, Any], server_kwargs: Dict[str, Any], arm: str) -> None:
+    """Raise ValueError when a workload with a fixed ``input_len`` asks for more than arm ``arm``'s
+    server context holds (``input_len + output_len > max_model_len``, the server's own 400 rule):
+    ``max_model_len`` from the arm's flags, else the checkpoint's ``max_position_embeddings``
+    capped at the engine default. Natural-length prompts are left to the run."""
+    from mtpspec.config import ModelConfig
+    from mtpspec.engine.arg_utils import DEFAULT_MAX_MODEL_LEN
+    limit = server_kwargs.get("max_model_len")
+    if limit is None:
+        limit = min(ModelConfig.from_pretrained(server_kwargs["model"]).max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
+    for name, cfg in workloads.items():
+        if cfg.input_len is not None and cfg.input_len + cfg.output_len > limit:
+            raise ValueError(f"workload {name!r}: input {cfg.input_len} + output {cfg.output_len} tokens exceed arm "
+                             f"{arm!r}'s max_model_len={limit}; lower --scale or raise --max-model-len in "
+                             f"--server-args")
+
+
 def run_arms(arms: Dict[str, List[str]], workloads: Dict[str, BenchConfig], repeats: int, out_dir: str,
              common: List[str], urls: Optional[Dict[str, str]] = None, progress: bool = True,
              plots: bool = True, share_gpu: bool = False) -> Dict[str, Any]:
@@ -318,9 +335,9 @@ def run_arms(arms: Dict[str, List[str]], workloads: Dict[str, BenchConfig], repe
         Everything, as written to ``bench_arms.json``.
 
     Raises:
-        ValueError: ``repeats < 1``, a malformed or too small GSM8K dataset; FileNotFoundError:
-            no GSM8K dataset (both checked before any server starts); RuntimeError: a server
-            did not come up.
+        ValueError: ``repeats < 1``, a malformed or too small GSM8K dataset, a workload longer
+            than an arm's context (:func:`check_workload_lengths`); FileNotFoundError: no GSM8K
+            dataset (all checked before any server starts); RuntimeError: a server did not come up.
     """
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
@@ -328,6 +345,10 @@ def run_arms(arms: Dict[str, List[str]], workloads: Dict[str, BenchConfig], repe
     for cfg in workloads.values():  # a missing or bad dataset is reported before any server starts
         if cfg.prompts == "gsm8k":
             load_dataset(cfg.dataset, 6 if cfg.input_len is None else 1)
+    from mtpspec.entrypoints.serve import check_serve_args
+    for arm, flags in arms.items():  # and a workload longer than an arm's context
+        if arm not in (urls or {}):
+            check_workload_lengths(workloads, check_serve_args(common + flags), arm)
     os.makedirs(out_dir, exist_ok=True)
     urls = dict(urls or {})
     servers: Dict[str, ArmServer] = {}

@@ -57,9 +57,12 @@ class _RaisingParser(argparse.ArgumentParser):
         raise ValueError(message)
 
 
-def check_serve_args(argv: Any) -> None:
+def check_serve_args(argv: Any) -> Dict[str, Any]:
     """Check that ``argv`` (a list of strings) are valid ``mtpspec serve`` flags, engine flags
     combining without conflict, before any server starts (``bench arms --server-args``).
+
+    Returns:
+        The ``LLM(...)`` keyword arguments those flags give (``model`` resolved).
 
     Raises:
         ValueError: an unknown flag, a bad value, or conflicting speculative flags (named).
@@ -68,7 +71,7 @@ def check_serve_args(argv: Any) -> None:
     sub = parser.add_subparsers(dest="command")
     add_parser(sub)
     args = parser.parse_args(["serve", *argv])
-    llm_kwargs(args)
+    return llm_kwargs(args)
 
 
 def engine_info(args: argparse.Namespace, kwargs: Dict[str, Any], forced: Optional[Any]) -> Dict[str, Any]:
