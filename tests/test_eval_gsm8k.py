@@ -175,3 +175,15 @@ def test_lm_eval_local_completions_against_server(server, tmp_path):
         mine = [float(exact_match((strict_extract if flt == "strict-match" else flexible_extract)(s["resps"][0][0]),
                                   s["target"])) for s in samples if s["filter"] == flt]
         assert results[f"exact_match,{flt}"] == pytest.approx(sum(mine) / len(mine))
+
+
+def test_eval_cli_prompt_too_long_suggests_fewer_shots(capsys):
+    # 5-shot prompts (about 700 tokens) into a 256-token context: the engine's error plus a hint
+    import argparse
+    p = argparse.ArgumentParser()
+    eval_gsm8k.add_parser(p.add_subparsers(dest="command"))
+    args = p.parse_args(["eval", "gsm8k", "--data", os.path.join(GSM8K_DIR, "test.jsonl"), "--limit", "1",
+                         "--num-fewshot", "5", "--max-model-len", "256", "--no-progress", "--arms", "baseline"])
+    assert eval_gsm8k.run(args) == 2
+    err = capsys.readouterr().err
+    assert "max_model_len=256" in err and "try --num-fewshot 4 or fewer" in err

@@ -293,7 +293,10 @@ def run(args: argparse.Namespace) -> int:
         res = evaluate(_sources(args), data, train, args.num_fewshot, args.limit, args.max_tokens,
                        args.max_concurrency, progress=not args.no_progress)
     except (ValueError, TypeError, FileNotFoundError, RuntimeError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        hint = ""
+        if "max_model_len" in str(exc) and args.num_fewshot > 0:  # the few-shot prompt outgrew the context
+            hint = f" (the {args.num_fewshot}-shot prompts are too long for this model: try --num-fewshot {args.num_fewshot - 1} or fewer)"
+        print(f"error: {exc}{hint}", file=sys.stderr)
         return 2
     except httpx.HTTPError as exc:  # server unreachable, timed out, bad URL
         print(f"error: talking to {', '.join(args.base_url)}: {type(exc).__name__}: {exc}", file=sys.stderr)
