@@ -195,6 +195,44 @@ def test_lm_loss_never_reaches_the_indexer_and_kl_reaches_only_it():
 
 
 @pytest.mark.parametrize("mode", ["dense", "sparse"])
+def test_strided_kl_is_the_all_rows_kl_on_every_nth_row(mode):
+    """kl_row_stride = 3: each call's L^I is the valid-row mean of the all-rows per-row KL over rows
+    off, off + 3, ... (off drawn from torch's generator), the forward's output is unchanged, and
+    the KL's gradient still reaches only the indexers."""
+    from mtpspec.training.dsa import dsa_attention_forward, DsaRecord
+    target, mtp, dsa = _models()
+    attn = target.model.layers[0].self_attn
+    b, length, stride = 2, 20, 3
+    h = torch.randn(b * length, 32, generator=torch.Generator().manual_seed(5))
+    pos = torch.arange(length).repeat(b)
+    valid = torch.arange(b * length) < length + 14  # second row: 14 real tokens
+    with set_forward_context(build_attention_metadata([length] * b, [length] * b, None)):
+        full = DsaRecord(valid=valid)
+        out_full = dsa_attention_forward(attn, pos, h, mode, full)
+        torch.manual_seed(11)
+        off = int(torch.randint(stride, (1,)))
+        torch.manual_seed(11)
+        strided = DsaRecord(valid=valid)
+        out_str = dsa_attention_forward(attn, pos, h, mode, strided, kl_row_stride=stride)
+    torch.testing.assert_close(out_str, out_full, rtol=0, atol=0)
+    rows = torch.arange(off, length, stride)
+    # reference: the all-rows KL per row, through a record whose valid mask keeps only `rows`
+    keep = torch.zeros(b, length, dtype=torch.bool)
+    keep[:, rows] = True
+    with set_forward_context(build_attention_metadata([length] * b, [length] * b, None)):
+        ref = DsaRecord(valid=valid & keep.reshape(-1))
+        dsa_attention_forward(attn, pos, h, mode, ref)
+    assert math.isclose(float(strided.kl[0].detach()), float(ref.kl[0].detach()), rel_tol=1e-5, abs_tol=1e-7)
+    assert not math.isclose(float(strided.kl[0]), float(full.kl[0]), rel_tol=1e-3)  # really a subset
+    params = dict(target.named_parameters())
+    grads = torch.autograd.grad(strided.kl[0], list(params.values()), allow_unused=True)
+    got = {n for (n, _), g in zip(params.items(), grads) if g is not None and g.abs().sum() > 0}
+    assert got and all(".indexer." in n for n in got)
+    with pytest.raises(ValueError, match="row stride"):
+        DsaTraining([target, mtp], kl_row_stride=0)
+
+
+@pytest.mark.parametrize("mode", ["dense", "sparse"])
 def test_indexer_kl_decreases_on_a_fixed_batch(mode):
     """A few AdamW steps on the indexers alone (the main model fixed) pull their distribution
     towards the attention's: L^I falls well below its start and the recall of the dense attention
@@ -438,6 +476,7 @@ def test_bad_dsa_flags_are_refused():
                      (TrainConfig(arch="glm_moe_dsa", index_topk=-1), "--index-topk"),
                      (TrainConfig(arch="glm_moe_dsa", indexer_warmup_fraction=0.8), "indexer-warmup-fraction"),
                      (TrainConfig(arch="glm_moe_dsa", indexer_kl_weight=-1.0), "indexer-kl-weight"),
+                     (TrainConfig(arch="glm_moe_dsa", indexer_kl_row_stride=0), "indexer-kl-row-stride"),
                      (TrainConfig(arch="glm_moe_dsa", init_from="x", index_topk=64), "keeps its own")]:
         with pytest.raises(ValueError, match=msg):
             check_config(cfg)

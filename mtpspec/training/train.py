@@ -67,6 +67,7 @@ class TrainConfig:
     index_topk: int = 0                     # glm_moe_dsa: the DSA selection size; 0 = the preset's (demo: 256)
     indexer_warmup_fraction: float = 0.25   # glm_moe_dsa: share of the budget trained with dense attention
     indexer_kl_weight: float = 1.0          # glm_moe_dsa: weight of the indexers' KL (training/dsa.py) in the loss
+    indexer_kl_row_stride: int = 8          # glm_moe_dsa: the KL over every n-th query row (training/dsa.py, point 5)
     gsm8k_dir: str = ""
     gsm8k_limit: int = 0
     holdout: int = 256
@@ -109,6 +110,7 @@ class TrainConfig:
     workers: int = 0
     threads: int = 0
     save_dtype: str = "bfloat16"
+    max_shard_mib: float = 15.0             # weights in shards of at most this many MiB (0 = one file)
     progress: bool = True
 
 
@@ -204,8 +206,10 @@ def _val_batches(val_docs, pad_id: int, max_len: int, budget: int):
     return [make_batch(val_docs, idx, pad_id, max_len) for idx in bucket_batches(val_docs.lengths, budget, max_len, rng)]
 
 
-def save_model(out_dir: str, target, mtp, config_dict: Dict[str, Any], tok, save_dtype: torch.dtype) -> List[str]:
-    """Write ``config.json``, safetensors weights (Hugging Face layout) and ``tokenizer.json``."""
+def save_model(out_dir: str, target, mtp, config_dict: Dict[str, Any], tok, save_dtype: torch.dtype,
+               max_shard_mib: float = 0.0) -> List[str]:
+    """Write ``config.json``, safetensors weights (Hugging Face layout; shards of at most
+    ``max_shard_mib`` MiB with an index when larger, 0 = one file) and ``tokenizer.json``."""
     from mtpspec.models import export_hf_state_dict, save_checkpoint
     from mtpspec.training.tokenizer import save_tokenizer
     tensors = export_hf_state_dict(target, mtp, dtype=save_dtype)
@@ -219,7 +223,8 @@ def save_model(out_dir: str, target, mtp, config_dict: Dict[str, Any], tok, save
             tensors[k] = tensors[k].float()
     raw = dict(config_dict)
     raw["torch_dtype"] = str(save_dtype).replace("torch.", "")
-    written = save_checkpoint(out_dir, tensors, raw)
+    written = save_checkpoint(out_dir, tensors, raw,
+                              max_shard_bytes=int(max_shard_mib * 2**20) if max_shard_mib > 0 else None)
     save_tokenizer(tok, out_dir)
     return written + ["tokenizer.json"]
 
@@ -329,6 +334,8 @@ def check_config(cfg: TrainConfig) -> None:
                          f"{cfg.indexer_warmup_fraction}")
     if not cfg.indexer_kl_weight >= 0:
         raise ValueError(f"--indexer-kl-weight must be >= 0, got {cfg.indexer_kl_weight}")
+    if cfg.indexer_kl_row_stride < 1:
+        raise ValueError(f"--indexer-kl-row-stride must be >= 1, got {cfg.indexer_kl_row_stride}")
 
 
 def train(cfg: TrainConfig, log=_log) -> Dict[str, Any]:
@@ -374,7 +381,7 @@ def train(cfg: TrainConfig, log=_log) -> Dict[str, Any]:
     if cfg.arch == "glm_moe_dsa":
         from mtpspec.training.dsa import DsaTraining
         dsa = DsaTraining([target, mtp], "dense" if cfg.indexer_warmup_fraction > 0 else "sparse",
-                          cfg.indexer_kl_weight)
+                          cfg.indexer_kl_weight, cfg.indexer_kl_row_stride)
     eot = eot_id(tok)
     n_params = count_parameters(target, mtp)
     log(f"model: {cfg.init_from or cfg.arch + ' preset ' + cfg.preset}, {n_params}, device {device}, dtype {dtype}"
@@ -409,7 +416,8 @@ def train(cfg: TrainConfig, log=_log) -> Dict[str, Any]:
     dsa_info: Dict[str, Any] = {}
     if dsa is not None:
         dsa_info = {"index_topk": int(config_dict["index_topk"]), "warmup_fraction": cfg.indexer_warmup_fraction,
-                    "kl_weight": cfg.indexer_kl_weight, "sparse_start": None}
+                    "kl_weight": cfg.indexer_kl_weight, "kl_row_stride": cfg.indexer_kl_row_stride,
+                    "sparse_start": None}
     warm_end_step = round(cfg.indexer_warmup_fraction * cfg.max_steps)
     warm_end_time = train_start + cfg.indexer_warmup_fraction * train_budget
     bar = None
@@ -490,7 +498,7 @@ def train(cfg: TrainConfig, log=_log) -> Dict[str, Any]:
     log(f"stopped ({stop_reason}) after {step} steps, {tokens} tokens, {train_seconds:.1f} s "
         f"({tokens / max(train_seconds, 1e-9):.0f} tokens/s)")
 
-    written = save_model(cfg.output_dir, target, mtp, config_dict, tok, save_dtype)
+    written = save_model(cfg.output_dir, target, mtp, config_dict, tok, save_dtype, cfg.max_shard_mib)
     if val_batches and not (cfg.eval_every and step % cfg.eval_every == 0 and step):
         final_val = validation_metrics(target, mtp, val_batches, device, cfg.mtp_lambda, cfg.mtp_depth, dsa=dsa)
         jlog.write({"kind": "val", "step": step, "tokens": tokens, **final_val})
