@@ -1,12 +1,17 @@
-"""Regression guard for the bundled demo model: acceptance on fixed GSM8K test prompts (CPU).
+"""Regression guard for the bundled demo models: acceptance on fixed GSM8K test prompts (CPU).
 
 Acceptance length is the figure that silently decays when the draft path breaks (off-by-one
 draft inputs, pre-norm recycling, wrong layer choice, padding leaks: known faults 1-5), so this
 test fails when it drops below a floor set just under the value measured when the model was
-bundled (2026-11-29, one run with a distilled MTP phase: 3.23 at k = 3 and 1.88 at k = 1 over the
-first 32 test questions; the 8 questions used here measured 3.241 and 1.861, kept below as
-FLOOR_*_MEASURED). It also checks that the
-drafts change nothing: greedy completions with MTP equal the target's alone.
+bundled. It also checks that the drafts change nothing: greedy completions with MTP equal the
+target's alone.
+
+* The default model (GLM-5 architecture: MLA, DSA indexer with ``index_topk`` 256 < every prompt
+  here, MTP with its own indexer; ``mtpspec/demo_model_glm5``), bundled 2026-12-02: on these 8
+  prompts (fp32, CPU) 1.858 at k = 1 and 3.135 at k = 3, with MTP index sharing off and on alike
+  (all 1,319 test questions on the H200 in fp32: 1.858, 3.133 off / 3.124 on).
+* The GLM-4.5-architecture model (``mtpspec/demo_model``), bundled 2026-11-29: 3.220 at k = 3 on
+  these 8 prompts (emitted drafts only, issue 13) and 1.861 at k = 1.
 """
 
 import os
@@ -20,11 +25,14 @@ from mtpspec.data.gsm8k import bundled_gsm8k_dir, format_query, load_gsm8k
 GSM8K_TEST = os.path.join(bundled_gsm8k_dir(), "test.jsonl")  # shipped in the package
 NUM_PROMPTS = 8
 MAX_TOKENS = 96
-# Measured on these 8 prompts (fp32, CPU) when the model was bundled; the floors sit just under.
-# k = 3: 3.241 counted the accepted drafts that the "Question:" stop then dropped; 3.220 counts
-# emitted drafts only (issue 13). k = 1 is the same either way.
-FLOOR_K3_MEASURED, FLOOR_K1_MEASURED = 3.220, 1.861
-FLOOR_K3, FLOOR_K1 = 3.14, 1.82
+# (architecture, k, index sharing) -> (measured on these 8 prompts in fp32 on the CPU, floor just under)
+CASES = {
+    ("glm_moe_dsa", 1, False): (1.858, 1.82),
+    ("glm_moe_dsa", 3, False): (3.135, 3.06),
+    ("glm_moe_dsa", 3, True): (3.135, 3.06),
+    ("glm4_moe", 1, False): (1.861, 1.82),
+    ("glm4_moe", 3, False): (3.220, 3.14),
+}
 
 
 def _prompts():
@@ -32,28 +40,57 @@ def _prompts():
     return [format_query(r["question"]) for r in rows]
 
 
-def _run(k: int):
-    spec = None if k == 0 else {"method": "mtp", "num_speculative_tokens": k, "use_local_argmax_reduction": True}
-    llm = LLM(demo_model_path(), dtype="float32", device="cpu", speculative_config=spec, max_num_seqs=NUM_PROMPTS)
+def _run(arch: str, k: int, share: bool = False):
+    spec = None
+    if k:
+        spec = {"method": "mtp", "num_speculative_tokens": k, "use_local_argmax_reduction": True}
+        if arch == "glm_moe_dsa":
+            spec["index_share_for_mtp_iteration"] = share
+    llm = LLM(demo_model_path(arch), dtype="float32", device="cpu", speculative_config=spec,
+              max_num_seqs=NUM_PROMPTS)
     try:
         outs = llm.generate(_prompts(), SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, stop=["Question:"]),
                             use_tqdm=False)
-        return [o.outputs[0].token_ids for o in outs], llm.get_metrics()
+        return [o.outputs[0].token_ids for o in outs], llm.get_metrics(), llm.speculative_config
     finally:
         llm.shutdown()
 
 
-@pytest.fixture(scope="module")
-def plain():
-    torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
-    return _run(0)[0]
+_PLAIN = {}
 
 
-@pytest.mark.parametrize("k", [1, 3])
-def test_demo_model_acceptance_and_lossless(plain, k):
-    tokens, metrics = _run(k)
+def _plain(arch: str):
+    if arch not in _PLAIN:
+        torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+        _PLAIN[arch] = _run(arch, 0)[0]
+    return _PLAIN[arch]
+
+
+def test_default_demo_model_is_the_glm5_architecture():
+    import json
+
+    from mtpspec.entrypoints.serve import default_model_path
+    assert default_model_path() == demo_model_path() == demo_model_path("glm_moe_dsa")
+    with open(os.path.join(demo_model_path(), "config.json")) as f:
+        raw = json.load(f)
+    assert raw["architectures"] == ["GlmMoeDsaForCausalLM"] and raw["num_nextn_predict_layers"] == 1
+    assert raw["index_topk"] < 666  # the shortest 5-shot GSM8K test prompt: the selection prunes
+    assert raw["index_share_for_mtp_iteration"] is True  # the bundled config turns MTP index sharing on
+    size = sum(os.path.getsize(os.path.join(demo_model_path(), n)) for n in os.listdir(demo_model_path()))
+    assert size <= 30e6, f"the bundled model takes {size / 1e6:.1f} MB (at most 30 MB)"
+    with pytest.raises(ValueError, match="no bundled demo model"):
+        demo_model_path("llama")
+
+
+@pytest.mark.parametrize("arch,k,share", list(CASES))
+def test_demo_model_acceptance_and_lossless(arch, k, share):
+    plain = _plain(arch)
+    tokens, metrics, spec = _run(arch, k, share)
+    if arch == "glm_moe_dsa":
+        assert spec.index_share_for_mtp_iteration is share
     assert tokens == plain, "greedy speculative decoding must emit exactly the target's greedy tokens"
     acc = metrics["acceptance_length"]
-    print(f"k={k}: acceptance length {acc:.3f}, per position {metrics['num_accepted_tokens_per_pos']}")
-    floor = FLOOR_K3 if k == 3 else FLOOR_K1
-    assert acc >= floor, f"acceptance length {acc:.3f} at k={k} fell below the floor {floor}"
+    print(f"{arch} k={k} share={share}: acceptance length {acc:.3f}, per position "
+          f"{metrics['num_accepted_tokens_per_pos']}")
+    measured, floor = CASES[(arch, k, share)]
+    assert acc >= floor, f"acceptance length {acc:.3f} at k={k} fell below the floor {floor} (measured {measured})"

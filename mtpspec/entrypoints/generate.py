@@ -92,6 +92,20 @@ def _prompts(args: argparse.Namespace) -> List[Any]:
     return args.prompt or ["The capital of France is"]
 
 
+def describe_setup(model: str, llm: Any) -> str:
+    """Two lines: the model (folder, architecture) and the draft setup (k, DSA index sharing)."""
+    mcfg, spec = llm.model_config, llm.speculative_config
+    lines = [f"model              {model} ({mcfg.architecture})"]
+    if spec is None:
+        lines.append("speculative        off (k = 0)")
+    else:
+        has_indexer = bool(getattr(mcfg.arch, "index_topk", None))
+        share = ("index sharing " + ("on" if spec.index_share_for_mtp_iteration else "off")) if has_indexer \
+            else "no DSA indexer"
+        lines.append(f"speculative        mtp, k = {spec.num_speculative_tokens}, {share}")
+    return "\n".join(lines)
+
+
 def format_metrics(m: Dict[str, Any]) -> str:
     """A compact multi-line summary of :meth:`LLM.get_metrics`."""
     def f(x: Any, spec: str = ".3f") -> str:
@@ -157,5 +171,6 @@ def run(args: argparse.Namespace) -> int:
             ref = _gsm8k_examples(args)[i]["answer"].rsplit("####", 1)[-1].strip()
             print(f"    reference answer: {ref}")
     print("--- metrics")
+    print(describe_setup(model, llm))
     print(format_metrics(metrics))
     return 0

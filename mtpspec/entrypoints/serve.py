@@ -26,13 +26,13 @@ from typing import Any, Dict, Optional
 
 
 def default_model_path() -> str:
-    """The bundled demo model's folder: ``mtpspec.demo_model_path()`` when the package has it,
-    else ``mtpspec/demo_model`` (it may not exist)."""
+    """The default bundled demo model's folder: ``mtpspec.demo_model_path()`` when the package has
+    it, else ``mtpspec/demo_model_glm5`` (it may not exist)."""
     import mtpspec
     fn = getattr(mtpspec, "demo_model_path", None)
     if callable(fn):
         return str(fn())
-    return os.path.join(os.path.dirname(os.path.abspath(mtpspec.__file__)), "demo_model")
+    return os.path.join(os.path.dirname(os.path.abspath(mtpspec.__file__)), "demo_model_glm5")
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
