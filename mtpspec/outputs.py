@@ -99,7 +99,8 @@ class CompletionOutput:
     """One completion of a prompt.
 
     Attributes:
-        index: completion index (always 0: one completion per request).
+        index: the completion's index in its request, ``0 .. n - 1`` (``SamplingParams.n``; with
+            ``best_of > n``: the rank by ``cumulative_logprob``, 0 the highest).
         text: detokenized output, cut before a matched stop string ("" without a tokenizer).
         token_ids: generated ids; a stop token / EOS that ended the request is included; tokens
             accepted after a stop are not.
@@ -109,7 +110,7 @@ class CompletionOutput:
         logprobs: with ``SamplingParams.logprobs``: one ``{token id: Logprob}`` per token of
             ``token_ids`` (the generated token and the top-N alternatives), else ``None``.
         cumulative_logprob: the sum of the generated tokens' log-probabilities (with
-            ``logprobs``), else ``None``.
+            ``logprobs``, and always with ``best_of > n``, whose ranking key it is), else ``None``.
     """
 
     index: int
@@ -132,9 +133,11 @@ class RequestOutput:
         request_id: the engine's id for the request.
         prompt: the prompt text (``None`` when the prompt was given as token ids).
         prompt_token_ids: the prompt's token ids.
-        outputs: one :class:`CompletionOutput`.
+        outputs: ``n`` :class:`CompletionOutput` s in ``index`` order (one unless
+            ``SamplingParams.n > 1``).
         finished: whether the request is done.
-        metrics: timings and speculative-decoding counters.
+        metrics: timings and speculative-decoding counters (with ``n > 1`` or ``best_of``: of all
+            the request's sequences together, see :mod:`mtpspec.engine.parallel_sampling`).
         prompt_logprobs: with ``SamplingParams.prompt_logprobs``: per prompt token, ``None`` for
             the first, then ``{token id: Logprob}`` (the prompt token and the top-N
             alternatives), from the prefill's logits; else ``None``.

@@ -15,11 +15,24 @@ def _is_real(x: object) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
+# Most completions one request may ask for (``n`` / ``best_of``): vLLM's default VLLM_MAX_N_SEQUENCES.
+MAX_N_SEQUENCES = 16384
+
+
 @dataclass
 class SamplingParams:
     """How to pick each output token and when to stop.
 
     Attributes:
+        n: completions to return for the prompt (vLLM's parallel sampling), an int in
+            ``[1, 16384]``. The engine runs ``n`` sequences that share the prompt, each with its
+            own random stream: with a ``seed`` completion ``i`` is seeded ``seed + i`` (vLLM's
+            rule, so completion 0 is what ``n = 1`` gives), without one each draws its own
+            engine seed. Greedy decoding (``temperature == 0``) needs ``n == 1``, as in vLLM.
+        best_of: completions to generate, of which the ``n`` with the highest
+            ``cumulative_logprob`` are returned (OpenAI's / vLLM V0's ``best_of``); an int in
+            ``[n, 16384]``, or ``None`` (= ``n``). ``best_of > 1`` needs sampling
+            (``temperature > 0``).
         temperature: softmax temperature, a finite float >= 0. ``0`` means greedy (argmax of
             the raw logits; ``top_p``, ``top_k`` and ``seed`` are then ignored).
         top_p: nucleus sampling, in ``(0, 1]``: keep the smallest set of most-likely tokens
@@ -67,6 +80,8 @@ class SamplingParams:
         the wrong type; the message names the field, the value and what was expected.
     """
 
+    n: int = 1
+    best_of: Optional[int] = None
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
@@ -86,6 +101,7 @@ class SamplingParams:
     _stop_list: List[str] = field(default_factory=list, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
+        self._check_num_sequences()
         if not _is_real(self.temperature) or not math.isfinite(self.temperature) or self.temperature < 0:
             raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
         self.temperature = float(self.temperature)
@@ -132,6 +148,26 @@ class SamplingParams:
             v = getattr(self, name)
             if v is not None and (not _is_int(v) or (v < 0 and v != -1)):
                 raise ValueError(f"{name} must be non-negative or -1, got {v!r}.")
+        if self.temperature == 0.0:  # vLLM's _verify_greedy_sampling: greedy copies would be identical
+            if self.n > 1:
+                raise ValueError(f"n must be 1 when using greedy sampling, got {self.n}.")
+            if self.best_of is not None and self.best_of > 1:
+                raise ValueError(f"best_of must be 1 when using greedy sampling, got {self.best_of}.")
+
+    def _check_num_sequences(self) -> None:
+        """``n`` and ``best_of`` (vLLM's messages)."""
+        for name in ("n", "best_of"):
+            v = getattr(self, name)
+            if v is None and name == "best_of":
+                continue
+            if not _is_int(v):
+                raise TypeError(f"{name} must be an int, but is of type {type(v).__name__}")
+            if v < 1:
+                raise ValueError(f"{name} must be at least 1, got {v}.")
+            if v > MAX_N_SEQUENCES:
+                raise ValueError(f"{name} must be at most {MAX_N_SEQUENCES}, got {v}.")
+        if self.best_of is not None and self.best_of < self.n:
+            raise ValueError(f"best_of must be greater than or equal to n, got n={self.n} and best_of={self.best_of}.")
 
     @staticmethod
     def _check_logit_bias(bias: object) -> Optional[Dict[int, float]]:
@@ -171,6 +207,11 @@ class SamplingParams:
     def uses_penalties(self) -> bool:
         """True when a presence, frequency or repetition penalty is set."""
         return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+
+    @property
+    def num_sequences(self) -> int:
+        """Sequences the engine runs for the request: ``best_of`` when set, else ``n``."""
+        return self.n if self.best_of is None else self.best_of
 
     @property
     def is_greedy(self) -> bool:

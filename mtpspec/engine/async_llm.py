@@ -28,9 +28,10 @@ import threading
 import time
 import traceback
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Callable, Dict, List, Optional
+from typing import Any, AsyncIterator, Callable, Dict, List, Optional, Union
 
 from mtpspec.engine.llm_engine import LLMEngine, PromptType
+from mtpspec.engine.parallel_sampling import ParentRequest
 from mtpspec.engine.sequence import Sequence
 from mtpspec.outputs import CompletionOutput, RequestOutput
 from mtpspec.sampling_params import SamplingParams
@@ -65,12 +66,13 @@ class EngineObserver:
 
 @dataclass
 class _Live:
-    """Engine-thread bookkeeping of one request."""
+    """Engine-thread bookkeeping of one request (``seq``: its sequence, or its
+    :class:`ParentRequest` when it has several; ``sent``: its progress when last published)."""
 
     request_id: str
     sink: Callable[[Any], None]
-    seq: Optional[Sequence] = None
-    sent_tokens: int = 0
+    seq: Union[None, Sequence, ParentRequest] = None
+    sent: Any = 0
     scheduled: bool = False
 
 
@@ -322,7 +324,10 @@ class AsyncLLM:
             except Exception as exc:
                 reply(False, exc)
 
-    def _find_seq(self, rid: str) -> Sequence:
+    def _find_seq(self, rid: str) -> Union[Sequence, ParentRequest]:
+        parent = self.engine.get_parent(rid)
+        if parent is not None:
+            return parent
         for s in reversed(self.engine.scheduler.waiting):
             if s.request_id == rid:
                 return s
@@ -350,14 +355,17 @@ class AsyncLLM:
         for rid, live in list(self._live.items()):
             out = done.get(rid)
             try:
-                if live.seq is not None and live.seq.metrics.first_scheduled_time is not None:
+                if live.seq is not None and _is_scheduled(live.seq):
                     self._unpend(live)
                 if out is None:
                     seq = live.seq
-                    if seq is None or len(seq.output_token_ids) == live.sent_tokens:
+                    progress = None if seq is None else _progress(seq)
+                    if seq is None or progress == live.sent:
                         continue
+                    live.sent = progress
                     out = _snapshot(seq)
-                live.sent_tokens = len(out.outputs[0].token_ids)
+                    if out is None:  # best_of > n: only the final output is published
+                        continue
                 if self.fault_injector is not None:
                     self.fault_injector(out)
                 batch.append((live.sink, out))
@@ -403,8 +411,21 @@ class AsyncLLM:
                                   num_steps=self.engine.metrics.num_steps)
 
 
-def _snapshot(seq: Sequence) -> RequestOutput:
-    """A cheap cumulative output of a running sequence (prompt ids shared, outputs copied)."""
+def _is_scheduled(seq: Union[Sequence, ParentRequest]) -> bool:
+    if isinstance(seq, ParentRequest):
+        return seq.is_scheduled
+    return seq.metrics.first_scheduled_time is not None
+
+
+def _progress(seq: Union[Sequence, ParentRequest]) -> Any:
+    return seq.progress if isinstance(seq, ParentRequest) else len(seq.output_token_ids)
+
+
+def _snapshot(seq: Union[Sequence, ParentRequest]) -> Optional[RequestOutput]:
+    """A cheap cumulative output of a running request (prompt ids shared, outputs copied); a
+    request with ``best_of > n`` has none (only its final output is published)."""
+    if isinstance(seq, ParentRequest):
+        return seq.to_output() if seq.streams else None
     lps = None if seq.output_logprobs is None else list(seq.output_logprobs)
     comp = CompletionOutput(0, seq.output_text, list(seq.output_token_ids), None, None, lps, seq.cumulative_logprob)
     return RequestOutput(seq.request_id, seq.prompt, seq.prompt_token_ids, [comp], False, seq.metrics,

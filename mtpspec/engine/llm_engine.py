@@ -12,6 +12,7 @@ from mtpspec.engine.config import CacheConfig, SchedulerConfig
 from mtpspec.sample.counter_rng import seed_to_u64
 from mtpspec.engine.detokenizer import IncrementalDetokenizer, Tokenizer
 from mtpspec.engine.executor import Executor
+from mtpspec.engine.parallel_sampling import ParentRequest, child_request_id
 from mtpspec.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from mtpspec.engine.sequence import Sequence
 from mtpspec.step_io import SeqInput, StepInput, StepOutput
@@ -68,6 +69,7 @@ class LLMEngine:
         # replaces the drafts a sequence will verify next step (k ints in [0, vocab)).
         self.draft_hook: Optional[Callable[[Sequence, List[int]], List[int]]] = None
         self._token_texts: Dict[int, str] = {}  # token id -> its text alone (Logprob.decoded_token)
+        self._parents: Dict[str, ParentRequest] = {}  # unfinished requests of several sequences
 
     # ------------------------------------------------------------------ requests
     def validate_request(self, prompt: PromptType, params: SamplingParams) -> Tuple[Optional[str], List[int]]:
@@ -131,17 +133,49 @@ class LLMEngine:
 
     def add_request(self, prompt: PromptType, params: SamplingParams, request_id: Optional[str] = None,
                     arrival_time: Optional[float] = None) -> str:
-        """Validate (:meth:`validate_request`) and queue one request; returns its id."""
+        """Validate (:meth:`validate_request`) and queue one request; returns its id.
+
+        A request with ``params.num_sequences > 1`` (``n > 1`` or ``best_of``) is queued as that
+        many child sequences (:mod:`mtpspec.engine.parallel_sampling`); its output carries the
+        request's id.
+        """
         text, ids = self.validate_request(prompt, params)
         rid = request_id if request_id is not None else str(next(self._ids))
-        seed = params.seed if params.seed is not None else self._rng.getrandbits(64)
-        detok = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens) if self.tokenizer else None
-        seq = Sequence(rid, text, ids, params, seed_to_u64(seed),
-                       time.perf_counter() if arrival_time is None else arrival_time, detok)
-        self.scheduler.add(seq)
+        arrival = time.perf_counter() if arrival_time is None else arrival_time
+        if params.num_sequences == 1:
+            self.scheduler.add(self._sequence(rid, text, ids, params, arrival))
+            return rid
+        if rid in self._parents:
+            raise ValueError(f"request id {rid!r} is already in use")
+        parent = ParentRequest(rid, params, arrival)
+        for i in range(params.num_sequences):
+            seq = self._sequence(child_request_id(rid, i), text, ids, parent.child_params(i), arrival)
+            seq.parent = parent
+            parent.children.append(seq)
+        for seq in parent.children:
+            self.scheduler.add(seq)
+        self._parents[rid] = parent
         return rid
 
+    def _sequence(self, rid: str, text: Optional[str], ids: List[int], params: SamplingParams,
+                  arrival: float) -> Sequence:
+        seed = params.seed if params.seed is not None else self._rng.getrandbits(64)
+        detok = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens) if self.tokenizer else None
+        return Sequence(rid, text, ids, params, seed_to_u64(seed), arrival, detok)
+
+    def get_parent(self, request_id: str) -> Optional[ParentRequest]:
+        """The unfinished request of several sequences with this id, else ``None``."""
+        return self._parents.get(request_id)
+
     def abort_request(self, request_id: str) -> Optional[RequestOutput]:
+        """Abort a request (every child of one with several sequences); returns its output, or
+        ``None`` when no unfinished request has this id."""
+        parent = self._parents.pop(request_id, None)
+        if parent is not None:
+            for seq in parent.children:
+                if not seq.is_finished:
+                    self.scheduler.abort(seq.request_id)
+            return parent.to_output()
         seq = self.scheduler.abort(request_id)
         return None if seq is None else seq.to_output()
 
@@ -205,7 +239,8 @@ class LLMEngine:
         return None if lp.is_noop else lp
 
     def step(self) -> List[RequestOutput]:
-        """Schedule and run one step; returns the requests that finished in it."""
+        """Schedule and run one step; returns the requests that finished in it (a request of
+        several sequences once all of them did)."""
         t0 = time.perf_counter()
         out = self.scheduler.schedule()
         m = self.metrics
@@ -241,7 +276,19 @@ class LLMEngine:
             m.itl_s.extend(rm.itl)
             if rm.tpot is not None:
                 m.tpot_s.append(rm.tpot)
-        return [s.to_output() for s in finished]
+        return self._finished_outputs(finished)
+
+    def _finished_outputs(self, finished: List[Sequence]) -> List[RequestOutput]:
+        """Outputs of the requests that finished: a plain sequence's own, a parent's once its last
+        child finished."""
+        outs = []
+        for seq in finished:
+            parent = seq.parent
+            if parent is None:
+                outs.append(seq.to_output())
+            elif parent.is_finished and self._parents.pop(parent.request_id, None) is not None:
+                outs.append(parent.to_output())
+        return outs
 
     def _token_text(self, tid: int) -> Optional[str]:
         if self.tokenizer is None:

@@ -38,6 +38,8 @@ class Sequence:
             their sum (``None`` unless ``params.logprobs`` is set).
         prompt_logprobs: ``[None, {id: Logprob}, ...]`` once the prefill scored the prompt
             (``None`` before, and unless ``params.prompt_logprobs`` is set).
+        parent: the :class:`~mtpspec.engine.parallel_sampling.ParentRequest` this sequence is a
+            child of (a request with ``n > 1`` or ``best_of``), else ``None``.
     """
 
     def __init__(self, request_id: str, prompt: Optional[str], prompt_token_ids: List[int],
@@ -62,6 +64,7 @@ class Sequence:
         self.output_logprobs: Optional[List[Dict[int, Logprob]]] = [] if params.logprobs is not None else None
         self.cumulative_logprob: Optional[float] = 0.0 if params.logprobs is not None else None
         self.prompt_logprobs: Optional[List[Optional[Dict[int, Logprob]]]] = None
+        self.parent = None  # Optional[ParentRequest]
         # distinct prompt ids (the repetition penalty's prompt mask), computed once when needed
         self._distinct_prompt_ids: Optional[List[int]] = None
 
@@ -88,10 +91,13 @@ class Sequence:
     def is_finished(self) -> bool:
         return self.status == SequenceStatus.FINISHED
 
-    def to_output(self) -> RequestOutput:
-        comp = CompletionOutput(0, self.output_text, list(self.output_token_ids), self.finish_reason,
+    def completion_output(self, index: int = 0) -> CompletionOutput:
+        """Its completion so far (token and logprob lists copied)."""
+        return CompletionOutput(index, self.output_text, list(self.output_token_ids), self.finish_reason,
                                 self.stop_reason, _copy(self.output_logprobs), self.cumulative_logprob)
-        return RequestOutput(self.request_id, self.prompt, list(self.prompt_token_ids), [comp],
+
+    def to_output(self) -> RequestOutput:
+        return RequestOutput(self.request_id, self.prompt, list(self.prompt_token_ids), [self.completion_output()],
                              self.is_finished, self.metrics, _copy(self.prompt_logprobs))
 
     def __repr__(self) -> str:
