@@ -283,6 +283,122 @@ def test_chat_plain_template(server, offline):
     assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks) == ch["message"]["content"]
 
 
+# ---------------------------------------------------------------------------- n and best_of
+NB = dict(max_tokens=10, temperature=0.8, seed=5, return_token_ids=True)
+
+
+def _by_index(choices):
+    return {c["index"]: c for c in choices}
+
+
+def test_n_choices_equal_offline(server, offline):
+    """Two prompts, n = 3: choice index = prompt position * 3 + i, each the offline engine's
+    completion i (seeded: child i draws with seed + i); usage counts all six completions."""
+    texts = _prompts(2, seed=61)
+    r = _post(server, "/v1/completions", {"prompt": texts, "n": 3, **NB})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    ch = _by_index(body["choices"])
+    assert sorted(ch) == list(range(6))
+    refs = offline.generate(texts, SamplingParams(n=3, temperature=0.8, seed=5, max_tokens=10), use_tqdm=False)
+    for p, ref in enumerate(refs):
+        for c in ref.outputs:
+            got = ch[p * 3 + c.index]
+            assert got["token_ids"] == c.token_ids and got["text"] == c.text and got["finish_reason"] == c.finish_reason
+            assert got["prompt_token_ids"] == ref.prompt_token_ids
+    assert len({tuple(c["token_ids"]) for c in body["choices"]}) > 3  # the children sample apart
+    prompt_tokens = sum(len(o.prompt_token_ids) for o in refs)
+    completion_tokens = sum(len(c.token_ids) for o in refs for c in o.outputs)
+    assert body["usage"] == {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                             "total_tokens": prompt_tokens + completion_tokens}
+    # and streamed: every chunk one choice with its index, each choice's pieces add up, one finish each
+    chunks = _stream(server, "/v1/completions", {"prompt": texts, "n": 3, **NB,
+                                                 "stream_options": {"include_usage": True}})
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == body["usage"]
+    pieces = {}
+    for c in chunks[:-1]:
+        (x,) = c["choices"]
+        t, ids, fin = pieces.get(x["index"], ("", [], []))
+        pieces[x["index"]] = (t + x["text"], ids + x["token_ids"], fin + ([x["finish_reason"]] if x["finish_reason"] else []))
+    for i, (t, ids, fin) in pieces.items():
+        assert (t, ids, fin) == (ch[i]["text"], ch[i]["token_ids"], [ch[i]["finish_reason"]])
+    assert sorted(pieces) == list(range(6))
+
+
+def test_chat_n_choices(server, offline):
+    from mtpspec.entrypoints.chat_template import render_plain
+    msgs = [{"role": "user", "content": "Name a number."}]
+    r = _post(server, "/v1/chat/completions", {"messages": msgs, "n": 2, **NB})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    ref = offline.generate(render_plain([("user", "Name a number.")]),
+                           SamplingParams(n=2, temperature=0.8, seed=5, max_tokens=10, stop=["Question:"]))[0]
+    assert [c["index"] for c in body["choices"]] == [0, 1]
+    assert [c["token_ids"] for c in body["choices"]] == [c.token_ids for c in ref.outputs]
+    assert [c["message"]["content"] for c in body["choices"]] == [c.text for c in ref.outputs]
+    assert body["usage"]["completion_tokens"] == sum(len(c.token_ids) for c in ref.outputs)
+    chunks = _stream(server, "/v1/chat/completions", {"messages": msgs, "n": 2, **NB})
+    roles = [c["choices"][0]["index"] for c in chunks if "role" in c["choices"][0]["delta"]]
+    assert roles == [0, 1] and all(len(c["choices"]) == 1 for c in chunks)
+    for i in (0, 1):
+        mine = [c["choices"][0] for c in chunks if c["choices"][0]["index"] == i]
+        assert "".join(x["delta"].get("content", "") for x in mine) == ref.outputs[i].text
+        assert [x["finish_reason"] for x in mine if x["finish_reason"]] == [ref.outputs[i].finish_reason]
+    r = _post(server, "/v1/chat/completions", {"messages": msgs, "best_of": 2})  # a completions-only field
+    assert r.status_code == 400 and r.json()["error"]["param"] == "best_of", r.text
+
+
+def test_best_of_equals_offline_and_is_not_streamed(server, offline):
+    """best_of = 4, n = 2: the offline engine's two best (highest cumulative logprob) choices; with
+    ``stream`` the same response arrives as one event (vLLM: best_of != n is not streamed)."""
+    prompt = _prompts(1, seed=71)[0]
+    req = {"prompt": prompt, "n": 2, "best_of": 4, **NB}
+    body = _post(server, "/v1/completions", req).json()
+    ref = offline.generate(prompt, SamplingParams(n=2, best_of=4, temperature=0.8, seed=5, max_tokens=10))[0]
+    cands = offline.generate([prompt] * 4, [SamplingParams(temperature=0.8, seed=5 + i, max_tokens=10, logprobs=0)
+                                            for i in range(4)], use_tqdm=False)
+    best = sorted(cands, key=lambda o: -o.outputs[0].cumulative_logprob)[:2]
+    assert [c.token_ids for c in ref.outputs] == [o.outputs[0].token_ids for o in best]
+    assert [c["index"] for c in body["choices"]] == [0, 1]
+    assert [c["token_ids"] for c in body["choices"]] == [c.token_ids for c in ref.outputs]
+    assert all(c["logprobs"] is None for c in body["choices"])
+    assert body["usage"]["completion_tokens"] == sum(len(c.token_ids) for c in ref.outputs)
+    with httpx.stream("POST", server.url + "/v1/completions", timeout=60, json={**req, "stream": True}) as resp:
+        assert resp.status_code == 200 and resp.headers["content-type"].startswith("text/event-stream")
+        events = _sse_events(resp)
+    assert len(events) == 2 and events[-1] == "[DONE]"
+    one = json.loads(events[0])
+    assert one["choices"] == body["choices"] and one["usage"] == body["usage"]
+
+
+def test_n_params_are_named_in_errors(server):
+    for body, param in (({"prompt": "hi", "n": 0}, "n"), ({"prompt": "hi", "n": 2, "best_of": 1}, "best_of"),
+                        ({"prompt": "hi", "n": 2, "temperature": 0}, "n")):
+        r = _post(server, "/v1/completions", body)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    r = _post(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "n": 0})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "n", r.text
+
+
+def test_n_disconnect_aborts_every_choice(server):
+    text = _metrics(server)
+    total = metric_value(text, "mtpspec:kv_cache_total_blocks")
+    aborted0 = metric_value(text, "mtpspec:request_aborted_total")
+    body = {"prompt": "A long story:", "n": 3, "max_tokens": 400, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as s:
+        lines = s.iter_lines()  # kept: closing the iterator would close the stream
+        got = 0
+        for line in lines:
+            if line.startswith("data: "):
+                got += 1
+                if got == 6:
+                    break
+        assert metric_value(_metrics(server), "mtpspec:num_requests_running") == 3
+    _wait_metric(server, "mtpspec:request_aborted_total", lambda v: v == aborted0 + 1)
+    _wait_metric(server, "mtpspec:kv_cache_free_blocks", lambda v: v == total)
+    assert metric_value(_metrics(server), "mtpspec:num_requests_running") == 0
+
+
 # ---------------------------------------------------------------------------- errors
 BAD_COMPLETIONS = [
     ({"max_tokens": 4}, "prompt"),                                 # missing prompt
@@ -300,7 +416,13 @@ BAD_COMPLETIONS = [
     ({"prompt": "hi", "max_tokens": -1}, "max_tokens"),
     ({"prompt": "hi", "max_tokens": 0}, "max_tokens"),
     ({"prompt": "hi", "stop": [""]}, "stop"),
-    ({"prompt": "hi", "n": 2}, "n="),
+    ({"prompt": "hi", "n": 0}, "n must be at least 1, got 0."),
+    ({"prompt": "hi", "n": 16385}, "n must be at most 16384, got 16385."),
+    ({"prompt": "hi", "n": 1.5}, "n"),
+    ({"prompt": "hi", "n": 3, "best_of": 2}, "best_of must be greater than or equal to n, got n=3 and best_of=2."),
+    ({"prompt": "hi", "best_of": 0}, "best_of must be at least 1, got 0."),
+    ({"prompt": "hi", "n": 2, "temperature": 0}, "n must be 1 when using greedy sampling, got 2."),
+    ({"prompt": "hi", "best_of": 2, "temperature": 0}, "best_of must be 1 when using greedy sampling, got 2."),
     ({"prompt": "hi", "logprobs": 50}, "logprobs"),
     ({"prompt": "hi", "seed": "abc"}, "seed"),
     ({"prompt": "hi", "max_tokens": "12"}, "max_tokens"),          # strict types: no coercion

@@ -2,8 +2,10 @@
 
 Fields follow OpenAI's legacy Completions and Chat Completions APIs; extensions (vLLM's names)
 are marked. Unknown fields are rejected (400), so a misspelt parameter is never silently
-ignored. Unsupported OpenAI parameters (``n`` / ``best_of`` other than 1, ``suffix``) are
-accepted only at their neutral values and otherwise rejected with a 400 that names them.
+ignored. ``n`` (both endpoints) and ``best_of`` (completions only, as in OpenAI's API) are
+served through the engine's parallel sampling (:mod:`mtpspec.engine.parallel_sampling`); their
+bad values are 400s with vLLM's messages. The unsupported ``suffix`` is accepted only empty and
+otherwise rejected with a 400 that names it.
 ``presence_penalty``, ``frequency_penalty`` and ``logit_bias`` (OpenAI) and
 ``repetition_penalty``, ``min_tokens`` and ``prompt_logprobs`` (vLLM's extensions) are served.
 """
@@ -55,7 +57,7 @@ class _Sampling(BaseModel):
     temperature: Optional[float] = 1.0
     top_p: Optional[float] = 1.0
     top_k: Optional[int] = Field(default=None, description="extension: 0 or -1 = off")
-    n: Optional[int] = 1
+    n: Optional[int] = Field(default=1, description="choices per prompt (null = 1)")
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
     stop: Optional[Union[str, List[str]]] = None
@@ -81,6 +83,9 @@ class CompletionRequest(_Sampling):
     = until the context is full; ``0`` only with ``echo`` (score the prompt, generate nothing).
     ``logprobs``: 0..20 alternatives per token, from the logits the engine sampled or verified
     with (streaming too); with ``echo`` also for the prompt tokens (from the prefill's logits).
+    ``n``: choices per prompt (choice ``index`` = prompt position * n + i); ``best_of``: candidates
+    per prompt of which the ``n`` with the highest cumulative log-probability are returned (not
+    streamed: with ``stream`` the whole response comes as one event, as vLLM does).
     """
 
     prompt: Union[str, List[str], List[int], List[List[int]]]

@@ -11,7 +11,8 @@ Errors are OpenAI-style objects ``{"error": {"message", "type", "param", "code"}
   out-of-vocabulary prompt, prompt tokens + ``max_tokens`` above ``max_model_len`` (vLLM's
   "This model's maximum context length is N tokens. However, you requested M tokens (P in the
   messages, T in the completion). ..."; ``max_tokens`` null: up to the context, never an
-  error), bad sampling values, unsupported parameters;
+  error), bad sampling values (``n`` / ``best_of`` with vLLM's messages, e.g. "best_of must be
+  greater than or equal to n, got n=3 and best_of=2."), unsupported parameters (``suffix``);
 * 503: the queue is full (``max_queue_len`` requests waiting) or the engine died;
 * 500: the request failed inside the engine loop (other requests are unaffected).
 
@@ -20,6 +21,10 @@ whether it streams or not. Streaming uses server-sent events (``data: {json}\\n\
 then ``data: [DONE]``); one chunk per engine step that emitted tokens (a speculative step may
 emit several). While stop strings are set, the last ``max(len(stop)) - 1`` characters are
 held back until the request finishes, so streamed text never shows a stop string.
+``n > 1``: ``n`` choices per prompt (``index`` = prompt position * n + i, as vLLM); a stream
+sends each choice's news in its own chunk, its finish reason when that choice ends. ``best_of >
+n`` is not streamed: with ``stream`` the complete response is sent as one event, then
+``[DONE]`` (vLLM's behaviour). ``usage.completion_tokens`` counts the returned choices' tokens.
 ``logprobs`` are the engine's (:class:`~mtpspec.outputs.Logprob`: scored from the very logits
 each token was sampled or verified with, the raw model distribution), so they stream with the
 tokens: each chunk carries its new tokens' entries. ``echo`` with ``logprobs`` asks the engine
@@ -45,7 +50,7 @@ from mtpspec.entrypoints.chat_template import render_chat
 from mtpspec.entrypoints.openai_protocol import (
     ChatCompletionRequest, CompletionRequest, DetokenizeRequest, OpenAIError, TokenizeRequest, bad_request)
 from mtpspec.entrypoints.server_metrics import ServerMetrics
-from mtpspec.outputs import Logprob, RequestOutput
+from mtpspec.outputs import CompletionOutput, Logprob, RequestOutput
 from mtpspec.sampling_params import SamplingParams
 
 M = TypeVar("M", bound=BaseModel)
@@ -98,10 +103,6 @@ def _check_model(ctx: ServerContext, name: Optional[str]) -> None:
 
 
 def _check_unsupported(req: Any) -> None:
-    if req.n not in (None, 1):
-        raise bad_request(f"n={req.n} is not supported: one completion per prompt (n=1)", "n")
-    if getattr(req, "best_of", None) not in (None, 1):
-        raise bad_request(f"best_of={req.best_of} is not supported (only 1)", "best_of")
     if getattr(req, "suffix", None):
         raise bad_request("suffix is not supported", "suffix")
 
@@ -140,6 +141,7 @@ def _sampling_params(req: Any, max_tokens: Optional[int], extra_stop: Sequence[s
     stops = ([stop] if isinstance(stop, str) else list(stop or [])) + [s for s in extra_stop if s not in (stop or [])]
     try:
         return SamplingParams(
+            n=1 if req.n is None else req.n, best_of=getattr(req, "best_of", None),
             temperature=1.0 if req.temperature is None else req.temperature,
             top_p=1.0 if req.top_p is None else req.top_p,
             top_k=0 if req.top_k is None else req.top_k,
@@ -325,15 +327,18 @@ def _prompt_logprobs_json(entries: Optional[Sequence[Optional[Dict[int, Logprob]
 
 
 def _usage(outs: Sequence[RequestOutput]) -> Dict[str, int]:
+    """Prompt tokens once per prompt; completion tokens of every returned choice (vLLM's count:
+    with ``best_of > n`` the candidates not returned are not counted)."""
     p = sum(len(o.prompt_token_ids) for o in outs)
-    c = sum(len(o.outputs[0].token_ids) for o in outs)
+    c = sum(len(x.token_ids) for o in outs for x in o.outputs)
     return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
 
 
 class _Delta:
     """Per-choice streaming state: what was sent already, with stop-string hold-back.
 
-    ``logprob_offset``: ``text_offset`` of the next token's logprob entry (completions).
+    ``logprob_offset``: ``text_offset`` of the next token's logprob entry (completions);
+    ``done``: the choice's finish reason was sent.
     """
 
     def __init__(self, holdback: int):
@@ -341,11 +346,12 @@ class _Delta:
         self.text_sent = 0
         self.tokens_sent = 0
         self.logprob_offset = 0
+        self.done = False
 
-    def next(self, out: RequestOutput) -> Tuple[str, List[int], List[Dict[int, Logprob]]]:
-        """New text, token ids and (with ``logprobs``) their entries since the last call."""
-        c = out.outputs[0]
-        visible = c.text if out.finished else c.text[:max(0, len(c.text) - self.holdback)]
+    def next(self, c: CompletionOutput) -> Tuple[str, List[int], List[Dict[int, Logprob]]]:
+        """New text, token ids and (with ``logprobs``) their entries of choice ``c`` since the last
+        call (all its held-back text once it finished)."""
+        visible = c.text if c.finished() else c.text[:max(0, len(c.text) - self.holdback)]
         text = visible[self.text_sent:] if len(visible) > self.text_sent else ""
         self.text_sent = max(self.text_sent, len(visible))
         ids = c.token_ids[self.tokens_sent:]
@@ -477,12 +483,12 @@ def build_app(ctx: ServerContext) -> FastAPI:
         prompt_ids = _validate_all(engine, prompts, params)
         rid = f"cmpl-{uuid.uuid4().hex}"
         if score_only and prompt_lp is None:
-            return JSONResponse(_echo_only(ctx, req, prompts, prompt_ids, rid))
+            return JSONResponse(_echo_only(ctx, req, prompts, prompt_ids, rid, params.n))
         if not score_only:
             _check_context(engine, prompt_ids, req.max_tokens, "max_tokens")
         prompts = [dict(p, prompt_token_ids=ids) for p, ids in zip(prompts, prompt_ids)]  # tokenize once
         streams = _start(engine, prompts, params, rid, arrival)
-        if req.stream:
+        if req.stream and params.num_sequences == params.n:
             return StreamingResponse(_completion_sse(ctx, req, streams, params, rid, request),
                                      media_type="text/event-stream")
         try:
@@ -493,27 +499,28 @@ def build_app(ctx: ServerContext) -> FastAPI:
             return Response(status_code=499)
         choices = []
         for i, out in enumerate(outs):
-            c = out.outputs[0]
-            gen_ids, gen_lps = ([], []) if score_only else (list(c.token_ids), list(c.logprobs or []))
-            prefix = _prompt_text(engine, out) if req.echo else ""
-            choice: Dict[str, Any] = {"index": i, "text": prefix + ("" if score_only else c.text), "logprobs": None,
-                                      "finish_reason": "length" if score_only else c.finish_reason,
-                                      "stop_reason": None if score_only else c.stop_reason}
-            if req.logprobs is not None:
-                ids = (list(out.prompt_token_ids) if req.echo else []) + gen_ids
-                entries = (list(out.prompt_logprobs) if req.echo else []) + gen_lps
-                choice["logprobs"] = _completion_logprobs(engine, ids, entries, req.logprobs, 0)
-            if req.prompt_logprobs is not None:
-                choice["prompt_logprobs"] = _prompt_logprobs_json(out.prompt_logprobs)
-            if req.return_token_ids:
-                choice["token_ids"] = gen_ids
-                choice["prompt_token_ids"] = list(out.prompt_token_ids)
-            choices.append(choice)
+            for c in out.outputs:
+                gen_ids, gen_lps = ([], []) if score_only else (list(c.token_ids), list(c.logprobs or []))
+                prefix = _prompt_text(engine, out) if req.echo else ""
+                choice: Dict[str, Any] = {"index": i * params.n + c.index,
+                                          "text": prefix + ("" if score_only else c.text), "logprobs": None,
+                                          "finish_reason": "length" if score_only else c.finish_reason,
+                                          "stop_reason": None if score_only else c.stop_reason}
+                if req.logprobs is not None:
+                    ids = (list(out.prompt_token_ids) if req.echo else []) + gen_ids
+                    entries = (list(out.prompt_logprobs) if req.echo else []) + gen_lps
+                    choice["logprobs"] = _completion_logprobs(engine, ids, entries, req.logprobs, 0)
+                if req.prompt_logprobs is not None:
+                    choice["prompt_logprobs"] = _prompt_logprobs_json(out.prompt_logprobs)
+                if req.return_token_ids:
+                    choice["token_ids"] = gen_ids
+                    choice["prompt_token_ids"] = list(out.prompt_token_ids)
+                choices.append(choice)
         usage = _usage(outs)
         if score_only:
             usage.update(completion_tokens=0, total_tokens=usage["prompt_tokens"])
-        return JSONResponse({"id": rid, "object": "text_completion", "created": int(time.time()),
-                             "model": ctx.served_model_name, "choices": choices, "usage": usage})
+        return _maybe_one_event(req, {"id": rid, "object": "text_completion", "created": int(time.time()),
+                                      "model": ctx.served_model_name, "choices": choices, "usage": usage})
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
@@ -554,16 +561,18 @@ def build_app(ctx: ServerContext) -> FastAPI:
         if outs is None:
             return Response(status_code=499)
         out = outs[0]
-        c = out.outputs[0]
-        choice: Dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": c.text},
-                                  "logprobs": None, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
-        if req.logprobs:
-            choice["logprobs"] = _chat_logprobs(engine, c.token_ids, c.logprobs, num_lp)
-        if req.return_token_ids:
-            choice["token_ids"] = list(c.token_ids)
-            choice["prompt_token_ids"] = list(out.prompt_token_ids)
+        choices = []
+        for c in out.outputs:
+            choice: Dict[str, Any] = {"index": c.index, "message": {"role": "assistant", "content": c.text},
+                                      "logprobs": None, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+            if req.logprobs:
+                choice["logprobs"] = _chat_logprobs(engine, c.token_ids, c.logprobs, num_lp)
+            if req.return_token_ids:
+                choice["token_ids"] = list(c.token_ids)
+                choice["prompt_token_ids"] = list(out.prompt_token_ids)
+            choices.append(choice)
         body = {"id": rid, "object": "chat.completion", "created": int(time.time()),
-                "model": ctx.served_model_name, "choices": [choice], "usage": _usage(outs)}
+                "model": ctx.served_model_name, "choices": choices, "usage": _usage(outs)}
         if req.prompt_logprobs is not None:
             body["prompt_logprobs"] = _prompt_logprobs_json(out.prompt_logprobs)  # vLLM: on the response
         return JSONResponse(body)
@@ -577,21 +586,36 @@ def _check_stream_prompt_logprobs(req: Any) -> None:
         raise bad_request("`prompt_logprobs` are not available when `stream=True`.", "prompt_logprobs")
 
 
+def _maybe_one_event(req: CompletionRequest, body: Dict[str, Any]) -> Response:
+    """The response as JSON, or, when ``stream`` was asked for a request that is not streamed
+    (``best_of > n``, as vLLM: "Similar to the OpenAI API, when n != best_of, we do not stream"),
+    as one server-sent event holding the whole response, then ``[DONE]``."""
+    if not req.stream:
+        return JSONResponse(body)
+
+    async def one_event() -> AsyncIterator[str]:
+        yield _sse(body)
+        yield "data: [DONE]\n\n"
+    return StreamingResponse(one_event(), media_type="text/event-stream")
+
+
 def _echo_only(ctx: ServerContext, req: CompletionRequest, prompts: List[Dict[str, Any]],
-               prompt_ids: List[List[int]], rid: str) -> Dict[str, Any]:
-    """``max_tokens: 0`` + ``echo`` without log-probabilities: the prompts back, no engine work."""
+               prompt_ids: List[List[int]], rid: str, n: int) -> Dict[str, Any]:
+    """``max_tokens: 0`` + ``echo`` without log-probabilities: the prompts back (``n`` choices
+    each), no engine work."""
     engine = ctx.engine
     choices = []
     for i, (p, ids) in enumerate(zip(prompts, prompt_ids)):
         text = p.get("prompt")
         if text is None:
             text = engine.tokenizer.decode(ids, skip_special_tokens=False) if engine.tokenizer else ""
-        choice: Dict[str, Any] = {"index": i, "text": text, "logprobs": None, "finish_reason": "length",
-                                  "stop_reason": None}
-        if req.return_token_ids:
-            choice["token_ids"] = []
-            choice["prompt_token_ids"] = list(ids)
-        choices.append(choice)
+        for j in range(n):
+            choice: Dict[str, Any] = {"index": i * n + j, "text": text, "logprobs": None, "finish_reason": "length",
+                                      "stop_reason": None}
+            if req.return_token_ids:
+                choice["token_ids"] = []
+                choice["prompt_token_ids"] = list(ids)
+            choices.append(choice)
     n = sum(len(x) for x in prompt_ids)
     return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": ctx.served_model_name,
             "choices": choices, "usage": {"prompt_tokens": n, "completion_tokens": 0, "total_tokens": n}}
@@ -604,11 +628,13 @@ def _holdback(params: SamplingParams) -> int:
 
 async def _completion_sse(ctx: ServerContext, req: CompletionRequest, streams: List[RequestStream],
                           params: SamplingParams, rid: str, request: Request) -> AsyncIterator[str]:
+    """One chunk per choice that has news (``index`` = prompt position * n + completion index)."""
     engine = ctx.engine
     created = int(time.time())
-    deltas = [_Delta(_holdback(params)) for _ in streams]
+    n = params.n
+    deltas = [_Delta(_holdback(params)) for _ in range(len(streams) * n)]
     finals: List[Optional[RequestOutput]] = [None] * len(streams)
-    echoed = [not req.echo] * len(streams)
+    echoed = [not req.echo] * (len(streams) * n)
 
     def chunk(choices: List[Dict[str, Any]], usage: Optional[Dict[str, int]] = None) -> str:
         body: Dict[str, Any] = {"id": rid, "object": "text_completion", "created": created,
@@ -621,30 +647,38 @@ async def _completion_sse(ctx: ServerContext, req: CompletionRequest, streams: L
     merged = _merged(streams, request)
     try:
         async for i, out in merged:
-            text, ids, lps = deltas[i].next(out)
-            if score_only:
-                text, ids, lps = "", [], []
-            lp_ids, lp_entries = ids, lps
-            if not echoed[i]:
-                text = _prompt_text(engine, out) + text
-                if req.logprobs is not None:
-                    lp_ids, lp_entries = list(out.prompt_token_ids) + ids, list(out.prompt_logprobs) + lps
-                echoed[i] = True
-            c = out.outputs[0]
-            choice: Dict[str, Any] = {"index": i, "text": text, "logprobs": None,
-                                      "finish_reason": ("length" if score_only else c.finish_reason)
-                                      if out.finished else None,
-                                      "stop_reason": c.stop_reason if out.finished and not score_only else None}
-            if req.logprobs is not None:
-                lp = _completion_logprobs(engine, lp_ids, lp_entries, req.logprobs, deltas[i].logprob_offset)
-                if lp["tokens"]:
-                    deltas[i].logprob_offset = lp["text_offset"][-1] + len(lp["tokens"][-1])
-                choice["logprobs"] = lp
-            if req.return_token_ids:
-                choice["token_ids"] = ids
             if out.finished:
                 finals[i] = out
-            yield chunk([choice])
+            for c in out.outputs:
+                j = i * n + c.index
+                d = deltas[j]
+                if d.done:
+                    continue
+                text, ids, lps = d.next(c)
+                if score_only:
+                    text, ids, lps = "", [], []
+                done = c.finished()
+                if not (text or ids or done or not echoed[j]):
+                    continue  # another choice of this prompt moved
+                lp_ids, lp_entries = ids, lps
+                if not echoed[j]:
+                    text = _prompt_text(engine, out) + text
+                    if req.logprobs is not None:
+                        lp_ids, lp_entries = list(out.prompt_token_ids) + ids, list(out.prompt_logprobs) + lps
+                    echoed[j] = True
+                choice: Dict[str, Any] = {"index": j, "text": text, "logprobs": None,
+                                          "finish_reason": ("length" if score_only else c.finish_reason)
+                                          if done else None,
+                                          "stop_reason": c.stop_reason if done and not score_only else None}
+                if req.logprobs is not None:
+                    lp = _completion_logprobs(engine, lp_ids, lp_entries, req.logprobs, d.logprob_offset)
+                    if lp["tokens"]:
+                        d.logprob_offset = lp["text_offset"][-1] + len(lp["tokens"][-1])
+                    choice["logprobs"] = lp
+                if req.return_token_ids:
+                    choice["token_ids"] = ids
+                d.done = done
+                yield chunk([choice])
         if any(f is None for f in finals):
             return  # the client went away; every request was aborted
         if req.stream_options is not None and req.stream_options.include_usage:
@@ -661,8 +695,9 @@ async def _completion_sse(ctx: ServerContext, req: CompletionRequest, streams: L
 
 async def _chat_sse(ctx: ServerContext, req: ChatCompletionRequest, streams: List[RequestStream],
                     params: SamplingParams, rid: str, request: Request) -> AsyncIterator[str]:
+    """A role chunk per choice, then one chunk per choice that has news."""
     created = int(time.time())
-    delta = _Delta(_holdback(params))
+    deltas = [_Delta(_holdback(params)) for _ in range(params.n)]
     final: Optional[RequestOutput] = None
 
     def chunk(choices: List[Dict[str, Any]], usage: Optional[Dict[str, int]] = None) -> str:
@@ -674,21 +709,29 @@ async def _chat_sse(ctx: ServerContext, req: ChatCompletionRequest, streams: Lis
 
     merged = _merged(streams, request)
     try:
-        yield chunk([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                      "finish_reason": None}])
+        for j in range(params.n):
+            yield chunk([{"index": j, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                          "finish_reason": None}])
         async for _, out in merged:
-            text, ids, lps = delta.next(out)
-            c = out.outputs[0]
-            choice: Dict[str, Any] = {"index": 0, "delta": {"content": text}, "logprobs": None,
-                                      "finish_reason": c.finish_reason if out.finished else None,
-                                      "stop_reason": c.stop_reason if out.finished else None}
-            if req.logprobs:
-                choice["logprobs"] = _chat_logprobs(ctx.engine, ids, lps, req.top_logprobs or 0)
-            if req.return_token_ids:
-                choice["token_ids"] = ids
             if out.finished:
                 final = out
-            yield chunk([choice])
+            for c in out.outputs:
+                d = deltas[c.index]
+                if d.done:
+                    continue
+                text, ids, lps = d.next(c)
+                done = c.finished()
+                if not (text or ids or done):
+                    continue  # another choice moved
+                choice: Dict[str, Any] = {"index": c.index, "delta": {"content": text}, "logprobs": None,
+                                          "finish_reason": c.finish_reason if done else None,
+                                          "stop_reason": c.stop_reason if done else None}
+                if req.logprobs:
+                    choice["logprobs"] = _chat_logprobs(ctx.engine, ids, lps, req.top_logprobs or 0)
+                if req.return_token_ids:
+                    choice["token_ids"] = ids
+                d.done = done
+                yield chunk([choice])
         if final is None:
             return
         if req.stream_options is not None and req.stream_options.include_usage:
