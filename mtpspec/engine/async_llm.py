@@ -219,7 +219,9 @@ class AsyncLLM:
         """:meth:`add_request` then iterate its :class:`RequestStream` (same arguments and errors).
 
         Yields cumulative :class:`RequestOutput` snapshots; the last one has ``finished=True``.
-        Leaving the iteration early aborts the request and frees its KV blocks.
+        With ``n > 1`` each snapshot holds the ``n`` completions so far (one that finished already
+        carries its ``finish_reason``); with ``best_of > n`` only the final output is yielded.
+        Leaving the iteration early aborts the request (every completion) and frees its KV blocks.
         """
         stream = self.add_request(prompt, params, request_id, arrival_time)
         async for out in stream:

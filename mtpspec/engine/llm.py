@@ -111,6 +111,9 @@ class LLM:
             sampling_params: one for all prompts, one per prompt, or ``None`` (defaults).
             use_tqdm: show a progress bar (stderr) over finished requests.
 
+        ``SamplingParams(n=..., best_of=...)``: each output holds ``n`` completions (``index``
+        0 .. n - 1; see :mod:`mtpspec.engine.parallel_sampling`).
+
         Context length (vLLM's offline rules): a prompt must leave room for one token (at most
         ``max_model_len - 1`` tokens); prompt + ``max_tokens`` beyond ``max_model_len`` is not an
         error: the request stops at the end of the context with ``finish_reason == "length"``
