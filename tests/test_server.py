@@ -319,7 +319,8 @@ def test_n_choices_equal_offline(server, offline):
     for c in chunks[:-1]:
         (x,) = c["choices"]
         t, ids, fin = pieces.get(x["index"], ("", [], []))
-        pieces[x["index"]] = (t + x["text"], ids + x["token_ids"], fin + ([x["finish_reason"]] if x["finish_reason"] else []))
+        fin = fin + ([x["finish_reason"]] if x["finish_reason"] else [])
+        pieces[x["index"]] = (t + x["text"], ids + x["token_ids"], fin)
     for i, (t, ids, fin) in pieces.items():
         assert (t, ids, fin) == (ch[i]["text"], ch[i]["token_ids"], [ch[i]["finish_reason"]])
     assert sorted(pieces) == list(range(6))
