@@ -47,6 +47,8 @@ class RequestMetrics:
         num_accepted_tokens_per_pos: ``[k]``: how often the draft at position ``j`` was accepted.
         accepted_length_histogram: ``[k + 1]``: how many drafts had ``a`` accepted tokens.
         num_preemptions: times the request was preempted and recomputed.
+        num_cached_tokens: prompt tokens found in the prefix cache when the request was first
+            scheduled (not computed; ``None`` before that).
     """
 
     arrival_time: float = 0.0
@@ -62,6 +64,7 @@ class RequestMetrics:
     num_accepted_tokens_per_pos: List[int] = field(default_factory=list)
     accepted_length_histogram: List[int] = field(default_factory=list)
     num_preemptions: int = 0
+    num_cached_tokens: Optional[int] = None
 
     @property
     def ttft(self) -> Optional[float]:
@@ -141,6 +144,8 @@ class RequestOutput:
         prompt_logprobs: with ``SamplingParams.prompt_logprobs``: per prompt token, ``None`` for
             the first, then ``{token id: Logprob}`` (the prompt token and the top-N
             alternatives), from the prefill's logits; else ``None``.
+        num_cached_tokens: prompt tokens served from the prefix cache when the request was
+            first scheduled (vLLM's name; ``None`` before it was scheduled).
     """
 
     request_id: str
@@ -150,3 +155,4 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics
     prompt_logprobs: Optional[PromptLogprobs] = None
+    num_cached_tokens: Optional[int] = None

@@ -31,7 +31,11 @@ class Sequence:
             step that prefills its last chunk (which samples its next token); set again by a
             preemption.
         block_table: KV block ids, one per ``block_size`` positions; shared by the target and
-            the MTP layers' caches.
+            the MTP layers' caches (leading blocks may be shared with other sequences: prefix
+            caching, :mod:`mtpspec.engine.block_manager`).
+        block_hashes: chained content hashes of the full blocks hashed so far (prefix caching).
+        num_cached_blocks: leading blocks of ``block_table`` already in the prefix cache (or
+            left out of it because another block holds their key).
         draft_token_ids: drafts proposed in the previous step, verified in the next one.
         finish_reason / stop_reason: see :class:`~mtpspec.outputs.CompletionOutput`.
         output_logprobs / cumulative_logprob: one ``{token id: Logprob}`` per output token and
@@ -55,6 +59,8 @@ class Sequence:
         self.num_computed_tokens = 0
         self.is_prefill = True
         self.block_table: List[int] = []
+        self.block_hashes: List[int] = []
+        self.num_cached_blocks = 0
         self.draft_token_ids: List[int] = []
         self.finish_reason: Optional[str] = None
         self.stop_reason: Union[int, str, None] = None
@@ -98,7 +104,8 @@ class Sequence:
 
     def to_output(self) -> RequestOutput:
         return RequestOutput(self.request_id, self.prompt, list(self.prompt_token_ids), [self.completion_output()],
-                             self.is_finished, self.metrics, _copy(self.prompt_logprobs))
+                             self.is_finished, self.metrics, _copy(self.prompt_logprobs),
+                             self.metrics.num_cached_tokens)
 
     def __repr__(self) -> str:
         return (f"Sequence({self.request_id!r}, status={self.status.value}, tokens={self.num_tokens}, "
