@@ -14,7 +14,7 @@ The types live outside ``engine/`` (beside ``config.py`` and ``outputs.py``) so 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
@@ -80,10 +80,20 @@ class SeqInput:
 
 @dataclass
 class StepInput:
-    """One engine step: decodes first, then prefills (batch order = output order)."""
+    """One engine step: decodes first, then prefills (batch order = output order).
+
+    Attributes:
+        seqs: the sequences.
+        step_id: a counter.
+        block_copies: ``(src, dst)`` KV block ids: before the step's forward, every cache of
+            every layer (target, MTP, indexer keys) copies block ``src`` into block ``dst``
+            (all reads before any write). Prefix caching gives a sequence a private copy of a
+            shared block whose last MTP entry it recomputes.
+    """
 
     seqs: List[SeqInput]
     step_id: int = 0
+    block_copies: List[Tuple[int, int]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:

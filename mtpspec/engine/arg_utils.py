@@ -27,6 +27,8 @@ flag (vLLM spelling)                  aliases                       default     
 ``--enable-chunked-prefill``                                        on          split prompts to fill each step's budget;
                                                                                 off: ``--no-enable-chunked-prefill``
 ``--long-prefill-token-threshold``                                  0           most tokens of one prompt per step (0: no cap)
+``--enable-prefix-caching``                                         on          reuse cached KV blocks of shared prefixes;
+                                                                                off: ``--no-enable-prefix-caching``
 ``--gpu-memory-utilization``                                        0.9         GPU memory fraction for the engine
 ``--block-size``                                                    arch's      tokens per KV block (16; MLA: 64)
 ``--num-kv-blocks``                   ``--num-gpu-blocks-override`` sized       KV blocks per layer (skip profiling)
@@ -190,7 +192,8 @@ class EngineArgs:
             max_num_batched_tokens (``None``: derived), enable_chunked_prefill (default on),
             long_prefill_token_threshold (0: no cap): see :class:`~mtpspec.engine.config.SchedulerConfig`.
         block_size, num_kv_blocks (``None``: sized from memory), gpu_memory_utilization,
-            cpu_kv_cache_gib: see :class:`~mtpspec.engine.config.CacheConfig`.
+            cpu_kv_cache_gib, enable_prefix_caching (default on): see
+            :class:`~mtpspec.engine.config.CacheConfig`.
         dtype: ``"float32"`` / ``"bfloat16"`` / ``"float16"`` or ``None`` (the checkpoint's).
         device: ``"cpu"`` / ``"cuda"`` / ``"cuda:N"`` or ``None`` (CUDA when present).
         enforce_eager: never use CUDA graphs.
@@ -216,6 +219,7 @@ class EngineArgs:
     num_kv_blocks: Optional[int] = None
     gpu_memory_utilization: float = 0.9
     cpu_kv_cache_gib: float = 1.0
+    enable_prefix_caching: bool = False
     dtype: Optional[str] = None
     device: Optional[str] = None
     enforce_eager: bool = False
@@ -261,6 +265,9 @@ class EngineArgs:
                             "--no-enable-chunked-prefill prefills every prompt in one step)")
         p.add_argument("--long-prefill-token-threshold", type=int, default=0,
                        help="most tokens of one prompt per step with chunked prefill (default 0: no cap)")
+        p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=False,
+                       help="reuse the KV blocks of prompt prefixes computed before (automatic prefix caching, "
+                            "by block content; default on; --no-enable-prefix-caching computes every prompt)")
         p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                        help="fraction of GPU memory the engine may use (default 0.9)")
         p.add_argument("--block-size", type=int, default=None,
@@ -367,7 +374,8 @@ class EngineArgs:
         sched = SchedulerConfig(self.max_num_seqs, max_model_len, self.max_num_batched_tokens, k,
                                 self.enable_chunked_prefill, self.long_prefill_token_threshold)
         block_size = mcfg.arch.default_block_size if self.block_size is None else self.block_size
-        cache = CacheConfig(block_size, self.num_kv_blocks, self.gpu_memory_utilization, self.cpu_kv_cache_gib)
+        cache = CacheConfig(block_size, self.num_kv_blocks, self.gpu_memory_utilization, self.cpu_kv_cache_gib,
+                            self.enable_prefix_caching)
         mode = "off" if self.enforce_eager else (self.graph_mode or "auto")
         if mode not in GRAPH_MODES:
             raise ValueError(f"graph_mode must be 'auto', 'off', 'cuda' or 'static', got {self.graph_mode!r}")
@@ -391,4 +399,5 @@ class EngineArgs:
                     long_prefill_token_threshold=self.long_prefill_token_threshold,
                     block_size=self.block_size, num_kv_blocks=self.num_kv_blocks,
                     gpu_memory_utilization=self.gpu_memory_utilization, cpu_kv_cache_gib=self.cpu_kv_cache_gib,
-                    seed=self.seed, enforce_eager=self.enforce_eager, graph_mode=self.graph_mode)
+                    enable_prefix_caching=self.enable_prefix_caching, seed=self.seed,
+                    enforce_eager=self.enforce_eager, graph_mode=self.graph_mode)

@@ -48,10 +48,14 @@ class BlockPool:
 
     Args:
         num_blocks: blocks per layer cache (>= 1).
+
+    Attributes:
+        num_evictions: cached blocks taken for new data so far.
     """
 
     def __init__(self, num_blocks: int):
         self.num_blocks = num_blocks
+        self.num_evictions = 0
         self.ref_cnt: List[int] = [0] * num_blocks
         self.block_key: List[Optional[BlockKey]] = [None] * num_blocks
         self._uncached: Deque[int] = deque(range(num_blocks))
@@ -93,6 +97,7 @@ class BlockPool:
         elif self._evictable:
             b, _ = self._evictable.popitem(last=False)
             self._uncache(b)
+            self.num_evictions += 1
         else:
             raise RuntimeError("out of KV blocks: none free")
         self.ref_cnt[b] = 1

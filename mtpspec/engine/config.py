@@ -25,12 +25,16 @@ class CacheConfig:
             weights and a profiling forward used, minimum over ranks; CPU: ``cpu_kv_cache_gib``).
         gpu_memory_utilization: fraction of the GPU's memory the engine may use, in (0, 1].
         cpu_kv_cache_gib: KV-cache budget on CPU, in GiB (> 0).
+        enable_prefix_caching: automatic prefix caching (vLLM's name; default on): full blocks
+            of computed tokens are kept by content hash and shared by later requests with the
+            same prefix (:mod:`mtpspec.engine.block_manager`).
     """
 
     block_size: int = 16
     num_kv_blocks: Optional[int] = None
     gpu_memory_utilization: float = 0.9
     cpu_kv_cache_gib: float = 1.0
+    enable_prefix_caching: bool = False
 
     def __post_init__(self) -> None:
         _positive_int("block_size", self.block_size)
@@ -40,6 +44,8 @@ class CacheConfig:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
         if not float(self.cpu_kv_cache_gib) > 0.0:
             raise ValueError(f"cpu_kv_cache_gib must be > 0, got {self.cpu_kv_cache_gib!r}")
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise ValueError(f"enable_prefix_caching must be True or False, got {self.enable_prefix_caching!r}")
 
 
 #: ``max_num_batched_tokens`` when none is given and prefills are chunked: vLLM's default

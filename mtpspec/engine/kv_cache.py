@@ -8,7 +8,7 @@ number of blocks, so one block table serves them all. Nothing here knows a cache
 
 from __future__ import annotations
 
-from typing import List
+from typing import List, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -77,3 +77,21 @@ def allocate(layers: List[AttentionLayerBase], num_blocks: int, block_size: int,
         ValueError: a backend's tensor disagrees with the bytes its spec gave the sizing.
     """
     return [layer.allocate_kv_cache(num_blocks, block_size, dtype, device) for layer in layers]
+
+
+def copy_blocks(layers: List[AttentionLayerBase], copies: Sequence[Tuple[int, int]], device: torch.device) -> None:
+    """Copy block ``src`` into block ``dst`` for every ``(src, dst)`` in every layer's cache
+    (through its backend's :meth:`~mtpspec.attention.backends.abstract.AttentionBackend.copy_blocks`;
+    all sources are read before any destination is written). No host sync.
+
+    Raises:
+        ValueError: a layer without a cache, or a block id outside the cache.
+    """
+    if not copies:
+        return
+    src = torch.tensor([s for s, _ in copies], dtype=torch.int64).to(device, non_blocking=True)
+    dst = torch.tensor([d for _, d in copies], dtype=torch.int64).to(device, non_blocking=True)
+    for layer in layers:
+        if layer.kv_cache is None:
+            raise ValueError(f"{type(layer).__name__} has no KV cache to copy blocks in")
+        layer.get_attn_backend().copy_blocks(layer.kv_cache, src, dst)

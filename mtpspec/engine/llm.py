@@ -39,6 +39,8 @@ class LLM:
         long_prefill_token_threshold: most tokens of one prompt per step (0: no cap; needs chunking).
         block_size, num_kv_blocks, gpu_memory_utilization, cpu_kv_cache_gib: KV cache
             (:class:`~mtpspec.engine.config.CacheConfig`).
+        enable_prefix_caching: reuse the KV blocks of prefixes computed before (default True;
+            outputs are the same with it off, :mod:`mtpspec.engine.block_manager`).
         tokenizer: a folder to load the tokenizer from, a :class:`Tokenizer`, or ``None`` (the model folder's).
         seed: engine seed: seeds the seeds of requests that give none (``None``: random).
         enforce_eager: never use CUDA graphs.
@@ -68,7 +70,8 @@ class LLM:
                  max_model_len: Optional[int] = None, max_num_batched_tokens: Optional[int] = None,
                  enable_chunked_prefill: bool = True, long_prefill_token_threshold: int = 0,
                  block_size: Optional[int] = None, num_kv_blocks: Optional[int] = None, gpu_memory_utilization: float = 0.9,
-                 cpu_kv_cache_gib: float = 1.0, tokenizer: Union[None, str, Tokenizer] = None,
+                 cpu_kv_cache_gib: float = 1.0, enable_prefix_caching: bool = False,
+                 tokenizer: Union[None, str, Tokenizer] = None,
                  seed: Optional[int] = None, enforce_eager: bool = False, graph_mode: Optional[str] = None):
         args = EngineArgs(
             model=model, tensor_parallel_size=tensor_parallel_size, speculative_config=speculative_config,
@@ -77,7 +80,8 @@ class LLM:
             max_num_batched_tokens=max_num_batched_tokens, enable_chunked_prefill=enable_chunked_prefill,
             long_prefill_token_threshold=long_prefill_token_threshold, block_size=block_size,
             num_kv_blocks=num_kv_blocks,
-            gpu_memory_utilization=gpu_memory_utilization, cpu_kv_cache_gib=cpu_kv_cache_gib, dtype=dtype,
+            gpu_memory_utilization=gpu_memory_utilization, cpu_kv_cache_gib=cpu_kv_cache_gib,
+            enable_prefix_caching=enable_prefix_caching, dtype=dtype,
             device=device, enforce_eager=enforce_eager, graph_mode=graph_mode, seed=seed)
         config = args.create_engine_config()
         self.engine_config = config
@@ -177,6 +181,10 @@ class LLM:
 
     def reset_metrics(self) -> None:
         self.llm_engine.reset_metrics()
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached KV block no running request references; returns how many."""
+        return self.llm_engine.reset_prefix_cache()
 
     def collective_rpc(self, fn: Callable[..., Any], *args: Any) -> List[Any]:
         """Run the picklable ``fn(model_runner, *args)`` on every rank; results in rank order."""

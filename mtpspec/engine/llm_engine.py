@@ -52,7 +52,9 @@ class LLMEngine:
         self.cache_config = cache_config
         self.vocab_size = vocab_size
         self.eos_token_ids = frozenset(eos_token_ids)
-        bm = BlockManager(executor.num_kv_blocks, cache_config.block_size)
+        bm = BlockManager(executor.num_kv_blocks, cache_config.block_size,
+                          enable_caching=cache_config.enable_prefix_caching,
+                          key_next_token=scheduler_config.num_speculative_tokens > 0)
         need = bm.blocks_for(scheduler_config.decode_slots(scheduler_config.max_model_len)) + bm.watermark_blocks
         if need > bm.num_blocks:
             raise ValueError(
@@ -194,7 +196,7 @@ class LLMEngine:
                 self._prompt_logprob_rows(s, si)
             si.logits_params = None if s.is_partial_prefill else self._logits_params(seq)
             seqs.append(si)
-        return StepInput(seqs, next(self._step_id))
+        return StepInput(seqs, next(self._step_id), list(out.block_copies))
 
     def _prompt_logprob_rows(self, sch: ScheduledSeq, si: SeqInput) -> None:
         """Ask a prefill (chunk) to score the prompt positions it predicts that are not scored yet.
@@ -251,6 +253,8 @@ class LLMEngine:
         now = time.perf_counter()
         k = self.scheduler_config.num_speculative_tokens
         m.num_prompt_tokens += sum(len(s.input_token_ids) for s in out.scheduled if s.is_prefill)
+        m.prefix_cache_queries += out.prefix_cache_queries
+        m.prefix_cache_hits += out.prefix_cache_hits
         before = {id(s.seq): len(s.seq.output_token_ids) for s in out.scheduled}
         finished = self.scheduler.update_from_output(out, result.new_token_ids, result.draft_token_ids if k else None,
                                                      now)
@@ -332,6 +336,11 @@ class LLMEngine:
     def get_metrics(self) -> Dict[str, object]:
         """Totals (:class:`~mtpspec.spec_decode.metrics.EngineMetrics`) as a dict."""
         return self.metrics.as_dict()
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached block no running request references (vLLM's
+        ``reset_prefix_cache``); returns how many."""
+        return self.scheduler.block_manager.reset_prefix_cache()
 
     def reset_metrics(self) -> None:
         k = self.scheduler_config.num_speculative_tokens

@@ -127,7 +127,7 @@ class ModelRunner:
     # ------------------------------------------------------------------ step
     @torch.inference_mode()
     def execute_model(self, step: StepInput) -> StepOutput:
-        """Run one step: prepare -> verify -> accept -> propose -> copy out.
+        """Run one step: (block copies) -> prepare -> verify -> accept -> propose -> copy out.
 
         Returns:
             per sequence in batch order, the emitted tokens and the next ``k`` drafts (one
@@ -137,6 +137,8 @@ class ModelRunner:
             ValueError: a malformed ``step`` (see :func:`~mtpspec.engine.input_prep.prepare_step`).
         """
         t0, comm0, fallbacks0 = time.perf_counter(), _bytes_sent(comm_stats()), self.fwd.num_eager_fallbacks
+        if step.block_copies:  # prefix caching: private copies of shared blocks, before any write
+            kv_cache.copy_blocks(self.layers, step.block_copies, self.device)
         inp = self._prepare(step)
         hidden, logits = self.fwd.verify(inp.input_ids, inp.positions, inp.attn_metadata, inp.sample_rows)
         tokens, last_row = self._accept(inp, logits)

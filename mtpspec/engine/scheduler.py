@@ -20,6 +20,13 @@ chunks never wait for blocks (they can still be preempted by decodes growing). O
 holding a prompt's last chunk samples its next token and proposes drafts; an earlier chunk
 fills the target's and the MTP layers' KV caches (vLLM V1's scheme: every step is one flattened
 batch of decode rows and prefill-chunk rows).
+
+With prefix caching an admission first looks the sequence up
+(:meth:`~mtpspec.engine.block_manager.BlockManager.find_cache_hit`): the cached prefix's blocks
+are shared, the prefill starts after it, and a block copy the hit needs is listed in the
+step's ``block_copies`` (run on every rank before the forward). After each step the blocks
+whose entries became final are added to the cache
+(:meth:`~mtpspec.engine.block_manager.BlockManager.cache_full_blocks`).
 """
 
 from __future__ import annotations
@@ -27,7 +34,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Collection, Deque, List, Optional, Sequence as Seq
+from typing import Collection, Deque, List, Optional, Sequence as Seq, Tuple
 
 from mtpspec.engine.block_manager import BlockManager
 from mtpspec.engine.config import SchedulerConfig
@@ -66,10 +73,22 @@ class ScheduledSeq:
 
 @dataclass
 class SchedulerOutput:
-    """The step's sequences (decodes first, then prefill chunks, in batch order) and who got preempted."""
+    """The step's sequences (decodes first, then prefill chunks, in batch order) and who got preempted.
+
+    Attributes:
+        scheduled, preempted: see above.
+        block_copies: ``(src, dst)`` KV blocks to copy (every cache of every layer) before the
+            step's forward (prefix-cache hits whose last MTP entry is recomputed).
+        prefix_cache_queries / prefix_cache_hits: tokens of the sequences first admitted in
+            this step that looked up the prefix cache / that it served (vLLM's counters;
+            recomputes after a preemption are not counted).
+    """
 
     scheduled: List[ScheduledSeq] = field(default_factory=list)
     preempted: List[Sequence] = field(default_factory=list)
+    block_copies: List[Tuple[int, int]] = field(default_factory=list)
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
 
     @property
     def num_batched_tokens(self) -> int:
@@ -132,13 +151,14 @@ class Scheduler:
         seq.metrics.num_preemptions += 1
         self.num_preemptions += 1
 
-    def _chunk_len(self, seq: Sequence, budget: int) -> int:
-        """Tokens of ``seq``'s remaining prefill that fit this step (0: none).
+    def _chunk_len(self, seq: Sequence, budget: int, computed: Optional[int] = None) -> int:
+        """Tokens of ``seq``'s remaining prefill that fit this step (0: none), after ``computed``
+        positions (default ``seq.num_computed_tokens``).
 
         Chunked: ``min(remaining, budget, long_prefill_token_threshold or inf)``; not chunked:
         the whole remainder if it fits the budget, else 0.
         """
-        remaining = seq.num_tokens - seq.num_computed_tokens
+        remaining = seq.num_tokens - (seq.num_computed_tokens if computed is None else computed)
         if not self.config.enable_chunked_prefill:
             return remaining if remaining <= budget else 0
         n = min(remaining, budget)
@@ -158,6 +178,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """Pick the next step's batch (see the module docstring)."""
         cfg, bm = self.config, self.block_manager
+        bm.release_pinned()  # the previous step's block copies ran
         out = SchedulerOutput()
         budget = cfg.max_num_batched_tokens
         # Decoding sequences first, then partially prefilled ones (each in admission order);
@@ -201,13 +222,21 @@ class Scheduler:
             self.waiting.appendleft(seq)
         while self.waiting and not out.preempted and len(out.scheduled) < cfg.max_num_seqs:
             seq = self.waiting[0]
-            n = self._chunk_len(seq, budget)
+            hit = bm.find_cache_hit(seq)
+            n = self._chunk_len(seq, budget, hit.num_tokens)
             if n == 0:
                 break
             slots = cfg.prefill_slots(seq.num_tokens)
-            if not bm.can_allocate(seq, slots):
+            if not bm.can_allocate(seq, slots, hit):
                 break
-            bm.grow(seq, slots)
+            copy = bm.allocate(seq, slots, hit)  # sets num_computed_tokens to the cached prefix
+            if copy is not None:
+                out.block_copies.append(copy)
+            if seq.metrics.num_cached_tokens is None:
+                seq.metrics.num_cached_tokens = hit.num_tokens
+            if bm.lookup_enabled(seq) and seq.metrics.num_preemptions == 0:
+                out.prefix_cache_queries += seq.num_tokens
+                out.prefix_cache_hits += hit.num_tokens
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             if seq.metrics.first_scheduled_time is None:
@@ -253,6 +282,7 @@ class Scheduler:
                         raise RuntimeError(f"partial prefill chunk of {seq.request_id!r} returned {len(toks)} "
                                            "tokens, expected none")
                     seq.num_computed_tokens = end
+                    self.block_manager.cache_full_blocks(seq)
                     continue
                 if len(toks) != 1:
                     raise RuntimeError(f"prefill of {seq.request_id!r} returned {len(toks)} tokens, expected 1")
@@ -264,6 +294,7 @@ class Scheduler:
                     raise RuntimeError(f"decode of {seq.request_id!r} returned {len(toks)} tokens, expected 1..{k + 1}")
                 seq.num_computed_tokens += 1 + a
             kept = append_tokens(seq, toks, self.eos_token_ids, self.config.max_model_len)
+            self.block_manager.cache_full_blocks(seq)  # before a finished sequence's blocks are freed
             if not sch.is_prefill and k:
                 # Only emitted drafts count as accepted: a stop inside the accepted block drops
                 # the drafts after it (and the bonus / recovered token).

@@ -85,6 +85,7 @@ def engine_info(args: argparse.Namespace, kwargs: Dict[str, Any], forced: Option
             "max_num_seqs": kwargs["max_num_seqs"], "enable_chunked_prefill": kwargs["enable_chunked_prefill"],
             "max_num_batched_tokens": kwargs["max_num_batched_tokens"] or "derived",
             "long_prefill_token_threshold": kwargs["long_prefill_token_threshold"],
+            "enable_prefix_caching": kwargs["enable_prefix_caching"],
             "dtype": kwargs["dtype"] or "checkpoint",
             "seed": kwargs["seed"], "forced_acceptance": forced.describe() if forced else "off",
             "synthetic": forced is not None}

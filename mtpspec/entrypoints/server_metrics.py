@@ -15,6 +15,8 @@ metric                                                     meaning
 ``mtpspec:request_aborted_total``                           aborted (client gone) requests
 ``mtpspec:request_failed_total``                            requests failed inside the engine loop
 ``mtpspec:prompt_tokens_total``                             prefilled tokens (recomputes included)
+``mtpspec:prefix_cache_queries_total``                      prompt tokens looked up in the prefix cache
+``mtpspec:prefix_cache_hits_total``                         of those, tokens the prefix cache served
 ``mtpspec:generation_tokens_total``                         emitted tokens
 ``mtpspec:engine_steps_total``                              engine steps
 ``mtpspec:time_to_first_token_seconds`` (histogram)         TTFT per request
@@ -70,6 +72,9 @@ class ServerMetrics(EngineObserver):
         self.aborted = Counter(p + "request_aborted", "Aborted requests (client disconnected)", registry=r)
         self.failed = Counter(p + "request_failed", "Requests failed inside the engine loop", registry=r)
         self.prompt_tokens = Counter(p + "prompt_tokens", "Prefilled tokens", registry=r)
+        self.cache_queries = Counter(p + "prefix_cache_queries",
+                                     "Prompt tokens of new requests looked up in the prefix cache", registry=r)
+        self.cache_hits = Counter(p + "prefix_cache_hits", "Prompt tokens served by the prefix cache", registry=r)
         self.gen_tokens = Counter(p + "generation_tokens", "Emitted tokens", registry=r)
         self.steps = Counter(p + "engine_steps", "Engine steps", registry=r)
         self.ttft = Histogram(p + "time_to_first_token_seconds", "Time to first token", buckets=_LATENCY_BUCKETS,
@@ -100,6 +105,8 @@ class ServerMetrics(EngineObserver):
         m = engine.metrics
         self._add(self.steps, "steps", m.num_steps)
         self._add(self.prompt_tokens, "prompt", m.num_prompt_tokens)
+        self._add(self.cache_queries, "cache_queries", m.prefix_cache_queries)
+        self._add(self.cache_hits, "cache_hits", m.prefix_cache_hits)
         self._add(self.gen_tokens, "gen", m.num_output_tokens)
         self._add(self.fallbacks, "fallbacks", m.num_eager_fallbacks)
         self._add(self.preemptions, "preempt", m.num_preemptions)

@@ -95,6 +95,9 @@ class EngineMetrics:
         num_eager_fallbacks: steps that could not use a CUDA graph.
         num_preemptions: recompute preemptions.
         comm_bytes: bytes sent by rank 0's collectives, per op, over all steps.
+        prefix_cache_queries / prefix_cache_hits: prompt tokens of newly admitted requests that
+            looked up the prefix cache / that it served (vLLM's counters; recomputes after a
+            preemption not counted).
     """
 
     spec: Optional[SpecDecodingStats] = None
@@ -108,6 +111,8 @@ class EngineMetrics:
     num_eager_fallbacks: int = 0
     num_preemptions: int = 0
     comm_bytes: Dict[str, int] = field(default_factory=dict)
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
 
     def add_comm(self, delta: Dict[str, int]) -> None:
         for op, n in delta.items():
@@ -124,6 +129,9 @@ class EngineMetrics:
             num_eager_fallbacks=self.num_eager_fallbacks, num_preemptions=self.num_preemptions,
             comm_bytes_total=dict(self.comm_bytes),
             comm_bytes_per_step={op: n / steps for op, n in self.comm_bytes.items()},
+            prefix_cache_queries=self.prefix_cache_queries, prefix_cache_hits=self.prefix_cache_hits,
+            prefix_cache_hit_rate=(self.prefix_cache_hits / self.prefix_cache_queries
+                                   if self.prefix_cache_queries else None),
         )
         if self.spec is not None:
             d.update(self.spec.as_dict())

@@ -3,7 +3,8 @@
 Three parts, with vLLM's names:
 
 - :class:`AttentionBackend` (a class of static methods): ``get_name``, ``get_impl_cls``,
-  ``get_kv_cache_shape`` (the cache tensor's layout for ``num_blocks``) and ``allocate_kv_cache``.
+  ``get_kv_cache_shape`` (the cache tensor's layout for ``num_blocks``), ``allocate_kv_cache``
+  and ``copy_blocks`` (prefix caching's private copies; ``block_dim`` names the block axis).
 - :class:`AttentionImpl`: one layer's attention; ``do_kv_cache_update`` writes this step's cache
   entries (K/V, a latent, indexer keys), ``forward`` writes and attends over the paged cache.
 - :class:`AttentionLayerBase`: what the KV-cache sizing and allocation
@@ -79,6 +80,17 @@ class AttentionBackend(ABC):
         """Shape of one layer's cache tensor for ``num_blocks`` blocks; its element count must
         equal ``num_blocks * page_size_bytes / itemsize`` of the layer's spec (checked by
         :meth:`AttentionLayerBase.allocate_kv_cache`)."""
+
+    #: the block axis of :meth:`get_kv_cache_shape`'s layout
+    block_dim: int = 0
+
+    @classmethod
+    def copy_blocks(cls, kv_cache: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """``kv_cache``'s block ``dst[i]`` becomes a copy of block ``src[i]`` (``src`` / ``dst``:
+        ``[n]`` int64 on the cache's device; every source is read before any destination is
+        written). Layouts whose block axis is not 0 set :attr:`block_dim`."""
+        raw = kv_cache.view(torch.uint8) if kv_cache.element_size() == 1 else kv_cache  # fp8: copy the bytes
+        raw.index_copy_(cls.block_dim, dst, raw.index_select(cls.block_dim, src))
 
     @classmethod
     def allocate_kv_cache(cls, spec: AttentionSpec, num_blocks: int,

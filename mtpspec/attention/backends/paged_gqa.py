@@ -62,6 +62,8 @@ class PagedGQABackend(AttentionBackend):
     def get_kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_size: int) -> Tuple[int, ...]:
         return (2, num_blocks, block_size, num_kv_heads, head_size)
 
+    block_dim = 1  # K and V planes first
+
 
 class PagedGQAImpl(AttentionImpl):
     """Causal GQA of ``num_heads`` query heads over ``num_kv_heads`` kv heads of ``head_size``.
