@@ -14,6 +14,7 @@ from test_engine_fixtures import make_model
 from mtpspec import LLM, SamplingParams
 from mtpspec.config import ParallelConfig, SpeculativeConfig
 from mtpspec.engine.arg_utils import EngineArgs
+from mtpspec.engine.config import CacheConfig
 from mtpspec.entrypoints import bench_arms, generate, tp_demo
 from mtpspec.entrypoints.serve import check_serve_args, engine_info, llm_kwargs
 
@@ -228,3 +229,20 @@ def test_index_share_needs_an_indexer(path) -> None:
                                                     "index_share_for_mtp_iteration": True})
     with pytest.raises(ValueError, match="needs a sparse-attention model with an indexer.*Glm4MoeForCausalLM has none"):
         on.create_engine_config()
+
+
+def test_prefix_caching_flags(path) -> None:
+    """vLLM's spellings: on by default, ``--no-enable-prefix-caching`` turns it off; the value reaches
+    the cache config, ``LLM(...)``'s keyword arguments and the server's engine info."""
+    assert _engine([]).enable_prefix_caching is True
+    assert _engine(["--model", path]).create_engine_config().cache_config.enable_prefix_caching is True
+    off = _engine(["--model", path, "--no-enable-prefix-caching"])
+    assert off.llm_kwargs()["enable_prefix_caching"] is False
+    assert off.create_engine_config().cache_config.enable_prefix_caching is False
+    check_serve_args(["--no-enable-prefix-caching"])
+    p = argparse.ArgumentParser()
+    EngineArgs.add_cli_args(p)
+    args = p.parse_args(["--model", path, "--no-enable-prefix-caching"])
+    assert engine_info(args, llm_kwargs(args), None)["enable_prefix_caching"] is False
+    with pytest.raises(ValueError, match="enable_prefix_caching must be True or False"):
+        CacheConfig(enable_prefix_caching="yes")

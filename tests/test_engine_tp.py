@@ -135,7 +135,8 @@ def test_tp2_chunked_prefill_lossless_and_same_collectives(setup) -> None:
     path, cfg, prompts, ref, oracle = setup
     with LLM(path, tensor_parallel_size=2, speculative_config={"num_speculative_tokens": 3,
                                                                "use_local_argmax_reduction": True},
-             long_prefill_token_threshold=3, **LLM_KW) as llm:
+             long_prefill_token_threshold=3, enable_prefix_caching=False, **LLM_KW) as llm:
+        # (no prefix caching: the repeated prompt below must be prefilled chunk by chunk again)
         llm.llm_engine.draft_hook = OracleDrafts(oracle, cfg.vocab_size, corrupt=0.3)
         assert llm.collective_rpc(install_recorder) == [True, True]
         assert llm.collective_rpc(install_step_recorder) == [True, True]

@@ -219,7 +219,7 @@ class EngineArgs:
     num_kv_blocks: Optional[int] = None
     gpu_memory_utilization: float = 0.9
     cpu_kv_cache_gib: float = 1.0
-    enable_prefix_caching: bool = False
+    enable_prefix_caching: bool = True
     dtype: Optional[str] = None
     device: Optional[str] = None
     enforce_eager: bool = False
@@ -265,7 +265,7 @@ class EngineArgs:
                             "--no-enable-chunked-prefill prefills every prompt in one step)")
         p.add_argument("--long-prefill-token-threshold", type=int, default=0,
                        help="most tokens of one prompt per step with chunked prefill (default 0: no cap)")
-        p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=False,
+        p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                        help="reuse the KV blocks of prompt prefixes computed before (automatic prefix caching, "
                             "by block content; default on; --no-enable-prefix-caching computes every prompt)")
         p.add_argument("--gpu-memory-utilization", type=float, default=0.9,

@@ -34,7 +34,7 @@ class CacheConfig:
     num_kv_blocks: Optional[int] = None
     gpu_memory_utilization: float = 0.9
     cpu_kv_cache_gib: float = 1.0
-    enable_prefix_caching: bool = False
+    enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         _positive_int("block_size", self.block_size)

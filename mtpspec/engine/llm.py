@@ -70,7 +70,7 @@ class LLM:
                  max_model_len: Optional[int] = None, max_num_batched_tokens: Optional[int] = None,
                  enable_chunked_prefill: bool = True, long_prefill_token_threshold: int = 0,
                  block_size: Optional[int] = None, num_kv_blocks: Optional[int] = None, gpu_memory_utilization: float = 0.9,
-                 cpu_kv_cache_gib: float = 1.0, enable_prefix_caching: bool = False,
+                 cpu_kv_cache_gib: float = 1.0, enable_prefix_caching: bool = True,
                  tokenizer: Union[None, str, Tokenizer] = None,
                  seed: Optional[int] = None, enforce_eager: bool = False, graph_mode: Optional[str] = None):
         args = EngineArgs(
