@@ -15,6 +15,7 @@ from test_server_fixtures import GSM8K_DIR, REPO, ServerProcess, child_env, make
 
 from mtpspec.entrypoints import bench_arms
 from mtpspec.entrypoints.bench_dataset import gsm8k_token_prompts
+from mtpspec.entrypoints.bench_prefix import prefix_prompts, run_prefix_benchmark
 from mtpspec.entrypoints.bench_serve import BenchConfig, run_benchmark
 from mtpspec.data.gsm8k import format_query, load_gsm8k
 
@@ -90,6 +91,49 @@ def test_bench_serve_natural_prompts_longer_than_the_context_say_to_pass_input_l
     with pytest.raises(ValueError, match=r"no request succeeded; first error: .*max_model_len.*the natural GSM8K "
                                          r"5-shot prompts do not fit the server's max_model_len 512: pass --input-len"):
         run_benchmark(forced_server.url, cfg, progress=False)
+
+
+def _short_rows(path, n: int = 30) -> str:
+    with open(path, "w") as f:
+        for i in range(n):
+            f.write(json.dumps({"question": f"Tom has {i} apples and buys 2 more. How many apples does he have?",
+                                "answer": f"Tom has {i} + 2 = <<{i}+2={i + 2}>>{i + 2} apples.\n#### {i + 2}"}) + "\n")
+    return str(path)
+
+
+def test_prefix_prompts_share_the_examples_and_differ_in_the_question():
+    rows = load_gsm8k(os.path.join(GSM8K_DIR, "test.jsonl"))[:40]
+    prompts, prefix = prefix_prompts(rows, 7, num_shots=3, seed=2)
+    assert len(set(prompts)) == 7 and all(p.startswith(prefix) for p in prompts)
+    assert prefix.count("#### ") == 3 and prefix.endswith("\n\n")
+    assert all(p[len(prefix):].startswith("Question: ") and p.endswith("Answer:") for p in prompts)
+    assert prefix_prompts(rows, 7, num_shots=3, seed=3)[1] != prefix
+    with pytest.raises(ValueError, match="at least 45 GSM8K rows"):
+        prefix_prompts(rows, 40, num_shots=5)
+
+
+def test_bench_serve_shared_prefix_ttft_hits_and_misses(forced_server, tmp_path):
+    """``bench serve --shared-prefix``: after each cache reset a miss computes the whole prompt and
+    the next question finds the 3-shot prefix cached (server counters per request)."""
+    out = tmp_path / "p.json"
+    cmd = [sys.executable, "-m", "mtpspec.entrypoints.cli", "bench", "serve", "--base-url", forced_server.url,
+           "--shared-prefix", "--num-shots", "3", "--num-prompts", "3", "--dataset", _short_rows(tmp_path / "rows.jsonl"), "--json",
+           str(out)]
+    p = subprocess.run(cmd, capture_output=True, text=True, env=child_env(), cwd=REPO, timeout=300)
+    assert p.returncode == 0, p.stderr
+    assert "TTFT hit / miss (medians)" in p.stdout and "WARNING" not in p.stdout
+    res = json.loads(out.read_text())
+    assert res["config"]["num_shots"] == 3 and res["config"]["output_len"] == 8
+    assert [r["cached_tokens"] for r in res["requests"]["miss"]] == [0, 0, 0]
+    block = 16
+    for r in res["requests"]["hit"]:  # the prefix's full blocks (the question starts a block of its own)
+        assert res["shared_prefix_tokens"] - block < r["cached_tokens"] <= res["shared_prefix_tokens"] + block
+        assert r["cached_tokens"] % block in (0, block - 1) and r["cached_tokens"] < r["prompt_tokens"]
+    assert res["ttft_hit_over_miss"] is not None and res["hit"]["ttft_ms"]["median"] > 0
+    # natural GSM8K 5-shot prompts do not fit a 512-token context: the error says what to lower
+    cfg = BenchConfig(num_prompts=1, output_len=8, warmup=0)
+    with pytest.raises(ValueError, match="lower --num-shots"):
+        run_prefix_benchmark(forced_server.url, cfg)
 
 
 def test_verdict_rule():

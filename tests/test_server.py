@@ -492,6 +492,37 @@ def test_32_concurrent_requests_equal_offline(server, offline):
     assert metric_value(after, "mtpspec:kv_cache_free_blocks") == metric_value(after, "mtpspec:kv_cache_total_blocks")
 
 
+def test_prefix_cache_metrics_and_reset(server, offline):
+    """Two prompts sharing a long prefix: the second is served from the prefix cache (tokens in
+    ``prefix_cache_hits_total``), its output equals the offline engine's; ``POST
+    /reset_prefix_cache`` empties the cache, after which the same prompt is computed whole."""
+    rows = gsm8k_rows("test", 3)
+    prefix = "\n\n".join(r["question"] for r in rows[:2]) + "\n\nQuestion: "
+    prompts = [prefix + "How many apples?", prefix + "What is the total cost?"]
+    ntok = [len(_post(server, "/tokenize", {"prompt": p}).json()["tokens"]) for p in prompts]
+    assert ntok[0] > 40
+
+    def send(p):
+        before = _metrics(server)
+        r = _post(server, "/v1/completions", {"prompt": p, "max_tokens": 6, "temperature": 0, "return_token_ids": True})
+        assert r.status_code == 200, r.text
+        after = _metrics(server)
+        d = lambda name: metric_value(after, name) - metric_value(before, name)  # noqa: E731
+        return r.json()["choices"][0]["token_ids"], d("mtpspec:prefix_cache_queries_total"), \
+            d("mtpspec:prefix_cache_hits_total")
+
+    assert _post(server, "/reset_prefix_cache", {}).json()["status"] == "ok"
+    first = send(prompts[0])
+    assert first[1:] == (ntok[0], 0)
+    second = send(prompts[1])
+    assert second[1] == ntok[1] and 16 <= second[2] < ntok[1]
+    ref = offline.generate(prompts, SamplingParams(temperature=0, max_tokens=6), use_tqdm=False)
+    assert [first[0], second[0]] == [o.outputs[0].token_ids for o in ref]
+    r = _post(server, "/reset_prefix_cache", {})
+    assert r.status_code == 200 and r.json()["num_blocks_reset"] > 0
+    assert send(prompts[1]) == (second[0], ntok[1], 0)
+
+
 def _wait_metric(srv, name, pred, timeout=30.0, labels=None):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

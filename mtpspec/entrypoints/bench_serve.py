@@ -18,6 +18,9 @@ and from the server's ``/metrics`` before and after the run (deltas):
 
 Runs with random-token prompts, ``ignore_eos`` or a server with forced acceptance are marked
 SYNTHETIC in every table and in the JSON (``"synthetic": true`` with the reasons).
+
+``--shared-prefix`` runs another workload instead: TTFT of prefix-cache hits against misses on
+GSM8K few-shot prompts (:mod:`mtpspec.entrypoints.bench_prefix`).
 """
 
 from __future__ import annotations
@@ -347,6 +350,11 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--base-url", required=True, help="e.g. http://127.0.0.1:8000")
     add_arguments(p)
     p.add_argument("--json", default=None, help="write every figure to this JSON file")
+    p.add_argument("--shared-prefix", action="store_true",
+                   help="prefix-cache TTFT: GSM8K few-shot prompts sharing one few-shot prefix (hits) against "
+                        "prompts with their own examples (misses), one request at a time; reports TTFT of each "
+                        "and hit / miss (defaults: 32 of each, output-len 8)")
+    p.add_argument("--num-shots", type=int, default=5, help="solved examples per prompt with --shared-prefix (default 5)")
 
 
 def config_from_args(args: argparse.Namespace, defaults: Dict[str, Any]) -> BenchConfig:
@@ -361,12 +369,18 @@ def config_from_args(args: argparse.Namespace, defaults: Dict[str, Any]) -> Benc
 
 def run(args: argparse.Namespace) -> int:
     try:
-        cfg = config_from_args(args, {"num_prompts": 64, "max_concurrency": 8, "output_len": 256})
-        res = run_benchmark(args.base_url, cfg, progress=not args.no_progress)
+        if args.shared_prefix:
+            from mtpspec.entrypoints.bench_prefix import format_prefix_result, run_prefix_benchmark
+            cfg = config_from_args(args, {"num_prompts": 32, "max_concurrency": 1, "output_len": 8})
+            res = run_prefix_benchmark(args.base_url, cfg, args.num_shots)
+            print(format_prefix_result(res))
+        else:
+            cfg = config_from_args(args, {"num_prompts": 64, "max_concurrency": 8, "output_len": 256})
+            res = run_benchmark(args.base_url, cfg, progress=not args.no_progress)
+            print(format_result(res))
     except (ValueError, FileNotFoundError, httpx.HTTPError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    print(format_result(res))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(res, f, indent=1)

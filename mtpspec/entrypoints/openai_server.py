@@ -436,6 +436,12 @@ def build_app(ctx: ServerContext) -> FastAPI:
     async def metrics() -> Response:
         return PlainTextResponse(ctx.metrics.render(engine.stats()), media_type="text/plain; version=0.0.4")
 
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache() -> Dict[str, Any]:
+        """vLLM's endpoint: forget every cached KV block no running request holds."""
+        n = await engine.call_in_engine(lambda eng: eng.reset_prefix_cache())
+        return {"status": "ok", "num_blocks_reset": n}
+
     @app.post("/tokenize")
     async def tokenize(request: Request) -> Dict[str, Any]:
         req = await _parse(request, TokenizeRequest)
