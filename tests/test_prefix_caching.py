@@ -438,12 +438,18 @@ def dsv32(tmp_path_factory):
     return _mla(tmp_path_factory, "deepseek_v32", 2, 11)
 
 
-@pytest.mark.parametrize("share", [False, True])
-def test_dsa_tokens_drafts_and_kv_equal_without_caching(dsv32, share):
-    """The latent cache, the indexer key caches (target and MTP layers) and both MTP layers'
+@pytest.fixture(scope="module")
+def glm5(tmp_path_factory):
+    """GLM-5 tiny (glm_moe_dsa): DSA with "shared" indexer layers, one MTP layer."""
+    return _mla(tmp_path_factory, "glm_moe_dsa", 1, 17)
+
+
+@pytest.mark.parametrize("family,share", [("deepseek_v32", False), ("deepseek_v32", True), ("glm_moe_dsa", False)])
+def test_dsa_tokens_drafts_and_kv_equal_without_caching(request, family, share):
+    """The latent cache, the indexer key caches (target and MTP layers) and the MTP layers'
     caches after a next-token-mismatch hit equal an uncached engine's; context above
-    ``index_topk``; with MTP index sharing too."""
-    path, waves, oracle = dsv32
+    ``index_topk``; with MTP index sharing too; GLM-5's shared indexer layers."""
+    path, waves, oracle = request.getfixturevalue("dsv32" if family == "deepseek_v32" else "glm5")
     extra = {"index_share_for_mtp_iteration": share}
     want = Run(path, waves, GREEDY, k=3, caching=False, oracle=oracle, spec_extra=extra)
     run = Run(path, waves, GREEDY, k=3, oracle=oracle, spec_extra=extra)
@@ -459,6 +465,24 @@ def test_dense_mla_tokens_and_kv_equal_without_caching(tmp_path_factory):
     run = Run(path, waves, GREEDY, k=3, oracle=oracle)
     assert run.tokens == want.tokens and run.proposals == want.proposals
     _check_hits(run, waves)
+    assert_same_kv(run, want)
+
+
+@pytest.mark.parametrize("family", ["glm4_moe", "deepseek_v32"])
+def test_triton_kernels_read_shared_and_copied_blocks(glm, dsv32, family, interp):
+    """Through the Triton kernels (interpreter): two requests in one step share a cached block and
+    each recomputes the last position of its own copy of the second (their token after it
+    differs from the cached one); paged GQA (GLM-4.5) or the indexer + sparse MLA (DeepSeek-V3.2)
+    read them in the prefill, verify and draft rows."""
+    path, oracle = (glm[0], glm[3]) if family == "glm4_moe" else (dsv32[0], dsv32[2])
+    first = list(next(iter(oracle)))[:9]  # above index_topk (6)
+    waves = [[first], [first[:8] + [first[8] % 50 + 3], first[:8] + [first[8] % 50 + 4]]]
+    oracle = {**oracle, **{tuple(p): [3] * 8 for w in waves for p in w}}
+    sp = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+    want = Run(path, waves, sp, k=3, caching=False, oracle=oracle)
+    run = Run(path, waves, sp, k=3, oracle=oracle)
+    assert run.cached == [0, 7, 7] and run.copies == 2
+    assert run.tokens == want.tokens and run.proposals == want.proposals
     assert_same_kv(run, want)
 
 
