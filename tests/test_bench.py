@@ -66,6 +66,10 @@ def test_bench_serve_forced_acceptance_figures(forced_server):
     for key in ("ttft_ms", "itl_ms", "tpot_ms"):
         assert res[key]["median"] is not None and res[key]["median"] <= res[key]["p99"]
     assert res["config"]["prompts"] == "gsm8k"
+    # every run starts with an empty prefix cache: the same prompts again find nothing cached
+    again = run_benchmark(forced_server.url, cfg, progress=False)
+    assert res["prefix_cache_hit_rate"] is not None
+    assert again["prefix_cache_hit_rate"] == res["prefix_cache_hit_rate"] < 0.5
 
 
 def test_bench_serve_cli_random_prompts_marked_synthetic(forced_server, tmp_path):

@@ -14,7 +14,11 @@ and from the server's ``/metrics`` before and after the run (deltas):
   ``accepted_at_position_j / drafts``;
 * steps/s ``= output tokens/s / acceptance length`` (throughput normalised by acceptance, so
   that speculation luck cannot pass for speed); also the engine's own steps/s;
-* collective bytes per engine step (rank 0, by op).
+* collective bytes per engine step (rank 0, by op);
+* the prefix cache's hit rate (prompt tokens served from it / looked up).
+
+Each run starts with an empty prefix cache (``POST /reset_prefix_cache`` before its warm-up), so
+repeated runs of the same prompts (``bench arms --repeats``) do the same prefill work.
 
 Runs with random-token prompts, ``ignore_eos`` or a server with forced acceptance are marked
 SYNTHETIC in every table and in the JSON (``"synthetic": true`` with the reasons).
@@ -136,6 +140,8 @@ def spec_figures(before: Dict[str, float], after: Dict[str, float], k: int) -> D
         "collective_bytes_per_step": {op: (b / steps if steps else 0.0) for op, b in sorted(comm.items())},
         "collective_bytes_per_step_total": (sum(comm.values()) / steps) if steps else 0.0,
         "preemptions": d("mtpspec:preemptions_total"), "eager_fallbacks": d("mtpspec:eager_fallbacks_total"),
+        "prefix_cache_hit_rate": (d("mtpspec:prefix_cache_hits_total") / d("mtpspec:prefix_cache_queries_total")
+                                  if d("mtpspec:prefix_cache_queries_total") > 0 else None),
     }
 
 
@@ -242,6 +248,7 @@ def run_benchmark(base_url: str, cfg: BenchConfig, progress: bool = True, desc: 
         prompts = build_prompts(cfg.prompts, cfg.num_prompts + cfg.warmup, cfg.input_len, info.vocab_size, tokenize,
                                 cfg.dataset, cfg.seed)
         warm, prompts = prompts[:cfg.warmup], prompts[cfg.warmup:]
+        client.post(base_url + "/reset_prefix_cache")  # a run starts cold (older servers: 404, ignored)
         if warm:
             asyncio.run(_run_load(base_url, info.model, warm, BenchConfig(**{**asdict(cfg), "num_prompts": len(warm)}),
                                   False, "warmup"))
@@ -321,6 +328,7 @@ def format_result(res: Dict[str, Any]) -> str:
         f"ITL  median / p99           {_f(res['itl_ms']['median'])} / {_f(res['itl_ms']['p99'])} ms  (per chunk)",
         f"TPOT median / p99           {_f(res['tpot_ms']['median'])} / {_f(res['tpot_ms']['p99'])} ms",
         f"collective bytes / step     {comm}  (rank 0)",
+        f"prefix cache hit rate       {_f(res.get('prefix_cache_hit_rate'), '.3f')}",
         "=" * 72,
     ]
     return "\n".join(lines)
