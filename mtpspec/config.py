@@ -8,6 +8,9 @@ from typing import Any, ClassVar, Dict, Optional, Union
 
 #: Backends of the MTP layer's fused all-reduce + RMSNorm tail (``ParallelConfig.allreduce_backend``).
 ALLREDUCE_BACKENDS = ("nccl", "p2p")
+#: How the engine gets its weights (vLLM's ``--load-format``): the checkpoint's (``auto`` =
+#: ``safetensors``), or random ones from ``config.json`` alone (``dummy``).
+LOAD_FORMATS = ("auto", "safetensors", "dummy")
 
 
 @dataclass

@@ -53,7 +53,8 @@ import json
 from dataclasses import dataclass, fields, replace
 from typing import Any, Dict, Optional, Union
 
-from mtpspec.config import ALLREDUCE_BACKENDS, MAX_NUM_SPECULATIVE_TOKENS, ModelConfig, ParallelConfig, SpeculativeConfig
+from mtpspec.config import (ALLREDUCE_BACKENDS, LOAD_FORMATS, MAX_NUM_SPECULATIVE_TOKENS, ModelConfig, ParallelConfig,
+                            SpeculativeConfig)
 
 #: ``max_model_len`` when none is given: the model's ``max_position_embeddings``, at most this
 #: (without chunked prefill one step may hold a whole ``max_model_len`` prompt).
@@ -200,6 +201,9 @@ class EngineArgs:
         graph_mode: override of the runner's graph mode (``"auto"``, ``"off"``, ``"cuda"``,
             ``"static"``); ``None``: ``"off"`` with ``enforce_eager``, else ``"auto"``.
         seed: engine seed; seeds the seeds of requests that give none (``None``: random).
+        load_format: ``"auto"`` / ``"safetensors"`` (the checkpoint's weights) or ``"dummy"``
+            (random weights from ``config.json`` alone, vLLM's ``--load-format dummy``: for
+            benchmarks of shapes without a checkpoint).
     """
 
     model: Optional[str] = None
@@ -225,6 +229,7 @@ class EngineArgs:
     enforce_eager: bool = False
     graph_mode: Optional[str] = None
     seed: Optional[int] = 0
+    load_format: str = "auto"
 
     # ------------------------------------------------------------------ command line
     @staticmethod
@@ -279,6 +284,9 @@ class EngineArgs:
         p.add_argument("--enforce-eager", action="store_true", help="never use CUDA graphs")
         p.add_argument("--seed", type=int, default=0,
                        help="engine seed: seeds the sampling of requests that give no seed (default 0)")
+        p.add_argument("--load-format", default="auto", choices=list(LOAD_FORMATS),
+                       help="auto / safetensors: the checkpoint's weights (default); dummy: random weights from "
+                            "config.json alone (benchmarks of shapes without a checkpoint; outputs are noise)")
         return parser
 
     @classmethod
@@ -379,7 +387,10 @@ class EngineArgs:
         mode = "off" if self.enforce_eager else (self.graph_mode or "auto")
         if mode not in GRAPH_MODES:
             raise ValueError(f"graph_mode must be 'auto', 'off', 'cuda' or 'static', got {self.graph_mode!r}")
-        return EngineConfig(model, self.dtype, self.device, mcfg, par, spec, cache, sched, mode, self.seed)
+        if self.load_format not in LOAD_FORMATS:
+            raise ValueError(f"load_format must be one of {list(LOAD_FORMATS)}, got {self.load_format!r}")
+        return EngineConfig(model, self.dtype, self.device, mcfg, par, spec, cache, sched, mode, self.seed,
+                            self.load_format)
 
     def llm_kwargs(self) -> Dict[str, Any]:
         """``LLM(**kwargs)`` for these arguments (``model`` resolved; speculative config resolved
@@ -400,4 +411,4 @@ class EngineArgs:
                     block_size=self.block_size, num_kv_blocks=self.num_kv_blocks,
                     gpu_memory_utilization=self.gpu_memory_utilization, cpu_kv_cache_gib=self.cpu_kv_cache_gib,
                     enable_prefix_caching=self.enable_prefix_caching, seed=self.seed,
-                    enforce_eager=self.enforce_eager, graph_mode=self.graph_mode)
+                    enforce_eager=self.enforce_eager, graph_mode=self.graph_mode, load_format=self.load_format)

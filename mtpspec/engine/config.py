@@ -159,6 +159,8 @@ class EngineConfig:
         graph_mode: CUDA-graph mode of the runner (``"auto"``, ``"off"``, ``"cuda"``, ``"static"``;
             :class:`~mtpspec.engine.model_runner.ModelRunner`).
         seed: engine seed (seeds the seeds of requests that give none); ``None``: random.
+        load_format: ``"auto"`` / ``"safetensors"`` (read the checkpoint) or ``"dummy"`` (random
+            weights, config.json only: :func:`mtpspec.models.loader.load_models`).
     """
 
     model: str
@@ -171,3 +173,4 @@ class EngineConfig:
     scheduler_config: SchedulerConfig
     graph_mode: str = "auto"
     seed: Optional[int] = None
+    load_format: str = "auto"

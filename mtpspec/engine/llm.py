@@ -46,6 +46,8 @@ class LLM:
         enforce_eager: never use CUDA graphs.
         graph_mode: override: ``"auto"`` (default: CUDA graphs for pure-decode steps on a GPU), ``"off"``, ``"cuda"``, or ``"static"`` (the graph path's padded static
             buffers without capture; for CPU tests). See :mod:`mtpspec.engine.forward`.
+        load_format: ``"auto"`` (the checkpoint's weights) or ``"dummy"`` (random weights from
+            ``config.json`` alone, as vLLM's ``load_format="dummy"``; for benchmarks).
 
     Raises:
         ValueError / TypeError: a bad argument (k out of range, unknown speculative keys, a
@@ -72,7 +74,8 @@ class LLM:
                  block_size: Optional[int] = None, num_kv_blocks: Optional[int] = None, gpu_memory_utilization: float = 0.9,
                  cpu_kv_cache_gib: float = 1.0, enable_prefix_caching: bool = True,
                  tokenizer: Union[None, str, Tokenizer] = None,
-                 seed: Optional[int] = None, enforce_eager: bool = False, graph_mode: Optional[str] = None):
+                 seed: Optional[int] = None, enforce_eager: bool = False, graph_mode: Optional[str] = None,
+                 load_format: str = "auto"):
         args = EngineArgs(
             model=model, tensor_parallel_size=tensor_parallel_size, speculative_config=speculative_config,
             fuse_allreduce_rmsnorm=fuse_allreduce_rmsnorm, sequence_parallel=sequence_parallel,
@@ -82,7 +85,7 @@ class LLM:
             num_kv_blocks=num_kv_blocks,
             gpu_memory_utilization=gpu_memory_utilization, cpu_kv_cache_gib=cpu_kv_cache_gib,
             enable_prefix_caching=enable_prefix_caching, dtype=dtype,
-            device=device, enforce_eager=enforce_eager, graph_mode=graph_mode, seed=seed)
+            device=device, enforce_eager=enforce_eager, graph_mode=graph_mode, seed=seed, load_format=load_format)
         config = args.create_engine_config()
         self.engine_config = config
         self.model_config = mcfg = config.model_config

@@ -26,7 +26,7 @@ from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Set, 
 import torch
 from torch import nn
 
-from mtpspec.config import ModelConfig
+from mtpspec.config import LOAD_FORMATS, ModelConfig
 from mtpspec.distributed import get_tensor_model_parallel_world_size, get_tp_group
 from mtpspec.models.interfaces import WeightSpec
 from mtpspec.models.registry import get_architecture
@@ -284,7 +284,7 @@ def _resolve(dtype: Optional[Union[torch.dtype, str]], device: Optional[Union[st
 def load_models(model_path: str, dtype: Optional[Union[torch.dtype, str]] = None,
                 device: Optional[Union[str, torch.device]] = None, load_mtp: bool = True,
                 fuse_allreduce_rmsnorm: bool = True, sequence_parallel: bool = False,
-                check_finite: bool = True, config: Optional[ModelConfig] = None):
+                check_finite: bool = True, config: Optional[ModelConfig] = None, load_format: str = "auto"):
     """Build the target (and the MTP draft model) from a checkpoint folder, sharded for this rank.
 
     Call on every TP rank (after ``init_distributed_environment`` / inside ``launch``); each
@@ -299,6 +299,10 @@ def load_models(model_path: str, dtype: Optional[Union[torch.dtype, str]] = None
         fuse_allreduce_rmsnorm, sequence_parallel: the MTP tail variant.
         check_finite: reject tensors holding NaN / inf.
         config: an already-read config (default: read ``config.json``).
+        load_format: ``"auto"`` / ``"safetensors"``: the checkpoint's weights; ``"dummy"``: no
+            weights are read (the folder needs only ``config.json``): every parameter is drawn
+            from U(-1e-3, 1e-3) as vLLM's dummy format does (:func:`initialize_dummy_weights`),
+            MTP heads tied to the target's; for benchmarks of shapes without a checkpoint.
 
     Returns:
         ``(target, mtp or None)``, both in eval mode, of the classes the registry names for the
@@ -306,6 +310,7 @@ def load_models(model_path: str, dtype: Optional[Union[torch.dtype, str]] = None
 
     Raises:
         ModelConfigError: bad config or one that cannot be split over the current tp.
+        ValueError: an unknown ``load_format``.
         MissingKeyError / UnexpectedKeyError / ShapeMismatchError / UnsupportedDtypeError /
         CorruptCheckpointError: see their docstrings.
     """
@@ -315,6 +320,17 @@ def load_models(model_path: str, dtype: Optional[Union[torch.dtype, str]] = None
     if load_mtp and cfg.num_nextn_predict_layers < 1:
         raise CheckpointError(f"{model_path}: config declares no MTP layers (num_nextn_predict_layers = 0)")
     arch = get_architecture(cfg.architecture)
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"load_format must be one of {list(LOAD_FORMATS)}, got {load_format!r}")
+    if load_format == "dummy":
+        with torch.device(dev):
+            target = arch.target_class()(cfg, dtype)
+            mtp = arch.mtp_class()(cfg, target.get_input_embeddings(), target.lm_head, True, fuse_allreduce_rmsnorm,
+                                   sequence_parallel, dtype) if load_mtp else None
+        initialize_dummy_weights(target)
+        if mtp is not None:
+            initialize_dummy_weights(mtp, skip=list(target.parameters()))
+        return target.eval(), None if mtp is None else mtp.eval()
     t_specs, m_specs = arch.target_weight_specs(cfg), arch.mtp_weight_specs(cfg)
     with CheckpointReader(model_path) as reader:
         t_sel = _select(reader, t_specs, m_specs, "target")
@@ -333,6 +349,23 @@ def load_models(model_path: str, dtype: Optional[Union[torch.dtype, str]] = None
             _load_selected(mtp, reader, m_sel, list(target.parameters()), check_finite)
             mtp.eval()
     return target.eval(), mtp
+
+
+@torch.no_grad()
+def initialize_dummy_weights(module: nn.Module, low: float = -1e-3, high: float = 1e-3, seed: int = 1234,
+                             skip: Sequence[torch.Tensor] = ()) -> None:
+    """Fill every floating parameter of ``module`` in place with U(low, high) (vLLM's
+    ``initialize_dummy_weights``): deterministic, each parameter from its own generator seeded by
+    ``seed`` and its name, so replicated parameters agree across tensor-parallel ranks (a sharded
+    one holds the same values on every rank). Parameters in ``skip`` (e.g. the target's, shared
+    by the MTP model through tied heads) are left as they are."""
+    import zlib
+    skipped = {id(p) for p in skip}
+    for name, p in module.named_parameters():
+        if not p.is_floating_point() or id(p) in skipped:
+            continue
+        g = torch.Generator().manual_seed(seed + zlib.crc32(name.encode()))
+        p.copy_(torch.empty(p.shape, dtype=torch.float32).uniform_(low, high, generator=g))
 
 
 def load_target_model(model_path: str, dtype: Optional[Union[torch.dtype, str]] = None,

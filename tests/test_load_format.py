@@ -1,0 +1,77 @@
+"""``--load-format dummy`` (vLLM's): random weights from ``config.json`` alone, for benchmarks of
+shapes that have no checkpoint. The folder needs no safetensors; every parameter is U(-1e-3, 1e-3),
+deterministic, the MTP model's tied embedding / head are the target's; the engine runs on it
+(tp 1 and 2); an unknown format is refused by name."""
+
+import json
+import os
+import shutil
+
+import pytest
+import torch
+
+from mtpspec.config import ModelConfig
+from mtpspec.engine.arg_utils import EngineArgs
+from mtpspec.models.loader import load_models
+from tiny_models import make_tiny_checkpoint
+
+
+@pytest.fixture(scope="module", params=["glm4_moe", "glm_moe_dsa"])
+def config_only(request, tmp_path_factory):
+    """A folder holding only a tiny model's config.json (the checkpoint it came from is deleted)."""
+    full = str(tmp_path_factory.mktemp(f"full_{request.param}"))
+    make_tiny_checkpoint(full, family=request.param)
+    out = str(tmp_path_factory.mktemp(f"cfg_{request.param}"))
+    shutil.copy(os.path.join(full, "config.json"), out)
+    return out
+
+
+def test_dummy_weights_are_small_uniform_deterministic_and_tied(config_only):
+    target, mtp = load_models(config_only, dtype="float32", device="cpu", load_format="dummy")
+    again, _ = load_models(config_only, dtype="float32", device="cpu", load_format="dummy")
+    for (name, p), (_, q) in zip(target.named_parameters(), again.named_parameters()):
+        assert p.abs().max() <= 1e-3 and p.abs().max() > 0, name
+        assert torch.equal(p, q), name
+    # not one value everywhere: each parameter has its own stream
+    firsts = {float(p.flatten()[0]) for p in target.parameters()}
+    assert len(firsts) > 3
+    assert mtp is not None
+    tp = {id(p) for p in target.parameters()}
+    shared = [n for n, p in mtp.named_parameters() if id(p) in tp]
+    assert shared, "the MTP model shares the target's embedding / head"
+    # the shared parameters kept the target's values (not re-drawn under the MTP model's names)
+    emb = target.get_input_embeddings().weight
+    assert torch.equal(emb, again.get_input_embeddings().weight)
+
+
+def test_auto_needs_the_checkpoint_and_unknown_formats_are_refused(config_only):
+    with pytest.raises(FileNotFoundError, match="no safetensors checkpoint"):
+        load_models(config_only, dtype="float32", device="cpu")
+    with pytest.raises(ValueError, match="load_format must be one of"):
+        load_models(config_only, dtype="float32", device="cpu", load_format="pt")
+    with pytest.raises(ValueError, match="load_format must be one of"):
+        EngineArgs(model=config_only, load_format="gguf").create_engine_config()
+    import argparse
+    p = EngineArgs.add_cli_args(argparse.ArgumentParser())
+    assert EngineArgs.from_cli_args(p.parse_args(["--load-format", "dummy"])).load_format == "dummy"
+    with pytest.raises(SystemExit):
+        p.parse_args(["--load-format", "npz"])
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_engine_generates_on_dummy_weights(config_only, tp):
+    from mtpspec import LLM, SamplingParams
+    if tp == 2 and ModelConfig.from_pretrained(config_only).num_attention_heads % 2:
+        pytest.skip("heads not divisible by 2")
+    llm = LLM(config_only, tensor_parallel_size=tp, dtype="float32", device="cpu", load_format="dummy",
+              speculative_config={"method": "mtp", "num_speculative_tokens": 2}, max_num_seqs=4)
+    try:
+        outs = llm.generate([{"prompt_token_ids": [3, 4, 5, 6, 7, 8, 9, 10]}] * 2,
+                            SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True), use_tqdm=False)
+    finally:
+        llm.shutdown()
+    assert [len(o.outputs[0].token_ids) for o in outs] == [12, 12]
+    assert outs[0].outputs[0].token_ids == outs[1].outputs[0].token_ids
+    with open(os.path.join(config_only, "config.json")) as f:
+        vocab = json.load(f)["vocab_size"]
+    assert all(0 <= t < vocab for t in outs[0].outputs[0].token_ids)
