@@ -355,8 +355,9 @@ def load_models(model_path: str, dtype: Optional[Union[torch.dtype, str]] = None
 def initialize_dummy_weights(module: nn.Module, low: float = -1e-3, high: float = 1e-3, seed: int = 1234,
                              skip: Sequence[torch.Tensor] = ()) -> None:
     """Fill every floating parameter of ``module`` in place with U(low, high) (vLLM's
-    ``initialize_dummy_weights``): deterministic, each parameter from its own generator seeded by
-    ``seed`` and its name, so replicated parameters agree across tensor-parallel ranks (a sharded
+    ``initialize_dummy_weights``): deterministic, each parameter from its own generator (on the
+    parameter's device) seeded by ``seed`` and its name, so replicated parameters agree across
+    tensor-parallel ranks (a sharded
     one holds the same values on every rank). Parameters in ``skip`` (e.g. the target's, shared
     by the MTP model through tied heads) are left as they are."""
     import zlib
@@ -364,8 +365,8 @@ def initialize_dummy_weights(module: nn.Module, low: float = -1e-3, high: float 
     for name, p in module.named_parameters():
         if not p.is_floating_point() or id(p) in skipped:
             continue
-        g = torch.Generator().manual_seed(seed + zlib.crc32(name.encode()))
-        p.copy_(torch.empty(p.shape, dtype=torch.float32).uniform_(low, high, generator=g))
+        g = torch.Generator(device=p.device).manual_seed(seed + zlib.crc32(name.encode()))
+        p.uniform_(low, high, generator=g)
 
 
 def load_target_model(model_path: str, dtype: Optional[Union[torch.dtype, str]] = None,

@@ -1,0 +1,56 @@
+"""Write a config-only model folder for ``--load-format dummy`` serving benchmarks (issue 17).
+
+``python3 benchmarks/make_dummy_model.py OUT [--preset dense-70b-16l]`` writes ``OUT/config.json`` (a
+``Glm4MoeForCausalLM`` config of the preset's width, one MTP layer, the bundled demo tokenizer's
+10,007-token vocabulary) and copies the demo tokenizer, so that text prompts (GSM8K) tokenize.
+Serve it with ``mtpspec serve --model OUT --load-format dummy``: random weights, real shapes, real
+compute; the outputs are noise and the acceptance means nothing.
+
+Presets (per-layer shapes of public models; fewer layers):
+
+* ``dense-70b-16l``: Llama-3-70B's layer (hidden 8,192, 64 query / 8 KV heads of 128, SwiGLU 28,672),
+  16 layers + a dense MTP layer: 13.7 B parameters, 27.5 GB in bf16. A 5-shot GSM8K prefill
+  (about 800 tokens) is compute-bound (about 22 TFLOP), a 40-token one weight-read-bound.
+* ``dense-8b``: Llama-3-8B's shapes (hidden 4,096, 32 / 8 heads, SwiGLU 14,336), 32 layers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+
+PRESETS = {
+    "dense-70b-16l": dict(hidden_size=8192, intermediate_size=28672, num_hidden_layers=16, num_attention_heads=64,
+                          num_key_value_heads=8, head_dim=128),
+    "dense-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                     num_key_value_heads=8, head_dim=128),
+}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("out")
+    ap.add_argument("--preset", default="dense-70b-16l", choices=sorted(PRESETS))
+    ap.add_argument("--max-position-embeddings", type=int, default=16384)
+    args = ap.parse_args()
+    from mtpspec import demo_model_path
+    from mtpspec.config import ModelConfig
+    demo = demo_model_path("glm4_moe")
+    with open(os.path.join(demo, "config.json")) as f:
+        raw = json.load(f)
+    p = PRESETS[args.preset]
+    raw.update(p, max_position_embeddings=args.max_position_embeddings, partial_rotary_factor=0.5,
+               first_k_dense_replace=p["num_hidden_layers"] + 1,  # every layer dense, the MTP layer too
+               tie_word_embeddings=False, torch_dtype="bfloat16", num_nextn_predict_layers=1)
+    ModelConfig.from_dict(raw)  # validate
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "config.json"), "w") as f:
+        json.dump(raw, f, indent=1)
+    shutil.copy(os.path.join(demo, "tokenizer.json"), args.out)
+    print(f"wrote {args.out}/config.json ({args.preset}) and the demo tokenizer")
+
+
+if __name__ == "__main__":
+    main()
