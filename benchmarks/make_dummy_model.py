@@ -12,6 +12,7 @@ Presets (per-layer shapes of public models; fewer layers):
   16 layers + a dense MTP layer: 13.7 B parameters, 27.5 GB in bf16. A 5-shot GSM8K prefill
   (about 800 tokens) is compute-bound (about 22 TFLOP), a 40-token one weight-read-bound.
 * ``dense-8b``: Llama-3-8B's shapes (hidden 4,096, 32 / 8 heads, SwiGLU 14,336), 32 layers.
+* ``cpu-smoke``: tiny, to try the scripts on a CPU.
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ PRESETS = {
                           num_key_value_heads=8, head_dim=128),
     "dense-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                      num_key_value_heads=8, head_dim=128),
+    "cpu-smoke": dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=64),
 }
 
 
