@@ -523,6 +523,64 @@ def test_prefix_cache_metrics_and_reset(server, offline):
     assert send(prompts[1]) == (second[0], ntok[1], 0)
 
 
+@pytest.fixture(scope="module")
+def details_server(model_dir):
+    srv = ServerProcess(model_dir, SERVER_ARGS + ["--enable-prompt-tokens-details"])
+    yield srv
+    srv.stop()
+
+
+def _stream_usage(srv, path, body):
+    with httpx.stream("POST", srv.url + path, timeout=60,
+                      json={**body, "stream": True, "stream_options": {"include_usage": True}}) as resp:
+        assert resp.status_code == 200
+        events = _sse_events(resp)
+    assert events[-1] == "[DONE]"
+    last = json.loads(events[-2])
+    assert last["choices"] == []
+    return last["usage"]
+
+
+def test_usage_prompt_tokens_details_cached_tokens(details_server, server):
+    """vLLM's ``--enable-prompt-tokens-details``: ``usage.prompt_tokens_details.cached_tokens`` is
+    the prompt tokens the prefix cache served, present only when non-zero; completions and chat,
+    non-streaming and the streamed usage chunk. Without the flag the field never appears."""
+    rows = gsm8k_rows("test", 4)
+    prompt = "\n\n".join(r["question"] for r in rows[:3]) + "\n\nQuestion: How many?\nAnswer:"
+    body = {"prompt": prompt, "max_tokens": 4, "temperature": 0}
+    ntok = len(_post(details_server, "/tokenize", {"prompt": prompt}).json()["tokens"])
+    assert ntok > 64
+    assert _post(details_server, "/reset_prefix_cache", {}).status_code == 200
+    first = _post(details_server, "/v1/completions", body).json()["usage"]
+    assert first["prompt_tokens"] == ntok and "prompt_tokens_details" not in first  # computed whole: vLLM omits 0
+    second = _post(details_server, "/v1/completions", body).json()["usage"]
+    cached = second["prompt_tokens_details"]["cached_tokens"]
+    assert ntok - 16 <= cached < ntok  # every full block but the last token's, which is always computed
+    assert _stream_usage(details_server, "/v1/completions", body) == second
+    # two prompts in one request: the cached tokens of both (the second one computed whole)
+    other = "Tell me a story about " + rows[3]["question"]
+    both = _post(details_server, "/v1/completions", {**body, "prompt": [prompt, other]}).json()["usage"]
+    assert both["prompt_tokens_details"]["cached_tokens"] == cached
+    # n > 1: the prompt counts once, so do its cached tokens (child 0's)
+    nb = _post(details_server, "/v1/completions", {**body, "n": 2, "temperature": 0.8, "seed": 1}).json()["usage"]
+    assert nb["prompt_tokens"] == ntok and nb["prompt_tokens_details"]["cached_tokens"] == cached
+    # chat: the same rule
+    chat = {"messages": [{"role": "user", "content": prompt}], "max_tokens": 4, "temperature": 0}
+    c1 = _post(details_server, "/v1/chat/completions", chat).json()["usage"]
+    c2 = _post(details_server, "/v1/chat/completions", chat).json()["usage"]
+    assert "prompt_tokens_details" not in c1
+    assert 0 < c2["prompt_tokens_details"]["cached_tokens"] < c2["prompt_tokens"] == c1["prompt_tokens"]
+    assert _stream_usage(details_server, "/v1/chat/completions", chat) == c2
+    assert httpx.get(details_server.url + "/v1/models").json()["data"][0]["mtpspec"]["enable_prompt_tokens_details"]
+    # the flag off (vLLM's default): no details even when the prefix cache served the prompt
+    before = metric_value(_metrics(server), "mtpspec:prefix_cache_hits_total")
+    for _ in range(2):
+        assert "prompt_tokens_details" not in _post(server, "/v1/completions", body).json()["usage"]
+        assert "prompt_tokens_details" not in _stream_usage(server, "/v1/completions", body)
+        assert "prompt_tokens_details" not in _post(server, "/v1/chat/completions", chat).json()["usage"]
+    assert metric_value(_metrics(server), "mtpspec:prefix_cache_hits_total") - before >= 3 * (ntok - 16)
+
+
 def _wait_metric(srv, name, pred, timeout=30.0, labels=None):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

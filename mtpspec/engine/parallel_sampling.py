@@ -27,6 +27,8 @@ children with the highest ``cumulative_logprob`` (vLLM V0's and OpenAI's ``best_
 the lower child), re-indexed ``0 .. n - 1`` by rank. The request is finished when every child
 is; aborting it aborts every child. Metrics (:func:`merge_metrics`): counters summed over the
 children, the first scheduling / first token the earliest, the last token / finish the latest.
+``num_cached_tokens`` is child 0's (the prompt counts once, as in ``usage``; later children
+usually find the first one's prompt cached).
 """
 
 from __future__ import annotations
@@ -111,7 +113,8 @@ class ParentRequest:
         first = self.children[0]
         pl = None if first.prompt_logprobs is None else list(first.prompt_logprobs)
         return RequestOutput(self.request_id, first.prompt, list(first.prompt_token_ids), comps, self.is_finished,
-                             merge_metrics(self.arrival_time, [c.metrics for c in self.children]), pl)
+                             merge_metrics(self.arrival_time, [c.metrics for c in self.children]), pl,
+                             first.metrics.num_cached_tokens)
 
 
 def _score(c: CompletionOutput) -> float:

@@ -66,11 +66,14 @@ class ServerContext:
         model_path: the checkpoint folder (reported by ``/v1/models``).
         info: engine configuration reported by ``/v1/models`` (``mtpspec`` key) and ``/metrics``.
         metrics: the Prometheus metrics (registered as an engine observer here).
+        enable_prompt_tokens_details: ``usage.prompt_tokens_details.cached_tokens`` in responses
+            (vLLM's ``--enable-prompt-tokens-details``; off by default, as there).
     """
 
     def __init__(self, engine: AsyncLLM, served_model_name: str, model_path: str, info: Dict[str, Any],
-                 metrics: ServerMetrics):
+                 metrics: ServerMetrics, enable_prompt_tokens_details: bool = False):
         self.engine = engine
+        self.enable_prompt_tokens_details = enable_prompt_tokens_details
         self.served_model_name = served_model_name
         self.model_path = model_path
         self.info = info
@@ -326,12 +329,23 @@ def _prompt_logprobs_json(entries: Optional[Sequence[Optional[Dict[int, Logprob]
                                     for t, v in d.items()} for d in entries]
 
 
-def _usage(outs: Sequence[RequestOutput]) -> Dict[str, int]:
+def _usage(outs: Sequence[RequestOutput], prompt_tokens_details: bool = False) -> Dict[str, Any]:
     """Prompt tokens once per prompt; completion tokens of every returned choice (vLLM's count:
-    with ``best_of > n`` the candidates not returned are not counted)."""
+    with ``best_of > n`` the candidates not returned are not counted).
+
+    ``prompt_tokens_details`` (the server's ``--enable-prompt-tokens-details``): adds vLLM's
+    ``"prompt_tokens_details": {"cached_tokens": N}``, the prompt tokens the prefix cache served
+    (:attr:`RequestOutput.num_cached_tokens`), only when N > 0, as vLLM does. Several prompts in
+    one completion request: the sum over them (vLLM reports the last prompt's).
+    """
     p = sum(len(o.prompt_token_ids) for o in outs)
     c = sum(len(x.token_ids) for o in outs for x in o.outputs)
-    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+    usage: Dict[str, Any] = {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+    if prompt_tokens_details:
+        cached = sum(o.num_cached_tokens or 0 for o in outs)
+        if cached:
+            usage["prompt_tokens_details"] = {"cached_tokens": cached}
+    return usage
 
 
 class _Delta:
@@ -522,7 +536,7 @@ def build_app(ctx: ServerContext) -> FastAPI:
                     choice["token_ids"] = gen_ids
                     choice["prompt_token_ids"] = list(out.prompt_token_ids)
                 choices.append(choice)
-        usage = _usage(outs)
+        usage = _usage(outs, ctx.enable_prompt_tokens_details)
         if score_only:
             usage.update(completion_tokens=0, total_tokens=usage["prompt_tokens"])
         return _maybe_one_event(req, {"id": rid, "object": "text_completion", "created": int(time.time()),
@@ -578,7 +592,8 @@ def build_app(ctx: ServerContext) -> FastAPI:
                 choice["prompt_token_ids"] = list(out.prompt_token_ids)
             choices.append(choice)
         body = {"id": rid, "object": "chat.completion", "created": int(time.time()),
-                "model": ctx.served_model_name, "choices": choices, "usage": _usage(outs)}
+                "model": ctx.served_model_name, "choices": choices,
+                "usage": _usage(outs, ctx.enable_prompt_tokens_details)}
         if req.prompt_logprobs is not None:
             body["prompt_logprobs"] = _prompt_logprobs_json(out.prompt_logprobs)  # vLLM: on the response
         return JSONResponse(body)
@@ -642,7 +657,7 @@ async def _completion_sse(ctx: ServerContext, req: CompletionRequest, streams: L
     finals: List[Optional[RequestOutput]] = [None] * len(streams)
     echoed = [not req.echo] * (len(streams) * n)
 
-    def chunk(choices: List[Dict[str, Any]], usage: Optional[Dict[str, int]] = None) -> str:
+    def chunk(choices: List[Dict[str, Any]], usage: Optional[Dict[str, Any]] = None) -> str:
         body: Dict[str, Any] = {"id": rid, "object": "text_completion", "created": created,
                                 "model": ctx.served_model_name, "choices": choices}
         if usage is not None:
@@ -688,7 +703,7 @@ async def _completion_sse(ctx: ServerContext, req: CompletionRequest, streams: L
         if any(f is None for f in finals):
             return  # the client went away; every request was aborted
         if req.stream_options is not None and req.stream_options.include_usage:
-            usage = _usage(finals)  # type: ignore[arg-type]
+            usage = _usage(finals, ctx.enable_prompt_tokens_details)  # type: ignore[arg-type]
             if score_only:
                 usage.update(completion_tokens=0, total_tokens=usage["prompt_tokens"])
             yield chunk([], usage)
@@ -706,7 +721,7 @@ async def _chat_sse(ctx: ServerContext, req: ChatCompletionRequest, streams: Lis
     deltas = [_Delta(_holdback(params)) for _ in range(params.n)]
     final: Optional[RequestOutput] = None
 
-    def chunk(choices: List[Dict[str, Any]], usage: Optional[Dict[str, int]] = None) -> str:
+    def chunk(choices: List[Dict[str, Any]], usage: Optional[Dict[str, Any]] = None) -> str:
         body: Dict[str, Any] = {"id": rid, "object": "chat.completion.chunk", "created": created,
                                 "model": ctx.served_model_name, "choices": choices}
         if usage is not None:
@@ -741,7 +756,7 @@ async def _chat_sse(ctx: ServerContext, req: ChatCompletionRequest, streams: Lis
         if final is None:
             return
         if req.stream_options is not None and req.stream_options.include_usage:
-            yield chunk([], _usage([final]))
+            yield chunk([], _usage([final], ctx.enable_prompt_tokens_details))
         yield "data: [DONE]\n\n"
     except (RequestError, EngineDeadError, OpenAIError) as exc:
         yield _stream_error_events(exc)

@@ -88,6 +88,7 @@ def engine_info(args: argparse.Namespace, kwargs: Dict[str, Any], forced: Option
             "enable_prefix_caching": kwargs["enable_prefix_caching"],
             "dtype": kwargs["dtype"] or "checkpoint",
             "seed": kwargs["seed"], "forced_acceptance": forced.describe() if forced else "off",
+            "enable_prompt_tokens_details": bool(getattr(args, "enable_prompt_tokens_details", False)),
             "synthetic": forced is not None}
 
 
@@ -103,6 +104,9 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--forced-acceptance", default=None, metavar="rate:P|length:N",
                    help="SYNTHETIC: verifier accepts drafts at rate P or a fixed length N (kernel A/B on "
                         "random-weight models)")
+    p.add_argument("--enable-prompt-tokens-details", action="store_true",
+                   help="vLLM's flag: usage.prompt_tokens_details.cached_tokens (prompt tokens the prefix cache "
+                        "served) in responses, when non-zero (default off)")
     p.add_argument("--torch-threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     p.add_argument("--log-level", default="warning", help="uvicorn log level (default warning)")
     p.add_argument("--debug-fault-marker", default=None, help=argparse.SUPPRESS)
@@ -144,7 +148,8 @@ def build(args: argparse.Namespace) -> Any:
     info["num_kv_blocks"] = engine.stats().num_total_blocks
     name = args.served_model_name or (args.model or "mtpspec-demo")
     metrics = ServerMetrics(engine.num_speculative_tokens, info, forced_acceptance=forced is not None)
-    ctx = ServerContext(engine, name, kwargs["model"], info, metrics)
+    ctx = ServerContext(engine, name, kwargs["model"], info, metrics,
+                        enable_prompt_tokens_details=args.enable_prompt_tokens_details)
     return build_app(ctx), engine, info
 
 
