@@ -24,7 +24,9 @@ Runs with random-token prompts, ``ignore_eos`` or a server with forced acceptanc
 SYNTHETIC in every table and in the JSON (``"synthetic": true`` with the reasons).
 
 ``--shared-prefix`` runs another workload instead: TTFT of prefix-cache hits against misses on
-GSM8K few-shot prompts (:mod:`mtpspec.entrypoints.bench_prefix`).
+GSM8K few-shot prompts (:mod:`mtpspec.entrypoints.bench_prefix`). ``--prefill-interference``
+another: ITL of running decodes while clients send long prompts, before and during, and issue
+17's verdict (:mod:`mtpspec.entrypoints.bench_interference`).
 """
 
 from __future__ import annotations
@@ -109,8 +111,12 @@ class ServerInfo:
 
 def scrape(base_url: str, client: httpx.Client) -> Dict[str, float]:
     """``/metrics`` as ``{"name{label=value,...}": value}`` (``_total`` names as exposed)."""
+    return parse_metrics(client.get(base_url + "/metrics").text)
+
+
+def parse_metrics(text: str) -> Dict[str, float]:
+    """A Prometheus exposition as ``{"name{label=value,...}": value}``."""
     from prometheus_client.parser import text_string_to_metric_families
-    text = client.get(base_url + "/metrics").text
     out: Dict[str, float] = {}
     for fam in text_string_to_metric_families(text):
         for s in fam.samples:
@@ -363,6 +369,8 @@ def add_parser(sub: Any) -> None:
                         "prompts with their own examples (misses), one request at a time; reports TTFT of each "
                         "and hit / miss (defaults: 32 of each, output-len 8)")
     p.add_argument("--num-shots", type=int, default=5, help="solved examples per prompt with --shared-prefix (default 5)")
+    from mtpspec.entrypoints.bench_interference import add_arguments as add_interference_arguments
+    add_interference_arguments(p)
 
 
 def config_from_args(args: argparse.Namespace, defaults: Dict[str, Any]) -> BenchConfig:
@@ -376,8 +384,20 @@ def config_from_args(args: argparse.Namespace, defaults: Dict[str, Any]) -> Benc
 
 
 def run(args: argparse.Namespace) -> int:
+    from mtpspec.entrypoints import bench_interference
+    misplaced = bench_interference.misplaced_flags(args)
+    if misplaced:
+        print(f"error: {', '.join(misplaced)} apply only with --prefill-interference", file=sys.stderr)
+        return 2
+    if args.shared_prefix and args.prefill_interference:
+        print("error: --shared-prefix and --prefill-interference are two workloads; pick one", file=sys.stderr)
+        return 2
     try:
-        if args.shared_prefix:
+        if args.prefill_interference:
+            icfg = bench_interference.config_from_args(args)
+            res = bench_interference.run_interference_benchmark(args.base_url, icfg, progress=not args.no_progress)
+            print(bench_interference.format_interference_result(res))
+        elif args.shared_prefix:
             from mtpspec.entrypoints.bench_prefix import format_prefix_result, run_prefix_benchmark
             cfg = config_from_args(args, {"num_prompts": 32, "max_concurrency": 1, "output_len": 8})
             res = run_prefix_benchmark(args.base_url, cfg, args.num_shots)
