@@ -112,7 +112,7 @@ def test_prefill_interference_run_phases_and_figures(chunked_server, tmp_path):
     # (a loaded 2-core box may delay the client's loop: that warning is allowed here)
     assert res["synthetic"] and [x for x in res["problems"] if "client event-loop lag" not in x] == [], p.stdout
     assert res["config"]["client_procs"] == 2 and res["client_loop_lag_ms"]["interference"]["p99"] is not None
-    assert res["config"]["decode_output_len"] == 1024 - 8
+    assert res["config"]["decode_output_len"] == 1024 - 8 and res["max_num_batched_tokens"] == BUDGET
     # phases in order, every long prompt sent and answered inside the interference window
     b0, b1 = res["windows_s"]["baseline"]
     w0, w1 = res["windows_s"]["interference"]

@@ -518,6 +518,7 @@ def summarise(raw: Dict[str, Any], cfg: InterferenceConfig, info: Any, decode_le
         "synthetic": True, "synthetic_reasons": reasons,
         "server": {"base_url": base_url, "model": info.model, "max_model_len": info.max_model_len, **info.info},
         "config": {**asdict(cfg), "decode_output_len": decode_len},
+        "max_num_batched_tokens": derived_batched_tokens(info.info, info.max_model_len) if info.info else None,
         "phases_s": {"ready": raw["t_ready"] - t0, "warmup": t_base - raw["t_ready"], "baseline": base_s,
                      "interference": inter_s},
         "itl_ms": {"baseline": base, "interference": inter},
@@ -556,7 +557,7 @@ def format_interference_result(res: Dict[str, Any]) -> str:
              f"server                      {s.get('model')}  (k={s.get('num_speculative_tokens')} tp={s.get('tp')} "
              f"max_num_seqs={s.get('max_num_seqs')})",
              f"chunked prefill             {s.get('enable_chunked_prefill')}  (max_num_batched_tokens="
-             f"{s.get('max_num_batched_tokens')}, long_prefill_token_threshold={s.get('long_prefill_token_threshold')})",
+             f"{res.get('max_num_batched_tokens')}, long_prefill_token_threshold={s.get('long_prefill_token_threshold')})",
              f"workload                    {c['num_decodes']} running decodes (in {c['decode_input_len']}, max_tokens "
              f"{c['decode_output_len']}, ignore_eos); {c['num_prefill_clients']} clients x {c['prefill_requests']} "
              f"prompts of {c['prefill_input_len']} tokens (out {c['prefill_output_len']})",
