@@ -24,7 +24,9 @@ held back until the request finishes, so streamed text never shows a stop string
 ``n > 1``: ``n`` choices per prompt (``index`` = prompt position * n + i, as vLLM); a stream
 sends each choice's news in its own chunk, its finish reason when that choice ends. ``best_of >
 n`` is not streamed: with ``stream`` the complete response is sent as one event, then
-``[DONE]`` (vLLM's behaviour). ``usage.completion_tokens`` counts the returned choices' tokens.
+``[DONE]`` (vLLM's behaviour). ``usage.completion_tokens`` counts the returned choices' tokens;
+with ``serve --enable-prompt-tokens-details`` (vLLM's flag) ``usage.prompt_tokens_details.cached_tokens``
+says how many prompt tokens the prefix cache served (present only when non-zero, as in vLLM).
 ``logprobs`` are the engine's (:class:`~mtpspec.outputs.Logprob`: scored from the very logits
 each token was sampled or verified with, the raw model distribution), so they stream with the
 tokens: each chunk carries its new tokens' entries. ``echo`` with ``logprobs`` asks the engine
