@@ -153,7 +153,8 @@ def test_prefill_interference_refusals(chunked_server):
     p = _cli(srv, "--prefill-interference", "--num-decodes", "2", "--prefill-input-len", "1024", "--no-progress")
     assert p.returncode == 2 and "exceed the server's max_model_len 1024" in p.stderr
     p = _cli(srv, "--num-decodes", "2", "--baseline-s", "1")
-    assert p.returncode == 2 and p.stderr == "error: --num-decodes, --baseline-s apply only with --prefill-interference\n"
+    assert p.returncode == 2
+    assert p.stderr == "error: --num-decodes, --baseline-s apply only with --prefill-interference\n"
     p = _cli(srv, "--prefill-interference", "--shared-prefix")
     assert p.returncode == 2 and "pick one" in p.stderr
 

@@ -557,7 +557,8 @@ def format_interference_result(res: Dict[str, Any]) -> str:
              f"server                      {s.get('model')}  (k={s.get('num_speculative_tokens')} tp={s.get('tp')} "
              f"max_num_seqs={s.get('max_num_seqs')})",
              f"chunked prefill             {s.get('enable_chunked_prefill')}  (max_num_batched_tokens="
-             f"{res.get('max_num_batched_tokens')}, long_prefill_token_threshold={s.get('long_prefill_token_threshold')})",
+             f"{res.get('max_num_batched_tokens')}, long_prefill_token_threshold="
+             f"{s.get('long_prefill_token_threshold')})",
              f"workload                    {c['num_decodes']} running decodes (in {c['decode_input_len']}, max_tokens "
              f"{c['decode_output_len']}, ignore_eos); {c['num_prefill_clients']} clients x {c['prefill_requests']} "
              f"prompts of {c['prefill_input_len']} tokens (out {c['prefill_output_len']})",
