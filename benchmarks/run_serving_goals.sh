@@ -20,7 +20,7 @@ for i in $(seq 1 300); do
   sleep 1
 done
 echo "server up after ${SECONDS}s"
-$PY -m mtpspec.entrypoints.cli bench serve --base-url http://127.0.0.1:$port --shared-prefix --json "$out/prefix_ttft.json"
+[ -n "${SKIP_PREFIX:-}" ] || $PY -m mtpspec.entrypoints.cli bench serve --base-url http://127.0.0.1:$port --shared-prefix --json "$out/prefix_ttft.json"
 if $PY -m mtpspec.entrypoints.cli bench serve --help | grep -q -- --prefill-interference; then
   $PY -m mtpspec.entrypoints.cli bench serve --base-url http://127.0.0.1:$port --prefill-interference \
       --json "$out/prefill_interference.json" ${INTERFERENCE_ARGS:-}

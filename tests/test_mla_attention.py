@@ -219,6 +219,17 @@ def test_kernel_matches_expanded_reference(interp, case) -> None:
     check(pb, o, torch.float32, extra_rows=2)
 
 
+def test_kernel_takes_a_mixed_chunk_step_with_host_lists(interp) -> None:
+    """Chunked prefill's mixed step (a 40-row chunk beside five decodes): with host lists the
+    padding rule (paged_gqa.MAX_PADDING_FACTOR) sends it to the kernel, not to padded SDPA."""
+    from mtpspec.attention.backends.paged_gqa import use_attention_kernel
+    pb = Problem(query_lens=[40, 1, 1, 1, 1, 1], seq_lens=[45, 9, 20, 1, 33, 16], seed=11)
+    meta = padded_metadata(pb)
+    assert meta.query_lens and use_attention_kernel(torch.zeros(1, 4, 32), meta)
+    o, _ = run_layer(pb, torch.float32, meta)
+    check(pb, o, torch.float32)
+
+
 @pytest.mark.parametrize("num_splits,block_m", [(1, 16), (3, 16), (2, 32)])
 def test_kernel_splits_and_blocks(interp, num_splits, block_m) -> None:
     # 1 + 3 rows x 6 heads = 24 (row, head) pairs: several row blocks at block_m 16

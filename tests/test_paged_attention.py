@@ -302,6 +302,31 @@ def test_layer_paths_through_prefill_decode_verify(monkeypatch, path: str, graph
                                    atol=1e-5)
 
 
+def test_mixed_chunk_and_decodes_take_the_kernel(monkeypatch) -> None:
+    """Chunked prefill's mixed step: a 40-row chunk beside five 1-row decodes would pad to 6 x 40
+    rows in SDPA (4.8x the real 45): the padding rule sends it to the varlen kernel, whose rows
+    equal float64 full causal attention."""
+    if not interpreter_available():
+        pytest.skip("Triton interpreter unavailable")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    g = torch.Generator().manual_seed(7)
+    nh, nkv, hd, bs = 4, 2, 16, 8
+    scale = hd ** -0.5
+    lens = [40] + [7] * 5
+    seqs = [tuple(torch.randn(n, w * hd, generator=g) for w in (nh, nkv, nkv)) for n in lens]
+    tables = [[0, 1, 2, 3, 4]] + [[5 + i] for i in range(5)]
+    layer = Attention(nh, hd, scale, nkv)
+    allocate_kv_caches(torch.nn.Sequential(layer), num_blocks=12, block_size=bs, dtype=torch.float32)
+    steps = [[0, 6, 6, 6, 6, 6], [40, 1, 1, 1, 1, 1]]
+    mixed = build_attention_metadata([40] + [1] * 5, [40] + [7] * 5, tables, bs)
+    assert mixed.max_query_len > attention_mod.KERNEL_MAX_QUERY_LEN and use_attention_kernel(torch.zeros(1, 4, 16),
+                                                                                             mixed)
+    outs = _run_layer_steps(layer, seqs, tables, steps, bs, graph_style=False)
+    for i in range(len(lens)):
+        torch.testing.assert_close(outs[i].double(), _full_causal_ref(*seqs[i], nh, nkv, hd, scale), rtol=1e-5,
+                                   atol=1e-5)
+
+
 def test_use_attention_kernel_dispatch(monkeypatch) -> None:
     q = torch.zeros(2, 4, 8)
     decode = build_attention_metadata([1, 1], [5, 9])
@@ -313,6 +338,8 @@ def test_use_attention_kernel_dispatch(monkeypatch) -> None:
         monkeypatch.setenv("TRITON_INTERPRET", "1")
         assert use_attention_kernel(q, decode) and not use_attention_kernel(q, prefill)
         assert use_attention_kernel(q, no_lists)  # no host lists: never the path that would need them
+        mixed = build_attention_metadata([40] + [1] * 30, [40] + [9] * 30)  # padded: 31 x 40 rows for 70
+        assert use_attention_kernel(q, mixed)
         assert not use_attention_kernel(q.double(), decode)
 
 

@@ -36,15 +36,26 @@ if TYPE_CHECKING:
 #: CUDA-graph metadata) the kernel is always used where Triton runs.
 KERNEL_MAX_QUERY_LEN = 16
 
+#: A batch whose padded SDPA layout (every sequence padded to ``max_query_len`` rows) would hold
+#: more than this many times its real query rows takes the kernel (varlen, no padding) whatever
+#: its query lengths: chunked prefill's mixed steps (one long chunk beside many decode rows) would
+#: otherwise pad every decode to the chunk's length (at 60 decodes beside a 2,048-token chunk, 30x
+#: the rows: out of memory on an H200 with a 13.7 B model, issue 17).
+MAX_PADDING_FACTOR = 2
+
 
 def use_attention_kernel(q: torch.Tensor, meta: "AttentionMetadata") -> bool:
     """Whether attention over ``meta`` runs the Triton paged kernel: Triton runs on ``q``
     (CUDA, or ``TRITON_INTERPRET=1``), ``q`` is fp16/bf16/fp32, and either
-    ``meta.max_query_len <= KERNEL_MAX_QUERY_LEN`` (decode, verify, draft steps) or the metadata
-    has no host lists. Depends only on static things, so a captured graph always takes one path."""
+    ``meta.max_query_len <= KERNEL_MAX_QUERY_LEN`` (decode, verify, draft steps), or the metadata
+    has no host lists, or padding the batch would multiply its query rows by more than
+    :data:`MAX_PADDING_FACTOR` (mixed prefill + decode steps). Depends only on static things (and
+    host ints), so a captured graph always takes one path."""
     if not use_triton(q) or q.dtype not in FLOAT_DTYPES:
         return False
-    return meta.max_query_len <= KERNEL_MAX_QUERY_LEN or not meta.query_lens
+    if meta.max_query_len <= KERNEL_MAX_QUERY_LEN or not meta.query_lens:
+        return True
+    return len(meta.query_lens) * meta.max_query_len > MAX_PADDING_FACTOR * sum(meta.query_lens)
 
 
 class PagedGQABackend(AttentionBackend):
@@ -217,4 +228,4 @@ class PagedGQAImpl(AttentionImpl):
         return torch.where(real[:, None], out, torch.zeros_like(out))
 
 
-__all__ = ["KERNEL_MAX_QUERY_LEN", "PagedGQABackend", "PagedGQAImpl", "use_attention_kernel"]
+__all__ = ["KERNEL_MAX_QUERY_LEN", "MAX_PADDING_FACTOR", "PagedGQABackend", "PagedGQAImpl", "use_attention_kernel"]
