@@ -192,27 +192,6 @@ if HAS_TRITON:
             x = x.to(tl.float32)
         return x
 
-    @device_function
-    def _store_mla_out(acc0, acc1, m_i, l_i, row_ok, offs_h, h0_ok, h1_ok, out_rows, pbase, part_acc_ptr, part_ml_ptr,
-                       out_ptr, SPLIT: tl.constexpr, BLOCK_L: tl.constexpr, HALF: tl.constexpr,
-                       BF16_BY_BITS: tl.constexpr):
-        """A program's result for its ``[BLOCK_M]`` rows (``row_ok``): with ``SPLIT`` the split's
-        ``(m, l)`` and unnormalised ``acc`` at ``pbase`` in the scratch (the combine kernel reduces
-        them), else ``acc / l`` (0 for a row without keys) rounded to the output dtype at
-        ``out_rows[:, None] + column``. Shared by the dense and the sparse MLA kernels."""
-        if SPLIT:
-            tl.store(part_ml_ptr + 2 * pbase, m_i, mask=row_ok)
-            tl.store(part_ml_ptr + 2 * pbase + 1, l_i, mask=row_ok)
-            acc_rows = part_acc_ptr + pbase[:, None] * BLOCK_L
-            tl.store(acc_rows + offs_h[None, :], acc0, mask=row_ok[:, None])
-            tl.store(acc_rows + HALF + offs_h[None, :], acc1, mask=row_ok[:, None])
-        else:
-            denom = tl.where(l_i > 0, l_i, 1.0)[:, None]
-            o0 = round_to_dtype(acc0 / denom, out_ptr.dtype.element_ty, BF16_BY_BITS)
-            tl.store(out_rows[:, None] + offs_h[None, :], o0, mask=row_ok[:, None] & h0_ok[None, :])
-            o1 = round_to_dtype(acc1 / denom, out_ptr.dtype.element_ty, BF16_BY_BITS)
-            tl.store(out_rows[:, None] + HALF + offs_h[None, :], o1, mask=row_ok[:, None] & h1_ok[None, :])
-
     def _mla_attn_kernel(ql_ptr, qp_ptr, kv_ptr, kvl_desc, kvr_desc, out_ptr, part_acc_ptr, part_ml_ptr,
                          qsl_ptr, seq_lens_ptr, bt_ptr, qk_scale, num_splits,
                          stride_qlt, stride_qlh, stride_qpt, stride_qph, stride_kb, stride_ks,
@@ -290,9 +269,20 @@ if HAS_TRITON:
             kr = _masked_latent(kv_ptr, base + LORA, offs_r, r_ok, n_ok, DOT_FP32)
             acc0, acc1, m_i, l_i = _mla_tile(acc0, acc1, m_i, l_i, ql0, ql1, qp, k0, k1, kr, offs_n, n_ok, q_pos,
                                              row_ok, qk_scale, PRECISION)
-        _store_mla_out(acc0, acc1, m_i, l_i, row_ok, offs_h, h0_ok, h1_ok,
-                       out_ptr + row * stride_ot + head * stride_oh, row * stride_pt + head * stride_ph + split,
-                       part_acc_ptr, part_ml_ptr, out_ptr, SPLIT, BLOCK_L, HALF, BF16_BY_BITS)
+        if SPLIT:
+            pbase = row * stride_pt + head * stride_ph + split
+            tl.store(part_ml_ptr + 2 * pbase, m_i, mask=row_ok)
+            tl.store(part_ml_ptr + 2 * pbase + 1, l_i, mask=row_ok)
+            acc_rows = part_acc_ptr + pbase[:, None] * BLOCK_L
+            tl.store(acc_rows + offs_h[None, :], acc0, mask=row_ok[:, None])
+            tl.store(acc_rows + HALF + offs_h[None, :], acc1, mask=row_ok[:, None])
+        else:
+            denom = tl.where(l_i > 0, l_i, 1.0)[:, None]
+            out_rows = out_ptr + row[:, None] * stride_ot + head[:, None] * stride_oh
+            o0 = round_to_dtype(acc0 / denom, out_ptr.dtype.element_ty, BF16_BY_BITS)
+            tl.store(out_rows + offs_h[None, :], o0, mask=row_ok[:, None] & h0_ok[None, :])
+            o1 = round_to_dtype(acc1 / denom, out_ptr.dtype.element_ty, BF16_BY_BITS)
+            tl.store(out_rows + HALF + offs_h[None, :], o1, mask=row_ok[:, None] & h1_ok[None, :])
 
     def _write_mla_kv_kernel(ckv_ptr, kpe_ptr, cache_ptr, slot_ptr, stride_ct, stride_pt, stride_cb, stride_cs,
                              LORA: tl.constexpr, ROPE: tl.constexpr, BLOCK_L: tl.constexpr,

@@ -180,8 +180,9 @@ def positions_to_slots(topk_pos: torch.Tensor, token_seq_idx: torch.Tensor, bloc
 # ---------------------------------------------------------------- kernel
 
 if HAS_TRITON:
-    from mtpspec.ops.mla_attention import _masked_latent, _mla_tile, _store_mla_out  # shared with the dense kernel
+    from mtpspec.ops.mla_attention import _masked_latent, _mla_tile  # the dense kernel's tile, shared
     from mtpspec.ops.paged_attention import _combine  # same (m, l, acc) scratch layout
+    from mtpspec.ops.triton_helpers import round_to_dtype
 
     def _sparse_mla_kernel(ql_ptr, qp_ptr, kv_ptr, slots_ptr, out_ptr, part_acc_ptr, part_ml_ptr,
                            qk_scale, num_topk, n_slots, num_splits,
@@ -246,9 +247,20 @@ if HAS_TRITON:
             kr = _masked_latent(kv_ptr, base + LORA, offs_r, r_ok, n_ok, DOT_FP32)
             acc0, acc1, m_i, l_i = _mla_tile(acc0, acc1, m_i, l_i, ql0, ql1, qp, k0, k1, kr, no_pos, n_ok, no_q_pos,
                                              h_ok, qk_scale, PRECISION)
-        _store_mla_out(acc0, acc1, m_i, l_i, h_ok, offs_h, h0_ok, h1_ok, out_ptr + row * stride_ot + head * stride_oh,
-                       row * stride_pt + head * stride_ph + split, part_acc_ptr, part_ml_ptr, out_ptr, SPLIT, BLOCK_L,
-                       HALF, BF16_BY_BITS)
+        if SPLIT:
+            pbase = row * stride_pt + head * stride_ph + split
+            tl.store(part_ml_ptr + 2 * pbase, m_i, mask=h_ok)
+            tl.store(part_ml_ptr + 2 * pbase + 1, l_i, mask=h_ok)
+            acc_rows = part_acc_ptr + pbase[:, None] * BLOCK_L
+            tl.store(acc_rows + offs_h[None, :], acc0, mask=h_ok[:, None])
+            tl.store(acc_rows + HALF + offs_h[None, :], acc1, mask=h_ok[:, None])
+        else:
+            denom = tl.where(l_i > 0, l_i, 1.0)[:, None]
+            out_rows = out_ptr + row * stride_ot + head[:, None] * stride_oh
+            o0 = round_to_dtype(acc0 / denom, out_ptr.dtype.element_ty, BF16_BY_BITS)
+            tl.store(out_rows + offs_h[None, :], o0, mask=h_ok[:, None] & h0_ok[None, :])
+            o1 = round_to_dtype(acc1 / denom, out_ptr.dtype.element_ty, BF16_BY_BITS)
+            tl.store(out_rows + HALF + offs_h[None, :], o1, mask=h_ok[:, None] & h1_ok[None, :])
 
     _sparse_mla = LazyKernel(_sparse_mla_kernel)
 
