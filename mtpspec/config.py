@@ -11,6 +11,9 @@ ALLREDUCE_BACKENDS = ("nccl", "p2p")
 #: How the engine gets its weights (vLLM's ``--load-format``): the checkpoint's (``auto`` =
 #: ``safetensors``), or random ones from ``config.json`` alone (``dummy``).
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
+#: What the KV caches store (vLLM's ``--kv-cache-dtype``): ``auto`` = the model dtype; ``fp8`` /
+#: ``fp8_e4m3`` = E4M3 with a scale per layer (:mod:`mtpspec.ops.kv_quant`).
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 
 
 @dataclass

@@ -386,7 +386,7 @@ def test_kernels_compile_for_hopper() -> None:
     from mtpspec.ops import triton_utils
     sig = {n: "*bf16" for n in ("ql_ptr", "qp_ptr", "kv_ptr", "out_ptr")}
     sig.update({"part_acc_ptr": "*fp32", "part_ml_ptr": "*fp32", "qsl_ptr": "*i32", "seq_lens_ptr": "*i32",
-                "bt_ptr": "*i32", "qk_scale": "fp32", "num_splits": "i32"})
+                "bt_ptr": "*i32", "qk_scale": "fp32", "num_splits": "i32", "k_scale": "fp32"})
     strides = ["stride_qlt", "stride_qlh", "stride_qpt", "stride_qph", "stride_kb", "stride_ks", "stride_ot",
                "stride_oh", "stride_bt", "stride_pt", "stride_ph"]
     sig.update({s: "i32" for s in strides})
@@ -396,7 +396,7 @@ def test_kernels_compile_for_hopper() -> None:
         ce = dict(NUM_HEADS=heads, LORA=512, ROPE=64, BLOCK_L=512, BLOCK_R=64, BLOCK_M=plan["block_m"],
                   BLOCK_N=mla.BLOCK_N, CACHE_BLOCK=64 if tma else 16, SPLIT=True, TMA=tma, WARP_SPECIALIZE=False,
                   TAIL_STAGES=1 if tma else mla.NUM_STAGES, DOT_FP32=False,
-                  PRECISION="tf32", BF16_BY_BITS=False)
+                  PRECISION="tf32", BF16_BY_BITS=False, FP8=False)
         kernel_sig = dict(sig)
         if tma:  # bulk tensor copies of [BLOCK_N, 256] latent halves and [BLOCK_N, 64] rope keys
             kernel_sig.update(kvl_desc=f"tensordesc<bf16[{mla.BLOCK_N}, 256]>",
@@ -409,8 +409,9 @@ def test_kernels_compile_for_hopper() -> None:
                       + strides[:8], "num_warps": mla.NUM_WARPS[plan["block_m"]]})
     specs.append({"module": "mtpspec.ops.mla_attention", "kernel": "_write_mla_kv",
                   "signature": {"ckv_ptr": "*bf16", "kpe_ptr": "*bf16", "cache_ptr": "*bf16", "slot_ptr": "*i64",
-                                "stride_ct": "i32", "stride_pt": "i32", "stride_cb": "i32", "stride_cs": "i32"},
-                  "constexprs": dict(LORA=512, ROPE=64, BLOCK_L=512, BLOCK_R=64, CACHE_BLOCK=16, BF16_BY_BITS=False),
+                                "k_scale": "fp32", "stride_ct": "i32", "stride_pt": "i32", "stride_cb": "i32", "stride_cs": "i32"},
+                  "constexprs": dict(LORA=512, ROPE=64, BLOCK_L=512, BLOCK_R=64, CACHE_BLOCK=16, BF16_BY_BITS=False,
+                                     FP8=False, FP8_BY_BITS=False),
                   "aligned": ["ckv_ptr", "kpe_ptr", "cache_ptr", "stride_ct", "stride_pt", "stride_cb", "stride_cs"],
                   "num_warps": mla.write_warps(512)})
     reports = triton_utils.compile_reports(specs)

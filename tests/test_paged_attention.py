@@ -560,14 +560,14 @@ def test_kernels_compile_for_hopper() -> None:
     plan = attention_plan(1, 4, 32, 8, 8192, sms=132)
     attn_sig = {n: ptr("bf16") for n in ("q_ptr", "k_ptr", "v_ptr", "out_ptr")}
     attn_sig.update({"part_acc_ptr": "*fp32", "part_ml_ptr": "*fp32", "qsl_ptr": "*i32", "seq_lens_ptr": "*i32",
-                     "bt_ptr": "*i32", "qk_scale": "fp32", "num_splits": "i32"})
+                     "bt_ptr": "*i32", "qk_scale": "fp32", "num_splits": "i32", "k_scale": "fp32", "v_scale": "fp32"})
     strides = ["stride_qt", "stride_qh", "stride_kb", "stride_ks", "stride_kh", "stride_vb", "stride_vs", "stride_vh",
                "stride_ot", "stride_oh", "stride_bt", "stride_pt", "stride_ph"]
     attn_sig.update({s: "i32" for s in strides})
     specs = [{"module": "mtpspec.ops.paged_attention", "kernel": "_attn", "signature": attn_sig,
               "constexprs": dict(REP=4, REP_P=plan["rep_p"], BLOCK_Q=plan["block_q"], BLOCK_M=plan["block_m"],
                                  BLOCK_N=pa.BLOCK_N, HEAD_DIM=128, BLOCK_D=128, CACHE_BLOCK=16, SPLIT=True,
-                                 DOT_FP32=False, PRECISION="tf32", BF16_BY_BITS=False),
+                                 DOT_FP32=False, PRECISION="tf32", BF16_BY_BITS=False, FP8=False),
               "aligned": ["q_ptr", "k_ptr", "v_ptr", "out_ptr", "part_acc_ptr", "part_ml_ptr", "bt_ptr"] + strides[:11],
               "num_warps": pa.NUM_WARPS},
              {"module": "mtpspec.ops.paged_attention", "kernel": "_combine",
@@ -578,9 +578,10 @@ def test_kernels_compile_for_hopper() -> None:
               "aligned": ["out_ptr", "part_acc_ptr", "part_ml_ptr", "stride_ot", "stride_oh"], "num_warps": pa.NUM_WARPS},
              {"module": "mtpspec.ops.paged_attention", "kernel": "_write_kv",
               "signature": {"k_ptr": "*bf16", "v_ptr": "*bf16", "kc_ptr": "*bf16", "vc_ptr": "*bf16", "slot_ptr": "*i64",
-                            "stride_kt": "i32", "stride_vt": "i32", "stride_kcb": "i32", "stride_kcs": "i32",
+                            "k_scale": "fp32", "v_scale": "fp32", "stride_kt": "i32", "stride_vt": "i32", "stride_kcb": "i32", "stride_kcs": "i32",
                             "stride_vcb": "i32", "stride_vcs": "i32"},
-              "constexprs": dict(ROW=1024, BLOCK_R=1024, CACHE_BLOCK=16, BF16_BY_BITS=False),
+              "constexprs": dict(ROW=1024, BLOCK_R=1024, CACHE_BLOCK=16, BF16_BY_BITS=False, FP8=False,
+                                 FP8_BY_BITS=False),
               "aligned": ["k_ptr", "v_ptr", "kc_ptr", "vc_ptr", "stride_kt", "stride_vt", "stride_kcb", "stride_kcs",
                           "stride_vcb", "stride_vcs"], "num_warps": 4}]
     moe_ints = ["num_pairs", "num_experts", "hidden", "inter_size"]

@@ -242,7 +242,7 @@ def test_kernel_compiles_for_hopper() -> None:
     from mtpspec.ops import triton_utils
     sig = {n: "*bf16" for n in ("ql_ptr", "qp_ptr", "kv_ptr", "out_ptr")}
     sig.update({"slots_ptr": "*i32", "part_acc_ptr": "*fp32", "part_ml_ptr": "*fp32", "qk_scale": "fp32",
-                "num_topk": "i32", "n_slots": "i32", "num_splits": "i32"})
+                "num_topk": "i32", "n_slots": "i32", "num_splits": "i32", "k_scale": "fp32"})
     strides = ["stride_qlt", "stride_qlh", "stride_qpt", "stride_qph", "stride_kb", "stride_ks", "stride_st",
                "stride_ot", "stride_oh", "stride_pt", "stride_ph"]
     sig.update({s: "i32" for s in strides})
@@ -252,7 +252,7 @@ def test_kernel_compiles_for_hopper() -> None:
         specs.append({"module": "mtpspec.ops.sparse_mla_attention", "kernel": "_sparse_mla", "signature": sig,
                       "constexprs": dict(NUM_HEADS=heads, LORA=512, ROPE=64, BLOCK_L=512, BLOCK_R=64,
                                          BLOCK_M=plan["block_m"], BLOCK_N=64, SCAN_N=256, CACHE_BLOCK=16, SPLIT=True,
-                                         DOT_FP32=False, PRECISION="tf32", BF16_BY_BITS=False),
+                                         DOT_FP32=False, PRECISION="tf32", BF16_BY_BITS=False, FP8=False),
                       "aligned": ["ql_ptr", "qp_ptr", "kv_ptr", "out_ptr", "part_acc_ptr", "part_ml_ptr",
                                   "slots_ptr"] + strides[:7], "num_warps": plan["num_warps"]})
     reports = triton_utils.compile_reports(specs)

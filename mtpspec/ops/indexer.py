@@ -38,6 +38,10 @@ the ``-inf``-filled output. Graph safety as the dense MLA op (grid from ``max_qu
 Dispatch (docs/structures.md): Triton on CUDA tensors and on CPU tensors under
 ``TRITON_INTERPRET=1``; the torch references (``*_ref``, sync-free) otherwise. :func:`indexer_topk`
 is torch only (``torch.topk`` on one int64 key per position; deterministic ties).
+
+An fp8 key cache (``torch.float8_e4m3fn``, one ``k_scale`` per indexer, :mod:`mtpspec.ops.kv_quant`):
+the write quantises (``x / k_scale``, saturating, nearest even), the logits kernel dequantises
+each key tile on load (``x * k_scale`` in q's dtype).
 """
 
 from __future__ import annotations
@@ -46,6 +50,7 @@ from typing import Optional
 
 import torch
 
+from mtpspec.ops.kv_quant import check_cache_dtype, dequantize_cache, is_fp8, quantize_to_cache, raw
 from mtpspec.ops.paged_common import launchable_block_tables, padded_queries, padded_slots, scatter_padded_rows
 from mtpspec.ops.triton_utils import (HAS_TRITON, LazyKernel, cdiv, check_paged_metadata, check_tensor_args,
                                       interpreting, next_power_of_2, tl, use_triton)
@@ -78,9 +83,9 @@ def _check_logits_inputs(q: torch.Tensor, weights: torch.Tensor, k_cache: torch.
     if k_cache.dim() != 3 or k_cache.shape[2] != q.shape[2]:
         raise ValueError(f"{op}: k_cache must be [num_blocks, block_size, index_head_dim={q.shape[2]}], got "
                          f"{list(k_cache.shape)}")
-    if q.dtype not in (torch.float16, torch.bfloat16, torch.float32) or k_cache.dtype != q.dtype:
-        raise TypeError(f"{op}: q and k_cache must share one of float16/bfloat16/float32, got {q.dtype}, "
-                        f"{k_cache.dtype}")
+    if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise TypeError(f"{op}: q must be float16/bfloat16/float32, got {q.dtype}")
+    check_cache_dtype(op, q.dtype, k_cache)
     if weights.dtype != torch.float32:
         raise TypeError(f"{op}: weights must be float32, got {weights.dtype}")
     if q.stride(2) != 1 or k_cache.stride(2) != 1 or (weights.shape[1] > 1 and weights.stride(1) != 1):
@@ -93,9 +98,9 @@ def _check_logits_inputs(q: torch.Tensor, weights: torch.Tensor, k_cache: torch.
 
 def indexer_logits_ref(q: torch.Tensor, weights: torch.Tensor, k_cache: torch.Tensor, query_start_loc: torch.Tensor,
                        seq_lens: torch.Tensor, block_tables: torch.Tensor, max_query_len: int,
-                       max_seq_len: int) -> torch.Tensor:
+                       max_seq_len: int, k_scale: float = 1.0) -> torch.Tensor:
     """Torch reference of :func:`indexer_logits` (same arguments and result; fp32 products and
-    sums, float64 for float64 inputs). Sync-free: every sequence padded to ``max_query_len``
+    sums, float64 for float64 inputs; an fp8 cache read as ``(x * k_scale).to(q.dtype)``). Sync-free: every sequence padded to ``max_query_len``
     rows and ``max_seq_len`` keys, heads in static chunks (``REF_CHUNK_ELEMS``)."""
     t, nh, _ = q.shape
     b = seq_lens.shape[0]
@@ -111,7 +116,7 @@ def indexer_logits_ref(q: torch.Tensor, weights: torch.Tensor, k_cache: torch.Te
     pos, key_ok, slots = padded_slots(block_tables, s_lens, max_seq_len, k_cache.shape[1],
                                       k_cache.shape[0], dev)
     kp = k_cache.reshape(-1, k_cache.shape[2]).index_select(0, slots.reshape(-1)).view(b, max_seq_len, -1)
-    kp = kp.to(acc_dtype)
+    kp = dequantize_cache(kp, q.dtype, k_scale).to(acc_dtype)
     logits = torch.zeros(b, max_query_len, max_seq_len, dtype=acc_dtype, device=dev)
     hc = max(1, min(nh, REF_CHUNK_ELEMS // (b * max_query_len * max_seq_len)))
     for h0 in range(0, nh, hc):
@@ -127,16 +132,18 @@ def indexer_logits_ref(q: torch.Tensor, weights: torch.Tensor, k_cache: torch.Te
     return full.masked_fill(~covered[:t, None], float("-inf"))
 
 
-def indexer_k_cache_write_ref(k: torch.Tensor, k_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Torch version of :func:`indexer_k_cache_write`, sync-free: a row with slot ``-1`` is
+def indexer_k_cache_write_ref(k: torch.Tensor, k_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                              k_scale: float = 1.0) -> None:
+    """Torch version of :func:`indexer_k_cache_write` (fp8: :func:`~mtpspec.ops.kv_quant.quantize_to_cache`,
+    bytes moved as uint8), sync-free: a row with slot ``-1`` is
     redirected to the first valid row's slot with that row's values (identical duplicates, so
     the result does not depend on write order); with no valid row, slot 0 gets its own content."""
     n = slot_mapping.shape[0]
     if n == 0:
         return
     d = k_cache.shape[-1]
-    flat = k_cache.view(-1, d)
-    new = k.reshape(n, d).to(k_cache.dtype)
+    flat = raw(k_cache.view(-1, d))
+    new = raw(quantize_to_cache(k.reshape(n, d), k_cache.dtype, k_scale))
     slots = slot_mapping.long()
     valid = slots >= 0
     any_valid = valid.any().view(1)
@@ -149,13 +156,14 @@ def indexer_k_cache_write_ref(k: torch.Tensor, k_cache: torch.Tensor, slot_mappi
 # ---------------------------------------------------------------- kernels
 
 if HAS_TRITON:
-    from mtpspec.ops.triton_helpers import round_to_dtype
+    from mtpspec.ops.triton_helpers import dequant_kv, quant_fp8, round_to_dtype
 
-    def _indexer_logits_kernel(q_ptr, w_ptr, k_ptr, out_ptr, qsl_ptr, seq_lens_ptr, bt_ptr, out_width,
+    def _indexer_logits_kernel(q_ptr, w_ptr, k_ptr, out_ptr, qsl_ptr, seq_lens_ptr, bt_ptr, out_width, k_scale,
                                stride_qt, stride_qh, stride_wt, stride_kb, stride_ks, stride_ot, stride_bt,
                                NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr,
                                BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, KEYS_PER_PROGRAM: tl.constexpr,
-                               CACHE_BLOCK: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr):
+                               CACHE_BLOCK: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
+                               FP8: tl.constexpr):
         # One program: query row j of sequence `seq`, key positions [chunk * KEYS_PER_PROGRAM, +KEYS_PER_PROGRAM)
         # clipped to the row's causal context 0 .. p.
         j = tl.program_id(0)
@@ -187,15 +195,17 @@ if HAS_TRITON:
             blk = tl.load(bt_row + offs_n // CACHE_BLOCK, mask=n_ok, other=0).to(tl.int64)
             base = blk * stride_kb + (offs_n % CACHE_BLOCK) * stride_ks
             k = tl.load(k_ptr + base[:, None] + offs_d[None, :], mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+            if FP8:  # (DOT_FP32 = interpreter and bf16 q: round to bf16 by integer ops there)
+                k = dequant_kv(k, k_scale, q_ptr.dtype.element_ty, DOT_FP32)
             if DOT_FP32:
                 k = k.to(tl.float32)
             s = tl.maximum(tl.dot(k, tl.trans(q), input_precision=PRECISION), 0.0)  # [BLOCK_N, BLOCK_H]
             logit = tl.sum(s * w[None, :], axis=1)
             tl.store(out_ptr + row * stride_ot + offs_n, logit, mask=n_ok)
 
-    def _indexer_k_write_kernel(k_ptr, cache_ptr, slot_ptr, stride_kt, stride_cb, stride_cs,
+    def _indexer_k_write_kernel(k_ptr, cache_ptr, slot_ptr, k_scale, stride_kt, stride_cb, stride_cs,
                                 HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CACHE_BLOCK: tl.constexpr,
-                                BF16_BY_BITS: tl.constexpr):
+                                BF16_BY_BITS: tl.constexpr, FP8: tl.constexpr, FP8_BY_BITS: tl.constexpr):
         # One program per row: its key to its slot's HEAD_DIM values; slot < 0: skip.
         t = tl.program_id(0).to(tl.int64)
         slot = tl.load(slot_ptr + t).to(tl.int64)
@@ -203,7 +213,11 @@ if HAS_TRITON:
         ok = offs < HEAD_DIM * (slot >= 0).to(tl.int32)
         x = tl.load(k_ptr + t * stride_kt + offs, mask=ok).to(tl.float32)
         dst = cache_ptr + (slot // CACHE_BLOCK) * stride_cb + (slot % CACHE_BLOCK) * stride_cs
-        tl.store(dst + offs, round_to_dtype(x, cache_ptr.dtype.element_ty, BF16_BY_BITS), mask=ok)
+        if FP8:
+            x_low = quant_fp8(x, k_scale, FP8_BY_BITS)
+        else:
+            x_low = round_to_dtype(x, cache_ptr.dtype.element_ty, BF16_BY_BITS)
+        tl.store(dst + offs, x_low, mask=ok)
 
     _indexer_logits = LazyKernel(_indexer_logits_kernel)
     _indexer_k_write = LazyKernel(_indexer_k_write_kernel)
@@ -211,7 +225,8 @@ if HAS_TRITON:
 
 # ---------------------------------------------------------------- public ops
 
-def indexer_k_cache_write(k: torch.Tensor, k_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+def indexer_k_cache_write(k: torch.Tensor, k_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                          k_scale: float = 1.0) -> None:
     """Write each row's indexer key to its paged cache slot; negative slots skipped.
 
     Args:
@@ -220,6 +235,7 @@ def indexer_k_cache_write(k: torch.Tensor, k_cache: torch.Tensor, slot_mapping: 
         k_cache: ``[num_blocks, block_size, index_head_dim]``, unit stride in the last dimension.
         slot_mapping: ``[n]`` int32/int64, ``block * block_size + offset`` or ``-1`` (skip): the
             latent cache's slots (both caches share the block tables).
+        k_scale: an fp8 cache's scale: stored ``e4m3(clamp(x / k_scale, +-448))`` (nearest even).
 
     Real slots must be distinct (or carry identical data). No host sync, CUDA-graph capturable:
     Triton kernel (one program per row) on CUDA / under ``TRITON_INTERPRET=1``, else
@@ -237,22 +253,24 @@ def indexer_k_cache_write(k: torch.Tensor, k_cache: torch.Tensor, slot_mapping: 
         return
     k2 = k.reshape(n, -1)
     if not use_triton(k_cache, k2):
-        indexer_k_cache_write_ref(k2, k_cache, slot_mapping)
+        indexer_k_cache_write_ref(k2, k_cache, slot_mapping, k_scale)
         return
     d = k_cache.shape[2]
     if (d > 1 and k2.stride(1) != 1) or k_cache.stride(2) != 1:
         raise ValueError(f"indexer_k_cache_write: need unit stride in the last dimension, got k {tuple(k2.stride())}, "
                          f"k_cache {tuple(k_cache.stride())}")
-    _indexer_k_write[(n,)](k2, k_cache, slot_mapping, k2.stride(0), k_cache.stride(0), k_cache.stride(1),
+    fp8 = is_fp8(k_cache.dtype)
+    _indexer_k_write[(n,)](k2, k_cache, slot_mapping, float(k_scale), k2.stride(0), k_cache.stride(0), k_cache.stride(1),
                            HEAD_DIM=d, BLOCK_D=next_power_of_2(d), CACHE_BLOCK=k_cache.shape[1],
                            BF16_BY_BITS=interpreting() and k_cache.dtype == torch.bfloat16,
-                           num_warps=max(1, min(4, next_power_of_2(d) // 256)))
+                           FP8=fp8, FP8_BY_BITS=fp8 and interpreting(), num_warps=max(1, min(4, next_power_of_2(d) // 256)))
 
 
 def indexer_logits(q: torch.Tensor, weights: torch.Tensor, k_cache: torch.Tensor, query_start_loc: torch.Tensor,
                    seq_lens: torch.Tensor, block_tables: torch.Tensor, max_query_len: int, max_seq_len: int,
                    block_n: Optional[int] = None, keys_per_program: Optional[int] = None,
-                   num_warps: Optional[int] = None, num_stages: Optional[int] = None) -> torch.Tensor:
+                   num_warps: Optional[int] = None, num_stages: Optional[int] = None,
+                   k_scale: float = 1.0) -> torch.Tensor:
     """Indexer logits of a flattened varlen batch against the paged indexer key cache.
 
     Args:
@@ -260,12 +278,14 @@ def indexer_logits(q: torch.Tensor, weights: torch.Tensor, k_cache: torch.Tensor
             the last dimension.
         weights: ``[T, index_n_heads]`` float32, with every scale folded in (module docstring:
             ``weights_proj(x) * index_n_heads**-0.5 * index_head_dim**-0.5``).
-        k_cache: ``[num_blocks, block_size, index_head_dim]`` of q's dtype, already holding this
+        k_cache: ``[num_blocks, block_size, index_head_dim]`` of q's dtype or
+            ``torch.float8_e4m3fn`` (read as ``x * k_scale`` in q's dtype), already holding this
             step's keys (:func:`indexer_k_cache_write`).
         query_start_loc, seq_lens, block_tables, max_query_len: as
             :func:`mtpspec.ops.mla_attention.mla_attention`.
         max_seq_len: an int >= every ``seq_len`` (a graph's bound): the logits' width.
         block_n, keys_per_program, num_warps, num_stages: launch overrides (tuning).
+        k_scale: an fp8 cache's per-layer scale (ignored for other caches).
 
     Returns:
         ``logits [T, max_seq_len]`` float32 (float64 for float64 inputs on the torch path):
@@ -282,7 +302,7 @@ def indexer_logits(q: torch.Tensor, weights: torch.Tensor, k_cache: torch.Tensor
     _check_logits_inputs(q, weights, k_cache, query_start_loc, seq_lens, block_tables, max_query_len, max_seq_len)
     if not use_triton(q, weights, k_cache):
         return indexer_logits_ref(q, weights, k_cache, query_start_loc, seq_lens, block_tables, max_query_len,
-                                  max_seq_len)
+                                  max_seq_len, k_scale)
     t, nh, d = q.shape
     b = seq_lens.shape[0]
     out = torch.full((t, max_seq_len), float("-inf"), dtype=torch.float32, device=q.device)
@@ -291,13 +311,13 @@ def indexer_logits(q: torch.Tensor, weights: torch.Tensor, k_cache: torch.Tensor
     kpp = KEYS_PER_PROGRAM if keys_per_program is None else int(keys_per_program)
     block_tables = launchable_block_tables(block_tables, b)
     _indexer_logits[(max_query_len, cdiv(max_seq_len, kpp), b)](
-        q, weights, k_cache, out, query_start_loc, seq_lens, block_tables, max_seq_len,
+        q, weights, k_cache, out, query_start_loc, seq_lens, block_tables, max_seq_len, float(k_scale),
         q.stride(0), q.stride(1), weights.stride(0), k_cache.stride(0), k_cache.stride(1), out.stride(0),
         block_tables.stride(0),
         NUM_HEADS=nh, HEAD_DIM=d, BLOCK_H=next_power_of_2(max(nh, 16)), BLOCK_D=next_power_of_2(max(d, 16)),
         BLOCK_N=BLOCK_N if block_n is None else int(block_n), KEYS_PER_PROGRAM=kpp, CACHE_BLOCK=k_cache.shape[1],
         DOT_FP32=interpreting() and q.dtype == torch.bfloat16,
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", FP8=is_fp8(k_cache.dtype),
         num_warps=NUM_WARPS if num_warps is None else num_warps,
         num_stages=NUM_STAGES if num_stages is None else num_stages)
     return out

@@ -38,6 +38,12 @@ ids are read on the device. Programs past a sequence's rows exit at once (zero-l
 sequences cost one load); rows past ``query_start_loc[num_seqs]`` come out as zeros;
 :func:`write_mla_kv_cache` skips slot ``-1`` on the device.
 
+FP8 latent caches (``torch.float8_e4m3fn``, one ``k_scale`` per layer, :mod:`mtpspec.ops.kv_quant`):
+the write quantises (``x / k_scale``, saturating, nearest even); the attention dequantises each
+tile on load (``x * k_scale`` in q's dtype) on the pointer path. The bulk-copy (TMA) path is for
+16-bit caches only (its descriptors carry the cache's dtype), so fp8 caches always take the
+pointer path (:func:`tma_eligible`).
+
 Dispatch (docs/structures.md): Triton on CUDA tensors and on CPU tensors under
 ``TRITON_INTERPRET=1``; the torch references (``*_ref``, sync-free) otherwise.
 """
@@ -49,6 +55,7 @@ from typing import Optional
 import torch
 
 from mtpspec.ops.argmax import num_sms
+from mtpspec.ops.kv_quant import check_cache_dtype, dequantize_cache, is_fp8, quantize_to_cache, raw
 from mtpspec.ops.paged_common import (causal_probs, choose_num_splits, launchable_block_tables, padded_queries,
                                       padded_slots, scatter_padded_rows, split_outputs)
 from mtpspec.ops.triton_utils import (HAS_TRITON, LazyKernel, cdiv, check_paged_metadata, check_tensor_args,
@@ -91,10 +98,10 @@ def _check_mla_inputs(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: torc
     if kv_cache.dim() != 3 or kv_cache.shape[2] != q_latent.shape[2] + q_pe.shape[2]:
         raise ValueError(f"mla_attention: kv_cache must be [num_blocks, block_size, kv_lora_rank + rope = "
                          f"{q_latent.shape[2] + q_pe.shape[2]}], got {list(kv_cache.shape)}")
-    if q_latent.dtype not in (torch.float16, torch.bfloat16, torch.float32) or q_pe.dtype != q_latent.dtype \
-            or kv_cache.dtype != q_latent.dtype:
-        raise TypeError(f"mla_attention: q_latent, q_pe and kv_cache must share one of float16/bfloat16/float32, "
-                        f"got {q_latent.dtype}, {q_pe.dtype}, {kv_cache.dtype}")
+    if q_latent.dtype not in (torch.float16, torch.bfloat16, torch.float32) or q_pe.dtype != q_latent.dtype:
+        raise TypeError(f"mla_attention: q_latent and q_pe must share one of float16/bfloat16/float32, "
+                        f"got {q_latent.dtype}, {q_pe.dtype}")
+    check_cache_dtype("mla_attention", q_latent.dtype, kv_cache)
     if q_latent.stride(2) != 1 or q_pe.stride(2) != 1 or kv_cache.stride(2) != 1:
         raise ValueError("mla_attention: q_latent, q_pe and kv_cache need unit stride in their last dimension")
     check_paged_metadata("mla_attention", query_start_loc, seq_lens, block_tables, max_query_len)
@@ -104,9 +111,9 @@ def _check_mla_inputs(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: torc
 
 def mla_attention_ref(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,
                       query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
-                      scale: float, max_query_len: int, max_seq_len: int) -> torch.Tensor:
+                      scale: float, max_query_len: int, max_seq_len: int, k_scale: float = 1.0) -> torch.Tensor:
     """Torch reference of :func:`mla_attention` (same arguments and result; fp32 softmax and
-    products, float64 for float64 inputs). Sync-free: every sequence padded to ``max_query_len``
+    products, float64 for float64 inputs; an fp8 cache read as ``(x * k_scale).to(q.dtype)``). Sync-free: every sequence padded to ``max_query_len``
     queries and ``max_seq_len`` keys (``max_seq_len`` must bound every ``seq_len``); memory
     ``O(num_seqs * max_query_len * num_heads * max_seq_len)`` plus the gathered latent context
     ``num_seqs * max_seq_len * (kv_lora_rank + rope)``."""
@@ -122,7 +129,8 @@ def mla_attention_ref(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: torc
     q = torch.cat([q_latent, q_pe], dim=-1).to(acc_dtype)
     qp = q.index_select(0, torch.where(row_ok, rows, 0).reshape(-1)).view(b, max_query_len, nh, d)
     pos, key_ok, slots = padded_slots(block_tables, s_lens, max_seq_len, bs, kv_cache.shape[0], dev)
-    kp = kv_cache.reshape(-1, d).index_select(0, slots.reshape(-1)).view(b, max_seq_len, d).to(acc_dtype)
+    kp = kv_cache.reshape(-1, d).index_select(0, slots.reshape(-1)).view(b, max_seq_len, d)
+    kp = dequantize_cache(kp, q_latent.dtype, k_scale).to(acc_dtype)
     kp = torch.where(key_ok[:, :, None], kp, torch.zeros_like(kp))  # stale slots never reach p @ v
     s = torch.einsum("bqhd,bkd->bhqk", qp, kp) * scale
     p = causal_probs(s, q_lens, s_lens, j, pos, key_ok, row_ok)
@@ -131,16 +139,18 @@ def mla_attention_ref(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: torc
 
 
 def write_mla_kv_cache_ref(c_kv: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor,
-                           slot_mapping: torch.Tensor) -> None:
-    """Torch version of :func:`write_mla_kv_cache`, sync-free: a row with slot ``-1`` is
+                           slot_mapping: torch.Tensor, k_scale: float = 1.0) -> None:
+    """Torch version of :func:`write_mla_kv_cache` (fp8: :func:`~mtpspec.ops.kv_quant.quantize_to_cache`,
+    bytes moved as uint8), sync-free: a row with slot ``-1`` is
     redirected to the first valid row's slot with that row's values (identical duplicates, so
     the result does not depend on write order); with no valid row, slot 0 gets its own content."""
     n = slot_mapping.shape[0]
     if n == 0:
         return
     d = kv_cache.shape[-1]
-    flat = kv_cache.view(-1, d)
-    new = torch.cat([c_kv.reshape(n, -1), k_pe.reshape(n, -1)], dim=-1).to(kv_cache.dtype)
+    flat = raw(kv_cache.view(-1, d))
+    new = raw(quantize_to_cache(torch.cat([c_kv.reshape(n, -1), k_pe.reshape(n, -1)], dim=-1), kv_cache.dtype,
+                                k_scale))
     slots = slot_mapping.long()
     valid = slots >= 0
     any_valid = valid.any().view(1)
@@ -159,7 +169,7 @@ except ImportError:  # pragma: no cover - older Triton or none: the pointer path
 
 if HAS_TRITON:
     from mtpspec.ops.paged_attention import _combine  # same (m, l, acc) scratch layout
-    from mtpspec.ops.triton_helpers import round_to_dtype
+    from mtpspec.ops.triton_helpers import dequant_kv, quant_fp8, round_to_dtype
 
     @device_function
     def _mla_tile(acc0, acc1, m_i, l_i, ql0, ql1, qp, k0, k1, kr, offs_n, n_ok, q_pos, row_ok, qk_scale,
@@ -184,23 +194,28 @@ if HAS_TRITON:
         return acc0, acc1, m_new, l_i
 
     @device_function
-    def _masked_latent(kv_ptr, base, cols, col_ok, n_ok, DOT_FP32: tl.constexpr):
+    def _masked_latent(kv_ptr, base, cols, col_ok, n_ok, k_scale, q_dtype: tl.constexpr, FP8: tl.constexpr,
+                       BF16_BY_BITS: tl.constexpr, DOT_FP32: tl.constexpr):
         """``[BLOCK_N, len(cols)]`` cache values at ``kv_ptr + base[:, None] + cols[None, :]``,
-        zero where the key (``n_ok``) or column (``col_ok``) is out of range."""
+        zero where the key (``n_ok``) or column (``col_ok``) is out of range; an fp8 cache's
+        (``FP8``) dequantised to ``q_dtype`` (``x * k_scale``)."""
         x = tl.load(kv_ptr + base[:, None] + cols[None, :], mask=n_ok[:, None] & col_ok[None, :], other=0.0)
+        if FP8:
+            x = dequant_kv(x, k_scale, q_dtype, BF16_BY_BITS)
         if DOT_FP32:
             x = x.to(tl.float32)
         return x
 
     def _mla_attn_kernel(ql_ptr, qp_ptr, kv_ptr, kvl_desc, kvr_desc, out_ptr, part_acc_ptr, part_ml_ptr,
-                         qsl_ptr, seq_lens_ptr, bt_ptr, qk_scale, num_splits,
+                         qsl_ptr, seq_lens_ptr, bt_ptr, qk_scale, num_splits, k_scale,
                          stride_qlt, stride_qlh, stride_qpt, stride_qph, stride_kb, stride_ks,
                          stride_ot, stride_oh, stride_bt, stride_pt, stride_ph,
                          NUM_HEADS: tl.constexpr, LORA: tl.constexpr, ROPE: tl.constexpr,
                          BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_M: tl.constexpr,
                          BLOCK_N: tl.constexpr, CACHE_BLOCK: tl.constexpr, SPLIT: tl.constexpr, TMA: tl.constexpr,
                          WARP_SPECIALIZE: tl.constexpr, TAIL_STAGES: tl.constexpr,
-                         DOT_FP32: tl.constexpr, PRECISION: tl.constexpr, BF16_BY_BITS: tl.constexpr):
+                         DOT_FP32: tl.constexpr, PRECISION: tl.constexpr, BF16_BY_BITS: tl.constexpr,
+                         FP8: tl.constexpr):
         # One program: (query row, head) pairs [rb * BLOCK_M, (rb + 1) * BLOCK_M) of sequence
         # `seq` (row-major over [q_len, NUM_HEADS]), key split `split`. Scores in base 2. The
         # latent is handled as two halves of HALF columns (a TMA box is at most 256 wide).
@@ -264,9 +279,12 @@ if HAS_TRITON:
             n_ok = offs_n < k_hi
             blk = tl.load(bt_row + offs_n // CACHE_BLOCK, mask=n_ok, other=0).to(tl.int64)
             base = blk * stride_kb + (offs_n % CACHE_BLOCK) * stride_ks
-            k0 = _masked_latent(kv_ptr, base, offs_h, h0_ok, n_ok, DOT_FP32)
-            k1 = _masked_latent(kv_ptr, base + HALF, offs_h, h1_ok, n_ok, DOT_FP32)
-            kr = _masked_latent(kv_ptr, base + LORA, offs_r, r_ok, n_ok, DOT_FP32)
+            q_dtype = ql_ptr.dtype.element_ty
+            k0 = _masked_latent(kv_ptr, base, offs_h, h0_ok, n_ok, k_scale, q_dtype, FP8, BF16_BY_BITS, DOT_FP32)
+            k1 = _masked_latent(kv_ptr, base + HALF, offs_h, h1_ok, n_ok, k_scale, q_dtype, FP8, BF16_BY_BITS,
+                                DOT_FP32)
+            kr = _masked_latent(kv_ptr, base + LORA, offs_r, r_ok, n_ok, k_scale, q_dtype, FP8, BF16_BY_BITS,
+                                DOT_FP32)
             acc0, acc1, m_i, l_i = _mla_tile(acc0, acc1, m_i, l_i, ql0, ql1, qp, k0, k1, kr, offs_n, n_ok, q_pos,
                                              row_ok, qk_scale, PRECISION)
         if SPLIT:
@@ -284,9 +302,10 @@ if HAS_TRITON:
             o1 = round_to_dtype(acc1 / denom, out_ptr.dtype.element_ty, BF16_BY_BITS)
             tl.store(out_rows + HALF + offs_h[None, :], o1, mask=row_ok[:, None] & h1_ok[None, :])
 
-    def _write_mla_kv_kernel(ckv_ptr, kpe_ptr, cache_ptr, slot_ptr, stride_ct, stride_pt, stride_cb, stride_cs,
-                             LORA: tl.constexpr, ROPE: tl.constexpr, BLOCK_L: tl.constexpr,
-                             BLOCK_R: tl.constexpr, CACHE_BLOCK: tl.constexpr, BF16_BY_BITS: tl.constexpr):
+    def _write_mla_kv_kernel(ckv_ptr, kpe_ptr, cache_ptr, slot_ptr, k_scale, stride_ct, stride_pt, stride_cb,
+                             stride_cs, LORA: tl.constexpr, ROPE: tl.constexpr, BLOCK_L: tl.constexpr,
+                             BLOCK_R: tl.constexpr, CACHE_BLOCK: tl.constexpr, BF16_BY_BITS: tl.constexpr,
+                             FP8: tl.constexpr, FP8_BY_BITS: tl.constexpr):
         # One program per row: [c_kv | k_pe] to its slot's LORA + ROPE values; slot < 0: skip.
         # (values pass through fp32: exact for fp16/bf16 inputs, one rounding for fp32 inputs)
         t = tl.program_id(0).to(tl.int64)
@@ -296,11 +315,17 @@ if HAS_TRITON:
         offs_l = tl.arange(0, BLOCK_L)
         ok_l = offs_l < LORA * live
         x = tl.load(ckv_ptr + t * stride_ct + offs_l, mask=ok_l).to(tl.float32)
-        tl.store(dst + offs_l, round_to_dtype(x, cache_ptr.dtype.element_ty, BF16_BY_BITS), mask=ok_l)
         offs_r = tl.arange(0, BLOCK_R)
         ok_r = offs_r < ROPE * live
         y = tl.load(kpe_ptr + t * stride_pt + offs_r, mask=ok_r).to(tl.float32)
-        tl.store(dst + LORA + offs_r, round_to_dtype(y, cache_ptr.dtype.element_ty, BF16_BY_BITS), mask=ok_r)
+        if FP8:  # quantised with the layer's k_scale (saturating, nearest even)
+            x_low = quant_fp8(x, k_scale, FP8_BY_BITS)
+            y_low = quant_fp8(y, k_scale, FP8_BY_BITS)
+        else:
+            x_low = round_to_dtype(x, cache_ptr.dtype.element_ty, BF16_BY_BITS)
+            y_low = round_to_dtype(y, cache_ptr.dtype.element_ty, BF16_BY_BITS)
+        tl.store(dst + offs_l, x_low, mask=ok_l)
+        tl.store(dst + LORA + offs_r, y_low, mask=ok_r)
 
     _mla_attn = LazyKernel(_mla_attn_kernel)
     _write_mla_kv = LazyKernel(_write_mla_kv_kernel)
@@ -342,7 +367,8 @@ def tma_eligible(q_latent: torch.Tensor, kv_cache: torch.Tensor, block_n: int) -
     """Whether :func:`mla_attention` can read key tiles by bulk tensor copies: Triton tensor
     descriptors available; a 16-bit, contiguous ``kv_cache`` (16-byte aligned) whose
     ``block_size`` is a multiple of ``block_n`` (a tile never spans two cache blocks); and
-    ``kv_lora_rank / 2`` and ``rope`` powers of two of at most 256 (one copy box each)."""
+    ``kv_lora_rank / 2`` and ``rope`` powers of two of at most 256 (one copy box each). An fp8
+    cache is never eligible: it takes the pointer path, which dequantises each tile on load."""
     r, rope = q_latent.shape[2], kv_cache.shape[2] - q_latent.shape[2]
     half = r // 2
     return (TensorDescriptor is not None and kv_cache.dtype in (torch.float16, torch.bfloat16)
@@ -363,15 +389,16 @@ def mla_attention(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Te
                   scale: float, max_query_len: int, max_seq_len: int, num_splits: Optional[int] = None,
                   block_m: Optional[int] = None, block_n: Optional[int] = None,
                   num_warps: Optional[int] = None, num_stages: Optional[int] = None,
-                  tma: Optional[bool] = None, warp_specialize: bool = False) -> torch.Tensor:
+                  tma: Optional[bool] = None, warp_specialize: bool = False, k_scale: float = 1.0) -> torch.Tensor:
     """Absorbed MLA attention of a flattened varlen batch against a paged latent cache.
 
     Args:
         q_latent: ``[num_tokens, num_heads, kv_lora_rank]`` fp16/bf16/fp32 (``q_nope`` folded
             through ``kv_b_proj``'s key half); q_pe: ``[num_tokens, num_heads, rope]`` (rope
             applied); unit stride in the last dimension, rows / heads may be strided.
-        kv_cache: ``[num_blocks, block_size, kv_lora_rank + rope]`` of q's dtype, already holding
-            this step's entries (:func:`write_mla_kv_cache`).
+        kv_cache: ``[num_blocks, block_size, kv_lora_rank + rope]`` of q's dtype or
+            ``torch.float8_e4m3fn`` (read as ``x * k_scale`` in q's dtype, pointer path only),
+            already holding this step's entries (:func:`write_mla_kv_cache`).
         query_start_loc, seq_lens, block_tables, max_query_len, max_seq_len: as
             :func:`mtpspec.ops.paged_attention.paged_attention`.
         scale: softmax scale (the qk head dim's ``** -0.5``, times YaRN's mscale squared where used).
@@ -381,6 +408,7 @@ def mla_attention(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Te
             descriptors) instead of per-element gathers; ``None`` = the plan's choice where
             :func:`tma_eligible` on a GPU of compute capability >= 9. ``True`` where not eligible raises ValueError.
         warp_specialize: Triton's automatic warp specialization of the bulk-copy loop (tuning).
+        k_scale: an fp8 cache's per-layer scale (ignored for other caches).
 
     Returns:
         ``o_latent [num_tokens, num_heads, kv_lora_rank]`` in q's dtype; rows at or past
@@ -395,7 +423,7 @@ def mla_attention(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Te
     _check_mla_inputs(q_latent, q_pe, kv_cache, query_start_loc, seq_lens, block_tables, max_query_len)
     if not use_triton(q_latent, q_pe, kv_cache):
         return mla_attention_ref(q_latent, q_pe, kv_cache, query_start_loc, seq_lens, block_tables, scale,
-                                 max_query_len, max_seq_len)
+                                 max_query_len, max_seq_len, k_scale)
     t, nh, r = q_latent.shape
     rope = q_pe.shape[2]
     b = seq_lens.shape[0]
@@ -407,7 +435,7 @@ def mla_attention(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Te
     bn = BLOCK_N if block_n is None else int(block_n)
     eligible = tma_eligible(q_latent, kv_cache, bn)
     if tma and not eligible:
-        raise ValueError(f"mla_attention: tma=True needs a contiguous 16-bit kv_cache whose block_size "
+        raise ValueError(f"mla_attention: tma=True needs a contiguous 16-bit (not fp8) kv_cache whose block_size "
                          f"({bs}) is a multiple of block_n ({bn}), power-of-two kv_lora_rank / 2 and rope <= 256, "
                          f"and Triton tensor descriptors")
     use_tma = eligible and (tma if tma is not None else (plan["tma"] and q_latent.is_cuda and
@@ -430,12 +458,12 @@ def mla_attention(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Te
         kvr_desc = TensorDescriptor(flat, list(flat.shape), list(flat.stride()), [bn, block_r])
     _mla_attn[(plan["row_blocks"], s, b)](
         q_latent, q_pe, kv_cache, kvl_desc, kvr_desc, out, part_acc, part_ml, query_start_loc, seq_lens, block_tables,
-        float(scale) * _LOG2E, s, q_latent.stride(0), q_latent.stride(1), q_pe.stride(0), q_pe.stride(1),
+        float(scale) * _LOG2E, s, float(k_scale), q_latent.stride(0), q_latent.stride(1), q_pe.stride(0), q_pe.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), out.stride(0), out.stride(1), block_tables.stride(0), nh * s, s,
         NUM_HEADS=nh, LORA=r, ROPE=rope, BLOCK_L=block_l, BLOCK_R=block_r, BLOCK_M=plan["block_m"], BLOCK_N=bn,
         CACHE_BLOCK=bs, SPLIT=s > 1, TMA=use_tma, WARP_SPECIALIZE=bool(warp_specialize),
         TAIL_STAGES=1 if use_tma else stages, DOT_FP32=bf16_interp, PRECISION=precision, BF16_BY_BITS=bf16_interp,
-        num_warps=plan["num_warps"] if num_warps is None else num_warps,
+        FP8=is_fp8(kv_cache.dtype), num_warps=plan["num_warps"] if num_warps is None else num_warps,
         num_stages=stages)
     if s > 1:
         _combine[(t, nh)](out, part_acc, part_ml, query_start_loc, b, s, out.stride(0), out.stride(1), nh * s, s,
@@ -445,7 +473,7 @@ def mla_attention(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Te
 
 
 def write_mla_kv_cache(c_kv: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor,
-                       slot_mapping: torch.Tensor) -> None:
+                       slot_mapping: torch.Tensor, k_scale: float = 1.0) -> None:
     """Write each row's ``[c_kv | k_pe]`` to its paged latent-cache slot; negative slots skipped.
 
     Args:
@@ -453,6 +481,7 @@ def write_mla_kv_cache(c_kv: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.T
             (cast to the cache's); unit stride in the last dimension, rows may be strided.
         kv_cache: ``[num_blocks, block_size, kv_lora_rank + rope]``, unit stride in the last dim.
         slot_mapping: ``[n]`` int32/int64, ``block * block_size + offset`` or ``-1`` (skip).
+        k_scale: an fp8 cache's scale: stored ``e4m3(clamp(x / k_scale, +-448))`` (nearest even).
 
     Real slots must be distinct (or carry identical data). No host sync, CUDA-graph capturable:
     Triton kernel (one program per row) on CUDA / under ``TRITON_INTERPRET=1``, else
@@ -472,16 +501,17 @@ def write_mla_kv_cache(c_kv: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.T
     if n == 0:
         return
     if not use_triton(kv_cache, c2, p2):
-        write_mla_kv_cache_ref(c2, p2, kv_cache, slot_mapping)
+        write_mla_kv_cache_ref(c2, p2, kv_cache, slot_mapping, k_scale)
         return
     if (r > 1 and c2.stride(1) != 1) or (rope > 1 and p2.stride(1) != 1) or kv_cache.stride(2) != 1:
         raise ValueError(f"write_mla_kv_cache: need unit stride in the last dimension, got c_kv {tuple(c2.stride())}, "
                          f"k_pe {tuple(p2.stride())}, cache {tuple(kv_cache.stride())}")
-    _write_mla_kv[(n,)](c2, p2, kv_cache, slot_mapping, c2.stride(0), p2.stride(0), kv_cache.stride(0),
+    fp8 = is_fp8(kv_cache.dtype)
+    _write_mla_kv[(n,)](c2, p2, kv_cache, slot_mapping, float(k_scale), c2.stride(0), p2.stride(0), kv_cache.stride(0),
                         kv_cache.stride(1), LORA=r, ROPE=rope, BLOCK_L=next_power_of_2(r),
                         BLOCK_R=next_power_of_2(rope), CACHE_BLOCK=kv_cache.shape[1],
                         BF16_BY_BITS=interpreting() and kv_cache.dtype == torch.bfloat16,
-                        num_warps=write_warps(r))
+                        FP8=fp8, FP8_BY_BITS=fp8 and interpreting(), num_warps=write_warps(r))
 
 
 __all__ = ["mla_attention", "mla_attention_plan", "mla_attention_ref", "tma_eligible", "write_mla_kv_cache",

@@ -30,6 +30,10 @@ once, so zero-length (padding) sequences cost one scalar load; rows past
 ``query_start_loc[num_seqs]`` (padding rows) come out as zeros. :func:`write_kv_cache` skips
 rows with slot ``-1`` on the device.
 
+FP8 caches (``torch.float8_e4m3fn``, :mod:`mtpspec.ops.kv_quant`): the write quantises each row
+(``x / scale``, saturating, nearest even) and the attention kernel dequantises each K / V tile as
+it loads it (``x * scale`` in q's dtype); the cache is never dequantised as a whole.
+
 Dispatch (docs/structures.md): Triton on CUDA tensors and on CPU tensors under
 ``TRITON_INTERPRET=1``; the torch references (``*_ref``, also sync-free) otherwise.
 """
@@ -41,6 +45,7 @@ from typing import Optional
 import torch
 
 from mtpspec.ops.argmax import num_sms
+from mtpspec.ops.kv_quant import check_cache_dtype, dequantize_cache, is_fp8, quantize_to_cache, raw
 from mtpspec.ops.paged_common import (causal_probs, choose_num_splits, launchable_block_tables, padded_queries,
                                       padded_slots, scatter_padded_rows, split_outputs)
 from mtpspec.ops.triton_utils import (HAS_TRITON, LazyKernel, cdiv, check_paged_metadata, check_tensor_args,
@@ -81,10 +86,9 @@ def _check_attention_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         raise ValueError(f"paged_attention: cache head_dim {k_cache.shape[3]} != q head_dim {hd}")
     if nkv < 1 or nh % nkv:
         raise ValueError(f"paged_attention: num_heads={nh} must be a positive multiple of num_kv_heads={nkv}")
-    if q.dtype not in (torch.float16, torch.bfloat16, torch.float32) or k_cache.dtype != q.dtype \
-            or v_cache.dtype != q.dtype:
-        raise TypeError(f"paged_attention: q and the caches must share one of float16/bfloat16/float32, got "
-                        f"{q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
+    if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise TypeError(f"paged_attention: q must be float16/bfloat16/float32, got {q.dtype}")
+    check_cache_dtype("paged_attention", q.dtype, k_cache, v_cache)
     if q.stride(2) != 1 or k_cache.stride(3) != 1 or v_cache.stride(3) != 1:
         raise ValueError("paged_attention: q and the caches need unit stride in head_dim")
     check_paged_metadata("paged_attention", query_start_loc, seq_lens, block_tables, max_query_len)
@@ -94,9 +98,10 @@ def _check_attention_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
 
 def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
-                        scale: float, max_query_len: int, max_seq_len: int) -> torch.Tensor:
+                        scale: float, max_query_len: int, max_seq_len: int, k_scale: float = 1.0,
+                        v_scale: float = 1.0) -> torch.Tensor:
     """Torch reference of :func:`paged_attention` (same arguments and result; fp32 softmax, or
-    float64 for float64 inputs). Sync-free like the kernel: every sequence is padded to
+    float64 for float64 inputs; an fp8 cache read as ``(x * scale).to(q.dtype)``). Sync-free like the kernel: every sequence is padded to
     ``max_query_len`` queries and ``max_seq_len`` keys (``max_seq_len`` must bound every
     ``seq_len``); memory ``O(num_seqs * max_query_len * num_heads * max_seq_len)``.
     """
@@ -114,8 +119,8 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     pos, key_ok, slots = padded_slots(block_tables, s_lens, max_seq_len, bs, k_cache.shape[0], dev)
     kp = k_cache.reshape(-1, nkv, hd).index_select(0, slots.reshape(-1)).view(b, max_seq_len, nkv, hd)
     vp = v_cache.reshape(-1, nkv, hd).index_select(0, slots.reshape(-1)).view(b, max_seq_len, nkv, hd)
-    kp = kp.to(acc_dtype).repeat_interleave(rep, dim=2)
-    vp = vp.to(acc_dtype).repeat_interleave(rep, dim=2)
+    kp = dequantize_cache(kp, q.dtype, k_scale).to(acc_dtype).repeat_interleave(rep, dim=2)
+    vp = dequantize_cache(vp, q.dtype, v_scale).to(acc_dtype).repeat_interleave(rep, dim=2)
     s = torch.einsum("bqhd,bkhd->bhqk", qp.to(acc_dtype), kp) * scale
     p = causal_probs(s, q_lens, s_lens, j, pos, key_ok, row_ok)
     o = torch.einsum("bhqk,bkhd->bqhd", p, vp)
@@ -123,8 +128,9 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
 
 
 def write_kv_cache_ref(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                       slot_mapping: torch.Tensor) -> None:
-    """Torch version of :func:`write_kv_cache`, sync-free.
+                       slot_mapping: torch.Tensor, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
+    """Torch version of :func:`write_kv_cache`, sync-free (fp8 caches:
+    :func:`~mtpspec.ops.kv_quant.quantize_to_cache`, bytes moved as uint8).
 
     A row with slot ``-1`` is redirected to the first valid row's slot with that row's values, so
     duplicate indices of one ``index_copy_`` carry identical data and the result does not depend
@@ -140,9 +146,9 @@ def write_kv_cache_ref(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Te
     first = torch.argmax(valid.to(torch.int8)).view(1)
     fb_slot = torch.where(any_valid, slots.index_select(0, first), torch.zeros_like(first))
     idx = torch.where(valid, slots, fb_slot)
-    for cache, new in ((k_cache, key), (v_cache, value)):
-        flat = cache.view(-1, nkv, hd)
-        new = new.reshape(n, nkv, hd).to(cache.dtype)
+    for cache, new, sc in ((k_cache, key, k_scale), (v_cache, value, v_scale)):
+        flat = raw(cache.view(-1, nkv, hd))
+        new = raw(quantize_to_cache(new.reshape(n, nkv, hd), cache.dtype, sc))
         fb_val = torch.where(any_valid[:, None, None], new.index_select(0, first), flat[:1])
         flat.index_copy_(0, idx, torch.where(valid[:, None, None], new, fb_val))
 
@@ -150,18 +156,19 @@ def write_kv_cache_ref(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Te
 # ---------------------------------------------------------------- kernels
 
 if HAS_TRITON:
-    from mtpspec.ops.triton_helpers import round_to_dtype
+    from mtpspec.ops.triton_helpers import dequant_kv, quant_fp8, round_to_dtype
 
     def _attn_kernel(q_ptr, k_ptr, v_ptr, out_ptr, part_acc_ptr, part_ml_ptr,
-                     qsl_ptr, seq_lens_ptr, bt_ptr, qk_scale, num_splits,
+                     qsl_ptr, seq_lens_ptr, bt_ptr, qk_scale, num_splits, k_scale, v_scale,
                      stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
                      stride_ot, stride_oh, stride_bt, stride_pt, stride_ph,
                      REP: tl.constexpr, REP_P: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
                      BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                      CACHE_BLOCK: tl.constexpr, SPLIT: tl.constexpr, DOT_FP32: tl.constexpr,
-                     PRECISION: tl.constexpr, BF16_BY_BITS: tl.constexpr):
+                     PRECISION: tl.constexpr, BF16_BY_BITS: tl.constexpr, FP8: tl.constexpr):
         # One program: sequence `seq`, query rows [qb * BLOCK_Q, (qb + 1) * BLOCK_Q) of it, kv head
-        # `g`, key split `split`. qk_scale = softmax scale * log2(e) (scores in base 2).
+        # `g`, key split `split`. qk_scale = softmax scale * log2(e) (scores in base 2). FP8: the
+        # cache holds E4M3; each tile is dequantised to q's dtype (x * k_scale / v_scale) on load.
         seq = tl.program_id(0)
         qb = tl.program_id(1)
         g = tl.program_id(2) // num_splits
@@ -200,6 +207,8 @@ if HAS_TRITON:
             in_blk = offs_n % CACHE_BLOCK
             k_off = blk * stride_kb + in_blk * stride_ks + g * stride_kh
             k = tl.load(k_ptr + k_off[None, :] + offs_d[:, None], mask=n_ok[None, :] & d_ok[:, None], other=0.0)
+            if FP8:
+                k = dequant_kv(k, k_scale, q_ptr.dtype.element_ty, BF16_BY_BITS)
             if DOT_FP32:
                 k = k.to(tl.float32)
             s = tl.dot(q, k, input_precision=PRECISION) * qk_scale
@@ -212,6 +221,8 @@ if HAS_TRITON:
             l_i = l_i * alpha + tl.sum(p, axis=1)
             v_off = blk * stride_vb + in_blk * stride_vs + g * stride_vh
             v = tl.load(v_ptr + v_off[:, None] + offs_d[None, :], mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+            if FP8:
+                v = dequant_kv(v, v_scale, q_ptr.dtype.element_ty, BF16_BY_BITS)
             if DOT_FP32:
                 pv = tl.dot(p, v.to(tl.float32), input_precision=PRECISION)
             else:
@@ -253,11 +264,12 @@ if HAS_TRITON:
         o_low = round_to_dtype(o, out_ptr.dtype.element_ty, BF16_BY_BITS)
         tl.store(out_ptr + t.to(tl.int64) * stride_ot + h * stride_oh + offs_d, o_low, mask=offs_d < HEAD_DIM)
 
-    def _write_kv_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, stride_kt, stride_vt,
+    def _write_kv_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, k_scale, v_scale, stride_kt, stride_vt,
                          stride_kcb, stride_kcs, stride_vcb, stride_vcs,
                          ROW: tl.constexpr, BLOCK_R: tl.constexpr, CACHE_BLOCK: tl.constexpr,
-                         BF16_BY_BITS: tl.constexpr):
+                         BF16_BY_BITS: tl.constexpr, FP8: tl.constexpr, FP8_BY_BITS: tl.constexpr):
         # One program per row: copy its [num_kv_heads * head_dim] K and V to its slot; slot < 0: skip.
+        # FP8: quantise (x / scale, saturating, nearest even; FP8_BY_BITS under the interpreter).
         t = tl.program_id(0).to(tl.int64)
         slot = tl.load(slot_ptr + t).to(tl.int64)
         offs = tl.arange(0, BLOCK_R)
@@ -266,11 +278,15 @@ if HAS_TRITON:
         off = slot % CACHE_BLOCK
         kx = tl.load(k_ptr + t * stride_kt + offs, mask=ok)
         vx = tl.load(v_ptr + t * stride_vt + offs, mask=ok)
-        # BF16_BY_BITS: fp32 -> bf16 to nearest even by integer ops (the interpreter truncates)
-        tl.store(kc_ptr + blk * stride_kcb + off * stride_kcs + offs,
-                 round_to_dtype(kx, kc_ptr.dtype.element_ty, BF16_BY_BITS), mask=ok)
-        tl.store(vc_ptr + blk * stride_vcb + off * stride_vcs + offs,
-                 round_to_dtype(vx, vc_ptr.dtype.element_ty, BF16_BY_BITS), mask=ok)
+        if FP8:
+            k_low = quant_fp8(kx.to(tl.float32), k_scale, FP8_BY_BITS)
+            v_low = quant_fp8(vx.to(tl.float32), v_scale, FP8_BY_BITS)
+        else:
+            # BF16_BY_BITS: fp32 -> bf16 to nearest even by integer ops (the interpreter truncates)
+            k_low = round_to_dtype(kx, kc_ptr.dtype.element_ty, BF16_BY_BITS)
+            v_low = round_to_dtype(vx, vc_ptr.dtype.element_ty, BF16_BY_BITS)
+        tl.store(kc_ptr + blk * stride_kcb + off * stride_kcs + offs, k_low, mask=ok)
+        tl.store(vc_ptr + blk * stride_vcb + off * stride_vcs + offs, v_low, mask=ok)
 
     _attn = LazyKernel(_attn_kernel)
     _combine = LazyKernel(_combine_kernel)
@@ -304,15 +320,16 @@ def attention_plan(num_seqs: int, max_query_len: int, num_heads: int, num_kv_hea
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, query_start_loc: torch.Tensor,
                     seq_lens: torch.Tensor, block_tables: torch.Tensor, scale: float, max_query_len: int,
-                    max_seq_len: int, num_splits: Optional[int] = None) -> torch.Tensor:
+                    max_seq_len: int, num_splits: Optional[int] = None, k_scale: float = 1.0,
+                    v_scale: float = 1.0) -> torch.Tensor:
     """Causal attention of a flattened varlen batch of queries against a paged KV cache.
 
     Args:
         q: ``[num_tokens, num_heads, head_dim]`` fp16/bf16/fp32 (rotary applied), unit stride in
             ``head_dim``; rows may be strided.
-        k_cache, v_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``, q's dtype (e.g.
-            ``kv_cache[0]`` and ``kv_cache[1]`` of a ``[2, ...]`` cache); already holding this
-            step's keys/values (:func:`write_kv_cache`).
+        k_cache, v_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``, q's dtype or both
+            ``torch.float8_e4m3fn`` (e.g. ``kv_cache[0]`` and ``kv_cache[1]`` of a ``[2, ...]``
+            cache); already holding this step's keys/values (:func:`write_kv_cache`).
         query_start_loc: ``[num_seqs + 1]`` int32/int64 cumulative query lengths (a zero-length
             sequence repeats the previous value).
         seq_lens: ``[num_seqs]`` int32/int64, tokens of each sequence including its queries
@@ -324,6 +341,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         max_seq_len: host int >= every ``seq_len``; only chooses the key split (kernel) or the
             padded key length (reference).
         num_splits: force the number of key splits (default: :func:`attention_plan`).
+        k_scale, v_scale: an fp8 cache's per-layer scales (each tile read as ``(x * scale)`` in
+            q's dtype, :mod:`mtpspec.ops.kv_quant`); ignored for other caches.
 
     Returns:
         ``[num_tokens, num_heads, head_dim]`` in q's dtype; rows at or past
@@ -338,7 +357,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     _check_attention_inputs(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, max_query_len)
     if not use_triton(q, k_cache, v_cache):
         return paged_attention_ref(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale,
-                                   max_query_len, max_seq_len)
+                                   max_query_len, max_seq_len, k_scale, v_scale)
     t, nh, hd = q.shape
     b = seq_lens.shape[0]
     nkv, bs = k_cache.shape[2], k_cache.shape[1]
@@ -357,12 +376,12 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     block_tables = launchable_block_tables(block_tables, b)
     _attn[(b, plan["q_blocks"], nkv * s)](
         q, k_cache, v_cache, out, part_acc, part_ml, query_start_loc, seq_lens, block_tables,
-        float(scale) * _LOG2E, s, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
+        float(scale) * _LOG2E, s, float(k_scale), float(v_scale), q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
         k_cache.stride(2), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), out.stride(0),
         out.stride(1), block_tables.stride(0), nh * s, s,
         REP=nh // nkv, REP_P=plan["rep_p"], BLOCK_Q=plan["block_q"], BLOCK_M=plan["block_m"], BLOCK_N=BLOCK_N,
         HEAD_DIM=hd, BLOCK_D=block_d, CACHE_BLOCK=bs, SPLIT=s > 1, DOT_FP32=bf16_interp, PRECISION=precision,
-        BF16_BY_BITS=bf16_interp,
+        BF16_BY_BITS=bf16_interp, FP8=is_fp8(k_cache.dtype),
         num_warps=NUM_WARPS)
     if s > 1:
         _combine[(t, nh)](out, part_acc, part_ml, query_start_loc, b, s, out.stride(0), out.stride(1), nh * s, s,
@@ -372,7 +391,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 
 
 def write_kv_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                   slot_mapping: torch.Tensor) -> None:
+                   slot_mapping: torch.Tensor, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
     """Write each row's key/value to its paged cache slot; rows with a negative slot are skipped.
 
     Args:
@@ -382,6 +401,8 @@ def write_kv_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor
         k_cache, v_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``, each slot's
             ``num_kv_heads * head_dim`` elements contiguous.
         slot_mapping: ``[n]`` int32/int64, ``block * block_size + offset`` or ``-1`` (skip).
+        k_scale, v_scale: an fp8 cache's scales: stored ``e4m3(clamp(x / scale, +-448))``
+            (nearest even); ignored for other caches.
 
     Real slots must be distinct (or carry identical data). No host sync, CUDA-graph capturable:
     Triton kernel (one program per row) on CUDA / under ``TRITON_INTERPRET=1``, else
@@ -403,7 +424,7 @@ def write_kv_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor
     if n == 0:
         return
     if not use_triton(k_cache, key, value):
-        write_kv_cache_ref(key2, value2, k_cache, v_cache, slot_mapping)
+        write_kv_cache_ref(key2, value2, k_cache, v_cache, slot_mapping, k_scale, v_scale)
         return
     for name, x in (("key", key2), ("value", value2)):
         if row > 1 and x.stride(1) != 1:
@@ -412,11 +433,13 @@ def write_kv_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor
         if c.stride(3) != 1 or c.stride(2) != hd:
             raise ValueError(f"write_kv_cache: {name} slots must be contiguous [num_kv_heads, head_dim], got "
                              f"strides {tuple(c.stride())}")
-    _write_kv[(n,)](key2, value2, k_cache, v_cache, slot_mapping, key2.stride(0), value2.stride(0),
+    fp8 = is_fp8(k_cache.dtype)
+    _write_kv[(n,)](key2, value2, k_cache, v_cache, slot_mapping, float(k_scale), float(v_scale),
+                    key2.stride(0), value2.stride(0),
                     k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
                     ROW=row, BLOCK_R=next_power_of_2(row), CACHE_BLOCK=bs,
                     BF16_BY_BITS=interpreting() and k_cache.dtype == torch.bfloat16 and key2.dtype == torch.float32,
-                    num_warps=4)
+                    FP8=fp8, FP8_BY_BITS=fp8 and interpreting(), num_warps=4)
 
 
 __all__ = ["attention_plan", "paged_attention", "paged_attention_ref", "write_kv_cache", "write_kv_cache_ref"]

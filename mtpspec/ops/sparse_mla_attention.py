@@ -34,6 +34,9 @@ flash-decoding split over K (Dao, Haziza, Massa, Sizov 2023) merged by the combi
 CUDA-graph safety: grid, scratch shapes and every Python branch depend only on tensor shapes;
 slots are read on the device. Dispatch (docs/structures.md): Triton on CUDA tensors and on CPU
 tensors under ``TRITON_INTERPRET=1``, the torch reference (sync-free) otherwise.
+
+An fp8 latent cache (``torch.float8_e4m3fn``, :mod:`mtpspec.ops.kv_quant`) is dequantised tile by
+tile as it is gathered (``x * k_scale`` in q's dtype, the dense kernel's ``_masked_latent``).
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ from typing import Optional
 import torch
 
 from mtpspec.ops.argmax import num_sms
+from mtpspec.ops.kv_quant import check_cache_dtype, dequantize_cache, is_fp8
 from mtpspec.ops.paged_common import choose_num_splits, split_outputs
 from mtpspec.ops.triton_utils import (HAS_TRITON, LazyKernel, cdiv, check_tensor_args, interpreting, next_power_of_2,
                                       tl, use_triton)
@@ -84,10 +88,10 @@ def _check_sparse_inputs(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: t
     if kv_cache.dim() != 3 or kv_cache.shape[2] != q_latent.shape[2] + q_pe.shape[2]:
         raise ValueError(f"{op}: kv_cache must be [num_blocks, block_size, kv_lora_rank + rope = "
                          f"{q_latent.shape[2] + q_pe.shape[2]}], got {list(kv_cache.shape)}")
-    if q_latent.dtype not in (torch.float16, torch.bfloat16, torch.float32) or q_pe.dtype != q_latent.dtype \
-            or kv_cache.dtype != q_latent.dtype:
-        raise TypeError(f"{op}: q_latent, q_pe and kv_cache must share one of float16/bfloat16/float32, "
-                        f"got {q_latent.dtype}, {q_pe.dtype}, {kv_cache.dtype}")
+    if q_latent.dtype not in (torch.float16, torch.bfloat16, torch.float32) or q_pe.dtype != q_latent.dtype:
+        raise TypeError(f"{op}: q_latent and q_pe must share one of float16/bfloat16/float32, "
+                        f"got {q_latent.dtype}, {q_pe.dtype}")
+    check_cache_dtype(op, q_latent.dtype, kv_cache)
     if q_latent.stride(2) != 1 or q_pe.stride(2) != 1 or kv_cache.stride(2) != 1:
         raise ValueError(f"{op}: q_latent, q_pe and kv_cache need unit stride in their last dimension")
     if topk_slots.dim() != 2 or topk_slots.shape[0] != q_latent.shape[0]:
@@ -102,9 +106,9 @@ def _check_sparse_inputs(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: t
 # ---------------------------------------------------------------- torch references
 
 def sparse_mla_attention_ref(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,
-                             topk_slots: torch.Tensor, scale: float) -> torch.Tensor:
+                             topk_slots: torch.Tensor, scale: float, k_scale: float = 1.0) -> torch.Tensor:
     """Torch reference of :func:`sparse_mla_attention` (same arguments and result): the rows'
-    selected latents gathered, fp32 scores / softmax / products (float64 for float64 inputs).
+    selected latents gathered (an fp8 cache's read as ``(x * k_scale).to(q.dtype)``), fp32 scores / softmax / products (float64 for float64 inputs).
     Sync-free; rows go in static chunks of at most ``REF_CHUNK_ELEMS / (K * (kv_lora_rank +
     rope))`` so the gathered latents never need ``T * K * (kv_lora_rank + rope)`` elements."""
     t, nh, r = q_latent.shape
@@ -121,7 +125,8 @@ def sparse_mla_attention_ref(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cach
         hi = min(t, lo + chunk)
         slots = topk_slots[lo:hi].long()
         ok = (slots >= 0) & (slots < n_slots)  # [c, K]
-        kv = flat.index_select(0, torch.where(ok, slots, 0).reshape(-1)).view(hi - lo, k, d).to(acc_dtype)
+        kv = flat.index_select(0, torch.where(ok, slots, 0).reshape(-1)).view(hi - lo, k, d)
+        kv = dequantize_cache(kv, q_latent.dtype, k_scale).to(acc_dtype)
         kv = torch.where(ok[:, :, None], kv, torch.zeros_like(kv))  # unused entries never reach p @ v
         q = torch.cat([q_latent[lo:hi], q_pe[lo:hi]], dim=-1).to(acc_dtype)
         s = torch.einsum("thd,tkd->thk", q, kv) * scale
@@ -185,14 +190,14 @@ if HAS_TRITON:
     from mtpspec.ops.triton_helpers import round_to_dtype
 
     def _sparse_mla_kernel(ql_ptr, qp_ptr, kv_ptr, slots_ptr, out_ptr, part_acc_ptr, part_ml_ptr,
-                           qk_scale, num_topk, n_slots, num_splits,
+                           qk_scale, num_topk, n_slots, num_splits, k_scale,
                            stride_qlt, stride_qlh, stride_qpt, stride_qph, stride_kb, stride_ks, stride_st,
                            stride_ot, stride_oh, stride_pt, stride_ph,
                            NUM_HEADS: tl.constexpr, LORA: tl.constexpr, ROPE: tl.constexpr,
                            BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_M: tl.constexpr,
                            BLOCK_N: tl.constexpr, SCAN_N: tl.constexpr, CACHE_BLOCK: tl.constexpr,
                            SPLIT: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
-                           BF16_BY_BITS: tl.constexpr):
+                           BF16_BY_BITS: tl.constexpr, FP8: tl.constexpr):
         # One program: heads [hb * BLOCK_M, (hb + 1) * BLOCK_M) of query row `row`, its split `split`
         # of the row's K selected slots. Scores in base 2; the latent in two halves of HALF columns
         # and each tile through the dense kernel's _mla_tile (no causal mask: the selection is the mask).
@@ -242,9 +247,12 @@ if HAS_TRITON:
             n_ok = (slot >= 0) & (slot < n_slots)
             base = (slot // CACHE_BLOCK) * stride_kb + (slot % CACHE_BLOCK) * stride_ks
             # the gathered latent tile: keys' first part and the values, loaded once for every head
-            k0 = _masked_latent(kv_ptr, base, offs_h, h0_ok, n_ok, DOT_FP32)
-            k1 = _masked_latent(kv_ptr, base + HALF, offs_h, h1_ok, n_ok, DOT_FP32)
-            kr = _masked_latent(kv_ptr, base + LORA, offs_r, r_ok, n_ok, DOT_FP32)
+            q_dtype = ql_ptr.dtype.element_ty
+            k0 = _masked_latent(kv_ptr, base, offs_h, h0_ok, n_ok, k_scale, q_dtype, FP8, BF16_BY_BITS, DOT_FP32)
+            k1 = _masked_latent(kv_ptr, base + HALF, offs_h, h1_ok, n_ok, k_scale, q_dtype, FP8, BF16_BY_BITS,
+                                DOT_FP32)
+            kr = _masked_latent(kv_ptr, base + LORA, offs_r, r_ok, n_ok, k_scale, q_dtype, FP8, BF16_BY_BITS,
+                                DOT_FP32)
             acc0, acc1, m_i, l_i = _mla_tile(acc0, acc1, m_i, l_i, ql0, ql1, qp, k0, k1, kr, no_pos, n_ok, no_q_pos,
                                              h_ok, qk_scale, PRECISION)
         if SPLIT:
@@ -298,14 +306,16 @@ def sparse_mla_attention_plan(num_tokens: int, num_heads: int, topk: int, sms: i
 def sparse_mla_attention(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,
                          topk_slots: torch.Tensor, scale: float, num_splits: Optional[int] = None,
                          block_m: Optional[int] = None, block_n: Optional[int] = None,
-                         num_warps: Optional[int] = None, num_stages: Optional[int] = None) -> torch.Tensor:
+                         num_warps: Optional[int] = None, num_stages: Optional[int] = None,
+                         k_scale: float = 1.0) -> torch.Tensor:
     """Absorbed MLA attention of each query row over its own selected cache slots.
 
     Args:
         q_latent: ``[T, num_heads, kv_lora_rank]`` fp16/bf16/fp32; q_pe: ``[T, num_heads, rope]``
             (rope applied); unit stride in the last dimension, rows / heads may be strided.
-        kv_cache: ``[num_blocks, block_size, kv_lora_rank + rope]`` of q's dtype (the dense MLA
-            op's latent cache, already holding this step's entries).
+        kv_cache: ``[num_blocks, block_size, kv_lora_rank + rope]`` of q's dtype or
+            ``torch.float8_e4m3fn`` (read as ``x * k_scale`` in q's dtype; the dense MLA op's
+            latent cache, already holding this step's entries).
         topk_slots: ``[T, K]`` int32 (int64 accepted), unit stride in the last dimension: row
             ``t``'s selected GLOBAL slots ``block_id * block_size + offset``; ``-1`` (any entry
             ``< 0`` or ``>= num_blocks * block_size``) = unused, anywhere in the row. Valid slots
@@ -313,6 +323,7 @@ def sparse_mla_attention(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: t
         scale: softmax scale (as :func:`mtpspec.ops.mla_attention.mla_attention`).
         num_splits, block_m, block_n, num_warps, num_stages: launch overrides (tuning; default
             :func:`sparse_mla_attention_plan` and the module constants).
+        k_scale: an fp8 cache's per-layer scale (ignored for other caches).
 
     Returns:
         ``o_latent [T, num_heads, kv_lora_rank]`` in q's dtype; rows with no valid slot are zeros.
@@ -325,7 +336,7 @@ def sparse_mla_attention(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: t
     """
     _check_sparse_inputs(q_latent, q_pe, kv_cache, topk_slots)
     if not use_triton(q_latent, q_pe, kv_cache):
-        return sparse_mla_attention_ref(q_latent, q_pe, kv_cache, topk_slots, scale)
+        return sparse_mla_attention_ref(q_latent, q_pe, kv_cache, topk_slots, scale, k_scale)
     t, nh, r = q_latent.shape
     rope = q_pe.shape[2]
     k = topk_slots.shape[1]
@@ -342,14 +353,14 @@ def sparse_mla_attention(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: t
     out, part_acc, part_ml = split_outputs(q_latent, s, block_l)
     _sparse_mla[(plan["head_blocks"], s, t)](
         q_latent, q_pe, kv_cache, topk_slots, out, part_acc, part_ml,
-        float(scale) * _LOG2E, k, kv_cache.shape[0] * kv_cache.shape[1], s,
+        float(scale) * _LOG2E, k, kv_cache.shape[0] * kv_cache.shape[1], s, float(k_scale),
         q_latent.stride(0), q_latent.stride(1), q_pe.stride(0), q_pe.stride(1), kv_cache.stride(0),
         kv_cache.stride(1), topk_slots.stride(0), out.stride(0), out.stride(1), nh * s, s,
         NUM_HEADS=nh, LORA=r, ROPE=rope, BLOCK_L=block_l, BLOCK_R=next_power_of_2(max(rope, 16)),
         BLOCK_M=plan["block_m"], BLOCK_N=BLOCK_N if block_n is None else int(block_n), SCAN_N=SCAN_N,
         CACHE_BLOCK=kv_cache.shape[1],
         SPLIT=s > 1, DOT_FP32=bf16_interp, PRECISION="ieee" if q_latent.dtype == torch.float32 else "tf32",
-        BF16_BY_BITS=bf16_interp, num_warps=plan["num_warps"] if num_warps is None else num_warps,
+        BF16_BY_BITS=bf16_interp, FP8=is_fp8(kv_cache.dtype), num_warps=plan["num_warps"] if num_warps is None else num_warps,
         num_stages=NUM_STAGES if num_stages is None else num_stages)
     if s > 1:
         # the combine's padding-row test reads query_start_loc[num_seqs]: one entry = T, every row real

@@ -4,6 +4,9 @@
   truncates in ``.to(tl.bfloat16)``, so kernels launched under it with bf16 outputs pass
   ``BF16_BY_BITS=True`` and get round-to-nearest-even by integer ops on the fp32 bits; compiled
   kernels pass ``False`` and use the native conversion (the GPU rounds to nearest even).
+- :func:`quant_fp8` / :func:`dequant_kv`: an fp8 (E4M3) KV cache's write rounding (nearest even,
+  saturating at +-448; by integer ops under the interpreter) and tile read (``x * scale`` in the
+  query's dtype), :mod:`mtpspec.ops.kv_quant`.
 - The two halves of a row RMSNorm (Zhang & Sennrich 2019, eq. 4), statistics in fp32:
   :func:`rms_rstd` (``1 / sqrt(mean(x**2) + eps)`` per row) and :func:`rms_normed`
   (``x * rstd * weight`` rounded to the output dtype), used by ``rms_norm`` /
@@ -39,6 +42,32 @@ if HAS_TRITON:
         else:
             x_low = x.to(dtype)
         return x_low
+
+    @device_function
+    def quant_fp8(x, scale, FP8_BY_BITS: tl.constexpr):
+        """fp32 ``x`` stored in an fp8 (E4M3) cache: ``clamp(x / scale, -448, 448)`` rounded to
+        nearest even (:mod:`mtpspec.ops.kv_quant`). With ``FP8_BY_BITS`` (interpreter, whose
+        fp32 -> fp8 cast truncates and overflows) the value is first rounded to an E4M3 value
+        by integer ops on the fp32 bits (normals: keep 3 mantissa bits; below ``2^-6``:
+        multiples of ``2^-9`` by the ``2^23`` add-subtract), which the cast then keeps exactly;
+        compiled kernels use the native saturating, nearest-even conversion."""
+        y = tl.minimum(tl.maximum(x / scale, -448.0), 448.0)
+        if FP8_BY_BITS:
+            b = y.to(tl.uint32, bitcast=True)
+            sign = b & 0x80000000
+            a = b & 0x7FFFFFFF
+            rn = (a + 0x7FFFF + ((a >> 20) & 1)) & 0xFFF00000
+            af = a.to(tl.float32, bitcast=True)
+            sub = ((af * 512.0 + 8388608.0) - 8388608.0) * 0.001953125
+            r = tl.where(a >= 0x3C800000, rn, sub.to(tl.uint32, bitcast=True))
+            y = (r | sign).to(tl.float32, bitcast=True)
+        return y.to(tl.float8e4nv)
+
+    @device_function
+    def dequant_kv(x, scale, dtype: tl.constexpr, BF16_BY_BITS: tl.constexpr):
+        """A tile loaded from an fp8 cache as the query's ``dtype``: ``float(x) * scale``
+        rounded to ``dtype`` (:func:`round_to_dtype`; ``BF16_BY_BITS`` under the interpreter)."""
+        return round_to_dtype(x.to(tl.float32) * scale, dtype, BF16_BY_BITS)
 
     @device_function
     def rms_rstd(sq, n_cols, eps):

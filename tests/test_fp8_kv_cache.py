@@ -1,0 +1,320 @@
+"""The FP8 KV cache (``--kv-cache-dtype fp8``, issue 19): E4M3 storage with a per-layer scale.
+
+Kernels run under Triton's interpreter on CPU (``kdev``: a GPU when there is one). Each kernel
+with an fp8 cache is compared with its torch reference computed on the *dequantised* cache
+(``(float(x) * scale)`` rounded to the query's dtype, a cache of the query's dtype): the same math on
+the same values, so the tolerance is that of the kernel-vs-reference tests of the 16-bit caches
+(summation order only: 3e-5 for fp32 queries, 2e-2 for bf16 outputs). The write path's rounding is compared bit for bit with
+torch's ``float8_e4m3fn`` cast after ``clamp(x / scale, -448, 448)``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mtpspec.ops.kv_quant import (FP8_E4M3_MAX, FP8_KV_DTYPE, dequantize_cache, quantize_to_cache,
+                                  resolve_kv_cache_dtype)
+from mtpspec.ops.triton_utils import interpreter_available
+
+F8 = FP8_KV_DTYPE
+ATOL = {torch.float32: 3e-5, torch.bfloat16: 2e-2}  # summation order only (values up to ~10)
+
+
+@pytest.fixture
+def kdev(monkeypatch) -> str:
+    """A CUDA GPU when there is one, else CPU under the Triton interpreter."""
+    if torch.cuda.is_available():
+        return "cuda"
+    if not interpreter_available():
+        pytest.skip("no GPU and no Triton interpreter")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    return "cpu"
+
+
+@pytest.fixture
+def no_interpret(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+
+
+def rounding_probe(n: int = 4096, seed: int = 0) -> torch.Tensor:
+    """Values that exercise E4M3 rounding: every finite code, the midpoints between neighbours
+    (ties to even), values just off them, subnormals, and beyond +-448 (saturation)."""
+    codes = torch.arange(256, dtype=torch.uint8).view(F8).float()
+    codes = codes[torch.isfinite(codes)].unique()
+    mids = (codes[1:] + codes[:-1]) / 2
+    g = torch.Generator().manual_seed(seed)
+    rnd = torch.randn(n, generator=g) * torch.logspace(-4, 3, n)[torch.randperm(n, generator=g)]
+    extra = torch.tensor([0.0, -0.0, 1e-3, -1e-3, 2.0 ** -10, 447.9, 448.0, 460.0, 464.0, 480.0, 1e4, -1e4, -465.0])
+    x = torch.cat([codes, mids, mids * (1 + 2.0 ** -20), mids * (1 - 2.0 ** -20), rnd, extra])
+    return x
+
+
+# ------------------------------------------------------------------------------------------ torch side
+def test_quantize_saturates_and_rounds_to_nearest_even() -> None:
+    x = torch.tensor([1.0625, 1.1875, 460.0, 1e4, -1e4, 2.0 ** -10, 3 * 2.0 ** -10])
+    got = quantize_to_cache(x, F8).float()
+    assert got.tolist() == [1.0, 1.25, 448.0, 448.0, -448.0, 0.0, 2.0 ** -8]
+    # scale: x / scale stored, x * scale read
+    assert dequantize_cache(quantize_to_cache(torch.tensor([900.0]), F8, 2.0), torch.float32, 2.0).item() == 896.0
+    assert dequantize_cache(torch.ones(2, dtype=torch.bfloat16), torch.float32, 5.0).dtype == torch.bfloat16
+
+
+def test_resolve_kv_cache_dtype() -> None:
+    assert resolve_kv_cache_dtype("auto", torch.bfloat16) == torch.bfloat16
+    assert resolve_kv_cache_dtype("fp8", torch.bfloat16) == F8
+    assert resolve_kv_cache_dtype("fp8_e4m3", torch.float32) == F8
+    with pytest.raises(ValueError, match="kv_cache_dtype.*fp8_e5m2"):
+        resolve_kv_cache_dtype("fp8_e5m2", torch.bfloat16)
+
+
+# ------------------------------------------------------------------------------------------ paged GQA
+def _gqa_batch(dtype, seed=0, nh=8, nkv=2, hd=64, bs=16, q_lens=(1, 4, 0, 2), seq_lens=(40, 70, 0, 17)):
+    g = torch.Generator().manual_seed(seed)
+    need = [-(-s // bs) for s in seq_lens]
+    nb = sum(need) + 2
+    perm = torch.randperm(nb, generator=g).tolist()
+    tables, c = [], 0
+    for n in need:
+        tables.append(perm[c:c + n])
+        c += n
+    width = max(need) + 1
+    bt = torch.tensor([r + [999] * (width - len(r)) for r in tables], dtype=torch.int32)
+    qsl = torch.tensor([0] + list(torch.tensor(q_lens).cumsum(0)), dtype=torch.int32)
+    q = (torch.randn(int(qsl[-1]) + 2, nh, hd, generator=g)).to(dtype)
+    kv = torch.randn(2, nb, bs, nkv, hd, generator=g) * 3
+    return q, kv, qsl, torch.tensor(seq_lens, dtype=torch.int32), bt, max(q_lens), max(seq_lens)
+
+
+@pytest.mark.parametrize("kernel", [True, False], ids=["triton", "torch"])
+@pytest.mark.parametrize("scale", [1.0, 0.37])
+def test_gqa_write_rounding_equals_torch_cast(request, kernel: bool, scale: float) -> None:
+    from mtpspec.ops.paged_attention import write_kv_cache
+    dev = request.getfixturevalue("kdev") if kernel else "cpu"
+    if not kernel:
+        request.getfixturevalue("no_interpret")
+    x = rounding_probe()
+    row = 64
+    n = x.numel() // row
+    key = x[:n * row].view(n, 1, row)
+    value = -key.flip(0)
+    bs, nb = 8, -(-n // 8) + 1
+    kc = torch.zeros(nb, bs, 1, row, dtype=F8, device=dev)
+    vc = torch.zeros_like(kc)
+    slots = torch.randperm(nb * bs)[:n]
+    slots[3] = -1  # skipped
+    write_kv_cache(key.to(dev), value.to(dev), kc, vc, slots.to(dev), scale, 2 * scale)
+    kc, vc = kc.cpu(), vc.cpu()
+    ok = slots >= 0
+    want_k = (key[ok] / scale).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(F8)
+    want_v = (value[ok] / (2 * scale)).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(F8)
+    assert torch.equal(kc.view(-1, 1, row)[slots[ok]].view(torch.uint8), want_k.view(torch.uint8))
+    assert torch.equal(vc.view(-1, 1, row)[slots[ok]].view(torch.uint8), want_v.view(torch.uint8))
+    untouched = torch.ones(nb * bs, dtype=torch.bool)
+    untouched[slots[ok]] = False
+    assert not kc.view(-1, row)[untouched].view(torch.uint8).any()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("k_scale,v_scale", [(1.0, 1.0), (0.05, 0.3)])
+def test_gqa_kernel_fp8_equals_reference_on_dequantised_cache(kdev, dtype, k_scale, v_scale) -> None:
+    from mtpspec.ops.paged_attention import paged_attention, paged_attention_ref
+    q, kv, qsl, sl, bt, mq, ms = _gqa_batch(dtype, seed=1)
+    kc, vc = quantize_to_cache(kv[0], F8, k_scale), quantize_to_cache(kv[1], F8, v_scale)
+    kd, vd = dequantize_cache(kc, dtype, k_scale), dequantize_cache(vc, dtype, v_scale)
+    ref = paged_attention_ref(q, kd, vd, qsl, sl, bt, 0.125, mq, ms)
+    # the reference given the fp8 cache dequantises the same way
+    torch.testing.assert_close(paged_attention_ref(q, kc, vc, qsl, sl, bt, 0.125, mq, ms, k_scale, v_scale), ref,
+                               rtol=0, atol=0)
+    for splits in (1, 3):
+        out = paged_attention(*(x.to(kdev) for x in (q, kc, vc, qsl, sl, bt)), 0.125, mq, ms, num_splits=splits,
+                              k_scale=k_scale, v_scale=v_scale).cpu()
+        assert out.dtype == dtype
+        torch.testing.assert_close(out.float(), ref.float(), rtol=0, atol=ATOL[dtype])
+
+
+def test_gqa_cache_dtype_mismatch_is_refused() -> None:
+    from mtpspec.ops.paged_attention import paged_attention
+    q, kv, qsl, sl, bt, mq, ms = _gqa_batch(torch.float32)
+    with pytest.raises(TypeError, match="float8_e4m3fn"):
+        paged_attention(q, kv[0].to(F8), kv[1], qsl, sl, bt, 0.125, mq, ms)
+
+
+# ------------------------------------------------------------------------------------------ MLA / DSA
+def _latent_batch(dtype, seed=0, nh=16, r=64, rope=32, bs=16, q_lens=(1, 3, 0, 2), seq_lens=(37, 70, 0, 9)):
+    q, kv, qsl, sl, bt, mq, ms = _gqa_batch(dtype, seed, nh=1, nkv=1, hd=r + rope, bs=bs, q_lens=q_lens,
+                                           seq_lens=seq_lens)
+    g = torch.Generator().manual_seed(seed + 100)
+    t = q.shape[0]
+    ql = torch.randn(t, nh, r, generator=g).to(dtype)
+    qp = torch.randn(t, nh, rope, generator=g).to(dtype)
+    return ql, qp, kv[0, :, :, 0], qsl, sl, bt, mq, ms
+
+
+@pytest.mark.parametrize("kernel", [True, False], ids=["triton", "torch"])
+def test_mla_and_indexer_write_rounding_equals_torch_cast(request, kernel: bool) -> None:
+    from mtpspec.ops.indexer import indexer_k_cache_write
+    from mtpspec.ops.mla_attention import write_mla_kv_cache
+    dev = request.getfixturevalue("kdev") if kernel else "cpu"
+    if not kernel:
+        request.getfixturevalue("no_interpret")
+    x = rounding_probe()
+    r, rope, scale = 64, 32, 0.75
+    n = x.numel() // (r + rope)
+    rows = x[:n * (r + rope)].view(n, r + rope)
+    nb, bs = -(-n // 16) + 1, 16
+    slots = torch.randperm(nb * bs)[:n]
+    slots[0] = -1
+    ok = slots >= 0
+    want = (rows[ok] / scale).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(F8).view(torch.uint8)
+    cache = torch.zeros(nb, bs, r + rope, dtype=F8, device=dev)
+    write_mla_kv_cache(rows[:, :r].to(dev), rows[:, r:].to(dev), cache, slots.to(dev), scale)
+    assert torch.equal(cache.cpu().view(-1, r + rope)[slots[ok]].view(torch.uint8), want)
+    kcache = torch.zeros(nb, bs, r + rope, dtype=F8, device=dev)
+    indexer_k_cache_write(rows.to(dev), kcache, slots.to(dev), scale)
+    assert torch.equal(kcache.cpu().view(-1, r + rope)[slots[ok]].view(torch.uint8), want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("k_scale", [1.0, 0.11])
+def test_mla_kernel_fp8_equals_reference_on_dequantised_cache(kdev, dtype, k_scale) -> None:
+    from mtpspec.ops.mla_attention import mla_attention, mla_attention_ref
+    ql, qp, lat, qsl, sl, bt, mq, ms = _latent_batch(dtype, seed=2)
+    cache = quantize_to_cache(lat, F8, k_scale)
+    ref = mla_attention_ref(ql, qp, dequantize_cache(cache, dtype, k_scale), qsl, sl, bt, 0.1, mq, ms)
+    assert torch.equal(mla_attention_ref(ql, qp, cache, qsl, sl, bt, 0.1, mq, ms, k_scale), ref)
+    for splits in (1, 2):
+        out = mla_attention(*(x.to(kdev) for x in (ql, qp, cache, qsl, sl, bt)), 0.1, mq, ms, num_splits=splits,
+                            k_scale=k_scale).cpu()
+        torch.testing.assert_close(out.float(), ref.float(), rtol=0, atol=ATOL[dtype])
+
+
+def test_mla_fp8_cache_never_takes_the_bulk_copy_path() -> None:
+    from mtpspec.ops.mla_attention import tma_eligible
+    ql = torch.zeros(1, 1, 128, dtype=torch.bfloat16)
+    assert tma_eligible(ql, torch.zeros(2, 64, 192, dtype=torch.bfloat16), 64)
+    assert not tma_eligible(ql, torch.zeros(2, 64, 192, dtype=F8), 64)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_sparse_mla_kernel_fp8_equals_reference_on_dequantised_cache(kdev, dtype) -> None:
+    from mtpspec.ops.sparse_mla_attention import sparse_mla_attention, sparse_mla_attention_ref
+    ql, qp, lat, *_ = _latent_batch(dtype, seed=3)
+    k_scale = 0.2
+    cache = quantize_to_cache(lat, F8, k_scale)
+    n_slots = cache.shape[0] * cache.shape[1]
+    g = torch.Generator().manual_seed(4)
+    slots = torch.stack([torch.randperm(n_slots, generator=g)[:40] for _ in range(ql.shape[0])]).to(torch.int32)
+    slots[:, 30:] = -1
+    slots[1, :] = -1  # a row with no selection: zeros
+    ref = sparse_mla_attention_ref(ql, qp, dequantize_cache(cache, dtype, k_scale), slots, 0.1)
+    assert torch.equal(sparse_mla_attention_ref(ql, qp, cache, slots, 0.1, k_scale), ref)
+    for splits in (1, 2):
+        out = sparse_mla_attention(*(x.to(kdev) for x in (ql, qp, cache, slots)), 0.1, num_splits=splits,
+                                   k_scale=k_scale).cpu()
+        torch.testing.assert_close(out.float(), ref.float(), rtol=0, atol=ATOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_indexer_logits_fp8_equals_reference_on_dequantised_cache(kdev, dtype) -> None:
+    from mtpspec.ops.indexer import indexer_logits, indexer_logits_ref
+    _, _, keys, qsl, sl, bt, mq, ms = _latent_batch(dtype, seed=5, r=32, rope=32)
+    k_scale = 0.5
+    cache = quantize_to_cache(keys, F8, k_scale)
+    g = torch.Generator().manual_seed(6)
+    t = int(qsl[-1]) + 2
+    q = torch.randn(t, 4, 64, generator=g).to(dtype)
+    w = torch.randn(t, 4, generator=g)
+    ref = indexer_logits_ref(q, w, dequantize_cache(cache, dtype, k_scale), qsl, sl, bt, mq, ms)
+    assert torch.equal(indexer_logits_ref(q, w, cache, qsl, sl, bt, mq, ms, k_scale), ref)
+    out = indexer_logits(*(x.to(kdev) for x in (q, w, cache, qsl, sl, bt)), mq, ms, k_scale=k_scale).cpu()
+    fin = torch.isfinite(ref)
+    assert torch.equal(fin, torch.isfinite(out))
+    torch.testing.assert_close(out[fin], ref[fin].float(), rtol=1e-5, atol=1e-4)
+
+
+# ------------------------------------------------------------------------------------------ sm_90 compile
+def test_fp8_kernels_compile_for_hopper() -> None:
+    """Ahead-of-time sm_90 compile (no GPU needed) of every kernel's fp8-cache variant (E4M3
+    pointers, ``FP8=True``; the interpreter checks no conversion or tile rules): GQA attention and
+    KV write, MLA attention (pointer path) and latent write, sparse MLA, indexer logits and key
+    write, at GLM-4.5 / DeepSeek sizes; the writes' conversions use the native saturating cast."""
+    from mtpspec.ops import triton_utils
+    from mtpspec.ops.mla_attention import mla_attention_plan
+    from mtpspec.ops.paged_attention import attention_plan
+    from mtpspec.ops.sparse_mla_attention import sparse_mla_attention_plan
+    i32 = lambda names: {n: "i32" for n in names}  # noqa: E731
+    plan = attention_plan(1, 4, 32, 8, 8192, sms=132)
+    specs = [
+        {"module": "mtpspec.ops.paged_attention", "kernel": "_attn",
+         "signature": {"q_ptr": "*bf16", "k_ptr": "*fp8e4nv", "v_ptr": "*fp8e4nv", "out_ptr": "*bf16",
+                       "part_acc_ptr": "*fp32", "part_ml_ptr": "*fp32", "qsl_ptr": "*i32", "seq_lens_ptr": "*i32",
+                       "bt_ptr": "*i32", "qk_scale": "fp32", "num_splits": "i32", "k_scale": "fp32", "v_scale": "fp32",
+                       **i32(["stride_qt", "stride_qh", "stride_kb", "stride_ks", "stride_kh", "stride_vb",
+                              "stride_vs", "stride_vh", "stride_ot", "stride_oh", "stride_bt", "stride_pt",
+                              "stride_ph"])},
+         "constexprs": dict(REP=4, REP_P=plan["rep_p"], BLOCK_Q=plan["block_q"], BLOCK_M=plan["block_m"], BLOCK_N=64,
+                            HEAD_DIM=128, BLOCK_D=128, CACHE_BLOCK=16, SPLIT=True, DOT_FP32=False, PRECISION="tf32",
+                            BF16_BY_BITS=False, FP8=True),
+         "aligned": ["q_ptr", "k_ptr", "v_ptr", "out_ptr", "part_acc_ptr", "part_ml_ptr", "bt_ptr"], "num_warps": 4},
+        {"module": "mtpspec.ops.paged_attention", "kernel": "_write_kv",
+         "signature": {"k_ptr": "*bf16", "v_ptr": "*bf16", "kc_ptr": "*fp8e4nv", "vc_ptr": "*fp8e4nv",
+                       "slot_ptr": "*i64", "k_scale": "fp32", "v_scale": "fp32",
+                       **i32(["stride_kt", "stride_vt", "stride_kcb", "stride_kcs", "stride_vcb", "stride_vcs"])},
+         "constexprs": dict(ROW=1024, BLOCK_R=1024, CACHE_BLOCK=16, BF16_BY_BITS=False, FP8=True, FP8_BY_BITS=False),
+         "aligned": ["k_ptr", "v_ptr", "kc_ptr", "vc_ptr"], "num_warps": 4},
+    ]
+    mplan = mla_attention_plan(64, 1, 16, 8192, sms=132)
+    specs += [
+        {"module": "mtpspec.ops.mla_attention", "kernel": "_mla_attn",
+         "signature": {"ql_ptr": "*bf16", "qp_ptr": "*bf16", "kv_ptr": "*fp8e4nv", "out_ptr": "*bf16",
+                       "part_acc_ptr": "*fp32", "part_ml_ptr": "*fp32", "qsl_ptr": "*i32", "seq_lens_ptr": "*i32",
+                       "bt_ptr": "*i32", "qk_scale": "fp32", "num_splits": "i32", "k_scale": "fp32",
+                       **i32(["stride_qlt", "stride_qlh", "stride_qpt", "stride_qph", "stride_kb", "stride_ks",
+                              "stride_ot", "stride_oh", "stride_bt", "stride_pt", "stride_ph"])},
+         "constexprs": dict(kvl_desc=None, kvr_desc=None, NUM_HEADS=16, LORA=512, ROPE=64, BLOCK_L=512, BLOCK_R=64,
+                            BLOCK_M=mplan["block_m"], BLOCK_N=64, CACHE_BLOCK=64, SPLIT=True, TMA=False,
+                            WARP_SPECIALIZE=False, TAIL_STAGES=2, DOT_FP32=False, PRECISION="tf32",
+                            BF16_BY_BITS=False, FP8=True),
+         "aligned": ["ql_ptr", "qp_ptr", "kv_ptr", "out_ptr", "part_acc_ptr", "part_ml_ptr", "bt_ptr"],
+         "num_warps": 4},
+        {"module": "mtpspec.ops.mla_attention", "kernel": "_write_mla_kv",
+         "signature": {"ckv_ptr": "*bf16", "kpe_ptr": "*bf16", "cache_ptr": "*fp8e4nv", "slot_ptr": "*i64",
+                       "k_scale": "fp32", **i32(["stride_ct", "stride_pt", "stride_cb", "stride_cs"])},
+         "constexprs": dict(LORA=512, ROPE=64, BLOCK_L=512, BLOCK_R=64, CACHE_BLOCK=64, BF16_BY_BITS=False, FP8=True,
+                            FP8_BY_BITS=False),
+         "aligned": ["ckv_ptr", "kpe_ptr", "cache_ptr"], "num_warps": 2},
+    ]
+    splan = sparse_mla_attention_plan(64, 16, 2048, 132)
+    specs.append(
+        {"module": "mtpspec.ops.sparse_mla_attention", "kernel": "_sparse_mla",
+         "signature": {"ql_ptr": "*bf16", "qp_ptr": "*bf16", "kv_ptr": "*fp8e4nv", "slots_ptr": "*i32",
+                       "out_ptr": "*bf16", "part_acc_ptr": "*fp32", "part_ml_ptr": "*fp32", "qk_scale": "fp32",
+                       "num_topk": "i32", "n_slots": "i32", "num_splits": "i32", "k_scale": "fp32",
+                       **i32(["stride_qlt", "stride_qlh", "stride_qpt", "stride_qph", "stride_kb", "stride_ks",
+                              "stride_st", "stride_ot", "stride_oh", "stride_pt", "stride_ph"])},
+         "constexprs": dict(NUM_HEADS=16, LORA=512, ROPE=64, BLOCK_L=512, BLOCK_R=64, BLOCK_M=splan["block_m"],
+                            BLOCK_N=64, SCAN_N=256, CACHE_BLOCK=64, SPLIT=True, DOT_FP32=False, PRECISION="tf32",
+                            BF16_BY_BITS=False, FP8=True),
+         "aligned": ["ql_ptr", "qp_ptr", "kv_ptr", "out_ptr", "part_acc_ptr", "part_ml_ptr", "slots_ptr"],
+         "num_warps": splan["num_warps"]})
+    specs += [
+        {"module": "mtpspec.ops.indexer", "kernel": "_indexer_logits",
+         "signature": {"q_ptr": "*bf16", "w_ptr": "*fp32", "k_ptr": "*fp8e4nv", "out_ptr": "*fp32", "qsl_ptr": "*i32",
+                       "seq_lens_ptr": "*i32", "bt_ptr": "*i32", "out_width": "i32", "k_scale": "fp32",
+                       **i32(["stride_qt", "stride_qh", "stride_wt", "stride_kb", "stride_ks", "stride_ot",
+                              "stride_bt"])},
+         "constexprs": dict(NUM_HEADS=64, HEAD_DIM=128, BLOCK_H=64, BLOCK_D=128, BLOCK_N=64, KEYS_PER_PROGRAM=512,
+                            CACHE_BLOCK=64, DOT_FP32=False, PRECISION="tf32", FP8=True),
+         "aligned": ["q_ptr", "w_ptr", "k_ptr", "out_ptr"], "num_warps": 4},
+        {"module": "mtpspec.ops.indexer", "kernel": "_indexer_k_write",
+         "signature": {"k_ptr": "*bf16", "cache_ptr": "*fp8e4nv", "slot_ptr": "*i64", "k_scale": "fp32",
+                       **i32(["stride_kt", "stride_cb", "stride_cs"])},
+         "constexprs": dict(HEAD_DIM=128, BLOCK_D=128, CACHE_BLOCK=64, BF16_BY_BITS=False, FP8=True,
+                            FP8_BY_BITS=False),
+         "aligned": ["k_ptr", "cache_ptr"], "num_warps": 1},
+    ]
+    reports = triton_utils.compile_reports(specs)
+    assert len(reports) == len(specs)
+    for spec, rep in zip(specs, reports):
+        assert (rep["spill_bytes"] or 0) <= 512, (spec["kernel"], rep)
