@@ -233,6 +233,96 @@ def test_indexer_logits_fp8_equals_reference_on_dequantised_cache(kdev, dtype) -
     torch.testing.assert_close(out[fin], ref[fin].float(), rtol=1e-5, atol=1e-4)
 
 
+# ------------------------------------------------------------------------------------------ engine
+FAMILIES = ["glm4_moe", "deepseek_v3", "glm_moe_dsa"]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """family -> (checkpoint folder, prompts); built on first use."""
+    from test_deepseek_v32 import make_engine_model
+    made = {}
+
+    def get(family):
+        if family not in made:
+            path, _, _, prompts = make_engine_model(tmp_path_factory, family, 1, 13)
+            made[family] = (path, prompts)
+        return made[family]
+    return get
+
+
+def _fp8_generate(path, prompts, k, **kw):
+    from test_deepseek_v32 import engine_generate, engine_llm
+    spec = {"num_speculative_tokens": k} if k else None
+    with engine_llm(path, kv_cache_dtype="fp8", speculative_config=spec, **kw) as llm:
+        runner = llm.executor.runner
+        assert runner.layers and all(layer.kv_cache.dtype == F8 for layer in runner.layers)
+        out = engine_generate(llm, prompts)
+        if k:
+            m = llm.get_metrics()
+            assert m["num_drafts"] > 0 and m["num_draft_tokens"] == k * m["num_drafts"]
+    return out
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_spec_decoding_with_fp8_cache_equals_plain_greedy_with_fp8_cache(tiny, family, no_interpret) -> None:
+    """Lossless holds for any cache dtype: greedy k = 3 emits plain greedy's tokens, both over
+    fp8 caches (every cache of the model: GQA K/V, MLA latents, indexer keys, MTP layers')."""
+    path, prompts = tiny(family)
+    plain = _fp8_generate(path, prompts, 0)
+    assert _fp8_generate(path, prompts, 3) == plain
+
+
+def test_spec_decoding_with_fp8_cache_kernel_path(tiny, kdev) -> None:
+    """The same through the Triton kernels (interpreted on CPU: fp8 write, dequantising reads) on
+    the MLA + indexer family; every step runs the kernels (graph-style metadata, no host lists)."""
+    path, prompts = tiny("glm_moe_dsa")
+    prompts = prompts[:2]
+    plain = _fp8_generate(path, prompts, 0, graph_mode="static")
+    assert _fp8_generate(path, prompts, 3, graph_mode="static") == plain
+
+
+def test_fp8_cache_doubles_the_blocks_of_a_bf16_cache(tiny, no_interpret) -> None:
+    path, _ = tiny("glm4_moe")
+    blocks = {}
+    for kv in ("auto", "fp8"):
+        with _llm_sized(path, kv) as llm:
+            blocks[kv] = llm.executor.num_kv_blocks
+    assert blocks["fp8"] == 2 * blocks["auto"] > 0
+
+
+def _llm_sized(path, kv_cache_dtype):
+    from mtpspec import LLM
+    # 64 KiB on CPU; every sequence at full length would need more blocks than either dtype gets
+    return LLM(path, dtype="bfloat16", kv_cache_dtype=kv_cache_dtype, cpu_kv_cache_gib=2.0 ** -14, max_model_len=64,
+               block_size=4, max_num_seqs=8, seed=0)
+
+
+def test_bad_kv_cache_dtype_is_refused_by_name(tiny) -> None:
+    import argparse
+
+    from mtpspec import LLM
+    from mtpspec.engine.arg_utils import EngineArgs
+    from mtpspec.engine.config import CacheConfig
+    path, _ = tiny("glm4_moe")
+    with pytest.raises(ValueError, match="kv_cache_dtype must be one of auto, fp8, fp8_e4m3, got 'int8'"):
+        LLM(path, kv_cache_dtype="int8")
+    with pytest.raises(ValueError, match="kv_cache_dtype"):
+        CacheConfig(cache_dtype="fp8_e5m2")
+    parser = EngineArgs.add_cli_args(argparse.ArgumentParser())
+    assert EngineArgs.from_cli_args(parser.parse_args(["--kv-cache-dtype", "fp8"])).kv_cache_dtype == "fp8"
+    assert EngineArgs.from_cli_args(parser.parse_args([])).kv_cache_dtype == "auto"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--kv-cache-dtype", "int8"])
+    assert EngineArgs(model=path, kv_cache_dtype="fp8_e4m3").llm_kwargs()["kv_cache_dtype"] == "fp8_e4m3"
+    # serve: checked before start-up, and read back in the engine info
+    from mtpspec.entrypoints.serve import check_serve_args, engine_info, llm_kwargs
+    with pytest.raises(ValueError, match="invalid choice: 'int8'"):
+        check_serve_args(["--kv-cache-dtype", "int8"])
+    args = parser.parse_args(["--model", path, "--kv-cache-dtype", "fp8"])
+    assert engine_info(args, llm_kwargs(args), None)["kv_cache_dtype"] == "fp8"
+
+
 # ------------------------------------------------------------------------------------------ sm_90 compile
 def test_fp8_kernels_compile_for_hopper() -> None:
     """Ahead-of-time sm_90 compile (no GPU needed) of every kernel's fp8-cache variant (E4M3

@@ -32,6 +32,8 @@ flag (vLLM spelling)                  aliases                       default     
 ``--gpu-memory-utilization``                                        0.9         GPU memory fraction for the engine
 ``--block-size``                                                    arch's      tokens per KV block (16; MLA: 64)
 ``--num-kv-blocks``                   ``--num-gpu-blocks-override`` sized       KV blocks per layer (skip profiling)
+``--kv-cache-dtype``                                                auto        cache storage: auto (model dtype) | fp8 |
+                                                                                fp8_e4m3 (E4M3, scale 1.0 per layer)
 ``--dtype``                                                         checkpoint  float32 / bfloat16 / float16
 ``--device``                                                        cuda if any cpu / cuda / cuda:N
 ``--enforce-eager``                                                 off         never use CUDA graphs
@@ -53,8 +55,8 @@ import json
 from dataclasses import dataclass, fields, replace
 from typing import Any, Dict, Optional, Union
 
-from mtpspec.config import (ALLREDUCE_BACKENDS, LOAD_FORMATS, MAX_NUM_SPECULATIVE_TOKENS, ModelConfig, ParallelConfig,
-                            SpeculativeConfig)
+from mtpspec.config import (ALLREDUCE_BACKENDS, KV_CACHE_DTYPES, LOAD_FORMATS, MAX_NUM_SPECULATIVE_TOKENS,
+                            ModelConfig, ParallelConfig, SpeculativeConfig)
 
 #: ``max_model_len`` when none is given: the model's ``max_position_embeddings``, at most this
 #: (without chunked prefill one step may hold a whole ``max_model_len`` prompt).
@@ -193,7 +195,8 @@ class EngineArgs:
             max_num_batched_tokens (``None``: derived), enable_chunked_prefill (default on),
             long_prefill_token_threshold (0: no cap): see :class:`~mtpspec.engine.config.SchedulerConfig`.
         block_size, num_kv_blocks (``None``: sized from memory), gpu_memory_utilization,
-            cpu_kv_cache_gib, enable_prefix_caching (default on): see
+            cpu_kv_cache_gib, enable_prefix_caching (default on), kv_cache_dtype (``"auto"``: the
+            model dtype; ``"fp8"`` / ``"fp8_e4m3"``: E4M3 caches; CacheConfig.cache_dtype): see
             :class:`~mtpspec.engine.config.CacheConfig`.
         dtype: ``"float32"`` / ``"bfloat16"`` / ``"float16"`` or ``None`` (the checkpoint's).
         device: ``"cpu"`` / ``"cuda"`` / ``"cuda:N"`` or ``None`` (CUDA when present).
@@ -224,6 +227,7 @@ class EngineArgs:
     gpu_memory_utilization: float = 0.9
     cpu_kv_cache_gib: float = 1.0
     enable_prefix_caching: bool = True
+    kv_cache_dtype: str = "auto"
     dtype: Optional[str] = None
     device: Optional[str] = None
     enforce_eager: bool = False
@@ -279,6 +283,9 @@ class EngineArgs:
                        help="tokens per KV block (default: the architecture's, 16; 64 for MLA models)")
         p.add_argument("--num-kv-blocks", "--num-gpu-blocks-override", dest="num_kv_blocks", type=int, default=None,
                        help="KV blocks per layer (default: sized from free memory)")
+        p.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
+                       help="KV-cache storage: auto = the model dtype (default); fp8 / fp8_e4m3: E4M3 with a scale "
+                            "per layer (1.0), dequantised inside the attention kernels; twice the blocks per byte")
         p.add_argument("--dtype", default=None, help="float32 / bfloat16 / float16 (default: the checkpoint's)")
         p.add_argument("--device", default=None, help="cuda / cuda:N / cpu (default: cuda when present)")
         p.add_argument("--enforce-eager", action="store_true", help="never use CUDA graphs")
@@ -383,7 +390,7 @@ class EngineArgs:
                                 self.enable_chunked_prefill, self.long_prefill_token_threshold)
         block_size = mcfg.arch.default_block_size if self.block_size is None else self.block_size
         cache = CacheConfig(block_size, self.num_kv_blocks, self.gpu_memory_utilization, self.cpu_kv_cache_gib,
-                            self.enable_prefix_caching)
+                            self.enable_prefix_caching, self.kv_cache_dtype)
         mode = "off" if self.enforce_eager else (self.graph_mode or "auto")
         if mode not in GRAPH_MODES:
             raise ValueError(f"graph_mode must be 'auto', 'off', 'cuda' or 'static', got {self.graph_mode!r}")
@@ -410,5 +417,5 @@ class EngineArgs:
                     long_prefill_token_threshold=self.long_prefill_token_threshold,
                     block_size=self.block_size, num_kv_blocks=self.num_kv_blocks,
                     gpu_memory_utilization=self.gpu_memory_utilization, cpu_kv_cache_gib=self.cpu_kv_cache_gib,
-                    enable_prefix_caching=self.enable_prefix_caching, seed=self.seed,
-                    enforce_eager=self.enforce_eager, graph_mode=self.graph_mode, load_format=self.load_format)
+                    enable_prefix_caching=self.enable_prefix_caching, kv_cache_dtype=self.kv_cache_dtype,
+                    seed=self.seed, enforce_eager=self.enforce_eager, graph_mode=self.graph_mode, load_format=self.load_format)

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional
 
+from mtpspec.config import KV_CACHE_DTYPES
+
 if TYPE_CHECKING:
     from mtpspec.config import ModelConfig, ParallelConfig, SpeculativeConfig
 
@@ -28,6 +30,11 @@ class CacheConfig:
         enable_prefix_caching: automatic prefix caching (vLLM's name; default on): full blocks
             of computed tokens are kept by content hash and shared by later requests with the
             same prefix (:mod:`mtpspec.engine.block_manager`).
+        cache_dtype: vLLM's ``--kv-cache-dtype``: ``"auto"`` (the model dtype) or ``"fp8"`` /
+            ``"fp8_e4m3"`` (every cache, GQA K/V, MLA latent and indexer keys, stored as
+            ``torch.float8_e4m3fn`` with the layers' ``k_scale`` / ``v_scale``, 1.0 by default;
+            half the bytes of a 16-bit cache, so twice the blocks in one memory budget;
+            :mod:`mtpspec.ops.kv_quant`).
     """
 
     block_size: int = 16
@@ -35,6 +42,7 @@ class CacheConfig:
     gpu_memory_utilization: float = 0.9
     cpu_kv_cache_gib: float = 1.0
     enable_prefix_caching: bool = True
+    cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         _positive_int("block_size", self.block_size)
@@ -46,6 +54,8 @@ class CacheConfig:
             raise ValueError(f"cpu_kv_cache_gib must be > 0, got {self.cpu_kv_cache_gib!r}")
         if not isinstance(self.enable_prefix_caching, bool):
             raise ValueError(f"enable_prefix_caching must be True or False, got {self.enable_prefix_caching!r}")
+        if self.cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.cache_dtype!r}")
 
 
 #: ``max_num_batched_tokens`` when none is given and prefills are chunked: vLLM's default

@@ -41,6 +41,9 @@ class LLM:
             (:class:`~mtpspec.engine.config.CacheConfig`).
         enable_prefix_caching: reuse the KV blocks of prefixes computed before (default True;
             outputs are the same with it off, :mod:`mtpspec.engine.block_manager`).
+        kv_cache_dtype: ``"auto"`` (the model dtype, default) or ``"fp8"`` / ``"fp8_e4m3"``
+            (vLLM's): E4M3 caches with a scale per layer (1.0), dequantised inside the attention
+            kernels; twice the blocks for the same memory (:class:`~mtpspec.engine.config.CacheConfig`).
         tokenizer: a folder to load the tokenizer from, a :class:`Tokenizer`, or ``None`` (the model folder's).
         seed: engine seed: seeds the seeds of requests that give none (``None``: random).
         enforce_eager: never use CUDA graphs.
@@ -72,7 +75,7 @@ class LLM:
                  max_model_len: Optional[int] = None, max_num_batched_tokens: Optional[int] = None,
                  enable_chunked_prefill: bool = True, long_prefill_token_threshold: int = 0,
                  block_size: Optional[int] = None, num_kv_blocks: Optional[int] = None, gpu_memory_utilization: float = 0.9,
-                 cpu_kv_cache_gib: float = 1.0, enable_prefix_caching: bool = True,
+                 cpu_kv_cache_gib: float = 1.0, enable_prefix_caching: bool = True, kv_cache_dtype: str = "auto",
                  tokenizer: Union[None, str, Tokenizer] = None,
                  seed: Optional[int] = None, enforce_eager: bool = False, graph_mode: Optional[str] = None,
                  load_format: str = "auto"):
@@ -84,7 +87,7 @@ class LLM:
             long_prefill_token_threshold=long_prefill_token_threshold, block_size=block_size,
             num_kv_blocks=num_kv_blocks,
             gpu_memory_utilization=gpu_memory_utilization, cpu_kv_cache_gib=cpu_kv_cache_gib,
-            enable_prefix_caching=enable_prefix_caching, dtype=dtype,
+            enable_prefix_caching=enable_prefix_caching, kv_cache_dtype=kv_cache_dtype, dtype=dtype,
             device=device, enforce_eager=enforce_eager, graph_mode=graph_mode, seed=seed, load_format=load_format)
         config = args.create_engine_config()
         self.engine_config = config

@@ -28,6 +28,7 @@ from mtpspec.engine import kv_cache
 from mtpspec.engine.config import CacheConfig, SchedulerConfig
 from mtpspec.engine.forward import EagerForward, GraphedForward
 from mtpspec.engine.input_prep import prepare_step
+from mtpspec.ops.kv_quant import resolve_kv_cache_dtype
 from mtpspec.sample.logits_processors import apply_logits_processors
 from mtpspec.sample.logprobs import PROMPT_CHUNK_ROWS, score_rows, unpack_rows
 from mtpspec.sample.rejection_sampler import PLACEHOLDER_TOKEN_ID, RejectionSampler
@@ -69,7 +70,9 @@ class ModelRunner:
         self.scheduler_config = scheduler_config
         self.device = device
         self.max_position = max_position
-        self.kv_dtype = next(target.parameters()).dtype
+        self.kv_dtype = next(target.parameters()).dtype  # the model dtype (graph buffers)
+        # what the caches store: the model dtype, or E4M3 under --kv-cache-dtype fp8
+        self.cache_dtype = resolve_kv_cache_dtype(cache_config.cache_dtype, self.kv_dtype)
         self.sampler = Sampler()
         self.rejection_sampler = RejectionSampler()
         self.is_driver = get_tp_group().rank_in_group == 0  # the rank whose StepOutput is read
@@ -114,13 +117,13 @@ class ModelRunner:
             torch.cuda.synchronize(self.device)
             del hidden
             torch.cuda.empty_cache()
-        return kv_cache.available_kv_blocks(self.layers, self.cache_config, self.kv_dtype, self.device,
+        return kv_cache.available_kv_blocks(self.layers, self.cache_config, self.cache_dtype, self.device,
                                             self.max_useful_blocks())
 
     def init_kv_cache(self, num_blocks: int) -> None:
         """Attach ``num_blocks``-block caches to every target and MTP attention layer."""
         self.num_blocks = num_blocks
-        kv_cache.allocate(self.layers, num_blocks, self.cache_config.block_size, self.kv_dtype, self.device)
+        kv_cache.allocate(self.layers, num_blocks, self.cache_config.block_size, self.cache_dtype, self.device)
         if isinstance(self.fwd, GraphedForward):
             self.fwd.capture(self.proposer)
 

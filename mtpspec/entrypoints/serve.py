@@ -85,7 +85,7 @@ def engine_info(args: argparse.Namespace, kwargs: Dict[str, Any], forced: Option
             "max_num_seqs": kwargs["max_num_seqs"], "enable_chunked_prefill": kwargs["enable_chunked_prefill"],
             "max_num_batched_tokens": kwargs["max_num_batched_tokens"] or "derived",
             "long_prefill_token_threshold": kwargs["long_prefill_token_threshold"],
-            "enable_prefix_caching": kwargs["enable_prefix_caching"],
+            "enable_prefix_caching": kwargs["enable_prefix_caching"], "kv_cache_dtype": kwargs["kv_cache_dtype"],
             "dtype": kwargs["dtype"] or "checkpoint",
             "seed": kwargs["seed"], "forced_acceptance": forced.describe() if forced else "off",
             "enable_prompt_tokens_details": bool(getattr(args, "enable_prompt_tokens_details", False)),

@@ -108,9 +108,15 @@ class AttentionLayerBase(ABC):
 
     Attributes:
         kv_cache: ``None`` or the tensor bound by :meth:`allocate_kv_cache` (or by a test).
+        k_scale, v_scale: the layer's fp8 cache scales (vLLM's names; a float per layer, 1.0 when
+            the checkpoint gives none, as vLLM does): an fp8 cache stores ``x / scale`` and is
+            read as ``x * scale`` (:mod:`mtpspec.ops.kv_quant`). ``k_scale`` scales a one-part
+            cache (an MLA latent, indexer keys); ignored by caches of any other dtype.
     """
 
     kv_cache: Optional[torch.Tensor]
+    k_scale: float = 1.0
+    v_scale: float = 1.0
 
     @abstractmethod
     def get_attn_backend(self) -> Type[AttentionBackend]:
@@ -119,8 +125,8 @@ class AttentionLayerBase(ABC):
     @abstractmethod
     def get_kv_cache_spec(self, block_size: int, dtype: torch.dtype) -> KVCacheSpec:
         """This layer's cache per block of ``block_size`` tokens, when the engine's cache dtype
-        is ``dtype`` (today the model dtype). The layer / backend decides the stored dtype and
-        shape (e.g. an fp8 cache maps to ``torch.float8_e4m3fn``)."""
+        is ``dtype`` (the model dtype, or ``torch.float8_e4m3fn`` under ``--kv-cache-dtype fp8``).
+        The layer / backend decides the stored dtype and shape."""
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int, dtype: torch.dtype,
                           device: Union[str, torch.device] = "cpu") -> torch.Tensor:

@@ -9,7 +9,8 @@ Cache layout (:meth:`DeepseekV32IndexerBackend.get_kv_cache_shape`): ``[num_bloc
 index_head_dim]`` per layer with an indexer, addressed by the same block tables and slots as the
 layer's latent cache (:class:`~mtpspec.attention.kv_cache_interface.AttentionSpec` with
 ``num_kv_heads=1``: ``block_size * index_head_dim`` values per block, summed into the KV sizing
-like any cache). The ops (:mod:`mtpspec.ops.indexer`: ``indexer_k_cache_write``,
+like any cache; model dtype or E4M3 under ``--kv-cache-dtype fp8``, written as ``x /
+layer.k_scale`` and dequantised tile by tile in the logits kernel). The ops (:mod:`mtpspec.ops.indexer`: ``indexer_k_cache_write``,
 ``indexer_logits``, ``indexer_topk``) are sync-free with static shapes, so the selection is
 CUDA-graph safe. Positions follow :func:`~mtpspec.attention.backends.sparse_mla.dsa_layout`
 (the sparse attention reads the same layout).
@@ -76,8 +77,9 @@ class DeepseekV32IndexerImpl(AttentionImpl):
     def do_kv_cache_update(self, layer: AttentionLayerBase, key: torch.Tensor, value: Optional[torch.Tensor],
                            kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         """Write ``key [n, index_head_dim]`` at ``slot_mapping [n]`` (-1 skipped; ``value`` unused)
-        with :func:`~mtpspec.ops.indexer.indexer_k_cache_write`."""
-        indexer_k_cache_write(key, self._check_cache(kv_cache), slot_mapping)
+        with :func:`~mtpspec.ops.indexer.indexer_k_cache_write` (an fp8 cache quantised with
+        ``layer.k_scale``)."""
+        indexer_k_cache_write(key, self._check_cache(kv_cache), slot_mapping, layer.k_scale)
 
     def update(self, layer: AttentionLayerBase, key: torch.Tensor, kv_cache: Optional[torch.Tensor],
                attn_metadata: Optional["AttentionMetadata"]) -> Tuple[torch.Tensor, DSALayout]:
@@ -108,7 +110,7 @@ class DeepseekV32IndexerImpl(AttentionImpl):
         """Write the keys, score every row's causal context, keep the top ``index_topk``.
 
         Args:
-            layer: the calling layer (unused).
+            layer: the calling layer (its fp8 ``k_scale``).
             query: ``q [T, index_n_heads, index_head_dim]`` (rope applied).
             key: ``k [T, index_head_dim]`` (after ``k_norm`` and rope).
             value: ``weights [T, index_n_heads]`` fp32 (``weights_proj`` output with every scale
@@ -130,7 +132,7 @@ class DeepseekV32IndexerImpl(AttentionImpl):
                              f"{None if value is None else list(value.shape)}")
         cache, layout = self.update(layer, key, kv_cache, attn_metadata)
         logits = indexer_logits(query, value.float(), cache, layout.query_start_loc, layout.seq_lens,
-                                layout.block_tables, layout.max_query_len, layout.max_seq_len)
+                                layout.block_tables, layout.max_query_len, layout.max_seq_len, k_scale=layer.k_scale)
         pos = indexer_topk(logits, self.index_topk)
         return torch.where(layout.real[:, None], pos, torch.full_like(pos, -1))
 

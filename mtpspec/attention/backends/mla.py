@@ -4,7 +4,10 @@ Cache layout (:meth:`MLABackend.get_kv_cache_shape`): one tensor
 ``[num_blocks, block_size, kv_lora_rank + qk_rope_head_dim]`` per layer, one entry per token shared
 by all heads: the post-``kv_a_layernorm`` latent ``c_kv`` then the post-rope key ``k_pe``
 (:class:`~mtpspec.attention.kv_cache_interface.AttentionSpec` with ``num_kv_heads=1``; 576 values
-per token at DeepSeek-V3 sizes instead of 128 heads x 2 x 128).
+per token at DeepSeek-V3 sizes instead of 128 heads x 2 x 128), of the model dtype or E4M3
+(``--kv-cache-dtype fp8``: written as ``x / layer.k_scale``, dequantised tile by tile in the
+kernel's pointer path, never its bulk-copy path; the SDPA path dequantises the gathered context;
+:mod:`mtpspec.ops.kv_quant`).
 
 Attention (DeepSeek-V3 paper, sec. 2.1.1): with ``kv_b_proj``'s key half folded into the query
 (``q_latent``) and its value half applied by the caller afterwards, every head attends one
@@ -28,6 +31,7 @@ from mtpspec.attention.backends.abstract import AttentionBackend, AttentionImpl,
 from mtpspec.attention.backends.paged_common import (cache_key_slots, check_cache_metadata, check_metadata_rows,
                                                      padded_batch)
 from mtpspec.attention.backends.paged_gqa import use_attention_kernel
+from mtpspec.ops.kv_quant import dequantize_cache, is_fp8
 from mtpspec.ops.mla_attention import mla_attention, write_mla_kv_cache
 
 if TYPE_CHECKING:
@@ -83,10 +87,11 @@ class MLAImpl(AttentionImpl):
                            kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         """Write ``[c_kv | k_pe]`` (``key`` = ``c_kv [n, kv_lora_rank]``, ``value`` = ``k_pe
         [n, rope]``) at ``slot_mapping [n]`` (-1 skipped) with
-        :func:`~mtpspec.ops.mla_attention.write_mla_kv_cache` (Triton or its torch reference)."""
+        :func:`~mtpspec.ops.mla_attention.write_mla_kv_cache` (Triton or its torch reference; an
+        fp8 cache quantised with ``layer.k_scale``)."""
         if value is None:
             raise ValueError("MLA: do_kv_cache_update needs k_pe as `value`")
-        write_mla_kv_cache(key, value, kv_cache, slot_mapping)
+        write_mla_kv_cache(key, value, kv_cache, slot_mapping, layer.k_scale)
 
     def forward(self, layer: AttentionLayerBase, query: torch.Tensor, key: torch.Tensor,
                 value: Optional[torch.Tensor], kv_cache: Optional[torch.Tensor],
@@ -95,7 +100,7 @@ class MLAImpl(AttentionImpl):
         MLA's inputs).
 
         Args:
-            layer: the calling layer (unused).
+            layer: the calling layer (its fp8 ``k_scale``).
             query: ``q_latent [num_tokens, num_heads, kv_lora_rank]``.
             key: ``c_kv [num_tokens, kv_lora_rank]`` (post ``kv_a_layernorm``).
             value: ``k_pe [num_tokens, rope]`` (rope applied).
@@ -138,18 +143,20 @@ class MLAImpl(AttentionImpl):
         cache = self._check_cache(kv_cache)
         check_cache_metadata(meta, t)
         self.do_kv_cache_update(layer, c_kv, k_pe, cache, meta.slot_mapping[:t])
-        if cache.dtype == ql.dtype and qp.dtype == ql.dtype and use_attention_kernel(ql, meta):
+        if (cache.dtype == ql.dtype or is_fp8(cache.dtype)) and qp.dtype == ql.dtype \
+                and use_attention_kernel(ql, meta):
             if ql.stride(2) != 1:
                 ql = ql.contiguous()
             if qp.stride(2) != 1:
                 qp = qp.contiguous()
             return mla_attention(ql, qp, cache, meta.query_start_loc[:b + 1], meta.seq_lens[:b],
-                                 meta.block_tables[:b], self.scale, meta.max_query_len, meta.max_seq_len)
+                                 meta.block_tables[:b], self.scale, meta.max_query_len, meta.max_seq_len,
+                                 k_scale=layer.k_scale)
         src = cache.view(-1, self.entry)
         bs = cache.shape[1]
         key_slots = cache_key_slots(meta, bs, src.shape[0], ql.device)  # [B, max_s]; masked below
         return self._paged_batched(ql, qp, src, key_slots, qsl, q_len_t, meta.seq_lens[:b].long(),
-                                   meta.max_query_len, meta.max_seq_len)
+                                   meta.max_query_len, meta.max_seq_len, layer.k_scale)
 
     def _sdpa_causal(self, ql: torch.Tensor, qp: torch.Tensor, c_kv: torch.Tensor,
                      k_pe: torch.Tensor) -> torch.Tensor:
@@ -162,9 +169,9 @@ class MLAImpl(AttentionImpl):
 
     def _paged_batched(self, ql: torch.Tensor, qp: torch.Tensor, k_src: torch.Tensor,
                        key_slots: Optional[torch.Tensor], qsl: torch.Tensor, q_len_t: torch.Tensor,
-                       key_len_t: torch.Tensor, max_q: int, max_s: int) -> torch.Tensor:
+                       key_len_t: torch.Tensor, max_q: int, max_s: int, k_scale: float = 1.0) -> torch.Tensor:
         """All sequences in one SDPA call, padded to ``[B + 1, max_q]`` queries and ``[B + 1, max_s]``
-        latent keys (the padded layout of paged GQA's torch path; one key head shared by all query
+        latent keys (an fp8 cache's dequantised as the kernel reads them) (the padded layout of paged GQA's torch path; one key head shared by all query
         heads, values = the keys' first ``kv_lora_rank`` channels).
 
         Keys come from ``k_src[key_slots]`` (cache rows ``[*, r + rope]``) or, without a cache, from
@@ -184,7 +191,7 @@ class MLAImpl(AttentionImpl):
             kpad[tok_seq, tok_off] = k_src.to(ql.dtype)
         else:
             key_slots = torch.cat([key_slots, key_slots.new_zeros(1, key_slots.shape[1])])
-            kpad = k_src[key_slots].to(ql.dtype)  # [B + 1, max_s, r + rope]
+            kpad = dequantize_cache(k_src[key_slots], ql.dtype, k_scale).to(ql.dtype)  # [B + 1, max_s, r + rope]
         if key_slots is not None:  # never let stale slots (past seq_len, block -1) reach p @ v
             kpad = torch.where(key_ok[:, :, None], kpad, torch.zeros_like(kpad))
         k4 = kpad[:, None]  # [B + 1, 1, max_s, e]

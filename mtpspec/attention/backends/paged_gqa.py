@@ -2,7 +2,10 @@
 
 Cache layout (:meth:`PagedGQABackend.get_kv_cache_shape`): one tensor
 ``[2, num_blocks, block_size, num_kv_heads, head_size]`` per layer, index 0 keys, 1 values, of the
-engine's cache dtype (:class:`~mtpspec.attention.kv_cache_interface.FullAttentionSpec`).
+engine's cache dtype (:class:`~mtpspec.attention.kv_cache_interface.FullAttentionSpec`): the model
+dtype, or E4M3 (``--kv-cache-dtype fp8``) written as ``x / k_scale`` / ``x / v_scale`` (the
+layer's floats) and dequantised tile by tile inside the kernel, or gathered and dequantised by
+the SDPA path (:mod:`mtpspec.ops.kv_quant`).
 
 Attention: Vaswani et al. 2017, "Attention Is All You Need", eq. 1, with grouped kv heads
 (Ainslie et al. 2023, "GQA"): query head ``h`` uses kv head ``h // (num_heads / num_kv_heads)``.
@@ -25,6 +28,7 @@ import torch.nn.functional as F
 from mtpspec.attention.backends.abstract import AttentionBackend, AttentionImpl, AttentionLayerBase
 from mtpspec.attention.backends.paged_common import (cache_key_slots, check_cache_metadata, check_metadata_rows,
                                                      padded_batch)
+from mtpspec.ops.kv_quant import dequantize_cache, is_fp8
 from mtpspec.ops.paged_attention import paged_attention, write_kv_cache
 from mtpspec.ops.triton_utils import FLOAT_DTYPES, use_triton
 
@@ -101,8 +105,9 @@ class PagedGQAImpl(AttentionImpl):
                            kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         """Write ``key`` / ``value`` ``[n, num_kv_heads, head_size]`` into ``kv_cache[0]`` /
         ``kv_cache[1]`` at ``slot_mapping [n]`` (-1 skipped) with
-        :func:`~mtpspec.ops.paged_attention.write_kv_cache` (Triton or its torch reference)."""
-        write_kv_cache(key, value, kv_cache[0], kv_cache[1], slot_mapping)
+        :func:`~mtpspec.ops.paged_attention.write_kv_cache` (Triton or its torch reference; an
+        fp8 cache quantised with the layer's ``k_scale`` / ``v_scale``)."""
+        write_kv_cache(key, value, kv_cache[0], kv_cache[1], slot_mapping, layer.k_scale, layer.v_scale)
 
     def _sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
               mask: Optional[torch.Tensor]) -> torch.Tensor:
@@ -132,7 +137,7 @@ class PagedGQAImpl(AttentionImpl):
         """Attend.
 
         Args:
-            layer: the calling layer (unused here; later backends read per-layer scales).
+            layer: the calling layer (its fp8 ``k_scale`` / ``v_scale``).
             query: ``[num_tokens, num_heads * head_dim]`` (rotary already applied).
             key, value: ``[num_tokens, num_kv_heads * head_dim]``.
             kv_cache: ``None`` or ``[2, num_blocks, block_size, num_kv_heads, head_dim]``.
@@ -150,8 +155,8 @@ class PagedGQAImpl(AttentionImpl):
         with a cache, the KV write is :meth:`do_kv_cache_update` and attention is the Triton
         kernel :func:`~mtpspec.ops.paged_attention.paged_attention` when
         :func:`use_attention_kernel` says so (CUDA or ``TRITON_INTERPRET=1``, and short queries
-        or no host lists) and the cache has q's dtype, else one padded SDPA call over all
-        sequences.
+        or no host lists) and the cache has q's dtype or is fp8, else one padded SDPA call over all
+        sequences (an fp8 cache's gathered context dequantised first).
 
         Raises:
             ValueError: the metadata covers more tokens than the batch has (known from host
@@ -179,20 +184,22 @@ class PagedGQAImpl(AttentionImpl):
         cache = self._check_cache(kv_cache)
         check_cache_metadata(meta, t)
         self.do_kv_cache_update(layer, kh, vh, cache, meta.slot_mapping[:t])
-        if cache.dtype == q.dtype and use_attention_kernel(qh, meta):
+        if (cache.dtype == q.dtype or is_fp8(cache.dtype)) and use_attention_kernel(qh, meta):
             out = paged_attention(qh, cache[0], cache[1], meta.query_start_loc[:b + 1], meta.seq_lens[:b],
-                                  meta.block_tables[:b], self.scale, meta.max_query_len, meta.max_seq_len)
+                                  meta.block_tables[:b], self.scale, meta.max_query_len, meta.max_seq_len,
+                                  k_scale=layer.k_scale, v_scale=layer.v_scale)
             return out.view(t, self.num_heads * self.head_dim)
         k_src = cache[0].view(-1, self.num_kv_heads, self.head_dim)
         v_src = cache[1].view(-1, self.num_kv_heads, self.head_dim)
         bs = cache.shape[2]
         key_slots = cache_key_slots(meta, bs, k_src.shape[0], q.device)  # [B, max_s]; masked below
         return self._paged_batched(qh, k_src, v_src, key_slots, qsl, q_len_t, meta.seq_lens[:b].long(),
-                                   meta.max_query_len, meta.max_seq_len)
+                                   meta.max_query_len, meta.max_seq_len, layer.k_scale, layer.v_scale)
 
     def _paged_batched(self, qh: torch.Tensor, k_src: torch.Tensor, v_src: torch.Tensor,
                        key_slots: Optional[torch.Tensor], qsl: torch.Tensor, q_len_t: torch.Tensor,
-                       key_len_t: torch.Tensor, max_q: int, max_s: int) -> torch.Tensor:
+                       key_len_t: torch.Tensor, max_q: int, max_s: int, k_scale: float = 1.0,
+                       v_scale: float = 1.0) -> torch.Tensor:
         """All sequences in one SDPA call, padded to ``[B + 1, max_q]`` queries and ``[B + 1, max_s]`` keys.
 
         Query ``j`` of sequence ``i`` sits at absolute position ``key_len_i - q_len_i + j`` and may
@@ -216,8 +223,9 @@ class PagedGQAImpl(AttentionImpl):
             vp[tok_seq, tok_off] = v_src.to(qh.dtype)
         else:
             key_slots = torch.cat([key_slots, key_slots.new_zeros(1, key_slots.shape[1])])
-            kp = k_src[key_slots].to(qh.dtype)  # [B + 1, max_s, nkv, hd]
-            vp = v_src[key_slots].to(qh.dtype)
+            # [B + 1, max_s, nkv, hd]; an fp8 cache read as the kernel reads it, (x * scale) in q's dtype
+            kp = dequantize_cache(k_src[key_slots], qh.dtype, k_scale).to(qh.dtype)
+            vp = dequantize_cache(v_src[key_slots], qh.dtype, v_scale).to(qh.dtype)
         rep = self.num_heads // self.num_kv_heads
         if rep > 1:
             kp = kp.repeat_interleave(rep, dim=2)

@@ -3,7 +3,7 @@
 DeepSeek-V3.2-Exp report, sec. 2.1 (and ``transformers``' ``DeepseekV32Attention``, which folds
 the indexer's top-k into the attention mask): every query token attends only the positions the
 lightning indexer selected for it (``topk_pos``, :mod:`mtpspec.attention.backends.indexer`),
-instead of its whole causal context. Cache layout, write and absorbed form are MLA's
+instead of its whole causal context. Cache layout (fp8 included), write and absorbed form are MLA's
 (:class:`~mtpspec.attention.backends.mla.MLABackend`: one ``[kv_lora_rank + rope]`` latent entry per
 token); the indexer's keys live in a second cache of their own (one ``index_head_dim`` entry per
 token, same block tables).
@@ -130,7 +130,7 @@ class SparseMLAImpl(MLAImpl):
         """Write this step's latent entries, then attend each row's selection.
 
         Args:
-            layer: the calling layer (unused).
+            layer: the calling layer (its fp8 ``k_scale``).
             query: ``q_latent [T, num_heads, kv_lora_rank]``; key: ``c_kv [T, kv_lora_rank]``;
                 value: ``k_pe [T, rope]``; q_pe: ``[T, num_heads, rope]`` (MLA's inputs).
             kv_cache: ``None`` (each sequence within its own new rows) or ``[num_blocks,
@@ -170,7 +170,7 @@ class SparseMLAImpl(MLAImpl):
             layout = dsa_layout(meta, t, None, ql.device)
         slots = positions_to_slots(causal_selection(topk_pos, layout), layout.token_seq_idx, layout.block_tables,
                                    layout.block_size)
-        out = sparse_mla_attention(ql, qp, cache, slots, self.scale)
+        out = sparse_mla_attention(ql, qp, cache, slots, self.scale, k_scale=layer.k_scale)
         return torch.where(layout.real[:, None, None], out, torch.zeros_like(out))
 
 
