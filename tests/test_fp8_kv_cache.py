@@ -282,6 +282,25 @@ def test_spec_decoding_with_fp8_cache_kernel_path(tiny, kdev) -> None:
     assert _fp8_generate(path, prompts, 3, graph_mode="static") == plain
 
 
+def test_prefix_caching_with_fp8_cache(tmp_path_factory, no_interpret) -> None:
+    """Prefix caching shares and copies fp8 blocks (copy_blocks moves the bytes): greedy k = 3
+    with caching emits the tokens of k = 3 without caching, both over fp8 caches, with hits and
+    private copies; every finished request's fp8 entries equal the uncached run's."""
+    from test_prefix_caching import GREEDY, Run, _check_hits, engine_prompts, make_model
+    path = str(tmp_path_factory.mktemp("tiny_prefix_fp8"))
+    _, cfg = make_model(path, seed=3)
+    waves = engine_prompts(cfg.vocab_size, seed=1)
+    want = Run(path, waves, GREEDY, k=3, caching=False, kv_cache_dtype="fp8")
+    run = Run(path, waves, GREEDY, k=3, kv_cache_dtype="fp8")
+    assert run.tokens == want.tokens
+    _check_hits(run, waves)
+    for prompt, layers in run.kv.items():
+        for x, y in zip(layers, want.kv[prompt]):
+            assert x.dtype == F8
+            # bit for bit: the fp32 noise of other batch shapes (<= 1e-4) stays far below one E4M3 step here
+            assert torch.equal(x.view(torch.uint8), y.view(torch.uint8))
+
+
 def test_fp8_cache_doubles_the_blocks_of_a_bf16_cache(tiny, no_interpret) -> None:
     path, _ = tiny("glm4_moe")
     blocks = {}
