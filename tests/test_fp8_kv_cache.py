@@ -5,7 +5,13 @@ with an fp8 cache is compared with its torch reference computed on the *dequanti
 (``(float(x) * scale)`` rounded to the query's dtype, a cache of the query's dtype): the same math on
 the same values, so the tolerance is that of the kernel-vs-reference tests of the 16-bit caches
 (summation order only: 3e-5 for fp32 queries, 2e-2 for bf16 outputs). The write path's rounding is compared bit for bit with
-torch's ``float8_e4m3fn`` cast after ``clamp(x / scale, -448, 448)``.
+torch's ``float8_e4m3fn`` cast after ``clamp(x / scale, -448, 448)``. Every fp8 kernel variant
+compiles for sm_90 ahead of time (no GPU needed).
+
+Engine (tiny random models of tests/tiny_models.py): speculative decoding is lossless for any
+cache dtype, so greedy k = 3 over fp8 caches must emit plain greedy's tokens over fp8 caches
+(GQA, MLA, DSA; torch paths, the interpreted kernels, tp 2, prefix caching); bf16 -> fp8 doubles
+the blocks of a memory budget; a bad ``kv_cache_dtype`` is refused by name.
 """
 
 from __future__ import annotations
@@ -271,6 +277,17 @@ def test_spec_decoding_with_fp8_cache_equals_plain_greedy_with_fp8_cache(tiny, f
     path, prompts = tiny(family)
     plain = _fp8_generate(path, prompts, 0)
     assert _fp8_generate(path, prompts, 3) == plain
+
+
+def test_spec_decoding_with_fp8_cache_tp2(tiny, no_interpret) -> None:
+    """Two spawned ranks (GQA kv heads split across them): greedy k = 3 over fp8 caches emits
+    the tokens of tp 1 plain greedy over fp8 caches."""
+    from test_deepseek_v32 import engine_generate, engine_llm
+    path, prompts = tiny("glm4_moe")
+    plain = _fp8_generate(path, prompts, 0)
+    with engine_llm(path, kv_cache_dtype="fp8", speculative_config={"num_speculative_tokens": 3},
+                    tensor_parallel_size=2, device="cpu") as llm:
+        assert engine_generate(llm, prompts) == plain
 
 
 def test_spec_decoding_with_fp8_cache_kernel_path(tiny, kdev) -> None:
