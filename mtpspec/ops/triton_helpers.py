@@ -50,8 +50,10 @@ if HAS_TRITON:
         fp32 -> fp8 cast truncates and overflows) the value is first rounded to an E4M3 value
         by integer ops on the fp32 bits (normals: keep 3 mantissa bits; below ``2^-6``:
         multiples of ``2^-9`` by the ``2^23`` add-subtract), which the cast then keeps exactly;
-        compiled kernels use the native saturating, nearest-even conversion."""
-        y = tl.minimum(tl.maximum(x / scale, -448.0), 448.0)
+        compiled kernels use the native saturating, nearest-even conversion
+        (``cvt.rn.satfinite``). The division is correctly rounded (``div_rn``: Triton's ``/`` is
+        an approximate division on GPUs), so the stored codes are torch's for any scale."""
+        y = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -448.0), 448.0)
         if FP8_BY_BITS:
             b = y.to(tl.uint32, bitcast=True)
             sign = b & 0x80000000
