@@ -4,9 +4,9 @@ Kernels run under Triton's interpreter on CPU (``kdev``: a GPU when there is one
 with an fp8 cache is compared with its torch reference computed on the *dequantised* cache
 (``(float(x) * scale)`` rounded to the query's dtype, a cache of the query's dtype): the same math on
 the same values, so the tolerance is that of the kernel-vs-reference tests of the 16-bit caches
-(summation order only: 3e-5 for fp32 queries, 2e-2 for bf16 outputs). The write path's rounding is compared bit for bit with
-torch's ``float8_e4m3fn`` cast after ``clamp(x / scale, -448, 448)``. Every fp8 kernel variant
-compiles for sm_90 ahead of time (no GPU needed).
+(summation order only: 3e-5 for fp32 queries, 2e-2 for bf16 outputs). The write path's rounding
+is compared bit for bit with torch's ``float8_e4m3fn`` cast after ``clamp(x / scale, -448, 448)``.
+Every fp8 kernel variant compiles for sm_90 ahead of time (no GPU needed).
 
 Engine (tiny random models of tests/tiny_models.py): speculative decoding is lossless for any
 cache dtype, so greedy k = 3 over fp8 caches must emit plain greedy's tokens over fp8 caches

@@ -409,7 +409,8 @@ def test_kernels_compile_for_hopper() -> None:
                       + strides[:8], "num_warps": mla.NUM_WARPS[plan["block_m"]]})
     specs.append({"module": "mtpspec.ops.mla_attention", "kernel": "_write_mla_kv",
                   "signature": {"ckv_ptr": "*bf16", "kpe_ptr": "*bf16", "cache_ptr": "*bf16", "slot_ptr": "*i64",
-                                "k_scale": "fp32", "stride_ct": "i32", "stride_pt": "i32", "stride_cb": "i32", "stride_cs": "i32"},
+                                "k_scale": "fp32", "stride_ct": "i32", "stride_pt": "i32", "stride_cb": "i32",
+                                "stride_cs": "i32"},
                   "constexprs": dict(LORA=512, ROPE=64, BLOCK_L=512, BLOCK_R=64, CACHE_BLOCK=16, BF16_BY_BITS=False,
                                      FP8=False, FP8_BY_BITS=False),
                   "aligned": ["ckv_ptr", "kpe_ptr", "cache_ptr", "stride_ct", "stride_pt", "stride_cb", "stride_cs"],

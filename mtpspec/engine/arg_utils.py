@@ -418,4 +418,5 @@ class EngineArgs:
                     block_size=self.block_size, num_kv_blocks=self.num_kv_blocks,
                     gpu_memory_utilization=self.gpu_memory_utilization, cpu_kv_cache_gib=self.cpu_kv_cache_gib,
                     enable_prefix_caching=self.enable_prefix_caching, kv_cache_dtype=self.kv_cache_dtype,
-                    seed=self.seed, enforce_eager=self.enforce_eager, graph_mode=self.graph_mode, load_format=self.load_format)
+                    seed=self.seed, enforce_eager=self.enforce_eager, graph_mode=self.graph_mode,
+                    load_format=self.load_format)

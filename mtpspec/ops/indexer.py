@@ -100,8 +100,8 @@ def indexer_logits_ref(q: torch.Tensor, weights: torch.Tensor, k_cache: torch.Te
                        seq_lens: torch.Tensor, block_tables: torch.Tensor, max_query_len: int,
                        max_seq_len: int, k_scale: float = 1.0) -> torch.Tensor:
     """Torch reference of :func:`indexer_logits` (same arguments and result; fp32 products and
-    sums, float64 for float64 inputs; an fp8 cache read as ``(x * k_scale).to(q.dtype)``). Sync-free: every sequence padded to ``max_query_len``
-    rows and ``max_seq_len`` keys, heads in static chunks (``REF_CHUNK_ELEMS``)."""
+    sums, float64 for float64 inputs; an fp8 cache read as ``(x * k_scale).to(q.dtype)``).
+    Sync-free: every sequence padded to ``max_query_len`` rows and ``max_seq_len`` keys, heads in static chunks (``REF_CHUNK_ELEMS``)."""
     t, nh, _ = q.shape
     b = seq_lens.shape[0]
     dev = q.device
@@ -260,10 +260,12 @@ def indexer_k_cache_write(k: torch.Tensor, k_cache: torch.Tensor, slot_mapping: 
         raise ValueError(f"indexer_k_cache_write: need unit stride in the last dimension, got k {tuple(k2.stride())}, "
                          f"k_cache {tuple(k_cache.stride())}")
     fp8 = is_fp8(k_cache.dtype)
-    _indexer_k_write[(n,)](k2, k_cache, slot_mapping, float(k_scale), k2.stride(0), k_cache.stride(0), k_cache.stride(1),
+    _indexer_k_write[(n,)](k2, k_cache, slot_mapping, float(k_scale), k2.stride(0), k_cache.stride(0),
+                           k_cache.stride(1),
                            HEAD_DIM=d, BLOCK_D=next_power_of_2(d), CACHE_BLOCK=k_cache.shape[1],
                            BF16_BY_BITS=interpreting() and k_cache.dtype == torch.bfloat16,
-                           FP8=fp8, FP8_BY_BITS=fp8 and interpreting(), num_warps=max(1, min(4, next_power_of_2(d) // 256)))
+                           FP8=fp8, FP8_BY_BITS=fp8 and interpreting(),
+                           num_warps=max(1, min(4, next_power_of_2(d) // 256)))
 
 
 def indexer_logits(q: torch.Tensor, weights: torch.Tensor, k_cache: torch.Tensor, query_start_loc: torch.Tensor,

@@ -113,8 +113,8 @@ def mla_attention_ref(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: torc
                       query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
                       scale: float, max_query_len: int, max_seq_len: int, k_scale: float = 1.0) -> torch.Tensor:
     """Torch reference of :func:`mla_attention` (same arguments and result; fp32 softmax and
-    products, float64 for float64 inputs; an fp8 cache read as ``(x * k_scale).to(q.dtype)``). Sync-free: every sequence padded to ``max_query_len``
-    queries and ``max_seq_len`` keys (``max_seq_len`` must bound every ``seq_len``); memory
+    products, float64 for float64 inputs; an fp8 cache read as ``(x * k_scale).to(q.dtype)``).
+    Sync-free: every sequence padded to ``max_query_len`` queries and ``max_seq_len`` keys (``max_seq_len`` must bound every ``seq_len``); memory
     ``O(num_seqs * max_query_len * num_heads * max_seq_len)`` plus the gathered latent context
     ``num_seqs * max_seq_len * (kv_lora_rank + rope)``."""
     t, nh, r = q_latent.shape
@@ -458,7 +458,8 @@ def mla_attention(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Te
         kvr_desc = TensorDescriptor(flat, list(flat.shape), list(flat.stride()), [bn, block_r])
     _mla_attn[(plan["row_blocks"], s, b)](
         q_latent, q_pe, kv_cache, kvl_desc, kvr_desc, out, part_acc, part_ml, query_start_loc, seq_lens, block_tables,
-        float(scale) * _LOG2E, s, float(k_scale), q_latent.stride(0), q_latent.stride(1), q_pe.stride(0), q_pe.stride(1),
+        float(scale) * _LOG2E, s, float(k_scale), q_latent.stride(0), q_latent.stride(1), q_pe.stride(0),
+        q_pe.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), out.stride(0), out.stride(1), block_tables.stride(0), nh * s, s,
         NUM_HEADS=nh, LORA=r, ROPE=rope, BLOCK_L=block_l, BLOCK_R=block_r, BLOCK_M=plan["block_m"], BLOCK_N=bn,
         CACHE_BLOCK=bs, SPLIT=s > 1, TMA=use_tma, WARP_SPECIALIZE=bool(warp_specialize),

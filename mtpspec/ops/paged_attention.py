@@ -101,8 +101,8 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
                         scale: float, max_query_len: int, max_seq_len: int, k_scale: float = 1.0,
                         v_scale: float = 1.0) -> torch.Tensor:
     """Torch reference of :func:`paged_attention` (same arguments and result; fp32 softmax, or
-    float64 for float64 inputs; an fp8 cache read as ``(x * scale).to(q.dtype)``). Sync-free like the kernel: every sequence is padded to
-    ``max_query_len`` queries and ``max_seq_len`` keys (``max_seq_len`` must bound every
+    float64 for float64 inputs; an fp8 cache read as ``(x * scale).to(q.dtype)``). Sync-free like
+    the kernel: every sequence is padded to ``max_query_len`` queries and ``max_seq_len`` keys (``max_seq_len`` must bound every
     ``seq_len``); memory ``O(num_seqs * max_query_len * num_heads * max_seq_len)``.
     """
     t, nh, hd = q.shape
@@ -376,7 +376,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     block_tables = launchable_block_tables(block_tables, b)
     _attn[(b, plan["q_blocks"], nkv * s)](
         q, k_cache, v_cache, out, part_acc, part_ml, query_start_loc, seq_lens, block_tables,
-        float(scale) * _LOG2E, s, float(k_scale), float(v_scale), q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
+        float(scale) * _LOG2E, s, float(k_scale), float(v_scale), q.stride(0), q.stride(1), k_cache.stride(0),
+        k_cache.stride(1),
         k_cache.stride(2), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), out.stride(0),
         out.stride(1), block_tables.stride(0), nh * s, s,
         REP=nh // nkv, REP_P=plan["rep_p"], BLOCK_Q=plan["block_q"], BLOCK_M=plan["block_m"], BLOCK_N=BLOCK_N,

@@ -108,7 +108,8 @@ def _check_sparse_inputs(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: t
 def sparse_mla_attention_ref(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,
                              topk_slots: torch.Tensor, scale: float, k_scale: float = 1.0) -> torch.Tensor:
     """Torch reference of :func:`sparse_mla_attention` (same arguments and result): the rows'
-    selected latents gathered (an fp8 cache's read as ``(x * k_scale).to(q.dtype)``), fp32 scores / softmax / products (float64 for float64 inputs).
+    selected latents gathered (an fp8 cache's read as ``(x * k_scale).to(q.dtype)``), fp32 scores /
+    softmax / products (float64 for float64 inputs).
     Sync-free; rows go in static chunks of at most ``REF_CHUNK_ELEMS / (K * (kv_lora_rank +
     rope))`` so the gathered latents never need ``T * K * (kv_lora_rank + rope)`` elements."""
     t, nh, r = q_latent.shape
@@ -360,7 +361,8 @@ def sparse_mla_attention(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: t
         BLOCK_M=plan["block_m"], BLOCK_N=BLOCK_N if block_n is None else int(block_n), SCAN_N=SCAN_N,
         CACHE_BLOCK=kv_cache.shape[1],
         SPLIT=s > 1, DOT_FP32=bf16_interp, PRECISION="ieee" if q_latent.dtype == torch.float32 else "tf32",
-        BF16_BY_BITS=bf16_interp, FP8=is_fp8(kv_cache.dtype), num_warps=plan["num_warps"] if num_warps is None else num_warps,
+        BF16_BY_BITS=bf16_interp, FP8=is_fp8(kv_cache.dtype),
+        num_warps=plan["num_warps"] if num_warps is None else num_warps,
         num_stages=NUM_STAGES if num_stages is None else num_stages)
     if s > 1:
         # the combine's padding-row test reads query_start_loc[num_seqs]: one entry = T, every row real

@@ -10,9 +10,9 @@ index_head_dim]`` per layer with an indexer, addressed by the same block tables 
 layer's latent cache (:class:`~mtpspec.attention.kv_cache_interface.AttentionSpec` with
 ``num_kv_heads=1``: ``block_size * index_head_dim`` values per block, summed into the KV sizing
 like any cache; model dtype or E4M3 under ``--kv-cache-dtype fp8``, written as ``x /
-layer.k_scale`` and dequantised tile by tile in the logits kernel). The ops (:mod:`mtpspec.ops.indexer`: ``indexer_k_cache_write``,
-``indexer_logits``, ``indexer_topk``) are sync-free with static shapes, so the selection is
-CUDA-graph safe. Positions follow :func:`~mtpspec.attention.backends.sparse_mla.dsa_layout`
+layer.k_scale`` and dequantised tile by tile in the logits kernel). The ops
+(:mod:`mtpspec.ops.indexer`: ``indexer_k_cache_write``, ``indexer_logits``, ``indexer_topk``) are
+sync-free with static shapes, so the selection is CUDA-graph safe. Positions follow :func:`~mtpspec.attention.backends.sparse_mla.dsa_layout`
 (the sparse attention reads the same layout).
 """
 
@@ -132,7 +132,8 @@ class DeepseekV32IndexerImpl(AttentionImpl):
                              f"{None if value is None else list(value.shape)}")
         cache, layout = self.update(layer, key, kv_cache, attn_metadata)
         logits = indexer_logits(query, value.float(), cache, layout.query_start_loc, layout.seq_lens,
-                                layout.block_tables, layout.max_query_len, layout.max_seq_len, k_scale=layer.k_scale)
+                                layout.block_tables, layout.max_query_len, layout.max_seq_len,
+                                k_scale=layer.k_scale)
         pos = indexer_topk(logits, self.index_topk)
         return torch.where(layout.real[:, None], pos, torch.full_like(pos, -1))
 

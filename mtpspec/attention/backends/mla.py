@@ -171,8 +171,9 @@ class MLAImpl(AttentionImpl):
                        key_slots: Optional[torch.Tensor], qsl: torch.Tensor, q_len_t: torch.Tensor,
                        key_len_t: torch.Tensor, max_q: int, max_s: int, k_scale: float = 1.0) -> torch.Tensor:
         """All sequences in one SDPA call, padded to ``[B + 1, max_q]`` queries and ``[B + 1, max_s]``
-        latent keys (an fp8 cache's dequantised as the kernel reads them) (the padded layout of paged GQA's torch path; one key head shared by all query
-        heads, values = the keys' first ``kv_lora_rank`` channels).
+        latent keys (the padded layout of paged GQA's torch path; one key head shared by all query
+        heads, values = the keys' first ``kv_lora_rank`` channels; an fp8 cache's rows dequantised
+        as the kernel reads them).
 
         Keys come from ``k_src[key_slots]`` (cache rows ``[*, r + rope]``) or, without a cache, from
         the sequence's own rows (``k_src`` = ``[T, r + rope]``). Real rows are placed by
@@ -191,7 +192,8 @@ class MLAImpl(AttentionImpl):
             kpad[tok_seq, tok_off] = k_src.to(ql.dtype)
         else:
             key_slots = torch.cat([key_slots, key_slots.new_zeros(1, key_slots.shape[1])])
-            kpad = dequantize_cache(k_src[key_slots], ql.dtype, k_scale).to(ql.dtype)  # [B + 1, max_s, r + rope]
+            # [B + 1, max_s, r + rope]; an fp8 cache read as the kernel reads it, (x * k_scale) in q's dtype
+            kpad = dequantize_cache(k_src[key_slots], ql.dtype, k_scale).to(ql.dtype)
         if key_slots is not None:  # never let stale slots (past seq_len, block -1) reach p @ v
             kpad = torch.where(key_ok[:, :, None], kpad, torch.zeros_like(kpad))
         k4 = kpad[:, None]  # [B + 1, 1, max_s, e]
