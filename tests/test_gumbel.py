@@ -1,0 +1,104 @@
+"""Vocab-parallel Gumbel-max sampling (mtpspec/sample/gumbel.py): the device hash equals the host
+counter hash, draws follow softmax(l / T) (chi-square, as tests/test_rejection_sampler.py), the
+reported q(x) is the gathered softmax's, and shards of any tp size give bit-identical tokens."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from mtpspec.sample import gumbel as gm
+from mtpspec.sample.counter_rng import counter_uniforms, seed_to_u64, splitmix64
+from tests.test_rejection_sampler import P_VALUE_FLOOR, chi_square_p_value
+
+
+def _as_i64(u: np.ndarray) -> torch.Tensor:
+    return torch.from_numpy(u.astype(np.uint64).view(np.int64).copy())
+
+
+def test_device_hash_equals_host_hash() -> None:
+    rng = np.random.default_rng(0)
+    x = rng.integers(0, 2**63, size=1000, dtype=np.uint64) * np.uint64(2) + np.uint64(1)
+    assert torch.equal(gm.splitmix64_t(_as_i64(x)), _as_i64(splitmix64(x)))
+    keys = [seed_to_u64(s) for s in (0, 1, -5, 2**70 + 3)]
+    pos = np.array([[0], [7], [123456], [2**40]], dtype=np.int64)
+    h = gm.row_hash(_as_i64(np.array(keys, dtype=np.uint64)), torch.from_numpy(pos[:, 0]), 1)
+    u = gm._lsr(h, 11).double() * 2.0 ** -53
+    assert torch.equal(u, torch.from_numpy(counter_uniforms(keys, pos, 1)[:, 0]))
+
+
+def _shards(logits: torch.Tensor, tp: int, vocab: int):
+    """(local logits, vocab_start, num_real) of each rank, padded to 4 columns per rank multiple."""
+    per = -(-vocab // (4 * tp)) * 4
+    pad = torch.cat([logits, torch.full((logits.shape[0], per * tp - vocab), 99.0)], dim=1)  # padding must never win
+    return [(pad[:, r * per:(r + 1) * per], r * per, max(0, min(vocab - r * per, per))) for r in range(tp)]
+
+
+def _sample(logits, temp, rows, tp):
+    vocab = logits.shape[1]
+    packed = [gm.local_gumbel_top(loc, start, nr, temp, rows) for loc, start, nr in _shards(logits, tp, vocab)]
+    return gm.pick_gumbel(torch.stack(packed))
+
+
+@pytest.mark.parametrize("temperature", [0.5, 1.0])
+def test_law_q_and_tp_invariance(temperature: float) -> None:
+    torch.manual_seed(0)
+    vocab, n = 13, 20000
+    logits = (torch.randn(vocab) * 1.5).expand(n, vocab).contiguous()
+    temp = torch.full((n,), temperature)
+    rows = gm.row_hash(torch.full((n,), 12345, dtype=torch.int64), torch.arange(n), gm.STREAM_DRAFT)
+    ref = _sample(logits, temp, rows, 1)
+    probs = torch.softmax(logits[0].double() / temperature, -1).numpy()
+    counts = np.bincount(ref.token_ids.numpy(), minlength=vocab)
+    assert chi_square_p_value(counts, probs) > P_VALUE_FLOOR
+    want = torch.log_softmax(logits.double() / temperature, -1).gather(1, ref.token_ids.unsqueeze(1)).squeeze(1)
+    torch.testing.assert_close(ref.log_q.double(), want, atol=1e-5, rtol=0)
+    for tp in (2, 3, 4):
+        got = _sample(logits, temp, rows, tp)
+        assert torch.equal(got.token_ids, ref.token_ids)
+        torch.testing.assert_close(got.log_q, ref.log_q, atol=1e-5, rtol=0)
+
+
+def test_wrong_law_is_detected() -> None:
+    vocab, n = 13, 20000
+    logits = torch.linspace(-2, 2, vocab).expand(n, vocab).contiguous()
+    rows = gm.row_hash(torch.zeros(n, dtype=torch.int64), torch.arange(n), gm.STREAM_DRAFT)
+    got = _sample(logits, torch.full((n,), 1.0), rows, 2)
+    probs = torch.softmax(logits[0].double() / 0.8, -1).numpy()  # not the law drawn from
+    assert chi_square_p_value(np.bincount(got.token_ids.numpy(), minlength=vocab), probs) < P_VALUE_FLOOR
+
+
+def test_greedy_rows_are_torch_argmax() -> None:
+    vocab = 10
+    logits = torch.randn(6, vocab)
+    logits[1, 3] = logits[1, 7] = 50.0       # tie across a shard boundary at tp 2 (per rank 8)
+    logits[2, 8] = logits[2, 9] = 50.0       # tie inside the last shard
+    logits[3] = float("-inf")                # all -inf: first id
+    logits[4, 9] = float("nan")              # NaN counts as the maximum
+    logits[5, 2] = logits[5, 5] = float("nan")
+    temp = torch.zeros(6)
+    rows = torch.arange(6, dtype=torch.int64)
+    for tp in (1, 2, 3):
+        assert torch.equal(_sample(logits, temp, rows, tp).token_ids, logits.argmax(-1)), tp
+
+
+def test_mixed_rows_and_seeded_reproducibility_across_batch_positions() -> None:
+    torch.manual_seed(1)
+    logits = torch.randn(4, 37)
+    temp = torch.tensor([1.0, 0.0, 0.7, 1.0])
+    keys = torch.tensor([5, 6, 7, 8], dtype=torch.int64)
+    pos = torch.tensor([10, 11, 12, 13])
+    a = _sample(logits, temp, gm.row_hash(keys, pos, gm.STREAM_DRAFT), 2)
+    perm = torch.tensor([2, 0, 3, 1])
+    b = _sample(logits[perm], temp[perm], gm.row_hash(keys[perm], pos[perm], gm.STREAM_DRAFT), 1)
+    assert torch.equal(b.token_ids, a.token_ids[perm])
+    assert a.token_ids[1] == logits[1].argmax()
+
+
+def test_vocab_parallel_gumbel_sample_single_process() -> None:
+    logits = torch.randn(3, 20)
+    temp = torch.tensor([1.0, 0.0, 2.0])
+    rows = torch.tensor([1, 2, 3], dtype=torch.int64)
+    got = gm.vocab_parallel_gumbel_sample(logits, 0, 20, temp, rows)
+    assert torch.equal(got.token_ids, _sample(logits, temp, rows, 1).token_ids)
