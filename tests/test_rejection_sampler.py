@@ -261,3 +261,95 @@ def test_inverse_cdf_never_picks_zero_weight() -> None:
     idx = sampler_mod.sample_inverse_cdf(w, u)
     assert idx.tolist() == [1, 1, 3, 3, 3]
     assert math.isclose(1 / 3, 1 / 3)
+
+
+# ------------------------------------------------------------------ sampled (Gumbel-max) drafts
+def _sampled_run(draws: int, k: int, vocab: int, temperature: float, top_k: int, top_p: float, seed: int,
+                 tp: int, monkeypatch: pytest.MonkeyPatch):
+    """Drafts drawn by vocab-parallel Gumbel-max from MTP-like logits at ``temperature``, verified
+    with the shard-wise residual, ``tp`` shards simulated in one process (the packed rows of each
+    shard stacked in rank order, which is what the all-gather does)."""
+    from mtpspec.sample import gumbel as gm
+    g = torch.Generator().manual_seed(seed)
+    target_logits = torch.randn(k + 1, vocab, generator=g) * 1.5
+    target = reference_probs(target_logits, temperature, top_k, top_p)
+    draft_logits = (target_logits[:k] + torch.randn(k, vocab, generator=g)).expand(draws, k, vocab).contiguous()
+    temp = torch.full((draws,), temperature)
+    keys = torch.arange(draws, dtype=torch.int64) * 7919 + seed
+    pos = torch.arange(k).expand(draws, k) + 100
+    per = -(-vocab // tp)
+    shards = [(r * per, max(0, min(vocab - r * per, per))) for r in range(tp)]
+
+    def pick(local_fn):
+        return gm.pick_gumbel(torch.stack([local_fn(v0, nr) for v0, nr in shards]))
+
+    drafts, log_q, lse = [], [], []
+    for j in range(k):
+        rows = gm.row_hash(keys, pos[:, j], gm.STREAM_DRAFT)
+        got = pick(lambda v0, nr: gm.local_gumbel_top(draft_logits[:, j, v0:v0 + per], v0, nr, temp, rows))
+        drafts.append(got.token_ids), log_q.append(got.log_q), lse.append(got.lse)
+    drafts, log_q, lse = torch.stack(drafts, 1), torch.stack(log_q, 1), torch.stack(lse, 1)
+    d = rs.SampledDrafts(torch.ones(draws, dtype=torch.bool), torch.zeros(draws, dtype=torch.bool), draft_logits,
+                         0, vocab, temp, log_q, lse, gm.row_hash(keys.repeat_interleave(k), pos.reshape(-1),
+                                                                 gm.STREAM_RESIDUAL).view(draws, k))
+
+    def residual_tokens(target_probs, full):
+        def local(v0, nr):
+            part = rs.SampledDrafts(full.mask, full.ignore, full.local_logits[..., v0:v0 + per], v0, nr,
+                                    full.temperature, full.log_q, full.lse, full.residual_rows)
+            return rs.residual_local_packed(target_probs, part)
+        return pick(local).token_ids.view(target_probs.shape[:2])
+
+    monkeypatch.setattr(rs, "_residual_tokens", residual_tokens)
+    meta = _meta(draws, temperature, top_k, top_p)
+    accept_u = torch.rand(draws, k, generator=g, dtype=torch.float64)
+    sample_u = torch.rand(draws, k + 1, generator=g, dtype=torch.float64)
+    res = RejectionSampler()(drafts, target_logits.unsqueeze(0).expand(draws, k + 1, vocab), meta,
+                             accept_u, sample_u, sampled=d)
+    q = torch.softmax(draft_logits[0].double() / temperature, -1).numpy()
+    return res, target, drafts, q
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize("temperature,top_k,top_p", [(0.5, 0, 1.0), (1.0, 0, 1.0), (1.0, 4, 1.0), (0.5, 0, 0.7)])
+def test_sampled_drafts_follow_q_and_emitted_tokens_follow_p(monkeypatch: pytest.MonkeyPatch, tp: int,
+                                                             temperature: float, top_k: int, top_p: float) -> None:
+    seed = 300 + tp + 10 * top_k + int(10 * top_p) + int(10 * temperature)
+    res, target, drafts, q = _sampled_run(30000, 3, 7, temperature, top_k, top_p, seed, tp, monkeypatch)
+    for j in range(3):  # drafts follow q (the distribution the verifier is told)
+        assert chi_square_p_value(np.bincount(drafts[:, j].numpy(), minlength=7), q[j]) > P_VALUE_FLOOR
+    assert (res.num_accepted == 3).sum() > 500, torch.bincount(res.num_accepted)
+    pvals = _slot_p_values(res.output_token_ids, res.num_accepted, target)
+    assert min(pvals) > P_VALUE_FLOOR, pvals
+
+
+def test_sampled_drafts_tp2_equals_tp1_and_has_power(monkeypatch: pytest.MonkeyPatch) -> None:
+    a = _sampled_run(5000, 3, 7, 1.0, 0, 1.0, 9, 1, monkeypatch)[0]
+    b = _sampled_run(5000, 3, 7, 1.0, 0, 1.0, 9, 2, monkeypatch)[0]
+    assert torch.equal(a.output_token_ids, b.output_token_ids)
+    # A residual that ignores q (p with nothing removed) must fail the same check.
+    orig = rs.residual_local_packed
+
+    def wrong(target_probs, d):
+        d2 = rs.SampledDrafts(d.mask, d.ignore, torch.full_like(d.local_logits, -float("inf")), d.vocab_start,
+                              d.num_real, d.temperature, d.log_q, d.lse, d.residual_rows)
+        return orig(target_probs, d2)
+
+    monkeypatch.setattr(rs, "residual_local_packed", wrong)
+    res, target, _, _ = _sampled_run(30000, 3, 7, 1.0, 0, 1.0, 77, 2, monkeypatch)
+    assert min(_slot_p_values(res.output_token_ids, res.num_accepted, target)) < 1e-12
+
+
+def test_sampled_drafts_ignored_rows_sample_plainly() -> None:
+    from mtpspec.sample import gumbel as gm
+    b, k, vocab = 40, 2, 6
+    logits = torch.randn(b, k + 1, vocab)
+    drafts = torch.randint(0, vocab, (b, k))
+    meta = _meta(b, 1.0)
+    au, su = torch.rand(b, k, dtype=torch.float64), torch.rand(b, k + 1, dtype=torch.float64)
+    d = rs.SampledDrafts(torch.ones(b, dtype=torch.bool), torch.ones(b, dtype=torch.bool), torch.zeros(b, k, vocab),
+                         0, vocab, torch.ones(b), torch.zeros(b, k), torch.zeros(b, k), torch.zeros(b, k, dtype=torch.long))
+    res = RejectionSampler()(drafts, logits, meta, au, su, sampled=d)
+    plain = Sampler()(logits[:, 0], meta, su[:, 0])
+    assert (res.num_accepted == 0).all() and torch.equal(res.output_token_ids[:, 0], plain)
+    del gm

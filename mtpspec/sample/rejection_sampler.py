@@ -18,6 +18,15 @@ acceptance probability ``p(x)`` and the residual is ``p`` with ``x`` removed. Pa
 ``draft_probs=None`` for that case; it is verified by a draw coupled with plain sampling (see
 :func:`random_verify`), so seeded tokens do not depend on the drafts.
 
+Sampled drafts (:class:`SampledDrafts`, the MTP proposer's ``draft_sampling="auto"``): the
+draft was drawn from ``q = softmax(l / T)`` of the MTP layer's logits ``l`` by vocab-parallel
+Gumbel-max (:mod:`mtpspec.sample.gumbel`); the verifier gets ``q(x)`` and the global log-sum-exp
+as numbers and ``l`` only as this rank's vocab shard. The accept test reads ``q(x)``; the
+residual ``max(0, p - q)`` is formed shard-wise (``p`` is the full target distribution on every
+rank) and sampled by vocab-parallel Gumbel-max on ``log max(0, p - q)`` (noise stream
+:data:`~mtpspec.sample.gumbel.STREAM_RESIDUAL`), so nothing of vocab size crosses ranks: one
+``[B * k, 4]`` float32 gather per step.
+
 Greedy rows (temperature 0) accept drafts up to the first one that differs from the target's
 argmax and then emit the target's argmax; when all ``k`` match the target's argmax at position
 ``k`` is the bonus token. Every row therefore emits ``num_accepted + 1`` tokens.
@@ -30,6 +39,8 @@ from typing import Optional
 
 import torch
 
+from mtpspec.distributed import get_tensor_model_parallel_world_size, tensor_model_parallel_all_gather
+from mtpspec.sample.gumbel import local_gumbel_top, pick_gumbel, scaled_logits
 from mtpspec.sample.sampler import SamplingMetadata, compute_probs, sample_inverse_cdf
 
 PLACEHOLDER_TOKEN_ID = -1
@@ -48,6 +59,62 @@ class RejectionOutput:
 
     output_token_ids: torch.Tensor
     num_accepted: torch.Tensor
+
+
+@dataclass
+class SampledDrafts:
+    """The draft distributions of sampled drafts, kept vocab-sharded (``B`` decodes, ``k`` drafts).
+
+    Attributes:
+        mask: ``[B]`` bool, rows whose drafts were sampled (the others: one-hot ``q``).
+        ignore: ``[B]`` bool, rows whose drafts were sampled but whose ``q`` is no longer held
+            (the drafts are not verified: nothing is accepted and the row samples plainly).
+        local_logits: ``[B, k, per_rank]`` this rank's shard of the draft logits (as drafted).
+        vocab_start / num_real: the shard's first global id and real columns.
+        temperature: ``[B]`` float32, the temperature the drafts were drawn at.
+        log_q: ``[B, k]`` float32, ``log q(draft)``; lse: ``[B, k]`` float32, global
+            log-sum-exp of ``l / T``.
+        residual_rows: ``[B, k]`` int64 row hashes of the recovered tokens' noise
+            (:func:`~mtpspec.sample.gumbel.row_hash` with ``STREAM_RESIDUAL`` at each draft's position).
+    """
+
+    mask: torch.Tensor
+    ignore: torch.Tensor
+    local_logits: torch.Tensor
+    vocab_start: int
+    num_real: int
+    temperature: torch.Tensor
+    log_q: torch.Tensor
+    lse: torch.Tensor
+    residual_rows: torch.Tensor
+
+
+def residual_local_packed(target_probs: torch.Tensor, d: SampledDrafts) -> torch.Tensor:
+    """This rank's packed Gumbel rows ``[B * k, 4]`` for a draw from ``norm(max(0, p - q))``.
+
+    ``target_probs``: ``[B, k, V]`` (full ``p`` of the draft positions). ``q`` on this rank's
+    columns is ``exp(l / T - LSE)``; an all-zero residual (``p == q``, where no rejection can
+    happen) gives a -inf row, whose pick is never emitted.
+    """
+    b, k, _ = target_probs.shape
+    nr, v0 = d.num_real, d.vocab_start
+    if nr <= 0:
+        return local_gumbel_top(target_probs.new_zeros(b * k, 0), v0, 0, target_probs.new_ones(b * k),
+                                d.residual_rows.reshape(-1))
+    x = scaled_logits(d.local_logits[..., :nr].reshape(b * k, nr), d.temperature.repeat_interleave(k))
+    q = torch.exp(x - d.lse.reshape(b * k, 1))
+    w = (target_probs[..., v0:v0 + nr].reshape(b * k, nr) - q).clamp_min(0.0)
+    return local_gumbel_top(torch.log(w), v0, nr, torch.ones(b * k, device=w.device), d.residual_rows.reshape(-1))
+
+
+def _residual_tokens(target_probs: torch.Tensor, d: SampledDrafts) -> torch.Tensor:
+    """``[B, k]`` recovered tokens, one vocab-parallel Gumbel draw per draft position."""
+    packed = residual_local_packed(target_probs, d)
+    if get_tensor_model_parallel_world_size() > 1:
+        packed = tensor_model_parallel_all_gather(packed.unsqueeze(0), dim=0)
+    else:
+        packed = packed.unsqueeze(0)
+    return pick_gumbel(packed).token_ids.view(target_probs.shape[:2])
 
 
 def _leading_true_count(mask: torch.Tensor) -> torch.Tensor:
@@ -97,7 +164,8 @@ def greedy_verify(draft_token_ids: torch.Tensor, target_logits: torch.Tensor) ->
 
 def random_verify(draft_token_ids: torch.Tensor, target_logits: torch.Tensor, meta: SamplingMetadata,
                   accept_uniforms: torch.Tensor, sample_uniforms: torch.Tensor,
-                  draft_probs: Optional[torch.Tensor] = None) -> RejectionOutput:
+                  draft_probs: Optional[torch.Tensor] = None,
+                  sampled: Optional[SampledDrafts] = None) -> RejectionOutput:
     """Speculative rejection sampling (see the module docstring for the sources).
 
     Args:
@@ -109,6 +177,10 @@ def random_verify(draft_token_ids: torch.Tensor, target_logits: torch.Tensor, me
         sample_uniforms: ``[B, k + 1]`` in ``[0, 1)``: one per decided position (slot ``k``:
             the bonus draw).
         draft_probs: ``[B, k, V]`` draft distributions, or ``None`` for one-hot (greedy) drafts.
+        sampled: rows with vocab-sharded sampled drafts (:class:`SampledDrafts`; only with
+            ``draft_probs=None``): their accept test is ``u * q(x) < p(x)`` with
+            ``accept_uniforms``, their recovered token a vocab-parallel Gumbel draw from the
+            residual, their bonus token the same draw from ``p_k`` as the others'.
 
     With ``draft_probs=None`` slot ``j`` draws ``x_j = sample_inverse_cdf(p_j, sample_uniforms[:, j])``
     (what :class:`~mtpspec.sample.sampler.Sampler` draws from the same row), accepts the draft
@@ -143,6 +215,18 @@ def random_verify(draft_token_ids: torch.Tensor, target_logits: torch.Tensor, me
     num_accepted = _leading_true_count(accepted)
     weights = torch.cat([_residual_weights(probs[:, :k], draft_token_ids, draft_probs), probs[:, k:]], dim=1)
     final = sample_inverse_cdf(weights.reshape(b * k1, vocab), draws.reshape(b * k1)).view(b, k1)
+    if sampled is not None:
+        if draft_probs is not None:
+            raise ValueError("pass either draft_probs or sampled drafts, not both")
+        q_draft = sampled.log_q.double().exp()
+        acc_s = _leading_true_count(accept_uniforms.double() * q_draft < p_draft.double())
+        final_s = torch.cat([_residual_tokens(probs[:, :k], sampled), final[:, k:]], dim=1)
+        m = sampled.mask.unsqueeze(1)
+        num_accepted = torch.where(sampled.mask, acc_s, num_accepted)
+        final = torch.where(m, final_s, final)
+        # Drafts whose q is gone: accept none, emit plain sampling's token at slot 0 (x_0).
+        num_accepted = torch.where(sampled.ignore, torch.zeros_like(num_accepted), num_accepted)
+        final[:, 0] = torch.where(sampled.ignore, x[:, 0], final[:, 0])
     return RejectionOutput(assemble_output_tokens(draft_token_ids, final, num_accepted), num_accepted)
 
 
@@ -151,7 +235,8 @@ class RejectionSampler(torch.nn.Module):
 
     def forward(self, draft_token_ids: torch.Tensor, target_logits: torch.Tensor, meta: SamplingMetadata,
                 accept_uniforms: Optional[torch.Tensor] = None, sample_uniforms: Optional[torch.Tensor] = None,
-                draft_probs: Optional[torch.Tensor] = None) -> RejectionOutput:
+                draft_probs: Optional[torch.Tensor] = None,
+                sampled: Optional[SampledDrafts] = None) -> RejectionOutput:
         """Greedy rows via :func:`greedy_verify`, random rows via :func:`random_verify`.
 
         Shapes as in :func:`random_verify`. The uniforms may be ``None`` only when every row is
@@ -170,7 +255,9 @@ class RejectionSampler(torch.nn.Module):
         if accept_uniforms.shape != (b, k) or sample_uniforms.shape != (b, k + 1):
             raise ValueError(f"uniforms must be [B, k]={[b, k]} and [B, k + 1]={[b, k + 1]}, got "
                              f"{list(accept_uniforms.shape)} and {list(sample_uniforms.shape)}")
-        rand = random_verify(draft_token_ids, target_logits, meta, accept_uniforms, sample_uniforms, draft_probs)
+        extra = {} if sampled is None else {"sampled": sampled}
+        rand = random_verify(draft_token_ids, target_logits, meta, accept_uniforms, sample_uniforms, draft_probs,
+                             **extra)
         if meta.all_random:
             return rand
         greedy = greedy_verify(draft_token_ids, target_logits)
