@@ -75,22 +75,34 @@ class SpeculativeConfig:
             since. ``None`` (default): the checkpoint's ``config.json`` value, else off. Setting
             it for a model without an indexer is a start-up error
             (:func:`resolve_index_share`).
+        draft_sampling: ``"greedy"`` (default): every draft is the MTP layer's argmax (one-hot
+            ``q``). ``"auto"``: rows sampled at temperature > 0 without top-k / top-p draw their
+            drafts from the MTP layer's ``softmax(l / T)`` by vocab-parallel Gumbel-max
+            (:mod:`mtpspec.sample.gumbel`) and are verified with the real ``q``; greedy rows and
+            rows with top-k or top-p keep greedy drafts (exact either way).
 
     Raises:
-        ValueError: unknown method or k out of range.
+        ValueError: unknown method, k out of range or an unknown ``draft_sampling``.
     """
 
     #: The keys of a ``speculative_config`` dict (vLLM's spelling).
-    KEYS = ("method", "num_speculative_tokens", "use_local_argmax_reduction", "index_share_for_mtp_iteration")
+    KEYS = ("method", "num_speculative_tokens", "use_local_argmax_reduction", "index_share_for_mtp_iteration",
+            "draft_sampling")
+    #: Values of ``draft_sampling``.
+    DRAFT_SAMPLING = ("greedy", "auto")
 
     method: str = "mtp"
     num_speculative_tokens: int = 1
     use_local_argmax_reduction: bool = False
     index_share_for_mtp_iteration: Optional[bool] = None
+    draft_sampling: str = "greedy"
 
     def __post_init__(self) -> None:
         if self.method != "mtp":
             raise ValueError(f"speculative method must be 'mtp', got {self.method!r}")
+        if self.draft_sampling not in self.DRAFT_SAMPLING:
+            raise ValueError(f"speculative_config: draft_sampling must be one of {list(self.DRAFT_SAMPLING)}, "
+                             f"got {self.draft_sampling!r}")
         if self.index_share_for_mtp_iteration is not None and not isinstance(self.index_share_for_mtp_iteration, bool):
             raise ValueError(f"index_share_for_mtp_iteration must be true, false or null, got "
                              f"{self.index_share_for_mtp_iteration!r}")

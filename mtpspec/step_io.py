@@ -48,6 +48,8 @@ class SeqInput:
             last row of a partial chunk, ``next_token_id``); ``0`` = none.
         logits_params: ``logit_bias`` / ``min_tokens`` / penalties of the step's rows
             (:class:`~mtpspec.sample.logits_processors.SeqLogitsParams`), ``None`` = none.
+        request_id: the sequence's id (unique among live sequences); sampled drafts keep their
+            draft distribution on the device under it until the next step verifies them.
     """
 
     input_token_ids: List[int]
@@ -63,6 +65,13 @@ class SeqInput:
     prompt_logprobs: Optional[int] = None
     prompt_logprob_rows: int = 0
     logits_params: Optional[SeqLogitsParams] = None
+    request_id: str = ""
+
+    @property
+    def draft_temperature(self) -> float:
+        """The temperature its drafts are sampled at under ``draft_sampling="auto"``: its own for a
+        row sampled without top-k / top-p, else 0 (greedy drafts)."""
+        return self.temperature if self.temperature > 0 and self.top_k <= 0 and self.top_p >= 1.0 else 0.0
 
     @property
     def is_partial_prefill(self) -> bool:
@@ -134,6 +143,9 @@ class PreparedStep:
             elsewhere; ``None`` without partial chunks.
         logits_meta: the rows' ``logit_bias`` / ``min_tokens`` / penalty edits (``None``: none).
         logprobs_meta: rows to score for ``logprobs`` / ``prompt_logprobs`` (``None``: none).
+        draft_temperature / draft_seed_keys: ``[B]`` float32 / int64 (the uint64 keys' bits):
+            per sequence, the temperature its next drafts are sampled at (0: greedy drafts) and
+            its counter key; ``None`` unless ``draft_sampling="auto"`` and a row samples drafts.
     """
 
     input_ids: torch.Tensor
@@ -159,6 +171,8 @@ class PreparedStep:
     next_token_ids: Optional[torch.Tensor] = None
     logits_meta: Optional[LogitsProcessorMetadata] = None
     logprobs_meta: Optional[LogprobsMetadata] = None
+    draft_temperature: Optional[torch.Tensor] = None
+    draft_seed_keys: Optional[torch.Tensor] = None
 
 
 @dataclass

@@ -13,7 +13,10 @@ op                  payload                    bytes sent (= bytes received)
 ``reduce_scatter``  ``S`` bytes input          ``(n - 1) * S // n``
 ==================  =========================  ==================================
 
-At ``n == 1`` nothing is communicated and nothing is counted.
+At ``n == 1`` nothing is communicated and nothing is counted. A caller may file an all-gather
+under its own name (``counter=``), so that one path's bytes stand apart: the sampled drafts'
+Gumbel-max rows are ``all_gather_draft_sample`` and the recovered tokens' rows at a verification
+``all_gather_residual_sample`` (:mod:`mtpspec.sample.gumbel`).
 """
 
 from __future__ import annotations
@@ -71,12 +74,13 @@ def tensor_model_parallel_all_reduce(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def tensor_model_parallel_all_gather(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+def tensor_model_parallel_all_gather(x: torch.Tensor, dim: int = -1, counter: str = "all_gather") -> torch.Tensor:
     """Concatenate every rank's ``x`` along ``dim``, in rank order.
 
     Args:
         x: this rank's tensor, the same shape on every rank.
         dim: the dimension to concatenate along (negative counts from the end).
+        counter: the op name its bytes are counted under.
 
     Returns:
         A tensor whose size along ``dim`` is ``tp * x.shape[dim]``; rank r's part
@@ -101,7 +105,7 @@ def tensor_model_parallel_all_gather(x: torch.Tensor, dim: int = -1) -> torch.Te
         dist.all_gather(parts, x, group=g.device_group)
         out = torch.cat(parts, dim=dim)
     nbytes = x.numel() * x.element_size()
-    _count("all_gather", (n - 1) * nbytes, (n - 1) * nbytes)
+    _count(counter, (n - 1) * nbytes, (n - 1) * nbytes)
     return out
 
 

@@ -115,7 +115,10 @@ def parse_speculative_config(value: SpecArg) -> Optional[Dict[str, Any]]:
     if value is None:
         return None
     if isinstance(value, SpeculativeConfig):
-        return {k: getattr(value, k) for k in SpeculativeConfig.KEYS if getattr(value, k) is not None}
+        out = {k: getattr(value, k) for k in SpeculativeConfig.KEYS if getattr(value, k) is not None}
+        if out.get("draft_sampling") == "greedy":  # the default: absent, as in the JSON it came from
+            del out["draft_sampling"]
+        return out
     if isinstance(value, str):
         try:
             value = json.loads(value)
@@ -147,6 +150,10 @@ def parse_speculative_config(value: SpecArg) -> Optional[Dict[str, Any]]:
     if share is not None and not isinstance(share, bool):
         raise ValueError(f"speculative_config: index_share_for_mtp_iteration must be true, false or null, "
                          f"got {share!r}")
+    ds = out.get("draft_sampling", "greedy")
+    if ds not in SpeculativeConfig.DRAFT_SAMPLING:
+        raise ValueError(f"speculative_config: draft_sampling must be one of {list(SpeculativeConfig.DRAFT_SAMPLING)}, "
+                         f"got {ds!r}")
     return out
 
 

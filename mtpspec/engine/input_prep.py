@@ -60,7 +60,8 @@ def _logprobs_meta(seqs: List[SeqInput], layout: List[List[int]], k: int, seg: n
     return LogprobsMetadata.build(sample, prompt, device)
 
 
-def prepare_step(step: StepInput, k: int, block_size: int, max_position: int, device: torch.device) -> PreparedStep:
+def prepare_step(step: StepInput, k: int, block_size: int, max_position: int, device: torch.device,
+                 draft_sampling: bool = False) -> PreparedStep:
     """Build :class:`PreparedStep` (one host-to-device copy per tensor, no device sync).
 
     ``k`` is the number of draft tokens (0: plain decoding, where decodes are sampled from
@@ -71,6 +72,9 @@ def prepare_step(step: StepInput, k: int, block_size: int, max_position: int, de
     Partial prefill chunks (``SeqInput.next_token_id`` set) get no sample row, no sampling
     parameters and no draws; ``host_partial``, ``prefill_sample_index`` and ``next_token_ids``
     tell the runner where they are.
+
+    ``draft_sampling`` (``SpeculativeConfig.draft_sampling == "auto"``): fill
+    ``draft_temperature`` / ``draft_seed_keys`` when some sequence samples its drafts.
 
     Raises:
         ValueError: decodes after prefills, a decode with the wrong number of tokens, a
@@ -140,6 +144,10 @@ def prepare_step(step: StepInput, k: int, block_size: int, max_position: int, de
     if num_dec:
         drafts = dev(np.array([s.input_token_ids[1:] for s in decodes], dtype=np.int64))
     layout = _row_layout(seqs, num_dec, k)
+    draft_t = draft_keys = None
+    if draft_sampling and k and any(s.draft_temperature > 0 for s in seqs):
+        draft_t = dev(np.array([s.draft_temperature for s in seqs], dtype=np.float32), torch.float32)
+        draft_keys = dev(np.array([s.seed_key for s in seqs], dtype=np.uint64).view(np.int64))
     return PreparedStep(
         input_ids=dev(ids), positions=dev(np.minimum(pos, max_position - 1)), attn_metadata=meta,
         block_tables=meta.block_tables, start_positions=dev(starts), seg_starts=dev(seg[:-1]),
@@ -149,4 +157,5 @@ def prepare_step(step: StepInput, k: int, block_size: int, max_position: int, de
         host_query_lens=q.tolist(), host_start_positions=starts.tolist(), host_partial=partial,
         prefill_sample_index=sample_index, next_token_ids=next_ids,
         logits_meta=_logits_meta(seqs, layout, num_dec, device),
-        logprobs_meta=_logprobs_meta(seqs, layout, k, seg, device))
+        logprobs_meta=_logprobs_meta(seqs, layout, k, seg, device),
+        draft_temperature=draft_t, draft_seed_keys=draft_keys)

@@ -31,7 +31,8 @@ from mtpspec.engine.input_prep import prepare_step
 from mtpspec.ops.kv_quant import resolve_kv_cache_dtype
 from mtpspec.sample.logits_processors import apply_logits_processors
 from mtpspec.sample.logprobs import PROMPT_CHUNK_ROWS, score_rows, unpack_rows
-from mtpspec.sample.rejection_sampler import PLACEHOLDER_TOKEN_ID, RejectionSampler
+from mtpspec.sample.gumbel import STREAM_RESIDUAL, row_hash
+from mtpspec.sample.rejection_sampler import PLACEHOLDER_TOKEN_ID, RejectionSampler, SampledDrafts
 from mtpspec.sample.sampler import Sampler
 from mtpspec.spec_decode.proposer import Proposer, build_proposer
 from mtpspec.step_io import PreparedStep, StepInput, StepOutput
@@ -77,6 +78,11 @@ class ModelRunner:
         self.rejection_sampler = RejectionSampler()
         self.is_driver = get_tp_group().rank_in_group == 0  # the rank whose StepOutput is read
         self.proposer: Optional[Proposer] = None
+        self.draft_sampling = spec is not None and spec.draft_sampling == "auto"
+        # Sampled drafts: request id -> batch index of the step that drafted them (the row of the
+        # proposer's SampledDraftState), and that step's drafts [B, k].
+        self._draft_rows: dict = {}
+        self._prev_drafts: Optional[torch.Tensor] = None
         if spec is not None:
             if mtp is None:
                 raise ValueError("speculative decoding needs the MTP model")
@@ -144,9 +150,12 @@ class ModelRunner:
             kv_cache.copy_blocks(self.layers, step.block_copies, self.device)
         inp = self._prepare(step)
         hidden, logits = self.fwd.verify(inp.input_ids, inp.positions, inp.attn_metadata, inp.sample_rows)
-        tokens, last_row = self._accept(inp, logits)
+        tokens, last_row = self._accept(inp, logits, self._sampled_drafts(step, inp))
         scores = self._score_logprobs(inp, hidden, logits, tokens)
         drafts = self._propose(inp, hidden, tokens, last_row)
+        if self.draft_sampling and drafts is not None:
+            self._draft_rows = {s.request_id: i for i, s in enumerate(step.seqs) if not s.is_partial_prefill}
+            self._prev_drafts = drafts
         new_tokens, drafts_out, host_scores = self._copy_out(tokens, drafts, inp.host_partial, scores)
         comm1 = _bytes_sent(comm_stats())
         delta = {op: comm1[op] - comm0.get(op, 0) for op in comm1 if comm1[op] != comm0.get(op, 0)}
@@ -158,17 +167,56 @@ class ModelRunner:
 
     def _prepare(self, step: StepInput) -> PreparedStep:
         """Device tensors of ``step``; tells the forward the batch (graph buffers for pure decodes)."""
-        inp = prepare_step(step, self.k, self.cache_config.block_size, self.max_position, self.device)
+        inp = prepare_step(step, self.k, self.cache_config.block_size, self.max_position, self.device,
+                           self.draft_sampling)
         self.fwd.begin_step(step.is_pure_decode, len(step.seqs), inp.block_tables)
         return inp
 
-    def _accept(self, inp: PreparedStep, logits: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    def _sampled_drafts(self, step: StepInput, inp: PreparedStep) -> Optional[SampledDrafts]:
+        """The draft distributions of this step's decodes whose drafts were sampled, or ``None``.
+
+        Read from the proposer's persistent buffers at the rows the previous step drafted them
+        in (before this step's drafting overwrites them). A decode whose drafts were not drafted
+        by the previous step (it sat a step out) or do not match the recorded ones is marked
+        ``ignore``: its drafts are not verified and it samples plainly (exact). Decided on the
+        host from the ``StepInput`` alone, so every rank issues the same collectives.
+        """
+        nd = inp.num_decodes
+        if not self.draft_sampling or not nd or inp.draft_temperature is None:
+            return None
+        decodes = step.seqs[:nd]
+        mask_host = [s.draft_temperature > 0 for s in decodes]
+        if not any(mask_host):
+            return None
+        st = self.proposer.sampled
+        rows_host = [self._draft_rows.get(s.request_id, -1) if m else -1 for s, m in zip(decodes, mask_host)]
+        dev = self.device
+        mask = torch.tensor(mask_host, dtype=torch.bool).to(dev, non_blocking=True)
+        rows = torch.tensor(rows_host, dtype=torch.int64).to(dev, non_blocking=True)
+        known = rows >= 0
+        idx = rows.clamp(min=0)
+        if self._prev_drafts is not None and self._prev_drafts.shape[0] > 0:
+            prev = self._prev_drafts.index_select(0, idx.clamp(max=self._prev_drafts.shape[0] - 1))
+            known = known & (prev == inp.draft_token_ids).all(dim=1)
+        else:
+            known = torch.zeros_like(known)
+        k = self.k
+        pos = (inp.start_positions[:nd].unsqueeze(1) + 1 + torch.arange(k, device=dev)).reshape(-1)
+        res_rows = row_hash(inp.draft_seed_keys[:nd].repeat_interleave(k), pos, STREAM_RESIDUAL).view(nd, k)
+        v0, nr = self.mtp.local_vocab_range(0)
+        return SampledDrafts(mask & known, mask & ~known, st.local_logits.index_select(0, idx), v0, nr,
+                             inp.draft_temperature[:nd], st.log_q.index_select(0, idx), st.lse.index_select(0, idx),
+                             res_rows)
+
+    def _accept(self, inp: PreparedStep, logits: torch.Tensor,
+                sampled: Optional[SampledDrafts] = None) -> Tuple[torch.Tensor, torch.Tensor]:
         """Verify the decodes' drafts (rejection sampler) and sample the prefills (sampler).
 
         Returns:
             tokens ``[B, k + 1]`` int64 (:data:`PLACEHOLDER_TOKEN_ID`-padded; all placeholders for
             a partial prefill chunk, which samples nothing) and each sequence's last valid row
             offset ``[B]`` int64 (accepted drafts; ``q - 1`` for a prefill or a chunk).
+            ``sampled``: the decodes' sampled-draft distributions (:meth:`_sampled_drafts`).
         """
         k = self.k
         nd, npf = inp.num_decodes, inp.num_prefills
@@ -177,7 +225,7 @@ class ModelRunner:
         if nd:
             dec_logits = logits[: nd * (k + 1)].view(nd, k + 1, -1)
             res = self.rejection_sampler(inp.draft_token_ids, dec_logits, inp.decode_meta, inp.accept_uniforms,
-                                         inp.decode_sample_uniforms)
+                                         inp.decode_sample_uniforms, sampled=sampled)
             parts.append(res.output_token_ids)
             last.append(res.num_accepted)
         if npf:

@@ -23,7 +23,7 @@ writes the ids directly (the pick of a single rank's non-sentinel pair is its id
 
 from __future__ import annotations
 
-from typing import Optional, Protocol
+from typing import Optional, Protocol, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -31,6 +31,7 @@ from torch import nn
 
 from mtpspec.distributed import get_tensor_model_parallel_world_size, tensor_model_parallel_all_gather
 from mtpspec.ops.argmax import local_argmax, local_top_pairs, pick_top_tokens
+from mtpspec.sample.gumbel import GumbelPick, vocab_parallel_gumbel_sample
 
 __all__ = ["LogitsProcessor", "VocabShardedHead", "local_argmax", "local_top_pairs", "pick_top_tokens"]
 
@@ -111,6 +112,24 @@ class LogitsProcessor(nn.Module):
         pairs = local_top_pairs(local, lm_head.vocab_start_index, self._num_real(lm_head))
         gathered = tensor_model_parallel_all_gather(pairs.unsqueeze(0), dim=0)
         return pick_top_tokens(gathered)
+
+    def local_vocab_range(self, lm_head: VocabShardedHead) -> Tuple[int, int]:
+        """``(vocab_start, num_real)``: this rank's first global id and its real (unpadded) columns."""
+        return lm_head.vocab_start_index, self._num_real(lm_head)
+
+    def get_sampled_tokens(self, lm_head: VocabShardedHead, hidden_states: torch.Tensor, temperature: torch.Tensor,
+                           rows: torch.Tensor) -> Tuple[GumbelPick, torch.Tensor]:
+        """Tokens drawn from ``softmax(logits / T)`` (argmax where ``T == 0``) by vocab-parallel
+        Gumbel-max (:func:`~mtpspec.sample.gumbel.vocab_parallel_gumbel_sample`), and this rank's
+        local logits ``[num_tokens, per_rank]`` they were drawn from (kept for the verifier).
+
+        ``temperature``: ``[num_tokens]`` float32; ``rows``: ``[num_tokens]`` int64 noise row hashes.
+        One all-gather of 16 bytes per token per rank (as :meth:`get_top_tokens`).
+        """
+        local = self._local_logits(lm_head, hidden_states)
+        pick = vocab_parallel_gumbel_sample(local, lm_head.vocab_start_index, self._num_real(lm_head),
+                                            temperature, rows)
+        return pick, local
 
     def extra_repr(self) -> str:
         return f"vocab_size={self.vocab_size}"

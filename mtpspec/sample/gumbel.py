@@ -138,13 +138,14 @@ def pick_gumbel(gathered: torch.Tensor) -> GumbelPick:
 
 
 def vocab_parallel_gumbel_sample(local_logits: torch.Tensor, vocab_start: int, num_real: int,
-                                 temperature: torch.Tensor, rows: torch.Tensor) -> GumbelPick:
+                                 temperature: torch.Tensor, rows: torch.Tensor,
+                                 counter: str = "all_gather_draft_sample") -> GumbelPick:
     """Draw one token per row from ``softmax(l / T)`` over the real vocab (argmax where ``T == 0``).
 
     One all-gather of ``[1, N, 4]`` float32 per rank (:data:`PACKED_BYTES_PER_ROW` bytes per row);
-    none at tp 1. No host sync; fixed shapes (CUDA-graph capturable).
+    none at tp 1, counted under ``counter``. No host sync; fixed shapes (CUDA-graph capturable).
     """
     packed = local_gumbel_top(local_logits, vocab_start, num_real, temperature, rows)
     if get_tensor_model_parallel_world_size() == 1:
         return pick_gumbel(packed.unsqueeze(0))
-    return pick_gumbel(tensor_model_parallel_all_gather(packed.unsqueeze(0), dim=0))
+    return pick_gumbel(tensor_model_parallel_all_gather(packed.unsqueeze(0), dim=0, counter=counter))

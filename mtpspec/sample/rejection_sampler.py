@@ -111,7 +111,7 @@ def _residual_tokens(target_probs: torch.Tensor, d: SampledDrafts) -> torch.Tens
     """``[B, k]`` recovered tokens, one vocab-parallel Gumbel draw per draft position."""
     packed = residual_local_packed(target_probs, d)
     if get_tensor_model_parallel_world_size() > 1:
-        packed = tensor_model_parallel_all_gather(packed.unsqueeze(0), dim=0)
+        packed = tensor_model_parallel_all_gather(packed.unsqueeze(0), dim=0, counter="all_gather_residual_sample")
     else:
         packed = packed.unsqueeze(0)
     return pick_gumbel(packed).token_ids.view(target_probs.shape[:2])

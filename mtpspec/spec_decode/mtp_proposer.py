@@ -26,7 +26,16 @@ KV entries a whole prefill would, and the drafts it yields are dropped by the ru
    ``spec_step_idx = j`` (the model uses layer ``j % num_mtp_layers``).
 
 Drafts are greedy: ``get_top_tokens`` (vocab-parallel local argmax) when
-``use_local_argmax_reduction`` is set, else ``compute_logits(...).argmax(-1)``.
+``use_local_argmax_reduction`` is set, else ``compute_logits(...).argmax(-1)``. With
+``draft_sampling="auto"`` every draft goes through ``get_sampled_tokens`` instead: rows with a
+draft temperature ``T > 0`` (``PreparedStep.draft_temperature``) draw from the MTP layer's
+``softmax(l / T)`` by vocab-parallel Gumbel-max (noise keyed by the request's seed key, the
+drafted token's position and the global token id, stream
+:data:`~mtpspec.sample.gumbel.STREAM_DRAFT`), the others take the argmax (the same ids as
+``get_top_tokens``). The draws' ``log q(x)``, global log-sum-exp and this rank's local logits
+stay in persistent buffers (row = batch index, column = draft), which the next step's verifier
+reads before this step's drafting overwrites them (:class:`SampledDraftState`). Per-row inputs
+come from persistent buffers too, so the draft steps stay CUDA-graph capturable.
 
 Phase 1 is the proposer's *prefill*, phase 2 its *multi-step decode*; :meth:`MTPProposer.propose`
 brackets them with the lifecycle hooks of :class:`~mtpspec.spec_decode.proposer.Proposer`, which
@@ -36,6 +45,7 @@ drive MTP index sharing (sparse-attention models, ``index_share_for_mtp_iteratio
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import List, Optional
 
 import torch
@@ -44,6 +54,7 @@ from torch import nn
 from mtpspec.config import SpeculativeConfig
 from mtpspec.layers.attention import AttentionMetadata
 from mtpspec.models.interfaces import supports_local_argmax
+from mtpspec.sample.gumbel import STREAM_DRAFT, row_hash
 from mtpspec.spec_decode.draft_forward import DraftForward, EagerDraftForward
 from mtpspec.spec_decode.index_share import IndexShareState, attach_index_share
 from mtpspec.spec_decode.proposer import GraphUnits, Proposer
@@ -52,6 +63,24 @@ from mtpspec.step_io import PreparedStep
 
 class LocalArgmaxUnsupportedError(TypeError):
     """``use_local_argmax_reduction`` was requested from a model without ``get_top_tokens``."""
+
+
+@dataclass
+class SampledDraftState:
+    """Persistent buffers of sampled drafts (``R = max_num_seqs`` rows, ``k`` drafts).
+
+    Inputs (written by :meth:`MTPProposer.propose` before drafting): ``temperature [R]`` float32
+    (0: greedy), ``seed_keys [R]`` int64, ``base [R]`` int64 (draft ``j`` decides position
+    ``base + 2 + j``). Outputs: ``local_logits [R, k, per_rank]`` (this rank's shard, model dtype),
+    ``log_q [R, k]`` and ``lse [R, k]`` float32.
+    """
+
+    temperature: torch.Tensor
+    seed_keys: torch.Tensor
+    base: torch.Tensor
+    local_logits: torch.Tensor
+    log_q: torch.Tensor
+    lse: torch.Tensor
 
 
 class MTPProposer(Proposer):
@@ -68,6 +97,7 @@ class MTPProposer(Proposer):
         index_share: share the MTP indexers' selection across the round's draft steps
             (``index_share_for_mtp_iteration``, :mod:`mtpspec.spec_decode.index_share`).
         max_num_seqs: requests per step (the sharing buffers' rows).
+        draft_sampling: ``"greedy"`` or ``"auto"`` (sampled drafts, see the module docstring).
 
     Raises:
         LocalArgmaxUnsupportedError: the flag is set and the model does not implement
@@ -76,7 +106,8 @@ class MTPProposer(Proposer):
     """
 
     def __init__(self, model: nn.Module, k: int, use_local_argmax_reduction: bool, block_size: int,
-                 max_position: int, index_share: bool = False, max_num_seqs: int = 256):
+                 max_position: int, index_share: bool = False, max_num_seqs: int = 256,
+                 draft_sampling: str = "greedy"):
         if use_local_argmax_reduction and not supports_local_argmax(model):
             raise LocalArgmaxUnsupportedError(
                 f"use_local_argmax_reduction=True but the draft model {type(model).__name__} does not implement "
@@ -90,6 +121,17 @@ class MTPProposer(Proposer):
         self.max_position = max_position
         self.index_share: List[IndexShareState] = (attach_index_share(model, k, max_num_seqs) if index_share
                                                    else [])
+        self.sampled: Optional[SampledDraftState] = None
+        if draft_sampling == "auto":
+            head = model.get_layer(0).shared_head.head
+            dev, r = head.weight.device, max_num_seqs
+            self.sampled = SampledDraftState(
+                torch.zeros(r, device=dev), torch.zeros(r, dtype=torch.int64, device=dev),
+                torch.zeros(r, dtype=torch.int64, device=dev),
+                torch.zeros(r, k, head.weight.shape[0], dtype=head.weight.dtype, device=dev),
+                torch.zeros(r, k, device=dev), torch.zeros(r, k, device=dev))
+        elif draft_sampling != "greedy":
+            raise ValueError(f"draft_sampling must be 'greedy' or 'auto', got {draft_sampling!r}")
 
     @classmethod
     def from_config(cls, spec: SpeculativeConfig, draft_model: nn.Module, *, block_size: int,
@@ -97,7 +139,7 @@ class MTPProposer(Proposer):
         """``k = spec.num_speculative_tokens``, ``spec.use_local_argmax_reduction`` and
         ``spec.index_share_for_mtp_iteration`` (``None``: off); raises as the constructor."""
         return cls(draft_model, spec.num_speculative_tokens, spec.use_local_argmax_reduction, block_size,
-                   max_position, bool(spec.index_share_for_mtp_iteration), max_num_seqs)
+                   max_position, bool(spec.index_share_for_mtp_iteration), max_num_seqs, spec.draft_sampling)
 
     # ---------------------------------------------------------------- lifecycle hooks (index sharing)
     def _set_share_mode(self, mode: str) -> None:
@@ -134,9 +176,22 @@ class MTPProposer(Proposer):
         return list(range(min(self.k, int(getattr(self.model, "num_mtp_layers", 1)))))
 
     def _top(self, hidden: torch.Tensor, step: int) -> torch.Tensor:
+        if self.sampled is not None:
+            return self._sample_top(hidden, step)
         if self.use_local_argmax:
             return self.model.get_top_tokens(hidden, spec_step_idx=step)
         return self.model.compute_logits(hidden, spec_step_idx=step).argmax(dim=-1)
+
+    def _sample_top(self, hidden: torch.Tensor, step: int) -> torch.Tensor:
+        """Draft ``step`` of the first ``n`` rows: Gumbel-max draw (argmax where ``T == 0``);
+        records ``log q``, the log-sum-exp and the local logits in :attr:`sampled`."""
+        st, n = self.sampled, hidden.shape[0]
+        rows = row_hash(st.seed_keys[:n], st.base[:n] + (2 + step), STREAM_DRAFT)
+        pick, local = self.model.get_sampled_tokens(hidden, st.temperature[:n], rows, spec_step_idx=step)
+        st.local_logits[:n, step].copy_(local)
+        st.log_q[:n, step].copy_(pick.log_q)
+        st.lse[:n, step].copy_(pick.lse)
+        return pick.token_ids
 
     def _step_metadata(self, inp: PreparedStep, positions: torch.Tensor,
                        host_positions: Optional[list]) -> AttentionMetadata:
@@ -189,8 +244,16 @@ class MTPProposer(Proposer):
             fwd.mtp_first(ids, inp.positions, target_hidden, inp.attn_metadata, layer)
         self.on_prefill_end(inp.attn_metadata)
         hidden = hidden.index_select(0, last_rows)
-        drafts = [self._top(hidden, 0)]
         base = inp.start_positions + last_row_offsets
+        if self.sampled is not None:
+            st = self.sampled
+            if inp.draft_temperature is None:
+                st.temperature[:b].zero_()
+            else:
+                st.temperature[:b].copy_(inp.draft_temperature)
+                st.seed_keys[:b].copy_(inp.draft_seed_keys)
+            st.base[:b].copy_(base)
+        drafts = [self._top(hidden, 0)]
         self.on_multi_step_decode_begin(b, self.k - 1)
         for step in range(1, self.k):
             pos = base + step
