@@ -102,3 +102,39 @@ def test_vocab_parallel_gumbel_sample_single_process() -> None:
     rows = torch.tensor([1, 2, 3], dtype=torch.int64)
     got = gm.vocab_parallel_gumbel_sample(logits, 0, 20, temp, rows)
     assert torch.equal(got.token_ids, _sample(logits, temp, rows, 1).token_ids)
+
+
+def _bytes_rank(vocab: int, hidden: int, seqs: int):
+    from mtpspec.distributed import comm_stats, reset_comm_stats
+    from mtpspec.layers.logits_processor import LogitsProcessor
+    from mtpspec.layers.vocab_parallel_embedding import ParallelLMHead
+    g = torch.Generator().manual_seed(0)
+    head = ParallelLMHead(vocab, hidden, params_dtype=torch.bfloat16)
+    head.weight.weight_loader(head.weight, torch.randn(vocab, hidden, generator=g))
+    h = torch.randn(seqs, hidden, generator=g).bfloat16()
+    lp = LogitsProcessor(vocab)
+    temp = torch.tensor([1.0, 0.0, 0.5] * (seqs // 3) + [1.0] * (seqs % 3))
+    rows = gm.row_hash(torch.arange(seqs, dtype=torch.int64), torch.full((seqs,), 3), gm.STREAM_DRAFT)
+    reset_comm_stats()
+    full = lp.compute_logits(head, h)
+    s_full = comm_stats()
+    reset_comm_stats()
+    pick, local = lp.get_sampled_tokens(head, h, temp, rows)
+    ref = gm.pick_gumbel(gm.local_gumbel_top(full, 0, vocab, temp, rows).unsqueeze(0))
+    return s_full, comm_stats(), pick, ref, local.shape
+
+
+def test_get_sampled_tokens_on_two_ranks_bytes_and_tp1_equality() -> None:
+    """tp 2 (gloo): ids bit-identical to the tp-1 draw from the gathered logits, log q within
+    rounding, one [N, 4] float32 gather under its own counter (benchmarks/draft_sampling_bytes.py
+    prints the same at tp 8: 0.04% of the full-logits gather at GLM-5's vocab)."""
+    from mtpspec.distributed import launch
+    vocab, seqs = 154880, 64
+    res = launch(_bytes_rank, 2, vocab, 16, seqs, timeout_s=300)
+    for s_full, s_samp, pick, ref, shape in res:
+        assert shape == (seqs, 77440)
+        assert torch.equal(pick.token_ids, ref.token_ids)
+        torch.testing.assert_close(pick.log_q, ref.log_q, atol=1e-4, rtol=0)
+        assert set(s_samp) == {"all_gather_draft_sample"}
+        assert s_samp["all_gather_draft_sample"]["bytes_sent"] == seqs * gm.PACKED_BYTES_PER_ROW
+        assert s_samp["all_gather_draft_sample"]["bytes_sent"] / s_full["all_gather"]["bytes_sent"] < 2e-3
