@@ -123,3 +123,26 @@ def test_tp2_and_static_graphs_equal_tp1_and_count_draft_bytes(model) -> None:
     per_step = m["comm_bytes_per_step"]
     assert per_step.get("all_gather_draft_sample", 0) > 0, per_step
     assert per_step.get("all_gather_residual_sample", 0) > 0, per_step
+
+
+def test_preemption_chunked_prefill_and_n_gt_1(model) -> None:
+    """Chunked prefill with a small token budget (partial chunks keep no drafts) gives the roomy
+    run's seeded tokens; n > 1 children (one q each) are reproducible and distinct; tight KV
+    blocks (preemption by recompute drops the pending drafts and their q) run to completion. A
+    preemption changes the realisation (the recomputed position is sampled plainly, where the
+    roomy run verified sampled drafts there): same law, not the same tokens (docs/serving.md)."""
+    path, cfg, prompts = model
+    params = _seeded(len(prompts), max_tokens=24)
+    kid_params = SamplingParams(temperature=8.0, seed=3, n=3, max_tokens=12, ignore_eos=True)
+    with LLM(path, speculative_config=AUTO, **LLM_KW) as llm:
+        ref = _gen(llm, prompts, params)
+        kids = llm.generate(token_prompts(prompts[:2]), kid_params, use_tqdm=False)
+    with LLM(path, speculative_config=AUTO, **dict(LLM_KW, max_num_batched_tokens=8 * 4 + 3)) as llm:
+        assert _gen(llm, prompts, params) == ref
+        kids2 = llm.generate(token_prompts(prompts[:2]), kid_params, use_tqdm=False)
+    with LLM(path, speculative_config=AUTO, **dict(LLM_KW, num_kv_blocks=40)) as llm:
+        tight = _gen(llm, prompts, params)
+        assert llm.get_metrics()["num_preemptions"] > 0
+    assert [len(t) for t in tight] == [24] * len(prompts)
+    assert [[c.token_ids for c in o.outputs] for o in kids] == [[c.token_ids for c in o.outputs] for o in kids2]
+    assert all(len({tuple(c.token_ids) for c in o.outputs}) == 3 for o in kids)
