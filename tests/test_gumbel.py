@@ -138,3 +138,24 @@ def test_get_sampled_tokens_on_two_ranks_bytes_and_tp1_equality() -> None:
         assert set(s_samp) == {"all_gather_draft_sample"}
         assert s_samp["all_gather_draft_sample"]["bytes_sent"] == seqs * gm.PACKED_BYTES_PER_ROW
         assert s_samp["all_gather_draft_sample"]["bytes_sent"] / s_full["all_gather"]["bytes_sent"] < 2e-3
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_kernel_equals_reference(interp, dtype) -> None:
+    """The one-pass kernel (interpreter) against the torch reference: same ids and chosen logits,
+    log-sum-exp within rounding; rows long enough to split into chunks, -inf rows, greedy rows,
+    a padded shard (num_real < per_rank) with a column stride."""
+    torch.manual_seed(3)
+    n, per = 5, 9000
+    logits = (torch.randn(n, per + 7) * 3).to(dtype)
+    logits[2] = float("-inf")
+    logits[3, 100] = 40.0
+    local = logits[:, :per]  # row stride per + 7
+    temp = torch.tensor([1.0, 0.5, 1.0, 0.0, 2.0])
+    rows = gm.row_hash(torch.arange(n, dtype=torch.int64) * 11, torch.arange(n) + 5, gm.STREAM_DRAFT)
+    for num_real in (per, per - 1000, 1):
+        got = gm.local_gumbel_top(local, 4096, num_real, temp, rows)
+        ref = gm.local_gumbel_top_ref(local, 4096, num_real, temp, rows)
+        assert torch.equal(got[:, 1].view(torch.int32), ref[:, 1].view(torch.int32)), num_real
+        torch.testing.assert_close(got[:, [0, 3]], ref[:, [0, 3]], atol=0, rtol=0)
+        torch.testing.assert_close(got[:, 2], ref[:, 2], atol=1e-4, rtol=1e-5)

@@ -32,6 +32,7 @@ from typing import NamedTuple
 import torch
 
 from mtpspec.distributed import get_tensor_model_parallel_world_size, tensor_model_parallel_all_gather
+from mtpspec.ops.triton_utils import FLOAT_DTYPES, use_triton
 
 STREAM_DRAFT = 2
 """Counter stream of a draft token's Gumbel noise (0 and 1: :mod:`~mtpspec.sample.counter_rng`)."""
@@ -98,7 +99,20 @@ def scaled_logits(local_logits: torch.Tensor, temperature: torch.Tensor) -> torc
 
 def local_gumbel_top(local_logits: torch.Tensor, vocab_start: int, num_real: int, temperature: torch.Tensor,
                      rows: torch.Tensor) -> torch.Tensor:
-    """One rank's packed ``[N, 4]`` float32 rows (see the module docstring).
+    """One rank's packed ``[N, 4]`` float32 rows (see the module docstring): the one-pass Triton
+    kernel (:mod:`mtpspec.ops.gumbel_top`) on CUDA / under ``TRITON_INTERPRET=1``, else
+    :func:`local_gumbel_top_ref`.
+    """
+    if (num_real > 0 and local_logits.shape[0] > 0 and local_logits.dtype in FLOAT_DTYPES
+            and use_triton(local_logits)):
+        from mtpspec.ops.gumbel_top import local_gumbel_top_triton
+        return local_gumbel_top_triton(local_logits, vocab_start, num_real, temperature, rows)
+    return local_gumbel_top_ref(local_logits, vocab_start, num_real, temperature, rows)
+
+
+def local_gumbel_top_ref(local_logits: torch.Tensor, vocab_start: int, num_real: int, temperature: torch.Tensor,
+                         rows: torch.Tensor) -> torch.Tensor:
+    """Torch reference of :func:`local_gumbel_top`.
 
     Args:
         local_logits: ``[N, per_rank]`` this rank's shard (any float dtype); columns ``>= num_real``
