@@ -146,3 +146,34 @@ def test_preemption_chunked_prefill_and_n_gt_1(model) -> None:
     assert [len(t) for t in tight] == [24] * len(prompts)
     assert [[c.token_ids for c in o.outputs] for o in kids] == [[c.token_ids for c in o.outputs] for o in kids2]
     assert all(len({tuple(c.token_ids) for c in o.outputs}) == 3 for o in kids)
+
+
+def _forget_every_other_step(runner) -> bool:
+    """Runs on the rank: drop the sampled drafts' row map before every other step (as if each
+    decode had sat the previous step out)."""
+    inner = runner.execute_model
+    count = [0]
+
+    def wrapped(step):
+        count[0] += 1
+        if count[0] % 2 == 0:
+            runner._draft_rows = {}
+        return inner(step)
+
+    runner.execute_model = wrapped
+    return True
+
+
+def test_drafts_without_their_q_are_not_verified(model) -> None:
+    """A decode whose drafts' q is gone verifies nothing: exactly one token (plain sampling's)
+    that step; outputs complete and seeded-reproducible."""
+    path, cfg, prompts = model
+    params = _seeded(len(prompts), max_tokens=16)
+    outs = []
+    for _ in range(2):
+        with LLM(path, speculative_config=AUTO, **LLM_KW) as llm:
+            assert llm.collective_rpc(_forget_every_other_step) == [True]
+            outs.append(_gen(llm, prompts, params))
+            m = llm.get_metrics()
+    assert outs[0] == outs[1] and [len(o) for o in outs[0]] == [16] * len(prompts)
+    assert 0 < m["num_accepted_tokens"] < m["num_draft_tokens"]
