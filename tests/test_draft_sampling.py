@@ -177,3 +177,12 @@ def test_drafts_without_their_q_are_not_verified(model) -> None:
             m = llm.get_metrics()
     assert outs[0] == outs[1] and [len(o) for o in outs[0]] == [16] * len(prompts)
     assert 0 < m["num_accepted_tokens"] < m["num_draft_tokens"]
+
+
+def test_proposer_rejects_models_without_sampling() -> None:
+    import torch
+    from mtpspec.spec_decode.mtp_proposer import MTPProposer
+    with pytest.raises(TypeError, match="get_sampled_tokens"):
+        MTPProposer(torch.nn.Linear(2, 2), 2, False, 4, 64, draft_sampling="auto")
+    with pytest.raises(ValueError, match="draft_sampling"):
+        MTPProposer(torch.nn.Linear(2, 2), 2, False, 4, 64, draft_sampling="nope")

@@ -123,6 +123,9 @@ class MTPProposer(Proposer):
                                                    else [])
         self.sampled: Optional[SampledDraftState] = None
         if draft_sampling == "auto":
+            if not all(hasattr(model, m) for m in ("get_sampled_tokens", "local_vocab_range", "get_layer")):
+                raise TypeError(f"draft_sampling='auto' but the draft model {type(model).__name__} has no "
+                                "get_sampled_tokens / local_vocab_range; use draft_sampling='greedy'")
             head = model.get_layer(0).shared_head.head
             dev, r = head.weight.device, max_num_seqs
             self.sampled = SampledDraftState(
