@@ -14,9 +14,11 @@ op                  payload                    bytes sent (= bytes received)
 ==================  =========================  ==================================
 
 At ``n == 1`` nothing is communicated and nothing is counted. A caller may file an all-gather
-under its own name (``counter=``), so that one path's bytes stand apart: the sampled drafts'
-Gumbel-max rows are ``all_gather_draft_sample`` and the recovered tokens' rows at a verification
-``all_gather_residual_sample`` (:mod:`mtpspec.sample.gumbel`).
+under its own name (``counter=``), so that one path's bytes stand apart: with
+``draft_sampling="auto"`` every draft step's Gumbel-max rows (greedy rows' included: one gather
+serves the batch) are ``all_gather_draft_sample``, and the recovered tokens' rows at a
+verification with sampled drafts ``all_gather_residual_sample`` (:mod:`mtpspec.sample.gumbel`);
+greedy drafts' pairs stay under ``all_gather``.
 """
 
 from __future__ import annotations
