@@ -98,3 +98,15 @@ def test_engine_forced_rate_tp2_equals_tp1(model_dir):
             enable_forced_acceptance(plain, setting)
         finally:
             plain.shutdown()
+
+
+def test_forced_sampler_takes_every_argument_of_the_rejection_sampler():
+    """The runner calls whichever sampler is installed with RejectionSampler's keywords: the forced
+    one must accept each of them (a new keyword once broke every forced-acceptance bench run)."""
+    import inspect
+
+    from mtpspec.sample.rejection_sampler import RejectionSampler
+    from mtpspec.spec_decode.forced_acceptance import ForcedAcceptanceSampler
+    want = set(inspect.signature(RejectionSampler.forward).parameters)
+    have = set(inspect.signature(ForcedAcceptanceSampler.forward).parameters)
+    assert want <= have, f"ForcedAcceptanceSampler.forward lacks {sorted(want - have)}"

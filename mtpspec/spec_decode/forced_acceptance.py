@@ -109,7 +109,9 @@ class ForcedAcceptanceSampler(RejectionSampler):
 
     def forward(self, draft_token_ids: torch.Tensor, target_logits: torch.Tensor, meta: Any,
                 accept_uniforms: Optional[torch.Tensor] = None, sample_uniforms: Optional[torch.Tensor] = None,
-                draft_probs: Optional[torch.Tensor] = None) -> RejectionOutput:
+                draft_probs: Optional[torch.Tensor] = None, sampled: Optional[Any] = None) -> RejectionOutput:
+        """:class:`~mtpspec.sample.rejection_sampler.RejectionSampler`'s signature; ``draft_probs`` and
+        ``sampled`` (sampled drafts' q) are ignored: acceptance is forced."""
         b, k = draft_token_ids.shape
         if target_logits.shape[:2] != (b, k + 1):
             raise ValueError(f"target_logits must be [B={b}, k + 1={k + 1}, V], got {tuple(target_logits.shape)}")
