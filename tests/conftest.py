@@ -39,3 +39,15 @@ def interp(monkeypatch):
 def no_interp(monkeypatch):
     """Run the torch references on CPU tensors for this test."""
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+
+
+@pytest.fixture
+def kdev(monkeypatch) -> str:
+    """Where a kernel test runs: a CUDA GPU when there is one, else CPU under the interpreter."""
+    from mtpspec.ops.triton_utils import interpreter_available
+    if torch.cuda.is_available():
+        return "cuda"
+    if not interpreter_available():
+        pytest.skip("no GPU and no Triton interpreter")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    return "cpu"

@@ -21,26 +21,9 @@ import torch
 
 from mtpspec.ops.kv_quant import (FP8_E4M3_MAX, FP8_KV_DTYPE, dequantize_cache, quantize_to_cache,
                                   resolve_kv_cache_dtype)
-from mtpspec.ops.triton_utils import interpreter_available
 
 F8 = FP8_KV_DTYPE
 ATOL = {torch.float32: 3e-5, torch.bfloat16: 2e-2}  # summation order only (values up to ~10)
-
-
-@pytest.fixture
-def kdev(monkeypatch) -> str:
-    """A CUDA GPU when there is one, else CPU under the Triton interpreter."""
-    if torch.cuda.is_available():
-        return "cuda"
-    if not interpreter_available():
-        pytest.skip("no GPU and no Triton interpreter")
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    return "cpu"
-
-
-@pytest.fixture
-def no_interpret(monkeypatch):
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
 
 
 def rounding_probe(n: int = 4096, seed: int = 0) -> torch.Tensor:
@@ -98,7 +81,7 @@ def test_gqa_write_rounding_equals_torch_cast(request, kernel: bool, scale: floa
     from mtpspec.ops.paged_attention import write_kv_cache
     dev = request.getfixturevalue("kdev") if kernel else "cpu"
     if not kernel:
-        request.getfixturevalue("no_interpret")
+        request.getfixturevalue("no_interp")
     x = rounding_probe()
     row = 64
     n = x.numel() // row
@@ -163,7 +146,7 @@ def test_mla_and_indexer_write_rounding_equals_torch_cast(request, kernel: bool)
     from mtpspec.ops.mla_attention import write_mla_kv_cache
     dev = request.getfixturevalue("kdev") if kernel else "cpu"
     if not kernel:
-        request.getfixturevalue("no_interpret")
+        request.getfixturevalue("no_interp")
     x = rounding_probe()
     r, rope, scale = 64, 32, 0.75
     n = x.numel() // (r + rope)
@@ -271,7 +254,7 @@ def _fp8_generate(path, prompts, k, **kw):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_spec_decoding_with_fp8_cache_equals_plain_greedy_with_fp8_cache(tiny, family, no_interpret) -> None:
+def test_spec_decoding_with_fp8_cache_equals_plain_greedy_with_fp8_cache(tiny, family, no_interp) -> None:
     """Lossless holds for any cache dtype: greedy k = 3 emits plain greedy's tokens, both over
     fp8 caches (every cache of the model: GQA K/V, MLA latents, indexer keys, MTP layers')."""
     path, prompts = tiny(family)
@@ -279,7 +262,7 @@ def test_spec_decoding_with_fp8_cache_equals_plain_greedy_with_fp8_cache(tiny, f
     assert _fp8_generate(path, prompts, 3) == plain
 
 
-def test_spec_decoding_with_fp8_cache_tp2(tiny, no_interpret) -> None:
+def test_spec_decoding_with_fp8_cache_tp2(tiny, no_interp) -> None:
     """Two spawned ranks (GQA kv heads split across them): greedy k = 3 over fp8 caches emits
     the tokens of tp 1 plain greedy over fp8 caches."""
     from test_deepseek_v32 import engine_generate, engine_llm
@@ -299,7 +282,7 @@ def test_spec_decoding_with_fp8_cache_kernel_path(tiny, kdev) -> None:
     assert _fp8_generate(path, prompts, 3, graph_mode="static") == plain
 
 
-def test_prefix_caching_with_fp8_cache(tmp_path_factory, no_interpret) -> None:
+def test_prefix_caching_with_fp8_cache(tmp_path_factory, no_interp) -> None:
     """Prefix caching shares and copies fp8 blocks (copy_blocks moves the bytes): greedy k = 3
     with caching emits the tokens of k = 3 without caching, both over fp8 caches, with hits and
     private copies; every finished request's fp8 entries equal the uncached run's."""
@@ -318,7 +301,7 @@ def test_prefix_caching_with_fp8_cache(tmp_path_factory, no_interpret) -> None:
             assert torch.equal(x.view(torch.uint8), y.view(torch.uint8))
 
 
-def test_fp8_cache_doubles_the_blocks_of_a_bf16_cache(tiny, no_interpret) -> None:
+def test_fp8_cache_doubles_the_blocks_of_a_bf16_cache(tiny, no_interp) -> None:
     path, _ = tiny("glm4_moe")
     blocks = {}
     for kv in ("auto", "fp8"):

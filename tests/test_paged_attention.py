@@ -37,17 +37,6 @@ def interpret(monkeypatch):
 
 
 @pytest.fixture
-def kdev(monkeypatch) -> str:
-    """Where the kernel tests run: a CUDA GPU when there is one, else CPU under the interpreter."""
-    if torch.cuda.is_available():
-        return "cuda"
-    if not interpreter_available():
-        pytest.skip("no GPU and no Triton interpreter")
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    return "cpu"
-
-
-@pytest.fixture
 def no_interpret(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
 
