@@ -134,6 +134,10 @@ def test_bench_serve_shared_prefix_ttft_hits_and_misses(forced_server, tmp_path)
         assert res["shared_prefix_tokens"] - block < r["cached_tokens"] <= res["shared_prefix_tokens"] + block
         assert r["cached_tokens"] % block in (0, block - 1) and r["cached_tokens"] < r["prompt_tokens"]
     assert res["ttft_hit_over_miss"] is not None and res["hit"]["ttft_ms"]["median"] > 0
+    for r in res["requests"]["hit"] + res["requests"]["miss"]:  # server-side figures per request
+        assert 0 < r["server_queue"] + r["server_prefill"] <= r["server_ttft"] + 1e-6 and r["engine_steps"] >= 1
+        assert r["server_ttft"] <= r["ttft_s"] + 1e-3
+    assert "server side medians" in p.stdout
     # natural GSM8K 5-shot prompts do not fit a 512-token context: the error says what to lower
     cfg = BenchConfig(num_prompts=1, output_len=8, warmup=0)
     with pytest.raises(ValueError, match="lower --num-shots"):

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import itertools
+import logging
+import os
 import random
 import time
 from typing import Any, Callable, Collection, Dict, List, Optional, Tuple, Union
@@ -21,6 +23,10 @@ from mtpspec.sample.logits_processors import SeqLogitsParams
 from mtpspec.sample.logprobs import TokenLogprobs
 from mtpspec.sampling_params import SamplingParams
 from mtpspec.spec_decode.metrics import EngineMetrics, SpecDecodingStats
+
+logger = logging.getLogger(__name__)
+# MTPSPEC_LOG_STEPS=1: one log line per step (host phases in ms, tokens), to find where time goes.
+_LOG_STEPS = os.environ.get("MTPSPEC_LOG_STEPS", "") not in ("", "0")
 
 PromptType = Union[str, Dict[str, Any]]
 
@@ -250,6 +256,7 @@ class LLMEngine:
         m.num_preemptions += len(out.preempted)
         if out.is_empty:
             return []
+        t1 = time.perf_counter()
         result = self.executor.execute(self._step_input(out))
         now = time.perf_counter()
         k = self.scheduler_config.num_speculative_tokens
@@ -274,6 +281,11 @@ class LLMEngine:
         m.num_eager_fallbacks += result.num_eager_fallbacks
         m.add_comm(result.comm_bytes)
         m.busy_time_s += now - t0
+        if _LOG_STEPS:
+            logger.warning("step %d: schedule %.2f ms, execute %.2f ms, update %.2f ms; %d prefill + %d decode tokens, "
+                           "%d seqs", m.num_steps, (t1 - t0) * 1e3, (now - t1) * 1e3,
+                           (time.perf_counter() - now) * 1e3, out.num_prefill_tokens, out.num_decode_tokens,
+                           len(out.scheduled))
         for seq in finished:
             rm = seq.metrics
             if rm.ttft is not None:

@@ -10,7 +10,9 @@ differ by the cache alone. Every request is also measured on the server: the tok
 cache served it are the ``mtpspec:prefix_cache_hits_total`` delta around it (``/metrics``).
 Other clients of the server would disturb both.
 
-Reported: TTFT median / mean / p99 of hits and of misses, their ratio (hit median / miss
+Reported: TTFT median / mean / p99 of hits and of misses (client side, and the server's own
+TTFT, queue and prefill times from its ``/metrics`` sums around each request, so a gap between
+the two shows time spent outside the engine), their ratio (hit median / miss
 median; issue 17's goal is <= 0.3 on a GPU), prompt tokens and tokens served from the cache per
 request of each kind.
 """
@@ -27,6 +29,11 @@ import httpx
 from mtpspec.data.gsm8k import fewshot_prompt
 
 HITS_METRIC = "mtpspec:prefix_cache_hits_total"
+# Server-side per-request figures, as deltas of these sums around each request (seconds / steps).
+SERVER_SUMS = {"server_ttft": "mtpspec:time_to_first_token_seconds_sum",
+               "server_queue": "mtpspec:request_queue_time_seconds_sum",
+               "server_prefill": "mtpspec:request_prefill_time_seconds_sum",
+               "engine_steps": "mtpspec:engine_steps_total"}
 
 
 def prefix_prompts(rows: Sequence[Dict[str, str]], num_prompts: int, num_shots: int = 5,
@@ -97,8 +104,8 @@ def run_prefix_benchmark(base_url: str, cfg: Any, num_shots: int = 5) -> Dict[st
                 raise ValueError(f"POST /reset_prefix_cache answered HTTP {r.status_code}: {r.text[:200]}")
 
         def send(kind: str, i: int) -> None:
-            before = scrape(base_url, client).get(HITS_METRIC)
-            if before is None:
+            before = scrape(base_url, client)
+            if HITS_METRIC not in before:
                 raise ValueError(f"the server exposes no {HITS_METRIC} (not an mtpspec serve with prefix caching?)")
             rec = _ttft(client, base_url, info.model, prompts[i], cfg.output_len, cfg.seed + i)
             if rec["error"] or rec["ttft"] is None:
@@ -106,7 +113,10 @@ def run_prefix_benchmark(base_url: str, cfg: Any, num_shots: int = 5) -> Dict[st
                 if "maximum context length" in rec["error"] or "max_model_len" in rec["error"]:
                     hint = " (the few-shot prompts are longer than the server's context: lower --num-shots)"
                 raise ValueError(f"{kind} request {i} failed: {rec['error'] or 'no tokens streamed'}{hint}")
-            rec["cached_tokens"] = int(scrape(base_url, client)[HITS_METRIC] - before)
+            after = scrape(base_url, client)
+            rec["cached_tokens"] = int(after[HITS_METRIC] - before[HITS_METRIC])
+            for name, key in SERVER_SUMS.items():
+                rec[name] = after[key] - before[key] if key in after and key in before else None
             if kind in recs:
                 recs[kind].append(rec)
 
@@ -121,7 +131,9 @@ def run_prefix_benchmark(base_url: str, cfg: Any, num_shots: int = 5) -> Dict[st
 
     def summary(kind: str) -> Dict[str, Any]:
         rs = recs[kind]
-        return {"ttft_ms": _ms([r["ttft"] for r in rs]),
+        server = {name: _ms([r[name] for r in rs]) for name in ("server_ttft", "server_queue", "server_prefill")
+                  if all(r[name] is not None for r in rs)}
+        return {"ttft_ms": _ms([r["ttft"] for r in rs]), **{f"{k}_ms": v for k, v in server.items()},
                 "mean_prompt_tokens": sum(r["prompt_tokens"] for r in rs) / len(rs),
                 "mean_cached_tokens": sum(r["cached_tokens"] for r in rs) / len(rs),
                 "requests_served_from_cache": sum(1 for r in rs if r["cached_tokens"] > 0)}
@@ -134,7 +146,8 @@ def run_prefix_benchmark(base_url: str, cfg: Any, num_shots: int = 5) -> Dict[st
             "config": {**asdict(cfg), "num_shots": num_shots}, "shared_prefix_tokens": prefix_tokens,
             "hit": hit, "miss": miss, "ttft_hit_over_miss": ratio,
             "requests": {k: [{"ttft_s": r["ttft"], "prompt_tokens": r["prompt_tokens"],
-                              "cached_tokens": r["cached_tokens"]} for r in v] for k, v in recs.items()}}
+                              "cached_tokens": r["cached_tokens"],
+                              **{name: r[name] for name in SERVER_SUMS}} for r in v] for k, v in recs.items()}}
 
 
 def format_prefix_result(res: Dict[str, Any]) -> str:
@@ -152,6 +165,9 @@ def format_prefix_result(res: Dict[str, Any]) -> str:
         t = r["ttft_ms"]
         lines.append(f"TTFT {kind:<4} median / mean / p99  {f(t['median'])} / {f(t['mean'])} / {f(t['p99'])} ms   "
                      f"(prompt {r['mean_prompt_tokens']:.0f} tok, from cache {r['mean_cached_tokens']:.0f} tok)")
+        if "server_ttft_ms" in r:
+            lines.append(f"  server side medians        TTFT {f(r['server_ttft_ms']['median'])}, queue "
+                         f"{f(r['server_queue_ms']['median'])}, prefill {f(r['server_prefill_ms']['median'])} ms")
     lines.append(f"TTFT hit / miss (medians)   {f(res['ttft_hit_over_miss'], '.3f')}")
     if res["miss"]["requests_served_from_cache"] or res["hit"]["requests_served_from_cache"] < c["num_prompts"]:
         lines.append(f"WARNING: {res['miss']['requests_served_from_cache']} misses were served from the cache and "

@@ -23,6 +23,8 @@ metric                                                     meaning
 ``mtpspec:inter_token_latency_seconds`` (histogram)         gap between a request's emitting steps
 ``mtpspec:time_per_output_token_seconds`` (histogram)       per-request mean after the first token
 ``mtpspec:e2e_request_latency_seconds`` (histogram)         arrival to finish
+``mtpspec:request_queue_time_seconds`` (histogram)          arrival to first scheduled
+``mtpspec:request_prefill_time_seconds`` (histogram)        first scheduled to first token
 ``mtpspec:spec_decode_num_drafts_total``                    verifications (one per sequence-step)
 ``mtpspec:spec_decode_num_draft_tokens_total``              draft tokens checked
 ``mtpspec:spec_decode_num_accepted_tokens_total``           draft tokens accepted and emitted
@@ -85,6 +87,10 @@ class ServerMetrics(EngineObserver):
                               buckets=_LATENCY_BUCKETS, registry=r)
         self.e2e = Histogram(p + "e2e_request_latency_seconds", "Arrival to finish", buckets=_LATENCY_BUCKETS,
                              registry=r)
+        self.queue_time = Histogram(p + "request_queue_time_seconds", "Arrival to first scheduled",
+                                    buckets=_LATENCY_BUCKETS, registry=r)
+        self.prefill_time = Histogram(p + "request_prefill_time_seconds", "First scheduled to first token",
+                                      buckets=_LATENCY_BUCKETS, registry=r)
         self.drafts = Counter(p + "spec_decode_num_drafts", "Verifications of k drafts", registry=r)
         self.draft_tokens = Counter(p + "spec_decode_num_draft_tokens", "Draft tokens checked", registry=r)
         self.accepted = Counter(p + "spec_decode_num_accepted_tokens", "Draft tokens accepted", registry=r)
@@ -134,6 +140,10 @@ class ServerMetrics(EngineObserver):
                 self.tpot.observe(rm.tpot)
             if rm.finished_time is not None:
                 self.e2e.observe(rm.finished_time - rm.arrival_time)
+            if rm.first_scheduled_time is not None:
+                self.queue_time.observe(rm.first_scheduled_time - rm.arrival_time)
+                if rm.first_token_time is not None:
+                    self.prefill_time.observe(rm.first_token_time - rm.first_scheduled_time)
 
     def on_abort(self, request_id: str) -> None:
         self.aborted.inc()
