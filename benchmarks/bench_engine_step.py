@@ -70,6 +70,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                    help="model width: GLM-4.5-Air (default), DeepSeek-V3 (MLA) or DeepSeek-V3.2 (MLA + DSA indexer, "
                         "index_topk 2048: adds a draft-step row with the MTP index sharing's reused selection)")
     p.add_argument("--heads", type=int, help="deepseek_v3(2) only: attention heads (default 128, as at tp 1)")
+    p.add_argument("--draft-sampling", action="store_true",
+                   help="issue 20: also time the draft step with sampled drafts at T = 1 (Gumbel-max, "
+                        "get_sampled_tokens) next to the greedy one (get_top_tokens)")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--graph-mode", default="auto", choices=["auto", "off", "cuda"],
                    help="the engine runner's CUDA-graph mode for the 'engine step' row")
@@ -237,10 +240,18 @@ def bench_batch(runner: ModelRunner, timer: Timer, b: int, k: int, context: int,
     draft_fn = runner.proposer.graph_units().draft_fn
     head = layer.shared_head.head
 
-    def whole() -> Any:
+    prop = runner.proposer
+    sampled = getattr(prop, "sampled", None)
+
+    def whole() -> Any:  # the greedy draft step (with draft sampling on, T = 0 rows take this path)
         with set_forward_context(meta):
             out = mtp(ids, pos, prev, spec_step_idx=0)
-        return draft_fn(out, 0)
+        return mtp.get_top_tokens(out, spec_step_idx=0) if sampled is not None else draft_fn(out, 0)
+
+    def whole_sampled() -> Any:  # the same step drafting by Gumbel-max sampling (MTPProposer._sample_top)
+        with set_forward_context(meta):
+            out = mtp(ids, pos, prev, spec_step_idx=0)
+        return prop._sample_top(out, 0)
 
     with set_forward_context(meta):
         emb = mtp.embed_tokens(ids)
@@ -268,6 +279,12 @@ def bench_batch(runner: ModelRunner, timer: Timer, b: int, k: int, context: int,
     ]
     step_floor = sum(p[2] for p in pieces)
     add(f"draft step ({b} tok)", whole, step_floor)
+    if sampled is not None:  # T = 1 on every row; the floor adds the local-logits copy it keeps
+        sampled.temperature.fill_(1.0)
+        sampled.seed_keys.copy_(torch.arange(sampled.seed_keys.shape[0], device=dev))
+        sampled.base.zero_()
+        add(f"draft step, sampled T=1", whole_sampled, step_floor + 2 * b * v * e)
+        sampled.temperature.zero_()
     shared = share_states(mtp, k, b, meta, whole)
     if shared:  # DSA: the same step with the MTP indexer's selection shared (scoring skipped)
         for st in shared:
@@ -336,7 +353,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         mtp = arch.mtp_class()(cfg, target.model.embed_tokens, target.lm_head, False, True, False, dtype).eval()
     randomise_(target, 0)
     randomise_(mtp.model, 1)
-    spec = SpeculativeConfig(num_speculative_tokens=k, use_local_argmax_reduction=True)
+    spec = SpeculativeConfig(num_speculative_tokens=k, use_local_argmax_reduction=True,
+                             draft_sampling="auto" if args.draft_sampling else "greedy")
     max_b = max(batches)
     block_size = cfg.arch.default_block_size  # the engine's default for the architecture
     per_seq = -(-(args.context + 2 * k + 2) // block_size)

@@ -65,6 +65,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--nope", type=int, default=128, help="qk_nope_head_dim (expanded path and softmax scale)")
     p.add_argument("--v-head-dim", type=int, default=128, help="(expanded path)")
     p.add_argument("--block-size", type=int, default=64, help="cache block size (MLA models: 64 by default)")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"],
+                   help="fp8: the latent cache stored as e4m3 (issue 19; scale 1.0, dequantised in the kernel); "
+                        "its bytes counted at 1 per value in the floor")
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--check-seqs", type=int, default=2, help="sequences checked against the torch reference")
     p.add_argument("--sweep", action="store_true", help="time the kernel over launch configurations")
@@ -117,7 +120,8 @@ class Case:
         self.num_blocks = b * per_seq
         perm = torch.randperm(self.num_blocks, generator=g)
         self.block_tables = perm.view(b, per_seq).to(torch.int32).to(device)
-        self.cache = (torch.randn(self.num_blocks, bs, self.r + self.rope, device=device) * 0.5).to(dtype)
+        cache_dtype = torch.float8_e4m3fn if getattr(a, "kv_cache_dtype", "auto") == "fp8" else dtype
+        self.cache = (torch.randn(self.num_blocks, bs, self.r + self.rope, device=device) * 0.5).to(cache_dtype)
         t = b * q
         self.q_latent = torch.randn(t, heads, self.r, device=device).to(dtype)
         self.q_pe = torch.randn(t, heads, self.rope, device=device).to(dtype)
@@ -127,7 +131,7 @@ class Case:
         self.max_q, self.max_s = q, s
         # traffic and work
         elem = torch.empty((), dtype=dtype).element_size()
-        self.latent_bytes = b * s * (self.r + self.rope) * elem
+        self.latent_bytes = b * s * (self.r + self.rope) * self.cache.element_size()
         self.io_bytes = t * heads * (self.r + self.rope + self.r) * elem
         keys = sum(s - q + j + 1 for j in range(q))  # causal keys per sequence over its q rows
         self.flops = 2 * b * heads * keys * (self.r + self.rope + self.r)

@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# GPU goals of issues 17, 19 and 20 in two bounded parts (each fits one 10-minute device call).
+# Usage (GPU machine, repo root; fastapi / uvicorn / pydantic importable):
+#   bash benchmarks/run_goals_h200.sh serving OUT   # issue 17: prefix-cache TTFT + chunked-prefill ITL, CUDA graphs
+#   bash benchmarks/run_goals_h200.sh kernels OUT   # issue 20: sampled vs greedy draft step; issue 19: fp8 KV MLA
+set -u
+part=${1:?serving or kernels}; OUT=${2:?output folder}
+mkdir -p "$OUT"
+export PYTHONPATH=${PYTHONPATH:-$PWD} PYTHONUNBUFFERED=1
+step() { local t=$1 name=$2; shift 2; echo "=== $name ($(date +%T))"; timeout "$t" "$@" 2>&1 | tail -n 45; echo "=== $name rc=${PIPESTATUS[0]}"; }
+case $part in
+serving)
+  # one line per engine step in serve.log (host phases), to find where TTFT goes
+  MTPSPEC_LOG_STEPS=1 step 480 serving_goals bash benchmarks/run_serving_goals.sh "$OUT" dense-70b-16l
+  grep -c "step " "$OUT/serve.log"; grep "step " "$OUT/serve.log" | awk 'NR%400==1' | head -40 ;;
+kernels)
+  step 150 draft_sampling python3 benchmarks/bench_engine_step.py --graph-mode cuda --layers 1 --draft-sampling \
+      --batch-sizes 1,16,64 --json "$OUT/engine_draft_sampling.json"
+  step 90 mla_fp8 python3 benchmarks/bench_mla_attention.py --no-compile --no-sdpa --kv-cache-dtype fp8 --out "$OUT/mla_fp8.json"
+  step 90 mla_bf16 python3 benchmarks/bench_mla_attention.py --no-compile --no-sdpa --out "$OUT/mla_bf16.json"
+  step 180 fp8_kv_tests python3 -m pytest -q -x tests/test_fp8_kv_cache.py ;;
+*) echo "unknown part $part"; exit 2 ;;
+esac
