@@ -24,6 +24,9 @@ from mtpspec.ops.kv_quant import (FP8_E4M3_MAX, FP8_KV_DTYPE, dequantize_cache, 
 
 F8 = FP8_KV_DTYPE
 ATOL = {torch.float32: 3e-5, torch.bfloat16: 2e-2}  # summation order only (values up to ~10)
+# bf16: one output ulp (2**-7 relative) where the compiled kernel's summation order rounds the
+# other way (seen on an H200 at |x| ~ 4: 0.03125 apart)
+RTOL = {torch.float32: 0.0, torch.bfloat16: 2 ** -7}
 
 
 def rounding_probe(n: int = 4096, seed: int = 0) -> torch.Tensor:
@@ -119,7 +122,7 @@ def test_gqa_kernel_fp8_equals_reference_on_dequantised_cache(kdev, dtype, k_sca
         out = paged_attention(*(x.to(kdev) for x in (q, kc, vc, qsl, sl, bt)), 0.125, mq, ms, num_splits=splits,
                               k_scale=k_scale, v_scale=v_scale).cpu()
         assert out.dtype == dtype
-        torch.testing.assert_close(out.float(), ref.float(), rtol=0, atol=ATOL[dtype])
+        torch.testing.assert_close(out.float(), ref.float(), rtol=RTOL[dtype], atol=ATOL[dtype])
 
 
 def test_gqa_cache_dtype_mismatch_is_refused() -> None:
@@ -172,17 +175,21 @@ def test_mla_kernel_fp8_equals_reference_on_dequantised_cache(kdev, dtype, k_sca
     cache = quantize_to_cache(lat, F8, k_scale)
     ref = mla_attention_ref(ql, qp, dequantize_cache(cache, dtype, k_scale), qsl, sl, bt, 0.1, mq, ms)
     assert torch.equal(mla_attention_ref(ql, qp, cache, qsl, sl, bt, 0.1, mq, ms, k_scale), ref)
-    for splits in (1, 2):
+    # a Hopper GPU: the bulk-copy (TMA) path too, where the cache layout allows it
+    bulk = kdev == "cuda" and torch.cuda.get_device_capability()[0] >= 9 and cache.shape[1] % 16 == 0
+    for splits, tma in [(1, False), (2, False)] + ([(1, True), (2, True)] if bulk else []):
         out = mla_attention(*(x.to(kdev) for x in (ql, qp, cache, qsl, sl, bt)), 0.1, mq, ms, num_splits=splits,
-                            k_scale=k_scale).cpu()
-        torch.testing.assert_close(out.float(), ref.float(), rtol=0, atol=ATOL[dtype])
+                            k_scale=k_scale, tma=tma, block_n=16 if tma else None).cpu()
+        torch.testing.assert_close(out.float(), ref.float(), rtol=RTOL[dtype], atol=ATOL[dtype])
 
 
-def test_mla_fp8_cache_never_takes_the_bulk_copy_path() -> None:
+def test_mla_fp8_cache_may_take_the_bulk_copy_path() -> None:
+    """An fp8 latent cache is read by bulk tensor copies like a 16-bit one (dequantised in registers)."""
     from mtpspec.ops.mla_attention import tma_eligible
     ql = torch.zeros(1, 1, 128, dtype=torch.bfloat16)
     assert tma_eligible(ql, torch.zeros(2, 64, 192, dtype=torch.bfloat16), 64)
-    assert not tma_eligible(ql, torch.zeros(2, 64, 192, dtype=F8), 64)
+    assert tma_eligible(ql, torch.zeros(2, 64, 192, dtype=F8), 64)
+    assert not tma_eligible(ql, torch.zeros(2, 48, 192, dtype=F8), 64)  # a tile would span two blocks
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -201,7 +208,7 @@ def test_sparse_mla_kernel_fp8_equals_reference_on_dequantised_cache(kdev, dtype
     for splits in (1, 2):
         out = sparse_mla_attention(*(x.to(kdev) for x in (ql, qp, cache, slots)), 0.1, num_splits=splits,
                                    k_scale=k_scale).cpu()
-        torch.testing.assert_close(out.float(), ref.float(), rtol=0, atol=ATOL[dtype])
+        torch.testing.assert_close(out.float(), ref.float(), rtol=RTOL[dtype], atol=ATOL[dtype])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])

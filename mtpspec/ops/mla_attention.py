@@ -40,9 +40,9 @@ sequences cost one load); rows past ``query_start_loc[num_seqs]`` come out as ze
 
 FP8 latent caches (``torch.float8_e4m3fn``, one ``k_scale`` per layer, :mod:`mtpspec.ops.kv_quant`):
 the write quantises (``x / k_scale``, saturating, nearest even); the attention dequantises each
-tile on load (``x * k_scale`` in q's dtype) on the pointer path. The bulk-copy (TMA) path is for
-16-bit caches only (its descriptors carry the cache's dtype), so fp8 caches always take the
-pointer path (:func:`tma_eligible`).
+tile after loading it (``x * k_scale`` in q's dtype), on the pointer path and on the bulk-copy
+(TMA) path alike (the descriptors carry the cache's 1-byte dtype; the tile is converted in
+registers).
 
 Dispatch (docs/structures.md): Triton on CUDA tensors and on CPU tensors under
 ``TRITON_INTERPRET=1``; the torch references (``*_ref``, sync-free) otherwise.
@@ -269,6 +269,11 @@ if HAS_TRITON:
                 k0 = kvl_desc.load([r0, 0])
                 k1 = kvl_desc.load([r0, HALF])
                 kr = kvr_desc.load([r0, LORA])
+                if FP8:
+                    q_ty = ql_ptr.dtype.element_ty
+                    k0 = dequant_kv(k0, k_scale, q_ty, BF16_BY_BITS)
+                    k1 = dequant_kv(k1, k_scale, q_ty, BF16_BY_BITS)
+                    kr = dequant_kv(kr, k_scale, q_ty, BF16_BY_BITS)
                 if DOT_FP32:
                     k0, k1, kr = k0.to(tl.float32), k1.to(tl.float32), kr.to(tl.float32)
                 acc0, acc1, m_i, l_i = _mla_tile(acc0, acc1, m_i, l_i, ql0, ql1, qp, k0, k1, kr, offs_n,
@@ -368,10 +373,10 @@ def tma_eligible(q_latent: torch.Tensor, kv_cache: torch.Tensor, block_n: int) -
     descriptors available; a 16-bit, contiguous ``kv_cache`` (16-byte aligned) whose
     ``block_size`` is a multiple of ``block_n`` (a tile never spans two cache blocks); and
     ``kv_lora_rank / 2`` and ``rope`` powers of two of at most 256 (one copy box each). An fp8
-    cache is never eligible: it takes the pointer path, which dequantises each tile on load."""
+    (e4m3) cache is eligible too (tiles dequantised after the copy)."""
     r, rope = q_latent.shape[2], kv_cache.shape[2] - q_latent.shape[2]
     half = r // 2
-    return (TensorDescriptor is not None and kv_cache.dtype in (torch.float16, torch.bfloat16)
+    return (TensorDescriptor is not None and (kv_cache.dtype in (torch.float16, torch.bfloat16) or is_fp8(kv_cache.dtype))
             and kv_cache.is_contiguous() and kv_cache.data_ptr() % 16 == 0 and kv_cache.shape[1] % block_n == 0
             and r % 2 == 0 and 16 <= half <= 256 and half & (half - 1) == 0
             and 16 <= rope <= 256 and rope & (rope - 1) == 0)
@@ -435,7 +440,7 @@ def mla_attention(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Te
     bn = BLOCK_N if block_n is None else int(block_n)
     eligible = tma_eligible(q_latent, kv_cache, bn)
     if tma and not eligible:
-        raise ValueError(f"mla_attention: tma=True needs a contiguous 16-bit (not fp8) kv_cache whose block_size "
+        raise ValueError(f"mla_attention: tma=True needs a contiguous 16-bit or fp8 kv_cache whose block_size "
                          f"({bs}) is a multiple of block_n ({bn}), power-of-two kv_lora_rank / 2 and rope <= 256, "
                          f"and Triton tensor descriptors")
     use_tma = eligible and (tma if tma is not None else (plan["tma"] and q_latent.is_cuda and

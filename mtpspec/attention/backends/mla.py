@@ -25,11 +25,10 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Optional, Tuple, Type
 
 import torch
-import torch.nn.functional as F
 
 from mtpspec.attention.backends.abstract import AttentionBackend, AttentionImpl, AttentionLayerBase
 from mtpspec.attention.backends.paged_common import (cache_key_slots, check_cache_metadata, check_metadata_rows,
-                                                     padded_batch)
+                                                     padded_batch, sdpa)
 from mtpspec.attention.backends.paged_gqa import use_attention_kernel
 from mtpspec.ops.kv_quant import dequantize_cache, is_fp8
 from mtpspec.ops.mla_attention import mla_attention, write_mla_kv_cache
@@ -163,7 +162,7 @@ class MLAImpl(AttentionImpl):
         # One causal sequence over all rows: q [1, nh, T, r + rope], k [1, 1, T, r + rope], v = k[..., :r].
         q = torch.cat([ql, qp.to(ql.dtype)], dim=-1).transpose(0, 1)[None]
         k = torch.cat([c_kv, k_pe], dim=-1).to(ql.dtype)[None, None]
-        o = F.scaled_dot_product_attention(q, k, k[..., :self.kv_lora_rank], is_causal=True, scale=self.scale,
+        o = sdpa(q, k, k[..., :self.kv_lora_rank], is_causal=True, scale=self.scale,
                                            enable_gqa=True)
         return o[0].transpose(0, 1)
 
@@ -197,7 +196,7 @@ class MLAImpl(AttentionImpl):
         if key_slots is not None:  # never let stale slots (past seq_len, block -1) reach p @ v
             kpad = torch.where(key_ok[:, :, None], kpad, torch.zeros_like(kpad))
         k4 = kpad[:, None]  # [B + 1, 1, max_s, e]
-        o = F.scaled_dot_product_attention(qpad.transpose(1, 2), k4, k4[..., :r], attn_mask=mask[:, None],
+        o = sdpa(qpad.transpose(1, 2), k4, k4[..., :r], attn_mask=mask[:, None],
                                            scale=self.scale, enable_gqa=True)  # [B + 1, nh, max_q, r]
         out = o.transpose(1, 2)[tok_seq, tok_off]
         return torch.where(real[:, None, None], out, torch.zeros_like(out))

@@ -23,11 +23,10 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Optional, Tuple, Type
 
 import torch
-import torch.nn.functional as F
 
 from mtpspec.attention.backends.abstract import AttentionBackend, AttentionImpl, AttentionLayerBase
 from mtpspec.attention.backends.paged_common import (cache_key_slots, check_cache_metadata, check_metadata_rows,
-                                                     padded_batch)
+                                                     padded_batch, sdpa)
 from mtpspec.ops.kv_quant import dequantize_cache, is_fp8
 from mtpspec.ops.paged_attention import paged_attention, write_kv_cache
 from mtpspec.ops.triton_utils import FLOAT_DTYPES, use_triton
@@ -116,7 +115,7 @@ class PagedGQAImpl(AttentionImpl):
         if rep > 1:
             k = k.repeat_interleave(rep, dim=1)
             v = v.repeat_interleave(rep, dim=1)
-        out = F.scaled_dot_product_attention(
+        out = sdpa(
             q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask,
             is_causal=mask is None, scale=self.scale)
         return out.transpose(0, 1).reshape(q.shape[0], self.num_heads * self.head_dim)
@@ -129,7 +128,7 @@ class PagedGQAImpl(AttentionImpl):
             v = v.repeat_interleave(rep, dim=1)
         length = q.shape[0] // b
         qb, kb, vb = (x.view(b, length, x.shape[1], self.head_dim).transpose(1, 2) for x in (q, k, v))
-        out = F.scaled_dot_product_attention(qb, kb, vb, is_causal=True, scale=self.scale)
+        out = sdpa(qb, kb, vb, is_causal=True, scale=self.scale)
         return out.transpose(1, 2).reshape(q.shape[0], self.num_heads * self.head_dim)
 
     def forward(self, layer: AttentionLayerBase, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -153,10 +152,10 @@ class PagedGQAImpl(AttentionImpl):
 
         Paths (every one sync-free given the metadata's host ints, so CUDA-graph capturable):
         with a cache, the KV write is :meth:`do_kv_cache_update` and attention is the Triton
-        kernel :func:`~mtpspec.ops.paged_attention.paged_attention` when
-        :func:`use_attention_kernel` says so (CUDA or ``TRITON_INTERPRET=1``, and short queries
-        or no host lists) and the cache has q's dtype or is fp8, else one padded SDPA call over all
-        sequences (an fp8 cache's gathered context dequantised first).
+        kernel :func:`~mtpspec.ops.paged_attention.paged_attention` on CUDA tensors (any query
+        length) or where :func:`use_attention_kernel` says so (``TRITON_INTERPRET=1``: short
+        queries or no host lists), when the cache has q's dtype or is fp8; else one padded SDPA
+        call over all sequences (an fp8 cache's gathered context dequantised first).
 
         Raises:
             ValueError: the metadata covers more tokens than the batch has (known from host
@@ -184,7 +183,10 @@ class PagedGQAImpl(AttentionImpl):
         cache = self._check_cache(kv_cache)
         check_cache_metadata(meta, t)
         self.do_kv_cache_update(layer, kh, vh, cache, meta.slot_mapping[:t])
-        if (cache.dtype == q.dtype or is_fp8(cache.dtype)) and use_attention_kernel(qh, meta):
+        # On a GPU the kernel serves prefills too: one launch per layer instead of the padded SDPA
+        # path's gathers, masks and scatters (a prefill step's host time, issue 17's cache hits).
+        kernel = use_attention_kernel(qh, meta) or (qh.is_cuda and use_triton(qh) and qh.dtype in FLOAT_DTYPES)
+        if (cache.dtype == q.dtype or is_fp8(cache.dtype)) and kernel:
             out = paged_attention(qh, cache[0], cache[1], meta.query_start_loc[:b + 1], meta.seq_lens[:b],
                                   meta.block_tables[:b], self.scale, meta.max_query_len, meta.max_seq_len,
                                   k_scale=layer.k_scale, v_scale=layer.v_scale)
@@ -230,7 +232,7 @@ class PagedGQAImpl(AttentionImpl):
         if rep > 1:
             kp = kp.repeat_interleave(rep, dim=2)
             vp = vp.repeat_interleave(rep, dim=2)
-        o = F.scaled_dot_product_attention(qp.transpose(1, 2), kp.transpose(1, 2), vp.transpose(1, 2),
+        o = sdpa(qp.transpose(1, 2), kp.transpose(1, 2), vp.transpose(1, 2),
                                            attn_mask=mask[:, None], scale=self.scale)  # [B + 1, nh, max_q, hd]
         out = o.transpose(1, 2)[tok_seq, tok_off].reshape(t, self.num_heads * self.head_dim)
         return torch.where(real[:, None], out, torch.zeros_like(out))
