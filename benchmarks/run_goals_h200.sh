@@ -14,10 +14,10 @@ serving)
   MTPSPEC_LOG_STEPS=1 step 480 serving_goals bash benchmarks/run_serving_goals.sh "$OUT" dense-70b-16l
   grep -c "step " "$OUT/serve.log"; grep "step " "$OUT/serve.log" | awk 'NR%400==1' | head -40 ;;
 kernels)
-  step 150 draft_sampling python3 benchmarks/bench_engine_step.py --graph-mode cuda --layers 1 --draft-sampling \
+  step 150 draft_sampling python3 benchmarks/bench_engine_step.py --graph-mode cuda --layers 2 --draft-sampling \
       --batch-sizes 1,16,64 --json "$OUT/engine_draft_sampling.json"
   step 90 mla_fp8 python3 benchmarks/bench_mla_attention.py --no-compile --no-sdpa --kv-cache-dtype fp8 --out "$OUT/mla_fp8.json"
   step 90 mla_bf16 python3 benchmarks/bench_mla_attention.py --no-compile --no-sdpa --out "$OUT/mla_bf16.json"
-  step 180 fp8_kv_tests python3 -m pytest -q -x tests/test_fp8_kv_cache.py ;;
+  step 240 gpu_tests python3 -m pytest -q tests/test_fp8_kv_cache.py tests/test_paged_attention.py tests/test_mla_attention.py ;;
 *) echo "unknown part $part"; exit 2 ;;
 esac
