@@ -323,6 +323,7 @@ def test_graph_code_path_with_padding_equals_plain_greedy(engine_model, plain_gr
             assert _generate(llm, prompts[:n]) == plain_greedy[:n]
         assert llm.get_metrics()["num_eager_fallbacks"] == 0
         assert llm.executor.runner.fwd.num_graph_steps > 10
+        assert llm.executor.runner.fwd.num_prefill_graph_steps >= 1  # n = 1: the one-sequence prefill units
 
 
 @pytest.mark.parametrize("fused,seq_parallel,local_argmax", [(True, False, True), (False, False, False),

@@ -649,8 +649,8 @@ def check_graph_path_sync_free(path, prompts, plain, k, local_argmax, monkeypatc
     from mtpspec.layers.vocab_parallel_embedding import VocabParallelEmbedding
     units = []
 
-    def guarded_run(self, key, fn, bp, step):
-        meta = self._meta(bp, host=False, step=step)
+    def guarded_run(self, key, fn, bp, step, rows=None):
+        meta = self._meta(bp, host=False, step=step, rows=rows)
         with no_host_sync():
             out = fn(meta)
         units.append(key[0])
@@ -668,6 +668,7 @@ def check_graph_path_sync_free(path, prompts, plain, k, local_argmax, monkeypatc
             assert engine_generate(llm, prompts[:n]) == plain[:n]
         assert llm.get_metrics()["num_eager_fallbacks"] == 0
         assert runner.fwd.num_graph_steps > 10
+        assert runner.fwd.num_prefill_graph_steps >= 1  # n = 1: the one-sequence prefill units
     assert {"verify", "first"} <= set(units) and (k == 1 or "step" in units), units
 
 

@@ -144,8 +144,9 @@ def test_graph_code_path_with_padding_equals_eager(model, reference, k: int, loc
                 outs = llm.generate(token_prompts(prompts[:n]), SP, use_tqdm=False)
                 assert [o.outputs[0].token_ids for o in outs] == ref[:n]
             assert llm.get_metrics()["num_eager_fallbacks"] == 0
-            if mode == "static":
+            if mode == "static":  # decode units, and the one-sequence prefill units (n = 1)
                 assert llm.executor.runner.fwd.num_graph_steps > 20
+                assert llm.executor.runner.fwd.num_prefill_graph_steps >= 1
             seen[mode] = sorted(drafts)
     assert seen["off"] == seen["static"]
 

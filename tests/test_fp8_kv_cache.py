@@ -297,8 +297,9 @@ def test_prefix_caching_with_fp8_cache(tmp_path_factory, no_interp) -> None:
     path = str(tmp_path_factory.mktemp("tiny_prefix_fp8"))
     _, cfg = make_model(path, seed=3)
     waves = engine_prompts(cfg.vocab_size, seed=1)
-    want = Run(path, waves, GREEDY, k=3, caching=False, kv_cache_dtype="fp8")
-    run = Run(path, waves, GREEDY, k=3, kv_cache_dtype="fp8")
+    # the CPU torch path (on a GPU other batch shapes pick other GEMM kernels: bitwise is a CPU claim)
+    want = Run(path, waves, GREEDY, k=3, caching=False, kv_cache_dtype="fp8", device="cpu")
+    run = Run(path, waves, GREEDY, k=3, kv_cache_dtype="fp8", device="cpu")
     assert run.tokens == want.tokens
     _check_hits(run, waves)
     for prompt, layers in run.kv.items():
@@ -321,7 +322,7 @@ def _llm_sized(path, kv_cache_dtype):
     from mtpspec import LLM
     # 64 KiB on CPU; every sequence at full length would need more blocks than either dtype gets
     return LLM(path, dtype="bfloat16", kv_cache_dtype=kv_cache_dtype, cpu_kv_cache_gib=2.0 ** -14, max_model_len=64,
-               block_size=4, max_num_seqs=8, seed=0)
+               block_size=4, max_num_seqs=8, seed=0, device="cpu")
 
 
 def test_bad_kv_cache_dtype_is_refused_by_name(tiny) -> None:

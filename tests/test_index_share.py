@@ -292,8 +292,8 @@ def test_engine_graph_path_with_sharing(engine_model, plain_greedy, monkeypatch)
     from mtpspec.layers.vocab_parallel_embedding import VocabParallelEmbedding
     modes = []
 
-    def guarded_run(self, key, fn, bp, step):
-        meta = self._meta(bp, host=False, step=step)
+    def guarded_run(self, key, fn, bp, step, rows=None):
+        meta = self._meta(bp, host=False, step=step, rows=rows)
         with no_host_sync():
             out = fn(meta)
         modes.append((key[0], self_proposer[0].index_share[0].mode))

@@ -487,8 +487,8 @@ def test_engine_graph_units_run_sync_free_on_captured_metadata(tiny_model, no_in
         ref = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
     units = []
 
-    def guarded_run(self, key, fn, bp, step):
-        meta = self._meta(bp, host=False, step=step)
+    def guarded_run(self, key, fn, bp, step, rows=None):
+        meta = self._meta(bp, host=False, step=step, rows=rows)
         assert not meta.query_lens and not meta.seq_lens_list
         with no_host_sync():
             out = fn(meta)

@@ -14,6 +14,14 @@ capture brackets them with its lifecycle hooks, as :meth:`~mtpspec.spec_decode.p
 does at run time. The draft-model calls implement the proposer's
 :class:`~mtpspec.spec_decode.draft_forward.DraftForward`.
 
+Prefill units (one per padded row count ``Tp`` of :func:`prefill_capture_sizes`): a step of one
+sequence with ``T <= Tp`` new rows that is not a pure decode (a prompt, a prefix-cache hit's
+remainder, a prompt's last chunk) and samples at most one row runs ``pverify`` (target forward
+over ``Tp`` rows + ``compute_logits`` of the sampled row) and ``pfirst`` (the MTP first pass over
+the same rows); its draft steps use the ``Bp = 1`` step units. Eagerly such a step is bound by
+the host (an H200 profile of a 78-row step of a 16-layer model: about 1,400 launches, 30 ms of
+host time for 14 ms of kernels), which is what a prefix-cache hit's TTFT is made of (issue 17).
+
 Padding (batch ``B < Bp``): padded sequences get ``q_len = 0`` (``query_start_loc`` repeats its
 last value) and ``seq_len = 0``; padded rows get slot ``-1``, position 0, token 0 and a zero
 hidden state (zero rows stay finite through RMSNorm). Callers slice every output to the real
@@ -28,7 +36,7 @@ padded static-buffer path without capture, with host lists; what the CPU tests e
 from __future__ import annotations
 
 import logging
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -37,6 +45,15 @@ from mtpspec.spec_decode.draft_forward import DraftTokenFn, EagerDraftForward
 from mtpspec.spec_decode.proposer import Proposer
 
 logger = logging.getLogger(__name__)
+
+
+#: Candidate padded row counts of the single-sequence prefill units.
+PREFILL_SIZES = (16, 32, 64, 128, 256)
+
+
+def prefill_capture_sizes(max_num_batched_tokens: int, max_model_len: int) -> List[int]:
+    """The :data:`PREFILL_SIZES` a step can use: at most ``max_num_batched_tokens`` and ``max_model_len``."""
+    return [s for s in PREFILL_SIZES if s <= min(max_num_batched_tokens, max_model_len)]
 
 
 def capture_sizes(max_num_seqs: int) -> List[int]:
@@ -54,8 +71,10 @@ class EagerForward(EagerDraftForward):
         self.target_model = target
         self.num_eager_fallbacks = 0
 
-    def begin_step(self, pure_decode: bool, num_seqs: int, block_tables: torch.Tensor) -> None:
-        """Called once per step before any forward."""
+    def begin_step(self, pure_decode: bool, num_seqs: int, block_tables: torch.Tensor, num_rows: int = 0,
+                   num_sample_rows: int = 0) -> None:
+        """Called once per step before any forward (``num_rows``: the step's new rows; ``num_sample_rows``:
+        rows whose logits it samples)."""
 
     def verify(self, ids: torch.Tensor, pos: torch.Tensor, meta: AttentionMetadata,
                sample_rows: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -77,17 +96,21 @@ class GraphedForward(EagerForward):
         dtype, device: of the hidden states.
         mode: ``"cuda"`` or ``"static"`` (see the module docstring).
         max_seq_len: upper bound of any sequence length (host field of the captured metadata).
+        prefill_sizes: padded row counts of the single-sequence prefill units (``[]``: none;
+            see the module docstring and :func:`prefill_capture_sizes`).
     """
 
     def __init__(self, target: torch.nn.Module, mtp: Optional[torch.nn.Module], k: int, max_num_seqs: int,
                  max_blocks_per_seq: int, hidden_size: int, dtype: torch.dtype, device: torch.device, mode: str,
-                 max_seq_len: int):
+                 max_seq_len: int, prefill_sizes: Sequence[int] = ()):
         super().__init__(target, mtp)
         if mode not in ("cuda", "static"):
             raise ValueError(f"graph mode must be 'cuda' or 'static', got {mode!r}")
         self.k, self.mode, self.max_seq_len = k, mode, max_seq_len
         self.sizes = capture_sizes(max_num_seqs)
-        bmax, tmax = max_num_seqs, max_num_seqs * (1 + k)
+        self.prefill_sizes = sorted(prefill_sizes)
+        bmax = max_num_seqs
+        tmax = max([max_num_seqs * (1 + k)] + self.prefill_sizes)
         z = lambda *s, dt=torch.int64: torch.zeros(*s, dtype=dt, device=device)  # noqa: E731
         self.ids, self.pos, self.slots = z(tmax), z(tmax), z(tmax)
         self.qsl, self.seq_lens = z(bmax + 1, dt=torch.int32), z(bmax, dt=torch.int32)
@@ -96,17 +119,23 @@ class GraphedForward(EagerForward):
         self.s_ids, self.s_pos, self.s_slots = z(bmax), z(bmax), z(bmax)
         self.s_qsl, self.s_seq_lens = z(bmax + 1, dt=torch.int32), z(bmax, dt=torch.int32)
         self.s_hidden = torch.zeros(bmax, hidden_size, dtype=dtype, device=device)
+        self.p_sample = z(1)  # the prefill units' sampled row
         self.graphs: Dict[tuple, Tuple[torch.cuda.CUDAGraph, tuple]] = {}
         self.pool = None
         self.capture_failed: Optional[str] = None
         self.active: Optional[int] = None  # padded batch size of the current step, or None (eager)
+        self.prefill_rows: Optional[int] = None  # Tp of the current single-sequence prefill step, or None
+        self.num_prefill_graph_steps = 0
         self.num_seqs = 0
         self.num_graph_steps = 0  # steps that ran through the static buffers / graphs
         self._warned = False
 
     # ---------------------------------------------------------------- metadata over the buffers
-    def _meta(self, bp: int, host: bool, step: bool) -> AttentionMetadata:
-        rows = bp if step else bp * (1 + self.k)
+    def _meta(self, bp: int, host: bool, step: bool, rows: Optional[int] = None) -> AttentionMetadata:
+        """Metadata over the static buffers: ``Bp`` sequences of ``1 + k`` rows (``rows``: one
+        sequence of ``rows`` rows, the prefill units), or ``Bp`` single rows (``step``)."""
+        max_q = 1 if step else (rows or 1 + self.k)
+        rows = bp if step else (rows or bp * (1 + self.k))
         qsl, sl, slots = (self.s_qsl, self.s_seq_lens, self.s_slots) if step else (self.qsl, self.seq_lens, self.slots)
         q_lens: List[int] = []
         s_lens: List[int] = []
@@ -116,16 +145,22 @@ class GraphedForward(EagerForward):
             s_lens = sl[:bp].tolist()
         return AttentionMetadata(query_start_loc=qsl[:bp + 1], seq_lens=sl[:bp], slot_mapping=slots[:rows],
                                  block_tables=self.block_tables[:bp], num_seqs=bp,
-                                 max_query_len=1 if step else 1 + self.k, max_seq_len=self.max_seq_len,
+                                 max_query_len=max_q, max_seq_len=self.max_seq_len,
                                  query_lens=q_lens, seq_lens_list=s_lens)
 
     def _padded(self, b: int) -> Optional[int]:
         return next((s for s in self.sizes if s >= b), None)
 
     # ---------------------------------------------------------------- per step
-    def begin_step(self, pure_decode: bool, num_seqs: int, block_tables: torch.Tensor) -> None:
-        self.active = None
+    def begin_step(self, pure_decode: bool, num_seqs: int, block_tables: torch.Tensor, num_rows: int = 0,
+                   num_sample_rows: int = 0) -> None:
+        self.active = self.prefill_rows = None
         if not pure_decode:
+            tp = next((s for s in self.prefill_sizes if s >= num_rows), None)
+            if num_seqs == 1 and num_sample_rows <= 1 and tp is not None and self.capture_failed is None:
+                self.prefill_rows, self.num_seqs = tp, 1
+                self.num_prefill_graph_steps += 1
+                self._set_tables(block_tables, 1, 1)
             return
         bp = self._padded(num_seqs)
         if bp is None or self.capture_failed is not None:
@@ -138,19 +173,43 @@ class GraphedForward(EagerForward):
             return
         self.active, self.num_seqs = bp, num_seqs
         self.num_graph_steps += 1
-        w = block_tables.shape[1]
-        self.block_tables[:num_seqs].fill_(-1)
-        self.block_tables[:num_seqs, :w].copy_(block_tables)
-        self.block_tables[num_seqs:bp].fill_(-1)
+        self._set_tables(block_tables, num_seqs, bp)
 
-    def _run(self, key: tuple, fn: Callable[[AttentionMetadata], tuple], bp: int, step: bool) -> tuple:
+    def _set_tables(self, block_tables: torch.Tensor, b: int, bp: int) -> None:
+        w = block_tables.shape[1]
+        self.block_tables[:b].fill_(-1)
+        self.block_tables[:b, :w].copy_(block_tables[:b])
+        self.block_tables[b:bp].fill_(-1)
+
+    def _run(self, key: tuple, fn: Callable[[AttentionMetadata], tuple], bp: int, step: bool,
+             rows: Optional[int] = None) -> tuple:
         if self.mode == "static":
-            return fn(self._meta(bp, host=True, step=step))
+            return fn(self._meta(bp, host=True, step=step, rows=rows))
         graph, outputs = self.graphs[key]
         graph.replay()
         return outputs
 
+    def _fill_rows(self, ids: torch.Tensor, pos: torch.Tensor, meta: AttentionMetadata, rows: int) -> None:
+        """The target layout's first ``t`` rows into the row buffers, padding rows up to ``rows``."""
+        t = ids.shape[0]
+        self.ids[:t].copy_(ids)
+        self.ids[t:rows].zero_()
+        self.pos[:t].copy_(pos)
+        self.pos[t:rows].zero_()
+        self.slots[:t].copy_(meta.slot_mapping[:t])
+        self.slots[t:rows].fill_(-1)
+
     def verify(self, ids, pos, meta, sample_rows):
+        tp = self.prefill_rows
+        if tp is not None:  # one sequence's prefill rows, padded to Tp
+            t, r = ids.shape[0], sample_rows.shape[0]
+            self._fill_rows(ids, pos, meta, tp)
+            self.qsl[:2].copy_(meta.query_start_loc[:2])
+            self.seq_lens[:1].copy_(meta.seq_lens[:1])
+            if r:
+                self.p_sample.copy_(sample_rows)
+            hidden, logits = self._run(("pverify", tp), self._pverify_fn(tp), 1, step=False, rows=tp)
+            return hidden[:t], logits[:r]
         bp = self.active
         if bp is None:
             return super().verify(ids, pos, meta, sample_rows)
@@ -168,6 +227,13 @@ class GraphedForward(EagerForward):
         hidden, logits = self._run(("verify", bp), self._verify_fn(bp), bp, step=False)
         return hidden[:t], logits[:t]  # decode: every row is a sample row
 
+    def _pverify_fn(self, tp: int) -> Callable[[AttentionMetadata], tuple]:
+        def fn(meta: AttentionMetadata) -> tuple:
+            with set_forward_context(meta):
+                hidden = self.target_model(self.ids[:tp], self.pos[:tp])
+            return hidden, self.target_model.compute_logits(hidden.index_select(0, self.p_sample))
+        return fn
+
     def _verify_fn(self, bp: int) -> Callable[[AttentionMetadata], tuple]:
         rows = bp * (1 + self.k)
 
@@ -178,19 +244,23 @@ class GraphedForward(EagerForward):
         return fn
 
     def mtp_first(self, ids, pos, hidden, meta, spec_step_idx):
-        bp = self.active
-        if bp is None:
+        bp, tp = self.active, self.prefill_rows
+        if bp is None and tp is None:
             return super().mtp_first(ids, pos, hidden, meta, spec_step_idx)
-        t, rows = ids.shape[0], bp * (1 + self.k)
+        t, rows = ids.shape[0], (tp or bp * (1 + self.k))
         self.mtp_ids[:t].copy_(ids)
         self.mtp_ids[t:rows].zero_()
         self.hidden_in[:t].copy_(hidden)
         self.hidden_in[t:rows].zero_()
-        (out,) = self._run(("first", bp, spec_step_idx), self._first_fn(bp, spec_step_idx), bp, step=False)
+        if tp is not None:  # positions and layout as the step's pverify left them
+            (out,) = self._run(("pfirst", tp, spec_step_idx), self._first_fn(1, spec_step_idx, tp), 1, step=False,
+                               rows=tp)
+        else:
+            (out,) = self._run(("first", bp, spec_step_idx), self._first_fn(bp, spec_step_idx), bp, step=False)
         return out[:t]
 
-    def _first_fn(self, bp: int, idx: int) -> Callable[[AttentionMetadata], tuple]:
-        rows = bp * (1 + self.k)
+    def _first_fn(self, bp: int, idx: int, rows: Optional[int] = None) -> Callable[[AttentionMetadata], tuple]:
+        rows = rows or bp * (1 + self.k)
 
         def fn(meta: AttentionMetadata) -> tuple:
             with set_forward_context(meta):
@@ -199,7 +269,7 @@ class GraphedForward(EagerForward):
         return fn
 
     def mtp_step(self, ids, pos, hidden, meta, spec_step_idx, top):
-        bp = self.active
+        bp = 1 if self.prefill_rows is not None else self.active  # a prefill's drafts: the Bp = 1 units
         if bp is None:
             return super().mtp_step(ids, pos, hidden, meta, spec_step_idx, top)
         b = self.num_seqs
@@ -275,6 +345,37 @@ class GraphedForward(EagerForward):
             logger.warning("%s; decode steps run eagerly", self.capture_failed)
             if torch.cuda.is_available():
                 torch.cuda.synchronize()
+            return
+        try:
+            self._capture_prefill(proposer, units)
+        except Exception as exc:  # noqa: BLE001 - prefill units are optional: drop them, keep the decode ones
+            for key in [key for key in self.graphs if key[0] in ("pverify", "pfirst")]:
+                del self.graphs[key]
+            self.prefill_sizes = []
+            first = (str(exc).splitlines() or [""])[0]
+            logger.warning("prefill CUDA graph capture failed (%s: %s); prefills run eagerly", type(exc).__name__,
+                           first)
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+
+    def _capture_prefill(self, proposer: Optional[Proposer], units) -> None:
+        """The prefill units: dummy one-sequence layouts of ``Tp`` rows at positions ``0 .. Tp - 1``
+        that write nothing (slots ``-1``) and read block 0 for every position."""
+        for tp in sorted(self.prefill_sizes, reverse=True):
+            self.qsl[:2].copy_(torch.tensor([0, tp], device=self.qsl.device))
+            self.seq_lens[:1].fill_(tp)
+            self.pos[:tp].copy_(torch.arange(tp, device=self.pos.device))
+            self.slots[:tp].fill_(-1)
+            self.block_tables[:1].fill_(0)
+            self.p_sample.fill_(tp - 1)
+            meta = self._meta(1, host=False, step=False, rows=tp)
+            self.graphs[("pverify", tp)] = self._capture_one(self._pverify_fn(tp), meta)
+            if units is None:
+                continue
+            proposer.on_prefill_begin(meta)
+            for i in units.first_pass_layers:
+                self.graphs[("pfirst", tp, i)] = self._capture_one(self._first_fn(1, i, tp), meta)
+            proposer.on_prefill_end(meta)
 
     def _capture_one(self, fn: Callable[[AttentionMetadata], tuple], meta: AttentionMetadata):
         s = torch.cuda.Stream()

@@ -26,7 +26,7 @@ from mtpspec.config import SpeculativeConfig
 from mtpspec.distributed import comm_stats, get_tp_group
 from mtpspec.engine import kv_cache
 from mtpspec.engine.config import CacheConfig, SchedulerConfig
-from mtpspec.engine.forward import EagerForward, GraphedForward
+from mtpspec.engine.forward import EagerForward, GraphedForward, prefill_capture_sizes
 from mtpspec.engine.input_prep import prepare_step
 from mtpspec.ops.kv_quant import resolve_kv_cache_dtype
 from mtpspec.sample.logits_processors import apply_logits_processors
@@ -100,7 +100,8 @@ class ModelRunner:
             sc = scheduler_config
             width = -(-sc.decode_slots(sc.max_model_len) // cache_config.block_size)
             self.fwd = GraphedForward(target, mtp, self.k, sc.max_num_seqs, width, target.config.hidden_size,
-                                      self.kv_dtype, device, graph_mode, sc.decode_slots(sc.max_model_len))
+                                      self.kv_dtype, device, graph_mode, sc.decode_slots(sc.max_model_len),
+                                      prefill_capture_sizes(sc.max_num_batched_tokens, sc.max_model_len))
 
     # ------------------------------------------------------------------ KV cache
     def max_useful_blocks(self) -> int:
@@ -169,7 +170,8 @@ class ModelRunner:
         """Device tensors of ``step``; tells the forward the batch (graph buffers for pure decodes)."""
         inp = prepare_step(step, self.k, self.cache_config.block_size, self.max_position, self.device,
                            self.draft_sampling)
-        self.fwd.begin_step(step.is_pure_decode, len(step.seqs), inp.block_tables)
+        self.fwd.begin_step(step.is_pure_decode, len(step.seqs), inp.block_tables, inp.input_ids.shape[0],
+                            inp.sample_rows.shape[0])
         return inp
 
     def _sampled_drafts(self, step: StepInput, inp: PreparedStep) -> Optional[SampledDrafts]:
