@@ -33,6 +33,7 @@ from test_scheduler import EOS, draft, greedy_chain, target_next
 from mtpspec import LLM, SamplingParams
 from mtpspec.engine.block_manager import BlockManager
 from mtpspec.engine.config import SchedulerConfig
+from mtpspec.engine.parallel_sampling import ParentRequest
 from mtpspec.engine.scheduler import Scheduler
 from mtpspec.engine.sequence import Sequence
 
@@ -59,23 +60,34 @@ def _slot(seq: Sequence, p: int, bs: int) -> int:
 
 def run_sim(prompts: List[List[int]], k: int, num_blocks: int, waves: int = 2, block_size: int = 4,
             max_num_seqs: int = 4, threshold: int = 0, chunked: bool = True, seed: int = 0,
-            max_tokens: int = 6, caching: bool = True) -> Dict[str, int]:
+            max_tokens: int = 6, caching: bool = True, n: int = 1) -> Dict[str, int]:
     """Serve ``prompts`` ``waves`` times (each wave after the previous finished, in shuffled
-    order) through the scheduler with a simulated model; checks every step (module docstring)."""
+    order) through the scheduler with a simulated model; checks every step (module docstring),
+    and that no step writes into a block another running sequence references. ``n > 1``: each
+    prompt is a request of ``n`` children (parallel sampling: siblings fork child 0's blocks)."""
     cfg = SchedulerConfig(max_num_seqs=max_num_seqs, max_model_len=64, num_speculative_tokens=k,
                           enable_chunked_prefill=chunked, long_prefill_token_threshold=threshold)
     bm = BlockManager(num_blocks, block_size, watermark=0.0, enable_caching=caching, key_next_token=k > 0)
     sched = Scheduler(cfg, bm, [EOS])
     kv = SimKV(num_blocks, block_size)
     rng = random.Random(seed)
-    stats = dict(hits=0, queries=0, copies=0, preemptions=0, steps=0, cached_reads=0)
+    stats = dict(hits=0, queries=0, copies=0, preemptions=0, steps=0, cached_reads=0, shared_reads=0)
     bs = block_size
     for wave in range(waves):
         order = list(range(len(prompts)))
         rng.shuffle(order)
-        sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-        seqs = [Sequence(f"{wave}-{i}", None, prompts[i], sp, 0, float(wave * 100 + j)) for j, i in enumerate(order)]
-        for s in seqs:
+        sp = SamplingParams(temperature=1.0, max_tokens=max_tokens, ignore_eos=True, n=n)  # the model is greedy
+        seqs = []
+        for j, i in enumerate(order):
+            parent = ParentRequest(f"{wave}-{i}", sp, float(wave * 100 + j)) if n > 1 else None
+            for c in range(n):
+                s = Sequence(f"{c}_{wave}-{i}", None, prompts[i], sp if parent is None else parent.child_params(c), 0,
+                             float(wave * 100 + j))
+                if parent is not None:
+                    s.parent = parent
+                    parent.children.append(s)
+                seqs.append((i, s))
+        for _, s in seqs:
             sched.add(s)
         while sched.has_unfinished():
             out = sched.schedule()
@@ -90,6 +102,7 @@ def run_sim(prompts: List[List[int]], k: int, num_blocks: int, waves: int = 2, b
             for s in sched.running:
                 for b in s.block_table:
                     refs[b] += 1
+            table_refs = list(refs)  # a pinned copy source may be written after the copy ran
             for b in bm._pinned:
                 refs[b] += 1
             assert refs == bm.pool.ref_cnt
@@ -107,6 +120,7 @@ def run_sim(prompts: List[List[int]], k: int, num_blocks: int, waves: int = 2, b
                         assert kv.mtp[_slot(s, p, bs)] == tuple(ctx[:p + 2]), f"MTP entry {p} of {s!r}"
                 shared = [b for b in s.block_table[:start // bs] if bm.pool.block_key[b] is not None]
                 stats["cached_reads"] += len(shared)
+                stats["shared_reads"] += sum(table_refs[b] > 1 for b in s.block_table[:start // bs])
                 if sch.is_prefill:
                     end = start + len(sch.input_token_ids)
                     emitted = [] if sch.is_partial_prefill else [target_next(ctx)]
@@ -140,12 +154,13 @@ def run_sim(prompts: List[List[int]], k: int, num_blocks: int, waves: int = 2, b
             for s, p, t_key, m_key in writes:
                 slot = _slot(s, p, bs)
                 assert bm.pool.block_key[slot // bs] is None, f"{s!r} writes position {p} into a cached block"
+                assert table_refs[slot // bs] == 1, f"{s!r} writes position {p} into a shared block"
                 kv.target[slot] = t_key
                 if m_key is not None:
                     kv.mtp[slot] = m_key
             sched.update_from_output(out, new_tokens, drafts if k else None)
             assert stats["steps"] < 5000
-        for i, s in zip(order, seqs):
+        for i, s in seqs:
             assert s.output_token_ids == greedy_chain(prompts[i], max_tokens), s
             assert s.metrics.num_cached_tokens is not None
     bm.release_pinned()
@@ -189,6 +204,18 @@ def test_simulated_eviction_and_preemption(chunked, threshold):
     for seed in range(3):
         stats = run_sim(prompts, 3, 16, waves=3, chunked=chunked, threshold=threshold, seed=seed)
         assert stats["hits"] > 0 and stats["preemptions"] > 0 and stats["evictions"] > 0
+
+
+@pytest.mark.parametrize("caching", [True, False])
+@pytest.mark.parametrize("k,num_blocks,threshold", [(0, 200, 0), (3, 200, 0), (1, 200, 3), (3, 16, 0), (1, 16, 5)])
+def test_simulated_parallel_sampling_shares_the_prompt(k, num_blocks, threshold, caching):
+    """n = 3 children per prompt: the siblings read child 0's prompt blocks (caching on or off),
+    with chunking, and with 16 blocks preemptions (and, caching on, evictions); every context
+    stays exact and no sequence writes into a block it shares."""
+    for seed in range(3):
+        stats = run_sim(shared_prefix_prompts(seed, n=5), k, num_blocks, threshold=threshold, seed=seed,
+                        caching=caching, n=3, max_tokens=10)
+        assert stats["shared_reads"] > 0 and (stats["preemptions"] > 0) == (num_blocks == 16)
 
 
 def test_simulated_check_catches_a_wrong_reuse(monkeypatch):

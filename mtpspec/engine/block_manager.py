@@ -44,14 +44,15 @@ from mtpspec.engine.sequence import Sequence
 
 @dataclass
 class CacheHit:
-    """A sequence's cached prefix (:meth:`BlockManager.find_cache_hit`).
+    """A sequence's reused prefix: cached (:meth:`BlockManager.find_cache_hit`) or a sibling's
+    (:meth:`BlockManager.fork_hit`).
 
     Attributes:
-        blocks: leading cached blocks reused as they are (shared, read-only).
-        copy_src: a cached block to copy into a new private block that follows ``blocks``; its
-            last position is recomputed (``None``: no copy).
+        blocks: leading blocks reused as they are (shared, read-only).
+        copy_src: a block to copy into a new private block that follows ``blocks``; its
+            positions from ``num_tokens`` on are recomputed (``None``: no copy).
         num_tokens: positions the sequence need not compute: ``len(blocks) * block_size``, plus
-            ``block_size - 1`` with a copy.
+            the copied block's leading positions (``block_size - 1`` for a prefix-cache hit).
     """
 
     blocks: List[int] = field(default_factory=list)
@@ -148,6 +149,21 @@ class BlockManager:
             hit.blocks.append(block)
         hit.num_tokens = len(hit.blocks) * bs + (bs - 1 if hit.copy_src is not None else 0)
         return hit
+
+    def fork_hit(self, src: Sequence, num_tokens: int) -> CacheHit:
+        """The :class:`CacheHit` of a sequence whose first ``num_tokens`` tokens are those of
+        ``src``, a running sequence that computed them (a sibling of a request with ``n > 1``:
+        :mod:`mtpspec.engine.parallel_sampling`). Works with caching on or off.
+
+        Positions ``< num_tokens - 1`` are shared: the full blocks holding them by reference,
+        the partial one as a copy (its later positions are overwritten). Position ``num_tokens -
+        1`` is left to compute: its logits give the sequence's own sample and its MTP entry reads
+        its own next token. ``src`` never writes below its ``num_computed_tokens``, so the shared
+        blocks stay read-only.
+        """
+        n = max(min(num_tokens, src.num_computed_tokens + 1) - 1, 0)
+        full, rest = divmod(n, self.block_size)
+        return CacheHit(src.block_table[:full], src.block_table[full] if rest else None, n)
 
     # ------------------------------------------------------------------ allocation
     def _free_blocks_needed(self, num_slots: int, hit: Optional[CacheHit]) -> int:

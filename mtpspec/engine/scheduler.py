@@ -27,6 +27,18 @@ are shared, the prefill starts after it, and a block copy the hit needs is liste
 step's ``block_copies`` (run on every rank before the forward). After each step the blocks
 whose entries became final are added to the cache
 (:meth:`~mtpspec.engine.block_manager.BlockManager.cache_full_blocks`).
+
+Children of a request with ``n > 1`` / ``best_of`` (:mod:`mtpspec.engine.parallel_sampling`)
+share the prompt's KV blocks, with prefix caching on or off: a child is admitted by forking a
+sibling that is running past the prompt
+(:meth:`~mtpspec.engine.block_manager.BlockManager.fork_hit`: positions ``< len(prompt) - 1``
+shared, the partial block copied, one position computed; a longer prefix-cache hit wins).
+While child 0 is prefilling the prompt (over several steps with chunked prefill) and no sibling
+can be forked, its siblings are skipped: they keep their place at the head of the waiting queue
+and the requests behind them are admitted (as vLLM V1 skips requests that wait for remote KV or
+a grammar). Otherwise (child 0 aborted alone, finished by its first token, or preempted: then
+it is ahead of them in the queue) a child is admitted as any request (prefix-cache lookup, else
+the whole prompt). A child asking for prompt log-probabilities never forks.
 """
 
 from __future__ import annotations
@@ -36,7 +48,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Collection, Deque, List, Optional, Sequence as Seq, Tuple
 
-from mtpspec.engine.block_manager import BlockManager
+from mtpspec.engine.block_manager import BlockManager, CacheHit
 from mtpspec.engine.config import SchedulerConfig
 from mtpspec.engine.sequence import Sequence, SequenceStatus
 from mtpspec.engine.stop_checker import append_tokens
@@ -175,6 +187,21 @@ class Scheduler:
             raise RuntimeError(f"{seq!r}: a chunk of {n} tokens at {start} is outside its {len(tokens)} tokens")
         return ScheduledSeq(seq, True, tokens[start:end], start, tokens[end] if end < len(tokens) else None)
 
+    def _fork_hit(self, seq: Sequence) -> Optional[CacheHit]:
+        """A sibling's prompt blocks for ``seq`` (module docstring), or ``None``."""
+        if seq.parent is None or seq.params.prompt_logprobs is not None:
+            return None
+        for c in seq.parent.children:
+            if c is not seq and c.status == SequenceStatus.RUNNING and not c.is_prefill:
+                return self.block_manager.fork_hit(c, len(seq.prompt_token_ids))
+        return None
+
+    def _waits_for_prompt(self, seq: Sequence) -> bool:
+        """Whether ``seq`` waits for child 0 of its request, which is prefilling the prompt."""
+        first = seq.parent.children[0] if seq.parent is not None else seq
+        return (first is not seq and seq.params.prompt_logprobs is None
+                and first.status == SequenceStatus.RUNNING and first.is_prefill)
+
     def schedule(self) -> SchedulerOutput:
         """Pick the next step's batch (see the module docstring)."""
         cfg, bm = self.config, self.block_manager
@@ -220,9 +247,16 @@ class Scheduler:
         # Preempted sequences go back to the front of the queue, earliest admitted first.
         for seq in sorted(out.preempted, key=lambda s: s.metrics.arrival_time, reverse=True):
             self.waiting.appendleft(seq)
+        held: List[Sequence] = []  # siblings waiting for child 0's prompt (module docstring)
         while self.waiting and not out.preempted and len(out.scheduled) < cfg.max_num_seqs:
             seq = self.waiting[0]
-            hit = bm.find_cache_hit(seq)
+            fork = self._fork_hit(seq)
+            if fork is None and self._waits_for_prompt(seq):
+                held.append(self.waiting.popleft())
+                continue
+            hit = bm.find_cache_hit(seq)  # longer than a fork for a preempted child whose own blocks are cached
+            forked = fork is not None and fork.num_tokens >= hit.num_tokens
+            hit = fork if forked else hit
             n = self._chunk_len(seq, budget, hit.num_tokens)
             if n == 0:
                 break
@@ -233,8 +267,8 @@ class Scheduler:
             if copy is not None:
                 out.block_copies.append(copy)
             if seq.metrics.num_cached_tokens is None:
-                seq.metrics.num_cached_tokens = hit.num_tokens
-            if bm.lookup_enabled(seq) and seq.metrics.num_preemptions == 0:
+                seq.metrics.num_cached_tokens = 0 if forked else hit.num_tokens  # a fork is no cache hit
+            if bm.lookup_enabled(seq) and seq.metrics.num_preemptions == 0 and not forked:
                 out.prefix_cache_queries += seq.num_tokens
                 out.prefix_cache_hits += hit.num_tokens
             self.waiting.popleft()
@@ -244,6 +278,7 @@ class Scheduler:
             self.running.append(seq)
             out.scheduled.append(self._prefill_chunk(seq, n))
             budget -= n
+        self.waiting.extendleft(reversed(held))
         return out
 
     def update_from_output(self, out: SchedulerOutput, new_tokens: Seq[Seq[int]],
