@@ -21,15 +21,20 @@ import pytest
 import torch
 
 from test_engine_fixtures import make_model, token_prompts
+from test_scheduler import EOS, greedy_chain, target_next
 
 from mtpspec import LLM, SamplingParams
-from mtpspec.engine.parallel_sampling import merge_metrics
+from mtpspec.engine.block_manager import BlockManager
+from mtpspec.engine.config import SchedulerConfig
+from mtpspec.engine.parallel_sampling import ParentRequest, child_request_id, merge_metrics
+from mtpspec.engine.scheduler import Scheduler
+from mtpspec.engine.sequence import Sequence
 from mtpspec.outputs import RequestMetrics
 from mtpspec.sample.counter_rng import seed_to_u64
 
 KW = dict(max_model_len=64, block_size=4, num_kv_blocks=256, max_num_seqs=16, seed=0)
-PROMPTS = [[5, 6, 7], [40, 41, 42, 43, 44, 45, 46], [90]]
-SEEDS = [11, 2024, 7]
+PROMPTS = [[5, 6, 7], [40, 41, 42, 43, 44, 45, 46], [90], list(range(60, 78))]  # the last: 4 blocks + 2 tokens
+SEEDS = [11, 2024, 7, 99]
 N = 4
 MAX_TOKENS = 12
 
@@ -125,13 +130,15 @@ def test_n_and_best_of_defaults() -> None:
 
 
 # ---------------------------------------------------------------------------- n > 1
+@pytest.mark.parametrize("caching", [True, False], ids=["caching", "no-caching"])
 @pytest.mark.parametrize("k", [0, 3])
-def test_children_equal_seeded_single_requests(model, singles, k) -> None:
+def test_children_equal_seeded_single_requests(model, singles, k, caching) -> None:
     """Child i of a request seeded s equals the n = 1 request seeded s + i at k = 0, token for
-    token; at k = 3 as well (and the counters of speculative decoding add up over the children)."""
+    token; at k = 3 as well (and the counters of speculative decoding add up over the children),
+    with prefix caching on or off (the siblings read child 0's prompt blocks either way)."""
     path, _, cfg = model
     params = [_sp(s, n=N) for s in SEEDS]
-    outs, m = _generate_n(path, k, singles, cfg.vocab_size, params)
+    outs, m = _generate_n(path, k, singles, cfg.vocab_size, params, enable_prefix_caching=caching)
     for p, o in enumerate(outs):
         assert o.finished and [c.index for c in o.outputs] == list(range(N))
         assert o.prompt_token_ids == PROMPTS[p]
@@ -217,17 +224,183 @@ def test_greedy_n_is_refused_before_anything_is_queued(model) -> None:
         assert not llm.llm_engine.has_unfinished_requests()
 
 
-def test_children_share_one_step_and_child_ids(model) -> None:
-    """The children are queued together, so one step admits all of them (vLLM's ids ``i_parent``)."""
-    path, _, _ = model
-    with _llm(path) as llm:
+def _record_schedules(sched) -> list:
+    """Wrap ``sched.schedule``: the returned list gets each step's ``[(request id, start, num
+    tokens, is_prefill)]`` and block copies."""
+    seen, schedule = [], sched.schedule
+
+    def watched():
+        out = schedule()
+        seen.append(([(s.seq.request_id, s.start_position, len(s.input_token_ids), s.is_prefill)
+                      for s in out.scheduled], list(out.block_copies)))
+        return out
+    sched.schedule = watched
+    return seen
+
+
+@pytest.mark.parametrize("caching", [True, False], ids=["caching", "no-caching"])
+@pytest.mark.parametrize("k,n,best_of", [(0, 4, None), (3, 4, None), (3, 2, 6)])
+def test_children_share_the_prompt_blocks(model, singles, k, n, best_of, caching) -> None:
+    """The 18-token prompt (block size 4: positions 0..15 in 4 full blocks, 16..17 in a fifth) is
+    prefilled by child 0 alone; the next step every sibling forks it: the 4 full blocks are
+    shared (reference count = children), the fifth is copied and each sibling computes position
+    17 only (its own sample and MTP entry). The request then holds child 0's blocks plus one per
+    sibling instead of a prompt's worth per child; caching on or off. The tokens equal the n = 1
+    requests seeded seed + i (best_of: the top n of them by cumulative logprob)."""
+    path, _, cfg = model
+    prompt, num = PROMPTS[3], best_of or n
+    with _llm(path, k, enable_prefix_caching=caching) as llm:
         eng = llm.llm_engine
-        eng.add_request({"prompt_token_ids": PROMPTS[1]}, _sp(1, n=5), request_id="par")
-        assert [s.request_id for s in eng.scheduler.waiting] == [f"{i}_par" for i in range(5)]
+        if k:
+            eng.draft_hook = _reference_hook(singles, cfg.vocab_size)
+        sched, bm = eng.scheduler, eng.scheduler.block_manager
+        total, seen = bm.num_free_blocks, _record_schedules(sched)
+        eng.add_request({"prompt_token_ids": prompt}, _sp(SEEDS[3], n=n, best_of=best_of), request_id="par")
+        kids = eng.get_parent("par").children
+        assert [s.request_id for s in sched.waiting] == [f"{i}_par" for i in range(num)]  # vLLM's child ids
         assert eng.step() == []
-        parent = eng.get_parent("par")
-        assert len(eng.scheduler.running) == 5 and all(len(c.output_token_ids) == 1 for c in parent.children)
-        assert all(c.metrics.first_scheduled_time is not None for c in parent.children)
+        # child 0 alone: 18 positions + k - 1 draft slots -> 5 blocks; the siblings wait
+        assert seen[0] == ([("0_par", 0, 18, True)], []) and sched.running == kids[:1]
+        assert list(sched.waiting) == kids[1:] and total - bm.num_free_blocks == 5
+        eng.step()
+        sibs = [(f"{i}_par", 17, 1, True) for i in range(1, num)]
+        assert seen[1][0] == [("0_par", 18, 1 + k, False)] + sibs
+        assert seen[1][1] == [(kids[0].block_table[4], c.block_table[4]) for c in kids[1:]]
+        assert sched.running == kids and all(len(c.output_token_ids) >= 1 for c in kids)
+        shared = kids[0].block_table[:4]
+        assert all(c.block_table[:4] == shared for c in kids) and len({c.block_table[4] for c in kids}) == num
+        assert [bm.pool.ref_cnt[b] for b in shared] == [num] * 4
+        # child 0's decode: 19 + 2k slots (5 blocks; k = 3: 7); each sibling: 1 block (20 < 25 slots)
+        assert total - bm.num_free_blocks == (7 if k else 5) + (num - 1)  # unshared: >= 5 * num
+        outs = []
+        while eng.has_unfinished_requests():
+            outs += eng.step()
+        assert bm.num_free_blocks == total
+    (o,) = outs
+    cands = [singles[(3, i)].outputs[0] for i in range(num)]
+    order = sorted(range(num), key=lambda i: -cands[i].cumulative_logprob)[:n] if best_of else range(n)
+    assert [c.token_ids for c in o.outputs] == [cands[i].token_ids for i in order]
+    assert o.num_cached_tokens == 0 and all(c.metrics.num_cached_tokens == 0 for c in kids)
+
+
+def test_chunked_prompt_children_equal_singles_and_do_not_block_others(model, singles) -> None:
+    """Chunked prefill of 4 tokens a step, k = 3: child 0 prefills the 18-token prompt over 5
+    steps while its siblings keep their place in the queue and requests behind them are
+    admitted; the tokens still equal the seeded n = 1 requests."""
+    path, _, cfg = model
+    with _llm(path, 3, long_prefill_token_threshold=4) as llm:
+        eng = llm.llm_engine
+        eng.draft_hook = _reference_hook(singles, cfg.vocab_size)
+        seen = _record_schedules(eng.scheduler)
+        eng.add_request({"prompt_token_ids": PROMPTS[3]}, _sp(SEEDS[3], n=N), request_id="a")
+        eng.add_request({"prompt_token_ids": PROMPTS[0]}, _sp(SEEDS[0]), request_id="b")
+        outs = []
+        while eng.has_unfinished_requests():
+            outs += eng.step()
+    assert [r for r, *_ in seen[0][0]] == ["0_a", "b"]  # b passes the waiting siblings
+    starts = [[(st, ln) for r, st, ln, pre in step if r == "0_a" and pre] for step, _ in seen[:5]]
+    assert starts == [[(0, 4)], [(4, 4)], [(8, 4)], [(12, 4)], [(16, 2)]]
+    assert [sorted(r for r, *_ in step) for step, _ in seen[:6]][-1] == ["0_a", "1_a", "2_a", "3_a", "b"]
+    assert all("1_a" not in [r for r, *_ in step] for step, _ in seen[:5])
+    by_id = {o.request_id: o for o in outs}
+    assert [c.token_ids for c in by_id["a"].outputs] == [singles[(3, i)].outputs[0].token_ids for i in range(N)]
+    assert by_id["b"].outputs[0].token_ids == singles[(0, 0)].outputs[0].token_ids
+
+
+def test_abort_mid_prefill_aborts_running_and_waiting_children(model) -> None:
+    path, _, _ = model
+    with _llm(path, 3, long_prefill_token_threshold=4) as llm:
+        eng = llm.llm_engine
+        bm = eng.scheduler.block_manager
+        free = bm.num_free_blocks
+        eng.add_request({"prompt_token_ids": PROMPTS[3]}, _sp(3, n=N, max_tokens=40), request_id="a")
+        eng.add_request({"prompt_token_ids": PROMPTS[2]}, _sp(4, max_tokens=40), request_id="other")
+        for _ in range(2):
+            assert eng.step() == []
+        kids = eng.get_parent("a").children
+        assert kids[0].is_prefill and kids[0].num_computed_tokens == 8 and list(eng.scheduler.waiting) == kids[1:]
+        out = eng.abort_request("a")
+        assert out.finished and [c.finish_reason for c in out.outputs] == ["abort"] * N
+        assert [s.request_id for s in eng.scheduler.running] == ["other"] and not eng.scheduler.waiting
+        while eng.has_unfinished_requests():
+            eng.step()
+        assert bm.num_free_blocks == free
+
+
+# ---------------------------------------------------------------------------- scheduler only (simulated greedy model)
+def _family(num_blocks: int, max_tokens: int = 4, caching: bool = False, other: bool = False):
+    """A scheduler (block size 4, chunks of 4 tokens, k = 0) holding [a 7-token request "o"
+    (``other``)], then a request "p" of 3 children on the 18-token prompt."""
+    cfg = SchedulerConfig(max_num_seqs=8, max_model_len=64, long_prefill_token_threshold=4)
+    sched = Scheduler(cfg, BlockManager(num_blocks, 4, watermark=0.0, enable_caching=caching, key_next_token=False),
+                      [EOS])
+    if other:
+        sched.add(Sequence("o", None, PROMPTS[1], SamplingParams(max_tokens=6, ignore_eos=True), 0, 0.0))
+    parent = ParentRequest("p", SamplingParams(temperature=1.0, n=3, max_tokens=max_tokens, ignore_eos=True), 1.0)
+    for i in range(3):
+        s = Sequence(child_request_id("p", i), None, PROMPTS[3], parent.child_params(i), 0, 1.0)
+        s.parent = parent
+        parent.children.append(s)
+        sched.add(s)
+    return sched, parent.children
+
+
+def _step(sched: Scheduler) -> list:
+    """One step of the simulated greedy model; returns ``[(request id, start, num tokens)]`` and
+    the preempted ids."""
+    out = sched.schedule()
+    assert not out.is_empty, "scheduler stalled"
+    sched.update_from_output(out, [[] if s.is_partial_prefill else [target_next(s.seq.all_token_ids)]
+                                   for s in out.scheduled], None)
+    return [(s.seq.request_id, s.start_position, len(s.input_token_ids)) for s in out.scheduled], \
+        [s.request_id for s in out.preempted]
+
+
+def _finish(sched: Scheduler, kids, steps: list) -> None:
+    while sched.has_unfinished():
+        steps.append(_step(sched))
+        assert len(steps) < 200
+    assert sched.block_manager.num_free_blocks == sched.block_manager.num_blocks
+    assert all(c.output_token_ids == greedy_chain(PROMPTS[3], c.params.max_tokens) for c in kids)
+
+
+def test_child0_preempted_mid_prompt_then_siblings_fork() -> None:
+    """7 blocks: "o" (7 tokens, 2 blocks) and child 0's prompt (5 blocks) fill them; o's decode
+    at 9 tokens needs a third block and preempts child 0 mid-prompt (12 of 18 computed). Child 0
+    goes back to the head of the queue (its siblings behind it), is prefilled again once o
+    finished, and the siblings then fork it."""
+    sched, kids = _family(7, other=True)
+    steps = [_step(sched) for _ in range(4)]
+    assert [sch for sch, _ in steps[:3]] == [[("o", 0, 4), ("0_p", 0, 4)], [("o", 4, 3), ("0_p", 4, 4)],
+                                            [("o", 7, 1), ("0_p", 8, 4)]]
+    assert steps[3] == ([("o", 8, 1)], ["0_p"])
+    assert list(sched.waiting) == kids and kids[0].num_computed_tokens == 0
+    _finish(sched, kids, steps)
+    firsts = [next(i for i, (sch, _) in enumerate(steps) if any(r == c.request_id for r, *_ in sch)) for c in kids]
+    restart = firsts[0] + next(i for i, (sch, _) in enumerate(steps[firsts[0]:]) if ("0_p", 0, 4) in sch and i)
+    assert firsts[1] > restart and ("1_p", 17, 1) in steps[firsts[1]][0] and ("2_p", 17, 1) in steps[firsts[2]][0]
+
+
+@pytest.mark.parametrize("caching", [True, False])
+def test_child0_finished_by_its_first_token_or_aborted(caching) -> None:
+    """With nothing to fork (child 0 finished by its first token, or aborted alone mid-prompt)
+    the siblings are admitted as any request: the prefix cache serves the 4 full blocks when on,
+    else they compute the whole prompt."""
+    sched, kids = _family(40, max_tokens=1, caching=caching)
+    steps = [_step(sched) for _ in range(5)]
+    assert [sch for sch, _ in steps] == [[("0_p", 0, 4)], [("0_p", 4, 4)], [("0_p", 8, 4)], [("0_p", 12, 4)],
+                                         [("0_p", 16, 2)]]
+    assert kids[0].is_finished and not kids[0].block_table
+    start = 16 if caching else 0
+    assert _step(sched)[0] == [("1_p", start, 4 if not caching else 2), ("2_p", start, 4 if not caching else 2)]
+    _finish(sched, kids, steps)
+    sched, kids = _family(40, caching=caching)
+    _step(sched)  # child 0's first chunk: block 0 is cached
+    sched.abort("0_p")
+    start = 4 if caching else 0
+    assert _step(sched)[0] == [("1_p", start, 4), ("2_p", start, 4)]
+    steps = []
+    _finish(sched, kids[1:], steps)
 
 
 def test_abort_aborts_every_child(model) -> None:
