@@ -30,7 +30,9 @@ computed (its logits are needed):
   whole last block for the drafter instead, which lost hit rate: vllm#38182.)
 
 Reference counts let sequences share blocks; freeing a cached block keeps it hit-able until an
-allocation evicts it (least recently freed first, after the never-cached free blocks).
+allocation evicts it (least recently freed first, after the never-cached free blocks). The
+children of a request with ``n > 1`` share their prompt's blocks the same way, with caching on
+or off (:meth:`BlockManager.fork_hit`: a running sibling's blocks instead of cached ones).
 """
 
 from __future__ import annotations

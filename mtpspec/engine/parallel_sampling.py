@@ -3,8 +3,8 @@
 :meth:`LLMEngine.add_request <mtpspec.engine.llm_engine.LLMEngine.add_request>` turns a request
 whose :class:`~mtpspec.sampling_params.SamplingParams` ask for several sequences
 (``num_sequences = best_of or n > 1``) into that many child :class:`~mtpspec.engine.sequence.Sequence` s,
-queued one after the other, so the scheduler admits them together when the step's budget allows.
-Requests with ``n == 1`` and no ``best_of`` stay one plain sequence, exactly as before.
+queued one after the other. Requests with ``n == 1`` and no ``best_of`` stay one plain sequence,
+exactly as before.
 
 Children (vLLM's rules where vLLM has them):
 
@@ -18,8 +18,18 @@ Children (vLLM's rules where vLLM has them):
   from the verification rows the engine computes anyway) to rank by ``cumulative_logprob``; the
   per-token entries are dropped from the outputs, the sum is kept.
 
-The children's prompt KV blocks are not shared by this module: with prefix caching, children
-admitted after the first one's prompt is cached reuse its blocks.
+The children share the prompt's KV blocks, with prefix caching on or off (vLLM V0's fork of the
+prompt's blocks; :mod:`mtpspec.engine.scheduler` has the rules): child 0 prefills the prompt
+alone (over several steps with chunked prefill); its siblings wait in the queue, skipped so that
+the requests behind them are admitted, and are admitted once a child runs past the prompt by
+:meth:`~mtpspec.engine.block_manager.BlockManager.fork_hit`: the blocks of positions ``<
+len(prompt) - 1`` are referenced (reference counts), the partial last one is copied, and each
+sibling computes the last prompt position itself (its own sample and MTP entry). A request of
+``m`` sequences thus holds one prompt's blocks plus about one block per sibling, and its
+siblings' first tokens come one step after child 0's; the tokens are unchanged (each child's
+equal a separate request seeded ``seed + i``). With nothing to fork (child 0 finished by its
+first token, or aborted alone) siblings are admitted as any request: prefix-cache hit when on,
+else the whole prompt. A preempted child forks a running sibling when it is admitted again.
 
 Aggregation (:meth:`ParentRequest.to_output`): one :class:`~mtpspec.outputs.RequestOutput` with
 the parent's id; ``outputs`` holds child ``i`` as ``index = i`` (``best_of == n``), or the ``n``
@@ -27,8 +37,8 @@ children with the highest ``cumulative_logprob`` (vLLM V0's and OpenAI's ``best_
 the lower child), re-indexed ``0 .. n - 1`` by rank. The request is finished when every child
 is; aborting it aborts every child. Metrics (:func:`merge_metrics`): counters summed over the
 children, the first scheduling / first token the earliest, the last token / finish the latest.
-``num_cached_tokens`` is child 0's (the prompt counts once, as in ``usage``; later children
-usually find the first one's prompt cached).
+``num_cached_tokens`` is child 0's (the prompt counts once, as in ``usage``; a forked sibling
+counts 0: its shared blocks are no prefix-cache hit, nor in the prefix-cache counters).
 """
 
 from __future__ import annotations
