@@ -300,8 +300,8 @@ def test_chunked_prompt_children_equal_singles_and_do_not_block_others(model, si
     assert [r for r, *_ in seen[0][0]] == ["0_a", "b"]  # b passes the waiting siblings
     starts = [[(st, ln) for r, st, ln, pre in step if r == "0_a" and pre] for step, _ in seen[:5]]
     assert starts == [[(0, 4)], [(4, 4)], [(8, 4)], [(12, 4)], [(16, 2)]]
-    assert [sorted(r for r, *_ in step) for step, _ in seen[:6]][-1] == ["0_a", "1_a", "2_a", "3_a", "b"]
     assert all("1_a" not in [r for r, *_ in step] for step, _ in seen[:5])
+    assert sorted(r for r, *_ in seen[5][0]) == ["0_a", "1_a", "2_a", "3_a", "b"]  # the siblings fork
     by_id = {o.request_id: o for o in outs}
     assert [c.token_ids for c in by_id["a"].outputs] == [singles[(3, i)].outputs[0].token_ids for i in range(N)]
     assert by_id["b"].outputs[0].token_ids == singles[(0, 0)].outputs[0].token_ids
