@@ -212,6 +212,7 @@ class AsyncLLM:
             except RuntimeError:  # the caller's event loop is gone: nobody is listening
                 self.abort(rid)
         self._cmds.put(("add", rid, prompt, params, arrival_time or time.perf_counter(), sink))
+        time.sleep(0)  # hand the GIL to the engine thread now (else it may wait a switch interval, 5 ms)
         return RequestStream(self, rid, q)
 
     async def generate(self, prompt: PromptType, params: SamplingParams, request_id: Optional[str] = None,

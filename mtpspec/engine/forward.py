@@ -47,8 +47,10 @@ from mtpspec.spec_decode.proposer import Proposer
 logger = logging.getLogger(__name__)
 
 
-#: Candidate padded row counts of the single-sequence prefill units.
-PREFILL_SIZES = (16, 32, 64, 128, 256)
+#: Candidate padded row counts of the single-sequence prefill units (fine steps: a unit reads all the
+#: weights, and at up to 256 rows its GEMMs are still weight-read bound, but padding costs MoE and
+#: attention work).
+PREFILL_SIZES = (16, 32, 48, 64, 80, 96, 112, 128, 160, 192, 224, 256)
 
 
 def prefill_capture_sizes(max_num_batched_tokens: int, max_model_len: int) -> List[int]:
