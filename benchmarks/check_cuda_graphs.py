@@ -5,7 +5,7 @@
    captured per padded batch size) and by ``LLM(..., graph_mode="off")`` (eager), greedy, for
    batches of 1, 3 and ``max_num_seqs`` prompts, speculative (``k``) and plain decoding.
    Passes when capture succeeded (no ``capture_failed``), ``num_eager_fallbacks == 0``, graph
-   steps ran, and the fp32 tokens equal eager's (bf16 token agreement is reported, not required:
+   steps ran (decode steps, and one-sequence prefill steps: the batch of 1), and the fp32 tokens equal eager's (bf16 token agreement is reported, not required:
    eager and padded graph batches may split attention keys differently).
 2. Paged attention: the Triton kernel vs the torch SDPA path of ``Attention`` (both sync-free,
    each timed eagerly and as a CUDA graph), bf16, 32 query heads x 128, 8 kv heads, block 16,
@@ -95,10 +95,12 @@ def engine_check(device: torch.device, k: int, smoke: bool) -> List[Dict[str, An
                             fwd = llm.executor.runner.fwd
                             info = dict(capture_failed=fwd.capture_failed, graphs=len(fwd.graphs),
                                         graph_steps=fwd.num_graph_steps,
+                                        prefill_graph_steps=fwd.num_prefill_graph_steps,
                                         fallbacks=llm.get_metrics()["num_eager_fallbacks"],
                                         seconds=time.perf_counter() - t0)
                 same = sum(a == b for a, b in zip(outs["off"], outs[mode]))
                 ok = info["capture_failed"] is None and info["fallbacks"] == 0 and info["graph_steps"] > 0 and \
+                    info["prefill_graph_steps"] > 0 and \
                     (mode == "static" or info["graphs"] > 0)
                 if dtype == "float32":
                     ok = ok and same == len(outs["off"])

@@ -12,7 +12,9 @@ case $part in
 serving)
   # one line per engine step in serve.log (host phases), to find where TTFT goes
   MTPSPEC_LOG_STEPS=1 step 480 serving_goals bash benchmarks/run_serving_goals.sh "$OUT" dense-70b-16l
-  grep -c "step " "$OUT/serve.log"; grep "step " "$OUT/serve.log" | awk 'NR%400==1' | head -40 ;;
+  grep -c "step " "$OUT/serve.log"; grep "step " "$OUT/serve.log" | awk 'NR%400==1' | head -40
+  # prefill / decode graph units vs eager, fp32 tokens equal (batches of 1, 3, max)
+  step 150 cuda_graphs python3 benchmarks/check_cuda_graphs.py --skip attention,moe --json "$OUT/graphs.json" ;;
 kernels)
   step 150 draft_sampling python3 benchmarks/bench_engine_step.py --graph-mode cuda --layers 2 --draft-sampling \
       --batch-sizes 1,16,64 --json "$OUT/engine_draft_sampling.json"
