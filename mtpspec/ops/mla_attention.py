@@ -42,7 +42,8 @@ FP8 latent caches (``torch.float8_e4m3fn``, one ``k_scale`` per layer, :mod:`mtp
 the write quantises (``x / k_scale``, saturating, nearest even); the attention dequantises each
 tile after loading it (``x * k_scale`` in q's dtype), on the pointer path and on the bulk-copy
 (TMA) path alike (the descriptors carry the cache's 1-byte dtype; the tile is converted in
-registers).
+registers). By default fp8 caches take the pointer path (the bulk-copy variant timed slower on an
+H200, BENCHMARKS.md); ``tma=True`` selects it.
 
 Dispatch (docs/structures.md): Triton on CUDA tensors and on CPU tensors under
 ``TRITON_INTERPRET=1``; the torch references (``*_ref``, sync-free) otherwise.
@@ -443,7 +444,10 @@ def mla_attention(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Te
         raise ValueError(f"mla_attention: tma=True needs a contiguous 16-bit or fp8 kv_cache whose block_size "
                          f"({bs}) is a multiple of block_n ({bn}), power-of-two kv_lora_rank / 2 and rope <= 256, "
                          f"and Triton tensor descriptors")
-    use_tma = eligible and (tma if tma is not None else (plan["tma"] and q_latent.is_cuda and
+    # fp8 caches default to the pointer path: on an H200 the fp8 bulk-copy variant timed slower
+    # (BENCHMARKS.md, 2026-12-02); tma=True still selects it
+    use_tma = eligible and (tma if tma is not None else (plan["tma"] and not is_fp8(kv_cache.dtype) and
+                                                         q_latent.is_cuda and
                                                          torch.cuda.get_device_capability(q_latent.device)[0] >= 9))
     # Triton's interpreter: bf16 tl.dot is wrong and fp32 -> bf16 truncates; run the dots in
     # fp32 and round by integer ops there (compiled: native bf16 dots, fp32 accumulation).
