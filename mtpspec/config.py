@@ -16,6 +16,53 @@ LOAD_FORMATS = ("auto", "safetensors", "dummy")
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 
 
+@dataclass(frozen=True)
+class Fp8WeightConfig:
+    """FP8 block-scaled weights, from ``config.json``'s ``quantization_config`` (the layout of
+    DeepSeek-V3 / V3.2, GLM-4.5 / GLM-5 ``-FP8`` checkpoints and of ``transformers``'
+    ``FineGrainedFP8Config``): ``{"quant_method": "fp8", "fmt": "e4m3", "activation_scheme":
+    "dynamic", "weight_block_size": [128, 128]}``. Math and kernels: :mod:`mtpspec.ops.fp8_gemm`.
+
+    Attributes:
+        weight_block_size: ``(block_n, block_k)``: weight rows and columns per float32 scale.
+        modules_to_not_convert: module names the checkpoint keeps unquantised (informational:
+            mtpspec reads which weights are FP8 from the tensors' dtypes).
+    """
+
+    weight_block_size: tuple = (128, 128)
+    modules_to_not_convert: tuple = ()
+
+    @classmethod
+    def from_dict(cls, q: Any) -> Optional["Fp8WeightConfig"]:
+        """Parse ``quantization_config`` (None / absent: None).
+
+        Raises:
+            ModelConfigError: another quant method, fmt, activation scheme or scale format, or a
+                bad block size (naming the value and what is supported).
+        """
+        if q is None:
+            return None
+        if not isinstance(q, dict):
+            raise ModelConfigError(f"quantization_config must be an object, got {q!r}")
+        method = q.get("quant_method")
+        if method != "fp8":
+            raise ModelConfigError(f"unsupported quantization_config.quant_method {method!r}: only FP8 "
+                                   "block-scaled weights ('fp8', DeepSeek-V3's format) are supported; convert the "
+                                   "weights to bfloat16 first")
+        for key, ok in (("fmt", ("e4m3",)), ("activation_scheme", ("dynamic",)), ("scale_fmt", ("float",))):
+            if q.get(key) is not None and str(q[key]).lower() not in ok:
+                raise ModelConfigError(f"unsupported quantization_config.{key} {q[key]!r}; supported: {list(ok)}")
+        block = q.get("weight_block_size")
+        if block is None:
+            raise ModelConfigError("quantization_config: FP8 weights need weight_block_size (e.g. [128, 128]); "
+                                   "per-tensor FP8 scales are not supported")
+        if (not isinstance(block, (list, tuple)) or len(block) != 2
+                or not all(isinstance(b, int) and not isinstance(b, bool) and b >= 1 for b in block)):
+            raise ModelConfigError(f"quantization_config.weight_block_size must be two ints >= 1, got {block!r}")
+        skip = q.get("modules_to_not_convert") or q.get("ignored_layers") or ()
+        return cls(tuple(block), tuple(skip))
+
+
 @dataclass
 class ParallelConfig:
     """Tensor parallelism and the collectives of the MTP draft path.
@@ -236,6 +283,8 @@ class ModelConfig:
         dtype: the checkpoint's declared dtype (``torch_dtype`` / ``dtype``), a torch dtype;
             float32 when absent.
         model_path: the folder it was read from, or None.
+        quantization: :class:`Fp8WeightConfig` for an FP8 block-scaled checkpoint
+            (``quantization_config``), else None.
 
     Raises (from :meth:`from_dict` / :meth:`from_pretrained` / :meth:`verify_tensor_parallel`):
         ModelConfigError: naming the unsupported architecture (and the supported ones), the
@@ -269,6 +318,7 @@ class ModelConfig:
     eos_token_ids: tuple = ()
     dtype: Any = None
     model_path: Optional[str] = None
+    quantization: Optional[Fp8WeightConfig] = None
 
     # ---------------------------------------------------------------- the architecture's part
     def __getattr__(self, name: str) -> Any:
@@ -351,6 +401,7 @@ class ModelConfig:
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             bos_token_id=raw.get("bos_token_id"), pad_token_id=raw.get("pad_token_id"),
             eos_token_ids=eos_ids, dtype=_dtype_from_name(dtype_name),
+            quantization=Fp8WeightConfig.from_dict(raw.get("quantization_config")),
         )
         cfg.validate()
         return cfg

@@ -34,9 +34,11 @@ from torch import nn
 from mtpspec.distributed import (
     get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size, tensor_model_parallel_all_reduce)
 from mtpspec.layers.activation import SiluAndMul
+from mtpspec.layers.fp8 import check_column_cut, copy_scale_rows, current_fp8_block, fp8_param, scale_param
 from mtpspec.layers.weight_utils import check_full_tensor, copy_into
+from mtpspec.ops.fp8_gemm import fp8_experts_grouped
 from mtpspec.ops.moe_gemm import moe_experts, moe_experts_ref
-from mtpspec.ops.triton_utils import FLOAT_DTYPES, use_triton
+from mtpspec.ops.triton_utils import FLOAT_DTYPES, cdiv, use_triton
 
 #: Paths of :meth:`FusedMoE.forward` without a host sync (CUDA-graph capturable).
 GRAPH_SAFE_PATHS = ("kernel", "gather", "dense")
@@ -172,6 +174,12 @@ class FusedMoE(nn.Module):
     Attributes:
         w13_weight: ``[E, 2 * I / tp, H]``, per expert ``[gate_r | up_r]``.
         w2_weight: ``[E, H, I / tp]``, per expert the down projection's columns of this rank.
+        fp8_block: ``(block_n, block_k)`` when built inside :func:`~mtpspec.layers.fp8.fp8_weights`
+            (then both weights are ``float8_e4m3fn`` with float32 ``w13_weight_scale_inv [E,
+            ceil(2 I / tp / w13_scale_block_n), ceil(H / block_k)]`` and ``w2_weight_scale_inv
+            [E, ceil(H / block_n), ceil(I / tp / block_k)]``; ``w13_scale_block_n`` is block_n
+            when ``I / tp`` is a multiple of it, else 1 (a scale row per weight row); the
+            forward is :func:`~mtpspec.ops.fp8_gemm.fp8_experts_grouped`, path ``"fp8"``), else None.
 
     ``weight_loader(param, full_tensor, shard_id, expert_id)``:
         ``shard_id`` ``"w1"`` (gate ``[I, H]``), ``"w3"`` (up ``[I, H]``), ``"w2"`` (down ``[H, I]``)
@@ -195,15 +203,75 @@ class FusedMoE(nn.Module):
         self.num_experts, self.hidden_size, self.intermediate_size = num_experts, hidden_size, intermediate_size
         self.intermediate_size_per_partition = ip = intermediate_size // self.tp_size
         self.reduce_results = reduce_results
-        dtype = params_dtype or torch.get_default_dtype()
-        self.w13_weight = nn.Parameter(torch.empty(num_experts, 2 * ip, hidden_size, dtype=dtype), requires_grad=False)
-        self.w2_weight = nn.Parameter(torch.empty(num_experts, hidden_size, ip, dtype=dtype), requires_grad=False)
-        self.w13_weight.weight_loader = self.weight_loader
-        self.w2_weight.weight_loader = self.weight_loader
+        self.params_dtype = params_dtype or torch.get_default_dtype()
+        self.fp8_block = current_fp8_block()
+        self._new_weights()
         self.act_fn = SiluAndMul()
         self.dense_budget_bytes = dense_budget_bytes
         self.gather_budget_bytes = gather_budget_bytes
         self.kernel_budget_bytes = kernel_budget_bytes
+
+    def _new_weights(self) -> None:
+        e, h, ip = self.num_experts, self.hidden_size, self.intermediate_size_per_partition
+        if self.fp8_block is None:
+            self.w13_weight = nn.Parameter(torch.empty(e, 2 * ip, h, dtype=self.params_dtype), requires_grad=False)
+            self.w2_weight = nn.Parameter(torch.empty(e, h, ip, dtype=self.params_dtype), requires_grad=False)
+            self.w13_scale_block_n = None
+            params = (self.w13_weight, self.w2_weight)
+        else:
+            bn, bk = self.fp8_block
+            self.w13_scale_block_n = bn if ip % bn == 0 else 1
+            self.w13_weight, self.w2_weight = fp8_param(e, 2 * ip, h), fp8_param(e, h, ip)
+            self.w13_weight_scale_inv = scale_param(e, cdiv(2 * ip, self.w13_scale_block_n), cdiv(h, bk))
+            self.w2_weight_scale_inv = scale_param(e, cdiv(h, bn), cdiv(ip, bk))
+            params = (self.w13_weight, self.w2_weight, self.w13_weight_scale_inv, self.w2_weight_scale_inv)
+        for p in params:
+            p.weight_loader = self.weight_loader
+
+    def unquantize(self) -> None:
+        """Turn FP8 experts into plain ones (fresh ``params_dtype`` weights), for a checkpoint that
+        stores them unquantised."""
+        if self.fp8_block is None:
+            return
+        device = self.w13_weight.device
+        del self.w13_weight_scale_inv, self.w2_weight_scale_inv
+        self.fp8_block = None
+        with torch.device(device):
+            self._new_weights()
+
+    @torch.no_grad()
+    def _load_scale(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str, expert_id: Optional[int]) -> None:
+        """This rank's part of a full block-scale tensor (the weight's shard, sliced on blocks)."""
+        e, h, i, ip, r = self.num_experts, self.hidden_size, self.intermediate_size, \
+            self.intermediate_size_per_partition, self.tp_rank
+        bn, bk = self.fp8_block
+        sbn = self.w13_scale_block_n
+        loaded = loaded.float()
+        experts = range(e) if expert_id is None else [expert_id]
+        if expert_id is not None and not 0 <= expert_id < e:
+            raise ValueError(f"FusedMoE: expert_id {expert_id} out of range [0, {e})")
+        if param is self.w13_weight_scale_inv and shard_id in ("w13", "w1", "w3"):
+            if shard_id == "w13":
+                if expert_id is not None or i % bn:
+                    raise ValueError(f"FusedMoE: fused gate_up_proj FP8 scales need intermediate_size {i} to be a "
+                                     f"multiple of the block {bn} (gate and up would share block rows)")
+                check_full_tensor("FusedMoE gate_up_proj_scale_inv", loaded, (e, cdiv(2 * i, bn), cdiv(h, bk)))
+                parts = ((loaded[:, :i // bn], 0), (loaded[:, i // bn:], ip))
+            else:
+                check_full_tensor(f"FusedMoE expert {expert_id} {shard_id} weight_scale_inv", loaded,
+                                  (cdiv(i, bn), cdiv(h, bk)))
+                parts = ((loaded.unsqueeze(0), 0 if shard_id == "w1" else ip),)
+            for full, dst0 in parts:
+                for j, x in enumerate(experts):
+                    copy_scale_rows(param.data[x], dst0, full[j], r * ip, ip, bn, sbn)
+        elif param is self.w2_weight_scale_inv and shard_id == "w2":
+            check_column_cut("FusedMoE down_proj", ip, i, self.tp_size, bk)
+            shape = (cdiv(h, bn), cdiv(i, bk)) if expert_id is not None else (e, cdiv(h, bn), cdiv(i, bk))
+            check_full_tensor("FusedMoE down_proj weight_scale_inv", loaded, shape)
+            cols = loaded.narrow(-1, r * ip // bk, cdiv(ip, bk))
+            copy_into(param.data[expert_id] if expert_id is not None else param.data, cols)
+        else:
+            raise ValueError(f"FusedMoE: shard_id {shard_id!r} does not fit this scale parameter")
 
     @torch.no_grad()
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: str,
@@ -211,6 +279,12 @@ class FusedMoE(nn.Module):
         """Copy this rank's slice of a full checkpoint tensor (see the class docstring)."""
         e, h, i, ip, r = self.num_experts, self.hidden_size, self.intermediate_size, \
             self.intermediate_size_per_partition, self.tp_rank
+        if self.fp8_block is not None:
+            if param is self.w13_weight_scale_inv or param is self.w2_weight_scale_inv:
+                self._load_scale(param, loaded_weight, shard_id, expert_id)
+                return
+            if param is self.w2_weight:
+                check_column_cut("FusedMoE down_proj", ip, i, self.tp_size, self.fp8_block[1])
         if expert_id is None:
             if shard_id == "w13" and param is self.w13_weight:
                 check_full_tensor("FusedMoE gate_up_proj", loaded_weight, (e, 2 * i, h))
@@ -236,6 +310,8 @@ class FusedMoE(nn.Module):
 
     def select_path(self, num_tokens: int, top_k: int, x: torch.Tensor) -> str:
         """The path :meth:`forward` takes for ``num_tokens`` rows like ``x`` (see :func:`moe_path`)."""
+        if self.fp8_block is not None:
+            return "fp8"
         return moe_path(num_tokens, top_k, self.num_experts, self.hidden_size, self.intermediate_size_per_partition,
                         self.w13_weight.element_size(),
                         use_triton(x, self.w13_weight) and x.dtype in FLOAT_DTYPES and x.dtype == self.w13_weight.dtype,
@@ -260,7 +336,12 @@ class FusedMoE(nn.Module):
         """
         t, k = topk_ids.shape
         path = self.select_path(t, k, hidden_states)
-        if path == "kernel":
+        if path == "fp8":
+            bk = self.fp8_block[1]
+            out = fp8_experts_grouped(hidden_states, self.w13_weight, self.w13_weight_scale_inv, self.w2_weight,
+                                      self.w2_weight_scale_inv, topk_weights, topk_ids, self.w13_scale_block_n,
+                                      self.fp8_block[0], bk)
+        elif path == "kernel":
             out = self._forward_kernel(hidden_states, topk_weights, topk_ids)
         elif path == "gather":
             out = moe_experts_ref(hidden_states, self.w13_weight, self.w2_weight, topk_weights, topk_ids)

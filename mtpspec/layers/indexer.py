@@ -148,7 +148,8 @@ class Indexer(nn.Module):
                                      params_dtype=params_dtype)
         self.wk = ReplicatedLinear(hidden_size, index_head_dim, bias=False, params_dtype=params_dtype)
         self.k_norm = LayerNorm(index_head_dim, K_NORM_EPS, params_dtype)
-        self.weights_proj = ReplicatedLinear(hidden_size, index_n_heads, bias=False, params_dtype=torch.float32)
+        self.weights_proj = ReplicatedLinear(hidden_size, index_n_heads, bias=False, params_dtype=torch.float32,
+                                             quantize=False)
         #: index_n_heads ** -0.5 (transformers' head weighting) * index_head_dim ** -0.5 (its softmax_scale)
         self.weights_scale = index_n_heads ** -0.5 * index_head_dim ** -0.5
         self.k_cache = DeepseekV32IndexerCache(index_n_heads, index_head_dim, index_topk)

@@ -10,6 +10,12 @@ the FULL unsharded checkpoint tensor, checks its shape (``ValueError`` naming ex
 shapes) and dtype (``TypeError`` unless floating point), and copies this rank's slice converted to
 the parameter's dtype. Parameters are uninitialised (``torch.empty``) until loaded.
 ``forward`` returns a tensor (not vLLM's ``(output, bias)`` tuple).
+
+FP8 block-scaled weights (:mod:`mtpspec.layers.fp8`): a layer built with ``quantize=True``
+inside :func:`~mtpspec.layers.fp8.fp8_weights` holds ``weight`` as ``torch.float8_e4m3fn`` and
+``weight_scale_inv`` (float32 block scales, sliced with the weight by the same
+``weight_loader``) and multiplies through :func:`mtpspec.ops.fp8_gemm.fp8_block_linear`; its
+``params_dtype`` stays the activation (compute) dtype.
 """
 
 from __future__ import annotations
@@ -24,7 +30,11 @@ from torch import nn
 from mtpspec.distributed import (
     get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size,
     tensor_model_parallel_all_gather, tensor_model_parallel_all_reduce)
+from mtpspec.layers.fp8 import (
+    check_column_cut, copy_scale_rows, current_fp8_block, fp8_param, rows_aligned, scale_param)
 from mtpspec.layers.weight_utils import check_full_tensor, copy_into, default_weight_loader
+from mtpspec.ops.fp8_gemm import fp8_block_linear
+from mtpspec.ops.triton_utils import cdiv
 
 
 def _positive_int(cls: str, name: str, v: Any) -> int:
@@ -45,10 +55,18 @@ class LinearBase(nn.Module):
     Attributes:
         input_size, output_size: the full (unsharded) sizes.
         tp_rank, tp_size: this process's place in the TP group at construction.
-        params_dtype: dtype of every parameter.
+        params_dtype: dtype of every parameter (of the activations, when the weight is FP8).
+        fp8_block: ``(block_n, block_k)`` when the weight is FP8 block-scaled, else None;
+        scale_block_n: weight rows per ``weight_scale_inv`` row (``block_n``, or 1 where shards
+            do not cut on block rows: :mod:`mtpspec.layers.fp8`).
+
+    ``quantize``: whether the layer takes FP8 weights inside an
+    :func:`~mtpspec.layers.fp8.fp8_weights` context (False: always ``params_dtype``; e.g.
+    ``kv_b_proj``, used in absorbed form, and the indexer's fp32 ``weights_proj``).
     """
 
-    def __init__(self, input_size: int, output_size: int, params_dtype: Optional[torch.dtype] = None):
+    def __init__(self, input_size: int, output_size: int, params_dtype: Optional[torch.dtype] = None,
+                 quantize: bool = True):
         super().__init__()
         name = type(self).__name__
         self.input_size = _positive_int(name, "input_size", input_size)
@@ -56,6 +74,38 @@ class LinearBase(nn.Module):
         self.params_dtype = params_dtype or torch.get_default_dtype()
         self.tp_rank = get_tensor_model_parallel_rank()
         self.tp_size = get_tensor_model_parallel_world_size()
+        self.fp8_block = current_fp8_block() if quantize else None
+        self.scale_block_n: Optional[int] = None
+
+    def _new_weight(self, rows: int, cols: int, scale_block_n: Optional[int] = None) -> None:
+        """``self.weight`` ``[rows, cols]``: ``params_dtype``, or FP8 plus ``weight_scale_inv``
+        ``[ceil(rows / scale_block_n), ceil(cols / block_k)]`` (default ``scale_block_n``: block_n)."""
+        if self.fp8_block is None:
+            self.weight = self._new_param(rows, cols)
+            return
+        bn, bk = self.fp8_block
+        self.scale_block_n = bn if scale_block_n is None else scale_block_n
+        self.weight = fp8_param(rows, cols)
+        self.weight.weight_loader = self.weight_loader
+        self.weight_scale_inv = scale_param(cdiv(rows, self.scale_block_n), cdiv(cols, bk))
+        self.weight_scale_inv.weight_loader = self.weight_loader
+
+    def unquantize(self) -> None:
+        """Turn an FP8 layer into a plain one (fresh ``params_dtype`` weight, no scales), for a
+        checkpoint that stores this layer unquantised (``modules_to_not_convert``)."""
+        if self.fp8_block is None:
+            return
+        rows, cols = self.weight.shape
+        device = self.weight.device
+        del self.weight_scale_inv
+        self.fp8_block, self.scale_block_n = None, None
+        with torch.device(device):
+            self.weight = self._new_param(rows, cols)
+
+    def _linear(self, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+        if self.fp8_block is None:
+            return F.linear(x, self.weight, bias)
+        return fp8_block_linear(x, self.weight, self.weight_scale_inv, self.scale_block_n, self.fp8_block[1], bias)
 
     def _new_param(self, *shape: int) -> nn.Parameter:
         p = nn.Parameter(torch.empty(*shape, dtype=self.params_dtype), requires_grad=False)
@@ -69,8 +119,8 @@ class LinearBase(nn.Module):
     def _check_input(self, x: torch.Tensor, size: int) -> None:
         if x.dim() < 1 or x.shape[-1] != size:
             raise ValueError(f"{type(self).__name__}: expected input [..., {size}], got {list(x.shape)}")
-        if x.dtype != self.weight.dtype:
-            raise TypeError(f"{type(self).__name__}: input dtype {x.dtype} != weight dtype {self.weight.dtype}")
+        if x.dtype != self.params_dtype:
+            raise TypeError(f"{type(self).__name__}: input dtype {x.dtype} != weight dtype {self.params_dtype}")
 
 
 class ReplicatedLinear(LinearBase):
@@ -85,14 +135,14 @@ class ReplicatedLinear(LinearBase):
     """
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False,
-                 params_dtype: Optional[torch.dtype] = None):
-        super().__init__(input_size, output_size, params_dtype)
-        self.weight = self._new_param(output_size, input_size)
+                 params_dtype: Optional[torch.dtype] = None, quantize: bool = True):
+        super().__init__(input_size, output_size, params_dtype, quantize)
+        self._new_weight(output_size, input_size)
         self.bias = self._new_param(output_size) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self._check_input(x, self.input_size)
-        return F.linear(x, self.weight, self.bias)
+        return self._linear(x, self.bias)
 
 
 @dataclass(frozen=True)
@@ -126,8 +176,8 @@ class ColumnParallelLinear(LinearBase):
     """
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False, gather_output: bool = False,
-                 params_dtype: Optional[torch.dtype] = None):
-        super().__init__(input_size, output_size, params_dtype)
+                 params_dtype: Optional[torch.dtype] = None, quantize: bool = True):
+        super().__init__(input_size, output_size, params_dtype, quantize)
         per = _divide(type(self).__name__, "output_size", output_size, self.tp_size)
         self._init_column({None: OutputShard(output_size, self.tp_rank * per, per, 0)}, per, bias, gather_output)
 
@@ -136,7 +186,12 @@ class ColumnParallelLinear(LinearBase):
         self.output_shards = shards
         self.output_size_per_partition = per_partition
         self.gather_output = gather_output
-        self.weight = self._new_param(per_partition, self.input_size)
+        sbn = None
+        if self.fp8_block is not None:
+            bn = self.fp8_block[0]
+            cuts = [(s.full_size, s.src_start, s.size, s.dst_start) for s in shards.values()]
+            sbn = bn if rows_aligned(cuts, bn, per_partition) else 1
+        self._new_weight(per_partition, self.input_size, sbn)
         self.bias = self._new_param(per_partition) if bias else None
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor,
@@ -152,6 +207,9 @@ class ColumnParallelLinear(LinearBase):
             ValueError: unknown shard id or wrong full shape. TypeError: non-floating tensor.
         """
         name = type(self).__name__
+        if self.fp8_block is not None and param is self.weight_scale_inv:
+            self._load_scale(loaded_weight, loaded_shard_id)
+            return
         tail = tuple(param.shape[1:])
         if loaded_shard_id is None and None not in self.output_shards:
             full = sum(s.full_size for s in self.output_shards.values())
@@ -169,6 +227,31 @@ class ColumnParallelLinear(LinearBase):
         check_full_tensor(what, loaded_weight, (sh.full_size,) + tail)
         copy_into(param.data.narrow(0, sh.dst_start, sh.size), loaded_weight.narrow(0, sh.src_start, sh.size))
 
+    def _load_scale(self, loaded: torch.Tensor, shard_id: Optional[Any]) -> None:
+        """This rank's rows of the full block scales (``[ceil(full / block_n), ceil(input / block_k)]``
+        of one logical block, or of the fused tensor when ``shard_id`` is None)."""
+        name = type(self).__name__
+        bn, bk = self.fp8_block
+        kb = cdiv(self.input_size, bk)
+        if shard_id is None and None not in self.output_shards:
+            sizes = [s.full_size for s in self.output_shards.values()]
+            if any(sz % bn for sz in sizes[:-1]):
+                raise ValueError(f"{name}: a fused FP8 weight of blocks {sizes} has block rows of {bn} straddling "
+                                 "two blocks; store the blocks as separate tensors")
+            check_full_tensor(f"{name} fused weight_scale_inv", loaded, (cdiv(sum(sizes), bn), kb))
+            start = 0
+            for sid, sh in self.output_shards.items():
+                self._load_scale(loaded.narrow(0, start // bn, cdiv(sh.full_size, bn)), sid)
+                start += sh.full_size
+            return
+        if shard_id not in self.output_shards:
+            raise ValueError(f"{name}: unknown loaded_shard_id {shard_id!r}; expected one of {list(self.output_shards)}")
+        sh = self.output_shards[shard_id]
+        check_full_tensor(f"{name} weight_scale_inv" + ("" if shard_id is None else f" shard {shard_id!r}"),
+                          loaded, (cdiv(sh.full_size, bn), kb))
+        copy_scale_rows(self.weight_scale_inv.data, sh.dst_start, loaded.float(), sh.src_start, sh.size, bn,
+                        self.scale_block_n)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``[..., input_size] -> [..., output_size / tp]`` (``[..., output_size]`` if gather_output).
 
@@ -176,7 +259,7 @@ class ColumnParallelLinear(LinearBase):
             ValueError: wrong last dimension. TypeError: ``x.dtype`` differs from the weight's.
         """
         self._check_input(x, self.input_size)
-        y = F.linear(x, self.weight, self.bias)
+        y = self._linear(x, self.bias)
         return tensor_model_parallel_all_gather(y, dim=-1) if self.gather_output else y
 
 
@@ -194,14 +277,14 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     """
 
     def __init__(self, input_size: int, output_sizes: Sequence[int], bias: bool = False,
-                 params_dtype: Optional[torch.dtype] = None):
+                 params_dtype: Optional[torch.dtype] = None, quantize: bool = True):
         name = type(self).__name__
         output_sizes = list(output_sizes)
         if not output_sizes:
             raise ValueError(f"{name}: output_sizes must not be empty")
         for s in output_sizes:
             _positive_int(name, "output_sizes[i]", s)
-        LinearBase.__init__(self, input_size, sum(output_sizes), params_dtype)
+        LinearBase.__init__(self, input_size, sum(output_sizes), params_dtype, quantize)
         self.output_sizes: List[int] = output_sizes
         shards: Dict[Any, OutputShard] = {}
         dst = 0
@@ -242,13 +325,13 @@ class QKVParallelLinear(ColumnParallelLinear):
 
     def __init__(self, hidden_size: int, head_size: int, total_num_heads: int,
                  total_num_kv_heads: Optional[int] = None, bias: bool = False,
-                 params_dtype: Optional[torch.dtype] = None):
+                 params_dtype: Optional[torch.dtype] = None, quantize: bool = True):
         name = type(self).__name__
         _positive_int(name, "head_size", head_size)
         _positive_int(name, "total_num_heads", total_num_heads)
         total_kv = total_num_heads if total_num_kv_heads is None else total_num_kv_heads
         _positive_int(name, "total_num_kv_heads", total_kv)
-        LinearBase.__init__(self, hidden_size, (total_num_heads + 2 * total_kv) * head_size, params_dtype)
+        LinearBase.__init__(self, hidden_size, (total_num_heads + 2 * total_kv) * head_size, params_dtype, quantize)
         tp, rank = self.tp_size, self.tp_rank
         if total_num_heads % total_kv:
             raise ValueError(f"{name}: total_num_heads={total_num_heads} is not a multiple of "
@@ -299,12 +382,12 @@ class RowParallelLinear(LinearBase):
     """
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False, input_is_parallel: bool = True,
-                 reduce_results: bool = True, params_dtype: Optional[torch.dtype] = None):
-        super().__init__(input_size, output_size, params_dtype)
+                 reduce_results: bool = True, params_dtype: Optional[torch.dtype] = None, quantize: bool = True):
+        super().__init__(input_size, output_size, params_dtype, quantize)
         self.input_size_per_partition = _divide(type(self).__name__, "input_size", input_size, self.tp_size)
         self.input_is_parallel = input_is_parallel
         self.reduce_results = reduce_results
-        self.weight = self._new_param(output_size, self.input_size_per_partition)
+        self._new_weight(output_size, self.input_size_per_partition)
         self.bias = self._new_param(output_size) if bias else None
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor,
@@ -319,8 +402,16 @@ class RowParallelLinear(LinearBase):
             return
         if loaded_shard_id is not None:
             raise ValueError(f"{type(self).__name__}: takes no loaded_shard_id, got {loaded_shard_id!r}")
-        check_full_tensor(f"{type(self).__name__} weight", loaded_weight, (self.output_size, self.input_size))
         per = self.input_size_per_partition
+        if self.fp8_block is not None:
+            bn, bk = self.fp8_block
+            check_column_cut(type(self).__name__, per, self.input_size, self.tp_size, bk)
+            if param is self.weight_scale_inv:
+                check_full_tensor(f"{type(self).__name__} weight_scale_inv", loaded_weight,
+                                  (cdiv(self.output_size, bn), cdiv(self.input_size, bk)))
+                copy_into(param.data, loaded_weight.narrow(1, self.tp_rank * per // bk, cdiv(per, bk)))
+                return
+        check_full_tensor(f"{type(self).__name__} weight", loaded_weight, (self.output_size, self.input_size))
         copy_into(param.data, loaded_weight.narrow(1, self.tp_rank * per, per))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -337,5 +428,5 @@ class RowParallelLinear(LinearBase):
             self._check_input(x, self.input_size)
             per = self.input_size_per_partition
             x = x.narrow(-1, self.tp_rank * per, per)
-        y = F.linear(x, self.weight, self.bias if self.tp_rank == 0 else None)
+        y = self._linear(x, self.bias if self.tp_rank == 0 else None)
         return tensor_model_parallel_all_reduce(y) if self.reduce_results else y

@@ -76,8 +76,10 @@ class DeepseekV3Attention(nn.Module):
         self.kv_a_proj_with_mqa = ReplicatedLinear(h, self.kv_lora_rank + self.rope_dim, bias=False,
                                                    params_dtype=params_dtype)
         self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, LATENT_NORM_EPS, params_dtype)
+        # quantize=False: W_UK / W_UV are views of this weight (absorbed MLA); an FP8 checkpoint's
+        # kv_b_proj is dequantised once, at load, into the model dtype (mtpspec.layers.fp8)
         self.kv_b_proj = ColumnParallelLinear(self.kv_lora_rank, heads * (self.nope_dim + self.v_dim), bias=False,
-                                              params_dtype=params_dtype)
+                                              params_dtype=params_dtype, quantize=False)
         self.o_proj = RowParallelLinear(heads * self.v_dim, h, bias=False, reduce_results=False,
                                         params_dtype=params_dtype)
         inv_freq = torch.tensor(config.rope_inv_freq(config.rope_theta), dtype=torch.float32)

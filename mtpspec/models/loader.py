@@ -10,9 +10,22 @@ and the errors.
 
 Loading reads one tensor at a time (``safe_open`` per file, lazily per key) and hands the full
 tensor to the parameter's ``weight_loader``, which keeps this rank's shard, converted to the
-requested dtype. Every key is checked against the config first (names, shapes, dtypes, from
-the headers only); the model is built fresh and returned only when every parameter has been
-loaded, so a failed load never leaves a half-loaded model behind.
+requested dtype. Every key is checked against the config before any tensor is read (names,
+shapes, dtypes, from the headers only); the model is built fresh and returned only when every
+parameter has been loaded, so a failed load never leaves a half-loaded model behind.
+
+FP8 checkpoints (``quantization_config.quant_method == "fp8"``: DeepSeek-V3 / V3.2, GLM-4.5 /
+GLM-5 ``-FP8``; :class:`~mtpspec.config.Fp8WeightConfig`): an ``F8_E4M3`` weight ``X.weight``
+comes with its float32 block scales ``X.weight_scale_inv`` (fused experts: ``X_scale_inv``).
+The models are built inside :func:`~mtpspec.layers.fp8.fp8_weights`, so their linear layers and
+experts keep the weights as FP8 plus scales (:mod:`mtpspec.layers.fp8`); layers the checkpoint
+stores unquantised are turned back into plain ones first; an FP8 tensor for a parameter that
+stays in the model dtype (``kv_b_proj``, and any other) is dequantised on load; a float tensor
+for an FP8 layer whose other tensors are FP8 is block-quantised on load. Errors: an FP8 weight
+without its scales (:class:`MissingKeyError` naming the scale tensor), scales of the wrong shape
+(:class:`ShapeMismatchError`), FP8 tensors without ``quantization_config``
+(:class:`UnsupportedDtypeError`), shards that cut weight blocks (``CheckpointError`` naming the
+tensor, the layer, the size and tp).
 """
 
 from __future__ import annotations
@@ -28,17 +41,29 @@ from torch import nn
 
 from mtpspec.config import LOAD_FORMATS, ModelConfig
 from mtpspec.distributed import get_tensor_model_parallel_world_size, get_tp_group
+from mtpspec.layers.fp8 import fp8_weights
 from mtpspec.models.interfaces import WeightSpec
 from mtpspec.models.registry import get_architecture
+from mtpspec.ops.fp8_gemm import FP8_WEIGHT_DTYPE, dequantize_weight_blocks, quantize_weight_blocks, scale_grid
 
 SUPPORTED_LOAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 SUPPORTED_FILE_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
+#: The safetensors name of FP8 weights (with ``quantization_config`` only).
+FP8_FILE_DTYPE = "F8_E4M3"
+#: What an FP8 weight's block scales are called: ``X.weight`` -> ``X.weight_scale_inv``, else ``X`` -> ``X_scale_inv``.
+SCALE_SUFFIX = "_scale_inv"
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 #: What FP8 (or otherwise quantized) checkpoints hold beside the weights: DeepSeek-V3's block scales
 #: (``*.weight_scale_inv``), compressed-tensors' ``*.weight_scale`` / ``*.input_scale``.
 QUANT_SCALE_SUFFIXES = ("_scale_inv", ".weight_scale", ".input_scale")
-QUANTIZED_HINT = "quantized (e.g. FP8) checkpoints are not supported; convert the weights to bfloat16 first"
+QUANTIZED_HINT = ("quantized checkpoints other than FP8 block-scaled ones (quantization_config quant_method 'fp8' "
+                  "with weight_block_size) are not supported; convert the weights to bfloat16 first")
+
+
+def scale_key_of(key: str) -> str:
+    """The block-scale tensor of FP8 weight ``key`` (``X.weight`` -> ``X.weight_scale_inv``)."""
+    return key + SCALE_SUFFIX
 
 
 # ------------------------------------------------------------------------------------------- errors
@@ -173,10 +198,16 @@ class CheckpointReader:
 
 
 def _select(reader: CheckpointReader, own: Dict[str, WeightSpec], other: Dict[str, WeightSpec],
-            part: str) -> Dict[str, WeightSpec]:
-    """Check names, layouts, shapes and dtypes; return the keys of ``own`` to load."""
+            part: str, block: Optional[Tuple[int, int]] = None) -> Dict[str, WeightSpec]:
+    """Check names, layouts, shapes and dtypes (FP8 weights and their scales with ``block``); return
+    the keys of ``own`` to load."""
     for key in reader.keys():
         if key not in own and key not in other:
+            base = key[:-len(SCALE_SUFFIX)] if key.endswith(SCALE_SUFFIX) else None
+            if block is not None and base is not None and (base in own or base in other):
+                if base not in reader or reader.dtype_name(base) != FP8_FILE_DTYPE:
+                    raise UnexpectedKeyError(key, f" (block scales of {base!r}, which is not stored as FP8)")
+                continue
             if key.endswith(QUANT_SCALE_SUFFIXES):
                 raise UnexpectedKeyError(key, f" (a quantization scale: {QUANTIZED_HINT})")
             raise UnexpectedKeyError(key, f" (not a tensor of this {part}'s config; expected names like "
@@ -207,8 +238,20 @@ def _select(reader: CheckpointReader, own: Dict[str, WeightSpec], other: Dict[st
                 continue
             raise MissingKeyError(key)
         dt = reader.dtype_name(key)
-        if dt not in SUPPORTED_FILE_DTYPES:
+        if dt == FP8_FILE_DTYPE and block is not None and len(spec.shape) >= 2:
+            sk = scale_key_of(key)
+            if sk not in reader:
+                raise MissingKeyError(sk, f" (the FP8 weight {key!r} needs its block scales)")
+            if reader.dtype_name(sk) not in SUPPORTED_FILE_DTYPES:
+                raise UnsupportedDtypeError(f"checkpoint tensor {sk!r} has unsupported dtype {reader.dtype_name(sk)}; "
+                                            "block scales must be float32 (or another float)")
+            if reader.shape(sk) != scale_grid(spec.shape, block):
+                raise ShapeMismatchError(sk, scale_grid(spec.shape, block), reader.shape(sk))
+        elif dt not in SUPPORTED_FILE_DTYPES:
             hint = f" ({QUANTIZED_HINT})" if dt.startswith(("F8", "I8", "U8")) else ""
+            if dt == FP8_FILE_DTYPE and block is None:
+                hint = (" (an FP8 tensor, but config.json has no quantization_config with quant_method 'fp8' and "
+                        "weight_block_size; quantized (e.g. FP8) checkpoints need it)")
             raise UnsupportedDtypeError(f"checkpoint tensor {key!r} has unsupported dtype {dt}; "
                                         f"expected one of {sorted(SUPPORTED_FILE_DTYPES)}{hint}")
         shape = reader.shape(key)
@@ -239,24 +282,56 @@ def _check_mtp_layers_present(reader: CheckpointReader, cfg: ModelConfig, m_spec
                                          f"holds no tensor of MTP layer {k}: nothing under {prefix!r}; {way_out})")
 
 
+def _unquantize_plain_layers(model: nn.Module, reader: CheckpointReader, specs: Dict[str, WeightSpec]) -> None:
+    """Turn FP8-built layers into plain ones where the checkpoint stores none of their weights as
+    FP8 (``modules_to_not_convert``, or a layer the writer kept in bf16)."""
+    params = dict(model.named_parameters(remove_duplicate=False))
+    by_module: Dict[str, List[str]] = {}
+    for key, spec in specs.items():
+        if spec.param + SCALE_SUFFIX in params and key in reader:
+            by_module.setdefault(spec.param.rsplit(".", 1)[0], []).append(key)
+    for mod_name, keys in by_module.items():
+        if not any(reader.dtype_name(k) == FP8_FILE_DTYPE for k in keys):
+            model.get_submodule(mod_name).unquantize()
+
+
 def _load_selected(module: nn.Module, reader: CheckpointReader, selected: Dict[str, WeightSpec],
-                   shared: Sequence[torch.Tensor], check_finite: bool) -> None:
-    """Load every selected tensor and check that no parameter of ``module`` was left unloaded."""
+                   shared: Sequence[torch.Tensor], check_finite: bool,
+                   block: Optional[Tuple[int, int]] = None) -> None:
+    """Load every selected tensor (FP8 ones with their block scales) and check that no parameter
+    of ``module`` was left unloaded."""
     params = dict(module.named_parameters(remove_duplicate=False))
     shared_ids = {id(t) for t in shared}
     loaded: Set[int] = set()
+
+    def feed(param: torch.Tensor, tensor: torch.Tensor, spec: WeightSpec) -> None:
+        if spec.shard_id in ("w1", "w3", "w13", "w2"):  # FusedMoE: (param, w, shard_id, expert_id)
+            param.weight_loader(param, tensor, spec.shard_id, spec.expert_id)
+        else:
+            param.weight_loader(param, tensor, spec.shard_id)
+
     for key, spec in selected.items():
         if spec.param not in params:
             raise CheckpointError(f"internal: {key!r} maps to unknown parameter {spec.param!r}")
         param = params[spec.param]
         tensor = reader.get(key)
-        if check_finite and not bool(torch.isfinite(tensor).all()):
-            raise CorruptCheckpointError(f"checkpoint tensor {key!r} holds NaN or infinite values")
+        scale_param = params.get(spec.param + SCALE_SUFFIX)
+        scale = None
+        if tensor.dtype == FP8_WEIGHT_DTYPE:
+            scale = reader.get(scale_key_of(key)).float()
+            if scale_param is None:  # a parameter kept in the model dtype (kv_b_proj, ...): dequantise once
+                tensor, scale = dequantize_weight_blocks(tensor, scale, block[0], block[1]), None
+        elif scale_param is not None and tensor.dim() >= 2:  # float weight of an FP8 layer: quantise on load
+            tensor, scale = quantize_weight_blocks(tensor, block)
+        if check_finite:
+            finite = tensor.float() if tensor.dtype == FP8_WEIGHT_DTYPE else tensor
+            if not bool(torch.isfinite(finite).all()) or (scale is not None and not bool(torch.isfinite(scale).all())):
+                raise CorruptCheckpointError(f"checkpoint tensor {key!r} holds NaN or infinite values")
         try:
-            if spec.shard_id in ("w1", "w3", "w13", "w2"):  # FusedMoE: (param, w, shard_id, expert_id)
-                param.weight_loader(param, tensor, spec.shard_id, spec.expert_id)
-            else:
-                param.weight_loader(param, tensor, spec.shard_id)
+            feed(param, tensor, spec)
+            if scale is not None:
+                feed(scale_param, scale, spec)
+                loaded.add(id(scale_param))
         except (ValueError, TypeError) as exc:
             raise CheckpointError(f"loading {key!r} into {spec.param}: {exc}") from exc
         loaded.add(id(param))
@@ -323,7 +398,8 @@ def load_models(model_path: str, dtype: Optional[Union[torch.dtype, str]] = None
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format must be one of {list(LOAD_FORMATS)}, got {load_format!r}")
     if load_format == "dummy":
-        with torch.device(dev):
+        block = tuple(cfg.quantization.weight_block_size) if cfg.quantization is not None else None
+        with torch.device(dev), fp8_weights(block):
             target = arch.target_class()(cfg, dtype)
             mtp = arch.mtp_class()(cfg, target.get_input_embeddings(), target.lm_head, True, fuse_allreduce_rmsnorm,
                                    sequence_parallel, dtype) if load_mtp else None
@@ -332,21 +408,26 @@ def load_models(model_path: str, dtype: Optional[Union[torch.dtype, str]] = None
             initialize_dummy_weights(mtp, skip=list(target.parameters()))
         return target.eval(), None if mtp is None else mtp.eval()
     t_specs, m_specs = arch.target_weight_specs(cfg), arch.mtp_weight_specs(cfg)
+    block = tuple(cfg.quantization.weight_block_size) if cfg.quantization is not None else None
     with CheckpointReader(model_path) as reader:
-        t_sel = _select(reader, t_specs, m_specs, "target")
+        t_sel = _select(reader, t_specs, m_specs, "target", block)
         if load_mtp:
             _check_mtp_layers_present(reader, cfg, m_specs, model_path)
-        m_sel = _select(reader, m_specs, t_specs, "MTP model") if load_mtp else {}
-        with torch.device(dev):
+        m_sel = _select(reader, m_specs, t_specs, "MTP model", block) if load_mtp else {}
+        with torch.device(dev), fp8_weights(block):
             target = arch.target_class()(cfg, dtype)
-        _load_selected(target, reader, t_sel, (), check_finite)
+        if block is not None:
+            _unquantize_plain_layers(target, reader, t_sel)
+        _load_selected(target, reader, t_sel, (), check_finite, block)
         mtp = None
         if load_mtp:
             ties = [key not in reader for key, spec in m_specs.items() if spec.tied_head]
-            with torch.device(dev):
+            with torch.device(dev), fp8_weights(block):
                 mtp = arch.mtp_class()(cfg, target.get_input_embeddings(), target.lm_head, ties,
                                        fuse_allreduce_rmsnorm, sequence_parallel, dtype)
-            _load_selected(mtp, reader, m_sel, list(target.parameters()), check_finite)
+            if block is not None:
+                _unquantize_plain_layers(mtp, reader, m_sel)
+            _load_selected(mtp, reader, m_sel, list(target.parameters()), check_finite, block)
             mtp.eval()
     return target.eval(), mtp
 
@@ -365,7 +446,13 @@ def initialize_dummy_weights(module: nn.Module, low: float = -1e-3, high: float 
     for name, p in module.named_parameters():
         if not p.is_floating_point() or id(p) in skipped:
             continue
+        if name.endswith(SCALE_SUFFIX):  # FP8 block scales: weights below span [low, high]
+            p.fill_(max(abs(low), abs(high)) / 448.0)
+            continue
         g = torch.Generator(device=p.device).manual_seed(seed + zlib.crc32(name.encode()))
+        if p.dtype == FP8_WEIGHT_DTYPE:
+            p.copy_(torch.empty(p.shape, device=p.device).uniform_(-448.0, 448.0, generator=g).to(p.dtype))
+            continue
         p.uniform_(low, high, generator=g)
 
 
@@ -436,13 +523,15 @@ def save_checkpoint(path: str, tensors: Mapping[str, torch.Tensor], config: Opti
         max_shard_bytes: when set and the tensors exceed it, write shards
             ``model-0000i-of-0000n.safetensors`` plus ``model.safetensors.index.json``
             (a tensor larger than the limit gets a shard of its own); else one ``model.safetensors``.
-        dtype: convert floating tensors to this dtype (float32 / bfloat16 / float16).
+        dtype: convert floating tensors to this dtype (float32 / bfloat16 / float16); FP8
+            (``float8_e4m3fn``) tensors, an FP8 checkpoint's weights, are written as they are.
 
     Returns:
         The file names written.
 
     Raises:
-        UnsupportedDtypeError: ``dtype`` or a tensor's dtype is not float32 / bfloat16 / float16.
+        UnsupportedDtypeError: ``dtype`` or a tensor's dtype is not float32 / bfloat16 / float16
+            / float8_e4m3fn.
     """
     from safetensors.torch import save_file
     if dtype is not None and dtype not in SUPPORTED_LOAD_DTYPES:
@@ -454,6 +543,9 @@ def save_checkpoint(path: str, tensors: Mapping[str, torch.Tensor], config: Opti
     prepared: Dict[str, torch.Tensor] = {}
     for key in sorted(tensors):
         t = tensors[key].detach().to("cpu")
+        if t.dtype == FP8_WEIGHT_DTYPE:
+            prepared[key] = t.contiguous().clone()
+            continue
         if t.dtype not in SUPPORTED_LOAD_DTYPES:
             raise UnsupportedDtypeError(f"tensor {key!r} has unsupported dtype {t.dtype}")
         prepared[key] = t.to(dtype or t.dtype).contiguous().clone()

@@ -1,0 +1,304 @@
+"""FP8 block-scaled weights: block (de)quantisation and the w8a8 block-scaled GEMM.
+
+Recipe (DeepSeek-V3 technical report, arXiv:2412.19437, sec. 3.3 "FP8 Training", "Fine-Grained
+Quantization"; the format of DeepSeek-V3 / V3.2, GLM-4.5 / GLM-5 ``-FP8`` checkpoints and of
+``transformers``' ``FineGrainedFP8Config``):
+
+* weights ``W [N, K]`` are stored as E4M3 (``torch.float8_e4m3fn``) with one float32 scale per
+  ``block_n x block_k`` block (128 x 128 in the released checkpoints):
+  ``weight_scale_inv [ceil(N / block_n), ceil(K / block_k)]``, and
+  ``W ~= float(weight) * weight_scale_inv`` broadcast per block. Quantising a block:
+  ``scale_inv = amax(|W_block|) / 448`` (1.0 for an all-zero block, as ``transformers``),
+  ``weight = e4m3(clamp(W / scale_inv, -448, 448))`` (nearest even);
+* activations ``x [M, K]`` are quantised on the fly per token and per ``block_k``-channel group:
+  ``s = max(amax(|x_group|), 1e-10) / 448``, ``x_q = e4m3(clamp(x / s, +-448))``;
+* ``y[m, n] = sum_kb s_x[m, kb] * s_w[n // block_n, kb] * sum_{k in kb} x_q[m, k] w[n, k]``:
+  each (token-group, weight-block) partial product accumulated in fp32, its two scales applied
+  inside the K loop; the output in the activation dtype.
+
+A layer may keep one scale row per weight row (``scale_block_n = 1``): mtpspec does this where
+a tensor-parallel shard or a merged layer (gate | up) does not cut on ``block_n`` row boundaries
+(:mod:`mtpspec.layers.linear`); the kernel takes the scale row of column ``n`` as
+``n // scale_block_n`` either way.
+
+Dispatch (:func:`~mtpspec.ops.triton_utils.use_triton`): the Triton kernel on CUDA (fp8 tensor
+cores where the GPU has them, sm_89+; an fp32 dot of the same fp8 values elsewhere) and on CPU
+under ``TRITON_INTERPRET=1``; otherwise :func:`fp8_block_linear_ref`, which dequantises the
+weight to the activation dtype and calls ``torch.nn.functional.linear`` (no activation
+quantisation: the CPU path is the dequantised-weight model's math exactly). Experts
+(:func:`fp8_experts_grouped`) loop over the routed experts and call the dense op per expert.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence, Tuple
+
+import torch
+import torch.nn.functional as F
+
+from mtpspec.ops.triton_utils import FLOAT_DTYPES, HAS_TRITON, LazyKernel, cdiv, interpreting, tl, use_triton
+
+#: The stored weight dtype.
+FP8_WEIGHT_DTYPE = torch.float8_e4m3fn
+#: Largest finite E4M3 value.
+FP8_MAX = 448.0
+#: Floor of an activation group's amax (an all-zero group gets a tiny, finite scale).
+ACT_AMAX_EPS = 1e-10
+#: The released checkpoints' block.
+DEFAULT_BLOCK = (128, 128)
+
+
+# ------------------------------------------------------------------------------------------- torch side
+def scale_grid(shape: Sequence[int], block: Sequence[int]) -> Tuple[int, ...]:
+    """The ``weight_scale_inv`` shape of a weight of ``shape`` (``[..., N, K]``): leading dims kept,
+    ``ceil(N / block_n), ceil(K / block_k)``."""
+    *lead, n, k = shape
+    return (*lead, cdiv(n, block[0]), cdiv(k, block[1]))
+
+
+def expand_scales(scale: torch.Tensor, n: int, k: int, block_n: int, block_k: int) -> torch.Tensor:
+    """Block scales ``[..., ceil(n / block_n), ceil(k / block_k)]`` repeated to ``[..., n, k]``."""
+    return scale.repeat_interleave(block_n, dim=-2)[..., :n, :].repeat_interleave(block_k, dim=-1)[..., :k]
+
+
+@torch.no_grad()
+def quantize_weight_blocks(w: torch.Tensor, block: Sequence[int] = DEFAULT_BLOCK
+                           ) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Block-quantise a weight (the writer's and the loader's on-the-fly recipe, module docstring).
+
+    Args:
+        w: ``[..., N, K]`` floating tensor (any leading dims, e.g. experts).
+        block: ``(block_n, block_k)``.
+
+    Returns:
+        ``(weight [..., N, K] float8_e4m3fn, weight_scale_inv [..., ceil(N / bn), ceil(K / bk)]
+        float32)``; partial edge blocks are quantised over the rows / columns they hold.
+
+    Raises:
+        ValueError: fewer than 2 dims or a non-positive block.
+    """
+    if w.dim() < 2:
+        raise ValueError(f"quantize_weight_blocks: expected a [..., N, K] weight, got shape {list(w.shape)}")
+    bn, bk = int(block[0]), int(block[1])
+    if bn < 1 or bk < 1:
+        raise ValueError(f"quantize_weight_blocks: block must be positive, got {list(block)}")
+    *lead, n, k = w.shape
+    gn, gk = cdiv(n, bn), cdiv(k, bk)
+    wf = w.float()
+    pad = F.pad(wf, (0, gk * bk - k, 0, gn * bn - n))
+    amax = pad.abs().reshape(*lead, gn, bn, gk, bk).amax(dim=(-3, -1))
+    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax)).float()
+    q = (wf / expand_scales(scale, n, k, bn, bk)).clamp(-FP8_MAX, FP8_MAX).to(FP8_WEIGHT_DTYPE)
+    return q, scale
+
+
+def dequantize_weight_blocks(weight: torch.Tensor, scale: torch.Tensor, block_n: int, block_k: int,
+                             dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``float(weight) * scale`` broadcast per block (in float32), converted to ``dtype``.
+
+    Args:
+        weight: ``[..., N, K]`` fp8 (or any float) tensor.
+        scale: ``[..., ceil(N / block_n), ceil(K / block_k)]`` float32 (``block_n = 1``: a scale
+            row per weight row).
+
+    Raises:
+        ValueError: ``scale``'s shape does not fit.
+    """
+    *lead, n, k = weight.shape
+    want = (*lead, cdiv(n, block_n), cdiv(k, block_k))
+    if tuple(scale.shape) != want:
+        raise ValueError(f"dequantize_weight_blocks: weight {list(weight.shape)} with blocks ({block_n}, {block_k}) "
+                         f"needs scales {list(want)}, got {list(scale.shape)}")
+    return (weight.float() * expand_scales(scale.float(), n, k, block_n, block_k)).to(dtype)
+
+
+def quantize_activations(x: torch.Tensor, block_k: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Per-token, per-``block_k``-group E4M3 quantisation (what the kernel does in its K loop).
+
+    Args:
+        x: ``[M, K]`` float.
+
+    Returns:
+        ``(x_q [M, K] float8_e4m3fn, s [M, ceil(K / block_k)] float32)`` with
+        ``s = max(amax(|group|), 1e-10) / 448`` and ``x_q = e4m3(clamp(x / s, +-448))``.
+    """
+    m, k = x.shape
+    g = cdiv(k, block_k)
+    xf = x.float()
+    amax = F.pad(xf.abs(), (0, g * block_k - k)).reshape(m, g, block_k).amax(-1)
+    s = amax.clamp_min(ACT_AMAX_EPS) / FP8_MAX
+    xq = (xf / s.repeat_interleave(block_k, dim=1)[:, :k]).clamp(-FP8_MAX, FP8_MAX).to(FP8_WEIGHT_DTYPE)
+    return xq, s
+
+
+def fp8_block_linear_ref(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block_n: int, block_k: int,
+                         bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The torch path: ``F.linear(x, dequantize(weight) in x.dtype, bias)`` (weights dequantised,
+    activations not quantised)."""
+    return F.linear(x, dequantize_weight_blocks(weight, scale, block_n, block_k, x.dtype), bias)
+
+
+def fp8_block_linear_w8a8_ref(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block_n: int,
+                              block_k: int, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+    """The kernel's quantised math in ``dtype`` (default float64): :func:`quantize_activations`,
+    both sides dequantised, one matmul; for tests and error budgets. ``x [M, K]`` -> ``[M, N]``."""
+    xq, s = quantize_activations(x, block_k)
+    k = x.shape[1]
+    xd = xq.to(dtype) * s.to(dtype).repeat_interleave(block_k, dim=1)[:, :k]
+    wd = weight.to(dtype) * expand_scales(scale.to(dtype), weight.shape[0], k, block_n, block_k)
+    return xd @ wd.t()
+
+
+# ------------------------------------------------------------------------------------------- kernel
+if HAS_TRITON:
+    from mtpspec.ops.triton_helpers import quant_fp8, round_to_dtype
+
+    def _fp8_gemm_kernel(x_ptr, w_ptr, ws_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_wsn,
+                         stride_om, n_kb, SCALE_BN, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
+                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FP8_DOT: tl.constexpr,
+                         FP8_BY_BITS: tl.constexpr, BF16_BY_BITS: tl.constexpr):
+        # One [BLOCK_M, BLOCK_N] output tile; BLOCK_K is the quantisation group (= block_k), so
+        # every K step is one activation group times one weight block column.
+        pid_m = tl.program_id(0)
+        pid_n = tl.program_id(1)
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_k = tl.arange(0, BLOCK_K)
+        m_ok = offs_m < M
+        n_ok = offs_n < N
+        rows = offs_m.to(tl.int64)
+        cols = offs_n.to(tl.int64)
+        x_rows = x_ptr + rows[:, None] * stride_xm
+        w_rows = w_ptr + cols[:, None] * stride_wn
+        ws_rows = ws_ptr + (cols // SCALE_BN) * stride_wsn
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for kb in range(0, n_kb):
+            k = kb * BLOCK_K + offs_k
+            k_ok = k < K
+            x = tl.load(x_rows + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+            amax = tl.max(tl.abs(x), axis=1)
+            sa = tl.math.div_rn(tl.maximum(amax, 1e-10), 448.0)
+            xq = quant_fp8(x, sa[:, None], FP8_BY_BITS)
+            w = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+            sw = tl.load(ws_rows + kb, mask=n_ok, other=0.0)
+            if FP8_DOT:
+                d = tl.dot(xq, tl.trans(w))
+            else:
+                d = tl.dot(xq.to(tl.float32), tl.trans(w.to(tl.float32)))
+            acc += d * sa[:, None] * sw[None, :]
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        y = round_to_dtype(acc, out_ptr.dtype.element_ty, BF16_BY_BITS)
+        tl.store(out_ptr + rows[:, None] * stride_om + cols[None, :], y, mask=m_ok[:, None] & n_ok[None, :])
+
+    _kernel = LazyKernel(_fp8_gemm_kernel)
+
+
+def kernel_supports(block_k: int) -> bool:
+    """Whether the kernel takes this group size (a power of two >= 16: one ``tl.dot`` K step)."""
+    return block_k >= 16 and block_k & (block_k - 1) == 0
+
+
+def _fp8_dot(device: torch.device) -> bool:
+    """fp8 tensor-core dots: CUDA sm_89+ (Ada, Hopper, Blackwell); not under the interpreter."""
+    if device.type != "cuda" or interpreting():
+        return False
+    return torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+def launch_config(m: int, n: int) -> Tuple[int, int, int, int]:
+    """``(BLOCK_M, BLOCK_N, num_warps, num_stages)`` for ``m`` rows, ``n`` columns."""
+    if m <= 16:
+        return 16, 64 if n <= 4096 else 128, 4, 4
+    if m <= 64:
+        return 64, 128, 4, 3
+    return 128, 128, 8, 3
+
+
+def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block_n: int, block_k: int,
+                     bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``y = x W^T (+ bias)`` with ``W`` block-scaled FP8 (module docstring).
+
+    Args:
+        x: ``[..., K]`` float16 / bfloat16 / float32 activations.
+        weight: ``[N, K]`` ``torch.float8_e4m3fn``.
+        scale: ``[ceil(N / block_n), ceil(K / block_k)]`` float32 (``weight_scale_inv``).
+        block_n: weight rows per scale row (128, or 1 for per-row scales).
+        block_k: weight columns per scale column = the activation group size.
+        bias: ``[N]`` or None.
+
+    Returns:
+        ``[..., N]`` in ``x.dtype``.
+
+    Raises:
+        ValueError: mismatched shapes. TypeError: a weight that is not fp8 or activations not
+        fp16 / bf16 / fp32.
+    """
+    if weight.dtype != FP8_WEIGHT_DTYPE:
+        raise TypeError(f"fp8_block_linear: weight must be float8_e4m3fn, got {weight.dtype}")
+    if x.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"fp8_block_linear: activations must be float16, bfloat16 or float32, got {x.dtype}")
+    n, k = weight.shape
+    if x.shape[-1] != k:
+        raise ValueError(f"fp8_block_linear: input [..., {x.shape[-1]}] does not match weight [{n}, {k}]")
+    if tuple(scale.shape) != (cdiv(n, block_n), cdiv(k, block_k)):
+        raise ValueError(f"fp8_block_linear: weight [{n}, {k}] with blocks ({block_n}, {block_k}) needs scales "
+                         f"[{cdiv(n, block_n)}, {cdiv(k, block_k)}], got {list(scale.shape)}")
+    if not (use_triton(x, weight, scale, bias) and kernel_supports(block_k)):
+        return fp8_block_linear_ref(x, weight, scale, block_n, block_k, bias)
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, k)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    m = x2.shape[0]
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m == 0:
+        return out.reshape(*lead, n)
+    w = weight if weight.stride(-1) == 1 else weight.contiguous()
+    s = scale.float().contiguous()
+    bm, bn, warps, stages = launch_config(m, n)
+    extra = {} if interpreting() else {"num_warps": warps, "num_stages": stages}
+    _kernel[(cdiv(m, bm), cdiv(n, bn))](
+        x2, w, s, bias if bias is not None else s, out, m, n, k, x2.stride(0), w.stride(0), s.stride(0),
+        out.stride(0), cdiv(k, block_k), block_n, HAS_BIAS=bias is not None, BLOCK_M=bm, BLOCK_N=bn,
+        BLOCK_K=block_k, FP8_DOT=_fp8_dot(x.device), FP8_BY_BITS=interpreting(),
+        BF16_BY_BITS=interpreting() and x.dtype == torch.bfloat16, **extra)
+    return out.reshape(*lead, n)
+
+
+def fp8_experts_grouped(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor, w2: torch.Tensor,
+                        w2_scale: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                        block_n13: int, block_n2: int, block_k: int) -> torch.Tensor:
+    """Routed SwiGLU experts with FP8 block-scaled weights: a loop over the routed experts, each
+    running :func:`fp8_block_linear` on its tokens (gate | up, SiLU-and-mul, down), weighted and
+    summed per token in fp32. One host sync (the per-expert counts), so not CUDA-graph capturable.
+
+    Args:
+        x: ``[T, H]``; w13 ``[E, 2 I, H]`` fp8 with w13_scale ``[E, ceil(2 I / block_n13),
+        ceil(H / block_k)]``; w2 ``[E, H, I]`` fp8 with w2_scale ``[E, ceil(H / block_n2),
+        ceil(I / block_k)]``; topk_weights ``[T, top_k]`` fp32, topk_ids ``[T, top_k]`` int64.
+
+    Returns:
+        ``[T, H]`` in ``x.dtype``.
+    """
+    t, top_k = topk_ids.shape
+    out = torch.zeros(t, x.shape[1], dtype=torch.float32, device=x.device)
+    if t == 0:
+        return out.to(x.dtype)
+    flat = topk_ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=w13.shape[0]).tolist()  # host sync
+    token_of = order // top_k
+    wflat = topk_weights.reshape(-1).float()
+    start = 0
+    for e, c in enumerate(counts):
+        if c == 0:
+            continue
+        sel, tok = order[start:start + c], token_of[start:start + c]
+        start += c
+        gu = fp8_block_linear(x.index_select(0, tok), w13[e], w13_scale[e], block_n13, block_k)
+        half = gu.shape[-1] // 2
+        h = F.silu(gu[:, :half]) * gu[:, half:]
+        y = fp8_block_linear(h, w2[e], w2_scale[e], block_n2, block_k)
+        out.index_add_(0, tok, y.float() * wflat.index_select(0, sel).unsqueeze(-1))
+    return out.to(x.dtype)
