@@ -14,6 +14,7 @@ from mtpspec.models import (
     CorruptCheckpointError, MissingKeyError, ShapeMismatchError, UnexpectedKeyError, UnsupportedDtypeError,
     export_hf_state_dict, load_models, load_target_model, save_checkpoint)
 from mtpspec.models.loader import CheckpointReader, read_checkpoint_tensors
+from mtpspec.config import ModelConfigError
 from tiny_models import make_tiny_checkpoint
 
 
@@ -107,9 +108,10 @@ def test_unsupported_tensor_dtype(tmp_path, base, bad):
         save_checkpoint(str(tmp_path / "w"), {key: tensors[key]})
 
 
-def test_fp8_checkpoint_is_named_as_unsupported_quantization(tmp_path, base):
-    """An FP8 checkpoint (DeepSeek-V3's: float8_e4m3fn weights + ``weight_scale_inv`` block scales)
-    says that quantized checkpoints are not supported, whichever of the two is met first."""
+def test_fp8_tensors_without_quantization_config_are_named(tmp_path, base):
+    """FP8 tensors (DeepSeek-V3's: float8_e4m3fn weights + ``weight_scale_inv`` block scales) in a
+    checkpoint whose config.json has no FP8 ``quantization_config`` are refused by name, whichever
+    of the two is met first (FP8 checkpoints themselves: tests/test_fp8_weights.py)."""
     _, tensors, raw, _ = base
     key = "model.layers.1.self_attn.o_proj.weight"
     for with_scale in (True, False):
@@ -120,12 +122,16 @@ def test_fp8_checkpoint_is_named_as_unsupported_quantization(tmp_path, base):
         d = tmp_path / str(with_scale)
         d.mkdir()
         save_file({k: v.contiguous() for k, v in t.items()}, str(d / "model.safetensors"))
-        (d / "config.json").write_text(json.dumps(dict(raw, quantization_config={"quant_method": "fp8"})))
+        (d / "config.json").write_text(json.dumps(raw))
         err = UnexpectedKeyError if with_scale else UnsupportedDtypeError
         name = key + "_scale_inv" if with_scale else key
-        with pytest.raises(err, match=name.replace(".", r"\.") + r".*quantized \(e\.g\. FP8\) checkpoints are not "
-                                                                 r"supported; convert the weights to bfloat16"):
+        hint = r"quantized checkpoints other than FP8 block-scaled" if with_scale else \
+            r"an FP8 tensor, but config.json has no quantization_config"
+        with pytest.raises(err, match=name.replace(".", r"\.") + r".*" + hint):
             load_models(str(d), device="cpu")
+    with pytest.raises(ModelConfigError, match="quant_method 'awq'"):
+        (tmp_path / "config.json").write_text(json.dumps(dict(raw, quantization_config={"quant_method": "awq"})))
+        load_models(str(tmp_path), device="cpu")
 
 
 def test_unsupported_load_dtype(base):
