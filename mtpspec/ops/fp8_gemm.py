@@ -178,7 +178,7 @@ if HAS_TRITON:
             x = tl.load(x_rows + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
             amax = tl.max(tl.abs(x), axis=1)
             sa = tl.math.div_rn(tl.maximum(amax, 1e-10), 448.0)
-            xq = quant_fp8(x, sa[:, None], FP8_BY_BITS)
+            xq = quant_fp8(x, tl.broadcast_to(sa[:, None], (BLOCK_M, BLOCK_K)), FP8_BY_BITS)
             w = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
             sw = tl.load(ws_rows + kb, mask=n_ok, other=0.0)
             if FP8_DOT:
