@@ -371,3 +371,40 @@ def test_generate_cli_fp8_checkpoint_fp8_cache(pairs, capsys, no_interp) -> None
     assert rc in (0, None)
     got = json.loads(capsys.readouterr().out)
     assert len(got["outputs"][0]["token_ids"]) == 5
+
+
+def test_layers_stored_unquantised_stay_plain_and_mixed_experts_quantise_on_load(pairs, tmp_path, no_interp) -> None:
+    """``modules_to_not_convert``: a layer whose weight the checkpoint keeps in float is built plain
+    (no scales); one float expert among FP8 ones is block-quantised on load (exact here: a
+    dequantised block re-quantises to the same codes, its amax code being 448)."""
+    from safetensors.torch import save_file
+    from mtpspec.engine.model_runner import _host_sync_layers
+    f8, dq, _, _ = pairs("deepseek_v3")
+    t = dict(read_checkpoint_tensors(f8))
+    plain = "model.layers.1.self_attn.o_proj.weight"
+    t[plain] = dequantize_weight_blocks(t[plain], t.pop(plain + "_scale_inv"), 128, 128)
+    mixed = "model.layers.2.mlp.experts.5.up_proj.weight"
+    t[mixed] = dequantize_weight_blocks(t[mixed], t.pop(mixed + "_scale_inv"), 128, 128)
+    save_file(t, str(tmp_path / "model.safetensors"))
+    with open(os.path.join(f8, "config.json")) as f:
+        (tmp_path / "config.json").write_text(f.read())
+    t8, m8 = load_models(str(tmp_path), device="cpu")
+    o = t8.model.layers[1].self_attn.o_proj
+    assert o.fp8_block is None and o.weight.dtype == torch.float32 and not hasattr(o, "weight_scale_inv")
+    assert t8.model.layers[2].mlp.experts.w13_weight.dtype == F8
+    assert _host_sync_layers(t8, m8)
+    tq, mq = load_models(dq, device="cpu")
+    assert not _host_sync_layers(tq, mq)
+    for got, want in zip(_logits(t8, m8, PROMPT), _logits(tq, mq, PROMPT)):
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+def test_dummy_load_format_builds_fp8_layers(pairs, no_interp) -> None:
+    f8, _, _, _ = pairs("glm_moe_dsa")
+    target, mtp = load_models(f8, device="cpu", load_format="dummy")
+    w = target.model.layers[0].self_attn.q_a_proj
+    assert w.weight.dtype == F8 and w.weight_scale_inv.dtype == torch.float32
+    deq = dequantize_weight_blocks(w.weight, w.weight_scale_inv, 128, 128)
+    assert deq.abs().max() <= 1e-3 + 1e-9 and deq.abs().max() > 1e-4
+    lg = _logits(target, mtp, PROMPT)
+    assert all(bool(torch.isfinite(x).all()) for x in lg)

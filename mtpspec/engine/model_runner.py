@@ -42,6 +42,14 @@ def _bytes_sent(stats: dict) -> dict:
     return {op: v["bytes_sent"] for op, v in stats.items()}
 
 
+def _host_sync_layers(*models: Optional[torch.nn.Module]) -> bool:
+    """Whether a model holds layers whose forward syncs with the host (FP8 MoE experts:
+    :func:`mtpspec.ops.fp8_gemm.fp8_experts_grouped`), so ``graph_mode="auto"`` stays eager."""
+    from mtpspec.layers.fused_moe import FusedMoE
+    return any(isinstance(m, FusedMoE) and m.fp8_block is not None
+               for model in models if model is not None for m in model.modules())
+
+
 class ModelRunner:
     """Holds this rank's models and KV caches and executes steps.
 
@@ -53,7 +61,8 @@ class ModelRunner:
         cache_config, scheduler_config: sizes.
         device: where the models live.
         max_position: the models' ``max_position_embeddings``.
-        graph_mode: ``"auto"`` (CUDA graphs for pure-decode steps on a GPU, eager otherwise), ``"off"``, ``"cuda"`` or ``"static"`` (see
+        graph_mode: ``"auto"`` (CUDA graphs for pure-decode steps on a GPU, eager otherwise and for
+            models with FP8 MoE experts, whose forward syncs with the host), ``"off"``, ``"cuda"`` or ``"static"`` (see
             :mod:`mtpspec.engine.forward`).
 
     Raises:
@@ -91,7 +100,7 @@ class ModelRunner:
         self.layers = kv_cache.attention_layers(target, mtp)
         self.num_blocks = 0
         if graph_mode == "auto":
-            graph_mode = "cuda" if device.type == "cuda" else "off"
+            graph_mode = "cuda" if device.type == "cuda" and not _host_sync_layers(target, mtp) else "off"
         if graph_mode not in ("off", "cuda", "static"):
             raise ValueError(f"graph_mode must be 'auto', 'off', 'cuda' or 'static', got {graph_mode!r}")
         self.graph_mode = graph_mode
