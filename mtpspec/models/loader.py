@@ -487,11 +487,16 @@ def export_hf_state_dict(target: Optional[nn.Module] = None, mtp: Optional[nn.Mo
         ``{key: CPU tensor}``, ready for :func:`save_checkpoint`.
 
     Raises:
-        ValueError: the models were built at tp > 1 (gather the shards first).
+        ValueError: the models were built at tp > 1 (gather the shards first), or hold FP8 weights
+            (export the float checkpoint and convert it with :mod:`mtpspec.models.fp8_writer`).
         ModelConfigError: a model's architecture is not registered.
     """
     if get_tensor_model_parallel_world_size() != 1:
         raise ValueError("export_hf_state_dict needs tp-1 models (every shard is the full tensor)")
+    for model in (target, mtp):
+        if model is not None and any(p.dtype == FP8_WEIGHT_DTYPE for p in model.parameters()):
+            raise ValueError("export_hf_state_dict: the model holds FP8 block-scaled weights; export a float model "
+                             "and convert it with mtpspec.models.fp8_writer")
     out: Dict[str, torch.Tensor] = {}
     for model, role in ((target, "target"), (mtp, "mtp")):
         if model is None:

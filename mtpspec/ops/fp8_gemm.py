@@ -169,7 +169,7 @@ if HAS_TRITON:
         rows = offs_m.to(tl.int64)
         cols = offs_n.to(tl.int64)
         x_rows = x_ptr + rows[:, None] * stride_xm
-        w_rows = w_ptr + cols[:, None] * stride_wn
+        w_cols = w_ptr + cols[None, :] * stride_wn  # the tile is loaded as W^T [BLOCK_K, BLOCK_N]
         ws_rows = ws_ptr + (cols // SCALE_BN) * stride_wsn
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for kb in range(0, n_kb):
@@ -177,14 +177,14 @@ if HAS_TRITON:
             k_ok = k < K
             x = tl.load(x_rows + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
             amax = tl.max(tl.abs(x), axis=1)
-            sa = tl.math.div_rn(tl.maximum(amax, 1e-10), 448.0)
+            sa = tl.maximum(amax, 1e-10) / 448.0
             xq = quant_fp8(x, tl.broadcast_to(sa[:, None], (BLOCK_M, BLOCK_K)), FP8_BY_BITS)
-            w = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+            w = tl.load(w_cols + k[:, None], mask=k_ok[:, None] & n_ok[None, :], other=0.0)
             sw = tl.load(ws_rows + kb, mask=n_ok, other=0.0)
             if FP8_DOT:
-                d = tl.dot(xq, tl.trans(w))
+                d = tl.dot(xq, w)
             else:
-                d = tl.dot(xq.to(tl.float32), tl.trans(w.to(tl.float32)))
+                d = tl.dot(xq.to(tl.float32), w.to(tl.float32))
             acc += d * sa[:, None] * sw[None, :]
         if HAS_BIAS:
             acc += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
