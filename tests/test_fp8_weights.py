@@ -358,9 +358,24 @@ def test_fp8_tp2_equals_tp1(pairs, no_interp) -> None:
     weight row), kv_b_proj dequantised: greedy k = 3 at tp 2 emits tp 1's tokens."""
     from test_engine_fixtures import mixed_prompts
     f8, _, _, cfg = pairs("deepseek_v3", (32, 16), tokenizer=True, v_head_dim=8)
+    from mtpspec.distributed import launch
     prompts = mixed_prompts(3, cfg.vocab_size, seed=5)
     want = _generate(f8, prompts, 0)
     assert _generate(f8, prompts, 3, tensor_parallel_size=2, device="cpu") == want
+    # and the logits: every rank's target and MTP logits equal tp 1's
+    t1, m1 = load_models(f8, device="cpu")
+    ref = _logits(t1, m1, PROMPT)
+    assert t1.model.layers[0].self_attn.q_b_proj.scale_block_n == 32  # tp 1: one shard, block rows kept
+    for logits, sbn in launch(_rank_logits, 2, f8, timeout_s=300):
+        assert sbn == 1  # 40-row shards of 32-row blocks: one scale row per weight row
+        for got, r in zip(logits, ref):
+            torch.testing.assert_close(got, r, atol=1e-4, rtol=1e-4)
+
+
+def _rank_logits(path):
+    torch.set_num_threads(1)
+    target, mtp = load_models(path, device="cpu")
+    return _logits(target, mtp, PROMPT), target.model.layers[0].self_attn.q_b_proj.scale_block_n
 
 
 def test_generate_cli_fp8_checkpoint_fp8_cache(pairs, capsys, no_interp) -> None:
