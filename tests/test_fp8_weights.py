@@ -423,3 +423,31 @@ def test_dummy_load_format_builds_fp8_layers(pairs, no_interp) -> None:
     assert deq.abs().max() <= 1e-3 + 1e-9 and deq.abs().max() > 1e-4
     lg = _logits(target, mtp, PROMPT)
     assert all(bool(torch.isfinite(x).all()) for x in lg)
+
+
+def test_fused_expert_layout_fp8(pairs, tmp_path, no_interp) -> None:
+    """transformers >= 5's fused expert tensors (``mlp.experts.gate_up_proj [E, 2I, H]`` +
+    ``gate_up_proj_scale_inv``, ``down_proj`` likewise) load like the per-expert ones."""
+    from safetensors.torch import save_file
+    _, dq, _, cfg = pairs("glm4_moe", (16, 16))
+    t = dict(read_checkpoint_tensors(dq))
+    e = cfg.n_routed_experts
+    for layer in range(1, cfg.num_hidden_layers):
+        p = f"model.layers.{layer}.mlp.experts."
+        gate_up = torch.stack([torch.cat([t.pop(f"{p}{x}.gate_proj.weight"), t.pop(f"{p}{x}.up_proj.weight")])
+                               for x in range(e)])
+        down = torch.stack([t.pop(f"{p}{x}.down_proj.weight") for x in range(e)])
+        t[p + "gate_up_proj"], t[p + "down_proj"] = gate_up, down
+    q = quantize_state_dict(t, (16, 16))
+    assert q["model.layers.1.mlp.experts.gate_up_proj"].dtype == F8
+    assert tuple(q["model.layers.1.mlp.experts.gate_up_proj_scale_inv"].shape) == (e, 4, 4)
+    save_file(q, str(tmp_path / "model.safetensors"))
+    with open(os.path.join(dq, "config.json")) as f:
+        raw = json.load(f)
+    raw["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [16, 16]}
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    t8, m8 = load_models(str(tmp_path), device="cpu")
+    assert t8.model.layers[1].mlp.experts.w13_scale_block_n == 16
+    tq, mq = load_models(dq, device="cpu")
+    for got, want in zip(_logits(t8, m8, PROMPT), _logits(tq, mq, PROMPT)):
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
