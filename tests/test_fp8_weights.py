@@ -163,6 +163,16 @@ def test_writer_layout_follows_the_released_checkpoints(tmp_path) -> None:
     assert should_quantize("model.layers.1.mlp.experts.gate_up_proj", torch.empty(2, 2, 2))
     back = dequantize_state_dict(quantize_state_dict({"a.weight": torch.ones(3, 3)}, (2, 2)), (2, 2))
     assert set(back) == {"a.weight"} and torch.equal(back["a.weight"], torch.ones(3, 3))
+    # the CLI: FP8 with 64 x 32 blocks, then back to float32
+    from mtpspec.models.fp8_writer import main
+    main([src, str(tmp_path / "cli"), "--block", "64", "32"])
+    with open(tmp_path / "cli" / "config.json") as f:
+        assert json.load(f)["quantization_config"]["weight_block_size"] == [64, 32]
+    main([str(tmp_path / "cli"), str(tmp_path / "cli-dq"), "--dequantize"])
+    back = dict(read_checkpoint_tensors(str(tmp_path / "cli-dq")))
+    assert all(v.dtype == torch.float32 for v in back.values()) and not any(k.endswith("_scale_inv") for k in back)
+    with pytest.raises(ValueError, match="already quantised"):
+        write_fp8_checkpoint(dst, str(tmp_path / "again"))
 
 
 def _fp8_pair(root, family, block=(128, 128), seed=0, tokenizer=False, **overrides):
