@@ -20,7 +20,10 @@ rank returns a partial sum over its slices that the caller all-reduces (or leave
 How the experts run (:func:`moe_path`, chosen from static sizes so a captured CUDA graph always
 replays one path): Triton expert-grouped GEMMs wherever Triton runs (every batch size, no host
 sync, only routed experts' weights read); without Triton, a gather path for tiny batches, an
-all-experts dense path for small ones, and a per-expert grouped loop (one host sync) above.
+all-experts dense path for small ones, and a per-expert grouped loop (one host sync) above. FP8
+block-scaled experts (built inside :func:`~mtpspec.layers.fp8.fp8_weights`) always take path
+``"fp8"``: :func:`~mtpspec.ops.fp8_gemm.fp8_experts_grouped`, a loop over the routed experts
+calling the dense FP8 GEMM (one host sync; the engine's ``graph_mode="auto"`` stays eager for them).
 """
 
 from __future__ import annotations
