@@ -41,7 +41,7 @@ from mtpspec.models.fp8_writer import (
 from mtpspec.models.loader import CheckpointError, MissingKeyError, load_models, read_checkpoint_tensors
 from mtpspec.ops.fp8_gemm import (
     FP8_WEIGHT_DTYPE, dequantize_weight_blocks, fp8_block_linear, fp8_block_linear_w8a8_ref, fp8_experts_grouped,
-    quantize_activations, quantize_weight_blocks, scale_grid)
+    fp8_moe_experts, quantize_activations, quantize_weight_blocks, scale_grid)
 
 F8 = FP8_WEIGHT_DTYPE
 FAMILIES = ("glm4_moe", "deepseek_v3", "deepseek_v32", "glm_moe_dsa")
@@ -121,8 +121,9 @@ def test_cpu_path_dequantises_weights_only(no_interp) -> None:
 
 
 def test_fp8_experts_match_dequantised_experts(kdev) -> None:
-    """The grouped-expert op (a loop over the routed experts calling the dense kernel) against
-    a float64 loop of the same quantised math."""
+    """Both expert ops, the loop over the routed experts calling the dense kernel and the
+    expert-grouped kernel (sync-free), against a float64 loop of the same quantised math; the
+    grouped kernel with per-row scales and bf16 activations against the loop; no tokens."""
     g = torch.Generator().manual_seed(3)
     e, h, i, t, top_k = 4, 48, 32, 6, 2
     q13, s13 = quantize_weight_blocks(torch.randn(e, 2 * i, h, generator=g) / h ** 0.5, (16, 16))
@@ -130,7 +131,9 @@ def test_fp8_experts_match_dequantised_experts(kdev) -> None:
     x = torch.randn(t, h, generator=g)
     ids = torch.randint(0, e, (t, top_k), generator=g)
     w = torch.rand(t, top_k, generator=g)
-    got = fp8_experts_grouped(*(a.to(kdev) for a in (x, q13, s13, q2, s2, w, ids)), 16, 16, 16).cpu()
+    args = [a.to(kdev) for a in (x, q13, s13, q2, s2, w, ids)]
+    loop = fp8_experts_grouped(*args, 16, 16, 16).cpu()
+    grouped = fp8_moe_experts(*args, 16, 16, 16).cpu()
     want = torch.zeros(t, h, dtype=torch.float64)
     for r in range(t):
         for j in range(top_k):
@@ -138,7 +141,16 @@ def test_fp8_experts_match_dequantised_experts(kdev) -> None:
             gu = fp8_block_linear_w8a8_ref(x[r:r + 1], q13[x_], s13[x_], 16, 16)
             act = (torch.nn.functional.silu(gu[:, :i]) * gu[:, i:]).float()
             want[r] += w[r, j].double() * fp8_block_linear_w8a8_ref(act, q2[x_], s2[x_], 16, 16)[0]
-    torch.testing.assert_close(got.double(), want, atol=1e-4, rtol=1e-4)
+    for got in (loop, grouped):
+        torch.testing.assert_close(got.double(), want, atol=1e-4, rtol=1e-4)
+    # per-row gate | up scales (tp shards that cut block rows), bf16 activations
+    s13_rows = s13.repeat_interleave(16, dim=1)
+    xb = x.bfloat16()
+    a16 = [a.to(kdev) for a in (xb, q13, s13_rows, q2, s2, w, ids)]
+    torch.testing.assert_close(fp8_moe_experts(*a16, 1, 16, 16).cpu().float(),
+                               fp8_experts_grouped(*a16, 1, 16, 16).cpu().float(), atol=3e-2, rtol=2e-2)
+    assert fp8_moe_experts(*(a[:0] if a.dim() and i in (0, 5, 6) else a for i, a in enumerate(args)),
+                           16, 16, 16).shape == (0, h)
 
 
 # ------------------------------------------------------------------------------------------- checkpoints
@@ -156,7 +168,8 @@ def test_writer_layout_follows_the_released_checkpoints(tmp_path) -> None:
         assert t[k + "_scale_inv"].dtype == torch.float32
         assert tuple(t[k + "_scale_inv"].shape) == scale_grid(t[k].shape, (128, 128))
     for kept in ("model.embed_tokens.weight", "lm_head.weight", "model.layers.1.mlp.gate.weight",
-                 "model.layers.1.mlp.gate.e_score_correction_bias", "model.layers.0.self_attn.indexer.weights_proj.weight",
+                 "model.layers.1.mlp.gate.e_score_correction_bias",
+                 "model.layers.0.self_attn.indexer.weights_proj.weight",
                  "model.layers.0.input_layernorm.weight", "model.layers.4.shared_head.head.weight"):
         assert t[kept].dtype == torch.float32, kept
     for quantised in ("model.layers.0.self_attn.q_a_proj.weight", "model.layers.0.self_attn.kv_b_proj.weight",
@@ -422,9 +435,12 @@ def test_layers_stored_unquantised_stay_plain_and_mixed_experts_quantise_on_load
     o = t8.model.layers[1].self_attn.o_proj
     assert o.fp8_block is None and o.weight.dtype == torch.float32 and not hasattr(o, "weight_scale_inv")
     assert t8.model.layers[2].mlp.experts.w13_weight.dtype == F8
-    assert _host_sync_layers(t8, m8)
+    assert not _host_sync_layers(t8, m8)  # 128-column groups: the grouped kernel, sync-free
+    from mtpspec.layers.fp8 import fp8_weights
+    from mtpspec.layers.fused_moe import FusedMoE
+    with fp8_weights((16, 24)):  # a group the kernel does not take: the expert loop, host sync
+        assert _host_sync_layers(FusedMoE(4, 48, 32))
     tq, mq = load_models(dq, device="cpu")
-    assert not _host_sync_layers(tq, mq)
     for got, want in zip(_logits(t8, m8, PROMPT), _logits(tq, mq, PROMPT)):
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
 

@@ -43,10 +43,12 @@ def _bytes_sent(stats: dict) -> dict:
 
 
 def _host_sync_layers(*models: Optional[torch.nn.Module]) -> bool:
-    """Whether a model holds layers whose forward syncs with the host (FP8 MoE experts:
-    :func:`mtpspec.ops.fp8_gemm.fp8_experts_grouped`), so ``graph_mode="auto"`` stays eager."""
+    """Whether a model holds layers whose forward syncs with the host on a GPU (FP8 MoE experts
+    whose block_k the grouped kernel does not take: :func:`mtpspec.ops.fp8_gemm.fp8_moe_experts`
+    then loops over experts), so ``graph_mode="auto"`` stays eager."""
     from mtpspec.layers.fused_moe import FusedMoE
-    return any(isinstance(m, FusedMoE) and m.fp8_block is not None
+    from mtpspec.ops.fp8_gemm import kernel_supports
+    return any(isinstance(m, FusedMoE) and m.fp8_block is not None and not kernel_supports(m.fp8_block[1])
                for model in models if model is not None for m in model.modules())
 
 
@@ -62,7 +64,8 @@ class ModelRunner:
         device: where the models live.
         max_position: the models' ``max_position_embeddings``.
         graph_mode: ``"auto"`` (CUDA graphs for pure-decode steps on a GPU, eager otherwise and for
-            models with FP8 MoE experts, whose forward syncs with the host), ``"off"``, ``"cuda"`` or ``"static"`` (see
+            models whose FP8 MoE experts sync with the host: a block_k the grouped kernel does not
+            take), ``"off"``, ``"cuda"`` or ``"static"`` (see
             :mod:`mtpspec.engine.forward`).
 
     Raises:

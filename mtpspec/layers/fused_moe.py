@@ -22,8 +22,8 @@ replays one path): Triton expert-grouped GEMMs wherever Triton runs (every batch
 sync, only routed experts' weights read); without Triton, a gather path for tiny batches, an
 all-experts dense path for small ones, and a per-expert grouped loop (one host sync) above. FP8
 block-scaled experts (built inside :func:`~mtpspec.layers.fp8.fp8_weights`) always take path
-``"fp8"``: :func:`~mtpspec.ops.fp8_gemm.fp8_experts_grouped`, a loop over the routed experts
-calling the dense FP8 GEMM (one host sync; the engine's ``graph_mode="auto"`` stays eager for them).
+``"fp8"``: :func:`~mtpspec.ops.fp8_gemm.fp8_moe_experts`, expert-grouped FP8 GEMMs (sync-free)
+where Triton runs, else a loop over the routed experts calling the dense FP8 op (one host sync).
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from mtpspec.distributed import (
 from mtpspec.layers.activation import SiluAndMul
 from mtpspec.layers.fp8 import check_column_cut, copy_scale_rows, current_fp8_block, fp8_param, scale_param
 from mtpspec.layers.weight_utils import check_full_tensor, copy_into
-from mtpspec.ops.fp8_gemm import fp8_experts_grouped
+from mtpspec.ops.fp8_gemm import fp8_moe_experts
 from mtpspec.ops.moe_gemm import moe_experts, moe_experts_ref
 from mtpspec.ops.triton_utils import FLOAT_DTYPES, cdiv, use_triton
 
@@ -182,7 +182,7 @@ class FusedMoE(nn.Module):
             ceil(2 I / tp / w13_scale_block_n), ceil(H / block_k)]`` and ``w2_weight_scale_inv
             [E, ceil(H / block_n), ceil(I / tp / block_k)]``; ``w13_scale_block_n`` is block_n
             when ``I / tp`` is a multiple of it, else 1 (a scale row per weight row); the
-            forward is :func:`~mtpspec.ops.fp8_gemm.fp8_experts_grouped`, path ``"fp8"``), else None.
+            forward is :func:`~mtpspec.ops.fp8_gemm.fp8_moe_experts`, path ``"fp8"``), else None.
 
     ``weight_loader(param, full_tensor, shard_id, expert_id)``:
         ``shard_id`` ``"w1"`` (gate ``[I, H]``), ``"w3"`` (up ``[I, H]``), ``"w2"`` (down ``[H, I]``)
@@ -340,10 +340,7 @@ class FusedMoE(nn.Module):
         t, k = topk_ids.shape
         path = self.select_path(t, k, hidden_states)
         if path == "fp8":
-            bk = self.fp8_block[1]
-            out = fp8_experts_grouped(hidden_states, self.w13_weight, self.w13_weight_scale_inv, self.w2_weight,
-                                      self.w2_weight_scale_inv, topk_weights, topk_ids, self.w13_scale_block_n,
-                                      self.fp8_block[0], bk)
+            out = self._forward_fp8(hidden_states, topk_weights, topk_ids)
         elif path == "kernel":
             out = self._forward_kernel(hidden_states, topk_weights, topk_ids)
         elif path == "gather":
@@ -353,6 +350,18 @@ class FusedMoE(nn.Module):
         else:
             out = self._forward_grouped(hidden_states, topk_weights, topk_ids)
         return tensor_model_parallel_all_reduce(out) if self.reduce_results else out
+
+    def _forward_fp8(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        t, k = topk_ids.shape
+        # scratch per pair: gate | up (2 I / tp) and act (I / tp) in x's dtype, H fp32
+        chunk = kernel_chunk_tokens(k, self.hidden_size, 3 * self.intermediate_size_per_partition, x.element_size(),
+                                    self.kernel_budget_bytes)
+        args = (self.w13_weight, self.w13_weight_scale_inv, self.w2_weight, self.w2_weight_scale_inv)
+        blocks = (self.w13_scale_block_n, self.fp8_block[0], self.fp8_block[1])
+        if t <= chunk:
+            return fp8_moe_experts(x, *args, topk_weights, topk_ids, *blocks)
+        return torch.cat([fp8_moe_experts(x[s:s + chunk], *args, topk_weights[s:s + chunk], topk_ids[s:s + chunk],
+                                          *blocks) for s in range(0, t, chunk)])
 
     def _forward_kernel(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         t, k = topk_ids.shape

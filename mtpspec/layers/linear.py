@@ -245,7 +245,8 @@ class ColumnParallelLinear(LinearBase):
                 start += sh.full_size
             return
         if shard_id not in self.output_shards:
-            raise ValueError(f"{name}: unknown loaded_shard_id {shard_id!r}; expected one of {list(self.output_shards)}")
+            raise ValueError(f"{name}: unknown loaded_shard_id {shard_id!r}; "
+                             f"expected one of {list(self.output_shards)}")
         sh = self.output_shards[shard_id]
         check_full_tensor(f"{name} weight_scale_inv" + ("" if shard_id is None else f" shard {shard_id!r}"),
                           loaded, (cdiv(sh.full_size, bn), kb))

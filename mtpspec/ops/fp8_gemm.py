@@ -26,7 +26,11 @@ cores where the GPU has them, sm_89+; an fp32 dot of the same fp8 values elsewhe
 under ``TRITON_INTERPRET=1``; otherwise :func:`fp8_block_linear_ref`, which dequantises the
 weight to the activation dtype and calls ``torch.nn.functional.linear`` (no activation
 quantisation: the CPU path is the dequantised-weight model's math exactly). Experts
-(:func:`fp8_experts_grouped`) loop over the routed experts and call the dense op per expert.
+(:func:`fp8_moe_experts`): where the kernel runs, an expert-grouped variant of the same kernel
+over :func:`mtpspec.ops.moe_gemm.moe_align`'s grouping (sync-free, CUDA-graph capturable: gate |
+up for every (token, expert) pair, SiLU-and-mul in torch, down times the routing weight, a fixed
+order sum); elsewhere :func:`fp8_experts_grouped`, a loop over the routed experts calling the
+dense op per expert (one host sync).
 """
 
 from __future__ import annotations
@@ -193,6 +197,53 @@ if HAS_TRITON:
 
     _kernel = LazyKernel(_fp8_gemm_kernel)
 
+    def _fp8_grouped_kernel(a_ptr, w_ptr, ws_ptr, out_ptr, sorted_ptr, block_expert_ptr, rw_ptr, num_pairs,
+                            num_experts, N, K, stride_am, stride_we, stride_wn, stride_wse, stride_wsn, stride_om,
+                            n_kb, SCALE_BN, A_ROW_DIV: tl.constexpr, HAS_RW: tl.constexpr, BLOCK_M: tl.constexpr,
+                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FP8_DOT: tl.constexpr,
+                            FP8_BY_BITS: tl.constexpr, BF16_BY_BITS: tl.constexpr):
+        # The dense kernel's K loop over one block of (token, expert) pairs of one expert
+        # (moe_align's grouping): A row of pair p is row p // A_ROW_DIV (x by token, or the
+        # pair's own intermediate row), W = w[e]; the output row is the pair's, times its
+        # routing weight when HAS_RW.
+        pid_m = tl.program_id(0)
+        e = tl.load(block_expert_ptr + pid_m)
+        if e >= num_experts:  # past the last expert's run
+            return
+        pair = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+        m_ok = pair < num_pairs
+        prow = pair.to(tl.int64)
+        arow = (pair // A_ROW_DIV).to(tl.int64)
+        offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_k = tl.arange(0, BLOCK_K)
+        n_ok = offs_n < N
+        cols = offs_n.to(tl.int64)
+        ee = e.to(tl.int64)
+        a_rows = a_ptr + arow[:, None] * stride_am
+        w_cols = w_ptr + ee * stride_we + cols[None, :] * stride_wn
+        ws_rows = ws_ptr + ee * stride_wse + (cols // SCALE_BN) * stride_wsn
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for kb in range(0, n_kb):
+            k = kb * BLOCK_K + offs_k
+            k_ok = k < K
+            x = tl.load(a_rows + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+            amax = tl.max(tl.abs(x), axis=1)
+            sa = tl.maximum(amax, 1e-10) / 448.0
+            xq = quant_fp8(x, tl.broadcast_to(sa[:, None], (BLOCK_M, BLOCK_K)), FP8_BY_BITS)
+            w = tl.load(w_cols + k[:, None], mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+            sw = tl.load(ws_rows + kb, mask=n_ok, other=0.0)
+            if FP8_DOT:
+                d = tl.dot(xq, w)
+            else:
+                d = tl.dot(xq.to(tl.float32), w.to(tl.float32))
+            acc += d * sa[:, None] * sw[None, :]
+        if HAS_RW:
+            acc = acc * tl.load(rw_ptr + prow, mask=m_ok, other=0.0).to(tl.float32)[:, None]
+        y = round_to_dtype(acc, out_ptr.dtype.element_ty, BF16_BY_BITS)
+        tl.store(out_ptr + prow[:, None] * stride_om + cols[None, :], y, mask=m_ok[:, None] & n_ok[None, :])
+
+    _grouped_kernel = LazyKernel(_fp8_grouped_kernel)
+
 
 def kernel_supports(block_k: int) -> bool:
     """Whether the kernel takes this group size (a power of two >= 16: one ``tl.dot`` K step)."""
@@ -302,3 +353,54 @@ def fp8_experts_grouped(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Ten
         y = fp8_block_linear(h, w2[e], w2_scale[e], block_n2, block_k)
         out.index_add_(0, tok, y.float() * wflat.index_select(0, sel).unsqueeze(-1))
     return out.to(x.dtype)
+
+
+def _grouped_launch(a: torch.Tensor, w: torch.Tensor, ws: torch.Tensor, out: torch.Tensor, sorted_pairs: torch.Tensor,
+                    block_expert: torch.Tensor, routing: Optional[torch.Tensor], num_pairs: int, row_div: int,
+                    block_m: int, scale_block_n: int, block_k: int) -> None:
+    e, n, k = w.shape
+    bn = 64 if n <= 4096 else 128
+    extra = {} if interpreting() else {"num_warps": 4, "num_stages": 3}
+    _grouped_kernel[(block_expert.shape[0], cdiv(n, bn))](
+        a, w, ws, out, sorted_pairs, block_expert, routing if routing is not None else ws, num_pairs, e, n, k,
+        a.stride(0), w.stride(0), w.stride(1), ws.stride(0), ws.stride(1), out.stride(0), cdiv(k, block_k),
+        scale_block_n, A_ROW_DIV=row_div, HAS_RW=routing is not None, BLOCK_M=block_m, BLOCK_N=bn,
+        BLOCK_K=block_k, FP8_DOT=_fp8_dot(a.device), FP8_BY_BITS=interpreting(),
+        BF16_BY_BITS=interpreting() and out.dtype == torch.bfloat16, **extra)
+
+
+def fp8_moe_experts(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor, w2: torch.Tensor,
+                    w2_scale: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                    block_n13: int, block_n2: int, block_k: int) -> torch.Tensor:
+    """Routed SwiGLU experts with FP8 block-scaled weights (arguments and result as
+    :func:`fp8_experts_grouped`).
+
+    Where the kernel runs (:func:`~mtpspec.ops.triton_utils.use_triton` and a kernel group size):
+    the pairs are grouped by expert on the device (:func:`mtpspec.ops.moe_gemm.moe_align`, no
+    host sync), one expert-grouped launch computes gate | up of every pair (activations quantised
+    per pair row and group, as the dense kernel), SiLU-and-mul runs in torch, a second launch the
+    down projection times the routing weight (fp32), and the pairs are summed per token in a fixed
+    order. Scratch ``[N, 2 I]`` (x's dtype) + ``[N, I]`` + ``[N, H]`` fp32, ``N = T * top_k``.
+    Otherwise :func:`fp8_experts_grouped`.
+    """
+    from mtpspec.ops.moe_gemm import moe_align, moe_block_m
+    if not (use_triton(x, w13, w2) and kernel_supports(block_k)):
+        return fp8_experts_grouped(x, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids, block_n13, block_n2,
+                                   block_k)
+    t, top_k = topk_ids.shape
+    e, two_i, h = w13.shape
+    n = t * top_k
+    if n == 0:
+        return x.new_zeros(t, h)
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    block_m = moe_block_m(n, e)
+    sorted_pairs, block_expert = moe_align(topk_ids, e, block_m)
+    gate_up = torch.empty(n, two_i, dtype=x.dtype, device=x.device)
+    _grouped_launch(x, w13, w13_scale.float().contiguous(), gate_up, sorted_pairs, block_expert, None, n, top_k,
+                    block_m, block_n13, block_k)
+    i = two_i // 2
+    act = F.silu(gate_up[:, :i]) * gate_up[:, i:]
+    y = torch.empty(n, h, dtype=torch.float32, device=x.device)
+    _grouped_launch(act, w2, w2_scale.float().contiguous(), y, sorted_pairs, block_expert,
+                    topk_weights.reshape(-1).float().contiguous(), n, 1, block_m, block_n2, block_k)
+    return y.view(t, top_k, h).sum(1).to(x.dtype)
