@@ -482,3 +482,13 @@ def test_fused_expert_layout_fp8(pairs, tmp_path, no_interp) -> None:
     tq, mq = load_models(dq, device="cpu")
     for got, want in zip(_logits(t8, m8, PROMPT), _logits(tq, mq, PROMPT)):
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+def test_spec_decoding_on_fp8_model_kernel_path(pairs, kdev) -> None:
+    """Through the Triton kernels (interpreted on CPU: dense FP8 GEMMs, the expert-grouped FP8
+    kernel, every step graph-style): greedy k = 3 emits plain greedy's tokens over an FP8 cache."""
+    from test_engine_fixtures import mixed_prompts
+    f8, _, _, cfg = pairs("glm4_moe", tokenizer=True)
+    prompts = mixed_prompts(2, cfg.vocab_size, seed=2)
+    plain = _generate(f8, prompts, 0, graph_mode="static", kv_cache_dtype="fp8")
+    assert _generate(f8, prompts, 3, graph_mode="static", kv_cache_dtype="fp8") == plain
