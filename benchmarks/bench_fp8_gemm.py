@@ -14,7 +14,9 @@ over copies whose total exceeds 2x the H200's 50 MB L2, so weights are read from
 bytes (fp8 weight + fp32 scales + bf16 activations in and out; bf16: 2-byte weights) at
 4.2 TB/s (H200 HBM3e) and FLOPs (2 M N K) at the H200 SXM's dense spec, 1979 TFLOP/s FP8 and
 989 TFLOP/s BF16 (NVIDIA's sheet gives 3958 / 1979 with 2:4 sparsity; ``--fp8-tflops`` to
-change, e.g. 1500). ``frac_of_floor`` = max(byte floor, FLOP floor) / measured time. A
+change, e.g. 1500). ``frac_of_floor`` = max(byte floor, FLOP floor) / measured time. The run also
+measures its own ceilings (``measured_ceilings``: bf16 ``torch.mm`` and fp8 ``torch._scaled_mm``
+at 8192^3, a 1 GiB copy) to set beside the spec ones. A
 correctness check per shape compares the kernel against the dequantised bf16 matmul.
 
 The whole run stays within ``--budget-s`` (default 100 s): cases left when it runs out are
@@ -80,6 +82,7 @@ def main() -> int:
     out["device"] = torch.cuda.get_device_name(dev)
     out["capability"] = list(torch.cuda.get_device_capability(dev))
     torch.manual_seed(0)
+    out["measured_ceilings"] = ceilings(dev)
     for name, n, k in SHAPES:
         if time.time() - t0 > args.budget_s:
             out["skipped"] += [f"{name} M={m}" for m in TOKENS]
@@ -144,6 +147,32 @@ def main() -> int:
         torch.cuda.empty_cache()
     emit()
     return 0 if not out["errors"] else 1
+
+
+def ceilings(dev: torch.device) -> dict:
+    """Measured in this run: bf16 ``torch.mm`` and fp8 ``torch._scaled_mm`` (per-tensor scales) at
+    8192^3 (TFLOP/s), and a 1 GiB device copy (TB/s, reads + writes counted)."""
+    import triton
+    res = {}
+    n = 8192
+    a = torch.randn(n, n, device=dev, dtype=torch.bfloat16)
+    b = torch.randn(n, n, device=dev, dtype=torch.bfloat16)
+    res["bf16_mm_tflops"] = round(2 * n ** 3 / triton.testing.do_bench(lambda: a @ b, return_mode="median") / 1e9, 1)
+    try:
+        a8, b8 = a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn).t()
+        one = torch.ones((), device=dev)
+        ms = triton.testing.do_bench(lambda: torch._scaled_mm(a8, b8, one, one, out_dtype=torch.bfloat16),
+                                     return_mode="median")
+        res["fp8_scaled_mm_tflops"] = round(2 * n ** 3 / ms / 1e9, 1)
+    except Exception as exc:  # noqa: BLE001 - report, keep going
+        res["fp8_scaled_mm_error"] = f"{type(exc).__name__}: {exc}"[:200]
+    x = torch.empty(1 << 29, device=dev, dtype=torch.bfloat16)
+    y = torch.empty_like(x)
+    ms = triton.testing.do_bench(lambda: y.copy_(x), return_mode="median")
+    res["copy_tbps"] = round(2 * x.numel() * 2 / ms / 1e9, 3)
+    del a, b, x, y
+    torch.cuda.empty_cache()
+    return res
 
 
 if __name__ == "__main__":

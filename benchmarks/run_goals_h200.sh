@@ -3,6 +3,7 @@
 # Usage (GPU machine, repo root; fastapi / uvicorn / pydantic importable):
 #   bash benchmarks/run_goals_h200.sh serving OUT   # issue 17: prefix-cache TTFT + chunked-prefill ITL, CUDA graphs
 #   bash benchmarks/run_goals_h200.sh kernels OUT   # issue 20: sampled vs greedy draft step; issue 19: fp8 KV MLA
+#   bash benchmarks/run_goals_h200.sh fp8 OUT       # issue 19: FP8 GEMM, FP8 weights on the GPU, fp8 MLA sweep
 set -u
 part=${1:?serving or kernels}; OUT=${2:?output folder}
 mkdir -p "$OUT"
@@ -21,5 +22,16 @@ kernels)
   step 90 mla_fp8 python3 benchmarks/bench_mla_attention.py --no-compile --no-sdpa --kv-cache-dtype fp8 --out "$OUT/mla_fp8.json"
   step 90 mla_bf16 python3 benchmarks/bench_mla_attention.py --no-compile --no-sdpa --out "$OUT/mla_bf16.json"
   step 240 gpu_tests python3 -m pytest -q tests/test_fp8_kv_cache.py tests/test_paged_attention.py tests/test_mla_attention.py ;;
+draft)
+  step 150 draft_sampling python3 benchmarks/bench_engine_step.py --graph-mode cuda --layers 2 --draft-sampling \
+      --batch-sizes 1,16,64 --json "$OUT/engine_draft_sampling.json" ;;
+fp8)
+  step 170 fp8_gemm python3 benchmarks/bench_fp8_gemm.py --json "$OUT/fp8_gemm.json"
+  step 200 fp8_weight_tests python3 -m pytest -q -x tests/test_fp8_weights.py
+  python3 -m mtpspec.models.fp8_writer mtpspec/demo_model_glm5 /tmp/fp8demo --block 32 32 > /dev/null && \
+  step 120 fp8_generate python3 -m mtpspec.entrypoints.cli generate --model /tmp/fp8demo --kv-cache-dtype fp8 \
+      --gsm8k-question 0 --num-speculative-tokens 3 --max-tokens 64
+  step 200 mla_fp8_sweep python3 benchmarks/bench_mla_attention.py --no-compile --no-sdpa --kv-cache-dtype fp8 \
+      --sweep --query-lens 1 --out "$OUT/mla_fp8_sweep.json" ;;
 *) echo "unknown part $part"; exit 2 ;;
 esac
