@@ -73,6 +73,10 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--draft-sampling", action="store_true",
                    help="issue 20: also time the draft step with sampled drafts at T = 1 (Gumbel-max, "
                         "get_sampled_tokens) next to the greedy one (get_top_tokens)")
+    p.add_argument("--fp8-weights", action="store_true",
+                   help="issue 19: FP8 block-scaled weights (128 x 128) for every linear layer and expert (the "
+                        "embeddings, LM heads, norms, router and kv_b_proj stay bf16, as in DeepSeek's FP8 release)")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"], help="issue 19: the KV cache dtype")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--graph-mode", default="auto", choices=["auto", "off", "cuda"],
                    help="the engine runner's CUDA-graph mode for the 'engine step' row")
@@ -137,7 +141,11 @@ def randomise_(module: torch.nn.Module, seed: int) -> None:
     gens: Dict[torch.device, torch.Generator] = {}
     for name, p in module.named_parameters():
         g = gens.setdefault(p.device, torch.Generator(device=p.device).manual_seed(seed))
-        if name.endswith("norm.weight"):
+        if p.dtype == torch.float8_e4m3fn:  # FP8 weights: unit normal values, the scale carries 1 / sqrt(fan_in)
+            p.copy_(torch.randn(p.shape, generator=g, device=p.device).clamp(-448, 448).to(p.dtype))
+        elif name.endswith("scale_inv"):
+            p.fill_(1.0 / math.sqrt(p.shape[-1] * 128))
+        elif name.endswith("norm.weight"):
             p.fill_(1.0)
         elif p.dim() == 1:
             p.normal_(0.0, 0.02, generator=g)
@@ -176,7 +184,9 @@ class ExpertCounter:
 def expert_bytes(model: torch.nn.Module) -> int:
     """Bytes of one routed expert (gate + up + down) in ``model``'s first FusedMoE."""
     m = next(x for x in model.modules() if isinstance(x, FusedMoE))
-    return (m.w13_weight[0].numel() + m.w2_weight[0].numel()) * m.w13_weight.element_size()
+    scales = sum(getattr(m, n)[0].numel() * 4 for n in ("w13_weight_scale_inv", "w2_weight_scale_inv")
+                 if hasattr(m, n))
+    return (m.w13_weight[0].numel() + m.w2_weight[0].numel()) * m.w13_weight.element_size() + scales
 
 
 def decode_step(b: int, k: int, context: int, vocab: int, blocks_per_seq: int) -> StepInput:
@@ -194,10 +204,11 @@ def bench_batch(runner: ModelRunner, timer: Timer, b: int, k: int, context: int,
     cfg = target.config
     dev, dtype = runner.device, runner.kv_dtype
     e = torch.empty((), dtype=dtype).element_size()
+    cache_dtype = runner.cache_dtype  # the KV cache's (fp8: 1 byte a value)
     h, v = cfg.hidden_size, cfg.vocab_size
     # cache bytes per token of every layer (GQA: K and V of each kv head; MLA: one latent entry)
     bs = runner.cache_config.block_size
-    kv_per_token = sum(layer.get_kv_cache_spec(bs, dtype).page_size_bytes // bs for layer in runner.layers)
+    kv_per_token = sum(layer.get_kv_cache_spec(bs, cache_dtype).page_size_bytes // bs for layer in runner.layers)
     kv_per_token_target = kv_per_token * cfg.num_hidden_layers // len(runner.layers)
     kv_per_token_mtp = kv_per_token - kv_per_token_target
     step = decode_step(b, k, context, v, -(-(context + 2 * k + 2) // bs))
@@ -348,7 +359,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     batches = [int(x) for x in args.batch_sizes.split(",")]
     k = args.k
     arch = get_architecture(cfg.architecture)
-    with torch.device(device):
+    from mtpspec.layers.fp8 import fp8_weights
+    with torch.device(device), fp8_weights((128, 128) if args.fp8_weights else None):
         target = arch.target_class()(cfg, dtype).eval()
         mtp = arch.mtp_class()(cfg, target.model.embed_tokens, target.lm_head, False, True, False, dtype).eval()
     randomise_(target, 0)
@@ -359,7 +371,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     block_size = cfg.arch.default_block_size  # the engine's default for the architecture
     per_seq = -(-(args.context + 2 * k + 2) // block_size)
     sched = SchedulerConfig(max_num_seqs=max_b, max_model_len=args.context + 2 * k + 2, num_speculative_tokens=k)
-    cache = CacheConfig(block_size, num_kv_blocks=max_b * per_seq)
+    cache = CacheConfig(block_size, num_kv_blocks=max_b * per_seq, cache_dtype=args.kv_cache_dtype)
     runner = ModelRunner(target, mtp, spec, cache, sched, device, cfg.max_position_embeddings, args.graph_mode)
     runner.init_kv_cache(max_b * per_seq)
     bw = read_bandwidth(device)
@@ -369,7 +381,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         for b in batches:
             rows += bench_batch(runner, timer, b, k, args.context, bw)
     print(f"device {torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}, {dtype}, hidden "
-          f"{cfg.hidden_size}, vocab {cfg.vocab_size}, {args.layers} layers + 1 MTP, k={k}, context {args.context}")
+          f"{cfg.hidden_size}, vocab {cfg.vocab_size}, {args.layers} layers + 1 MTP, k={k}, context {args.context}; "
+          f"weights {'FP8 128x128 block-scaled' if args.fp8_weights else 'model dtype'}, KV cache {args.kv_cache_dtype}")
     if args.arch == "deepseek_v3":
         print(f"DeepSeek-V3 MLA: {cfg.num_attention_heads} heads, q_lora_rank {cfg.q_lora_rank}, kv_lora_rank "
               f"{cfg.kv_lora_rank} + rope {cfg.qk_rope_head_dim} cached per token per layer; {cfg.n_routed_experts} "

@@ -3,7 +3,8 @@
 # Usage (GPU machine, repo root; fastapi / uvicorn / pydantic importable):
 #   bash benchmarks/run_goals_h200.sh serving OUT   # issue 17: prefix-cache TTFT + chunked-prefill ITL, CUDA graphs
 #   bash benchmarks/run_goals_h200.sh kernels OUT   # issue 20: sampled vs greedy draft step; issue 19: fp8 KV MLA
-#   bash benchmarks/run_goals_h200.sh fp8 OUT       # issue 19: FP8 GEMM, FP8 weights on the GPU, fp8 MLA sweep
+#   bash benchmarks/run_goals_h200.sh fp8 OUT       # issue 19: FP8 GEMM, FP8 weight tests and generate on the GPU
+#   bash benchmarks/run_goals_h200.sh fp8step OUT   # issue 19: DeepSeek-V3-width step, FP8 vs bf16; fp8 MLA sweep
 set -u
 part=${1:?serving or kernels}; OUT=${2:?output folder}
 mkdir -p "$OUT"
@@ -31,7 +32,13 @@ fp8)
   python3 -m mtpspec.models.fp8_writer mtpspec/demo_model_glm5 /tmp/fp8demo --block 32 32 > /dev/null && \
   step 120 fp8_generate python3 -m mtpspec.entrypoints.cli generate --model /tmp/fp8demo --kv-cache-dtype fp8 \
       --gsm8k-question 0 --num-speculative-tokens 3 --max-tokens 64
-  step 200 mla_fp8_sweep python3 benchmarks/bench_mla_attention.py --no-compile --no-sdpa --kv-cache-dtype fp8 \
-      --sweep --query-lens 1 --out "$OUT/mla_fp8_sweep.json" ;;
+;;
+fp8step)  # the graphed draft step at DeepSeek-V3 width: FP8 weights + fp8 KV vs bf16 (2 target layers: 1 dense, 1 MoE)
+  step 200 engine_fp8 python3 benchmarks/bench_engine_step.py --arch deepseek_v3 --graph-mode cuda --layers 2 \
+      --batch-sizes 1,64 --fp8-weights --kv-cache-dtype fp8 --json "$OUT/engine_dsv3_fp8.json"
+  step 200 engine_bf16 python3 benchmarks/bench_engine_step.py --arch deepseek_v3 --graph-mode cuda --layers 2 \
+      --batch-sizes 1,64 --json "$OUT/engine_dsv3_bf16.json"
+  step 150 mla_fp8_sweep python3 benchmarks/bench_mla_attention.py --no-compile --no-sdpa --kv-cache-dtype fp8 \
+      --sweep --heads 16 --query-lens 1 --out "$OUT/mla_fp8_sweep.json" ;;
 *) echo "unknown part $part"; exit 2 ;;
 esac
