@@ -159,3 +159,73 @@ def test_triton_kernel_equals_reference(interp, dtype) -> None:
         assert torch.equal(got[:, 1].view(torch.int32), ref[:, 1].view(torch.int32)), num_real
         torch.testing.assert_close(got[:, [0, 3]], ref[:, [0, 3]], atol=0, rtol=0)
         torch.testing.assert_close(got[:, 2], ref[:, 2], atol=1e-4, rtol=1e-5)
+
+
+def _torch_combine(part: torch.Tensor, part_idx: torch.Tensor, vocab_start: int) -> torch.Tensor:
+    """The torch combine of the chunk partials that the combine kernels replaced (bit reference)."""
+    score = part[..., 0]
+    first = torch.where(torch.isnan(score), torch.full_like(score, float("inf")), score).argmax(dim=1, keepdim=True)
+    top = part.gather(1, first.unsqueeze(-1).expand(-1, 1, 3)).squeeze(1)
+    gid = (part_idx.gather(1, first).squeeze(1) + vocab_start).view(torch.float32)
+    return torch.stack([top[:, 0], gid, torch.logsumexp(part[..., 2], dim=1), top[:, 1]], dim=1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_combine_kernels_hashed_rows_and_tp1_pick_are_bit_exact(interp, dtype) -> None:
+    """The combine kernels equal the torch combine bit for bit (NaN / +inf / -inf chunks), rows
+    hashed in the kernel (NoiseRows, 64-bit keys and positions) equal row_hash's, and the fused
+    tp-1 pick written into strided buffers equals pick_gumbel of the packed row bit for bit."""
+    from mtpspec.ops.gumbel_top import gumbel_chunk_partials
+    torch.manual_seed(4)
+    n, per = 6, 9000
+    x = (torch.randn(n, per) * 3).to(dtype)
+    x[1] = float("-inf")
+    x[2, 7000] = float("nan")
+    x[3, 8000] = float("inf")
+    x[4, 10] = float("inf")
+    x[4, 8500] = float("nan")
+    temp = torch.tensor([1.0, 0.0, 0.5, 1.0, 0.0, 2.0])
+    keys = torch.tensor([2**63 - 1, -2**63, -1, 0, 12345, 2**40 + 7], dtype=torch.int64)
+    base = torch.tensor([0, 2**62 - 3, 5, 2**35, 77, 3], dtype=torch.int64)
+    rows = gm.NoiseRows(keys, base, 3, gm.STREAM_DRAFT)
+    hashes = gm.row_hash(keys, base + 3, gm.STREAM_DRAFT)
+    assert torch.equal(rows.hashes(), hashes)
+    for num_real in (per, 5000, 1):
+        part, part_idx = gumbel_chunk_partials(x, 100, num_real, temp, rows)
+        assert part.shape[1] == (2 if num_real > 4096 else 1)  # 4 interpreter SMs: the split is exercised
+        part_h = gumbel_chunk_partials(x, 100, num_real, temp, hashes)[0]
+        assert torch.equal(part.view(torch.int32), part_h.view(torch.int32))
+        packed = gm.local_gumbel_top(x, 100, num_real, temp, rows)
+        assert torch.equal(packed.view(torch.int32), _torch_combine(part, part_idx, 100).view(torch.int32))
+        want = gm.pick_gumbel(packed.unsqueeze(0))
+        buf = torch.zeros(2, n, 3)
+        out = gm.GumbelPick(torch.empty(n, dtype=torch.int64), buf[0, :, 1], buf[1, :, 2])
+        got = gm.vocab_parallel_gumbel_sample(x, 100, num_real, temp, rows, out=out)
+        assert got is out and torch.equal(got.token_ids, want.token_ids)
+        assert torch.equal(got.log_q.view(torch.int32), want.log_q.view(torch.int32))
+        assert torch.equal(got.lse.view(torch.int32), want.lse.view(torch.int32))
+        assert torch.equal(buf[:, :, 0], torch.zeros(2, n))  # nothing else written
+
+
+def test_get_sampled_tokens_into_buffers_is_bit_exact(interp) -> None:
+    """logits_out / out (the proposer's persistent buffers) give the same logits, ids, log q and
+    LSE bits as the plain call."""
+    from mtpspec.layers.logits_processor import LogitsProcessor
+    from mtpspec.layers.vocab_parallel_embedding import ParallelLMHead
+    g = torch.Generator().manual_seed(0)
+    for dtype in (torch.float32, torch.bfloat16):
+        head = ParallelLMHead(5000, 32, params_dtype=dtype)
+        head.weight.weight_loader(head.weight, torch.randn(5000, 32, generator=g))
+        h = torch.randn(5, 32, generator=g).to(dtype)
+        lp = LogitsProcessor(4999)
+        temp = torch.tensor([1.0, 0.0, 0.5, 1.0, 2.0])
+        rows = gm.NoiseRows(torch.arange(5) * 7, torch.arange(5) + 40, 2, gm.STREAM_DRAFT)
+        want, want_local = lp.get_sampled_tokens(head, h, temp, rows.hashes())
+        logits = torch.zeros(2, 7, head.weight.shape[0], dtype=dtype)
+        lq, lse = torch.zeros(7, 2), torch.zeros(7, 2)
+        out = gm.GumbelPick(torch.empty(5, dtype=torch.int64), lq[:5, 1], lse[:5, 1])
+        got, local = lp.get_sampled_tokens(head, h, temp, rows, out=out, logits_out=logits[1, :5])
+        assert local.data_ptr() == logits[1, :5].data_ptr() and torch.equal(local, want_local)
+        assert torch.equal(got.token_ids, want.token_ids)
+        assert torch.equal(lq[:5, 1].view(torch.int32), want.log_q.view(torch.int32))
+        assert torch.equal(lse[:5, 1].view(torch.int32), want.lse.view(torch.int32))

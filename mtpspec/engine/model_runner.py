@@ -218,7 +218,7 @@ class ModelRunner:
         pos = (inp.start_positions[:nd].unsqueeze(1) + 1 + torch.arange(k, device=dev)).reshape(-1)
         res_rows = row_hash(inp.draft_seed_keys[:nd].repeat_interleave(k), pos, STREAM_RESIDUAL).view(nd, k)
         v0, nr = self.mtp.local_vocab_range(0)
-        return SampledDrafts(mask & known, mask & ~known, st.local_logits.index_select(0, idx), v0, nr,
+        return SampledDrafts(mask & known, mask & ~known, st.local_logits.index_select(1, idx).transpose(0, 1), v0, nr,
                              inp.draft_temperature[:nd], st.log_q.index_select(0, idx), st.lse.index_select(0, idx),
                              res_rows)
 

@@ -23,7 +23,7 @@ writes the ids directly (the pick of a single rank's non-sentinel pair is its id
 
 from __future__ import annotations
 
-from typing import Optional, Protocol, Tuple
+from typing import Optional, Protocol, Tuple, Union
 
 import torch
 import torch.nn.functional as F
@@ -31,7 +31,7 @@ from torch import nn
 
 from mtpspec.distributed import get_tensor_model_parallel_world_size, tensor_model_parallel_all_gather
 from mtpspec.ops.argmax import local_argmax, local_top_pairs, pick_top_tokens
-from mtpspec.sample.gumbel import GumbelPick, vocab_parallel_gumbel_sample
+from mtpspec.sample.gumbel import GumbelPick, NoiseRows, vocab_parallel_gumbel_sample
 
 __all__ = ["LogitsProcessor", "VocabShardedHead", "local_argmax", "local_top_pairs", "pick_top_tokens"]
 
@@ -60,7 +60,8 @@ class LogitsProcessor(nn.Module):
             raise ValueError(f"LogitsProcessor: vocab_size must be an int >= 1, got {vocab_size!r}")
         self.vocab_size = vocab_size
 
-    def _local_logits(self, lm_head: VocabShardedHead, hidden_states: torch.Tensor) -> torch.Tensor:
+    def _local_logits(self, lm_head: VocabShardedHead, hidden_states: torch.Tensor,
+                      out: Optional[torch.Tensor] = None) -> torch.Tensor:
         if self.vocab_size > lm_head.org_vocab_size:
             raise ValueError(f"LogitsProcessor: vocab_size {self.vocab_size} exceeds the lm head's "
                              f"{lm_head.org_vocab_size} rows")
@@ -72,7 +73,12 @@ class LogitsProcessor(nn.Module):
             raise TypeError(f"LogitsProcessor: hidden_states dtype {hidden_states.dtype} != "
                             f"lm head dtype {lm_head.weight.dtype}")
         bias: Optional[torch.Tensor] = getattr(lm_head, "bias", None)
-        return F.linear(hidden_states, lm_head.weight, bias)
+        if out is None:
+            return F.linear(hidden_states, lm_head.weight, bias)
+        # F.linear's own 2-D calls (addmm with a bias, else mm), writing into ``out``
+        if bias is None:
+            return torch.mm(hidden_states, lm_head.weight.t(), out=out)
+        return torch.addmm(bias, hidden_states, lm_head.weight.t(), out=out)
 
     def _num_real(self, lm_head: VocabShardedHead) -> int:
         return max(0, min(self.vocab_size - lm_head.vocab_start_index, lm_head.num_embeddings_per_partition))
@@ -118,17 +124,21 @@ class LogitsProcessor(nn.Module):
         return lm_head.vocab_start_index, self._num_real(lm_head)
 
     def get_sampled_tokens(self, lm_head: VocabShardedHead, hidden_states: torch.Tensor, temperature: torch.Tensor,
-                           rows: torch.Tensor) -> Tuple[GumbelPick, torch.Tensor]:
+                           rows: Union[torch.Tensor, NoiseRows], out: Optional[GumbelPick] = None,
+                           logits_out: Optional[torch.Tensor] = None) -> Tuple[GumbelPick, torch.Tensor]:
         """Tokens drawn from ``softmax(logits / T)`` (argmax where ``T == 0``) by vocab-parallel
         Gumbel-max (:func:`~mtpspec.sample.gumbel.vocab_parallel_gumbel_sample`), and this rank's
         local logits ``[num_tokens, per_rank]`` they were drawn from (kept for the verifier).
 
-        ``temperature``: ``[num_tokens]`` float32; ``rows``: ``[num_tokens]`` int64 noise row hashes.
+        ``temperature``: ``[num_tokens]`` float32; ``rows``: ``[num_tokens]`` int64 noise row hashes
+        or a :class:`~mtpspec.sample.gumbel.NoiseRows`. ``out``: where to write the pick (see
+        ``vocab_parallel_gumbel_sample``); ``logits_out``: a ``[num_tokens, per_rank]`` buffer
+        (model dtype, unit column stride) the LM-head matmul writes into (returned as the logits).
         One all-gather of 16 bytes per token per rank (as :meth:`get_top_tokens`).
         """
-        local = self._local_logits(lm_head, hidden_states)
+        local = self._local_logits(lm_head, hidden_states, logits_out)
         pick = vocab_parallel_gumbel_sample(local, lm_head.vocab_start_index, self._num_real(lm_head),
-                                            temperature, rows)
+                                            temperature, rows, out=out)
         return pick, local
 
     def extra_repr(self) -> str:

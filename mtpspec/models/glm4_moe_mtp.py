@@ -278,12 +278,12 @@ class Glm4MoeMTP(nn.Module):
         """Greedy draft ids ``[num_tokens]`` int64 by vocab-parallel local argmax (no logits gathered)."""
         return self.logits_processor.get_top_tokens(self.get_layer(spec_step_idx).shared_head.head, hidden_states)
 
-    def get_sampled_tokens(self, hidden_states: torch.Tensor, temperature: torch.Tensor, rows: torch.Tensor,
-                           spec_step_idx: int = 0):
+    def get_sampled_tokens(self, hidden_states: torch.Tensor, temperature: torch.Tensor, rows,
+                           spec_step_idx: int = 0, out=None, logits_out=None):
         """Sampled draft ids and this rank's local logits
-        (:meth:`~mtpspec.layers.logits_processor.LogitsProcessor.get_sampled_tokens`)."""
+        (:meth:`~mtpspec.layers.logits_processor.LogitsProcessor.get_sampled_tokens`, same arguments)."""
         return self.logits_processor.get_sampled_tokens(self.get_layer(spec_step_idx).shared_head.head,
-                                                        hidden_states, temperature, rows)
+                                                        hidden_states, temperature, rows, out, logits_out)
 
     def local_vocab_range(self, spec_step_idx: int = 0):
         """``(vocab_start, num_real)`` of this rank's shard of the draft head."""

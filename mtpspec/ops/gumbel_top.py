@@ -1,31 +1,43 @@
-"""Triton kernel of :func:`mtpspec.sample.gumbel.local_gumbel_top`: one pass over a logits shard.
+"""Triton kernels of :func:`mtpspec.sample.gumbel.local_gumbel_top`: one pass over a logits shard.
 
 The torch reference (``local_gumbel_top_ref`` in :mod:`mtpspec.sample.gumbel`) makes about thirty
 passes over ``[N, per_rank]`` (the 64-bit hash, the noise, the score, the arg-max, the
 log-sum-exp). Here each program (row, column chunk) reads its columns once and keeps, per lane,
 the running (score, first arg-max, ``l / T`` there) and an online log-sum-exp (max, sum of
-exponentials) of ``l / T``; it writes one partial per chunk (score, column, chosen, chunk LSE),
-which :func:`local_gumbel_top_triton` combines in torch over the ``C`` chunks (first chunk with the
-largest score, NaN counting as largest; ``logsumexp`` of the chunk LSEs). The noise bits are the
-reference's (``splitmix64(h_row + id * GOLDEN)``, logical shifts on uint64, the uniform from the
-top 53 bits, ``-log(-log(u))`` in float64, then float32), and ``l / T`` is the same IEEE
-division, so scores match the reference wherever the two ``log`` implementations agree (on one
-device: always in practice; the interpreter against torch's CPU ``log``: tested equal ids).
+exponentials) of ``l / T``; it writes one partial per chunk (score, chosen, chunk LSE; column).
+The noise bits are the reference's (``splitmix64(h_row + id * GOLDEN)``, logical shifts on
+uint64, the uniform from the top 53 bits, ``-log(-log(u))`` in float64, then float32), and
+``l / T`` is the same IEEE division, so scores match the reference wherever the two ``log``
+implementations agree (on one device: always in practice; the interpreter against torch's CPU
+``log``: tested equal ids). Given :class:`~mtpspec.sample.gumbel.NoiseRows`, the chunk programs
+also compute the row hash ``h_row`` (:func:`~mtpspec.sample.gumbel.row_hash`, same uint64 bits).
 
-Launch shape depends only on shapes and the SM count (CUDA-graph capturable, no host sync); the
+Combining the ``C`` chunks of a row (one program per row): the first chunk with the largest score
+(NaN read as ``+inf``, as the ``torch.argmax`` it replaced), its id and chosen logit, and
+``torch.logsumexp`` of the chunk LSEs, split so that its float steps stay torch's: a shift kernel
+(max with NaN propagating, ``|max| == inf -> 0``, ``lse - max``), then torch's ``exp_``, ``sum``
+(its reduction order) and ``log_``, then the combine kernel adds the max back and writes the packed
+``[N, 4]`` row, or at tp 1 the single rank's :func:`~mtpspec.sample.gumbel.pick_gumbel` (ids,
+``log q``, LSE into the caller's buffers). Six launches in all, the same bits as the torch combine.
+
+Launch shapes depend only on shapes and the SM count (CUDA-graph capturable, no host sync); the
 column split is :func:`mtpspec.ops.argmax.split_plan`'s.
 """
 
 from __future__ import annotations
 
+from typing import Optional, Tuple, Union
+
 import torch
 
 from mtpspec.ops.argmax import BF16_BITS_IN_INTERPRETER, NUM_WARPS, num_sms, split_plan
-from mtpspec.ops.triton_utils import HAS_TRITON, LazyKernel, interpreting, tl
+from mtpspec.ops.triton_utils import HAS_TRITON, LazyKernel, interpreting, next_power_of_2, tl
+from mtpspec.sample.gumbel import GumbelPick, NoiseRows
 
 if HAS_TRITON:
-    def _gumbel_chunk_kernel(x_ptr, t_ptr, rows_ptr, part_ptr, part_idx_ptr, n_real, chunk, n_chunks,
-                             stride_row, vocab_start, BLOCK: tl.constexpr, BF16_BY_BITS: tl.constexpr):
+    def _gumbel_chunk_kernel(x_ptr, t_ptr, rows_ptr, keys_ptr, pos_ptr, pos_add, part_ptr, part_idx_ptr, n_real,
+                             chunk, n_chunks, stride_row, vocab_start, BLOCK: tl.constexpr,
+                             BF16_BY_BITS: tl.constexpr, HASH_ROWS: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         c = tl.program_id(1)
         start = c * chunk
@@ -35,7 +47,18 @@ if HAS_TRITON:
         temp = tl.load(t_ptr + row)
         sampled = temp > 0
         t = tl.where(sampled, temp, 1.0)
-        h_row = tl.load(rows_ptr + row).to(tl.uint64, bitcast=True)
+        if HASH_ROWS:  # row_hash(key, pos + off, stream) = splitmix64(key ^ splitmix64(4 * pos + pos_add))
+            z = tl.load(pos_ptr + row).to(tl.uint64, bitcast=True) * 4 + pos_add  # pos_add >= 0: uint64
+            z = z + 0x9E3779B97F4A7C15
+            z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9
+            z = (z ^ (z >> 27)) * 0x94D049BB133111EB
+            z = (z ^ (z >> 31)) ^ tl.load(keys_ptr + row).to(tl.uint64, bitcast=True)
+            z = z + 0x9E3779B97F4A7C15
+            z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9
+            z = (z ^ (z >> 27)) * 0x94D049BB133111EB
+            h_row = z ^ (z >> 31)
+        else:
+            h_row = tl.load(rows_ptr + row).to(tl.uint64, bitcast=True)
         acc = tl.full([BLOCK], float("-inf"), tl.float32)
         acc_idx = start + lanes
         acc_x = tl.full([BLOCK], float("-inf"), tl.float32)
@@ -88,27 +111,100 @@ if HAS_TRITON:
         tl.store(out + 2, lse)
         tl.store(part_idx_ptr + row * n_chunks + c, best)
 
+    def _lse_shift_kernel(part_ptr, max_ptr, shifted_ptr, n_chunks, BLOCK_C: tl.constexpr):
+        # Row program: torch.logsumexp's first steps over the chunk LSEs (amax, NaN propagating;
+        # |max| == inf -> 0; lse - max), so exp / sum / log run as torch ops in torch's order.
+        row = tl.program_id(0).to(tl.int64)
+        cs = tl.arange(0, BLOCK_C)
+        mask = cs < n_chunks
+        v = tl.load(part_ptr + (row * n_chunks + cs) * 3 + 2, mask=mask, other=float("-inf"))
+        is_nan = (v != v) & mask
+        top = tl.max(tl.where(is_nan, float("-inf"), v), axis=0)
+        top = tl.where(tl.max(is_nan.to(tl.int32), axis=0) != 0, float("nan"), top)
+        top = tl.where(tl.abs(top) == float("inf"), 0.0, top)
+        tl.store(max_ptr + row, top)
+        tl.store(shifted_ptr + row * n_chunks + cs, v - top, mask=mask)
+
+    def _gumbel_combine_kernel(part_ptr, part_idx_ptr, logsum_ptr, max_ptr, packed_ptr, packed_i32_ptr,
+                               ids_ptr, log_q_ptr, lse_ptr, n_chunks, vocab_start, stride_log_q, stride_lse,
+                               FINAL: tl.constexpr, BLOCK_C: tl.constexpr):
+        # Row program: the first chunk with the largest score (NaN read as +inf, as the torch
+        # argmax it replaces), its id and chosen logit; LSE = log(sum) + max. FINAL (tp 1):
+        # pick_gumbel of the single rank instead of the packed row (its log-sum-exp over one
+        # value is lse with -0.0 -> +0.0; log q = chosen - lse).
+        row = tl.program_id(0).to(tl.int64)
+        cs = tl.arange(0, BLOCK_C)
+        mask = cs < n_chunks
+        score = tl.load(part_ptr + (row * n_chunks + cs) * 3, mask=mask, other=float("-inf"))
+        score = tl.where(score != score, float("inf"), score)
+        top = tl.max(score, axis=0)
+        first = tl.min(tl.where(mask & (score == top), cs, BLOCK_C), axis=0)
+        at = part_ptr + (row * n_chunks + first) * 3
+        val = tl.load(at)
+        chosen = tl.load(at + 1)
+        gid = tl.load(part_idx_ptr + row * n_chunks + first) + vocab_start
+        lse = tl.load(logsum_ptr + row) + tl.load(max_ptr + row)
+        if FINAL:
+            lse = tl.where(lse == 0.0, 0.0, lse)
+            tl.store(ids_ptr + row, gid.to(tl.int64))
+            tl.store(log_q_ptr + row * stride_log_q, chosen - lse)
+            tl.store(lse_ptr + row * stride_lse, lse)
+        else:
+            tl.store(packed_ptr + row * 4, val)
+            tl.store(packed_i32_ptr + row * 4 + 1, gid)
+            tl.store(packed_ptr + row * 4 + 2, lse)
+            tl.store(packed_ptr + row * 4 + 3, chosen)
+
     _gumbel_chunk = LazyKernel(_gumbel_chunk_kernel)
+    _lse_shift = LazyKernel(_lse_shift_kernel)
+    _gumbel_combine = LazyKernel(_gumbel_combine_kernel)
+
+
+def gumbel_chunk_partials(x: torch.Tensor, vocab_start: int, num_real: int, temperature: torch.Tensor,
+                          rows: Union[torch.Tensor, NoiseRows]) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The chunk kernel's partials: ``[N, C, 3]`` float32 (score, chosen ``l / T``, chunk LSE) and
+    ``[N, C]`` int32 column of each chunk's pick (``x``: unit column stride, ``num_real >= 1``)."""
+    n, dev = x.shape[0], x.device
+    plan = split_plan(n, num_real, num_sms(dev))
+    bf16_bits = BF16_BITS_IN_INTERPRETER and interpreting() and x.dtype == torch.bfloat16
+    src = x.view(torch.int16) if bf16_bits else x
+    part = torch.empty(n, plan.n_chunks, 3, dtype=torch.float32, device=dev)
+    part_idx = torch.empty(n, plan.n_chunks, dtype=torch.int32, device=dev)
+    hashed = isinstance(rows, NoiseRows)
+    keys, pos, pos_add = (rows.seed_keys, rows.positions, rows.offset * 4 + rows.stream) if hashed else (rows, rows, 0)
+    _gumbel_chunk[(n, plan.n_chunks)](src, temperature.float().contiguous(), keys.contiguous(), keys.contiguous(),
+                                      pos.contiguous(), pos_add, part, part_idx, num_real, plan.chunk,
+                                      plan.n_chunks, x.stride(0), vocab_start, BLOCK=plan.block,
+                                      BF16_BY_BITS=bf16_bits, HASH_ROWS=hashed, num_warps=NUM_WARPS)
+    return part, part_idx
 
 
 def local_gumbel_top_triton(local_logits: torch.Tensor, vocab_start: int, num_real: int, temperature: torch.Tensor,
-                            rows: torch.Tensor) -> torch.Tensor:
-    """The packed ``[N, 4]`` float32 rows of ``local_gumbel_top`` (``num_real >= 1``, ``N >= 1``)."""
+                            rows: Union[torch.Tensor, NoiseRows], out: Optional[GumbelPick] = None
+                            ) -> Optional[torch.Tensor]:
+    """The packed ``[N, 4]`` float32 rows of ``local_gumbel_top`` (``num_real >= 1``, ``N >= 1``);
+    with ``out`` (tp 1) instead the single rank's :func:`~mtpspec.sample.gumbel.pick_gumbel`
+    written into ``out`` (``token_ids [N]`` int64, ``log_q`` / ``lse`` ``[N]`` float32, any
+    stride), returning ``None``.
+
+    ``rows``: ``[N]`` int64 row hashes, or :class:`~mtpspec.sample.gumbel.NoiseRows` hashed in the
+    chunk kernel. Six launches: chunk, shift, torch ``exp_`` / ``sum`` / ``log_``, combine.
+    """
     x = local_logits
     if x.stride(1) != 1:
         x = x[:, :num_real].contiguous()
-    n = x.shape[0]
-    plan = split_plan(n, num_real, num_sms(x.device))
-    bf16_bits = BF16_BITS_IN_INTERPRETER and interpreting() and x.dtype == torch.bfloat16
-    src = x.view(torch.int16) if bf16_bits else x
-    part = torch.empty(n, plan.n_chunks, 3, dtype=torch.float32, device=x.device)
-    part_idx = torch.empty(n, plan.n_chunks, dtype=torch.int32, device=x.device)
-    _gumbel_chunk[(n, plan.n_chunks)](src, temperature.float().contiguous(), rows.contiguous(), part, part_idx,
-                                      num_real, plan.chunk, plan.n_chunks, x.stride(0), vocab_start,
-                                      BLOCK=plan.block, BF16_BY_BITS=bf16_bits, num_warps=NUM_WARPS)
-    score = part[..., 0]
-    first = torch.where(torch.isnan(score), torch.full_like(score, float("inf")), score).argmax(dim=1, keepdim=True)
-    top = part.gather(1, first.unsqueeze(-1).expand(-1, 1, 3)).squeeze(1)
-    gid = (part_idx.gather(1, first).squeeze(1) + vocab_start).view(torch.float32)
-    lse = torch.logsumexp(part[..., 2], dim=1)
-    return torch.stack([top[:, 0], gid, lse, top[:, 1]], dim=1)
+    part, part_idx = gumbel_chunk_partials(x, vocab_start, num_real, temperature, rows)
+    n, n_chunks = part_idx.shape
+    dev = x.device
+    # torch.logsumexp(part[..., 2], dim=1), step by step: the same ops in the same order (same bits)
+    top = torch.empty(n, dtype=torch.float32, device=dev)
+    shifted = torch.empty(n, n_chunks, dtype=torch.float32, device=dev)
+    block_c = next_power_of_2(n_chunks)
+    _lse_shift[(n,)](part, top, shifted, n_chunks, BLOCK_C=block_c, num_warps=1)
+    logsum = shifted.exp_().sum(dim=1).log_()
+    packed = torch.empty(n, 4, dtype=torch.float32, device=dev) if out is None else top
+    ids, log_q, lse = (packed, packed, packed) if out is None else out
+    _gumbel_combine[(n,)](part, part_idx, logsum, top, packed, packed.view(torch.int32), ids, log_q, lse,
+                          n_chunks, vocab_start, log_q.stride(0), lse.stride(0), FINAL=out is not None,
+                          BLOCK_C=block_c, num_warps=1)
+    return packed if out is None else None

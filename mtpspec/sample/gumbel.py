@@ -27,7 +27,7 @@ Rows with ``T == 0`` take no noise and their ``l`` as score: the pick is then ``
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import NamedTuple, Optional, Union
 
 import torch
 
@@ -70,6 +70,24 @@ def row_hash(seed_keys: torch.Tensor, positions: torch.Tensor, stream: int) -> t
     return splitmix64_t(seed_keys ^ splitmix64_t(positions.long() * 4 + stream))
 
 
+class NoiseRows(NamedTuple):
+    """Row hashes left for the Gumbel kernel to compute (no torch ops):
+    ``row_hash(seed_keys, positions + offset, stream)``.
+
+    Attributes:
+        seed_keys: ``[N]`` int64; positions: ``[N]`` int64; offset, stream: python ints ``>= 0``.
+    """
+
+    seed_keys: torch.Tensor
+    positions: torch.Tensor
+    offset: int
+    stream: int
+
+    def hashes(self) -> torch.Tensor:
+        """The ``[N]`` int64 row hashes (torch ops)."""
+        return row_hash(self.seed_keys, self.positions + self.offset, self.stream)
+
+
 def gumbel_noise(rows: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """``[N, C]`` float32 standard Gumbel noise of global token ids ``ids`` ``[C]`` for ``rows`` ``[N]``."""
     h = splitmix64_t(rows.unsqueeze(1) + ids.long().unsqueeze(0) * _GOLDEN)
@@ -97,21 +115,25 @@ def scaled_logits(local_logits: torch.Tensor, temperature: torch.Tensor) -> torc
     return local_logits.float() / t.unsqueeze(1)
 
 
+def _use_kernel(local_logits: torch.Tensor, num_real: int) -> bool:
+    return (num_real > 0 and local_logits.shape[0] > 0 and local_logits.dtype in FLOAT_DTYPES
+            and use_triton(local_logits))
+
+
 def local_gumbel_top(local_logits: torch.Tensor, vocab_start: int, num_real: int, temperature: torch.Tensor,
-                     rows: torch.Tensor) -> torch.Tensor:
-    """One rank's packed ``[N, 4]`` float32 rows (see the module docstring): the one-pass Triton
-    kernel (:mod:`mtpspec.ops.gumbel_top`) on CUDA / under ``TRITON_INTERPRET=1``, else
-    :func:`local_gumbel_top_ref`.
+                     rows: Union[torch.Tensor, NoiseRows]) -> torch.Tensor:
+    """One rank's packed ``[N, 4]`` float32 rows (see the module docstring): the Triton kernels
+    (:mod:`mtpspec.ops.gumbel_top`) on CUDA / under ``TRITON_INTERPRET=1``, else
+    :func:`local_gumbel_top_ref` (arguments there).
     """
-    if (num_real > 0 and local_logits.shape[0] > 0 and local_logits.dtype in FLOAT_DTYPES
-            and use_triton(local_logits)):
+    if _use_kernel(local_logits, num_real):
         from mtpspec.ops.gumbel_top import local_gumbel_top_triton
         return local_gumbel_top_triton(local_logits, vocab_start, num_real, temperature, rows)
     return local_gumbel_top_ref(local_logits, vocab_start, num_real, temperature, rows)
 
 
 def local_gumbel_top_ref(local_logits: torch.Tensor, vocab_start: int, num_real: int, temperature: torch.Tensor,
-                         rows: torch.Tensor) -> torch.Tensor:
+                         rows: Union[torch.Tensor, NoiseRows]) -> torch.Tensor:
     """Torch reference of :func:`local_gumbel_top`.
 
     Args:
@@ -120,8 +142,10 @@ def local_gumbel_top_ref(local_logits: torch.Tensor, vocab_start: int, num_real:
         vocab_start: global id of column 0.
         num_real: real columns of this shard (may be 0).
         temperature: ``[N]`` float32; 0 = greedy row (no noise).
-        rows: ``[N]`` int64 row hashes (:func:`row_hash`).
+        rows: ``[N]`` int64 row hashes (:func:`row_hash`), or :class:`NoiseRows`.
     """
+    if isinstance(rows, NoiseRows):
+        rows = rows.hashes()
     n = local_logits.shape[0]
     if num_real <= 0:
         out = torch.full((n, 4), float("-inf"), dtype=torch.float32, device=local_logits.device)
@@ -152,14 +176,33 @@ def pick_gumbel(gathered: torch.Tensor) -> GumbelPick:
 
 
 def vocab_parallel_gumbel_sample(local_logits: torch.Tensor, vocab_start: int, num_real: int,
-                                 temperature: torch.Tensor, rows: torch.Tensor,
-                                 counter: str = "all_gather_draft_sample") -> GumbelPick:
+                                 temperature: torch.Tensor, rows: Union[torch.Tensor, NoiseRows],
+                                 counter: str = "all_gather_draft_sample",
+                                 out: Optional[GumbelPick] = None) -> GumbelPick:
     """Draw one token per row from ``softmax(l / T)`` over the real vocab (argmax where ``T == 0``).
 
-    One all-gather of ``[1, N, 4]`` float32 per rank (:data:`PACKED_BYTES_PER_ROW` bytes per row);
-    none at tp 1, counted under ``counter``. No host sync; fixed shapes (CUDA-graph capturable).
+    Arguments as :func:`local_gumbel_top_ref`. One all-gather of ``[1, N, 4]`` float32 per rank
+    (:data:`PACKED_BYTES_PER_ROW` bytes per row), counted under ``counter``; at tp 1 none, and
+    with the kernels the pick of the single rank is fused into their last launch (same bits as
+    :func:`pick_gumbel`). ``out``: a :class:`GumbelPick` of ``[N]`` tensors (int64 ids, float32
+    log q / lse, any stride) to write and return. No host sync; fixed shapes (CUDA-graph capturable).
     """
-    packed = local_gumbel_top(local_logits, vocab_start, num_real, temperature, rows)
     if get_tensor_model_parallel_world_size() == 1:
-        return pick_gumbel(packed.unsqueeze(0))
-    return pick_gumbel(tensor_model_parallel_all_gather(packed.unsqueeze(0), dim=0, counter=counter))
+        if _use_kernel(local_logits, num_real):
+            from mtpspec.ops.gumbel_top import local_gumbel_top_triton
+            n, dev = local_logits.shape[0], local_logits.device
+            if out is None:
+                out = GumbelPick(torch.empty(n, dtype=torch.int64, device=dev),
+                                 torch.empty(n, dtype=torch.float32, device=dev),
+                                 torch.empty(n, dtype=torch.float32, device=dev))
+            local_gumbel_top_triton(local_logits, vocab_start, num_real, temperature, rows, out=out)
+            return out
+        pick = pick_gumbel(local_gumbel_top(local_logits, vocab_start, num_real, temperature, rows).unsqueeze(0))
+    else:
+        packed = local_gumbel_top(local_logits, vocab_start, num_real, temperature, rows)
+        pick = pick_gumbel(tensor_model_parallel_all_gather(packed.unsqueeze(0), dim=0, counter=counter))
+    if out is None:
+        return pick
+    for dst, src in zip(out, pick):
+        dst.copy_(src)
+    return out

@@ -54,7 +54,7 @@ from torch import nn
 from mtpspec.config import SpeculativeConfig
 from mtpspec.layers.attention import AttentionMetadata
 from mtpspec.models.interfaces import supports_local_argmax
-from mtpspec.sample.gumbel import STREAM_DRAFT, row_hash
+from mtpspec.sample.gumbel import STREAM_DRAFT, GumbelPick, NoiseRows
 from mtpspec.spec_decode.draft_forward import DraftForward, EagerDraftForward
 from mtpspec.spec_decode.index_share import IndexShareState, attach_index_share
 from mtpspec.spec_decode.proposer import GraphUnits, Proposer
@@ -71,8 +71,9 @@ class SampledDraftState:
 
     Inputs (written by :meth:`MTPProposer.propose` before drafting): ``temperature [R]`` float32
     (0: greedy), ``seed_keys [R]`` int64, ``base [R]`` int64 (draft ``j`` decides position
-    ``base + 2 + j``). Outputs: ``local_logits [R, k, per_rank]`` (this rank's shard, model dtype),
-    ``log_q [R, k]`` and ``lse [R, k]`` float32.
+    ``base + 2 + j``). Outputs: ``local_logits [k, R, per_rank]`` (this rank's shard, model dtype;
+    draft-major, so draft ``j``'s rows ``local_logits[j, :n]`` are a contiguous matrix the LM-head
+    matmul writes into), ``log_q [R, k]`` and ``lse [R, k]`` float32 (written by the Gumbel kernel).
     """
 
     temperature: torch.Tensor
@@ -131,7 +132,7 @@ class MTPProposer(Proposer):
             self.sampled = SampledDraftState(
                 torch.zeros(r, device=dev), torch.zeros(r, dtype=torch.int64, device=dev),
                 torch.zeros(r, dtype=torch.int64, device=dev),
-                torch.zeros(r, k, head.weight.shape[0], dtype=head.weight.dtype, device=dev),
+                torch.zeros(k, r, head.weight.shape[0], dtype=head.weight.dtype, device=dev),
                 torch.zeros(r, k, device=dev), torch.zeros(r, k, device=dev))
         elif draft_sampling != "greedy":
             raise ValueError(f"draft_sampling must be 'greedy' or 'auto', got {draft_sampling!r}")
@@ -187,13 +188,13 @@ class MTPProposer(Proposer):
 
     def _sample_top(self, hidden: torch.Tensor, step: int) -> torch.Tensor:
         """Draft ``step`` of the first ``n`` rows: Gumbel-max draw (argmax where ``T == 0``);
-        records ``log q``, the log-sum-exp and the local logits in :attr:`sampled`."""
+        records ``log q``, the log-sum-exp and the local logits in :attr:`sampled`, written there
+        directly (the matmul's output, the kernel's stores; the row hashes are computed in the kernel)."""
         st, n = self.sampled, hidden.shape[0]
-        rows = row_hash(st.seed_keys[:n], st.base[:n] + (2 + step), STREAM_DRAFT)
-        pick, local = self.model.get_sampled_tokens(hidden, st.temperature[:n], rows, spec_step_idx=step)
-        st.local_logits[:n, step].copy_(local)
-        st.log_q[:n, step].copy_(pick.log_q)
-        st.lse[:n, step].copy_(pick.lse)
+        rows = NoiseRows(st.seed_keys[:n], st.base[:n], 2 + step, STREAM_DRAFT)
+        out = GumbelPick(torch.empty(n, dtype=torch.int64, device=hidden.device), st.log_q[:n, step], st.lse[:n, step])
+        pick, _ = self.model.get_sampled_tokens(hidden, st.temperature[:n], rows, spec_step_idx=step, out=out,
+                                                logits_out=st.local_logits[step, :n])
         return pick.token_ids
 
     def _step_metadata(self, inp: PreparedStep, positions: torch.Tensor,
