@@ -4,10 +4,12 @@ For the lead's GPU check that a sampled draft step stays within 1.1x of a greedy
 part of a draft step at tp 1 (bf16, ``--vocab`` 154880, ``--hidden`` 6144, ``--tokens`` 1 and 64),
 
 * greedy: ``LogitsProcessor.get_top_tokens`` (matmul + Triton local argmax);
-* sampled: ``LogitsProcessor.get_sampled_tokens`` at T = 1 (matmul + the one-pass Gumbel-max
-  kernel ``mtpspec.ops.gumbel_top`` + the chunk combine + the pick) plus the copy of the local
-  logits into a persistent buffer, as ``MTPProposer._sample_top`` does;
-* sampled, torch reference: the same with ``local_gumbel_top_ref`` (about thirty passes).
+* sampled: ``LogitsProcessor.get_sampled_tokens`` at T = 1 as ``MTPProposer._sample_top`` calls
+  it: the matmul into a persistent logits buffer, the row hashes (``NoiseRows``), the one-pass
+  Gumbel-max kernel and the combine (``mtpspec.ops.gumbel_top``, tp-1 pick fused, ids / log q /
+  LSE into persistent buffers);
+* sampled, torch reference: ``local_gumbel_top_ref`` (about thirty passes) on precomputed row
+  hashes, the torch pick and a copy of the local logits into the buffer.
 
 Eager (CUDA events) and CUDA-graphed medians (``benchmarks/_timing.Timer``), and the ratio to
 greedy. Before timing, greedy rows (T = 0) of the sampled path must equal ``get_top_tokens``.
@@ -53,7 +55,10 @@ def main() -> None:
     timer = Timer(dev, a.iters)
     for n in a.tokens:
         h = torch.randn(n, a.hidden, device=dev).bfloat16()
-        rows = gm.row_hash(torch.arange(n, device=dev), torch.full((n,), 9, device=dev), gm.STREAM_DRAFT)
+        noise = gm.NoiseRows(torch.arange(n, device=dev), torch.full((n,), 7, device=dev), 2, gm.STREAM_DRAFT)
+        rows = noise.hashes()
+        out = gm.GumbelPick(torch.empty(n, dtype=torch.int64, device=dev), torch.empty(n, device=dev),
+                            torch.empty(n, device=dev))
         ones, zeros = torch.ones(n, device=dev), torch.zeros(n, device=dev)
         buf = torch.empty(n, head.weight.shape[0], dtype=torch.bfloat16, device=dev)
         assert torch.equal(lp.get_sampled_tokens(head, h, zeros, rows)[0].token_ids, lp.get_top_tokens(head, h))
@@ -62,9 +67,7 @@ def main() -> None:
             return lp.get_top_tokens(head, h)
 
         def sampled():
-            pick, local = lp.get_sampled_tokens(head, h, ones, rows)
-            buf.copy_(local)
-            return pick.token_ids
+            return lp.get_sampled_tokens(head, h, ones, noise, out=out, logits_out=buf)[0].token_ids
 
         def sampled_ref():
             local = lp._local_logits(head, h)

@@ -290,11 +290,11 @@ def bench_batch(runner: ModelRunner, timer: Timer, b: int, k: int, context: int,
     ]
     step_floor = sum(p[2] for p in pieces)
     add(f"draft step ({b} tok)", whole, step_floor)
-    if sampled is not None:  # T = 1 on every row; the floor adds the local-logits copy it keeps
+    if sampled is not None:  # T = 1 on every row; the matmul writes the kept local logits: the same floor
         sampled.temperature.fill_(1.0)
         sampled.seed_keys.copy_(torch.arange(sampled.seed_keys.shape[0], device=dev))
         sampled.base.zero_()
-        add(f"draft step, sampled T=1", whole_sampled, step_floor + 2 * b * v * e)
+        add(f"draft step, sampled T=1", whole_sampled, step_floor)
         sampled.temperature.zero_()
     shared = share_states(mtp, k, b, meta, whole)
     if shared:  # DSA: the same step with the MTP indexer's selection shared (scoring skipped)
