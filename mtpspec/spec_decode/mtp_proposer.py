@@ -33,9 +33,11 @@ draft temperature ``T > 0`` (``PreparedStep.draft_temperature``) draw from the M
 drafted token's position and the global token id, stream
 :data:`~mtpspec.sample.gumbel.STREAM_DRAFT`), the others take the argmax (the same ids as
 ``get_top_tokens``). The draws' ``log q(x)``, global log-sum-exp and this rank's local logits
-stay in persistent buffers (row = batch index, column = draft), which the next step's verifier
-reads before this step's drafting overwrites them (:class:`SampledDraftState`). Per-row inputs
-come from persistent buffers too, so the draft steps stay CUDA-graph capturable.
+stay in persistent buffers (indexed by batch index and draft), written there directly by the
+LM-head matmul and the Gumbel kernels (no copies), which the next step's verifier reads before
+this step's drafting overwrites them (:class:`SampledDraftState`). Per-row inputs come from
+persistent buffers too (the noise row hashes are computed inside the kernel), so the draft steps
+stay CUDA-graph capturable.
 
 Phase 1 is the proposer's *prefill*, phase 2 its *multi-step decode*; :meth:`MTPProposer.propose`
 brackets them with the lifecycle hooks of :class:`~mtpspec.spec_decode.proposer.Proposer`, which
