@@ -229,3 +229,25 @@ def test_get_sampled_tokens_into_buffers_is_bit_exact(interp) -> None:
         assert torch.equal(got.token_ids, want.token_ids)
         assert torch.equal(lq[:5, 1].view(torch.int32), want.log_q.view(torch.int32))
         assert torch.equal(lse[:5, 1].view(torch.int32), want.lse.view(torch.int32))
+
+
+def test_gumbel_kernels_compile_for_hopper() -> None:
+    """The chunk, shift and combine kernels compile ahead of time for sm_90 (the interpreter does
+    not check Triton's typing rules: a compiled-only error once broke every sampled draft on a GPU)."""
+    from mtpspec.ops import triton_utils
+    i32 = lambda names: {n: "i32" for n in names}  # noqa: E731
+    chunk_sig = {"x_ptr": "*bf16", "t_ptr": "*fp32", "rows_ptr": "*i64", "keys_ptr": "*i64", "pos_ptr": "*i64",
+                 "pos_add": "i64", "part_ptr": "*fp32", "part_idx_ptr": "*i32",
+                 **i32(["n_real", "chunk", "n_chunks", "stride_row", "vocab_start"])}
+    specs = [{"module": "mtpspec.ops.gumbel_top", "kernel": "_gumbel_chunk", "signature": chunk_sig,
+              "constexprs": dict(BLOCK=2048, BF16_BY_BITS=False, HASH_ROWS=hashed),
+              "aligned": ["x_ptr", "part_ptr", "part_idx_ptr"], "num_warps": 8} for hashed in (False, True)]
+    specs.append({"module": "mtpspec.ops.gumbel_top", "kernel": "_lse_shift",
+                  "signature": {"part_ptr": "*fp32", "max_ptr": "*fp32", "shifted_ptr": "*fp32", "n_chunks": "i32"},
+                  "constexprs": dict(BLOCK_C=8), "aligned": [], "num_warps": 1})
+    comb_sig = {"part_ptr": "*fp32", "part_idx_ptr": "*i32", "logsum_ptr": "*fp32", "max_ptr": "*fp32",
+                "packed_ptr": "*fp32", "packed_i32_ptr": "*i32", "ids_ptr": "*i64", "log_q_ptr": "*fp32",
+                "lse_ptr": "*fp32", **i32(["n_chunks", "vocab_start", "stride_log_q", "stride_lse"])}
+    specs += [{"module": "mtpspec.ops.gumbel_top", "kernel": "_gumbel_combine", "signature": comb_sig,
+               "constexprs": dict(FINAL=final, BLOCK_C=8), "aligned": [], "num_warps": 1} for final in (False, True)]
+    assert len(triton_utils.compile_reports(specs)) == len(specs)

@@ -75,11 +75,12 @@ if HAS_TRITON:
                 raw = tl.load(base + cols, mask=valid, other=float("-inf")).to(tl.float32)
             x = raw / t
             gid = (vocab_start + start + cols).to(tl.uint64)
-            z = h_row + gid * 0x9E3779B97F4A7C15 + 0x9E3779B97F4A7C15
-            z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9
-            z = (z ^ (z >> 27)) * 0x94D049BB133111EB
-            z = z ^ (z >> 31)
-            u = ((z >> 11).to(tl.float64) + 0.5) * (2.0 ** -53)
+            # (a name of its own: compiled Triton refuses a scalar `z` above re-typed as a block here)
+            zc = h_row + gid * 0x9E3779B97F4A7C15 + 0x9E3779B97F4A7C15
+            zc = (zc ^ (zc >> 30)) * 0xBF58476D1CE4E5B9
+            zc = (zc ^ (zc >> 27)) * 0x94D049BB133111EB
+            zc = zc ^ (zc >> 31)
+            u = ((zc >> 11).to(tl.float64) + 0.5) * (2.0 ** -53)
             g = (-tl.log(-tl.log(u))).to(tl.float32)
             score = tl.where(sampled, x + g, x)
             score = tl.where(valid, score, float("-inf"))
