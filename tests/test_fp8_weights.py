@@ -82,6 +82,7 @@ KERNEL_CASES = [  # (M, N, K, block_n, block_k, dtype, bias)
     (17, 257, 129, 128, 128, torch.bfloat16, False),
     (3, 33, 64, 1, 16, torch.float16, True),  # one scale row per weight row (unaligned TP shards)
     (70, 72, 200, 32, 64, torch.float32, False),  # M over one row block
+    (2, 48, 512, 32, 32, torch.float32, True),  # split-K (16 groups): fp32 partials, the bias added once
 ]
 
 
@@ -97,7 +98,31 @@ def test_block_gemm_kernel_matches_float64_reference(kdev, m, n, k, bn, bk, dtyp
     assert got.dtype == dtype and got.shape == (m, n)
     scale = want.abs().max().item()
     tol = {torch.float32: 2e-6, torch.bfloat16: 8e-3, torch.float16: 1e-3}[dtype] * max(scale, 1.0)
+    if kdev == "cuda" and bk >= 32:  # fp8 tensor-core dots: Hopper keeps about 14 bits of the sum inside
+        tol = max(tol, 2e-3 * max(scale, 1.0))  # one dot (DeepSeek-V3 report, sec. 3.3.2); fp32 across groups
     torch.testing.assert_close(got.double(), want, atol=tol, rtol=0)
+
+
+def test_split_k_plan() -> None:
+    from mtpspec.ops.fp8_gemm import split_k
+    assert split_k(1, 56, 128, 132) == 5  # o_proj at M = 1: 56 tiles -> 280 programs
+    assert split_k(128, 56, 128, 132) == 1 and split_k(1, 56, 4, 132) == 1  # many rows / few groups: no split
+    assert split_k(1, 1, 16, 132) == 4  # at least 4 groups per split
+
+
+def test_fp8_gemm_kernels_compile_for_hopper() -> None:
+    """The dense kernel (split or not) and the grouped one compile for sm_90 with fp8 dots (the
+    interpreter does not check Triton's typing or fp8 dot shape rules)."""
+    from mtpspec.ops import triton_utils
+    i32 = lambda names: {n: "i32" for n in names}  # noqa: E731
+    dense = {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "ws_ptr": "*fp32", "b_ptr": "*fp32", "out_ptr": "*bf16",
+             "part_ptr": "*fp32", **i32(["M", "N", "K", "stride_xm", "stride_wn", "stride_wsn", "stride_om", "n_kb",
+                                         "kb_per_split", "SCALE_BN"])}
+    specs = [{"module": "mtpspec.ops.fp8_gemm", "kernel": "_kernel", "signature": dense,
+              "constexprs": dict(HAS_BIAS=False, BLOCK_M=16, BLOCK_N=128, BLOCK_K=128, SPLIT=split, FP8_DOT=True,
+                                 FP8_BY_BITS=False, BF16_BY_BITS=False),
+              "aligned": ["x_ptr", "w_ptr", "ws_ptr", "out_ptr", "part_ptr"], "num_warps": 4} for split in (False, True)]
+    assert len(triton_utils.compile_reports(specs)) == len(specs)
 
 
 def test_block_gemm_leading_dims_and_empty(kdev) -> None:
@@ -217,13 +242,14 @@ def pairs(tmp_path_factory):
 
 
 def _logits(target, mtp, prompt):
-    ids = torch.tensor(prompt)
-    pos = torch.arange(len(prompt))
+    dev = next(target.parameters()).device
+    ids = torch.tensor(prompt, device=dev)
+    pos = torch.arange(len(prompt), device=dev)
     with torch.no_grad():
         h = target(ids, pos)
         lg = target.compute_logits(h)
         mh = mtp(ids.roll(-1), pos, h)
-        return lg, mtp.compute_logits(mh)
+        return lg.cpu(), mtp.compute_logits(mh).cpu()
 
 
 PROMPT = [5, 17, 3, 99, 42, 7, 150, 8, 23, 61, 4]

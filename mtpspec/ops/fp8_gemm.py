@@ -40,6 +40,7 @@ from typing import Optional, Sequence, Tuple
 import torch
 import torch.nn.functional as F
 
+from mtpspec.ops.argmax import num_sms
 from mtpspec.ops.triton_utils import FLOAT_DTYPES, HAS_TRITON, LazyKernel, cdiv, interpreting, tl, use_triton
 
 #: The stored weight dtype.
@@ -157,14 +158,17 @@ def fp8_block_linear_w8a8_ref(x: torch.Tensor, weight: torch.Tensor, scale: torc
 if HAS_TRITON:
     from mtpspec.ops.triton_helpers import quant_fp8, round_to_dtype
 
-    def _fp8_gemm_kernel(x_ptr, w_ptr, ws_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_wsn,
-                         stride_om, n_kb, SCALE_BN, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
-                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FP8_DOT: tl.constexpr,
+    def _fp8_gemm_kernel(x_ptr, w_ptr, ws_ptr, b_ptr, out_ptr, part_ptr, M, N, K, stride_xm, stride_wn, stride_wsn,
+                         stride_om, n_kb, kb_per_split, SCALE_BN, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
+                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, FP8_DOT: tl.constexpr,
                          FP8_BY_BITS: tl.constexpr, BF16_BY_BITS: tl.constexpr):
-        # One [BLOCK_M, BLOCK_N] output tile; BLOCK_K is the quantisation group (= block_k), so
-        # every K step is one activation group times one weight block column.
+        # One [BLOCK_M, BLOCK_N] output tile over K groups [pid_k * kb_per_split, +kb_per_split);
+        # BLOCK_K is the quantisation group (= block_k), so every K step is one activation group
+        # times one weight block column. SPLIT: fp32 partial tiles to part_ptr [splits, M, N]
+        # (split-K for few rows: enough programs to keep the weight reads in flight).
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
+        pid_k = tl.program_id(2)
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         offs_k = tl.arange(0, BLOCK_K)
@@ -176,7 +180,9 @@ if HAS_TRITON:
         w_cols = w_ptr + cols[None, :] * stride_wn  # the tile is loaded as W^T [BLOCK_K, BLOCK_N]
         ws_rows = ws_ptr + (cols // SCALE_BN) * stride_wsn
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for kb in range(0, n_kb):
+        kb_lo = pid_k * kb_per_split
+        kb_hi = tl.minimum(kb_lo + kb_per_split, n_kb)
+        for kb in range(kb_lo, kb_hi):
             k = kb * BLOCK_K + offs_k
             k_ok = k < K
             x = tl.load(x_rows + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
@@ -191,9 +197,14 @@ if HAS_TRITON:
                 d = tl.dot(xq.to(tl.float32), w.to(tl.float32))
             acc += d * sa[:, None] * sw[None, :]
         if HAS_BIAS:
-            acc += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-        y = round_to_dtype(acc, out_ptr.dtype.element_ty, BF16_BY_BITS)
-        tl.store(out_ptr + rows[:, None] * stride_om + cols[None, :], y, mask=m_ok[:, None] & n_ok[None, :])
+            if pid_k == 0:
+                acc += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        if SPLIT:
+            dst = part_ptr + pid_k.to(tl.int64) * M * N + rows[:, None] * N + cols[None, :]
+            tl.store(dst, acc, mask=m_ok[:, None] & n_ok[None, :])
+        else:
+            y = round_to_dtype(acc, out_ptr.dtype.element_ty, BF16_BY_BITS)
+            tl.store(out_ptr + rows[:, None] * stride_om + cols[None, :], y, mask=m_ok[:, None] & n_ok[None, :])
 
     _kernel = LazyKernel(_fp8_gemm_kernel)
 
@@ -251,10 +262,25 @@ def kernel_supports(block_k: int) -> bool:
 
 
 def _fp8_dot(device: torch.device) -> bool:
-    """fp8 tensor-core dots: CUDA sm_89+ (Ada, Hopper, Blackwell); not under the interpreter."""
+    """fp8 tensor-core dots: CUDA sm_89+ (Ada, Hopper, Blackwell); not under the interpreter. An fp8
+    ``tl.dot`` needs K >= 32: callers dot groups of fewer columns in fp32."""
     if device.type != "cuda" or interpreting():
         return False
     return torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+#: Split-K target: at least this many programs per SM for few-row GEMMs (weight-read bound).
+SPLIT_K_PROGRAMS_PER_SM = 2
+
+
+def split_k(m: int, n_tiles_mn: int, n_kb: int, sms: int) -> int:
+    """K splits for an ``m``-row GEMM of ``n_tiles_mn`` output tiles and ``n_kb`` K groups: up to
+    64 rows (weight-read bound), enough splits for :data:`SPLIT_K_PROGRAMS_PER_SM` programs per
+    SM, each with at least 4 K groups; 1 otherwise."""
+    if m > 64 or n_kb < 8:
+        return 1
+    want = cdiv(SPLIT_K_PROGRAMS_PER_SM * sms, n_tiles_mn)
+    return max(1, min(want, n_kb // 4))
 
 
 def launch_config(m: int, n: int) -> Tuple[int, int, int, int]:
@@ -309,11 +335,17 @@ def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     s = scale.float().contiguous()
     bm, bn, warps, stages = launch_config(m, n)
     extra = {} if interpreting() else {"num_warps": warps, "num_stages": stages}
-    _kernel[(cdiv(m, bm), cdiv(n, bn))](
-        x2, w, s, bias if bias is not None else s, out, m, n, k, x2.stride(0), w.stride(0), s.stride(0),
-        out.stride(0), cdiv(k, block_k), block_n, HAS_BIAS=bias is not None, BLOCK_M=bm, BLOCK_N=bn,
-        BLOCK_K=block_k, FP8_DOT=_fp8_dot(x.device), FP8_BY_BITS=interpreting(),
-        BF16_BY_BITS=interpreting() and x.dtype == torch.bfloat16, **extra)
+    n_kb = cdiv(k, block_k)
+    per = cdiv(n_kb, split_k(m, cdiv(m, bm) * cdiv(n, bn), n_kb, num_sms(x.device)))
+    splits = cdiv(n_kb, per)
+    part = torch.empty((splits, m, n), dtype=torch.float32, device=x.device) if splits > 1 else out
+    _kernel[(cdiv(m, bm), cdiv(n, bn), splits)](
+        x2, w, s, bias if bias is not None else s, out, part, m, n, k, x2.stride(0), w.stride(0), s.stride(0),
+        out.stride(0), n_kb, per, block_n, HAS_BIAS=bias is not None, BLOCK_M=bm, BLOCK_N=bn,
+        BLOCK_K=block_k, SPLIT=splits > 1, FP8_DOT=_fp8_dot(x.device) and block_k >= 32,
+        FP8_BY_BITS=interpreting(), BF16_BY_BITS=interpreting() and x.dtype == torch.bfloat16, **extra)
+    if splits > 1:  # the K splits' fp32 partials, summed in a fixed order, then rounded once
+        out.copy_(part.sum(dim=0))
     return out.reshape(*lead, n)
 
 
@@ -365,7 +397,7 @@ def _grouped_launch(a: torch.Tensor, w: torch.Tensor, ws: torch.Tensor, out: tor
         a, w, ws, out, sorted_pairs, block_expert, routing if routing is not None else ws, num_pairs, e, n, k,
         a.stride(0), w.stride(0), w.stride(1), ws.stride(0), ws.stride(1), out.stride(0), cdiv(k, block_k),
         scale_block_n, A_ROW_DIV=row_div, HAS_RW=routing is not None, BLOCK_M=block_m, BLOCK_N=bn,
-        BLOCK_K=block_k, FP8_DOT=_fp8_dot(a.device), FP8_BY_BITS=interpreting(),
+        BLOCK_K=block_k, FP8_DOT=_fp8_dot(a.device) and block_k >= 32, FP8_BY_BITS=interpreting(),
         BF16_BY_BITS=interpreting() and out.dtype == torch.bfloat16, **extra)
 
 
