@@ -48,6 +48,8 @@ class SamplingParams:
         stop: strings that end generation when they appear in the output text; the text is
             cut before the stop string (the token that completed it stays in ``token_ids``).
         stop_token_ids: token ids that end generation (kept in ``token_ids``, not in text).
+        include_stop_str_in_output: keep the matched stop string at the end of the text (vLLM's
+            flag; the text is then cut after it). Default ``False``.
         ignore_eos: keep generating past the model's EOS token.
         skip_special_tokens: drop special tokens when detokenizing.
         presence_penalty: subtracted from the logit of every token that occurs in the output so
@@ -98,6 +100,7 @@ class SamplingParams:
     logit_bias: Optional[Dict[int, float]] = None
     logprobs: Optional[int] = None
     prompt_logprobs: Optional[int] = None
+    include_stop_str_in_output: bool = False
     _stop_list: List[str] = field(default_factory=list, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -127,6 +130,8 @@ class SamplingParams:
             self.stop_token_ids = list(ids)
         if not isinstance(self.ignore_eos, bool):
             raise TypeError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+        if not isinstance(self.include_stop_str_in_output, bool):
+            raise TypeError(f"include_stop_str_in_output must be a bool, got {self.include_stop_str_in_output!r}")
         for name in ("presence_penalty", "frequency_penalty"):
             v = getattr(self, name)
             if not _is_real(v) or not -2.0 <= v <= 2.0:  # NaN fails the range test

@@ -161,6 +161,42 @@ def test_stop_string_cut_and_never_streamed(server, offline):
     assert streamed == cut
 
 
+def test_include_stop_str_in_output(server, offline):
+    """vLLM's flag: the matched stop string stays at the end of the text (streamed too)."""
+    prompt = _prompts(1, seed=30)[0]
+    full = offline.generate(prompt, SamplingParams(temperature=0, max_tokens=40))[0].outputs[0].text
+    stop = full[8:11]
+    kept = full[:full.find(stop) + len(stop)]
+    body = {"prompt": prompt, "max_tokens": 40, "temperature": 0, "stop": [stop], "include_stop_str_in_output": True}
+    ch = _post(server, "/v1/completions", body).json()["choices"][0]
+    assert ch["text"] == kept and ch["finish_reason"] == "stop" and ch["stop_reason"] == stop
+    with httpx.stream("POST", server.url + "/v1/completions", timeout=60, json=dict(body, stream=True)) as s:
+        events = _sse_events(s)
+    assert "".join(json.loads(e)["choices"][0]["text"] for e in events[:-1]) == kept
+    msgs = [{"role": "user", "content": prompt}]
+    chat = _post(server, "/v1/chat/completions", {"messages": msgs, "max_tokens": 40, "temperature": 0}).json()
+    text = chat["choices"][0]["message"]["content"]
+    stop = text[4:7]
+    r = _post(server, "/v1/chat/completions", {"messages": msgs, "max_tokens": 40, "temperature": 0, "stop": stop,
+                                               "include_stop_str_in_output": True})
+    assert r.json()["choices"][0]["message"]["content"] == text[:text.find(stop) + len(stop)], r.text
+
+
+def test_unknown_fields_ignored_with_warning(server):
+    """As vLLM: unknown fields are ignored (a warning names them), not a 400."""
+    body = {"prompt": "hi", "max_tokens": 3, "temperature": 0, "store": False, "bogus_field_xyz": 1,
+            "top_logprobs": 2, "response_format": {"type": "text"}}
+    r = _post(server, "/v1/completions", body)
+    assert r.status_code == 200, r.text
+    r = _post(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 2,
+                                               "store": True, "metadata": {"a": "b"},
+                                               "stream_options_typo": 1, "response_format": {"type": "text"}})
+    assert r.status_code == 200, r.text
+    log = server.log()
+    assert "The following fields were present in the request but ignored" in log
+    assert "bogus_field_xyz" in log and "stream_options_typo" in log
+
+
 def test_echo_logprobs_match_transformers(server, model_dir):
     from transformers import AutoModelForCausalLM
     prompt = _prompts(1, seed=40)[0]
@@ -403,7 +439,8 @@ def test_n_disconnect_aborts_every_choice(server):
 # ---------------------------------------------------------------------------- errors
 BAD_COMPLETIONS = [
     ({"max_tokens": 4}, "prompt"),                                 # missing prompt
-    ({"prompt": "hi", "max_tokens": 4, "bogus": 1}, "bogus"),      # unknown field
+    ({"prompt": "hi", "response_format": {"type": "json_object"}}, "response_format"),  # no guided decoding
+    ({"prompt": "hi", "response_format": {"type": "json_schema", "json_schema": {}}}, "response_format"),
     ({"prompt": "hi", "model": "no-such-model"}, "model"),
     ({"prompt": ""}, "empty"),
     ({"prompt": []}, "empty"),

@@ -14,7 +14,7 @@ def append_tokens(seq: Sequence, token_ids: Seq[int], eos_token_ids: Collection[
 
     Order of checks per token (after appending it): EOS (unless ``ignore_eos``) or a stop token
     id -> ``"stop"`` (the id stays in ``output_token_ids``, not in the text); a stop string in
-    the text -> ``"stop"`` (text cut before it); ``max_tokens`` reached or the sequence
+    the text -> ``"stop"`` (text cut before it, or after it with ``include_stop_str_in_output``); ``max_tokens`` reached or the sequence
     reached ``max_model_len`` -> ``"length"``. Tokens after the finishing one are dropped.
 
     ``min_tokens`` (vLLM's rules): EOS and stop ids do not stop the request while it has fewer
@@ -44,7 +44,7 @@ def append_tokens(seq: Sequence, token_ids: Seq[int], eos_token_ids: Collection[
                 hits = [(pos, s) for pos, s in hits if pos >= 0]
                 if hits:
                     pos, s = min(hits)
-                    seq.output_text = seq.output_text[:pos]
+                    seq.output_text = seq.output_text[:pos + (len(s) if p.include_stop_str_in_output else 0)]
                     seq.finish_reason, seq.stop_reason = "stop", s
                     return i + 1
         if (p.max_tokens is not None and len(seq.output_token_ids) >= p.max_tokens) \

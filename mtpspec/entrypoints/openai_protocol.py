@@ -1,8 +1,10 @@
 """Request bodies of the OpenAI-compatible server (pydantic) and the OpenAI-style error object.
 
 Fields follow OpenAI's legacy Completions and Chat Completions APIs; extensions (vLLM's names)
-are marked. Unknown fields are rejected (400), so a misspelt parameter is never silently
-ignored. ``n`` (both endpoints) and ``best_of`` (completions only, as in OpenAI's API) are
+are marked. Unknown fields are ignored, as vLLM does (the server logs a warning naming them:
+"The following fields were present in the request but ignored: {...}"); the completions-only
+``best_of`` is still a 400 in chat. ``response_format`` is accepted only as ``{"type": "text"}``
+(there is no guided decoding). ``n`` (both endpoints) and ``best_of`` (completions only, as in OpenAI's API) are
 served through the engine's parallel sampling (:mod:`mtpspec.engine.parallel_sampling`); their
 bad values are 400s with vLLM's messages. The unsupported ``suffix`` is accepted only empty and
 otherwise rejected with a 400 that names it.
@@ -43,7 +45,7 @@ def bad_request(message: str, param: Optional[str] = None) -> OpenAIError:
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="ignore")
     include_usage: bool = False
 
 
@@ -51,7 +53,7 @@ class _Sampling(BaseModel):
     """Fields shared by both endpoints. Strict types: ``"12"`` or ``true`` for ``max_tokens`` and
     ``"yes"`` for a flag are 400s, not coerced (an int is still accepted where a float is)."""
 
-    model_config = ConfigDict(extra="forbid", strict=True)
+    model_config = ConfigDict(extra="ignore", strict=True)
 
     model: Optional[str] = None
     temperature: Optional[float] = 1.0
@@ -73,6 +75,8 @@ class _Sampling(BaseModel):
     ignore_eos: bool = Field(default=False, description="extension")
     skip_special_tokens: bool = Field(default=True, description="extension")
     return_token_ids: bool = Field(default=False, description="extension: token ids in every choice")
+    include_stop_str_in_output: bool = Field(default=False, description="extension: keep a matched stop string")
+    response_format: Optional[Dict[str, Any]] = Field(default=None, description='only {"type": "text"}')
 
 
 class CompletionRequest(_Sampling):
@@ -129,18 +133,19 @@ class ChatCompletionRequest(_Sampling):
     logprobs: bool = False
     top_logprobs: Optional[int] = None
     add_generation_prompt: bool = Field(default=True, description="extension")
+    best_of: Optional[int] = Field(default=None, description="completions only: a 400 when set")
 
 
 class TokenizeRequest(BaseModel):
     """``POST /tokenize`` (vLLM's extension): ``prompt`` text, or chat ``messages``."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="ignore")
     model: Optional[str] = None
     prompt: Optional[str] = None
     messages: Optional[List[ChatMessage]] = None
 
 
 class DetokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="ignore")
     model: Optional[str] = None
     tokens: List[int]

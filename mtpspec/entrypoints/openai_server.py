@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 import uuid
 from typing import Any, AsyncIterator, Dict, List, Optional, Sequence, Tuple, Type, TypeVar
@@ -56,6 +57,7 @@ from mtpspec.outputs import CompletionOutput, Logprob, RequestOutput
 from mtpspec.sampling_params import SamplingParams
 
 M = TypeVar("M", bound=BaseModel)
+logger = logging.getLogger(__name__)
 _POLL_S = 0.25  # how often a waiting handler checks whether its client is still there
 
 
@@ -93,6 +95,9 @@ async def _parse(request: Request, cls: Type[M]) -> M:
         raise bad_request(f"the request body is not valid JSON: {exc}") from None
     if not isinstance(body, dict):
         raise bad_request(f"the request body must be a JSON object, got {type(body).__name__}")
+    ignored = {k for k in body if k not in cls.model_fields}
+    if ignored:  # as vLLM: unknown fields are ignored, with a warning
+        logger.warning("The following fields were present in the request but ignored: %s", ignored)
     try:
         return cls.model_validate(body)
     except ValidationError as exc:
@@ -110,6 +115,12 @@ def _check_model(ctx: ServerContext, name: Optional[str]) -> None:
 def _check_unsupported(req: Any) -> None:
     if getattr(req, "suffix", None):
         raise bad_request("suffix is not supported", "suffix")
+    if isinstance(req, ChatCompletionRequest) and req.best_of is not None:
+        raise bad_request("best_of is not supported in chat completions (a /v1/completions field)", "best_of")
+    fmt = req.response_format
+    if fmt is not None and fmt.get("type") != "text":
+        raise bad_request(f"response_format {fmt.get('type')!r} is not supported (no guided decoding); "
+                          "only {\"type\": \"text\"} is accepted", "response_format")
 
 
 def _logit_bias(bias: Optional[Dict[str, float]]) -> Optional[Dict[int, float]]:
@@ -156,7 +167,7 @@ def _sampling_params(req: Any, max_tokens: Optional[int], extra_stop: Sequence[s
             frequency_penalty=0.0 if req.frequency_penalty is None else req.frequency_penalty,
             repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
             min_tokens=req.min_tokens, logit_bias=_logit_bias(req.logit_bias), logprobs=logprobs,
-            prompt_logprobs=prompt_logprobs)
+            prompt_logprobs=prompt_logprobs, include_stop_str_in_output=req.include_stop_str_in_output)
     except (ValueError, TypeError) as exc:
         param = str(exc).split(" ", 1)[0]
         raise bad_request(str(exc), param if param.isidentifier() else None) from None
@@ -646,6 +657,8 @@ def _echo_only(ctx: ServerContext, req: CompletionRequest, prompts: List[Dict[st
 
 def _holdback(params: SamplingParams) -> int:
     stops = params.stop_strings
+    if params.include_stop_str_in_output:
+        return 0  # the stop string is part of the text; only text after it is cut, never sent yet
     return max(len(s) for s in stops) - 1 if stops else 0
 
 
