@@ -125,6 +125,25 @@ def test_serve_flags_checked_and_info(path) -> None:
         (True, "derived", 0)
 
 
+def test_serve_bad_or_busy_port_exits_2_before_loading(capsys) -> None:
+    """``--port`` outside [0, 65535] is an argparse error; a port another process listens on is
+    ``error: cannot listen on HOST:PORT: ...`` before the model (here: none) is looked at."""
+    import socket
+    from mtpspec.entrypoints.cli import main
+    for port in ("99999", "-1", "http"):
+        with pytest.raises(SystemExit) as info:
+            main(["serve", "--port", port])
+        assert info.value.code == 2
+        assert "--port: must be an int in [0, 65535]" in capsys.readouterr().err
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen(1)
+        port = busy.getsockname()[1]
+        assert main(["serve", "--model", "/no/such/model", "--port", str(port)]) == 2
+    err = capsys.readouterr().err
+    assert f"error: cannot listen on 127.0.0.1:{port}: " in err and "no model" not in err, err
+
+
 def test_chunked_prefill_flags(path) -> None:
     """vLLM's spellings: on by default, ``--no-enable-chunked-prefill`` keeps whole-prompt prefills
     (and then the budget must hold ``max_model_len``), ``--long-prefill-token-threshold`` caps a

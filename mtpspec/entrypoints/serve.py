@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import socket
 import sys
 from typing import Any, Dict, Optional
 
@@ -50,6 +51,34 @@ def llm_kwargs(args: argparse.Namespace) -> Dict[str, Any]:
     """
     from mtpspec.engine.arg_utils import EngineArgs
     return EngineArgs.from_cli_args(args).llm_kwargs()
+
+
+def port_number(value: str) -> int:
+    """``--port``: an int in [0, 65535] (0: any free port)."""
+    try:
+        port = int(value)
+    except ValueError:
+        port = -1
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"must be an int in [0, 65535], got {value!r}")
+    return port
+
+
+def check_listen(host: str, port: int) -> Optional[str]:
+    """Why ``host:port`` cannot be listened on (``None``: it can), checked before the model loads.
+
+    Binds and closes a socket the way uvicorn will bind it (IPv6 when ``host`` has a ``:``,
+    ``SO_REUSEADDR`` on as uvicorn sets it, so a port left in TIME_WAIT by a previous server is
+    not refused while a port another process listens on is).
+    """
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        with socket.socket(family, socket.SOCK_STREAM) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((host, port))
+    except OSError as exc:
+        return exc.strerror or str(exc)
+    return None
 
 
 class _RaisingParser(argparse.ArgumentParser):
@@ -97,7 +126,7 @@ def add_parser(sub: Any) -> None:
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     add_engine_args(p)
     p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", type=port_number, default=8000, help="TCP port, 0..65535 (default 8000)")
     p.add_argument("--served-model-name", default=None, help="model name clients send (default: --model as given)")
     p.add_argument("--max-queue-len", type=int, default=1024,
                    help="most requests waiting to be scheduled; one more gets 503 (default 1024)")
@@ -159,6 +188,10 @@ def run(args: argparse.Namespace) -> int:
     if args.torch_threads:
         import torch
         torch.set_num_threads(args.torch_threads)
+    why = check_listen(args.host, args.port)
+    if why is not None:
+        print(f"error: cannot listen on {args.host}:{args.port}: {why}", file=sys.stderr)
+        return 2
     try:
         app, engine, info = build(args)
     except (ValueError, TypeError) as exc:
