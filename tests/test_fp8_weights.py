@@ -218,6 +218,33 @@ def test_writer_layout_follows_the_released_checkpoints(tmp_path) -> None:
         write_fp8_checkpoint(dst, str(tmp_path / "again"))
 
 
+def test_writer_cli_errors_modes_and_model_card(tmp_path, capsys) -> None:
+    """CLI errors are ``error: ...`` + exit 2 (no traceback); the weights get a normal file's mode
+    (umask applied, like config.json) and the source's model card is not copied."""
+    from tiny_models import make_tiny_checkpoint
+    from mtpspec.models.fp8_writer import main
+    src, dst = str(tmp_path / "src"), str(tmp_path / "fp8")
+    make_tiny_checkpoint(src)
+    with open(os.path.join(src, "README.md"), "w") as f:
+        f.write("# the float model\n")
+    old = os.umask(0o022)
+    try:
+        assert main([src, dst]) == 0
+    finally:
+        os.umask(old)
+    capsys.readouterr()
+    assert not os.path.exists(os.path.join(dst, "README.md"))
+    for name in ("model.safetensors", "config.json"):
+        assert os.stat(os.path.join(dst, name)).st_mode & 0o777 == 0o644, name
+    for argv, needle in (([src, str(tmp_path / "b"), "--block", "0", "128"], "block sizes must be two ints >= 1"),
+                         ([str(tmp_path / "missing"), str(tmp_path / "m")], "no checkpoint at"),
+                         ([dst, str(tmp_path / "again")], "already quantised"),
+                         ([src, str(tmp_path / "dq"), "--dequantize"], "has no quantization_config")):
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and needle in err and "Traceback" not in err, err
+
+
 def _fp8_pair(root, family, block=(128, 128), seed=0, tokenizer=False, **overrides):
     """(fp8 folder, dequantised folder, hf model, config) of a tiny checkpoint of ``family``."""
     from test_engine_fixtures import make_model

@@ -13,7 +13,8 @@ ceil(in / bk)]`` (fused experts ``X`` ``[E, out, in]`` + ``X_scale_inv``), by
 "weight_block_size": [bn, bk]}`` to ``config.json``. Kept as they are (:func:`should_quantize`):
 embeddings, ``lm_head`` / MTP ``shared_head.head``, norms, the MoE router ``mlp.gate.weight``
 and ``e_score_correction_bias``, the DSA indexer's ``weights_proj`` (DeepSeek-V3.2's reference
-code keeps it in the default dtype). Other files of the folder (tokenizer, ...) are copied.
+code keeps it in the default dtype). Other files of the folder (tokenizer, ...) are copied,
+except the model card ``README.md``, which describes the source checkpoint, not this one.
 
 :func:`write_dequantized_checkpoint` does the inverse (``float(weight) * scale_inv`` per block,
 in float32 or ``dtype``): the reference model the tests compare an FP8 checkpoint against.
@@ -26,6 +27,7 @@ import json
 import os
 import re
 import shutil
+import sys
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -84,6 +86,8 @@ def dequantize_state_dict(tensors: Dict[str, torch.Tensor], block: Sequence[int]
 
 def _read(src: str) -> Tuple[Dict[str, object], Dict[str, torch.Tensor]]:
     from mtpspec.models.loader import read_checkpoint_tensors
+    if not os.path.isfile(os.path.join(src, "config.json")):
+        raise ValueError(f"no checkpoint at {src!r} (expected a folder with config.json and *.safetensors)")
     with open(os.path.join(src, "config.json"), "r", encoding="utf-8") as f:
         raw = json.load(f)
     return raw, dict(read_checkpoint_tensors(src))
@@ -93,8 +97,8 @@ def _copy_other_files(src: str, dst: str) -> None:
     os.makedirs(dst, exist_ok=True)
     for name in os.listdir(src):
         full = os.path.join(src, name)
-        if (os.path.isfile(full) and name != "config.json" and not name.endswith(".safetensors")
-                and name != "model.safetensors.index.json"):
+        if (os.path.isfile(full) and name not in ("config.json", "model.safetensors.index.json", "README.md")
+                and not name.endswith(".safetensors")):
             shutil.copy2(full, os.path.join(dst, name))
 
 
@@ -111,9 +115,12 @@ def write_fp8_checkpoint(src: str, dst: str, block: Sequence[int] = DEFAULT_BLOC
         The files written.
 
     Raises:
-        ValueError: ``src`` already holds FP8 weights or ``dst`` is ``src``.
+        ValueError: ``src`` is not a checkpoint or already holds FP8 weights, ``dst`` is ``src``,
+            or a block size is not an int >= 1.
     """
     from mtpspec.models.loader import save_checkpoint
+    if len(block) != 2 or any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in block):
+        raise ValueError(f"block sizes must be two ints >= 1, got {list(block)!r}")
     if os.path.realpath(src) == os.path.realpath(dst):
         raise ValueError("write_fp8_checkpoint: dst must differ from src")
     raw, tensors = _read(src)
@@ -142,7 +149,8 @@ def write_dequantized_checkpoint(src: str, dst: str, dtype: torch.dtype = torch.
     return save_checkpoint(dst, dequantize_state_dict(tensors, q.weight_block_size, dtype), raw)
 
 
-def main(argv: Optional[Sequence[str]] = None) -> None:
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """The command line; errors are ``error: <message>`` on stderr and exit status 2."""
     p = argparse.ArgumentParser(prog="python -m mtpspec.models.fp8_writer", description=__doc__.split("\n")[0])
     p.add_argument("src")
     p.add_argument("dst")
@@ -150,10 +158,15 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     p.add_argument("--dequantize", action="store_true", help="write SRC (FP8) as a float32 checkpoint instead")
     p.add_argument("--max-shard-bytes", type=int, default=None)
     a = p.parse_args(argv)
-    files = (write_dequantized_checkpoint(a.src, a.dst) if a.dequantize
-             else write_fp8_checkpoint(a.src, a.dst, tuple(a.block), a.max_shard_bytes))
+    try:
+        files = (write_dequantized_checkpoint(a.src, a.dst) if a.dequantize
+                 else write_fp8_checkpoint(a.src, a.dst, tuple(a.block), a.max_shard_bytes))
+    except (ValueError, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     print(json.dumps({"dst": a.dst, "files": files}))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

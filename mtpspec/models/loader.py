@@ -571,6 +571,9 @@ def save_checkpoint(path: str, tensors: Mapping[str, torch.Tensor], config: Opti
     for name, shard in zip(names, shards):
         tmp = os.path.join(path, name + ".tmp")
         save_file(shard, tmp, metadata={"format": "pt"})
+        umask = os.umask(0)  # safetensors creates the file 0600: give it a normal file's mode
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)
         os.replace(tmp, os.path.join(path, name))
         written.append(name)
     if len(shards) > 1:
