@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 
 import pytest
 
@@ -126,3 +127,12 @@ def test_generate_bad_prompt_sources_exit_2_with_error(argv, needle, capsys):
         main(["generate", *argv])
     assert info.value.code == 2
     assert needle in capsys.readouterr().err
+
+
+def test_generate_help_names_the_real_default_model(capsys):
+    from mtpspec import demo_model_path
+    from mtpspec.entrypoints.cli import main
+    with pytest.raises(SystemExit):
+        main(["generate", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert f"mtpspec/{os.path.basename(demo_model_path())}" in out and "mtpspec/demo_model)" not in out

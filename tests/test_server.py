@@ -76,6 +76,7 @@ def test_health_models_metrics(server):
     assert len(data) == 1 and data[0]["max_model_len"] == MAX_LEN and data[0]["vocab_size"] == 301
     info = data[0]["mtpspec"]
     assert info["num_speculative_tokens"] == K and info["fusion"] and info["local_argmax"] and not info["synthetic"]
+    assert info["max_num_batched_tokens"] == MAX_LEN and info["dtype"] == "float32"  # resolved, not "derived"
     text = _metrics(server)
     total = metric_value(text, "mtpspec:kv_cache_total_blocks")
     assert total > 0 and metric_value(text, "mtpspec:kv_cache_free_blocks") == total

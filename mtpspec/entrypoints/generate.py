@@ -2,7 +2,7 @@
 
 Prompts come from ``--prompt`` (repeatable), ``--prompt-file`` (one per line) or
 ``--prompt-token-ids`` (comma-separated ids; for checkpoints without a tokenizer). Without
-``--model`` the bundled demo model (``mtpspec/demo_model``) is used when it exists.
+``--model`` the bundled demo model (``mtpspec.demo_model_path()``) is used when it exists.
 ``-k 0`` decodes without speculation. Engine flags (vLLM's spellings: ``--tensor-parallel-size``,
 ``--speculative-config``, ``--seed`` = engine seed, ...): :mod:`mtpspec.engine.arg_utils`;
 ``--sampling-seed`` gives every prompt one per-request seed.
@@ -21,7 +21,8 @@ from mtpspec import demo_model_path
 def add_parser(sub: Any) -> None:
     p = sub.add_parser("generate", help="complete prompts with MTP speculative decoding",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default=None, help="checkpoint folder (default: the bundled demo model)")
+    p.add_argument("--model", default=None, help="checkpoint folder (default: the bundled demo model, "
+                                                 f"mtpspec/{os.path.basename(demo_model_path())})")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--prompt", action="append", default=None, help="a prompt (repeat for a batch)")
     src.add_argument("--prompt-file", default=None, help="file with one prompt per line")

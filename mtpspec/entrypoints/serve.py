@@ -104,7 +104,8 @@ def check_serve_args(argv: Any) -> Dict[str, Any]:
 
 
 def engine_info(args: argparse.Namespace, kwargs: Dict[str, Any], forced: Optional[Any]) -> Dict[str, Any]:
-    """The configuration a client can read back (``/v1/models`` -> ``mtpspec``)."""
+    """The configuration a client can read back (``/v1/models`` -> ``mtpspec``); :func:`build`
+    replaces ``max_num_batched_tokens`` and ``dtype`` by the values the engine resolved."""
     spec = kwargs["speculative_config"] or {}
     k = int(spec.get("num_speculative_tokens", 1)) if spec else 0
     return {"model": kwargs["model"], "tp": kwargs["tensor_parallel_size"], "num_speculative_tokens": k,
@@ -127,7 +128,8 @@ def add_parser(sub: Any) -> None:
     add_engine_args(p)
     p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
     p.add_argument("--port", type=port_number, default=8000, help="TCP port, 0..65535 (default 8000)")
-    p.add_argument("--served-model-name", default=None, help="model name clients send (default: --model as given)")
+    p.add_argument("--served-model-name", default=None, help="model name clients send (default: --model as given; mtpspec-demo "
+                        "without --model)")
     p.add_argument("--max-queue-len", type=int, default=1024,
                    help="most requests waiting to be scheduled; one more gets 503 (default 1024)")
     p.add_argument("--forced-acceptance", default=None, metavar="rate:P|length:N",
@@ -147,6 +149,7 @@ def build(args: argparse.Namespace) -> Any:
     Raises:
         ValueError / TypeError: a bad option (from ``LLM`` or the forced-acceptance setting).
     """
+    from mtpspec.config import _dtype_from_name
     from mtpspec.engine.async_llm import AsyncLLM
     from mtpspec.engine.llm import LLM
     from mtpspec.entrypoints.openai_server import ServerContext, build_app
@@ -174,6 +177,9 @@ def build(args: argparse.Namespace) -> Any:
         engine.fault_injector = fault
     info = engine_info(args, kwargs, forced)
     info["max_model_len"] = engine.max_model_len
+    ec = llm.engine_config  # the values in use, not "derived" / "checkpoint"
+    info["max_num_batched_tokens"] = ec.scheduler_config.max_num_batched_tokens
+    info["dtype"] = str(_dtype_from_name(ec.dtype or ec.model_config.dtype or "float32")).replace("torch.", "")
     info["num_kv_blocks"] = engine.stats().num_total_blocks
     name = args.served_model_name or (args.model or "mtpspec-demo")
     metrics = ServerMetrics(engine.num_speculative_tokens, info, forced_acceptance=forced is not None)
