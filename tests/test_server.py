@@ -478,7 +478,34 @@ BAD_COMPLETIONS = [
     ({"prompt": "hi", "logprobs": 21}, "Requested sample logprobs of 21, which is greater than max allowed: 20"),
     ({"prompt": "hi", "prompt_logprobs": 2, "stream": True}, "`prompt_logprobs` are not available when `stream=True`."),
     ({"prompt": "hi", "suffix": "x"}, "suffix"),
+    ({"prompt": "hi", "seed": 2 ** 63}, "seed"),
+    ({"prompt": "hi", "seed": -2 ** 63 - 1}, "seed"),
+    ({"prompt": "hi", "stop_token_ids": [301]}, "stop_token_ids"),
+    ({"prompt": "hi", "stop_token_ids": [-1]}, "stop_token_ids"),
 ]
+
+
+def test_validation_errors_name_the_field(server):
+    """Union fields are named without pydantic's branch suffix, with the accepted types; chat's
+    ``max_completion_tokens`` is named as sent; unknown routes / methods get OpenAI-style errors."""
+    msgs = [{"role": "user", "content": "x"}]
+    for path, body, param in (("/v1/completions", {"prompt": 5}, "prompt"),
+                              ("/v1/completions", {"prompt": "hi", "stop": 5}, "stop"),
+                              ("/v1/chat/completions", {"messages": [{"role": "user", "content": 5}]},
+                               "messages.0.content"),
+                              ("/v1/chat/completions", {"messages": msgs, "max_completion_tokens": 0},
+                               "max_completion_tokens")):
+        r = _post(server, path, body)
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["param"] == param and param in err["message"], err
+    err = _post(server, "/v1/completions", {"prompt": 5}).json()["error"]
+    assert "expected one of str, list[str], list[int], list[list[int]], got integer" in err["message"], err
+    for r, code in ((httpx.get(server.url + "/v1/nothing"), 404), (httpx.get(server.url + "/v1/completions"), 405)):
+        assert r.status_code == code
+        err = r.json()["error"]
+        assert err["code"] == code and err["type"] == "invalid_request_error" and err["message"], err
+        assert set(err) == {"message", "type", "param", "code"}
 
 
 @pytest.mark.parametrize("body,needle", BAD_COMPLETIONS)

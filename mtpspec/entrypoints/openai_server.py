@@ -46,6 +46,7 @@ from typing import Any, AsyncIterator, Dict, List, Optional, Sequence, Tuple, Ty
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from mtpspec.engine.async_llm import AsyncLLM, EngineDeadError, QueueFullError, RequestError, RequestStream
 from mtpspec.engine.llm_engine import MAX_LOGPROBS
@@ -101,15 +102,58 @@ async def _parse(request: Request, cls: Type[M]) -> M:
     try:
         return cls.model_validate(body)
     except ValidationError as exc:
-        err = exc.errors()[0]
-        loc = ".".join(str(x) for x in err.get("loc", ()))
-        more = f" (and {len(exc.errors()) - 1} more errors)" if len(exc.errors()) > 1 else ""
+        errors = exc.errors()
+        err = errors[0]
+        path, tag = _field_path(err.get("loc", ()))
+        loc = ".".join(str(x) for x in path)
+        if tag is not None:  # a union: one error per accepted type; name the field and the types
+            tags = [t for e in errors if (pt := _field_path(e.get("loc", ())))[0] == path and (t := pt[1])]
+            rest = len([e for e in errors if _field_path(e.get("loc", ()))[0] != path])
+            more = f" (and {rest} more errors)" if rest else ""
+            raise bad_request(f"invalid request body: {loc}: expected one of {', '.join(dict.fromkeys(tags))}, "
+                              f"got {_json_type(_lookup(body, path))}{more}", loc or None) from None
+        more = f" (and {len(errors) - 1} more errors)" if len(errors) > 1 else ""
         raise bad_request(f"invalid request body: {loc}: {err.get('msg')}{more}", loc or None) from None
+
+
+_TYPE_TAGS = {"str", "int", "float", "bool", "dict", "list", "none"}
+
+
+def _field_path(loc: Sequence[Any]) -> Tuple[Tuple[Any, ...], Optional[str]]:
+    """A pydantic error location up to its first union-branch tag (``("prompt", "list[int]", 0)``
+    -> ``(("prompt",), "list[int]")``); the tag is ``None`` outside unions."""
+    for i, x in enumerate(loc):
+        if isinstance(x, str) and ("[" in x or x in _TYPE_TAGS):
+            return tuple(loc[:i]), x
+    return tuple(loc), None
+
+
+def _lookup(body: Any, path: Sequence[Any]) -> Any:
+    for x in path:
+        try:
+            body = body[x]
+        except (KeyError, IndexError, TypeError):
+            return None
+    return body
+
+
+def _json_type(v: Any) -> str:
+    return {bool: "boolean", int: "integer", float: "number", str: "string", list: "array", dict: "object",
+            type(None): "null"}.get(type(v), type(v).__name__)
 
 
 def _check_model(ctx: ServerContext, name: Optional[str]) -> None:
     if name is not None and name != ctx.served_model_name:
         raise bad_request(f"the model {name!r} does not exist; this server serves {ctx.served_model_name!r}", "model")
+
+
+def _check_ranges(req: Any, vocab_size: int) -> None:
+    """vLLM's ranges: ``seed`` an int64; ``stop_token_ids`` ids of the vocabulary."""
+    if req.seed is not None and not -2 ** 63 <= req.seed < 2 ** 63:
+        raise bad_request(f"seed must be in [-2**63, 2**63 - 1] (an int64), got {req.seed}", "seed")
+    bad = [t for t in req.stop_token_ids or () if not 0 <= t < vocab_size]
+    if bad:
+        raise bad_request(f"stop_token_ids {bad} are outside the vocabulary [0, {vocab_size})", "stop_token_ids")
 
 
 def _check_unsupported(req: Any) -> None:
@@ -441,6 +485,13 @@ def build_app(ctx: ServerContext) -> FastAPI:
     async def _openai_error(_: Request, exc: OpenAIError) -> JSONResponse:
         return JSONResponse(exc.body(), status_code=exc.status)
 
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        """404 / 405 (and other routing errors) as OpenAI-style error objects."""
+        msg = f"{exc.detail}: {request.method} {request.url.path}"
+        return JSONResponse(OpenAIError(exc.status_code, msg, "invalid_request_error").body(),
+                            status_code=exc.status_code, headers=getattr(exc, "headers", None))
+
     @app.exception_handler(Exception)
     async def _internal_error(_: Request, exc: Exception) -> JSONResponse:
         return JSONResponse(OpenAIError(500, f"internal error: {type(exc).__name__}: {exc}", "server_error").body(),
@@ -498,6 +549,7 @@ def build_app(ctx: ServerContext) -> FastAPI:
         req = await _parse(request, CompletionRequest)
         _check_model(ctx, req.model)
         _check_unsupported(req)
+        _check_ranges(req, engine.vocab_size)
         _check_num_logprobs(req.logprobs, "sample", "logprobs", engine.vocab_size)
         _check_num_logprobs(req.prompt_logprobs, "prompt", "prompt_logprobs", engine.vocab_size)
         _check_stream_prompt_logprobs(req)
@@ -561,6 +613,10 @@ def build_app(ctx: ServerContext) -> FastAPI:
         req = await _parse(request, ChatCompletionRequest)
         _check_model(ctx, req.model)
         _check_unsupported(req)
+        _check_ranges(req, engine.vocab_size)
+        if req.max_completion_tokens is not None and req.max_completion_tokens < 1:
+            raise bad_request(f"max_completion_tokens must be an int >= 1 or null, got {req.max_completion_tokens}",
+                              "max_completion_tokens")
         if req.top_logprobs is not None:
             if req.top_logprobs < 0 and req.top_logprobs != -1:
                 raise bad_request("`top_logprobs` must be a positive value or -1.", "top_logprobs")
