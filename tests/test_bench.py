@@ -214,3 +214,12 @@ def test_bench_arms_checks_its_dataset_before_starting_servers(tmp_path, bad):
         assert p.stderr == f"error: {data}:1: expected keys 'question' and 'answer', got ['question']\n"
     assert not out.exists()  # no server was started: its log would be there
     assert time.monotonic() - t0 < 60  # an interpreter start, not a server start
+
+
+def test_bench_serve_unreachable_server_names_the_url(capsys):
+    from test_server_fixtures import free_port
+    from mtpspec.entrypoints.cli import main
+    url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    assert main(["bench", "serve", "--base-url", url, "--num-prompts", "1", "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and url in err, err

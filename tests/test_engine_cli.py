@@ -48,6 +48,7 @@ def test_generate_text_summary_and_prompt_file(path, tmp_path, capsys) -> None:
     assert generate.run(args) == 0
     out = capsys.readouterr().out
     assert out.count("--- [") == 2 and "acceptance length" in out and "eager fall-backs" in out
+    assert "draft sampling greedy" in out and "KV cache dtype     auto" in out
 
 
 def test_generate_errors(path, capsys) -> None:

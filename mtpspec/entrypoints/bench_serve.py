@@ -406,6 +406,9 @@ def run(args: argparse.Namespace) -> int:
             cfg = config_from_args(args, {"num_prompts": 64, "max_concurrency": 8, "output_len": 256})
             res = run_benchmark(args.base_url, cfg, progress=not args.no_progress)
             print(format_result(res))
+    except httpx.TransportError as exc:
+        print(f"error: cannot reach the server at {args.base_url}: {exc}", file=sys.stderr)
+        return 2
     except (ValueError, FileNotFoundError, httpx.HTTPError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -94,7 +94,8 @@ def _prompts(args: argparse.Namespace) -> List[Any]:
 
 
 def describe_setup(model: str, llm: Any) -> str:
-    """Two lines: the model (folder, architecture) and the draft setup (k, DSA index sharing)."""
+    """Three lines: the model (folder, architecture), the draft setup (k, DSA index sharing, draft
+    sampling mode) and the KV cache dtype (``--kv-cache-dtype``; ``auto`` = the model dtype)."""
     mcfg, spec = llm.model_config, llm.speculative_config
     lines = [f"model              {model} ({mcfg.architecture})"]
     if spec is None:
@@ -103,7 +104,9 @@ def describe_setup(model: str, llm: Any) -> str:
         has_indexer = bool(getattr(mcfg.arch, "index_topk", None))
         share = ("index sharing " + ("on" if spec.index_share_for_mtp_iteration else "off")) if has_indexer \
             else "no DSA indexer"
-        lines.append(f"speculative        mtp, k = {spec.num_speculative_tokens}, {share}")
+        lines.append(f"speculative        mtp, k = {spec.num_speculative_tokens}, {share}, "
+                     f"draft sampling {spec.draft_sampling}")
+    lines.append(f"KV cache dtype     {llm.engine_config.cache_config.cache_dtype}")
     return "\n".join(lines)
 
 
