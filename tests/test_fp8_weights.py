@@ -122,6 +122,14 @@ def test_fp8_gemm_kernels_compile_for_hopper() -> None:
               "constexprs": dict(HAS_BIAS=False, BLOCK_M=16, BLOCK_N=128, BLOCK_K=128, SPLIT=split, FP8_DOT=True,
                                  FP8_BY_BITS=False, BF16_BY_BITS=False),
               "aligned": ["x_ptr", "w_ptr", "ws_ptr", "out_ptr", "part_ptr"], "num_warps": 4} for split in (False, True)]
+    grouped = {"a_ptr": "*bf16", "w_ptr": "*fp8e4nv", "ws_ptr": "*fp32", "out_ptr": "*bf16", "sorted_ptr": "*i32",
+               "block_expert_ptr": "*i32", "rw_ptr": "*fp32",
+               **i32(["num_pairs", "num_experts", "N", "K", "stride_am", "stride_we", "stride_wn", "stride_wse",
+                      "stride_wsn", "stride_om", "n_kb", "SCALE_BN"])}
+    specs.append({"module": "mtpspec.ops.fp8_gemm", "kernel": "_grouped_kernel", "signature": grouped,
+                  "constexprs": dict(A_ROW_DIV=8, HAS_RW=True, BLOCK_M=16, BLOCK_N=128, BLOCK_K=128, FP8_DOT=True,
+                                     FP8_BY_BITS=False, BF16_BY_BITS=False),
+                  "aligned": ["a_ptr", "w_ptr", "ws_ptr", "out_ptr"], "num_warps": 4})
     assert len(triton_utils.compile_reports(specs)) == len(specs)
 
 

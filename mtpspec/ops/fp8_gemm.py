@@ -41,7 +41,8 @@ import torch
 import torch.nn.functional as F
 
 from mtpspec.ops.argmax import num_sms
-from mtpspec.ops.triton_utils import FLOAT_DTYPES, HAS_TRITON, LazyKernel, cdiv, interpreting, tl, use_triton
+from mtpspec.ops.triton_utils import (FLOAT_DTYPES, HAS_TRITON, LazyKernel, cdiv, device_function, interpreting, tl,
+                                     use_triton)
 
 #: The stored weight dtype.
 FP8_WEIGHT_DTYPE = torch.float8_e4m3fn
@@ -158,6 +159,26 @@ def fp8_block_linear_w8a8_ref(x: torch.Tensor, weight: torch.Tensor, scale: torc
 if HAS_TRITON:
     from mtpspec.ops.triton_helpers import quant_fp8, round_to_dtype
 
+    @device_function
+    def _k_step(acc, x_rows, w_cols, ws_rows, kb, offs_k, K, m_ok, n_ok, BLOCK_M: tl.constexpr,
+                BLOCK_K: tl.constexpr, FP8_DOT: tl.constexpr, FP8_BY_BITS: tl.constexpr):
+        """One K group of both kernels: the activation rows' group quantised (amax / 448 per row),
+        times the weight block column (``W^T`` tile ``[BLOCK_K, BLOCK_N]`` and its scales), both
+        scales applied to the fp32 partial, added to ``acc`` (returned)."""
+        k = kb * BLOCK_K + offs_k
+        k_ok = k < K
+        x = tl.load(x_rows + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+        amax = tl.max(tl.abs(x), axis=1)
+        sa = tl.maximum(amax, 1e-10) / 448.0
+        xq = quant_fp8(x, tl.broadcast_to(sa[:, None], (BLOCK_M, BLOCK_K)), FP8_BY_BITS)
+        w = tl.load(w_cols + k[:, None], mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        sw = tl.load(ws_rows + kb, mask=n_ok, other=0.0)
+        if FP8_DOT:
+            d = tl.dot(xq, w)
+        else:
+            d = tl.dot(xq.to(tl.float32), w.to(tl.float32))
+        return acc + d * sa[:, None] * sw[None, :]
+
     def _fp8_gemm_kernel(x_ptr, w_ptr, ws_ptr, b_ptr, out_ptr, part_ptr, M, N, K, stride_xm, stride_wn, stride_wsn,
                          stride_om, n_kb, kb_per_split, SCALE_BN, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, FP8_DOT: tl.constexpr,
@@ -183,19 +204,8 @@ if HAS_TRITON:
         kb_lo = pid_k * kb_per_split
         kb_hi = tl.minimum(kb_lo + kb_per_split, n_kb)
         for kb in range(kb_lo, kb_hi):
-            k = kb * BLOCK_K + offs_k
-            k_ok = k < K
-            x = tl.load(x_rows + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
-            amax = tl.max(tl.abs(x), axis=1)
-            sa = tl.maximum(amax, 1e-10) / 448.0
-            xq = quant_fp8(x, tl.broadcast_to(sa[:, None], (BLOCK_M, BLOCK_K)), FP8_BY_BITS)
-            w = tl.load(w_cols + k[:, None], mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-            sw = tl.load(ws_rows + kb, mask=n_ok, other=0.0)
-            if FP8_DOT:
-                d = tl.dot(xq, w)
-            else:
-                d = tl.dot(xq.to(tl.float32), w.to(tl.float32))
-            acc += d * sa[:, None] * sw[None, :]
+            acc = _k_step(acc, x_rows, w_cols, ws_rows, kb, offs_k, K, m_ok, n_ok, BLOCK_M, BLOCK_K, FP8_DOT,
+                          FP8_BY_BITS)
         if HAS_BIAS:
             if pid_k == 0:
                 acc += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
@@ -235,19 +245,8 @@ if HAS_TRITON:
         ws_rows = ws_ptr + ee * stride_wse + (cols // SCALE_BN) * stride_wsn
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for kb in range(0, n_kb):
-            k = kb * BLOCK_K + offs_k
-            k_ok = k < K
-            x = tl.load(a_rows + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
-            amax = tl.max(tl.abs(x), axis=1)
-            sa = tl.maximum(amax, 1e-10) / 448.0
-            xq = quant_fp8(x, tl.broadcast_to(sa[:, None], (BLOCK_M, BLOCK_K)), FP8_BY_BITS)
-            w = tl.load(w_cols + k[:, None], mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-            sw = tl.load(ws_rows + kb, mask=n_ok, other=0.0)
-            if FP8_DOT:
-                d = tl.dot(xq, w)
-            else:
-                d = tl.dot(xq.to(tl.float32), w.to(tl.float32))
-            acc += d * sa[:, None] * sw[None, :]
+            acc = _k_step(acc, a_rows, w_cols, ws_rows, kb, offs_k, K, m_ok, n_ok, BLOCK_M, BLOCK_K, FP8_DOT,
+                          FP8_BY_BITS)
         if HAS_RW:
             acc = acc * tl.load(rw_ptr + prow, mask=m_ok, other=0.0).to(tl.float32)[:, None]
         y = round_to_dtype(acc, out_ptr.dtype.element_ty, BF16_BY_BITS)
