@@ -7,6 +7,8 @@ M in {1, 8, 64, 256, 8192}. Each case:
 
 * ``fp8``: :func:`mtpspec.ops.fp8_gemm.fp8_block_linear` (bf16 activations quantised per token and
   128-channel group inside the kernel, fp8 x fp8 tensor-core dots, fp32 accumulation, bf16 out);
+* ``fp8_prequant``: the same with ``prequant=True`` (activations quantised in a pass of their
+  own, not in every column tile);
 * ``bf16``: ``torch.nn.functional.linear`` on bf16 weights of the same shape (cuBLAS).
 
 Timing: ``triton.testing.do_bench`` median (it also flushes L2 before each call); inputs rotate
@@ -117,6 +119,10 @@ def main() -> int:
                     j = i8[0] = i8[0] + 1
                     return fp8_block_linear(xs[j % nx], q8[j % nw8], s8[j % nw8], *BLOCK)
 
+                def run_fp8_preq():
+                    j = i8[0] = i8[0] + 1
+                    return fp8_block_linear(xs[j % nx], q8[j % nw8], s8[j % nw8], *BLOCK, prequant=True)
+
                 def run_bf16():
                     j = ib[0] = ib[0] + 1
                     return torch.nn.functional.linear(xs[j % nx], wbs[j % nwb])
@@ -125,6 +131,8 @@ def main() -> int:
                 torch.cuda.synchronize()
                 ms8 = triton.testing.do_bench(run_fp8, warmup=args.warmup_ms, rep=args.rep_ms, return_mode="median")
                 msb = triton.testing.do_bench(run_bf16, warmup=args.warmup_ms, rep=args.rep_ms, return_mode="median")
+                ms8p = triton.testing.do_bench(run_fp8_preq, warmup=args.warmup_ms, rep=args.rep_ms,
+                                               return_mode="median")
                 flops = 2.0 * m * n * k
                 act = m * k * 2 + m * n * 2
                 bytes8 = n * k + s.numel() * 4 + act
@@ -133,6 +141,7 @@ def main() -> int:
                 floorb = max(bytesb / HBM_BYTES_PER_S, flops / (args.bf16_tflops * 1e12)) * 1e3
                 out["cases"].append({
                     "shape": name, "M": m, "N": n, "K": k, "fp8_ms": round(ms8, 5), "bf16_ms": round(msb, 5),
+                    "fp8_prequant_ms": round(ms8p, 5),
                     "speedup_vs_bf16": round(msb / ms8, 3),
                     "fp8_bytes": bytes8, "fp8_byte_floor_ms": round(bytes8 / HBM_BYTES_PER_S * 1e3, 5),
                     "fp8_flop_floor_ms": round(flops / (args.fp8_tflops * 1e12) * 1e3, 5),

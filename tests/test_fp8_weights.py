@@ -103,6 +103,16 @@ def test_block_gemm_kernel_matches_float64_reference(kdev, m, n, k, bn, bk, dtyp
     torch.testing.assert_close(got.double(), want, atol=tol, rtol=0)
 
 
+@pytest.mark.parametrize("m,k", [(5, 300), (2, 512)])  # one pass; split-K
+def test_prequantised_activations_give_the_same_bits(kdev, m, k) -> None:
+    """``prequant=True`` (activations quantised in a pass of their own) == the in-loop quantisation, bit for bit."""
+    g = torch.Generator().manual_seed(k)
+    x = (torch.randn(m, k, generator=g) * 3).bfloat16()
+    q, s = quantize_weight_blocks(torch.randn(40, k, generator=g) / k ** 0.5, (32, 32))
+    args = [a.to(kdev) for a in (x, q, s)]
+    assert torch.equal(fp8_block_linear(*args, 32, 32, prequant=True), fp8_block_linear(*args, 32, 32))
+
+
 def test_split_k_plan() -> None:
     from mtpspec.ops.fp8_gemm import split_k
     assert split_k(1, 56, 128, 132) == 5  # o_proj at M = 1: 56 tiles -> 280 programs
@@ -115,13 +125,20 @@ def test_fp8_gemm_kernels_compile_for_hopper() -> None:
     interpreter does not check Triton's typing or fp8 dot shape rules)."""
     from mtpspec.ops import triton_utils
     i32 = lambda names: {n: "i32" for n in names}  # noqa: E731
-    dense = {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "ws_ptr": "*fp32", "b_ptr": "*fp32", "out_ptr": "*bf16",
-             "part_ptr": "*fp32", **i32(["M", "N", "K", "stride_xm", "stride_wn", "stride_wsn", "stride_om", "n_kb",
-                                         "kb_per_split", "SCALE_BN"])}
-    specs = [{"module": "mtpspec.ops.fp8_gemm", "kernel": "_kernel", "signature": dense,
-              "constexprs": dict(HAS_BIAS=False, BLOCK_M=16, BLOCK_N=128, BLOCK_K=128, SPLIT=split, FP8_DOT=True,
-                                 FP8_BY_BITS=False, BF16_BY_BITS=False),
-              "aligned": ["x_ptr", "w_ptr", "ws_ptr", "out_ptr", "part_ptr"], "num_warps": 4} for split in (False, True)]
+    def dense(preq):
+        return {"x_ptr": "*fp8e4nv" if preq else "*bf16", "xs_ptr": "*fp32", "w_ptr": "*fp8e4nv", "ws_ptr": "*fp32",
+                "b_ptr": "*fp32", "out_ptr": "*bf16", "part_ptr": "*fp32",
+                **i32(["M", "N", "K", "stride_xm", "stride_xs", "stride_wn", "stride_wsn", "stride_om", "n_kb",
+                       "kb_per_split", "SCALE_BN"])}
+    specs = [{"module": "mtpspec.ops.fp8_gemm", "kernel": "_kernel", "signature": dense(preq),
+              "constexprs": dict(HAS_BIAS=False, BLOCK_M=16, BLOCK_N=128, BLOCK_K=128, SPLIT=split, PREQ=preq,
+                                 FP8_DOT=True, FP8_BY_BITS=False, BF16_BY_BITS=False),
+              "aligned": ["x_ptr", "w_ptr", "ws_ptr", "out_ptr", "part_ptr"], "num_warps": 4}
+             for split, preq in ((False, False), (True, False), (False, True))]
+    specs.append({"module": "mtpspec.ops.fp8_gemm", "kernel": "_act_quant",
+                  "signature": {"x_ptr": "*bf16", "xq_ptr": "*fp8e4nv", "xs_ptr": "*fp32",
+                                **i32(["K", "stride_xm", "stride_qm", "n_kb"])},
+                  "constexprs": dict(BLOCK_K=128, FP8_BY_BITS=False), "aligned": ["x_ptr", "xq_ptr"], "num_warps": 4})
     grouped = {"a_ptr": "*bf16", "w_ptr": "*fp8e4nv", "ws_ptr": "*fp32", "out_ptr": "*bf16", "sorted_ptr": "*i32",
                "block_expert_ptr": "*i32", "rw_ptr": "*fp32",
                **i32(["num_pairs", "num_experts", "N", "K", "stride_am", "stride_we", "stride_wn", "stride_wse",

@@ -160,17 +160,26 @@ if HAS_TRITON:
     from mtpspec.ops.triton_helpers import quant_fp8, round_to_dtype
 
     @device_function
-    def _k_step(acc, x_rows, w_cols, ws_rows, kb, offs_k, K, m_ok, n_ok, BLOCK_M: tl.constexpr,
-                BLOCK_K: tl.constexpr, FP8_DOT: tl.constexpr, FP8_BY_BITS: tl.constexpr):
-        """One K group of both kernels: the activation rows' group quantised (amax / 448 per row),
-        times the weight block column (``W^T`` tile ``[BLOCK_K, BLOCK_N]`` and its scales), both
-        scales applied to the fp32 partial, added to ``acc`` (returned)."""
+    def _group_scale(x, axis: tl.constexpr):
+        """The E4M3 scale of activation groups (fp32 ``x``): ``max(amax, 1e-10) / 448`` along ``axis``."""
+        return tl.maximum(tl.max(tl.abs(x), axis=axis), 1e-10) / 448.0
+
+    @device_function
+    def _k_step(acc, x_rows, xs_rows, w_cols, ws_rows, kb, offs_k, K, m_ok, n_ok, BLOCK_M: tl.constexpr,
+                BLOCK_K: tl.constexpr, PREQ: tl.constexpr, FP8_DOT: tl.constexpr, FP8_BY_BITS: tl.constexpr):
+        """One K group of both kernels: the activation rows' group quantised (amax / 448 per row;
+        ``PREQ``: already quantised by :func:`_act_quant_kernel`, ``x_rows`` fp8 and the scales at
+        ``xs_rows + kb``), times the weight block column (``W^T`` tile ``[BLOCK_K, BLOCK_N]`` and
+        its scales), both scales applied to the fp32 partial, added to ``acc`` (returned)."""
         k = kb * BLOCK_K + offs_k
         k_ok = k < K
-        x = tl.load(x_rows + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
-        amax = tl.max(tl.abs(x), axis=1)
-        sa = tl.maximum(amax, 1e-10) / 448.0
-        xq = quant_fp8(x, tl.broadcast_to(sa[:, None], (BLOCK_M, BLOCK_K)), FP8_BY_BITS)
+        if PREQ:
+            xq = tl.load(x_rows + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+            sa = tl.load(xs_rows + kb, mask=m_ok, other=0.0)
+        else:
+            x = tl.load(x_rows + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+            sa = _group_scale(x, 1)
+            xq = quant_fp8(x, tl.broadcast_to(sa[:, None], (BLOCK_M, BLOCK_K)), FP8_BY_BITS)
         w = tl.load(w_cols + k[:, None], mask=k_ok[:, None] & n_ok[None, :], other=0.0)
         sw = tl.load(ws_rows + kb, mask=n_ok, other=0.0)
         if FP8_DOT:
@@ -179,10 +188,26 @@ if HAS_TRITON:
             d = tl.dot(xq.to(tl.float32), w.to(tl.float32))
         return acc + d * sa[:, None] * sw[None, :]
 
-    def _fp8_gemm_kernel(x_ptr, w_ptr, ws_ptr, b_ptr, out_ptr, part_ptr, M, N, K, stride_xm, stride_wn, stride_wsn,
-                         stride_om, n_kb, kb_per_split, SCALE_BN, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
-                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, FP8_DOT: tl.constexpr,
-                         FP8_BY_BITS: tl.constexpr, BF16_BY_BITS: tl.constexpr):
+    def _act_quant_kernel(x_ptr, xq_ptr, xs_ptr, K, stride_xm, stride_qm, n_kb, BLOCK_K: tl.constexpr,
+                          FP8_BY_BITS: tl.constexpr):
+        # One (row, group): the group's E4M3 codes and scale, exactly as _k_step computes them.
+        row = tl.program_id(0).to(tl.int64)
+        kb = tl.program_id(1)
+        k = kb * BLOCK_K + tl.arange(0, BLOCK_K)
+        ok = k < K
+        x = tl.load(x_ptr + row * stride_xm + k, mask=ok, other=0.0).to(tl.float32)
+        sa = _group_scale(x[None, :], 1)
+        xq = quant_fp8(x[None, :], tl.broadcast_to(sa[:, None], (1, BLOCK_K)), FP8_BY_BITS)
+        tl.store(xq_ptr + row * stride_qm + k[None, :], xq, mask=ok[None, :])
+        tl.store(xs_ptr + row * n_kb + kb + tl.arange(0, 1), sa)
+
+    _act_quant = LazyKernel(_act_quant_kernel)
+
+    def _fp8_gemm_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, b_ptr, out_ptr, part_ptr, M, N, K, stride_xm, stride_xs,
+                         stride_wn, stride_wsn, stride_om, n_kb, kb_per_split, SCALE_BN, HAS_BIAS: tl.constexpr,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
+                         PREQ: tl.constexpr, FP8_DOT: tl.constexpr, FP8_BY_BITS: tl.constexpr,
+                         BF16_BY_BITS: tl.constexpr):
         # One [BLOCK_M, BLOCK_N] output tile over K groups [pid_k * kb_per_split, +kb_per_split);
         # BLOCK_K is the quantisation group (= block_k), so every K step is one activation group
         # times one weight block column. SPLIT: fp32 partial tiles to part_ptr [splits, M, N]
@@ -198,14 +223,15 @@ if HAS_TRITON:
         rows = offs_m.to(tl.int64)
         cols = offs_n.to(tl.int64)
         x_rows = x_ptr + rows[:, None] * stride_xm
+        xs_rows = xs_ptr + rows * stride_xs
         w_cols = w_ptr + cols[None, :] * stride_wn  # the tile is loaded as W^T [BLOCK_K, BLOCK_N]
         ws_rows = ws_ptr + (cols // SCALE_BN) * stride_wsn
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         kb_lo = pid_k * kb_per_split
         kb_hi = tl.minimum(kb_lo + kb_per_split, n_kb)
         for kb in range(kb_lo, kb_hi):
-            acc = _k_step(acc, x_rows, w_cols, ws_rows, kb, offs_k, K, m_ok, n_ok, BLOCK_M, BLOCK_K, FP8_DOT,
-                          FP8_BY_BITS)
+            acc = _k_step(acc, x_rows, xs_rows, w_cols, ws_rows, kb, offs_k, K, m_ok, n_ok, BLOCK_M, BLOCK_K, PREQ,
+                          FP8_DOT, FP8_BY_BITS)
         if HAS_BIAS:
             if pid_k == 0:
                 acc += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
@@ -245,8 +271,8 @@ if HAS_TRITON:
         ws_rows = ws_ptr + ee * stride_wse + (cols // SCALE_BN) * stride_wsn
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for kb in range(0, n_kb):
-            acc = _k_step(acc, a_rows, w_cols, ws_rows, kb, offs_k, K, m_ok, n_ok, BLOCK_M, BLOCK_K, FP8_DOT,
-                          FP8_BY_BITS)
+            acc = _k_step(acc, a_rows, a_rows, w_cols, ws_rows, kb, offs_k, K, m_ok, n_ok, BLOCK_M, BLOCK_K, False,
+                          FP8_DOT, FP8_BY_BITS)
         if HAS_RW:
             acc = acc * tl.load(rw_ptr + prow, mask=m_ok, other=0.0).to(tl.float32)[:, None]
         y = round_to_dtype(acc, out_ptr.dtype.element_ty, BF16_BY_BITS)
@@ -292,7 +318,7 @@ def launch_config(m: int, n: int) -> Tuple[int, int, int, int]:
 
 
 def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block_n: int, block_k: int,
-                     bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+                     bias: Optional[torch.Tensor] = None, prequant: bool = False) -> torch.Tensor:
     """``y = x W^T (+ bias)`` with ``W`` block-scaled FP8 (module docstring).
 
     Args:
@@ -302,6 +328,10 @@ def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
         block_n: weight rows per scale row (128, or 1 for per-row scales).
         block_k: weight columns per scale column = the activation group size.
         bias: ``[N]`` or None.
+        prequant: quantise the activations in a pass of their own (one program per row and group)
+            instead of inside every column tile's K loop (which redoes it ``ceil(N / BLOCK_N)``
+            times); same codes and scales, so the same result bit for bit. Off by default until
+            timed on a GPU (``benchmarks/bench_fp8_gemm.py`` times both).
 
     Returns:
         ``[..., N]`` in ``x.dtype``.
@@ -338,10 +368,16 @@ def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     per = cdiv(n_kb, split_k(m, cdiv(m, bm) * cdiv(n, bn), n_kb, num_sms(x.device)))
     splits = cdiv(n_kb, per)
     part = torch.empty((splits, m, n), dtype=torch.float32, device=x.device) if splits > 1 else out
+    xa, xs = x2, s  # xs: unused without prequant
+    if prequant:
+        xa = torch.empty((m, k), dtype=FP8_WEIGHT_DTYPE, device=x.device)
+        xs = torch.empty((m, n_kb), dtype=torch.float32, device=x.device)
+        _act_quant[(m, n_kb)](x2, xa, xs, k, x2.stride(0), xa.stride(0), n_kb, BLOCK_K=block_k,
+                              FP8_BY_BITS=interpreting())
     _kernel[(cdiv(m, bm), cdiv(n, bn), splits)](
-        x2, w, s, bias if bias is not None else s, out, part, m, n, k, x2.stride(0), w.stride(0), s.stride(0),
-        out.stride(0), n_kb, per, block_n, HAS_BIAS=bias is not None, BLOCK_M=bm, BLOCK_N=bn,
-        BLOCK_K=block_k, SPLIT=splits > 1, FP8_DOT=_fp8_dot(x.device) and block_k >= 32,
+        xa, xs, w, s, bias if bias is not None else s, out, part, m, n, k, xa.stride(0), xs.stride(0), w.stride(0),
+        s.stride(0), out.stride(0), n_kb, per, block_n, HAS_BIAS=bias is not None, BLOCK_M=bm, BLOCK_N=bn,
+        BLOCK_K=block_k, SPLIT=splits > 1, PREQ=prequant, FP8_DOT=_fp8_dot(x.device) and block_k >= 32,
         FP8_BY_BITS=interpreting(), BF16_BY_BITS=interpreting() and x.dtype == torch.bfloat16, **extra)
     if splits > 1:  # the K splits' fp32 partials, summed in a fixed order, then rounded once
         out.copy_(part.sum(dim=0))
