@@ -191,23 +191,26 @@ class GraphedForward(EagerForward):
         graph.replay()
         return outputs
 
-    def _fill_rows(self, ids: torch.Tensor, pos: torch.Tensor, meta: AttentionMetadata, rows: int) -> None:
-        """The target layout's first ``t`` rows into the row buffers, padding rows up to ``rows``."""
-        t = ids.shape[0]
+    def _fill_rows(self, ids: torch.Tensor, pos: torch.Tensor, meta: AttentionMetadata, rows: int, bp: int) -> None:
+        """The target layout (``t`` rows of ``self.num_seqs`` sequences) into the row buffers,
+        padded to ``rows`` rows and ``bp`` sequences (the module docstring's padding)."""
+        b, t = self.num_seqs, ids.shape[0]
         self.ids[:t].copy_(ids)
         self.ids[t:rows].zero_()
         self.pos[:t].copy_(pos)
         self.pos[t:rows].zero_()
         self.slots[:t].copy_(meta.slot_mapping[:t])
         self.slots[t:rows].fill_(-1)
+        self.qsl[:b + 1].copy_(meta.query_start_loc[:b + 1])
+        self.qsl[b + 1:bp + 1].fill_(t)
+        self.seq_lens[:b].copy_(meta.seq_lens[:b])
+        self.seq_lens[b:bp].zero_()
 
     def verify(self, ids, pos, meta, sample_rows):
         tp = self.prefill_rows
         if tp is not None:  # one sequence's prefill rows, padded to Tp
             t, r = ids.shape[0], sample_rows.shape[0]
-            self._fill_rows(ids, pos, meta, tp)
-            self.qsl[:2].copy_(meta.query_start_loc[:2])
-            self.seq_lens[:1].copy_(meta.seq_lens[:1])
+            self._fill_rows(ids, pos, meta, tp, 1)
             if r:
                 self.p_sample.copy_(sample_rows)
             hidden, logits = self._run(("pverify", tp), self._pverify_fn(tp), 1, step=False, rows=tp)
@@ -215,17 +218,8 @@ class GraphedForward(EagerForward):
         bp = self.active
         if bp is None:
             return super().verify(ids, pos, meta, sample_rows)
-        b, t = self.num_seqs, ids.shape[0]
-        self.ids[:t].copy_(ids)
-        self.ids[t:bp * (1 + self.k)].zero_()
-        self.pos[:t].copy_(pos)
-        self.pos[t:bp * (1 + self.k)].zero_()
-        self.slots[:t].copy_(meta.slot_mapping)
-        self.slots[t:bp * (1 + self.k)].fill_(-1)
-        self.qsl[:b + 1].copy_(meta.query_start_loc)
-        self.qsl[b + 1:bp + 1].fill_(t)
-        self.seq_lens[:b].copy_(meta.seq_lens)
-        self.seq_lens[b:bp].zero_()
+        t = ids.shape[0]
+        self._fill_rows(ids, pos, meta, bp * (1 + self.k), bp)
         hidden, logits = self._run(("verify", bp), self._verify_fn(bp), bp, step=False)
         return hidden[:t], logits[:t]  # decode: every row is a sample row
 
