@@ -40,7 +40,7 @@ from mtpspec.models.fp8_writer import (
     dequantize_state_dict, quantize_state_dict, should_quantize, write_dequantized_checkpoint, write_fp8_checkpoint)
 from mtpspec.models.loader import CheckpointError, MissingKeyError, load_models, read_checkpoint_tensors
 from mtpspec.ops.fp8_gemm import (
-    FP8_WEIGHT_DTYPE, dequantize_weight_blocks, fp8_block_linear, fp8_block_linear_w8a8_ref, fp8_experts_grouped,
+    FP8_WEIGHT_DTYPE, dequantize_weight_blocks, fp8_block_linear, fp8_block_linear_w8a8_ref, fp8_experts_loop,
     fp8_moe_experts, quantize_activations, quantize_weight_blocks, scale_grid)
 
 F8 = FP8_WEIGHT_DTYPE
@@ -182,7 +182,7 @@ def test_fp8_experts_match_dequantised_experts(kdev) -> None:
     ids = torch.randint(0, e, (t, top_k), generator=g)
     w = torch.rand(t, top_k, generator=g)
     args = [a.to(kdev) for a in (x, q13, s13, q2, s2, w, ids)]
-    loop = fp8_experts_grouped(*args, 16, 16, 16).cpu()
+    loop = fp8_experts_loop(*args, 16, 16, 16).cpu()
     grouped = fp8_moe_experts(*args, 16, 16, 16).cpu()
     want = torch.zeros(t, h, dtype=torch.float64)
     for r in range(t):
@@ -198,7 +198,7 @@ def test_fp8_experts_match_dequantised_experts(kdev) -> None:
     xb = x.bfloat16()
     a16 = [a.to(kdev) for a in (xb, q13, s13_rows, q2, s2, w, ids)]
     torch.testing.assert_close(fp8_moe_experts(*a16, 1, 16, 16).cpu().float(),
-                               fp8_experts_grouped(*a16, 1, 16, 16).cpu().float(), atol=3e-2, rtol=2e-2)
+                               fp8_experts_loop(*a16, 1, 16, 16).cpu().float(), atol=3e-2, rtol=2e-2)
     assert fp8_moe_experts(*(a[:0] if a.dim() and i in (0, 5, 6) else a for i, a in enumerate(args)),
                            16, 16, 16).shape == (0, h)
 

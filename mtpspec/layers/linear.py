@@ -219,13 +219,17 @@ class ColumnParallelLinear(LinearBase):
                 self.weight_loader(param, loaded_weight.narrow(0, start, sh.full_size), sid)
                 start += sh.full_size
             return
-        if loaded_shard_id not in self.output_shards:
-            raise ValueError(f"{name}: unknown loaded_shard_id {loaded_shard_id!r}; "
-                             f"expected one of {list(self.output_shards)}")
-        sh = self.output_shards[loaded_shard_id]
+        sh = self._output_shard(loaded_shard_id)
         what = f"{name} shard {loaded_shard_id!r}" if loaded_shard_id is not None else f"{name} weight"
         check_full_tensor(what, loaded_weight, (sh.full_size,) + tail)
         copy_into(param.data.narrow(0, sh.dst_start, sh.size), loaded_weight.narrow(0, sh.src_start, sh.size))
+
+    def _output_shard(self, shard_id: Optional[Any]) -> "OutputShard":
+        """The output shard of ``shard_id``; ValueError naming the known ids for another."""
+        if shard_id not in self.output_shards:
+            raise ValueError(f"{type(self).__name__}: unknown loaded_shard_id {shard_id!r}; "
+                             f"expected one of {list(self.output_shards)}")
+        return self.output_shards[shard_id]
 
     def _load_scale(self, loaded: torch.Tensor, shard_id: Optional[Any]) -> None:
         """This rank's rows of the full block scales (``[ceil(full / block_n), ceil(input / block_k)]``
@@ -244,10 +248,7 @@ class ColumnParallelLinear(LinearBase):
                 self._load_scale(loaded.narrow(0, start // bn, cdiv(sh.full_size, bn)), sid)
                 start += sh.full_size
             return
-        if shard_id not in self.output_shards:
-            raise ValueError(f"{name}: unknown loaded_shard_id {shard_id!r}; "
-                             f"expected one of {list(self.output_shards)}")
-        sh = self.output_shards[shard_id]
+        sh = self._output_shard(shard_id)
         check_full_tensor(f"{name} weight_scale_inv" + ("" if shard_id is None else f" shard {shard_id!r}"),
                           loaded, (cdiv(sh.full_size, bn), kb))
         copy_scale_rows(self.weight_scale_inv.data, sh.dst_start, loaded.float(), sh.src_start, sh.size, bn,

@@ -29,7 +29,7 @@ quantisation: the CPU path is the dequantised-weight model's math exactly). Expe
 (:func:`fp8_moe_experts`): where the kernel runs, an expert-grouped variant of the same kernel
 over :func:`mtpspec.ops.moe_gemm.moe_align`'s grouping (sync-free, CUDA-graph capturable: gate |
 up for every (token, expert) pair, SiLU-and-mul in torch, down times the routing weight, a fixed
-order sum); elsewhere :func:`fp8_experts_grouped`, a loop over the routed experts calling the
+order sum); elsewhere :func:`fp8_experts_loop`, a loop over the routed experts calling the
 dense op per expert (one host sync).
 """
 
@@ -384,9 +384,9 @@ def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     return out.reshape(*lead, n)
 
 
-def fp8_experts_grouped(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor, w2: torch.Tensor,
-                        w2_scale: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-                        block_n13: int, block_n2: int, block_k: int) -> torch.Tensor:
+def fp8_experts_loop(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor, w2: torch.Tensor,
+                     w2_scale: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                     block_n13: int, block_n2: int, block_k: int) -> torch.Tensor:
     """Routed SwiGLU experts with FP8 block-scaled weights: a loop over the routed experts, each
     running :func:`fp8_block_linear` on its tokens (gate | up, SiLU-and-mul, down), weighted and
     summed per token in fp32. One host sync (the per-expert counts), so not CUDA-graph capturable.
@@ -440,7 +440,7 @@ def fp8_moe_experts(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor,
                     w2_scale: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                     block_n13: int, block_n2: int, block_k: int) -> torch.Tensor:
     """Routed SwiGLU experts with FP8 block-scaled weights (arguments and result as
-    :func:`fp8_experts_grouped`).
+    :func:`fp8_experts_loop`).
 
     Where the kernel runs (:func:`~mtpspec.ops.triton_utils.use_triton` and a kernel group size):
     the pairs are grouped by expert on the device (:func:`mtpspec.ops.moe_gemm.moe_align`, no
@@ -448,12 +448,12 @@ def fp8_moe_experts(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor,
     per pair row and group, as the dense kernel), SiLU-and-mul runs in torch, a second launch the
     down projection times the routing weight (fp32), and the pairs are summed per token in a fixed
     order. Scratch ``[N, 2 I]`` (x's dtype) + ``[N, I]`` + ``[N, H]`` fp32, ``N = T * top_k``.
-    Otherwise :func:`fp8_experts_grouped`.
+    Otherwise :func:`fp8_experts_loop`.
     """
     from mtpspec.ops.moe_gemm import moe_align, moe_block_m
     if not (use_triton(x, w13, w2) and kernel_supports(block_k)):
-        return fp8_experts_grouped(x, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids, block_n13, block_n2,
-                                   block_k)
+        return fp8_experts_loop(x, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids, block_n13, block_n2,
+                                block_k)
     t, top_k = topk_ids.shape
     e, two_i, h = w13.shape
     n = t * top_k
