@@ -47,16 +47,17 @@ KERNEL_MAX_QUERY_LEN = 16
 MAX_PADDING_FACTOR = 2
 
 
-def use_attention_kernel(q: torch.Tensor, meta: "AttentionMetadata") -> bool:
+def use_attention_kernel(q: torch.Tensor, meta: "AttentionMetadata", prefill_on_gpu: bool = False) -> bool:
     """Whether attention over ``meta`` runs the Triton paged kernel: Triton runs on ``q``
     (CUDA, or ``TRITON_INTERPRET=1``), ``q`` is fp16/bf16/fp32, and either
     ``meta.max_query_len <= KERNEL_MAX_QUERY_LEN`` (decode, verify, draft steps), or the metadata
     has no host lists, or padding the batch would multiply its query rows by more than
-    :data:`MAX_PADDING_FACTOR` (mixed prefill + decode steps). Depends only on static things (and
+    :data:`MAX_PADDING_FACTOR` (mixed prefill + decode steps), or ``prefill_on_gpu`` and ``q`` is
+    a CUDA tensor (the backend's kernel serves prefills too). Depends only on static things (and
     host ints), so a captured graph always takes one path."""
     if not use_triton(q) or q.dtype not in FLOAT_DTYPES:
         return False
-    if meta.max_query_len <= KERNEL_MAX_QUERY_LEN or not meta.query_lens:
+    if (prefill_on_gpu and q.is_cuda) or meta.max_query_len <= KERNEL_MAX_QUERY_LEN or not meta.query_lens:
         return True
     return len(meta.query_lens) * meta.max_query_len > MAX_PADDING_FACTOR * sum(meta.query_lens)
 
@@ -185,8 +186,7 @@ class PagedGQAImpl(AttentionImpl):
         self.do_kv_cache_update(layer, kh, vh, cache, meta.slot_mapping[:t])
         # On a GPU the kernel serves prefills too: one launch per layer instead of the padded SDPA
         # path's gathers, masks and scatters (a prefill step's host time, issue 17's cache hits).
-        kernel = use_attention_kernel(qh, meta) or (qh.is_cuda and use_triton(qh) and qh.dtype in FLOAT_DTYPES)
-        if (cache.dtype == q.dtype or is_fp8(cache.dtype)) and kernel:
+        if (cache.dtype == q.dtype or is_fp8(cache.dtype)) and use_attention_kernel(qh, meta, prefill_on_gpu=True):
             out = paged_attention(qh, cache[0], cache[1], meta.query_start_loc[:b + 1], meta.seq_lens[:b],
                                   meta.block_tables[:b], self.scale, meta.max_query_len, meta.max_seq_len,
                                   k_scale=layer.k_scale, v_scale=layer.v_scale)
