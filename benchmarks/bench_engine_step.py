@@ -90,6 +90,11 @@ def model_config(smoke: bool, layers: int, arch: str = "glm4_moe", heads: Option
         return deepseek_v3_config(smoke, layers, heads, sparse=arch == "deepseek_v32")
     if heads is not None:
         raise SystemExit("--heads is for --arch deepseek_v3 only")
+    return ModelConfig.from_dict(glm_air_config_dict(smoke, layers))
+
+
+def glm_air_config_dict(smoke: bool, layers: int) -> Dict[str, Any]:
+    """The ``config.json`` dict of the GLM-4.5-Air-width model (tiny dims with ``smoke``)."""
     if smoke:
         dims = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                     vocab_size=1000, moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2)
@@ -97,11 +102,11 @@ def model_config(smoke: bool, layers: int, arch: str = "glm4_moe", heads: Option
         dims = dict(hidden_size=4096, intermediate_size=10944, num_attention_heads=96, num_key_value_heads=8,
                     head_dim=128, vocab_size=151552, moe_intermediate_size=1408, n_routed_experts=128,
                     num_experts_per_tok=8)
-    return ModelConfig.from_dict(dict(
+    return dict(
         architectures=["Glm4MoeForCausalLM"], num_hidden_layers=layers, max_position_embeddings=8192,
         rms_norm_eps=1e-5, rope_theta=1e6, partial_rotary_factor=0.5, attention_bias=True, first_k_dense_replace=1,
         n_shared_experts=1, routed_scaling_factor=1.0, n_group=1, topk_group=1, num_nextn_predict_layers=1,
-        eos_token_id=0, **dims))
+        eos_token_id=0, **dims)
 
 
 def deepseek_v3_config(smoke: bool, layers: int, heads: Optional[int], sparse: bool = False) -> ModelConfig:

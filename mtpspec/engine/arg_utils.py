@@ -200,7 +200,8 @@ class EngineArgs:
             :class:`~mtpspec.config.ParallelConfig`.
         max_model_len (``None``: the model's positions, at most 8192), max_num_seqs,
             max_num_batched_tokens (``None``: derived), enable_chunked_prefill (default on),
-            long_prefill_token_threshold (0: no cap): see :class:`~mtpspec.engine.config.SchedulerConfig`.
+            long_prefill_token_threshold (0: no cap), async_scheduling (default on): see
+            :class:`~mtpspec.engine.config.SchedulerConfig`.
         block_size, num_kv_blocks (``None``: sized from memory), gpu_memory_utilization,
             cpu_kv_cache_gib, enable_prefix_caching (default on), kv_cache_dtype (``"auto"``: the
             model dtype; ``"fp8"`` / ``"fp8_e4m3"``: E4M3 caches; CacheConfig.cache_dtype): see
@@ -229,6 +230,7 @@ class EngineArgs:
     max_num_batched_tokens: Optional[int] = None
     enable_chunked_prefill: bool = True
     long_prefill_token_threshold: int = 0
+    async_scheduling: bool = True
     block_size: Optional[int] = None
     num_kv_blocks: Optional[int] = None
     gpu_memory_utilization: float = 0.9
@@ -281,6 +283,9 @@ class EngineArgs:
                             "--no-enable-chunked-prefill prefills every prompt in one step)")
         p.add_argument("--long-prefill-token-threshold", type=int, default=0,
                        help="most tokens of one prompt per step with chunked prefill (default 0: no cap)")
+        p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
+                       help="apply a step's tokens and schedule the next step while its draft passes run on the "
+                            "device (default on; same outputs; --no-async-scheduling waits for each whole step)")
         p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                        help="reuse the KV blocks of prompt prefixes computed before (automatic prefix caching, "
                             "by block content; default on; --no-enable-prefix-caching computes every prompt)")
@@ -394,7 +399,7 @@ class EngineArgs:
                              f"{mcfg.max_position_embeddings}], got {max_model_len!r}")
         k = spec.num_speculative_tokens if spec is not None else 0
         sched = SchedulerConfig(self.max_num_seqs, max_model_len, self.max_num_batched_tokens, k,
-                                self.enable_chunked_prefill, self.long_prefill_token_threshold)
+                                self.enable_chunked_prefill, self.long_prefill_token_threshold, self.async_scheduling)
         block_size = mcfg.arch.default_block_size if self.block_size is None else self.block_size
         cache = CacheConfig(block_size, self.num_kv_blocks, self.gpu_memory_utilization, self.cpu_kv_cache_gib,
                             self.enable_prefix_caching, self.kv_cache_dtype)
@@ -422,7 +427,7 @@ class EngineArgs:
                     max_model_len=self.max_model_len, max_num_batched_tokens=self.max_num_batched_tokens,
                     enable_chunked_prefill=self.enable_chunked_prefill,
                     long_prefill_token_threshold=self.long_prefill_token_threshold,
-                    block_size=self.block_size, num_kv_blocks=self.num_kv_blocks,
+                    async_scheduling=self.async_scheduling, block_size=self.block_size, num_kv_blocks=self.num_kv_blocks,
                     gpu_memory_utilization=self.gpu_memory_utilization, cpu_kv_cache_gib=self.cpu_kv_cache_gib,
                     enable_prefix_caching=self.enable_prefix_caching, kv_cache_dtype=self.kv_cache_dtype,
                     seed=self.seed, enforce_eager=self.enforce_eager, graph_mode=self.graph_mode,

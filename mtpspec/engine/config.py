@@ -82,6 +82,10 @@ class SchedulerConfig:
             prefilled in one step, as before chunking existed.
         long_prefill_token_threshold: most tokens of one prompt per step (vLLM's name; ``0`` = no
             cap beyond the step's budget). Needs ``enable_chunked_prefill``.
+        async_scheduling: overlap the host with the device (vLLM's name): the engine applies a
+            step's tokens (stops, outputs, streaming) and schedules the next step while the step's
+            draft passes still run, waiting for the drafts only when it builds the next step's
+            input. Same outputs either way (default on; off: the step is waited for whole).
 
     Raises:
         ValueError: limits that could never schedule a request (the message names the value).
@@ -93,6 +97,7 @@ class SchedulerConfig:
     num_speculative_tokens: int = 0
     enable_chunked_prefill: bool = True
     long_prefill_token_threshold: int = 0
+    async_scheduling: bool = True
 
     def __post_init__(self) -> None:
         _positive_int("max_num_seqs", self.max_num_seqs)
@@ -102,6 +107,8 @@ class SchedulerConfig:
             raise ValueError(f"num_speculative_tokens must be an int >= 0, got {k!r}")
         if not isinstance(self.enable_chunked_prefill, bool):
             raise ValueError(f"enable_chunked_prefill must be True or False, got {self.enable_chunked_prefill!r}")
+        if not isinstance(self.async_scheduling, bool):
+            raise ValueError(f"async_scheduling must be True or False, got {self.async_scheduling!r}")
         thr = self.long_prefill_token_threshold
         if not isinstance(thr, int) or isinstance(thr, bool) or thr < 0:
             raise ValueError(f"long_prefill_token_threshold must be an int >= 0 (0 = no cap), got {thr!r}")

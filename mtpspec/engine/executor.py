@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Any, Callable, List, Optional
+from typing import Any, Callable, List, Optional, Protocol
 
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -54,12 +54,43 @@ class Executor:
     def execute(self, step: StepInput) -> StepOutput:
         raise NotImplementedError
 
+    def execute_async(self, step: StepInput) -> "StepHandle":
+        """Start a step; its tokens and drafts are read from the returned handle. Here: the whole
+        step first (executors whose ranks reply once per step); :class:`InProcessExecutor`
+        returns while the step's draft passes still run on the device."""
+        return DoneStep(self.execute(step))
+
     def collective_rpc(self, fn: Callable[..., Any], *args: Any) -> List[Any]:
         """Run ``fn(runner, *args)`` on every rank this process can reach; results in rank order."""
         raise NotImplementedError
 
     def shutdown(self) -> None:
         pass
+
+
+class StepHandle(Protocol):
+    """A started step (:meth:`Executor.execute_async`; :class:`~mtpspec.engine.model_runner.PendingStep`)."""
+
+    def output(self) -> StepOutput:
+        """Rank 0's tokens and log-probabilities; ``draft_token_ids`` is ``None``."""
+
+    def drafts(self) -> List[List[int]]:
+        """Per sequence, the ``k`` drafts for the next step (``[]`` without)."""
+
+
+class DoneStep:
+    """The handle of a step that already finished."""
+
+    def __init__(self, out: StepOutput):
+        self._drafts = out.draft_token_ids
+        self._out = out
+        out.draft_token_ids = None
+
+    def output(self) -> StepOutput:
+        return self._out
+
+    def drafts(self) -> List[List[int]]:
+        return self._drafts
 
 
 class InProcessExecutor(Executor):
@@ -84,6 +115,11 @@ class InProcessExecutor(Executor):
         msg = ("step", step)
         self._send(msg)
         return handle_message(self.runner, msg)
+
+    def execute_async(self, step: StepInput) -> "StepHandle":
+        self._check_open()
+        self._send(("step", step))
+        return self.runner.launch(step)
 
     def collective_rpc(self, fn: Callable[..., Any], *args: Any) -> List[Any]:
         self._check_open()

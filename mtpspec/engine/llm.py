@@ -37,6 +37,8 @@ class LLM:
             decodes (default True, as vLLM V1); ``False``: every prompt in one step (then
             ``max_num_batched_tokens >= max_model_len``).
         long_prefill_token_threshold: most tokens of one prompt per step (0: no cap; needs chunking).
+        async_scheduling: apply a step's tokens and schedule the next step while its draft passes
+            run on the device (default True; the outputs are the same with it off).
         block_size, num_kv_blocks, gpu_memory_utilization, cpu_kv_cache_gib: KV cache
             (:class:`~mtpspec.engine.config.CacheConfig`).
         enable_prefix_caching: reuse the KV blocks of prefixes computed before (default True;
@@ -74,7 +76,7 @@ class LLM:
                  max_num_seqs: int = 256,
                  max_model_len: Optional[int] = None, max_num_batched_tokens: Optional[int] = None,
                  enable_chunked_prefill: bool = True, long_prefill_token_threshold: int = 0,
-                 block_size: Optional[int] = None, num_kv_blocks: Optional[int] = None, gpu_memory_utilization: float = 0.9,
+                 async_scheduling: bool = True, block_size: Optional[int] = None, num_kv_blocks: Optional[int] = None, gpu_memory_utilization: float = 0.9,
                  cpu_kv_cache_gib: float = 1.0, enable_prefix_caching: bool = True, kv_cache_dtype: str = "auto",
                  tokenizer: Union[None, str, Tokenizer] = None,
                  seed: Optional[int] = None, enforce_eager: bool = False, graph_mode: Optional[str] = None,
@@ -84,7 +86,8 @@ class LLM:
             fuse_allreduce_rmsnorm=fuse_allreduce_rmsnorm, sequence_parallel=sequence_parallel,
             allreduce_backend=allreduce_backend, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens, enable_chunked_prefill=enable_chunked_prefill,
-            long_prefill_token_threshold=long_prefill_token_threshold, block_size=block_size,
+            long_prefill_token_threshold=long_prefill_token_threshold, async_scheduling=async_scheduling,
+            block_size=block_size,
             num_kv_blocks=num_kv_blocks,
             gpu_memory_utilization=gpu_memory_utilization, cpu_kv_cache_gib=cpu_kv_cache_gib,
             enable_prefix_caching=enable_prefix_caching, kv_cache_dtype=kv_cache_dtype, dtype=dtype,

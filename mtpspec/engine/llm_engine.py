@@ -15,7 +15,7 @@ from mtpspec.sample.counter_rng import seed_to_u64
 from mtpspec.engine.detokenizer import IncrementalDetokenizer, Tokenizer
 from mtpspec.engine.executor import Executor
 from mtpspec.engine.parallel_sampling import ParentRequest, child_request_id
-from mtpspec.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
+from mtpspec.engine.scheduler import DRAFT_PENDING, ScheduledSeq, Scheduler, SchedulerOutput
 from mtpspec.engine.sequence import Sequence
 from mtpspec.step_io import SeqInput, StepInput, StepOutput
 from mtpspec.outputs import Logprob, RequestOutput
@@ -78,6 +78,8 @@ class LLMEngine:
         self.draft_hook: Optional[Callable[[Sequence, List[int]], List[int]]] = None
         self._token_texts: Dict[int, str] = {}  # token id -> its text alone (Logprob.decoded_token)
         self._parents: Dict[str, ParentRequest] = {}  # unfinished requests of several sequences
+        # async scheduling: the last step's (SchedulerOutput, StepHandle) until its drafts are taken
+        self._pending_drafts: Optional[Tuple[SchedulerOutput, Any]] = None
 
     # ------------------------------------------------------------------ requests
     def validate_request(self, prompt: PromptType, params: SamplingParams) -> Tuple[Optional[str], List[int]]:
@@ -249,33 +251,38 @@ class LLMEngine:
 
     def step(self) -> List[RequestOutput]:
         """Schedule and run one step; returns the requests that finished in it (a request of
-        several sequences once all of them did)."""
+        several sequences once all of them did).
+
+        With ``async_scheduling`` the step returns once its tokens are known, while its draft
+        passes still run on the device; the next step schedules, then takes the drafts
+        (:meth:`_take_drafts`) into its decodes' inputs. Same outputs either way.
+        """
         t0 = time.perf_counter()
         out = self.scheduler.schedule()
+        self._take_drafts(out)
         m = self.metrics
         m.num_preemptions += len(out.preempted)
         if out.is_empty:
             return []
         t1 = time.perf_counter()
-        result = self.executor.execute(self._step_input(out))
+        handle = self.executor.execute_async(self._step_input(out))
+        result = handle.output()
         now = time.perf_counter()
         k = self.scheduler_config.num_speculative_tokens
         m.num_prompt_tokens += sum(len(s.input_token_ids) for s in out.scheduled if s.is_prefill)
         m.prefix_cache_queries += out.prefix_cache_queries
         m.prefix_cache_hits += out.prefix_cache_hits
         before = {id(s.seq): len(s.seq.output_token_ids) for s in out.scheduled}
-        finished = self.scheduler.update_from_output(out, result.new_token_ids, result.draft_token_ids if k else None,
-                                                     now)
+        finished = self.scheduler.update_from_output(out, result.new_token_ids, None, now, drafts_pending=bool(k))
         if result.logprobs is not None or result.prompt_logprobs is not None:
             self._store_logprobs(out, result, before)
         if k:  # emitted accepted drafts only (see Scheduler.update_from_output)
             for sch in out.scheduled:
                 if not sch.is_prefill:
                     m.spec.observe(sch.num_accepted_tokens)
-        if self.draft_hook is not None and k:
-            for sch in out.scheduled:
-                if not sch.seq.is_finished and not sch.is_partial_prefill:
-                    sch.seq.draft_token_ids = self._checked_drafts(self.draft_hook(sch.seq, list(sch.seq.draft_token_ids)))
+            self._pending_drafts = (out, handle)
+            if not self.scheduler_config.async_scheduling:
+                self._take_drafts()
         m.num_output_tokens += sum(len(s.seq.output_token_ids) - before[id(s.seq)] for s in out.scheduled)
         m.num_steps += 1
         m.num_eager_fallbacks += result.num_eager_fallbacks
@@ -294,6 +301,28 @@ class LLMEngine:
             if rm.tpot is not None:
                 m.tpot_s.append(rm.tpot)
         return self._finished_outputs(finished)
+
+    def _take_drafts(self, out: Optional[SchedulerOutput] = None) -> None:
+        """Give the sequences of the last step their drafts (waiting for its draft passes), through
+        ``draft_hook`` when set, and put them into the decodes of ``out`` (scheduled meanwhile with
+        :data:`~mtpspec.engine.scheduler.DRAFT_PENDING` ids). Sequences that finished, were
+        preempted or were a partial prefill chunk get none."""
+        if self._pending_drafts is not None:
+            prev, handle = self._pending_drafts
+            self._pending_drafts = None
+            drafts = handle.drafts()
+            for i, sch in enumerate(prev.scheduled):
+                seq = sch.seq
+                if seq.is_finished or seq.is_prefill or sch.is_partial_prefill:
+                    continue
+                d = list(drafts[i])
+                seq.draft_token_ids = d if self.draft_hook is None else self._checked_drafts(self.draft_hook(seq, d))
+        if out is not None:
+            for sch in out.scheduled:
+                if not sch.is_prefill:
+                    if DRAFT_PENDING in sch.seq.draft_token_ids:
+                        raise RuntimeError(f"{sch.seq!r} is scheduled with drafts that were never computed")
+                    sch.input_token_ids[1:] = sch.seq.draft_token_ids
 
     def _finished_outputs(self, finished: List[Sequence]) -> List[RequestOutput]:
         """Outputs of the requests that finished: a plain sequence's own, a parent's once its last

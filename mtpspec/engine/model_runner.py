@@ -3,9 +3,11 @@
 Every tensor-parallel rank runs the same :meth:`ModelRunner.execute_model` on the same
 :class:`~mtpspec.step_io.StepInput`. Logits are all-gathered and the random draws are
 counter-based (:mod:`mtpspec.sample.counter_rng`), so every rank computes the same tokens and the
-same accepted counts, hence the same shapes and the same collectives in the same order. The
-only device-to-host transfer of a step is the final ``[B, 2k + 1]`` token block (with the
-step's log-probabilities packed beside it when a sequence asked for them).
+same accepted counts, hence the same shapes and the same collectives in the same order. A
+step makes two device-to-host transfers: the ``[B, k + 1]`` token block right after
+verification (with the step's log-probabilities packed beside it when a sequence asked for
+them), then the ``[B, k]`` drafts after the proposer's passes (:meth:`ModelRunner.launch`:
+the engine processes the tokens while the draft passes run).
 
 Sampling and verification read the verify forward's logits after per-request edits
 (:mod:`mtpspec.sample.logits_processors`: ``logit_bias``, ``min_tokens``, penalties);
@@ -152,8 +154,26 @@ class ModelRunner:
         """Run one step: (block copies) -> prepare -> verify -> accept -> propose -> copy out.
 
         Returns:
-            per sequence in batch order, the emitted tokens and the next ``k`` drafts (one
-            device -> host copy), with the step's eager fall-backs, collective bytes and wall time.
+            per sequence in batch order, the emitted tokens and the next ``k`` drafts, with the
+            step's eager fall-backs, collective bytes and wall time.
+
+        Raises:
+            ValueError: a malformed ``step`` (see :func:`~mtpspec.engine.input_prep.prepare_step`).
+        """
+        pending = self.launch(step)
+        out = pending.output()
+        out.draft_token_ids = pending.drafts()
+        return out
+
+    @torch.inference_mode()
+    def launch(self, step: StepInput) -> "PendingStep":
+        """Queue one step on the device and return before its drafts are known.
+
+        The emitted tokens (and log-probabilities) are copied to the host right after
+        verification, the drafts after the proposer's passes, each copy with its own event: a
+        caller reads the tokens (:meth:`PendingStep.output`) while the draft passes still run,
+        and the drafts (:meth:`PendingStep.drafts`) when it builds the next step. The device
+        work and its order are those of :meth:`execute_model`; only where the host waits moves.
 
         Raises:
             ValueError: a malformed ``step`` (see :func:`~mtpspec.engine.input_prep.prepare_step`).
@@ -165,18 +185,16 @@ class ModelRunner:
         hidden, logits = self.fwd.verify(inp.input_ids, inp.positions, inp.attn_metadata, inp.sample_rows)
         tokens, last_row = self._accept(inp, logits, self._sampled_drafts(step, inp))
         scores = self._score_logprobs(inp, hidden, logits, tokens)
+        token_copy = _HostCopy.start(_pack_tokens(tokens, scores))
         drafts = self._propose(inp, hidden, tokens, last_row)
         if self.draft_sampling and drafts is not None:
             self._draft_rows = {s.request_id: i for i, s in enumerate(step.seqs) if not s.is_partial_prefill}
             self._prev_drafts = drafts
-        new_tokens, drafts_out, host_scores = self._copy_out(tokens, drafts, inp.host_partial, scores)
+        draft_copy = None if drafts is None else _HostCopy.start(drafts.view(tokens.shape[0], self.k))
         comm1 = _bytes_sent(comm_stats())
         delta = {op: comm1[op] - comm0.get(op, 0) for op in comm1 if comm1[op] != comm0.get(op, 0)}
-        out = StepOutput(new_tokens, drafts_out, self.fwd.num_eager_fallbacks - fallbacks0, delta,
-                         time.perf_counter() - t0)
-        if host_scores is not None:
-            out.logprobs, out.prompt_logprobs = self._split_logprobs(step, inp, new_tokens, host_scores)
-        return out
+        return PendingStep(step, inp, tuple(tokens.shape), scores, token_copy, draft_copy,
+                           self.fwd.num_eager_fallbacks - fallbacks0, delta, t0)
 
     def _prepare(self, step: StepInput) -> PreparedStep:
         """Device tensors of ``step``; tells the forward the batch (graph buffers for pure decodes)."""
@@ -263,7 +281,7 @@ class ModelRunner:
 
         A partial prefill chunk's newest token is the prompt token after it
         (``inp.next_token_ids``): the MTP first pass writes the same KV entries as a whole
-        prefill; the drafts it yields are dropped by :meth:`_copy_out`.
+        prefill; the drafts it yields are dropped by :meth:`PendingStep.drafts`.
         """
         if self.proposer is None:
             return None
@@ -301,59 +319,6 @@ class ModelRunner:
             return None
         return [sample, prompt]
 
-    def _split_logprobs(self, step: StepInput, inp: PreparedStep, new_tokens: List[List[int]],
-                        blocks: List[Optional[np.ndarray]]):
-        """Per sequence: the emitted tokens' and the prompt rows' :class:`TokenLogprobs` (or ``None``)."""
-        lm = inp.logprobs_meta
-        sample, prompt = blocks
-        out_s: List = [None] * len(step.seqs)
-        out_p: List = [None] * len(step.seqs)
-        a = b = 0
-        for i, s in enumerate(step.seqs):
-            n = lm.row_counts[i]
-            if n:
-                out_s[i] = unpack_rows(sample[a:a + len(new_tokens[i])], s.logprobs)
-                a += n
-            n = lm.prompt_row_counts[i]
-            if n:
-                out_p[i] = unpack_rows(prompt[b:b + n], s.prompt_logprobs)
-                b += n
-        return out_s, out_p
-
-    def _copy_out(self, tokens: torch.Tensor, drafts: Optional[torch.Tensor], partial: Sequence[int] = (),
-                  scores: Optional[List[Optional[torch.Tensor]]] = None
-                  ) -> Tuple[List[List[int]], List[List[int]], Optional[List[Optional[np.ndarray]]]]:
-        """The step's single device -> host transfer: emitted tokens (placeholders cut), drafts
-        (none for the batch indices in ``partial``: partial prefill chunks), and the packed
-        log-probability blocks (float64, sent in the same copy), if any."""
-        k = self.k
-        result = tokens if drafts is None else torch.cat([tokens, drafts.view(tokens.shape[0], k)], dim=1)
-        host_scores = None
-        if scores is None:
-            host = result.cpu().tolist()
-        else:
-            parts = [result.double().reshape(-1)] + [t.reshape(-1) for t in scores if t is not None]
-            flat = torch.cat(parts).cpu().numpy()
-            n = result.numel()
-            host = flat[:n].reshape(result.shape).astype(np.int64).tolist()
-            host_scores, off = [], n
-            for t in scores:
-                if t is None:
-                    host_scores.append(None)
-                    continue
-                host_scores.append(flat[off:off + t.numel()].reshape(t.shape))
-                off += t.numel()
-        new_tokens, drafts_out = [], []
-        for row in host:
-            emitted = row[:k + 1]
-            n = next((i for i, t in enumerate(emitted) if t == PLACEHOLDER_TOKEN_ID), len(emitted))
-            new_tokens.append(emitted[:n])
-            drafts_out.append(row[k + 1:])
-        for i in partial:
-            drafts_out[i] = []
-        return new_tokens, drafts_out, host_scores
-
-
 def last_row_tok_index(inp: PreparedStep, last_row: torch.Tensor) -> torch.Tensor:
     """Column of each sequence's newest token in the ``[B, k + 1]`` token block.
 
@@ -362,3 +327,117 @@ def last_row_tok_index(inp: PreparedStep, last_row: torch.Tensor) -> torch.Tenso
     idx = last_row.clone()
     idx[inp.num_decodes:] = 0
     return idx
+
+
+def _split_logprobs(step: StepInput, lm, new_tokens: List[List[int]], blocks: List[Optional[np.ndarray]]):
+    """Per sequence: the emitted tokens' and the prompt rows' :class:`TokenLogprobs` (or ``None``);
+    ``lm``: the step's ``PreparedStep.logprobs_meta``."""
+    sample, prompt = blocks
+    out_s: List = [None] * len(step.seqs)
+    out_p: List = [None] * len(step.seqs)
+    a = b = 0
+    for i, s in enumerate(step.seqs):
+        n = lm.row_counts[i]
+        if n:
+            out_s[i] = unpack_rows(sample[a:a + len(new_tokens[i])], s.logprobs)
+            a += n
+        n = lm.prompt_row_counts[i]
+        if n:
+            out_p[i] = unpack_rows(prompt[b:b + n], s.prompt_logprobs)
+            b += n
+    return out_s, out_p
+
+
+def _pack_tokens(tokens: torch.Tensor, scores: Optional[List[Optional[torch.Tensor]]]) -> torch.Tensor:
+    """The token block ``[B, k + 1]`` int64, or with log-probabilities: one float64 vector of the
+    tokens then the packed score blocks (one device -> host copy either way)."""
+    if scores is None:
+        return tokens
+    return torch.cat([tokens.double().reshape(-1)] + [t.reshape(-1) for t in scores if t is not None])
+
+
+class _HostCopy:
+    """A device -> host copy in flight: pinned destination + event on CUDA, the tensor itself elsewhere."""
+
+    def __init__(self, host: torch.Tensor, event: Optional[torch.cuda.Event]):
+        self.host, self.event = host, event
+
+    @classmethod
+    def start(cls, src: torch.Tensor) -> "_HostCopy":
+        if src.device.type != "cuda":
+            return cls(src, None)
+        host = torch.empty(src.shape, dtype=src.dtype, pin_memory=True)
+        host.copy_(src, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        return cls(host, event)
+
+    def wait(self) -> torch.Tensor:
+        """The host tensor, once the copy is done (waits without holding the GIL)."""
+        if self.event is not None:
+            self.event.synchronize()
+            self.event = None
+        return self.host
+
+
+class PendingStep:
+    """A step launched by :meth:`ModelRunner.launch`: its tokens and its drafts, each read once ready.
+
+    ``output()`` waits for the tokens' copy only (the draft passes may still run) and returns the
+    :class:`~mtpspec.step_io.StepOutput` with ``draft_token_ids = None``; ``drafts()`` waits for
+    the drafts (``[]`` per sequence without a proposer and for partial prefill chunks).
+    """
+
+    def __init__(self, step: StepInput, inp: PreparedStep, shape: Tuple[int, int],
+                 scores: Optional[List[Optional[torch.Tensor]]], token_copy: _HostCopy,
+                 draft_copy: Optional[_HostCopy], fallbacks: int, comm: dict, t0: float):
+        # host facts only (no runner, no step tensors): a handle kept after the last step holds no model
+        self._step, self._partial, self._shape = step, list(inp.host_partial), shape
+        self._logprobs_meta = inp.logprobs_meta if scores is not None else None
+        self._scores = None if scores is None else [None if t is None else t.shape for t in scores]
+        self._token_copy, self._draft_copy = token_copy, draft_copy
+        self._fallbacks, self._comm, self._t0 = fallbacks, comm, t0
+        self._out: Optional[StepOutput] = None
+        self._drafts: Optional[List[List[int]]] = None
+
+    def output(self) -> StepOutput:
+        """The emitted tokens (placeholders cut) and log-probabilities; ``draft_token_ids`` is ``None``."""
+        if self._out is not None:
+            return self._out
+        flat = self._token_copy.wait()
+        k1 = self._shape[1]
+        host_scores = None
+        if self._scores is None:
+            rows = flat.tolist()
+        else:
+            arr = flat.numpy()
+            n = self._shape[0] * k1
+            rows = arr[:n].reshape(self._shape).astype(np.int64).tolist()
+            host_scores, off = [], n
+            for shape in self._scores:
+                if shape is None:
+                    host_scores.append(None)
+                    continue
+                n = int(np.prod(shape))
+                host_scores.append(arr[off:off + n].reshape(shape))
+                off += n
+        new_tokens = []
+        for row in rows:
+            n = next((i for i, t in enumerate(row) if t == PLACEHOLDER_TOKEN_ID), len(row))
+            new_tokens.append(row[:n])
+        out = StepOutput(new_tokens, None, self._fallbacks, self._comm, time.perf_counter() - self._t0)
+        if host_scores is not None:
+            out.logprobs, out.prompt_logprobs = _split_logprobs(self._step, self._logprobs_meta, new_tokens,
+                                                                host_scores)
+        self._out = out
+        return out
+
+    def drafts(self) -> List[List[int]]:
+        """Per sequence, the ``k`` drafts for the next step."""
+        if self._drafts is None:
+            b = self._shape[0]
+            drafts = [[] for _ in range(b)] if self._draft_copy is None else self._draft_copy.wait().tolist()
+            for i in self._partial:
+                drafts[i] = []
+            self._drafts = drafts
+        return self._drafts

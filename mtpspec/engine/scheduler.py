@@ -53,6 +53,9 @@ from mtpspec.engine.config import SchedulerConfig
 from mtpspec.engine.sequence import Sequence, SequenceStatus
 from mtpspec.engine.stop_checker import append_tokens
 
+#: Draft id of a sequence whose drafts are still being computed (async scheduling); never sent to a rank.
+DRAFT_PENDING = -1
+
 
 @dataclass
 class ScheduledSeq:
@@ -282,7 +285,8 @@ class Scheduler:
         return out
 
     def update_from_output(self, out: SchedulerOutput, new_tokens: Seq[Seq[int]],
-                           drafts: Optional[Seq[Seq[int]]], now: Optional[float] = None) -> List[Sequence]:
+                           drafts: Optional[Seq[Seq[int]]], now: Optional[float] = None,
+                           drafts_pending: bool = False) -> List[Sequence]:
         """Apply a step's results.
 
         Args:
@@ -300,6 +304,9 @@ class Scheduler:
         the verifier accepted but that fall after a stop (EOS, stop id / string, ``max_tokens``,
         ``max_model_len``) count as drafted, not accepted.
             now: host timestamp of the step's end (default: now).
+            drafts_pending: the drafts are not known yet (async scheduling): each continuing
+                sequence gets ``k`` :data:`DRAFT_PENDING` ids, which the engine replaces
+                (:meth:`~mtpspec.engine.llm_engine.LLMEngine.step`) before any step reads them.
 
         Returns:
             The sequences that finished in this step (their blocks are freed).
@@ -356,5 +363,8 @@ class Scheduler:
                 self.running.remove(seq)
                 finished.append(seq)
             else:
-                seq.draft_token_ids = list(drafts[i]) if (k and drafts is not None) else []
+                if k and drafts_pending:
+                    seq.draft_token_ids = [DRAFT_PENDING] * k
+                else:
+                    seq.draft_token_ids = list(drafts[i]) if (k and drafts is not None) else []
         return finished

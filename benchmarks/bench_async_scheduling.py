@@ -1,0 +1,152 @@
+"""Engine step wall time vs the GPU's busy time, async scheduling off and on (issue 18).
+
+Model: random weights (``load_format="dummy"``) at GLM-4.5-Air width (hidden 4096, vocab 151,552,
+96 / 8 heads of 128, 128 routed experts of 1408 + 1 shared, top 8), ``--layers`` target layers
+(the first dense) + one MTP layer, bf16, tp 1, CUDA graphs, k = ``--k``. For each batch size:
+``B`` requests of ``--context`` random prompt tokens are prefilled, then the engine decodes with
+forced acceptance (``--accept``, default ``length:2``: every step emits the same count, so
+steps are alike) and ``ignore_eos``. Over ``--steps`` pure-decode steps (after warm-up steps):
+
+* ``wall``: host wall time per ``LLMEngine.step()`` (what a user's loop sees);
+* ``gpu busy``: the union of the kernels' intervals per step (``torch.profiler`` CUDA
+  activity, kernels inside CUDA graphs included), i.e. the step's device time with the host's
+  gaps removed; ``wall / busy`` is the host's exposed share (goal <= 1.05).
+
+Both arms in one process, one engine each. Prints JSON (``--json OUT`` also writes it).
+Usage: ``python3 benchmarks/bench_async_scheduling.py [--batch-sizes 1,64] [--layers 8]``.
+``--smoke``: a tiny model on the CPU (no profiler figures), to prove the script runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from typing import Any, Dict, List
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from benchmarks.bench_engine_step import glm_air_config_dict  # noqa: E402
+from mtpspec import LLM, SamplingParams  # noqa: E402
+from mtpspec.spec_decode.forced_acceptance import ForcedAcceptance, enable_forced_acceptance  # noqa: E402
+
+
+def write_config(folder: str, smoke: bool, layers: int) -> None:
+    raw = glm_air_config_dict(smoke, layers)
+    raw["torch_dtype"] = "float32" if smoke else "bfloat16"
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(raw, f)
+
+
+def busy_ms(prof: Any) -> float:
+    """Union of the CUDA kernel intervals in a profile, milliseconds."""
+    spans = []
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.elapsed_us() > 0:
+            spans.append((e.time_range.start, e.time_range.end))
+    spans.sort()
+    total, cur_s, cur_e = 0.0, None, None
+    for s, e in spans:
+        if cur_e is None or s > cur_e:
+            if cur_e is not None:
+                total += cur_e - cur_s
+            cur_s, cur_e = s, e
+        else:
+            cur_e = max(cur_e, e)
+    if cur_e is not None:
+        total += cur_e - cur_s
+    return total / 1e3
+
+
+def run_arm(folder: str, args: argparse.Namespace, b: int, on: bool) -> Dict[str, Any]:
+    smoke = args.smoke
+    llm = LLM(folder, load_format="dummy", speculative_config={"num_speculative_tokens": args.k},
+              max_num_seqs=max(b, 1), max_model_len=args.context + args.warmup + args.steps * (args.k + 1) + 64,
+              async_scheduling=on, seed=0, device="cpu" if smoke else None, enable_prefix_caching=False,
+              gpu_memory_utilization=0.85)
+    try:
+        enable_forced_acceptance(llm, ForcedAcceptance.parse(args.accept))
+        eng = llm.llm_engine
+        g = torch.Generator().manual_seed(b)
+        vocab = llm.model_config.vocab_size
+        sp = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=args.warmup * 4 + args.steps * (args.k + 1))
+        for i in range(b):
+            ids = torch.randint(3, vocab, (args.context,), generator=g).tolist()
+            eng.add_request({"prompt_token_ids": ids}, sp, request_id=str(i))
+        while any(s.is_prefill for s in eng.scheduler.running) or eng.scheduler.waiting:
+            eng.step()
+        for _ in range(args.warmup):
+            eng.step()
+        if not smoke:
+            torch.cuda.synchronize()
+        steps0 = eng.metrics.num_steps
+        prof = None
+        if not smoke:
+            prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
+            prof.__enter__()
+        t0 = time.perf_counter()
+        for _ in range(args.steps):
+            eng.step()
+        eng._take_drafts()  # the last step's drafts: part of its work
+        if not smoke:
+            torch.cuda.synchronize()
+        wall = (time.perf_counter() - t0) * 1e3 / args.steps
+        busy = None
+        if prof is not None:
+            prof.__exit__(None, None, None)
+            busy = busy_ms(prof) / args.steps
+        n = eng.metrics.num_steps - steps0
+        # the same loop without the profiler (its own overhead)
+        t0 = time.perf_counter()
+        for _ in range(args.steps):
+            eng.step()
+        eng._take_drafts()
+        if not smoke:
+            torch.cuda.synchronize()
+        wall_np = (time.perf_counter() - t0) * 1e3 / args.steps
+        return dict(batch=b, async_scheduling=on, steps=n, wall_ms=wall_np, wall_profiled_ms=wall, gpu_busy_ms=busy,
+                    wall_over_busy=(wall_np / busy) if busy else None)
+    finally:
+        llm.shutdown()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--batch-sizes", default="1,64")
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--k", type=int, default=3)
+    ap.add_argument("--context", type=int, default=1024)
+    ap.add_argument("--accept", default="length:2", help="forced acceptance, rate:P or length:N (default length:2)")
+    ap.add_argument("--warmup", type=int, default=10)
+    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    if args.smoke:
+        args.layers, args.context, args.steps, args.warmup = 2, 16, 4, 2
+    out: Dict[str, Any] = {"bench": "async_scheduling", "layers": args.layers, "k": args.k, "context": args.context,
+                           "accept": args.accept, "rows": []}
+    if torch.cuda.is_available():
+        out["device"] = torch.cuda.get_device_name()
+    with tempfile.TemporaryDirectory() as folder:
+        write_config(folder, args.smoke, args.layers)
+        for b in [int(x) for x in args.batch_sizes.split(",")]:
+            for on in (False, True):
+                row = run_arm(folder, args, b, on)
+                out["rows"].append(row)
+                print(json.dumps(row), flush=True)
+    text = json.dumps(out, indent=1)
+    print(text)
+    if args.json:
+        with open(args.json, "w") as f:
+            f.write(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,101 @@
+"""Async scheduling (issue 18): the engine applies a step's tokens and schedules the next step
+while the step's draft passes run; the drafts are taken only when the next step is built.
+
+Contract: the same outputs token for token as the engine that waits for each whole step
+(``async_scheduling=False``), greedy and seeded sampling, k = 0 / 1 / 3, with stop ids, EOS,
+``max_tokens``, preemption (a KV cache too small for every sequence) and aborts mid-run; and the
+order of the host's waits (a step returns before its drafts are read).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from test_engine_fixtures import make_model, mixed_prompts, token_prompts
+
+from mtpspec import LLM, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("tiny_async"))
+    _, cfg = make_model(path, seed=5)
+    return path, cfg
+
+
+def _llm(path: str, k: int, async_scheduling: bool, num_kv_blocks: int = 256) -> LLM:
+    spec = {"num_speculative_tokens": k} if k else None
+    return LLM(path, speculative_config=spec, max_model_len=48, block_size=4, num_kv_blocks=num_kv_blocks,
+               max_num_seqs=4, seed=0, async_scheduling=async_scheduling)
+
+
+def _params(i: int, vocab: int):
+    """Greedy and seeded rows, with stop ids, EOS and different lengths."""
+    if i % 3 == 0:
+        return SamplingParams(temperature=0.0, max_tokens=10 + i, ignore_eos=True)
+    if i % 3 == 1:
+        return SamplingParams(temperature=0.9, top_p=0.9, seed=100 + i, max_tokens=16, stop_token_ids=[7, 11])
+    return SamplingParams(temperature=0.7, seed=200 + i, max_tokens=12)
+
+
+def _run(llm: LLM, prompts, vocab: int, abort_at: int = -1):
+    """Step the engine by hand; abort request "3" after ``abort_at`` steps. Returns
+    ``{request id: (token ids, finish reason)}`` of every request."""
+    eng = llm.llm_engine
+    for i, p in enumerate(token_prompts(prompts)):
+        eng.add_request(p, _params(i, vocab), request_id=str(i))
+    done, steps = {}, 0
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            done[o.request_id] = (o.outputs[0].token_ids, o.outputs[0].finish_reason)
+        steps += 1
+        if steps == abort_at:
+            o = eng.abort_request("3")
+            if o is not None:
+                done["3"] = (o.outputs[0].token_ids, "abort")
+    return done, eng.get_metrics()
+
+
+@pytest.mark.parametrize("k", [0, 1, 3])
+@pytest.mark.parametrize("blocks", [256, 18])  # 18 blocks of 4 tokens: preemptions
+def test_async_outputs_equal_sync(model, k, blocks) -> None:
+    path, cfg = model
+    prompts = mixed_prompts(7, cfg.vocab_size, seed=k + blocks)
+    results = []
+    for on in (False, True):
+        with _llm(path, k, on, blocks) as llm:
+            results.append(_run(llm, prompts, cfg.vocab_size, abort_at=4))
+    (sync, ms), (asyn, ma) = results
+    assert asyn == sync
+    assert len(sync) == len(prompts) and sync["3"][1] == "abort"
+    for key in ("num_steps", "num_output_tokens", "num_preemptions"):
+        assert ma[key] == ms[key], key
+    if blocks == 18:
+        assert ms["num_preemptions"] > 0
+
+
+def test_a_step_returns_before_its_drafts_are_read(model, monkeypatch) -> None:
+    """With async scheduling the engine reads a step's tokens, returns, and takes its drafts at
+    the start of the next step; without it, inside the same step."""
+    path, cfg = model
+    for on in (True, False):
+        with _llm(path, 2, on) as llm:
+            eng, log = llm.llm_engine, []
+            real = eng.executor.execute_async
+
+            def spy(step_input, real=real, log=log):
+                handle = real(step_input)
+                out, drafts = handle.output, handle.drafts
+                handle.output = lambda: (log.append("output"), out())[1]
+                handle.drafts = lambda: (log.append("drafts"), drafts())[1]
+                return handle
+
+            monkeypatch.setattr(eng.executor, "execute_async", spy)
+            eng.add_request({"prompt_token_ids": [5, 6, 7, 8]}, SamplingParams(temperature=0.0, max_tokens=8,
+                                                                               ignore_eos=True))
+            eng.step()
+            assert log == (["output"] if on else ["output", "drafts"])
+            eng.step()
+            assert log == (["output", "drafts", "output"] if on else ["output", "drafts"] * 2)
+            while eng.has_unfinished_requests():
+                eng.step()
