@@ -66,7 +66,7 @@ def busy_ms(prof: Any) -> float:
 def run_arm(folder: str, args: argparse.Namespace, b: int, on: bool) -> Dict[str, Any]:
     smoke = args.smoke
     llm = LLM(folder, load_format="dummy", speculative_config={"num_speculative_tokens": args.k},
-              max_num_seqs=max(b, 1), max_model_len=args.context + args.warmup + args.steps * (args.k + 1) + 64,
+              max_num_seqs=max(b, 1), max_model_len=args.context + (args.warmup + 2 * args.steps + 8) * (args.k + 1),
               async_scheduling=on, seed=0, device="cpu" if smoke else None, enable_prefix_caching=False,
               gpu_memory_utilization=0.85)
     try:
@@ -74,7 +74,7 @@ def run_arm(folder: str, args: argparse.Namespace, b: int, on: bool) -> Dict[str
         eng = llm.llm_engine
         g = torch.Generator().manual_seed(b)
         vocab = llm.model_config.vocab_size
-        sp = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=args.warmup * 4 + args.steps * (args.k + 1))
+        sp = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=(args.warmup + 2 * args.steps + 4) * (args.k + 1))
         for i in range(b):
             ids = torch.randint(3, vocab, (args.context,), generator=g).tolist()
             eng.add_request({"prompt_token_ids": ids}, sp, request_id=str(i))
@@ -102,6 +102,7 @@ def run_arm(folder: str, args: argparse.Namespace, b: int, on: bool) -> Dict[str
             busy = busy_ms(prof) / args.steps
         n = eng.metrics.num_steps - steps0
         # the same loop without the profiler (its own overhead)
+        running = len(eng.scheduler.running)
         t0 = time.perf_counter()
         for _ in range(args.steps):
             eng.step()
@@ -109,6 +110,8 @@ def run_arm(folder: str, args: argparse.Namespace, b: int, on: bool) -> Dict[str
         if not smoke:
             torch.cuda.synchronize()
         wall_np = (time.perf_counter() - t0) * 1e3 / args.steps
+        if len(eng.scheduler.running) != running or running != b:
+            raise RuntimeError(f"batch changed during the timed steps ({b} -> {running} -> {len(eng.scheduler.running)})")
         return dict(batch=b, async_scheduling=on, steps=n, wall_ms=wall_np, wall_profiled_ms=wall, gpu_busy_ms=busy,
                     wall_over_busy=(wall_np / busy) if busy else None)
     finally:
