@@ -131,7 +131,7 @@ def main() -> int:
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     if args.smoke:
-        args.layers, args.context, args.steps, args.warmup = 2, 16, 4, 2
+        args.layers, args.context, args.steps, args.warmup, args.batch_sizes = 2, 16, 4, 2, "1,4"
     out: Dict[str, Any] = {"bench": "async_scheduling", "layers": args.layers, "k": args.k, "context": args.context,
                            "accept": args.accept, "rows": []}
     if torch.cuda.is_available():
