@@ -63,10 +63,52 @@ def busy_ms(prof: Any) -> float:
     return total / 1e3
 
 
+class HostPhases:
+    """Host time per phase (``--breakdown``): wraps engine / runner methods with perf_counter sums."""
+
+    def __init__(self, llm: Any) -> None:
+        eng = llm.llm_engine
+        runner = eng.executor.runner
+        self.ms: Dict[str, float] = {}
+        from mtpspec.engine import model_runner
+        self.restore = []
+        for name, obj, attr in [("schedule", eng.scheduler, "schedule"), ("take_drafts", eng, "_take_drafts"),
+                                ("step_input", eng, "_step_input"), ("update", eng.scheduler, "update_from_output"),
+                                ("prepare", runner, "_prepare"), ("verify", runner.fwd, "verify"),
+                                ("accept", runner, "_accept"), ("propose", runner, "_propose"),
+                                ("launch", runner, "launch"),
+                                ("wait_tokens", model_runner.PendingStep, "output"),
+                                ("wait_drafts", model_runner.PendingStep, "drafts")]:
+            self._wrap(name, obj, attr)
+
+    def _wrap(self, name: str, obj: Any, attr: str) -> None:
+        fn = getattr(obj, attr)
+        ms = self.ms
+        ms[name] = 0.0
+        is_cls = isinstance(obj, type)
+
+        def timed(*a: Any, **kw: Any) -> Any:
+            t = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                ms[name] += (time.perf_counter() - t) * 1e3
+
+        setattr(obj, attr, timed)
+        self.restore.append((obj, attr, fn, is_cls))
+
+    def close(self) -> None:
+        for obj, attr, fn, is_cls in reversed(self.restore):
+            if is_cls:
+                setattr(obj, attr, fn)
+            else:
+                delattr(obj, attr) if attr in vars(obj) else None
+
+
 def run_arm(folder: str, args: argparse.Namespace, b: int, on: bool) -> Dict[str, Any]:
     smoke = args.smoke
     llm = LLM(folder, load_format="dummy", speculative_config={"num_speculative_tokens": args.k},
-              max_num_seqs=max(b, 1), max_model_len=args.context + (args.warmup + 2 * args.steps + 8) * (args.k + 1),
+              max_num_seqs=max(b, 1), max_model_len=args.context + (args.warmup + 3 * args.steps + 8) * (args.k + 1),
               async_scheduling=on, seed=0, device="cpu" if smoke else None, enable_prefix_caching=False,
               gpu_memory_utilization=0.85)
     try:
@@ -74,7 +116,7 @@ def run_arm(folder: str, args: argparse.Namespace, b: int, on: bool) -> Dict[str
         eng = llm.llm_engine
         g = torch.Generator().manual_seed(b)
         vocab = llm.model_config.vocab_size
-        sp = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=(args.warmup + 2 * args.steps + 4) * (args.k + 1))
+        sp = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=(args.warmup + 3 * args.steps + 4) * (args.k + 1))
         for i in range(b):
             ids = torch.randint(3, vocab, (args.context,), generator=g).tolist()
             eng.add_request({"prompt_token_ids": ids}, sp, request_id=str(i))
@@ -112,8 +154,20 @@ def run_arm(folder: str, args: argparse.Namespace, b: int, on: bool) -> Dict[str
         wall_np = (time.perf_counter() - t0) * 1e3 / args.steps
         if len(eng.scheduler.running) != running or running != b:
             raise RuntimeError(f"batch changed during the timed steps ({b} -> {running} -> {len(eng.scheduler.running)})")
-        return dict(batch=b, async_scheduling=on, steps=n, wall_ms=wall_np, wall_profiled_ms=wall, gpu_busy_ms=busy,
-                    wall_over_busy=(wall_np / busy) if busy else None)
+        row = dict(batch=b, async_scheduling=on, steps=n, wall_ms=wall_np, wall_profiled_ms=wall, gpu_busy_ms=busy,
+                   wall_over_busy=(wall_np / busy) if busy else None)
+        if args.breakdown:  # a third loop, with the host phases timed (their own overhead is small)
+            phases = HostPhases(llm)
+            t0 = time.perf_counter()
+            for _ in range(args.steps):
+                eng.step()
+            eng._take_drafts()
+            if not smoke:
+                torch.cuda.synchronize()
+            phases.close()
+            row["breakdown_wall_ms"] = (time.perf_counter() - t0) * 1e3 / args.steps
+            row["host_ms_per_step"] = {k: round(v / args.steps, 4) for k, v in phases.ms.items()}
+        return row
     finally:
         llm.shutdown()
 
@@ -128,6 +182,7 @@ def main() -> int:
     ap.add_argument("--warmup", type=int, default=10)
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--breakdown", action="store_true", help="also time the host phases per step (a third loop)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     if args.smoke:

@@ -30,12 +30,15 @@ def _llm(path: str, k: int, async_scheduling: bool, num_kv_blocks: int = 256) ->
 
 
 def _params(i: int, vocab: int):
-    """Greedy and seeded rows, with stop ids, EOS and different lengths."""
-    if i % 3 == 0:
+    """Greedy and seeded rows, with stop ids, EOS, different lengths, and penalties (whose rows
+    count the drafts: their decodes take the drafts on the host)."""
+    if i % 4 == 0:
         return SamplingParams(temperature=0.0, max_tokens=10 + i, ignore_eos=True)
-    if i % 3 == 1:
+    if i % 4 == 1:
         return SamplingParams(temperature=0.9, top_p=0.9, seed=100 + i, max_tokens=16, stop_token_ids=[7, 11])
-    return SamplingParams(temperature=0.7, seed=200 + i, max_tokens=12)
+    if i % 4 == 2:
+        return SamplingParams(temperature=0.7, seed=200 + i, max_tokens=12)
+    return SamplingParams(temperature=0.8, seed=300 + i, max_tokens=14, frequency_penalty=0.5, min_tokens=4)
 
 
 def _run(llm: LLM, prompts, vocab: int, abort_at: int = -1):
@@ -61,10 +64,19 @@ def _run(llm: LLM, prompts, vocab: int, abort_at: int = -1):
 def test_async_outputs_equal_sync(model, k, blocks) -> None:
     path, cfg = model
     prompts = mixed_prompts(7, cfg.vocab_size, seed=k + blocks)
-    results = []
+    results, pending_rows = [], []
     for on in (False, True):
         with _llm(path, k, on, blocks) as llm:
+            runner = llm.llm_engine.executor.runner
+            fill, seen = runner._fill_pending_drafts, [0]
+
+            def spy(step, inp, fill=fill, seen=seen):
+                seen[0] += sum(1 for s in step.seqs[:inp.num_decodes] if s.input_token_ids[1] < 0)
+                return fill(step, inp)
+
+            runner._fill_pending_drafts = spy
             results.append(_run(llm, prompts, cfg.vocab_size, abort_at=4))
+            pending_rows.append(seen[0])
     (sync, ms), (asyn, ma) = results
     assert asyn == sync
     assert len(sync) == len(prompts) and sync["3"][1] == "abort"
@@ -72,6 +84,8 @@ def test_async_outputs_equal_sync(model, k, blocks) -> None:
         assert ma[key] == ms[key], key
     if blocks == 18:
         assert ms["num_preemptions"] > 0
+    # async: decodes read the drafts the ranks computed (none reach the host first); sync: never
+    assert pending_rows[0] == 0 and (pending_rows[1] > 0) == (k > 0)
 
 
 def test_a_step_returns_before_its_drafts_are_read(model, monkeypatch) -> None:

@@ -254,18 +254,24 @@ class LLMEngine:
         several sequences once all of them did).
 
         With ``async_scheduling`` the step returns once its tokens are known, while its draft
-        passes still run on the device; the next step schedules, then takes the drafts
-        (:meth:`_take_drafts`) into its decodes' inputs. Same outputs either way.
+        passes still run on the device; the next step is scheduled and sent to the ranks with
+        :data:`~mtpspec.engine.scheduler.DRAFT_PENDING` drafts, which the ranks fill from the
+        drafts they computed (no host wait between the steps), unless a decode needs its drafts
+        on the host (:meth:`_drafts_stay_on_device`). Same outputs either way.
         """
         t0 = time.perf_counter()
         out = self.scheduler.schedule()
-        self._take_drafts(out)
+        on_device = self._drafts_stay_on_device(out)
+        if not on_device:
+            self._take_drafts(out)
         m = self.metrics
         m.num_preemptions += len(out.preempted)
         if out.is_empty:
             return []
         t1 = time.perf_counter()
         handle = self.executor.execute_async(self._step_input(out))
+        if on_device:  # the host's copy of the last step's drafts, while this step runs
+            self._take_drafts()
         result = handle.output()
         now = time.perf_counter()
         k = self.scheduler_config.num_speculative_tokens
@@ -301,6 +307,14 @@ class LLMEngine:
             if rm.tpot is not None:
                 m.tpot_s.append(rm.tpot)
         return self._finished_outputs(finished)
+
+    def _drafts_stay_on_device(self, out: SchedulerOutput) -> bool:
+        """Whether ``out``'s decodes may read the last step's drafts on the ranks: async scheduling,
+        no ``draft_hook`` (it edits drafts on the host) and no decode whose logits edits depend
+        on its drafts (penalties count them; :func:`_logits_params`)."""
+        if self._pending_drafts is None or not self.scheduler_config.async_scheduling or self.draft_hook is not None:
+            return False
+        return not any(not sch.is_prefill and self._logits_params(sch.seq) is not None for sch in out.scheduled)
 
     def _take_drafts(self, out: Optional[SchedulerOutput] = None) -> None:
         """Give the sequences of the last step their drafts (waiting for its draft passes), through

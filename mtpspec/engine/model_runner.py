@@ -30,6 +30,7 @@ from mtpspec.engine import kv_cache
 from mtpspec.engine.config import CacheConfig, SchedulerConfig
 from mtpspec.engine.forward import EagerForward, GraphedForward, prefill_capture_sizes
 from mtpspec.engine.input_prep import prepare_step
+from mtpspec.engine.scheduler import DRAFT_PENDING
 from mtpspec.ops.kv_quant import resolve_kv_cache_dtype
 from mtpspec.sample.logits_processors import apply_logits_processors
 from mtpspec.sample.logprobs import PROMPT_CHUNK_ROWS, score_rows, unpack_rows
@@ -93,8 +94,9 @@ class ModelRunner:
         self.is_driver = get_tp_group().rank_in_group == 0  # the rank whose StepOutput is read
         self.proposer: Optional[Proposer] = None
         self.draft_sampling = spec is not None and spec.draft_sampling == "auto"
-        # Sampled drafts: request id -> batch index of the step that drafted them (the row of the
-        # proposer's SampledDraftState), and that step's drafts [B, k].
+        # The last step's drafts [B, k] (device) and request id -> their row: decodes whose drafts
+        # the engine left as DRAFT_PENDING read them here (async scheduling); sampled drafts find
+        # their q at that row of the proposer's SampledDraftState.
         self._draft_rows: dict = {}
         self._prev_drafts: Optional[torch.Tensor] = None
         if spec is not None:
@@ -187,7 +189,7 @@ class ModelRunner:
         scores = self._score_logprobs(inp, hidden, logits, tokens)
         token_copy = _HostCopy.start(_pack_tokens(tokens, scores))
         drafts = self._propose(inp, hidden, tokens, last_row)
-        if self.draft_sampling and drafts is not None:
+        if drafts is not None:
             self._draft_rows = {s.request_id: i for i, s in enumerate(step.seqs) if not s.is_partial_prefill}
             self._prev_drafts = drafts
         draft_copy = None if drafts is None else _HostCopy.start(drafts.view(tokens.shape[0], self.k))
@@ -200,9 +202,33 @@ class ModelRunner:
         """Device tensors of ``step``; tells the forward the batch (graph buffers for pure decodes)."""
         inp = prepare_step(step, self.k, self.cache_config.block_size, self.max_position, self.device,
                            self.draft_sampling)
+        self._fill_pending_drafts(step, inp)
         self.fwd.begin_step(step.is_pure_decode, len(step.seqs), inp.block_tables, inp.input_ids.shape[0],
                             inp.sample_rows.shape[0])
         return inp
+
+    def _fill_pending_drafts(self, step: StepInput, inp: PreparedStep) -> None:
+        """Decodes whose drafts are :data:`~mtpspec.engine.scheduler.DRAFT_PENDING` (async scheduling:
+        the engine built this step before the last one's drafts reached the host) take them from
+        the last step's device tensor, into their input rows and ``inp.draft_token_ids`` (device
+        copies, queued before this step's forward; no host wait).
+
+        Raises:
+            RuntimeError: a pending decode that the last step did not draft for.
+        """
+        nd, k = inp.num_decodes, self.k
+        pend = [i for i, s in enumerate(step.seqs[:nd]) if s.input_token_ids[1] == DRAFT_PENDING]
+        if not pend:
+            return
+        missing = [step.seqs[i].request_id for i in pend if step.seqs[i].request_id not in self._draft_rows]
+        if missing or self._prev_drafts is None:
+            raise RuntimeError(f"decodes {missing} wait for drafts the last step did not compute on this rank")
+        rows = torch.tensor([self._draft_rows[step.seqs[i].request_id] for i in pend], dtype=torch.int64)
+        src = self._prev_drafts.index_select(0, rows.to(self.device, non_blocking=True))
+        dst = torch.tensor(pend, dtype=torch.int64).to(self.device, non_blocking=True)
+        inp.draft_token_ids.index_copy_(0, dst, src)
+        ids = inp.input_ids[: nd * (k + 1)].view(nd, k + 1)
+        ids[:, 1:] = inp.draft_token_ids
 
     def _sampled_drafts(self, step: StepInput, inp: PreparedStep) -> Optional[SampledDrafts]:
         """The draft distributions of this step's decodes whose drafts were sampled, or ``None``.
