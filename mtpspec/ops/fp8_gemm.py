@@ -244,6 +244,72 @@ if HAS_TRITON:
 
     _kernel = LazyKernel(_fp8_gemm_kernel)
 
+    def _fp8_swap_kernel(xq_ptr, xs_ptr, w_ptr, ws_ptr, b_ptr, out_ptr, part_ptr, M, N, K, stride_qm, stride_xs,
+                         stride_wn, stride_wsn, stride_om, n_kb, kb_per_split, SCALE_BN, HAS_BIAS: tl.constexpr,
+                         BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
+                         FP8_DOT: tl.constexpr, BF16_BY_BITS: tl.constexpr):
+        # Swap AB (few rows): the transposed product out^T [BLOCK_N, BLOCK_T] = W x^T, one tile of
+        # BLOCK_N weight rows and BLOCK_T token rows over K groups [pid_k * kb_per_split,
+        # +kb_per_split). The weight tile is loaded as stored, W [BLOCK_N, BLOCK_K] with K
+        # contiguous (the dot's A operand); the activations come quantised by _act_quant_kernel
+        # (xq [M, K] fp8, xs [M, n_kb] fp32) and are loaded as xq^T [BLOCK_K, BLOCK_T]. Each
+        # group's fp32 partial gets both scales in the dense kernel's order (d * sa * sw). SPLIT:
+        # fp32 partials to part_ptr [splits, M, N] (summed by _split_sum_kernel).
+        pid_n = tl.program_id(0)
+        pid_t = tl.program_id(1)
+        pid_k = tl.program_id(2)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+        offs_k = tl.arange(0, BLOCK_K)
+        n_ok = offs_n < N
+        t_ok = offs_t < M
+        cols = offs_n.to(tl.int64)
+        rows = offs_t.to(tl.int64)
+        w_rows = w_ptr + cols[:, None] * stride_wn
+        ws_rows = ws_ptr + (cols // SCALE_BN) * stride_wsn
+        xq_cols = xq_ptr + rows[None, :] * stride_qm
+        xs_rows = xs_ptr + rows * stride_xs
+        acc = tl.zeros([BLOCK_N, BLOCK_T], dtype=tl.float32)
+        kb_lo = pid_k * kb_per_split
+        kb_hi = tl.minimum(kb_lo + kb_per_split, n_kb)
+        for kb in range(kb_lo, kb_hi):
+            k = kb * BLOCK_K + offs_k
+            k_ok = k < K
+            w = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+            xq = tl.load(xq_cols + k[:, None], mask=k_ok[:, None] & t_ok[None, :], other=0.0)
+            sw = tl.load(ws_rows + kb, mask=n_ok, other=0.0)
+            sa = tl.load(xs_rows + kb, mask=t_ok, other=0.0)
+            if FP8_DOT:
+                d = tl.dot(w, xq)
+            else:
+                d = tl.dot(w.to(tl.float32), xq.to(tl.float32))
+            acc += d * sa[None, :] * sw[:, None]
+        if HAS_BIAS:
+            if pid_k == 0:
+                acc += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
+        ok = n_ok[:, None] & t_ok[None, :]
+        if SPLIT:
+            tl.store(part_ptr + pid_k.to(tl.int64) * M * N + rows[None, :] * N + cols[:, None], acc, mask=ok)
+        else:
+            y = round_to_dtype(acc, out_ptr.dtype.element_ty, BF16_BY_BITS)
+            tl.store(out_ptr + rows[None, :] * stride_om + cols[:, None], y, mask=ok)
+
+    _swap = LazyKernel(_fp8_swap_kernel)
+
+    def _split_sum_kernel(part_ptr, out_ptr, MN, splits, BLOCK: tl.constexpr, BF16_BY_BITS: tl.constexpr):
+        # out.flat[i] = round(sum_s part[s].flat[i]) over the splits in order (fp32), rounded once to
+        # out's dtype; part [splits, M, N] fp32, out [M, N] contiguous.
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        ok = offs < MN
+        src = part_ptr + offs
+        acc = tl.load(src, mask=ok, other=0.0)
+        for _ in range(1, splits):
+            src += MN
+            acc += tl.load(src, mask=ok, other=0.0)
+        tl.store(out_ptr + offs, round_to_dtype(acc, out_ptr.dtype.element_ty, BF16_BY_BITS), mask=ok)
+
+    _split_sum = LazyKernel(_split_sum_kernel)
+
     def _fp8_grouped_kernel(a_ptr, w_ptr, ws_ptr, out_ptr, sorted_ptr, block_expert_ptr, rw_ptr, num_pairs,
                             num_experts, N, K, stride_am, stride_we, stride_wn, stride_wse, stride_wsn, stride_om,
                             n_kb, SCALE_BN, A_ROW_DIV: tl.constexpr, HAS_RW: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -317,8 +383,90 @@ def launch_config(m: int, n: int) -> Tuple[int, int, int, int]:
     return 128, 128, 8, 3
 
 
+#: Rows up to which :func:`fp8_block_linear` takes the swap-AB path by default (``small_m=None``);
+#: 0 turns it off. The lead tunes this on a GPU (``benchmarks/bench_fp8_gemm.py`` times both paths).
+SWAP_AB_MAX_M = 16
+#: Swap-AB split-K target: about this many programs per SM (one wave at 3 resident programs of
+#: 4 x 18 KB pipeline stages for 128-row tiles).
+SWAP_PROGRAMS_PER_SM = 3
+#: Swap-AB split-K: at least this many K groups per split.
+SWAP_MIN_KB_PER_SPLIT = 2
+#: Swap-AB: most token rows per program (the token tile is the dot's N: 16 .. this, a power of two).
+SWAP_MAX_BLOCK_T = 64
+#: Elements per program of the split-K sum.
+SPLIT_SUM_BLOCK = 1024
+
+
+def small_m_path(m: int, small_m: Optional[str] = None) -> str:
+    """``"swap"`` or ``"tile"``: the kernel :func:`fp8_block_linear` runs for ``m`` rows.
+    ``small_m`` forces one (any ``m``); None picks swap for ``m <= SWAP_AB_MAX_M``.
+
+    Raises:
+        ValueError: ``small_m`` not None, ``"swap"`` or ``"tile"``.
+    """
+    if small_m not in (None, "swap", "tile"):
+        raise ValueError(f"fp8_block_linear: small_m must be None, 'swap' or 'tile', got {small_m!r}")
+    if small_m is not None:
+        return small_m
+    return "swap" if m <= SWAP_AB_MAX_M else "tile"
+
+
+def swap_launch_config(m: int, n: int) -> Tuple[int, int, int, int]:
+    """Swap-AB ``(BLOCK_N, BLOCK_T, num_warps, num_stages)`` for ``m`` rows, ``n`` columns:
+    BLOCK_N weight rows (64 up to ``n = 4096``, else 128: the dot's M, one or two wgmma m64),
+    BLOCK_T = ``m`` rounded up to a power of two in [16, SWAP_MAX_BLOCK_T] (the dot's N)."""
+    bt = min(SWAP_MAX_BLOCK_T, max(16, 1 << (max(m, 1) - 1).bit_length()))
+    return 64 if n <= 4096 else 128, bt, 4, 4
+
+
+def swap_split_k(n_tiles: int, n_kb: int, sms: int) -> int:
+    """Swap-AB K splits for ``n_tiles`` output tiles and ``n_kb`` K groups: enough for
+    :data:`SWAP_PROGRAMS_PER_SM` programs per SM, each with at least
+    :data:`SWAP_MIN_KB_PER_SPLIT` groups (the caller evens them out: ``cdiv(n_kb, per)``)."""
+    want = cdiv(SWAP_PROGRAMS_PER_SM * sms, max(1, n_tiles))
+    return max(1, min(want, n_kb // SWAP_MIN_KB_PER_SPLIT))
+
+
+def _quantise_rows(x2: torch.Tensor, block_k: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """:func:`quantize_activations` on the device by ``_act_quant_kernel`` (one program per row and
+    group): ``(xq [M, K] fp8, xs [M, ceil(K / block_k)] fp32)``, the dense kernel's codes bit for bit."""
+    m, k = x2.shape
+    n_kb = cdiv(k, block_k)
+    xq = torch.empty((m, k), dtype=FP8_WEIGHT_DTYPE, device=x2.device)
+    xs = torch.empty((m, n_kb), dtype=torch.float32, device=x2.device)
+    _act_quant[(m, n_kb)](x2, xq, xs, k, x2.stride(0), xq.stride(0), n_kb, BLOCK_K=block_k,
+                          FP8_BY_BITS=interpreting())
+    return xq, xs
+
+
+def _swap_linear(x2: torch.Tensor, w: torch.Tensor, s: torch.Tensor, bias: Optional[torch.Tensor],
+                 out: torch.Tensor, block_n: int, block_k: int) -> None:
+    """The swap-AB path into ``out [M, N]`` (contiguous): activations quantised once
+    (:func:`_quantise_rows`), ``_fp8_swap_kernel`` over (column tiles, token tiles, K splits),
+    then, split, ``_split_sum_kernel`` (fp32 partials summed in split order, rounded once)."""
+    m, k = x2.shape
+    n = w.shape[0]
+    n_kb = cdiv(k, block_k)
+    xq, xs = _quantise_rows(x2, block_k)
+    bn, bt, warps, stages = swap_launch_config(m, n)
+    per = cdiv(n_kb, swap_split_k(cdiv(n, bn) * cdiv(m, bt), n_kb, num_sms(x2.device)))
+    splits = cdiv(n_kb, per)
+    part = torch.empty((splits, m, n), dtype=torch.float32, device=x2.device) if splits > 1 else out
+    extra = {} if interpreting() else {"num_warps": warps, "num_stages": stages}
+    bf16_bits = interpreting() and out.dtype == torch.bfloat16
+    _swap[(cdiv(n, bn), cdiv(m, bt), splits)](
+        xq, xs, w, s, bias if bias is not None else s, out, part, m, n, k, xq.stride(0), xs.stride(0), w.stride(0),
+        s.stride(0), out.stride(0), n_kb, per, block_n, HAS_BIAS=bias is not None, BLOCK_N=bn, BLOCK_T=bt,
+        BLOCK_K=block_k, SPLIT=splits > 1, FP8_DOT=_fp8_dot(x2.device) and block_k >= 32, BF16_BY_BITS=bf16_bits,
+        **extra)
+    if splits > 1:
+        _split_sum[(cdiv(m * n, SPLIT_SUM_BLOCK),)](part, out, m * n, splits, BLOCK=SPLIT_SUM_BLOCK,
+                                                    BF16_BY_BITS=bf16_bits)
+
+
 def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block_n: int, block_k: int,
-                     bias: Optional[torch.Tensor] = None, prequant: bool = False) -> torch.Tensor:
+                     bias: Optional[torch.Tensor] = None, prequant: bool = False,
+                     small_m: Optional[str] = None) -> torch.Tensor:
     """``y = x W^T (+ bias)`` with ``W`` block-scaled FP8 (module docstring).
 
     Args:
@@ -331,7 +479,13 @@ def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
         prequant: quantise the activations in a pass of their own (one program per row and group)
             instead of inside every column tile's K loop (which redoes it ``ceil(N / BLOCK_N)``
             times); same codes and scales, so the same result bit for bit. Off by default until
-            timed on a GPU (``benchmarks/bench_fp8_gemm.py`` times both).
+            timed on a GPU (``benchmarks/bench_fp8_gemm.py`` times both). The swap path always
+            quantises in a pass of its own.
+        small_m: the kernel (:func:`small_m_path`): None picks ``"swap"`` (swap AB: weight tiles
+            ``[BLOCK_N, BLOCK_K]`` as stored times ``xq^T``, split-K, for few rows) up to
+            :data:`SWAP_AB_MAX_M` rows and ``"tile"`` (``[BLOCK_M, BLOCK_N]`` output tiles) above;
+            a string forces one (the benchmark times both). The two differ only in fp32
+            summation order (same codes, scales and per-group scaling).
 
     Returns:
         ``[..., N]`` in ``x.dtype``.
@@ -344,6 +498,7 @@ def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
         raise TypeError(f"fp8_block_linear: weight must be float8_e4m3fn, got {weight.dtype}")
     if x.dtype not in FLOAT_DTYPES:
         raise TypeError(f"fp8_block_linear: activations must be float16, bfloat16 or float32, got {x.dtype}")
+    small_m_path(0, small_m)  # a bad small_m is an error on every device
     n, k = weight.shape
     if x.shape[-1] != k:
         raise ValueError(f"fp8_block_linear: input [..., {x.shape[-1]}] does not match weight [{n}, {k}]")
@@ -362,6 +517,9 @@ def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
         return out.reshape(*lead, n)
     w = weight if weight.stride(-1) == 1 else weight.contiguous()
     s = scale.float().contiguous()
+    if small_m_path(m, small_m) == "swap":
+        _swap_linear(x2, w, s, bias, out, block_n, block_k)
+        return out.reshape(*lead, n)
     bm, bn, warps, stages = launch_config(m, n)
     extra = {} if interpreting() else {"num_warps": warps, "num_stages": stages}
     n_kb = cdiv(k, block_k)
@@ -370,10 +528,7 @@ def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     part = torch.empty((splits, m, n), dtype=torch.float32, device=x.device) if splits > 1 else out
     xa, xs = x2, s  # xs: unused without prequant
     if prequant:
-        xa = torch.empty((m, k), dtype=FP8_WEIGHT_DTYPE, device=x.device)
-        xs = torch.empty((m, n_kb), dtype=torch.float32, device=x.device)
-        _act_quant[(m, n_kb)](x2, xa, xs, k, x2.stride(0), xa.stride(0), n_kb, BLOCK_K=block_k,
-                              FP8_BY_BITS=interpreting())
+        xa, xs = _quantise_rows(x2, block_k)
     _kernel[(cdiv(m, bm), cdiv(n, bn), splits)](
         xa, xs, w, s, bias if bias is not None else s, out, part, m, n, k, xa.stride(0), xs.stride(0), w.stride(0),
         s.stride(0), out.stride(0), n_kb, per, block_n, HAS_BIAS=bias is not None, BLOCK_M=bm, BLOCK_N=bn,
