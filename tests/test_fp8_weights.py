@@ -86,14 +86,15 @@ KERNEL_CASES = [  # (M, N, K, block_n, block_k, dtype, bias)
 ]
 
 
-@pytest.mark.parametrize("m,n,k,bn,bk,dtype,bias", KERNEL_CASES)
-def test_block_gemm_kernel_matches_float64_reference(kdev, m, n, k, bn, bk, dtype, bias) -> None:
+def _check_gemm(kdev, m, n, k, bn, bk, dtype, bias, small_m=None) -> torch.Tensor:
+    """The kernel (``small_m``: the path) against the float64 reference; returns the result."""
     g = torch.Generator().manual_seed(m * 1000 + n)
     x = (torch.randn(m, k, generator=g) * torch.rand(m, 1, generator=g) * 4).to(dtype)
     x[0, :min(k, bk)] = 0.0  # an all-zero activation group
     q, s = quantize_weight_blocks(torch.randn(n, k, generator=g) / k ** 0.5, (bn, bk))
     b = torch.randn(n, generator=g).to(dtype) if bias else None
-    got = fp8_block_linear(x.to(kdev), q.to(kdev), s.to(kdev), bn, bk, None if b is None else b.to(kdev)).cpu()
+    got = fp8_block_linear(x.to(kdev), q.to(kdev), s.to(kdev), bn, bk, None if b is None else b.to(kdev),
+                           small_m=small_m).cpu()
     want = fp8_block_linear_w8a8_ref(x, q, s, bn, bk) + (0 if b is None else b.double())
     assert got.dtype == dtype and got.shape == (m, n)
     scale = want.abs().max().item()
@@ -101,6 +102,78 @@ def test_block_gemm_kernel_matches_float64_reference(kdev, m, n, k, bn, bk, dtyp
     if kdev == "cuda" and bk >= 32:  # fp8 tensor-core dots: Hopper keeps about 14 bits of the sum inside
         tol = max(tol, 2e-3 * max(scale, 1.0))  # one dot (DeepSeek-V3 report, sec. 3.3.2); fp32 across groups
     torch.testing.assert_close(got.double(), want, atol=tol, rtol=0)
+    return got
+
+
+@pytest.mark.parametrize("m,n,k,bn,bk,dtype,bias", KERNEL_CASES)
+def test_block_gemm_kernel_matches_float64_reference(kdev, m, n, k, bn, bk, dtype, bias) -> None:
+    _check_gemm(kdev, m, n, k, bn, bk, dtype, bias)  # M <= 16: the swap path (the default)
+    if m <= 16:  # and the tile path
+        _check_gemm(kdev, m, n, k, bn, bk, dtype, bias, small_m="tile")
+
+
+SWAP_CASES = [  # (M, N, K, block_n, block_k, dtype, bias); N, K not multiples of the tiles
+    (1, 40, 70, 16, 32, torch.float32, False),  # one K split
+    (3, 130, 300, 1, 128, torch.bfloat16, True),  # per-row scales, bias
+    (8, 33, 520, 1, 32, torch.float16, True),  # split-K (17 groups -> 6 splits), the bias added once
+    (16, 257, 129, 128, 128, torch.bfloat16, False),  # 5 column tiles, a 1-column last group
+    (16, 72, 1000, 32, 64, torch.float32, True),  # split-K, 2 column tiles
+    (1, 48, 512, 32, 16, torch.float32, False),  # 16-column groups (fp32 dots on the GPU), split
+    (40, 70, 256, 16, 32, torch.float32, False),  # forced at 40 rows: a 64-row token tile
+    (70, 72, 200, 32, 64, torch.bfloat16, True),  # forced at 70 rows: two token tiles
+]
+
+
+@pytest.mark.parametrize("m,n,k,bn,bk,dtype,bias", SWAP_CASES)
+def test_swap_ab_kernel_matches_float64_reference(kdev, m, n, k, bn, bk, dtype, bias) -> None:
+    """The swap-AB path (W tiles as stored times xq^T, split-K) against the float64 reference."""
+    _check_gemm(kdev, m, n, k, bn, bk, dtype, bias, small_m="swap")
+
+
+def test_swap_ab_is_the_default_for_few_rows(kdev, monkeypatch) -> None:
+    """Dispatch: the swap kernel for M <= SWAP_AB_MAX_M (or forced), the tile kernel above (or
+    forced); a bad ``small_m`` is an error."""
+    import mtpspec.ops.fp8_gemm as fg
+    assert fg.small_m_path(1) == fg.small_m_path(fg.SWAP_AB_MAX_M) == "swap"
+    assert fg.small_m_path(fg.SWAP_AB_MAX_M + 1) == "tile" == fg.small_m_path(1, "tile")
+    assert fg.small_m_path(500, "swap") == "swap"
+    launched = []
+
+    class Spy:
+        def __init__(self, name, kernel):
+            self.name, self.kernel = name, kernel
+
+        def __getitem__(self, grid):
+            launched.append((self.name, tuple(grid)))
+            return self.kernel[grid]
+    monkeypatch.setattr(fg, "_swap", Spy("swap", fg._swap))
+    monkeypatch.setattr(fg, "_kernel", Spy("tile", fg._kernel))
+    q, s = quantize_weight_blocks(torch.randn(40, 64), (16, 32))
+    args = [q.to(kdev), s.to(kdev), 16, 32]
+    for m, small_m, want in ((3, None, "swap"), (fg.SWAP_AB_MAX_M + 1, None, "tile"), (3, "tile", "tile"),
+                             (20, "swap", "swap")):
+        launched.clear()
+        fp8_block_linear(torch.randn(m, 64, device=kdev), *args, small_m=small_m)
+        assert [n for n, _ in launched] == [want], (m, small_m, launched)
+    launched.clear()
+    monkeypatch.setattr(fg, "SWAP_AB_MAX_M", 0)  # the knob turns it off
+    fp8_block_linear(torch.randn(1, 64, device=kdev), *args)
+    assert [n for n, _ in launched] == ["tile"]
+    with pytest.raises(ValueError, match="small_m"):
+        fp8_block_linear(torch.randn(1, 64), q, s, 16, 32, small_m="wide")
+
+
+def test_swap_ab_plan() -> None:
+    """Tile sizes and K splits at DeepSeek-V3's decode shapes on 132 SMs (H200)."""
+    from mtpspec.ops.fp8_gemm import swap_launch_config, swap_split_k
+    assert swap_launch_config(1, 7168) == (128, 16, 4, 4) and swap_launch_config(16, 576) == (64, 16, 4, 4)
+    assert swap_launch_config(17, 7168) == (128, 32, 4, 4) and swap_launch_config(64, 7168) == (128, 64, 8, 4)
+    assert swap_launch_config(200, 7168)[1] == 64
+    assert swap_split_k(56, 128, 132) == 8  # o_proj (7168 x 16384): 56 tiles x 8 splits of 16 groups
+    assert swap_split_k(192, 12, 132) == 3  # q_b_proj (24576 x 1536): 192 tiles x 3 splits of 4 groups
+    assert swap_split_k(56, 16, 132) == 8  # expert down (7168 x 2048): 8 splits of 2 groups
+    assert swap_split_k(9, 56, 132) == 28  # kv_a_proj (576 x 7168): 9 tiles x 28 splits
+    assert swap_split_k(56, 3, 132) == 1  # too few groups to split
 
 
 @pytest.mark.parametrize("m,k", [(5, 300), (2, 512)])  # one pass; split-K
@@ -110,8 +183,8 @@ def test_prequantised_activations_give_the_same_bits(kdev, m, k) -> None:
     x = (torch.randn(m, k, generator=g) * 3).bfloat16()
     q, s = quantize_weight_blocks(torch.randn(40, k, generator=g) / k ** 0.5, (32, 32))
     args = [a.to(kdev) for a in (x, q, s)]
-    got = fp8_block_linear(*args, 32, 32, prequant=True)
-    assert torch.equal(got, fp8_block_linear(*args, 32, 32))
+    got = fp8_block_linear(*args, 32, 32, prequant=True, small_m="tile")
+    assert torch.equal(got, fp8_block_linear(*args, 32, 32, small_m="tile"))
     want = fp8_block_linear_w8a8_ref(x, q, s, 32, 32)  # and the independent float64 reference
     torch.testing.assert_close(got.cpu().double(), want, atol=8e-3 * max(want.abs().max().item(), 1.0), rtol=0)
 
@@ -124,8 +197,9 @@ def test_split_k_plan() -> None:
 
 
 def test_fp8_gemm_kernels_compile_for_hopper() -> None:
-    """The dense kernel (split or not) and the grouped one compile for sm_90 with fp8 dots (the
-    interpreter does not check Triton's typing or fp8 dot shape rules)."""
+    """The dense kernel (split or not), the swap-AB one (split or not, 16 / 64 token rows, its split
+    sum) and the grouped one compile for sm_90 with fp8 dots (the interpreter does not check
+    Triton's typing or fp8 dot shape rules)."""
     from mtpspec.ops import triton_utils
     i32 = lambda names: {n: "i32" for n in names}  # noqa: E731
     def dense(preq):
@@ -142,6 +216,21 @@ def test_fp8_gemm_kernels_compile_for_hopper() -> None:
                   "signature": {"x_ptr": "*bf16", "xq_ptr": "*fp8e4nv", "xs_ptr": "*fp32",
                                 **i32(["K", "stride_xm", "stride_qm", "n_kb"])},
                   "constexprs": dict(BLOCK_K=128, FP8_BY_BITS=False), "aligned": ["x_ptr", "xq_ptr"], "num_warps": 4})
+    swap = {"xq_ptr": "*fp8e4nv", "xs_ptr": "*fp32", "w_ptr": "*fp8e4nv", "ws_ptr": "*fp32", "b_ptr": "*bf16",
+            "out_ptr": "*bf16", "part_ptr": "*fp32",
+            **i32(["M", "N", "K", "stride_qm", "stride_xs", "stride_wn", "stride_wsn", "stride_om", "n_kb",
+                   "kb_per_split", "SCALE_BN"])}
+    specs += [{"module": "mtpspec.ops.fp8_gemm", "kernel": "_swap", "signature": swap,
+               "constexprs": dict(HAS_BIAS=bias, BLOCK_N=bn, BLOCK_T=bt, BLOCK_K=128, SPLIT=split, FP8_DOT=True,
+                                  BF16_BY_BITS=False),
+               "aligned": ["xq_ptr", "w_ptr", "ws_ptr", "out_ptr", "part_ptr", "K", "stride_qm", "stride_wn"],
+               "num_warps": warps}
+              for bn, bt, split, bias, warps in ((128, 16, True, True, 4), (64, 16, False, False, 4),
+                                                 (128, 64, True, False, 8))]
+    specs.append({"module": "mtpspec.ops.fp8_gemm", "kernel": "_split_sum",
+                  "signature": {"part_ptr": "*fp32", "out_ptr": "*bf16", **i32(["MN", "splits"])},
+                  "constexprs": dict(BLOCK=1024, BF16_BY_BITS=False), "aligned": ["part_ptr", "out_ptr"],
+                  "num_warps": 4})
     grouped = {"a_ptr": "*bf16", "w_ptr": "*fp8e4nv", "ws_ptr": "*fp32", "out_ptr": "*bf16", "sorted_ptr": "*i32",
                "block_expert_ptr": "*i32", "rw_ptr": "*fp32",
                **i32(["num_pairs", "num_experts", "N", "K", "stride_am", "stride_we", "stride_wn", "stride_wse",
@@ -150,7 +239,11 @@ def test_fp8_gemm_kernels_compile_for_hopper() -> None:
                   "constexprs": dict(A_ROW_DIV=8, HAS_RW=True, BLOCK_M=16, BLOCK_N=128, BLOCK_K=128, FP8_DOT=True,
                                      FP8_BY_BITS=False, BF16_BY_BITS=False),
                   "aligned": ["a_ptr", "w_ptr", "ws_ptr", "out_ptr"], "num_warps": 4})
-    assert len(triton_utils.compile_reports(specs)) == len(specs)
+    reports = triton_utils.compile_reports(specs)
+    assert len(reports) == len(specs)
+    for spec, rep in zip(specs, reports):  # the swap kernel: no spills (cp.async-pipelined weight tiles)
+        if spec["kernel"] == "_swap" and rep["spill_bytes"] is not None:
+            assert rep["spill_bytes"] == 0, (spec["constexprs"], rep)
 
 
 def test_block_gemm_leading_dims_and_empty(kdev) -> None:

@@ -414,9 +414,12 @@ def small_m_path(m: int, small_m: Optional[str] = None) -> str:
 def swap_launch_config(m: int, n: int) -> Tuple[int, int, int, int]:
     """Swap-AB ``(BLOCK_N, BLOCK_T, num_warps, num_stages)`` for ``m`` rows, ``n`` columns:
     BLOCK_N weight rows (64 up to ``n = 4096``, else 128: the dot's M, one or two wgmma m64),
-    BLOCK_T = ``m`` rounded up to a power of two in [16, SWAP_MAX_BLOCK_T] (the dot's N)."""
+    BLOCK_T = ``m`` rounded up to a power of two in [16, SWAP_MAX_BLOCK_T] (the dot's N); 8 warps
+    for a 128 x 64 accumulator (4 warps: 246 registers on sm_90), else 4; 4 stages (sm_90,
+    128 x 16: wgmma m64n16k32 e4m3, cp.async pipeline, 74 KB shared memory, 96 registers)."""
     bt = min(SWAP_MAX_BLOCK_T, max(16, 1 << (max(m, 1) - 1).bit_length()))
-    return 64 if n <= 4096 else 128, bt, 4, 4
+    bn = 64 if n <= 4096 else 128
+    return bn, bt, 8 if bn * bt >= 128 * 64 else 4, 4
 
 
 def swap_split_k(n_tiles: int, n_kb: int, sms: int) -> int:
