@@ -5,10 +5,16 @@ intermediate 2048): ``q_b_proj`` 1536 -> 24576, ``o_proj`` 16384 -> 7168, ``kv_a
 7168 -> 576, expert ``gate_up`` 7168 -> 2 x 2048, expert ``down`` 2048 -> 7168; tokens
 M in {1, 8, 64, 256, 8192}. Each case:
 
-* ``fp8``: :func:`mtpspec.ops.fp8_gemm.fp8_block_linear` (bf16 activations quantised per token and
-  128-channel group inside the kernel, fp8 x fp8 tensor-core dots, fp32 accumulation, bf16 out);
-* ``fp8_prequant``: the same with ``prequant=True`` (activations quantised in a pass of their
-  own, not in every column tile);
+* ``fp8``: :func:`mtpspec.ops.fp8_gemm.fp8_block_linear` as dispatched (``fp8_path``: ``swap``
+  up to ``SWAP_AB_MAX_M`` rows, else ``tile``): bf16 activations quantised per token and
+  128-channel group, fp8 x fp8 tensor-core dots, fp32 accumulation, bf16 out;
+* ``fp8_tile`` (where the dispatch is ``swap``): ``small_m="tile"``, the ``[BLOCK_M, BLOCK_N]``
+  output-tile kernel (activations quantised inside its K loop, split-K) that ran before the
+  swap-AB path; ``fp8_swap`` (where the dispatch is ``tile``, up to 64 rows): ``small_m="swap"``,
+  the swap-AB kernel (weight tiles as stored times the pre-quantised activations transposed,
+  split-K, a fixed-order split sum); ``swap_over_tile``: the swap time over the tile time;
+* ``fp8_prequant``: the tile kernel with ``prequant=True`` (activations quantised in a pass of
+  their own, not in every column tile);
 * ``bf16``: ``torch.nn.functional.linear`` on bf16 weights of the same shape (cuBLAS).
 
 Timing: ``triton.testing.do_bench`` median (it also flushes L2 before each call); inputs rotate
@@ -23,6 +29,8 @@ correctness check per shape compares the kernel against the dequantised bf16 mat
 
 The whole run stays within ``--budget-s`` (default 100 s): cases left when it runs out are
 listed as skipped. Prints JSON; ``--json OUT.json`` also writes it.
+
+``--swap-max-m`` / ``--swap-programs-per-sm`` set ``SWAP_AB_MAX_M`` / ``SWAP_PROGRAMS_PER_SM`` for the run.
 
 Usage: ``python3 benchmarks/bench_fp8_gemm.py --json OUT.json``
 """
@@ -60,6 +68,8 @@ def main() -> int:
     ap.add_argument("--bf16-tflops", type=float, default=989.0)
     ap.add_argument("--warmup-ms", type=int, default=10)
     ap.add_argument("--rep-ms", type=int, default=40)
+    ap.add_argument("--swap-max-m", type=int, default=None, help="SWAP_AB_MAX_M for this run")
+    ap.add_argument("--swap-programs-per-sm", type=int, default=None, help="SWAP_PROGRAMS_PER_SM for this run")
     args = ap.parse_args()
     t0 = time.time()
     out = {"bench": "fp8_block_gemm", "block": list(BLOCK), "hbm_bytes_per_s": HBM_BYTES_PER_S,
@@ -79,7 +89,14 @@ def main() -> int:
         emit()
         return 1
     import triton
+    import mtpspec.ops.fp8_gemm as fg
     from mtpspec.ops.fp8_gemm import dequantize_weight_blocks, fp8_block_linear, quantize_weight_blocks
+    if args.swap_max_m is not None:
+        fg.SWAP_AB_MAX_M = args.swap_max_m
+    if args.swap_programs_per_sm is not None:
+        fg.SWAP_PROGRAMS_PER_SM = args.swap_programs_per_sm
+    out["swap_ab_max_m"] = fg.SWAP_AB_MAX_M
+    out["swap_programs_per_sm"] = fg.SWAP_PROGRAMS_PER_SM
     dev = torch.device("cuda")
     out["device"] = torch.cuda.get_device_name(dev)
     out["capability"] = list(torch.cuda.get_device_capability(dev))
@@ -100,8 +117,9 @@ def main() -> int:
             nwb = _copies(wb.numel() * 2)
             wbs = [wb.clone() for _ in range(nwb)]
             x0 = torch.randn(16, k, device=dev, dtype=torch.bfloat16)
-            got, want = fp8_block_linear(x0, q, s, *BLOCK).float(), (x0 @ wb.t()).float()
-            check = ((got - want).norm() / want.norm()).item()
+            want = (x0 @ wb.t()).float()
+            check = {p: ((fp8_block_linear(x0, q, s, *BLOCK, small_m=p).float() - want).norm() / want.norm()).item()
+                     for p in ("swap", "tile")}
         except Exception as exc:  # keep going: one shape's failure must not lose the others
             out["errors"].append(f"{name}: {type(exc).__name__}: {exc}\n{traceback.format_exc(limit=3)}")
             continue
@@ -121,7 +139,15 @@ def main() -> int:
 
                 def run_fp8_preq():
                     j = i8[0] = i8[0] + 1
-                    return fp8_block_linear(xs[j % nx], q8[j % nw8], s8[j % nw8], *BLOCK, prequant=True)
+                    return fp8_block_linear(xs[j % nx], q8[j % nw8], s8[j % nw8], *BLOCK, prequant=True,
+                                            small_m="tile")
+
+                path = fg.small_m_path(m)
+                other = "tile" if path == "swap" else "swap" if m <= fg.SWAP_MAX_BLOCK_T else None
+
+                def run_fp8_other():
+                    j = i8[0] = i8[0] + 1
+                    return fp8_block_linear(xs[j % nx], q8[j % nw8], s8[j % nw8], *BLOCK, small_m=other)
 
                 def run_bf16():
                     j = ib[0] = ib[0] + 1
@@ -133,6 +159,11 @@ def main() -> int:
                 msb = triton.testing.do_bench(run_bf16, warmup=args.warmup_ms, rep=args.rep_ms, return_mode="median")
                 ms8p = triton.testing.do_bench(run_fp8_preq, warmup=args.warmup_ms, rep=args.rep_ms,
                                                return_mode="median")
+                arms = {f"fp8_{path}_ms": ms8}
+                if other is not None:
+                    run_fp8_other()
+                    arms[f"fp8_{other}_ms"] = triton.testing.do_bench(run_fp8_other, warmup=args.warmup_ms,
+                                                                      rep=args.rep_ms, return_mode="median")
                 flops = 2.0 * m * n * k
                 act = m * k * 2 + m * n * 2
                 bytes8 = n * k + s.numel() * 4 + act
@@ -141,14 +172,16 @@ def main() -> int:
                 floorb = max(bytesb / HBM_BYTES_PER_S, flops / (args.bf16_tflops * 1e12)) * 1e3
                 out["cases"].append({
                     "shape": name, "M": m, "N": n, "K": k, "fp8_ms": round(ms8, 5), "bf16_ms": round(msb, 5),
-                    "fp8_prequant_ms": round(ms8p, 5),
+                    "fp8_prequant_ms": round(ms8p, 5), "fp8_path": path,
+                    **{key: round(v, 5) for key, v in arms.items() if key != f"fp8_{path}_ms"},
+                    **({"swap_over_tile": round(arms["fp8_swap_ms"] / arms["fp8_tile_ms"], 3)} if other else {}),
                     "speedup_vs_bf16": round(msb / ms8, 3),
                     "fp8_bytes": bytes8, "fp8_byte_floor_ms": round(bytes8 / HBM_BYTES_PER_S * 1e3, 5),
                     "fp8_flop_floor_ms": round(flops / (args.fp8_tflops * 1e12) * 1e3, 5),
                     "fp8_frac_of_floor": round(floor8 / ms8, 3), "bf16_frac_of_floor": round(floorb / msb, 3),
                     "fp8_TBps": round(bytes8 / ms8 / 1e9, 3), "fp8_TFLOPs": round(flops / ms8 / 1e9, 2),
                     "bound": "bytes" if bytes8 / HBM_BYTES_PER_S > flops / (args.fp8_tflops * 1e12) else "flops",
-                    "rel_err_vs_dequant_bf16": round(check, 5)})
+                    "rel_err_vs_dequant_bf16": {p: round(v, 5) for p, v in check.items()}})
                 del xs
             except Exception as exc:
                 out["errors"].append(f"{name} M={m}: {type(exc).__name__}: {exc}")
