@@ -138,16 +138,8 @@ def test_swap_ab_is_the_default_for_few_rows(kdev, monkeypatch) -> None:
     assert fg.small_m_path(fg.SWAP_AB_MAX_M + 1) == "tile" == fg.small_m_path(1, "tile")
     assert fg.small_m_path(500, "swap") == "swap"
     launched = []
-
-    class Spy:
-        def __init__(self, name, kernel):
-            self.name, self.kernel = name, kernel
-
-        def __getitem__(self, grid):
-            launched.append((self.name, tuple(grid)))
-            return self.kernel[grid]
-    monkeypatch.setattr(fg, "_swap", Spy("swap", fg._swap))
-    monkeypatch.setattr(fg, "_kernel", Spy("tile", fg._kernel))
+    monkeypatch.setattr(fg, "_swap", _SpyKernel("swap", fg._swap, launched))
+    monkeypatch.setattr(fg, "_kernel", _SpyKernel("tile", fg._kernel, launched))
     q, s = quantize_weight_blocks(torch.randn(40, 64), (16, 32))
     args = [q.to(kdev), s.to(kdev), 16, 32]
     for m, small_m, want in ((3, None, "swap"), (fg.SWAP_AB_MAX_M + 1, None, "tile"), (3, "tile", "tile"),
@@ -198,7 +190,7 @@ def test_split_k_plan() -> None:
 
 def test_fp8_gemm_kernels_compile_for_hopper() -> None:
     """The dense kernel (split or not), the swap-AB one (split or not, 16 / 64 token rows, its split
-    sum) and the grouped one compile for sm_90 with fp8 dots (the interpreter does not check
+    sum) and the grouped ones (tile and swap-AB) compile for sm_90 with fp8 dots (the interpreter does not check
     Triton's typing or fp8 dot shape rules)."""
     from mtpspec.ops import triton_utils
     i32 = lambda names: {n: "i32" for n in names}  # noqa: E731
@@ -239,10 +231,19 @@ def test_fp8_gemm_kernels_compile_for_hopper() -> None:
                   "constexprs": dict(A_ROW_DIV=8, HAS_RW=True, BLOCK_M=16, BLOCK_N=128, BLOCK_K=128, FP8_DOT=True,
                                      FP8_BY_BITS=False, BF16_BY_BITS=False),
                   "aligned": ["a_ptr", "w_ptr", "ws_ptr", "out_ptr"], "num_warps": 4})
+    grouped_swap = {"xq_ptr": "*fp8e4nv", "xs_ptr": "*fp32", "w_ptr": "*fp8e4nv", "ws_ptr": "*fp32", "out_ptr": "*bf16",
+                    "sorted_ptr": "*i32", "block_expert_ptr": "*i32", "rw_ptr": "*fp32",
+                    **i32(["num_pairs", "num_experts", "N", "K", "stride_qm", "stride_xs", "stride_we", "stride_wn",
+                           "stride_wse", "stride_wsn", "stride_om", "n_kb", "SCALE_BN"])}
+    specs += [{"module": "mtpspec.ops.fp8_gemm", "kernel": "_grouped_swap", "signature": grouped_swap,
+               "constexprs": dict(A_ROW_DIV=div, HAS_RW=rw, BLOCK_T=16, BLOCK_N=bn, BLOCK_K=128, FP8_DOT=True,
+                                  BF16_BY_BITS=False),
+               "aligned": ["xq_ptr", "w_ptr", "ws_ptr", "out_ptr", "K", "stride_qm", "stride_we", "stride_wn"],
+               "num_warps": 4} for div, rw, bn in ((8, False, 64), (1, True, 128))]
     reports = triton_utils.compile_reports(specs)
     assert len(reports) == len(specs)
     for spec, rep in zip(specs, reports):  # the swap kernel: no spills (cp.async-pipelined weight tiles)
-        if spec["kernel"] == "_swap" and rep["spill_bytes"] is not None:
+        if spec["kernel"] in ("_swap", "_grouped_swap") and rep["spill_bytes"] is not None:
             assert rep["spill_bytes"] == 0, (spec["constexprs"], rep)
 
 
@@ -266,10 +267,18 @@ def test_cpu_path_dequantises_weights_only(no_interp) -> None:
                        torch.nn.functional.linear(x, dequantize_weight_blocks(q, s, 16, 32)))
 
 
-def test_fp8_experts_match_dequantised_experts(kdev) -> None:
+@pytest.mark.parametrize("grouped_swap", [True, False])
+def test_fp8_experts_match_dequantised_experts(kdev, monkeypatch, grouped_swap) -> None:
     """Both expert ops, the loop over the routed experts calling the dense kernel and the
-    expert-grouped kernel (sync-free), against a float64 loop of the same quantised math; the
-    grouped kernel with per-row scales and bf16 activations against the loop; no tokens."""
+    expert-grouped kernel (sync-free; its swap-AB variant for 16-pair blocks, or not), against a
+    float64 loop of the same quantised math; the grouped kernel with per-row scales and bf16
+    activations against the loop; no tokens."""
+    import mtpspec.ops.fp8_gemm as fg
+    monkeypatch.setattr(fg, "GROUPED_SWAP_MAX_BLOCK_M", 16 if grouped_swap else 0)
+    launched = []
+    for name in ("_grouped_swap", "_grouped_kernel"):
+        kernel = getattr(fg, name)
+        monkeypatch.setattr(fg, name, _SpyKernel(name, kernel, launched))
     g = torch.Generator().manual_seed(3)
     e, h, i, t, top_k = 4, 48, 32, 6, 2
     q13, s13 = quantize_weight_blocks(torch.randn(e, 2 * i, h, generator=g) / h ** 0.5, (16, 16))
@@ -297,6 +306,18 @@ def test_fp8_experts_match_dequantised_experts(kdev) -> None:
                                fp8_experts_loop(*a16, 1, 16, 16).cpu().float(), atol=3e-2, rtol=2e-2)
     assert fp8_moe_experts(*(a[:0] if a.dim() and i in (0, 5, 6) else a for i, a in enumerate(args)),
                            16, 16, 16).shape == (0, h)
+    assert {n for n, _ in launched} == {"_grouped_swap" if grouped_swap else "_grouped_kernel"}
+
+
+class _SpyKernel:
+    """A LazyKernel stand-in recording ``(name, grid)`` of every launch."""
+
+    def __init__(self, name, kernel, launched):
+        self.name, self.kernel, self.launched = name, kernel, launched
+
+    def __getitem__(self, grid):
+        self.launched.append((self.name, tuple(grid)))
+        return self.kernel[grid]
 
 
 # ------------------------------------------------------------------------------------------- checkpoints

@@ -21,6 +21,13 @@ a tensor-parallel shard or a merged layer (gate | up) does not cut on ``block_n`
 (:mod:`mtpspec.layers.linear`); the kernel takes the scale row of column ``n`` as
 ``n // scale_block_n`` either way.
 
+Few rows (``M <= SWAP_AB_MAX_M``, decode) take a "swap AB" kernel: it computes ``out^T = W x^T``
+with the weight tile as stored (``[BLOCK_N, BLOCK_K]``, K contiguous) as the dot's A operand and
+the activations, quantised once in a pass of their own, as a 16-column B operand, split over K
+with the fp32 partials summed in a fixed order; more rows take ``[BLOCK_M, BLOCK_N]`` output
+tiles. Same codes, scales and per-group scaling either way: the paths differ in fp32 summation
+order only.
+
 Dispatch (:func:`~mtpspec.ops.triton_utils.use_triton`): the Triton kernel on CUDA (fp8 tensor
 cores where the GPU has them, sm_89+; an fp32 dot of the same fp8 values elsewhere) and on CPU
 under ``TRITON_INTERPRET=1``; otherwise :func:`fp8_block_linear_ref`, which dequantises the
@@ -346,6 +353,53 @@ if HAS_TRITON:
 
     _grouped_kernel = LazyKernel(_fp8_grouped_kernel)
 
+    def _fp8_grouped_swap_kernel(xq_ptr, xs_ptr, w_ptr, ws_ptr, out_ptr, sorted_ptr, block_expert_ptr, rw_ptr,
+                                 num_pairs, num_experts, N, K, stride_qm, stride_xs, stride_we, stride_wn, stride_wse,
+                                 stride_wsn, stride_om, n_kb, SCALE_BN, A_ROW_DIV: tl.constexpr, HAS_RW: tl.constexpr,
+                                 BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                                 FP8_DOT: tl.constexpr, BF16_BY_BITS: tl.constexpr):
+        # _fp8_grouped_kernel swapped (few pairs per expert): out^T [BLOCK_N, BLOCK_T] = W_e x^T for
+        # one block of BLOCK_T (token, expert) pairs of expert e, the weight tile loaded as stored
+        # (W_e [BLOCK_N, BLOCK_K], K contiguous), the activations pre-quantised by
+        # _act_quant_kernel (xq [rows, K] fp8, xs [rows, n_kb]; pair p reads row p // A_ROW_DIV)
+        # and loaded as xq^T [BLOCK_K, BLOCK_T]; scales applied per group as the dense kernel.
+        pid_m = tl.program_id(0)
+        e = tl.load(block_expert_ptr + pid_m)
+        if e >= num_experts:  # past the last expert's run
+            return
+        pair = tl.load(sorted_ptr + pid_m * BLOCK_T + tl.arange(0, BLOCK_T))
+        t_ok = pair < num_pairs
+        prow = pair.to(tl.int64)
+        arow = (pair // A_ROW_DIV).to(tl.int64)
+        offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_k = tl.arange(0, BLOCK_K)
+        n_ok = offs_n < N
+        cols = offs_n.to(tl.int64)
+        ee = e.to(tl.int64)
+        w_rows = w_ptr + ee * stride_we + cols[:, None] * stride_wn
+        ws_rows = ws_ptr + ee * stride_wse + (cols // SCALE_BN) * stride_wsn
+        xq_cols = xq_ptr + arow[None, :] * stride_qm
+        xs_rows = xs_ptr + arow * stride_xs
+        acc = tl.zeros([BLOCK_N, BLOCK_T], dtype=tl.float32)
+        for kb in range(0, n_kb):
+            k = kb * BLOCK_K + offs_k
+            k_ok = k < K
+            w = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+            xq = tl.load(xq_cols + k[:, None], mask=k_ok[:, None] & t_ok[None, :], other=0.0)
+            sw = tl.load(ws_rows + kb, mask=n_ok, other=0.0)
+            sa = tl.load(xs_rows + kb, mask=t_ok, other=0.0)
+            if FP8_DOT:
+                d = tl.dot(w, xq)
+            else:
+                d = tl.dot(w.to(tl.float32), xq.to(tl.float32))
+            acc += d * sa[None, :] * sw[:, None]
+        if HAS_RW:
+            acc = acc * tl.load(rw_ptr + prow, mask=t_ok, other=0.0).to(tl.float32)[None, :]
+        y = round_to_dtype(acc, out_ptr.dtype.element_ty, BF16_BY_BITS)
+        tl.store(out_ptr + prow[None, :] * stride_om + cols[:, None], y, mask=n_ok[:, None] & t_ok[None, :])
+
+    _grouped_swap = LazyKernel(_fp8_grouped_swap_kernel)
+
 
 def kernel_supports(block_k: int) -> bool:
     """Whether the kernel takes this group size (a power of two >= 16: one ``tl.dot`` K step)."""
@@ -580,11 +634,28 @@ def fp8_experts_loop(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor
     return out.to(x.dtype)
 
 
+#: Pair blocks up to this height (:func:`mtpspec.ops.moe_gemm.moe_block_m`: 16 at decode, 64
+#: above) run the expert-grouped swap-AB kernel (weight tiles as stored, activations quantised
+#: once per row); 0 turns it off. No split-K: at decode every routed pair is a block of its own
+#: (8 pairs x 56 column tiles = 448 programs for DeepSeek-V3's down projection at one token).
+GROUPED_SWAP_MAX_BLOCK_M = 16
+
+
 def _grouped_launch(a: torch.Tensor, w: torch.Tensor, ws: torch.Tensor, out: torch.Tensor, sorted_pairs: torch.Tensor,
                     block_expert: torch.Tensor, routing: Optional[torch.Tensor], num_pairs: int, row_div: int,
                     block_m: int, scale_block_n: int, block_k: int) -> None:
     e, n, k = w.shape
     bn = 64 if n <= 4096 else 128
+    if block_m <= GROUPED_SWAP_MAX_BLOCK_M:
+        aq, xs = _quantise_rows(a, block_k)  # a's rows once (x by token, or one per pair)
+        extra = {} if interpreting() else {"num_warps": 4, "num_stages": 4}
+        _grouped_swap[(block_expert.shape[0], cdiv(n, bn))](
+            aq, xs, w, ws, out, sorted_pairs, block_expert, routing if routing is not None else ws, num_pairs, e, n,
+            k, aq.stride(0), xs.stride(0), w.stride(0), w.stride(1), ws.stride(0), ws.stride(1), out.stride(0),
+            cdiv(k, block_k), scale_block_n, A_ROW_DIV=row_div, HAS_RW=routing is not None, BLOCK_T=block_m,
+            BLOCK_N=bn, BLOCK_K=block_k, FP8_DOT=_fp8_dot(a.device) and block_k >= 32,
+            BF16_BY_BITS=interpreting() and out.dtype == torch.bfloat16, **extra)
+        return
     extra = {} if interpreting() else {"num_warps": 4, "num_stages": 3}
     _grouped_kernel[(block_expert.shape[0], cdiv(n, bn))](
         a, w, ws, out, sorted_pairs, block_expert, routing if routing is not None else ws, num_pairs, e, n, k,
@@ -603,9 +674,10 @@ def fp8_moe_experts(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor,
     Where the kernel runs (:func:`~mtpspec.ops.triton_utils.use_triton` and a kernel group size):
     the pairs are grouped by expert on the device (:func:`mtpspec.ops.moe_gemm.moe_align`, no
     host sync), one expert-grouped launch computes gate | up of every pair (activations quantised
-    per pair row and group, as the dense kernel), SiLU-and-mul runs in torch, a second launch the
+    per row and group, as the dense kernel), SiLU-and-mul runs in torch, a second launch the
     down projection times the routing weight (fp32), and the pairs are summed per token in a fixed
-    order. Scratch ``[N, 2 I]`` (x's dtype) + ``[N, I]`` + ``[N, H]`` fp32, ``N = T * top_k``.
+    order. Blocks of up to :data:`GROUPED_SWAP_MAX_BLOCK_M` pairs (decode) run the swap-AB
+    variant, after a pass quantising the activation rows once. Scratch ``[N, 2 I]`` (x's dtype) + ``[N, I]`` + ``[N, H]`` fp32, ``N = T * top_k``.
     Otherwise :func:`fp8_experts_loop`.
     """
     from mtpspec.ops.moe_gemm import moe_align, moe_block_m
