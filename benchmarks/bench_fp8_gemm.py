@@ -8,11 +8,12 @@ M in {1, 8, 64, 256, 8192}. Each case:
 * ``fp8``: :func:`mtpspec.ops.fp8_gemm.fp8_block_linear` as dispatched (``fp8_path``: ``swap``
   up to ``SWAP_AB_MAX_M`` rows, else ``tile``): bf16 activations quantised per token and
   128-channel group, fp8 x fp8 tensor-core dots, fp32 accumulation, bf16 out;
-* ``fp8_tile`` (where the dispatch is ``swap``): ``small_m="tile"``, the ``[BLOCK_M, BLOCK_N]``
-  output-tile kernel (activations quantised inside its K loop, split-K) that ran before the
-  swap-AB path; ``fp8_swap`` (where the dispatch is ``tile``, up to 64 rows): ``small_m="swap"``,
-  the swap-AB kernel (weight tiles as stored times the pre-quantised activations transposed,
-  split-K, a fixed-order split sum); ``swap_over_tile``: the swap time over the tile time;
+* up to 64 rows, the other ``small_m`` paths too, each as ``fp8_<path>_ms``: ``tile``, the
+  ``[BLOCK_M, BLOCK_N]`` output-tile kernel (activations quantised inside its K loop, split-K)
+  that ran before the swap-AB path; ``swap``, the swap-AB kernel (weight tiles as stored times
+  the activations transposed, quantised in a pass of their own, split-K, a fixed-order split
+  sum); ``swap_fused``, the same quantising in its K loop (one launch fewer);
+  ``swap_over_tile`` / ``swap_fused_over_tile``: their times over the tile time;
 * ``fp8_prequant``: the tile kernel with ``prequant=True`` (activations quantised in a pass of
   their own, not in every column tile);
 * ``bf16``: ``torch.nn.functional.linear`` on bf16 weights of the same shape (cuBLAS).
@@ -38,6 +39,7 @@ Usage: ``python3 benchmarks/bench_fp8_gemm.py --json OUT.json``
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -119,7 +121,7 @@ def main() -> int:
             x0 = torch.randn(16, k, device=dev, dtype=torch.bfloat16)
             want = (x0 @ wb.t()).float()
             check = {p: ((fp8_block_linear(x0, q, s, *BLOCK, small_m=p).float() - want).norm() / want.norm()).item()
-                     for p in ("swap", "tile")}
+                     for p in fg.SMALL_M_PATHS}
         except Exception as exc:  # keep going: one shape's failure must not lose the others
             out["errors"].append(f"{name}: {type(exc).__name__}: {exc}\n{traceback.format_exc(limit=3)}")
             continue
@@ -143,11 +145,11 @@ def main() -> int:
                                             small_m="tile")
 
                 path = fg.small_m_path(m)
-                other = "tile" if path == "swap" else "swap" if m <= fg.SWAP_MAX_BLOCK_T else None
+                others = [p for p in fg.SMALL_M_PATHS if p != path] if m <= fg.SWAP_MAX_BLOCK_T else []
 
-                def run_fp8_other():
+                def run_fp8_path(p):
                     j = i8[0] = i8[0] + 1
-                    return fp8_block_linear(xs[j % nx], q8[j % nw8], s8[j % nw8], *BLOCK, small_m=other)
+                    return fp8_block_linear(xs[j % nx], q8[j % nw8], s8[j % nw8], *BLOCK, small_m=p)
 
                 def run_bf16():
                     j = ib[0] = ib[0] + 1
@@ -160,10 +162,11 @@ def main() -> int:
                 ms8p = triton.testing.do_bench(run_fp8_preq, warmup=args.warmup_ms, rep=args.rep_ms,
                                                return_mode="median")
                 arms = {f"fp8_{path}_ms": ms8}
-                if other is not None:
-                    run_fp8_other()
-                    arms[f"fp8_{other}_ms"] = triton.testing.do_bench(run_fp8_other, warmup=args.warmup_ms,
-                                                                      rep=args.rep_ms, return_mode="median")
+                for p in others:
+                    run_fp8_path(p)
+                    arms[f"fp8_{p}_ms"] = triton.testing.do_bench(functools.partial(run_fp8_path, p),
+                                                                  warmup=args.warmup_ms, rep=args.rep_ms,
+                                                                  return_mode="median")
                 flops = 2.0 * m * n * k
                 act = m * k * 2 + m * n * 2
                 bytes8 = n * k + s.numel() * 4 + act
@@ -174,7 +177,9 @@ def main() -> int:
                     "shape": name, "M": m, "N": n, "K": k, "fp8_ms": round(ms8, 5), "bf16_ms": round(msb, 5),
                     "fp8_prequant_ms": round(ms8p, 5), "fp8_path": path,
                     **{key: round(v, 5) for key, v in arms.items() if key != f"fp8_{path}_ms"},
-                    **({"swap_over_tile": round(arms["fp8_swap_ms"] / arms["fp8_tile_ms"], 3)} if other else {}),
+                    **({"swap_over_tile": round(arms["fp8_swap_ms"] / arms["fp8_tile_ms"], 3),
+                        "swap_fused_over_tile": round(arms["fp8_swap_fused_ms"] / arms["fp8_tile_ms"], 3)}
+                       if others else {}),
                     "speedup_vs_bf16": round(msb / ms8, 3),
                     "fp8_bytes": bytes8, "fp8_byte_floor_ms": round(bytes8 / HBM_BYTES_PER_S * 1e3, 5),
                     "fp8_flop_floor_ms": round(flops / (args.fp8_tflops * 1e12) * 1e3, 5),

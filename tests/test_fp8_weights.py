@@ -130,20 +130,33 @@ def test_swap_ab_kernel_matches_float64_reference(kdev, m, n, k, bn, bk, dtype, 
     _check_gemm(kdev, m, n, k, bn, bk, dtype, bias, small_m="swap")
 
 
+@pytest.mark.parametrize("m,k,bk", [(3, 300, 128), (8, 520, 32), (40, 256, 32)])  # one pass; split-K; 64 rows
+def test_swap_ab_fused_quantisation_gives_the_same_bits(kdev, m, k, bk) -> None:
+    """``small_m="swap_fused"`` (activations quantised in the swap kernel's K loop) == ``"swap"``
+    (quantised in a pass of their own), bit for bit."""
+    g = torch.Generator().manual_seed(k)
+    x = (torch.randn(m, k, generator=g) * 3).bfloat16()
+    q, s = quantize_weight_blocks(torch.randn(70, k, generator=g) / k ** 0.5, (1, bk))
+    b = torch.randn(70, generator=g).bfloat16()
+    args = [a.to(kdev) for a in (x, q, s)]
+    got = fp8_block_linear(*args, 1, bk, b.to(kdev), small_m="swap_fused")
+    assert torch.equal(got, fp8_block_linear(*args, 1, bk, b.to(kdev), small_m="swap"))
+
+
 def test_swap_ab_is_the_default_for_few_rows(kdev, monkeypatch) -> None:
     """Dispatch: the swap kernel for M <= SWAP_AB_MAX_M (or forced), the tile kernel above (or
     forced); a bad ``small_m`` is an error."""
     import mtpspec.ops.fp8_gemm as fg
     assert fg.small_m_path(1) == fg.small_m_path(fg.SWAP_AB_MAX_M) == "swap"
     assert fg.small_m_path(fg.SWAP_AB_MAX_M + 1) == "tile" == fg.small_m_path(1, "tile")
-    assert fg.small_m_path(500, "swap") == "swap"
+    assert fg.small_m_path(500, "swap") == "swap" and fg.small_m_path(2, "swap_fused") == "swap_fused"
     launched = []
     monkeypatch.setattr(fg, "_swap", _SpyKernel("swap", fg._swap, launched))
     monkeypatch.setattr(fg, "_kernel", _SpyKernel("tile", fg._kernel, launched))
     q, s = quantize_weight_blocks(torch.randn(40, 64), (16, 32))
     args = [q.to(kdev), s.to(kdev), 16, 32]
     for m, small_m, want in ((3, None, "swap"), (fg.SWAP_AB_MAX_M + 1, None, "tile"), (3, "tile", "tile"),
-                             (20, "swap", "swap")):
+                             (20, "swap", "swap"), (2, "swap_fused", "swap")):
         launched.clear()
         fp8_block_linear(torch.randn(m, 64, device=kdev), *args, small_m=small_m)
         assert [n for n, _ in launched] == [want], (m, small_m, launched)
@@ -208,17 +221,19 @@ def test_fp8_gemm_kernels_compile_for_hopper() -> None:
                   "signature": {"x_ptr": "*bf16", "xq_ptr": "*fp8e4nv", "xs_ptr": "*fp32",
                                 **i32(["K", "stride_xm", "stride_qm", "n_kb"])},
                   "constexprs": dict(BLOCK_K=128, FP8_BY_BITS=False), "aligned": ["x_ptr", "xq_ptr"], "num_warps": 4})
-    swap = {"xq_ptr": "*fp8e4nv", "xs_ptr": "*fp32", "w_ptr": "*fp8e4nv", "ws_ptr": "*fp32", "b_ptr": "*bf16",
-            "out_ptr": "*bf16", "part_ptr": "*fp32",
-            **i32(["M", "N", "K", "stride_qm", "stride_xs", "stride_wn", "stride_wsn", "stride_om", "n_kb",
-                   "kb_per_split", "SCALE_BN"])}
-    specs += [{"module": "mtpspec.ops.fp8_gemm", "kernel": "_swap", "signature": swap,
-               "constexprs": dict(HAS_BIAS=bias, BLOCK_N=bn, BLOCK_T=bt, BLOCK_K=128, SPLIT=split, FP8_DOT=True,
-                                  BF16_BY_BITS=False),
+    def swap(preq):
+        return {"xq_ptr": "*fp8e4nv" if preq else "*bf16", "xs_ptr": "*fp32", "w_ptr": "*fp8e4nv",
+                "ws_ptr": "*fp32", "b_ptr": "*bf16", "out_ptr": "*bf16", "part_ptr": "*fp32",
+                **i32(["M", "N", "K", "stride_qm", "stride_xs", "stride_wn", "stride_wsn", "stride_om", "n_kb",
+                       "kb_per_split", "SCALE_BN"])}
+    specs += [{"module": "mtpspec.ops.fp8_gemm", "kernel": "_swap", "signature": swap(preq),
+               "constexprs": dict(HAS_BIAS=bias, BLOCK_N=bn, BLOCK_T=bt, BLOCK_K=128, SPLIT=split, PREQ=preq,
+                                  FP8_DOT=True, FP8_BY_BITS=False, BF16_BY_BITS=False),
                "aligned": ["xq_ptr", "w_ptr", "ws_ptr", "out_ptr", "part_ptr", "K", "stride_qm", "stride_wn"],
                "num_warps": warps}
-              for bn, bt, split, bias, warps in ((128, 16, True, True, 4), (64, 16, False, False, 4),
-                                                 (128, 64, True, False, 8))]
+              for bn, bt, split, bias, warps, preq in ((128, 16, True, True, 4, True), (64, 16, False, False, 4, True),
+                                                       (128, 64, True, False, 8, True),
+                                                       (128, 16, True, False, 4, False))]
     specs.append({"module": "mtpspec.ops.fp8_gemm", "kernel": "_split_sum",
                   "signature": {"part_ptr": "*fp32", "out_ptr": "*bf16", **i32(["MN", "splits"])},
                   "constexprs": dict(BLOCK=1024, BF16_BY_BITS=False), "aligned": ["part_ptr", "out_ptr"],
@@ -231,15 +246,17 @@ def test_fp8_gemm_kernels_compile_for_hopper() -> None:
                   "constexprs": dict(A_ROW_DIV=8, HAS_RW=True, BLOCK_M=16, BLOCK_N=128, BLOCK_K=128, FP8_DOT=True,
                                      FP8_BY_BITS=False, BF16_BY_BITS=False),
                   "aligned": ["a_ptr", "w_ptr", "ws_ptr", "out_ptr"], "num_warps": 4})
-    grouped_swap = {"xq_ptr": "*fp8e4nv", "xs_ptr": "*fp32", "w_ptr": "*fp8e4nv", "ws_ptr": "*fp32", "out_ptr": "*bf16",
-                    "sorted_ptr": "*i32", "block_expert_ptr": "*i32", "rw_ptr": "*fp32",
-                    **i32(["num_pairs", "num_experts", "N", "K", "stride_qm", "stride_xs", "stride_we", "stride_wn",
-                           "stride_wse", "stride_wsn", "stride_om", "n_kb", "SCALE_BN"])}
-    specs += [{"module": "mtpspec.ops.fp8_gemm", "kernel": "_grouped_swap", "signature": grouped_swap,
-               "constexprs": dict(A_ROW_DIV=div, HAS_RW=rw, BLOCK_T=16, BLOCK_N=bn, BLOCK_K=128, FP8_DOT=True,
-                                  BF16_BY_BITS=False),
+    def grouped_swap(preq):
+        return {"xq_ptr": "*fp8e4nv" if preq else "*bf16", "xs_ptr": "*fp32", "w_ptr": "*fp8e4nv",
+                "ws_ptr": "*fp32", "out_ptr": "*bf16", "sorted_ptr": "*i32", "block_expert_ptr": "*i32",
+                "rw_ptr": "*fp32",
+                **i32(["num_pairs", "num_experts", "N", "K", "stride_qm", "stride_xs", "stride_we", "stride_wn",
+                       "stride_wse", "stride_wsn", "stride_om", "n_kb", "SCALE_BN"])}
+    specs += [{"module": "mtpspec.ops.fp8_gemm", "kernel": "_grouped_swap", "signature": grouped_swap(preq),
+               "constexprs": dict(A_ROW_DIV=div, HAS_RW=rw, BLOCK_T=16, BLOCK_N=bn, BLOCK_K=128, PREQ=preq,
+                                  FP8_DOT=True, FP8_BY_BITS=False, BF16_BY_BITS=False),
                "aligned": ["xq_ptr", "w_ptr", "ws_ptr", "out_ptr", "K", "stride_qm", "stride_we", "stride_wn"],
-               "num_warps": 4} for div, rw, bn in ((8, False, 64), (1, True, 128))]
+               "num_warps": 4} for div, rw, bn, preq in ((8, False, 64, True), (1, True, 128, False))]
     reports = triton_utils.compile_reports(specs)
     assert len(reports) == len(specs)
     for spec, rep in zip(specs, reports):  # the swap kernel: no spills (cp.async-pipelined weight tiles)
@@ -302,11 +319,15 @@ def test_fp8_experts_match_dequantised_experts(kdev, monkeypatch, grouped_swap) 
     s13_rows = s13.repeat_interleave(16, dim=1)
     xb = x.bfloat16()
     a16 = [a.to(kdev) for a in (xb, q13, s13_rows, q2, s2, w, ids)]
-    torch.testing.assert_close(fp8_moe_experts(*a16, 1, 16, 16).cpu().float(),
-                               fp8_experts_loop(*a16, 1, 16, 16).cpu().float(), atol=3e-2, rtol=2e-2)
+    grouped16 = fp8_moe_experts(*a16, 1, 16, 16).cpu()
+    torch.testing.assert_close(grouped16.float(), fp8_experts_loop(*a16, 1, 16, 16).cpu().float(), atol=3e-2,
+                               rtol=2e-2)
     assert fp8_moe_experts(*(a[:0] if a.dim() and i in (0, 5, 6) else a for i, a in enumerate(args)),
                            16, 16, 16).shape == (0, h)
     assert {n for n, _ in launched} == {"_grouped_swap" if grouped_swap else "_grouped_kernel"}
+    if grouped_swap:  # activations quantised in the swap kernel's K loop: the same bits
+        monkeypatch.setattr(fg, "GROUPED_SWAP_PREQUANT", False)
+        assert torch.equal(fp8_moe_experts(*a16, 1, 16, 16).cpu(), grouped16)
 
 
 class _SpyKernel:

@@ -251,17 +251,34 @@ if HAS_TRITON:
 
     _kernel = LazyKernel(_fp8_gemm_kernel)
 
+    @device_function
+    def _xt_group(x_cols, xs_rows, kb, k, k_ok, t_ok, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr,
+                  PREQ: tl.constexpr, FP8_BY_BITS: tl.constexpr):
+        """One K group of the activations transposed for the swap kernels: ``(xq^T [BLOCK_K,
+        BLOCK_T] fp8, sa [BLOCK_T] fp32)``; ``PREQ``: loaded as _act_quant_kernel wrote them,
+        else the group quantised here (the same functions, so the same codes and scales)."""
+        if PREQ:
+            xq = tl.load(x_cols + k[:, None], mask=k_ok[:, None] & t_ok[None, :], other=0.0)
+            sa = tl.load(xs_rows + kb, mask=t_ok, other=0.0)
+        else:
+            x = tl.load(x_cols + k[:, None], mask=k_ok[:, None] & t_ok[None, :], other=0.0).to(tl.float32)
+            sa = _group_scale(x, 0)
+            xq = quant_fp8(x, tl.broadcast_to(sa[None, :], (BLOCK_K, BLOCK_T)), FP8_BY_BITS)
+        return xq, sa
+
     def _fp8_swap_kernel(xq_ptr, xs_ptr, w_ptr, ws_ptr, b_ptr, out_ptr, part_ptr, M, N, K, stride_qm, stride_xs,
                          stride_wn, stride_wsn, stride_om, n_kb, kb_per_split, SCALE_BN, HAS_BIAS: tl.constexpr,
                          BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
-                         FP8_DOT: tl.constexpr, BF16_BY_BITS: tl.constexpr):
+                         PREQ: tl.constexpr, FP8_DOT: tl.constexpr, FP8_BY_BITS: tl.constexpr,
+                         BF16_BY_BITS: tl.constexpr):
         # Swap AB (few rows): the transposed product out^T [BLOCK_N, BLOCK_T] = W x^T, one tile of
         # BLOCK_N weight rows and BLOCK_T token rows over K groups [pid_k * kb_per_split,
         # +kb_per_split). The weight tile is loaded as stored, W [BLOCK_N, BLOCK_K] with K
         # contiguous (the dot's A operand); the activations come quantised by _act_quant_kernel
-        # (xq [M, K] fp8, xs [M, n_kb] fp32) and are loaded as xq^T [BLOCK_K, BLOCK_T]. Each
-        # group's fp32 partial gets both scales in the dense kernel's order (d * sa * sw). SPLIT:
-        # fp32 partials to part_ptr [splits, M, N] (summed by _split_sum_kernel).
+        # (xq [M, K] fp8, xs [M, n_kb] fp32) and are loaded as xq^T [BLOCK_K, BLOCK_T] (not PREQ:
+        # xq_ptr is x [M, K], each group quantised here, xs_ptr unused). Each group's fp32
+        # partial gets both scales in the dense kernel's order (d * sa * sw). SPLIT: fp32
+        # partials to part_ptr [splits, M, N] (summed by _split_sum_kernel).
         pid_n = tl.program_id(0)
         pid_t = tl.program_id(1)
         pid_k = tl.program_id(2)
@@ -283,9 +300,8 @@ if HAS_TRITON:
             k = kb * BLOCK_K + offs_k
             k_ok = k < K
             w = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-            xq = tl.load(xq_cols + k[:, None], mask=k_ok[:, None] & t_ok[None, :], other=0.0)
+            xq, sa = _xt_group(xq_cols, xs_rows, kb, k, k_ok, t_ok, BLOCK_K, BLOCK_T, PREQ, FP8_BY_BITS)
             sw = tl.load(ws_rows + kb, mask=n_ok, other=0.0)
-            sa = tl.load(xs_rows + kb, mask=t_ok, other=0.0)
             if FP8_DOT:
                 d = tl.dot(w, xq)
             else:
@@ -357,12 +373,14 @@ if HAS_TRITON:
                                  num_pairs, num_experts, N, K, stride_qm, stride_xs, stride_we, stride_wn, stride_wse,
                                  stride_wsn, stride_om, n_kb, SCALE_BN, A_ROW_DIV: tl.constexpr, HAS_RW: tl.constexpr,
                                  BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                                 FP8_DOT: tl.constexpr, BF16_BY_BITS: tl.constexpr):
+                                 PREQ: tl.constexpr, FP8_DOT: tl.constexpr, FP8_BY_BITS: tl.constexpr,
+                                 BF16_BY_BITS: tl.constexpr):
         # _fp8_grouped_kernel swapped (few pairs per expert): out^T [BLOCK_N, BLOCK_T] = W_e x^T for
         # one block of BLOCK_T (token, expert) pairs of expert e, the weight tile loaded as stored
         # (W_e [BLOCK_N, BLOCK_K], K contiguous), the activations pre-quantised by
         # _act_quant_kernel (xq [rows, K] fp8, xs [rows, n_kb]; pair p reads row p // A_ROW_DIV)
-        # and loaded as xq^T [BLOCK_K, BLOCK_T]; scales applied per group as the dense kernel.
+        # and loaded as xq^T [BLOCK_K, BLOCK_T] (not PREQ: xq_ptr is the activations, quantised
+        # here); scales applied per group as the dense kernel.
         pid_m = tl.program_id(0)
         e = tl.load(block_expert_ptr + pid_m)
         if e >= num_experts:  # past the last expert's run
@@ -385,9 +403,8 @@ if HAS_TRITON:
             k = kb * BLOCK_K + offs_k
             k_ok = k < K
             w = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-            xq = tl.load(xq_cols + k[:, None], mask=k_ok[:, None] & t_ok[None, :], other=0.0)
+            xq, sa = _xt_group(xq_cols, xs_rows, kb, k, k_ok, t_ok, BLOCK_K, BLOCK_T, PREQ, FP8_BY_BITS)
             sw = tl.load(ws_rows + kb, mask=n_ok, other=0.0)
-            sa = tl.load(xs_rows + kb, mask=t_ok, other=0.0)
             if FP8_DOT:
                 d = tl.dot(w, xq)
             else:
@@ -438,8 +455,15 @@ def launch_config(m: int, n: int) -> Tuple[int, int, int, int]:
 
 
 #: Rows up to which :func:`fp8_block_linear` takes the swap-AB path by default (``small_m=None``);
-#: 0 turns it off. The lead tunes this on a GPU (``benchmarks/bench_fp8_gemm.py`` times both paths).
+#: 0 turns it off. To tune on a GPU (``benchmarks/bench_fp8_gemm.py`` times the paths side by side).
 SWAP_AB_MAX_M = 16
+#: The swap-AB variant taken by default: ``"swap"`` (activations quantised in a pass of their own,
+#: one more launch) or ``"swap_fused"`` (each program quantises its token rows' groups in its K
+#: loop: the same codes and scales, so the same result bit for bit).
+SWAP_AB_DEFAULT = "swap"
+#: The expert-grouped swap kernel quantises its activation rows in a pass of their own (else in
+#: its K loop; same bits).
+GROUPED_SWAP_PREQUANT = True
 #: Swap-AB split-K target: about this many programs per SM (one wave at 3 resident programs of
 #: 4 x 18 KB pipeline stages for 128-row tiles).
 SWAP_PROGRAMS_PER_SM = 3
@@ -451,18 +475,23 @@ SWAP_MAX_BLOCK_T = 64
 SPLIT_SUM_BLOCK = 1024
 
 
+#: :func:`fp8_block_linear`'s kernels (``small_m``).
+SMALL_M_PATHS = ("swap", "swap_fused", "tile")
+
+
 def small_m_path(m: int, small_m: Optional[str] = None) -> str:
-    """``"swap"`` or ``"tile"``: the kernel :func:`fp8_block_linear` runs for ``m`` rows.
-    ``small_m`` forces one (any ``m``); None picks swap for ``m <= SWAP_AB_MAX_M``.
+    """The kernel :func:`fp8_block_linear` runs for ``m`` rows, one of :data:`SMALL_M_PATHS`.
+    ``small_m`` forces one (any ``m``); None picks :data:`SWAP_AB_DEFAULT` for
+    ``m <= SWAP_AB_MAX_M``, else ``"tile"``.
 
     Raises:
-        ValueError: ``small_m`` not None, ``"swap"`` or ``"tile"``.
+        ValueError: ``small_m`` neither None nor one of :data:`SMALL_M_PATHS`.
     """
-    if small_m not in (None, "swap", "tile"):
-        raise ValueError(f"fp8_block_linear: small_m must be None, 'swap' or 'tile', got {small_m!r}")
+    if small_m is not None and small_m not in SMALL_M_PATHS:
+        raise ValueError(f"fp8_block_linear: small_m must be None or one of {SMALL_M_PATHS}, got {small_m!r}")
     if small_m is not None:
         return small_m
-    return "swap" if m <= SWAP_AB_MAX_M else "tile"
+    return SWAP_AB_DEFAULT if m <= SWAP_AB_MAX_M else "tile"
 
 
 def swap_launch_config(m: int, n: int) -> Tuple[int, int, int, int]:
@@ -497,14 +526,15 @@ def _quantise_rows(x2: torch.Tensor, block_k: int) -> Tuple[torch.Tensor, torch.
 
 
 def _swap_linear(x2: torch.Tensor, w: torch.Tensor, s: torch.Tensor, bias: Optional[torch.Tensor],
-                 out: torch.Tensor, block_n: int, block_k: int) -> None:
+                 out: torch.Tensor, block_n: int, block_k: int, prequant: bool = True) -> None:
     """The swap-AB path into ``out [M, N]`` (contiguous): activations quantised once
-    (:func:`_quantise_rows`), ``_fp8_swap_kernel`` over (column tiles, token tiles, K splits),
-    then, split, ``_split_sum_kernel`` (fp32 partials summed in split order, rounded once)."""
+    (:func:`_quantise_rows`; not ``prequant``: in the K loop), ``_fp8_swap_kernel`` over (column
+    tiles, token tiles, K splits), then, split, ``_split_sum_kernel`` (fp32 partials summed in
+    split order, rounded once)."""
     m, k = x2.shape
     n = w.shape[0]
     n_kb = cdiv(k, block_k)
-    xq, xs = _quantise_rows(x2, block_k)
+    xq, xs = _quantise_rows(x2, block_k) if prequant else (x2, s)
     bn, bt, warps, stages = swap_launch_config(m, n)
     per = cdiv(n_kb, swap_split_k(cdiv(n, bn) * cdiv(m, bt), n_kb, num_sms(x2.device)))
     splits = cdiv(n_kb, per)
@@ -514,8 +544,8 @@ def _swap_linear(x2: torch.Tensor, w: torch.Tensor, s: torch.Tensor, bias: Optio
     _swap[(cdiv(n, bn), cdiv(m, bt), splits)](
         xq, xs, w, s, bias if bias is not None else s, out, part, m, n, k, xq.stride(0), xs.stride(0), w.stride(0),
         s.stride(0), out.stride(0), n_kb, per, block_n, HAS_BIAS=bias is not None, BLOCK_N=bn, BLOCK_T=bt,
-        BLOCK_K=block_k, SPLIT=splits > 1, FP8_DOT=_fp8_dot(x2.device) and block_k >= 32, BF16_BY_BITS=bf16_bits,
-        **extra)
+        BLOCK_K=block_k, SPLIT=splits > 1, PREQ=prequant, FP8_DOT=_fp8_dot(x2.device) and block_k >= 32,
+        FP8_BY_BITS=interpreting(), BF16_BY_BITS=bf16_bits, **extra)
     if splits > 1:
         _split_sum[(cdiv(m * n, SPLIT_SUM_BLOCK),)](part, out, m * n, splits, BLOCK=SPLIT_SUM_BLOCK,
                                                     BF16_BY_BITS=bf16_bits)
@@ -538,11 +568,12 @@ def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
             times); same codes and scales, so the same result bit for bit. Off by default until
             timed on a GPU (``benchmarks/bench_fp8_gemm.py`` times both). The swap path always
             quantises in a pass of its own.
-        small_m: the kernel (:func:`small_m_path`): None picks ``"swap"`` (swap AB: weight tiles
-            ``[BLOCK_N, BLOCK_K]`` as stored times ``xq^T``, split-K, for few rows) up to
+        small_m: the kernel (:func:`small_m_path`): None picks :data:`SWAP_AB_DEFAULT` (swap AB:
+            weight tiles ``[BLOCK_N, BLOCK_K]`` as stored times ``xq^T``, split-K, for few rows;
+            ``"swap"`` quantises in a pass of its own, ``"swap_fused"`` in its K loop) up to
             :data:`SWAP_AB_MAX_M` rows and ``"tile"`` (``[BLOCK_M, BLOCK_N]`` output tiles) above;
-            a string forces one (the benchmark times both). The two differ only in fp32
-            summation order (same codes, scales and per-group scaling).
+            a string forces one (the benchmark times them side by side). Swap and tile differ
+            only in fp32 summation order (same codes, scales and per-group scaling).
 
     Returns:
         ``[..., N]`` in ``x.dtype``.
@@ -574,8 +605,9 @@ def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
         return out.reshape(*lead, n)
     w = weight if weight.stride(-1) == 1 else weight.contiguous()
     s = scale.float().contiguous()
-    if small_m_path(m, small_m) == "swap":
-        _swap_linear(x2, w, s, bias, out, block_n, block_k)
+    path = small_m_path(m, small_m)
+    if path != "tile":
+        _swap_linear(x2, w, s, bias, out, block_n, block_k, prequant=path == "swap")
         return out.reshape(*lead, n)
     bm, bn, warps, stages = launch_config(m, n)
     extra = {} if interpreting() else {"num_warps": warps, "num_stages": stages}
@@ -647,14 +679,15 @@ def _grouped_launch(a: torch.Tensor, w: torch.Tensor, ws: torch.Tensor, out: tor
     e, n, k = w.shape
     bn = 64 if n <= 4096 else 128
     if block_m <= GROUPED_SWAP_MAX_BLOCK_M:
-        aq, xs = _quantise_rows(a, block_k)  # a's rows once (x by token, or one per pair)
+        # a's rows quantised once (x by token, or one per pair), or in the K loop
+        aq, xs = _quantise_rows(a, block_k) if GROUPED_SWAP_PREQUANT else (a, ws)
         extra = {} if interpreting() else {"num_warps": 4, "num_stages": 4}
         _grouped_swap[(block_expert.shape[0], cdiv(n, bn))](
             aq, xs, w, ws, out, sorted_pairs, block_expert, routing if routing is not None else ws, num_pairs, e, n,
             k, aq.stride(0), xs.stride(0), w.stride(0), w.stride(1), ws.stride(0), ws.stride(1), out.stride(0),
             cdiv(k, block_k), scale_block_n, A_ROW_DIV=row_div, HAS_RW=routing is not None, BLOCK_T=block_m,
-            BLOCK_N=bn, BLOCK_K=block_k, FP8_DOT=_fp8_dot(a.device) and block_k >= 32,
-            BF16_BY_BITS=interpreting() and out.dtype == torch.bfloat16, **extra)
+            BLOCK_N=bn, BLOCK_K=block_k, PREQ=GROUPED_SWAP_PREQUANT, FP8_DOT=_fp8_dot(a.device) and block_k >= 32,
+            FP8_BY_BITS=interpreting(), BF16_BY_BITS=interpreting() and out.dtype == torch.bfloat16, **extra)
         return
     extra = {} if interpreting() else {"num_warps": 4, "num_stages": 3}
     _grouped_kernel[(block_expert.shape[0], cdiv(n, bn))](
@@ -677,7 +710,8 @@ def fp8_moe_experts(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor,
     per row and group, as the dense kernel), SiLU-and-mul runs in torch, a second launch the
     down projection times the routing weight (fp32), and the pairs are summed per token in a fixed
     order. Blocks of up to :data:`GROUPED_SWAP_MAX_BLOCK_M` pairs (decode) run the swap-AB
-    variant, after a pass quantising the activation rows once. Scratch ``[N, 2 I]`` (x's dtype) + ``[N, I]`` + ``[N, H]`` fp32, ``N = T * top_k``.
+    variant (:data:`GROUPED_SWAP_PREQUANT`: after a pass quantising the activation rows once).
+    Scratch ``[N, 2 I]`` (x's dtype) + ``[N, I]`` + ``[N, H]`` fp32, ``N = T * top_k``.
     Otherwise :func:`fp8_experts_loop`.
     """
     from mtpspec.ops.moe_gemm import moe_align, moe_block_m
