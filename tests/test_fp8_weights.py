@@ -174,11 +174,13 @@ def test_swap_ab_plan() -> None:
     assert swap_launch_config(1, 7168) == (128, 16, 4, 4) and swap_launch_config(16, 576) == (64, 16, 4, 4)
     assert swap_launch_config(17, 7168) == (128, 32, 4, 4) and swap_launch_config(64, 7168) == (128, 64, 8, 4)
     assert swap_launch_config(200, 7168)[1] == 64
-    assert swap_split_k(56, 128, 132) == 8  # o_proj (7168 x 16384): 56 tiles x 8 splits of 16 groups
-    assert swap_split_k(192, 12, 132) == 3  # q_b_proj (24576 x 1536): 192 tiles x 3 splits of 4 groups
-    assert swap_split_k(56, 16, 132) == 8  # expert down (7168 x 2048): 8 splits of 2 groups
-    assert swap_split_k(9, 56, 132) == 28  # kv_a_proj (576 x 7168): 9 tiles x 28 splits
-    assert swap_split_k(56, 3, 132) == 1  # too few groups to split
+    # one wave of at most 3 x 132 programs
+    assert swap_split_k(56, 128, 132) == 7  # o_proj (7168 x 16384): 56 tiles x 7 splits of 19 groups
+    assert swap_split_k(192, 12, 132) == 2  # q_b_proj (24576 x 1536): 192 tiles x 2 splits of 6 groups
+    assert swap_split_k(56, 16, 132) == 7  # expert down (7168 x 2048): 7 -> 6 splits of 3 groups
+    assert swap_split_k(64, 56, 132) == 6  # expert gate_up (4096 x 7168): 64 tiles x 6 splits
+    assert swap_split_k(9, 56, 132) == 28  # kv_a_proj (576 x 7168): 9 tiles x 28 splits of 2 groups
+    assert swap_split_k(56, 3, 132) == 1 and swap_split_k(500, 128, 132) == 1  # few groups; tiles fill a wave
 
 
 @pytest.mark.parametrize("m,k", [(5, 300), (2, 512)])  # one pass; split-K

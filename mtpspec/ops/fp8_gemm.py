@@ -464,8 +464,9 @@ SWAP_AB_DEFAULT = "swap"
 #: The expert-grouped swap kernel quantises its activation rows in a pass of their own (else in
 #: its K loop; same bits).
 GROUPED_SWAP_PREQUANT = True
-#: Swap-AB split-K target: about this many programs per SM (one wave at 3 resident programs of
-#: 4 x 18 KB pipeline stages for 128-row tiles).
+#: Swap-AB split-K target: at most this many programs per SM, so that all are resident at once
+#: (one wave, no tail: 3 programs of 74 KB shared memory, 4 stages of 128 x 128 + 128 x 16 bytes,
+#: fit an sm_90 SM's 228 KB).
 SWAP_PROGRAMS_PER_SM = 3
 #: Swap-AB split-K: at least this many K groups per split.
 SWAP_MIN_KB_PER_SPLIT = 2
@@ -506,10 +507,12 @@ def swap_launch_config(m: int, n: int) -> Tuple[int, int, int, int]:
 
 
 def swap_split_k(n_tiles: int, n_kb: int, sms: int) -> int:
-    """Swap-AB K splits for ``n_tiles`` output tiles and ``n_kb`` K groups: enough for
-    :data:`SWAP_PROGRAMS_PER_SM` programs per SM, each with at least
-    :data:`SWAP_MIN_KB_PER_SPLIT` groups (the caller evens them out: ``cdiv(n_kb, per)``)."""
-    want = cdiv(SWAP_PROGRAMS_PER_SM * sms, max(1, n_tiles))
+    """Swap-AB K splits for ``n_tiles`` output tiles and ``n_kb`` K groups: as many as fit
+    ``n_tiles * splits <= SWAP_PROGRAMS_PER_SM * sms`` (one wave: rounding up would leave a tail
+    wave of a few programs reading at a fraction of the bandwidth), each split with at least
+    :data:`SWAP_MIN_KB_PER_SPLIT` groups; 1 when the tiles alone fill the wave. The caller evens
+    them out (``per = cdiv(n_kb, splits)``, ``cdiv(n_kb, per)`` splits)."""
+    want = SWAP_PROGRAMS_PER_SM * sms // max(1, n_tiles)
     return max(1, min(want, n_kb // SWAP_MIN_KB_PER_SPLIT))
 
 
