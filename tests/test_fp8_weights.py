@@ -170,7 +170,7 @@ def test_swap_ab_is_the_default_for_few_rows(kdev, monkeypatch) -> None:
 
 def test_swap_ab_plan() -> None:
     """Tile sizes and K splits at DeepSeek-V3's decode shapes on 132 SMs (H200)."""
-    from mtpspec.ops.fp8_gemm import swap_launch_config, swap_split_k
+    from mtpspec.ops.fp8_gemm import swap_launch_config, swap_programs_per_sm, swap_split_k
     assert swap_launch_config(1, 7168) == (128, 16, 4, 4) and swap_launch_config(16, 576) == (64, 16, 4, 4)
     assert swap_launch_config(17, 7168) == (128, 32, 4, 4) and swap_launch_config(64, 7168) == (128, 64, 8, 4)
     assert swap_launch_config(200, 7168)[1] == 64
@@ -181,6 +181,8 @@ def test_swap_ab_plan() -> None:
     assert swap_split_k(64, 56, 132) == 6  # expert gate_up (4096 x 7168): 64 tiles x 6 splits
     assert swap_split_k(9, 56, 132) == 28  # kv_a_proj (576 x 7168): 9 tiles x 28 splits of 2 groups
     assert swap_split_k(56, 3, 132) == 1 and swap_split_k(500, 128, 132) == 1  # few groups; tiles fill a wave
+    assert swap_programs_per_sm(128, 16, 128, 4) == 3 and swap_programs_per_sm(128, 64, 128, 4) == 2
+    assert swap_split_k(56, 128, 132, per_sm=2) == 4
 
 
 @pytest.mark.parametrize("m,k", [(5, 300), (2, 512)])  # one pass; split-K

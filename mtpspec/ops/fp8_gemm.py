@@ -468,6 +468,8 @@ GROUPED_SWAP_PREQUANT = True
 #: (one wave, no tail: 3 programs of 74 KB shared memory, 4 stages of 128 x 128 + 128 x 16 bytes,
 #: fit an sm_90 SM's 228 KB).
 SWAP_PROGRAMS_PER_SM = 3
+#: Shared memory per SM that resident programs share (sm_90: 228 KB, 1 KB of it reserved per block).
+SMEM_PER_SM = 227 * 1024
 #: Swap-AB split-K: at least this many K groups per split.
 SWAP_MIN_KB_PER_SPLIT = 2
 #: Swap-AB: most token rows per program (the token tile is the dot's N: 16 .. this, a power of two).
@@ -506,13 +508,22 @@ def swap_launch_config(m: int, n: int) -> Tuple[int, int, int, int]:
     return bn, bt, 8 if bn * bt >= 128 * 64 else 4, 4
 
 
-def swap_split_k(n_tiles: int, n_kb: int, sms: int) -> int:
+def swap_programs_per_sm(block_n: int, block_t: int, block_k: int, stages: int) -> int:
+    """Swap-AB programs resident per SM: :data:`SWAP_PROGRAMS_PER_SM`, fewer where ``stages`` fp8
+    tiles ``[block_n, block_k]`` + ``[block_k, block_t]`` per program do not fit
+    :data:`SMEM_PER_SM` that many times (128 x 64 tokens: 96 KB, 2 per SM)."""
+    smem = stages * block_k * (block_n + block_t)
+    return max(1, min(SWAP_PROGRAMS_PER_SM, SMEM_PER_SM // smem))
+
+
+def swap_split_k(n_tiles: int, n_kb: int, sms: int, per_sm: Optional[int] = None) -> int:
     """Swap-AB K splits for ``n_tiles`` output tiles and ``n_kb`` K groups: as many as fit
-    ``n_tiles * splits <= SWAP_PROGRAMS_PER_SM * sms`` (one wave: rounding up would leave a tail
-    wave of a few programs reading at a fraction of the bandwidth), each split with at least
-    :data:`SWAP_MIN_KB_PER_SPLIT` groups; 1 when the tiles alone fill the wave. The caller evens
-    them out (``per = cdiv(n_kb, splits)``, ``cdiv(n_kb, per)`` splits)."""
-    want = SWAP_PROGRAMS_PER_SM * sms // max(1, n_tiles)
+    ``n_tiles * splits <= per_sm * sms`` (``per_sm``: :data:`SWAP_PROGRAMS_PER_SM` by default;
+    one wave: rounding up would leave a tail wave of a few programs reading at a fraction of the
+    bandwidth), each split with at least :data:`SWAP_MIN_KB_PER_SPLIT` groups; 1 when the tiles
+    alone fill the wave. The caller evens them out (``per = cdiv(n_kb, splits)``,
+    ``cdiv(n_kb, per)`` splits)."""
+    want = (SWAP_PROGRAMS_PER_SM if per_sm is None else per_sm) * sms // max(1, n_tiles)
     return max(1, min(want, n_kb // SWAP_MIN_KB_PER_SPLIT))
 
 
@@ -539,7 +550,8 @@ def _swap_linear(x2: torch.Tensor, w: torch.Tensor, s: torch.Tensor, bias: Optio
     n_kb = cdiv(k, block_k)
     xq, xs = _quantise_rows(x2, block_k) if prequant else (x2, s)
     bn, bt, warps, stages = swap_launch_config(m, n)
-    per = cdiv(n_kb, swap_split_k(cdiv(n, bn) * cdiv(m, bt), n_kb, num_sms(x2.device)))
+    per_sm = swap_programs_per_sm(bn, bt, block_k, stages)
+    per = cdiv(n_kb, swap_split_k(cdiv(n, bn) * cdiv(m, bt), n_kb, num_sms(x2.device), per_sm))
     splits = cdiv(n_kb, per)
     part = torch.empty((splits, m, n), dtype=torch.float32, device=x2.device) if splits > 1 else out
     extra = {} if interpreting() else {"num_warps": warps, "num_stages": stages}
