@@ -23,8 +23,8 @@ a tensor-parallel shard or a merged layer (gate | up) does not cut on ``block_n`
 
 Few rows (``M <= SWAP_AB_MAX_M``, decode) take a "swap AB" kernel: it computes ``out^T = W x^T``
 with the weight tile as stored (``[BLOCK_N, BLOCK_K]``, K contiguous) as the dot's A operand and
-the activations, quantised once in a pass of their own, as a 16-column B operand, split over K
-with the fp32 partials summed in a fixed order; more rows take ``[BLOCK_M, BLOCK_N]`` output
+the activations, quantised once in a pass of their own (or in its K loop: ``swap_fused``), as a
+16-column B operand, split over K with the fp32 partials summed in a fixed order; more rows take ``[BLOCK_M, BLOCK_N]`` output
 tiles. Same codes, scales and per-group scaling either way: the paths differ in fp32 summation
 order only.
 
@@ -581,8 +581,8 @@ def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
         prequant: quantise the activations in a pass of their own (one program per row and group)
             instead of inside every column tile's K loop (which redoes it ``ceil(N / BLOCK_N)``
             times); same codes and scales, so the same result bit for bit. Off by default until
-            timed on a GPU (``benchmarks/bench_fp8_gemm.py`` times both). The swap path always
-            quantises in a pass of its own.
+            timed on a GPU (``benchmarks/bench_fp8_gemm.py`` times both). The tile kernel only:
+            the swap kernels' quantisation is part of ``small_m``.
         small_m: the kernel (:func:`small_m_path`): None picks :data:`SWAP_AB_DEFAULT` (swap AB:
             weight tiles ``[BLOCK_N, BLOCK_K]`` as stored times ``xq^T``, split-K, for few rows;
             ``"swap"`` quantises in a pass of its own, ``"swap_fused"`` in its K loop) up to
