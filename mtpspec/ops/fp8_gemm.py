@@ -22,9 +22,10 @@ a tensor-parallel shard or a merged layer (gate | up) does not cut on ``block_n`
 ``n // scale_block_n`` either way.
 
 Few rows (``M <= SWAP_AB_MAX_M``, decode) take a "swap AB" kernel: it computes ``out^T = W x^T``
-with the weight tile as stored (``[BLOCK_N, BLOCK_K]``, K contiguous) as the dot's A operand and
-the activations, quantised once in a pass of their own (or in its K loop: ``swap_fused``), as a
-16-column B operand, split over K with the fp32 partials summed in a fixed order; more rows take ``[BLOCK_M, BLOCK_N]`` output
+with the weight tile as stored (``[BLOCK_N, BLOCK_K]``, K contiguous) as the dot's A operand
+and the activations, quantised once in a pass of their own (or in its K loop:
+``swap_fused``), as a 16-column B operand, split over K with the fp32 partials summed in a
+fixed order; more rows take ``[BLOCK_M, BLOCK_N]`` output
 tiles. Same codes, scales and per-group scaling either way: the paths differ in fp32 summation
 order only.
 
