@@ -25,9 +25,8 @@ Few rows (``M <= SWAP_AB_MAX_M``, decode) take a "swap AB" kernel: it computes `
 with the weight tile as stored (``[BLOCK_N, BLOCK_K]``, K contiguous) as the dot's A operand
 and the activations, quantised once in a pass of their own (or in its K loop:
 ``swap_fused``), as a 16-column B operand, split over K with the fp32 partials summed in a
-fixed order; more rows take ``[BLOCK_M, BLOCK_N]`` output
-tiles. Same codes, scales and per-group scaling either way: the paths differ in fp32 summation
-order only.
+fixed order; more rows take ``[BLOCK_M, BLOCK_N]`` output tiles. Same codes, scales and
+per-group scaling either way: the paths differ in fp32 summation order only.
 
 Dispatch (:func:`~mtpspec.ops.triton_utils.use_triton`): the Triton kernel on CUDA (fp8 tensor
 cores where the GPU has them, sm_89+; an fp32 dot of the same fp8 values elsewhere) and on CPU
