@@ -14,7 +14,6 @@ from mtpspec.sample.logits_processors import LogitsProcessorMetadata
 from mtpspec.sample.logprobs import LogprobsMetadata
 from mtpspec.sample.sampler import SamplingMetadata
 from mtpspec.step_io import PreparedStep, SeqInput, StepInput
-from mtpspec.transfer import to_device
 
 
 def _meta(seqs: List[SeqInput], device: torch.device) -> Optional[SamplingMetadata]:
@@ -119,7 +118,7 @@ def prepare_step(step: StepInput, k: int, block_size: int, max_position: int, de
     sample_rows = np.concatenate(rows).astype(np.int64)
 
     def dev(a: np.ndarray, dtype: torch.dtype = torch.int64) -> torch.Tensor:
-        return to_device(a, device, dtype)
+        return torch.from_numpy(np.ascontiguousarray(a)).to(device=device, dtype=dtype, non_blocking=True)
 
     meta = AttentionMetadata(
         query_start_loc=dev(seg, torch.int32), seq_lens=dev(np.array(seq_lens), torch.int32),

@@ -44,8 +44,6 @@ from typing import List, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
-from mtpspec.transfer import to_device
-
 
 @dataclass
 class SeqLogitsParams:
@@ -190,7 +188,7 @@ class LogitsProcessorMetadata:
 
         def dev(a, dtype: torch.dtype = torch.int64) -> torch.Tensor:
             arr = np.concatenate(a) if a and isinstance(a[0], np.ndarray) else np.asarray(a)
-            return to_device(arr, device, dtype)
+            return torch.from_numpy(np.ascontiguousarray(arr)).to(device=device, dtype=dtype, non_blocking=True)
 
         meta = cls(rows=dev(rows))
         if bias_r:

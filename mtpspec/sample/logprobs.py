@@ -29,8 +29,6 @@ from typing import List, NamedTuple, Optional, Sequence
 import numpy as np
 import torch
 
-from mtpspec.transfer import to_device
-
 # Rows of prompt logits materialised at once ([rows, V] float32) for prompt_logprobs.
 PROMPT_CHUNK_ROWS = 256
 
@@ -90,7 +88,7 @@ class LogprobsMetadata:
             return None
 
         def dev(a: List[int]) -> torch.Tensor:
-            return to_device(np.asarray(a, dtype=np.int64), device, torch.int64)
+            return torch.from_numpy(np.asarray(a, dtype=np.int64)).to(device=device, non_blocking=True)
 
         rows: List[int] = []
         idx: List[int] = []

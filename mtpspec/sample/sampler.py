@@ -10,10 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-import numpy as np
 import torch
-
-from mtpspec.transfer import to_device
 
 
 @dataclass
@@ -47,13 +44,14 @@ class SamplingMetadata:
     @classmethod
     def build(cls, temperatures: list, top_ks: list, top_ps: list, device: torch.device) -> "SamplingMetadata":
         """From host lists (one entry per row)."""
+        t = torch.tensor(temperatures, dtype=torch.float32)
         use_k = any(k > 0 for k in top_ks)
         use_p = any(p < 1.0 for p in top_ps)
         greedy = [x == 0.0 for x in temperatures]
         return cls(
-            temperature=to_device(np.asarray(temperatures, dtype=np.float32), device, torch.float32),
-            top_k=to_device(np.asarray(top_ks, dtype=np.int64), device, torch.int64) if use_k else None,
-            top_p=to_device(np.asarray(top_ps, dtype=np.float32), device, torch.float32) if use_p else None,
+            temperature=t.to(device, non_blocking=True),
+            top_k=torch.tensor(top_ks, dtype=torch.int64).to(device, non_blocking=True) if use_k else None,
+            top_p=torch.tensor(top_ps, dtype=torch.float32).to(device, non_blocking=True) if use_p else None,
             all_greedy=all(greedy), all_random=not any(greedy))
 
 
