@@ -113,3 +113,20 @@ def test_a_step_returns_before_its_drafts_are_read(model, monkeypatch) -> None:
             assert log == (["output", "drafts", "output"] if on else ["output", "drafts"] * 2)
             while eng.has_unfinished_requests():
                 eng.step()
+
+
+def test_staging_returns_each_array_with_its_dtype_and_shape() -> None:
+    import numpy as np
+    import torch
+
+    from mtpspec.engine.staging import Staging
+    st = Staging(torch.device("cpu"))
+    arrays = [(np.arange(6).reshape(2, 3), torch.int32), ([1.5, -2.0], torch.float64), (np.zeros((0, 4)), torch.int64),
+              (np.array([2 ** 40]), torch.int64), (np.float32([0.25]), torch.float32)]
+    idx = [st.add(a, dt) for a, dt in arrays]
+    out = st.flush()
+    for i, (a, dt) in zip(idx, arrays):
+        assert out[i].dtype == dt and out[i].shape == torch.Size(np.asarray(a).shape)
+        assert torch.equal(out[i], torch.as_tensor(np.asarray(a)).to(dt))
+    with pytest.raises(TypeError, match="dtype must be one of"):
+        st.add([1], torch.bool)

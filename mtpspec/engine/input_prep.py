@@ -13,6 +13,7 @@ from mtpspec.sample.counter_rng import STREAM_ACCEPT, STREAM_SAMPLE, counter_uni
 from mtpspec.sample.logits_processors import LogitsProcessorMetadata
 from mtpspec.sample.logprobs import LogprobsMetadata
 from mtpspec.sample.sampler import SamplingMetadata
+from mtpspec.engine.staging import Staging
 from mtpspec.step_io import PreparedStep, SeqInput, StepInput
 
 
@@ -62,7 +63,8 @@ def _logprobs_meta(seqs: List[SeqInput], layout: List[List[int]], k: int, seg: n
 
 def prepare_step(step: StepInput, k: int, block_size: int, max_position: int, device: torch.device,
                  draft_sampling: bool = False) -> PreparedStep:
-    """Build :class:`PreparedStep` (one host-to-device copy per tensor, no device sync).
+    """Build :class:`PreparedStep` (one host-to-device copy for the step's arrays,
+    :class:`~mtpspec.engine.staging.Staging`; no device sync).
 
     ``k`` is the number of draft tokens (0: plain decoding, where decodes are sampled from
     their single row like prefills). Rows of the step's logits: ``1 + k`` per decode, then one
@@ -117,45 +119,47 @@ def prepare_step(step: StepInput, k: int, block_size: int, max_position: int, de
     rows.append(seg[1:][num_dec + np.array(sampled, dtype=np.int64)] - 1)  # last row of each sampled prefill
     sample_rows = np.concatenate(rows).astype(np.int64)
 
-    def dev(a: np.ndarray, dtype: torch.dtype = torch.int64) -> torch.Tensor:
-        return torch.from_numpy(np.ascontiguousarray(a)).to(device=device, dtype=dtype, non_blocking=True)
-
-    meta = AttentionMetadata(
-        query_start_loc=dev(seg, torch.int32), seq_lens=dev(np.array(seq_lens), torch.int32),
-        slot_mapping=dev(slots), block_tables=dev(bt, torch.int32), num_seqs=len(seqs),
-        max_query_len=int(q.max()), max_seq_len=max(seq_lens), query_lens=q.tolist(), seq_lens_list=seq_lens)
-    accept_u = dec_u = pre_u = None
+    st = Staging(device)  # every array below reaches the device in one copy
+    put = st.add
+    i_qsl, i_lens, i_slots, i_bt = put(seg, torch.int32), put(seq_lens, torch.int32), put(slots), put(bt, torch.int32)
+    i_acc = i_dec = i_pre = None
     if any(s.temperature > 0 for s in decodes):
         keys = [s.seed_key for s in decodes]
         decided = np.array([[s.start_position + 1 + j for j in range(k + 1)] for s in decodes], dtype=np.int64)
-        accept_u = dev(counter_uniforms(keys, decided[:, :k], STREAM_ACCEPT), torch.float64)
-        dec_u = dev(counter_uniforms(keys, decided, STREAM_SAMPLE), torch.float64)
+        i_acc = put(counter_uniforms(keys, decided[:, :k], STREAM_ACCEPT), torch.float64)
+        i_dec = put(counter_uniforms(keys, decided, STREAM_SAMPLE), torch.float64)
     if any(s.temperature > 0 for s in rest_sampled):
         decided = np.array([[s.seq_len] for s in rest_sampled], dtype=np.int64)
-        pre_u = dev(counter_uniforms([s.seed_key for s in rest_sampled], decided, STREAM_SAMPLE)[:, 0],
+        i_pre = put(counter_uniforms([s.seed_key for s in rest_sampled], decided, STREAM_SAMPLE)[:, 0],
                     torch.float64)
-    sample_index = next_ids = None
+    i_sidx = i_next = None
     if partial:
-        sample_index = dev(np.array(sampled, dtype=np.int64))
+        i_sidx = put(np.array(sampled, dtype=np.int64))
         nxt = np.full(len(seqs), -1, dtype=np.int64)
         nxt[partial] = [seqs[i].next_token_id for i in partial]
-        next_ids = dev(nxt)
-    drafts = None
-    if num_dec:
-        drafts = dev(np.array([s.input_token_ids[1:] for s in decodes], dtype=np.int64))
-    layout = _row_layout(seqs, num_dec, k)
-    draft_t = draft_keys = None
+        i_next = put(nxt)
+    i_drafts = put(np.array([s.input_token_ids[1:] for s in decodes], dtype=np.int64)) if num_dec else None
+    i_dt = i_dk = None
     if draft_sampling and k and any(s.draft_temperature > 0 for s in seqs):
-        draft_t = dev(np.array([s.draft_temperature for s in seqs], dtype=np.float32), torch.float32)
-        draft_keys = dev(np.array([s.seed_key for s in seqs], dtype=np.uint64).view(np.int64))
+        i_dt = put(np.array([s.draft_temperature for s in seqs], dtype=np.float32), torch.float32)
+        i_dk = put(np.array([s.seed_key for s in seqs], dtype=np.uint64).view(np.int64))
+    i_ids, i_pos, i_starts = put(ids), put(np.minimum(pos, max_position - 1)), put(starts)
+    i_seg, i_rows = put(seg[:-1]), put(sample_rows)
+    t = st.flush()
+    get = lambda i: None if i is None else t[i]  # noqa: E731
+    meta = AttentionMetadata(
+        query_start_loc=t[i_qsl], seq_lens=t[i_lens], slot_mapping=t[i_slots], block_tables=t[i_bt],
+        num_seqs=len(seqs), max_query_len=int(q.max()), max_seq_len=max(seq_lens), query_lens=q.tolist(),
+        seq_lens_list=seq_lens)
+    layout = _row_layout(seqs, num_dec, k)
     return PreparedStep(
-        input_ids=dev(ids), positions=dev(np.minimum(pos, max_position - 1)), attn_metadata=meta,
-        block_tables=meta.block_tables, start_positions=dev(starts), seg_starts=dev(seg[:-1]),
-        sample_rows=dev(sample_rows), num_decodes=num_dec, num_prefills=len(rest), k=k,
-        draft_token_ids=drafts, decode_meta=_meta(decodes, device), prefill_meta=_meta(rest_sampled, device),
-        accept_uniforms=accept_u, decode_sample_uniforms=dec_u, prefill_uniforms=pre_u,
+        input_ids=t[i_ids], positions=t[i_pos], attn_metadata=meta,
+        block_tables=meta.block_tables, start_positions=t[i_starts], seg_starts=t[i_seg],
+        sample_rows=t[i_rows], num_decodes=num_dec, num_prefills=len(rest), k=k,
+        draft_token_ids=get(i_drafts), decode_meta=_meta(decodes, device), prefill_meta=_meta(rest_sampled, device),
+        accept_uniforms=get(i_acc), decode_sample_uniforms=get(i_dec), prefill_uniforms=get(i_pre),
         host_query_lens=q.tolist(), host_start_positions=starts.tolist(), host_partial=partial,
-        prefill_sample_index=sample_index, next_token_ids=next_ids,
+        prefill_sample_index=get(i_sidx), next_token_ids=get(i_next),
         logits_meta=_logits_meta(seqs, layout, num_dec, device),
         logprobs_meta=_logprobs_meta(seqs, layout, k, seg, device),
-        draft_temperature=draft_t, draft_seed_keys=draft_keys)
+        draft_temperature=get(i_dt), draft_seed_keys=get(i_dk))
