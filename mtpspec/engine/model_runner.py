@@ -223,10 +223,15 @@ class ModelRunner:
         missing = [step.seqs[i].request_id for i in pend if step.seqs[i].request_id not in self._draft_rows]
         if missing or self._prev_drafts is None:
             raise RuntimeError(f"decodes {missing} wait for drafts the last step did not compute on this rank")
-        rows = torch.tensor([self._draft_rows[step.seqs[i].request_id] for i in pend], dtype=torch.int64)
-        src = self._prev_drafts.index_select(0, rows.to(self.device, non_blocking=True))
-        dst = torch.tensor(pend, dtype=torch.int64).to(self.device, non_blocking=True)
-        inp.draft_token_ids.index_copy_(0, dst, src)
+        rows = [self._draft_rows[step.seqs[i].request_id] for i in pend]
+        if rows == pend and pend[-1] == len(pend) - 1:  # steady state: the same leading rows, no index tensors
+            n = len(pend)
+            inp.draft_token_ids[:n].copy_(self._prev_drafts[:n])
+        else:
+            src = self._prev_drafts.index_select(0, torch.tensor(rows, dtype=torch.int64).to(self.device,
+                                                                                             non_blocking=True))
+            dst = torch.tensor(pend, dtype=torch.int64).to(self.device, non_blocking=True)
+            inp.draft_token_ids.index_copy_(0, dst, src)
         ids = inp.input_ids[: nd * (k + 1)].view(nd, k + 1)
         ids[:, 1:] = inp.draft_token_ids
 
