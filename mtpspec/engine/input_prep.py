@@ -3,6 +3,7 @@ and attention metadata."""
 
 from __future__ import annotations
 
+import itertools
 from typing import List, Optional
 
 import numpy as np
@@ -99,25 +100,28 @@ def prepare_step(step: StepInput, k: int, block_size: int, max_position: int, de
     rest = seqs[num_dec:]
     sampled = [j for j, s in enumerate(rest) if not s.is_partial_prefill]
     rest_sampled = [rest[j] for j in sampled]
-    q = np.array([s.query_len for s in seqs], dtype=np.int64)
-    starts = np.array([s.start_position for s in seqs], dtype=np.int64)
+    q = np.fromiter((len(s.input_token_ids) for s in seqs), dtype=np.int64, count=len(seqs))
+    starts = np.fromiter((s.start_position for s in seqs), dtype=np.int64, count=len(seqs))
     seg = np.concatenate([[0], np.cumsum(q)])
     seq_of_row = np.repeat(np.arange(len(seqs)), q)
     pos = np.arange(int(seg[-1]), dtype=np.int64) - np.repeat(seg[:-1], q) + np.repeat(starts, q)
-    width = max(1, max(len(s.block_table) for s in seqs))
-    bt = np.full((len(seqs), width), -1, dtype=np.int64)
-    for i, s in enumerate(seqs):
-        need = -(-s.seq_len // block_size)
-        if len(s.block_table) < need:
-            raise ValueError(f"sequence {i}: {s.seq_len} positions need {need} blocks, its table has "
-                             f"{len(s.block_table)}")
-        bt[i, :len(s.block_table)] = s.block_table
+    n = len(seqs)
+    lens = np.fromiter((len(s.block_table) for s in seqs), dtype=np.int64, count=n)
+    need = -(-(starts + q) // block_size)
+    short = np.flatnonzero(lens < need)
+    if short.size:
+        i = int(short[0])
+        raise ValueError(f"sequence {i}: {int(starts[i] + q[i])} positions need {int(need[i])} blocks, its table has "
+                         f"{int(lens[i])}")
+    bt = np.full((n, max(1, int(lens.max()))), -1, dtype=np.int64)
+    flat = np.fromiter(itertools.chain.from_iterable(s.block_table for s in seqs), dtype=np.int64,
+                       count=int(lens.sum()))
+    bt[np.repeat(np.arange(n), lens), np.arange(flat.size) - np.repeat(np.cumsum(lens) - lens, lens)] = flat
     slots = bt[seq_of_row, pos // block_size] * block_size + pos % block_size
     ids = np.fromiter((t for s in seqs for t in s.input_token_ids), dtype=np.int64, count=int(seg[-1]))
     seq_lens = (starts + q).tolist()
-    rows = [np.arange(seg[i], seg[i + 1]) for i in range(num_dec)]  # k == 0: no decodes here
-    rows.append(seg[1:][num_dec + np.array(sampled, dtype=np.int64)] - 1)  # last row of each sampled prefill
-    sample_rows = np.concatenate(rows).astype(np.int64)
+    # every row of the decodes (they come first, k == 0: none), then the last row of each sampled prefill
+    sample_rows = np.concatenate([np.arange(seg[num_dec]), seg[1:][num_dec + np.array(sampled, dtype=np.int64)] - 1])
 
     st = Staging(device)  # every array below reaches the device in one copy
     put = st.add
