@@ -287,15 +287,19 @@ def as_rows(t: torch.Tensor, name: str) -> torch.Tensor:
 
 
 
-def compile_reports(specs: Sequence[Dict[str, Any]], arch: int = 90) -> List[Dict[str, Any]]:
+def compile_reports(specs: Sequence[Dict[str, Any]], arch: int = 90, ptxas: bool = False) -> List[Dict[str, Any]]:
     """Compile kernels ahead of time for ``sm_<arch>`` (no GPU needed) and summarise the code.
 
     Each spec: ``{"module": "mtpspec.ops.rms_norm", "kernel": "_kernel", "signature": {arg:
     Triton type such as "*bf16", "i32", "fp32"}, "constexprs": {...}, "aligned": [args Triton
     would specialise as divisible by 16 at launch: 16-byte-aligned pointers, multiples of 16],
-    "num_warps": n}``. Compiles in a fresh Python process without ``TRITON_INTERPRET`` (as a GPU
-    process would). Returns per spec ``{"ptx_vec4_loads", "ptx_loads", "ptx_vec4_stores",
-    "ptx_stores", "registers", "spill_bytes"}`` (the last two None without ``cuobjdump``).
+    "num_warps": n}`` (optional ``"num_stages"``: Triton's default otherwise). Compiles in a fresh
+    Python process without ``TRITON_INTERPRET`` (as a GPU process would). Returns per spec
+    ``{"ptx_vec4_loads", "ptx_loads", "ptx_vec4_stores", "ptx_stores", "ptx_bulk_tensor_loads",
+    "ptx_shared_byte_loads", "shared_bytes", "registers", "spill_bytes"}`` (counts of PTX
+    instructions; the shared memory a program allocates; the last two None without ``cuobjdump``); ``ptxas=True`` adds ``{"ptxas_registers", "spill_stores",
+    "spill_loads"}`` (bytes per thread) from the bundled ``ptxas -v --gpu-name sm_<arch>a`` run on
+    the PTX (None without ``ptxas``).
     Diagnostics for tests and tuning.
 
     Raises ``RuntimeError`` with the child's output if compilation fails.
@@ -309,16 +313,16 @@ def compile_reports(specs: Sequence[Dict[str, Any]], arch: int = 90) -> List[Dic
     env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in [env.get("PYTHONPATH")] if p])
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
     code = ("import json, sys\nfrom mtpspec.ops.triton_utils import _compile_report\n"
-            "print(json.dumps([_compile_report(s, int(sys.argv[2])) "
+            "print(json.dumps([_compile_report(s, int(sys.argv[2]), sys.argv[3] == '1') "
             "for s in json.loads(sys.argv[1])]))")
-    proc = subprocess.run([sys.executable, "-c", code, json.dumps(list(specs)), str(arch)],
+    proc = subprocess.run([sys.executable, "-c", code, json.dumps(list(specs)), str(arch), str(int(ptxas))],
                           env=env, capture_output=True, text=True)
     if proc.returncode != 0:
         raise RuntimeError(f"ahead-of-time compile failed:\n{proc.stderr[-4000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def _compile_report(spec: Dict[str, Any], arch: int) -> Dict[str, Any]:
+def _compile_report(spec: Dict[str, Any], arch: int, ptxas: bool = False) -> Dict[str, Any]:
     import importlib
     import re
     import subprocess
@@ -335,8 +339,8 @@ def _compile_report(spec: Dict[str, Any], arch: int) -> Dict[str, Any]:
     src = ASTSource(fn=jit, signature=sig,
                     constexprs={(names.index(k),): v for k, v in spec["constexprs"].items()},
                     attrs={(names.index(a),): [["tt.divisibility", 16]] for a in spec["aligned"]})
-    compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32),
-                              options={"num_warps": spec["num_warps"]})
+    options = {k: spec[k] for k in ("num_warps", "num_stages") if k in spec}
+    compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
     ptx = compiled.asm["ptx"]
     report: Dict[str, Any] = {
         "ptx_vec4_loads": len(re.findall(r"ld\.global[^\n]*\.v4", ptx)),
@@ -344,7 +348,8 @@ def _compile_report(spec: Dict[str, Any], arch: int) -> Dict[str, Any]:
         "ptx_vec4_stores": len(re.findall(r"st\.global[^\n]*\.v4", ptx)),
         "ptx_stores": len(re.findall(r"st\.global", ptx)),
         "ptx_bulk_tensor_loads": len(re.findall(r"cp\.async\.bulk\.tensor", ptx)),
-        "registers": None, "spill_bytes": None}
+        "ptx_shared_byte_loads": len(re.findall(r"ld\.shared\.(?:[us]8|b8)", ptx)),
+        "shared_bytes": getattr(compiled.metadata, "shared", None), "registers": None, "spill_bytes": None}
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     cubin = compiled.asm.get("cubin")
     if cubin and os.path.exists(tool):
@@ -356,4 +361,36 @@ def _compile_report(spec: Dict[str, Any], arch: int) -> Dict[str, Any]:
         regs, stack = re.findall(r"REG:(\d+)", usage), re.findall(r"STACK:(\d+)", usage)
         report["registers"] = int(regs[0]) if regs else None
         report["spill_bytes"] = int(stack[0]) if stack else None
+    if ptxas:
+        report.update(_ptxas_usage(ptx, arch))
     return report
+
+
+def _ptxas_usage(ptx: str, arch: int) -> Dict[str, Optional[int]]:
+    """Registers and spill stores / loads (bytes per thread) that ``ptxas -v`` reports for ``ptx``
+    on ``sm_<arch>a`` (the ptxas Triton itself picks for ``arch``: Triton 3.9 bundles a newer
+    ``ptxas-blackwell`` for its PTX 9.x, 3.6 plain ``ptxas``; Triton's own flags aside, -O3);
+    Nones without the tool or when it fails."""
+    import re
+    import subprocess
+    import tempfile
+
+    usage: Dict[str, Optional[int]] = {"ptxas_registers": None, "spill_stores": None, "spill_loads": None}
+    try:
+        from triton.backends.nvidia.compiler import get_ptxas
+        tool = get_ptxas(arch).path
+    except Exception:  # other Triton versions: the bundled ptxas
+        tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    if not tool or not os.path.exists(tool):
+        return usage
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
+        f.write(ptx)
+        f.flush()
+        log = subprocess.run([tool, "-v", f"--gpu-name=sm_{arch}a", f.name, "-o", os.devnull],
+                             capture_output=True, text=True).stderr
+    regs = re.findall(r"Used (\d+) registers", log)
+    spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
+    usage["ptxas_registers"] = int(regs[-1]) if regs else None
+    if spills:
+        usage["spill_stores"], usage["spill_loads"] = int(spills[-1][0]), int(spills[-1][1])
+    return usage
