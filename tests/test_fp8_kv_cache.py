@@ -1,10 +1,12 @@
 """The FP8 KV cache (``--kv-cache-dtype fp8``, issue 19): E4M3 storage with a per-layer scale.
 
 Kernels run under Triton's interpreter on CPU (``kdev``: a GPU when there is one). Each kernel
-with an fp8 cache is compared with its torch reference computed on the *dequantised* cache
-(``(float(x) * scale)`` rounded to the query's dtype, a cache of the query's dtype): the same math on
-the same values, so the tolerance is that of the kernel-vs-reference tests of the 16-bit caches
-(summation order only: 3e-5 for fp32 queries, 2e-2 for bf16 outputs). The write path's rounding
+with an fp8 cache is compared with its torch reference computed on the *dequantised* cache, the
+values the kernel reads: ``(float(x) * scale)`` rounded to the query's dtype (GQA, indexer: a
+cache of the query's dtype), or kept in fp32 (MLA dense and sparse: unscaled tiles, the scale on
+the fp32 scores and outputs): the same math on the same values, so the tolerance is that of the
+kernel-vs-reference tests of the 16-bit caches (summation order only: 3e-5 for fp32 queries, 2e-2
+for bf16 outputs). The write path's rounding
 is compared bit for bit with torch's ``float8_e4m3fn`` cast after ``clamp(x / scale, -448, 448)``.
 Every fp8 kernel variant compiles for sm_90 ahead of time (no GPU needed).
 
@@ -173,7 +175,8 @@ def test_mla_kernel_fp8_equals_reference_on_dequantised_cache(kdev, dtype, k_sca
     from mtpspec.ops.mla_attention import mla_attention, mla_attention_ref
     ql, qp, lat, qsl, sl, bt, mq, ms = _latent_batch(dtype, seed=2)
     cache = quantize_to_cache(lat, F8, k_scale)
-    ref = mla_attention_ref(ql, qp, dequantize_cache(cache, dtype, k_scale), qsl, sl, bt, 0.1, mq, ms)
+    # the kernel's reading: unscaled tiles, k_scale on the fp32 scores and outputs = an fp32 cache
+    ref = mla_attention_ref(ql, qp, dequantize_cache(cache, torch.float32, k_scale), qsl, sl, bt, 0.1, mq, ms)
     assert torch.equal(mla_attention_ref(ql, qp, cache, qsl, sl, bt, 0.1, mq, ms, k_scale), ref)
     # a Hopper GPU: the bulk-copy (TMA) path too, where the cache layout allows it
     bulk = kdev == "cuda" and torch.cuda.get_device_capability()[0] >= 9 and cache.shape[1] % 16 == 0
@@ -203,7 +206,7 @@ def test_sparse_mla_kernel_fp8_equals_reference_on_dequantised_cache(kdev, dtype
     slots = torch.stack([torch.randperm(n_slots, generator=g)[:40] for _ in range(ql.shape[0])]).to(torch.int32)
     slots[:, 30:] = -1
     slots[1, :] = -1  # a row with no selection: zeros
-    ref = sparse_mla_attention_ref(ql, qp, dequantize_cache(cache, dtype, k_scale), slots, 0.1)
+    ref = sparse_mla_attention_ref(ql, qp, dequantize_cache(cache, torch.float32, k_scale), slots, 0.1)
     assert torch.equal(sparse_mla_attention_ref(ql, qp, cache, slots, 0.1, k_scale), ref)
     for splits in (1, 2):
         out = sparse_mla_attention(*(x.to(kdev) for x in (ql, qp, cache, slots)), 0.1, num_splits=splits,
@@ -355,9 +358,13 @@ def test_fp8_kernels_compile_for_hopper() -> None:
     """Ahead-of-time sm_90 compile (no GPU needed) of every kernel's fp8-cache variant (E4M3
     pointers, ``FP8=True``; the interpreter checks no conversion or tile rules): GQA attention and
     KV write, MLA attention (pointer path) and latent write, sparse MLA, indexer logits and key
-    write, at GLM-4.5 / DeepSeek sizes; the writes' conversions use the native saturating cast."""
+    write, at GLM-4.5 / DeepSeek sizes; the writes' conversions use the native saturating cast.
+    The MLA kernels compile with their strides specialised as a launch specialises them (multiples
+    of 16 at these sizes: 16-byte cache-row vectors), spill at most 512 bytes, read no fp8 tile
+    from shared memory byte by byte (the value operand is converted in registers) and fit two
+    16-row programs in an SM's shared memory (issue 19)."""
     from mtpspec.ops import triton_utils
-    from mtpspec.ops.mla_attention import mla_attention_plan
+    from mtpspec.ops.mla_attention import FP8_BLOCK_N, mla_attention_plan
     from mtpspec.ops.paged_attention import attention_plan
     from mtpspec.ops.sparse_mla_attention import sparse_mla_attention_plan
     i32 = lambda names: {n: "i32" for n in names}  # noqa: E731
@@ -382,6 +389,9 @@ def test_fp8_kernels_compile_for_hopper() -> None:
          "aligned": ["k_ptr", "v_ptr", "kc_ptr", "vc_ptr"], "num_warps": 4},
     ]
     mplan = mla_attention_plan(64, 1, 16, 8192, sms=132)
+    # query, cache and output strides: multiples of 16 at these sizes, specialised by a launch
+    mla_strides = ["stride_qlt", "stride_qlh", "stride_qpt", "stride_qph", "stride_kb", "stride_ks", "stride_ot",
+                   "stride_oh"]
     specs += [
         {"module": "mtpspec.ops.mla_attention", "kernel": "_mla_attn",
          "signature": {"ql_ptr": "*bf16", "qp_ptr": "*bf16", "kv_ptr": "*fp8e4nv", "out_ptr": "*bf16",
@@ -390,10 +400,11 @@ def test_fp8_kernels_compile_for_hopper() -> None:
                        **i32(["stride_qlt", "stride_qlh", "stride_qpt", "stride_qph", "stride_kb", "stride_ks",
                               "stride_ot", "stride_oh", "stride_bt", "stride_pt", "stride_ph"])},
          "constexprs": dict(kvl_desc=None, kvr_desc=None, NUM_HEADS=16, LORA=512, ROPE=64, BLOCK_L=512, BLOCK_R=64,
-                            BLOCK_M=mplan["block_m"], BLOCK_N=64, CACHE_BLOCK=64, SPLIT=True, TMA=False,
+                            BLOCK_M=mplan["block_m"], BLOCK_N=FP8_BLOCK_N.get(mplan["block_m"], 64), CACHE_BLOCK=64,
+                            SPLIT=True, TMA=False,
                             WARP_SPECIALIZE=False, TAIL_STAGES=2, DOT_FP32=False, PRECISION="tf32",
                             BF16_BY_BITS=False, FP8=True),
-         "aligned": ["ql_ptr", "qp_ptr", "kv_ptr", "out_ptr", "part_acc_ptr", "part_ml_ptr", "bt_ptr"],
+         "aligned": ["ql_ptr", "qp_ptr", "kv_ptr", "out_ptr", "part_acc_ptr", "part_ml_ptr", "bt_ptr"] + mla_strides,
          "num_warps": 4},
         {"module": "mtpspec.ops.mla_attention", "kernel": "_write_mla_kv",
          "signature": {"ckv_ptr": "*bf16", "kpe_ptr": "*bf16", "cache_ptr": "*fp8e4nv", "slot_ptr": "*i64",
@@ -411,10 +422,10 @@ def test_fp8_kernels_compile_for_hopper() -> None:
                        **i32(["stride_qlt", "stride_qlh", "stride_qpt", "stride_qph", "stride_kb", "stride_ks",
                               "stride_st", "stride_ot", "stride_oh", "stride_pt", "stride_ph"])},
          "constexprs": dict(NUM_HEADS=16, LORA=512, ROPE=64, BLOCK_L=512, BLOCK_R=64, BLOCK_M=splan["block_m"],
-                            BLOCK_N=64, SCAN_N=256, CACHE_BLOCK=64, SPLIT=True, DOT_FP32=False, PRECISION="tf32",
+                            BLOCK_N=FP8_BLOCK_N.get(splan["block_m"], 64), SCAN_N=256, CACHE_BLOCK=64, SPLIT=True, DOT_FP32=False, PRECISION="tf32",
                             BF16_BY_BITS=False, FP8=True),
-         "aligned": ["ql_ptr", "qp_ptr", "kv_ptr", "out_ptr", "part_acc_ptr", "part_ml_ptr", "slots_ptr"],
-         "num_warps": splan["num_warps"]})
+         "aligned": ["ql_ptr", "qp_ptr", "kv_ptr", "out_ptr", "part_acc_ptr", "part_ml_ptr", "slots_ptr"]
+         + mla_strides, "num_warps": splan["num_warps"]})
     specs += [
         {"module": "mtpspec.ops.indexer", "kernel": "_indexer_logits",
          "signature": {"q_ptr": "*bf16", "w_ptr": "*fp32", "k_ptr": "*fp8e4nv", "out_ptr": "*fp32", "qsl_ptr": "*i32",
@@ -435,3 +446,8 @@ def test_fp8_kernels_compile_for_hopper() -> None:
     assert len(reports) == len(specs)
     for spec, rep in zip(specs, reports):
         assert (rep["spill_bytes"] or 0) <= 512, (spec["kernel"], rep)
+        if spec["kernel"] in ("_mla_attn", "_sparse_mla"):
+            assert rep["ptx_shared_byte_loads"] == 0, (spec["kernel"], rep)
+            # 16-row tiles: two programs per SM as with a bf16 cache (228 KB per H200 SM, 1 KB
+            # reserved per program); the per-element dequantisation took 190 KB (issue 19)
+            assert (rep["shared_bytes"] or 0) <= 228 * 1024 // 2 - 1024, (spec["kernel"], rep)

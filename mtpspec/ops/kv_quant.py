@@ -7,8 +7,10 @@ vLLM does without ``calculate_kv_scales``):
 
 - write: ``x_fp8 = e4m3(clamp(x / scale, -448, 448))``, rounded to nearest even (saturating);
 - read: ``x = (float(x_fp8) * scale)`` rounded to the query's dtype (vLLM's Triton attention does
-  the same: ``(K.to(fp32) * k_scale).to(Q.dtype)``), inside the kernels' tile loads; the cache is
-  never dequantised as a whole.
+  the same: ``(K.to(fp32) * k_scale).to(Q.dtype)``), inside the kernels' tile loads (GQA attention,
+  indexer); the MLA kernels (dense and sparse) instead convert tiles unscaled (exact) and apply
+  ``k_scale`` to their fp32 scores and outputs, i.e. read ``float(x_fp8) * scale`` in fp32
+  (``dequantize_cache(x, torch.float32, scale)``). The cache is never dequantised as a whole.
 
 A cache of any other dtype is stored and read as before (``scale`` ignored). The Triton halves
 are :func:`~mtpspec.ops.triton_helpers.quant_fp8` and

@@ -39,11 +39,21 @@ sequences cost one load); rows past ``query_start_loc[num_seqs]`` come out as ze
 :func:`write_mla_kv_cache` skips slot ``-1`` on the device.
 
 FP8 latent caches (``torch.float8_e4m3fn``, one ``k_scale`` per layer, :mod:`mtpspec.ops.kv_quant`):
-the write quantises (``x / k_scale``, saturating, nearest even); the attention dequantises each
-tile after loading it (``x * k_scale`` in q's dtype), on the pointer path and on the bulk-copy
-(TMA) path alike (the descriptors carry the cache's 1-byte dtype; the tile is converted in
-registers). By default fp8 caches take the pointer path (the bulk-copy variant timed slower on an
-H200, BENCHMARKS.md); ``tma=True`` selects it.
+the write quantises (``x / k_scale``, saturating, nearest even); the attention converts each tile
+to q's dtype unscaled (exact: E4M3 values are bf16 / fp16 values) and applies ``k_scale`` once per
+program, not per element: to the fp32 scores (folded into the softmax scale, ``q . (s x) = s (q .
+x)``) and to the fp32 accumulator before it is stored (the values are the same latent, ``p @ (s
+x) = s (p @ x)``); i.e. the cache is read as ``float(x) * k_scale`` in fp32 (:func:`mla_attention_ref`).
+Issue 19: with the earlier per-element dequantisation (fp8 -> fp32 ``* k_scale`` -> bf16) the fp8
+decode ran at half the bf16 cache's speed on an H200; compiled for sm_90 (Triton 3.6) that
+variant needed 190 KB of shared memory per 16-row program (two 16-bit copies of each latent half),
+so one program per SM where bf16 runs two. Now 16- and 32-row tiles re-mask the converted value
+operand (``_fp8_values``: one 16-bit copy read by ``ldmatrix.trans``, the keys read from the fp8
+staging buffer) and 16-row tiles take ``FP8_BLOCK_N`` = 32 keys (70 KB);
+``benchmarks/ptxas_spills.py`` prints registers, spills and shared memory per variant. Same on the
+pointer path and on the bulk-copy (TMA) path (the descriptors carry the cache's 1-byte dtype). By
+default fp8 caches take the pointer path (the bulk-copy variant timed slower on an H200,
+BENCHMARKS.md); ``tma=True`` selects it.
 
 Dispatch (docs/structures.md): Triton on CUDA tensors and on CPU tensors under
 ``TRITON_INTERPRET=1``; the torch references (``*_ref``, sync-free) otherwise.
@@ -68,6 +78,11 @@ MIN_BLOCK_M = 16
 #: Keys per inner-loop tile (may span several cache blocks on the pointer path; one block on the
 #: bulk-copy path).
 BLOCK_N = 64
+#: ... with an fp8 cache, by ``block_m`` (else ``BLOCK_N``): 16-row tiles take 32 keys, so that the
+#: fp8 staging buffers plus the 16-bit value copy (``_fp8_values``) stay under half of an H200
+#: SM's shared memory (70 KB, Triton 3.6, vs 123 KB with 64 keys: one program per SM where bf16
+#: runs two; ``benchmarks/ptxas_spills.py``). From sm_90 compiles on the CPU, not yet timed.
+FP8_BLOCK_N = {16: 32}
 #: Launch defaults by ``block_m``, from the H200 sweeps of 2026-12-02 (``bench_mla_attention.py
 #: --sweep --block-size 64``, BENCHMARKS.md): 16-row tiles (16 heads x 1 query) are memory-bound
 #: and fastest with 4 warps, per-element gathers and about 8 programs per SM (several in flight
@@ -114,7 +129,8 @@ def mla_attention_ref(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: torc
                       query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
                       scale: float, max_query_len: int, max_seq_len: int, k_scale: float = 1.0) -> torch.Tensor:
     """Torch reference of :func:`mla_attention` (same arguments and result; fp32 softmax and
-    products, float64 for float64 inputs; an fp8 cache read as ``(x * k_scale).to(q.dtype)``).
+    products, float64 for float64 inputs; an fp8 cache read as ``float(x) * k_scale`` in fp32, as
+    the kernel applies it: unscaled tiles, ``k_scale`` on the fp32 scores and outputs).
     Sync-free: every sequence padded to ``max_query_len`` queries and ``max_seq_len`` keys (``max_seq_len`` must bound every ``seq_len``); memory
     ``O(num_seqs * max_query_len * num_heads * max_seq_len)`` plus the gathered latent context
     ``num_seqs * max_seq_len * (kv_lora_rank + rope)``."""
@@ -131,7 +147,7 @@ def mla_attention_ref(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: torc
     qp = q.index_select(0, torch.where(row_ok, rows, 0).reshape(-1)).view(b, max_query_len, nh, d)
     pos, key_ok, slots = padded_slots(block_tables, s_lens, max_seq_len, bs, kv_cache.shape[0], dev)
     kp = kv_cache.reshape(-1, d).index_select(0, slots.reshape(-1)).view(b, max_seq_len, d)
-    kp = dequantize_cache(kp, q_latent.dtype, k_scale).to(acc_dtype)
+    kp = dequantize_cache(kp, acc_dtype, k_scale).to(acc_dtype)
     kp = torch.where(key_ok[:, :, None], kp, torch.zeros_like(kp))  # stale slots never reach p @ v
     s = torch.einsum("bqhd,bkd->bhqk", qp, kp) * scale
     p = causal_probs(s, q_lens, s_lens, j, pos, key_ok, row_ok)
@@ -170,13 +186,14 @@ except ImportError:  # pragma: no cover - older Triton or none: the pointer path
 
 if HAS_TRITON:
     from mtpspec.ops.paged_attention import _combine  # same (m, l, acc) scratch layout
-    from mtpspec.ops.triton_helpers import dequant_kv, quant_fp8, round_to_dtype
+    from mtpspec.ops.triton_helpers import quant_fp8, round_to_dtype
 
     @device_function
-    def _mla_tile(acc0, acc1, m_i, l_i, ql0, ql1, qp, k0, k1, kr, offs_n, n_ok, q_pos, row_ok, qk_scale,
+    def _mla_tile(acc0, acc1, m_i, l_i, ql0, ql1, qp, k0, k1, kr, v0, v1, offs_n, n_ok, q_pos, row_ok, qk_scale,
                   PRECISION: tl.constexpr):
         """One key tile of the online softmax (base 2): the scores from the two latent halves and
-        the rope part (``[BLOCK_M, BLOCK_N]``), then the same latent halves as the value operand.
+        the rope part (``[BLOCK_M, BLOCK_N]``), then the same latent halves as the value operand
+        (``v0``, ``v1``: ``k0``, ``k1`` or, for fp8 caches, :func:`_fp8_values` of them).
         Returns the updated ``(acc0, acc1, m_i, l_i)``."""
         s = tl.dot(ql0, tl.trans(k0), input_precision=PRECISION)
         s = tl.dot(ql1, tl.trans(k1), acc=s, input_precision=PRECISION)
@@ -190,20 +207,42 @@ if HAS_TRITON:
         alpha = tl.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, axis=1)
         p = p.to(k0.dtype)
-        acc0 = acc0 * alpha[:, None] + tl.dot(p, k0, input_precision=PRECISION)
-        acc1 = acc1 * alpha[:, None] + tl.dot(p, k1, input_precision=PRECISION)
+        acc0 = acc0 * alpha[:, None] + tl.dot(p, v0, input_precision=PRECISION)
+        acc1 = acc1 * alpha[:, None] + tl.dot(p, v1, input_precision=PRECISION)
         return acc0, acc1, m_new, l_i
 
     @device_function
-    def _masked_latent(kv_ptr, base, cols, col_ok, n_ok, k_scale, q_dtype: tl.constexpr, FP8: tl.constexpr,
-                       BF16_BY_BITS: tl.constexpr, DOT_FP32: tl.constexpr):
+    def _widen_fp8(x, q_dtype: tl.constexpr, DOT_FP32: tl.constexpr):
+        """An E4M3 tile as dot operands: converted to ``q_dtype`` (fp32 under ``DOT_FP32``), exact
+        (E4M3 values are fp16 / bf16 values) and not scaled: the kernels apply ``k_scale`` to the
+        fp32 scores (folded into ``qk_scale``) and to the fp32 accumulator before it is stored
+        (keys and values are the same latent), so the tile is never multiplied."""
+        return x.to(tl.float32) if DOT_FP32 else x.to(q_dtype)
+
+    @device_function
+    def _fp8_values(k, n_ok, BLOCK_M: tl.constexpr):
+        """The value operand made of an fp8 cache's converted latent half ``k`` (``[BLOCK_N, HALF]``).
+        Tiles of fewer than 64 rows (``mma.sync`` dots, operands loaded into registers): ``k``
+        re-masked on the keys ``n_ok`` (zero there already), a select that keeps Triton from moving
+        the conversion behind the value operand's shared-memory load, where sm_90 has no
+        transposing 8-bit ``ldmatrix`` (one byte-wide shared load per element otherwise): the tile
+        is converted in registers and a 16-bit copy read by ``ldmatrix.trans``. 64-row tiles
+        (``wgmma``, a 16-bit copy either way; the select's extra copy would pass the 227 KiB of
+        shared memory of an sm_90 program): ``k``."""
+        if BLOCK_M < 64:
+            k = tl.where(n_ok[:, None], k, 0.0)
+        return k
+
+    @device_function
+    def _masked_latent(kv_ptr, base, cols, col_ok, n_ok, q_dtype: tl.constexpr, FP8: tl.constexpr,
+                       DOT_FP32: tl.constexpr):
         """``[BLOCK_N, len(cols)]`` cache values at ``kv_ptr + base[:, None] + cols[None, :]``,
         zero where the key (``n_ok``) or column (``col_ok``) is out of range; an fp8 cache's
-        (``FP8``) dequantised to ``q_dtype`` (``x * k_scale``)."""
+        (``FP8``) converted unscaled (:func:`_widen_fp8`)."""
         x = tl.load(kv_ptr + base[:, None] + cols[None, :], mask=n_ok[:, None] & col_ok[None, :], other=0.0)
         if FP8:
-            x = dequant_kv(x, k_scale, q_dtype, BF16_BY_BITS)
-        if DOT_FP32:
+            x = _widen_fp8(x, q_dtype, DOT_FP32)
+        elif DOT_FP32:
             x = x.to(tl.float32)
         return x
 
@@ -258,6 +297,8 @@ if HAS_TRITON:
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc0 = tl.zeros([BLOCK_M, HALF], dtype=tl.float32)
         acc1 = tl.zeros([BLOCK_M, HALF], dtype=tl.float32)
+        if FP8:  # tiles stay unscaled (_widen_fp8): q . (k_scale x) = k_scale (q . x); acc likewise, below
+            qk_scale = qk_scale * k_scale
         bt_row = bt_ptr + seq.to(tl.int64) * stride_bt
         if TMA:
             # Whole tiles lie in one cache block (CACHE_BLOCK % BLOCK_N == 0): one bulk tensor copy per
@@ -272,13 +313,17 @@ if HAS_TRITON:
                 kr = kvr_desc.load([r0, LORA])
                 if FP8:
                     q_ty = ql_ptr.dtype.element_ty
-                    k0 = dequant_kv(k0, k_scale, q_ty, BF16_BY_BITS)
-                    k1 = dequant_kv(k1, k_scale, q_ty, BF16_BY_BITS)
-                    kr = dequant_kv(kr, k_scale, q_ty, BF16_BY_BITS)
+                    k0 = _widen_fp8(k0, q_ty, DOT_FP32)
+                    k1 = _widen_fp8(k1, q_ty, DOT_FP32)
+                    kr = _widen_fp8(kr, q_ty, DOT_FP32)
                 if DOT_FP32:
                     k0, k1, kr = k0.to(tl.float32), k1.to(tl.float32), kr.to(tl.float32)
-                acc0, acc1, m_i, l_i = _mla_tile(acc0, acc1, m_i, l_i, ql0, ql1, qp, k0, k1, kr, offs_n,
-                                                 offs_n < k_hi, q_pos, row_ok, qk_scale, PRECISION)
+                n_ok = offs_n < k_hi
+                v0, v1 = k0, k1
+                if FP8:
+                    v0, v1 = _fp8_values(k0, n_ok, BLOCK_M), _fp8_values(k1, n_ok, BLOCK_M)
+                acc0, acc1, m_i, l_i = _mla_tile(acc0, acc1, m_i, l_i, ql0, ql1, qp, k0, k1, kr, v0, v1, offs_n,
+                                                 n_ok, q_pos, row_ok, qk_scale, PRECISION)
             k_lo = k_full
         for start in tl.range(k_lo, k_hi, BLOCK_N, num_stages=TAIL_STAGES):  # pointer path (TMA: last tile)
             offs_n = start + tl.arange(0, BLOCK_N)
@@ -286,13 +331,17 @@ if HAS_TRITON:
             blk = tl.load(bt_row + offs_n // CACHE_BLOCK, mask=n_ok, other=0).to(tl.int64)
             base = blk * stride_kb + (offs_n % CACHE_BLOCK) * stride_ks
             q_dtype = ql_ptr.dtype.element_ty
-            k0 = _masked_latent(kv_ptr, base, offs_h, h0_ok, n_ok, k_scale, q_dtype, FP8, BF16_BY_BITS, DOT_FP32)
-            k1 = _masked_latent(kv_ptr, base + HALF, offs_h, h1_ok, n_ok, k_scale, q_dtype, FP8, BF16_BY_BITS,
-                                DOT_FP32)
-            kr = _masked_latent(kv_ptr, base + LORA, offs_r, r_ok, n_ok, k_scale, q_dtype, FP8, BF16_BY_BITS,
-                                DOT_FP32)
-            acc0, acc1, m_i, l_i = _mla_tile(acc0, acc1, m_i, l_i, ql0, ql1, qp, k0, k1, kr, offs_n, n_ok, q_pos,
-                                             row_ok, qk_scale, PRECISION)
+            k0 = _masked_latent(kv_ptr, base, offs_h, h0_ok, n_ok, q_dtype, FP8, DOT_FP32)
+            k1 = _masked_latent(kv_ptr, base + HALF, offs_h, h1_ok, n_ok, q_dtype, FP8, DOT_FP32)
+            kr = _masked_latent(kv_ptr, base + LORA, offs_r, r_ok, n_ok, q_dtype, FP8, DOT_FP32)
+            v0, v1 = k0, k1
+            if FP8:
+                v0, v1 = _fp8_values(k0, n_ok, BLOCK_M), _fp8_values(k1, n_ok, BLOCK_M)
+            acc0, acc1, m_i, l_i = _mla_tile(acc0, acc1, m_i, l_i, ql0, ql1, qp, k0, k1, kr, v0, v1, offs_n, n_ok,
+                                             q_pos, row_ok, qk_scale, PRECISION)
+        if FP8:  # p @ (k_scale x) = k_scale (p @ x)
+            acc0 = acc0 * k_scale
+            acc1 = acc1 * k_scale
         if SPLIT:
             pbase = row * stride_pt + head * stride_ph + split
             tl.store(part_ml_ptr + 2 * pbase, m_i, mask=row_ok)
@@ -374,7 +423,7 @@ def tma_eligible(q_latent: torch.Tensor, kv_cache: torch.Tensor, block_n: int) -
     descriptors available; a 16-bit, contiguous ``kv_cache`` (16-byte aligned) whose
     ``block_size`` is a multiple of ``block_n`` (a tile never spans two cache blocks); and
     ``kv_lora_rank / 2`` and ``rope`` powers of two of at most 256 (one copy box each). An fp8
-    (e4m3) cache is eligible too (tiles dequantised after the copy)."""
+    (e4m3) cache is eligible too (tiles converted after the copy)."""
     r, rope = q_latent.shape[2], kv_cache.shape[2] - q_latent.shape[2]
     half = r // 2
     return (TensorDescriptor is not None and (kv_cache.dtype in (torch.float16, torch.bfloat16) or is_fp8(kv_cache.dtype))
@@ -403,7 +452,8 @@ def mla_attention(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Te
             through ``kv_b_proj``'s key half); q_pe: ``[num_tokens, num_heads, rope]`` (rope
             applied); unit stride in the last dimension, rows / heads may be strided.
         kv_cache: ``[num_blocks, block_size, kv_lora_rank + rope]`` of q's dtype or
-            ``torch.float8_e4m3fn`` (read as ``x * k_scale`` in q's dtype, pointer path only),
+            ``torch.float8_e4m3fn`` (read as ``float(x) * k_scale``: unscaled tiles, the scale
+            on the fp32 scores and outputs; pointer path unless ``tma=True``),
             already holding this step's entries (:func:`write_mla_kv_cache`).
         query_start_loc, seq_lens, block_tables, max_query_len, max_seq_len: as
             :func:`mtpspec.ops.paged_attention.paged_attention`.
@@ -438,7 +488,8 @@ def mla_attention(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Te
     s = plan["num_splits"]
     block_l = next_power_of_2(max(r, 32))  # two halves of >= 16 columns (the smallest tl.dot)
     block_r = next_power_of_2(max(rope, 16))
-    bn = BLOCK_N if block_n is None else int(block_n)
+    bn = (FP8_BLOCK_N.get(plan["block_m"], BLOCK_N) if is_fp8(kv_cache.dtype) else BLOCK_N) if block_n is None \
+        else int(block_n)
     eligible = tma_eligible(q_latent, kv_cache, bn)
     if tma and not eligible:
         raise ValueError(f"mla_attention: tma=True needs a contiguous 16-bit or fp8 kv_cache whose block_size "

@@ -35,8 +35,10 @@ CUDA-graph safety: grid, scratch shapes and every Python branch depend only on t
 slots are read on the device. Dispatch (docs/structures.md): Triton on CUDA tensors and on CPU
 tensors under ``TRITON_INTERPRET=1``, the torch reference (sync-free) otherwise.
 
-An fp8 latent cache (``torch.float8_e4m3fn``, :mod:`mtpspec.ops.kv_quant`) is dequantised tile by
-tile as it is gathered (``x * k_scale`` in q's dtype, the dense kernel's ``_masked_latent``).
+An fp8 latent cache (``torch.float8_e4m3fn``, :mod:`mtpspec.ops.kv_quant`) is read as the dense
+kernel reads it: each gathered tile converted to q's dtype unscaled (exact), ``k_scale`` applied to
+the fp32 scores and the fp32 output accumulator (``_widen_fp8``, ``_fp8_values``), i.e. the cache
+read as ``float(x) * k_scale`` in fp32.
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ import torch
 
 from mtpspec.ops.argmax import num_sms
 from mtpspec.ops.kv_quant import check_cache_dtype, dequantize_cache, is_fp8
+from mtpspec.ops.mla_attention import FP8_BLOCK_N
 from mtpspec.ops.paged_common import choose_num_splits, split_outputs
 from mtpspec.ops.triton_utils import (HAS_TRITON, LazyKernel, cdiv, check_tensor_args, interpreting, next_power_of_2,
                                       tl, use_triton)
@@ -108,7 +111,8 @@ def _check_sparse_inputs(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: t
 def sparse_mla_attention_ref(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,
                              topk_slots: torch.Tensor, scale: float, k_scale: float = 1.0) -> torch.Tensor:
     """Torch reference of :func:`sparse_mla_attention` (same arguments and result): the rows'
-    selected latents gathered (an fp8 cache's read as ``(x * k_scale).to(q.dtype)``), fp32 scores /
+    selected latents gathered (an fp8 cache's read as ``float(x) * k_scale`` in fp32, as the kernel
+    applies it: unscaled tiles, ``k_scale`` on the fp32 scores and outputs), fp32 scores /
     softmax / products (float64 for float64 inputs).
     Sync-free; rows go in static chunks of at most ``REF_CHUNK_ELEMS / (K * (kv_lora_rank +
     rope))`` so the gathered latents never need ``T * K * (kv_lora_rank + rope)`` elements."""
@@ -127,7 +131,7 @@ def sparse_mla_attention_ref(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cach
         slots = topk_slots[lo:hi].long()
         ok = (slots >= 0) & (slots < n_slots)  # [c, K]
         kv = flat.index_select(0, torch.where(ok, slots, 0).reshape(-1)).view(hi - lo, k, d)
-        kv = dequantize_cache(kv, q_latent.dtype, k_scale).to(acc_dtype)
+        kv = dequantize_cache(kv, acc_dtype, k_scale).to(acc_dtype)
         kv = torch.where(ok[:, :, None], kv, torch.zeros_like(kv))  # unused entries never reach p @ v
         q = torch.cat([q_latent[lo:hi], q_pe[lo:hi]], dim=-1).to(acc_dtype)
         s = torch.einsum("thd,tkd->thk", q, kv) * scale
@@ -186,7 +190,7 @@ def positions_to_slots(topk_pos: torch.Tensor, token_seq_idx: torch.Tensor, bloc
 # ---------------------------------------------------------------- kernel
 
 if HAS_TRITON:
-    from mtpspec.ops.mla_attention import _masked_latent, _mla_tile  # the dense kernel's tile, shared
+    from mtpspec.ops.mla_attention import _fp8_values, _masked_latent, _mla_tile  # the dense kernel's tile, shared
     from mtpspec.ops.paged_attention import _combine  # same (m, l, acc) scratch layout
     from mtpspec.ops.triton_helpers import round_to_dtype
 
@@ -242,6 +246,8 @@ if HAS_TRITON:
         acc1 = tl.zeros([BLOCK_M, HALF], dtype=tl.float32)
         no_pos = tl.zeros([BLOCK_N], dtype=tl.int32)  # _mla_tile's causal test `pos <= q_pos`: always true
         no_q_pos = tl.zeros([BLOCK_M], dtype=tl.int32)
+        if FP8:  # unscaled tiles (the dense kernel's _widen_fp8): k_scale on the scores and on acc, below
+            qk_scale = qk_scale * k_scale
         for start in range(v_lo, v_hi, BLOCK_N):
             offs_n = start + tl.arange(0, BLOCK_N)
             slot = tl.load(slots_ptr + row * stride_st + offs_n, mask=offs_n < v_hi, other=-1).to(tl.int64)
@@ -249,13 +255,17 @@ if HAS_TRITON:
             base = (slot // CACHE_BLOCK) * stride_kb + (slot % CACHE_BLOCK) * stride_ks
             # the gathered latent tile: keys' first part and the values, loaded once for every head
             q_dtype = ql_ptr.dtype.element_ty
-            k0 = _masked_latent(kv_ptr, base, offs_h, h0_ok, n_ok, k_scale, q_dtype, FP8, BF16_BY_BITS, DOT_FP32)
-            k1 = _masked_latent(kv_ptr, base + HALF, offs_h, h1_ok, n_ok, k_scale, q_dtype, FP8, BF16_BY_BITS,
-                                DOT_FP32)
-            kr = _masked_latent(kv_ptr, base + LORA, offs_r, r_ok, n_ok, k_scale, q_dtype, FP8, BF16_BY_BITS,
-                                DOT_FP32)
-            acc0, acc1, m_i, l_i = _mla_tile(acc0, acc1, m_i, l_i, ql0, ql1, qp, k0, k1, kr, no_pos, n_ok, no_q_pos,
-                                             h_ok, qk_scale, PRECISION)
+            k0 = _masked_latent(kv_ptr, base, offs_h, h0_ok, n_ok, q_dtype, FP8, DOT_FP32)
+            k1 = _masked_latent(kv_ptr, base + HALF, offs_h, h1_ok, n_ok, q_dtype, FP8, DOT_FP32)
+            kr = _masked_latent(kv_ptr, base + LORA, offs_r, r_ok, n_ok, q_dtype, FP8, DOT_FP32)
+            v0, v1 = k0, k1
+            if FP8:
+                v0, v1 = _fp8_values(k0, n_ok, BLOCK_M), _fp8_values(k1, n_ok, BLOCK_M)
+            acc0, acc1, m_i, l_i = _mla_tile(acc0, acc1, m_i, l_i, ql0, ql1, qp, k0, k1, kr, v0, v1, no_pos, n_ok,
+                                             no_q_pos, h_ok, qk_scale, PRECISION)
+        if FP8:
+            acc0 = acc0 * k_scale
+            acc1 = acc1 * k_scale
         if SPLIT:
             pbase = row * stride_pt + head * stride_ph + split
             tl.store(part_ml_ptr + 2 * pbase, m_i, mask=h_ok)
@@ -315,8 +325,9 @@ def sparse_mla_attention(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: t
         q_latent: ``[T, num_heads, kv_lora_rank]`` fp16/bf16/fp32; q_pe: ``[T, num_heads, rope]``
             (rope applied); unit stride in the last dimension, rows / heads may be strided.
         kv_cache: ``[num_blocks, block_size, kv_lora_rank + rope]`` of q's dtype or
-            ``torch.float8_e4m3fn`` (read as ``x * k_scale`` in q's dtype; the dense MLA op's
-            latent cache, already holding this step's entries).
+            ``torch.float8_e4m3fn`` (read as ``float(x) * k_scale``: unscaled tiles, the scale on
+            the fp32 scores and outputs; the dense MLA op's latent cache, already holding this
+            step's entries).
         topk_slots: ``[T, K]`` int32 (int64 accepted), unit stride in the last dimension: row
             ``t``'s selected GLOBAL slots ``block_id * block_size + offset``; ``-1`` (any entry
             ``< 0`` or ``>= num_blocks * block_size``) = unused, anywhere in the row. Valid slots
@@ -351,6 +362,9 @@ def sparse_mla_attention(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: t
     # Triton's interpreter: bf16 tl.dot is wrong and fp32 -> bf16 truncates; as in mla_attention,
     # fp32 dots and rounding by integer ops there (compiled: native bf16 dots, fp32 accumulation).
     bf16_interp = interpreting() and q_latent.dtype == torch.bfloat16
+    # fp8: the dense kernel's tile choice (FP8_BLOCK_N: shared memory of the 16-bit value copy)
+    bn = (FP8_BLOCK_N.get(plan["block_m"], BLOCK_N) if is_fp8(kv_cache.dtype) else BLOCK_N) if block_n is None \
+        else int(block_n)
     out, part_acc, part_ml = split_outputs(q_latent, s, block_l)
     _sparse_mla[(plan["head_blocks"], s, t)](
         q_latent, q_pe, kv_cache, topk_slots, out, part_acc, part_ml,
@@ -358,7 +372,7 @@ def sparse_mla_attention(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: t
         q_latent.stride(0), q_latent.stride(1), q_pe.stride(0), q_pe.stride(1), kv_cache.stride(0),
         kv_cache.stride(1), topk_slots.stride(0), out.stride(0), out.stride(1), nh * s, s,
         NUM_HEADS=nh, LORA=r, ROPE=rope, BLOCK_L=block_l, BLOCK_R=next_power_of_2(max(rope, 16)),
-        BLOCK_M=plan["block_m"], BLOCK_N=BLOCK_N if block_n is None else int(block_n), SCAN_N=SCAN_N,
+        BLOCK_M=plan["block_m"], BLOCK_N=bn, SCAN_N=SCAN_N,
         CACHE_BLOCK=kv_cache.shape[1],
         SPLIT=s > 1, DOT_FP32=bf16_interp, PRECISION="ieee" if q_latent.dtype == torch.float32 else "tf32",
         BF16_BY_BITS=bf16_interp, FP8=is_fp8(kv_cache.dtype),

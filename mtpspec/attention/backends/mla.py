@@ -191,7 +191,8 @@ class MLAImpl(AttentionImpl):
             kpad[tok_seq, tok_off] = k_src.to(ql.dtype)
         else:
             key_slots = torch.cat([key_slots, key_slots.new_zeros(1, key_slots.shape[1])])
-            # [B + 1, max_s, r + rope]; an fp8 cache read as the kernel reads it, (x * k_scale) in q's dtype
+            # [B + 1, max_s, r + rope]; an fp8 cache read as (x * k_scale) in q's dtype (the kernel applies
+            # k_scale in fp32 to unscaled tiles: the same values up to this rounding to q's dtype)
             kpad = dequantize_cache(k_src[key_slots], ql.dtype, k_scale).to(ql.dtype)
         if key_slots is not None:  # never let stale slots (past seq_len, block -1) reach p @ v
             kpad = torch.where(key_ok[:, :, None], kpad, torch.zeros_like(kpad))
