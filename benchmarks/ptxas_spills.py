@@ -54,7 +54,8 @@ def _block_n(block_m: int, cache: str, block_n: Optional[int]) -> int:
     from mtpspec.ops import mla_attention as mla
     if block_n:
         return block_n
-    return mla.FP8_BLOCK_N.get(block_m, mla.BLOCK_N) if cache == "fp8e4nv" else mla.BLOCK_N
+    fp8_block_n = getattr(mla, "FP8_BLOCK_N", {})  # (absent before issue 19's fix: compare older trees)
+    return fp8_block_n.get(block_m, mla.BLOCK_N) if cache == "fp8e4nv" else mla.BLOCK_N
 
 
 def mla_specs(tma: bool, block_n: Optional[int] = None) -> List[Dict[str, Any]]:
