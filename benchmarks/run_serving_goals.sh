@@ -4,6 +4,7 @@
 # 5-shot GSM8K prompts (`bench serve --shared-prefix`), and, when the workload exists, the ITL of
 # running decodes while long prompts are prefilled in chunks (`bench serve --prefill-interference`).
 # Usage: benchmarks/run_serving_goals.sh OUT [PRESET] [extra serve flags]
+# (SKIP_PREFIX=1 / SKIP_INTERFERENCE=1 leave out one of the two benches)
 set -uo pipefail
 out=$1; preset=${2:-dense-70b-16l}; shift; shift || true
 PY=${PYTHON:-python3}
@@ -21,7 +22,7 @@ for i in $(seq 1 300); do
 done
 echo "server up after ${SECONDS}s"
 [ -n "${SKIP_PREFIX:-}" ] || $PY -m mtpspec.entrypoints.cli bench serve --base-url http://127.0.0.1:$port --shared-prefix --json "$out/prefix_ttft.json"
-if $PY -m mtpspec.entrypoints.cli bench serve --help | grep -q -- --prefill-interference; then
+if [ -z "${SKIP_INTERFERENCE:-}" ] && $PY -m mtpspec.entrypoints.cli bench serve --help | grep -q -- --prefill-interference; then
   $PY -m mtpspec.entrypoints.cli bench serve --base-url http://127.0.0.1:$port --prefill-interference \
       --json "$out/prefill_interference.json" ${INTERFERENCE_ARGS:-}
 fi
