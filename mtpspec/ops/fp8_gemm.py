@@ -581,8 +581,8 @@ def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
         prequant: quantise the activations in a pass of their own (one program per row and group)
             instead of inside every column tile's K loop (which redoes it ``ceil(N / BLOCK_N)``
             times); same codes and scales, so the same result bit for bit. On by default: on an
-            H200 it is 1.6-3.6x faster from 64 rows up (o_proj at 8,192 rows 14.0 -> 4.05 ms;
-            BENCHMARKS.md); ``False`` keeps the in-loop quantisation. The tile kernel only:
+            H200 it is 3.2-3.6x faster at 8,192 rows (o_proj 14.0 -> 4.05 ms) and mostly at 256
+            (BENCHMARKS.md); ``False`` keeps the in-loop quantisation. The tile kernel only:
             the swap kernels' quantisation is part of ``small_m``.
         small_m: the kernel (:func:`small_m_path`): None picks :data:`SWAP_AB_DEFAULT` (swap AB:
             weight tiles ``[BLOCK_N, BLOCK_K]`` as stored times ``xq^T``, split-K, for few rows;
