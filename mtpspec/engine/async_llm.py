@@ -30,7 +30,7 @@ import traceback
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable, Dict, List, Optional, Union
 
-from mtpspec.engine.llm_engine import LLMEngine, PromptType
+from mtpspec.engine.llm_engine import LLMEngine, PromptType, ValidatedPrompt
 from mtpspec.engine.parallel_sampling import ParentRequest
 from mtpspec.engine.sequence import Sequence
 from mtpspec.outputs import CompletionOutput, RequestOutput
@@ -173,6 +173,15 @@ class AsyncLLM:
         """
         return self.engine.validate_request(prompt, params)[1]
 
+    def validated_prompt(self, prompt: PromptType, params: SamplingParams) -> ValidatedPrompt:
+        """Check a request once (:meth:`LLMEngine.validated_prompt`); passing the result to
+        :meth:`add_request` with the same ``params`` neither tokenizes nor checks it again.
+
+        Raises:
+            ValueError / TypeError: as ``validate_request``.
+        """
+        return self.engine.validated_prompt(prompt, params)
+
     def add_request(self, prompt: PromptType, params: SamplingParams, request_id: Optional[str] = None,
                     arrival_time: Optional[float] = None) -> "RequestStream":
         """Validate and queue one request now; iterate the returned stream for its progress.
@@ -180,7 +189,9 @@ class AsyncLLM:
         Must be called from a coroutine (it binds the stream to the running event loop).
 
         Args:
-            prompt: text, ``{"prompt": text}`` or ``{"prompt_token_ids": [...]}``.
+            prompt: text, ``{"prompt": text}``, ``{"prompt_token_ids": [...]}`` or a
+                :class:`ValidatedPrompt` of :meth:`validated_prompt` (with these ``params``:
+                not checked again).
             params: sampling parameters.
             request_id: unique id (default: a fresh one).
             arrival_time: ``time.perf_counter()`` when the request arrived (TTFT counts from it).
@@ -192,9 +203,8 @@ class AsyncLLM:
         """
         if self.dead is not None:
             raise EngineDeadError(self.dead)
-        text, ids = self.engine.validate_request(prompt, params)
-        # Tokenized here, on the caller's thread: the engine thread does not tokenize again.
-        prompt = {"prompt_token_ids": ids} if text is None else {"prompt": text, "prompt_token_ids": ids}
+        # Tokenized and checked once, on the caller's thread: the engine thread does neither again.
+        prompt = self.engine.validated_prompt(prompt, params)
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         loop = asyncio.get_running_loop()
         q: asyncio.Queue = asyncio.Queue()

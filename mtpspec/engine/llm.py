@@ -9,7 +9,7 @@ from mtpspec.config import SpeculativeConfig
 from mtpspec.engine.arg_utils import DEFAULT_MAX_MODEL_LEN, EngineArgs  # noqa: F401 - re-exported
 from mtpspec.engine.detokenizer import Tokenizer, load_tokenizer
 from mtpspec.engine.executor import InProcessExecutor, make_executor
-from mtpspec.engine.llm_engine import LLMEngine, PromptType
+from mtpspec.engine.llm_engine import LLMEngine, PromptType, ValidatedPrompt
 from mtpspec.engine.worker import follower_loop
 from mtpspec.outputs import RequestOutput
 from mtpspec.sampling_params import SamplingParams
@@ -137,7 +137,7 @@ class LLM:
                 parameter, raised before any work starts and naming the prompt's index; nothing
                 is queued, so other requests are unaffected.
         """
-        single = isinstance(prompts, (str, dict))
+        single = isinstance(prompts, (str, dict, ValidatedPrompt))
         plist = [prompts] if single else list(prompts)
         if sampling_params is None:
             params = [SamplingParams()] * len(plist)
@@ -150,7 +150,7 @@ class LLM:
         eng = self.llm_engine
         for i, (p, sp) in enumerate(zip(plist, params)):
             try:
-                eng.validate_request(p, sp)
+                plist[i] = eng.validated_prompt(p, sp)  # tokenized once: add_request does not again
             except (ValueError, TypeError) as exc:
                 raise type(exc)(f"prompt {i}: {exc}") from None
         if self._torchrun and self._rank != 0:

@@ -49,7 +49,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from mtpspec.engine.async_llm import AsyncLLM, EngineDeadError, QueueFullError, RequestError, RequestStream
-from mtpspec.engine.llm_engine import MAX_LOGPROBS
+from mtpspec.engine.llm_engine import MAX_LOGPROBS, PromptType, ValidatedPrompt
 from mtpspec.entrypoints.chat_template import render_chat
 from mtpspec.entrypoints.openai_protocol import (
     ChatCompletionRequest, CompletionRequest, DetokenizeRequest, OpenAIError, TokenizeRequest, bad_request)
@@ -232,11 +232,17 @@ def _normalise_prompts(prompt: Any) -> List[Dict[str, Any]]:
                       "prompt")
 
 
-def _validate_all(engine: AsyncLLM, prompts: List[Dict[str, Any]], params: SamplingParams) -> List[List[int]]:
+def _validate_all(engine: AsyncLLM, prompts: List[Dict[str, Any]], params: SamplingParams) -> List[ValidatedPrompt]:
+    """Tokenize and check every prompt once (:meth:`AsyncLLM.validated_prompt`); the results go
+    to :func:`_start` as they are, so nothing is tokenized or checked again.
+
+    Raises:
+        OpenAIError: 400 naming the first bad prompt (``prompt i:`` when there are several).
+    """
     out = []
     for i, p in enumerate(prompts):
         try:
-            out.append(engine.validate(p, params))
+            out.append(engine.validated_prompt(p, params))
         except (ValueError, TypeError) as exc:
             where = f"prompt {i}: " if len(prompts) > 1 else ""
             raise bad_request(where + str(exc), "logit_bias" if "logit_bias" in str(exc) else "prompt") from None
@@ -260,7 +266,7 @@ def _check_context(engine: AsyncLLM, prompt_ids: List[List[int]], max_tokens: Op
                 "Please reduce the length of the messages or completion.", param)
 
 
-def _start(engine: AsyncLLM, prompts: List[Dict[str, Any]], params: SamplingParams, rid: str,
+def _start(engine: AsyncLLM, prompts: Sequence[PromptType], params: SamplingParams, rid: str,
            arrival: float) -> List[RequestStream]:
     streams: List[RequestStream] = []
     try:
@@ -565,14 +571,14 @@ def build_app(ctx: ServerContext) -> FastAPI:
         prompts = _normalise_prompts(req.prompt)
         params = _sampling_params(req, 1 if score_only else req.max_tokens,
                                   logprobs=None if score_only else req.logprobs, prompt_logprobs=prompt_lp)
-        prompt_ids = _validate_all(engine, prompts, params)
+        validated = _validate_all(engine, prompts, params)
+        prompt_ids = [v.token_ids for v in validated]
         rid = f"cmpl-{uuid.uuid4().hex}"
         if score_only and prompt_lp is None:
             return JSONResponse(_echo_only(ctx, req, prompts, prompt_ids, rid, params.n))
         if not score_only:
             _check_context(engine, prompt_ids, req.max_tokens, "max_tokens")
-        prompts = [dict(p, prompt_token_ids=ids) for p, ids in zip(prompts, prompt_ids)]  # tokenize once
-        streams = _start(engine, prompts, params, rid, arrival)
+        streams = _start(engine, validated, params, rid, arrival)
         if req.stream and params.num_sequences == params.n:
             return StreamingResponse(_completion_sse(ctx, req, streams, params, rid, request),
                                      media_type="text/event-stream")
@@ -635,12 +641,11 @@ def build_app(ctx: ServerContext) -> FastAPI:
             raise bad_request(str(exc), "messages") from None
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         params = _sampling_params(req, max_tokens, stops, logprobs=num_lp, prompt_logprobs=req.prompt_logprobs)
-        prompts = [{"prompt": text}]
-        prompts[0]["prompt_token_ids"] = _validate_all(engine, prompts, params)[0]
-        _check_context(engine, [prompts[0]["prompt_token_ids"]], max_tokens,
+        validated = _validate_all(engine, [{"prompt": text}], params)
+        _check_context(engine, [validated[0].token_ids], max_tokens,
                        "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens")
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        streams = _start(engine, prompts, params, rid, arrival)
+        streams = _start(engine, validated, params, rid, arrival)
         if req.stream:
             return StreamingResponse(_chat_sse(ctx, req, streams, params, rid, request), media_type="text/event-stream")
         try:

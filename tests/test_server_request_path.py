@@ -1,0 +1,138 @@
+"""The request path's host work (issue 17): each prompt is tokenized and checked once per request,
+from the HTTP handler to the engine thread, and the outputs are unchanged by it."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import pytest
+
+from test_server_fixtures import make_served_model
+
+from mtpspec import LLM, SamplingParams
+from mtpspec.engine import llm_engine
+from mtpspec.engine.async_llm import AsyncLLM
+from mtpspec.engine.llm_engine import ValidatedPrompt
+
+SPEC = {"method": "mtp", "num_speculative_tokens": 2, "use_local_argmax_reduction": True}
+PROMPT = "Question: Ann has 4 cats and buys 3 more. How many cats does she have?\nAnswer:"
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("request_path_model"))
+    make_served_model(path, seed=5)
+    return path
+
+
+@pytest.fixture(scope="module")
+def engine(model_dir):
+    eng = AsyncLLM.from_model(model_dir, device="cpu", max_model_len=256, max_num_seqs=4, speculative_config=SPEC)
+    yield eng
+    eng.shutdown()
+
+
+class _Counts:
+    """Counts ``Tokenizer.encode`` and the token-id type checks (``_all_ints``) while active."""
+
+    def __init__(self, monkeypatch, eng: AsyncLLM):
+        self.encode = self.checks = 0
+        tok = eng.tokenizer
+        encode, all_ints = tok.encode, llm_engine._all_ints
+
+        def counted_encode(text):
+            self.encode += 1
+            return encode(text)
+
+        def counted_all_ints(ids):
+            self.checks += 1
+            return all_ints(ids)
+        monkeypatch.setattr(tok, "encode", counted_encode)
+        monkeypatch.setattr(llm_engine, "_all_ints", counted_all_ints)
+
+
+def _app(eng: AsyncLLM):
+    from mtpspec.entrypoints.openai_server import ServerContext, build_app
+    from mtpspec.entrypoints.server_metrics import ServerMetrics
+    metrics = ServerMetrics(eng.num_speculative_tokens, {"model": "m"})
+    return build_app(ServerContext(eng, "m", "m", {"model": "m"}, metrics))
+
+
+async def _post(app, path: str, body: dict) -> httpx.Response:
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as client:
+        return await client.post(path, json=body, timeout=60)
+
+
+def test_http_request_tokenized_and_checked_once(engine, monkeypatch):
+    want = [o.outputs[0].text for o in _offline(engine, [PROMPT], SamplingParams(temperature=0, max_tokens=8))]
+    app = _app(engine)
+    counts = _Counts(monkeypatch, engine)
+    for stream in (False, True):
+        counts.encode = counts.checks = 0
+        r = asyncio.run(_post(app, "/v1/completions", {"prompt": PROMPT, "max_tokens": 8, "temperature": 0,
+                                                       "stream": stream}))
+        assert r.status_code == 200, r.text
+        if stream:
+            chunks = [json.loads(line[6:]) for line in r.text.splitlines()
+                      if line.startswith("data: {")]
+            text = "".join(c["choices"][0]["text"] for c in chunks)
+        else:
+            text = r.json()["choices"][0]["text"]
+        assert text == want[0]
+        assert (counts.encode, counts.checks) == (1, 1), f"stream={stream}"
+    counts.encode = counts.checks = 0
+    r = asyncio.run(_post(app, "/v1/chat/completions", {"messages": [{"role": "user", "content": PROMPT}],
+                                                        "max_tokens": 4, "temperature": 0}))
+    assert r.status_code == 200, r.text
+    assert counts.encode == 1 and counts.checks == 1
+
+
+def _offline(eng: AsyncLLM, prompts, params):
+    async def run():
+        outs = []
+        for p in prompts:
+            async for out in eng.generate(p, params):
+                pass
+            outs.append(out)
+        return outs
+    return asyncio.run(run())
+
+
+def test_validated_prompt_is_checked_again_with_other_params(engine):
+    eng = engine.engine
+    params = SamplingParams(temperature=0, max_tokens=4)
+    vp = eng.validated_prompt(PROMPT, params)
+    assert isinstance(vp, ValidatedPrompt) and vp.text == PROMPT and vp.token_ids == eng.tokenizer.encode(PROMPT)
+    assert eng.validate_request(vp, params) == (PROMPT, vp.token_ids)
+    other = SamplingParams(temperature=0, max_tokens=4, logprobs=21)  # not valid: checked again
+    with pytest.raises(ValueError, match="greater than max allowed"):
+        eng.validate_request(vp, other)
+    assert eng.validate_request(ValidatedPrompt(None, [1, 2], params), SamplingParams()) == (None, [1, 2])
+
+
+@pytest.mark.parametrize("ids, exc", [([1, True], TypeError), ([1, 2.0], TypeError), ([1, "2"], TypeError),
+                                      ([1, 10 ** 6], ValueError), ([1, -1], ValueError)])
+def test_token_id_checks_unchanged(engine, ids, exc):
+    with pytest.raises(exc):
+        engine.engine.validate_request({"prompt_token_ids": ids}, SamplingParams())
+
+
+def test_int_subclass_ids_accepted(engine):
+    class Id(int):
+        pass
+    assert engine.engine.validate_request({"prompt_token_ids": [Id(3), 4]}, SamplingParams()) == (None, [3, 4])
+
+
+def test_offline_generate_tokenizes_once(model_dir, monkeypatch):
+    llm = LLM(model_dir, device="cpu", max_model_len=256)
+    try:
+        calls = []
+        tok = llm.get_tokenizer()
+        encode = tok.encode
+        monkeypatch.setattr(tok, "encode", lambda text: calls.append(text) or encode(text))
+        out = llm.generate([PROMPT, "Numbers:"], SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)
+        assert len(calls) == 2 and [o.prompt for o in out] == [PROMPT, "Numbers:"]
+    finally:
+        llm.shutdown()
