@@ -10,12 +10,14 @@ phase                       from -> to
 ==========================  =====================================================================
 ``http_in``                 client sent the request -> handler starts (uvicorn / h11 parse)
 ``handler``                 handler starts -> prompt validated (JSON, pydantic, checks, tokenize)
+``parse``                   of which: body read, JSON and pydantic (``_parse``)
+``tokenize``                of which: ``Tokenizer.encode`` of the prompt
 ``queue_put``               validated -> ``AsyncLLM.add_request`` returned (command queued)
 ``engine_pickup``           validated -> engine thread applies the ``add`` command
 ``engine_add``              engine thread: ``LLMEngine.add_request`` (validate, Sequence)
 ``to_schedule``             ``add`` applied -> first step schedules the request
 ``step``                    scheduled -> first token known (``first_token_time``); NOT host
-``publish``                 first token known -> engine thread handed the output to asyncio
+``publish``                 first token known -> engine thread hands the output to asyncio
 ``to_sse``                  handed over -> SSE chunk of the first token built (asyncio thread)
 ``sse_out``                 chunk built -> client has read it
 ``host_in``                 client sent -> scheduled (everything before the step)
@@ -51,7 +53,7 @@ import threading
 import time
 from typing import Any, Callable, Dict, List, Optional
 
-PHASES = ["http_in", "handler", "queue_put", "engine_pickup", "engine_add", "to_schedule", "step", "publish",
+PHASES = ["http_in", "handler", "parse", "tokenize", "queue_put", "engine_pickup", "engine_add", "to_schedule", "step", "publish",
           "to_sse", "sse_out", "host_in", "host_out", "ttft"]
 
 
@@ -72,6 +74,7 @@ class Stamps:
         self.by_rid: Dict[str, Dict[str, float]] = {}
         self.seqs: Dict[str, Any] = {}
         self.current: Optional[str] = None  # the one request in flight (requests go one at a time)
+        self.parse_start = self.parse_end = self.encode_s = 0.0  # of the request in flight
 
     def put(self, rid: Optional[str], name: str, t: Optional[float] = None) -> None:
         if rid is not None:
@@ -88,10 +91,32 @@ def instrument(engine: Any, stamps: Stamps) -> None:
         sub = f"{rid}-0"
         stamps.current = sub
         stamps.put(sub, "validated")
+        stamps.put(sub, "parse_start", stamps.parse_start)
+        stamps.put(sub, "parse_end", stamps.parse_end)
+        stamps.put(sub, "encode_s", stamps.encode_s)
         out = start(eng, prompts, params, rid, arrival)
         stamps.put(sub, "queued")
         return out
     srv._start = _start
+
+    parse = srv._parse
+
+    async def _parse(request: Any, cls: Any) -> Any:
+        stamps.parse_start = time.perf_counter()
+        out = await parse(request, cls)
+        stamps.parse_end = time.perf_counter()
+        return out
+    srv._parse = _parse
+
+    tok = engine.tokenizer
+    encode = tok.encode
+
+    def timed_encode(text: str) -> List[int]:
+        t0 = time.perf_counter()
+        ids = encode(text)
+        stamps.encode_s = time.perf_counter() - t0
+        return ids
+    tok.encode = timed_encode
 
     sse = srv._sse
 
@@ -107,6 +132,13 @@ def instrument(engine: Any, stamps: Stamps) -> None:
     def _apply(cmd: tuple) -> None:
         if cmd[0] == "add":
             stamps.put(cmd[1], "engine_add_start")
+            rid, sink = cmd[1], cmd[-1]
+
+            def stamped_sink(item: Any) -> None:
+                if getattr(item, "outputs", None) and item.outputs[0].token_ids:
+                    stamps.put(rid, "published")  # handed to the asyncio loop
+                sink(item)
+            cmd = cmd[:-1] + (stamped_sink,)
         apply(cmd)
         if cmd[0] == "add":
             stamps.put(cmd[1], "engine_add_end")
@@ -119,16 +151,6 @@ def instrument(engine: Any, stamps: Stamps) -> None:
         stamps.seqs[rid] = seq
         return seq
     engine._find_seq = _find_seq
-
-    step = engine._step
-
-    def _step() -> None:
-        step()
-        rid = stamps.current
-        seq = stamps.seqs.get(rid)
-        if seq is not None and seq.metrics.first_token_time is not None:
-            stamps.put(rid, "published")
-    engine._step = _step
 
 
 def start_server(model: str, extra: List[str]) -> Any:
@@ -190,6 +212,7 @@ def phases(client: Dict[str, float], s: Dict[str, float], seq: Any) -> Dict[str,
     m = seq.metrics
     ms = lambda a, b: (b - a) * 1e3  # noqa: E731
     return {"http_in": ms(client["sent"], m.arrival_time), "handler": ms(m.arrival_time, s["validated"]),
+            "parse": ms(s["parse_start"], s["parse_end"]), "tokenize": s["encode_s"] * 1e3,
             "queue_put": ms(s["validated"], s["queued"]), "engine_pickup": ms(s["validated"], s["engine_add_start"]),
             "engine_add": ms(s["engine_add_start"], s["engine_add_end"]),
             "to_schedule": ms(s["engine_add_end"], m.first_scheduled_time),

@@ -391,11 +391,16 @@ class AsyncLLM:
                 self.engine.abort_request(rid)
                 batch.append((live.sink, RequestError(f"request {rid} failed: {type(exc).__name__}: {exc}")))
                 self._notify("on_error", rid)
-        # Counters and stats first: a client that sees its last token and then scrapes /metrics or
-        # reads stats() finds it counted and its sequence freed.
+        # Progress first (the first token's latency), then counters and stats, then the last
+        # outputs: a client that sees its last token and then scrapes /metrics or reads stats()
+        # finds it counted and its sequence freed.
+        last = [(sink, item) for sink, item in batch if not isinstance(item, RequestOutput) or item.finished]
+        for sink, item in batch:
+            if isinstance(item, RequestOutput) and not item.finished:
+                sink(item)
         self._notify("on_step", self.engine, finished)
         self._update_stats()
-        for sink, item in batch:
+        for sink, item in last:
             sink(item)
 
     def _notify(self, method: str, *args: Any) -> None:
@@ -469,19 +474,31 @@ class RequestStream:
             self.engine.abort(self.request_id)
             self.engine._release_id(self.request_id)
 
+    async def next_output(self) -> RequestOutput:
+        """Wait for the request's next cumulative output (outputs that arrived meanwhile are
+        coalesced into the newest one). Cancelling the wait loses nothing and does not abort.
+
+        Raises:
+            RuntimeError: the stream has finished already.
+            RequestError / EngineDeadError: the request failed (the stream is then finished).
+        """
+        if self.finished:
+            raise RuntimeError(f"request {self.request_id!r}: the stream has finished")
+        item = await self._q.get()
+        while not self._q.empty() and not isinstance(item, BaseException) and not item.finished:
+            item = self._q.get_nowait()  # coalesce: only the newest snapshot matters
+        if isinstance(item, BaseException):
+            self.finished = True
+            self.engine._release_id(self.request_id)
+            raise item
+        if item.finished:
+            self.finished = True
+            self.engine._release_id(self.request_id)
+        return item
+
     async def __aiter__(self) -> AsyncIterator[RequestOutput]:
         try:
             while not self.finished:
-                item = await self._q.get()
-                while not self._q.empty() and not isinstance(item, BaseException) and not item.finished:
-                    item = self._q.get_nowait()  # coalesce: only the newest snapshot matters
-                if isinstance(item, BaseException):
-                    self.finished = True
-                    self.engine._release_id(self.request_id)
-                    raise item
-                if item.finished:
-                    self.finished = True
-                    self.engine._release_id(self.request_id)
-                yield item
+                yield await self.next_output()
         finally:
             self.abort()

@@ -443,7 +443,14 @@ def _sse(obj: Any) -> str:
 
 async def _merged(streams: List[RequestStream], request: Request) -> AsyncIterator[Tuple[int, Any]]:
     """``(choice index, RequestOutput)`` from all streams as they come; stops quietly when the
-    client disconnects; raises the first stream error. Every stream is aborted on exit."""
+    client disconnects; raises the first stream error. Every stream is aborted on exit.
+
+    One stream (the common case) is read directly; several are pumped into one queue.
+    """
+    if len(streams) == 1:
+        async for item in _single(streams[0], request):
+            yield item
+        return
     q: asyncio.Queue = asyncio.Queue()
 
     async def pump(i: int, s: RequestStream) -> None:
@@ -458,8 +465,9 @@ async def _merged(streams: List[RequestStream], request: Request) -> AsyncIterat
     try:
         while remaining:
             try:
-                i, item = await asyncio.wait_for(q.get(), timeout=_POLL_S)
-            except asyncio.TimeoutError:
+                async with asyncio.timeout(_POLL_S):
+                    i, item = await q.get()
+            except TimeoutError:
                 if await request.is_disconnected():
                     return
                 continue
@@ -473,6 +481,23 @@ async def _merged(streams: List[RequestStream], request: Request) -> AsyncIterat
             t.cancel()
         for s in streams:
             s.abort()
+
+
+async def _single(stream: RequestStream, request: Request) -> AsyncIterator[Tuple[int, Any]]:
+    """:func:`_merged` of one stream: its outputs awaited in this task (no pump task and queue
+    between the engine's hand-off and the SSE chunk: one event-loop pass instead of several)."""
+    try:
+        while not stream.finished:
+            try:
+                async with asyncio.timeout(_POLL_S):
+                    out = await stream.next_output()
+            except TimeoutError:
+                if await request.is_disconnected():
+                    return
+                continue
+            yield 0, out
+    finally:
+        stream.abort()
 
 
 def _stream_error_events(exc: BaseException) -> str:
