@@ -136,3 +136,35 @@ def test_offline_generate_tokenizes_once(model_dir, monkeypatch):
         assert len(calls) == 2 and [o.prompt for o in out] == [PROMPT, "Numbers:"]
     finally:
         llm.shutdown()
+
+
+def test_transformers_tokenizer_fast_path_gives_the_same_ids(model_dir, tmp_path):
+    """A transformers fast tokenizer is called through its ``tokenizers.Tokenizer`` (same ids);
+    a subclass that overrides a step of ``encode`` keeps transformers' own path."""
+    import shutil
+
+    from test_server_fixtures import gsm8k_rows
+
+    from mtpspec.engine.detokenizer import load_tokenizer
+    shutil.copy(f"{model_dir}/tokenizer.json", tmp_path / "tokenizer.json")
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast",
+                                                               "eos_token": "<|endoftext|>"}))
+    tok = load_tokenizer(str(tmp_path))
+    assert tok is not None and not tok._is_fast_lib and tok._rust is not None
+    texts = [r["question"] + "\n" + r["answer"] for r in gsm8k_rows("test", 20)] + ["<|endoftext|> x<|endoftext|>"]
+    for text in texts:
+        assert tok.encode(text) == list(tok.backend.encode(text, add_special_tokens=False))
+    whole = tok.encode(texts[-1])
+    tok.backend.split_special_tokens = True  # a changed setting is followed (transformers' path sets it)
+    for _ in range(2):
+        split = tok.encode(texts[-1])
+        assert split == list(tok.backend.encode(texts[-1], add_special_tokens=False)) and len(split) > len(whole)
+
+    from mtpspec.engine.detokenizer import Tokenizer, _rust_backend
+    backend = load_tokenizer(str(tmp_path)).backend
+
+    class Custom(type(backend)):
+        def _encode_plus(self, *args, **kwargs):
+            return super()._encode_plus(*args, **kwargs)
+    backend.__class__ = Custom
+    assert _rust_backend(backend) is None and Tokenizer(backend)._rust is None
