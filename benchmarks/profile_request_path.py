@@ -9,6 +9,7 @@ with ``time.perf_counter`` (one clock for the client, the asyncio thread and the
 phase                       from -> to
 ==========================  =====================================================================
 ``http_in``                 client sent the request -> handler starts (uvicorn / h11 parse)
+``asgi``                    of which: ASGI app called -> handler starts (FastAPI / Starlette)
 ``handler``                 handler starts -> prompt validated (JSON, pydantic, checks, tokenize)
 ``parse``                   of which: body read, JSON and pydantic (``_parse``)
 ``tokenize``                of which: ``Tokenizer.encode`` of the prompt
@@ -24,6 +25,9 @@ phase                       from -> to
 ``host_out``                first token known -> client has it
 ``ttft``                    client sent -> client has the first token
 ==========================  =====================================================================
+
+``--step-python-ms`` simulates a GPU step's host-side preparation (pure Python before each
+step, holding the GIL) to show how the asyncio thread then waits for the GIL.
 
 The stamps come from wrappers this script puts around server functions (nothing is stamped
 in a normal server). The step itself on CPU is far slower than on a GPU, so read the host
@@ -53,7 +57,7 @@ import threading
 import time
 from typing import Any, Callable, Dict, List, Optional
 
-PHASES = ["http_in", "handler", "parse", "tokenize", "queue_put", "engine_pickup", "engine_add", "to_schedule", "step", "publish",
+PHASES = ["http_in", "asgi", "handler", "parse", "tokenize", "queue_put", "engine_pickup", "engine_add", "to_schedule", "step", "publish",
           "to_sse", "sse_out", "host_in", "host_out", "ttft"]
 
 
@@ -91,6 +95,7 @@ def instrument(engine: Any, stamps: Stamps) -> None:
         sub = f"{rid}-0"
         stamps.current = sub
         stamps.put(sub, "validated")
+        stamps.put(sub, "asgi_start", _ASGI_START[0])
         stamps.put(sub, "parse_start", stamps.parse_start)
         stamps.put(sub, "parse_end", stamps.parse_end)
         stamps.put(sub, "encode_s", stamps.encode_s)
@@ -153,6 +158,31 @@ def instrument(engine: Any, stamps: Stamps) -> None:
     engine._find_seq = _find_seq
 
 
+def _spin_before_steps(llm_engine: Any, seconds: float) -> None:
+    """Make every ``llm_engine.step()`` first run pure Python for ``seconds`` (holds the GIL,
+    releasing it only at the interpreter's switch interval), as a GPU step's input preparation."""
+    step = llm_engine.step
+
+    def spinning_step() -> Any:
+        end = time.perf_counter() + seconds
+        while time.perf_counter() < end:
+            pass
+        return step()
+    llm_engine.step = spinning_step
+
+
+_ASGI_START = [0.0]  # when the ASGI app was last called (the request in flight)
+
+
+def _stamped(app: Any) -> Any:
+    """``app`` behind an ASGI wrapper that stamps each HTTP call into :data:`_ASGI_START`."""
+    async def asgi(scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http":
+            _ASGI_START[0] = time.perf_counter()
+        await app(scope, receive, send)
+    return asgi
+
+
 def start_server(model: str, extra: List[str]) -> Any:
     """``mtpspec serve`` built in this process, uvicorn in a thread; returns ``(url, engine, server)``."""
     import uvicorn
@@ -165,7 +195,7 @@ def start_server(model: str, extra: List[str]) -> Any:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="off"))
+    server = uvicorn.Server(uvicorn.Config(_stamped(app), host="127.0.0.1", port=port, log_level="warning", lifespan="off"))
     threading.Thread(target=server.run, name="uvicorn", daemon=True).start()
     while not server.started:
         time.sleep(0.01)
@@ -211,7 +241,8 @@ def phases(client: Dict[str, float], s: Dict[str, float], seq: Any) -> Dict[str,
     """Milliseconds per phase of one request."""
     m = seq.metrics
     ms = lambda a, b: (b - a) * 1e3  # noqa: E731
-    return {"http_in": ms(client["sent"], m.arrival_time), "handler": ms(m.arrival_time, s["validated"]),
+    return {"http_in": ms(client["sent"], m.arrival_time), "asgi": ms(s["asgi_start"], m.arrival_time),
+            "handler": ms(m.arrival_time, s["validated"]),
             "parse": ms(s["parse_start"], s["parse_end"]), "tokenize": s["encode_s"] * 1e3,
             "queue_put": ms(s["validated"], s["queued"]), "engine_pickup": ms(s["validated"], s["engine_add_start"]),
             "engine_add": ms(s["engine_add_start"], s["engine_add_end"]),
@@ -228,12 +259,18 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
 
     import torch
     torch.set_num_threads(args.torch_threads)
+    if args.switch_interval_ms is not None:
+        sys.setswitchinterval(args.switch_interval_ms / 1e3)
     model = args.model or mtpspec.demo_model_path(args.arch)
     prompt = gsm8k_5shot_prompt()
     n_tokens = len(load_tokenizer(model).encode(prompt))
     addr, engine, server = start_server(model, args.server_args.split() if args.server_args else [])
     stamps = Stamps()
     instrument(engine, stamps)
+    if args.handoff_ms is not None:
+        engine.first_output_handoff_s = args.handoff_ms / 1e3
+    if args.step_python_ms > 0:
+        _spin_before_steps(engine.engine, args.step_python_ms / 1e3)
     body = json.dumps({"prompt": prompt, "max_tokens": args.max_tokens, "temperature": 0, "stream": True,
                        "ignore_eos": True}).encode()
     prof = None
@@ -308,6 +345,13 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--gap-ms", type=float, default=50.0, help="idle time between requests")
     p.add_argument("--server-args", default="", help="extra `mtpspec serve` flags")
     p.add_argument("--torch-threads", type=int, default=1, help="torch CPU threads (default 1)")
+    p.add_argument("--switch-interval-ms", type=float, default=None,
+                   help="sys.setswitchinterval for the process (default: Python's 5 ms)")
+    p.add_argument("--handoff-ms", type=float, default=None,
+                   help="AsyncLLM.first_output_handoff_s in ms (default: the server's; 0: off)")
+    p.add_argument("--step-python-ms", type=float, default=0.0,
+                   help="SIMULATION: spin this long in Python (holding the GIL) before every engine step, as "
+                        "a GPU step's host-side preparation does (default 0: off)")
     p.add_argument("--cprofile", default=None, help="write a cProfile of the measured requests here")
     p.add_argument("--json", default=None, help="also write the result as JSON here")
     args = p.parse_args(argv)

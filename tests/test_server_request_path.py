@@ -168,3 +168,35 @@ def test_transformers_tokenizer_fast_path_gives_the_same_ids(model_dir, tmp_path
             return super()._encode_plus(*args, **kwargs)
     backend.__class__ = Custom
     assert _rust_backend(backend) is None and Tokenizer(backend)._rust is None
+
+
+def test_first_output_hand_off_waits_for_the_loop(engine):
+    """``_hand_off`` returns once the loop ran what was queued before it (or after its time limit;
+    at once for a closed loop); ``first_output_handoff_s`` is checked."""
+    import threading
+    import time
+
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    try:
+        ran = []
+
+        def woke():  # what a published output wakes: a callback that queues the next one
+            loop.call_soon(lambda: ran.append(time.perf_counter()))
+        loop.call_soon_threadsafe(woke)
+        engine._hand_off({loop})
+        assert ran and ran[0] <= time.perf_counter()
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(5)
+    stopped = asyncio.new_event_loop()  # not running: the wait ends at the limit
+    t0 = time.perf_counter()
+    engine._hand_off({stopped})
+    assert 0.9 * engine.first_output_handoff_s <= time.perf_counter() - t0 < 1.0
+    stopped.close()
+    t0 = time.perf_counter()
+    engine._hand_off({stopped})  # closed: at once
+    assert time.perf_counter() - t0 < 0.5 * engine.first_output_handoff_s
+    with pytest.raises(ValueError, match="first_output_handoff_s"):
+        AsyncLLM(None, first_output_handoff_s=-1)

@@ -67,13 +67,16 @@ class EngineObserver:
 @dataclass
 class _Live:
     """Engine-thread bookkeeping of one request (``seq``: its sequence, or its
-    :class:`ParentRequest` when it has several; ``sent``: its progress when last published)."""
+    :class:`ParentRequest` when it has several; ``sent``: its progress when last published;
+    ``loop``: the event loop its outputs go to)."""
 
     request_id: str
     sink: Callable[[Any], None]
+    loop: Optional[asyncio.AbstractEventLoop] = None
     seq: Union[None, Sequence, ParentRequest] = None
     sent: Any = 0
     scheduled: bool = False
+    published: bool = False  # an output was handed to the loop
 
 
 @dataclass
@@ -105,18 +108,26 @@ class AsyncLLM:
             while the ``AsyncLLM`` runs.
         max_queue_len: most requests waiting to be scheduled (``None``: unbounded); one more
             raises :class:`QueueFullError` in :meth:`generate`.
+        first_output_handoff_s: after a step that produced some request's first output, the
+            engine thread waits up to this long (seconds; 0: never) for the event loop to run
+            what that output woke (e.g. write the first SSE chunk) before it goes on. Otherwise
+            the loop thread waits for the GIL while the engine thread prepares the next step
+            in Python: the first token reaches the client that much later.
 
     Use :meth:`from_model` to build the ``LLM`` too.
     """
 
-    def __init__(self, llm: Any, max_queue_len: Optional[int] = None):
+    def __init__(self, llm: Any, max_queue_len: Optional[int] = None, first_output_handoff_s: float = 0.002):
         if max_queue_len is not None and (not isinstance(max_queue_len, int) or max_queue_len < 1):
             raise ValueError(f"max_queue_len must be an int >= 1 or None, got {max_queue_len!r}")
         if getattr(llm, "_torchrun", False):
             raise ValueError("AsyncLLM does not run under torchrun; start the ranks with tensor_parallel_size")
+        if not first_output_handoff_s >= 0:
+            raise ValueError(f"first_output_handoff_s must be >= 0, got {first_output_handoff_s!r}")
         self.llm = llm
         self.engine: LLMEngine = llm.llm_engine
         self.max_queue_len = max_queue_len
+        self.first_output_handoff_s = first_output_handoff_s
         self.observers: List[EngineObserver] = []
         # Test hook (server --debug-fault-marker): called in the engine thread for every published
         # output of a request; an exception fails that request only.
@@ -221,7 +232,7 @@ class AsyncLLM:
                 loop.call_soon_threadsafe(q.put_nowait, item)
             except RuntimeError:  # the caller's event loop is gone: nobody is listening
                 self.abort(rid)
-        self._cmds.put(("add", rid, prompt, params, arrival_time or time.perf_counter(), sink))
+        self._cmds.put(("add", rid, prompt, params, arrival_time or time.perf_counter(), loop, sink))
         time.sleep(0)  # hand the GIL to the engine thread now (else it may wait a switch interval, 5 ms)
         return RequestStream(self, rid, q)
 
@@ -310,8 +321,8 @@ class AsyncLLM:
     def _apply(self, cmd: tuple) -> None:
         kind = cmd[0]
         if kind == "add":
-            _, rid, prompt, params, arrival, sink = cmd
-            live = _Live(rid, sink)
+            _, rid, prompt, params, arrival, loop, sink = cmd
+            live = _Live(rid, sink, loop)
             if self.dead is not None:
                 self._unpend(live)
                 sink(EngineDeadError(self.dead))
@@ -365,6 +376,8 @@ class AsyncLLM:
             return
         done = {o.request_id: o for o in finished}
         batch = []
+        first_progress: set = set()  # loops receiving some request's first output (not its last)
+        first_last: set = set()  # loops receiving some request's first output that is its last
         for rid, live in list(self._live.items()):
             out = done.get(rid)
             try:
@@ -382,6 +395,9 @@ class AsyncLLM:
                 if self.fault_injector is not None:
                     self.fault_injector(out)
                 batch.append((live.sink, out))
+                if not live.published:
+                    live.published = True
+                    (first_last if out.finished else first_progress).add(live.loop)
                 if out.finished:
                     del self._live[rid]
             except Exception as exc:  # this request only
@@ -398,10 +414,34 @@ class AsyncLLM:
         for sink, item in batch:
             if isinstance(item, RequestOutput) and not item.finished:
                 sink(item)
+        self._hand_off(first_progress)
         self._notify("on_step", self.engine, finished)
         self._update_stats()
         for sink, item in last:
             sink(item)
+        self._hand_off(first_last)
+
+    def _hand_off(self, loops: set) -> None:
+        """Wait (at most ``first_output_handoff_s`` in all) until each of ``loops`` ran what the
+        outputs just handed to it woke: a callback queued behind them that queues the set of an
+        event runs after the tasks they woke. Waiting releases the GIL to the loop's thread.
+        Returns at once when ``loops`` is empty."""
+        if not loops or self.first_output_handoff_s <= 0:
+            return
+        deadline = time.perf_counter() + self.first_output_handoff_s
+        while loops:
+            loop = loops.pop()
+            if loop is None:
+                continue
+            ran = threading.Event()
+            try:
+                loop.call_soon_threadsafe(loop.call_soon, ran.set)
+            except RuntimeError:  # the loop is closed
+                continue
+            left = deadline - time.perf_counter()
+            if left <= 0 or not ran.wait(left):
+                loops.clear()
+                return
 
     def _notify(self, method: str, *args: Any) -> None:
         for obs in self.observers:
