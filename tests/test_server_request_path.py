@@ -200,3 +200,23 @@ def test_first_output_hand_off_waits_for_the_loop(engine):
     assert time.perf_counter() - t0 < 0.5 * engine.first_output_handoff_s
     with pytest.raises(ValueError, match="first_output_handoff_s"):
         AsyncLLM(None, first_output_handoff_s=-1)
+
+
+def test_one_hand_off_per_request_and_none_for_busy_steps(engine, monkeypatch):
+    """A request's first output is handed off once (later outputs are not); a step that hands
+    more than ``handoff_max_outputs`` outputs to the loops does not wait."""
+    calls = []
+    hand_off = engine._hand_off
+
+    def recorded(loops):
+        if loops:
+            calls.append(len(loops))
+        hand_off(loops)
+    monkeypatch.setattr(engine, "_hand_off", recorded)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    outs = _offline(engine, [PROMPT], params)
+    assert len(outs[0].outputs[0].token_ids) == 6 and calls == [1]
+    calls.clear()
+    monkeypatch.setattr(engine, "handoff_max_outputs", 0)
+    assert [o.outputs[0].token_ids for o in _offline(engine, [PROMPT], params)] == [outs[0].outputs[0].token_ids]
+    assert calls == []

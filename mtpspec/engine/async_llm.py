@@ -108,14 +108,19 @@ class AsyncLLM:
             while the ``AsyncLLM`` runs.
         max_queue_len: most requests waiting to be scheduled (``None``: unbounded); one more
             raises :class:`QueueFullError` in :meth:`generate`.
-        first_output_handoff_s: after a step that produced some request's first output, the
-            engine thread waits up to this long (seconds; 0: never) for the event loop to run
-            what that output woke (e.g. write the first SSE chunk) before it goes on. Otherwise
-            the loop thread waits for the GIL while the engine thread prepares the next step
-            in Python: the first token reaches the client that much later.
+        first_output_handoff_s: after a step that produced some request's first output (and
+            at most :attr:`handoff_max_outputs` outputs in all), the engine thread waits up to
+            this long (seconds; 0: never) for the event loop to run what those outputs woke (e.g.
+            write the first SSE chunk) before it goes on. Otherwise the loop thread waits for the
+            GIL while the engine thread prepares the next step in Python: the first token reaches
+            the client that much later. Busier steps do not wait: the loop's work for many
+            streams would hold the next step back.
 
     Use :meth:`from_model` to build the ``LLM`` too.
     """
+
+    #: most outputs a step may hand to the loops and still wait for them (``first_output_handoff_s``)
+    handoff_max_outputs = 8
 
     def __init__(self, llm: Any, max_queue_len: Optional[int] = None, first_output_handoff_s: float = 0.002):
         if max_queue_len is not None and (not isinstance(max_queue_len, int) or max_queue_len < 1):
@@ -411,6 +416,9 @@ class AsyncLLM:
         # outputs: a client that sees its last token and then scrapes /metrics or reads stats()
         # finds it counted and its sequence freed.
         last = [(sink, item) for sink, item in batch if not isinstance(item, RequestOutput) or item.finished]
+        if len(batch) > self.handoff_max_outputs:
+            first_progress.clear()
+            first_last.clear()
         for sink, item in batch:
             if isinstance(item, RequestOutput) and not item.finished:
                 sink(item)

@@ -139,8 +139,9 @@ def add_parser(sub: Any) -> None:
                    help="vLLM's flag: usage.prompt_tokens_details.cached_tokens (prompt tokens the prefix cache "
                         "served) in responses, when non-zero (default off)")
     p.add_argument("--first-output-handoff-ms", type=float, default=2.0,
-                   help="after a step with some request's first token, the engine thread waits up to this long for "
-                        "the HTTP thread to send it before preparing the next step (GIL hand-off; 0: off; default 2)")
+                   help="after a step with some request's first token (and at most 8 outputs), the engine thread waits "
+                        "up to this long for the HTTP thread to send it before preparing the next step (GIL "
+                        "hand-off; 0: off; default 2)")
     p.add_argument("--torch-threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     p.add_argument("--log-level", default="warning", help="uvicorn log level (default warning)")
     p.add_argument("--debug-fault-marker", default=None, help=argparse.SUPPRESS)
