@@ -1,8 +1,8 @@
 """Host time of one streamed request through `mtpspec serve`, phase by phase (issue 17).
 
 Runs the real server (``serve.build`` + uvicorn) in this process on CPU with a bundled demo
-model, sends the same ~800-token 5-shot GSM8K prompt again and again (every request after the
-first hits the prefix cache) as a streamed ``/v1/completions`` request, and stamps each phase
+model, sends the same 5-shot GSM8K prompt (707 tokens with the demo tokenizer) again and again
+(every request after the first hits the prefix cache) as a streamed ``/v1/completions`` request, and stamps each phase
 with ``time.perf_counter`` (one clock for the client, the asyncio thread and the engine thread):
 
 ==========================  =====================================================================
@@ -15,7 +15,7 @@ phase                       from -> to
 ``tokenize``                of which: ``Tokenizer.encode`` of the prompt
 ``queue_put``               validated -> ``AsyncLLM.add_request`` returned (command queued)
 ``engine_pickup``           validated -> engine thread applies the ``add`` command
-``engine_add``              engine thread: ``LLMEngine.add_request`` (validate, Sequence)
+``engine_add``              engine thread: the ``add`` command (``LLMEngine.add_request``)
 ``to_schedule``             ``add`` applied -> first step schedules the request
 ``step``                    scheduled -> first token known (``first_token_time``); NOT host
 ``publish``                 first token known -> engine thread hands the output to asyncio
@@ -55,10 +55,10 @@ import statistics
 import sys
 import threading
 import time
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Dict, List, Optional
 
-PHASES = ["http_in", "asgi", "handler", "parse", "tokenize", "queue_put", "engine_pickup", "engine_add", "to_schedule", "step", "publish",
-          "to_sse", "sse_out", "host_in", "host_out", "ttft"]
+PHASES = ["http_in", "asgi", "handler", "parse", "tokenize", "queue_put", "engine_pickup", "engine_add", "to_schedule",
+          "step", "publish", "to_sse", "sse_out", "host_in", "host_out", "ttft"]
 
 
 def gsm8k_5shot_prompt() -> str:
@@ -195,7 +195,8 @@ def start_server(model: str, extra: List[str]) -> Any:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(_stamped(app), host="127.0.0.1", port=port, log_level="warning", lifespan="off"))
+    config = uvicorn.Config(_stamped(app), host="127.0.0.1", port=port, log_level="warning", lifespan="off")
+    server = uvicorn.Server(config)
     threading.Thread(target=server.run, name="uvicorn", daemon=True).start()
     while not server.started:
         time.sleep(0.01)

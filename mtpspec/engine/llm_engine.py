@@ -29,14 +29,14 @@ logger = logging.getLogger(__name__)
 _LOG_STEPS = os.environ.get("MTPSPEC_LOG_STEPS", "") not in ("", "0")
 
 
-
 class ValidatedPrompt(NamedTuple):
     """A prompt :meth:`LLMEngine.validate_request` accepted together with ``params``.
 
     Passed back as the prompt of ``validate_request`` / ``add_request`` with the very same
     ``params`` object, it is not tokenized or checked again (a request is validated once, on
     the thread that received it, not again on the engine thread). With other params it is
-    checked again as a ``{"prompt", "prompt_token_ids"}`` dict.
+    checked again as a ``{"prompt", "prompt_token_ids"}`` dict. Do not change its
+    ``token_ids`` after validation (they are not copied until the request is queued).
 
     Attributes:
         text: the prompt text, ``None`` for a token-id prompt.
