@@ -56,6 +56,7 @@ TOKENS = [1, 8, 64, 256, 8192]
 HBM_BYTES_PER_S = 4.2e12
 L2_BYTES = 50 << 20
 BLOCK = (128, 128)
+GRAPH_CALLS = 16  # --graph: calls per captured graph (each on the next rotated copy)
 
 
 def _copies(nbytes_one: int) -> int:
@@ -70,6 +71,9 @@ def main() -> int:
     ap.add_argument("--bf16-tflops", type=float, default=989.0)
     ap.add_argument("--warmup-ms", type=int, default=10)
     ap.add_argument("--rep-ms", type=int, default=40)
+    ap.add_argument("--graph", action="store_true",
+                    help="time each arm as a CUDA graph of 16 calls (rotating inputs inside the graph), per call: "
+                         "no launch cost, as the engine's graphed steps run them")
     ap.add_argument("--swap-max-m", type=int, default=None, help="SWAP_AB_MAX_M for this run")
     ap.add_argument("--swap-programs-per-sm", type=int, default=None, help="SWAP_PROGRAMS_PER_SM for this run")
     args = ap.parse_args()
@@ -98,6 +102,7 @@ def main() -> int:
     if args.swap_programs_per_sm is not None:
         fg.SWAP_PROGRAMS_PER_SM = args.swap_programs_per_sm
     out["swap_ab_max_m"] = fg.SWAP_AB_MAX_M
+    out["timing"] = f"CUDA graph of {GRAPH_CALLS} calls, per call" if args.graph else "do_bench per call (launches included)"
     out["swap_programs_per_sm"] = fg.SWAP_PROGRAMS_PER_SM
     dev = torch.device("cuda")
     out["device"] = torch.cuda.get_device_name(dev)
@@ -155,18 +160,31 @@ def main() -> int:
                     j = ib[0] = ib[0] + 1
                     return torch.nn.functional.linear(xs[j % nx], wbs[j % nwb])
 
-                run_fp8()
-                torch.cuda.synchronize()
-                ms8 = triton.testing.do_bench(run_fp8, warmup=args.warmup_ms, rep=args.rep_ms, return_mode="median")
-                msb = triton.testing.do_bench(run_bf16, warmup=args.warmup_ms, rep=args.rep_ms, return_mode="median")
-                ms8p = triton.testing.do_bench(run_fp8_inloop, warmup=args.warmup_ms, rep=args.rep_ms,
-                                               return_mode="median")
+                def timed(fn) -> float:
+                    if not args.graph:
+                        fn()
+                        torch.cuda.synchronize()
+                        return triton.testing.do_bench(fn, warmup=args.warmup_ms, rep=args.rep_ms,
+                                                       return_mode="median")
+                    side = torch.cuda.Stream()
+                    side.wait_stream(torch.cuda.current_stream())
+                    with torch.cuda.stream(side):
+                        for _ in range(3):
+                            fn()
+                    torch.cuda.current_stream().wait_stream(side)
+                    g = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(g):
+                        for _ in range(GRAPH_CALLS):
+                            fn()
+                    return triton.testing.do_bench(g.replay, warmup=args.warmup_ms, rep=args.rep_ms,
+                                                   return_mode="median") / GRAPH_CALLS
+
+                ms8 = timed(run_fp8)
+                msb = timed(run_bf16)
+                ms8p = timed(run_fp8_inloop)
                 arms = {f"fp8_{path}_ms": ms8}
                 for p in others:
-                    run_fp8_path(p)
-                    arms[f"fp8_{p}_ms"] = triton.testing.do_bench(functools.partial(run_fp8_path, p),
-                                                                  warmup=args.warmup_ms, rep=args.rep_ms,
-                                                                  return_mode="median")
+                    arms[f"fp8_{p}_ms"] = timed(functools.partial(run_fp8_path, p))
                 flops = 2.0 * m * n * k
                 act = m * k * 2 + m * n * 2
                 bytes8 = n * k + s.numel() * 4 + act

@@ -170,11 +170,12 @@ def test_transformers_tokenizer_fast_path_gives_the_same_ids(model_dir, tmp_path
     assert _rust_backend(backend) is None and Tokenizer(backend)._rust is None
 
 
-def test_first_output_hand_off_waits_for_the_loop(engine):
+def test_first_output_hand_off_waits_for_the_loop(engine, monkeypatch):
     """``_hand_off`` returns once the loop ran what was queued before it (or after its time limit;
     at once for a closed loop); ``first_output_handoff_s`` is checked."""
     import threading
     import time
+    monkeypatch.setattr(engine, "first_output_handoff_s", 0.002)  # off by default
 
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, daemon=True)
@@ -205,6 +206,7 @@ def test_first_output_hand_off_waits_for_the_loop(engine):
 def test_one_hand_off_per_request_and_none_for_busy_steps(engine, monkeypatch):
     """A request's first output is handed off once (later outputs are not); a step that hands
     more than ``handoff_max_outputs`` outputs to the loops does not wait."""
+    monkeypatch.setattr(engine, "first_output_handoff_s", 0.002)  # off by default
     calls = []
     hand_off = engine._hand_off
 

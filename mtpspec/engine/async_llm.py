@@ -114,7 +114,8 @@ class AsyncLLM:
             write the first SSE chunk) before it goes on. Otherwise the loop thread waits for the
             GIL while the engine thread prepares the next step in Python: the first token reaches
             the client that much later. Busier steps do not wait: the loop's work for many
-            streams would hold the next step back.
+            streams would hold the next step back. Default 0 (off): on an H200 serving a 13.7 B
+            model, 2 ms changed neither the prefix-hit TTFT (15.32 vs 15.31 ms) nor the miss.
 
     Use :meth:`from_model` to build the ``LLM`` too.
     """
@@ -122,7 +123,7 @@ class AsyncLLM:
     #: most outputs a step may hand to the loops and still wait for them (``first_output_handoff_s``)
     handoff_max_outputs = 8
 
-    def __init__(self, llm: Any, max_queue_len: Optional[int] = None, first_output_handoff_s: float = 0.002):
+    def __init__(self, llm: Any, max_queue_len: Optional[int] = None, first_output_handoff_s: float = 0.0):
         if max_queue_len is not None and (not isinstance(max_queue_len, int) or max_queue_len < 1):
             raise ValueError(f"max_queue_len must be an int >= 1 or None, got {max_queue_len!r}")
         if getattr(llm, "_torchrun", False):
