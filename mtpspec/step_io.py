@@ -183,7 +183,8 @@ class StepOutput:
         new_token_ids: emitted tokens (1 for a prefill that ends its prompt, none for a partial
             prefill chunk, ``1 + accepted`` for a decode).
         draft_token_ids: the ``k`` drafts for the next step (empty lists when ``k == 0`` and
-            for partial prefill chunks).
+            for partial prefill chunks); ``None`` in a step handle's ``output()``, whose drafts
+            come later from its ``drafts()`` (:class:`~mtpspec.engine.model_runner.PendingStep`).
         num_eager_fallbacks: steps that would have used a CUDA graph but ran eagerly.
         comm_bytes: bytes this rank's collectives sent during the step, per op
             (host counters, no device sync).
@@ -195,7 +196,7 @@ class StepOutput:
     """
 
     new_token_ids: List[List[int]]
-    draft_token_ids: List[List[int]]
+    draft_token_ids: Optional[List[List[int]]]
     num_eager_fallbacks: int = 0
     comm_bytes: Dict[str, int] = field(default_factory=dict)
     execute_time_s: float = 0.0
