@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
-# GPU goals of issues 17, 19 and 20 in two bounded parts (each fits one 10-minute device call).
+# GPU goals of issues 17, 18, 19 and 20 in bounded parts (each fits one 10-minute device call).
 # Usage (GPU machine, repo root; fastapi / uvicorn / pydantic importable):
 #   bash benchmarks/run_goals_h200.sh serving OUT   # issue 17: prefix-cache TTFT + chunked-prefill ITL, CUDA graphs
 #   bash benchmarks/run_goals_h200.sh kernels OUT   # issue 20: sampled vs greedy draft step; issue 19: fp8 KV MLA
 #   bash benchmarks/run_goals_h200.sh fp8 OUT       # issue 19: FP8 GEMM, FP8 weight tests and generate on the GPU
 #   bash benchmarks/run_goals_h200.sh fp8step OUT   # issue 19: DeepSeek-V3-width step, FP8 vs bf16; fp8 MLA sweep
+#   bash benchmarks/run_goals_h200.sh fp8check OUT  # issue 19: the FP8 tests on the GPU, verbose; graphed GEMMs
+#   bash benchmarks/run_goals_h200.sh async OUT     # issue 18: engine step wall vs GPU busy, async scheduling off / on
 set -u
 part=${1:?serving or kernels}; OUT=${2:?output folder}
 mkdir -p "$OUT"
@@ -40,5 +42,15 @@ fp8step)  # the graphed draft step at DeepSeek-V3 width: FP8 weights + fp8 KV vs
       --batch-sizes 1,64 --json "$OUT/engine_dsv3_bf16.json"
   step 150 mla_fp8_sweep python3 benchmarks/bench_mla_attention.py --no-compile --no-sdpa --kv-cache-dtype fp8 \
       --sweep --heads 16 --query-lens 1 --out "$OUT/mla_fp8_sweep.json" ;;
+fp8check)  # the two fp8 tests that failed on the H200 on 12-03 (their deviations), then the whole file; graphed GEMMs
+  step 120 fp8_failing python3 -m pytest -q -x --tb=short tests/test_fp8_weights.py \
+      -k "prequantised_activations or kernel_path_through_the_model"
+  step 200 fp8_weight_tests python3 -m pytest -q tests/test_fp8_weights.py
+  step 150 fp8_gemm_graph python3 benchmarks/bench_fp8_gemm.py --graph --budget-s 100 --json "$OUT/fp8_gemm_graph.json" ;;
+async)
+  for L in 8 3; do
+    step 240 async_${L}l python3 benchmarks/bench_async_scheduling.py --batch-sizes 1,64 --layers $L --breakdown \
+        --json "$OUT/async_${L}l.json"
+  done ;;
 *) echo "unknown part $part"; exit 2 ;;
 esac
