@@ -122,7 +122,7 @@ def test_staging_returns_each_array_with_its_dtype_and_shape() -> None:
     from mtpspec.engine.staging import Staging
     st = Staging(torch.device("cpu"))
     arrays = [(np.arange(6).reshape(2, 3), torch.int32), ([1.5, -2.0], torch.float64), (np.zeros((0, 4)), torch.int64),
-              (np.array([2 ** 40]), torch.int64), (np.float32([0.25]), torch.float32)]
+              (np.array([2 ** 40]), torch.int64), (np.float32([0.25]), torch.float32), (np.int64(5), torch.int64)]
     idx = [st.add(a, dt) for a, dt in arrays]
     out = st.flush()
     for i, (a, dt) in zip(idx, arrays):

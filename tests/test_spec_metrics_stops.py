@@ -29,18 +29,18 @@ def setup(tmp_path_factory):
         ref = llm.generate([{"prompt_token_ids": PROMPT}], greedy, use_tqdm=False)[0].outputs[0].token_ids
         llm.llm_engine.draft_hook = OracleDrafts({tuple(PROMPT): ref}, 200, corrupt=0.3)
         blocks = []  # the decode blocks of the unstopped run, in order
-        execute = llm.llm_engine.executor.execute
+        execute_async = llm.llm_engine.executor.execute_async
 
-        def recording(step):
-            res = execute(step)
-            for si, toks in zip(step.seqs, res.new_token_ids):
+        def recording(step):  # the engine starts each step here and reads its tokens from the handle
+            handle = execute_async(step)
+            for si, toks in zip(step.seqs, handle.output().new_token_ids):
                 if not si.is_prefill:
                     blocks.append(list(toks))
-            return res
+            return handle
 
-        llm.llm_engine.executor.execute = recording
+        llm.llm_engine.executor.execute_async = recording
         full = llm.generate([{"prompt_token_ids": PROMPT}], greedy, use_tqdm=False)[0].outputs[0].token_ids
-        llm.llm_engine.executor.execute = execute
+        llm.llm_engine.executor.execute_async = execute_async
         assert full == ref and sum(map(len, blocks)) + 1 >= N_OUT
         assert any(len(b) > 2 for b in blocks)  # accepted blocks exist for stops to land in
         yield llm, full, blocks

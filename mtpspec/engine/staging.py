@@ -63,7 +63,7 @@ class Staging:
         """
         if dtype not in _NP:
             raise TypeError(f"Staging.add: dtype must be one of {list(_NP)}, got {dtype}")
-        self.arrays.append((np.ascontiguousarray(np.asarray(a), dtype=_NP[dtype]), dtype))
+        self.arrays.append((np.require(np.asarray(a, dtype=_NP[dtype]), requirements="C"), dtype))
         return len(self.arrays) - 1
 
     def flush(self) -> List[torch.Tensor]:
