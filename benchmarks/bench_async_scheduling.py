@@ -101,8 +101,20 @@ class HostPhases:
         for obj, attr, fn, is_cls in reversed(self.restore):
             if is_cls:
                 setattr(obj, attr, fn)
-            else:
-                delattr(obj, attr) if attr in vars(obj) else None
+            elif attr in vars(obj):  # an instance attribute shadowing the class's method
+                delattr(obj, attr)
+
+
+def timed_steps(eng: Any, steps: int, smoke: bool) -> float:
+    """Host wall time per ``eng.step()`` over ``steps`` steps, milliseconds (the last step's drafts
+    taken and the device synchronised: part of the work)."""
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        eng.step()
+    eng._take_drafts()
+    if not smoke:
+        torch.cuda.synchronize()
+    return (time.perf_counter() - t0) * 1e3 / steps
 
 
 def run_arm(folder: str, args: argparse.Namespace, b: int, on: bool) -> Dict[str, Any]:
@@ -131,13 +143,7 @@ def run_arm(folder: str, args: argparse.Namespace, b: int, on: bool) -> Dict[str
         if not smoke:
             prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
             prof.__enter__()
-        t0 = time.perf_counter()
-        for _ in range(args.steps):
-            eng.step()
-        eng._take_drafts()  # the last step's drafts: part of its work
-        if not smoke:
-            torch.cuda.synchronize()
-        wall = (time.perf_counter() - t0) * 1e3 / args.steps
+        wall = timed_steps(eng, args.steps, smoke)
         busy = None
         if prof is not None:
             prof.__exit__(None, None, None)
@@ -145,27 +151,15 @@ def run_arm(folder: str, args: argparse.Namespace, b: int, on: bool) -> Dict[str
         n = eng.metrics.num_steps - steps0
         # the same loop without the profiler (its own overhead)
         running = len(eng.scheduler.running)
-        t0 = time.perf_counter()
-        for _ in range(args.steps):
-            eng.step()
-        eng._take_drafts()
-        if not smoke:
-            torch.cuda.synchronize()
-        wall_np = (time.perf_counter() - t0) * 1e3 / args.steps
+        wall_np = timed_steps(eng, args.steps, smoke)
         if len(eng.scheduler.running) != running or running != b:
             raise RuntimeError(f"batch changed during the timed steps ({b} -> {running} -> {len(eng.scheduler.running)})")
         row = dict(batch=b, async_scheduling=on, steps=n, wall_ms=wall_np, wall_profiled_ms=wall, gpu_busy_ms=busy,
                    wall_over_busy=(wall_np / busy) if busy else None)
         if args.breakdown:  # a third loop, with the host phases timed (their own overhead is small)
             phases = HostPhases(llm)
-            t0 = time.perf_counter()
-            for _ in range(args.steps):
-                eng.step()
-            eng._take_drafts()
-            if not smoke:
-                torch.cuda.synchronize()
+            row["breakdown_wall_ms"] = timed_steps(eng, args.steps, smoke)
             phases.close()
-            row["breakdown_wall_ms"] = (time.perf_counter() - t0) * 1e3 / args.steps
             row["host_ms_per_step"] = {k: round(v / args.steps, 4) for k, v in phases.ms.items()}
         return row
     finally:
