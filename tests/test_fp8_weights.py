@@ -197,6 +197,14 @@ def test_prequantised_activations_give_the_same_bits(kdev, m, k) -> None:
     torch.testing.assert_close(got, fp8_block_linear(*args, 32, 32, prequant=False, small_m="tile"), atol=0, rtol=0)
     want = fp8_block_linear_w8a8_ref(x, q, s, 32, 32)  # and the independent float64 reference
     torch.testing.assert_close(got.cpu().double(), want, atol=8e-3 * max(want.abs().max().item(), 1.0), rtol=0)
+    # the device's activation codes and scales are torch's, bit for bit (on an H200 an approximate
+    # division once put scales one ulp off, and with them some codes)
+    from mtpspec.ops.fp8_gemm import _quantise_rows, quantize_activations
+    xq, xs = _quantise_rows(args[0], 32)
+    rq, rs = quantize_activations(x, 32)
+    assert torch.equal(xs.cpu(), rs), f"{(xs.cpu() != rs).sum()} scales differ"
+    codes, ref_codes = xq.cpu().view(torch.uint8), rq.view(torch.uint8)
+    assert torch.equal(codes, ref_codes), f"{(codes != ref_codes).sum()} codes differ"
 
 
 def test_split_k_plan() -> None:
@@ -506,22 +514,51 @@ def _w8a8_emulation(x, weight, scale, block_n, block_k, bias=None):
 
 def test_fp8_kernel_path_through_the_model(pairs, kdev, monkeypatch) -> None:
     """The Triton path (activations quantised per token and group) through DeepSeek-V3's whole
-    target and MTP model equals a torch emulation of the same quantised math (to 1e-3: fp32
-    summation order), and stays near the dequantised-weight model (activation quantisation
-    error, measured 10% relative RMS on the target's logits, 22% on the MTP layer's, whose input
-    carries the target's error; most greedy tokens agree)."""
+    target and MTP model: every FP8 GEMM call (dense layers and grouped experts) equals a torch
+    emulation of the same quantised math on the same input (codes and scales are torch's bit for
+    bit; only the accumulation differs: fp32 summation order, and on Hopper the fp8 tensor cores'
+    reduced-precision accumulation, DeepSeek-V3 sec. 3.3.2), and the model's logits stay near the
+    dequantised-weight model (activation quantisation error, measured 10% relative RMS on the
+    target's logits, 22% on the MTP layer's, whose input carries the target's error; most greedy
+    tokens agree). Under the interpreter (exact fp32 dots) the whole model also equals the
+    emulated one to 1e-3; on a GPU the per-call differences flip a few downstream activation
+    codes (one e4m3 step, up to 6%), so only the per-call check is exact there."""
+    import mtpspec.layers.fused_moe as fm
+    import mtpspec.layers.linear as lin
     import mtpspec.ops.fp8_gemm as fg
     f8, dq, _, _ = pairs("deepseek_v3")
     t8, m8 = load_models(f8, device=kdev)
-    got = _logits(t8, m8, PROMPT)
+    calls = []
+
+    def checked(name, fn):
+        def run(*args, **kw):
+            y = fn(*args, **kw)
+            with monkeypatch.context() as mp:  # the same call, emulated in torch
+                mp.setattr(fg, "use_triton", lambda *a: False)
+                mp.setattr(fg, "fp8_block_linear_ref", _w8a8_emulation)
+                e = fn(*args, **kw)
+            err = (y.float() - e.float()).abs().max().item() / max(e.float().abs().max().item(), 1e-6)
+            calls.append((name, tuple(args[0].shape), err))
+            return y
+        return run
+
     with monkeypatch.context() as mp:
-        mp.setattr(fg, "use_triton", lambda *a: False)
-        mp.setattr(fg, "fp8_block_linear_ref", _w8a8_emulation)
-        emulated = _logits(t8, m8, PROMPT)
+        mp.setattr(lin, "fp8_block_linear", checked("linear", fg.fp8_block_linear))
+        mp.setattr(fm, "fp8_moe_experts", checked("experts", fg.fp8_moe_experts))
+        got = _logits(t8, m8, PROMPT)
+    assert {c[0] for c in calls} == {"linear", "experts"}, calls
+    worst = max(calls, key=lambda c: c[2])
+    assert worst[2] < 2e-3, worst  # relative to the call's largest output
+    if kdev == "cpu":
+        with monkeypatch.context() as mp:
+            mp.setattr(fg, "use_triton", lambda *a: False)
+            mp.setattr(fg, "fp8_block_linear_ref", _w8a8_emulation)
+            emulated = _logits(t8, m8, PROMPT)
+        for g, e in zip(got, emulated):
+            torch.testing.assert_close(g, e, atol=1e-3, rtol=1e-3)
     tq, mq = load_models(dq, device=kdev)
     plain = _logits(tq, mq, PROMPT)
-    for g, e, p, bound in zip(got, emulated, plain, (0.15, 0.3)):
-        torch.testing.assert_close(g, e, atol=1e-3, rtol=1e-3)
+    for g, p, bound in zip(got, plain, (0.15, 0.3)):
         rel = ((g - p).norm() / p.norm()).item()
         agree = (g.argmax(-1) == p.argmax(-1)).float().mean().item()
         assert rel < bound and agree >= 0.7, (rel, agree)
@@ -609,7 +646,7 @@ def test_fp8_tp2_equals_tp1(pairs, no_interp) -> None:
     f8, _, _, cfg = pairs("deepseek_v3", (32, 16), tokenizer=True, v_head_dim=8)
     from mtpspec.distributed import launch
     prompts = mixed_prompts(3, cfg.vocab_size, seed=5)
-    want = _generate(f8, prompts, 0)
+    want = _generate(f8, prompts, 0, device="cpu")  # the CPU path on both sides (a GPU's kernels quantise activations)
     assert _generate(f8, prompts, 3, tensor_parallel_size=2, device="cpu") == want
     # and the logits: every rank's target and MTP logits equal tp 1's
     t1, m1 = load_models(f8, device="cpu")

@@ -168,8 +168,11 @@ if HAS_TRITON:
 
     @device_function
     def _group_scale(x, axis: tl.constexpr):
-        """The E4M3 scale of activation groups (fp32 ``x``): ``max(amax, 1e-10) / 448`` along ``axis``."""
-        return tl.maximum(tl.max(tl.abs(x), axis=axis), 1e-10) / 448.0
+        """The E4M3 scale of activation groups (fp32 ``x``): ``max(amax, 1e-10) / 448`` along ``axis``,
+        correctly rounded (``div_rn``: Triton's ``/`` is an approximate division on GPUs, which gave
+        scales one ulp off torch's and, through them, other codes)."""
+        amax = tl.maximum(tl.max(tl.abs(x), axis=axis), 1e-10)
+        return tl.math.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32))
 
     @device_function
     def _k_step(acc, x_rows, xs_rows, w_cols, ws_rows, kb, offs_k, K, m_ok, n_ok, BLOCK_M: tl.constexpr,
