@@ -12,6 +12,8 @@ Presets (per-layer shapes of public models; fewer layers):
   16 layers + a dense MTP layer: 13.7 B parameters, 27.5 GB in bf16. A 5-shot GSM8K prefill
   (about 800 tokens) is compute-bound (about 22 TFLOP), a 40-token one weight-read-bound.
 * ``dense-8b``: Llama-3-8B's shapes (hidden 4,096, 32 / 8 heads, SwiGLU 14,336), 32 layers.
+* ``air-8l``: GLM-4.5-Air's MoE layer and vocabulary (151,552), 8 layers + the MTP layer (issue 18's
+  speculation-length sweep, with forced acceptance).
 * ``cpu-smoke``: tiny, to try the scripts on a CPU.
 """
 
@@ -27,6 +29,12 @@ PRESETS = {
                           num_key_value_heads=8, head_dim=128),
     "dense-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                      num_key_value_heads=8, head_dim=128),
+    # GLM-4.5-Air's layer (MoE: 128 experts of 1,408, 8 per token + 1 shared; 96 / 8 heads of 128), 8 layers:
+    # the issue-18 step benchmarks' model (bench_engine_step.py), 20 B parameters
+    "air-8l": dict(hidden_size=4096, intermediate_size=10944, num_hidden_layers=8, num_attention_heads=96,
+                   num_key_value_heads=8, head_dim=128, vocab_size=151552, moe_intermediate_size=1408,
+                   n_routed_experts=128, num_experts_per_tok=8, n_shared_experts=1, first_k_dense_replace=1,
+                   n_group=1, topk_group=1, attention_bias=True),
     "cpu-smoke": dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
                       num_key_value_heads=2, head_dim=64),
 }
@@ -44,9 +52,10 @@ def main() -> None:
     with open(os.path.join(demo, "config.json")) as f:
         raw = json.load(f)
     p = PRESETS[args.preset]
-    raw.update(p, max_position_embeddings=args.max_position_embeddings, partial_rotary_factor=0.5,
-               first_k_dense_replace=p["num_hidden_layers"] + 1,  # every layer dense, the MTP layer too
+    raw.update(max_position_embeddings=args.max_position_embeddings, partial_rotary_factor=0.5,
+               first_k_dense_replace=p["num_hidden_layers"] + 1,  # dense presets: every layer, the MTP layer too
                tie_word_embeddings=False, torch_dtype="bfloat16", num_nextn_predict_layers=1)
+    raw.update(p)
     ModelConfig.from_dict(raw)  # validate
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "config.json"), "w") as f:

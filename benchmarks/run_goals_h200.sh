@@ -7,6 +7,8 @@
 #   bash benchmarks/run_goals_h200.sh fp8step OUT   # issue 19: DeepSeek-V3-width step, FP8 vs bf16; fp8 MLA sweep
 #   bash benchmarks/run_goals_h200.sh fp8check OUT  # issue 19: the FP8 tests on the GPU, verbose; graphed GEMMs
 #   bash benchmarks/run_goals_h200.sh async OUT     # issue 18: engine step wall vs GPU busy, async scheduling off / on
+#   bash benchmarks/run_goals_h200.sh adaptive OUT  # issue 18: bench arms plain / k1..k3 / adaptive, demo model
+#   bash benchmarks/run_goals_h200.sh adaptive-air OUT  # the same at GLM-4.5-Air width, forced acceptance (SYNTHETIC)
 set -u
 part=${1:?serving or kernels}; OUT=${2:?output folder}
 mkdir -p "$OUT"
@@ -52,5 +54,15 @@ async)
     step 240 async_${L}l python3 benchmarks/bench_async_scheduling.py --batch-sizes 1,64 --layers $L --breakdown \
         --json "$OUT/async_${L}l.json"
   done ;;
+adaptive)  # issue 18: speculation length sweep on the demo model (natural GSM8K prompts), concurrency 1 / 8 / 64 / 256
+  step 570 arms_demo python3 -m mtpspec.entrypoints.cli bench arms --arms plain,k1,k2,k3,adaptive \
+      --workloads s1,s8,s64,s256 --repeats 1 --no-plots --no-progress --server-args "--max-num-seqs 256" \
+      --output-dir "$OUT/arms_demo" ;;
+adaptive-air)  # the same sweep at GLM-4.5-Air width (8 layers, random weights), SYNTHETIC forced acceptance rate 0.8
+  python3 benchmarks/make_dummy_model.py /tmp/air8 --preset air-8l --max-position-embeddings 2048 || exit 1
+  step 570 arms_air python3 -m mtpspec.entrypoints.cli bench arms --model /tmp/air8 --arms plain,k1,k2,k3,adaptive \
+      --workloads s1,s8,s64,s256 --repeats 1 --no-plots --no-progress --random-prompts --ignore-eos \
+      --forced-acceptance rate:0.8 --server-args "--max-num-seqs 256 --load-format dummy --max-model-len 2048" \
+      --output-dir "$OUT/arms_air" ;;
 *) echo "unknown part $part"; exit 2 ;;
 esac

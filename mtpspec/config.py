@@ -127,14 +127,24 @@ class SpeculativeConfig:
             drafts from the MTP layer's ``softmax(l / T)`` by vocab-parallel Gumbel-max
             (:mod:`mtpspec.sample.gumbel`) and are verified with the real ``q``; greedy rows and
             rows with top-k or top-p keep greedy drafts (exact either way).
+        adaptive: (default False) adaptive speculation length: each step proposes ``k`` drafts,
+            ``0 <= k <= num_speculative_tokens``, the ``k`` that maximises expected tokens per
+            second from a measured step-cost table (per padded batch size and ``k``) and the
+            running per-position acceptance rates (:mod:`mtpspec.spec_decode.adaptive`); ``k = 0``
+            is a plain decoding step plus the MTP layers' KV-cache writes. Lossless like fixed
+            ``k``. ``num_speculative_tokens`` is then the largest ``k``.
+        adaptive_cost_table: (adaptive only) a JSON file of step costs
+            (:meth:`~mtpspec.spec_decode.adaptive.StepCostTable.load`) instead of timing them at
+            start-up.
 
     Raises:
-        ValueError: unknown method, k out of range or an unknown ``draft_sampling``.
+        ValueError: unknown method, k out of range, an unknown ``draft_sampling``, a non-bool
+            ``adaptive`` or a cost table without ``adaptive``.
     """
 
     #: The keys of a ``speculative_config`` dict (vLLM's spelling).
     KEYS = ("method", "num_speculative_tokens", "use_local_argmax_reduction", "index_share_for_mtp_iteration",
-            "draft_sampling")
+            "draft_sampling", "adaptive", "adaptive_cost_table")
     #: Values of ``draft_sampling``.
     DRAFT_SAMPLING = ("greedy", "auto")
 
@@ -143,8 +153,14 @@ class SpeculativeConfig:
     use_local_argmax_reduction: bool = False
     index_share_for_mtp_iteration: Optional[bool] = None
     draft_sampling: str = "greedy"
+    adaptive: bool = False
+    adaptive_cost_table: Optional[str] = None
 
     def __post_init__(self) -> None:
+        if not isinstance(self.adaptive, bool):
+            raise ValueError(f"speculative_config: adaptive must be true or false, got {self.adaptive!r}")
+        if self.adaptive_cost_table is not None and not self.adaptive:
+            raise ValueError("speculative_config: adaptive_cost_table is given but adaptive is false")
         if self.method != "mtp":
             raise ValueError(f"speculative method must be 'mtp', got {self.method!r}")
         if self.draft_sampling not in self.DRAFT_SAMPLING:

@@ -98,11 +98,18 @@ class StepInput:
             every layer (target, MTP, indexer keys) copies block ``src`` into block ``dst``
             (all reads before any write). Prefix caching gives a sequence a private copy of a
             shared block whose last MTP entry it recomputes.
+        num_spec_tokens: drafts each decode verifies (every decode feeds ``1 +`` this many
+            tokens); ``None``: the runner's ``k``.
+        num_proposed_tokens: drafts the step proposes per sequence, ``0 .. k`` (adaptive
+            speculation length; ``0``: no draft pass, only the MTP layers' KV-cache writes);
+            ``None``: the runner's ``k``.
     """
 
     seqs: List[SeqInput]
     step_id: int = 0
     block_copies: List[Tuple[int, int]] = field(default_factory=list)
+    num_spec_tokens: Optional[int] = None
+    num_proposed_tokens: Optional[int] = None
 
     @property
     def num_tokens(self) -> int:

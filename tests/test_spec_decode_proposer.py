@@ -108,8 +108,8 @@ def test_graph_capture_calls_the_hooks_around_the_units(monkeypatch) -> None:
     assert fwd.capture_failed is None
     units = prop.graph_units()
     for bp in (2, 1):
-        assert ("verify", bp) in fwd.graphs
-        assert all(("first", bp, i) in fwd.graphs for i in units.first_pass_layers)
+        assert ("verify", bp, k) in fwd.graphs
+        assert all(("first", bp, i, k) in fwd.graphs for i in units.first_pass_layers)
         assert all(("step", bp, i, wt) in fwd.graphs for i, wt in units.step_units)
     per_size = lambda bp: ([("capture", bp, k + 1), ("prefill_begin", bp)]  # noqa: E731
                            + [("capture", bp, k + 1)] * len(units.first_pass_layers)

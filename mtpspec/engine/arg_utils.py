@@ -18,6 +18,8 @@ flag (vLLM spelling)                  aliases                       default     
                                                                                 k, "use_local_argmax_reduction": bool}``
 ``--num-speculative-tokens``          ``-k``                        3           shorthand: k (0 = no speculation), [0, 16]
 ``--no-local-argmax``                                               off         shorthand: ``use_local_argmax_reduction`` false
+``--adaptive-speculation``                                          off         shorthand: ``"adaptive": true`` (each step
+                                                                                proposes the best k in 0..k; mtpspec's own)
 ``--no-fusion``                                                     off         MTP tail: all-reduce, then RMSNorm
 ``--sequence-parallel``                                             off         sequence-parallel MTP layer (tp > 1)
 ``--allreduce-backend``                                             nccl        fused tail's backend: nccl | p2p
@@ -118,6 +120,8 @@ def parse_speculative_config(value: SpecArg) -> Optional[Dict[str, Any]]:
         out = {k: getattr(value, k) for k in SpeculativeConfig.KEYS if getattr(value, k) is not None}
         if out.get("draft_sampling") == "greedy":  # the default: absent, as in the JSON it came from
             del out["draft_sampling"]
+        if out.get("adaptive") is False:  # likewise
+            del out["adaptive"]
         return out
     if isinstance(value, str):
         try:
@@ -154,6 +158,13 @@ def parse_speculative_config(value: SpecArg) -> Optional[Dict[str, Any]]:
     if ds not in SpeculativeConfig.DRAFT_SAMPLING:
         raise ValueError(f"speculative_config: draft_sampling must be one of {list(SpeculativeConfig.DRAFT_SAMPLING)}, "
                          f"got {ds!r}")
+    ad = out.get("adaptive", False)
+    if not isinstance(ad, bool):
+        raise ValueError(f"speculative_config: adaptive must be true or false, got {ad!r}")
+    table = out.get("adaptive_cost_table")
+    if table is not None and (not ad or not isinstance(table, str)):
+        raise ValueError(f"speculative_config: adaptive_cost_table must be a file name and needs adaptive=true, "
+                         f"got {table!r} with adaptive={ad!r}")
     return out
 
 
@@ -196,6 +207,7 @@ class EngineArgs:
         num_speculative_tokens: shorthand k in [0, 16] (0 = no speculation) or ``None`` (not given);
             combines with ``speculative_config`` as the module docstring says.
         no_local_argmax: shorthand for ``use_local_argmax_reduction: false``.
+        adaptive_speculation: shorthand for ``"adaptive": true`` (adaptive speculation length).
         fuse_allreduce_rmsnorm, sequence_parallel, allreduce_backend: see
             :class:`~mtpspec.config.ParallelConfig`.
         max_model_len (``None``: the model's positions, at most 8192), max_num_seqs,
@@ -222,6 +234,7 @@ class EngineArgs:
     speculative_config: SpecArg = None
     num_speculative_tokens: Optional[int] = None
     no_local_argmax: bool = False
+    adaptive_speculation: bool = False
     fuse_allreduce_rmsnorm: bool = True
     sequence_parallel: bool = False
     allreduce_backend: str = "nccl"
@@ -266,6 +279,9 @@ class EngineArgs:
                             f"default {DEFAULT_CLI_NUM_SPECULATIVE_TOKENS} unless --speculative-config is given)")
         p.add_argument("--no-local-argmax", action="store_true",
                        help="shorthand: use_local_argmax_reduction false (drafts via compute_logits + argmax)")
+        p.add_argument("--adaptive-speculation", action="store_true",
+                       help='shorthand: "adaptive": true (each step proposes the k in 0..k that maximises expected '
+                            "tokens per second from measured step costs and running acceptance rates)")
         p.add_argument("--no-fusion", action="store_true", help="MTP tail: all-reduce then RMSNorm (unfused)")
         p.add_argument("--sequence-parallel", action="store_true", help="sequence-parallel MTP layer (tp > 1)")
         p.add_argument("--allreduce-backend", default="nccl", choices=list(ALLREDUCE_BACKENDS),
@@ -345,8 +361,10 @@ class EngineArgs:
             check_num_speculative_tokens(k)
         if spec is None:
             if not k:
+                if self.adaptive_speculation:
+                    raise ValueError("--adaptive-speculation needs speculative decoding (k >= 1), got k = 0 / none")
                 return None
-            return SpeculativeConfig("mtp", k, not self.no_local_argmax)
+            return SpeculativeConfig("mtp", k, not self.no_local_argmax, adaptive=self.adaptive_speculation)
         if k is not None:
             if k == 0:
                 raise ValueError("-k/--num-speculative-tokens 0 (no speculation) conflicts with "
@@ -360,6 +378,11 @@ class EngineArgs:
                 raise ValueError("--no-local-argmax conflicts with --speculative-config "
                                  "use_local_argmax_reduction=true; give one of them")
             spec["use_local_argmax_reduction"] = False
+        if self.adaptive_speculation:
+            if spec.get("adaptive") is False:
+                raise ValueError("--adaptive-speculation conflicts with --speculative-config adaptive=false; "
+                                 "give one of them")
+            spec["adaptive"] = True
         return SpeculativeConfig(**spec)
 
     def parallel_config(self) -> ParallelConfig:

@@ -2,11 +2,14 @@
 buffers replayed as CUDA graphs.
 
 Graph units (one per padded batch size ``Bp`` from :func:`capture_sizes`, which covers every
-batch up to ``max_num_seqs``):
+batch up to ``max_num_seqs``, and per verify width ``v`` of ``ks``: ``k`` alone, or ``0 .. k``
+under adaptive speculation length):
 
-* ``verify``: target forward over ``Bp x (1 + k)`` rows + ``compute_logits`` of every row
-  (``k = 0``: the plain decode step);
+* ``verify``: target forward over ``Bp x (1 + v)`` rows + ``compute_logits`` of every row
+  (``v = 0``: the plain decode step);
 * ``first`` (per used MTP layer): the MTP first pass over the same rows;
+* ``kvonly`` (per used MTP layer; adaptive only): the MTP layers' KV-cache writes of the same
+  rows, for steps that propose no drafts;
 * ``step`` (per ``spec_step_idx``): one MTP row per sequence, + the greedy draft when wanted.
 
 The proposer names its units (:meth:`~mtpspec.spec_decode.proposer.Proposer.graph_units`) and
@@ -74,9 +77,9 @@ class EagerForward(EagerDraftForward):
         self.num_eager_fallbacks = 0
 
     def begin_step(self, pure_decode: bool, num_seqs: int, block_tables: torch.Tensor, num_rows: int = 0,
-                   num_sample_rows: int = 0) -> None:
+                   num_sample_rows: int = 0, k: Optional[int] = None) -> None:
         """Called once per step before any forward (``num_rows``: the step's new rows; ``num_sample_rows``:
-        rows whose logits it samples)."""
+        rows whose logits it samples; ``k``: drafts per decode, ``None``: the configured ``k``)."""
 
     def verify(self, ids: torch.Tensor, pos: torch.Tensor, meta: AttentionMetadata,
                sample_rows: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -100,15 +103,22 @@ class GraphedForward(EagerForward):
         max_seq_len: upper bound of any sequence length (host field of the captured metadata).
         prefill_sizes: padded row counts of the single-sequence prefill units (``[]``: none;
             see the module docstring and :func:`prefill_capture_sizes`).
+        ks: verify widths (drafts per decode) to capture, each in ``0 .. k`` (default ``(k,)``;
+            adaptive speculation length: ``0 .. k``, with the ``kvonly`` units).
     """
 
     def __init__(self, target: torch.nn.Module, mtp: Optional[torch.nn.Module], k: int, max_num_seqs: int,
                  max_blocks_per_seq: int, hidden_size: int, dtype: torch.dtype, device: torch.device, mode: str,
-                 max_seq_len: int, prefill_sizes: Sequence[int] = ()):
+                 max_seq_len: int, prefill_sizes: Sequence[int] = (), ks: Optional[Sequence[int]] = None):
         super().__init__(target, mtp)
         if mode not in ("cuda", "static"):
             raise ValueError(f"graph mode must be 'cuda' or 'static', got {mode!r}")
         self.k, self.mode, self.max_seq_len = k, mode, max_seq_len
+        self.ks = tuple(sorted(set(ks))) if ks is not None else (k,)
+        if not all(0 <= v <= k for v in self.ks):
+            raise ValueError(f"verify widths {self.ks} must lie in [0, k={k}]")
+        self.kv_only = ks is not None and mtp is not None  # capture the kvonly units too
+        self.step_k = k  # drafts per decode of the current step
         self.sizes = capture_sizes(max_num_seqs)
         self.prefill_sizes = sorted(prefill_sizes)
         bmax = max_num_seqs
@@ -134,10 +144,11 @@ class GraphedForward(EagerForward):
 
     # ---------------------------------------------------------------- metadata over the buffers
     def _meta(self, bp: int, host: bool, step: bool, rows: Optional[int] = None) -> AttentionMetadata:
-        """Metadata over the static buffers: ``Bp`` sequences of ``1 + k`` rows (``rows``: one
-        sequence of ``rows`` rows, the prefill units), or ``Bp`` single rows (``step``)."""
-        max_q = 1 if step else (rows or 1 + self.k)
-        rows = bp if step else (rows or bp * (1 + self.k))
+        """Metadata over the static buffers: ``Bp`` sequences of ``1 + v`` rows (``v`` = this
+        step's :attr:`step_k`; ``rows``: one sequence of ``rows`` rows, the prefill units), or
+        ``Bp`` single rows (``step``)."""
+        max_q = 1 if step else (rows or 1 + self.step_k)
+        rows = bp if step else (rows or bp * (1 + self.step_k))
         qsl, sl, slots = (self.s_qsl, self.s_seq_lens, self.s_slots) if step else (self.qsl, self.seq_lens, self.slots)
         q_lens: List[int] = []
         s_lens: List[int] = []
@@ -155,8 +166,9 @@ class GraphedForward(EagerForward):
 
     # ---------------------------------------------------------------- per step
     def begin_step(self, pure_decode: bool, num_seqs: int, block_tables: torch.Tensor, num_rows: int = 0,
-                   num_sample_rows: int = 0) -> None:
+                   num_sample_rows: int = 0, k: Optional[int] = None) -> None:
         self.active = self.prefill_rows = None
+        self.step_k = self.k if k is None else k
         if not pure_decode:
             tp = next((s for s in self.prefill_sizes if s >= num_rows), None)
             if num_seqs == 1 and num_sample_rows <= 1 and tp is not None and self.capture_failed is None:
@@ -165,11 +177,12 @@ class GraphedForward(EagerForward):
                 self._set_tables(block_tables, 1, 1)
             return
         bp = self._padded(num_seqs)
-        if bp is None or self.capture_failed is not None:
+        if bp is None or self.capture_failed is not None or self.step_k not in self.ks:
             self.num_eager_fallbacks += 1
             if not self._warned:
                 self._warned = True
-                why = self.capture_failed or f"batch of {num_seqs} exceeds the largest graph ({self.sizes[-1]})"
+                why = self.capture_failed or (f"batch of {num_seqs} exceeds the largest graph ({self.sizes[-1]})"
+                                              if bp is None else f"no graph verifies {self.step_k} drafts")
                 logger.warning("decode step runs eagerly instead of through a CUDA graph: %s (logged once; "
                                "every such step is counted in num_eager_fallbacks)", why)
             return
@@ -218,9 +231,9 @@ class GraphedForward(EagerForward):
         bp = self.active
         if bp is None:
             return super().verify(ids, pos, meta, sample_rows)
-        t = ids.shape[0]
-        self._fill_rows(ids, pos, meta, bp * (1 + self.k), bp)
-        hidden, logits = self._run(("verify", bp), self._verify_fn(bp), bp, step=False)
+        t, v = ids.shape[0], self.step_k
+        self._fill_rows(ids, pos, meta, bp * (1 + v), bp)
+        hidden, logits = self._run(("verify", bp, v), self._verify_fn(bp, v), bp, step=False)
         return hidden[:t], logits[:t]  # decode: every row is a sample row
 
     def _pverify_fn(self, tp: int) -> Callable[[AttentionMetadata], tuple]:
@@ -230,8 +243,8 @@ class GraphedForward(EagerForward):
             return hidden, self.target_model.compute_logits(hidden.index_select(0, self.p_sample))
         return fn
 
-    def _verify_fn(self, bp: int) -> Callable[[AttentionMetadata], tuple]:
-        rows = bp * (1 + self.k)
+    def _verify_fn(self, bp: int, v: int) -> Callable[[AttentionMetadata], tuple]:
+        rows = bp * (1 + v)
 
         def fn(meta: AttentionMetadata) -> tuple:
             with set_forward_context(meta):
@@ -239,29 +252,48 @@ class GraphedForward(EagerForward):
             return hidden, self.target_model.compute_logits(hidden)
         return fn
 
-    def mtp_first(self, ids, pos, hidden, meta, spec_step_idx):
-        bp, tp = self.active, self.prefill_rows
-        if bp is None and tp is None:
-            return super().mtp_first(ids, pos, hidden, meta, spec_step_idx)
-        t, rows = ids.shape[0], (tp or bp * (1 + self.k))
+    def _fill_mtp_rows(self, ids: torch.Tensor, hidden: torch.Tensor, rows: int) -> None:
+        t = ids.shape[0]
         self.mtp_ids[:t].copy_(ids)
         self.mtp_ids[t:rows].zero_()
         self.hidden_in[:t].copy_(hidden)
         self.hidden_in[t:rows].zero_()
+
+    def mtp_first(self, ids, pos, hidden, meta, spec_step_idx):
+        bp, tp, v = self.active, self.prefill_rows, self.step_k
+        if bp is None and tp is None:
+            return super().mtp_first(ids, pos, hidden, meta, spec_step_idx)
+        t = ids.shape[0]
+        self._fill_mtp_rows(ids, hidden, tp or bp * (1 + v))
         if tp is not None:  # positions and layout as the step's pverify left them
             (out,) = self._run(("pfirst", tp, spec_step_idx), self._first_fn(1, spec_step_idx, tp), 1, step=False,
                                rows=tp)
         else:
-            (out,) = self._run(("first", bp, spec_step_idx), self._first_fn(bp, spec_step_idx), bp, step=False)
+            (out,) = self._run(("first", bp, spec_step_idx, v), self._first_fn(bp, spec_step_idx, bp * (1 + v)), bp,
+                               step=False)
         return out[:t]
 
-    def _first_fn(self, bp: int, idx: int, rows: Optional[int] = None) -> Callable[[AttentionMetadata], tuple]:
-        rows = rows or bp * (1 + self.k)
-
+    def _first_fn(self, bp: int, idx: int, rows: int) -> Callable[[AttentionMetadata], tuple]:
         def fn(meta: AttentionMetadata) -> tuple:
             with set_forward_context(meta):
                 return (self.mtp_model(self.mtp_ids[:rows], self.pos[:rows], self.hidden_in[:rows],
                                        spec_step_idx=idx),)
+        return fn
+
+    def mtp_kv_only(self, ids, pos, hidden, meta, spec_step_idx):
+        bp, v = self.active, self.step_k
+        if bp is None:  # eager steps and single-sequence prefills: the eager call on the real layout
+            return super().mtp_kv_only(ids, pos, hidden, meta, spec_step_idx)
+        self._fill_mtp_rows(ids, hidden, bp * (1 + v))
+        self._run(("kvonly", bp, spec_step_idx, v), self._kv_only_fn(bp * (1 + v), spec_step_idx), bp, step=False)
+        return None
+
+    def _kv_only_fn(self, rows: int, idx: int) -> Callable[[AttentionMetadata], tuple]:
+        def fn(meta: AttentionMetadata) -> tuple:
+            with set_forward_context(meta):
+                self.mtp_model.forward_kv_only(self.mtp_ids[:rows], self.pos[:rows], self.hidden_in[:rows],
+                                               spec_step_idx=idx)
+            return ()
         return fn
 
     def mtp_step(self, ids, pos, hidden, meta, spec_step_idx, top):
@@ -297,8 +329,9 @@ class GraphedForward(EagerForward):
     def capture(self, proposer: Optional[Proposer]) -> None:
         """Capture every unit for every size (``"cuda"`` mode); on failure log once and stay eager.
 
-        Per size: ``verify``; the proposer's first-pass units between its ``on_prefill_begin`` /
-        ``on_prefill_end`` (with the captured layout); its step units between
+        Per size and verify width ``v`` of :attr:`ks`: ``verify``; the proposer's first-pass units
+        between its ``on_prefill_begin`` / ``on_prefill_end`` (with the captured layout); the
+        ``kvonly`` units (adaptive). Per size: its step units between
         ``on_multi_step_decode_begin`` / ``_end(Bp, k - 1)``.
 
         Args:
@@ -310,24 +343,21 @@ class GraphedForward(EagerForward):
         units = proposer.graph_units() if proposer is not None else None
         try:
             for bp in sorted(self.sizes, reverse=True):
-                b_rows = bp * (1 + self.k)
-                # Dummy but valid inputs: sequence i holds 1 + k tokens in block i's slots.
-                self.qsl[:bp + 1].copy_(torch.arange(bp + 1, device=self.qsl.device) * (1 + self.k))
-                self.seq_lens[:bp].fill_(1 + self.k)
-                self.slots[:b_rows].copy_(torch.arange(b_rows, device=self.slots.device) % (1 + self.k))
-                self.block_tables[:bp].fill_(-1)
-                self.block_tables[:bp, 0] = 0
-                self.s_qsl[:bp + 1].copy_(torch.arange(bp + 1, device=self.qsl.device))
-                self.s_seq_lens[:bp].fill_(1)
-                self.s_slots[:bp].zero_()
-                meta = self._meta(bp, host=False, step=False)
-                self.graphs[("verify", bp)] = self._capture_one(self._verify_fn(bp), meta)
+                for v in self.ks:
+                    meta = self.dummy_layout(bp, v)
+                    self.graphs[("verify", bp, v)] = self._capture_one(self._verify_fn(bp, v), meta)
+                    if units is None:
+                        continue
+                    proposer.on_prefill_begin(meta)
+                    for i in units.first_pass_layers:
+                        self.graphs[("first", bp, i, v)] = self._capture_one(self._first_fn(bp, i, bp * (1 + v)), meta)
+                    proposer.on_prefill_end(meta)
+                    if self.kv_only:
+                        for i in units.first_pass_layers:
+                            self.graphs[("kvonly", bp, i, v)] = self._capture_one(
+                                self._kv_only_fn(bp * (1 + v), i), meta)
                 if units is None:
                     continue
-                proposer.on_prefill_begin(meta)
-                for i in units.first_pass_layers:
-                    self.graphs[("first", bp, i)] = self._capture_one(self._first_fn(bp, i), meta)
-                proposer.on_prefill_end(meta)
                 step_meta = self._meta(bp, host=False, step=True)
                 proposer.on_multi_step_decode_begin(bp, self.k - 1)
                 for i, wt in units.step_units:
@@ -353,6 +383,23 @@ class GraphedForward(EagerForward):
                            first)
             if torch.cuda.is_available():
                 torch.cuda.synchronize()
+
+    def dummy_layout(self, bp: int, v: int) -> AttentionMetadata:
+        """Dummy but valid inputs in the static buffers (capture, cost calibration): ``bp``
+        sequences of ``1 + v`` tokens in block 0's slots, single-row step buffers; sets
+        :attr:`step_k` to ``v``; returns the graph metadata of that layout."""
+        self.step_k = v
+        rows = bp * (1 + v)
+        dev = self.qsl.device
+        self.qsl[:bp + 1].copy_(torch.arange(bp + 1, device=dev) * (1 + v))
+        self.seq_lens[:bp].fill_(1 + v)
+        self.slots[:rows].copy_(torch.arange(rows, device=dev) % (1 + v))
+        self.block_tables[:bp].fill_(-1)
+        self.block_tables[:bp, 0] = 0
+        self.s_qsl[:bp + 1].copy_(torch.arange(bp + 1, device=dev))
+        self.s_seq_lens[:bp].fill_(1)
+        self.s_slots[:bp].zero_()
+        return self._meta(bp, host=self.mode == "static", step=False)
 
     def _capture_prefill(self, proposer: Optional[Proposer], units) -> None:
         """The prefill units: dummy one-sequence layouts of ``Tp`` rows at positions ``0 .. Tp - 1``

@@ -25,7 +25,10 @@ class LLM:
         dtype: ``"float32"`` / ``"bfloat16"`` / ``"float16"`` or ``None`` (the checkpoint's).
         device: ``"cuda"`` / ``"cpu"``; default CUDA when present.
         speculative_config: ``None`` (plain decoding) or ``{"method": "mtp",
-            "num_speculative_tokens": k, "use_local_argmax_reduction": bool}``.
+            "num_speculative_tokens": k, "use_local_argmax_reduction": bool}`` (all keys:
+            :class:`~mtpspec.config.SpeculativeConfig`; ``"adaptive": true``: each step proposes
+            ``0 .. k`` drafts by :mod:`mtpspec.spec_decode.adaptive`, its step costs timed on the
+            ranks at start-up unless ``"adaptive_cost_table"`` names a file).
         fuse_allreduce_rmsnorm: MTP tail through the fused all-reduce + RMSNorm (default True).
         sequence_parallel: sequence-parallel MTP layer (tp > 1; default False).
         allreduce_backend: ``"nccl"`` (default) or ``"p2p"``: who serves the fused tail's
@@ -102,6 +105,11 @@ class LLM:
             tok: Optional[Tokenizer] = tokenizer
         else:
             tok = load_tokenizer(tokenizer or model)
+        spec = config.speculative_config
+        costs = None
+        if spec is not None and spec.adaptive_cost_table:  # a bad file fails before any model loads
+            from mtpspec.spec_decode.adaptive import StepCostTable
+            costs = StepCostTable.load(spec.adaptive_cost_table)
         self.executor = make_executor(config)
         self._torchrun = isinstance(self.executor, InProcessExecutor) and self.executor.broadcast
         self._rank = int(os.environ.get("RANK", "0")) if self._torchrun else 0
@@ -109,6 +117,11 @@ class LLM:
         if tok is not None and tok.eos_token_id is not None:
             eos.add(int(tok.eos_token_id))
         self.llm_engine = LLMEngine(self.executor, tok, sched, cache, mcfg.vocab_size, eos, config.seed)
+        if spec is not None and spec.adaptive:
+            from mtpspec.spec_decode.adaptive import AdaptiveSpecPolicy, measure_step_costs
+            if costs is None:  # timed on every rank alike (the units hold collectives); rank 0's figures
+                costs = self.executor.collective_rpc(measure_step_costs)[0]
+            self.llm_engine.spec_policy = AdaptiveSpecPolicy(spec.num_speculative_tokens, costs)
 
     # ------------------------------------------------------------------ API
     def get_tokenizer(self) -> Optional[Tokenizer]:

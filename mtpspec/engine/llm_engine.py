@@ -22,6 +22,7 @@ from mtpspec.outputs import Logprob, RequestOutput
 from mtpspec.sample.logits_processors import SeqLogitsParams
 from mtpspec.sample.logprobs import TokenLogprobs
 from mtpspec.sampling_params import SamplingParams
+from mtpspec.spec_decode.adaptive import AdaptiveSpecPolicy
 from mtpspec.spec_decode.metrics import EngineMetrics, SpecDecodingStats
 
 logger = logging.getLogger(__name__)
@@ -108,6 +109,8 @@ class LLMEngine:
         self._parents: Dict[str, ParentRequest] = {}  # unfinished requests of several sequences
         # async scheduling: the last step's (SchedulerOutput, StepHandle) until its drafts are taken
         self._pending_drafts: Optional[Tuple[SchedulerOutput, Any]] = None
+        # adaptive speculation length: picks each step's number of drafts (LLM sets it up)
+        self.spec_policy: Optional[AdaptiveSpecPolicy] = None
 
     # ------------------------------------------------------------------ requests
     def validate_request(self, prompt: PromptType, params: SamplingParams) -> Tuple[Optional[str], List[int]]:
@@ -247,7 +250,8 @@ class LLMEngine:
                 self._prompt_logprob_rows(s, si)
             si.logits_params = None if s.is_partial_prefill else self._logits_params(seq)
             seqs.append(si)
-        return StepInput(seqs, next(self._step_id), list(out.block_copies))
+        return StepInput(seqs, next(self._step_id), list(out.block_copies), out.num_spec_tokens,
+                         out.num_proposed_tokens)
 
     def _prompt_logprob_rows(self, sch: ScheduledSeq, si: SeqInput) -> None:
         """Ask a prefill (chunk) to score the prompt positions it predicts that are not scored yet.
@@ -311,6 +315,8 @@ class LLMEngine:
         if out.is_empty:
             return []
         t1 = time.perf_counter()
+        if self.spec_policy is not None and out.num_proposed_tokens:
+            out.num_proposed_tokens = self.spec_policy.choose(len(out.scheduled))
         handle = self.executor.execute_async(self._step_input(out))
         if on_device:  # the host's copy of the last step's drafts, while this step runs
             self._take_drafts()
@@ -321,13 +327,20 @@ class LLMEngine:
         m.prefix_cache_queries += out.prefix_cache_queries
         m.prefix_cache_hits += out.prefix_cache_hits
         before = {id(s.seq): len(s.seq.output_token_ids) for s in out.scheduled}
-        finished = self.scheduler.update_from_output(out, result.new_token_ids, None, now, drafts_pending=bool(k))
+        finished = self.scheduler.update_from_output(out, result.new_token_ids, None, now,
+                                                     drafts_pending=bool(out.num_proposed_tokens))
         if result.logprobs is not None or result.prompt_logprobs is not None:
             self._store_logprobs(out, result, before)
         if k:  # emitted accepted drafts only (see Scheduler.update_from_output)
+            v, policy = out.num_spec_tokens, self.spec_policy
             for sch in out.scheduled:
-                if not sch.is_prefill:
-                    m.spec.observe(sch.num_accepted_tokens)
+                if not sch.is_prefill and v:
+                    m.spec.observe(sch.num_accepted_tokens, v)
+                    if policy is not None:
+                        policy.observe(v, sch.num_accepted_tokens)
+            m.spec.observe_step(out.num_proposed_tokens)
+            if policy is not None:
+                policy.end_step()
             self._pending_drafts = (out, handle)
             if not self.scheduler_config.async_scheduling:
                 self._take_drafts()
@@ -372,13 +385,14 @@ class LLMEngine:
                 if seq.is_finished or seq.is_prefill or sch.is_partial_prefill:
                     continue
                 d = list(drafts[i])
-                seq.draft_token_ids = d if self.draft_hook is None else self._checked_drafts(self.draft_hook(seq, d))
+                seq.draft_token_ids = d if self.draft_hook is None or not d else self._checked_drafts(
+                    self.draft_hook(seq, d), len(d))
         if out is not None:
             for sch in out.scheduled:
                 if not sch.is_prefill:
                     if DRAFT_PENDING in sch.seq.draft_token_ids:
                         raise RuntimeError(f"{sch.seq!r} is scheduled with drafts that were never computed")
-                    sch.input_token_ids[1:] = sch.seq.draft_token_ids
+                    sch.input_token_ids[1:] = sch.seq.draft_token_ids[:len(sch.input_token_ids) - 1]
 
     def _finished_outputs(self, finished: List[Sequence]) -> List[RequestOutput]:
         """Outputs of the requests that finished: a plain sequence's own, a parent's once its last
@@ -425,8 +439,7 @@ class LLMEngine:
                 seq.output_logprobs.append(self._logprob_dict(tok, lp))
                 seq.cumulative_logprob += lp.logprob
 
-    def _checked_drafts(self, drafts: List[int]) -> List[int]:
-        k = self.scheduler_config.num_speculative_tokens
+    def _checked_drafts(self, drafts: List[int], k: int) -> List[int]:
         if len(drafts) != k or any(not 0 <= int(t) < self.vocab_size for t in drafts):
             raise ValueError(f"draft_hook must return {k} token ids in [0, {self.vocab_size}), got {drafts!r}")
         return [int(t) for t in drafts]

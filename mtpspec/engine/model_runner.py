@@ -94,6 +94,7 @@ class ModelRunner:
         self.is_driver = get_tp_group().rank_in_group == 0  # the rank whose StepOutput is read
         self.proposer: Optional[Proposer] = None
         self.draft_sampling = spec is not None and spec.draft_sampling == "auto"
+        self.adaptive = spec is not None and spec.adaptive  # steps may verify / propose 0 .. k drafts
         # The last step's drafts [B, k] (device) and request id -> their row: decodes whose drafts
         # the engine left as DRAFT_PENDING read them here (async scheduling); sampled drafts find
         # their q at that row of the proposer's SampledDraftState.
@@ -117,7 +118,8 @@ class ModelRunner:
             width = -(-sc.decode_slots(sc.max_model_len) // cache_config.block_size)
             self.fwd = GraphedForward(target, mtp, self.k, sc.max_num_seqs, width, target.config.hidden_size,
                                       self.kv_dtype, device, graph_mode, sc.decode_slots(sc.max_model_len),
-                                      prefill_capture_sizes(sc.max_num_batched_tokens, sc.max_model_len))
+                                      prefill_capture_sizes(sc.max_num_batched_tokens, sc.max_model_len),
+                                      ks=range(self.k + 1) if self.adaptive else None)
 
     # ------------------------------------------------------------------ KV cache
     def max_useful_blocks(self) -> int:
@@ -181,30 +183,45 @@ class ModelRunner:
             ValueError: a malformed ``step`` (see :func:`~mtpspec.engine.input_prep.prepare_step`).
         """
         t0, comm0, fallbacks0 = time.perf_counter(), _bytes_sent(comm_stats()), self.fwd.num_eager_fallbacks
+        v, p = self._step_ks(step)
         if step.block_copies:  # prefix caching: private copies of shared blocks, before any write
             kv_cache.copy_blocks(self.layers, step.block_copies, self.device)
-        inp = self._prepare(step)
+        inp = self._prepare(step, v)
         hidden, logits = self.fwd.verify(inp.input_ids, inp.positions, inp.attn_metadata, inp.sample_rows)
         tokens, last_row = self._accept(inp, logits, self._sampled_drafts(step, inp))
         scores = self._score_logprobs(inp, hidden, logits, tokens)
         token_copy = _HostCopy.start(_pack_tokens(tokens, scores))
-        drafts = self._propose(inp, hidden, tokens, last_row)
+        drafts = self._propose(inp, hidden, tokens, last_row, p)
         if drafts is not None:
             self._draft_rows = {s.request_id: i for i, s in enumerate(step.seqs) if not s.is_partial_prefill}
             self._prev_drafts = drafts
-        draft_copy = None if drafts is None else _HostCopy.start(drafts.view(tokens.shape[0], self.k))
+        draft_copy = None if drafts is None else _HostCopy.start(drafts.view(tokens.shape[0], p))
         comm1 = _bytes_sent(comm_stats())
         delta = {op: comm1[op] - comm0.get(op, 0) for op in comm1 if comm1[op] != comm0.get(op, 0)}
         return PendingStep(step, inp, tuple(tokens.shape), scores, token_copy, draft_copy,
                            self.fwd.num_eager_fallbacks - fallbacks0, delta, t0)
 
-    def _prepare(self, step: StepInput) -> PreparedStep:
-        """Device tensors of ``step``; tells the forward the batch (graph buffers for pure decodes)."""
-        inp = prepare_step(step, self.k, self.cache_config.block_size, self.max_position, self.device,
+    def _step_ks(self, step: StepInput) -> Tuple[int, int]:
+        """``(drafts each decode verifies, drafts proposed)`` of ``step`` (default: ``k`` both).
+
+        Raises:
+            ValueError: either outside ``[0, k]``.
+        """
+        v = self.k if step.num_spec_tokens is None else step.num_spec_tokens
+        p = self.k if step.num_proposed_tokens is None else step.num_proposed_tokens
+        if not (0 <= v <= self.k and 0 <= p <= self.k):
+            raise ValueError(f"step {step.step_id}: num_spec_tokens={v} and num_proposed_tokens={p} must be in "
+                             f"[0, k={self.k}]")
+        return v, p
+
+    def _prepare(self, step: StepInput, v: int) -> PreparedStep:
+        """Device tensors of ``step`` (``v`` drafts per decode); tells the forward the batch (graph
+        buffers for pure decodes)."""
+        inp = prepare_step(step, v, self.cache_config.block_size, self.max_position, self.device,
                            self.draft_sampling)
         self._fill_pending_drafts(step, inp)
         self.fwd.begin_step(step.is_pure_decode, len(step.seqs), inp.block_tables, inp.input_ids.shape[0],
-                            inp.sample_rows.shape[0])
+                            inp.sample_rows.shape[0], k=v)
         return inp
 
     def _fill_pending_drafts(self, step: StepInput, inp: PreparedStep) -> None:
@@ -216,7 +233,7 @@ class ModelRunner:
         Raises:
             RuntimeError: a pending decode that the last step did not draft for.
         """
-        nd, k = inp.num_decodes, self.k
+        nd, k = inp.num_decodes, inp.k
         pend = [i for i, s in enumerate(step.seqs[:nd]) if s.input_token_ids[1] == DRAFT_PENDING]
         if not pend:
             return
@@ -226,9 +243,9 @@ class ModelRunner:
         rows = [self._draft_rows[step.seqs[i].request_id] for i in pend]
         if rows == pend and pend[-1] == len(pend) - 1:  # steady state: the same leading rows, no index tensors
             n = len(pend)
-            inp.draft_token_ids[:n].copy_(self._prev_drafts[:n])
+            inp.draft_token_ids[:n].copy_(self._prev_drafts[:n, :k])
         else:
-            src = self._prev_drafts.index_select(0, torch.tensor(rows, dtype=torch.int64).to(self.device,
+            src = self._prev_drafts[:, :k].index_select(0, torch.tensor(rows, dtype=torch.int64).to(self.device,
                                                                                              non_blocking=True))
             dst = torch.tensor(pend, dtype=torch.int64).to(self.device, non_blocking=True)
             inp.draft_token_ids.index_copy_(0, dst, src)
@@ -260,16 +277,16 @@ class ModelRunner:
         idx = rows.clamp(min=0)
         if self._prev_drafts is not None and self._prev_drafts.shape[0] > 0:
             prev = self._prev_drafts.index_select(0, idx.clamp(max=self._prev_drafts.shape[0] - 1))
-            known = known & (prev == inp.draft_token_ids).all(dim=1)
+            known = known & (prev[:, :inp.k] == inp.draft_token_ids).all(dim=1)
         else:
             known = torch.zeros_like(known)
-        k = self.k
+        k = inp.k
         pos = (inp.start_positions[:nd].unsqueeze(1) + 1 + torch.arange(k, device=dev)).reshape(-1)
         res_rows = row_hash(inp.draft_seed_keys[:nd].repeat_interleave(k), pos, STREAM_RESIDUAL).view(nd, k)
         v0, nr = self.mtp.local_vocab_range(0)
-        return SampledDrafts(mask & known, mask & ~known, st.local_logits.index_select(1, idx).transpose(0, 1), v0, nr,
-                             inp.draft_temperature[:nd], st.log_q.index_select(0, idx), st.lse.index_select(0, idx),
-                             res_rows)
+        return SampledDrafts(mask & known, mask & ~known, st.local_logits[:k].index_select(1, idx).transpose(0, 1), v0,
+                             nr, inp.draft_temperature[:nd], st.log_q[:, :k].index_select(0, idx),
+                             st.lse[:, :k].index_select(0, idx), res_rows)
 
     def _accept(self, inp: PreparedStep, logits: torch.Tensor,
                 sampled: Optional[SampledDrafts] = None) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -281,7 +298,7 @@ class ModelRunner:
             offset ``[B]`` int64 (accepted drafts; ``q - 1`` for a prefill or a chunk).
             ``sampled``: the decodes' sampled-draft distributions (:meth:`_sampled_drafts`).
         """
-        k = self.k
+        k = inp.k
         nd, npf = inp.num_decodes, inp.num_prefills
         parts, last = [], []
         logits = apply_logits_processors(logits, inp.logits_meta)
@@ -307,8 +324,10 @@ class ModelRunner:
         return torch.cat(parts), torch.cat(last)
 
     def _propose(self, inp: PreparedStep, hidden: torch.Tensor, tokens: torch.Tensor,
-                 last_row: torch.Tensor) -> Optional[torch.Tensor]:
-        """The next drafts ``[B, k]`` int64 from the proposer, or ``None`` without one.
+                 last_row: torch.Tensor, p: int) -> Optional[torch.Tensor]:
+        """The next ``p`` drafts ``[B, p]`` int64 from the proposer, or ``None`` without one or
+        with ``p = 0`` (then only the draft model's KV caches are written:
+        :meth:`~mtpspec.spec_decode.proposer.Proposer.write_kv_only`).
 
         A partial prefill chunk's newest token is the prompt token after it
         (``inp.next_token_ids``): the MTP first pass writes the same KV entries as a whole
@@ -319,8 +338,11 @@ class ModelRunner:
         new_tok = tokens.gather(1, last_row_tok_index(inp, last_row).unsqueeze(1)).squeeze(1)
         if inp.next_token_ids is not None:
             new_tok = torch.where(inp.next_token_ids >= 0, inp.next_token_ids, new_tok)
+        if p == 0:
+            self.proposer.write_kv_only(inp, hidden, new_tok, last_row, self.fwd)
+            return None
         host_last = last_row.tolist() if self.device.type == "cpu" else None
-        return self.proposer.propose(inp, hidden, new_tok, last_row, host_last, self.fwd)
+        return self.proposer.propose(inp, hidden, new_tok, last_row, host_last, self.fwd, k=p)
 
     def _score_logprobs(self, inp: PreparedStep, hidden: torch.Tensor, logits: torch.Tensor,
                         tokens: torch.Tensor) -> Optional[List[torch.Tensor]]:

@@ -97,6 +97,12 @@ class SchedulerOutput:
         prefix_cache_queries / prefix_cache_hits: tokens of the sequences first admitted in
             this step that looked up the prefix cache / that it served (vLLM's counters;
             recomputes after a preemption are not counted).
+        num_spec_tokens: drafts each decode verifies this step: the fewest any scheduled decode
+            holds (all of them hold ``num_speculative_tokens`` at a fixed ``k``; under adaptive
+            speculation length a decode's drafts are what the step that last ran it proposed,
+            and longer ones are cut to this, which is lossless).
+        num_proposed_tokens: drafts the step proposes per sequence (for the next step);
+            ``num_speculative_tokens`` unless the engine's adaptive policy sets it.
     """
 
     scheduled: List[ScheduledSeq] = field(default_factory=list)
@@ -104,6 +110,8 @@ class SchedulerOutput:
     block_copies: List[Tuple[int, int]] = field(default_factory=list)
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
+    num_spec_tokens: int = 0
+    num_proposed_tokens: int = 0
 
     @property
     def num_batched_tokens(self) -> int:
@@ -242,8 +250,8 @@ class Scheduler:
             drafts = seq.draft_token_ids
             if seq.num_computed_tokens != seq.num_tokens - 1:
                 raise RuntimeError(f"{seq!r}: a decode needs num_computed_tokens == num_tokens - 1")
-            if len(drafts) != cfg.num_speculative_tokens:
-                raise RuntimeError(f"{seq!r} has {len(drafts)} drafts, expected {cfg.num_speculative_tokens}")
+            if len(drafts) > cfg.num_speculative_tokens:
+                raise RuntimeError(f"{seq!r} has {len(drafts)} drafts, expected at most {cfg.num_speculative_tokens}")
             out.scheduled.append(ScheduledSeq(seq, False, [seq.last_token_id] + drafts, seq.num_tokens - 1))
             budget -= q_len
         self.running = kept
@@ -282,7 +290,19 @@ class Scheduler:
             out.scheduled.append(self._prefill_chunk(seq, n))
             budget -= n
         self.waiting.extendleft(reversed(held))
+        self._cut_drafts(out)
         return out
+
+    def _cut_drafts(self, out: SchedulerOutput) -> None:
+        """Every decode verifies the same number of drafts (one verify layout per step):
+        :attr:`SchedulerOutput.num_spec_tokens`, the fewest any decode holds; longer draft lists
+        are cut (lossless: fewer drafts verified). Sets ``num_proposed_tokens`` to ``k``."""
+        k = self.config.num_speculative_tokens
+        decodes = [sch for sch in out.scheduled if not sch.is_prefill]
+        v = min((len(sch.input_token_ids) - 1 for sch in decodes), default=k)
+        for sch in decodes:
+            del sch.input_token_ids[1 + v:]
+        out.num_spec_tokens, out.num_proposed_tokens = v, k
 
     def update_from_output(self, out: SchedulerOutput, new_tokens: Seq[Seq[int]],
                            drafts: Optional[Seq[Seq[int]]], now: Optional[float] = None,
@@ -294,8 +314,8 @@ class Scheduler:
             new_tokens: per scheduled sequence, the tokens the step emitted: 1 for a prefill
                 that ends its prompt, none for a partial prefill chunk, ``1 + num_accepted``
                 for a decode (accepted drafts then the recovered/bonus one).
-            drafts: per scheduled sequence, the ``k`` drafts for the next step (``None`` when
-                ``k == 0``; ignored for a partial prefill chunk).
+            drafts: per scheduled sequence, the ``out.num_proposed_tokens`` drafts for the next
+                step (``None`` when ``k == 0``; ignored for a partial prefill chunk).
 
         Speculative counters (the request's :class:`~mtpspec.outputs.RequestMetrics` and each
         decode's ``ScheduledSeq.num_accepted_tokens``): a decode is one draft of ``k`` draft
@@ -305,7 +325,7 @@ class Scheduler:
         ``max_model_len``) count as drafted, not accepted.
             now: host timestamp of the step's end (default: now).
             drafts_pending: the drafts are not known yet (async scheduling): each continuing
-                sequence gets ``k`` :data:`DRAFT_PENDING` ids, which the engine replaces
+                sequence gets ``out.num_proposed_tokens`` :data:`DRAFT_PENDING` ids, which the engine replaces
                 (:meth:`~mtpspec.engine.llm_engine.LLMEngine.step`) before any step reads them.
 
         Returns:
@@ -313,6 +333,7 @@ class Scheduler:
         """
         now = time.perf_counter() if now is None else now
         k = self.config.num_speculative_tokens
+        v, p = out.num_spec_tokens, out.num_proposed_tokens  # drafts verified / proposed per sequence
         finished = []
         for i, sch in enumerate(out.scheduled):
             seq, toks = sch.seq, list(new_tokens[i])
@@ -332,12 +353,12 @@ class Scheduler:
                 seq.is_prefill = False
             else:
                 a = len(toks) - 1
-                if not 0 <= a <= k:
-                    raise RuntimeError(f"decode of {seq.request_id!r} returned {len(toks)} tokens, expected 1..{k + 1}")
+                if not 0 <= a <= v:
+                    raise RuntimeError(f"decode of {seq.request_id!r} returned {len(toks)} tokens, expected 1..{v + 1}")
                 seq.num_computed_tokens += 1 + a
             kept = append_tokens(seq, toks, self.eos_token_ids, self.config.max_model_len)
             self.block_manager.cache_full_blocks(seq)  # before a finished sequence's blocks are freed
-            if not sch.is_prefill and k:
+            if not sch.is_prefill and v:
                 # Only emitted drafts count as accepted: a stop inside the accepted block drops
                 # the drafts after it (and the bonus / recovered token).
                 a = sch.num_accepted_tokens = min(len(toks) - 1, kept)
@@ -345,7 +366,7 @@ class Scheduler:
                     m.num_accepted_tokens_per_pos = [0] * k
                     m.accepted_length_histogram = [0] * (k + 1)
                 m.num_drafts += 1
-                m.num_draft_tokens += k
+                m.num_draft_tokens += v
                 m.num_accepted_tokens += a
                 for j in range(a):
                     m.num_accepted_tokens_per_pos[j] += 1
@@ -363,8 +384,8 @@ class Scheduler:
                 self.running.remove(seq)
                 finished.append(seq)
             else:
-                if k and drafts_pending:
-                    seq.draft_token_ids = [DRAFT_PENDING] * k
+                if p and drafts_pending:
+                    seq.draft_token_ids = [DRAFT_PENDING] * p
                 else:
-                    seq.draft_token_ids = list(drafts[i]) if (k and drafts is not None) else []
+                    seq.draft_token_ids = list(drafts[i])[:p] if (p and drafts is not None) else []
         return finished

@@ -8,6 +8,11 @@ arm             `mtpspec serve` flags                    what it is
 ``baseline``    ``--no-fusion --no-local-argmax``        unfused MTP tail, full-logits argmax
 ``fusion``      ``--no-local-argmax``                    + fused all-reduce + RMSNorm
 ``both``        (none)                                   + vocab-parallel local argmax
+``plain``       ``-k 0``                                 plain decoding (not in the default)
+``k1``          ``-k 1``                                 fixed speculation length 1
+``k2``          ``-k 2``                                 fixed speculation length 2
+``k3``          ``-k 3``                                 fixed speculation length 3
+``adaptive``    ``-k 3 --adaptive-speculation``          each step's k in 0..3 chosen by the policy
 ==============  =======================================  ===================================
 
 Every arm's server is started once (one after another, each on its own free port; with
@@ -17,7 +22,10 @@ load) hits every arm alike. Workload presets (``--scale`` shrinks lengths and pr
 small machines; explicit ``--input-len`` etc. override):
 
 * ``batch1``: 8192 tokens in, 1024 out, 8 prompts, concurrency 1;
-* ``c64``: 1024 in, 1024 out, 256 prompts, concurrency 64.
+* ``c64``: 1024 in, 1024 out, 256 prompts, concurrency 64;
+* ``s1``, ``s8``, ``s64``, ``s256``: 512 in, 256 out, concurrency 1 / 8 / 64 / 256 (4 / 16 / 128 /
+  512 prompts): the speculation-length sweep (``--arms plain,k1,k2,k3,adaptive``; the server needs
+  ``--max-num-seqs 256`` for ``s256``).
 
 Reported per workload and arm: every run's figures (:mod:`mtpspec.entrypoints.bench_serve`),
 their median and spread (max - min over runs), collective bytes per engine step, and a verdict
@@ -47,11 +55,22 @@ DEFAULT_ARMS: Dict[str, List[str]] = {
     "baseline": ["--no-fusion", "--no-local-argmax"],
     "fusion": ["--no-local-argmax"],
     "both": [],
+    # speculation length (not in the default --arms): plain decoding, fixed k, adaptive k
+    "plain": ["-k", "0"],
+    "k1": ["-k", "1"],
+    "k2": ["-k", "2"],
+    "k3": ["-k", "3"],
+    "adaptive": ["-k", "3", "--adaptive-speculation"],
 }
 
 PRESETS: Dict[str, Dict[str, int]] = {
     "batch1": dict(input_len=8192, output_len=1024, num_prompts=8, max_concurrency=1),
     "c64": dict(input_len=1024, output_len=1024, num_prompts=256, max_concurrency=64),
+    # the speculation-length sweep (issue 18): concurrency 1, 8, 64, 256 at one length
+    "s1": dict(input_len=512, output_len=256, num_prompts=4, max_concurrency=1),
+    "s8": dict(input_len=512, output_len=256, num_prompts=16, max_concurrency=8),
+    "s64": dict(input_len=512, output_len=256, num_prompts=128, max_concurrency=64),
+    "s256": dict(input_len=512, output_len=256, num_prompts=512, max_concurrency=256),
 }
 
 # figure -> (label, higher is better)

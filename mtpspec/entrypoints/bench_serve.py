@@ -132,6 +132,9 @@ def spec_figures(before: Dict[str, float], after: Dict[str, float], k: int) -> D
     accepted = d("mtpspec:spec_decode_num_accepted_tokens_total")
     steps = d("mtpspec:engine_steps_total")
     per_pos = [d(f"mtpspec:spec_decode_num_accepted_tokens_per_pos_total{{position={j}}}") for j in range(k)]
+    # verifications that reached position j (all drafts at a fixed k; fewer when adaptive k proposed less)
+    per_pos_drafts = [d(f"mtpspec:spec_decode_num_draft_tokens_per_pos_total{{position={j}}}") for j in range(k)]
+    chosen = [d(f"mtpspec:spec_decode_num_speculative_tokens_total{{k={j}}}") for j in range(k + 1)] if k else []
     comm = {}
     for key in after:
         if key.startswith("mtpspec:collective_bytes_total{"):
@@ -141,7 +144,9 @@ def spec_figures(before: Dict[str, float], after: Dict[str, float], k: int) -> D
         "num_drafts": drafts, "num_draft_tokens": d("mtpspec:spec_decode_num_draft_tokens_total"),
         "num_accepted_tokens": accepted,
         "acceptance_length": (1.0 + accepted / drafts) if drafts > 0 else None,
-        "acceptance_rate_per_pos": [(a / drafts) if drafts > 0 else None for a in per_pos],
+        "acceptance_rate_per_pos": [(a / n) if n > 0 else None
+                                    for a, n in zip(per_pos, per_pos_drafts if any(per_pos_drafts) else [drafts] * k)],
+        "num_speculative_tokens_histogram": chosen,
         "engine_steps": steps, "server_generation_tokens": d("mtpspec:generation_tokens_total"),
         "collective_bytes_per_step": {op: (b / steps if steps else 0.0) for op, b in sorted(comm.items())},
         "collective_bytes_per_step_total": (sum(comm.values()) / steps) if steps else 0.0,
@@ -328,6 +333,7 @@ def format_result(res: Dict[str, Any]) -> str:
         f"(mean out {res['mean_output_len']:.1f})",
         f"output throughput           {res['output_throughput']:.2f} tok/s",
         f"acceptance length           {_f(res['acceptance_length'], '.3f')}",
+        f"steps proposing k = 0..     {res.get('num_speculative_tokens_histogram') or '-'}",
         f"acceptance rate per pos     [{rates}]",
         f"steps/s (tok/s / acc. len)  {res['steps_per_s']:.2f}   (engine steps/s {res['engine_steps_per_s']:.2f})",
         f"TTFT median / p99           {_f(res['ttft_ms']['median'])} / {_f(res['ttft_ms']['p99'])} ms",

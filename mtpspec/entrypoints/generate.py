@@ -104,8 +104,8 @@ def describe_setup(model: str, llm: Any) -> str:
         has_indexer = bool(getattr(mcfg.arch, "index_topk", None))
         share = ("index sharing " + ("on" if spec.index_share_for_mtp_iteration else "off")) if has_indexer \
             else "no DSA indexer"
-        lines.append(f"speculative        mtp, k = {spec.num_speculative_tokens}, {share}, "
-                     f"draft sampling {spec.draft_sampling}")
+        k = f"k = 0..{spec.num_speculative_tokens} adaptive" if spec.adaptive else f"k = {spec.num_speculative_tokens}"
+        lines.append(f"speculative        mtp, {k}, {share}, draft sampling {spec.draft_sampling}")
     lines.append(f"KV cache dtype     {llm.engine_config.cache_config.cache_dtype}")
     return "\n".join(lines)
 
@@ -124,6 +124,9 @@ def format_metrics(m: Dict[str, Any]) -> str:
                   f"{m['num_accepted_tokens']}/{m['num_draft_tokens']} draft tokens)",
                   f"accepted per pos   {m['num_accepted_tokens_per_pos']}",
                   f"accepted lengths   {m['accepted_length_histogram']}  (histogram over 0..k)"]
+        hist = m.get("num_speculative_tokens_histogram") or []
+        if any(hist[:-1]):  # some step proposed fewer than k drafts (adaptive speculation length)
+            lines.append(f"steps proposing k  {hist}  (k = 0..{len(hist) - 1})")
     comm = m.get("comm_bytes_per_step") or {}
     lines.append("bytes/step (rank0) " + (", ".join(f"{op} {n:,.0f}" for op, n in sorted(comm.items())) or "0"))
     lines.append(f"eager fall-backs   {m['num_eager_fallbacks']}   preemptions {m['num_preemptions']}")

@@ -111,6 +111,7 @@ def engine_info(args: argparse.Namespace, kwargs: Dict[str, Any], forced: Option
     return {"model": kwargs["model"], "tp": kwargs["tensor_parallel_size"], "num_speculative_tokens": k,
             "fusion": kwargs["fuse_allreduce_rmsnorm"] and k > 0,
             "local_argmax": bool(spec.get("use_local_argmax_reduction", False)) and k > 0,
+            "adaptive": bool(spec.get("adaptive", False)) and k > 0,
             "sequence_parallel": kwargs["sequence_parallel"], "allreduce_backend": kwargs["allreduce_backend"],
             "max_num_seqs": kwargs["max_num_seqs"], "enable_chunked_prefill": kwargs["enable_chunked_prefill"],
             "max_num_batched_tokens": kwargs["max_num_batched_tokens"] or "derived",

@@ -29,6 +29,10 @@ metric                                                     meaning
 ``mtpspec:spec_decode_num_draft_tokens_total``              draft tokens checked
 ``mtpspec:spec_decode_num_accepted_tokens_total``           draft tokens accepted and emitted
 ``mtpspec:spec_decode_num_accepted_tokens_per_pos_total``   ``{position}``: accepted at draft position
+``mtpspec:spec_decode_num_draft_tokens_per_pos_total``      ``{position}``: verified at draft position
+``mtpspec:spec_decode_num_speculative_tokens_total``        ``{k}``: engine steps that proposed ``k``
+                                                            drafts per sequence (the histogram of the
+                                                            k that adaptive speculation chose)
 ``mtpspec:collective_bytes_total{op}``                      bytes rank 0's collectives sent
 ``mtpspec:eager_fallbacks_total`` / ``preemptions_total``   CUDA-graph fall-backs, preemptions
 ``mtpspec:forced_acceptance``                               1 when SYNTHETIC forced acceptance is on
@@ -96,6 +100,10 @@ class ServerMetrics(EngineObserver):
         self.accepted = Counter(p + "spec_decode_num_accepted_tokens", "Draft tokens accepted", registry=r)
         self.accepted_pos = Counter(p + "spec_decode_num_accepted_tokens_per_pos", "Accepted at draft position",
                                     ["position"], registry=r)
+        self.draft_pos = Counter(p + "spec_decode_num_draft_tokens_per_pos", "Verified at draft position",
+                                 ["position"], registry=r)
+        self.chosen_k = Counter(p + "spec_decode_num_speculative_tokens", "Engine steps that proposed k drafts",
+                                ["k"], registry=r)
         self.comm = Counter(p + "collective_bytes", "Bytes sent by rank 0's collectives", ["op"], registry=r)
         self.fallbacks = Counter(p + "eager_fallbacks", "Steps that could not use a CUDA graph", registry=r)
         self.preemptions = Counter(p + "preemptions", "Recompute preemptions", registry=r)
@@ -104,6 +112,9 @@ class ServerMetrics(EngineObserver):
         Info(p + "engine", "Engine configuration", registry=r).info({k: str(v) for k, v in info.items()})
         for j in range(self.k):
             self.accepted_pos.labels(position=str(j))
+            self.draft_pos.labels(position=str(j))
+        for j in range(self.k + 1 if self.k else 0):
+            self.chosen_k.labels(k=str(j))
         self._last: Dict[str, Any] = {}
 
     # ---------------------------------------------------------------- engine thread
@@ -125,6 +136,10 @@ class ServerMetrics(EngineObserver):
             self._add(self.accepted, "accepted", s.num_accepted_tokens)
             for j, n in enumerate(s.num_accepted_tokens_per_pos):
                 self._add(self.accepted_pos.labels(position=str(j)), f"pos:{j}", n)
+            for j, n in enumerate(s.num_draft_tokens_per_pos):
+                self._add(self.draft_pos.labels(position=str(j)), f"dpos:{j}", n)
+            for j, n in enumerate(s.num_speculative_tokens_histogram):
+                self._add(self.chosen_k.labels(k=str(j)), f"k:{j}", n)
         # Bound the engine's sample lists; the histograms below take the samples instead.
         m.ttft_s.clear()
         m.itl_s.clear()

@@ -22,12 +22,16 @@ class SpecDecodingStats:
     :meth:`~mtpspec.engine.scheduler.Scheduler.update_from_output`).
 
     Attributes:
-        k: draft tokens per verification.
-        num_drafts: verifications (one per decode of one sequence).
-        num_draft_tokens: ``k * num_drafts``.
+        k: the most draft tokens per verification (``num_speculative_tokens``).
+        num_drafts: verifications (one per decode of one sequence with at least one draft).
+        num_draft_tokens: drafts verified (``k * num_drafts`` at a fixed ``k``).
         num_accepted_tokens: accepted draft tokens that were emitted.
         num_accepted_tokens_per_pos: ``[k]``, acceptances at draft position ``j``.
+        num_draft_tokens_per_pos: ``[k]``, verifications that had a draft at position ``j``
+            (all of them at a fixed ``k``; fewer under adaptive speculation length).
         accepted_length_histogram: ``[k + 1]``, verifications with ``a`` accepted drafts.
+        num_speculative_tokens_histogram: ``[k + 1]``, engine steps that proposed ``j`` drafts
+            per sequence (adaptive speculation length chooses ``j`` per step; else all ``k``).
     """
 
     k: int
@@ -36,27 +40,44 @@ class SpecDecodingStats:
     num_accepted_tokens: int = 0
     num_accepted_tokens_per_pos: List[int] = field(default_factory=list)
     accepted_length_histogram: List[int] = field(default_factory=list)
+    num_draft_tokens_per_pos: List[int] = field(default_factory=list)
+    num_speculative_tokens_histogram: List[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not self.num_accepted_tokens_per_pos:
             self.num_accepted_tokens_per_pos = [0] * self.k
         if not self.accepted_length_histogram:
             self.accepted_length_histogram = [0] * (self.k + 1)
+        if not self.num_draft_tokens_per_pos:
+            self.num_draft_tokens_per_pos = [0] * self.k
+        if not self.num_speculative_tokens_histogram:
+            self.num_speculative_tokens_histogram = [0] * (self.k + 1)
 
-    def observe(self, num_accepted: int) -> None:
-        """Record one verification whose first ``num_accepted`` (``0 .. k``) drafts were accepted and emitted.
+    def observe(self, num_accepted: int, num_draft_tokens: Optional[int] = None) -> None:
+        """Record one verification of ``num_draft_tokens`` drafts (default ``k``) whose first
+        ``num_accepted`` were accepted and emitted.
 
         Raises:
-            ValueError: ``num_accepted`` outside ``[0, k]``.
+            ValueError: ``num_draft_tokens`` outside ``[1, k]`` or ``num_accepted`` outside
+            ``[0, num_draft_tokens]``.
         """
-        if not 0 <= num_accepted <= self.k:
-            raise ValueError(f"num_accepted must be in [0, {self.k}], got {num_accepted}")
+        n = self.k if num_draft_tokens is None else num_draft_tokens
+        if not 1 <= n <= self.k:
+            raise ValueError(f"num_draft_tokens must be in [1, {self.k}], got {n}")
+        if not 0 <= num_accepted <= n:
+            raise ValueError(f"num_accepted must be in [0, {n}], got {num_accepted}")
         self.num_drafts += 1
-        self.num_draft_tokens += self.k
+        self.num_draft_tokens += n
         self.num_accepted_tokens += num_accepted
         for j in range(num_accepted):
             self.num_accepted_tokens_per_pos[j] += 1
+        for j in range(n):
+            self.num_draft_tokens_per_pos[j] += 1
         self.accepted_length_histogram[num_accepted] += 1
+
+    def observe_step(self, num_proposed: int) -> None:
+        """Record one engine step that proposed ``num_proposed`` (``0 .. k``) drafts per sequence."""
+        self.num_speculative_tokens_histogram[num_proposed] += 1
 
     @property
     def acceptance_length(self) -> Optional[float]:
@@ -73,6 +94,8 @@ class SpecDecodingStats:
                     num_accepted_tokens=self.num_accepted_tokens,
                     num_accepted_tokens_per_pos=list(self.num_accepted_tokens_per_pos),
                     accepted_length_histogram=list(self.accepted_length_histogram),
+                    num_draft_tokens_per_pos=list(self.num_draft_tokens_per_pos),
+                    num_speculative_tokens_histogram=list(self.num_speculative_tokens_histogram),
                     acceptance_length=self.acceptance_length, acceptance_rate=self.acceptance_rate)
 
 

@@ -216,7 +216,7 @@ class MTPProposer(Proposer):
     @torch.inference_mode()
     def propose(self, inp: PreparedStep, target_hidden: torch.Tensor, new_token_ids: torch.Tensor,
                 last_row_offsets: torch.Tensor, host_last_row_offsets: Optional[list] = None,
-                fwd: Optional[DraftForward] = None) -> torch.Tensor:
+                fwd: Optional[DraftForward] = None, k: Optional[int] = None) -> torch.Tensor:
         """Draft ``k`` tokens per sequence (the module docstring's phases 1 and 2).
 
         Args:
@@ -230,10 +230,18 @@ class MTPProposer(Proposer):
                 gives the attention layer exact host-side lengths. ``None`` on GPU.
             fwd: how to call the model (a :class:`~mtpspec.spec_decode.draft_forward.DraftForward`;
                 default :class:`~mtpspec.spec_decode.draft_forward.EagerDraftForward`).
+            k: drafts this step, ``1 .. self.k`` (adaptive speculation length); ``None``: ``self.k``.
+                The first pass covers the layers of ``self.k`` (every layer stays filled).
 
         Returns:
             ``[B, k]`` int64 draft tokens.
+
+        Raises:
+            ValueError: ``k`` outside ``[1, self.k]``.
         """
+        k = self.k if k is None else k
+        if not 1 <= k <= self.k:
+            raise ValueError(f"propose: k must be in [1, {self.k}], got {k}")
         fwd = fwd if fwd is not None else EagerDraftForward(self.model)
         b = new_token_ids.shape[0]
         last_rows = inp.seg_starts + last_row_offsets
@@ -260,8 +268,8 @@ class MTPProposer(Proposer):
                 st.seed_keys[:b].copy_(inp.draft_seed_keys)
             st.base[:b].copy_(base)
         drafts = [self._top(hidden, 0)]
-        self.on_multi_step_decode_begin(b, self.k - 1)
-        for step in range(1, self.k):
+        self.on_multi_step_decode_begin(b, k - 1)
+        for step in range(1, k):
             pos = base + step
             host_pos = None
             if host_last_row_offsets is not None:
@@ -269,11 +277,11 @@ class MTPProposer(Proposer):
             meta = self._step_metadata(inp, pos, host_pos)
             clamped = pos.clamp(max=self.max_position - 1)
             out, tok = fwd.mtp_step(drafts[-1], clamped, hidden, meta, step, self._top)
-            if step < self.k - 1:  # later steps on other layers read this row from their caches
+            if step < k - 1:  # later steps on other layers read this row from their caches
                 for layer in used:
                     if layer != step % len(used):
                         fwd.mtp_step(drafts[-1], clamped, hidden, meta, layer, None)
             hidden = out
             drafts.append(tok)
-        self.on_multi_step_decode_end(b, self.k - 1)
+        self.on_multi_step_decode_end(b, k - 1)
         return torch.stack(drafts, dim=1)[:b]

@@ -78,8 +78,8 @@ class Proposer(ABC):
     @abstractmethod
     def propose(self, inp: PreparedStep, target_hidden: torch.Tensor, new_token_ids: torch.Tensor,
                 last_row_offsets: torch.Tensor, host_last_row_offsets: Optional[list] = None,
-                fwd: Optional[DraftForward] = None) -> torch.Tensor:
-        """Draft ``k`` tokens per sequence.
+                fwd: Optional[DraftForward] = None, k: Optional[int] = None) -> torch.Tensor:
+        """Draft ``k`` tokens per sequence (``k``: ``1 ..`` the configured ``k``; ``None``: that one).
 
         Args:
             inp: the step's prepared inputs (target layout, block tables, positions); ``B``
@@ -95,6 +95,12 @@ class Proposer(ABC):
         Returns:
             ``[B, k]`` int64 draft tokens, on the device; no host synchronisation.
         """
+
+    def write_kv_only(self, inp: PreparedStep, target_hidden: torch.Tensor, new_token_ids: torch.Tensor,
+                      last_row_offsets: torch.Tensor, fwd: Optional[DraftForward] = None) -> None:
+        """A step that proposes no drafts (adaptive speculation length, ``k = 0``): only what the
+        draft model must keep up to date (its KV caches at the step's positions); arguments as
+        :meth:`propose`. Default: nothing."""
 
     @abstractmethod
     def graph_units(self) -> GraphUnits:

@@ -1,0 +1,252 @@
+"""Adaptive speculation length: each step proposes the ``k`` that maximises expected tokens per second.
+
+A step that proposes ``k`` drafts per sequence costs, in the steady state where the next step
+verifies them, ``T(B, k) = verify(B, k) + draft(B, k)``: the target over ``B x (1 + k)`` rows
+and the draft passes (the MTP first pass over the same rows and ``k - 1`` single-row steps; for
+``k = 0`` only the MTP layers' KV-cache writes). It emits ``E(k) = 1 + sum_{i=1..k} prod_{j<=i}
+alpha_j`` tokens per sequence on average, ``alpha_j`` being the probability that draft ``j`` is
+accepted given that drafts ``1 .. j - 1`` were (Leviathan et al., "Fast Inference from
+Transformers via Speculative Decoding", ICML 2023, sec. 3.1, eq. 1 has the i.i.d. case; here the
+rate is per position, as vLLM's ``num_accepted_tokens_per_pos`` measures it). The policy picks
+``argmax_k E(k) / T(B, k)`` (the smallest ``k`` on ties).
+
+* :class:`StepCostTable`: ``T`` per padded batch size and ``k``, measured at start-up
+  (:func:`measure_step_costs`: the runner's graph units replayed, or the same calls eagerly
+  without CUDA graphs) or loaded from JSON.
+* :class:`AdaptiveSpecPolicy`: running per-position rates (decayed counts with a prior, so a
+  position unused for a while drifts back to the prior and is tried again) and the choice.
+
+Everything here is host arithmetic on counts the engine already has.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Sequence
+
+#: Batch sizes :func:`measure_step_costs` times by default (those up to ``max_num_seqs`` that
+#: the runner has graphs for, plus ``max_num_seqs``); others use the next larger measured one.
+CALIBRATION_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+
+
+@dataclass
+class StepCostTable:
+    """Milliseconds of one step per padded batch size and number of proposed drafts.
+
+    Attributes:
+        verify_ms: ``{k: {batch: ms}}``, the target forward over ``batch x (1 + k)`` rows.
+        draft_ms: ``{k: {batch: ms}}``, the draft passes proposing ``k`` drafts (``k = 0``: the
+            MTP KV-cache writes).
+        source: how it was made (``"measured: ..."`` or a file name), for reports.
+    """
+
+    verify_ms: Dict[int, Dict[int, float]]
+    draft_ms: Dict[int, Dict[int, float]]
+    source: str = ""
+
+    def __post_init__(self) -> None:
+        self.verify_ms = {int(k): {int(b): float(t) for b, t in d.items()} for k, d in self.verify_ms.items()}
+        self.draft_ms = {int(k): {int(b): float(t) for b, t in d.items()} for k, d in self.draft_ms.items()}
+        if not self.verify_ms or set(self.verify_ms) != set(self.draft_ms):
+            raise ValueError(f"step cost table: verify_ms and draft_ms must cover the same k values, got "
+                             f"{sorted(self.verify_ms)} and {sorted(self.draft_ms)}")
+        for k in self.verify_ms:
+            if not self.verify_ms[k] or set(self.verify_ms[k]) != set(self.draft_ms[k]):
+                raise ValueError(f"step cost table: k={k} needs the same batch sizes in verify_ms and draft_ms")
+
+    @property
+    def ks(self) -> List[int]:
+        return sorted(self.verify_ms)
+
+    def step_ms(self, batch: int, k: int) -> float:
+        """``verify + draft`` at the smallest measured batch size ``>= batch`` (the largest one above it).
+
+        Raises:
+            KeyError: ``k`` not in the table.
+        """
+        if k not in self.verify_ms:
+            raise KeyError(f"step cost table has no k={k} (has {self.ks})")
+        sizes = sorted(self.verify_ms[k])
+        b = next((s for s in sizes if s >= batch), sizes[-1])
+        return self.verify_ms[k][b] + self.draft_ms[k][b]
+
+    def as_dict(self) -> Dict[str, object]:
+        return {"verify_ms": self.verify_ms, "draft_ms": self.draft_ms, "source": self.source}
+
+    def save(self, path: str) -> None:
+        with open(path, "w") as f:
+            json.dump(self.as_dict(), f, indent=1)
+
+    @classmethod
+    def load(cls, path: str) -> "StepCostTable":
+        """Read a table written by :meth:`save` (``{"verify_ms": {k: {batch: ms}}, "draft_ms": ...}``).
+
+        Raises:
+            ValueError: not such a table (the message names the file and what is missing).
+        """
+        try:
+            with open(path) as f:
+                d = json.load(f)
+            return cls(d["verify_ms"], d["draft_ms"], d.get("source") or path)
+        except (OSError, KeyError, TypeError, AttributeError, json.JSONDecodeError) as exc:
+            raise ValueError(f"adaptive_cost_table {path!r} is not a step cost table "
+                             f"({{'verify_ms': {{k: {{batch: ms}}}}, 'draft_ms': ...}}): {exc!r}") from exc
+
+
+@dataclass
+class AdaptiveSpecPolicy:
+    """Chooses each step's number of drafts (see the module docstring).
+
+    Args:
+        max_k: ``num_speculative_tokens``; choices are ``0 .. max_k`` within ``costs.ks``.
+        costs: the step cost table.
+        prior_rate: each position's acceptance rate before any observation.
+        prior_weight: how many observations the prior is worth.
+        decay: every step multiplies the observed counts by this (recent steps weigh more).
+
+    Raises:
+        ValueError: the table lacks ``k = 0`` or ``max_k``, or parameters out of range.
+    """
+
+    max_k: int
+    costs: StepCostTable
+    prior_rate: float = 0.8
+    prior_weight: float = 4.0
+    decay: float = 0.995
+    reached: List[float] = field(default_factory=list)
+    accepted: List[float] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not {0, self.max_k} <= set(self.costs.ks):
+            raise ValueError(f"adaptive speculation length needs step costs for k = 0 and k = {self.max_k}, "
+                             f"the table has {self.costs.ks}")
+        if not (0.0 <= self.prior_rate <= 1.0 and self.prior_weight > 0 and 0.0 < self.decay <= 1.0):
+            raise ValueError("prior_rate must be in [0, 1], prior_weight > 0, decay in (0, 1]")
+        self.reached = [0.0] * self.max_k
+        self.accepted = [0.0] * self.max_k
+
+    def observe(self, num_draft_tokens: int, num_accepted: int) -> None:
+        """One verification of ``num_draft_tokens`` drafts with ``num_accepted`` accepted: positions
+        ``1 .. min(num_accepted + 1, num_draft_tokens)`` were reached, ``1 .. num_accepted`` accepted."""
+        for j in range(min(num_accepted + 1, num_draft_tokens)):
+            self.reached[j] += 1.0
+            if j < num_accepted:
+                self.accepted[j] += 1.0
+
+    def end_step(self) -> None:
+        """Decay the counts (once per engine step)."""
+        if self.decay < 1.0:
+            self.reached = [x * self.decay for x in self.reached]
+            self.accepted = [x * self.decay for x in self.accepted]
+
+    def rates(self) -> List[float]:
+        """``alpha_j`` for ``j = 1 .. max_k``: (accepted + prior) / (reached + prior weight)."""
+        w, r = self.prior_weight, self.prior_rate
+        return [(a + w * r) / (n + w) for a, n in zip(self.accepted, self.reached)]
+
+    def expected_tokens(self, k: int, rates: Optional[Sequence[float]] = None) -> float:
+        """``E(k) = 1 + sum_{i<=k} prod_{j<=i} alpha_j`` tokens per sequence per step."""
+        rates = self.rates() if rates is None else rates
+        e, run = 1.0, 1.0
+        for j in range(k):
+            run *= rates[j]
+            e += run
+        return e
+
+    def choose(self, batch: int) -> int:
+        """The ``k`` maximising ``E(k) / T(batch, k)`` (smallest on ties)."""
+        rates = self.rates()
+        best, best_rate = 0, -1.0
+        for k in self.costs.ks:
+            if k > self.max_k:
+                continue
+            rate = self.expected_tokens(k, rates) / self.costs.step_ms(batch, k)
+            if rate > best_rate * (1 + 1e-9):
+                best, best_rate = k, rate
+        return best
+
+
+def measure_step_costs(runner, sizes: Optional[Sequence[int]] = None, repeats: int = 5) -> StepCostTable:
+    """Time one step's units per batch size and ``k`` on this rank (``collective_rpc`` runs it on
+    every rank alike: the units hold collectives).
+
+    CUDA graphs captured: each unit replayed ``repeats`` times after a warm-up, CUDA events,
+    median. Otherwise the same calls through the static buffers (``graph_mode="static"``), timed
+    on the host. Inputs are the capture's dummy layout (``bp`` sequences of ``1 + k`` tokens in
+    block 0); cost is what a pure-decode step of that size pays.
+
+    Args:
+        runner: a :class:`~mtpspec.engine.model_runner.ModelRunner` with its KV cache attached.
+        sizes: padded batch sizes (default :data:`CALIBRATION_SIZES` up to the largest graph size,
+            and that size).
+        repeats: timed calls per unit.
+    """
+    import statistics
+
+    import torch
+
+    from mtpspec.engine.forward import GraphedForward
+
+    fwd = runner.fwd
+    if not isinstance(fwd, GraphedForward):  # eager runner: a static-buffer twin times the same calls
+        sc = runner.scheduler_config
+        width = -(-sc.decode_slots(sc.max_model_len) // runner.cache_config.block_size)
+        fwd = GraphedForward(runner.target, runner.mtp, runner.k, sc.max_num_seqs, width,
+                             runner.target.config.hidden_size, runner.kv_dtype, runner.device, "static",
+                             sc.decode_slots(sc.max_model_len), ks=range(runner.k + 1))
+    graphed = fwd.mode == "cuda" and fwd.capture_failed is None and bool(fwd.graphs)
+    top = fwd.sizes[-1]
+    sizes = sorted({s for s in (sizes or CALIBRATION_SIZES) if s <= top} | {top})
+    sizes = [fwd._padded(s) for s in sizes]
+    units = runner.proposer.graph_units()
+    cuda = runner.device.type == "cuda"
+
+    def timed(key, fn, bp, step=False):
+        def call():
+            if graphed:
+                fwd.graphs[key][0].replay()
+            else:
+                fn(fwd._meta(bp, host=True, step=step))
+        call()
+        out = []
+        for _ in range(repeats):
+            if cuda:
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a.record()
+                call()
+                b.record()
+                b.synchronize()
+                out.append(a.elapsed_time(b))
+            else:
+                t0 = time.perf_counter()
+                call()
+                out.append((time.perf_counter() - t0) * 1e3)
+        return statistics.median(out)
+
+    verify: Dict[int, Dict[int, float]] = {}
+    draft: Dict[int, Dict[int, float]] = {}
+    with torch.inference_mode():
+        for bp in sizes:
+            steps = {}
+            fwd.dummy_layout(bp, runner.k)
+            for i, wt in units.step_units:
+                steps[(i, wt)] = timed(("step", bp, i, wt), fwd._step_fn(bp, i, units.draft_fn if wt else None), bp,
+                                       step=True)
+            for k in range(runner.k + 1):
+                fwd.dummy_layout(bp, k)
+                rows = bp * (1 + k)
+                verify.setdefault(k, {})[bp] = timed(("verify", bp, k), fwd._verify_fn(bp, k), bp)
+                if k == 0:
+                    d = sum(timed(("kvonly", bp, i, k), fwd._kv_only_fn(rows, i), bp) for i in units.first_pass_layers)
+                else:
+                    # the first pass at the width this k's steps are verified with, then k - 1 draft steps
+                    d = sum(timed(("first", bp, i, k), fwd._first_fn(bp, i, rows), bp) for i in units.first_pass_layers)
+                    d += sum(t for (i, wt), t in steps.items() if wt and 1 <= i < k)
+                    fills = [t for (i, wt), t in steps.items() if not wt]  # several MTP layers: cache fills
+                    if fills and k > 2:  # steps 1 .. k - 2 write their row to every other used layer
+                        d += (k - 2) * (len(fills) - 1) * statistics.fmean(fills)
+                draft.setdefault(k, {})[bp] = d
+    how = "CUDA-graph replays" if graphed else ("static buffers, eager" + (" (CUDA events)" if cuda else ""))
+    return StepCostTable(verify, draft, f"measured at start-up ({how}, median of {repeats})")

@@ -1,0 +1,248 @@
+"""Adaptive speculation length (issue 18): each step proposes 0 .. k drafts.
+
+Contracts: the policy picks ``argmax_k E(k) / T(B, k)`` on a synthetic cost table (checked
+against Leviathan et al.'s closed form for i.i.d. acceptance); greedy outputs equal plain greedy
+decoding token for token whatever the sequence of chosen k (eager, static graph buffers, async
+on / off, with preemptions); a k = 0 step runs no draft pass and no extra verify rows; the metrics
+count the chosen k; bad configuration is a clear error before any model loads.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from test_engine_fixtures import make_model, mixed_prompts, token_prompts
+
+from mtpspec import LLM, SamplingParams
+from mtpspec.engine.arg_utils import EngineArgs
+from mtpspec.spec_decode.adaptive import AdaptiveSpecPolicy, StepCostTable, measure_step_costs
+
+
+def _table(max_k=3, sizes=(1, 4, 16), verify=lambda b, k: 1.0 + 0.05 * b * (1 + k), draft=lambda b, k: 0.3 * k):
+    return StepCostTable({k: {b: verify(b, k) for b in sizes} for k in range(max_k + 1)},
+                         {k: {b: draft(b, k) for b in sizes} for k in range(max_k + 1)}, "synthetic")
+
+
+# ------------------------------------------------------------------------------------------ policy
+@pytest.mark.parametrize("alpha", [0.0, 0.3, 0.6, 0.9, 1.0])
+@pytest.mark.parametrize("batch", [1, 3, 16, 40])
+def test_policy_picks_the_best_k_of_a_synthetic_table(alpha, batch) -> None:
+    costs = _table()
+    pol = AdaptiveSpecPolicy(3, costs, prior_rate=alpha, prior_weight=1.0, decay=1.0)
+    # the closed form E(k) = (1 - a^(k+1)) / (1 - a) (Leviathan et al. 2023, eq. 1), a = 1: k + 1
+    e = [(k + 1.0) if alpha == 1.0 else (1 - alpha ** (k + 1)) / (1 - alpha) for k in range(4)]
+    bp = next((s for s in (1, 4, 16) if s >= batch), 16)
+    t = [1.0 + 0.05 * bp * (1 + k) + 0.3 * k for k in range(4)]
+    want = max(range(4), key=lambda k: (e[k] / t[k], -k))
+    assert pol.choose(batch) == want
+    assert [round(pol.expected_tokens(k), 12) for k in range(4)] == [round(x, 12) for x in e]
+
+
+def test_policy_moves_with_batch_size_and_acceptance() -> None:
+    """Forced acceptance (every draft accepted): large k at batch 1, plain decoding at a batch
+    where verify rows cost as much as they return; then acceptance collapses: k = 0 everywhere."""
+    # batch 16: compute bound, verify rows cost in proportion (no fixed cost), drafts 0.3 ms each
+    costs = _table(verify=lambda b, k: 0.5 * b * (1 + k) if b > 4 else 1.0 + 0.01 * k)
+    pol = AdaptiveSpecPolicy(3, costs, prior_rate=0.5, decay=1.0)
+    for _ in range(200):
+        pol.observe(3, 3)
+    assert pol.rates()[0] > 0.95 and pol.choose(1) == 3
+    assert pol.choose(16) == 0  # 8.0 ms per token at k = 0 vs (0.5*16*4 + 0.9) / 3.9 = 8.4 at k = 3
+    for _ in range(2000):
+        pol.observe(3, 0)
+    assert pol.rates()[0] < 0.1 and pol.choose(1) == 0
+
+
+def test_policy_rates_count_reached_positions_and_decay_to_the_prior() -> None:
+    pol = AdaptiveSpecPolicy(3, _table(), prior_rate=0.5, prior_weight=2.0, decay=0.5)
+    pol.observe(3, 1)  # position 1 accepted, position 2 reached and rejected, 3 not reached
+    pol.observe(1, 1)  # one draft, accepted
+    assert pol.reached == [2.0, 1.0, 0.0] and pol.accepted == [2.0, 0.0, 0.0]
+    assert pol.rates() == [pytest.approx(3 / 4), pytest.approx(1 / 3), pytest.approx(0.5)]
+    for _ in range(60):
+        pol.end_step()
+    assert pol.rates() == [pytest.approx(0.5)] * 3
+
+
+def test_cost_table_file_and_errors(tmp_path) -> None:
+    t = _table()
+    path = str(tmp_path / "costs.json")
+    t.save(path)
+    back = StepCostTable.load(path)
+    assert back.verify_ms == t.verify_ms and back.draft_ms == t.draft_ms
+    assert back.step_ms(5, 2) == t.verify_ms[2][16] + t.draft_ms[2][16]  # the next larger measured size
+    assert back.step_ms(99, 0) == t.step_ms(16, 0)  # above the largest: the largest
+    (tmp_path / "bad.json").write_text(json.dumps({"verify_ms": {"0": {"1": 1.0}}}))
+    with pytest.raises(ValueError, match="bad.json.*not a step cost table"):
+        StepCostTable.load(str(tmp_path / "bad.json"))
+    with pytest.raises(ValueError, match="same k values"):
+        StepCostTable({0: {1: 1.0}}, {1: {1: 1.0}})
+    with pytest.raises(ValueError, match="k = 0 and k = 3"):
+        AdaptiveSpecPolicy(3, StepCostTable({1: {1: 1.0}, 3: {1: 1.0}}, {1: {1: 1.0}, 3: {1: 1.0}}))
+
+
+def test_cli_flags_and_config_errors(tmp_path) -> None:
+    spec = EngineArgs(num_speculative_tokens=3, adaptive_speculation=True).resolved_speculative_config()
+    assert spec.adaptive and spec.num_speculative_tokens == 3
+    spec = EngineArgs(speculative_config='{"num_speculative_tokens": 2, "adaptive": true}').resolved_speculative_config()
+    assert spec.adaptive and spec.num_speculative_tokens == 2
+    with pytest.raises(ValueError, match="--adaptive-speculation needs speculative decoding"):
+        EngineArgs(num_speculative_tokens=0, adaptive_speculation=True).resolved_speculative_config()
+    with pytest.raises(ValueError, match="conflicts with --speculative-config adaptive=false"):
+        EngineArgs(speculative_config='{"adaptive": false}', adaptive_speculation=True).resolved_speculative_config()
+    with pytest.raises(ValueError, match="adaptive must be true or false"):
+        EngineArgs(speculative_config='{"adaptive": 1}').resolved_speculative_config()
+    with pytest.raises(ValueError, match="adaptive_cost_table"):
+        EngineArgs(speculative_config='{"adaptive_cost_table": "x.json"}').resolved_speculative_config()
+
+
+# ------------------------------------------------------------------------------------------ engine
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("tiny_adaptive"))
+    _, cfg = make_model(path, seed=11)
+    table = str(tmp_path_factory.mktemp("costs") / "costs.json")
+    _table(sizes=(1, 2, 4)).save(table)
+    return path, cfg, table
+
+
+class Scripted:
+    """A stand-in policy: the k of each step from a fixed cycle (exercises every transition)."""
+
+    def __init__(self, ks):
+        self.ks, self.i, self.chosen, self.seen = list(ks), 0, [], []
+
+    def choose(self, batch):
+        k = self.ks[self.i % len(self.ks)]
+        self.i += 1
+        self.chosen.append(k)
+        return k
+
+    def observe(self, v, a):
+        self.seen.append((v, a))
+
+    def end_step(self):
+        pass
+
+
+def _llm(path, table, k=3, **kw):
+    spec = {"num_speculative_tokens": k, "adaptive": True, "adaptive_cost_table": table} if k else None
+    kw.setdefault("num_kv_blocks", 256)
+    return LLM(path, speculative_config=spec, max_model_len=48, block_size=4, max_num_seqs=4, seed=0, **kw)
+
+
+def _greedy(llm, prompts, n=14):
+    outs = llm.generate(token_prompts(prompts), SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True),
+                        use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs]
+
+
+@pytest.mark.parametrize("graph_mode,async_scheduling,blocks", [
+    ("off", True, 256), ("off", False, 256), ("static", True, 256), ("static", True, 18)])
+def test_any_sequence_of_k_is_lossless(model, graph_mode, async_scheduling, blocks) -> None:
+    path, cfg, table = model
+    prompts = mixed_prompts(6, cfg.vocab_size, seed=3)
+    with _llm(path, table, k=0, num_kv_blocks=blocks) as llm:
+        want = _greedy(llm, prompts)
+    with _llm(path, table, graph_mode=graph_mode, async_scheduling=async_scheduling, num_kv_blocks=blocks) as llm:
+        eng = llm.llm_engine
+        assert isinstance(eng.spec_policy, AdaptiveSpecPolicy)
+        script = eng.spec_policy = Scripted([3, 0, 1, 2, 0, 0, 3, 1])
+        got = _greedy(llm, prompts)
+        m = eng.get_metrics()
+    assert got == want
+    assert m["num_speculative_tokens_histogram"] == [script.chosen.count(j) for j in range(4)]
+    assert sum(m["num_speculative_tokens_histogram"]) == m["num_steps"]
+    assert all(1 <= v <= 3 for v, _ in script.seen) and {v for v, _ in script.seen} >= {1, 2, 3}
+    assert m["num_draft_tokens"] == sum(v for v, _ in script.seen)
+    assert m["num_draft_tokens_per_pos"][0] >= m["num_draft_tokens_per_pos"][2] > 0
+
+
+def test_k0_step_is_plain_decoding_plus_mtp_kv_writes(model) -> None:
+    """At k = 0 the target sees one row per sequence and the MTP model runs no forward (only its
+    KV-cache writes); a step after it verifies no drafts."""
+    path, cfg, table = model
+    with _llm(path, table, async_scheduling=False) as llm:
+        eng = llm.llm_engine
+        runner = eng.executor.runner
+        eng.spec_policy = Scripted([3, 0, 0, 2])
+        rows, mtp_calls = [], []
+        runner.target.register_forward_hook(lambda mod, args, out: rows.append(args[0].shape[0]))
+        runner.mtp.register_forward_hook(lambda mod, args, out: mtp_calls.append(args[0].shape[0]))
+        for i, p in enumerate(token_prompts(mixed_prompts(2, cfg.vocab_size, seed=1))):
+            eng.add_request(p, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True), str(i))
+        per_step = []
+        while eng.has_unfinished_requests():
+            rows.clear()
+            mtp_calls.clear()
+            eng.step()
+            per_step.append((list(rows), list(mtp_calls)))
+    # steps: prefill (proposes 3) -> verify 3 (proposes 0) -> plain (proposes 0) -> plain (proposes 2) -> verify 2
+    assert per_step[1][0] == [2 * 4] and per_step[1][1] == []  # k = 0 chosen: no MTP forward at all
+    assert per_step[2][0] == [2] and per_step[2][1] == []  # plain decoding: one row per sequence
+    assert per_step[3][0] == [2] and per_step[3][1] == [2, 2]  # proposes 2: first pass over 2 rows + 1 step
+    assert per_step[4][0] == [2 * 3]
+
+
+def test_measured_cost_table_on_cpu(model) -> None:
+    """Without a cost file the ranks time the units at start-up (here: the static buffers, eagerly)."""
+    path, cfg, _ = model
+    spec = {"num_speculative_tokens": 2, "adaptive": True}
+    with LLM(path, speculative_config=spec, max_model_len=48, block_size=4, num_kv_blocks=64, max_num_seqs=2,
+             seed=0) as llm:
+        pol = llm.llm_engine.spec_policy
+        costs = pol.costs
+        assert costs.ks == [0, 1, 2] and sorted(costs.verify_ms[0]) == [1, 2]
+        assert all(t > 0 for d in costs.verify_ms.values() for t in d.values())
+        assert all(costs.draft_ms[k][b] > 0 for k in (1, 2) for b in (1, 2))
+        assert "measured at start-up" in costs.source
+        again = llm.llm_engine.executor.collective_rpc(measure_step_costs, (1,), 2)[0]
+        assert again.ks == [0, 1, 2] and list(again.verify_ms[2]) == [1]
+        outs = llm.generate(token_prompts(mixed_prompts(2, cfg.vocab_size, seed=4)),
+                            SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True), use_tqdm=False)
+        assert all(len(o.outputs[0].token_ids) == 6 for o in outs)
+
+
+def test_bad_cost_table_fails_before_loading(model, tmp_path, monkeypatch) -> None:
+    path, _, _ = model
+    import mtpspec.engine.llm as llm_mod
+    monkeypatch.setattr(llm_mod, "make_executor", lambda *a, **k: pytest.fail("the model was loaded"))
+    with pytest.raises(ValueError, match="nope.json"):
+        _llm(path, str(tmp_path / "nope.json"))
+
+
+def test_capture_has_every_verify_width_and_kv_only_units(monkeypatch) -> None:
+    """Adaptive speculation length (``ks = 0 .. k``): per padded size, ``verify``, ``first`` and
+    ``kvonly`` for every verify width (capture stubbed, as in test_spec_decode_proposer); the
+    fixed-k forward captures only width k and no kvonly units."""
+    from test_spec_decode_proposer import _FakeMTP, _HookRecorder
+
+    from mtpspec.engine.forward import GraphedForward
+
+    k = 3
+    captured = []
+    monkeypatch.setattr(GraphedForward, "_capture_one",
+                        lambda self, fn, meta: captured.append((meta.num_seqs, meta.max_query_len)) or (None, ()))
+    prop = _HookRecorder(_FakeMTP(2), k, False, 4, 64)
+    mtp = torch.nn.Linear(1, 1)  # any module: capture is stubbed
+    fwd = GraphedForward(None, mtp, k, 2, 4, 8, torch.float32, torch.device("cpu"), "cuda", 64, ks=range(k + 1))
+    fwd.capture(prop)
+    units = prop.graph_units()
+    for bp in (1, 2):
+        for v in range(k + 1):
+            assert ("verify", bp, v) in fwd.graphs
+            assert all(("first", bp, i, v) in fwd.graphs and ("kvonly", bp, i, v) in fwd.graphs
+                       for i in units.first_pass_layers)
+    assert (2, 1) in captured and (2, 4) in captured  # widths 0 and 3 at Bp = 2
+    fixed = GraphedForward(None, mtp, k, 2, 4, 8, torch.float32, torch.device("cpu"), "cuda", 64)
+    fixed.capture(prop)
+    assert not any(key[0] == "kvonly" for key in fixed.graphs)
+    assert {key[2] for key in fixed.graphs if key[0] == "verify"} == {k}
+    fixed.begin_step(True, 1, torch.zeros(1, 1, dtype=torch.int32), k=1)  # a width it has no graph for: eager
+    assert fixed.active is None and fixed.num_eager_fallbacks == 1
+    with pytest.raises(ValueError, match="verify widths"):
+        GraphedForward(None, mtp, k, 2, 4, 8, torch.float32, torch.device("cpu"), "cuda", 64, ks=[4])
