@@ -39,6 +39,10 @@ this step's drafting overwrites them (:class:`SampledDraftState`). Per-row input
 persistent buffers too (the noise row hashes are computed inside the kernel), so the draft steps
 stay CUDA-graph capturable.
 
+A step that drafts nothing (k = 0, adaptive speculation length) still owes the MTP layers the
+cache entries of the positions the target computed: :meth:`MTPProposer.write_kv_only` runs phase
+1's inputs through the draft model's ``forward_kv_only`` (cache writes only, no outputs).
+
 Phase 1 is the proposer's *prefill*, phase 2 its *multi-step decode*; :meth:`MTPProposer.propose`
 brackets them with the lifecycle hooks of :class:`~mtpspec.spec_decode.proposer.Proposer`, which
 drive MTP index sharing (sparse-attention models, ``index_share_for_mtp_iteration``:
@@ -230,7 +234,7 @@ class MTPProposer(Proposer):
         its last valid row, the target's positions, hidden states and attention layout), run through
         ``fwd.mtp_kv_only`` for every MTP layer :meth:`propose` would use at this proposer's ``k``
         (:meth:`_used_layers`): the cache entries (attention and DSA indexer keys) are the ones the
-        first pass writes. No indexer selection runs, so MTP index sharing stays ``"off"`` and no
+        first pass writes. No indexer selection runs: MTP index sharing is set ``"off"`` and no
         anchor is recorded. No host sync.
 
         Args:
