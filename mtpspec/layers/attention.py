@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from mtpspec.attention.backends.abstract import AttentionBackend, AttentionLayerBase
+from mtpspec.attention.backends.paged_common import check_cache_metadata, check_metadata_rows
 from mtpspec.attention.backends.paged_gqa import PagedGQABackend
 from mtpspec.attention.kv_cache_interface import FullAttentionSpec
 
@@ -228,6 +229,29 @@ class Attention(nn.Module, AttentionLayerBase):
                 ``slot_mapping``, a cache without block tables or of the wrong shape).
         """
         return self.impl.forward(self, q, k, v, self.kv_cache, get_forward_context().attn_metadata)
+
+    def write(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Only write the cache entries :meth:`forward` would write (a KV-cache-only pass): rows with
+        slot >= 0 of the forward context's metadata, through the backend's ``do_kv_cache_update``
+        (an fp8 cache quantised with ``k_scale`` / ``v_scale``); nothing without a cache or metadata.
+        No host sync.
+
+        Args:
+            k, v: ``[num_tokens, num_kv_heads * head_dim]`` (k with rotary applied).
+
+        Raises:
+            ValueError: as :meth:`forward` (metadata longer than the batch, short ``slot_mapping``,
+                no block tables, a cache of the wrong shape).
+        """
+        meta = get_forward_context().attn_metadata
+        if self.kv_cache is None or meta is None:
+            return
+        t = k.shape[0]
+        check_metadata_rows(meta, t)
+        check_cache_metadata(meta, t)
+        self.impl.do_kv_cache_update(self, k.view(t, self.num_kv_heads, self.head_dim),
+                                     v.view(t, self.num_kv_heads, self.head_dim),
+                                     self.impl._check_cache(self.kv_cache), meta.slot_mapping[:t])
 
     def extra_repr(self) -> str:
         return (f"num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "

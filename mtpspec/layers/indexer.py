@@ -157,6 +157,23 @@ class Indexer(nn.Module):
         #: by the proposer when ``index_share_for_mtp_iteration`` is on, else ``None``.
         self.share = None
 
+    def _keys(self, hidden_states: torch.Tensor, cs: torch.Tensor) -> torch.Tensor:
+        """``rope(k_norm(wk(hidden_states)))`` ``[T, index_head_dim]`` (``cs``: each row's cos / sin)."""
+        k = self.k_norm(self.wk(hidden_states))
+        return apply_indexer_rope(k[:, None, :], cs, self.qk_rope_head_dim, self.rope_interleave)[:, 0]
+
+    def write_keys(self, hidden_states: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor) -> None:
+        """Only compute and write this forward's keys (a KV-cache-only pass): the key cache entries
+        :meth:`forward` writes, by the same ops; no query, weights, scoring or selection, and the
+        sharing state (``self.share``) is neither read nor recorded. Arguments as :meth:`forward`
+        (no ``q_resid``). No host sync.
+
+        Raises:
+            ValueError: the backend's metadata / cache errors (a cache attached without metadata).
+        """
+        cs = cos_sin_cache.index_select(0, positions.long())
+        self.k_cache.write(self._keys(hidden_states, cs))
+
     def forward(self, hidden_states: torch.Tensor, q_resid: torch.Tensor, positions: torch.Tensor,
                 cos_sin_cache: torch.Tensor) -> torch.Tensor:
         """This forward's selection; the keys are written to the cache in every case.
@@ -184,8 +201,7 @@ class Indexer(nn.Module):
         """
         t = hidden_states.shape[0]
         cs = cos_sin_cache.index_select(0, positions.long())
-        k = self.k_norm(self.wk(hidden_states))
-        k = apply_indexer_rope(k[:, None, :], cs, self.qk_rope_head_dim, self.rope_interleave)[:, 0]
+        k = self._keys(hidden_states, cs)
         meta = get_forward_context().attn_metadata
         share = self.share
         if share is not None and share.mode == "reuse":  # a draft step of a sharing round

@@ -361,6 +361,31 @@ class QKVParallelLinear(ColumnParallelLinear):
         }
         self._init_column(shards, self.q_size + 2 * self.kv_size, bias, gather_output=False)
 
+    def forward_kv(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's ``[k | v]`` columns of :meth:`forward` without computing ``q``: ``x [..., hidden]``
+        -> ``[..., 2 * kv_size]`` in ``x``'s dtype (a KV-cache-only pass).
+
+        The GEMM runs on the K/V rows of the local weight (``weight[q_size:]``, a view; the bias
+        likewise). An FP8 block-scaled weight is sliced with its ``weight_scale_inv`` rows when
+        ``q_size`` falls on a scale row boundary (``scale_block_n`` divides it; always with per-row
+        scales); otherwise the full projection runs and ``q`` is dropped. Each output element is the
+        same dot product as in :meth:`forward`: bit-equal where the GEMM's reduction order does not
+        depend on the number of output columns (the CPU torch paths); the FP8 Triton kernel's split-K
+        choice does, so there it may differ from :meth:`forward` in fp32 summation order.
+
+        Raises:
+            ValueError: wrong last dimension. TypeError: ``x.dtype`` differs from the weight's.
+        """
+        self._check_input(x, self.input_size)
+        q = self.q_size
+        bias = self.bias[q:] if self.bias is not None else None
+        if self.fp8_block is None:
+            return F.linear(x, self.weight[q:], bias)
+        if q % self.scale_block_n:  # the q / k boundary cuts a scale block: no exact row slice
+            return self._linear(x, self.bias)[..., q:]
+        return fp8_block_linear(x, self.weight[q:], self.weight_scale_inv[q // self.scale_block_n:],
+                                self.scale_block_n, self.fp8_block[1], bias)
+
 
 class RowParallelLinear(LinearBase):
     """``y = x W^T + b`` with ``W``'s input columns split across ranks and partial sums reduced.

@@ -19,6 +19,7 @@ from torch import nn
 
 from mtpspec.attention.backends.abstract import AttentionBackend, AttentionLayerBase
 from mtpspec.attention.backends.mla import MLABackend
+from mtpspec.attention.backends.paged_common import check_cache_metadata, check_metadata_rows
 from mtpspec.attention.kv_cache_interface import AttentionSpec
 from mtpspec.layers.attention import get_forward_context
 
@@ -82,6 +83,29 @@ class MLAAttention(nn.Module, AttentionLayerBase):
         """
         return self.impl.forward(self, q_latent, c_kv, k_pe, self.kv_cache, get_forward_context().attn_metadata,
                                  q_pe=q_pe)
+
+    def write(self, c_kv: torch.Tensor, k_pe: torch.Tensor) -> None:
+        """Only write the latent entries ``[c_kv | k_pe]`` :meth:`forward` would write (a KV-cache-only
+        pass; also :class:`~mtpspec.layers.sparse_mla_attention.SparseMLAAttention`'s): rows with
+        slot >= 0 of the forward context's metadata, through the backend's ``do_kv_cache_update``
+        (an fp8 cache quantised with ``k_scale``); nothing without a cache or metadata. No host sync.
+
+        Args:
+            c_kv: ``[num_tokens, kv_lora_rank]`` (after ``kv_a_layernorm``).
+            k_pe: ``[num_tokens, qk_rope_head_dim]`` (rope applied).
+
+        Raises:
+            ValueError: metadata longer than the batch, short ``slot_mapping``, no block tables, a
+                cache of the wrong shape.
+        """
+        meta = get_forward_context().attn_metadata
+        if self.kv_cache is None or meta is None:
+            return
+        t = c_kv.shape[0]
+        check_metadata_rows(meta, t)
+        check_cache_metadata(meta, t)
+        self.impl.do_kv_cache_update(self, c_kv.reshape(t, self.kv_lora_rank), k_pe.reshape(t, self.qk_rope_head_dim),
+                                     self.impl._check_cache(self.kv_cache), meta.slot_mapping[:t])
 
     def extra_repr(self) -> str:
         return (f"num_heads={self.num_heads}, kv_lora_rank={self.kv_lora_rank}, "

@@ -100,6 +100,27 @@ class RotaryEmbedding(nn.Module):
         k = self._rotate(key.view(t, -1, self.head_size), cos.to(key.dtype), sin.to(key.dtype)).reshape(key.shape)
         return q, k
 
+    def forward_key(self, positions: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
+        """Rotate keys only (a KV-cache-only pass): :meth:`forward`'s key output, by the same ops,
+        for a query of ``key``'s dtype.
+
+        Args:
+            positions: ``[num_tokens]`` int64 (as :meth:`forward`).
+            key: ``[num_tokens, num_kv_heads * head_size]``.
+
+        Returns:
+            a new tensor of ``key``'s shape and dtype.
+        """
+        if positions.dim() != 1 or positions.shape[0] != key.shape[0]:
+            raise ValueError(f"positions {tuple(positions.shape)} and key {tuple(key.shape)} must share the token "
+                             "dimension (positions 1-D)")
+        cs = self.cos_sin_cache.index_select(0, positions.long())
+        half = self.rotary_dim // 2
+        cos = cs[:, None, :half].to(key.dtype)
+        sin = cs[:, None, half:].to(key.dtype)
+        t = key.shape[0]
+        return self._rotate(key.view(t, -1, self.head_size), cos, sin).reshape(key.shape)
+
     def extra_repr(self) -> str:
         return (f"head_size={self.head_size}, rotary_dim={self.rotary_dim}, base={self.base}, "
                 f"neox={self.is_neox_style}")

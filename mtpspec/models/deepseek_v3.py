@@ -111,6 +111,28 @@ class DeepseekV3Attention(nn.Module):
         out = self.o_proj(o.reshape(t, nh * self.v_dim))
         return tensor_model_parallel_all_reduce(out) if reduce_output else out
 
+    def _latent(self, positions: torch.Tensor, hidden_states: torch.Tensor):
+        """``(c_kv [T, kv_lora_rank], k_pe [T, rope])``: the latent cache entry of each row, as
+        :meth:`forward` computes it (``kv_a_proj_with_mqa``, ``kv_a_layernorm``, rope on ``k_pe``)."""
+        c_kv, k_pe = self.kv_a_proj_with_mqa(hidden_states).split([self.kv_lora_rank, self.rope_dim], dim=-1)
+        return self.kv_a_layernorm(c_kv.contiguous()), self.rotary_emb.forward_key(positions, k_pe.contiguous())
+
+    def write_kv_cache(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> None:
+        """Only write this step's latent cache entries, as :meth:`forward` writes them (a KV-cache-only
+        pass, e.g. an MTP layer in a step without drafts).
+
+        Computes ``c_kv = kv_a_layernorm(kv_a_proj_with_mqa(x)[:, :kv_lora_rank])`` and ``k_pe`` (its
+        rope part, rotated; :meth:`~mtpspec.layers.rotary_embedding.RotaryEmbedding.forward_key`)
+        and writes ``[c_kv | k_pe]`` (:meth:`~mtpspec.layers.mla_attention.MLAAttention.write`; an
+        fp8 cache quantised with ``k_scale``). Skips the query (``q_a_proj`` / ``q_b_proj``), the
+        absorption, the attention read, ``o_proj`` and the all-reduce; every op it runs is
+        replicated (no collectives), no host sync.
+
+        Args:
+            positions: ``[T]`` int64; hidden_states: ``[T, H]`` (after ``input_layernorm``).
+        """
+        self.mla_attn.write(*self._latent(positions, hidden_states))
+
 
 class DeepseekV3DecoderLayer(Glm4MoeDecoderLayer):
     """GLM-4.5's decoder layer (norms, dense MLP / DeepSeek MoE, residual handling) with MLA."""

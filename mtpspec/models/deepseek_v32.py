@@ -114,6 +114,23 @@ class DeepseekV32Attention(DeepseekV3Attention):
         out = self.o_proj(o.reshape(t, nh * self.v_dim))
         return tensor_model_parallel_all_reduce(out) if reduce_output else out
 
+    def write_kv_cache(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> None:
+        """Only write this step's cache entries, as :meth:`forward` writes them (a KV-cache-only pass,
+        e.g. an MTP layer in a step without drafts): the latent entries
+        (:meth:`~mtpspec.models.deepseek_v3.DeepseekV3Attention.write_kv_cache`) and, with an
+        indexer, its keys ``rope(k_norm(wk(x)))``
+        (:meth:`~mtpspec.layers.indexer.Indexer.write_keys`; an fp8 key cache quantised with its
+        ``k_scale``). Skips the query (``q_a_proj`` / ``q_b_proj``), the indexer's query, weights,
+        scoring and top-k (so ``index_selection`` and any index-sharing state are left as they
+        were), the sparse attention read, ``o_proj`` and the all-reduce. No collectives, no host sync.
+
+        Args:
+            positions: ``[T]`` int64; hidden_states: ``[T, H]`` (after ``input_layernorm``).
+        """
+        super().write_kv_cache(positions, hidden_states)
+        if self.indexer is not None:
+            self.indexer.write_keys(hidden_states, positions, self.rotary_emb.cos_sin_cache)
+
 
 class DeepseekV32DecoderLayer(DeepseekV3DecoderLayer):
     """DeepSeek-V3's decoder layer with :class:`DeepseekV32Attention` (built with this layer's index)."""

@@ -146,6 +146,30 @@ class Glm4MoeAttention(nn.Module):
         out = self.o_proj(self.attn(q, k, v.contiguous()))
         return tensor_model_parallel_all_reduce(out) if reduce_output else out
 
+    def write_kv_cache(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> None:
+        """Only write this step's KV cache entries, as :meth:`forward` writes them (a KV-cache-only
+        pass, e.g. an MTP layer in a step without drafts).
+
+        Computes ``k, v`` from the K/V rows of this rank's ``qkv_proj`` weight
+        (:meth:`~mtpspec.layers.linear.QKVParallelLinear.forward_kv`: a view of the fused weight and
+        bias; FP8 weights sliced with their block scales when ``q_size`` is block-aligned, else the
+        full projection with ``q`` dropped), ``k_norm`` (qk-norm), rotary on ``k`` only
+        (:meth:`~mtpspec.layers.rotary_embedding.RotaryEmbedding.forward_key`) and the cache write
+        (:meth:`~mtpspec.layers.attention.Attention.write`; fp8 caches quantised with the layer's
+        scales). Skips the query, its norm and rotary, the attention read, ``o_proj`` and the
+        all-reduce. No collectives, no host sync.
+
+        Args:
+            positions: ``[T]`` int64; hidden_states: ``[T, H]`` (the attention's input, i.e. after
+                ``input_layernorm``).
+        """
+        t = hidden_states.shape[0]
+        k, v = self.qkv_proj.forward_kv(hidden_states).split([self.kv_size, self.kv_size], dim=-1)
+        if self.use_qk_norm:
+            k = self.k_norm(k.reshape(t, self.num_kv_heads, self.head_dim)).reshape(t, self.kv_size)
+        k = self.rotary_emb.forward_key(positions, k)
+        self.attn.write(k, v.contiguous())
+
 
 class Glm4MoeDecoderLayer(nn.Module):
     """One decoder layer (see the module docstring).

@@ -82,7 +82,8 @@ class MultiTokenPredictorLayer(nn.Module):
             DeepSeek-V3: its MLA layer), built with ``reduce_mlp_output=False``.
 
     ``forward(inputs_embeds [T, H], positions [T] int64, previous_hidden_states [T, H]) -> [T, H]``:
-    the post-final-norm hidden states, in the params dtype.
+    the post-final-norm hidden states, in the params dtype. ``forward_kv_only`` (same arguments):
+    only the block's KV-cache writes.
     """
 
     def __init__(self, config: ModelConfig, layer_idx: int, params_dtype: torch.dtype,
@@ -107,12 +108,17 @@ class MultiTokenPredictorLayer(nn.Module):
         return fused_eh_norm(positions, inputs_embeds, previous_hidden_states, self.enorm.weight,
                              self.hnorm.weight, self.eps)
 
-    def forward(self, inputs_embeds: torch.Tensor, positions: torch.Tensor,
-                previous_hidden_states: torch.Tensor) -> torch.Tensor:
+    @staticmethod
+    def _check_inputs(inputs_embeds: torch.Tensor, positions: torch.Tensor,
+                      previous_hidden_states: torch.Tensor) -> None:
         if inputs_embeds.shape != previous_hidden_states.shape or inputs_embeds.shape[0] != positions.shape[0]:
             raise ValueError(f"MTP layer: inputs_embeds {tuple(inputs_embeds.shape)}, previous_hidden_states "
                              f"{tuple(previous_hidden_states.shape)} and positions {tuple(positions.shape)} "
                              "must agree ([T, H], [T, H], [T])")
+
+    def forward(self, inputs_embeds: torch.Tensor, positions: torch.Tensor,
+                previous_hidden_states: torch.Tensor) -> torch.Tensor:
+        self._check_inputs(inputs_embeds, positions, previous_hidden_states)
         eh = self.eh_input(inputs_embeds, positions, previous_hidden_states)
         if self.sequence_parallel and get_tensor_model_parallel_world_size() > 1:
             return self.forward_sequence_parallel(eh, positions)
@@ -123,6 +129,32 @@ class MultiTokenPredictorLayer(nn.Module):
         else:
             out, _ = self.shared_head.norm(tensor_model_parallel_all_reduce(hidden_states), residual)
         return out
+
+    def forward_kv_only(self, inputs_embeds: torch.Tensor, positions: torch.Tensor,
+                        previous_hidden_states: torch.Tensor) -> None:
+        """Write only the attention cache entries (and DSA indexer keys) :meth:`forward` writes under
+        the same forward context, without its outputs (a step that drafts nothing, k = 0).
+
+        A position's cache entries depend only on its block input, so this computes
+        ``x = input_layernorm(eh_proj(eh_input(...)))`` and hands it to the block attention's
+        ``write_kv_cache`` (GQA: K/V rows of ``qkv_proj``, k-norm, rope on k; MLA: ``kv_a_proj_with_mqa``,
+        ``kv_a_layernorm``, rope on ``k_pe``; DSA: plus the indexer's keys). Skipped: the query, the
+        attention read, ``o_proj``, the MLP / MoE, ``shared_head`` and every collective. The
+        sequence-parallel option is ignored (eh_proj on all rows: the values of the plain path, equal
+        to the sequence-parallel path's up to the GEMM's row blocking). No host sync, fixed shapes
+        (CUDA-graph capturable).
+
+        Args:
+            inputs_embeds: ``[T, H]``; positions: ``[T]`` int64; previous_hidden_states: ``[T, H]``
+                (as :meth:`forward`).
+
+        Raises:
+            ValueError: shapes that disagree, or the attention backends' metadata / cache errors.
+        """
+        self._check_inputs(inputs_embeds, positions, previous_hidden_states)
+        eh = self.eh_input(inputs_embeds, positions, previous_hidden_states)
+        blk = self.mtp_block
+        blk.self_attn.write_kv_cache(positions, blk.input_layernorm(self.eh_proj(eh)))
 
     def forward_sequence_parallel(self, eh: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """The sequence-parallel path (tp > 1), exact up to summation order.
@@ -199,6 +231,8 @@ class Glm4MoeMTP(nn.Module):
       ``previous_hidden_states``). Row ``i`` pairs the embedding of ``input_ids[i]`` (the token
       after the one whose hidden state is ``previous_hidden_states[i]``) with that state, at
       ``positions[i]``; rows at position 0 get a zero embedding.
+    * ``forward_kv_only(input_ids, positions, previous_hidden_states, spec_step_idx=0) -> None``:
+      only ``forward``'s KV-cache writes (a step without drafts).
     * ``compute_logits(hidden_states [T, H], spec_step_idx=0) -> [T, vocab_size]``.
     * ``get_top_tokens(hidden_states [T, H], spec_step_idx=0) -> [T]`` int64 (local argmax).
 
@@ -269,6 +303,20 @@ class Glm4MoeMTP(nn.Module):
         """
         layer = self.get_layer(spec_step_idx)
         return layer(self.embed_tokens(input_ids), positions, previous_hidden_states)
+
+    def forward_kv_only(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                        previous_hidden_states: torch.Tensor, spec_step_idx: int = 0) -> None:
+        """:meth:`forward`'s KV-cache writes only (a step with no drafts, k = 0): layer
+        ``spec_step_idx % num_mtp_layers`` writes exactly the attention cache entries (and DSA
+        indexer keys) :meth:`forward` would write under the same forward context, and nothing else
+        (:meth:`MultiTokenPredictorLayer.forward_kv_only`). Arguments as :meth:`forward`; returns
+        ``None``. Its only collective is the vocab-parallel embedding's all-reduce at tp > 1.
+
+        Raises:
+            ValueError: ``spec_step_idx < 0``, shapes that disagree, metadata / cache errors.
+        """
+        layer = self.get_layer(spec_step_idx)
+        layer.forward_kv_only(self.embed_tokens(input_ids), positions, previous_hidden_states)
 
     def compute_logits(self, hidden_states: torch.Tensor, spec_step_idx: int = 0) -> torch.Tensor:
         """Draft logits ``[num_tokens, vocab_size]`` through layer ``spec_step_idx``'s ``shared_head.head``."""

@@ -54,6 +54,12 @@ class DraftForward(Protocol):
         """
         ...
 
+    def mtp_kv_only(self, ids: torch.Tensor, pos: torch.Tensor, hidden: torch.Tensor, meta: AttentionMetadata,
+                    spec_step_idx: int) -> None:
+        """The first pass's KV-cache writes only (a step without drafts, k = 0): the draft model's
+        ``forward_kv_only``. Arguments as :meth:`mtp_first`; returns ``None``."""
+        ...
+
 
 class EagerDraftForward:
     """Calls the draft model directly under :func:`set_forward_context` (a :class:`DraftForward`).
@@ -76,3 +82,8 @@ class EagerDraftForward:
         with set_forward_context(meta):
             out = self.mtp_model(ids, pos, hidden, spec_step_idx=spec_step_idx)
         return out, (top(out, spec_step_idx) if top is not None else None)
+
+    def mtp_kv_only(self, ids: torch.Tensor, pos: torch.Tensor, hidden: torch.Tensor, meta: AttentionMetadata,
+                    spec_step_idx: int) -> None:
+        with set_forward_context(meta):
+            self.mtp_model.forward_kv_only(ids, pos, hidden, spec_step_idx=spec_step_idx)

@@ -39,6 +39,10 @@ this step's drafting overwrites them (:class:`SampledDraftState`). Per-row input
 persistent buffers too (the noise row hashes are computed inside the kernel), so the draft steps
 stay CUDA-graph capturable.
 
+A step that drafts nothing (k = 0, adaptive speculation length) still owes the MTP layers the
+cache entries of the positions the target computed: :meth:`MTPProposer.write_kv_only` runs phase
+1's inputs through the draft model's ``forward_kv_only`` (cache writes only, no outputs).
+
 Phase 1 is the proposer's *prefill*, phase 2 its *multi-step decode*; :meth:`MTPProposer.propose`
 brackets them with the lifecycle hooks of :class:`~mtpspec.spec_decode.proposer.Proposer`, which
 drive MTP index sharing (sparse-attention models, ``index_share_for_mtp_iteration``:
@@ -213,6 +217,35 @@ class MTPProposer(Proposer):
             max_seq_len=upper, query_lens=[1] * b,
             seq_lens_list=[p + 1 for p in host_positions] if host_positions is not None else [])
 
+    @staticmethod
+    def _first_pass_ids(inp: PreparedStep, new_token_ids: torch.Tensor, last_rows: torch.Tensor) -> torch.Tensor:
+        """The first pass's input ids ``[T]``: ``input_ids`` shifted left by one, each sequence's new
+        token written at its last valid row ``last_rows [B]``."""
+        ids = torch.cat([inp.input_ids[1:], inp.input_ids.new_zeros(1)])
+        return ids.index_copy(0, last_rows, new_token_ids)
+
+    @torch.inference_mode()
+    def write_kv_only(self, inp: PreparedStep, target_hidden: torch.Tensor, new_token_ids: torch.Tensor,
+                      last_row_offsets: torch.Tensor, fwd: Optional[DraftForward] = None) -> None:
+        """The k = 0 counterpart of :meth:`propose`'s first pass: fill the MTP layers' KV caches at
+        every position the target computed in this step, without drafting.
+
+        Same inputs as the first pass (input ids shifted by one with each sequence's new token at
+        its last valid row, the target's positions, hidden states and attention layout), run through
+        ``fwd.mtp_kv_only`` for every MTP layer :meth:`propose` would use at this proposer's ``k``
+        (:meth:`_used_layers`): the cache entries (attention and DSA indexer keys) are the ones the
+        first pass writes. No indexer selection runs: MTP index sharing is set ``"off"`` and no
+        anchor is recorded. No host sync.
+
+        Args:
+            inp, target_hidden, new_token_ids, last_row_offsets, fwd: as :meth:`propose`.
+        """
+        fwd = fwd if fwd is not None else EagerDraftForward(self.model)
+        ids = self._first_pass_ids(inp, new_token_ids, inp.seg_starts + last_row_offsets)
+        self._set_share_mode("off")
+        for layer in self._used_layers():
+            fwd.mtp_kv_only(ids, inp.positions, target_hidden, inp.attn_metadata, layer)
+
     @torch.inference_mode()
     def propose(self, inp: PreparedStep, target_hidden: torch.Tensor, new_token_ids: torch.Tensor,
                 last_row_offsets: torch.Tensor, host_last_row_offsets: Optional[list] = None,
@@ -245,8 +278,7 @@ class MTPProposer(Proposer):
         fwd = fwd if fwd is not None else EagerDraftForward(self.model)
         b = new_token_ids.shape[0]
         last_rows = inp.seg_starts + last_row_offsets
-        ids = torch.cat([inp.input_ids[1:], inp.input_ids.new_zeros(1)])
-        ids = ids.index_copy(0, last_rows, new_token_ids)
+        ids = self._first_pass_ids(inp, new_token_ids, last_rows)
         used = self._used_layers()
         for state in self.index_share:  # anchor: each request's last accepted row of the first pass
             state.set_anchor_rows(last_rows)
