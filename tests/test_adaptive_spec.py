@@ -201,7 +201,7 @@ def test_measured_cost_table_on_cpu(model) -> None:
         assert all(costs.draft_ms[k][b] > 0 for k in (1, 2) for b in (1, 2))
         assert "measured at start-up" in costs.source
         again = llm.llm_engine.executor.collective_rpc(measure_step_costs, (1,), 2)[0]
-        assert again.ks == [0, 1, 2] and list(again.verify_ms[2]) == [1]
+        assert again.ks == [0, 1, 2] and sorted(again.verify_ms[2]) == [1, 2]  # asked for 1; the largest always
         outs = llm.generate(token_prompts(mixed_prompts(2, cfg.vocab_size, seed=4)),
                             SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True), use_tqdm=False)
         assert all(len(o.outputs[0].token_ids) == 6 for o in outs)

@@ -256,6 +256,9 @@ def format_workload(name: str, wl: Dict[str, Any]) -> str:
         lines.append(f"{arm:<10} {'sprd':>4} " + " ".join(f"{_f(s[k]['spread']):>14}" for k in FIGURES))
         rates = ", ".join("-" if r is None else f"{r:.3f}" for r in s["acceptance_rate_per_pos"]["median"])
         lines.append(f"{'':<10} acceptance rate per draft position (median): [{rates}]")
+        hists = [r.get("num_speculative_tokens_histogram") or [] for r in data["runs"]]
+        if any(any(h[:-1]) for h in hists):  # adaptive speculation length: steps per chosen k, each run
+            lines.append(f"{'':<10} steps proposing k = 0, 1, ... per run: {[[int(x) for x in h] for h in hists]}")
         lines.append("-" * 96)
     for pair, figs in wl["verdicts"].items():
         lines.append(f"{pair}:")
