@@ -166,7 +166,7 @@ def test_k0_step_is_plain_decoding_plus_mtp_kv_writes(model) -> None:
     """At k = 0 the target sees one row per sequence and the MTP model runs no forward (only its
     KV-cache writes); a step after it verifies no drafts."""
     path, cfg, table = model
-    with _llm(path, table, async_scheduling=False) as llm:
+    with _llm(path, table, async_scheduling=False, graph_mode="off") as llm:  # eager: the hooks see every call
         eng = llm.llm_engine
         runner = eng.executor.runner
         eng.spec_policy = Scripted([3, 0, 0, 2])

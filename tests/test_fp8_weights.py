@@ -547,8 +547,12 @@ def test_fp8_kernel_path_through_the_model(pairs, kdev, monkeypatch) -> None:
         mp.setattr(fm, "fp8_moe_experts", checked("experts", fg.fp8_moe_experts))
         got = _logits(t8, m8, PROMPT)
     assert {c[0] for c in calls} == {"linear", "experts"}, calls
-    worst = max(calls, key=lambda c: c[2])
-    assert worst[2] < 2e-3, worst  # relative to the call's largest output
+    # relative to the call's largest output: one GEMM differs in its accumulation only; the experts
+    # chain two (gate | up, then down), so their intermediate's codes can differ by an e4m3 step
+    # where the first GEMM's sums differ (H200: 5.7e-3 measured)
+    for name, tol in (("linear", 2e-3), ("experts", 2e-2)):
+        worst = max((c for c in calls if c[0] == name), key=lambda c: c[2])
+        assert worst[2] < tol, worst
     if kdev == "cpu":
         with monkeypatch.context() as mp:
             mp.setattr(fg, "use_triton", lambda *a: False)
