@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 from typing import Any, Callable, Dict, List, Optional, Sequence, Union
 
 from mtpspec.config import SpeculativeConfig
@@ -122,6 +123,10 @@ class LLM:
             if costs is None:  # timed on every rank alike (the units hold collectives); rank 0's figures
                 costs = self.executor.collective_rpc(measure_step_costs)[0]
             self.llm_engine.spec_policy = AdaptiveSpecPolicy(spec.num_speculative_tokens, costs)
+            for b in sorted(costs.verify_ms[0]):  # what the policy will weigh, once, in the log
+                print(f"adaptive speculation: batch {b}: step ms for k = 0..: "
+                      + ", ".join(f"{costs.step_ms(b, j):.3f}" for j in costs.ks) + f" ({costs.source})",
+                      file=sys.stderr)
 
     # ------------------------------------------------------------------ API
     def get_tokenizer(self) -> Optional[Tokenizer]:
