@@ -125,6 +125,9 @@ class Scripted:
     def observe(self, v, a):
         self.seen.append((v, a))
 
+    def observe_step_time(self, batch, k, wall_ms):
+        pass
+
     def end_step(self):
         pass
 
@@ -246,3 +249,18 @@ def test_capture_has_every_verify_width_and_kv_only_units(monkeypatch) -> None:
     assert fixed.active is None and fixed.num_eager_fallbacks == 1
     with pytest.raises(ValueError, match="verify widths"):
         GraphedForward(None, mtp, k, 2, 4, 8, torch.float32, torch.device("cpu"), "cuda", 64, ks=[4])
+
+
+def test_host_overhead_moves_the_choice_towards_longer_drafts() -> None:
+    """A fixed per-step host cost that the device table misses favours more tokens per step: the
+    running overhead (wall minus table) is added to every k's cost."""
+    costs = _table(verify=lambda b, k: 1.0 + 0.4 * k, draft=lambda b, k: 0.3 * k)
+    pol = AdaptiveSpecPolicy(3, costs, prior_rate=0.5, prior_weight=1.0, decay=1.0)
+    # alpha 0.5: E = 1, 1.5, 1.75, 1.875; device costs 1, 1.7, 2.4, 3.1 -> k = 0 is best
+    assert pol.choose(1) == 0
+    for _ in range(400):  # every step took 6 ms more than the table says
+        pol.observe_step_time(1, 0, costs.step_ms(1, 0) + 6.0)
+    assert pol.overhead_ms == pytest.approx(6.0, rel=1e-3)
+    assert pol.choose(1) == 2  # 1.75 / 8.4 = 0.208 > 1.875 / 9.1 = 0.206 > 1.5 / 7.7 > 1 / 7
+    pol.observe_step_time(1, 0, 1e6)  # an idle gap: ignored
+    assert pol.overhead_ms == pytest.approx(6.0, rel=1e-3)

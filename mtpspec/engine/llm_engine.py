@@ -111,6 +111,7 @@ class LLMEngine:
         self._pending_drafts: Optional[Tuple[SchedulerOutput, Any]] = None
         # adaptive speculation length: picks each step's number of drafts (LLM sets it up)
         self.spec_policy: Optional[AdaptiveSpecPolicy] = None
+        self._last_step_end: Optional[float] = None  # host clock at the end of the last step (the policy's wall times)
 
     # ------------------------------------------------------------------ requests
     def validate_request(self, prompt: PromptType, params: SamplingParams) -> Tuple[Optional[str], List[int]]:
@@ -340,6 +341,11 @@ class LLMEngine:
                         policy.observe(v, sch.num_accepted_tokens)
             m.spec.observe_step(out.num_proposed_tokens)
             if policy is not None:
+                end = time.perf_counter()
+                if self._last_step_end is not None and not out.num_prefill_tokens:
+                    policy.observe_step_time(len(out.scheduled), out.num_proposed_tokens,
+                                             (end - max(self._last_step_end, t0)) * 1e3)
+                self._last_step_end = end
                 policy.end_step()
             self._pending_drafts = (out, handle)
             if not self.scheduler_config.async_scheduling:

@@ -14,7 +14,9 @@ rate is per position, as vLLM's ``num_accepted_tokens_per_pos`` measures it). Th
   (:func:`measure_step_costs`: the runner's graph units replayed, or the same calls eagerly
   without CUDA graphs) or loaded from JSON.
 * :class:`AdaptiveSpecPolicy`: running per-position rates (decayed counts with a prior, so a
-  position unused for a while drifts back to the prior and is tried again) and the choice.
+  position unused for a while drifts back to the prior and is tried again), a running per-step
+  host overhead (pure-decode steps' wall time minus the table's device cost, the same for every
+  ``k``: fixed costs favour longer drafts) and the choice, ``argmax_k E(k) / (T(B, k) + overhead)``.
 
 Everything here is host arithmetic on counts the engine already has.
 """
@@ -115,8 +117,12 @@ class AdaptiveSpecPolicy:
     prior_rate: float = 0.8
     prior_weight: float = 4.0
     decay: float = 0.995
+    overhead_weight: float = 0.05
     reached: List[float] = field(default_factory=list)
     accepted: List[float] = field(default_factory=list)
+    #: Running mean (weight :attr:`overhead_weight`) of each pure-decode step's wall time minus its
+    #: table cost: the host time the device's figures miss, the same for every k (ms, >= 0).
+    overhead_ms: float = 0.0
 
     def __post_init__(self) -> None:
         if not {0, self.max_k} <= set(self.costs.ks):
@@ -134,6 +140,17 @@ class AdaptiveSpecPolicy:
             self.reached[j] += 1.0
             if j < num_accepted:
                 self.accepted[j] += 1.0
+
+    def observe_step_time(self, batch: int, k: int, wall_ms: float) -> None:
+        """A pure-decode step of ``batch`` sequences that proposed ``k`` drafts took ``wall_ms``
+        from the previous step's end (host included): updates :attr:`overhead_ms`. Samples more
+        than 4x the table's cost (an idle engine between steps) are ignored."""
+        if k not in self.costs.verify_ms:
+            return
+        predicted = self.costs.step_ms(batch, k)
+        if 0.0 < wall_ms <= 4.0 * predicted + 5.0:
+            excess = max(0.0, wall_ms - predicted)
+            self.overhead_ms += self.overhead_weight * (excess - self.overhead_ms)
 
     def end_step(self) -> None:
         """Decay the counts (once per engine step)."""
@@ -162,7 +179,7 @@ class AdaptiveSpecPolicy:
         for k in self.costs.ks:
             if k > self.max_k:
                 continue
-            rate = self.expected_tokens(k, rates) / self.costs.step_ms(batch, k)
+            rate = self.expected_tokens(k, rates) / (self.costs.step_ms(batch, k) + self.overhead_ms)
             if rate > best_rate * (1 + 1e-9):
                 best, best_rate = k, rate
         return best
