@@ -77,7 +77,7 @@ def test_cost_table_file_and_errors(tmp_path) -> None:
     assert back.step_ms(5, 2) == t.verify_ms[2][16] + t.draft_ms[2][16]  # the next larger measured size
     assert back.step_ms(99, 0) == t.step_ms(16, 0)  # above the largest: the largest
     (tmp_path / "bad.json").write_text(json.dumps({"verify_ms": {"0": {"1": 1.0}}}))
-    with pytest.raises(ValueError, match="bad.json.*not a step cost table"):
+    with pytest.raises(ValueError, match="bad.json.*not a valid step cost table"):
         StepCostTable.load(str(tmp_path / "bad.json"))
     with pytest.raises(ValueError, match="same k values"):
         StepCostTable({0: {1: 1.0}}, {1: {1: 1.0}})

@@ -76,8 +76,9 @@ def prepare_step(step: StepInput, k: int, block_size: int, max_position: int, de
     parameters and no draws; ``host_partial``, ``prefill_sample_index`` and ``next_token_ids``
     tell the runner where they are.
 
-    ``draft_sampling`` (``SpeculativeConfig.draft_sampling == "auto"``): fill
-    ``draft_temperature`` / ``draft_seed_keys`` when some sequence samples its drafts.
+    ``draft_sampling`` (``SpeculativeConfig.draft_sampling == "auto"`` and the step verifies or
+    proposes drafts; with adaptive speculation length ``k`` may be 0 while the step proposes):
+    fill ``draft_temperature`` / ``draft_seed_keys`` when some sequence samples its drafts.
 
     Raises:
         ValueError: decodes after prefills, a decode with the wrong number of tokens, a
@@ -144,7 +145,7 @@ def prepare_step(step: StepInput, k: int, block_size: int, max_position: int, de
         i_next = put(nxt)
     i_drafts = put(np.array([s.input_token_ids[1:] for s in decodes], dtype=np.int64)) if num_dec else None
     i_dt = i_dk = None
-    if draft_sampling and k and any(s.draft_temperature > 0 for s in seqs):
+    if draft_sampling and any(s.draft_temperature > 0 for s in seqs):
         i_dt = put(np.array([s.draft_temperature for s in seqs], dtype=np.float32), torch.float32)
         i_dk = put(np.array([s.seed_key for s in seqs], dtype=np.uint64).view(np.int64))
     i_ids, i_pos, i_starts = put(ids), put(np.minimum(pos, max_position - 1)), put(starts)

@@ -109,8 +109,12 @@ class LLM:
         spec = config.speculative_config
         costs = None
         if spec is not None and spec.adaptive_cost_table:  # a bad file fails before any model loads
-            from mtpspec.spec_decode.adaptive import StepCostTable
+            from mtpspec.spec_decode.adaptive import AdaptiveSpecPolicy, StepCostTable
             costs = StepCostTable.load(spec.adaptive_cost_table)
+            try:
+                AdaptiveSpecPolicy(spec.num_speculative_tokens, costs)
+            except ValueError as exc:
+                raise ValueError(f"adaptive_cost_table {spec.adaptive_cost_table!r}: {exc}") from None
         self.executor = make_executor(config)
         self._torchrun = isinstance(self.executor, InProcessExecutor) and self.executor.broadcast
         self._rank = int(os.environ.get("RANK", "0")) if self._torchrun else 0

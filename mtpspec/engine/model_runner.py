@@ -186,7 +186,7 @@ class ModelRunner:
         v, p = self._step_ks(step)
         if step.block_copies:  # prefix caching: private copies of shared blocks, before any write
             kv_cache.copy_blocks(self.layers, step.block_copies, self.device)
-        inp = self._prepare(step, v)
+        inp = self._prepare(step, v, p)
         hidden, logits = self.fwd.verify(inp.input_ids, inp.positions, inp.attn_metadata, inp.sample_rows)
         tokens, last_row = self._accept(inp, logits, self._sampled_drafts(step, inp))
         scores = self._score_logprobs(inp, hidden, logits, tokens)
@@ -214,11 +214,12 @@ class ModelRunner:
                              f"[0, k={self.k}]")
         return v, p
 
-    def _prepare(self, step: StepInput, v: int) -> PreparedStep:
-        """Device tensors of ``step`` (``v`` drafts per decode); tells the forward the batch (graph
-        buffers for pure decodes)."""
+    def _prepare(self, step: StepInput, v: int, p: int) -> PreparedStep:
+        """Device tensors of ``step`` (``v`` drafts per decode, ``p`` proposed); tells the forward the
+        batch (graph buffers for pure decodes)."""
+        # draft temperatures: for this step's verification (v) and for the drafts it proposes (p)
         inp = prepare_step(step, v, self.cache_config.block_size, self.max_position, self.device,
-                           self.draft_sampling)
+                           self.draft_sampling and (v > 0 or p > 0))
         self._fill_pending_drafts(step, inp)
         self.fwd.begin_step(step.is_pure_decode, len(step.seqs), inp.block_tables, inp.input_ids.shape[0],
                             inp.sample_rows.shape[0], k=v)

@@ -117,10 +117,11 @@ def generate_offline(llm_kwargs: Dict[str, Any], prompts: Sequence[str], max_tok
         llm.shutdown()
         del llm
         _release_device_memory()  # the next arm sizes its KV cache from the free memory
-    drafts = m.get("num_drafts") or 0
     return {"texts": [o.outputs[0].text for o in outs], "token_ids": [o.outputs[0].token_ids for o in outs],
             "seconds": seconds, "acceptance_length": m.get("acceptance_length"),
-            "acceptance_rate_per_pos": [a / drafts for a in m.get("num_accepted_tokens_per_pos", [])] if drafts else [],
+            # per position: accepted / verifications that had a draft there (all of them at a fixed k)
+            "acceptance_rate_per_pos": [a / n if n else None for a, n in zip(m.get("num_accepted_tokens_per_pos", []),
+                                                                              m.get("num_draft_tokens_per_pos", []))],
             "server": None}
 
 

@@ -24,6 +24,7 @@ Everything here is host arithmetic on counts the engine already has.
 from __future__ import annotations
 
 import json
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence
@@ -49,8 +50,18 @@ class StepCostTable:
     source: str = ""
 
     def __post_init__(self) -> None:
-        self.verify_ms = {int(k): {int(b): float(t) for b, t in d.items()} for k, d in self.verify_ms.items()}
-        self.draft_ms = {int(k): {int(b): float(t) for b, t in d.items()} for k, d in self.draft_ms.items()}
+        try:
+            self.verify_ms = {int(k): {int(b): float(t) for b, t in d.items()} for k, d in self.verify_ms.items()}
+            self.draft_ms = {int(k): {int(b): float(t) for b, t in d.items()} for k, d in self.draft_ms.items()}
+        except (TypeError, ValueError, AttributeError) as exc:
+            raise ValueError(f"step cost table: keys must be ints (k, batch size) and times numbers: {exc}") from None
+        bad = [(name, k, b, t) for name, table in (("verify_ms", self.verify_ms), ("draft_ms", self.draft_ms))
+               for k, d in table.items() for b, t in d.items()
+               if not math.isfinite(t) or t < 0 or (name == "verify_ms" and t <= 0) or b < 1 or k < 0]
+        if bad:
+            name, k, b, t = bad[0]
+            raise ValueError(f"step cost table: {name}[{k}][{b}] = {t}: times must be finite, verify > 0 and "
+                             "draft >= 0 ms, k >= 0 and batch sizes >= 1")
         if not self.verify_ms or set(self.verify_ms) != set(self.draft_ms):
             raise ValueError(f"step cost table: verify_ms and draft_ms must cover the same k values, got "
                              f"{sorted(self.verify_ms)} and {sorted(self.draft_ms)}")
@@ -92,9 +103,9 @@ class StepCostTable:
             with open(path) as f:
                 d = json.load(f)
             return cls(d["verify_ms"], d["draft_ms"], d.get("source") or path)
-        except (OSError, KeyError, TypeError, AttributeError, json.JSONDecodeError) as exc:
-            raise ValueError(f"adaptive_cost_table {path!r} is not a step cost table "
-                             f"({{'verify_ms': {{k: {{batch: ms}}}}, 'draft_ms': ...}}): {exc!r}") from exc
+        except (OSError, KeyError, TypeError, AttributeError, ValueError) as exc:  # JSONDecodeError is a ValueError
+            raise ValueError(f"adaptive_cost_table {path!r} is not a valid step cost table "
+                             f"({{'verify_ms': {{k: {{batch: ms}}}}, 'draft_ms': ...}}): {exc}") from exc
 
 
 @dataclass
