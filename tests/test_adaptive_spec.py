@@ -264,3 +264,37 @@ def test_host_overhead_moves_the_choice_towards_longer_drafts() -> None:
     assert pol.choose(1) == 2  # 1.75 / 8.4 = 0.208 > 1.875 / 9.1 = 0.206 > 1.5 / 7.7 > 1 / 7
     pol.observe_step_time(1, 0, 1e6)  # an idle gap: ignored
     assert pol.overhead_ms == pytest.approx(6.0, rel=1e-3)
+
+
+# ------------------------------------------------------------------------------------------ review
+@pytest.mark.parametrize("script", [[3], [0, 3], [3, 0, 2]])
+def test_sampled_drafts_are_drawn_at_the_request_temperature_after_a_step_verifying_none(model, script) -> None:
+    """draft_sampling "auto", every request at T = 1: every draft pass must draw from
+    softmax(l / T) (PreparedStep.draft_temperature set), since the next step verifies those drafts
+    as sampled, with q = softmax(l / T) (SampledDrafts.mask). A step that verifies 0 drafts (its
+    decodes hold none after a k = 0 step) but proposes some gets no draft_temperature from
+    prepare_step (``draft_sampling and k`` with k = the verify width 0): the proposer zeroes the
+    temperature and drafts argmax, and the next step verifies those argmax drafts with the softmax
+    q (accept min(1, p / q), residual max(0, p - q)): not the target law (lossless sampling broken)."""
+    from mtpspec.spec_decode.mtp_proposer import MTPProposer
+
+    path, cfg, table = model
+    spec = {"num_speculative_tokens": 3, "adaptive": True, "adaptive_cost_table": table, "draft_sampling": "auto"}
+    with LLM(path, speculative_config=spec, max_model_len=48, block_size=4, max_num_seqs=4, seed=0, num_kv_blocks=256,
+             async_scheduling=False, graph_mode="off") as llm:
+        eng = llm.llm_engine
+        eng.spec_policy = Scripted(script)
+        runner = eng.executor.runner
+        assert isinstance(runner.proposer, MTPProposer) and runner.proposer.sampled is not None
+        orig, calls = runner.proposer.propose, []
+
+        def propose(inp, *a, **kw):
+            calls.append((inp.num_decodes, inp.k, inp.draft_temperature is not None))
+            return orig(inp, *a, **kw)
+        runner.proposer.propose = propose
+        llm.generate(token_prompts(mixed_prompts(2, cfg.vocab_size, seed=5)),
+                     SamplingParams(temperature=1.0, seed=3, max_tokens=14, ignore_eos=True), use_tqdm=False)
+    assert calls
+    greedy = [(nd, v) for nd, v, sampled in calls if not sampled]
+    assert not greedy, (f"{len(greedy)} of {len(calls)} draft passes drew argmax drafts for T = 1 requests "
+                        f"(decodes, verify width): {greedy[:3]}")
