@@ -298,3 +298,37 @@ def test_sampled_drafts_are_drawn_at_the_request_temperature_after_a_step_verify
     greedy = [(nd, v) for nd, v, sampled in calls if not sampled]
     assert not greedy, (f"{len(greedy)} of {len(calls)} draft passes drew argmax drafts for T = 1 requests "
                         f"(decodes, verify width): {greedy[:3]}")
+
+
+@pytest.mark.parametrize("name,verify0", [("nok0", None), ("no_kmax", "drop3"), ("zero", 0.0), ("negative", -1.0),
+                                          ("nan", float("nan")), ("strkey", "strkey")])
+def test_bad_cost_table_contents_fail_before_loading_naming_the_file(model, tmp_path, monkeypatch, name,
+                                                                     verify0) -> None:
+    """A cost table that the policy cannot use (no k = 0 or no k = num_speculative_tokens, a time
+    that is not a positive finite number, a key that is not an int) must fail as the file does:
+    before any model loads, naming the file. Today only a missing / malformed JSON file does:
+    the k check runs in AdaptiveSpecPolicy after the model loaded; zero times pass and divide by
+    zero in the first step's choose(); negative / NaN times pass and steer the choice; ValueErrors
+    from StepCostTable's own checks do not name the file."""
+    path, _, _ = model
+    ks = range(4)
+    d = {"verify_ms": {str(k): {"1": 1.0 + k} for k in ks}, "draft_ms": {str(k): {"1": 0.5 * k} for k in ks}}
+    if name == "nok0":
+        for t in d.values():
+            del t["0"]
+    elif name == "no_kmax":
+        for t in d.values():
+            del t["3"]
+    elif name == "strkey":
+        for t in d.values():
+            t["x"] = t.pop("1")
+    else:
+        d["verify_ms"]["0"]["1"] = verify0
+        if verify0 == 0.0:
+            d["draft_ms"]["0"]["1"] = 0.0
+    f = tmp_path / f"{name}.json"
+    f.write_text(json.dumps(d))
+    import mtpspec.engine.llm as llm_mod
+    monkeypatch.setattr(llm_mod, "make_executor", lambda *a, **k: pytest.fail("the model was loaded"))
+    with pytest.raises(ValueError, match=f"{name}.json"):
+        _llm(path, str(f))
