@@ -332,3 +332,38 @@ def test_bad_cost_table_contents_fail_before_loading_naming_the_file(model, tmp_
     monkeypatch.setattr(llm_mod, "make_executor", lambda *a, **k: pytest.fail("the model was loaded"))
     with pytest.raises(ValueError, match=f"{name}.json"):
         _llm(path, str(f))
+
+
+def test_eval_gsm8k_offline_per_position_rates_use_the_drafts_per_position(model, monkeypatch) -> None:
+    """eval_gsm8k's offline path (``generate_offline``) reports acceptance_rate_per_pos as
+    accepted_per_pos[j] / num_drafts; under adaptive speculation length a verification may hold
+    fewer than k drafts, so the rate at position j must divide by num_draft_tokens_per_pos[j] (as
+    the server path, bench_serve.spec_figures, now does)."""
+    from mtpspec.engine import llm as llm_mod
+    from mtpspec.entrypoints.eval_gsm8k import generate_offline
+
+    path, cfg, table = model
+    ks = iter([3, 1, 3, 0, 2] * 1000)
+    monkeypatch.setattr(AdaptiveSpecPolicy, "choose", lambda self, batch: next(ks))
+    got = {}
+    orig = llm_mod.LLM.get_metrics
+
+    def metrics(self):
+        got.update(orig(self))
+        return got
+    monkeypatch.setattr(llm_mod.LLM, "get_metrics", metrics)
+    from mtpspec.spec_decode.forced_acceptance import ForcedAcceptance, enable_forced_acceptance
+    gen = llm_mod.LLM.generate
+
+    def generate(self, *a, **k):  # the tiny random model accepts nothing: force a rate
+        enable_forced_acceptance(self, ForcedAcceptance.parse("rate:0.7"))
+        return gen(self, *a, **k)
+    monkeypatch.setattr(llm_mod.LLM, "generate", generate)
+    kw = dict(model=path, speculative_config={"num_speculative_tokens": 3, "adaptive": True,
+                                              "adaptive_cost_table": table},
+              max_model_len=48, block_size=4, max_num_seqs=4, seed=0, num_kv_blocks=256)
+    res = generate_offline(kw, ["w1 w2 w3 w4", "w5 w6 w7"], max_tokens=20, progress=False)
+    want = [a / n if n else None for a, n in zip(got["num_accepted_tokens_per_pos"], got["num_draft_tokens_per_pos"])]
+    assert got["num_draft_tokens_per_pos"][2] < got["num_draft_tokens_per_pos"][0]
+    assert got["num_accepted_tokens_per_pos"][0] > 0
+    assert res["acceptance_rate_per_pos"] == pytest.approx(want)
