@@ -367,3 +367,36 @@ def test_eval_gsm8k_offline_per_position_rates_use_the_drafts_per_position(model
     assert got["num_draft_tokens_per_pos"][2] < got["num_draft_tokens_per_pos"][0]
     assert got["num_accepted_tokens_per_pos"][0] > 0
     assert res["acceptance_rate_per_pos"] == pytest.approx(want)
+
+
+@pytest.mark.parametrize("num_mtp_layers", [1, 2])
+@pytest.mark.parametrize("script", [[0] * 6 + [3] * 100, [1] * 6 + [3] * 100, [0, 3], [2, 0, 1, 3]])
+def test_drafts_after_shorter_steps_equal_fixed_k_drafts(tmp_path, num_mtp_layers, script) -> None:
+    """(Passes; a regression guard.) The k = 0 KV-only pass and the shorter first passes leave
+    every used MTP layer's cache as a fixed k = 3 run does: each k = 3 proposal equals the fixed
+    run's proposal at the same (request, output length), token for token (float32 tiny model).
+    With write_kv_only a no-op, 6 .. 13 of 68 match."""
+    path = str(tmp_path / "m")
+    _, cfg = make_model(path, seed=11, num_mtp_layers=num_mtp_layers)
+    table = str(tmp_path / "costs.json")
+    _table(sizes=(1, 2, 4)).save(table)
+    prompts = mixed_prompts(4, cfg.vocab_size, seed=2)
+
+    def run(ks):
+        rec = {}
+        with _llm(path, table, graph_mode="off", async_scheduling=False) as llm:
+            eng = llm.llm_engine
+            eng.spec_policy = Scripted(ks)
+
+            def hook(seq, d):
+                rec[(seq.request_id, len(seq.output_token_ids))] = tuple(d)
+                return d
+            eng.draft_hook = hook
+            toks = _greedy(llm, prompts, n=24)
+        return rec, toks
+
+    fixed, want = run([3])
+    got, toks = run(script)
+    assert toks == want
+    common = [key for key in got if key in fixed and len(got[key]) == 3]
+    assert len(common) >= 20 and all(got[key] == fixed[key] for key in common)
