@@ -125,7 +125,7 @@ class Scripted:
     def observe(self, v, a):
         self.seen.append((v, a))
 
-    def observe_step_time(self, batch, k, wall_ms):
+    def observe_step_time(self, batch, k, wall_ms, verify_k=None):
         pass
 
     def end_step(self):
@@ -400,3 +400,16 @@ def test_drafts_after_shorter_steps_equal_fixed_k_drafts(tmp_path, num_mtp_layer
     assert toks == want
     common = [key for key in got if key in fixed and len(got[key]) == 3]
     assert len(common) >= 20 and all(got[key] == fixed[key] for key in common)
+
+
+def test_step_cost_of_a_transition_and_its_overhead_sample() -> None:
+    """A step that verifies v drafts and proposes k costs verify(v) + draft(k): a change of k is not
+    counted as host overhead."""
+    costs = _table(verify=lambda b, k: 1.0 + 0.5 * k, draft=lambda b, k: 0.25 * k)
+    assert costs.step_ms(1, 0, 3) == pytest.approx(1.0 + 1.5 + 0.0)
+    assert costs.step_ms(1, 3, 0) == pytest.approx(1.0 + 0.75)
+    pol = AdaptiveSpecPolicy(3, costs, decay=1.0, overhead_weight=1.0)
+    pol.observe_step_time(1, 0, 2.5, verify_k=3)  # exactly verify(3) + draft(0): no overhead
+    assert pol.overhead_ms == pytest.approx(0.0)
+    pol.observe_step_time(1, 0, 2.5)  # as if it had verified 0: 1.5 ms "overhead"
+    assert pol.overhead_ms == pytest.approx(1.5)

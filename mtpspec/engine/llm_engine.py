@@ -334,17 +334,17 @@ class LLMEngine:
             self._store_logprobs(out, result, before)
         if k:  # emitted accepted drafts only (see Scheduler.update_from_output)
             v, policy = out.num_spec_tokens, self.spec_policy
-            for sch in out.scheduled:
+            for i, sch in enumerate(out.scheduled):
                 if not sch.is_prefill and v:
                     m.spec.observe(sch.num_accepted_tokens, v)
-                    if policy is not None:
-                        policy.observe(v, sch.num_accepted_tokens)
+                    if policy is not None:  # the verifier's count (a stop inside the block is no rejection)
+                        policy.observe(v, len(result.new_token_ids[i]) - 1)
             m.spec.observe_step(out.num_proposed_tokens)
             if policy is not None:
                 end = time.perf_counter()
                 if self._last_step_end is not None and not out.num_prefill_tokens:
                     policy.observe_step_time(len(out.scheduled), out.num_proposed_tokens,
-                                             (end - max(self._last_step_end, t0)) * 1e3)
+                                             (end - max(self._last_step_end, t0)) * 1e3, v)
                 self._last_step_end = end
                 policy.end_step()
             self._pending_drafts = (out, handle)

@@ -73,17 +73,23 @@ class StepCostTable:
     def ks(self) -> List[int]:
         return sorted(self.verify_ms)
 
-    def step_ms(self, batch: int, k: int) -> float:
-        """``verify + draft`` at the smallest measured batch size ``>= batch`` (the largest one above it).
+    def step_ms(self, batch: int, k: int, verify_k: Optional[int] = None) -> float:
+        """``verify(verify_k) + draft(k)`` (``verify_k`` default ``k``: the steady state) at the
+        smallest measured batch size ``>= batch`` (the largest one above it).
 
         Raises:
-            KeyError: ``k`` not in the table.
+            KeyError: ``k`` or ``verify_k`` not in the table.
         """
-        if k not in self.verify_ms:
-            raise KeyError(f"step cost table has no k={k} (has {self.ks})")
-        sizes = sorted(self.verify_ms[k])
-        b = next((s for s in sizes if s >= batch), sizes[-1])
-        return self.verify_ms[k][b] + self.draft_ms[k][b]
+        v = k if verify_k is None else verify_k
+        for j in (k, v):
+            if j not in self.verify_ms:
+                raise KeyError(f"step cost table has no k={j} (has {self.ks})")
+        return self._at(self.verify_ms[v], batch) + self._at(self.draft_ms[k], batch)
+
+    @staticmethod
+    def _at(row: Dict[int, float], batch: int) -> float:
+        sizes = sorted(row)
+        return row[next((s for s in sizes if s >= batch), sizes[-1])]
 
     def as_dict(self) -> Dict[str, object]:
         return {"verify_ms": self.verify_ms, "draft_ms": self.draft_ms, "source": self.source}
@@ -152,13 +158,15 @@ class AdaptiveSpecPolicy:
             if j < num_accepted:
                 self.accepted[j] += 1.0
 
-    def observe_step_time(self, batch: int, k: int, wall_ms: float) -> None:
-        """A pure-decode step of ``batch`` sequences that proposed ``k`` drafts took ``wall_ms``
-        from the previous step's end (host included): updates :attr:`overhead_ms`. Samples more
-        than 4x the table's cost (an idle engine between steps) are ignored."""
-        if k not in self.costs.verify_ms:
+    def observe_step_time(self, batch: int, k: int, wall_ms: float, verify_k: Optional[int] = None) -> None:
+        """A pure-decode step of ``batch`` sequences that verified ``verify_k`` (default ``k``) and
+        proposed ``k`` drafts took ``wall_ms`` from the previous step's end (host included):
+        updates :attr:`overhead_ms`. Samples more than 4x the table's cost (an idle engine between
+        steps) are ignored."""
+        v = k if verify_k is None else verify_k
+        if k not in self.costs.verify_ms or v not in self.costs.verify_ms:
             return
-        predicted = self.costs.step_ms(batch, k)
+        predicted = self.costs.step_ms(batch, k, v)
         if 0.0 < wall_ms <= 4.0 * predicted + 5.0:
             excess = max(0.0, wall_ms - predicted)
             self.overhead_ms += self.overhead_weight * (excess - self.overhead_ms)
