@@ -40,7 +40,7 @@ class RequestMetrics:
             per step after the first; a step may emit several tokens).
         num_output_tokens: tokens emitted.
         num_drafts: verification steps that checked drafts for this request.
-        num_draft_tokens: draft tokens checked (``k`` per draft).
+        num_draft_tokens: draft tokens checked (``k`` per draft at a fixed ``k``; the step's verify width under adaptive speculation length).
         num_accepted_tokens: accepted draft tokens that were emitted: drafts the verifier accepted
             but that came after a stop (EOS, stop id or string, ``max_tokens``,
             ``max_model_len``) are dropped and not counted.
