@@ -167,8 +167,11 @@ def build(args: argparse.Namespace) -> Any:
         raise ValueError(f"no model at {kwargs['model']!r} (pass --model PATH; the bundled demo model is not there)")
     llm = LLM(**kwargs)
     try:
-        if forced is not None:
+        if forced is not None and llm.llm_engine.scheduler_config.num_speculative_tokens:
             enable_forced_acceptance(llm, forced)
+        elif forced is not None:  # plain decoding (e.g. a bench arms "plain" arm): no drafts to force
+            print("mtpspec serve: --forced-acceptance has nothing to do without speculative decoding (k = 0); "
+                  "the run is still marked SYNTHETIC", file=sys.stderr)
         engine = AsyncLLM(llm, max_queue_len=args.max_queue_len,
                           first_output_handoff_s=args.first_output_handoff_ms / 1e3)
     except BaseException:
