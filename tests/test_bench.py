@@ -196,6 +196,27 @@ def test_bench_arms_smoke(model_dir, tmp_path):
         assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_bench_arms_one_at_a_time_plain_vs_adaptive(model_dir, tmp_path):
+    """``--one-arm-at-a-time``: arm after arm (each server stopped before the next starts; runs not
+    interleaved), here the speculation-length arms ``plain`` and ``adaptive`` on workload ``s8``."""
+    out = tmp_path / "arms1"
+    cmd = [sys.executable, "-m", "mtpspec.entrypoints.cli", "bench", "arms", "--model", model_dir,
+           "--arms", "plain,adaptive", "--workloads", "s8", "--scale", "0.05", "--repeats", "2", "--warmup", "0",
+           "--output-dir", str(out), "--no-progress", "--no-plots", "--one-arm-at-a-time",
+           "--server-args", "--device cpu --torch-threads 1 --max-model-len 256 --max-num-seqs 4"]
+    p = subprocess.run(cmd, capture_output=True, text=True, env=child_env(), cwd=REPO, timeout=300)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    res = json.loads((out / "bench_arms.json").read_text())
+    assert res["interleaved"] is False and list(res["arms"]) == ["plain", "adaptive"]
+    wl = res["workloads"]["s8"]
+    runs = sorted(((r["started_at"], arm) for arm, d in wl["arms"].items() for r in d["runs"]))
+    assert [arm for _, arm in runs] == ["plain", "plain", "adaptive", "adaptive"]  # one server, then the other
+    srv = {arm: d["runs"][0]["server"] for arm, d in wl["arms"].items()}
+    assert srv["plain"]["num_speculative_tokens"] == 0 and srv["adaptive"]["adaptive"] is True
+    hist = wl["arms"]["adaptive"]["runs"][0]["num_speculative_tokens_histogram"]
+    assert len(hist) == 4 and sum(hist) > 0  # the steps per chosen k reached the client
+
+
 @pytest.mark.parametrize("bad", ["missing", "malformed"])
 def test_bench_arms_checks_its_dataset_before_starting_servers(tmp_path, bad):
     out = tmp_path / "arms"

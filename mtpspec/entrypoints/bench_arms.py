@@ -338,7 +338,7 @@ def check_workload_lengths(workloads: Dict[str, Any], server_kwargs: Dict[str, A
 
 def run_arms(arms: Dict[str, List[str]], workloads: Dict[str, BenchConfig], repeats: int, out_dir: str,
              common: List[str], urls: Optional[Dict[str, str]] = None, progress: bool = True,
-             plots: bool = True, share_gpu: bool = False) -> Dict[str, Any]:
+             plots: bool = True, share_gpu: bool = False, one_at_a_time: bool = False) -> Dict[str, Any]:
     """Start the servers, run every workload ``repeats`` times per arm interleaved, summarise.
 
     Args:
@@ -352,6 +352,9 @@ def run_arms(arms: Dict[str, List[str]], workloads: Dict[str, BenchConfig], repe
         share_gpu: split 85% of the GPU between the servers. They run at the same time and a
             server's ``--gpu-memory-utilization`` counts the memory other processes already use,
             so the i-th server started (0-based) of ``n`` gets ``0.85 * (i + 1) / n``.
+        one_at_a_time: one server at a time (for models of which the GPU holds one copy): arm
+            after arm, each server started, every workload's runs made, stopped. Not interleaved:
+            drift between arms is not spread over them (the JSON says ``"interleaved": false``).
 
     Returns:
         Everything, as written to ``bench_arms.json``.
@@ -375,36 +378,56 @@ def run_arms(arms: Dict[str, List[str]], workloads: Dict[str, BenchConfig], repe
     urls = dict(urls or {})
     servers: Dict[str, ArmServer] = {}
     result: Dict[str, Any] = {"arms": {a: {"flags": f, "url": urls.get(a)} for a, f in arms.items()},
-                              "common_server_args": common, "repeats": repeats, "workloads": {}}
+                              "common_server_args": common, "repeats": repeats, "interleaved": not one_at_a_time,
+                              "workloads": {}}
     bar = None
+    runs: Dict[str, Dict[str, List[Dict[str, Any]]]] = {w: {a: [] for a in arms} for w in workloads}
+
+    def start(arm: str, i: int, n: int) -> None:
+        flags = arms[arm]
+        if share_gpu and n > 1:
+            flags = flags + ["--gpu-memory-utilization", f"{0.85 * (i + 1) / n:.4f}"]
+        print(f"starting the server for arm {arm!r} ...", file=sys.stderr, flush=True)
+        servers[arm] = ArmServer(arm, flags, common, os.path.join(out_dir, f"server_{arm}.log"))
+        urls[arm] = servers[arm].url
+        result["arms"][arm]["url"] = urls[arm]
+
+    def run(wname: str, cfg: BenchConfig, arm: str, rep: int) -> None:
+        res = run_benchmark(urls[arm], cfg, progress=progress, desc=f"{wname} {arm} #{rep + 1}")
+        res["run_index"] = rep
+        runs[wname][arm].append(res)
+        if bar is not None:
+            bar.update(1)
+
     try:
         to_start = [a for a in arms if a not in urls]
-        for i, arm in enumerate(to_start):
-            flags = arms[arm]
-            if share_gpu:
-                flags = flags + ["--gpu-memory-utilization", f"{0.85 * (i + 1) / len(to_start):.4f}"]
-            print(f"starting the server for arm {arm!r} ...", file=sys.stderr, flush=True)
-            servers[arm] = ArmServer(arm, flags, common, os.path.join(out_dir, f"server_{arm}.log"))
-            urls[arm] = servers[arm].url
-            result["arms"][arm]["url"] = urls[arm]
-        total = repeats * len(arms) * len(workloads)
         if progress:
             from tqdm import tqdm
-            bar = tqdm(total=total, desc="bench arms", unit="run", dynamic_ncols=True, file=sys.stderr)
+            bar = tqdm(total=repeats * len(arms) * len(workloads), desc="bench arms", unit="run", dynamic_ncols=True,
+                       file=sys.stderr)
+        if one_at_a_time:
+            for arm in arms:
+                if arm in to_start:
+                    start(arm, 0, 1)
+                for wname, cfg in workloads.items():
+                    for rep in range(repeats):
+                        run(wname, cfg, arm, rep)
+                if arm in servers:
+                    servers.pop(arm).stop()
+        else:
+            for i, arm in enumerate(to_start):
+                start(arm, i, len(to_start))
+            for wname, cfg in workloads.items():
+                for rep in range(repeats):
+                    for arm in arms:  # interleaved: A B C A B C ...
+                        run(wname, cfg, arm, rep)
         for wname, cfg in workloads.items():
-            per_arm: Dict[str, List[Dict[str, Any]]] = {a: [] for a in arms}
-            for rep in range(repeats):
-                for arm in arms:  # interleaved: A B C A B C ...
-                    res = run_benchmark(urls[arm], cfg, progress=progress, desc=f"{wname} {arm} #{rep + 1}")
-                    res["run_index"] = rep
-                    per_arm[arm].append(res)
-                    if bar is not None:
-                        bar.update(1)
-            reasons = sorted({r for runs in per_arm.values() for res in runs for r in res["synthetic_reasons"]})
+            per_arm = runs[wname]
+            reasons = sorted({r for done in per_arm.values() for res in done for r in res["synthetic_reasons"]})
             wl: Dict[str, Any] = {"config": asdict(cfg), "repeats": repeats, "synthetic": bool(reasons),
                                   "synthetic_reasons": reasons, "arms": {}, "verdicts": {}}
-            for arm, runs in per_arm.items():
-                wl["arms"][arm] = {"runs": runs, "summary": summarise(runs)}
+            for arm, done in per_arm.items():
+                wl["arms"][arm] = {"runs": done, "summary": summarise(done)}
             names = list(arms)
             for i in range(len(names)):
                 for j in range(i + 1, len(names)):
@@ -445,6 +468,8 @@ def add_parser(sub: Any) -> None:
                    help="passed to every server (SYNTHETIC, for random-weight models)")
     p.add_argument("--output-dir", default="bench_arms_out", help="JSON, plots and server logs")
     p.add_argument("--no-plots", action="store_true")
+    p.add_argument("--one-arm-at-a-time", action="store_true",
+                   help="one server at a time, arm after arm (models the GPU holds one copy of; runs not interleaved)")
     add_arguments(p)
 
 
@@ -469,10 +494,10 @@ def run(args: argparse.Namespace) -> int:
         from mtpspec.entrypoints.serve import check_serve_args
         for arm_flags in arms.values():
             check_serve_args(common + arm_flags)  # a bad flag fails here, before any server starts
-        share = not any(a.startswith(("--gpu-memory-utilization", "--num-kv-blocks", "--num-gpu-blocks-override"))
-                        for a in common)
+        share = not args.one_arm_at_a_time and not any(
+            a.startswith(("--gpu-memory-utilization", "--num-kv-blocks", "--num-gpu-blocks-override")) for a in common)
         res = run_arms(arms, workloads, args.repeats, args.output_dir, common, urls, progress=not args.no_progress,
-                       plots=not args.no_plots, share_gpu=share)
+                       plots=not args.no_plots, share_gpu=share, one_at_a_time=args.one_arm_at_a_time)
     except (ValueError, FileNotFoundError, RuntimeError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
