@@ -388,7 +388,13 @@ def run_arms(arms: Dict[str, List[str]], workloads: Dict[str, BenchConfig], repe
         if share_gpu and n > 1:
             flags = flags + ["--gpu-memory-utilization", f"{0.85 * (i + 1) / n:.4f}"]
         print(f"starting the server for arm {arm!r} ...", file=sys.stderr, flush=True)
-        servers[arm] = ArmServer(arm, flags, common, os.path.join(out_dir, f"server_{arm}.log"))
+        try:
+            servers[arm] = ArmServer(arm, flags, common, os.path.join(out_dir, f"server_{arm}.log"))
+        except RuntimeError as exc:
+            if share_gpu and n > 1:  # every server up at once, each with a share of the GPU
+                raise RuntimeError(f"{exc}\n(the {n} servers share the GPU, this one {0.85 * (i + 1) / n:.0%} of it: "
+                                   "for a model the GPU holds one copy of, use --one-arm-at-a-time)") from None
+            raise
         urls[arm] = servers[arm].url
         result["arms"][arm]["url"] = urls[arm]
 
