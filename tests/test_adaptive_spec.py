@@ -413,3 +413,24 @@ def test_step_cost_of_a_transition_and_its_overhead_sample() -> None:
     assert pol.overhead_ms == pytest.approx(0.0)
     pol.observe_step_time(1, 0, 2.5)  # as if it had verified 0: 1.5 ms "overhead"
     assert pol.overhead_ms == pytest.approx(1.5)
+
+
+def test_calibration_script_writes_a_table_the_engine_reads(model, tmp_path) -> None:
+    """``benchmarks/calibrate_spec_costs.py`` times the units once and saves them; an engine given
+    the file uses it instead of timing again."""
+    import importlib.util
+    import os
+    path, cfg, _ = model
+    spec = importlib.util.spec_from_file_location(
+        "calibrate_spec_costs", os.path.join(os.path.dirname(__file__), "..", "benchmarks", "calibrate_spec_costs.py"))
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    out = str(tmp_path / "costs.json")
+    assert script.main(["--model", path, "-k", "2", "--max-num-seqs", "2", "--max-model-len", "48", "--block-size", "4",
+                        "--num-kv-blocks", "64", "--device", "cpu", "--out", out]) == 0
+    table = StepCostTable.load(out)
+    assert table.ks == [0, 1, 2] and "measured at start-up" in table.source
+    spec_cfg = {"num_speculative_tokens": 2, "adaptive": True, "adaptive_cost_table": out}
+    with LLM(path, speculative_config=spec_cfg, max_model_len=48, block_size=4, num_kv_blocks=64, max_num_seqs=2,
+             device="cpu") as llm:
+        assert llm.llm_engine.spec_policy.costs.verify_ms == table.verify_ms
