@@ -108,6 +108,25 @@ def get_forward_context() -> ForwardContext:
     return _FORWARD_CONTEXT if _FORWARD_CONTEXT is not None else ForwardContext(None)
 
 
+def write_cache_rows(layer: AttentionLayerBase, a: torch.Tensor, b: torch.Tensor) -> None:
+    """The cache write of a KV-cache-only pass, shared by the attention layers: ``a``, ``b``
+    (``[T, ...]``, the two parts the layer's backend ``do_kv_cache_update`` takes: K / V, or an
+    MLA latent's ``c_kv`` / ``k_pe``) into ``layer.kv_cache`` at the forward context's slots
+    (rows with slot >= 0); nothing without a cache or metadata. No host sync.
+
+    Raises:
+        ValueError: metadata longer than the batch, a short ``slot_mapping``, no block tables, or a
+            cache of the wrong shape.
+    """
+    meta = get_forward_context().attn_metadata
+    if layer.kv_cache is None or meta is None:
+        return
+    t = a.shape[0]
+    check_metadata_rows(meta, t)
+    check_cache_metadata(meta, t)
+    layer.impl.do_kv_cache_update(layer, a, b, layer.impl._check_cache(layer.kv_cache), meta.slot_mapping[:t])
+
+
 def build_attention_metadata(query_lens: Sequence[int], seq_lens: Sequence[int],
                              block_tables: Optional[Union[Sequence[Sequence[int]], torch.Tensor]] = None,
                              block_size: int = 16, device: Union[str, torch.device] = "cpu",
@@ -243,15 +262,8 @@ class Attention(nn.Module, AttentionLayerBase):
             ValueError: as :meth:`forward` (metadata longer than the batch, short ``slot_mapping``,
                 no block tables, a cache of the wrong shape).
         """
-        meta = get_forward_context().attn_metadata
-        if self.kv_cache is None or meta is None:
-            return
         t = k.shape[0]
-        check_metadata_rows(meta, t)
-        check_cache_metadata(meta, t)
-        self.impl.do_kv_cache_update(self, k.view(t, self.num_kv_heads, self.head_dim),
-                                     v.view(t, self.num_kv_heads, self.head_dim),
-                                     self.impl._check_cache(self.kv_cache), meta.slot_mapping[:t])
+        write_cache_rows(self, k.view(t, self.num_kv_heads, self.head_dim), v.view(t, self.num_kv_heads, self.head_dim))
 
     def extra_repr(self) -> str:
         return (f"num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "

@@ -19,9 +19,8 @@ from torch import nn
 
 from mtpspec.attention.backends.abstract import AttentionBackend, AttentionLayerBase
 from mtpspec.attention.backends.mla import MLABackend
-from mtpspec.attention.backends.paged_common import check_cache_metadata, check_metadata_rows
 from mtpspec.attention.kv_cache_interface import AttentionSpec
-from mtpspec.layers.attention import get_forward_context
+from mtpspec.layers.attention import get_forward_context, write_cache_rows
 
 
 class MLAAttention(nn.Module, AttentionLayerBase):
@@ -98,14 +97,8 @@ class MLAAttention(nn.Module, AttentionLayerBase):
             ValueError: metadata longer than the batch, short ``slot_mapping``, no block tables, a
                 cache of the wrong shape.
         """
-        meta = get_forward_context().attn_metadata
-        if self.kv_cache is None or meta is None:
-            return
         t = c_kv.shape[0]
-        check_metadata_rows(meta, t)
-        check_cache_metadata(meta, t)
-        self.impl.do_kv_cache_update(self, c_kv.reshape(t, self.kv_lora_rank), k_pe.reshape(t, self.qk_rope_head_dim),
-                                     self.impl._check_cache(self.kv_cache), meta.slot_mapping[:t])
+        write_cache_rows(self, c_kv.reshape(t, self.kv_lora_rank), k_pe.reshape(t, self.qk_rope_head_dim))
 
     def extra_repr(self) -> str:
         return (f"num_heads={self.num_heads}, kv_lora_rank={self.kv_lora_rank}, "
