@@ -91,14 +91,17 @@ class RotaryEmbedding(nn.Module):
         if positions.dim() != 1 or positions.shape[0] != query.shape[0] or key.shape[0] != query.shape[0]:
             raise ValueError(f"positions {tuple(positions.shape)}, query {tuple(query.shape)} and key "
                              f"{tuple(key.shape)} must share the token dimension (positions 1-D)")
-        cs = self.cos_sin_cache.index_select(0, positions.long())
-        half = self.rotary_dim // 2
-        cos = cs[:, None, :half].to(query.dtype)
-        sin = cs[:, None, half:].to(query.dtype)
+        cos, sin = self._cos_sin(positions, query.dtype)
         t = query.shape[0]
         q = self._rotate(query.view(t, -1, self.head_size), cos, sin).reshape(query.shape)
         k = self._rotate(key.view(t, -1, self.head_size), cos.to(key.dtype), sin.to(key.dtype)).reshape(key.shape)
         return q, k
+
+    def _cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> Tuple[torch.Tensor, torch.Tensor]:
+        """``(cos, sin)`` ``[T, 1, rotary_dim / 2]`` of ``positions`` in ``dtype``."""
+        cs = self.cos_sin_cache.index_select(0, positions.long())
+        half = self.rotary_dim // 2
+        return cs[:, None, :half].to(dtype), cs[:, None, half:].to(dtype)
 
     def forward_key(self, positions: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
         """Rotate keys only (a KV-cache-only pass): :meth:`forward`'s key output, by the same ops,
@@ -110,14 +113,14 @@ class RotaryEmbedding(nn.Module):
 
         Returns:
             a new tensor of ``key``'s shape and dtype.
+
+        Raises:
+            ValueError: ``positions`` not 1-D or not one per key row.
         """
         if positions.dim() != 1 or positions.shape[0] != key.shape[0]:
             raise ValueError(f"positions {tuple(positions.shape)} and key {tuple(key.shape)} must share the token "
                              "dimension (positions 1-D)")
-        cs = self.cos_sin_cache.index_select(0, positions.long())
-        half = self.rotary_dim // 2
-        cos = cs[:, None, :half].to(key.dtype)
-        sin = cs[:, None, half:].to(key.dtype)
+        cos, sin = self._cos_sin(positions, key.dtype)
         t = key.shape[0]
         return self._rotate(key.view(t, -1, self.head_size), cos, sin).reshape(key.shape)
 
