@@ -8,11 +8,11 @@ optional figure.
 
 from __future__ import annotations
 
-import statistics
-import time
 from typing import Any, Callable, Optional, Tuple
 
 import torch
+
+from mtpspec.timing import median_call_ms
 
 
 class Timer:
@@ -28,22 +28,7 @@ class Timer:
         self.cuda = device.type == "cuda"
 
     def eager(self, fn: Callable[[], Any]) -> float:
-        for _ in range(self.warmup):
-            fn()
-        times = []
-        for _ in range(self.iters):
-            if self.cuda:
-                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                a.record()
-                fn()
-                b.record()
-                b.synchronize()
-                times.append(a.elapsed_time(b))
-            else:
-                t0 = time.perf_counter()
-                fn()
-                times.append((time.perf_counter() - t0) * 1e3)
-        return statistics.median(times)
+        return median_call_ms(fn, self.iters, self.warmup, self.cuda)
 
     def graph(self, fn: Callable[[], Any], why_chars: int = 70) -> Tuple[Optional[float], Optional[str]]:
         """``(median replay ms, None)``, or ``(None, why)`` when capture is impossible (CPU, or an

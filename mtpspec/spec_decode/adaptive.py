@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import json
 import math
-import time
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence
 
@@ -95,6 +94,7 @@ class StepCostTable:
         return {"verify_ms": self.verify_ms, "draft_ms": self.draft_ms, "source": self.source}
 
     def save(self, path: str) -> None:
+        """Write the table as JSON (what :meth:`load` reads)."""
         with open(path, "w") as f:
             json.dump(self.as_dict(), f, indent=1)
 
@@ -192,7 +192,8 @@ class AdaptiveSpecPolicy:
         return e
 
     def choose(self, batch: int) -> int:
-        """The ``k`` maximising ``E(k) / T(batch, k)`` (smallest on ties)."""
+        """The ``k`` in ``0 .. max_k`` (among the table's) maximising ``E(k) / (T(batch, k) + overhead)``
+        for ``batch`` sequences (smallest on ties)."""
         rates = self.rates()
         best, best_rate = 0, -1.0
         for k in self.costs.ks:
@@ -218,12 +219,14 @@ def measure_step_costs(runner, sizes: Optional[Sequence[int]] = None, repeats: i
         sizes: padded batch sizes (default :data:`CALIBRATION_SIZES` up to the largest graph size,
             and that size).
         repeats: timed calls per unit.
-    """
-    import statistics
 
+    Returns:
+        the :class:`StepCostTable` (milliseconds) for ``k = 0 .. runner.k`` at each padded size.
+    """
     import torch
 
     from mtpspec.engine.forward import GraphedForward
+    from mtpspec.timing import median_call_ms
 
     fwd = runner.fwd
     if not isinstance(fwd, GraphedForward):  # eager runner: a static-buffer twin times the same calls
@@ -235,7 +238,7 @@ def measure_step_costs(runner, sizes: Optional[Sequence[int]] = None, repeats: i
     graphed = fwd.mode == "cuda" and fwd.capture_failed is None and bool(fwd.graphs)
     top = fwd.sizes[-1]
     sizes = sorted({s for s in (sizes or CALIBRATION_SIZES) if s <= top} | {top})
-    sizes = [fwd._padded(s) for s in sizes]
+    sizes = sorted({fwd._padded(s) for s in sizes})  # the graph sizes they run at
     units = runner.proposer.graph_units()
     cuda = runner.device.type == "cuda"
 
@@ -245,21 +248,7 @@ def measure_step_costs(runner, sizes: Optional[Sequence[int]] = None, repeats: i
                 fwd.graphs[key][0].replay()
             else:
                 fn(fwd._meta(bp, host=True, step=step))
-        call()
-        out = []
-        for _ in range(repeats):
-            if cuda:
-                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                a.record()
-                call()
-                b.record()
-                b.synchronize()
-                out.append(a.elapsed_time(b))
-            else:
-                t0 = time.perf_counter()
-                call()
-                out.append((time.perf_counter() - t0) * 1e3)
-        return statistics.median(out)
+        return median_call_ms(call, repeats, warmup=1, cuda=cuda)
 
     verify: Dict[int, Dict[int, float]] = {}
     draft: Dict[int, Dict[int, float]] = {}
@@ -282,7 +271,7 @@ def measure_step_costs(runner, sizes: Optional[Sequence[int]] = None, repeats: i
                     d += sum(t for (i, wt), t in steps.items() if wt and 1 <= i < k)
                     fills = [t for (i, wt), t in steps.items() if not wt]  # several MTP layers: cache fills
                     if fills and k > 2:  # steps 1 .. k - 2 write their row to every other used layer
-                        d += (k - 2) * (len(fills) - 1) * statistics.fmean(fills)
+                        d += (k - 2) * (len(fills) - 1) * sum(fills) / len(fills)
                 draft.setdefault(k, {})[bp] = d
     how = "CUDA-graph replays" if graphed else ("static buffers, eager" + (" (CUDA events)" if cuda else ""))
     return StepCostTable(verify, draft, f"measured at start-up ({how}, median of {repeats})")
