@@ -51,3 +51,13 @@ def kdev(monkeypatch) -> str:
         pytest.skip("no GPU and no Triton interpreter")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     return "cpu"
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """One torch thread for a module's tests (tiny ops: threads only add contention); a module
+    asks with ``pytestmark = pytest.mark.usefixtures("one_thread")``."""
+    prev = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(prev)

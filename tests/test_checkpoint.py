@@ -18,12 +18,7 @@ from mtpspec.config import ModelConfigError
 from tiny_models import make_tiny_checkpoint
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    prev = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(prev)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny ops: threads only add contention
 
 
 @pytest.fixture(scope="module")

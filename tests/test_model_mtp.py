@@ -18,12 +18,7 @@ from tiny_models import make_tiny_checkpoint
 ATOL, RTOL = 1e-4, 1e-5
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    prev = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny ops: threads only add contention
-    yield
-    torch.set_num_threads(prev)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny ops: threads only add contention
 
 
 @pytest.fixture(scope="module")

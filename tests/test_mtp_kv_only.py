@@ -33,12 +33,7 @@ SEQS = [(6, 6, [5, 0]), (1, 7, [2, 7]), (3, 11, [1, 3, 9])]
 FP8 = torch.float8_e4m3fn
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    prev = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny ops: threads only add contention
-    yield
-    torch.set_num_threads(prev)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny ops: threads only add contention
 
 
 @pytest.fixture(scope="module")
