@@ -51,6 +51,29 @@ def run(engine, prompt: str, profile: bool = False):
     return times, prof
 
 
+GROUPS = (("GEMM", ("gemm", "cutlass", "nvjet", "xmma", "matmul", "splitk")),
+          ("attention", ("attn", "attention", "paged", "mla")),
+          ("norm / rope / act", ("norm", "rope", "rotary", "silu", "act_and_mul", "elementwise", "vectorized")),
+          ("copy / fill", ("memcpy", "memset", "copy", "fill")))
+
+
+def device_breakdown(ka) -> str:
+    """Device time of a profiled step by kernel-name group (first group whose keyword the name holds), ms."""
+    tot, by = 0.0, {}
+    for e in ka:
+        us = getattr(e, "self_device_time_total", None)
+        if us is None:
+            us = e.self_cuda_time_total
+        if us <= 0 or not str(getattr(e, "device_type", "")).endswith("CUDA"):
+            continue  # kernels only (a launching CPU op may carry its kernels' time too)
+        name = e.key.lower()
+        group = next((g for g, keys in GROUPS if any(k in name for k in keys)), "other")
+        tot += us
+        by[group] = by.get(group, 0.0) + us
+    rows = ", ".join(f"{g} {v / 1e3:.3f}" for g, v in sorted(by.items(), key=lambda x: -x[1]))
+    return f"device time {tot / 1e3:.3f} ms: {rows}"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("model")
@@ -76,7 +99,8 @@ def main() -> None:
         print(f"\n===== {kind} prefill step {times[0]:.1f} ms (profiled)")
         ka = prof.key_averages()
         print(ka.table(sort_by="self_cpu_time_total", row_limit=18, max_name_column_width=60))
-        print(ka.table(sort_by="self_cuda_time_total", row_limit=12, max_name_column_width=60))
+        print(ka.table(sort_by="self_cuda_time_total", row_limit=25, max_name_column_width=60))
+        print(device_breakdown(ka))
 
 
 if __name__ == "__main__":

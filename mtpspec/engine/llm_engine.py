@@ -332,21 +332,8 @@ class LLMEngine:
                                                      drafts_pending=bool(out.num_proposed_tokens))
         if result.logprobs is not None or result.prompt_logprobs is not None:
             self._store_logprobs(out, result, before)
-        if k:  # emitted accepted drafts only (see Scheduler.update_from_output)
-            v, policy = out.num_spec_tokens, self.spec_policy
-            for i, sch in enumerate(out.scheduled):
-                if not sch.is_prefill and v:
-                    m.spec.observe(sch.num_accepted_tokens, v)
-                    if policy is not None:  # the verifier's count (a stop inside the block is no rejection)
-                        policy.observe(v, len(result.new_token_ids[i]) - 1)
-            m.spec.observe_step(out.num_proposed_tokens)
-            if policy is not None:
-                end = time.perf_counter()
-                if self._last_step_end is not None and not out.num_prefill_tokens:
-                    policy.observe_step_time(len(out.scheduled), out.num_proposed_tokens,
-                                             (end - max(self._last_step_end, t0)) * 1e3, v)
-                self._last_step_end = end
-                policy.end_step()
+        if k:
+            self._observe_spec(out, result, t0)
             self._pending_drafts = (out, handle)
             if not self.scheduler_config.async_scheduling:
                 self._take_drafts()
@@ -368,6 +355,27 @@ class LLMEngine:
             if rm.tpot is not None:
                 m.tpot_s.append(rm.tpot)
         return self._finished_outputs(finished)
+
+    def _observe_spec(self, out: SchedulerOutput, result, t0: float) -> None:
+        """Count a speculative step's drafts in the metrics (emitted accepted drafts only, see
+        :meth:`Scheduler.update_from_output`) and feed the adaptive policy, if any: per-decode
+        accepted counts (the verifier's: a stop inside the block is no rejection) and, for a step
+        without prefill rows, its wall time from the later of the last step's end and ``t0``
+        (``time.perf_counter()`` seconds at this step's start)."""
+        m, v, policy = self.metrics, out.num_spec_tokens, self.spec_policy
+        for i, sch in enumerate(out.scheduled):
+            if not sch.is_prefill and v:
+                m.spec.observe(sch.num_accepted_tokens, v)
+                if policy is not None:
+                    policy.observe(v, len(result.new_token_ids[i]) - 1)
+        m.spec.observe_step(out.num_proposed_tokens)
+        if policy is not None:
+            end = time.perf_counter()
+            if self._last_step_end is not None and not out.num_prefill_tokens:
+                policy.observe_step_time(len(out.scheduled), out.num_proposed_tokens,
+                                         (end - max(self._last_step_end, t0)) * 1e3, v)
+            self._last_step_end = end
+            policy.end_step()
 
     def _drafts_stay_on_device(self, out: SchedulerOutput) -> bool:
         """Whether ``out``'s decodes may read the last step's drafts on the ranks: async scheduling,
