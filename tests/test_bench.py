@@ -208,6 +208,7 @@ def test_bench_arms_one_at_a_time_plain_vs_adaptive(model_dir, tmp_path):
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     res = json.loads((out / "bench_arms.json").read_text())
     assert res["interleaved"] is False and list(res["arms"]) == ["plain", "adaptive"]
+    assert not (out / "bench_arms.partial.json").exists()  # a finished sweep leaves only bench_arms.json
     wl = res["workloads"]["s8"]
     runs = sorted(((r["started_at"], arm) for arm, d in wl["arms"].items() for r in d["runs"]))
     assert [arm for _, arm in runs] == ["plain", "plain", "adaptive", "adaptive"]  # one server, then the other
@@ -244,3 +245,26 @@ def test_bench_serve_unreachable_server_names_the_url(capsys):
     assert main(["bench", "serve", "--base-url", url, "--num-prompts", "1", "--no-progress"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and url in err, err
+
+
+def test_bench_arms_keeps_the_runs_made_before_a_failure(tmp_path, monkeypatch):
+    """A sweep killed or failing mid-way leaves ``bench_arms.partial.json`` with the runs made so far;
+    a finished sweep leaves only ``bench_arms.json``."""
+    from mtpspec.entrypoints.bench_serve import BenchConfig
+    calls = []
+
+    def fake_run(url, cfg, progress=True, desc=""):
+        calls.append(desc)
+        if len(calls) == 3:
+            raise RuntimeError("server went away")
+        return {"desc": desc, "synthetic_reasons": []}
+
+    monkeypatch.setattr(bench_arms, "run_benchmark", fake_run)
+    wl = {"s1": BenchConfig(num_prompts=1, max_concurrency=1, input_len=8, output_len=4, prompts="random")}
+    urls = {"a": "http://127.0.0.1:1", "b": "http://127.0.0.1:2"}
+    with pytest.raises(RuntimeError, match="went away"):
+        bench_arms.run_arms({"a": [], "b": []}, wl, 2, str(tmp_path), [], urls=urls, progress=False, plots=False)
+    part = json.loads((tmp_path / "bench_arms.partial.json").read_text())
+    assert [r["desc"] for r in part["runs"]["s1"]["a"]] == ["s1 a #1"]
+    assert [r["desc"] for r in part["runs"]["s1"]["b"]] == ["s1 b #1"]
+    assert not (tmp_path / "bench_arms.json").exists()

@@ -30,7 +30,8 @@ small machines; explicit ``--input-len`` etc. override):
 Reported per workload and arm: every run's figures (:mod:`mtpspec.entrypoints.bench_serve`),
 their median and spread (max - min over runs), collective bytes per engine step, and a verdict
 per pair of arms and figure: a difference counts only when the medians differ by more than the
-larger of the two spreads. Output: tables on stdout, ``bench_arms.json`` (every figure) and PNG
+larger of the two spreads. Output: tables on stdout, ``bench_arms.json`` (every figure; while the
+runs go on, ``bench_arms.partial.json`` holds the runs made so far, for a sweep that is killed) and PNG
 plots (each arm's runs of output tok/s and steps/s with median and spread; acceptance rate per
 draft position) in ``--output-dir``. Synthetic runs (random prompts, ``--ignore-eos``,
 ``--forced-acceptance``) are marked SYNTHETIC in every table, plot title and the JSON.
@@ -402,6 +403,8 @@ def run_arms(arms: Dict[str, List[str]], workloads: Dict[str, BenchConfig], repe
         res = run_benchmark(urls[arm], cfg, progress=progress, desc=f"{wname} {arm} #{rep + 1}")
         res["run_index"] = rep
         runs[wname][arm].append(res)
+        with open(os.path.join(out_dir, "bench_arms.partial.json"), "w") as f:  # what a killed sweep leaves
+            json.dump({"arms": result["arms"], "runs": runs}, f)
         if bar is not None:
             bar.update(1)
 
@@ -452,6 +455,8 @@ def run_arms(arms: Dict[str, List[str]], workloads: Dict[str, BenchConfig], repe
         result["plots"] = [p for name, wl in result["workloads"].items() for p in plot_workload(name, wl, out_dir)]
     with open(os.path.join(out_dir, "bench_arms.json"), "w") as f:
         json.dump(result, f, indent=1)
+    if os.path.exists(os.path.join(out_dir, "bench_arms.partial.json")):
+        os.remove(os.path.join(out_dir, "bench_arms.partial.json"))
     return result
 
 
