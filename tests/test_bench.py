@@ -262,9 +262,18 @@ def test_bench_arms_keeps_the_runs_made_before_a_failure(tmp_path, monkeypatch):
     monkeypatch.setattr(bench_arms, "run_benchmark", fake_run)
     wl = {"s1": BenchConfig(num_prompts=1, max_concurrency=1, input_len=8, output_len=4, prompts="random")}
     urls = {"a": "http://127.0.0.1:1", "b": "http://127.0.0.1:2"}
+    (tmp_path / "bench_arms.partial.json").write_text('{"runs": "of an earlier sweep"}')
     with pytest.raises(RuntimeError, match="went away"):
         bench_arms.run_arms({"a": [], "b": []}, wl, 2, str(tmp_path), [], urls=urls, progress=False, plots=False)
     part = json.loads((tmp_path / "bench_arms.partial.json").read_text())
     assert [r["desc"] for r in part["runs"]["s1"]["a"]] == ["s1 a #1"]
     assert [r["desc"] for r in part["runs"]["s1"]["b"]] == ["s1 b #1"]
-    assert not (tmp_path / "bench_arms.json").exists()
+    assert part["partial"] is True and part["repeats"] == 2 and part["workload_configs"]["s1"]["input_len"] == 8
+    assert part["synthetic"] is False
+    assert not (tmp_path / "bench_arms.json").exists() and not (tmp_path / "bench_arms.partial.json.tmp").exists()
+
+    calls.clear()  # a sweep that fails before its first run leaves no earlier sweep's runs behind
+    monkeypatch.setattr(bench_arms, "run_benchmark", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("down")))
+    with pytest.raises(RuntimeError, match="down"):
+        bench_arms.run_arms({"a": []}, wl, 1, str(tmp_path), [], urls=urls, progress=False, plots=False)
+    assert not (tmp_path / "bench_arms.partial.json").exists()

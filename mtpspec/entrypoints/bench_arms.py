@@ -31,7 +31,8 @@ Reported per workload and arm: every run's figures (:mod:`mtpspec.entrypoints.be
 their median and spread (max - min over runs), collective bytes per engine step, and a verdict
 per pair of arms and figure: a difference counts only when the medians differ by more than the
 larger of the two spreads. Output: tables on stdout, ``bench_arms.json`` (every figure; while the
-runs go on, ``bench_arms.partial.json`` holds the runs made so far, for a sweep that is killed) and PNG
+runs go on, ``bench_arms.partial.json`` holds the runs made so far and their settings, for a sweep
+that is killed or fails; a finished sweep removes it) and PNG
 plots (each arm's runs of output tok/s and steps/s with median and spread; acceptance rate per
 draft position) in ``--output-dir``. Synthetic runs (random prompts, ``--ignore-eos``,
 ``--forced-acceptance``) are marked SYNTHETIC in every table, plot title and the JSON.
@@ -51,6 +52,9 @@ from dataclasses import asdict
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from mtpspec.entrypoints.bench_serve import BenchConfig, add_arguments, run_benchmark
+
+#: What a sweep has run so far, in ``--output-dir`` until it finishes (:func:`run_arms`).
+PARTIAL_JSON = "bench_arms.partial.json"
 
 DEFAULT_ARMS: Dict[str, List[str]] = {
     "baseline": ["--no-fusion", "--no-local-argmax"],
@@ -376,6 +380,9 @@ def run_arms(arms: Dict[str, List[str]], workloads: Dict[str, BenchConfig], repe
         if arm not in (urls or {}):
             check_workload_lengths(workloads, check_serve_args(common + flags), arm)
     os.makedirs(out_dir, exist_ok=True)
+    partial = os.path.join(out_dir, PARTIAL_JSON)
+    if os.path.exists(partial):  # an earlier killed sweep's runs must not pass for this one's
+        os.remove(partial)
     urls = dict(urls or {})
     servers: Dict[str, ArmServer] = {}
     result: Dict[str, Any] = {"arms": {a: {"flags": f, "url": urls.get(a)} for a, f in arms.items()},
@@ -383,6 +390,20 @@ def run_arms(arms: Dict[str, List[str]], workloads: Dict[str, BenchConfig], repe
                               "workloads": {}}
     bar = None
     runs: Dict[str, Dict[str, List[Dict[str, Any]]]] = {w: {a: [] for a in arms} for w in workloads}
+
+    def save_partial() -> None:
+        """The runs made so far and what they ran, in ``PARTIAL_JSON`` (written whole, then renamed:
+        a sweep killed mid-write keeps the previous copy); a failed write only warns."""
+        done = {"partial": True, **{k: result[k] for k in ("arms", "common_server_args", "repeats", "interleaved")},
+                "workload_configs": {w: asdict(c) for w, c in workloads.items()},
+                "synthetic": any(r["synthetic_reasons"] for per in runs.values() for rs in per.values() for r in rs),
+                "runs": runs}
+        try:
+            with open(partial + ".tmp", "w") as f:
+                json.dump(done, f)
+            os.replace(partial + ".tmp", partial)
+        except OSError as exc:
+            print(f"warning: could not save the runs so far to {partial}: {exc}", file=sys.stderr)
 
     def start(arm: str, i: int, n: int) -> None:
         flags = arms[arm]
@@ -403,8 +424,7 @@ def run_arms(arms: Dict[str, List[str]], workloads: Dict[str, BenchConfig], repe
         res = run_benchmark(urls[arm], cfg, progress=progress, desc=f"{wname} {arm} #{rep + 1}")
         res["run_index"] = rep
         runs[wname][arm].append(res)
-        with open(os.path.join(out_dir, "bench_arms.partial.json"), "w") as f:  # what a killed sweep leaves
-            json.dump({"arms": result["arms"], "runs": runs}, f)
+        save_partial()
         if bar is not None:
             bar.update(1)
 
@@ -455,8 +475,8 @@ def run_arms(arms: Dict[str, List[str]], workloads: Dict[str, BenchConfig], repe
         result["plots"] = [p for name, wl in result["workloads"].items() for p in plot_workload(name, wl, out_dir)]
     with open(os.path.join(out_dir, "bench_arms.json"), "w") as f:
         json.dump(result, f, indent=1)
-    if os.path.exists(os.path.join(out_dir, "bench_arms.partial.json")):
-        os.remove(os.path.join(out_dir, "bench_arms.partial.json"))
+    if os.path.exists(partial):
+        os.remove(partial)
     return result
 
 
@@ -511,6 +531,9 @@ def run(args: argparse.Namespace) -> int:
                        plots=not args.no_plots, share_gpu=share, one_at_a_time=args.one_arm_at_a_time)
     except (ValueError, FileNotFoundError, RuntimeError) as exc:
         print(f"error: {exc}", file=sys.stderr)
+        partial = os.path.join(args.output_dir, PARTIAL_JSON)
+        if os.path.exists(partial):
+            print(f"the runs made before it: {partial}", file=sys.stderr)
         return 2
     for name, wl in res["workloads"].items():
         print(format_workload(name, wl))
