@@ -114,9 +114,10 @@ class Scripted:
     """A stand-in policy: the k of each step from a fixed cycle (exercises every transition)."""
 
     def __init__(self, ks):
-        self.ks, self.i, self.chosen, self.seen = list(ks), 0, [], []
+        self.ks, self.i, self.chosen, self.seen, self.prefill, self.times = list(ks), 0, [], [], [], []
 
-    def choose(self, batch):
+    def choose(self, batch, num_prefill_tokens=0):
+        self.prefill.append(num_prefill_tokens)
         k = self.ks[self.i % len(self.ks)]
         self.i += 1
         self.chosen.append(k)
@@ -125,8 +126,8 @@ class Scripted:
     def observe(self, v, a):
         self.seen.append((v, a))
 
-    def observe_step_time(self, batch, k, wall_ms, verify_k=None):
-        pass
+    def observe_step_time(self, batch, k, wall_ms, verify_k=None, num_prefill_tokens=0):
+        self.times.append(num_prefill_tokens)
 
     def end_step(self):
         pass
@@ -266,6 +267,46 @@ def test_host_overhead_moves_the_choice_towards_longer_drafts() -> None:
     assert pol.overhead_ms == pytest.approx(6.0, rel=1e-3)
 
 
+def test_prompt_tokens_in_a_step_move_the_choice_towards_longer_drafts() -> None:
+    """A step that also carries a prompt chunk pays for it whatever k is: the policy learns a cost
+    per prompt token from such steps (beyond the table and the overhead) and adds it to every k's
+    cost, so the longer drafts that lose in a pure-decode step win in a prompt-heavy one."""
+    costs = _table(verify=lambda b, k: 1.0 + 0.4 * k, draft=lambda b, k: 0.3 * k)
+    pol = AdaptiveSpecPolicy(3, costs, prior_rate=0.5, prior_weight=1.0, decay=1.0)
+    pol.observe_step_time(1, 0, costs.step_ms(1, 0) + 100.0, num_prefill_tokens=100)
+    assert pol.prefill_ms_per_token == 0.0  # no pure-decode sample yet: the overhead is unknown
+    for _ in range(400):
+        pol.observe_step_time(1, 0, costs.step_ms(1, 0) + 1.0)  # 1 ms of host overhead
+    for _ in range(400):  # steps with 200 prompt tokens took 0.03 ms per token more
+        pol.observe_step_time(1, 3, costs.step_ms(1, 3) + 1.0 + 200 * 0.03, num_prefill_tokens=200)
+    assert pol.overhead_ms == pytest.approx(1.0, rel=1e-3)
+    assert pol.prefill_ms_per_token == pytest.approx(0.03, rel=1e-3)
+    e = [1.0, 1.5, 1.75, 1.875]
+    for p in (0, 10, 100, 1000):
+        t = [1.0 + 0.7 * k + 1.0 + 0.03 * p for k in range(4)]
+        want = max(range(4), key=lambda k: (e[k] / t[k], -k))
+        assert pol.choose(1, p) == want
+    assert pol.choose(1, 0) == 1 and pol.choose(1, 1000) == 3  # 1.5 / 2.7 vs 1.875 / 34.1
+    pol.observe_step_time(1, 0, 1e6, num_prefill_tokens=10)  # an idle gap: ignored
+    assert pol.prefill_ms_per_token == pytest.approx(0.03, rel=1e-3)
+
+
+def test_engine_tells_the_policy_each_steps_prompt_tokens(model) -> None:
+    """The engine passes each step's prompt tokens to ``choose`` and ``observe_step_time``."""
+    path, _, table = model
+    llm = _llm(path, table)
+    try:
+        pol = Scripted([3])
+        llm.llm_engine.spec_policy = pol
+        _greedy(llm, [[5, 6, 7, 8, 9], [3, 4, 5]], n=6)
+        _greedy(llm, [[7, 8, 9, 10]], n=6)  # a prefill step after earlier steps: its time is a sample
+    finally:
+        llm.shutdown()
+    assert 8 in pol.prefill or 5 in pol.prefill  # a step carried the prompts (one step or one each)
+    assert 4 in pol.prefill and 0 in pol.prefill  # the later prompt; the decode steps carry none
+    assert 4 in pol.times and 0 in pol.times
+
+
 # ------------------------------------------------------------------------------------------ review
 @pytest.mark.parametrize("script", [[3], [0, 3], [3, 0, 2]])
 def test_sampled_drafts_are_drawn_at_the_request_temperature_after_a_step_verifying_none(model, script) -> None:
@@ -344,7 +385,7 @@ def test_eval_gsm8k_offline_per_position_rates_use_the_drafts_per_position(model
 
     path, cfg, table = model
     ks = iter([3, 1, 3, 0, 2] * 1000)
-    monkeypatch.setattr(AdaptiveSpecPolicy, "choose", lambda self, batch: next(ks))
+    monkeypatch.setattr(AdaptiveSpecPolicy, "choose", lambda self, batch, num_prefill_tokens=0: next(ks))
     got = {}
     orig = llm_mod.LLM.get_metrics
 

@@ -317,7 +317,7 @@ class LLMEngine:
             return []
         t1 = time.perf_counter()
         if self.spec_policy is not None and out.num_proposed_tokens:
-            out.num_proposed_tokens = self.spec_policy.choose(len(out.scheduled))
+            out.num_proposed_tokens = self.spec_policy.choose(len(out.scheduled), out.num_prefill_tokens)
         handle = self.executor.execute_async(self._step_input(out))
         if on_device:  # the host's copy of the last step's drafts, while this step runs
             self._take_drafts()
@@ -359,9 +359,9 @@ class LLMEngine:
     def _observe_spec(self, out: SchedulerOutput, result, t0: float) -> None:
         """Count a speculative step's drafts in the metrics (emitted accepted drafts only, see
         :meth:`Scheduler.update_from_output`) and feed the adaptive policy, if any: per-decode
-        accepted counts (the verifier's: a stop inside the block is no rejection) and, for a step
-        without prefill rows, its wall time from the later of the last step's end and ``t0``
-        (``time.perf_counter()`` seconds at this step's start)."""
+        accepted counts (the verifier's: a stop inside the block is no rejection) and the step's
+        wall time from the later of the last step's end and ``t0`` (``time.perf_counter()`` seconds
+        at this step's start) with its number of prompt tokens."""
         m, v, policy = self.metrics, out.num_spec_tokens, self.spec_policy
         for i, sch in enumerate(out.scheduled):
             if not sch.is_prefill and v:
@@ -371,9 +371,9 @@ class LLMEngine:
         m.spec.observe_step(out.num_proposed_tokens)
         if policy is not None:
             end = time.perf_counter()
-            if self._last_step_end is not None and not out.num_prefill_tokens:
+            if self._last_step_end is not None:
                 policy.observe_step_time(len(out.scheduled), out.num_proposed_tokens,
-                                         (end - max(self._last_step_end, t0)) * 1e3, v)
+                                         (end - max(self._last_step_end, t0)) * 1e3, v, out.num_prefill_tokens)
             self._last_step_end = end
             policy.end_step()
 

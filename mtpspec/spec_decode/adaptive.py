@@ -16,7 +16,10 @@ rate is per position, as vLLM's ``num_accepted_tokens_per_pos`` measures it). Th
 * :class:`AdaptiveSpecPolicy`: running per-position rates (decayed counts with a prior, so a
   position unused for a while drifts back to the prior and is tried again), a running per-step
   host overhead (pure-decode steps' wall time minus the table's device cost, the same for every
-  ``k``: fixed costs favour longer drafts) and the choice, ``argmax_k E(k) / (T(B, k) + overhead)``.
+  ``k``: fixed costs favour longer drafts), a running cost per prefill token (what a step that
+  also carries ``P`` prompt tokens took beyond that, divided by ``P``: the prompt chunk is paid
+  whatever ``k`` is, so a step carrying one favours longer drafts too) and the choice,
+  ``argmax_k E(k) / (T(B, k) + overhead + P * prefill_ms_per_token)``.
 
 Everything here is host arithmetic on counts the engine already has.
 """
@@ -135,11 +138,15 @@ class AdaptiveSpecPolicy:
     prior_weight: float = 4.0
     decay: float = 0.995
     overhead_weight: float = 0.05
+    _decode_samples: int = field(default=0, repr=False)  # pure-decode steps observed
     reached: List[float] = field(default_factory=list)
     accepted: List[float] = field(default_factory=list)
     #: Running mean (weight :attr:`overhead_weight`) of each pure-decode step's wall time minus its
     #: table cost: the host time the device's figures miss, the same for every k (ms, >= 0).
     overhead_ms: float = 0.0
+    #: Running mean (same weight) of what a step carrying prompt tokens took beyond its table cost
+    #: and :attr:`overhead_ms`, per prompt token (ms, >= 0).
+    prefill_ms_per_token: float = 0.0
 
     def __post_init__(self) -> None:
         if not {0, self.max_k} <= set(self.costs.ks):
@@ -158,18 +165,30 @@ class AdaptiveSpecPolicy:
             if j < num_accepted:
                 self.accepted[j] += 1.0
 
-    def observe_step_time(self, batch: int, k: int, wall_ms: float, verify_k: Optional[int] = None) -> None:
-        """A pure-decode step of ``batch`` sequences that verified ``verify_k`` (default ``k``) and
-        proposed ``k`` drafts took ``wall_ms`` from the previous step's end (host included):
-        updates :attr:`overhead_ms`. Samples more than 4x the table's cost (an idle engine between
-        steps) are ignored."""
+    def observe_step_time(self, batch: int, k: int, wall_ms: float, verify_k: Optional[int] = None,
+                          num_prefill_tokens: int = 0) -> None:
+        """A step of ``batch`` sequences that verified ``verify_k`` (default ``k``) drafts, proposed
+        ``k`` and carried ``num_prefill_tokens`` prompt tokens took ``wall_ms`` from the previous
+        step's end (host included). Without prompt tokens it updates :attr:`overhead_ms`, with them
+        :attr:`prefill_ms_per_token`. Samples more than 4x the predicted cost + 5 ms (an idle
+        engine between steps) are ignored, and prompt samples before any pure-decode sample (the
+        overhead is not known yet)."""
         v = k if verify_k is None else verify_k
         if k not in self.costs.verify_ms or v not in self.costs.verify_ms:
             return
         predicted = self.costs.step_ms(batch, k, v)
+        if num_prefill_tokens > 0:
+            if not self._decode_samples:
+                return
+            expected = predicted + self.overhead_ms + num_prefill_tokens * self.prefill_ms_per_token
+            if 0.0 < wall_ms and (self.prefill_ms_per_token <= 0.0 or wall_ms <= 4.0 * expected + 5.0):
+                per_token = max(0.0, wall_ms - predicted - self.overhead_ms) / num_prefill_tokens
+                self.prefill_ms_per_token += self.overhead_weight * (per_token - self.prefill_ms_per_token)
+            return
         if 0.0 < wall_ms <= 4.0 * predicted + 5.0:
             excess = max(0.0, wall_ms - predicted)
             self.overhead_ms += self.overhead_weight * (excess - self.overhead_ms)
+            self._decode_samples += 1
 
     def end_step(self) -> None:
         """Decay the counts (once per engine step)."""
@@ -191,15 +210,17 @@ class AdaptiveSpecPolicy:
             e += run
         return e
 
-    def choose(self, batch: int) -> int:
-        """The ``k`` in ``0 .. max_k`` (among the table's) maximising ``E(k) / (T(batch, k) + overhead)``
-        for ``batch`` sequences (smallest on ties)."""
+    def choose(self, batch: int, num_prefill_tokens: int = 0) -> int:
+        """The ``k`` in ``0 .. max_k`` (among the table's) maximising ``E(k) / (T(batch, k) +
+        overhead + num_prefill_tokens * prefill_ms_per_token)`` for ``batch`` sequences in a step
+        that also carries ``num_prefill_tokens`` prompt tokens (smallest ``k`` on ties)."""
         rates = self.rates()
+        fixed = self.overhead_ms + max(0, num_prefill_tokens) * self.prefill_ms_per_token
         best, best_rate = 0, -1.0
         for k in self.costs.ks:
             if k > self.max_k:
                 continue
-            rate = self.expected_tokens(k, rates) / (self.costs.step_ms(batch, k) + self.overhead_ms)
+            rate = self.expected_tokens(k, rates) / (self.costs.step_ms(batch, k) + fixed)
             if rate > best_rate * (1 + 1e-9):
                 best, best_rate = k, rate
         return best
