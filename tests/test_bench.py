@@ -277,3 +277,35 @@ def test_bench_arms_keeps_the_runs_made_before_a_failure(tmp_path, monkeypatch):
     with pytest.raises(RuntimeError, match="down"):
         bench_arms.run_arms({"a": []}, wl, 1, str(tmp_path), [], urls=urls, progress=False, plots=False)
     assert not (tmp_path / "bench_arms.partial.json").exists()
+
+
+def test_warmup_wave_runs_at_the_workloads_concurrency_with_short_outputs(forced_server, monkeypatch):
+    """``warmup`` requests go at most ``max_concurrency`` at a time with ``warmup_output_len``
+    tokens each; bench arms' default warm-up is one full wave at the workload's concurrency (the
+    first server to see a batch shape must not pay its kernel compilation inside the timed run)."""
+    import argparse
+
+    from mtpspec.entrypoints import bench_serve
+    seen = []
+    real = bench_serve._run_load
+
+    async def spy(base_url, model, prompts, cfg, progress, desc):
+        seen.append((desc, len(prompts), cfg.max_concurrency, cfg.output_len))
+        return await real(base_url, model, prompts, cfg, progress, desc)
+
+    monkeypatch.setattr(bench_serve, "_run_load", spy)
+    cfg = BenchConfig(num_prompts=4, max_concurrency=3, input_len=16, output_len=12, warmup=3, warmup_output_len=2)
+    res = run_benchmark(forced_server.url, cfg, progress=False)
+    assert seen[0] == ("warmup", 3, 3, 2) and seen[1][1:] == (4, 3, 12)
+    assert res["total_output_tokens"] == res["server_generation_tokens"]  # the warm-up is not counted
+    with pytest.raises(ValueError, match="warmup_output_len"):
+        BenchConfig(warmup_output_len=0)
+
+    p = argparse.ArgumentParser()
+    bench_serve.add_arguments(p)
+    p.add_argument("--scale", type=float, default=1.0)
+    for argv, want in (([], (64, 16)), (["--warmup", "2"], (2, None)), (["--scale", "0.05"], (6, 13))):
+        c = bench_arms.workload_config("s64", p.parse_args(argv))
+        assert (c.warmup, c.warmup_output_len) == want
+    args = p.parse_args([])
+    assert bench_serve.config_from_args(args, {"num_prompts": 8, "max_concurrency": 2, "output_len": 5}).warmup == 1

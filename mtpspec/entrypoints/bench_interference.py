@@ -626,7 +626,8 @@ INTERFERENCE_FLAGS = ("num_decodes", "decode_input_len", "decode_output_len", "n
 def config_from_args(args: argparse.Namespace) -> InterferenceConfig:
     """The workload from ``bench serve`` options (``--warmup``, ``--temperature``, ``--seed`` shared)."""
     kw = {name: getattr(args, name) for name in INTERFERENCE_FLAGS if getattr(args, name) is not None}
-    return InterferenceConfig(warmup=args.warmup, temperature=args.temperature, seed=args.seed, **kw)
+    return InterferenceConfig(warmup=1 if args.warmup is None else args.warmup, temperature=args.temperature,
+                              seed=args.seed, **kw)
 
 
 def misplaced_flags(args: argparse.Namespace) -> List[str]:

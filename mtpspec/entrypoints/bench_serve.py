@@ -52,7 +52,8 @@ class BenchConfig:
         num_prompts, max_concurrency, input_len (``None``: natural GSM8K 5-shot prompts),
         output_len (``max_tokens``), prompts (``"gsm8k"`` or ``"random"``), dataset (GSM8K JSONL
         file or folder, or ``None``: ``$MTPSPEC_GSM8K_DIR``, else the bundled test split),
-        ignore_eos, temperature, seed, warmup (requests sent first and not measured).
+        ignore_eos, temperature, seed, warmup (requests sent first, at most ``max_concurrency`` at
+        a time, and not measured), warmup_output_len (their ``max_tokens``; ``None``: output_len).
     """
 
     num_prompts: int = 64
@@ -65,6 +66,7 @@ class BenchConfig:
     temperature: float = 0.0
     seed: int = 0
     warmup: int = 1
+    warmup_output_len: Optional[int] = None
 
     def __post_init__(self) -> None:
         for name in ("num_prompts", "max_concurrency", "output_len"):
@@ -77,6 +79,9 @@ class BenchConfig:
             raise ValueError(f"prompts must be 'gsm8k' or 'random', got {self.prompts!r}")
         if self.warmup < 0:
             raise ValueError(f"warmup must be >= 0, got {self.warmup}")
+        if self.warmup_output_len is not None and (not isinstance(self.warmup_output_len, int)
+                                                   or self.warmup_output_len < 1):
+            raise ValueError(f"warmup_output_len must be an int >= 1 or None, got {self.warmup_output_len!r}")
 
 
 @dataclass
@@ -261,8 +266,9 @@ def run_benchmark(base_url: str, cfg: BenchConfig, progress: bool = True, desc: 
         warm, prompts = prompts[:cfg.warmup], prompts[cfg.warmup:]
         client.post(base_url + "/reset_prefix_cache")  # a run starts cold (older servers: 404, ignored)
         if warm:
-            asyncio.run(_run_load(base_url, info.model, warm, BenchConfig(**{**asdict(cfg), "num_prompts": len(warm)}),
-                                  False, "warmup"))
+            wcfg = BenchConfig(**{**asdict(cfg), "num_prompts": len(warm),
+                                  "output_len": cfg.warmup_output_len or cfg.output_len})
+            asyncio.run(_run_load(base_url, info.model, warm, wcfg, False, "warmup"))
         before = scrape(base_url, client)
         started_at = time.time()
         t0 = time.perf_counter()
@@ -360,7 +366,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ignore-eos", action="store_true", help="generate output-len tokens regardless of EOS (SYNTHETIC)")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--warmup", type=int, default=1, help="unmeasured requests before each run")
+    p.add_argument("--warmup", type=int, default=None,
+                   help="unmeasured requests before each run, at most --max-concurrency at a time (default 1; "
+                        "bench arms: one full wave of the workload's concurrency, 16 tokens each, so that each "
+                        "arm's server has compiled the workload's kernel shapes before the timed run)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
 
 
@@ -384,7 +393,8 @@ def config_from_args(args: argparse.Namespace, defaults: Dict[str, Any]) -> Benc
     kw = dict(num_prompts=pick("num_prompts"), max_concurrency=pick("max_concurrency"), input_len=pick("input_len"),
               output_len=pick("output_len"), prompts="random" if args.random_prompts else "gsm8k",
               dataset=args.dataset, ignore_eos=args.ignore_eos, temperature=args.temperature, seed=args.seed,
-              warmup=args.warmup)
+              warmup=args.warmup if args.warmup is not None else defaults.get("warmup", 1),
+              warmup_output_len=defaults.get("warmup_output_len") if args.warmup is None else None)
     kw["max_concurrency"] = min(kw["max_concurrency"], kw["num_prompts"])
     return BenchConfig(**kw)
 
