@@ -45,13 +45,20 @@ def main() -> None:
     ap.add_argument("out")
     ap.add_argument("--preset", default="dense-70b-16l", choices=sorted(PRESETS))
     ap.add_argument("--max-position-embeddings", type=int, default=16384)
+    ap.add_argument("--num-hidden-layers", type=int, default=None,
+                    help="override the preset's target layer count (e.g. 40 of Llama-3-70B's 80 layers: 34 B "
+                         "parameters, 69 GB in bf16, still one H200)")
     args = ap.parse_args()
+    if args.num_hidden_layers is not None and args.num_hidden_layers < 1:
+        ap.error(f"--num-hidden-layers must be >= 1, got {args.num_hidden_layers}")
     from mtpspec import demo_model_path
     from mtpspec.config import ModelConfig
     demo = demo_model_path("glm4_moe")
     with open(os.path.join(demo, "config.json")) as f:
         raw = json.load(f)
-    p = PRESETS[args.preset]
+    p = dict(PRESETS[args.preset])
+    if args.num_hidden_layers is not None:
+        p["num_hidden_layers"] = args.num_hidden_layers
     raw.update(max_position_embeddings=args.max_position_embeddings, partial_rotary_factor=0.5,
                first_k_dense_replace=p["num_hidden_layers"] + 1,  # dense presets: every layer, the MTP layer too
                tie_word_embeddings=False, torch_dtype="bfloat16", num_nextn_predict_layers=1)
@@ -61,7 +68,7 @@ def main() -> None:
     with open(os.path.join(args.out, "config.json"), "w") as f:
         json.dump(raw, f, indent=1)
     shutil.copy(os.path.join(demo, "tokenizer.json"), args.out)
-    print(f"wrote {args.out}/config.json ({args.preset}) and the demo tokenizer")
+    print(f"wrote {args.out}/config.json ({args.preset}, {p['num_hidden_layers']} layers) and the demo tokenizer")
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@
 #   bash benchmarks/run_goals_h200.sh async OUT     # issue 18: engine step wall vs GPU busy, async scheduling off / on
 #   bash benchmarks/run_goals_h200.sh adaptive OUT  # issue 18: bench arms plain / k1..k3 / adaptive, demo model
 #   bash benchmarks/run_goals_h200.sh adaptive-air OUT  # the same at GLM-4.5-Air width, forced acceptance (SYNTHETIC)
+#   bash benchmarks/run_goals_h200.sh serving-deep OUT  # issue 17: prefix-cache TTFT on 40 of Llama-3-70B's 80 layers
 set -u
 part=${1:?serving or kernels}; OUT=${2:?output folder}
 mkdir -p "$OUT"
@@ -65,5 +66,8 @@ adaptive-air)  # the same sweep at GLM-4.5-Air width (8 layers, random weights),
       --workloads s1,s8,s64,s256 --repeats ${REPEATS:-2} --no-plots --no-progress --random-prompts --ignore-eos --one-arm-at-a-time \
       --forced-acceptance rate:0.8 --server-args "--max-num-seqs 256 --load-format dummy --max-model-len 1024 \
       --dtype bfloat16 --num-kv-blocks 12000" --output-dir "$OUT/arms_air" ;;
+serving-deep)  # the prefix-cache TTFT goal at 40 layers (34 B, 69 GB): the per-request host cost (~6 ms) against
+  # a deeper model's steps, nearer a real 70 B model's share than 16 layers give (ratio 0.351 there, 2026-12-03)
+  LAYERS=40 SKIP_INTERFERENCE=1 step 560 serving_deep bash benchmarks/run_serving_goals.sh "$OUT" dense-70b-16l ;;
 *) echo "unknown part $part"; exit 2 ;;
 esac

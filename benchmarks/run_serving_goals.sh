@@ -4,13 +4,13 @@
 # 5-shot GSM8K prompts (`bench serve --shared-prefix`), and, when the workload exists, the ITL of
 # running decodes while long prompts are prefilled in chunks (`bench serve --prefill-interference`).
 # Usage: benchmarks/run_serving_goals.sh OUT [PRESET] [extra serve flags]
-# (SKIP_PREFIX=1 / SKIP_INTERFERENCE=1 leave out one of the two benches)
+# (SKIP_PREFIX=1 / SKIP_INTERFERENCE=1 leave out one of the two benches; LAYERS=N overrides the preset's depth)
 set -uo pipefail
 out=$1; preset=${2:-dense-70b-16l}; shift; shift || true
 PY=${PYTHON:-python3}
 port=8011
 mkdir -p "$out"
-$PY benchmarks/make_dummy_model.py /tmp/dummy_model --preset "$preset" || exit 1
+$PY benchmarks/make_dummy_model.py /tmp/dummy_model --preset "$preset" ${LAYERS:+--num-hidden-layers $LAYERS} || exit 1
 $PY -m mtpspec.entrypoints.cli serve --model /tmp/dummy_model --load-format dummy -k 3 --max-model-len 10240 \
     --port $port "$@" > "$out/serve.log" 2>&1 &
 server=$!

@@ -75,3 +75,23 @@ def test_engine_generates_on_dummy_weights(config_only, tp):
     with open(os.path.join(config_only, "config.json")) as f:
         vocab = json.load(f)["vocab_size"]
     assert all(0 <= t < vocab for t in outs[0].outputs[0].token_ids)
+
+
+def test_make_dummy_model_layer_override(tmp_path):
+    """benchmarks/make_dummy_model.py: a preset's config, its depth overridable (every layer and the
+    MTP layer dense), valid for ModelConfig; a non-positive depth is refused."""
+    import subprocess
+    import sys
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    script = os.path.join(repo, "benchmarks", "make_dummy_model.py")
+    env = {**os.environ, "PYTHONPATH": repo}
+    out = tmp_path / "m"
+    p = subprocess.run([sys.executable, script, str(out), "--preset", "cpu-smoke", "--num-hidden-layers", "3"],
+                       capture_output=True, text=True, env=env, timeout=120)
+    assert p.returncode == 0, p.stderr
+    raw = json.loads((out / "config.json").read_text())
+    assert raw["num_hidden_layers"] == 3 and raw["first_k_dense_replace"] == 4 and raw["hidden_size"] == 256
+    assert ModelConfig.from_dict(raw).num_hidden_layers == 3 and (out / "tokenizer.json").exists()
+    p = subprocess.run([sys.executable, script, str(tmp_path / "bad"), "--num-hidden-layers", "0"],
+                       capture_output=True, text=True, env=env, timeout=120)
+    assert p.returncode == 2 and "--num-hidden-layers must be >= 1" in p.stderr
