@@ -211,6 +211,18 @@ def test_measured_cost_table_on_cpu(model) -> None:
         assert all(len(o.outputs[0].token_ids) == 6 for o in outs)
 
 
+def test_graphed_forward_names_its_units_and_refuses_others() -> None:
+    """``GraphedForward.unit_fn`` (what the calibration times) knows the four decode unit kinds."""
+    from mtpspec.engine.forward import GraphedForward
+    fwd = GraphedForward(torch.nn.Linear(1, 1), None, 2, 2, 4, 8, torch.float32, torch.device("cpu"), "static", 64,
+                         ks=range(3))
+    assert fwd.padded(1) == 1 and fwd.padded(3) is None
+    for key in (("verify", 2, 1), ("first", 2, 0, 2), ("kvonly", 1, 0, 0), ("step", 2, 0, True)):
+        assert callable(fwd.unit_fn(key))
+    with pytest.raises(ValueError, match="unknown decode unit"):
+        fwd.unit_fn(("pverify", 16))
+
+
 def test_bad_cost_table_fails_before_loading(model, tmp_path, monkeypatch) -> None:
     path, _, _ = model
     import mtpspec.engine.llm as llm_mod

@@ -384,6 +384,42 @@ class GraphedForward(EagerForward):
             if torch.cuda.is_available():
                 torch.cuda.synchronize()
 
+    def padded(self, b: int) -> Optional[int]:
+        """The graph batch size ``b`` sequences run at (``None``: above every captured size)."""
+        return self._padded(b)
+
+    def unit_fn(self, key: tuple, draft_fn: Optional[DraftTokenFn] = None) -> Callable[[AttentionMetadata], tuple]:
+        """The function of decode unit ``key`` (as :meth:`capture` names them): ``("verify", Bp, v)``,
+        ``("first", Bp, i, v)``, ``("kvonly", Bp, i, v)`` or ``("step", Bp, i, with_top)``
+        (``draft_fn`` picks the draft token in a step unit with ``with_top``).
+
+        Raises:
+            ValueError: another key."""
+        kind, bp = key[0], key[1]
+        if kind == "verify":
+            return self._verify_fn(bp, key[2])
+        if kind == "first":
+            return self._first_fn(bp, key[2], bp * (1 + key[3]))
+        if kind == "kvonly":
+            return self._kv_only_fn(bp * (1 + key[3]), key[2])
+        if kind == "step":
+            return self._step_fn(bp, key[2], draft_fn if key[3] else None)
+        raise ValueError(f"unknown decode unit {key!r}")
+
+    def time_unit(self, key: tuple, repeats: int, draft_fn: Optional[DraftTokenFn] = None) -> float:
+        """Median milliseconds of decode unit ``key`` (:meth:`unit_fn`) over ``repeats`` calls after
+        one warm-up, on the layout in the static buffers (:meth:`dummy_layout` of its width): its
+        CUDA-graph replay when captured, else its function through the static buffers (CUDA events
+        on a GPU, ``perf_counter`` on the CPU; :func:`mtpspec.timing.median_call_ms`)."""
+        from mtpspec.timing import median_call_ms
+        if key in self.graphs:
+            call = self.graphs[key][0].replay
+        else:
+            fn = self.unit_fn(key, draft_fn)
+            meta = self._meta(key[1], host=True, step=key[0] == "step")
+            call = lambda: fn(meta)  # noqa: E731
+        return median_call_ms(call, repeats, warmup=1, cuda=self.qsl.device.type == "cuda")
+
     def dummy_layout(self, bp: int, v: int) -> AttentionMetadata:
         """Dummy but valid inputs in the static buffers (capture, cost calibration): ``bp``
         sequences of ``1 + v`` tokens in block 0's slots, single-row step buffers; sets

@@ -247,7 +247,6 @@ def measure_step_costs(runner, sizes: Optional[Sequence[int]] = None, repeats: i
     import torch
 
     from mtpspec.engine.forward import GraphedForward
-    from mtpspec.timing import median_call_ms
 
     fwd = runner.fwd
     if not isinstance(fwd, GraphedForward):  # eager runner: a static-buffer twin times the same calls
@@ -259,40 +258,30 @@ def measure_step_costs(runner, sizes: Optional[Sequence[int]] = None, repeats: i
     graphed = fwd.mode == "cuda" and fwd.capture_failed is None and bool(fwd.graphs)
     top = fwd.sizes[-1]
     sizes = sorted({s for s in (sizes or CALIBRATION_SIZES) if s <= top} | {top})
-    sizes = sorted({fwd._padded(s) for s in sizes})  # the graph sizes they run at
+    sizes = sorted({fwd.padded(s) for s in sizes})  # the graph sizes they run at
     units = runner.proposer.graph_units()
-    cuda = runner.device.type == "cuda"
 
-    def timed(key, fn, bp, step=False):
-        def call():
-            if graphed:
-                fwd.graphs[key][0].replay()
-            else:
-                fn(fwd._meta(bp, host=True, step=step))
-        return median_call_ms(call, repeats, warmup=1, cuda=cuda)
+    def timed(key):
+        return fwd.time_unit(key, repeats, units.draft_fn)
 
     verify: Dict[int, Dict[int, float]] = {}
     draft: Dict[int, Dict[int, float]] = {}
     with torch.inference_mode():
         for bp in sizes:
-            steps = {}
             fwd.dummy_layout(bp, runner.k)
-            for i, wt in units.step_units:
-                steps[(i, wt)] = timed(("step", bp, i, wt), fwd._step_fn(bp, i, units.draft_fn if wt else None), bp,
-                                       step=True)
+            steps = {(i, wt): timed(("step", bp, i, wt)) for i, wt in units.step_units}
             for k in range(runner.k + 1):
                 fwd.dummy_layout(bp, k)
-                rows = bp * (1 + k)
-                verify.setdefault(k, {})[bp] = timed(("verify", bp, k), fwd._verify_fn(bp, k), bp)
+                verify.setdefault(k, {})[bp] = timed(("verify", bp, k))
                 if k == 0:
-                    d = sum(timed(("kvonly", bp, i, k), fwd._kv_only_fn(rows, i), bp) for i in units.first_pass_layers)
+                    d = sum(timed(("kvonly", bp, i, k)) for i in units.first_pass_layers)
                 else:
                     # the first pass at the width this k's steps are verified with, then k - 1 draft steps
-                    d = sum(timed(("first", bp, i, k), fwd._first_fn(bp, i, rows), bp) for i in units.first_pass_layers)
+                    d = sum(timed(("first", bp, i, k)) for i in units.first_pass_layers)
                     d += sum(t for (i, wt), t in steps.items() if wt and 1 <= i < k)
                     fills = [t for (i, wt), t in steps.items() if not wt]  # several MTP layers: cache fills
                     if fills and k > 2:  # steps 1 .. k - 2 write their row to every other used layer
                         d += (k - 2) * (len(fills) - 1) * sum(fills) / len(fills)
                 draft.setdefault(k, {})[bp] = d
-    how = "CUDA-graph replays" if graphed else ("static buffers, eager" + (" (CUDA events)" if cuda else ""))
+    how = "CUDA-graph replays" if graphed else ("static buffers, eager" + (" (CUDA events)" if runner.device.type == "cuda" else ""))
     return StepCostTable(verify, draft, f"measured at start-up ({how}, median of {repeats})")
