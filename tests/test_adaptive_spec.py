@@ -324,11 +324,10 @@ def test_engine_tells_the_policy_each_steps_prompt_tokens(model) -> None:
 def test_sampled_drafts_are_drawn_at_the_request_temperature_after_a_step_verifying_none(model, script) -> None:
     """draft_sampling "auto", every request at T = 1: every draft pass must draw from
     softmax(l / T) (PreparedStep.draft_temperature set), since the next step verifies those drafts
-    as sampled, with q = softmax(l / T) (SampledDrafts.mask). A step that verifies 0 drafts (its
-    decodes hold none after a k = 0 step) but proposes some gets no draft_temperature from
-    prepare_step (``draft_sampling and k`` with k = the verify width 0): the proposer zeroes the
-    temperature and drafts argmax, and the next step verifies those argmax drafts with the softmax
-    q (accept min(1, p / q), residual max(0, p - q)): not the target law (lossless sampling broken)."""
+    as sampled, with q = softmax(l / T) (SampledDrafts.mask). The case this guards: a step that
+    verifies 0 drafts (its decodes hold none after a k = 0 step) but proposes some must still get
+    draft_temperature (it once keyed on the verify width): argmax drafts verified with the softmax
+    q (accept min(1, p / q), residual max(0, p - q)) would not follow the target law."""
     from mtpspec.spec_decode.mtp_proposer import MTPProposer
 
     path, cfg, table = model
@@ -358,11 +357,9 @@ def test_sampled_drafts_are_drawn_at_the_request_temperature_after_a_step_verify
 def test_bad_cost_table_contents_fail_before_loading_naming_the_file(model, tmp_path, monkeypatch, name,
                                                                      verify0) -> None:
     """A cost table that the policy cannot use (no k = 0 or no k = num_speculative_tokens, a time
-    that is not a positive finite number, a key that is not an int) must fail as the file does:
-    before any model loads, naming the file. Today only a missing / malformed JSON file does:
-    the k check runs in AdaptiveSpecPolicy after the model loaded; zero times pass and divide by
-    zero in the first step's choose(); negative / NaN times pass and steer the choice; ValueErrors
-    from StepCostTable's own checks do not name the file."""
+    that is not a positive finite number, a key that is not an int) must fail as a missing file
+    does: before any model loads, naming the file (zero times would divide by zero in choose(),
+    negative / NaN ones would steer it)."""
     path, _, _ = model
     ks = range(4)
     d = {"verify_ms": {str(k): {"1": 1.0 + k} for k in ks}, "draft_ms": {str(k): {"1": 0.5 * k} for k in ks}}
@@ -388,10 +385,10 @@ def test_bad_cost_table_contents_fail_before_loading_naming_the_file(model, tmp_
 
 
 def test_eval_gsm8k_offline_per_position_rates_use_the_drafts_per_position(model, monkeypatch) -> None:
-    """eval_gsm8k's offline path (``generate_offline``) reports acceptance_rate_per_pos as
-    accepted_per_pos[j] / num_drafts; under adaptive speculation length a verification may hold
-    fewer than k drafts, so the rate at position j must divide by num_draft_tokens_per_pos[j] (as
-    the server path, bench_serve.spec_figures, now does)."""
+    """eval_gsm8k's offline path (``generate_offline``): under adaptive speculation length a
+    verification may hold fewer than k drafts, so acceptance_rate_per_pos[j] must divide the
+    accepted count by num_draft_tokens_per_pos[j], not by num_drafts (as the server path,
+    bench_serve.spec_figures, does)."""
     from mtpspec.engine import llm as llm_mod
     from mtpspec.entrypoints.eval_gsm8k import generate_offline
 
@@ -425,7 +422,7 @@ def test_eval_gsm8k_offline_per_position_rates_use_the_drafts_per_position(model
 @pytest.mark.parametrize("num_mtp_layers", [1, 2])
 @pytest.mark.parametrize("script", [[0] * 6 + [3] * 100, [1] * 6 + [3] * 100, [0, 3], [2, 0, 1, 3]])
 def test_drafts_after_shorter_steps_equal_fixed_k_drafts(tmp_path, num_mtp_layers, script) -> None:
-    """(Passes; a regression guard.) The k = 0 KV-only pass and the shorter first passes leave
+    """The k = 0 KV-only pass and the shorter first passes leave
     every used MTP layer's cache as a fixed k = 3 run does: each k = 3 proposal equals the fixed
     run's proposal at the same (request, output length), token for token (float32 tiny model).
     With write_kv_only a no-op, 6 .. 13 of 68 match."""

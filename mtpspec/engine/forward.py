@@ -46,6 +46,7 @@ import torch
 from mtpspec.layers.attention import AttentionMetadata, set_forward_context
 from mtpspec.spec_decode.draft_forward import DraftTokenFn, EagerDraftForward
 from mtpspec.spec_decode.proposer import Proposer
+from mtpspec.timing import median_call_ms
 
 logger = logging.getLogger(__name__)
 
@@ -161,7 +162,8 @@ class GraphedForward(EagerForward):
                                  max_query_len=max_q, max_seq_len=self.max_seq_len,
                                  query_lens=q_lens, seq_lens_list=s_lens)
 
-    def _padded(self, b: int) -> Optional[int]:
+    def padded(self, b: int) -> Optional[int]:
+        """The graph batch size ``b`` sequences run at (``None``: above every captured size)."""
         return next((s for s in self.sizes if s >= b), None)
 
     # ---------------------------------------------------------------- per step
@@ -176,7 +178,7 @@ class GraphedForward(EagerForward):
                 self.num_prefill_graph_steps += 1
                 self._set_tables(block_tables, 1, 1)
             return
-        bp = self._padded(num_seqs)
+        bp = self.padded(num_seqs)
         if bp is None or self.capture_failed is not None or self.step_k not in self.ks:
             self.num_eager_fallbacks += 1
             if not self._warned:
@@ -384,10 +386,6 @@ class GraphedForward(EagerForward):
             if torch.cuda.is_available():
                 torch.cuda.synchronize()
 
-    def padded(self, b: int) -> Optional[int]:
-        """The graph batch size ``b`` sequences run at (``None``: above every captured size)."""
-        return self._padded(b)
-
     def unit_fn(self, key: tuple, draft_fn: Optional[DraftTokenFn] = None) -> Callable[[AttentionMetadata], tuple]:
         """The function of decode unit ``key`` (as :meth:`capture` names them): ``("verify", Bp, v)``,
         ``("first", Bp, i, v)``, ``("kvonly", Bp, i, v)`` or ``("step", Bp, i, with_top)``
@@ -411,7 +409,6 @@ class GraphedForward(EagerForward):
         one warm-up, on the layout in the static buffers (:meth:`dummy_layout` of its width): its
         CUDA-graph replay when captured, else its function through the static buffers (CUDA events
         on a GPU, ``perf_counter`` on the CPU; :func:`mtpspec.timing.median_call_ms`)."""
-        from mtpspec.timing import median_call_ms
         if key in self.graphs:
             call = self.graphs[key][0].replay
         else:

@@ -51,7 +51,7 @@ import time
 from dataclasses import asdict
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from mtpspec.entrypoints.bench_serve import BenchConfig, add_arguments, run_benchmark
+from mtpspec.entrypoints.bench_serve import BenchConfig, add_arguments, config_from_args, run_benchmark
 
 #: max_tokens of each warm-up request (the default warm-up is one wave at the workload's concurrency).
 WARMUP_OUTPUT_LEN = 16
@@ -100,7 +100,6 @@ def workload_config(name: str, args: argparse.Namespace) -> BenchConfig:
     Raises:
         ValueError: as :func:`scaled_preset` and :class:`BenchConfig`.
     """
-    from mtpspec.entrypoints.bench_serve import config_from_args
     preset: Dict[str, Any] = scaled_preset(name, args.scale)
     preset.update(warmup=min(preset["max_concurrency"], preset["num_prompts"]),
                   warmup_output_len=min(WARMUP_OUTPUT_LEN, preset["output_len"]))
@@ -424,15 +423,15 @@ def run_arms(arms: Dict[str, List[str]], workloads: Dict[str, BenchConfig], repe
             print(f"warning: could not save the runs so far to {partial}: {exc}", file=sys.stderr)
 
     def start(arm: str, i: int, n: int) -> None:
-        flags = arms[arm]
+        flags, share = arms[arm], 0.85 * (i + 1) / n
         if share_gpu and n > 1:
-            flags = flags + ["--gpu-memory-utilization", f"{0.85 * (i + 1) / n:.4f}"]
+            flags = flags + ["--gpu-memory-utilization", f"{share:.4f}"]
         print(f"starting the server for arm {arm!r} ...", file=sys.stderr, flush=True)
         try:
             servers[arm] = ArmServer(arm, flags, common, os.path.join(out_dir, f"server_{arm}.log"))
         except RuntimeError as exc:
             if share_gpu and n > 1:  # every server up at once, each with a share of the GPU
-                raise RuntimeError(f"{exc}\n(the {n} servers share the GPU, this one {0.85 * (i + 1) / n:.0%} of it: "
+                raise RuntimeError(f"{exc}\n(the {n} servers share the GPU, this one {share:.0%} of it: "
                                    "for a model the GPU holds one copy of, use --one-arm-at-a-time)") from None
             raise
         urls[arm] = servers[arm].url

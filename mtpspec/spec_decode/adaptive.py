@@ -138,7 +138,6 @@ class AdaptiveSpecPolicy:
     prior_weight: float = 4.0
     decay: float = 0.995
     overhead_weight: float = 0.05
-    _decode_samples: int = field(default=0, repr=False)  # pure-decode steps observed
     reached: List[float] = field(default_factory=list)
     accepted: List[float] = field(default_factory=list)
     #: Running mean (weight :attr:`overhead_weight`) of each pure-decode step's wall time minus its
@@ -147,6 +146,7 @@ class AdaptiveSpecPolicy:
     #: Running mean (same weight) of what a step carrying prompt tokens took beyond its table cost
     #: and :attr:`overhead_ms`, per prompt token (ms, >= 0).
     prefill_ms_per_token: float = 0.0
+    _decode_samples: int = field(default=0, init=False, repr=False)  # pure-decode steps observed
 
     def __post_init__(self) -> None:
         if not {0, self.max_k} <= set(self.costs.ks):
@@ -283,5 +283,6 @@ def measure_step_costs(runner, sizes: Optional[Sequence[int]] = None, repeats: i
                     if fills and k > 2:  # steps 1 .. k - 2 write their row to every other used layer
                         d += (k - 2) * (len(fills) - 1) * sum(fills) / len(fills)
                 draft.setdefault(k, {})[bp] = d
-    how = "CUDA-graph replays" if graphed else ("static buffers, eager" + (" (CUDA events)" if runner.device.type == "cuda" else ""))
+    events = " (CUDA events)" if runner.device.type == "cuda" else ""
+    how = "CUDA-graph replays" if graphed else "static buffers, eager" + events
     return StepCostTable(verify, draft, f"measured at start-up ({how}, median of {repeats})")
