@@ -62,7 +62,7 @@ adaptive)  # issue 18: speculation length sweep on the demo model (natural GSM8K
 adaptive-air)  # the same sweep at GLM-4.5-Air width (8 layers, random weights), SYNTHETIC forced acceptance rate 0.8;
   # one 40 GB server at a time (the GPU holds one copy; bench arms' GPU sharing gave 5 servers 17% each)
   python3 benchmarks/make_dummy_model.py /tmp/air8 --preset air-8l --max-position-embeddings 2048 || exit 1
-  step 590 arms_air python3 -m mtpspec.entrypoints.cli bench arms --model /tmp/air8 --arms ${ARMS:-plain,k1,k2,k3,adaptive} \
+  step ${ARMS_TIMEOUT:-590} arms_air python3 -m mtpspec.entrypoints.cli bench arms --model /tmp/air8 --arms ${ARMS:-plain,k1,k2,k3,adaptive} \
       --workloads s1,s8,s64,s256 --repeats ${REPEATS:-2} --no-plots --no-progress --random-prompts --ignore-eos --one-arm-at-a-time \
       --forced-acceptance rate:0.8 --server-args "--max-num-seqs 256 --load-format dummy --max-model-len 1024 \
       --dtype bfloat16 --num-kv-blocks 12000" --output-dir "$OUT/arms_air" ;;
