@@ -124,3 +124,43 @@ def test_one_run_with_a_distillation_phase(run, tmp_path):
     target_keys = [k for k in ref if not k.startswith(mtp_prefix)]
     assert target_keys and all(torch.equal(ref[k], got[k]) for k in target_keys)
     assert any(not torch.equal(ref[k], got[k]) for k in ref if k.startswith(mtp_prefix))
+
+
+def test_self_distillation_documents_are_the_models_greedy_completions(run, tmp_path):
+    """``--self-distill-prompts``: the documents are ``mtpspec eval gsm8k``'s 5-shot prompt of a
+    train question + that model's greedy completion (checked against plain greedy decoding, k = 0,
+    of the same prompts), the held-out rows' completions feed ``val_self``, and training on them
+    (share 1) changes only the MTP layer."""
+    from mtpspec import LLM, SamplingParams
+    from mtpspec.data.gsm8k import fewshot_prompt, load_split
+    from mtpspec.entrypoints.eval_gsm8k_score import STOP_SEQUENCES
+    from mtpspec.training.train import self_distill_data
+    src, _ = run
+    out = str(tmp_path / "self_distill")
+    cfg = TrainConfig(output_dir=out, init_from=src, freeze_target=True, mtp_distill=1.0, gsm8k_limit=300,
+                      holdout=20, num_synthetic=1500, gsm8k_epochs=1, tokens_per_batch=2048, max_steps=6,
+                      max_minutes=0, lr=1e-2, warmup_steps=2, log_every=1, eval_every=3, eval_docs=2,
+                      accept_prompts=0, device="cpu", dtype="float32", save_dtype="float32", progress=False,
+                      distill_fraction=0.0, self_distill_prompts=3, self_distill_share=1.0,
+                      self_distill_max_tokens=12, self_distill_seconds=600)
+    docs, val_docs, stats = self_distill_data(cfg, torch.device("cpu"), log=lambda m: None)
+    assert (len(docs), len(val_docs), stats["prompts_done"]) == (3, 2, 3)
+    rows = load_split("train")[:300]
+    prompts = [fewshot_prompt(rows[:5], r["question"]) for r in rows[5:8]]
+    llm = LLM(model=src, device="cpu", dtype="float32", max_model_len=2048)
+    try:
+        ref = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=12, stop=STOP_SEQUENCES), use_tqdm=False)
+    finally:
+        llm.shutdown()
+    for d in range(3):
+        want = list(ref[d].prompt_token_ids) + list(ref[d].outputs[0].token_ids)
+        assert docs.doc(d).tolist() == want
+    summary = _train_one_thread(cfg)
+    assert summary["self_distill"]["documents"] == 3 and summary["final_val_self"]["draft_agreement"] >= 0
+    kinds = [json.loads(x)["kind"] for x in open(os.path.join(out, "train_log.jsonl"))]
+    assert kinds.count("val_self") == 3  # before step 1, at steps 3 and 6 (the last)
+    from mtpspec.models.loader import read_checkpoint_tensors
+    before, after = dict(read_checkpoint_tensors(src)), dict(read_checkpoint_tensors(out))
+    mtp_prefix = f"model.layers.{json.load(open(os.path.join(src, 'config.json')))['num_hidden_layers']}."
+    changed = [k for k in before if not torch.equal(before[k], after[k])]
+    assert changed and all(k.startswith(mtp_prefix) for k in changed), changed

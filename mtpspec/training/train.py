@@ -28,6 +28,11 @@ much smaller model on the CPU in a few minutes. Steps:
    (for ``glm_moe_dsa`` with sparse attention, the MTP layer's own indexer still learning from its
    KL); retraining the MTP layer of a trained ``glm_moe_dsa`` model takes
    ``--indexer-warmup-fraction 0`` (sparse attention throughout, as the target was trained);
+   ``--self-distill-prompts N`` (with ``--init-from``) first has the model write greedy completions
+   of N GSM8K train questions in ``mtpspec eval gsm8k``'s 5-shot prompt
+   (:mod:`mtpspec.training.self_distill`) and draws ``--self-distill-share`` of the batches in
+   which the target is frozen (``--freeze-target`` or phase 2) from those documents; the MTP
+   layers' agreement on the held-out rows' own completions is logged as ``val_self``;
 5. stop at ``--max-steps`` or when ``--max-minutes`` (wall clock of the whole run) is nearly
    used, then write ``config.json``, ``model.safetensors`` (bf16, Hugging Face layout; tied
    ``lm_head`` and MTP ``shared_head.head`` are omitted, the loader ties them) and
@@ -98,6 +103,10 @@ class TrainConfig:
     distill_lr: float = 5e-4
     distill_warmup_steps: int = 50
     distill_depth: int = 1
+    self_distill_prompts: int = 0           # > 0: the --init-from model's greedy completions of this many GSM8K train questions
+    self_distill_share: float = 0.5         # share of the frozen-target batches drawn from those documents
+    self_distill_max_tokens: int = 256      # completion length limit (eval gsm8k's default)
+    self_distill_seconds: float = 150.0     # generation time budget (wall clock, inside --max-minutes)
     router_bias_speed: float = 0.001
     seed: int = 0
     device: str = "auto"
@@ -313,7 +322,9 @@ def check_config(cfg: TrainConfig) -> None:
             without an indexer (or with ``--init-from``, whose model keeps its own), a
             ``--distill-fraction`` outside ``[0, 1)``; for ``glm_moe_dsa`` an
             ``--indexer-warmup-fraction`` outside ``[0, 1 - distill_fraction]`` or a negative
-            ``--indexer-kl-weight`` (the other architectures ignore both).
+            ``--indexer-kl-weight`` (the other architectures ignore both); ``--self-distill-prompts``
+            without ``--init-from``, without a frozen target (``--freeze-target`` or
+            ``--distill-fraction > 0``), or with a share outside ``[0, 1]``.
     """
     from mtpspec.training.model_setup import ARCHS
     if cfg.arch not in ARCHS:
@@ -326,6 +337,19 @@ def check_config(cfg: TrainConfig) -> None:
         raise ValueError(f"--index-topk applies to --arch glm_moe_dsa (a DSA indexer), not {cfg.arch}")
     if cfg.index_topk and cfg.init_from:
         raise ValueError("--index-topk sets a new model's selection size; an --init-from model keeps its own")
+    if cfg.self_distill_prompts < 0:
+        raise ValueError(f"--self-distill-prompts must be >= 0, got {cfg.self_distill_prompts}")
+    if cfg.self_distill_prompts:
+        if not cfg.init_from:
+            raise ValueError("--self-distill-prompts needs --init-from: the documents are that model's own completions")
+        if not (cfg.freeze_target or cfg.distill_fraction > 0):
+            raise ValueError("--self-distill-prompts trains only where the target is frozen: pass --freeze-target "
+                             "or --distill-fraction > 0 (a target trained on its own outputs would learn nothing new)")
+        if not 0.0 <= cfg.self_distill_share <= 1.0:
+            raise ValueError(f"--self-distill-share must be in [0, 1], got {cfg.self_distill_share}")
+        if cfg.self_distill_max_tokens < 1 or not cfg.self_distill_seconds > 0:
+            raise ValueError(f"--self-distill-max-tokens must be >= 1 and --self-distill-seconds > 0, got "
+                             f"{cfg.self_distill_max_tokens}, {cfg.self_distill_seconds}")
     if cfg.arch != "glm_moe_dsa":
         return  # the indexer flags below mean nothing to the other architectures
     if not 0.0 <= cfg.indexer_warmup_fraction <= 1.0 - cfg.distill_fraction:
@@ -336,6 +360,46 @@ def check_config(cfg: TrainConfig) -> None:
         raise ValueError(f"--indexer-kl-weight must be >= 0, got {cfg.indexer_kl_weight}")
     if cfg.indexer_kl_row_stride < 1:
         raise ValueError(f"--indexer-kl-row-stride must be >= 1, got {cfg.indexer_kl_row_stride}")
+
+
+def _val_self(target, mtp, val_self, device, cfg: TrainConfig, dsa, jlog, step: int, tokens: int, log) -> Dict[str, float]:
+    """Validation on the held-out rows' own greedy completions (``val_self`` records): the draft
+    agreement there is the nearest proxy of the evaluation's acceptance rate. {} without them."""
+    if not val_self:
+        return {}
+    from mtpspec.training.quick_eval import validation_metrics
+    v = validation_metrics(target, mtp, val_self, device, cfg.mtp_lambda, cfg.mtp_depth, dsa=dsa)
+    jlog.write({"kind": "val_self", "step": step, "tokens": tokens, **v})
+    log(f"step {step} val_self {_fmt(v)}")
+    return v
+
+
+def self_distill_data(cfg: TrainConfig, device: torch.device, log=_log):
+    """``--self-distill-prompts``: the ``--init-from`` model's greedy completions of GSM8K train
+    questions (the rows ``prepare_data`` trains on, after the shots) and of the first
+    ``eval_docs`` held-out rows, as ``(train_docs, val_docs, stats)``
+    (:mod:`mtpspec.training.self_distill`). The held-out completions share the budget: a tenth of
+    ``self_distill_seconds`` first, then the train questions."""
+    from mtpspec.entrypoints.eval_gsm8k import build_prompts
+    from mtpspec.training.self_distill import docs_from_token_lists, generate_documents, self_distill_prompts
+    rows = load_gsm8k(resolve_gsm8k("train", cfg.gsm8k_dir, "--gsm8k-dir"))
+    if cfg.gsm8k_limit:
+        rows = rows[:cfg.gsm8k_limit]
+    train_rows, val_rows = rows[:len(rows) - cfg.holdout], rows[len(rows) - cfg.holdout:]
+    prompts = self_distill_prompts(train_rows, cfg.num_shots)[:cfg.self_distill_prompts]
+    val_prompts = build_prompts(val_rows[:cfg.eval_docs], train_rows, cfg.num_shots)
+    kw = {"device": str(device), "dtype": "bfloat16" if device.type == "cuda" else "float32",
+          "max_model_len": cfg.max_len, "max_num_seqs": 256 if device.type == "cuda" else 16,
+          "gpu_memory_utilization": 0.5, "speculative_config": {"num_speculative_tokens": 3}}
+    val, vstats = generate_documents(cfg.init_from, val_prompts, cfg.self_distill_max_tokens,
+                                     cfg.self_distill_seconds / 10, kw)
+    seqs, stats = generate_documents(cfg.init_from, prompts, cfg.self_distill_max_tokens,
+                                     cfg.self_distill_seconds * 0.9, kw, log=log)
+    train_docs, val_docs = docs_from_token_lists(seqs, cfg.max_len), docs_from_token_lists(val, cfg.max_len)
+    stats = {**stats, "documents": len(train_docs), "dropped": train_docs.dropped, "val_documents": len(val_docs),
+             "val_seconds": vstats["seconds"]}
+    log(f"self-distillation data: {stats}")
+    return train_docs, val_docs, stats
 
 
 def train(cfg: TrainConfig, log=_log) -> Dict[str, Any]:
@@ -399,6 +463,14 @@ def train(cfg: TrainConfig, log=_log) -> Dict[str, Any]:
 
     batches = iterate_batches(train_docs, cfg.tokens_per_batch, cfg.max_len, eot, cfg.seed)
     val_batches = _val_batches(val_docs, eot, cfg.max_len, cfg.tokens_per_batch)
+    frozen_batches, val_self, sd_stats = batches, [], {}
+    if cfg.self_distill_prompts:
+        from mtpspec.training.self_distill import MixedBatches
+        sd_docs, sd_val, sd_stats = self_distill_data(cfg, device, log)
+        if len(sd_docs):
+            frozen_batches = MixedBatches(batches, iterate_batches(sd_docs, cfg.tokens_per_batch, cfg.max_len, eot,
+                                                                   cfg.seed), cfg.self_distill_share, cfg.seed)
+        val_self = _val_batches(sd_val, eot, cfg.max_len, cfg.tokens_per_batch) if len(sd_val) else []
     pads = pad_fraction(train_docs, cfg.tokens_per_batch, cfg.max_len)
     log_path = os.path.join(cfg.output_dir, "train_log.jsonl")
     jlog = JsonlLog(log_path)
@@ -431,6 +503,7 @@ def train(cfg: TrainConfig, log=_log) -> Dict[str, Any]:
     stop_reason = "max_steps"
     last_bar = 0
     v: Dict[str, float] = {}
+    vs = _val_self(target, mtp, val_self, device, cfg, dsa, jlog, 0, 0, log)  # the starting point
     try:
         while step < cfg.max_steps:
             now = time.time()
@@ -455,7 +528,7 @@ def train(cfg: TrainConfig, log=_log) -> Dict[str, Any]:
                 log(f"step {step}: phase 2, target frozen, MTP layers distilled at depth {phase.depth}")
             lr = phase.lr_at(step, now, cfg.min_lr_ratio)
             opt.set_lr(lr)
-            batch = next(batches)
+            batch = next(frozen_batches if cfg.freeze_target or phase_no == 2 else batches)
             out = forward_loss(target, mtp, batch, device, cfg.mtp_lambda, mtp_depth=phase.depth,
                                mtp_distill=phase.alpha, dsa=dsa)
             out.loss.backward()
@@ -482,6 +555,7 @@ def train(cfg: TrainConfig, log=_log) -> Dict[str, Any]:
                 v = validation_metrics(target, mtp, val_batches, device, cfg.mtp_lambda, cfg.mtp_depth, dsa=dsa)
                 jlog.write({"kind": "val", "step": step, "tokens": tokens, **v})
                 log(f"step {step} val {_fmt(v)}")
+                vs = _val_self(target, mtp, val_self, device, cfg, dsa, jlog, step, tokens, log)
             if bar is not None:
                 if cfg.max_minutes > 0:
                     el = int(time.time() - train_start)
@@ -502,8 +576,10 @@ def train(cfg: TrainConfig, log=_log) -> Dict[str, Any]:
     if val_batches and not (cfg.eval_every and step % cfg.eval_every == 0 and step):
         final_val = validation_metrics(target, mtp, val_batches, device, cfg.mtp_lambda, cfg.mtp_depth, dsa=dsa)
         jlog.write({"kind": "val", "step": step, "tokens": tokens, **final_val})
+        final_val_self = _val_self(target, mtp, val_self, device, cfg, dsa, jlog, step, tokens, log)
     else:
         final_val = v if val_batches and step else {}
+        final_val_self = vs
     prompts = [tok.encode(format_query(r["question"])).ids for r in val_rows[:cfg.accept_prompts]]
     accept = {}
     # The acceptance estimate runs the layers' own (engine) forward: DSA through the indexer ops.
@@ -521,6 +597,7 @@ def train(cfg: TrainConfig, log=_log) -> Dict[str, Any]:
         "tokens_per_second": round(tokens / max(train_seconds, 1e-9), 1), "stop_reason": stop_reason,
         "distill_phase": phase2, "dsa": dsa_info,
         "total_seconds": round(time.time() - start, 1), "final_val": final_val,
+        "self_distill": sd_stats, "final_val_self": final_val_self,
         "acceptance_holdout_zero_shot": accept, "files": written,
         "first_logged": history[0] if history else None, "last_logged": history[-1] if history else None}
     with open(os.path.join(cfg.output_dir, "summary.json"), "w", encoding="utf-8") as f:
