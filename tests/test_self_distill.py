@@ -23,8 +23,27 @@ def test_docs_drop_the_too_long_and_keep_order():
     assert len(docs) == 2 and docs.dropped == 1
     assert docs.doc(0).tolist() == [1, 2, 3] and docs.doc(1).tolist() == [5, 6]
     assert (docs.source == SELF_DISTILL_SOURCE).all()
+    with_prompts = docs_from_token_lists([[1, 2, 3], [4] * 9, [5, 6]], max_len=4, prompt_lens=[2, 5, 1])
+    assert with_prompts.loss_start.tolist() == [1, 0]  # the last prompt position; the long one dropped
+    with pytest.raises(ValueError, match="prompt length 4 of sequence 0"):
+        docs_from_token_lists([[1, 2, 3]], max_len=4, prompt_lens=[4])
+    with pytest.raises(ValueError, match="one prompt length per sequence"):
+        docs_from_token_lists([[1, 2, 3]], max_len=4, prompt_lens=[1, 2])
     empty = docs_from_token_lists([], max_len=4)
     assert len(empty) == 0 and empty.dropped == 0
+
+
+def test_batches_carry_loss_start_and_validation_counts_only_from_it():
+    """``make_batch`` keeps each row's ``loss_start``; ``Batch.loss_from`` is the flat index."""
+    import numpy as np
+    import torch
+    from mtpspec.training.packing import make_batch
+    docs = docs_from_token_lists([[1, 2, 3, 4], [5, 6, 7]], max_len=8, prompt_lens=[3, 1])
+    b = make_batch(docs, np.array([1, 0]), pad_id=0, max_len=8, pad_multiple=4)
+    assert b.loss_start.tolist() == [0, 2]
+    assert b.loss_from(torch.device("cpu")).tolist() == [0] * 4 + [6] * 4
+    plain = make_batch(docs_from_token_lists([[1, 2, 3]], max_len=8), np.array([0]), 0, 8)
+    assert plain.loss_start is None and plain.loss_from(torch.device("cpu")) is None
 
 
 def test_mixed_batches_share():

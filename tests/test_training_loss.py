@@ -34,12 +34,13 @@ class FakeModel:
         return h @ (self.head if k is None else self.heads[k])
 
 
-def _brute(model, docs, hidden_docs, depths, lam, alpha=0.0):
+def _brute(model, docs, hidden_docs, depths, lam, alpha=0.0, starts=None):
     """Loop over documents and positions, indexing tokens explicitly. ``alpha``: self-distillation
-    weight; the teacher of depth k at row i is softmax of the target head at row i + k."""
+    weight; the teacher of depth k at row i is softmax of the target head at row i + k. ``starts``:
+    per document, the first position i whose losses count."""
     sums, counts = [0.0] * (depths + 1), [0] * (depths + 1)
-    for doc, hid in zip(docs, hidden_docs):
-        for i in range(len(doc)):
+    for d, (doc, hid) in enumerate(zip(docs, hidden_docs)):
+        for i in range(starts[d] if starts else 0, len(doc)):
             prev = hid[i]
             if i + 1 < len(doc):
                 lp = torch.log_softmax(model.logits(prev, None), -1)
@@ -83,6 +84,28 @@ def test_loss_matches_brute_force(depths, seed, alpha):
     assert math.isclose(out.loss.item(), total, rel_tol=1e-12)
     out.loss.backward()
     assert torch.isfinite(hidden.grad).all() and hidden.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("alpha", [0.0, 1.0])
+def test_loss_from_leaves_the_positions_before_it_out(alpha):
+    """``loss_from`` (a self-distillation document's prompt): the loss equals the brute force over
+    positions ``i >= start`` of each document only, at every depth and with distillation."""
+    g = torch.Generator().manual_seed(7)
+    lens, starts = [9, 1, 12, 5, 7], [3, 0, 11, 0, 6]
+    docs = [torch.randint(0, V, (n,), generator=g).tolist() for n in lens]
+    model = FakeModel(3, 2)
+    hidden = torch.randn(sum(lens), H, generator=g, dtype=torch.float64)
+    cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)))
+    ids = torch.tensor([t for d in docs for t in d])
+    loss_from = torch.repeat_interleave(cu[:-1] + torch.tensor(starts), torch.tensor(lens))
+    out = mtp_training_loss(ids, positions_from_cu_seqlens(cu), doc_end_from_cu_seqlens(cu), hidden,
+                            model.logits, model.mtp_forward, 3, mtp_lambda=0.3, mtp_distill=alpha, loss_from=loss_from)
+    total, means, counts = _brute(model, docs, torch.split(hidden, lens), 3, 0.3, alpha, starts)
+    assert out.counts == counts and counts[0] == sum(max(n - 1 - s, 0) for n, s in zip(lens, starts))
+    assert math.isclose(out.loss.item(), total, rel_tol=1e-12)
+    full = mtp_training_loss(ids, positions_from_cu_seqlens(cu), doc_end_from_cu_seqlens(cu), hidden,
+                             model.logits, model.mtp_forward, 3, mtp_lambda=0.3, mtp_distill=alpha)
+    assert full.counts[0] > out.counts[0]  # the mask took rows away
 
 
 def test_mtp_gradient_reaches_target_hidden_at_row_i():

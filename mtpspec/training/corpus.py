@@ -16,7 +16,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import random
 from dataclasses import dataclass, field
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -27,12 +27,15 @@ from mtpspec.training.word_problems import generate_problem
 @dataclass
 class TokenDocs:
     """Documents as one flat ``int32`` token array: document ``d`` is
-    ``tokens[offsets[d]:offsets[d + 1]]``; ``source[d]`` is 0 (GSM8K) or 1 (generated)."""
+    ``tokens[offsets[d]:offsets[d + 1]]``; ``source[d]`` is 0 (GSM8K), 1 (generated) or 2
+    (self-distillation, :mod:`mtpspec.training.self_distill`). ``loss_start[d]`` (optional, int64):
+    the first position of document ``d`` whose predictions count in the loss (none: all)."""
 
     tokens: np.ndarray
     offsets: np.ndarray
     source: np.ndarray
     dropped: int = 0
+    loss_start: Optional[np.ndarray] = None
 
     def __len__(self) -> int:
         return len(self.offsets) - 1

@@ -139,6 +139,7 @@ def mtp_training_loss(
     num_mtp_layers: int,
     mtp_lambda: float,
     mtp_distill: float = 0.0,
+    loss_from: Optional[torch.Tensor] = None,
 ) -> MtpLossOutput:
     """``L_main + mtp_lambda / D * sum_k L_MTP^k`` (DeepSeek-V3 eq. 25) for one flattened batch.
 
@@ -155,6 +156,8 @@ def mtp_training_loss(
         mtp_lambda: weight lambda of the MTP term.
         mtp_distill: weight alpha in [0, 1] of the self-distillation term (module docstring);
             0 is the plain eq. 24 loss.
+        loss_from: ``[N]`` int64 (optional): position ``i`` counts in every loss only when
+            ``i >= loss_from[i]`` (e.g. a prompt's own positions left out); ``None``: all count.
 
     Returns:
         :class:`MtpLossOutput`.
@@ -173,7 +176,12 @@ def mtp_training_loss(
     if not 0.0 <= mtp_distill <= 1.0:
         raise ValueError(f"mtp_distill must be in [0, 1], got {mtp_distill}")
 
-    labels0, _ = shifted(input_ids, doc_end, 1, IGNORE_INDEX)
+    keep = None if loss_from is None else torch.arange(n, device=input_ids.device) >= loss_from
+
+    def masked(labels: torch.Tensor) -> torch.Tensor:
+        return labels if keep is None else torch.where(keep, labels, torch.full_like(labels, IGNORE_INDEX))
+
+    labels0 = masked(shifted(input_ids, doc_end, 1, IGNORE_INDEX)[0])
     target_logits = logits_fn(target_hidden, None)
     target_loss, c0 = _ce(target_logits, labels0)
     teacher = None
@@ -183,7 +191,7 @@ def mtp_training_loss(
     prev = target_hidden
     for k in range(1, num_mtp_layers + 1):
         ids_k, _ = shifted(input_ids, doc_end, k, 0)
-        labels_k, _ = shifted(input_ids, doc_end, k + 1, IGNORE_INDEX)
+        labels_k = masked(shifted(input_ids, doc_end, k + 1, IGNORE_INDEX)[0])
         prev = mtp_forward(ids_k, positions + (k - 1), prev, k - 1)
         logits_k = logits_fn(prev, k - 1)
         lk, ck = _ce(logits_k, labels_k)

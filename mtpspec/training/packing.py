@@ -13,7 +13,7 @@ run as one batched call.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterator, List
+from typing import Iterator, List, Optional
 
 import numpy as np
 import torch
@@ -23,10 +23,12 @@ from mtpspec.training.corpus import TokenDocs
 
 @dataclass
 class Batch:
-    """``input_ids [B, L]`` int64 (pad = ``pad_id``), ``lengths [B]`` int64 real lengths."""
+    """``input_ids [B, L]`` int64 (pad = ``pad_id``), ``lengths [B]`` int64 real lengths,
+    ``loss_start [B]`` int64 (optional): each row's first position whose predictions count."""
 
     input_ids: torch.Tensor
     lengths: torch.Tensor
+    loss_start: Optional[torch.Tensor] = None
 
     @property
     def num_real_tokens(self) -> int:
@@ -41,6 +43,15 @@ class Batch:
         row_start = torch.arange(b, device=device) * length
         doc_end = (row_start + self.lengths.to(device)).repeat_interleave(length)
         return ids, pos, doc_end
+
+    def loss_from(self, device: torch.device) -> Optional[torch.Tensor]:
+        """``[B*L]`` int64: the flat index from which row ``i``'s positions count in the loss
+        (``None`` when every position counts)."""
+        if self.loss_start is None:
+            return None
+        b, length = self.input_ids.shape
+        start = torch.arange(b, device=device) * length + self.loss_start.to(device)
+        return start.repeat_interleave(length)
 
 
 def round_up(n: int, m: int) -> int:
@@ -90,7 +101,8 @@ def make_batch(docs: TokenDocs, idx: np.ndarray, pad_id: int, max_len: int, pad_
     for r, d in enumerate(idx):
         seq = docs.doc(int(d))
         out[r, :len(seq)] = seq
-    return Batch(torch.from_numpy(out), torch.from_numpy(lens.astype(np.int64)))
+    start = None if docs.loss_start is None else torch.from_numpy(docs.loss_start[idx].astype(np.int64))
+    return Batch(torch.from_numpy(out), torch.from_numpy(lens.astype(np.int64)), start)
 
 
 def iterate_batches(docs: TokenDocs, tokens_per_batch: int, max_len: int, pad_id: int, seed: int,

@@ -57,7 +57,9 @@ def validation_metrics(target: nn.Module, mtp: nn.Module, batches: Sequence[Batc
         t_arg = target.compute_logits(hidden).argmax(-1)
         n = ids.numel()
         idx = torch.arange(n, device=device)
-        v0 = idx + 1 < doc_end
+        counted = batch.loss_from(device)  # rows before a document's loss_start do not count
+        counted = torch.ones_like(idx, dtype=torch.bool) if counted is None else idx >= counted
+        v0 = (idx + 1 < doc_end) & counted
         sums["target_acc"] += (t_arg[:-1] == ids[1:])[v0[:-1]].float().sum().item()
         if mtp_depth >= 1:
             sums["mtp_loss"] += out.mtp_losses[0].item() * out.counts[1]
@@ -66,7 +68,7 @@ def validation_metrics(target: nn.Module, mtp: nn.Module, batches: Sequence[Batc
             with_meta = _with_rows_meta(batch, device)
             with with_meta:
                 m_arg = mtp.compute_logits(mtp(ids1, pos, hidden, spec_step_idx=0), 0).argmax(-1)
-            v1 = idx + 2 < doc_end
+            v1 = (idx + 2 < doc_end) & counted
             sums["mtp_acc"] += (m_arg[:-2] == ids[2:])[v1[:-2]].float().sum().item()
             sums["draft_agreement"] += (m_arg[:-1] == t_arg[1:])[v1[:-1]].float().sum().item()
     out_d = {"target_loss": sums["target_loss"] / max(n_t, 1), "target_acc": sums["target_acc"] / max(n_t, 1)}

@@ -14,7 +14,8 @@ here with greedy decoding and the evaluation's 5-shot prompt.
 * Documents (:func:`generate_documents`): prompt token ids + the completion's token ids, generated
   by :class:`mtpspec.LLM` (greedy, ``STOP_SEQUENCES``, ``max_tokens``), in waves until a time
   budget is used. A document is a :class:`~mtpspec.training.corpus.TokenDocs` row like any
-  training document (source ``2``), so batching and the MTP loss treat it the same way.
+  training document (source ``2``), so batching treats it the same way; its losses count from
+  the last prompt position on (``TokenDocs.loss_start``): what the engine drafts is completions.
 """
 
 from __future__ import annotations
@@ -42,27 +43,48 @@ def self_distill_prompts(rows: Sequence[Dict[str, str]], num_shots: int) -> List
     return build_prompts(rows[num_shots:], rows, num_shots)
 
 
-def docs_from_token_lists(seqs: Sequence[Sequence[int]], max_len: int) -> TokenDocs:
+def docs_from_token_lists(seqs: Sequence[Sequence[int]], max_len: int,
+                          prompt_lens: Optional[Sequence[int]] = None) -> TokenDocs:
     """``TokenDocs`` (source :data:`SELF_DISTILL_SOURCE`) of ``seqs``; sequences longer than
-    ``max_len`` are dropped (counted in ``dropped``), as the corpus drops long documents."""
-    kept = [np.asarray(s, dtype=np.int32) for s in seqs if 1 < len(s) <= max_len]
+    ``max_len`` are dropped (counted in ``dropped``), as the corpus drops long documents.
+
+    With ``prompt_lens`` (one per sequence), a document's losses count from position
+    ``prompt_len - 1`` (``loss_start``): the last prompt position, whose MTP draft is the first
+    the engine makes (it predicts the second completion token), and every completion position
+    after it; the shared 5-shot prefix adds nothing there.
+
+    Raises:
+        ValueError: ``prompt_lens`` of another length than ``seqs``, or a prompt length outside
+            ``[1, len(sequence)]``.
+    """
+    if prompt_lens is not None and len(prompt_lens) != len(seqs):
+        raise ValueError(f"need one prompt length per sequence, got {len(prompt_lens)} for {len(seqs)}")
+    keep = [i for i, s in enumerate(seqs) if 1 < len(s) <= max_len]
+    kept = [np.asarray(seqs[i], dtype=np.int32) for i in keep]
     offsets = np.zeros(len(kept) + 1, dtype=np.int64)
     if kept:
         offsets[1:] = np.cumsum([len(s) for s in kept])
     tokens = np.concatenate(kept) if kept else np.zeros(0, dtype=np.int32)
+    start = None
+    if prompt_lens is not None:
+        bad = [i for i in keep if not 1 <= prompt_lens[i] <= len(seqs[i])]
+        if bad:
+            raise ValueError(f"prompt length {prompt_lens[bad[0]]} of sequence {bad[0]} is outside [1, "
+                             f"{len(seqs[bad[0]])}]")
+        start = np.asarray([prompt_lens[i] - 1 for i in keep], dtype=np.int64)
     return TokenDocs(tokens, offsets, np.full(len(kept), SELF_DISTILL_SOURCE, dtype=np.int8),
-                     dropped=len(seqs) - len(kept))
+                     dropped=len(seqs) - len(kept), loss_start=start)
 
 
 def generate_documents(model: str, prompts: Sequence[str], max_tokens: int, max_seconds: float,
                        llm_kwargs: Optional[Dict[str, Any]] = None, wave: int = 1024,
-                       log=None) -> Tuple[List[List[int]], Dict[str, Any]]:
+                       log=None) -> Tuple[List[List[int]], List[int], Dict[str, Any]]:
     """Greedy completions of ``prompts`` by the model in folder ``model``, in waves of ``wave``
     prompts until ``max_seconds`` (wall clock, > 0) is used up (the wave that crosses it is kept).
 
     Returns:
-        ``(documents, stats)``: one ``prompt_token_ids + completion token_ids`` list per prompt
-        done, in prompt order; stats give the prompts done, tokens, seconds and the acceptance
+        ``(documents, prompt_lens, stats)``: one ``prompt_token_ids + completion token_ids`` list
+        per prompt done, in prompt order, its prompt's length; stats give the prompts done, tokens, seconds and the acceptance
         length the engine reported.
 
     Raises:
@@ -76,6 +98,7 @@ def generate_documents(model: str, prompts: Sequence[str], max_tokens: int, max_
     t0 = time.time()
     llm = LLM(model=model, **(llm_kwargs or {}))
     docs: List[List[int]] = []
+    prompt_lens: List[int] = []
     completion_tokens = 0
     try:
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens, stop=STOP_SEQUENCES)
@@ -86,6 +109,7 @@ def generate_documents(model: str, prompts: Sequence[str], max_tokens: int, max_
                 out = list(o.outputs[0].token_ids)
                 completion_tokens += len(out)
                 docs.append(list(o.prompt_token_ids) + out)
+                prompt_lens.append(len(o.prompt_token_ids))
             if log is not None:
                 log(f"self-distillation data: {len(docs)} of {len(prompts)} prompts, {time.time() - t0:.0f} s")
         metrics = llm.get_metrics()
@@ -96,7 +120,7 @@ def generate_documents(model: str, prompts: Sequence[str], max_tokens: int, max_
     stats = {"prompts_done": len(docs), "prompts_offered": len(prompts), "completion_tokens": completion_tokens,
              "document_tokens": int(sum(len(d) for d in docs)), "seconds": round(time.time() - t0, 1),
              "acceptance_length": metrics.get("acceptance_length")}
-    return docs, stats
+    return docs, prompt_lens, stats
 
 
 class MixedBatches:

@@ -31,7 +31,8 @@ def forward_loss(target: nn.Module, mtp: nn.Module, batch: Batch, device: torch.
 
     Each row of ``batch`` is one sequence of the flattened varlen layout (``query_lens = seq_lens
     = [L] * B``, no KV cache), so attention is causal within a row only, exactly the engine's
-    prefill of one prompt per row; positions restart at 0 in every row.
+    prefill of one prompt per row; positions restart at 0 in every row. A batch with ``loss_start``
+    leaves each row's positions before it out of every loss (``Batch.loss_from``).
 
     Returns:
         :class:`~mtpspec.training.mtp_loss.MtpLossOutput` (and the target hidden states
@@ -56,7 +57,7 @@ def forward_loss(target: nn.Module, mtp: nn.Module, batch: Batch, device: torch.
     with set_forward_context(meta), collect as record:
         hidden = target(ids, pos)
         out: MtpLossOutput = mtp_training_loss(ids, pos, doc_end, hidden, logits_fn, mtp_forward, d, mtp_lambda,
-                                               mtp_distill=mtp_distill)
+                                               mtp_distill=mtp_distill, loss_from=batch.loss_from(device))
     if record is not None:
         out.indexer_loss = record.loss()
         out.dsa_stats = record.stats()

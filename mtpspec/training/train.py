@@ -391,11 +391,12 @@ def self_distill_data(cfg: TrainConfig, device: torch.device, log=_log):
     kw = {"device": str(device), "dtype": "bfloat16" if device.type == "cuda" else "float32",
           "max_model_len": cfg.max_len, "max_num_seqs": 256 if device.type == "cuda" else 16,
           "gpu_memory_utilization": 0.5, "speculative_config": {"num_speculative_tokens": 3}}
-    val, vstats = generate_documents(cfg.init_from, val_prompts, cfg.self_distill_max_tokens,
-                                     cfg.self_distill_seconds / 10, kw)
-    seqs, stats = generate_documents(cfg.init_from, prompts, cfg.self_distill_max_tokens,
-                                     cfg.self_distill_seconds * 0.9, kw, log=log)
-    train_docs, val_docs = docs_from_token_lists(seqs, cfg.max_len), docs_from_token_lists(val, cfg.max_len)
+    val, val_lens, vstats = generate_documents(cfg.init_from, val_prompts, cfg.self_distill_max_tokens,
+                                               cfg.self_distill_seconds / 10, kw)
+    seqs, lens, stats = generate_documents(cfg.init_from, prompts, cfg.self_distill_max_tokens,
+                                           cfg.self_distill_seconds * 0.9, kw, log=log)
+    train_docs = docs_from_token_lists(seqs, cfg.max_len, lens)
+    val_docs = docs_from_token_lists(val, cfg.max_len, val_lens)
     stats = {**stats, "documents": len(train_docs), "dropped": train_docs.dropped, "val_documents": len(val_docs),
              "val_seconds": vstats["seconds"]}
     log(f"self-distillation data: {stats}")
