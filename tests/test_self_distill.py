@@ -60,7 +60,7 @@ def test_mixed_batches_share():
 
 
 @pytest.mark.parametrize("kw, match", [
-    (dict(self_distill_prompts=10), "needs --init-from"),
+    (dict(self_distill_prompts=10, freeze_target=True), "needs --init-from"),
     (dict(self_distill_prompts=10, init_from="m", distill_fraction=0.0), "--freeze-target"),
     (dict(self_distill_prompts=10, init_from="m", self_distill_share=2.0), "self-distill-share"),
     (dict(self_distill_prompts=10, init_from="m", self_distill_seconds=0.0), "self-distill-seconds"),

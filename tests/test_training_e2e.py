@@ -164,3 +164,19 @@ def test_self_distillation_documents_are_the_models_greedy_completions(run, tmp_
     mtp_prefix = f"model.layers.{json.load(open(os.path.join(src, 'config.json')))['num_hidden_layers']}."
     changed = [k for k in before if not torch.equal(before[k], after[k])]
     assert changed and all(k.startswith(mtp_prefix) for k in changed), changed
+
+
+def test_self_distillation_at_phase_two_uses_the_phase_one_target(run, tmp_path):
+    """Without ``--freeze-target`` the documents are written when phase 2 freezes the target (from
+    the weights phase 1 left, inside the run), and ``val_self`` starts there."""
+    out = str(tmp_path / "sd_phase2")
+    cfg = TrainConfig(output_dir=out, preset="ci", gsm8k_limit=300, holdout=20, num_synthetic=1500,
+                      tokenizer_synthetic=1500, gsm8k_epochs=1, tokens_per_batch=2048, max_steps=8, max_minutes=0,
+                      lr=1e-2, warmup_steps=2, log_every=1, eval_every=0, eval_docs=1, accept_prompts=0,
+                      device="cpu", dtype="float32", save_dtype="float32", progress=False,
+                      distill_fraction=0.5, distill_warmup_steps=1, self_distill_prompts=2,
+                      self_distill_share=1.0, self_distill_max_tokens=6, self_distill_seconds=600)
+    summary = _train_one_thread(cfg)
+    assert summary["distill_phase"]["start_step"] == 4 and summary["self_distill"]["documents"] == 2
+    recs = [json.loads(x) for x in open(os.path.join(out, "train_log.jsonl"))]
+    assert [r["step"] for r in recs if r["kind"] == "val_self"] == [4, 8]

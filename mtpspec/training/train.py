@@ -28,11 +28,12 @@ much smaller model on the CPU in a few minutes. Steps:
    (for ``glm_moe_dsa`` with sparse attention, the MTP layer's own indexer still learning from its
    KL); retraining the MTP layer of a trained ``glm_moe_dsa`` model takes
    ``--indexer-warmup-fraction 0`` (sparse attention throughout, as the target was trained);
-   ``--self-distill-prompts N`` (with ``--init-from``) first has the model write greedy completions
-   of N GSM8K train questions in ``mtpspec eval gsm8k``'s 5-shot prompt
-   (:mod:`mtpspec.training.self_distill`) and draws ``--self-distill-share`` of the batches in
-   which the target is frozen (``--freeze-target`` or phase 2) from those documents; the MTP
-   layers' agreement on the held-out rows' own completions is logged as ``val_self``;
+   ``--self-distill-prompts N`` (with ``--init-from``) has the target, when it freezes (at the
+   start with ``--freeze-target``, else when phase 2 begins, inside the time budget), write greedy
+   completions of N GSM8K train questions in ``mtpspec eval gsm8k``'s 5-shot prompt
+   (:mod:`mtpspec.training.self_distill`) and draws ``--self-distill-share`` of the batches from
+   then on from those documents; the MTP layers' agreement on the held-out rows' own completions
+   is logged as ``val_self``;
 5. stop at ``--max-steps`` or when ``--max-minutes`` (wall clock of the whole run) is nearly
    used, then write ``config.json``, ``model.safetensors`` (bf16, Hugging Face layout; tied
    ``lm_head`` and MTP ``shared_head.head`` are omitted, the loader ties them) and
@@ -52,6 +53,7 @@ import json
 import os
 import random
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional
@@ -103,7 +105,7 @@ class TrainConfig:
     distill_lr: float = 5e-4
     distill_warmup_steps: int = 50
     distill_depth: int = 1
-    self_distill_prompts: int = 0           # > 0: the --init-from model's greedy completions of this many GSM8K train questions
+    self_distill_prompts: int = 0           # > 0: the frozen target's greedy completions of this many GSM8K train questions
     self_distill_share: float = 0.5         # share of the frozen-target batches drawn from those documents
     self_distill_max_tokens: int = 256      # completion length limit (eval gsm8k's default)
     self_distill_seconds: float = 150.0     # generation time budget (wall clock, inside --max-minutes)
@@ -323,7 +325,7 @@ def check_config(cfg: TrainConfig) -> None:
             ``--distill-fraction`` outside ``[0, 1)``; for ``glm_moe_dsa`` an
             ``--indexer-warmup-fraction`` outside ``[0, 1 - distill_fraction]`` or a negative
             ``--indexer-kl-weight`` (the other architectures ignore both); ``--self-distill-prompts``
-            without ``--init-from``, without a frozen target (``--freeze-target`` or
+            with ``--freeze-target`` but no ``--init-from``, without a frozen target (``--freeze-target`` or
             ``--distill-fraction > 0``), or with a share outside ``[0, 1]``.
     """
     from mtpspec.training.model_setup import ARCHS
@@ -340,8 +342,9 @@ def check_config(cfg: TrainConfig) -> None:
     if cfg.self_distill_prompts < 0:
         raise ValueError(f"--self-distill-prompts must be >= 0, got {cfg.self_distill_prompts}")
     if cfg.self_distill_prompts:
-        if not cfg.init_from:
-            raise ValueError("--self-distill-prompts needs --init-from: the documents are that model's own completions")
+        if cfg.freeze_target and not cfg.init_from:
+            raise ValueError("--self-distill-prompts with --freeze-target needs --init-from: the documents are that "
+                             "model's own completions")
         if not (cfg.freeze_target or cfg.distill_fraction > 0):
             raise ValueError("--self-distill-prompts trains only where the target is frozen: pass --freeze-target "
                              "or --distill-fraction > 0 (a target trained on its own outputs would learn nothing new)")
@@ -374,10 +377,10 @@ def _val_self(target, mtp, val_self, device, cfg: TrainConfig, dsa, jlog, step: 
     return v
 
 
-def self_distill_data(cfg: TrainConfig, device: torch.device, log=_log):
-    """``--self-distill-prompts``: the ``--init-from`` model's greedy completions of GSM8K train
-    questions (the rows ``prepare_data`` trains on, after the shots) and of the first
-    ``eval_docs`` held-out rows, as ``(train_docs, val_docs, stats)``
+def self_distill_data(cfg: TrainConfig, device: torch.device, log=_log, model_dir: str = ""):
+    """``--self-distill-prompts``: the greedy completions of the model in ``model_dir`` (default
+    ``--init-from``) of GSM8K train questions (the rows ``prepare_data`` trains on, after the
+    shots) and of the first ``eval_docs`` held-out rows, as ``(train_docs, val_docs, stats)``
     (:mod:`mtpspec.training.self_distill`). The held-out completions share the budget: a tenth of
     ``self_distill_seconds`` first, then the train questions."""
     from mtpspec.entrypoints.eval_gsm8k import build_prompts
@@ -391,9 +394,10 @@ def self_distill_data(cfg: TrainConfig, device: torch.device, log=_log):
     kw = {"device": str(device), "dtype": "bfloat16" if device.type == "cuda" else "float32",
           "max_model_len": cfg.max_len, "max_num_seqs": 256 if device.type == "cuda" else 16,
           "gpu_memory_utilization": 0.5, "speculative_config": {"num_speculative_tokens": 3}}
-    val, val_lens, vstats = generate_documents(cfg.init_from, val_prompts, cfg.self_distill_max_tokens,
+    model_dir = model_dir or cfg.init_from
+    val, val_lens, vstats = generate_documents(model_dir, val_prompts, cfg.self_distill_max_tokens,
                                                cfg.self_distill_seconds / 10, kw)
-    seqs, lens, stats = generate_documents(cfg.init_from, prompts, cfg.self_distill_max_tokens,
+    seqs, lens, stats = generate_documents(model_dir, prompts, cfg.self_distill_max_tokens,
                                            cfg.self_distill_seconds * 0.9, kw, log=log)
     train_docs = docs_from_token_lists(seqs, cfg.max_len, lens)
     val_docs = docs_from_token_lists(val, cfg.max_len, val_lens)
@@ -465,13 +469,19 @@ def train(cfg: TrainConfig, log=_log) -> Dict[str, Any]:
     batches = iterate_batches(train_docs, cfg.tokens_per_batch, cfg.max_len, eot, cfg.seed)
     val_batches = _val_batches(val_docs, eot, cfg.max_len, cfg.tokens_per_batch)
     frozen_batches, val_self, sd_stats = batches, [], {}
-    if cfg.self_distill_prompts:
+
+    def self_distill_setup(model_dir: str = "") -> None:
+        """The frozen target's own completions (``self_distill_data``) mixed into the batches."""
+        nonlocal frozen_batches, val_self, sd_stats
         from mtpspec.training.self_distill import MixedBatches
-        sd_docs, sd_val, sd_stats = self_distill_data(cfg, device, log)
+        sd_docs, sd_val, sd_stats = self_distill_data(cfg, device, log, model_dir)
         if len(sd_docs):
             frozen_batches = MixedBatches(batches, iterate_batches(sd_docs, cfg.tokens_per_batch, cfg.max_len, eot,
                                                                    cfg.seed), cfg.self_distill_share, cfg.seed)
         val_self = _val_batches(sd_val, eot, cfg.max_len, cfg.tokens_per_batch) if len(sd_val) else []
+
+    if cfg.self_distill_prompts and cfg.freeze_target:  # frozen from the start: the --init-from weights
+        self_distill_setup()
     pads = pad_fraction(train_docs, cfg.tokens_per_batch, cfg.max_len)
     log_path = os.path.join(cfg.output_dir, "train_log.jsonl")
     jlog = JsonlLog(log_path)
@@ -524,6 +534,11 @@ def train(cfg: TrainConfig, log=_log) -> Dict[str, Any]:
                                cfg.max_steps, train_deadline)
                 phase2 = {"start_step": step, "start_tokens": tokens, "start_train_s": round(now - train_start, 1)}
                 opt = _start_distill_phase(target, mtp, opt, balancer, cfg)
+                if cfg.self_distill_prompts and not cfg.freeze_target:  # the target as phase 1 left it
+                    with tempfile.TemporaryDirectory() as tmp:
+                        save_model(tmp, target, mtp, config_dict, tok, save_dtype)
+                        self_distill_setup(tmp)
+                    vs = _val_self(target, mtp, val_self, device, cfg, dsa, jlog, step, tokens, log)
                 jlog.write({"kind": "phase", "phase": 2, "step": step, "tokens": tokens,
                             "elapsed_s": round(now - start, 2)})
                 log(f"step {step}: phase 2, target frozen, MTP layers distilled at depth {phase.depth}")
