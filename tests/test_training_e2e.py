@@ -155,6 +155,12 @@ def test_self_distillation_documents_are_the_models_greedy_completions(run, tmp_
     for d in range(3):
         want = list(ref[d].prompt_token_ids) + list(ref[d].outputs[0].token_ids)
         assert docs.doc(d).tolist() == want
+    # a budget used up at once still runs the first wave (the engine's start-up is not counted)
+    from mtpspec.training.self_distill import generate_documents
+    seqs, lens, st = generate_documents(src, prompts, 12, 1e-9, {"device": "cpu", "dtype": "float32",
+                                                                 "max_model_len": 2048}, wave=2)
+    assert st["prompts_done"] == 2 and seqs == [docs.doc(d).tolist() for d in range(2)]
+    assert lens == [len(ref[d].prompt_token_ids) for d in range(2)]
     summary = _train_one_thread(cfg)
     assert summary["self_distill"]["documents"] == 3 and summary["final_val_self"]["draft_agreement"] >= 0
     kinds = [json.loads(x)["kind"] for x in open(os.path.join(out, "train_log.jsonl"))]
