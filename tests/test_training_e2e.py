@@ -144,7 +144,7 @@ def test_self_distillation_documents_are_the_models_greedy_completions(run, tmp_
                       distill_fraction=0.0, self_distill_prompts=3, self_distill_share=1.0,
                       self_distill_max_tokens=12, self_distill_seconds=600)
     docs, val_docs, stats = self_distill_data(cfg, torch.device("cpu"), log=lambda m: None)
-    assert (len(docs), len(val_docs), stats["prompts_done"]) == (3, 2, 3)
+    assert (len(docs), len(val_docs), stats["prompts_done"]) == (3, 2, 5)  # one engine: 2 held-out + 3
     rows = load_split("train")[:300]
     prompts = [fewshot_prompt(rows[:5], r["question"]) for r in rows[5:8]]
     llm = LLM(model=src, device="cpu", dtype="float32", max_model_len=2048)
@@ -186,3 +186,37 @@ def test_self_distillation_at_phase_two_uses_the_phase_one_target(run, tmp_path)
     assert summary["distill_phase"]["start_step"] == 4 and summary["self_distill"]["documents"] == 2
     recs = [json.loads(x) for x in open(os.path.join(out, "train_log.jsonl"))]
     assert [r["step"] for r in recs if r["kind"] == "val_self"] == [4, 8]
+
+
+def test_validation_counts_from_loss_start_but_the_mtp_sees_every_token(run):
+    """``validation_metrics`` on documents with ``loss_start`` (``val_self``): the draft agreement
+    is over positions ``>= loss_start`` only, while the MTP layer's input is every real token (its
+    attention reads the prompt). Reference: each document alone through the target and the MTP."""
+    import numpy as np
+
+    from mtpspec.layers.attention import build_attention_metadata, set_forward_context
+    from mtpspec.models import load_models
+    from mtpspec.training.packing import make_batch
+    from mtpspec.training.quick_eval import validation_metrics
+    from mtpspec.training.self_distill import docs_from_token_lists
+    src, _ = run
+    target, mtp = load_models(src, dtype=torch.float32, device=torch.device("cpu"))
+    g = torch.Generator().manual_seed(3)
+    vocab = target.config.vocab_size
+    seqs = [torch.randint(1, vocab, (n,), generator=g).tolist() for n in (60, 47, 64, 52, 58, 49)]
+    prompt_lens = [40, 30, 50, 12, 45, 36]
+    batch = make_batch(docs_from_token_lists(seqs, 2048, prompt_lens), np.arange(len(seqs)), 0, 2048)
+    with torch.no_grad():
+        got = validation_metrics(target, mtp, [batch], torch.device("cpu"), 0.6, 1)
+        agree = count = 0
+        for seq, p in zip(seqs, prompt_lens):
+            ids, pos = torch.tensor(seq), torch.arange(len(seq))
+            with set_forward_context(build_attention_metadata([len(seq)], [len(seq)], None, device=torch.device("cpu"))):
+                hidden = target(ids, pos)
+                t_arg = target.compute_logits(hidden).argmax(-1)
+                ids1 = torch.cat([ids[1:], torch.zeros(1, dtype=ids.dtype)])
+                m_arg = mtp.compute_logits(mtp(ids1, pos, hidden, spec_step_idx=0), 0).argmax(-1)
+            rows = range(p - 1, len(seq) - 2)  # loss_start = prompt_len - 1; a row needs token i + 2
+            agree += sum(int(m_arg[i] == t_arg[i + 1]) for i in rows)
+            count += len(rows)
+    assert got["draft_agreement"] == pytest.approx(agree / count, abs=1e-12)

@@ -59,12 +59,12 @@ def validation_metrics(target: nn.Module, mtp: nn.Module, batches: Sequence[Batc
         idx = torch.arange(n, device=device)
         counted = batch.loss_from(device)  # rows before a document's loss_start do not count
         counted = torch.ones_like(idx, dtype=torch.bool) if counted is None else idx >= counted
-        v0 = (idx + 1 < doc_end) & counted
-        sums["target_acc"] += (t_arg[:-1] == ids[1:])[v0[:-1]].float().sum().item()
+        v0 = idx + 1 < doc_end
+        sums["target_acc"] += (t_arg[:-1] == ids[1:])[(v0 & counted)[:-1]].float().sum().item()
         if mtp_depth >= 1:
             sums["mtp_loss"] += out.mtp_losses[0].item() * out.counts[1]
             n_m += out.counts[1]
-            ids1 = torch.where(v0, torch.roll(ids, -1), torch.zeros_like(ids))
+            ids1 = torch.where(v0, torch.roll(ids, -1), torch.zeros_like(ids))  # every real token: the context
             with_meta = _with_rows_meta(batch, device)
             with with_meta:
                 m_arg = mtp.compute_logits(mtp(ids1, pos, hidden, spec_step_idx=0), 0).argmax(-1)

@@ -28,6 +28,7 @@ import numpy as np
 from mtpspec.training.corpus import TokenDocs
 
 SELF_DISTILL_SOURCE = 2  # TokenDocs.source of a self-generated document
+EVAL_NUM_FEWSHOT = 5  # mtpspec eval gsm8k's default --num-fewshot: the prompt the documents copy
 
 
 def self_distill_prompts(rows: Sequence[Dict[str, str]], num_shots: int) -> List[str]:
@@ -96,6 +97,7 @@ def generate_documents(model: str, prompts: Sequence[str], max_tokens: int, max_
     from mtpspec.entrypoints.eval_gsm8k_score import STOP_SEQUENCES
     if not max_seconds > 0 or max_tokens < 1:
         raise ValueError(f"need max_seconds > 0 and max_tokens >= 1, got {max_seconds}, {max_tokens}")
+    _release_device_memory()  # a training process's cached blocks would shrink the engine's KV cache
     t_start = time.time()
     llm = LLM(model=model, **(llm_kwargs or {}))
     t0 = time.time()  # the budget counts generation, not the engine's start-up

@@ -32,7 +32,8 @@ def forward_loss(target: nn.Module, mtp: nn.Module, batch: Batch, device: torch.
     Each row of ``batch`` is one sequence of the flattened varlen layout (``query_lens = seq_lens
     = [L] * B``, no KV cache), so attention is causal within a row only, exactly the engine's
     prefill of one prompt per row; positions restart at 0 in every row. A batch with ``loss_start``
-    leaves each row's positions before it out of every loss (``Batch.loss_from``).
+    leaves each row's positions before it out of the language-modelling and MTP losses
+    (``Batch.loss_from``); the indexers' KL still covers every position.
 
     Returns:
         :class:`~mtpspec.training.mtp_loss.MtpLossOutput` (and the target hidden states

@@ -28,8 +28,9 @@ much smaller model on the CPU in a few minutes. Steps:
    (for ``glm_moe_dsa`` with sparse attention, the MTP layer's own indexer still learning from its
    KL); retraining the MTP layer of a trained ``glm_moe_dsa`` model takes
    ``--indexer-warmup-fraction 0`` (sparse attention throughout, as the target was trained);
-   ``--self-distill-prompts N`` (with ``--init-from``) has the target, when it freezes (at the
-   start with ``--freeze-target``, else when phase 2 begins, inside the time budget), write greedy
+   ``--self-distill-prompts N`` has the target, when it freezes (at the start with
+   ``--freeze-target`` and ``--init-from``, else when phase 2 begins, inside the time budget and
+   before phase 2's learning-rate schedule starts), write greedy
    completions of N GSM8K train questions in ``mtpspec eval gsm8k``'s 5-shot prompt
    (:mod:`mtpspec.training.self_distill`) and draws ``--self-distill-share`` of the batches from
    then on from those documents; the MTP layers' agreement on the held-out rows' own completions
@@ -379,30 +380,30 @@ def _val_self(target, mtp, val_self, device, cfg: TrainConfig, dsa, jlog, step: 
 
 def self_distill_data(cfg: TrainConfig, device: torch.device, log=_log, model_dir: str = ""):
     """``--self-distill-prompts``: the greedy completions of the model in ``model_dir`` (default
-    ``--init-from``) of GSM8K train questions (the rows ``prepare_data`` trains on, after the
-    shots) and of the first ``eval_docs`` held-out rows, as ``(train_docs, val_docs, stats)``
-    (:mod:`mtpspec.training.self_distill`). The held-out completions share the budget: a tenth of
-    ``self_distill_seconds`` first, then the train questions."""
+    ``--init-from``) of the first ``eval_docs`` held-out rows and of GSM8K train questions (the
+    rows ``prepare_data`` trains on, after the shots), each in ``mtpspec eval gsm8k``'s 5-shot
+    prompt, as ``(train_docs, val_docs, stats)`` (:mod:`mtpspec.training.self_distill`). One
+    engine writes both, the held-out prompts in its first wave (always complete), then the train
+    questions until ``self_distill_seconds`` of generation are used (checked between waves)."""
     from mtpspec.entrypoints.eval_gsm8k import build_prompts
-    from mtpspec.training.self_distill import docs_from_token_lists, generate_documents, self_distill_prompts
+    from mtpspec.training.self_distill import (EVAL_NUM_FEWSHOT, docs_from_token_lists, generate_documents,
+                                               self_distill_prompts)
     rows = load_gsm8k(resolve_gsm8k("train", cfg.gsm8k_dir, "--gsm8k-dir"))
     if cfg.gsm8k_limit:
         rows = rows[:cfg.gsm8k_limit]
     train_rows, val_rows = rows[:len(rows) - cfg.holdout], rows[len(rows) - cfg.holdout:]
-    prompts = self_distill_prompts(train_rows, cfg.num_shots)[:cfg.self_distill_prompts]
-    val_prompts = build_prompts(val_rows[:cfg.eval_docs], train_rows, cfg.num_shots)
+    prompts = self_distill_prompts(train_rows, EVAL_NUM_FEWSHOT)[:cfg.self_distill_prompts]
+    val_prompts = build_prompts(val_rows[:cfg.eval_docs], train_rows, EVAL_NUM_FEWSHOT)
     kw = {"device": str(device), "dtype": "bfloat16" if device.type == "cuda" else "float32",
-          "max_model_len": cfg.max_len, "max_num_seqs": 256 if device.type == "cuda" else 16,
+          "max_num_seqs": 256 if device.type == "cuda" else 16,
           "gpu_memory_utilization": 0.5, "speculative_config": {"num_speculative_tokens": 3}}
-    model_dir = model_dir or cfg.init_from
-    val, val_lens, vstats = generate_documents(model_dir, val_prompts, cfg.self_distill_max_tokens,
-                                               cfg.self_distill_seconds / 10, kw)
-    seqs, lens, stats = generate_documents(model_dir, prompts, cfg.self_distill_max_tokens,
-                                           cfg.self_distill_seconds * 0.9, kw, log=log)
-    train_docs = docs_from_token_lists(seqs, cfg.max_len, lens)
-    val_docs = docs_from_token_lists(val, cfg.max_len, val_lens)
-    stats = {**stats, "documents": len(train_docs), "dropped": train_docs.dropped, "val_documents": len(val_docs),
-             "val_seconds": vstats["seconds"]}
+    seqs, lens, stats = generate_documents(model_dir or cfg.init_from, val_prompts + prompts,
+                                           cfg.self_distill_max_tokens, cfg.self_distill_seconds, kw,
+                                           wave=max(1024, len(val_prompts)), log=log)
+    nv = len(val_prompts)
+    train_docs = docs_from_token_lists(seqs[nv:], cfg.max_len, lens[nv:])
+    val_docs = docs_from_token_lists(seqs[:nv], cfg.max_len, lens[:nv])
+    stats = {**stats, "documents": len(train_docs), "dropped": train_docs.dropped, "val_documents": len(val_docs)}
     log(f"self-distillation data: {stats}")
     return train_docs, val_docs, stats
 
@@ -530,15 +531,19 @@ def train(cfg: TrainConfig, log=_log) -> Dict[str, Any]:
             phase_over = now >= phase.end_time or step >= phase.end_step
             if phase_no == 1 and cfg.distill_fraction > 0 and phase_over:
                 phase_no = 2
-                phase = _Phase(cfg.distill_lr, cfg.distill_warmup_steps, cfg.distill_depth, 1.0, step, now,
-                               cfg.max_steps, train_deadline)
-                phase2 = {"start_step": step, "start_tokens": tokens, "start_train_s": round(now - train_start, 1)}
                 opt = _start_distill_phase(target, mtp, opt, balancer, cfg)
                 if cfg.self_distill_prompts and not cfg.freeze_target:  # the target as phase 1 left it
                     with tempfile.TemporaryDirectory() as tmp:
                         save_model(tmp, target, mtp, config_dict, tok, save_dtype)
                         self_distill_setup(tmp)
                     vs = _val_self(target, mtp, val_self, device, cfg, dsa, jlog, step, tokens, log)
+                    now = time.time()  # phase 2's schedule starts after the generation
+                    if now >= train_deadline:
+                        log("warning: the self-distillation documents took the rest of the time budget; phase 2 "
+                            "gets no steps (raise --max-minutes or lower --self-distill-seconds)")
+                phase = _Phase(cfg.distill_lr, cfg.distill_warmup_steps, cfg.distill_depth, 1.0, step, now,
+                               cfg.max_steps, train_deadline)
+                phase2 = {"start_step": step, "start_tokens": tokens, "start_train_s": round(now - train_start, 1)}
                 jlog.write({"kind": "phase", "phase": 2, "step": step, "tokens": tokens,
                             "elapsed_s": round(now - start, 2)})
                 log(f"step {step}: phase 2, target frozen, MTP layers distilled at depth {phase.depth}")
