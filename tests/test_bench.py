@@ -279,7 +279,7 @@ def test_bench_arms_keeps_the_runs_made_before_a_failure(tmp_path, monkeypatch):
     assert not (tmp_path / "bench_arms.partial.json").exists()
 
 
-def test_warmup_wave_runs_at_the_workloads_concurrency_with_short_outputs(forced_server, monkeypatch):
+def test_warmup_waves_run_at_the_workloads_concurrency_with_short_outputs(forced_server, monkeypatch):
     """``warmup`` requests go at most ``max_concurrency`` at a time with ``warmup_output_len``
     tokens each; bench arms' default warm-up is one full wave at the workload's concurrency (the
     first server to see a batch shape must not pay its kernel compilation inside the timed run)."""
@@ -304,7 +304,7 @@ def test_warmup_wave_runs_at_the_workloads_concurrency_with_short_outputs(forced
     p = argparse.ArgumentParser()
     bench_serve.add_arguments(p)
     p.add_argument("--scale", type=float, default=1.0)
-    for argv, want in (([], (64, 16)), (["--warmup", "2"], (2, None)), (["--scale", "0.05"], (6, 13))):
+    for argv, want in (([], (128, 16)), (["--warmup", "2"], (2, None)), (["--scale", "0.05"], (6, 13))):
         c = bench_arms.workload_config("s64", p.parse_args(argv))
         assert (c.warmup, c.warmup_output_len) == want
     args = p.parse_args([])

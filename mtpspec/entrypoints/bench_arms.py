@@ -53,7 +53,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from mtpspec.entrypoints.bench_serve import BenchConfig, add_arguments, config_from_args, run_benchmark
 
-#: max_tokens of each warm-up request (the default warm-up is one wave at the workload's concurrency).
+#: max_tokens of each warm-up request (the default warm-up is two waves at the workload's concurrency).
 WARMUP_OUTPUT_LEN = 16
 #: What a sweep has run so far, in ``--output-dir`` until it finishes (:func:`run_arms`).
 PARTIAL_JSON = "bench_arms.partial.json"
@@ -93,15 +93,18 @@ FIGURES: Dict[str, Tuple[str, bool]] = {
 
 def workload_config(name: str, args: argparse.Namespace) -> BenchConfig:
     """Workload ``name`` scaled by ``args.scale``, the ``bench serve`` flags applied. Without
-    ``--warmup`` the warm-up is one full wave at the workload's concurrency, ``WARMUP_OUTPUT_LEN``
-    tokens each: the first server to run a new batch shape would otherwise pay Triton's kernel
-    compilation inside its timed run (seen on the H200: 1.4 s of one arm's TTFT at concurrency 8).
+    ``--warmup`` the warm-up is two waves at the workload's concurrency (at most its prompts),
+    ``WARMUP_OUTPUT_LEN`` tokens each: the first server to run a new batch shape would otherwise
+    pay Triton's kernel compilation inside its timed run (seen on the H200: 1.4 s of one arm's TTFT
+    at concurrency 8). The second wave's prompts arrive while the first wave's last requests still
+    decode, so steps mixing prompt chunks into decodes are compiled too (one wave, starting
+    together, left the first server of a sweep 2x slower at s8, 2026-12-03).
 
     Raises:
         ValueError: as :func:`scaled_preset` and :class:`BenchConfig`.
     """
     preset: Dict[str, Any] = scaled_preset(name, args.scale)
-    preset.update(warmup=min(preset["max_concurrency"], preset["num_prompts"]),
+    preset.update(warmup=min(2 * preset["max_concurrency"], preset["num_prompts"]),
                   warmup_output_len=min(WARMUP_OUTPUT_LEN, preset["output_len"]))
     return config_from_args(args, preset)
 
