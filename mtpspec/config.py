@@ -136,15 +136,21 @@ class SpeculativeConfig:
         adaptive_cost_table: (adaptive only) a JSON file of step costs
             (:meth:`~mtpspec.spec_decode.adaptive.StepCostTable.load`) instead of timing them at
             start-up.
+        adaptive_prompt_reserve: (adaptive only; default 0.0, off) a share ``r`` in ``[0, 1)`` of
+            ``max_num_batched_tokens`` kept for prompt tokens while requests wait: a step then
+            proposes only a ``k`` with ``batch * (1 + k) <= (1 - r) * max_num_batched_tokens``
+            (``k = 0`` always allowed), so drafts do not take the whole token budget from waiting
+            prompts (the GLM-4.5-Air-width s256 loss in BENCHMARKS.md; not yet measured).
 
     Raises:
         ValueError: unknown method, k out of range, an unknown ``draft_sampling``, a non-bool
-            ``adaptive`` or a cost table without ``adaptive``.
+            ``adaptive``, a cost table or a prompt reserve without ``adaptive``, a prompt reserve
+            outside ``[0, 1)``.
     """
 
     #: The keys of a ``speculative_config`` dict (vLLM's spelling).
     KEYS = ("method", "num_speculative_tokens", "use_local_argmax_reduction", "index_share_for_mtp_iteration",
-            "draft_sampling", "adaptive", "adaptive_cost_table")
+            "draft_sampling", "adaptive", "adaptive_cost_table", "adaptive_prompt_reserve")
     #: Values of ``draft_sampling``.
     DRAFT_SAMPLING = ("greedy", "auto")
 
@@ -155,12 +161,18 @@ class SpeculativeConfig:
     draft_sampling: str = "greedy"
     adaptive: bool = False
     adaptive_cost_table: Optional[str] = None
+    adaptive_prompt_reserve: float = 0.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.adaptive, bool):
             raise ValueError(f"speculative_config: adaptive must be true or false, got {self.adaptive!r}")
         if self.adaptive_cost_table is not None and not self.adaptive:
             raise ValueError("speculative_config: adaptive_cost_table is given but adaptive is false")
+        r = self.adaptive_prompt_reserve
+        if isinstance(r, bool) or not isinstance(r, (int, float)) or not 0.0 <= r < 1.0:
+            raise ValueError(f"speculative_config: adaptive_prompt_reserve must be a number in [0, 1), got {r!r}")
+        if r and not self.adaptive:
+            raise ValueError("speculative_config: adaptive_prompt_reserve is given but adaptive is false")
         if self.method != "mtp":
             raise ValueError(f"speculative method must be 'mtp', got {self.method!r}")
         if self.draft_sampling not in self.DRAFT_SAMPLING:

@@ -98,6 +98,28 @@ def test_cli_flags_and_config_errors(tmp_path) -> None:
         EngineArgs(speculative_config='{"adaptive": 1}').resolved_speculative_config()
     with pytest.raises(ValueError, match="adaptive_cost_table"):
         EngineArgs(speculative_config='{"adaptive_cost_table": "x.json"}').resolved_speculative_config()
+    spec = EngineArgs(speculative_config='{"adaptive": true, "adaptive_prompt_reserve": 0.5}').resolved_speculative_config()
+    assert spec.adaptive_prompt_reserve == 0.5
+    for bad, match in (('{"adaptive_prompt_reserve": 0.5}', "adaptive is false"),
+                       ('{"adaptive": true, "adaptive_prompt_reserve": 1.0}', r"in \[0, 1\), got 1.0"),
+                       ('{"adaptive": true, "adaptive_prompt_reserve": "half"}', "must be a number")):
+        with pytest.raises(ValueError, match=match):
+            EngineArgs(speculative_config=bad).resolved_speculative_config()
+
+
+def test_prompt_reserve_keeps_a_share_of_the_token_budget_for_waiting_prompts() -> None:
+    """``prompt_reserve`` r: while prompts wait, only k = 0 and k with B (1 + k) <= (1 - r) N."""
+    costs = _table(sizes=(64, 256), verify=lambda b, k: 1.0 + 0.001 * b * (1 + k), draft=lambda b, k: 0.1 * k)
+    free = AdaptiveSpecPolicy(3, costs, prior_rate=0.8, decay=1.0)
+    assert free.choose(256, 0, True, 1024) == 3  # no reserve: the table's best
+    pol = AdaptiveSpecPolicy(3, costs, prior_rate=0.8, decay=1.0, prompt_reserve=0.5)
+    assert pol.choose(256, 0, True, 1024) == 1  # 256 x 2 <= 512 < 256 x 3
+    assert pol.choose(200, 0, True, 1024) == 1 and pol.choose(128, 0, True, 1024) == 3
+    assert pol.choose(256, 0, False, 1024) == 3  # nothing waits: no cap
+    assert pol.choose(256, 0, True, None) == 3  # no budget given: no cap
+    assert AdaptiveSpecPolicy(3, costs, prior_rate=0.8, decay=1.0, prompt_reserve=0.9).choose(256, 0, True, 1024) == 0
+    with pytest.raises(ValueError, match="prompt_reserve"):
+        AdaptiveSpecPolicy(3, costs, prompt_reserve=1.0)
 
 
 # ------------------------------------------------------------------------------------------ engine
@@ -115,9 +137,11 @@ class Scripted:
 
     def __init__(self, ks):
         self.ks, self.i, self.chosen, self.seen, self.prefill, self.times = list(ks), 0, [], [], [], []
+        self.waiting = []
 
-    def choose(self, batch, num_prefill_tokens=0):
+    def choose(self, batch, num_prefill_tokens=0, prompts_waiting=False, token_budget=None):
         self.prefill.append(num_prefill_tokens)
+        self.waiting.append((prompts_waiting, token_budget))
         k = self.ks[self.i % len(self.ks)]
         self.i += 1
         self.chosen.append(k)
@@ -317,6 +341,8 @@ def test_engine_tells_the_policy_each_steps_prompt_tokens(model) -> None:
     assert 8 in pol.prefill or 5 in pol.prefill  # a step carried the prompts (one step or one each)
     assert 4 in pol.prefill and 0 in pol.prefill  # the later prompt; the decode steps carry none
     assert 4 in pol.times and 0 in pol.times
+    assert all(budget == llm.llm_engine.scheduler_config.max_num_batched_tokens for _, budget in pol.waiting)
+    assert (False, pol.waiting[-1][1]) in pol.waiting  # decode steps with nothing waiting say so
 
 
 # ------------------------------------------------------------------------------------------ review
@@ -394,7 +420,7 @@ def test_eval_gsm8k_offline_per_position_rates_use_the_drafts_per_position(model
 
     path, cfg, table = model
     ks = iter([3, 1, 3, 0, 2] * 1000)
-    monkeypatch.setattr(AdaptiveSpecPolicy, "choose", lambda self, batch, num_prefill_tokens=0: next(ks))
+    monkeypatch.setattr(AdaptiveSpecPolicy, "choose", lambda self, batch, *args: next(ks))
     got = {}
     orig = llm_mod.LLM.get_metrics
 

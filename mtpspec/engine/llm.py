@@ -126,7 +126,8 @@ class LLM:
             from mtpspec.spec_decode.adaptive import AdaptiveSpecPolicy, measure_step_costs
             if costs is None:  # timed on every rank alike (the units hold collectives); rank 0's figures
                 costs = self.executor.collective_rpc(measure_step_costs)[0]
-            self.llm_engine.spec_policy = AdaptiveSpecPolicy(spec.num_speculative_tokens, costs)
+            self.llm_engine.spec_policy = AdaptiveSpecPolicy(spec.num_speculative_tokens, costs,
+                                                             prompt_reserve=float(spec.adaptive_prompt_reserve))
             for b in sorted(costs.verify_ms[0]):  # what the policy will weigh, once, in the log
                 print(f"adaptive speculation: batch {b}: step ms for k = 0..: "
                       + ", ".join(f"{costs.step_ms(b, j):.3f}" for j in costs.ks) + f" ({costs.source})",

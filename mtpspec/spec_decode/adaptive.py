@@ -127,6 +127,7 @@ class AdaptiveSpecPolicy:
         prior_rate: each position's acceptance rate before any observation.
         prior_weight: how many observations the prior is worth.
         decay: every step multiplies the observed counts by this (recent steps weigh more).
+        prompt_reserve: share of the token budget kept for waiting prompts (``choose``; 0: off).
 
     Raises:
         ValueError: the table lacks ``k = 0`` or ``max_k``, or parameters out of range.
@@ -138,6 +139,7 @@ class AdaptiveSpecPolicy:
     prior_weight: float = 4.0
     decay: float = 0.995
     overhead_weight: float = 0.05
+    prompt_reserve: float = 0.0
     reached: List[float] = field(default_factory=list)
     accepted: List[float] = field(default_factory=list)
     #: Running mean (weight :attr:`overhead_weight`) of each pure-decode step's wall time minus its
@@ -152,8 +154,9 @@ class AdaptiveSpecPolicy:
         if not {0, self.max_k} <= set(self.costs.ks):
             raise ValueError(f"adaptive speculation length needs step costs for k = 0 and k = {self.max_k}, "
                              f"the table has {self.costs.ks}")
-        if not (0.0 <= self.prior_rate <= 1.0 and self.prior_weight > 0 and 0.0 < self.decay <= 1.0):
-            raise ValueError("prior_rate must be in [0, 1], prior_weight > 0, decay in (0, 1]")
+        if not (0.0 <= self.prior_rate <= 1.0 and self.prior_weight > 0 and 0.0 < self.decay <= 1.0
+                and 0.0 <= self.prompt_reserve < 1.0):
+            raise ValueError("prior_rate must be in [0, 1], prior_weight > 0, decay in (0, 1], prompt_reserve in [0, 1)")
         self.reached = [0.0] * self.max_k
         self.accepted = [0.0] * self.max_k
 
@@ -210,15 +213,22 @@ class AdaptiveSpecPolicy:
             e += run
         return e
 
-    def choose(self, batch: int, num_prefill_tokens: int = 0) -> int:
+    def choose(self, batch: int, num_prefill_tokens: int = 0, prompts_waiting: bool = False,
+               token_budget: Optional[int] = None) -> int:
         """The ``k`` in ``0 .. max_k`` (among the table's) maximising ``E(k) / (T(batch, k) +
         overhead + num_prefill_tokens * prefill_ms_per_token)`` for ``batch`` sequences in a step
-        that also carries ``num_prefill_tokens`` prompt tokens (smallest ``k`` on ties)."""
+        that also carries ``num_prefill_tokens`` prompt tokens (smallest ``k`` on ties). With
+        :attr:`prompt_reserve` ``r > 0``, ``prompts_waiting`` (prompt tokens left to schedule) and
+        ``token_budget`` (``max_num_batched_tokens``), only ``k = 0`` and the ``k`` with
+        ``batch * (1 + k) <= (1 - r) * token_budget`` are considered."""
         rates = self.rates()
         fixed = self.overhead_ms + max(0, num_prefill_tokens) * self.prefill_ms_per_token
+        cap = None
+        if self.prompt_reserve > 0 and prompts_waiting and token_budget:
+            cap = (1.0 - self.prompt_reserve) * token_budget
         best, best_rate = 0, -1.0
         for k in self.costs.ks:
-            if k > self.max_k:
+            if k > self.max_k or (k and cap is not None and batch * (1 + k) > cap):
                 continue
             rate = self.expected_tokens(k, rates) / (self.costs.step_ms(batch, k) + fixed)
             if rate > best_rate * (1 + 1e-9):
