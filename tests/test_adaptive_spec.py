@@ -510,3 +510,13 @@ def test_calibration_script_writes_a_table_the_engine_reads(model, tmp_path) -> 
     with LLM(path, speculative_config=spec_cfg, max_model_len=48, block_size=4, num_kv_blocks=64, max_num_seqs=2,
              device="cpu") as llm:
         assert llm.llm_engine.spec_policy.costs.verify_ms == table.verify_ms
+
+
+def test_bench_arms_adaptive_r50_arm_is_adaptive_k3_with_the_reserve() -> None:
+    from mtpspec.entrypoints.bench_arms import DEFAULT_ARMS
+    from mtpspec.entrypoints.serve import check_serve_args
+    spec = check_serve_args(DEFAULT_ARMS["adaptive_r50"])["speculative_config"]
+    ref = check_serve_args(DEFAULT_ARMS["adaptive"])["speculative_config"]
+    assert spec.pop("adaptive_prompt_reserve") == 0.5 and ref.pop("adaptive_prompt_reserve") == 0.0
+    assert spec == ref and (ref["num_speculative_tokens"], ref["adaptive"], ref["use_local_argmax_reduction"]) == (
+        3, True, True)
