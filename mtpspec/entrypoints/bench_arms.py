@@ -13,9 +13,10 @@ arm             `mtpspec serve` flags                    what it is
 ``k2``          ``-k 2``                                 fixed speculation length 2
 ``k3``          ``-k 3``                                 fixed speculation length 3
 ``adaptive``    ``-k 3 --adaptive-speculation``          each step's k in 0..3 chosen by the policy
-``adaptive_r50`` the same + ``adaptive_prompt_reserve``  ... keeping half the token budget for waiting
-                0.5 (``--speculative-config``)           prompts (docs/serving.md)
 ==============  =======================================  ===================================
+
+``adaptive_r50`` is ``adaptive`` with ``--speculative-config '{"adaptive_prompt_reserve": 0.5}'``:
+half the token budget kept for waiting prompts (docs/serving.md).
 
 Every arm's server is started once (one after another, each on its own free port; with
 ``--base-url NAME=URL`` an already running server is used instead), then each workload runs
