@@ -86,8 +86,8 @@ def generate_documents(model: str, prompts: Sequence[str], max_tokens: int, max_
 
     Returns:
         ``(documents, prompt_lens, stats)``: one ``prompt_token_ids + completion token_ids`` list
-        per prompt done, in prompt order, its prompt's length; stats give the prompts done, tokens, seconds and the acceptance
-        length the engine reported.
+        per prompt done, in prompt order, and its prompt's length; stats give the prompts done,
+        tokens, seconds (generation; the engine's start-up apart) and the engine's acceptance length.
 
     Raises:
         ValueError: ``max_seconds <= 0`` or ``max_tokens < 1``.
