@@ -122,6 +122,8 @@ def parse_speculative_config(value: SpecArg) -> Optional[Dict[str, Any]]:
             del out["draft_sampling"]
         if out.get("adaptive") is False:  # likewise
             del out["adaptive"]
+        if not out.get("adaptive_prompt_reserve"):  # likewise (0.0)
+            out.pop("adaptive_prompt_reserve", None)
         return out
     if isinstance(value, str):
         try:
@@ -165,6 +167,9 @@ def parse_speculative_config(value: SpecArg) -> Optional[Dict[str, Any]]:
     if table is not None and (not ad or not isinstance(table, str)):
         raise ValueError(f"speculative_config: adaptive_cost_table must be a file name and needs adaptive=true, "
                          f"got {table!r} with adaptive={ad!r}")
+    r = out.get("adaptive_prompt_reserve", 0.0)  # "needs adaptive" is checked after --adaptive-speculation merges
+    if isinstance(r, bool) or not isinstance(r, (int, float)) or not 0.0 <= r < 1.0:
+        raise ValueError(f"speculative_config: adaptive_prompt_reserve must be a number in [0, 1), got {r!r}")
     return out
 
 
