@@ -34,6 +34,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from mtpspec.entrypoints.eval_gsm8k_score import STOP_SEQUENCES, score_completions
 
+#: ``--num-fewshot``'s default: lm-eval's 5-shot gsm8k (also the prompt self-distillation copies).
+DEFAULT_NUM_FEWSHOT = 5
 ARM_FLAGS = {"baseline": (False, False), "fusion": (True, False), "both": (True, True)}  # (fusion, local argmax)
 
 
@@ -180,7 +182,7 @@ def format_report(res: Dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def evaluate(sources: Dict[str, Any], data: str, train: str, num_fewshot: int = 5, limit: Optional[int] = None,
+def evaluate(sources: Dict[str, Any], data: str, train: str, num_fewshot: int = DEFAULT_NUM_FEWSHOT, limit: Optional[int] = None,
              max_tokens: int = 256, concurrency: int = 32, progress: bool = True) -> Dict[str, Any]:
     """Run every arm and score it.
 
@@ -230,7 +232,7 @@ def add_parser(sub: Any) -> None:
                         "else the copy bundled in mtpspec/data/gsm8k)")
     g.add_argument("--train", default=None,
                    help="JSONL of the shots, or a folder with train.jsonl (default: train.jsonl beside the test file)")
-    g.add_argument("--num-fewshot", type=int, default=5)
+    g.add_argument("--num-fewshot", type=int, default=DEFAULT_NUM_FEWSHOT)
     g.add_argument("--limit", type=int, default=None, help="first N questions only")
     g.add_argument("--max-tokens", type=int, default=256)
     g.add_argument("--max-concurrency", type=int, default=32, help="requests in flight per server")

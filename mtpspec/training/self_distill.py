@@ -28,7 +28,6 @@ import numpy as np
 from mtpspec.training.corpus import TokenDocs
 
 SELF_DISTILL_SOURCE = 2  # TokenDocs.source of a self-generated document
-EVAL_NUM_FEWSHOT = 5  # mtpspec eval gsm8k's default --num-fewshot: the prompt the documents copy
 
 
 def self_distill_prompts(rows: Sequence[Dict[str, str]], num_shots: int) -> List[str]:

@@ -384,10 +384,14 @@ def self_distill_data(cfg: TrainConfig, device: torch.device, log=_log, model_di
     rows ``prepare_data`` trains on, after the shots), each in ``mtpspec eval gsm8k``'s 5-shot
     prompt, as ``(train_docs, val_docs, stats)`` (:mod:`mtpspec.training.self_distill`). One
     engine writes both, the held-out prompts in its first wave (always complete), then the train
-    questions until ``self_distill_seconds`` of generation are used (checked between waves)."""
-    from mtpspec.entrypoints.eval_gsm8k import build_prompts
-    from mtpspec.training.self_distill import (EVAL_NUM_FEWSHOT, docs_from_token_lists, generate_documents,
-                                               self_distill_prompts)
+    questions until ``self_distill_seconds`` of generation are used (checked between waves).
+
+    Raises:
+        FileNotFoundError / ValueError: as ``resolve_gsm8k`` / ``load_gsm8k``; ValueError from
+            ``LLM`` for a model it cannot serve (see :class:`mtpspec.LLM`).
+    """
+    from mtpspec.entrypoints.eval_gsm8k import DEFAULT_NUM_FEWSHOT as EVAL_NUM_FEWSHOT, build_prompts
+    from mtpspec.training.self_distill import docs_from_token_lists, generate_documents, self_distill_prompts
     rows = load_gsm8k(resolve_gsm8k("train", cfg.gsm8k_dir, "--gsm8k-dir"))
     if cfg.gsm8k_limit:
         rows = rows[:cfg.gsm8k_limit]
