@@ -105,6 +105,16 @@ class ParallelConfig:
 MAX_NUM_SPECULATIVE_TOKENS = 16
 
 
+def check_prompt_reserve(r: object) -> None:
+    """``adaptive_prompt_reserve``: a number (not a bool) in ``[0, 1)``.
+
+    Raises:
+        ValueError: anything else, naming the value.
+    """
+    if isinstance(r, bool) or not isinstance(r, (int, float)) or not 0.0 <= r < 1.0:
+        raise ValueError(f"speculative_config: adaptive_prompt_reserve must be a number in [0, 1), got {r!r}")
+
+
 @dataclass
 class SpeculativeConfig:
     """MTP speculative decoding (vLLM's ``speculative_config`` dict maps onto this).
@@ -168,10 +178,8 @@ class SpeculativeConfig:
             raise ValueError(f"speculative_config: adaptive must be true or false, got {self.adaptive!r}")
         if self.adaptive_cost_table is not None and not self.adaptive:
             raise ValueError("speculative_config: adaptive_cost_table is given but adaptive is false")
-        r = self.adaptive_prompt_reserve
-        if isinstance(r, bool) or not isinstance(r, (int, float)) or not 0.0 <= r < 1.0:
-            raise ValueError(f"speculative_config: adaptive_prompt_reserve must be a number in [0, 1), got {r!r}")
-        if r and not self.adaptive:
+        check_prompt_reserve(self.adaptive_prompt_reserve)
+        if self.adaptive_prompt_reserve and not self.adaptive:
             raise ValueError("speculative_config: adaptive_prompt_reserve is given but adaptive is false")
         if self.method != "mtp":
             raise ValueError(f"speculative method must be 'mtp', got {self.method!r}")

@@ -58,7 +58,7 @@ from dataclasses import dataclass, fields, replace
 from typing import Any, Dict, Optional, Union
 
 from mtpspec.config import (ALLREDUCE_BACKENDS, KV_CACHE_DTYPES, LOAD_FORMATS, MAX_NUM_SPECULATIVE_TOKENS,
-                            ModelConfig, ParallelConfig, SpeculativeConfig)
+                            ModelConfig, ParallelConfig, SpeculativeConfig, check_prompt_reserve)
 
 #: ``max_model_len`` when none is given: the model's ``max_position_embeddings``, at most this
 #: (without chunked prefill one step may hold a whole ``max_model_len`` prompt).
@@ -167,9 +167,7 @@ def parse_speculative_config(value: SpecArg) -> Optional[Dict[str, Any]]:
     if table is not None and (not ad or not isinstance(table, str)):
         raise ValueError(f"speculative_config: adaptive_cost_table must be a file name and needs adaptive=true, "
                          f"got {table!r} with adaptive={ad!r}")
-    r = out.get("adaptive_prompt_reserve", 0.0)  # "needs adaptive" is checked after --adaptive-speculation merges
-    if isinstance(r, bool) or not isinstance(r, (int, float)) or not 0.0 <= r < 1.0:
-        raise ValueError(f"speculative_config: adaptive_prompt_reserve must be a number in [0, 1), got {r!r}")
+    check_prompt_reserve(out.get("adaptive_prompt_reserve", 0.0))  # "needs adaptive": after the flags merge
     return out
 
 
