@@ -135,6 +135,8 @@ def model(tmp_path_factory):
 class Scripted:
     """A stand-in policy: the k of each step from a fixed cycle (exercises every transition)."""
 
+    prompt_reserve = 0.5  # > 0: the engine tells it whether prompts wait
+
     def __init__(self, ks):
         self.ks, self.i, self.chosen, self.seen, self.prefill, self.times = list(ks), 0, [], [], [], []
         self.waiting = []

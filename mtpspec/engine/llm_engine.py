@@ -317,8 +317,10 @@ class LLMEngine:
             return []
         t1 = time.perf_counter()
         if self.spec_policy is not None and out.num_proposed_tokens:
-            # prompt tokens left after this step: requests waiting, or a chunk that does not end its prompt
-            waiting = bool(self.scheduler.waiting) or any(s.is_partial_prefill for s in out.scheduled)
+            # prompt tokens left after this step (requests waiting, or a chunk that does not end its
+            # prompt): looked at only when the policy keeps a reserve for them
+            waiting = self.spec_policy.prompt_reserve > 0 and (
+                bool(self.scheduler.waiting) or any(s.is_partial_prefill for s in out.scheduled))
             out.num_proposed_tokens = self.spec_policy.choose(len(out.scheduled), out.num_prefill_tokens, waiting,
                                                               self.scheduler_config.max_num_batched_tokens)
         handle = self.executor.execute_async(self._step_input(out))
