@@ -74,17 +74,21 @@ def test_checkpoint_reloads_in_mtpspec_and_transformers(run):
     torch.testing.assert_close(ours, ref, rtol=1e-4, atol=1e-4)
 
 
+def _mtp_only_config(src: str, out: str, **kw) -> TrainConfig:
+    """The fixture model's MTP layer retrained (target frozen, distilled), small and on the CPU."""
+    return TrainConfig(output_dir=out, init_from=src, freeze_target=True, mtp_distill=1.0, gsm8k_limit=300,
+                       holdout=20, num_synthetic=1500, gsm8k_epochs=1, tokens_per_batch=2048, max_minutes=0,
+                       lr=1e-2, warmup_steps=2, log_every=1, accept_prompts=0, device="cpu", dtype="float32",
+                       save_dtype="float32", progress=False, distill_fraction=0.0, **kw)
+
+
 def test_mtp_only_distillation_from_a_checkpoint(run, tmp_path):
     """``--init-from`` + ``--freeze-target`` + ``--mtp-distill``: the target (and the shared
     embedding / head) come back bit-identical, the tokenizer is reused, the MTP layer changes, and
     its distillation loss (cross-entropy to the target's next-position distribution) falls."""
     src, _ = run
     out = str(tmp_path / "phase2")
-    cfg = TrainConfig(output_dir=out, init_from=src, freeze_target=True, mtp_distill=1.0, gsm8k_limit=300,
-                      holdout=20, num_synthetic=1500, gsm8k_epochs=1, tokens_per_batch=2048, max_steps=16,
-                      max_minutes=0, lr=1e-2, warmup_steps=2, log_every=1, eval_every=0, eval_docs=6,
-                      accept_prompts=0, device="cpu", dtype="float32", save_dtype="float32", progress=False,
-                      distill_fraction=0.0)
+    cfg = _mtp_only_config(src, out, max_steps=16, eval_every=0, eval_docs=6)
     _train_one_thread(cfg)
     assert open(os.path.join(out, "tokenizer.json")).read() == open(os.path.join(src, "tokenizer.json")).read()
     assert json.load(open(os.path.join(out, "config.json")))["vocab_size"] == json.load(
@@ -137,12 +141,8 @@ def test_self_distillation_documents_are_the_models_greedy_completions(run, tmp_
     from mtpspec.training.train import self_distill_data
     src, _ = run
     out = str(tmp_path / "self_distill")
-    cfg = TrainConfig(output_dir=out, init_from=src, freeze_target=True, mtp_distill=1.0, gsm8k_limit=300,
-                      holdout=20, num_synthetic=1500, gsm8k_epochs=1, tokens_per_batch=2048, max_steps=6,
-                      max_minutes=0, lr=1e-2, warmup_steps=2, log_every=1, eval_every=3, eval_docs=2,
-                      accept_prompts=0, device="cpu", dtype="float32", save_dtype="float32", progress=False,
-                      distill_fraction=0.0, self_distill_prompts=3, self_distill_share=1.0,
-                      self_distill_max_tokens=12, self_distill_seconds=600)
+    cfg = _mtp_only_config(src, out, max_steps=6, eval_every=3, eval_docs=2, self_distill_prompts=3,
+                           self_distill_share=1.0, self_distill_max_tokens=12, self_distill_seconds=600)
     docs, val_docs, stats = self_distill_data(cfg, torch.device("cpu"), log=lambda m: None)
     assert (len(docs), len(val_docs), stats["prompts_done"]) == (3, 2, 5)  # one engine: 2 held-out + 3
     rows = load_split("train")[:300]
