@@ -64,7 +64,10 @@ def test_mixed_batches_share():
     (dict(self_distill_prompts=10, init_from="m", distill_fraction=0.0), "--freeze-target"),
     (dict(self_distill_prompts=10, init_from="m", self_distill_share=2.0), "self-distill-share"),
     (dict(self_distill_prompts=10, init_from="m", self_distill_seconds=0.0), "self-distill-seconds"),
-    (dict(self_distill_prompts=-1), "self-distill-prompts must be >= 0"),
+    (dict(self_distill_prompts=-1), "self-distill-prompts and --self-distill-synthetic must be >= 0"),
+    (dict(self_distill_synthetic=-1), "self-distill-synthetic must be >= 0"),
+    (dict(self_distill_synthetic=10, freeze_target=True), "needs --init-from"),
+    (dict(self_distill_synthetic=10, init_from="m", distill_fraction=0.0), "--freeze-target"),
 ])
 def test_flag_errors_before_anything_loads(kw, match):
     with pytest.raises(ValueError, match=match):

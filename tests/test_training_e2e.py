@@ -172,6 +172,31 @@ def test_self_distillation_documents_are_the_models_greedy_completions(run, tmp_
     assert changed and all(k.startswith(mtp_prefix) for k in changed), changed
 
 
+def test_self_distillation_generated_prompts_follow_the_gsm8k_ones(run, tmp_path):
+    """``--self-distill-synthetic M``: after the GSM8K train questions, M generated problems of
+    stream ``seed + SELF_DISTILL_STREAM`` (not the training corpus's stream) in the same 5-shot
+    prompt, each document that prompt's tokens + a completion, losses from the last prompt position."""
+    from tokenizers import Tokenizer
+
+    from mtpspec.data.gsm8k import fewshot_prompt, load_split
+    from mtpspec.training.corpus import generate_examples
+    from mtpspec.training.train import SELF_DISTILL_STREAM, self_distill_data
+    src, _ = run
+    cfg = _mtp_only_config(src, str(tmp_path / "sd_gen"), eval_docs=1, self_distill_prompts=1,
+                           self_distill_synthetic=2, self_distill_max_tokens=4, self_distill_seconds=600, seed=3)
+    docs, val_docs, stats = self_distill_data(cfg, torch.device("cpu"), log=lambda m: None)
+    assert (len(docs), len(val_docs), stats["gsm8k_prompts"], stats["generated_prompts"]) == (3, 1, 1, 2)
+    rows = load_split("train")[:300]
+    generated = generate_examples(2, 3 + SELF_DISTILL_STREAM)
+    assert generated != generate_examples(2, 3)  # not the training corpus's problems
+    want = [fewshot_prompt(rows[:5], q) for q in [rows[5]["question"]] + [g["question"] for g in generated]]
+    tok = Tokenizer.from_file(os.path.join(src, "tokenizer.json"))
+    for d in range(3):
+        ids = docs.doc(d).tolist()
+        n_prompt = int(docs.loss_start[d]) + 1
+        assert tok.decode(ids[:n_prompt]) == want[d] and len(ids) > n_prompt
+
+
 def test_self_distillation_at_phase_two_uses_the_phase_one_target(run, tmp_path):
     """Without ``--freeze-target`` the documents are written when phase 2 freezes the target (from
     the weights phase 1 left, inside the run), and ``val_self`` starts there."""

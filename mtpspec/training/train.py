@@ -32,7 +32,10 @@ much smaller model on the CPU in a few minutes. Steps:
    ``--freeze-target`` and ``--init-from``, else when phase 2 begins, inside the time budget and
    before phase 2's learning-rate schedule starts), write greedy
    completions of N GSM8K train questions in ``mtpspec eval gsm8k``'s 5-shot prompt
-   (:mod:`mtpspec.training.self_distill`) and draws ``--self-distill-share`` of the batches from
+   (:mod:`mtpspec.training.self_distill`), then of ``--self-distill-synthetic M`` generated
+   problems (stream ``seed + SELF_DISTILL_STREAM`` of the corpus generator, questions in the same
+   5-shot prompt: more completions than GSM8K's 7k train questions give, so the MTP layer sees
+   fewer repeats), and draws ``--self-distill-share`` of the batches from
    then on from those documents; the MTP layers' agreement on the held-out rows' own completions
    is logged as ``val_self``;
 5. stop at ``--max-steps`` or when ``--max-minutes`` (wall clock of the whole run) is nearly
@@ -107,6 +110,7 @@ class TrainConfig:
     distill_warmup_steps: int = 50
     distill_depth: int = 1
     self_distill_prompts: int = 0           # > 0: the frozen target's greedy completions of this many GSM8K train questions
+    self_distill_synthetic: int = 0         # and of this many generated problems (after those), same prompt
     self_distill_share: float = 0.5         # share of the frozen-target batches drawn from those documents
     self_distill_max_tokens: int = 256      # completion length limit (eval gsm8k's default)
     self_distill_seconds: float = 150.0     # generation time budget (wall clock, inside --max-minutes)
@@ -340,14 +344,15 @@ def check_config(cfg: TrainConfig) -> None:
         raise ValueError(f"--index-topk applies to --arch glm_moe_dsa (a DSA indexer), not {cfg.arch}")
     if cfg.index_topk and cfg.init_from:
         raise ValueError("--index-topk sets a new model's selection size; an --init-from model keeps its own")
-    if cfg.self_distill_prompts < 0:
-        raise ValueError(f"--self-distill-prompts must be >= 0, got {cfg.self_distill_prompts}")
-    if cfg.self_distill_prompts:
+    if cfg.self_distill_prompts < 0 or cfg.self_distill_synthetic < 0:
+        raise ValueError(f"--self-distill-prompts and --self-distill-synthetic must be >= 0, got "
+                         f"{cfg.self_distill_prompts}, {cfg.self_distill_synthetic}")
+    if _self_distill_on(cfg):
         if cfg.freeze_target and not cfg.init_from:
-            raise ValueError("--self-distill-prompts with --freeze-target needs --init-from: the documents are that "
+            raise ValueError("--self-distill-prompts / --self-distill-synthetic with --freeze-target needs --init-from: the documents are that "
                              "model's own completions")
         if not (cfg.freeze_target or cfg.distill_fraction > 0):
-            raise ValueError("--self-distill-prompts trains only where the target is frozen: pass --freeze-target "
+            raise ValueError("--self-distill-prompts / --self-distill-synthetic train only where the target is frozen: pass --freeze-target "
                              "or --distill-fraction > 0 (a target trained on its own outputs would learn nothing new)")
         if not 0.0 <= cfg.self_distill_share <= 1.0:
             raise ValueError(f"--self-distill-share must be in [0, 1], got {cfg.self_distill_share}")
@@ -378,13 +383,26 @@ def _val_self(target, mtp, val_self, device, cfg: TrainConfig, dsa, jlog, step: 
     return v
 
 
+#: ``--self-distill-synthetic``'s problems come from generator stream ``seed + SELF_DISTILL_STREAM``,
+#: not the stream ``seed`` the training corpus draws from.
+SELF_DISTILL_STREAM = 1_000_003
+
+
+def _self_distill_on(cfg: TrainConfig) -> bool:
+    """Whether the run writes self-distillation documents (``--self-distill-prompts`` or
+    ``--self-distill-synthetic``)."""
+    return cfg.self_distill_prompts > 0 or cfg.self_distill_synthetic > 0
+
+
 def self_distill_data(cfg: TrainConfig, device: torch.device, log=_log, model_dir: str = ""):
     """``--self-distill-prompts``: the greedy completions of the model in ``model_dir`` (default
     ``--init-from``) of the first ``eval_docs`` held-out rows and of GSM8K train questions (the
     rows ``prepare_data`` trains on, after the shots), each in ``mtpspec eval gsm8k``'s 5-shot
-    prompt, as ``(train_docs, val_docs, stats)`` (:mod:`mtpspec.training.self_distill`). One
-    engine writes both, the held-out prompts in its first wave (always complete), then the train
-    questions until ``self_distill_seconds`` of generation are used (checked between waves).
+    prompt, then of ``self_distill_synthetic`` generated problems (stream ``seed +
+    SELF_DISTILL_STREAM``) in the same prompt, as ``(train_docs, val_docs, stats)``
+    (:mod:`mtpspec.training.self_distill`). One engine writes them all, the held-out prompts in
+    its first wave (always complete), then the train questions, then the generated ones, until
+    ``self_distill_seconds`` of generation are used (checked between waves).
 
     Raises:
         FileNotFoundError / ValueError: as ``resolve_gsm8k`` / ``load_gsm8k``; ValueError from
@@ -397,6 +415,9 @@ def self_distill_data(cfg: TrainConfig, device: torch.device, log=_log, model_di
         rows = rows[:cfg.gsm8k_limit]
     train_rows, val_rows = rows[:len(rows) - cfg.holdout], rows[len(rows) - cfg.holdout:]
     prompts = self_distill_prompts(train_rows, EVAL_NUM_FEWSHOT)[:cfg.self_distill_prompts]
+    if cfg.self_distill_synthetic:
+        generated = corpus_mod.generate_examples(cfg.self_distill_synthetic, cfg.seed + SELF_DISTILL_STREAM)
+        prompts += build_prompts(generated, train_rows, EVAL_NUM_FEWSHOT)
     val_prompts = build_prompts(val_rows[:cfg.eval_docs], train_rows, EVAL_NUM_FEWSHOT)
     kw = {"device": str(device), "dtype": "bfloat16" if device.type == "cuda" else "float32",
           "max_num_seqs": 256 if device.type == "cuda" else 16,
@@ -407,7 +428,8 @@ def self_distill_data(cfg: TrainConfig, device: torch.device, log=_log, model_di
     nv = len(val_prompts)
     train_docs = docs_from_token_lists(seqs[nv:], cfg.max_len, lens[nv:])
     val_docs = docs_from_token_lists(seqs[:nv], cfg.max_len, lens[:nv])
-    stats = {**stats, "documents": len(train_docs), "dropped": train_docs.dropped, "val_documents": len(val_docs)}
+    stats = {**stats, "gsm8k_prompts": len(prompts) - cfg.self_distill_synthetic,
+             "generated_prompts": cfg.self_distill_synthetic, "documents": len(train_docs), "dropped": train_docs.dropped, "val_documents": len(val_docs)}
     log(f"self-distillation data: {stats}")
     return train_docs, val_docs, stats
 
@@ -485,7 +507,7 @@ def train(cfg: TrainConfig, log=_log) -> Dict[str, Any]:
                                                                    cfg.seed), cfg.self_distill_share, cfg.seed)
         val_self = _val_batches(sd_val, eot, cfg.max_len, cfg.tokens_per_batch) if len(sd_val) else []
 
-    if cfg.self_distill_prompts and cfg.freeze_target:  # frozen from the start: the --init-from weights
+    if _self_distill_on(cfg) and cfg.freeze_target:  # frozen from the start: the --init-from weights
         self_distill_setup()
     pads = pad_fraction(train_docs, cfg.tokens_per_batch, cfg.max_len)
     log_path = os.path.join(cfg.output_dir, "train_log.jsonl")
@@ -536,7 +558,7 @@ def train(cfg: TrainConfig, log=_log) -> Dict[str, Any]:
             if phase_no == 1 and cfg.distill_fraction > 0 and phase_over:
                 phase_no = 2
                 opt = _start_distill_phase(target, mtp, opt, balancer, cfg)
-                if cfg.self_distill_prompts and not cfg.freeze_target:  # the target as phase 1 left it
+                if _self_distill_on(cfg) and not cfg.freeze_target:  # the target as phase 1 left it
                     with tempfile.TemporaryDirectory() as tmp:
                         save_model(tmp, target, mtp, config_dict, tok, save_dtype)
                         self_distill_setup(tmp)
