@@ -38,6 +38,23 @@ def test_bytes_per_block_and_cpu_budget():
                             torch.device("cpu"), 10**9)
 
 
+def test_cuda_budget_counts_other_processes_and_says_so(monkeypatch):
+    """On CUDA the budget is ``gpu_memory_utilization x total`` minus ALL memory in use (vLLM's
+    rule, other processes included) minus the activation peak; when nothing is left, the error
+    gives those figures (two engines sharing one GPU at 0.18 each failed with no hint why)."""
+    gib = 1 << 30
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (10 * gib, 100 * gib))
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: 3 * gib)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 1 * gib)
+    layers, dev = _layers(), torch.device("cuda")
+    # 0.95 x 100 - 90 in use - 2 activation peak = 3 GiB
+    n = available_kv_blocks(layers, CacheConfig(block_size=16, gpu_memory_utilization=0.95), torch.bfloat16, dev, 1)
+    assert n == 3 * gib // 16384
+    with pytest.raises(RuntimeError, match=r"0.5 x 100.0 GiB = 50.00 GiB, of which 90.00 GiB is in use .*every other "
+                                           r"process.* 2.00 GiB is the profiled activation peak"):
+        available_kv_blocks(layers, CacheConfig(block_size=16, gpu_memory_utilization=0.5), torch.bfloat16, dev, 1)
+
+
 class _LatentBackend(AttentionBackend):
     """A second layout: one entry of ``head_size`` values per token shared by all heads (the shape
     of an MLA latent or of indexer keys), ``[num_blocks, block_size, head_size]``."""

@@ -53,17 +53,24 @@ def available_kv_blocks(layers: List[AttentionLayerBase], cfg: CacheConfig, dtyp
     if cfg.num_kv_blocks is not None:
         return cfg.num_kv_blocks
     per_block = bytes_per_block(layers, cfg.block_size, dtype)
+    where = ""
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
         # in use now (weights, CUDA context, other processes) + the profiled activation peak
         activation_peak = torch.cuda.max_memory_allocated(device) - torch.cuda.memory_allocated(device)
         budget = cfg.gpu_memory_utilization * total - (total - free) - activation_peak
         n = int(budget // per_block)
+        gib = 1 << 30
+        where = (f": gpu_memory_utilization {cfg.gpu_memory_utilization} x {total / gib:.1f} GiB = "
+                 f"{cfg.gpu_memory_utilization * total / gib:.2f} GiB, of which {(total - free) / gib:.2f} GiB is in "
+                 f"use on the device (this process's weights and context AND every other process's memory) and "
+                 f"{activation_peak / gib:.2f} GiB is the profiled activation peak")
     else:
         n = min(int(cfg.cpu_kv_cache_gib * (1 << 30) // per_block), max_useful_blocks)
+        where = f": cpu_kv_cache_gib {cfg.cpu_kv_cache_gib}"
     if n < 1:
-        raise RuntimeError(f"no memory left for the KV cache ({per_block} bytes per block); lower max_num_seqs / "
-                           "max_num_batched_tokens, raise gpu_memory_utilization, or set num_kv_blocks")
+        raise RuntimeError(f"no memory left for the KV cache ({per_block} bytes per block){where}; lower "
+                           "max_num_seqs / max_num_batched_tokens, raise gpu_memory_utilization, or set num_kv_blocks")
     return n
 
 
