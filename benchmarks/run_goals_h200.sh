@@ -10,6 +10,8 @@
 #   bash benchmarks/run_goals_h200.sh adaptive OUT  # issue 18: bench arms plain / k1..k3 / adaptive, demo model
 #   bash benchmarks/run_goals_h200.sh adaptive-air OUT  # the same at GLM-4.5-Air width, forced acceptance (SYNTHETIC)
 #   bash benchmarks/run_goals_h200.sh serving-deep OUT  # issue 17: prefix-cache TTFT on 40 of Llama-3-70B's 80 layers
+#   bash benchmarks/run_goals_h200.sh demo-sd OUT   # issue 16: the demo model's MTP layer self-distilled on GSM8K +
+#                                                  # generated prompts (target frozen), then GSM8K k = 1 / 3 fp32
 set -u
 part=${1:?serving or kernels}; OUT=${2:?output folder}
 mkdir -p "$OUT"
@@ -69,5 +71,21 @@ adaptive-air)  # the same sweep at GLM-4.5-Air width (8 layers, random weights),
 serving-deep)  # the prefix-cache TTFT goal at 40 layers (34 B, 69 GB): the per-request host cost (~6 ms) against
   # a deeper model's steps, nearer a real 70 B model's share than 16 layers give (ratio 0.351 there, 2026-12-03)
   LAYERS=40 SKIP_INTERFERENCE=1 step 560 serving_deep bash benchmarks/run_serving_goals.sh "$OUT" dense-70b-16l ;;
+demo-sd)  # issue 16: 2026-12-03's MTP layer saw its 751k completion tokens ~17 times in 5 minutes (k = 1: 1.897, goal
+  # 1.90); SYNTH generated problems after the 7,212 GSM8K questions give about 3x the completions. Outputs: the two
+  # shards (bundle them by copying over mtpspec/demo_model_glm5/), summary, log, eval JSONs (k = 0: the target is
+  # frozen, compare with a k = 0 run of the bundled model)
+  step 470 self_distill python3 -m mtpspec.entrypoints.cli train --arch glm_moe_dsa --init-from mtpspec/demo_model_glm5 \
+      --output-dir /tmp/sd --indexer-warmup-fraction 0 --freeze-target --mtp-distill 1.0 --mtp-depth 1 \
+      --distill-fraction 0 --lr ${LR:-5e-4} --warmup-steps 50 --self-distill-prompts 8000 \
+      --self-distill-synthetic ${SYNTH:-16000} --self-distill-share 0.6 --self-distill-seconds 120 \
+      --max-minutes ${MINUTES:-7.2} --reserve-seconds 10 --eval-every 0 --accept-prompts 0 --num-synthetic 200000 --no-progress
+  cp /tmp/sd/model-0000*.safetensors /tmp/sd/summary.json "$OUT"/ && gzip -c /tmp/sd/train_log.jsonl > "$OUT/train_log.jsonl.gz"
+  for run in "1 false" "3 false" "3 true"; do
+    set -- $run
+    step 100 eval_k$1_share_$2 python3 -m mtpspec.entrypoints.cli eval gsm8k --model /tmp/sd --dtype float32 --device cuda \
+        --speculative-config "{\"method\":\"mtp\",\"num_speculative_tokens\":$1,\"index_share_for_mtp_iteration\":$2}" \
+        --gpu-memory-utilization 0.5 --no-progress --json "$OUT/eval_k$1_$2.json"
+  done ;;
 *) echo "unknown part $part"; exit 2 ;;
 esac
