@@ -9,14 +9,19 @@
 # per run and the reports in eval.log (GPU_MEM: --gpu-memory-utilization, default 0.5).
 set -euo pipefail
 PY=${PYTHON:-python3}
+usage() { echo "usage: $0 train OUT [flags] | eval MODEL RESULTS DEVICE [LIMIT]" >&2; exit 2; }
+[ $# -ge 1 ] || usage
 cmd=$1; shift
 case "$cmd" in
   train)
+    [ $# -ge 1 ] || usage
     out=$1; shift
     $PY -m mtpspec.entrypoints.cli train --arch glm_moe_dsa --output-dir "$out" "$@" ;;
   eval)
+    [ $# -ge 3 ] || usage
     model=$1 res=$2 dev=$3 limit=${4:-}
     mkdir -p "$res"
+    rm -f "$res/eval.log"
     lim=(); [ -n "$limit" ] && lim=(--limit "$limit")
     rc=0
     for run in "0 0" "1 0" "3 0" "1 1" "3 1"; do
@@ -29,7 +34,7 @@ case "$cmd" in
           --dtype float32 --device "$dev" --gpu-memory-utilization ${GPU_MEM:-0.5} --no-progress "${lim[@]}" --json "$res/eval_k${k}_share${share}.json" \
           > "$res/eval_k${k}_share${share}.log" 2>&1; rc=$?; echo "wall $((SECONDS - s0)) s" >> "$res/eval_k${k}_share${share}.log"; exit $rc ) || rc=1
     done
-    tail -n 30 "$res"/*.log > "$res/eval.log"; rm "$res"/eval_k*.log; cat "$res/eval.log"
+    tail -n 60 "$res"/eval_k*.log > "$res/eval.log"; rm "$res"/eval_k*.log; cat "$res/eval.log"
     exit $rc ;;
-  *) echo "usage: $0 train OUT [flags] | eval MODEL RESULTS DEVICE [LIMIT]" >&2; exit 2 ;;
+  *) usage ;;
 esac

@@ -3,6 +3,7 @@
 import itertools
 
 import pytest
+import torch
 
 from mtpspec.data.gsm8k import fewshot_prompt
 from mtpspec.training.self_distill import SELF_DISTILL_SOURCE, MixedBatches, docs_from_token_lists, self_distill_prompts
@@ -67,8 +68,38 @@ def test_mixed_batches_share():
     (dict(self_distill_prompts=-1), "self-distill-prompts and --self-distill-synthetic must be >= 0"),
     (dict(self_distill_synthetic=-1), "self-distill-synthetic must be >= 0"),
     (dict(self_distill_synthetic=10, freeze_target=True), "needs --init-from"),
+    (dict(freeze_target=True), "--freeze-target needs --init-from"),
+    (dict(mtp_distill=1.5), r"--mtp-distill must be in \[0, 1\], got 1.5"),
+    (dict(mtp_distill=float("nan")), "--mtp-distill must be in"),
+    (dict(lr=-1.0), "--lr must be > 0"),
+    (dict(distill_depth=0), "--distill-depth must be >= 1"),
+    (dict(mtp_depth=0), "--mtp-depth must be >= 1"),
+    (dict(mtp_lambda=-1.0), "--mtp-lambda must be >= 0"),
+    (dict(max_steps=-5), "--max-steps must be >= 0"),
+    (dict(tokens_per_batch=0), "--tokens-per-batch must be > 0"),
     (dict(self_distill_synthetic=10, init_from="m", distill_fraction=0.0), "--freeze-target"),
 ])
 def test_flag_errors_before_anything_loads(kw, match):
     with pytest.raises(ValueError, match=match):
         check_config(TrainConfig(**kw))
+
+
+def test_stats_count_the_prompts_written_when_the_time_budget_runs_out(monkeypatch):
+    """The generated problems come last, so a budget that runs out drops them first: the stats
+    count what was written (held-out, GSM8K, generated apart) and a warning says so."""
+    import mtpspec.training.self_distill as sd
+    from mtpspec.training.train import self_distill_data
+
+    def first_wave_only(model, prompts, max_tokens, max_seconds, kw, wave, log):
+        n = 5  # 2 held-out + 2 GSM8K + 1 of the 3 generated
+        return [[1, 2, 3]] * n, [2] * n, {"prompts_done": n, "prompts_offered": len(prompts)}
+
+    monkeypatch.setattr(sd, "generate_documents", first_wave_only)
+    logs = []
+    cfg = TrainConfig(init_from="m", freeze_target=True, gsm8k_limit=300, holdout=20, eval_docs=2,
+                      self_distill_prompts=2, self_distill_synthetic=3)
+    docs, val_docs, st = self_distill_data(cfg, torch.device("cpu"), log=logs.append)
+    assert (len(docs), len(val_docs)) == (3, 2)
+    assert (st["held_out_prompts"], st["gsm8k_prompts_done"], st["gsm8k_prompts_offered"],
+            st["generated_prompts_done"], st["generated_prompts_offered"]) == (2, 2, 2, 1, 3)
+    assert any("ran out after 3 of 5 prompts (1 of 3 generated" in m for m in logs)

@@ -446,7 +446,8 @@ def test_checkpoint_decodes_losslessly_with_mtp(run, prompts, k, share):
 def test_mtp_only_distillation_from_the_checkpoint(run, tmp_path):
     """``--init-from`` a DSA checkpoint + ``--freeze-target`` + ``--mtp-distill``: the target (its
     indexers and the shared embedding included) comes back bit-identical, the MTP layer changes (its
-    own indexer too: the KL trains it), and a mismatched ``--arch`` is refused."""
+    own indexer too: the KL trains it), a mismatched ``--arch`` is refused,
+    and without ``--arch`` the model's own is used."""
     from mtpspec.entrypoints.cli import main
     from mtpspec.models.loader import read_checkpoint_tensors
     src, _ = run
@@ -458,8 +459,8 @@ def test_mtp_only_distillation_from_the_checkpoint(run, tmp_path):
             "float32", "--save-dtype", "float32", "--no-progress", "--distill-fraction", "0",
             "--indexer-warmup-fraction", "0", "--output-dir", out]
     with pytest.raises(ValueError, match="pass --arch glm_moe_dsa"):
-        main(argv)  # the default --arch is glm4_moe
-    assert main(argv[:1] + ["--arch", "glm_moe_dsa"] + argv[1:]) == 0
+        main(argv[:1] + ["--arch", "glm4_moe"] + argv[1:])  # an explicit --arch that is not the model's
+    assert main(argv) == 0  # no --arch: the model's own
     before, after = dict(read_checkpoint_tensors(src)), dict(read_checkpoint_tensors(out))
     assert before.keys() == after.keys()
     mtp_prefix = f"model.layers.{json.load(open(os.path.join(src, 'config.json')))['num_hidden_layers']}."

@@ -47,3 +47,22 @@ def test_init_from_a_model_with_fewer_positions_than_max_len_is_refused_first(tm
     with pytest.raises(ValueError, match=r"--max-len 2048 exceeds the max_position_embeddings 512 of --init-from "
                                          r".*pass --max-len 512 or less"):
         train_mod.train(cfg, log=lambda *a, **k: None)
+
+
+def test_init_from_supplies_the_architecture_unless_arch_is_given():
+    """``--init-from`` a saved model and no ``--arch``: the model's ``model_type``; an explicit
+    ``--arch`` still wins (and ``train`` then names the mismatch)."""
+    from mtpspec import demo_model_path
+    assert config_from_args(_parse(["--init-from", demo_model_path("glm_moe_dsa")])).arch == "glm_moe_dsa"
+    assert config_from_args(_parse(["--init-from", demo_model_path("glm4_moe")])).arch == "glm4_moe"
+    got = config_from_args(_parse(["--init-from", demo_model_path("glm_moe_dsa"), "--arch", "glm4_moe"]))
+    assert got.arch == "glm4_moe"
+    assert config_from_args(_parse(["--init-from", "/no/such/dir"])).arch == TrainConfig().arch
+
+
+def test_flag_errors_are_one_line_before_anything_is_built(capsys, monkeypatch):
+    """A flag ``check_config`` refuses: ``error: ...`` on stderr, exit status 2, no data prepared."""
+    from mtpspec.training import train as train_mod
+    monkeypatch.setattr(train_mod, "prepare_data", lambda *a, **k: pytest.fail("data prepared"))
+    assert entry.run(_parse(["--mtp-distill", "1.5"])) == 2
+    assert capsys.readouterr().err.strip() == "error: --mtp-distill must be in [0, 1], got 1.5"

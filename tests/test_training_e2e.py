@@ -185,7 +185,8 @@ def test_self_distillation_generated_prompts_follow_the_gsm8k_ones(run, tmp_path
     cfg = _mtp_only_config(src, str(tmp_path / "sd_gen"), eval_docs=1, self_distill_prompts=1,
                            self_distill_synthetic=2, self_distill_max_tokens=4, self_distill_seconds=600, seed=3)
     docs, val_docs, stats = self_distill_data(cfg, torch.device("cpu"), log=lambda m: None)
-    assert (len(docs), len(val_docs), stats["gsm8k_prompts"], stats["generated_prompts"]) == (3, 1, 1, 2)
+    assert (len(docs), len(val_docs), stats["held_out_prompts"], stats["gsm8k_prompts_done"],
+            stats["generated_prompts_done"], stats["prompts_done"]) == (3, 1, 1, 1, 2, 4)
     rows = load_split("train")[:300]
     generated = generate_examples(2, 3 + SELF_DISTILL_STREAM)
     assert generated != generate_examples(2, 3)  # not the training corpus's problems

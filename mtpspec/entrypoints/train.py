@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -15,6 +16,14 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
-    from mtpspec.training.train import config_from_args, train
-    train(config_from_args(args))
+    """Train; a flag error (``check_config``, before any data or model is built) is one ``error:``
+    line on stderr and exit status 2, as argparse reports its own."""
+    from mtpspec.training.train import check_config, config_from_args, train
+    cfg = config_from_args(args)
+    try:
+        check_config(cfg)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    train(cfg)
     return 0

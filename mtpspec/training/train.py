@@ -325,17 +325,34 @@ def check_config(cfg: TrainConfig) -> None:
     """The checks that need no data or model, run before anything is built.
 
     Raises:
-        ValueError: an unknown ``--arch``, ``--index-topk`` below 0 or given for an architecture
+        ValueError: an unknown ``--arch``; ``--lr`` / ``--distill-lr`` <= 0, ``--mtp-distill``
+            outside ``[0, 1]``, a negative ``--mtp-lambda`` / ``--max-steps`` / ``--max-minutes``, a
+            depth or ``--tokens-per-batch`` below 1; ``--freeze-target`` without ``--init-from``;
+            ``--index-topk`` below 0 or given for an architecture
             without an indexer (or with ``--init-from``, whose model keeps its own), a
             ``--distill-fraction`` outside ``[0, 1)``; for ``glm_moe_dsa`` an
             ``--indexer-warmup-fraction`` outside ``[0, 1 - distill_fraction]`` or a negative
             ``--indexer-kl-weight`` (the other architectures ignore both); ``--self-distill-prompts``
-            with ``--freeze-target`` but no ``--init-from``, without a frozen target (``--freeze-target`` or
+            / ``--self-distill-synthetic`` without a frozen target (``--freeze-target`` or
             ``--distill-fraction > 0``), or with a share outside ``[0, 1]``.
     """
     from mtpspec.training.model_setup import ARCHS
     if cfg.arch not in ARCHS:
         raise ValueError(f"--arch must be one of {sorted(ARCHS)}, got {cfg.arch!r}")
+    for flag, value, ok, want in (
+            ("--lr", cfg.lr, cfg.lr > 0, "> 0"), ("--distill-lr", cfg.distill_lr, cfg.distill_lr > 0, "> 0"),
+            ("--mtp-distill", cfg.mtp_distill, 0.0 <= cfg.mtp_distill <= 1.0, "in [0, 1]"),
+            ("--mtp-lambda", cfg.mtp_lambda, cfg.mtp_lambda >= 0, ">= 0"),
+            ("--mtp-depth", cfg.mtp_depth, cfg.mtp_depth >= 1, ">= 1"),
+            ("--distill-depth", cfg.distill_depth, cfg.distill_depth >= 1, ">= 1"),
+            ("--tokens-per-batch", cfg.tokens_per_batch, cfg.tokens_per_batch > 0, "> 0"),
+            ("--max-steps", cfg.max_steps, cfg.max_steps >= 0, ">= 0 (0: no limit)"),
+            ("--max-minutes", cfg.max_minutes, cfg.max_minutes >= 0, ">= 0 (0: no limit)")):
+        if not ok:  # also catches nan
+            raise ValueError(f"{flag} must be {want}, got {value}")
+    if cfg.freeze_target and not cfg.init_from:
+        raise ValueError("--freeze-target needs --init-from: it keeps a trained target fixed, and a new model's "
+                         "target would stay random")
     if not 0.0 <= cfg.distill_fraction < 1.0:
         raise ValueError(f"--distill-fraction must be in [0, 1), got {cfg.distill_fraction}")
     if cfg.index_topk < 0:
@@ -348,9 +365,6 @@ def check_config(cfg: TrainConfig) -> None:
         raise ValueError(f"--self-distill-prompts and --self-distill-synthetic must be >= 0, got "
                          f"{cfg.self_distill_prompts}, {cfg.self_distill_synthetic}")
     if _self_distill_on(cfg):
-        if cfg.freeze_target and not cfg.init_from:
-            raise ValueError("--self-distill-prompts / --self-distill-synthetic with --freeze-target needs --init-from: the documents are that "
-                             "model's own completions")
         if not (cfg.freeze_target or cfg.distill_fraction > 0):
             raise ValueError("--self-distill-prompts / --self-distill-synthetic train only where the target is frozen: pass --freeze-target "
                              "or --distill-fraction > 0 (a target trained on its own outputs would learn nothing new)")
@@ -425,12 +439,18 @@ def self_distill_data(cfg: TrainConfig, device: torch.device, log=_log, model_di
     seqs, lens, stats = generate_documents(model_dir or cfg.init_from, val_prompts + prompts,
                                            cfg.self_distill_max_tokens, cfg.self_distill_seconds, kw,
                                            wave=max(1024, len(val_prompts)), log=log)
-    nv = len(val_prompts)
+    nv, n_gsm8k = len(val_prompts), len(prompts) - cfg.self_distill_synthetic
     train_docs = docs_from_token_lists(seqs[nv:], cfg.max_len, lens[nv:])
     val_docs = docs_from_token_lists(seqs[:nv], cfg.max_len, lens[:nv])
-    stats = {**stats, "gsm8k_prompts": len(prompts) - cfg.self_distill_synthetic,
-             "generated_prompts": cfg.self_distill_synthetic, "documents": len(train_docs), "dropped": train_docs.dropped, "val_documents": len(val_docs)}
+    done = len(seqs) - nv  # train prompts completed, in order: the GSM8K questions, then the generated ones
+    stats = {**stats, "held_out_prompts": nv, "gsm8k_prompts_done": min(done, n_gsm8k),
+             "gsm8k_prompts_offered": n_gsm8k, "generated_prompts_done": max(0, done - n_gsm8k),
+             "generated_prompts_offered": cfg.self_distill_synthetic, "documents": len(train_docs),
+             "dropped": train_docs.dropped, "val_documents": len(val_docs)}
     log(f"self-distillation data: {stats}")
+    if done < len(prompts):
+        log(f"warning: --self-distill-seconds {cfg.self_distill_seconds:g} ran out after {done} of {len(prompts)} "
+            f"prompts ({stats['generated_prompts_done']} of {cfg.self_distill_synthetic} generated ones)")
     return train_docs, val_docs, stats
 
 
@@ -483,8 +503,6 @@ def train(cfg: TrainConfig, log=_log) -> Dict[str, Any]:
     log(f"model: {cfg.init_from or cfg.arch + ' preset ' + cfg.preset}, {n_params}, device {device}, dtype {dtype}"
         f"{', target frozen' if cfg.freeze_target else ''}")
 
-    if cfg.distill_fraction > 0 and cfg.distill_depth < 1:
-        raise ValueError(f"--distill-depth must be >= 1, got {cfg.distill_depth}")
     if cfg.freeze_target:
         _freeze(target)
     unique = list({id(p): p for p in list(target.parameters()) + list(mtp.parameters())}.values())
@@ -655,22 +673,45 @@ def train(cfg: TrainConfig, log=_log) -> Dict[str, Any]:
 
 
 # ----------------------------------------------------------------------------------------- CLI
+#: ``--help`` text of the flags whose meaning is not plain from the name (the module docstring has the recipe).
+FLAG_HELP = {
+    "arch": "glm4_moe or glm_moe_dsa (GLM-5: MLA + DSA indexer); with --init-from, that model's by default",
+    "init_from": "start from this saved model (its config and tokenizer)",
+    "max_minutes": "wall-clock budget of the whole run (data, training, saving); 0: no limit",
+    "max_steps": "0: no limit",
+    "distill_fraction": "the last share of the time in which the target is frozen and the MTP layers distilled",
+    "mtp_distill": "share of the MTP loss that is distillation towards the target's next-position distribution",
+    "self_distill_prompts": "write the frozen target's greedy completions of this many GSM8K train questions "
+                            "(eval gsm8k's 5-shot prompt) and train the MTP layers on them",
+    "self_distill_synthetic": "and of this many generated problems after them (same prompt)",
+    "self_distill_share": "share of the frozen-target batches drawn from those completions",
+    "self_distill_max_tokens": "completion length limit",
+    "self_distill_seconds": "time budget for writing the completions (checked between waves of 1,024 prompts)",
+    "indexer_warmup_fraction": "glm_moe_dsa: share of the time with dense attention while the indexers learn",
+}
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """Flags for every :class:`TrainConfig` field, plus ``--tiny``."""
     p.add_argument("--tiny", action="store_true",
                    help="small model on the CPU in a few minutes (overrides defaults: " +
-                   ", ".join(f"{k}={v}" for k, v in TINY_OVERRIDES.items()) + "; explicit flags still win)")
+                   ", ".join(f"{k}={v}" for k, v in TINY_OVERRIDES.items()) + ", output_dir=out/tiny_model; explicit flags "
+                   "still win)")
     for f in dataclasses.fields(TrainConfig):
         flag = "--" + f.name.replace("_", "-")
         if f.type in ("bool", bool):
-            p.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=None)
+            p.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=None,
+                           help={"freeze_target": "train only the MTP layers (needs --init-from)"}.get(f.name))
         else:
             typ = {"int": int, "float": float, "str": str}[f.type if isinstance(f.type, str) else f.type.__name__]
-            p.add_argument(flag, dest=f.name, type=typ, default=None, help=f"default {f.default!r}")
+            text = FLAG_HELP.get(f.name, "")
+            p.add_argument(flag, dest=f.name, type=typ, default=None,
+                           help=f"{text + '; ' if text else ''}default {f.default!r}")
 
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
-    """Defaults, then ``--tiny``'s overrides, then explicit flags."""
+    """Defaults, then ``--tiny``'s overrides, then explicit flags; with ``--init-from`` and no
+    ``--arch``, the architecture is the ``model_type`` in that folder's ``config.json``."""
     values = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
     if getattr(args, "tiny", False):
         values.update(TINY_OVERRIDES)
@@ -679,6 +720,12 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         v = getattr(args, f.name, None)
         if v is not None:
             values[f.name] = v
+    cfg_path = os.path.join(values["init_from"], "config.json") if values["init_from"] else ""
+    if getattr(args, "arch", None) is None and cfg_path and os.path.isfile(cfg_path):
+        with open(cfg_path) as fh:
+            model_type = json.load(fh).get("model_type")
+        if model_type:
+            values["arch"] = model_type  # check_config names it if it is not a trainable architecture
     return TrainConfig(**values)
 
 
