@@ -688,6 +688,7 @@ FLAG_HELP = {
     "self_distill_max_tokens": "completion length limit",
     "self_distill_seconds": "time budget for writing the completions (checked between waves of 1,024 prompts)",
     "indexer_warmup_fraction": "glm_moe_dsa: share of the time with dense attention while the indexers learn",
+    "log_every": "steps between the records of OUTPUT_DIR/train_log.jsonl (the progress bar shows the latest)",
 }
 
 
@@ -701,7 +702,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         flag = "--" + f.name.replace("_", "-")
         if f.type in ("bool", bool):
             p.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=None,
-                           help={"freeze_target": "train only the MTP layers (needs --init-from)"}.get(f.name))
+                           help={"freeze_target": "train only the MTP layers (needs --init-from)",
+                                 "progress": "a progress bar on stderr; the per-step figures go to train_log.jsonl "
+                                             "either way"}.get(f.name))
         else:
             typ = {"int": int, "float": float, "str": str}[f.type if isinstance(f.type, str) else f.type.__name__]
             text = FLAG_HELP.get(f.name, "")
