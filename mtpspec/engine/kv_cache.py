@@ -53,7 +53,6 @@ def available_kv_blocks(layers: List[AttentionLayerBase], cfg: CacheConfig, dtyp
     if cfg.num_kv_blocks is not None:
         return cfg.num_kv_blocks
     per_block = bytes_per_block(layers, cfg.block_size, dtype)
-    where = ""
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
         # in use now (weights, CUDA context, other processes) + the profiled activation peak
