@@ -429,6 +429,7 @@ def self_distill_data(cfg: TrainConfig, device: torch.device, log=_log, model_di
         rows = rows[:cfg.gsm8k_limit]
     train_rows, val_rows = rows[:len(rows) - cfg.holdout], rows[len(rows) - cfg.holdout:]
     prompts = self_distill_prompts(train_rows, EVAL_NUM_FEWSHOT)[:cfg.self_distill_prompts]
+    n_gsm8k = len(prompts)
     if cfg.self_distill_synthetic:
         generated = corpus_mod.generate_examples(cfg.self_distill_synthetic, cfg.seed + SELF_DISTILL_STREAM)
         prompts += build_prompts(generated, train_rows, EVAL_NUM_FEWSHOT)
@@ -439,7 +440,7 @@ def self_distill_data(cfg: TrainConfig, device: torch.device, log=_log, model_di
     seqs, lens, stats = generate_documents(model_dir or cfg.init_from, val_prompts + prompts,
                                            cfg.self_distill_max_tokens, cfg.self_distill_seconds, kw,
                                            wave=max(1024, len(val_prompts)), log=log)
-    nv, n_gsm8k = len(val_prompts), len(prompts) - cfg.self_distill_synthetic
+    nv = len(val_prompts)
     train_docs = docs_from_token_lists(seqs[nv:], cfg.max_len, lens[nv:])
     val_docs = docs_from_token_lists(seqs[:nv], cfg.max_len, lens[:nv])
     done = len(seqs) - nv  # train prompts completed, in order: the GSM8K questions, then the generated ones
@@ -689,6 +690,8 @@ FLAG_HELP = {
     "self_distill_seconds": "time budget for writing the completions (checked between waves of 1,024 prompts)",
     "indexer_warmup_fraction": "glm_moe_dsa: share of the time with dense attention while the indexers learn",
     "log_every": "steps between the records of OUTPUT_DIR/train_log.jsonl (the progress bar shows the latest)",
+    "freeze_target": "train only the MTP layers (needs --init-from)",
+    "progress": "a progress bar on stderr; the per-step figures go to train_log.jsonl either way",
 }
 
 
@@ -702,9 +705,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         flag = "--" + f.name.replace("_", "-")
         if f.type in ("bool", bool):
             p.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=None,
-                           help={"freeze_target": "train only the MTP layers (needs --init-from)",
-                                 "progress": "a progress bar on stderr; the per-step figures go to train_log.jsonl "
-                                             "either way"}.get(f.name))
+                           help=FLAG_HELP.get(f.name))
         else:
             typ = {"int": int, "float": float, "str": str}[f.type if isinstance(f.type, str) else f.type.__name__]
             text = FLAG_HELP.get(f.name, "")
