@@ -98,6 +98,7 @@ CASES = [  # nh, nkv, hd, bs, dtype, q_lens, seq_lens
     (8, 2, 128, 16, torch.bfloat16, [2, 2, 2, 0], [66, 2, 129, 0]),              # verify 1 + 1, GQA 4
     (8, 2, 64, 32, torch.float32, [6, 1, 6, 0, 0], [6, 90, 200, 0, 0]),          # verify 1 + 5 / decode mixed
     (4, 2, 128, 16, torch.float16, [1, 1, 1], [1, 17, 64]),                      # decode at block edges
+    (12, 4, 128, 16, torch.bfloat16, [3, 1, 0], [40, 77, 0]),  # 12 heads: combine blocks of 8 + 4 (masked)
 ]
 
 
@@ -454,8 +455,9 @@ def test_kernel_path_launchers_have_no_host_sync(interpret, monkeypatch) -> None
         out = layer(q, k, v)
     assert out.shape == q.shape
     assert [n for n, _ in launched] == ["_write_kv", "_attn", "_combine"]
-    # Grids: one program per row; (padded) sequences x query blocks x kv heads * splits; rows x heads.
-    assert [grid for _, grid in launched] == [(12,), (4, 1, 2 * 4), (12, 4)]
+    # Grids: one program per row; (padded) sequences x query blocks x kv heads * splits; rows x head
+    # blocks (the 4 heads of a row in one combine program).
+    assert [grid for _, grid in launched] == [(12,), (4, 1, 2 * 4), (12, 1)]
 
 
 # ------------------------------------------------------------------------------------------ the engine
@@ -540,8 +542,8 @@ def test_engine_kernel_path_tokens_equal_torch_path(tiny_model, monkeypatch) -> 
 
 
 def test_kernels_compile_for_hopper() -> None:
-    """Ahead-of-time sm_90 compile (no GPU needed) of the attention, combine and KV-write kernels
-    and the MoE GEMMs at GLM-4.5-like shapes, with the launch's 16-divisibility of pointers and
+    """Ahead-of-time sm_90 compile (no GPU needed) of the attention, combine (one head and eight
+    heads per program), KV-write and rotary kernels and the MoE GEMMs at GLM-4.5-like shapes, with the launch's 16-divisibility of pointers and
     strides: they must compile (the interpreter does not check tile-size rules), load K/V with
     16-byte vectors and not spill more than a few bytes."""
     from mtpspec.ops import triton_utils
@@ -553,18 +555,23 @@ def test_kernels_compile_for_hopper() -> None:
     strides = ["stride_qt", "stride_qh", "stride_kb", "stride_ks", "stride_kh", "stride_vb", "stride_vs", "stride_vh",
                "stride_ot", "stride_oh", "stride_bt", "stride_pt", "stride_ph"]
     attn_sig.update({s: "i32" for s in strides})
+
+    def combine_spec(block_s):  # 64 heads of 128: BLOCK_S 32 -> 1 head per program, 4 -> 8
+        ints = ["num_seqs", "num_splits", "num_heads", "stride_ot", "stride_oh", "stride_pt", "stride_ph"]
+        return {"module": "mtpspec.ops.paged_attention", "kernel": "_combine",
+                "signature": dict({"out_ptr": "*bf16", "part_acc_ptr": "*fp32", "part_ml_ptr": "*fp32",
+                                   "qsl_ptr": "*i32"}, **{n: "i32" for n in ints}),
+                "constexprs": dict(HEAD_DIM=128, BLOCK_D=128, BLOCK_S=block_s,
+                                   BLOCK_H=pa.combine_block_h(64, block_s, 128), BF16_BY_BITS=False),
+                "aligned": ["out_ptr", "part_acc_ptr", "part_ml_ptr", "stride_ot", "stride_oh"],
+                "num_warps": pa.NUM_WARPS}
     specs = [{"module": "mtpspec.ops.paged_attention", "kernel": "_attn", "signature": attn_sig,
               "constexprs": dict(REP=4, REP_P=plan["rep_p"], BLOCK_Q=plan["block_q"], BLOCK_M=plan["block_m"],
                                  BLOCK_N=pa.BLOCK_N, HEAD_DIM=128, BLOCK_D=128, CACHE_BLOCK=16, SPLIT=True,
                                  DOT_FP32=False, PRECISION="tf32", BF16_BY_BITS=False, FP8=False),
               "aligned": ["q_ptr", "k_ptr", "v_ptr", "out_ptr", "part_acc_ptr", "part_ml_ptr", "bt_ptr"] + strides[:11],
               "num_warps": pa.NUM_WARPS},
-             {"module": "mtpspec.ops.paged_attention", "kernel": "_combine",
-              "signature": {"out_ptr": "*bf16", "part_acc_ptr": "*fp32", "part_ml_ptr": "*fp32", "qsl_ptr": "*i32",
-                            "num_seqs": "i32", "num_splits": "i32", "stride_ot": "i32", "stride_oh": "i32",
-                            "stride_pt": "i32", "stride_ph": "i32"},
-              "constexprs": dict(HEAD_DIM=128, BLOCK_D=128, BLOCK_S=32, BF16_BY_BITS=False),
-              "aligned": ["out_ptr", "part_acc_ptr", "part_ml_ptr", "stride_ot", "stride_oh"], "num_warps": pa.NUM_WARPS},
+             combine_spec(32),
              {"module": "mtpspec.ops.paged_attention", "kernel": "_write_kv",
               "signature": {"k_ptr": "*bf16", "v_ptr": "*bf16", "kc_ptr": "*bf16", "vc_ptr": "*bf16", "slot_ptr": "*i64",
                             "k_scale": "fp32", "v_scale": "fp32", "stride_kt": "i32", "stride_vt": "i32",
@@ -589,6 +596,16 @@ def test_kernels_compile_for_hopper() -> None:
                "constexprs": dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=64, DOT_FP32=False, PRECISION="tf32"),
                "aligned": ["inter_ptr", "w_ptr", "y_ptr", "inter_size", "stride_it", "stride_we", "stride_wn",
                            "stride_yt"], "num_warps": 4}]
+    specs += [
+        combine_spec(4),
+        {"module": "mtpspec.ops.rotary", "kernel": "_rope",  # GLM-4.5's partial rotary on a fused qkv's slices
+         "signature": {"q_ptr": "*bf16", "k_ptr": "*bf16", "qo_ptr": "*bf16", "ko_ptr": "*bf16", "pos_ptr": "*i64",
+                       "cs_ptr": "*fp32", "num_heads": "i32", "num_kv_heads": "i32", "q_blocks": "i32",
+                       "stride_qt": "i32", "stride_kt": "i32", "stride_qot": "i32", "stride_kot": "i32",
+                       "stride_cs": "i32"},
+         "constexprs": dict(HEAD=128, HALF=32, BLOCK_HALF=32, BLOCK_REST=64, BLOCK_H=16, NEOX=True, BF16_BY_BITS=True),
+         "aligned": ["q_ptr", "k_ptr", "qo_ptr", "ko_ptr", "cs_ptr", "stride_qt", "stride_kt", "stride_qot",
+                     "stride_kot", "stride_cs"], "num_warps": 4}]
     reports = triton_utils.compile_reports(specs)
     for spec, rep in zip(specs, reports):
         assert rep["spill_bytes"] in (0, None) or rep["spill_bytes"] <= 64, (spec["kernel"], rep)

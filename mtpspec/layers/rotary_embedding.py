@@ -12,7 +12,9 @@ of 0.5); the rest pass through. Two pairings exist:
 * interleaved (GPT-J / dense GLM-4 style): channel ``2 i`` pairs with ``2 i + 1``.
 
 Angles are computed in fp32 exactly as Hugging Face does (``position.float() * inv_freq``);
-``cos``/``sin`` are cast to the query dtype before the rotation, as Hugging Face does.
+``cos``/``sin`` are cast to the query dtype before the rotation, as Hugging Face does. The
+rotation itself is :func:`mtpspec.ops.rotary.rotary_embedding` (one Triton launch for the query
+and the key in fp16 / bf16, bit-identical to its torch reference).
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ from typing import Optional, Tuple
 
 import torch
 from torch import nn
+
+from mtpspec.ops.rotary import rotary_embedding
 
 
 class RotaryEmbedding(nn.Module):
@@ -63,18 +67,6 @@ class RotaryEmbedding(nn.Module):
             cos, sin = cos * attention_factor, sin * attention_factor
         self.register_buffer("cos_sin_cache", torch.cat([cos, sin], dim=-1), persistent=False)
 
-    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        # x: [T, heads, head_size]; cos/sin: [T, 1, rotary_dim / 2] in x's dtype.
-        rot, rest = x[..., :self.rotary_dim], x[..., self.rotary_dim:]
-        if self.is_neox_style:
-            half = self.rotary_dim // 2
-            a, b = rot[..., :half], rot[..., half:]
-            out = torch.cat([a * cos - b * sin, b * cos + a * sin], dim=-1)
-        else:
-            a, b = rot[..., 0::2], rot[..., 1::2]
-            out = torch.stack([a * cos - b * sin, b * cos + a * sin], dim=-1).flatten(-2)
-        return torch.cat([out, rest], dim=-1)
-
     def forward(self, positions: torch.Tensor, query: torch.Tensor,
                 key: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
         """Rotate queries and keys.
@@ -91,17 +83,8 @@ class RotaryEmbedding(nn.Module):
         if positions.dim() != 1 or positions.shape[0] != query.shape[0] or key.shape[0] != query.shape[0]:
             raise ValueError(f"positions {tuple(positions.shape)}, query {tuple(query.shape)} and key "
                              f"{tuple(key.shape)} must share the token dimension (positions 1-D)")
-        cos, sin = self._cos_sin(positions, query.dtype)
-        t = query.shape[0]
-        q = self._rotate(query.view(t, -1, self.head_size), cos, sin).reshape(query.shape)
-        k = self._rotate(key.view(t, -1, self.head_size), cos.to(key.dtype), sin.to(key.dtype)).reshape(key.shape)
-        return q, k
-
-    def _cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> Tuple[torch.Tensor, torch.Tensor]:
-        """``(cos, sin)`` ``[T, 1, rotary_dim / 2]`` of ``positions`` in ``dtype``."""
-        cs = self.cos_sin_cache.index_select(0, positions.long())
-        half = self.rotary_dim // 2
-        return cs[:, None, :half].to(dtype), cs[:, None, half:].to(dtype)
+        return rotary_embedding(positions, query, key, self.cos_sin_cache, self.head_size, self.rotary_dim,
+                                self.is_neox_style)
 
     def forward_key(self, positions: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
         """Rotate keys only (a KV-cache-only pass): :meth:`forward`'s key output, by the same ops,
@@ -120,9 +103,8 @@ class RotaryEmbedding(nn.Module):
         if positions.dim() != 1 or positions.shape[0] != key.shape[0]:
             raise ValueError(f"positions {tuple(positions.shape)} and key {tuple(key.shape)} must share the token "
                              "dimension (positions 1-D)")
-        cos, sin = self._cos_sin(positions, key.dtype)
-        t = key.shape[0]
-        return self._rotate(key.view(t, -1, self.head_size), cos, sin).reshape(key.shape)
+        return rotary_embedding(positions, key[:, :0], key, self.cos_sin_cache, self.head_size, self.rotary_dim,
+                                self.is_neox_style)[1]
 
     def extra_repr(self) -> str:
         return (f"head_size={self.head_size}, rotary_dim={self.rotary_dim}, base={self.base}, "

@@ -67,6 +67,7 @@ import torch
 
 from mtpspec.ops.argmax import num_sms
 from mtpspec.ops.kv_quant import check_cache_dtype, dequantize_cache, is_fp8, quantize_to_cache, raw
+from mtpspec.ops.paged_attention import combine_splits
 from mtpspec.ops.paged_common import (causal_probs, choose_num_splits, launchable_block_tables, padded_queries,
                                       padded_slots, scatter_padded_rows, split_outputs)
 from mtpspec.ops.triton_utils import (HAS_TRITON, LazyKernel, cdiv, check_paged_metadata, check_tensor_args,
@@ -185,7 +186,6 @@ except ImportError:  # pragma: no cover - older Triton or none: the pointer path
     TensorDescriptor = None
 
 if HAS_TRITON:
-    from mtpspec.ops.paged_attention import _combine  # same (m, l, acc) scratch layout
     from mtpspec.ops.triton_helpers import quant_fp8, round_to_dtype
 
     @device_function
@@ -527,9 +527,7 @@ def mla_attention(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Te
         FP8=is_fp8(kv_cache.dtype), num_warps=plan["num_warps"] if num_warps is None else num_warps,
         num_stages=stages)
     if s > 1:
-        _combine[(t, nh)](out, part_acc, part_ml, query_start_loc, b, s, out.stride(0), out.stride(1), nh * s, s,
-                          HEAD_DIM=r, BLOCK_D=block_l, BLOCK_S=next_power_of_2(s), BF16_BY_BITS=bf16_interp,
-                          num_warps=4)
+        combine_splits(out, part_acc, part_ml, query_start_loc, b, s, r, block_l, bf16_interp)
     return out
 
 

@@ -50,6 +50,7 @@ import torch
 from mtpspec.ops.argmax import num_sms
 from mtpspec.ops.kv_quant import check_cache_dtype, dequantize_cache, is_fp8
 from mtpspec.ops.mla_attention import FP8_BLOCK_N
+from mtpspec.ops.paged_attention import combine_splits
 from mtpspec.ops.paged_common import choose_num_splits, split_outputs
 from mtpspec.ops.triton_utils import (HAS_TRITON, LazyKernel, cdiv, check_tensor_args, interpreting, next_power_of_2,
                                       tl, use_triton)
@@ -191,7 +192,6 @@ def positions_to_slots(topk_pos: torch.Tensor, token_seq_idx: torch.Tensor, bloc
 
 if HAS_TRITON:
     from mtpspec.ops.mla_attention import _fp8_values, _masked_latent, _mla_tile  # the dense kernel's tile, shared
-    from mtpspec.ops.paged_attention import _combine  # same (m, l, acc) scratch layout
     from mtpspec.ops.triton_helpers import round_to_dtype
 
     def _sparse_mla_kernel(ql_ptr, qp_ptr, kv_ptr, slots_ptr, out_ptr, part_acc_ptr, part_ml_ptr,
@@ -381,9 +381,7 @@ def sparse_mla_attention(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: t
     if s > 1:
         # the combine's padding-row test reads query_start_loc[num_seqs]: one entry = T, every row real
         n_rows = torch.full((1,), t, dtype=torch.int32, device=q_latent.device)
-        _combine[(t, nh)](out, part_acc, part_ml, n_rows, 0, s, out.stride(0), out.stride(1), nh * s, s,
-                          HEAD_DIM=r, BLOCK_D=block_l, BLOCK_S=next_power_of_2(s), BF16_BY_BITS=bf16_interp,
-                          num_warps=4)
+        combine_splits(out, part_acc, part_ml, n_rows, 0, s, r, block_l, bf16_interp)
     return out
 
 
