@@ -347,6 +347,35 @@ def test_engine_tells_the_policy_each_steps_prompt_tokens(model) -> None:
     assert (False, pol.waiting[-1][1]) in pol.waiting  # decode steps with nothing waiting say so
 
 
+def test_engine_applies_the_prompt_reserve_while_prompts_wait(model) -> None:
+    """With ``adaptive_prompt_reserve`` 0.5 and more prompts than sequence slots, every step that
+    leaves prompt tokens waiting proposes k = 0 or a k with B (1 + k) <= half the token budget,
+    some such steps happen, and the tokens are greedy decoding's (issue 18's reserve, end to end)."""
+    path, cfg, table = model
+    prompts = mixed_prompts(10, cfg.vocab_size, seed=5)
+    with _llm(path, table, k=0) as llm:
+        want = _greedy(llm, prompts)
+    spec = {"num_speculative_tokens": 3, "adaptive": True, "adaptive_cost_table": table, "adaptive_prompt_reserve": 0.5}
+    with LLM(path, speculative_config=spec, max_model_len=48, block_size=4, max_num_seqs=4, seed=0, num_kv_blocks=256,
+             max_num_batched_tokens=16) as llm:
+        pol = llm.llm_engine.spec_policy
+        assert isinstance(pol, AdaptiveSpecPolicy) and pol.prompt_reserve == 0.5
+        calls = []
+        real = pol.choose
+
+        def spy(batch, num_prefill_tokens=0, prompts_waiting=False, token_budget=None):
+            k = real(batch, num_prefill_tokens, prompts_waiting, token_budget)
+            calls.append((batch, prompts_waiting, token_budget, k))
+            return k
+        pol.choose = spy
+        got = _greedy(llm, prompts)
+    assert got == want
+    waiting = [c for c in calls if c[1]]
+    assert waiting and all(c[2] == 16 for c in calls)
+    assert all(k == 0 or b * (1 + k) <= 8 for b, _, _, k in waiting)
+    assert any(b * 4 > 8 for b, _, _, _ in waiting)  # the cap had something to forbid
+
+
 # ------------------------------------------------------------------------------------------ review
 @pytest.mark.parametrize("script", [[3], [0, 3], [3, 0, 2]])
 def test_sampled_drafts_are_drawn_at_the_request_temperature_after_a_step_verifying_none(model, script) -> None:
