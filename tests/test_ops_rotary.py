@@ -100,3 +100,50 @@ def test_bad_shapes_name_what_is_wrong():
         rotary_embedding(pos[:2], q, k, rope.cos_sin_cache, 64, 32, True)
     with pytest.raises(ValueError, match="multiples of head_size"):
         rotary_embedding(pos, q[:, :100], k, rope.cos_sin_cache, 64, 32, True)
+
+
+def test_strided_and_expanded_positions(kdev):
+    """Positions of any stride: a strided view and an expanded scalar give the reference's rows
+    (the kernel once read them at unit stride: wrong rows, or past an expanded buffer)."""
+    nh, nkv, hs, rot = 4, 2, 64, 32
+    rope = RotaryEmbedding(hs, rot, 4096, 10000.0).to(kdev)
+    _, q, k = _inputs(6, nh, nkv, hs, torch.bfloat16, kdev)
+    for pos in ((torch.arange(12, device=kdev) * 100)[::2], torch.tensor([7], device=kdev).expand(6),
+                torch.arange(12, device=kdev, dtype=torch.int32).view(6, 2)[:, 1]):
+        got = rotary_embedding(pos, q, k, rope.cos_sin_cache, hs, rot, True)
+        want = rotary_embedding_ref(pos.contiguous(), q, k, rope.cos_sin_cache, hs, rot, True)
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+def test_subnormal_and_special_values_bitwise(kdev):
+    """bf16 subnormals, products that round into the subnormal range, +-inf, -0.0, max: bit for
+    bit (bf16 inputs are widened by their bits; the interpreter's bf16 -> fp32 conversion is wrong
+    for subnormals). NaNs compare as NaNs (torch canonicalises their payloads)."""
+    hs, rot = 16, 16
+    rope = RotaryEmbedding(hs, rot, 64, 10000.0).to(kdev)
+    bits = torch.tensor([0x0001, 0x0040, 0x0060, 0x8040, 0x007F, 0x8001, 0x0080, 0x00C0, 0x7F80, 0xFF80, 0x8000,
+                         0x7F7F, 0xFF7F, 0x0D00, 0x3F80, 0x0000], dtype=torch.int32).to(torch.int16)
+    x = bits.view(torch.bfloat16).repeat(8, 2)  # 8 rows, 2 heads of 16
+    x[:, 16:] = (torch.tensor(1.5e-38) * torch.arange(1, 17)).to(torch.bfloat16)
+    x = x.to(kdev)
+    pos = torch.arange(8, device=kdev)
+    got_q, got_k = rotary_embedding(pos, x, x[:, :16], rope.cos_sin_cache, hs, rot, True)
+    want_q, want_k = rotary_embedding_ref(pos, x, x[:, :16], rope.cos_sin_cache, hs, rot, True)
+    for got, want in ((got_q, want_q), (got_k, want_k)):
+        nan = want.isnan()
+        assert torch.equal(got.isnan(), nan)
+        assert torch.equal(got[~nan].view(torch.int16), want[~nan].view(torch.int16))
+
+
+def test_cache_checks_and_cache_gradients():
+    rope = RotaryEmbedding(64, 32, 128, 10000.0)
+    pos, q, k = _inputs(3, 2, 1, 64, torch.bfloat16, "cpu")
+    pos = pos % 128
+    for bad in (rope.cos_sin_cache[:, :16], rope.cos_sin_cache[0], torch.zeros(128, 64)):
+        with pytest.raises(ValueError, match=r"cos_sin_cache must be \[max_position, rotary_dim=32\]"):
+            rotary_embedding(pos, q, k, bad, 64, 32, True)
+    with pytest.raises(ValueError, match=r"head_size=0 \(> 0\)"):
+        rotary_embedding(pos, q, k, rope.cos_sin_cache, 0, 32, True)
+    cache = rope.cos_sin_cache.clone().requires_grad_()
+    out_q, _ = rotary_embedding(pos, q, k, cache, 64, 32, True)  # a learnable table: the autograd path
+    assert out_q.grad_fn is not None

@@ -603,7 +603,7 @@ def test_kernels_compile_for_hopper() -> None:
                        "cs_ptr": "*fp32", "num_heads": "i32", "num_kv_heads": "i32", "q_blocks": "i32",
                        "stride_qt": "i32", "stride_kt": "i32", "stride_qot": "i32", "stride_kot": "i32",
                        "stride_cs": "i32"},
-         "constexprs": dict(HEAD=128, HALF=32, BLOCK_HALF=32, BLOCK_REST=64, BLOCK_H=16, NEOX=True, BF16_BY_BITS=True),
+         "constexprs": dict(HEAD=128, HALF=32, BLOCK_HALF=32, BLOCK_REST=64, BLOCK_H=16, NEOX=True),
          "aligned": ["q_ptr", "k_ptr", "qo_ptr", "ko_ptr", "cs_ptr", "stride_qt", "stride_kt", "stride_qot",
                      "stride_kot", "stride_cs"], "num_warps": 4}]
     reports = triton_utils.compile_reports(specs)

@@ -14,7 +14,7 @@ of 0.5); the rest pass through. Two pairings exist:
 Angles are computed in fp32 exactly as Hugging Face does (``position.float() * inv_freq``);
 ``cos``/``sin`` are cast to the query dtype before the rotation, as Hugging Face does. The
 rotation itself is :func:`mtpspec.ops.rotary.rotary_embedding` (one Triton launch for the query
-and the key in fp16 / bf16, bit-identical to its torch reference).
+and the key in bf16, bit-identical to its torch reference).
 """
 
 from __future__ import annotations
@@ -72,7 +72,7 @@ class RotaryEmbedding(nn.Module):
         """Rotate queries and keys.
 
         Args:
-            positions: ``[num_tokens]`` int64, each in ``[0, max_position_embeddings)`` (not
+            positions: ``[num_tokens]`` int32 / int64, each in ``[0, max_position_embeddings)`` (not
                 checked on the device: an index past the cache is an indexing error on CPU).
             query: ``[num_tokens, num_heads * head_size]``.
             key: ``[num_tokens, num_kv_heads * head_size]``.

@@ -10,8 +10,8 @@ pass through.
 Rounding (Hugging Face's, in the activation dtype): ``cos`` and ``sin`` are rounded to the
 dtype, then every product and the sum / difference are each rounded to the dtype, as
 ``a * cos - b * sin`` evaluates on bf16 tensors. The kernel (bf16 only) rounds at the same
-points, to nearest even by integer ops on the fp32 bits (``round_to_dtype``'s ``BF16_BY_BITS``
-path, compiled too), so its result equals :func:`rotary_embedding_ref` bit for bit. With the
+points, to nearest even by integer ops on the fp32 bits (and widens bf16 inputs by their bits:
+Triton's interpreter converts bf16 subnormals wrongly), so its result equals :func:`rotary_embedding_ref` bit for bit. With the
 native conversions it did not on the H200 (2026-12-03; cause not isolated: a dropped
 bf16 -> fp32 round trip, which would let the multiply and subtraction contract into an FMA,
 is the likely one).
@@ -29,7 +29,7 @@ from typing import Tuple
 
 import torch
 
-from mtpspec.ops.triton_utils import HAS_TRITON, LazyKernel, cdiv, interpreting, next_power_of_2, tl, use_triton
+from mtpspec.ops.triton_utils import HAS_TRITON, LazyKernel, cdiv, next_power_of_2, tl, use_triton
 
 #: Heads per program (one row's query heads come in blocks of this many; the key's likewise).
 BLOCK_H = 16
@@ -66,12 +66,31 @@ def rotary_embedding_ref(positions: torch.Tensor, query: torch.Tensor, key: torc
 
 
 if HAS_TRITON:
-    from mtpspec.ops.triton_helpers import round_to_dtype
+    from mtpspec.ops.triton_utils import device_function
+
+    @device_function
+    def _widen(x):
+        """A bf16 block as exact fp32, by its bits (Triton's interpreter converts bf16 subnormals
+        wrongly; compiled, the same two integer ops)."""
+        return (x.to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+
+    @device_function
+    def _round(x):
+        """fp32 ``x`` rounded to the nearest-even bf16 value, kept in fp32, by integer ops on its bits."""
+        b = x.to(tl.uint32, bitcast=True)
+        b = (b + 0x7FFF + ((b >> 16) & 1)) & 0xFFFF0000
+        return b.to(tl.float32, bitcast=True)
+
+    @device_function
+    def _narrow(x):
+        """fp32 holding a bf16 value -> that bf16, by its bits."""
+        return (x.to(tl.uint32, bitcast=True) >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
 
     def _rope_kernel(q_ptr, k_ptr, qo_ptr, ko_ptr, pos_ptr, cs_ptr, num_heads, num_kv_heads, q_blocks,
                      stride_qt, stride_kt, stride_qot, stride_kot, stride_cs,
                      HEAD: tl.constexpr, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_REST: tl.constexpr,
-                     BLOCK_H: tl.constexpr, NEOX: tl.constexpr, BF16_BY_BITS: tl.constexpr):
+                     BLOCK_H: tl.constexpr, NEOX: tl.constexpr):
+        # bf16 only; every value in fp32 holds a bf16 (each product, sum and difference rounded)
         t = tl.program_id(0).to(tl.int64)
         j = tl.program_id(1)
         if j < q_blocks:
@@ -84,14 +103,11 @@ if HAS_TRITON:
             dst = ko_ptr + t * stride_kot
             h0 = (j - q_blocks) * BLOCK_H
             n_heads = num_kv_heads
-        dt = q_ptr.dtype.element_ty
         pos = tl.load(pos_ptr + t).to(tl.int64)
         offs_i = tl.arange(0, BLOCK_HALF)
         i_ok = offs_i < HALF
-        cos = tl.load(cs_ptr + pos * stride_cs + offs_i, mask=i_ok, other=0.0)
-        sin = tl.load(cs_ptr + pos * stride_cs + HALF + offs_i, mask=i_ok, other=0.0)
-        cos = round_to_dtype(cos, dt, BF16_BY_BITS).to(tl.float32)[None, :]
-        sin = round_to_dtype(sin, dt, BF16_BY_BITS).to(tl.float32)[None, :]
+        cos = _round(tl.load(cs_ptr + pos * stride_cs + offs_i, mask=i_ok, other=0.0))[None, :]
+        sin = _round(tl.load(cs_ptr + pos * stride_cs + HALF + offs_i, mask=i_ok, other=0.0))[None, :]
         heads = h0 + tl.arange(0, BLOCK_H)
         h_ok = heads < n_heads
         base = heads[:, None] * HEAD
@@ -102,15 +118,10 @@ if HAS_TRITON:
             ia = 2 * offs_i
             ib = 2 * offs_i + 1
         m = h_ok[:, None] & i_ok[None, :]
-        a = tl.load(src + base + ia[None, :], mask=m, other=0.0).to(tl.float32)
-        b = tl.load(src + base + ib[None, :], mask=m, other=0.0).to(tl.float32)
-        # each product and each sum rounded to the dtype, as the torch form evaluates
-        ac = round_to_dtype(a * cos, dt, BF16_BY_BITS).to(tl.float32)
-        bs = round_to_dtype(b * sin, dt, BF16_BY_BITS).to(tl.float32)
-        bc = round_to_dtype(b * cos, dt, BF16_BY_BITS).to(tl.float32)
-        as_ = round_to_dtype(a * sin, dt, BF16_BY_BITS).to(tl.float32)
-        tl.store(dst + base + ia[None, :], round_to_dtype(ac - bs, dt, BF16_BY_BITS), mask=m)
-        tl.store(dst + base + ib[None, :], round_to_dtype(bc + as_, dt, BF16_BY_BITS), mask=m)
+        a = _widen(tl.load(src + base + ia[None, :], mask=m, other=0.0))
+        b = _widen(tl.load(src + base + ib[None, :], mask=m, other=0.0))
+        tl.store(dst + base + ia[None, :], _narrow(_round(_round(a * cos) - _round(b * sin))), mask=m)
+        tl.store(dst + base + ib[None, :], _narrow(_round(_round(b * cos) + _round(a * sin))), mask=m)
         if BLOCK_REST > 0:
             offs_r = 2 * HALF + tl.arange(0, BLOCK_REST)
             mr = h_ok[:, None] & (offs_r < HEAD)[None, :]
@@ -125,8 +136,8 @@ def rotary_embedding(positions: torch.Tensor, query: torch.Tensor, key: torch.Te
     """Rotate the first ``rotary_dim`` channels of every query and key head (module docstring).
 
     Args:
-        positions: ``[T]`` int32/int64, each in ``[0, cos_sin_cache.shape[0])`` (not checked on
-            the device).
+        positions: ``[T]`` int32/int64 (any stride), each in ``[0, cos_sin_cache.shape[0])``
+            (not checked on the device).
         query: ``[T, num_heads * head_size]``, key: ``[T, num_kv_heads * head_size]``, fp16 /
             bf16 / fp32; rows may be strided (e.g. column slices of a fused qkv output).
         cos_sin_cache: ``[max_position, rotary_dim]`` fp32, ``cat(cos, sin)`` per position.
@@ -137,7 +148,8 @@ def rotary_embedding(positions: torch.Tensor, query: torch.Tensor, key: torch.Te
         ``(query, key)``: new contiguous tensors of the inputs' shapes and dtypes.
 
     Raises:
-        ValueError: shapes that do not fit together (named in the message).
+        ValueError: shapes that do not fit together, ``head_size <= 0`` or a ``cos_sin_cache``
+            that is not ``[max_position, rotary_dim]`` (named in the message).
 
     The Triton kernel runs for bf16 query and key with unit-stride rows (CUDA, or CPU under
     ``TRITON_INTERPRET=1``); everything else, and autograd, takes
@@ -147,14 +159,19 @@ def rotary_embedding(positions: torch.Tensor, query: torch.Tensor, key: torch.Te
     if positions.dim() != 1 or positions.shape[0] != t or key.shape[0] != t or query.dim() != 2 or key.dim() != 2:
         raise ValueError(f"positions {tuple(positions.shape)}, query {tuple(query.shape)} and key {tuple(key.shape)} "
                          "must be [T], [T, heads * head_size] and [T, kv_heads * head_size]")
-    if query.shape[1] % head_size or key.shape[1] % head_size or rotary_dim % 2 or not 0 < rotary_dim <= head_size:
+    if head_size <= 0 or query.shape[1] % head_size or key.shape[1] % head_size or rotary_dim % 2 \
+            or not 0 < rotary_dim <= head_size:
         raise ValueError(f"query width {query.shape[1]} and key width {key.shape[1]} must be multiples of "
-                         f"head_size={head_size}, and rotary_dim={rotary_dim} even in (0, head_size]")
+                         f"head_size={head_size} (> 0), and rotary_dim={rotary_dim} even in (0, head_size]")
+    if cos_sin_cache.dim() != 2 or cos_sin_cache.shape[1] != rotary_dim:
+        raise ValueError(f"cos_sin_cache must be [max_position, rotary_dim={rotary_dim}], got "
+                         f"{tuple(cos_sin_cache.shape)}")
     fast = (query.dtype in KERNEL_DTYPES and key.dtype == query.dtype and query.stride(1) == 1
             and key.stride(1) == 1 and cos_sin_cache.dtype == torch.float32 and cos_sin_cache.stride(1) == 1
-            and use_triton(query, key))
+            and use_triton(query, key, cos_sin_cache))
     if not fast:
         return rotary_embedding_ref(positions, query, key, cos_sin_cache, head_size, rotary_dim, is_neox_style)
+    positions = positions.contiguous()  # the kernel reads one position per row at unit stride
     q_out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     k_out = torch.empty(key.shape, dtype=key.dtype, device=key.device)
     if t == 0:
@@ -167,6 +184,5 @@ def rotary_embedding(positions: torch.Tensor, query: torch.Tensor, key: torch.Te
         query, key, q_out, k_out, positions, cos_sin_cache, nh, nkv, q_blocks,
         query.stride(0), key.stride(0), q_out.stride(0), k_out.stride(0), cos_sin_cache.stride(0),
         HEAD=head_size, HALF=half, BLOCK_HALF=next_power_of_2(half), BLOCK_REST=next_power_of_2(rest) if rest else 0,
-        BLOCK_H=BLOCK_H, NEOX=bool(is_neox_style), BF16_BY_BITS=True,
-        num_warps=4)
+        BLOCK_H=BLOCK_H, NEOX=bool(is_neox_style), num_warps=4)
     return q_out, k_out
