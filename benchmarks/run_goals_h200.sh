@@ -10,6 +10,7 @@
 #   bash benchmarks/run_goals_h200.sh adaptive OUT  # issue 18: bench arms plain / k1..k3 / adaptive, demo model
 #   bash benchmarks/run_goals_h200.sh adaptive-air OUT  # the same at GLM-4.5-Air width, forced acceptance (SYNTHETIC)
 #   bash benchmarks/run_goals_h200.sh serving-deep OUT  # issue 17: prefix-cache TTFT on 40 of Llama-3-70B's 80 layers
+#   bash benchmarks/run_goals_h200.sh adaptive-demo OUT  # issue 18: the demo-model sweep at scale 1, 2 repeats
 #   bash benchmarks/run_goals_h200.sh demo-sd OUT   # issue 16: the demo model's MTP layer self-distilled on GSM8K +
 #                                                  # generated prompts (target frozen), then GSM8K k = 1 / 3 fp32
 set -u
@@ -61,6 +62,12 @@ adaptive)  # issue 18: speculation length sweep on the demo model (natural GSM8K
   step 570 arms_demo python3 -m mtpspec.entrypoints.cli bench arms --arms plain,k1,k2,k3,adaptive \
       --workloads s1,s8,s64,s256 --scale 0.5 --repeats 1 --no-plots --no-progress --server-args "--max-num-seqs 256" \
       --output-dir "$OUT/arms_demo" ;;
+adaptive-demo)  # issue 18 on the demo model with runs long enough to read (scale 0.5 gave 0.2-6 s runs, one each):
+  # scale 1 (2x the prompts and lengths), two repeats, one server at a time (ARMS / SCALE / REPEATS override;
+  # not yet timed: ARMS=adaptive,k3 first if the budget is short)
+  step ${ARMS_TIMEOUT:-570} arms_demo_long python3 -m mtpspec.entrypoints.cli bench arms --arms ${ARMS:-plain,k1,k2,k3,adaptive} \
+      --workloads s1,s8,s64,s256 --scale ${SCALE:-1} --repeats ${REPEATS:-2} --one-arm-at-a-time --no-plots --no-progress \
+      --server-args "--max-num-seqs 256" --output-dir "$OUT/arms_demo_long" ;;
 adaptive-air)  # the same sweep at GLM-4.5-Air width (8 layers, random weights), SYNTHETIC forced acceptance rate 0.8;
   # one 40 GB server at a time (the GPU holds one copy; bench arms' GPU sharing gave 5 servers 17% each)
   python3 benchmarks/make_dummy_model.py /tmp/air8 --preset air-8l --max-position-embeddings 2048 || exit 1
