@@ -82,7 +82,8 @@ demo-sd)  # issue 16: 2026-12-03's MTP layer saw its 751k completion tokens ~17 
   # 1.90); SYNTH generated problems after the 7,212 GSM8K questions give about 3x the completions. Outputs: the two
   # shards (bundle them by copying over mtpspec/demo_model_glm5/), summary, log, eval JSONs (k = 0: the target is
   # frozen, compare with a k = 0 run of the bundled model). LR, MINUTES, SYNTH, MTP_DISTILL (the soft-KL share of
-  # the MTP loss; below 1 mixes in cross-entropy on the documents, the target's own greedy tokens) override
+  # the MTP loss; below 1 mixes in cross-entropy on the documents: their completions are the target's greedy
+  # tokens, their prompts are data) override
   step 470 self_distill python3 -m mtpspec.entrypoints.cli train --arch glm_moe_dsa --init-from mtpspec/demo_model_glm5 \
       --output-dir /tmp/sd --indexer-warmup-fraction 0 --freeze-target --mtp-distill ${MTP_DISTILL:-1.0} --mtp-depth 1 \
       --distill-fraction 0 --lr ${LR:-5e-4} --warmup-steps 50 --self-distill-prompts 8000 \
