@@ -79,10 +79,10 @@ class RotaryEmbedding(nn.Module):
 
         Returns:
             ``(query, key)``: new tensors of the input shapes and dtypes.
+
+        Raises:
+            ValueError: shapes that do not fit together (:func:`~mtpspec.ops.rotary.rotary_embedding`).
         """
-        if positions.dim() != 1 or positions.shape[0] != query.shape[0] or key.shape[0] != query.shape[0]:
-            raise ValueError(f"positions {tuple(positions.shape)}, query {tuple(query.shape)} and key "
-                             f"{tuple(key.shape)} must share the token dimension (positions 1-D)")
         return rotary_embedding(positions, query, key, self.cos_sin_cache, self.head_size, self.rotary_dim,
                                 self.is_neox_style)
 
@@ -103,6 +103,7 @@ class RotaryEmbedding(nn.Module):
         if positions.dim() != 1 or positions.shape[0] != key.shape[0]:
             raise ValueError(f"positions {tuple(positions.shape)} and key {tuple(key.shape)} must share the token "
                              "dimension (positions 1-D)")
+        # an empty query ([T, 0]): the op's key half alone
         return rotary_embedding(positions, key[:, :0], key, self.cos_sin_cache, self.head_size, self.rotary_dim,
                                 self.is_neox_style)[1]
 

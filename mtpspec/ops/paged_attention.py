@@ -334,8 +334,9 @@ def combine_block_h(num_heads: int, block_s: int, block_d: int) -> int:
 def combine_splits(out: torch.Tensor, part_acc: torch.Tensor, part_ml: torch.Tensor, query_start_loc: torch.Tensor,
                    num_seqs: int, num_splits: int, head_dim: int, block_d: int, bf16_by_bits: bool) -> None:
     """Launch the split combine into ``out`` ``[T, num_heads, >= head_dim]`` from the scratch of
-    :func:`~mtpspec.ops.paged_common.split_outputs` (``[T, num_heads, num_splits]`` (m, l) pairs
-    and ``block_d``-wide accumulators); rows at or past ``query_start_loc[num_seqs]`` get zeros.
+    :func:`~mtpspec.ops.paged_common.split_outputs` (fp32 ``[T, num_heads, num_splits]`` (m, l)
+    pairs and ``block_d``-wide accumulators; ``out`` in the query's dtype); rows at or past
+    ``query_start_loc[num_seqs]`` get zeros. No host sync.
     Shared by the paged, MLA and sparse MLA attentions."""
     t, nh = out.shape[0], out.shape[1]
     block_s = next_power_of_2(num_splits)

@@ -7,14 +7,13 @@ the ``[max_position, rotary_dim]`` fp32 table ``cat(cos, sin)``). Pairs: neox st
 with ``i + rotary_dim / 2``; interleaved, ``2 i`` with ``2 i + 1``. Channels past ``rotary_dim``
 pass through.
 
-Rounding (Hugging Face's, in the activation dtype): ``cos`` and ``sin`` are rounded to the
-dtype, then every product and the sum / difference are each rounded to the dtype, as
-``a * cos - b * sin`` evaluates on bf16 tensors. The kernel (bf16 only) rounds at the same
-points, to nearest even by integer ops on the fp32 bits (and widens bf16 inputs by their bits:
-Triton's interpreter converts bf16 subnormals wrongly), so its result equals :func:`rotary_embedding_ref` bit for bit. With the
-native conversions it did not on the H200 (2026-12-03; cause not isolated: a dropped
-bf16 -> fp32 round trip, which would let the multiply and subtraction contract into an FMA,
-is the likely one).
+Rounding (Hugging Face's, in the activation dtype): ``cos`` and ``sin`` are rounded to the dtype,
+then every product and the sum / difference are each rounded to the dtype, as ``a * cos - b * sin``
+evaluates on bf16 tensors. The kernel (bf16 only) rounds at the same points, to nearest even by
+integer ops on the fp32 bits (and widens bf16 inputs by their bits: Triton's interpreter converts
+bf16 subnormals wrongly), so its result equals :func:`rotary_embedding_ref` bit for bit. With the
+native conversions it did not on the H200 (2026-12-03; cause not isolated: a dropped bf16 -> fp32
+round trip, which would let the multiply and subtraction contract into an FMA, is the likely one).
 
 Why a kernel: the torch form is about ten elementwise launches per tensor (slices, four
 multiplies, add, subtract, two concatenations); at a prefix-cache hit's few dozen rows each
@@ -61,11 +60,13 @@ def rotary_embedding_ref(positions: torch.Tensor, query: torch.Tensor, key: torc
     out = []
     for x in (query, key):
         cos, sin = cs[:, None, :half].to(x.dtype), cs[:, None, half:].to(x.dtype)
-        out.append(_rotate_ref(x.view(t, x.shape[1] // head_size, head_size), cos, sin, rotary_dim, is_neox_style).reshape(x.shape))
+        heads = x.view(t, x.shape[1] // head_size, head_size)
+        out.append(_rotate_ref(heads, cos, sin, rotary_dim, is_neox_style).reshape(x.shape))
     return out[0], out[1]
 
 
 if HAS_TRITON:
+    from mtpspec.ops.triton_helpers import round_to_dtype
     from mtpspec.ops.triton_utils import device_function
 
     @device_function
@@ -76,15 +77,9 @@ if HAS_TRITON:
 
     @device_function
     def _round(x):
-        """fp32 ``x`` rounded to the nearest-even bf16 value, kept in fp32, by integer ops on its bits."""
-        b = x.to(tl.uint32, bitcast=True)
-        b = (b + 0x7FFF + ((b >> 16) & 1)) & 0xFFFF0000
-        return b.to(tl.float32, bitcast=True)
-
-    @device_function
-    def _narrow(x):
-        """fp32 holding a bf16 value -> that bf16, by its bits."""
-        return (x.to(tl.uint32, bitcast=True) >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+        """fp32 ``x`` rounded to the nearest-even bf16 value (``round_to_dtype`` by integer ops),
+        widened back to fp32 exactly."""
+        return _widen(round_to_dtype(x, tl.bfloat16, True))
 
     def _rope_kernel(q_ptr, k_ptr, qo_ptr, ko_ptr, pos_ptr, cs_ptr, num_heads, num_kv_heads, q_blocks,
                      stride_qt, stride_kt, stride_qot, stride_kot, stride_cs,
@@ -120,8 +115,10 @@ if HAS_TRITON:
         m = h_ok[:, None] & i_ok[None, :]
         a = _widen(tl.load(src + base + ia[None, :], mask=m, other=0.0))
         b = _widen(tl.load(src + base + ib[None, :], mask=m, other=0.0))
-        tl.store(dst + base + ia[None, :], _narrow(_round(_round(a * cos) - _round(b * sin))), mask=m)
-        tl.store(dst + base + ib[None, :], _narrow(_round(_round(b * cos) + _round(a * sin))), mask=m)
+        out_a = round_to_dtype(_round(a * cos) - _round(b * sin), tl.bfloat16, True)
+        out_b = round_to_dtype(_round(b * cos) + _round(a * sin), tl.bfloat16, True)
+        tl.store(dst + base + ia[None, :], out_a, mask=m)
+        tl.store(dst + base + ib[None, :], out_b, mask=m)
         if BLOCK_REST > 0:
             offs_r = 2 * HALF + tl.arange(0, BLOCK_REST)
             mr = h_ok[:, None] & (offs_r < HEAD)[None, :]

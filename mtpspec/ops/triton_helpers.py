@@ -3,7 +3,8 @@
 - :func:`round_to_dtype`: an fp32 block rounded to the output dtype. Triton's interpreter
   truncates in ``.to(tl.bfloat16)``, so kernels launched under it with bf16 outputs pass
   ``BF16_BY_BITS=True`` and get round-to-nearest-even by integer ops on the fp32 bits; compiled
-  kernels pass ``False`` and use the native conversion (the GPU rounds to nearest even).
+  kernels pass ``False`` and use the native conversion (the GPU rounds to nearest even), except
+  ``ops/rotary.py``'s, which passes ``True`` everywhere to keep every intermediate rounding.
 - :func:`quant_fp8` / :func:`dequant_kv`: an fp8 (E4M3) KV cache's write rounding (nearest even,
   saturating at +-448; by integer ops under the interpreter) and tile read (``x * scale`` in the
   query's dtype), :mod:`mtpspec.ops.kv_quant`.
