@@ -33,20 +33,13 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from _timing import Timer, fmt  # noqa: E402
+from bench_mla_attention import copy_read_bandwidth  # noqa: E402
 
 from mtpspec.layers.rotary_embedding import RotaryEmbedding  # noqa: E402
 from mtpspec.ops import paged_attention as pa  # noqa: E402
 from mtpspec.ops.rotary import rotary_embedding, rotary_embedding_ref  # noqa: E402
 
 NH, NKV, HS, ROT, BS = 64, 8, 128, 64, 16
-
-
-def copy_bandwidth(dev: torch.device) -> float:
-    """Bytes per second (reads + writes) of a 1 GiB bf16 copy."""
-    x = torch.empty(1 << 29, dtype=torch.bfloat16, device=dev)
-    y = torch.empty_like(x)
-    ms = Timer(dev, 10).eager(lambda: y.copy_(x))
-    return 2 * x.numel() * 2 / (ms / 1e3)
 
 
 def bench_rope(t: int, dev: torch.device, timer: Timer, bw: float) -> dict:
@@ -99,7 +92,7 @@ def main() -> None:
     args = ap.parse_args()
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     timer = Timer(dev, args.iters if dev.type == "cuda" else 5)
-    bw = copy_bandwidth(dev) if dev.type == "cuda" else 2e10
+    bw = 2 * copy_read_bandwidth(dev, 1 << 30) if dev.type == "cuda" else 2e10  # reads + writes
     rows = [int(x) for x in args.rows.split(",")]
     out = {"device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu", "copy_bw_GBps": bw / 1e9,
            "rope": [bench_rope(t, dev, timer, bw) for t in rows],
