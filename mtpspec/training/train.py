@@ -109,7 +109,8 @@ class TrainConfig:
     distill_lr: float = 5e-4
     distill_warmup_steps: int = 50
     distill_depth: int = 1
-    self_distill_prompts: int = 0           # > 0: the frozen target's greedy completions of this many GSM8K train questions
+    self_distill_prompts: int = 0           # > 0: the frozen target's greedy completions of this many GSM8K
+                                            # train questions
     self_distill_synthetic: int = 0         # and of this many generated problems (after those), same prompt
     self_distill_share: float = 0.5         # share of the frozen-target batches drawn from those documents
     self_distill_max_tokens: int = 256      # completion length limit (eval gsm8k's default)
@@ -366,8 +367,9 @@ def check_config(cfg: TrainConfig) -> None:
                          f"{cfg.self_distill_prompts}, {cfg.self_distill_synthetic}")
     if _self_distill_on(cfg):
         if not (cfg.freeze_target or cfg.distill_fraction > 0):
-            raise ValueError("--self-distill-prompts / --self-distill-synthetic train only where the target is frozen: pass --freeze-target "
-                             "or --distill-fraction > 0 (a target trained on its own outputs would learn nothing new)")
+            raise ValueError("--self-distill-prompts / --self-distill-synthetic train only where the target is "
+                             "frozen: pass --freeze-target or --distill-fraction > 0 (a target trained on its own "
+                             "outputs would learn nothing new)")
         if not 0.0 <= cfg.self_distill_share <= 1.0:
             raise ValueError(f"--self-distill-share must be in [0, 1], got {cfg.self_distill_share}")
         if cfg.self_distill_max_tokens < 1 or not cfg.self_distill_seconds > 0:
@@ -699,8 +701,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     """Flags for every :class:`TrainConfig` field, plus ``--tiny``."""
     p.add_argument("--tiny", action="store_true",
                    help="small model on the CPU in a few minutes (overrides defaults: " +
-                   ", ".join(f"{k}={v}" for k, v in TINY_OVERRIDES.items()) + ", output_dir=out/tiny_model; explicit flags "
-                   "still win)")
+                   ", ".join(f"{k}={v}" for k, v in TINY_OVERRIDES.items()) +
+                   ", output_dir=out/tiny_model; explicit flags still win)")
     for f in dataclasses.fields(TrainConfig):
         flag = "--" + f.name.replace("_", "-")
         if f.type in ("bool", bool):
