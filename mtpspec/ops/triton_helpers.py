@@ -33,12 +33,15 @@ from mtpspec.ops.triton_utils import HAS_TRITON, device_function, tl
 if HAS_TRITON:
     @device_function
     def round_to_dtype(x, dtype: tl.constexpr, BF16_BY_BITS: tl.constexpr):
-        """fp32 ``x`` converted to ``dtype``; with ``BF16_BY_BITS`` (``dtype`` bf16, interpreter)
-        rounded to nearest even by integer ops: add ``0x7FFF`` plus the lowest kept bit, drop
-        the low 16 bits."""
+        """fp32 ``x`` converted to ``dtype``; with ``BF16_BY_BITS`` (``dtype`` bf16: under the
+        interpreter, and compiled in ``ops/rotary.py``) rounded to nearest even by integer ops:
+        add ``0x7FFF`` plus the lowest kept bit, drop the low 16 bits; a NaN keeps its sign and
+        high bits with the quiet bit set (the add would carry a NaN whose low mantissa bits are
+        all ones, such as the GPU's canonical 0x7FFFFFFF, into -0.0)."""
         if BF16_BY_BITS:
             b = x.to(tl.uint32, bitcast=True)
-            b = b + 0x7FFF + ((b >> 16) & 1)
+            nan = (b & 0x7FFFFFFF) > 0x7F800000
+            b = tl.where(nan, b | 0x400000, b + 0x7FFF + ((b >> 16) & 1))
             x_low = (b >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
         else:
             x_low = x.to(dtype)
