@@ -4,7 +4,8 @@
 # 5-shot GSM8K prompts (`bench serve --shared-prefix`), and, when the workload exists, the ITL of
 # running decodes while long prompts are prefilled in chunks (`bench serve --prefill-interference`).
 # Usage: benchmarks/run_serving_goals.sh OUT [PRESET] [extra serve flags]
-# (SKIP_PREFIX=1 / SKIP_INTERFERENCE=1 leave out one of the two benches; LAYERS=N overrides the preset's depth)
+# (SKIP_PREFIX=1 / SKIP_INTERFERENCE=1 leave out one of the two benches; LAYERS=N overrides the preset's depth;
+# THROUGHPUT_ARGS="..." adds one plain `bench serve` run with those flags, e.g. to see a serve flag's cost at load)
 set -uo pipefail
 out=$1; preset=${2:-dense-70b-16l}; shift; shift || true
 PY=${PYTHON:-python3}
@@ -25,4 +26,8 @@ echo "server up after ${SECONDS}s"
 if [ -z "${SKIP_INTERFERENCE:-}" ] && $PY -m mtpspec.entrypoints.cli bench serve --help | grep -q -- --prefill-interference; then
   $PY -m mtpspec.entrypoints.cli bench serve --base-url http://127.0.0.1:$port --prefill-interference \
       --json "$out/prefill_interference.json" ${INTERFERENCE_ARGS:-}
+fi
+if [ -n "${THROUGHPUT_ARGS:-}" ]; then
+  $PY -m mtpspec.entrypoints.cli bench serve --base-url http://127.0.0.1:$port --no-progress $THROUGHPUT_ARGS \
+      --json "$out/throughput.json"
 fi
