@@ -64,7 +64,7 @@ adaptive)  # issue 18: speculation length sweep on the demo model (natural GSM8K
       --output-dir "$OUT/arms_demo" ;;
 adaptive-demo)  # issue 18 on the demo model with runs long enough to read (scale 0.5 gave 0.2-6 s runs, one each):
   # scale 1 (2x the prompts and lengths), two repeats, one server at a time (ARMS / SCALE / REPEATS override;
-  # not yet timed: ARMS=adaptive,k3 first if the budget is short)
+  # ARMS=plain,k1,k3,adaptive SCALE=0.5 took 174 s on 2026-12-03: scale 1 with five arms is ~4x that)
   step ${ARMS_TIMEOUT:-570} arms_demo_long python3 -m mtpspec.entrypoints.cli bench arms --arms ${ARMS:-plain,k1,k2,k3,adaptive} \
       --workloads s1,s8,s64,s256 --scale ${SCALE:-1} --repeats ${REPEATS:-2} --one-arm-at-a-time --no-plots --no-progress \
       --server-args "--max-num-seqs 256" --output-dir "$OUT/arms_demo_long" ;;
@@ -83,11 +83,12 @@ demo-sd)  # issue 16: 2026-12-03's MTP layer saw its 751k completion tokens ~17 
   # shards (bundle them by copying over mtpspec/demo_model_glm5/), summary, log, eval JSONs (k = 0: the target is
   # frozen, compare with a k = 0 run of the bundled model). LR, MINUTES, SYNTH, MTP_DISTILL (the soft-KL share of
   # the MTP loss; below 1 mixes in cross-entropy on the documents: their completions are the target's greedy
-  # tokens, their prompts are data) override
+  # tokens, their prompts are data), SHARE (the share of batches from those documents; the rest are corpus data
+  # with its own labels) override
   step 470 self_distill python3 -m mtpspec.entrypoints.cli train --arch glm_moe_dsa --init-from mtpspec/demo_model_glm5 \
       --output-dir /tmp/sd --indexer-warmup-fraction 0 --freeze-target --mtp-distill ${MTP_DISTILL:-1.0} --mtp-depth 1 \
       --distill-fraction 0 --lr ${LR:-5e-4} --warmup-steps 50 --self-distill-prompts 8000 \
-      --self-distill-synthetic ${SYNTH:-16000} --self-distill-share 0.6 --self-distill-seconds 120 \
+      --self-distill-synthetic ${SYNTH:-16000} --self-distill-share ${SHARE:-0.6} --self-distill-seconds 120 \
       --max-minutes ${MINUTES:-7.2} --reserve-seconds 10 --eval-every 0 --accept-prompts 0 --num-synthetic 200000 --no-progress
   cp /tmp/sd/model-0000*.safetensors /tmp/sd/summary.json "$OUT"/ && gzip -c /tmp/sd/train_log.jsonl > "$OUT/train_log.jsonl.gz"
   for run in "1 false" "3 false" "3 true"; do
