@@ -7,9 +7,11 @@ Shazeer et al. 2017, "Outrageously Large Neural Networks", eq. 1).
 Plan (the grouping idea of fused MoE GEMM kernels such as vLLM's ``fused_moe``; written here from
 the description, not from its code):
 
-1. :func:`moe_align`, torch ops on the device, sync-free: the ``N = num_tokens * top_k``
-   (token, expert) pairs are ordered by expert (stable), and each expert's run is padded to a
-   multiple of ``BLOCK_M`` with the sentinel ``N``. The padded length has the static bound
+1. :func:`moe_align`, on the device, sync-free (one Triton program up to
+   ``ALIGN_KERNEL_MAX_PAIRS`` pairs: a histogram, its prefix sum and each pair's rank among the
+   earlier pairs of its expert; a chain of torch ops above, about 20 launches): the
+   ``N = num_tokens * top_k`` (token, expert) pairs are ordered by expert (stable), and each
+   expert's run is padded to a multiple of ``BLOCK_M`` with the sentinel ``N``. The padded length has the static bound
    ``P = N + min(N, E) * (BLOCK_M - 1)`` (at most ``min(N, E)`` experts are non-empty), so the
    grid is fixed by shapes; ``block_expert[b]`` is the expert of block ``b`` (``E`` past the end:
    the program exits).
@@ -30,20 +32,30 @@ Dispatch: Triton on CUDA tensors and on CPU tensors under ``TRITON_INTERPRET=1``
 
 from __future__ import annotations
 
-from typing import Tuple
+from typing import Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 
-from mtpspec.ops.triton_utils import FLOAT_DTYPES, HAS_TRITON, LazyKernel, cdiv, interpreting, tl, use_triton
+from mtpspec.ops.triton_utils import FLOAT_DTYPES, HAS_TRITON, LazyKernel, cdiv, interpreting, tl, triton, use_triton
 
 #: Pair-block height: 16 when experts average fewer than ``LARGE_BLOCK_M`` pairs, else 64.
 SMALL_BLOCK_M = 16
 LARGE_BLOCK_M = 64
-#: Output columns and reduction depth per tile.
-BLOCK_N = 64
-BLOCK_K = 64
-NUM_WARPS = 4
+#: Launch shapes ``(BLOCK_N, BLOCK_K, num_warps, num_stages)`` of the two kernels, per pair-block
+#: height: output columns and reduction depth per tile. 16-row blocks are decode and verify sizes,
+#: where the kernels stream expert weights (memory-bound): narrow column tiles give enough
+#: programs to cover every SM and deep stages keep the reads in flight (H200 sweep,
+#: ``benchmarks/bench_moe_decode.py``, BENCHMARKS.md).
+LAUNCH = {
+    ("gate_up", SMALL_BLOCK_M): (64, 64, 4, 3),
+    ("down", SMALL_BLOCK_M): (64, 64, 4, 3),
+    ("gate_up", LARGE_BLOCK_M): (64, 64, 4, 3),
+    ("down", LARGE_BLOCK_M): (64, 64, 4, 3),
+}
+#: :func:`moe_align` runs as one Triton program up to this many pairs (its rank step compares
+#: every pair with every earlier one), as torch ops above.
+ALIGN_KERNEL_MAX_PAIRS = 1024
 
 
 def moe_block_m(num_pairs: int, num_experts: int) -> int:
@@ -65,10 +77,12 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> Tuple[t
         grouped by expert in ascending expert order (``N`` = padding), and each block's expert
         (``E`` for blocks past the last expert's run). Sync-free (fixed shapes).
     """
-    flat = topk_ids.reshape(-1).long()
-    n = flat.shape[0]
-    dev = flat.device
+    n = topk_ids.numel()
     p = cdiv(n + min(n, num_experts) * (block_m - 1), block_m) * block_m
+    if 0 < n <= ALIGN_KERNEL_MAX_PAIRS and use_triton(topk_ids):
+        return _moe_align_kernel(topk_ids, num_experts, block_m, p)
+    flat = topk_ids.reshape(-1).long()
+    dev = flat.device
     counts = torch.zeros(num_experts, dtype=torch.int64, device=dev).scatter_add_(0, flat, torch.ones_like(flat))
     padded = (counts + block_m - 1) // block_m * block_m
     ends = torch.cumsum(padded, 0)
@@ -80,6 +94,22 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> Tuple[t
     sorted_pairs.index_copy_(0, dest, order.to(torch.int32))
     block_starts = torch.arange(0, p, block_m, device=dev)
     block_expert = torch.searchsorted(ends, block_starts, right=True).to(torch.int32)
+    return sorted_pairs, block_expert
+
+
+def _moe_align_kernel(topk_ids: torch.Tensor, num_experts: int, block_m: int, p: int
+                      ) -> Tuple[torch.Tensor, torch.Tensor]:
+    """:func:`moe_align` as one Triton program (same outputs, bit for bit)."""
+    flat = topk_ids.reshape(-1)
+    if flat.dtype not in (torch.int32, torch.int64):
+        flat = flat.to(torch.int32)
+    flat = flat.contiguous()
+    n = flat.shape[0]
+    sorted_pairs = torch.empty(p, dtype=torch.int32, device=flat.device)
+    block_expert = torch.empty(p // block_m, dtype=torch.int32, device=flat.device)
+    _align[(1,)](flat, sorted_pairs, block_expert, n, num_experts, p, p // block_m, BLOCK_M=block_m,
+                 N_P2=triton.next_power_of_2(n), E_P2=triton.next_power_of_2(num_experts + 1),
+                 RANK_CHUNK=max(1, min(64, 8192 // triton.next_power_of_2(n))), FILL=1024, num_warps=8)
     return sorted_pairs, block_expert
 
 
@@ -104,6 +134,35 @@ def moe_experts_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_w
 
 if HAS_TRITON:
     from mtpspec.ops.triton_helpers import round_to_dtype
+
+    def _align_kernel(ids_ptr, sorted_ptr, block_expert_ptr, num_pairs, num_experts, num_slots, num_blocks,
+                      BLOCK_M: tl.constexpr, N_P2: tl.constexpr, E_P2: tl.constexpr, RANK_CHUNK: tl.constexpr,
+                      FILL: tl.constexpr):
+        # One program. Padding pairs count in bin num_experts (< E_P2), past every real expert.
+        pr = tl.arange(0, N_P2)
+        ids = tl.load(ids_ptr + pr, mask=pr < num_pairs, other=num_experts).to(tl.int32)
+        ex = tl.arange(0, E_P2)
+        nblk = (tl.histogram(ids, E_P2) + BLOCK_M - 1) // BLOCK_M
+        nblk = tl.where(ex < num_experts, nblk, 0)
+        ends = tl.cumsum(nblk, 0)  # inclusive, in blocks
+        start = tl.gather(ends - nblk, ids, 0)  # first block of each pair's expert
+        rank = tl.zeros([N_P2], dtype=tl.int32)  # earlier pairs of the same expert: stable order
+        for q0 in range(0, N_P2, RANK_CHUNK):
+            q = q0 + tl.arange(0, RANK_CHUNK)
+            idq = tl.load(ids_ptr + q, mask=q < num_pairs, other=num_experts).to(tl.int32)
+            same = (idq[None, :] == ids[:, None]) & (q[None, :] < pr[:, None])
+            rank += tl.sum(same.to(tl.int32), 1)
+        for s0 in range(0, num_slots, FILL):  # padding everywhere, then the real entries over it
+            sl = s0 + tl.arange(0, FILL)
+            tl.store(sorted_ptr + sl, tl.full([FILL], 0, tl.int32) + num_pairs, mask=sl < num_slots)
+        for b0 in range(0, num_blocks, FILL):
+            bl = b0 + tl.arange(0, FILL)
+            tl.store(block_expert_ptr + bl, tl.full([FILL], 0, tl.int32) + num_experts, mask=bl < num_blocks)
+        tl.debug_barrier()
+        first = ends - nblk
+        for j in range(0, tl.max(nblk, 0)):  # each expert's j-th block
+            tl.store(block_expert_ptr + first + j, ex, mask=j < nblk)
+        tl.store(sorted_ptr + start * BLOCK_M + rank, pr, mask=pr < num_pairs)
 
     def _gate_up_kernel(x_ptr, w_ptr, inter_ptr, sorted_ptr, block_expert_ptr, num_pairs, num_experts, hidden,
                         inter_size, stride_xt, stride_we, stride_wn, stride_it,
@@ -169,12 +228,14 @@ if HAS_TRITON:
         tl.store(y_ptr + row[:, None] * stride_yt + offs_n[None, :], acc * wt[:, None],
                  mask=ok_m[:, None] & ok_n[None, :])
 
+    _align = LazyKernel(_align_kernel)
     _gate_up = LazyKernel(_gate_up_kernel)
     _down = LazyKernel(_down_kernel)
 
 
 def moe_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-                topk_ids: torch.Tensor) -> torch.Tensor:
+                topk_ids: torch.Tensor, launch_gate_up: Optional[Tuple[int, int, int, int]] = None,
+                launch_down: Optional[Tuple[int, int, int, int]] = None) -> torch.Tensor:
     """Routed SwiGLU experts of this rank (see the module docstring).
 
     Args:
@@ -183,6 +244,8 @@ def moe_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weigh
         w2: ``[E, H, I]``, x's dtype, unit stride in ``I``.
         topk_weights: ``[num_tokens, top_k]`` (any float; used in fp32).
         topk_ids: ``[num_tokens, top_k]`` int in ``[0, E)`` (out-of-range ids are undefined behaviour).
+        launch_gate_up, launch_down: ``(BLOCK_N, BLOCK_K, num_warps, num_stages)`` overriding
+            :data:`LAUNCH` (benchmark sweeps).
 
     Returns:
         ``[num_tokens, H]`` in x's dtype.
@@ -217,14 +280,16 @@ def moe_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weigh
     bf16_interp = interpreting() and x.dtype == torch.bfloat16  # interpreter: bf16 tl.dot is wrong
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
     n_blocks = block_expert.shape[0]
-    _gate_up[(n_blocks, cdiv(i, BLOCK_N))](
+    bn, bk, warps, stages = launch_gate_up or LAUNCH["gate_up", block_m]
+    _gate_up[(n_blocks, cdiv(i, bn))](
         x, w13, inter, sorted_pairs, block_expert, n, e, h, i, x.stride(0), w13.stride(0), w13.stride(1),
-        inter.stride(0), TOPK=k, BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, DOT_FP32=bf16_interp,
-        PRECISION=precision, BF16_BY_BITS=bf16_interp, num_warps=NUM_WARPS)
-    _down[(n_blocks, cdiv(h, BLOCK_N))](
+        inter.stride(0), TOPK=k, BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk, DOT_FP32=bf16_interp,
+        PRECISION=precision, BF16_BY_BITS=bf16_interp, num_warps=warps, num_stages=stages)
+    bn, bk, warps, stages = launch_down or LAUNCH["down", block_m]
+    _down[(n_blocks, cdiv(h, bn))](
         inter, w2, y, sorted_pairs, block_expert, topk_weights.float().contiguous(), n, e, h, i, inter.stride(0),
-        w2.stride(0), w2.stride(1), y.stride(0), BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
-        DOT_FP32=bf16_interp, PRECISION=precision, num_warps=NUM_WARPS)
+        w2.stride(0), w2.stride(1), y.stride(0), BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk,
+        DOT_FP32=bf16_interp, PRECISION=precision, num_warps=warps, num_stages=stages)
     return y.view(t, k, h).sum(1).to(x.dtype)
 
 
