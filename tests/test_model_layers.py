@@ -271,6 +271,25 @@ def test_moe_align_groups_pairs_by_expert_with_static_padding():
         assert block_expert.tolist() == sorted(block_expert.tolist())  # runs in expert order
 
 
+@pytest.mark.parametrize("t,k,e,bm", [(1, 8, 128, 16), (1, 2, 16, 16), (9, 3, 4, 16), (16, 8, 256, 16),
+                                      (40, 2, 5, 64), (64, 8, 160, 16), (128, 8, 256, 64), (100, 6, 64, 64)])
+def test_moe_align_kernel_equals_the_torch_grouping(kdev, t, k, e, bm):
+    """The one-program align kernel (decode and verify sizes) == the torch-ops grouping, entry for
+    entry: same padded layout, pairs of one expert in their original order, int32 and int64 ids;
+    experts with no pair and ids crowded into few experts (several blocks per expert) included."""
+    g = torch.Generator().manual_seed(t * 1000 + e)
+    used = e if t < 40 else max(k, e // 8)  # from 40 tokens: crowded into e / 8 experts, several blocks each
+    tid = torch.stack([torch.randperm(used, generator=g)[:k] for _ in range(t)])  # distinct per token
+    assert 0 < tid.numel() <= moe_gemm.ALIGN_KERNEL_MAX_PAIRS
+    with pytest.MonkeyPatch.context() as mp:
+        mp.delenv("TRITON_INTERPRET", raising=False)
+        want = moe_align(tid, e, bm)  # CPU tensors without the interpreter: the torch ops
+    for dtype in (torch.int64, torch.int32):
+        got = moe_align(tid.to(dtype).to(kdev), e, bm)
+        assert moe_gemm.use_triton(tid.to(kdev))
+        assert torch.equal(got[0].cpu(), want[0]) and torch.equal(got[1].cpu(), want[1]), (got, want)
+
+
 def test_moe_path_depends_on_static_sizes_and_captured_sizes_are_graph_safe():
     # GLM-4.5 (E = 160, H = 5120, I = 1536, top 8) at tp 8, bf16: every captured verify size of
     # max_num_seqs = 512, k = 3 takes a sync-free path, on GPU (kernel) and on the torch paths.
@@ -323,6 +342,55 @@ def test_fused_moe_graph_safe_paths_have_no_host_sync(monkeypatch, path):
     with pytest.raises(HostSyncError):  # the guard does see the grouped path's sync
         with torch.no_grad(), no_host_sync():
             moe(x, *gate(x))
+
+
+@pytest.mark.parametrize("e,k,ng,tg,renorm,scale,bias", [
+    (256, 8, 8, 4, True, 2.5, True),  # DeepSeek-V3
+    (160, 8, 1, 1, True, 2.5, True),  # GLM-4.5 (no groups, E not a power of two)
+    (8, 3, 2, 1, True, 1.5, True), (16, 4, 4, 2, False, 2.5, False), (6, 2, 1, 1, True, 1.0, True),
+    (12, 3, 12, 4, True, 1.0, True),  # one expert per group: a group's score is its only c
+])
+def test_router_kernel_vs_brute_force_and_torch(kdev, e, k, ng, tg, renorm, scale, bias):
+    """The one-launch router (Triton; the interpreter on CPU) == the float64 brute force: same
+    experts, weights to fp32 rounding, ids best first; and the same experts as the torch ops."""
+    from mtpspec.layers.fused_moe import grouped_topk
+    from mtpspec.ops.moe_router import grouped_topk_triton
+    g = torch.Generator().manual_seed(e * 100 + k)
+    t = 24
+    logits = torch.randn(t, e, generator=g) * 2
+    b = 0.3 * torch.randn(e, generator=g) if bias else None
+    w, ids = grouped_topk(logits.to(kdev), None if b is None else b.to(kdev), k, ng, tg, renorm, scale)
+    w, ids = w.cpu(), ids.cpu()
+    assert w.dtype == torch.float32 and ids.dtype == torch.int64 and ids.shape == (t, k)
+    bw, bids = _brute_force_topk(logits, torch.zeros(e) if b is None else b, k, ng, tg, renorm, scale)
+    c = torch.sigmoid(logits.double()) + (0 if b is None else b.double())
+    for row in range(t):
+        assert ids[row].tolist() == bids[row], (row, ids[row], bids[row])  # best first
+        assert (c[row, ids[row]].diff() <= 0).all()
+        torch.testing.assert_close(w[row].double(), bw[row], rtol=1e-6, atol=1e-7)
+    with pytest.MonkeyPatch.context() as mp:  # the torch ops on CPU pick the same set
+        mp.delenv("TRITON_INTERPRET", raising=False)
+        tw, tids = grouped_topk(logits, b, k, ng, tg, renorm, scale)
+    assert torch.equal(tids.sort(1)[0], ids.sort(1)[0])
+    torch.testing.assert_close(tw.gather(1, tids.argsort(1)), w.gather(1, ids.argsort(1)), rtol=1e-6, atol=1e-7)
+    empty = grouped_topk_triton(logits[:0].to(kdev), None, k, ng, tg, renorm, scale)
+    assert empty[0].shape == (0, k) and empty[1].shape == (0, k)
+
+
+def test_router_kernel_ties_and_nan(kdev):
+    """Ties go to the lowest expert id (experts and groups); a NaN score ranks first, as in
+    torch.topk, and ids stay in range."""
+    from mtpspec.ops.moe_router import grouped_topk_triton
+    logits = torch.zeros(3, 8)
+    logits[1, 5] = float("nan")
+    logits[2, :4] = 1.0  # groups 0 and 1 tie on score; group 0 (lowest) wins with topk_group 1
+    logits[2, 4:] = 1.0
+    w, ids = grouped_topk_triton(logits.to(kdev), None, 3, 2, 1, False, 1.0)
+    ids = ids.cpu()
+    assert ids[0].tolist() == [0, 1, 2]  # all equal: lowest ids, in order
+    assert ids[1].tolist() == [5, 4, 6]  # NaN's group (1) is the one kept; then its lowest ids
+    assert ids[2].tolist() == [0, 1, 2]
+    assert w.cpu()[1, 0].isnan() and torch.equal(w.cpu()[0], torch.full((3,), 0.5))
 
 
 def test_grouped_topk_rejects_inconsistent_sizes():

@@ -1,0 +1,102 @@
+"""The sigmoid grouped top-k router as one Triton program per token (decode-size batches pay one
+launch for routing instead of about 10, or 17 with expert groups).
+
+Math: :func:`mtpspec.layers.fused_moe.grouped_topk` (DeepSeek-V3 technical report, arXiv:2412.19437,
+sec. 2.1.2, eqs. 15-16, with the auxiliary-loss-free bias). Per token row of ``router_logits``:
+``s = sigmoid(logits)``, ``c = s + bias``; with groups, a group's score is the sum of its two best
+``c`` (its best alone when a group has one expert) and only the ``topk_group`` best groups stay
+eligible; the ``top_k`` best eligible ``c`` are chosen one after another (ties: the lowest expert
+id, for groups and experts alike; a NaN ``c`` ranks above every number, as in ``torch.topk``);
+weights are their ``s``, divided by their sum + 1e-20 when ``renormalize``, times
+``routed_scaling_factor``. Rows are independent, so a token's routing does not depend on the batch
+it is in (verification and plain decoding route alike).
+
+Ids come out in the order chosen (best first); the torch reference's order is unspecified
+(``topk(sorted=False)``).
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+
+from mtpspec.ops.triton_utils import HAS_TRITON, LazyKernel, tl, triton
+
+if HAS_TRITON:
+    def _router_kernel(logits_ptr, bias_ptr, w_ptr, ids_ptr, num_experts, per_group, stride_l, scale,
+                       HAS_BIAS: tl.constexpr, TOP_K: tl.constexpr, K_P2: tl.constexpr, N_GROUP: tl.constexpr,
+                       G_P2: tl.constexpr, TOPK_GROUP: tl.constexpr, TWO_PER_GROUP: tl.constexpr,
+                       RENORM: tl.constexpr, BLOCK_E: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        ex = tl.arange(0, BLOCK_E)
+        ok = ex < num_experts
+        x = tl.load(logits_ptr + row * stride_l + ex, mask=ok, other=0.0).to(tl.float32)
+        s = 1.0 / (1.0 + tl.exp(-x))
+        c = s
+        if HAS_BIAS:
+            c = c + tl.load(bias_ptr + ex, mask=ok, other=0.0).to(tl.float32)
+        c = tl.where(c != c, float("inf"), c)  # NaN ranks first, as torch.topk ranks it
+        c = tl.where(ok, c, float("-inf"))
+        if N_GROUP > 1:  # keep the TOPK_GROUP best groups (score: sum of the group's two best c)
+            gr = tl.arange(0, G_P2)
+            member = (ex[None, :] // per_group == gr[:, None]) & ok[None, :]  # [G_P2, BLOCK_E]
+            cg = tl.where(member, c[None, :], float("-inf"))
+            best = tl.max(cg, 1)
+            first = tl.min(tl.where(cg == best[:, None], ex[None, :], BLOCK_E), 1)
+            score = best
+            if TWO_PER_GROUP:
+                score = best + tl.max(tl.where(ex[None, :] == first[:, None], float("-inf"), cg), 1)
+            score = tl.where(gr < N_GROUP, score, float("-inf"))
+            kept = gr < 0
+            for _ in tl.static_range(TOPK_GROUP):
+                avail = tl.where(kept | (gr >= N_GROUP), float("-inf"), score)
+                m = tl.max(avail, 0)
+                g = tl.min(tl.where((avail == m) & ~kept & (gr < N_GROUP), gr, G_P2), 0)
+                kept = kept | (gr == g)
+            eligible = tl.sum((member & kept[:, None]).to(tl.int32), 0) > 0
+            c = tl.where(eligible, c, float("-inf"))
+        kk = tl.arange(0, K_P2)
+        w = tl.zeros([K_P2], dtype=tl.float32)
+        ids = tl.zeros([K_P2], dtype=tl.int64)
+        taken = ex < 0
+        for j in tl.static_range(TOP_K):
+            avail = tl.where(taken | ~ok, float("-inf"), c)
+            m = tl.max(avail, 0)
+            pick = tl.min(tl.where((avail == m) & ~taken & ok, ex, BLOCK_E), 0)
+            taken = taken | (ex == pick)
+            w = tl.where(kk == j, tl.sum(tl.where(ex == pick, s, 0.0), 0), w)
+            ids = tl.where(kk == j, pick.to(tl.int64), ids)
+        if RENORM:
+            w = w / (tl.sum(w, 0) + 1e-20)
+        tl.store(w_ptr + row * TOP_K + kk, w * scale, mask=kk < TOP_K)
+        tl.store(ids_ptr + row * TOP_K + kk, ids, mask=kk < TOP_K)
+
+    _router = LazyKernel(_router_kernel)
+
+
+def grouped_topk_triton(router_logits: torch.Tensor, e_score_correction_bias: Optional[torch.Tensor], top_k: int,
+                        num_expert_group: int = 1, topk_group: int = 1, renormalize: bool = True,
+                        routed_scaling_factor: float = 1.0) -> Tuple[torch.Tensor, torch.Tensor]:
+    """:func:`~mtpspec.layers.fused_moe.grouped_topk` as one Triton launch (module docstring).
+
+    Args and returns as there (``router_logits [T, E]`` any float dtype, read in fp32; returns
+    ``(topk_weights [T, top_k] float32, topk_ids [T, top_k] int64)``); the caller checks sizes.
+    """
+    t, e = router_logits.shape
+    logits = router_logits if router_logits.stride(1) == 1 else router_logits.contiguous()
+    w = torch.empty(t, top_k, dtype=torch.float32, device=logits.device)
+    ids = torch.empty(t, top_k, dtype=torch.int64, device=logits.device)
+    if t == 0:
+        return w, ids
+    bias = e_score_correction_bias
+    per = e // num_expert_group
+    _router[(t,)](logits, bias if bias is not None else logits, w, ids, e, per, logits.stride(0),
+                  float(routed_scaling_factor), HAS_BIAS=bias is not None, TOP_K=top_k,
+                  K_P2=triton.next_power_of_2(top_k), N_GROUP=num_expert_group,
+                  G_P2=triton.next_power_of_2(num_expert_group), TOPK_GROUP=topk_group, TWO_PER_GROUP=per >= 2,
+                  RENORM=renormalize, BLOCK_E=triton.next_power_of_2(e), num_warps=4 if e <= 512 else 8)
+    return w, ids
+
+
+__all__ = ["grouped_topk_triton"]
