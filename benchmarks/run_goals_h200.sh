@@ -11,6 +11,8 @@
 #   bash benchmarks/run_goals_h200.sh adaptive-air OUT  # the same at GLM-4.5-Air width, forced acceptance (SYNTHETIC)
 #   bash benchmarks/run_goals_h200.sh serving-deep OUT  # issue 17: prefix-cache TTFT on 40 of Llama-3-70B's 80 layers
 #   bash benchmarks/run_goals_h200.sh adaptive-demo OUT  # issue 18: the demo-model sweep at scale 1, 2 repeats
+#   bash benchmarks/run_goals_h200.sh moe-decode OUT  # issue 18: the new MoE kernels' GPU tests, experts at 1-64
+#                                                  # tokens vs their floor, launch-shape sweep, engine step 1/16/64
 #   bash benchmarks/run_goals_h200.sh demo-sd OUT   # issue 16: the demo model's MTP layer self-distilled on GSM8K +
 #                                                  # generated prompts (target frozen), then GSM8K k = 1 / 3 fp32
 set -u
@@ -53,6 +55,13 @@ fp8check)  # the two fp8 tests that failed on the H200 on 12-03 (their deviation
       -k "prequantised_activations or kernel_path_through_the_model"
   step 200 fp8_weight_tests python3 -m pytest -q tests/test_fp8_weights.py
   step 150 fp8_gemm_graph python3 benchmarks/bench_fp8_gemm.py --graph --budget-s 100 --json "$OUT/fp8_gemm_graph.json" ;;
+moe-decode)  # issue 18's decode-size MoE: one-program align + router (first GPU run), then launch shapes
+  step 150 moe_gpu_tests python3 -m pytest -q -x tests/test_model_layers.py -k "moe or align or router or topk"
+  step 150 moe_decode python3 benchmarks/bench_moe_decode.py --out "$OUT/moe_decode.json"
+  step 240 moe_sweep python3 benchmarks/bench_moe_decode.py --sweep --tokens 1,4,16 --shapes air,dsv3 --no-compile \
+      --out "$OUT/moe_sweep.json"
+  step 200 engine_air python3 benchmarks/bench_engine_step.py --graph-mode cuda --layers 3 --batch-sizes 1,16,64 \
+      --json "$OUT/engine_air.json" ;;
 async)
   for L in 8 3; do
     step 240 async_${L}l python3 benchmarks/bench_async_scheduling.py --batch-sizes 1,64 --layers $L --breakdown \

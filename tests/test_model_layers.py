@@ -373,6 +373,10 @@ def test_router_kernel_vs_brute_force_and_torch(kdev, e, k, ng, tg, renorm, scal
         tw, tids = grouped_topk(logits, b, k, ng, tg, renorm, scale)
     assert torch.equal(tids.sort(1)[0], ids.sort(1)[0])
     torch.testing.assert_close(tw.gather(1, tids.argsort(1)), w.gather(1, ids.argsort(1)), rtol=1e-6, atol=1e-7)
+    for rows in (1, 4):  # the GPU's launch shape (a row per program), and a partial last program
+        rw, rids = grouped_topk_triton(logits[:7].to(kdev), None if b is None else b.to(kdev), k, ng, tg, renorm,
+                                       scale, rows=rows)
+        assert torch.equal(rids.cpu(), ids[:7]) and torch.equal(rw.cpu(), w[:7])
     empty = grouped_topk_triton(logits[:0].to(kdev), None, k, ng, tg, renorm, scale)
     assert empty[0].shape == (0, k) and empty[1].shape == (0, k)
 

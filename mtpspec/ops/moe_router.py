@@ -21,67 +21,76 @@ from typing import Optional, Tuple
 
 import torch
 
-from mtpspec.ops.triton_utils import HAS_TRITON, LazyKernel, tl, triton
+from mtpspec.ops.triton_utils import HAS_TRITON, LazyKernel, cdiv, tl, triton
 
 if HAS_TRITON:
-    def _router_kernel(logits_ptr, bias_ptr, w_ptr, ids_ptr, num_experts, per_group, stride_l, scale,
+    def _router_kernel(logits_ptr, bias_ptr, w_ptr, ids_ptr, num_tokens, num_experts, per_group, stride_l, scale,
                        HAS_BIAS: tl.constexpr, TOP_K: tl.constexpr, K_P2: tl.constexpr, N_GROUP: tl.constexpr,
                        G_P2: tl.constexpr, TOPK_GROUP: tl.constexpr, TWO_PER_GROUP: tl.constexpr,
-                       RENORM: tl.constexpr, BLOCK_E: tl.constexpr):
-        row = tl.program_id(0).to(tl.int64)
+                       RENORM: tl.constexpr, ROWS: tl.constexpr, BLOCK_E: tl.constexpr):
+        # ROWS token rows per program, each routed on its own ([ROWS, BLOCK_E] tiles)
+        rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+        rok = rows < num_tokens
         ex = tl.arange(0, BLOCK_E)
         ok = ex < num_experts
-        x = tl.load(logits_ptr + row * stride_l + ex, mask=ok, other=0.0).to(tl.float32)
+        x = tl.load(logits_ptr + rows[:, None] * stride_l + ex[None, :], mask=rok[:, None] & ok[None, :],
+                    other=0.0).to(tl.float32)
         s = 1.0 / (1.0 + tl.exp(-x))
         c = s
         if HAS_BIAS:
-            c = c + tl.load(bias_ptr + ex, mask=ok, other=0.0).to(tl.float32)
+            c = c + tl.load(bias_ptr + ex, mask=ok, other=0.0).to(tl.float32)[None, :]
         c = tl.where(c != c, float("inf"), c)  # NaN ranks first, as torch.topk ranks it
-        c = tl.where(ok, c, float("-inf"))
+        c = tl.where(ok[None, :], c, float("-inf"))
         if N_GROUP > 1:  # keep the TOPK_GROUP best groups (score: sum of the group's two best c)
             gr = tl.arange(0, G_P2)
+            real = gr < N_GROUP
             member = (ex[None, :] // per_group == gr[:, None]) & ok[None, :]  # [G_P2, BLOCK_E]
-            cg = tl.where(member, c[None, :], float("-inf"))
-            best = tl.max(cg, 1)
-            first = tl.min(tl.where(cg == best[:, None], ex[None, :], BLOCK_E), 1)
+            cg = tl.where(member[None, :, :], c[:, None, :], float("-inf"))  # [ROWS, G_P2, BLOCK_E]
+            best = tl.max(cg, 2)
+            first = tl.min(tl.where(cg == best[:, :, None], ex[None, None, :], BLOCK_E), 2)
             score = best
             if TWO_PER_GROUP:
-                score = best + tl.max(tl.where(ex[None, :] == first[:, None], float("-inf"), cg), 1)
-            score = tl.where(gr < N_GROUP, score, float("-inf"))
-            kept = gr < 0
+                score = best + tl.max(tl.where(ex[None, None, :] == first[:, :, None], float("-inf"), cg), 2)
+            kept = tl.zeros([ROWS, G_P2], dtype=tl.int1)
             for _ in tl.static_range(TOPK_GROUP):
-                avail = tl.where(kept | (gr >= N_GROUP), float("-inf"), score)
-                m = tl.max(avail, 0)
-                g = tl.min(tl.where((avail == m) & ~kept & (gr < N_GROUP), gr, G_P2), 0)
-                kept = kept | (gr == g)
-            eligible = tl.sum((member & kept[:, None]).to(tl.int32), 0) > 0
+                avail = tl.where(kept | ~real[None, :], float("-inf"), score)
+                m = tl.max(avail, 1)
+                g = tl.min(tl.where((avail == m[:, None]) & ~kept & real[None, :], gr[None, :], G_P2), 1)
+                kept = kept | (gr[None, :] == g[:, None])
+            eligible = tl.sum((member[None, :, :] & kept[:, :, None]).to(tl.int32), 1) > 0  # [ROWS, BLOCK_E]
             c = tl.where(eligible, c, float("-inf"))
         kk = tl.arange(0, K_P2)
-        w = tl.zeros([K_P2], dtype=tl.float32)
-        ids = tl.zeros([K_P2], dtype=tl.int64)
-        taken = ex < 0
+        w = tl.zeros([ROWS, K_P2], dtype=tl.float32)
+        ids = tl.zeros([ROWS, K_P2], dtype=tl.int64)
+        taken = tl.zeros([ROWS, BLOCK_E], dtype=tl.int1)
         for j in tl.static_range(TOP_K):
-            avail = tl.where(taken | ~ok, float("-inf"), c)
-            m = tl.max(avail, 0)
-            pick = tl.min(tl.where((avail == m) & ~taken & ok, ex, BLOCK_E), 0)
-            taken = taken | (ex == pick)
-            w = tl.where(kk == j, tl.sum(tl.where(ex == pick, s, 0.0), 0), w)
-            ids = tl.where(kk == j, pick.to(tl.int64), ids)
+            avail = tl.where(taken | ~ok[None, :], float("-inf"), c)
+            m = tl.max(avail, 1)
+            pick = tl.min(tl.where((avail == m[:, None]) & ~taken & ok[None, :], ex[None, :], BLOCK_E), 1)
+            hit = ex[None, :] == pick[:, None]
+            taken = taken | hit
+            w = tl.where(kk[None, :] == j, tl.sum(tl.where(hit, s, 0.0), 1)[:, None], w)
+            ids = tl.where(kk[None, :] == j, pick.to(tl.int64)[:, None], ids)
         if RENORM:
-            w = w / (tl.sum(w, 0) + 1e-20)
-        tl.store(w_ptr + row * TOP_K + kk, w * scale, mask=kk < TOP_K)
-        tl.store(ids_ptr + row * TOP_K + kk, ids, mask=kk < TOP_K)
+            w = w / (tl.sum(w, 1)[:, None] + 1e-20)
+        out = rows[:, None] * TOP_K + kk[None, :]
+        keep = rok[:, None] & (kk[None, :] < TOP_K)
+        tl.store(w_ptr + out, w * scale, mask=keep)
+        tl.store(ids_ptr + out, ids, mask=keep)
 
     _router = LazyKernel(_router_kernel)
 
 
 def grouped_topk_triton(router_logits: torch.Tensor, e_score_correction_bias: Optional[torch.Tensor], top_k: int,
                         num_expert_group: int = 1, topk_group: int = 1, renormalize: bool = True,
-                        routed_scaling_factor: float = 1.0) -> Tuple[torch.Tensor, torch.Tensor]:
+                        routed_scaling_factor: float = 1.0, rows: Optional[int] = None
+                        ) -> Tuple[torch.Tensor, torch.Tensor]:
     """:func:`~mtpspec.layers.fused_moe.grouped_topk` as one Triton launch (module docstring).
 
     Args and returns as there (``router_logits [T, E]`` any float dtype, read in fp32; returns
     ``(topk_weights [T, top_k] float32, topk_ids [T, top_k] int64)``); the caller checks sizes.
+    ``rows``: token rows per program (a power of two; default 1 on a GPU, up to 128 under the
+    interpreter, which pays per program).
     """
     t, e = router_logits.shape
     logits = router_logits if router_logits.stride(1) == 1 else router_logits.contiguous()
@@ -91,11 +100,12 @@ def grouped_topk_triton(router_logits: torch.Tensor, e_score_correction_bias: Op
         return w, ids
     bias = e_score_correction_bias
     per = e // num_expert_group
-    _router[(t,)](logits, bias if bias is not None else logits, w, ids, e, per, logits.stride(0),
-                  float(routed_scaling_factor), HAS_BIAS=bias is not None, TOP_K=top_k,
-                  K_P2=triton.next_power_of_2(top_k), N_GROUP=num_expert_group,
-                  G_P2=triton.next_power_of_2(num_expert_group), TOPK_GROUP=topk_group, TWO_PER_GROUP=per >= 2,
-                  RENORM=renormalize, BLOCK_E=triton.next_power_of_2(e), num_warps=4 if e <= 512 else 8)
+    rows = rows or (1 if logits.is_cuda else min(triton.next_power_of_2(t), 128))
+    _router[(cdiv(t, rows),)](
+        logits, bias if bias is not None else logits, w, ids, t, e, per, logits.stride(0), float(routed_scaling_factor),
+        HAS_BIAS=bias is not None, TOP_K=top_k, K_P2=triton.next_power_of_2(top_k), N_GROUP=num_expert_group,
+        G_P2=triton.next_power_of_2(num_expert_group), TOPK_GROUP=topk_group, TWO_PER_GROUP=per >= 2,
+        RENORM=renormalize, ROWS=rows, BLOCK_E=triton.next_power_of_2(e), num_warps=4 if e <= 512 else 8)
     return w, ids
 
 
