@@ -53,11 +53,37 @@ def test_generate_text_summary_and_prompt_file(path, tmp_path, capsys) -> None:
 
 def test_generate_errors(path, capsys) -> None:
     assert generate.run(_parse(["--model", str(path) + "-missing"])) == 2
-    assert "no model" in capsys.readouterr().err
+    assert "no folder" in capsys.readouterr().err
     assert generate.run(_parse(["--model", path, "--temperature", "-1"])) == 2
     assert "temperature" in capsys.readouterr().err
     assert generate.run(_parse(["--model", path, "-k", "99"])) == 2
     assert "num_speculative_tokens" in capsys.readouterr().err
+
+
+def test_generate_bad_model_paths_and_prompt_files_say_what_is_wrong(path, tmp_path, capsys) -> None:
+    """Each bad --model / --prompt-file is one `error:` line (exit 2) naming what is wrong; no traceback."""
+    import shutil
+    no_cfg = tmp_path / "no_cfg"
+    no_cfg.mkdir()
+    no_weights = tmp_path / "no_weights"
+    no_weights.mkdir()
+    shutil.copy(os.path.join(path, "config.json"), no_weights / "config.json")
+    empty = tmp_path / "empty.txt"
+    empty.write_text("\n  \n")
+    cases = [
+        (["--model", str(no_cfg)], "has no config.json: --model takes a checkpoint folder"),
+        (["--model", "deepseek-ai/DeepSeek-V3"], "does not download Hugging Face Hub ids"),
+        (["--model", str(empty)], "is a file; it takes a checkpoint folder"),
+        (["--model", str(no_weights), "--prompt", "hi"], "no safetensors checkpoint in"),
+        (["--model", path, "--prompt-file", str(empty)], "no prompts: "),
+    ]
+    for argv, needle in cases:
+        assert generate.run(_parse(argv)) == 2, argv
+        err = capsys.readouterr().err
+        assert needle in err and "Traceback" not in err and err.startswith("error: "), (argv, err)
+    with pytest.raises(SystemExit) as info:
+        generate.run(_parse(["--model", path, "--prompt-file", str(tmp_path / "missing.txt")]))
+    assert info.value.code == 2 and "--prompt-file: cannot read" in capsys.readouterr().err
 
 
 def test_generate_corrupt_tokenizer_is_a_clear_error(path, tmp_path, capsys) -> None:

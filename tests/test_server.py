@@ -714,6 +714,20 @@ def test_full_queue_gets_503(small_server):
     assert r.status_code == 200, r.text
 
 
+def test_batch_larger_than_the_queue_is_a_400_and_queues_nothing(small_server):
+    """max_queue_len 1: two prompts in one request can never be queued together (400, not a
+    retryable 503), and nothing of the request is queued or counted as aborted."""
+    srv = small_server
+    aborted0 = metric_value(_metrics(srv), "mtpspec:request_aborted_total")
+    r = _post(srv, "/v1/completions", {"prompt": ["a", "b"], "max_tokens": 3})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "prompt" and "max_queue_len=1" in err["message"] and "2 prompts" in err["message"]
+    assert metric_value(_metrics(srv), "mtpspec:request_aborted_total") == aborted0
+    r = _post(srv, "/v1/completions", {"prompt": ["a"], "max_tokens": 2, "n": 2})  # n > 1 is one request
+    assert r.status_code == 200, r.text
+
+
 def test_fault_in_one_request_fails_only_it(server, offline):
     srv = server
     ref = offline.generate([f"Fine {i}" for i in range(3)], SamplingParams(temperature=0, max_tokens=6), use_tqdm=False)
@@ -761,5 +775,51 @@ def test_tp2_server_equals_offline_tp1(model_dir, offline):
         assert httpx.get(srv.url + "/v1/models").json()["data"][0]["mtpspec"]["tp"] == 2
         assert metric_value(text, "mtpspec:collective_bytes_total", {"op": "all_reduce"}) > 0
         assert metric_value(text, "mtpspec:kv_cache_free_blocks") == metric_value(text, "mtpspec:kv_cache_total_blocks")
+        _kill_a_rank_mid_stream(srv)
     finally:
         srv.stop()
+
+
+def _spawned_children(pid):
+    """Pids of ``pid``'s multiprocessing-spawned children (the ranks; not the resource tracker)."""
+    import os
+    out = []
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            with open(f"/proc/{d}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{d}/cmdline", "rb") as f:
+                cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
+        except (OSError, ValueError, IndexError):
+            continue
+        if ppid == pid and "spawn_main" in cmd:
+            out.append(int(d))
+    return sorted(out)
+
+
+def _kill_a_rank_mid_stream(srv):
+    """A rank killed while a request streams: the stream ends with a one-line error naming the dead
+    rank (no traceback to clients), /health says 503 with the same line, new requests get 503, and
+    the server exits with status 1 (a supervisor restarts it, as vLLM's API server does)."""
+    import os
+    import re
+    import signal
+    ranks = _spawned_children(srv.proc.pid)
+    assert len(ranks) == 2, ranks
+    body = {"prompt": "Count:", "max_tokens": 400, "temperature": 0, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", srv.url + "/v1/completions", json=body, timeout=60) as r:
+        lines = r.iter_lines()
+        assert next(lines).startswith("data: ")
+        os.kill(ranks[-1], signal.SIGKILL)
+        events = [x[6:] for x in lines if x.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    msg = json.loads(events[-2])["error"]["message"]
+    assert re.search(r"rank \d died \(exit code -9, SIGKILL\)", msg) and "Traceback" not in msg, msg
+    assert len(msg) < 600, msg
+    health = httpx.get(srv.url + "/health", timeout=5)
+    assert health.status_code == 503 and "Traceback" not in health.text and "died" in health.text, health.text
+    assert srv.proc.wait(timeout=30) == 1
+    log = srv.log()
+    assert "Traceback" in log and "the server shut down" in log, log[-2000:]

@@ -70,6 +70,26 @@ GRAPH_MODES = ("auto", "off", "cuda", "static")
 SpecArg = Union[None, str, Dict[str, Any], SpeculativeConfig]
 
 
+def model_path_problem(model: str, explicit: bool = True) -> Optional[str]:
+    """Why ``model`` is not a checkpoint folder mtpspec can load, or ``None`` when it has a
+    ``config.json``. ``explicit``: the user named it (``--model``), else it is the bundled default.
+    (The weights are checked when they load.)"""
+    import os
+    if os.path.isfile(os.path.join(model, "config.json")):
+        return None
+    if not explicit:
+        return f"the bundled demo model is not at {model!r}; pass --model PATH (a checkpoint folder)"
+    if os.path.isdir(model):
+        return (f"{model!r} has no config.json: --model takes a checkpoint folder (config.json and *.safetensors, "
+                "as transformers' save_pretrained writes it)")
+    if os.path.exists(model):
+        return f"--model {model!r} is a file; it takes a checkpoint folder (config.json and *.safetensors)"
+    if model.count("/") == 1 and not model.startswith((".", "/", "~")):
+        return (f"no folder {model!r}: mtpspec loads local checkpoint folders and does not download Hugging Face "
+                f"Hub ids (e.g. `huggingface-cli download {model} --local-dir DIR`, then --model DIR)")
+    return f"no folder {model!r} (--model takes a local checkpoint folder)"
+
+
 def check_device(device: Optional[str]) -> None:
     """Raise ValueError unless ``device`` is None, ``"cpu"``, or ``"cuda"`` / ``"cuda:N"`` with CUDA present."""
     if device is None:

@@ -242,6 +242,15 @@ class AsyncLLM:
         time.sleep(0)  # hand the GIL to the engine thread now (else it may wait a switch interval, 5 ms)
         return RequestStream(self, rid, q)
 
+    def queue_room(self) -> Optional[int]:
+        """How many more requests may wait now (``max_queue_len`` minus those waiting; ``None``:
+        unbounded). A caller adding several requests checks it first, so that a batch that does not
+        fit is refused whole rather than half-queued."""
+        if self.max_queue_len is None:
+            return None
+        with self._lock:
+            return self.max_queue_len - self._pending
+
     async def generate(self, prompt: PromptType, params: SamplingParams, request_id: Optional[str] = None,
                        arrival_time: Optional[float] = None) -> AsyncIterator[RequestOutput]:
         """:meth:`add_request` then iterate its :class:`RequestStream` (same arguments and errors).
@@ -376,9 +385,11 @@ class AsyncLLM:
             tb = traceback.format_exc()
             logger.error("engine step failed; aborting the %d requests in flight:\n%s", len(self._live), tb)
             from mtpspec.engine.executor import WorkerError
+            # one line for clients; the traceback is in the log above
+            why = exc.summary if isinstance(exc, WorkerError) else f"{type(exc).__name__}: {exc}".splitlines()[0]
             if isinstance(exc, WorkerError):
-                self.dead = f"the engine's executor failed: {exc}"
-            self._fail_all(RequestError(f"engine step failed: {type(exc).__name__}: {exc}"))
+                self.dead = f"the engine's executor failed: {why}"
+            self._fail_all(RequestError(f"engine step failed: {why}"))
             return
         done = {o.request_id: o for o in finished}
         batch = []

@@ -18,9 +18,20 @@ from mtpspec.engine.worker import (
 
 
 class WorkerError(RuntimeError):
-    """A rank failed; the message holds its traceback (``rank_traceback``: the traceback alone)."""
+    """A rank failed; the message holds its traceback (``rank_traceback``: the traceback alone).
+    :attr:`summary` is one line for clients (the traceback belongs in the server log)."""
 
     rank_traceback: str = ""
+
+    @property
+    def summary(self) -> str:
+        """The message's first line, with the traceback's last line (the exception) after it."""
+        lines = [x.strip() for x in str(self).splitlines() if x.strip()]
+        if not lines:
+            return type(self).__name__
+        head = lines[0].rstrip(":")
+        tail = [x for x in self.rank_traceback.splitlines() if x.strip()][-1:] if self.rank_traceback else lines[-1:]
+        return head if not tail or tail[0].strip() == head or len(lines) == 1 else f"{head}: {tail[0].strip()[:300]}"
 
 
 class WorkerInputError(WorkerError, ValueError):
@@ -231,9 +242,26 @@ class MultiprocExecutor(Executor):
             for c in self.conns:
                 c.send(msg)
             return [self._recv(r, self.step_timeout_s) for r in range(len(self.conns))]
-        except BaseException:
+        except BaseException as exc:
+            dead = self._dead_ranks()
             self.shutdown()
+            if dead and isinstance(exc, WorkerError) and not isinstance(exc, WorkerInputError):
+                # another rank's death surfaces as a collective error on the survivors: name the dead one
+                err = WorkerError(f"{dead}; {exc.summary}")
+                err.rank_traceback = exc.rank_traceback
+                raise err from exc
             raise
+
+    def _dead_ranks(self) -> str:
+        """``"rank R died (exit code C, SIGNAME)"`` for ranks that exited, ``""`` when all live."""
+        import signal
+        out = []
+        for r, p in enumerate(self.procs):
+            if not p.is_alive() and p.exitcode is not None:
+                code = p.exitcode
+                sig = f", {signal.Signals(-code).name}" if code < 0 and -code in signal.Signals._value2member_map_ else ""
+                out.append(f"rank {r} died (exit code {code}{sig})")
+        return ", ".join(out)
 
     def execute(self, step: StepInput) -> StepOutput:
         return self._broadcast(("step", step))[0]

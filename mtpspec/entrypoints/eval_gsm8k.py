@@ -254,8 +254,10 @@ def _sources(args: argparse.Namespace) -> Dict[str, Any]:
                 out[f"server{i}" if len(args.base_url) > 1 else "server"] = spec
         return out
     base = llm_kwargs(args)
-    if not os.path.isfile(os.path.join(base["model"] or default_model_path(), "config.json")):
-        raise ValueError(f"no model at {base['model']!r} (pass --model PATH or --base-url URL)")
+    from mtpspec.engine.arg_utils import model_path_problem
+    why = model_path_problem(base["model"] or default_model_path(), explicit=bool(base["model"]))
+    if why is not None:
+        raise ValueError(why + " (or --base-url URL)")
     if not args.arms:
         return {"model": base}
     out = {}

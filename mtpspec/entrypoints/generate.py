@@ -79,8 +79,11 @@ def _prompts(args: argparse.Namespace) -> List[Any]:
         from mtpspec.data.gsm8k import format_query
         return [format_query(ex["question"]) for ex in _gsm8k_examples(args)]
     if args.prompt_file:
-        with open(args.prompt_file, encoding="utf-8") as f:
-            lines = [ln.rstrip("\n") for ln in f]
+        try:
+            with open(args.prompt_file, encoding="utf-8") as f:
+                lines = [ln.rstrip("\n") for ln in f]
+        except (OSError, UnicodeDecodeError) as exc:
+            _usage_error(f"--prompt-file: cannot read {args.prompt_file!r}: {exc}")
         return [ln for ln in lines if ln.strip()]
     if args.prompt_token_ids:
         out = []
@@ -136,13 +139,16 @@ def format_metrics(m: Dict[str, Any]) -> str:
 def run(args: argparse.Namespace) -> int:
     from mtpspec import LLM, SamplingParams
 
+    from mtpspec.engine.arg_utils import EngineArgs, model_path_problem
     model = args.model or demo_model_path()
-    if not os.path.isfile(os.path.join(model, "config.json")):
-        print(f"error: no model at {model!r} (pass --model PATH; the bundled demo model is not there)",
-              file=sys.stderr)
+    why = model_path_problem(model, explicit=bool(args.model))
+    if why is not None:
+        print(f"error: {why}", file=sys.stderr)
         return 2
-    from mtpspec.engine.arg_utils import EngineArgs
     prompts = _prompts(args)
+    if not prompts:
+        print(f"error: no prompts: {args.prompt_file!r} has no non-empty line", file=sys.stderr)
+        return 2
     try:
         engine_args = EngineArgs.from_cli_args(args)
         engine_args.model = model
@@ -150,7 +156,7 @@ def run(args: argparse.Namespace) -> int:
         params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                                 seed=args.sampling_seed, max_tokens=args.max_tokens, stop=stop)
         llm = LLM(**engine_args.llm_kwargs())
-    except (ValueError, TypeError) as exc:
+    except (ValueError, TypeError, FileNotFoundError) as exc:  # FileNotFoundError: e.g. no weights
         print(f"error: {exc}", file=sys.stderr)
         return 2
     try:

@@ -12,8 +12,11 @@ Errors are OpenAI-style objects ``{"error": {"message", "type", "param", "code"}
   "This model's maximum context length is N tokens. However, you requested M tokens (P in the
   messages, T in the completion). ..."; ``max_tokens`` null: up to the context, never an
   error), bad sampling values (``n`` / ``best_of`` with vLLM's messages, e.g. "best_of must be
-  greater than or equal to n, got n=3 and best_of=2."), unsupported parameters (``suffix``);
-* 503: the queue is full (``max_queue_len`` requests waiting) or the engine died;
+  greater than or equal to n, got n=3 and best_of=2."), unsupported parameters (``suffix``),
+  more prompts in one request than ``max_queue_len`` (they could never be queued together);
+* 503: the queue is full (``max_queue_len`` requests waiting, or too few free places for all of a
+  request's prompts: nothing of it is queued) or the engine died (one line; the server then exits
+  with status 1, as vLLM's API server does, so a supervisor can restart it);
 * 500: the request failed inside the engine loop (other requests are unaffected).
 
 A client that disconnects has its requests aborted (KV blocks freed before the next step),
@@ -269,6 +272,13 @@ def _check_context(engine: AsyncLLM, prompt_ids: List[List[int]], max_tokens: Op
 def _start(engine: AsyncLLM, prompts: Sequence[PromptType], params: SamplingParams, rid: str,
            arrival: float) -> List[RequestStream]:
     streams: List[RequestStream] = []
+    cap, room = engine.max_queue_len, engine.queue_room()
+    if cap is not None and len(prompts) > cap:  # can never fit: not a retryable 503
+        raise bad_request(f"the request has {len(prompts)} prompts, more than the server queues at once "
+                          f"(max_queue_len={cap}); send at most {cap} prompts per request", "prompt")
+    if room is not None and len(prompts) > room:  # refused whole, nothing queued or aborted
+        raise OpenAIError(503, f"the server queue is full ({cap - room} requests waiting, max_queue_len={cap}; "
+                          f"this request needs room for {len(prompts)}); retry later", "server_overloaded")
     try:
         for i, p in enumerate(prompts):
             streams.append(engine.add_request(p, params, request_id=f"{rid}-{i}", arrival_time=arrival))

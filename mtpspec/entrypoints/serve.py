@@ -23,7 +23,13 @@ import argparse
 import os
 import socket
 import sys
+import threading
+import time
 from typing import Any, Dict, Optional
+
+
+#: Seconds between the engine's death and the server's exit (in-flight requests get their errors).
+ENGINE_DEAD_GRACE_S = 1.0
 
 
 def default_model_path() -> str:
@@ -163,9 +169,14 @@ def build(args: argparse.Namespace) -> Any:
 
     forced = ForcedAcceptance.parse(args.forced_acceptance) if args.forced_acceptance else None
     kwargs = llm_kwargs(args)
-    if not os.path.isfile(os.path.join(kwargs["model"], "config.json")):
-        raise ValueError(f"no model at {kwargs['model']!r} (pass --model PATH; the bundled demo model is not there)")
-    llm = LLM(**kwargs)
+    from mtpspec.engine.arg_utils import model_path_problem
+    why = model_path_problem(kwargs["model"], explicit=bool(args.model))
+    if why is not None:
+        raise ValueError(why)
+    try:
+        llm = LLM(**kwargs)
+    except FileNotFoundError as exc:  # e.g. no weights in the folder: a user error like the others
+        raise ValueError(str(exc)) from exc
     try:
         if forced is not None and llm.llm_engine.scheduler_config.num_speculative_tokens:
             enable_forced_acceptance(llm, forced)
@@ -223,8 +234,25 @@ def run(args: argparse.Namespace) -> int:
           f"{info['fusion']}, local argmax {info['local_argmax']}, all-reduce {info['allreduce_backend']}, "
           f"{info['num_kv_blocks']} KV blocks){synth} on "
           f"http://{args.host}:{args.port}", file=sys.stderr, flush=True)
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                                           timeout_graceful_shutdown=5))
+    stop = threading.Event()
+
+    def watch() -> None:  # a dead engine cannot recover: exit (as vLLM does) so a supervisor can restart us
+        while not stop.wait(0.2):
+            if engine.dead is not None:
+                time.sleep(ENGINE_DEAD_GRACE_S)  # the in-flight requests receive their errors first
+                server.should_exit = True
+                return
+
+    watcher = threading.Thread(target=watch, name="mtpspec-engine-watch", daemon=True)
+    watcher.start()
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
+        server.run()
     finally:
+        stop.set()
         engine.shutdown()
+    if engine.dead is not None:
+        print(f"error: {engine.dead}; the server shut down", file=sys.stderr)
+        return 1
     return 0
