@@ -167,3 +167,11 @@ def test_tp_demo_p2p_without_interpreter_is_a_clear_error(no_interp, capsys) -> 
     tp_demo, args = _tp_demo_args("p2p")
     assert tp_demo.run(args) == 2
     assert "TRITON_INTERPRET=1" in capsys.readouterr().err
+
+
+def test_tp_demo_sizes_below_one_name_their_flag(capsys) -> None:
+    tp_demo, args = _tp_demo_args("nccl")
+    for attr, flag in (("tp", "--tensor-parallel-size"), ("num_seqs", "--num-seqs")):
+        bad = type(args)(**{**vars(args), attr: 0})
+        assert tp_demo.run(bad) == 2
+        assert f"error: {flag} must be >= 1, got 0" in capsys.readouterr().err

@@ -237,3 +237,11 @@ def test_shutdown_releases_the_in_process_runner(path, monkeypatch) -> None:
         llm.generate([{"prompt_token_ids": [5, 6, 7]}], GREEDY, use_tqdm=False)
     with LLM(path, speculative_config={"num_speculative_tokens": 2}, **KW) as again:
         assert _ids(again.generate([{"prompt_token_ids": [5, 6, 7]}], GREEDY, use_tqdm=False)) == first
+
+
+def test_generate_rejects_a_non_prompt_argument_clearly():
+    from mtpspec import LLM
+    llm = LLM.__new__(LLM)  # the check runs before any engine work
+    for bad in (None, 5, b"text"):
+        with pytest.raises(TypeError, match="prompts must be a string"):
+            llm.generate(bad)

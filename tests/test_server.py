@@ -235,6 +235,10 @@ def test_echo_logprobs_match_transformers(server, model_dir):
     lp0 = r0.json()["choices"][0]["logprobs"]["token_logprobs"]
     assert len(lp0) == n_prompt and lp0[0] is None
     assert all(math.isclose(a, b, abs_tol=1e-4) for a, b in zip(lp0[1:], lp["token_logprobs"][1:n_prompt]))
+    # the same without logprobs, streamed: still server-sent events (one event, then [DONE])
+    chunks = _stream(server, "/v1/completions", {"prompt": prompt, "max_tokens": 0, "echo": True})
+    assert [c["choices"][0]["text"] for c in chunks] == [prompt]
+    assert chunks[0]["choices"][0]["finish_reason"] == "length"
 
 
 def _stream(srv, path, body):

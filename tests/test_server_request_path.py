@@ -222,3 +222,12 @@ def test_one_hand_off_per_request_and_none_for_busy_steps(engine, monkeypatch):
     monkeypatch.setattr(engine, "handoff_max_outputs", 0)
     assert [o.outputs[0].token_ids for o in _offline(engine, [PROMPT], params)] == [outs[0].outputs[0].token_ids]
     assert calls == []
+
+
+def test_stop_strings_without_a_tokenizer_name_the_stop_param(engine, monkeypatch):
+    """The 400 for stop strings on a model without a tokenizer names ``stop``, not ``prompt``."""
+    monkeypatch.setattr(engine.engine, "tokenizer", None)
+    r = asyncio.run(_post(_app(engine), "/v1/completions", {"prompt": [5, 6], "max_tokens": 2, "stop": ["x"]}))
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "stop" and "stop strings need a tokenizer" in err["message"]

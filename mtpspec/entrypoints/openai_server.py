@@ -248,7 +248,9 @@ def _validate_all(engine: AsyncLLM, prompts: List[Dict[str, Any]], params: Sampl
             out.append(engine.validated_prompt(p, params))
         except (ValueError, TypeError) as exc:
             where = f"prompt {i}: " if len(prompts) > 1 else ""
-            raise bad_request(where + str(exc), "logit_bias" if "logit_bias" in str(exc) else "prompt") from None
+            msg = str(exc)
+            param = next((name for name in ("logit_bias", "stop strings") if name in msg), "prompt").split()[0]
+            raise bad_request(where + msg, param) from None
     return out
 
 
@@ -610,7 +612,7 @@ def build_app(ctx: ServerContext) -> FastAPI:
         prompt_ids = [v.token_ids for v in validated]
         rid = f"cmpl-{uuid.uuid4().hex}"
         if score_only and prompt_lp is None:
-            return JSONResponse(_echo_only(ctx, req, prompts, prompt_ids, rid, params.n))
+            return _maybe_one_event(req, _echo_only(ctx, req, prompts, prompt_ids, rid, params.n))
         if not score_only:
             _check_context(engine, prompt_ids, req.max_tokens, "max_tokens")
         streams = _start(engine, validated, params, rid, arrival)
@@ -718,8 +720,9 @@ def _check_stream_prompt_logprobs(req: Any) -> None:
 
 def _maybe_one_event(req: CompletionRequest, body: Dict[str, Any]) -> Response:
     """The response as JSON, or, when ``stream`` was asked for a request that is not streamed
-    (``best_of > n``, as vLLM: "Similar to the OpenAI API, when n != best_of, we do not stream"),
-    as one server-sent event holding the whole response, then ``[DONE]``."""
+    (``best_of > n``, as vLLM: "Similar to the OpenAI API, when n != best_of, we do not stream";
+    ``max_tokens: 0`` + ``echo``: nothing to stream), as one server-sent event holding the whole
+    response, then ``[DONE]``."""
     if not req.stream:
         return JSONResponse(body)
 

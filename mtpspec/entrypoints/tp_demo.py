@@ -68,6 +68,11 @@ def add_parser(sub) -> None:
 
 def run(args) -> int:
     import sys
+    for flag, value in (("--tensor-parallel-size", args.tp), ("--num-seqs", args.num_seqs),
+                        ("--hidden-size", args.hidden_size), ("--vocab-size", args.vocab_size)):
+        if value < 1:
+            print(f"error: {flag} must be >= 1, got {value}", file=sys.stderr)
+            return 2
     try:
         results = launch(_rank_main, args.tp, args.num_seqs, args.hidden_size, args.vocab_size, args.seed,
                          args.allreduce_backend)
