@@ -265,3 +265,12 @@ def test_prefix_caching_flags(path) -> None:
     assert engine_info(args, llm_kwargs(args), None)["enable_prefix_caching"] is False
     with pytest.raises(ValueError, match="enable_prefix_caching must be True or False"):
         CacheConfig(enable_prefix_caching="yes")
+
+
+def test_serve_takes_the_model_positionally_like_vllm_serve(capsys) -> None:
+    """``mtpspec serve MODEL`` (vLLM's form) means ``--model MODEL``; both, differing, is an error."""
+    from mtpspec.entrypoints.cli import main
+    assert main(["serve", "/no/such/model-folder", "--port", "0"]) == 2
+    assert "no folder '/no/such/model-folder'" in capsys.readouterr().err
+    assert main(["serve", "/a", "--model", "/b", "--port", "0"]) == 2
+    assert "the model is given twice: '/a' (positional) and --model '/b'" in capsys.readouterr().err

@@ -446,8 +446,8 @@ BAD_COMPLETIONS = [
     ({"max_tokens": 4}, "prompt"),                                 # missing prompt
     ({"prompt": "hi", "response_format": {"type": "json_object"}}, "response_format"),  # no guided decoding
     ({"prompt": "hi", "response_format": {"type": "json_schema", "json_schema": {}}}, "response_format"),
-    ({"prompt": "hi", "model": "no-such-model"}, "model"),
     ({"prompt": ""}, "empty"),
+    ({"prompt": "hi", "stream_options": {"include_usage": True}}, "Stream options can only be defined when"),
     ({"prompt": []}, "empty"),
     ({"prompt": [5, 301]}, "vocabulary"),
     ({"prompt": [7] * MAX_LEN}, "max_model_len"),                   # over-long prompt
@@ -521,12 +521,27 @@ def test_bad_completion_requests_get_400(server, body, needle):
     assert needle in err["message"] or needle == err["param"], err
 
 
+def test_unknown_model_is_vllms_404(server):
+    for path, body in (("/v1/completions", {"prompt": "hi", "model": "gpt-4"}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "model": "other"})):
+        r = _post(server, path, body)
+        assert r.status_code == 404, r.text
+        err = r.json()["error"]
+        assert err["type"] == "NotFoundError" and err["code"] == 404 and err["param"] == "model"
+        assert err["message"].startswith(f"The model `{body['model']}` does not exist."), err
+
+
 def test_bad_bodies_and_chat_get_400(server):
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    r = _post(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": [tool]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tools", r.text  # no tool calling, as vLLM's default
+    r = _post(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": [tool],
+                                               "tool_choice": "none", "max_tokens": 2})
+    assert r.status_code == 200, r.text
     for raw in (b"{not json", b"[1, 2]", b"\xff\xfe"):
         r = httpx.post(server.url + "/v1/completions", content=raw, headers={"content-type": "application/json"})
         assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error", r.text
     for body in ({"messages": []}, {"messages": [{"role": "wizard", "content": "x"}]},
-                 {"messages": [{"role": "user", "content": "x"}], "model": "other"},
                  {"messages": [{"role": "user", "content": "x"}], "top_p": -1}):
         r = _post(server, "/v1/chat/completions", body)
         assert r.status_code == 400 and r.json()["error"]["code"] == 400, (body, r.text)

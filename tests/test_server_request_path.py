@@ -231,3 +231,22 @@ def test_stop_strings_without_a_tokenizer_name_the_stop_param(engine, monkeypatc
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["param"] == "stop" and "stop strings need a tokenizer" in err["message"]
+
+
+def test_several_served_model_names_are_all_accepted(engine):
+    """``--served-model-name a b`` (vLLM): either name is accepted, responses name the first,
+    ``/v1/models`` lists both; another name is a 404."""
+    from mtpspec.entrypoints.openai_server import ServerContext, build_app
+    from mtpspec.entrypoints.server_metrics import ServerMetrics
+    metrics = ServerMetrics(engine.num_speculative_tokens, {"model": "m"})
+    app = build_app(ServerContext(engine, ["a", "b"], "m", {"model": "m"}, metrics))
+    r = asyncio.run(_post(app, "/v1/completions", {"model": "b", "prompt": [5, 6], "max_tokens": 2}))
+    assert r.status_code == 200 and r.json()["model"] == "a", r.text
+    assert asyncio.run(_post(app, "/v1/completions", {"model": "c", "prompt": [5], "max_tokens": 1})).status_code == 404
+
+    async def models():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as client:
+            return (await client.get("/v1/models")).json()
+    assert [m["id"] for m in asyncio.run(models())["data"]] == ["a", "b"]
+    with pytest.raises(ValueError, match="non-empty strings"):
+        ServerContext(engine, [], "m", {}, metrics)

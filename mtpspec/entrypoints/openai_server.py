@@ -7,7 +7,8 @@ Body fields: :mod:`mtpspec.entrypoints.openai_protocol`; chat prompts:
 
 Errors are OpenAI-style objects ``{"error": {"message", "type", "param", "code"}}``:
 
-* 400: body not JSON or not matching the schema, unknown ``model``, an empty, over-long or
+* 404: an unknown ``model`` (vLLM's ``NotFoundError``: "The model `X` does not exist.");
+* 400: body not JSON or not matching the schema, an empty, over-long or
   out-of-vocabulary prompt, prompt tokens + ``max_tokens`` above ``max_model_len`` (vLLM's
   "This model's maximum context length is N tokens. However, you requested M tokens (P in the
   messages, T in the completion). ..."; ``max_tokens`` null: up to the context, never an
@@ -44,7 +45,7 @@ import json
 import logging
 import time
 import uuid
-from typing import Any, AsyncIterator, Dict, List, Optional, Sequence, Tuple, Type, TypeVar
+from typing import Any, AsyncIterator, Dict, List, Optional, Sequence, Tuple, Type, TypeVar, Union
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
@@ -70,7 +71,8 @@ class ServerContext:
 
     Args:
         engine: the running :class:`AsyncLLM`.
-        served_model_name: the ``model`` name clients must send (or omit).
+        served_model_name: the ``model`` name clients must send (or omit); a list: any of them
+            (``--served-model-name a b``, as vLLM), responses naming the first.
         model_path: the checkpoint folder (reported by ``/v1/models``).
         info: engine configuration reported by ``/v1/models`` (``mtpspec`` key) and ``/metrics``.
         metrics: the Prometheus metrics (registered as an engine observer here).
@@ -78,11 +80,15 @@ class ServerContext:
             (vLLM's ``--enable-prompt-tokens-details``; off by default, as there).
     """
 
-    def __init__(self, engine: AsyncLLM, served_model_name: str, model_path: str, info: Dict[str, Any],
-                 metrics: ServerMetrics, enable_prompt_tokens_details: bool = False):
+    def __init__(self, engine: AsyncLLM, served_model_name: Union[str, Sequence[str]], model_path: str,
+                 info: Dict[str, Any], metrics: ServerMetrics, enable_prompt_tokens_details: bool = False):
         self.engine = engine
         self.enable_prompt_tokens_details = enable_prompt_tokens_details
-        self.served_model_name = served_model_name
+        names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name)
+        if not names or not all(isinstance(x, str) and x for x in names):
+            raise ValueError(f"served model names must be non-empty strings, got {served_model_name!r}")
+        self.served_model_names = names
+        self.served_model_name = names[0]
         self.model_path = model_path
         self.info = info
         self.metrics = metrics
@@ -99,6 +105,12 @@ async def _parse(request: Request, cls: Type[M]) -> M:
         raise bad_request(f"the request body is not valid JSON: {exc}") from None
     if not isinstance(body, dict):
         raise bad_request(f"the request body must be a JSON object, got {type(body).__name__}")
+    if body.get("stream_options") is not None and not body.get("stream"):  # vLLM's check and message
+        raise bad_request("Stream options can only be defined when `stream=True`.", "stream_options")
+    if body.get("tools") and body.get("tool_choice", "auto") != "none":  # vLLM without tool calling enabled
+        raise bad_request("tool calling is not supported by mtpspec serve (vLLM: \"auto\" tool choice requires "
+                          "--enable-auto-tool-choice and --tool-call-parser to be set); send no `tools`, or "
+                          "`tool_choice: \"none\"`", "tools")
     ignored = {k for k in body if k not in cls.model_fields}
     if ignored:  # as vLLM: unknown fields are ignored, with a warning
         logger.warning("The following fields were present in the request but ignored: %s", ignored)
@@ -146,8 +158,10 @@ def _json_type(v: Any) -> str:
 
 
 def _check_model(ctx: ServerContext, name: Optional[str]) -> None:
-    if name is not None and name != ctx.served_model_name:
-        raise bad_request(f"the model {name!r} does not exist; this server serves {ctx.served_model_name!r}", "model")
+    if name is not None and name not in ctx.served_model_names:
+        # vLLM's answer: 404 NotFoundError "The model `X` does not exist."
+        raise OpenAIError(404, f"The model `{name}` does not exist. This server serves `{ctx.served_model_name}`.",
+                          "NotFoundError", "model")
 
 
 def _check_ranges(req: Any, vocab_size: int) -> None:
@@ -549,9 +563,9 @@ def build_app(ctx: ServerContext) -> FastAPI:
     @app.get("/v1/models")
     async def models() -> Dict[str, Any]:
         return {"object": "list", "data": [{
-            "id": ctx.served_model_name, "object": "model", "created": ctx.created, "owned_by": "mtpspec",
+            "id": name, "object": "model", "created": ctx.created, "owned_by": "mtpspec",
             "root": ctx.model_path, "max_model_len": engine.max_model_len, "vocab_size": engine.vocab_size,
-            "mtpspec": ctx.info}]}
+            "mtpspec": ctx.info} for name in ctx.served_model_names]}
 
     @app.get("/metrics")
     async def metrics() -> Response:

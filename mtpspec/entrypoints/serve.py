@@ -132,11 +132,14 @@ def engine_info(args: argparse.Namespace, kwargs: Dict[str, Any], forced: Option
 def add_parser(sub: Any) -> None:
     p = sub.add_parser("serve", help="OpenAI-compatible server (FastAPI + uvicorn)", description=__doc__,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                   help="the model folder, as `vllm serve MODEL` takes it (same as --model)")
     add_engine_args(p)
     p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
     p.add_argument("--port", type=port_number, default=8000, help="TCP port, 0..65535 (default 8000)")
-    p.add_argument("--served-model-name", default=None, help="model name clients send (default: --model as given; mtpspec-demo "
-                        "without --model)")
+    p.add_argument("--served-model-name", nargs="+", default=None,
+                   help="model name(s) clients send, any of them accepted, responses naming the first (default: "
+                        "--model as given; mtpspec-demo without --model)")
     p.add_argument("--max-queue-len", type=int, default=1024,
                    help="most requests waiting to be scheduled; one more gets 503 (default 1024)")
     p.add_argument("--forced-acceptance", default=None, metavar="rate:P|length:N",
@@ -167,6 +170,11 @@ def build(args: argparse.Namespace) -> Any:
     from mtpspec.entrypoints.server_metrics import ServerMetrics
     from mtpspec.spec_decode.forced_acceptance import ForcedAcceptance, enable_forced_acceptance
 
+    tag = getattr(args, "model_tag", None)
+    if tag is not None:
+        if args.model is not None and args.model != tag:
+            raise ValueError(f"the model is given twice: {tag!r} (positional) and --model {args.model!r}")
+        args.model = tag
     forced = ForcedAcceptance.parse(args.forced_acceptance) if args.forced_acceptance else None
     kwargs = llm_kwargs(args)
     from mtpspec.engine.arg_utils import model_path_problem
@@ -201,7 +209,7 @@ def build(args: argparse.Namespace) -> Any:
     info["max_num_batched_tokens"] = ec.scheduler_config.max_num_batched_tokens
     info["dtype"] = str(_dtype_from_name(ec.dtype or ec.model_config.dtype or "float32")).replace("torch.", "")
     info["num_kv_blocks"] = engine.stats().num_total_blocks
-    name = args.served_model_name or (args.model or "mtpspec-demo")
+    name = args.served_model_name or [args.model or "mtpspec-demo"]
     metrics = ServerMetrics(engine.num_speculative_tokens, info, forced_acceptance=forced is not None)
     ctx = ServerContext(engine, name, kwargs["model"], info, metrics,
                         enable_prompt_tokens_details=args.enable_prompt_tokens_details)
