@@ -403,16 +403,18 @@ class ModelConfig:
         from mtpspec.models.registry import supported_architectures
         if not isinstance(raw, dict):
             raise ModelConfigError(f"config must be a JSON object, got {type(raw).__name__}")
-        for key in _REQUIRED_KEYS:
-            if key not in raw or raw[key] is None:
-                raise ModelConfigError(f"config.json is missing required key {key!r}")
+        if raw.get("architectures") is None:
+            raise ModelConfigError("config.json is missing required key 'architectures'")
         archs = raw["architectures"]
         if not isinstance(archs, list) or not archs:
             raise ModelConfigError(f"config key 'architectures' must be a non-empty list, got {archs!r}")
         supported = supported_architectures()
         arch_name = next((a for a in archs if a in supported), None)
-        if arch_name is None:
+        if arch_name is None:  # before the other keys: an unsupported model fails for that reason
             raise ModelConfigError(f"unsupported architecture {archs!r}; supported: {supported}")
+        for key in _REQUIRED_KEYS:
+            if key not in raw or raw[key] is None:
+                raise ModelConfigError(f"config.json is missing required key {key!r}")
         from mtpspec.models.registry import get_architecture
         rope_theta = rope_parameters(raw).get("rope_theta", raw.get("rope_theta", 10000.0))
         arch = get_architecture(arch_name).config_class().from_dict(raw)

@@ -64,6 +64,8 @@ def test_missing_key_is_named(key):
 def test_unsupported_architecture_is_named():
     with pytest.raises(ModelConfigError, match="unsupported architecture.*LlamaForCausalLM"):
         ModelConfig.from_dict(_cfg(architectures=["LlamaForCausalLM"]))
+    with pytest.raises(ModelConfigError, match="unsupported architecture.*LlamaForCausalLM"):  # before other keys
+        ModelConfig.from_dict({"architectures": ["LlamaForCausalLM"]})
 
 
 @pytest.mark.parametrize("kw,pattern", [
