@@ -512,3 +512,38 @@ def test_kv_write_skips_minus_one_slots_anywhere():
                 exp_k[s], exp_v[s] = k[row], v[row]
         write_kv_cache_ref(k, v, k_cache, v_cache, torch.tensor(slots))
         assert torch.equal(k_cache, exp_k) and torch.equal(v_cache, exp_v)
+
+
+def test_align_and_router_kernels_compile_for_sm90():
+    """The one-program align and the router kernels compile ahead of time for sm_90 at the launch
+    shapes a GPU uses (the interpreter does not check Triton's typing rules); the MoE GEMMs'
+    weight loads are pipelined there (cp.async: loads in flight while the MMA runs)."""
+    import triton
+
+    from mtpspec.ops import triton_utils
+    i32 = lambda names: {n: "i32" for n in names}  # noqa: E731
+    align_sig = {"ids_ptr": "*i64", "sorted_ptr": "*i32", "block_expert_ptr": "*i32",
+                 **i32(["num_pairs", "num_experts", "num_slots", "num_blocks"])}
+    specs = [{"module": "mtpspec.ops.moe_gemm", "kernel": "_align", "signature": align_sig,
+              "constexprs": dict(BLOCK_M=bm, N_P2=n, E_P2=triton.next_power_of_2(e + 1),
+                                 RANK_CHUNK=max(1, min(64, 8192 // n)), FILL=1024),
+              "aligned": ["ids_ptr", "sorted_ptr", "block_expert_ptr"], "num_warps": 8}
+             for n, e, bm in ((8, 128, 16), (128, 256, 16), (1024, 256, 64))]
+    router_sig = {"logits_ptr": "*fp32", "bias_ptr": "*fp32", "w_ptr": "*fp32", "ids_ptr": "*i64",
+                  **i32(["num_tokens", "num_experts", "per_group", "stride_l"]), "scale": "fp32"}
+    specs += [{"module": "mtpspec.ops.moe_router", "kernel": "_router", "signature": router_sig,
+               "constexprs": dict(HAS_BIAS=True, TOP_K=8, K_P2=8, N_GROUP=g, G_P2=g, TOPK_GROUP=tg, TWO_PER_GROUP=True,
+                                  RENORM=True, ROWS=1, BLOCK_E=triton.next_power_of_2(e)),
+               "aligned": ["logits_ptr", "bias_ptr", "w_ptr", "ids_ptr"], "num_warps": 4}
+              for e, g, tg in ((256, 8, 4), (160, 1, 1))]
+    down_sig = {"inter_ptr": "*bf16", "w_ptr": "*bf16", "y_ptr": "*fp32", "sorted_ptr": "*i32",
+                "block_expert_ptr": "*i32", "topk_w_ptr": "*fp32",
+                **i32(["num_pairs", "num_experts", "hidden", "inter_size", "stride_it"]), "stride_we": "i64",
+                **i32(["stride_wn", "stride_yt"])}
+    specs.append({"module": "mtpspec.ops.moe_gemm", "kernel": "_down", "signature": down_sig,
+                  "constexprs": dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, DOT_FP32=False, PRECISION="tf32"),
+                  "aligned": [a for a in down_sig if a not in ("num_pairs", "num_experts", "topk_w_ptr")],
+                  "num_warps": 4, "num_stages": 4})
+    reports = triton_utils.compile_reports(specs)
+    assert len(reports) == len(specs)
+    assert reports[-1]["shared_bytes"] >= 3 * (16 * 128 + 128 * 64) * 2, reports[-1]  # several stages buffered
