@@ -154,12 +154,21 @@ def test_stop_string_cut_and_never_streamed(server, offline):
     with httpx.stream("POST", server.url + "/v1/completions", timeout=60,
                       json={"prompt": prompt, "max_tokens": 40, "temperature": 0, "stop": stop, "stream": True}) as s:
         events = _sse_events(s)
-    texts = [json.loads(e)["choices"][0]["text"] for e in events[:-1]]
+    chunks = [json.loads(e)["choices"][0] for e in events[:-1]]
+    texts = [c["text"] for c in chunks]
     streamed = ""
     for t in texts:
         streamed += t
         assert stop not in streamed
     assert streamed == cut
+    assert all(c["text"] or c["finish_reason"] for c in chunks), texts  # held-back text sends no empty chunk
+    with httpx.stream("POST", server.url + "/v1/chat/completions", timeout=60,
+                      json={"messages": [{"role": "user", "content": prompt}], "max_tokens": 12, "temperature": 0,
+                            "stop": stop, "stream": True}) as s:
+        events = _sse_events(s)
+    deltas = [json.loads(e)["choices"][0] for e in events[:-1]]
+    assert deltas[0]["delta"] == {"role": "assistant", "content": ""}  # vLLM's first chunk
+    assert all(d["delta"].get("content") or d["finish_reason"] for d in deltas[1:]), deltas
 
 
 def test_include_stop_str_in_output(server, offline):

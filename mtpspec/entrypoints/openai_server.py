@@ -807,8 +807,8 @@ async def _completion_sse(ctx: ServerContext, req: CompletionRequest, streams: L
                 if score_only:
                     text, ids, lps = "", [], []
                 done = c.finished()
-                if not (text or ids or done or not echoed[j]):
-                    continue  # another choice of this prompt moved
+                if not (text or done or not echoed[j] or (ids and (req.logprobs is not None or req.return_token_ids))):
+                    continue  # another choice moved, or this one's new text is held back: no empty chunk
                 lp_ids, lp_entries = ids, lps
                 if not echoed[j]:
                     text = _prompt_text(engine, out) + text
@@ -870,8 +870,8 @@ async def _chat_sse(ctx: ServerContext, req: ChatCompletionRequest, streams: Lis
                     continue
                 text, ids, lps = d.next(c)
                 done = c.finished()
-                if not (text or ids or done):
-                    continue  # another choice moved
+                if not (text or done or (ids and (req.logprobs or req.return_token_ids))):
+                    continue  # another choice moved, or this one's new text is held back: no empty chunk
                 choice: Dict[str, Any] = {"index": c.index, "delta": {"content": text}, "logprobs": None,
                                           "finish_reason": c.finish_reason if done else None,
                                           "stop_reason": c.stop_reason if done else None}
