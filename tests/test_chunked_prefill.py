@@ -81,8 +81,8 @@ class Run:
     def _watch(self, sched: Scheduler) -> None:
         schedule, preempt = sched.schedule, sched._preempt
 
-        def watched_schedule():
-            out = schedule()
+        def watched_schedule(**kw):
+            out = schedule(**kw)
             self.partial_chunks += out.num_partial_prefills
             return out
 
@@ -208,8 +208,8 @@ def test_long_prompt_chunked_while_running_requests_decode(glm):
         steps = []
         schedule = eng.scheduler.schedule
 
-        def watched():
-            out = schedule()
+        def watched(**kw):
+            out = schedule(**kw)
             steps.append(out)
             return out
         eng.scheduler.schedule = watched

@@ -229,8 +229,8 @@ def _record_schedules(sched) -> list:
     tokens, is_prefill)]`` and block copies."""
     seen, schedule = [], sched.schedule
 
-    def watched():
-        out = schedule()
+    def watched(**kw):
+        out = schedule(**kw)
         seen.append(([(s.seq.request_id, s.start_position, len(s.input_token_ids), s.is_prefill)
                       for s in out.scheduled], list(out.block_copies)))
         return out
@@ -249,7 +249,9 @@ def test_children_share_the_prompt_blocks(model, singles, k, n, best_of, caching
     requests seeded seed + i (best_of: the top n of them by cumulative logprob)."""
     path, _, cfg = model
     prompt, num = PROMPTS[3], best_of or n
-    with _llm(path, k, enable_prefix_caching=caching) as llm:
+    # the step-by-step checks below assume each step's tokens are applied in it (k = 0 with async
+    # scheduling applies them one step later: tests/test_async_scheduling.py)
+    with _llm(path, k, enable_prefix_caching=caching, async_scheduling=False) as llm:
         eng = llm.llm_engine
         if k:
             eng.draft_hook = _reference_hook(singles, cfg.vocab_size)

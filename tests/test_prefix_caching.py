@@ -281,8 +281,8 @@ class Run:
                 self._snapshot_on_free(bm, llm.executor.runner)
             schedule = eng.scheduler.schedule
 
-            def watched():
-                out = schedule()
+            def watched(**kw):
+                out = schedule(**kw)
                 self.copies += len(out.block_copies)
                 return out
             eng.scheduler.schedule = watched

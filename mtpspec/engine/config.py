@@ -85,7 +85,11 @@ class SchedulerConfig:
         async_scheduling: overlap the host with the device (vLLM's name): the engine applies a
             step's tokens (stops, outputs, streaming) and schedules the next step while the step's
             draft passes still run, waiting for the drafts only when it builds the next step's
-            input. Same outputs either way (default on; off: the step is waited for whole).
+            input. With ``k = 0`` (no draft passes to hide behind) the next step is scheduled and
+            launched before the last one's tokens are applied, its decodes one position ahead
+            (:meth:`~mtpspec.engine.llm_engine.LLMEngine.step`). Same outputs either way (an
+            aborted request may miss the token of the step in flight; default on; off: each
+            step is waited for whole).
 
     Raises:
         ValueError: limits that could never schedule a request (the message names the value).

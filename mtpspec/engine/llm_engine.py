@@ -109,6 +109,10 @@ class LLMEngine:
         self._parents: Dict[str, ParentRequest] = {}  # unfinished requests of several sequences
         # async scheduling: the last step's (SchedulerOutput, StepHandle) until its drafts are taken
         self._pending_drafts: Optional[Tuple[SchedulerOutput, Any]] = None
+        # async scheduling at k = 0: the step in flight, (SchedulerOutput, StepHandle, start time),
+        # whose tokens are applied after the next step is launched (:meth:`_step_ahead`)
+        self._inflight: Optional[Tuple[SchedulerOutput, Any, float]] = None
+        self._ahead = scheduler_config.async_scheduling and k == 0
         # adaptive speculation length: picks each step's number of drafts (LLM sets it up)
         self.spec_policy: Optional[AdaptiveSpecPolicy] = None
         self._last_step_end: Optional[float] = None  # host clock at the end of the last step (the policy's wall times)
@@ -236,7 +240,7 @@ class LLMEngine:
         return None if seq is None else seq.to_output()
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or self._inflight is not None
 
     # ------------------------------------------------------------------ steps
     def _step_input(self, out: SchedulerOutput) -> StepInput:
@@ -306,6 +310,8 @@ class LLMEngine:
         drafts they computed (no host wait between the steps), unless a decode needs its drafts
         on the host (:meth:`_drafts_stay_on_device`). Same outputs either way.
         """
+        if self._ahead:
+            return self._step_ahead()
         t0 = time.perf_counter()
         out = self.scheduler.schedule()
         on_device = self._drafts_stay_on_device(out)
@@ -326,6 +332,45 @@ class LLMEngine:
         handle = self.executor.execute_async(self._step_input(out))
         if on_device:  # the host's copy of the last step's drafts, while this step runs
             self._take_drafts()
+        return self._finished_outputs(self._finish(out, handle, t0, t1))
+
+    def _step_ahead(self) -> List[RequestOutput]:
+        """Plain decoding (``k = 0``) with async scheduling: schedule and launch the next step
+        while the one in flight runs, its decodes one position ahead with their newest token
+        :data:`~mtpspec.engine.scheduler.TOKEN_PENDING` (each rank takes it from the step in flight
+        on the device), then apply the step in flight's tokens; returns what finished in it. A
+        decode that finishes there (EOS, a stop) had one row in the next step computed for nothing;
+        that row is dropped. The step in flight is applied first (no step ahead) when requests wait
+        for admission, when it held prefill chunks or preemptions, when a decode's logits depend on
+        its output tokens (penalties, ``min_tokens``, ...: :meth:`_logits_params`) or when a decode
+        could not grow ahead. Same outputs either way (greedy and seeded)."""
+        t0 = time.perf_counter()
+        prev, self._inflight = self._inflight, None
+        finished: List[Sequence] = []
+        if prev is not None and not self._can_step_ahead(prev[0]):
+            finished = self._finish(*prev, t0, busy=False)
+            prev = None
+        out = self.scheduler.schedule(pending=[id(s.seq) for s in prev[0].scheduled] if prev else None)
+        self.metrics.num_preemptions += len(out.preempted)
+        t1 = time.perf_counter()
+        if not out.is_empty:
+            self._inflight = (out, self.executor.execute_async(self._step_input(out)), t0)
+        if prev is not None:
+            finished += self._finish(*prev, t1, busy=False)
+        self.metrics.busy_time_s += time.perf_counter() - t0
+        return self._finished_outputs(finished)
+
+    def _can_step_ahead(self, prev: SchedulerOutput) -> bool:
+        return (not self.scheduler.waiting and not prev.preempted and not prev.needs_sync
+                and all(not s.is_prefill and self._logits_params(s.seq) is None for s in prev.scheduled))
+
+    def _finish(self, out: SchedulerOutput, handle: Any, t0: float, t1: Optional[float] = None,
+                busy: bool = True) -> List[Sequence]:
+        """Wait for ``out``'s tokens and apply them (stops, metrics, log-probabilities); returns
+        the sequences that finished. ``busy``: count ``t0`` .. now as engine busy time (the
+        caller counts it otherwise: :meth:`_step_ahead`, whose steps overlap)."""
+        m = self.metrics
+        t1 = t0 if t1 is None else t1
         result = handle.output()
         now = time.perf_counter()
         k = self.scheduler_config.num_speculative_tokens
@@ -346,7 +391,8 @@ class LLMEngine:
         m.num_steps += 1
         m.num_eager_fallbacks += result.num_eager_fallbacks
         m.add_comm(result.comm_bytes)
-        m.busy_time_s += now - t0
+        if busy:
+            m.busy_time_s += now - t0
         if _LOG_STEPS:
             logger.warning("step %d: schedule %.2f ms, execute %.2f ms, update %.2f ms; %d prefill + %d decode tokens, "
                            "%d seqs", m.num_steps, (t1 - t0) * 1e3, (now - t1) * 1e3,
@@ -359,7 +405,7 @@ class LLMEngine:
             m.itl_s.extend(rm.itl)
             if rm.tpot is not None:
                 m.tpot_s.append(rm.tpot)
-        return self._finished_outputs(finished)
+        return finished
 
     def _observe_spec(self, out: SchedulerOutput, result, t0: float) -> None:
         """Count a speculative step's drafts in the metrics (emitted accepted drafts only, see

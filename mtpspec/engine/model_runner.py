@@ -30,7 +30,7 @@ from mtpspec.engine import kv_cache
 from mtpspec.engine.config import CacheConfig, SchedulerConfig
 from mtpspec.engine.forward import EagerForward, GraphedForward, prefill_capture_sizes
 from mtpspec.engine.input_prep import prepare_step
-from mtpspec.engine.scheduler import DRAFT_PENDING
+from mtpspec.engine.scheduler import DRAFT_PENDING, TOKEN_PENDING
 from mtpspec.ops.kv_quant import resolve_kv_cache_dtype
 from mtpspec.sample.logits_processors import apply_logits_processors
 from mtpspec.sample.logprobs import PROMPT_CHUNK_ROWS, score_rows, unpack_rows
@@ -99,6 +99,10 @@ class ModelRunner:
         # the engine left as DRAFT_PENDING read them here (async scheduling); sampled drafts find
         # their q at that row of the proposer's SampledDraftState.
         self._draft_rows: dict = {}
+        # plain decoding with async scheduling: the last step's sampled tokens [B] (device) and each
+        # request's row in them, for the next step's TOKEN_PENDING inputs (_fill_pending_tokens)
+        self._prev_tokens: Optional[torch.Tensor] = None
+        self._token_rows: dict = {}
         self._prev_drafts: Optional[torch.Tensor] = None
         if spec is not None:
             if mtp is None:
@@ -189,6 +193,9 @@ class ModelRunner:
         inp = self._prepare(step, v, p)
         hidden, logits = self.fwd.verify(inp.input_ids, inp.positions, inp.attn_metadata, inp.sample_rows)
         tokens, last_row = self._accept(inp, logits, self._sampled_drafts(step, inp))
+        if v == 0:  # the next step may read these as its TOKEN_PENDING inputs (plain decoding, async)
+            self._prev_tokens = tokens[:, 0]
+            self._token_rows = {s.request_id: i for i, s in enumerate(step.seqs) if not s.is_partial_prefill}
         scores = self._score_logprobs(inp, hidden, logits, tokens)
         token_copy = _HostCopy.start(_pack_tokens(tokens, scores))
         drafts = self._propose(inp, hidden, tokens, last_row, p)
@@ -221,6 +228,7 @@ class ModelRunner:
         inp = prepare_step(step, v, self.cache_config.block_size, self.max_position, self.device,
                            self.draft_sampling and (v > 0 or p > 0))
         self._fill_pending_drafts(step, inp)
+        self._fill_pending_tokens(step, inp)
         self.fwd.begin_step(step.is_pure_decode, len(step.seqs), inp.block_tables, inp.input_ids.shape[0],
                             inp.sample_rows.shape[0], k=v)
         return inp
@@ -252,6 +260,30 @@ class ModelRunner:
             inp.draft_token_ids.index_copy_(0, dst, src)
         ids = inp.input_ids[: nd * (k + 1)].view(nd, k + 1)
         ids[:, 1:] = inp.draft_token_ids
+
+    def _fill_pending_tokens(self, step: StepInput, inp: PreparedStep) -> None:
+        """Decodes whose input is :data:`~mtpspec.engine.scheduler.TOKEN_PENDING` (plain decoding
+        with async scheduling: scheduled before the last step's tokens reached the host) take the
+        token the last step sampled for them, from its device tensor (a device copy queued before
+        this step's forward; no host wait).
+
+        Raises:
+            RuntimeError: a pending decode that the last step sampled no token for on this rank.
+        """
+        pend = [i for i, s in enumerate(step.seqs) if not s.is_prefill and s.input_token_ids[0] == TOKEN_PENDING]
+        if not pend:
+            return
+        rows = [self._token_rows.get(step.seqs[i].request_id, -1) for i in pend]
+        if self._prev_tokens is None or min(rows) < 0:
+            missing = [step.seqs[i].request_id for i, r in zip(pend, rows) if r < 0]
+            raise RuntimeError(f"decodes {missing} wait for tokens the last step did not sample on this rank")
+        n = len(pend)
+        if rows == pend and pend[-1] == n - 1:  # steady state: the same leading one-row decodes
+            inp.input_ids[:n].copy_(self._prev_tokens[:n])
+            return
+        first_row = np.concatenate([[0], np.cumsum(inp.host_query_lens)])[pend]  # each sequence's first row
+        src = self._prev_tokens.index_select(0, torch.tensor(rows, dtype=torch.int64).to(self.device, non_blocking=True))
+        inp.input_ids.index_copy_(0, torch.from_numpy(first_row.astype(np.int64)).to(self.device, non_blocking=True), src)
 
     def _sampled_drafts(self, step: StepInput, inp: PreparedStep) -> Optional[SampledDrafts]:
         """The draft distributions of this step's decodes whose drafts were sampled, or ``None``.

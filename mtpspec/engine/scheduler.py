@@ -55,6 +55,9 @@ from mtpspec.engine.stop_checker import append_tokens
 
 #: Draft id of a sequence whose drafts are still being computed (async scheduling); never sent to a rank.
 DRAFT_PENDING = -1
+#: Input id of a decode whose newest token the step before is still sampling (plain decoding with
+#: async scheduling: :meth:`Scheduler.schedule` ``pending``); each rank fills it on the device.
+TOKEN_PENDING = -2
 
 
 @dataclass
@@ -103,6 +106,7 @@ class SchedulerOutput:
             and longer ones are cut to this, which is lossless).
         num_proposed_tokens: drafts the step proposes per sequence (for the next step);
             ``num_speculative_tokens`` unless the engine's adaptive policy sets it.
+        needs_sync: see below.
     """
 
     scheduled: List[ScheduledSeq] = field(default_factory=list)
@@ -112,6 +116,9 @@ class SchedulerOutput:
     prefix_cache_hits: int = 0
     num_spec_tokens: int = 0
     num_proposed_tokens: int = 0
+    #: a decode could not grow while scheduled ahead (no preemption then): the next step is
+    #: scheduled after this one's tokens are applied, where preemption can free blocks
+    needs_sync: bool = False
 
     @property
     def num_batched_tokens(self) -> int:
@@ -213,9 +220,17 @@ class Scheduler:
         return (first is not seq and seq.params.prompt_logprobs is None
                 and first.status == SequenceStatus.RUNNING and first.is_prefill)
 
-    def schedule(self) -> SchedulerOutput:
-        """Pick the next step's batch (see the module docstring)."""
+    def schedule(self, pending: Optional[Collection[int]] = None) -> SchedulerOutput:
+        """Pick the next step's batch (see the module docstring).
+
+        ``pending`` (plain decoding with async scheduling): ``id()`` of the decodes whose newest
+        token the step in flight is sampling. Each such decode is scheduled one position ahead, its
+        input :data:`TOKEN_PENDING` (filled on the ranks from that step's tokens), unless that token
+        may be its last by length (``max_tokens``, ``max_model_len``: it then sits this step out);
+        nobody is preempted (a decode that cannot grow sits out; its state must stay as the step
+        in flight left it)."""
         cfg, bm = self.config, self.block_manager
+        pending = set(pending) if pending is not None else None
         bm.release_pinned()  # the previous step's block copies ran
         out = SchedulerOutput()
         budget = cfg.max_num_batched_tokens
@@ -235,6 +250,21 @@ class Scheduler:
             q_len = cfg.decode_query_len
             if q_len > budget or len(out.scheduled) >= cfg.max_num_seqs:
                 kept.append(seq)  # stays running, skips this step
+                continue
+            if pending is not None:  # one step ahead, or none; never preempting
+                ahead = id(seq) in pending
+                n_tok = seq.num_tokens + ahead
+                last = seq.params.max_tokens is not None and len(seq.output_token_ids) + ahead >= seq.params.max_tokens
+                slots = cfg.decode_slots(n_tok)
+                if last or n_tok >= cfg.max_model_len or not bm.can_grow(seq, slots):
+                    out.needs_sync |= not (last or n_tok >= cfg.max_model_len)
+                    kept.append(seq)
+                    continue
+                bm.grow(seq, slots)
+                kept.append(seq)
+                first = TOKEN_PENDING if ahead else seq.last_token_id
+                out.scheduled.append(ScheduledSeq(seq, False, [first] + seq.draft_token_ids, n_tok - 1))
+                budget -= q_len
                 continue
             slots = cfg.decode_slots(seq.num_tokens)
             while not bm.can_grow(seq, slots) and queue:
@@ -259,7 +289,7 @@ class Scheduler:
         for seq in sorted(out.preempted, key=lambda s: s.metrics.arrival_time, reverse=True):
             self.waiting.appendleft(seq)
         held: List[Sequence] = []  # siblings waiting for child 0's prompt (module docstring)
-        while self.waiting and not out.preempted and len(out.scheduled) < cfg.max_num_seqs:
+        while self.waiting and not out.preempted and len(out.scheduled) < cfg.max_num_seqs and pending is None:
             seq = self.waiting[0]
             fork = self._fork_hit(seq)
             if fork is None and self._waits_for_prompt(seq):
@@ -337,6 +367,8 @@ class Scheduler:
         finished = []
         for i, sch in enumerate(out.scheduled):
             seq, toks = sch.seq, list(new_tokens[i])
+            if seq.is_finished:  # finished (or aborted) while this step was in flight: its row is dropped
+                continue
             m = seq.metrics
             if sch.is_prefill:
                 end = sch.start_position + len(sch.input_token_ids)
