@@ -13,6 +13,8 @@
 #   bash benchmarks/run_goals_h200.sh adaptive-demo OUT  # issue 18: the demo-model sweep at scale 1, 2 repeats
 #   bash benchmarks/run_goals_h200.sh moe-decode OUT  # issue 18: the new MoE kernels' GPU tests, experts at 1-64
 #                                                  # tokens vs their floor, launch-shape sweep, engine step 1/16/64
+#   bash benchmarks/run_goals_h200.sh plain OUT     # issue 18: plain decoding at batch 1 (LLM.generate) vs the
+#                                                  # weight-read floor, async scheduling on (k = 0 step ahead) / off
 #   bash benchmarks/run_goals_h200.sh demo-sd OUT   # issue 16: the demo model's MTP layer self-distilled on GSM8K +
 #                                                  # generated prompts (target frozen), then GSM8K k = 1 / 3 fp32
 set -u
@@ -62,6 +64,9 @@ moe-decode)  # issue 18's decode-size MoE: one-program align + router (first GPU
       --out "$OUT/moe_sweep.json"
   step 200 engine_air python3 benchmarks/bench_engine_step.py --graph-mode cuda --layers 3 --batch-sizes 1,16,64 \
       --json "$OUT/engine_air.json" ;;
+plain)  # issue 18's end-to-end goal: <= 1.4x the weight-read floor; first GPU run of the k = 0 step ahead
+  step 150 async_tests python3 -m pytest -q -x tests/test_async_scheduling.py
+  step 400 plain_decode python3 benchmarks/bench_plain_decode.py --layers 8 --json "$OUT/plain_decode_8l.json" ;;
 async)
   for L in 8 3; do
     step 240 async_${L}l python3 benchmarks/bench_async_scheduling.py --batch-sizes 1,64 --layers $L --breakdown \
