@@ -96,8 +96,11 @@ def test_async_outputs_equal_sync(model, k, blocks) -> None:
         asyn = {**asyn, "3": sync["3"]}
     assert asyn == sync
     assert ma["num_output_tokens"] == ms["num_output_tokens"] - lag
-    for key in ("num_steps", "num_preemptions"):
-        assert ma[key] == ms[key], key
+    assert ma["num_preemptions"] == ms["num_preemptions"]
+    if k == 0:  # a request admitted into a slot freed by the step in flight starts one step later
+        assert ms["num_steps"] <= ma["num_steps"] <= ms["num_steps"] + len(prompts)
+    else:
+        assert ma["num_steps"] == ms["num_steps"]
     if blocks == 18:
         assert ms["num_preemptions"] > 0
     # async: decodes read the drafts (k > 0) or their newest token (k = 0: scheduled a step ahead)

@@ -341,7 +341,7 @@ class LLMEngine:
         on the device), then apply the step in flight's tokens; returns what finished in it. A
         decode that finishes there (EOS, a stop) had one row in the next step computed for nothing;
         that row is dropped. The step in flight is applied first (no step ahead) when requests wait
-        for admission, when it held prefill chunks or preemptions, when a decode's logits depend on
+        for admission and a sequence slot is free, when it held prefill chunks or preemptions, when a decode's logits depend on
         its output tokens (penalties, ``min_tokens``, ...: :meth:`_logits_params`) or when a decode
         could not grow ahead. Same outputs either way (greedy and seeded)."""
         t0 = time.perf_counter()
@@ -361,7 +361,9 @@ class LLMEngine:
         return self._finished_outputs(finished)
 
     def _can_step_ahead(self, prev: SchedulerOutput) -> bool:
-        return (not self.scheduler.waiting and not prev.preempted and not prev.needs_sync
+        sched = self.scheduler  # waiting requests block it only while a sequence slot is free for them
+        admit = bool(sched.waiting) and len(sched.running) < self.scheduler_config.max_num_seqs
+        return (not admit and not prev.preempted and not prev.needs_sync
                 and all(not s.is_prefill and self._logits_params(s.seq) is None for s in prev.scheduled))
 
     def _finish(self, out: SchedulerOutput, handle: Any, t0: float, t1: Optional[float] = None,
