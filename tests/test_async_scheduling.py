@@ -150,3 +150,43 @@ def test_staging_returns_each_array_with_its_dtype_and_shape() -> None:
         assert torch.equal(out[i], torch.as_tensor(np.asarray(a)).to(dt))
     with pytest.raises(TypeError, match="dtype must be one of"):
         st.add([1], torch.bool)
+
+
+def test_k0_step_ahead_leaves_nothing_behind_and_ids_stay_unique(model) -> None:
+    """k = 0 step ahead: a step holding only rows of requests that just finished is dropped, not
+    left in flight (the next generate's metrics count only its own steps); a failing step leaves
+    nothing in flight (a dead engine must not look busy); two live requests cannot share an id
+    (the ranks find each one's pending token by id)."""
+    from mtpspec.engine.executor import WorkerError
+    path, cfg = model
+    with _llm(path, 0, True) as llm:
+        eng = llm.llm_engine
+        llm.generate(token_prompts(mixed_prompts(6, 200, seed=61)),
+                     [SamplingParams(temperature=1.0, seed=i, max_tokens=40, stop_token_ids=[3, 4, 5, 6, 7, 8, 9])
+                      for i in range(6)], use_tqdm=False)
+        assert eng._inflight is None and not eng.has_unfinished_requests()
+        llm.reset_metrics()
+        llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True),
+                     use_tqdm=False)
+        assert eng.get_metrics()["num_steps"] == 3 and eng._inflight is None
+        eng.add_request({"prompt_token_ids": [5, 6, 7]}, SamplingParams(max_tokens=4), request_id="x")
+        with pytest.raises(ValueError, match="'x' is already in use"):
+            eng.add_request({"prompt_token_ids": [8, 9]}, SamplingParams(max_tokens=4), request_id="x")
+        eng.add_request({"prompt_token_ids": [8]}, SamplingParams(max_tokens=4), request_id="0_y")
+        with pytest.raises(ValueError, match="'0_y' is already in use"):  # child 0 of "y" would be "0_y"
+            eng.add_request({"prompt_token_ids": [8]}, SamplingParams(temperature=1.0, max_tokens=4, n=2),
+                            request_id="y")
+        eng.step()
+        eng.step()
+        assert eng._inflight is not None  # a decode one position ahead
+        real = eng.executor.execute_async
+
+        def failing(step):
+            handle = real(step)
+            handle.output = lambda: (_ for _ in ()).throw(WorkerError("rank 1 died"))
+            return handle
+        eng.executor.execute_async = failing
+        with pytest.raises(WorkerError):
+            eng.step()
+            eng.step()
+        assert eng._inflight is None

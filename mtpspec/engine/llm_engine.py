@@ -202,11 +202,16 @@ class LLMEngine:
         text, ids = self.validate_request(prompt, params)
         rid = request_id if request_id is not None else str(next(self._ids))
         arrival = time.perf_counter() if arrival_time is None else arrival_time
-        if params.num_sequences == 1:
+        n = params.num_sequences
+        new_ids = [rid] if n == 1 else [rid] + [child_request_id(rid, i) for i in range(n)]
+        sched = self.scheduler  # the ranks key per-request state by id: two live requests must not share one
+        live = {s.request_id for s in itertools.chain(sched.waiting, sched.running)} | set(self._parents)
+        used = [x for x in new_ids if x in live]
+        if used:
+            raise ValueError(f"request id {used[0]!r} is already in use by an unfinished request")
+        if n == 1:
             self.scheduler.add(self._sequence(rid, text, ids, params, arrival))
             return rid
-        if rid in self._parents:
-            raise ValueError(f"request id {rid!r} is already in use")
         parent = ParentRequest(rid, params, arrival)
         for i in range(params.num_sequences):
             seq = self._sequence(child_request_id(rid, i), text, ids, parent.child_params(i), arrival)
@@ -347,16 +352,23 @@ class LLMEngine:
         t0 = time.perf_counter()
         prev, self._inflight = self._inflight, None
         finished: List[Sequence] = []
-        if prev is not None and not self._can_step_ahead(prev[0]):
-            finished = self._finish(*prev, t0, busy=False)
-            prev = None
-        out = self.scheduler.schedule(pending=[id(s.seq) for s in prev[0].scheduled] if prev else None)
-        self.metrics.num_preemptions += len(out.preempted)
-        t1 = time.perf_counter()
-        if not out.is_empty:
-            self._inflight = (out, self.executor.execute_async(self._step_input(out)), t0)
-        if prev is not None:
-            finished += self._finish(*prev, t1, busy=False)
+        try:
+            if prev is not None and not self._can_step_ahead(prev[0]):
+                finished = self._finish(*prev, t0, busy=False)
+                prev = None
+            out = self.scheduler.schedule(pending=[id(s.seq) for s in prev[0].scheduled] if prev else None)
+            self.metrics.num_preemptions += len(out.preempted)
+            t1 = time.perf_counter()
+            if not out.is_empty:
+                self._inflight = (out, self.executor.execute_async(self._step_input(out)), t0)
+            if prev is not None:
+                finished += self._finish(*prev, t1, busy=False)
+            if self._inflight is not None and all(s.seq.is_finished for s in self._inflight[0].scheduled):
+                self._inflight[1].output()  # only rows of requests that just finished: wait, drop, count nothing
+                self._inflight = None
+        except BaseException:
+            self._inflight = None  # a failed step leaves nothing in flight (a dead engine must not look busy)
+            raise
         self.metrics.busy_time_s += time.perf_counter() - t0
         return self._finished_outputs(finished)
 
