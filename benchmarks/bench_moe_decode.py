@@ -126,7 +126,8 @@ def run_shape(name: str, a: argparse.Namespace, dev: torch.device, bw: float, ti
                         res[",".join(map(str, cfg))] = f"{type(exc).__name__}"
                 row[f"sweep_{kern}"] = res
                 best = min((v, c) for c, v in res.items() if isinstance(v, float))
-                row[f"best_{kern}"] = dict(cfg=best[1], ms=best[0], default=",".join(map(str, moe_gemm.LAUNCH[kern, bm])))
+                row[f"best_{kern}"] = dict(cfg=best[1], ms=best[0],
+                                           default=",".join(map(str, moe_gemm.LAUNCH[kern, bm])))
         rows.append(row)
         print(" ".join(f"{kk}={v:.4f}" if isinstance(v, float) else f"{kk}={v}" for kk, v in row.items()
                        if not kk.startswith("sweep_")), flush=True)
@@ -165,8 +166,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     bad = [r for r in rows if max(r["err"], r["err_torch_align"]) > (0.05 if dev.type == "cuda" else 1e-4)]
     if a.out:
         with open(a.out, "w") as fh:
-            json.dump(dict(device=str(dev), read_gbps=bw / 1e9, launch={f"{k[0]},{k[1]}": v for k, v in
-                                                                          moe_gemm.LAUNCH.items()}, rows=rows), fh, indent=1)
+            launch = {f"{k[0]},{k[1]}": v for k, v in moe_gemm.LAUNCH.items()}
+            json.dump(dict(device=str(dev), read_gbps=bw / 1e9, launch=launch, rows=rows), fh, indent=1)
     if bad:
         print(f"FAILED: {len(bad)} rows differ from the reference", file=sys.stderr)
         return 1

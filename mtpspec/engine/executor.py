@@ -259,7 +259,8 @@ class MultiprocExecutor(Executor):
         for r, p in enumerate(self.procs):
             if not p.is_alive() and p.exitcode is not None:
                 code = p.exitcode
-                sig = f", {signal.Signals(-code).name}" if code < 0 and -code in signal.Signals._value2member_map_ else ""
+                named = code < 0 and -code in signal.Signals._value2member_map_
+                sig = f", {signal.Signals(-code).name}" if named else ""
                 out.append(f"rank {r} died (exit code {code}{sig})")
         return ", ".join(out)
 

@@ -346,9 +346,11 @@ class LLMEngine:
         on the device), then apply the step in flight's tokens; returns what finished in it. A
         decode that finishes there (EOS, a stop) had one row in the next step computed for nothing;
         that row is dropped. The step in flight is applied first (no step ahead) when requests wait
-        for admission and a sequence slot is free, when it held prefill chunks or preemptions, when a decode's logits depend on
-        its output tokens (penalties, ``min_tokens``, ...: :meth:`_logits_params`) or when a decode
-        could not grow ahead. Same outputs either way (greedy and seeded)."""
+        for admission and a sequence slot is free, when it held prefill chunks or preemptions, when
+        a decode's logits depend on its output tokens (penalties, ``min_tokens``, ...:
+        :meth:`_logits_params`) or when a decode could not grow ahead. A step left holding only
+        rows of requests that just finished is waited for and dropped. Same outputs either way
+        (greedy and seeded; an aborted request may lose the token of the step in flight)."""
         t0 = time.perf_counter()
         prev, self._inflight = self._inflight, None
         finished: List[Sequence] = []

@@ -282,8 +282,10 @@ class ModelRunner:
             inp.input_ids[:n].copy_(self._prev_tokens[:n])
             return
         first_row = np.concatenate([[0], np.cumsum(inp.host_query_lens)])[pend]  # each sequence's first row
-        src = self._prev_tokens.index_select(0, torch.tensor(rows, dtype=torch.int64).to(self.device, non_blocking=True))
-        inp.input_ids.index_copy_(0, torch.from_numpy(first_row.astype(np.int64)).to(self.device, non_blocking=True), src)
+        src = self._prev_tokens.index_select(
+            0, torch.tensor(rows, dtype=torch.int64).to(self.device, non_blocking=True))
+        at = torch.from_numpy(first_row.astype(np.int64)).to(self.device, non_blocking=True)
+        inp.input_ids.index_copy_(0, at, src)
 
     def _sampled_drafts(self, step: StepInput, inp: PreparedStep) -> Optional[SampledDrafts]:
         """The draft distributions of this step's decodes whose drafts were sampled, or ``None``.
