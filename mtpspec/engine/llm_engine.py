@@ -63,6 +63,17 @@ def _all_ints(ids: Union[List[Any], Tuple[Any, ...]]) -> bool:
     return all(issubclass(t, int) and not issubclass(t, bool) for t in set(map(type, ids)))
 
 
+class _InFlight(NamedTuple):
+    """A launched step whose tokens are not applied yet (:meth:`LLMEngine._step_ahead`): its
+    scheduler output, handle, start time (``perf_counter`` s) and whether it held only decodes
+    whose logits do not depend on their outputs (no prefill chunk, no ``logits_params``)."""
+
+    out: SchedulerOutput
+    handle: Any
+    t0: float
+    plain: bool
+
+
 class LLMEngine:
     """Validates and queues requests, runs steps, returns finished outputs.
 
@@ -109,9 +120,9 @@ class LLMEngine:
         self._parents: Dict[str, ParentRequest] = {}  # unfinished requests of several sequences
         # async scheduling: the last step's (SchedulerOutput, StepHandle) until its drafts are taken
         self._pending_drafts: Optional[Tuple[SchedulerOutput, Any]] = None
-        # async scheduling at k = 0: the step in flight, (SchedulerOutput, StepHandle, start time),
-        # whose tokens are applied after the next step is launched (:meth:`_step_ahead`)
-        self._inflight: Optional[Tuple[SchedulerOutput, Any, float]] = None
+        # async scheduling at k = 0: the step in flight, whose tokens are applied after the next
+        # step is launched (:meth:`_step_ahead`)
+        self._inflight: Optional[_InFlight] = None
         self._ahead = scheduler_config.async_scheduling and k == 0
         # adaptive speculation length: picks each step's number of drafts (LLM sets it up)
         self.spec_policy: Optional[AdaptiveSpecPolicy] = None
@@ -355,18 +366,20 @@ class LLMEngine:
         prev, self._inflight = self._inflight, None
         finished: List[Sequence] = []
         try:
-            if prev is not None and not self._can_step_ahead(prev[0]):
-                finished = self._finish(*prev, t0, busy=False)
+            if prev is not None and not self._can_step_ahead(prev):
+                finished = self._finish(prev.out, prev.handle, prev.t0, t0, busy=False)
                 prev = None
-            out = self.scheduler.schedule(pending=[id(s.seq) for s in prev[0].scheduled] if prev else None)
+            out = self.scheduler.schedule(pending=[id(s.seq) for s in prev.out.scheduled] if prev else None)
             self.metrics.num_preemptions += len(out.preempted)
             t1 = time.perf_counter()
             if not out.is_empty:
-                self._inflight = (out, self.executor.execute_async(self._step_input(out)), t0)
+                step = self._step_input(out)
+                plain = all(not si.is_prefill and si.logits_params is None for si in step.seqs)
+                self._inflight = _InFlight(out, self.executor.execute_async(step), t0, plain)
             if prev is not None:
-                finished += self._finish(*prev, t1, busy=False)
-            if self._inflight is not None and all(s.seq.is_finished for s in self._inflight[0].scheduled):
-                self._inflight[1].output()  # only rows of requests that just finished: wait, drop, count nothing
+                finished += self._finish(prev.out, prev.handle, prev.t0, t1, busy=False)
+            if self._inflight is not None and all(s.seq.is_finished for s in self._inflight.out.scheduled):
+                self._inflight.handle.output()  # only rows of requests that just finished: wait, drop, count nothing
                 self._inflight = None
         except BaseException:
             self._inflight = None  # a failed step leaves nothing in flight (a dead engine must not look busy)
@@ -374,11 +387,10 @@ class LLMEngine:
         self.metrics.busy_time_s += time.perf_counter() - t0
         return self._finished_outputs(finished)
 
-    def _can_step_ahead(self, prev: SchedulerOutput) -> bool:
+    def _can_step_ahead(self, prev: "_InFlight") -> bool:
         sched = self.scheduler  # waiting requests block it only while a sequence slot is free for them
         admit = bool(sched.waiting) and len(sched.running) < self.scheduler_config.max_num_seqs
-        return (not admit and not prev.preempted and not prev.needs_sync
-                and all(not s.is_prefill and self._logits_params(s.seq) is None for s in prev.scheduled))
+        return prev.plain and not admit and not prev.out.preempted and not prev.out.needs_sync
 
     def _finish(self, out: SchedulerOutput, handle: Any, t0: float, t1: Optional[float] = None,
                 busy: bool = True) -> List[Sequence]:

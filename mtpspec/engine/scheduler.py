@@ -251,30 +251,28 @@ class Scheduler:
             if q_len > budget or len(out.scheduled) >= cfg.max_num_seqs:
                 kept.append(seq)  # stays running, skips this step
                 continue
-            if pending is not None:  # one step ahead, or none; never preempting
-                ahead = id(seq) in pending
-                n_tok = seq.num_tokens + ahead
-                last = seq.params.max_tokens is not None and len(seq.output_token_ids) + ahead >= seq.params.max_tokens
-                slots = cfg.decode_slots(n_tok)
-                if last or n_tok >= cfg.max_model_len or not bm.can_grow(seq, slots):
-                    out.needs_sync |= not (last or n_tok >= cfg.max_model_len)
+            ahead = pending is not None and id(seq) in pending  # its newest token is still being sampled
+            n_tok = seq.num_tokens + ahead
+            slots = cfg.decode_slots(n_tok)
+            if pending is not None:  # scheduled ahead of a step in flight: never preempting
+                p = seq.params
+                if (p.max_tokens is not None and len(seq.output_token_ids) + ahead >= p.max_tokens) \
+                        or n_tok >= cfg.max_model_len:
+                    kept.append(seq)  # the pending token may end it by length: nothing to run
+                    continue
+                if not bm.can_grow(seq, slots):
+                    out.needs_sync = True
                     kept.append(seq)
                     continue
-                bm.grow(seq, slots)
-                kept.append(seq)
-                first = TOKEN_PENDING if ahead else seq.last_token_id
-                out.scheduled.append(ScheduledSeq(seq, False, [first] + seq.draft_token_ids, n_tok - 1))
-                budget -= q_len
-                continue
-            slots = cfg.decode_slots(seq.num_tokens)
-            while not bm.can_grow(seq, slots) and queue:
-                victim = queue.pop()
-                self._preempt(victim)
-                out.preempted.append(victim)
-            if not bm.can_grow(seq, slots):
-                self._preempt(seq)
-                out.preempted.append(seq)
-                continue
+            else:
+                while not bm.can_grow(seq, slots) and queue:
+                    victim = queue.pop()
+                    self._preempt(victim)
+                    out.preempted.append(victim)
+                if not bm.can_grow(seq, slots):
+                    self._preempt(seq)
+                    out.preempted.append(seq)
+                    continue
             bm.grow(seq, slots)
             kept.append(seq)
             drafts = seq.draft_token_ids
@@ -282,7 +280,8 @@ class Scheduler:
                 raise RuntimeError(f"{seq!r}: a decode needs num_computed_tokens == num_tokens - 1")
             if len(drafts) > cfg.num_speculative_tokens:
                 raise RuntimeError(f"{seq!r} has {len(drafts)} drafts, expected at most {cfg.num_speculative_tokens}")
-            out.scheduled.append(ScheduledSeq(seq, False, [seq.last_token_id] + drafts, seq.num_tokens - 1))
+            first = TOKEN_PENDING if ahead else seq.last_token_id
+            out.scheduled.append(ScheduledSeq(seq, False, [first] + drafts, n_tok - 1))
             budget -= q_len
         self.running = kept
         # Preempted sequences go back to the front of the queue, earliest admitted first.
