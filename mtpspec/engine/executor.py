@@ -25,13 +25,13 @@ class WorkerError(RuntimeError):
 
     @property
     def summary(self) -> str:
-        """The message's first line, with the traceback's last line (the exception) after it."""
+        """The message when it is one line; else its first line and the traceback's last line (the
+        exception, at most 300 characters)."""
         lines = [x.strip() for x in str(self).splitlines() if x.strip()]
-        if not lines:
-            return type(self).__name__
-        head = lines[0].rstrip(":")
-        tail = [x for x in self.rank_traceback.splitlines() if x.strip()][-1:] if self.rank_traceback else lines[-1:]
-        return head if not tail or tail[0].strip() == head or len(lines) == 1 else f"{head}: {tail[0].strip()[:300]}"
+        if len(lines) <= 1:
+            return lines[0] if lines else type(self).__name__
+        tb = [x.strip() for x in self.rank_traceback.splitlines() if x.strip()] or lines
+        return f"{lines[0].rstrip(':')}: {tb[-1][:300]}"
 
 
 class WorkerInputError(WorkerError, ValueError):

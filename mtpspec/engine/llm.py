@@ -161,7 +161,7 @@ class LLM:
                 is queued, so other requests are unaffected.
         """
         single = isinstance(prompts, (str, dict, ValidatedPrompt))
-        if not single and (isinstance(prompts, (bytes, int)) or not hasattr(prompts, "__iter__")):
+        if not single and (isinstance(prompts, bytes) or not hasattr(prompts, "__iter__")):
             raise TypeError(f"prompts must be a string, a {{'prompt_token_ids': [...]}} / {{'prompt': ...}} dict or a "
                             f"list of them, got {type(prompts).__name__}")
         plist = [prompts] if single else list(prompts)

@@ -263,7 +263,7 @@ def _validate_all(engine: AsyncLLM, prompts: List[Dict[str, Any]], params: Sampl
         except (ValueError, TypeError) as exc:
             where = f"prompt {i}: " if len(prompts) > 1 else ""
             msg = str(exc)
-            param = next((name for name in ("logit_bias", "stop strings") if name in msg), "prompt").split()[0]
+            param = "logit_bias" if "logit_bias" in msg else "stop" if "stop strings" in msg else "prompt"
             raise bad_request(where + msg, param) from None
     return out
 
