@@ -11,7 +11,8 @@ the description, not from its code):
    ``ALIGN_KERNEL_MAX_PAIRS`` pairs: a histogram, its prefix sum and each pair's rank among the
    earlier pairs of its expert; a chain of torch ops above, about 20 launches): the
    ``N = num_tokens * top_k`` (token, expert) pairs are ordered by expert (stable), and each
-   expert's run is padded to a multiple of ``BLOCK_M`` with the sentinel ``N``. The padded length has the static bound
+   expert's run is padded to a multiple of ``BLOCK_M`` with the sentinel ``N``. The padded
+   length has the static bound
    ``P = N + min(N, E) * (BLOCK_M - 1)`` (at most ``min(N, E)`` experts are non-empty), so the
    grid is fixed by shapes; ``block_expert[b]`` is the expert of block ``b`` (``E`` past the end:
    the program exits).
@@ -44,9 +45,9 @@ SMALL_BLOCK_M = 16
 LARGE_BLOCK_M = 64
 #: Launch shapes ``(BLOCK_N, BLOCK_K, num_warps, num_stages)`` of the two kernels, per pair-block
 #: height: output columns and reduction depth per tile. 16-row blocks are decode and verify sizes,
-#: where the kernels stream expert weights (memory-bound): narrow column tiles give enough
-#: programs to cover every SM and deep stages keep the reads in flight (H200 sweep,
-#: ``benchmarks/bench_moe_decode.py``, BENCHMARKS.md).
+#: where the kernels stream expert weights (memory-bound). All four are still the one shape used
+#: before this table existed; ``benchmarks/bench_moe_decode.py --sweep`` (not yet run on a GPU)
+#: is how they are to be chosen.
 LAUNCH = {
     ("gate_up", SMALL_BLOCK_M): (64, 64, 4, 3),
     ("down", SMALL_BLOCK_M): (64, 64, 4, 3),
