@@ -31,7 +31,7 @@ import statistics
 import sys
 import tempfile
 import time
-from typing import Any, Dict, List
+from typing import Any, Callable, Dict, List, Tuple
 
 import torch
 
@@ -55,6 +55,43 @@ def floor_bytes(cfg: Dict[str, Any], context: int, elem: int) -> int:
     weights = (L * attn + cfg["first_k_dense_replace"] * dense_mlp + moe_read) * elem + router * elem + v * h * elem
     kv = L * context * 2 * nkv * hd * elem
     return weights + kv
+
+
+def _kernels(prof: Any) -> Tuple[float, Dict[str, float]]:
+    """(GPU busy ms: the union of the kernel intervals, {kernel name: summed ms}) of one profile."""
+    spans, by_name = [], {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.elapsed_us() > 0:
+            spans.append((e.time_range.start, e.time_range.end))
+            by_name[e.name] = by_name.get(e.name, 0.0) + e.time_range.elapsed_us() / 1e3
+    spans.sort()
+    busy, cur_s, cur_e = 0.0, None, None
+    for s, t in spans + [(float("inf"), float("inf"))]:
+        if cur_e is None or s > cur_e:
+            busy += 0.0 if cur_e is None else cur_e - cur_s
+            cur_s, cur_e = s, t
+        else:
+            cur_e = max(cur_e, t)
+    return busy / 1e3, by_name
+
+
+def profile_decode(run: Callable[[int], float], tokens: int) -> Dict[str, Any]:
+    """Per decode token: GPU busy ms and each kernel's ms (``--profile``), from a ``tokens`` run minus a
+    1-token run (kernels inside CUDA graphs included, as CUPTI reports them)."""
+    out = []
+    for n in (tokens, 1):
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            wall = run(n)
+        out.append((wall,) + _kernels(prof))
+    (wall_n, busy_n, k_n), (wall_1, busy_1, k_1) = out
+    per = {name: (ms - k_1.get(name, 0.0)) / (tokens - 1) for name, ms in k_n.items()}
+    top = sorted(per.items(), key=lambda kv: -kv[1])[:25]
+    res = dict(gpu_busy_ms=(busy_n - busy_1) / (tokens - 1), wall_profiled_ms=(wall_n - wall_1) / (tokens - 1) * 1e3,
+               kernels_ms={k: round(v, 5) for k, v in top})
+    print(f"profile: GPU busy {res['gpu_busy_ms']:.3f} ms/token, wall (profiled) {res['wall_profiled_ms']:.3f}")
+    for k, v in top:
+        print(f"  {v * 1e3:8.1f} us  {k[:110]}")
+    return res
 
 
 def time_arm(folder: str, a: argparse.Namespace, on: bool) -> Dict[str, Any]:
@@ -82,7 +119,10 @@ def time_arm(folder: str, a: argparse.Namespace, on: bool) -> Dict[str, Any]:
             full, one = run(a.tokens), run(1)
             per_token.append((full - one) / (a.tokens - 1) * 1e3)
         ms = statistics.median(per_token)
-        return dict(async_scheduling=on, ms_per_token=ms, tok_per_s=1e3 / ms, repeats_ms=per_token)
+        row = dict(async_scheduling=on, ms_per_token=ms, tok_per_s=1e3 / ms, repeats_ms=per_token)
+        if a.profile and on and not a.smoke:
+            row["profile"] = profile_decode(run, a.tokens)
+        return row
     finally:
         llm.shutdown()
 
@@ -94,6 +134,8 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=257)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--profile", action="store_true", help="also: GPU busy and kernels per token (async arm)")
+    ap.add_argument("--arms", default="on,off", help="async scheduling arms to run: on, off or both")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
     if a.smoke:
@@ -107,7 +149,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as folder:
         with open(os.path.join(folder, "config.json"), "w") as f:
             json.dump(raw, f)
-        for on in (True, False):
+        for on in [x == "on" for x in a.arms.split(",")]:
             row = time_arm(folder, a, on)
             row["x_floor"] = row["ms_per_token"] / floor_ms
             rows.append(row)

@@ -376,7 +376,10 @@ def test_router_kernel_vs_brute_force_and_torch(kdev, e, k, ng, tg, renorm, scal
     for rows in (1, 4):  # the GPU's launch shape (a row per program), and a partial last program
         rw, rids = grouped_topk_triton(logits[:7].to(kdev), None if b is None else b.to(kdev), k, ng, tg, renorm,
                                        scale, rows=rows)
-        assert torch.equal(rids.cpu(), ids[:7]) and torch.equal(rw.cpu(), w[:7])
+        # the same experts; the weights to fp32 rounding (on the H200 the renormalising sum of a
+        # 4-row program is compiled in another order than a 1-row one's: a few ulp apart)
+        assert torch.equal(rids.cpu(), ids[:7]), rows
+        torch.testing.assert_close(rw.cpu(), w[:7], rtol=1e-6, atol=0)
     empty = grouped_topk_triton(logits[:0].to(kdev), None, k, ng, tg, renorm, scale)
     assert empty[0].shape == (0, k) and empty[1].shape == (0, k)
 

@@ -45,12 +45,13 @@ SMALL_BLOCK_M = 16
 LARGE_BLOCK_M = 64
 #: Launch shapes ``(BLOCK_N, BLOCK_K, num_warps, num_stages)`` of the two kernels, per pair-block
 #: height: output columns and reduction depth per tile. 16-row blocks are decode and verify sizes,
-#: where the kernels stream expert weights (memory-bound). All four are still the one shape used
-#: before this table existed; ``benchmarks/bench_moe_decode.py --sweep`` (not yet run on a GPU)
-#: is how they are to be chosen.
+#: where the kernels stream expert weights (memory-bound); their shapes are the best geometric mean
+#: over GLM-4.5-Air and DeepSeek-V3 widths at 1, 4 and 16 tokens of
+#: ``benchmarks/bench_moe_decode.py --sweep`` on an H200 (2026-12-04, BENCHMARKS.md): gate_up 5%,
+#: down 1% below (64, 64, 4, 3). 64-row blocks keep that older shape (not swept).
 LAUNCH = {
-    ("gate_up", SMALL_BLOCK_M): (64, 64, 4, 3),
-    ("down", SMALL_BLOCK_M): (64, 64, 4, 3),
+    ("gate_up", SMALL_BLOCK_M): (32, 128, 4, 3),
+    ("down", SMALL_BLOCK_M): (64, 128, 4, 3),
     ("gate_up", LARGE_BLOCK_M): (64, 64, 4, 3),
     ("down", LARGE_BLOCK_M): (64, 64, 4, 3),
 }
