@@ -16,7 +16,9 @@ routed experts, plus ``top_k`` routed experts per MoE layer (one token routes to
 
 Arms, side by side in one process (one engine at a time): async scheduling on (the default: the
 next step is launched before the last one's token is applied, its input filled on the device) and
-off (each step waited for whole). Prints and writes JSON (``--json``).
+off (each step waited for whole); ``on_unfused``: on, with the MoE shared experts as their own MLP
+(``--disable-shared-experts-fusion``; the default runs them inside the routed experts' kernels).
+``--profile``: GPU busy time and the top kernels per token of the first "on" arm. Prints and writes JSON (``--json``).
 
     python3 benchmarks/bench_plain_decode.py [--layers 8] [--tokens 257] [--json out.json]
     python3 benchmarks/bench_plain_decode.py --smoke      # tiny model on the CPU: the script runs
@@ -94,9 +96,9 @@ def profile_decode(run: Callable[[int], float], tokens: int) -> Dict[str, Any]:
     return res
 
 
-def time_arm(folder: str, a: argparse.Namespace, on: bool) -> Dict[str, Any]:
+def time_arm(folder: str, a: argparse.Namespace, on: bool, fuse: bool = True) -> Dict[str, Any]:
     llm = LLM(folder, load_format="dummy", max_num_seqs=1, max_model_len=a.context + a.tokens + 16,
-              async_scheduling=on, seed=0, enable_prefix_caching=False,
+              async_scheduling=on, seed=0, enable_prefix_caching=False, disable_shared_experts_fusion=not fuse,
               device="cpu" if a.smoke else None, gpu_memory_utilization=0.85)
     try:
         vocab = llm.model_config.vocab_size
@@ -119,8 +121,9 @@ def time_arm(folder: str, a: argparse.Namespace, on: bool) -> Dict[str, Any]:
             full, one = run(a.tokens), run(1)
             per_token.append((full - one) / (a.tokens - 1) * 1e3)
         ms = statistics.median(per_token)
-        row = dict(async_scheduling=on, ms_per_token=ms, tok_per_s=1e3 / ms, repeats_ms=per_token)
-        if a.profile and on and not a.smoke:
+        row = dict(async_scheduling=on, shared_experts_fusion=fuse, ms_per_token=ms, tok_per_s=1e3 / ms,
+                   repeats_ms=per_token)
+        if a.profile and on and fuse and not a.smoke:
             row["profile"] = profile_decode(run, a.tokens)
         return row
     finally:
@@ -135,7 +138,8 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--profile", action="store_true", help="also: GPU busy and kernels per token (async arm)")
-    ap.add_argument("--arms", default="on,off", help="async scheduling arms to run: on, off or both")
+    ap.add_argument("--arms", default="on,on_unfused,off",
+                    help="arms: on / off (async scheduling), on_unfused (on, --disable-shared-experts-fusion)")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
     if a.smoke:
@@ -149,8 +153,10 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as folder:
         with open(os.path.join(folder, "config.json"), "w") as f:
             json.dump(raw, f)
-        for on in [x == "on" for x in a.arms.split(",")]:
-            row = time_arm(folder, a, on)
+        for arm in a.arms.split(","):
+            if arm not in ("on", "off", "on_unfused"):
+                ap.error(f"--arms: unknown arm {arm!r} (on, off, on_unfused)")
+            row = time_arm(folder, a, arm != "off", arm != "on_unfused")
             row["x_floor"] = row["ms_per_token"] / floor_ms
             rows.append(row)
             print(json.dumps(row), flush=True)
@@ -158,7 +164,8 @@ def main() -> int:
                floor_ms=floor_ms, device=torch.cuda.get_device_name() if dev.type == "cuda" else "cpu", rows=rows)
     print(f"floor {floor_ms:.3f} ms/token at {bw / 1e9:.0f} GB/s")
     for r in rows:
-        print(f"async scheduling {'on ' if r['async_scheduling'] else 'off'}: {r['ms_per_token']:.3f} ms/token "
+        print(f"async scheduling {'on ' if r['async_scheduling'] else 'off'}, shared experts "
+              f"{'fused' if r['shared_experts_fusion'] else 'unfused'}: {r['ms_per_token']:.3f} ms/token "
               f"({r['tok_per_s']:.0f} tok/s), {r['x_floor']:.2f}x floor")
     if a.json:
         with open(a.json, "w") as f:

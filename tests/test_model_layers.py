@@ -384,6 +384,35 @@ def test_router_kernel_vs_brute_force_and_torch(kdev, e, k, ng, tg, renorm, scal
     assert empty[0].shape == (0, k) and empty[1].shape == (0, k)
 
 
+@pytest.mark.parametrize("t,e,h", [(1, 128, 4096), (3, 160, 200), (16, 8, 64), (17, 8, 64)])
+def test_router_logits_kernel_vs_float64(kdev, t, e, h):
+    """The router's fp32 logits (the Triton GEMV up to 16 tokens, cuBLAS / torch above) equal a
+    float64 product to fp32 rounding, for bf16 and fp32 inputs, strided rows included."""
+    from mtpspec.ops.moe_router import router_logits
+    g = torch.Generator().manual_seed(t * e)
+    w = torch.randn(e, h, generator=g) / h ** 0.5
+    for dtype in (torch.bfloat16, torch.float32):
+        x = torch.randn(t, 2 * h, generator=g).to(dtype)[:, :h]  # row stride 2 h
+        ref = x.double() @ w.double().t()
+        out = router_logits(x.to(kdev), w.to(kdev)).cpu()
+        assert out.dtype == torch.float32 and out.shape == (t, e)
+        torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("t,k,h", [(1, 9, 4096), (5, 3, 200), (0, 2, 64)])
+def test_sum_pairs_kernel(kdev, t, k, h):
+    """``sum_pairs`` sums each token's ``k`` fp32 rows in order and casts (bf16 and fp32 out)."""
+    from mtpspec.ops.moe_gemm import sum_pairs
+    y = torch.randn(t * k, h, generator=torch.Generator().manual_seed(h))
+    acc = torch.zeros(t, h)
+    for j in range(k):
+        acc = acc + y.view(t, k, h)[:, j]
+    for dtype in (torch.bfloat16, torch.float32):
+        out = sum_pairs(y.to(kdev), t, k, dtype).cpu()
+        assert out.dtype == dtype and out.shape == (t, h)
+        assert torch.equal(out, acc.to(dtype))
+
+
 def test_router_kernel_ties_and_nan(kdev):
     """Ties go to the lowest expert id (experts and groups); a NaN score ranks first, as in
     torch.topk, and ids stay in range."""
@@ -536,9 +565,9 @@ def test_align_and_router_kernels_compile_for_sm90():
                   **i32(["num_tokens", "num_experts", "per_group", "stride_l"]), "scale": "fp32"}
     specs += [{"module": "mtpspec.ops.moe_router", "kernel": "_router", "signature": router_sig,
                "constexprs": dict(HAS_BIAS=True, TOP_K=8, K_P2=8, N_GROUP=g, G_P2=g, TOPK_GROUP=tg, TWO_PER_GROUP=True,
-                                  RENORM=True, ROWS=1, BLOCK_E=triton.next_power_of_2(e)),
+                                  RENORM=True, ROWS=1, BLOCK_E=triton.next_power_of_2(e), N_SHARED=ns),
                "aligned": ["logits_ptr", "bias_ptr", "w_ptr", "ids_ptr"], "num_warps": 4}
-              for e, g, tg in ((256, 8, 4), (160, 1, 1))]
+              for e, g, tg, ns in ((256, 8, 4, 1), (160, 1, 1, 0), (128, 1, 1, 2))]
     down_sig = {"inter_ptr": "*bf16", "w_ptr": "*bf16", "y_ptr": "*fp32", "sorted_ptr": "*i32",
                 "block_expert_ptr": "*i32", "topk_w_ptr": "*fp32",
                 **i32(["num_pairs", "num_experts", "hidden", "inter_size", "stride_it"]), "stride_we": "i64",
@@ -546,7 +575,16 @@ def test_align_and_router_kernels_compile_for_sm90():
     specs.append({"module": "mtpspec.ops.moe_gemm", "kernel": "_down", "signature": down_sig,
                   "constexprs": dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, DOT_FP32=False, PRECISION="tf32"),
                   "aligned": [a for a in down_sig if a not in ("num_pairs", "num_experts", "topk_w_ptr")],
-                  "num_warps": 4, "num_stages": 4})
+                  "num_warps": 4, "num_stages": 4})  # a 3-stage launch shape is in moe_gemm.LAUNCH
+    specs.append({"module": "mtpspec.ops.moe_router", "kernel": "_logits",
+                  "signature": {"x_ptr": "*bf16", "w_ptr": "*fp32", "out_ptr": "*fp32",
+                                **i32(["num_tokens", "hidden", "num_experts", "stride_x"])},
+                  "constexprs": dict(BLOCK_T=16, BLOCK_E=2, BLOCK_H=128),
+                  "aligned": ["x_ptr", "w_ptr", "out_ptr", "hidden", "stride_x"], "num_warps": 4})
+    specs.append({"module": "mtpspec.ops.moe_gemm", "kernel": "_sum_pairs",
+                  "signature": {"y_ptr": "*fp32", "out_ptr": "*bf16", "hidden": "i32"},
+                  "constexprs": dict(TOPK=9, BLOCK_H=1024, BF16_BY_BITS=False), "aligned": ["y_ptr", "out_ptr", "hidden"], "num_warps": 4})
+    down_spec = specs[-3]
     reports = triton_utils.compile_reports(specs)
-    assert len(reports) == len(specs)
-    assert reports[-1]["shared_bytes"] >= 3 * (16 * 128 + 128 * 64) * 2, reports[-1]  # several stages buffered
+    assert len(reports) == len(specs) and down_spec["kernel"] == "_down"
+    assert reports[-3]["shared_bytes"] >= 3 * (16 * 128 + 128 * 64) * 2, reports[-3]  # several stages buffered

@@ -250,6 +250,9 @@ class EngineArgs:
         load_format: ``"auto"`` / ``"safetensors"`` (the checkpoint's weights) or ``"dummy"``
             (random weights from ``config.json`` alone, vLLM's ``--load-format dummy``: for
             benchmarks of shapes without a checkpoint).
+        disable_shared_experts_fusion: keep each MoE's shared experts as their own MLP (SGLang's
+            ``--disable-shared-experts-fusion``); by default they run inside the routed experts'
+            kernels as extra experts of weight 1 (fewer launches per MoE layer).
     """
 
     model: Optional[str] = None
@@ -279,6 +282,7 @@ class EngineArgs:
     graph_mode: Optional[str] = None
     seed: Optional[int] = 0
     load_format: str = "auto"
+    disable_shared_experts_fusion: bool = False
 
     # ------------------------------------------------------------------ command line
     @staticmethod
@@ -345,6 +349,8 @@ class EngineArgs:
         p.add_argument("--load-format", default="auto", choices=list(LOAD_FORMATS),
                        help="auto / safetensors: the checkpoint's weights (default); dummy: random weights from "
                             "config.json alone (benchmarks of shapes without a checkpoint; outputs are noise)")
+        p.add_argument("--disable-shared-experts-fusion", action="store_true",
+                       help="run MoE shared experts as their own MLP, not as extra experts of the routed kernels")
         return parser
 
     @classmethod
@@ -455,7 +461,7 @@ class EngineArgs:
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format must be one of {list(LOAD_FORMATS)}, got {self.load_format!r}")
         return EngineConfig(model, self.dtype, self.device, mcfg, par, spec, cache, sched, mode, self.seed,
-                            self.load_format)
+                            self.load_format, self.disable_shared_experts_fusion)
 
     def llm_kwargs(self) -> Dict[str, Any]:
         """``LLM(**kwargs)`` for these arguments (``model`` resolved; speculative config resolved
@@ -477,4 +483,4 @@ class EngineArgs:
                     gpu_memory_utilization=self.gpu_memory_utilization, cpu_kv_cache_gib=self.cpu_kv_cache_gib,
                     enable_prefix_caching=self.enable_prefix_caching, kv_cache_dtype=self.kv_cache_dtype,
                     seed=self.seed, enforce_eager=self.enforce_eager, graph_mode=self.graph_mode,
-                    load_format=self.load_format)
+                    load_format=self.load_format, disable_shared_experts_fusion=self.disable_shared_experts_fusion)

@@ -182,6 +182,8 @@ class EngineConfig:
         seed: engine seed (seeds the seeds of requests that give none); ``None``: random.
         load_format: ``"auto"`` / ``"safetensors"`` (read the checkpoint) or ``"dummy"`` (random
             weights, config.json only: :func:`mtpspec.models.loader.load_models`).
+        disable_shared_experts_fusion: keep MoE shared experts as their own MLP (default: fused
+            into the routed experts after loading).
     """
 
     model: str
@@ -195,3 +197,4 @@ class EngineConfig:
     graph_mode: str = "auto"
     seed: Optional[int] = None
     load_format: str = "auto"
+    disable_shared_experts_fusion: bool = False

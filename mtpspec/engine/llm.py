@@ -57,6 +57,8 @@ class LLM:
             buffers without capture; for CPU tests). See :mod:`mtpspec.engine.forward`.
         load_format: ``"auto"`` (the checkpoint's weights) or ``"dummy"`` (random weights from
             ``config.json`` alone, as vLLM's ``load_format="dummy"``; for benchmarks).
+        disable_shared_experts_fusion: keep MoE shared experts as their own MLP (default: fused
+            into the routed experts' kernels, :class:`~mtpspec.engine.arg_utils.EngineArgs`).
 
     Raises:
         ValueError / TypeError: a bad argument (k out of range, unknown speculative keys, a
@@ -84,7 +86,7 @@ class LLM:
                  cpu_kv_cache_gib: float = 1.0, enable_prefix_caching: bool = True, kv_cache_dtype: str = "auto",
                  tokenizer: Union[None, str, Tokenizer] = None,
                  seed: Optional[int] = None, enforce_eager: bool = False, graph_mode: Optional[str] = None,
-                 load_format: str = "auto"):
+                 load_format: str = "auto", disable_shared_experts_fusion: bool = False):
         args = EngineArgs(
             model=model, tensor_parallel_size=tensor_parallel_size, speculative_config=speculative_config,
             fuse_allreduce_rmsnorm=fuse_allreduce_rmsnorm, sequence_parallel=sequence_parallel,
@@ -95,7 +97,8 @@ class LLM:
             num_kv_blocks=num_kv_blocks,
             gpu_memory_utilization=gpu_memory_utilization, cpu_kv_cache_gib=cpu_kv_cache_gib,
             enable_prefix_caching=enable_prefix_caching, kv_cache_dtype=kv_cache_dtype, dtype=dtype,
-            device=device, enforce_eager=enforce_eager, graph_mode=graph_mode, seed=seed, load_format=load_format)
+            device=device, enforce_eager=enforce_eager, graph_mode=graph_mode, seed=seed, load_format=load_format,
+            disable_shared_experts_fusion=disable_shared_experts_fusion)
         config = args.create_engine_config()
         self.engine_config = config
         self.model_config = mcfg = config.model_config

@@ -60,7 +60,8 @@ def build_runner(cfg: EngineConfig) -> ModelRunner:
     par = cfg.parallel_config
     target, mtp = load_models(cfg.model, dtype=cfg.dtype, device=device, load_mtp=cfg.speculative_config is not None,
                               fuse_allreduce_rmsnorm=par.fuse_allreduce_rmsnorm,
-                              sequence_parallel=par.sequence_parallel, load_format=cfg.load_format)
+                              sequence_parallel=par.sequence_parallel, load_format=cfg.load_format,
+                              fuse_shared_experts=not cfg.disable_shared_experts_fusion)
     act_dtype = target.get_input_embeddings().weight.dtype
     init_allreduce_rms_norm_backend(par.allreduce_backend, p2p_capacity_bytes(cfg, act_dtype), device)
     return ModelRunner(target, mtp, cfg.speculative_config, cfg.cache_config, cfg.scheduler_config, device,

@@ -41,7 +41,7 @@ from mtpspec.layers.fp8 import check_column_cut, copy_scale_rows, current_fp8_bl
 from mtpspec.layers.weight_utils import check_full_tensor, copy_into
 from mtpspec.ops.fp8_gemm import fp8_moe_experts
 from mtpspec.ops.moe_gemm import moe_experts, moe_experts_ref
-from mtpspec.ops.moe_router import grouped_topk_triton
+from mtpspec.ops.moe_router import grouped_topk_triton, router_logits
 from mtpspec.ops.triton_utils import FLOAT_DTYPES, cdiv, use_triton
 
 #: Paths of :meth:`FusedMoE.forward` without a host sync (CUDA-graph capturable).
@@ -80,7 +80,7 @@ def moe_path(num_tokens: int, top_k: int, num_experts: int, hidden: int, inter_p
 
 def grouped_topk(router_logits: torch.Tensor, e_score_correction_bias: Optional[torch.Tensor], top_k: int,
                  num_expert_group: int = 1, topk_group: int = 1, renormalize: bool = True,
-                 routed_scaling_factor: float = 1.0) -> Tuple[torch.Tensor, torch.Tensor]:
+                 routed_scaling_factor: float = 1.0, num_shared_experts: int = 0) -> Tuple[torch.Tensor, torch.Tensor]:
     """Sigmoid grouped top-k routing (see the module docstring).
 
     Args:
@@ -90,10 +90,13 @@ def grouped_topk(router_logits: torch.Tensor, e_score_correction_bias: Optional[
         num_expert_group, topk_group: groups, and how many stay eligible (1, 1 = no grouping).
         renormalize: divide the chosen weights by their sum (``norm_topk_prob``).
         routed_scaling_factor: multiplies the final weights.
+        num_shared_experts: ``S`` shared experts fused into the routed ones
+            (:meth:`FusedMoE.absorb_shared_experts`): ``S`` more columns, ids ``E .. E + S - 1``,
+            weight 1.0 (not scaled), after the ``top_k`` routed ones.
 
     Returns:
-        ``(topk_weights [num_tokens, top_k] float32, topk_ids [num_tokens, top_k] int64)``; ids
-        in no particular order (Triton: best first, :mod:`mtpspec.ops.moe_router`, which runs
+        ``(topk_weights [num_tokens, top_k + S] float32, topk_ids [num_tokens, top_k + S] int64)``;
+        routed ids in no particular order (Triton: best first, :mod:`mtpspec.ops.moe_router`, which runs
         wherever Triton does; the torch ops otherwise).
 
     Raises:
@@ -105,7 +108,7 @@ def grouped_topk(router_logits: torch.Tensor, e_score_correction_bias: Optional[
                          f"topk_group={topk_group}, top_k={top_k} are inconsistent")
     if use_triton(router_logits, e_score_correction_bias):  # one launch (decode sizes: ~10-17 fewer)
         return grouped_topk_triton(router_logits, e_score_correction_bias, top_k, num_expert_group, topk_group,
-                                   renormalize, routed_scaling_factor)
+                                   renormalize, routed_scaling_factor, num_shared_experts=num_shared_experts)
     scores = router_logits.float().sigmoid()
     choice = scores if e_score_correction_bias is None else scores + e_score_correction_bias.float()
     if num_expert_group > 1:
@@ -119,15 +122,21 @@ def grouped_topk(router_logits: torch.Tensor, e_score_correction_bias: Optional[
     topk_weights = scores.gather(1, topk_ids)
     if renormalize:
         topk_weights = topk_weights / (topk_weights.sum(dim=-1, keepdim=True) + 1e-20)
-    return topk_weights * routed_scaling_factor, topk_ids
+    topk_weights = topk_weights * routed_scaling_factor
+    if num_shared_experts:
+        shared = torch.arange(e, e + num_shared_experts, device=topk_ids.device).expand(t, num_shared_experts)
+        topk_ids = torch.cat([topk_ids, shared], 1)
+        topk_weights = torch.cat([topk_weights, topk_weights.new_ones(t, num_shared_experts)], 1)
+    return topk_weights, topk_ids
 
 
 class MoEGate(nn.Module):
     """The router: fp32 ``weight [num_experts, hidden]`` and ``e_score_correction_bias [num_experts]``.
 
-    ``forward(x [T, H]) -> (topk_weights [T, top_k] fp32, topk_ids [T, top_k] int64)``; the
-    logits are computed in fp32 whatever ``x``'s dtype. Both parameters are replicated and
-    always fp32 (checkpoint tensors are converted on load).
+    ``forward(x [T, H]) -> (topk_weights [T, top_k + S] fp32, topk_ids [T, top_k + S] int64)``;
+    the logits are computed in fp32 whatever ``x``'s dtype. Both parameters are replicated and
+    always fp32 (checkpoint tensors are converted on load). ``S = num_fused_shared`` (0 unless the
+    MoE fused its shared experts into the routed ones: then ids ``E ..`` with weight 1.0 follow).
     """
 
     def __init__(self, hidden_size: int, num_experts: int, top_k: int, num_expert_group: int = 1,
@@ -145,11 +154,12 @@ class MoEGate(nn.Module):
             self.e_score_correction_bias.weight_loader = _replicated_loader
         else:
             self.register_parameter("e_score_correction_bias", None)
+        self.num_fused_shared = 0
 
     def forward(self, x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-        logits = F.linear(x.float(), self.weight)
+        logits = router_logits(x, self.weight)  # F.linear(x.float(), weight); one launch at decode sizes
         return grouped_topk(logits, self.e_score_correction_bias, self.top_k, self.num_expert_group,
-                            self.topk_group, self.renormalize, self.routed_scaling_factor)
+                            self.topk_group, self.renormalize, self.routed_scaling_factor, self.num_fused_shared)
 
 
 def _replicated_loader(param: nn.Parameter, loaded_weight: torch.Tensor, loaded_shard_id: object = None) -> None:
@@ -181,8 +191,10 @@ class FusedMoE(nn.Module):
         batches without Triton) syncs with the host, for the per-expert counts.
 
     Attributes:
-        w13_weight: ``[E, 2 * I / tp, H]``, per expert ``[gate_r | up_r]``.
-        w2_weight: ``[E, H, I / tp]``, per expert the down projection's columns of this rank.
+        w13_weight: ``[E (+ S), 2 * I / tp, H]``, per expert ``[gate_r | up_r]``.
+        w2_weight: ``[E (+ S), H, I / tp]``, per expert the down projection's columns of this rank.
+        num_shared_fused: ``S``, shared experts appended as experts ``E .. E + S - 1`` by
+            :meth:`absorb_shared_experts` (0 until then).
         fp8_block: ``(block_n, block_k)`` when built inside :func:`~mtpspec.layers.fp8.fp8_weights`
             (then both weights are ``float8_e4m3fn`` with float32 ``w13_weight_scale_inv [E,
             ceil(2 I / tp / w13_scale_block_n), ceil(H / block_k)]`` and ``w2_weight_scale_inv
@@ -219,6 +231,41 @@ class FusedMoE(nn.Module):
         self.dense_budget_bytes = dense_budget_bytes
         self.gather_budget_bytes = gather_budget_bytes
         self.kernel_budget_bytes = kernel_budget_bytes
+        self.num_shared_fused = 0
+
+    @torch.no_grad()
+    def absorb_shared_experts(self, gate_up: torch.Tensor, down: torch.Tensor, num_shared: int) -> None:
+        """Append a loaded shared-expert MLP as ``num_shared`` more experts (SGLang's shared-experts
+        fusion): the routers then route every token to them with weight 1.0, and one pair of expert
+        GEMMs serves both (decode sizes: 5 launches fewer per MoE layer: the shared MLP's two GEMMs,
+        SiLU, multiply and the add). Exact in real arithmetic: a SwiGLU MLP of intermediate ``S x I``
+        is the sum of ``S`` SwiGLU MLPs over its intermediate columns cut in ``S`` parts.
+
+        Args:
+            gate_up: this rank's ``MergedColumnParallelLinear`` weight ``[2 * S * I / tp, H]`` (gate
+                rows, then up rows).
+            down: this rank's ``RowParallelLinear`` weight ``[H, S * I / tp]``.
+            num_shared: ``S`` (``n_shared_experts``).
+
+        Raises:
+            ValueError: shapes that do not fit; called twice; FP8 experts (not supported).
+        """
+        e, h, ip, s = self.num_experts, self.hidden_size, self.intermediate_size_per_partition, num_shared
+        if self.fp8_block is not None or self.num_shared_fused:
+            raise ValueError("FusedMoE.absorb_shared_experts: FP8 experts, or shared experts already absorbed")
+        if s < 1 or gate_up.shape != (2 * s * ip, h) or down.shape != (h, s * ip):
+            raise ValueError(f"FusedMoE.absorb_shared_experts: gate_up {list(gate_up.shape)} / down "
+                             f"{list(down.shape)} do not fit {s} shared experts of [{2 * ip}, {h}] / [{h}, {ip}]")
+        w13 = torch.empty(e + s, 2 * ip, h, dtype=self.w13_weight.dtype, device=self.w13_weight.device)
+        w13[:e] = self.w13_weight
+        w13[e:, :ip] = gate_up[:s * ip].view(s, ip, h)
+        w13[e:, ip:] = gate_up[s * ip:].view(s, ip, h)
+        w2 = torch.empty(e + s, h, ip, dtype=self.w2_weight.dtype, device=self.w2_weight.device)
+        w2[:e] = self.w2_weight
+        w2[e:] = down.view(h, s, ip).transpose(0, 1)
+        self.w13_weight = nn.Parameter(w13, requires_grad=False)
+        self.w2_weight = nn.Parameter(w2, requires_grad=False)
+        self.num_shared_fused = s
 
     def _new_weights(self) -> None:
         e, h, ip = self.num_experts, self.hidden_size, self.intermediate_size_per_partition
@@ -321,8 +368,8 @@ class FusedMoE(nn.Module):
         """The path :meth:`forward` takes for ``num_tokens`` rows like ``x`` (see :func:`moe_path`)."""
         if self.fp8_block is not None:
             return "fp8"
-        return moe_path(num_tokens, top_k, self.num_experts, self.hidden_size, self.intermediate_size_per_partition,
-                        self.w13_weight.element_size(),
+        return moe_path(num_tokens, top_k, self.w13_weight.shape[0], self.hidden_size,
+                        self.intermediate_size_per_partition, self.w13_weight.element_size(),
                         use_triton(x, self.w13_weight) and x.dtype in FLOAT_DTYPES and x.dtype == self.w13_weight.dtype,
                         self.kernel_budget_bytes, self.gather_budget_bytes, self.dense_budget_bytes)
 
@@ -333,7 +380,7 @@ class FusedMoE(nn.Module):
         Args:
             hidden_states: ``[num_tokens, H]`` in the parameter dtype.
             topk_weights: ``[num_tokens, top_k]`` (fp32).
-            topk_ids: ``[num_tokens, top_k]`` int64 in ``[0, E)``.
+            topk_ids: ``[num_tokens, top_k]`` int64 in ``[0, E + S)`` (``S = num_shared_fused``).
 
         Returns:
             ``[num_tokens, H]`` in ``hidden_states``' dtype: the full sum when
@@ -380,7 +427,7 @@ class FusedMoE(nn.Module):
 
     def _forward_dense(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         # Every expert on every token, unrouted (expert, token) products zeroed: sync-free.
-        t, e = x.shape[0], self.num_experts
+        t, e = x.shape[0], self.w13_weight.shape[0]
         combine = torch.zeros(t, e, dtype=torch.float32, device=x.device)
         combine.scatter_add_(1, topk_ids, topk_weights.float())  # [T, E], zero for unrouted experts
         gate_up = torch.matmul(x.unsqueeze(0), self.w13_weight.transpose(1, 2))  # [E, T, 2 I/tp]
@@ -393,7 +440,7 @@ class FusedMoE(nn.Module):
         if x.shape[0]:
             flat_ids = topk_ids.reshape(-1)
             order = torch.argsort(flat_ids, stable=True)
-            counts = torch.bincount(flat_ids, minlength=self.num_experts).tolist()  # host sync
+            counts = torch.bincount(flat_ids, minlength=self.w13_weight.shape[0]).tolist()  # host sync
             token_of = order // topk_ids.shape[1]
             start = 0
             for eid, n in enumerate(counts):

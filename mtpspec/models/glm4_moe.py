@@ -97,6 +97,23 @@ class Glm4MoeMoE(nn.Module):
                                              config.moe_intermediate_size * config.n_shared_experts,
                                              reduce_results=False, params_dtype=params_dtype)
 
+    def fuse_shared_experts(self) -> bool:
+        """Move the shared experts into the routed experts' weights (:meth:`FusedMoE.absorb_shared_experts`;
+        the router then emits them as ``n_shared_experts`` more ids, weight 1.0), when both are plain
+        (not FP8) weights of one dtype. Returns whether it did. Called after loading
+        (:func:`~mtpspec.models.loader.load_models` with ``fuse_shared_experts``)."""
+        sh = self.shared_experts
+        if sh is None or self.experts.fp8_block is not None:
+            return False
+        gate_up, down = sh.gate_up_proj.weight, sh.down_proj.weight
+        if {gate_up.dtype, down.dtype} != {self.experts.w13_weight.dtype}:
+            return False
+        n = gate_up.shape[0] // (2 * self.experts.intermediate_size_per_partition)
+        self.experts.absorb_shared_experts(gate_up.data, down.data, n)
+        self.gate.num_fused_shared = n
+        self.shared_experts = None
+        return True
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         topk_weights, topk_ids = self.gate(x)
         out = self.experts(x, topk_weights, topk_ids)

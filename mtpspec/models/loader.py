@@ -359,7 +359,8 @@ def _resolve(dtype: Optional[Union[torch.dtype, str]], device: Optional[Union[st
 def load_models(model_path: str, dtype: Optional[Union[torch.dtype, str]] = None,
                 device: Optional[Union[str, torch.device]] = None, load_mtp: bool = True,
                 fuse_allreduce_rmsnorm: bool = True, sequence_parallel: bool = False,
-                check_finite: bool = True, config: Optional[ModelConfig] = None, load_format: str = "auto"):
+                check_finite: bool = True, config: Optional[ModelConfig] = None, load_format: str = "auto",
+                fuse_shared_experts: bool = False):
     """Build the target (and the MTP draft model) from a checkpoint folder, sharded for this rank.
 
     Call on every TP rank (after ``init_distributed_environment`` / inside ``launch``); each
@@ -378,6 +379,10 @@ def load_models(model_path: str, dtype: Optional[Union[torch.dtype, str]] = None
             weights are read (the folder needs only ``config.json``): every parameter is drawn
             from U(-1e-3, 1e-3) as vLLM's dummy format does (:func:`initialize_dummy_weights`),
             MTP heads tied to the target's; for benchmarks of shapes without a checkpoint.
+        fuse_shared_experts: after loading, move each MoE's shared experts into its routed
+            experts (``fuse_shared_experts()`` of the MoE modules; the engine's default, off with
+            ``--disable-shared-experts-fusion``); off here so that the modules keep the
+            checkpoint's layout (training saves them back).
 
     Returns:
         ``(target, mtp or None)``, both in eval mode, of the classes the registry names for the
@@ -406,6 +411,8 @@ def load_models(model_path: str, dtype: Optional[Union[torch.dtype, str]] = None
         initialize_dummy_weights(target)
         if mtp is not None:
             initialize_dummy_weights(mtp, skip=list(target.parameters()))
+        if fuse_shared_experts:
+            _fuse_shared_experts(target, mtp)
         return target.eval(), None if mtp is None else mtp.eval()
     t_specs, m_specs = arch.target_weight_specs(cfg), arch.mtp_weight_specs(cfg)
     block = tuple(cfg.quantization.weight_block_size) if cfg.quantization is not None else None
@@ -429,7 +436,15 @@ def load_models(model_path: str, dtype: Optional[Union[torch.dtype, str]] = None
                 _unquantize_plain_layers(mtp, reader, m_sel)
             _load_selected(mtp, reader, m_sel, list(target.parameters()), check_finite, block)
             mtp.eval()
+    if fuse_shared_experts:
+        _fuse_shared_experts(target, mtp)
     return target.eval(), mtp
+
+
+def _fuse_shared_experts(*models: Optional[nn.Module]) -> int:
+    """``fuse_shared_experts()`` on every module of ``models`` that has it; returns how many fused."""
+    mods = [m for model in models if model is not None for m in model.modules() if hasattr(m, "fuse_shared_experts")]
+    return sum(bool(m.fuse_shared_experts()) for m in mods)
 
 
 @torch.no_grad()

@@ -733,7 +733,7 @@ def fp8_moe_experts(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor,
     Scratch ``[N, 2 I]`` (x's dtype) + ``[N, I]`` + ``[N, H]`` fp32, ``N = T * top_k``.
     Otherwise :func:`fp8_experts_loop`.
     """
-    from mtpspec.ops.moe_gemm import moe_align, moe_block_m
+    from mtpspec.ops.moe_gemm import moe_align, moe_block_m, sum_pairs
     if not (use_triton(x, w13, w2) and kernel_supports(block_k)):
         return fp8_experts_loop(x, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids, block_n13, block_n2,
                                 block_k)
@@ -753,4 +753,4 @@ def fp8_moe_experts(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor,
     y = torch.empty(n, h, dtype=torch.float32, device=x.device)
     _grouped_launch(act, w2, w2_scale.float().contiguous(), y, sorted_pairs, block_expert,
                     topk_weights.reshape(-1).float().contiguous(), n, 1, block_m, block_n2, block_k)
-    return y.view(t, top_k, h).sum(1).to(x.dtype)
+    return sum_pairs(y, t, top_k, x.dtype)

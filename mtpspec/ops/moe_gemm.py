@@ -21,7 +21,8 @@ the description, not from its code):
    (``[N, I]``, weight dtype).
 3. Kernel 2, grid ``(P / BLOCK_M, ceil(H / BLOCK_N))``: the down projection of the same pairs,
    times the pair's routing weight, stored per pair in fp32 (``[N, H]``).
-4. ``out = y.view(T, top_k, H).sum(1)`` (fixed order, deterministic), cast to x's dtype.
+4. ``out = y.view(T, top_k, H).sum(1)`` (fixed order j = 0, 1, ..: deterministic), cast to x's dtype,
+   in one Triton launch (:func:`sum_pairs`; torch's sum + cast were two).
 
 Each program reads its expert's weight tiles once for up to ``BLOCK_M`` pairs, so a decode batch
 reads only the experts it routes to (about ``min(N, E)`` of them), unlike an all-experts dense
@@ -230,6 +231,19 @@ if HAS_TRITON:
         tl.store(y_ptr + row[:, None] * stride_yt + offs_n[None, :], acc * wt[:, None],
                  mask=ok_m[:, None] & ok_n[None, :])
 
+    def _sum_pairs_kernel(y_ptr, out_ptr, hidden, TOPK: tl.constexpr, BLOCK_H: tl.constexpr,
+                          BF16_BY_BITS: tl.constexpr):
+        # out[t, cols] = sum_j y[t * TOPK + j, cols] in fp32, j in order, cast to out's dtype
+        t = tl.program_id(0).to(tl.int64)
+        cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+        ok = cols < hidden
+        acc = tl.zeros([BLOCK_H], dtype=tl.float32)
+        for j in tl.static_range(TOPK):
+            acc += tl.load(y_ptr + (t * TOPK + j) * hidden + cols, mask=ok, other=0.0)
+        # BF16_BY_BITS: round to nearest even by integer ops (the interpreter truncates)
+        tl.store(out_ptr + t * hidden + cols, round_to_dtype(acc, out_ptr.dtype.element_ty, BF16_BY_BITS), mask=ok)
+
+    _sum_pairs = LazyKernel(_sum_pairs_kernel)
     _align = LazyKernel(_align_kernel)
     _gate_up = LazyKernel(_gate_up_kernel)
     _down = LazyKernel(_down_kernel)
@@ -292,7 +306,22 @@ def moe_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weigh
         inter, w2, y, sorted_pairs, block_expert, topk_weights.float().contiguous(), n, e, h, i, inter.stride(0),
         w2.stride(0), w2.stride(1), y.stride(0), BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk,
         DOT_FP32=bf16_interp, PRECISION=precision, num_warps=warps, num_stages=stages)
-    return y.view(t, k, h).sum(1).to(x.dtype)
+    return sum_pairs(y, t, k, x.dtype)
 
 
-__all__ = ["moe_align", "moe_block_m", "moe_experts", "moe_experts_ref"]
+def sum_pairs(y: torch.Tensor, num_tokens: int, top_k: int, dtype: torch.dtype) -> torch.Tensor:
+    """``y.view(T, top_k, H).sum(1).to(dtype)`` for contiguous fp32 ``y [T * top_k, H]``, summed in
+    the order j = 0 .. top_k - 1 in fp32; one Triton launch where :func:`use_triton` (torch's sum
+    and cast otherwise). Returns ``[T, H]`` of ``dtype``."""
+    h = y.shape[1]
+    if not use_triton(y) or not y.is_contiguous():
+        return y.view(num_tokens, top_k, h).sum(1).to(dtype)
+    out = torch.empty(num_tokens, h, dtype=dtype, device=y.device)
+    if num_tokens:
+        block = min(1024, triton.next_power_of_2(h))
+        _sum_pairs[(num_tokens, cdiv(h, block))](y, out, h, TOPK=top_k, BLOCK_H=block,
+                                                 BF16_BY_BITS=interpreting() and dtype == torch.bfloat16, num_warps=4)
+    return out
+
+
+__all__ = ["moe_align", "moe_block_m", "moe_experts", "moe_experts_ref", "sum_pairs"]

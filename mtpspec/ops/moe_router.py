@@ -21,13 +21,15 @@ from typing import Optional, Tuple
 
 import torch
 
-from mtpspec.ops.triton_utils import HAS_TRITON, LazyKernel, cdiv, tl, triton
+import torch.nn.functional as F
+
+from mtpspec.ops.triton_utils import HAS_TRITON, LazyKernel, cdiv, tl, triton, use_triton
 
 if HAS_TRITON:
     def _router_kernel(logits_ptr, bias_ptr, w_ptr, ids_ptr, num_tokens, num_experts, per_group, stride_l, scale,
                        HAS_BIAS: tl.constexpr, TOP_K: tl.constexpr, K_P2: tl.constexpr, N_GROUP: tl.constexpr,
                        G_P2: tl.constexpr, TOPK_GROUP: tl.constexpr, TWO_PER_GROUP: tl.constexpr,
-                       RENORM: tl.constexpr, ROWS: tl.constexpr, BLOCK_E: tl.constexpr):
+                       RENORM: tl.constexpr, ROWS: tl.constexpr, BLOCK_E: tl.constexpr, N_SHARED: tl.constexpr):
         # ROWS token rows per program, each routed on its own ([ROWS, BLOCK_E] tiles)
         rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
         rok = rows < num_tokens
@@ -73,29 +75,75 @@ if HAS_TRITON:
             ids = tl.where(kk[None, :] == j, pick.to(tl.int64)[:, None], ids)
         if RENORM:
             w = w / (tl.sum(w, 1)[:, None] + 1e-20)
-        out = rows[:, None] * TOP_K + kk[None, :]
+        out = rows[:, None] * (TOP_K + N_SHARED) + kk[None, :]
         keep = rok[:, None] & (kk[None, :] < TOP_K)
         tl.store(w_ptr + out, w * scale, mask=keep)
         tl.store(ids_ptr + out, ids, mask=keep)
+        for j in tl.static_range(N_SHARED):  # fused shared experts: ids E + j, weight 1 (unscaled)
+            tl.store(w_ptr + rows * (TOP_K + N_SHARED) + TOP_K + j, tl.full([ROWS], 1.0, tl.float32), mask=rok)
+            tl.store(ids_ptr + rows * (TOP_K + N_SHARED) + TOP_K + j,
+                     tl.full([ROWS], 0, tl.int64) + num_experts + j, mask=rok)
 
     _router = LazyKernel(_router_kernel)
+
+    def _logits_kernel(x_ptr, w_ptr, out_ptr, num_tokens, hidden, num_experts, stride_x,
+                       BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr):
+        # out[t, e] = sum_h float(x[t, h]) * w[e, h] in fp32, BLOCK_E experts per program, every token
+        ex = tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E)
+        tk = tl.arange(0, BLOCK_T)
+        eok, tok = ex < num_experts, tk < num_tokens
+        acc = tl.zeros([BLOCK_T, BLOCK_E], dtype=tl.float32)
+        for h0 in range(0, hidden, BLOCK_H):
+            hh = h0 + tl.arange(0, BLOCK_H)
+            hok = hh < hidden
+            xv = tl.load(x_ptr + tk[:, None] * stride_x + hh[None, :], mask=tok[:, None] & hok[None, :],
+                         other=0.0).to(tl.float32)
+            wv = tl.load(w_ptr + ex[:, None].to(tl.int64) * hidden + hh[None, :], mask=eok[:, None] & hok[None, :],
+                         other=0.0)
+            acc += tl.sum(xv[:, None, :] * wv[None, :, :], 2)
+        tl.store(out_ptr + tk[:, None] * num_experts + ex[None, :], acc, mask=tok[:, None] & eok[None, :])
+
+    _logits = LazyKernel(_logits_kernel)
+
+#: :func:`router_logits` runs its Triton GEMV up to this many tokens (cuBLAS above).
+LOGITS_KERNEL_MAX_TOKENS = 16
+
+
+def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``F.linear(x.float(), weight)``: the fp32 router logits ``[T, E]`` of ``x [T, H]`` (any float
+    dtype) and ``weight [E, H]`` fp32. Up to :data:`LOGITS_KERNEL_MAX_TOKENS` tokens on Triton it
+    is one launch (a GEMV, ``BLOCK_E`` experts per program, fp32 products and sums) where torch
+    pays three (the cast, cuBLAS's dot and its reduction); the sums' order differs from cuBLAS's
+    (fp32 rounding)."""
+    t, h = x.shape
+    if not (use_triton(x, weight) and 0 < t <= LOGITS_KERNEL_MAX_TOKENS and x.stride(1) == 1
+            and weight.dtype == torch.float32 and weight.is_contiguous()):
+        return F.linear(x.float(), weight)
+    e = weight.shape[0]
+    out = torch.empty(t, e, dtype=torch.float32, device=x.device)
+    bt = triton.next_power_of_2(t)
+    _logits[(cdiv(e, 2),)](x, weight, out, t, h, e, x.stride(0), BLOCK_T=bt, BLOCK_E=2,
+                           BLOCK_H=max(128, min(1024, 1024 // bt)), num_warps=4)
+    return out
 
 
 def grouped_topk_triton(router_logits: torch.Tensor, e_score_correction_bias: Optional[torch.Tensor], top_k: int,
                         num_expert_group: int = 1, topk_group: int = 1, renormalize: bool = True,
-                        routed_scaling_factor: float = 1.0, rows: Optional[int] = None
+                        routed_scaling_factor: float = 1.0, rows: Optional[int] = None, num_shared_experts: int = 0
                         ) -> Tuple[torch.Tensor, torch.Tensor]:
     """:func:`~mtpspec.layers.fused_moe.grouped_topk` as one Triton launch (module docstring).
 
     Args and returns as there (``router_logits [T, E]`` any float dtype, read in fp32; returns
     ``(topk_weights [T, top_k] float32, topk_ids [T, top_k] int64)``); the caller checks sizes.
     ``rows``: token rows per program (a power of two; default 1 on a GPU, up to 128 under the
-    interpreter, which pays per program).
+    interpreter, which pays per program). ``num_shared_experts`` ``S``: shared experts fused into the
+    routed ones (``FusedMoE.absorb_shared_experts``): the outputs get ``S`` more columns, ids
+    ``E .. E + S - 1`` with weight 1.0 (not scaled), ``[T, top_k + S]``.
     """
     t, e = router_logits.shape
     logits = router_logits if router_logits.stride(1) == 1 else router_logits.contiguous()
-    w = torch.empty(t, top_k, dtype=torch.float32, device=logits.device)
-    ids = torch.empty(t, top_k, dtype=torch.int64, device=logits.device)
+    w = torch.empty(t, top_k + num_shared_experts, dtype=torch.float32, device=logits.device)
+    ids = torch.empty(t, top_k + num_shared_experts, dtype=torch.int64, device=logits.device)
     if t == 0:
         return w, ids
     bias = e_score_correction_bias
@@ -105,8 +153,9 @@ def grouped_topk_triton(router_logits: torch.Tensor, e_score_correction_bias: Op
         logits, bias if bias is not None else logits, w, ids, t, e, per, logits.stride(0), float(routed_scaling_factor),
         HAS_BIAS=bias is not None, TOP_K=top_k, K_P2=triton.next_power_of_2(top_k), N_GROUP=num_expert_group,
         G_P2=triton.next_power_of_2(num_expert_group), TOPK_GROUP=topk_group, TWO_PER_GROUP=per >= 2,
-        RENORM=renormalize, ROWS=rows, BLOCK_E=triton.next_power_of_2(e), num_warps=4 if e <= 512 else 8)
+        RENORM=renormalize, ROWS=rows, BLOCK_E=triton.next_power_of_2(e), N_SHARED=num_shared_experts,
+        num_warps=4 if e <= 512 else 8)
     return w, ids
 
 
-__all__ = ["grouped_topk_triton"]
+__all__ = ["LOGITS_KERNEL_MAX_TOKENS", "grouped_topk_triton", "router_logits"]
