@@ -32,14 +32,15 @@ def _moe_config(n_shared, n_group):
         max_position_embeddings=64))
 
 
-def _fused_equals_unfused(n_shared, n_group, triton_interp):
+def _fused_equals_unfused(n_shared, n_group, triton_interp, dev="cpu"):
     torch.manual_seed(0)
     cfg = _moe_config(n_shared, n_group)
-    moe = Glm4MoeMoE(cfg, reduce_results=True, params_dtype=torch.float32)
+    with torch.device(dev):
+        moe = Glm4MoeMoE(cfg, reduce_results=True, params_dtype=torch.float32)
     initialize_dummy_weights(moe, low=-0.2, high=0.2)
     with torch.no_grad():
         moe.gate.e_score_correction_bias.uniform_(-0.1, 0.1)
-    xs = {t: torch.randn(t, 64, generator=torch.Generator().manual_seed(t)) for t in (1, 3, 40)}
+    xs = {t: torch.randn(t, 64, generator=torch.Generator().manual_seed(t)).to(dev) for t in (1, 3, 40)}
     with torch.no_grad():
         ref = {t: moe(x) for t, x in xs.items()}
         ref_gate = moe.gate(xs[3])
@@ -48,8 +49,8 @@ def _fused_equals_unfused(n_shared, n_group, triton_interp):
         assert not moe.fuse_shared_experts()  # nothing left to fuse
         w, ids = moe.gate(xs[3])
         assert ids.shape == (3, 3 + n_shared)
-        assert torch.equal(ids[:, 3:], torch.arange(8, 8 + n_shared).expand(3, n_shared))
-        assert torch.equal(w[:, 3:], torch.ones(3, n_shared))
+        assert torch.equal(ids[:, 3:].cpu(), torch.arange(8, 8 + n_shared).expand(3, n_shared))
+        assert torch.equal(w[:, 3:].cpu(), torch.ones(3, n_shared))
         assert torch.equal(ids[:, :3].sort(1)[0], ref_gate[1].sort(1)[0])
         out = {}
         for t, x in xs.items():
@@ -70,10 +71,9 @@ def test_fused_moe_equals_shared_mlp_plus_routed(n_shared, n_group):
 
 
 @pytest.mark.parametrize("n_shared,n_group", [(1, 1), (2, 4)])
-def test_fused_moe_kernels_equal_unfused(monkeypatch, n_shared, n_group):
-    pytest.importorskip("triton")
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    ref, out = _fused_equals_unfused(n_shared, n_group, True)
+def test_fused_moe_kernels_equal_unfused(kdev, n_shared, n_group):
+    """The Triton router, GEMMs and pair sum (a GPU, else the interpreter)."""
+    ref, out = _fused_equals_unfused(n_shared, n_group, True, kdev)
     for t in ref:
         torch.testing.assert_close(out[t]["kernel"], ref[t], rtol=1e-5, atol=1e-6, msg=lambda m: f"T={t}: {m}")
 
@@ -90,20 +90,20 @@ def test_fused_moe_tp2_equals_unfused_on_every_rank():
         assert max(rank_err.values()) < 1e-5, rank_err
 
 
-def test_router_shared_columns_torch_and_triton(monkeypatch):
+@pytest.mark.parametrize("where", ["torch", "triton"])
+def test_router_shared_columns_torch_and_triton(request, where):
+    """The shared columns after the routed ones, on the torch ops (CPU) and the Triton router."""
+    dev = request.getfixturevalue("kdev") if where == "triton" else "cpu"
     g = torch.Generator().manual_seed(1)
     logits, bias = torch.randn(5, 16, generator=g), 0.1 * torch.randn(16, generator=g)
     base = grouped_topk(logits, bias, 4, 4, 2, True, 1.5)
-    for interp in (False, True):
-        if interp:
-            pytest.importorskip("triton")
-            monkeypatch.setenv("TRITON_INTERPRET", "1")
-        w, ids = grouped_topk(logits, bias, 4, 4, 2, True, 1.5, num_shared_experts=2)
-        assert ids.shape == w.shape == (5, 6)
-        assert torch.equal(ids[:, 4:], torch.tensor([[16, 17]] * 5)) and torch.equal(w[:, 4:], torch.ones(5, 2))
-        order, base_order = ids[:, :4].argsort(1), base[1].argsort(1)
-        assert torch.equal(ids[:, :4].gather(1, order), base[1].gather(1, base_order))
-        torch.testing.assert_close(w[:, :4].gather(1, order), base[0].gather(1, base_order), rtol=1e-6, atol=1e-7)
+    w, ids = grouped_topk(logits.to(dev), bias.to(dev), 4, 4, 2, True, 1.5, num_shared_experts=2)
+    w, ids = w.cpu(), ids.cpu()
+    assert ids.shape == w.shape == (5, 6)
+    assert torch.equal(ids[:, 4:], torch.tensor([[16, 17]] * 5)) and torch.equal(w[:, 4:], torch.ones(5, 2))
+    order, base_order = ids[:, :4].argsort(1), base[1].argsort(1)
+    assert torch.equal(ids[:, :4].gather(1, order), base[1].gather(1, base_order))
+    torch.testing.assert_close(w[:, :4].gather(1, order), base[0].gather(1, base_order), rtol=1e-6, atol=1e-7)
 
 
 @pytest.fixture(scope="module")
