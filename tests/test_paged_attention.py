@@ -154,7 +154,7 @@ def test_attention_plan_depends_on_static_sizes_only() -> None:
     p = attention_plan(1, 1, 32, 8, 8192, sms=132)
     assert p == dict(rep_p=4, block_q=4, block_m=16, q_blocks=1, num_splits=32)
     assert attention_plan(64, 1, 32, 8, 8192, sms=132)["num_splits"] == 1  # 512 programs already
-    assert attention_plan(1, 1, 32, 8, 300, sms=132)["num_splits"] == 2  # no split shorter than 256 keys
+    assert attention_plan(1, 1, 32, 8, 300, sms=132)["num_splits"] == 5  # no split shorter than 64 keys
     v = attention_plan(8, 6, 32, 8, 4096, sms=132)  # verify 1 + 5: 6 rows x 4 heads -> 32 matrix rows
     assert (v["block_m"], v["block_q"], v["q_blocks"]) == (32, 8, 1)
     assert attention_plan(2, 500, 12, 1, 500, sms=132)["block_m"] == 64  # prefill, GQA 12 -> 16

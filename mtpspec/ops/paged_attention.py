@@ -60,7 +60,10 @@ PREFILL_BLOCK_M = 64
 #: Programs per SM the key split aims at (flash-decoding), and its limits.
 TARGET_PROGRAMS_PER_SM = 2
 MAX_SPLITS = 32
-MIN_KEYS_PER_SPLIT = 256
+#: 64 (one key tile): on the H200 at one sequence x 1,024 keys, 8 kv heads, a split of 64-128 keys
+#: beat 256 (16-32 splits 9.9 us against 6 splits 11.6 us; plain decoding of 8 layers 1.788 ->
+#: 1.765 ms a token); larger batches reach the program target first (BENCHMARKS.md, 2026-12-04).
+MIN_KEYS_PER_SPLIT = 64
 #: Warps per attention program.
 NUM_WARPS = 4
 #: Most values (heads x splits x head dim) one program of the split combine merges.
