@@ -194,9 +194,11 @@ class GraphedForward(EagerForward):
 
     def _set_tables(self, block_tables: torch.Tensor, b: int, bp: int) -> None:
         w = block_tables.shape[1]
-        self.block_tables[:b].fill_(-1)
+        if w < self.block_tables.shape[1]:
+            self.block_tables[:b, w:].fill_(-1)
         self.block_tables[:b, :w].copy_(block_tables[:b])
-        self.block_tables[b:bp].fill_(-1)
+        if bp > b:
+            self.block_tables[b:bp].fill_(-1)
 
     def _run(self, key: tuple, fn: Callable[[AttentionMetadata], tuple], bp: int, step: bool,
              rows: Optional[int] = None) -> tuple:
@@ -211,15 +213,17 @@ class GraphedForward(EagerForward):
         padded to ``rows`` rows and ``bp`` sequences (the module docstring's padding)."""
         b, t = self.num_seqs, ids.shape[0]
         self.ids[:t].copy_(ids)
-        self.ids[t:rows].zero_()
         self.pos[:t].copy_(pos)
-        self.pos[t:rows].zero_()
         self.slots[:t].copy_(meta.slot_mapping[:t])
-        self.slots[t:rows].fill_(-1)
+        if rows > t:  # padding rows (each skipped call is host time: it bounds a step at batch 1)
+            self.ids[t:rows].zero_()
+            self.pos[t:rows].zero_()
+            self.slots[t:rows].fill_(-1)
         self.qsl[:b + 1].copy_(meta.query_start_loc[:b + 1])
-        self.qsl[b + 1:bp + 1].fill_(t)
         self.seq_lens[:b].copy_(meta.seq_lens[:b])
-        self.seq_lens[b:bp].zero_()
+        if bp > b:
+            self.qsl[b + 1:bp + 1].fill_(t)
+            self.seq_lens[b:bp].zero_()
 
     def verify(self, ids, pos, meta, sample_rows):
         tp = self.prefill_rows
@@ -257,9 +261,10 @@ class GraphedForward(EagerForward):
     def _fill_mtp_rows(self, ids: torch.Tensor, hidden: torch.Tensor, rows: int) -> None:
         t = ids.shape[0]
         self.mtp_ids[:t].copy_(ids)
-        self.mtp_ids[t:rows].zero_()
         self.hidden_in[:t].copy_(hidden)
-        self.hidden_in[t:rows].zero_()
+        if rows > t:
+            self.mtp_ids[t:rows].zero_()
+            self.hidden_in[t:rows].zero_()
 
     def mtp_first(self, ids, pos, hidden, meta, spec_step_idx):
         bp, tp, v = self.active, self.prefill_rows, self.step_k
@@ -304,17 +309,18 @@ class GraphedForward(EagerForward):
             return super().mtp_step(ids, pos, hidden, meta, spec_step_idx, top)
         b = self.num_seqs
         self.s_ids[:b].copy_(ids)
-        self.s_ids[b:bp].zero_()
         self.s_pos[:b].copy_(pos)
-        self.s_pos[b:bp].zero_()
         self.s_slots[:b].copy_(meta.slot_mapping)
-        self.s_slots[b:bp].fill_(-1)
         self.s_qsl[:b + 1].copy_(meta.query_start_loc)
-        self.s_qsl[b + 1:bp + 1].fill_(b)
         self.s_seq_lens[:b].copy_(meta.seq_lens)
-        self.s_seq_lens[b:bp].zero_()
         self.s_hidden[:b].copy_(hidden)
-        self.s_hidden[b:bp].zero_()
+        if bp > b:  # padding sequences
+            self.s_ids[b:bp].zero_()
+            self.s_pos[b:bp].zero_()
+            self.s_slots[b:bp].fill_(-1)
+            self.s_qsl[b + 1:bp + 1].fill_(b)
+            self.s_seq_lens[b:bp].zero_()
+            self.s_hidden[b:bp].zero_()
         key = ("step", bp, spec_step_idx, top is not None)
         out, tok = self._run(key, self._step_fn(bp, spec_step_idx, top), bp, step=True)
         return out[:b], (tok[:b] if tok is not None else None)

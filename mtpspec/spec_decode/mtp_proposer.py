@@ -52,7 +52,7 @@ drive MTP index sharing (sparse-attention models, ``index_share_for_mtp_iteratio
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -203,19 +203,28 @@ class MTPProposer(Proposer):
                                                 logits_out=st.local_logits[step, :n])
         return pick.token_ids
 
-    def _step_metadata(self, inp: PreparedStep, positions: torch.Tensor,
-                       host_positions: Optional[list]) -> AttentionMetadata:
-        b = positions.shape[0]
-        bs = self.block_size
-        rows = torch.arange(b, device=positions.device)
-        slots = inp.block_tables[rows, positions // bs].long() * bs + positions % bs
-        seq_lens = (positions + 1).to(torch.int32)
+    def _steps_metadata(self, inp: PreparedStep, base: torch.Tensor, k: int,
+                        host_base: Optional[list]) -> List[Tuple[AttentionMetadata, torch.Tensor]]:
+        """``(metadata, clamped positions [B])`` of draft steps ``1 .. k - 1``: each sequence's one
+        row at position ``base + step``; built for every step at once (one set of small ops per
+        draft round instead of one per step: host time, which bounds a step at batch 1)."""
+        b, bs = base.shape[0], self.block_size
+        if k <= 1:
+            return []
+        pos = base.unsqueeze(0) + torch.arange(1, k, device=base.device).unsqueeze(1)  # [k - 1, B]
+        blocks = torch.gather(inp.block_tables[:b], 1, (pos // bs).t()).t()
+        slots = blocks.long() * bs + pos % bs
+        seq_lens = (pos + 1).to(torch.int32)
+        clamped = pos.clamp(max=self.max_position - 1)
+        qsl = torch.arange(b + 1, device=base.device, dtype=torch.int32)
         upper = max(inp.attn_metadata.seq_lens_list) + self.k  # host bound, no sync
-        return AttentionMetadata(
-            query_start_loc=torch.arange(b + 1, device=positions.device, dtype=torch.int32),
-            seq_lens=seq_lens, slot_mapping=slots, block_tables=inp.block_tables, num_seqs=b, max_query_len=1,
-            max_seq_len=upper, query_lens=[1] * b,
-            seq_lens_list=[p + 1 for p in host_positions] if host_positions is not None else [])
+        out = []
+        for i in range(k - 1):
+            host = [p + i + 2 for p in host_base] if host_base is not None else []
+            out.append((AttentionMetadata(query_start_loc=qsl, seq_lens=seq_lens[i], slot_mapping=slots[i],
+                                          block_tables=inp.block_tables, num_seqs=b, max_query_len=1,
+                                          max_seq_len=upper, query_lens=[1] * b, seq_lens_list=host), clamped[i]))
+        return out
 
     @staticmethod
     def _first_pass_ids(inp: PreparedStep, new_token_ids: torch.Tensor, last_rows: torch.Tensor) -> torch.Tensor:
@@ -301,13 +310,10 @@ class MTPProposer(Proposer):
             st.base[:b].copy_(base)
         drafts = [self._top(hidden, 0)]
         self.on_multi_step_decode_begin(b, k - 1)
-        for step in range(1, k):
-            pos = base + step
-            host_pos = None
-            if host_last_row_offsets is not None:
-                host_pos = [s + a + step for s, a in zip(inp.host_start_positions, host_last_row_offsets)]
-            meta = self._step_metadata(inp, pos, host_pos)
-            clamped = pos.clamp(max=self.max_position - 1)
+        host_base = None
+        if host_last_row_offsets is not None:
+            host_base = [s + a for s, a in zip(inp.host_start_positions, host_last_row_offsets)]
+        for step, (meta, clamped) in enumerate(self._steps_metadata(inp, base, k, host_base), start=1):
             out, tok = fwd.mtp_step(drafts[-1], clamped, hidden, meta, step, self._top)
             if step < k - 1:  # later steps on other layers read this row from their caches
                 for layer in used:
