@@ -15,6 +15,8 @@
 #                                                  # tokens vs their floor, launch-shape sweep, engine step 1/16/64
 #   bash benchmarks/run_goals_h200.sh plain OUT     # issue 18: plain decoding at batch 1 (LLM.generate) vs the
 #                                                  # weight-read floor, async scheduling on (k = 0 step ahead) / off
+#   bash benchmarks/run_goals_h200.sh skinny OUT    # issue 18: few-row bf16 GEMM vs cuBLAS (+ sweep), plain decoding
+#                                                  # with it on / off, engine step wall vs graph sum (8 layers)
 #   bash benchmarks/run_goals_h200.sh demo-sd OUT   # issue 16: the demo model's MTP layer self-distilled on GSM8K +
 #                                                  # generated prompts (target frozen), then GSM8K k = 1 / 3 fp32
 set -u
@@ -64,6 +66,16 @@ moe-decode)  # issue 18's decode-size MoE: one-program align + router (first GPU
       --out "$OUT/moe_sweep.json"
   step 200 engine_air python3 benchmarks/bench_engine_step.py --graph-mode cuda --layers 3 --batch-sizes 1,16,64 \
       --json "$OUT/engine_air.json" ;;
+skinny)  # issue 18: the opt-in few-row GEMM (mtpspec/ops/skinny_gemm.py), first GPU run; then whether to turn it on
+  step 120 skinny_tests python3 -m pytest -q tests/test_skinny_gemm.py tests/test_shared_experts_fusion.py
+  step 150 skinny_bench python3 benchmarks/bench_skinny_gemm.py --out "$OUT/skinny.json"
+  step 240 skinny_sweep python3 benchmarks/bench_skinny_gemm.py --sweep --shapes air.qkv,air.o_proj,dsv3.o_proj \
+      --rows 1,4 --out "$OUT/skinny_sweep.json"
+  MTPSPEC_SKINNY_GEMM_MAX_M=16 step 100 plain_skinny python3 benchmarks/bench_plain_decode.py --layers 8 --arms on \
+      --json "$OUT/plain_skinny.json"
+  step 100 plain_cublas python3 benchmarks/bench_plain_decode.py --layers 8 --arms on --json "$OUT/plain_cublas.json"
+  step 200 async_graph_sum python3 benchmarks/bench_async_scheduling.py --batch-sizes 1,64 --layers 8 \
+      --json "$OUT/async_8l.json" ;;
 plain)  # issue 18's end-to-end goal: <= 1.4x the weight-read floor; first GPU run of the k = 0 step ahead
   step 150 async_tests python3 -m pytest -q -x tests/test_async_scheduling.py
   step 400 plain_decode python3 benchmarks/bench_plain_decode.py --layers 8 --json "$OUT/plain_decode_8l.json" ;;

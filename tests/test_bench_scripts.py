@@ -45,3 +45,11 @@ def test_bench_attention_splits_smoke(tmp_path):
     assert [(r["batch"], r["query_len"]) for r in rows] == [(1, 1), (1, 4), (2, 1), (2, 4)]
     # every split count timed (outputs checked equal inside the script), the plan's among them
     assert all(set(r["ms"]) >= {"1", "2", "4", str(r["planned_splits"])} and r["best_ms"] > 0 for r in rows)
+
+
+def test_bench_skinny_gemm_smoke(tmp_path):
+    out = tmp_path / "skinny.json"
+    _run("bench_skinny_gemm.py", "--out", str(out))
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["shape"], r["rows"]) for r in rows] == [("smoke.a", 1), ("smoke.a", 5), ("smoke.b", 1), ("smoke.b", 5)]
+    assert all(r["err"] < 1e-2 and r["cublas_ms"] > 0 and r["skinny_ms"] > 0 for r in rows)

@@ -33,6 +33,7 @@ from mtpspec.distributed import (
 from mtpspec.layers.fp8 import (
     check_column_cut, copy_scale_rows, current_fp8_block, fp8_param, rows_aligned, scale_param)
 from mtpspec.layers.weight_utils import check_full_tensor, copy_into, default_weight_loader
+from mtpspec.ops import skinny_gemm
 from mtpspec.ops.fp8_gemm import fp8_block_linear
 from mtpspec.ops.triton_utils import cdiv
 
@@ -104,7 +105,7 @@ class LinearBase(nn.Module):
 
     def _linear(self, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
         if self.fp8_block is None:
-            return F.linear(x, self.weight, bias)
+            return skinny_gemm.linear(x, self.weight, bias)  # F.linear unless the few-row kernel is on
         return fp8_block_linear(x, self.weight, self.weight_scale_inv, self.scale_block_n, self.fp8_block[1], bias)
 
     def _new_param(self, *shape: int) -> nn.Parameter:
