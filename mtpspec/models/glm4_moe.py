@@ -160,7 +160,7 @@ class Glm4MoeAttention(nn.Module):
             q = self.q_norm(q.reshape(t, self.num_heads, self.head_dim)).reshape(t, self.q_size)
             k = self.k_norm(k.reshape(t, self.num_kv_heads, self.head_dim)).reshape(t, self.kv_size)
         q, k = self.rotary_emb(positions, q, k)
-        out = self.o_proj(self.attn(q, k, v.contiguous()))
+        out = self.o_proj(self.attn(q, k, v))  # v: strided rows of qkv; the cache write and attention take them
         return tensor_model_parallel_all_reduce(out) if reduce_output else out
 
     def write_kv_cache(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> None:
@@ -185,7 +185,7 @@ class Glm4MoeAttention(nn.Module):
         if self.use_qk_norm:
             k = self.k_norm(k.reshape(t, self.num_kv_heads, self.head_dim)).reshape(t, self.kv_size)
         k = self.rotary_emb.forward_key(positions, k)
-        self.attn.write(k, v.contiguous())
+        self.attn.write(k, v)
 
 
 class Glm4MoeDecoderLayer(nn.Module):
