@@ -252,7 +252,8 @@ def bench_batch(runner: ModelRunner, timer: Timer, b: int, k: int, context: int,
     ids = drafts[:, 0].contiguous()
     prev = torch.randn(b, h, dtype=dtype, device=dev)
     pos = inp.start_positions + 1
-    meta = runner.proposer._step_metadata(inp, pos, (pos.tolist() if dev.type == "cpu" else None))
+    host_base = inp.start_positions.tolist() if dev.type == "cpu" else None
+    ((meta, _),) = runner.proposer._steps_metadata(inp, inp.start_positions, 2, host_base)  # step 1: start + 1
     draft_fn = runner.proposer.graph_units().draft_fn
     head = layer.shared_head.head
 

@@ -53,3 +53,12 @@ def test_bench_skinny_gemm_smoke(tmp_path):
     rows = json.loads(out.read_text())["rows"]
     assert [(r["shape"], r["rows"]) for r in rows] == [("smoke.a", 1), ("smoke.a", 5), ("smoke.b", 1), ("smoke.b", 5)]
     assert all(r["err"] < 1e-2 and r["cublas_ms"] > 0 and r["skinny_ms"] > 0 for r in rows)
+
+
+def test_bench_engine_step_smoke(tmp_path):
+    out = tmp_path / "step.json"
+    _run("bench_engine_step.py", "--json", str(out))
+    rows = json.loads(out.read_text())["rows"]
+    names = {r["row"] for r in rows}
+    assert any(n.startswith("verify step") for n in names) and any(n.startswith("draft step") for n in names)
+    assert any(n.startswith("engine step") for n in names) and all(r["eager_ms"] > 0 for r in rows)

@@ -129,6 +129,34 @@ def test_loaded_models_fused_give_the_unfused_logits(tiny):
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
 
 
+def _rank_logits(path, fuse):
+    torch.manual_seed(0)
+    target, mtp = load_models(path, dtype=torch.float32, device="cpu", fuse_shared_experts=fuse)
+    prompt = torch.tensor([3, 17, 5, 9, 40, 2, 11, 7])
+    with torch.no_grad():
+        h = target(prompt, torch.arange(len(prompt)))
+        d = mtp.get_layer(0)(mtp.embed_tokens(prompt), torch.arange(len(prompt)), h)
+        return target.compute_logits(h), mtp.compute_logits(d, 0)
+
+
+def test_fused_tp2_from_a_checkpoint_equals_unfused_tp1(tiny):
+    """Each rank's slice of the checkpoint's shared MLP (2 shared experts: gate / up rows and down
+    columns cut per rank) becomes its shared experts; tp 2 fused equals tp 1 unfused."""
+    ref = launch(_rank_logits, 1, tiny, False)[0]
+    for rank, (t, m) in enumerate(launch(_rank_logits, 2, tiny, True)):
+        torch.testing.assert_close(t, ref[0], rtol=1e-5, atol=1e-5, msg=lambda msg: f"target rank {rank}: {msg}")
+        torch.testing.assert_close(m, ref[1], rtol=1e-5, atol=1e-5, msg=lambda msg: f"MTP rank {rank}: {msg}")
+
+
+def test_export_refuses_a_fused_model(tiny):
+    from mtpspec.models import export_hf_state_dict
+    target, mtp = load_models(tiny, dtype=torch.float32, device="cpu")
+    assert any("shared_experts" in key for key in export_hf_state_dict(target, mtp))
+    target, mtp = load_models(tiny, dtype=torch.float32, device="cpu", fuse_shared_experts=True)
+    with pytest.raises(ValueError, match="fused"):
+        export_hf_state_dict(target, mtp)
+
+
 def test_engine_fuses_by_default_and_the_flag_keeps_the_mlp(tiny):
     from mtpspec import LLM, SamplingParams
     from mtpspec.engine.arg_utils import EngineArgs
@@ -140,8 +168,10 @@ def test_engine_fuses_by_default_and_the_flag_keeps_the_mlp(tiny):
         llm = LLM(tiny, device="cpu", dtype="float32", speculative_config={"method": "mtp", "num_speculative_tokens": 2},
                   disable_shared_experts_fusion=disable, max_model_len=64)
         try:
-            moes = [m for m in llm.llm_engine.executor.runner.target.modules() if isinstance(m, Glm4MoeMoE)]
-            assert moes and all((m.shared_experts is not None) == disable for m in moes)
+            runner = llm.llm_engine.executor.runner
+            for model in (runner.target, runner.mtp):  # the target's MoE layers and the MTP layer's
+                moes = [m for m in model.modules() if isinstance(m, Glm4MoeMoE)]
+                assert moes and all((m.shared_experts is not None) == disable for m in moes)
             out = llm.generate([{"prompt_token_ids": [3, 17, 5, 9]}, {"prompt_token_ids": [8, 1]}],
                                SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True), use_tqdm=False)
             tokens[disable] = [o.outputs[0].token_ids for o in out]

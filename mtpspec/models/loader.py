@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import re
 from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Set, Tuple, Union
@@ -46,6 +47,7 @@ from mtpspec.models.interfaces import WeightSpec
 from mtpspec.models.registry import get_architecture
 from mtpspec.ops.fp8_gemm import FP8_WEIGHT_DTYPE, dequantize_weight_blocks, quantize_weight_blocks, scale_grid
 
+logger = logging.getLogger(__name__)
 SUPPORTED_LOAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 SUPPORTED_FILE_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
 #: The safetensors name of FP8 weights (with ``quantization_config`` only).
@@ -444,7 +446,11 @@ def load_models(model_path: str, dtype: Optional[Union[torch.dtype, str]] = None
 def _fuse_shared_experts(*models: Optional[nn.Module]) -> int:
     """``fuse_shared_experts()`` on every module of ``models`` that has it; returns how many fused."""
     mods = [m for model in models if model is not None for m in model.modules() if hasattr(m, "fuse_shared_experts")]
-    return sum(bool(m.fuse_shared_experts()) for m in mods)
+    fused = sum(bool(m.fuse_shared_experts()) for m in mods)
+    if fused < len(mods):  # FP8 (or mixed-dtype) experts keep their shared MLP: say so once
+        logger.info("shared experts fused into the routed experts in %d of %d MoE layers (the others hold FP8 or "
+                    "mixed-dtype expert weights, which are not fused)", fused, len(mods))
+    return fused
 
 
 @torch.no_grad()
@@ -502,12 +508,18 @@ def export_hf_state_dict(target: Optional[nn.Module] = None, mtp: Optional[nn.Mo
         ``{key: CPU tensor}``, ready for :func:`save_checkpoint`.
 
     Raises:
-        ValueError: the models were built at tp > 1 (gather the shards first), or hold FP8 weights
-            (export the float checkpoint and convert it with :mod:`mtpspec.models.fp8_writer`).
+        ValueError: the models were built at tp > 1 (gather the shards first), hold FP8 weights
+            (export the float checkpoint and convert it with :mod:`mtpspec.models.fp8_writer`), or
+            had their shared experts fused into the routed ones (``load_models(...,
+            fuse_shared_experts=True)``, the engine's default: load without it to export).
         ModelConfigError: a model's architecture is not registered.
     """
     if get_tensor_model_parallel_world_size() != 1:
         raise ValueError("export_hf_state_dict needs tp-1 models (every shard is the full tensor)")
+    for model in (target, mtp):
+        if model is not None and any(getattr(m, "num_shared_fused", 0) for m in model.modules()):
+            raise ValueError("export_hf_state_dict: the model's shared experts are fused into its routed experts "
+                             "(load_models(..., fuse_shared_experts=True)); load it without fusion to export it")
     for model in (target, mtp):
         if model is not None and any(p.dtype == FP8_WEIGHT_DTYPE for p in model.parameters()):
             raise ValueError("export_hf_state_dict: the model holds FP8 block-scaled weights; export a float model "
