@@ -583,7 +583,8 @@ def test_align_and_router_kernels_compile_for_sm90():
                   "aligned": ["x_ptr", "w_ptr", "out_ptr", "hidden", "stride_x"], "num_warps": 4})
     specs.append({"module": "mtpspec.ops.moe_gemm", "kernel": "_sum_pairs",
                   "signature": {"y_ptr": "*fp32", "out_ptr": "*bf16", "hidden": "i32"},
-                  "constexprs": dict(TOPK=9, BLOCK_H=1024, BF16_BY_BITS=False), "aligned": ["y_ptr", "out_ptr", "hidden"], "num_warps": 4})
+                  "constexprs": dict(TOPK=9, BLOCK_H=1024, BF16_BY_BITS=False),
+                  "aligned": ["y_ptr", "out_ptr", "hidden"], "num_warps": 4})
     down_spec = specs[-3]
     reports = triton_utils.compile_reports(specs)
     assert len(reports) == len(specs) and down_spec["kernel"] == "_down"

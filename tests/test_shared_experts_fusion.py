@@ -2,10 +2,11 @@
 default; ``--disable-shared-experts-fusion`` turns it off).
 
 The fused MoE must equal the unfused one (shared MLP + routed experts, added) on every path:
-torch (dense, gather, grouped) and the Triton kernels (interpreter), with 1 and 2 shared experts,
-expert groups, at tp 1 and over 2 gloo ranks; the router emits the shared ids ``E ..`` with weight
-1.0 after the routed ones; models loaded with ``fuse_shared_experts`` give the unfused logits
-(target and MTP); the engine fuses by default and keeps the MLP when told not to, with the same
+torch (dense, gather, grouped) and the Triton kernels (the GPU, else the interpreter), with 1 and 2
+shared experts, expert groups, at tp 1 and over 2 gloo ranks; the router emits the shared ids
+``E ..`` with weight 1.0 after the routed ones; models loaded with ``fuse_shared_experts`` give the
+unfused logits (target and MTP), at tp 2 those of tp 1 unfused; a fused model refuses export; the
+engine fuses by default (target and MTP layers) and keeps the MLP when told not to, with the same
 greedy tokens either way.
 """
 
@@ -32,7 +33,7 @@ def _moe_config(n_shared, n_group):
         max_position_embeddings=64))
 
 
-def _fused_equals_unfused(n_shared, n_group, triton_interp, dev="cpu"):
+def _fused_equals_unfused(n_shared, n_group, kernels, dev="cpu"):
     torch.manual_seed(0)
     cfg = _moe_config(n_shared, n_group)
     with torch.device(dev):
@@ -55,7 +56,7 @@ def _fused_equals_unfused(n_shared, n_group, triton_interp, dev="cpu"):
         out = {}
         for t, x in xs.items():
             out[t] = {}
-            paths = ["kernel"] if triton_interp else ["gather", "dense", "grouped"]
+            paths = ["kernel"] if kernels else ["gather", "dense", "grouped"]
             for path in paths:
                 moe.experts.select_path = lambda *a, p=path: p
                 out[t][path] = moe(x)
@@ -165,8 +166,8 @@ def test_engine_fuses_by_default_and_the_flag_keeps_the_mlp(tiny):
     assert EngineArgs.from_cli_args(args).disable_shared_experts_fusion
     tokens = {}
     for disable in (False, True):
-        llm = LLM(tiny, device="cpu", dtype="float32", speculative_config={"method": "mtp", "num_speculative_tokens": 2},
-                  disable_shared_experts_fusion=disable, max_model_len=64)
+        llm = LLM(tiny, device="cpu", dtype="float32", max_model_len=64, disable_shared_experts_fusion=disable,
+                  speculative_config={"method": "mtp", "num_speculative_tokens": 2})
         try:
             runner = llm.llm_engine.executor.runner
             for model in (runner.target, runner.mtp):  # the target's MoE layers and the MTP layer's
