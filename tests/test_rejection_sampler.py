@@ -151,8 +151,12 @@ def _greedy_reference(drafts: list, argmax: list) -> list:
     return out + [argmax[len(drafts)]]
 
 
+@pytest.mark.parametrize("kernel", [False, True])
 @pytest.mark.parametrize("k", [1, 3, 5])
-def test_greedy_acceptance_logic(k: int) -> None:
+def test_greedy_acceptance_logic(request, k: int, kernel: bool) -> None:
+    """Against a python reference; ``kernel``: the one-launch Triton acceptance (a GPU, else the
+    interpreter: ``mtpspec.ops.accept``), else the torch ops."""
+    dev = request.getfixturevalue("kdev") if kernel else "cpu"
     g = torch.Generator().manual_seed(k)
     b, vocab = 64, 11
     logits = torch.randn(b, k + 1, vocab, generator=g)
@@ -162,7 +166,8 @@ def test_greedy_acceptance_logic(k: int) -> None:
     for r in range(b):
         m = r % (k + 1)
         drafts[r, :m] = argmax[r, :m]
-    res = RejectionSampler()(drafts, logits, _meta(b, 0.0))
+    res = RejectionSampler()(drafts.to(dev), logits.to(dev), _meta(b, 0.0))
+    res = rs.RejectionOutput(res.output_token_ids.cpu(), res.num_accepted.cpu())
     for r in range(b):
         ref = _greedy_reference(drafts[r].tolist(), argmax[r].tolist())
         got = res.output_token_ids[r].tolist()
@@ -353,3 +358,41 @@ def test_sampled_drafts_ignored_rows_sample_plainly() -> None:
     plain = Sampler()(logits[:, 0], meta, su[:, 0])
     assert (res.num_accepted == 0).all() and torch.equal(res.output_token_ids[:, 0], plain)
     del gm
+
+
+def test_greedy_accept_kernel_equals_torch(kdev) -> None:
+    """``ops.accept.greedy_accept`` (one launch) equals its torch form: every prefix length, k 1..6,
+    empty batches, strided inputs (torch fallback); int64 only, shapes checked."""
+    from mtpspec.ops.accept import greedy_accept, greedy_accept_ref
+    g = torch.Generator().manual_seed(0)
+    for k in range(1, 7):
+        b = 3 * (k + 1)
+        target = torch.randint(0, 5, (b, k + 1), generator=g)
+        drafts = torch.randint(0, 5, (b, k), generator=g)
+        for r in range(b):  # row r agrees on at least its first r % (k + 1) drafts
+            drafts[r, :r % (k + 1)] = target[r, :r % (k + 1)]
+        out, acc = greedy_accept(drafts.to(kdev), target.to(kdev))
+        ref_out, ref_acc = greedy_accept_ref(drafts, target)
+        assert torch.equal(out.cpu(), ref_out) and torch.equal(acc.cpu(), ref_acc)
+        assert set(acc.tolist()) == set(range(k + 1))
+    out, acc = greedy_accept(torch.zeros(0, 3, dtype=torch.int64, device=kdev),
+                             torch.zeros(0, 4, dtype=torch.int64, device=kdev))
+    assert out.shape == (0, 4) and acc.shape == (0,)
+    wide = torch.randint(0, 3, (4, 8), generator=g)
+    out, acc = greedy_accept(wide[:, ::2].to(kdev), torch.randint(0, 3, (4, 5), generator=g).to(kdev))
+    assert out.shape == (4, 5)
+    with pytest.raises(ValueError, match="int64"):
+        greedy_accept(torch.zeros(2, 3, dtype=torch.int32), torch.zeros(2, 4, dtype=torch.int64))
+    with pytest.raises(ValueError, match="k \\+ 1"):
+        greedy_accept(torch.zeros(2, 3, dtype=torch.int64), torch.zeros(2, 3, dtype=torch.int64))
+
+
+def test_greedy_accept_kernel_compiles_for_sm90() -> None:
+    pytest.importorskip("triton")
+    from mtpspec.ops import triton_utils
+    sig = {"d_ptr": "*i64", "t_ptr": "*i64", "out_ptr": "*i64", "acc_ptr": "*i64", "stride_d": "i32",
+           "stride_t": "i32", "stride_o": "i32"}
+    spec = {"module": "mtpspec.ops.accept", "kernel": "_greedy_accept", "signature": sig,
+            "constexprs": dict(K=3, K1_P2=4, PAD=-1), "aligned": ["d_ptr", "t_ptr", "out_ptr", "acc_ptr"],
+            "num_warps": 1}
+    assert len(triton_utils.compile_reports([spec])) == 1

@@ -356,6 +356,8 @@ class ModelRunner:
             parts.append(torch.cat([sampled.unsqueeze(1), pad], dim=1))
             q = torch.tensor(inp.host_query_lens[nd:], dtype=torch.int64)
             last.append((q - 1).to(self.device, non_blocking=True))
+        if len(parts) == 1:  # a pure-decode (or pure-prefill) step: no concatenation launches
+            return parts[0], last[0]
         return torch.cat(parts), torch.cat(last)
 
     def _propose(self, inp: PreparedStep, hidden: torch.Tensor, tokens: torch.Tensor,

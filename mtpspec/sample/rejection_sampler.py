@@ -40,10 +40,11 @@ from typing import Optional
 import torch
 
 from mtpspec.distributed import get_tensor_model_parallel_world_size, tensor_model_parallel_all_gather
+from mtpspec.ops.accept import PLACEHOLDER, greedy_accept
 from mtpspec.sample.gumbel import local_gumbel_top, pick_gumbel, scaled_logits
 from mtpspec.sample.sampler import SamplingMetadata, compute_probs, sample_inverse_cdf
 
-PLACEHOLDER_TOKEN_ID = -1
+PLACEHOLDER_TOKEN_ID = PLACEHOLDER  # -1
 
 
 @dataclass
@@ -157,9 +158,8 @@ def greedy_verify(draft_token_ids: torch.Tensor, target_logits: torch.Tensor) ->
         draft_token_ids: ``[B, k]`` int64.
         target_logits: ``[B, k + 1, V]``; row ``j`` scores the token after draft ``j``'s prefix.
     """
-    target_argmax = target_logits.argmax(dim=-1)
-    num_accepted = _leading_true_count(draft_token_ids == target_argmax[:, :-1])
-    return RejectionOutput(assemble_output_tokens(draft_token_ids, target_argmax, num_accepted), num_accepted)
+    tokens, num_accepted = greedy_accept(draft_token_ids, target_logits.argmax(dim=-1))  # one launch on a GPU
+    return RejectionOutput(tokens, num_accepted)
 
 
 def random_verify(draft_token_ids: torch.Tensor, target_logits: torch.Tensor, meta: SamplingMetadata,
