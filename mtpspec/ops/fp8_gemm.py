@@ -164,7 +164,7 @@ def fp8_block_linear_w8a8_ref(x: torch.Tensor, weight: torch.Tensor, scale: torc
 
 # ------------------------------------------------------------------------------------------- kernel
 if HAS_TRITON:
-    from mtpspec.ops.triton_helpers import quant_fp8, round_to_dtype
+    from mtpspec.ops.triton_helpers import quant_fp8, round_to_dtype, store_swap_tile
 
     @device_function
     def _group_scale(x, axis: tl.constexpr):
@@ -310,15 +310,8 @@ if HAS_TRITON:
             else:
                 d = tl.dot(w.to(tl.float32), xq.to(tl.float32))
             acc += d * sa[None, :] * sw[:, None]
-        if HAS_BIAS:
-            if pid_k == 0:
-                acc += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
-        ok = n_ok[:, None] & t_ok[None, :]
-        if SPLIT:
-            tl.store(part_ptr + pid_k.to(tl.int64) * M * N + rows[None, :] * N + cols[:, None], acc, mask=ok)
-        else:
-            y = round_to_dtype(acc, out_ptr.dtype.element_ty, BF16_BY_BITS)
-            tl.store(out_ptr + rows[None, :] * stride_om + cols[:, None], y, mask=ok)
+        store_swap_tile(acc, b_ptr, out_ptr, part_ptr, pid_k, offs_n, cols, rows, n_ok, t_ok, M, N, stride_om,
+                        HAS_BIAS, SPLIT, BF16_BY_BITS)
 
     _swap = LazyKernel(_fp8_swap_kernel)
 

@@ -35,7 +35,7 @@ PROGRAMS_PER_SM = 2
 MIN_K_STEPS_PER_SPLIT = 4
 
 if HAS_TRITON:
-    from mtpspec.ops.triton_helpers import round_to_dtype
+    from mtpspec.ops.triton_helpers import store_swap_tile
 
     def _skinny_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, M, N, K, stride_xm, stride_wn, stride_om,
                        k_per_split, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr,
@@ -66,15 +66,8 @@ if HAS_TRITON:
                 acc += tl.dot(w.to(tl.float32), xt.to(tl.float32), input_precision="ieee")
             else:
                 acc += tl.dot(w, xt)
-        if HAS_BIAS:
-            if pid_k == 0:
-                acc += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
-        ok = n_ok[:, None] & t_ok[None, :]
-        if SPLIT:
-            tl.store(part_ptr + pid_k.to(tl.int64) * M * N + rows[None, :] * N + cols[:, None], acc, mask=ok)
-        else:
-            y = round_to_dtype(acc, out_ptr.dtype.element_ty, BF16_BY_BITS)
-            tl.store(out_ptr + rows[None, :] * stride_om + cols[:, None], y, mask=ok)
+        store_swap_tile(acc, b_ptr, out_ptr, part_ptr, pid_k, offs_n, cols, rows, n_ok, t_ok, M, N, stride_om,
+                        HAS_BIAS, SPLIT, BF16_BY_BITS)
 
     _skinny = LazyKernel(_skinny_kernel)
 
@@ -143,6 +136,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] =
     """``F.linear(x, weight, bias)``, through :func:`skinny_linear` where it is switched on: at most
     :data:`SKINNY_MAX_M` rows (leading dims flattened), 16-bit x and weight of one dtype, unit
     stride in K, where :func:`~mtpspec.ops.triton_utils.use_triton` holds."""
+    if SKINNY_MAX_M <= 0:  # the default: every linear layer's call passes here first
+        return F.linear(x, weight, bias)
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     if not (0 < rows <= min(SKINNY_MAX_M, BLOCK_T) and x.dtype in (torch.bfloat16, torch.float16)
             and weight.dtype == x.dtype and weight.dim() == 2 and weight.stride(1) == 1 and x.stride(-1) == 1

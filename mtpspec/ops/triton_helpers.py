@@ -18,6 +18,8 @@
   halves for rows held whole in one block) and :func:`rms_norm_pass2` (the read-back pass of
   rows longer than one block) for the kernels whose rows live in
   ``[rows, stride]`` tensors (``rms_norm`` and the p2p backend).
+- :func:`store_swap_tile`: the epilogue (bias, split-K partial or rounded store) of the swap-AB
+  GEMMs (``fp8_gemm``'s FP8 swap kernel and ``skinny_gemm``).
 
 Where a row comes from differs (one tensor, one of two halves, a sum over peers' slots), so
 those loads stay in the kernels (as kernel-local device functions). Each function holds the same
@@ -130,3 +132,22 @@ if HAS_TRITON:
                         other=0.0).to(tl.float32)
             store_rms_normed(out_ptr, w_ptr, rows, out_stride, c, col_mask, mask, s, rstd,
                              BF16_BY_BITS)
+
+    @device_function
+    def store_swap_tile(acc, b_ptr, out_ptr, part_ptr, pid_k, offs_n, cols, rows, n_ok, t_ok, M, N, stride_om,
+                        HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, BF16_BY_BITS: tl.constexpr):
+        """The epilogue of a swap-AB GEMM program (``fp8_gemm``'s FP8 swap kernel, ``skinny_gemm``):
+        ``acc`` = the fp32 ``out^T`` tile ``[BLOCK_N, BLOCK_T]`` of weight rows ``offs_n`` (``cols``
+        as int64, mask ``n_ok``) and token rows ``rows`` (mask ``t_ok``) over K split ``pid_k``; the
+        bias (``[N]``) added once, in split 0; ``SPLIT``: stored fp32 to ``part_ptr [splits, M, N]``,
+        else rounded to ``out_ptr``'s dtype at ``out [M, N]`` (row stride ``stride_om``)."""
+        if HAS_BIAS:
+            if pid_k == 0:
+                acc += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
+        ok = n_ok[:, None] & t_ok[None, :]
+        if SPLIT:
+            tl.store(part_ptr + pid_k.to(tl.int64) * M * N + rows[None, :] * N + cols[:, None], acc, mask=ok)
+        else:
+            y = round_to_dtype(acc, out_ptr.dtype.element_ty, BF16_BY_BITS)
+            tl.store(out_ptr + rows[None, :] * stride_om + cols[:, None], y, mask=ok)
+
