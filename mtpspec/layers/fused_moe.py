@@ -135,7 +135,7 @@ class MoEGate(nn.Module):
 
     ``forward(x [T, H]) -> (topk_weights [T, top_k + S] fp32, topk_ids [T, top_k + S] int64)``;
     the logits are computed in fp32 whatever ``x``'s dtype. Both parameters are replicated and
-    always fp32 (checkpoint tensors are converted on load). ``S = num_fused_shared`` (0 unless the
+    always fp32 (checkpoint tensors are converted on load). ``S = num_shared_fused`` (0 unless the
     MoE fused its shared experts into the routed ones: then ids ``E ..`` with weight 1.0 follow).
     """
 
@@ -154,12 +154,12 @@ class MoEGate(nn.Module):
             self.e_score_correction_bias.weight_loader = _replicated_loader
         else:
             self.register_parameter("e_score_correction_bias", None)
-        self.num_fused_shared = 0
+        self.num_shared_fused = 0
 
     def forward(self, x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
         logits = router_logits(x, self.weight)  # F.linear(x.float(), weight); one launch at decode sizes
         return grouped_topk(logits, self.e_score_correction_bias, self.top_k, self.num_expert_group,
-                            self.topk_group, self.renormalize, self.routed_scaling_factor, self.num_fused_shared)
+                            self.topk_group, self.renormalize, self.routed_scaling_factor, self.num_shared_fused)
 
 
 def _replicated_loader(param: nn.Parameter, loaded_weight: torch.Tensor, loaded_shard_id: object = None) -> None:
@@ -193,8 +193,9 @@ class FusedMoE(nn.Module):
     Attributes:
         w13_weight: ``[E (+ S), 2 * I / tp, H]``, per expert ``[gate_r | up_r]``.
         w2_weight: ``[E (+ S), H, I / tp]``, per expert the down projection's columns of this rank.
+        num_total_experts: ``E + S`` (property: the weights' expert count).
         num_shared_fused: ``S``, shared experts appended as experts ``E .. E + S - 1`` by
-            :meth:`absorb_shared_experts` (0 until then).
+            :meth:`absorb_shared_experts` (0 until then; property, from the weights).
         fp8_block: ``(block_n, block_k)`` when built inside :func:`~mtpspec.layers.fp8.fp8_weights`
             (then both weights are ``float8_e4m3fn`` with float32 ``w13_weight_scale_inv [E,
             ceil(2 I / tp / w13_scale_block_n), ceil(H / block_k)]`` and ``w2_weight_scale_inv
@@ -231,7 +232,14 @@ class FusedMoE(nn.Module):
         self.dense_budget_bytes = dense_budget_bytes
         self.gather_budget_bytes = gather_budget_bytes
         self.kernel_budget_bytes = kernel_budget_bytes
-        self.num_shared_fused = 0
+
+    @property
+    def num_total_experts(self) -> int:
+        return self.w13_weight.shape[0]
+
+    @property
+    def num_shared_fused(self) -> int:
+        return self.num_total_experts - self.num_experts
 
     @torch.no_grad()
     def absorb_shared_experts(self, gate_up: torch.Tensor, down: torch.Tensor, num_shared: int) -> None:
@@ -265,7 +273,6 @@ class FusedMoE(nn.Module):
         w2[e:] = down.view(h, s, ip).transpose(0, 1)
         self.w13_weight = nn.Parameter(w13, requires_grad=False)
         self.w2_weight = nn.Parameter(w2, requires_grad=False)
-        self.num_shared_fused = s
 
     def _new_weights(self) -> None:
         e, h, ip = self.num_experts, self.hidden_size, self.intermediate_size_per_partition
@@ -368,7 +375,7 @@ class FusedMoE(nn.Module):
         """The path :meth:`forward` takes for ``num_tokens`` rows like ``x`` (see :func:`moe_path`)."""
         if self.fp8_block is not None:
             return "fp8"
-        return moe_path(num_tokens, top_k, self.w13_weight.shape[0], self.hidden_size,
+        return moe_path(num_tokens, top_k, self.num_total_experts, self.hidden_size,
                         self.intermediate_size_per_partition, self.w13_weight.element_size(),
                         use_triton(x, self.w13_weight) and x.dtype in FLOAT_DTYPES and x.dtype == self.w13_weight.dtype,
                         self.kernel_budget_bytes, self.gather_budget_bytes, self.dense_budget_bytes)
@@ -427,7 +434,7 @@ class FusedMoE(nn.Module):
 
     def _forward_dense(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         # Every expert on every token, unrouted (expert, token) products zeroed: sync-free.
-        t, e = x.shape[0], self.w13_weight.shape[0]
+        t, e = x.shape[0], self.num_total_experts
         combine = torch.zeros(t, e, dtype=torch.float32, device=x.device)
         combine.scatter_add_(1, topk_ids, topk_weights.float())  # [T, E], zero for unrouted experts
         gate_up = torch.matmul(x.unsqueeze(0), self.w13_weight.transpose(1, 2))  # [E, T, 2 I/tp]
@@ -440,7 +447,7 @@ class FusedMoE(nn.Module):
         if x.shape[0]:
             flat_ids = topk_ids.reshape(-1)
             order = torch.argsort(flat_ids, stable=True)
-            counts = torch.bincount(flat_ids, minlength=self.w13_weight.shape[0]).tolist()  # host sync
+            counts = torch.bincount(flat_ids, minlength=self.num_total_experts).tolist()  # host sync
             token_of = order // topk_ids.shape[1]
             start = 0
             for eid, n in enumerate(counts):

@@ -110,7 +110,7 @@ class Glm4MoeMoE(nn.Module):
             return False
         n = gate_up.shape[0] // (2 * self.experts.intermediate_size_per_partition)
         self.experts.absorb_shared_experts(gate_up.data, down.data, n)
-        self.gate.num_fused_shared = n
+        self.gate.num_shared_fused = n
         self.shared_experts = None
         return True
 

@@ -43,6 +43,7 @@ from torch import nn
 from mtpspec.config import LOAD_FORMATS, ModelConfig
 from mtpspec.distributed import get_tensor_model_parallel_world_size, get_tp_group
 from mtpspec.layers.fp8 import fp8_weights
+from mtpspec.layers.fused_moe import FusedMoE
 from mtpspec.models.interfaces import WeightSpec
 from mtpspec.models.registry import get_architecture
 from mtpspec.ops.fp8_gemm import FP8_WEIGHT_DTYPE, dequantize_weight_blocks, quantize_weight_blocks, scale_grid
@@ -517,10 +518,9 @@ def export_hf_state_dict(target: Optional[nn.Module] = None, mtp: Optional[nn.Mo
     if get_tensor_model_parallel_world_size() != 1:
         raise ValueError("export_hf_state_dict needs tp-1 models (every shard is the full tensor)")
     for model in (target, mtp):
-        if model is not None and any(getattr(m, "num_shared_fused", 0) for m in model.modules()):
+        if model is not None and any(isinstance(m, FusedMoE) and m.num_shared_fused for m in model.modules()):
             raise ValueError("export_hf_state_dict: the model's shared experts are fused into its routed experts "
                              "(load_models(..., fuse_shared_experts=True)); load it without fusion to export it")
-    for model in (target, mtp):
         if model is not None and any(p.dtype == FP8_WEIGHT_DTYPE for p in model.parameters()):
             raise ValueError("export_hf_state_dict: the model holds FP8 block-scaled weights; export a float model "
                              "and convert it with mtpspec.models.fp8_writer")

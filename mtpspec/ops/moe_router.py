@@ -20,7 +20,6 @@ from __future__ import annotations
 from typing import Optional, Tuple
 
 import torch
-
 import torch.nn.functional as F
 
 from mtpspec.ops.triton_utils import HAS_TRITON, LazyKernel, cdiv, tl, triton, use_triton
