@@ -3,12 +3,13 @@
 :class:`Timer`: median milliseconds of a call, eagerly (CUDA events on the GPU, ``perf_counter``
 on the CPU) and as a replayed CUDA graph; :func:`read_bandwidth`: the device's read bandwidth
 (``x.sum()`` over a large bf16 tensor), the denominator of memory floors; :func:`fmt` prints an
-optional figure.
+optional figure; :func:`cuda_kernel_times`: a ``torch.profiler`` profile's GPU busy time and
+per-kernel totals.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional, Tuple
+from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch
 
@@ -63,3 +64,26 @@ def read_bandwidth(device: torch.device, cpu_bytes: int = 64 << 20, warmup: int 
 def fmt(x: Optional[float], d: int = 3) -> str:
     """``x`` with ``d`` decimals, ``-`` for None."""
     return "-" if x is None else f"{x:.{d}f}"
+
+
+def cuda_kernel_times(prof: Any) -> Tuple[float, Dict[str, float]]:
+    """``(busy ms, {kernel name: summed ms})`` of a ``torch.profiler`` profile's CUDA kernels
+    (inside CUDA graphs too, as CUPTI reports them); busy = the union of their intervals, so
+    overlapping kernels count once and every gap between kernels (host or in-graph launch
+    latency) counts as idle."""
+    spans, by_name = [], {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.elapsed_us() > 0:
+            spans.append((e.time_range.start, e.time_range.end))
+            by_name[e.name] = by_name.get(e.name, 0.0) + e.time_range.elapsed_us() / 1e3
+    spans.sort()
+    busy, cur_s, cur_e = 0.0, None, None
+    for s, t in spans:
+        if cur_e is None or s > cur_e:
+            busy += 0.0 if cur_e is None else cur_e - cur_s
+            cur_s, cur_e = s, t
+        else:
+            cur_e = max(cur_e, t)
+    if cur_e is not None:
+        busy += cur_e - cur_s
+    return busy / 1e3, by_name

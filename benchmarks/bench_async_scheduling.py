@@ -36,6 +36,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from benchmarks._timing import cuda_kernel_times  # noqa: E402
 from benchmarks.bench_engine_step import glm_air_config_dict  # noqa: E402
 from mtpspec import LLM, SamplingParams  # noqa: E402
 from mtpspec.spec_decode.forced_acceptance import ForcedAcceptance, enable_forced_acceptance  # noqa: E402
@@ -46,26 +47,6 @@ def write_config(folder: str, smoke: bool, layers: int) -> None:
     raw["torch_dtype"] = "float32" if smoke else "bfloat16"
     with open(os.path.join(folder, "config.json"), "w") as f:
         json.dump(raw, f)
-
-
-def busy_ms(prof: Any) -> float:
-    """Union of the CUDA kernel intervals in a profile, milliseconds."""
-    spans = []
-    for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.elapsed_us() > 0:
-            spans.append((e.time_range.start, e.time_range.end))
-    spans.sort()
-    total, cur_s, cur_e = 0.0, None, None
-    for s, e in spans:
-        if cur_e is None or s > cur_e:
-            if cur_e is not None:
-                total += cur_e - cur_s
-            cur_s, cur_e = s, e
-        else:
-            cur_e = max(cur_e, e)
-    if cur_e is not None:
-        total += cur_e - cur_s
-    return total / 1e3
 
 
 class HostPhases:
@@ -190,7 +171,7 @@ def run_arm(folder: str, args: argparse.Namespace, b: int, on: bool) -> Dict[str
         busy = None
         if prof is not None:
             prof.__exit__(None, None, None)
-            busy = busy_ms(prof) / args.steps
+            busy = cuda_kernel_times(prof)[0] / args.steps
         n = eng.metrics.num_steps - steps0
         # the same loop without the profiler (its own overhead)
         running = len(eng.scheduler.running)

@@ -33,13 +33,13 @@ import statistics
 import sys
 import tempfile
 import time
-from typing import Any, Callable, Dict, List, Tuple
+from typing import Any, Callable, Dict, List
 
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from benchmarks._timing import read_bandwidth  # noqa: E402
+from benchmarks._timing import cuda_kernel_times, read_bandwidth  # noqa: E402
 from benchmarks.bench_engine_step import glm_air_config_dict  # noqa: E402
 from mtpspec import LLM, SamplingParams  # noqa: E402
 
@@ -59,24 +59,6 @@ def floor_bytes(cfg: Dict[str, Any], context: int, elem: int) -> int:
     return weights + kv
 
 
-def _kernels(prof: Any) -> Tuple[float, Dict[str, float]]:
-    """(GPU busy ms: the union of the kernel intervals, {kernel name: summed ms}) of one profile."""
-    spans, by_name = [], {}
-    for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.elapsed_us() > 0:
-            spans.append((e.time_range.start, e.time_range.end))
-            by_name[e.name] = by_name.get(e.name, 0.0) + e.time_range.elapsed_us() / 1e3
-    spans.sort()
-    busy, cur_s, cur_e = 0.0, None, None
-    for s, t in spans + [(float("inf"), float("inf"))]:
-        if cur_e is None or s > cur_e:
-            busy += 0.0 if cur_e is None else cur_e - cur_s
-            cur_s, cur_e = s, t
-        else:
-            cur_e = max(cur_e, t)
-    return busy / 1e3, by_name
-
-
 def profile_decode(run: Callable[[int], float], tokens: int) -> Dict[str, Any]:
     """Per decode token: GPU busy ms and each kernel's ms (``--profile``), from a ``tokens`` run minus a
     1-token run (kernels inside CUDA graphs included, as CUPTI reports them)."""
@@ -84,7 +66,7 @@ def profile_decode(run: Callable[[int], float], tokens: int) -> Dict[str, Any]:
     for n in (tokens, 1):
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
             wall = run(n)
-        out.append((wall,) + _kernels(prof))
+        out.append((wall,) + cuda_kernel_times(prof))
     (wall_n, busy_n, k_n), (wall_1, busy_1, k_1) = out
     per = {name: (ms - k_1.get(name, 0.0)) / (tokens - 1) for name, ms in k_n.items()}
     top = sorted(per.items(), key=lambda kv: -kv[1])[:25]
