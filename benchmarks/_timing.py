@@ -9,7 +9,7 @@ per-kernel totals.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -34,6 +34,12 @@ class Timer:
     def graph(self, fn: Callable[[], Any], why_chars: int = 70) -> Tuple[Optional[float], Optional[str]]:
         """``(median replay ms, None)``, or ``(None, why)`` when capture is impossible (CPU, or an
         op that synchronises with the host: the exception's first line, ``why_chars`` at most)."""
+        g, why = self.capture(fn, why_chars)
+        return (None, why) if g is None else (self.eager(g.replay), None)
+
+    def capture(self, fn: Callable[[], Any], why_chars: int = 70) -> Tuple[Optional[Any], Optional[str]]:
+        """``(torch.cuda.CUDAGraph of fn, None)`` after ``warmup`` calls on a side stream, or
+        ``(None, why)`` as :meth:`graph` says."""
         if not self.cuda:
             return None, "CPU"
         try:
@@ -49,7 +55,41 @@ class Timer:
         except Exception as exc:  # noqa: BLE001 - report why capture is impossible
             torch.cuda.synchronize()
             return None, f"{type(exc).__name__}: {str(exc).splitlines()[0][:why_chars]}"
-        return self.eager(g.replay), None
+        return g, None
+
+    def kernel_profile(self, fn: Callable[[], Any], replays: int = 50) -> Optional[Dict[str, Any]]:
+        """Per-replay CUPTI kernel times of ``fn`` captured as a CUDA graph: ``{"busy_ms", "span_ms",
+        "kernels": [(name, us per replay, launches per replay), ...] longest first}``; ``span_ms`` is
+        first kernel start to last kernel end of one replay (median), so ``span - busy`` is the
+        launch gaps inside the graph. None on the CPU or when capture fails."""
+        g, _ = self.capture(fn)
+        if g is None:
+            return None
+        from torch.profiler import ProfilerActivity, profile
+        for _ in range(3):
+            g.replay()
+        torch.cuda.synchronize()
+        spans = []
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(replays):
+                g.replay()
+                torch.cuda.synchronize()
+        busy, by_name = cuda_kernel_times(prof)
+        counts: Dict[str, int] = {}
+        starts: List[Tuple[float, float]] = []
+        for e in prof.events():
+            if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.elapsed_us() > 0:
+                counts[e.name] = counts.get(e.name, 0) + 1
+                starts.append((e.time_range.start, e.time_range.end))
+        starts.sort()
+        per = max(1, len(starts) // replays)
+        for i in range(0, per * replays, per):  # one replay's kernels are consecutive (synchronised)
+            chunk = starts[i:i + per]
+            spans.append((max(t for _, t in chunk) - chunk[0][0]) / 1e3)
+        spans.sort()
+        return {"busy_ms": busy / replays, "span_ms": spans[len(spans) // 2] if spans else None,
+                "kernels": sorted(((n[:90], ms / replays * 1e3, counts[n] / replays) for n, ms in by_name.items()),
+                                  key=lambda r: -r[1])}
 
 
 def read_bandwidth(device: torch.device, cpu_bytes: int = 64 << 20, warmup: int = 3) -> float:

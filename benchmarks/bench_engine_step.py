@@ -80,6 +80,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--graph-mode", default="auto", choices=["auto", "off", "cuda"],
                    help="the engine runner's CUDA-graph mode for the 'engine step' row")
+    p.add_argument("--profile-kernels", action="store_true",
+                   help="also list each graphed row's CUPTI kernel times per replay (GPU; the verify step, the "
+                        "draft step and the MTP block)")
     p.add_argument("--json", help="write the results to this file")
     p.add_argument("--smoke", action="store_true", help="tiny model on CPU")
     return p.parse_args(argv)
@@ -204,7 +207,8 @@ def decode_step(b: int, k: int, context: int, vocab: int, blocks_per_seq: int) -
     return StepInput(seqs)
 
 
-def bench_batch(runner: ModelRunner, timer: Timer, b: int, k: int, context: int, bw: float) -> List[Dict[str, Any]]:
+def bench_batch(runner: ModelRunner, timer: Timer, b: int, k: int, context: int, bw: float,
+                profile: bool = False) -> List[Dict[str, Any]]:
     target, mtp = runner.target, runner.mtp
     cfg = target.config
     dev, dtype = runner.device, runner.kv_dtype
@@ -226,6 +230,8 @@ def bench_batch(runner: ModelRunner, timer: Timer, b: int, k: int, context: int,
         floor = floor_bytes / bw * 1e3
         rows.append(dict(batch=b, row=name, eager_ms=eager, graph_ms=g_ms, graph_note=why, floor_ms=floor,
                          eager_x=eager / floor if floor else None, graph_x=(g_ms / floor) if g_ms else None))
+        if profile and g_ms and (not name.startswith("  ") or "block" in name):  # top-level rows and the block
+            rows[-1]["kernels"] = timer.kernel_profile(fn)
 
     # ---- verify step
     drafts = inp.draft_token_ids
@@ -385,7 +391,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     rows: List[Dict[str, Any]] = []
     with torch.inference_mode():
         for b in batches:
-            rows += bench_batch(runner, timer, b, k, args.context, bw)
+            rows += bench_batch(runner, timer, b, k, args.context, bw, args.profile_kernels)
     print(f"device {torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}, {dtype}, hidden "
           f"{cfg.hidden_size}, vocab {cfg.vocab_size}, {args.layers} layers + 1 MTP, k={k}, context {args.context}; "
           f"weights {'FP8 128x128 block-scaled' if args.fp8_weights else 'model dtype'}, KV cache {args.kv_cache_dtype}")
@@ -395,6 +401,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
               f"experts of {cfg.moe_intermediate_size}, top {cfg.num_experts_per_tok} ({cfg.n_group} groups, top "
               f"{cfg.topk_group}), first {cfg.first_k_dense_replace} dense ({cfg.intermediate_size})")
     print(table(rows, bw))
+    for r in rows:
+        prof = r.get("kernels")
+        if prof:
+            print(f"\nB={r['batch']} {r['row'].strip()}: kernels busy {prof['busy_ms'] * 1e3:.1f} us, first start to "
+                  f"last end {prof['span_ms'] * 1e3:.1f} us per replay")
+            for name, us, n in prof["kernels"]:
+                print(f"  {us:8.2f} us  x{n:<4.1f} {name}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(args=vars(args), bandwidth=bw, rows=rows), f, indent=1)

@@ -69,13 +69,17 @@ moe-decode)  # issue 18's decode-size MoE: one-program align + router (first GPU
 skinny)  # issue 18: the opt-in few-row GEMM (mtpspec/ops/skinny_gemm.py), first GPU run; then whether to turn it on
   step 120 skinny_tests python3 -m pytest -q tests/test_skinny_gemm.py tests/test_shared_experts_fusion.py
   step 150 skinny_bench python3 benchmarks/bench_skinny_gemm.py --out "$OUT/skinny.json"
-  step 240 skinny_sweep python3 benchmarks/bench_skinny_gemm.py --sweep --shapes air.qkv,air.o_proj,dsv3.o_proj \
-      --rows 1,4 --out "$OUT/skinny_sweep.json"
-  MTPSPEC_SKINNY_GEMM_MAX_M=16 step 100 plain_skinny python3 benchmarks/bench_plain_decode.py --layers 8 --arms on \
-      --json "$OUT/plain_skinny.json"
-  step 100 plain_cublas python3 benchmarks/bench_plain_decode.py --layers 8 --arms on --json "$OUT/plain_cublas.json"
+  for arm in cublas skinny; do  # verify / draft step / MTP block with their kernels listed (batch 1)
+    [ $arm = skinny ] && export MTPSPEC_SKINNY_GEMM_MAX_M=16
+    step 150 engine_$arm python3 benchmarks/bench_engine_step.py --graph-mode cuda --layers 3 --batch-sizes 1,64 \
+        --profile-kernels --json "$OUT/engine_air3_$arm.json"
+    step 100 plain_$arm python3 benchmarks/bench_plain_decode.py --layers 8 --arms on --json "$OUT/plain_$arm.json"
+    unset MTPSPEC_SKINNY_GEMM_MAX_M
+  done
   step 200 async_graph_sum python3 benchmarks/bench_async_scheduling.py --batch-sizes 1,64 --layers 8 \
-      --json "$OUT/async_8l.json" ;;
+      --json "$OUT/async_8l.json"
+  step 240 skinny_sweep python3 benchmarks/bench_skinny_gemm.py --sweep --shapes air.qkv,air.o_proj,dsv3.o_proj \
+      --rows 1,4 --out "$OUT/skinny_sweep.json" ;;
 plain)  # issue 18's end-to-end goal: <= 1.4x the weight-read floor; first GPU run of the k = 0 step ahead
   step 150 async_tests python3 -m pytest -q -x tests/test_async_scheduling.py
   step 400 plain_decode python3 benchmarks/bench_plain_decode.py --layers 8 --json "$OUT/plain_decode_8l.json" ;;
