@@ -15,7 +15,8 @@ steps are alike) and ``ignore_eos``. Over ``--steps`` pure-decode steps (after w
 * ``graph sum``: the issue's own measure, the sum of the step's CUDA-graph replays (the graphs
   one step replays, recorded, each then replayed alone: CUDA events, median of 20; after the
   timed loops, on the engine's own buffers); ``wall / graph sum`` (goal <= 1.05) still counts
-  the few ops outside graphs (acceptance, buffer fills) as host.
+  the few ops outside graphs (acceptance, buffer fills) as host; ``outside_graphs_us`` lists those
+  kernels (per step: the profiled step's launches minus the graphs' own).
 
 Both arms in one process, one engine each. Prints JSON (``--json OUT`` also writes it).
 Usage: ``python3 benchmarks/bench_async_scheduling.py [--batch-sizes 1,64] [--layers 8]``.
@@ -137,8 +138,35 @@ def graph_replay_sum(llm: Any, steps: int = 5, reps: int = 20) -> Any:
             if i >= 3:
                 times.append(e0.elapsed_time(e1))
         per[key] = sorted(times)[len(times) // 2]
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for key in keys:  # the recorded replays once more: the kernels the graphs run per step
+            fwd.graphs[key][0].replay()
+        torch.cuda.synchronize()
     return dict(ms=sum(per[key] for key in keys) / steps, replays_per_step=len(keys) / steps,
-                per_graph_ms={str(k): round(v, 4) for k, v in per.items()})
+                per_graph_ms={str(k): round(v, 4) for k, v in per.items()},
+                kernels=kernel_counts(prof, steps))
+
+
+def kernel_counts(prof: Any, steps: int) -> Dict[str, List[float]]:
+    """``{kernel name: [us, launches]}`` per step of a profile over ``steps`` steps."""
+    out: Dict[str, List[float]] = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.elapsed_us() > 0:
+            row = out.setdefault(e.name[:90], [0.0, 0.0])
+            row[0] += e.time_range.elapsed_us() / steps
+            row[1] += 1.0 / steps
+    return out
+
+
+def outside_graphs(step_kernels: Dict[str, List[float]], graph_kernels: Dict[str, List[float]]) -> List[Any]:
+    """Kernels a step ran beyond its graphs' (launch counts per step, step minus graphs), longest
+    first: ``[(name, us, launches), ...]`` where the step ran more launches of a name."""
+    rows = []
+    for name, (us, n) in step_kernels.items():
+        gus, gn = graph_kernels.get(name, (0.0, 0.0))
+        if n - gn > 0.5:
+            rows.append((name, round(us - gus, 2), round(n - gn, 2)))
+    return sorted(rows, key=lambda r: -r[1])
 
 
 def run_arm(folder: str, args: argparse.Namespace, b: int, on: bool) -> Dict[str, Any]:
@@ -172,6 +200,7 @@ def run_arm(folder: str, args: argparse.Namespace, b: int, on: bool) -> Dict[str
         if prof is not None:
             prof.__exit__(None, None, None)
             busy = cuda_kernel_times(prof)[0] / args.steps
+            step_kernels = kernel_counts(prof, args.steps)
         n = eng.metrics.num_steps - steps0
         # the same loop without the profiler (its own overhead)
         running = len(eng.scheduler.running)
@@ -188,7 +217,9 @@ def run_arm(folder: str, args: argparse.Namespace, b: int, on: bool) -> Dict[str
         if not smoke:  # last: replaying graphs alone rewrites the step's cache slots (harmless here)
             gs = graph_replay_sum(llm)
             if gs is not None:
-                row.update(graph_sum_ms=gs["ms"], wall_over_graph_sum=wall_np / gs["ms"], graph_sum=gs)
+                graph_kernels = gs.pop("kernels")
+                row.update(graph_sum_ms=gs["ms"], wall_over_graph_sum=wall_np / gs["ms"], graph_sum=gs,
+                           outside_graphs_us=outside_graphs(step_kernels, graph_kernels))
         return row
     finally:
         llm.shutdown()

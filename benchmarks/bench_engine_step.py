@@ -80,6 +80,11 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--graph-mode", default="auto", choices=["auto", "off", "cuda"],
                    help="the engine runner's CUDA-graph mode for the 'engine step' row")
+    p.add_argument("--disable-shared-experts-fusion", action="store_true",
+                   help="keep each MoE's shared experts as their own MLP (the engine's default fuses them into the "
+                        "routed experts after loading)")
+    p.add_argument("--compile-block", action="store_true",
+                   help="add a row: the MTP block's torch reference (kernels off while tracing) under torch.compile")
     p.add_argument("--profile-kernels", action="store_true",
                    help="also list each graphed row's CUPTI kernel times per replay (GPU; the verify step, the "
                         "draft step and the MTP block)")
@@ -208,7 +213,7 @@ def decode_step(b: int, k: int, context: int, vocab: int, blocks_per_seq: int) -
 
 
 def bench_batch(runner: ModelRunner, timer: Timer, b: int, k: int, context: int, bw: float,
-                profile: bool = False) -> List[Dict[str, Any]]:
+                profile: bool = False, compile_block: bool = False) -> List[Dict[str, Any]]:
     target, mtp = runner.target, runner.mtp
     cfg = target.config
     dev, dtype = runner.device, runner.kv_dtype
@@ -322,6 +327,19 @@ def bench_batch(runner: ModelRunner, timer: Timer, b: int, k: int, context: int,
 
     for name, fn, floor_b in pieces:
         add(name, fn or block, floor_b)
+    if compile_block:  # the torch reference compiled (use_triton() is False while torch.compile traces)
+        compiled = torch.compile(layer.mtp_block, dynamic=False)
+
+        def block_compiled() -> Any:
+            with set_forward_context(meta):
+                return compiled(pos, x, None)
+        try:
+            torch.testing.assert_close(block_compiled()[0].float(), block()[0].float(), rtol=0.05, atol=0.05)
+            add("  block, torch.compile ref", block_compiled, block_floor)
+        except Exception as exc:  # noqa: BLE001 - reported as the row's note
+            rows.append(dict(batch=b, row="  block, torch.compile ref", eager_ms=None, graph_ms=None,
+                             graph_note=f"{type(exc).__name__}: {str(exc).splitlines()[0][:60]}", floor_ms=None,
+                             eager_x=None, graph_x=None))
 
     # ---- whole engine step (host included), eager
     t0 = time.perf_counter()
@@ -377,6 +395,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         mtp = arch.mtp_class()(cfg, target.model.embed_tokens, target.lm_head, False, True, False, dtype).eval()
     randomise_(target, 0)
     randomise_(mtp.model, 1)
+    if not args.disable_shared_experts_fusion:  # as the engine loads a model (load_models(fuse_shared_experts=True))
+        from mtpspec.models.loader import _fuse_shared_experts
+        _fuse_shared_experts(target, mtp)
     spec = SpeculativeConfig(num_speculative_tokens=k, use_local_argmax_reduction=True,
                              draft_sampling="auto" if args.draft_sampling else "greedy")
     max_b = max(batches)
@@ -391,7 +412,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     rows: List[Dict[str, Any]] = []
     with torch.inference_mode():
         for b in batches:
-            rows += bench_batch(runner, timer, b, k, args.context, bw, args.profile_kernels)
+            rows += bench_batch(runner, timer, b, k, args.context, bw, args.profile_kernels, args.compile_block)
     print(f"device {torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}, {dtype}, hidden "
           f"{cfg.hidden_size}, vocab {cfg.vocab_size}, {args.layers} layers + 1 MTP, k={k}, context {args.context}; "
           f"weights {'FP8 128x128 block-scaled' if args.fp8_weights else 'model dtype'}, KV cache {args.kv_cache_dtype}")

@@ -15,6 +15,7 @@
 #                                                  # tokens vs their floor, launch-shape sweep, engine step 1/16/64
 #   bash benchmarks/run_goals_h200.sh plain OUT     # issue 18: plain decoding at batch 1 (LLM.generate) vs the
 #                                                  # weight-read floor, async scheduling on (k = 0 step ahead) / off
+#   bash benchmarks/run_goals_h200.sh block OUT     # issue 18: block / verify kernels listed, torch.compile ref, outside-graph kernels
 #   bash benchmarks/run_goals_h200.sh skinny OUT    # issue 18: few-row bf16 GEMM vs cuBLAS (+ sweep), plain decoding
 #                                                  # with it on / off, engine step wall vs graph sum (8 layers)
 #   bash benchmarks/run_goals_h200.sh demo-sd OUT   # issue 16: the demo model's MTP layer self-distilled on GSM8K +
@@ -66,11 +67,11 @@ moe-decode)  # issue 18's decode-size MoE: one-program align + router (first GPU
       --out "$OUT/moe_sweep.json"
   step 200 engine_air python3 benchmarks/bench_engine_step.py --graph-mode cuda --layers 3 --batch-sizes 1,16,64 \
       --json "$OUT/engine_air.json" ;;
-skinny)  # issue 18: the opt-in few-row GEMM (mtpspec/ops/skinny_gemm.py), first GPU run; then whether to turn it on
+skinny)  # issue 18: the few-row GEMM (mtpspec/ops/skinny_gemm.py) against cuBLAS (the arm "cublas" sets it off)
   step 120 skinny_tests python3 -m pytest -q tests/test_skinny_gemm.py tests/test_shared_experts_fusion.py
   step 150 skinny_bench python3 benchmarks/bench_skinny_gemm.py --out "$OUT/skinny.json"
   for arm in cublas skinny; do  # verify / draft step / MTP block with their kernels listed (batch 1)
-    [ $arm = skinny ] && export MTPSPEC_SKINNY_GEMM_MAX_M=16
+    [ $arm = cublas ] && export MTPSPEC_SKINNY_GEMM_MAX_M=0
     step 150 engine_$arm python3 benchmarks/bench_engine_step.py --graph-mode cuda --layers 3 --batch-sizes 1,64 \
         --profile-kernels --json "$OUT/engine_air3_$arm.json"
     step 100 plain_$arm python3 benchmarks/bench_plain_decode.py --layers 8 --arms on --json "$OUT/plain_$arm.json"
@@ -80,6 +81,14 @@ skinny)  # issue 18: the opt-in few-row GEMM (mtpspec/ops/skinny_gemm.py), first
       --json "$OUT/async_8l.json"
   step 240 skinny_sweep python3 benchmarks/bench_skinny_gemm.py --sweep --shapes air.qkv,air.o_proj,dsv3.o_proj \
       --rows 1,4 --out "$OUT/skinny_sweep.json" ;;
+block)  # issue 18: verify / draft step / MTP block at 1-64 rows as the engine runs them (shared experts fused, the
+  # few-row GEMM on), their kernels listed, the block's torch reference under torch.compile beside; then the
+  # engine step's wall vs its graph replays with the kernels run outside graphs listed; plain decoding
+  step 200 engine_block python3 benchmarks/bench_engine_step.py --graph-mode cuda --layers 3 --batch-sizes 1,4,16,64 \
+      --profile-kernels --compile-block --json "$OUT/engine_air3_block.json"
+  step 200 async_outside python3 benchmarks/bench_async_scheduling.py --batch-sizes 1,64 --layers 8 --breakdown \
+      --json "$OUT/async_8l.json"
+  step 100 plain_decode python3 benchmarks/bench_plain_decode.py --layers 8 --arms on --json "$OUT/plain.json" ;;
 plain)  # issue 18's end-to-end goal: <= 1.4x the weight-read floor; first GPU run of the k = 0 step ahead
   step 150 async_tests python3 -m pytest -q -x tests/test_async_scheduling.py
   step 400 plain_decode python3 benchmarks/bench_plain_decode.py --layers 8 --json "$OUT/plain_decode_8l.json" ;;

@@ -1,4 +1,4 @@
-"""The few-row 16-bit GEMM (``mtpspec.ops.skinny_gemm``, opt-in): equal to a float64 product of the
+"""The few-row 16-bit GEMM (``mtpspec.ops.skinny_gemm``, on up to 16 rows by default): equal to a float64 product of the
 same 16-bit values to the output dtype's rounding, with and without bias, one and several K splits
 (fixed-order sum), ragged N and K, 1..16 rows; the dispatch (``linear``) takes it only where it is
 switched on and falls back to ``F.linear`` elsewhere; it compiles ahead of time for sm_90 with its

@@ -9,10 +9,12 @@ range; the K axis is split across programs when the column tiles alone leave SMs
 (:func:`skinny_launch`), fp32 partials then summed in split order by ``fp8_gemm``'s split-sum
 kernel (deterministic, rounded once). fp32 accumulation as cuBLAS; bias added once, in fp32.
 
-Status: **opt-in** (:data:`SKINNY_MAX_M` = 0, env ``MTPSPEC_SKINNY_GEMM_MAX_M``) until an H200
-run of ``benchmarks/bench_skinny_gemm.py`` shows it beating cuBLAS (whose M = 1-4 GEMMs measured
-1.14x (qkv) and 1.36x + a split-K reduce (o_proj) of their bytes in plain decoding, BENCHMARKS.md
-2026-12-04). Dispatch: :func:`linear` (CUDA, or CPU under ``TRITON_INTERPRET=1``).
+Status: **on** for up to 16 rows (:data:`SKINNY_MAX_M`; env ``MTPSPEC_SKINNY_GEMM_MAX_M``, 0 turns it
+off) since its first H200 run (``benchmarks/bench_skinny_gemm.py``, BENCHMARKS.md 2026-12-04, session
+14): at 1-16 rows it matched or beat cuBLAS on 20 of 24 (shape, rows) points of GLM-4.5-Air and
+DeepSeek-V3 widths (Air o_proj 1.33 -> 1.22x its bytes at 1 row, the LM head 0.99 -> 0.94x), lost
+at most 3% on the other four, and plain decoding of the 8-layer Air model went 1.762 -> 1.717 ms a
+token in the same call. Dispatch: :func:`linear` (CUDA, or CPU under ``TRITON_INTERPRET=1``).
 """
 
 from __future__ import annotations
@@ -25,8 +27,8 @@ import torch.nn.functional as F
 
 from mtpspec.ops.triton_utils import HAS_TRITON, LazyKernel, cdiv, interpreting, tl, use_triton
 
-#: Rows up to which :func:`linear` runs the kernel (0: never; the default until measured).
-SKINNY_MAX_M = int(os.environ.get("MTPSPEC_SKINNY_GEMM_MAX_M", "0"))
+#: Rows up to which :func:`linear` runs the kernel (0: never).
+SKINNY_MAX_M = int(os.environ.get("MTPSPEC_SKINNY_GEMM_MAX_M", "16"))
 #: Token rows per program (the dot's N; ``M`` above it is not taken).
 BLOCK_T = 16
 #: Programs per SM the split aims at (80 KB of shared memory each at the default shape: 2 fit).
@@ -136,7 +138,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] =
     """``F.linear(x, weight, bias)``, through :func:`skinny_linear` where it is switched on: at most
     :data:`SKINNY_MAX_M` rows (leading dims flattened), 16-bit x and weight of one dtype, unit
     stride in K, where :func:`~mtpspec.ops.triton_utils.use_triton` holds."""
-    if SKINNY_MAX_M <= 0:  # the default: every linear layer's call passes here first
+    if SKINNY_MAX_M <= 0:  # switched off: every linear layer's call passes here first
         return F.linear(x, weight, bias)
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     if not (0 < rows <= min(SKINNY_MAX_M, BLOCK_T) and x.dtype in (torch.bfloat16, torch.float16)
