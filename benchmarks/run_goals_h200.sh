@@ -10,6 +10,7 @@
 #   bash benchmarks/run_goals_h200.sh adaptive OUT  # issue 18: bench arms plain / k1..k3 / adaptive, demo model
 #   bash benchmarks/run_goals_h200.sh adaptive-air OUT  # the same at GLM-4.5-Air width, forced acceptance (SYNTHETIC)
 #   bash benchmarks/run_goals_h200.sh serving-deep OUT  # issue 17: prefix-cache TTFT on 40 of Llama-3-70B's 80 layers
+#   bash benchmarks/run_goals_h200.sh adaptive-air3 OUT # issue 18: the same, 3 layers, every server up at once, interleaved
 #   bash benchmarks/run_goals_h200.sh adaptive-demo OUT  # issue 18: the demo-model sweep at scale 1, 2 repeats
 #   bash benchmarks/run_goals_h200.sh moe-decode OUT  # issue 18: the new MoE kernels' GPU tests, experts at 1-64
 #                                                  # tokens vs their floor, launch-shape sweep, engine step 1/16/64
@@ -114,6 +115,15 @@ adaptive-air)  # the same sweep at GLM-4.5-Air width (8 layers, random weights),
       --workloads s1,s8,s64,s256 --repeats ${REPEATS:-2} --no-plots --no-progress --random-prompts --ignore-eos --one-arm-at-a-time \
       --forced-acceptance rate:0.8 --server-args "--max-num-seqs 256 --load-format dummy --max-model-len 1024 \
       --dtype bfloat16 --num-kv-blocks 12000" --output-dir "$OUT/arms_air" ;;
+adaptive-air3)  # issue 18's adaptive goal at GLM-4.5-Air width with 3 target layers (17 GB a server, so every arm's
+  # server is up at once and the runs interleave A B C D A B C D ...; drafting costs more against a 3-layer verify
+  # than against 8, a harder case for the policy), SYNTHETIC forced acceptance rate 0.8
+  python3 benchmarks/make_dummy_model.py /tmp/air3 --preset air-8l --num-hidden-layers 3 \
+      --max-position-embeddings 2048 || exit 1
+  step ${ARMS_TIMEOUT:-590} arms_air3 python3 -m mtpspec.entrypoints.cli bench arms --model /tmp/air3 \
+      --arms ${ARMS:-plain,k1,k3,adaptive} --workloads ${WORKLOADS:-s1,s8,s64,s256} --repeats ${REPEATS:-3} --no-plots \
+      --no-progress --random-prompts --ignore-eos --forced-acceptance rate:0.8 --server-args "--max-num-seqs 256 \
+      --load-format dummy --max-model-len 1024 --dtype bfloat16" --output-dir "$OUT/arms_air3" ;;
 serving-deep)  # the prefix-cache TTFT goal at 40 layers (34 B, 69 GB): the per-request host cost (~6 ms) against
   # a deeper model's steps, nearer a real 70 B model's share than 16 layers give (ratio 0.351 there, 2026-12-03)
   LAYERS=40 SKIP_INTERFERENCE=1 step 560 serving_deep bash benchmarks/run_serving_goals.sh "$OUT" dense-70b-16l ;;

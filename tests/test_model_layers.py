@@ -272,7 +272,8 @@ def test_moe_align_groups_pairs_by_expert_with_static_padding():
 
 
 @pytest.mark.parametrize("t,k,e,bm", [(1, 8, 128, 16), (1, 2, 16, 16), (9, 3, 4, 16), (16, 8, 256, 16),
-                                      (40, 2, 5, 64), (64, 8, 160, 16), (128, 8, 256, 64), (100, 6, 64, 64)])
+                                      (40, 2, 5, 64), (64, 8, 160, 16), (128, 8, 256, 64), (100, 6, 64, 64),
+                                      (64, 9, 129, 16), (455, 9, 129, 64)])
 def test_moe_align_kernel_equals_the_torch_grouping(kdev, t, k, e, bm):
     """The one-program align kernel (decode and verify sizes) == the torch-ops grouping, entry for
     entry: same padded layout, pairs of one expert in their original order, int32 and int64 ids;
@@ -557,8 +558,8 @@ def test_align_and_router_kernels_compile_for_sm90():
     align_sig = {"ids_ptr": "*i64", "sorted_ptr": "*i32", "block_expert_ptr": "*i32",
                  **i32(["num_pairs", "num_experts", "num_slots", "num_blocks"])}
     specs = [{"module": "mtpspec.ops.moe_gemm", "kernel": "_align", "signature": align_sig,
-              "constexprs": dict(BLOCK_M=bm, N_P2=n, E_P2=triton.next_power_of_2(e + 1),
-                                 RANK_CHUNK=max(1, min(64, 8192 // n)), FILL=1024),
+              "constexprs": dict(BLOCK_M=bm, CHUNK=moe_gemm.align_chunk(n), E_P2=triton.next_power_of_2(e + 1),
+                                 FILL=1024),
               "aligned": ["ids_ptr", "sorted_ptr", "block_expert_ptr"], "num_warps": 8}
              for n, e, bm in ((8, 128, 16), (128, 256, 16), (1024, 256, 64))]
     router_sig = {"logits_ptr": "*fp32", "bias_ptr": "*fp32", "w_ptr": "*fp32", "ids_ptr": "*i64",

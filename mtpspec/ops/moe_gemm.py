@@ -56,9 +56,15 @@ LAUNCH = {
     ("gate_up", LARGE_BLOCK_M): (64, 64, 4, 3),
     ("down", LARGE_BLOCK_M): (64, 64, 4, 3),
 }
-#: :func:`moe_align` runs as one Triton program up to this many pairs (its rank step compares
-#: every pair with every earlier one), as torch ops above.
-ALIGN_KERNEL_MAX_PAIRS = 1024
+#: :func:`moe_align` runs as one Triton program up to this many pairs (its two passes over them
+#: take :func:`align_chunk` pairs a step), as torch ops above.
+ALIGN_KERNEL_MAX_PAIRS = 4096
+
+
+def align_chunk(num_pairs: int) -> int:
+    """Pairs per step of the align kernel's passes (a power of two, 16..128): its rank step
+    compares each pair of a chunk with the chunk's others, ``CHUNK^2`` per step."""
+    return max(16, min(128, triton.next_power_of_2(num_pairs))) if HAS_TRITON else 128
 
 
 def moe_block_m(num_pairs: int, num_experts: int) -> int:
@@ -111,8 +117,7 @@ def _moe_align_kernel(topk_ids: torch.Tensor, num_experts: int, block_m: int, p:
     sorted_pairs = torch.empty(p, dtype=torch.int32, device=flat.device)
     block_expert = torch.empty(p // block_m, dtype=torch.int32, device=flat.device)
     _align[(1,)](flat, sorted_pairs, block_expert, n, num_experts, p, p // block_m, BLOCK_M=block_m,
-                 N_P2=triton.next_power_of_2(n), E_P2=triton.next_power_of_2(num_experts + 1),
-                 RANK_CHUNK=max(1, min(64, 8192 // triton.next_power_of_2(n))), FILL=1024, num_warps=8)
+                 CHUNK=align_chunk(n), E_P2=triton.next_power_of_2(num_experts + 1), FILL=1024, num_warps=8)
     return sorted_pairs, block_expert
 
 
@@ -139,22 +144,18 @@ if HAS_TRITON:
     from mtpspec.ops.triton_helpers import round_to_dtype
 
     def _align_kernel(ids_ptr, sorted_ptr, block_expert_ptr, num_pairs, num_experts, num_slots, num_blocks,
-                      BLOCK_M: tl.constexpr, N_P2: tl.constexpr, E_P2: tl.constexpr, RANK_CHUNK: tl.constexpr,
-                      FILL: tl.constexpr):
-        # One program. Padding pairs count in bin num_experts (< E_P2), past every real expert.
-        pr = tl.arange(0, N_P2)
-        ids = tl.load(ids_ptr + pr, mask=pr < num_pairs, other=num_experts).to(tl.int32)
+                      BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, E_P2: tl.constexpr, FILL: tl.constexpr):
+        # One program, the pairs taken CHUNK at a time. Padding pairs count in bin num_experts (< E_P2),
+        # past every real expert. Pass 1: blocks per expert; pass 2: each pair's rank among the earlier
+        # pairs of its expert = pairs of it in earlier chunks (running histogram) + in its own chunk.
         ex = tl.arange(0, E_P2)
-        nblk = (tl.histogram(ids, E_P2) + BLOCK_M - 1) // BLOCK_M
-        nblk = tl.where(ex < num_experts, nblk, 0)
-        ends = tl.cumsum(nblk, 0)  # inclusive, in blocks
-        start = tl.gather(ends - nblk, ids, 0)  # first block of each pair's expert
-        rank = tl.zeros([N_P2], dtype=tl.int32)  # earlier pairs of the same expert: stable order
-        for q0 in range(0, N_P2, RANK_CHUNK):
-            q = q0 + tl.arange(0, RANK_CHUNK)
-            idq = tl.load(ids_ptr + q, mask=q < num_pairs, other=num_experts).to(tl.int32)
-            same = (idq[None, :] == ids[:, None]) & (q[None, :] < pr[:, None])
-            rank += tl.sum(same.to(tl.int32), 1)
+        cq = tl.arange(0, CHUNK)
+        counts = tl.zeros([E_P2], dtype=tl.int32)
+        for q0 in range(0, num_pairs, CHUNK):
+            idq = tl.load(ids_ptr + q0 + cq, mask=q0 + cq < num_pairs, other=num_experts).to(tl.int32)
+            counts += tl.histogram(idq, E_P2)
+        nblk = tl.where(ex < num_experts, (counts + BLOCK_M - 1) // BLOCK_M, 0)
+        first = tl.cumsum(nblk, 0) - nblk  # each expert's first block
         for s0 in range(0, num_slots, FILL):  # padding everywhere, then the real entries over it
             sl = s0 + tl.arange(0, FILL)
             tl.store(sorted_ptr + sl, tl.full([FILL], 0, tl.int32) + num_pairs, mask=sl < num_slots)
@@ -162,10 +163,16 @@ if HAS_TRITON:
             bl = b0 + tl.arange(0, FILL)
             tl.store(block_expert_ptr + bl, tl.full([FILL], 0, tl.int32) + num_experts, mask=bl < num_blocks)
         tl.debug_barrier()
-        first = ends - nblk
         for j in range(0, tl.max(nblk, 0)):  # each expert's j-th block
             tl.store(block_expert_ptr + first + j, ex, mask=j < nblk)
-        tl.store(sorted_ptr + start * BLOCK_M + rank, pr, mask=pr < num_pairs)
+        seen = tl.zeros([E_P2], dtype=tl.int32)  # pairs of each expert in earlier chunks
+        for q0 in range(0, num_pairs, CHUNK):
+            q = q0 + cq
+            idq = tl.load(ids_ptr + q, mask=q < num_pairs, other=num_experts).to(tl.int32)
+            same = (idq[None, :] == idq[:, None]) & (cq[None, :] < cq[:, None])
+            rank = tl.sum(same.to(tl.int32), 1) + tl.gather(seen, idq, 0)
+            tl.store(sorted_ptr + tl.gather(first, idq, 0) * BLOCK_M + rank, q, mask=q < num_pairs)
+            seen += tl.histogram(idq, E_P2)
 
     def _gate_up_kernel(x_ptr, w_ptr, inter_ptr, sorted_ptr, block_expert_ptr, num_pairs, num_experts, hidden,
                         inter_size, stride_xt, stride_we, stride_wn, stride_it,
