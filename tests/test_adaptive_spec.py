@@ -238,13 +238,14 @@ def test_measured_cost_table_on_cpu(model) -> None:
 
 
 def test_graphed_forward_names_its_units_and_refuses_others() -> None:
-    """``GraphedForward.unit_fn`` (what the calibration times) knows the four decode unit kinds."""
+    """``GraphedForward.unit_fn`` (what the calibration times) knows the five decode unit kinds."""
     from mtpspec.engine.forward import GraphedForward
     fwd = GraphedForward(torch.nn.Linear(1, 1), None, 2, 2, 4, 8, torch.float32, torch.device("cpu"), "static", 64,
                          ks=range(3))
     assert fwd.padded(1) == 1 and fwd.padded(3) is None
-    for key in (("verify", 2, 1), ("first", 2, 0, 2), ("kvonly", 1, 0, 0), ("step", 2, 0, True)):
-        assert callable(fwd.unit_fn(key))
+    for key in (("verify", 2, 1), ("first", 2, 0, 2), ("firsttop", 2, 0, 2), ("kvonly", 1, 0, 0),
+                ("step", 2, 0, True)):
+        assert callable(fwd.unit_fn(key, lambda h, i: h[:, 0]))
     with pytest.raises(ValueError, match="unknown decode unit"):
         fwd.unit_fn(("pverify", 16))
 
@@ -277,8 +278,9 @@ def test_capture_has_every_verify_width_and_kv_only_units(monkeypatch) -> None:
     for bp in (1, 2):
         for v in range(k + 1):
             assert ("verify", bp, v) in fwd.graphs
-            assert all(("first", bp, i, v) in fwd.graphs and ("kvonly", bp, i, v) in fwd.graphs
-                       for i in units.first_pass_layers)
+            assert all(key in fwd.graphs for key in fwd.first_pass_keys(bp, v, units))
+            assert fwd.first_pass_keys(bp, v, units)[0] == ("firsttop", bp, units.first_pass_layers[0], v)
+            assert all(("kvonly", bp, i, v) in fwd.graphs for i in units.first_pass_layers)
     assert (2, 1) in captured and (2, 4) in captured  # widths 0 and 3 at Bp = 2
     fixed = GraphedForward(None, mtp, k, 2, 4, 8, torch.float32, torch.device("cpu"), "cuda", 64)
     fixed.capture(prop)

@@ -147,11 +147,26 @@ def test_lifecycle_hooks_bracket_the_two_phases(model) -> None:
         prop.on_prefill_end = lambda meta: events.append(("prefill_end", meta.num_seqs))
         prop.on_multi_step_decode_begin = lambda b, n: events.append(("decode_begin", b, n))
         prop.on_multi_step_decode_end = lambda b, n: events.append(("decode_end", b, n))
-        first, step = fwd.mtp_first, fwd.mtp_step
-        fwd.mtp_first = lambda *a: events.append(("first",)) or first(*a)
+        first, first_top, step = fwd.mtp_first, fwd.mtp_first_top, fwd.mtp_step
+        inside = []  # an eager mtp_first_top (prefill steps) makes its pass through mtp_first: one call
+
+        def first_top_once(*a):
+            events.append(("first",))
+            inside.append(1)
+            try:
+                return first_top(*a)
+            finally:
+                inside.pop()
+
+        def first_once(*a):
+            if not inside:
+                events.append(("first",))
+            return first(*a)
+        fwd.mtp_first, fwd.mtp_first_top = first_once, first_top_once
         fwd.mtp_step = lambda *a: events.append(("step",)) or step(*a)
         llm.generate(token_prompts([[5, 6, 7], [8]]), SamplingParams(temperature=0.0, max_tokens=6), use_tqdm=False)
-    # 2 MTP layers, k = 3: first pass on layers 0 and 1; step 1 + its fill of layer 0; step 2
+    # 2 MTP layers, k = 3: first pass on layers 0 (with the first draft) and 1; step 1 + its fill of
+    # layer 0; step 2
     steps = 0
     while events:
         b = events[0][1]

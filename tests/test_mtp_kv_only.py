@@ -202,6 +202,9 @@ class FirstPassOnly:
     def mtp_first(self, *a):
         return self.fwd.mtp_first(*a)
 
+    def mtp_first_top(self, *a):
+        return self.fwd.mtp_first_top(*a)
+
     def mtp_step(self, ids, pos, hidden, meta, step, top):
         return hidden, (torch.zeros_like(ids) if top is not None else None)
 

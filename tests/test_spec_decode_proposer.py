@@ -109,7 +109,8 @@ def test_graph_capture_calls_the_hooks_around_the_units(monkeypatch) -> None:
     units = prop.graph_units()
     for bp in (2, 1):
         assert ("verify", bp, k) in fwd.graphs
-        assert all(("first", bp, i, k) in fwd.graphs for i in units.first_pass_layers)
+        assert all(key in fwd.graphs for key in fwd.first_pass_keys(bp, k, units))
+        assert ("firsttop", bp, units.first_pass_layers[0], k) in fwd.graphs  # the first draft inside the graph
         assert all(("step", bp, i, wt) in fwd.graphs for i, wt in units.step_units)
     per_size = lambda bp: ([("capture", bp, k + 1), ("prefill_begin", bp)]  # noqa: E731
                            + [("capture", bp, k + 1)] * len(units.first_pass_layers)

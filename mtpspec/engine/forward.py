@@ -7,7 +7,9 @@ under adaptive speculation length):
 
 * ``verify``: target forward over ``Bp x (1 + v)`` rows + ``compute_logits`` of every row
   (``v = 0``: the plain decode step);
-* ``first`` (per used MTP layer): the MTP first pass over the same rows;
+* ``firsttop`` (the first used MTP layer): the MTP first pass over the same rows, then each
+  sequence's last valid row and its draft token (the proposer's ``draft_fn``), so the first draft's
+  LM head and argmax run inside the graph; ``first`` (each further used layer): the first pass alone;
 * ``kvonly`` (per used MTP layer; adaptive only): the MTP layers' KV-cache writes of the same
   rows, for steps that propose no drafts;
 * ``step`` (per ``spec_step_idx``): one MTP row per sequence, + the greedy draft when wanted.
@@ -45,7 +47,7 @@ import torch
 
 from mtpspec.layers.attention import AttentionMetadata, set_forward_context
 from mtpspec.spec_decode.draft_forward import DraftTokenFn, EagerDraftForward
-from mtpspec.spec_decode.proposer import Proposer
+from mtpspec.spec_decode.proposer import GraphUnits, Proposer
 from mtpspec.timing import median_call_ms
 
 logger = logging.getLogger(__name__)
@@ -133,6 +135,7 @@ class GraphedForward(EagerForward):
         self.s_qsl, self.s_seq_lens = z(bmax + 1, dt=torch.int32), z(bmax, dt=torch.int32)
         self.s_hidden = torch.zeros(bmax, hidden_size, dtype=dtype, device=device)
         self.p_sample = z(1)  # the prefill units' sampled row
+        self.first_rows = z(bmax)  # each sequence's last valid row, for the first pass's draft (firsttop)
         self.graphs: Dict[tuple, Tuple[torch.cuda.CUDAGraph, tuple]] = {}
         self.pool = None
         self.capture_failed: Optional[str] = None
@@ -280,6 +283,27 @@ class GraphedForward(EagerForward):
                                step=False)
         return out[:t]
 
+    def mtp_first_top(self, ids, pos, hidden, meta, spec_step_idx, last_rows, top):
+        bp, v = self.active, self.step_k
+        key = ("firsttop", bp, spec_step_idx, v)
+        if bp is None or self.prefill_rows is not None or (self.mode == "cuda" and key not in self.graphs):
+            return super().mtp_first_top(ids, pos, hidden, meta, spec_step_idx, last_rows, top)
+        b = self.num_seqs
+        self._fill_mtp_rows(ids, hidden, bp * (1 + v))
+        self.first_rows[:b].copy_(last_rows)
+        if bp > b:  # padding sequences pick row 0 (their outputs are dropped)
+            self.first_rows[b:bp].zero_()
+        out, tok = self._run(key, self._first_top_fn(bp, spec_step_idx, bp * (1 + v), top), bp, step=False)
+        return out[:b], tok[:b]
+
+    def _first_top_fn(self, bp: int, idx: int, rows: int, top: DraftTokenFn) -> Callable[[AttentionMetadata], tuple]:
+        def fn(meta: AttentionMetadata) -> tuple:
+            with set_forward_context(meta):
+                out = self.mtp_model(self.mtp_ids[:rows], self.pos[:rows], self.hidden_in[:rows], spec_step_idx=idx)
+            last = out.index_select(0, self.first_rows[:bp])
+            return last, top(last, idx)
+        return fn
+
     def _first_fn(self, bp: int, idx: int, rows: int) -> Callable[[AttentionMetadata], tuple]:
         def fn(meta: AttentionMetadata) -> tuple:
             with set_forward_context(meta):
@@ -357,8 +381,8 @@ class GraphedForward(EagerForward):
                     if units is None:
                         continue
                     proposer.on_prefill_begin(meta)
-                    for i in units.first_pass_layers:
-                        self.graphs[("first", bp, i, v)] = self._capture_one(self._first_fn(bp, i, bp * (1 + v)), meta)
+                    for key in self.first_pass_keys(bp, v, units):
+                        self.graphs[key] = self._capture_one(self.unit_fn(key, units.draft_fn), meta)
                     proposer.on_prefill_end(meta)
                     if self.kv_only:
                         for i in units.first_pass_layers:
@@ -392,10 +416,19 @@ class GraphedForward(EagerForward):
             if torch.cuda.is_available():
                 torch.cuda.synchronize()
 
+    @staticmethod
+    def first_pass_keys(bp: int, v: int, units: GraphUnits) -> List[tuple]:
+        """The first-pass units of batch ``bp`` and width ``v``, in call order: ``("firsttop", bp,
+        i0, v)`` for the first used layer when the proposer has a ``draft_fn``, ``("first", bp, i,
+        v)`` for the others (the module docstring)."""
+        return [("firsttop" if j == 0 and units.draft_fn is not None else "first", bp, i, v)
+                for j, i in enumerate(units.first_pass_layers)]
+
     def unit_fn(self, key: tuple, draft_fn: Optional[DraftTokenFn] = None) -> Callable[[AttentionMetadata], tuple]:
         """The function of decode unit ``key`` (as :meth:`capture` names them): ``("verify", Bp, v)``,
-        ``("first", Bp, i, v)``, ``("kvonly", Bp, i, v)`` or ``("step", Bp, i, with_top)``
-        (``draft_fn`` picks the draft token in a step unit with ``with_top``).
+        ``("first", Bp, i, v)``, ``("firsttop", Bp, i, v)``, ``("kvonly", Bp, i, v)`` or ``("step",
+        Bp, i, with_top)`` (``draft_fn`` picks the draft token in ``firsttop`` and in a step unit with
+        ``with_top``).
 
         Raises:
             ValueError: another key."""
@@ -404,6 +437,8 @@ class GraphedForward(EagerForward):
             return self._verify_fn(bp, key[2])
         if kind == "first":
             return self._first_fn(bp, key[2], bp * (1 + key[3]))
+        if kind == "firsttop":
+            return self._first_top_fn(bp, key[2], bp * (1 + key[3]), draft_fn)
         if kind == "kvonly":
             return self._kv_only_fn(bp * (1 + key[3]), key[2])
         if kind == "step":

@@ -287,7 +287,7 @@ def measure_step_costs(runner, sizes: Optional[Sequence[int]] = None, repeats: i
                     d = sum(timed(("kvonly", bp, i, k)) for i in units.first_pass_layers)
                 else:
                     # the first pass at the width this k's steps are verified with, then k - 1 draft steps
-                    d = sum(timed(("first", bp, i, k)) for i in units.first_pass_layers)
+                    d = sum(timed(key) for key in fwd.first_pass_keys(bp, k, units))  # with the first draft
                     d += sum(t for (i, wt), t in steps.items() if wt and 1 <= i < k)
                     fills = [t for (i, wt), t in steps.items() if not wt]  # several MTP layers: cache fills
                     if fills and k > 2:  # steps 1 .. k - 2 write their row to every other used layer

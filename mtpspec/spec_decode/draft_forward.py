@@ -39,6 +39,22 @@ class DraftForward(Protocol):
         """
         ...
 
+    def mtp_first_top(self, ids: torch.Tensor, pos: torch.Tensor, hidden: torch.Tensor, meta: AttentionMetadata,
+                      spec_step_idx: int, last_rows: torch.Tensor, top: DraftTokenFn
+                      ) -> Tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`mtp_first`, then each sequence's last valid row and its draft token, in one call
+        (so a graphed forward replays the row pick and ``top`` inside the first pass's graph).
+
+        Args:
+            ids, pos, hidden, meta, spec_step_idx: as in :meth:`mtp_first`.
+            last_rows: ``[B]`` int64 row of each sequence's last valid hidden state in the layout.
+            top: the draft-token function.
+
+        Returns:
+            ``([B, H]`` the draft model's hidden states of those rows, ``[B]`` int64 draft tokens``)``.
+        """
+        ...
+
     def mtp_step(self, ids: torch.Tensor, pos: torch.Tensor, hidden: torch.Tensor, meta: AttentionMetadata,
                  spec_step_idx: int, top: Optional[DraftTokenFn]) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
         """One single-token draft step: one row per sequence.
@@ -76,6 +92,12 @@ class EagerDraftForward:
                   spec_step_idx: int) -> torch.Tensor:
         with set_forward_context(meta):
             return self.mtp_model(ids, pos, hidden, spec_step_idx=spec_step_idx)
+
+    def mtp_first_top(self, ids: torch.Tensor, pos: torch.Tensor, hidden: torch.Tensor, meta: AttentionMetadata,
+                      spec_step_idx: int, last_rows: torch.Tensor, top: DraftTokenFn
+                      ) -> Tuple[torch.Tensor, torch.Tensor]:
+        out = self.mtp_first(ids, pos, hidden, meta, spec_step_idx).index_select(0, last_rows)
+        return out, top(out, spec_step_idx)
 
     def mtp_step(self, ids: torch.Tensor, pos: torch.Tensor, hidden: torch.Tensor, meta: AttentionMetadata,
                  spec_step_idx: int, top: Optional[DraftTokenFn]) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:

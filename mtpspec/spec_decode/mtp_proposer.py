@@ -291,16 +291,8 @@ class MTPProposer(Proposer):
         used = self._used_layers()
         for state in self.index_share:  # anchor: each request's last accepted row of the first pass
             state.set_anchor_rows(last_rows)
-        self.on_prefill_begin(inp.attn_metadata)
-        hidden = fwd.mtp_first(ids, inp.positions, target_hidden, inp.attn_metadata, 0)
-        # Layers other than 0 that later steps use get the same first pass, so their KV
-        # caches hold the accepted context too (outputs unused).
-        for layer in used[1:]:
-            fwd.mtp_first(ids, inp.positions, target_hidden, inp.attn_metadata, layer)
-        self.on_prefill_end(inp.attn_metadata)
-        hidden = hidden.index_select(0, last_rows)
         base = inp.start_positions + last_row_offsets
-        if self.sampled is not None:
+        if self.sampled is not None:  # the sampled draft's inputs, before the first pass draws
             st = self.sampled
             if inp.draft_temperature is None:
                 st.temperature[:b].zero_()
@@ -308,7 +300,16 @@ class MTPProposer(Proposer):
                 st.temperature[:b].copy_(inp.draft_temperature)
                 st.seed_keys[:b].copy_(inp.draft_seed_keys)
             st.base[:b].copy_(base)
-        drafts = [self._top(hidden, 0)]
+        self.on_prefill_begin(inp.attn_metadata)
+        # layer 0's first pass, each sequence's last row and its draft in one call (one graph)
+        hidden, tok = fwd.mtp_first_top(ids, inp.positions, target_hidden, inp.attn_metadata, 0, last_rows,
+                                        self._top)
+        # Layers other than 0 that later steps use get the same first pass, so their KV
+        # caches hold the accepted context too (outputs unused).
+        for layer in used[1:]:
+            fwd.mtp_first(ids, inp.positions, target_hidden, inp.attn_metadata, layer)
+        self.on_prefill_end(inp.attn_metadata)
+        drafts = [tok]
         self.on_multi_step_decode_begin(b, k - 1)
         host_base = None
         if host_last_row_offsets is not None:

@@ -49,8 +49,9 @@ class GraphUnits:
     """The draft-model calls of a pure-decode step, captured once per padded batch size.
 
     Attributes:
-        first_pass_layers: ``spec_step_idx`` of every :meth:`DraftForward.mtp_first` call, in
-            call order (the MTP layers of the first pass).
+        first_pass_layers: ``spec_step_idx`` of every first-pass call, in call order (the MTP
+            layers of the first pass); the first of them is a :meth:`DraftForward.mtp_first_top`
+            call applying ``draft_fn`` (when there is one), the others :meth:`DraftForward.mtp_first`.
         step_units: ``(spec_step_idx, with_draft)`` of every distinct
             :meth:`DraftForward.mtp_step` call: ``with_draft`` when the step applies
             ``draft_fn`` (``top``), else a cache-filling call (``top=None``).
