@@ -11,9 +11,9 @@ kernel (deterministic, rounded once). fp32 accumulation as cuBLAS; bias added on
 
 Status: **on** for up to 16 rows (:data:`SKINNY_MAX_M`; env ``MTPSPEC_SKINNY_GEMM_MAX_M``, 0 turns it
 off) since its first H200 run (``benchmarks/bench_skinny_gemm.py``, BENCHMARKS.md 2026-12-04, session
-14): at 1-16 rows it matched or beat cuBLAS on 20 of 24 (shape, rows) points of GLM-4.5-Air and
+14): at 1-16 rows it matched or beat cuBLAS on 21 of 24 (shape, rows) points of GLM-4.5-Air and
 DeepSeek-V3 widths (Air o_proj 1.33 -> 1.22x its bytes at 1 row, the LM head 0.99 -> 0.94x), lost
-at most 3% on the other four, and plain decoding of the 8-layer Air model went 1.762 -> 1.717 ms a
+at most 3% on the other three, and plain decoding of the 8-layer Air model went 1.762 -> 1.717 ms a
 token in the same call. Dispatch: :func:`linear` (CUDA, or CPU under ``TRITON_INTERPRET=1``).
 """
 
