@@ -121,7 +121,8 @@ adaptive-air3)  # issue 18's adaptive goal at GLM-4.5-Air width with 3 target la
   python3 benchmarks/make_dummy_model.py /tmp/air3 --preset air-8l --num-hidden-layers 3 \
       --max-position-embeddings 2048 || exit 1
   step ${ARMS_TIMEOUT:-590} arms_air3 python3 -m mtpspec.entrypoints.cli bench arms --model /tmp/air3 \
-      --arms ${ARMS:-plain,k1,k3,adaptive} --workloads ${WORKLOADS:-s1,s8,s64,s256} --repeats ${REPEATS:-3} --no-plots \
+      --arms ${ARMS:-plain,k1,k3,adaptive} --workloads ${WORKLOADS:-s1,s8,s64,s256} --repeats ${REPEATS:-3} \
+      --warmup-rounds ${WARMUP_ROUNDS:-1} --no-plots \
       --no-progress --random-prompts --ignore-eos --forced-acceptance rate:0.8 --server-args "--max-num-seqs 256 \
       --load-format dummy --max-model-len 1024 --dtype bfloat16" --output-dir "$OUT/arms_air3" ;;
 serving-deep)  # the prefix-cache TTFT goal at 40 layers (34 B, 69 GB): the per-request host cost (~6 ms) against

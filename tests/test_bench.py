@@ -279,6 +279,40 @@ def test_bench_arms_keeps_the_runs_made_before_a_failure(tmp_path, monkeypatch):
     assert not (tmp_path / "bench_arms.partial.json").exists()
 
 
+def test_bench_arms_warmup_rounds_interleave_untimed_and_adaptive_vs_best(tmp_path, monkeypatch):
+    """``warmup_rounds``: that many untimed runs of each workload on every arm, interleaved, before
+    the timed rounds (not in the results); the adaptive arm's median output tok/s over the best
+    other arm's, and the same per round, go to the JSON and the table."""
+    from mtpspec.entrypoints.bench_serve import BenchConfig
+    calls = []
+    tput = {("a", 0): 100.0, ("a", 1): 120.0, ("adaptive", 0): 110.0, ("adaptive", 1): 114.0}
+
+    def fake_run(url, cfg, progress=True, desc=""):
+        calls.append(desc)
+        arm, rep = desc.split()[1], int(desc.split("#")[1]) - 1
+        return {"desc": desc, "synthetic_reasons": [], "output_throughput": tput.get((arm, rep), 1.0),
+                "steps_per_s": 1.0, "ttft_ms": {"median": 1.0}, "itl_ms": {"median": 1.0}, "acceptance_length": None,
+                "collective_bytes_per_step_total": 0, "acceptance_rate_per_pos": []}
+
+    monkeypatch.setattr(bench_arms, "run_benchmark", fake_run)
+    wl = {"s1": BenchConfig(num_prompts=1, max_concurrency=1, input_len=8, output_len=4, prompts="random")}
+    urls = {"a": "http://127.0.0.1:1", "adaptive": "http://127.0.0.1:2"}
+    with pytest.raises(ValueError, match="warmup_rounds"):
+        bench_arms.run_arms({"a": []}, wl, 1, str(tmp_path), [], urls=urls, progress=False, plots=False,
+                            warmup_rounds=-1)
+    res = bench_arms.run_arms({"a": [], "adaptive": []}, wl, 2, str(tmp_path), [], urls=urls, progress=False,
+                              plots=False, warmup_rounds=1)
+    assert calls == ["s1 a warm-up #1", "s1 adaptive warm-up #1", "s1 a #1", "s1 adaptive #1", "s1 a #2",
+                     "s1 adaptive #2"]
+    assert res["warmup_rounds"] == 1 and len(res["workloads"]["s1"]["arms"]["a"]["runs"]) == 2
+    vs = res["workloads"]["s1"]["adaptive_vs_best"]
+    assert vs["best"] == "a" and vs["ratio"] == pytest.approx(112.0 / 110.0)  # medians of two runs: means
+    assert vs["per_round"] == pytest.approx([1.1, 0.95])
+    assert "adaptive / best other arm (a), output tok/s medians: 1.018" in bench_arms.format_workload(
+        "s1", res["workloads"]["s1"])
+    assert bench_arms.versus_best({"arms": {"a": res["workloads"]["s1"]["arms"]["a"]}}) is None  # no adaptive arm
+
+
 def test_warmup_waves_run_at_the_workloads_concurrency_with_short_outputs(forced_server, monkeypatch):
     """``warmup`` requests go at most ``max_concurrency`` at a time with ``warmup_output_len``
     tokens each; bench arms' default warm-up is one full wave at the workload's concurrency (the

@@ -33,7 +33,9 @@ small machines; explicit ``--input-len`` etc. override):
 Reported per workload and arm: every run's figures (:mod:`mtpspec.entrypoints.bench_serve`),
 their median and spread (max - min over runs), collective bytes per engine step, and a verdict
 per pair of arms and figure: a difference counts only when the medians differ by more than the
-larger of the two spreads. Output: tables on stdout, ``bench_arms.json`` (every figure; while the
+larger of the two spreads; with an ``adaptive`` arm, its median output tok/s over the best other
+arm's, and the same per round (:func:`versus_best`). ``--warmup-rounds N``: N untimed runs of each
+workload per arm before the timed ones. Output: tables on stdout, ``bench_arms.json`` (every figure; while the
 runs go on, ``bench_arms.partial.json`` holds the runs made so far and their settings, for a sweep
 that is killed or fails; a finished sweep removes it) and PNG
 plots (each arm's runs of output tok/s and steps/s with median and spread; acceptance rate per
@@ -295,7 +297,33 @@ def format_workload(name: str, wl: Dict[str, Any]) -> str:
         lines.append(f"{pair}:")
         for key, v in figs.items():
             lines.append(f"    {FIGURES[key][0]:<14} {v['text']}")
+    vs = versus_best(wl)
+    if vs is not None:
+        rounds = ", ".join("-" if r is None else f"{r:.3f}" for r in vs["per_round"])
+        lines.append(f"{vs['arm']} / best other arm ({vs['best']}), output tok/s medians: {vs['ratio']:.3f}; "
+                     f"per interleaved round: [{rounds}]")
     return "\n".join(lines)
+
+
+def versus_best(wl: Dict[str, Any], arm: str = "adaptive") -> Optional[Dict[str, Any]]:
+    """Issue 18's goal figure for one workload: ``arm``'s median output tok/s over the best other
+    arm's (``ratio``, that arm's name ``best``) and the same within each round (``per_round``: run
+    ``i`` of every arm; ``None`` where an arm lacks it). ``None`` without ``arm`` or another arm."""
+    arms = wl["arms"]
+    others = [a for a in arms if a != arm]
+    if arm not in arms or not others:
+        return None
+    med = {a: arms[a]["summary"]["output_throughput"]["median"] for a in arms}
+    if med[arm] is None or any(med[a] is None for a in others):
+        return None
+    best = max(others, key=lambda a: med[a])
+    tput = {a: [r.get("output_throughput") for r in arms[a]["runs"]] for a in arms}
+    per_round = []
+    for i in range(max(len(t) for t in tput.values())):
+        row = {a: (t[i] if i < len(t) else None) for a, t in tput.items()}
+        ok = all(x for x in row.values())
+        per_round.append(row[arm] / max(row[a] for a in others) if ok else None)
+    return {"arm": arm, "best": best, "ratio": med[arm] / med[best], "per_round": per_round}
 
 
 def plot_workload(name: str, wl: Dict[str, Any], out_dir: str) -> List[str]:
@@ -369,7 +397,8 @@ def check_workload_lengths(workloads: Dict[str, Any], server_kwargs: Dict[str, A
 
 def run_arms(arms: Dict[str, List[str]], workloads: Dict[str, BenchConfig], repeats: int, out_dir: str,
              common: List[str], urls: Optional[Dict[str, str]] = None, progress: bool = True,
-             plots: bool = True, share_gpu: bool = False, one_at_a_time: bool = False) -> Dict[str, Any]:
+             plots: bool = True, share_gpu: bool = False, one_at_a_time: bool = False,
+             warmup_rounds: int = 0) -> Dict[str, Any]:
     """Start the servers, run every workload ``repeats`` times per arm interleaved, summarise.
 
     Args:
@@ -386,6 +415,10 @@ def run_arms(arms: Dict[str, List[str]], workloads: Dict[str, BenchConfig], repe
         one_at_a_time: one server at a time (for models of which the GPU holds one copy): arm
             after arm, each server started, every workload's runs made, stopped. Not interleaved:
             drift between arms is not spread over them (the JSON says ``"interleaved": false``).
+        warmup_rounds: untimed whole runs of each workload on every arm before its timed runs
+            (interleaved as they are): a workload's first full-length run can meet shapes its
+            short warm-up waves did not (an H200 sweep of 2026-12-04 had the first round of
+            each workload slower for every arm); not in the results.
 
     Returns:
         Everything, as written to ``bench_arms.json``.
@@ -397,6 +430,8 @@ def run_arms(arms: Dict[str, List[str]], workloads: Dict[str, BenchConfig], repe
     """
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
+    if warmup_rounds < 0:
+        raise ValueError(f"warmup_rounds must be >= 0, got {warmup_rounds}")
     from mtpspec.entrypoints.bench_dataset import load_dataset
     for cfg in workloads.values():  # a missing or bad dataset is reported before any server starts
         if cfg.prompts == "gsm8k":
@@ -413,7 +448,7 @@ def run_arms(arms: Dict[str, List[str]], workloads: Dict[str, BenchConfig], repe
     servers: Dict[str, ArmServer] = {}
     result: Dict[str, Any] = {"arms": {a: {"flags": f, "url": urls.get(a)} for a, f in arms.items()},
                               "common_server_args": common, "repeats": repeats, "interleaved": not one_at_a_time,
-                              "workloads": {}}
+                              "warmup_rounds": warmup_rounds, "workloads": {}}
     bar = None
     runs: Dict[str, Dict[str, List[Dict[str, Any]]]] = {w: {a: [] for a in arms} for w in workloads}
 
@@ -446,6 +481,9 @@ def run_arms(arms: Dict[str, List[str]], workloads: Dict[str, BenchConfig], repe
         urls[arm] = servers[arm].url
         result["arms"][arm]["url"] = urls[arm]
 
+    def warm(wname: str, cfg: BenchConfig, arm: str, i: int) -> None:
+        run_benchmark(urls[arm], cfg, progress=progress, desc=f"{wname} {arm} warm-up #{i + 1}")
+
     def run(wname: str, cfg: BenchConfig, arm: str, rep: int) -> None:
         res = run_benchmark(urls[arm], cfg, progress=progress, desc=f"{wname} {arm} #{rep + 1}")
         res["run_index"] = rep
@@ -465,6 +503,8 @@ def run_arms(arms: Dict[str, List[str]], workloads: Dict[str, BenchConfig], repe
                 if arm in to_start:
                     start(arm, 0, 1)
                 for wname, cfg in workloads.items():
+                    for i in range(warmup_rounds):
+                        warm(wname, cfg, arm, i)
                     for rep in range(repeats):
                         run(wname, cfg, arm, rep)
                 if arm in servers:
@@ -473,6 +513,9 @@ def run_arms(arms: Dict[str, List[str]], workloads: Dict[str, BenchConfig], repe
             for i, arm in enumerate(to_start):
                 start(arm, i, len(to_start))
             for wname, cfg in workloads.items():
+                for i in range(warmup_rounds):
+                    for arm in arms:
+                        warm(wname, cfg, arm, i)
                 for rep in range(repeats):
                     for arm in arms:  # interleaved: A B C A B C ...
                         run(wname, cfg, arm, rep)
@@ -490,6 +533,9 @@ def run_arms(arms: Dict[str, List[str]], workloads: Dict[str, BenchConfig], repe
                     wl["verdicts"][f"{b} vs {a}"] = {
                         key: verdict(wl["arms"][a]["summary"][key], wl["arms"][b]["summary"][key], hib, repeats)
                         for key, (_, hib) in FIGURES.items()}
+            vs = versus_best(wl)
+            if vs is not None:
+                wl["adaptive_vs_best"] = vs
             result["workloads"][wname] = wl
     finally:
         if bar is not None:
@@ -518,6 +564,8 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--workloads", default="batch1,c64", help=f"comma-separated presets: {', '.join(PRESETS)}")
     p.add_argument("--scale", type=float, default=1.0, help="multiply the presets' lengths and prompt counts (0, 1]")
     p.add_argument("--repeats", type=int, default=3, help="runs per arm and workload (default 3)")
+    p.add_argument("--warmup-rounds", type=int, default=0,
+                   help="untimed whole runs of each workload per arm before the timed ones (default 0)")
     p.add_argument("--server-args", default="",
                    help="extra `mtpspec serve` flags for every arm (checked before any server starts), e.g. "
                         "'--tensor-parallel-size 2' or '-tp 2 --allreduce-backend p2p'")
@@ -552,7 +600,8 @@ def run(args: argparse.Namespace) -> int:
         share = not args.one_arm_at_a_time and not any(
             a.startswith(("--gpu-memory-utilization", "--num-kv-blocks", "--num-gpu-blocks-override")) for a in common)
         res = run_arms(arms, workloads, args.repeats, args.output_dir, common, urls, progress=not args.no_progress,
-                       plots=not args.no_plots, share_gpu=share, one_at_a_time=args.one_arm_at_a_time)
+                       plots=not args.no_plots, share_gpu=share, one_at_a_time=args.one_arm_at_a_time,
+                       warmup_rounds=args.warmup_rounds)
     except (ValueError, FileNotFoundError, RuntimeError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         partial = os.path.join(args.output_dir, PARTIAL_JSON)
