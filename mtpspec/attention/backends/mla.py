@@ -133,9 +133,9 @@ class MLAImpl(AttentionImpl):
             return self._sdpa_causal(ql, qp, c_kv, k_pe)
         b = meta.num_seqs
         check_metadata_rows(meta, t)
-        qsl = meta.query_start_loc[:b + 1].long()
-        q_len_t = qsl[1:] - qsl[:-1]
         if kv_cache is None:  # each sequence sees only its own new tokens
+            qsl = meta.query_start_loc[:b + 1].long()
+            q_len_t = qsl[1:] - qsl[:-1]
             keys = torch.cat([c_kv, k_pe], dim=-1)
             return self._paged_batched(ql, qp, keys, None, qsl, q_len_t, q_len_t, meta.max_query_len,
                                        meta.max_query_len)
@@ -154,6 +154,8 @@ class MLAImpl(AttentionImpl):
         src = cache.view(-1, self.entry)
         bs = cache.shape[1]
         key_slots = cache_key_slots(meta, bs, src.shape[0], ql.device)  # [B, max_s]; masked below
+        qsl = meta.query_start_loc[:b + 1].long()  # (here, not above: 2 launches the kernel path never reads)
+        q_len_t = qsl[1:] - qsl[:-1]
         return self._paged_batched(ql, qp, src, key_slots, qsl, q_len_t, meta.seq_lens[:b].long(),
                                    meta.max_query_len, meta.max_seq_len, layer.k_scale)
 

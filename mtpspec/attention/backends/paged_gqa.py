@@ -176,9 +176,9 @@ class PagedGQAImpl(AttentionImpl):
         if kv_cache is None and q_lens and sum(q_lens) == t and len(set(q_lens)) == 1:
             # Equal-length sequences and no padding rows (training batches): one batched call.
             return self._sdpa_batched(qh, kh, vh, len(q_lens))
-        qsl = meta.query_start_loc[:b + 1].long()
-        q_len_t = qsl[1:] - qsl[:-1]
         if kv_cache is None:  # each sequence sees only its own new tokens
+            qsl = meta.query_start_loc[:b + 1].long()
+            q_len_t = qsl[1:] - qsl[:-1]
             return self._paged_batched(qh, kh, vh, None, qsl, q_len_t, q_len_t, meta.max_query_len,
                                        meta.max_query_len)
         cache = self._check_cache(kv_cache)
@@ -195,6 +195,8 @@ class PagedGQAImpl(AttentionImpl):
         v_src = cache[1].view(-1, self.num_kv_heads, self.head_dim)
         bs = cache.shape[2]
         key_slots = cache_key_slots(meta, bs, k_src.shape[0], q.device)  # [B, max_s]; masked below
+        qsl = meta.query_start_loc[:b + 1].long()  # (here, not above: 2 launches the kernel path never reads)
+        q_len_t = qsl[1:] - qsl[:-1]
         return self._paged_batched(qh, k_src, v_src, key_slots, qsl, q_len_t, meta.seq_lens[:b].long(),
                                    meta.max_query_len, meta.max_seq_len, layer.k_scale, layer.v_scale)
 
