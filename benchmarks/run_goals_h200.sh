@@ -16,6 +16,7 @@
 #                                                  # tokens vs their floor, launch-shape sweep, engine step 1/16/64
 #   bash benchmarks/run_goals_h200.sh plain OUT     # issue 18: plain decoding at batch 1 (LLM.generate) vs the
 #                                                  # weight-read floor, async scheduling on (k = 0 step ahead) / off
+#   bash benchmarks/run_goals_h200.sh recheck OUT   # issue 18: re-measure session 14's CPU-only changes (first draft in graph, ...)
 #   bash benchmarks/run_goals_h200.sh block OUT     # issue 18: block / verify kernels listed, torch.compile ref, outside-graph kernels
 #   bash benchmarks/run_goals_h200.sh skinny OUT    # issue 18: few-row bf16 GEMM vs cuBLAS (+ sweep), plain decoding
 #                                                  # with it on / off, engine step wall vs graph sum (8 layers)
@@ -88,6 +89,16 @@ block)  # issue 18: verify / draft step / MTP block at 1-64 rows as the engine r
   step 200 engine_block python3 benchmarks/bench_engine_step.py --graph-mode cuda --layers 3 --batch-sizes 1,4,16,64 \
       --profile-kernels --compile-block --json "$OUT/engine_air3_block.json"
   step 200 async_outside python3 benchmarks/bench_async_scheduling.py --batch-sizes 1,64 --layers 8 --breakdown \
+      --json "$OUT/async_8l.json"
+  step 100 plain_decode python3 benchmarks/bench_plain_decode.py --layers 8 --arms on --json "$OUT/plain.json" ;;
+recheck)  # issue 18 after session 14's changes measured only on the CPU: the first draft inside the first pass's
+  # graph (wall vs graph sum at batch 1, predicted ~1.01), the LM head through the few-row GEMM, the chunked align
+  # (fused block at 64 tokens), the router-logits GEMV (16 tokens), 2 attention launches fewer per layer
+  step 150 recheck_tests python3 -m pytest -q -x tests/test_model_layers.py tests/test_skinny_gemm.py \
+      tests/test_spec_decode_proposer.py tests/test_adaptive_spec.py
+  step 200 engine_block python3 benchmarks/bench_engine_step.py --graph-mode cuda --layers 3 --batch-sizes 1,4,16,64 \
+      --profile-kernels --json "$OUT/engine_air3_block.json"
+  step 200 async_outside python3 benchmarks/bench_async_scheduling.py --batch-sizes 1,64 --layers 8 \
       --json "$OUT/async_8l.json"
   step 100 plain_decode python3 benchmarks/bench_plain_decode.py --layers 8 --arms on --json "$OUT/plain.json" ;;
 plain)  # issue 18's end-to-end goal: <= 1.4x the weight-read floor; first GPU run of the k = 0 step ahead
