@@ -311,6 +311,8 @@ def test_bench_arms_warmup_rounds_interleave_untimed_and_adaptive_vs_best(tmp_pa
     assert "adaptive / best other arm (a), output tok/s medians: 1.018" in bench_arms.format_workload(
         "s1", res["workloads"]["s1"])
     assert bench_arms.versus_best({"arms": {"a": res["workloads"]["s1"]["arms"]["a"]}}) is None  # no adaptive arm
+    zero = {"summary": {"output_throughput": {"median": 0.0}}, "runs": [{"output_throughput": 0.0}]}
+    assert bench_arms.versus_best({"arms": {"a": zero, "adaptive": zero}}) is None  # nothing to divide by
 
 
 def test_warmup_waves_run_at_the_workloads_concurrency_with_short_outputs(forced_server, monkeypatch):

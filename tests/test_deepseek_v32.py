@@ -669,7 +669,7 @@ def check_graph_path_sync_free(path, prompts, plain, k, local_argmax, monkeypatc
         assert llm.get_metrics()["num_eager_fallbacks"] == 0
         assert runner.fwd.num_graph_steps > 10
         assert runner.fwd.num_prefill_graph_steps >= 1  # n = 1: the one-sequence prefill units
-    assert {"verify", "first"} <= set(units) and (k == 1 or "step" in units), units
+    assert {"verify", "firsttop"} <= set(units) and (k == 1 or "step" in units), units
 
 
 @pytest.fixture(scope="module")

@@ -58,6 +58,41 @@ def test_linear_dispatch(kdev, monkeypatch):
         skinny_gemm.skinny_linear(torch.randn(17, 64).to(torch.bfloat16).to(kdev), w)
 
 
+def test_linear_bias_and_out(kdev, monkeypatch):
+    """A bias the kernel cannot read as a contiguous row of x's dtype (strided, fp32) goes to
+    F.linear; ``out`` is written in place by the kernel (contiguous, x's dtype) or by torch.mm /
+    addmm otherwise, with the values of the call without it."""
+    calls = []
+    real = skinny_gemm.skinny_linear
+    monkeypatch.setattr(skinny_gemm, "skinny_linear", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    monkeypatch.setattr(skinny_gemm, "SKINNY_MAX_M", 16)
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(3, 64, generator=g).to(torch.bfloat16).to(kdev)
+    w = torch.randn(32, 64, generator=g).to(torch.bfloat16).to(kdev)
+    b64 = torch.randn(64, generator=g).to(torch.bfloat16).to(kdev)
+    want = F.linear(x.float(), w.float(), b64[::2].float())
+    for bias in (b64[::2], b64[::2].float()):  # strided; fp32 (F.linear itself refuses a mixed dtype)
+        try:
+            got = skinny_gemm.linear(x, w, bias)
+        except RuntimeError:
+            assert bias.dtype == torch.float32
+            continue
+        torch.testing.assert_close(got.float(), want, rtol=2 ** -7, atol=2e-2)
+    assert calls == []
+    for bias in (None, b64[:32].contiguous()):
+        ref = skinny_gemm.linear(x, w, bias)
+        n = len(calls)
+        out = torch.empty(3, 32, dtype=torch.bfloat16, device=kdev)
+        assert skinny_gemm.linear(x, w, bias, out=out) is out and len(calls) == n + 1
+        assert torch.equal(out, ref)
+        wide = torch.empty(3, 40, dtype=torch.bfloat16, device=kdev)[:, :32]  # not contiguous: torch.mm
+        skinny_gemm.linear(x, w, bias, out=wide)
+        assert len(calls) == n + 1
+        torch.testing.assert_close(wide.float(), ref.float(), rtol=2 ** -7, atol=2e-2)
+    with pytest.raises(ValueError, match="contiguous"):
+        skinny_gemm.skinny_linear(x, w, out=torch.empty(3, 31, dtype=torch.bfloat16, device=kdev))
+
+
 def test_skinny_kernel_compiles_for_sm90():
     pytest.importorskip("triton")
     from mtpspec.ops import triton_utils

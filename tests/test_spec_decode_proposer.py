@@ -117,3 +117,24 @@ def test_graph_capture_calls_the_hooks_around_the_units(monkeypatch) -> None:
                            + [("prefill_end", bp), ("decode_begin", bp, k - 1)]
                            + [("capture", bp, 1)] * len(units.step_units) + [("decode_end", bp, k - 1)])
     assert prop.events == per_size(2) + per_size(1)
+
+
+def test_first_top_without_its_graph_runs_eagerly() -> None:
+    """A graphed forward whose ``firsttop`` unit was not captured (no ``draft_fn`` at capture) runs
+    the first pass, the row pick and the draft eagerly on the real layout (it used to look up the
+    uncaptured ``first`` unit); the same outputs as the eager forward."""
+    from mtpspec.engine.forward import GraphedForward
+    from mtpspec.spec_decode.draft_forward import EagerDraftForward
+
+    class Toy(torch.nn.Module):
+        def forward(self, ids, pos, hidden, spec_step_idx=0):
+            return hidden * 2 + ids[:, None].float() + pos[:, None].float()
+
+    fwd = GraphedForward(None, Toy(), 1, 2, 4, 3, torch.float32, torch.device("cpu"), "cuda", 64)
+    fwd.active, fwd.num_seqs, fwd.step_k = 2, 2, 1
+    ids, pos = torch.tensor([3, 4, 5, 6]), torch.tensor([7, 8, 9, 10])
+    hidden, rows = torch.randn(4, 3), torch.tensor([1, 2])
+    top = lambda h, i: h.argmax(-1)  # noqa: E731
+    got = fwd.mtp_first_top(ids, pos, hidden, None, 0, rows, top)
+    want = EagerDraftForward(Toy()).mtp_first_top(ids, pos, hidden, None, 0, rows, top)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])

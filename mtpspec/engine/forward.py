@@ -286,8 +286,11 @@ class GraphedForward(EagerForward):
     def mtp_first_top(self, ids, pos, hidden, meta, spec_step_idx, last_rows, top):
         bp, v = self.active, self.step_k
         key = ("firsttop", bp, spec_step_idx, v)
-        if bp is None or self.prefill_rows is not None or (self.mode == "cuda" and key not in self.graphs):
+        if bp is None or self.prefill_rows is not None:  # eager, or a prefill's pfirst unit via mtp_first
             return super().mtp_first_top(ids, pos, hidden, meta, spec_step_idx, last_rows, top)
+        if self.mode == "cuda" and key not in self.graphs:  # not captured (no draft_fn at capture): eager
+            out = EagerDraftForward.mtp_first(self, ids, pos, hidden, meta, spec_step_idx).index_select(0, last_rows)
+            return out, top(out, spec_step_idx)
         b = self.num_seqs
         self._fill_mtp_rows(ids, hidden, bp * (1 + v))
         self.first_rows[:b].copy_(last_rows)

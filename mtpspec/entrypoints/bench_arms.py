@@ -308,20 +308,21 @@ def format_workload(name: str, wl: Dict[str, Any]) -> str:
 def versus_best(wl: Dict[str, Any], arm: str = "adaptive") -> Optional[Dict[str, Any]]:
     """Issue 18's goal figure for one workload: ``arm``'s median output tok/s over the best other
     arm's (``ratio``, that arm's name ``best``) and the same within each round (``per_round``: run
-    ``i`` of every arm; ``None`` where an arm lacks it). ``None`` without ``arm`` or another arm."""
+    ``i`` of every arm; ``None`` where an arm lacks it or the best is 0). ``None`` without ``arm``,
+    without another arm, or when a median is missing or the best other median is 0."""
     arms = wl["arms"]
     others = [a for a in arms if a != arm]
     if arm not in arms or not others:
         return None
     med = {a: arms[a]["summary"]["output_throughput"]["median"] for a in arms}
-    if med[arm] is None or any(med[a] is None for a in others):
+    if med[arm] is None or any(med[a] is None for a in others) or not max(med[a] for a in others):
         return None
     best = max(others, key=lambda a: med[a])
     tput = {a: [r.get("output_throughput") for r in arms[a]["runs"]] for a in arms}
     per_round = []
     for i in range(max(len(t) for t in tput.values())):
         row = {a: (t[i] if i < len(t) else None) for a, t in tput.items()}
-        ok = all(x for x in row.values())
+        ok = all(x is not None for x in row.values()) and max(row[a] for a in others) > 0
         per_round.append(row[arm] / max(row[a] for a in others) if ok else None)
     return {"arm": arm, "best": best, "ratio": med[arm] / med[best], "per_round": per_round}
 

@@ -87,7 +87,7 @@ def skinny_launch(n: int, k: int, sms: int, block_n: int = 64, block_k: int = 12
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
                   block_n: int = 64, block_k: int = 128, num_warps: int = 4, num_stages: int = 4,
-                  splits: Optional[int] = None) -> torch.Tensor:
+                  splits: Optional[int] = None, out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` for ``x [M, K]`` with ``M <= BLOCK_T`` (16) through the kernel.
 
     Args:
@@ -96,6 +96,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
         bias: ``[N]`` or None.
         block_n, block_k, num_warps, num_stages: launch shape (benchmark sweeps).
         splits: K splits (default :func:`skinny_launch`).
+        out: a contiguous ``[M, N]`` of x's dtype to write into (default: a new tensor).
 
     Returns:
         ``[M, N]`` of x's dtype (fp32 accumulation, rounded once).
@@ -112,7 +113,11 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
         raise ValueError(f"skinny_linear: x {list(x.shape)} {x.dtype}, weight {list(weight.shape)} {weight.dtype}, "
                          f"bias {None if bias is None else list(bias.shape)}: needs M <= {BLOCK_T}, unit stride in K "
                          "and one dtype")
-    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if out is None:
+        out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    elif out.shape != (m, n) or out.dtype != x.dtype or not out.is_contiguous():
+        raise ValueError(f"skinny_linear: out {list(out.shape)} {out.dtype} stride {out.stride()}: needs a "
+                         f"contiguous [{m}, {n}] {x.dtype}")
     if m == 0 or n == 0:
         return out
     if splits is None:
@@ -134,17 +139,26 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
     return out
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
+           out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)``, through :func:`skinny_linear` where it is switched on: at most
     :data:`SKINNY_MAX_M` rows (leading dims flattened), 16-bit x and weight of one dtype, unit
-    stride in K, where :func:`~mtpspec.ops.triton_utils.use_triton` holds."""
-    if SKINNY_MAX_M <= 0:  # switched off: every linear layer's call passes here first
-        return F.linear(x, weight, bias)
+    stride in K, no bias or a contiguous 1-D one of x's dtype, where
+    :func:`~mtpspec.ops.triton_utils.use_triton` holds. ``out``: for 2-D ``x`` only, written in
+    place (contiguous ``[M, N]`` of x's dtype) and returned; elsewhere ``torch.mm`` /
+    ``torch.addmm`` into it (F.linear's own 2-D calls)."""
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    if not (0 < rows <= min(SKINNY_MAX_M, BLOCK_T) and x.dtype in (torch.bfloat16, torch.float16)
+    if SKINNY_MAX_M <= 0 or not (
+            0 < rows <= min(SKINNY_MAX_M, BLOCK_T) and x.dtype in (torch.bfloat16, torch.float16)
             and weight.dtype == x.dtype and weight.dim() == 2 and weight.stride(1) == 1 and x.stride(-1) == 1
+            and (bias is None or (bias.dim() == 1 and bias.dtype == x.dtype and bias.is_contiguous()))
+            and (out is None or (out.dtype == x.dtype and out.is_contiguous()))
             and use_triton(x, weight, bias)):
-        return F.linear(x, weight, bias)
+        if out is None:  # switched off, or not a call the kernel takes: every linear layer's call passes here
+            return F.linear(x, weight, bias)
+        return torch.mm(x, weight.t(), out=out) if bias is None else torch.addmm(bias, x, weight.t(), out=out)
+    if out is not None:
+        return skinny_linear(x, weight, bias, out=out)
     return skinny_linear(x.reshape(rows, x.shape[-1]), weight, bias).view(*x.shape[:-1], weight.shape[0])
 
 
