@@ -62,3 +62,20 @@ def test_bench_engine_step_smoke(tmp_path):
     names = {r["row"] for r in rows}
     assert any(n.startswith("verify step") for n in names) and any(n.startswith("draft step") for n in names)
     assert any(n.startswith("engine step") for n in names) and all(r["eager_ms"] > 0 for r in rows)
+
+
+def test_step_launches_outside_graphs_stay_few(tmp_path):
+    """``count_step_launches.py``: the eager launches of a pure-decode step outside its graph units
+    (host time at batch 1, issue 18), counted on the CPU. A guard: 65 at batch 1, k = 3 (2026-12-04,
+    after the first draft moved into the first pass's graph; 10 of them are the CPU's own staging
+    copies and 7 the CPU path of the one-launch acceptance kernel)."""
+    env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
+    env.pop("TRITON_INTERPRET", None)
+    out = tmp_path / "launches.json"
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "count_step_launches.py"), "--steps", "4",
+                           "--json", str(out)], capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    res = json.loads(out.read_text())
+    assert res["steps"] == 4 and 20 < res["per_step"] <= 70, res
+    # no LM-head matmul outside the graphs (the first draft's ran eagerly before it moved into 'firsttop')
+    assert not any(op in s for s in res["sites"] for op in ("aten.mm.", "aten.addmm.", "aten.linear.")), res["sites"]

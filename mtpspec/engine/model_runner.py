@@ -414,6 +414,8 @@ def last_row_tok_index(inp: PreparedStep, last_row: torch.Tensor) -> torch.Tenso
 
     Decodes: ``num_accepted``; prefills (and every row in plain decoding): column 0.
     """
+    if inp.num_decodes >= last_row.shape[0]:  # every row a decode (pure-decode steps): no copy, no fill
+        return last_row
     idx = last_row.clone()
     idx[inp.num_decodes:] = 0
     return idx
