@@ -10,6 +10,7 @@
 #   bash benchmarks/run_goals_h200.sh adaptive OUT  # issue 18: bench arms plain / k1..k3 / adaptive, demo model
 #   bash benchmarks/run_goals_h200.sh adaptive-air OUT  # the same at GLM-4.5-Air width, forced acceptance (SYNTHETIC)
 #   bash benchmarks/run_goals_h200.sh serving-deep OUT  # issue 17: prefix-cache TTFT on 40 of Llama-3-70B's 80 layers
+#   bash benchmarks/run_goals_h200.sh adaptive-inproc OUT # issue 18: the adaptive sweep in-process (deterministic arrival)
 #   bash benchmarks/run_goals_h200.sh adaptive-air3 OUT # issue 18: the same, 3 layers, every server up at once, interleaved
 #   bash benchmarks/run_goals_h200.sh adaptive-demo OUT  # issue 18: the demo-model sweep at scale 1, 2 repeats
 #   bash benchmarks/run_goals_h200.sh moe-decode OUT  # issue 18: the new MoE kernels' GPU tests, experts at 1-64
@@ -136,6 +137,19 @@ adaptive-air3)  # issue 18's adaptive goal at GLM-4.5-Air width with 3 target la
       --warmup-rounds ${WARMUP_ROUNDS:-1} --no-plots \
       --no-progress --random-prompts --ignore-eos --forced-acceptance rate:0.8 --server-args "--max-num-seqs 256 \
       --load-format dummy --max-model-len 1024 --dtype bfloat16" --output-dir "$OUT/arms_air3" ;;
+adaptive-inproc)  # issue 18's adaptive goal with deterministic arrival: `bench arms --in-process` (each arm an LLM in
+  # one process, every request of a run queued before the first step, forced acceptance re-armed each run: a round
+  # repeats the same steps; over HTTP the steps of one arm differed 4x between rounds at s256). Air 3 layers, SYNTHETIC
+  # rate 0.8, then the demo model on GSM8K prompts.
+  python3 benchmarks/make_dummy_model.py /tmp/air3 --preset air-8l --num-hidden-layers 3 \
+      --max-position-embeddings 2048 || exit 1
+  step ${AIR_TIMEOUT:-330} arms_air3_ip python3 -m mtpspec.entrypoints.cli bench arms --in-process --model /tmp/air3 \
+      --arms ${ARMS:-plain,k1,k2,k3,adaptive} --workloads s1,s8,s64,s256 --repeats ${REPEATS:-3} --warmup-rounds 1 \
+      --no-plots --no-progress --random-prompts --ignore-eos --forced-acceptance rate:0.8 --server-args \
+      "--max-num-seqs 256 --load-format dummy --max-model-len 1024 --dtype bfloat16" --output-dir "$OUT/arms_air3_ip"
+  step ${DEMO_TIMEOUT:-230} arms_demo_ip python3 -m mtpspec.entrypoints.cli bench arms --in-process \
+      --arms ${ARMS:-plain,k1,k2,k3,adaptive} --workloads s1,s8,s64,s256 --repeats ${REPEATS:-3} --warmup-rounds 1 \
+      --no-plots --no-progress --server-args "--max-num-seqs 256" --output-dir "$OUT/arms_demo_ip" ;;
 serving-deep)  # the prefix-cache TTFT goal at 40 layers (34 B, 69 GB): the per-request host cost (~6 ms) against
   # a deeper model's steps, nearer a real 70 B model's share than 16 layers give (ratio 0.351 there, 2026-12-03)
   LAYERS=40 SKIP_INTERFERENCE=1 step 560 serving_deep bash benchmarks/run_serving_goals.sh "$OUT" dense-70b-16l ;;

@@ -218,6 +218,38 @@ def test_bench_arms_one_at_a_time_plain_vs_adaptive(model_dir, tmp_path):
     assert len(hist) == 4 and sum(hist) > 0  # the steps per chosen k reached the client
 
 
+def test_bench_arms_in_process_repeats_the_same_steps(model_dir, tmp_path):
+    """``--in-process``: each arm an ``LLM`` here, each run one ``generate`` with every request queued
+    before the first step and the workload's concurrency as the running cap: under forced acceptance
+    (re-armed each run) every round of a fixed-k arm runs the same engine steps and accepts the
+    same tokens (the HTTP client's trickling arrival made rounds differ 4x in steps on an H200)."""
+    out = tmp_path / "arms_ip"
+    cmd = [sys.executable, "-m", "mtpspec.entrypoints.cli", "bench", "arms", "--model", model_dir, "--in-process",
+           "--arms", "k1,adaptive", "--workloads", "s8", "--scale", "0.2", "--repeats", "2", "--warmup", "2",
+           "--warmup-rounds", "1", "--output-dir", str(out), "--no-progress", "--no-plots", "--random-prompts",
+           "--ignore-eos", "--forced-acceptance", "rate:0.7",
+           "--server-args", "--device cpu --torch-threads 1 --max-model-len 256 --max-num-seqs 4"]
+    p = subprocess.run(cmd, capture_output=True, text=True, env=child_env(), cwd=REPO, timeout=300)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    assert "adaptive / best other arm (k1)" in p.stdout and "SYNTHETIC" in p.stdout
+    res = json.loads((out / "bench_arms.json").read_text())
+    assert res["in_process"] is True and res["warmup_rounds"] == 1
+    wl = res["workloads"]["s8"]
+    for arm, d in wl["arms"].items():
+        r0, r1 = d["runs"]
+        assert r0["in_process"] and r0["completed"] == wl["config"]["num_prompts"] == 3
+        assert r0["total_output_tokens"] == 3 * wl["config"]["output_len"]
+        assert r0["acceptance_length"] > 1.0 and r0["engine_steps"] > 0
+        if arm == "k1":  # a fixed k: the same step sequence each round (adaptive's choices follow step times)
+            assert r0["engine_steps"] == r1["engine_steps"], arm
+            assert r0["num_accepted_tokens"] == r1["num_accepted_tokens"]
+    assert len(wl["arms"]["adaptive"]["runs"][0]["num_speculative_tokens_histogram"]) == 4
+    assert "adaptive_vs_best" in wl
+    bad = subprocess.run(cmd[:-2] + ["--base-url", "k1=http://127.0.0.1:1", "--server-args", cmd[-1]],
+                         capture_output=True, text=True, env=child_env(), cwd=REPO, timeout=120)
+    assert bad.returncode == 2 and "exclude each other" in bad.stderr
+
+
 @pytest.mark.parametrize("bad", ["missing", "malformed"])
 def test_bench_arms_checks_its_dataset_before_starting_servers(tmp_path, bad):
     out = tmp_path / "arms"

@@ -35,7 +35,9 @@ their median and spread (max - min over runs), collective bytes per engine step,
 per pair of arms and figure: a difference counts only when the medians differ by more than the
 larger of the two spreads; with an ``adaptive`` arm, its median output tok/s over the best other
 arm's, and the same per round (:func:`versus_best`). ``--warmup-rounds N``: N untimed runs of each
-workload per arm before the timed ones. Output: tables on stdout, ``bench_arms.json`` (every figure; while the
+workload per arm before the timed ones. ``--in-process``: each arm an ``LLM`` in this process, each run
+one ``LLM.generate`` with every request queued before the first step
+(:mod:`~mtpspec.entrypoints.bench_inprocess`). Output: tables on stdout, ``bench_arms.json`` (every figure; while the
 runs go on, ``bench_arms.partial.json`` holds the runs made so far and their settings, for a sweep
 that is killed or fails; a finished sweep removes it) and PNG
 plots (each arm's runs of output tok/s and steps/s with median and spread; acceptance rate per
@@ -399,7 +401,7 @@ def check_workload_lengths(workloads: Dict[str, Any], server_kwargs: Dict[str, A
 def run_arms(arms: Dict[str, List[str]], workloads: Dict[str, BenchConfig], repeats: int, out_dir: str,
              common: List[str], urls: Optional[Dict[str, str]] = None, progress: bool = True,
              plots: bool = True, share_gpu: bool = False, one_at_a_time: bool = False,
-             warmup_rounds: int = 0) -> Dict[str, Any]:
+             warmup_rounds: int = 0, in_process: bool = False, forced: Optional[str] = None) -> Dict[str, Any]:
     """Start the servers, run every workload ``repeats`` times per arm interleaved, summarise.
 
     Args:
@@ -420,6 +422,10 @@ def run_arms(arms: Dict[str, List[str]], workloads: Dict[str, BenchConfig], repe
             (interleaved as they are): a workload's first full-length run can meet shapes its
             short warm-up waves did not (an H200 sweep of 2026-12-04 had the first round of
             each workload slower for every arm); not in the results.
+        in_process: each arm an ``LLM`` in this process instead of a server, each run one
+            ``LLM.generate`` with every request queued before the first step
+            (:mod:`~mtpspec.entrypoints.bench_inprocess`; ``forced``: the forced-acceptance setting,
+            re-armed before each run); ``common`` + the arm's flags are parsed as `mtpspec serve`'s.
 
     Returns:
         Everything, as written to ``bench_arms.json``.
@@ -449,7 +455,7 @@ def run_arms(arms: Dict[str, List[str]], workloads: Dict[str, BenchConfig], repe
     servers: Dict[str, ArmServer] = {}
     result: Dict[str, Any] = {"arms": {a: {"flags": f, "url": urls.get(a)} for a, f in arms.items()},
                               "common_server_args": common, "repeats": repeats, "interleaved": not one_at_a_time,
-                              "warmup_rounds": warmup_rounds, "workloads": {}}
+                              "warmup_rounds": warmup_rounds, "in_process": in_process, "workloads": {}}
     bar = None
     runs: Dict[str, Dict[str, List[Dict[str, Any]]]] = {w: {a: [] for a in arms} for w in workloads}
 
@@ -467,10 +473,18 @@ def run_arms(arms: Dict[str, List[str]], workloads: Dict[str, BenchConfig], repe
         except OSError as exc:
             print(f"warning: could not save the runs so far to {partial}: {exc}", file=sys.stderr)
 
+    engines: Dict[str, Any] = {}
+
     def start(arm: str, i: int, n: int) -> None:
         flags, share = arms[arm], 0.85 * (i + 1) / n
         if share_gpu and n > 1:
             flags = flags + ["--gpu-memory-utilization", f"{share:.4f}"]
+        if in_process:
+            from mtpspec.entrypoints.bench_inprocess import open_arm
+            from mtpspec.entrypoints.serve import check_serve_args
+            print(f"loading arm {arm!r} in this process ...", file=sys.stderr, flush=True)
+            engines[arm] = open_arm(check_serve_args(common + flags), forced)
+            return
         print(f"starting the server for arm {arm!r} ...", file=sys.stderr, flush=True)
         try:
             servers[arm] = ArmServer(arm, flags, common, os.path.join(out_dir, f"server_{arm}.log"))
@@ -482,11 +496,17 @@ def run_arms(arms: Dict[str, List[str]], workloads: Dict[str, BenchConfig], repe
         urls[arm] = servers[arm].url
         result["arms"][arm]["url"] = urls[arm]
 
+    def one(cfg: BenchConfig, arm: str, desc: str) -> Dict[str, Any]:
+        if in_process:
+            from mtpspec.entrypoints.bench_inprocess import run_in_process
+            return run_in_process(engines[arm], cfg, forced)
+        return run_benchmark(urls[arm], cfg, progress=progress, desc=desc)
+
     def warm(wname: str, cfg: BenchConfig, arm: str, i: int) -> None:
-        run_benchmark(urls[arm], cfg, progress=progress, desc=f"{wname} {arm} warm-up #{i + 1}")
+        one(cfg, arm, f"{wname} {arm} warm-up #{i + 1}")
 
     def run(wname: str, cfg: BenchConfig, arm: str, rep: int) -> None:
-        res = run_benchmark(urls[arm], cfg, progress=progress, desc=f"{wname} {arm} #{rep + 1}")
+        res = one(cfg, arm, f"{wname} {arm} #{rep + 1}")
         res["run_index"] = rep
         runs[wname][arm].append(res)
         save_partial()
@@ -510,6 +530,8 @@ def run_arms(arms: Dict[str, List[str]], workloads: Dict[str, BenchConfig], repe
                         run(wname, cfg, arm, rep)
                 if arm in servers:
                     servers.pop(arm).stop()
+                if arm in engines:
+                    engines.pop(arm).shutdown()
         else:
             for i, arm in enumerate(to_start):
                 start(arm, i, len(to_start))
@@ -543,6 +565,8 @@ def run_arms(arms: Dict[str, List[str]], workloads: Dict[str, BenchConfig], repe
             bar.close()
         for s in servers.values():
             s.stop()
+        for e in engines.values():
+            e.shutdown()
     result["synthetic"] = any(w["synthetic"] for w in result["workloads"].values())
     if plots:
         result["plots"] = [p for name, wl in result["workloads"].items() for p in plot_workload(name, wl, out_dir)]
@@ -565,6 +589,9 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--workloads", default="batch1,c64", help=f"comma-separated presets: {', '.join(PRESETS)}")
     p.add_argument("--scale", type=float, default=1.0, help="multiply the presets' lengths and prompt counts (0, 1]")
     p.add_argument("--repeats", type=int, default=3, help="runs per arm and workload (default 3)")
+    p.add_argument("--in-process", action="store_true",
+                   help="each arm an LLM in this process, each run one LLM.generate with every request queued "
+                        "before the first step (deterministic arrival; no HTTP, TTFT / ITL from the engine)")
     p.add_argument("--warmup-rounds", type=int, default=0,
                    help="untimed whole runs of each workload per arm before the timed ones (default 0)")
     p.add_argument("--server-args", default="",
@@ -589,6 +616,8 @@ def run(args: argparse.Namespace) -> int:
             if not sep or name not in arms:
                 raise ValueError(f"--base-url must be NAME=URL with NAME one of {list(arms)}, got {spec!r}")
             urls[name] = url
+        if urls and args.in_process:
+            raise ValueError("--base-url and --in-process exclude each other (a URL is another process's server)")
         workloads = {}
         for w in [x.strip() for x in args.workloads.split(",") if x.strip()]:
             workloads[w] = workload_config(w, args)
@@ -602,7 +631,8 @@ def run(args: argparse.Namespace) -> int:
             a.startswith(("--gpu-memory-utilization", "--num-kv-blocks", "--num-gpu-blocks-override")) for a in common)
         res = run_arms(arms, workloads, args.repeats, args.output_dir, common, urls, progress=not args.no_progress,
                        plots=not args.no_plots, share_gpu=share, one_at_a_time=args.one_arm_at_a_time,
-                       warmup_rounds=args.warmup_rounds)
+                       warmup_rounds=args.warmup_rounds, in_process=args.in_process,
+                       forced=args.forced_acceptance if args.in_process else None)
     except (ValueError, FileNotFoundError, RuntimeError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         partial = os.path.join(args.output_dir, PARTIAL_JSON)

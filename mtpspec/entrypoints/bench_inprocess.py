@@ -1,0 +1,125 @@
+"""`bench arms --in-process`: each arm an ``LLM`` in this process, each run one ``LLM.generate`` call.
+
+Why (issue 18's adaptive-speculation goal, BENCHMARKS.md 2026-12-04 session 14): over HTTP the
+same arm and workload ran 519 engine steps in one round and about 2,000 in the next at
+concurrency 256 (requests trickle in from the client, and the batch then either decodes in
+lockstep or staggers), so throughput spread 20-47% between rounds, far more than the 2% the goal
+compares. Here every request of a run is queued before the engine's first step, and the
+concurrency is the scheduler's running-sequence cap (``max_num_seqs``, set per workload), so under
+forced acceptance (re-armed with its seed before each run) a fixed-k arm's run repeats the same
+step sequence: what is left between rounds is the device's and the host's timing (the adaptive
+arm's choices also follow the step times it measures, so its rounds can differ by a few steps).
+
+A run's result has the fields of :func:`~mtpspec.entrypoints.bench_serve.run_benchmark` that
+``bench arms`` reads (throughput, TTFT from the requests' own timestamps, ITL as each request's
+mean time per output token after the first (its TPOT: no stream to time chunk by chunk), acceptance and
+its per-position rates, the chosen-k histogram, engine steps, collective bytes), from the engine's
+counters over the run.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict
+from typing import Any, Dict, List, Optional
+
+from mtpspec.entrypoints.bench_serve import BenchConfig, _ms
+
+
+def open_arm(kwargs: Dict[str, Any], forced: Optional[str]) -> Any:
+    """``LLM(**kwargs)`` (from ``serve.check_serve_args``) with ``forced`` acceptance installed
+    when it speculates (``"rate:P"`` / ``"length:N"``; ignored for plain decoding, as ``serve``
+    does)."""
+    from mtpspec import LLM
+    llm = LLM(**kwargs)
+    _arm_forced(llm, forced)
+    return llm
+
+
+def _arm_forced(llm: Any, forced: Optional[str]) -> None:
+    from mtpspec.spec_decode.forced_acceptance import ForcedAcceptance, enable_forced_acceptance
+    if forced and llm.llm_engine.scheduler_config.num_speculative_tokens:
+        enable_forced_acceptance(llm, ForcedAcceptance.parse(forced))  # a fresh generator: the same draws each run
+
+
+def _generate(llm: Any, prompts: List[Any], cfg: BenchConfig, output_len: int) -> List[Any]:
+    from mtpspec import SamplingParams
+    sps = [SamplingParams(max_tokens=output_len, temperature=cfg.temperature, ignore_eos=cfg.ignore_eos,
+                          seed=cfg.seed + i) for i in range(len(prompts))]
+    inputs = [{"prompt_token_ids": p} if isinstance(p, list) else p for p in prompts]
+    return llm.generate(inputs, sps, use_tqdm=False)
+
+
+def run_in_process(llm: Any, cfg: BenchConfig, forced: Optional[str] = None) -> Dict[str, Any]:
+    """One workload on ``llm``: warm-up prompts first (``cfg.warmup`` of them, ``cfg.warmup_output_len``
+    tokens), then every timed prompt queued at once with at most ``cfg.max_concurrency`` running.
+
+    Raises:
+        ValueError: ``max_concurrency`` above the engine's ``max_num_seqs``, or a workload longer
+            than its ``max_model_len``.
+    """
+    from mtpspec.entrypoints.bench_dataset import build_prompts
+    eng = llm.llm_engine
+    sched_cfg = eng.scheduler.config
+    cap = sched_cfg.max_num_seqs
+    if cfg.max_concurrency > cap:
+        raise ValueError(f"concurrency {cfg.max_concurrency} exceeds the engine's max_num_seqs {cap}")
+    if cfg.input_len is not None and cfg.input_len + cfg.output_len > sched_cfg.max_model_len:
+        raise ValueError(f"input_len {cfg.input_len} + output_len {cfg.output_len} exceed max_model_len "
+                         f"{sched_cfg.max_model_len}; lower them (or --scale for presets)")
+    tok = llm.get_tokenizer()
+    prompts = build_prompts(cfg.prompts, cfg.num_prompts + cfg.warmup, cfg.input_len, llm.model_config.vocab_size,
+                            (lambda text: tok.encode(text)) if tok is not None else None, cfg.dataset, cfg.seed)
+    warm, prompts = prompts[:cfg.warmup], prompts[cfg.warmup:]
+    sched_cfg.max_num_seqs = cfg.max_concurrency
+    try:
+        if warm:
+            _generate(llm, warm, cfg, cfg.warmup_output_len or cfg.output_len)
+        llm.reset_prefix_cache()  # a run starts cold
+        _arm_forced(llm, forced)
+        llm.reset_metrics()
+        started_at = time.time()
+        t0 = time.perf_counter()
+        outs = _generate(llm, prompts, cfg, cfg.output_len)
+        duration = time.perf_counter() - t0
+    finally:
+        sched_cfg.max_num_seqs = cap
+    m = llm.get_metrics()
+    k = eng.scheduler_config.num_speculative_tokens
+    out_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    drafts = m.get("num_drafts", 0) or 0
+    acc = (1.0 + m["num_accepted_tokens"] / drafts) if drafts else None
+    per_pos, per_pos_n = m.get("num_accepted_tokens_per_pos", []), m.get("num_draft_tokens_per_pos", [])
+    steps = m["num_steps"]
+    comm = m["comm_bytes_total"]
+    reasons = []
+    if cfg.prompts == "random":
+        reasons.append("random-token prompts")
+    if cfg.ignore_eos:
+        reasons.append("ignore_eos")
+    if forced and k:
+        reasons.append(f"forced acceptance {forced}")
+    ttft = [o.metrics.ttft for o in outs if o.metrics.ttft is not None]
+    itl = [o.metrics.tpot for o in outs if o.metrics.tpot is not None]
+    return {
+        "synthetic": bool(reasons), "synthetic_reasons": reasons, "in_process": True,
+        "server": {"num_speculative_tokens": k, "max_num_seqs": cap}, "config": asdict(cfg),
+        "started_at": started_at, "duration_s": duration, "completed": len(outs), "failed": 0, "errors": [],
+        "total_input_tokens": sum(len(o.prompt_token_ids or []) for o in outs), "total_output_tokens": out_tokens,
+        "mean_output_len": out_tokens / max(len(outs), 1), "request_throughput": len(outs) / duration,
+        "output_throughput": out_tokens / duration, "ttft_ms": _ms(ttft), "itl_ms": _ms(itl), "tpot_ms": _ms(itl),
+        "steps_per_s": (out_tokens / duration) / (acc if acc else 1.0), "engine_steps_per_s": steps / duration,
+        "num_drafts": drafts, "num_draft_tokens": m.get("num_draft_tokens", 0),
+        "num_accepted_tokens": m.get("num_accepted_tokens", 0), "acceptance_length": acc,
+        "acceptance_rate_per_pos": [(a / n) if n else None for a, n in zip(per_pos, per_pos_n)],
+        "num_speculative_tokens_histogram": [float(x) for x in m.get("num_speculative_tokens_histogram", [])]
+        if k else [],
+        "engine_steps": float(steps), "server_generation_tokens": float(out_tokens),
+        "collective_bytes_per_step": {op: b / max(steps, 1) for op, b in sorted(comm.items())},
+        "collective_bytes_per_step_total": sum(comm.values()) / max(steps, 1),
+        "preemptions": float(m["num_preemptions"]), "eager_fallbacks": float(m["num_eager_fallbacks"]),
+        "prefix_cache_hit_rate": m.get("prefix_cache_hit_rate"),
+    }
+
+
+__all__ = ["open_arm", "run_in_process"]
