@@ -4,7 +4,8 @@
 on the CPU) and as a replayed CUDA graph; :func:`read_bandwidth`: the device's read bandwidth
 (``x.sum()`` over a large bf16 tensor), the denominator of memory floors; :func:`fmt` prints an
 optional figure; :func:`cuda_kernel_times`: a ``torch.profiler`` profile's GPU busy time and
-per-kernel totals.
+per-kernel totals; :func:`kernel_counts`: its kernels' time and launches per step or replay;
+:meth:`Timer.kernel_profile`: the kernels of one CUDA-graph replay.
 """
 
 from __future__ import annotations
@@ -74,21 +75,16 @@ class Timer:
             for _ in range(replays):
                 g.replay()
                 torch.cuda.synchronize()
-        busy, by_name = cuda_kernel_times(prof)
-        counts: Dict[str, int] = {}
-        starts: List[Tuple[float, float]] = []
-        for e in prof.events():
-            if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.elapsed_us() > 0:
-                counts[e.name] = counts.get(e.name, 0) + 1
-                starts.append((e.time_range.start, e.time_range.end))
-        starts.sort()
+        busy = cuda_kernel_times(prof)[0]
+        starts = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
+                        if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.elapsed_us() > 0)
         per = max(1, len(starts) // replays)
         for i in range(0, per * replays, per):  # one replay's kernels are consecutive (synchronised)
             chunk = starts[i:i + per]
             spans.append((max(t for _, t in chunk) - chunk[0][0]) / 1e3)
         spans.sort()
         return {"busy_ms": busy / replays, "span_ms": spans[len(spans) // 2] if spans else None,
-                "kernels": sorted(((n[:90], ms / replays * 1e3, counts[n] / replays) for n, ms in by_name.items()),
+                "kernels": sorted(((n, us, c) for n, (us, c) in kernel_counts(prof, replays).items()),
                                   key=lambda r: -r[1])}
 
 
@@ -104,6 +100,18 @@ def read_bandwidth(device: torch.device, cpu_bytes: int = 64 << 20, warmup: int 
 def fmt(x: Optional[float], d: int = 3) -> str:
     """``x`` with ``d`` decimals, ``-`` for None."""
     return "-" if x is None else f"{x:.{d}f}"
+
+
+def kernel_counts(prof: Any, per: int = 1) -> Dict[str, List[float]]:
+    """``{kernel name (its first 90 characters): [us, launches]}`` of a ``torch.profiler`` profile's
+    CUDA kernels (inside CUDA graphs too), each divided by ``per`` (the steps or replays profiled)."""
+    out: Dict[str, List[float]] = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.elapsed_us() > 0:
+            row = out.setdefault(e.name[:90], [0.0, 0.0])
+            row[0] += e.time_range.elapsed_us() / per
+            row[1] += 1.0 / per
+    return out
 
 
 def cuda_kernel_times(prof: Any) -> Tuple[float, Dict[str, float]]:

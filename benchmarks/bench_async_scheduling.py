@@ -37,7 +37,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from benchmarks._timing import cuda_kernel_times  # noqa: E402
+from benchmarks._timing import cuda_kernel_times, kernel_counts  # noqa: E402
 from benchmarks.bench_engine_step import glm_air_config_dict  # noqa: E402
 from mtpspec import LLM, SamplingParams  # noqa: E402
 from mtpspec.spec_decode.forced_acceptance import ForcedAcceptance, enable_forced_acceptance  # noqa: E402
@@ -145,17 +145,6 @@ def graph_replay_sum(llm: Any, steps: int = 5, reps: int = 20) -> Any:
     return dict(ms=sum(per[key] for key in keys) / steps, replays_per_step=len(keys) / steps,
                 per_graph_ms={str(k): round(v, 4) for k, v in per.items()},
                 kernels=kernel_counts(prof, steps))
-
-
-def kernel_counts(prof: Any, steps: int) -> Dict[str, List[float]]:
-    """``{kernel name: [us, launches]}`` per step of a profile over ``steps`` steps."""
-    out: Dict[str, List[float]] = {}
-    for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.elapsed_us() > 0:
-            row = out.setdefault(e.name[:90], [0.0, 0.0])
-            row[0] += e.time_range.elapsed_us() / steps
-            row[1] += 1.0 / steps
-    return out
 
 
 def outside_graphs(step_kernels: Dict[str, List[float]], graph_kernels: Dict[str, List[float]]) -> List[Any]:
