@@ -58,14 +58,11 @@ class Timer:
             return None, f"{type(exc).__name__}: {str(exc).splitlines()[0][:why_chars]}"
         return g, None
 
-    def kernel_profile(self, fn: Callable[[], Any], replays: int = 50) -> Optional[Dict[str, Any]]:
-        """Per-replay CUPTI kernel times of ``fn`` captured as a CUDA graph: ``{"busy_ms", "span_ms",
-        "kernels": [(name, us per replay, launches per replay), ...] longest first}``; ``span_ms`` is
-        first kernel start to last kernel end of one replay (median), so ``span - busy`` is the
-        launch gaps inside the graph. None on the CPU or when capture fails."""
-        g, _ = self.capture(fn)
-        if g is None:
-            return None
+    def kernel_profile(self, g: Any, replays: int = 50) -> Dict[str, Any]:
+        """Per-replay CUPTI kernel times of the CUDA graph ``g`` (:meth:`capture`): ``{"busy_ms",
+        "span_ms", "kernels": [(name, us per replay, launches per replay), ...] longest first}``;
+        ``span_ms`` is first kernel start to last kernel end of one replay (median), so ``span -
+        busy`` is the launch gaps inside the graph."""
         from torch.profiler import ProfilerActivity, profile
         for _ in range(3):
             g.replay()

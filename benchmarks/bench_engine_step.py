@@ -231,12 +231,13 @@ def bench_batch(runner: ModelRunner, timer: Timer, b: int, k: int, context: int,
 
     def add(name: str, fn: Callable[[], Any], floor_bytes: float, graph: bool = True) -> None:
         eager = timer.eager(fn)
-        g_ms, why = timer.graph(fn) if graph else (None, "not captured")
+        g, why = timer.capture(fn) if graph else (None, "not captured")
+        g_ms = timer.eager(g.replay) if g is not None else None
         floor = floor_bytes / bw * 1e3
         rows.append(dict(batch=b, row=name, eager_ms=eager, graph_ms=g_ms, graph_note=why, floor_ms=floor,
                          eager_x=eager / floor if floor else None, graph_x=(g_ms / floor) if g_ms else None))
-        if profile and g_ms and (not name.startswith("  ") or "block" in name):  # top-level rows and the block
-            rows[-1]["kernels"] = timer.kernel_profile(fn)
+        if profile and g is not None and (not name.startswith("  ") or "block" in name):  # top rows, the block
+            rows[-1]["kernels"] = timer.kernel_profile(g)
 
     # ---- verify step
     drafts = inp.draft_token_ids

@@ -300,9 +300,10 @@ class GraphedForward(EagerForward):
         return out[:b], tok[:b]
 
     def _first_top_fn(self, bp: int, idx: int, rows: int, top: DraftTokenFn) -> Callable[[AttentionMetadata], tuple]:
+        first = self._first_fn(bp, idx, rows)
+
         def fn(meta: AttentionMetadata) -> tuple:
-            with set_forward_context(meta):
-                out = self.mtp_model(self.mtp_ids[:rows], self.pos[:rows], self.hidden_in[:rows], spec_step_idx=idx)
+            (out,) = first(meta)
             last = out.index_select(0, self.first_rows[:bp])
             return last, top(last, idx)
         return fn
