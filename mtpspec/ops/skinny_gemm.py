@@ -141,12 +141,16 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
            out: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """``F.linear(x, weight, bias)``, through :func:`skinny_linear` where it is switched on: at most
+    """``F.linear(x, weight, bias)`` (``x [..., K]``, ``weight [N, K]``, ``bias [N]`` or None ->
+    ``[..., N]`` of x's dtype), through :func:`skinny_linear` where it is switched on: at most
     :data:`SKINNY_MAX_M` rows (leading dims flattened), 16-bit x and weight of one dtype, unit
     stride in K, no bias or a contiguous 1-D one of x's dtype, where
     :func:`~mtpspec.ops.triton_utils.use_triton` holds. ``out``: for 2-D ``x`` only, written in
     place (contiguous ``[M, N]`` of x's dtype) and returned; elsewhere ``torch.mm`` /
-    ``torch.addmm`` into it (F.linear's own 2-D calls)."""
+    ``torch.addmm`` into it (F.linear's own 2-D calls).
+
+    Raises:
+        RuntimeError: what ``F.linear`` / ``torch.mm`` raise for shapes or dtypes that do not fit."""
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     if SKINNY_MAX_M <= 0 or not (
             0 < rows <= min(SKINNY_MAX_M, BLOCK_T) and x.dtype in (torch.bfloat16, torch.float16)
