@@ -154,7 +154,7 @@ def write_kv_cache_ref(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Te
     for cache, new, sc in ((k_cache, key, k_scale), (v_cache, value, v_scale)):
         flat = raw(cache.view(-1, nkv, hd))
         new = raw(quantize_to_cache(new.reshape(n, nkv, hd), cache.dtype, sc))
-        fb_val = torch.where(any_valid[:, None, None], new.index_select(0, first), flat[:1])
+        fb_val = torch.where(any_valid[:, None, None], new.index_select(0, first), flat.index_select(0, first * 0))
         flat.index_copy_(0, idx, torch.where(valid[:, None, None], new, fb_val))
 
 

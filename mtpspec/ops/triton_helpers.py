@@ -20,6 +20,9 @@
   ``[rows, stride]`` tensors (``rms_norm`` and the p2p backend).
 - :func:`store_swap_tile`: the epilogue (bias, split-K partial or rounded store) of the swap-AB
   GEMMs (``fp8_gemm``'s FP8 swap kernel and ``skinny_gemm``).
+- :func:`last_to_arrive`: a program's arrival on a counter shared by the programs whose partial
+  results one of them then reduces (the last to arrive), so the reduction needs no launch of its
+  own; the counters are :func:`~mtpspec.ops.triton_utils.arrival_counters`.
 
 Where a row comes from differs (one tensor, one of two halves, a sum over peers' slots), so
 those loads stay in the kernels (as kernel-local device functions). Each function holds the same
@@ -150,4 +153,18 @@ if HAS_TRITON:
         else:
             y = round_to_dtype(acc, out_ptr.dtype.element_ty, BF16_BY_BITS)
             tl.store(out_ptr + rows[None, :] * stride_om + cols[:, None], y, mask=ok)
+
+    @device_function
+    def last_to_arrive(counter_ptr, total):
+        """True in the program that arrives last of the ``total`` programs sharing the int32 counter
+        at ``counter_ptr`` (which must read 0 before the first of them arrives); that program must
+        store 0 back when it is done with the reduction (the next launch finds it zeroed).
+
+        The ordering is the semaphore pattern of CUTLASS (``cutlass/semaphore.h``: a CTA barrier,
+        then one thread's gpu-scope release / acquire): the barrier puts every thread's stores of
+        this program before the counter's ``acq_rel`` add, so the last program, after its add,
+        sees every other program's stores. It reads them past L1 (``cache_modifier=".cg"``)."""
+        tl.debug_barrier()
+        old = tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu")
+        return old == total - 1
 

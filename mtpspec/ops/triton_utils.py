@@ -124,6 +124,28 @@ if HAS_TRITON:
             return interpreted(*args, **kwargs)
 
 
+#: Per device: the int32 counters of :func:`arrival_counters` (zero between launches).
+_ARRIVAL_COUNTERS: Dict[Any, torch.Tensor] = {}
+_RETIRED_COUNTERS: List[torch.Tensor] = []
+
+
+def arrival_counters(device: torch.device, n: int) -> torch.Tensor:
+    """At least ``n`` int32 counters on ``device``, all zero: the counters of
+    :func:`~mtpspec.ops.triton_helpers.last_to_arrive`, shared by every kernel that uses them
+    (each launch leaves the ones it used at zero again). One buffer per device, made (zeroed) on
+    first use and grown when a launch needs more; the kernels that share it must run in stream
+    order, one after another, as the engine runs them (one compute stream per device).
+    Allocate before a CUDA-graph capture (the warm-up call does) so the capture records no fill."""
+    key = (device.type, device.index if device.index is not None or device.type != "cuda"
+           else torch.cuda.current_device())
+    buf = _ARRIVAL_COUNTERS.get(key)
+    if buf is None or buf.numel() < n:
+        if buf is not None:  # graphs captured with it still use it: never free it
+            _RETIRED_COUNTERS.append(buf)
+        buf = _ARRIVAL_COUNTERS[key] = torch.zeros(max(4096, 2 * n), dtype=torch.int32, device=device)
+    return buf
+
+
 def device_function(fn: Callable[..., Any]) -> Any:
     """Decorate a Triton helper that kernels call (the counterpart of :class:`LazyKernel` for
     device functions): compiled kernels inline it like any ``@triton.jit`` function, interpreted
