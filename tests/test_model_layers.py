@@ -465,6 +465,39 @@ def test_router_logits_kernel_vs_float64(kdev, t, e, h):
         torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("t,e,k,ng,tg,shared,bias", [(1, 128, 8, 1, 1, 1, False), (5, 256, 8, 8, 4, 1, True),
+                                                     (16, 160, 8, 1, 1, 0, True), (3, 12, 3, 12, 4, 2, False)])
+def test_logits_and_routing_in_one_launch(kdev, t, e, k, ng, tg, shared, bias):
+    """fused_route (the logits GEMV whose last program to finish routes every token) == router_logits
+    then grouped_topk_triton: the same experts in the same order, the weights to fp32 rounding (the
+    fused kernel routes all rows in one tile: on a GPU the renormalising sum may compile in another
+    order than the 1-row router's); MoEGate takes it at decode sizes; its counter ends at zero."""
+    from mtpspec.ops.moe_router import fused_route, grouped_topk_triton, router_logits
+    from mtpspec.ops.triton_utils import arrival_counters
+    g = torch.Generator().manual_seed(t * e + k)
+    h = 96
+    x = torch.randn(t, h, generator=g).to(torch.bfloat16).to(kdev)
+    w = (torch.randn(e, h, generator=g) / h ** 0.5).to(kdev)
+    b = (0.3 * torch.randn(e, generator=g)).to(kdev) if bias else None
+    args = (k, ng, tg, True, 2.5)
+    fw, fids = fused_route(x, w, b, *args, num_shared_experts=shared)
+    rw, rids = grouped_topk_triton(router_logits(x, w), b, *args, num_shared_experts=shared)
+    assert fids.shape == (t, k + shared) and torch.equal(fids, rids)
+    torch.testing.assert_close(fw, rw, rtol=1e-6, atol=0)
+    assert not arrival_counters(x.device, 1).any()
+    gate = MoEGate(h, e, k, num_expert_group=ng, topk_group=tg, routed_scaling_factor=2.5,
+                   use_correction_bias=bias).to(kdev)
+    with torch.no_grad():
+        gate.weight.copy_(w)
+        if bias:
+            gate.e_score_correction_bias.copy_(b)
+    gate.num_shared_fused = shared
+    with torch.no_grad():
+        gw, gids = gate(x)
+    assert torch.equal(gids, fids) and torch.equal(gw, fw)
+    assert fused_route(x[:0], w, b, *args) is None and fused_route(x.repeat(17, 1)[:17], w, b, *args) is None
+
+
 @pytest.mark.parametrize("t,k,h", [(1, 9, 4096), (5, 3, 200), (0, 2, 64)])
 def test_sum_pairs_kernel(kdev, t, k, h):
     """``sum_pairs`` sums each token's ``k`` fp32 rows in order and casts (bf16 and fp32 out)."""
@@ -648,11 +681,19 @@ def test_align_and_router_kernels_compile_for_sm90():
                                 **i32(["num_tokens", "hidden", "num_experts", "stride_x"])},
                   "constexprs": dict(BLOCK_T=16, BLOCK_E=2, BLOCK_H=128),
                   "aligned": ["x_ptr", "w_ptr", "out_ptr", "hidden", "stride_x"], "num_warps": 4})
+    specs.append({"module": "mtpspec.ops.moe_router", "kernel": "_logits_route",
+                  "signature": {"x_ptr": "*bf16", "gw_ptr": "*fp32", "logits_ptr": "*fp32", "cnt_ptr": "*i32",
+                                "bias_ptr": "*fp32", "w_ptr": "*fp32", "ids_ptr": "*i64",
+                                **i32(["num_tokens", "hidden", "num_experts", "stride_x", "per_group"]),
+                                "scale": "fp32"},
+                  "constexprs": dict(BLOCK_T=1, BLOCK_E_DOT=2, BLOCK_H=1024, HAS_BIAS=True, TOP_K=8, K_P2=8, N_GROUP=8,
+                                     G_P2=8, TOPK_GROUP=4, TWO_PER_GROUP=True, RENORM=True, BLOCK_E=256, N_SHARED=1),
+                  "aligned": ["x_ptr", "gw_ptr", "logits_ptr", "hidden", "stride_x"], "num_warps": 4})
     specs.append({"module": "mtpspec.ops.moe_gemm", "kernel": "_sum_pairs",
                   "signature": {"y_ptr": "*fp32", "out_ptr": "*bf16", "hidden": "i32"},
                   "constexprs": dict(TOPK=9, BLOCK_H=1024, BF16_BY_BITS=False),
                   "aligned": ["y_ptr", "out_ptr", "hidden"], "num_warps": 4})
-    down_spec = specs[-3]
+    down_spec = specs[-4]
     reports = triton_utils.compile_reports(specs)
     assert len(reports) == len(specs) and down_spec["kernel"] == "_down"
-    assert reports[-3]["shared_bytes"] >= 3 * (16 * 128 + 128 * 64) * 2, reports[-3]  # several stages buffered
+    assert reports[-4]["shared_bytes"] >= 3 * (16 * 128 + 128 * 64) * 2, reports[-4]  # several stages buffered

@@ -41,7 +41,7 @@ from mtpspec.layers.fp8 import check_column_cut, copy_scale_rows, current_fp8_bl
 from mtpspec.layers.weight_utils import check_full_tensor, copy_into
 from mtpspec.ops.fp8_gemm import fp8_moe_experts
 from mtpspec.ops.moe_gemm import moe_experts, moe_experts_ref
-from mtpspec.ops.moe_router import grouped_topk_triton, router_logits
+from mtpspec.ops.moe_router import fused_route, grouped_topk_triton, router_logits
 from mtpspec.ops.triton_utils import FLOAT_DTYPES, cdiv, use_triton
 
 #: Paths of :meth:`FusedMoE.forward` without a host sync (CUDA-graph capturable).
@@ -157,6 +157,12 @@ class MoEGate(nn.Module):
         self.num_shared_fused = 0
 
     def forward(self, x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        e = self.weight.shape[0]
+        if e % self.num_expert_group == 0 and self.topk_group <= self.num_expert_group and self.top_k <= e:
+            fused = fused_route(x, self.weight, self.e_score_correction_bias, self.top_k, self.num_expert_group,
+                                self.topk_group, self.renormalize, self.routed_scaling_factor, self.num_shared_fused)
+            if fused is not None:  # decode sizes on Triton: logits and routing in one launch
+                return fused
         logits = router_logits(x, self.weight)  # F.linear(x.float(), weight); one launch at decode sizes
         return grouped_topk(logits, self.e_score_correction_bias, self.top_k, self.num_expert_group,
                             self.topk_group, self.renormalize, self.routed_scaling_factor, self.num_shared_fused)

@@ -25,17 +25,22 @@ import torch.nn.functional as F
 from mtpspec.ops.triton_utils import HAS_TRITON, LazyKernel, cdiv, tl, triton, use_triton
 
 if HAS_TRITON:
-    def _router_kernel(logits_ptr, bias_ptr, w_ptr, ids_ptr, num_tokens, num_experts, per_group, stride_l, scale,
-                       HAS_BIAS: tl.constexpr, TOP_K: tl.constexpr, K_P2: tl.constexpr, N_GROUP: tl.constexpr,
-                       G_P2: tl.constexpr, TOPK_GROUP: tl.constexpr, TWO_PER_GROUP: tl.constexpr,
-                       RENORM: tl.constexpr, ROWS: tl.constexpr, BLOCK_E: tl.constexpr, N_SHARED: tl.constexpr):
-        # ROWS token rows per program, each routed on its own ([ROWS, BLOCK_E] tiles)
-        rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    from mtpspec.ops.triton_helpers import last_to_arrive
+    from mtpspec.ops.triton_utils import device_function
+
+    @device_function
+    def _route_rows(logits_ptr, bias_ptr, w_ptr, ids_ptr, rows, num_tokens, num_experts, per_group, stride_l,
+                    scale, HAS_BIAS: tl.constexpr, TOP_K: tl.constexpr, K_P2: tl.constexpr, N_GROUP: tl.constexpr,
+                    G_P2: tl.constexpr, TOPK_GROUP: tl.constexpr, TWO_PER_GROUP: tl.constexpr,
+                    RENORM: tl.constexpr, ROWS: tl.constexpr, BLOCK_E: tl.constexpr, N_SHARED: tl.constexpr,
+                    CACHE: tl.constexpr):
+        # token rows `rows` ([ROWS] int64), each routed on its own ([ROWS, BLOCK_E] tiles); CACHE: the
+        # logits' load cache modifier ("" or ".cg": written by other programs of the same launch)
         rok = rows < num_tokens
         ex = tl.arange(0, BLOCK_E)
         ok = ex < num_experts
         x = tl.load(logits_ptr + rows[:, None] * stride_l + ex[None, :], mask=rok[:, None] & ok[None, :],
-                    other=0.0).to(tl.float32)
+                    other=0.0, cache_modifier=CACHE).to(tl.float32)
         s = 1.0 / (1.0 + tl.exp(-x))
         c = s
         if HAS_BIAS:
@@ -83,10 +88,43 @@ if HAS_TRITON:
             tl.store(ids_ptr + rows * (TOP_K + N_SHARED) + TOP_K + j,
                      tl.full([ROWS], 0, tl.int64) + num_experts + j, mask=rok)
 
+    def _router_kernel(logits_ptr, bias_ptr, w_ptr, ids_ptr, num_tokens, num_experts, per_group, stride_l, scale,
+                       HAS_BIAS: tl.constexpr, TOP_K: tl.constexpr, K_P2: tl.constexpr, N_GROUP: tl.constexpr,
+                       G_P2: tl.constexpr, TOPK_GROUP: tl.constexpr, TWO_PER_GROUP: tl.constexpr,
+                       RENORM: tl.constexpr, ROWS: tl.constexpr, BLOCK_E: tl.constexpr, N_SHARED: tl.constexpr):
+        # ROWS token rows per program
+        rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+        _route_rows(logits_ptr, bias_ptr, w_ptr, ids_ptr, rows, num_tokens, num_experts, per_group, stride_l, scale,
+                    HAS_BIAS, TOP_K, K_P2, N_GROUP, G_P2, TOPK_GROUP, TWO_PER_GROUP, RENORM, ROWS, BLOCK_E, N_SHARED,
+                    "")
+
     _router = LazyKernel(_router_kernel)
+
+    def _logits_route_kernel(x_ptr, gw_ptr, logits_ptr, cnt_ptr, bias_ptr, w_ptr, ids_ptr, num_tokens, hidden,
+                             num_experts, stride_x, per_group, scale,
+                             BLOCK_T: tl.constexpr, BLOCK_E_DOT: tl.constexpr, BLOCK_H: tl.constexpr,
+                             HAS_BIAS: tl.constexpr, TOP_K: tl.constexpr, K_P2: tl.constexpr, N_GROUP: tl.constexpr,
+                             G_P2: tl.constexpr, TOPK_GROUP: tl.constexpr, TWO_PER_GROUP: tl.constexpr,
+                             RENORM: tl.constexpr, BLOCK_E: tl.constexpr, N_SHARED: tl.constexpr):
+        # _logits_kernel's GEMV (BLOCK_E_DOT experts a program); the last program to finish routes
+        # every token (BLOCK_T rows in one tile) from the logits the others wrote
+        _logits_block(x_ptr, gw_ptr, logits_ptr, num_tokens, hidden, num_experts, stride_x,
+                      BLOCK_T, BLOCK_E_DOT, BLOCK_H)
+        if last_to_arrive(cnt_ptr, tl.num_programs(0)):
+            _route_rows(logits_ptr, bias_ptr, w_ptr, ids_ptr, tl.arange(0, BLOCK_T).to(tl.int64), num_tokens,
+                        num_experts, per_group, num_experts, scale, HAS_BIAS, TOP_K, K_P2, N_GROUP, G_P2, TOPK_GROUP,
+                        TWO_PER_GROUP, RENORM, BLOCK_T, BLOCK_E, N_SHARED, ".cg")
+            tl.store(cnt_ptr, 0)
+
+    _logits_route = LazyKernel(_logits_route_kernel)
 
     def _logits_kernel(x_ptr, w_ptr, out_ptr, num_tokens, hidden, num_experts, stride_x,
                        BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr):
+        _logits_block(x_ptr, w_ptr, out_ptr, num_tokens, hidden, num_experts, stride_x, BLOCK_T, BLOCK_E, BLOCK_H)
+
+    @device_function
+    def _logits_block(x_ptr, w_ptr, out_ptr, num_tokens, hidden, num_experts, stride_x,
+                      BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr):
         # out[t, e] = sum_h float(x[t, h]) * w[e, h] in fp32, BLOCK_E experts per program, every token
         ex = tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E)
         tk = tl.arange(0, BLOCK_T)
@@ -127,6 +165,39 @@ def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def fused_route(x: torch.Tensor, weight: torch.Tensor, e_score_correction_bias: Optional[torch.Tensor], top_k: int,
+                num_expert_group: int = 1, topk_group: int = 1, renormalize: bool = True,
+                routed_scaling_factor: float = 1.0, num_shared_experts: int = 0
+                ) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
+    """:func:`router_logits` then :func:`grouped_topk_triton` in ONE launch, for decode-size
+    batches: the logits GEMV's programs write the fp32 logits ``[T, E]`` and the last of them to
+    finish (:func:`~mtpspec.ops.triton_helpers.last_to_arrive`) routes every token from them. Same
+    arguments and outputs as the two calls, bit for bit (the same GEMV and the same routing code).
+    Returns None where it does not apply (the caller then makes the two calls): no Triton for
+    these tensors, not ``0 < T <= LOGITS_KERNEL_MAX_TOKENS``, a non-unit-stride ``x`` row or a
+    router weight that is not contiguous fp32. The caller checks the sizes (as for
+    :func:`grouped_topk_triton`)."""
+    t, h = x.shape
+    bias = e_score_correction_bias
+    if not (use_triton(x, weight, bias) and 0 < t <= LOGITS_KERNEL_MAX_TOKENS and x.stride(1) == 1
+            and weight.dtype == torch.float32 and weight.is_contiguous()):
+        return None
+    from mtpspec.ops.triton_utils import arrival_counters
+    e = weight.shape[0]
+    logits = torch.empty(t, e, dtype=torch.float32, device=x.device)
+    w = torch.empty(t, top_k + num_shared_experts, dtype=torch.float32, device=x.device)
+    ids = torch.empty(t, top_k + num_shared_experts, dtype=torch.int64, device=x.device)
+    bt = triton.next_power_of_2(t)
+    _logits_route[(cdiv(e, 2),)](
+        x, weight, logits, arrival_counters(x.device, 1), bias if bias is not None else weight, w, ids, t, h, e,
+        x.stride(0), e // num_expert_group, float(routed_scaling_factor), BLOCK_T=bt, BLOCK_E_DOT=2,
+        BLOCK_H=max(128, 1024 // bt), HAS_BIAS=bias is not None, TOP_K=top_k, K_P2=triton.next_power_of_2(top_k),
+        N_GROUP=num_expert_group, G_P2=triton.next_power_of_2(num_expert_group), TOPK_GROUP=topk_group,
+        TWO_PER_GROUP=e // num_expert_group >= 2, RENORM=renormalize, BLOCK_E=triton.next_power_of_2(e),
+        N_SHARED=num_shared_experts, num_warps=4)
+    return w, ids
+
+
 def grouped_topk_triton(router_logits: torch.Tensor, e_score_correction_bias: Optional[torch.Tensor], top_k: int,
                         num_expert_group: int = 1, topk_group: int = 1, renormalize: bool = True,
                         routed_scaling_factor: float = 1.0, rows: Optional[int] = None, num_shared_experts: int = 0
@@ -158,4 +229,4 @@ def grouped_topk_triton(router_logits: torch.Tensor, e_score_correction_bias: Op
     return w, ids
 
 
-__all__ = ["LOGITS_KERNEL_MAX_TOKENS", "grouped_topk_triton", "router_logits"]
+__all__ = ["LOGITS_KERNEL_MAX_TOKENS", "fused_route", "grouped_topk_triton", "router_logits"]
