@@ -24,7 +24,12 @@ import torch.nn.functional as F
 
 from mtpspec.ops.triton_utils import HAS_TRITON, LazyKernel, cdiv, tl, triton, use_triton
 
+#: The routing picks its experts by ranking them all at once where a program's ``ROWS x E x E``
+#: comparisons stay within this many (1 token at E <= 128), one after another otherwise.
+RANK_MAX_ELEMS = 16384
+
 if HAS_TRITON:
+    _RANK_MAX_ELEMS = tl.constexpr(RANK_MAX_ELEMS)  # as the kernels can read it
     from mtpspec.ops.triton_helpers import last_to_arrive
     from mtpspec.ops.triton_utils import device_function
 
@@ -66,17 +71,27 @@ if HAS_TRITON:
             eligible = tl.sum((member[None, :, :] & kept[:, :, None]).to(tl.int32), 1) > 0  # [ROWS, BLOCK_E]
             c = tl.where(eligible, c, float("-inf"))
         kk = tl.arange(0, K_P2)
-        w = tl.zeros([ROWS, K_P2], dtype=tl.float32)
-        ids = tl.zeros([ROWS, K_P2], dtype=tl.int64)
-        taken = tl.zeros([ROWS, BLOCK_E], dtype=tl.int1)
-        for j in tl.static_range(TOP_K):
-            avail = tl.where(taken | ~ok[None, :], float("-inf"), c)
-            m = tl.max(avail, 1)
-            pick = tl.min(tl.where((avail == m[:, None]) & ~taken & ok[None, :], ex[None, :], BLOCK_E), 1)
-            hit = ex[None, :] == pick[:, None]
-            taken = taken | hit
-            w = tl.where(kk[None, :] == j, tl.sum(tl.where(hit, s, 0.0), 1)[:, None], w)
-            ids = tl.where(kk[None, :] == j, pick.to(tl.int64)[:, None], ids)
+        if ROWS * BLOCK_E * BLOCK_E <= _RANK_MAX_ELEMS:
+            # every expert's rank at once (how many valid experts beat it; ties: the lower id), a few
+            # reductions instead of 2 TOP_K dependent ones; the slot of a chosen expert is its rank
+            beats = ((c[:, None, :] > c[:, :, None]) | ((c[:, None, :] == c[:, :, None])
+                                                         & (ex[None, None, :] < ex[None, :, None])))
+            rank = tl.sum((beats & ok[None, None, :]).to(tl.int32), 2)  # [ROWS, BLOCK_E]
+            at = (rank[:, None, :] == kk[None, :, None]) & ok[None, None, :] & (kk < TOP_K)[None, :, None]
+            w = tl.sum(tl.where(at, s[:, None, :], 0.0), 2)
+            ids = tl.sum(tl.where(at, ex[None, None, :], 0), 2).to(tl.int64)
+        else:
+            w = tl.zeros([ROWS, K_P2], dtype=tl.float32)
+            ids = tl.zeros([ROWS, K_P2], dtype=tl.int64)
+            taken = tl.zeros([ROWS, BLOCK_E], dtype=tl.int1)
+            for j in tl.static_range(TOP_K):
+                avail = tl.where(taken | ~ok[None, :], float("-inf"), c)
+                m = tl.max(avail, 1)
+                pick = tl.min(tl.where((avail == m[:, None]) & ~taken & ok[None, :], ex[None, :], BLOCK_E), 1)
+                hit = ex[None, :] == pick[:, None]
+                taken = taken | hit
+                w = tl.where(kk[None, :] == j, tl.sum(tl.where(hit, s, 0.0), 1)[:, None], w)
+                ids = tl.where(kk[None, :] == j, pick.to(tl.int64)[:, None], ids)
         if RENORM:
             w = w / (tl.sum(w, 1)[:, None] + 1e-20)
         out = rows[:, None] * (TOP_K + N_SHARED) + kk[None, :]
@@ -172,7 +187,9 @@ def fused_route(x: torch.Tensor, weight: torch.Tensor, e_score_correction_bias: 
     """:func:`router_logits` then :func:`grouped_topk_triton` in ONE launch, for decode-size
     batches: the logits GEMV's programs write the fp32 logits ``[T, E]`` and the last of them to
     finish (:func:`~mtpspec.ops.triton_helpers.last_to_arrive`) routes every token from them. Same
-    arguments and outputs as the two calls, bit for bit (the same GEMV and the same routing code).
+    arguments and outputs as the two calls: the same experts in the same order, the weights to fp32
+    rounding (one expert per GEMV program here, two there, and all tokens in one routing tile: the
+    compiled sums may associate differently).
     Returns None where it does not apply (the caller then makes the two calls): no Triton for
     these tensors, not ``0 < T <= LOGITS_KERNEL_MAX_TOKENS``, a non-unit-stride ``x`` row or a
     router weight that is not contiguous fp32. The caller checks the sizes (as for
@@ -188,9 +205,9 @@ def fused_route(x: torch.Tensor, weight: torch.Tensor, e_score_correction_bias: 
     w = torch.empty(t, top_k + num_shared_experts, dtype=torch.float32, device=x.device)
     ids = torch.empty(t, top_k + num_shared_experts, dtype=torch.int64, device=x.device)
     bt = triton.next_power_of_2(t)
-    _logits_route[(cdiv(e, 2),)](
+    _logits_route[(e,)](  # one expert a program (the GEMV: more programs, a shorter loop each)
         x, weight, logits, arrival_counters(x.device, 1), bias if bias is not None else weight, w, ids, t, h, e,
-        x.stride(0), e // num_expert_group, float(routed_scaling_factor), BLOCK_T=bt, BLOCK_E_DOT=2,
+        x.stride(0), e // num_expert_group, float(routed_scaling_factor), BLOCK_T=bt, BLOCK_E_DOT=1,
         BLOCK_H=max(128, 1024 // bt), HAS_BIAS=bias is not None, TOP_K=top_k, K_P2=triton.next_power_of_2(top_k),
         N_GROUP=num_expert_group, G_P2=triton.next_power_of_2(num_expert_group), TOPK_GROUP=topk_group,
         TWO_PER_GROUP=e // num_expert_group >= 2, RENORM=renormalize, BLOCK_E=triton.next_power_of_2(e),
