@@ -250,71 +250,6 @@ def test_fused_moe_every_path_vs_float64(monkeypatch, path):
         assert moe(x[:0], tw[:0], tid[:0]).shape == (0, h)
 
 
-@pytest.mark.parametrize("t", [1, 5, 16, 17])
-def test_pairs_summed_in_the_down_kernel_equal_the_separate_sum(kdev, monkeypatch, t):
-    """Up to SUM_PAIRS_IN_DOWN_MAX_TOKENS tokens the last program of each column tile of the down
-    kernel sums the pairs (last_to_arrive): bit for bit what the separate sum_pairs launch gives,
-    including the blocks past the last expert's run (they exit early but still arrive); every
-    arrival counter is back at zero afterwards (the next launch relies on it)."""
-    from mtpspec.ops.triton_utils import arrival_counters
-    g = torch.Generator().manual_seed(40 + t)
-    e, h, i, k = 12, 200, 72, 3  # 200 columns: a ragged last column tile
-    x = torch.randn(t, h, generator=g).to(torch.bfloat16)
-    w13 = (torch.randn(e, 2 * i, h, generator=g) / h ** 0.5).to(torch.bfloat16)
-    w2 = (torch.randn(e, h, i, generator=g) / i ** 0.5).to(torch.bfloat16)
-    tw = torch.rand(t, k, generator=g)
-    tid = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)])
-    args = [a.to(kdev) for a in (x, w13, w2, tw, tid)]
-    fused = moe_gemm.moe_experts(*args)
-    fused_again = moe_gemm.moe_experts(*args)
-    monkeypatch.setattr(moe_gemm, "SUM_PAIRS_IN_DOWN_MAX_TOKENS", 0)
-    separate = moe_gemm.moe_experts(*args)
-    assert torch.equal(fused, separate) and torch.equal(fused_again, separate)
-    assert not arrival_counters(torch.device(kdev), 1).any()
-
-
-@pytest.mark.parametrize("t,k,e", [(1, 9, 129), (3, 2, 5), (16, 9, 129), (20, 8, 16), (29, 9, 129)])
-def test_grouping_inside_the_gate_up_kernel_equals_moe_align(kdev, monkeypatch, t, k, e):
-    """Up to ALIGN_IN_GATE_UP_MAX_PAIRS pairs the gate / up kernel's programs group the pairs
-    themselves: the grouping they write for the down kernel is moe_align's (pairs, padding and
-    each block's expert, blocks past the end included), and the experts' output is the same bits
-    as with moe_align's launch. (29 x 9 = 261 pairs: above the limit, moe_align runs.)"""
-    g = torch.Generator().manual_seed(t * k + e)
-    h, i = 64, 48
-    x = torch.randn(t, h, generator=g).to(torch.bfloat16)
-    w13 = (torch.randn(e, 2 * i, h, generator=g) / h ** 0.5).to(torch.bfloat16)
-    w2 = (torch.randn(e, h, i, generator=g) / i ** 0.5).to(torch.bfloat16)
-    tw = torch.rand(t, k, generator=g)
-    tid = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)])
-    tid[0, 0] = tid[-1, 0]  # some experts shared across tokens
-    args = [a.to(kdev) for a in (x, w13, w2, tw, tid)]
-    seen = {}
-    real = moe_gemm.moe_align
-
-    def spy(*a, **kw):
-        seen["align"] = True
-        return real(*a, **kw)
-    monkeypatch.setattr(moe_gemm, "moe_align", spy)
-    grouped = []
-    empty = torch.empty
-
-    def record(*a, **kw):  # keep the grouping buffers the kernel writes
-        out = empty(*a, **kw)
-        if kw.get("dtype") == torch.int32:
-            grouped.append(out)
-        return out
-    monkeypatch.setattr(moe_gemm.torch, "empty", record)
-    got = moe_gemm.moe_experts(*args)
-    monkeypatch.setattr(moe_gemm.torch, "empty", empty)
-    in_kernel = t * k <= moe_gemm.ALIGN_IN_GATE_UP_MAX_PAIRS
-    assert seen.get("align", False) != in_kernel
-    monkeypatch.setattr(moe_gemm, "ALIGN_IN_GATE_UP_MAX_PAIRS", 0)
-    assert torch.equal(got, moe_gemm.moe_experts(*args))
-    if in_kernel:
-        want = real(tid.to(kdev), e, moe_gemm.moe_block_m(t * k, e))
-        assert len(grouped) == 2 and all(torch.equal(a, b) for a, b in zip(grouped, want))
-
-
 def test_moe_align_groups_pairs_by_expert_with_static_padding():
     g = torch.Generator().manual_seed(13)
     for t, k, e, bm in ((1, 2, 16, 16), (9, 3, 4, 16), (40, 2, 5, 64), (3, 4, 64, 16)):
@@ -668,13 +603,12 @@ def test_align_and_router_kernels_compile_for_sm90():
                "aligned": ["logits_ptr", "bias_ptr", "w_ptr", "ids_ptr"], "num_warps": 4}
               for e, g, tg, ns in ((256, 8, 4, 1), (160, 1, 1, 0), (128, 1, 1, 2))]
     down_sig = {"inter_ptr": "*bf16", "w_ptr": "*bf16", "y_ptr": "*fp32", "sorted_ptr": "*i32",
-                "block_expert_ptr": "*i32", "topk_w_ptr": "*fp32", "out_ptr": "*bf16", "cnt_ptr": "*i32",
-                **i32(["num_pairs", "num_experts", "num_tokens", "hidden", "inter_size", "stride_it"]),
-                "stride_we": "i64", **i32(["stride_wn", "stride_yt"])}
+                "block_expert_ptr": "*i32", "topk_w_ptr": "*fp32",
+                **i32(["num_pairs", "num_experts", "hidden", "inter_size", "stride_it"]), "stride_we": "i64",
+                **i32(["stride_wn", "stride_yt"])}
     specs.append({"module": "mtpspec.ops.moe_gemm", "kernel": "_down", "signature": down_sig,
-                  "constexprs": dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, DOT_FP32=False, PRECISION="tf32",
-                                     SUM_PAIRS=True, TOPK=9, BLOCK_T=1, BF16_BY_BITS=False),
-                  "aligned": [a for a in down_sig if a not in ("num_pairs", "num_experts", "num_tokens", "topk_w_ptr")],
+                  "constexprs": dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, DOT_FP32=False, PRECISION="tf32"),
+                  "aligned": [a for a in down_sig if a not in ("num_pairs", "num_experts", "topk_w_ptr")],
                   "num_warps": 4, "num_stages": 4})  # a 3-stage launch shape is in moe_gemm.LAUNCH
     specs.append({"module": "mtpspec.ops.moe_router", "kernel": "_logits",
                   "signature": {"x_ptr": "*bf16", "w_ptr": "*fp32", "out_ptr": "*fp32",

@@ -583,19 +583,17 @@ def test_kernels_compile_for_hopper() -> None:
     moe_ints = ["num_pairs", "num_experts", "hidden", "inter_size"]
     specs += [{"module": "mtpspec.ops.moe_gemm", "kernel": "_gate_up",
                "signature": dict({"x_ptr": "*bf16", "w_ptr": "*bf16", "inter_ptr": "*bf16", "sorted_ptr": "*i32",
-                                  "block_expert_ptr": "*i32", "ids_ptr": "*i64"}, **{n: "i32" for n in moe_ints + [
+                                  "block_expert_ptr": "*i32"}, **{n: "i32" for n in moe_ints + [
                                       "stride_xt", "stride_we", "stride_wn", "stride_it"]}),
                "constexprs": dict(TOPK=8, BLOCK_M=16, BLOCK_N=64, BLOCK_K=64, DOT_FP32=False, PRECISION="tf32",
-                                  BF16_BY_BITS=False, ALIGN=True, PAIRS_P2=16, E_P2=256),
+                                  BF16_BY_BITS=False),
                "aligned": ["x_ptr", "w_ptr", "inter_ptr", "hidden", "stride_xt", "stride_we", "stride_wn", "stride_it"],
                "num_warps": 4},
               {"module": "mtpspec.ops.moe_gemm", "kernel": "_down",
                "signature": dict({"inter_ptr": "*bf16", "w_ptr": "*bf16", "y_ptr": "*fp32", "sorted_ptr": "*i32",
-                                  "block_expert_ptr": "*i32", "topk_w_ptr": "*fp32", "out_ptr": "*bf16",
-                                  "cnt_ptr": "*i32"}, **{n: "i32" for n in moe_ints[:2] + ["num_tokens"] + moe_ints[2:] + [
+                                  "block_expert_ptr": "*i32", "topk_w_ptr": "*fp32"}, **{n: "i32" for n in moe_ints + [
                                       "stride_it", "stride_we", "stride_wn", "stride_yt"]}),
-               "constexprs": dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=64, DOT_FP32=False, PRECISION="tf32",
-                                  SUM_PAIRS=False, TOPK=8, BLOCK_T=1, BF16_BY_BITS=False),
+               "constexprs": dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=64, DOT_FP32=False, PRECISION="tf32"),
                "aligned": ["inter_ptr", "w_ptr", "y_ptr", "inter_size", "stride_it", "stride_we", "stride_wn",
                            "stride_yt"], "num_warps": 4}]
     specs += [

@@ -7,10 +7,9 @@ Shazeer et al. 2017, "Outrageously Large Neural Networks", eq. 1).
 Plan (the grouping idea of fused MoE GEMM kernels such as vLLM's ``fused_moe``; written here from
 the description, not from its code):
 
-1. The grouping, on the device, sync-free: up to :data:`ALIGN_IN_GATE_UP_MAX_PAIRS` pairs inside
-   kernel 1's programs (each its own block; no launch of its own), else :func:`moe_align` (one
-   Triton program up to ``ALIGN_KERNEL_MAX_PAIRS`` pairs: a histogram, its prefix sum and each
-   pair's rank among the earlier pairs of its expert; a chain of torch ops above): the
+1. :func:`moe_align`, on the device, sync-free (one Triton program up to
+   ``ALIGN_KERNEL_MAX_PAIRS`` pairs: a histogram, its prefix sum and each pair's rank among the
+   earlier pairs of its expert; a chain of torch ops above, about 20 launches): the
    ``N = num_tokens * top_k`` (token, expert) pairs are ordered by expert (stable), and each
    expert's run is padded to a multiple of ``BLOCK_M`` with the sentinel ``N``. The padded
    length has the static bound
@@ -22,9 +21,8 @@ the description, not from its code):
    (``[N, I]``, weight dtype).
 3. Kernel 2, grid ``(P / BLOCK_M, ceil(H / BLOCK_N))``: the down projection of the same pairs,
    times the pair's routing weight, stored per pair in fp32 (``[N, H]``).
-4. ``out = y.view(T, top_k, H).sum(1)`` (fixed order j = 0, 1, ..: deterministic), cast to x's dtype:
-   up to :data:`SUM_PAIRS_IN_DOWN_MAX_TOKENS` tokens inside kernel 2 (the last of a column tile's
-   programs to finish sums that tile), above in one more launch (:func:`sum_pairs`).
+4. ``out = y.view(T, top_k, H).sum(1)`` (fixed order j = 0, 1, ..: deterministic), cast to x's dtype,
+   in one Triton launch (:func:`sum_pairs`; torch's sum + cast were two).
 
 Each program reads its expert's weight tiles once for up to ``BLOCK_M`` pairs, so a decode batch
 reads only the experts it routes to (about ``min(N, E)`` of them), unlike an all-experts dense
@@ -41,8 +39,7 @@ from typing import Optional, Tuple
 import torch
 import torch.nn.functional as F
 
-from mtpspec.ops.triton_utils import (FLOAT_DTYPES, HAS_TRITON, LazyKernel, arrival_counters, cdiv, interpreting, tl,
-                                      triton, use_triton)
+from mtpspec.ops.triton_utils import FLOAT_DTYPES, HAS_TRITON, LazyKernel, cdiv, interpreting, tl, triton, use_triton
 
 #: Pair-block height: 16 when experts average fewer than ``LARGE_BLOCK_M`` pairs, else 64.
 SMALL_BLOCK_M = 16
@@ -59,14 +56,6 @@ LAUNCH = {
     ("gate_up", LARGE_BLOCK_M): (64, 64, 4, 3),
     ("down", LARGE_BLOCK_M): (64, 64, 4, 3),
 }
-#: Up to this many (token, expert) pairs the gate / up kernel's programs group the pairs themselves
-#: (each program the block it works on, from the ids: a histogram and a prefix sum over at most this
-#: many pairs) and write the grouping for the down kernel, instead of :func:`moe_align`'s launch.
-ALIGN_IN_GATE_UP_MAX_PAIRS = 256
-#: Up to this many tokens the down projection's kernel also sums each token's pairs (the last
-#: program of each column tile to finish does it, :func:`~mtpspec.ops.triton_helpers.last_to_arrive`:
-#: one launch fewer); above, :func:`sum_pairs` (its tile of ``[tokens, BLOCK_N]`` fp32 grows).
-SUM_PAIRS_IN_DOWN_MAX_TOKENS = 16
 #: :func:`moe_align` runs as one Triton program up to this many pairs (its two passes over them
 #: take :func:`align_chunk` pairs a step), as torch ops above.
 ALIGN_KERNEL_MAX_PAIRS = 4096
@@ -152,7 +141,7 @@ def moe_experts_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_w
 
 
 if HAS_TRITON:
-    from mtpspec.ops.triton_helpers import last_to_arrive, round_to_dtype
+    from mtpspec.ops.triton_helpers import round_to_dtype
 
     def _align_kernel(ids_ptr, sorted_ptr, block_expert_ptr, num_pairs, num_experts, num_slots, num_blocks,
                       BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, E_P2: tl.constexpr, FILL: tl.constexpr):
@@ -185,33 +174,15 @@ if HAS_TRITON:
             tl.store(sorted_ptr + tl.gather(first, idq, 0) * BLOCK_M + rank, q, mask=q < num_pairs)
             seen += tl.histogram(idq, E_P2)
 
-    def _gate_up_kernel(x_ptr, w_ptr, inter_ptr, sorted_ptr, block_expert_ptr, ids_ptr, num_pairs, num_experts,
-                        hidden, inter_size, stride_xt, stride_we, stride_wn, stride_it,
+    def _gate_up_kernel(x_ptr, w_ptr, inter_ptr, sorted_ptr, block_expert_ptr, num_pairs, num_experts, hidden,
+                        inter_size, stride_xt, stride_we, stride_wn, stride_it,
                         TOPK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        DOT_FP32: tl.constexpr, PRECISION: tl.constexpr, BF16_BY_BITS: tl.constexpr,
-                        ALIGN: tl.constexpr, PAIRS_P2: tl.constexpr, E_P2: tl.constexpr):
+                        DOT_FP32: tl.constexpr, PRECISION: tl.constexpr, BF16_BY_BITS: tl.constexpr):
         pid_m = tl.program_id(0)
-        if ALIGN:  # moe_align's grouping of this block, from the ids (every program: no launch of its own)
-            q = tl.arange(0, PAIRS_P2)
-            ids = tl.load(ids_ptr + q, mask=q < num_pairs, other=num_experts).to(tl.int32)
-            ex = tl.arange(0, E_P2)
-            nblk = tl.where(ex < num_experts, (tl.histogram(ids, E_P2) + BLOCK_M - 1) // BLOCK_M, 0)
-            ends = tl.cumsum(nblk, 0)
-            e = tl.min(tl.where((ends - nblk <= pid_m) & (pid_m < ends), ex, num_experts), 0)
-            base = (pid_m - tl.sum(tl.where(ex == e, ends - nblk, 0), 0)) * BLOCK_M  # rank of its first pair
-            mine = ids == e
-            rank = tl.cumsum(mine.to(tl.int32), 0) - 1  # among the earlier pairs of expert e (stable)
-            slot = tl.arange(0, BLOCK_M)
-            hit = mine[None, :] & (rank[None, :] == base + slot[:, None])
-            pair = tl.min(tl.where(hit, q[None, :], num_pairs), 1)
-            if tl.program_id(1) == 0:  # the grouping for the down kernel
-                tl.store(sorted_ptr + pid_m * BLOCK_M + slot, pair)
-                tl.store(block_expert_ptr + pid_m, e)
-        else:
-            e = tl.load(block_expert_ptr + pid_m)
-            pair = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+        e = tl.load(block_expert_ptr + pid_m)
         if e >= num_experts:  # past the last expert's run
             return
+        pair = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
         ok_m = pair < num_pairs
         tok = (pair // TOPK).to(tl.int64)
         offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -238,47 +209,34 @@ if HAS_TRITON:
         tl.store(inter_ptr + pair[:, None].to(tl.int64) * stride_it + offs_n[None, :], act_low,
                  mask=ok_m[:, None] & ok_n[None, :])
 
-    def _down_kernel(inter_ptr, w_ptr, y_ptr, sorted_ptr, block_expert_ptr, topk_w_ptr, out_ptr, cnt_ptr,
-                     num_pairs, num_experts, num_tokens, hidden, inter_size, stride_it, stride_we, stride_wn,
-                     stride_yt, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     DOT_FP32: tl.constexpr, PRECISION: tl.constexpr, SUM_PAIRS: tl.constexpr,
-                     TOPK: tl.constexpr, BLOCK_T: tl.constexpr, BF16_BY_BITS: tl.constexpr):
-        # SUM_PAIRS: the last program of column tile pid_n to finish (counter cnt_ptr[pid_n]) also
-        # sums the pairs into out [num_tokens, hidden] (sum_pairs' order: j = 0, 1, .. in fp32)
+    def _down_kernel(inter_ptr, w_ptr, y_ptr, sorted_ptr, block_expert_ptr, topk_w_ptr, num_pairs, num_experts,
+                     hidden, inter_size, stride_it, stride_we, stride_wn, stride_yt,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     DOT_FP32: tl.constexpr, PRECISION: tl.constexpr):
         pid_m = tl.program_id(0)
         e = tl.load(block_expert_ptr + pid_m)
+        if e >= num_experts:
+            return
+        pair = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+        ok_m = pair < num_pairs
+        row = pair.to(tl.int64)
         offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         ok_n = offs_n < hidden
-        if e < num_experts:  # else past the last expert's run
-            pair = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
-            ok_m = pair < num_pairs
-            row = pair.to(tl.int64)
-            w_base = w_ptr + e.to(tl.int64) * stride_we
-            acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-            for k0 in range(0, inter_size, BLOCK_K):
-                offs_k = k0 + tl.arange(0, BLOCK_K)
-                ok_k = offs_k < inter_size
-                a = tl.load(inter_ptr + row[:, None] * stride_it + offs_k[None, :],
-                            mask=ok_m[:, None] & ok_k[None, :], other=0.0)
-                w = tl.load(w_base + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None],
-                            mask=ok_k[:, None] & ok_n[None, :], other=0.0)
-                if DOT_FP32:
-                    a, w = a.to(tl.float32), w.to(tl.float32)
-                acc += tl.dot(a, w, input_precision=PRECISION)
-            wt = tl.load(topk_w_ptr + row, mask=ok_m, other=0.0).to(tl.float32)
-            tl.store(y_ptr + row[:, None] * stride_yt + offs_n[None, :], acc * wt[:, None],
-                     mask=ok_m[:, None] & ok_n[None, :])
-        if SUM_PAIRS:
-            if last_to_arrive(cnt_ptr + tl.program_id(1), tl.num_programs(0)):
-                tk = tl.arange(0, BLOCK_T).to(tl.int64)
-                ok = (tk < num_tokens)[:, None] & ok_n[None, :]
-                tot = tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32)
-                for j in tl.static_range(TOPK):
-                    tot += tl.load(y_ptr + (tk * TOPK + j)[:, None] * stride_yt + offs_n[None, :], mask=ok,
-                                   other=0.0, cache_modifier=".cg")
-                tl.store(out_ptr + tk[:, None] * hidden + offs_n[None, :],
-                         round_to_dtype(tot, out_ptr.dtype.element_ty, BF16_BY_BITS), mask=ok)
-                tl.store(cnt_ptr + tl.program_id(1), 0)
+        w_base = w_ptr + e.to(tl.int64) * stride_we
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, inter_size, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            ok_k = offs_k < inter_size
+            a = tl.load(inter_ptr + row[:, None] * stride_it + offs_k[None, :], mask=ok_m[:, None] & ok_k[None, :],
+                        other=0.0)
+            w = tl.load(w_base + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None],
+                        mask=ok_k[:, None] & ok_n[None, :], other=0.0)
+            if DOT_FP32:
+                a, w = a.to(tl.float32), w.to(tl.float32)
+            acc += tl.dot(a, w, input_precision=PRECISION)
+        wt = tl.load(topk_w_ptr + row, mask=ok_m, other=0.0).to(tl.float32)
+        tl.store(y_ptr + row[:, None] * stride_yt + offs_n[None, :], acc * wt[:, None],
+                 mask=ok_m[:, None] & ok_n[None, :])
 
     def _sum_pairs_kernel(y_ptr, out_ptr, hidden, TOPK: tl.constexpr, BLOCK_H: tl.constexpr,
                           BF16_BY_BITS: tl.constexpr):
@@ -339,15 +297,7 @@ def moe_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weigh
         return x.new_zeros(t, h)
     i = two_i // 2
     block_m = moe_block_m(n, e)
-    in_kernel = n <= ALIGN_IN_GATE_UP_MAX_PAIRS
-    if in_kernel:  # the gate / up kernel groups the pairs and writes the grouping for the down kernel
-        p = cdiv(n + min(n, e) * (block_m - 1), block_m) * block_m
-        sorted_pairs = torch.empty(p, dtype=torch.int32, device=x.device)
-        block_expert = torch.empty(p // block_m, dtype=torch.int32, device=x.device)
-        flat_ids = topk_ids.reshape(-1).contiguous()
-    else:
-        sorted_pairs, block_expert = moe_align(topk_ids, e, block_m)
-        flat_ids = sorted_pairs
+    sorted_pairs, block_expert = moe_align(topk_ids, e, block_m)
     inter = torch.empty(n, i, dtype=x.dtype, device=x.device)
     y = torch.empty(n, h, dtype=torch.float32, device=x.device)
     bf16_interp = interpreting() and x.dtype == torch.bfloat16  # interpreter: bf16 tl.dot is wrong
@@ -355,20 +305,15 @@ def moe_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weigh
     n_blocks = block_expert.shape[0]
     bn, bk, warps, stages = launch_gate_up or LAUNCH["gate_up", block_m]
     _gate_up[(n_blocks, cdiv(i, bn))](
-        x, w13, inter, sorted_pairs, block_expert, flat_ids, n, e, h, i, x.stride(0), w13.stride(0), w13.stride(1),
+        x, w13, inter, sorted_pairs, block_expert, n, e, h, i, x.stride(0), w13.stride(0), w13.stride(1),
         inter.stride(0), TOPK=k, BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk, DOT_FP32=bf16_interp,
-        PRECISION=precision, BF16_BY_BITS=bf16_interp, ALIGN=in_kernel, PAIRS_P2=triton.next_power_of_2(n),
-        E_P2=triton.next_power_of_2(e + 1), num_warps=warps, num_stages=stages)
+        PRECISION=precision, BF16_BY_BITS=bf16_interp, num_warps=warps, num_stages=stages)
     bn, bk, warps, stages = launch_down or LAUNCH["down", block_m]
-    fuse = t <= SUM_PAIRS_IN_DOWN_MAX_TOKENS  # the last program of each column tile sums the pairs
-    out = torch.empty(t, h, dtype=x.dtype, device=x.device) if fuse else y
-    cnt = arrival_counters(x.device, cdiv(h, bn)) if fuse else y
     _down[(n_blocks, cdiv(h, bn))](
-        inter, w2, y, sorted_pairs, block_expert, topk_weights.float().contiguous(), out, cnt, n, e, t, h, i,
-        inter.stride(0), w2.stride(0), w2.stride(1), y.stride(0), BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk,
-        DOT_FP32=bf16_interp, PRECISION=precision, SUM_PAIRS=fuse, TOPK=k, BLOCK_T=triton.next_power_of_2(t),
-        BF16_BY_BITS=bf16_interp, num_warps=warps, num_stages=stages)
-    return out if fuse else sum_pairs(y, t, k, x.dtype)
+        inter, w2, y, sorted_pairs, block_expert, topk_weights.float().contiguous(), n, e, h, i, inter.stride(0),
+        w2.stride(0), w2.stride(1), y.stride(0), BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk,
+        DOT_FP32=bf16_interp, PRECISION=precision, num_warps=warps, num_stages=stages)
+    return sum_pairs(y, t, k, x.dtype)
 
 
 def sum_pairs(y: torch.Tensor, num_tokens: int, top_k: int, dtype: torch.dtype) -> torch.Tensor:

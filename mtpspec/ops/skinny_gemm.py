@@ -6,9 +6,8 @@ floor is their bytes over the read bandwidth. The kernel computes ``out^T [BLOCK
 x^T`` per program: a tile of ``BLOCK_N`` weight rows loaded as stored (K contiguous, the dot's A
 operand) times the activations transposed (``BLOCK_T = 16`` token rows, the dot's N), over a K
 range; the K axis is split across programs when the column tiles alone leave SMs idle
-(:func:`skinny_launch`), fp32 partials then summed in split order by the last program of each
-column tile to finish (:func:`~mtpspec.ops.triton_helpers.last_to_arrive`; deterministic, rounded
-once; until 2026-12-04 a second launch, ``fp8_gemm``'s split-sum kernel, did it). fp32 accumulation as cuBLAS; bias added once, in fp32.
+(:func:`skinny_launch`), fp32 partials then summed in split order by ``fp8_gemm``'s split-sum
+kernel (deterministic, rounded once). fp32 accumulation as cuBLAS; bias added once, in fp32.
 
 Status: **on** for up to 16 rows (:data:`SKINNY_MAX_M`; env ``MTPSPEC_SKINNY_GEMM_MAX_M``, 0 turns it
 off) since its first H200 run (``benchmarks/bench_skinny_gemm.py``, BENCHMARKS.md 2026-12-04, session
@@ -26,7 +25,7 @@ from typing import Optional, Tuple
 import torch
 import torch.nn.functional as F
 
-from mtpspec.ops.triton_utils import HAS_TRITON, LazyKernel, arrival_counters, cdiv, interpreting, tl, use_triton
+from mtpspec.ops.triton_utils import HAS_TRITON, LazyKernel, cdiv, interpreting, tl, use_triton
 
 #: Rows up to which :func:`linear` runs the kernel (0: never).
 SKINNY_MAX_M = int(os.environ.get("MTPSPEC_SKINNY_GEMM_MAX_M", "16"))
@@ -38,16 +37,15 @@ PROGRAMS_PER_SM = 2
 MIN_K_STEPS_PER_SPLIT = 4
 
 if HAS_TRITON:
-    from mtpspec.ops.triton_helpers import last_to_arrive, round_to_dtype, store_swap_tile
+    from mtpspec.ops.triton_helpers import store_swap_tile
 
-    def _skinny_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, cnt_ptr, M, N, K, stride_xm, stride_wn, stride_om,
+    def _skinny_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, M, N, K, stride_xm, stride_wn, stride_om,
                        k_per_split, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr,
                        BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, DOT_FP32: tl.constexpr,
                        BF16_BY_BITS: tl.constexpr):
         # out^T tile [BLOCK_N, BLOCK_T] of weight rows pid_n * BLOCK_N .. over K in [pid_k *
         # k_per_split, + k_per_split). SPLIT: fp32 partials to part_ptr [splits, M, N] (bias in
-        # split 0); the last split of a column tile to arrive (counter cnt_ptr[pid_n]) sums them in
-        # split order and rounds into out [M, N] (row stride stride_om); else rounded there directly.
+        # split 0), else rounded into out [M, N] (row stride stride_om).
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -72,16 +70,6 @@ if HAS_TRITON:
                 acc += tl.dot(w, xt)
         store_swap_tile(acc, b_ptr, out_ptr, part_ptr, pid_k, offs_n, cols, rows, n_ok, t_ok, M, N, stride_om,
                         HAS_BIAS, SPLIT, BF16_BY_BITS)
-        if SPLIT:
-            if last_to_arrive(cnt_ptr + pid_n, tl.num_programs(1)):
-                ok = n_ok[:, None] & t_ok[None, :]
-                src = part_ptr + rows[None, :] * N + cols[:, None]
-                tot = tl.load(src, mask=ok, other=0.0, cache_modifier=".cg")
-                for s in range(1, tl.num_programs(1)):
-                    tot += tl.load(src + s * M * N, mask=ok, other=0.0, cache_modifier=".cg")
-                tl.store(out_ptr + rows[None, :] * stride_om + cols[:, None],
-                         round_to_dtype(tot, out_ptr.dtype.element_ty, BF16_BY_BITS), mask=ok)
-                tl.store(cnt_ptr + pid_n, 0)
 
     _skinny = LazyKernel(_skinny_kernel)
 
@@ -117,6 +105,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
         ValueError: more than 16 rows, mismatched shapes, strides or dtypes.
     """
     from mtpspec.ops.argmax import num_sms
+    from mtpspec.ops.fp8_gemm import SPLIT_SUM_BLOCK, _split_sum
     m, k = x.shape
     n = weight.shape[0]
     if m > BLOCK_T or weight.shape[1] != k or x.stride(1) != 1 or weight.stride(1) != 1 \
@@ -140,12 +129,13 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
     part = torch.empty(splits, m, n, dtype=torch.float32, device=x.device) if splits > 1 else out
     extra = {} if interp else {"num_warps": num_warps, "num_stages": num_stages}
     bf16_bits = interp and x.dtype == torch.bfloat16
-    tiles = cdiv(n, block_n)
-    cnt = arrival_counters(x.device, tiles) if splits > 1 else out
-    _skinny[(tiles, splits)](
-        x, weight, bias if bias is not None else weight, out, part, cnt, m, n, k, x.stride(0), weight.stride(0),
+    _skinny[(cdiv(n, block_n), splits)](
+        x, weight, bias if bias is not None else weight, out, part, m, n, k, x.stride(0), weight.stride(0),
         out.stride(0), per, HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_T=BLOCK_T, BLOCK_K=block_k,
         SPLIT=splits > 1, DOT_FP32=interp, BF16_BY_BITS=bf16_bits, **extra)
+    if splits > 1:
+        _split_sum[(cdiv(m * n, SPLIT_SUM_BLOCK),)](part, out, m * n, splits, BLOCK=SPLIT_SUM_BLOCK,
+                                                   BF16_BY_BITS=bf16_bits)
     return out
 
 

@@ -84,7 +84,9 @@ def padded_batch(qsl: torch.Tensor, q_len_t: torch.Tensor, key_len_t: torch.Tens
     always see key 0 (no all-masked row, hence no NaN; their output is dropped)."""
     b = q_len_t.shape[0]
     rows = torch.arange(num_rows, device=device)
-    tok_seq = torch.searchsorted(qsl[1:].contiguous(), rows, right=True)  # b for padding rows
+    # b for padding rows; over the whole qsl (qsl[0] = 0 <= every row) minus 1 = over qsl[1:]: Inductor
+    # (torch 2.11, CUDA) fails on searchsorted over a slice (NotImplementedError: SliceView)
+    tok_seq = torch.searchsorted(qsl, rows, right=True) - 1
     real = tok_seq < b
     tok_off = (rows - qsl.index_select(0, tok_seq)).clamp(0, max(max_q - 1, 0))
     q_len_x = torch.cat([q_len_t, q_len_t.new_zeros(1)])

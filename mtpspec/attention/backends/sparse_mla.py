@@ -88,7 +88,7 @@ def dsa_layout(meta: Optional["AttentionMetadata"], num_tokens: int, cache_block
             bs, max_q, max_s = int(cache_block_size), meta.max_query_len, meta.max_seq_len
     b = seq_lens.shape[0]
     q_lens = (qsl[1:] - qsl[:-1]).long()
-    seq = torch.searchsorted(qsl[1:].contiguous(), rows.to(qsl.dtype), right=True)
+    seq = torch.searchsorted(qsl, rows.to(qsl.dtype), right=True) - 1  # = over qsl[1:] (qsl[0] = 0); paged_common
     real = seq < b
     seq = seq.clamp(max=max(b - 1, 0))
     row_pos = seq_lens.long()[seq] - q_lens[seq] + (rows - qsl.long()[seq])
