@@ -139,7 +139,7 @@ class Scripted:
 
     def __init__(self, ks):
         self.ks, self.i, self.chosen, self.seen, self.prefill, self.times = list(ks), 0, [], [], [], []
-        self.waiting = []
+        self.waiting, self.emitted = [], []
 
     def choose(self, batch, num_prefill_tokens=0, prompts_waiting=False, token_budget=None):
         self.prefill.append(num_prefill_tokens)
@@ -152,8 +152,9 @@ class Scripted:
     def observe(self, v, a):
         self.seen.append((v, a))
 
-    def observe_step_time(self, batch, k, wall_ms, verify_k=None, num_prefill_tokens=0):
+    def observe_step_time(self, batch, k, wall_ms, verify_k=None, num_prefill_tokens=0, num_emitted=None):
         self.times.append(num_prefill_tokens)
+        self.emitted.append((batch, num_prefill_tokens, num_emitted))
 
     def end_step(self):
         pass
@@ -307,6 +308,38 @@ def test_host_overhead_moves_the_choice_towards_longer_drafts() -> None:
     assert pol.overhead_ms == pytest.approx(6.0, rel=1e-3)
 
 
+def test_host_cost_per_emitted_token_is_fitted_and_moves_the_choice_to_plain_decoding() -> None:
+    """Host time that grows with the tokens a step emits (output processing) is no fixed cost: the
+    policy fits excess = a + b n over its steps (n = tokens emitted) and charges a + b B E(k) to each
+    k. The per-token part is paid per token whatever k is, so only a amortises over a draft round;
+    taken as a fixed cost (the policy without token counts) the whole excess favoured long drafts
+    where plain decoding was faster (the in-process H200 runs of 2026-12-04: 28-34 us a token at 64
+    sequences, plain decoding 18% ahead of every k). Tokens per step that barely vary leave the slope
+    as it was; num_emitted omitted means one token per sequence."""
+    costs = _table(sizes=(64,), verify=lambda b, k: 1.2 + 0.9 * k, draft=lambda b, k: 0.4 * k)
+    a, b = 0.05, 0.03
+
+    def fed(with_counts):
+        pol = AdaptiveSpecPolicy(3, costs, prior_rate=0.8, prior_weight=1.0, decay=1.0)
+        for _ in range(50):
+            pol.observe(3, 3)  # forced acceptance: every draft accepted, E(3) ~ 4
+        for i in range(600):  # steps of k = 1..3 whose acceptance varies: n = 64 .. 256 tokens
+            k, n = 1 + i % 3, 64 * (1 + (i * 7) % 4)
+            pol.observe_step_time(64, k, costs.step_ms(64, k) + a + b * n, num_emitted=n if with_counts else None)
+        return pol
+    pol = fed(True)
+    assert pol.overhead_ms == pytest.approx(a, abs=1e-6) and pol.overhead_ms_per_token == pytest.approx(b, rel=1e-6)
+    e = [pol.expected_tokens(k) for k in range(4)]
+    t = [costs.step_ms(64, k) + a + b * 64 * e[k] for k in range(4)]
+    assert pol.choose(64) == max(range(4), key=lambda k: (e[k] / t[k], -k)) == 0
+    old = fed(False)  # the same steps as one fixed overhead (their mean excess, ~4.8 ms): k = 3
+    assert old.overhead_ms_per_token == 0.0 and old.overhead_ms > 4.0 and old.choose(64) == 3
+    for _ in range(200):  # plain steps only: n = 64 always, the excess as the line says
+        pol.observe_step_time(64, 0, costs.step_ms(64, 0) + a + b * 64, num_emitted=64)
+    assert pol.overhead_ms_per_token == pytest.approx(b, rel=1e-6) and pol.overhead_ms == pytest.approx(a, abs=1e-6)
+    assert pol.choose(64) == 0
+
+
 def test_prompt_tokens_in_a_step_move_the_choice_towards_longer_drafts() -> None:
     """A step that also carries a prompt chunk pays for it whatever k is: the policy learns a cost
     per prompt token from such steps (beyond the table and the overhead) and adds it to every k's
@@ -345,6 +378,9 @@ def test_engine_tells_the_policy_each_steps_prompt_tokens(model) -> None:
     assert 8 in pol.prefill or 5 in pol.prefill  # a step carried the prompts (one step or one each)
     assert 4 in pol.prefill and 0 in pol.prefill  # the later prompt; the decode steps carry none
     assert 4 in pol.times and 0 in pol.times
+    # and the tokens each step emitted: 1 .. 1 + k per decode (the host cost per token is fitted on them)
+    decodes = [(b, n) for b, p, n in pol.emitted if p == 0]
+    assert decodes and all(n is not None and b <= n <= 4 * b for b, n in decodes)
     assert all(budget == llm.llm_engine.scheduler_config.max_num_batched_tokens for _, budget in pol.waiting)
     assert (False, pol.waiting[-1][1]) in pol.waiting  # decode steps with nothing waiting say so
 

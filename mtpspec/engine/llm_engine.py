@@ -440,7 +440,7 @@ class LLMEngine:
         :meth:`Scheduler.update_from_output`) and feed the adaptive policy, if any: per-decode
         accepted counts (the verifier's: a stop inside the block is no rejection) and the step's
         wall time from the later of the last step's end and ``t0`` (``time.perf_counter()`` seconds
-        at this step's start) with its number of prompt tokens."""
+        at this step's start) with its number of prompt tokens and of tokens emitted."""
         m, v, policy = self.metrics, out.num_spec_tokens, self.spec_policy
         for i, sch in enumerate(out.scheduled):
             if not sch.is_prefill and v:
@@ -451,8 +451,10 @@ class LLMEngine:
         if policy is not None:
             end = time.perf_counter()
             if self._last_step_end is not None:
+                emitted = sum(len(ids) for ids in result.new_token_ids)
                 policy.observe_step_time(len(out.scheduled), out.num_proposed_tokens,
-                                         (end - max(self._last_step_end, t0)) * 1e3, v, out.num_prefill_tokens)
+                                         (end - max(self._last_step_end, t0)) * 1e3, v, out.num_prefill_tokens,
+                                         emitted)
             self._last_step_end = end
             policy.end_step()
 

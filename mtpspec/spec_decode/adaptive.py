@@ -14,12 +14,15 @@ rate is per position, as vLLM's ``num_accepted_tokens_per_pos`` measures it). Th
   (:func:`measure_step_costs`: the runner's graph units replayed, or the same calls eagerly
   without CUDA graphs) or loaded from JSON.
 * :class:`AdaptiveSpecPolicy`: running per-position rates (decayed counts with a prior, so a
-  position unused for a while drifts back to the prior and is tried again), a running per-step
-  host overhead (pure-decode steps' wall time minus the table's device cost, the same for every
-  ``k``: fixed costs favour longer drafts), a running cost per prefill token (what a step that
-  also carries ``P`` prompt tokens took beyond that, divided by ``P``: the prompt chunk is paid
-  whatever ``k`` is, so a step carrying one favours longer drafts too) and the choice,
-  ``argmax_k E(k) / (T(B, k) + overhead + P * prefill_ms_per_token)``.
+  position unused for a while drifts back to the prior and is tried again), the host time per
+  step that the device table misses, ``a + b n`` for a step that emits ``n`` tokens (pure-decode
+  steps' wall time minus the table's device cost, fitted online by a decayed least-squares line
+  over ``n``: the fixed part ``a`` favours longer drafts, the per-token part ``b`` - output
+  processing of every emitted token - does not, and where it dominates plain decoding wins; H200,
+  2026-12-04: 28-34 us a token in one process at 64 sequences), a running cost per prefill token
+  (what a step that also carries ``P`` prompt tokens took beyond that, divided by ``P``: the prompt
+  chunk is paid whatever ``k`` is, so a step carrying one favours longer drafts too) and the choice,
+  ``argmax_k E(k) / (T(B, k) + a + b B E(k) + P * prefill_ms_per_token)``.
 
 Everything here is host arithmetic on counts the engine already has.
 """
@@ -31,6 +34,9 @@ import math
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence
 
+#: The host line's slope (:attr:`AdaptiveSpecPolicy.overhead_ms_per_token`) is refitted only while
+#: the tokens emitted per step spread (standard deviation) by more than this share of their mean.
+MIN_TOKEN_SPREAD = 0.05
 #: Batch sizes :func:`measure_step_costs` times by default (those up to ``max_num_seqs`` that
 #: the runner has graphs for, plus ``max_num_seqs``); others use the next larger measured one.
 CALIBRATION_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
@@ -142,13 +148,19 @@ class AdaptiveSpecPolicy:
     prompt_reserve: float = 0.0
     reached: List[float] = field(default_factory=list)
     accepted: List[float] = field(default_factory=list)
-    #: Running mean (weight :attr:`overhead_weight`) of each pure-decode step's wall time minus its
-    #: table cost: the host time the device's figures miss, the same for every k (ms, >= 0).
+    #: The fixed part ``a`` of each pure-decode step's wall time minus its table cost (ms, >= 0):
+    #: the running mean (weight :attr:`overhead_weight`) of that excess, less the per-token part.
     overhead_ms: float = 0.0
+    #: The per-token part ``b`` of that excess (ms per emitted token, >= 0): the slope of the
+    #: decayed least-squares line of the excess over the tokens each step emitted, where those
+    #: vary by more than :data:`MIN_TOKEN_SPREAD` of their mean (kept otherwise); 0 until then.
+    overhead_ms_per_token: float = 0.0
     #: Running mean (same weight) of what a step carrying prompt tokens took beyond its table cost
     #: and :attr:`overhead_ms`, per prompt token (ms, >= 0).
     prefill_ms_per_token: float = 0.0
     _decode_samples: int = field(default=0, init=False, repr=False)  # pure-decode steps observed
+    # decayed moments of (tokens emitted n, excess y) over pure-decode steps: mean n, mean y, E[n^2], E[n y]
+    _moments: List[float] = field(default_factory=lambda: [0.0, 0.0, 0.0, 0.0], init=False, repr=False)
 
     def __post_init__(self) -> None:
         if not {0, self.max_k} <= set(self.costs.ks):
@@ -169,10 +181,11 @@ class AdaptiveSpecPolicy:
                 self.accepted[j] += 1.0
 
     def observe_step_time(self, batch: int, k: int, wall_ms: float, verify_k: Optional[int] = None,
-                          num_prefill_tokens: int = 0) -> None:
+                          num_prefill_tokens: int = 0, num_emitted: Optional[int] = None) -> None:
         """A step of ``batch`` sequences that verified ``verify_k`` (default ``k``) drafts, proposed
-        ``k`` and carried ``num_prefill_tokens`` prompt tokens took ``wall_ms`` from the previous
-        step's end (host included). Without prompt tokens it updates :attr:`overhead_ms`, with them
+        ``k``, carried ``num_prefill_tokens`` prompt tokens and emitted ``num_emitted`` tokens
+        (default ``batch``) took ``wall_ms`` from the previous step's end (host included). Without
+        prompt tokens it updates :attr:`overhead_ms` and :attr:`overhead_ms_per_token`, with them
         :attr:`prefill_ms_per_token`. Samples more than 4x the predicted cost + 5 ms (an idle
         engine between steps) are ignored, and prompt samples before any pure-decode sample (the
         overhead is not known yet)."""
@@ -180,18 +193,30 @@ class AdaptiveSpecPolicy:
         if k not in self.costs.verify_ms or v not in self.costs.verify_ms:
             return
         predicted = self.costs.step_ms(batch, k, v)
+        n = float(batch if num_emitted is None else num_emitted)
+        host = self.overhead_ms + self.overhead_ms_per_token * n
         if num_prefill_tokens > 0:
             if not self._decode_samples:
                 return
-            expected = predicted + self.overhead_ms + num_prefill_tokens * self.prefill_ms_per_token
+            expected = predicted + host + num_prefill_tokens * self.prefill_ms_per_token
             if 0.0 < wall_ms and (self.prefill_ms_per_token <= 0.0 or wall_ms <= 4.0 * expected + 5.0):
-                per_token = max(0.0, wall_ms - predicted - self.overhead_ms) / num_prefill_tokens
+                per_token = max(0.0, wall_ms - predicted - host) / num_prefill_tokens
                 self.prefill_ms_per_token += self.overhead_weight * (per_token - self.prefill_ms_per_token)
             return
         if 0.0 < wall_ms <= 4.0 * predicted + 5.0:
-            excess = max(0.0, wall_ms - predicted)
-            self.overhead_ms += self.overhead_weight * (excess - self.overhead_ms)
+            self._fit_host(n, max(0.0, wall_ms - predicted))
             self._decode_samples += 1
+
+    def _fit_host(self, n: float, excess: float) -> None:
+        """One pure-decode sample of the host line ``excess = a + b n`` (decayed moments, weight
+        :attr:`overhead_weight`, started at the first sample)."""
+        m, w = self._moments, (self.overhead_weight if self._decode_samples else 1.0)
+        for i, x in enumerate((n, excess, n * n, n * excess)):
+            m[i] += w * (x - m[i])
+        mean_n, mean_y, var = m[0], m[1], m[2] - m[0] * m[0]
+        if var > (MIN_TOKEN_SPREAD * mean_n) ** 2:  # the tokens per step vary enough to see a slope
+            self.overhead_ms_per_token = max(0.0, (m[3] - mean_n * mean_y) / var)
+        self.overhead_ms = max(0.0, mean_y - self.overhead_ms_per_token * mean_n)
 
     def end_step(self) -> None:
         """Decay the counts (once per engine step)."""
@@ -215,14 +240,15 @@ class AdaptiveSpecPolicy:
 
     def choose(self, batch: int, num_prefill_tokens: int = 0, prompts_waiting: bool = False,
                token_budget: Optional[int] = None) -> int:
-        """The ``k`` in ``0 .. max_k`` (among the table's) maximising ``E(k) / (T(batch, k) +
-        overhead + num_prefill_tokens * prefill_ms_per_token)`` for ``batch`` sequences in a step
+        """The ``k`` in ``0 .. max_k`` (among the table's) maximising ``E(k) / (T(batch, k) + a +
+        b batch E(k) + num_prefill_tokens * prefill_ms_per_token)`` for ``batch`` sequences in a step
         that also carries ``num_prefill_tokens`` prompt tokens (smallest ``k`` on ties). With
         :attr:`prompt_reserve` ``r > 0``, ``prompts_waiting`` (prompt tokens left to schedule) and
         ``token_budget`` (``max_num_batched_tokens``), only ``k = 0`` and the ``k`` with
         ``batch * (1 + k) <= (1 - r) * token_budget`` are considered."""
         rates = self.rates()
         fixed = self.overhead_ms + max(0, num_prefill_tokens) * self.prefill_ms_per_token
+        per_token = self.overhead_ms_per_token * batch  # host ms per emitted token, times B per E(k)
         cap = None
         if self.prompt_reserve > 0 and prompts_waiting and token_budget:
             cap = (1.0 - self.prompt_reserve) * token_budget
@@ -230,7 +256,8 @@ class AdaptiveSpecPolicy:
         for k in self.costs.ks:
             if k > self.max_k or (k and cap is not None and batch * (1 + k) > cap):
                 continue
-            rate = self.expected_tokens(k, rates) / (self.costs.step_ms(batch, k) + fixed)
+            e = self.expected_tokens(k, rates)
+            rate = e / (self.costs.step_ms(batch, k) + fixed + per_token * e)
             if rate > best_rate * (1 + 1e-9):
                 best, best_rate = k, rate
         return best
