@@ -1,15 +1,21 @@
-"""The sigmoid grouped top-k router as one Triton program per token (decode-size batches pay one
-launch for routing instead of about 10, or 17 with expert groups).
+"""The sigmoid grouped top-k router in Triton: one launch for routing (:func:`grouped_topk_triton`,
+a program per token row on a GPU) instead of about 10, or 17 with expert groups, and up to
+:data:`LOGITS_KERNEL_MAX_TOKENS` tokens one launch for the router logits and the routing together
+(:func:`fused_route`: the logits GEMV's last program to finish routes every row in one tile).
 
 Math: :func:`mtpspec.layers.fused_moe.grouped_topk` (DeepSeek-V3 technical report, arXiv:2412.19437,
 sec. 2.1.2, eqs. 15-16, with the auxiliary-loss-free bias). Per token row of ``router_logits``:
 ``s = sigmoid(logits)``, ``c = s + bias``; with groups, a group's score is the sum of its two best
 ``c`` (its best alone when a group has one expert) and only the ``topk_group`` best groups stay
-eligible; the ``top_k`` best eligible ``c`` are chosen one after another (ties: the lowest expert
-id, for groups and experts alike; a NaN ``c`` ranks above every number, as in ``torch.topk``);
-weights are their ``s``, divided by their sum + 1e-20 when ``renormalize``, times
-``routed_scaling_factor``. Rows are independent, so a token's routing does not depend on the batch
-it is in (verification and plain decoding route alike).
+eligible; the ``top_k`` best eligible ``c`` are chosen (ties: the lowest expert id, for groups and
+experts alike; a NaN ``c`` ranks above every number, as in ``torch.topk``): one after another, or,
+where a program's ``rows x E x E`` comparisons fit (:data:`RANK_MAX_ELEMS`), every expert ranked at
+once (the same choice); weights are their ``s``, divided by their sum + 1e-20 when
+``renormalize``, times ``routed_scaling_factor``. Rows are routed independently (no row reads
+another), but a token's fp32 logits and weights can differ in the last bit with the batch size
+(the GEMV's ``BLOCK_H`` and the routing tile's rows follow the token count), so two experts within
+that margin can swap between verification and plain decoding, as with any GEMM whose reduction
+order follows the shape.
 
 Ids come out in the order chosen (best first); the torch reference's order is unspecified
 (``topk(sorted=False)``).

@@ -163,7 +163,9 @@ if HAS_TRITON:
         The ordering is the semaphore pattern of CUTLASS (``cutlass/semaphore.h``: a CTA barrier,
         then one thread's gpu-scope release / acquire): the barrier puts every thread's stores of
         this program before the counter's ``acq_rel`` add, so the last program, after its add,
-        sees every other program's stores. It reads them past L1 (``cache_modifier=".cg"``)."""
+        sees every other program's stores; the caller reads them past L1 (``cache_modifier=".cg"``).
+        A launch stopped part-way leaves its counter non-zero (later launches then never reduce):
+        the kernels that use it have no early exit before their arrival."""
         tl.debug_barrier()
         old = tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu")
         return old == total - 1

@@ -140,6 +140,9 @@ def arrival_counters(device: torch.device, n: int) -> torch.Tensor:
            else torch.cuda.current_device())
     buf = _ARRIVAL_COUNTERS.get(key)
     if buf is None or buf.numel() < n:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(f"arrival_counters: {n} counters needed on {device} during a CUDA-graph capture "
+                               "(the zero fill would only be recorded); make the same call once before capturing")
         if buf is not None:  # graphs captured with it still use it: never free it
             _RETIRED_COUNTERS.append(buf)
         buf = _ARRIVAL_COUNTERS[key] = torch.zeros(max(4096, 2 * n), dtype=torch.int32, device=device)

@@ -15,14 +15,17 @@ rate is per position, as vLLM's ``num_accepted_tokens_per_pos`` measures it). Th
   without CUDA graphs) or loaded from JSON.
 * :class:`AdaptiveSpecPolicy`: running per-position rates (decayed counts with a prior, so a
   position unused for a while drifts back to the prior and is tried again), the host time per
-  step that the device table misses, ``a + b n`` for a step that emits ``n`` tokens (pure-decode
-  steps' wall time minus the table's device cost, fitted online by a decayed least-squares line
-  over ``n``: the fixed part ``a`` favours longer drafts, the per-token part ``b`` - output
-  processing of every emitted token - does not, and where it dominates plain decoding wins; H200,
-  2026-12-04: 28-34 us a token in one process at 64 sequences), a running cost per prefill token
-  (what a step that also carries ``P`` prompt tokens took beyond that, divided by ``P``: the prompt
-  chunk is paid whatever ``k`` is, so a step carrying one favours longer drafts too) and the choice,
-  ``argmax_k E(k) / (T(B, k) + a + b B E(k) + P * prefill_ms_per_token)``.
+  step that the device table misses, fitted online from the engine's own pure-decode steps (wall
+  time minus the table's device cost) as ``a + c B + b r`` for a step of ``B`` sequences that
+  emits ``B + r`` tokens (a decayed least-squares plane): ``a + c B`` is paid once per step and
+  amortises over a draft round, so it favours longer drafts; ``b`` is paid per accepted draft
+  emitted (output processing of every token; H200, 2026-12-04: 28-34 us a token in one process at
+  64 sequences), a per-token cost that does not amortise, so it leaves the choice to the device
+  table. Taken whole as a fixed cost, as before, that excess kept the policy speculating where
+  plain decoding was faster. Also a running cost per prefill token (what a step that also carries
+  ``P`` prompt tokens took beyond that, divided by ``P``: the prompt chunk is paid whatever ``k``
+  is, so a step carrying one favours longer drafts too) and the choice, ``argmax_k E(k) / (T(B, k)
+  + a + c B + b B (E(k) - 1) + P * prefill_ms_per_token)``.
 
 Everything here is host arithmetic on counts the engine already has.
 """
@@ -34,9 +37,11 @@ import math
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence
 
-#: The host line's slope (:attr:`AdaptiveSpecPolicy.overhead_ms_per_token`) is refitted only while
-#: the tokens emitted per step spread (standard deviation) by more than this share of their mean.
-MIN_TOKEN_SPREAD = 0.05
+#: The host plane's slopes are refitted only along a variable whose spread (standard deviation)
+#: exceeds this share of its mean (or of the batch size's mean, for the accepted drafts), and only
+#: after :data:`MIN_FIT_SAMPLES` pure-decode steps; a slope that cannot be measured drifts to 0.
+MIN_SPREAD = 0.05
+MIN_FIT_SAMPLES = 20
 #: Batch sizes :func:`measure_step_costs` times by default (those up to ``max_num_seqs`` that
 #: the runner has graphs for, plus ``max_num_seqs``); others use the next larger measured one.
 CALIBRATION_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
@@ -148,19 +153,20 @@ class AdaptiveSpecPolicy:
     prompt_reserve: float = 0.0
     reached: List[float] = field(default_factory=list)
     accepted: List[float] = field(default_factory=list)
-    #: The fixed part ``a`` of each pure-decode step's wall time minus its table cost (ms, >= 0):
-    #: the running mean (weight :attr:`overhead_weight`) of that excess, less the per-token part.
+    #: The host time per pure-decode step that the table misses, ``a + c B + b r`` for ``B``
+    #: sequences emitting ``B + r`` tokens (ms; each >= 0): fitted by decayed least squares
+    #: (weight :attr:`overhead_weight`), the per-step part ``a``,
     overhead_ms: float = 0.0
-    #: The per-token part ``b`` of that excess (ms per emitted token, >= 0): the slope of the
-    #: decayed least-squares line of the excess over the tokens each step emitted, where those
-    #: vary by more than :data:`MIN_TOKEN_SPREAD` of their mean (kept otherwise); 0 until then.
+    #: the per-sequence part ``c`` (ms per sequence in the step)
+    overhead_ms_per_seq: float = 0.0
+    #: and the per-token part ``b`` (ms per accepted draft emitted).
     overhead_ms_per_token: float = 0.0
     #: Running mean (same weight) of what a step carrying prompt tokens took beyond its table cost
     #: and :attr:`overhead_ms`, per prompt token (ms, >= 0).
     prefill_ms_per_token: float = 0.0
     _decode_samples: int = field(default=0, init=False, repr=False)  # pure-decode steps observed
-    # decayed moments of (tokens emitted n, excess y) over pure-decode steps: mean n, mean y, E[n^2], E[n y]
-    _moments: List[float] = field(default_factory=lambda: [0.0, 0.0, 0.0, 0.0], init=False, repr=False)
+    # decayed moments over pure-decode steps of (B, r, y): E[B], E[r], E[y], E[BB], E[Br], E[rr], E[By], E[ry]
+    _moments: List[float] = field(default_factory=lambda: [0.0] * 8, init=False, repr=False)
 
     def __post_init__(self) -> None:
         if not {0, self.max_k} <= set(self.costs.ks):
@@ -185,7 +191,8 @@ class AdaptiveSpecPolicy:
         """A step of ``batch`` sequences that verified ``verify_k`` (default ``k``) drafts, proposed
         ``k``, carried ``num_prefill_tokens`` prompt tokens and emitted ``num_emitted`` tokens
         (default ``batch``) took ``wall_ms`` from the previous step's end (host included). Without
-        prompt tokens it updates :attr:`overhead_ms` and :attr:`overhead_ms_per_token`, with them
+        prompt tokens it updates the host plane (:attr:`overhead_ms`, :attr:`overhead_ms_per_seq`,
+        :attr:`overhead_ms_per_token`), with them
         :attr:`prefill_ms_per_token`. Samples more than 4x the predicted cost + 5 ms (an idle
         engine between steps) are ignored, and prompt samples before any pure-decode sample (the
         overhead is not known yet)."""
@@ -193,8 +200,8 @@ class AdaptiveSpecPolicy:
         if k not in self.costs.verify_ms or v not in self.costs.verify_ms:
             return
         predicted = self.costs.step_ms(batch, k, v)
-        n = float(batch if num_emitted is None else num_emitted)
-        host = self.overhead_ms + self.overhead_ms_per_token * n
+        r = max(0.0, float(num_emitted) - batch) if num_emitted is not None else 0.0
+        host = self.host_ms(batch, r)
         if num_prefill_tokens > 0:
             if not self._decode_samples:
                 return
@@ -204,19 +211,40 @@ class AdaptiveSpecPolicy:
                 self.prefill_ms_per_token += self.overhead_weight * (per_token - self.prefill_ms_per_token)
             return
         if 0.0 < wall_ms <= 4.0 * predicted + 5.0:
-            self._fit_host(n, max(0.0, wall_ms - predicted))
+            self._fit_host(float(batch), r, max(0.0, wall_ms - predicted))
             self._decode_samples += 1
 
-    def _fit_host(self, n: float, excess: float) -> None:
-        """One pure-decode sample of the host line ``excess = a + b n`` (decayed moments, weight
-        :attr:`overhead_weight`, started at the first sample)."""
+    def host_ms(self, batch: float, extra_tokens: float) -> float:
+        """The host plane: ``a + c batch + b extra_tokens`` ms."""
+        return self.overhead_ms + self.overhead_ms_per_seq * batch + self.overhead_ms_per_token * extra_tokens
+
+    def _fit_host(self, nb: float, r: float, y: float) -> None:
+        """One pure-decode sample of ``y = a + c nb + b r`` (decayed moments, weight
+        :attr:`overhead_weight`, the first sample taken whole). Both slopes where both variables
+        spread and are not collinear; one where only that one spreads (the other drifts to 0 by
+        :attr:`decay` a sample, so a slope learnt from a few odd steps cannot pin the choice);
+        none before :data:`MIN_FIT_SAMPLES` samples. Then ``a`` = the mean excess less the slopes'
+        share, all clipped at 0."""
         m, w = self._moments, (self.overhead_weight if self._decode_samples else 1.0)
-        for i, x in enumerate((n, excess, n * n, n * excess)):
+        for i, x in enumerate((nb, r, y, nb * nb, nb * r, r * r, nb * y, r * y)):
             m[i] += w * (x - m[i])
-        mean_n, mean_y, var = m[0], m[1], m[2] - m[0] * m[0]
-        if var > (MIN_TOKEN_SPREAD * mean_n) ** 2:  # the tokens per step vary enough to see a slope
-            self.overhead_ms_per_token = max(0.0, (m[3] - mean_n * mean_y) / var)
-        self.overhead_ms = max(0.0, mean_y - self.overhead_ms_per_token * mean_n)
+        mb, mr, my = m[0], m[1], m[2]
+        sbb, sbr, srr = m[3] - mb * mb, m[4] - mb * mr, m[5] - mr * mr
+        sby, sry = m[6] - mb * my, m[7] - mr * my
+        tol = (MIN_SPREAD * mb) ** 2
+        b_ok = sbb > tol and self._decode_samples + 1 >= MIN_FIT_SAMPLES
+        r_ok = srr > tol and self._decode_samples + 1 >= MIN_FIT_SAMPLES
+        det = sbb * srr - sbr * sbr
+        if b_ok and r_ok and det > MIN_SPREAD * sbb * srr:
+            c, b = (srr * sby - sbr * sry) / det, (sbb * sry - sbr * sby) / det
+        elif r_ok:
+            c, b = self.overhead_ms_per_seq * self.decay, sry / srr
+        elif b_ok:
+            c, b = sby / sbb, self.overhead_ms_per_token * self.decay
+        else:
+            c, b = self.overhead_ms_per_seq * self.decay, self.overhead_ms_per_token * self.decay
+        self.overhead_ms_per_seq, self.overhead_ms_per_token = max(0.0, c), max(0.0, b)
+        self.overhead_ms = max(0.0, my - self.overhead_ms_per_seq * mb - self.overhead_ms_per_token * mr)
 
     def end_step(self) -> None:
         """Decay the counts (once per engine step)."""
@@ -240,15 +268,16 @@ class AdaptiveSpecPolicy:
 
     def choose(self, batch: int, num_prefill_tokens: int = 0, prompts_waiting: bool = False,
                token_budget: Optional[int] = None) -> int:
-        """The ``k`` in ``0 .. max_k`` (among the table's) maximising ``E(k) / (T(batch, k) + a +
-        b batch E(k) + num_prefill_tokens * prefill_ms_per_token)`` for ``batch`` sequences in a step
+        """The ``k`` in ``0 .. max_k`` (among the table's) maximising ``E(k) / (T(batch, k) + a + c
+        batch + b batch (E(k) - 1) + num_prefill_tokens * prefill_ms_per_token)`` (the host plane of
+        :meth:`observe_step_time`) for ``batch`` sequences in a step
         that also carries ``num_prefill_tokens`` prompt tokens (smallest ``k`` on ties). With
         :attr:`prompt_reserve` ``r > 0``, ``prompts_waiting`` (prompt tokens left to schedule) and
         ``token_budget`` (``max_num_batched_tokens``), only ``k = 0`` and the ``k`` with
         ``batch * (1 + k) <= (1 - r) * token_budget`` are considered."""
         rates = self.rates()
-        fixed = self.overhead_ms + max(0, num_prefill_tokens) * self.prefill_ms_per_token
-        per_token = self.overhead_ms_per_token * batch  # host ms per emitted token, times B per E(k)
+        fixed = self.host_ms(batch, 0.0) + max(0, num_prefill_tokens) * self.prefill_ms_per_token
+        per_token = self.overhead_ms_per_token * batch  # b B per accepted draft per sequence
         cap = None
         if self.prompt_reserve > 0 and prompts_waiting and token_budget:
             cap = (1.0 - self.prompt_reserve) * token_budget
@@ -257,7 +286,7 @@ class AdaptiveSpecPolicy:
             if k > self.max_k or (k and cap is not None and batch * (1 + k) > cap):
                 continue
             e = self.expected_tokens(k, rates)
-            rate = e / (self.costs.step_ms(batch, k) + fixed + per_token * e)
+            rate = e / (self.costs.step_ms(batch, k) + fixed + per_token * (e - 1.0))
             if rate > best_rate * (1 + 1e-9):
                 best, best_rate = k, rate
         return best
