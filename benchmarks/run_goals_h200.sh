@@ -157,6 +157,8 @@ adaptive-inproc)  # issue 18's adaptive goal with deterministic arrival: `bench 
       --arms ${ARMS:-plain,k1,k2,k3,adaptive} --workloads s1,s8,s64,s256 --repeats ${REPEATS:-3} --warmup-rounds 1 \
       --no-plots --no-progress --random-prompts --ignore-eos --forced-acceptance rate:0.8 --server-args \
       "--max-num-seqs 256 --load-format dummy --max-model-len 1024 --dtype bfloat16" --output-dir "$OUT/arms_air3_ip"
+  [ -n "${SKIP_DEMO:-}" ] && exit 0  # e.g. ARMS=plain,k1,k3,adaptive REPEATS=2 AIR_TIMEOUT=560 SKIP_DEMO=1 (session 15:
+  # five arms x 3 rounds did not fit 330 s)
   step ${DEMO_TIMEOUT:-230} arms_demo_ip python3 -m mtpspec.entrypoints.cli bench arms --in-process \
       --arms ${ARMS:-plain,k1,k2,k3,adaptive} --workloads s1,s8,s64,s256 --repeats ${REPEATS:-3} --warmup-rounds 1 \
       --no-plots --no-progress --server-args "--max-num-seqs 256" --output-dir "$OUT/arms_demo_ip" ;;
