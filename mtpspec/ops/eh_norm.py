@@ -86,10 +86,15 @@ if HAS_TRITON:
         out_base = out_ptr + rows[:, None] * stride_out + half * n_cols
         cols = tl.arange(0, BLOCK_N)
         if ONE_PASS:
-            v = _load_half(e_base, h_base, cols, e_rows, row_mask, e_cols, h_cols, is_e)
-            rstd = rms_rstd(v * v, n_cols, eps)
-            _store_normed_half(out_base, we_ptr, wh_ptr, cols, row_mask, n_cols, e_cols, h_cols,
-                               is_e, v, rstd, BF16_BY_BITS)
+            # one memory round trip before the sum of squares: the weight and every row loaded at
+            # once (the embedding rows not masked by their positions but zeroed after, so the
+            # loads need not wait for the positions), then the reduction, then the stores
+            w = tl.where(is_e, tl.load(we_ptr + cols, mask=cols < e_cols, other=0.0).to(tl.float32),
+                         tl.load(wh_ptr + cols, mask=cols < h_cols, other=0.0).to(tl.float32))
+            v = _load_half(e_base, h_base, cols, row_mask, row_mask, e_cols, h_cols, is_e)
+            v = tl.where((row_mask & (pos == 0) & is_e)[:, None], 0.0, v)
+            y_low = rms_normed(v, rms_rstd(v * v, n_cols, eps), w, out_base.dtype.element_ty, BF16_BY_BITS)
+            tl.store(out_base + cols[None, :], y_low, mask=row_mask[:, None] & (cols < n_cols)[None, :])
         else:
             acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
             for start in range(0, n_cols, BLOCK_N):

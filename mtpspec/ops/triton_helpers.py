@@ -116,9 +116,13 @@ if HAS_TRITON:
     def store_rms_norm_rows(out_ptr, w_ptr, rows, stride, cols, col_mask, mask, x, n_cols, eps,
                             BF16_BY_BITS: tl.constexpr):
         """RMSNorm of whole rows held in one block: :func:`rms_rstd` of fp32 ``x``
-        (``[BLOCK_M, BLOCK_N]``, zero where masked off), then :func:`store_rms_normed`."""
+        (``[BLOCK_M, BLOCK_N]``, zero where masked off), then :func:`rms_normed`, stored. The
+        weight is loaded before the sum of squares: after it, the reduction's barrier kept the load
+        from issuing with the row's (a second memory round trip on a one-row kernel's path)."""
+        w = tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
         rstd = rms_rstd(x * x, n_cols, eps)
-        store_rms_normed(out_ptr, w_ptr, rows, stride, cols, col_mask, mask, x, rstd, BF16_BY_BITS)
+        y_low = rms_normed(x, rstd, w, out_ptr.dtype.element_ty, BF16_BY_BITS)
+        tl.store(out_ptr + rows[:, None] * stride + cols[None, :], y_low, mask=mask)
 
     @device_function
     def rms_norm_pass2(src_ptr, src_stride, out_ptr, w_ptr, rows, row_mask, out_stride, cols,
