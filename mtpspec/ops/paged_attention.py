@@ -255,19 +255,25 @@ if HAS_TRITON:
         t = tl.program_id(0)
         h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
         h_ok = h < num_heads
+        # The partials are loaded without waiting for query_start_loc (one memory round trip on the
+        # path, not two); a padding row's (never written) are then replaced as if masked off.
         # (integer limits, not broadcast scalar booleans: Triton's interpreter rejects those in masks)
-        n_valid = num_splits * (t < tl.load(qsl_ptr + num_seqs)).to(tl.int32)
         offs_s = tl.arange(0, BLOCK_S)
-        ok = h_ok[:, None] & (offs_s < n_valid)[None, :]
+        ld = h_ok[:, None] & (offs_s < num_splits)[None, :]
         base = t.to(tl.int64) * stride_pt + h[:, None] * stride_ph + offs_s[None, :]  # [BLOCK_H, BLOCK_S]
-        m = tl.load(part_ml_ptr + 2 * base, mask=ok, other=float("-inf"))
-        l = tl.load(part_ml_ptr + 2 * base + 1, mask=ok, other=0.0)
+        m = tl.load(part_ml_ptr + 2 * base, mask=ld, other=float("-inf"))
+        l = tl.load(part_ml_ptr + 2 * base + 1, mask=ld, other=0.0)
+        offs_d = tl.arange(0, BLOCK_D)
+        acc = tl.load(part_acc_ptr + base[:, :, None] * BLOCK_D + offs_d[None, None, :], mask=ld[:, :, None],
+                      other=0.0)
+        n_valid = num_splits * (t < tl.load(qsl_ptr + num_seqs)).to(tl.int32)
+        ok = h_ok[:, None] & (offs_s < n_valid)[None, :]
+        m = tl.where(ok, m, float("-inf"))
+        l = tl.where(ok, l, 0.0)
+        acc = tl.where(ok[:, :, None], acc, 0.0)
         m_max = tl.max(m, axis=1)
         w = tl.exp2(m - tl.where(m_max == float("-inf"), 0.0, m_max)[:, None])
         denom = tl.sum(w * l, axis=1)
-        offs_d = tl.arange(0, BLOCK_D)
-        acc = tl.load(part_acc_ptr + base[:, :, None] * BLOCK_D + offs_d[None, None, :], mask=ok[:, :, None],
-                      other=0.0)
         o = tl.sum(acc * w[:, :, None], axis=1) / tl.where(denom > 0, denom, 1.0)[:, None]
         o_low = round_to_dtype(o, out_ptr.dtype.element_ty, BF16_BY_BITS)
         tl.store(out_ptr + t.to(tl.int64) * stride_ot + h[:, None] * stride_oh + offs_d[None, :], o_low,
@@ -280,13 +286,14 @@ if HAS_TRITON:
         # One program per row: copy its [num_kv_heads * head_dim] K and V to its slot; slot < 0: skip.
         # FP8: quantise (x / scale, saturating, nearest even; FP8_BY_BITS under the interpreter).
         t = tl.program_id(0).to(tl.int64)
-        slot = tl.load(slot_ptr + t).to(tl.int64)
         offs = tl.arange(0, BLOCK_R)
+        # the row is loaded without waiting for its slot (one memory round trip before the store)
+        kx = tl.load(k_ptr + t * stride_kt + offs, mask=offs < ROW)
+        vx = tl.load(v_ptr + t * stride_vt + offs, mask=offs < ROW)
+        slot = tl.load(slot_ptr + t).to(tl.int64)
         ok = offs < ROW * (slot >= 0).to(tl.int32)
         blk = slot // CACHE_BLOCK
         off = slot % CACHE_BLOCK
-        kx = tl.load(k_ptr + t * stride_kt + offs, mask=ok)
-        vx = tl.load(v_ptr + t * stride_vt + offs, mask=ok)
         if FP8:
             k_low = quant_fp8(kx.to(tl.float32), k_scale, FP8_BY_BITS)
             v_low = quant_fp8(vx.to(tl.float32), v_scale, FP8_BY_BITS)
