@@ -196,10 +196,12 @@ def fused_route(x: torch.Tensor, weight: torch.Tensor, e_score_correction_bias: 
     arguments and outputs as the two calls: the same experts in the same order, the weights to fp32
     rounding (one expert per GEMV program here, two there, and all tokens in one routing tile: the
     compiled sums may associate differently).
-    Returns None where it does not apply (the caller then makes the two calls): no Triton for
-    these tensors, not ``0 < T <= LOGITS_KERNEL_MAX_TOKENS``, a non-unit-stride ``x`` row or a
-    router weight that is not contiguous fp32. The caller checks the sizes (as for
-    :func:`grouped_topk_triton`)."""
+    ``x [T, H]`` (any float dtype, unit stride in H), ``weight [E, H]`` fp32; returns ``(topk_weights
+    [T, top_k + S] float32, topk_ids [T, top_k + S] int64)`` with ``S = num_shared_experts``, or None
+    where it does not apply (the caller then makes the two calls): no Triton for these tensors, not
+    ``0 < T <= LOGITS_KERNEL_MAX_TOKENS``, a non-unit-stride ``x`` row or a router weight that is not
+    contiguous fp32. Raises nothing itself: the caller checks the sizes (as for
+    :func:`grouped_topk_triton`). Scratch: the logits, ``[T, E]`` fp32; one arrival counter."""
     t, h = x.shape
     bias = e_score_correction_bias
     if not (use_triton(x, weight, bias) and 0 < t <= LOGITS_KERNEL_MAX_TOKENS and x.stride(1) == 1
