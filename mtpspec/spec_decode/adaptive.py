@@ -21,9 +21,10 @@ rate is per position, as vLLM's ``num_accepted_tokens_per_pos`` measures it). Th
   amortises over a draft round, so it favours longer drafts; ``b`` is paid per accepted draft
   emitted (output processing of every token; H200, 2026-12-04: 28-34 us a token in one process at
   64 sequences), a per-token cost that no draft round amortises. Taken whole as a fixed cost,
-  as before, that excess kept the policy speculating where plain decoding was faster. Also a running cost per prefill token (what a step that also carries
-  ``P`` prompt tokens took beyond that, divided by ``P``: the prompt chunk is paid whatever ``k``
-  is, so a step carrying one favours longer drafts too) and the choice, ``argmax_k E(k) / (T(B, k)
+  as before, that excess kept the policy speculating where plain decoding was faster. Also a
+  running cost per prefill token (what a step that also carries ``P`` prompt tokens took beyond
+  that, divided by ``P``: the prompt chunk is paid whatever ``k`` is, so a step carrying one
+  favours longer drafts too) and the choice, ``argmax_k E(k) / (T(B, k)
   + a + c B + b B (E(k) - 1) + P * prefill_ms_per_token)``.
 
 Everything here is host arithmetic on counts the engine already has.
