@@ -119,6 +119,11 @@ def run_in_process(llm: Any, cfg: BenchConfig, forced: Optional[str] = None) -> 
         "collective_bytes_per_step_total": sum(comm.values()) / max(steps, 1),
         "preemptions": float(m["num_preemptions"]), "eager_fallbacks": float(m["num_eager_fallbacks"]),
         "prefix_cache_hit_rate": m.get("prefix_cache_hit_rate"),
+        # the adaptive policy's fitted host time (ms: per step, per sequence, per accepted draft emitted)
+        "adaptive_host_model": None if getattr(eng, "spec_policy", None) is None else {
+            name: getattr(eng.spec_policy, attr, None) for name, attr in (
+                ("per_step_ms", "overhead_ms"), ("per_seq_ms", "overhead_ms_per_seq"),
+                ("per_token_ms", "overhead_ms_per_token"), ("per_prompt_token_ms", "prefill_ms_per_token"))},
     }
 
 
