@@ -313,7 +313,7 @@ def test_host_cost_per_emitted_token_is_fitted_and_moves_the_choice_to_plain_dec
     policy fits excess = a + c B + b r over its steps (B sequences emitting B + r tokens) and charges
     a + c B + b B (E(k) - 1). Only a + c B amortises over a draft round; taken whole as a fixed cost
     (the policy without token counts) the excess favoured long drafts where plain decoding was
-    faster (the in-process H200 runs of 2026-12-04: 28-34 us a token at 64 sequences, plain decoding
+    faster (the in-process H200 runs of 2026-12-04: 26-34 us a token at 64 sequences, plain decoding
     18% ahead of every k)."""
     costs = _table(sizes=(64,), verify=lambda b, k: 1.2 + 0.9 * k, draft=lambda b, k: 0.4 * k)
     a, b = 0.05, 0.03

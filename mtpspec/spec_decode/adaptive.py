@@ -19,7 +19,7 @@ rate is per position, as vLLM's ``num_accepted_tokens_per_pos`` measures it). Th
   time minus the table's device cost) as ``a + c B + b r`` for a step of ``B`` sequences that
   emits ``B + r`` tokens (a decayed least-squares plane): ``a + c B`` is paid once per step and
   amortises over a draft round, so it favours longer drafts; ``b`` is paid per accepted draft
-  emitted (output processing of every token; H200, 2026-12-04: 28-34 us a token in one process at
+  emitted (output processing of every token; H200, 2026-12-04: 26-34 us a token in one process at
   64 sequences), a per-token cost that no draft round amortises. Taken whole as a fixed cost,
   as before, that excess kept the policy speculating where plain decoding was faster. Also a
   running cost per prefill token (what a step that also carries ``P`` prompt tokens took beyond
