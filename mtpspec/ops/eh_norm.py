@@ -51,12 +51,15 @@ if HAS_TRITON:
                         tl.load(h_base + cols[None, :], mask=h_mask, other=0.0).to(tl.float32))
 
     @device_function
-    def _store_normed_half(out_base, we_ptr, wh_ptr, cols, row_mask, n_cols, e_cols, h_cols, is_e,
-                           v, rstd, BF16_BY_BITS: tl.constexpr):
-        # Normalise columns `cols` with this half's weight (enorm or hnorm) and store them.
-        w = tl.where(is_e,
-                     tl.load(we_ptr + cols, mask=cols < e_cols, other=0.0).to(tl.float32),
-                     tl.load(wh_ptr + cols, mask=cols < h_cols, other=0.0).to(tl.float32))
+    def _half_weight(we_ptr, wh_ptr, cols, e_cols, h_cols, is_e):
+        # Columns `cols` of this half's weight (enorm or hnorm) in fp32.
+        return tl.where(is_e,
+                        tl.load(we_ptr + cols, mask=cols < e_cols, other=0.0).to(tl.float32),
+                        tl.load(wh_ptr + cols, mask=cols < h_cols, other=0.0).to(tl.float32))
+
+    @device_function
+    def _store_normed_half(out_base, w, cols, row_mask, n_cols, v, rstd, BF16_BY_BITS: tl.constexpr):
+        # Normalise columns `cols` with this half's weight columns `w` and store them.
         y_low = rms_normed(v, rstd, w, out_base.dtype.element_ty, BF16_BY_BITS)
         tl.store(out_base + cols[None, :], y_low,
                  mask=row_mask[:, None] & (cols < n_cols)[None, :])
@@ -78,9 +81,9 @@ if HAS_TRITON:
         rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         row_mask = rows < n_rows
         rows = rows.to(tl.int64)
-        # Positions are read for the embedding half only; pos == 0 rows are never loaded.
+        # Positions are read for the embedding half only; its pos == 0 rows are zeros (one pass:
+        # loaded and zeroed; two passes: never loaded).
         pos = tl.load(pos_ptr + rows * stride_pos, mask=rows < n_rows * (1 - half), other=0)
-        e_rows = row_mask & (pos != 0)
         e_base = e_ptr + rows[:, None] * stride_e
         h_base = h_ptr + rows[:, None] * stride_h
         out_base = out_ptr + rows[:, None] * stride_out + half * n_cols
@@ -89,13 +92,12 @@ if HAS_TRITON:
             # one memory round trip before the sum of squares: the weight and every row loaded at
             # once (the embedding rows not masked by their positions but zeroed after, so the
             # loads need not wait for the positions), then the reduction, then the stores
-            w = tl.where(is_e, tl.load(we_ptr + cols, mask=cols < e_cols, other=0.0).to(tl.float32),
-                         tl.load(wh_ptr + cols, mask=cols < h_cols, other=0.0).to(tl.float32))
+            w = _half_weight(we_ptr, wh_ptr, cols, e_cols, h_cols, is_e)
             v = _load_half(e_base, h_base, cols, row_mask, row_mask, e_cols, h_cols, is_e)
             v = tl.where((row_mask & (pos == 0) & is_e)[:, None], 0.0, v)
-            y_low = rms_normed(v, rms_rstd(v * v, n_cols, eps), w, out_base.dtype.element_ty, BF16_BY_BITS)
-            tl.store(out_base + cols[None, :], y_low, mask=row_mask[:, None] & (cols < n_cols)[None, :])
+            _store_normed_half(out_base, w, cols, row_mask, n_cols, v, rms_rstd(v * v, n_cols, eps), BF16_BY_BITS)
         else:
+            e_rows = row_mask & (pos != 0)
             acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
             for start in range(0, n_cols, BLOCK_N):
                 c = start + cols
@@ -105,8 +107,8 @@ if HAS_TRITON:
             for start in range(0, n_cols, BLOCK_N):
                 c = start + cols
                 v = _load_half(e_base, h_base, c, e_rows, row_mask, e_cols, h_cols, is_e)
-                _store_normed_half(out_base, we_ptr, wh_ptr, c, row_mask, n_cols, e_cols, h_cols,
-                                   is_e, v, rstd, BF16_BY_BITS)
+                _store_normed_half(out_base, _half_weight(we_ptr, wh_ptr, c, e_cols, h_cols, is_e), c, row_mask,
+                                   n_cols, v, rstd, BF16_BY_BITS)
 
     _kernel = LazyKernel(_eh_norm_kernel)
 

@@ -14,8 +14,8 @@
   ``fused_add_rms_norm``, ``fused_eh_norm`` and the p2p all-reduce backend;
   :func:`store_rounded` (the residual sum rounded once to the dtype and stored; the norm is
   taken of that rounded sum, the residual convention of docs/structures.md) and
-  :func:`store_rms_normed` (weight load, normalise, store), :func:`store_rms_norm_rows` (both
-  halves for rows held whole in one block) and :func:`rms_norm_pass2` (the read-back pass of
+  :func:`store_rms_normed` (normalise with a loaded weight, store), :func:`store_rms_norm_rows`
+  (both halves for rows held whole in one block, the weight loaded before the reduction) and :func:`rms_norm_pass2` (the read-back pass of
   rows longer than one block) for the kernels whose rows live in
   ``[rows, stride]`` tensors (``rms_norm`` and the p2p backend).
 - :func:`store_swap_tile`: the epilogue (bias, split-K partial or rounded store) of the swap-AB
@@ -28,7 +28,9 @@ Where a row comes from differs (one tensor, one of two halves, a sum over peers'
 those loads stay in the kernels (as kernel-local device functions). Each function holds the same
 operations in the same order as when they were written out in each kernel (address arithmetic
 included, computed where it was), so the compiled code did not change: identical sm_90 PTX for
-every variant a GPU compiles (``BF16_BY_BITS=False``). Define new helpers with
+every variant a GPU compiles (``BF16_BY_BITS=False``), until 2026-12-04, when
+:func:`store_rms_norm_rows` moved its weight load before the reduction (same values, one memory
+round trip fewer). Define new helpers with
 :func:`~mtpspec.ops.triton_utils.device_function`, not ``@triton.jit``, so that kernels run by
 the interpreter can call them too.
 """
@@ -104,11 +106,10 @@ if HAS_TRITON:
         return x_low.to(tl.float32)
 
     @device_function
-    def store_rms_normed(out_ptr, w_ptr, rows, stride, cols, col_mask, mask, x, rstd,
-                         BF16_BY_BITS: tl.constexpr):
-        """Load the weight's columns ``cols`` and store :func:`rms_normed` of ``x`` at
-        ``out_ptr + rows[:, None] * stride + cols[None, :]`` in ``out_ptr``'s element type."""
-        w = tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+    def store_rms_normed(out_ptr, w, rows, stride, cols, mask, x, rstd, BF16_BY_BITS: tl.constexpr):
+        """Store :func:`rms_normed` of ``x`` with the weight's columns ``w`` (``[BLOCK_N]`` fp32,
+        loaded by the caller) at ``out_ptr + rows[:, None] * stride + cols[None, :]`` in
+        ``out_ptr``'s element type."""
         y_low = rms_normed(x, rstd, w, out_ptr.dtype.element_ty, BF16_BY_BITS)
         tl.store(out_ptr + rows[:, None] * stride + cols[None, :], y_low, mask=mask)
 
@@ -116,13 +117,11 @@ if HAS_TRITON:
     def store_rms_norm_rows(out_ptr, w_ptr, rows, stride, cols, col_mask, mask, x, n_cols, eps,
                             BF16_BY_BITS: tl.constexpr):
         """RMSNorm of whole rows held in one block: :func:`rms_rstd` of fp32 ``x``
-        (``[BLOCK_M, BLOCK_N]``, zero where masked off), then :func:`rms_normed`, stored. The
+        (``[BLOCK_M, BLOCK_N]``, zero where masked off), then :func:`store_rms_normed`. The
         weight is loaded before the sum of squares: after it, the reduction's barrier kept the load
         from issuing with the row's (a second memory round trip on a one-row kernel's path)."""
         w = tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
-        rstd = rms_rstd(x * x, n_cols, eps)
-        y_low = rms_normed(x, rstd, w, out_ptr.dtype.element_ty, BF16_BY_BITS)
-        tl.store(out_ptr + rows[:, None] * stride + cols[None, :], y_low, mask=mask)
+        store_rms_normed(out_ptr, w, rows, stride, cols, mask, x, rms_rstd(x * x, n_cols, eps), BF16_BY_BITS)
 
     @device_function
     def rms_norm_pass2(src_ptr, src_stride, out_ptr, w_ptr, rows, row_mask, out_stride, cols,
@@ -137,8 +136,8 @@ if HAS_TRITON:
             mask = row_mask[:, None] & col_mask[None, :]
             s = tl.load(src_ptr + rows[:, None] * src_stride + c[None, :], mask=mask,
                         other=0.0).to(tl.float32)
-            store_rms_normed(out_ptr, w_ptr, rows, out_stride, c, col_mask, mask, s, rstd,
-                             BF16_BY_BITS)
+            w = tl.load(w_ptr + c, mask=col_mask, other=0.0).to(tl.float32)
+            store_rms_normed(out_ptr, w, rows, out_stride, c, mask, s, rstd, BF16_BY_BITS)
 
     @device_function
     def store_swap_tile(acc, b_ptr, out_ptr, part_ptr, pid_k, offs_n, cols, rows, n_ok, t_ok, M, N, stride_om,
