@@ -78,6 +78,15 @@ def moe_path(num_tokens: int, top_k: int, num_experts: int, hidden: int, inter_p
     return "grouped"
 
 
+def check_routing_sizes(num_experts: int, top_k: int, num_expert_group: int, topk_group: int) -> None:
+    """Raises ValueError unless the groups divide the experts, ``topk_group <= num_expert_group``
+    and ``top_k <= num_experts`` (the message names all four)."""
+    e = num_experts
+    if e % num_expert_group or topk_group > num_expert_group or top_k > e:
+        raise ValueError(f"grouped_topk: num_experts={e}, num_expert_group={num_expert_group}, "
+                         f"topk_group={topk_group}, top_k={top_k} are inconsistent")
+
+
 def grouped_topk(router_logits: torch.Tensor, e_score_correction_bias: Optional[torch.Tensor], top_k: int,
                  num_expert_group: int = 1, topk_group: int = 1, renormalize: bool = True,
                  routed_scaling_factor: float = 1.0, num_shared_experts: int = 0) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -103,9 +112,7 @@ def grouped_topk(router_logits: torch.Tensor, e_score_correction_bias: Optional[
         ValueError: inconsistent sizes.
     """
     t, e = router_logits.shape
-    if e % num_expert_group or topk_group > num_expert_group or top_k > e:
-        raise ValueError(f"grouped_topk: num_experts={e}, num_expert_group={num_expert_group}, "
-                         f"topk_group={topk_group}, top_k={top_k} are inconsistent")
+    check_routing_sizes(e, top_k, num_expert_group, topk_group)
     if use_triton(router_logits, e_score_correction_bias):  # one launch (decode sizes: ~10-17 fewer)
         return grouped_topk_triton(router_logits, e_score_correction_bias, top_k, num_expert_group, topk_group,
                                    renormalize, routed_scaling_factor, num_shared_experts=num_shared_experts)
@@ -157,12 +164,11 @@ class MoEGate(nn.Module):
         self.num_shared_fused = 0
 
     def forward(self, x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-        e = self.weight.shape[0]
-        if e % self.num_expert_group == 0 and self.topk_group <= self.num_expert_group and self.top_k <= e:
-            fused = fused_route(x, self.weight, self.e_score_correction_bias, self.top_k, self.num_expert_group,
-                                self.topk_group, self.renormalize, self.routed_scaling_factor, self.num_shared_fused)
-            if fused is not None:  # decode sizes on Triton: logits and routing in one launch
-                return fused
+        check_routing_sizes(self.weight.shape[0], self.top_k, self.num_expert_group, self.topk_group)
+        fused = fused_route(x, self.weight, self.e_score_correction_bias, self.top_k, self.num_expert_group,
+                            self.topk_group, self.renormalize, self.routed_scaling_factor, self.num_shared_fused)
+        if fused is not None:  # decode sizes on Triton: logits and routing in one launch
+            return fused
         logits = router_logits(x, self.weight)  # F.linear(x.float(), weight); one launch at decode sizes
         return grouped_topk(logits, self.e_score_correction_bias, self.top_k, self.num_expert_group,
                             self.topk_group, self.renormalize, self.routed_scaling_factor, self.num_shared_fused)

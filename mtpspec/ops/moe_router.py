@@ -182,8 +182,14 @@ def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     out = torch.empty(t, e, dtype=torch.float32, device=x.device)
     bt = triton.next_power_of_2(t)
     _logits[(cdiv(e, 2),)](x, weight, out, t, h, e, x.stride(0), BLOCK_T=bt, BLOCK_E=2,
-                           BLOCK_H=max(128, 1024 // bt), num_warps=4)  # accumulator: 2048 fp32 up to 8 tokens
+                           BLOCK_H=_gemv_block_h(bt), num_warps=4)
     return out
+
+
+def _gemv_block_h(block_t: int) -> int:
+    """Hidden columns per step of the logits GEMV for ``block_t`` token rows (its accumulator:
+    2,048 fp32 up to 8 tokens)."""
+    return max(128, 1024 // block_t)
 
 
 def fused_route(x: torch.Tensor, weight: torch.Tensor, e_score_correction_bias: Optional[torch.Tensor], top_k: int,
@@ -216,10 +222,8 @@ def fused_route(x: torch.Tensor, weight: torch.Tensor, e_score_correction_bias: 
     _logits_route[(e,)](  # one expert a program (the GEMV: more programs, a shorter loop each)
         x, weight, logits, arrival_counters(x.device, 1), bias if bias is not None else weight, w, ids, t, h, e,
         x.stride(0), e // num_expert_group, float(routed_scaling_factor), BLOCK_T=bt, BLOCK_E_DOT=1,
-        BLOCK_H=max(128, 1024 // bt), HAS_BIAS=bias is not None, TOP_K=top_k, K_P2=triton.next_power_of_2(top_k),
-        N_GROUP=num_expert_group, G_P2=triton.next_power_of_2(num_expert_group), TOPK_GROUP=topk_group,
-        TWO_PER_GROUP=e // num_expert_group >= 2, RENORM=renormalize, BLOCK_E=triton.next_power_of_2(e),
-        N_SHARED=num_shared_experts, num_warps=4)
+        BLOCK_H=_gemv_block_h(bt), num_warps=4,
+        **_routing_constexprs(e, top_k, num_expert_group, topk_group, renormalize, num_shared_experts, bias))
     return w, ids
 
 
@@ -243,15 +247,21 @@ def grouped_topk_triton(router_logits: torch.Tensor, e_score_correction_bias: Op
     if t == 0:
         return w, ids
     bias = e_score_correction_bias
-    per = e // num_expert_group
     rows = rows or (1 if logits.is_cuda else min(triton.next_power_of_2(t), 128))
     _router[(cdiv(t, rows),)](
-        logits, bias if bias is not None else logits, w, ids, t, e, per, logits.stride(0), float(routed_scaling_factor),
-        HAS_BIAS=bias is not None, TOP_K=top_k, K_P2=triton.next_power_of_2(top_k), N_GROUP=num_expert_group,
-        G_P2=triton.next_power_of_2(num_expert_group), TOPK_GROUP=topk_group, TWO_PER_GROUP=per >= 2,
-        RENORM=renormalize, ROWS=rows, BLOCK_E=triton.next_power_of_2(e), N_SHARED=num_shared_experts,
-        num_warps=4 if e <= 512 else 8)
+        logits, bias if bias is not None else logits, w, ids, t, e, e // num_expert_group, logits.stride(0),
+        float(routed_scaling_factor), ROWS=rows, num_warps=4 if e <= 512 else 8,
+        **_routing_constexprs(e, top_k, num_expert_group, topk_group, renormalize, num_shared_experts, bias))
     return w, ids
+
+
+def _routing_constexprs(e: int, top_k: int, num_expert_group: int, topk_group: int, renormalize: bool,
+                        num_shared_experts: int, bias: Optional[torch.Tensor]) -> dict:
+    """The routing's compile-time parameters (``_route_rows``), shared by both launches."""
+    return dict(HAS_BIAS=bias is not None, TOP_K=top_k, K_P2=triton.next_power_of_2(top_k), N_GROUP=num_expert_group,
+                G_P2=triton.next_power_of_2(num_expert_group), TOPK_GROUP=topk_group,
+                TWO_PER_GROUP=e // num_expert_group >= 2, RENORM=renormalize, BLOCK_E=triton.next_power_of_2(e),
+                N_SHARED=num_shared_experts)
 
 
 __all__ = ["LOGITS_KERNEL_MAX_TOKENS", "fused_route", "grouped_topk_triton", "router_logits"]
