@@ -201,10 +201,10 @@ class AdaptiveSpecPolicy:
             return
         predicted = self.costs.step_ms(batch, k, v)
         r = max(0.0, float(num_emitted) - batch) if num_emitted is not None else 0.0
-        host = self.host_ms(batch, r)
         if num_prefill_tokens > 0:
             if not self._decode_samples:
                 return
+            host = self.host_ms(batch, r)
             expected = predicted + host + num_prefill_tokens * self.prefill_ms_per_token
             if 0.0 < wall_ms and (self.prefill_ms_per_token <= 0.0 or wall_ms <= 4.0 * expected + 5.0):
                 per_token = max(0.0, wall_ms - predicted - host) / num_prefill_tokens
