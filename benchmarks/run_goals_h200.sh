@@ -18,7 +18,7 @@
 #   bash benchmarks/run_goals_h200.sh plain OUT     # issue 18: plain decoding at batch 1 (LLM.generate) vs the
 #                                                  # weight-read floor, async scheduling on (k = 0 step ahead) / off
 #   bash benchmarks/run_goals_h200.sh recheck OUT   # issue 18: re-measure session 14's CPU-only changes (first draft in graph, ...)
-#   bash benchmarks/run_goals_h200.sh fused OUT     # issue 18: the block with its reductions fused (tests, block, MoE, plain)
+#   bash benchmarks/run_goals_h200.sh fused OUT     # issue 18: MoE/GEMM GPU tests, the block (+ compile ref), MoE, plain
 #   bash benchmarks/run_goals_h200.sh block OUT     # issue 18: block / verify kernels listed, torch.compile ref, outside-graph kernels
 #   bash benchmarks/run_goals_h200.sh skinny OUT    # issue 18: few-row bf16 GEMM vs cuBLAS (+ sweep), plain decoding
 #                                                  # with it on / off, engine step wall vs graph sum (8 layers)
@@ -103,9 +103,9 @@ recheck)  # issue 18 after session 14's changes measured only on the CPU: the fi
   step 200 async_outside python3 benchmarks/bench_async_scheduling.py --batch-sizes 1,64 --layers 8 \
       --json "$OUT/async_8l.json"
   step 100 plain_decode python3 benchmarks/bench_plain_decode.py --layers 8 --arms on --json "$OUT/plain.json" ;;
-fused)  # issue 18, session 15: the block's reductions in the kernels that produce their partials (skinny split-K
-  # sum, MoE pair sum, MoE grouping, router logits + routing: 4 launches fewer at 1 token), measured as before and
-  # as 8 blocks per graph; the GPU tests of those kernels first
+fused)  # issue 18, session 15: the block's kernels (router logits + routing in one launch; session 15 also tried
+  # and backed out three more such fusions, BENCHMARKS.md) measured as before and as 8 blocks per graph, with the
+  # torch.compile reference; the GPU tests of the MoE / GEMM kernels first
   step 200 fused_tests python3 -m pytest -q -x tests/test_skinny_gemm.py tests/test_shared_experts_fusion.py \
       tests/test_model_layers.py -k "moe or align or router or topk or pairs or grouping or one_launch or skinny or split"
   step 200 engine_block python3 benchmarks/bench_engine_step.py --graph-mode cuda --layers 3 --batch-sizes 1,4,16,64 \

@@ -154,7 +154,7 @@ def write_kv_cache_ref(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Te
     for cache, new, sc in ((k_cache, key, k_scale), (v_cache, value, v_scale)):
         flat = raw(cache.view(-1, nkv, hd))
         new = raw(quantize_to_cache(new.reshape(n, nkv, hd), cache.dtype, sc))
-        fb_val = torch.where(any_valid[:, None, None], new.index_select(0, first), flat.index_select(0, first * 0))
+        fb_val = torch.where(any_valid[:, None, None], new.index_select(0, first), flat[:1])
         flat.index_copy_(0, idx, torch.where(valid[:, None, None], new, fb_val))
 
 
@@ -257,7 +257,6 @@ if HAS_TRITON:
         h_ok = h < num_heads
         # The partials are loaded without waiting for query_start_loc (one memory round trip on the
         # path, not two); a padding row's (never written) are then replaced as if masked off.
-        # (integer limits, not broadcast scalar booleans: Triton's interpreter rejects those in masks)
         offs_s = tl.arange(0, BLOCK_S)
         ld = h_ok[:, None] & (offs_s < num_splits)[None, :]
         base = t.to(tl.int64) * stride_pt + h[:, None] * stride_ph + offs_s[None, :]  # [BLOCK_H, BLOCK_S]
@@ -266,6 +265,7 @@ if HAS_TRITON:
         offs_d = tl.arange(0, BLOCK_D)
         acc = tl.load(part_acc_ptr + base[:, :, None] * BLOCK_D + offs_d[None, None, :], mask=ld[:, :, None],
                       other=0.0)
+        # (integer limits, not broadcast scalar booleans: Triton's interpreter rejects those in masks)
         n_valid = num_splits * (t < tl.load(qsl_ptr + num_seqs)).to(tl.int32)
         ok = h_ok[:, None] & (offs_s < n_valid)[None, :]
         m = tl.where(ok, m, float("-inf"))
