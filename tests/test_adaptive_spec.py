@@ -193,6 +193,45 @@ def test_any_sequence_of_k_is_lossless(model, graph_mode, async_scheduling, bloc
     assert m["num_draft_tokens_per_pos"][0] >= m["num_draft_tokens_per_pos"][2] > 0
 
 
+@pytest.mark.parametrize("blocks", [256, 18])  # 18 blocks of 4 tokens: preemptions
+def test_k0_steps_are_scheduled_ahead_as_plain_decoding_and_outputs_do_not_change(model, blocks) -> None:
+    """Issue 18: ``k = 0`` must cost nothing beyond plain decoding. With async scheduling, a run of
+    adaptive ``k = 0`` steps is built as plain decoding builds it (the next step scheduled and
+    launched before the last one's tokens are applied, its input filled on the device), and the
+    step after a ``k = 0`` step that proposes drafts again leaves that mode. Outputs equal the
+    engine without async scheduling under the same choices: greedy and seeded rows, stop ids,
+    penalties (whose rows are never scheduled ahead), preemptions and an abort (which may lose
+    the token of the step in flight)."""
+    from test_async_scheduling import _params, _run
+    path, cfg, table = model
+    prompts = mixed_prompts(7, cfg.vocab_size, seed=40 + blocks)
+    results, ahead_rows = [], []
+    for on in (False, True):
+        with _llm(path, table, async_scheduling=on, num_kv_blocks=blocks) as llm:
+            eng = llm.llm_engine
+            eng.spec_policy = Scripted([0, 0, 0, 0, 2, 0, 0, 0, 3, 0, 0, 1, 0, 0, 0, 0, 0, 3])
+            runner, seen = eng.executor.runner, [0]
+            fill = runner._fill_pending_tokens
+
+            def spy(step, inp, fill=fill, seen=seen):
+                seen[0] += sum(1 for s in step.seqs if not s.is_prefill and s.input_token_ids[0] < 0)
+                return fill(step, inp)
+
+            runner._fill_pending_tokens = spy
+            results.append(_run(llm, prompts, cfg.vocab_size, abort_at=5))
+            ahead_rows.append(seen[0])
+            assert eng._inflight is None
+    (sync, ms), (asyn, ma) = results
+    assert len(sync) == len(prompts) and sync["3"][1] == "abort"
+    lag = len(sync["3"][0]) - len(asyn["3"][0])
+    assert lag in (0, 1) and asyn["3"] == (sync["3"][0][:len(asyn["3"][0])], "abort")
+    assert {**asyn, "3": sync["3"]} == sync
+    assert ma["num_output_tokens"] == ms["num_output_tokens"] - lag
+    assert ahead_rows[0] == 0 and ahead_rows[1] > 0  # k = 0 steps went ahead only with async scheduling
+    if blocks == 18:
+        assert ms["num_preemptions"] > 0
+
+
 def test_k0_step_is_plain_decoding_plus_mtp_kv_writes(model) -> None:
     """At k = 0 the target sees one row per sequence and the MTP model runs no forward (only its
     KV-cache writes); a step after it verifies no drafts."""
@@ -361,7 +400,7 @@ def test_a_few_odd_steps_do_not_pin_the_policy_to_plain_decoding() -> None:
     fitted before MIN_FIT_SAMPLES steps, one that cannot be measured later (one k, one batch size)
     drifts back to 0, so the policy ends up at k = 3 (found by review: a slope fitted on the second
     step once kept it at k = 0 for 4,999 of 5,000 steps)."""
-    from mtpspec.spec_decode.adaptive import MIN_FIT_SAMPLES
+    from mtpspec.spec_decode.adaptive import EXPLORE_STEPS, MIN_FIT_SAMPLES
     costs = _table(sizes=(64,), verify=lambda b, k: 1.2 + 0.9 * k, draft=lambda b, k: 0.4 * k)
     pol = AdaptiveSpecPolicy(3, costs, prior_rate=0.8, prior_weight=1.0)
     chosen = []
@@ -373,7 +412,65 @@ def test_a_few_odd_steps_do_not_pin_the_policy_to_plain_decoding() -> None:
         slow = 15.0 if step == 1 else 0.0
         pol.observe_step_time(64, k, costs.step_ms(64, k) + 3.0 + slow, num_emitted=64 * (1 + k))
         pol.end_step()
-    assert MIN_FIT_SAMPLES > 2 and chosen[-200:] == [3] * 200
+    # k = 3 but for exploration bursts (at most one per EXPLORE_EVERY steps)
+    assert MIN_FIT_SAMPLES > 2 and chosen[-200:].count(3) >= 200 - 2 * EXPLORE_STEPS
+
+
+def _simulate(pol, costs, wall, batch, alpha, steps, fixed_k=None, seed=0):
+    """Tokens per ms of ``steps`` pure-decode steps of ``batch`` sequences, each draft accepted with
+    probability ``alpha`` given the earlier ones, the step taking ``wall(k_verified, k, r)`` ms (r:
+    accepted drafts emitted); ``pol`` (if any) chooses k unless ``fixed_k``, and observes the steps."""
+    import random
+    rng = random.Random(seed)
+    tokens = ms = 0.0
+    v = 0
+    for _ in range(steps):
+        k = pol.choose(batch) if fixed_k is None else fixed_k
+        accepted = [next((j for j in range(v) if rng.random() >= alpha), v) for _ in range(batch)]
+        if pol is not None and v:
+            for a in accepted:
+                pol.observe(v, a)
+        r = sum(accepted)
+        t = wall(v, k, r)
+        if pol is not None:
+            pol.observe_step_time(batch, k, t, v, num_emitted=batch + r)
+            pol.end_step()
+        tokens, ms, v = tokens + batch + r, ms + t, k
+    return tokens / ms
+
+
+@pytest.mark.parametrize("case", ["host_bound_k0_ahead", "device_bound", "k0_never_tried"])
+def test_adaptive_rate_within_2_percent_of_the_best_fixed_k_on_a_simulated_engine(case) -> None:
+    """The goal's measure on a simulated engine: adaptive >= the best of k = 0 .. 3 - 2%.
+    host_bound_k0_ahead: the H200's in-process Air figures at 64 sequences (2026-12-04: device 1.18 /
+    2.30 / 4.74 ms at k = 0 / 1 / 3; walls 2.9 / 5.7 / 8.7 ms), where a k = 0 step is scheduled
+    ahead (its host time overlaps the device's) and a speculative step's host time grows with its
+    rows. device_bound: 0.1 ms of host a step, k = 3 best. k0_never_tried: the same host-bound
+    engine after a warm-up at k = 3 only: the host plane, fitted on speculative steps alone,
+    predicts k = 0 at ~6 ms (it is 2.9), so only an exploration burst finds it."""
+    from mtpspec.spec_decode.adaptive import EXPLORE_EVERY
+    dev = {k: 1.0 + 0.2 * k for k in range(4)} if case == "device_bound" else {0: 1.18, 1: 2.30, 2: 3.52, 3: 4.74}
+    costs = StepCostTable({k: {64: dev[k] * 0.8} for k in dev}, {k: {64: dev[k] * 0.2} for k in dev}, "synthetic")
+
+    def host_bound(v, k, r):  # the step verifies v drafts and proposes k
+        if v == 0 and k == 0:
+            return 2.9  # scheduled ahead of the step in flight: host-bound
+        return costs.step_ms(64, k, v) + 1.7 + 0.016 * 64 * max(v, k) + 0.012 * r
+
+    def device_bound(v, k, r):
+        return costs.step_ms(64, k, v) + 0.1
+
+    wall = device_bound if case == "device_bound" else host_bound
+    fixed = {k: _simulate(None, costs, wall, 64, 0.8, 1500, fixed_k=k) for k in range(4)}
+    pol = AdaptiveSpecPolicy(3, costs, prior_rate=0.8)
+    # a warm-up run, as the benchmark's
+    _simulate(pol, costs, wall, 64, 0.8, 600, fixed_k=3 if case == "k0_never_tried" else None, seed=1)
+    if case == "k0_never_tried":
+        assert (64, 0) not in pol.excess_ms and pol.choose(64) == 3
+    got = _simulate(pol, costs, wall, 64, 0.8, 6 * EXPLORE_EVERY, seed=2)
+    best = max(fixed, key=fixed.get)
+    assert best == (3 if case == "device_bound" else 0)
+    assert got >= 0.98 * fixed[best], (got, fixed)
 
 
 def test_prompt_tokens_in_a_step_move_the_choice_towards_longer_drafts() -> None:

@@ -338,3 +338,24 @@ def test_partial_chunk_update_checks_and_records_nothing() -> None:
     sched.update_from_output(out, [[9]], [[1, 2]])
     assert s.output_token_ids == [9] and s.draft_token_ids == [1, 2] and not s.is_prefill
     assert sched.schedule().scheduled[0].input_token_ids == [9, 1, 2]
+
+
+def test_a_decode_scheduled_ahead_verifies_no_drafts() -> None:
+    """``schedule(pending=...)`` (async scheduling ahead of a step that proposes no drafts: plain
+    decoding, or an adaptive step at k = 0): the decode's input is the pending token alone, one
+    position ahead; the drafts it still holds are the ones the step in flight verifies, and are
+    not verified again."""
+    from mtpspec.engine.scheduler import TOKEN_PENDING
+    k = 3
+    cfg = SchedulerConfig(max_num_seqs=2, max_model_len=64, num_speculative_tokens=k)
+    sched = Scheduler(cfg, BlockManager(64, 4, watermark=0.0), [EOS])
+    seq = _seq("a", [5, 6, 7])
+    sched.add(seq)
+    out = sched.schedule()
+    sched.update_from_output(out, [[9]], [[11, 12, 13]])
+    out = sched.schedule()  # the step in flight: verifies the three drafts
+    assert out.scheduled[0].input_token_ids == [9, 11, 12, 13] and out.num_spec_tokens == 3
+    ahead = sched.schedule(pending=[id(seq)])
+    sch = ahead.scheduled[0]
+    assert sch.input_token_ids == [TOKEN_PENDING] and sch.start_position == seq.num_tokens
+    assert ahead.num_spec_tokens == 0

@@ -326,8 +326,14 @@ class LLMEngine:
         drafts they computed (no host wait between the steps), unless a decode needs its drafts
         on the host (:meth:`_drafts_stay_on_device`). Same outputs either way.
         """
-        if self._ahead:
+        if self._ahead or self._inflight is not None:
             return self._step_ahead()
+        return self._finished_outputs(self._step_sync())
+
+    def _step_sync(self) -> List[Sequence]:
+        """One step applied before the next is scheduled (its draft passes may still run); returns
+        the sequences that finished. An adaptive step at ``k = 0`` that verifies no drafts either
+        is left in flight instead (:meth:`_goes_ahead`): the next step is scheduled ahead of it."""
         t0 = time.perf_counter()
         out = self.scheduler.schedule()
         on_device = self._drafts_stay_on_device(out)
@@ -338,6 +344,19 @@ class LLMEngine:
         if out.is_empty:
             return []
         t1 = time.perf_counter()
+        self._choose_k(out)
+        step = self._step_input(out)
+        handle = self.executor.execute_async(step)
+        if on_device:  # the host's copy of the last step's drafts, while this step runs
+            self._take_drafts()
+        if self._goes_ahead(out, step):
+            self._inflight = _InFlight(out, handle, t0, True)
+            m.busy_time_s += time.perf_counter() - t0
+            return []
+        return self._finish(out, handle, t0, t1)
+
+    def _choose_k(self, out: SchedulerOutput) -> None:
+        """The adaptive policy's number of drafts for ``out`` to propose (if any policy)."""
         if self.spec_policy is not None and out.num_proposed_tokens:
             # prompt tokens left after this step (requests waiting, or a chunk that does not end its
             # prompt): looked at only when the policy keeps a reserve for them
@@ -345,21 +364,28 @@ class LLMEngine:
                 bool(self.scheduler.waiting) or any(s.is_partial_prefill for s in out.scheduled))
             out.num_proposed_tokens = self.spec_policy.choose(len(out.scheduled), out.num_prefill_tokens, waiting,
                                                               self.scheduler_config.max_num_batched_tokens)
-        handle = self.executor.execute_async(self._step_input(out))
-        if on_device:  # the host's copy of the last step's drafts, while this step runs
-            self._take_drafts()
-        return self._finished_outputs(self._finish(out, handle, t0, t1))
+
+    def _goes_ahead(self, out: SchedulerOutput, step) -> bool:
+        """Whether the next step is scheduled ahead of ``out`` (async scheduling, adaptive speculation
+        length): ``out`` verifies and proposes no drafts and holds only decodes whose logits do not
+        depend on their outputs, so it is a plain-decoding step, and the next one is built as
+        plain decoding builds it (:meth:`_step_ahead`; issue 18: ``k = 0`` must cost nothing
+        beyond plain decoding, whose host work overlaps the device's this way)."""
+        return (self.spec_policy is not None and self.scheduler_config.async_scheduling
+                and out.num_spec_tokens == 0 and out.num_proposed_tokens == 0
+                and all(not si.is_prefill and si.logits_params is None for si in step.seqs))
 
     def _step_ahead(self) -> List[RequestOutput]:
-        """Plain decoding (``k = 0``) with async scheduling: schedule and launch the next step
-        while the one in flight runs, its decodes one position ahead with their newest token
+        """Plain decoding (``k = 0``, or adaptive steps at ``k = 0``) with async scheduling: schedule
+        and launch the next step while the one in flight runs, its decodes one position ahead with their newest token
         :data:`~mtpspec.engine.scheduler.TOKEN_PENDING` (each rank takes it from the step in flight
         on the device), then apply the step in flight's tokens; returns what finished in it. A
         decode that finishes there (EOS, a stop) had one row in the next step computed for nothing;
         that row is dropped. The step in flight is applied first (no step ahead) when requests wait
         for admission and a sequence slot is free, when it held prefill chunks or preemptions, when
         a decode's logits depend on its output tokens (penalties, ``min_tokens``, ...:
-        :meth:`_logits_params`) or when a decode could not grow ahead. A step left holding only
+        :meth:`_logits_params`), when a decode could not grow ahead or when it proposed drafts (an
+        adaptive step: then :meth:`_step_sync` runs the next step). A step left holding only
         rows of requests that just finished is waited for and dropped. Same outputs either way
         (greedy and seeded; an aborted request may lose the token of the step in flight)."""
         t0 = time.perf_counter()
@@ -369,10 +395,14 @@ class LLMEngine:
             if prev is not None and not self._can_step_ahead(prev):
                 finished = self._finish(prev.out, prev.handle, prev.t0, t0, busy=False)
                 prev = None
+                if not self._ahead:  # adaptive speculation length: back to the speculative step
+                    self.metrics.busy_time_s += time.perf_counter() - t0
+                    return self._finished_outputs(finished + self._step_sync())
             out = self.scheduler.schedule(pending=[id(s.seq) for s in prev.out.scheduled] if prev else None)
             self.metrics.num_preemptions += len(out.preempted)
             t1 = time.perf_counter()
             if not out.is_empty:
+                self._choose_k(out)  # adaptive: any k (the step after one that proposes drafts is not ahead)
                 step = self._step_input(out)
                 plain = all(not si.is_prefill and si.logits_params is None for si in step.seqs)
                 self._inflight = _InFlight(out, self.executor.execute_async(step), t0, plain)
@@ -390,7 +420,8 @@ class LLMEngine:
     def _can_step_ahead(self, prev: "_InFlight") -> bool:
         sched = self.scheduler  # waiting requests block it only while a sequence slot is free for them
         admit = bool(sched.waiting) and len(sched.running) < self.scheduler_config.max_num_seqs
-        return prev.plain and not admit and not prev.out.preempted and not prev.out.needs_sync
+        return (prev.plain and not prev.out.num_spec_tokens and not prev.out.num_proposed_tokens and not admit
+                and not prev.out.preempted and not prev.out.needs_sync)
 
     def _finish(self, out: SchedulerOutput, handle: Any, t0: float, t1: Optional[float] = None,
                 busy: bool = True) -> List[Sequence]:

@@ -223,7 +223,8 @@ class Scheduler:
     def schedule(self, pending: Optional[Collection[int]] = None) -> SchedulerOutput:
         """Pick the next step's batch (see the module docstring).
 
-        ``pending`` (plain decoding with async scheduling): ``id()`` of the decodes whose newest
+        ``pending`` (async scheduling, a step in flight that verifies and proposes no drafts: plain
+        decoding, or an adaptive step at ``k = 0``): ``id()`` of the decodes whose newest
         token the step in flight is sampling. Each such decode is scheduled one position ahead, its
         input :data:`TOKEN_PENDING` (filled on the ranks from that step's tokens), unless that token
         may be its last by length (``max_tokens``, ``max_model_len``: it then sits this step out);
@@ -275,7 +276,9 @@ class Scheduler:
                     continue
             bm.grow(seq, slots)
             kept.append(seq)
-            drafts = seq.draft_token_ids
+            # ahead of a step in flight, which proposes no drafts (the engine steps ahead only then):
+            # the drafts it holds are the ones that step verifies
+            drafts = [] if ahead else seq.draft_token_ids
             if seq.num_computed_tokens != seq.num_tokens - 1:
                 raise RuntimeError(f"{seq!r}: a decode needs num_computed_tokens == num_tokens - 1")
             if len(drafts) > cfg.num_speculative_tokens:

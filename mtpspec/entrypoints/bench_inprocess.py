@@ -119,12 +119,20 @@ def run_in_process(llm: Any, cfg: BenchConfig, forced: Optional[str] = None) -> 
         "collective_bytes_per_step_total": sum(comm.values()) / max(steps, 1),
         "preemptions": float(m["num_preemptions"]), "eager_fallbacks": float(m["num_eager_fallbacks"]),
         "prefix_cache_hit_rate": m.get("prefix_cache_hit_rate"),
-        # the adaptive policy's fitted host time (ms: per step, per sequence, per accepted draft emitted)
-        "adaptive_host_model": None if getattr(eng, "spec_policy", None) is None else {
-            name: getattr(eng.spec_policy, attr, None) for name, attr in (
-                ("per_step_ms", "overhead_ms"), ("per_seq_ms", "overhead_ms_per_seq"),
-                ("per_token_ms", "overhead_ms_per_token"), ("per_prompt_token_ms", "prefill_ms_per_token"))},
+        "adaptive_host_model": _host_model(getattr(eng, "spec_policy", None)),
     }
+
+
+def _host_model(policy: Any) -> Optional[Dict[str, Any]]:
+    """The adaptive policy's fitted host time (ms: per step, per sequence, per accepted draft emitted,
+    per prompt token) and what it measured beyond the device table per (table batch size, k)."""
+    if policy is None:
+        return None
+    out: Dict[str, Any] = {name: getattr(policy, attr, None) for name, attr in (
+        ("per_step_ms", "overhead_ms"), ("per_seq_ms", "overhead_ms_per_seq"),
+        ("per_token_ms", "overhead_ms_per_token"), ("per_prompt_token_ms", "prefill_ms_per_token"))}
+    out["measured_ms"] = {f"batch {b} k {k}": v for (b, k), v in sorted(getattr(policy, "excess_ms", {}).items())}
+    return out
 
 
 __all__ = ["open_arm", "run_in_process"]

@@ -25,7 +25,14 @@ rate is per position, as vLLM's ``num_accepted_tokens_per_pos`` measures it). Th
   running cost per prefill token (what a step that also carries ``P`` prompt tokens took beyond
   that, divided by ``P``: the prompt chunk is paid whatever ``k`` is, so a step carrying one
   favours longer drafts too) and the choice, ``argmax_k E(k) / (T(B, k)
-  + a + c B + b B (E(k) - 1) + P * prefill_ms_per_token)``.
+  + H(B, k) + P * prefill_ms_per_token)``. ``H(B, k)`` is what the steps that proposed ``k`` at
+  ``B``'s table batch size measured beyond the table (a running mean), else the plane's
+  ``a + c B + b B (E(k) - 1)``: the host time of a ``k`` need not lie on one plane with the
+  others' (at ``k = 0`` with async scheduling the engine schedules each step ahead of the one in
+  flight, as plain decoding does, so its host time overlaps the device's; H200, 2026-12-04, Air
+  3 layers at 64 sequences: 1.7 ms a step beyond the device at ``k = 0``, 3.4-6.2 ms at ``k = 1 ..
+  3``). ``k`` values not measured at a batch size, and now and then those measured long ago whose
+  rate is near the best, are tried for a few steps (exploration bursts, :data:`EXPLORE_EVERY`).
 
 Everything here is host arithmetic on counts the engine already has.
 """
@@ -35,13 +42,26 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 #: The host plane's slopes are refitted only along a variable whose spread (standard deviation)
 #: exceeds this share of its mean (or of the batch size's mean, for the accepted drafts), and only
 #: after :data:`MIN_FIT_SAMPLES` pure-decode steps; a slope that cannot be measured drifts to 0.
 MIN_SPREAD = 0.05
 MIN_FIT_SAMPLES = 20
+#: Exploration: a ``k`` whose host time at this batch size was never measured (the plane's
+#: prediction alone may be far off), or else at most once every :data:`EXPLORE_EVERY` pure-decode
+#: steps the ``k`` proposed longest ago among those not proposed at this batch size for that many
+#: steps whose predicted rate is within :data:`EXPLORE_MARGIN` of the best, is proposed for
+#: :data:`EXPLORE_STEPS` steps in a row (the first of them, a transition, is not counted), so its
+#: own host time is measured (what a step of that ``k`` takes beyond the device table, where the
+#: shared host plane can be wrong for it: e.g. at ``k = 0`` the engine schedules the next step
+#: ahead of the one in flight, as plain decoding does, so its host time overlaps the device's; a
+#: plane fitted on speculative steps alone cannot know that).
+EXPLORE_EVERY = 500
+EXPLORE_STEPS = 4
+EXPLORE_MARGIN = 0.15
+MEASURED_WEIGHT = 0.1
 #: Batch sizes :func:`measure_step_costs` times by default (those up to ``max_num_seqs`` that
 #: the runner has graphs for, plus ``max_num_seqs``); others use the next larger measured one.
 CALIBRATION_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
@@ -164,7 +184,19 @@ class AdaptiveSpecPolicy:
     #: Running mean (same weight) of what a step carrying prompt tokens took beyond its table cost
     #: and :attr:`overhead_ms`, per prompt token (ms, >= 0).
     prefill_ms_per_token: float = 0.0
+    #: Per (table batch size, proposed ``k``): the running mean of what its pure-decode steps took
+    #: beyond the device table (ms), from the steps that proposed the same ``k`` as the step before
+    #: them (weight ``max(1 / n, MEASURED_WEIGHT)``). Where measured it replaces the host plane's
+    #: prediction for that ``k``; the plane predicts the others.
+    excess_ms: Dict[Tuple[int, int], float] = field(default_factory=dict)
     _decode_samples: int = field(default=0, init=False, repr=False)  # pure-decode steps observed
+    _excess_n: Dict[Tuple[int, int], int] = field(default_factory=dict, init=False, repr=False)
+    _last_k: Optional[int] = field(default=None, init=False, repr=False)  # k the last observed step proposed
+    _decode_choices: int = field(default=0, init=False, repr=False)  # pure-decode choose() calls
+    # table batch size -> k -> the _decode_choices count when it was last proposed
+    _last_chosen: Dict[int, Dict[int, int]] = field(default_factory=dict, init=False, repr=False)
+    _last_burst: int = field(default=0, init=False, repr=False)  # _decode_choices at the last burst's start
+    _explore: List[int] = field(default_factory=list, init=False, repr=False)  # ks still to propose in a burst
     # decayed moments over pure-decode steps of (B, r, y): E[B], E[r], E[y], E[BB], E[Br], E[rr], E[By], E[ry]
     _moments: List[float] = field(default_factory=lambda: [0.0] * 8, init=False, repr=False)
 
@@ -211,8 +243,15 @@ class AdaptiveSpecPolicy:
                 self.prefill_ms_per_token += self.overhead_weight * (per_token - self.prefill_ms_per_token)
             return
         if 0.0 < wall_ms <= 4.0 * predicted + 5.0:
-            self._fit_host(float(batch), r, max(0.0, wall_ms - predicted))
+            excess = max(0.0, wall_ms - predicted)
+            if k == self._last_k:  # not the first step of a new k (a transition)
+                key = (self._bucket(batch), k)
+                n = self._excess_n[key] = self._excess_n.get(key, 0) + 1
+                prev = self.excess_ms.get(key, 0.0)
+                self.excess_ms[key] = prev + max(1.0 / n, MEASURED_WEIGHT) * (excess - prev)
+            self._fit_host(float(batch), r, excess)
             self._decode_samples += 1
+        self._last_k = k
 
     def host_ms(self, batch: float, extra_tokens: float) -> float:
         """The host plane: ``a + c batch + b extra_tokens`` ms."""
@@ -276,20 +315,53 @@ class AdaptiveSpecPolicy:
         ``token_budget`` (``max_num_batched_tokens``), only ``k = 0`` and the ``k`` with
         ``batch * (1 + k) <= (1 - r) * token_budget`` are considered."""
         rates = self.rates()
-        fixed = self.host_ms(batch, 0.0) + max(0, num_prefill_tokens) * self.prefill_ms_per_token
+        prefill = max(0, num_prefill_tokens) * self.prefill_ms_per_token
+        fixed = self.host_ms(batch, 0.0) + prefill
+        bucket = self._bucket(batch)
         per_token = self.overhead_ms_per_token * batch  # b B per accepted draft per sequence
         cap = None
         if self.prompt_reserve > 0 and prompts_waiting and token_budget:
             cap = (1.0 - self.prompt_reserve) * token_budget
-        best, best_rate = 0, -1.0
+        best, best_rate, rate_of = 0, -1.0, {}
         for k in self.costs.ks:
             if k > self.max_k or (k and cap is not None and batch * (1 + k) > cap):
                 continue
             e = self.expected_tokens(k, rates)
-            rate = e / (self.costs.step_ms(batch, k) + fixed + per_token * (e - 1.0))
+            device = self.costs.step_ms(batch, k)
+            host = self.excess_ms.get((bucket, k))  # measured for this k and batch size, else the plane
+            host = fixed + per_token * (e - 1.0) if host is None else host + prefill
+            rate = rate_of[k] = e / (device + host)
             if rate > best_rate * (1 + 1e-9):
                 best, best_rate = k, rate
-        return best
+        if num_prefill_tokens > 0:
+            return best
+        return self._explored(batch, best, best_rate, rate_of)
+
+    def _explored(self, batch: int, best: int, best_rate: float, rate_of: Dict[int, float]) -> int:
+        """``best``, or for a pure-decode step the ``k`` of an exploration burst (:data:`EXPLORE_EVERY`)."""
+        self._decode_choices = n = self._decode_choices + 1
+        seen = self._last_chosen.setdefault(self._bucket(batch), {})
+        since = n - self._last_burst
+        if not self._explore and since > MIN_FIT_SAMPLES:
+            bucket = self._bucket(batch)
+            stale = [k for k, r in rate_of.items() if k != best and (bucket, k) not in self.excess_ms] or [
+                k for k, r in rate_of.items() if k != best and since > EXPLORE_EVERY
+                and n - seen.get(k, 0) > EXPLORE_EVERY and r >= (1.0 - EXPLORE_MARGIN) * best_rate]
+            if stale:  # the one proposed longest ago
+                self._explore = [min(stale, key=lambda k: (seen.get(k, 0), k))] * EXPLORE_STEPS
+                self._last_burst = n
+        k = best
+        if self._explore:
+            k = self._explore.pop()
+            if k not in rate_of:  # not allowed this step (the prompt reserve): the burst ends
+                k, self._explore = best, []
+        seen[k] = n
+        return k
+
+    def _bucket(self, batch: int) -> int:
+        """The table's batch size that ``batch`` is costed at (measured host times are kept per bucket)."""
+        sizes = sorted(self.costs.verify_ms[0])
+        return next((b for b in sizes if b >= batch), sizes[-1])
 
 
 def measure_step_costs(runner, sizes: Optional[Sequence[int]] = None, repeats: int = 5) -> StepCostTable:
