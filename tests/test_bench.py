@@ -249,7 +249,7 @@ def test_bench_arms_in_process_repeats_the_same_steps(model_dir, tmp_path):
     measured = host.pop("measured_ms")  # what the policy measured beyond its device table, per batch size and k
     assert measured and all(key.startswith("batch ") and " k " in key for key in measured)
     assert all(v >= 0.0 for v in host.values()) and wl["arms"]["k1"]["runs"][0]["adaptive_host_model"] is None
-    assert "adaptive_vs_best" in wl
+    assert "adaptive_vs_best" in wl and 0.0 < wl["arms"]["k1"]["runs"][0]["host_cpu_s"]
     bad = subprocess.run(cmd[:-2] + ["--base-url", "k1=http://127.0.0.1:1", "--server-args", cmd[-1]],
                          capture_output=True, text=True, env=child_env(), cwd=REPO, timeout=120)
     assert bad.returncode == 2 and "exclude each other" in bad.stderr

@@ -65,12 +65,11 @@ def _all_ints(ids: Union[List[Any], Tuple[Any, ...]]) -> bool:
 
 class _InFlight(NamedTuple):
     """A launched step whose tokens are not applied yet (:meth:`LLMEngine._step_ahead`): its
-    scheduler output, handle, start time (``perf_counter`` s) and whether it held only decodes
-    whose logits do not depend on their outputs (no prefill chunk, no ``logits_params``)."""
+    scheduler output, handle and whether it held only decodes whose logits do not depend on
+    their outputs (no prefill chunk, no ``logits_params``)."""
 
     out: SchedulerOutput
     handle: Any
-    t0: float
     plain: bool
 
 
@@ -350,7 +349,7 @@ class LLMEngine:
         if on_device:  # the host's copy of the last step's drafts, while this step runs
             self._take_drafts()
         if self._goes_ahead(out, step):
-            self._inflight = _InFlight(out, handle, t0, True)
+            self._inflight = _InFlight(out, handle, True)
             m.busy_time_s += time.perf_counter() - t0
             return []
         return self._finish(out, handle, t0, t1)
@@ -393,7 +392,9 @@ class LLMEngine:
         finished: List[Sequence] = []
         try:
             if prev is not None and not self._can_step_ahead(prev):
-                finished = self._finish(prev.out, prev.handle, prev.t0, t0, busy=False)
+                # t0: this call's start, as a step of _step_sync times itself (the adaptive policy's
+                # step walls exclude the host's time between engine calls alike for every k)
+                finished = self._finish(prev.out, prev.handle, t0, t0, busy=False)
                 prev = None
                 if not self._ahead:  # adaptive speculation length: back to the speculative step
                     self.metrics.busy_time_s += time.perf_counter() - t0
@@ -405,9 +406,9 @@ class LLMEngine:
                 self._choose_k(out)  # adaptive: any k (the step after one that proposes drafts is not ahead)
                 step = self._step_input(out)
                 plain = all(not si.is_prefill and si.logits_params is None for si in step.seqs)
-                self._inflight = _InFlight(out, self.executor.execute_async(step), t0, plain)
+                self._inflight = _InFlight(out, self.executor.execute_async(step), plain)
             if prev is not None:
-                finished += self._finish(prev.out, prev.handle, prev.t0, t1, busy=False)
+                finished += self._finish(prev.out, prev.handle, t0, t1, busy=False)
             if self._inflight is not None and all(s.seq.is_finished for s in self._inflight.out.scheduled):
                 self._inflight.handle.output()  # only rows of requests that just finished: wait, drop, count nothing
                 self._inflight = None

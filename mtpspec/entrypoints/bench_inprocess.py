@@ -79,9 +79,9 @@ def run_in_process(llm: Any, cfg: BenchConfig, forced: Optional[str] = None) -> 
         _arm_forced(llm, forced)
         llm.reset_metrics()
         started_at = time.time()
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), time.process_time()
         outs = _generate(llm, prompts, cfg, cfg.output_len)
-        duration = time.perf_counter() - t0
+        duration, cpu_s = time.perf_counter() - t0, time.process_time() - cpu0
     finally:
         sched_cfg.max_num_seqs = cap
     m = llm.get_metrics()
@@ -104,7 +104,9 @@ def run_in_process(llm: Any, cfg: BenchConfig, forced: Optional[str] = None) -> 
     return {
         "synthetic": bool(reasons), "synthetic_reasons": reasons, "in_process": True,
         "server": {"num_speculative_tokens": k, "max_num_seqs": cap}, "config": asdict(cfg),
-        "started_at": started_at, "duration_s": duration, "completed": len(outs), "failed": 0, "errors": [],
+        "started_at": started_at, "duration_s": duration,
+        "host_cpu_s": cpu_s,  # this process's CPU time over the run (all threads)
+        "completed": len(outs), "failed": 0, "errors": [],
         "total_input_tokens": sum(len(o.prompt_token_ids or []) for o in outs), "total_output_tokens": out_tokens,
         "mean_output_len": out_tokens / max(len(outs), 1), "request_throughput": len(outs) / duration,
         "output_throughput": out_tokens / duration, "ttft_ms": _ms(ttft), "itl_ms": _ms(itl), "tpot_ms": _ms(itl),
