@@ -104,3 +104,31 @@ def test_skinny_kernel_compiles_for_sm90():
             "aligned": [a for a in sig if a != "M"], "num_warps": 4, "num_stages": 4}
     (rep,) = triton_utils.compile_reports([spec])
     assert rep["shared_bytes"] >= 3 * (64 * 128 + 128 * 16) * 2, rep  # several K steps in flight
+
+
+def test_pdl_kernels_wait_then_release_their_dependents(monkeypatch):
+    """Programmatic dependent launch (MTPSPEC_PDL=1, sm_90+): a LazyKernel(fn, pdl=True) kernel
+    compiled with PDL begins with griddepcontrol.wait (its inputs are the previous kernel's
+    outputs) and launch_dependents, and has neither without; launches pass PDL and Triton's
+    launch_pdl only for compiled kernels with PDL enabled (the interpreter never sees them)."""
+    pytest.importorskip("triton")
+    from mtpspec.ops import skinny_gemm, triton_utils
+    sig = {"x_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16", "out_ptr": "*bf16", "part_ptr": "*fp32",
+           **{a: "i32" for a in ("M", "N", "K", "stride_xm", "stride_wn", "stride_om", "k_per_split")}}
+    spec = {"module": "mtpspec.ops.skinny_gemm", "kernel": "_skinny", "signature": sig,
+            "constexprs": dict(HAS_BIAS=False, BLOCK_N=64, BLOCK_T=16, BLOCK_K=128, SPLIT=False, DOT_FP32=False,
+                               BF16_BY_BITS=False),
+            "aligned": [a for a in sig if a != "M"], "num_warps": 4}
+    on = {**spec, "constexprs": {**spec["constexprs"], "PDL": True}}
+    off, pdl = triton_utils.compile_reports([spec, on])
+    assert off["ptx_griddepcontrol"] == 0 and pdl["ptx_griddepcontrol"] == 2, (off, pdl)
+    kernel = skinny_gemm._skinny
+    assert kernel.pdl
+    monkeypatch.setattr(triton_utils, "pdl_enabled", lambda: True)
+    if triton_utils.interpreter_available():
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+        assert kernel[(1,)].keywords == {"PDL": False}  # interpreted: never
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert kernel[(1,)].keywords == {"PDL": True, "launch_pdl": True}
+    monkeypatch.setattr(triton_utils, "pdl_enabled", lambda: False)
+    assert kernel[(1,)].keywords == {"PDL": False}

@@ -164,7 +164,7 @@ def fp8_block_linear_w8a8_ref(x: torch.Tensor, weight: torch.Tensor, scale: torc
 
 # ------------------------------------------------------------------------------------------- kernel
 if HAS_TRITON:
-    from mtpspec.ops.triton_helpers import quant_fp8, round_to_dtype, store_swap_tile
+    from mtpspec.ops.triton_helpers import pdl_begin, quant_fp8, round_to_dtype, store_swap_tile
 
     @device_function
     def _group_scale(x, axis: tl.constexpr):
@@ -315,7 +315,9 @@ if HAS_TRITON:
 
     _swap = LazyKernel(_fp8_swap_kernel)
 
-    def _split_sum_kernel(part_ptr, out_ptr, MN, splits, BLOCK: tl.constexpr, BF16_BY_BITS: tl.constexpr):
+    def _split_sum_kernel(part_ptr, out_ptr, MN, splits, BLOCK: tl.constexpr, BF16_BY_BITS: tl.constexpr,
+                          PDL: tl.constexpr):
+        pdl_begin(PDL)
         # out.flat[i] = round(sum_s part[s].flat[i]) over the splits in order (fp32), rounded once to
         # out's dtype; part [splits, M, N] fp32, out [M, N] contiguous.
         offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
@@ -327,7 +329,7 @@ if HAS_TRITON:
             acc += tl.load(src, mask=ok, other=0.0)
         tl.store(out_ptr + offs, round_to_dtype(acc, out_ptr.dtype.element_ty, BF16_BY_BITS), mask=ok)
 
-    _split_sum = LazyKernel(_split_sum_kernel)
+    _split_sum = LazyKernel(_split_sum_kernel, pdl=True)
 
     def _fp8_grouped_kernel(a_ptr, w_ptr, ws_ptr, out_ptr, sorted_ptr, block_expert_ptr, rw_ptr, num_pairs,
                             num_experts, N, K, stride_am, stride_we, stride_wn, stride_wse, stride_wsn, stride_om,

@@ -141,10 +141,12 @@ def moe_experts_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_w
 
 
 if HAS_TRITON:
-    from mtpspec.ops.triton_helpers import round_to_dtype
+    from mtpspec.ops.triton_helpers import pdl_begin, round_to_dtype
 
     def _align_kernel(ids_ptr, sorted_ptr, block_expert_ptr, num_pairs, num_experts, num_slots, num_blocks,
-                      BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, E_P2: tl.constexpr, FILL: tl.constexpr):
+                      BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, E_P2: tl.constexpr, FILL: tl.constexpr,
+                      PDL: tl.constexpr):
+        pdl_begin(PDL)
         # One program, the pairs taken CHUNK at a time. Padding pairs count in bin num_experts (< E_P2),
         # past every real expert. Pass 1: blocks per expert; pass 2: each pair's rank among the earlier
         # pairs of its expert = pairs of it in earlier chunks (running histogram) + in its own chunk.
@@ -177,7 +179,8 @@ if HAS_TRITON:
     def _gate_up_kernel(x_ptr, w_ptr, inter_ptr, sorted_ptr, block_expert_ptr, num_pairs, num_experts, hidden,
                         inter_size, stride_xt, stride_we, stride_wn, stride_it,
                         TOPK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        DOT_FP32: tl.constexpr, PRECISION: tl.constexpr, BF16_BY_BITS: tl.constexpr):
+                        DOT_FP32: tl.constexpr, PRECISION: tl.constexpr, BF16_BY_BITS: tl.constexpr, PDL: tl.constexpr):
+        pdl_begin(PDL)
         pid_m = tl.program_id(0)
         e = tl.load(block_expert_ptr + pid_m)
         if e >= num_experts:  # past the last expert's run
@@ -212,7 +215,8 @@ if HAS_TRITON:
     def _down_kernel(inter_ptr, w_ptr, y_ptr, sorted_ptr, block_expert_ptr, topk_w_ptr, num_pairs, num_experts,
                      hidden, inter_size, stride_it, stride_we, stride_wn, stride_yt,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     DOT_FP32: tl.constexpr, PRECISION: tl.constexpr):
+                     DOT_FP32: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr):
+        pdl_begin(PDL)
         pid_m = tl.program_id(0)
         e = tl.load(block_expert_ptr + pid_m)
         if e >= num_experts:
@@ -239,7 +243,8 @@ if HAS_TRITON:
                  mask=ok_m[:, None] & ok_n[None, :])
 
     def _sum_pairs_kernel(y_ptr, out_ptr, hidden, TOPK: tl.constexpr, BLOCK_H: tl.constexpr,
-                          BF16_BY_BITS: tl.constexpr):
+                          BF16_BY_BITS: tl.constexpr, PDL: tl.constexpr):
+        pdl_begin(PDL)
         # out[t, cols] = sum_j y[t * TOPK + j, cols] in fp32, j in order, cast to out's dtype
         t = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -250,10 +255,10 @@ if HAS_TRITON:
         # BF16_BY_BITS: round to nearest even by integer ops (the interpreter truncates)
         tl.store(out_ptr + t * hidden + cols, round_to_dtype(acc, out_ptr.dtype.element_ty, BF16_BY_BITS), mask=ok)
 
-    _sum_pairs = LazyKernel(_sum_pairs_kernel)
-    _align = LazyKernel(_align_kernel)
-    _gate_up = LazyKernel(_gate_up_kernel)
-    _down = LazyKernel(_down_kernel)
+    _sum_pairs = LazyKernel(_sum_pairs_kernel, pdl=True)
+    _align = LazyKernel(_align_kernel, pdl=True)
+    _gate_up = LazyKernel(_gate_up_kernel, pdl=True)
+    _down = LazyKernel(_down_kernel, pdl=True)
 
 
 def moe_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,

@@ -36,7 +36,7 @@ RANK_MAX_ELEMS = 16384
 
 if HAS_TRITON:
     _RANK_MAX_ELEMS = tl.constexpr(RANK_MAX_ELEMS)  # as the kernels can read it
-    from mtpspec.ops.triton_helpers import last_to_arrive
+    from mtpspec.ops.triton_helpers import last_to_arrive, pdl_begin
     from mtpspec.ops.triton_utils import device_function
 
     @device_function
@@ -112,21 +112,24 @@ if HAS_TRITON:
     def _router_kernel(logits_ptr, bias_ptr, w_ptr, ids_ptr, num_tokens, num_experts, per_group, stride_l, scale,
                        HAS_BIAS: tl.constexpr, TOP_K: tl.constexpr, K_P2: tl.constexpr, N_GROUP: tl.constexpr,
                        G_P2: tl.constexpr, TOPK_GROUP: tl.constexpr, TWO_PER_GROUP: tl.constexpr,
-                       RENORM: tl.constexpr, ROWS: tl.constexpr, BLOCK_E: tl.constexpr, N_SHARED: tl.constexpr):
+                       RENORM: tl.constexpr, ROWS: tl.constexpr, BLOCK_E: tl.constexpr, N_SHARED: tl.constexpr,
+                       PDL: tl.constexpr):
+        pdl_begin(PDL)
         # ROWS token rows per program
         rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
         _route_rows(logits_ptr, bias_ptr, w_ptr, ids_ptr, rows, num_tokens, num_experts, per_group, stride_l, scale,
                     HAS_BIAS, TOP_K, K_P2, N_GROUP, G_P2, TOPK_GROUP, TWO_PER_GROUP, RENORM, ROWS, BLOCK_E, N_SHARED,
                     "")
 
-    _router = LazyKernel(_router_kernel)
+    _router = LazyKernel(_router_kernel, pdl=True)
 
     def _logits_route_kernel(x_ptr, gw_ptr, logits_ptr, cnt_ptr, bias_ptr, w_ptr, ids_ptr, num_tokens, hidden,
                              num_experts, stride_x, per_group, scale,
                              BLOCK_T: tl.constexpr, BLOCK_E_DOT: tl.constexpr, BLOCK_H: tl.constexpr,
                              HAS_BIAS: tl.constexpr, TOP_K: tl.constexpr, K_P2: tl.constexpr, N_GROUP: tl.constexpr,
                              G_P2: tl.constexpr, TOPK_GROUP: tl.constexpr, TWO_PER_GROUP: tl.constexpr,
-                             RENORM: tl.constexpr, BLOCK_E: tl.constexpr, N_SHARED: tl.constexpr):
+                             RENORM: tl.constexpr, BLOCK_E: tl.constexpr, N_SHARED: tl.constexpr, PDL: tl.constexpr):
+        pdl_begin(PDL)
         # _logits_kernel's GEMV (BLOCK_E_DOT experts a program); the last program to finish routes
         # every token (BLOCK_T rows in one tile) from the logits the others wrote
         _logits_block(x_ptr, gw_ptr, logits_ptr, num_tokens, hidden, num_experts, stride_x,
@@ -137,10 +140,11 @@ if HAS_TRITON:
                         TWO_PER_GROUP, RENORM, BLOCK_T, BLOCK_E, N_SHARED, ".cg")
             tl.store(cnt_ptr, 0)
 
-    _logits_route = LazyKernel(_logits_route_kernel)
+    _logits_route = LazyKernel(_logits_route_kernel, pdl=True)
 
     def _logits_kernel(x_ptr, w_ptr, out_ptr, num_tokens, hidden, num_experts, stride_x,
-                       BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr):
+                       BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr):
+        pdl_begin(PDL)
         _logits_block(x_ptr, w_ptr, out_ptr, num_tokens, hidden, num_experts, stride_x, BLOCK_T, BLOCK_E, BLOCK_H)
 
     @device_function
@@ -162,7 +166,7 @@ if HAS_TRITON:
             acc += xv[:, None, :] * wv[None, :, :]
         tl.store(out_ptr + tk[:, None] * num_experts + ex[None, :], tl.sum(acc, 2), mask=tok[:, None] & eok[None, :])
 
-    _logits = LazyKernel(_logits_kernel)
+    _logits = LazyKernel(_logits_kernel, pdl=True)
 
 #: :func:`router_logits` runs its Triton GEMV up to this many tokens (cuBLAS above).
 LOGITS_KERNEL_MAX_TOKENS = 16

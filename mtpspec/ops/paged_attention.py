@@ -161,7 +161,7 @@ def write_kv_cache_ref(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Te
 # ---------------------------------------------------------------- kernels
 
 if HAS_TRITON:
-    from mtpspec.ops.triton_helpers import dequant_kv, quant_fp8, round_to_dtype
+    from mtpspec.ops.triton_helpers import dequant_kv, pdl_begin, quant_fp8, round_to_dtype
 
     def _attn_kernel(q_ptr, k_ptr, v_ptr, out_ptr, part_acc_ptr, part_ml_ptr,
                      qsl_ptr, seq_lens_ptr, bt_ptr, qk_scale, num_splits, k_scale, v_scale,
@@ -170,7 +170,8 @@ if HAS_TRITON:
                      REP: tl.constexpr, REP_P: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
                      BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                      CACHE_BLOCK: tl.constexpr, SPLIT: tl.constexpr, DOT_FP32: tl.constexpr,
-                     PRECISION: tl.constexpr, BF16_BY_BITS: tl.constexpr, FP8: tl.constexpr):
+                     PRECISION: tl.constexpr, BF16_BY_BITS: tl.constexpr, FP8: tl.constexpr, PDL: tl.constexpr):
+        pdl_begin(PDL)
         # One program: sequence `seq`, query rows [qb * BLOCK_Q, (qb + 1) * BLOCK_Q) of it, kv head
         # `g`, key split `split`. qk_scale = softmax scale * log2(e) (scores in base 2). FP8: the
         # cache holds E4M3; each tile is dequantised to q's dtype (x * k_scale / v_scale) on load.
@@ -249,7 +250,8 @@ if HAS_TRITON:
     def _combine_kernel(out_ptr, part_acc_ptr, part_ml_ptr, qsl_ptr, num_seqs, num_splits, num_heads,
                         stride_ot, stride_oh, stride_pt, stride_ph,
                         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
-                        BLOCK_H: tl.constexpr, BF16_BY_BITS: tl.constexpr):
+                        BLOCK_H: tl.constexpr, BF16_BY_BITS: tl.constexpr, PDL: tl.constexpr):
+        pdl_begin(PDL)
         # One program per (row, block of BLOCK_H heads): merge the splits' (m, l, acc); padding
         # rows get zeros.
         t = tl.program_id(0)
@@ -282,7 +284,8 @@ if HAS_TRITON:
     def _write_kv_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, k_scale, v_scale, stride_kt, stride_vt,
                          stride_kcb, stride_kcs, stride_vcb, stride_vcs,
                          ROW: tl.constexpr, BLOCK_R: tl.constexpr, CACHE_BLOCK: tl.constexpr,
-                         BF16_BY_BITS: tl.constexpr, FP8: tl.constexpr, FP8_BY_BITS: tl.constexpr):
+                         BF16_BY_BITS: tl.constexpr, FP8: tl.constexpr, FP8_BY_BITS: tl.constexpr, PDL: tl.constexpr):
+        pdl_begin(PDL)
         # One program per row: copy its [num_kv_heads * head_dim] K and V to its slot; slot < 0: skip.
         # FP8: quantise (x / scale, saturating, nearest even; FP8_BY_BITS under the interpreter).
         t = tl.program_id(0).to(tl.int64)
@@ -304,9 +307,9 @@ if HAS_TRITON:
         tl.store(kc_ptr + blk * stride_kcb + off * stride_kcs + offs, k_low, mask=ok)
         tl.store(vc_ptr + blk * stride_vcb + off * stride_vcs + offs, v_low, mask=ok)
 
-    _attn = LazyKernel(_attn_kernel)
-    _combine = LazyKernel(_combine_kernel)
-    _write_kv = LazyKernel(_write_kv_kernel)
+    _attn = LazyKernel(_attn_kernel, pdl=True)
+    _combine = LazyKernel(_combine_kernel, pdl=True)
+    _write_kv = LazyKernel(_write_kv_kernel, pdl=True)
 
 
 # ---------------------------------------------------------------- launch planning

@@ -23,7 +23,7 @@ from mtpspec.ops.triton_utils import (HAS_TRITON, LazyKernel, as_rows, check_dev
                                       tl, use_triton)
 
 if HAS_TRITON:
-    from mtpspec.ops.triton_helpers import (rms_norm_pass2, rms_rstd, store_rms_norm_rows,
+    from mtpspec.ops.triton_helpers import (pdl_begin, rms_norm_pass2, rms_rstd, store_rms_norm_rows,
                                             store_rounded)
     from mtpspec.ops.triton_utils import device_function
 
@@ -66,7 +66,8 @@ if HAS_TRITON:
     def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, n_rows, n_cols,
                          stride_x, stride_res, stride_out, eps,
                          HAS_RESIDUAL: tl.constexpr, ONE_PASS: tl.constexpr, BLOCK_M: tl.constexpr,
-                         BLOCK_N: tl.constexpr, BF16_BY_BITS: tl.constexpr):
+                         BLOCK_N: tl.constexpr, BF16_BY_BITS: tl.constexpr, PDL: tl.constexpr):
+        pdl_begin(PDL)
         # out and res_out are fresh contiguous [n_rows, n_cols] tensors sharing stride_out.
         # BF16_BY_BITS: round fp32 -> bf16 to nearest-even with integer ops (Triton's interpreter
         # truncates in .to(tl.bfloat16); triton_helpers.round_to_dtype); compiled kernels use the
@@ -100,7 +101,7 @@ if HAS_TRITON:
                 rms_norm_pass2(x_ptr, stride_x, out_ptr, w_ptr, rows, row_mask, stride_out,
                                cols, n_cols, rstd, BLOCK_N, BF16_BY_BITS)
 
-    _kernel = LazyKernel(_rms_norm_kernel)
+    _kernel = LazyKernel(_rms_norm_kernel, pdl=True)
 
 
 def _check(x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Tensor,

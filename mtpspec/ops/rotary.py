@@ -66,7 +66,7 @@ def rotary_embedding_ref(positions: torch.Tensor, query: torch.Tensor, key: torc
 
 
 if HAS_TRITON:
-    from mtpspec.ops.triton_helpers import round_to_dtype
+    from mtpspec.ops.triton_helpers import pdl_begin, round_to_dtype
     from mtpspec.ops.triton_utils import device_function
 
     @device_function
@@ -84,7 +84,8 @@ if HAS_TRITON:
     def _rope_kernel(q_ptr, k_ptr, qo_ptr, ko_ptr, pos_ptr, cs_ptr, num_heads, num_kv_heads, q_blocks,
                      stride_qt, stride_kt, stride_qot, stride_kot, stride_cs,
                      HEAD: tl.constexpr, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_REST: tl.constexpr,
-                     BLOCK_H: tl.constexpr, NEOX: tl.constexpr):
+                     BLOCK_H: tl.constexpr, NEOX: tl.constexpr, PDL: tl.constexpr):
+        pdl_begin(PDL)
         # bf16 only; every value in fp32 holds a bf16 (each product, sum and difference rounded)
         t = tl.program_id(0).to(tl.int64)
         j = tl.program_id(1)
@@ -124,7 +125,7 @@ if HAS_TRITON:
             mr = h_ok[:, None] & (offs_r < HEAD)[None, :]
             tl.store(dst + base + offs_r[None, :], tl.load(src + base + offs_r[None, :], mask=mr), mask=mr)
 
-    _rope = LazyKernel(_rope_kernel)
+    _rope = LazyKernel(_rope_kernel, pdl=True)
 
 
 def rotary_embedding(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor,

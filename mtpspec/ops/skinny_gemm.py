@@ -37,12 +37,13 @@ PROGRAMS_PER_SM = 2
 MIN_K_STEPS_PER_SPLIT = 4
 
 if HAS_TRITON:
-    from mtpspec.ops.triton_helpers import store_swap_tile
+    from mtpspec.ops.triton_helpers import pdl_begin, store_swap_tile
 
     def _skinny_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, M, N, K, stride_xm, stride_wn, stride_om,
                        k_per_split, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr,
                        BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, DOT_FP32: tl.constexpr,
-                       BF16_BY_BITS: tl.constexpr):
+                       BF16_BY_BITS: tl.constexpr, PDL: tl.constexpr):
+        pdl_begin(PDL)
         # out^T tile [BLOCK_N, BLOCK_T] of weight rows pid_n * BLOCK_N .. over K in [pid_k *
         # k_per_split, + k_per_split). SPLIT: fp32 partials to part_ptr [splits, M, N] (bias in
         # split 0), else rounded into out [M, N] (row stride stride_om).
@@ -71,7 +72,7 @@ if HAS_TRITON:
         store_swap_tile(acc, b_ptr, out_ptr, part_ptr, pid_k, offs_n, cols, rows, n_ok, t_ok, M, N, stride_om,
                         HAS_BIAS, SPLIT, BF16_BY_BITS)
 
-    _skinny = LazyKernel(_skinny_kernel)
+    _skinny = LazyKernel(_skinny_kernel, pdl=True)
 
 
 def skinny_launch(n: int, k: int, sms: int, block_n: int = 64, block_k: int = 128) -> Tuple[int, int]:

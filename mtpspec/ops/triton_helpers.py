@@ -38,6 +38,19 @@ the interpreter can call them too.
 from mtpspec.ops.triton_utils import HAS_TRITON, device_function, tl
 
 if HAS_TRITON:
+    from triton.language.extra import cuda as tl_cuda
+
+    @device_function
+    def pdl_begin(PDL: tl.constexpr):
+        """The start of a kernel built with ``LazyKernel(fn, pdl=True)``: under a programmatic
+        dependent launch (``PDL``), wait until the kernel before it in the stream has finished and
+        its writes are visible (``griddepcontrol.wait``), then let the kernel after it launch
+        (``griddepcontrol.launch_dependents``: its programs start and wait in turn, so its launch
+        overlaps this kernel's work). Nothing without ``PDL``."""
+        if PDL:
+            tl_cuda.gdc_wait()
+            tl_cuda.gdc_launch_dependents()
+
     @device_function
     def round_to_dtype(x, dtype: tl.constexpr, BF16_BY_BITS: tl.constexpr):
         """fp32 ``x`` converted to ``dtype``; with ``BF16_BY_BITS`` (``dtype`` bf16: under the

@@ -12,6 +12,7 @@ so the interpreter only works if ``TRITON_INTERPRET=1`` was set before that impo
 :func:`interpreter_available` tells whether it was.
 """
 
+import functools
 import os
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence
 
@@ -74,16 +75,38 @@ def use_triton(t: torch.Tensor, *others: Optional[torch.Tensor]) -> bool:
     return t.device.type == "cpu" and interpreting()
 
 
+_PDL: Dict[int, bool] = {}
+
+
+def pdl_enabled() -> bool:
+    """Whether kernels built with ``LazyKernel(fn, pdl=True)`` launch as programmatic dependent
+    launches (CUDA's PDL: the kernel may start while the one before it in the stream finishes, and
+    waits for it with ``griddepcontrol.wait`` before reading its inputs): a current CUDA device of
+    compute capability >= 9.0, unless ``MTPSPEC_PDL=0``. Read once per device."""
+    if os.environ.get("MTPSPEC_PDL", "1") == "0" or not torch.cuda.is_available():
+        return False
+    dev = torch.cuda.current_device()
+    on = _PDL.get(dev)
+    if on is None:
+        on = _PDL[dev] = torch.cuda.get_device_capability(dev) >= (9, 0)
+    return on
+
+
 class LazyKernel:
     """A Triton kernel built on first launch, per mode: interpreted while ``TRITON_INTERPRET`` is
     ``"1"`` at launch, compiled (``triton.JITFunction``) otherwise. Launch as ``kernel[grid](...)``.
+
+    ``pdl=True``: the kernel has a last parameter ``PDL: tl.constexpr`` and begins with
+    :func:`~mtpspec.ops.triton_helpers.pdl_begin`; each launch passes ``PDL`` (and Triton's
+    ``launch_pdl``) as :func:`pdl_enabled` says, compiled kernels only.
 
     Building at launch rather than at import makes the dispatch rule hold whatever the order in
     which modules were imported and the variable was set.
     """
 
-    def __init__(self, fn: Callable[..., None]) -> None:
+    def __init__(self, fn: Callable[..., None], pdl: bool = False) -> None:
         self.fn = fn
+        self.pdl = pdl
         self._built: Dict[bool, Any] = {}
 
     def __getitem__(self, grid: Sequence[int]) -> Callable[..., None]:
@@ -91,7 +114,12 @@ class LazyKernel:
         kernel = self._built.get(mode)
         if kernel is None:
             kernel = self._built[mode] = self._build(mode)
-        return kernel[tuple(grid)]
+        launch = kernel[tuple(grid)]
+        if not self.pdl:
+            return launch
+        if not mode and pdl_enabled():
+            return functools.partial(launch, PDL=True, launch_pdl=True)
+        return functools.partial(launch, PDL=False)
 
     def _build(self, interpret: bool) -> Any:
         if not HAS_TRITON:
@@ -321,7 +349,7 @@ def compile_reports(specs: Sequence[Dict[str, Any]], arch: int = 90, ptxas: bool
     "num_warps": n}`` (optional ``"num_stages"``: Triton's default otherwise). Compiles in a fresh
     Python process without ``TRITON_INTERPRET`` (as a GPU process would). Returns per spec
     ``{"ptx_vec4_loads", "ptx_loads", "ptx_vec4_stores", "ptx_stores", "ptx_bulk_tensor_loads",
-    "ptx_shared_byte_loads", "shared_bytes", "registers", "spill_bytes"}`` (counts of PTX
+    "ptx_shared_byte_loads", "ptx_griddepcontrol", "shared_bytes", "registers", "spill_bytes"}`` (counts of PTX
     instructions; the shared memory a program allocates; the last two None without ``cuobjdump``); ``ptxas=True`` adds ``{"ptxas_registers", "spill_stores",
     "spill_loads"}`` (bytes per thread) from the bundled ``ptxas -v --gpu-name sm_<arch>a`` run on
     the PTX (None without ``ptxas``).
@@ -360,9 +388,12 @@ def _compile_report(spec: Dict[str, Any], arch: int, ptxas: bool = False) -> Dic
     jit = triton.JITFunction(kernel.fn)
     names = [p.name for p in jit.params]
     sig = dict(spec["signature"])
-    sig.update({k: "constexpr" for k in spec["constexprs"]})
+    constexprs = dict(spec["constexprs"])
+    if "PDL" in names:  # a LazyKernel(fn, pdl=True) kernel: without PDL unless the spec says
+        constexprs.setdefault("PDL", False)
+    sig.update({k: "constexpr" for k in constexprs})
     src = ASTSource(fn=jit, signature=sig,
-                    constexprs={(names.index(k),): v for k, v in spec["constexprs"].items()},
+                    constexprs={(names.index(k),): v for k, v in constexprs.items()},
                     attrs={(names.index(a),): [["tt.divisibility", 16]] for a in spec["aligned"]})
     options = {k: spec[k] for k in ("num_warps", "num_stages") if k in spec}
     compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
@@ -374,6 +405,7 @@ def _compile_report(spec: Dict[str, Any], arch: int, ptxas: bool = False) -> Dic
         "ptx_stores": len(re.findall(r"st\.global", ptx)),
         "ptx_bulk_tensor_loads": len(re.findall(r"cp\.async\.bulk\.tensor", ptx)),
         "ptx_shared_byte_loads": len(re.findall(r"ld\.shared\.(?:[us]8|b8)", ptx)),
+        "ptx_griddepcontrol": len(re.findall(r"griddepcontrol\.", ptx)),
         "shared_bytes": getattr(compiled.metadata, "shared", None), "registers": None, "spill_bytes": None}
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     cubin = compiled.asm.get("cubin")
