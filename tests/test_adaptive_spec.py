@@ -473,6 +473,78 @@ def test_adaptive_rate_within_2_percent_of_the_best_fixed_k_on_a_simulated_engin
     assert got >= 0.98 * fixed[best], (got, fixed)
 
 
+def test_measured_host_time_skips_transitions_and_exploration_retries_and_gives_up() -> None:
+    """Found by review: (1) the first pure-decode step after a step that carried prompt tokens is
+    a transition (it verifies that step's drafts; at k = 0 it was not scheduled ahead) and is not
+    counted in the measured host time of its k; (2) one bad burst cannot shut a k out for good: a
+    measured k is tried again after STALE_EVERY steps whatever its predicted rate; (3) a k whose
+    samples are all rejected (walls beyond 4x the table + 5 ms) stops being explored after
+    MAX_MEASURING_BURSTS bursts instead of every few steps forever."""
+    from mtpspec.spec_decode.adaptive import EXPLORE_STEPS, MAX_MEASURING_BURSTS, STALE_EVERY
+    costs = _table(sizes=(64,), verify=lambda b, k: 1.2 + 0.9 * k, draft=lambda b, k: 0.4 * k)
+    pol = AdaptiveSpecPolicy(3, costs)
+    for _ in range(30):  # steady k = 0 steps, 1 ms of host beyond the table
+        pol.observe_step_time(64, 0, costs.step_ms(64, 0) + 1.0, 0, 0, 64)
+    n = pol._excess_n[(64, 0)]
+    pol.observe_step_time(64, 3, costs.step_ms(64, 3, 0) + 5.0, 0, num_prefill_tokens=40, num_emitted=64)
+    pol.observe_step_time(64, 0, costs.step_ms(64, 0, 3) + 6.0, 3, 0, 64)  # the transition
+    assert pol._excess_n[(64, 0)] == n and pol.excess_ms[(64, 0)] == pytest.approx(1.0)
+
+    # (2) k = 0 is the best (host 1 ms a step, k > 0 5 ms) but its first measurements were bad
+    pol = AdaptiveSpecPolicy(3, costs, prior_rate=0.5)
+    pol.excess_ms.update({(64, 0): 9.0, (64, 1): 5.0, (64, 2): 5.0, (64, 3): 5.0})
+    pol._excess_n.update({key: 10 for key in pol.excess_ms})
+    chosen = []
+    for _ in range(STALE_EVERY + 600):
+        k = pol.choose(64)
+        chosen.append(k)
+        pol.observe_step_time(64, k, costs.step_ms(64, k) + (1.0 if k == 0 else 5.0), num_emitted=64)
+    assert chosen[:STALE_EVERY].count(0) == 0 and chosen[-200:].count(0) >= 200 - 2 * EXPLORE_STEPS
+
+    # (3) every sample rejected: a bounded number of bursts
+    pol = AdaptiveSpecPolicy(3, costs, prior_rate=0.8)
+    chosen = []
+    for _ in range(3000):
+        k = pol.choose(64)
+        chosen.append(k)
+        pol.observe_step_time(64, k, 6.0 * costs.step_ms(64, k) + 10.0, num_emitted=64)
+    best = max(set(chosen), key=chosen.count)
+    assert sum(1 for k in chosen if k != best) <= 3 * MAX_MEASURING_BURSTS * EXPLORE_STEPS + 3000 // 500 * EXPLORE_STEPS
+
+
+def test_a_k0_step_left_in_flight_by_a_sync_step_is_timed_from_its_own_start(model) -> None:
+    """Found by review: with a prompt waiting that cannot be admitted (no chunked prefill, a budget
+    the decodes fill), each k = 0 step is applied before the next is scheduled, then the next is
+    left in flight by the synchronous path; its scheduling and launch belong to its measured wall
+    time (here a 30 ms scheduler), not to no step at all."""
+    import time as _time
+    path, cfg, table = model
+
+    class Rec(Scripted):
+        def observe_step_time(self, batch, k, wall_ms, verify_k=None, num_prefill_tokens=0, num_emitted=None):
+            self.times.append((k, verify_k, num_prefill_tokens, wall_ms))
+
+    with _llm(path, table, enable_chunked_prefill=False, max_num_batched_tokens=48) as llm:
+        eng = llm.llm_engine
+        pol = eng.spec_policy = Rec([0])
+        real = eng.scheduler.schedule
+        eng.scheduler.schedule = lambda *a, **kw: (_time.sleep(0.03), real(*a, **kw))[1]
+        for i in range(3):
+            eng.add_request({"prompt_token_ids": [5 + i, 6, 7]}, SamplingParams(temperature=0.0, max_tokens=30,
+                                                                                  ignore_eos=True), str(i))
+        for _ in range(4):
+            eng.step()
+        # 40 prompt tokens: 48 - 3 decodes x 4 rows leaves 36, so it waits with a sequence slot free
+        eng.add_request({"prompt_token_ids": list(range(3, 43))}, SamplingParams(temperature=0.0, max_tokens=2), "w")
+        n0 = len(pol.times)
+        for _ in range(8):
+            eng.step()
+        walls = [t for k, v, p, t in pol.times[n0:] if k == 0 and v == 0 and p == 0]
+        assert eng.scheduler.waiting and len(walls) >= 4 and min(walls[1:]) >= 25.0, walls
+        while eng.has_unfinished_requests():
+            eng.step()
+
+
 def test_prompt_tokens_in_a_step_move_the_choice_towards_longer_drafts() -> None:
     """A step that also carries a prompt chunk pays for it whatever k is: the policy learns a cost
     per prompt token from such steps (beyond the table and the overhead) and adds it to every k's

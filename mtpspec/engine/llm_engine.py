@@ -65,12 +65,16 @@ def _all_ints(ids: Union[List[Any], Tuple[Any, ...]]) -> bool:
 
 class _InFlight(NamedTuple):
     """A launched step whose tokens are not applied yet (:meth:`LLMEngine._step_ahead`): its
-    scheduler output, handle and whether it held only decodes whose logits do not depend on
-    their outputs (no prefill chunk, no ``logits_params``)."""
+    scheduler output, handle, whether it held only decodes whose logits do not depend on
+    their outputs (no prefill chunk, no ``logits_params``), and for a step that
+    :meth:`LLMEngine._step_sync` left in flight its start (``perf_counter`` s: the adaptive
+    policy times it from there; a step launched ahead is timed from the start of the call that
+    applies it)."""
 
     out: SchedulerOutput
     handle: Any
     plain: bool
+    t0: Optional[float] = None
 
 
 class LLMEngine:
@@ -349,7 +353,7 @@ class LLMEngine:
         if on_device:  # the host's copy of the last step's drafts, while this step runs
             self._take_drafts()
         if self._goes_ahead(out, step):
-            self._inflight = _InFlight(out, handle, True)
+            self._inflight = _InFlight(out, handle, True, t0)
             m.busy_time_s += time.perf_counter() - t0
             return []
         return self._finish(out, handle, t0, t1)
@@ -392,9 +396,10 @@ class LLMEngine:
         finished: List[Sequence] = []
         try:
             if prev is not None and not self._can_step_ahead(prev):
-                # t0: this call's start, as a step of _step_sync times itself (the adaptive policy's
-                # step walls exclude the host's time between engine calls alike for every k)
-                finished = self._finish(prev.out, prev.handle, t0, t0, busy=False)
+                # timed from this call's start, as a step of _step_sync times itself (the adaptive
+                # policy's step walls exclude the host's time between engine calls alike for every k),
+                # or from its own start when _step_sync left it in flight (its scheduling and launch)
+                finished = self._finish(prev.out, prev.handle, t0 if prev.t0 is None else prev.t0, t0, busy=False)
                 prev = None
                 if not self._ahead:  # adaptive speculation length: back to the speculative step
                     self.metrics.busy_time_s += time.perf_counter() - t0
@@ -408,7 +413,7 @@ class LLMEngine:
                 plain = all(not si.is_prefill and si.logits_params is None for si in step.seqs)
                 self._inflight = _InFlight(out, self.executor.execute_async(step), plain)
             if prev is not None:
-                finished += self._finish(prev.out, prev.handle, t0, t1, busy=False)
+                finished += self._finish(prev.out, prev.handle, t0 if prev.t0 is None else prev.t0, t1, busy=False)
             if self._inflight is not None and all(s.seq.is_finished for s in self._inflight.out.scheduled):
                 self._inflight.handle.output()  # only rows of requests that just finished: wait, drop, count nothing
                 self._inflight = None

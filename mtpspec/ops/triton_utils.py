@@ -81,9 +81,9 @@ _PDL: Dict[int, bool] = {}
 def pdl_enabled() -> bool:
     """Whether kernels built with ``LazyKernel(fn, pdl=True)`` launch as programmatic dependent
     launches (CUDA's PDL: the kernel may start while the one before it in the stream finishes, and
-    waits for it with ``griddepcontrol.wait`` before reading its inputs): a current CUDA device of
-    compute capability >= 9.0, unless ``MTPSPEC_PDL=0``. Read once per device."""
-    if os.environ.get("MTPSPEC_PDL", "1") == "0" or not torch.cuda.is_available():
+    waits for it with ``griddepcontrol.wait`` before reading its inputs): a current CUDA (not ROCm)
+    device of compute capability >= 9.0, unless ``MTPSPEC_PDL=0``. Read once per device."""
+    if os.environ.get("MTPSPEC_PDL", "1") == "0" or not torch.cuda.is_available() or torch.version.hip is not None:
         return False
     dev = torch.cuda.current_device()
     on = _PDL.get(dev)

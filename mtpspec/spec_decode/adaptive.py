@@ -49,10 +49,11 @@ from typing import Dict, List, Optional, Sequence, Tuple
 #: after :data:`MIN_FIT_SAMPLES` pure-decode steps; a slope that cannot be measured drifts to 0.
 MIN_SPREAD = 0.05
 MIN_FIT_SAMPLES = 20
-#: Exploration: a ``k`` whose host time at this batch size was never measured (the plane's
-#: prediction alone may be far off), or else at most once every :data:`EXPLORE_EVERY` pure-decode
-#: steps the ``k`` proposed longest ago among those not proposed at this batch size for that many
-#: steps whose predicted rate is within :data:`EXPLORE_MARGIN` of the best, is proposed for
+#: Exploration: a ``k`` whose host time at this batch size is not measured yet (the plane's
+#: prediction alone may be far off; :data:`MIN_MEASURED`), or else at most once every
+#: :data:`EXPLORE_EVERY` pure-decode steps the ``k`` proposed longest ago among those not proposed
+#: at this batch size for that many steps whose predicted rate is within :data:`EXPLORE_MARGIN` of
+#: the best (any rate after :data:`STALE_EVERY` steps), is proposed for
 #: :data:`EXPLORE_STEPS` steps in a row (the first of them, a transition, is not counted), so its
 #: own host time is measured (what a step of that ``k`` takes beyond the device table, where the
 #: shared host plane can be wrong for it: e.g. at ``k = 0`` the engine schedules the next step
@@ -61,6 +62,12 @@ MIN_FIT_SAMPLES = 20
 EXPLORE_EVERY = 500
 EXPLORE_STEPS = 4
 EXPLORE_MARGIN = 0.15
+#: A (batch size, k) counts as measured after this many counted steps (two bursts), or after
+#: :data:`MAX_MEASURING_BURSTS` bursts whatever they counted; measured ones not proposed for
+#: :data:`STALE_EVERY` steps are tried again whatever their predicted rate.
+MIN_MEASURED = 6
+MAX_MEASURING_BURSTS = 3
+STALE_EVERY = 2000
 MEASURED_WEIGHT = 0.1
 #: Batch sizes :func:`measure_step_costs` times by default (those up to ``max_num_seqs`` that
 #: the runner has graphs for, plus ``max_num_seqs``); others use the next larger measured one.
@@ -196,6 +203,7 @@ class AdaptiveSpecPolicy:
     # table batch size -> k -> the _decode_choices count when it was last proposed
     _last_chosen: Dict[int, Dict[int, int]] = field(default_factory=dict, init=False, repr=False)
     _last_burst: int = field(default=0, init=False, repr=False)  # _decode_choices at the last burst's start
+    _bursts: Dict[Tuple[int, int], int] = field(default_factory=dict, init=False, repr=False)  # per (bucket, k)
     _explore: List[int] = field(default_factory=list, init=False, repr=False)  # ks still to propose in a burst
     # decayed moments over pure-decode steps of (B, r, y): E[B], E[r], E[y], E[BB], E[Br], E[rr], E[By], E[ry]
     _moments: List[float] = field(default_factory=lambda: [0.0] * 8, init=False, repr=False)
@@ -230,10 +238,14 @@ class AdaptiveSpecPolicy:
         overhead is not known yet)."""
         v = k if verify_k is None else verify_k
         if k not in self.costs.verify_ms or v not in self.costs.verify_ms:
+            self._last_k = None
             return
         predicted = self.costs.step_ms(batch, k, v)
         r = max(0.0, float(num_emitted) - batch) if num_emitted is not None else 0.0
         if num_prefill_tokens > 0:
+            # the next pure-decode step verifies this one's drafts and (k = 0, async scheduling) was
+            # not scheduled ahead: a transition, whatever k it proposes
+            self._last_k = None
             if not self._decode_samples:
                 return
             host = self.host_ms(batch, r)
@@ -344,11 +356,22 @@ class AdaptiveSpecPolicy:
         since = n - self._last_burst
         if not self._explore and since > MIN_FIT_SAMPLES:
             bucket = self._bucket(batch)
-            stale = [k for k, r in rate_of.items() if k != best and (bucket, k) not in self.excess_ms] or [
-                k for k, r in rate_of.items() if k != best and since > EXPLORE_EVERY
-                and n - seen.get(k, 0) > EXPLORE_EVERY and r >= (1.0 - EXPLORE_MARGIN) * best_rate]
+            # a k measured by too few steps at this batch size (unless bursts keep failing to measure it:
+            # their samples rejected), else one not proposed here for long: within EXPLORE_MARGIN of
+            # the best after EXPLORE_EVERY steps, whatever its rate after STALE_EVERY (one bad burst
+            # must not shut a k out for good)
+            stale = [k for k in rate_of if k != best and self._excess_n.get((bucket, k), 0) < MIN_MEASURED
+                     and self._bursts.get((bucket, k), 0) < MAX_MEASURING_BURSTS] or [
+                k for k, r in rate_of.items() if k != best and since > EXPLORE_EVERY and (
+                    n - seen.get(k, 0) > STALE_EVERY
+                    or (n - seen.get(k, 0) > EXPLORE_EVERY and r >= (1.0 - EXPLORE_MARGIN) * best_rate))]
             if stale:  # the one proposed longest ago
-                self._explore = [min(stale, key=lambda k: (seen.get(k, 0), k))] * EXPLORE_STEPS
+                k = min(stale, key=lambda k: (seen.get(k, 0), k))
+                self._explore = [k] * EXPLORE_STEPS
+                key = (bucket, k)
+                self._bursts[key] = self._bursts.get(key, 0) + 1
+                if self._excess_n.get(key, 0) >= MIN_MEASURED:  # measured long ago: the burst's steps replace it
+                    self._excess_n[key] = 0
                 self._last_burst = n
         k = best
         if self._explore:
