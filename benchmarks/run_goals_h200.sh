@@ -11,6 +11,9 @@
 #   bash benchmarks/run_goals_h200.sh adaptive-air OUT  # the same at GLM-4.5-Air width, forced acceptance (SYNTHETIC)
 #   bash benchmarks/run_goals_h200.sh serving-deep OUT  # issue 17: prefix-cache TTFT on 40 of Llama-3-70B's 80 layers
 #   bash benchmarks/run_goals_h200.sh adaptive-inproc OUT # issue 18: the adaptive sweep in-process (deterministic arrival)
+#   bash benchmarks/run_goals_h200.sh adaptive-deep OUT # issue 18: the same with LAYERS (4) target layers, 2 warm-ups
+#   bash benchmarks/run_goals_h200.sh pdl OUT           # issue 18: PDL off / on (block, steps), plain decoding, the
+#                                                  # adaptive engine held at k = 0 / 3 against plain and fixed k3
 #   bash benchmarks/run_goals_h200.sh adaptive-air3 OUT # issue 18: the same, 3 layers, every server up at once, interleaved
 #   bash benchmarks/run_goals_h200.sh adaptive-demo OUT  # issue 18: the demo-model sweep at scale 1, 2 repeats
 #   bash benchmarks/run_goals_h200.sh moe-decode OUT  # issue 18: the new MoE kernels' GPU tests, experts at 1-64
@@ -93,6 +96,23 @@ block)  # issue 18: verify / draft step / MTP block at 1-64 rows as the engine r
   step 200 async_outside python3 benchmarks/bench_async_scheduling.py --batch-sizes 1,64 --layers 8 --breakdown \
       --json "$OUT/async_8l.json"
   step 100 plain_decode python3 benchmarks/bench_plain_decode.py --layers 8 --arms on --json "$OUT/plain.json" ;;
+pdl)  # issue 18 (session 16): programmatic dependent launch off / on, interleaved, the block at 1-16 tokens; plain
+  # decoding and the engine step wall with PDL on (its default since af3121a); the adaptive engine held at k = 0 / 3
+  for pdl in 0 1 0 1; do
+    MTPSPEC_PDL=$pdl step 100 engine_pdl$pdl python3 benchmarks/bench_engine_step.py --graph-mode cuda --layers 3 \
+        --batch-sizes 1,4,16 --profile-kernels --json "$OUT/engine_pdl${pdl}_$RANDOM.json"
+  done
+  step 100 plain_decode python3 benchmarks/bench_plain_decode.py --layers 8 --arms on --json "$OUT/plain.json"
+  python3 benchmarks/make_dummy_model.py /tmp/air3 --preset air-8l --num-hidden-layers 3 --max-position-embeddings 2048 \
+      > /dev/null && step 150 adaptive_fixed_k python3 benchmarks/bench_adaptive_fixed_k.py /tmp/air3 ;;
+adaptive-deep)  # issue 18's adaptive goal in one process with more target layers than 3 (less host-bound), 2 warm-up
+  # rounds; every arm's engine is in this process at once (about 4.6 GB a layer + 7 GB): LAYERS=4 for four arms
+  python3 benchmarks/make_dummy_model.py /tmp/air8 --preset air-8l --num-hidden-layers ${LAYERS:-4} \
+      --max-position-embeddings 2048 || exit 1
+  step ${AIR_TIMEOUT:-560} arms_air8_ip python3 -m mtpspec.entrypoints.cli bench arms --in-process --model /tmp/air8 \
+      --arms ${ARMS:-plain,k1,k3,adaptive} --workloads s1,s8,s64,s256 --repeats ${REPEATS:-3} --warmup-rounds 2 \
+      --no-plots --no-progress --random-prompts --ignore-eos --forced-acceptance rate:0.8 --server-args \
+      "--max-num-seqs 256 --load-format dummy --max-model-len 1024 --dtype bfloat16" --output-dir "$OUT/arms_air8_ip" ;;
 recheck)  # issue 18 after session 14's changes measured only on the CPU: the first draft inside the first pass's
   # graph (wall vs graph sum at batch 1, predicted ~1.01), the LM head through the few-row GEMM, the chunked align
   # (fused block at 64 tokens), the router-logits GEMV (16 tokens), 2 attention launches fewer per layer
