@@ -101,8 +101,9 @@ def main() -> None:
             dec = [x for x in lines if x.split(";")[1].strip().startswith("0 prefill")]
             if rnd:
                 rates[name].append(toks / dur)
-            print(f"round {rnd} {name:12s} {toks / dur:8.0f} tok/s, {dur:.3f} s, {llm.get_metrics()['num_steps']} steps: "
-                  f"{len(pre)} with prompt tokens {_step_ms(pre):.0f} ms, {len(dec)} decode-only {_step_ms(dec):.0f} ms "
+            steps = llm.get_metrics()["num_steps"]
+            print(f"round {rnd} {name:12s} {toks / dur:8.0f} tok/s, {dur:.3f} s, {steps} steps: {len(pre)} with "
+                  f"prompt tokens {_step_ms(pre):.0f} ms, {len(dec)} decode-only {_step_ms(dec):.0f} ms "
                   f"(mean {_step_ms(dec) / max(len(dec), 1):.2f})", flush=True)
     for name, v in rates.items():
         print(f"{name:12s} median {statistics.median(v):8.0f} tok/s, rounds {[round(x) for x in v]}")

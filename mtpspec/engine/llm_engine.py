@@ -380,8 +380,8 @@ class LLMEngine:
 
     def _step_ahead(self) -> List[RequestOutput]:
         """Plain decoding (``k = 0``, or adaptive steps at ``k = 0``) with async scheduling: schedule
-        and launch the next step while the one in flight runs, its decodes one position ahead with their newest token
-        :data:`~mtpspec.engine.scheduler.TOKEN_PENDING` (each rank takes it from the step in flight
+        and launch the next step while the one in flight runs, its decodes one position ahead with
+        their newest token :data:`~mtpspec.engine.scheduler.TOKEN_PENDING` (each rank takes it from the step in flight
         on the device), then apply the step in flight's tokens; returns what finished in it. A
         decode that finishes there (EOS, a stop) had one row in the next step computed for nothing;
         that row is dropped. The step in flight is applied first (no step ahead) when requests wait
