@@ -107,7 +107,7 @@ def test_skinny_kernel_compiles_for_sm90():
 
 
 def test_pdl_kernels_wait_then_release_their_dependents(monkeypatch):
-    """Programmatic dependent launch (MTPSPEC_PDL=1, sm_90+): a LazyKernel(fn, pdl=True) kernel
+    """Programmatic dependent launch (sm_90+ unless MTPSPEC_PDL=0): a LazyKernel(fn, pdl=True) kernel
     compiled with PDL begins with griddepcontrol.wait (its inputs are the previous kernel's
     outputs) and launch_dependents, and has neither without; launches pass PDL and Triton's
     launch_pdl only for compiled kernels with PDL enabled (the interpreter never sees them)."""
@@ -124,6 +124,13 @@ def test_pdl_kernels_wait_then_release_their_dependents(monkeypatch):
     assert off["ptx_griddepcontrol"] == 0 and pdl["ptx_griddepcontrol"] == 2, (off, pdl)
     kernel = skinny_gemm._skinny
     assert kernel.pdl
+    monkeypatch.setattr(triton_utils, "_PDL", [])  # decided once per process: decide again here
+    monkeypatch.setenv("MTPSPEC_PDL", "0")
+    assert triton_utils.pdl_enabled() is False
+    monkeypatch.setattr(triton_utils, "_PDL", [])
+    monkeypatch.delenv("MTPSPEC_PDL")
+    assert triton_utils.pdl_enabled() is (torch.cuda.is_available() and torch.version.hip is None
+                                           and torch.cuda.get_device_capability() >= (9, 0))
     monkeypatch.setattr(triton_utils, "pdl_enabled", lambda: True)
     if triton_utils.interpreter_available():
         monkeypatch.setenv("TRITON_INTERPRET", "1")

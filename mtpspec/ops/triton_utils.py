@@ -75,21 +75,19 @@ def use_triton(t: torch.Tensor, *others: Optional[torch.Tensor]) -> bool:
     return t.device.type == "cpu" and interpreting()
 
 
-_PDL: Dict[int, bool] = {}
+_PDL: List[bool] = []
 
 
 def pdl_enabled() -> bool:
     """Whether kernels built with ``LazyKernel(fn, pdl=True)`` launch as programmatic dependent
     launches (CUDA's PDL: the kernel may start while the one before it in the stream finishes, and
-    waits for it with ``griddepcontrol.wait`` before reading its inputs): a current CUDA (not ROCm)
-    device of compute capability >= 9.0, unless ``MTPSPEC_PDL=0``. Read once per device."""
-    if os.environ.get("MTPSPEC_PDL", "1") == "0" or not torch.cuda.is_available() or torch.version.hip is not None:
-        return False
-    dev = torch.cuda.current_device()
-    on = _PDL.get(dev)
-    if on is None:
-        on = _PDL[dev] = torch.cuda.get_device_capability(dev) >= (9, 0)
-    return on
+    waits for it with ``griddepcontrol.wait`` before reading its inputs): a CUDA (not ROCm) device
+    of compute capability >= 9.0, unless ``MTPSPEC_PDL=0``. Decided once per process, on the
+    current device of the first launch (a process drives one GPU: one rank)."""
+    if not _PDL:
+        on = os.environ.get("MTPSPEC_PDL", "1") != "0" and torch.cuda.is_available() and torch.version.hip is None
+        _PDL.append(bool(on) and torch.cuda.get_device_capability(torch.cuda.current_device()) >= (9, 0))
+    return _PDL[0]
 
 
 class LazyKernel:
