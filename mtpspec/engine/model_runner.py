@@ -372,6 +372,10 @@ class ModelRunner:
         """
         if self.proposer is None:
             return None
+        if p == 0 and inp.k == 0 and inp.next_token_ids is None and tokens.shape[0] == inp.input_ids.shape[0]:
+            # one row per sequence (plain-decoding layout): each row's next id is its sampled token
+            self.proposer.write_kv_only(inp, hidden, tokens[:, 0], None, self.fwd)
+            return None
         new_tok = tokens.gather(1, last_row_tok_index(inp, last_row).unsqueeze(1)).squeeze(1)
         if inp.next_token_ids is not None:
             new_tok = torch.where(inp.next_token_ids >= 0, inp.next_token_ids, new_tok)

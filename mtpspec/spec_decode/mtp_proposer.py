@@ -235,7 +235,7 @@ class MTPProposer(Proposer):
 
     @torch.inference_mode()
     def write_kv_only(self, inp: PreparedStep, target_hidden: torch.Tensor, new_token_ids: torch.Tensor,
-                      last_row_offsets: torch.Tensor, fwd: Optional[DraftForward] = None) -> None:
+                      last_row_offsets: Optional[torch.Tensor], fwd: Optional[DraftForward] = None) -> None:
         """The k = 0 counterpart of :meth:`propose`'s first pass: fill the MTP layers' KV caches at
         every position the target computed in this step, without drafting.
 
@@ -247,10 +247,15 @@ class MTPProposer(Proposer):
         anchor is recorded. No host sync.
 
         Args:
-            inp, target_hidden, new_token_ids, last_row_offsets, fwd: as :meth:`propose`.
+            inp, target_hidden, new_token_ids, last_row_offsets, fwd: as :meth:`propose`;
+                ``last_row_offsets`` ``None``: every sequence has one row, so the first pass's ids
+                are ``new_token_ids`` themselves (a plain-decoding step; no shift, no scatter).
         """
         fwd = fwd if fwd is not None else EagerDraftForward(self.model)
-        ids = self._first_pass_ids(inp, new_token_ids, inp.seg_starts + last_row_offsets)
+        if last_row_offsets is None:
+            ids = new_token_ids
+        else:
+            ids = self._first_pass_ids(inp, new_token_ids, inp.seg_starts + last_row_offsets)
         self._set_share_mode("off")
         for layer in self._used_layers():
             fwd.mtp_kv_only(ids, inp.positions, target_hidden, inp.attn_metadata, layer)

@@ -98,10 +98,11 @@ class Proposer(ABC):
         """
 
     def write_kv_only(self, inp: PreparedStep, target_hidden: torch.Tensor, new_token_ids: torch.Tensor,
-                      last_row_offsets: torch.Tensor, fwd: Optional[DraftForward] = None) -> None:
+                      last_row_offsets: Optional[torch.Tensor], fwd: Optional[DraftForward] = None) -> None:
         """A step that proposes no drafts (adaptive speculation length, ``k = 0``): only what the
         draft model must keep up to date (its KV caches at the step's positions); arguments as
-        :meth:`propose`. Default: nothing."""
+        :meth:`propose`, except that ``last_row_offsets`` is ``None`` when every sequence has one
+        row (then ``new_token_ids`` is one per row). Default: nothing."""
 
     @abstractmethod
     def graph_units(self) -> GraphUnits:
