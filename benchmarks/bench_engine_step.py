@@ -233,8 +233,9 @@ def add_compiled_block(rows: List[Dict[str, Any]], add: Callable[..., None], lay
         add("  block, torch.compile ref", block_compiled, block_floor)
     except Exception as exc:  # noqa: BLE001 - reported as the row's note
         traceback.print_exc()
+        note = f"{type(exc).__name__}: {str(exc).splitlines()[0][:60]}"
         rows.append(dict(batch=b, row="  block, torch.compile ref", eager_ms=None, graph_ms=None, floor_ms=None,
-                         eager_x=None, graph_x=None, graph_note=f"{type(exc).__name__}: {str(exc).splitlines()[0][:60]}"))
+                         eager_x=None, graph_x=None, graph_note=note))
 
 
 def bench_batch(runner: ModelRunner, timer: Timer, b: int, k: int, context: int, bw: float,

@@ -368,7 +368,7 @@ class LLMEngine:
             out.num_proposed_tokens = self.spec_policy.choose(len(out.scheduled), out.num_prefill_tokens, waiting,
                                                               self.scheduler_config.max_num_batched_tokens)
 
-    def _goes_ahead(self, out: SchedulerOutput, step) -> bool:
+    def _goes_ahead(self, out: SchedulerOutput, step: StepInput) -> bool:
         """Whether the next step is scheduled ahead of ``out`` (async scheduling, adaptive speculation
         length): ``out`` verifies and proposes no drafts and holds only decodes whose logits do not
         depend on their outputs, so it is a plain-decoding step, and the next one is built as

@@ -15,8 +15,8 @@
   :func:`store_rounded` (the residual sum rounded once to the dtype and stored; the norm is
   taken of that rounded sum, the residual convention of docs/structures.md) and
   :func:`store_rms_normed` (normalise with a loaded weight, store), :func:`store_rms_norm_rows`
-  (both halves for rows held whole in one block, the weight loaded before the reduction) and :func:`rms_norm_pass2` (the read-back pass of
-  rows longer than one block) for the kernels whose rows live in
+  (both halves for rows held whole in one block, the weight loaded before the reduction) and
+  :func:`rms_norm_pass2` (the read-back pass of rows longer than one block) for the kernels whose rows live in
   ``[rows, stride]`` tensors (``rms_norm`` and the p2p backend).
 - :func:`store_swap_tile`: the epilogue (bias, split-K partial or rounded store) of the swap-AB
   GEMMs (``fp8_gemm``'s FP8 swap kernel and ``skinny_gemm``).

@@ -108,6 +108,7 @@ class StepCostTable:
         for k in self.verify_ms:
             if not self.verify_ms[k] or set(self.verify_ms[k]) != set(self.draft_ms[k]):
                 raise ValueError(f"step cost table: k={k} needs the same batch sizes in verify_ms and draft_ms")
+        self._sizes = {k: sorted(row) for k, row in self.verify_ms.items()}
 
     @property
     def ks(self) -> List[int]:
@@ -124,12 +125,17 @@ class StepCostTable:
         for j in (k, v):
             if j not in self.verify_ms:
                 raise KeyError(f"step cost table has no k={j} (has {self.ks})")
-        return self._at(self.verify_ms[v], batch) + self._at(self.draft_ms[k], batch)
+        return self.verify_ms[v][self.size_for(batch, v)] + self.draft_ms[k][self.size_for(batch, k)]
 
-    @staticmethod
-    def _at(row: Dict[int, float], batch: int) -> float:
-        sizes = sorted(row)
-        return row[next((s for s in sizes if s >= batch), sizes[-1])]
+    def size_for(self, batch: int, k: int = 0) -> int:
+        """The batch size measured for ``k`` that ``batch`` sequences are costed at: the smallest
+        ``>= batch``, else the largest.
+
+        Raises:
+            KeyError: ``k`` not in the table.
+        """
+        sizes = self._sizes[k]
+        return next((s for s in sizes if s >= batch), sizes[-1])
 
     def as_dict(self) -> Dict[str, object]:
         return {"verify_ms": self.verify_ms, "draft_ms": self.draft_ms, "source": self.source}
@@ -347,15 +353,15 @@ class AdaptiveSpecPolicy:
                 best, best_rate = k, rate
         if num_prefill_tokens > 0:
             return best
-        return self._explored(batch, best, best_rate, rate_of)
+        return self._explored(bucket, best, best_rate, rate_of)
 
-    def _explored(self, batch: int, best: int, best_rate: float, rate_of: Dict[int, float]) -> int:
-        """``best``, or for a pure-decode step the ``k`` of an exploration burst (:data:`EXPLORE_EVERY`)."""
+    def _explored(self, bucket: int, best: int, best_rate: float, rate_of: Dict[int, float]) -> int:
+        """``best``, or for a pure-decode step at table batch size ``bucket`` the ``k`` of an
+        exploration burst (:data:`EXPLORE_EVERY`)."""
         self._decode_choices = n = self._decode_choices + 1
-        seen = self._last_chosen.setdefault(self._bucket(batch), {})
+        seen = self._last_chosen.setdefault(bucket, {})
         since = n - self._last_burst
         if not self._explore and since > MIN_FIT_SAMPLES:
-            bucket = self._bucket(batch)
             # a k measured by too few steps at this batch size (unless bursts keep failing to measure it:
             # their samples rejected), else one not proposed here for long: within EXPLORE_MARGIN of
             # the best after EXPLORE_EVERY steps, whatever its rate after STALE_EVERY (one bad burst
@@ -383,8 +389,7 @@ class AdaptiveSpecPolicy:
 
     def _bucket(self, batch: int) -> int:
         """The table's batch size that ``batch`` is costed at (measured host times are kept per bucket)."""
-        sizes = sorted(self.costs.verify_ms[0])
-        return next((b for b in sizes if b >= batch), sizes[-1])
+        return self.costs.size_for(batch)
 
 
 def measure_step_costs(runner, sizes: Optional[Sequence[int]] = None, repeats: int = 5) -> StepCostTable:
