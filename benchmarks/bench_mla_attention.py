@@ -71,6 +71,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--check-seqs", type=int, default=2, help="sequences checked against the torch reference")
     p.add_argument("--sweep", action="store_true", help="time the kernel over launch configurations")
+    p.add_argument("--impls", default="triton,gluon",
+                   help="kernels timed side by side (mla_attention's impl=...; 'gluon' where supported)")
     p.add_argument("--no-compile", action="store_true")
     p.add_argument("--no-sdpa", action="store_true")
     p.add_argument("--out", default=None, help="write the results as JSON here")
@@ -144,13 +146,13 @@ class Case:
     def kernel(self, **cfg: Any) -> Callable[[], torch.Tensor]:
         return lambda: mla.mla_attention(*self.args(), **cfg)
 
-    def check(self, n: int) -> float:
+    def check(self, n: int, **cfg: Any) -> float:
         """Max |kernel - torch reference| over the first ``n`` sequences."""
         n = min(n, self.seq_lens.shape[0])
         rows = n * self.q
         args = (self.q_latent[:rows], self.q_pe[:rows], self.cache, self.query_start_loc[:n + 1], self.seq_lens[:n],
                 self.block_tables[:n], self.scale, self.max_q, self.max_s)
-        got = mla.mla_attention(*args).float()
+        got = mla.mla_attention(*args, **cfg).float()
         ref = mla.mla_attention_ref(*args).float()
         return float((got - ref).abs().max())
 
@@ -267,6 +269,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             row["x_floor"] = row["kernel_ms"] / row["floor_ms"]
             row["kernel_tflops"] = c.flops / (row["kernel_ms"] / 1e3) / 1e12
             row["kernel_gbps"] = (c.latent_bytes + c.io_bytes) / (row["kernel_ms"] / 1e3) / 1e9
+            row["impls"] = {}
+            for impl in [x for x in a.impls.split(",") if x]:
+                try:
+                    err = c.check(a.check_seqs, impl=impl)
+                    ms = time_graph(timer, c.kernel(impl=impl))["ms"]
+                    row["impls"][impl] = dict(ms=ms, x_floor=ms / row["floor_ms"], max_abs_err=err)
+                except Exception as e:  # e.g. gluon on a GPU it does not support
+                    row["impls"][impl] = dict(error=f"{type(e).__name__}: {e}"[:300])
+                print(f"  impl {impl}: {row['impls'][impl]}")
             if a.sweep:
                 rows = sweep(c, timer, a.smoke)
                 ok = [r for r in rows if r.get("ms") is not None]

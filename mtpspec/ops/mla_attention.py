@@ -61,10 +61,12 @@ Dispatch (docs/structures.md): Triton on CUDA tensors and on CPU tensors under
 
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 import torch
 
+from mtpspec.ops import mla_gluon
 from mtpspec.ops.argmax import num_sms
 from mtpspec.ops.kv_quant import check_cache_dtype, dequantize_cache, is_fp8, quantize_to_cache, raw
 from mtpspec.ops.paged_attention import combine_splits
@@ -94,6 +96,9 @@ NUM_WARPS = {16: 4, 32: 8, 64: 8}
 USE_TMA = {16: False, 32: True, 64: True}  # where eligible (16 rows: 1.9x slower with bulk copies)
 TARGET_PROGRAMS_PER_SM = {16: 8, 32: 1, 64: 1}
 NUM_STAGES = 2
+#: 64-pair programs take the warp-specialised Gluon kernel on sm_90 (:mod:`mtpspec.ops.mla_gluon`)
+#: unless ``MTPSPEC_MLA_GLUON=0``.
+USE_GLUON = os.environ.get("MTPSPEC_MLA_GLUON", "1") != "0"
 #: Flash-decoding split limits.
 MAX_SPLITS = 32
 MIN_KEYS_PER_SPLIT = 256
@@ -444,7 +449,8 @@ def mla_attention(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Te
                   scale: float, max_query_len: int, max_seq_len: int, num_splits: Optional[int] = None,
                   block_m: Optional[int] = None, block_n: Optional[int] = None,
                   num_warps: Optional[int] = None, num_stages: Optional[int] = None,
-                  tma: Optional[bool] = None, warp_specialize: bool = False, k_scale: float = 1.0) -> torch.Tensor:
+                  tma: Optional[bool] = None, warp_specialize: bool = False, k_scale: float = 1.0,
+                  impl: Optional[str] = None) -> torch.Tensor:
     """Absorbed MLA attention of a flattened varlen batch against a paged latent cache.
 
     Args:
@@ -465,6 +471,10 @@ def mla_attention(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Te
             :func:`tma_eligible` on a GPU of compute capability >= 9. ``True`` where not eligible raises ValueError.
         warp_specialize: Triton's automatic warp specialization of the bulk-copy loop (tuning).
         k_scale: an fp8 cache's per-layer scale (ignored for other caches).
+        impl: ``"gluon"``: the warp-specialised Hopper kernel of :mod:`mtpspec.ops.mla_gluon` (64-pair
+            programs; ValueError where not :func:`~mtpspec.ops.mla_gluon.supported`); ``"triton"``:
+            this module's kernel; ``None``: the Gluon kernel where the plan has 64-pair programs, it
+            is supported, no launch override is given and ``MTPSPEC_MLA_GLUON`` is not ``0``.
 
     Returns:
         ``o_latent [num_tokens, num_heads, kv_lora_rank]`` in q's dtype; rows at or past
@@ -477,6 +487,13 @@ def mla_attention(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Te
     No host sync, CUDA-graph capturable.
     """
     _check_mla_inputs(q_latent, q_pe, kv_cache, query_start_loc, seq_lens, block_tables, max_query_len)
+    if impl not in (None, "triton", "gluon"):
+        raise ValueError(f"mla_attention: impl must be None, 'triton' or 'gluon', got {impl!r}")
+    gluon_ok = mla_gluon.supported(q_latent, q_pe, kv_cache)
+    if impl == "gluon" and not gluon_ok:
+        raise ValueError("mla_attention: impl='gluon' needs a compute-capability-9 GPU, Triton's Gluon, 16-bit "
+                         f"q and cache of one dtype, kv_lora_rank {mla_gluon.LORA} + rope {mla_gluon.ROPE} and a "
+                         f"contiguous cache whose block_size is a multiple of {mla_gluon.BLOCK_N}")
     if not use_triton(q_latent, q_pe, kv_cache):
         return mla_attention_ref(q_latent, q_pe, kv_cache, query_start_loc, seq_lens, block_tables, scale,
                                  max_query_len, max_seq_len, k_scale)
@@ -508,6 +525,19 @@ def mla_attention(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Te
         return torch.empty_like(q_latent)
     if b == 0 or max_query_len == 0:
         return torch.zeros_like(q_latent)
+    overrides = (block_n, num_warps, num_stages, tma) != (None, None, None, None) or warp_specialize
+    use_gluon = impl == "gluon" or (impl is None and gluon_ok and USE_GLUON and plan["block_m"] == mla_gluon.BLOCK_M
+                                    and not overrides)
+    if use_gluon:
+        plan = mla_attention_plan(b, max_query_len, nh, max_seq_len, num_sms(q_latent.device), num_splits,
+                                  mla_gluon.BLOCK_M)
+        s = plan["num_splits"]
+        out, part_acc, part_ml = split_outputs(q_latent, s, r)
+        mla_gluon.launch(q_latent, q_pe, kv_cache, out, part_acc, part_ml, query_start_loc, seq_lens,
+                         launchable_block_tables(block_tables, b), float(scale) * _LOG2E, plan["row_blocks"], s)
+        if s > 1:
+            combine_splits(out, part_acc, part_ml, query_start_loc, b, s, r, r, False)
+        return out
     out, part_acc, part_ml = split_outputs(q_latent, s, block_l)
     block_tables = launchable_block_tables(block_tables, b)
     stages = NUM_STAGES if num_stages is None else int(num_stages)

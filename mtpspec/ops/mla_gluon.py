@@ -1,0 +1,314 @@
+"""MLA decode / verify attention on Hopper (sm_90): a warp-specialised Gluon kernel.
+
+Same operation, arguments and split-K scratch as :func:`mtpspec.ops.mla_attention.mla_attention`
+(absorbed MLA over the paged latent cache: keys ``[c_kv | k_pe]``, values ``c_kv``; DeepSeek-V3
+paper, sec. 2.1.1), for 64 (query row, head) pairs per program. Issue 14: the Triton kernel's
+64-row programs load a key tile and then run its products one after the other (4.5 us per 64-key
+tile at 16 heads x 4 rows: the sum of the copy time and the tensor-core time), and Triton 3.6 does
+not warp-specialise that loop. Here the roles are split the way FlashMLA splits them (DeepSeek,
+2025; facts only, own code), in three partitions of one program:
+
+* a 1-warp **producer** reads the block table and issues the bulk tensor copies (TMA) of each
+  ``BLOCK_N``-key tile (latent halves ``[BLOCK_N, 256]`` x 2 and rope ``[BLOCK_N, 64]``) into a
+  ring of ``STAGES`` shared-memory slots, each with an mbarrier that completes on the bytes;
+* **warpgroup 0** (the default partition) computes the scores ``S = Q K^T`` (``wgmma``, the
+  query's latent halves and rope part resident in shared memory, each key tile read transposed
+  in place), the causal mask and the online softmax (FlashAttention-2, Dao 2023, Alg. 1, base 2),
+  writes ``P`` (bf16) and the rescale factor ``alpha`` of each row to shared memory for the
+  other warpgroup, and accumulates the left 256 value columns ``O_L = alpha O_L + P V_L``;
+* **warpgroup 1** waits for each ``P``, accumulates the right 256 columns ``O_R = alpha O_R +
+  P V_R`` from the same key tile (the latent is both key and value), and frees the slot.
+
+So the copies of the next tiles run under the products of this one, and the 64 x 512 fp32 output
+accumulator is split across two warpgroups (128 registers a thread each). A tile that ends before
+``BLOCK_N`` (the last of a split) is zeroed past its end in shared memory by warpgroup 0 before
+any product reads it, so stale cache slots never reach ``P V``. Split-K over keys (flash-decoding)
+writes ``(acc, m, l)`` in the scratch layout of :func:`mtpspec.ops.paged_attention.combine_splits`.
+
+Limits (``supported``): CUDA device of compute capability 9.x, Triton with Gluon's Hopper API
+(3.6), 16-bit queries and cache (same dtype), ``kv_lora_rank`` 512 and rope 64 (DeepSeek-V3 /
+GLM-5 sizes), cache ``block_size`` a multiple of ``BLOCK_N``, contiguous cache. Everything else,
+and the CPU (no Gluon interpreter), takes the Triton kernel or the torch reference, which the
+tests compare this kernel against on the GPU.
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:  # Triton >= 3.6 with Gluon's Hopper API; checked against 3.6.0 (the device's)
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
+                                                                   warpgroup_mma, warpgroup_mma_wait)
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonTensorDescriptor
+    # the bulk copy into shared memory: `async_copy_global_to_shared` in 3.6, `async_load` from 3.7 on
+    _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+    HAS_GLUON = True
+except Exception:  # pragma: no cover - older Triton, or none
+    HAS_GLUON = False
+
+#: Keys per tile and ring slots: 3 x 36.9 KB of key tiles + 73.7 KB of query + 8 KB of P fit in
+#: an sm_90 program's 227 KB of shared memory (64-key tiles leave room for two slots only).
+BLOCK_N = 32
+STAGES = 3
+BLOCK_M = 64
+LORA = 512
+ROPE = 64
+HALF = LORA // 2
+#: Registers of the worker partitions (warpgroup 1: its 64 x 256 fp32 accumulator; producer).
+WG1_REGS = 192
+PRODUCER_REGS = 40
+
+
+def supported(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor) -> bool:
+    """Whether :func:`mla_attention_ws` can run these tensors (see the module docstring)."""
+    if not (HAS_GLUON and q_latent.is_cuda and kv_cache.is_cuda):
+        return False
+    if torch.cuda.get_device_capability(q_latent.device)[0] != 9:
+        return False
+    return (q_latent.dtype in (torch.float16, torch.bfloat16) and kv_cache.dtype == q_latent.dtype
+            and q_pe.dtype == q_latent.dtype and q_latent.shape[2] == LORA and q_pe.shape[2] == ROPE
+            and kv_cache.shape[2] == LORA + ROPE and kv_cache.shape[1] % BLOCK_N == 0 and kv_cache.is_contiguous()
+            and kv_cache.data_ptr() % 16 == 0)
+
+
+if HAS_GLUON:
+
+    @gluon.jit
+    def _producer(k0_desc, k1_desc, kr_desc, bt_row, k_lo, n_tiles, kbuf0, kbuf1, kbufr, k_ready, k_free,
+                  BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CACHE_BLOCK: gl.constexpr, HALF: gl.constexpr,
+                  LORA: gl.constexpr):
+        for i in range(n_tiles):
+            s = i % STAGES
+            mbarrier.wait(k_free.index(s), ((i // STAGES) & 1) ^ 1)  # a fresh slot passes at once
+            start = k_lo + i * BLOCK_N
+            blk = gl.load(bt_row + start // CACHE_BLOCK)
+            r0 = blk * CACHE_BLOCK + start % CACHE_BLOCK
+            bar = k_ready.index(s)
+            mbarrier.expect(bar, k0_desc.block_type.nbytes * 2 + kr_desc.block_type.nbytes)
+            _tma_load(k0_desc, [r0, 0], bar, kbuf0.index(s))
+            _tma_load(k1_desc, [r0, HALF], bar, kbuf1.index(s))
+            _tma_load(kr_desc, [r0, LORA], bar, kbufr.index(s))
+
+    @gluon.jit
+    def _store_half(o, m_i, l_i, out_ptr, part_acc_ptr, part_ml_ptr, row, head, row_ok, split, col0,
+                    stride_ot, stride_oh, stride_pt, stride_ph, o_layout: gl.constexpr, SPLIT: gl.constexpr,
+                    WRITE_ML: gl.constexpr, HALF: gl.constexpr, LORA: gl.constexpr):
+        """One warpgroup's 256 output columns: ``o / l`` (or the split's ``acc``, ``m``, ``l``)."""
+        row_l: gl.constexpr = gl.SliceLayout(1, o_layout)
+        col_l: gl.constexpr = gl.SliceLayout(0, o_layout)
+        r = gl.convert_layout(row, row_l)
+        h = gl.convert_layout(head, row_l)
+        ok = gl.convert_layout(row_ok, row_l)
+        cols = col0 + gl.arange(0, HALF, layout=col_l)
+        if SPLIT:
+            pbase = r * stride_pt + h * stride_ph + split
+            gl.store(part_acc_ptr + pbase[:, None] * LORA + cols[None, :], o, mask=ok[:, None])
+            if WRITE_ML:
+                gl.store(part_ml_ptr + 2 * pbase, gl.convert_layout(m_i, row_l), mask=ok)
+                gl.store(part_ml_ptr + 2 * pbase + 1, gl.convert_layout(l_i, row_l), mask=ok)
+        else:
+            ll = gl.convert_layout(l_i, row_l)
+            denom = gl.where(ll > 0, ll, 1.0)
+            val = (o / denom[:, None]).to(out_ptr.dtype.element_ty)
+            gl.store(out_ptr + r[:, None] * stride_ot + h[:, None] * stride_oh + cols[None, :], val, mask=ok[:, None])
+
+    @gluon.jit
+    def _row_info(rb, q_start, q_len, ctx, NUM_HEADS: gl.constexpr, BLOCK_M: gl.constexpr, layout: gl.constexpr):
+        pair = rb * BLOCK_M + gl.arange(0, BLOCK_M, layout=layout)
+        tok = pair // NUM_HEADS
+        head = pair % NUM_HEADS
+        row_ok = tok < q_len
+        return (q_start + tok).to(gl.int64), head, row_ok, ctx + tok
+
+    @gluon.jit
+    def _softmax_wg(qbuf0, qbuf1, qbufr, kbuf0, kbuf1, kbufr, pbuf, abuf, mlbuf, k_ready, k_free, p_ready, p_free,
+                    done, out_ptr, part_acc_ptr, part_ml_ptr, rb, split, q_start, q_len, ctx, k_lo, k_hi, n_tiles,
+                    qk_scale, stride_ot, stride_oh, stride_pt, stride_ph,
+                    NUM_HEADS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                    HALF: gl.constexpr, LORA: gl.constexpr, SPLIT: gl.constexpr):
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, BLOCK_N, 16])
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, HALF, 16])
+        row_l: gl.constexpr = gl.SliceLayout(1, s_layout)
+        col_l: gl.constexpr = gl.SliceLayout(0, s_layout)
+        zl: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+        row, head, row_ok, q_pos = _row_info(rb, q_start, q_len, ctx, NUM_HEADS, BLOCK_M, row_l)
+        m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=row_l)
+        l_i = gl.zeros([BLOCK_M], gl.float32, layout=row_l)
+        o = gl.zeros([BLOCK_M, HALF], gl.float32, layout=o_layout)
+        for i in range(n_tiles):
+            s = i % STAGES
+            mbarrier.wait(k_ready.index(s), (i // STAGES) & 1)
+            start = k_lo + i * BLOCK_N
+            if start + BLOCK_N > k_hi:  # the split's partial last tile: zero its stale value rows
+                keys = start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, zl))
+                keep = (keys < k_hi)[:, None]
+                x0 = kbuf0.index(s).load(zl)
+                kbuf0.index(s).store(gl.where(keep, x0, gl.zeros_like(x0)))
+                x1 = kbuf1.index(s).load(zl)
+                kbuf1.index(s).store(gl.where(keep, x1, gl.zeros_like(x1)))
+                fence_async_shared()
+            sc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
+            sc = warpgroup_mma(qbuf0, kbuf0.index(s).permute((1, 0)), sc, use_acc=False, is_async=True)
+            sc = warpgroup_mma(qbuf1, kbuf1.index(s).permute((1, 0)), sc, is_async=True)
+            sc = warpgroup_mma(qbufr, kbufr.index(s).permute((1, 0)), sc, is_async=True)
+            sc = warpgroup_mma_wait(0, deps=[sc])
+            offs_n = start + gl.arange(0, BLOCK_N, layout=col_l)
+            ok = row_ok[:, None] & (offs_n[None, :] < k_hi) & (offs_n[None, :] <= q_pos[:, None])
+            sc = gl.where(ok, sc * qk_scale, float("-inf"))
+            m_new = gl.maximum(m_i, gl.max(sc, axis=1))
+            m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+            p = gl.exp2(sc - m_safe[:, None])
+            alpha = gl.exp2(m_i - m_safe)
+            l_i = l_i * alpha + gl.sum(p, axis=1)
+            m_i = m_new
+            b = i % 2
+            mbarrier.wait(p_free.index(b), ((i // 2) & 1) ^ 1)
+            pbuf.index(b).store(p.to(pbuf.dtype))
+            abuf.index(b).store(alpha)
+            fence_async_shared()
+            mbarrier.arrive(p_ready.index(b), count=1)
+            o = o * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+            o = warpgroup_mma(pbuf.index(b), kbuf0.index(s), o, is_async=True)
+            o = warpgroup_mma_wait(0, deps=[o])
+            mbarrier.arrive(k_free.index(s), count=1)
+        mlbuf.index(0).store(m_i)
+        mlbuf.index(1).store(l_i)
+        mbarrier.arrive(done, count=1)
+        _store_half(o, m_i, l_i, out_ptr, part_acc_ptr, part_ml_ptr, row, head, row_ok, split, 0, stride_ot,
+                    stride_oh, stride_pt, stride_ph, o_layout, SPLIT, True, HALF, LORA)
+
+    @gluon.jit
+    def _value_wg(kbuf1, pbuf, abuf, mlbuf, k_ready, k_free, p_ready, p_free, done, out_ptr, part_acc_ptr,
+                  part_ml_ptr, rb, split, q_start, q_len, ctx, n_tiles, stride_ot, stride_oh, stride_pt, stride_ph,
+                  NUM_HEADS: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, HALF: gl.constexpr,
+                  LORA: gl.constexpr, SPLIT: gl.constexpr):
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, HALF, 16])
+        row_l: gl.constexpr = gl.SliceLayout(1, o_layout)
+        o = gl.zeros([BLOCK_M, HALF], gl.float32, layout=o_layout)
+        for i in range(n_tiles):
+            s = i % STAGES
+            b = i % 2
+            mbarrier.wait(k_ready.index(s), (i // STAGES) & 1)  # stable: the slot waits for this partition too
+            mbarrier.wait(p_ready.index(b), (i // 2) & 1)
+            alpha = abuf.index(b).load(row_l)
+            o = o * alpha[:, None]
+            o = warpgroup_mma(pbuf.index(b), kbuf1.index(s), o, is_async=True)
+            o = warpgroup_mma_wait(0, deps=[o])
+            mbarrier.arrive(p_free.index(b), count=1)
+            mbarrier.arrive(k_free.index(s), count=1)
+        mbarrier.wait(done, 0)
+        m_i = mlbuf.index(0).load(row_l)
+        l_i = mlbuf.index(1).load(row_l)
+        row, head, row_ok, q_pos = _row_info(rb, q_start, q_len, ctx, NUM_HEADS, BLOCK_M, row_l)
+        _store_half(o, m_i, l_i, out_ptr, part_acc_ptr, part_ml_ptr, row, head, row_ok, split, HALF, stride_ot,
+                    stride_oh, stride_pt, stride_ph, o_layout, SPLIT, False, HALF, LORA)
+
+    @gluon.jit
+    def _mla_ws_kernel(ql_ptr, qp_ptr, k0_desc, k1_desc, kr_desc, out_ptr, part_acc_ptr, part_ml_ptr, qsl_ptr,
+                       seq_lens_ptr, bt_ptr, qk_scale, num_splits, stride_qlt, stride_qlh, stride_qpt, stride_qph,
+                       stride_ot, stride_oh, stride_bt, stride_pt, stride_ph,
+                       NUM_HEADS: gl.constexpr, CACHE_BLOCK: gl.constexpr, SPLIT: gl.constexpr,
+                       BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, HALF: gl.constexpr,
+                       LORA: gl.constexpr, ROPE: gl.constexpr, WG1_REGS: gl.constexpr,
+                       PRODUCER_REGS: gl.constexpr):
+        rb = gl.program_id(0)
+        split = gl.program_id(1)
+        seq = gl.program_id(2)
+        q_start = gl.load(qsl_ptr + seq).to(gl.int32)
+        q_len = gl.load(qsl_ptr + seq + 1).to(gl.int32) - q_start
+        if rb * BLOCK_M >= q_len * NUM_HEADS:  # past this sequence's rows (padding sequences: all)
+            return
+        ctx = gl.load(seq_lens_ptr + seq).to(gl.int32) - q_len
+        n_keys = ctx + gl.minimum(q_len, ((rb + 1) * BLOCK_M - 1) // NUM_HEADS + 1)
+        chunk = gl.cdiv(gl.cdiv(n_keys, num_splits), BLOCK_N) * BLOCK_N
+        k_lo = split * chunk
+        k_hi = gl.minimum(k_lo + chunk, n_keys)
+        n_tiles = gl.maximum(gl.cdiv(k_hi - k_lo, BLOCK_N), 0)
+
+        dtype: gl.constexpr = ql_ptr.dtype.element_ty
+        q_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+        p_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=2 * BLOCK_N, element_bitwidth=16, rank=2)
+        vec_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+        qbuf0 = gl.allocate_shared_memory(dtype, [BLOCK_M, HALF], q_layout)
+        qbuf1 = gl.allocate_shared_memory(dtype, [BLOCK_M, HALF], q_layout)
+        qbufr = gl.allocate_shared_memory(dtype, [BLOCK_M, ROPE], q_layout)
+        kbuf0 = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HALF], k0_desc.layout)
+        kbuf1 = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HALF], k1_desc.layout)
+        kbufr = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, ROPE], kr_desc.layout)
+        pbuf = gl.allocate_shared_memory(dtype, [2, BLOCK_M, BLOCK_N], p_layout)
+        abuf = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M], vec_layout)
+        mlbuf = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M], vec_layout)
+        k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        k_free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        p_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        p_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        done = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(STAGES):
+            mbarrier.init(k_ready.index(i), count=1)
+            mbarrier.init(k_free.index(i), count=2)  # both warpgroups read every slot
+        for i in gl.static_range(2):
+            mbarrier.init(p_ready.index(i), count=1)
+            mbarrier.init(p_free.index(i), count=1)
+        mbarrier.init(done, count=1)
+
+        # the query rows, once: (query row, head) pairs of this block, zero past the sequence's rows
+        ld: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+        pair = rb * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, ld))
+        tok = pair // NUM_HEADS
+        head = pair % NUM_HEADS
+        ok = (tok < q_len)[:, None]
+        row = (q_start + tok).to(gl.int64)
+        cols = gl.arange(0, HALF, layout=gl.SliceLayout(0, ld))
+        ql_rows = ql_ptr + row[:, None] * stride_qlt + head[:, None] * stride_qlh
+        qbuf0.store(gl.load(ql_rows + cols[None, :], mask=ok, other=0.0))
+        qbuf1.store(gl.load(ql_rows + HALF + cols[None, :], mask=ok, other=0.0))
+        rcols = gl.arange(0, ROPE, layout=gl.SliceLayout(0, ld))
+        qbufr.store(gl.load(qp_ptr + row[:, None] * stride_qpt + head[:, None] * stride_qph + rcols[None, :],
+                            mask=ok, other=0.0))
+        fence_async_shared()
+
+        bt_row = bt_ptr + seq.to(gl.int64) * stride_bt
+        gl.warp_specialize([
+            (_softmax_wg, (qbuf0, qbuf1, qbufr, kbuf0, kbuf1, kbufr, pbuf, abuf, mlbuf, k_ready, k_free, p_ready,
+                           p_free, done, out_ptr, part_acc_ptr, part_ml_ptr, rb, split, q_start, q_len, ctx, k_lo,
+                           k_hi, n_tiles, qk_scale, stride_ot, stride_oh, stride_pt, stride_ph, NUM_HEADS, BLOCK_M,
+                           BLOCK_N, STAGES, HALF, LORA, SPLIT)),
+            (_value_wg, (kbuf1, pbuf, abuf, mlbuf, k_ready, k_free, p_ready, p_free, done, out_ptr, part_acc_ptr,
+                         part_ml_ptr, rb, split, q_start, q_len, ctx, n_tiles, stride_ot, stride_oh, stride_pt,
+                         stride_ph, NUM_HEADS, BLOCK_M, STAGES, HALF, LORA, SPLIT)),
+            (_producer, (k0_desc, k1_desc, kr_desc, bt_row, k_lo, n_tiles, kbuf0, kbuf1, kbufr, k_ready, k_free,
+                         BLOCK_N, STAGES, CACHE_BLOCK, HALF, LORA)),
+        ], [4, 1], [WG1_REGS, PRODUCER_REGS])
+
+
+def descriptors(kv_cache: torch.Tensor):
+    """The three bulk-copy descriptors over the cache viewed as ``[blocks * block_size, 576]``:
+    latent halves ``[BLOCK_N, 256]`` (at columns 0 and 256) and rope ``[BLOCK_N, 64]`` (at 512)."""
+    flat = kv_cache.view(-1, kv_cache.shape[2])
+    layout = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+    shape, strides = list(flat.shape), list(flat.stride())
+    return (GluonTensorDescriptor(flat, shape, strides, [BLOCK_N, HALF], layout),
+            GluonTensorDescriptor(flat, shape, strides, [BLOCK_N, HALF], layout),
+            GluonTensorDescriptor(flat, shape, strides, [BLOCK_N, ROPE], layout))
+
+
+def launch(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor,
+           part_acc: torch.Tensor, part_ml: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
+           block_tables: torch.Tensor, qk_scale: float, row_blocks: int, num_splits: int) -> None:
+    """Launch the kernel over ``(row_blocks, num_splits, num_seqs)`` programs (64 pairs each);
+    ``out`` / ``part_acc`` / ``part_ml`` as :func:`mtpspec.ops.paged_common.split_outputs` makes
+    them for ``BLOCK_L = 512``. The caller checked :func:`supported` and runs the combine."""
+    nh = q_latent.shape[1]
+    k0, k1, kr = descriptors(kv_cache)
+    _mla_ws_kernel[(row_blocks, num_splits, seq_lens.shape[0])](
+        q_latent, q_pe, k0, k1, kr, out, part_acc, part_ml, query_start_loc, seq_lens, block_tables, qk_scale,
+        num_splits, q_latent.stride(0), q_latent.stride(1), q_pe.stride(0), q_pe.stride(1), out.stride(0),
+        out.stride(1), block_tables.stride(0), nh * num_splits, num_splits,
+        NUM_HEADS=nh, CACHE_BLOCK=kv_cache.shape[1], SPLIT=num_splits > 1, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
+        STAGES=STAGES, HALF=HALF, LORA=LORA, ROPE=ROPE, WG1_REGS=WG1_REGS, PRODUCER_REGS=PRODUCER_REGS,
+        num_warps=4)

@@ -1,0 +1,150 @@
+"""The warp-specialised Gluon MLA kernel (:mod:`mtpspec.ops.mla_gluon`): against the torch
+reference and the Triton kernel on a Hopper GPU (skipped elsewhere), its dispatch rules on any
+machine, and an ahead-of-time sm_90 compile (no GPU needed) that bounds its shared memory and
+checks that it issues bulk tensor copies, warpgroup MMAs and register reallocation."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from mtpspec.ops import mla_gluon
+from mtpspec.ops.mla_attention import mla_attention, mla_attention_ref
+
+ON_HOPPER = (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9 and mla_gluon.HAS_GLUON)
+
+
+def _problem(heads, q_lens, seq_lens, block_size=64, seed=0, dtype=torch.bfloat16, device="cuda", spare_blocks=3):
+    """Random DeepSeek-V3-size latent cache (512 + 64) with scattered block tables; stale (NaN)
+    slots past every sequence's end, which must never reach the output."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    need = [max(1, -(-s // block_size)) for s in seq_lens]
+    nblocks = sum(need) + spare_blocks
+    cache = torch.full((nblocks, block_size, 576), float("nan"), dtype=dtype)
+    perm = torch.randperm(nblocks, generator=g).tolist()
+    width = max(need)
+    tables = torch.zeros(len(seq_lens), width, dtype=torch.int32)
+    k = 0
+    for i, (n, s) in enumerate(zip(need, seq_lens)):
+        ids = perm[k:k + n]
+        k += n
+        tables[i, :n] = torch.tensor(ids, dtype=torch.int32)
+        for p in range(s):
+            cache[ids[p // block_size], p % block_size] = (torch.randn(576, generator=g) * 0.5).to(dtype)
+    t = sum(q_lens)
+    q_latent = (torch.randn(t, heads, 512, generator=g) * 0.3).to(dtype)
+    q_pe = (torch.randn(t, heads, 64, generator=g) * 0.3).to(dtype)
+    qsl = torch.tensor([0] + list(torch.tensor(q_lens).cumsum(0).tolist()), dtype=torch.int32)
+    to = lambda x: x.to(device)  # noqa: E731
+    return (to(q_latent), to(q_pe), to(cache), to(qsl), to(torch.tensor(seq_lens, dtype=torch.int32)), to(tables),
+            (128 + 64) ** -0.5, max(q_lens), max(max(seq_lens), 1))
+
+
+CASES = [  # heads, query rows per sequence, sequence lengths (partial last tiles, short and long contexts)
+    (16, [4, 4, 4, 4, 4], [100, 37, 4, 333, 64]),
+    (16, [4, 3, 1], [1000, 513, 2]),
+    (128, [1, 1, 1], [33, 257, 1]),
+    (128, [4, 2], [70, 500]),
+    (64, [1, 2, 1, 1], [31, 32, 65, 1500]),
+]
+
+
+@pytest.mark.skipif(not ON_HOPPER, reason="needs a compute-capability-9 GPU and Triton's Gluon")
+@pytest.mark.parametrize("heads,q_lens,seq_lens", CASES)
+@pytest.mark.parametrize("num_splits", [1, 3, None])
+def test_gluon_kernel_matches_reference(heads, q_lens, seq_lens, num_splits) -> None:
+    args = _problem(heads, q_lens, seq_lens)
+    got = mla_attention(*args, num_splits=num_splits, impl="gluon").float()
+    ref = mla_attention_ref(*args).float()
+    tri = mla_attention(*args, num_splits=num_splits, impl="triton").float()
+    assert torch.isfinite(got).all()
+    err, tri_err = (got - ref).abs().max().item(), (tri - ref).abs().max().item()
+    assert err <= max(2 * tri_err, 4e-3), (err, tri_err)
+
+
+@pytest.mark.skipif(not ON_HOPPER, reason="needs a compute-capability-9 GPU and Triton's Gluon")
+def test_gluon_kernel_padding_rows_and_graph_capture() -> None:
+    """Padding sequences (no query rows, length 0) and rows past ``query_start_loc[-1]``; the
+    launch inside a CUDA graph replays to the same result."""
+    q_latent, q_pe, cache, qsl, sl, bt, scale, mq, ms = _problem(16, [4, 4], [77, 300])
+    pad = 3
+    q_latent = torch.cat([q_latent, torch.randn_like(q_latent[:pad])])
+    q_pe = torch.cat([q_pe, torch.randn_like(q_pe[:pad])])
+    qsl = torch.cat([qsl, qsl[-1:]])
+    sl = torch.cat([sl, torch.zeros_like(sl[:1])])
+    bt = torch.cat([bt, torch.zeros_like(bt[:1])])
+    args = (q_latent, q_pe, cache, qsl, sl, bt, scale, mq, ms)
+    ref = mla_attention_ref(*args).float()
+    got = mla_attention(*args, impl="gluon")
+    assert (got[-pad:] == 0).all()
+    assert (got.float() - ref).abs().max().item() < 4e-3
+    out = mla_attention(*args, impl="gluon")
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = mla_attention(*args, impl="gluon")
+    out.zero_()
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, got)
+
+
+def test_dispatch_rules() -> None:
+    """On tensors it cannot run (CPU here, or a non-512 + 64 latent) ``impl="gluon"`` is a clear
+    error; an unknown ``impl`` too; ``None`` falls back silently."""
+    args = _problem(16, [4], [40], device="cpu", dtype=torch.float32)
+    assert not mla_gluon.supported(args[0], args[1], args[2])
+    with pytest.raises(ValueError, match="impl='gluon' needs"):
+        mla_attention(*args, impl="gluon")
+    with pytest.raises(ValueError, match="impl must be"):
+        mla_attention(*args, impl="cuda")
+    torch.testing.assert_close(mla_attention(*args), mla_attention_ref(*args))
+
+
+_COMPILE = r"""
+import json, sys
+from triton.backends.compiler import GPUTarget
+from triton.experimental.gluon._runtime import GluonASTSource
+import triton
+from mtpspec.ops import mla_gluon as m
+lay = m.gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+desc = lambda shape: "tensordesc<bf16[%d, %d],%r>" % (shape[0], shape[1], lay)
+sig = dict(ql_ptr="*bf16", qp_ptr="*bf16", k0_desc=desc([m.BLOCK_N, m.HALF]), k1_desc=desc([m.BLOCK_N, m.HALF]),
+           kr_desc=desc([m.BLOCK_N, m.ROPE]), out_ptr="*bf16", part_acc_ptr="*fp32", part_ml_ptr="*fp32",
+           qsl_ptr="*i32", seq_lens_ptr="*i32", bt_ptr="*i32", qk_scale="fp32", num_splits="i32")
+for n in "stride_qlt stride_qlh stride_qpt stride_qph stride_ot stride_oh stride_bt stride_pt stride_ph".split():
+    sig[n] = "i32"
+out = []
+for heads, split in ((16, True), (128, False)):
+    cx = dict(NUM_HEADS=heads, CACHE_BLOCK=64, SPLIT=split, BLOCK_M=m.BLOCK_M, BLOCK_N=m.BLOCK_N, STAGES=m.STAGES,
+              HALF=m.HALF, LORA=m.LORA, ROPE=m.ROPE, WG1_REGS=m.WG1_REGS, PRODUCER_REGS=m.PRODUCER_REGS)
+    fn = m._mla_ws_kernel
+    full = {k: sig.get(k, "constexpr") for k in fn.arg_names}
+    attrs = {(fn.arg_names.index(k),): [["tt.divisibility", 16]] for k, v in full.items() if v.startswith("*")}
+    ck = triton.compile(GluonASTSource(fn, full, cx, attrs), target=GPUTarget("cuda", 90, 32),
+                        options=dict(num_warps=4))
+    ptx = ck.asm["ptx"]
+    out.append(dict(shared=ck.metadata.shared, wgmma=ptx.count("wgmma.mma_async"),
+                    bulk=ptx.count("cp.async.bulk.tensor"), setmaxnreg=ptx.count("setmaxnreg")))
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.skipif(not mla_gluon.HAS_GLUON, reason="Triton without Gluon's Hopper API")
+def test_gluon_kernel_compiles_for_hopper() -> None:
+    """Ahead-of-time sm_90 compile of the kernel at 16 heads (split) and 128 heads (one split):
+    it fits an sm_90 program's 227 KB of shared memory, and its code has the bulk tensor copies,
+    warpgroup MMAs and per-partition register counts the design depends on."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in [env.get("PYTHONPATH")] if p])
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    proc = subprocess.run([sys.executable, "-c", _COMPILE], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for rep in json.loads(proc.stdout.strip().splitlines()[-1]):
+        assert rep["shared"] <= 227 * 1024, rep
+        assert rep["bulk"] >= 3 and rep["wgmma"] >= 4 and rep["setmaxnreg"] >= 2, rep
