@@ -45,20 +45,21 @@ def _problem(heads, q_lens, seq_lens, block_size=64, seed=0, dtype=torch.bfloat1
             (128 + 64) ** -0.5, max(q_lens), max(max(seq_lens), 1))
 
 
-CASES = [  # heads, query rows per sequence, sequence lengths (partial last tiles, short and long contexts)
+CASES = [  # heads, query rows per sequence, sequence lengths (partial last tiles, short and long contexts), block
     (16, [4, 4, 4, 4, 4], [100, 37, 4, 333, 64]),
     (16, [4, 3, 1], [1000, 513, 2]),
     (128, [1, 1, 1], [33, 257, 1]),
     (128, [4, 2], [70, 500]),
     (64, [1, 2, 1, 1], [31, 32, 65, 1500]),
+    (16, [4, 4, 1], [130, 700, 129], 128),
 ]
 
 
 @pytest.mark.skipif(not ON_HOPPER, reason="needs a compute-capability-9 GPU and Triton's Gluon")
-@pytest.mark.parametrize("heads,q_lens,seq_lens", CASES)
+@pytest.mark.parametrize("case", CASES)
 @pytest.mark.parametrize("num_splits", [1, 3, None])
-def test_gluon_kernel_matches_reference(heads, q_lens, seq_lens, num_splits) -> None:
-    args = _problem(heads, q_lens, seq_lens)
+def test_gluon_kernel_matches_reference(case, num_splits) -> None:
+    args = _problem(*case[:3], block_size=case[3] if len(case) > 3 else 64)
     got = mla_attention(*args, num_splits=num_splits, impl="gluon").float()
     ref = mla_attention_ref(*args).float()
     tri = mla_attention(*args, num_splits=num_splits, impl="triton").float()
@@ -108,9 +109,12 @@ def test_dispatch_rules() -> None:
 _COMPILE = r"""
 import json, sys
 from triton.backends.compiler import GPUTarget
-from triton.experimental.gluon._runtime import GluonASTSource
 import triton
 from mtpspec.ops import mla_gluon as m
+if not m.HAS_GLUON:
+    print(json.dumps({"skip": "Triton without Gluon's Hopper API"}))
+    sys.exit(0)
+from triton.experimental.gluon._runtime import GluonASTSource
 lay = m.gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
 desc = lambda shape: "tensordesc<bf16[%d, %d],%r>" % (shape[0], shape[1], lay)
 sig = dict(ql_ptr="*bf16", qp_ptr="*bf16", k0_desc=desc([m.BLOCK_N, m.HALF]), k1_desc=desc([m.BLOCK_N, m.HALF]),
@@ -121,7 +125,7 @@ for n in "stride_qlt stride_qlh stride_qpt stride_qph stride_ot stride_oh stride
 out = []
 for heads, split in ((16, True), (128, False)):
     cx = dict(NUM_HEADS=heads, CACHE_BLOCK=64, SPLIT=split, BLOCK_M=m.BLOCK_M, BLOCK_N=m.BLOCK_N, STAGES=m.STAGES,
-              HALF=m.HALF, LORA=m.LORA, ROPE=m.ROPE, WG1_REGS=m.WG1_REGS, PRODUCER_REGS=m.PRODUCER_REGS)
+              P_BUFS=m.P_BUFS, HALF=m.HALF, LORA=m.LORA, ROPE=m.ROPE, WG1_REGS=m.WG1_REGS, PRODUCER_REGS=m.PRODUCER_REGS)
     fn = m._mla_ws_kernel
     full = {k: sig.get(k, "constexpr") for k in fn.arg_names}
     attrs = {(fn.arg_names.index(k),): [["tt.divisibility", 16]] for k, v in full.items() if v.startswith("*")}
@@ -134,9 +138,9 @@ print(json.dumps(out))
 """
 
 
-@pytest.mark.skipif(not mla_gluon.HAS_GLUON, reason="Triton without Gluon's Hopper API")
 def test_gluon_kernel_compiles_for_hopper() -> None:
-    """Ahead-of-time sm_90 compile of the kernel at 16 heads (split) and 128 heads (one split):
+    """Ahead-of-time sm_90 compile (a child process, Triton imported without its interpreter) of
+    the kernel at 16 heads (split) and 128 heads (one split):
     it fits an sm_90 program's 227 KB of shared memory, and its code has the bulk tensor copies,
     warpgroup MMAs and per-partition register counts the design depends on."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -145,6 +149,9 @@ def test_gluon_kernel_compiles_for_hopper() -> None:
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
     proc = subprocess.run([sys.executable, "-c", _COMPILE], env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    for rep in json.loads(proc.stdout.strip().splitlines()[-1]):
+    reports = json.loads(proc.stdout.strip().splitlines()[-1])
+    if isinstance(reports, dict):  # this process imports Triton for its interpreter: Gluon checked in the child
+        pytest.skip(reports["skip"])
+    for rep in reports:
         assert rep["shared"] <= 227 * 1024, rep
         assert rep["bulk"] >= 3 and rep["wgmma"] >= 4 and rep["setmaxnreg"] >= 2, rep

@@ -10,12 +10,14 @@ not warp-specialise that loop. Here the roles are split the way FlashMLA splits 
 
 * a 1-warp **producer** reads the block table and issues the bulk tensor copies (TMA) of each
   ``BLOCK_N``-key tile (latent halves ``[BLOCK_N, 256]`` x 2 and rope ``[BLOCK_N, 64]``) into a
-  ring of ``STAGES`` shared-memory slots, each with an mbarrier that completes on the bytes;
+  ring of ``STAGES`` shared-memory slots, each with an mbarrier that completes on the bytes, and
+  refills a slot once both warpgroups are done with it;
 * **warpgroup 0** (the default partition) computes the scores ``S = Q K^T`` (``wgmma``, the
   query's latent halves and rope part resident in shared memory, each key tile read transposed
   in place), the causal mask and the online softmax (FlashAttention-2, Dao 2023, Alg. 1, base 2),
   writes ``P`` (bf16) and the rescale factor ``alpha`` of each row to shared memory for the
-  other warpgroup, and accumulates the left 256 value columns ``O_L = alpha O_L + P V_L``;
+  other warpgroup (``P_BUFS`` buffers), and accumulates the left 256 value columns ``O_L = alpha
+  O_L + P V_L``;
 * **warpgroup 1** waits for each ``P``, accumulates the right 256 columns ``O_R = alpha O_R +
   P V_R`` from the same key tile (the latent is both key and value), and frees the slot.
 
@@ -48,10 +50,13 @@ try:  # Triton >= 3.6 with Gluon's Hopper API; checked against 3.6.0 (the device
 except Exception:  # pragma: no cover - older Triton, or none
     HAS_GLUON = False
 
-#: Keys per tile and ring slots: 3 x 36.9 KB of key tiles + 73.7 KB of query + 8 KB of P fit in
-#: an sm_90 program's 227 KB of shared memory (64-key tiles leave room for two slots only).
-BLOCK_N = 32
-STAGES = 3
+#: Keys per tile, key-tile ring slots and P buffers: 2 x 73.7 KB of 64-key tiles + 73.7 KB of query + one
+#: 8 KB P tile = 225 KB of an sm_90 program's 227 KB. From an H200 sweep (2026-12-04, BENCHMARKS.md):
+#: 64-key tiles (n = 64 score products, half the query re-reads per key of n = 32) beat 32-key tiles
+#: with 3 or 4 slots by 14-27%.
+BLOCK_N = 64
+STAGES = 2
+P_BUFS = 1
 BLOCK_M = 64
 LORA = 512
 ROPE = 64
@@ -62,7 +67,7 @@ PRODUCER_REGS = 40
 
 
 def supported(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor) -> bool:
-    """Whether :func:`mla_attention_ws` can run these tensors (see the module docstring)."""
+    """Whether :func:`launch` can run these tensors (see the module docstring)."""
     if not (HAS_GLUON and q_latent.is_cuda and kv_cache.is_cuda):
         return False
     if torch.cuda.get_device_capability(q_latent.device)[0] != 9:
@@ -127,7 +132,7 @@ if HAS_GLUON:
                     done, out_ptr, part_acc_ptr, part_ml_ptr, rb, split, q_start, q_len, ctx, k_lo, k_hi, n_tiles,
                     qk_scale, stride_ot, stride_oh, stride_pt, stride_ph,
                     NUM_HEADS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                    HALF: gl.constexpr, LORA: gl.constexpr, SPLIT: gl.constexpr):
+                    P_BUFS: gl.constexpr, HALF: gl.constexpr, LORA: gl.constexpr, SPLIT: gl.constexpr):
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, BLOCK_N, 16])
         o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -165,8 +170,8 @@ if HAS_GLUON:
             alpha = gl.exp2(m_i - m_safe)
             l_i = l_i * alpha + gl.sum(p, axis=1)
             m_i = m_new
-            b = i % 2
-            mbarrier.wait(p_free.index(b), ((i // 2) & 1) ^ 1)
+            b = i % P_BUFS
+            mbarrier.wait(p_free.index(b), ((i // P_BUFS) & 1) ^ 1)
             pbuf.index(b).store(p.to(pbuf.dtype))
             abuf.index(b).store(alpha)
             fence_async_shared()
@@ -184,17 +189,17 @@ if HAS_GLUON:
     @gluon.jit
     def _value_wg(kbuf1, pbuf, abuf, mlbuf, k_ready, k_free, p_ready, p_free, done, out_ptr, part_acc_ptr,
                   part_ml_ptr, rb, split, q_start, q_len, ctx, n_tiles, stride_ot, stride_oh, stride_pt, stride_ph,
-                  NUM_HEADS: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, HALF: gl.constexpr,
-                  LORA: gl.constexpr, SPLIT: gl.constexpr):
+                  NUM_HEADS: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, P_BUFS: gl.constexpr,
+                  HALF: gl.constexpr, LORA: gl.constexpr, SPLIT: gl.constexpr):
         o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, HALF, 16])
         row_l: gl.constexpr = gl.SliceLayout(1, o_layout)
         o = gl.zeros([BLOCK_M, HALF], gl.float32, layout=o_layout)
         for i in range(n_tiles):
             s = i % STAGES
-            b = i % 2
+            b = i % P_BUFS
             mbarrier.wait(k_ready.index(s), (i // STAGES) & 1)  # stable: the slot waits for this partition too
-            mbarrier.wait(p_ready.index(b), (i // 2) & 1)
+            mbarrier.wait(p_ready.index(b), (i // P_BUFS) & 1)
             alpha = abuf.index(b).load(row_l)
             o = o * alpha[:, None]
             o = warpgroup_mma(pbuf.index(b), kbuf1.index(s), o, is_async=True)
@@ -213,7 +218,8 @@ if HAS_GLUON:
                        seq_lens_ptr, bt_ptr, qk_scale, num_splits, stride_qlt, stride_qlh, stride_qpt, stride_qph,
                        stride_ot, stride_oh, stride_bt, stride_pt, stride_ph,
                        NUM_HEADS: gl.constexpr, CACHE_BLOCK: gl.constexpr, SPLIT: gl.constexpr,
-                       BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, HALF: gl.constexpr,
+                       BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, P_BUFS: gl.constexpr,
+                       HALF: gl.constexpr,
                        LORA: gl.constexpr, ROPE: gl.constexpr, WG1_REGS: gl.constexpr,
                        PRODUCER_REGS: gl.constexpr):
         rb = gl.program_id(0)
@@ -240,18 +246,18 @@ if HAS_GLUON:
         kbuf0 = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HALF], k0_desc.layout)
         kbuf1 = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HALF], k1_desc.layout)
         kbufr = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, ROPE], kr_desc.layout)
-        pbuf = gl.allocate_shared_memory(dtype, [2, BLOCK_M, BLOCK_N], p_layout)
-        abuf = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M], vec_layout)
+        pbuf = gl.allocate_shared_memory(dtype, [P_BUFS, BLOCK_M, BLOCK_N], p_layout)
+        abuf = gl.allocate_shared_memory(gl.float32, [P_BUFS, BLOCK_M], vec_layout)
         mlbuf = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M], vec_layout)
         k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         k_free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        p_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        p_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        p_ready = gl.allocate_shared_memory(gl.int64, [P_BUFS, 1], mbarrier.MBarrierLayout())
+        p_free = gl.allocate_shared_memory(gl.int64, [P_BUFS, 1], mbarrier.MBarrierLayout())
         done = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         for i in gl.static_range(STAGES):
             mbarrier.init(k_ready.index(i), count=1)
             mbarrier.init(k_free.index(i), count=2)  # both warpgroups read every slot
-        for i in gl.static_range(2):
+        for i in gl.static_range(P_BUFS):
             mbarrier.init(p_ready.index(i), count=1)
             mbarrier.init(p_free.index(i), count=1)
         mbarrier.init(done, count=1)
@@ -277,38 +283,41 @@ if HAS_GLUON:
             (_softmax_wg, (qbuf0, qbuf1, qbufr, kbuf0, kbuf1, kbufr, pbuf, abuf, mlbuf, k_ready, k_free, p_ready,
                            p_free, done, out_ptr, part_acc_ptr, part_ml_ptr, rb, split, q_start, q_len, ctx, k_lo,
                            k_hi, n_tiles, qk_scale, stride_ot, stride_oh, stride_pt, stride_ph, NUM_HEADS, BLOCK_M,
-                           BLOCK_N, STAGES, HALF, LORA, SPLIT)),
+                           BLOCK_N, STAGES, P_BUFS, HALF, LORA, SPLIT)),
             (_value_wg, (kbuf1, pbuf, abuf, mlbuf, k_ready, k_free, p_ready, p_free, done, out_ptr, part_acc_ptr,
                          part_ml_ptr, rb, split, q_start, q_len, ctx, n_tiles, stride_ot, stride_oh, stride_pt,
-                         stride_ph, NUM_HEADS, BLOCK_M, STAGES, HALF, LORA, SPLIT)),
+                         stride_ph, NUM_HEADS, BLOCK_M, STAGES, P_BUFS, HALF, LORA, SPLIT)),
             (_producer, (k0_desc, k1_desc, kr_desc, bt_row, k_lo, n_tiles, kbuf0, kbuf1, kbufr, k_ready, k_free,
                          BLOCK_N, STAGES, CACHE_BLOCK, HALF, LORA)),
         ], [4, 1], [WG1_REGS, PRODUCER_REGS])
 
 
-def descriptors(kv_cache: torch.Tensor):
+def descriptors(kv_cache: torch.Tensor, block_n: int = BLOCK_N):
     """The three bulk-copy descriptors over the cache viewed as ``[blocks * block_size, 576]``:
     latent halves ``[BLOCK_N, 256]`` (at columns 0 and 256) and rope ``[BLOCK_N, 64]`` (at 512)."""
     flat = kv_cache.view(-1, kv_cache.shape[2])
     layout = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
     shape, strides = list(flat.shape), list(flat.stride())
-    return (GluonTensorDescriptor(flat, shape, strides, [BLOCK_N, HALF], layout),
-            GluonTensorDescriptor(flat, shape, strides, [BLOCK_N, HALF], layout),
-            GluonTensorDescriptor(flat, shape, strides, [BLOCK_N, ROPE], layout))
+    return (GluonTensorDescriptor(flat, shape, strides, [block_n, HALF], layout),
+            GluonTensorDescriptor(flat, shape, strides, [block_n, HALF], layout),
+            GluonTensorDescriptor(flat, shape, strides, [block_n, ROPE], layout))
 
 
 def launch(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor,
            part_acc: torch.Tensor, part_ml: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
-           block_tables: torch.Tensor, qk_scale: float, row_blocks: int, num_splits: int) -> None:
+           block_tables: torch.Tensor, qk_scale: float, row_blocks: int, num_splits: int, block_n: int = BLOCK_N,
+           stages: int = STAGES, p_bufs: int = P_BUFS) -> None:
     """Launch the kernel over ``(row_blocks, num_splits, num_seqs)`` programs (64 pairs each);
     ``out`` / ``part_acc`` / ``part_ml`` as :func:`mtpspec.ops.paged_common.split_outputs` makes
-    them for ``BLOCK_L = 512``. The caller checked :func:`supported` and runs the combine."""
+    them for ``BLOCK_L = 512``. The caller checked :func:`supported` and runs the combine.
+    ``block_n`` / ``stages`` / ``p_bufs``: tuning overrides (keys per tile, key-tile ring slots, P
+    buffers); they must fit the 227 KB of shared memory (the compile fails otherwise)."""
     nh = q_latent.shape[1]
-    k0, k1, kr = descriptors(kv_cache)
+    k0, k1, kr = descriptors(kv_cache, block_n)
     _mla_ws_kernel[(row_blocks, num_splits, seq_lens.shape[0])](
         q_latent, q_pe, k0, k1, kr, out, part_acc, part_ml, query_start_loc, seq_lens, block_tables, qk_scale,
         num_splits, q_latent.stride(0), q_latent.stride(1), q_pe.stride(0), q_pe.stride(1), out.stride(0),
         out.stride(1), block_tables.stride(0), nh * num_splits, num_splits,
-        NUM_HEADS=nh, CACHE_BLOCK=kv_cache.shape[1], SPLIT=num_splits > 1, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
-        STAGES=STAGES, HALF=HALF, LORA=LORA, ROPE=ROPE, WG1_REGS=WG1_REGS, PRODUCER_REGS=PRODUCER_REGS,
+        NUM_HEADS=nh, CACHE_BLOCK=kv_cache.shape[1], SPLIT=num_splits > 1, BLOCK_M=BLOCK_M, BLOCK_N=block_n,
+        STAGES=stages, P_BUFS=p_bufs, HALF=HALF, LORA=LORA, ROPE=ROPE, WG1_REGS=WG1_REGS, PRODUCER_REGS=PRODUCER_REGS,
         num_warps=4)
