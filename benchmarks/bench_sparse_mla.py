@@ -73,6 +73,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--check-seqs", type=int, default=2, help="sequences checked against the torch reference")
     p.add_argument("--sweep", action="store_true", help="time the kernels over launch configurations")
+    p.add_argument("--impls", default="triton,gluon",
+                   help="sparse kernels timed side by side (sparse_mla_attention's impl=...; 'gluon' where supported)")
     p.add_argument("--no-compile", action="store_true")
     p.add_argument("--no-dense", action="store_true")
     p.add_argument("--no-indexer", action="store_true")
@@ -167,6 +169,16 @@ def bench_sparse(a, heads: int, q: int, device, dtype, timer: Timer, bw: float, 
     row.update(mem_floor_ms=mem_ms, compute_floor_ms=cmp_ms, floor_ms=max(mem_ms, cmp_ms),
                bound="memory" if mem_ms >= cmp_ms else "compute", x_floor=row["kernel_ms"] / max(mem_ms, cmp_ms),
                unique_floor_ms=max((row["unique_bytes"] + row["io_bytes"]) / bw * 1e3, cmp_ms))
+    row["impls"] = {}
+    for impl in [x for x in a.impls.split(",") if x]:
+        try:
+            err = float((sp.sparse_mla_attention(*args_n, impl=impl).float()
+                         - sp.sparse_mla_attention_ref(*args_n).float()).abs().max())
+            ms = time_graph(timer, lambda: sp.sparse_mla_attention(*args, impl=impl))["ms"]
+            row["impls"][impl] = dict(ms=ms, x_floor=ms / row["floor_ms"], max_abs_err=err)
+        except Exception as e:  # e.g. gluon on a GPU it does not support
+            row["impls"][impl] = dict(error=f"{type(e).__name__}: {e}"[:300])
+        print(f"  impl {impl}: {row['impls'][impl]}", flush=True)
     row["ref_eager_ms"] = timer.eager(lambda: sp.sparse_mla_attention_ref(*args))
     if not a.no_compile:
         row["compile_ref"] = compiled(sp.sparse_mla_attention_ref, args, a.smoke, timer)

@@ -134,15 +134,31 @@ for heads, split in ((16, True), (128, False)):
     ptx = ck.asm["ptx"]
     out.append(dict(shared=ck.metadata.shared, wgmma=ptx.count("wgmma.mma_async"),
                     bulk=ptx.count("cp.async.bulk.tensor"), setmaxnreg=ptx.count("setmaxnreg")))
+fn = m._sparse_mla_ws_kernel  # gathers: 16-byte cp.async (the launch specialises the 16-divisible strides)
+sig = dict(ql_ptr="*bf16", qp_ptr="*bf16", kv_ptr="*bf16", slots_ptr="*i32", out_ptr="*bf16", part_acc_ptr="*fp32",
+           part_ml_ptr="*fp32", qk_scale="fp32", num_topk="i32", n_slots="i32", num_splits="i32")
+div = "stride_qlt stride_qlh stride_qpt stride_qph stride_kb stride_ks stride_ot stride_oh".split()
+for n in div + "stride_st stride_pt stride_ph".split():
+    sig[n] = "i32"
+cx = dict(NUM_HEADS=128, CACHE_BLOCK=64, SPLIT=True, BLOCK_M=m.BLOCK_M, BLOCK_N=m.SPARSE_BLOCK_N,
+          STAGES=m.SPARSE_STAGES, P_BUFS=m.SPARSE_P_BUFS, HALF=m.HALF, LORA=m.LORA, ROPE=m.ROPE,
+          WG1_REGS=m.SPARSE_WG1_REGS, PRODUCER_REGS=m.SPARSE_PRODUCER_REGS)
+full = {k: sig.get(k, "constexpr") for k in fn.arg_names}
+attrs = {(fn.arg_names.index(k),): [["tt.divisibility", 16]] for k, v in full.items() if v.startswith("*") or k in div}
+ck = triton.compile(GluonASTSource(fn, full, cx, attrs), target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
+ptx = ck.asm["ptx"]
+out.append(dict(shared=ck.metadata.shared, wgmma=ptx.count("wgmma.mma_async"), bulk=ptx.count("cp.async.cg"),
+                setmaxnreg=ptx.count("setmaxnreg")))
 print(json.dumps(out))
 """
 
 
 def test_gluon_kernel_compiles_for_hopper() -> None:
     """Ahead-of-time sm_90 compile (a child process, Triton imported without its interpreter) of
-    the kernel at 16 heads (split) and 128 heads (one split):
-    it fits an sm_90 program's 227 KB of shared memory, and its code has the bulk tensor copies,
-    warpgroup MMAs and per-partition register counts the design depends on."""
+    the dense kernel at 16 heads (split) and 128 heads (one split) and the sparse one at 128 heads:
+    each fits an sm_90 program's 227 KB of shared memory, and its code has the copies (bulk tensor
+    copies dense, 16-byte ``cp.async`` gathers sparse), warpgroup MMAs and per-partition register
+    counts the design depends on."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in [env.get("PYTHONPATH")] if p])
@@ -155,3 +171,49 @@ def test_gluon_kernel_compiles_for_hopper() -> None:
     for rep in reports:
         assert rep["shared"] <= 227 * 1024, rep
         assert rep["bulk"] >= 3 and rep["wgmma"] >= 4 and rep["setmaxnreg"] >= 2, rep
+
+
+def _sparse_problem(heads, tokens, topk, seed=0, block_size=64, nblocks=40, device="cuda"):
+    """A latent cache with NaN in every slot no row selects; per token row ``topk`` distinct
+    selected slots with unused entries (-1, and ids past the cache) at the end and in between."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    n = nblocks * block_size
+    cache = torch.full((nblocks, block_size, 576), float("nan"), dtype=torch.bfloat16)
+    slots = torch.full((tokens, topk), -1, dtype=torch.int32)
+    for t in range(tokens):
+        valid = int(torch.randint(1, topk + 1, (1,), generator=g)) if t else topk  # row 0: every entry used
+        slots[t, :valid] = torch.randperm(n, generator=g)[:valid].to(torch.int32)
+        if valid > 3:
+            slots[t, 1] = -1
+            slots[t, 2] = n + 5  # past the cache: unused too
+    used = slots[(slots >= 0) & (slots < n)].long().unique()
+    cache.view(-1, 576)[used] = (torch.randn(len(used), 576, generator=g) * 0.5).to(torch.bfloat16)
+    q_latent = (torch.randn(tokens, heads, 512, generator=g) * 0.3).to(torch.bfloat16)
+    q_pe = (torch.randn(tokens, heads, 64, generator=g) * 0.3).to(torch.bfloat16)
+    return q_latent.to(device), q_pe.to(device), cache.to(device), slots.to(device), (128 + 64) ** -0.5
+
+
+@pytest.mark.skipif(not ON_HOPPER, reason="needs a compute-capability-9 GPU and Triton's Gluon")
+@pytest.mark.parametrize("heads,tokens,topk", [(128, 3, 300), (64, 2, 2048), (16, 4, 100), (128, 1, 64)])
+@pytest.mark.parametrize("num_splits", [1, 3, None])
+def test_gluon_sparse_kernel_matches_reference(heads, tokens, topk, num_splits) -> None:
+    from mtpspec.ops.sparse_mla_attention import sparse_mla_attention, sparse_mla_attention_ref
+    args = _sparse_problem(heads, tokens, topk)
+    got = sparse_mla_attention(*args, num_splits=num_splits, impl="gluon").float()
+    ref = sparse_mla_attention_ref(*args).float()
+    tri = sparse_mla_attention(*args, num_splits=num_splits, impl="triton").float()
+    assert torch.isfinite(got).all()
+    err, tri_err = (got - ref).abs().max().item(), (tri - ref).abs().max().item()
+    assert err <= max(2 * tri_err, 4e-3), (err, tri_err)
+
+
+def test_sparse_dispatch_rules() -> None:
+    from mtpspec.ops.sparse_mla_attention import sparse_mla_attention, sparse_mla_attention_ref
+    args = _sparse_problem(16, 2, 20, nblocks=2, device="cpu")
+    args = (args[0].float(), args[1].float(), torch.nan_to_num(args[2].float()), args[3], args[4])
+    assert not mla_gluon.sparse_supported(*args[:4])
+    with pytest.raises(ValueError, match="impl='gluon' needs"):
+        sparse_mla_attention(*args, impl="gluon")
+    with pytest.raises(ValueError, match="impl must be"):
+        sparse_mla_attention(*args, impl="tma")
+    torch.testing.assert_close(sparse_mla_attention(*args), sparse_mla_attention_ref(*args))

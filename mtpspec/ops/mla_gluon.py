@@ -36,16 +36,20 @@ tests compare this kernel against on the GPU.
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 try:  # Triton >= 3.6 with Gluon's Hopper API; checked against 3.6.0 (the device's)
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
     from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
                                                                    warpgroup_mma, warpgroup_mma_wait)
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonTensorDescriptor
-    # the bulk copy into shared memory: `async_copy_global_to_shared` in 3.6, `async_load` from 3.7 on
+    # the copies into shared memory: `async_copy_global_to_shared` in 3.6, `async_load` in later releases
     _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+    _cp_async = getattr(cp, "async_load", None) or cp.async_copy_global_to_shared
     HAS_GLUON = True
 except Exception:  # pragma: no cover - older Triton, or none
     HAS_GLUON = False
@@ -61,9 +65,19 @@ BLOCK_M = 64
 LORA = 512
 ROPE = 64
 HALF = LORA // 2
-#: Registers of the worker partitions (warpgroup 1: its 64 x 256 fp32 accumulator; producer).
+#: Registers a thread of the worker partitions (warpgroup 1: its 64 x 256 fp32 accumulator; the
+#: producer: 1 TMA warp dense, a 4-warp gathering warpgroup sparse); warpgroup 0 gets the rest of the
+#: 64 K (ptxas compiles each partition to its count: sparse with 192 / 40 spilled 316 bytes).
 WG1_REGS = 192
 PRODUCER_REGS = 40
+SPARSE_WG1_REGS = 168
+SPARSE_PRODUCER_REGS = 112
+#: Sparse launch shape (H200 sweep, 2026-12-04): the gathers are latency-bound, so more tiles in
+#: flight win over the denser score products: 32-key tiles, 4 slots, 2 P buffers (229 KB) beat the
+#: dense default by 10-11% at 128 heads (16 heads: equal).
+SPARSE_BLOCK_N = 32
+SPARSE_STAGES = 4
+SPARSE_P_BUFS = 2
 
 
 def supported(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor) -> bool:
@@ -120,19 +134,24 @@ if HAS_GLUON:
             gl.store(out_ptr + r[:, None] * stride_ot + h[:, None] * stride_oh + cols[None, :], val, mask=ok[:, None])
 
     @gluon.jit
-    def _row_info(rb, q_start, q_len, ctx, NUM_HEADS: gl.constexpr, BLOCK_M: gl.constexpr, layout: gl.constexpr):
-        pair = rb * BLOCK_M + gl.arange(0, BLOCK_M, layout=layout)
-        tok = pair // NUM_HEADS
-        head = pair % NUM_HEADS
-        row_ok = tok < q_len
-        return (q_start + tok).to(gl.int64), head, row_ok, ctx + tok
+    def _row_info(rb, q_start, q_len, ctx, NUM_HEADS: gl.constexpr, BLOCK_M: gl.constexpr, SPARSE: gl.constexpr,
+                  layout: gl.constexpr):
+        """``(token row, head, row ok, query position)`` of a program's ``BLOCK_M`` matrix rows: dense,
+        (query row, head) pairs ``rb * BLOCK_M + r`` of a sequence's ``q_len`` rows (row-major);
+        sparse, heads ``rb * BLOCK_M + r`` of token row ``q_start``."""
+        r = rb * BLOCK_M + gl.arange(0, BLOCK_M, layout=layout)
+        if SPARSE:
+            return (r * 0 + q_start).to(gl.int64), r, r < NUM_HEADS, r * 0
+        tok = r // NUM_HEADS
+        return (q_start + tok).to(gl.int64), r % NUM_HEADS, tok < q_len, ctx + tok
 
     @gluon.jit
     def _softmax_wg(qbuf0, qbuf1, qbufr, kbuf0, kbuf1, kbufr, pbuf, abuf, mlbuf, k_ready, k_free, p_ready, p_free,
-                    done, out_ptr, part_acc_ptr, part_ml_ptr, rb, split, q_start, q_len, ctx, k_lo, k_hi, n_tiles,
-                    qk_scale, stride_ot, stride_oh, stride_pt, stride_ph,
+                    done, out_ptr, part_acc_ptr, part_ml_ptr, slots_row, n_slots, rb, split, q_start, q_len, ctx,
+                    k_lo, k_hi, n_tiles, qk_scale, stride_ot, stride_oh, stride_pt, stride_ph,
                     NUM_HEADS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                    P_BUFS: gl.constexpr, HALF: gl.constexpr, LORA: gl.constexpr, SPLIT: gl.constexpr):
+                    P_BUFS: gl.constexpr, HALF: gl.constexpr, LORA: gl.constexpr, SPLIT: gl.constexpr,
+                    SPARSE: gl.constexpr):
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, BLOCK_N, 16])
         o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -140,7 +159,7 @@ if HAS_GLUON:
         row_l: gl.constexpr = gl.SliceLayout(1, s_layout)
         col_l: gl.constexpr = gl.SliceLayout(0, s_layout)
         zl: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
-        row, head, row_ok, q_pos = _row_info(rb, q_start, q_len, ctx, NUM_HEADS, BLOCK_M, row_l)
+        row, head, row_ok, q_pos = _row_info(rb, q_start, q_len, ctx, NUM_HEADS, BLOCK_M, SPARSE, row_l)
         m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=row_l)
         l_i = gl.zeros([BLOCK_M], gl.float32, layout=row_l)
         o = gl.zeros([BLOCK_M, HALF], gl.float32, layout=o_layout)
@@ -148,7 +167,7 @@ if HAS_GLUON:
             s = i % STAGES
             mbarrier.wait(k_ready.index(s), (i // STAGES) & 1)
             start = k_lo + i * BLOCK_N
-            if start + BLOCK_N > k_hi:  # the split's partial last tile: zero its stale value rows
+            if not SPARSE and start + BLOCK_N > k_hi:  # a split's partial last tile: zero its stale value rows
                 keys = start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, zl))
                 keep = (keys < k_hi)[:, None]
                 x0 = kbuf0.index(s).load(zl)
@@ -162,7 +181,11 @@ if HAS_GLUON:
             sc = warpgroup_mma(qbufr, kbufr.index(s).permute((1, 0)), sc, is_async=True)
             sc = warpgroup_mma_wait(0, deps=[sc])
             offs_n = start + gl.arange(0, BLOCK_N, layout=col_l)
-            ok = row_ok[:, None] & (offs_n[None, :] < k_hi) & (offs_n[None, :] <= q_pos[:, None])
+            if SPARSE:  # the selection is the mask (the gather zero-filled unused entries' rows)
+                slot = gl.load(slots_row + offs_n, mask=offs_n < k_hi, other=-1)
+                ok = row_ok[:, None] & ((slot >= 0) & (slot < n_slots))[None, :]
+            else:
+                ok = row_ok[:, None] & (offs_n[None, :] < k_hi) & (offs_n[None, :] <= q_pos[:, None])
             sc = gl.where(ok, sc * qk_scale, float("-inf"))
             m_new = gl.maximum(m_i, gl.max(sc, axis=1))
             m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
@@ -190,7 +213,7 @@ if HAS_GLUON:
     def _value_wg(kbuf1, pbuf, abuf, mlbuf, k_ready, k_free, p_ready, p_free, done, out_ptr, part_acc_ptr,
                   part_ml_ptr, rb, split, q_start, q_len, ctx, n_tiles, stride_ot, stride_oh, stride_pt, stride_ph,
                   NUM_HEADS: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, P_BUFS: gl.constexpr,
-                  HALF: gl.constexpr, LORA: gl.constexpr, SPLIT: gl.constexpr):
+                  HALF: gl.constexpr, LORA: gl.constexpr, SPLIT: gl.constexpr, SPARSE: gl.constexpr):
         o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, HALF, 16])
         row_l: gl.constexpr = gl.SliceLayout(1, o_layout)
@@ -209,43 +232,67 @@ if HAS_GLUON:
         mbarrier.wait(done, 0)
         m_i = mlbuf.index(0).load(row_l)
         l_i = mlbuf.index(1).load(row_l)
-        row, head, row_ok, q_pos = _row_info(rb, q_start, q_len, ctx, NUM_HEADS, BLOCK_M, row_l)
+        row, head, row_ok, q_pos = _row_info(rb, q_start, q_len, ctx, NUM_HEADS, BLOCK_M, SPARSE, row_l)
         _store_half(o, m_i, l_i, out_ptr, part_acc_ptr, part_ml_ptr, row, head, row_ok, split, HALF, stride_ot,
                     stride_oh, stride_pt, stride_ph, o_layout, SPLIT, False, HALF, LORA)
 
     @gluon.jit
-    def _mla_ws_kernel(ql_ptr, qp_ptr, k0_desc, k1_desc, kr_desc, out_ptr, part_acc_ptr, part_ml_ptr, qsl_ptr,
-                       seq_lens_ptr, bt_ptr, qk_scale, num_splits, stride_qlt, stride_qlh, stride_qpt, stride_qph,
-                       stride_ot, stride_oh, stride_bt, stride_pt, stride_ph,
-                       NUM_HEADS: gl.constexpr, CACHE_BLOCK: gl.constexpr, SPLIT: gl.constexpr,
-                       BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, P_BUFS: gl.constexpr,
-                       HALF: gl.constexpr,
-                       LORA: gl.constexpr, ROPE: gl.constexpr, WG1_REGS: gl.constexpr,
-                       PRODUCER_REGS: gl.constexpr):
-        rb = gl.program_id(0)
-        split = gl.program_id(1)
-        seq = gl.program_id(2)
-        q_start = gl.load(qsl_ptr + seq).to(gl.int32)
-        q_len = gl.load(qsl_ptr + seq + 1).to(gl.int32) - q_start
-        if rb * BLOCK_M >= q_len * NUM_HEADS:  # past this sequence's rows (padding sequences: all)
-            return
-        ctx = gl.load(seq_lens_ptr + seq).to(gl.int32) - q_len
-        n_keys = ctx + gl.minimum(q_len, ((rb + 1) * BLOCK_M - 1) // NUM_HEADS + 1)
-        chunk = gl.cdiv(gl.cdiv(n_keys, num_splits), BLOCK_N) * BLOCK_N
-        k_lo = split * chunk
-        k_hi = gl.minimum(k_lo + chunk, n_keys)
-        n_tiles = gl.maximum(gl.cdiv(k_hi - k_lo, BLOCK_N), 0)
+    def _gather_producer(kv_ptr, slots_row, n_slots, k_lo, k_hi, n_tiles, kbuf0, kbuf1, kbufr, k_ready, k_free,
+                         stride_kb, stride_ks, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                         CACHE_BLOCK: gl.constexpr, HALF: gl.constexpr, LORA: gl.constexpr, ROPE: gl.constexpr):
+        """Sparse: a 4-warp producer gathers each tile's selected cache rows (16-byte ``cp.async``,
+        unused entries and entries past the split zero-filled) and completes ``k_ready`` of a tile
+        once its copies are in shared memory (one tile in flight behind the one being issued)."""
+        big: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])
+        small: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+        cols = gl.arange(0, HALF, layout=gl.SliceLayout(0, big))
+        rcols = gl.arange(0, ROPE, layout=gl.SliceLayout(0, small))
+        for i in range(n_tiles):
+            s = i % STAGES
+            mbarrier.wait(k_free.index(s), ((i // STAGES) & 1) ^ 1)
+            offs = k_lo + i * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, big))
+            slot = gl.load(slots_row + offs, mask=offs < k_hi, other=-1).to(gl.int64)
+            ok = (slot >= 0) & (slot < n_slots)
+            base = gl.where(ok, (slot // CACHE_BLOCK) * stride_kb + (slot % CACHE_BLOCK) * stride_ks, 0)
+            base = gl.multiple_of(base, 8)  # rows 16-byte aligned (sparse_supported): 16-byte copies
+            _cp_async(kbuf0.index(s), kv_ptr + base[:, None] + cols[None, :], mask=ok[:, None])
+            _cp_async(kbuf1.index(s), kv_ptr + base[:, None] + HALF + cols[None, :],
+                                           mask=ok[:, None])
+            base_r = gl.convert_layout(base, gl.SliceLayout(1, small))
+            ok_r = gl.convert_layout(ok, gl.SliceLayout(1, small))
+            _cp_async(kbufr.index(s), kv_ptr + base_r[:, None] + LORA + rcols[None, :],
+                                           mask=ok_r[:, None])
+            cp.commit_group()
+            if i > 0:
+                cp.wait_group(1)
+                fence_async_shared()
+                mbarrier.arrive(k_ready.index((i - 1) % STAGES), count=1)
+        if n_tiles > 0:
+            cp.wait_group(0)
+            fence_async_shared()
+            mbarrier.arrive(k_ready.index((n_tiles - 1) % STAGES), count=1)
 
+    @gluon.jit
+    def _attend(ql_ptr, qp_ptr, k0_desc, k1_desc, kr_desc, kv_ptr, slots_row, n_slots, bt_row, out_ptr, part_acc_ptr,
+                part_ml_ptr, rb, split, q_start, q_len, ctx, k_lo, k_hi, qk_scale, stride_qlt, stride_qlh, stride_qpt,
+                stride_qph, stride_kb, stride_ks, stride_ot, stride_oh, stride_pt, stride_ph,
+                NUM_HEADS: gl.constexpr, CACHE_BLOCK: gl.constexpr, SPLIT: gl.constexpr, SPARSE: gl.constexpr,
+                BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, P_BUFS: gl.constexpr,
+                HALF: gl.constexpr, LORA: gl.constexpr, ROPE: gl.constexpr, WG1_REGS: gl.constexpr,
+                PRODUCER_REGS: gl.constexpr):
+        """One program over keys ``[k_lo, k_hi)`` (dense: cache positions; sparse: entries of the
+        token row's selection): shared memory, barriers, the query rows, then the partitions."""
+        n_tiles = gl.maximum(gl.cdiv(k_hi - k_lo, BLOCK_N), 0)
         dtype: gl.constexpr = ql_ptr.dtype.element_ty
-        q_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+        nvmma: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
         p_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=2 * BLOCK_N, element_bitwidth=16, rank=2)
         vec_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
-        qbuf0 = gl.allocate_shared_memory(dtype, [BLOCK_M, HALF], q_layout)
-        qbuf1 = gl.allocate_shared_memory(dtype, [BLOCK_M, HALF], q_layout)
-        qbufr = gl.allocate_shared_memory(dtype, [BLOCK_M, ROPE], q_layout)
-        kbuf0 = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HALF], k0_desc.layout)
-        kbuf1 = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HALF], k1_desc.layout)
-        kbufr = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, ROPE], kr_desc.layout)
+        qbuf0 = gl.allocate_shared_memory(dtype, [BLOCK_M, HALF], nvmma)
+        qbuf1 = gl.allocate_shared_memory(dtype, [BLOCK_M, HALF], nvmma)
+        qbufr = gl.allocate_shared_memory(dtype, [BLOCK_M, ROPE], nvmma)
+        kbuf0 = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HALF], nvmma)
+        kbuf1 = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HALF], nvmma)
+        kbufr = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, ROPE], nvmma)
         pbuf = gl.allocate_shared_memory(dtype, [P_BUFS, BLOCK_M, BLOCK_N], p_layout)
         abuf = gl.allocate_shared_memory(gl.float32, [P_BUFS, BLOCK_M], vec_layout)
         mlbuf = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M], vec_layout)
@@ -262,13 +309,11 @@ if HAS_GLUON:
             mbarrier.init(p_free.index(i), count=1)
         mbarrier.init(done, count=1)
 
-        # the query rows, once: (query row, head) pairs of this block, zero past the sequence's rows
+        # the query rows, once (zero past the program's real rows)
         ld: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
-        pair = rb * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, ld))
-        tok = pair // NUM_HEADS
-        head = pair % NUM_HEADS
-        ok = (tok < q_len)[:, None]
-        row = (q_start + tok).to(gl.int64)
+        row, head, row_ok, q_pos = _row_info(rb, q_start, q_len, ctx, NUM_HEADS, BLOCK_M, SPARSE,
+                                             gl.SliceLayout(1, ld))
+        ok = row_ok[:, None]
         cols = gl.arange(0, HALF, layout=gl.SliceLayout(0, ld))
         ql_rows = ql_ptr + row[:, None] * stride_qlt + head[:, None] * stride_qlh
         qbuf0.store(gl.load(ql_rows + cols[None, :], mask=ok, other=0.0))
@@ -278,18 +323,78 @@ if HAS_GLUON:
                             mask=ok, other=0.0))
         fence_async_shared()
 
-        bt_row = bt_ptr + seq.to(gl.int64) * stride_bt
-        gl.warp_specialize([
-            (_softmax_wg, (qbuf0, qbuf1, qbufr, kbuf0, kbuf1, kbufr, pbuf, abuf, mlbuf, k_ready, k_free, p_ready,
-                           p_free, done, out_ptr, part_acc_ptr, part_ml_ptr, rb, split, q_start, q_len, ctx, k_lo,
-                           k_hi, n_tiles, qk_scale, stride_ot, stride_oh, stride_pt, stride_ph, NUM_HEADS, BLOCK_M,
-                           BLOCK_N, STAGES, P_BUFS, HALF, LORA, SPLIT)),
-            (_value_wg, (kbuf1, pbuf, abuf, mlbuf, k_ready, k_free, p_ready, p_free, done, out_ptr, part_acc_ptr,
-                         part_ml_ptr, rb, split, q_start, q_len, ctx, n_tiles, stride_ot, stride_oh, stride_pt,
-                         stride_ph, NUM_HEADS, BLOCK_M, STAGES, P_BUFS, HALF, LORA, SPLIT)),
-            (_producer, (k0_desc, k1_desc, kr_desc, bt_row, k_lo, n_tiles, kbuf0, kbuf1, kbufr, k_ready, k_free,
-                         BLOCK_N, STAGES, CACHE_BLOCK, HALF, LORA)),
-        ], [4, 1], [WG1_REGS, PRODUCER_REGS])
+        if SPARSE:
+            gl.warp_specialize([
+                (_softmax_wg, (qbuf0, qbuf1, qbufr, kbuf0, kbuf1, kbufr, pbuf, abuf, mlbuf, k_ready, k_free, p_ready,
+                               p_free, done, out_ptr, part_acc_ptr, part_ml_ptr, slots_row, n_slots, rb, split,
+                               q_start, q_len, ctx, k_lo, k_hi, n_tiles, qk_scale, stride_ot, stride_oh, stride_pt,
+                               stride_ph, NUM_HEADS, BLOCK_M, BLOCK_N, STAGES, P_BUFS, HALF, LORA, SPLIT, SPARSE)),
+                (_value_wg, (kbuf1, pbuf, abuf, mlbuf, k_ready, k_free, p_ready, p_free, done, out_ptr, part_acc_ptr,
+                             part_ml_ptr, rb, split, q_start, q_len, ctx, n_tiles, stride_ot, stride_oh, stride_pt,
+                             stride_ph, NUM_HEADS, BLOCK_M, STAGES, P_BUFS, HALF, LORA, SPLIT, SPARSE)),
+                (_gather_producer, (kv_ptr, slots_row, n_slots, k_lo, k_hi, n_tiles, kbuf0, kbuf1, kbufr, k_ready,
+                                    k_free, stride_kb, stride_ks, BLOCK_N, STAGES, CACHE_BLOCK, HALF, LORA, ROPE)),
+            ], [4, 4], [WG1_REGS, PRODUCER_REGS])
+        else:
+            gl.warp_specialize([
+                (_softmax_wg, (qbuf0, qbuf1, qbufr, kbuf0, kbuf1, kbufr, pbuf, abuf, mlbuf, k_ready, k_free, p_ready,
+                               p_free, done, out_ptr, part_acc_ptr, part_ml_ptr, slots_row, n_slots, rb, split,
+                               q_start, q_len, ctx, k_lo, k_hi, n_tiles, qk_scale, stride_ot, stride_oh, stride_pt,
+                               stride_ph, NUM_HEADS, BLOCK_M, BLOCK_N, STAGES, P_BUFS, HALF, LORA, SPLIT, SPARSE)),
+                (_value_wg, (kbuf1, pbuf, abuf, mlbuf, k_ready, k_free, p_ready, p_free, done, out_ptr, part_acc_ptr,
+                             part_ml_ptr, rb, split, q_start, q_len, ctx, n_tiles, stride_ot, stride_oh, stride_pt,
+                             stride_ph, NUM_HEADS, BLOCK_M, STAGES, P_BUFS, HALF, LORA, SPLIT, SPARSE)),
+                (_producer, (k0_desc, k1_desc, kr_desc, bt_row, k_lo, n_tiles, kbuf0, kbuf1, kbufr, k_ready, k_free,
+                             BLOCK_N, STAGES, CACHE_BLOCK, HALF, LORA)),
+            ], [4, 1], [WG1_REGS, PRODUCER_REGS])
+
+    @gluon.jit
+    def _mla_ws_kernel(ql_ptr, qp_ptr, k0_desc, k1_desc, kr_desc, out_ptr, part_acc_ptr, part_ml_ptr, qsl_ptr,
+                       seq_lens_ptr, bt_ptr, qk_scale, num_splits, stride_qlt, stride_qlh, stride_qpt, stride_qph,
+                       stride_ot, stride_oh, stride_bt, stride_pt, stride_ph,
+                       NUM_HEADS: gl.constexpr, CACHE_BLOCK: gl.constexpr, SPLIT: gl.constexpr,
+                       BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, P_BUFS: gl.constexpr,
+                       HALF: gl.constexpr, LORA: gl.constexpr, ROPE: gl.constexpr, WG1_REGS: gl.constexpr,
+                       PRODUCER_REGS: gl.constexpr):
+        # dense: program (row block rb, key split, sequence); keys = the causal context of its rows
+        rb = gl.program_id(0)
+        split = gl.program_id(1)
+        seq = gl.program_id(2)
+        q_start = gl.load(qsl_ptr + seq).to(gl.int32)
+        q_len = gl.load(qsl_ptr + seq + 1).to(gl.int32) - q_start
+        if rb * BLOCK_M >= q_len * NUM_HEADS:  # past this sequence's rows (padding sequences: all)
+            return
+        ctx = gl.load(seq_lens_ptr + seq).to(gl.int32) - q_len
+        n_keys = ctx + gl.minimum(q_len, ((rb + 1) * BLOCK_M - 1) // NUM_HEADS + 1)
+        chunk = gl.cdiv(gl.cdiv(n_keys, num_splits), BLOCK_N) * BLOCK_N
+        k_lo = split * chunk
+        k_hi = gl.minimum(k_lo + chunk, n_keys)
+        _attend(ql_ptr, qp_ptr, k0_desc, k1_desc, kr_desc, ql_ptr, qsl_ptr, 0, bt_ptr + seq.to(gl.int64) * stride_bt,
+                out_ptr, part_acc_ptr, part_ml_ptr, rb, split, q_start, q_len, ctx, k_lo, k_hi, qk_scale, stride_qlt,
+                stride_qlh, stride_qpt, stride_qph, 0, 0, stride_ot, stride_oh, stride_pt, stride_ph, NUM_HEADS,
+                CACHE_BLOCK, SPLIT, False, BLOCK_M, BLOCK_N, STAGES, P_BUFS, HALF, LORA, ROPE, WG1_REGS,
+                PRODUCER_REGS)
+
+    @gluon.jit
+    def _sparse_mla_ws_kernel(ql_ptr, qp_ptr, kv_ptr, slots_ptr, out_ptr, part_acc_ptr, part_ml_ptr, qk_scale,
+                              num_topk, n_slots, num_splits, stride_qlt, stride_qlh, stride_qpt, stride_qph,
+                              stride_kb, stride_ks, stride_st, stride_ot, stride_oh, stride_pt, stride_ph,
+                              NUM_HEADS: gl.constexpr, CACHE_BLOCK: gl.constexpr, SPLIT: gl.constexpr,
+                              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                              P_BUFS: gl.constexpr, HALF: gl.constexpr, LORA: gl.constexpr, ROPE: gl.constexpr,
+                              WG1_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
+        # sparse: program (head block hb, split of the selection, token row t)
+        hb = gl.program_id(0)
+        split = gl.program_id(1)
+        t = gl.program_id(2)
+        chunk = gl.cdiv(gl.cdiv(num_topk, num_splits), BLOCK_N) * BLOCK_N
+        k_lo = split * chunk
+        k_hi = gl.minimum(k_lo + chunk, num_topk)
+        _attend(ql_ptr, qp_ptr, 0, 0, 0, kv_ptr, slots_ptr + t.to(gl.int64) * stride_st, n_slots, slots_ptr,
+                out_ptr, part_acc_ptr, part_ml_ptr, hb, split, t, 1, 0, k_lo, k_hi, qk_scale, stride_qlt,
+                stride_qlh, stride_qpt, stride_qph, stride_kb, stride_ks, stride_ot, stride_oh, stride_pt, stride_ph,
+                NUM_HEADS, CACHE_BLOCK, SPLIT, True, BLOCK_M, BLOCK_N, STAGES, P_BUFS, HALF, LORA, ROPE, WG1_REGS,
+                PRODUCER_REGS)
 
 
 def descriptors(kv_cache: torch.Tensor, block_n: int = BLOCK_N):
@@ -321,3 +426,51 @@ def launch(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, o
         NUM_HEADS=nh, CACHE_BLOCK=kv_cache.shape[1], SPLIT=num_splits > 1, BLOCK_M=BLOCK_M, BLOCK_N=block_n,
         STAGES=stages, P_BUFS=p_bufs, HALF=HALF, LORA=LORA, ROPE=ROPE, WG1_REGS=WG1_REGS, PRODUCER_REGS=PRODUCER_REGS,
         num_warps=4)
+
+
+def sparse_supported(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,
+                     topk_slots: torch.Tensor) -> bool:
+    """Whether :func:`launch_sparse` can run these tensors: as :func:`supported`, but any cache
+    strides whose rows are 16-byte aligned (rows are gathered by 16-byte copies) and int32 / int64
+    slot ids with unit stride."""
+    if not (HAS_GLUON and q_latent.is_cuda and kv_cache.is_cuda and topk_slots.is_cuda):
+        return False
+    if torch.cuda.get_device_capability(q_latent.device)[0] != 9:
+        return False
+    es = kv_cache.element_size()
+    return (q_latent.dtype in (torch.float16, torch.bfloat16) and kv_cache.dtype == q_latent.dtype
+            and q_pe.dtype == q_latent.dtype and q_latent.shape[2] == LORA and q_pe.shape[2] == ROPE
+            and kv_cache.shape[2] == LORA + ROPE and kv_cache.stride(2) == 1 and (kv_cache.stride(0) * es) % 16 == 0
+            and (kv_cache.stride(1) * es) % 16 == 0 and kv_cache.data_ptr() % 16 == 0
+            and topk_slots.dtype in (torch.int32, torch.int64)
+            and (topk_slots.shape[1] <= 1 or topk_slots.stride(1) == 1))
+
+
+def sparse_plan(num_tokens: int, num_heads: int, topk: int, sms: int, num_splits: Optional[int] = None) -> dict:
+    """``dict(head_blocks, num_splits)`` of :func:`launch_sparse` from static sizes: ``ceil(num_heads
+    / 64)`` head blocks; unless given, the splits that fill one wave of programs (one per SM:
+    ``sms // (num_tokens * head_blocks)``), at most ``ceil(topk / 256)`` and 32, at least 1."""
+    head_blocks = -(-max(1, num_heads) // BLOCK_M)
+    if num_splits is None:
+        num_splits = min(sms // max(1, num_tokens * head_blocks), -(-max(1, topk) // 256), 32)
+    return dict(head_blocks=head_blocks, num_splits=max(1, int(num_splits)))
+
+
+def launch_sparse(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, topk_slots: torch.Tensor,
+                  out: torch.Tensor, part_acc: torch.Tensor, part_ml: torch.Tensor, qk_scale: float, head_blocks: int,
+                  num_splits: int, block_n: int = SPARSE_BLOCK_N, stages: int = SPARSE_STAGES,
+                  p_bufs: int = SPARSE_P_BUFS) -> None:
+    """Sparse MLA (DeepSeek-V3.2 paper, sec. 2.1; :func:`mtpspec.ops.sparse_mla_attention.sparse_mla_attention`'s
+    operation): ``(head_blocks, num_splits, T)`` programs of 64 heads of one token row over a split
+    of its selected slots, gathered into shared memory by a 4-warp producer; ``out`` / ``part_acc``
+    / ``part_ml`` as :func:`~mtpspec.ops.paged_common.split_outputs` makes them for ``BLOCK_L = 512``.
+    The caller checked :func:`sparse_supported` and runs the combine. ``block_n`` / ``stages`` /
+    ``p_bufs``: tuning overrides, as :func:`launch`."""
+    t, nh = q_latent.shape[0], q_latent.shape[1]
+    _sparse_mla_ws_kernel[(head_blocks, num_splits, t)](
+        q_latent, q_pe, kv_cache, topk_slots, out, part_acc, part_ml, qk_scale, topk_slots.shape[1],
+        kv_cache.shape[0] * kv_cache.shape[1], num_splits, q_latent.stride(0), q_latent.stride(1), q_pe.stride(0),
+        q_pe.stride(1), kv_cache.stride(0), kv_cache.stride(1), topk_slots.stride(0), out.stride(0), out.stride(1),
+        nh * num_splits, num_splits, NUM_HEADS=nh, CACHE_BLOCK=kv_cache.shape[1], SPLIT=num_splits > 1,
+        BLOCK_M=BLOCK_M, BLOCK_N=block_n, STAGES=stages, P_BUFS=p_bufs, HALF=HALF, LORA=LORA, ROPE=ROPE,
+        WG1_REGS=SPARSE_WG1_REGS, PRODUCER_REGS=SPARSE_PRODUCER_REGS, num_warps=4)

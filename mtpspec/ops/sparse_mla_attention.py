@@ -47,9 +47,10 @@ from typing import Optional
 
 import torch
 
+from mtpspec.ops import mla_gluon
 from mtpspec.ops.argmax import num_sms
 from mtpspec.ops.kv_quant import check_cache_dtype, dequantize_cache, is_fp8
-from mtpspec.ops.mla_attention import FP8_BLOCK_N
+from mtpspec.ops.mla_attention import FP8_BLOCK_N, USE_GLUON
 from mtpspec.ops.paged_attention import combine_splits
 from mtpspec.ops.paged_common import choose_num_splits, split_outputs
 from mtpspec.ops.triton_utils import (HAS_TRITON, LazyKernel, cdiv, check_tensor_args, interpreting, next_power_of_2,
@@ -318,7 +319,7 @@ def sparse_mla_attention(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: t
                          topk_slots: torch.Tensor, scale: float, num_splits: Optional[int] = None,
                          block_m: Optional[int] = None, block_n: Optional[int] = None,
                          num_warps: Optional[int] = None, num_stages: Optional[int] = None,
-                         k_scale: float = 1.0) -> torch.Tensor:
+                         k_scale: float = 1.0, impl: Optional[str] = None) -> torch.Tensor:
     """Absorbed MLA attention of each query row over its own selected cache slots.
 
     Args:
@@ -336,6 +337,10 @@ def sparse_mla_attention(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: t
         num_splits, block_m, block_n, num_warps, num_stages: launch overrides (tuning; default
             :func:`sparse_mla_attention_plan` and the module constants).
         k_scale: an fp8 cache's per-layer scale (ignored for other caches).
+        impl: ``"gluon"``: the warp-specialised Hopper kernel (:func:`mtpspec.ops.mla_gluon.launch_sparse`,
+            ValueError where not :func:`~mtpspec.ops.mla_gluon.sparse_supported`); ``"triton"``: this
+            module's kernel; ``None``: the Gluon kernel for 64 or more heads where it is supported, no
+            launch override is given and ``MTPSPEC_MLA_GLUON`` is not ``0``.
 
     Returns:
         ``o_latent [T, num_heads, kv_lora_rank]`` in q's dtype; rows with no valid slot are zeros.
@@ -347,6 +352,13 @@ def sparse_mla_attention(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: t
     :func:`sparse_mla_attention_ref`. No host sync, CUDA-graph capturable.
     """
     _check_sparse_inputs(q_latent, q_pe, kv_cache, topk_slots)
+    if impl not in (None, "triton", "gluon"):
+        raise ValueError(f"sparse_mla_attention: impl must be None, 'triton' or 'gluon', got {impl!r}")
+    gluon_ok = mla_gluon.sparse_supported(q_latent, q_pe, kv_cache, topk_slots)
+    if impl == "gluon" and not gluon_ok:
+        raise ValueError("sparse_mla_attention: impl='gluon' needs a compute-capability-9 GPU, Triton's Gluon, "
+                         f"16-bit q and cache of one dtype, kv_lora_rank {mla_gluon.LORA} + rope {mla_gluon.ROPE} "
+                         "and 16-byte-aligned cache rows")
     if not use_triton(q_latent, q_pe, kv_cache):
         return sparse_mla_attention_ref(q_latent, q_pe, kv_cache, topk_slots, scale, k_scale)
     t, nh, r = q_latent.shape
@@ -356,6 +368,17 @@ def sparse_mla_attention(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: t
         return torch.empty_like(q_latent)
     if k == 0:
         return torch.zeros_like(q_latent)
+    overrides = (block_m, block_n, num_warps, num_stages) != (None, None, None, None)
+    if impl == "gluon" or (impl is None and gluon_ok and USE_GLUON and nh >= mla_gluon.BLOCK_M and not overrides):
+        gp = mla_gluon.sparse_plan(t, nh, k, num_sms(q_latent.device), num_splits)
+        s = gp["num_splits"]
+        out, part_acc, part_ml = split_outputs(q_latent, s, r)
+        mla_gluon.launch_sparse(q_latent, q_pe, kv_cache, topk_slots, out, part_acc, part_ml, float(scale) * _LOG2E,
+                                gp["head_blocks"], s)
+        if s > 1:
+            n_rows = torch.full((1,), t, dtype=torch.int32, device=q_latent.device)
+            combine_splits(out, part_acc, part_ml, n_rows, 0, s, r, r, False)
+        return out
     plan = sparse_mla_attention_plan(t, nh, k, num_sms(q_latent.device), num_splits, block_m)
     s = plan["num_splits"]
     block_l = next_power_of_2(max(r, 32))  # two halves of >= 16 columns (the smallest tl.dot), as mla_attention
