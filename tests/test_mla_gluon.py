@@ -52,6 +52,7 @@ CASES = [  # heads, query rows per sequence, sequence lengths (partial last tile
     (128, [4, 2], [70, 500]),
     (64, [1, 2, 1, 1], [31, 32, 65, 1500]),
     (16, [4, 4, 1], [130, 700, 129], 128),
+    (24, [4, 3], [200, 90]),  # 96 and 72 (row, head) pairs: a row block ends mid-row
 ]
 
 
@@ -66,6 +67,16 @@ def test_gluon_kernel_matches_reference(case, num_splits) -> None:
     assert torch.isfinite(got).all()
     err, tri_err = (got - ref).abs().max().item(), (tri - ref).abs().max().item()
     assert err <= max(2 * tri_err, 4e-3), (err, tri_err)
+
+
+@pytest.mark.skipif(not ON_HOPPER, reason="needs a compute-capability-9 GPU and Triton's Gluon")
+def test_gluon_kernel_fp16_and_int64_tables() -> None:
+    """fp16 queries and cache; int64 metadata (TMA coordinates are 32-bit: the kernel narrows them)."""
+    args = list(_problem(16, [4, 4, 2], [300, 65, 1000], dtype=torch.float16))
+    args[3], args[4], args[5] = args[3].long(), args[4].long(), args[5].long()
+    got = mla_attention(*args, impl="gluon").float()
+    ref = mla_attention_ref(*args).float()
+    assert (got - ref).abs().max().item() < 4e-3
 
 
 @pytest.mark.skipif(not ON_HOPPER, reason="needs a compute-capability-9 GPU and Triton's Gluon")
@@ -104,6 +115,12 @@ def test_dispatch_rules() -> None:
     with pytest.raises(ValueError, match="impl must be"):
         mla_attention(*args, impl="cuda")
     torch.testing.assert_close(mla_attention(*args), mla_attention_ref(*args))
+    with pytest.raises(ValueError, match="num_splits must be"):
+        mla_gluon.sparse_plan(4, 128, 2048, 132, num_splits=0)
+    if ON_HOPPER:  # Triton-kernel tuning with the Gluon kernel is a clear error, not ignored
+        gpu = _problem(16, [4], [40])
+        with pytest.raises(ValueError, match="takes none of them"):
+            mla_attention(*gpu, impl="gluon", num_warps=4)
 
 
 _COMPILE = r"""

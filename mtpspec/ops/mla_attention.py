@@ -491,9 +491,13 @@ def mla_attention(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Te
         raise ValueError(f"mla_attention: impl must be None, 'triton' or 'gluon', got {impl!r}")
     gluon_ok = mla_gluon.supported(q_latent, q_pe, kv_cache)
     if impl == "gluon" and not gluon_ok:
-        raise ValueError("mla_attention: impl='gluon' needs a compute-capability-9 GPU, Triton's Gluon, 16-bit "
-                         f"q and cache of one dtype, kv_lora_rank {mla_gluon.LORA} + rope {mla_gluon.ROPE} and a "
-                         f"contiguous cache whose block_size is a multiple of {mla_gluon.BLOCK_N}")
+        raise ValueError("mla_attention: impl='gluon' needs a compute-capability-9 GPU, Triton's Gluon (no "
+                         "interpreter), 16-bit q and cache of one dtype, kv_lora_rank "
+                         f"{mla_gluon.LORA} + rope {mla_gluon.ROPE} and a contiguous, 16-byte-aligned cache whose "
+                         f"block_size is a multiple of {mla_gluon.BLOCK_N}")
+    if impl == "gluon" and ((block_m, block_n, num_warps, num_stages, tma) != (None,) * 5 or warp_specialize):
+        raise ValueError("mla_attention: block_m, block_n, num_warps, num_stages, tma and warp_specialize tune the "
+                         "Triton kernel; impl='gluon' takes none of them")
     if not use_triton(q_latent, q_pe, kv_cache):
         return mla_attention_ref(q_latent, q_pe, kv_cache, query_start_loc, seq_lens, block_tables, scale,
                                  max_query_len, max_seq_len, k_scale)
@@ -525,7 +529,7 @@ def mla_attention(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Te
         return torch.empty_like(q_latent)
     if b == 0 or max_query_len == 0:
         return torch.zeros_like(q_latent)
-    overrides = (block_n, num_warps, num_stages, tma) != (None, None, None, None) or warp_specialize
+    overrides = (block_m, block_n, num_warps, num_stages, tma) != (None,) * 5 or warp_specialize
     use_gluon = impl == "gluon" or (impl is None and gluon_ok and USE_GLUON and plan["block_m"] == mla_gluon.BLOCK_M
                                     and not overrides)
     if use_gluon:

@@ -1,4 +1,4 @@
-"""MLA decode / verify attention on Hopper (sm_90): a warp-specialised Gluon kernel.
+"""MLA attention on Hopper (sm_90): warp-specialised Gluon kernels, dense (decode / verify) and sparse (DSA).
 
 Same operation, arguments and split-K scratch as :func:`mtpspec.ops.mla_attention.mla_attention`
 (absorbed MLA over the paged latent cache: keys ``[c_kv | k_pe]``, values ``c_kv``; DeepSeek-V3
@@ -27,11 +27,19 @@ accumulator is split across two warpgroups (128 registers a thread each). A tile
 any product reads it, so stale cache slots never reach ``P V``. Split-K over keys (flash-decoding)
 writes ``(acc, m, l)`` in the scratch layout of :func:`mtpspec.ops.paged_attention.combine_splits`.
 
-Limits (``supported``): CUDA device of compute capability 9.x, Triton with Gluon's Hopper API
-(3.6), 16-bit queries and cache (same dtype), ``kv_lora_rank`` 512 and rope 64 (DeepSeek-V3 /
-GLM-5 sizes), cache ``block_size`` a multiple of ``BLOCK_N``, contiguous cache. Everything else,
-and the CPU (no Gluon interpreter), takes the Triton kernel or the torch reference, which the
-tests compare this kernel against on the GPU.
+Sparse MLA (DeepSeek Sparse Attention, DeepSeek-V3.2 paper, sec. 2.1; the operation of
+:func:`mtpspec.ops.sparse_mla_attention.sparse_mla_attention`): the same two warpgroups over 64
+heads of one token row and its selected cache slots, the selection as the mask; Hopper's bulk
+copies cannot gather scattered rows, so a 4-warp producer gathers each tile's rows with 16-byte
+``cp.async`` (unused entries, ``-1`` or past the cache, zero-filled: no stale row reaches ``P V``)
+and completes the tile's barrier once its copies have landed (``SPARSE_*`` launch shape).
+
+Limits (``supported`` / ``sparse_supported``): CUDA device of compute capability 9.x, Triton with
+Gluon's Hopper API (3.6), not under ``TRITON_INTERPRET``, 16-bit queries and cache (same dtype),
+``kv_lora_rank`` 512 and rope 64 (DeepSeek-V3 / GLM-5 sizes); dense: a contiguous, 16-byte-aligned
+cache whose ``block_size`` is a multiple of ``BLOCK_N``; sparse: 16-byte-aligned cache rows.
+Everything else, and the CPU (no Gluon interpreter), takes the Triton kernel or the torch
+reference, which the tests compare these kernels against on the GPU.
 """
 
 from __future__ import annotations
@@ -39,6 +47,8 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+
+from mtpspec.ops.triton_utils import interpreting
 
 try:  # Triton >= 3.6 with Gluon's Hopper API; checked against 3.6.0 (the device's)
     from triton.experimental import gluon
@@ -54,8 +64,8 @@ try:  # Triton >= 3.6 with Gluon's Hopper API; checked against 3.6.0 (the device
 except Exception:  # pragma: no cover - older Triton, or none
     HAS_GLUON = False
 
-#: Keys per tile, key-tile ring slots and P buffers: 2 x 73.7 KB of 64-key tiles + 73.7 KB of query + one
-#: 8 KB P tile = 225 KB of an sm_90 program's 227 KB. From an H200 sweep (2026-12-04, BENCHMARKS.md):
+#: Keys per tile, key-tile ring slots and P buffers (dense): 2 x 72 KiB of 64-key tiles + 72 KiB of query + one
+#: 8 KiB P tile + ~1 KiB of statistics and barriers = 225 KiB of an sm_90 program's 227 KiB. From an H200 sweep (2026-12-04, BENCHMARKS.md):
 #: 64-key tiles (n = 64 score products, half the query re-reads per key of n = 32) beat 32-key tiles
 #: with 3 or 4 slots by 14-27%.
 BLOCK_N = 64
@@ -65,15 +75,15 @@ BLOCK_M = 64
 LORA = 512
 ROPE = 64
 HALF = LORA // 2
-#: Registers a thread of the worker partitions (warpgroup 1: its 64 x 256 fp32 accumulator; the
-#: producer: 1 TMA warp dense, a 4-warp gathering warpgroup sparse); warpgroup 0 gets the rest of the
-#: 64 K (ptxas compiles each partition to its count: sparse with 192 / 40 spilled 316 bytes).
+#: Registers a thread of the worker partitions: warpgroup 1 (its 64 x 256 fp32 accumulator) and the
+#: producer (dense: 1 TMA warp; ``SPARSE_*``: the 4-warp gathering warpgroup); warpgroup 0 gets the rest
+#: of the 64 K (ptxas compiles each partition to its count: sparse with 192 / 40 spilled 316 bytes).
 WG1_REGS = 192
 PRODUCER_REGS = 40
 SPARSE_WG1_REGS = 168
 SPARSE_PRODUCER_REGS = 112
 #: Sparse launch shape (H200 sweep, 2026-12-04): the gathers are latency-bound, so more tiles in
-#: flight win over the denser score products: 32-key tiles, 4 slots, 2 P buffers (229 KB) beat the
+#: flight win over the denser score products: 32-key tiles, 4 slots, 2 P buffers (225 KiB) beat the
 #: dense default by 10-11% at 128 heads (16 heads: equal).
 SPARSE_BLOCK_N = 32
 SPARSE_STAGES = 4
@@ -82,7 +92,7 @@ SPARSE_P_BUFS = 2
 
 def supported(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor) -> bool:
     """Whether :func:`launch` can run these tensors (see the module docstring)."""
-    if not (HAS_GLUON and q_latent.is_cuda and kv_cache.is_cuda):
+    if not (HAS_GLUON and q_latent.is_cuda and kv_cache.is_cuda) or interpreting():  # Gluon: no interpreter
         return False
     if torch.cuda.get_device_capability(q_latent.device)[0] != 9:
         return False
@@ -103,7 +113,7 @@ if HAS_GLUON:
             mbarrier.wait(k_free.index(s), ((i // STAGES) & 1) ^ 1)  # a fresh slot passes at once
             start = k_lo + i * BLOCK_N
             blk = gl.load(bt_row + start // CACHE_BLOCK)
-            r0 = blk * CACHE_BLOCK + start % CACHE_BLOCK
+            r0 = (blk * CACHE_BLOCK + start % CACHE_BLOCK).to(gl.int32)  # TMA coordinates: 32-bit (int64 tables)
             bar = k_ready.index(s)
             mbarrier.expect(bar, k0_desc.block_type.nbytes * 2 + kr_desc.block_type.nbytes)
             _tma_load(k0_desc, [r0, 0], bar, kbuf0.index(s))
@@ -273,6 +283,20 @@ if HAS_GLUON:
             mbarrier.arrive(k_ready.index((n_tiles - 1) % STAGES), count=1)
 
     @gluon.jit
+    def _load_partition(k0_desc, k1_desc, kr_desc, bt_row, kv_ptr, slots_row, n_slots, k_lo, k_hi, n_tiles, kbuf0,
+                        kbuf1, kbufr, k_ready, k_free, stride_kb, stride_ks, BLOCK_N: gl.constexpr,
+                        STAGES: gl.constexpr, CACHE_BLOCK: gl.constexpr, HALF: gl.constexpr, LORA: gl.constexpr,
+                        ROPE: gl.constexpr, SPARSE: gl.constexpr):
+        """The producer partition: :func:`_gather_producer` (sparse, 4 warps) or :func:`_producer`
+        (dense, 1 warp)."""
+        if SPARSE:
+            _gather_producer(kv_ptr, slots_row, n_slots, k_lo, k_hi, n_tiles, kbuf0, kbuf1, kbufr, k_ready, k_free,
+                             stride_kb, stride_ks, BLOCK_N, STAGES, CACHE_BLOCK, HALF, LORA, ROPE)
+        else:
+            _producer(k0_desc, k1_desc, kr_desc, bt_row, k_lo, n_tiles, kbuf0, kbuf1, kbufr, k_ready, k_free, BLOCK_N,
+                      STAGES, CACHE_BLOCK, HALF, LORA)
+
+    @gluon.jit
     def _attend(ql_ptr, qp_ptr, k0_desc, k1_desc, kr_desc, kv_ptr, slots_row, n_slots, bt_row, out_ptr, part_acc_ptr,
                 part_ml_ptr, rb, split, q_start, q_len, ctx, k_lo, k_hi, qk_scale, stride_qlt, stride_qlh, stride_qpt,
                 stride_qph, stride_kb, stride_ks, stride_ot, stride_oh, stride_pt, stride_ph,
@@ -323,30 +347,18 @@ if HAS_GLUON:
                             mask=ok, other=0.0))
         fence_async_shared()
 
-        if SPARSE:
-            gl.warp_specialize([
-                (_softmax_wg, (qbuf0, qbuf1, qbufr, kbuf0, kbuf1, kbufr, pbuf, abuf, mlbuf, k_ready, k_free, p_ready,
-                               p_free, done, out_ptr, part_acc_ptr, part_ml_ptr, slots_row, n_slots, rb, split,
-                               q_start, q_len, ctx, k_lo, k_hi, n_tiles, qk_scale, stride_ot, stride_oh, stride_pt,
-                               stride_ph, NUM_HEADS, BLOCK_M, BLOCK_N, STAGES, P_BUFS, HALF, LORA, SPLIT, SPARSE)),
-                (_value_wg, (kbuf1, pbuf, abuf, mlbuf, k_ready, k_free, p_ready, p_free, done, out_ptr, part_acc_ptr,
-                             part_ml_ptr, rb, split, q_start, q_len, ctx, n_tiles, stride_ot, stride_oh, stride_pt,
-                             stride_ph, NUM_HEADS, BLOCK_M, STAGES, P_BUFS, HALF, LORA, SPLIT, SPARSE)),
-                (_gather_producer, (kv_ptr, slots_row, n_slots, k_lo, k_hi, n_tiles, kbuf0, kbuf1, kbufr, k_ready,
-                                    k_free, stride_kb, stride_ks, BLOCK_N, STAGES, CACHE_BLOCK, HALF, LORA, ROPE)),
-            ], [4, 4], [WG1_REGS, PRODUCER_REGS])
-        else:
-            gl.warp_specialize([
-                (_softmax_wg, (qbuf0, qbuf1, qbufr, kbuf0, kbuf1, kbufr, pbuf, abuf, mlbuf, k_ready, k_free, p_ready,
-                               p_free, done, out_ptr, part_acc_ptr, part_ml_ptr, slots_row, n_slots, rb, split,
-                               q_start, q_len, ctx, k_lo, k_hi, n_tiles, qk_scale, stride_ot, stride_oh, stride_pt,
-                               stride_ph, NUM_HEADS, BLOCK_M, BLOCK_N, STAGES, P_BUFS, HALF, LORA, SPLIT, SPARSE)),
-                (_value_wg, (kbuf1, pbuf, abuf, mlbuf, k_ready, k_free, p_ready, p_free, done, out_ptr, part_acc_ptr,
-                             part_ml_ptr, rb, split, q_start, q_len, ctx, n_tiles, stride_ot, stride_oh, stride_pt,
-                             stride_ph, NUM_HEADS, BLOCK_M, STAGES, P_BUFS, HALF, LORA, SPLIT, SPARSE)),
-                (_producer, (k0_desc, k1_desc, kr_desc, bt_row, k_lo, n_tiles, kbuf0, kbuf1, kbufr, k_ready, k_free,
-                             BLOCK_N, STAGES, CACHE_BLOCK, HALF, LORA)),
-            ], [4, 1], [WG1_REGS, PRODUCER_REGS])
+        gl.warp_specialize([  # (one call: its arguments must be literal tuples to stay constexpr)
+            (_softmax_wg, (qbuf0, qbuf1, qbufr, kbuf0, kbuf1, kbufr, pbuf, abuf, mlbuf, k_ready, k_free, p_ready,
+                           p_free, done, out_ptr, part_acc_ptr, part_ml_ptr, slots_row, n_slots, rb, split, q_start,
+                           q_len, ctx, k_lo, k_hi, n_tiles, qk_scale, stride_ot, stride_oh, stride_pt, stride_ph,
+                           NUM_HEADS, BLOCK_M, BLOCK_N, STAGES, P_BUFS, HALF, LORA, SPLIT, SPARSE)),
+            (_value_wg, (kbuf1, pbuf, abuf, mlbuf, k_ready, k_free, p_ready, p_free, done, out_ptr, part_acc_ptr,
+                         part_ml_ptr, rb, split, q_start, q_len, ctx, n_tiles, stride_ot, stride_oh, stride_pt,
+                         stride_ph, NUM_HEADS, BLOCK_M, STAGES, P_BUFS, HALF, LORA, SPLIT, SPARSE)),
+            (_load_partition, (k0_desc, k1_desc, kr_desc, bt_row, kv_ptr, slots_row, n_slots, k_lo, k_hi, n_tiles,
+                               kbuf0, kbuf1, kbufr, k_ready, k_free, stride_kb, stride_ks, BLOCK_N, STAGES,
+                               CACHE_BLOCK, HALF, LORA, ROPE, SPARSE)),
+        ], [4, 4 if SPARSE else 1], [WG1_REGS, PRODUCER_REGS])
 
     @gluon.jit
     def _mla_ws_kernel(ql_ptr, qp_ptr, k0_desc, k1_desc, kr_desc, out_ptr, part_acc_ptr, part_ml_ptr, qsl_ptr,
@@ -433,7 +445,7 @@ def sparse_supported(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch
     """Whether :func:`launch_sparse` can run these tensors: as :func:`supported`, but any cache
     strides whose rows are 16-byte aligned (rows are gathered by 16-byte copies) and int32 / int64
     slot ids with unit stride."""
-    if not (HAS_GLUON and q_latent.is_cuda and kv_cache.is_cuda and topk_slots.is_cuda):
+    if not (HAS_GLUON and q_latent.is_cuda and kv_cache.is_cuda and topk_slots.is_cuda) or interpreting():
         return False
     if torch.cuda.get_device_capability(q_latent.device)[0] != 9:
         return False
@@ -449,11 +461,16 @@ def sparse_supported(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch
 def sparse_plan(num_tokens: int, num_heads: int, topk: int, sms: int, num_splits: Optional[int] = None) -> dict:
     """``dict(head_blocks, num_splits)`` of :func:`launch_sparse` from static sizes: ``ceil(num_heads
     / 64)`` head blocks; unless given, the splits that fill one wave of programs (one per SM:
-    ``sms // (num_tokens * head_blocks)``), at most ``ceil(topk / 256)`` and 32, at least 1."""
+    ``sms // (num_tokens * head_blocks)``), at most ``ceil(topk / 256)`` and 32, at least 1.
+
+    Raises:
+        ValueError: a given ``num_splits`` below 1."""
     head_blocks = -(-max(1, num_heads) // BLOCK_M)
     if num_splits is None:
-        num_splits = min(sms // max(1, num_tokens * head_blocks), -(-max(1, topk) // 256), 32)
-    return dict(head_blocks=head_blocks, num_splits=max(1, int(num_splits)))
+        num_splits = max(1, min(sms // max(1, num_tokens * head_blocks), -(-max(1, topk) // 256), 32))
+    elif int(num_splits) < 1:
+        raise ValueError(f"num_splits must be >= 1, got {num_splits}")
+    return dict(head_blocks=head_blocks, num_splits=int(num_splits))
 
 
 def launch_sparse(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, topk_slots: torch.Tensor,
@@ -466,6 +483,8 @@ def launch_sparse(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Te
     / ``part_ml`` as :func:`~mtpspec.ops.paged_common.split_outputs` makes them for ``BLOCK_L = 512``.
     The caller checked :func:`sparse_supported` and runs the combine. ``block_n`` / ``stages`` /
     ``p_bufs``: tuning overrides, as :func:`launch`."""
+    if stages < 2:  # the producer completes a tile's barrier only after issuing the next one
+        raise ValueError(f"launch_sparse: stages must be >= 2, got {stages}")
     t, nh = q_latent.shape[0], q_latent.shape[1]
     _sparse_mla_ws_kernel[(head_blocks, num_splits, t)](
         q_latent, q_pe, kv_cache, topk_slots, out, part_acc, part_ml, qk_scale, topk_slots.shape[1],

@@ -356,9 +356,12 @@ def sparse_mla_attention(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: t
         raise ValueError(f"sparse_mla_attention: impl must be None, 'triton' or 'gluon', got {impl!r}")
     gluon_ok = mla_gluon.sparse_supported(q_latent, q_pe, kv_cache, topk_slots)
     if impl == "gluon" and not gluon_ok:
-        raise ValueError("sparse_mla_attention: impl='gluon' needs a compute-capability-9 GPU, Triton's Gluon, "
-                         f"16-bit q and cache of one dtype, kv_lora_rank {mla_gluon.LORA} + rope {mla_gluon.ROPE} "
-                         "and 16-byte-aligned cache rows")
+        raise ValueError("sparse_mla_attention: impl='gluon' needs a compute-capability-9 GPU, Triton's Gluon (no "
+                         f"interpreter), 16-bit q and cache of one dtype, kv_lora_rank {mla_gluon.LORA} + rope "
+                         f"{mla_gluon.ROPE} and 16-byte-aligned cache rows")
+    if impl == "gluon" and (block_m, block_n, num_warps, num_stages) != (None,) * 4:
+        raise ValueError("sparse_mla_attention: block_m, block_n, num_warps and num_stages tune the Triton kernel; "
+                         "impl='gluon' takes none of them")
     if not use_triton(q_latent, q_pe, kv_cache):
         return sparse_mla_attention_ref(q_latent, q_pe, kv_cache, topk_slots, scale, k_scale)
     t, nh, r = q_latent.shape
