@@ -348,6 +348,31 @@ def test_bench_arms_warmup_rounds_interleave_untimed_and_adaptive_vs_best(tmp_pa
     assert "adaptive / best other arm (a), output tok/s medians: 1.018" in bench_arms.format_workload(
         "s1", res["workloads"]["s1"])
     assert bench_arms.versus_best({"arms": {"a": res["workloads"]["s1"]["arms"]["a"]}}) is None  # no adaptive arm
+    arms_out = res["workloads"]["s1"]["arms"]
+    probes = [p for a in ("a", "adaptive") for r in arms_out[a]["runs"] for p in r["host_probe_ms"]]
+    assert len(probes) == 8 and all(p > 0 for p in probes)  # before and after each of the 4 timed runs
+    hp = res["workloads"]["s1"]["host_probe"]
+    assert hp["min_ms"] == min(probes) and hp["spread"] == pytest.approx(max(probes) / min(probes))
+    assert "host probe (a fixed Python loop" in bench_arms.format_workload("s1", res["workloads"]["s1"])
+
+
+def test_bench_arms_warns_when_the_host_speed_moves() -> None:
+    """A workload whose host probes moved by more than HOST_SPREAD_WARN gets a warning that arm
+    differences smaller than the spread are not readable; a steady host gets none; runs without
+    probes (older JSON) get no line."""
+    def wl(probes):
+        runs = [{"output_throughput": 100.0, "steps_per_s": 1.0, "ttft_ms": {"median": 1.0}, "itl_ms": {"median": 1.0},
+                 "acceptance_length": None, "collective_bytes_per_step_total": 0, "acceptance_rate_per_pos": [],
+                 **({"host_probe_ms": p} if p else {})} for p in probes]
+        return {"synthetic": False, "synthetic_reasons": [], "repeats": len(runs),
+                "config": {"input_len": 8, "output_len": 4, "num_prompts": 1, "max_concurrency": 1},
+                "arms": {"a": {"runs": runs, "summary": bench_arms.summarise(runs)}}, "verdicts": {}}
+    assert "WARNING: the host's speed moved" in bench_arms.format_workload("s", wl([[10.0, 10.5], [17.0, 10.2]]))
+    steady = bench_arms.format_workload("s", wl([[10.0, 10.5], [10.3, 10.2]]))
+    assert "spread 1.05x" in steady and "WARNING" not in steady
+    assert "host probe" not in bench_arms.format_workload("s", wl([None, None]))
+    assert bench_arms.host_spread(wl([None])) is None
+    assert 0 < bench_arms.host_probe_ms(iters=1000, repeats=2) < 1000
     zero = {"summary": {"output_throughput": {"median": 0.0}}, "runs": [{"output_throughput": 0.0}]}
     assert bench_arms.versus_best({"arms": {"a": zero, "adaptive": zero}}) is None  # nothing to divide by
 

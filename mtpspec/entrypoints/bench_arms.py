@@ -34,7 +34,10 @@ Reported per workload and arm: every run's figures (:mod:`mtpspec.entrypoints.be
 their median and spread (max - min over runs), collective bytes per engine step, and a verdict
 per pair of arms and figure: a difference counts only when the medians differ by more than the
 larger of the two spreads; with an ``adaptive`` arm, its median output tok/s over the best other
-arm's, and the same per round (:func:`versus_best`). ``--warmup-rounds N``: N untimed runs of each
+arm's, and the same per round (:func:`versus_best`); the host's speed before and after every run
+(:func:`host_probe_ms`, a fixed Python loop) and its spread over the workload, with a warning when it
+moved by more than ``HOST_SPREAD_WARN`` (differences of host-bound arms below that cannot be read).
+``--warmup-rounds N``: N untimed runs of each
 workload per arm before the timed ones. ``--in-process``: each arm an ``LLM`` in this process, each run
 one ``LLM.generate`` with every request queued before the first step
 (:mod:`~mtpspec.entrypoints.bench_inprocess`). Output: tables on stdout, ``bench_arms.json`` (every figure; while the
@@ -304,7 +307,44 @@ def format_workload(name: str, wl: Dict[str, Any]) -> str:
         rounds = ", ".join("-" if r is None else f"{r:.3f}" for r in vs["per_round"])
         lines.append(f"{vs['arm']} / best other arm ({vs['best']}), output tok/s medians: {vs['ratio']:.3f}; "
                      f"per interleaved round: [{rounds}]")
+    hs = host_spread(wl)
+    if hs is not None:
+        lines.append(f"host probe (a fixed Python loop before and after each run): {hs['min_ms']:.1f} to "
+                     f"{hs['max_ms']:.1f} ms, spread {hs['spread']:.2f}x"
+                     + (f"; WARNING: the host's speed moved by more than {HOST_SPREAD_WARN:.2f}x, so differences "
+                        "between arms in host-bound runs smaller than that are not readable"
+                        if hs["spread"] > HOST_SPREAD_WARN else ""))
     return "\n".join(lines)
+
+
+#: Iterations of the host-speed probe's Python loop (~10 ms on a 2020s server core).
+HOST_PROBE_ITERS = 200_000
+#: Above this max / min of a workload's host probes, the table warns that arm differences smaller
+#: than the spread cannot be read (session 17: an H200 host's cores ran one loop 0.17 to 0.35 s).
+HOST_SPREAD_WARN = 1.10
+
+
+def host_probe_ms(iters: int = HOST_PROBE_ITERS, repeats: int = 3) -> float:
+    """The host's speed now: the fastest of ``repeats`` timings (ms) of a fixed pure-Python loop of
+    ``iters`` integer steps (the kind of work an engine step's host side does). Comparable between
+    the runs of one sweep; on a host whose cores change speed (shared machines, frequency scaling)
+    it moves with the host-bound part of every run."""
+    best = float("inf")
+    for _ in range(repeats):
+        t, acc = time.perf_counter(), 0
+        for i in range(iters):
+            acc += i * i % 7
+        best = min(best, (time.perf_counter() - t) * 1e3)
+    return best
+
+
+def host_spread(wl: Dict[str, Any]) -> Optional[Dict[str, float]]:
+    """``{"min_ms", "max_ms", "spread"}`` of the host probes taken before and after every run of a
+    workload (all arms); ``None`` when no run has them."""
+    probes = [p for data in wl["arms"].values() for r in data["runs"] for p in (r.get("host_probe_ms") or [])]
+    if not probes:
+        return None
+    return {"min_ms": min(probes), "max_ms": max(probes), "spread": max(probes) / min(probes)}
 
 
 def versus_best(wl: Dict[str, Any], arm: str = "adaptive") -> Optional[Dict[str, Any]]:
@@ -506,7 +546,9 @@ def run_arms(arms: Dict[str, List[str]], workloads: Dict[str, BenchConfig], repe
         one(cfg, arm, f"{wname} {arm} warm-up #{i + 1}")
 
     def run(wname: str, cfg: BenchConfig, arm: str, rep: int) -> None:
+        before = host_probe_ms()
         res = one(cfg, arm, f"{wname} {arm} #{rep + 1}")
+        res["host_probe_ms"] = [before, host_probe_ms()]
         res["run_index"] = rep
         runs[wname][arm].append(res)
         save_partial()
@@ -559,6 +601,7 @@ def run_arms(arms: Dict[str, List[str]], workloads: Dict[str, BenchConfig], repe
             vs = versus_best(wl)
             if vs is not None:
                 wl["adaptive_vs_best"] = vs
+            wl["host_probe"] = host_spread(wl)
             result["workloads"][wname] = wl
     finally:
         if bar is not None:
