@@ -142,7 +142,8 @@ for n in "stride_qlt stride_qlh stride_qpt stride_qph stride_ot stride_oh stride
 out = []
 for heads, split in ((16, True), (128, False)):
     cx = dict(NUM_HEADS=heads, CACHE_BLOCK=64, SPLIT=split, BLOCK_M=m.BLOCK_M, BLOCK_N=m.BLOCK_N, STAGES=m.STAGES,
-              P_BUFS=m.P_BUFS, HALF=m.HALF, LORA=m.LORA, ROPE=m.ROPE, WG1_REGS=m.WG1_REGS, PRODUCER_REGS=m.PRODUCER_REGS)
+              P_BUFS=m.P_BUFS, HALF=m.HALF, LORA=m.LORA, ROPE=m.ROPE, WG1_REGS=m.WG1_REGS,
+              PRODUCER_REGS=m.PRODUCER_REGS)
     fn = m._mla_ws_kernel
     full = {k: sig.get(k, "constexpr") for k in fn.arg_names}
     attrs = {(fn.arg_names.index(k),): [["tt.divisibility", 16]] for k, v in full.items() if v.startswith("*")}

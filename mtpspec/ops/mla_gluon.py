@@ -64,10 +64,10 @@ try:  # Triton >= 3.6 with Gluon's Hopper API; checked against 3.6.0 (the device
 except Exception:  # pragma: no cover - older Triton, or none
     HAS_GLUON = False
 
-#: Keys per tile, key-tile ring slots and P buffers (dense): 2 x 72 KiB of 64-key tiles + 72 KiB of query + one
-#: 8 KiB P tile + ~1 KiB of statistics and barriers = 225 KiB of an sm_90 program's 227 KiB. From an H200 sweep (2026-12-04, BENCHMARKS.md):
-#: 64-key tiles (n = 64 score products, half the query re-reads per key of n = 32) beat 32-key tiles
-#: with 3 or 4 slots by 14-27%.
+#: Keys per tile, key-tile ring slots and P buffers (dense): 2 x 72 KiB of 64-key tiles + 72 KiB of
+#: query + one 8 KiB P tile + ~1 KiB of statistics and barriers = 225 KiB of an sm_90 program's 227
+#: KiB. From an H200 sweep (2026-12-04, BENCHMARKS.md): 64-key tiles (n = 64 score products, half
+#: the query re-reads per key of n = 32) beat 32-key tiles with 3 or 4 slots by 14-27%.
 BLOCK_N = 64
 STAGES = 2
 P_BUFS = 1
@@ -266,12 +266,10 @@ if HAS_GLUON:
             base = gl.where(ok, (slot // CACHE_BLOCK) * stride_kb + (slot % CACHE_BLOCK) * stride_ks, 0)
             base = gl.multiple_of(base, 8)  # rows 16-byte aligned (sparse_supported): 16-byte copies
             _cp_async(kbuf0.index(s), kv_ptr + base[:, None] + cols[None, :], mask=ok[:, None])
-            _cp_async(kbuf1.index(s), kv_ptr + base[:, None] + HALF + cols[None, :],
-                                           mask=ok[:, None])
+            _cp_async(kbuf1.index(s), kv_ptr + base[:, None] + HALF + cols[None, :], mask=ok[:, None])
             base_r = gl.convert_layout(base, gl.SliceLayout(1, small))
             ok_r = gl.convert_layout(ok, gl.SliceLayout(1, small))
-            _cp_async(kbufr.index(s), kv_ptr + base_r[:, None] + LORA + rcols[None, :],
-                                           mask=ok_r[:, None])
+            _cp_async(kbufr.index(s), kv_ptr + base_r[:, None] + LORA + rcols[None, :], mask=ok_r[:, None])
             cp.commit_group()
             if i > 0:
                 cp.wait_group(1)
