@@ -160,7 +160,7 @@ for n in div + "stride_st stride_pt stride_ph".split():
     sig[n] = "i32"
 cx = dict(NUM_HEADS=128, CACHE_BLOCK=64, SPLIT=True, BLOCK_M=m.BLOCK_M, BLOCK_N=m.SPARSE_BLOCK_N,
           STAGES=m.SPARSE_STAGES, P_BUFS=m.SPARSE_P_BUFS, HALF=m.HALF, LORA=m.LORA, ROPE=m.ROPE,
-          WG1_REGS=m.SPARSE_WG1_REGS, PRODUCER_REGS=m.SPARSE_PRODUCER_REGS)
+          WG1_REGS=m.SPARSE_WG1_REGS, PRODUCER_REGS=m.SPARSE_PRODUCER_REGS, AHEAD=m.SPARSE_AHEAD)
 full = {k: sig.get(k, "constexpr") for k in fn.arg_names}
 attrs = {(fn.arg_names.index(k),): [["tt.divisibility", 16]] for k, v in full.items() if v.startswith("*") or k in div}
 ck = triton.compile(GluonASTSource(fn, full, cx, attrs), target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
@@ -223,6 +223,34 @@ def test_gluon_sparse_kernel_matches_reference(heads, tokens, topk, num_splits) 
     assert torch.isfinite(got).all()
     err, tri_err = (got - ref).abs().max().item(), (tri - ref).abs().max().item()
     assert err <= max(2 * tri_err, 4e-3), (err, tri_err)
+
+
+@pytest.mark.skipif(not ON_HOPPER, reason="needs a compute-capability-9 GPU and Triton's Gluon")
+@pytest.mark.parametrize("stages,ahead", [(4, 2), (4, 3), (3, 2), (2, 1)])
+def test_gluon_sparse_gathers_further_ahead(stages, ahead) -> None:
+    """The gathering producer with more tiles in flight (``ahead``) and other ring sizes: same
+    result as the reference, no hang."""
+    from mtpspec.ops.paged_attention import combine_splits
+    from mtpspec.ops.paged_common import split_outputs
+    from mtpspec.ops.sparse_mla_attention import sparse_mla_attention_ref
+    ql, qp, cache, slots, scale = _sparse_problem(128, 3, 700)
+    for splits in (1, 2):
+        out, pa, pm = split_outputs(ql, splits, 512)
+        mla_gluon.launch_sparse(ql, qp, cache, slots, out, pa, pm, scale * 1.4426950408889634, 2, splits,
+                                stages=stages, ahead=ahead)
+        if splits > 1:
+            combine_splits(out, pa, pm, torch.full((1,), 3, dtype=torch.int32, device="cuda"), 0, splits, 512, 512,
+                           False)
+        ref = sparse_mla_attention_ref(ql, qp, cache, slots, scale).float()
+        assert (out.float() - ref).abs().max().item() < 4e-3
+
+
+def test_sparse_launch_rejects_a_producer_that_would_hang() -> None:
+    """``ahead`` must leave a slot to refill: ``1 <= ahead <= stages - 1`` (checked before any launch)."""
+    x = torch.zeros(1, 1, 1)
+    for stages, ahead in ((1, 1), (4, 0), (4, 4)):
+        with pytest.raises(ValueError, match="1 <= ahead <= stages - 1"):
+            mla_gluon.launch_sparse(x, x, x, x, x, x, x, 1.0, 1, 1, stages=stages, ahead=ahead)
 
 
 def test_sparse_dispatch_rules() -> None:

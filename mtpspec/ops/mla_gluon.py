@@ -88,6 +88,8 @@ SPARSE_PRODUCER_REGS = 112
 SPARSE_BLOCK_N = 32
 SPARSE_STAGES = 4
 SPARSE_P_BUFS = 2
+#: Sparse: gathered tiles in flight behind the one being issued (1 .. stages - 1; > 1 not yet timed).
+SPARSE_AHEAD = 1
 
 
 def supported(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor) -> bool:
@@ -249,10 +251,12 @@ if HAS_GLUON:
     @gluon.jit
     def _gather_producer(kv_ptr, slots_row, n_slots, k_lo, k_hi, n_tiles, kbuf0, kbuf1, kbufr, k_ready, k_free,
                          stride_kb, stride_ks, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                         CACHE_BLOCK: gl.constexpr, HALF: gl.constexpr, LORA: gl.constexpr, ROPE: gl.constexpr):
+                         CACHE_BLOCK: gl.constexpr, HALF: gl.constexpr, LORA: gl.constexpr, ROPE: gl.constexpr,
+                         AHEAD: gl.constexpr):
         """Sparse: a 4-warp producer gathers each tile's selected cache rows (16-byte ``cp.async``,
         unused entries and entries past the split zero-filled) and completes ``k_ready`` of a tile
-        once its copies are in shared memory (one tile in flight behind the one being issued)."""
+        once its copies are in shared memory: ``AHEAD`` tiles in flight behind the one being issued
+        (1 <= AHEAD <= STAGES - 1: a slot is refilled only after its tile was ready and consumed)."""
         big: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])
         small: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
         cols = gl.arange(0, HALF, layout=gl.SliceLayout(0, big))
@@ -271,25 +275,25 @@ if HAS_GLUON:
             ok_r = gl.convert_layout(ok, gl.SliceLayout(1, small))
             _cp_async(kbufr.index(s), kv_ptr + base_r[:, None] + LORA + rcols[None, :], mask=ok_r[:, None])
             cp.commit_group()
-            if i > 0:
-                cp.wait_group(1)
+            if i >= AHEAD:  # groups complete in order: tile i - AHEAD has landed
+                cp.wait_group(AHEAD)
                 fence_async_shared()
-                mbarrier.arrive(k_ready.index((i - 1) % STAGES), count=1)
-        if n_tiles > 0:
-            cp.wait_group(0)
-            fence_async_shared()
-            mbarrier.arrive(k_ready.index((n_tiles - 1) % STAGES), count=1)
+                mbarrier.arrive(k_ready.index((i - AHEAD) % STAGES), count=1)
+        cp.wait_group(0)
+        fence_async_shared()
+        for j in range(gl.maximum(n_tiles - AHEAD, 0), n_tiles):
+            mbarrier.arrive(k_ready.index(j % STAGES), count=1)
 
     @gluon.jit
     def _load_partition(k0_desc, k1_desc, kr_desc, bt_row, kv_ptr, slots_row, n_slots, k_lo, k_hi, n_tiles, kbuf0,
                         kbuf1, kbufr, k_ready, k_free, stride_kb, stride_ks, BLOCK_N: gl.constexpr,
                         STAGES: gl.constexpr, CACHE_BLOCK: gl.constexpr, HALF: gl.constexpr, LORA: gl.constexpr,
-                        ROPE: gl.constexpr, SPARSE: gl.constexpr):
+                        ROPE: gl.constexpr, SPARSE: gl.constexpr, AHEAD: gl.constexpr):
         """The producer partition: :func:`_gather_producer` (sparse, 4 warps) or :func:`_producer`
         (dense, 1 warp)."""
         if SPARSE:
             _gather_producer(kv_ptr, slots_row, n_slots, k_lo, k_hi, n_tiles, kbuf0, kbuf1, kbufr, k_ready, k_free,
-                             stride_kb, stride_ks, BLOCK_N, STAGES, CACHE_BLOCK, HALF, LORA, ROPE)
+                             stride_kb, stride_ks, BLOCK_N, STAGES, CACHE_BLOCK, HALF, LORA, ROPE, AHEAD)
         else:
             _producer(k0_desc, k1_desc, kr_desc, bt_row, k_lo, n_tiles, kbuf0, kbuf1, kbufr, k_ready, k_free, BLOCK_N,
                       STAGES, CACHE_BLOCK, HALF, LORA)
@@ -301,7 +305,7 @@ if HAS_GLUON:
                 NUM_HEADS: gl.constexpr, CACHE_BLOCK: gl.constexpr, SPLIT: gl.constexpr, SPARSE: gl.constexpr,
                 BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, P_BUFS: gl.constexpr,
                 HALF: gl.constexpr, LORA: gl.constexpr, ROPE: gl.constexpr, WG1_REGS: gl.constexpr,
-                PRODUCER_REGS: gl.constexpr):
+                PRODUCER_REGS: gl.constexpr, AHEAD: gl.constexpr):
         """One program over keys ``[k_lo, k_hi)`` (dense: cache positions; sparse: entries of the
         token row's selection): shared memory, barriers, the query rows, then the partitions."""
         n_tiles = gl.maximum(gl.cdiv(k_hi - k_lo, BLOCK_N), 0)
@@ -355,7 +359,7 @@ if HAS_GLUON:
                          stride_ph, NUM_HEADS, BLOCK_M, STAGES, P_BUFS, HALF, LORA, SPLIT, SPARSE)),
             (_load_partition, (k0_desc, k1_desc, kr_desc, bt_row, kv_ptr, slots_row, n_slots, k_lo, k_hi, n_tiles,
                                kbuf0, kbuf1, kbufr, k_ready, k_free, stride_kb, stride_ks, BLOCK_N, STAGES,
-                               CACHE_BLOCK, HALF, LORA, ROPE, SPARSE)),
+                               CACHE_BLOCK, HALF, LORA, ROPE, SPARSE, AHEAD)),
         ], [4, 4 if SPARSE else 1], [WG1_REGS, PRODUCER_REGS])
 
     @gluon.jit
@@ -383,7 +387,7 @@ if HAS_GLUON:
                 out_ptr, part_acc_ptr, part_ml_ptr, rb, split, q_start, q_len, ctx, k_lo, k_hi, qk_scale, stride_qlt,
                 stride_qlh, stride_qpt, stride_qph, 0, 0, stride_ot, stride_oh, stride_pt, stride_ph, NUM_HEADS,
                 CACHE_BLOCK, SPLIT, False, BLOCK_M, BLOCK_N, STAGES, P_BUFS, HALF, LORA, ROPE, WG1_REGS,
-                PRODUCER_REGS)
+                PRODUCER_REGS, 1)
 
     @gluon.jit
     def _sparse_mla_ws_kernel(ql_ptr, qp_ptr, kv_ptr, slots_ptr, out_ptr, part_acc_ptr, part_ml_ptr, qk_scale,
@@ -392,7 +396,7 @@ if HAS_GLUON:
                               NUM_HEADS: gl.constexpr, CACHE_BLOCK: gl.constexpr, SPLIT: gl.constexpr,
                               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                               P_BUFS: gl.constexpr, HALF: gl.constexpr, LORA: gl.constexpr, ROPE: gl.constexpr,
-                              WG1_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
+                              WG1_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, AHEAD: gl.constexpr):
         # sparse: program (head block hb, split of the selection, token row t)
         hb = gl.program_id(0)
         split = gl.program_id(1)
@@ -404,7 +408,7 @@ if HAS_GLUON:
                 out_ptr, part_acc_ptr, part_ml_ptr, hb, split, t, 1, 0, k_lo, k_hi, qk_scale, stride_qlt,
                 stride_qlh, stride_qpt, stride_qph, stride_kb, stride_ks, stride_ot, stride_oh, stride_pt, stride_ph,
                 NUM_HEADS, CACHE_BLOCK, SPLIT, True, BLOCK_M, BLOCK_N, STAGES, P_BUFS, HALF, LORA, ROPE, WG1_REGS,
-                PRODUCER_REGS)
+                PRODUCER_REGS, AHEAD)
 
 
 def descriptors(kv_cache: torch.Tensor, block_n: int = BLOCK_N):
@@ -474,15 +478,17 @@ def sparse_plan(num_tokens: int, num_heads: int, topk: int, sms: int, num_splits
 def launch_sparse(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, topk_slots: torch.Tensor,
                   out: torch.Tensor, part_acc: torch.Tensor, part_ml: torch.Tensor, qk_scale: float, head_blocks: int,
                   num_splits: int, block_n: int = SPARSE_BLOCK_N, stages: int = SPARSE_STAGES,
-                  p_bufs: int = SPARSE_P_BUFS) -> None:
+                  p_bufs: int = SPARSE_P_BUFS, ahead: int = SPARSE_AHEAD) -> None:
     """Sparse MLA (DeepSeek-V3.2 paper, sec. 2.1; :func:`mtpspec.ops.sparse_mla_attention.sparse_mla_attention`'s
     operation): ``(head_blocks, num_splits, T)`` programs of 64 heads of one token row over a split
     of its selected slots, gathered into shared memory by a 4-warp producer; ``out`` / ``part_acc``
     / ``part_ml`` as :func:`~mtpspec.ops.paged_common.split_outputs` makes them for ``BLOCK_L = 512``.
     The caller checked :func:`sparse_supported` and runs the combine. ``block_n`` / ``stages`` /
-    ``p_bufs``: tuning overrides, as :func:`launch`."""
-    if stages < 2:  # the producer completes a tile's barrier only after issuing the next one
-        raise ValueError(f"launch_sparse: stages must be >= 2, got {stages}")
+    ``p_bufs``: tuning overrides, as :func:`launch`; ``ahead``: gathered tiles in flight behind the
+    one being issued, ``1 <= ahead <= stages - 1`` (else ValueError: the producer completes a tile's
+    barrier only after issuing ``ahead`` more, and refills a slot only once its tile was consumed)."""
+    if not 1 <= ahead <= stages - 1:
+        raise ValueError(f"launch_sparse: need 1 <= ahead <= stages - 1, got ahead {ahead}, stages {stages}")
     t, nh = q_latent.shape[0], q_latent.shape[1]
     _sparse_mla_ws_kernel[(head_blocks, num_splits, t)](
         q_latent, q_pe, kv_cache, topk_slots, out, part_acc, part_ml, qk_scale, topk_slots.shape[1],
@@ -490,4 +496,4 @@ def launch_sparse(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Te
         q_pe.stride(1), kv_cache.stride(0), kv_cache.stride(1), topk_slots.stride(0), out.stride(0), out.stride(1),
         nh * num_splits, num_splits, NUM_HEADS=nh, CACHE_BLOCK=kv_cache.shape[1], SPLIT=num_splits > 1,
         BLOCK_M=BLOCK_M, BLOCK_N=block_n, STAGES=stages, P_BUFS=p_bufs, HALF=HALF, LORA=LORA, ROPE=ROPE,
-        WG1_REGS=SPARSE_WG1_REGS, PRODUCER_REGS=SPARSE_PRODUCER_REGS, num_warps=4)
+        WG1_REGS=SPARSE_WG1_REGS, PRODUCER_REGS=SPARSE_PRODUCER_REGS, AHEAD=ahead, num_warps=4)
