@@ -61,7 +61,6 @@ Dispatch (docs/structures.md): Triton on CUDA tensors and on CPU tensors under
 
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 import torch
@@ -96,9 +95,6 @@ NUM_WARPS = {16: 4, 32: 8, 64: 8}
 USE_TMA = {16: False, 32: True, 64: True}  # where eligible (16 rows: 1.9x slower with bulk copies)
 TARGET_PROGRAMS_PER_SM = {16: 8, 32: 1, 64: 1}
 NUM_STAGES = 2
-#: 64-pair programs take the warp-specialised Gluon kernel on sm_90 (:mod:`mtpspec.ops.mla_gluon`)
-#: unless ``MTPSPEC_MLA_GLUON=0``.
-USE_GLUON = os.environ.get("MTPSPEC_MLA_GLUON", "1") != "0"
 #: Flash-decoding split limits.
 MAX_SPLITS = 32
 MIN_KEYS_PER_SPLIT = 256
@@ -487,17 +483,11 @@ def mla_attention(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Te
     No host sync, CUDA-graph capturable.
     """
     _check_mla_inputs(q_latent, q_pe, kv_cache, query_start_loc, seq_lens, block_tables, max_query_len)
-    if impl not in (None, "triton", "gluon"):
-        raise ValueError(f"mla_attention: impl must be None, 'triton' or 'gluon', got {impl!r}")
-    gluon_ok = mla_gluon.supported(q_latent, q_pe, kv_cache)
-    if impl == "gluon" and not gluon_ok:
-        raise ValueError("mla_attention: impl='gluon' needs a compute-capability-9 GPU, Triton's Gluon (no "
-                         "interpreter), 16-bit q and cache of one dtype, kv_lora_rank "
-                         f"{mla_gluon.LORA} + rope {mla_gluon.ROPE} and a contiguous, 16-byte-aligned cache whose "
-                         f"block_size is a multiple of {mla_gluon.BLOCK_N}")
-    if impl == "gluon" and ((block_m, block_n, num_warps, num_stages, tma) != (None,) * 5 or warp_specialize):
-        raise ValueError("mla_attention: block_m, block_n, num_warps, num_stages, tma and warp_specialize tune the "
-                         "Triton kernel; impl='gluon' takes none of them")
+    overrides = (block_m, block_n, num_warps, num_stages, tma) != (None,) * 5 or warp_specialize
+    choice = mla_gluon.resolve_impl("mla_attention", impl,
+                                    impl != "triton" and mla_gluon.supported(q_latent, q_pe, kv_cache), overrides,
+                                    "a contiguous, 16-byte-aligned cache whose block_size is a multiple of "
+                                    f"{mla_gluon.BLOCK_N}")
     if not use_triton(q_latent, q_pe, kv_cache):
         return mla_attention_ref(q_latent, q_pe, kv_cache, query_start_loc, seq_lens, block_tables, scale,
                                  max_query_len, max_seq_len, k_scale)
@@ -506,13 +496,17 @@ def mla_attention(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Te
     b = seq_lens.shape[0]
     bs = kv_cache.shape[1]
     plan = mla_attention_plan(b, max_query_len, nh, max_seq_len, num_sms(q_latent.device), num_splits, block_m)
+    gluon = choice == "gluon" or (choice == "auto" and plan["block_m"] == mla_gluon.BLOCK_M)
+    if gluon and plan["block_m"] != mla_gluon.BLOCK_M:  # impl="gluon" where the plan has smaller programs
+        plan = mla_attention_plan(b, max_query_len, nh, max_seq_len, num_sms(q_latent.device), num_splits,
+                                  mla_gluon.BLOCK_M)
     s = plan["num_splits"]
     block_l = next_power_of_2(max(r, 32))  # two halves of >= 16 columns (the smallest tl.dot)
     block_r = next_power_of_2(max(rope, 16))
     bn = (FP8_BLOCK_N.get(plan["block_m"], BLOCK_N) if is_fp8(kv_cache.dtype) else BLOCK_N) if block_n is None \
         else int(block_n)
-    eligible = tma_eligible(q_latent, kv_cache, bn)
-    if tma and not eligible:
+    eligible = not gluon and tma_eligible(q_latent, kv_cache, bn)
+    if tma and not eligible:  # (impl="gluon" with tma was refused above)
         raise ValueError(f"mla_attention: tma=True needs a contiguous 16-bit or fp8 kv_cache whose block_size "
                          f"({bs}) is a multiple of block_n ({bn}), power-of-two kv_lora_rank / 2 and rope <= 256, "
                          f"and Triton tensor descriptors")
@@ -529,37 +523,28 @@ def mla_attention(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Te
         return torch.empty_like(q_latent)
     if b == 0 or max_query_len == 0:
         return torch.zeros_like(q_latent)
-    overrides = (block_m, block_n, num_warps, num_stages, tma) != (None,) * 5 or warp_specialize
-    use_gluon = impl == "gluon" or (impl is None and gluon_ok and USE_GLUON and plan["block_m"] == mla_gluon.BLOCK_M
-                                    and not overrides)
-    if use_gluon:
-        plan = mla_attention_plan(b, max_query_len, nh, max_seq_len, num_sms(q_latent.device), num_splits,
-                                  mla_gluon.BLOCK_M)
-        s = plan["num_splits"]
-        out, part_acc, part_ml = split_outputs(q_latent, s, r)
-        mla_gluon.launch(q_latent, q_pe, kv_cache, out, part_acc, part_ml, query_start_loc, seq_lens,
-                         launchable_block_tables(block_tables, b), float(scale) * _LOG2E, plan["row_blocks"], s)
-        if s > 1:
-            combine_splits(out, part_acc, part_ml, query_start_loc, b, s, r, r, False)
-        return out
     out, part_acc, part_ml = split_outputs(q_latent, s, block_l)
     block_tables = launchable_block_tables(block_tables, b)
-    stages = NUM_STAGES if num_stages is None else int(num_stages)
-    kvl_desc = kvr_desc = None
-    if use_tma:
-        flat = kv_cache.view(-1, kv_cache.shape[2])
-        kvl_desc = TensorDescriptor(flat, list(flat.shape), list(flat.stride()), [bn, block_l // 2])
-        kvr_desc = TensorDescriptor(flat, list(flat.shape), list(flat.stride()), [bn, block_r])
-    _mla_attn[(plan["row_blocks"], s, b)](
-        q_latent, q_pe, kv_cache, kvl_desc, kvr_desc, out, part_acc, part_ml, query_start_loc, seq_lens, block_tables,
-        float(scale) * _LOG2E, s, float(k_scale), q_latent.stride(0), q_latent.stride(1), q_pe.stride(0),
-        q_pe.stride(1),
-        kv_cache.stride(0), kv_cache.stride(1), out.stride(0), out.stride(1), block_tables.stride(0), nh * s, s,
-        NUM_HEADS=nh, LORA=r, ROPE=rope, BLOCK_L=block_l, BLOCK_R=block_r, BLOCK_M=plan["block_m"], BLOCK_N=bn,
-        CACHE_BLOCK=bs, SPLIT=s > 1, TMA=use_tma, WARP_SPECIALIZE=bool(warp_specialize),
-        TAIL_STAGES=1 if use_tma else stages, DOT_FP32=bf16_interp, PRECISION=precision, BF16_BY_BITS=bf16_interp,
-        FP8=is_fp8(kv_cache.dtype), num_warps=plan["num_warps"] if num_warps is None else num_warps,
-        num_stages=stages)
+    if gluon:
+        mla_gluon.launch(q_latent, q_pe, kv_cache, out, part_acc, part_ml, query_start_loc, seq_lens, block_tables,
+                         float(scale) * _LOG2E, plan["row_blocks"], s)
+    else:
+        stages = NUM_STAGES if num_stages is None else int(num_stages)
+        kvl_desc = kvr_desc = None
+        if use_tma:
+            flat = kv_cache.view(-1, kv_cache.shape[2])
+            kvl_desc = TensorDescriptor(flat, list(flat.shape), list(flat.stride()), [bn, block_l // 2])
+            kvr_desc = TensorDescriptor(flat, list(flat.shape), list(flat.stride()), [bn, block_r])
+        _mla_attn[(plan["row_blocks"], s, b)](
+            q_latent, q_pe, kv_cache, kvl_desc, kvr_desc, out, part_acc, part_ml, query_start_loc, seq_lens,
+            block_tables, float(scale) * _LOG2E, s, float(k_scale), q_latent.stride(0), q_latent.stride(1),
+            q_pe.stride(0), q_pe.stride(1), kv_cache.stride(0), kv_cache.stride(1), out.stride(0), out.stride(1),
+            block_tables.stride(0), nh * s, s,
+            NUM_HEADS=nh, LORA=r, ROPE=rope, BLOCK_L=block_l, BLOCK_R=block_r, BLOCK_M=plan["block_m"], BLOCK_N=bn,
+            CACHE_BLOCK=bs, SPLIT=s > 1, TMA=use_tma, WARP_SPECIALIZE=bool(warp_specialize),
+            TAIL_STAGES=1 if use_tma else stages, DOT_FP32=bf16_interp, PRECISION=precision,
+            BF16_BY_BITS=bf16_interp, FP8=is_fp8(kv_cache.dtype),
+            num_warps=plan["num_warps"] if num_warps is None else num_warps, num_stages=stages)
     if s > 1:
         combine_splits(out, part_acc, part_ml, query_start_loc, b, s, r, block_l, bf16_interp)
     return out

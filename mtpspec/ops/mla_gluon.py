@@ -44,6 +44,7 @@ reference, which the tests compare these kernels against on the GPU.
 
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 import torch
@@ -92,16 +93,55 @@ SPARSE_P_BUFS = 2
 SPARSE_AHEAD = 1
 
 
-def supported(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor) -> bool:
-    """Whether :func:`launch` can run these tensors (see the module docstring)."""
+#: The Gluon kernels are the default where they apply (``mla_attention`` / ``sparse_mla_attention``
+#: with ``impl=None``) unless ``MTPSPEC_MLA_GLUON=0``.
+USE_GLUON = os.environ.get("MTPSPEC_MLA_GLUON", "1") != "0"
+
+
+def _hopper_latent(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor) -> bool:
+    """What both kernels need: Gluon's Hopper API (compiled, not under ``TRITON_INTERPRET``), CUDA
+    tensors on a compute-capability-9 GPU, 16-bit q / q_pe / cache of one dtype, ``kv_lora_rank``
+    512 + rope 64, cache rows 16-byte aligned."""
     if not (HAS_GLUON and q_latent.is_cuda and kv_cache.is_cuda) or interpreting():  # Gluon: no interpreter
         return False
     if torch.cuda.get_device_capability(q_latent.device)[0] != 9:
         return False
+    es = kv_cache.element_size()
     return (q_latent.dtype in (torch.float16, torch.bfloat16) and kv_cache.dtype == q_latent.dtype
             and q_pe.dtype == q_latent.dtype and q_latent.shape[2] == LORA and q_pe.shape[2] == ROPE
-            and kv_cache.shape[2] == LORA + ROPE and kv_cache.shape[1] % BLOCK_N == 0 and kv_cache.is_contiguous()
-            and kv_cache.data_ptr() % 16 == 0)
+            and kv_cache.shape[2] == LORA + ROPE and kv_cache.stride(2) == 1 and kv_cache.data_ptr() % 16 == 0
+            and (kv_cache.stride(0) * es) % 16 == 0 and (kv_cache.stride(1) * es) % 16 == 0)
+
+
+def supported(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor) -> bool:
+    """Whether :func:`launch` can run these tensors (see the module docstring): as the sparse
+    kernel, plus a contiguous cache whose ``block_size`` is a multiple of ``BLOCK_N`` (a bulk-copied
+    tile never spans two cache blocks)."""
+    return _hopper_latent(q_latent, q_pe, kv_cache) and kv_cache.shape[1] % BLOCK_N == 0 and kv_cache.is_contiguous()
+
+
+def resolve_impl(op: str, impl: Optional[str], ok: bool, overrides: bool, needs: str) -> str:
+    """``"gluon"`` (asked for, and it can run), ``"triton"`` (asked for, not runnable here, Triton
+    kernel tuning given, or ``MTPSPEC_MLA_GLUON=0``) or ``"auto"`` (Gluon where the op's plan
+    prefers it) for an op's ``impl`` argument; ``ok``: the tensors are :func:`supported` (or
+    :func:`sparse_supported`); ``overrides``: Triton-kernel launch overrides were given; ``needs``:
+    what the Gluon kernel needs, for the error.
+
+    Raises:
+        ValueError: ``impl`` not ``None`` / ``"triton"`` / ``"gluon"``; ``"gluon"`` where ``ok`` is
+            false, or with ``overrides``.
+    """
+    if impl not in (None, "triton", "gluon"):
+        raise ValueError(f"{op}: impl must be None, 'triton' or 'gluon', got {impl!r}")
+    if impl == "gluon":
+        if not ok:
+            raise ValueError(f"{op}: impl='gluon' needs a compute-capability-9 GPU, Triton's Gluon (no interpreter), "
+                             f"16-bit q and cache of one dtype, kv_lora_rank {LORA} + rope {ROPE} and {needs}")
+        if overrides:
+            raise ValueError(f"{op}: block_m, block_n, num_warps, num_stages, tma and warp_specialize tune the Triton "
+                             "kernel; impl='gluon' takes none of them")
+        return "gluon"
+    return "auto" if impl is None and ok and USE_GLUON and not overrides else "triton"
 
 
 if HAS_GLUON:
@@ -412,8 +452,9 @@ if HAS_GLUON:
 
 
 def descriptors(kv_cache: torch.Tensor, block_n: int = BLOCK_N):
-    """The three bulk-copy descriptors over the cache viewed as ``[blocks * block_size, 576]``:
-    latent halves ``[BLOCK_N, 256]`` (at columns 0 and 256) and rope ``[BLOCK_N, 64]`` (at 512)."""
+    """The three bulk-copy descriptors over a contiguous 16-bit cache ``[num_blocks, block_size, 576]``
+    viewed as ``[num_blocks * block_size, 576]``: latent halves ``[block_n, 256]`` (read at columns 0
+    and 256) and rope ``[block_n, 64]`` (at 512), 128-byte swizzled as the kernel's shared tiles."""
     flat = kv_cache.view(-1, kv_cache.shape[2])
     layout = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
     shape, strides = list(flat.shape), list(flat.stride())
@@ -426,9 +467,14 @@ def launch(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, o
            part_acc: torch.Tensor, part_ml: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
            block_tables: torch.Tensor, qk_scale: float, row_blocks: int, num_splits: int, block_n: int = BLOCK_N,
            stages: int = STAGES, p_bufs: int = P_BUFS) -> None:
-    """Launch the kernel over ``(row_blocks, num_splits, num_seqs)`` programs (64 pairs each);
-    ``out`` / ``part_acc`` / ``part_ml`` as :func:`mtpspec.ops.paged_common.split_outputs` makes
-    them for ``BLOCK_L = 512``. The caller checked :func:`supported` and runs the combine.
+    """Launch the dense kernel over ``(row_blocks, num_splits, num_seqs)`` programs (64 (query row,
+    head) pairs each). Tensors as :func:`mtpspec.ops.mla_attention.mla_attention` takes them:
+    ``q_latent [T, H, 512]`` / ``q_pe [T, H, 64]`` fp16 or bf16, ``kv_cache [num_blocks, block_size,
+    576]`` of that dtype, ``query_start_loc [num_seqs + 1]`` / ``seq_lens [num_seqs]`` / ``block_tables
+    [num_seqs, max_blocks]`` int32 or int64; ``qk_scale`` = softmax scale x log2(e). ``out [T, H,
+    512]`` / ``part_acc [T, H, num_splits, 512]`` fp32 / ``part_ml [T, H, num_splits, 2]`` fp32 as
+    :func:`mtpspec.ops.paged_common.split_outputs` makes them. The caller checked :func:`supported`
+    and runs the combine. No host sync.
     ``block_n`` / ``stages`` / ``p_bufs``: tuning overrides (keys per tile, key-tile ring slots, P
     buffers); they must fit the 227 KB of shared memory (the compile fails otherwise)."""
     nh = q_latent.shape[1]
@@ -444,18 +490,10 @@ def launch(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, o
 
 def sparse_supported(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,
                      topk_slots: torch.Tensor) -> bool:
-    """Whether :func:`launch_sparse` can run these tensors: as :func:`supported`, but any cache
-    strides whose rows are 16-byte aligned (rows are gathered by 16-byte copies) and int32 / int64
-    slot ids with unit stride."""
-    if not (HAS_GLUON and q_latent.is_cuda and kv_cache.is_cuda and topk_slots.is_cuda) or interpreting():
-        return False
-    if torch.cuda.get_device_capability(q_latent.device)[0] != 9:
-        return False
-    es = kv_cache.element_size()
-    return (q_latent.dtype in (torch.float16, torch.bfloat16) and kv_cache.dtype == q_latent.dtype
-            and q_pe.dtype == q_latent.dtype and q_latent.shape[2] == LORA and q_pe.shape[2] == ROPE
-            and kv_cache.shape[2] == LORA + ROPE and kv_cache.stride(2) == 1 and (kv_cache.stride(0) * es) % 16 == 0
-            and (kv_cache.stride(1) * es) % 16 == 0 and kv_cache.data_ptr() % 16 == 0
+    """Whether :func:`launch_sparse` can run these tensors: any cache strides whose rows are 16-byte
+    aligned (rows are gathered by 16-byte copies), int32 / int64 slot ids on the GPU with unit
+    stride, and what :func:`supported` needs but the contiguity and block size."""
+    return (_hopper_latent(q_latent, q_pe, kv_cache) and topk_slots.is_cuda
             and topk_slots.dtype in (torch.int32, torch.int64)
             and (topk_slots.shape[1] <= 1 or topk_slots.stride(1) == 1))
 
@@ -481,8 +519,11 @@ def launch_sparse(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Te
                   p_bufs: int = SPARSE_P_BUFS, ahead: int = SPARSE_AHEAD) -> None:
     """Sparse MLA (DeepSeek-V3.2 paper, sec. 2.1; :func:`mtpspec.ops.sparse_mla_attention.sparse_mla_attention`'s
     operation): ``(head_blocks, num_splits, T)`` programs of 64 heads of one token row over a split
-    of its selected slots, gathered into shared memory by a 4-warp producer; ``out`` / ``part_acc``
-    / ``part_ml`` as :func:`~mtpspec.ops.paged_common.split_outputs` makes them for ``BLOCK_L = 512``.
+    of its selected slots, gathered into shared memory by a 4-warp producer. ``q_latent [T, H, 512]``
+    / ``q_pe [T, H, 64]`` fp16 or bf16, ``kv_cache [num_blocks, block_size, 576]`` of that dtype,
+    ``topk_slots [T, K]`` int32 / int64 global slots (``< 0`` or past the cache: unused);
+    ``qk_scale`` = softmax scale x log2(e); ``out`` / ``part_acc`` / ``part_ml`` as
+    :func:`~mtpspec.ops.paged_common.split_outputs` makes them for ``BLOCK_L = 512``.
     The caller checked :func:`sparse_supported` and runs the combine. ``block_n`` / ``stages`` /
     ``p_bufs``: tuning overrides, as :func:`launch`; ``ahead``: gathered tiles in flight behind the
     one being issued, ``1 <= ahead <= stages - 1`` (else ValueError: the producer completes a tile's

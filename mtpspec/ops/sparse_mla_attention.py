@@ -50,7 +50,7 @@ import torch
 from mtpspec.ops import mla_gluon
 from mtpspec.ops.argmax import num_sms
 from mtpspec.ops.kv_quant import check_cache_dtype, dequantize_cache, is_fp8
-from mtpspec.ops.mla_attention import FP8_BLOCK_N, USE_GLUON
+from mtpspec.ops.mla_attention import FP8_BLOCK_N
 from mtpspec.ops.paged_attention import combine_splits
 from mtpspec.ops.paged_common import choose_num_splits, split_outputs
 from mtpspec.ops.triton_utils import (HAS_TRITON, LazyKernel, cdiv, check_tensor_args, interpreting, next_power_of_2,
@@ -352,16 +352,10 @@ def sparse_mla_attention(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: t
     :func:`sparse_mla_attention_ref`. No host sync, CUDA-graph capturable.
     """
     _check_sparse_inputs(q_latent, q_pe, kv_cache, topk_slots)
-    if impl not in (None, "triton", "gluon"):
-        raise ValueError(f"sparse_mla_attention: impl must be None, 'triton' or 'gluon', got {impl!r}")
-    gluon_ok = mla_gluon.sparse_supported(q_latent, q_pe, kv_cache, topk_slots)
-    if impl == "gluon" and not gluon_ok:
-        raise ValueError("sparse_mla_attention: impl='gluon' needs a compute-capability-9 GPU, Triton's Gluon (no "
-                         f"interpreter), 16-bit q and cache of one dtype, kv_lora_rank {mla_gluon.LORA} + rope "
-                         f"{mla_gluon.ROPE} and 16-byte-aligned cache rows")
-    if impl == "gluon" and (block_m, block_n, num_warps, num_stages) != (None,) * 4:
-        raise ValueError("sparse_mla_attention: block_m, block_n, num_warps and num_stages tune the Triton kernel; "
-                         "impl='gluon' takes none of them")
+    gluon_ok = impl != "triton" and mla_gluon.sparse_supported(q_latent, q_pe, kv_cache, topk_slots)
+    choice = mla_gluon.resolve_impl("sparse_mla_attention", impl, gluon_ok,
+                                    (block_m, block_n, num_warps, num_stages) != (None,) * 4,
+                                    "16-byte-aligned cache rows")
     if not use_triton(q_latent, q_pe, kv_cache):
         return sparse_mla_attention_ref(q_latent, q_pe, kv_cache, topk_slots, scale, k_scale)
     t, nh, r = q_latent.shape
@@ -371,16 +365,13 @@ def sparse_mla_attention(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: t
         return torch.empty_like(q_latent)
     if k == 0:
         return torch.zeros_like(q_latent)
-    overrides = (block_m, block_n, num_warps, num_stages) != (None, None, None, None)
-    if impl == "gluon" or (impl is None and gluon_ok and USE_GLUON and nh >= mla_gluon.BLOCK_M and not overrides):
+    if choice == "gluon" or (choice == "auto" and nh >= mla_gluon.BLOCK_M):
         gp = mla_gluon.sparse_plan(t, nh, k, num_sms(q_latent.device), num_splits)
         s = gp["num_splits"]
         out, part_acc, part_ml = split_outputs(q_latent, s, r)
         mla_gluon.launch_sparse(q_latent, q_pe, kv_cache, topk_slots, out, part_acc, part_ml, float(scale) * _LOG2E,
                                 gp["head_blocks"], s)
-        if s > 1:
-            n_rows = torch.full((1,), t, dtype=torch.int32, device=q_latent.device)
-            combine_splits(out, part_acc, part_ml, n_rows, 0, s, r, r, False)
+        _combine(out, part_acc, part_ml, s, r, False)
         return out
     plan = sparse_mla_attention_plan(t, nh, k, num_sms(q_latent.device), num_splits, block_m)
     s = plan["num_splits"]
@@ -404,11 +395,17 @@ def sparse_mla_attention(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: t
         BF16_BY_BITS=bf16_interp, FP8=is_fp8(kv_cache.dtype),
         num_warps=plan["num_warps"] if num_warps is None else num_warps,
         num_stages=NUM_STAGES if num_stages is None else num_stages)
-    if s > 1:
-        # the combine's padding-row test reads query_start_loc[num_seqs]: one entry = T, every row real
-        n_rows = torch.full((1,), t, dtype=torch.int32, device=q_latent.device)
-        combine_splits(out, part_acc, part_ml, n_rows, 0, s, r, block_l, bf16_interp)
+    _combine(out, part_acc, part_ml, s, block_l, bf16_interp)
     return out
+
+
+def _combine(out: torch.Tensor, part_acc: torch.Tensor, part_ml: torch.Tensor, num_splits: int, block_l: int,
+             bf16_interp: bool) -> None:
+    """Merge the splits' partials into ``out`` (nothing to do for one split); every row is real."""
+    if num_splits > 1:
+        # the combine's padding-row test reads query_start_loc[num_seqs]: one entry = T, every row real
+        n_rows = torch.full((1,), out.shape[0], dtype=torch.int32, device=out.device)
+        combine_splits(out, part_acc, part_ml, n_rows, 0, num_splits, out.shape[2], block_l, bf16_interp)
 
 
 __all__ = ["positions_to_slots", "sparse_mla_attention", "sparse_mla_attention_plan", "sparse_mla_attention_ref"]
