@@ -51,6 +51,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from benchmarks._timing import Timer, fmt, read_bandwidth  # noqa: E402
 import mtpspec.ops.mla_attention as mla  # noqa: E402
+from mtpspec.ops import mla_gluon  # noqa: E402
 from mtpspec.ops.argmax import num_sms  # noqa: E402
 
 
@@ -68,11 +69,15 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"],
                    help="fp8: the latent cache stored as e4m3 (issue 19; scale 1.0, dequantised in the kernel); "
                         "its bytes counted at 1 per value in the floor")
+    p.add_argument("--shared-blocks", type=int, default=0,
+                   help="every sequence's block table cycles over the same N cache blocks (N x block size x 1,152 "
+                        "bytes: L2-resident for small N), to tell load latency from compute; 0: a random table")
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--check-seqs", type=int, default=2, help="sequences checked against the torch reference")
     p.add_argument("--sweep", action="store_true", help="time the kernel over launch configurations")
     p.add_argument("--impls", default="triton,gluon",
-                   help="kernels timed side by side (mla_attention's impl=...; 'gluon' where supported)")
+                   help="kernels timed side by side (mla_attention's impl=...; 'gluon' where supported; "
+                        "'gluon:split' / 'gluon:seesaw' pick the Gluon kernel's dense schedule)")
     p.add_argument("--no-compile", action="store_true")
     p.add_argument("--no-sdpa", action="store_true")
     p.add_argument("--out", default=None, help="write the results as JSON here")
@@ -122,6 +127,9 @@ class Case:
         self.num_blocks = b * per_seq
         perm = torch.randperm(self.num_blocks, generator=g)
         self.block_tables = perm.view(b, per_seq).to(torch.int32).to(device)
+        if getattr(a, "shared_blocks", 0):
+            n = min(a.shared_blocks, self.num_blocks)
+            self.block_tables = (torch.arange(per_seq, dtype=torch.int32, device=device) % n)[None].repeat(b, 1)
         cache_dtype = torch.float8_e4m3fn if getattr(a, "kv_cache_dtype", "auto") == "fp8" else dtype
         self.cache = (torch.randn(self.num_blocks, bs, self.r + self.rope, device=device) * 0.5).to(cache_dtype)
         t = b * q
@@ -270,14 +278,19 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             row["kernel_tflops"] = c.flops / (row["kernel_ms"] / 1e3) / 1e12
             row["kernel_gbps"] = (c.latent_bytes + c.io_bytes) / (row["kernel_ms"] / 1e3) / 1e9
             row["impls"] = {}
-            for impl in [x for x in a.impls.split(",") if x]:
+            for name in [x for x in a.impls.split(",") if x]:
+                impl, _, schedule = name.partition(":")  # "gluon:split" / "gluon:seesaw": the dense schedule
+                keep = mla_gluon.DENSE_SCHEDULE
                 try:
+                    mla_gluon.DENSE_SCHEDULE = schedule or keep
                     err = c.check(a.check_seqs, impl=impl)
                     ms = time_graph(timer, c.kernel(impl=impl))["ms"]
-                    row["impls"][impl] = dict(ms=ms, x_floor=ms / row["floor_ms"], max_abs_err=err)
+                    row["impls"][name] = dict(ms=ms, x_floor=ms / row["floor_ms"], max_abs_err=err)
                 except Exception as e:  # e.g. gluon on a GPU it does not support
-                    row["impls"][impl] = dict(error=f"{type(e).__name__}: {e}"[:300])
-                print(f"  impl {impl}: {row['impls'][impl]}")
+                    row["impls"][name] = dict(error=f"{type(e).__name__}: {e}"[:300])
+                finally:
+                    mla_gluon.DENSE_SCHEDULE = keep
+                print(f"  impl {name}: {row['impls'][name]}")
             if a.sweep:
                 rows = sweep(c, timer, a.smoke)
                 ok = [r for r in rows if r.get("ms") is not None]

@@ -53,13 +53,21 @@ CASES = [  # heads, query rows per sequence, sequence lengths (partial last tile
     (64, [1, 2, 1, 1], [31, 32, 65, 1500]),
     (16, [4, 4, 1], [130, 700, 129], 128),
     (24, [4, 3], [200, 90]),  # 96 and 72 (row, head) pairs: a row block ends mid-row
+    (16, [1, 1, 1, 1], [300, 65, 1, 128]),  # 16 pairs: one padded row block (16 heads x 1 row)
 ]
+
+
+@pytest.fixture(params=["seesaw", "split"])
+def schedule(request, monkeypatch):
+    """Both dense schedules of the Gluon kernel (:data:`mtpspec.ops.mla_gluon.DENSE_SCHEDULE`)."""
+    monkeypatch.setattr(mla_gluon, "DENSE_SCHEDULE", request.param)
+    return request.param
 
 
 @pytest.mark.skipif(not ON_HOPPER, reason="needs a compute-capability-9 GPU and Triton's Gluon")
 @pytest.mark.parametrize("case", CASES)
 @pytest.mark.parametrize("num_splits", [1, 3, None])
-def test_gluon_kernel_matches_reference(case, num_splits) -> None:
+def test_gluon_kernel_matches_reference(case, num_splits, schedule) -> None:
     args = _problem(*case[:3], block_size=case[3] if len(case) > 3 else 64)
     got = mla_attention(*args, num_splits=num_splits, impl="gluon").float()
     ref = mla_attention_ref(*args).float()
@@ -70,7 +78,7 @@ def test_gluon_kernel_matches_reference(case, num_splits) -> None:
 
 
 @pytest.mark.skipif(not ON_HOPPER, reason="needs a compute-capability-9 GPU and Triton's Gluon")
-def test_gluon_kernel_fp16_and_int64_tables() -> None:
+def test_gluon_kernel_fp16_and_int64_tables(schedule) -> None:
     """fp16 queries and cache; int64 metadata (TMA coordinates are 32-bit: the kernel narrows them)."""
     args = list(_problem(16, [4, 4, 2], [300, 65, 1000], dtype=torch.float16))
     args[3], args[4], args[5] = args[3].long(), args[4].long(), args[5].long()
@@ -80,7 +88,7 @@ def test_gluon_kernel_fp16_and_int64_tables() -> None:
 
 
 @pytest.mark.skipif(not ON_HOPPER, reason="needs a compute-capability-9 GPU and Triton's Gluon")
-def test_gluon_kernel_padding_rows_and_graph_capture() -> None:
+def test_gluon_kernel_padding_rows_and_graph_capture(schedule) -> None:
     """Padding sequences (no query rows, length 0) and rows past ``query_start_loc[-1]``; the
     launch inside a CUDA graph replays to the same result."""
     q_latent, q_pe, cache, qsl, sl, bt, scale, mq, ms = _problem(16, [4, 4], [77, 300])
@@ -117,10 +125,23 @@ def test_dispatch_rules() -> None:
     mla_attention(*args)  # impl=None where the Gluon kernel cannot run: no error (here the torch path)
     with pytest.raises(ValueError, match="num_splits must be"):
         mla_gluon.sparse_plan(4, 128, 2048, 132, num_splits=0)
+    with pytest.raises(ValueError, match="num_splits must be"):
+        mla_gluon.dense_plan(4, 1, 16, 8192, 132, num_splits=0)
     if ON_HOPPER:  # Triton-kernel tuning with the Gluon kernel is a clear error, not ignored
         gpu = _problem(16, [4], [40])
         with pytest.raises(ValueError, match="takes none of them"):
             mla_attention(*gpu, impl="gluon", num_warps=4)
+
+
+def test_dense_plan() -> None:
+    """One wave of 64-pair programs: 16 x 1 pads one row block (2 splits at 64 x 8,192 on 132 SMs,
+    not the Triton kernel's 16 for its 16-row programs), 128 x 4 has 8 row blocks (1 split), short
+    contexts cap the splits at one per 256 keys, a given count is kept."""
+    assert mla_gluon.dense_plan(64, 1, 16, 8192, 132) == dict(row_blocks=1, num_splits=2)
+    assert mla_gluon.dense_plan(64, 4, 16, 8192, 132) == dict(row_blocks=1, num_splits=2)
+    assert mla_gluon.dense_plan(64, 4, 128, 8192, 132) == dict(row_blocks=8, num_splits=1)
+    assert mla_gluon.dense_plan(1, 1, 128, 600, 132) == dict(row_blocks=2, num_splits=3)
+    assert mla_gluon.dense_plan(1, 1, 128, 600, 132, num_splits=5) == dict(row_blocks=2, num_splits=5)
 
 
 _COMPILE = r"""
@@ -140,11 +161,14 @@ sig = dict(ql_ptr="*bf16", qp_ptr="*bf16", k0_desc=desc([m.BLOCK_N, m.HALF]), k1
 for n in "stride_qlt stride_qlh stride_qpt stride_qph stride_ot stride_oh stride_bt stride_pt stride_ph".split():
     sig[n] = "i32"
 out = []
-for heads, split in ((16, True), (128, False)):
-    cx = dict(NUM_HEADS=heads, CACHE_BLOCK=64, SPLIT=split, BLOCK_M=m.BLOCK_M, BLOCK_N=m.BLOCK_N, STAGES=m.STAGES,
-              P_BUFS=m.P_BUFS, HALF=m.HALF, LORA=m.LORA, ROPE=m.ROPE, WG1_REGS=m.WG1_REGS,
-              PRODUCER_REGS=m.PRODUCER_REGS)
-    fn = m._mla_ws_kernel
+for fn, heads, split in ((m._mla_ws_kernel, 16, True), (m._mla_ws_kernel, 128, False),
+                         (m._mla_seesaw_kernel, 16, True), (m._mla_seesaw_kernel, 128, False)):
+    cx = dict(NUM_HEADS=heads, CACHE_BLOCK=64, SPLIT=split, BLOCK_M=m.BLOCK_M, BLOCK_N=m.BLOCK_N, HALF=m.HALF,
+              LORA=m.LORA, ROPE=m.ROPE)
+    if fn is m._mla_ws_kernel:
+        cx.update(STAGES=m.STAGES, P_BUFS=m.P_BUFS, WG1_REGS=m.WG1_REGS, PRODUCER_REGS=m.PRODUCER_REGS)
+    else:
+        cx.update(WG1_REGS=m.SEESAW_WG1_REGS)
     full = {k: sig.get(k, "constexpr") for k in fn.arg_names}
     attrs = {(fn.arg_names.index(k),): [["tt.divisibility", 16]] for k, v in full.items() if v.startswith("*")}
     ck = triton.compile(GluonASTSource(fn, full, cx, attrs), target=GPUTarget("cuda", 90, 32),
@@ -173,7 +197,7 @@ print(json.dumps(out))
 
 def test_gluon_kernel_compiles_for_hopper() -> None:
     """Ahead-of-time sm_90 compile (a child process, Triton imported without its interpreter) of
-    the dense kernel at 16 heads (split) and 128 heads (one split) and the sparse one at 128 heads:
+    both dense schedules at 16 heads (split) and 128 heads (one split) and the sparse kernel at 128 heads:
     each fits an sm_90 program's 227 KB of shared memory, and its code has the copies (bulk tensor
     copies dense, 16-byte ``cp.async`` gathers sparse), warpgroup MMAs and per-partition register
     counts the design depends on."""

@@ -469,8 +469,9 @@ def mla_attention(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Te
         k_scale: an fp8 cache's per-layer scale (ignored for other caches).
         impl: ``"gluon"``: the warp-specialised Hopper kernel of :mod:`mtpspec.ops.mla_gluon` (64-pair
             programs; ValueError where not :func:`~mtpspec.ops.mla_gluon.supported`); ``"triton"``:
-            this module's kernel; ``None``: the Gluon kernel where the plan has 64-pair programs, it
-            is supported, no launch override is given and ``MTPSPEC_MLA_GLUON`` is not ``0``.
+            this module's kernel; ``None``: the Gluon kernel where it is supported (any head and row
+            count: fewer than 64 pairs pad one program, :func:`~mtpspec.ops.mla_gluon.dense_plan`), no
+            launch override is given and ``MTPSPEC_MLA_GLUON`` is not ``0``.
 
     Returns:
         ``o_latent [num_tokens, num_heads, kv_lora_rank]`` in q's dtype; rows at or past
@@ -495,15 +496,15 @@ def mla_attention(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Te
     rope = q_pe.shape[2]
     b = seq_lens.shape[0]
     bs = kv_cache.shape[1]
-    plan = mla_attention_plan(b, max_query_len, nh, max_seq_len, num_sms(q_latent.device), num_splits, block_m)
-    gluon = choice == "gluon" or (choice == "auto" and plan["block_m"] == mla_gluon.BLOCK_M)
-    if gluon and plan["block_m"] != mla_gluon.BLOCK_M:  # impl="gluon" where the plan has smaller programs
-        plan = mla_attention_plan(b, max_query_len, nh, max_seq_len, num_sms(q_latent.device), num_splits,
-                                  mla_gluon.BLOCK_M)
+    # the Gluon kernel wherever it runs (its 64-pair programs, padded below 64 pairs: 16 heads x 1 row
+    # is memory-bound, so the padding costs only tensor-core time)
+    gluon = choice in ("gluon", "auto")
+    plan = (mla_gluon.dense_plan(b, max_query_len, nh, max_seq_len, num_sms(q_latent.device), num_splits) if gluon
+            else mla_attention_plan(b, max_query_len, nh, max_seq_len, num_sms(q_latent.device), num_splits, block_m))
     s = plan["num_splits"]
     block_l = next_power_of_2(max(r, 32))  # two halves of >= 16 columns (the smallest tl.dot)
     block_r = next_power_of_2(max(rope, 16))
-    bn = (FP8_BLOCK_N.get(plan["block_m"], BLOCK_N) if is_fp8(kv_cache.dtype) else BLOCK_N) if block_n is None \
+    bn = (FP8_BLOCK_N.get(plan.get("block_m"), BLOCK_N) if is_fp8(kv_cache.dtype) else BLOCK_N) if block_n is None \
         else int(block_n)
     eligible = not gluon and tma_eligible(q_latent, kv_cache, bn)
     if tma and not eligible:  # (impl="gluon" with tma was refused above)

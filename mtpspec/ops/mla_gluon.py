@@ -27,6 +27,12 @@ accumulator is split across two warpgroups (128 registers a thread each). A tile
 any product reads it, so stale cache slots never reach ``P V``. Split-K over keys (flash-decoding)
 writes ``(acc, m, l)`` in the scratch layout of :func:`mtpspec.ops.paged_attention.combine_splits`.
 
+A second dense schedule, ``"seesaw"`` (:data:`DENSE_SCHEDULE`; FlashMLA's, facts only), takes the
+key tiles in pairs: warpgroup 0 computes the scores and softmax of the first, warpgroup 1 of the
+second against the first's row max, so one softmax runs under the other warpgroup's products; each
+warpgroup accumulates its value half over both tiles (its own ``P`` from registers, the other's
+from shared memory) and refills the key halves it read last (no producer partition).
+
 Sparse MLA (DeepSeek Sparse Attention, DeepSeek-V3.2 paper, sec. 2.1; the operation of
 :func:`mtpspec.ops.sparse_mla_attention.sparse_mla_attention`): the same two warpgroups over 64
 heads of one token row and its selected cache slots, the selection as the mask; Hopper's bulk
@@ -83,13 +89,23 @@ WG1_REGS = 192
 PRODUCER_REGS = 40
 SPARSE_WG1_REGS = 168
 SPARSE_PRODUCER_REGS = 112
+#: Dense schedule: ``"split"`` (:func:`_mla_ws_kernel`: warpgroup 0 computes every tile's scores and
+#: softmax) or ``"seesaw"`` (:func:`_mla_seesaw_kernel`: the warpgroups alternate the tiles' scores
+#: and softmax; no producer partition, each warpgroup issues the copies of the key halves it read
+#: last, so its 8 warps get 256 registers a thread). H200, 64 x 8,192 (2026-12-04, BENCHMARKS.md):
+#: the seesaw is 4-10% slower over scattered cache blocks (its refills start later, two slots only)
+#: and 2-4% faster where the keys sit in L2, so ``"split"`` is the default
+#: (``MTPSPEC_MLA_SCHEDULE=seesaw`` selects the other).
+DENSE_SCHEDULE = os.environ.get("MTPSPEC_MLA_SCHEDULE", "split")
+SEESAW_WG1_REGS = 256
 #: Sparse launch shape (H200 sweep, 2026-12-04): the gathers are latency-bound, so more tiles in
 #: flight win over the denser score products: 32-key tiles, 4 slots, 2 P buffers (225 KiB) beat the
 #: dense default by 10-11% at 128 heads (16 heads: equal).
 SPARSE_BLOCK_N = 32
 SPARSE_STAGES = 4
 SPARSE_P_BUFS = 2
-#: Sparse: gathered tiles in flight behind the one being issued (1 .. stages - 1; > 1 not yet timed).
+#: Sparse: gathered tiles in flight behind the one being issued (1 .. stages - 1). H200 (2026-12-04,
+#: session 18): 2 is 1-3% slower at 128 heads, 3 is 37-42% slower; 1 stays.
 SPARSE_AHEAD = 1
 
 
@@ -288,6 +304,326 @@ if HAS_GLUON:
         _store_half(o, m_i, l_i, out_ptr, part_acc_ptr, part_ml_ptr, row, head, row_ok, split, HALF, stride_ot,
                     stride_oh, stride_pt, stride_ph, o_layout, SPLIT, False, HALF, LORA)
 
+    # ------------------------------------------------------------------ dense, "seesaw" schedule
+    # FlashMLA's dense decode schedule (DeepSeek 2025; facts only, own code): the two warpgroups take
+    # the key tiles in pairs (A = 2j, B = 2j + 1). Warpgroup 0 owns A's scores and softmax, warpgroup 1
+    # B's; each accumulates its own value half (0: left 256 columns, 1: right 256) over BOTH tiles,
+    # its own tile's P from registers and the other's from shared memory. The running max passes
+    # A -> B -> next A through shared memory, so one warpgroup's softmax runs under the other's
+    # products and the tensor cores stay busy at 128 heads.
+
+    @gluon.jit
+    def _seesaw_scores(qbuf, z, q_rope, kbuf0, kbuf1, kbufr, ready_l, ready_r, s, phase, s_layout: gl.constexpr,
+                       BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, LEFT_FIRST: gl.constexpr):
+        """``Q K^T`` of the tile in slot ``s`` (issued async), each key half once it has landed (left
+        first, or right + rope first). ``z`` is a zero the compiler cannot prove: indexing the query
+        halves by it keeps their 36 wgmma descriptors from being hoisted out of the loop, where they
+        would hold ~70 registers a thread for its whole length (ptxas spilled)."""
+        qbuf0 = qbuf.index(z)
+        qbuf1 = qbuf.index(z + 1)
+        sc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
+        if LEFT_FIRST:
+            mbarrier.wait(ready_l.index(s), phase)
+            sc = warpgroup_mma(qbuf0, kbuf0.index(s).permute((1, 0)), sc, use_acc=False, is_async=True)
+            mbarrier.wait(ready_r.index(s), phase)
+            sc = warpgroup_mma(qbuf1, kbuf1.index(s).permute((1, 0)), sc, is_async=True)
+            sc = warpgroup_mma(q_rope, kbufr.index(s).permute((1, 0)), sc, is_async=True)
+        else:
+            mbarrier.wait(ready_r.index(s), phase)
+            sc = warpgroup_mma(qbuf1, kbuf1.index(s).permute((1, 0)), sc, use_acc=False, is_async=True)
+            sc = warpgroup_mma(q_rope, kbufr.index(s).permute((1, 0)), sc, is_async=True)
+            mbarrier.wait(ready_l.index(s), phase)
+            sc = warpgroup_mma(qbuf0, kbuf0.index(s).permute((1, 0)), sc, is_async=True)
+        return sc
+
+    @gluon.jit
+    def _seesaw_mask(sc, start, k_hi, row_ok, q_pos, qk_scale, s_layout: gl.constexpr, BLOCK_N: gl.constexpr):
+        """Scaled, causally masked scores of the tile at key ``start`` (-inf where masked)."""
+        offs_n = start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+        ok = row_ok[:, None] & (offs_n[None, :] < k_hi) & (offs_n[None, :] <= q_pos[:, None])
+        return gl.where(ok, sc * qk_scale, float("-inf"))
+
+    @gluon.jit
+    def _zero_tail(buf, start, k_hi, BLOCK_N: gl.constexpr, HALF: gl.constexpr):
+        """Zero the value rows of a split's partial last tile past ``k_hi`` (stale cache slots may
+        hold NaN, and 0 x NaN is NaN in ``P V``); one warpgroup, its own value half."""
+        if start + BLOCK_N > k_hi:  # 64 columns at a time: 16 registers a thread, not 64
+            zl: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+            keep = (start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, zl)) < k_hi)[:, None]
+            for c in gl.static_range(HALF // 64):
+                part = buf.slice(c * 64, 64, dim=1)
+                x = part.load(zl)
+                part.store(gl.where(keep, x, gl.zeros_like(x)))
+            fence_async_shared()
+
+    @gluon.jit
+    def _q_rope_regs(qp_ptr, row, head, row_ok, stride_qpt, stride_qph, layout: gl.constexpr, ROPE: gl.constexpr):
+        """The query's rope part ``[BLOCK_M, ROPE]`` as a register (dot-operand) tensor: its shared
+        memory holds the second P buffer."""
+        r = gl.convert_layout(row, gl.SliceLayout(1, layout))
+        h = gl.convert_layout(head, gl.SliceLayout(1, layout))
+        ok = gl.convert_layout(row_ok, gl.SliceLayout(1, layout))
+        cols = gl.arange(0, ROPE, layout=gl.SliceLayout(0, layout))
+        return gl.load(qp_ptr + r[:, None] * stride_qpt + h[:, None] * stride_qph + cols[None, :], mask=ok[:, None],
+                       other=0.0)
+
+    @gluon.jit
+    def _seesaw_wg0(qbuf, qp_ptr, kbuf0, kbuf1, kbufr, pbuf, sm0, ss0, sm1, ss1, sl0, sl1, ready_l,
+                    ready_r, a_ready, b_ready, p0_free, l0_ready, l1_ready, k0_desc, k1_desc, kr_desc, bt_row,
+                    out_ptr, part_acc_ptr, part_ml_ptr, rb, split, q_start, q_len, ctx, k_lo, k_hi, n_tiles, qk_scale, stride_qpt,
+                    stride_qph, stride_ot, stride_oh, stride_pt, stride_ph, NUM_HEADS: gl.constexpr,
+                    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HALF: gl.constexpr, LORA: gl.constexpr,
+                    ROPE: gl.constexpr, SPLIT: gl.constexpr, CACHE_BLOCK: gl.constexpr, SCORE_GROUPS: gl.constexpr):
+        """Warpgroup 0: scores + softmax of tiles A = 2j, the left value half of every tile."""
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, BLOCK_N, 16])
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, HALF, 16])
+        qr_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2)
+        pa_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+        row_l: gl.constexpr = gl.SliceLayout(1, s_layout)
+        orow_l: gl.constexpr = gl.SliceLayout(1, o_layout)
+        dtype: gl.constexpr = pbuf.dtype
+        row, head, row_ok, q_pos = _row_info(rb, q_start, q_len, ctx, NUM_HEADS, BLOCK_M, False, row_l)
+        q_rope = _q_rope_regs(qp_ptr, row, head, row_ok, stride_qpt, stride_qph, qr_layout, ROPE)
+        m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=row_l)
+        l_i = gl.zeros([BLOCK_M], gl.float32, layout=row_l)
+        o = gl.zeros([BLOCK_M, HALF], gl.float32, layout=o_layout)
+        sc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
+        if n_tiles > 0:
+            sc = _seesaw_scores(qbuf, 0, q_rope, kbuf0, kbuf1, kbufr, ready_l, ready_r, 0, 0, s_layout, BLOCK_M,
+                                BLOCK_N, True)
+            sc = warpgroup_mma_wait(0, deps=[sc])
+        for j in range(gl.cdiv(n_tiles, 2)):
+            z = j >> 24  # 0 (see _seesaw_scores)
+            ph = j & 1
+            start_a = k_lo + 2 * j * BLOCK_N
+            has_b = 2 * j + 1 < n_tiles
+            # softmax of A against the running max m_i (after the previous pair's B)
+            sa = _seesaw_mask(sc, start_a, k_hi, row_ok, q_pos, qk_scale, s_layout, BLOCK_N)
+            m0 = gl.maximum(m_i, gl.max(sa, axis=1))
+            m0s = gl.where(m0 == float("-inf"), 0.0, m0)
+            p0 = gl.exp2(sa - m0s[:, None])
+            sc0 = gl.exp2(m_i - m0s)
+            l_i = l_i * sc0 + gl.sum(p0, axis=1)
+            pb = p0.to(dtype)
+            mbarrier.wait(p0_free, ph ^ 1)  # warpgroup 1's products of the previous P_A are done
+            pbuf.index(z).store(pb)
+            sm0.store(m0)
+            ss0.store(sc0)
+            fence_async_shared()
+            mbarrier.arrive(a_ready, count=1)
+            # O_L = sc0 O_L + P_A V_L(A), P_A from registers
+            o = o * gl.convert_layout(sc0, orow_l)[:, None]
+            _zero_tail(kbuf0.index(z), start_a, k_hi, BLOCK_N, HALF)
+            pa = gl.convert_layout(pb, pa_layout)
+            o = warpgroup_mma(pa, kbuf0.index(z), o, is_async=True)
+            o, pa = warpgroup_mma_wait(0, deps=[o, pa])
+            _seesaw_load(k0_desc, k0_desc, bt_row, k_lo, 2 * j + 2, n_tiles, kbuf0, kbuf0, ready_l, 0, 0, BLOCK_N, CACHE_BLOCK,
+                             False)
+            m_i = m0
+            if has_b:  # O_L = sc1 O_L + P_B V_L(B), P_B from shared memory
+                mbarrier.wait(b_ready, ph)
+                sc1 = ss1.load(row_l)
+                m_i = sm1.load(row_l)
+                l_i = l_i * sc1
+                o = o * gl.convert_layout(sc1, orow_l)[:, None]
+                _zero_tail(kbuf0.index(z + 1), start_a + BLOCK_N, k_hi, BLOCK_N, HALF)
+            if 2 * j + 2 < n_tiles:  # ... with the next A's scores under it
+                o = warpgroup_mma(pbuf.index(z + 1), kbuf0.index(z + 1), o, is_async=True)
+                sc = _seesaw_scores(qbuf, z, q_rope, kbuf0, kbuf1, kbufr, ready_l, ready_r, z, (j + 1) & 1,
+                                    s_layout, BLOCK_M, BLOCK_N, True)
+                o = warpgroup_mma_wait(SCORE_GROUPS, deps=[o])  # P_B V_L(B) done (groups retire in order)
+                _seesaw_load(k0_desc, k0_desc, bt_row, k_lo, 2 * j + 3, n_tiles, kbuf0, kbuf0, ready_l, 0, 0, BLOCK_N, CACHE_BLOCK,
+                             False)
+                sc = warpgroup_mma_wait(0, deps=[sc])
+            elif has_b:
+                o = warpgroup_mma(pbuf.index(z + 1), kbuf0.index(z + 1), o, is_async=True)
+                o = warpgroup_mma_wait(0, deps=[o])
+        # l = both warpgroups' sums, at the final max
+        sl0.store(l_i)
+        mbarrier.arrive(l0_ready, count=1)
+        mbarrier.wait(l1_ready, 0)
+        l_i = l_i + sl1.load(row_l)
+        _store_half(o, m_i, l_i, out_ptr, part_acc_ptr, part_ml_ptr, row, head, row_ok, split, 0, stride_ot,
+                    stride_oh, stride_pt, stride_ph, o_layout, SPLIT, True, HALF, LORA)
+
+    @gluon.jit
+    def _seesaw_wg1(qbuf, qp_ptr, kbuf0, kbuf1, kbufr, pbuf, sm0, ss0, sm1, ss1, sl0, sl1, ready_l,
+                    ready_r, a_ready, b_ready, p0_free, l0_ready, l1_ready, k0_desc, k1_desc, kr_desc, bt_row,
+                    out_ptr, part_acc_ptr, part_ml_ptr, rb, split, q_start, q_len, ctx, k_lo, k_hi, n_tiles, qk_scale, stride_qpt,
+                    stride_qph, stride_ot, stride_oh, stride_pt, stride_ph, NUM_HEADS: gl.constexpr,
+                    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HALF: gl.constexpr, LORA: gl.constexpr,
+                    ROPE: gl.constexpr, SPLIT: gl.constexpr, CACHE_BLOCK: gl.constexpr, SCORE_GROUPS: gl.constexpr):
+        """Warpgroup 1: scores + softmax of tiles B = 2j + 1, the right value half of every tile."""
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, BLOCK_N, 16])
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, HALF, 16])
+        qr_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2)
+        pa_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+        row_l: gl.constexpr = gl.SliceLayout(1, s_layout)
+        orow_l: gl.constexpr = gl.SliceLayout(1, o_layout)
+        dtype: gl.constexpr = pbuf.dtype
+        row, head, row_ok, q_pos = _row_info(rb, q_start, q_len, ctx, NUM_HEADS, BLOCK_M, False, row_l)
+        q_rope = _q_rope_regs(qp_ptr, row, head, row_ok, stride_qpt, stride_qph, qr_layout, ROPE)
+        l_i = gl.zeros([BLOCK_M], gl.float32, layout=row_l)
+        o = gl.zeros([BLOCK_M, HALF], gl.float32, layout=o_layout)
+        sc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
+        if n_tiles > 1:
+            sc = _seesaw_scores(qbuf, 0, q_rope, kbuf0, kbuf1, kbufr, ready_l, ready_r, 1, 0, s_layout, BLOCK_M,
+                                BLOCK_N, False)
+            sc = warpgroup_mma_wait(0, deps=[sc])
+        for j in range(gl.cdiv(n_tiles, 2)):
+            z = j >> 24  # 0 (see _seesaw_scores)
+            ph = j & 1
+            start_a = k_lo + 2 * j * BLOCK_N
+            has_b = 2 * j + 1 < n_tiles
+            # O_R = sc0 O_R + P_A V_R(A), P_A from warpgroup 0 ...
+            mbarrier.wait(a_ready, ph)
+            m0 = sm0.load(row_l)
+            sc0 = ss0.load(row_l)
+            l_i = l_i * sc0
+            o = o * gl.convert_layout(sc0, orow_l)[:, None]
+            _zero_tail(kbuf1.index(z), start_a, k_hi, BLOCK_N, HALF)
+            if has_b:  # ... under B's softmax against A's max
+                o = warpgroup_mma(pbuf.index(z), kbuf1.index(z), o, is_async=True)
+                sb = _seesaw_mask(sc, start_a + BLOCK_N, k_hi, row_ok, q_pos, qk_scale, s_layout, BLOCK_N)
+                m1 = gl.maximum(m0, gl.max(sb, axis=1))
+                m1s = gl.where(m1 == float("-inf"), 0.0, m1)
+                p1 = gl.exp2(sb - m1s[:, None])
+                sc1 = gl.exp2(m0 - m1s)
+                pb = p1.to(dtype)
+                pbuf.index(z + 1).store(pb)
+                sm1.store(m1)
+                ss1.store(sc1)
+                fence_async_shared()
+                mbarrier.arrive(b_ready, count=1)
+                o = warpgroup_mma_wait(0, deps=[o])
+                mbarrier.arrive(p0_free, count=1)
+                _seesaw_load(k1_desc, kr_desc, bt_row, k_lo, 2 * j + 2, n_tiles, kbuf1, kbufr, ready_r, HALF, LORA, BLOCK_N,
+                             CACHE_BLOCK, True)
+                # O_R = sc1 O_R + P_B V_R(B), P_B from registers
+                l_i = l_i * sc1 + gl.sum(p1, axis=1)
+                o = o * gl.convert_layout(sc1, orow_l)[:, None]
+                _zero_tail(kbuf1.index(z + 1), start_a + BLOCK_N, k_hi, BLOCK_N, HALF)
+                pa = gl.convert_layout(pb, pa_layout)
+                o = warpgroup_mma(pa, kbuf1.index(z + 1), o, is_async=True)
+                o, pa = warpgroup_mma_wait(0, deps=[o, pa])
+                _seesaw_load(k1_desc, kr_desc, bt_row, k_lo, 2 * j + 3, n_tiles, kbuf1, kbufr, ready_r, HALF, LORA, BLOCK_N,
+                             CACHE_BLOCK, True)
+            else:
+                o = warpgroup_mma(pbuf.index(z), kbuf1.index(z), o, is_async=True)
+                o = warpgroup_mma_wait(0, deps=[o])
+                mbarrier.arrive(p0_free, count=1)
+            if 2 * j + 3 < n_tiles:  # the next B's scores
+                sc = _seesaw_scores(qbuf, z, q_rope, kbuf0, kbuf1, kbufr, ready_l, ready_r, z + 1, (j + 1) & 1,
+                                    s_layout, BLOCK_M, BLOCK_N, True)
+                sc = warpgroup_mma_wait(0, deps=[sc])
+        sl1.store(l_i)
+        mbarrier.arrive(l1_ready, count=1)
+        mbarrier.wait(l0_ready, 0)
+        l_i = l_i + sl0.load(row_l)
+        _store_half(o, l_i, l_i, out_ptr, part_acc_ptr, part_ml_ptr, row, head, row_ok, split, HALF, stride_ot,
+                    stride_oh, stride_pt, stride_ph, o_layout, SPLIT, False, HALF, LORA)
+
+    @gluon.jit
+    def _seesaw_load(desc_a, desc_b, bt_row, k_lo, tile, n_tiles, buf_a, buf_b, ready, col_a, col_b,
+                     BLOCK_N: gl.constexpr, CACHE_BLOCK: gl.constexpr, TWO: gl.constexpr):
+        """Bulk-copy one half of key tile ``tile`` (if it exists) into slot ``tile % 2``: the left
+        latent half (``TWO`` false), or the right half and the rope part, completing ``ready``."""
+        if tile < n_tiles:
+            s = tile % 2
+            start = k_lo + tile * BLOCK_N
+            blk = gl.load(bt_row + start // CACHE_BLOCK)
+            r0 = (blk * CACHE_BLOCK + start % CACHE_BLOCK).to(gl.int32)  # TMA coordinates: 32-bit
+            if TWO:
+                mbarrier.expect(ready.index(s), desc_a.block_type.nbytes + desc_b.block_type.nbytes)
+                _tma_load(desc_a, [r0, col_a], ready.index(s), buf_a.index(s))
+                _tma_load(desc_b, [r0, col_b], ready.index(s), buf_b.index(s))
+            else:
+                mbarrier.expect(ready.index(s), desc_a.block_type.nbytes)
+                _tma_load(desc_a, [r0, col_a], ready.index(s), buf_a.index(s))
+
+    @gluon.jit
+    def _mla_seesaw_kernel(ql_ptr, qp_ptr, k0_desc, k1_desc, kr_desc, out_ptr, part_acc_ptr, part_ml_ptr, qsl_ptr,
+                           seq_lens_ptr, bt_ptr, qk_scale, num_splits, stride_qlt, stride_qlh, stride_qpt,
+                           stride_qph, stride_ot, stride_oh, stride_bt, stride_pt, stride_ph,
+                           NUM_HEADS: gl.constexpr, CACHE_BLOCK: gl.constexpr, SPLIT: gl.constexpr,
+                           BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HALF: gl.constexpr, LORA: gl.constexpr,
+                           ROPE: gl.constexpr, WG1_REGS: gl.constexpr):
+        # program (row block rb, key split, sequence), as _mla_ws_kernel
+        rb = gl.program_id(0)
+        split = gl.program_id(1)
+        seq = gl.program_id(2)
+        q_start = gl.load(qsl_ptr + seq).to(gl.int32)
+        q_len = gl.load(qsl_ptr + seq + 1).to(gl.int32) - q_start
+        if rb * BLOCK_M >= q_len * NUM_HEADS:
+            return
+        ctx = gl.load(seq_lens_ptr + seq).to(gl.int32) - q_len
+        n_keys = ctx + gl.minimum(q_len, ((rb + 1) * BLOCK_M - 1) // NUM_HEADS + 1)
+        chunk = gl.cdiv(gl.cdiv(n_keys, num_splits), BLOCK_N) * BLOCK_N
+        k_lo = split * chunk
+        k_hi = gl.minimum(k_lo + chunk, n_keys)
+        n_tiles = gl.maximum(gl.cdiv(k_hi - k_lo, BLOCK_N), 0)
+        dtype: gl.constexpr = ql_ptr.dtype.element_ty
+        nvmma: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+        vec: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+        bar: gl.constexpr = mbarrier.MBarrierLayout()
+        qbuf = gl.allocate_shared_memory(dtype, [2, BLOCK_M, HALF], nvmma)  # the query's latent halves
+        kbuf0 = gl.allocate_shared_memory(dtype, [2, BLOCK_N, HALF], nvmma)
+        kbuf1 = gl.allocate_shared_memory(dtype, [2, BLOCK_N, HALF], nvmma)
+        kbufr = gl.allocate_shared_memory(dtype, [2, BLOCK_N, ROPE], nvmma)
+        pbuf = gl.allocate_shared_memory(dtype, [2, BLOCK_M, BLOCK_N], nvmma)  # P_A, P_B
+        sm0 = gl.allocate_shared_memory(gl.float32, [BLOCK_M], vec)
+        ss0 = gl.allocate_shared_memory(gl.float32, [BLOCK_M], vec)
+        sm1 = gl.allocate_shared_memory(gl.float32, [BLOCK_M], vec)
+        ss1 = gl.allocate_shared_memory(gl.float32, [BLOCK_M], vec)
+        sl0 = gl.allocate_shared_memory(gl.float32, [BLOCK_M], vec)
+        sl1 = gl.allocate_shared_memory(gl.float32, [BLOCK_M], vec)
+        ready_l = gl.allocate_shared_memory(gl.int64, [2, 1], bar)
+        ready_r = gl.allocate_shared_memory(gl.int64, [2, 1], bar)
+        a_ready = gl.allocate_shared_memory(gl.int64, [1], bar)
+        b_ready = gl.allocate_shared_memory(gl.int64, [1], bar)
+        p0_free = gl.allocate_shared_memory(gl.int64, [1], bar)
+        l0_ready = gl.allocate_shared_memory(gl.int64, [1], bar)
+        l1_ready = gl.allocate_shared_memory(gl.int64, [1], bar)
+        for i in gl.static_range(2):
+            mbarrier.init(ready_l.index(i), count=1)
+            mbarrier.init(ready_r.index(i), count=1)
+        mbarrier.init(a_ready, count=1)
+        mbarrier.init(b_ready, count=1)
+        mbarrier.init(p0_free, count=1)
+        mbarrier.init(l0_ready, count=1)
+        mbarrier.init(l1_ready, count=1)
+        # the query's latent rows, once (zero past the program's real rows); m = -inf for warpgroup 1
+        ld: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+        row, head, row_ok, q_pos = _row_info(rb, q_start, q_len, ctx, NUM_HEADS, BLOCK_M, False,
+                                             gl.SliceLayout(1, ld))
+        cols = gl.arange(0, HALF, layout=gl.SliceLayout(0, ld))
+        ql_rows = ql_ptr + row[:, None] * stride_qlt + head[:, None] * stride_qlh
+        qbuf.index(0).store(gl.load(ql_rows + cols[None, :], mask=row_ok[:, None], other=0.0))
+        qbuf.index(1).store(gl.load(ql_rows + HALF + cols[None, :], mask=row_ok[:, None], other=0.0))
+        bt_row = bt_ptr + seq.to(gl.int64) * stride_bt
+        for t in gl.static_range(2):  # the first two tiles; then each warpgroup refills the halves it read last
+            _seesaw_load(k0_desc, k0_desc, bt_row, k_lo, t, n_tiles, kbuf0, kbuf0, ready_l, 0, 0, BLOCK_N, CACHE_BLOCK,
+                         False)
+            _seesaw_load(k1_desc, kr_desc, bt_row, k_lo, t, n_tiles, kbuf1, kbufr, ready_r, HALF, LORA, BLOCK_N,
+                         CACHE_BLOCK, True)
+        fence_async_shared()
+        gl.warp_specialize([
+            (_seesaw_wg0, (qbuf, qp_ptr, kbuf0, kbuf1, kbufr, pbuf, sm0, ss0, sm1, ss1, sl0, sl1,
+                           ready_l, ready_r, a_ready, b_ready, p0_free, l0_ready, l1_ready, k0_desc, k1_desc, kr_desc,
+                           bt_row, out_ptr, part_acc_ptr, part_ml_ptr, rb, split, q_start, q_len, ctx, k_lo, k_hi, n_tiles,
+                           qk_scale, stride_qpt, stride_qph, stride_ot, stride_oh, stride_pt, stride_ph, NUM_HEADS,
+                           BLOCK_M, BLOCK_N, HALF, LORA, ROPE, SPLIT, CACHE_BLOCK, 3)),
+            (_seesaw_wg1, (qbuf, qp_ptr, kbuf0, kbuf1, kbufr, pbuf, sm0, ss0, sm1, ss1, sl0, sl1,
+                           ready_l, ready_r, a_ready, b_ready, p0_free, l0_ready, l1_ready, k0_desc, k1_desc, kr_desc,
+                           bt_row, out_ptr, part_acc_ptr, part_ml_ptr, rb, split, q_start, q_len, ctx, k_lo, k_hi, n_tiles,
+                           qk_scale, stride_qpt, stride_qph, stride_ot, stride_oh, stride_pt, stride_ph, NUM_HEADS,
+                           BLOCK_M, BLOCK_N, HALF, LORA, ROPE, SPLIT, CACHE_BLOCK, 3)),
+        ], [4], [WG1_REGS])
+
     @gluon.jit
     def _gather_producer(kv_ptr, slots_row, n_slots, k_lo, k_hi, n_tiles, kbuf0, kbuf1, kbufr, k_ready, k_free,
                          stride_kb, stride_ks, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
@@ -466,7 +802,7 @@ def descriptors(kv_cache: torch.Tensor, block_n: int = BLOCK_N):
 def launch(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor,
            part_acc: torch.Tensor, part_ml: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
            block_tables: torch.Tensor, qk_scale: float, row_blocks: int, num_splits: int, block_n: int = BLOCK_N,
-           stages: int = STAGES, p_bufs: int = P_BUFS) -> None:
+           stages: int = STAGES, p_bufs: int = P_BUFS, schedule: Optional[str] = None) -> None:
     """Launch the dense kernel over ``(row_blocks, num_splits, num_seqs)`` programs (64 (query row,
     head) pairs each). Tensors as :func:`mtpspec.ops.mla_attention.mla_attention` takes them:
     ``q_latent [T, H, 512]`` / ``q_pe [T, H, 64]`` fp16 or bf16, ``kv_cache [num_blocks, block_size,
@@ -476,8 +812,23 @@ def launch(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, o
     :func:`mtpspec.ops.paged_common.split_outputs` makes them. The caller checked :func:`supported`
     and runs the combine. No host sync.
     ``block_n`` / ``stages`` / ``p_bufs``: tuning overrides (keys per tile, key-tile ring slots, P
-    buffers); they must fit the 227 KB of shared memory (the compile fails otherwise)."""
+    buffers; the ``"split"`` schedule's); they must fit the 227 KB of shared memory (the compile
+    fails otherwise). ``schedule``: ``"seesaw"`` or ``"split"`` (default :data:`DENSE_SCHEDULE`),
+    else ValueError."""
     nh = q_latent.shape[1]
+    if schedule is None:
+        schedule = DENSE_SCHEDULE
+    if schedule == "seesaw":
+        k0, k1, kr = descriptors(kv_cache, BLOCK_N)
+        _mla_seesaw_kernel[(row_blocks, num_splits, seq_lens.shape[0])](
+            q_latent, q_pe, k0, k1, kr, out, part_acc, part_ml, query_start_loc, seq_lens, block_tables, qk_scale,
+            num_splits, q_latent.stride(0), q_latent.stride(1), q_pe.stride(0), q_pe.stride(1), out.stride(0),
+            out.stride(1), block_tables.stride(0), nh * num_splits, num_splits,
+            NUM_HEADS=nh, CACHE_BLOCK=kv_cache.shape[1], SPLIT=num_splits > 1, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
+            HALF=HALF, LORA=LORA, ROPE=ROPE, WG1_REGS=SEESAW_WG1_REGS, num_warps=4)
+        return
+    if schedule != "split":
+        raise ValueError(f"launch: schedule must be 'seesaw' or 'split', got {schedule!r}")
     k0, k1, kr = descriptors(kv_cache, block_n)
     _mla_ws_kernel[(row_blocks, num_splits, seq_lens.shape[0])](
         q_latent, q_pe, k0, k1, kr, out, part_acc, part_ml, query_start_loc, seq_lens, block_tables, qk_scale,
@@ -486,6 +837,25 @@ def launch(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, o
         NUM_HEADS=nh, CACHE_BLOCK=kv_cache.shape[1], SPLIT=num_splits > 1, BLOCK_M=BLOCK_M, BLOCK_N=block_n,
         STAGES=stages, P_BUFS=p_bufs, HALF=HALF, LORA=LORA, ROPE=ROPE, WG1_REGS=WG1_REGS, PRODUCER_REGS=PRODUCER_REGS,
         num_warps=4)
+
+
+def dense_plan(num_seqs: int, max_query_len: int, num_heads: int, max_seq_len: int, sms: int,
+               num_splits: Optional[int] = None) -> dict:
+    """``dict(row_blocks, num_splits)`` of :func:`launch` from static sizes (CUDA-graph safe):
+    ``ceil(max_query_len * num_heads / 64)`` row blocks (fewer than 64 pairs, e.g. 16 heads x 1 row:
+    one padded block; the kernel is memory-bound there, the padding rows cost tensor-core time only);
+    unless given, the splits that fill one wave of programs, ``sms // (num_seqs * row_blocks)``, at
+    most ``ceil(max_seq_len / 256)`` and 32, at least 1 (a second, partial wave cost 20-25% in the
+    Triton kernel's sweeps; 16 x 4 on the H200: 1 / 2 / 4 splits 0.247 / 0.164 / 0.179 ms).
+
+    Raises:
+        ValueError: a given ``num_splits`` below 1."""
+    row_blocks = -(-max(1, max_query_len * num_heads) // BLOCK_M)
+    if num_splits is None:
+        num_splits = max(1, min(sms // max(1, num_seqs * row_blocks), -(-max(1, max_seq_len) // 256), 32))
+    elif int(num_splits) < 1:
+        raise ValueError(f"num_splits must be >= 1, got {num_splits}")
+    return dict(row_blocks=row_blocks, num_splits=int(num_splits))
 
 
 def sparse_supported(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,
