@@ -67,6 +67,7 @@ try:  # Triton >= 3.6 with Gluon's Hopper API; checked against 3.6.0 (the device
     # the copies into shared memory: `async_copy_global_to_shared` in 3.6, `async_load` in later releases
     _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
     _cp_async = getattr(cp, "async_load", None) or cp.async_copy_global_to_shared
+    _cp_arrive = cp.mbarrier_arrive  # cp.async.mbarrier.arrive: on the barrier once this thread's copies land
     HAS_GLUON = True
 except Exception:  # pragma: no cover - older Triton, or none
     HAS_GLUON = False
@@ -98,15 +99,17 @@ SPARSE_PRODUCER_REGS = 112
 #: (``MTPSPEC_MLA_SCHEDULE=seesaw`` selects the other).
 DENSE_SCHEDULE = os.environ.get("MTPSPEC_MLA_SCHEDULE", "split")
 SEESAW_WG1_REGS = 256
-#: Sparse launch shape (H200 sweep, 2026-12-04): the gathers are latency-bound, so more tiles in
-#: flight win over the denser score products: 32-key tiles, 4 slots, 2 P buffers (225 KiB) beat the
-#: dense default by 10-11% at 128 heads (16 heads: equal).
-SPARSE_BLOCK_N = 32
-SPARSE_STAGES = 4
-SPARSE_P_BUFS = 2
-#: Sparse: gathered tiles in flight behind the one being issued (1 .. stages - 1). H200 (2026-12-04,
-#: session 18): 2 is 1-3% slower at 128 heads, 3 is 37-42% slower; 1 stays.
-SPARSE_AHEAD = 1
+#: Sparse launch shape (H200 sweeps, 2026-12-04, BENCHMARKS.md): 64-key tiles in 2 slots with one P
+#: buffer (224 KiB, the dense shape), the gathering threads' copies completing each tile's barrier
+#: as they land (``ahead`` 0) and the selection's ids loaded before the waits they would otherwise
+#: follow: 128 x 1 / 128 x 4 0.104 / 0.387 ms against 0.119 / 0.455 for session 17's 32-key tiles in 4
+#: slots with the producer waiting one tile behind (``ahead`` 1; 2 and 3 were slower still).
+SPARSE_BLOCK_N = 64
+SPARSE_STAGES = 2
+SPARSE_P_BUFS = 1
+#: Sparse: ``0`` = the copies arrive on the tile's barrier themselves (``cp.async.mbarrier.arrive``);
+#: ``k`` >= 1 = the producer waits for the tile ``k`` behind the one it issued (see :func:`launch_sparse`).
+SPARSE_AHEAD = 0
 
 
 #: The Gluon kernels are the default where they apply (``mla_attention`` / ``sparse_mla_attention``
@@ -234,7 +237,12 @@ if HAS_GLUON:
         for i in range(n_tiles):
             s = i % STAGES
             mbarrier.wait(k_ready.index(s), (i // STAGES) & 1)
+            if SPARSE:  # gathered by cp.async (generic proxy) and read by wgmma (async proxy)
+                fence_async_shared()
             start = k_lo + i * BLOCK_N
+            offs_n = start + gl.arange(0, BLOCK_N, layout=col_l)
+            if SPARSE:  # the selection is the mask: its load in flight under the score products
+                slot = gl.load(slots_row + offs_n, mask=offs_n < k_hi, other=-1)
             if not SPARSE and start + BLOCK_N > k_hi:  # a split's partial last tile: zero its stale value rows
                 keys = start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, zl))
                 keep = (keys < k_hi)[:, None]
@@ -248,9 +256,7 @@ if HAS_GLUON:
             sc = warpgroup_mma(qbuf1, kbuf1.index(s).permute((1, 0)), sc, is_async=True)
             sc = warpgroup_mma(qbufr, kbufr.index(s).permute((1, 0)), sc, is_async=True)
             sc = warpgroup_mma_wait(0, deps=[sc])
-            offs_n = start + gl.arange(0, BLOCK_N, layout=col_l)
-            if SPARSE:  # the selection is the mask (the gather zero-filled unused entries' rows)
-                slot = gl.load(slots_row + offs_n, mask=offs_n < k_hi, other=-1)
+            if SPARSE:  # (the gather zero-filled unused entries' rows)
                 ok = row_ok[:, None] & ((slot >= 0) & (slot < n_slots))[None, :]
             else:
                 ok = row_ok[:, None] & (offs_n[None, :] < k_hi) & (offs_n[None, :] <= q_pos[:, None])
@@ -290,6 +296,8 @@ if HAS_GLUON:
             s = i % STAGES
             b = i % P_BUFS
             mbarrier.wait(k_ready.index(s), (i // STAGES) & 1)  # stable: the slot waits for this partition too
+            if SPARSE:
+                fence_async_shared()
             mbarrier.wait(p_ready.index(b), (i // P_BUFS) & 1)
             alpha = abuf.index(b).load(row_l)
             o = o * alpha[:, None]
@@ -631,34 +639,40 @@ if HAS_GLUON:
                          AHEAD: gl.constexpr):
         """Sparse: a 4-warp producer gathers each tile's selected cache rows (16-byte ``cp.async``,
         unused entries and entries past the split zero-filled) and completes ``k_ready`` of a tile
-        once its copies are in shared memory: ``AHEAD`` tiles in flight behind the one being issued
-        (1 <= AHEAD <= STAGES - 1: a slot is refilled only after its tile was ready and consumed)."""
+        once its copies are in shared memory: ``AHEAD`` 0, each thread's copies arrive on it as they
+        land (the barrier counts the 128 gathering threads; the consumers fence before ``wgmma``
+        reads them); ``AHEAD`` >= 1, the producer waits for the tile ``AHEAD`` behind the one it
+        issued (``AHEAD <= STAGES - 1``: a slot is refilled only after its tile was ready and consumed)."""
         big: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])
         small: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
         cols = gl.arange(0, HALF, layout=gl.SliceLayout(0, big))
         rcols = gl.arange(0, ROPE, layout=gl.SliceLayout(0, small))
         for i in range(n_tiles):
             s = i % STAGES
-            mbarrier.wait(k_free.index(s), ((i // STAGES) & 1) ^ 1)
             offs = k_lo + i * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, big))
-            slot = gl.load(slots_row + offs, mask=offs < k_hi, other=-1).to(gl.int64)
+            slot = gl.load(slots_row + offs, mask=offs < k_hi, other=-1).to(gl.int64)  # in flight while waiting
             ok = (slot >= 0) & (slot < n_slots)
             base = gl.where(ok, (slot // CACHE_BLOCK) * stride_kb + (slot % CACHE_BLOCK) * stride_ks, 0)
             base = gl.multiple_of(base, 8)  # rows 16-byte aligned (sparse_supported): 16-byte copies
+            mbarrier.wait(k_free.index(s), ((i // STAGES) & 1) ^ 1)
             _cp_async(kbuf0.index(s), kv_ptr + base[:, None] + cols[None, :], mask=ok[:, None])
             _cp_async(kbuf1.index(s), kv_ptr + base[:, None] + HALF + cols[None, :], mask=ok[:, None])
             base_r = gl.convert_layout(base, gl.SliceLayout(1, small))
             ok_r = gl.convert_layout(ok, gl.SliceLayout(1, small))
             _cp_async(kbufr.index(s), kv_ptr + base_r[:, None] + LORA + rcols[None, :], mask=ok_r[:, None])
-            cp.commit_group()
-            if i >= AHEAD:  # groups complete in order: tile i - AHEAD has landed
-                cp.wait_group(AHEAD)
-                fence_async_shared()
-                mbarrier.arrive(k_ready.index((i - AHEAD) % STAGES), count=1)
-        cp.wait_group(0)
-        fence_async_shared()
-        for j in range(gl.maximum(n_tiles - AHEAD, 0), n_tiles):
-            mbarrier.arrive(k_ready.index(j % STAGES), count=1)
+            if AHEAD == 0:  # each thread's copies complete the tile's barrier as they land (no waits here)
+                _cp_arrive(k_ready.index(s), increment_count=False)
+            else:
+                cp.commit_group()
+                if i >= AHEAD:  # groups complete in order: tile i - AHEAD has landed
+                    cp.wait_group(AHEAD)
+                    fence_async_shared()
+                    mbarrier.arrive(k_ready.index((i - AHEAD) % STAGES), count=1)
+        if AHEAD > 0:
+            cp.wait_group(0)
+            fence_async_shared()
+            for j in range(gl.maximum(n_tiles - AHEAD, 0), n_tiles):
+                mbarrier.arrive(k_ready.index(j % STAGES), count=1)
 
     @gluon.jit
     def _load_partition(k0_desc, k1_desc, kr_desc, bt_row, kv_ptr, slots_row, n_slots, k_lo, k_hi, n_tiles, kbuf0,
@@ -703,8 +717,8 @@ if HAS_GLUON:
         p_ready = gl.allocate_shared_memory(gl.int64, [P_BUFS, 1], mbarrier.MBarrierLayout())
         p_free = gl.allocate_shared_memory(gl.int64, [P_BUFS, 1], mbarrier.MBarrierLayout())
         done = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        for i in gl.static_range(STAGES):
-            mbarrier.init(k_ready.index(i), count=1)
+        for i in gl.static_range(STAGES):  # sparse, AHEAD 0: every gathering thread arrives
+            mbarrier.init(k_ready.index(i), count=128 if SPARSE and AHEAD == 0 else 1)
             mbarrier.init(k_free.index(i), count=2)  # both warpgroups read every slot
         for i in gl.static_range(P_BUFS):
             mbarrier.init(p_ready.index(i), count=1)
@@ -895,11 +909,12 @@ def launch_sparse(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Te
     ``qk_scale`` = softmax scale x log2(e); ``out`` / ``part_acc`` / ``part_ml`` as
     :func:`~mtpspec.ops.paged_common.split_outputs` makes them for ``BLOCK_L = 512``.
     The caller checked :func:`sparse_supported` and runs the combine. ``block_n`` / ``stages`` /
-    ``p_bufs``: tuning overrides, as :func:`launch`; ``ahead``: gathered tiles in flight behind the
-    one being issued, ``1 <= ahead <= stages - 1`` (else ValueError: the producer completes a tile's
-    barrier only after issuing ``ahead`` more, and refills a slot only once its tile was consumed)."""
-    if not 1 <= ahead <= stages - 1:
-        raise ValueError(f"launch_sparse: need 1 <= ahead <= stages - 1, got ahead {ahead}, stages {stages}")
+    ``p_bufs``: tuning overrides, as :func:`launch`; ``ahead``: ``0``, each gathering thread's copies
+    arrive on the tile's barrier as they land (``cp.async.mbarrier.arrive``: every slot in flight),
+    or the producer waits for the tile ``ahead`` behind the one it issued before completing its
+    barrier; ``0 <= ahead <= stages - 1``, else ValueError (a slot is refilled only once consumed)."""
+    if not 0 <= ahead <= stages - 1:
+        raise ValueError(f"launch_sparse: need 0 <= ahead <= stages - 1, got ahead {ahead}, stages {stages}")
     t, nh = q_latent.shape[0], q_latent.shape[1]
     _sparse_mla_ws_kernel[(head_blocks, num_splits, t)](
         q_latent, q_pe, kv_cache, topk_slots, out, part_acc, part_ml, qk_scale, topk_slots.shape[1],

@@ -339,8 +339,8 @@ def sparse_mla_attention(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: t
         k_scale: an fp8 cache's per-layer scale (ignored for other caches).
         impl: ``"gluon"``: the warp-specialised Hopper kernel (:func:`mtpspec.ops.mla_gluon.launch_sparse`,
             ValueError where not :func:`~mtpspec.ops.mla_gluon.sparse_supported`); ``"triton"``: this
-            module's kernel; ``None``: the Gluon kernel for 64 or more heads where it is supported, no
-            launch override is given and ``MTPSPEC_MLA_GLUON`` is not ``0``.
+            module's kernel; ``None``: the Gluon kernel where it is supported (any head count; fewer
+            than 64 pad one head block), no launch override is given and ``MTPSPEC_MLA_GLUON`` is not ``0``.
 
     Returns:
         ``o_latent [T, num_heads, kv_lora_rank]`` in q's dtype; rows with no valid slot are zeros.
@@ -365,7 +365,7 @@ def sparse_mla_attention(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: t
         return torch.empty_like(q_latent)
     if k == 0:
         return torch.zeros_like(q_latent)
-    if choice == "gluon" or (choice == "auto" and nh >= mla_gluon.BLOCK_M):
+    if choice in ("gluon", "auto"):  # any head count (H200, 16 heads: 0.065 / 0.192 ms vs Triton 0.072 / 0.196)
         gp = mla_gluon.sparse_plan(t, nh, k, num_sms(q_latent.device), num_splits)
         s = gp["num_splits"]
         out, part_acc, part_ml = split_outputs(q_latent, s, r)
