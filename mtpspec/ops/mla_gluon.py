@@ -318,31 +318,23 @@ if HAS_GLUON:
     # B's; each accumulates its own value half (0: left 256 columns, 1: right 256) over BOTH tiles,
     # its own tile's P from registers and the other's from shared memory. The running max passes
     # A -> B -> next A through shared memory, so one warpgroup's softmax runs under the other's
-    # products and the tensor cores stay busy at 128 heads.
+    # products. Opt-in (DENSE_SCHEDULE): the later refills cost more than the overlap gains unless
+    # the keys are in L2 (BENCHMARKS.md, 2026-12-04).
 
     @gluon.jit
     def _seesaw_scores(qbuf, z, q_rope, kbuf0, kbuf1, kbufr, ready_l, ready_r, s, phase, s_layout: gl.constexpr,
-                       BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, LEFT_FIRST: gl.constexpr):
-        """``Q K^T`` of the tile in slot ``s`` (issued async), each key half once it has landed (left
-        first, or right + rope first). ``z`` is a zero the compiler cannot prove: indexing the query
-        halves by it keeps their 36 wgmma descriptors from being hoisted out of the loop, where they
-        would hold ~70 registers a thread for its whole length (ptxas spilled)."""
-        qbuf0 = qbuf.index(z)
-        qbuf1 = qbuf.index(z + 1)
+                       BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+        """``Q K^T`` of the tile in slot ``s`` (issued async, 3 wgmma groups), each key half once it
+        has landed: the left half (refilled first), then the right half + rope. ``z`` is a zero the
+        compiler cannot prove: indexing the query halves by it keeps their 36 wgmma descriptors from
+        being hoisted out of the loop, where they would hold ~70 registers a thread for its whole
+        length (ptxas spilled)."""
         sc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
-        if LEFT_FIRST:
-            mbarrier.wait(ready_l.index(s), phase)
-            sc = warpgroup_mma(qbuf0, kbuf0.index(s).permute((1, 0)), sc, use_acc=False, is_async=True)
-            mbarrier.wait(ready_r.index(s), phase)
-            sc = warpgroup_mma(qbuf1, kbuf1.index(s).permute((1, 0)), sc, is_async=True)
-            sc = warpgroup_mma(q_rope, kbufr.index(s).permute((1, 0)), sc, is_async=True)
-        else:
-            mbarrier.wait(ready_r.index(s), phase)
-            sc = warpgroup_mma(qbuf1, kbuf1.index(s).permute((1, 0)), sc, use_acc=False, is_async=True)
-            sc = warpgroup_mma(q_rope, kbufr.index(s).permute((1, 0)), sc, is_async=True)
-            mbarrier.wait(ready_l.index(s), phase)
-            sc = warpgroup_mma(qbuf0, kbuf0.index(s).permute((1, 0)), sc, is_async=True)
-        return sc
+        mbarrier.wait(ready_l.index(s), phase)
+        sc = warpgroup_mma(qbuf.index(z), kbuf0.index(s).permute((1, 0)), sc, use_acc=False, is_async=True)
+        mbarrier.wait(ready_r.index(s), phase)
+        sc = warpgroup_mma(qbuf.index(z + 1), kbuf1.index(s).permute((1, 0)), sc, is_async=True)
+        return warpgroup_mma(q_rope, kbufr.index(s).permute((1, 0)), sc, is_async=True)
 
     @gluon.jit
     def _seesaw_mask(sc, start, k_hi, row_ok, q_pos, qk_scale, s_layout: gl.constexpr, BLOCK_N: gl.constexpr):
@@ -378,10 +370,11 @@ if HAS_GLUON:
     @gluon.jit
     def _seesaw_wg0(qbuf, qp_ptr, kbuf0, kbuf1, kbufr, pbuf, sm0, ss0, sm1, ss1, sl0, sl1, ready_l,
                     ready_r, a_ready, b_ready, p0_free, l0_ready, l1_ready, k0_desc, k1_desc, kr_desc, bt_row,
-                    out_ptr, part_acc_ptr, part_ml_ptr, rb, split, q_start, q_len, ctx, k_lo, k_hi, n_tiles, qk_scale, stride_qpt,
-                    stride_qph, stride_ot, stride_oh, stride_pt, stride_ph, NUM_HEADS: gl.constexpr,
-                    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HALF: gl.constexpr, LORA: gl.constexpr,
-                    ROPE: gl.constexpr, SPLIT: gl.constexpr, CACHE_BLOCK: gl.constexpr, SCORE_GROUPS: gl.constexpr):
+                    out_ptr, part_acc_ptr, part_ml_ptr, rb, split, q_start, q_len, ctx, k_lo, k_hi, n_tiles,
+                    qk_scale, stride_qpt, stride_qph, stride_ot, stride_oh, stride_pt, stride_ph,
+                    NUM_HEADS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HALF: gl.constexpr,
+                    LORA: gl.constexpr, ROPE: gl.constexpr, SPLIT: gl.constexpr, CACHE_BLOCK: gl.constexpr,
+                    SCORE_GROUPS: gl.constexpr):
         """Warpgroup 0: scores + softmax of tiles A = 2j, the left value half of every tile."""
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, BLOCK_N, 16])
@@ -400,7 +393,7 @@ if HAS_GLUON:
         sc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
         if n_tiles > 0:
             sc = _seesaw_scores(qbuf, 0, q_rope, kbuf0, kbuf1, kbufr, ready_l, ready_r, 0, 0, s_layout, BLOCK_M,
-                                BLOCK_N, True)
+                                BLOCK_N)
             sc = warpgroup_mma_wait(0, deps=[sc])
         for j in range(gl.cdiv(n_tiles, 2)):
             z = j >> 24  # 0 (see _seesaw_scores)
@@ -427,8 +420,8 @@ if HAS_GLUON:
             pa = gl.convert_layout(pb, pa_layout)
             o = warpgroup_mma(pa, kbuf0.index(z), o, is_async=True)
             o, pa = warpgroup_mma_wait(0, deps=[o, pa])
-            _seesaw_load(k0_desc, k0_desc, bt_row, k_lo, 2 * j + 2, n_tiles, kbuf0, kbuf0, ready_l, 0, 0, BLOCK_N, CACHE_BLOCK,
-                             False)
+            _seesaw_load(k0_desc, k0_desc, bt_row, k_lo, 2 * j + 2, n_tiles, kbuf0, kbuf0, ready_l, 0, 0, BLOCK_N,
+                         CACHE_BLOCK, False)
             m_i = m0
             if has_b:  # O_L = sc1 O_L + P_B V_L(B), P_B from shared memory
                 mbarrier.wait(b_ready, ph)
@@ -440,10 +433,10 @@ if HAS_GLUON:
             if 2 * j + 2 < n_tiles:  # ... with the next A's scores under it
                 o = warpgroup_mma(pbuf.index(z + 1), kbuf0.index(z + 1), o, is_async=True)
                 sc = _seesaw_scores(qbuf, z, q_rope, kbuf0, kbuf1, kbufr, ready_l, ready_r, z, (j + 1) & 1,
-                                    s_layout, BLOCK_M, BLOCK_N, True)
+                                    s_layout, BLOCK_M, BLOCK_N)
                 o = warpgroup_mma_wait(SCORE_GROUPS, deps=[o])  # P_B V_L(B) done (groups retire in order)
-                _seesaw_load(k0_desc, k0_desc, bt_row, k_lo, 2 * j + 3, n_tiles, kbuf0, kbuf0, ready_l, 0, 0, BLOCK_N, CACHE_BLOCK,
-                             False)
+                _seesaw_load(k0_desc, k0_desc, bt_row, k_lo, 2 * j + 3, n_tiles, kbuf0, kbuf0, ready_l, 0, 0, BLOCK_N,
+                             CACHE_BLOCK, False)
                 sc = warpgroup_mma_wait(0, deps=[sc])
             elif has_b:
                 o = warpgroup_mma(pbuf.index(z + 1), kbuf0.index(z + 1), o, is_async=True)
@@ -459,10 +452,11 @@ if HAS_GLUON:
     @gluon.jit
     def _seesaw_wg1(qbuf, qp_ptr, kbuf0, kbuf1, kbufr, pbuf, sm0, ss0, sm1, ss1, sl0, sl1, ready_l,
                     ready_r, a_ready, b_ready, p0_free, l0_ready, l1_ready, k0_desc, k1_desc, kr_desc, bt_row,
-                    out_ptr, part_acc_ptr, part_ml_ptr, rb, split, q_start, q_len, ctx, k_lo, k_hi, n_tiles, qk_scale, stride_qpt,
-                    stride_qph, stride_ot, stride_oh, stride_pt, stride_ph, NUM_HEADS: gl.constexpr,
-                    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HALF: gl.constexpr, LORA: gl.constexpr,
-                    ROPE: gl.constexpr, SPLIT: gl.constexpr, CACHE_BLOCK: gl.constexpr, SCORE_GROUPS: gl.constexpr):
+                    out_ptr, part_acc_ptr, part_ml_ptr, rb, split, q_start, q_len, ctx, k_lo, k_hi, n_tiles,
+                    qk_scale, stride_qpt, stride_qph, stride_ot, stride_oh, stride_pt, stride_ph,
+                    NUM_HEADS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HALF: gl.constexpr,
+                    LORA: gl.constexpr, ROPE: gl.constexpr, SPLIT: gl.constexpr, CACHE_BLOCK: gl.constexpr,
+                    SCORE_GROUPS: gl.constexpr):
         """Warpgroup 1: scores + softmax of tiles B = 2j + 1, the right value half of every tile."""
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, BLOCK_N, 16])
@@ -480,7 +474,7 @@ if HAS_GLUON:
         sc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
         if n_tiles > 1:
             sc = _seesaw_scores(qbuf, 0, q_rope, kbuf0, kbuf1, kbufr, ready_l, ready_r, 1, 0, s_layout, BLOCK_M,
-                                BLOCK_N, False)
+                                BLOCK_N)
             sc = warpgroup_mma_wait(0, deps=[sc])
         for j in range(gl.cdiv(n_tiles, 2)):
             z = j >> 24  # 0 (see _seesaw_scores)
@@ -509,8 +503,8 @@ if HAS_GLUON:
                 mbarrier.arrive(b_ready, count=1)
                 o = warpgroup_mma_wait(0, deps=[o])
                 mbarrier.arrive(p0_free, count=1)
-                _seesaw_load(k1_desc, kr_desc, bt_row, k_lo, 2 * j + 2, n_tiles, kbuf1, kbufr, ready_r, HALF, LORA, BLOCK_N,
-                             CACHE_BLOCK, True)
+                _seesaw_load(k1_desc, kr_desc, bt_row, k_lo, 2 * j + 2, n_tiles, kbuf1, kbufr, ready_r, HALF, LORA,
+                             BLOCK_N, CACHE_BLOCK, True)
                 # O_R = sc1 O_R + P_B V_R(B), P_B from registers
                 l_i = l_i * sc1 + gl.sum(p1, axis=1)
                 o = o * gl.convert_layout(sc1, orow_l)[:, None]
@@ -518,15 +512,15 @@ if HAS_GLUON:
                 pa = gl.convert_layout(pb, pa_layout)
                 o = warpgroup_mma(pa, kbuf1.index(z + 1), o, is_async=True)
                 o, pa = warpgroup_mma_wait(0, deps=[o, pa])
-                _seesaw_load(k1_desc, kr_desc, bt_row, k_lo, 2 * j + 3, n_tiles, kbuf1, kbufr, ready_r, HALF, LORA, BLOCK_N,
-                             CACHE_BLOCK, True)
+                _seesaw_load(k1_desc, kr_desc, bt_row, k_lo, 2 * j + 3, n_tiles, kbuf1, kbufr, ready_r, HALF, LORA,
+                             BLOCK_N, CACHE_BLOCK, True)
             else:
                 o = warpgroup_mma(pbuf.index(z), kbuf1.index(z), o, is_async=True)
                 o = warpgroup_mma_wait(0, deps=[o])
                 mbarrier.arrive(p0_free, count=1)
             if 2 * j + 3 < n_tiles:  # the next B's scores
                 sc = _seesaw_scores(qbuf, z, q_rope, kbuf0, kbuf1, kbufr, ready_l, ready_r, z + 1, (j + 1) & 1,
-                                    s_layout, BLOCK_M, BLOCK_N, True)
+                                    s_layout, BLOCK_M, BLOCK_N)
                 sc = warpgroup_mma_wait(0, deps=[sc])
         sl1.store(l_i)
         mbarrier.arrive(l1_ready, count=1)
@@ -622,14 +616,14 @@ if HAS_GLUON:
         gl.warp_specialize([
             (_seesaw_wg0, (qbuf, qp_ptr, kbuf0, kbuf1, kbufr, pbuf, sm0, ss0, sm1, ss1, sl0, sl1,
                            ready_l, ready_r, a_ready, b_ready, p0_free, l0_ready, l1_ready, k0_desc, k1_desc, kr_desc,
-                           bt_row, out_ptr, part_acc_ptr, part_ml_ptr, rb, split, q_start, q_len, ctx, k_lo, k_hi, n_tiles,
-                           qk_scale, stride_qpt, stride_qph, stride_ot, stride_oh, stride_pt, stride_ph, NUM_HEADS,
-                           BLOCK_M, BLOCK_N, HALF, LORA, ROPE, SPLIT, CACHE_BLOCK, 3)),
+                           bt_row, out_ptr, part_acc_ptr, part_ml_ptr, rb, split, q_start, q_len, ctx, k_lo, k_hi,
+                           n_tiles, qk_scale, stride_qpt, stride_qph, stride_ot, stride_oh, stride_pt, stride_ph,
+                           NUM_HEADS, BLOCK_M, BLOCK_N, HALF, LORA, ROPE, SPLIT, CACHE_BLOCK, 3)),
             (_seesaw_wg1, (qbuf, qp_ptr, kbuf0, kbuf1, kbufr, pbuf, sm0, ss0, sm1, ss1, sl0, sl1,
                            ready_l, ready_r, a_ready, b_ready, p0_free, l0_ready, l1_ready, k0_desc, k1_desc, kr_desc,
-                           bt_row, out_ptr, part_acc_ptr, part_ml_ptr, rb, split, q_start, q_len, ctx, k_lo, k_hi, n_tiles,
-                           qk_scale, stride_qpt, stride_qph, stride_ot, stride_oh, stride_pt, stride_ph, NUM_HEADS,
-                           BLOCK_M, BLOCK_N, HALF, LORA, ROPE, SPLIT, CACHE_BLOCK, 3)),
+                           bt_row, out_ptr, part_acc_ptr, part_ml_ptr, rb, split, q_start, q_len, ctx, k_lo, k_hi,
+                           n_tiles, qk_scale, stride_qpt, stride_qph, stride_ot, stride_oh, stride_pt, stride_ph,
+                           NUM_HEADS, BLOCK_M, BLOCK_N, HALF, LORA, ROPE, SPLIT, CACHE_BLOCK, 3)),
         ], [4], [WG1_REGS])
 
     @gluon.jit
