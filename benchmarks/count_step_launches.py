@@ -10,7 +10,8 @@ graph replay each) and except ops that launch no kernel (views, metadata, alloca
 launches per step and the call sites (file:line) that make them, most first.
 
 Counts, not times: what the GPU host pays per launch is in BENCHMARKS.md's profiles. Usage:
-``PYTHONPATH=$PWD python benchmarks/count_step_launches.py [--batch 1] [--k 3] [--steps 10]``.
+``PYTHONPATH=$PWD python benchmarks/count_step_launches.py [--batch 1] [--k 3] [--steps 10]``; ``--k 0``:
+plain decoding; ``--adaptive0``: the adaptive engine held at k = 0 (what its k = 0 steps add).
 """
 
 from __future__ import annotations
@@ -61,7 +62,10 @@ class LaunchCounter(TorchDispatchMode):
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--batch", type=int, default=1)
-    ap.add_argument("--k", type=int, default=3)
+    ap.add_argument("--k", type=int, default=3, help="num_speculative_tokens; 0: plain decoding (no proposer)")
+    ap.add_argument("--adaptive0", action="store_true",
+                    help="the adaptive engine (k > 0) held at k = 0 by a constant policy: what a k = 0 step "
+                         "launches beyond plain decoding (--k 0)")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--async-scheduling", action="store_true", help="count with async scheduling on")
     ap.add_argument("--json", help="write the counts here")
@@ -82,13 +86,28 @@ def main() -> int:
         finally:
             counter.on = was
     GraphedForward._run = graph_unit
+    if args.adaptive0 and args.k < 1:
+        ap.error("--adaptive0 needs --k >= 1 (the adaptive engine's num_speculative_tokens)")
+    spec = None if args.k == 0 else {"num_speculative_tokens": args.k, "adaptive": args.adaptive0}
+    if args.adaptive0:  # a cost table instead of timing steps at start-up (the policy is replaced anyway)
+        table = os.path.join(tempfile.mkdtemp(), "costs.json")
+        with open(table, "w") as f:
+            b = str(max(4, args.batch))
+            json.dump({"verify_ms": {str(j): {b: 1.0} for j in range(args.k + 1)},
+                       "draft_ms": {str(j): {b: 0.0} for j in range(args.k + 1)}}, f)
+        spec["adaptive_cost_table"] = table
     with tempfile.TemporaryDirectory() as d:
         make_tiny_checkpoint(d, seed=0, num_mtp_layers=1)
         with LLM(d, graph_mode="static", max_model_len=256, block_size=16, num_kv_blocks=256, seed=0,
                  max_num_seqs=max(4, args.batch), async_scheduling=args.async_scheduling,
-                 speculative_config={"num_speculative_tokens": args.k}) as llm:
+                 speculative_config=spec) as llm:
             runner = llm.llm_engine.executor.runner
+            if args.adaptive0:
+                from bench_adaptive_fixed_k import ConstantK
+                llm.llm_engine.spec_policy = ConstantK(0)
             for model in (runner.target, runner.mtp):  # the CPU's id check syncs; a GPU's does not run
+                if model is None:
+                    continue
                 for m in model.modules():
                     if isinstance(m, VocabParallelEmbedding):
                         m.validate_ids = False
@@ -109,13 +128,13 @@ def main() -> int:
             n = runner.fwd.num_graph_steps - steps0
     GraphedForward._run = run
     per = {k: v / max(n, 1) for k, v in counter.sites.most_common()}
-    print(f"batch {args.batch}, k = {args.k}, async scheduling {'on' if args.async_scheduling else 'off'}: "
+    print(f"batch {args.batch}, k = {args.k}{' (adaptive, held at 0)' if args.adaptive0 else ''}, async scheduling {'on' if args.async_scheduling else 'off'}: "
           f"{counter.total / max(n, 1):.1f} launches per pure-decode step outside graph units ({n} steps)")
     for site, c in per.items():
         print(f"  {c:5.1f}  {site}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"batch": args.batch, "k": args.k, "steps": n, "per_step": counter.total / max(n, 1),
+            json.dump({"batch": args.batch, "k": args.k, "adaptive0": args.adaptive0, "steps": n, "per_step": counter.total / max(n, 1),
                        "sites": per}, f, indent=1)
     return 0
 
