@@ -128,7 +128,8 @@ def main() -> int:
             n = runner.fwd.num_graph_steps - steps0
     GraphedForward._run = run
     per = {k: v / max(n, 1) for k, v in counter.sites.most_common()}
-    print(f"batch {args.batch}, k = {args.k}{' (adaptive, held at 0)' if args.adaptive0 else ''}, async scheduling {'on' if args.async_scheduling else 'off'}: "
+    held = " (adaptive, held at 0)" if args.adaptive0 else ""
+    print(f"batch {args.batch}, k = {args.k}{held}, async scheduling {'on' if args.async_scheduling else 'off'}: "
           f"{counter.total / max(n, 1):.1f} launches per pure-decode step outside graph units ({n} steps)")
     for site, c in per.items():
         print(f"  {c:5.1f}  {site}")
