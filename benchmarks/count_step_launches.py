@@ -135,8 +135,8 @@ def main() -> int:
         print(f"  {c:5.1f}  {site}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"batch": args.batch, "k": args.k, "adaptive0": args.adaptive0, "steps": n, "per_step": counter.total / max(n, 1),
-                       "sites": per}, f, indent=1)
+            json.dump({"batch": args.batch, "k": args.k, "adaptive0": args.adaptive0, "steps": n,
+                       "per_step": counter.total / max(n, 1), "sites": per}, f, indent=1)
     return 0
 
 
