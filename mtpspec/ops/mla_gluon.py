@@ -229,7 +229,6 @@ if HAS_GLUON:
                                                            instr_shape=[16, HALF, 16])
         row_l: gl.constexpr = gl.SliceLayout(1, s_layout)
         col_l: gl.constexpr = gl.SliceLayout(0, s_layout)
-        zl: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
         row, head, row_ok, q_pos = _row_info(rb, q_start, q_len, ctx, NUM_HEADS, BLOCK_M, SPARSE, row_l)
         m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=row_l)
         l_i = gl.zeros([BLOCK_M], gl.float32, layout=row_l)
@@ -243,14 +242,9 @@ if HAS_GLUON:
             offs_n = start + gl.arange(0, BLOCK_N, layout=col_l)
             if SPARSE:  # the selection is the mask: its load in flight under the score products
                 slot = gl.load(slots_row + offs_n, mask=offs_n < k_hi, other=-1)
-            if not SPARSE and start + BLOCK_N > k_hi:  # a split's partial last tile: zero its stale value rows
-                keys = start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, zl))
-                keep = (keys < k_hi)[:, None]
-                x0 = kbuf0.index(s).load(zl)
-                kbuf0.index(s).store(gl.where(keep, x0, gl.zeros_like(x0)))
-                x1 = kbuf1.index(s).load(zl)
-                kbuf1.index(s).store(gl.where(keep, x1, gl.zeros_like(x1)))
-                fence_async_shared()
+            if not SPARSE:  # a split's partial last tile: zero its stale value rows (both halves)
+                _zero_tail(kbuf0.index(s), start, k_hi, BLOCK_N, HALF)
+                _zero_tail(kbuf1.index(s), start, k_hi, BLOCK_N, HALF)
             sc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
             sc = warpgroup_mma(qbuf0, kbuf0.index(s).permute((1, 0)), sc, use_acc=False, is_async=True)
             sc = warpgroup_mma(qbuf1, kbuf1.index(s).permute((1, 0)), sc, is_async=True)
@@ -258,9 +252,9 @@ if HAS_GLUON:
             sc = warpgroup_mma_wait(0, deps=[sc])
             if SPARSE:  # (the gather zero-filled unused entries' rows)
                 ok = row_ok[:, None] & ((slot >= 0) & (slot < n_slots))[None, :]
+                sc = gl.where(ok, sc * qk_scale, float("-inf"))
             else:
-                ok = row_ok[:, None] & (offs_n[None, :] < k_hi) & (offs_n[None, :] <= q_pos[:, None])
-            sc = gl.where(ok, sc * qk_scale, float("-inf"))
+                sc = _causal_scores(sc, start, k_hi, row_ok, q_pos, qk_scale, s_layout, BLOCK_N)
             m_new = gl.maximum(m_i, gl.max(sc, axis=1))
             m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
             p = gl.exp2(sc - m_safe[:, None])
@@ -337,8 +331,9 @@ if HAS_GLUON:
         return warpgroup_mma(q_rope, kbufr.index(s).permute((1, 0)), sc, is_async=True)
 
     @gluon.jit
-    def _seesaw_mask(sc, start, k_hi, row_ok, q_pos, qk_scale, s_layout: gl.constexpr, BLOCK_N: gl.constexpr):
-        """Scaled, causally masked scores of the tile at key ``start`` (-inf where masked)."""
+    def _causal_scores(sc, start, k_hi, row_ok, q_pos, qk_scale, s_layout: gl.constexpr, BLOCK_N: gl.constexpr):
+        """Scaled, causally masked scores of the dense tile at key ``start`` (-inf past ``k_hi``, after
+        a row's query position and in padding rows); both schedules."""
         offs_n = start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
         ok = row_ok[:, None] & (offs_n[None, :] < k_hi) & (offs_n[None, :] <= q_pos[:, None])
         return gl.where(ok, sc * qk_scale, float("-inf"))
@@ -346,7 +341,8 @@ if HAS_GLUON:
     @gluon.jit
     def _zero_tail(buf, start, k_hi, BLOCK_N: gl.constexpr, HALF: gl.constexpr):
         """Zero the value rows of a split's partial last tile past ``k_hi`` (stale cache slots may
-        hold NaN, and 0 x NaN is NaN in ``P V``); one warpgroup, its own value half."""
+        hold NaN, and 0 x NaN is NaN in ``P V``); ``buf``: one ``[BLOCK_N, HALF]`` latent half of a
+        key slot, zeroed by the warpgroup that calls this (both schedules)."""
         if start + BLOCK_N > k_hi:  # 64 columns at a time: 16 registers a thread, not 64
             zl: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
             keep = (start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, zl)) < k_hi)[:, None]
@@ -401,7 +397,7 @@ if HAS_GLUON:
             start_a = k_lo + 2 * j * BLOCK_N
             has_b = 2 * j + 1 < n_tiles
             # softmax of A against the running max m_i (after the previous pair's B)
-            sa = _seesaw_mask(sc, start_a, k_hi, row_ok, q_pos, qk_scale, s_layout, BLOCK_N)
+            sa = _causal_scores(sc, start_a, k_hi, row_ok, q_pos, qk_scale, s_layout, BLOCK_N)
             m0 = gl.maximum(m_i, gl.max(sa, axis=1))
             m0s = gl.where(m0 == float("-inf"), 0.0, m0)
             p0 = gl.exp2(sa - m0s[:, None])
@@ -490,7 +486,7 @@ if HAS_GLUON:
             _zero_tail(kbuf1.index(z), start_a, k_hi, BLOCK_N, HALF)
             if has_b:  # ... under B's softmax against A's max
                 o = warpgroup_mma(pbuf.index(z), kbuf1.index(z), o, is_async=True)
-                sb = _seesaw_mask(sc, start_a + BLOCK_N, k_hi, row_ok, q_pos, qk_scale, s_layout, BLOCK_N)
+                sb = _causal_scores(sc, start_a + BLOCK_N, k_hi, row_ok, q_pos, qk_scale, s_layout, BLOCK_N)
                 m1 = gl.maximum(m0, gl.max(sb, axis=1))
                 m1s = gl.where(m1 == float("-inf"), 0.0, m1)
                 p1 = gl.exp2(sb - m1s[:, None])
