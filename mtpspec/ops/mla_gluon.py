@@ -165,6 +165,11 @@ def resolve_impl(op: str, impl: Optional[str], ok: bool, overrides: bool, needs:
 
 if HAS_GLUON:
 
+    @gluon.constexpr_function
+    def _wgmma_layout(n):
+        """The accumulator layout of one warpgroup's ``m64 n{n}`` wgmma (a ``[64, n]`` fp32 tile)."""
+        return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, n, 16])
+
     @gluon.jit
     def _producer(k0_desc, k1_desc, kr_desc, bt_row, k_lo, n_tiles, kbuf0, kbuf1, kbufr, k_ready, k_free,
                   BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CACHE_BLOCK: gl.constexpr, HALF: gl.constexpr,
@@ -205,6 +210,18 @@ if HAS_GLUON:
             gl.store(out_ptr + r[:, None] * stride_ot + h[:, None] * stride_oh + cols[None, :], val, mask=ok[:, None])
 
     @gluon.jit
+    def _dense_keys(seq_lens_ptr, seq, rb, split, num_splits, q_len, NUM_HEADS: gl.constexpr, BLOCK_M: gl.constexpr,
+                    BLOCK_N: gl.constexpr):
+        """``(ctx, k_lo, k_hi)`` of a dense program (row block ``rb`` of sequence ``seq``, key split
+        ``split`` of ``num_splits``): the context before the sequence's query rows, and this split's
+        keys ``[k_lo, k_hi)`` of the causal context of the block's rows, in ``BLOCK_N``-key chunks."""
+        ctx = gl.load(seq_lens_ptr + seq).to(gl.int32) - q_len
+        n_keys = ctx + gl.minimum(q_len, ((rb + 1) * BLOCK_M - 1) // NUM_HEADS + 1)
+        chunk = gl.cdiv(gl.cdiv(n_keys, num_splits), BLOCK_N) * BLOCK_N
+        k_lo = split * chunk
+        return ctx, k_lo, gl.minimum(k_lo + chunk, n_keys)
+
+    @gluon.jit
     def _row_info(rb, q_start, q_len, ctx, NUM_HEADS: gl.constexpr, BLOCK_M: gl.constexpr, SPARSE: gl.constexpr,
                   layout: gl.constexpr):
         """``(token row, head, row ok, query position)`` of a program's ``BLOCK_M`` matrix rows: dense,
@@ -223,10 +240,8 @@ if HAS_GLUON:
                     NUM_HEADS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                     P_BUFS: gl.constexpr, HALF: gl.constexpr, LORA: gl.constexpr, SPLIT: gl.constexpr,
                     SPARSE: gl.constexpr):
-        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                           instr_shape=[16, BLOCK_N, 16])
-        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                           instr_shape=[16, HALF, 16])
+        s_layout: gl.constexpr = _wgmma_layout(BLOCK_N)
+        o_layout: gl.constexpr = _wgmma_layout(HALF)
         row_l: gl.constexpr = gl.SliceLayout(1, s_layout)
         col_l: gl.constexpr = gl.SliceLayout(0, s_layout)
         row, head, row_ok, q_pos = _row_info(rb, q_start, q_len, ctx, NUM_HEADS, BLOCK_M, SPARSE, row_l)
@@ -282,8 +297,7 @@ if HAS_GLUON:
                   part_ml_ptr, rb, split, q_start, q_len, ctx, n_tiles, stride_ot, stride_oh, stride_pt, stride_ph,
                   NUM_HEADS: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, P_BUFS: gl.constexpr,
                   HALF: gl.constexpr, LORA: gl.constexpr, SPLIT: gl.constexpr, SPARSE: gl.constexpr):
-        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                           instr_shape=[16, HALF, 16])
+        o_layout: gl.constexpr = _wgmma_layout(HALF)
         row_l: gl.constexpr = gl.SliceLayout(1, o_layout)
         o = gl.zeros([BLOCK_M, HALF], gl.float32, layout=o_layout)
         for i in range(n_tiles):
@@ -369,13 +383,10 @@ if HAS_GLUON:
                     out_ptr, part_acc_ptr, part_ml_ptr, rb, split, q_start, q_len, ctx, k_lo, k_hi, n_tiles,
                     qk_scale, stride_qpt, stride_qph, stride_ot, stride_oh, stride_pt, stride_ph,
                     NUM_HEADS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HALF: gl.constexpr,
-                    LORA: gl.constexpr, ROPE: gl.constexpr, SPLIT: gl.constexpr, CACHE_BLOCK: gl.constexpr,
-                    SCORE_GROUPS: gl.constexpr):
+                    LORA: gl.constexpr, ROPE: gl.constexpr, SPLIT: gl.constexpr, CACHE_BLOCK: gl.constexpr):
         """Warpgroup 0: scores + softmax of tiles A = 2j, the left value half of every tile."""
-        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                           instr_shape=[16, BLOCK_N, 16])
-        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                           instr_shape=[16, HALF, 16])
+        s_layout: gl.constexpr = _wgmma_layout(BLOCK_N)
+        o_layout: gl.constexpr = _wgmma_layout(HALF)
         qr_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2)
         pa_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
         row_l: gl.constexpr = gl.SliceLayout(1, s_layout)
@@ -430,7 +441,7 @@ if HAS_GLUON:
                 o = warpgroup_mma(pbuf.index(z + 1), kbuf0.index(z + 1), o, is_async=True)
                 sc = _seesaw_scores(qbuf, z, q_rope, kbuf0, kbuf1, kbufr, ready_l, ready_r, z, (j + 1) & 1,
                                     s_layout, BLOCK_M, BLOCK_N)
-                o = warpgroup_mma_wait(SCORE_GROUPS, deps=[o])  # P_B V_L(B) done (groups retire in order)
+                o = warpgroup_mma_wait(3, deps=[o])  # P_B V_L(B) done: the 3 score groups retire after it
                 _seesaw_load(k0_desc, k0_desc, bt_row, k_lo, 2 * j + 3, n_tiles, kbuf0, kbuf0, ready_l, 0, 0, BLOCK_N,
                              CACHE_BLOCK, False)
                 sc = warpgroup_mma_wait(0, deps=[sc])
@@ -451,13 +462,10 @@ if HAS_GLUON:
                     out_ptr, part_acc_ptr, part_ml_ptr, rb, split, q_start, q_len, ctx, k_lo, k_hi, n_tiles,
                     qk_scale, stride_qpt, stride_qph, stride_ot, stride_oh, stride_pt, stride_ph,
                     NUM_HEADS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HALF: gl.constexpr,
-                    LORA: gl.constexpr, ROPE: gl.constexpr, SPLIT: gl.constexpr, CACHE_BLOCK: gl.constexpr,
-                    SCORE_GROUPS: gl.constexpr):
+                    LORA: gl.constexpr, ROPE: gl.constexpr, SPLIT: gl.constexpr, CACHE_BLOCK: gl.constexpr):
         """Warpgroup 1: scores + softmax of tiles B = 2j + 1, the right value half of every tile."""
-        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                           instr_shape=[16, BLOCK_N, 16])
-        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                           instr_shape=[16, HALF, 16])
+        s_layout: gl.constexpr = _wgmma_layout(BLOCK_N)
+        o_layout: gl.constexpr = _wgmma_layout(HALF)
         qr_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2)
         pa_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
         row_l: gl.constexpr = gl.SliceLayout(1, s_layout)
@@ -556,13 +564,9 @@ if HAS_GLUON:
         seq = gl.program_id(2)
         q_start = gl.load(qsl_ptr + seq).to(gl.int32)
         q_len = gl.load(qsl_ptr + seq + 1).to(gl.int32) - q_start
-        if rb * BLOCK_M >= q_len * NUM_HEADS:
+        if rb * BLOCK_M >= q_len * NUM_HEADS:  # past this sequence's rows (padding sequences: all)
             return
-        ctx = gl.load(seq_lens_ptr + seq).to(gl.int32) - q_len
-        n_keys = ctx + gl.minimum(q_len, ((rb + 1) * BLOCK_M - 1) // NUM_HEADS + 1)
-        chunk = gl.cdiv(gl.cdiv(n_keys, num_splits), BLOCK_N) * BLOCK_N
-        k_lo = split * chunk
-        k_hi = gl.minimum(k_lo + chunk, n_keys)
+        ctx, k_lo, k_hi = _dense_keys(seq_lens_ptr, seq, rb, split, num_splits, q_len, NUM_HEADS, BLOCK_M, BLOCK_N)
         n_tiles = gl.maximum(gl.cdiv(k_hi - k_lo, BLOCK_N), 0)
         dtype: gl.constexpr = ql_ptr.dtype.element_ty
         nvmma: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
@@ -614,12 +618,12 @@ if HAS_GLUON:
                            ready_l, ready_r, a_ready, b_ready, p0_free, l0_ready, l1_ready, k0_desc, k1_desc, kr_desc,
                            bt_row, out_ptr, part_acc_ptr, part_ml_ptr, rb, split, q_start, q_len, ctx, k_lo, k_hi,
                            n_tiles, qk_scale, stride_qpt, stride_qph, stride_ot, stride_oh, stride_pt, stride_ph,
-                           NUM_HEADS, BLOCK_M, BLOCK_N, HALF, LORA, ROPE, SPLIT, CACHE_BLOCK, 3)),
+                           NUM_HEADS, BLOCK_M, BLOCK_N, HALF, LORA, ROPE, SPLIT, CACHE_BLOCK)),
             (_seesaw_wg1, (qbuf, qp_ptr, kbuf0, kbuf1, kbufr, pbuf, sm0, ss0, sm1, ss1, sl0, sl1,
                            ready_l, ready_r, a_ready, b_ready, p0_free, l0_ready, l1_ready, k0_desc, k1_desc, kr_desc,
                            bt_row, out_ptr, part_acc_ptr, part_ml_ptr, rb, split, q_start, q_len, ctx, k_lo, k_hi,
                            n_tiles, qk_scale, stride_qpt, stride_qph, stride_ot, stride_oh, stride_pt, stride_ph,
-                           NUM_HEADS, BLOCK_M, BLOCK_N, HALF, LORA, ROPE, SPLIT, CACHE_BLOCK, 3)),
+                           NUM_HEADS, BLOCK_M, BLOCK_N, HALF, LORA, ROPE, SPLIT, CACHE_BLOCK)),
         ], [4], [WG1_REGS])
 
     @gluon.jit
@@ -758,11 +762,7 @@ if HAS_GLUON:
         q_len = gl.load(qsl_ptr + seq + 1).to(gl.int32) - q_start
         if rb * BLOCK_M >= q_len * NUM_HEADS:  # past this sequence's rows (padding sequences: all)
             return
-        ctx = gl.load(seq_lens_ptr + seq).to(gl.int32) - q_len
-        n_keys = ctx + gl.minimum(q_len, ((rb + 1) * BLOCK_M - 1) // NUM_HEADS + 1)
-        chunk = gl.cdiv(gl.cdiv(n_keys, num_splits), BLOCK_N) * BLOCK_N
-        k_lo = split * chunk
-        k_hi = gl.minimum(k_lo + chunk, n_keys)
+        ctx, k_lo, k_hi = _dense_keys(seq_lens_ptr, seq, rb, split, num_splits, q_len, NUM_HEADS, BLOCK_M, BLOCK_N)
         _attend(ql_ptr, qp_ptr, k0_desc, k1_desc, kr_desc, ql_ptr, qsl_ptr, 0, bt_ptr + seq.to(gl.int64) * stride_bt,
                 out_ptr, part_acc_ptr, part_ml_ptr, rb, split, q_start, q_len, ctx, k_lo, k_hi, qk_scale, stride_qlt,
                 stride_qlh, stride_qpt, stride_qph, 0, 0, stride_ot, stride_oh, stride_pt, stride_ph, NUM_HEADS,
