@@ -504,8 +504,9 @@ def mla_attention(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Te
     s = plan["num_splits"]
     block_l = next_power_of_2(max(r, 32))  # two halves of >= 16 columns (the smallest tl.dot)
     block_r = next_power_of_2(max(rope, 16))
-    bn = (FP8_BLOCK_N.get(plan.get("block_m"), BLOCK_N) if is_fp8(kv_cache.dtype) else BLOCK_N) if block_n is None \
-        else int(block_n)
+    # keys per tile of the Triton kernel (the Gluon plan has no block_m: its tiles are mla_gluon.BLOCK_N)
+    bn = None if gluon else (FP8_BLOCK_N.get(plan["block_m"], BLOCK_N) if is_fp8(kv_cache.dtype) else BLOCK_N) \
+        if block_n is None else int(block_n)
     eligible = not gluon and tma_eligible(q_latent, kv_cache, bn)
     if tma and not eligible:  # (impl="gluon" with tma was refused above)
         raise ValueError(f"mla_attention: tma=True needs a contiguous 16-bit or fp8 kv_cache whose block_size "
