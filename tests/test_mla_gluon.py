@@ -252,8 +252,9 @@ def test_gluon_sparse_kernel_matches_reference(heads, tokens, topk, num_splits) 
 @pytest.mark.skipif(not ON_HOPPER, reason="needs a compute-capability-9 GPU and Triton's Gluon")
 @pytest.mark.parametrize("stages,ahead", [(4, 2), (4, 3), (3, 2), (2, 1), (4, 0), (2, 0), (1, 0)])
 def test_gluon_sparse_gathers_further_ahead(stages, ahead) -> None:
-    """The gathering producer with more tiles in flight (``ahead``) and other ring sizes: same
-    result as the reference, no hang."""
+    """The gathering producer in both completion modes (``ahead`` 0: the copies arrive on the tile's
+    barrier themselves; ``ahead`` >= 1: the producer waits ``ahead`` tiles behind) and ring sizes 1-4:
+    same result as the torch reference, no hang."""
     from mtpspec.ops.paged_attention import combine_splits
     from mtpspec.ops.paged_common import split_outputs
     from mtpspec.ops.sparse_mla_attention import sparse_mla_attention_ref
