@@ -8,7 +8,8 @@ Issue 18 (adaptive k = 0 vs plain decoding): run once per engine, each in its ow
 
 ``adaptive0``: the adaptive engine (k = 3) whose policy always proposes 0. 64 sequences of 64 random prompt
 tokens, 20 steps of warm-up, then 40 steps timed with ``torch.cuda.set_sync_debug_mode(1)`` (a synchronising
-call warns; the warnings are counted by the Python stack that issued them).
+call warns; the warnings are counted by the Python stack that issued them). ``--profile``: 10 more steps under
+``torch.profiler``: GPU busy time and kernel launches a step (kernels inside CUDA graphs too), the top kernels.
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ def main() -> None:
     ap.add_argument("model")
     ap.add_argument("engine", choices=["plain", "adaptive0", "k3"])
     ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--profile", action="store_true",
+                    help="then 10 steps under torch.profiler: GPU busy ms and kernel launches a step, top kernels")
     args = ap.parse_args()
     spec = None if args.engine == "plain" else {"num_speculative_tokens": 3, "adaptive": args.engine == "adaptive0"}
     llm = LLM(args.model, speculative_config=spec, max_num_seqs=args.batch, max_model_len=1024, load_format="dummy",
@@ -73,6 +76,17 @@ def main() -> None:
           f"synchronising calls {sum(seen.values())}")
     for where, n in sorted(seen.items(), key=lambda x: -x[1])[:6]:
         print(f"  {n} x {' | '.join(where)}")
+    if args.profile:  # device work a step: is the gap to plain decoding host or device?
+        from _timing import cuda_kernel_times, kernel_counts
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            for _ in range(10):
+                eng.step()
+            torch.cuda.synchronize()
+        busy, _ = cuda_kernel_times(prof)
+        kc = kernel_counts(prof, per=10)
+        print(f"{args.engine}: GPU busy {busy / 10:.3f} ms a step, {sum(v[1] for v in kc.values()):.1f} kernels a step")
+        for name, (us, n) in sorted(kc.items(), key=lambda x: -x[1][0])[:12]:
+            print(f"  {us:8.1f} us {n:5.1f} x {name}")
     while eng.has_unfinished_requests():
         eng.step()
 

@@ -99,3 +99,22 @@ def test_adaptive_k0_step_launches_like_plain_decoding(tmp_path):
         assert not any(op in s for s in res["sites"] for op in ("aten.mm.", "aten.addmm.", "aten.linear.")), res
         per[name] = res["per_step"]
     assert 10 < per["plain"] <= per["adaptive0"] <= per["plain"] + 2, per
+
+
+def test_trace_adaptive_steps_smoke(tmp_path):
+    """``trace_adaptive_steps.py`` (issue 18: what the adaptive policy measures per step) on the bundled
+    GLM-4.5 demo model: every applied step traced once with its k, the policy's samples attached to
+    the adaptive engine's steps, and the adaptive engine held at k = 0 proposing k = 0 throughout."""
+    for engine in ("adaptive", "adaptive-k0"):
+        out = tmp_path / f"{engine}.json"
+        _run("trace_adaptive_steps.py", "--engine", engine, "--json", str(out))
+        res = json.loads(out.read_text())
+        rows = res["rows"]
+        assert rows and sum(g["n"] for g in res["groups"].values()) == len(rows)
+        assert rows[0]["gap"] is None and all(r["gap"] > 0 for r in rows[1:])  # ms since the step before
+        assert res["output_tokens_per_s"] > 0
+        if engine == "adaptive":
+            assert all(0 <= r["k"] <= 3 for r in rows)
+            assert sum(1 for r in rows if r["wall"] is not None) >= len(rows) - 1  # the policy saw every step after the first
+        else:
+            assert all(r["k"] == 0 for r in rows)

@@ -1,0 +1,169 @@
+"""What the adaptive policy measures, step by step (issue 18): each step's proposed / verified k, batch,
+prompt tokens, wall time as the policy sees it and the device table's prediction.
+
+The adaptive arm of ``bench arms --in-process`` chose ``k = 3`` at 64 sequences although plain decoding was
+faster (H200, 2026-12-04): its running measure of what ``k = 0`` steps take beyond the device table was
+~3 ms there, against ~0.5 ms for the plain engine's steps. This runs the same kind of workload (random
+prompts, forced acceptance, every request queued at once, ``--concurrency`` running) on the adaptive
+engine and prints every ``observe_step_time`` call, grouped, plus each counted ``k = 0`` sample with the
+steps around it, so the samples that carry the excess can be told apart::
+
+    PYTHONPATH=$PWD python3 benchmarks/make_dummy_model.py /tmp/air3 --preset air-8l --num-hidden-layers 3 \\
+        --max-position-embeddings 2048
+    PYTHONPATH=$PWD python3 benchmarks/trace_adaptive_steps.py /tmp/air3 --concurrency 64
+
+``--smoke``: the bundled GLM-4.5 demo model on the CPU, a few prompts (the script's own test).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import time
+from typing import Any, Dict, List
+
+
+def trace(llm: Any, prompts: List[List[int]], output_len: int, concurrency: int) -> List[Dict[str, Any]]:
+    """Run ``prompts`` (token ids) with at most ``concurrency`` running; one dict per applied step
+    (``LLMEngine._finish``): batch, proposed ``k``, verified ``v``, prompt tokens, ``gap`` (ms since
+    the previous step was applied: the engine's throughput view, any engine), and for an adaptive
+    engine what its policy saw (``wall``, the device table's ``predicted`` ms, whether the sample
+    was ``counted`` into its per-k host measure)."""
+    from mtpspec import SamplingParams
+    eng = llm.llm_engine
+    policy = getattr(eng, "spec_policy", None)
+    rows: List[Dict[str, Any]] = []
+    real_finish, last = eng._finish, [None]
+
+    def finish(out, *args, **kwargs):
+        res = real_finish(out, *args, **kwargs)
+        now = time.perf_counter()
+        rows.append(dict(t=now, batch=len(out.scheduled), k=out.num_proposed_tokens, v=out.num_spec_tokens,
+                         prefill=out.num_prefill_tokens, gap=(now - last[0]) * 1e3 if last[0] else None,
+                         ahead=eng._inflight is not None, wall=None, predicted=None, counted=None))
+        last[0] = now
+        return res
+
+    real_observe = getattr(policy, "observe_step_time", None)
+
+    def observed(batch, k, wall_ms, verify_k=None, num_prefill_tokens=0, num_emitted=None):
+        v = k if verify_k is None else verify_k
+        before = dict(getattr(policy, "_excess_n", {}))
+        real_observe(batch, k, wall_ms, verify_k, num_prefill_tokens, num_emitted)
+        costs = getattr(policy, "costs", None)
+        pending.append(dict(wall=wall_ms, counted=getattr(policy, "_excess_n", {}) != before,
+                            predicted=costs.step_ms(batch, k, v) if costs is not None and k in costs.verify_ms
+                            and v in costs.verify_ms else None))
+
+    pending: List[Dict[str, Any]] = []
+
+    def finish_and_observe(out, *args, **kwargs):
+        res = finish(out, *args, **kwargs)
+        if pending:  # _finish -> _observe_spec -> observe_step_time: the same step
+            rows[-1].update(pending.pop())
+        return res
+
+    sched = eng.scheduler.config
+    cap, sched.max_num_seqs = sched.max_num_seqs, concurrency
+    eng._finish = finish_and_observe
+    if real_observe is not None:
+        policy.observe_step_time = observed
+    try:
+        llm.generate([{"prompt_token_ids": p} for p in prompts],
+                     SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True), use_tqdm=False)
+    finally:
+        del eng._finish
+        if real_observe is not None:
+            policy.observe_step_time = real_observe
+        sched.max_num_seqs = cap
+    return rows
+
+
+def summarise(rows: List[Dict[str, Any]], context: int = 2, show: int = 6) -> Dict[str, Any]:
+    """Groups by (proposed k, verified k, prompt tokens or not): steps, median ``gap`` (ms between
+    applied steps), and for an adaptive engine the median wall its policy saw, the table's
+    prediction and how many samples it counted; prints them and the first ``show`` counted ``k = 0``
+    samples with ``context`` steps either side."""
+    groups: Dict[str, List[Dict[str, Any]]] = {}
+    for r in rows:
+        groups.setdefault(f"k={r['k']} v={r['v']} {'prefill' if r['prefill'] else 'decode'}", []).append(r)
+
+    def med(xs):
+        xs = [x for x in xs if x is not None]
+        return round(statistics.median(xs), 3) if xs else None
+
+    out = {}
+    for key, rs in sorted(groups.items()):
+        g = out[key] = dict(n=len(rs), gap_ms=med(r["gap"] for r in rs), wall_ms=med(r["wall"] for r in rs),
+                            predicted_ms=med(r["predicted"] for r in rs), counted=sum(1 for r in rs if r["counted"]),
+                            batch=med(r["batch"] for r in rs))
+        print(f"{key:22s} n {g['n']:5d}  gap {g['gap_ms']} ms  policy wall {g['wall_ms']}  predicted "
+              f"{g['predicted_ms']}  counted {g['counted']}  batch {g['batch']}")
+    picked = [i for i, r in enumerate(rows) if r["k"] == 0 and r["counted"]][:show]
+    for i in picked:
+        print("--")
+        for j in range(max(0, i - context), min(len(rows), i + context + 1)):
+            r = rows[j]
+            print(f"{'>' if j == i else ' '} batch {r['batch']:4d} k {r['k']} v {r['v']} prefill {r['prefill']:6d} "
+                  f"gap {r['gap'] or 0:8.3f} wall {r['wall'] or 0:8.3f} predicted {r['predicted'] or 0:7.3f} "
+                  f"ahead {int(r['ahead'])} counted {int(bool(r['counted']))}")
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("model", nargs="?")
+    ap.add_argument("--engine", default="adaptive", choices=["plain", "adaptive", "adaptive-k0", "adaptive-k3", "k3"],
+                    help="adaptive-kN: the adaptive engine whose policy always proposes N")
+    ap.add_argument("--concurrency", type=int, default=64)
+    ap.add_argument("--num-prompts", type=int, help="default: 2 x concurrency")
+    ap.add_argument("--input-len", type=int, default=512)
+    ap.add_argument("--output-len", type=int, default=256)
+    ap.add_argument("--forced-acceptance", default="rate:0.8", help="'none': the real verifier")
+    ap.add_argument("--json", help="write the groups and every row here")
+    ap.add_argument("--smoke", action="store_true", help="the bundled demo model on the CPU, 4 short prompts")
+    a = ap.parse_args()
+    from mtpspec import LLM
+    from mtpspec.spec_decode.forced_acceptance import ForcedAcceptance, enable_forced_acceptance
+    spec = None if a.engine == "plain" else {"num_speculative_tokens": 3, "adaptive": a.engine != "k3"}
+    if a.smoke:
+        from mtpspec import demo_model_path
+        llm = LLM(demo_model_path("glm4_moe"), speculative_config=spec, max_num_seqs=4, max_model_len=256,
+                  device="cpu", dtype="float32")
+        a.concurrency, a.num_prompts, a.input_len, a.output_len = 2, 4, 16, 24
+    else:
+        if not a.model:
+            ap.error("a model folder is needed (or --smoke)")
+        llm = LLM(a.model, speculative_config=spec, max_num_seqs=max(a.concurrency, 1), max_model_len=1024,
+                  load_format="dummy", dtype="bfloat16")
+    if a.engine.startswith("adaptive-k"):
+        from bench_adaptive_fixed_k import ConstantK
+        llm.llm_engine.spec_policy = ConstantK(int(a.engine[len("adaptive-k"):]))
+    if spec is not None and a.forced_acceptance != "none":
+        enable_forced_acceptance(llm, ForcedAcceptance.parse(a.forced_acceptance))
+    rng = random.Random(0)
+    vocab = llm.llm_engine.vocab_size
+    n = a.num_prompts or 2 * a.concurrency
+    prompts = [[rng.randrange(10, vocab) for _ in range(a.input_len)] for _ in range(n)]
+    trace(llm, prompts[: max(1, a.concurrency // 4)], 16, a.concurrency)  # warm-up
+    t0 = time.perf_counter()
+    rows = trace(llm, prompts, a.output_len, a.concurrency)
+    took = time.perf_counter() - t0
+    out_tokens = n * a.output_len
+    print(f"{a.engine}, forced {a.forced_acceptance}: {len(rows)} steps in {took:.2f} s, {out_tokens / took:.0f} "
+          f"output tok/s; proposed k histogram {[sum(1 for r in rows if r['k'] == k) for k in range(4)]}")
+    groups = summarise(rows)
+    policy = llm.llm_engine.spec_policy
+    if hasattr(policy, "excess_ms"):
+        print("policy's measured host ms beyond the table: "
+              + ", ".join(f"b{b} k{k} {v:.2f}" for (b, k), v in sorted(policy.excess_ms.items())))
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"engine": a.engine, "forced": a.forced_acceptance, "groups": groups, "rows": rows,
+                       "seconds": took, "output_tokens_per_s": out_tokens / took}, f)
+
+
+if __name__ == "__main__":
+    main()
