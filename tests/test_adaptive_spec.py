@@ -512,6 +512,34 @@ def test_measured_host_time_skips_transitions_and_exploration_retries_and_gives_
     assert sum(1 for k in chosen if k != best) <= 3 * MAX_MEASURING_BURSTS * EXPLORE_STEPS + 3000 // 500 * EXPLORE_STEPS
 
 
+def test_measured_host_time_counts_only_steady_runs_of_a_k() -> None:
+    """H200 trace (2026-12-04, benchmarks/trace_adaptive_steps.py): with async scheduling a k = 0
+    step is applied after the next step is chosen and launched, so the first step ahead (its own
+    launch and the next one's) and the last step of a run (the launch of a step of another k) took
+    1.35-1.95x a steady step. Only steps inside a run count: the two observed before them and the
+    step chosen after them propose the same k. The engine's order is mimicked: for a step left in
+    flight, choose(next) comes before observe(this)."""
+    costs = _table(sizes=(64,), verify=lambda b, k: 1.2 + 0.9 * k, draft=lambda b, k: 0.4 * k)
+    pol = AdaptiveSpecPolicy(3, costs)
+
+    def step(k, v, excess, chosen_next):
+        pol._chosen_k = chosen_next  # what the engine's choose() returned last
+        pol.observe_step_time(64, k, costs.step_ms(64, k, v) + excess, v, 0, 64)
+
+    for _ in range(3):
+        step(3, 3, 0.5, 3)  # steady k = 3 (synchronous: the last choice is this step's)
+    step(0, 3, 4.0, 0)      # verifies the k = 3 drafts: a transition
+    step(0, 0, 3.0, 0)      # the first step ahead: its launch and the next one's
+    step(0, 0, 1.0, 0)      # steady
+    step(0, 0, 1.0, 0)      # steady
+    step(0, 0, 2.5, 3)      # the last of the run: the next step (k = 3) was launched first
+    step(3, 0, -3.0, 3)     # its tokens come before its draft passes: a short wall
+    step(3, 3, 0.6, 3)
+    step(3, 3, 0.5, 3)
+    assert pol._excess_n[(64, 0)] == 2 and pol.excess_ms[(64, 0)] == pytest.approx(1.0)
+    assert pol._excess_n[(64, 3)] == 2 and pol.excess_ms[(64, 3)] == pytest.approx(0.5)
+
+
 def test_a_k0_step_left_in_flight_by_a_sync_step_is_timed_from_its_own_start(model) -> None:
     """Found by review: with a prompt waiting that cannot be admitted (no chunked prefill, a budget
     the decodes fill), each k = 0 step is applied before the next is scheduled, then the next is

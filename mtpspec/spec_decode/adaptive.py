@@ -54,15 +54,17 @@ MIN_FIT_SAMPLES = 20
 #: :data:`EXPLORE_EVERY` pure-decode steps the ``k`` proposed longest ago among those not proposed
 #: at this batch size for that many steps whose predicted rate is within :data:`EXPLORE_MARGIN` of
 #: the best (any rate after :data:`STALE_EVERY` steps), is proposed for
-#: :data:`EXPLORE_STEPS` steps in a row (the first of them, a transition, is not counted), so its
-#: own host time is measured (what a step of that ``k`` takes beyond the device table, where the
+#: :data:`EXPLORE_STEPS` steps in a row (counted only where the pipeline holds that ``k`` alone:
+#: the two steps before it proposed it too, and so does the step chosen after it, whose scheduling
+#: and launch a step scheduled ahead is timed with; H200, 2026-12-04: in 4-step bursts the first
+#: ``k = 0`` step ahead took 1.35-1.95x the next one, BENCHMARKS.md), so its own host time is measured (what a step of that ``k`` takes beyond the device table, where the
 #: shared host plane can be wrong for it: e.g. at ``k = 0`` the engine schedules the next step
 #: ahead of the one in flight, as plain decoding does, so its host time overlaps the device's; a
 #: plane fitted on speculative steps alone cannot know that).
 EXPLORE_EVERY = 500
-EXPLORE_STEPS = 4
+EXPLORE_STEPS = 6
 EXPLORE_MARGIN = 0.15
-#: A (batch size, k) counts as measured after this many counted steps (two bursts), or after
+#: A (batch size, k) counts as measured after this many counted steps (two bursts of 3), or after
 #: :data:`MAX_MEASURING_BURSTS` bursts whatever they counted; measured ones not proposed for
 #: :data:`STALE_EVERY` steps are tried again whatever their predicted rate.
 MIN_MEASURED = 6
@@ -198,13 +200,16 @@ class AdaptiveSpecPolicy:
     #: and :attr:`overhead_ms`, per prompt token (ms, >= 0).
     prefill_ms_per_token: float = 0.0
     #: Per (table batch size, proposed ``k``): the running mean of what its pure-decode steps took
-    #: beyond the device table (ms), from the steps that proposed the same ``k`` as the step before
-    #: them (weight ``max(1 / n, MEASURED_WEIGHT)``). Where measured it replaces the host plane's
-    #: prediction for that ``k``; the plane predicts the others.
+    #: beyond the device table (ms), from the steps that proposed the same ``k`` as the two steps
+    #: before them and the step chosen after them (weight ``max(1 / n, MEASURED_WEIGHT)``): a steady
+    #: run of that ``k``, not a transition (see :meth:`observe_step_time`). Where measured it replaces
+    #: the host plane's prediction for that ``k``; the plane predicts the others.
     excess_ms: Dict[Tuple[int, int], float] = field(default_factory=dict)
     _decode_samples: int = field(default=0, init=False, repr=False)  # pure-decode steps observed
     _excess_n: Dict[Tuple[int, int], int] = field(default_factory=dict, init=False, repr=False)
     _last_k: Optional[int] = field(default=None, init=False, repr=False)  # k the last observed step proposed
+    _last_k2: Optional[int] = field(default=None, init=False, repr=False)  # ... and the one before it
+    _chosen_k: Optional[int] = field(default=None, init=False, repr=False)  # what choose() returned last
     _decode_choices: int = field(default=0, init=False, repr=False)  # pure-decode choose() calls
     # table batch size -> k -> the _decode_choices count when it was last proposed
     _last_chosen: Dict[int, Dict[int, int]] = field(default_factory=dict, init=False, repr=False)
@@ -241,17 +246,23 @@ class AdaptiveSpecPolicy:
         :attr:`overhead_ms_per_token`), with them
         :attr:`prefill_ms_per_token`. Samples more than 4x the predicted cost + 5 ms (an idle
         engine between steps) are ignored, and prompt samples before any pure-decode sample (the
-        overhead is not known yet)."""
+        overhead is not known yet).
+
+        :attr:`excess_ms` counts a step only inside a steady run of its ``k``: the two steps
+        observed before it proposed ``k`` too, and so did the last :meth:`choose` (with async
+        scheduling a ``k = 0`` step is applied after the next step is scheduled and launched, so
+        its wall holds that launch: the first step ahead holds its own and the next one's, the
+        last one of a run the launch of a different ``k``'s step)."""
         v = k if verify_k is None else verify_k
         if k not in self.costs.verify_ms or v not in self.costs.verify_ms:
-            self._last_k = None
+            self._last_k = self._last_k2 = None
             return
         predicted = self.costs.step_ms(batch, k, v)
         r = max(0.0, float(num_emitted) - batch) if num_emitted is not None else 0.0
         if num_prefill_tokens > 0:
             # the next pure-decode step verifies this one's drafts and (k = 0, async scheduling) was
             # not scheduled ahead: a transition, whatever k it proposes
-            self._last_k = None
+            self._last_k = self._last_k2 = None
             if not self._decode_samples:
                 return
             host = self.host_ms(batch, r)
@@ -262,14 +273,14 @@ class AdaptiveSpecPolicy:
             return
         if 0.0 < wall_ms <= 4.0 * predicted + 5.0:
             excess = max(0.0, wall_ms - predicted)
-            if k == self._last_k:  # not the first step of a new k (a transition)
+            if k == self._last_k == self._last_k2 and self._chosen_k in (None, k):  # a steady run of k
                 key = (self._bucket(batch), k)
                 n = self._excess_n[key] = self._excess_n.get(key, 0) + 1
                 prev = self.excess_ms.get(key, 0.0)
                 self.excess_ms[key] = prev + max(1.0 / n, MEASURED_WEIGHT) * (excess - prev)
             self._fit_host(float(batch), r, excess)
             self._decode_samples += 1
-        self._last_k = k
+        self._last_k, self._last_k2 = k, self._last_k
 
     def host_ms(self, batch: float, extra_tokens: float) -> float:
         """The host plane: ``a + c batch + b extra_tokens`` ms."""
@@ -352,8 +363,10 @@ class AdaptiveSpecPolicy:
             if rate > best_rate * (1 + 1e-9):
                 best, best_rate = k, rate
         if num_prefill_tokens > 0:
+            self._chosen_k = best
             return best
-        return self._explored(bucket, best, best_rate, rate_of)
+        self._chosen_k = k = self._explored(bucket, best, best_rate, rate_of)
+        return k
 
     def _explored(self, bucket: int, best: int, best_rate: float, rate_of: Dict[int, float]) -> int:
         """``best``, or for a pure-decode step at table batch size ``bucket`` the ``k`` of an
