@@ -11,7 +11,8 @@ launches per step and the call sites (file:line) that make them, most first.
 
 Counts, not times: what the GPU host pays per launch is in BENCHMARKS.md's profiles. Usage:
 ``PYTHONPATH=$PWD python benchmarks/count_step_launches.py [--batch 1] [--k 3] [--steps 10]``; ``--k 0``:
-plain decoding; ``--adaptive0``: the adaptive engine held at k = 0 (what its k = 0 steps add).
+plain decoding; ``--adaptive0``: the adaptive engine held at k = 0 (what its k = 0 steps add);
+``--forced-acceptance rate:P``: with the verifier ``bench arms`` installs for speculative arms.
 """
 
 from __future__ import annotations
@@ -68,6 +69,7 @@ def main() -> int:
                          "launches beyond plain decoding (--k 0)")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--async-scheduling", action="store_true", help="count with async scheduling on")
+    ap.add_argument("--forced-acceptance", help="e.g. rate:0.8: the verifier bench arms installs (k >= 1)")
     ap.add_argument("--json", help="write the counts here")
     args = ap.parse_args()
     from tiny_models import make_tiny_checkpoint
@@ -105,6 +107,9 @@ def main() -> int:
             if args.adaptive0:
                 from bench_adaptive_fixed_k import ConstantK
                 llm.llm_engine.spec_policy = ConstantK(0)
+            if args.forced_acceptance:
+                from mtpspec.spec_decode.forced_acceptance import ForcedAcceptance, enable_forced_acceptance
+                enable_forced_acceptance(llm, ForcedAcceptance.parse(args.forced_acceptance))
             for model in (runner.target, runner.mtp):  # the CPU's id check syncs; a GPU's does not run
                 if model is None:
                     continue
