@@ -57,10 +57,11 @@ MIN_FIT_SAMPLES = 20
 #: :data:`EXPLORE_STEPS` steps in a row (counted only where the pipeline holds that ``k`` alone:
 #: the two steps before it proposed it too, and so does the step chosen after it, whose scheduling
 #: and launch a step scheduled ahead is timed with; H200, 2026-12-04: in 4-step bursts the first
-#: ``k = 0`` step ahead took 1.35-1.95x the next one, BENCHMARKS.md), so its own host time is measured (what a step of that ``k`` takes beyond the device table, where the
-#: shared host plane can be wrong for it: e.g. at ``k = 0`` the engine schedules the next step
-#: ahead of the one in flight, as plain decoding does, so its host time overlaps the device's; a
-#: plane fitted on speculative steps alone cannot know that).
+#: ``k = 0`` step ahead took 1.35-1.95x the next one, BENCHMARKS.md), so its own host time is
+#: measured (what a step of that ``k`` takes beyond the device table, where the shared host plane
+#: can be wrong for it: e.g. at ``k = 0`` the engine schedules the next step ahead of the one in
+#: flight, as plain decoding does, so its host time overlaps the device's; a plane fitted on
+#: speculative steps alone cannot know that).
 EXPLORE_EVERY = 500
 EXPLORE_STEPS = 6
 EXPLORE_MARGIN = 0.15
