@@ -808,6 +808,42 @@ def test_tp2_server_equals_offline_tp1(model_dir, offline):
         srv.stop()
 
 
+def test_tp2_server_notices_a_rank_that_dies_while_idle(model_dir):
+    """Found by a new-user review (2026-12-04): a rank killed while no request ran went unnoticed
+    (``/health`` 200), the next request failed with a bare ``BrokenPipeError`` and only the one
+    after it marked the engine dead. Now the server's watcher and ``/health`` check the rank
+    processes: the next request fails naming the dead rank (503 once noticed; a 500 naming it if
+    it races the watcher), ``/health`` is 503 with the same line, and the server exits with status 1."""
+    import os
+    import re
+    import signal
+    import time
+    srv = ServerProcess(model_dir, ["--tp", "2"] + SERVER_ARGS[:-2])
+    try:
+        ranks = _spawned_children(srv.proc.pid)
+        assert len(ranks) == 2, ranks
+        assert httpx.get(srv.url + "/health", timeout=5).status_code == 200
+        os.kill(ranks[-1], signal.SIGKILL)
+        r = _post(srv, "/v1/completions", {"prompt": "hi", "max_tokens": 4})
+        assert r.status_code in (500, 503), r.text
+        msg = r.json()["error"]["message"]
+        assert re.search(r"rank \d died \(exit code -9, SIGKILL\)", msg) and "Traceback" not in msg, msg
+        health, t0 = None, time.monotonic()
+        while time.monotonic() - t0 < 5:  # the server exits a moment after noticing
+            try:
+                health = httpx.get(srv.url + "/health", timeout=5)
+            except httpx.HTTPError:
+                break
+            if health.status_code == 503:
+                break
+            time.sleep(0.1)
+        assert health is None or (health.status_code == 503 and "rank 1 died" in health.text), health.text
+        assert srv.proc.wait(timeout=30) == 1
+        assert "the server shut down" in srv.log(), srv.log()[-2000:]
+    finally:
+        srv.stop()
+
+
 def _spawned_children(pid):
     """Pids of ``pid``'s multiprocessing-spawned children (the ranks; not the resource tracker)."""
     import os

@@ -378,6 +378,16 @@ class AsyncLLM:
             with self._lock:
                 self._pending -= 1
 
+    def check_ranks(self) -> Optional[str]:
+        """:attr:`dead`, set first if a rank process has exited meanwhile (``/health`` and the server's
+        watcher call this, so a rank that dies while the engine is idle is noticed before the next
+        request fails on it)."""
+        if self.dead is None:
+            gone = self.engine.executor.dead_ranks()
+            if gone:
+                self.dead = f"the engine's executor failed: {gone}"
+        return self.dead
+
     def _step(self) -> None:
         try:
             finished = self.engine.step()

@@ -75,6 +75,11 @@ class Executor:
         """Run ``fn(runner, *args)`` on every rank this process can reach; results in rank order."""
         raise NotImplementedError
 
+    def dead_ranks(self) -> str:
+        """``"rank R died (exit code C, SIGNAME)"`` for each rank process that exited, ``""`` when all
+        live (and for executors without rank processes)."""
+        return ""
+
     def shutdown(self) -> None:
         pass
 
@@ -243,18 +248,21 @@ class MultiprocExecutor(Executor):
                 c.send(msg)
             return [self._recv(r, self.step_timeout_s) for r in range(len(self.conns))]
         except BaseException as exc:
-            dead = self._dead_ranks()
+            dead = self.dead_ranks()
             self.shutdown()
             if dead and isinstance(exc, WorkerError) and not isinstance(exc, WorkerInputError):
                 # another rank's death surfaces as a collective error on the survivors: name the dead one
                 err = WorkerError(f"{dead}; {exc.summary}")
                 err.rank_traceback = exc.rank_traceback
                 raise err from exc
+            if isinstance(exc, (OSError, EOFError)):  # a rank's pipe broke (sending to a dead rank)
+                raise WorkerError(f"{dead or 'a rank is gone'}; its pipe broke: {type(exc).__name__}: {exc}") from exc
             raise
 
-    def _dead_ranks(self) -> str:
-        """``"rank R died (exit code C, SIGNAME)"`` for ranks that exited, ``""`` when all live."""
+    def dead_ranks(self) -> str:
         import signal
+        if self._closed:  # shut down: its ranks exited on purpose
+            return ""
         out = []
         for r, p in enumerate(self.procs):
             if not p.is_alive() and p.exitcode is not None:

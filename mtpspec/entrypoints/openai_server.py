@@ -556,8 +556,9 @@ def build_app(ctx: ServerContext) -> FastAPI:
 
     @app.get("/health")
     async def health() -> Response:
-        if engine.dead is not None:
-            return JSONResponse(OpenAIError(503, engine.dead, "server_error").body(), status_code=503)
+        dead = engine.check_ranks()
+        if dead is not None:
+            return JSONResponse(OpenAIError(503, dead, "server_error").body(), status_code=503)
         return JSONResponse({"status": "ok"})
 
     @app.get("/v1/models")

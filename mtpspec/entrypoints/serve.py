@@ -248,7 +248,7 @@ def run(args: argparse.Namespace) -> int:
 
     def watch() -> None:  # a dead engine cannot recover: exit (as vLLM does) so a supervisor can restart us
         while not stop.wait(0.2):
-            if engine.dead is not None:
+            if engine.check_ranks() is not None:  # also a rank that died while the engine was idle
                 time.sleep(ENGINE_DEAD_GRACE_S)  # the in-flight requests receive their errors first
                 server.should_exit = True
                 return
