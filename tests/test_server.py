@@ -207,6 +207,26 @@ def test_unknown_fields_ignored_with_warning(server):
     assert "bogus_field_xyz" in log and "stream_options_typo" in log
 
 
+@pytest.mark.parametrize("endpoint,field,value", [
+    ("/v1/completions", "min_p", 0.5), ("/v1/completions", "min_p", 2), ("/v1/completions", "use_beam_search", True),
+    ("/v1/completions", "guided_json", {"type": "object"}), ("/v1/chat/completions", "echo", True),
+    ("/v1/chat/completions", "continue_final_message", True), ("/v1/chat/completions", "chat_template", "{{ 1/0 }}"),
+    ("/v1/chat/completions", "min_p", 0.1)])
+def test_vllm_fields_not_served_are_a_400_naming_them(server, endpoint, field, value):
+    """Found by a new-user review (2026-12-04): vLLM's ``min_p``, chat ``echo``, ``chat_template``, ...
+    were ignored with a log line, so a client got output made without them. Set, they are a 400
+    naming the field; at their defaults they pass (as unknown fields do)."""
+    base = ({"prompt": "hi"} if endpoint == "/v1/completions" else {"messages": [{"role": "user", "content": "x"}]})
+    r = _post(server, endpoint, {**base, "max_tokens": 2, "temperature": 0, field: value})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == field and "not supported" in err["message"] and repr(value) in err["message"], err
+    default = {"min_p": 0.0, "use_beam_search": False, "guided_json": None, "echo": False,
+               "continue_final_message": False, "chat_template": None}[field]
+    r = _post(server, endpoint, {**base, "max_tokens": 2, "temperature": 0, field: default})
+    assert r.status_code == 200, r.text
+
+
 def test_echo_logprobs_match_transformers(server, model_dir):
     from transformers import AutoModelForCausalLM
     prompt = _prompts(1, seed=40)[0]

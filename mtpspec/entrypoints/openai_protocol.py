@@ -2,7 +2,9 @@
 
 Fields follow OpenAI's legacy Completions and Chat Completions APIs; extensions (vLLM's names)
 are marked. Unknown fields are ignored, as vLLM does (the server logs a warning naming them:
-"The following fields were present in the request but ignored: {...}"); the completions-only
+"The following fields were present in the request but ignored: {...}"), except vLLM's fields that
+would change the output (``min_p``, beam search, guided decoding, ...: ``openai_server.UNSERVED_FIELDS``),
+a 400 naming the field when set; the completions-only
 ``best_of`` is still a 400 in chat. ``response_format`` is accepted only as ``{"type": "text"}``
 (there is no guided decoding). ``n`` (both endpoints) and ``best_of`` (completions only, as in OpenAI's API) are
 served through the engine's parallel sampling (:mod:`mtpspec.engine.parallel_sampling`); their

@@ -45,7 +45,7 @@ import json
 import logging
 import time
 import uuid
-from typing import Any, AsyncIterator, Dict, List, Optional, Sequence, Tuple, Type, TypeVar, Union
+from typing import Any, AsyncIterator, Callable, Dict, List, Optional, Sequence, Tuple, Type, TypeVar, Union
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
@@ -97,6 +97,28 @@ class ServerContext:
 
 
 # ---------------------------------------------------------------------------- helpers
+#: vLLM request fields that mtpspec does not serve and that change what is generated, each with the
+#: test of a value that asks for them (their defaults pass): a 400 naming the field, not a silent
+#: no-op (a new-user review, 2026-12-04, found ``min_p`` sampled without its filter). ``echo`` is
+#: served by ``/v1/completions`` (a model field there), so this catches it in chat only.
+UNSERVED_FIELDS: Dict[str, Callable[[Any], bool]] = {
+    "min_p": lambda v: v not in (None, 0, 0.0),
+    "use_beam_search": bool,
+    "length_penalty": lambda v: v not in (None, 1, 1.0),
+    "continue_final_message": bool,
+    "echo": bool,
+    "chat_template": lambda v: v is not None,
+    "allowed_token_ids": lambda v: v is not None,
+    "bad_words": bool,
+    "truncate_prompt_tokens": lambda v: v is not None,
+    "guided_json": lambda v: v is not None,
+    "guided_regex": lambda v: v is not None,
+    "guided_choice": lambda v: v is not None,
+    "guided_grammar": lambda v: v is not None,
+    "structured_outputs": lambda v: v is not None,
+}
+
+
 async def _parse(request: Request, cls: Type[M]) -> M:
     raw = await request.body()
     try:
@@ -112,6 +134,9 @@ async def _parse(request: Request, cls: Type[M]) -> M:
                           "--enable-auto-tool-choice and --tool-call-parser to be set); send no `tools`, or "
                           "`tool_choice: \"none\"`", "tools")
     ignored = {k for k in body if k not in cls.model_fields}
+    for name in sorted(ignored & set(UNSERVED_FIELDS)):  # vLLM serves them; ignoring would change the output
+        if UNSERVED_FIELDS[name](body[name]):
+            raise bad_request(f"{name} is not supported by mtpspec serve (got {body[name]!r}); leave it out", name)
     if ignored:  # as vLLM: unknown fields are ignored, with a warning
         logger.warning("The following fields were present in the request but ignored: %s", ignored)
     try:
