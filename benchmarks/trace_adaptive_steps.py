@@ -4,9 +4,12 @@ prompt tokens, wall time as the policy sees it and the device table's prediction
 The adaptive arm of ``bench arms --in-process`` chose ``k = 3`` at 64 sequences although plain decoding was
 faster (H200, 2026-12-04): its running measure of what ``k = 0`` steps take beyond the device table was
 ~3 ms there, against ~0.5 ms for the plain engine's steps. This runs the same kind of workload (random
-prompts, forced acceptance, every request queued at once, ``--concurrency`` running) on the adaptive
-engine and prints every ``observe_step_time`` call, grouped, plus each counted ``k = 0`` sample with the
-steps around it, so the samples that carry the excess can be told apart::
+prompts, forced acceptance, every request queued at once, ``--concurrency`` running) on one engine
+(``--engine``: plain, adaptive, the adaptive engine held at one k, fixed k = 3) and records every applied
+step (its k, verified drafts, prompt tokens, the gap since the step before and, for the adaptive policy,
+the wall it observed, the table's prediction and whether the sample counted); it prints them grouped,
+plus each counted ``k = 0`` sample with the steps around it, so the samples that carry an excess can
+be told apart::
 
     PYTHONPATH=$PWD python3 benchmarks/make_dummy_model.py /tmp/air3 --preset air-8l --num-hidden-layers 3 \\
         --max-position-embeddings 2048
@@ -32,42 +35,38 @@ def trace(llm: Any, prompts: List[List[int]], output_len: int, concurrency: int)
     engine what its policy saw (``wall``, the device table's ``predicted`` ms, whether the sample
     was ``counted`` into its per-k host measure)."""
     from mtpspec import SamplingParams
+    from mtpspec.spec_decode.adaptive import AdaptiveSpecPolicy
     eng = llm.llm_engine
     policy = getattr(eng, "spec_policy", None)
     rows: List[Dict[str, Any]] = []
-    real_finish, last = eng._finish, [None]
+    # the adaptive policy's observations (not a stand-in policy's, e.g. bench_adaptive_fixed_k.ConstantK)
+    real_finish = eng._finish
+    real_observe = policy.observe_step_time if isinstance(policy, AdaptiveSpecPolicy) else None
+    last: List[Any] = [None]  # when the previous step was applied
+    seen: Dict[str, Any] = {}  # what the policy observed of the step being applied
 
-    def finish(out, *args, **kwargs):
+    def observed(batch, k, wall_ms, verify_k=None, num_prefill_tokens=0, num_emitted=None):
+        v = k if verify_k is None else verify_k
+        before = dict(policy._excess_n)
+        real_observe(batch, k, wall_ms, verify_k, num_prefill_tokens, num_emitted)
+        known = k in policy.costs.verify_ms and v in policy.costs.verify_ms
+        seen.update(wall=wall_ms, counted=policy._excess_n != before,
+                    predicted=policy.costs.step_ms(batch, k, v) if known else None)
+
+    def finish(out, *args, **kwargs):  # _finish -> _observe_spec -> observe_step_time: the same step
+        seen.clear()
         res = real_finish(out, *args, **kwargs)
         now = time.perf_counter()
         rows.append(dict(t=now, batch=len(out.scheduled), k=out.num_proposed_tokens, v=out.num_spec_tokens,
                          prefill=out.num_prefill_tokens, gap=(now - last[0]) * 1e3 if last[0] else None,
                          ahead=eng._inflight is not None, wall=None, predicted=None, counted=None))
+        rows[-1].update(seen)
         last[0] = now
-        return res
-
-    real_observe = getattr(policy, "observe_step_time", None)
-
-    def observed(batch, k, wall_ms, verify_k=None, num_prefill_tokens=0, num_emitted=None):
-        v = k if verify_k is None else verify_k
-        before = dict(getattr(policy, "_excess_n", {}))
-        real_observe(batch, k, wall_ms, verify_k, num_prefill_tokens, num_emitted)
-        costs = getattr(policy, "costs", None)
-        pending.append(dict(wall=wall_ms, counted=getattr(policy, "_excess_n", {}) != before,
-                            predicted=costs.step_ms(batch, k, v) if costs is not None and k in costs.verify_ms
-                            and v in costs.verify_ms else None))
-
-    pending: List[Dict[str, Any]] = []
-
-    def finish_and_observe(out, *args, **kwargs):
-        res = finish(out, *args, **kwargs)
-        if pending:  # _finish -> _observe_spec -> observe_step_time: the same step
-            rows[-1].update(pending.pop())
         return res
 
     sched = eng.scheduler.config
     cap, sched.max_num_seqs = sched.max_num_seqs, concurrency
-    eng._finish = finish_and_observe
+    eng._finish = finish
     if real_observe is not None:
         policy.observe_step_time = observed
     try:

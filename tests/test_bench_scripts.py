@@ -115,6 +115,7 @@ def test_trace_adaptive_steps_smoke(tmp_path):
         assert res["output_tokens_per_s"] > 0
         if engine == "adaptive":
             assert all(0 <= r["k"] <= 3 for r in rows)
-            assert sum(1 for r in rows if r["wall"] is not None) >= len(rows) - 1  # the policy saw every step after the first
+            # the policy saw every step after the first
+            assert sum(1 for r in rows if r["wall"] is not None) >= len(rows) - 1
         else:
             assert all(r["k"] == 0 for r in rows)
