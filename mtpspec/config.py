@@ -151,16 +151,23 @@ class SpeculativeConfig:
             proposes only a ``k`` with ``batch * (1 + k) <= (1 - r) * max_num_batched_tokens``
             (``k = 0`` always allowed), so drafts do not take the whole token budget from waiting
             prompts (the GLM-4.5-Air-width s256 loss in BENCHMARKS.md; not yet measured).
+        adaptive_defer_mtp_kv: (adaptive only; default True) a step that proposes no drafts
+            (``k = 0``) runs no MTP pass at all: it keeps the target's hidden states of its rows
+            in a paged cache (``hidden_size`` values per token in the model dtype, counted in
+            the KV sizing), and the next step that drafts for a sequence first writes the MTP
+            KV entries it skipped (a KV-only pass over them,
+            :mod:`mtpspec.spec_decode.deferred_mtp`). Requests that finish while ``k = 0`` never
+            pay the MTP layer. ``False``: every ``k = 0`` step writes its MTP KV entries itself.
 
     Raises:
         ValueError: unknown method, k out of range, an unknown ``draft_sampling``, a non-bool
             ``adaptive``, a cost table or a prompt reserve without ``adaptive``, a prompt reserve
-            outside ``[0, 1)``.
+            outside ``[0, 1)``, a non-bool ``adaptive_defer_mtp_kv``.
     """
 
     #: The keys of a ``speculative_config`` dict (vLLM's spelling).
     KEYS = ("method", "num_speculative_tokens", "use_local_argmax_reduction", "index_share_for_mtp_iteration",
-            "draft_sampling", "adaptive", "adaptive_cost_table", "adaptive_prompt_reserve")
+            "draft_sampling", "adaptive", "adaptive_cost_table", "adaptive_prompt_reserve", "adaptive_defer_mtp_kv")
     #: Values of ``draft_sampling``.
     DRAFT_SAMPLING = ("greedy", "auto")
 
@@ -172,8 +179,12 @@ class SpeculativeConfig:
     adaptive: bool = False
     adaptive_cost_table: Optional[str] = None
     adaptive_prompt_reserve: float = 0.0
+    adaptive_defer_mtp_kv: bool = True
 
     def __post_init__(self) -> None:
+        if not isinstance(self.adaptive_defer_mtp_kv, bool):
+            raise ValueError(f"speculative_config: adaptive_defer_mtp_kv must be true or false, got "
+                             f"{self.adaptive_defer_mtp_kv!r}")
         if not isinstance(self.adaptive, bool):
             raise ValueError(f"speculative_config: adaptive must be true or false, got {self.adaptive!r}")
         if self.adaptive_cost_table is not None and not self.adaptive:
@@ -181,6 +192,8 @@ class SpeculativeConfig:
         check_prompt_reserve(self.adaptive_prompt_reserve)
         if self.adaptive_prompt_reserve and not self.adaptive:
             raise ValueError("speculative_config: adaptive_prompt_reserve is given but adaptive is false")
+        if not self.adaptive_defer_mtp_kv and not self.adaptive:
+            raise ValueError("speculative_config: adaptive_defer_mtp_kv is given but adaptive is false")
         if self.method != "mtp":
             raise ValueError(f"speculative method must be 'mtp', got {self.method!r}")
         if self.draft_sampling not in self.DRAFT_SAMPLING:

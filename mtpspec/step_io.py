@@ -50,6 +50,11 @@ class SeqInput:
             (:class:`~mtpspec.sample.logits_processors.SeqLogitsParams`), ``None`` = none.
         request_id: the sequence's id (unique among live sequences); sampled drafts keep their
             draft distribution on the device under it until the next step verifies them.
+        mtp_lag: positions before ``start_position`` whose MTP KV entries were deferred (adaptive
+            speculation, :mod:`mtpspec.spec_decode.deferred_mtp`); a step that drafts writes them
+            first. ``0``: none.
+        mtp_lag_token_ids: the next tokens of the lag's positions but its last (``mtp_lag - 1``
+            ids: the tokens at positions ``start_position - mtp_lag + 1 .. start_position - 1``).
     """
 
     input_token_ids: List[int]
@@ -66,6 +71,8 @@ class SeqInput:
     prompt_logprob_rows: int = 0
     logits_params: Optional[SeqLogitsParams] = None
     request_id: str = ""
+    mtp_lag: int = 0
+    mtp_lag_token_ids: List[int] = field(default_factory=list)
 
     @property
     def draft_temperature(self) -> float:
@@ -103,6 +110,10 @@ class StepInput:
         num_proposed_tokens: drafts the step proposes per sequence, ``0 .. k`` (adaptive
             speculation length; ``0``: no draft pass, only the MTP layers' KV-cache writes);
             ``None``: the runner's ``k``.
+        defer_mtp_kv: with ``num_proposed_tokens == 0``: no MTP pass at all; the rows' target
+            hidden states go to the hidden-state cache instead
+            (:mod:`mtpspec.spec_decode.deferred_mtp`). ``False``: such a step writes its MTP KV
+            entries itself.
     """
 
     seqs: List[SeqInput]
@@ -110,6 +121,7 @@ class StepInput:
     block_copies: List[Tuple[int, int]] = field(default_factory=list)
     num_spec_tokens: Optional[int] = None
     num_proposed_tokens: Optional[int] = None
+    defer_mtp_kv: bool = False
 
     @property
     def num_tokens(self) -> int:

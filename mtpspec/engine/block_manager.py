@@ -29,6 +29,13 @@ computed (its logits are needed):
   ``block_size - 1`` tokens of that block. The shared block is never written. (vLLM drops the
   whole last block for the drafter instead, which lost hit rate: vllm#38182.)
 
+Adaptive speculation may defer MTP entries (:mod:`mtpspec.spec_decode.deferred_mtp`): each
+block records how many of its leading MTP entries were written (``BlockPool.mtp_upto``, noted by
+:meth:`BlockManager.cache_full_blocks` from ``Sequence.mtp_len``). A hit's ``mtp_tokens`` stop
+at the first hit block not fully written; the sequence writes the rest itself (its catch-up),
+into the shared blocks too: the values the owner would write (same hidden states, same next
+token), the only writes a shared block ever sees.
+
 Reference counts let sequences share blocks; freeing a cached block keeps it hit-able until an
 allocation evicts it (least recently freed first, after the never-cached free blocks). The
 children of a request with ``n > 1`` share their prompt's blocks the same way, with caching on
@@ -55,11 +62,14 @@ class CacheHit:
             positions from ``num_tokens`` on are recomputed (``None``: no copy).
         num_tokens: positions the sequence need not compute: ``len(blocks) * block_size``, plus
             the copied block's leading positions (``block_size - 1`` for a prefix-cache hit).
+        mtp_tokens: leading positions whose MTP entries the hit holds written (``num_tokens``
+            unless adaptive speculation deferred some; module docstring).
     """
 
     blocks: List[int] = field(default_factory=list)
     copy_src: Optional[int] = None
     num_tokens: int = 0
+    mtp_tokens: int = 0
 
 
 class BlockManager:
@@ -150,6 +160,11 @@ class BlockManager:
                 break
             hit.blocks.append(block)
         hit.num_tokens = len(hit.blocks) * bs + (bs - 1 if hit.copy_src is not None else 0)
+        upto = self.pool.mtp_upto
+        for b in hit.blocks + ([hit.copy_src] if hit.copy_src is not None else []):
+            hit.mtp_tokens += min(upto[b], hit.num_tokens - hit.mtp_tokens)
+            if upto[b] < bs:
+                break
         return hit
 
     def fork_hit(self, src: Sequence, num_tokens: int) -> CacheHit:
@@ -165,7 +180,7 @@ class BlockManager:
         """
         n = max(min(num_tokens, src.num_computed_tokens + 1) - 1, 0)
         full, rest = divmod(n, self.block_size)
-        return CacheHit(src.block_table[:full], src.block_table[full] if rest else None, n)
+        return CacheHit(src.block_table[:full], src.block_table[full] if rest else None, n, min(n, src.mtp_len))
 
     # ------------------------------------------------------------------ allocation
     def _free_blocks_needed(self, num_slots: int, hit: Optional[CacheHit]) -> int:
@@ -211,6 +226,7 @@ class BlockManager:
                 copy = (hit.copy_src, dst)
             seq.num_cached_blocks = len(hit.blocks)
             seq.num_computed_tokens = hit.num_tokens
+            seq.mtp_len = seq.mtp_noted = hit.mtp_tokens
         self.grow(seq, num_slots)
         return copy
 
@@ -241,6 +257,7 @@ class BlockManager:
         self.pool.free(reversed(seq.block_table))
         seq.block_table = []
         seq.num_cached_blocks = 0
+        seq.mtp_noted = 0
 
     # ------------------------------------------------------------------ caching computed blocks
     def cache_full_blocks(self, seq: Sequence) -> int:
@@ -249,6 +266,7 @@ class BlockManager:
         if not self.enable_caching:
             return 0
         bs = self.block_size
+        self._note_mtp(seq)
         final = min(seq.num_computed_tokens, seq.num_tokens - 1) // bs
         final = min(final, len(seq.block_table))
         if final <= seq.num_cached_blocks:
@@ -260,6 +278,15 @@ class BlockManager:
             added += self.pool.cache(seq.block_table[j], BlockKey(hashes[j], self._next_key(toks[(j + 1) * bs])))
         seq.num_cached_blocks = final
         return added
+
+    def _note_mtp(self, seq: Sequence) -> None:
+        """Record on ``seq``'s blocks the MTP entries it holds written (``seq.mtp_len``; module docstring)."""
+        bs, upto = self.block_size, self.pool.mtp_upto
+        n = min(seq.mtp_len, len(seq.block_table) * bs)
+        for j in range(seq.mtp_noted // bs, -(-n // bs)):
+            b = seq.block_table[j]
+            upto[b] = max(upto[b], min(n - j * bs, bs))
+        seq.mtp_noted = max(seq.mtp_noted, n)
 
     def reset_prefix_cache(self) -> int:
         """Forget every unreferenced cached block; returns how many."""

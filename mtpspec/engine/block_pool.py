@@ -58,6 +58,9 @@ class BlockPool:
         self.num_evictions = 0
         self.ref_cnt: List[int] = [0] * num_blocks
         self.block_key: List[Optional[BlockKey]] = [None] * num_blocks
+        # leading MTP KV entries of each block some sequence wrote (all of them unless adaptive
+        # speculation deferred some: spec_decode/deferred_mtp.py); 0 for a newly allocated block
+        self.mtp_upto: List[int] = [0] * num_blocks
         self._uncached: Deque[int] = deque(range(num_blocks))
         self._evictable: "OrderedDict[int, None]" = OrderedDict()  # least recently freed first
         self._index: Dict[int, Dict[int, int]] = {}  # block_hash -> {next_token: block}
@@ -101,6 +104,7 @@ class BlockPool:
         else:
             raise RuntimeError("out of KV blocks: none free")
         self.ref_cnt[b] = 1
+        self.mtp_upto[b] = 0
         return b
 
     def touch(self, block: int) -> None:

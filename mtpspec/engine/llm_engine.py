@@ -23,6 +23,7 @@ from mtpspec.sample.logits_processors import SeqLogitsParams
 from mtpspec.sample.logprobs import TokenLogprobs
 from mtpspec.sampling_params import SamplingParams
 from mtpspec.spec_decode.adaptive import AdaptiveSpecPolicy
+from mtpspec.spec_decode.deferred_mtp import sequence_lag
 from mtpspec.spec_decode.metrics import EngineMetrics, SpecDecodingStats
 
 logger = logging.getLogger(__name__)
@@ -129,6 +130,9 @@ class LLMEngine:
         self._ahead = scheduler_config.async_scheduling and k == 0
         # adaptive speculation length: picks each step's number of drafts (LLM sets it up)
         self.spec_policy: Optional[AdaptiveSpecPolicy] = None
+        # with a policy: its k = 0 steps write no MTP KV entries, the next drafting step catches up
+        # (speculative_config adaptive_defer_mtp_kv; LLM sets it with the policy)
+        self.defer_mtp_kv = False
         self._last_step_end: Optional[float] = None  # host clock at the end of the last step (the policy's wall times)
 
     # ------------------------------------------------------------------ requests
@@ -273,9 +277,13 @@ class LLMEngine:
             if p.prompt_logprobs is not None and s.is_prefill:
                 self._prompt_logprob_rows(s, si)
             si.logits_params = None if s.is_partial_prefill else self._logits_params(seq)
+            # deferred MTP entries to catch up (a step scheduled ahead of one in flight: that step is
+            # at k = 0, so it defers too and leaves mtp_len as it is)
+            if self.defer_mtp_kv and out.num_proposed_tokens and seq.mtp_len < s.start_position:
+                si.mtp_lag, si.mtp_lag_token_ids = sequence_lag(seq.mtp_len, s.start_position, seq.all_token_ids)
             seqs.append(si)
         return StepInput(seqs, next(self._step_id), list(out.block_copies), out.num_spec_tokens,
-                         out.num_proposed_tokens)
+                         out.num_proposed_tokens, out.defers_mtp)
 
     def _prompt_logprob_rows(self, sch: ScheduledSeq, si: SeqInput) -> None:
         """Ask a prefill (chunk) to score the prompt positions it predicts that are not scored yet.
@@ -367,6 +375,7 @@ class LLMEngine:
                 bool(self.scheduler.waiting) or any(s.is_partial_prefill for s in out.scheduled))
             out.num_proposed_tokens = self.spec_policy.choose(len(out.scheduled), out.num_prefill_tokens, waiting,
                                                               self.scheduler_config.max_num_batched_tokens)
+            out.defers_mtp = self.defer_mtp_kv and out.num_proposed_tokens == 0
 
     def _goes_ahead(self, out: SchedulerOutput, step: StepInput) -> bool:
         """Whether the next step is scheduled ahead of ``out`` (async scheduling, adaptive speculation

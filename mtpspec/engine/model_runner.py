@@ -37,6 +37,7 @@ from mtpspec.sample.logprobs import PROMPT_CHUNK_ROWS, score_rows, unpack_rows
 from mtpspec.sample.gumbel import STREAM_RESIDUAL, row_hash
 from mtpspec.sample.rejection_sampler import PLACEHOLDER_TOKEN_ID, RejectionSampler, SampledDrafts
 from mtpspec.sample.sampler import Sampler
+from mtpspec.spec_decode.deferred_mtp import MTPHiddenStateCache, catch_up
 from mtpspec.spec_decode.proposer import Proposer, build_proposer
 from mtpspec.step_io import PreparedStep, StepInput, StepOutput
 
@@ -110,6 +111,13 @@ class ModelRunner:
             self.proposer = build_proposer(spec, mtp, block_size=cache_config.block_size, max_position=max_position,
                                            max_num_seqs=scheduler_config.max_num_seqs)
         self.layers = kv_cache.attention_layers(target, mtp)
+        # adaptive speculation that defers k = 0 steps' MTP KV writes: the target's hidden states of
+        # those rows, paged like the KV caches (spec_decode/deferred_mtp.py)
+        self.hidden_cache: Optional[MTPHiddenStateCache] = None
+        self.num_mtp_catch_up_rows = 0  # deferred MTP entries written by catch-ups (a counter)
+        if self.adaptive and spec.adaptive_defer_mtp_kv:
+            self.hidden_cache = MTPHiddenStateCache(target.config.hidden_size, self.kv_dtype)
+            self.layers.append(self.hidden_cache)
         self.num_blocks = 0
         if graph_mode == "auto":
             graph_mode = "cuda" if device.type == "cuda" and not _host_sync_layers(target, mtp) else "off"
@@ -198,7 +206,7 @@ class ModelRunner:
             self._token_rows = {s.request_id: i for i, s in enumerate(step.seqs) if not s.is_partial_prefill}
         scores = self._score_logprobs(inp, hidden, logits, tokens)
         token_copy = _HostCopy.start(_pack_tokens(tokens, scores))
-        drafts = self._propose(inp, hidden, tokens, last_row, p)
+        drafts = self._propose(step, inp, hidden, tokens, last_row, p)
         if drafts is not None:
             self._draft_rows = {s.request_id: i for i, s in enumerate(step.seqs) if not s.is_partial_prefill}
             self._prev_drafts = drafts
@@ -360,18 +368,37 @@ class ModelRunner:
             return parts[0], last[0]
         return torch.cat(parts), torch.cat(last)
 
-    def _propose(self, inp: PreparedStep, hidden: torch.Tensor, tokens: torch.Tensor,
+    def _propose(self, step: StepInput, inp: PreparedStep, hidden: torch.Tensor, tokens: torch.Tensor,
                  last_row: torch.Tensor, p: int) -> Optional[torch.Tensor]:
         """The next ``p`` drafts ``[B, p]`` int64 from the proposer, or ``None`` without one or
         with ``p = 0`` (then only the draft model's KV caches are written:
-        :meth:`~mtpspec.spec_decode.proposer.Proposer.write_kv_only`).
+        :meth:`~mtpspec.spec_decode.proposer.Proposer.write_kv_only`; or, when the step defers
+        them, only the rows' hidden states are kept: :mod:`mtpspec.spec_decode.deferred_mtp`).
+        With ``p >= 1`` the sequences' deferred MTP entries are written first.
 
         A partial prefill chunk's newest token is the prompt token after it
         (``inp.next_token_ids``): the MTP first pass writes the same KV entries as a whole
         prefill; the drafts it yields are dropped by :meth:`PendingStep.drafts`.
+
+        Raises:
+            ValueError: a step that defers its MTP entries on a runner without the hidden-state
+                cache, or a malformed lag (:func:`~mtpspec.spec_decode.deferred_mtp.lag_rows`).
         """
         if self.proposer is None:
             return None
+        if p == 0 and step.defer_mtp_kv:
+            if self.hidden_cache is None:
+                raise ValueError(f"step {step.step_id} defers its MTP KV entries, but this runner keeps no hidden "
+                                 "states (speculative_config adaptive with adaptive_defer_mtp_kv)")
+            self.hidden_cache.write(hidden, inp.attn_metadata.slot_mapping)
+            return None
+        if p > 0 and any(s.mtp_lag for s in step.seqs):
+            if self.hidden_cache is None:
+                raise ValueError(f"step {step.step_id} asks for deferred MTP entries, but this runner keeps no "
+                                 "hidden states")
+            self.num_mtp_catch_up_rows += catch_up(step, inp, self.hidden_cache, self.proposer.write_kv_rows,
+                                                   self.cache_config.block_size,
+                                                   self.scheduler_config.max_num_batched_tokens)
         if p == 0 and inp.k == 0 and inp.next_token_ids is None and tokens.shape[0] == inp.input_ids.shape[0]:
             # one row per sequence (plain-decoding layout): each row's next id is its sampled token
             self.proposer.write_kv_only(inp, hidden, tokens[:, 0], None, self.fwd)

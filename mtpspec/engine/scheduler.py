@@ -106,6 +106,8 @@ class SchedulerOutput:
             and longer ones are cut to this, which is lossless).
         num_proposed_tokens: drafts the step proposes per sequence (for the next step);
             ``num_speculative_tokens`` unless the engine's adaptive policy sets it.
+        defers_mtp: the step writes no MTP KV entries (adaptive speculation at ``k = 0``,
+            :mod:`mtpspec.spec_decode.deferred_mtp`): its sequences' ``mtp_len`` stays behind.
         needs_sync: see below.
     """
 
@@ -116,6 +118,7 @@ class SchedulerOutput:
     prefix_cache_hits: int = 0
     num_spec_tokens: int = 0
     num_proposed_tokens: int = 0
+    defers_mtp: bool = False
     #: a decode could not grow while scheduled ahead (no preemption then): the next step is
     #: scheduled after this one's tokens are applied, where preemption can free blocks
     needs_sync: bool = False
@@ -174,7 +177,7 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         self.block_manager.free(seq)
-        seq.num_computed_tokens = 0
+        seq.num_computed_tokens = seq.mtp_len = 0
         seq.is_prefill = True
         seq.draft_token_ids = []
         seq.status = SequenceStatus.WAITING
@@ -379,6 +382,8 @@ class Scheduler:
                         raise RuntimeError(f"partial prefill chunk of {seq.request_id!r} returned {len(toks)} "
                                            "tokens, expected none")
                     seq.num_computed_tokens = end
+                    if not out.defers_mtp:
+                        seq.mtp_len = end
                     self.block_manager.cache_full_blocks(seq)
                     continue
                 if len(toks) != 1:
@@ -390,6 +395,8 @@ class Scheduler:
                 if not 0 <= a <= v:
                     raise RuntimeError(f"decode of {seq.request_id!r} returned {len(toks)} tokens, expected 1..{v + 1}")
                 seq.num_computed_tokens += 1 + a
+            if not out.defers_mtp:  # the step's MTP pass wrote every entry below num_computed_tokens
+                seq.mtp_len = seq.num_computed_tokens
             kept = append_tokens(seq, toks, self.eos_token_ids, self.config.max_model_len)
             self.block_manager.cache_full_blocks(seq)  # before a finished sequence's blocks are freed
             if not sch.is_prefill and v:

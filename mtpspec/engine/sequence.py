@@ -26,6 +26,10 @@ class Sequence:
         params: its :class:`SamplingParams`.
         seed_key: 64-bit key of its random draws (:func:`~mtpspec.sample.counter_rng.seed_to_u64`).
         num_computed_tokens: leading positions whose target (and MTP) KV entries are valid.
+        mtp_len: leading positions whose MTP KV entries are written (final); below
+            ``num_computed_tokens`` only while adaptive speculation defers them
+            (:mod:`mtpspec.spec_decode.deferred_mtp`).
+        mtp_noted: positions of ``mtp_len`` already recorded on the blocks (prefix caching).
         is_prefill: the sequence still has prompt (after a preemption: prompt + output) tokens
             to prefill: new, partially prefilled (chunked prefill), or preempted. Cleared by the
             step that prefills its last chunk (which samples its next token); set again by a
@@ -57,6 +61,8 @@ class Sequence:
         self.seed_key = seed_key
         self.status = SequenceStatus.WAITING
         self.num_computed_tokens = 0
+        self.mtp_len = 0
+        self.mtp_noted = 0
         self.is_prefill = True
         self.block_table: List[int] = []
         self.block_hashes: List[int] = []

@@ -251,14 +251,29 @@ class MTPProposer(Proposer):
                 ``last_row_offsets`` ``None``: every sequence has one row, so the first pass's ids
                 are ``new_token_ids`` themselves (a plain-decoding step; no shift, no scatter).
         """
-        fwd = fwd if fwd is not None else EagerDraftForward(self.model)
         if last_row_offsets is None:
             ids = new_token_ids
         else:
             ids = self._first_pass_ids(inp, new_token_ids, inp.seg_starts + last_row_offsets)
+        self.write_kv_rows(ids, inp.positions, target_hidden, inp.attn_metadata, fwd)
+
+    @torch.inference_mode()
+    def write_kv_rows(self, ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor,
+                      meta: AttentionMetadata, fwd: Optional[DraftForward] = None) -> None:
+        """The MTP KV entries of arbitrary rows: row ``i`` is position ``positions[i]`` with the
+        target's hidden state ``hidden[i]`` and its next token ``ids[i]``, written at
+        ``meta.slot_mapping[i]``, in every layer :meth:`propose` uses (``fwd.mtp_kv_only``; default
+        eager). :meth:`write_kv_only`'s pass, and the catch-up of deferred entries
+        (:mod:`mtpspec.spec_decode.deferred_mtp`). MTP index sharing is set ``"off"``. No host sync.
+
+        Args:
+            ids, positions: ``[T]`` int64; hidden: ``[T, H]``; meta: the rows' layout (slots,
+                block tables).
+        """
+        fwd = fwd if fwd is not None else EagerDraftForward(self.model)
         self._set_share_mode("off")
         for layer in self._used_layers():
-            fwd.mtp_kv_only(ids, inp.positions, target_hidden, inp.attn_metadata, layer)
+            fwd.mtp_kv_only(ids, positions, hidden, meta, layer)
 
     @torch.inference_mode()
     def propose(self, inp: PreparedStep, target_hidden: torch.Tensor, new_token_ids: torch.Tensor,

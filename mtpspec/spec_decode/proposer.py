@@ -104,6 +104,12 @@ class Proposer(ABC):
         :meth:`propose`, except that ``last_row_offsets`` is ``None`` when every sequence has one
         row (then ``new_token_ids`` is one per row). Default: nothing."""
 
+    def write_kv_rows(self, ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor,
+                      meta: AttentionMetadata, fwd: Optional[DraftForward] = None) -> None:
+        """The draft model's KV entries of given rows (position, target hidden state, next token;
+        the catch-up of deferred entries, :mod:`mtpspec.spec_decode.deferred_mtp`). Default:
+        nothing (a proposer without caches)."""
+
     @abstractmethod
     def graph_units(self) -> GraphUnits:
         """The draft-model calls :meth:`propose` makes in a pure-decode step (for graph capture)."""

@@ -1,0 +1,292 @@
+"""Deferred MTP KV writes (issue 18: a ``k = 0`` step costs nothing beyond plain decoding).
+
+Under adaptive speculation a step that proposes no drafts runs no MTP pass; its rows' target
+hidden states go to a paged cache and the next drafting step writes the skipped MTP entries
+first (``spec_decode/deferred_mtp.py``). Contracts, each against an independent reference:
+
+* greedy tokens equal plain greedy decoding, and every draft equals the draft of the same
+  engine with deferral off under the same choice of k (so the caught-up MTP KV entries are the
+  ones the k = 0 KV-only pass writes): async scheduling (the lag's last token pending on the
+  device), chunked prefill and chunked catch-up, prefix-cache hits on blocks whose MTP entries
+  were deferred, preemptions, n > 1 siblings, static graph buffers, two MTP layers, GLM-5 (DSA:
+  indexer keys, index sharing), tp 2 on gloo ranks;
+* a deferring k = 0 step runs no MTP forward and no KV-only pass, and keeps exactly the target's
+  hidden states of its rows;
+* the block records and the hit's ``mtp_tokens``; the lag chunking; the sizing counts the cache;
+  configuration errors.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from test_adaptive_spec import Scripted, _table
+from test_engine_fixtures import make_model, mixed_prompts, token_prompts
+
+from mtpspec import LLM, SamplingParams
+from mtpspec.config import SpeculativeConfig
+from mtpspec.engine.block_manager import BlockManager
+from mtpspec.engine.sequence import Sequence
+from mtpspec.spec_decode.deferred_mtp import MTPHiddenStateCache, lag_rows, sequence_lag
+from mtpspec.step_io import SeqInput, StepInput
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+SCRIPT = [0, 0, 0, 3, 0, 0, 0, 0, 2, 0, 1, 0, 0, 3, 3, 0]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("tiny_defer"))
+    _, cfg = make_model(path, seed=11, num_mtp_layers=2)
+    table = str(tmp_path_factory.mktemp("costs") / "costs.json")
+    _table(sizes=(1, 2, 4)).save(table)
+    return path, cfg, table
+
+
+def _run(path, table, script, defer, prompts, k=3, n=16, spec=None, params=None, hits=None, **kw):
+    """``(tokens, drafts, catch-up rows, metrics)`` of one engine under a scripted choice of k;
+    ``drafts``: (request id, output length) -> the drafts the sequence got there."""
+    kw = {"max_model_len": 64, "block_size": 4, "max_num_seqs": 4, "seed": 0, "num_kv_blocks": 256,
+          "graph_mode": "off", **kw}
+    spec = {"num_speculative_tokens": k, "adaptive": True, "adaptive_cost_table": table, **(spec or {})}
+    drafts = {}
+    with LLM(path, speculative_config=spec if k else None, **kw) as llm:
+        eng = llm.llm_engine
+        if k:
+            eng.defer_mtp_kv = defer
+            eng.spec_policy = Scripted(script)
+
+            def hook(seq, d):
+                drafts[(seq.request_id, len(seq.output_token_ids))] = tuple(d)
+                return d
+            eng.draft_hook = hook
+        if hits is not None:
+            bm = eng.scheduler.block_manager
+            find = bm.find_cache_hit
+
+            def spy(seq, find=find):
+                hit = find(seq)
+                hits.append((hit.num_tokens, hit.mtp_tokens))
+                return hit
+            bm.find_cache_hit = spy
+        params = params or SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+        outs = llm.generate(token_prompts(prompts), params, use_tqdm=False)
+        toks = [[c.token_ids for c in o.outputs] for o in outs]
+        rows = llm.collective_rpc(_catch_up_rows)
+        return toks, drafts, rows, eng.get_metrics()
+
+
+def _catch_up_rows(runner) -> int:
+    return runner.num_mtp_catch_up_rows
+
+
+def _check(want, deferred, eager, min_common=20):
+    toks, got, rows, _ = deferred
+    assert toks == want  # lossless
+    assert eager[0] == want
+    assert all(r > 0 for r in rows) and eager[2] == [0] * len(rows)  # deferral (and catch-up) happened
+    common = [key for key in got if key in eager[1]]
+    assert len(common) >= min_common
+    assert [key for key in common if got[key] != eager[1][key]] == []
+
+
+def _shared_prefix_prompts(vocab):
+    base = mixed_prompts(8, vocab, seed=5)
+    head = base[1][:13]  # 13 shared tokens: three full blocks of 4 and one more
+    return [head + p[:3] for p in base[2:6]] + [head + base[6][:5], base[0], head + base[7][:2]]
+
+
+@pytest.mark.parametrize("case", ["async", "sync", "chunked", "prefix", "preempt", "static"])
+def test_deferred_entries_give_the_drafts_of_eager_kv_writes_and_stay_lossless(tiny, case) -> None:
+    path, cfg, table = tiny
+    prompts = mixed_prompts(6, cfg.vocab_size, seed=7)
+    kw, hits, script = {}, None, SCRIPT
+    if case == "sync":
+        kw["async_scheduling"] = False
+    if case == "chunked":  # 20-token prompts in chunks of 5, catch-ups in chunks of 5 rows
+        kw.update(max_num_batched_tokens=5, enable_chunked_prefill=True, max_num_seqs=1)
+    if case == "prefix":
+        # the first two requests run at k = 0 to the end: their cached blocks hold no MTP entries
+        prompts, kw["max_num_seqs"], hits, script = _shared_prefix_prompts(cfg.vocab_size), 2, [], [0] * 18 + SCRIPT
+    if case == "preempt":
+        kw["num_kv_blocks"] = 18
+    if case == "static":
+        kw["graph_mode"] = "static"
+    want = _run(path, table, script, True, prompts, k=0, **kw)[0]
+    deferred = _run(path, table, script, True, prompts, hits=hits, **kw)
+    eager = _run(path, table, script, False, prompts, **kw)
+    _check(want, deferred, eager, min_common=8 if case in ("chunked", "prefix") else 20)
+    if case == "prefix":  # some hits hold deferred blocks: the new sequence caught them up itself
+        assert deferred[3]["prefix_cache_hits"] > 0
+        assert any(m < t for t, m in hits) and any(0 < m == t for t, m in hits), hits
+    if case == "preempt":
+        assert deferred[3]["num_preemptions"] > 0
+
+
+def test_siblings_of_a_deferred_prompt_catch_up_its_shared_blocks(tiny) -> None:
+    """n = 3 children fork child 0's prompt blocks, written while k = 0 deferred their MTP entries."""
+    path, cfg, table = tiny
+    prompts = mixed_prompts(3, cfg.vocab_size, seed=8)
+    params = SamplingParams(n=3, temperature=0.8, seed=3, max_tokens=12, ignore_eos=True)
+    want = _run(path, table, SCRIPT, True, prompts, k=0, params=params)[0]
+    deferred = _run(path, table, [0, 0, 3, 0, 2, 3], True, prompts, params=params)
+    eager = _run(path, table, [0, 0, 3, 0, 2, 3], False, prompts, params=params)
+    _check(want, deferred, eager, min_common=10)
+
+
+def test_glm5_dsa_with_index_sharing(tmp_path) -> None:
+    """GLM-5 architecture (MLA + DSA indexer keys in the MTP layer, index sharing on)."""
+    path, table = str(tmp_path / "m"), str(tmp_path / "costs.json")
+    _, cfg = make_model(path, seed=3, family="glm_moe_dsa")
+    _table(sizes=(1, 2, 4)).save(table)
+    prompts = mixed_prompts(5, cfg.vocab_size, seed=9)
+    spec = {"index_share_for_mtp_iteration": True}
+    want = _run(path, table, SCRIPT, True, prompts, k=0)[0]
+    _check(want, _run(path, table, SCRIPT, True, prompts, spec=spec),
+           _run(path, table, SCRIPT, False, prompts, spec=spec))
+
+
+def test_tp2_gloo_ranks(tiny) -> None:
+    path, cfg, table = tiny
+    prompts = mixed_prompts(5, cfg.vocab_size, seed=10)
+    want = _run(path, table, SCRIPT, True, prompts, k=0)[0]
+    kw = {"tensor_parallel_size": 2, "fuse_allreduce_rmsnorm": True}
+    _check(want, _run(path, table, SCRIPT, True, prompts, **kw), _run(path, table, SCRIPT, False, prompts, **kw))
+
+
+def test_a_deferring_k0_step_runs_no_mtp_pass_and_keeps_the_target_hidden_states(tiny) -> None:
+    path, cfg, table = tiny
+    spec = {"num_speculative_tokens": 3, "adaptive": True, "adaptive_cost_table": table}
+    prompts = mixed_prompts(2, cfg.vocab_size, seed=1)
+    with LLM(path, speculative_config=spec, max_model_len=48, block_size=4, max_num_seqs=4, num_kv_blocks=64,
+             graph_mode="off", async_scheduling=False) as llm:
+        eng = llm.llm_engine
+        runner = eng.executor.runner
+        eng.spec_policy = Scripted([0, 0, 3, 0])
+        calls, target_out, writes = [], [], []
+        runner.mtp.register_forward_hook(lambda mod, args, out: calls.append("forward"))
+        kv_only = runner.mtp.forward_kv_only
+        runner.mtp.forward_kv_only = lambda *a, **k: (calls.append("kv_only"), kv_only(*a, **k))[1]
+        runner.target.register_forward_hook(lambda mod, args, out: target_out.append(out.clone()))
+        write = runner.hidden_cache.write
+        runner.hidden_cache.write = lambda h, slots: (writes.append(slots.clone()), write(h, slots))[1]
+        for i, p in enumerate(token_prompts(prompts)):
+            eng.add_request(p, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True), str(i))
+        per_step, caught_up = [], []
+        cache = runner.hidden_cache.kv_cache.view(-1, cfg.hidden_size)
+        while eng.has_unfinished_requests():
+            calls.clear(), writes.clear(), target_out.clear()
+            eng.step()
+            per_step.append((list(calls), len(writes)))
+            caught_up.append(runner.num_mtp_catch_up_rows)
+            if writes:  # exactly the target's hidden states of the step's rows, at their slots
+                assert torch.equal(cache[writes[0]], target_out[0])
+    # steps 0 (prefill) and 1 (one decode row each) at k = 0: no MTP call at all, hidden states kept
+    assert per_step[0] == ([], 1) and per_step[1] == ([], 1)
+    # step 2 proposes 3: KV-only catch-up of both layers (positions 0 .. prompt), then the first pass
+    assert per_step[2][1] == 0 and per_step[2][0][:2] == ["kv_only", "kv_only"] and "forward" in per_step[2][0]
+    assert caught_up[:3] == [0, 0, sum(len(p) + 1 for p in prompts)]
+    assert per_step[3] == ([], 1)
+
+
+def test_with_deferral_off_a_k0_step_writes_its_mtp_entries_and_keeps_no_hidden_states(tiny) -> None:
+    path, cfg, table = tiny
+    spec = {"num_speculative_tokens": 3, "adaptive": True, "adaptive_cost_table": table,
+            "adaptive_defer_mtp_kv": False}
+    with LLM(path, speculative_config=spec, max_model_len=48, block_size=4, max_num_seqs=4, num_kv_blocks=64,
+             graph_mode="off") as llm:
+        runner = llm.llm_engine.executor.runner
+        assert runner.hidden_cache is None and not llm.llm_engine.defer_mtp_kv
+        assert all(not isinstance(layer, MTPHiddenStateCache) for layer in runner.layers)
+
+
+def test_kv_sizing_counts_the_hidden_state_cache_and_block_copies_carry_it(tiny) -> None:
+    from mtpspec.engine import kv_cache
+    path, cfg, table = tiny
+    spec = {"num_speculative_tokens": 3, "adaptive": True, "adaptive_cost_table": table}
+    with LLM(path, speculative_config=spec, max_model_len=48, block_size=4, num_kv_blocks=16) as llm:
+        runner = llm.llm_engine.executor.runner
+        cache = runner.hidden_cache
+        assert cache in runner.layers and cache.kv_cache.shape == (16, 4, cfg.hidden_size)
+        per_block = kv_cache.bytes_per_block(runner.layers, 4, runner.cache_dtype)
+        others = kv_cache.bytes_per_block([x for x in runner.layers if x is not cache], 4, runner.cache_dtype)
+        assert per_block - others == 4 * cfg.hidden_size * cache.kv_cache.element_size()
+        cache.kv_cache[3].normal_()
+        kv_cache.copy_blocks(runner.layers, [(3, 9)], cache.kv_cache.device)
+        assert torch.equal(cache.kv_cache[9], cache.kv_cache[3])
+
+
+# ------------------------------------------------------------------------------ host-side pieces
+def _seq(tokens, rid="r"):
+    return Sequence(rid, None, tokens, SamplingParams(), 0, 0.0)
+
+
+def test_block_records_and_hits_stop_at_the_first_block_not_fully_written() -> None:
+    bm = BlockManager(16, 4, watermark=0.0, enable_caching=True)
+    a = _seq(list(range(10, 24)))  # 14 tokens: blocks 0-2 full, cached once the token after is known
+    bm.allocate(a, 16)
+    a.num_computed_tokens, a.mtp_len = 13, 6  # positions 6.. computed at k = 0: entries deferred
+    bm.cache_full_blocks(a)
+    b0, b1, b2 = a.block_table[:3]
+    assert [bm.pool.mtp_upto[b] for b in (b0, b1, b2)] == [4, 2, 0]
+    b = _seq(list(range(10, 24)) + [99], "b")
+    hit = bm.find_cache_hit(b)
+    assert (hit.blocks, hit.num_tokens, hit.mtp_tokens) == ([b0, b1, b2], 12, 6)
+    bm.allocate(b, 20, hit)
+    assert (b.num_computed_tokens, b.mtp_len) == (12, 6)
+    a.mtp_len = 13  # a's catch-up: every block's entries written
+    bm.cache_full_blocks(a)
+    assert [bm.pool.mtp_upto[x] for x in (b0, b1, b2)] == [4, 4, 4]
+    c = _seq(list(range(10, 22)), "c")  # ends at a block boundary: copy of block 2, its last row recomputed
+    hit = bm.find_cache_hit(c)
+    assert (hit.copy_src, hit.num_tokens, hit.mtp_tokens) == (b2, 11, 11)
+    # a block freed and allocated anew forgets its record
+    bm.free(a), bm.free(b)
+    bm.reset_prefix_cache()
+    fresh = [bm.pool.allocate() for _ in range(16)]
+    assert all(bm.pool.mtp_upto[x] == 0 for x in fresh)
+
+
+def test_fork_hit_carries_the_source_lag() -> None:
+    bm = BlockManager(16, 4, watermark=0.0)
+    src = _seq(list(range(10, 21)))  # 11 prompt tokens
+    bm.allocate(src, 12)
+    src.num_computed_tokens, src.mtp_len = 11, 5
+    hit = bm.fork_hit(src, 11)
+    assert (hit.num_tokens, hit.mtp_tokens) == (10, 5)
+    src.mtp_len = 11
+    assert bm.fork_hit(src, 11).mtp_tokens == 10
+
+
+def _si(start, lag, blocks, rid="x"):
+    toks = list(range(100, 100 + lag - 1))
+    return SeqInput([7], start, blocks, False, mtp_lag=lag, mtp_lag_token_ids=toks, request_id=rid)
+
+
+def test_lag_rows_chunks_in_batch_order_and_checks_the_lag() -> None:
+    step = StepInput([_si(9, 7, [0, 1, 2]), _si(3, 0, [3]), _si(5, 5, [4, 5])])
+    assert lag_rows(step, 100) == [[(0, 2, 9), (2, 0, 5)]]
+    assert lag_rows(step, 4) == [[(0, 2, 6)], [(0, 6, 9), (2, 0, 1)], [(2, 1, 5)]]
+    assert lag_rows(StepInput([_si(3, 0, [3])]), 4) == []
+    with pytest.raises(ValueError, match=r"sequence 0 \('bad'\): mtp_lag=4 needs 0 < mtp_lag <= start_position=3"):
+        lag_rows(StepInput([_si(3, 4, [3], "bad")]), 8)
+    bad = _si(9, 3, [0, 1, 2])
+    bad.mtp_lag_token_ids = [1]
+    with pytest.raises(ValueError, match="mtp_lag - 1 host tokens, got 1"):
+        lag_rows(StepInput([bad]), 8)
+    with pytest.raises(ValueError, match="max_rows must be >= 1"):
+        lag_rows(step, 0)
+    assert sequence_lag(3, 7, list(range(20, 40))) == (4, [24, 25, 26])
+    assert sequence_lag(7, 7, list(range(20, 40))) == (0, [])
+
+
+def test_config_errors() -> None:
+    with pytest.raises(ValueError, match="adaptive_defer_mtp_kv is given but adaptive is false"):
+        SpeculativeConfig(num_speculative_tokens=2, adaptive_defer_mtp_kv=False)
+    with pytest.raises(ValueError, match="adaptive_defer_mtp_kv must be true or false, got 'no'"):
+        SpeculativeConfig(num_speculative_tokens=2, adaptive=True, adaptive_defer_mtp_kv="no")
+    from mtpspec.engine.arg_utils import parse_speculative_config
+    with pytest.raises(ValueError, match="adaptive_defer_mtp_kv must be true or false, got 1"):
+        parse_speculative_config({"adaptive": True, "adaptive_defer_mtp_kv": 1})
