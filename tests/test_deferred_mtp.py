@@ -290,3 +290,24 @@ def test_config_errors() -> None:
     from mtpspec.engine.arg_utils import parse_speculative_config
     with pytest.raises(ValueError, match="adaptive_defer_mtp_kv must be true or false, got 1"):
         parse_speculative_config({"adaptive": True, "adaptive_defer_mtp_kv": 1})
+
+
+def test_cost_table_times_the_hidden_state_write_for_k0_and_no_kv_only_units_are_captured(tiny, monkeypatch) -> None:
+    """With deferral, a k = 0 step's MTP work is the hidden-state write: the start-up timing measures
+    that (not the KV-only units, which are not captured); without it, the KV-only units."""
+    from mtpspec.engine.forward import GraphedForward
+    from mtpspec.spec_decode import adaptive
+    path, cfg, _ = tiny
+    seen = []
+    monkeypatch.setattr(adaptive, "_hidden_write_ms", lambda runner, bp, repeats: seen.append(bp) or 0.125)
+    for defer in (True, False):
+        spec = {"num_speculative_tokens": 2, "adaptive": True, "adaptive_defer_mtp_kv": defer}
+        with LLM(path, speculative_config=spec, max_model_len=48, block_size=4, num_kv_blocks=64, max_num_seqs=2,
+                 graph_mode="static") as llm:
+            runner = llm.llm_engine.executor.runner
+            costs = llm.llm_engine.spec_policy.costs
+            assert isinstance(runner.fwd, GraphedForward) and runner.fwd.kv_only == (not defer)
+            if defer:
+                assert costs.draft_ms[0] == {1: 0.125, 2: 0.125} and seen == [1, 2]
+            else:
+                assert all(t != 0.125 and t > 0 for t in costs.draft_ms[0].values()) and seen == [1, 2]

@@ -108,11 +108,14 @@ class GraphedForward(EagerForward):
             see the module docstring and :func:`prefill_capture_sizes`).
         ks: verify widths (drafts per decode) to capture, each in ``0 .. k`` (default ``(k,)``;
             adaptive speculation length: ``0 .. k``, with the ``kvonly`` units).
+        kv_only_units: capture the ``kvonly`` units with ``ks`` (``False``: adaptive speculation
+            that defers k = 0 steps' MTP entries; a KV-only call then runs eagerly).
     """
 
     def __init__(self, target: torch.nn.Module, mtp: Optional[torch.nn.Module], k: int, max_num_seqs: int,
                  max_blocks_per_seq: int, hidden_size: int, dtype: torch.dtype, device: torch.device, mode: str,
-                 max_seq_len: int, prefill_sizes: Sequence[int] = (), ks: Optional[Sequence[int]] = None):
+                 max_seq_len: int, prefill_sizes: Sequence[int] = (), ks: Optional[Sequence[int]] = None,
+                 kv_only_units: bool = True):
         super().__init__(target, mtp)
         if mode not in ("cuda", "static"):
             raise ValueError(f"graph mode must be 'cuda' or 'static', got {mode!r}")
@@ -120,7 +123,7 @@ class GraphedForward(EagerForward):
         self.ks = tuple(sorted(set(ks))) if ks is not None else (k,)
         if not all(0 <= v <= k for v in self.ks):
             raise ValueError(f"verify widths {self.ks} must lie in [0, k={k}]")
-        self.kv_only = ks is not None and mtp is not None  # capture the kvonly units too
+        self.kv_only = ks is not None and mtp is not None and kv_only_units  # capture the kvonly units too
         self.step_k = k  # drafts per decode of the current step
         self.sizes = capture_sizes(max_num_seqs)
         self.prefill_sizes = sorted(prefill_sizes)
@@ -317,7 +320,7 @@ class GraphedForward(EagerForward):
 
     def mtp_kv_only(self, ids, pos, hidden, meta, spec_step_idx):
         bp, v = self.active, self.step_k
-        if bp is None:  # eager steps and single-sequence prefills: the eager call on the real layout
+        if bp is None or not self.kv_only:  # eager steps, single-sequence prefills, no kvonly units: eager call
             return super().mtp_kv_only(ids, pos, hidden, meta, spec_step_idx)
         self._fill_mtp_rows(ids, hidden, bp * (1 + v))
         self._run(("kvonly", bp, spec_step_idx, v), self._kv_only_fn(bp * (1 + v), spec_step_idx), bp, step=False)

@@ -131,7 +131,8 @@ class ModelRunner:
             self.fwd = GraphedForward(target, mtp, self.k, sc.max_num_seqs, width, target.config.hidden_size,
                                       self.kv_dtype, device, graph_mode, sc.decode_slots(sc.max_model_len),
                                       prefill_capture_sizes(sc.max_num_batched_tokens, sc.max_model_len),
-                                      ks=range(self.k + 1) if self.adaptive else None)
+                                      ks=range(self.k + 1) if self.adaptive else None,
+                                      kv_only_units=self.hidden_cache is None)
 
     # ------------------------------------------------------------------ KV cache
     def max_useful_blocks(self) -> int:

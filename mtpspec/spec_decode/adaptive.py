@@ -406,6 +406,18 @@ class AdaptiveSpecPolicy:
         return self.costs.size_for(batch)
 
 
+def _hidden_write_ms(runner, bp: int, repeats: int) -> float:
+    """Median ms of a deferring ``k = 0`` step's MTP work: ``bp`` rows into the hidden-state cache
+    (:mod:`mtpspec.spec_decode.deferred_mtp`), at slots of block 0 as the dummy layouts use."""
+    import torch
+
+    from mtpspec.timing import median_call_ms
+    cache = runner.hidden_cache
+    rows = torch.zeros(bp, cache.hidden_size, dtype=cache.dtype, device=runner.device)
+    slots = torch.arange(bp, device=runner.device) % cache.kv_cache[0].shape[0]
+    return median_call_ms(lambda: cache.write(rows, slots), repeats, cuda=runner.device.type == "cuda")
+
+
 def measure_step_costs(runner, sizes: Optional[Sequence[int]] = None, repeats: int = 5) -> StepCostTable:
     """Time one step's units per batch size and ``k`` on this rank (``collective_rpc`` runs it on
     every rank alike: the units hold collectives).
@@ -422,7 +434,9 @@ def measure_step_costs(runner, sizes: Optional[Sequence[int]] = None, repeats: i
         repeats: timed calls per unit.
 
     Returns:
-        the :class:`StepCostTable` (milliseconds) for ``k = 0 .. runner.k`` at each padded size.
+        the :class:`StepCostTable` (milliseconds) for ``k = 0 .. runner.k`` at each padded size
+        (``k = 0``'s draft cost: the MTP KV-only units, or the hidden-state write where the runner
+        defers those entries; their catch-up is paid by the next drafting step and not modelled).
     """
     import torch
 
@@ -453,7 +467,9 @@ def measure_step_costs(runner, sizes: Optional[Sequence[int]] = None, repeats: i
             for k in range(runner.k + 1):
                 fwd.dummy_layout(bp, k)
                 verify.setdefault(k, {})[bp] = timed(("verify", bp, k))
-                if k == 0:
+                if k == 0 and runner.hidden_cache is not None:  # deferred MTP entries: only the hidden-state write
+                    d = _hidden_write_ms(runner, bp, repeats)
+                elif k == 0:
                     d = sum(timed(("kvonly", bp, i, k)) for i in units.first_pass_layers)
                 else:
                     # the first pass at the width this k's steps are verified with, then k - 1 draft steps
