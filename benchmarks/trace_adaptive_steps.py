@@ -111,11 +111,18 @@ def summarise(rows: List[Dict[str, Any]], context: int = 2, show: int = 6) -> Di
     return out
 
 
+def _catch_up_rows(runner: Any) -> int:
+    """Deferred MTP entries this rank's runner wrote in catch-ups (0 without deferral)."""
+    return runner.num_mtp_catch_up_rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("model", nargs="?")
     ap.add_argument("--engine", default="adaptive", choices=["plain", "adaptive", "adaptive-k0", "adaptive-k3", "k3"],
                     help="adaptive-kN: the adaptive engine whose policy always proposes N")
+    ap.add_argument("--eager-mtp-kv", action="store_true",
+                    help="adaptive engines: k = 0 steps write their MTP KV entries (adaptive_defer_mtp_kv false)")
     ap.add_argument("--concurrency", type=int, default=64)
     ap.add_argument("--num-prompts", type=int, help="default: 2 x concurrency")
     ap.add_argument("--input-len", type=int, default=512)
@@ -127,6 +134,10 @@ def main() -> None:
     from mtpspec import LLM
     from mtpspec.spec_decode.forced_acceptance import ForcedAcceptance, enable_forced_acceptance
     spec = None if a.engine == "plain" else {"num_speculative_tokens": 3, "adaptive": a.engine != "k3"}
+    if a.eager_mtp_kv:
+        if not (spec and spec["adaptive"]):
+            ap.error("--eager-mtp-kv is for the adaptive engines")
+        spec["adaptive_defer_mtp_kv"] = False
     if a.smoke:
         from mtpspec import demo_model_path
         llm = LLM(demo_model_path("glm4_moe"), speculative_config=spec, max_num_seqs=4, max_model_len=256,
@@ -151,8 +162,10 @@ def main() -> None:
     rows = trace(llm, prompts, a.output_len, a.concurrency)
     took = time.perf_counter() - t0
     out_tokens = n * a.output_len
-    print(f"{a.engine}, forced {a.forced_acceptance}: {len(rows)} steps in {took:.2f} s, {out_tokens / took:.0f} "
-          f"output tok/s; proposed k histogram {[sum(1 for r in rows if r['k'] == k) for k in range(4)]}")
+    caught_up = llm.collective_rpc(_catch_up_rows)[0]
+    print(f"{a.engine}{' (eager MTP KV)' if a.eager_mtp_kv else ''}, forced {a.forced_acceptance}: {len(rows)} steps "
+          f"in {took:.2f} s, {out_tokens / took:.0f} output tok/s; proposed k histogram "
+          f"{[sum(1 for r in rows if r['k'] == k) for k in range(4)]}; deferred MTP rows caught up: {caught_up}")
     groups = summarise(rows)
     policy = llm.llm_engine.spec_policy
     if hasattr(policy, "excess_ms"):
@@ -160,7 +173,8 @@ def main() -> None:
               + ", ".join(f"b{b} k{k} {v:.2f}" for (b, k), v in sorted(policy.excess_ms.items())))
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"engine": a.engine, "forced": a.forced_acceptance, "groups": groups, "rows": rows,
+            json.dump({"engine": a.engine, "eager_mtp_kv": a.eager_mtp_kv, "mtp_catch_up_rows": caught_up,
+                       "forced": a.forced_acceptance, "groups": groups, "rows": rows,
                        "seconds": took, "output_tokens_per_s": out_tokens / took}, f)
 
 

@@ -83,9 +83,10 @@ def test_step_launches_outside_graphs_stay_few(tmp_path):
 
 def test_adaptive_k0_step_launches_like_plain_decoding(tmp_path):
     """Issue 18: a k = 0 step of the adaptive engine costs the host no more than plain decoding
-    beyond the MTP layer's KV-only write: ``count_step_launches.py --k 3 --adaptive0`` against
-    ``--k 0`` (2026-12-04: 25 vs 23 eager launches a step, the two copies into the MTP graph's
-    static inputs), and neither dispatches an LM-head matmul outside the graphs."""
+    beyond keeping its rows' hidden states for the deferred MTP entries: ``count_step_launches.py
+    --k 3 --adaptive0`` against ``--k 0`` (24 vs 23 eager launches a step: the hidden-state write;
+    25 with the MTP KV-only graph's two input copies before the deferral), and neither dispatches
+    an LM-head matmul outside the graphs."""
     env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
     env.pop("TRITON_INTERPRET", None)
     per = {}
@@ -98,7 +99,7 @@ def test_adaptive_k0_step_launches_like_plain_decoding(tmp_path):
         assert res["steps"] == 4, res
         assert not any(op in s for s in res["sites"] for op in ("aten.mm.", "aten.addmm.", "aten.linear.")), res
         per[name] = res["per_step"]
-    assert 10 < per["plain"] <= per["adaptive0"] <= per["plain"] + 2, per
+    assert 10 < per["plain"] <= per["adaptive0"] <= per["plain"] + 1, per
 
 
 def test_trace_adaptive_steps_smoke(tmp_path):
@@ -117,5 +118,5 @@ def test_trace_adaptive_steps_smoke(tmp_path):
             assert all(0 <= r["k"] <= 3 for r in rows)
             # the policy saw every step after the first
             assert sum(1 for r in rows if r["wall"] is not None) >= len(rows) - 1
-        else:
-            assert all(r["k"] == 0 for r in rows)
+        else:  # held at k = 0: its MTP entries stay deferred, nothing is caught up
+            assert all(r["k"] == 0 for r in rows) and res["mtp_catch_up_rows"] == 0 and not res["eager_mtp_kv"]

@@ -311,3 +311,12 @@ def test_cost_table_times_the_hidden_state_write_for_k0_and_no_kv_only_units_are
                 assert costs.draft_ms[0] == {1: 0.125, 2: 0.125} and seen == [1, 2]
             else:
                 assert all(t != 0.125 and t > 0 for t in costs.draft_ms[0].values()) and seen == [1, 2]
+
+
+def test_bench_arms_adaptive_eagerkv_arm_is_adaptive_without_deferral() -> None:
+    from mtpspec.entrypoints.bench_arms import DEFAULT_ARMS
+    from mtpspec.entrypoints.serve import check_serve_args
+    spec = check_serve_args(DEFAULT_ARMS["adaptive_eagerkv"])["speculative_config"]
+    ref = check_serve_args(DEFAULT_ARMS["adaptive"])["speculative_config"]
+    assert spec.pop("adaptive_defer_mtp_kv") is False and "adaptive_defer_mtp_kv" not in ref
+    assert spec == ref

@@ -16,7 +16,9 @@ arm             `mtpspec serve` flags                    what it is
 ==============  =======================================  ===================================
 
 ``adaptive_r50`` is ``adaptive`` with ``--speculative-config '{"adaptive_prompt_reserve": 0.5}'``:
-half the token budget kept for waiting prompts (docs/serving.md).
+half the token budget kept for waiting prompts (docs/serving.md). ``adaptive_eagerkv`` is ``adaptive``
+with ``'{"adaptive_defer_mtp_kv": false}'``: its ``k = 0`` steps write their MTP KV entries
+themselves instead of deferring them (the A/B of the deferral).
 
 Every arm's server is started once (one after another, each on its own free port; with
 ``--base-url NAME=URL`` an already running server is used instead), then each workload runs
@@ -81,6 +83,9 @@ DEFAULT_ARMS: Dict[str, List[str]] = {
     # adaptive with half the token budget kept for waiting prompts (docs/serving.md)
     "adaptive_r50": ["-k", "3", "--adaptive-speculation", "--speculative-config",
                      '{"adaptive_prompt_reserve": 0.5, "use_local_argmax_reduction": true}'],
+    # adaptive whose k = 0 steps write their MTP KV entries (no deferral): the deferral's A/B
+    "adaptive_eagerkv": ["-k", "3", "--adaptive-speculation", "--speculative-config",
+                         '{"adaptive_defer_mtp_kv": false, "use_local_argmax_reduction": true}'],
 }
 
 PRESETS: Dict[str, Dict[str, int]] = {

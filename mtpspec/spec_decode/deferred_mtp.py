@@ -75,7 +75,8 @@ class MTPHiddenStateImpl(AttentionImpl):
         """``key [n, H]`` into ``kv_cache`` at ``slot_mapping [n]``. Every slot must be a real one
         (``>= 0``: the real layout of a step, which has no padding rows); an index out of range
         raises (CPU) or trips a device assert. No host sync."""
-        kv_cache.view(-1, kv_cache.shape[-1]).index_copy_(0, slot_mapping, key.to(kv_cache.dtype))
+        rows = key if key.dtype == kv_cache.dtype else key.to(kv_cache.dtype)
+        kv_cache.view(-1, kv_cache.shape[-1]).index_copy_(0, slot_mapping, rows)
 
     def forward(self, layer: "AttentionLayerBase", query: torch.Tensor, key: torch.Tensor,
                 value: Optional[torch.Tensor], kv_cache: Optional[torch.Tensor],
