@@ -586,15 +586,36 @@ def test_prompt_tokens_in_a_step_move_the_choice_towards_longer_drafts() -> None
     for _ in range(400):  # steps with 200 prompt tokens took 0.03 ms per token more
         pol.observe_step_time(1, 3, costs.step_ms(1, 3) + 1.0 + 200 * 0.03, num_prefill_tokens=200)
     assert pol.overhead_ms == pytest.approx(1.0, rel=1e-3)
-    assert pol.prefill_ms_per_token == pytest.approx(0.03, rel=1e-3)
+    assert pol.draft_prefill_ms_per_token == pytest.approx(0.03, rel=1e-3)
+    assert pol.prompt_ms_per_token(False) == pol.prompt_ms_per_token(True)  # no k = 0 prompt sample: the same
     e = [1.0, 1.5, 1.75, 1.875]
     for p in (0, 10, 100, 1000):
         t = [1.0 + 0.7 * k + 1.0 + 0.03 * p for k in range(4)]
         want = max(range(4), key=lambda k: (e[k] / t[k], -k))
         assert pol.choose(1, p) == want
     assert pol.choose(1, 0) == 1 and pol.choose(1, 1000) == 3  # 1.5 / 2.7 vs 1.875 / 34.1
-    pol.observe_step_time(1, 0, 1e6, num_prefill_tokens=10)  # an idle gap: ignored
-    assert pol.prefill_ms_per_token == pytest.approx(0.03, rel=1e-3)
+    pol.observe_step_time(1, 3, 1e6, num_prefill_tokens=10)  # an idle gap: ignored
+    assert pol.draft_prefill_ms_per_token == pytest.approx(0.03, rel=1e-3)
+
+
+def test_a_drafting_step_s_prompt_tokens_cost_what_such_steps_measured() -> None:
+    """A step that drafts also runs the MTP layer over its prompt rows (and catches up deferred
+    entries): the policy learns the cost per prompt token of drafting and of k = 0 steps apart, so a
+    prompt-heavy step whose drafting costs 5x per prompt token proposes k = 0."""
+    costs = _table(verify=lambda b, k: 1.0 + 0.4 * k, draft=lambda b, k: 0.3 * k)
+    pol = AdaptiveSpecPolicy(3, costs, prior_rate=0.5, prior_weight=1.0, decay=1.0)
+    for _ in range(400):
+        pol.observe_step_time(1, 0, costs.step_ms(1, 0) + 1.0)
+    for _ in range(200):
+        pol.observe_step_time(1, 3, costs.step_ms(1, 3) + 1.0 + 200 * 0.05, num_prefill_tokens=200)
+        pol.observe_step_time(1, 0, costs.step_ms(1, 0) + 1.0 + 200 * 0.01, num_prefill_tokens=200)
+    assert pol.draft_prefill_ms_per_token == pytest.approx(0.05, rel=1e-3)
+    assert pol.prefill_ms_per_token == pytest.approx(0.01, rel=1e-3)
+    e = [1.0, 1.5, 1.75, 1.875]
+    for p in (0, 10, 100, 1000):
+        t = [1.0 + 0.7 * k + 1.0 + (0.05 if k else 0.01) * p for k in range(4)]
+        assert pol.choose(1, p) == max(range(4), key=lambda k: (e[k] / t[k], -k))
+    assert pol.choose(1, 1000) == 0  # 1 / 12 vs 1.875 / 54.1
 
 
 def test_engine_tells_the_policy_each_steps_prompt_tokens(model) -> None:

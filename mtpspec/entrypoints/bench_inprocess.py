@@ -127,12 +127,13 @@ def run_in_process(llm: Any, cfg: BenchConfig, forced: Optional[str] = None) -> 
 
 def _host_model(policy: Any) -> Optional[Dict[str, Any]]:
     """The adaptive policy's fitted host time (ms: per step, per sequence, per accepted draft emitted,
-    per prompt token) and what it measured beyond the device table per (table batch size, k)."""
+    per prompt token of k = 0 and of drafting steps) and what it measured beyond the device table per (table batch size, k)."""
     if policy is None:
         return None
     out: Dict[str, Any] = {name: getattr(policy, attr, None) for name, attr in (
         ("per_step_ms", "overhead_ms"), ("per_seq_ms", "overhead_ms_per_seq"),
-        ("per_token_ms", "overhead_ms_per_token"), ("per_prompt_token_ms", "prefill_ms_per_token"))}
+        ("per_token_ms", "overhead_ms_per_token"), ("per_prompt_token_ms", "prefill_ms_per_token"),
+        ("per_prompt_token_ms_drafting", "draft_prefill_ms_per_token"))}
     out["measured_ms"] = {f"batch {b} k {k}": v for (b, k), v in sorted(getattr(policy, "excess_ms", {}).items())}
     return out
 

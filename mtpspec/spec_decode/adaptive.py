@@ -23,9 +23,12 @@ rate is per position, as vLLM's ``num_accepted_tokens_per_pos`` measures it). Th
   64 sequences), a per-token cost that no draft round amortises. Taken whole as a fixed cost,
   as before, that excess kept the policy speculating where plain decoding was faster. Also a
   running cost per prefill token (what a step that also carries ``P`` prompt tokens took beyond
-  that, divided by ``P``: the prompt chunk is paid whatever ``k`` is, so a step carrying one
-  favours longer drafts too) and the choice, ``argmax_k E(k) / (T(B, k)
-  + H(B, k) + P * prefill_ms_per_token)``. ``H(B, k)`` is what the steps that proposed ``k`` at
+  that, divided by ``P``), one for the steps that propose ``k = 0`` and one for those that draft:
+  the target's prompt chunk is paid whatever ``k`` is, so a step carrying one favours longer
+  drafts, but a drafting step also runs the MTP layer's first pass over the prompt rows and, with
+  deferred MTP entries (:mod:`mtpspec.spec_decode.deferred_mtp`), catches up the decodes' lags,
+  which a ``k = 0`` step leaves for later or for never. The choice: ``argmax_k E(k) / (T(B, k)
+  + H(B, k) + P * p(k))``. ``H(B, k)`` is what the steps that proposed ``k`` at
   ``B``'s table batch size measured beyond the table (a running mean), else the plane's
   ``a + c B + b B (E(k) - 1)``: the host time of a ``k`` need not lie on one plane with the
   others' (at ``k = 0`` with async scheduling the engine schedules each step ahead of the one in
@@ -198,8 +201,13 @@ class AdaptiveSpecPolicy:
     #: and the per-token part ``b`` (ms per accepted draft emitted).
     overhead_ms_per_token: float = 0.0
     #: Running mean (same weight) of what a step carrying prompt tokens took beyond its table cost
-    #: and :attr:`overhead_ms`, per prompt token (ms, >= 0).
+    #: and :attr:`overhead_ms`, per prompt token (ms, >= 0), over the steps that proposed ``k = 0``
     prefill_ms_per_token: float = 0.0
+    #: and over those that proposed ``k >= 1``: they also run the MTP layer's first pass over the
+    #: prompt rows (and, with deferred MTP entries, catch up the decodes' lags), which a ``k = 0``
+    #: step does not. Until one kind is observed it takes the other's value.
+    draft_prefill_ms_per_token: float = 0.0
+    _prefill_n: List[int] = field(default_factory=lambda: [0, 0], init=False, repr=False)  # samples k = 0, k >= 1
     #: Per (table batch size, proposed ``k``): the running mean of what its pure-decode steps took
     #: beyond the device table (ms), from the steps that proposed the same ``k`` as the two steps
     #: before them and the step chosen after them (weight ``max(1 / n, MEASURED_WEIGHT)``): a steady
@@ -267,10 +275,18 @@ class AdaptiveSpecPolicy:
             if not self._decode_samples:
                 return
             host = self.host_ms(batch, r)
-            expected = predicted + host + num_prefill_tokens * self.prefill_ms_per_token
-            if 0.0 < wall_ms and (self.prefill_ms_per_token <= 0.0 or wall_ms <= 4.0 * expected + 5.0):
+            cost = self.prompt_ms_per_token(k > 0)
+            expected = predicted + host + num_prefill_tokens * cost
+            if 0.0 < wall_ms and (cost <= 0.0 or wall_ms <= 4.0 * expected + 5.0):
                 per_token = max(0.0, wall_ms - predicted - host) / num_prefill_tokens
-                self.prefill_ms_per_token += self.overhead_weight * (per_token - self.prefill_ms_per_token)
+                drafting = int(k > 0)
+                mean = self.prompt_ms_per_token(bool(drafting)) if self._prefill_n[drafting] else per_token
+                mean += self.overhead_weight * (per_token - mean)
+                if drafting:
+                    self.draft_prefill_ms_per_token = mean
+                else:
+                    self.prefill_ms_per_token = mean
+                self._prefill_n[drafting] += 1
             return
         if 0.0 < wall_ms <= 4.0 * predicted + 5.0:
             excess = max(0.0, wall_ms - predicted)
@@ -282,6 +298,14 @@ class AdaptiveSpecPolicy:
             self._fit_host(float(batch), r, excess)
             self._decode_samples += 1
         self._last_k, self._last_k2 = k, self._last_k
+
+    def prompt_ms_per_token(self, drafting: bool) -> float:
+        """The learnt ms per prompt token of a step that proposes ``k >= 1`` (``drafting``) or
+        ``k = 0`` (:attr:`draft_prefill_ms_per_token` / :attr:`prefill_ms_per_token`; the other
+        kind's while this one has no sample)."""
+        mine, other = (self.draft_prefill_ms_per_token, self.prefill_ms_per_token) if drafting else (
+            self.prefill_ms_per_token, self.draft_prefill_ms_per_token)
+        return mine if self._prefill_n[int(drafting)] or not self._prefill_n[int(not drafting)] else other
 
     def host_ms(self, batch: float, extra_tokens: float) -> float:
         """The host plane: ``a + c batch + b extra_tokens`` ms."""
@@ -338,15 +362,15 @@ class AdaptiveSpecPolicy:
     def choose(self, batch: int, num_prefill_tokens: int = 0, prompts_waiting: bool = False,
                token_budget: Optional[int] = None) -> int:
         """The ``k`` in ``0 .. max_k`` (among the table's) maximising ``E(k) / (T(batch, k) + a + c
-        batch + b batch (E(k) - 1) + num_prefill_tokens * prefill_ms_per_token)`` (the host plane of
+        batch + b batch (E(k) - 1) + num_prefill_tokens * prompt_ms_per_token(k >= 1))`` (the host plane of
         :meth:`observe_step_time`) for ``batch`` sequences in a step
         that also carries ``num_prefill_tokens`` prompt tokens (smallest ``k`` on ties). With
         :attr:`prompt_reserve` ``r > 0``, ``prompts_waiting`` (prompt tokens left to schedule) and
         ``token_budget`` (``max_num_batched_tokens``), only ``k = 0`` and the ``k`` with
         ``batch * (1 + k) <= (1 - r) * token_budget`` are considered."""
         rates = self.rates()
-        prefill = max(0, num_prefill_tokens) * self.prefill_ms_per_token
-        fixed = self.host_ms(batch, 0.0) + prefill
+        n_prompt = max(0, num_prefill_tokens)
+        fixed = self.host_ms(batch, 0.0)
         bucket = self._bucket(batch)
         per_token = self.overhead_ms_per_token * batch  # b B per accepted draft per sequence
         cap = None
@@ -358,8 +382,9 @@ class AdaptiveSpecPolicy:
                 continue
             e = self.expected_tokens(k, rates)
             device = self.costs.step_ms(batch, k)
+            prefill = n_prompt * self.prompt_ms_per_token(k > 0) if n_prompt else 0.0
             host = self.excess_ms.get((bucket, k))  # measured for this k and batch size, else the plane
-            host = fixed + per_token * (e - 1.0) if host is None else host + prefill
+            host = fixed + prefill + per_token * (e - 1.0) if host is None else host + prefill
             rate = rate_of[k] = e / (device + host)
             if rate > best_rate * (1 + 1e-9):
                 best, best_rate = k, rate
