@@ -24,6 +24,17 @@ from mtpspec.sample.logprobs import LogprobsMetadata, TokenLogprobs
 from mtpspec.sample.sampler import SamplingMetadata
 
 
+def host_to_device(x, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A host array (numpy or list) as a ``dtype`` tensor on ``device``: on CUDA copied from pinned
+    memory without blocking the host (the caching host allocator makes the pinning cheap after the
+    first steps); elsewhere as is."""
+    import numpy as np
+    t = torch.from_numpy(np.ascontiguousarray(x)).to(dtype)
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 @dataclass
 class SeqInput:
     """One sequence of the flattened batch.

@@ -84,6 +84,11 @@ class EagerForward(EagerDraftForward):
         """Called once per step before any forward (``num_rows``: the step's new rows; ``num_sample_rows``:
         rows whose logits it samples; ``k``: drafts per decode, ``None``: the configured ``k``)."""
 
+    def eager_first_pass(self) -> bool:
+        """Whether this step's MTP first pass runs eagerly on the step's own layout (so the proposer
+        may run it on fewer rows: :meth:`~mtpspec.spec_decode.mtp_proposer.MTPProposer.propose`)."""
+        return True
+
     def verify(self, ids: torch.Tensor, pos: torch.Tensor, meta: AttentionMetadata,
                sample_rows: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
         """Target hidden states ``[T, H]`` and logits of ``sample_rows`` ``[R, V]``."""
@@ -197,6 +202,9 @@ class GraphedForward(EagerForward):
         self.active, self.num_seqs = bp, num_seqs
         self.num_graph_steps += 1
         self._set_tables(block_tables, num_seqs, bp)
+
+    def eager_first_pass(self) -> bool:
+        return self.active is None and self.prefill_rows is None
 
     def _set_tables(self, block_tables: torch.Tensor, b: int, bp: int) -> None:
         w = block_tables.shape[1]

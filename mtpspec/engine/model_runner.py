@@ -411,7 +411,8 @@ class ModelRunner:
             self.proposer.write_kv_only(inp, hidden, new_tok, last_row, self.fwd)
             return None
         host_last = last_row.tolist() if self.device.type == "cpu" else None
-        return self.proposer.propose(inp, hidden, new_tok, last_row, host_last, self.fwd, k=p)
+        return self.proposer.propose(inp, hidden, new_tok, last_row, host_last, self.fwd, k=p,
+                                     split_prefill=self.fwd.eager_first_pass())
 
     def _score_logprobs(self, inp: PreparedStep, hidden: torch.Tensor, logits: torch.Tensor,
                         tokens: torch.Tensor) -> Optional[List[torch.Tensor]]:

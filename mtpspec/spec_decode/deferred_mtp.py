@@ -43,6 +43,7 @@ import torch
 from mtpspec.attention.backends.abstract import AttentionBackend, AttentionImpl, AttentionLayerBase
 from mtpspec.attention.kv_cache_interface import AttentionSpec
 from mtpspec.layers.attention import AttentionMetadata
+from mtpspec.step_io import host_to_device
 
 if TYPE_CHECKING:
     from mtpspec.step_io import PreparedStep, StepInput
@@ -184,7 +185,7 @@ def _chunk_inputs(step: "StepInput", parts: Sequence[Tuple[int, int, int]], bloc
             step_rows.append(int(first_row[i]))
     blocks = bt[np.repeat(np.arange(len(parts)), q), pos // block_size]
     slots = blocks * block_size + pos % block_size
-    t = lambda x, dt=torch.int64: torch.from_numpy(np.ascontiguousarray(x)).to(dt).to(device, non_blocking=True)  # noqa: E731
+    t = lambda x, dt=torch.int64: host_to_device(x, dt, device)  # noqa: E731
     seq_lens = [b for _, _, b in parts]
     meta = AttentionMetadata(query_start_loc=t(seg, torch.int32), seq_lens=t(np.array(seq_lens), torch.int32),
                              slot_mapping=t(slots), block_tables=t(bt, torch.int32), num_seqs=len(parts),
@@ -211,8 +212,8 @@ def catch_up(step: "StepInput", inp: "PreparedStep", cache: MTPHiddenStateCache,
     for parts in chunks:
         ids, pos, meta, last_rows, step_rows = _chunk_inputs(step, parts, block_size, first_row, dev)
         if last_rows:  # the step's first input token (filled on the device when it was pending)
-            src = inp.input_ids.index_select(0, torch.tensor(step_rows).to(dev, non_blocking=True))
-            ids.index_copy_(0, torch.tensor(last_rows).to(dev, non_blocking=True), src)
+            src = inp.input_ids.index_select(0, host_to_device(step_rows, torch.int64, dev))
+            ids.index_copy_(0, host_to_device(last_rows, torch.int64, dev), src)
         write_kv_rows(ids, pos, cache.read(meta), meta)
         n += ids.shape[0]
     return n

@@ -15,7 +15,11 @@ KV entries a whole prefill would, and the drafts it yields are dropped by the ru
    at every position the target just computed; rows after ``a`` (rejected drafts) write
    entries that later passes overwrite before anything reads them. Row ``a``'s output gives
    draft 1. Running every row (instead of only the accepted ones) keeps the shapes fixed, so
-   no device sync is needed to learn ``a``.
+   no device sync is needed to learn ``a``. In a step that runs its first pass eagerly (one with
+   prefill chunks), a prefill's rows before its last only need their KV entries, which depend
+   on the row alone: they go through the KV-only pass (``forward_kv_only``: no attention read,
+   no MoE, no head) and the full pass runs on the decodes' rows and each prefill's last row
+   (``split_prefill``; GLM-4.5-Air width: about a seventh of the full layer's work per row).
    With several MTP layers, every layer that a step uses (``j % num_mtp_layers``) gets the
    same first pass (same inputs, its own weights and KV cache; only layer 0's output is used),
    and every draft row that a later step reads is also written to the other used layers'
@@ -54,6 +58,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import List, Optional, Tuple
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -64,7 +69,11 @@ from mtpspec.sample.gumbel import STREAM_DRAFT, GumbelPick, NoiseRows
 from mtpspec.spec_decode.draft_forward import DraftForward, EagerDraftForward
 from mtpspec.spec_decode.index_share import IndexShareState, attach_index_share
 from mtpspec.spec_decode.proposer import GraphUnits, Proposer
-from mtpspec.step_io import PreparedStep
+from mtpspec.step_io import PreparedStep, host_to_device
+
+
+#: Fewest prefill rows a first pass moves to a KV-only pass (:meth:`MTPProposer._split_prefill_rows`).
+PREFILL_KV_ONLY_MIN_ROWS = 16
 
 
 class LocalArgmaxUnsupportedError(TypeError):
@@ -276,9 +285,50 @@ class MTPProposer(Proposer):
             fwd.mtp_kv_only(ids, positions, hidden, meta, layer)
 
     @torch.inference_mode()
+    def _split_prefill_rows(self, inp: PreparedStep) -> Optional[tuple]:
+        """The first pass on fewer rows (module docstring, phase 1): every prefill row but each
+        sequence's last needs only its MTP KV entries, whose values depend on the row alone.
+        Returns ``(keep, kv_rows, kv_meta, meta, base)``: the rows the full pass keeps (every
+        decode row, each prefill's last row) and its layout ``meta`` (the same sequences, each
+        prefill with one query row), the KV-only rows and their layout, and ``base [B]`` with
+        ``base + last_row_offsets`` = each sequence's last row among the kept ones. ``None`` when
+        fewer than :data:`PREFILL_KV_ONLY_MIN_ROWS` rows would move (not worth the extra launches)."""
+        q = np.asarray(inp.host_query_lens, dtype=np.int64)
+        nd, b = inp.num_decodes, len(inp.host_query_lens)
+        moved = q[nd:] - 1
+        if int(moved.sum()) < PREFILL_KV_ONLY_MIN_ROWS:
+            return None
+        seg = np.concatenate([[0], np.cumsum(q)])
+        keep = np.concatenate([np.arange(seg[nd]), seg[nd + 1:] - 1])
+        kv_seqs = [i for i in range(nd, b) if q[i] > 1]
+        kv = np.concatenate([np.arange(seg[i], seg[i + 1] - 1) for i in kv_seqs])
+        q_keep = np.concatenate([q[:nd], np.ones(b - nd, dtype=np.int64)])
+        seg_keep = np.concatenate([[0], np.cumsum(q_keep)])
+        base = seg_keep[:-1].copy()
+        base[nd:] -= moved  # a prefill's last_row_offset is q - 1: its kept row is its segment's first
+        starts = np.asarray(inp.host_start_positions, dtype=np.int64)
+        q_kv = q[kv_seqs] - 1
+        kv_lens = (starts[kv_seqs] + q_kv).tolist()
+        dev = inp.input_ids.device
+        t = lambda x, dt=torch.int64: host_to_device(x, dt, dev)  # noqa: E731
+        m = inp.attn_metadata
+        keep_d, kv_d = t(keep), t(kv)
+        meta = AttentionMetadata(query_start_loc=t(seg_keep, torch.int32), seq_lens=m.seq_lens,
+                                 slot_mapping=m.slot_mapping.index_select(0, keep_d), block_tables=m.block_tables,
+                                 num_seqs=m.num_seqs, max_query_len=int(q_keep.max()), max_seq_len=m.max_seq_len,
+                                 query_lens=q_keep.tolist(), seq_lens_list=list(m.seq_lens_list))
+        kv_meta = AttentionMetadata(query_start_loc=t(np.concatenate([[0], np.cumsum(q_kv)]), torch.int32),
+                                    seq_lens=t(np.array(kv_lens), torch.int32),
+                                    slot_mapping=m.slot_mapping.index_select(0, kv_d),
+                                    block_tables=m.block_tables.index_select(0, t(kv_seqs)), num_seqs=len(kv_seqs),
+                                    max_query_len=int(q_kv.max()), max_seq_len=max(kv_lens), query_lens=q_kv.tolist(),
+                                    seq_lens_list=kv_lens)
+        return keep_d, kv_d, kv_meta, meta, t(base)
+
     def propose(self, inp: PreparedStep, target_hidden: torch.Tensor, new_token_ids: torch.Tensor,
                 last_row_offsets: torch.Tensor, host_last_row_offsets: Optional[list] = None,
-                fwd: Optional[DraftForward] = None, k: Optional[int] = None) -> torch.Tensor:
+                fwd: Optional[DraftForward] = None, k: Optional[int] = None,
+                split_prefill: bool = False) -> torch.Tensor:
         """Draft ``k`` tokens per sequence (the module docstring's phases 1 and 2).
 
         Args:
@@ -294,6 +344,9 @@ class MTPProposer(Proposer):
                 default :class:`~mtpspec.spec_decode.draft_forward.EagerDraftForward`).
             k: drafts this step, ``1 .. self.k`` (adaptive speculation length); ``None``: ``self.k``.
                 The first pass covers the layers of ``self.k`` (every layer stays filled).
+            split_prefill: the first pass may run eagerly on fewer rows (``fwd`` runs it on the
+                step's own layout, not through graph buffers): prefill rows but each sequence's
+                last get their KV entries from a KV-only pass (:meth:`_split_prefill_rows`).
 
         Returns:
             ``[B, k]`` int64 draft tokens.
@@ -308,6 +361,14 @@ class MTPProposer(Proposer):
         b = new_token_ids.shape[0]
         last_rows = inp.seg_starts + last_row_offsets
         ids = self._first_pass_ids(inp, new_token_ids, last_rows)
+        positions, first_hidden, meta = inp.positions, target_hidden, inp.attn_metadata
+        split = self._split_prefill_rows(inp) if split_prefill and inp.num_prefills else None
+        if split is not None:
+            keep, kv, kv_meta, meta, row_base = split
+            self.write_kv_rows(ids.index_select(0, kv), positions.index_select(0, kv),
+                               first_hidden.index_select(0, kv), kv_meta, fwd)
+            ids, positions, first_hidden = (x.index_select(0, keep) for x in (ids, positions, first_hidden))
+            last_rows = row_base + last_row_offsets
         used = self._used_layers()
         for state in self.index_share:  # anchor: each request's last accepted row of the first pass
             state.set_anchor_rows(last_rows)
@@ -320,15 +381,14 @@ class MTPProposer(Proposer):
                 st.temperature[:b].copy_(inp.draft_temperature)
                 st.seed_keys[:b].copy_(inp.draft_seed_keys)
             st.base[:b].copy_(base)
-        self.on_prefill_begin(inp.attn_metadata)
+        self.on_prefill_begin(meta)
         # layer 0's first pass, each sequence's last row and its draft in one call (one graph)
-        hidden, tok = fwd.mtp_first_top(ids, inp.positions, target_hidden, inp.attn_metadata, 0, last_rows,
-                                        self._top)
+        hidden, tok = fwd.mtp_first_top(ids, positions, first_hidden, meta, 0, last_rows, self._top)
         # Layers other than 0 that later steps use get the same first pass, so their KV
         # caches hold the accepted context too (outputs unused).
         for layer in used[1:]:
-            fwd.mtp_first(ids, inp.positions, target_hidden, inp.attn_metadata, layer)
-        self.on_prefill_end(inp.attn_metadata)
+            fwd.mtp_first(ids, positions, first_hidden, meta, layer)
+        self.on_prefill_end(meta)
         drafts = [tok]
         self.on_multi_step_decode_begin(b, k - 1)
         host_base = None
