@@ -61,9 +61,9 @@ def _tok_seq(tokens, logprobs=None) -> Sequence:
 
 
 def _computed(bm: BlockManager, seq: Sequence, num_computed: int, out=()) -> None:
-    """Pretend the engine computed ``num_computed`` positions (and emitted ``out``)."""
+    """Pretend the engine computed ``num_computed`` positions (and emitted ``out``), MTP entries included."""
     seq.output_token_ids.extend(out)
-    seq.num_computed_tokens = num_computed
+    seq.num_computed_tokens = seq.mtp_len = num_computed
     bm.cache_full_blocks(seq)
 
 

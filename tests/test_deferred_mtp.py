@@ -120,7 +120,7 @@ def test_deferred_entries_give_the_drafts_of_eager_kv_writes_and_stay_lossless(t
     _check(want, deferred, eager, min_common=8 if case in ("chunked", "prefix") else 20)
     if case == "prefix":  # some hits hold deferred blocks: the new sequence caught them up itself
         assert deferred[3]["prefix_cache_hits"] > 0
-        assert any(m < t for t, m in hits) and any(0 < m == t for t, m in hits), hits
+        assert any(m < t for t, m in hits) and any(m > 0 for t, m in hits), hits
     if case == "preempt":
         assert deferred[3]["num_preemptions"] > 0
 
@@ -232,13 +232,15 @@ def test_block_records_and_hits_stop_at_the_first_block_not_fully_written() -> N
     b0, b1, b2 = a.block_table[:3]
     assert [bm.pool.mtp_upto[b] for b in (b0, b1, b2)] == [4, 2, 0]
     b = _seq(list(range(10, 24)) + [99], "b")
-    hit = bm.find_cache_hit(b)
-    assert (hit.blocks, hit.num_tokens, hit.mtp_tokens) == ([b0, b1, b2], 12, 6)
+    hit = bm.find_cache_hit(b)  # ends with block 1, whose positions 6, 7 hold hidden states
+    assert (hit.blocks, hit.copy_src, hit.num_tokens, hit.mtp_tokens) == ([b0, b1], None, 8, 6)
     bm.allocate(b, 20, hit)
-    assert (b.num_computed_tokens, b.mtp_len) == (12, 6)
+    assert (b.num_computed_tokens, b.mtp_len) == (8, 6)
     a.mtp_len = 13  # a's catch-up: every block's entries written
     bm.cache_full_blocks(a)
     assert [bm.pool.mtp_upto[x] for x in (b0, b1, b2)] == [4, 4, 4]
+    hit = bm.find_cache_hit(_seq(list(range(10, 24)) + [98], "b2"))
+    assert (hit.blocks, hit.num_tokens, hit.mtp_tokens) == ([b0, b1, b2], 12, 12)
     c = _seq(list(range(10, 22)), "c")  # ends at a block boundary: copy of block 2, its last row recomputed
     hit = bm.find_cache_hit(c)
     assert (hit.copy_src, hit.num_tokens, hit.mtp_tokens) == (b2, 11, 11)
@@ -247,6 +249,55 @@ def test_block_records_and_hits_stop_at_the_first_block_not_fully_written() -> N
     bm.reset_prefix_cache()
     fresh = [bm.pool.allocate() for _ in range(16)]
     assert all(bm.pool.mtp_upto[x] == 0 for x in fresh)
+
+
+def test_a_hit_ends_with_its_first_block_not_fully_written(tiny) -> None:
+    """Found by review: X and Y share a 9-token prompt and prefill in one step at k = 0 (X's blocks are
+    cached, Y's copies stay private). X finishes at k = 0 (its blocks hold no MTP entries), Y drafts
+    on, and its third block (written by drafting: no hidden states kept) joins the cache after X's
+    two. Z's prompt extends Y's text: a hit through all three blocks would catch up Y's block from
+    hidden states never written. The hit ends with X's first block; Z's drafts then equal those of
+    the engine without deferral."""
+    path, cfg, table = tiny
+    prompt = [5, 17, 33, 41, 8, 9, 60, 71, 23]
+
+    def run(defer):
+        spec = {"num_speculative_tokens": 3, "adaptive": True, "adaptive_cost_table": table}
+        with LLM(path, speculative_config=spec, max_model_len=64, block_size=4, max_num_seqs=4, seed=0,
+                 num_kv_blocks=256, graph_mode="off", async_scheduling=False) as llm:
+            eng = llm.llm_engine
+            eng.defer_mtp_kv = defer
+            eng.spec_policy = Scripted([0] + [3] * 100)
+            drafts, hits, outs = {}, [], {}
+
+            def hook(seq, d):
+                drafts[(seq.request_id, len(seq.output_token_ids))] = tuple(d)
+                return d
+            eng.draft_hook = hook
+            bm = eng.scheduler.block_manager
+            find = bm.find_cache_hit
+            bm.find_cache_hit = lambda seq: (lambda h: (hits.append((seq.request_id, h.num_tokens, h.mtp_tokens)),
+                                                        h)[1])(find(seq))
+
+            def drain():
+                while eng.has_unfinished_requests():
+                    for o in eng.step():
+                        outs[o.request_id] = o.outputs[0].token_ids
+            eng.add_request({"prompt_token_ids": prompt}, SamplingParams(temperature=0.0, max_tokens=1,
+                                                                          ignore_eos=True), "X")
+            eng.add_request({"prompt_token_ids": prompt}, SamplingParams(temperature=0.0, max_tokens=8,
+                                                                          ignore_eos=True), "Y")
+            drain()
+            z = prompt + list(outs["Y"][:4]) + [44]
+            eng.add_request({"prompt_token_ids": z}, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True),
+                            "Z")
+            drain()
+            return outs, {key: d for key, d in drafts.items() if key[0] == "Z"}, hits
+
+    got, got_drafts, got_hits = run(True)
+    want, want_drafts, want_hits = run(False)
+    assert got == want and len(want_drafts) >= 3 and got_drafts == want_drafts
+    assert ("Z", 12, 12) in want_hits and ("Z", 4, 0) in got_hits  # X's first block holds no MTP entry
 
 
 def test_fork_hit_carries_the_source_lag() -> None:

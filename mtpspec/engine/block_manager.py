@@ -31,10 +31,13 @@ computed (its logits are needed):
 
 Adaptive speculation may defer MTP entries (:mod:`mtpspec.spec_decode.deferred_mtp`): each
 block records how many of its leading MTP entries were written (``BlockPool.mtp_upto``, noted by
-:meth:`BlockManager.cache_full_blocks` from ``Sequence.mtp_len``). A hit's ``mtp_tokens`` stop
-at the first hit block not fully written; the sequence writes the rest itself (its catch-up),
-into the shared blocks too: the values the owner would write (same hidden states, same next
-token), the only writes a shared block ever sees.
+:meth:`BlockManager.cache_full_blocks` from ``Sequence.mtp_len``). The positions after them were
+computed by steps that deferred their MTP entries, so the block holds their hidden states. A
+hit ends with its first block not fully written (the blocks after it may come from another
+sequence, one that drafted and kept no hidden states), and its ``mtp_tokens`` stop inside that
+block; the sequence writes the rest itself (its catch-up), into the shared block too: the values
+the owner would write (same hidden states, same next token), the only writes a shared block
+ever sees.
 
 Reference counts let sequences share blocks; freeing a cached block keeps it hit-able until an
 allocation evicts it (least recently freed first, after the never-cached free blocks). The
@@ -159,12 +162,15 @@ class BlockManager:
                 hit.copy_src = next(iter(entries.values()))
                 break
             hit.blocks.append(block)
-        hit.num_tokens = len(hit.blocks) * bs + (bs - 1 if hit.copy_src is not None else 0)
         upto = self.pool.mtp_upto
-        for b in hit.blocks + ([hit.copy_src] if hit.copy_src is not None else []):
-            hit.mtp_tokens += min(upto[b], hit.num_tokens - hit.mtp_tokens)
-            if upto[b] < bs:
+        for j, b in enumerate(hit.blocks):
+            if upto[b] < bs:  # deferred MTP entries: the hit ends with this block (module docstring)
+                hit.blocks, hit.copy_src = hit.blocks[:j + 1], None
                 break
+        hit.num_tokens = len(hit.blocks) * bs + (bs - 1 if hit.copy_src is not None else 0)
+        full = sum(1 for b in hit.blocks if upto[b] == bs)
+        last = hit.blocks[full] if full < len(hit.blocks) else hit.copy_src
+        hit.mtp_tokens = full * bs + (min(upto[last], bs - 1) if last is not None else 0)
         return hit
 
     def fork_hit(self, src: Sequence, num_tokens: int) -> CacheHit:

@@ -279,14 +279,12 @@ class AdaptiveSpecPolicy:
             expected = predicted + host + num_prefill_tokens * cost
             if 0.0 < wall_ms and (cost <= 0.0 or wall_ms <= 4.0 * expected + 5.0):
                 per_token = max(0.0, wall_ms - predicted - host) / num_prefill_tokens
-                drafting = int(k > 0)
-                mean = self.prompt_ms_per_token(bool(drafting)) if self._prefill_n[drafting] else per_token
-                mean += self.overhead_weight * (per_token - mean)
-                if drafting:
-                    self.draft_prefill_ms_per_token = mean
-                else:
-                    self.prefill_ms_per_token = mean
-                self._prefill_n[drafting] += 1
+                # each kind's running mean starts at 0: the kind with fewer samples looks cheaper, is
+                # chosen at prompt steps and measured (one bad first sample cannot shut it out)
+                name = "draft_prefill_ms_per_token" if k > 0 else "prefill_ms_per_token"
+                mean = getattr(self, name)
+                setattr(self, name, mean + self.overhead_weight * (per_token - mean))
+                self._prefill_n[int(k > 0)] += 1
             return
         if 0.0 < wall_ms <= 4.0 * predicted + 5.0:
             excess = max(0.0, wall_ms - predicted)
@@ -433,7 +431,8 @@ class AdaptiveSpecPolicy:
 
 def _hidden_write_ms(runner, bp: int, repeats: int) -> float:
     """Median ms of a deferring ``k = 0`` step's MTP work: ``bp`` rows into the hidden-state cache
-    (:mod:`mtpspec.spec_decode.deferred_mtp`), at slots of block 0 as the dummy layouts use."""
+    (:mod:`mtpspec.spec_decode.deferred_mtp`), at slots of block 0 as the dummy layouts use (the
+    calibration runs before any request, so these zero rows overwrite nothing that is read)."""
     import torch
 
     from mtpspec.timing import median_call_ms

@@ -101,8 +101,9 @@ class MTPHiddenStateCache(AttentionLayerBase):
         dtype: the model dtype (kept as is also under an fp8 KV cache).
 
     Sizing: ``block_size * H * itemsize`` bytes per block (e.g. GLM-4.5-Air, ``H = 4096`` bf16:
-    8 KiB a token), summed into the KV sizing like any cache, so it takes blocks from the KV
-    cache only while adaptive speculation defers.
+    8 KiB a token), summed into the KV sizing like any cache: an engine configured to defer
+    (``adaptive_defer_mtp_kv``, the default under adaptive speculation) holds that many fewer
+    tokens of KV cache, whether or not its steps defer.
     """
 
     def __init__(self, hidden_size: int, dtype: torch.dtype):
@@ -148,7 +149,8 @@ def lag_rows(step: "StepInput", max_rows: int) -> List[List[Tuple[int, int, int]
             continue
         if not 0 < lag <= s.start_position or len(s.mtp_lag_token_ids) != lag - 1:
             raise ValueError(f"sequence {i} ({s.request_id!r}): mtp_lag={lag} needs 0 < mtp_lag <= start_position="
-                             f"{s.start_position} and mtp_lag - 1 host tokens, got {len(s.mtp_lag_token_ids)}")
+                             f"{s.start_position} and mtp_lag - 1 host tokens, got {len(s.mtp_lag_token_ids)} (the "
+                             "scheduler's tokens must reach position start_position - 1)")
         a = s.start_position - lag
         while a < s.start_position:
             if room == 0:
