@@ -148,6 +148,19 @@ def test_glm5_dsa_with_index_sharing(tmp_path) -> None:
            _run(path, table, SCRIPT, False, prompts, spec=spec))
 
 
+def test_glm5_with_the_triton_kernels_under_the_interpreter(tmp_path, interp) -> None:
+    """The same with the GPU path's kernels (latent and indexer-key writes, sparse MLA, the
+    indexer) run by the Triton interpreter: the catch-up's and the split first pass's own layouts."""
+    path, table = str(tmp_path / "m"), str(tmp_path / "costs.json")
+    _, cfg = make_model(path, seed=3, family="glm_moe_dsa")
+    _table(sizes=(1, 2, 4)).save(table)
+    prompts = mixed_prompts(3, cfg.vocab_size, seed=9)
+    spec = {"index_share_for_mtp_iteration": True}
+    want = _run(path, table, SCRIPT, True, prompts, k=0, n=8)[0]
+    _check(want, _run(path, table, SCRIPT, True, prompts, spec=spec, n=8),
+           _run(path, table, SCRIPT, False, prompts, spec=spec, n=8), min_common=3)
+
+
 def test_tp2_gloo_ranks(tiny) -> None:
     path, cfg, table = tiny
     prompts = mixed_prompts(5, cfg.vocab_size, seed=10)
