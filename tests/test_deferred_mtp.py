@@ -83,10 +83,11 @@ def _catch_up_rows(runner) -> int:
 
 
 def _check(want, deferred, eager, min_common=20):
-    toks, got, rows, _ = deferred
+    toks, got, rows, metrics = deferred
     assert toks == want  # lossless
     assert eager[0] == want
     assert all(r > 0 for r in rows) and eager[2] == [0] * len(rows)  # deferral (and catch-up) happened
+    assert metrics["num_mtp_catch_up_tokens"] == rows[0] and eager[3]["num_mtp_catch_up_tokens"] == 0
     common = [key for key in got if key in eager[1]]
     assert len(common) >= min_common
     assert [key for key in common if got[key] != eager[1][key]] == []
@@ -384,3 +385,19 @@ def test_bench_arms_adaptive_eagerkv_arm_is_adaptive_without_deferral() -> None:
     ref = check_serve_args(DEFAULT_ARMS["adaptive"])["speculative_config"]
     assert spec.pop("adaptive_defer_mtp_kv") is False and "adaptive_defer_mtp_kv" not in ref
     assert spec == ref
+
+
+def test_catch_up_tokens_reach_the_server_metrics() -> None:
+    """``/metrics``: ``mtpspec:spec_decode_num_mtp_catch_up_tokens`` follows the engine's counter."""
+    from types import SimpleNamespace
+
+    from mtpspec.engine.async_llm import EngineStats
+    from mtpspec.entrypoints.server_metrics import ServerMetrics
+    from mtpspec.spec_decode.metrics import EngineMetrics, SpecDecodingStats
+    sm = ServerMetrics(3, {"model": "tiny"})
+    m = EngineMetrics(spec=SpecDecodingStats(3))
+    for total in (7, 19):
+        m.spec.num_mtp_catch_up_tokens = total
+        sm.on_step(SimpleNamespace(metrics=m), [])
+    text = sm.render(EngineStats()).decode()
+    assert "mtpspec:spec_decode_num_mtp_catch_up_tokens_total 19.0" in text

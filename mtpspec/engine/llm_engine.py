@@ -281,6 +281,7 @@ class LLMEngine:
             # at k = 0, so it defers too and leaves mtp_len as it is)
             if self.defer_mtp_kv and out.num_proposed_tokens and seq.mtp_len < s.start_position:
                 si.mtp_lag, si.mtp_lag_token_ids = sequence_lag(seq.mtp_len, s.start_position, seq.all_token_ids)
+                self.metrics.spec.num_mtp_catch_up_tokens += si.mtp_lag
             seqs.append(si)
         return StepInput(seqs, next(self._step_id), list(out.block_copies), out.num_spec_tokens,
                          out.num_proposed_tokens, out.defers_mtp)

@@ -104,6 +104,9 @@ class ServerMetrics(EngineObserver):
                                  ["position"], registry=r)
         self.chosen_k = Counter(p + "spec_decode_num_speculative_tokens", "Engine steps that proposed k drafts",
                                 ["k"], registry=r)
+        self.catch_up = Counter(p + "spec_decode_num_mtp_catch_up_tokens",
+                                "MTP KV entries deferred by k = 0 steps and written by a later drafting step",
+                                registry=r)
         self.comm = Counter(p + "collective_bytes", "Bytes sent by rank 0's collectives", ["op"], registry=r)
         self.fallbacks = Counter(p + "eager_fallbacks", "Steps that could not use a CUDA graph", registry=r)
         self.preemptions = Counter(p + "preemptions", "Recompute preemptions", registry=r)
@@ -140,6 +143,7 @@ class ServerMetrics(EngineObserver):
                 self._add(self.draft_pos.labels(position=str(j)), f"dpos:{j}", n)
             for j, n in enumerate(s.num_speculative_tokens_histogram):
                 self._add(self.chosen_k.labels(k=str(j)), f"k:{j}", n)
+            self._add(self.catch_up, "catch_up", s.num_mtp_catch_up_tokens)
         # Bound the engine's sample lists; the histograms below take the samples instead.
         m.ttft_s.clear()
         m.itl_s.clear()

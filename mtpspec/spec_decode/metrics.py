@@ -32,6 +32,9 @@ class SpecDecodingStats:
         accepted_length_histogram: ``[k + 1]``, verifications with ``a`` accepted drafts.
         num_speculative_tokens_histogram: ``[k + 1]``, engine steps that proposed ``j`` drafts
             per sequence (adaptive speculation length chooses ``j`` per step; else all ``k``).
+        num_mtp_catch_up_tokens: MTP KV entries that ``k = 0`` steps deferred and a later drafting
+            step wrote (:mod:`mtpspec.spec_decode.deferred_mtp`); deferred entries of requests
+            that finish at ``k = 0`` are never written.
     """
 
     k: int
@@ -42,6 +45,7 @@ class SpecDecodingStats:
     accepted_length_histogram: List[int] = field(default_factory=list)
     num_draft_tokens_per_pos: List[int] = field(default_factory=list)
     num_speculative_tokens_histogram: List[int] = field(default_factory=list)
+    num_mtp_catch_up_tokens: int = 0
 
     def __post_init__(self) -> None:
         if not self.num_accepted_tokens_per_pos:
@@ -96,7 +100,7 @@ class SpecDecodingStats:
                     accepted_length_histogram=list(self.accepted_length_histogram),
                     num_draft_tokens_per_pos=list(self.num_draft_tokens_per_pos),
                     num_speculative_tokens_histogram=list(self.num_speculative_tokens_histogram),
-                    acceptance_length=self.acceptance_length, acceptance_rate=self.acceptance_rate)
+                    num_mtp_catch_up_tokens=self.num_mtp_catch_up_tokens, acceptance_length=self.acceptance_length, acceptance_rate=self.acceptance_rate)
 
 
 def _summary(xs: List[float]) -> Dict[str, Optional[float]]:
