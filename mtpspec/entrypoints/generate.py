@@ -129,7 +129,8 @@ def format_metrics(m: Dict[str, Any]) -> str:
                   f"accepted lengths   {m['accepted_length_histogram']}  (histogram over 0..k)"]
         hist = m.get("num_speculative_tokens_histogram") or []
         if any(hist[:-1]):  # some step proposed fewer than k drafts (adaptive speculation length)
-            lines.append(f"steps proposing k  {hist}  (k = 0..{len(hist) - 1})")
+            lines.append(f"steps proposing k  {hist}  (k = 0..{len(hist) - 1}); deferred MTP entries written later: "
+                         f"{m.get('num_mtp_catch_up_tokens', 0)}")
     comm = m.get("comm_bytes_per_step") or {}
     lines.append("bytes/step (rank0) " + (", ".join(f"{op} {n:,.0f}" for op, n in sorted(comm.items())) or "0"))
     lines.append(f"eager fall-backs   {m['num_eager_fallbacks']}   preemptions {m['num_preemptions']}")
