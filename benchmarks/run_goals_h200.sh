@@ -13,7 +13,7 @@
 #   bash benchmarks/run_goals_h200.sh adaptive-inproc OUT # issue 18: the adaptive sweep in-process (deterministic arrival)
 #   bash benchmarks/run_goals_h200.sh adaptive-deep OUT # issue 18: the same with LAYERS (4) target layers, 2 warm-ups
 #   bash benchmarks/run_goals_h200.sh deferral OUT    # issue 18: deferred MTP KV + split prefill first pass on the GPU
-#                                                  # (their tests, then the c64 trace: plain / adaptive-k0 / eager KV)
+#                                                  # (their tests on the GPU, then the c64 traces: plain, adaptive-k0, adaptive)
 #   bash benchmarks/run_goals_h200.sh pdl OUT           # issue 18: PDL off / on (block, steps), plain decoding, the
 #                                                  # adaptive engine held at k = 0 / 3 against plain and fixed k3
 #   bash benchmarks/run_goals_h200.sh adaptive-air3 OUT # issue 18: the same, 3 layers, every server up at once, interleaved
@@ -171,15 +171,14 @@ adaptive-air3)  # issue 18's adaptive goal at GLM-4.5-Air width with 3 target la
       --load-format dummy --max-model-len 1024 --dtype bfloat16" --output-dir "$OUT/arms_air3" ;;
 deferral)  # issue 18, session 20's CPU work on the GPU: deferred MTP entries (k = 0 steps run no MTP pass) and the
   # first pass's prefill rows through the KV-only pass; then what a k = 0 step costs against plain decoding at c64
-  step 200 deferral_tests python3 -m pytest -q -x tests/test_deferred_mtp.py tests/test_prefill_first_pass_split.py
+  step 230 deferral_tests python3 -m pytest -q "tests/test_deferred_mtp.py::test_deferred_entries_give_the_drafts_of_eager_kv_writes_and_stay_lossless[cuda]" \
+      tests/test_adaptive_spec.py -k "lossless or ahead"
   python3 benchmarks/make_dummy_model.py /tmp/air3 --preset air-8l --num-hidden-layers 3 \
       --max-position-embeddings 2048 || exit 1
-  for e in plain adaptive-k0; do
+  for e in plain adaptive-k0 adaptive; do  # adaptive: the policy's own choices, catch-ups included
     step 110 "trace_$e" python3 benchmarks/trace_adaptive_steps.py /tmp/air3 --engine $e --concurrency 64 \
         --json "$OUT/trace_c64_$e.json"
-  done
-  step 110 trace_adaptive-k0_eagerkv python3 benchmarks/trace_adaptive_steps.py /tmp/air3 --engine adaptive-k0 \
-      --eager-mtp-kv --concurrency 64 --json "$OUT/trace_c64_adaptive-k0_eagerkv.json" ;;
+  done ;;
 adaptive-inproc)  # issue 18's adaptive goal with deterministic arrival: `bench arms --in-process` (each arm an LLM in
   # one process, every request of a run queued before the first step, forced acceptance re-armed each run: a round
   # repeats the same steps; over HTTP the steps of one arm differed 4x between rounds at s256). Air 3 layers, SYNTHETIC

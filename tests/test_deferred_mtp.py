@@ -49,7 +49,7 @@ def _run(path, table, script, defer, prompts, k=3, n=16, spec=None, params=None,
     """``(tokens, drafts, catch-up rows, metrics)`` of one engine under a scripted choice of k;
     ``drafts``: (request id, output length) -> the drafts the sequence got there."""
     kw = {"max_model_len": 64, "block_size": 4, "max_num_seqs": 4, "seed": 0, "num_kv_blocks": 256,
-          "graph_mode": "off", **kw}
+          "graph_mode": "off", "device": "cpu", **kw}  # CPU: float32 GEMMs whose bits do not depend on the row count
     spec = {"num_speculative_tokens": k, "adaptive": True, "adaptive_cost_table": table, **(spec or {})}
     drafts = {}
     with LLM(path, speculative_config=spec if k else None, **kw) as llm:
@@ -82,7 +82,7 @@ def _catch_up_rows(runner) -> int:
     return runner.num_mtp_catch_up_rows
 
 
-def _check(want, deferred, eager, min_common=20):
+def _check(want, deferred, eager, min_common=20, min_equal=1.0):
     toks, got, rows, metrics = deferred
     assert toks == want  # lossless
     assert eager[0] == want
@@ -90,7 +90,8 @@ def _check(want, deferred, eager, min_common=20):
     assert metrics["num_mtp_catch_up_tokens"] == rows[0] and eager[3]["num_mtp_catch_up_tokens"] == 0
     common = [key for key in got if key in eager[1]]
     assert len(common) >= min_common
-    assert [key for key in common if got[key] != eager[1][key]] == []
+    differ = [key for key in common if got[key] != eager[1][key]]
+    assert len(differ) <= (1.0 - min_equal) * len(common), differ
 
 
 def _shared_prefix_prompts(vocab):
@@ -99,11 +100,19 @@ def _shared_prefix_prompts(vocab):
     return [head + p[:3] for p in base[2:6]] + [head + base[6][:5], base[0], head + base[7][:2]]
 
 
-@pytest.mark.parametrize("case", ["async", "sync", "chunked", "prefix", "preempt", "static"])
+@pytest.mark.parametrize("case", ["async", "sync", "chunked", "prefix", "preempt", "static", "cuda"])
 def test_deferred_entries_give_the_drafts_of_eager_kv_writes_and_stay_lossless(tiny, case) -> None:
+    """``cuda``: CUDA graphs on a GPU (the catch-up's eager pass inside graphed steps); there the GEMM
+    kernel picked per row count moves float32 logits by an ulp, so 90% of the drafts must agree (a
+    missing catch-up agrees on ~20%)."""
     path, cfg, table = tiny
     prompts = mixed_prompts(6, cfg.vocab_size, seed=7)
-    kw, hits, script = {}, None, SCRIPT
+    kw, hits, script, min_equal = {}, None, SCRIPT, 1.0
+    if case == "cuda":
+        if not torch.cuda.is_available():
+            pytest.skip("needs a CUDA GPU")
+        kw.update(device="cuda", graph_mode="cuda")
+        min_equal = 0.9
     if case == "sync":
         kw["async_scheduling"] = False
     if case == "chunked":  # 20-token prompts in chunks of 5, catch-ups in chunks of 5 rows
@@ -118,7 +127,7 @@ def test_deferred_entries_give_the_drafts_of_eager_kv_writes_and_stay_lossless(t
     want = _run(path, table, script, True, prompts, k=0, **kw)[0]
     deferred = _run(path, table, script, True, prompts, hits=hits, **kw)
     eager = _run(path, table, script, False, prompts, **kw)
-    _check(want, deferred, eager, min_common=8 if case in ("chunked", "prefix") else 20)
+    _check(want, deferred, eager, min_common=8 if case in ("chunked", "prefix") else 20, min_equal=min_equal)
     if case == "prefix":  # some hits hold deferred blocks: the new sequence caught them up itself
         assert deferred[3]["prefix_cache_hits"] > 0
         assert any(m < t for t, m in hits) and any(m > 0 for t, m in hits), hits
@@ -175,7 +184,7 @@ def test_a_deferring_k0_step_runs_no_mtp_pass_and_keeps_the_target_hidden_states
     spec = {"num_speculative_tokens": 3, "adaptive": True, "adaptive_cost_table": table}
     prompts = mixed_prompts(2, cfg.vocab_size, seed=1)
     with LLM(path, speculative_config=spec, max_model_len=48, block_size=4, max_num_seqs=4, num_kv_blocks=64,
-             graph_mode="off", async_scheduling=False) as llm:
+             graph_mode="off", async_scheduling=False, device="cpu") as llm:
         eng = llm.llm_engine
         runner = eng.executor.runner
         eng.spec_policy = Scripted([0, 0, 3, 0])
@@ -210,7 +219,7 @@ def test_with_deferral_off_a_k0_step_writes_its_mtp_entries_and_keeps_no_hidden_
     spec = {"num_speculative_tokens": 3, "adaptive": True, "adaptive_cost_table": table,
             "adaptive_defer_mtp_kv": False}
     with LLM(path, speculative_config=spec, max_model_len=48, block_size=4, max_num_seqs=4, num_kv_blocks=64,
-             graph_mode="off") as llm:
+             graph_mode="off", device="cpu") as llm:
         runner = llm.llm_engine.executor.runner
         assert runner.hidden_cache is None and not llm.llm_engine.defer_mtp_kv
         assert all(not isinstance(layer, MTPHiddenStateCache) for layer in runner.layers)
@@ -220,7 +229,8 @@ def test_kv_sizing_counts_the_hidden_state_cache_and_block_copies_carry_it(tiny)
     from mtpspec.engine import kv_cache
     path, cfg, table = tiny
     spec = {"num_speculative_tokens": 3, "adaptive": True, "adaptive_cost_table": table}
-    with LLM(path, speculative_config=spec, max_model_len=48, block_size=4, num_kv_blocks=16) as llm:
+    with LLM(path, speculative_config=spec, max_model_len=48, block_size=4, num_kv_blocks=16, max_num_seqs=4,
+             graph_mode="off", device="cpu") as llm:
         runner = llm.llm_engine.executor.runner
         cache = runner.hidden_cache
         assert cache in runner.layers and cache.kv_cache.shape == (16, 4, cfg.hidden_size)
@@ -278,7 +288,7 @@ def test_a_hit_ends_with_its_first_block_not_fully_written(tiny) -> None:
     def run(defer):
         spec = {"num_speculative_tokens": 3, "adaptive": True, "adaptive_cost_table": table}
         with LLM(path, speculative_config=spec, max_model_len=64, block_size=4, max_num_seqs=4, seed=0,
-                 num_kv_blocks=256, graph_mode="off", async_scheduling=False) as llm:
+                 num_kv_blocks=256, graph_mode="off", async_scheduling=False, device="cpu") as llm:
             eng = llm.llm_engine
             eng.defer_mtp_kv = defer
             eng.spec_policy = Scripted([0] + [3] * 100)
@@ -368,7 +378,7 @@ def test_cost_table_times_the_hidden_state_write_for_k0_and_no_kv_only_units_are
     for defer in (True, False):
         spec = {"num_speculative_tokens": 2, "adaptive": True, "adaptive_defer_mtp_kv": defer}
         with LLM(path, speculative_config=spec, max_model_len=48, block_size=4, num_kv_blocks=64, max_num_seqs=2,
-                 graph_mode="static") as llm:
+                 graph_mode="static", device="cpu") as llm:
             runner = llm.llm_engine.executor.runner
             costs = llm.llm_engine.spec_policy.costs
             assert isinstance(runner.fwd, GraphedForward) and runner.fwd.kv_only == (not defer)

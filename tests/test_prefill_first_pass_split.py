@@ -21,7 +21,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 def _drafts(path, prompts, min_rows, monkeypatch, spec=None, **kw):
     monkeypatch.setattr(mtp_proposer, "PREFILL_KV_ONLY_MIN_ROWS", min_rows)
     kw = {"max_model_len": 64, "block_size": 4, "max_num_seqs": 3, "seed": 0, "num_kv_blocks": 256,
-          "graph_mode": "off", **kw}
+          "graph_mode": "off", "device": "cpu", **kw}  # CPU: float32 GEMMs whose bits do not depend on the row count
     drafts, split_rows = {}, []
     with LLM(path, speculative_config={"num_speculative_tokens": 3, **(spec or {})}, **kw) as llm:
         eng = llm.llm_engine

@@ -431,14 +431,14 @@ class AdaptiveSpecPolicy:
 
 def _hidden_write_ms(runner, bp: int, repeats: int) -> float:
     """Median ms of a deferring ``k = 0`` step's MTP work: ``bp`` rows into the hidden-state cache
-    (:mod:`mtpspec.spec_decode.deferred_mtp`), at slots of block 0 as the dummy layouts use (the
-    calibration runs before any request, so these zero rows overwrite nothing that is read)."""
+    (:mod:`mtpspec.spec_decode.deferred_mtp`), at the first ``bp`` slots (the calibration runs
+    before any request, so these zero rows overwrite nothing that is read)."""
     import torch
 
     from mtpspec.timing import median_call_ms
     cache = runner.hidden_cache
     rows = torch.zeros(bp, cache.hidden_size, dtype=cache.dtype, device=runner.device)
-    slots = torch.arange(bp, device=runner.device) % cache.kv_cache[0].shape[0]
+    slots = torch.arange(bp, device=runner.device) % (cache.kv_cache.shape[0] * cache.kv_cache.shape[1])  # distinct
     return median_call_ms(lambda: cache.write(rows, slots), repeats, cuda=runner.device.type == "cuda")
 
 
