@@ -27,6 +27,8 @@
 #   bash benchmarks/run_goals_h200.sh block OUT     # issue 18: block / verify kernels listed, torch.compile ref, outside-graph kernels
 #   bash benchmarks/run_goals_h200.sh skinny OUT    # issue 18: few-row bf16 GEMM vs cuBLAS (+ sweep), plain decoding
 #                                                  # with it on / off, engine step wall vs graph sum (8 layers)
+#   bash benchmarks/run_goals_h200.sh demo-pair1 OUT  # issue 16: a new target (run 4's continuation) + its strict-match
+#   bash benchmarks/run_goals_h200.sh demo-pair2 OUT  # issue 16: its MTP layer self-distilled (run 5 a) + k = 1
 #   bash benchmarks/run_goals_h200.sh demo-sd OUT   # issue 16: the demo model's MTP layer self-distilled on GSM8K +
 #                                                  # generated prompts (target frozen), then GSM8K k = 1 / 3 fp32
 set -u
@@ -216,5 +218,25 @@ demo-sd)  # issue 16: 2026-12-03's MTP layer saw its 751k completion tokens ~17 
         --speculative-config "{\"method\":\"mtp\",\"num_speculative_tokens\":$1,\"index_share_for_mtp_iteration\":$2}" \
         --gpu-memory-utilization 0.5 --no-progress --json "$OUT/eval_k$1_$2.json"
   done ;;
+demo-pair1)  # issue 16, a new target / MTP pair, part 1: run 4's whole-model continuation (one seed, SEED / LR
+  # override), then its GSM8K strict-match at k = 0 (the goal: >= 0.0167, 22 of 1,319). Keep it only if it holds;
+  # the shards and config land in OUT/pair (carry them to part 2 as .pair/, an ignored folder).
+  step 420 continue_target python3 -m mtpspec.entrypoints.cli train --arch glm_moe_dsa \
+      --init-from mtpspec/demo_model_glm5 --output-dir /tmp/pair --indexer-warmup-fraction 0 --warmup-steps 50 \
+      --distill-fraction 0 --eval-every 0 --accept-prompts 0 --reserve-seconds 12 --max-minutes ${MINUTES:-6.4} \
+      --lr ${LR:-5e-4} --seed ${SEED:-13} --no-progress
+  mkdir -p "$OUT/pair" && cp /tmp/pair/*.json /tmp/pair/*.safetensors "$OUT/pair/" 2>/dev/null
+  step 150 eval_k0 python3 -m mtpspec.entrypoints.cli eval gsm8k --model /tmp/pair --dtype float32 --device cuda \
+      --gpu-memory-utilization 0.5 --no-progress --json "$OUT/eval_k0.json" ;;
+demo-pair2)  # part 2: run 5 (a)'s MTP self-distillation on part 1's target (PAIR, default .pair), then k = 1
+  step 460 self_distill python3 -m mtpspec.entrypoints.cli train --arch glm_moe_dsa --init-from ${PAIR:-.pair} \
+      --output-dir /tmp/pair_sd --indexer-warmup-fraction 0 --freeze-target --mtp-distill 1.0 --mtp-depth 1 \
+      --distill-fraction 0 --lr 5e-4 --warmup-steps 50 --self-distill-prompts 8000 --self-distill-share 0.6 \
+      --self-distill-seconds 110 --max-minutes ${MINUTES:-7.0} --reserve-seconds 10 --eval-every 0 --accept-prompts 0 \
+      --num-synthetic 200000 --no-progress
+  mkdir -p "$OUT/pair_sd" && cp /tmp/pair_sd/*.json /tmp/pair_sd/*.safetensors "$OUT/pair_sd/" 2>/dev/null
+  step 110 eval_k1 python3 -m mtpspec.entrypoints.cli eval gsm8k --model /tmp/pair_sd --dtype float32 --device cuda \
+      --speculative-config '{"method":"mtp","num_speculative_tokens":1}' --gpu-memory-utilization 0.5 --no-progress \
+      --json "$OUT/eval_k1.json" ;;
 *) echo "unknown part $part"; exit 2 ;;
 esac
