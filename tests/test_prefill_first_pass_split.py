@@ -2,7 +2,8 @@
 last get only their KV entries (the KV-only pass), the full pass runs on the decodes' rows and each
 prefill's last row (``MTPProposer._split_prefill_rows``). Contract: the drafts equal those of the
 full first pass over every row, token for token (float32, CPU), for GLM-4.5 with two MTP layers
-(mixed steps, chunked prefill, prefix-cache hits) and GLM-5 (DSA indexer keys, index sharing); and
+(mixed steps, chunked prefill, prefix-cache hits), DeepSeek-V3 (dense MLA) and GLM-5 (DSA indexer keys, index
+sharing); and
 the split does run (KV-only rows counted), and not below its row threshold.
 """
 
@@ -39,7 +40,7 @@ def _drafts(path, prompts, min_rows, monkeypatch, spec=None, **kw):
 
 
 @pytest.mark.parametrize("family,case", [("glm4_moe", "mixed"), ("glm4_moe", "chunked"), ("glm4_moe", "prefix"),
-                                         ("glm_moe_dsa", "mixed")])
+                                         ("deepseek_v3", "mixed"), ("glm_moe_dsa", "mixed")])
 def test_split_first_pass_gives_the_drafts_of_the_full_first_pass(tmp_path, monkeypatch, family, case) -> None:
     path = str(tmp_path / "m")
     _, cfg = make_model(path, seed=5, family=family, **({"num_mtp_layers": 2} if family == "glm4_moe" else {}))
@@ -63,3 +64,14 @@ def test_split_waits_for_its_row_threshold(tmp_path, monkeypatch) -> None:
     prompts = [[5] * 9, [7] * 3]  # one step: 8 + 2 rows could move
     assert _drafts(path, prompts, 11, monkeypatch)[2] == []
     assert _drafts(path, prompts, 10, monkeypatch)[2] == [10]
+
+
+def test_split_first_pass_with_the_triton_kernels_under_the_interpreter(tmp_path, monkeypatch, interp) -> None:
+    """DeepSeek-V3 (dense MLA): the reduced full pass mixes decode rows with one row per prefill; the
+    Triton MLA kernel (the interpreter runs it) reads each kept row's whole causal range."""
+    path = str(tmp_path / "m")
+    _, cfg = make_model(path, seed=5, family="deepseek_v3")
+    prompts = mixed_prompts(4, cfg.vocab_size, seed=12)
+    toks, got, rows = _drafts(path, prompts, 1, monkeypatch)
+    want_toks, want, _ = _drafts(path, prompts, 10 ** 9, monkeypatch)
+    assert toks == want_toks and sum(rows) > 0 and got == want and len(got) >= 10
