@@ -23,11 +23,12 @@ later, from ``h_p`` kept aside, by the same KV-only pass a ``k = 0`` step would 
   ``max_num_batched_tokens`` rows, before its first pass reads them (:func:`catch_up`). The
   step's own rows then get their entries from its first pass, as without deferral.
 * **Prefix caching**: each block records how many of its leading MTP entries some sequence wrote
-  (:attr:`~mtpspec.engine.block_pool.BlockPool.mtp_upto`); a hit's ``mtp_len`` stops at the first
-  block not fully written, and the new sequence catches up from there. Those writes may land in
-  shared blocks: they are the values the owner would write (the same ``h``, the same next token,
-  which the block's cache key holds), so a reader sees the same entry either way (at most the
-  GEMM's row blocking apart).
+  (:attr:`~mtpspec.engine.block_pool.BlockPool.mtp_upto`); a hit ends with its first block not
+  fully written (its unwritten tail was computed by deferring steps, so the block holds its ``h``;
+  a later block may be another sequence's, written by drafting, without ``h``), and the new
+  sequence catches up from there. Those writes land in a shared block: they are the values the
+  owner would write (the same ``h``, the same next token, which the block's cache key holds), so
+  a reader sees the same entry either way (at most the GEMM's row blocking apart).
 
 The result is lossless by construction (drafts never change what verification emits) and the
 drafts equal a non-deferring run's (tested token for token on the CPU).
