@@ -151,7 +151,7 @@ class SpeculativeConfig:
             proposes only a ``k`` with ``batch * (1 + k) <= (1 - r) * max_num_batched_tokens``
             (``k = 0`` always allowed), so drafts do not take the whole token budget from waiting
             prompts (the GLM-4.5-Air-width s256 loss in BENCHMARKS.md; not yet measured).
-        adaptive_defer_mtp_kv: (adaptive only; default True) a step that proposes no drafts
+        adaptive_defer_mtp_kv: (adaptive only; ``None``, the default, means True) a step that proposes no drafts
             (``k = 0``) runs no MTP pass at all: it keeps the target's hidden states of its rows
             in a paged cache (``hidden_size`` values per token in the model dtype, counted in
             the KV sizing), and the next step that drafts for a sequence first writes the MTP
@@ -179,10 +179,10 @@ class SpeculativeConfig:
     adaptive: bool = False
     adaptive_cost_table: Optional[str] = None
     adaptive_prompt_reserve: float = 0.0
-    adaptive_defer_mtp_kv: bool = True
+    adaptive_defer_mtp_kv: Optional[bool] = None
 
     def __post_init__(self) -> None:
-        if not isinstance(self.adaptive_defer_mtp_kv, bool):
+        if self.adaptive_defer_mtp_kv is not None and not isinstance(self.adaptive_defer_mtp_kv, bool):
             raise ValueError(f"speculative_config: adaptive_defer_mtp_kv must be true or false, got "
                              f"{self.adaptive_defer_mtp_kv!r}")
         if not isinstance(self.adaptive, bool):
@@ -192,8 +192,9 @@ class SpeculativeConfig:
         check_prompt_reserve(self.adaptive_prompt_reserve)
         if self.adaptive_prompt_reserve and not self.adaptive:
             raise ValueError("speculative_config: adaptive_prompt_reserve is given but adaptive is false")
-        if not self.adaptive_defer_mtp_kv and not self.adaptive:
-            raise ValueError("speculative_config: adaptive_defer_mtp_kv is given but adaptive is false")
+        if self.adaptive_defer_mtp_kv is not None and not self.adaptive:
+            raise ValueError("speculative_config: adaptive_defer_mtp_kv is given but adaptive is false (it only "
+                             "applies to adaptive speculation)")
         if self.method != "mtp":
             raise ValueError(f"speculative method must be 'mtp', got {self.method!r}")
         if self.draft_sampling not in self.DRAFT_SAMPLING:
@@ -206,6 +207,11 @@ class SpeculativeConfig:
         if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= MAX_NUM_SPECULATIVE_TOKENS:
             raise ValueError(f"num_speculative_tokens must be an int in [1, {MAX_NUM_SPECULATIVE_TOKENS}], got {k!r} "
                              "(for no speculation give no speculative config; on the command line -k 0)")
+
+    @property
+    def defers_mtp_kv(self) -> bool:
+        """Whether adaptive ``k = 0`` steps defer their MTP KV entries (``adaptive_defer_mtp_kv``, default on)."""
+        return self.adaptive and self.adaptive_defer_mtp_kv is not False
 
     @classmethod
     def from_any(cls, cfg: Union[None, Dict[str, Any], "SpeculativeConfig"]) -> Optional["SpeculativeConfig"]:

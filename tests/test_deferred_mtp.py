@@ -358,8 +358,12 @@ def test_lag_rows_chunks_in_batch_order_and_checks_the_lag() -> None:
 
 
 def test_config_errors() -> None:
-    with pytest.raises(ValueError, match="adaptive_defer_mtp_kv is given but adaptive is false"):
-        SpeculativeConfig(num_speculative_tokens=2, adaptive_defer_mtp_kv=False)
+    for value in (False, True):  # the key itself needs adaptive, whatever its value
+        with pytest.raises(ValueError, match="adaptive_defer_mtp_kv is given but adaptive is false"):
+            SpeculativeConfig(num_speculative_tokens=2, adaptive_defer_mtp_kv=value)
+    assert SpeculativeConfig(num_speculative_tokens=2, adaptive=True).defers_mtp_kv
+    assert not SpeculativeConfig(num_speculative_tokens=2, adaptive=True, adaptive_defer_mtp_kv=False).defers_mtp_kv
+    assert not SpeculativeConfig(num_speculative_tokens=2).defers_mtp_kv
     with pytest.raises(ValueError, match="adaptive_defer_mtp_kv must be true or false, got 'no'"):
         SpeculativeConfig(num_speculative_tokens=2, adaptive=True, adaptive_defer_mtp_kv="no")
     from mtpspec.engine.arg_utils import parse_speculative_config
@@ -395,6 +399,13 @@ def test_bench_arms_adaptive_eagerkv_arm_is_adaptive_without_deferral() -> None:
     ref = check_serve_args(DEFAULT_ARMS["adaptive"])["speculative_config"]
     assert spec.pop("adaptive_defer_mtp_kv") is False and "adaptive_defer_mtp_kv" not in ref
     assert spec == ref
+    from mtpspec.entrypoints.serve import engine_info  # /v1/models tells the two apart
+    kw = dict(model="m", tensor_parallel_size=1, fuse_allreduce_rmsnorm=True, sequence_parallel=False,
+              allreduce_backend="nccl", max_num_seqs=4, enable_chunked_prefill=True, max_num_batched_tokens=None,
+              long_prefill_token_threshold=0, enable_prefix_caching=True, kv_cache_dtype="auto", dtype=None, seed=0)
+    for arm, want in (("adaptive", True), ("adaptive_eagerkv", False), ("k3", False)):
+        spec = check_serve_args(DEFAULT_ARMS[arm])["speculative_config"]
+        assert engine_info(None, {**kw, "speculative_config": spec}, None)["adaptive_defer_mtp_kv"] is want, arm
 
 
 def test_catch_up_tokens_reach_the_server_metrics() -> None:

@@ -144,8 +144,8 @@ def parse_speculative_config(value: SpecArg) -> Optional[Dict[str, Any]]:
             del out["adaptive"]
         if not out.get("adaptive_prompt_reserve"):  # likewise (0.0)
             out.pop("adaptive_prompt_reserve", None)
-        if out.get("adaptive_defer_mtp_kv") is True:  # likewise
-            del out["adaptive_defer_mtp_kv"]
+        if out.get("adaptive_defer_mtp_kv") is None:  # likewise (None: on under adaptive)
+            out.pop("adaptive_defer_mtp_kv", None)
         return out
     if isinstance(value, str):
         try:
@@ -190,7 +190,7 @@ def parse_speculative_config(value: SpecArg) -> Optional[Dict[str, Any]]:
         raise ValueError(f"speculative_config: adaptive_cost_table must be a file name and needs adaptive=true, "
                          f"got {table!r} with adaptive={ad!r}")
     check_prompt_reserve(out.get("adaptive_prompt_reserve", 0.0))  # "needs adaptive": after the flags merge
-    if not isinstance(out.get("adaptive_defer_mtp_kv", True), bool):
+    if out.get("adaptive_defer_mtp_kv") is not None and not isinstance(out["adaptive_defer_mtp_kv"], bool):
         raise ValueError(f"speculative_config: adaptive_defer_mtp_kv must be true or false, got "
                          f"{out['adaptive_defer_mtp_kv']!r}")
     return out

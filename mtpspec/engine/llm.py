@@ -131,7 +131,7 @@ class LLM:
                 costs = self.executor.collective_rpc(measure_step_costs)[0]
             self.llm_engine.spec_policy = AdaptiveSpecPolicy(spec.num_speculative_tokens, costs,
                                                              prompt_reserve=float(spec.adaptive_prompt_reserve))
-            self.llm_engine.defer_mtp_kv = spec.adaptive_defer_mtp_kv
+            self.llm_engine.defer_mtp_kv = spec.defers_mtp_kv
             for b in sorted(costs.verify_ms[0]):  # what the policy will weigh, once, in the log
                 print(f"adaptive speculation: batch {b}: step ms for k = 0..: "
                       + ", ".join(f"{costs.step_ms(b, j):.3f}" for j in costs.ks) + f" ({costs.source})",

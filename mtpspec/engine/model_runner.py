@@ -115,7 +115,7 @@ class ModelRunner:
         # those rows, paged like the KV caches (spec_decode/deferred_mtp.py)
         self.hidden_cache: Optional[MTPHiddenStateCache] = None
         self.num_mtp_catch_up_rows = 0  # deferred MTP entries written by catch-ups (a counter)
-        if self.adaptive and spec.adaptive_defer_mtp_kv:
+        if spec is not None and spec.defers_mtp_kv:
             self.hidden_cache = MTPHiddenStateCache(target.config.hidden_size, self.kv_dtype)
             self.layers.append(self.hidden_cache)
         self.num_blocks = 0

@@ -288,20 +288,24 @@ def format_workload(name: str, wl: Dict[str, Any]) -> str:
     lines = ["=" * 96, f"workload {name}: in {c['input_len'] or 'natural'}, out {c['output_len']}, "
              f"{c['num_prompts']} prompts, concurrency {c['max_concurrency']}, {wl['repeats']} runs/arm{synth}",
              "=" * 96]
-    head = f"{'arm':<10} {'run':>4} " + " ".join(f"{FIGURES[k][0]:>14}" for k in FIGURES)
+    w = max([10] + [len(arm) for arm in wl["arms"]])  # the arm column fits the longest name
+    head = f"{'arm':<{w}} {'run':>4} " + " ".join(f"{FIGURES[k][0]:>14}" for k in FIGURES)
     lines.append(head)
     for arm, data in wl["arms"].items():
         for i, res in enumerate(data["runs"]):
             fig = run_figures(res)
-            lines.append(f"{arm:<10} {i + 1:>4} " + " ".join(f"{_f(fig[k]):>14}" for k in FIGURES))
+            lines.append(f"{arm:<{w}} {i + 1:>4} " + " ".join(f"{_f(fig[k]):>14}" for k in FIGURES))
         s = data["summary"]
-        lines.append(f"{arm:<10} {'med':>4} " + " ".join(f"{_f(s[k]['median']):>14}" for k in FIGURES))
-        lines.append(f"{arm:<10} {'sprd':>4} " + " ".join(f"{_f(s[k]['spread']):>14}" for k in FIGURES))
+        lines.append(f"{arm:<{w}} {'med':>4} " + " ".join(f"{_f(s[k]['median']):>14}" for k in FIGURES))
+        lines.append(f"{arm:<{w}} {'sprd':>4} " + " ".join(f"{_f(s[k]['spread']):>14}" for k in FIGURES))
         rates = ", ".join("-" if r is None else f"{r:.3f}" for r in s["acceptance_rate_per_pos"]["median"])
-        lines.append(f"{'':<10} acceptance rate per draft position (median): [{rates}]")
+        lines.append(f"{'':<{w}} acceptance rate per draft position (median; -: no step drafted there): [{rates}]")
         hists = [r.get("num_speculative_tokens_histogram") or [] for r in data["runs"]]
         if any(any(h[:-1]) for h in hists):  # adaptive speculation length: steps per chosen k, each run
-            lines.append(f"{'':<10} steps proposing k = 0, 1, ... per run: {[[int(x) for x in h] for h in hists]}")
+            lines.append(f"{'':<{w}} steps proposing k = 0, 1, ... per run: {[[int(x) for x in h] for h in hists]}")
+            caught = [r.get("mtp_catch_up_tokens") for r in data["runs"]]
+            if any(c is not None for c in caught):  # in-process runs: deferred MTP entries written later
+                lines.append(f"{'':<{w}} deferred MTP entries written later per run: {caught}")
         lines.append("-" * 96)
     for pair, figs in wl["verdicts"].items():
         lines.append(f"{pair}:")

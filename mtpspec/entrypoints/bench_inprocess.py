@@ -116,7 +116,7 @@ def run_in_process(llm: Any, cfg: BenchConfig, forced: Optional[str] = None) -> 
         "acceptance_rate_per_pos": [(a / n) if n else None for a, n in zip(per_pos, per_pos_n)],
         "num_speculative_tokens_histogram": [float(x) for x in m.get("num_speculative_tokens_histogram", [])]
         if k else [],
-        "mtp_catch_up_tokens": float(m.get("num_mtp_catch_up_tokens", 0)),  # deferred MTP entries written later
+        "mtp_catch_up_tokens": int(m.get("num_mtp_catch_up_tokens", 0)),  # deferred MTP entries written later
         "engine_steps": float(steps), "server_generation_tokens": float(out_tokens),
         "collective_bytes_per_step": {op: b / max(steps, 1) for op, b in sorted(comm.items())},
         "collective_bytes_per_step_total": sum(comm.values()) / max(steps, 1),

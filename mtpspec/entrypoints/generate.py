@@ -107,7 +107,8 @@ def describe_setup(model: str, llm: Any) -> str:
         has_indexer = bool(getattr(mcfg.arch, "index_topk", None))
         share = ("index sharing " + ("on" if spec.index_share_for_mtp_iteration else "off")) if has_indexer \
             else "no DSA indexer"
-        k = f"k = 0..{spec.num_speculative_tokens} adaptive" if spec.adaptive else f"k = {spec.num_speculative_tokens}"
+        k = (f"k = 0..{spec.num_speculative_tokens} adaptive ({'deferred' if spec.defers_mtp_kv else 'eager'} MTP KV "
+             "at k = 0)" if spec.adaptive else f"k = {spec.num_speculative_tokens}")
         lines.append(f"speculative        mtp, {k}, {share}, draft sampling {spec.draft_sampling}")
     lines.append(f"KV cache dtype     {llm.engine_config.cache_config.cache_dtype}")
     return "\n".join(lines)

@@ -118,6 +118,9 @@ def engine_info(args: argparse.Namespace, kwargs: Dict[str, Any], forced: Option
             "fusion": kwargs["fuse_allreduce_rmsnorm"] and k > 0,
             "local_argmax": bool(spec.get("use_local_argmax_reduction", False)) and k > 0,
             "adaptive": bool(spec.get("adaptive", False)) and k > 0,
+            # adaptive k = 0 steps defer their MTP KV entries (the default; false: the adaptive_eagerkv arm)
+            "adaptive_defer_mtp_kv": bool(spec.get("adaptive", False)) and k > 0
+            and spec.get("adaptive_defer_mtp_kv") is not False,
             "sequence_parallel": kwargs["sequence_parallel"], "allreduce_backend": kwargs["allreduce_backend"],
             "max_num_seqs": kwargs["max_num_seqs"], "enable_chunked_prefill": kwargs["enable_chunked_prefill"],
             "max_num_batched_tokens": kwargs["max_num_batched_tokens"] or "derived",
