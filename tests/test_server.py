@@ -907,3 +907,18 @@ def _kill_a_rank_mid_stream(srv):
     assert srv.proc.wait(timeout=30) == 1
     log = srv.log()
     assert "Traceback" in log and "the server shut down" in log, log[-2000:]
+
+
+def test_ctrl_c_shuts_the_server_down_without_a_traceback(model_dir):
+    """Found by a new-user pass (2026-12-04): Ctrl-C printed uvicorn's re-raised KeyboardInterrupt and
+    a page of Triton leak warnings. Now: a served request first, then SIGINT: one line, exit 130."""
+    import signal
+    srv = ServerProcess(model_dir, ["--adaptive-speculation"] + SERVER_ARGS)
+    try:
+        assert _post(srv, "/v1/completions", {"prompt": "hi", "max_tokens": 4}).status_code == 200
+        srv.proc.send_signal(signal.SIGINT)
+        assert srv.proc.wait(timeout=60) == 130
+        log = srv.log()
+        assert "interrupted; the server shut down" in log and "Traceback" not in log and "leaked" not in log, log
+    finally:
+        srv.stop()

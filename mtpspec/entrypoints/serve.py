@@ -258,11 +258,20 @@ def run(args: argparse.Namespace) -> int:
 
     watcher = threading.Thread(target=watch, name="mtpspec-engine-watch", daemon=True)
     watcher.start()
+    interrupted = False
     try:
         server.run()
+    except KeyboardInterrupt:  # Ctrl-C: uvicorn shut down gracefully, then re-raised the signal
+        interrupted = True
     finally:
         stop.set()
         engine.shutdown()
+    if interrupted:
+        print("mtpspec serve: interrupted; the server shut down", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        # 128 + SIGINT, as a shell reports it; skip the interpreter's teardown, where native extensions
+        # (Triton's nanobind types) print leak warnings that read like a crash
+        os._exit(130)
     if engine.dead is not None:
         print(f"error: {engine.dead}; the server shut down", file=sys.stderr)
         return 1
