@@ -37,7 +37,7 @@ from mtpspec.config import ModelConfig, ModelConfigError
 from mtpspec.distributed import launch
 from mtpspec.layers.attention import collect_attention_layers
 from mtpspec.models import load_models
-from tiny_models import DSV3_TINY_CONFIG, DSV3_YARN, make_tiny_checkpoint
+from tiny_models import DSV3_TINY_CONFIG, DSV3_YARN, hf_mtp_block_reference, make_tiny_checkpoint
 
 VARIANTS = {
     # q-lora, YaRN, interleaved rope, 2 MTP layers with their own heads
@@ -184,43 +184,9 @@ def test_mtp_tp_equals_tp1_and_arms_agree(setup, variant, tp):
 
 def _hf_mtp_reference(hf, path, cfg, k, ids, pos, prev):
     """MTP layer ``k`` in float64 from transformers' own DeepseekV3DecoderLayer + the MTP weights
-    (eh_proj([enorm(emb; position-0 rows zero), hnorm(prev)]) -> layer -> shared_head.norm)."""
+    (:func:`tiny_models.hf_mtp_block_reference`)."""
     from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3DecoderLayer, DeepseekV3RotaryEmbedding
-
-    from mtpspec.models.loader import read_checkpoint_tensors
-    idx = cfg.num_hidden_layers + k
-    pre = f"model.layers.{idx}."
-    sub = {key[len(pre):]: t.double() for key, t in read_checkpoint_tensors(path) if key.startswith(pre)}
-    import copy
-    hf_cfg = copy.deepcopy(hf.config)
-    hf_cfg._experts_implementation = "eager"  # the per-expert loop (grouped_mm has no float64)
-    layer = DeepseekV3DecoderLayer(hf_cfg, idx).eval()
-    sd, experts = {}, range(cfg.n_routed_experts)
-    for name in layer.state_dict():
-        if name == "mlp.experts.gate_up_proj":
-            sd[name] = torch.stack([torch.cat([sub[f"mlp.experts.{e}.gate_proj.weight"],
-                                               sub[f"mlp.experts.{e}.up_proj.weight"]]) for e in experts])
-        elif name == "mlp.experts.down_proj":
-            sd[name] = torch.stack([sub[f"mlp.experts.{e}.down_proj.weight"] for e in experts])
-        else:
-            sd[name] = sub[name]
-    layer.load_state_dict(sd)
-    layer.double()
-
-    def rms(x, w):
-        return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + cfg.rms_norm_eps))
-
-    emb = hf.model.embed_tokens.weight.detach().double()[ids]
-    emb[pos == 0] = 0
-    eh = torch.cat([rms(emb, sub["enorm.weight"]), rms(prev.double(), sub["hnorm.weight"])], -1)
-    x = eh @ sub["eh_proj.weight"].T
-    t = len(ids)
-    cos, sin = DeepseekV3RotaryEmbedding(hf.config)(x[None], pos[None])
-    mask = torch.full((t, t), float("-inf"), dtype=torch.float64).triu(1)[None, None]
-    with torch.no_grad():
-        h = layer(x[None], attention_mask=mask, position_ids=pos[None], position_embeddings=(cos, sin))
-    h = h[0] if isinstance(h, tuple) else h
-    return rms(h[0], sub["shared_head.norm.weight"])
+    return hf_mtp_block_reference(hf, path, cfg, k, ids, pos, prev, DeepseekV3DecoderLayer, DeepseekV3RotaryEmbedding)
 
 
 @pytest.mark.parametrize("variant", ["qlora_yarn_interleave", "qproj_default_neox"])

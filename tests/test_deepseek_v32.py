@@ -45,7 +45,7 @@ from mtpspec.distributed import launch
 from mtpspec.layers.attention import (allocate_kv_caches, build_attention_metadata, collect_attention_layers,
                                       set_forward_context)
 from mtpspec.models import load_models
-from tiny_models import DSV3_YARN, DSV32_TINY_CONFIG, make_tiny_checkpoint
+from tiny_models import DSV3_YARN, DSV32_TINY_CONFIG, hf_mtp_block_reference, make_tiny_checkpoint
 
 FAMILY = "deepseek_v32"
 VARIANTS = {
@@ -198,50 +198,20 @@ def check_pruning_matters(hf, prompts, ref, path):
 def hf_mtp_reference(hf, path, cfg, k, ids, pos, prev):
     """MTP layer ``k`` in float64 from transformers' own decoder layer of the architecture
     (``DeepseekV32DecoderLayer`` / ``GlmMoeDsaDecoderLayer``, its indexer included) loaded with the
-    MTP block's weights: eh_proj([enorm(emb; position-0 rows zero), hnorm(prev)]) -> layer ->
-    shared_head.norm. One causal sequence."""
+    MTP block's weights (:func:`tiny_models.hf_mtp_block_reference`). One causal sequence."""
     import transformers.models.deepseek_v32.modeling_deepseek_v32 as v32
     import transformers.models.glm_moe_dsa.modeling_glm_moe_dsa as glm5
 
-    from mtpspec.models.loader import read_checkpoint_tensors
-    idx = cfg.num_hidden_layers + k
-    pre = f"model.layers.{idx}."
-    sub = {key[len(pre):]: t.double() for key, t in read_checkpoint_tensors(path) if key.startswith(pre)}
-    hf_cfg = copy.deepcopy(hf.config)
-    hf_cfg._experts_implementation = "eager"  # the per-expert loop (grouped_mm has no float64)
-    extra = idx + 1 - len(hf_cfg.mlp_layer_types)
-    hf_cfg.mlp_layer_types = list(hf_cfg.mlp_layer_types) + ["sparse"] * extra
-    glm = hasattr(hf_cfg, "indexer_types")
-    if glm:
-        hf_cfg.indexer_types = list(hf_cfg.indexer_types) + ["full"] * extra  # MTP blocks run their own indexer
-    layer = (glm5.GlmMoeDsaDecoderLayer if glm else v32.DeepseekV32DecoderLayer)(hf_cfg, idx).eval()
-    assert layer.self_attn.indexer is not None
-    sd, experts = {}, range(cfg.n_routed_experts)
-    for name in layer.state_dict():
-        if name == "mlp.experts.gate_up_proj":
-            sd[name] = torch.stack([torch.cat([sub[f"mlp.experts.{e}.gate_proj.weight"],
-                                               sub[f"mlp.experts.{e}.up_proj.weight"]]) for e in experts])
-        elif name == "mlp.experts.down_proj":
-            sd[name] = torch.stack([sub[f"mlp.experts.{e}.down_proj.weight"] for e in experts])
-        else:
-            sd[name] = sub[name]
-    layer.load_state_dict(sd)
-    layer.double()
-
-    def rms(x, w):
-        return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + cfg.rms_norm_eps))
-
-    emb = hf.model.embed_tokens.weight.detach().double()[ids]
-    emb[pos == 0] = 0
-    eh = torch.cat([rms(emb, sub["enorm.weight"]), rms(prev.double(), sub["hnorm.weight"])], -1)
-    x = eh @ sub["eh_proj.weight"].T
-    t = len(ids)
-    cos, sin = v32.DeepseekV32RotaryEmbedding(hf.config)(x[None], pos[None])
-    mask = torch.full((t, t), float("-inf"), dtype=torch.float64).triu(1)[None, None]
-    with torch.no_grad():
-        h = layer(x[None], attention_mask=mask, position_ids=pos[None], position_embeddings=(cos, sin))
-    h = h[0] if isinstance(h, tuple) else h
-    return rms(h[0], sub["shared_head.norm.weight"])
+    def build(hf_cfg, idx):
+        extra = idx + 1 - len(hf_cfg.mlp_layer_types)
+        hf_cfg.mlp_layer_types = list(hf_cfg.mlp_layer_types) + ["sparse"] * extra
+        glm = hasattr(hf_cfg, "indexer_types")
+        if glm:
+            hf_cfg.indexer_types = list(hf_cfg.indexer_types) + ["full"] * extra  # MTP blocks run their own indexer
+        layer = (glm5.GlmMoeDsaDecoderLayer if glm else v32.DeepseekV32DecoderLayer)(hf_cfg, idx)
+        assert layer.self_attn.indexer is not None
+        return layer
+    return hf_mtp_block_reference(hf, path, cfg, k, ids, pos, prev, build, v32.DeepseekV32RotaryEmbedding)
 
 
 def check_mtp_reference(hfs, data, variant):

@@ -161,3 +161,48 @@ def make_tiny_checkpoint(path: str, seed: int = 0, num_mtp_layers: int = 1, mtp_
     save_checkpoint(path, tensors, raw, max_shard_bytes=max_shard_bytes, dtype=dtype)
     cfg = ModelConfig.from_pretrained(path)
     return model, cfg
+
+
+def hf_mtp_block_reference(hf, path: str, cfg, k: int, ids: torch.Tensor, pos: torch.Tensor, prev: torch.Tensor,
+                           build_layer, rotary_cls) -> torch.Tensor:
+    """MTP layer ``k`` in float64 from transformers' own decoder layer loaded with the MTP block's
+    checkpoint weights: ``eh_proj([enorm(emb; position-0 rows zero), hnorm(prev)])`` -> layer ->
+    ``shared_head.norm``, one causal sequence. ``build_layer(hf_cfg, idx)`` makes the architecture's
+    decoder layer from a copy of ``hf.config`` (experts on the per-expert loop: grouped_mm has no
+    float64); ``rotary_cls(hf.config)`` its rotary embedding."""
+    import copy
+
+    from mtpspec.models.loader import read_checkpoint_tensors
+    idx = cfg.num_hidden_layers + k
+    pre = f"model.layers.{idx}."
+    sub = {key[len(pre):]: t.double() for key, t in read_checkpoint_tensors(path) if key.startswith(pre)}
+    hf_cfg = copy.deepcopy(hf.config)
+    hf_cfg._experts_implementation = "eager"
+    layer = build_layer(hf_cfg, idx).eval()
+    sd, experts = {}, range(cfg.n_routed_experts)
+    for name in layer.state_dict():  # per-expert checkpoint tensors -> transformers' fused experts
+        if name == "mlp.experts.gate_up_proj":
+            sd[name] = torch.stack([torch.cat([sub[f"mlp.experts.{e}.gate_proj.weight"],
+                                               sub[f"mlp.experts.{e}.up_proj.weight"]]) for e in experts])
+        elif name == "mlp.experts.down_proj":
+            sd[name] = torch.stack([sub[f"mlp.experts.{e}.down_proj.weight"] for e in experts])
+        else:
+            sd[name] = sub[name]
+    layer.load_state_dict(sd)
+    layer.double()
+
+    def rms(x, w):
+        return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + cfg.rms_norm_eps))
+
+    emb = hf.model.embed_tokens.weight.detach().double()[ids]
+    emb[pos == 0] = 0
+    eh = torch.cat([rms(emb, sub["enorm.weight"]), rms(prev.double(), sub["hnorm.weight"])], -1)
+    x = eh @ sub["eh_proj.weight"].T
+    t = len(ids)
+    cos, sin = rotary_cls(hf.config)(x[None], pos[None])
+    mask = torch.full((t, t), float("-inf"), dtype=torch.float64).triu(1)[None, None]
+    with torch.no_grad():
+        h = layer(x[None], attention_mask=mask, position_ids=pos[None], position_embeddings=(cos, sin))
+    h = h[0] if isinstance(h, tuple) else h
+    return rms(h[0], sub["shared_head.norm.weight"])
+
