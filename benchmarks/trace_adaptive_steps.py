@@ -111,11 +111,6 @@ def summarise(rows: List[Dict[str, Any]], context: int = 2, show: int = 6) -> Di
     return out
 
 
-def _catch_up_rows(runner: Any) -> int:
-    """Deferred MTP entries this rank's runner wrote in catch-ups (0 without deferral)."""
-    return runner.num_mtp_catch_up_rows
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("model", nargs="?")
@@ -162,7 +157,7 @@ def main() -> None:
     rows = trace(llm, prompts, a.output_len, a.concurrency)
     took = time.perf_counter() - t0
     out_tokens = n * a.output_len
-    caught_up = llm.collective_rpc(_catch_up_rows)[0]
+    caught_up = llm.llm_engine.get_metrics().get("num_mtp_catch_up_tokens", 0)  # warm-up included
     print(f"{a.engine}{' (eager MTP KV)' if a.eager_mtp_kv else ''}, forced {a.forced_acceptance}: {len(rows)} steps "
           f"in {took:.2f} s, {out_tokens / took:.0f} output tok/s; proposed k histogram "
           f"{[sum(1 for r in rows if r['k'] == k) for k in range(4)]}; deferred MTP rows caught up: {caught_up}")
