@@ -14,7 +14,7 @@ The types live outside ``engine/`` (beside ``config.py`` and ``outputs.py``) so 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -24,15 +24,19 @@ from mtpspec.sample.logprobs import LogprobsMetadata, TokenLogprobs
 from mtpspec.sample.sampler import SamplingMetadata
 
 
-def host_to_device(x, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A host array (numpy or list) as a ``dtype`` tensor on ``device``: on CUDA copied from pinned
-    memory without blocking the host (the caching host allocator makes the pinning cheap after the
-    first steps); elsewhere as is."""
+def host_to_device(arrays: Sequence, dtype: torch.dtype, device: torch.device) -> List[torch.Tensor]:
+    """Host arrays (numpy or lists, any shapes) as ``dtype`` tensors of the same shapes on
+    ``device``, in one copy: on CUDA from pinned memory without blocking the host (the caching host
+    allocator makes the pinning cheap after the first steps); elsewhere as they are."""
     import numpy as np
-    t = torch.from_numpy(np.ascontiguousarray(x)).to(dtype)
-    if device.type != "cuda":
-        return t.to(device)
-    return t.pin_memory().to(device, non_blocking=True)
+    host = [np.asarray(x) for x in arrays]
+    flat = torch.from_numpy(np.concatenate([h.reshape(-1) for h in host])).to(dtype)
+    flat = flat.to(device) if device.type != "cuda" else flat.pin_memory().to(device, non_blocking=True)
+    out, at = [], 0
+    for h in host:
+        out.append(flat[at:at + h.size].view(h.shape))
+        at += h.size
+    return out
 
 
 @dataclass

@@ -120,14 +120,25 @@ class MTPHiddenStateCache(AttentionLayerBase):
         return AttentionSpec(block_size=block_size, num_kv_heads=1, head_size=self.hidden_size, dtype=self.dtype)
 
     def write(self, hidden: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-        """``hidden [n, H]`` at ``slot_mapping [n]`` (every slot real; see the impl)."""
+        """``hidden [n, H]`` (any float dtype; stored in :attr:`dtype`) at the first ``n`` entries of
+        ``slot_mapping`` (int64 slots, every one real; see the impl). No host sync.
+
+        Raises:
+            RuntimeError: the cache is not allocated.
+        """
         if self.kv_cache is None:
             raise RuntimeError("the hidden-state cache is not allocated")
         n = hidden.shape[0]
         self.impl.do_kv_cache_update(self, hidden, None, self.kv_cache, slot_mapping[:n])
 
     def read(self, meta: AttentionMetadata) -> torch.Tensor:
-        """``[n, H]`` rows at ``meta.slot_mapping``."""
+        """The rows at ``meta.slot_mapping [n]``: ``[n, H]`` in :attr:`dtype`. No host sync.
+
+        Raises:
+            RuntimeError: the cache is not allocated.
+        """
+        if self.kv_cache is None:
+            raise RuntimeError("the hidden-state cache is not allocated")
         return self.impl.forward(self, None, None, None, self.kv_cache, meta)
 
 
@@ -188,21 +199,24 @@ def _chunk_inputs(step: "StepInput", parts: Sequence[Tuple[int, int, int]], bloc
             step_rows.append(int(first_row[i]))
     blocks = bt[np.repeat(np.arange(len(parts)), q), pos // block_size]
     slots = blocks * block_size + pos % block_size
-    t = lambda x, dt=torch.int64: host_to_device(x, dt, device)  # noqa: E731
     seq_lens = [b for _, _, b in parts]
-    meta = AttentionMetadata(query_start_loc=t(seg, torch.int32), seq_lens=t(np.array(seq_lens), torch.int32),
-                             slot_mapping=t(slots), block_tables=t(bt, torch.int32), num_seqs=len(parts),
-                             max_query_len=int(q.max()), max_seq_len=max(seq_lens), query_lens=q.tolist(),
-                             seq_lens_list=seq_lens)
-    return t(ids), t(pos), meta, last_rows, step_rows
+    slots_d, ids_d, pos_d = host_to_device([slots, ids, pos], torch.int64, device)
+    qsl, lens, bt_d = host_to_device([seg, seq_lens, bt], torch.int32, device)
+    meta = AttentionMetadata(query_start_loc=qsl, seq_lens=lens, slot_mapping=slots_d, block_tables=bt_d,
+                             num_seqs=len(parts), max_query_len=int(q.max()), max_seq_len=max(seq_lens),
+                             query_lens=q.tolist(), seq_lens_list=seq_lens)
+    return ids_d, pos_d, meta, last_rows, step_rows
 
 
 def catch_up(step: "StepInput", inp: "PreparedStep", cache: MTPHiddenStateCache, write_kv_rows,
              block_size: int, max_rows: int) -> int:
     """Write the MTP KV entries of every sequence's lag (module docstring) before ``step``'s first
-    pass: per chunk of :func:`lag_rows`, the rows' ids (each position's next token), positions,
-    and hidden states read from ``cache``, handed to ``write_kv_rows(ids, positions, hidden,
-    metadata)`` (the proposer's KV-only pass). Returns the rows written. No host sync.
+    pass: per chunk of :func:`lag_rows` (``T <= max_rows`` rows), ``write_kv_rows(ids [T] int64
+    (each position's next token), positions [T] int64, hidden [T, H] (read from ``cache``, model
+    dtype), metadata)`` (the proposer's KV-only pass,
+    :meth:`~mtpspec.spec_decode.proposer.Proposer.write_kv_rows`). ``inp``: the step's prepared
+    inputs (its first input token of each sequence, filled on the device when it was pending).
+    Returns the rows written (an int). No host sync.
 
     Raises:
         ValueError: see :func:`lag_rows`.
@@ -215,14 +229,15 @@ def catch_up(step: "StepInput", inp: "PreparedStep", cache: MTPHiddenStateCache,
     for parts in chunks:
         ids, pos, meta, last_rows, step_rows = _chunk_inputs(step, parts, block_size, first_row, dev)
         if last_rows:  # the step's first input token (filled on the device when it was pending)
-            src = inp.input_ids.index_select(0, host_to_device(step_rows, torch.int64, dev))
-            ids.index_copy_(0, host_to_device(last_rows, torch.int64, dev), src)
+            step_rows_d, last_rows_d = host_to_device([step_rows, last_rows], torch.int64, dev)
+            ids.index_copy_(0, last_rows_d, inp.input_ids.index_select(0, step_rows_d))
         write_kv_rows(ids, pos, cache.read(meta), meta)
         n += ids.shape[0]
     return n
 
 
-def sequence_lag(seq_mtp_len: int, start_position: int, all_token_ids: Union[List[int], Sequence[int]]):
+def sequence_lag(seq_mtp_len: int, start_position: int,
+                 all_token_ids: Union[List[int], Sequence[int]]) -> Tuple[int, List[int]]:
     """``(mtp_lag, mtp_lag_token_ids)`` of a sequence scheduled at ``start_position`` whose MTP
     entries are written below ``seq_mtp_len``: the next tokens of positions ``mtp_len .. start -
     2`` (the last lag position's next token is the step's first input)."""

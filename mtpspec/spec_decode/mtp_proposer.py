@@ -310,20 +310,20 @@ class MTPProposer(Proposer):
         q_kv = q[kv_seqs] - 1
         kv_lens = (starts[kv_seqs] + q_kv).tolist()
         dev = inp.input_ids.device
-        t = lambda x, dt=torch.int64: host_to_device(x, dt, dev)  # noqa: E731
+        keep_d, kv_d, kv_seqs_d, base_d = host_to_device([keep, kv, kv_seqs, base], torch.int64, dev)
+        qsl_keep, qsl_kv, kv_lens_d = host_to_device([seg_keep, np.concatenate([[0], np.cumsum(q_kv)]), kv_lens],
+                                                     torch.int32, dev)
         m = inp.attn_metadata
-        keep_d, kv_d = t(keep), t(kv)
-        meta = AttentionMetadata(query_start_loc=t(seg_keep, torch.int32), seq_lens=m.seq_lens,
+        meta = AttentionMetadata(query_start_loc=qsl_keep, seq_lens=m.seq_lens,
                                  slot_mapping=m.slot_mapping.index_select(0, keep_d), block_tables=m.block_tables,
                                  num_seqs=m.num_seqs, max_query_len=int(q_keep.max()), max_seq_len=m.max_seq_len,
                                  query_lens=q_keep.tolist(), seq_lens_list=list(m.seq_lens_list))
-        kv_meta = AttentionMetadata(query_start_loc=t(np.concatenate([[0], np.cumsum(q_kv)]), torch.int32),
-                                    seq_lens=t(np.array(kv_lens), torch.int32),
+        kv_meta = AttentionMetadata(query_start_loc=qsl_kv, seq_lens=kv_lens_d,
                                     slot_mapping=m.slot_mapping.index_select(0, kv_d),
-                                    block_tables=m.block_tables.index_select(0, t(kv_seqs)), num_seqs=len(kv_seqs),
+                                    block_tables=m.block_tables.index_select(0, kv_seqs_d), num_seqs=len(kv_seqs),
                                     max_query_len=int(q_kv.max()), max_seq_len=max(kv_lens), query_lens=q_kv.tolist(),
                                     seq_lens_list=kv_lens)
-        return keep_d, kv_d, kv_meta, meta, t(base)
+        return keep_d, kv_d, kv_meta, meta, base_d
 
     def propose(self, inp: PreparedStep, target_hidden: torch.Tensor, new_token_ids: torch.Tensor,
                 last_row_offsets: torch.Tensor, host_last_row_offsets: Optional[list] = None,
