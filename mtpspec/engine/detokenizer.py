@@ -25,6 +25,10 @@ class Tokenizer:
         # A transformers fast tokenizer's own ``tokenizers.Tokenizer``, when calling it gives the
         # same ids as transformers' ``encode`` (skips ~0.1 ms of Python per call), else None.
         self._rust = None if self._is_fast_lib else _rust_backend(backend)
+        #: The ``tokenizers.Tokenizer`` whose decoder gives :meth:`decode`'s text (the backend itself,
+        #: or a transformers fast tokenizer's own when its decode adds nothing to it), which
+        #: :class:`IncrementalDetokenizer` then drives through ``tokenizers``' ``DecodeStream``; else None.
+        self.stream_backend = backend if self._is_fast_lib else _plain_decode_backend(backend)
 
     def encode(self, text: str) -> List[int]:
         """Token ids of ``text`` (no special tokens added)."""
@@ -84,6 +88,32 @@ def _rust_backend(backend: Any) -> Any:
     return rust
 
 
+def _plain_decode_backend(backend: Any) -> Any:
+    """The ``tokenizers.Tokenizer`` inside a transformers (v5) ``TokenizersBackend`` whose ``decode``
+    is the library's own and returns that tokenizer's text unchanged (no clean-up of spaces, or the
+    clean-up transformers skips for BPE models); ``None`` otherwise (then the Python window below
+    decodes through transformers)."""
+    try:
+        from tokenizers import Tokenizer as RustTokenizer
+        from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+        from transformers.tokenization_utils_tokenizers import TokenizersBackend
+    except ImportError:
+        return None
+    cls, rust = type(backend), getattr(backend, "_tokenizer", None)
+    if not isinstance(backend, TokenizersBackend) or not isinstance(rust, RustTokenizer):
+        return None
+    if cls.decode is not PreTrainedTokenizerBase.decode or cls._decode is not TokenizersBackend._decode:
+        return None
+    try:
+        clean = bool(backend.clean_up_tokenization_spaces)
+        if clean and (type(rust.model).__name__ != "BPE" or getattr(
+                backend, "clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output", False)):
+            return None
+    except Exception:  # any surprise: keep transformers' own path
+        return None
+    return rust
+
+
 def load_tokenizer(path: str) -> Optional[Tokenizer]:
     """The tokenizer in directory ``path`` or ``None`` when it holds none.
 
@@ -123,7 +153,15 @@ class IncrementalDetokenizer:
     """Turns a growing list of output ids into text deltas.
 
     Each call decodes a short window ``ids[prefix:]`` and ``ids[prefix:read]`` and emits the
-    difference; a delta ending in U+FFFD (an incomplete UTF-8 sequence) waits for more tokens.
+    difference; a delta ending in U+FFFD (an incomplete UTF-8 sequence) waits for more tokens
+    (the prefix / read offsets of Hugging Face text-generation-inference's and vLLM's
+    incremental detokenizers). Where the tokenizer has a :attr:`Tokenizer.stream_backend` and the
+    prompt's last tokens decode to whole characters, the same algorithm runs inside ``tokenizers``
+    (``tokenizers.decoders.DecodeStream`` seeded with those tokens): one call a token instead of two
+    decodes through Python (~0.6 us a token instead of ~2 us on the CPU, the demo tokenizer), the same
+    text (tests/test_detokenizer.py). A prompt context that ends inside a character (``DecodeStream``
+    then also emits the context's text) keeps the window, and so does the rest of a sequence whose
+    stream raised (e.g. ``tokenizers``' "Invalid prefix encountered").
     """
 
     def __init__(self, tokenizer: Tokenizer, prompt_token_ids: Sequence[int], skip_special_tokens: bool = True):
@@ -133,10 +171,29 @@ class IncrementalDetokenizer:
         self.prefix_offset = 0
         self.read_offset = len(self.ids)
         self.text = ""
+        self._stream, self._rust = None, getattr(tokenizer, "stream_backend", None)
+        if self._rust is not None and not tokenizer.decode(self.ids, skip_special_tokens).endswith("\ufffd"):
+            try:
+                from tokenizers.decoders import DecodeStream
+                self._stream = DecodeStream(ids=list(self.ids), skip_special_tokens=skip_special_tokens)
+            except (ImportError, TypeError):  # tokenizers < 0.22 (no DecodeStream or no prompt ids): the window
+                self._stream = None
 
     def add(self, token_id: int) -> str:
         """Append one output token; returns the new text (possibly ``""``) and grows ``text``."""
         self.ids.append(token_id)
+        if self._stream is not None:
+            try:
+                delta = self._stream.step(self._rust, token_id)
+            except Exception:  # the window from the last emitted token on (its pending tokens included)
+                self._stream = None
+                self.prefix_offset = max(0, self.read_offset - _CONTEXT_TOKENS)
+            else:
+                if not delta:
+                    return ""
+                self.read_offset = len(self.ids)  # every token so far is in the text
+                self.text += delta
+                return delta
         dec = lambda a, b=None: self.tokenizer.decode(self.ids[a:b], self.skip_special_tokens)  # noqa: E731
         prefix_text = dec(self.prefix_offset, self.read_offset)
         new_text = dec(self.prefix_offset)
