@@ -1,0 +1,121 @@
+"""Host time of an engine step, phase by phase (issue 18: the host's share of a speculative step).
+
+    PYTHONPATH=$PWD python benchmarks/profile_step_host.py [MODEL] --k 3 --batch 64 [--window-detokenizer]
+
+``MODEL`` defaults to a micro GLM-4.5-style model written to a temporary folder (hidden 64, one
+layer, the demo tokenizer's 10,007-token vocabulary, random weights), so that on a CPU the model's
+compute is small next to the host's per-token work. Decodes of ``--batch`` random 64-token prompts,
+forced acceptance ``--rate`` (SYNTHETIC) for ``--k`` > 0, async scheduling on; ``--warmup`` steps,
+then ``--steps`` timed. Prints ms a step and us per emitted token of each wrapped phase:
+``schedule`` (the scheduler), ``step_input`` (the engine's step description), ``runner._prepare``
+(host arrays and the host-to-device copy), ``runner.launch`` (the whole forward: on a CPU it holds
+the model's compute; on a GPU its host part), ``update_from_output`` (applying the tokens: stops,
+counters, block hashes) and within it ``append_tokens`` (stop checks and detokenization).
+``--window-detokenizer``: the Python window instead of ``tokenizers``' ``DecodeStream`` (the A/B of
+that change). Host times on a shared CPU move from run to run: compare runs of one session.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import functools
+import json
+import os
+import random
+import shutil
+import sys
+import tempfile
+import time
+
+
+def micro_model(folder: str) -> str:
+    """A config-only micro model (``load_format="dummy"``) with the demo tokenizer in ``folder``."""
+    from mtpspec import demo_model_path
+    demo = demo_model_path("glm4_moe")
+    cfg = json.load(open(os.path.join(demo, "config.json")))
+    cfg.update(hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=1,
+               num_attention_heads=2, num_key_value_heads=1, head_dim=32, first_k_dense_replace=3,
+               num_nextn_predict_layers=1, max_position_embeddings=4096)
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    shutil.copy(os.path.join(demo, "tokenizer.json"), os.path.join(folder, "tokenizer.json"))
+    return folder
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("model", nargs="?", default=None)
+    ap.add_argument("--k", type=int, default=3)
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--rate", type=float, default=0.8)
+    ap.add_argument("--warmup", type=int, default=10)
+    ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument("--device", default=None)
+    ap.add_argument("--window-detokenizer", action="store_true")
+    args = ap.parse_args()
+    import torch
+
+    from mtpspec import LLM, SamplingParams
+    from mtpspec.spec_decode.forced_acceptance import ForcedAcceptance, enable_forced_acceptance
+    torch.set_num_threads(1)
+    tmp = None
+    if args.model is None:
+        tmp = tempfile.mkdtemp(prefix="mtpspec_micro_")
+        args.model = micro_model(tmp)
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    spec = {"num_speculative_tokens": args.k} if args.k else None
+    llm = LLM(args.model, speculative_config=spec, max_num_seqs=args.batch, max_model_len=4096, load_format="dummy",
+              dtype="float32" if device == "cpu" else "bfloat16", device=device, async_scheduling=True)
+    eng = llm.llm_engine
+    if args.window_detokenizer and eng.tokenizer is not None:
+        eng.tokenizer.stream_backend = None
+    if args.k:
+        enable_forced_acceptance(eng, ForcedAcceptance.parse(f"rate:{args.rate}"))
+    rng = random.Random(0)
+    for i in range(args.batch):
+        eng.add_request({"prompt_token_ids": [rng.randrange(10, eng.vocab_size) for _ in range(64)]},
+                        SamplingParams(max_tokens=3000, temperature=0.0, ignore_eos=True), str(i))
+    for _ in range(args.warmup):
+        eng.step()
+    spent = collections.defaultdict(float)
+
+    def wrap(obj, name, key):
+        f = getattr(obj, name)
+
+        @functools.wraps(f)
+        def timed(*a, **kw):
+            t = time.perf_counter()
+            try:
+                return f(*a, **kw)
+            finally:
+                spent[key] += time.perf_counter() - t
+        setattr(obj, name, timed)
+    import mtpspec.engine.scheduler as scheduler_module
+    runner = eng.executor.runner
+    wrap(eng.scheduler, "schedule", "schedule")
+    wrap(eng, "_step_input", "step_input")
+    wrap(runner, "launch", "runner.launch")
+    wrap(runner, "_prepare", "  runner._prepare")
+    wrap(eng.scheduler, "update_from_output", "update_from_output")
+    wrap(scheduler_module, "append_tokens", "  append_tokens")
+    n0 = eng.metrics.num_output_tokens
+    t0 = time.perf_counter()
+    for _ in range(args.steps):
+        eng.step()
+    if device != "cpu":
+        torch.cuda.synchronize()
+    wall = time.perf_counter() - t0
+    toks = eng.metrics.num_output_tokens - n0
+    print(f"{args.model} on {device}: k={args.k} batch={args.batch} detokenizer="
+          f"{'window' if args.window_detokenizer else 'stream where it applies'}: {wall / args.steps * 1e3:.2f} ms a "
+          f"step, {toks / args.steps:.1f} tokens a step")
+    for key, s in spent.items():
+        print(f"  {key:22s} {s / args.steps * 1e3:8.3f} ms a step {s / max(toks, 1) * 1e6:8.2f} us a token")
+    if tmp:
+        shutil.rmtree(tmp, ignore_errors=True)
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()
