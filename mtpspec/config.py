@@ -120,7 +120,7 @@ class SpeculativeConfig:
     """MTP speculative decoding (vLLM's ``speculative_config`` dict maps onto this).
 
     Attributes:
-        method: only ``"mtp"``.
+        method: ``"mtp"`` (vLLM's older ``"<model>_mtp"`` names, e.g. ``"deepseek_mtp"``, are read as it).
         num_speculative_tokens: k, draft tokens proposed per target step, 1..16 (default 1;
             no speculation is ``speculative_config=None``, on the command line ``-k 0``).
         use_local_argmax_reduction: (default False) greedy drafts via the model's ``get_top_tokens``
@@ -195,8 +195,12 @@ class SpeculativeConfig:
         if self.adaptive_defer_mtp_kv is not None and not self.adaptive:
             raise ValueError("speculative_config: adaptive_defer_mtp_kv is given but adaptive is false (it only "
                              "applies to adaptive speculation)")
+        if isinstance(self.method, str) and self.method.endswith("_mtp"):
+            # vLLM's older per-model names (deepseek_mtp, glm4_moe_mtp, ...) mean "mtp" there too
+            self.method = "mtp"
         if self.method != "mtp":
-            raise ValueError(f"speculative method must be 'mtp', got {self.method!r}")
+            raise ValueError(f"speculative method must be 'mtp' (or a model-specific alias such as 'deepseek_mtp'), "
+                             f"got {self.method!r}")
         if self.draft_sampling not in self.DRAFT_SAMPLING:
             raise ValueError(f"speculative_config: draft_sampling must be one of {list(self.DRAFT_SAMPLING)}, "
                              f"got {self.draft_sampling!r}")
@@ -374,6 +378,9 @@ class ModelConfig:
     dtype: Any = None
     model_path: Optional[str] = None
     quantization: Optional[Fp8WeightConfig] = None
+    #: whether config.json names its MTP layer count (``num_nextn_predict_layers`` / ``num_mtp_layers``;
+    #: transformers' DeepseekV32Config and GlmMoeDsaConfig write neither): for error messages
+    declares_mtp_layers: bool = True
 
     # ---------------------------------------------------------------- the architecture's part
     def __getattr__(self, name: str) -> Any:
@@ -438,6 +445,10 @@ class ModelConfig:
         rope_theta = rope_parameters(raw).get("rope_theta", raw.get("rope_theta", 10000.0))
         arch = get_architecture(arch_name).config_class().from_dict(raw)
 
+        layer_types = raw.get("layer_types")
+        if layer_types is not None and (not isinstance(layer_types, list) or len(layer_types) != raw["num_hidden_layers"]):
+            raise ModelConfigError(f"config key 'layer_types' must list one entry per layer (num_hidden_layers="
+                                   f"{raw['num_hidden_layers']}), got {layer_types!r}")
         eos = raw.get("eos_token_id")
         eos_ids = () if eos is None else (tuple(eos) if isinstance(eos, (list, tuple)) else (eos,))
         dtype_name = raw.get("torch_dtype", raw.get("dtype")) or "float32"
@@ -459,6 +470,7 @@ class ModelConfig:
             bos_token_id=raw.get("bos_token_id"), pad_token_id=raw.get("pad_token_id"),
             eos_token_ids=eos_ids, dtype=_dtype_from_name(dtype_name),
             quantization=Fp8WeightConfig.from_dict(raw.get("quantization_config")),
+            declares_mtp_layers="num_nextn_predict_layers" in raw or "num_mtp_layers" in raw,
         )
         cfg.validate()
         return cfg

@@ -101,6 +101,29 @@ def test_load_gsm8k_rejects_rows_without_keys(tmp_path):
         load_gsm8k(bad)
 
 
+@pytest.mark.parametrize("text, pattern", [
+    ('{"question": "q", "answer": "a"}\nnot json\n', r"bad.jsonl:2: not a JSON line"),
+    ("123\n", r"bad.jsonl:1: expected a JSON object .* got int"),
+    ('{"question": 1, "answer": "a"}\n', r"bad.jsonl:1: 'question' and 'answer' must be strings"),
+    ("", r"bad.jsonl: no GSM8K rows \(the file is empty\)"),
+    ("\n  \n", r"bad.jsonl: no GSM8K rows"),
+])
+def test_load_gsm8k_names_the_file_and_line_of_a_bad_row(tmp_path, text, pattern):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(text)
+    with pytest.raises(ValueError, match=pattern):
+        load_gsm8k(bad)
+
+
+def test_generate_reports_a_bad_gsm8k_file_in_one_line(tmp_path):
+    """``generate --gsm8k-data`` with a malformed file: ``error: ...`` naming it, exit 2, no traceback."""
+    (tmp_path / "test.jsonl").write_text("not json\n")
+    r = subprocess.run([sys.executable, "-m", "mtpspec.entrypoints.cli", "generate", "--gsm8k-data", str(tmp_path),
+                        "--gsm8k-question", "0", "--device", "cpu"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2, r.stderr
+    assert "test.jsonl:1: not a JSON line" in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
 # ---------------------------------------------------------------------------- prompts, pinned
 # sha256 of the prompts built by mtpspec.training.gsm8k_format / entrypoints.bench_dataset at
 # commit ca1cb7c (before the move), from the same files: the move changed no byte.

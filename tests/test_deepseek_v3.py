@@ -419,3 +419,14 @@ def test_default_block_size_is_the_architectures(engine_model, tmp_path) -> None
     assert EngineArgs(model=path, block_size=16).create_engine_config().cache_config.block_size == 16
     make_model(str(tmp_path), seed=3)
     assert EngineArgs(model=str(tmp_path)).create_engine_config().cache_config.block_size == 16
+
+
+def test_yarn_without_factor_is_an_error_as_in_transformers():
+    """transformers refuses ``rope_type: yarn`` without ``factor``; reading it as plain rope (factor 1)
+    would change long-context attention silently."""
+    for key in ("rope_parameters", "rope_scaling"):
+        params = {k: v for k, v in DSV3_YARN.items() if k != "factor"}
+        with pytest.raises(ModelConfigError, match="rope_type 'yarn' needs a numeric 'factor'"):
+            ModelConfig.from_dict(_raw(**{key: params}))
+    with pytest.raises(ModelConfigError, match="numeric 'factor'.*'4'"):
+        ModelConfig.from_dict(_raw(rope_parameters=dict(DSV3_YARN, factor="4")))

@@ -108,3 +108,29 @@ def test_a_stream_that_raises_continues_in_the_window(tok):
         d._stream = Broken()
         got += [d.add(i) for i in ids[cut:]]
         assert "".join(got) == want == d.text and d._stream is None
+
+
+def test_long_texts_encode_to_the_same_ids_with_the_gil_released(tok, tmp_path):
+    """Texts of ``LONG_TEXT_CHARS`` or more go through ``encode_batch`` (which releases the GIL):
+    the same ids as ``encode``, for a bare tokenizer.json and a transformers fast tokenizer."""
+    import threading
+    import time
+
+    from mtpspec.engine.detokenizer import LONG_TEXT_CHARS
+    text = ("Natalia sold 48 clips in April. 数字 🙂 <|endoftext|> " * 400)[:LONG_TEXT_CHARS + 7]
+    shutil.copy(f"{DEMO}/tokenizer.json", tmp_path / "tokenizer.json")
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast"}))
+    hf = load_tokenizer(str(tmp_path))
+    assert hf._rust is not None
+    for t, ref in ((tok, lambda x: tok.backend.encode(x, add_special_tokens=False).ids),
+                   (hf, lambda x: list(hf.backend.encode(x, add_special_tokens=False)))):
+        assert t.encode(text) == ref(text) and t.encode(text[:100]) == ref(text[:100])
+    # the GIL is free while a long text encodes: another thread keeps running
+    big, ticks, done = "word " * 300_000, [], threading.Event()
+    worker = threading.Thread(target=lambda: (tok.encode(big), done.set()))
+    worker.start()
+    while not done.is_set():
+        ticks.append(time.perf_counter())
+        time.sleep(0.001)
+    worker.join()
+    assert len(ticks) >= 5, "the main thread was starved while a long prompt was tokenized"

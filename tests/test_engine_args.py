@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 
 import pytest
 
@@ -78,7 +79,7 @@ def test_shorthand_fills_in_and_json_keeps_vllm_defaults() -> None:
     (["--speculative-config", JSON3, "--no-local-argmax"],
      "--no-local-argmax conflicts with --speculative-config use_local_argmax_reduction=true"),
     (["--speculative-config", '{"k": 3}'], r"unknown speculative_config keys: \['k'\]; expected some of"),
-    (["--speculative-config", '{"method": "eagle"}'], "method must be 'mtp', got 'eagle'"),
+    (["--speculative-config", '{"method": "eagle"}'], "method must be 'mtp' .*got 'eagle'"),
     (["--speculative-config", '{"num_speculative_tokens": 0}'], r"num_speculative_tokens must be an int in \[1, 16\], got 0"),
     (["--speculative-config", '{"num_speculative_tokens": "3"}'], r"num_speculative_tokens must be an int in \[1, 16\], got '3'"),
     (["--speculative-config", '{"use_local_argmax_reduction": 1}'], "use_local_argmax_reduction must be true or false, got 1"),
@@ -274,3 +275,51 @@ def test_serve_takes_the_model_positionally_like_vllm_serve(capsys) -> None:
     assert "no folder '/no/such/model-folder'" in capsys.readouterr().err
     assert main(["serve", "/a", "--model", "/b", "--port", "0"]) == 2
     assert "the model is given twice: '/a' (positional) and --model '/b'" in capsys.readouterr().err
+
+
+def test_human_readable_max_model_len_as_vllm():
+    from mtpspec.engine.arg_utils import human_readable_int
+    for text, want in (("4096", 4096), ("4k", 4000), ("25.6k", 25600), ("4K", 4096), ("1M", 1048576), ("2g", 2 * 10 ** 9),
+                       (" 8K ", 8192)):
+        assert human_readable_int(text) == want, text
+    for bad in ("4.5K", "abc", "k", "1.5", "", "0.0001k"):
+        with pytest.raises(argparse.ArgumentTypeError, match="expected a whole number"):
+            human_readable_int(bad)
+    assert _engine(["--max-model-len", "1k"]).max_model_len == 1000
+
+
+def test_dtype_auto_and_vllm_method_aliases(path):
+    """``--dtype auto`` is the checkpoint's dtype (vLLM's default spelling); ``deepseek_mtp`` and the
+    other ``<model>_mtp`` names of vLLM mean ``mtp``; anything else is still named in the error."""
+    cfg = EngineArgs(model=path, dtype="auto", device="cpu", speculative_config=None).create_engine_config()
+    assert cfg.dtype is None
+    from mtpspec.models.loader import _resolve
+    assert _resolve("auto", "cpu", cfg.model_config)[0] == cfg.model_config.dtype
+    for method in ("deepseek_mtp", "glm4_moe_mtp"):
+        spec = _spec(["--speculative-config", json.dumps({"method": method, "num_speculative_tokens": 2})])
+        assert spec.method == "mtp" and spec.num_speculative_tokens == 2
+        assert SpeculativeConfig(method=method).method == "mtp"
+    with pytest.raises(ValueError, match="method must be 'mtp'.*got 'eagle3'"):
+        _spec(["--speculative-config", '{"method": "eagle3"}'])
+
+
+def test_mtp_without_mtp_layers_says_why_and_what_to_do(path, tmp_path):
+    """A config without ``num_nextn_predict_layers`` (transformers' DeepseekV32Config / GlmMoeDsaConfig
+    write none) is told apart from one that declares 0, and both messages say how to run it."""
+    import shutil
+    with open(f"{path}/config.json") as f:
+        raw = json.load(f)
+    for key_present in (True, False):
+        d = tmp_path / f"m{key_present}"
+        d.mkdir()
+        for name in os.listdir(path):
+            if name != "config.json":
+                shutil.copy(f"{path}/{name}", d / name)
+        cfg = {k: v for k, v in raw.items() if k != "num_nextn_predict_layers"}
+        if key_present:
+            cfg["num_nextn_predict_layers"] = 0
+        (d / "config.json").write_text(json.dumps(cfg))
+        want = "declares num_nextn_predict_layers = 0" if key_present else "has no num_nextn_predict_layers"
+        with pytest.raises(ValueError, match=f"{want}.*-k 0, speculative_config=None"):
+            EngineArgs(model=str(d), device="cpu", speculative_config={"num_speculative_tokens": 1}
+                       ).create_engine_config()

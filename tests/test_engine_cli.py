@@ -163,3 +163,15 @@ def test_generate_help_names_the_real_default_model(capsys):
         main(["generate", "--help"])
     out = " ".join(capsys.readouterr().out.split())
     assert f"mtpspec/{os.path.basename(demo_model_path())}" in out and "mtpspec/demo_model)" not in out
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["serve", "--trust-remote-code"], "mtpspec serve: error: unrecognized arguments: --trust-remote-code"),
+    (["generate", "--max-model-len", "4x"], "mtpspec generate: error: argument --max-model-len: expected a whole "
+                                           "number such as 4096, 4k (4,000)"),
+])
+def test_unknown_flags_are_named_by_their_subcommand(argv, needle, capsys):
+    from mtpspec.entrypoints.cli import main
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    assert info.value.code == 2 and needle in capsys.readouterr().err

@@ -83,6 +83,8 @@ def test_unsupported_architecture_is_named():
     (dict(rope_scaling={"rope_type": "yarn", "factor": 4.0}), "rope_type 'yarn'"),
     (dict(torch_dtype="float64"), "unsupported dtype 'float64'"),
     (dict(num_hidden_layers=2.5), "num_hidden_layers=2.5"),
+    (dict(layer_types=["full_attention"]), r"'layer_types' must list one entry per layer \(num_hidden_layers=3\)"),
+    (dict(layer_types="full_attention"), "'layer_types' must list one entry per layer"),
 ])
 def test_impossible_values_are_named(kw, pattern):
     with pytest.raises(ModelConfigError, match=pattern):

@@ -80,6 +80,10 @@ def test_health_models_metrics(server):
     text = _metrics(server)
     total = metric_value(text, "mtpspec:kv_cache_total_blocks")
     assert total > 0 and metric_value(text, "mtpspec:kv_cache_free_blocks") == total
+    from prometheus_client.parser import text_string_to_metric_families  # vLLM's model_name label, on every sample
+    names = {s.labels.get("model_name") for f in text_string_to_metric_families(text) for s in f.samples
+             if not s.name.startswith("mtpspec:engine_info")}
+    assert names == {data[0]["id"]}, names
     for j in range(K):
         metric_value(text, "mtpspec:spec_decode_num_accepted_tokens_per_pos_total", {"position": str(j)})
     assert metric_value(text, "mtpspec:forced_acceptance") == 0
@@ -922,3 +926,47 @@ def test_ctrl_c_shuts_the_server_down_without_a_traceback(model_dir):
         assert "interrupted; the server shut down" in log and "Traceback" not in log and "leaked" not in log, log
     finally:
         srv.stop()
+
+
+def test_version_nan_logit_bias_and_a_long_prompt_off_the_event_loop(server):
+    """``GET /version`` (vLLM's); a NaN logit bias is a 400 (it clamped to -100 unnoticed); a prompt of
+    ``LONG_TEXT_CHARS`` or more characters is tokenized in a worker thread and still checked (here:
+    too many tokens for the context) while ``/health`` answers."""
+    import threading
+
+    import mtpspec
+    from mtpspec.engine.detokenizer import LONG_TEXT_CHARS
+    assert httpx.get(server.url + "/version").json() == {"version": mtpspec.__version__}
+    r = httpx.post(server.url + "/v1/completions", content=b'{"prompt": "hi", "max_tokens": 2, "logit_bias": {"5": NaN}}',
+                   headers={"content-type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "logit_bias", r.text
+    assert "finite" in r.json()["error"]["message"]
+    health = []
+    t = threading.Thread(target=lambda: health.append(httpx.get(server.url + "/health", timeout=30).status_code))
+    t.start()
+    r = _post(server, "/v1/completions", {"prompt": "word " * (LONG_TEXT_CHARS // 4), "max_tokens": 2})
+    t.join()
+    assert health == [200]
+    assert r.status_code == 400 and "tokens" in r.json()["error"]["message"], r.text
+
+
+def test_long_text_prompts_are_validated_in_a_worker_thread():
+    import asyncio
+    import threading
+
+    from mtpspec.engine.detokenizer import LONG_TEXT_CHARS
+    from mtpspec.entrypoints.openai_server import _validated
+
+    class Engine:
+        seen = []
+
+        def validated_prompt(self, prompt, params):
+            self.seen.append(threading.current_thread() is threading.main_thread())
+            return prompt
+
+    eng, params = Engine(), SamplingParams()
+    assert asyncio.run(_validated(eng, [{"prompt": "short"}, {"prompt_token_ids": [1]}], params)) == \
+        [{"prompt": "short"}, {"prompt_token_ids": [1]}]
+    assert eng.seen == [True, True]
+    asyncio.run(_validated(eng, [{"prompt": "x"}, {"prompt": "y" * LONG_TEXT_CHARS}], params))
+    assert eng.seen[2:] == [False, False]

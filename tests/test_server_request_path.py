@@ -242,7 +242,9 @@ def test_several_served_model_names_are_all_accepted(engine):
     app = build_app(ServerContext(engine, ["a", "b"], "m", {"model": "m"}, metrics))
     r = asyncio.run(_post(app, "/v1/completions", {"model": "b", "prompt": [5, 6], "max_tokens": 2}))
     assert r.status_code == 200 and r.json()["model"] == "a", r.text
-    assert asyncio.run(_post(app, "/v1/completions", {"model": "c", "prompt": [5], "max_tokens": 1})).status_code == 404
+    r = asyncio.run(_post(app, "/v1/completions", {"model": "c", "prompt": [5], "max_tokens": 1}))
+    assert r.status_code == 404 and r.json()["error"]["message"] == \
+        "The model `c` does not exist. This server serves `a`, `b`.", r.text
 
     async def models():
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as client:
@@ -250,3 +252,17 @@ def test_several_served_model_names_are_all_accepted(engine):
     assert [m["id"] for m in asyncio.run(models())["data"]] == ["a", "b"]
     with pytest.raises(ValueError, match="non-empty strings"):
         ServerContext(engine, [], "m", {}, metrics)
+
+
+def test_a_lone_surrogate_prompt_is_named(engine):
+    """JSON allows ``"\\ud800"``; the tokenizer's own error ("TextInputSequence must be str") said
+    nothing a client could act on."""
+    app = _app(engine)
+
+    async def post():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as client:
+            return await client.post("/v1/completions", content=b'{"prompt": "ab\\ud800c", "max_tokens": 2}',
+                                     headers={"content-type": "application/json"}, timeout=60)
+    r = asyncio.run(post())
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["message"] == "the prompt is not valid Unicode text: a lone surrogate U+D800 at character 2"

@@ -23,7 +23,8 @@ flag (vLLM spelling)                  aliases                       default     
 ``--no-fusion``                                                     off         MTP tail: all-reduce, then RMSNorm
 ``--sequence-parallel``                                             off         sequence-parallel MTP layer (tp > 1)
 ``--allreduce-backend``                                             nccl        fused tail's backend: nccl | p2p
-``--max-model-len``                                                 model's     tokens per sequence (at most 8192 default)
+``--max-model-len``                                                 model's     tokens per sequence (at most 8192 default;
+                                                                                4k = 4,000, 4K = 4,096 as vLLM)
 ``--max-num-seqs``                                                  64          sequences per step
 ``--max-num-batched-tokens``                                        derived     new tokens per step
 ``--enable-chunked-prefill``                                        on          split prompts to fill each step's budget;
@@ -36,7 +37,11 @@ flag (vLLM spelling)                  aliases                       default     
 ``--num-kv-blocks``                   ``--num-gpu-blocks-override`` sized       KV blocks per layer (skip profiling)
 ``--kv-cache-dtype``                                                auto        cache storage: auto (model dtype) | fp8 |
                                                                                 fp8_e4m3 (E4M3, scale 1.0 per layer)
-``--dtype``                                                         checkpoint  float32 / bfloat16 / float16
+``--dtype``                                                         auto        auto (the checkpoint's) / float32 /
+                                                                                bfloat16 / float16
+``--generation-config``                                             auto        auto (the model's
+                                                                                generation_config.json: EOS ids,
+                                                                                sampling defaults) | vllm | FOLDER
 ``--device``                                                        cuda if any cpu / cuda / cuda:N
 ``--enforce-eager``                                                 off         never use CUDA graphs
 ``--seed``                                                          0           engine seed: seeds requests without one
@@ -88,6 +93,33 @@ def model_path_problem(model: str, explicit: bool = True) -> Optional[str]:
         return (f"no folder {model!r}: mtpspec loads local checkpoint folders and does not download Hugging Face "
                 f"Hub ids (e.g. `huggingface-cli download {model} --local-dir DIR`, then --model DIR)")
     return f"no folder {model!r} (--model takes a local checkpoint folder)"
+
+
+def human_readable_int(value: str) -> int:
+    """``--max-model-len`` as vLLM reads it: ``"4096"``, ``"4k"`` (4,000), ``"25.6k"`` (25,600),
+    ``"4K"`` (4,096), ``"1M"`` (1,048,576); lower-case k / m / g are powers of 1,000 (decimals
+    allowed), upper-case K / M / G powers of 1,024 (whole numbers only).
+
+    Raises:
+        argparse.ArgumentTypeError: anything else (the message says what is accepted).
+    """
+    text = str(value).strip()
+    if text and text[-1] in "kmgKMG":
+        num, suffix = text[:-1], text[-1]
+        power = "kmg".find(suffix.lower()) + 1
+        try:
+            if suffix.islower():
+                n = float(num) * 1000 ** power
+                if n == int(n) and n > 0:
+                    return int(n)
+            elif num.isdigit():
+                return int(num) * 1024 ** power
+        except ValueError:
+            pass
+    elif text.lstrip("-").isdigit():
+        return int(text)
+    raise argparse.ArgumentTypeError(f"expected a whole number such as 4096, 4k (4,000), 25.6k or 4K (4,096), "
+                                     f"got {value!r}")
 
 
 def check_device(device: Optional[str]) -> None:
@@ -164,8 +196,11 @@ def parse_speculative_config(value: SpecArg) -> Optional[Dict[str, Any]]:
     if unknown:
         raise ValueError(f"unknown speculative_config keys: {unknown}; expected some of {list(SpeculativeConfig.KEYS)}")
     out = dict(value)
+    if isinstance(out.get("method"), str) and out["method"].endswith("_mtp"):
+        out["method"] = "mtp"  # vLLM's older per-model names (deepseek_mtp, glm4_moe_mtp, ...)
     if "method" in out and out["method"] != "mtp":
-        raise ValueError(f"speculative_config: method must be 'mtp', got {out['method']!r}")
+        raise ValueError(f"speculative_config: method must be 'mtp' (or a model-specific alias such as "
+                         f"'deepseek_mtp'), got {out['method']!r}")
     k = out.get("num_speculative_tokens", 1)
     if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= MAX_NUM_SPECULATIVE_TOKENS:
         raise ValueError(f"speculative_config: num_speculative_tokens must be an int in "
@@ -288,6 +323,7 @@ class EngineArgs:
     seed: Optional[int] = 0
     load_format: str = "auto"
     disable_shared_experts_fusion: bool = False
+    generation_config: str = "auto"
 
     # ------------------------------------------------------------------ command line
     @staticmethod
@@ -319,7 +355,7 @@ class EngineArgs:
         p.add_argument("--allreduce-backend", default="nccl", choices=list(ALLREDUCE_BACKENDS),
                        help="backend of the fused all-reduce + RMSNorm tail (default nccl; p2p: one-kernel "
                             "peer-memory backend, ranks on one host)")
-        p.add_argument("--max-model-len", type=int, default=None,
+        p.add_argument("--max-model-len", type=human_readable_int, default=None,
                        help=f"context length (default: the model's, at most {DEFAULT_MAX_MODEL_LEN})")
         p.add_argument("--max-num-seqs", type=int, default=64, help="most sequences per step (default 64)")
         p.add_argument("--max-num-batched-tokens", type=int, default=None,
@@ -346,7 +382,12 @@ class EngineArgs:
         p.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
                        help="KV-cache storage: auto = the model dtype (default); fp8 / fp8_e4m3: E4M3 with a scale "
                             "per layer (1.0), dequantised inside the attention kernels; twice the blocks per byte")
-        p.add_argument("--dtype", default=None, help="float32 / bfloat16 / float16 (default: the checkpoint's)")
+        p.add_argument("--dtype", default=None,
+                       help="auto / float32 / bfloat16 / float16 (default auto: the checkpoint's; half, float as vLLM)")
+        p.add_argument("--generation-config", default="auto",
+                       help="auto: the model folder's generation_config.json (its EOS ids end requests; its "
+                            "temperature / top_p / top_k / repetition_penalty / max_new_tokens are the defaults of "
+                            "requests that leave them unset); vllm: ignore it; or a folder holding one")
         p.add_argument("--device", default=None, help="cuda / cuda:N / cpu (default: cuda when present)")
         p.add_argument("--enforce-eager", action="store_true", help="never use CUDA graphs")
         p.add_argument("--seed", type=int, default=0,
@@ -445,8 +486,12 @@ class EngineArgs:
         mcfg = model_config or ModelConfig.from_pretrained(model)
         mcfg.verify_tensor_parallel(par.tensor_parallel_size)
         if spec is not None and mcfg.num_nextn_predict_layers < 1:
-            raise ValueError(f"speculative decoding with MTP needs MTP layers, but {model!r} declares "
-                             "num_nextn_predict_layers = 0")
+            said = ("declares num_nextn_predict_layers = 0" if mcfg.declares_mtp_layers else
+                    "has no num_nextn_predict_layers in its config.json (transformers' DeepseekV32Config and "
+                    "GlmMoeDsaConfig do not write it)")
+            raise ValueError(f"speculative decoding with MTP needs MTP layers, but {model!r} {said}: set "
+                             "num_nextn_predict_layers in config.json if the checkpoint holds MTP layers, or run "
+                             "without speculative decoding (-k 0, speculative_config=None)")
         spec = resolve_index_share(spec, mcfg)
         max_model_len = self.max_model_len
         if max_model_len is None:
@@ -465,7 +510,8 @@ class EngineArgs:
             raise ValueError(f"graph_mode must be 'auto', 'off', 'cuda' or 'static', got {self.graph_mode!r}")
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format must be one of {list(LOAD_FORMATS)}, got {self.load_format!r}")
-        return EngineConfig(model, self.dtype, self.device, mcfg, par, spec, cache, sched, mode, self.seed,
+        dtype = None if self.dtype in (None, "auto") else self.dtype  # auto: the checkpoint's, as vLLM
+        return EngineConfig(model, dtype, self.device, mcfg, par, spec, cache, sched, mode, self.seed,
                             self.load_format, self.disable_shared_experts_fusion)
 
     def llm_kwargs(self) -> Dict[str, Any]:
@@ -488,4 +534,5 @@ class EngineArgs:
                     gpu_memory_utilization=self.gpu_memory_utilization, cpu_kv_cache_gib=self.cpu_kv_cache_gib,
                     enable_prefix_caching=self.enable_prefix_caching, kv_cache_dtype=self.kv_cache_dtype,
                     seed=self.seed, enforce_eager=self.enforce_eager, graph_mode=self.graph_mode,
-                    load_format=self.load_format, disable_shared_experts_fusion=self.disable_shared_experts_fusion)
+                    load_format=self.load_format, disable_shared_experts_fusion=self.disable_shared_experts_fusion,
+                    generation_config=self.generation_config)

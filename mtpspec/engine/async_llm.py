@@ -174,6 +174,12 @@ class AsyncLLM:
     def num_speculative_tokens(self) -> int:
         return self.engine.scheduler_config.num_speculative_tokens
 
+    @property
+    def default_sampling_fields(self) -> Dict[str, Any]:
+        """Sampling fields the model's ``generation_config.json`` sets (``LLM.default_sampling_fields``):
+        the defaults of requests that leave them unset."""
+        return dict(getattr(self.llm, "default_sampling_fields", None) or {})
+
     def stats(self) -> EngineStats:
         """The latest :class:`EngineStats` (taken by the engine thread)."""
         s = self._stats

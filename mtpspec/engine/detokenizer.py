@@ -6,6 +6,10 @@ import json
 import os
 from typing import Any, List, Optional, Sequence
 
+#: Text prompts of at least this many characters are tokenized with the GIL released (and, in the
+#: OpenAI server, in a worker thread): a ~16 K-character prompt takes ~10 ms on a CPU core.
+LONG_TEXT_CHARS = 16384
+
 # Tokens of the prompt kept as left context, so the first output token decodes with the right
 # leading space / byte merges.
 _CONTEXT_TOKENS = 5
@@ -31,14 +35,20 @@ class Tokenizer:
         self.stream_backend = backend if self._is_fast_lib else _plain_decode_backend(backend)
 
     def encode(self, text: str) -> List[int]:
-        """Token ids of ``text`` (no special tokens added)."""
-        if self._is_fast_lib:
-            return self.backend.encode(text, add_special_tokens=False).ids
-        rust = self._rust
-        if rust is not None and rust.truncation is None and rust.padding is None and \
-                rust.encode_special_tokens == self.backend.split_special_tokens:
-            return rust.encode(text, add_special_tokens=False).ids  # what transformers' encode returns
-        return list(self.backend.encode(text, add_special_tokens=False))
+        """Token ids of ``text`` (no special tokens added). Texts of :data:`LONG_TEXT_CHARS` or
+        more characters go through ``tokenizers``' ``encode_batch`` (the same ids), which releases
+        the GIL while it works: the OpenAI server tokenizes them in a worker thread, so a huge prompt
+        does not stall the event loop and the engine thread (``encode`` holds the GIL throughout)."""
+        rust = self.backend if self._is_fast_lib else self._rust
+        if rust is not None and not self._is_fast_lib and not (
+                rust.truncation is None and rust.padding is None
+                and rust.encode_special_tokens == self.backend.split_special_tokens):
+            rust = None  # settings transformers' encode would apply: its own path
+        if rust is None:
+            return list(self.backend.encode(text, add_special_tokens=False))
+        if len(text) >= LONG_TEXT_CHARS:
+            return rust.encode_batch([text], add_special_tokens=False)[0].ids
+        return rust.encode(text, add_special_tokens=False).ids  # (transformers' encode returns the same)
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
@@ -118,8 +128,9 @@ def load_tokenizer(path: str) -> Optional[Tokenizer]:
     """The tokenizer in directory ``path`` or ``None`` when it holds none.
 
     Tries ``transformers.AutoTokenizer`` (when ``tokenizer_config.json`` exists), then a bare
-    ``tokenizer.json`` through ``tokenizers``. The EOS id falls back to ``eos_token_id`` in
-    ``config.json`` / ``generation_config.json``.
+    ``tokenizer.json`` through ``tokenizers``. The EOS id falls back to the first ``eos_token_id``
+    of ``config.json`` (``generation_config.json``'s ids are the engine's to read, under
+    ``--generation-config``: :mod:`mtpspec.engine.generation_config`).
 
     Raises:
         ValueError: ``tokenizer.json`` exists but cannot be parsed (the message names the file).
@@ -127,12 +138,11 @@ def load_tokenizer(path: str) -> Optional[Tokenizer]:
     if not os.path.isdir(path):
         return None
     eos = None
-    for name in ("generation_config.json", "config.json"):
-        f = os.path.join(path, name)
-        if eos is None and os.path.exists(f):
-            with open(f) as fh:
-                v = json.load(fh).get("eos_token_id")
-            eos = v[0] if isinstance(v, list) and v else v
+    f = os.path.join(path, "config.json")
+    if os.path.exists(f):
+        with open(f) as fh:
+            v = json.load(fh).get("eos_token_id")
+        eos = v[0] if isinstance(v, list) and v else v
     if os.path.exists(os.path.join(path, "tokenizer_config.json")):
         from transformers import AutoTokenizer
         tok = AutoTokenizer.from_pretrained(path)

@@ -10,6 +10,7 @@ from mtpspec.config import SpeculativeConfig
 from mtpspec.engine.arg_utils import DEFAULT_MAX_MODEL_LEN, EngineArgs  # noqa: F401 - re-exported
 from mtpspec.engine.detokenizer import Tokenizer, load_tokenizer
 from mtpspec.engine.executor import InProcessExecutor, make_executor
+from mtpspec.engine.generation_config import default_sampling_fields, generation_eos_token_ids, load_generation_config
 from mtpspec.engine.llm_engine import LLMEngine, PromptType, ValidatedPrompt
 from mtpspec.engine.worker import follower_loop
 from mtpspec.outputs import RequestOutput
@@ -59,6 +60,9 @@ class LLM:
             ``config.json`` alone, as vLLM's ``load_format="dummy"``; for benchmarks).
         disable_shared_experts_fusion: keep MoE shared experts as their own MLP (default: fused
             into the routed experts' kernels, :class:`~mtpspec.engine.arg_utils.EngineArgs`).
+        generation_config: ``"auto"`` (the model folder's ``generation_config.json``: its EOS ids end
+            requests, its sampling settings are :meth:`get_default_sampling_params`), ``"vllm"``
+            (ignore it) or a folder holding one (:mod:`mtpspec.engine.generation_config`).
 
     Raises:
         ValueError / TypeError: a bad argument (k out of range, unknown speculative keys, a
@@ -86,7 +90,8 @@ class LLM:
                  cpu_kv_cache_gib: float = 1.0, enable_prefix_caching: bool = True, kv_cache_dtype: str = "auto",
                  tokenizer: Union[None, str, Tokenizer] = None,
                  seed: Optional[int] = None, enforce_eager: bool = False, graph_mode: Optional[str] = None,
-                 load_format: str = "auto", disable_shared_experts_fusion: bool = False):
+                 load_format: str = "auto", disable_shared_experts_fusion: bool = False,
+                 generation_config: str = "auto"):
         args = EngineArgs(
             model=model, tensor_parallel_size=tensor_parallel_size, speculative_config=speculative_config,
             fuse_allreduce_rmsnorm=fuse_allreduce_rmsnorm, sequence_parallel=sequence_parallel,
@@ -98,7 +103,7 @@ class LLM:
             gpu_memory_utilization=gpu_memory_utilization, cpu_kv_cache_gib=cpu_kv_cache_gib,
             enable_prefix_caching=enable_prefix_caching, kv_cache_dtype=kv_cache_dtype, dtype=dtype,
             device=device, enforce_eager=enforce_eager, graph_mode=graph_mode, seed=seed, load_format=load_format,
-            disable_shared_experts_fusion=disable_shared_experts_fusion)
+            disable_shared_experts_fusion=disable_shared_experts_fusion, generation_config=generation_config)
         config = args.create_engine_config()
         self.engine_config = config
         self.model_config = mcfg = config.model_config
@@ -109,6 +114,15 @@ class LLM:
             tok: Optional[Tokenizer] = tokenizer
         else:
             tok = load_tokenizer(tokenizer or model)
+        gen = load_generation_config(config.model, generation_config)  # a bad file fails before any model loads
+        gen_eos = generation_eos_token_ids(gen)
+        #: ``SamplingParams`` fields the model's generation_config.json sets (``generation_config``)
+        self.default_sampling_fields: Dict[str, Any] = default_sampling_fields(gen)
+        try:
+            SamplingParams(**self.default_sampling_fields)
+        except (ValueError, TypeError) as exc:
+            raise ValueError(f"generation_config.json of {config.model!r}: {exc} (--generation-config vllm ignores "
+                             "the file)") from None
         spec = config.speculative_config
         costs = None
         if spec is not None and spec.adaptive_cost_table:  # a bad file fails before any model loads
@@ -121,7 +135,7 @@ class LLM:
         self.executor = make_executor(config)
         self._torchrun = isinstance(self.executor, InProcessExecutor) and self.executor.broadcast
         self._rank = int(os.environ.get("RANK", "0")) if self._torchrun else 0
-        eos = set(mcfg.eos_token_ids)
+        eos = set(mcfg.eos_token_ids) | gen_eos
         if tok is not None and tok.eos_token_id is not None:
             eos.add(int(tok.eos_token_id))
         self.llm_engine = LLMEngine(self.executor, tok, sched, cache, mcfg.vocab_size, eos, config.seed)
@@ -140,6 +154,12 @@ class LLM:
     # ------------------------------------------------------------------ API
     def get_tokenizer(self) -> Optional[Tokenizer]:
         return self.llm_engine.tokenizer
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """``SamplingParams()`` with the fields the model's ``generation_config.json`` sets
+        (:mod:`mtpspec.engine.generation_config`; none with ``generation_config="vllm"``): what
+        :meth:`generate` uses without sampling params (vLLM's method of that name)."""
+        return SamplingParams(**self.default_sampling_fields)
 
     def generate(self, prompts: Union[PromptType, Sequence[PromptType]],
                  sampling_params: Union[None, SamplingParams, Sequence[SamplingParams]] = None,
@@ -170,7 +190,7 @@ class LLM:
                             f"list of them, got {type(prompts).__name__}")
         plist = [prompts] if single else list(prompts)
         if sampling_params is None:
-            params = [SamplingParams()] * len(plist)
+            params = [self.get_default_sampling_params()] * len(plist)
         elif isinstance(sampling_params, SamplingParams):
             params = [sampling_params] * len(plist)
         else:

@@ -172,7 +172,15 @@ class LLMEngine:
                 raise ValueError("the prompt is empty")
             if self.tokenizer is None:
                 raise ValueError("text prompts need a tokenizer; the model folder has none (pass prompt_token_ids)")
-            ids = self.tokenizer.encode(text)
+            try:
+                ids = self.tokenizer.encode(text)
+            except TypeError:  # tokenizers' "TextInputSequence must be str": a lone surrogate, as JSON allows
+                try:
+                    text.encode("utf-8")
+                except UnicodeEncodeError as exc:
+                    raise ValueError(f"the prompt is not valid Unicode text: a lone surrogate "
+                                     f"U+{ord(text[exc.start]):04X} at character {exc.start}") from None
+                raise
         if not isinstance(ids, (list, tuple)) or not _all_ints(ids):
             raise TypeError("prompt_token_ids must be a list of ints")
         if not ids:

@@ -31,7 +31,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         mod = importlib.import_module(mod_name)
         mod.add_parser(sub)
         modules[name] = mod
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra:  # named by the subcommand's parser ("mtpspec serve: error: ..."), with its usage line
+        sub.choices[args.command].error(f"unrecognized arguments: {' '.join(extra)}")
     return int(modules[args.command].run(args) or 0)
 
 

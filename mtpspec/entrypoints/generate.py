@@ -67,7 +67,11 @@ def _gsm8k_examples(args: argparse.Namespace) -> List[Dict[str, str]]:
     """The requested GSM8K test rows (``--gsm8k-question`` indices into :func:`_gsm8k_path`)."""
     from mtpspec.data.gsm8k import load_gsm8k
     path = _gsm8k_path(args.gsm8k_data)
-    rows = load_gsm8k(path)
+    try:
+        rows = load_gsm8k(path)
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        _usage_error(f"--gsm8k-data: {exc}")
+        raise  # not reached: _usage_error exits
     for i in args.gsm8k_question:
         if not 0 <= i < len(rows):
             _usage_error(f"--gsm8k-question: index {i} outside [0, {len(rows)}) of {path}")

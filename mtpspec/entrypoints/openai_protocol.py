@@ -58,8 +58,9 @@ class _Sampling(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
 
     model: Optional[str] = None
-    temperature: Optional[float] = 1.0
-    top_p: Optional[float] = 1.0
+    # unset (None): the model's generation_config.json default, else 1.0
+    temperature: Optional[float] = None
+    top_p: Optional[float] = None
     top_k: Optional[int] = Field(default=None, description="extension: 0 or -1 = off")
     n: Optional[int] = Field(default=1, description="choices per prompt (null = 1)")
     stream: bool = False

@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP server (FastAPI) over an :class:`~mtpspec.engine.async_llm.AsyncLLM`.
 
 Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``,
-``GET /health``, ``GET /metrics`` (Prometheus), and vLLM's ``POST /tokenize`` / ``/detokenize``.
+``GET /health``, ``GET /metrics`` (Prometheus), and vLLM's ``POST /tokenize`` / ``/detokenize`` and
+``GET /version``.
 Body fields: :mod:`mtpspec.entrypoints.openai_protocol`; chat prompts:
 :mod:`mtpspec.entrypoints.chat_template`; metrics: :mod:`mtpspec.entrypoints.server_metrics`.
 
@@ -43,6 +44,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import time
 import uuid
 from typing import Any, AsyncIterator, Callable, Dict, List, Optional, Sequence, Tuple, Type, TypeVar, Union
@@ -53,6 +55,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from mtpspec.engine.async_llm import AsyncLLM, EngineDeadError, QueueFullError, RequestError, RequestStream
+from mtpspec.engine.detokenizer import LONG_TEXT_CHARS
 from mtpspec.engine.llm_engine import MAX_LOGPROBS, PromptType, ValidatedPrompt
 from mtpspec.entrypoints.chat_template import render_chat
 from mtpspec.entrypoints.openai_protocol import (
@@ -185,7 +188,8 @@ def _json_type(v: Any) -> str:
 def _check_model(ctx: ServerContext, name: Optional[str]) -> None:
     if name is not None and name not in ctx.served_model_names:
         # vLLM's answer: 404 NotFoundError "The model `X` does not exist."
-        raise OpenAIError(404, f"The model `{name}` does not exist. This server serves `{ctx.served_model_name}`.",
+        names = ", ".join(f"`{n}`" for n in ctx.served_model_names)
+        raise OpenAIError(404, f"The model `{name}` does not exist. This server serves {names}.",
                           "NotFoundError", "model")
 
 
@@ -220,6 +224,10 @@ def _logit_bias(bias: Optional[Dict[str, float]]) -> Optional[Dict[int, float]]:
             out[int(key)] = min(100.0, max(-100.0, value))
         except (ValueError, TypeError):
             bad.append(key)
+            continue
+        if not math.isfinite(value):  # NaN would clamp to -100 unnoticed
+            raise bad_request(f"logit_bias values must be finite numbers, got {value!r} for token {key!r}",
+                              "logit_bias")
     if bad:
         raise bad_request(f"logit_bias contains key(s) that cannot be converted to integer token IDs: {bad!r}",
                           "logit_bias")
@@ -238,20 +246,27 @@ def _check_num_logprobs(n: Optional[int], what: str, param: str, vocab_size: int
 
 
 def _sampling_params(req: Any, max_tokens: Optional[int], extra_stop: Sequence[str] = (),
-                     logprobs: Optional[int] = None, prompt_logprobs: Optional[int] = None) -> SamplingParams:
+                     logprobs: Optional[int] = None, prompt_logprobs: Optional[int] = None,
+                     defaults: Optional[Dict[str, Any]] = None) -> SamplingParams:
+    """The request's :class:`SamplingParams`; a field it leaves unset takes ``defaults`` (the model's
+    generation_config.json, as vLLM's ``--generation-config auto``), else the OpenAI default.
+    ``max_tokens`` ``None`` takes the default's ``max_tokens`` when there is one."""
+    d = defaults or {}
     stop = req.stop
     stops = ([stop] if isinstance(stop, str) else list(stop or [])) + [s for s in extra_stop if s not in (stop or [])]
+    pick = lambda value, name, fallback: d.get(name, fallback) if value is None else value  # noqa: E731
     try:
         return SamplingParams(
             n=1 if req.n is None else req.n, best_of=getattr(req, "best_of", None),
-            temperature=1.0 if req.temperature is None else req.temperature,
-            top_p=1.0 if req.top_p is None else req.top_p,
-            top_k=0 if req.top_k is None else req.top_k,
-            seed=req.seed, max_tokens=max_tokens, stop=stops or None, stop_token_ids=req.stop_token_ids,
+            temperature=pick(req.temperature, "temperature", 1.0),
+            top_p=pick(req.top_p, "top_p", 1.0),
+            top_k=pick(req.top_k, "top_k", 0),
+            seed=req.seed, max_tokens=pick(max_tokens, "max_tokens", None), stop=stops or None,
+            stop_token_ids=req.stop_token_ids,
             ignore_eos=req.ignore_eos, skip_special_tokens=req.skip_special_tokens,
             presence_penalty=0.0 if req.presence_penalty is None else req.presence_penalty,
             frequency_penalty=0.0 if req.frequency_penalty is None else req.frequency_penalty,
-            repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+            repetition_penalty=pick(req.repetition_penalty, "repetition_penalty", 1.0),
             min_tokens=req.min_tokens, logit_bias=_logit_bias(req.logit_bias), logprobs=logprobs,
             prompt_logprobs=prompt_logprobs, include_stop_str_in_output=req.include_stop_str_in_output)
     except (ValueError, TypeError) as exc:
@@ -291,6 +306,16 @@ def _validate_all(engine: AsyncLLM, prompts: List[Dict[str, Any]], params: Sampl
             param = "logit_bias" if "logit_bias" in msg else "stop" if "stop strings" in msg else "prompt"
             raise bad_request(where + msg, param) from None
     return out
+
+
+async def _validated(engine: AsyncLLM, prompts: List[Dict[str, Any]], params: SamplingParams) -> List[ValidatedPrompt]:
+    """:func:`_validate_all` in a worker thread when a text prompt has ``LONG_TEXT_CHARS`` or more
+    characters (its tokenizer then releases the GIL: a huge prompt must not stall the event loop,
+    other requests' streams and ``/health``), else right here (a thread hop costs a short prompt more
+    than its tokenization)."""
+    if any(isinstance(p.get("prompt"), str) and len(p["prompt"]) >= LONG_TEXT_CHARS for p in prompts):
+        return await asyncio.to_thread(_validate_all, engine, prompts, params)
+    return _validate_all(engine, prompts, params)
 
 
 def _check_context(engine: AsyncLLM, prompt_ids: List[List[int]], max_tokens: Optional[int], param: str) -> None:
@@ -586,6 +611,11 @@ def build_app(ctx: ServerContext) -> FastAPI:
             return JSONResponse(OpenAIError(503, dead, "server_error").body(), status_code=503)
         return JSONResponse({"status": "ok"})
 
+    @app.get("/version")
+    async def version() -> Dict[str, Any]:
+        from mtpspec import __version__
+        return {"version": __version__}  # vLLM's GET /version
+
     @app.get("/v1/models")
     async def models() -> Dict[str, Any]:
         return {"object": "list", "data": [{
@@ -613,7 +643,8 @@ def build_app(ctx: ServerContext) -> FastAPI:
             raise bad_request("this model has no tokenizer")
         text = req.prompt if req.prompt is not None else \
             render_chat(engine.tokenizer, [(m.role, m.text()) for m in req.messages])[0]
-        ids = engine.tokenizer.encode(text)
+        ids = await asyncio.to_thread(engine.tokenizer.encode, text) if len(text) >= LONG_TEXT_CHARS else \
+            engine.tokenizer.encode(text)
         return {"tokens": ids, "count": len(ids), "max_model_len": engine.max_model_len}
 
     @app.post("/detokenize")
@@ -647,8 +678,9 @@ def build_app(ctx: ServerContext) -> FastAPI:
             prompt_lp = req.logprobs  # as vLLM: echo + logprobs scores the prompt too
         prompts = _normalise_prompts(req.prompt)
         params = _sampling_params(req, 1 if score_only else req.max_tokens,
-                                  logprobs=None if score_only else req.logprobs, prompt_logprobs=prompt_lp)
-        validated = _validate_all(engine, prompts, params)
+                                  logprobs=None if score_only else req.logprobs, prompt_logprobs=prompt_lp,
+                                  defaults=getattr(engine, "default_sampling_fields", None))
+        validated = await _validated(engine, prompts, params)
         prompt_ids = [v.token_ids for v in validated]
         rid = f"cmpl-{uuid.uuid4().hex}"
         if score_only and prompt_lp is None:
@@ -717,8 +749,9 @@ def build_app(ctx: ServerContext) -> FastAPI:
         except ValueError as exc:
             raise bad_request(str(exc), "messages") from None
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        params = _sampling_params(req, max_tokens, stops, logprobs=num_lp, prompt_logprobs=req.prompt_logprobs)
-        validated = _validate_all(engine, [{"prompt": text}], params)
+        params = _sampling_params(req, max_tokens, stops, logprobs=num_lp, prompt_logprobs=req.prompt_logprobs,
+                                  defaults=getattr(engine, "default_sampling_fields", None))
+        validated = await _validated(engine, [{"prompt": text}], params)
         _check_context(engine, [validated[0].token_ids], max_tokens,
                        "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens")
         rid = f"chatcmpl-{uuid.uuid4().hex}"

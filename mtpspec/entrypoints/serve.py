@@ -213,7 +213,8 @@ def build(args: argparse.Namespace) -> Any:
     info["dtype"] = str(_dtype_from_name(ec.dtype or ec.model_config.dtype or "float32")).replace("torch.", "")
     info["num_kv_blocks"] = engine.stats().num_total_blocks
     name = args.served_model_name or [args.model or "mtpspec-demo"]
-    metrics = ServerMetrics(engine.num_speculative_tokens, info, forced_acceptance=forced is not None)
+    metrics = ServerMetrics(engine.num_speculative_tokens, info, forced_acceptance=forced is not None,
+                            model_name=name[0])
     ctx = ServerContext(engine, name, kwargs["model"], info, metrics,
                         enable_prompt_tokens_details=args.enable_prompt_tokens_details)
     return build_app(ctx), engine, info
@@ -241,8 +242,15 @@ def run(args: argparse.Namespace) -> int:
     gc.collect()
     gc.freeze()
     synth = "  [SYNTHETIC: forced acceptance " + info["forced_acceptance"] + "]" if info["synthetic"] else ""
+    backend = info["allreduce_backend"]
+    if info["tp"] == 1:
+        backend = "none (tp 1)"
+    elif backend == "nccl":  # torch.distributed's collectives: NCCL on GPUs, gloo on the CPU
+        import torch
+        device = engine.llm.engine_config.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        backend = "nccl" if str(device).startswith("cuda") else "gloo"
     print(f"mtpspec serve: {info['model']} (tp {info['tp']}, k {info['num_speculative_tokens']}, fusion "
-          f"{info['fusion']}, local argmax {info['local_argmax']}, all-reduce {info['allreduce_backend']}, "
+          f"{info['fusion']}, local argmax {info['local_argmax']}, all-reduce {backend}, "
           f"{info['num_kv_blocks']} KV blocks){synth} on "
           f"http://{args.host}:{args.port}", file=sys.stderr, flush=True)
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,

@@ -38,12 +38,14 @@ metric                                                     meaning
 ``mtpspec:forced_acceptance``                               1 when SYNTHETIC forced acceptance is on
 ``mtpspec:engine_info`` (info)                              model, tp, k, fusion, local argmax, ...
 =========================================================  ===========================================
+
+Every sample carries vLLM's ``model_name`` label (the first served model name).
 """
 
 from __future__ import annotations
 
 import threading
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, disable_created_metrics, generate_latest
 
@@ -56,6 +58,16 @@ _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.1
                     2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
 
 
+class _Named:
+    """A labelled metric whose samples all carry ``model_name`` (``labels(**kw)`` adds it)."""
+
+    def __init__(self, metric: Any, model_name: str):
+        self._metric, self._model_name = metric, model_name
+
+    def labels(self, **kw: str) -> Any:
+        return self._metric.labels(model_name=self._model_name, **kw)
+
+
 class ServerMetrics(EngineObserver):
     """Owns a private registry; :meth:`render` gives the Prometheus text exposition.
 
@@ -63,54 +75,57 @@ class ServerMetrics(EngineObserver):
         num_speculative_tokens: ``k`` (per-position counters ``0 .. k-1``).
         info: string labels for ``mtpspec:engine_info``.
         forced_acceptance: whether forced (synthetic) acceptance is on.
+        model_name: the ``model_name`` label of every sample (vLLM's; the first served model name;
+            default ``info["model"]``), so dashboards built for vLLM can filter on it.
     """
 
-    def __init__(self, num_speculative_tokens: int, info: Dict[str, str], forced_acceptance: bool = False):
+    def __init__(self, num_speculative_tokens: int, info: Dict[str, str], forced_acceptance: bool = False,
+                 model_name: Optional[str] = None):
         r = self.registry = CollectorRegistry()
         self.k = num_speculative_tokens
         self._lock = threading.Lock()
         p = "mtpspec:"
-        self.running = Gauge(p + "num_requests_running", "Requests in the running batch", registry=r)
-        self.waiting = Gauge(p + "num_requests_waiting", "Requests waiting to be scheduled", registry=r)
-        self.free_blocks = Gauge(p + "kv_cache_free_blocks", "Free KV-cache blocks", registry=r)
-        self.total_blocks = Gauge(p + "kv_cache_total_blocks", "KV-cache blocks in total", registry=r)
-        self.success = Counter(p + "request_success", "Finished requests", ["finished_reason"], registry=r)
-        self.aborted = Counter(p + "request_aborted", "Aborted requests (client disconnected)", registry=r)
-        self.failed = Counter(p + "request_failed", "Requests failed inside the engine loop", registry=r)
-        self.prompt_tokens = Counter(p + "prompt_tokens", "Prefilled tokens", registry=r)
-        self.cache_queries = Counter(p + "prefix_cache_queries",
-                                     "Prompt tokens of new requests looked up in the prefix cache", registry=r)
-        self.cache_hits = Counter(p + "prefix_cache_hits", "Prompt tokens served by the prefix cache", registry=r)
-        self.gen_tokens = Counter(p + "generation_tokens", "Emitted tokens", registry=r)
-        self.steps = Counter(p + "engine_steps", "Engine steps", registry=r)
-        self.ttft = Histogram(p + "time_to_first_token_seconds", "Time to first token", buckets=_LATENCY_BUCKETS,
-                              registry=r)
-        self.itl = Histogram(p + "inter_token_latency_seconds", "Gap between emitting steps of a request",
-                             buckets=_LATENCY_BUCKETS, registry=r)
-        self.tpot = Histogram(p + "time_per_output_token_seconds", "Mean time per output token after the first",
-                              buckets=_LATENCY_BUCKETS, registry=r)
-        self.e2e = Histogram(p + "e2e_request_latency_seconds", "Arrival to finish", buckets=_LATENCY_BUCKETS,
-                             registry=r)
-        self.queue_time = Histogram(p + "request_queue_time_seconds", "Arrival to first scheduled",
-                                    buckets=_LATENCY_BUCKETS, registry=r)
-        self.prefill_time = Histogram(p + "request_prefill_time_seconds", "First scheduled to first token",
-                                      buckets=_LATENCY_BUCKETS, registry=r)
-        self.drafts = Counter(p + "spec_decode_num_drafts", "Verifications of k drafts", registry=r)
-        self.draft_tokens = Counter(p + "spec_decode_num_draft_tokens", "Draft tokens checked", registry=r)
-        self.accepted = Counter(p + "spec_decode_num_accepted_tokens", "Draft tokens accepted", registry=r)
-        self.accepted_pos = Counter(p + "spec_decode_num_accepted_tokens_per_pos", "Accepted at draft position",
-                                    ["position"], registry=r)
-        self.draft_pos = Counter(p + "spec_decode_num_draft_tokens_per_pos", "Verified at draft position",
-                                 ["position"], registry=r)
-        self.chosen_k = Counter(p + "spec_decode_num_speculative_tokens", "Engine steps that proposed k drafts",
-                                ["k"], registry=r)
-        self.catch_up = Counter(p + "spec_decode_num_mtp_catch_up_tokens",
-                                "MTP KV entries deferred by k = 0 steps and written by a later drafting step",
-                                registry=r)
-        self.comm = Counter(p + "collective_bytes", "Bytes sent by rank 0's collectives", ["op"], registry=r)
-        self.fallbacks = Counter(p + "eager_fallbacks", "Steps that could not use a CUDA graph", registry=r)
-        self.preemptions = Counter(p + "preemptions", "Recompute preemptions", registry=r)
-        g = Gauge(p + "forced_acceptance", "1: SYNTHETIC forced acceptance is on", registry=r)
+        name = str(model_name if model_name is not None else info.get("model", ""))
+
+        def named(cls: Any, metric: str, doc: str, labels: Sequence[str] = (), **kw: Any) -> Any:
+            m = cls(p + metric, doc, ["model_name", *labels], registry=r, **kw)
+            return _Named(m, name) if labels else m.labels(model_name=name)
+        lat = dict(buckets=_LATENCY_BUCKETS)
+        self.running = named(Gauge, "num_requests_running", "Requests in the running batch")
+        self.waiting = named(Gauge, "num_requests_waiting", "Requests waiting to be scheduled")
+        self.free_blocks = named(Gauge, "kv_cache_free_blocks", "Free KV-cache blocks")
+        self.total_blocks = named(Gauge, "kv_cache_total_blocks", "KV-cache blocks in total")
+        self.success = named(Counter, "request_success", "Finished requests", ["finished_reason"])
+        self.aborted = named(Counter, "request_aborted", "Aborted requests (client disconnected)")
+        self.failed = named(Counter, "request_failed", "Requests failed inside the engine loop")
+        self.prompt_tokens = named(Counter, "prompt_tokens", "Prefilled tokens")
+        self.cache_queries = named(Counter, "prefix_cache_queries",
+                                   "Prompt tokens of new requests looked up in the prefix cache")
+        self.cache_hits = named(Counter, "prefix_cache_hits", "Prompt tokens served by the prefix cache")
+        self.gen_tokens = named(Counter, "generation_tokens", "Emitted tokens")
+        self.steps = named(Counter, "engine_steps", "Engine steps")
+        self.ttft = named(Histogram, "time_to_first_token_seconds", "Time to first token", **lat)
+        self.itl = named(Histogram, "inter_token_latency_seconds", "Gap between emitting steps of a request", **lat)
+        self.tpot = named(Histogram, "time_per_output_token_seconds", "Mean time per output token after the first",
+                          **lat)
+        self.e2e = named(Histogram, "e2e_request_latency_seconds", "Arrival to finish", **lat)
+        self.queue_time = named(Histogram, "request_queue_time_seconds", "Arrival to first scheduled", **lat)
+        self.prefill_time = named(Histogram, "request_prefill_time_seconds", "First scheduled to first token", **lat)
+        self.drafts = named(Counter, "spec_decode_num_drafts", "Verifications of k drafts")
+        self.draft_tokens = named(Counter, "spec_decode_num_draft_tokens", "Draft tokens checked")
+        self.accepted = named(Counter, "spec_decode_num_accepted_tokens", "Draft tokens accepted")
+        self.accepted_pos = named(Counter, "spec_decode_num_accepted_tokens_per_pos", "Accepted at draft position",
+                                  ["position"])
+        self.draft_pos = named(Counter, "spec_decode_num_draft_tokens_per_pos", "Verified at draft position",
+                               ["position"])
+        self.chosen_k = named(Counter, "spec_decode_num_speculative_tokens", "Engine steps that proposed k drafts",
+                              ["k"])
+        self.catch_up = named(Counter, "spec_decode_num_mtp_catch_up_tokens",
+                              "MTP KV entries deferred by k = 0 steps and written by a later drafting step")
+        self.comm = named(Counter, "collective_bytes", "Bytes sent by rank 0's collectives", ["op"])
+        self.fallbacks = named(Counter, "eager_fallbacks", "Steps that could not use a CUDA graph")
+        self.preemptions = named(Counter, "preemptions", "Recompute preemptions")
+        g = named(Gauge, "forced_acceptance", "1: SYNTHETIC forced acceptance is on")
         g.set(1 if forced_acceptance else 0)
         Info(p + "engine", "Engine configuration", registry=r).info({k: str(v) for k, v in info.items()})
         for j in range(self.k):

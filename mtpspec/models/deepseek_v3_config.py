@@ -83,8 +83,9 @@ class DeepseekV3ArchConfig(ArchConfig):
         """Read the fields (see the class docstring) from a parsed ``config.json``.
 
         Raises:
-            ModelConfigError: a rope type other than ``"default"`` / ``"yarn"``, or
-                ``attention_bias`` set (DeepSeek-V3 checkpoints have no attention biases).
+            ModelConfigError: a rope type other than ``"default"`` / ``"yarn"``, YaRN without a
+                numeric ``factor``, or ``attention_bias`` set (DeepSeek-V3 checkpoints have no
+                attention biases).
         """
         params = dict(rope_parameters(raw))
         legacy = raw.get("rope_scaling") or {}
@@ -98,6 +99,9 @@ class DeepseekV3ArchConfig(ArchConfig):
         if raw.get("attention_bias"):
             raise ModelConfigError("attention_bias=True is not supported for DeepseekV3ForCausalLM")
         scaling = {k: merged[k] for k in _YARN_KEYS if merged.get(k) is not None} if rtype == "yarn" else {}
+        if rtype == "yarn" and not isinstance(scaling.get("factor"), (int, float)):  # transformers requires it too
+            raise ModelConfigError(f"rope_type 'yarn' needs a numeric 'factor' in rope_parameters / rope_scaling, got "
+                                   f"{merged.get('factor')!r}")
         return cls(q_lora_rank=raw.get("q_lora_rank"), kv_lora_rank=raw.get("kv_lora_rank", 512),
                    qk_rope_head_dim=raw.get("qk_rope_head_dim", 64), qk_nope_head_dim=raw.get("qk_nope_head_dim", 128),
                    v_head_dim=raw.get("v_head_dim", 128) or 128,
@@ -108,10 +112,7 @@ class DeepseekV3ArchConfig(ArchConfig):
     def _yarn(self) -> Dict[str, Any]:
         s = dict(self.rope_scaling or {})
         omax = s.get("original_max_position_embeddings") or self.max_position_embeddings
-        factor = s.get("factor")
-        if factor is None:
-            factor = self.max_position_embeddings / omax
-        return dict(s, factor=float(factor), original_max_position_embeddings=omax)
+        return dict(s, factor=float(s["factor"]), original_max_position_embeddings=omax)
 
     @property
     def rope_attention_factor(self) -> float:

@@ -348,13 +348,13 @@ def _load_selected(module: nn.Module, reader: CheckpointReader, selected: Dict[s
 def _resolve(dtype: Optional[Union[torch.dtype, str]], device: Optional[Union[str, torch.device]],
              cfg: ModelConfig) -> Tuple[torch.dtype, torch.device]:
     from mtpspec.config import ModelConfigError, _dtype_from_name
-    if dtype is None:
+    if dtype is None or dtype == "auto":  # the checkpoint's (vLLM's "auto")
         dtype = cfg.dtype or torch.float32
     try:
         dtype = _dtype_from_name(dtype)
     except ModelConfigError as exc:
-        raise UnsupportedDtypeError(f"unsupported load dtype {dtype!r}; expected one of float32, bfloat16, "
-                                    "float16") from exc
+        raise UnsupportedDtypeError(f"unsupported load dtype {dtype!r}; expected auto (the checkpoint's), "
+                                    "float32, bfloat16 or float16") from exc
     dev = torch.device(device) if device is not None else get_tp_group().device
     return dtype, dev
 

@@ -94,17 +94,30 @@ def load_gsm8k(path: str | os.PathLike) -> List[Dict[str, str]]:
 
     Raises:
         FileNotFoundError: no file at ``path``.
-        ValueError: a line without ``question``/``answer``.
+        ValueError: naming ``path:line``: a line that is not a JSON object with string ``question``
+            and ``answer``; or a file with no rows at all.
     """
     rows: List[Dict[str, str]] = []
     with open(path, encoding="utf-8") as f:
         for n, line in enumerate(f, 1):
             if not line.strip():
                 continue
-            row = json.loads(line)
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{path}:{n}: not a JSON line ({exc.msg} at column {exc.colno}); expected one "
+                                 "object with 'question' and 'answer' per line") from None
+            if not isinstance(row, dict):
+                raise ValueError(f"{path}:{n}: expected a JSON object with 'question' and 'answer', got "
+                                 f"{type(row).__name__}")
             if "question" not in row or "answer" not in row:
                 raise ValueError(f"{path}:{n}: expected keys 'question' and 'answer', got {sorted(row)}")
+            if not isinstance(row["question"], str) or not isinstance(row["answer"], str):
+                raise ValueError(f"{path}:{n}: 'question' and 'answer' must be strings")
             rows.append({"question": row["question"], "answer": row["answer"]})
+    if not rows:
+        raise ValueError(f"{path}: no GSM8K rows (the file is empty); expected one JSON object with 'question' and "
+                         "'answer' per line")
     return rows
 
 
