@@ -970,3 +970,22 @@ def test_long_text_prompts_are_validated_in_a_worker_thread():
     assert eng.seen == [True, True]
     asyncio.run(_validated(eng, [{"prompt": "x"}, {"prompt": "y" * LONG_TEXT_CHARS}], params))
     assert eng.seen[2:] == [False, False]
+
+
+def test_llm_chat_equals_the_servers_chat_completion(server, offline):
+    """``LLM.chat`` (vLLM's) renders a conversation as ``/v1/chat/completions`` does (here the plain
+    template and its ``Question:`` stop): the same greedy text; text parts are joined; bad messages
+    are named."""
+    msgs = [{"role": "user", "content": "Tom has 3 apples and buys 4 more. How many apples does he have?"}]
+    r = _post(server, "/v1/chat/completions", {"messages": msgs, "temperature": 0, "max_tokens": 24})
+    want = r.json()["choices"][0]["message"]["content"]
+    assert len(want) > 10, want
+    params = SamplingParams(temperature=0, max_tokens=24)
+    assert offline.chat(msgs, params, use_tqdm=False)[0].outputs[0].text == want
+    parts = [{"role": "user", "content": [{"type": "text", "text": msgs[0]["content"][:9]},
+                                          {"type": "text", "text": msgs[0]["content"][9:]}]}]
+    assert [o.outputs[0].text for o in offline.chat([msgs, parts], params, use_tqdm=False)] == [want, want]
+    with pytest.raises(TypeError, match="conversation 0, message 0: expected a dict with a 'role'"):
+        offline.chat([{"role": "user"}], params)
+    with pytest.raises(ValueError, match="conversation 1: "):
+        offline.chat([msgs, [{"role": "wizard", "content": "x"}]], params)

@@ -234,6 +234,57 @@ class LLM:
             self.executor.finish_call(outputs)
         return outputs
 
+    def chat(self, messages: Union[Sequence[Dict[str, Any]], Sequence[Sequence[Dict[str, Any]]]],
+             sampling_params: Union[None, SamplingParams, Sequence[SamplingParams]] = None, use_tqdm: bool = True,
+             add_generation_prompt: bool = True) -> List[RequestOutput]:
+        """vLLM's ``LLM.chat``: one conversation (a list of ``{"role", "content"}`` messages, oldest
+        first) or a list of conversations, rendered as the OpenAI server renders them (the
+        tokenizer's chat template, else the plain ``Question:`` / ``Answer:`` template, whose stop
+        string ``"Question:"`` is added to the sampling params), then :meth:`generate`.
+
+        ``content``: a string, or a list of ``{"type": "text", "text": ...}`` parts (joined).
+
+        Raises:
+            ValueError / TypeError: no tokenizer, an empty conversation, a message that is not a
+                dict with a ``role`` and text ``content`` (named by conversation and message index),
+                an unknown role, or as :meth:`generate`.
+        """
+        from dataclasses import replace
+
+        from mtpspec.entrypoints.chat_template import render_chat
+        tok = self.get_tokenizer()
+        if tok is None:
+            raise ValueError("chat needs a tokenizer; the model folder has none")
+        single = not messages or isinstance(messages[0], dict)
+        convs = [messages] if single else list(messages)
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            base = [sampling_params or self.get_default_sampling_params()] * len(convs)
+        else:
+            base = list(sampling_params)
+            if len(base) != len(convs):
+                raise ValueError(f"got {len(base)} sampling params for {len(convs)} conversations")
+        prompts, params = [], []
+        for i, (conv, sp) in enumerate(zip(convs, base)):
+            pairs = []
+            for j, m in enumerate(conv):
+                content = m.get("content") if isinstance(m, dict) else None
+                if isinstance(content, list) and all(isinstance(x, dict) and x.get("type") == "text"
+                                                     and isinstance(x.get("text"), str) for x in content):
+                    content = "".join(x["text"] for x in content)
+                if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(content, str):
+                    raise TypeError(f"conversation {i}, message {j}: expected a dict with a 'role' string and a text "
+                                    f"'content' (a string or text parts), got {m!r}")
+                pairs.append((m["role"], content))
+            try:
+                text, stops = render_chat(tok, pairs, add_generation_prompt)
+            except ValueError as exc:
+                raise ValueError(f"conversation {i}: {exc}") from None
+            have = [sp.stop] if isinstance(sp.stop, str) else list(sp.stop or [])
+            extra = [s for s in stops if s not in have]
+            prompts.append(text)
+            params.append(replace(sp, stop=have + extra) if extra else sp)
+        return self.generate(prompts, params, use_tqdm=use_tqdm)
+
     def get_metrics(self) -> Dict[str, object]:
         """Engine totals: acceptance counters, throughput, TTFT / ITL, eager fall-backs, bytes per step."""
         return self.llm_engine.get_metrics()
