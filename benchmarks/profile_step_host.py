@@ -53,7 +53,10 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--device", default=None)
     ap.add_argument("--window-detokenizer", action="store_true")
+    ap.add_argument("--smoke", action="store_true", help="4 sequences, 2 + 3 steps (the CPU test)")
     args = ap.parse_args()
+    if args.smoke:
+        args.batch, args.warmup, args.steps = 4, 2, 3
     import torch
 
     from mtpspec import LLM, SamplingParams

@@ -120,3 +120,12 @@ def test_trace_adaptive_steps_smoke(tmp_path):
             assert sum(1 for r in rows if r["wall"] is not None) >= len(rows) - 1
         else:  # held at k = 0: its MTP entries stay deferred, nothing is caught up
             assert all(r["k"] == 0 for r in rows) and res["mtp_catch_up_rows"] == 0 and not res["eager_mtp_kv"]
+
+
+def test_profile_step_host_smoke():
+    """Every wrapped host phase is timed (the script wraps engine methods by name: a rename must fail here)."""
+    out = _run("profile_step_host.py", "--k", "2").stdout
+    phases = {line.split()[0]: float(line.split()[1]) for line in out.splitlines()[1:] if "ms a step" in line}
+    assert set(phases) == {"schedule", "step_input", "runner.launch", "runner._prepare", "update_from_output",
+                           "append_tokens"}, out
+    assert all(v > 0 for v in phases.values()), out
