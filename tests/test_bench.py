@@ -408,3 +408,16 @@ def test_warmup_waves_run_at_the_workloads_concurrency_with_short_outputs(forced
         assert (c.warmup, c.warmup_output_len) == want
     args = p.parse_args([])
     assert bench_serve.config_from_args(args, {"num_prompts": 8, "max_concurrency": 2, "output_len": 5}).warmup == 1
+
+
+def test_parse_metrics_keys_leave_out_the_model_name_label():
+    """Every /metrics sample carries vLLM's ``model_name`` label; the benches' keys stay as they were."""
+    from mtpspec.engine.async_llm import EngineStats
+    from mtpspec.entrypoints.bench_serve import parse_metrics
+    from mtpspec.entrypoints.server_metrics import ServerMetrics
+    text = ServerMetrics(2, {"model": "x"}, model_name="alpha").render(EngineStats(num_total_blocks=7)).decode()
+    assert 'model_name="alpha"' in text
+    keys = parse_metrics(text)
+    assert keys["mtpspec:kv_cache_total_blocks"] == 7.0
+    assert "mtpspec:spec_decode_num_accepted_tokens_per_pos_total{position=1}" in keys
+    assert not any("model_name" in key for key in keys)

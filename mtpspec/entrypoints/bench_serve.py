@@ -120,12 +120,14 @@ def scrape(base_url: str, client: httpx.Client) -> Dict[str, float]:
 
 
 def parse_metrics(text: str) -> Dict[str, float]:
-    """A Prometheus exposition as ``{"name{label=value,...}": value}``."""
+    """A Prometheus exposition as ``{"name{label=value,...}": value}``, without the ``model_name``
+    label every sample carries (a bench talks to one served model)."""
     from prometheus_client.parser import text_string_to_metric_families
     out: Dict[str, float] = {}
     for fam in text_string_to_metric_families(text):
         for s in fam.samples:
-            key = s.name + ("{" + ",".join(f"{k}={v}" for k, v in sorted(s.labels.items())) + "}" if s.labels else "")
+            labels = sorted((k, v) for k, v in s.labels.items() if k != "model_name")
+            key = s.name + ("{" + ",".join(f"{k}={v}" for k, v in labels) + "}" if labels else "")
             out[key] = float(s.value)
     return out
 
