@@ -421,4 +421,4 @@ def test_catch_up_tokens_reach_the_server_metrics() -> None:
         m.spec.num_mtp_catch_up_tokens = total
         sm.on_step(SimpleNamespace(metrics=m), [])
     text = sm.render(EngineStats()).decode()
-    assert "mtpspec:spec_decode_num_mtp_catch_up_tokens_total 19.0" in text
+    assert 'mtpspec:spec_decode_num_mtp_catch_up_tokens_total{model_name="tiny"} 19.0' in text

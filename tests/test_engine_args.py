@@ -280,9 +280,9 @@ def test_serve_takes_the_model_positionally_like_vllm_serve(capsys) -> None:
 def test_human_readable_max_model_len_as_vllm():
     from mtpspec.engine.arg_utils import human_readable_int
     for text, want in (("4096", 4096), ("4k", 4000), ("25.6k", 25600), ("4K", 4096), ("1M", 1048576), ("2g", 2 * 10 ** 9),
-                       (" 8K ", 8192)):
+                       (" 8K ", 8192), ("32.7k", 32700), ("16.1k", 16100)):
         assert human_readable_int(text) == want, text
-    for bad in ("4.5K", "abc", "k", "1.5", "", "0.0001k"):
+    for bad in ("4.5K", "abc", "k", "1.5", "", "0.0001k", "1e3k", "nank", "-1k"):
         with pytest.raises(argparse.ArgumentTypeError, match="expected a whole number"):
             human_readable_int(bad)
     assert _engine(["--max-model-len", "1k"]).max_model_len == 1000

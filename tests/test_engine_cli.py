@@ -167,6 +167,8 @@ def test_generate_help_names_the_real_default_model(capsys):
 
 @pytest.mark.parametrize("argv, needle", [
     (["serve", "--trust-remote-code"], "mtpspec serve: error: unrecognized arguments: --trust-remote-code"),
+    (["bench", "serve", "--base-url", "http://x", "--bogus"], "mtpspec bench serve: error: unrecognized arguments: "
+                                                              "--bogus"),
     (["generate", "--max-model-len", "4x"], "mtpspec generate: error: argument --max-model-len: expected a whole "
                                            "number such as 4096, 4k (4,000)"),
 ])

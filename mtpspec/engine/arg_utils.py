@@ -41,7 +41,8 @@ flag (vLLM spelling)                  aliases                       default     
                                                                                 bfloat16 / float16
 ``--generation-config``                                             auto        auto (the model's
                                                                                 generation_config.json: EOS ids,
-                                                                                sampling defaults) | vllm | FOLDER
+                                                                                sampling defaults) | vllm (EOS
+                                                                                ids only) | FOLDER
 ``--device``                                                        cuda if any cpu / cuda / cuda:N
 ``--enforce-eager``                                                 off         never use CUDA graphs
 ``--seed``                                                          0           engine seed: seeds requests without one
@@ -103,18 +104,19 @@ def human_readable_int(value: str) -> int:
     Raises:
         argparse.ArgumentTypeError: anything else (the message says what is accepted).
     """
+    from decimal import Decimal, InvalidOperation
     text = str(value).strip()
     if text and text[-1] in "kmgKMG":
         num, suffix = text[:-1], text[-1]
         power = "kmg".find(suffix.lower()) + 1
         try:
-            if suffix.islower():
-                n = float(num) * 1000 ** power
-                if n == int(n) and n > 0:
+            if suffix.islower() and num.replace(".", "", 1).isdigit():
+                n = Decimal(num) * 1000 ** power  # exact: 32.7k is 32,700 (a float gives 32,700.000000000004)
+                if n == n.to_integral_value() and n > 0:
                     return int(n)
             elif num.isdigit():
                 return int(num) * 1024 ** power
-        except ValueError:
+        except InvalidOperation:
             pass
     elif text.lstrip("-").isdigit():
         return int(text)
@@ -383,11 +385,13 @@ class EngineArgs:
                        help="KV-cache storage: auto = the model dtype (default); fp8 / fp8_e4m3: E4M3 with a scale "
                             "per layer (1.0), dequantised inside the attention kernels; twice the blocks per byte")
         p.add_argument("--dtype", default=None,
-                       help="auto / float32 / bfloat16 / float16 (default auto: the checkpoint's; half, float as vLLM)")
+                       help="auto / float32 / bfloat16 / float16 (default auto: the checkpoint's, float32 kept where "
+                            "vLLM would cast it to 16 bits; half, float as vLLM)")
         p.add_argument("--generation-config", default="auto",
                        help="auto: the model folder's generation_config.json (its EOS ids end requests; its "
                             "temperature / top_p / top_k / repetition_penalty / max_new_tokens are the defaults of "
-                            "requests that leave them unset); vllm: ignore it; or a folder holding one")
+                            "requests that leave them unset, its max_new_tokens caps the server's max_tokens); "
+                            "vllm: its EOS ids only; or a folder holding one")
         p.add_argument("--device", default=None, help="cuda / cuda:N / cpu (default: cuda when present)")
         p.add_argument("--enforce-eager", action="store_true", help="never use CUDA graphs")
         p.add_argument("--seed", type=int, default=0,

@@ -1,12 +1,17 @@
 """A checkpoint's ``generation_config.json``: extra EOS ids and the model creator's default sampling settings.
 
-vLLM's rules (``--generation-config``, ``ModelConfig.get_diff_sampling_param``): with ``"auto"``
-(the default) the model folder's file is read, ``"vllm"`` ignores it, any other value is a folder
-holding one. Every ``eos_token_id`` in it ends a request like ``config.json``'s (a list of ids, e.g.
-end-of-turn tokens, is common); ``temperature``, ``top_p``, ``top_k``, ``repetition_penalty`` and
-``max_new_tokens`` (as ``max_tokens``) that differ from Hugging Face's ``GenerationConfig``
-defaults become the defaults of requests that leave them unset (``LLM.generate`` without sampling
-params, ``LLM.get_default_sampling_params()``, the OpenAI server's omitted fields).
+vLLM's rules (``--generation-config``; ``ModelConfig.try_get_generation_config`` /
+``get_diff_sampling_param``): ``"auto"`` (the default) and ``"vllm"`` read the model folder's file,
+any other value is a folder holding one. Every ``eos_token_id`` in it ends a request like
+``config.json``'s, whatever the setting (a list of ids, e.g. end-of-turn tokens, is common). Except
+under ``"vllm"``, the ``temperature``, ``top_p``, ``top_k``, ``repetition_penalty`` and
+``max_new_tokens`` (as ``max_tokens``) the file sets are the defaults of requests that leave them
+unset (``LLM.generate`` without sampling params, ``LLM.get_default_sampling_params()``, the OpenAI
+server's omitted fields), and the server also caps every request's ``max_tokens`` by the file's
+(vLLM's ``get_max_tokens``). "Sets": present and not null, as ``GenerationConfig.to_diff_dict`` of
+transformers 5 keeps them (its defaults are all unset). One difference: vLLM makes the file's EOS
+ids other than the tokenizer's stop ids (``stop_reason`` = the id); here they are EOS ids
+(``stop_reason`` ``None``).
 """
 
 from __future__ import annotations
@@ -20,18 +25,17 @@ logger = logging.getLogger(__name__)
 
 #: ``--generation-config`` values besides a folder.
 GENERATION_CONFIG_CHOICES = ("auto", "vllm")
-# Hugging Face GenerationConfig's defaults: a field equal to its default is not an override
-# (vLLM reads the file through ``to_diff_dict``).
-_HF_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": 50, "repetition_penalty": 1.0, "max_new_tokens": None}
+# the fields that become defaults
+_SAMPLING_KEYS = ("temperature", "top_p", "top_k", "repetition_penalty", "max_new_tokens")
 # fields mtpspec does not sample with, and their neutral values
 _UNSUPPORTED = {"min_p": 0.0, "typical_p": 1.0, "epsilon_cutoff": 0.0, "eta_cutoff": 0.0}
 
 
 def load_generation_config(model_path: str, setting: str = "auto") -> Dict[str, Any]:
-    """The parsed ``generation_config.json`` (``{}`` for ``"vllm"`` or a folder without one).
+    """The parsed ``generation_config.json`` (``{}`` for a model folder without one).
 
     Args:
-        model_path: the model folder (read with ``"auto"``).
+        model_path: the model folder (read with ``"auto"`` and ``"vllm"``).
         setting: ``"auto"``, ``"vllm"`` or a folder holding ``generation_config.json``.
 
     Raises:
@@ -39,12 +43,10 @@ def load_generation_config(model_path: str, setting: str = "auto") -> Dict[str, 
             ``generation_config.json``; the file is not valid JSON or not an object (the message
             names the file).
     """
-    if setting == "vllm":
-        return {}
-    folder = model_path if setting in (None, "auto") else setting
+    folder = model_path if setting in (None, "auto", "vllm") else setting
     path = os.path.join(folder, "generation_config.json")
     if not os.path.isfile(path):
-        if setting not in (None, "auto"):
+        if setting not in (None, "auto", "vllm"):
             raise ValueError(f"--generation-config {setting!r}: expected 'auto', 'vllm' or a folder holding "
                              "generation_config.json; there is none there")
         return {}
@@ -73,14 +75,17 @@ def generation_eos_token_ids(gen: Dict[str, Any]) -> Set[int]:
     return set(ids)
 
 
-def default_sampling_fields(gen: Dict[str, Any]) -> Dict[str, Any]:
-    """``SamplingParams`` keyword arguments the generation config overrides (see the module
-    docstring; ``max_new_tokens`` becomes ``max_tokens``), e.g. ``{"temperature": 0.6, "top_p":
-    0.95}``. Fields mtpspec does not sample with (``min_p``, ...) are named in a warning and left out."""
+def default_sampling_fields(gen: Dict[str, Any], setting: str = "auto") -> Dict[str, Any]:
+    """``SamplingParams`` keyword arguments the generation config sets (see the module docstring;
+    ``max_new_tokens`` becomes ``max_tokens``), e.g. ``{"temperature": 0.6, "top_p": 0.95}``; none
+    under ``setting == "vllm"``. Fields mtpspec does not sample with (``min_p``, ...) are named in a
+    warning and left out."""
+    if setting == "vllm":
+        return {}
     out = {}
-    for key, default in _HF_DEFAULTS.items():
+    for key in _SAMPLING_KEYS:
         val = gen.get(key)
-        if val is not None and val != default:
+        if val is not None:
             out["max_tokens" if key == "max_new_tokens" else key] = val
     skipped = [k for k, neutral in _UNSUPPORTED.items() if gen.get(k) is not None and gen.get(k) != neutral]
     if skipped:

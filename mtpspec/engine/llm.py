@@ -62,7 +62,7 @@ class LLM:
             into the routed experts' kernels, :class:`~mtpspec.engine.arg_utils.EngineArgs`).
         generation_config: ``"auto"`` (the model folder's ``generation_config.json``: its EOS ids end
             requests, its sampling settings are :meth:`get_default_sampling_params`), ``"vllm"``
-            (ignore it) or a folder holding one (:mod:`mtpspec.engine.generation_config`).
+            (its EOS ids only) or a folder holding one (:mod:`mtpspec.engine.generation_config`).
 
     Raises:
         ValueError / TypeError: a bad argument (k out of range, unknown speculative keys, a
@@ -117,7 +117,7 @@ class LLM:
         gen = load_generation_config(config.model, generation_config)  # a bad file fails before any model loads
         gen_eos = generation_eos_token_ids(gen)
         #: ``SamplingParams`` fields the model's generation_config.json sets (``generation_config``)
-        self.default_sampling_fields: Dict[str, Any] = default_sampling_fields(gen)
+        self.default_sampling_fields: Dict[str, Any] = default_sampling_fields(gen, generation_config)
         try:
             SamplingParams(**self.default_sampling_fields)
         except (ValueError, TypeError) as exc:

@@ -265,9 +265,10 @@ async def _stream(client: httpx.AsyncClient, url: str, body: Dict[str, Any], rec
 
 def _body(model: str, prompt: List[int], max_tokens: int, cfg: InterferenceConfig, seed: int,
           ignore_eos: bool) -> Dict[str, Any]:
+    from mtpspec.entrypoints.bench_serve import NEUTRAL_SAMPLING
     return {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": cfg.temperature,
             "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": ignore_eos, "seed": seed,
-            "return_token_ids": True}
+            "return_token_ids": True, **NEUTRAL_SAMPLING}
 
 
 async def _metrics(client: httpx.AsyncClient, url: str) -> Dict[str, float]:

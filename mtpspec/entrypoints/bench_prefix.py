@@ -58,8 +58,9 @@ def prefix_prompts(rows: Sequence[Dict[str, str]], num_prompts: int, num_shots: 
 
 def _ttft(client: httpx.Client, url: str, model: str, prompt: str, max_tokens: int, seed: int) -> Dict[str, Any]:
     """One streaming completion: TTFT (s, ``None`` without tokens), prompt tokens, or an error."""
+    from mtpspec.entrypoints.bench_serve import NEUTRAL_SAMPLING
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
-            "stream_options": {"include_usage": True}, "seed": seed, "return_token_ids": True}
+            "stream_options": {"include_usage": True}, "seed": seed, "return_token_ids": True, **NEUTRAL_SAMPLING}
     rec: Dict[str, Any] = {"ttft": None, "prompt_tokens": 0, "error": ""}
     t0 = time.perf_counter()
     with client.stream("POST", url + "/v1/completions", json=body) as resp:

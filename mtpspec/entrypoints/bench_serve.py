@@ -164,12 +164,17 @@ def spec_figures(before: Dict[str, float], after: Dict[str, float], k: int) -> D
 
 
 # ---------------------------------------------------------------------------- load
+#: Sent with every benchmark request: a served model's generation_config.json gives the defaults of
+#: fields a request leaves unset (vLLM's rule), and a workload must not change with the checkpoint.
+NEUTRAL_SAMPLING = {"top_p": 1.0, "top_k": 0, "repetition_penalty": 1.0}
+
+
 async def _one(client: httpx.AsyncClient, url: str, model: str, prompt: Any, cfg: BenchConfig,
                seed: int) -> RequestRecord:
     rec = RequestRecord()
     body = {"model": model, "prompt": prompt, "max_tokens": cfg.output_len, "temperature": cfg.temperature,
             "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": cfg.ignore_eos,
-            "seed": seed, "return_token_ids": True}
+            "seed": seed, "return_token_ids": True, **NEUTRAL_SAMPLING}
     t0 = time.perf_counter()
     last = None
     try:

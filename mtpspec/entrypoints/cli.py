@@ -32,8 +32,15 @@ def main(argv: Optional[List[str]] = None) -> int:
         mod.add_parser(sub)
         modules[name] = mod
     args, extra = parser.parse_known_args(argv)
-    if extra:  # named by the subcommand's parser ("mtpspec serve: error: ..."), with its usage line
-        sub.choices[args.command].error(f"unrecognized arguments: {' '.join(extra)}")
+    if extra:  # named by the (innermost) subcommand's parser ("mtpspec bench serve: error: ..."), with its usage
+        p = sub.choices[args.command]
+        while True:
+            nested = [a for a in p._actions if isinstance(a, argparse._SubParsersAction)]
+            chosen = getattr(args, nested[0].dest, None) if nested else None
+            if chosen not in (nested[0].choices if nested else {}):
+                break
+            p = nested[0].choices[chosen]
+        p.error(f"unrecognized arguments: {' '.join(extra)}")
     return int(modules[args.command].run(args) or 0)
 
 

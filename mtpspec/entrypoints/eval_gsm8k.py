@@ -63,7 +63,7 @@ def generate_http(base_url: str, prompts: Sequence[str], max_tokens: int, concur
     """
     import httpx
 
-    from mtpspec.entrypoints.bench_serve import ServerInfo, scrape, spec_figures
+    from mtpspec.entrypoints.bench_serve import NEUTRAL_SAMPLING, ServerInfo, scrape, spec_figures
     base_url = base_url.rstrip("/")
     with httpx.Client(timeout=600) as c:
         info = ServerInfo(base_url, c)
@@ -80,7 +80,7 @@ def generate_http(base_url: str, prompts: Sequence[str], max_tokens: int, concur
                 async with sem:
                     r = await client.post(base_url + "/v1/completions", json={
                         "model": info.model, "prompt": p, "max_tokens": max_tokens, "temperature": 0.0,
-                        "stop": STOP_SEQUENCES, "return_token_ids": True})
+                        "stop": STOP_SEQUENCES, "return_token_ids": True, **NEUTRAL_SAMPLING})
                 if bar is not None:
                     bar.update(1)
                 if r.status_code != 200:

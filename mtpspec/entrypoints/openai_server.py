@@ -225,9 +225,8 @@ def _logit_bias(bias: Optional[Dict[str, float]]) -> Optional[Dict[int, float]]:
         except (ValueError, TypeError):
             bad.append(key)
             continue
-        if not math.isfinite(value):  # NaN would clamp to -100 unnoticed
-            raise bad_request(f"logit_bias values must be finite numbers, got {value!r} for token {key!r}",
-                              "logit_bias")
+        if math.isnan(value):  # would clamp to -100 unnoticed (+-inf clamp to +-100, as vLLM)
+            raise bad_request(f"logit_bias values must be numbers, got NaN for token {key!r}", "logit_bias")
     if bad:
         raise bad_request(f"logit_bias contains key(s) that cannot be converted to integer token IDs: {bad!r}",
                           "logit_bias")
@@ -249,8 +248,9 @@ def _sampling_params(req: Any, max_tokens: Optional[int], extra_stop: Sequence[s
                      logprobs: Optional[int] = None, prompt_logprobs: Optional[int] = None,
                      defaults: Optional[Dict[str, Any]] = None) -> SamplingParams:
     """The request's :class:`SamplingParams`; a field it leaves unset takes ``defaults`` (the model's
-    generation_config.json, as vLLM's ``--generation-config auto``), else the OpenAI default.
-    ``max_tokens`` ``None`` takes the default's ``max_tokens`` when there is one."""
+    generation_config.json, as vLLM's ``--generation-config auto``), else the OpenAI default. The
+    default's ``max_tokens`` (the file's ``max_new_tokens``) also caps the request's, as vLLM's
+    ``get_max_tokens`` does."""
     d = defaults or {}
     stop = req.stop
     stops = ([stop] if isinstance(stop, str) else list(stop or [])) + [s for s in extra_stop if s not in (stop or [])]
@@ -261,7 +261,7 @@ def _sampling_params(req: Any, max_tokens: Optional[int], extra_stop: Sequence[s
             temperature=pick(req.temperature, "temperature", 1.0),
             top_p=pick(req.top_p, "top_p", 1.0),
             top_k=pick(req.top_k, "top_k", 0),
-            seed=req.seed, max_tokens=pick(max_tokens, "max_tokens", None), stop=stops or None,
+            seed=req.seed, max_tokens=_capped(max_tokens, d.get("max_tokens")), stop=stops or None,
             stop_token_ids=req.stop_token_ids,
             ignore_eos=req.ignore_eos, skip_special_tokens=req.skip_special_tokens,
             presence_penalty=0.0 if req.presence_penalty is None else req.presence_penalty,
@@ -272,6 +272,11 @@ def _sampling_params(req: Any, max_tokens: Optional[int], extra_stop: Sequence[s
     except (ValueError, TypeError) as exc:
         param = str(exc).split(" ", 1)[0]
         raise bad_request(str(exc), param if param.isidentifier() else None) from None
+
+
+def _capped(max_tokens: Optional[int], cap: Optional[int]) -> Optional[int]:
+    """``min(max_tokens, cap)`` where both are set, else whichever is."""
+    return cap if max_tokens is None else max_tokens if cap is None else min(max_tokens, cap)
 
 
 def _normalise_prompts(prompt: Any) -> List[Dict[str, Any]]:
@@ -309,11 +314,11 @@ def _validate_all(engine: AsyncLLM, prompts: List[Dict[str, Any]], params: Sampl
 
 
 async def _validated(engine: AsyncLLM, prompts: List[Dict[str, Any]], params: SamplingParams) -> List[ValidatedPrompt]:
-    """:func:`_validate_all` in a worker thread when a text prompt has ``LONG_TEXT_CHARS`` or more
-    characters (its tokenizer then releases the GIL: a huge prompt must not stall the event loop,
-    other requests' streams and ``/health``), else right here (a thread hop costs a short prompt more
-    than its tokenization)."""
-    if any(isinstance(p.get("prompt"), str) and len(p["prompt"]) >= LONG_TEXT_CHARS for p in prompts):
+    """:func:`_validate_all` in a worker thread when the request's text prompts have
+    ``LONG_TEXT_CHARS`` or more characters in all (a huge prompt, or many, must not stall the event
+    loop, other requests' streams and ``/health``; a text that long is tokenized with the GIL
+    released), else right here (a thread hop costs a short prompt more than its tokenization)."""
+    if sum(len(p["prompt"]) for p in prompts if isinstance(p.get("prompt"), str)) >= LONG_TEXT_CHARS:
         return await asyncio.to_thread(_validate_all, engine, prompts, params)
     return _validate_all(engine, prompts, params)
 

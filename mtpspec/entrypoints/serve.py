@@ -212,6 +212,8 @@ def build(args: argparse.Namespace) -> Any:
     info["max_num_batched_tokens"] = ec.scheduler_config.max_num_batched_tokens
     info["dtype"] = str(_dtype_from_name(ec.dtype or ec.model_config.dtype or "float32")).replace("torch.", "")
     info["num_kv_blocks"] = engine.stats().num_total_blocks
+    # what requests that leave sampling fields unset get (generation_config.json; --generation-config)
+    info["default_sampling_params"] = dict(llm.default_sampling_fields) or "none"
     name = args.served_model_name or [args.model or "mtpspec-demo"]
     metrics = ServerMetrics(engine.num_speculative_tokens, info, forced_acceptance=forced is not None,
                             model_name=name[0])

@@ -39,7 +39,7 @@ metric                                                     meaning
 ``mtpspec:engine_info`` (info)                              model, tp, k, fusion, local argmax, ...
 =========================================================  ===========================================
 
-Every sample carries vLLM's ``model_name`` label (the first served model name).
+Every sample but ``mtpspec:engine_info``'s carries vLLM's ``model_name`` label (the first served model name).
 """
 
 from __future__ import annotations
