@@ -207,7 +207,7 @@ demo-sd)  # issue 16: 2026-12-03's MTP layer saw its 751k completion tokens ~17 
   # tokens, their prompts are data), SHARE (the share of batches from those documents; the rest are corpus data
   # with its own labels) override
   step 470 self_distill python3 -m mtpspec.entrypoints.cli train --arch glm_moe_dsa --init-from mtpspec/demo_model_glm5 \
-      --output-dir /tmp/sd --indexer-warmup-fraction 0 --freeze-target --mtp-distill ${MTP_DISTILL:-1.0} --mtp-depth 1 \
+      --output-dir /tmp/sd --overwrite-output-dir --indexer-warmup-fraction 0 --freeze-target --mtp-distill ${MTP_DISTILL:-1.0} --mtp-depth 1 \
       --distill-fraction 0 --lr ${LR:-5e-4} --warmup-steps 50 --self-distill-prompts 8000 \
       --self-distill-synthetic ${SYNTH:-16000} --self-distill-share ${SHARE:-0.6} --self-distill-seconds 120 \
       --max-minutes ${MINUTES:-7.2} --reserve-seconds 10 --eval-every 0 --accept-prompts 0 --num-synthetic 200000 --no-progress
@@ -222,7 +222,7 @@ demo-pair1)  # issue 16, a new target / MTP pair, part 1: run 4's whole-model co
   # override), then its GSM8K strict-match at k = 0 (the goal: >= 0.0167, 22 of 1,319). Keep it only if it holds;
   # the shards and config land in OUT/pair (carry them to part 2 as .pair/, an ignored folder).
   step 420 continue_target python3 -m mtpspec.entrypoints.cli train --arch glm_moe_dsa \
-      --init-from mtpspec/demo_model_glm5 --output-dir /tmp/pair --indexer-warmup-fraction 0 --warmup-steps 50 \
+      --init-from mtpspec/demo_model_glm5 --output-dir /tmp/pair --overwrite-output-dir --indexer-warmup-fraction 0 --warmup-steps 50 \
       --distill-fraction 0 --eval-every 0 --accept-prompts 0 --reserve-seconds 12 --max-minutes ${MINUTES:-6.4} \
       --lr ${LR:-5e-4} --seed ${SEED:-13} --no-progress
   mkdir -p "$OUT/pair" && cp /tmp/pair/*.json /tmp/pair/*.safetensors "$OUT/pair/" 2>/dev/null
@@ -230,7 +230,7 @@ demo-pair1)  # issue 16, a new target / MTP pair, part 1: run 4's whole-model co
       --gpu-memory-utilization 0.5 --no-progress --json "$OUT/eval_k0.json" ;;
 demo-pair2)  # part 2: run 5 (a)'s MTP self-distillation on part 1's target (PAIR, default .pair), then k = 1
   step 460 self_distill python3 -m mtpspec.entrypoints.cli train --arch glm_moe_dsa --init-from ${PAIR:-.pair} \
-      --output-dir /tmp/pair_sd --indexer-warmup-fraction 0 --freeze-target --mtp-distill 1.0 --mtp-depth 1 \
+      --output-dir /tmp/pair_sd --overwrite-output-dir --indexer-warmup-fraction 0 --freeze-target --mtp-distill 1.0 --mtp-depth 1 \
       --distill-fraction 0 --lr 5e-4 --warmup-steps 50 --self-distill-prompts 8000 --self-distill-share 0.6 \
       --self-distill-seconds 110 --max-minutes ${MINUTES:-7.0} --reserve-seconds 10 --eval-every 0 --accept-prompts 0 \
       --num-synthetic 200000 --no-progress

@@ -16,7 +16,7 @@ case "$cmd" in
   train)
     [ $# -ge 1 ] || usage
     out=$1; shift
-    $PY -m mtpspec.entrypoints.cli train --arch glm_moe_dsa --output-dir "$out" "$@" ;;
+    $PY -m mtpspec.entrypoints.cli train --arch glm_moe_dsa --output-dir "$out" --overwrite-output-dir "$@" ;;
   eval)
     [ $# -ge 3 ] || usage
     model=$1 res=$2 dev=$3 limit=${4:-}

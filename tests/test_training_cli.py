@@ -1,6 +1,7 @@
 """`mtpspec train` / `python -m mtpspec.training.train` flags map onto TrainConfig."""
 
 import argparse
+import os
 
 import pytest
 
@@ -39,7 +40,7 @@ def test_init_from_a_model_with_fewer_positions_than_max_len_is_refused_first(tm
     import json
 
     from mtpspec.training import train as train_mod
-    (tmp_path / "config.json").write_text(json.dumps({"max_position_embeddings": 512}))
+    (tmp_path / "config.json").write_text(json.dumps({"max_position_embeddings": 512, "model_type": "glm4_moe"}))
     (tmp_path / "tokenizer.json").write_text("{}")
     monkeypatch.setattr(train_mod, "prepare_data", lambda *a, **k: pytest.fail("data prepared"))
     cfg = TrainConfig(output_dir=str(tmp_path / "out"), init_from=str(tmp_path), max_len=2048, device="cpu",
@@ -66,3 +67,54 @@ def test_flag_errors_are_one_line_before_anything_is_built(capsys, monkeypatch):
     monkeypatch.setattr(train_mod, "prepare_data", lambda *a, **k: pytest.fail("data prepared"))
     assert entry.run(_parse(["--mtp-distill", "1.5"])) == 2
     assert capsys.readouterr().err.strip() == "error: --mtp-distill must be in [0, 1], got 1.5"
+
+
+def test_bad_runs_are_refused_before_anything_is_written(tmp_path, capsys):
+    """``mtpspec train``: a run that cannot work is one ``error:`` line, exit 2, and no output folder
+    (a non-empty one needs ``--overwrite-output-dir``: a stale generation_config.json or old weights
+    would be read with the new model)."""
+    from mtpspec.entrypoints.cli import main
+    from mtpspec.training.train import TrainConfig, _clear_previous_model, check_config
+    out = tmp_path / "out"
+    base = ["train", "--tiny", "--device", "cpu", "--output-dir", str(out)]
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "config.json").write_text('{"model_type": "deepseek_v3"}')
+    for extra, msg in ((["--log-every", "0"], "--log-every must be >= 1"),
+                       (["--max-minutes", "0.2"], "leaves no training time after --reserve-seconds 30"),
+                       (["--dtype", "int8"], "--dtype must be auto"), (["--save-dtype", "int8"], "--save-dtype must"),
+                       (["--init-from", str(tmp_path / "nowhere")], "there is no config.json"),
+                       (["--init-from", str(tmp_path / "other"), "--arch", "glm4_moe"],
+                        "holds a 'deepseek_v3' model; pass --arch deepseek_v3"),
+                       (["--gsm8k-dir", str(tmp_path / "test.jsonl")], "names GSM8K's test split")):
+        assert main(base + extra) == 2, extra
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and msg in err and "Traceback" not in err, err
+        assert not out.exists(), extra
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    with pytest.raises(ValueError, match="is not empty; pass --overwrite-output-dir"):
+        check_config(TrainConfig(output_dir=str(out)))
+    check_config(TrainConfig(output_dir=str(out), overwrite_output_dir=True))
+    for name in ("config.json", "generation_config.json", "model-00001-of-00002.safetensors", "summary.json"):
+        (out / name).write_text("{}")
+    _clear_previous_model(str(out))  # what a run with --overwrite-output-dir removes before training
+    assert sorted(os.listdir(out)) == ["notes.txt"]
+
+
+def test_sigterm_stops_training_like_ctrl_c(monkeypatch):
+    """SIGTERM (timeout, kill, a scheduler's pre-emption) raises KeyboardInterrupt inside ``train``,
+    which the training loop turns into "stop and save"; the previous handler comes back after."""
+    import signal
+
+    from mtpspec.training import train as train_mod
+    seen = {}
+
+    def fake_train(cfg, log):
+        seen["handler"] = signal.getsignal(signal.SIGTERM)
+        os.kill(os.getpid(), signal.SIGTERM)
+        return "not reached"
+    monkeypatch.setattr(train_mod, "_train", fake_train)
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(KeyboardInterrupt, match="signal 15"):
+        train_mod.train(train_mod.TrainConfig())
+    assert seen["handler"] is not before and signal.getsignal(signal.SIGTERM) is before

@@ -255,6 +255,7 @@ class LLM:
         tok = self.get_tokenizer()
         if tok is None:
             raise ValueError("chat needs a tokenizer; the model folder has none")
+        messages = list(messages)  # any iterable of messages or conversations
         single = not messages or isinstance(messages[0], dict)
         convs = [messages] if single else list(messages)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):

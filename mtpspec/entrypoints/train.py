@@ -16,14 +16,20 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Train; a flag error (``check_config``, before any data or model is built) is one ``error:``
-    line on stderr and exit status 2, as argparse reports its own."""
+    """Train; a flag error (``check_config``, before any data or model is built) or a bad input
+    found later (a missing or corrupt ``--init-from`` checkpoint, no GSM8K train split, ...:
+    ``ValueError`` / ``FileNotFoundError``) is one ``error:`` line on stderr and exit status 2, as
+    argparse reports its own; an interrupt outside the training loop (which saves) exits 130."""
     from mtpspec.training.train import check_config, config_from_args, train
     cfg = config_from_args(args)
     try:
         check_config(cfg)
-    except ValueError as e:
+        train(cfg)
+    except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    train(cfg)
+    except KeyboardInterrupt:
+        print("interrupted before training started or while saving; nothing complete was written",
+              file=sys.stderr)
+        return 130
     return 0

@@ -129,6 +129,7 @@ class TrainConfig:
     save_dtype: str = "bfloat16"
     max_shard_mib: float = 15.0             # weights in shards of at most this many MiB (0 = one file)
     progress: bool = True
+    overwrite_output_dir: bool = False      # allow a non-empty --output-dir (its previous model files are removed)
 
 
 TINY_OVERRIDES: Dict[str, Any] = dict(
@@ -322,6 +323,29 @@ def load_initial_model(path: str, device: torch.device, dtype: torch.dtype, max_
     return target, mtp, config_dict, load_tokenizer(os.path.join(path, "tokenizer.json"))
 
 
+def _check_paths(cfg: TrainConfig) -> None:
+    """The part of :func:`check_config` that reads the file system (after the value checks)."""
+    if cfg.init_from:
+        cfg_path = os.path.join(cfg.init_from, "config.json")
+        if not os.path.isfile(cfg_path):
+            raise ValueError(f"--init-from {cfg.init_from!r}: expected a saved model folder (config.json, "
+                             "safetensors weights, tokenizer.json); there is no config.json")
+        try:
+            with open(cfg_path, encoding="utf-8") as f:
+                model_type = json.load(f).get("model_type")
+        except (OSError, ValueError, AttributeError) as exc:
+            raise ValueError(f"{cfg_path}: not a readable JSON object ({exc})") from None
+        if model_type != cfg.arch:
+            raise ValueError(f"--init-from {cfg.init_from} holds a {model_type!r} model; pass --arch {model_type} "
+                             f"(got --arch {cfg.arch})")
+    if cfg.gsm8k_dir and os.path.basename(os.path.normpath(cfg.gsm8k_dir)) == "test.jsonl":
+        raise ValueError(f"--gsm8k-dir {cfg.gsm8k_dir!r} names GSM8K's test split; training reads the train split "
+                         "(train.jsonl, or a folder holding it): the test split is for evaluation only")
+    if os.path.isdir(cfg.output_dir) and os.listdir(cfg.output_dir) and not cfg.overwrite_output_dir:
+        raise ValueError(f"--output-dir {cfg.output_dir!r} is not empty; pass --overwrite-output-dir to train into "
+                         "it (its previous model files are removed first), or choose another folder")
+
+
 def check_config(cfg: TrainConfig) -> None:
     """The checks that need no data or model, run before anything is built.
 
@@ -335,11 +359,31 @@ def check_config(cfg: TrainConfig) -> None:
             ``--indexer-warmup-fraction`` outside ``[0, 1 - distill_fraction]`` or a negative
             ``--indexer-kl-weight`` (the other architectures ignore both); ``--self-distill-prompts``
             / ``--self-distill-synthetic`` without a frozen target (``--freeze-target`` or
-            ``--distill-fraction > 0``), or with a share outside ``[0, 1]``.
+            ``--distill-fraction > 0``), or with a share outside ``[0, 1]``; ``--log-every`` below 1,
+            ``--eval-every`` below 0, a ``--max-minutes`` budget no longer than ``--reserve-seconds``
+            (nothing would train), an unknown ``--dtype`` / ``--save-dtype``, an ``--init-from``
+            folder without ``config.json`` or of another architecture than ``--arch``, a
+            ``--gsm8k-dir`` naming the test split, a non-empty ``--output-dir`` without
+            ``--overwrite-output-dir``.
     """
+    _check_values(cfg)
+    _check_paths(cfg)
+
+
+def _check_values(cfg: TrainConfig) -> None:
     from mtpspec.training.model_setup import ARCHS
     if cfg.arch not in ARCHS:
         raise ValueError(f"--arch must be one of {sorted(ARCHS)}, got {cfg.arch!r}")
+    if cfg.log_every < 1 or cfg.eval_every < 0:
+        raise ValueError(f"--log-every must be >= 1 and --eval-every >= 0 (0: off), got {cfg.log_every}, "
+                         f"{cfg.eval_every}")
+    if cfg.max_minutes > 0 and cfg.max_minutes * 60.0 <= cfg.reserve_seconds:
+        raise ValueError(f"--max-minutes {cfg.max_minutes:g} ({cfg.max_minutes * 60:g} s) leaves no training time "
+                         f"after --reserve-seconds {cfg.reserve_seconds:g} (kept for saving and the final checks)")
+    if cfg.dtype not in ("auto", "float32", "bfloat16", "float16"):
+        raise ValueError(f"--dtype must be auto, float32, bfloat16 or float16, got {cfg.dtype!r}")
+    if cfg.save_dtype not in ("bfloat16", "float32", "float16"):
+        raise ValueError(f"--save-dtype must be bfloat16, float32 or float16, got {cfg.save_dtype!r}")
     for flag, value, ok, want in (
             ("--lr", cfg.lr, cfg.lr > 0, "> 0"), ("--distill-lr", cfg.distill_lr, cfg.distill_lr > 0, "> 0"),
             ("--mtp-distill", cfg.mtp_distill, 0.0 <= cfg.mtp_distill <= 1.0, "in [0, 1]"),
@@ -457,8 +501,40 @@ def self_distill_data(cfg: TrainConfig, device: torch.device, log=_log, model_di
     return train_docs, val_docs, stats
 
 
+#: What a previous run (or another model) left in ``--output-dir`` that would be read with the new
+#: model: removed before training starts, so an interrupted run never leaves old weights behind
+#: its new log (and a stale generation_config.json never gives the new model EOS ids or defaults).
+_MODEL_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+                "special_tokens_map.json", "model.safetensors.index.json", "summary.json", "train_log.jsonl")
+
+
+def _clear_previous_model(folder: str) -> None:
+    if not os.path.isdir(folder):
+        return
+    for name in os.listdir(folder):
+        if name in _MODEL_FILES or name.endswith(".safetensors"):
+            os.remove(os.path.join(folder, name))
+
+
 def train(cfg: TrainConfig, log=_log) -> Dict[str, Any]:
-    """Run the recipe (module docstring); returns the summary dict (also written to summary.json)."""
+    """Run the recipe (module docstring); returns the summary dict (also written to summary.json).
+    SIGTERM (``timeout``, ``kill``, a scheduler's pre-emption) stops training as Ctrl-C does: the
+    model trained so far is saved, ``stop_reason`` ``"interrupted"``."""
+    import signal
+    import threading
+    if threading.current_thread() is not threading.main_thread():
+        return _train(cfg, log)
+
+    def stop(signum, frame):
+        raise KeyboardInterrupt(f"signal {signum}")
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        return _train(cfg, log)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _train(cfg: TrainConfig, log=_log) -> Dict[str, Any]:
     from mtpspec.config import ModelConfig
     from mtpspec.training.model_setup import build_models, count_parameters, make_config_dict
     from mtpspec.training.optim import MasterWeightAdamW, RouterBalancer
@@ -479,6 +555,7 @@ def train(cfg: TrainConfig, log=_log) -> Dict[str, Any]:
     if cfg.save_dtype not in save_dtypes:
         raise ValueError(f"--save-dtype must be one of {sorted(save_dtypes)}, got {cfg.save_dtype!r}")
     save_dtype = save_dtypes[cfg.save_dtype]
+    _clear_previous_model(cfg.output_dir)
     os.makedirs(cfg.output_dir, exist_ok=True)
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
@@ -693,6 +770,7 @@ FLAG_HELP = {
     "indexer_warmup_fraction": "glm_moe_dsa: share of the time with dense attention while the indexers learn",
     "log_every": "steps between the records of OUTPUT_DIR/train_log.jsonl (the progress bar shows the latest)",
     "freeze_target": "train only the MTP layers (needs --init-from)",
+    "overwrite_output_dir": "train into a non-empty --output-dir (the model files there are removed first)",
     "progress": "a progress bar on stderr; the per-step figures go to train_log.jsonl either way",
 }
 
