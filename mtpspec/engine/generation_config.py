@@ -93,7 +93,7 @@ def default_sampling_fields(gen: Dict[str, Any], setting: str = "auto") -> Dict[
                        ", ".join(skipped))
     if out:
         logger.warning("default sampling parameters come from the model's generation_config.json: %s (requests "
-                       "that set them are unaffected; --generation-config vllm ignores the file)", out)
+                       "that set them are unaffected; --generation-config vllm ignores these defaults)", out)
     return out
 
 
