@@ -134,3 +134,13 @@ def test_long_texts_encode_to_the_same_ids_with_the_gil_released(tok, tmp_path):
         time.sleep(0.001)
     worker.join()
     assert len(ticks) >= 5, "the main thread was starved while a long prompt was tokenized"
+
+
+def test_a_tokenizer_subclass_with_its_own_decode_keeps_the_window(tok):
+    class Shouting(Tokenizer):
+        def decode(self, ids, skip_special_tokens=True):
+            return super().decode(ids, skip_special_tokens).upper()
+    loud = Shouting(tok.backend)
+    ids = tok.encode("quiet words here")
+    d = IncrementalDetokenizer(loud, [], True)
+    assert d._stream is None and "".join(d.add(i) for i in ids) == "QUIET WORDS HERE"

@@ -182,6 +182,8 @@ class IncrementalDetokenizer:
         self.read_offset = len(self.ids)
         self.text = ""
         self._stream, self._rust = None, getattr(tokenizer, "stream_backend", None)
+        if getattr(type(tokenizer), "decode", None) is not Tokenizer.decode:
+            self._rust = None  # a subclass with a decode of its own: the window decodes through it
         if self._rust is not None and not tokenizer.decode(self.ids, skip_special_tokens).endswith("\ufffd"):
             try:
                 from tokenizers.decoders import DecodeStream
