@@ -562,8 +562,9 @@ def test_a_k0_step_left_in_flight_by_a_sync_step_is_timed_from_its_own_start(mod
                                                                                   ignore_eos=True), str(i))
         for _ in range(4):
             eng.step()
-        # 40 prompt tokens: 48 - 3 decodes x 4 rows leaves 36, so it waits with a sequence slot free
-        eng.add_request({"prompt_token_ids": list(range(3, 43))}, SamplingParams(temperature=0.0, max_tokens=2), "w")
+        # 46 prompt tokens: 48 - 3 decodes x 1 row (at k = 0 they hold no drafts) leaves 45, so it waits
+        # with a sequence slot free
+        eng.add_request({"prompt_token_ids": list(range(3, 49))}, SamplingParams(temperature=0.0, max_tokens=2), "w")
         n0 = len(pol.times)
         for _ in range(8):
             eng.step()
@@ -583,11 +584,12 @@ def test_prompt_tokens_in_a_step_move_the_choice_towards_longer_drafts() -> None
     assert pol.prefill_ms_per_token == 0.0  # no pure-decode sample yet: the overhead is unknown
     for _ in range(400):
         pol.observe_step_time(1, 0, costs.step_ms(1, 0) + 1.0)  # 1 ms of host overhead
-    for _ in range(400):  # steps with 200 prompt tokens took 0.03 ms per token more
+    for _ in range(400):  # steps with 200 prompt tokens took 0.03 ms per token more, drafting or not
         pol.observe_step_time(1, 3, costs.step_ms(1, 3) + 1.0 + 200 * 0.03, num_prefill_tokens=200)
+        pol.observe_step_time(1, 0, costs.step_ms(1, 0) + 1.0 + 200 * 0.03, num_prefill_tokens=200)
     assert pol.overhead_ms == pytest.approx(1.0, rel=1e-3)
     assert pol.draft_prefill_ms_per_token == pytest.approx(0.03, rel=1e-3)
-    assert pol.prompt_ms_per_token(False) == pol.prompt_ms_per_token(True)  # no k = 0 prompt sample: the same
+    assert pol.prompt_ms_per_token(False) == pytest.approx(0.03, rel=1e-3)
     e = [1.0, 1.5, 1.75, 1.875]
     for p in (0, 10, 100, 1000):
         t = [1.0 + 0.7 * k + 1.0 + 0.03 * p for k in range(4)]
@@ -616,6 +618,31 @@ def test_a_drafting_step_s_prompt_tokens_cost_what_such_steps_measured() -> None
         t = [1.0 + 0.7 * k + 1.0 + (0.05 if k else 0.01) * p for k in range(4)]
         assert pol.choose(1, p) == max(range(4), key=lambda k: (e[k] / t[k], -k))
     assert pol.choose(1, 1000) == 0  # 1 / 12 vs 1.875 / 54.1
+
+
+def test_an_unmeasured_prompt_cost_is_tried_then_kept_only_where_cheaper() -> None:
+    """The prompt cost of the kind (k = 0 or drafting) never measured is 0 until its first sample,
+    so the next prompt step proposes it; its measured cost then decides. (H200, 2026-12-05: taking
+    the drafting steps' cost instead, no prompt step ever proposed k = 0.) Simulated engine: a step
+    carrying 1,000 prompt tokens takes 0.02 ms a token at k = 0 and ``drafting`` ms a token with
+    drafts (an MTP pass over the prompt rows)."""
+    costs = _table(verify=lambda b, k: 1.0 + 0.4 * k, draft=lambda b, k: 0.3 * k)
+    for drafting, want in ((0.1, 0), (0.021, 3)):
+        pol = AdaptiveSpecPolicy(3, costs, prior_rate=0.9, prior_weight=1e6, decay=1.0)
+        for _ in range(50):
+            pol.observe_step_time(1, 3, costs.step_ms(1, 3) + 1.0)
+        for _ in range(3):  # the first prompt steps drafted (before this fix, every one did)
+            pol.observe_step_time(1, 3, costs.step_ms(1, 3) + 1.0 + 1000 * drafting, num_prefill_tokens=1000)
+        assert pol.prompt_ms_per_token(False) == 0.0
+        chosen = []
+        for _ in range(6):
+            k = pol.choose(1, 1000)
+            chosen.append(k)
+            pol.observe_step_time(1, k, costs.step_ms(1, k) + 1.0 + 1000 * (drafting if k else 0.02),
+                                  num_prefill_tokens=1000)
+        assert chosen[0] == 0, chosen  # tried at once
+        assert pol.prefill_ms_per_token == pytest.approx(0.02, rel=1e-6)  # its first sample counts whole
+        assert chosen[1:] == [want] * 5, (drafting, chosen)  # 1 / 22 vs 3.439 / 104.1 (0.1) or 25.1 (0.021)
 
 
 def test_engine_tells_the_policy_each_steps_prompt_tokens(model) -> None:

@@ -251,6 +251,13 @@ def test_bench_arms_in_process_repeats_the_same_steps(model_dir, tmp_path):
     assert measured and all(key.startswith("batch ") and " k " in key for key in measured)
     assert all(v >= 0.0 for v in host.values()) and wl["arms"]["k1"]["runs"][0]["adaptive_host_model"] is None
     assert "adaptive_vs_best" in wl and 0.0 < wl["arms"]["k1"]["runs"][0]["host_cpu_s"]
+    for arm, d in wl["arms"].items():  # where each run's wall time went: every step counted, no more than the run
+        r0 = d["runs"][0]
+        walls = r0["step_wall"]
+        assert sum(w["steps"] for w in walls.values()) == r0["engine_steps"], (arm, walls)
+        assert 0.5 * r0["duration_s"] < sum(w["total_s"] for w in walls.values()) <= r0["duration_s"] + 1e-6, arm
+        assert any(kind.startswith("prompt ") for kind in walls) and any(kind.startswith("decode ") for kind in walls)
+    assert set(wl["arms"]["k1"]["runs"][0]["step_wall"]) <= {"prompt k1", "decode k1"}
     bad = subprocess.run(cmd[:-2] + ["--base-url", "k1=http://127.0.0.1:1", "--server-args", cmd[-1]],
                          capture_output=True, text=True, env=child_env(), cwd=REPO, timeout=120)
     assert bad.returncode == 2 and "exclude each other" in bad.stderr

@@ -289,6 +289,24 @@ def test_without_chunking_a_prompt_waits_for_a_budget_that_holds_it() -> None:
         assert out.num_decode_tokens == 2 and out.num_prefill_tokens == sum(g[2] for g in got)
 
 
+def test_a_decode_takes_the_budget_of_the_drafts_it_holds() -> None:
+    """A decode takes ``1 +`` (drafts it holds) of the token budget, not ``1 + k``: after a step that
+    proposed fewer drafts (an adaptive step at k = 0), the rows they leave go to a prompt chunk
+    (H200, 2026-12-05: reserving ``1 + k`` made prompt phases under adaptive speculation as slow as
+    at k = 3)."""
+    for drafts, chunk in (([5], 14), ([], 15)):
+        cfg = SchedulerConfig(max_num_seqs=2, max_model_len=32, max_num_batched_tokens=16, num_speculative_tokens=1)
+        sched = Scheduler(cfg, BlockManager(100, 4, watermark=0.0), [EOS])
+        sched.add(_seq("a", [1, 2, 3]))
+        out = sched.schedule()
+        sched.update_from_output(out, [[4]], [drafts])  # the step proposed len(drafts) drafts
+        sched.add(_seq("b", list(range(1, 31))))
+        out = sched.schedule()
+        got = [(s.seq.request_id, len(s.input_token_ids)) for s in out.scheduled]
+        assert got == [("a", 1 + len(drafts)), ("b", chunk)], (drafts, got)
+        assert out.num_decode_tokens + out.num_prefill_tokens == 16
+
+
 def test_partially_prefilled_sequence_preempted_restarts_from_scratch() -> None:
     """A decode that needs blocks preempts the partially prefilled sequence (the newest); it goes
     back to the waiting queue with nothing computed and is prefilled again from position 0."""

@@ -474,6 +474,7 @@ class LLMEngine:
         m.num_steps += 1
         m.num_eager_fallbacks += result.num_eager_fallbacks
         m.add_comm(result.comm_bytes)
+        m.add_step_wall(out.num_prefill_tokens > 0, out.num_proposed_tokens, t0, now)
         if busy:
             m.busy_time_s += now - t0
         if _LOG_STEPS:

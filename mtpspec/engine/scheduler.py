@@ -251,11 +251,16 @@ class Scheduler:
                     out.scheduled.append(self._prefill_chunk(seq, n))
                     budget -= n
                 continue
-            q_len = cfg.decode_query_len
+            ahead = pending is not None and id(seq) in pending  # its newest token is still being sampled
+            # ahead of a step in flight, which proposes no drafts (the engine steps ahead only then):
+            # the drafts it holds are the ones that step verifies
+            drafts = [] if ahead else seq.draft_token_ids
+            # the target rows it takes: 1 + the drafts it holds (fewer than k after an adaptive step
+            # that proposed fewer: the budget they leave goes to prompt chunks)
+            q_len = 1 + min(len(drafts), cfg.num_speculative_tokens)
             if q_len > budget or len(out.scheduled) >= cfg.max_num_seqs:
                 kept.append(seq)  # stays running, skips this step
                 continue
-            ahead = pending is not None and id(seq) in pending  # its newest token is still being sampled
             n_tok = seq.num_tokens + ahead
             slots = cfg.decode_slots(n_tok)
             if pending is not None:  # scheduled ahead of a step in flight: never preempting
@@ -279,9 +284,6 @@ class Scheduler:
                     continue
             bm.grow(seq, slots)
             kept.append(seq)
-            # ahead of a step in flight, which proposes no drafts (the engine steps ahead only then):
-            # the drafts it holds are the ones that step verifies
-            drafts = [] if ahead else seq.draft_token_ids
             if seq.num_computed_tokens != seq.num_tokens - 1:
                 raise RuntimeError(f"{seq!r}: a decode needs num_computed_tokens == num_tokens - 1")
             if len(drafts) > cfg.num_speculative_tokens:

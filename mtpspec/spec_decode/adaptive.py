@@ -205,7 +205,7 @@ class AdaptiveSpecPolicy:
     prefill_ms_per_token: float = 0.0
     #: and over those that proposed ``k >= 1``: they also run the MTP layer's first pass over the
     #: prompt rows (and, with deferred MTP entries, catch up the decodes' lags), which a ``k = 0``
-    #: step does not. Until one kind is observed it takes the other's value.
+    #: step does not. Each starts at 0, so the kind not yet observed is tried at the next prompt step.
     draft_prefill_ms_per_token: float = 0.0
     _prefill_n: List[int] = field(default_factory=lambda: [0, 0], init=False, repr=False)  # samples k = 0, k >= 1
     #: Per (table batch size, proposed ``k``): the running mean of what its pure-decode steps took
@@ -279,12 +279,13 @@ class AdaptiveSpecPolicy:
             expected = predicted + host + num_prefill_tokens * cost
             if 0.0 < wall_ms and (cost <= 0.0 or wall_ms <= 4.0 * expected + 5.0):
                 per_token = max(0.0, wall_ms - predicted - host) / num_prefill_tokens
-                # each kind's running mean starts at 0: the kind with fewer samples looks cheaper, is
-                # chosen at prompt steps and measured (one bad first sample cannot shut it out)
+                # each kind's mean is 0 until its first sample (prompt_ms_per_token: the kind not yet
+                # measured is chosen at the next prompt step), then a running mean (weight
+                # max(1 / n, overhead_weight): the first sample counts whole)
                 name = "draft_prefill_ms_per_token" if k > 0 else "prefill_ms_per_token"
+                n = self._prefill_n[int(k > 0)] = self._prefill_n[int(k > 0)] + 1
                 mean = getattr(self, name)
-                setattr(self, name, mean + self.overhead_weight * (per_token - mean))
-                self._prefill_n[int(k > 0)] += 1
+                setattr(self, name, mean + max(1.0 / n, self.overhead_weight) * (per_token - mean))
             return
         if 0.0 < wall_ms <= 4.0 * predicted + 5.0:
             excess = max(0.0, wall_ms - predicted)
@@ -299,11 +300,12 @@ class AdaptiveSpecPolicy:
 
     def prompt_ms_per_token(self, drafting: bool) -> float:
         """The learnt ms per prompt token of a step that proposes ``k >= 1`` (``drafting``) or
-        ``k = 0`` (:attr:`draft_prefill_ms_per_token` / :attr:`prefill_ms_per_token`; the other
-        kind's while this one has no sample)."""
-        mine, other = (self.draft_prefill_ms_per_token, self.prefill_ms_per_token) if drafting else (
-            self.prefill_ms_per_token, self.draft_prefill_ms_per_token)
-        return mine if self._prefill_n[int(drafting)] or not self._prefill_n[int(not drafting)] else other
+        ``k = 0`` (:attr:`draft_prefill_ms_per_token` / :attr:`prefill_ms_per_token`). A kind not
+        sampled yet costs 0 (optimistic): the next prompt-carrying step whose choice it could
+        change proposes it and measures it. (Taking the other kind's value instead gave every
+        ``k`` the same prompt cost, so a prompt step always favoured the longest draft and the
+        ``k = 0`` cost was never measured: H200, 2026-12-05.)"""
+        return self.draft_prefill_ms_per_token if drafting else self.prefill_ms_per_token
 
     def host_ms(self, batch: float, extra_tokens: float) -> float:
         """The host plane: ``a + c batch + b extra_tokens`` ms."""

@@ -125,6 +125,11 @@ class EngineMetrics:
         prefix_cache_queries / prefix_cache_hits: prompt tokens of newly admitted requests that
             looked up the prefix cache / that it served (vLLM's counters; recomputes after a
             preemption not counted).
+        step_wall_s: per kind of step (``"prompt k<k>"``: it carried prompt tokens, ``"decode
+            k<k>"``: it did not; ``k`` the drafts it proposed), ``[steps, seconds]``: host wall time
+            from the previous step's tokens applied to this step's (the first step after
+            :meth:`reset`: from its own start), so it counts the caller's time between steps and any
+            idle time (a diagnostic for saturated benchmarks: where the wall time of a run went).
     """
 
     spec: Optional[SpecDecodingStats] = None
@@ -140,6 +145,17 @@ class EngineMetrics:
     comm_bytes: Dict[str, int] = field(default_factory=dict)
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
+    step_wall_s: Dict[str, List[float]] = field(default_factory=dict)
+    last_step_applied: Optional[float] = field(default=None, repr=False)  # perf_counter() s
+
+    def add_step_wall(self, has_prompt: bool, k: int, start: float, now: float) -> None:
+        """Count a step whose tokens were applied at ``now`` (``start``: its own start, used when no
+        step was applied since :meth:`reset`) in :attr:`step_wall_s`."""
+        since = start if self.last_step_applied is None else self.last_step_applied
+        rec = self.step_wall_s.setdefault(f"{'prompt' if has_prompt else 'decode'} k{k}", [0, 0.0])
+        rec[0] += 1
+        rec[1] += max(0.0, now - since)
+        self.last_step_applied = now
 
     def add_comm(self, delta: Dict[str, int]) -> None:
         for op, n in delta.items():
@@ -159,6 +175,7 @@ class EngineMetrics:
             prefix_cache_queries=self.prefix_cache_queries, prefix_cache_hits=self.prefix_cache_hits,
             prefix_cache_hit_rate=(self.prefix_cache_hits / self.prefix_cache_queries
                                    if self.prefix_cache_queries else None),
+            step_wall_s={kind: list(v) for kind, v in sorted(self.step_wall_s.items())},
         )
         if self.spec is not None:
             d.update(self.spec.as_dict())
