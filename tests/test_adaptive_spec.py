@@ -19,7 +19,8 @@ from test_engine_fixtures import make_model, mixed_prompts, token_prompts
 
 from mtpspec import LLM, SamplingParams
 from mtpspec.engine.arg_utils import EngineArgs
-from mtpspec.spec_decode.adaptive import AdaptiveSpecPolicy, StepCostTable, measure_step_costs
+from mtpspec.spec_decode.adaptive import (MIN_PROMPT_SAMPLES, PROMPT_EXPLORE_EVERY, AdaptiveSpecPolicy, StepCostTable,
+                                         measure_step_costs)
 
 
 def _table(max_k=3, sizes=(1, 4, 16), verify=lambda b, k: 1.0 + 0.05 * b * (1 + k), draft=lambda b, k: 0.3 * k):
@@ -574,10 +575,13 @@ def test_a_k0_step_left_in_flight_by_a_sync_step_is_timed_from_its_own_start(mod
             eng.step()
 
 
-def test_prompt_tokens_in_a_step_move_the_choice_towards_longer_drafts() -> None:
+def test_a_prompt_chunk_that_every_k_pays_does_not_change_the_choice() -> None:
     """A step that also carries a prompt chunk pays for it whatever k is: the policy learns a cost
-    per prompt token from such steps (beyond the table and the overhead) and adds it to every k's
-    cost, so the longer drafts that lose in a pure-decode step win in a prompt-heavy one."""
+    per prompt token from such steps (beyond the table and the overhead). Where drafting and k = 0
+    pay the same per prompt token, a prompt step takes the k a pure-decode step would: its tokens
+    are valued at the best pure-decode cost per token, so the chunk's cost cancels. (The old rule,
+    tokens per ms with the chunk's cost in the denominator, favoured the longest draft in every
+    prompt-heavy step: H200, 2026-12-05, Air 3 layers, prompt steps at k = 3 took 2.3x those at k = 0.)"""
     costs = _table(verify=lambda b, k: 1.0 + 0.4 * k, draft=lambda b, k: 0.3 * k)
     pol = AdaptiveSpecPolicy(3, costs, prior_rate=0.5, prior_weight=1.0, decay=1.0)
     pol.observe_step_time(1, 0, costs.step_ms(1, 0) + 100.0, num_prefill_tokens=100)
@@ -590,12 +594,8 @@ def test_prompt_tokens_in_a_step_move_the_choice_towards_longer_drafts() -> None
     assert pol.overhead_ms == pytest.approx(1.0, rel=1e-3)
     assert pol.draft_prefill_ms_per_token == pytest.approx(0.03, rel=1e-3)
     assert pol.prompt_ms_per_token(False) == pytest.approx(0.03, rel=1e-3)
-    e = [1.0, 1.5, 1.75, 1.875]
-    for p in (0, 10, 100, 1000):
-        t = [1.0 + 0.7 * k + 1.0 + 0.03 * p for k in range(4)]
-        want = max(range(4), key=lambda k: (e[k] / t[k], -k))
-        assert pol.choose(1, p) == want
-    assert pol.choose(1, 0) == 1 and pol.choose(1, 1000) == 3  # 1.5 / 2.7 vs 1.875 / 34.1
+    # pure decode: E / t = 1 / 2, 1.5 / 2.7, 1.75 / 3.4, 1.875 / 4.1 -> k = 1
+    assert [pol.choose(1, p) for p in (0, 10, 100, 1000, 10000)] == [1] * 5
     pol.observe_step_time(1, 3, 1e6, num_prefill_tokens=10)  # an idle gap: ignored
     assert pol.draft_prefill_ms_per_token == pytest.approx(0.03, rel=1e-3)
 
@@ -622,12 +622,15 @@ def test_a_drafting_step_s_prompt_tokens_cost_what_such_steps_measured() -> None
 
 def test_an_unmeasured_prompt_cost_is_tried_then_kept_only_where_cheaper() -> None:
     """The prompt cost of the kind (k = 0 or drafting) never measured is 0 until its first sample,
-    so the next prompt step proposes it; its measured cost then decides. (H200, 2026-12-05: taking
-    the drafting steps' cost instead, no prompt step ever proposed k = 0.) Simulated engine: a step
-    carrying 1,000 prompt tokens takes 0.02 ms a token at k = 0 and ``drafting`` ms a token with
-    drafts (an MTP pass over the prompt rows)."""
+    so the next prompt steps propose it (MIN_PROMPT_SAMPLES of them); its measured cost (the median of
+    its samples: a first-use outlier does not decide) then decides, and the kind not chosen is tried
+    again once every PROMPT_EXPLORE_EVERY prompt steps. (H200, 2026-12-05: taking the drafting
+    steps' cost instead, no prompt step ever proposed k = 0.) Simulated engine: a step carrying 1,000
+    prompt tokens takes 0.02 ms a token at k = 0 (the first one 2 ms a token) and ``drafting`` ms a
+    token with drafts (an MTP pass over the prompt rows)."""
     costs = _table(verify=lambda b, k: 1.0 + 0.4 * k, draft=lambda b, k: 0.3 * k)
-    for drafting, want in ((0.1, 0), (0.021, 3)):
+    n = PROMPT_EXPLORE_EVERY + 8
+    for drafting, want in ((0.1, 0), (0.02, 3)):
         pol = AdaptiveSpecPolicy(3, costs, prior_rate=0.9, prior_weight=1e6, decay=1.0)
         for _ in range(50):
             pol.observe_step_time(1, 3, costs.step_ms(1, 3) + 1.0)
@@ -635,14 +638,20 @@ def test_an_unmeasured_prompt_cost_is_tried_then_kept_only_where_cheaper() -> No
             pol.observe_step_time(1, 3, costs.step_ms(1, 3) + 1.0 + 1000 * drafting, num_prefill_tokens=1000)
         assert pol.prompt_ms_per_token(False) == 0.0
         chosen = []
-        for _ in range(6):
+        for i in range(n):
             k = pol.choose(1, 1000)
             chosen.append(k)
-            pol.observe_step_time(1, k, costs.step_ms(1, k) + 1.0 + 1000 * (drafting if k else 0.02),
-                                  num_prefill_tokens=1000)
-        assert chosen[0] == 0, chosen  # tried at once
-        assert pol.prefill_ms_per_token == pytest.approx(0.02, rel=1e-6)  # its first sample counts whole
-        assert chosen[1:] == [want] * 5, (drafting, chosen)  # 1 / 22 vs 3.439 / 104.1 (0.1) or 25.1 (0.021)
+            per_token = drafting if k else (2.0 if i == 0 else 0.02)
+            pol.observe_step_time(1, k, costs.step_ms(1, k) + 1.0 + 1000 * per_token, num_prefill_tokens=1000)
+        assert chosen[:MIN_PROMPT_SAMPLES] == [0] * MIN_PROMPT_SAMPLES, chosen  # tried at once, measured
+        assert pol.prefill_ms_per_token == pytest.approx(0.02, rel=1e-6)  # the outlier does not count
+        # then the cheaper kind (k = 1 / 22 ms vs k = 3: 3.439 tokens in 4.1 + 1000 * drafting ms, each worth
+        # the best pure-decode cost, 4.1 / 3.439 ms), the other tried once PROMPT_EXPLORE_EVERY steps on
+        last_other = 0 if want == 0 else MIN_PROMPT_SAMPLES
+        expect = [want] * n
+        expect[:MIN_PROMPT_SAMPLES] = [0] * MIN_PROMPT_SAMPLES
+        expect[last_other + PROMPT_EXPLORE_EVERY] = 3 if want == 0 else 0
+        assert chosen == expect, (drafting, chosen)
 
 
 def test_engine_tells_the_policy_each_steps_prompt_tokens(model) -> None:

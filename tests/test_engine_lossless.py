@@ -122,8 +122,9 @@ def test_batch_sizes_one_to_eight(model, reference) -> None:
 @pytest.mark.parametrize("k,local_argmax", [(1, False), (3, True), (4, False)])
 def test_graph_code_path_with_padding_equals_eager(model, reference, k: int, local_argmax: bool) -> None:
     """The CUDA-graph path's static padded buffers (``graph_mode="static"``: no capture on CPU):
-    batches of 1..8 run padded to 1, 2, 4, 8 sequences; padding rows never reach sampling or
-    emission, so tokens equal plain decoding, and the drafts equal the eager path's."""
+    batches of 1..8 run padded to 1, 2, 4, 8 sequences (the draft steps of a step with prompts too);
+    padding rows never reach sampling or emission, so tokens equal plain decoding, and the drafts
+    equal the eager path's."""
     path, _, cfg = model
     prompts, ref, oracle = reference
     spec = {"num_speculative_tokens": k, "use_local_argmax_reduction": local_argmax}
@@ -147,6 +148,8 @@ def test_graph_code_path_with_padding_equals_eager(model, reference, k: int, loc
             if mode == "static":  # decode units, and the one-sequence prefill units (n = 1)
                 assert llm.executor.runner.fwd.num_graph_steps > 20
                 assert llm.executor.runner.fwd.num_prefill_graph_steps >= 1
+                # steps of several prompts: their draft steps (k > 1) ran through the step units
+                assert (llm.executor.runner.fwd.num_mixed_graph_steps >= 1) == (k > 1)
             seen[mode] = sorted(drafts)
     assert seen["off"] == seen["static"]
 

@@ -150,6 +150,8 @@ class GraphedForward(EagerForward):
         self.active: Optional[int] = None  # padded batch size of the current step, or None (eager)
         self.prefill_rows: Optional[int] = None  # Tp of the current single-sequence prefill step, or None
         self.num_prefill_graph_steps = 0
+        self.mixed_tables: Optional[int] = None  # sequences whose tables a step with prefill chunks set (its draft steps)
+        self.num_mixed_graph_steps = 0  # such steps whose draft steps ran through the step units
         self.num_seqs = 0
         self.num_graph_steps = 0  # steps that ran through the static buffers / graphs
         self._warned = False
@@ -180,7 +182,7 @@ class GraphedForward(EagerForward):
     # ---------------------------------------------------------------- per step
     def begin_step(self, pure_decode: bool, num_seqs: int, block_tables: torch.Tensor, num_rows: int = 0,
                    num_sample_rows: int = 0, k: Optional[int] = None) -> None:
-        self.active = self.prefill_rows = None
+        self.active = self.prefill_rows = self.mixed_tables = None
         self.step_k = self.k if k is None else k
         if not pure_decode:
             tp = next((s for s in self.prefill_sizes if s >= num_rows), None)
@@ -342,8 +344,27 @@ class GraphedForward(EagerForward):
             return ()
         return fn
 
+    def _mixed_step_size(self, meta: AttentionMetadata, spec_step_idx: int, top) -> Optional[int]:
+        """A step with prefill chunks runs its verify and first pass eagerly, but its draft steps
+        are one row per sequence, as in a pure-decode step: the padded size whose ``step`` unit
+        runs them (its block tables set from ``meta``), or ``None`` (eager: no such unit)."""
+        b, w = meta.block_tables.shape
+        bp = self.padded(b)
+        if (bp is None or self.capture_failed is not None or w > self.block_tables.shape[1]
+                or b != meta.num_seqs or (self.mode == "cuda" and ("step", bp, spec_step_idx, top is not None)
+                                          not in self.graphs)):
+            return None
+        if self.mixed_tables != b:  # once per step (begin_step resets it)
+            self.num_seqs = b
+            self._set_tables(meta.block_tables, b, bp)
+            self.mixed_tables = b
+            self.num_mixed_graph_steps += 1
+        return bp
+
     def mtp_step(self, ids, pos, hidden, meta, spec_step_idx, top):
         bp = 1 if self.prefill_rows is not None else self.active  # a prefill's drafts: the Bp = 1 units
+        if bp is None:
+            bp = self._mixed_step_size(meta, spec_step_idx, top)
         if bp is None:
             return super().mtp_step(ids, pos, hidden, meta, spec_step_idx, top)
         b = self.num_seqs

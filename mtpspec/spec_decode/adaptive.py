@@ -75,6 +75,13 @@ MIN_MEASURED = 6
 MAX_MEASURING_BURSTS = 3
 STALE_EVERY = 2000
 MEASURED_WEIGHT = 0.1
+#: Prompt-carrying steps: each kind's (``k = 0``, drafting) cost per prompt token is the median of
+#: its last :data:`PROMPT_SAMPLES` samples (a first-use outlier, e.g. a kernel compiled in the step,
+#: cannot fix it); a kind with fewer than :data:`MIN_PROMPT_SAMPLES`, or not proposed at the last
+#: :data:`PROMPT_EXPLORE_EVERY` prompt steps, is proposed at the next one.
+PROMPT_SAMPLES = 16
+MIN_PROMPT_SAMPLES = 3
+PROMPT_EXPLORE_EVERY = 32
 #: Batch sizes :func:`measure_step_costs` times by default (those up to ``max_num_seqs`` that
 #: the runner has graphs for, plus ``max_num_seqs``); others use the next larger measured one.
 CALIBRATION_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
@@ -167,6 +174,12 @@ class StepCostTable:
                              f"({{'verify_ms': {{k: {{batch: ms}}}}, 'draft_ms': ...}}): {exc}") from exc
 
 
+def _median(xs: Sequence[float]) -> float:
+    s = sorted(xs)
+    n = len(s)
+    return s[n // 2] if n % 2 else 0.5 * (s[n // 2 - 1] + s[n // 2])
+
+
 @dataclass
 class AdaptiveSpecPolicy:
     """Chooses each step's number of drafts (see the module docstring).
@@ -207,7 +220,9 @@ class AdaptiveSpecPolicy:
     #: prompt rows (and, with deferred MTP entries, catch up the decodes' lags), which a ``k = 0``
     #: step does not. Each starts at 0, so the kind not yet observed is tried at the next prompt step.
     draft_prefill_ms_per_token: float = 0.0
-    _prefill_n: List[int] = field(default_factory=lambda: [0, 0], init=False, repr=False)  # samples k = 0, k >= 1
+    _prefill_samples: List[List[float]] = field(default_factory=lambda: [[], []], init=False, repr=False)  # k = 0, k >= 1
+    _prompt_steps: int = field(default=0, init=False, repr=False)  # prompt-carrying choose() calls
+    _prompt_last: List[int] = field(default_factory=lambda: [0, 0], init=False, repr=False)  # ... last proposing each kind
     #: Per (table batch size, proposed ``k``): the running mean of what its pure-decode steps took
     #: beyond the device table (ms), from the steps that proposed the same ``k`` as the two steps
     #: before them and the step chosen after them (weight ``max(1 / n, MEASURED_WEIGHT)``): a steady
@@ -279,13 +294,12 @@ class AdaptiveSpecPolicy:
             expected = predicted + host + num_prefill_tokens * cost
             if 0.0 < wall_ms and (cost <= 0.0 or wall_ms <= 4.0 * expected + 5.0):
                 per_token = max(0.0, wall_ms - predicted - host) / num_prefill_tokens
-                # each kind's mean is 0 until its first sample (prompt_ms_per_token: the kind not yet
-                # measured is chosen at the next prompt step), then a running mean (weight
-                # max(1 / n, overhead_weight): the first sample counts whole)
-                name = "draft_prefill_ms_per_token" if k > 0 else "prefill_ms_per_token"
-                n = self._prefill_n[int(k > 0)] = self._prefill_n[int(k > 0)] + 1
-                mean = getattr(self, name)
-                setattr(self, name, mean + max(1.0 / n, self.overhead_weight) * (per_token - mean))
+                # each kind's cost is 0 until its first sample (the kind not yet measured looks
+                # cheap and is proposed), then the median of its last PROMPT_SAMPLES samples
+                samples = self._prefill_samples[int(k > 0)]
+                samples.append(per_token)
+                del samples[:-PROMPT_SAMPLES]
+                setattr(self, "draft_prefill_ms_per_token" if k > 0 else "prefill_ms_per_token", _median(samples))
             return
         if 0.0 < wall_ms <= 4.0 * predicted + 5.0:
             excess = max(0.0, wall_ms - predicted)
@@ -361,13 +375,22 @@ class AdaptiveSpecPolicy:
 
     def choose(self, batch: int, num_prefill_tokens: int = 0, prompts_waiting: bool = False,
                token_budget: Optional[int] = None) -> int:
-        """The ``k`` in ``0 .. max_k`` (among the table's) maximising ``E(k) / (T(batch, k) + a + c
-        batch + b batch (E(k) - 1) + num_prefill_tokens * prompt_ms_per_token(k >= 1))`` (the host plane of
-        :meth:`observe_step_time`) for ``batch`` sequences in a step
-        that also carries ``num_prefill_tokens`` prompt tokens (smallest ``k`` on ties). With
-        :attr:`prompt_reserve` ``r > 0``, ``prompts_waiting`` (prompt tokens left to schedule) and
-        ``token_budget`` (``max_num_batched_tokens``), only ``k = 0`` and the ``k`` with
-        ``batch * (1 + k) <= (1 - r) * token_budget`` are considered."""
+        """The ``k`` in ``0 .. max_k`` (among the table's) for ``batch`` sequences in a step that
+        also carries ``num_prefill_tokens`` prompt tokens (smallest ``k`` on ties).
+
+        A pure-decode step takes the ``k`` maximising ``E(k) / t(k)``, ``t(k) = T(batch, k) + H(k)``
+        (``H``: the host time measured for ``k`` at this batch size, else the plane ``a + c batch +
+        b batch (E(k) - 1)`` of :meth:`observe_step_time`). A prompt-carrying step pays its prompt
+        chunk whatever ``k`` is, so tokens per ms is the wrong measure there; it takes the ``k``
+        maximising ``batch E(k) c* - t(k) - num_prefill_tokens * prompt_ms_per_token(k >= 1)``:
+        the tokens it emits valued at ``c* = min_j t(j) / (batch E(j))``, the ms a token costs in
+        the best pure-decode step, minus what the step costs (a drafting prompt step is worth its
+        extra time only if its extra tokens come cheaper than decoding them later would). A kind
+        (``k = 0`` or drafting) measured at too few prompt steps or not proposed at the last
+        :data:`PROMPT_EXPLORE_EVERY` is proposed instead. With :attr:`prompt_reserve` ``r > 0``,
+        ``prompts_waiting`` (prompt tokens left to schedule) and ``token_budget``
+        (``max_num_batched_tokens``), only ``k = 0`` and the ``k`` with ``batch * (1 + k) <= (1 -
+        r) * token_budget`` are considered."""
         rates = self.rates()
         n_prompt = max(0, num_prefill_tokens)
         fixed = self.host_ms(batch, 0.0)
@@ -376,23 +399,42 @@ class AdaptiveSpecPolicy:
         cap = None
         if self.prompt_reserve > 0 and prompts_waiting and token_budget:
             cap = (1.0 - self.prompt_reserve) * token_budget
-        best, best_rate, rate_of = 0, -1.0, {}
+        cost_of: Dict[int, Tuple[float, float]] = {}  # k -> (E(k), t(k))
         for k in self.costs.ks:
             if k > self.max_k or (k and cap is not None and batch * (1 + k) > cap):
                 continue
             e = self.expected_tokens(k, rates)
-            device = self.costs.step_ms(batch, k)
-            prefill = n_prompt * self.prompt_ms_per_token(k > 0) if n_prompt else 0.0
             host = self.excess_ms.get((bucket, k))  # measured for this k and batch size, else the plane
-            host = fixed + prefill + per_token * (e - 1.0) if host is None else host + prefill
-            rate = rate_of[k] = e / (device + host)
+            host = fixed + per_token * (e - 1.0) if host is None else host
+            cost_of[k] = (e, self.costs.step_ms(batch, k) + host)
+        if n_prompt:
+            self._chosen_k = k = self._choose_prompt_step(batch, n_prompt, cost_of)
+            return k
+        best, best_rate, rate_of = 0, -1.0, {}
+        for k, (e, t) in cost_of.items():
+            rate = rate_of[k] = e / t
             if rate > best_rate * (1 + 1e-9):
                 best, best_rate = k, rate
-        if num_prefill_tokens > 0:
-            self._chosen_k = best
-            return best
         self._chosen_k = k = self._explored(bucket, best, best_rate, rate_of)
         return k
+
+    def _choose_prompt_step(self, batch: int, n_prompt: int, cost_of: Dict[int, Tuple[float, float]]) -> int:
+        """:meth:`choose` for a step carrying ``n_prompt`` prompt tokens, ``cost_of``: ``k -> (E(k), t(k))``."""
+        c_star = min(t / (batch * e) for e, t in cost_of.values())
+        value_of = {k: batch * e * c_star - t - n_prompt * self.prompt_ms_per_token(k > 0)
+                    for k, (e, t) in cost_of.items()}
+        tol = 1e-9 * max(abs(v) for v in value_of.values())
+        best = next(k for k, v in value_of.items() if v >= max(value_of.values()) - tol)  # smallest k on ties
+        drafting_values = [v for k, v in value_of.items() if k]
+        best_drafting = next((k for k, v in value_of.items() if k and v >= max(drafting_values) - tol), None)
+        self._prompt_steps = n = self._prompt_steps + 1
+        drafting = int(best > 0)
+        other = 0 if drafting else best_drafting  # the kind not chosen, if any is allowed
+        if other is not None and (len(self._prefill_samples[1 - drafting]) < MIN_PROMPT_SAMPLES
+                                  or n - self._prompt_last[1 - drafting] > PROMPT_EXPLORE_EVERY):
+            best, drafting = other, 1 - drafting
+        self._prompt_last[drafting] = n
+        return best
 
     def _explored(self, bucket: int, best: int, best_rate: float, rate_of: Dict[int, float]) -> int:
         """``best``, or for a pure-decode step at table batch size ``bucket`` the ``k`` of an
