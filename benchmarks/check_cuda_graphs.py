@@ -82,7 +82,7 @@ def engine_check(device: torch.device, k: int, smoke: bool) -> List[Dict[str, An
                 spec = {"num_speculative_tokens": spec_k} if spec_k else None
                 kw = dict(dtype=dtype, device=device.type, speculative_config=spec, max_num_seqs=max_num_seqs,
                           max_model_len=128 if smoke else 512, block_size=16, num_kv_blocks=256, seed=0)
-                outs = {}
+                outs, accepted = {}, {}
                 info: Dict[str, Any] = {}
                 for gm in ("off", mode):
                     t0 = time.perf_counter()
@@ -91,30 +91,35 @@ def engine_check(device: torch.device, k: int, smoke: bool) -> List[Dict[str, An
                         for n in (1, 3, max_num_seqs):
                             got += [o.outputs[0].token_ids for o in llm.generate(prompts[:n], sp, use_tqdm=False)]
                         outs[gm] = got
+                        accepted[gm] = llm.get_metrics().get("num_accepted_tokens", 0)
                         if gm != "off":
                             fwd = llm.executor.runner.fwd
                             info = dict(capture_failed=fwd.capture_failed, graphs=len(fwd.graphs),
                                         graph_steps=fwd.num_graph_steps,
                                         prefill_graph_steps=fwd.num_prefill_graph_steps,
+                                        mixed_graph_steps=fwd.num_mixed_graph_steps,
                                         fallbacks=llm.get_metrics()["num_eager_fallbacks"],
                                         seconds=time.perf_counter() - t0)
                 same = sum(a == b for a, b in zip(outs["off"], outs[mode]))
                 ok = info["capture_failed"] is None and info["fallbacks"] == 0 and info["graph_steps"] > 0 and \
                     info["prefill_graph_steps"] > 0 and \
                     (mode == "static" or info["graphs"] > 0)
-                if dtype == "float32":
-                    ok = ok and same == len(outs["off"])
+                # steps of several prompts run their draft steps (k > 1) through the step units
+                ok = ok and (info["mixed_graph_steps"] > 0) == (spec_k > 1)
+                if dtype == "float32":  # the same tokens, and the same drafts accepted
+                    ok = ok and same == len(outs["off"]) and accepted["off"] == accepted[mode]
                 rows.append(dict(dtype=dtype, k=spec_k, mode=mode, requests=len(outs["off"]), same_tokens=same, ok=ok,
-                                 **info))
+                                 accepted_eager=accepted["off"], accepted_graphs=accepted[mode], **info))
     return rows
 
 
 def engine_table(rows: List[Dict[str, Any]]) -> str:
-    out = [f"{'dtype':<9} {'k':>2} {'mode':<7} {'graphs':>6} {'graph steps':>11} {'fallbacks':>9} "
-           f"{'same tokens':>11}  result"]
+    out = [f"{'dtype':<9} {'k':>2} {'mode':<7} {'graphs':>6} {'graph steps':>11} {'mixed':>5} {'fallbacks':>9} "
+           f"{'same tokens':>11} {'accepted eager/graphs':>21}  result"]
     for r in rows:
         out.append(f"{r['dtype']:<9} {r['k']:>2} {r['mode']:<7} {r['graphs']:>6} {r['graph_steps']:>11} "
-                   f"{r['fallbacks']:>9} {r['same_tokens']:>5}/{r['requests']:<5}  "
+                   f"{r['mixed_graph_steps']:>5} {r['fallbacks']:>9} {r['same_tokens']:>5}/{r['requests']:<5} "
+                   f"{r['accepted_eager']:>10}/{r['accepted_graphs']:<10}  "
                    f"{'OK' if r['ok'] else 'FAIL'} {r['capture_failed'] or ''}")
     return "\n".join(out)
 
