@@ -22,13 +22,17 @@ rate is per position, as vLLM's ``num_accepted_tokens_per_pos`` measures it). Th
   emitted (output processing of every token; H200, 2026-12-04: 26-34 us a token in one process at
   64 sequences), a per-token cost that no draft round amortises. Taken whole as a fixed cost,
   as before, that excess kept the policy speculating where plain decoding was faster. Also a
-  running cost per prefill token (what a step that also carries ``P`` prompt tokens took beyond
+  cost per prefill token (the median of recent steps that also carried ``P`` prompt tokens: what they took beyond
   that, divided by ``P``), one for the steps that propose ``k = 0`` and one for those that draft:
-  the target's prompt chunk is paid whatever ``k`` is, so a step carrying one favours longer
-  drafts, but a drafting step also runs the MTP layer's first pass over the prompt rows and, with
-  deferred MTP entries (:mod:`mtpspec.spec_decode.deferred_mtp`), catches up the decodes' lags,
-  which a ``k = 0`` step leaves for later or for never. The choice: ``argmax_k E(k) / (T(B, k)
-  + H(B, k) + P * p(k))``. ``H(B, k)`` is what the steps that proposed ``k`` at
+  the target's prompt chunk is paid whatever ``k`` is, but a drafting step also runs the MTP
+  layer's first pass over the prompt rows, its draft passes outside the pure-decode graphs and,
+  with deferred MTP entries (:mod:`mtpspec.spec_decode.deferred_mtp`), catches up the decodes'
+  lags, which a ``k = 0`` step leaves for later or for never (H200, 2026-12-05, Air 3 layers at
+  64 sequences: prompt steps at ``k = 3`` took 2.3x those at ``k = 0``). The choice for a
+  pure-decode step: ``argmax_k E(k) / (T(B, k) + H(B, k))``; for a step carrying ``P`` prompt
+  tokens, ``argmax_k B E(k) c* - T(B, k) - H(B, k) - P p(k)``, its tokens valued at ``c*``, the
+  best pure-decode step's ms per token (a drafting prompt step is worth its extra time only if
+  its extra tokens come cheaper than decoding them later). ``H(B, k)`` is what the steps that proposed ``k`` at
   ``B``'s table batch size measured beyond the table (a running mean), else the plane's
   ``a + c B + b B (E(k) - 1)``: the host time of a ``k`` need not lie on one plane with the
   others' (at ``k = 0`` with async scheduling the engine schedules each step ahead of the one in
