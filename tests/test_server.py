@@ -914,6 +914,19 @@ def _kill_a_rank_mid_stream(srv):
     assert "Traceback" in log and "the server shut down" in log, log[-2000:]
 
 
+def test_a_sigint_is_remembered_even_if_its_re_raise_is_lost():
+    """uvicorn re-raises a SIGINT after its graceful shutdown, but under ``asyncio.run`` the re-raise
+    only cancels a serving task that may be finishing, so no ``KeyboardInterrupt`` may come out (the
+    test below once saw exit 0 under load): the server remembers the signal itself."""
+    import signal
+    import uvicorn
+    from mtpspec.entrypoints.serve import _server_class
+    for sig, want in ((signal.SIGINT, True), (signal.SIGTERM, False)):
+        server = _server_class(uvicorn)(uvicorn.Config(lambda *a: None))
+        server.handle_exit(sig, None)
+        assert server.should_exit and server.got_sigint == want
+
+
 def test_ctrl_c_shuts_the_server_down_without_a_traceback(model_dir):
     """Found by a new-user pass (2026-12-04): Ctrl-C printed uvicorn's re-raised KeyboardInterrupt and
     a page of Triton leak warnings. Now: a served request first, then SIGINT: one line, exit 130."""

@@ -222,6 +222,24 @@ def build(args: argparse.Namespace) -> Any:
     return build_app(ctx), engine, info
 
 
+def _server_class(uvicorn: Any) -> type:
+    """``uvicorn.Server`` that remembers a SIGINT. After its graceful shutdown uvicorn re-raises the
+    signal, but under ``asyncio.run`` that re-raise only cancels the serving task, which may already
+    be finishing: then no ``KeyboardInterrupt`` comes out and Ctrl-C looked like a clean exit
+    (exit 0, seen once in 1,500 test runs under load)."""
+    import signal
+
+    class _Server(uvicorn.Server):
+        got_sigint = False
+
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            if sig == signal.SIGINT:
+                self.got_sigint = True
+            super().handle_exit(sig, frame)
+
+    return _Server
+
+
 def run(args: argparse.Namespace) -> int:
     import uvicorn
 
@@ -255,8 +273,8 @@ def run(args: argparse.Namespace) -> int:
           f"{info['fusion']}, local argmax {info['local_argmax']}, all-reduce {backend}, "
           f"{info['num_kv_blocks']} KV blocks){synth} on "
           f"http://{args.host}:{args.port}", file=sys.stderr, flush=True)
-    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                                           timeout_graceful_shutdown=5))
+    server = _server_class(uvicorn)(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                                                   timeout_graceful_shutdown=5))
     stop = threading.Event()
 
     def watch() -> None:  # a dead engine cannot recover: exit (as vLLM does) so a supervisor can restart us
@@ -276,7 +294,7 @@ def run(args: argparse.Namespace) -> int:
     finally:
         stop.set()
         engine.shutdown()
-    if interrupted:
+    if interrupted or server.got_sigint:  # the re-raised signal may be lost (see _server_class)
         print("mtpspec serve: interrupted; the server shut down", file=sys.stderr, flush=True)
         sys.stdout.flush()
         # 128 + SIGINT, as a shell reports it; skip the interpreter's teardown, where native extensions

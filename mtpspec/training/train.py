@@ -551,10 +551,7 @@ def _train(cfg: TrainConfig, log=_log) -> Dict[str, Any]:
         torch.set_num_threads(cfg.threads)
     device = _resolve_device(cfg)
     dtype = _resolve_dtype(cfg, device)
-    save_dtypes = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
-    if cfg.save_dtype not in save_dtypes:
-        raise ValueError(f"--save-dtype must be one of {sorted(save_dtypes)}, got {cfg.save_dtype!r}")
-    save_dtype = save_dtypes[cfg.save_dtype]
+    save_dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}[cfg.save_dtype]
     _clear_previous_model(cfg.output_dir)
     os.makedirs(cfg.output_dir, exist_ok=True)
     if device.type == "cuda":
@@ -563,9 +560,6 @@ def _train(cfg: TrainConfig, log=_log) -> Dict[str, Any]:
 
     if cfg.init_from:
         target, mtp, config_dict, tok = load_initial_model(cfg.init_from, device, dtype, cfg.max_len)
-        if config_dict.get("model_type") != cfg.arch:
-            raise ValueError(f"--init-from {cfg.init_from} holds a {config_dict.get('model_type')!r} model; pass "
-                             f"--arch {config_dict.get('model_type')} (got --arch {cfg.arch})")
         tok, train_docs, val_docs, val_rows, data_stats = prepare_data(cfg, log, tok=tok)
     else:
         tok, train_docs, val_docs, val_rows, data_stats = prepare_data(cfg, log)
