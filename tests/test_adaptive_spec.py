@@ -140,10 +140,11 @@ class Scripted:
 
     def __init__(self, ks):
         self.ks, self.i, self.chosen, self.seen, self.prefill, self.times = list(ks), 0, [], [], [], []
-        self.waiting, self.emitted = [], []
+        self.waiting, self.emitted, self.partial = [], [], []
 
-    def choose(self, batch, num_prefill_tokens=0, prompts_waiting=False, token_budget=None):
+    def choose(self, batch, num_prefill_tokens=0, prompts_waiting=False, token_budget=None, num_partial_prefills=0):
         self.prefill.append(num_prefill_tokens)
+        self.partial.append((batch, num_partial_prefills))
         self.waiting.append((prompts_waiting, token_budget))
         k = self.ks[self.i % len(self.ks)]
         self.i += 1
@@ -654,6 +655,41 @@ def test_an_unmeasured_prompt_cost_is_tried_then_kept_only_where_cheaper() -> No
         assert chosen == expect, (drafting, chosen)
 
 
+def test_prompt_cost_samples_are_kept_until_trusted_and_none_before_decode_samples() -> None:
+    """Found by review: (1) a low first k = 0 prompt sample made the idle-gap filter reject every later
+    one, so k = 0 was proposed at every prompt step and drafting never measured: the filter now
+    waits for MIN_PROMPT_SAMPLES; (2) before any pure-decode step no prompt sample can be taken, and
+    the exploration flipped every prompt step to the worse kind: it now waits too."""
+    costs = _table(verify=lambda b, k: 1.0 + 0.4 * k, draft=lambda b, k: 0.3 * k)
+    pol = AdaptiveSpecPolicy(3, costs, prior_rate=0.9, prior_weight=1e6, decay=1.0)
+    # the pure-decode best (E / T for k = 0..3: 1, 1.118, 1.129, 1.109), never the other kind: nothing to explore yet
+    assert [pol.choose(1, 1000) for _ in range(5)] == [2] * 5
+    for _ in range(50):
+        pol.observe_step_time(1, 3, costs.step_ms(1, 3) + 1.0)
+    for per_token in (0.001, 0.05, 0.05, 0.05):  # a low first sample, then the true cost (50x: no rejection)
+        pol.observe_step_time(1, 0, costs.step_ms(1, 0) + 1.0 + 1000 * per_token, num_prefill_tokens=1000)
+    assert pol.prefill_ms_per_token == pytest.approx(0.05)
+    pol.observe_step_time(1, 0, 1e6, num_prefill_tokens=1000)  # trusted now: an idle gap is rejected
+    assert pol.prefill_ms_per_token == pytest.approx(0.05)
+
+
+def test_partial_prompt_chunks_keep_no_drafts_so_they_add_no_value() -> None:
+    """Found by review: a step's chunks that do not end their prompt drop their drafts, so only the
+    other sequences' tokens count for drafting's value: 1 decode + 7 partial chunks is not 8 decodes."""
+    costs = _table(verify=lambda b, k: 1.0 + 0.1 * k, draft=lambda b, k: 0.1 * k)
+    pol = AdaptiveSpecPolicy(3, costs, prior_rate=0.9, prior_weight=1e6, decay=1.0)
+    for _ in range(50):
+        pol.observe_step_time(8, 3, costs.step_ms(8, 3) + 1.0)
+    for kind in (0, 3):  # drafting costs 0.0005 ms a prompt token more
+        for _ in range(MIN_PROMPT_SAMPLES):
+            pol.observe_step_time(8, kind, costs.step_ms(8, kind) + 1.0 + 1000 * (0.0205 if kind else 0.02),
+                                  num_prefill_tokens=1000)
+    # t(0) = 2.0, t(3) = 2.6 ms; c* = 2.6 / (8 x 3.439) ms a token; drafting adds 2.439 tokens per sequence
+    # that keeps its drafts (0.23 ms of value each) and costs 0.6 + 0.5 ms more
+    assert pol.choose(8, 1000) == 3  # 8 keep them: 1.84 ms of value > 1.1
+    assert pol.choose(8, 1000, num_partial_prefills=7) == 0  # 1 keeps them: 0.23 < 1.1
+
+
 def test_engine_tells_the_policy_each_steps_prompt_tokens(model) -> None:
     """The engine passes each step's prompt tokens to ``choose`` and ``observe_step_time``."""
     path, _, table = model
@@ -673,6 +709,7 @@ def test_engine_tells_the_policy_each_steps_prompt_tokens(model) -> None:
     assert decodes and all(n is not None and b <= n <= 4 * b for b, n in decodes)
     assert all(budget == llm.llm_engine.scheduler_config.max_num_batched_tokens for _, budget in pol.waiting)
     assert (False, pol.waiting[-1][1]) in pol.waiting  # decode steps with nothing waiting say so
+    assert all(n == 0 for _, n in pol.partial)  # every prompt ended in its step: no chunk drops its drafts
 
 
 def test_engine_applies_the_prompt_reserve_while_prompts_wait(model) -> None:
@@ -691,8 +728,8 @@ def test_engine_applies_the_prompt_reserve_while_prompts_wait(model) -> None:
         calls = []
         real = pol.choose
 
-        def spy(batch, num_prefill_tokens=0, prompts_waiting=False, token_budget=None):
-            k = real(batch, num_prefill_tokens, prompts_waiting, token_budget)
+        def spy(batch, num_prefill_tokens=0, prompts_waiting=False, token_budget=None, num_partial_prefills=0):
+            k = real(batch, num_prefill_tokens, prompts_waiting, token_budget, num_partial_prefills)
             calls.append((batch, prompts_waiting, token_budget, k))
             return k
         pol.choose = spy
@@ -779,7 +816,7 @@ def test_eval_gsm8k_offline_per_position_rates_use_the_drafts_per_position(model
 
     path, cfg, table = model
     ks = iter([3, 1, 3, 0, 2] * 1000)
-    monkeypatch.setattr(AdaptiveSpecPolicy, "choose", lambda self, batch, *args: next(ks))
+    monkeypatch.setattr(AdaptiveSpecPolicy, "choose", lambda self, batch, *args, **kw: next(ks))
     got = {}
     orig = llm_mod.LLM.get_metrics
 

@@ -150,7 +150,8 @@ class GraphedForward(EagerForward):
         self.active: Optional[int] = None  # padded batch size of the current step, or None (eager)
         self.prefill_rows: Optional[int] = None  # Tp of the current single-sequence prefill step, or None
         self.num_prefill_graph_steps = 0
-        self.mixed_tables: Optional[int] = None  # sequences whose tables a step with prefill chunks set (its draft steps)
+        self.mixed = False  # the current step has prefill chunks (its verify and first pass run eagerly)
+        self.mixed_tables: Optional[torch.Tensor] = None  # the block tables such a step's draft steps set
         self.num_mixed_graph_steps = 0  # such steps whose draft steps ran through the step units
         self.num_seqs = 0
         self.num_graph_steps = 0  # steps that ran through the static buffers / graphs
@@ -183,6 +184,7 @@ class GraphedForward(EagerForward):
     def begin_step(self, pure_decode: bool, num_seqs: int, block_tables: torch.Tensor, num_rows: int = 0,
                    num_sample_rows: int = 0, k: Optional[int] = None) -> None:
         self.active = self.prefill_rows = self.mixed_tables = None
+        self.mixed = not pure_decode
         self.step_k = self.k if k is None else k
         if not pure_decode:
             tp = next((s for s in self.prefill_sizes if s >= num_rows), None)
@@ -350,15 +352,16 @@ class GraphedForward(EagerForward):
         runs them (its block tables set from ``meta``), or ``None`` (eager: no such unit)."""
         b, w = meta.block_tables.shape
         bp = self.padded(b)
-        if (bp is None or self.capture_failed is not None or w > self.block_tables.shape[1]
+        if (not self.mixed or bp is None or self.capture_failed is not None or w > self.block_tables.shape[1]
                 or b != meta.num_seqs or (self.mode == "cuda" and ("step", bp, spec_step_idx, top is not None)
                                           not in self.graphs)):
             return None
-        if self.mixed_tables != b:  # once per step (begin_step resets it)
+        if self.mixed_tables is not meta.block_tables:  # once per step's tables (begin_step resets it)
+            if self.mixed_tables is None:
+                self.num_mixed_graph_steps += 1
             self.num_seqs = b
             self._set_tables(meta.block_tables, b, bp)
-            self.mixed_tables = b
-            self.num_mixed_graph_steps += 1
+            self.mixed_tables = meta.block_tables
         return bp
 
     def mtp_step(self, ids, pos, hidden, meta, spec_step_idx, top):

@@ -382,8 +382,10 @@ class LLMEngine:
             # prompt): looked at only when the policy keeps a reserve for them
             waiting = self.spec_policy.prompt_reserve > 0 and (
                 bool(self.scheduler.waiting) or any(s.is_partial_prefill for s in out.scheduled))
+            partial = sum(1 for s in out.scheduled if s.is_partial_prefill)  # their drafts are dropped
             out.num_proposed_tokens = self.spec_policy.choose(len(out.scheduled), out.num_prefill_tokens, waiting,
-                                                              self.scheduler_config.max_num_batched_tokens)
+                                                              self.scheduler_config.max_num_batched_tokens,
+                                                              num_partial_prefills=partial)
             out.defers_mtp = self.defer_mtp_kv and out.num_proposed_tokens == 0
 
     def _goes_ahead(self, out: SchedulerOutput, step: StepInput) -> bool:

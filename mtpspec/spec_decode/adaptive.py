@@ -25,7 +25,8 @@ rate is per position, as vLLM's ``num_accepted_tokens_per_pos`` measures it). Th
   cost per prefill token (the median of recent steps that also carried ``P`` prompt tokens: what they took beyond
   that, divided by ``P``), one for the steps that propose ``k = 0`` and one for those that draft:
   the target's prompt chunk is paid whatever ``k`` is, but a drafting step also runs the MTP
-  layer's first pass over the prompt rows, its draft passes outside the pure-decode graphs and,
+  layer's first pass over the prompt rows, its draft passes (through the pure-decode graph units
+  where one fits the batch, the first pass eagerly) and,
   with deferred MTP entries (:mod:`mtpspec.spec_decode.deferred_mtp`), catches up the decodes'
   lags, which a ``k = 0`` step leaves for later or for never (H200, 2026-12-05, Air 3 layers at
   64 sequences: prompt steps at ``k = 3`` took 2.3x those at ``k = 0``). The choice for a
@@ -81,9 +82,10 @@ STALE_EVERY = 2000
 MEASURED_WEIGHT = 0.1
 #: Prompt-carrying steps: each kind's (``k = 0``, drafting) cost per prompt token is the median of
 #: its last :data:`PROMPT_SAMPLES` samples (a first-use outlier, e.g. a kernel compiled in the step,
-#: cannot fix it); a kind with fewer than :data:`MIN_PROMPT_SAMPLES`, or not proposed at the last
-#: :data:`PROMPT_EXPLORE_EVERY` prompt steps, is proposed at the next one.
-PROMPT_SAMPLES = 16
+#: cannot fix it); a kind with fewer than :data:`MIN_PROMPT_SAMPLES` (and no more than the other
+#: kind has), or not proposed at the last :data:`PROMPT_EXPLORE_EVERY` prompt steps, is proposed at
+#: the next one.
+PROMPT_SAMPLES = 8
 MIN_PROMPT_SAMPLES = 3
 PROMPT_EXPLORE_EVERY = 32
 #: Batch sizes :func:`measure_step_costs` times by default (those up to ``max_num_seqs`` that
@@ -217,8 +219,8 @@ class AdaptiveSpecPolicy:
     overhead_ms_per_seq: float = 0.0
     #: and the per-token part ``b`` (ms per accepted draft emitted).
     overhead_ms_per_token: float = 0.0
-    #: Running mean (same weight) of what a step carrying prompt tokens took beyond its table cost
-    #: and :attr:`overhead_ms`, per prompt token (ms, >= 0), over the steps that proposed ``k = 0``
+    #: The median over the last :data:`PROMPT_SAMPLES` steps carrying prompt tokens of what they took
+    #: beyond their table cost and the host plane, per prompt token (ms, >= 0), of those that proposed ``k = 0``
     prefill_ms_per_token: float = 0.0
     #: and over those that proposed ``k >= 1``: they also run the MTP layer's first pass over the
     #: prompt rows (and, with deferred MTP entries, catch up the decodes' lags), which a ``k = 0``
@@ -271,9 +273,10 @@ class AdaptiveSpecPolicy:
         ``k``, carried ``num_prefill_tokens`` prompt tokens and emitted ``num_emitted`` tokens
         (default ``batch``) took ``wall_ms`` from the previous step's end (host included). Without
         prompt tokens it updates the host plane (:attr:`overhead_ms`, :attr:`overhead_ms_per_seq`,
-        :attr:`overhead_ms_per_token`), with them
-        :attr:`prefill_ms_per_token`. Samples more than 4x the predicted cost + 5 ms (an idle
-        engine between steps) are ignored, and prompt samples before any pure-decode sample (the
+        :attr:`overhead_ms_per_token`), with them :attr:`prefill_ms_per_token` (``k = 0``) or
+        :attr:`draft_prefill_ms_per_token`. Samples more than 4x the predicted cost + 5 ms (an idle
+        engine between steps) are ignored (prompt samples only once their kind has
+        :data:`MIN_PROMPT_SAMPLES`), and prompt samples before any pure-decode sample (the
         overhead is not known yet).
 
         :attr:`excess_ms` counts a step only inside a steady run of its ``k``: the two steps
@@ -296,7 +299,10 @@ class AdaptiveSpecPolicy:
             host = self.host_ms(batch, r)
             cost = self.prompt_ms_per_token(k > 0)
             expected = predicted + host + num_prefill_tokens * cost
-            if 0.0 < wall_ms and (cost <= 0.0 or wall_ms <= 4.0 * expected + 5.0):
+            # the idle-gap filter only once the kind's cost rests on MIN_PROMPT_SAMPLES samples (one
+            # low first sample must not reject every later one: the median handles outliers)
+            trusted = len(self._prefill_samples[int(k > 0)]) >= MIN_PROMPT_SAMPLES
+            if 0.0 < wall_ms and (not trusted or wall_ms <= 4.0 * expected + 5.0):
                 per_token = max(0.0, wall_ms - predicted - host) / num_prefill_tokens
                 # each kind's cost is 0 until its first sample (the kind not yet measured looks
                 # cheap and is proposed), then the median of its last PROMPT_SAMPLES samples
@@ -378,7 +384,7 @@ class AdaptiveSpecPolicy:
         return e
 
     def choose(self, batch: int, num_prefill_tokens: int = 0, prompts_waiting: bool = False,
-               token_budget: Optional[int] = None) -> int:
+               token_budget: Optional[int] = None, num_partial_prefills: int = 0) -> int:
         """The ``k`` in ``0 .. max_k`` (among the table's) for ``batch`` sequences in a step that
         also carries ``num_prefill_tokens`` prompt tokens (smallest ``k`` on ties).
 
@@ -386,12 +392,14 @@ class AdaptiveSpecPolicy:
         (``H``: the host time measured for ``k`` at this batch size, else the plane ``a + c batch +
         b batch (E(k) - 1)`` of :meth:`observe_step_time`). A prompt-carrying step pays its prompt
         chunk whatever ``k`` is, so tokens per ms is the wrong measure there; it takes the ``k``
-        maximising ``batch E(k) c* - t(k) - num_prefill_tokens * prompt_ms_per_token(k >= 1)``:
+        maximising ``n E(k) c* - t(k) - num_prefill_tokens * prompt_ms_per_token(k >= 1)``, ``n =
+        batch - num_partial_prefills`` (a chunk that does not end its prompt keeps no drafts):
         the tokens it emits valued at ``c* = min_j t(j) / (batch E(j))``, the ms a token costs in
         the best pure-decode step, minus what the step costs (a drafting prompt step is worth its
         extra time only if its extra tokens come cheaper than decoding them later would). A kind
         (``k = 0`` or drafting) measured at too few prompt steps or not proposed at the last
-        :data:`PROMPT_EXPLORE_EVERY` is proposed instead. With :attr:`prompt_reserve` ``r > 0``,
+        :data:`PROMPT_EXPLORE_EVERY` is proposed instead (once pure-decode steps were observed: before,
+        no prompt sample can be taken; while both kinds lack samples, the one with fewer). With :attr:`prompt_reserve` ``r > 0``,
         ``prompts_waiting`` (prompt tokens left to schedule) and ``token_budget``
         (``max_num_batched_tokens``), only ``k = 0`` and the ``k`` with ``batch * (1 + k) <= (1 -
         r) * token_budget`` are considered."""
@@ -412,7 +420,8 @@ class AdaptiveSpecPolicy:
             host = fixed + per_token * (e - 1.0) if host is None else host
             cost_of[k] = (e, self.costs.step_ms(batch, k) + host)
         if n_prompt:
-            self._chosen_k = k = self._choose_prompt_step(batch, n_prompt, cost_of)
+            self._chosen_k = k = self._choose_prompt_step(batch, max(0, batch - num_partial_prefills), n_prompt,
+                                                          cost_of)
             return k
         best, best_rate, rate_of = 0, -1.0, {}
         for k, (e, t) in cost_of.items():
@@ -422,19 +431,24 @@ class AdaptiveSpecPolicy:
         self._chosen_k = k = self._explored(bucket, best, best_rate, rate_of)
         return k
 
-    def _choose_prompt_step(self, batch: int, n_prompt: int, cost_of: Dict[int, Tuple[float, float]]) -> int:
-        """:meth:`choose` for a step carrying ``n_prompt`` prompt tokens, ``cost_of``: ``k -> (E(k), t(k))``."""
+    def _choose_prompt_step(self, batch: int, n_drafting: int, n_prompt: int,
+                            cost_of: Dict[int, Tuple[float, float]]) -> int:
+        """:meth:`choose` for a step of ``batch`` sequences (``n_drafting`` of them keep their drafts)
+        carrying ``n_prompt`` prompt tokens, ``cost_of``: ``k -> (E(k), t(k))``."""
         c_star = min(t / (batch * e) for e, t in cost_of.values())
-        value_of = {k: batch * e * c_star - t - n_prompt * self.prompt_ms_per_token(k > 0)
+        value_of = {k: n_drafting * e * c_star - t - n_prompt * self.prompt_ms_per_token(k > 0)
                     for k, (e, t) in cost_of.items()}
         tol = 1e-9 * max(abs(v) for v in value_of.values())
         best = next(k for k, v in value_of.items() if v >= max(value_of.values()) - tol)  # smallest k on ties
         drafting_values = [v for k, v in value_of.items() if k]
         best_drafting = next((k for k, v in value_of.items() if k and v >= max(drafting_values) - tol), None)
+        if not self._decode_samples:  # no prompt sample can be taken yet (observe_step_time)
+            return best
         self._prompt_steps = n = self._prompt_steps + 1
         drafting = int(best > 0)
         other = 0 if drafting else best_drafting  # the kind not chosen, if any is allowed
-        if other is not None and (len(self._prefill_samples[1 - drafting]) < MIN_PROMPT_SAMPLES
+        have, lack = len(self._prefill_samples[drafting]), len(self._prefill_samples[1 - drafting])
+        if other is not None and ((lack < MIN_PROMPT_SAMPLES and lack <= have)
                                   or n - self._prompt_last[1 - drafting] > PROMPT_EXPLORE_EVERY):
             best, drafting = other, 1 - drafting
         self._prompt_last[drafting] = n
