@@ -232,6 +232,7 @@ def test_bench_arms_in_process_repeats_the_same_steps(model_dir, tmp_path):
     p = subprocess.run(cmd, capture_output=True, text=True, env=child_env(), cwd=REPO, timeout=300)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     assert "adaptive / best other arm (k1)" in p.stdout and "SYNTHETIC" in p.stdout
+    assert "run 1's steps by kind (steps x mean wall): decode k1 " in p.stdout
     res = json.loads((out / "bench_arms.json").read_text())
     assert res["in_process"] is True and res["warmup_rounds"] == 1
     wl = res["workloads"]["s8"]

@@ -306,6 +306,11 @@ def format_workload(name: str, wl: Dict[str, Any]) -> str:
             caught = [r.get("mtp_catch_up_tokens") for r in data["runs"]]
             if any(c is not None for c in caught):  # in-process runs: deferred MTP entries written later
                 lines.append(f"{'':<{w}} deferred MTP entries written later per run: {caught}")
+        walls = data["runs"][0].get("step_wall") if data["runs"] else None
+        if walls:  # in-process runs: where run 1's wall time went, per kind of step
+            parts = ", ".join(f"{kind} {v['steps']} x {v['mean_ms']:.2f} ms" for kind, v in sorted(walls.items())
+                              if v.get("mean_ms") is not None)
+            lines.append(f"{'':<{w}} run 1's steps by kind (steps x mean wall): {parts}")
         lines.append("-" * 96)
     for pair, figs in wl["verdicts"].items():
         lines.append(f"{pair}:")
