@@ -31,9 +31,10 @@ rate is per position, as vLLM's ``num_accepted_tokens_per_pos`` measures it). Th
   lags, which a ``k = 0`` step leaves for later or for never (H200, 2026-12-05, Air 3 layers at
   64 sequences: prompt steps at ``k = 3`` took 2.3x those at ``k = 0``). The choice for a
   pure-decode step: ``argmax_k E(k) / (T(B, k) + H(B, k))``; for a step carrying ``P`` prompt
-  tokens, ``argmax_k B E(k) c* - T(B, k) - H(B, k) - P p(k)``, its tokens valued at ``c*``, the
-  best pure-decode step's ms per token (a drafting prompt step is worth its extra time only if
-  its extra tokens come cheaper than decoding them later). ``H(B, k)`` is what the steps that proposed ``k`` at
+  tokens, ``argmax_k n E(k) c* - T(B, k) - H(B, k) - P p(k)`` (``n``: its sequences that keep
+  their drafts), its tokens valued at ``c*``, the best pure-decode step's ms per token (a drafting
+  prompt step is worth its extra time only if its extra tokens come cheaper than decoding them
+  later). ``H(B, k)`` is what the steps that proposed ``k`` at
   ``B``'s table batch size measured beyond the table (a running mean), else the plane's
   ``a + c B + b B (E(k) - 1)``: the host time of a ``k`` need not lie on one plane with the
   others' (at ``k = 0`` with async scheduling the engine schedules each step ahead of the one in
@@ -226,9 +227,11 @@ class AdaptiveSpecPolicy:
     #: prompt rows (and, with deferred MTP entries, catch up the decodes' lags), which a ``k = 0``
     #: step does not. Each starts at 0, so the kind not yet observed is tried at the next prompt step.
     draft_prefill_ms_per_token: float = 0.0
-    _prefill_samples: List[List[float]] = field(default_factory=lambda: [[], []], init=False, repr=False)  # k = 0, k >= 1
-    _prompt_steps: int = field(default=0, init=False, repr=False)  # prompt-carrying choose() calls
-    _prompt_last: List[int] = field(default_factory=lambda: [0, 0], init=False, repr=False)  # ... last proposing each kind
+    # per-prompt-token samples of k = 0 and of drafting steps; prompt-carrying choose() calls; the
+    # count of those at which each kind was last proposed
+    _prefill_samples: List[List[float]] = field(default_factory=lambda: [[], []], init=False, repr=False)
+    _prompt_steps: int = field(default=0, init=False, repr=False)
+    _prompt_last: List[int] = field(default_factory=lambda: [0, 0], init=False, repr=False)
     #: Per (table batch size, proposed ``k``): the running mean of what its pure-decode steps took
     #: beyond the device table (ms), from the steps that proposed the same ``k`` as the two steps
     #: before them and the step chosen after them (weight ``max(1 / n, MEASURED_WEIGHT)``): a steady
@@ -398,9 +401,9 @@ class AdaptiveSpecPolicy:
         the best pure-decode step, minus what the step costs (a drafting prompt step is worth its
         extra time only if its extra tokens come cheaper than decoding them later would). A kind
         (``k = 0`` or drafting) measured at too few prompt steps or not proposed at the last
-        :data:`PROMPT_EXPLORE_EVERY` is proposed instead (once pure-decode steps were observed: before,
-        no prompt sample can be taken; while both kinds lack samples, the one with fewer). With :attr:`prompt_reserve` ``r > 0``,
-        ``prompts_waiting`` (prompt tokens left to schedule) and ``token_budget``
+        :data:`PROMPT_EXPLORE_EVERY` is proposed instead (once pure-decode steps were observed:
+        before, no prompt sample can be taken; while both kinds lack samples, the one with fewer).
+        With :attr:`prompt_reserve` ``r > 0``, ``prompts_waiting`` (prompt tokens left to schedule) and ``token_budget``
         (``max_num_batched_tokens``), only ``k = 0`` and the ``k`` with ``batch * (1 + k) <= (1 -
         r) * token_budget`` are considered."""
         rates = self.rates()
