@@ -154,13 +154,14 @@ def _resolve_device(cfg: TrainConfig) -> torch.device:
     return torch.device(cfg.device)
 
 
+#: ``--dtype`` (besides ``auto``) and ``--save-dtype`` names (checked by :func:`check_config`).
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
 def _resolve_dtype(cfg: TrainConfig, device: torch.device) -> torch.dtype:
-    table = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
     if cfg.dtype == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
-    if cfg.dtype not in table:
-        raise ValueError(f"--dtype must be auto, float32, bfloat16 or float16, got {cfg.dtype!r}")
-    return table[cfg.dtype]
+    return DTYPES[cfg.dtype]
 
 
 class JsonlLog:
@@ -380,10 +381,10 @@ def _check_values(cfg: TrainConfig) -> None:
     if cfg.max_minutes > 0 and cfg.max_minutes * 60.0 <= cfg.reserve_seconds:
         raise ValueError(f"--max-minutes {cfg.max_minutes:g} ({cfg.max_minutes * 60:g} s) leaves no training time "
                          f"after --reserve-seconds {cfg.reserve_seconds:g} (kept for saving and the final checks)")
-    if cfg.dtype not in ("auto", "float32", "bfloat16", "float16"):
-        raise ValueError(f"--dtype must be auto, float32, bfloat16 or float16, got {cfg.dtype!r}")
-    if cfg.save_dtype not in ("bfloat16", "float32", "float16"):
-        raise ValueError(f"--save-dtype must be bfloat16, float32 or float16, got {cfg.save_dtype!r}")
+    if cfg.dtype != "auto" and cfg.dtype not in DTYPES:
+        raise ValueError(f"--dtype must be auto, {', '.join(DTYPES)}, got {cfg.dtype!r}")
+    if cfg.save_dtype not in DTYPES:
+        raise ValueError(f"--save-dtype must be one of {', '.join(DTYPES)}, got {cfg.save_dtype!r}")
     for flag, value, ok, want in (
             ("--lr", cfg.lr, cfg.lr > 0, "> 0"), ("--distill-lr", cfg.distill_lr, cfg.distill_lr > 0, "> 0"),
             ("--mtp-distill", cfg.mtp_distill, 0.0 <= cfg.mtp_distill <= 1.0, "in [0, 1]"),
@@ -551,7 +552,7 @@ def _train(cfg: TrainConfig, log=_log) -> Dict[str, Any]:
         torch.set_num_threads(cfg.threads)
     device = _resolve_device(cfg)
     dtype = _resolve_dtype(cfg, device)
-    save_dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}[cfg.save_dtype]
+    save_dtype = DTYPES[cfg.save_dtype]
     _clear_previous_model(cfg.output_dir)
     os.makedirs(cfg.output_dir, exist_ok=True)
     if device.type == "cuda":
