@@ -380,9 +380,8 @@ class LLMEngine:
         if self.spec_policy is not None and out.num_proposed_tokens:
             # prompt tokens left after this step (requests waiting, or a chunk that does not end its
             # prompt): looked at only when the policy keeps a reserve for them
-            waiting = self.spec_policy.prompt_reserve > 0 and (
-                bool(self.scheduler.waiting) or any(s.is_partial_prefill for s in out.scheduled))
             partial = sum(1 for s in out.scheduled if s.is_partial_prefill)  # their drafts are dropped
+            waiting = self.spec_policy.prompt_reserve > 0 and (bool(self.scheduler.waiting) or partial > 0)
             out.num_proposed_tokens = self.spec_policy.choose(len(out.scheduled), out.num_prefill_tokens, waiting,
                                                               self.scheduler_config.max_num_batched_tokens,
                                                               num_partial_prefills=partial)

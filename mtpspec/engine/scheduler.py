@@ -255,9 +255,11 @@ class Scheduler:
             # ahead of a step in flight, which proposes no drafts (the engine steps ahead only then):
             # the drafts it holds are the ones that step verifies
             drafts = [] if ahead else seq.draft_token_ids
+            if len(drafts) > cfg.num_speculative_tokens:
+                raise RuntimeError(f"{seq!r} has {len(drafts)} drafts, expected at most {cfg.num_speculative_tokens}")
             # the target rows it takes: 1 + the drafts it holds (fewer than k after an adaptive step
             # that proposed fewer: the budget they leave goes to prompt chunks)
-            q_len = 1 + min(len(drafts), cfg.num_speculative_tokens)
+            q_len = 1 + len(drafts)
             if q_len > budget or len(out.scheduled) >= cfg.max_num_seqs:
                 kept.append(seq)  # stays running, skips this step
                 continue
@@ -286,8 +288,6 @@ class Scheduler:
             kept.append(seq)
             if seq.num_computed_tokens != seq.num_tokens - 1:
                 raise RuntimeError(f"{seq!r}: a decode needs num_computed_tokens == num_tokens - 1")
-            if len(drafts) > cfg.num_speculative_tokens:
-                raise RuntimeError(f"{seq!r} has {len(drafts)} drafts, expected at most {cfg.num_speculative_tokens}")
             first = TOKEN_PENDING if ahead else seq.last_token_id
             out.scheduled.append(ScheduledSeq(seq, False, [first] + drafts, n_tok - 1))
             budget -= q_len

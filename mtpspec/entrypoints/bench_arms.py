@@ -308,8 +308,7 @@ def format_workload(name: str, wl: Dict[str, Any]) -> str:
                 lines.append(f"{'':<{w}} deferred MTP entries written later per run: {caught}")
         walls = data["runs"][0].get("step_wall") if data["runs"] else None
         if walls:  # in-process runs: where run 1's wall time went, per kind of step
-            parts = ", ".join(f"{kind} {v['steps']} x {v['mean_ms']:.2f} ms" for kind, v in sorted(walls.items())
-                              if v.get("mean_ms") is not None)
+            parts = ", ".join(f"{kind} {v['steps']} x {v['mean_ms']:.2f} ms" for kind, v in sorted(walls.items()))
             lines.append(f"{'':<{w}} run 1's steps by kind (steps x mean wall): {parts}")
         lines.append("-" * 96)
     for pair, figs in wl["verdicts"].items():

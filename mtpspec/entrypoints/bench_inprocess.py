@@ -124,7 +124,7 @@ def run_in_process(llm: Any, cfg: BenchConfig, forced: Optional[str] = None) -> 
         "prefix_cache_hit_rate": m.get("prefix_cache_hit_rate"),
         "adaptive_host_model": _host_model(getattr(eng, "spec_policy", None)),
         # where the run's wall time went, per kind of step (EngineMetrics.step_wall_s)
-        "step_wall": {kind: {"steps": int(n), "total_s": s, "mean_ms": 1e3 * s / n if n else None}
+        "step_wall": {kind: {"steps": int(n), "total_s": s, "mean_ms": 1e3 * s / n}
                       for kind, (n, s) in m.get("step_wall_s", {}).items()},
     }
 
