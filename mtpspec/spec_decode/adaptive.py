@@ -220,15 +220,9 @@ class AdaptiveSpecPolicy:
     overhead_ms_per_seq: float = 0.0
     #: and the per-token part ``b`` (ms per accepted draft emitted).
     overhead_ms_per_token: float = 0.0
-    #: The median over the last :data:`PROMPT_SAMPLES` steps carrying prompt tokens of what they took
-    #: beyond their table cost and the host plane, per prompt token (ms, >= 0), of those that proposed ``k = 0``
-    prefill_ms_per_token: float = 0.0
-    #: and over those that proposed ``k >= 1``: they also run the MTP layer's first pass over the
-    #: prompt rows (and, with deferred MTP entries, catch up the decodes' lags), which a ``k = 0``
-    #: step does not. Each starts at 0, so the kind not yet observed is tried at the next prompt step.
-    draft_prefill_ms_per_token: float = 0.0
-    # per-prompt-token samples of k = 0 and of drafting steps; prompt-carrying choose() calls; the
-    # count of those at which each kind was last proposed
+    # per prompt token, what the last PROMPT_SAMPLES prompt-carrying steps of k = 0 / of drafting took
+    # beyond their table cost and the host plane (ms; prompt_ms_per_token); prompt-carrying choose()
+    # calls; the count of those at which each kind was last proposed
     _prefill_samples: List[List[float]] = field(default_factory=lambda: [[], []], init=False, repr=False)
     _prompt_steps: int = field(default=0, init=False, repr=False)
     _prompt_last: List[int] = field(default_factory=lambda: [0, 0], init=False, repr=False)
@@ -276,8 +270,7 @@ class AdaptiveSpecPolicy:
         ``k``, carried ``num_prefill_tokens`` prompt tokens and emitted ``num_emitted`` tokens
         (default ``batch``) took ``wall_ms`` from the previous step's end (host included). Without
         prompt tokens it updates the host plane (:attr:`overhead_ms`, :attr:`overhead_ms_per_seq`,
-        :attr:`overhead_ms_per_token`), with them :attr:`prefill_ms_per_token` (``k = 0``) or
-        :attr:`draft_prefill_ms_per_token`. Samples more than 4x the predicted cost + 5 ms (an idle
+        :attr:`overhead_ms_per_token`), with them the samples of :meth:`prompt_ms_per_token`. Samples more than 4x the predicted cost + 5 ms (an idle
         engine between steps) are ignored (prompt samples only once their kind has
         :data:`MIN_PROMPT_SAMPLES`), and prompt samples before any pure-decode sample (the
         overhead is not known yet).
@@ -312,7 +305,6 @@ class AdaptiveSpecPolicy:
                 samples = self._prefill_samples[int(k > 0)]
                 samples.append(per_token)
                 del samples[:-PROMPT_SAMPLES]
-                setattr(self, "draft_prefill_ms_per_token" if k > 0 else "prefill_ms_per_token", _median(samples))
             return
         if 0.0 < wall_ms <= 4.0 * predicted + 5.0:
             excess = max(0.0, wall_ms - predicted)
@@ -326,13 +318,26 @@ class AdaptiveSpecPolicy:
         self._last_k, self._last_k2 = k, self._last_k
 
     def prompt_ms_per_token(self, drafting: bool) -> float:
-        """The learnt ms per prompt token of a step that proposes ``k >= 1`` (``drafting``) or
-        ``k = 0`` (:attr:`draft_prefill_ms_per_token` / :attr:`prefill_ms_per_token`). A kind not
+        """What a step carrying prompt tokens took beyond its table cost and the host plane, per
+        prompt token (ms, >= 0): the median over the last :data:`PROMPT_SAMPLES` such steps that
+        proposed ``k >= 1`` (``drafting``: they also run the MTP layer's first pass over the prompt
+        rows and, with deferred MTP entries, catch up the decodes' lags) or ``k = 0``. A kind not
         sampled yet costs 0 (optimistic): the next prompt-carrying step whose choice it could
         change proposes it and measures it. (Taking the other kind's value instead gave every
         ``k`` the same prompt cost, so a prompt step always favoured the longest draft and the
         ``k = 0`` cost was never measured: H200, 2026-12-05.)"""
-        return self.draft_prefill_ms_per_token if drafting else self.prefill_ms_per_token
+        samples = self._prefill_samples[int(drafting)]
+        return _median(samples) if samples else 0.0
+
+    @property
+    def prefill_ms_per_token(self) -> float:
+        """:meth:`prompt_ms_per_token` of ``k = 0`` steps (ms)."""
+        return self.prompt_ms_per_token(False)
+
+    @property
+    def draft_prefill_ms_per_token(self) -> float:
+        """:meth:`prompt_ms_per_token` of drafting steps (ms)."""
+        return self.prompt_ms_per_token(True)
 
     def host_ms(self, batch: float, extra_tokens: float) -> float:
         """The host plane: ``a + c batch + b extra_tokens`` ms."""
@@ -439,8 +444,8 @@ class AdaptiveSpecPolicy:
         """:meth:`choose` for a step of ``batch`` sequences (``n_drafting`` of them keep their drafts)
         carrying ``n_prompt`` prompt tokens, ``cost_of``: ``k -> (E(k), t(k))``."""
         c_star = min(t / (batch * e) for e, t in cost_of.values())
-        value_of = {k: n_drafting * e * c_star - t - n_prompt * self.prompt_ms_per_token(k > 0)
-                    for k, (e, t) in cost_of.items()}
+        per_token = (self.prompt_ms_per_token(False), self.prompt_ms_per_token(True))
+        value_of = {k: n_drafting * e * c_star - t - n_prompt * per_token[k > 0] for k, (e, t) in cost_of.items()}
         tol = 1e-9 * max(abs(v) for v in value_of.values())
         best = next(k for k, v in value_of.items() if v >= max(value_of.values()) - tol)  # smallest k on ties
         drafting_values = [v for k, v in value_of.items() if k]
