@@ -150,7 +150,9 @@ class EngineMetrics:
 
     def add_step_wall(self, has_prompt: bool, k: int, start: float, now: float) -> None:
         """Count a step whose tokens were applied at ``now`` (``start``: its own start, used when no
-        step was applied since :meth:`reset`) in :attr:`step_wall_s`."""
+        step was applied since :meth:`reset`; both ``time.perf_counter()`` seconds) in
+        :attr:`step_wall_s` under ``"prompt k<k>"`` (``has_prompt``) or ``"decode k<k>"``, ``k`` the
+        drafts it proposed."""
         since = start if self.last_step_applied is None else self.last_step_applied
         rec = self.step_wall_s.setdefault(f"{'prompt' if has_prompt else 'decode'} k{k}", [0, 0.0])
         rec[0] += 1
