@@ -112,7 +112,7 @@ def _summary(xs: List[float]) -> Dict[str, Optional[float]]:
 
 @dataclass
 class EngineMetrics:
-    """Totals since the engine started (or :meth:`reset`).
+    """Totals since the engine started (or ``LLMEngine.reset_metrics``, which makes a new one).
 
     Attributes:
         spec: acceptance counters (``None`` for plain decoding).
@@ -128,8 +128,8 @@ class EngineMetrics:
         step_wall_s: per kind of step (``"prompt k<k>"``: it carried prompt tokens, ``"decode
             k<k>"``: it did not; ``k`` the drafts it proposed), ``[steps, seconds]``: host wall time
             from the previous step's tokens applied to this step's (the first step after
-            :meth:`reset`: from its own start), so it counts the caller's time between steps and any
-            idle time (a diagnostic for saturated benchmarks: where the wall time of a run went).
+            ``LLMEngine.reset_metrics``: from its own start), so it counts the caller's time between
+            steps and any idle time (a diagnostic for saturated benchmarks: where a run's wall time went).
     """
 
     spec: Optional[SpecDecodingStats] = None
@@ -150,7 +150,7 @@ class EngineMetrics:
 
     def add_step_wall(self, has_prompt: bool, k: int, start: float, now: float) -> None:
         """Count a step whose tokens were applied at ``now`` (``start``: its own start, used when no
-        step was applied since :meth:`reset`; both ``time.perf_counter()`` seconds) in
+        step was applied since ``LLMEngine.reset_metrics``; both ``time.perf_counter()`` seconds) in
         :attr:`step_wall_s` under ``"prompt k<k>"`` (``has_prompt``) or ``"decode k<k>"``, ``k`` the
         drafts it proposed."""
         since = start if self.last_step_applied is None else self.last_step_applied
