@@ -60,6 +60,22 @@ _PROBES = ("", " ", "Question: Ann has 4 cats.\nAnswer: 4 + 3 = <<4+3=7>>7\n####
            "naïve café — 数字 123456789 🙂", "'s 've 're n't ... !!")
 
 
+def _inner_rust(backend: Any) -> tuple:
+    """``(rust, PreTrainedTokenizerBase, TokenizersBackend)``: the ``tokenizers.Tokenizer`` inside a
+    transformers (v5) ``TokenizersBackend`` and the two transformers classes whose methods the callers
+    compare against; ``(None, None, None)`` for any other backend or when either library is missing."""
+    try:
+        from tokenizers import Tokenizer as RustTokenizer
+        from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+        from transformers.tokenization_utils_tokenizers import TokenizersBackend
+    except ImportError:
+        return None, None, None
+    rust = getattr(backend, "_tokenizer", None)
+    if not isinstance(backend, TokenizersBackend) or not isinstance(rust, RustTokenizer):
+        return None, None, None
+    return rust, PreTrainedTokenizerBase, TokenizersBackend
+
+
 def _rust_backend(backend: Any) -> Any:
     """The ``tokenizers.Tokenizer`` inside a transformers (v5) ``TokenizersBackend`` whose
     ``encode(text, add_special_tokens=False)`` is the library's own (no subclass overrides a step
@@ -69,16 +85,10 @@ def _rust_backend(backend: Any) -> Any:
     a first call), sets ``encode_special_tokens`` from ``split_special_tokens`` and returns
     ``encode_batch([text])[0].ids``; :meth:`Tokenizer.encode` checks those settings per call.
     """
-    try:
-        from tokenizers import Tokenizer as RustTokenizer
-        from transformers.tokenization_utils_base import PreTrainedTokenizerBase
-        from transformers.tokenization_utils_tokenizers import TokenizersBackend
-    except ImportError:
+    rust, PreTrainedTokenizerBase, TokenizersBackend = _inner_rust(backend)
+    if rust is None:
         return None
     cls = type(backend)
-    rust = getattr(backend, "_tokenizer", None)
-    if not isinstance(backend, TokenizersBackend) or not isinstance(rust, RustTokenizer):
-        return None
     same = [getattr(cls, m, None) is getattr(base, m) for m, base in (
         ("encode", PreTrainedTokenizerBase), ("_get_padding_truncation_strategies", PreTrainedTokenizerBase),
         ("_encode_plus", TokenizersBackend), ("set_truncation_and_padding", TokenizersBackend),
@@ -103,15 +113,10 @@ def _plain_decode_backend(backend: Any) -> Any:
     is the library's own and returns that tokenizer's text unchanged (no clean-up of spaces, or the
     clean-up transformers skips for BPE models); ``None`` otherwise (then the Python window below
     decodes through transformers)."""
-    try:
-        from tokenizers import Tokenizer as RustTokenizer
-        from transformers.tokenization_utils_base import PreTrainedTokenizerBase
-        from transformers.tokenization_utils_tokenizers import TokenizersBackend
-    except ImportError:
+    rust, PreTrainedTokenizerBase, TokenizersBackend = _inner_rust(backend)
+    if rust is None:
         return None
-    cls, rust = type(backend), getattr(backend, "_tokenizer", None)
-    if not isinstance(backend, TokenizersBackend) or not isinstance(rust, RustTokenizer):
-        return None
+    cls = type(backend)
     if cls.decode is not PreTrainedTokenizerBase.decode or cls._decode is not TokenizersBackend._decode:
         return None
     try:
