@@ -54,6 +54,8 @@ def main() -> None:
     ap.add_argument("--device", default=None)
     ap.add_argument("--window-detokenizer", action="store_true")
     ap.add_argument("--smoke", action="store_true", help="4 sequences, 2 + 3 steps (the CPU test)")
+    ap.add_argument("--json", default=None, help="also write the figures here: ms a step, tokens a step, and each "
+                    "phase's ms a step (keys as printed, without the indent)")
     args = ap.parse_args()
     if args.smoke:
         args.batch, args.warmup, args.steps = 4, 2, 3
@@ -115,6 +117,11 @@ def main() -> None:
           f"step, {toks / args.steps:.1f} tokens a step")
     for key, s in spent.items():
         print(f"  {key:22s} {s / args.steps * 1e3:8.3f} ms a step {s / max(toks, 1) * 1e6:8.2f} us a token")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": device, "k": args.k, "batch": args.batch, "steps": args.steps,
+                       "step_ms": wall / args.steps * 1e3, "tokens_per_step": toks / args.steps,
+                       "phase_ms_per_step": {k.strip(): s / args.steps * 1e3 for k, s in spent.items()}}, f, indent=1)
     if tmp:
         shutil.rmtree(tmp, ignore_errors=True)
     sys.stdout.flush()
