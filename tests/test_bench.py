@@ -182,7 +182,7 @@ def test_bench_arms_smoke(model_dir, tmp_path):
     assert list(res["arms"]) == ["baseline", "both"]
     for name, wl in res["workloads"].items():
         runs = sorted(((r["started_at"], arm) for arm, d in wl["arms"].items() for r in d["runs"]))
-        assert [arm for _, arm in runs] == ["baseline", "both"] * 2  # interleaved A B A B
+        assert [arm for _, arm in runs] == ["baseline", "both", "both", "baseline"]  # interleaved, rotated: A B, B A
         for arm, d in wl["arms"].items():
             srv = d["runs"][0]["server"]
             fusion, local = {"baseline": (False, False), "fusion": (True, False), "both": (True, True)}[arm]
@@ -348,14 +348,15 @@ def test_bench_arms_warmup_rounds_interleave_untimed_and_adaptive_vs_best(tmp_pa
                             warmup_rounds=-1)
     res = bench_arms.run_arms({"a": [], "adaptive": []}, wl, 2, str(tmp_path), [], urls=urls, progress=False,
                               plots=False, warmup_rounds=1)
-    assert calls == ["s1 a warm-up #1", "s1 adaptive warm-up #1", "s1 a #1", "s1 adaptive #1", "s1 a #2",
-                     "s1 adaptive #2"]
+    assert calls == ["s1 a warm-up #1", "s1 adaptive warm-up #1", "s1 a #1", "s1 adaptive #1", "s1 adaptive #2",
+                     "s1 a #2"]  # round 2 rotated
+    assert bench_arms.rotated(["a", "b", "c"], 4) == ["b", "c", "a"] and bench_arms.rotated([], 3) == []
     assert res["warmup_rounds"] == 1 and len(res["workloads"]["s1"]["arms"]["a"]["runs"]) == 2
     vs = res["workloads"]["s1"]["adaptive_vs_best"]
     assert vs["best"] == "a" and vs["ratio"] == pytest.approx(112.0 / 110.0)  # medians of two runs: means
-    assert vs["per_round"] == pytest.approx([1.1, 0.95])
-    assert "adaptive / best other arm (a), output tok/s medians: 1.018" in bench_arms.format_workload(
-        "s1", res["workloads"]["s1"])
+    assert vs["per_round"] == pytest.approx([1.1, 0.95]) and vs["per_round_median"] == pytest.approx(1.025)
+    assert "adaptive / best other arm (a), output tok/s medians: 1.018; per interleaved round: [1.100, 0.950], " \
+        "their median 1.025" in bench_arms.format_workload("s1", res["workloads"]["s1"])
     assert bench_arms.versus_best({"arms": {"a": res["workloads"]["s1"]["arms"]["a"]}}) is None  # no adaptive arm
     arms_out = res["workloads"]["s1"]["arms"]
     probes = [p for a in ("a", "adaptive") for r in arms_out[a]["runs"] for p in r["host_probe_ms"]]

@@ -1,4 +1,4 @@
-"""`mtpspec bench arms`: A/B/C of engine arms, one server per arm, runs interleaved A B C A B C.
+"""`mtpspec bench arms`: A/B/C of engine arms, one server per arm, runs interleaved A B C, B C A, ...
 
 Arms (``--arms``, default all three; ``--arm NAME=FLAGS`` adds or redefines one):
 
@@ -22,7 +22,7 @@ themselves instead of deferring them (the A/B of the deferral).
 
 Every arm's server is started once (one after another, each on its own free port; with
 ``--base-url NAME=URL`` an already running server is used instead), then each workload runs
-``--repeats`` times per arm, interleaved (A B C A B C ...), so that drift (thermals, other
+``--repeats`` times per arm, interleaved (rounds A B C, B C A, C A B, ...), so that drift (thermals, other
 load) hits every arm alike. Workload presets (``--scale`` shrinks lengths and prompt counts for
 small machines; explicit ``--input-len`` etc. override):
 
@@ -57,6 +57,7 @@ import json
 import os
 import shlex
 import socket
+import statistics
 import subprocess
 import sys
 import time
@@ -318,8 +319,9 @@ def format_workload(name: str, wl: Dict[str, Any]) -> str:
     vs = versus_best(wl)
     if vs is not None:
         rounds = ", ".join("-" if r is None else f"{r:.3f}" for r in vs["per_round"])
+        paired = "-" if vs["per_round_median"] is None else f"{vs['per_round_median']:.3f}"
         lines.append(f"{vs['arm']} / best other arm ({vs['best']}), output tok/s medians: {vs['ratio']:.3f}; "
-                     f"per interleaved round: [{rounds}]")
+                     f"per interleaved round: [{rounds}], their median {paired}")
     hs = host_spread(wl)
     if hs is not None:
         lines.append(f"host probe (a fixed Python loop before and after each run): {hs['min_ms']:.1f} to "
@@ -360,11 +362,20 @@ def host_spread(wl: Dict[str, Any]) -> Optional[Dict[str, float]]:
     return {"min_ms": min(probes), "max_ms": max(probes), "spread": max(probes) / min(probes)}
 
 
+def rotated(arms: List[str], i: int) -> List[str]:
+    """``arms`` rotated left by ``i`` (the order of interleaved round ``i``)."""
+    k = i % len(arms) if arms else 0
+    return arms[k:] + arms[:k]
+
+
 def versus_best(wl: Dict[str, Any], arm: str = "adaptive") -> Optional[Dict[str, Any]]:
     """Issue 18's goal figure for one workload: ``arm``'s median output tok/s over the best other
     arm's (``ratio``, that arm's name ``best``) and the same within each round (``per_round``: run
-    ``i`` of every arm; ``None`` where an arm lacks it or the best is 0). ``None`` without ``arm``,
-    without another arm, or when a median is missing or the best other median is 0."""
+    ``i`` of every arm; ``None`` where an arm lacks it or the best is 0) with their median
+    (``per_round_median``: the paired figure, each round's arms run next to each other, so a host
+    that changes speed between rounds moves it less than the ratio of medians; ``None`` without a
+    complete round). ``None`` without ``arm``, without another arm, or when a median is missing or
+    the best other median is 0."""
     arms = wl["arms"]
     others = [a for a in arms if a != arm]
     if arm not in arms or not others:
@@ -379,7 +390,9 @@ def versus_best(wl: Dict[str, Any], arm: str = "adaptive") -> Optional[Dict[str,
         row = {a: (t[i] if i < len(t) else None) for a, t in tput.items()}
         ok = all(x is not None for x in row.values()) and max(row[a] for a in others) > 0
         per_round.append(row[arm] / max(row[a] for a in others) if ok else None)
-    return {"arm": arm, "best": best, "ratio": med[arm] / med[best], "per_round": per_round}
+    done = [r for r in per_round if r is not None]
+    return {"arm": arm, "best": best, "ratio": med[arm] / med[best], "per_round": per_round,
+            "per_round_median": statistics.median(done) if done else None}
 
 
 def plot_workload(name: str, wl: Dict[str, Any], out_dir: str) -> List[str]:
@@ -456,6 +469,10 @@ def run_arms(arms: Dict[str, List[str]], workloads: Dict[str, BenchConfig], repe
              plots: bool = True, share_gpu: bool = False, one_at_a_time: bool = False,
              warmup_rounds: int = 0, in_process: bool = False, forced: Optional[str] = None) -> Dict[str, Any]:
     """Start the servers, run every workload ``repeats`` times per arm interleaved, summarise.
+
+    Interleaved: round ``i`` of a workload runs every arm once, in the arms' order rotated by ``i``
+    (A B C, B C A, C A B, ...), so no arm always runs first after a workload's warm-up or always
+    next to the same neighbour; a slow drift of the host then spreads over the arms.
 
     Args:
         arms: name -> `mtpspec serve` flags, in comparison order.
@@ -595,7 +612,7 @@ def run_arms(arms: Dict[str, List[str]], workloads: Dict[str, BenchConfig], repe
                     for arm in arms:
                         warm(wname, cfg, arm, i)
                 for rep in range(repeats):
-                    for arm in arms:  # interleaved: A B C A B C ...
+                    for arm in rotated(list(arms), rep):  # interleaved, each round rotated: A B C, B C A, ...
                         run(wname, cfg, arm, rep)
         for wname, cfg in workloads.items():
             per_arm = runs[wname]
