@@ -48,6 +48,7 @@ Everything here is host arithmetic on counts the engine already has.
 
 from __future__ import annotations
 
+import bisect
 import json
 import math
 from dataclasses import dataclass, field
@@ -155,7 +156,8 @@ class StepCostTable:
             KeyError: ``k`` not in the table.
         """
         sizes = self._sizes[k]
-        return next((s for s in sizes if s >= batch), sizes[-1])
+        i = bisect.bisect_left(sizes, batch)
+        return sizes[i] if i < len(sizes) else sizes[-1]
 
     def as_dict(self) -> Dict[str, object]:
         return {"verify_ms": self.verify_ms, "draft_ms": self.draft_ms, "source": self.source}
