@@ -70,6 +70,11 @@ class SeqInput:
             first. ``0``: none.
         mtp_lag_token_ids: the next tokens of the lag's positions but its last (``mtp_lag - 1``
             ids: the tokens at positions ``start_position - mtp_lag + 1 .. start_position - 1``).
+        greedy_drafts: keep argmax drafts under ``draft_sampling="auto"`` (:attr:`draft_temperature`
+            0). The engine sets it for a request with its own seed while the number of drafts varies
+            from step to step (adaptive speculation): with argmax drafts a seeded token is a function of
+            ``(seed, position, logits)`` alone, with sampled drafts it depends on which drafts each
+            step proposed, i.e. on timing.
     """
 
     input_token_ids: List[int]
@@ -88,12 +93,14 @@ class SeqInput:
     request_id: str = ""
     mtp_lag: int = 0
     mtp_lag_token_ids: List[int] = field(default_factory=list)
+    greedy_drafts: bool = False
 
     @property
     def draft_temperature(self) -> float:
         """The temperature its drafts are sampled at under ``draft_sampling="auto"``: its own for a
-        row sampled without top-k / top-p, else 0 (greedy drafts)."""
-        return self.temperature if self.temperature > 0 and self.top_k <= 0 and self.top_p >= 1.0 else 0.0
+        row sampled without top-k / top-p nor :attr:`greedy_drafts`, else 0 (greedy drafts)."""
+        sampled = self.temperature > 0 and self.top_k <= 0 and self.top_p >= 1.0 and not self.greedy_drafts
+        return self.temperature if sampled else 0.0
 
     @property
     def is_partial_prefill(self) -> bool:

@@ -766,12 +766,45 @@ def test_sampled_drafts_are_drawn_at_the_request_temperature_after_a_step_verify
             calls.append((inp.num_decodes, inp.k, inp.draft_temperature is not None))
             return orig(inp, *a, **kw)
         runner.proposer.propose = propose
-        llm.generate(token_prompts(mixed_prompts(2, cfg.vocab_size, seed=5)),
-                     SamplingParams(temperature=1.0, seed=3, max_tokens=14, ignore_eos=True), use_tqdm=False)
+        llm.generate(token_prompts(mixed_prompts(2, cfg.vocab_size, seed=5)),  # the engine's seed (a request's
+                     SamplingParams(temperature=1.0, max_tokens=14, ignore_eos=True), use_tqdm=False)  # keeps argmax)
     assert calls
     greedy = [(nd, v) for nd, v, sampled in calls if not sampled]
     assert not greedy, (f"{len(greedy)} of {len(calls)} draft passes drew argmax drafts for T = 1 requests "
                         f"(decodes, verify width): {greedy[:3]}")
+
+
+def test_seeded_requests_stay_reproducible_under_adaptive_speculation_with_sampled_drafts(model) -> None:
+    """A request's own seed promises its tokens; with sampled drafts (draft_sampling "auto") they
+    depend on the drafts, and under adaptive speculation on which k each step proposed (timing):
+    a new-user pass got a different text for each of two identical seeded requests. Seeded requests
+    therefore keep argmax drafts there, whose verification draws each position's token as plain
+    sampling does: the tokens equal k = 0's for any sequence of k, while unseeded requests in the
+    same steps still sample theirs."""
+    path, cfg, table = model
+    prompts = token_prompts(mixed_prompts(3, cfg.vocab_size, seed=7))
+    seeded = [SamplingParams(temperature=0.9, seed=11 + i, max_tokens=14, ignore_eos=True) for i in range(3)]
+    with LLM(path, max_model_len=48, block_size=4, max_num_seqs=4, seed=0, num_kv_blocks=256) as llm:
+        want = [o.outputs[0].token_ids for o in llm.generate(prompts, seeded, use_tqdm=False)]
+    spec = {"num_speculative_tokens": 3, "adaptive": True, "adaptive_cost_table": table, "draft_sampling": "auto"}
+    for script in ([3], [0, 3, 1, 2], [2, 2, 0]):
+        with LLM(path, speculative_config=spec, max_model_len=48, block_size=4, max_num_seqs=4, seed=0,
+                 num_kv_blocks=256) as llm:
+            eng = llm.llm_engine
+            eng.spec_policy = Scripted(script)
+            temps = []
+            orig = eng._step_input
+
+            def step_input(out, orig=orig):
+                step = orig(out)
+                temps.extend((si.request_id, si.draft_temperature) for si in step.seqs)
+                return step
+            eng._step_input = step_input
+            unseeded = SamplingParams(temperature=0.9, max_tokens=14, ignore_eos=True)
+            outs = llm.generate(prompts + prompts[:1], seeded + [unseeded], use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs[:3]] == want, script
+        last = outs[3].request_id
+        assert all(t == 0.0 for rid, t in temps if rid != last) and any(t == 0.9 for rid, t in temps if rid == last)
 
 
 @pytest.mark.parametrize("name,verify0", [("nok0", None), ("no_kmax", "drop3"), ("zero", 0.0), ("negative", -1.0),

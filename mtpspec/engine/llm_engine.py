@@ -281,6 +281,8 @@ class LLMEngine:
             si = SeqInput(s.input_token_ids, s.start_position, list(seq.block_table), s.is_prefill,
                           p.temperature, p.top_k, p.top_p, seq.seed_key, s.next_token_id)
             si.request_id = seq.request_id
+            # a seeded request stays reproducible under adaptive speculation: argmax drafts (step_io.SeqInput)
+            si.greedy_drafts = p.seed is not None and self.spec_policy is not None
             si.logprobs = self._num_logprobs(p.logprobs)
             if p.prompt_logprobs is not None and s.is_prefill:
                 self._prompt_logprob_rows(s, si)
