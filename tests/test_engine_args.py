@@ -109,8 +109,14 @@ def test_generate_k_error_states_the_range(path, capsys) -> None:
 # ------------------------------------------------------------------------ commands
 def test_serve_flags_checked_and_info(path) -> None:
     check_serve_args(["-tp", "2", "--allreduce-backend", "p2p", "--served-model-name", "x", "--num-gpu-blocks-override", "8"])
+    check_serve_args(["--log-level", "INFO", "--torch-threads", "2"])
+    check_serve_args(["--uvicorn-log-level", "debug"])  # vLLM's spelling
     for argv, match in ((["--allreduce-backend", "mpi"], "invalid choice: 'mpi'"), (["--bogus"], "unrecognized"),
-                        (["-k", "2", "--speculative-config", JSON3], "conflicts")):
+                        (["-k", "2", "--speculative-config", JSON3], "conflicts"),
+                        # checked before the model loads (a new-user pass: tracebacks after it had)
+                        (["--log-level", "LOUD"], "invalid choice: 'loud'"), (["--torch-threads", "-3"], ">= 1"),
+                        (["--torch-threads", "0"], ">= 1"), (["--max-queue-len", "0"], ">= 1"),
+                        (["--first-output-handoff-ms", "nan"], "finite number >= 0")):
         with pytest.raises(ValueError, match=match):
             check_serve_args(argv)
     p = argparse.ArgumentParser()

@@ -70,6 +70,32 @@ def port_number(value: str) -> int:
     return port
 
 
+def positive_int(value: str) -> int:
+    """An int >= 1 (``--torch-threads``, ``--max-queue-len``)."""
+    try:
+        n = int(value)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be an int >= 1, got {value!r}")
+    return n
+
+
+def non_negative_ms(value: str) -> float:
+    """A finite float >= 0 (milliseconds)."""
+    try:
+        x = float(value)
+    except ValueError:
+        x = -1.0
+    if not 0.0 <= x < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {value!r}")
+    return x
+
+
+#: uvicorn's log levels (``--log-level``, vLLM's ``--uvicorn-log-level``).
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
+
+
 def check_listen(host: str, port: int) -> Optional[str]:
     """Why ``host:port`` cannot be listened on (``None``: it can), checked before the model loads.
 
@@ -143,7 +169,7 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--served-model-name", nargs="+", default=None,
                    help="model name(s) clients send, any of them accepted, responses naming the first (default: "
                         "--model as given; mtpspec-demo without --model)")
-    p.add_argument("--max-queue-len", type=int, default=1024,
+    p.add_argument("--max-queue-len", type=positive_int, default=1024,
                    help="most requests waiting to be scheduled; one more gets 503 (default 1024)")
     p.add_argument("--forced-acceptance", default=None, metavar="rate:P|length:N",
                    help="SYNTHETIC: verifier accepts drafts at rate P or a fixed length N (kernel A/B on "
@@ -151,12 +177,13 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--enable-prompt-tokens-details", action="store_true",
                    help="vLLM's flag: usage.prompt_tokens_details.cached_tokens (prompt tokens the prefix cache "
                         "served) in responses, when non-zero (default off)")
-    p.add_argument("--first-output-handoff-ms", type=float, default=0.0,
+    p.add_argument("--first-output-handoff-ms", type=non_negative_ms, default=0.0,
                    help="after a step with some request's first token (and at most 8 outputs), the engine thread waits "
                         "up to this long for the HTTP thread to send it before preparing the next step (GIL "
                         "hand-off; default 0: off, no gain measured on an H200)")
-    p.add_argument("--torch-threads", type=int, default=None, help="torch CPU threads (default: torch's)")
-    p.add_argument("--log-level", default="warning", help="uvicorn log level (default warning)")
+    p.add_argument("--torch-threads", type=positive_int, default=None, help="torch CPU threads (default: torch's)")
+    p.add_argument("--log-level", "--uvicorn-log-level", dest="log_level", type=str.lower, choices=LOG_LEVELS,
+                   default="warning", help="uvicorn log level (default warning)")
     p.add_argument("--debug-fault-marker", default=None, help=argparse.SUPPRESS)
 
 
