@@ -163,6 +163,8 @@ def test_children_survive_preemption(model, singles) -> None:
     path, _, cfg = model
     outs, m = _generate_n(path, 3, singles, cfg.vocab_size, [_sp(s, n=N) for s in SEEDS], num_kv_blocks=24)
     assert m["num_preemptions"] > 0 and sum(o.metrics.num_preemptions for o in outs) == m["num_preemptions"]
+    # vLLM's prompt_tokens: each child's prompt once, at its first token (not again after a recompute)
+    assert m["num_request_prompt_tokens"] == N * sum(len(o.prompt_token_ids) for o in outs)
     for p, o in enumerate(outs):
         assert [c.token_ids for c in o.outputs] == [singles[(p, i)].outputs[0].token_ids for i in range(N)]
 

@@ -612,7 +612,8 @@ def test_32_concurrent_requests_equal_offline(server, offline):
 
 def test_prefix_cache_metrics_and_reset(server, offline):
     """Two prompts sharing a long prefix: the second is served from the prefix cache (tokens in
-    ``prefix_cache_hits_total``), its output equals the offline engine's; ``POST
+    ``prefix_cache_hits_total``; ``prompt_tokens_total`` counts them, as vLLM's does, and
+    ``prefill_tokens_total`` does not), its output equals the offline engine's; ``POST
     /reset_prefix_cache`` empties the cache, after which the same prompt is computed whole."""
     rows = gsm8k_rows("test", 3)
     prefix = "\n\n".join(r["question"] for r in rows[:2]) + "\n\nQuestion: "
@@ -626,6 +627,9 @@ def test_prefix_cache_metrics_and_reset(server, offline):
         assert r.status_code == 200, r.text
         after = _metrics(server)
         d = lambda name: metric_value(after, name) - metric_value(before, name)  # noqa: E731
+        # vLLM's prompt_tokens: the whole prompt, cached or not; prefill_tokens: what was computed
+        assert d("mtpspec:prompt_tokens_total") == r.json()["usage"]["prompt_tokens"]
+        assert d("mtpspec:prefill_tokens_total") == d("mtpspec:prompt_tokens_total") - d("mtpspec:prefix_cache_hits_total")
         return r.json()["choices"][0]["token_ids"], d("mtpspec:prefix_cache_queries_total"), \
             d("mtpspec:prefix_cache_hits_total")
 

@@ -466,6 +466,8 @@ class LLMEngine:
         before = {id(s.seq): len(s.seq.output_token_ids) for s in out.scheduled}
         finished = self.scheduler.update_from_output(out, result.new_token_ids, None, now,
                                                      drafts_pending=bool(out.num_proposed_tokens))
+        m.num_request_prompt_tokens += sum(len(s.seq.prompt_token_ids) for s in out.scheduled
+                                           if s.is_prefill and not before[id(s.seq)] and s.seq.output_token_ids)
         if result.logprobs is not None or result.prompt_logprobs is not None:
             self._store_logprobs(out, result, before)
         if k:

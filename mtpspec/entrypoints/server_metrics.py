@@ -14,7 +14,10 @@ metric                                                     meaning
 ``mtpspec:request_success_total{finished_reason}``          finished requests (stop / length)
 ``mtpspec:request_aborted_total``                           aborted (client gone) requests
 ``mtpspec:request_failed_total``                            requests failed inside the engine loop
-``mtpspec:prompt_tokens_total``                             prefilled tokens (recomputes included)
+``mtpspec:prompt_tokens_total``                             each request's prompt, at its first token
+                                                            (prefix-cache hits included: vLLM's)
+``mtpspec:prefill_tokens_total``                            prompt tokens computed (prefilled; recomputes
+                                                            included, prefix-cache hits not)
 ``mtpspec:prefix_cache_queries_total``                      prompt tokens looked up in the prefix cache
 ``mtpspec:prefix_cache_hits_total``                         of those, tokens the prefix cache served
 ``mtpspec:generation_tokens_total``                         emitted tokens
@@ -98,7 +101,9 @@ class ServerMetrics(EngineObserver):
         self.success = named(Counter, "request_success", "Finished requests", ["finished_reason"])
         self.aborted = named(Counter, "request_aborted", "Aborted requests (client disconnected)")
         self.failed = named(Counter, "request_failed", "Requests failed inside the engine loop")
-        self.prompt_tokens = named(Counter, "prompt_tokens", "Prefilled tokens")
+        self.prompt_tokens = named(Counter, "prompt_tokens", "Prompt tokens of requests that emitted their first "
+                                   "token (prefix-cache hits included)")
+        self.prefill_tokens = named(Counter, "prefill_tokens", "Prompt tokens computed (recomputes included)")
         self.cache_queries = named(Counter, "prefix_cache_queries",
                                    "Prompt tokens of new requests looked up in the prefix cache")
         self.cache_hits = named(Counter, "prefix_cache_hits", "Prompt tokens served by the prefix cache")
@@ -139,7 +144,8 @@ class ServerMetrics(EngineObserver):
     def on_step(self, engine: Any, finished: List[RequestOutput]) -> None:
         m = engine.metrics
         self._add(self.steps, "steps", m.num_steps)
-        self._add(self.prompt_tokens, "prompt", m.num_prompt_tokens)
+        self._add(self.prompt_tokens, "prompt", m.num_request_prompt_tokens)
+        self._add(self.prefill_tokens, "prefill", m.num_prompt_tokens)
         self._add(self.cache_queries, "cache_queries", m.prefix_cache_queries)
         self._add(self.cache_hits, "cache_hits", m.prefix_cache_hits)
         self._add(self.gen_tokens, "gen", m.num_output_tokens)

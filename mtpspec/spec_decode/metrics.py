@@ -117,6 +117,8 @@ class EngineMetrics:
     Attributes:
         spec: acceptance counters (``None`` for plain decoding).
         num_steps, num_prompt_tokens (prefilled, recomputes included), num_output_tokens.
+        num_request_prompt_tokens: the whole prompt of each sequence, counted when it emits its
+            first token (prefix-cache hits included, recomputes not: vLLM's ``prompt_tokens``).
         busy_time_s: host wall time spent inside steps.
         ttft_s, itl_s, tpot_s: per-request samples (seconds) of finished requests.
         num_eager_fallbacks: steps that could not use a CUDA graph.
@@ -135,6 +137,7 @@ class EngineMetrics:
     spec: Optional[SpecDecodingStats] = None
     num_steps: int = 0
     num_prompt_tokens: int = 0
+    num_request_prompt_tokens: int = 0
     num_output_tokens: int = 0
     busy_time_s: float = 0.0
     ttft_s: List[float] = field(default_factory=list)
@@ -168,6 +171,7 @@ class EngineMetrics:
         steps = max(self.num_steps, 1)
         d: Dict[str, object] = dict(
             num_steps=self.num_steps, num_prompt_tokens=self.num_prompt_tokens,
+            num_request_prompt_tokens=self.num_request_prompt_tokens,
             num_output_tokens=self.num_output_tokens, busy_time_s=self.busy_time_s,
             output_tokens_per_s=(self.num_output_tokens / self.busy_time_s) if self.busy_time_s > 0 else None,
             ttft_s=_summary(self.ttft_s), itl_s=_summary(self.itl_s), tpot_s=_summary(self.tpot_s),
