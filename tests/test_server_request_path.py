@@ -234,14 +234,20 @@ def test_stop_strings_without_a_tokenizer_name_the_stop_param(engine, monkeypatc
 
 
 def test_several_served_model_names_are_all_accepted(engine):
-    """``--served-model-name a b`` (vLLM): either name is accepted, responses name the first,
-    ``/v1/models`` lists both; another name is a 404."""
+    """``--served-model-name a b`` (vLLM): either name is accepted, a response names the one its
+    request sent (the first when it sent none: vLLM's ``_get_model_name``), ``/v1/models`` lists
+    both; another name is a 404."""
     from mtpspec.entrypoints.openai_server import ServerContext, build_app
     from mtpspec.entrypoints.server_metrics import ServerMetrics
     metrics = ServerMetrics(engine.num_speculative_tokens, {"model": "m"})
     app = build_app(ServerContext(engine, ["a", "b"], "m", {"model": "m"}, metrics))
     r = asyncio.run(_post(app, "/v1/completions", {"model": "b", "prompt": [5, 6], "max_tokens": 2}))
+    assert r.status_code == 200 and r.json()["model"] == "b", r.text
+    r = asyncio.run(_post(app, "/v1/completions", {"prompt": [5, 6], "max_tokens": 2}))
     assert r.status_code == 200 and r.json()["model"] == "a", r.text
+    r = asyncio.run(_post(app, "/v1/chat/completions", {"model": "b", "messages": [{"role": "user", "content": "hi"}],
+                                                         "max_tokens": 2}))
+    assert r.status_code == 200 and r.json()["model"] == "b", r.text
     r = asyncio.run(_post(app, "/v1/completions", {"model": "c", "prompt": [5], "max_tokens": 1}))
     assert r.status_code == 404 and r.json()["error"]["message"] == \
         "The model `c` does not exist. This server serves `a`, `b`.", r.text

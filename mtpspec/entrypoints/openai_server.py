@@ -185,6 +185,12 @@ def _json_type(v: Any) -> str:
             type(None): "null"}.get(type(v), type(v).__name__)
 
 
+def _model_name(ctx: ServerContext, req: Any) -> str:
+    """The ``model`` a response names: the served name the request sent (checked by
+    :func:`_check_model`), else the first served name (vLLM's ``_get_model_name``)."""
+    return req.model or ctx.served_model_name
+
+
 def _check_model(ctx: ServerContext, name: Optional[str]) -> None:
     if name is not None and name not in ctx.served_model_names:
         # vLLM's answer: 404 NotFoundError "The model `X` does not exist."
@@ -725,7 +731,7 @@ def build_app(ctx: ServerContext) -> FastAPI:
         if score_only:
             usage.update(completion_tokens=0, total_tokens=usage["prompt_tokens"])
         return _maybe_one_event(req, {"id": rid, "object": "text_completion", "created": int(time.time()),
-                                      "model": ctx.served_model_name, "choices": choices, "usage": usage})
+                                      "model": _model_name(ctx, req), "choices": choices, "usage": usage})
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
@@ -781,7 +787,7 @@ def build_app(ctx: ServerContext) -> FastAPI:
                 choice["prompt_token_ids"] = list(out.prompt_token_ids)
             choices.append(choice)
         body = {"id": rid, "object": "chat.completion", "created": int(time.time()),
-                "model": ctx.served_model_name, "choices": choices,
+                "model": _model_name(ctx, req), "choices": choices,
                 "usage": _usage(outs, ctx.enable_prompt_tokens_details)}
         if req.prompt_logprobs is not None:
             body["prompt_logprobs"] = _prompt_logprobs_json(out.prompt_logprobs)  # vLLM: on the response
@@ -828,7 +834,7 @@ def _echo_only(ctx: ServerContext, req: CompletionRequest, prompts: List[Dict[st
                 choice["prompt_token_ids"] = list(ids)
             choices.append(choice)
     n = sum(len(x) for x in prompt_ids)
-    return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": ctx.served_model_name,
+    return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": _model_name(ctx, req),
             "choices": choices, "usage": {"prompt_tokens": n, "completion_tokens": 0, "total_tokens": n}}
 
 
@@ -851,7 +857,7 @@ async def _completion_sse(ctx: ServerContext, req: CompletionRequest, streams: L
 
     def chunk(choices: List[Dict[str, Any]], usage: Optional[Dict[str, Any]] = None) -> str:
         body: Dict[str, Any] = {"id": rid, "object": "text_completion", "created": created,
-                                "model": ctx.served_model_name, "choices": choices}
+                                "model": _model_name(ctx, req), "choices": choices}
         if usage is not None:
             body["usage"] = usage
         return _sse(body)
@@ -915,7 +921,7 @@ async def _chat_sse(ctx: ServerContext, req: ChatCompletionRequest, streams: Lis
 
     def chunk(choices: List[Dict[str, Any]], usage: Optional[Dict[str, Any]] = None) -> str:
         body: Dict[str, Any] = {"id": rid, "object": "chat.completion.chunk", "created": created,
-                                "model": ctx.served_model_name, "choices": choices}
+                                "model": _model_name(ctx, req), "choices": choices}
         if usage is not None:
             body["usage"] = usage
         return _sse(body)

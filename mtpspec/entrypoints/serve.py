@@ -167,7 +167,7 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
     p.add_argument("--port", type=port_number, default=8000, help="TCP port, 0..65535 (default 8000)")
     p.add_argument("--served-model-name", nargs="+", default=None,
-                   help="model name(s) clients send, any of them accepted, responses naming the first (default: "
+                   help="model name(s) clients send, any of them accepted, a response naming its request's (default: "
                         "--model as given; mtpspec-demo without --model)")
     p.add_argument("--max-queue-len", type=positive_int, default=1024,
                    help="most requests waiting to be scheduled; one more gets 503 (default 1024)")
