@@ -75,7 +75,7 @@ class ServerContext:
     Args:
         engine: the running :class:`AsyncLLM`.
         served_model_name: the ``model`` name clients must send (or omit); a list: any of them
-            (``--served-model-name a b``, as vLLM), responses naming the first.
+            (``--served-model-name a b``, as vLLM); a response names its request's (:func:`_model_name`).
         model_path: the checkpoint folder (reported by ``/v1/models``).
         info: engine configuration reported by ``/v1/models`` (``mtpspec`` key) and ``/metrics``.
         metrics: the Prometheus metrics (registered as an engine observer here).
