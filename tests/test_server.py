@@ -78,6 +78,7 @@ def test_health_models_metrics(server):
     assert info["num_speculative_tokens"] == K and info["fusion"] and info["local_argmax"] and not info["synthetic"]
     assert info["max_num_batched_tokens"] == MAX_LEN and info["dtype"] == "float32"  # resolved, not "derived"
     assert info["default_sampling_params"] == "none"  # no generation_config.json
+    assert info["allreduce_backend"] == "none (tp 1)"  # what runs, as the start-up line says (not the flag's nccl)
     text = _metrics(server)
     total = metric_value(text, "mtpspec:kv_cache_total_blocks")
     assert total > 0 and metric_value(text, "mtpspec:kv_cache_free_blocks") == total
@@ -829,7 +830,8 @@ def test_tp2_server_equals_offline_tp1(model_dir, offline):
             assert all(math.isclose(t, max(top.values()), abs_tol=1e-5)
                        for t, top in zip(lp["token_logprobs"], lp["top_logprobs"]))
         text = _metrics(srv)
-        assert httpx.get(srv.url + "/v1/models").json()["data"][0]["mtpspec"]["tp"] == 2
+        info = httpx.get(srv.url + "/v1/models").json()["data"][0]["mtpspec"]
+        assert info["tp"] == 2 and info["allreduce_backend"] == "gloo"  # --allreduce-backend nccl on CPU ranks
         assert metric_value(text, "mtpspec:collective_bytes_total", {"op": "all_reduce"}) > 0
         assert metric_value(text, "mtpspec:kv_cache_free_blocks") == metric_value(text, "mtpspec:kv_cache_total_blocks")
         _kill_a_rank_mid_stream(srv)

@@ -239,6 +239,7 @@ def build(args: argparse.Namespace) -> Any:
     info["max_num_batched_tokens"] = ec.scheduler_config.max_num_batched_tokens
     info["dtype"] = str(_dtype_from_name(ec.dtype or ec.model_config.dtype or "float32")).replace("torch.", "")
     info["num_kv_blocks"] = engine.stats().num_total_blocks
+    info["allreduce_backend"] = _allreduce_in_use(info, ec.device)
     # what requests that leave sampling fields unset get (generation_config.json; --generation-config)
     info["default_sampling_params"] = dict(llm.default_sampling_fields) or "none"
     name = args.served_model_name or [args.model or "mtpspec-demo"]
@@ -247,6 +248,19 @@ def build(args: argparse.Namespace) -> Any:
     ctx = ServerContext(engine, name, kwargs["model"], info, metrics,
                         enable_prompt_tokens_details=args.enable_prompt_tokens_details)
     return build_app(ctx), engine, info
+
+
+def _allreduce_in_use(info: Dict[str, Any], device: Optional[str]) -> str:
+    """The all-reduce backend the engine runs, as the banner, ``/v1/models`` and ``/metrics`` report
+    it: ``"none (tp 1)"``; ``--allreduce-backend nccl`` is torch.distributed's collectives, NCCL on
+    GPUs and gloo on the CPU; ``"p2p"`` as given."""
+    if info["tp"] == 1:
+        return "none (tp 1)"
+    if info["allreduce_backend"] != "nccl":
+        return info["allreduce_backend"]
+    import torch
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    return "nccl" if str(device).startswith("cuda") else "gloo"
 
 
 def _server_class(uvicorn: Any) -> type:
@@ -289,15 +303,8 @@ def run(args: argparse.Namespace) -> int:
     gc.collect()
     gc.freeze()
     synth = "  [SYNTHETIC: forced acceptance " + info["forced_acceptance"] + "]" if info["synthetic"] else ""
-    backend = info["allreduce_backend"]
-    if info["tp"] == 1:
-        backend = "none (tp 1)"
-    elif backend == "nccl":  # torch.distributed's collectives: NCCL on GPUs, gloo on the CPU
-        import torch
-        device = engine.llm.engine_config.device or ("cuda" if torch.cuda.is_available() else "cpu")
-        backend = "nccl" if str(device).startswith("cuda") else "gloo"
     print(f"mtpspec serve: {info['model']} (tp {info['tp']}, k {info['num_speculative_tokens']}, fusion "
-          f"{info['fusion']}, local argmax {info['local_argmax']}, all-reduce {backend}, "
+          f"{info['fusion']}, local argmax {info['local_argmax']}, all-reduce {info['allreduce_backend']}, "
           f"{info['num_kv_blocks']} KV blocks){synth} on "
           f"http://{args.host}:{args.port}", file=sys.stderr, flush=True)
     server = _server_class(uvicorn)(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
