@@ -149,7 +149,8 @@ def test_offline_generate_context_rules(path, k) -> None:
     spec = {"num_speculative_tokens": k} if k else None
     with LLM(path, speculative_config=spec, device="cpu", max_model_len=MAX_LEN, block_size=4, num_kv_blocks=128,
              seed=0) as llm:
-        with pytest.raises(ValueError, match="prompt 0: the prompt has 48 tokens.*max_model_len=48"):
+        with pytest.raises(ValueError, match="prompt 0: This model.s maximum context length is 48 tokens. However, your "
+                                             "request has 48 input tokens"):
             llm.generate([{"prompt_token_ids": [5] * MAX_LEN}], use_tqdm=False)
         for n, max_tokens in ((47, 5), (40, 30), (30, None), (3, 10_000)):
             for params in (SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True),

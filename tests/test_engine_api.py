@@ -35,7 +35,8 @@ def _ids(outs):
 @pytest.mark.parametrize("prompt,err,match", [
     ({"prompt_token_ids": []}, ValueError, "prompt 1: the prompt is empty"),
     ("", ValueError, "prompt 1: the prompt is empty"),
-    ({"prompt_token_ids": list(range(3, 51))}, ValueError, "prompt 1: the prompt has 48 tokens"),
+    ({"prompt_token_ids": list(range(3, 51))}, ValueError, "prompt 1: This model.s maximum context length is 48 tokens. "
+     "However, your request has 48 input tokens"),
     ({"prompt_token_ids": [5, 200]}, ValueError, "prompt 1: prompt token id 200 is outside the vocabulary"),
     ({"prompt_token_ids": [5, -1]}, ValueError, "outside the vocabulary"),
     ({"prompt_token_ids": [5, 1.5]}, TypeError, "list of ints"),

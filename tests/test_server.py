@@ -526,7 +526,8 @@ BAD_COMPLETIONS = [
 
 def test_validation_errors_name_the_field(server):
     """Union fields are named without pydantic's branch suffix, with the accepted types; chat's
-    ``max_completion_tokens`` is named as sent; unknown routes / methods get OpenAI-style errors."""
+    ``max_completion_tokens`` is named as sent, a chat prompt too long for the context as
+    ``messages``; unknown routes / methods get OpenAI-style errors."""
     msgs = [{"role": "user", "content": "x"}]
     for path, body, param in (("/v1/completions", {"prompt": 5}, "prompt"),
                               ("/v1/completions", {"prompt": "hi", "stop": 5}, "stop"),
@@ -540,6 +541,12 @@ def test_validation_errors_name_the_field(server):
         assert err["param"] == param and param in err["message"], err
     err = _post(server, "/v1/completions", {"prompt": 5}).json()["error"]
     assert "expected one of str, list[str], list[int], list[list[int]], got integer" in err["message"], err
+    # a chat request too long for the context: its field is messages, the text vLLM's
+    r = _post(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "word " * MAX_LEN}]})
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["param"] == "messages", err
+    assert err["message"].startswith(f"This model's maximum context length is {MAX_LEN} tokens. However, your "
+                                     "request has "), err
     for r, code in ((httpx.get(server.url + "/v1/nothing"), 404), (httpx.get(server.url + "/v1/completions"), 405)):
         assert r.status_code == code
         err = r.json()["error"]

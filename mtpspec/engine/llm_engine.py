@@ -190,8 +190,9 @@ class LLMEngine:
             raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
         limit = self.scheduler_config.max_model_len
         if len(ids) >= limit:
-            raise ValueError(f"the prompt has {len(ids)} tokens; the context holds max_model_len={limit}, "
-                             "so a prompt may have at most max_model_len - 1 tokens")
+            raise ValueError(f"This model's maximum context length is {limit} tokens. However, your request has "
+                             f"{len(ids)} input tokens (at most max_model_len - 1 = {limit - 1}: the context must "
+                             "also hold an output token). Please reduce the length of the input.")
         if params.stop_strings and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer; the model folder has none (use stop_token_ids)")
         for name, what in (("logprobs", "sample"), ("prompt_logprobs", "prompt")):

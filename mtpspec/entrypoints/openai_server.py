@@ -300,12 +300,15 @@ def _normalise_prompts(prompt: Any) -> List[Dict[str, Any]]:
                       "prompt")
 
 
-def _validate_all(engine: AsyncLLM, prompts: List[Dict[str, Any]], params: SamplingParams) -> List[ValidatedPrompt]:
+def _validate_all(engine: AsyncLLM, prompts: List[Dict[str, Any]], params: SamplingParams,
+                  field: str = "prompt") -> List[ValidatedPrompt]:
     """Tokenize and check every prompt once (:meth:`AsyncLLM.validated_prompt`); the results go
     to :func:`_start` as they are, so nothing is tokenized or checked again.
 
     Raises:
-        OpenAIError: 400 naming the first bad prompt (``prompt i:`` when there are several).
+        OpenAIError: 400 naming the first bad prompt (``prompt i:`` when there are several) and,
+            as ``param``, ``field`` (``"messages"`` for a chat request's rendered prompt) unless the
+            fault is in ``logit_bias`` or ``stop``.
     """
     out = []
     for i, p in enumerate(prompts):
@@ -314,19 +317,20 @@ def _validate_all(engine: AsyncLLM, prompts: List[Dict[str, Any]], params: Sampl
         except (ValueError, TypeError) as exc:
             where = f"prompt {i}: " if len(prompts) > 1 else ""
             msg = str(exc)
-            param = "logit_bias" if "logit_bias" in msg else "stop" if "stop strings" in msg else "prompt"
+            param = "logit_bias" if "logit_bias" in msg else "stop" if "stop strings" in msg else field
             raise bad_request(where + msg, param) from None
     return out
 
 
-async def _validated(engine: AsyncLLM, prompts: List[Dict[str, Any]], params: SamplingParams) -> List[ValidatedPrompt]:
+async def _validated(engine: AsyncLLM, prompts: List[Dict[str, Any]], params: SamplingParams,
+                     field: str = "prompt") -> List[ValidatedPrompt]:
     """:func:`_validate_all` in a worker thread when the request's text prompts have
     ``LONG_TEXT_CHARS`` or more characters in all (a huge prompt, or many, must not stall the event
     loop, other requests' streams and ``/health``; a text that long is tokenized with the GIL
     released), else right here (a thread hop costs a short prompt more than its tokenization)."""
     if sum(len(p["prompt"]) for p in prompts if isinstance(p.get("prompt"), str)) >= LONG_TEXT_CHARS:
-        return await asyncio.to_thread(_validate_all, engine, prompts, params)
-    return _validate_all(engine, prompts, params)
+        return await asyncio.to_thread(_validate_all, engine, prompts, params, field)
+    return _validate_all(engine, prompts, params, field)
 
 
 def _check_context(engine: AsyncLLM, prompt_ids: List[List[int]], max_tokens: Optional[int], param: str) -> None:
@@ -762,7 +766,7 @@ def build_app(ctx: ServerContext) -> FastAPI:
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         params = _sampling_params(req, max_tokens, stops, logprobs=num_lp, prompt_logprobs=req.prompt_logprobs,
                                   defaults=getattr(engine, "default_sampling_fields", None))
-        validated = await _validated(engine, [{"prompt": text}], params)
+        validated = await _validated(engine, [{"prompt": text}], params, "messages")
         _check_context(engine, [validated[0].token_ids], max_tokens,
                        "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens")
         rid = f"chatcmpl-{uuid.uuid4().hex}"
