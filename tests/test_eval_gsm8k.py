@@ -187,3 +187,40 @@ def test_eval_cli_prompt_too_long_suggests_fewer_shots(capsys):
     assert eval_gsm8k.run(args) == 2
     err = capsys.readouterr().err
     assert "max_model_len=256" in err and "try --num-fewshot 4 or fewer" in err
+
+
+def test_http_eval_retries_a_full_queue(monkeypatch):
+    """A server whose queue is full answers 503 (``--max-queue-len``); the evaluation backs off and
+    retries instead of failing on the first one (a new-user pass: `eval --base-url` against a
+    server with a short queue stopped at once); other errors still fail."""
+    import mtpspec.entrypoints.bench_serve as bench_serve
+    calls = {"n": 0}
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/v1/models":
+            return httpx.Response(200, json={"data": [{"id": "m", "mtpspec": {}}]})
+        if request.url.path == "/v1/completions":
+            calls["n"] += 1
+            body = json.loads(request.content)
+            if body["prompt"] == "bad":
+                return httpx.Response(400, json={"error": {"message": "nope"}})
+            if calls["n"] % 3:
+                return httpx.Response(503, json={"error": {"message": "queue full", "type": "server_overloaded"}})
+            return httpx.Response(200, json={"choices": [{"text": body["prompt"] + "!", "token_ids": [1]}]})
+        return httpx.Response(404)
+
+    transport = httpx.MockTransport(handler)
+    real_client, real_async = httpx.Client, httpx.AsyncClient
+    monkeypatch.setattr(httpx, "Client", lambda *a, **kw: real_client(*a, transport=transport, **kw))
+    monkeypatch.setattr(httpx, "AsyncClient", lambda *a, **kw: real_async(*a, transport=transport, **kw))
+    monkeypatch.setattr(bench_serve, "scrape", lambda url, c: {})
+    monkeypatch.setattr(bench_serve, "spec_figures", lambda a, b, k: {"acceptance_length": None,
+                                                                      "acceptance_rate_per_pos": []})
+    out = eval_gsm8k.generate_http("http://x", ["a", "b"], 8, concurrency=1, progress=False)
+    assert out["texts"] == ["a!", "b!"] and calls["n"] == 6  # two 503s before each answer
+    with pytest.raises(RuntimeError, match="HTTP 400"):
+        eval_gsm8k.generate_http("http://x", ["bad"], 8, concurrency=1, progress=False)
+    monkeypatch.setattr(eval_gsm8k, "OVERLOAD_RETRY_S", 0.0)  # no time left: the 503 is the answer
+    calls["n"] = 0
+    with pytest.raises(RuntimeError, match="HTTP 503"):
+        eval_gsm8k.generate_http("http://x", ["a"], 8, concurrency=1, progress=False)

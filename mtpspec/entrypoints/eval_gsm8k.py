@@ -37,6 +37,9 @@ from mtpspec.entrypoints.eval_gsm8k_score import STOP_SEQUENCES, score_completio
 #: ``--num-fewshot``'s default: lm-eval's 5-shot gsm8k (also the prompt self-distillation copies).
 DEFAULT_NUM_FEWSHOT = 5
 ARM_FLAGS = {"baseline": (False, False), "fusion": (True, False), "both": (True, True)}  # (fusion, local argmax)
+#: A request the server refuses with 503 (its queue is full: ``--max-queue-len``) is retried, with
+#: backoff from 50 ms doubling to 2 s, for up to this many seconds before the evaluation fails.
+OVERLOAD_RETRY_S = 300.0
 
 
 def build_prompts(test_rows: Sequence[Dict[str, str]], train_rows: Sequence[Dict[str, str]],
@@ -57,6 +60,7 @@ def build_prompts(test_rows: Sequence[Dict[str, str]], train_rows: Sequence[Dict
 def generate_http(base_url: str, prompts: Sequence[str], max_tokens: int, concurrency: int,
                   progress: bool = True, desc: str = "gsm8k") -> Dict[str, Any]:
     """Greedy completions from a running server: ``{"texts", "token_ids", "spec", "seconds"}``.
+    A 503 (queue full) is retried for up to :data:`OVERLOAD_RETRY_S` seconds.
 
     Raises:
         RuntimeError: a request failed (the message has the server's error).
@@ -78,9 +82,15 @@ def generate_http(base_url: str, prompts: Sequence[str], max_tokens: int, concur
         async with httpx.AsyncClient(timeout=httpx.Timeout(3600.0)) as client:
             async def one(p: str) -> Dict[str, Any]:
                 async with sem:
-                    r = await client.post(base_url + "/v1/completions", json={
-                        "model": info.model, "prompt": p, "max_tokens": max_tokens, "temperature": 0.0,
-                        "stop": STOP_SEQUENCES, "return_token_ids": True, **NEUTRAL_SAMPLING})
+                    delay, deadline = 0.05, time.monotonic() + OVERLOAD_RETRY_S
+                    while True:
+                        r = await client.post(base_url + "/v1/completions", json={
+                            "model": info.model, "prompt": p, "max_tokens": max_tokens, "temperature": 0.0,
+                            "stop": STOP_SEQUENCES, "return_token_ids": True, **NEUTRAL_SAMPLING})
+                        if r.status_code != 503 or time.monotonic() + delay > deadline:
+                            break
+                        await asyncio.sleep(delay)  # the server's queue is full (503): back off and retry
+                        delay = min(2 * delay, 2.0)
                 if bar is not None:
                     bar.update(1)
                 if r.status_code != 200:
