@@ -246,3 +246,13 @@ def test_generate_rejects_a_non_prompt_argument_clearly():
     for bad in (None, 5, b"text"):
         with pytest.raises(TypeError, match="prompts must be a string"):
             llm.generate(bad)
+
+
+def test_plain_decoding_metrics_have_the_headline_figures(path) -> None:
+    """``get_metrics()["acceptance_length"]`` is None without speculative decoding (a script that
+    reads it raised KeyError at k = 0), while the draft counters stay absent."""
+    with LLM(path, **KW) as llm:
+        llm.generate([{"prompt_token_ids": [5, 6, 7]}], GREEDY, use_tqdm=False)
+        m = llm.get_metrics()
+    assert m["acceptance_length"] is None and m["acceptance_rate"] is None and "num_drafts" not in m
+    assert m["num_output_tokens"] == 10

@@ -185,4 +185,6 @@ class EngineMetrics:
         )
         if self.spec is not None:
             d.update(self.spec.as_dict())
+        else:  # plain decoding: the headline figures exist (None), the draft counters do not
+            d.update(acceptance_length=None, acceptance_rate=None)
         return d
