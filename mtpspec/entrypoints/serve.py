@@ -59,26 +59,26 @@ def llm_kwargs(args: argparse.Namespace) -> Dict[str, Any]:
     return EngineArgs.from_cli_args(args).llm_kwargs()
 
 
+def _int_in(value: str, lo: int, hi: Optional[int] = None) -> int:
+    """``value`` as an int in ``[lo, hi]`` (``hi=None``: no upper bound), else argparse's error."""
+    try:
+        n = int(value)
+    except ValueError:
+        n = lo - 1
+    if n < lo or (hi is not None and n > hi):
+        raise argparse.ArgumentTypeError(f"must be an int in [{lo}, {hi}], got {value!r}" if hi is not None
+                                         else f"must be an int >= {lo}, got {value!r}")
+    return n
+
+
 def port_number(value: str) -> int:
     """``--port``: an int in [0, 65535] (0: any free port)."""
-    try:
-        port = int(value)
-    except ValueError:
-        port = -1
-    if not 0 <= port <= 65535:
-        raise argparse.ArgumentTypeError(f"must be an int in [0, 65535], got {value!r}")
-    return port
+    return _int_in(value, 0, 65535)
 
 
 def positive_int(value: str) -> int:
     """An int >= 1 (``--torch-threads``, ``--max-queue-len``)."""
-    try:
-        n = int(value)
-    except ValueError:
-        n = 0
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"must be an int >= 1, got {value!r}")
-    return n
+    return _int_in(value, 1)
 
 
 def non_negative_ms(value: str) -> float:
