@@ -186,13 +186,14 @@ def test_eval_cli_prompt_too_long_suggests_fewer_shots(capsys):
                          "--num-fewshot", "5", "--max-model-len", "256", "--no-progress", "--arms", "baseline"])
     assert eval_gsm8k.run(args) == 2
     err = capsys.readouterr().err
-    assert "max_model_len=256" in err and "try --num-fewshot 4 or fewer" in err
+    assert "maximum context length is 256 tokens" in err and "try --num-fewshot 4 or fewer" in err
 
 
 def test_http_eval_retries_a_full_queue(monkeypatch):
-    """A server whose queue is full answers 503 (``--max-queue-len``); the evaluation backs off and
-    retries instead of failing on the first one (a new-user pass: `eval --base-url` against a
-    server with a short queue stopped at once); other errors still fail."""
+    """A server whose queue is full answers 503 ``server_overloaded`` (``--max-queue-len``); the
+    evaluation backs off and retries instead of failing on the first one (a new-user pass: `eval
+    --base-url` against a server with a short queue stopped at once); other errors, a 503 for a
+    dead engine included, still fail at once with the server's message."""
     import mtpspec.entrypoints.bench_serve as bench_serve
     calls = {"n": 0}
 
@@ -204,6 +205,8 @@ def test_http_eval_retries_a_full_queue(monkeypatch):
             body = json.loads(request.content)
             if body["prompt"] == "bad":
                 return httpx.Response(400, json={"error": {"message": "nope"}})
+            if body["prompt"] == "dead":  # the engine died: its reason reaches the user at once
+                return httpx.Response(503, json={"error": {"message": "engine died: boom", "type": "server_error"}})
             if calls["n"] % 3:
                 return httpx.Response(503, json={"error": {"message": "queue full", "type": "server_overloaded"}})
             return httpx.Response(200, json={"choices": [{"text": body["prompt"] + "!", "token_ids": [1]}]})
@@ -220,6 +223,10 @@ def test_http_eval_retries_a_full_queue(monkeypatch):
     assert out["texts"] == ["a!", "b!"] and calls["n"] == 6  # two 503s before each answer
     with pytest.raises(RuntimeError, match="HTTP 400"):
         eval_gsm8k.generate_http("http://x", ["bad"], 8, concurrency=1, progress=False)
+    calls["n"] = 0
+    with pytest.raises(RuntimeError, match="HTTP 503.*engine died: boom"):
+        eval_gsm8k.generate_http("http://x", ["dead"], 8, concurrency=1, progress=False)
+    assert calls["n"] == 1  # not retried
     monkeypatch.setattr(eval_gsm8k, "OVERLOAD_RETRY_S", 0.0)  # no time left: the 503 is the answer
     calls["n"] = 0
     with pytest.raises(RuntimeError, match="HTTP 503"):

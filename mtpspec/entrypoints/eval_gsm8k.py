@@ -37,7 +37,7 @@ from mtpspec.entrypoints.eval_gsm8k_score import STOP_SEQUENCES, score_completio
 #: ``--num-fewshot``'s default: lm-eval's 5-shot gsm8k (also the prompt self-distillation copies).
 DEFAULT_NUM_FEWSHOT = 5
 ARM_FLAGS = {"baseline": (False, False), "fusion": (True, False), "both": (True, True)}  # (fusion, local argmax)
-#: A request the server refuses with 503 (its queue is full: ``--max-queue-len``) is retried, with
+#: A request the server refuses because its queue is full (503 ``server_overloaded``: ``--max-queue-len``) is retried, with
 #: backoff from 50 ms doubling to 2 s, for up to this many seconds before the evaluation fails.
 OVERLOAD_RETRY_S = 300.0
 
@@ -57,6 +57,17 @@ def build_prompts(test_rows: Sequence[Dict[str, str]], train_rows: Sequence[Dict
 
 
 # ---------------------------------------------------------------------------- sources
+def _queue_full(r: Any) -> bool:
+    """Whether response ``r`` is the server's 503 for a full queue (``server_overloaded``), which is
+    worth retrying; any other 503 (the engine died: ``server_error``) is not."""
+    if r.status_code != 503:
+        return False
+    try:
+        return r.json()["error"]["type"] == "server_overloaded"
+    except (ValueError, KeyError, TypeError):
+        return False
+
+
 def generate_http(base_url: str, prompts: Sequence[str], max_tokens: int, concurrency: int,
                   progress: bool = True, desc: str = "gsm8k") -> Dict[str, Any]:
     """Greedy completions from a running server: ``{"texts", "token_ids", "spec", "seconds"}``.
@@ -87,9 +98,9 @@ def generate_http(base_url: str, prompts: Sequence[str], max_tokens: int, concur
                         r = await client.post(base_url + "/v1/completions", json={
                             "model": info.model, "prompt": p, "max_tokens": max_tokens, "temperature": 0.0,
                             "stop": STOP_SEQUENCES, "return_token_ids": True, **NEUTRAL_SAMPLING})
-                        if r.status_code != 503 or time.monotonic() + delay > deadline:
+                        if not _queue_full(r) or time.monotonic() + delay > deadline:
                             break
-                        await asyncio.sleep(delay)  # the server's queue is full (503): back off and retry
+                        await asyncio.sleep(delay)  # back off and retry
                         delay = min(2 * delay, 2.0)
                 if bar is not None:
                     bar.update(1)
@@ -309,7 +320,8 @@ def run(args: argparse.Namespace) -> int:
                        args.max_concurrency, progress=not args.no_progress)
     except (ValueError, TypeError, FileNotFoundError, RuntimeError) as exc:
         hint = ""
-        if "max_model_len" in str(exc) and args.num_fewshot > 0:  # the few-shot prompt outgrew the context
+        # the few-shot prompt outgrew the context (the engine's and the server's message: vLLM's wording)
+        if "maximum context length" in str(exc) and args.num_fewshot > 0:
             hint = f" (the {args.num_fewshot}-shot prompts are too long for this model: try --num-fewshot {args.num_fewshot - 1} or fewer)"
         print(f"error: {exc}{hint}", file=sys.stderr)
         return 2
