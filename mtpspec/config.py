@@ -135,8 +135,9 @@ class SpeculativeConfig:
         draft_sampling: ``"greedy"`` (default): every draft is the MTP layer's argmax (one-hot
             ``q``). ``"auto"``: rows sampled at temperature > 0 without top-k / top-p draw their
             drafts from the MTP layer's ``softmax(l / T)`` by vocab-parallel Gumbel-max
-            (:mod:`mtpspec.sample.gumbel`) and are verified with the real ``q``; greedy rows and
-            rows with top-k or top-p keep greedy drafts (exact either way).
+            (:mod:`mtpspec.sample.gumbel`) and are verified with the real ``q``; greedy rows,
+            rows with top-k or top-p and, under ``adaptive``, requests with their own seed keep
+            greedy drafts (exact either way; the last so that their tokens stay reproducible).
         adaptive: (default False) adaptive speculation length: each step proposes ``k`` drafts,
             ``0 <= k <= num_speculative_tokens``, the ``k`` that maximises expected tokens per
             second from a measured step-cost table (per padded batch size and ``k``) and the

@@ -417,6 +417,10 @@ def test_warmup_waves_run_at_the_workloads_concurrency_with_short_outputs(forced
         assert (c.warmup, c.warmup_output_len) == want
     args = p.parse_args([])
     assert bench_serve.config_from_args(args, {"num_prompts": 8, "max_concurrency": 2, "output_len": 5}).warmup == 1
+    # request i's own seed is seed + i, none with --no-request-seeds (adaptive arms' sampled drafts)
+    three = {"num_prompts": 8, "max_concurrency": 2, "output_len": 5}
+    assert bench_serve.config_from_args(p.parse_args(["--seed", "4"]), three).request_seed(3) == 7
+    assert bench_serve.config_from_args(p.parse_args(["--no-request-seeds"]), three).request_seed(3) is None
 
 
 def test_parse_metrics_keys_leave_out_the_model_name_label():

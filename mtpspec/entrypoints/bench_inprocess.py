@@ -45,7 +45,7 @@ def _arm_forced(llm: Any, forced: Optional[str]) -> None:
 def _generate(llm: Any, prompts: List[Any], cfg: BenchConfig, output_len: int) -> List[Any]:
     from mtpspec import SamplingParams
     sps = [SamplingParams(max_tokens=output_len, temperature=cfg.temperature, ignore_eos=cfg.ignore_eos,
-                          seed=cfg.seed + i) for i in range(len(prompts))]
+                          seed=cfg.request_seed(i)) for i in range(len(prompts))]
     inputs = [{"prompt_token_ids": p} if isinstance(p, list) else p for p in prompts]
     return llm.generate(inputs, sps, use_tqdm=False)
 

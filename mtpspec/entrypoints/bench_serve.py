@@ -54,6 +54,9 @@ class BenchConfig:
         file or folder, or ``None``: ``$MTPSPEC_GSM8K_DIR``, else the bundled test split),
         ignore_eos, temperature, seed, warmup (requests sent first, at most ``max_concurrency`` at
         a time, and not measured), warmup_output_len (their ``max_tokens``; ``None``: output_len).
+        request_seeds: request ``i`` carries ``seed + i`` as its own sampling seed (reproducible
+            sampled runs); ``False``: no request seed (the server's engine seed draws them; under
+            adaptive speculation a seeded request keeps argmax drafts, docs/serving.md).
     """
 
     num_prompts: int = 64
@@ -65,6 +68,7 @@ class BenchConfig:
     ignore_eos: bool = False
     temperature: float = 0.0
     seed: int = 0
+    request_seeds: bool = True
     warmup: int = 1
     warmup_output_len: Optional[int] = None
 
@@ -82,6 +86,10 @@ class BenchConfig:
         if self.warmup_output_len is not None and (not isinstance(self.warmup_output_len, int)
                                                    or self.warmup_output_len < 1):
             raise ValueError(f"warmup_output_len must be an int >= 1 or None, got {self.warmup_output_len!r}")
+
+    def request_seed(self, i: int) -> Optional[int]:
+        """Request ``i``'s own sampling seed: ``seed + i``, or ``None`` without :attr:`request_seeds`."""
+        return self.seed + i if self.request_seeds else None
 
 
 @dataclass
@@ -170,7 +178,7 @@ NEUTRAL_SAMPLING = {"top_p": 1.0, "top_k": 0, "repetition_penalty": 1.0}
 
 
 async def _one(client: httpx.AsyncClient, url: str, model: str, prompt: Any, cfg: BenchConfig,
-               seed: int) -> RequestRecord:
+               seed: Optional[int]) -> RequestRecord:
     rec = RequestRecord()
     body = {"model": model, "prompt": prompt, "max_tokens": cfg.output_len, "temperature": cfg.temperature,
             "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": cfg.ignore_eos,
@@ -220,7 +228,7 @@ async def _run_load(url: str, model: str, prompts: Sequence[Any], cfg: BenchConf
     async with httpx.AsyncClient(timeout=httpx.Timeout(3600.0), limits=limits) as client:
         async def guarded(i: int, p: Any) -> RequestRecord:
             async with sem:
-                rec = await _one(client, url, model, p, cfg, cfg.seed + i)
+                rec = await _one(client, url, model, p, cfg, cfg.request_seed(i))
             if bar is not None:
                 bar.update(1)
             return rec
@@ -372,7 +380,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--random-prompts", action="store_true", help="random token ids (SYNTHETIC: distorts acceptance)")
     p.add_argument("--ignore-eos", action="store_true", help="generate output-len tokens regardless of EOS (SYNTHETIC)")
     p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seeds the prompts' selection and request i's sampling "
+                   "(seed + i; default 0)")
+    p.add_argument("--no-request-seeds", dest="request_seeds", action="store_false",
+                   help="send requests without a seed of their own (under adaptive speculation a seeded request "
+                        "keeps argmax drafts: docs/serving.md)")
     p.add_argument("--warmup", type=int, default=None,
                    help="unmeasured requests before each run, at most --max-concurrency at a time (default 1; "
                         "bench arms: one full wave of the workload's concurrency, 16 tokens each, so that each "
@@ -400,6 +412,7 @@ def config_from_args(args: argparse.Namespace, defaults: Dict[str, Any]) -> Benc
     kw = dict(num_prompts=pick("num_prompts"), max_concurrency=pick("max_concurrency"), input_len=pick("input_len"),
               output_len=pick("output_len"), prompts="random" if args.random_prompts else "gsm8k",
               dataset=args.dataset, ignore_eos=args.ignore_eos, temperature=args.temperature, seed=args.seed,
+              request_seeds=args.request_seeds,
               warmup=args.warmup if args.warmup is not None else defaults.get("warmup", 1),
               warmup_output_len=defaults.get("warmup_output_len") if args.warmup is None else None)
     kw["max_concurrency"] = min(kw["max_concurrency"], kw["num_prompts"])
