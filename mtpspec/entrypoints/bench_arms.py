@@ -470,9 +470,9 @@ def run_arms(arms: Dict[str, List[str]], workloads: Dict[str, BenchConfig], repe
              warmup_rounds: int = 0, in_process: bool = False, forced: Optional[str] = None) -> Dict[str, Any]:
     """Start the servers, run every workload ``repeats`` times per arm interleaved, summarise.
 
-    Interleaved: round ``i`` of a workload runs every arm once, in the arms' order rotated by ``i``
-    (A B C, B C A, C A B, ...), so no arm always runs first after a workload's warm-up or always
-    next to the same neighbour; a slow drift of the host then spreads over the arms.
+    Interleaved: timed round ``i`` of a workload runs every arm once, in the arms' order rotated by
+    ``i`` (A B C, B C A, C A B, ...; warm-up rounds keep the order), so over ``len(arms)`` rounds each
+    arm runs once in each position and a drift of the host's speed spreads over the arms.
 
     Args:
         arms: name -> `mtpspec serve` flags, in comparison order.

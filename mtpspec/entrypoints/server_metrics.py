@@ -14,8 +14,9 @@ metric                                                     meaning
 ``mtpspec:request_success_total{finished_reason}``          finished requests (stop / length)
 ``mtpspec:request_aborted_total``                           aborted (client gone) requests
 ``mtpspec:request_failed_total``                            requests failed inside the engine loop
-``mtpspec:prompt_tokens_total``                             each request's prompt, at its first token
-                                                            (prefix-cache hits included: vLLM's)
+``mtpspec:prompt_tokens_total``                             each sequence's prompt, at its first token
+                                                            (prefix-cache hits included; n > 1: n times;
+                                                            vLLM v1's)
 ``mtpspec:prefill_tokens_total``                            prompt tokens computed (prefilled; recomputes
                                                             included, prefix-cache hits not)
 ``mtpspec:prefix_cache_queries_total``                      prompt tokens looked up in the prefix cache
@@ -101,7 +102,7 @@ class ServerMetrics(EngineObserver):
         self.success = named(Counter, "request_success", "Finished requests", ["finished_reason"])
         self.aborted = named(Counter, "request_aborted", "Aborted requests (client disconnected)")
         self.failed = named(Counter, "request_failed", "Requests failed inside the engine loop")
-        self.prompt_tokens = named(Counter, "prompt_tokens", "Prompt tokens of requests that emitted their first "
+        self.prompt_tokens = named(Counter, "prompt_tokens", "Prompt tokens of sequences that emitted their first "
                                    "token (prefix-cache hits included)")
         self.prefill_tokens = named(Counter, "prefill_tokens", "Prompt tokens computed (recomputes included)")
         self.cache_queries = named(Counter, "prefix_cache_queries",
