@@ -206,3 +206,45 @@ def test_llm_under_real_torchrun(tmp_path) -> None:
     for rank in (0, 1):  # one file per rank: torchrun interleaves the ranks' stdout
         with open(tmp_path / f"rank{rank}.json") as f:
             assert json.load(f) == ref, f"rank {rank}"
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_ctrl_c_in_generate_aborts_its_requests_and_the_llm_stays_usable(setup, tp) -> None:
+    """Ctrl-C reaches the whole process group. A new-user pass at tp 2: the ranks died of it and the
+    caller got ``WorkerError: the executor was shut down`` instead of ``KeyboardInterrupt`` (tp 1
+    was fine). Now the ranks ignore SIGINT and the driver, interrupted while it waits for a step,
+    reads and drops that step's replies before the next message: ``KeyboardInterrupt`` comes out of
+    ``generate``, its requests are aborted, and the next ``generate`` gives the plain greedy tokens."""
+    import os
+    import signal
+
+    path, cfg, prompts, ref, _ = setup
+    with LLM(path, tensor_parallel_size=tp, speculative_config={"num_speculative_tokens": 3}, **LLM_KW) as llm:
+        ex = llm.llm_engine.executor
+        if tp > 1:
+            for p in ex.procs:  # the signal a terminal's Ctrl-C sends every process of the group
+                os.kill(p.pid, signal.SIGINT)
+        calls = {"n": 0}
+        orig = ex.execute_async
+
+        def interrupted(step):  # the driver is interrupted inside its 5th step (after the ranks got it)
+            calls["n"] += 1
+            if calls["n"] == 5:
+                if tp > 1:
+                    real_recv = ex._recv
+
+                    def recv_once(rank, timeout_s):
+                        ex._recv = real_recv
+                        raise KeyboardInterrupt
+                    ex._recv = recv_once
+                    return orig(step)
+                raise KeyboardInterrupt
+            return orig(step)
+        ex.execute_async = interrupted
+        with pytest.raises(KeyboardInterrupt):
+            llm.generate(token_prompts(prompts), SP, use_tqdm=False)
+        assert not llm.llm_engine.has_unfinished_requests()
+        if tp > 1:
+            assert all(p.is_alive() for p in ex.procs) and ex._owed == [0, 1]
+        outs = llm.generate(token_prompts(prompts), SP, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == ref

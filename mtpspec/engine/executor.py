@@ -206,6 +206,7 @@ class MultiprocExecutor(Executor):
         self.step_timeout_s = step_timeout_s
         self.conns, self.procs = [], []
         self._closed = False
+        self._owed: List[int] = []  # ranks whose reply to the last message is still unread
         for rank in range(world_size):
             parent, child = ctx.Pipe()
             p = ctx.Process(target=spawned_worker_main, args=(rank, world_size, port, cfg, child, threads), daemon=True)
@@ -241,12 +242,30 @@ class MultiprocExecutor(Executor):
         return payload
 
     def _broadcast(self, msg: tuple) -> List[Any]:
+        """Send ``msg`` to every rank and read every reply. A ``KeyboardInterrupt`` while the replies
+        are awaited leaves the executor usable: the ranks (which ignore SIGINT) finish the message,
+        and their replies are read and dropped before the next one (:attr:`_owed`). Anything else,
+        or an interrupt while sending, shuts the ranks down."""
         if self._closed:
             raise WorkerError("the executor was shut down")
+        sending = False
         try:
+            while self._owed:  # replies of an interrupted message, in rank order
+                self._recv(self._owed[0], self.step_timeout_s)
+                self._owed.pop(0)
+            sending = True
             for c in self.conns:
                 c.send(msg)
-            return [self._recv(r, self.step_timeout_s) for r in range(len(self.conns))]
+            sending, self._owed = False, list(range(len(self.conns)))
+            out = []
+            while self._owed:
+                out.append(self._recv(self._owed[0], self.step_timeout_s))
+                self._owed.pop(0)
+            return out
+        except KeyboardInterrupt:
+            if sending:  # some ranks got the message, some not: they can no longer agree
+                self.shutdown()
+            raise
         except BaseException as exc:
             dead = self.dead_ranks()
             self.shutdown()

@@ -12,6 +12,7 @@ Three ways ranks receive steps, one runner:
 from __future__ import annotations
 
 import os
+import signal
 import traceback
 from typing import Any, Callable, Optional
 
@@ -121,11 +122,16 @@ def spawned_worker_main(rank: int, world_size: int, port: int, cfg: EngineConfig
     """Entry point of a self-launched rank: set up, report ``("ready", num_blocks)``, then serve.
 
     Replies to every message: rank 0 with the result, the others with ``("ok", None)`` (an
-    acknowledgement; rpc results come back from every rank). Any exception is sent back as
+    acknowledgement; rpc results come back from every rank). SIGINT is ignored (the driver's to
+    handle: :class:`~mtpspec.engine.executor.MultiprocExecutor`). Any exception is sent back as
     ``("err", {"traceback", "message", "input_error"})`` (``input_error``: a ``ValueError``
     / ``TypeError``, e.g. a bad checkpoint or config, which the driver re-raises as a
     :class:`~mtpspec.engine.executor.WorkerInputError`) and ends the worker.
     """
+    # A terminal's Ctrl-C reaches the whole process group: the driver decides (it stops waiting for
+    # the step and aborts its requests, or shuts the ranks down); a rank dying here would take the
+    # engine with it. A driver that is gone closes the pipe, which ends this loop.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(threads)
