@@ -434,3 +434,28 @@ def test_parse_metrics_keys_leave_out_the_model_name_label():
     assert keys["mtpspec:kv_cache_total_blocks"] == 7.0
     assert "mtpspec:spec_decode_num_accepted_tokens_per_pos_total{position=1}" in keys
     assert not any("model_name" in key for key in keys)
+
+
+def test_server_root_json_path_and_a_url_that_is_not_a_server_root(tmp_path, capsys):
+    """An OpenAI client's base URL (``.../v1``) names the same server (a new-user pass got
+    ``KeyError: 'data'`` from it); ``/v1/models`` without a model list is a clear error; a
+    ``--json`` path that cannot be written fails before the run, not after it."""
+    import argparse
+
+    import httpx
+
+    from mtpspec.entrypoints import bench_serve
+    from mtpspec.entrypoints.bench_serve import ServerInfo, output_path_problem, server_root
+    assert server_root("http://h:1/v1/") == server_root("http://h:1/v1") == server_root("http://h:1/") == "http://h:1"
+    assert server_root("http://h:1/api/v1x") == "http://h:1/api/v1x"
+    page = httpx.MockTransport(lambda req: httpx.Response(404, json={"detail": "Not Found"}))
+    with httpx.Client(transport=page) as c, pytest.raises(ValueError, match="answered HTTP 404 without a model list"):
+        ServerInfo("http://h:1/v1", c)
+    assert output_path_problem(None) is None and output_path_problem(str(tmp_path / "r.json")) is None
+    assert "no folder" in output_path_problem(str(tmp_path / "missing" / "r.json"))
+    assert "is a folder" in output_path_problem(str(tmp_path))
+    p = argparse.ArgumentParser()
+    bench_serve.add_parser(p.add_subparsers(dest="command"))
+    args = p.parse_args(["serve", "--base-url", "http://127.0.0.1:9", "--json", str(tmp_path / "no" / "x.json")])
+    assert bench_serve.run(args) == 2
+    assert "error: --json: no folder" in capsys.readouterr().err

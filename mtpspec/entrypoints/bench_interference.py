@@ -445,8 +445,8 @@ def run_interference_benchmark(base_url: str, cfg: InterferenceConfig, progress:
         httpx.HTTPError: the server cannot be reached.
     """
     from mtpspec.entrypoints.bench_dataset import random_prompts
-    from mtpspec.entrypoints.bench_serve import ServerInfo
-    base_url = base_url.rstrip("/")
+    from mtpspec.entrypoints.bench_serve import ServerInfo, server_root
+    base_url = server_root(base_url)
     with httpx.Client(timeout=60.0) as client:
         info = ServerInfo(base_url, client)
     decode_len = check_fits(cfg, info.max_model_len, info.info)

@@ -92,8 +92,8 @@ def run_prefix_benchmark(base_url: str, cfg: Any, num_shots: int = 5) -> Dict[st
         httpx.HTTPError: the server cannot be reached.
     """
     from mtpspec.entrypoints.bench_dataset import load_dataset
-    from mtpspec.entrypoints.bench_serve import ServerInfo, _ms, scrape
-    base_url = base_url.rstrip("/")
+    from mtpspec.entrypoints.bench_serve import ServerInfo, _ms, scrape, server_root
+    base_url = server_root(base_url)
     prompts, prefix = prefix_prompts(load_dataset(cfg.dataset), cfg.warmup + 2 * cfg.num_prompts, num_shots, cfg.seed)
     recs: Dict[str, List[Dict[str, Any]]] = {"hit": [], "miss": []}
     with httpx.Client(timeout=httpx.Timeout(3600.0)) as client:

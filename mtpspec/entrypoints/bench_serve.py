@@ -35,6 +35,7 @@ import argparse
 import asyncio
 import json
 import math
+import os
 import statistics
 import sys
 import time
@@ -106,11 +107,42 @@ class RequestRecord:
 
 
 # ---------------------------------------------------------------------------- server access
+def server_root(base_url: str) -> str:
+    """The server's root URL: trailing slashes and a trailing ``/v1`` (the form an OpenAI client's
+    ``base_url`` takes) removed; the benches add ``/v1/...`` themselves."""
+    url = base_url.rstrip("/")
+    return url[:-3].rstrip("/") if url.endswith("/v1") else url
+
+
+def output_path_problem(path: Optional[str]) -> Optional[str]:
+    """Why results cannot be written to ``path`` (``None``: they can, or no path), checked before a
+    run so that a typo does not cost the run's results."""
+    if not path:
+        return None
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        return f"{path!r} is a folder; give a file name"
+    if not os.path.isdir(folder):
+        return f"no folder {folder!r} for {path!r}"
+    if not os.access(folder, os.W_OK):
+        return f"cannot write in {folder!r}"
+    return None
+
+
 class ServerInfo:
-    """What ``/v1/models`` says about the server."""
+    """What ``/v1/models`` says about the server.
+
+    Raises:
+        ValueError: ``/v1/models`` did not answer with a model list (not a server root URL).
+    """
 
     def __init__(self, base_url: str, client: httpx.Client):
-        data = client.get(base_url + "/v1/models").json()["data"][0]
+        r = client.get(base_url + "/v1/models")
+        try:
+            data = r.json()["data"][0]
+        except (ValueError, KeyError, IndexError, TypeError):
+            raise ValueError(f"GET {base_url}/v1/models answered HTTP {r.status_code} without a model list: give "
+                             "the server's root URL (e.g. http://127.0.0.1:8000)") from None
         self.model: str = data["id"]
         self.max_model_len: int = int(data.get("max_model_len") or 0)
         self.vocab_size: int = int(data.get("vocab_size") or 0)
@@ -263,7 +295,7 @@ def run_benchmark(base_url: str, cfg: BenchConfig, progress: bool = True, desc: 
             the message says to pass ``input_len``).
         httpx.HTTPError: the server cannot be reached.
     """
-    base_url = base_url.rstrip("/")
+    base_url = server_root(base_url)
     with httpx.Client(timeout=600.0) as client:
         info = ServerInfo(base_url, client)
         if cfg.input_len is not None and info.max_model_len and cfg.input_len + cfg.output_len > info.max_model_len:
@@ -427,6 +459,10 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if args.shared_prefix and args.prefill_interference:
         print("error: --shared-prefix and --prefill-interference are two workloads; pick one", file=sys.stderr)
+        return 2
+    why = output_path_problem(args.json)
+    if why is not None:
+        print(f"error: --json: {why}", file=sys.stderr)
         return 2
     try:
         if args.prefill_interference:

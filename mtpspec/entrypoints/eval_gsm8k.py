@@ -78,8 +78,8 @@ def generate_http(base_url: str, prompts: Sequence[str], max_tokens: int, concur
     """
     import httpx
 
-    from mtpspec.entrypoints.bench_serve import NEUTRAL_SAMPLING, ServerInfo, scrape, spec_figures
-    base_url = base_url.rstrip("/")
+    from mtpspec.entrypoints.bench_serve import NEUTRAL_SAMPLING, ServerInfo, scrape, server_root, spec_figures
+    base_url = server_root(base_url)
     with httpx.Client(timeout=600) as c:
         info = ServerInfo(base_url, c)
         before = scrape(base_url, c)
@@ -314,6 +314,11 @@ def data_files(data: Optional[str] = None, train: Optional[str] = None) -> Tuple
 def run(args: argparse.Namespace) -> int:
     import httpx
 
+    from mtpspec.entrypoints.bench_serve import output_path_problem
+    why = output_path_problem(args.json)
+    if why is not None:
+        print(f"error: --json: {why}", file=sys.stderr)
+        return 2
     try:
         data, train = data_files(args.data, args.train)
         res = evaluate(_sources(args), data, train, args.num_fewshot, args.limit, args.max_tokens,
