@@ -67,6 +67,17 @@ def test_flag_errors_are_one_line_before_anything_is_built(capsys, monkeypatch):
     monkeypatch.setattr(train_mod, "prepare_data", lambda *a, **k: pytest.fail("data prepared"))
     assert entry.run(_parse(["--mtp-distill", "1.5"])) == 2
     assert capsys.readouterr().err.strip() == "error: --mtp-distill must be in [0, 1], got 1.5"
+    # a new-user pass: these failed late, with a traceback or numpy's words (or not at all)
+    for argv, want in ((["--device", "bogus"], "error: --device: device must be 'cpu'"),
+                       (["--max-len", "1"], "error: --max-len must be >= 2"),
+                       (["--preset", "bogus"], "error: --preset must be one of"),
+                       (["--self-distill-share", "2"], "error: --self-distill-share must be in [0, 1], got 2")):
+        assert entry.run(_parse(argv)) == 2, argv
+        assert capsys.readouterr().err.strip().startswith(want), argv
+    import torch
+    if not torch.cuda.is_available():
+        assert entry.run(_parse(["--device", "cuda"])) == 2
+        assert "sees no CUDA GPU" in capsys.readouterr().err
 
 
 def test_bad_runs_are_refused_before_anything_is_written(tmp_path, capsys):

@@ -201,6 +201,9 @@ def prepare_data(cfg: TrainConfig, log=_log, tok=None):
                                  cfg.seed, cfg.max_len)
     docs, src = plan.documents()
     train_docs = corpus_mod.tokenize_documents(tok, docs, src, cfg.max_len)
+    if not len(train_docs):
+        raise ValueError(f"no training document fits --max-len {cfg.max_len} tokens (a GSM8K solution takes about "
+                         "100-300); raise --max-len")
     vrng = random.Random(cfg.seed + 7)
     val_texts = corpus_mod.chain_documents(val_rows, vrng, cfg.single_prob, cfg.num_shots)[:cfg.eval_docs]
     val_docs = corpus_mod.tokenize_documents(tok, val_texts, [0] * len(val_texts), cfg.max_len)
@@ -360,12 +363,13 @@ def check_config(cfg: TrainConfig) -> None:
             ``--indexer-warmup-fraction`` outside ``[0, 1 - distill_fraction]`` or a negative
             ``--indexer-kl-weight`` (the other architectures ignore both); ``--self-distill-prompts``
             / ``--self-distill-synthetic`` without a frozen target (``--freeze-target`` or
-            ``--distill-fraction > 0``), or with a share outside ``[0, 1]``; ``--log-every`` below 1,
+            ``--distill-fraction > 0``); ``--log-every`` below 1,
             ``--eval-every`` below 0, a ``--max-minutes`` budget no longer than ``--reserve-seconds``
             (nothing would train), an unknown ``--dtype`` / ``--save-dtype``, an ``--init-from``
             folder without ``config.json`` or of another architecture than ``--arch``, a
             ``--gsm8k-dir`` naming the test split, a non-empty ``--output-dir`` without
-            ``--overwrite-output-dir``.
+            ``--overwrite-output-dir``; a ``--device`` this torch cannot use, ``--max-len`` below 2,
+            an unknown ``--preset`` for a new model, a ``--self-distill-share`` outside ``[0, 1]``.
     """
     _check_values(cfg)
     _check_paths(cfg)
@@ -407,6 +411,20 @@ def _check_values(cfg: TrainConfig) -> None:
         raise ValueError(f"--index-topk applies to --arch glm_moe_dsa (a DSA indexer), not {cfg.arch}")
     if cfg.index_topk and cfg.init_from:
         raise ValueError("--index-topk sets a new model's selection size; an --init-from model keeps its own")
+    if cfg.device != "auto":  # before the data stage builds anything
+        from mtpspec.engine.arg_utils import check_device
+        try:
+            check_device(cfg.device)
+        except ValueError as exc:
+            raise ValueError(f"--device: {exc} (or auto)") from None
+    if cfg.max_len < 2:
+        raise ValueError(f"--max-len must be >= 2 (the longest training document, in tokens), got {cfg.max_len}")
+    if not cfg.init_from:  # a new model: its preset must exist (an --init-from model brings its own)
+        if cfg.preset not in ARCHS[cfg.arch][0]:
+            raise ValueError(f"--preset must be one of {sorted(ARCHS[cfg.arch][0])} for --arch {cfg.arch}, "
+                             f"got {cfg.preset!r}")
+    if not 0.0 <= cfg.self_distill_share <= 1.0:
+        raise ValueError(f"--self-distill-share must be in [0, 1], got {cfg.self_distill_share}")
     if cfg.self_distill_prompts < 0 or cfg.self_distill_synthetic < 0:
         raise ValueError(f"--self-distill-prompts and --self-distill-synthetic must be >= 0, got "
                          f"{cfg.self_distill_prompts}, {cfg.self_distill_synthetic}")
@@ -415,8 +433,6 @@ def _check_values(cfg: TrainConfig) -> None:
             raise ValueError("--self-distill-prompts / --self-distill-synthetic train only where the target is "
                              "frozen: pass --freeze-target or --distill-fraction > 0 (a target trained on its own "
                              "outputs would learn nothing new)")
-        if not 0.0 <= cfg.self_distill_share <= 1.0:
-            raise ValueError(f"--self-distill-share must be in [0, 1], got {cfg.self_distill_share}")
         if cfg.self_distill_max_tokens < 1 or not cfg.self_distill_seconds > 0:
             raise ValueError(f"--self-distill-max-tokens must be >= 1 and --self-distill-seconds > 0, got "
                              f"{cfg.self_distill_max_tokens}, {cfg.self_distill_seconds}")
