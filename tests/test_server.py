@@ -1019,3 +1019,10 @@ def test_llm_chat_equals_the_servers_chat_completion(server, offline):
         offline.chat([{"role": "user"}], params)
     with pytest.raises(ValueError, match="conversation 1: "):
         offline.chat([msgs, [{"role": "wizard", "content": "x"}]], params)
+    # a bare string / dict is named as such (they were iterated into characters / keys)
+    with pytest.raises(TypeError, match="messages must be a list of .* got str"):
+        offline.chat("hello", params)
+    with pytest.raises(TypeError, match="sampling_params must be a SamplingParams or a list of them .* got dict"):
+        offline.chat(msgs, {"temperature": 0})
+    with pytest.raises(TypeError, match="sampling_params must be a SamplingParams or a list of them .* got dict"):
+        offline.generate("hi", {"temperature": 0})

@@ -16,6 +16,20 @@ from mtpspec.engine.worker import follower_loop
 from mtpspec.outputs import RequestOutput
 from mtpspec.sampling_params import SamplingParams
 
+
+def _params_list(sampling_params: Any) -> List[SamplingParams]:
+    """``sampling_params`` given as a sequence (one per prompt), checked to be one: a dict or a string
+    would otherwise be iterated into its keys or characters.
+
+    Raises:
+        TypeError: not a ``SamplingParams`` nor a sequence of them.
+    """
+    if isinstance(sampling_params, (str, bytes, dict)) or not hasattr(sampling_params, "__iter__"):
+        raise TypeError(f"sampling_params must be a SamplingParams or a list of them (one per prompt), got "
+                        f"{type(sampling_params).__name__}")
+    return list(sampling_params)
+
+
 class LLM:
     """Generate from a GLM-4.5-family checkpoint, optionally with MTP speculative decoding.
 
@@ -194,7 +208,7 @@ class LLM:
         elif isinstance(sampling_params, SamplingParams):
             params = [sampling_params] * len(plist)
         else:
-            params = list(sampling_params)
+            params = _params_list(sampling_params)
             if len(params) != len(plist):
                 raise ValueError(f"got {len(params)} sampling params for {len(plist)} prompts")
         eng = self.llm_engine
@@ -255,13 +269,16 @@ class LLM:
         tok = self.get_tokenizer()
         if tok is None:
             raise ValueError("chat needs a tokenizer; the model folder has none")
+        if isinstance(messages, (str, bytes, dict)):
+            raise TypeError(f"messages must be a list of {{'role', 'content'}} dicts (one conversation) or a list of "
+                            f"such lists, got {type(messages).__name__}")
         messages = list(messages)  # any iterable of messages or conversations
         single = not messages or isinstance(messages[0], dict)
         convs = [messages] if single else list(messages)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             base = [sampling_params or self.get_default_sampling_params()] * len(convs)
         else:
-            base = list(sampling_params)
+            base = _params_list(sampling_params)
             if len(base) != len(convs):
                 raise ValueError(f"got {len(base)} sampling params for {len(convs)} conversations")
         prompts, params = [], []
