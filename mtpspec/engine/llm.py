@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from typing import Any, Callable, Dict, List, Optional, Sequence, Union
 
 from mtpspec.config import SpeculativeConfig
@@ -156,7 +157,14 @@ class LLM:
         if spec is not None and spec.adaptive:
             from mtpspec.spec_decode.adaptive import AdaptiveSpecPolicy, measure_step_costs
             if costs is None:  # timed on every rank alike (the units hold collectives); rank 0's figures
+                print(f"adaptive speculation: timing the step-cost table (batch sizes up to {sched.max_num_seqs}, "
+                      "k = 0.." + str(spec.num_speculative_tokens) + "; on a CPU this takes a minute or more: a "
+                      "saved one is reused with speculative_config adaptive_cost_table, docs/serving.md) ...",
+                      file=sys.stderr, flush=True)
+                t_cal = time.perf_counter()
                 costs = self.executor.collective_rpc(measure_step_costs)[0]
+                print(f"adaptive speculation: step-cost table timed in {time.perf_counter() - t_cal:.1f} s",
+                      file=sys.stderr, flush=True)
             self.llm_engine.spec_policy = AdaptiveSpecPolicy(spec.num_speculative_tokens, costs,
                                                              prompt_reserve=float(spec.adaptive_prompt_reserve))
             self.llm_engine.defer_mtp_kv = spec.defers_mtp_kv
