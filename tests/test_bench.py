@@ -459,3 +459,12 @@ def test_server_root_json_path_and_a_url_that_is_not_a_server_root(tmp_path, cap
     args = p.parse_args(["serve", "--base-url", "http://127.0.0.1:9", "--json", str(tmp_path / "no" / "x.json")])
     assert bench_serve.run(args) == 2
     assert "error: --json: no folder" in capsys.readouterr().err
+
+
+def test_bench_arms_names_where_a_bad_server_flag_came_from(capsys):
+    """``--server-args`` and an ``--arm`` definition are both `mtpspec serve` flags: an error says which."""
+    from mtpspec.entrypoints.cli import main
+    assert main(["bench", "arms", "--server-args", "--device cpu --bogus-flag", "--no-progress"]) == 2
+    assert capsys.readouterr().err == "error: --server-args / --model: unrecognized arguments: --bogus-flag\n"
+    assert main(["bench", "arms", "--arms", "x", "--arm", "x=--nope", "--no-progress"]) == 2
+    assert capsys.readouterr().err == "error: arm 'x' (--nope): unrecognized arguments: --nope\n"

@@ -698,8 +698,15 @@ def run(args: argparse.Namespace) -> int:
         if args.forced_acceptance:
             common += ["--forced-acceptance", args.forced_acceptance]
         from mtpspec.entrypoints.serve import check_serve_args
-        for arm_flags in arms.values():
-            check_serve_args(common + arm_flags)  # a bad flag fails here, before any server starts
+        try:  # a bad flag fails here, before any server starts, named by where it came from
+            check_serve_args(common)
+        except ValueError as exc:
+            raise ValueError(f"--server-args / --model: {exc}") from None
+        for name, arm_flags in arms.items():
+            try:
+                check_serve_args(common + arm_flags)
+            except ValueError as exc:
+                raise ValueError(f"arm {name!r} ({' '.join(arm_flags) or 'no flags'}): {exc}") from None
         share = not args.one_arm_at_a_time and not any(
             a.startswith(("--gpu-memory-utilization", "--num-kv-blocks", "--num-gpu-blocks-override")) for a in common)
         res = run_arms(arms, workloads, args.repeats, args.output_dir, common, urls, progress=not args.no_progress,
