@@ -93,7 +93,8 @@ def default_sampling_fields(gen: Dict[str, Any], setting: str = "auto") -> Dict[
                        ", ".join(skipped))
     if out:
         logger.warning("default sampling parameters come from the model's generation_config.json: %s (requests "
-                       "that set them are unaffected; --generation-config vllm ignores these defaults)", out)
+                       "that set them are unaffected, except that `mtpspec serve` caps max_tokens at max_new_tokens, "
+                       "as vLLM's server does; --generation-config vllm ignores these defaults)", out)
     return out
 
 

@@ -419,7 +419,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "keeps argmax drafts: docs/serving.md)")
     p.add_argument("--warmup", type=int, default=None,
                    help="unmeasured requests before each run, at most --max-concurrency at a time (default 1; "
-                        "bench arms: one full wave of the workload's concurrency, 16 tokens each, so that each "
+                        "bench arms: two waves of the workload's concurrency, 16 tokens each, so that each "
                         "arm's server has compiled the workload's kernel shapes before the timed run)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
 
