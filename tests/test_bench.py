@@ -454,6 +454,7 @@ def test_server_root_json_path_and_a_url_that_is_not_a_server_root(tmp_path, cap
     assert output_path_problem(None) is None and output_path_problem(str(tmp_path / "r.json")) is None
     assert "no folder" in output_path_problem(str(tmp_path / "missing" / "r.json"))
     assert "is a folder" in output_path_problem(str(tmp_path))
+    assert output_path_problem("/dev/stdout") is None  # an existing writable file: its own permission counts
     p = argparse.ArgumentParser()
     bench_serve.add_parser(p.add_subparsers(dest="command"))
     args = p.parse_args(["serve", "--base-url", "http://127.0.0.1:9", "--json", str(tmp_path / "no" / "x.json")])
@@ -461,10 +462,22 @@ def test_server_root_json_path_and_a_url_that_is_not_a_server_root(tmp_path, cap
     assert "error: --json: no folder" in capsys.readouterr().err
 
 
-def test_bench_arms_names_where_a_bad_server_flag_came_from(capsys):
+def test_bench_arms_names_where_a_bad_server_flag_came_from(capsys, tmp_path):
     """``--server-args`` and an ``--arm`` definition are both `mtpspec serve` flags: an error says which."""
     from mtpspec.entrypoints.cli import main
     assert main(["bench", "arms", "--server-args", "--device cpu --bogus-flag", "--no-progress"]) == 2
     assert capsys.readouterr().err == "error: --server-args / --model: unrecognized arguments: --bogus-flag\n"
     assert main(["bench", "arms", "--arms", "x", "--arm", "x=--nope", "--no-progress"]) == 2
     assert capsys.readouterr().err == "error: arm 'x' (--nope): unrecognized arguments: --nope\n"
+    # --server-args valid only together with an arm's flags (a reserve needs the adaptive arm) pass the check
+    from mtpspec.entrypoints.serve import check_serve_args
+    common = ["--device", "cpu", "--speculative-config", '{"adaptive_prompt_reserve": 0.5}']
+    with pytest.raises(ValueError):
+        check_serve_args(common)
+    check_serve_args(common + bench_arms.parse_arms("adaptive", [])["adaptive"])
+    # an --base-url nobody answers at: one error line (it was httpx's traceback)
+    from test_server_fixtures import free_port
+    assert main(["bench", "arms", "--arms", "adaptive", "--base-url", f"adaptive=http://127.0.0.1:{free_port()}",
+                 "--server-args", "--device cpu", "--workloads", "s1", "--scale", "0.01", "--no-progress",
+                 "--no-plots", "--output-dir", str(tmp_path / "arms")]) == 2
+    assert capsys.readouterr().err.startswith("error: talking to a server: ConnectError")

@@ -247,4 +247,41 @@ def test_ctrl_c_in_generate_aborts_its_requests_and_the_llm_stays_usable(setup, 
         if tp > 1:
             assert all(p.is_alive() for p in ex.procs) and ex._owed == [0, 1]
         outs = llm.generate(token_prompts(prompts), SP, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == ref
+        if tp > 1:
+            # a real SIGINT just after a reply's bytes are read: held off until the reply is struck off
+            # the owed list (else the next message would wait for a reply already consumed)
+            ex.execute_async, ex.step_timeout_s = orig, 20.0
+            conn, real = ex.conns[1], ex.conns[1].recv
+            state = {"n": 0}
+
+            def recv_then_sigint():
+                out = real()
+                state["n"] += 1
+                if state["n"] == 4:
+                    os.kill(os.getpid(), signal.SIGINT)
+                return out
+            conn.recv = recv_then_sigint
+            with pytest.raises(KeyboardInterrupt):
+                llm.generate(token_prompts(prompts), SP, use_tqdm=False)
+            conn.recv = real
+            assert ex._owed == []  # rank 1's reply was read and struck off before the interrupt
+            outs = llm.generate(token_prompts(prompts), SP, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == ref
+
+
+def test_ctrl_c_while_llm_starts_stops_the_ranks(setup, monkeypatch) -> None:
+    """The ranks ignore SIGINT, so an interrupt while ``LLM(...)`` is still starting (here: the
+    adaptive step-cost timing, a minute or more on a CPU) must stop them itself, not leave them
+    running with their memory until the half-built LLM is collected."""
+    from mtpspec.engine.executor import MultiprocExecutor
+    path, _, _, _, _ = setup
+    seen = []
+
+    def interrupted(self, fn, *args):
+        seen.append(self)
+        raise KeyboardInterrupt
+    monkeypatch.setattr(MultiprocExecutor, "collective_rpc", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        LLM(path, tensor_parallel_size=2, speculative_config={"num_speculative_tokens": 3, "adaptive": True}, **LLM_KW)
+    assert len(seen) == 1 and seen[0]._closed and not any(p.is_alive() for p in seen[0].procs)

@@ -68,7 +68,7 @@ def test_flag_errors_are_one_line_before_anything_is_built(capsys, monkeypatch):
     assert entry.run(_parse(["--mtp-distill", "1.5"])) == 2
     assert capsys.readouterr().err.strip() == "error: --mtp-distill must be in [0, 1], got 1.5"
     # a new-user pass: these failed late, with a traceback or numpy's words (or not at all)
-    for argv, want in ((["--device", "bogus"], "error: --device: device must be 'cpu'"),
+    for argv, want in ((["--device", "bogus"], "error: --device must be auto, cpu, cuda"),
                        (["--max-len", "1"], "error: --max-len must be >= 2"),
                        (["--preset", "bogus"], "error: --preset must be one of"),
                        (["--self-distill-share", "2"], "error: --self-distill-share must be in [0, 1], got 2")):

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
+import threading
 import time
-from typing import Any, Callable, List, Optional, Protocol
+from typing import Any, Callable, Iterator, List, Optional, Protocol
 
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -167,6 +170,20 @@ class InProcessExecutor(Executor):
             release_device_memory()
 
 
+@contextlib.contextmanager
+def sigint_held() -> Iterator[None]:
+    """Hold SIGINT off for the block (in the main thread, where Python runs its handler; a signal
+    arriving meanwhile is delivered, as ``KeyboardInterrupt``, when the block ends)."""
+    if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "pthread_sigmask"):
+        yield
+        return
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
 def release_device_memory() -> None:
     """Collect garbage, then return the CUDA caching allocator's free blocks to the device (the
     KV sizing reads the device's free memory, which counts cached blocks as used)."""
@@ -231,12 +248,15 @@ class MultiprocExecutor(Executor):
                 raise WorkerError(f"rank {rank} died (exit code {proc.exitcode}) without a reply" + main_guard_hint())
             if time.monotonic() > deadline:
                 raise WorkerError(f"rank {rank} did not reply within {timeout_s:.0f} s")
-        try:
-            kind, payload = conn.recv()
-        except EOFError:  # the rank closed its pipe (exited) without a reply
-            proc.join(timeout=5)
-            raise WorkerError(f"rank {rank} exited (exit code {proc.exitcode}) without a reply; its output "
-                              "above says why" + main_guard_hint()) from None
+        with sigint_held():  # a reply is read whole and struck off _owed, or not at all
+            try:
+                kind, payload = conn.recv()
+            except EOFError:  # the rank closed its pipe (exited) without a reply
+                proc.join(timeout=5)
+                raise WorkerError(f"rank {rank} exited (exit code {proc.exitcode}) without a reply; its output "
+                                  "above says why" + main_guard_hint()) from None
+            if self._owed and self._owed[0] == rank:
+                self._owed.pop(0)
         if kind == "err":
             raise rank_error(rank, payload)
         return payload
@@ -244,27 +264,21 @@ class MultiprocExecutor(Executor):
     def _broadcast(self, msg: tuple) -> List[Any]:
         """Send ``msg`` to every rank and read every reply. A ``KeyboardInterrupt`` while the replies
         are awaited leaves the executor usable: the ranks (which ignore SIGINT) finish the message,
-        and their replies are read and dropped before the next one (:attr:`_owed`). Anything else,
-        or an interrupt while sending, shuts the ranks down."""
+        and their replies are read and dropped before the next one (:attr:`_owed`). SIGINT is held
+        off while the message is sent and while a reply is read (:func:`sigint_held`), so the ranks
+        never disagree on what they got and a reply is never half read. Any other error shuts the
+        ranks down."""
         if self._closed:
             raise WorkerError("the executor was shut down")
-        sending = False
         try:
-            while self._owed:  # replies of an interrupted message, in rank order
+            while self._owed:  # replies of an interrupted message, in rank order (_recv strikes them off)
                 self._recv(self._owed[0], self.step_timeout_s)
-                self._owed.pop(0)
-            sending = True
-            for c in self.conns:
-                c.send(msg)
-            sending, self._owed = False, list(range(len(self.conns)))
-            out = []
-            while self._owed:
-                out.append(self._recv(self._owed[0], self.step_timeout_s))
-                self._owed.pop(0)
-            return out
-        except KeyboardInterrupt:
-            if sending:  # some ranks got the message, some not: they can no longer agree
-                self.shutdown()
+            with sigint_held():  # every rank gets the message, or none
+                for c in self.conns:
+                    c.send(msg)
+                self._owed = list(range(len(self.conns)))
+            return [self._recv(r, self.step_timeout_s) for r in range(len(self.conns))]
+        except KeyboardInterrupt:  # the ranks finish the message; its replies stay owed (see above)
             raise
         except BaseException as exc:
             dead = self.dead_ranks()
@@ -279,7 +293,6 @@ class MultiprocExecutor(Executor):
             raise
 
     def dead_ranks(self) -> str:
-        import signal
         if self._closed:  # shut down: its ranks exited on purpose
             return ""
         out = []
@@ -307,13 +320,15 @@ class MultiprocExecutor(Executor):
                     c.send(("stop",))
             except Exception:
                 pass
+        # Closed before the joins: a rank still finishing an interrupted message reads "stop" after it,
+        # and its reply (nobody reads it) meets a closed pipe and it exits instead of blocking.
+        for c in self.conns:
+            c.close()
         for p in self.procs:
             p.join(timeout=10)
             if p.is_alive():
                 p.terminate()
                 p.join(timeout=5)
-        for c in self.conns:
-            c.close()
 
 
 def make_executor(cfg: EngineConfig, tensor_parallel_size: Optional[int] = None) -> Executor:

@@ -148,30 +148,36 @@ class LLM:
             except ValueError as exc:
                 raise ValueError(f"adaptive_cost_table {spec.adaptive_cost_table!r}: {exc}") from None
         self.executor = make_executor(config)
-        self._torchrun = isinstance(self.executor, InProcessExecutor) and self.executor.broadcast
-        self._rank = int(os.environ.get("RANK", "0")) if self._torchrun else 0
-        eos = set(mcfg.eos_token_ids) | gen_eos
-        if tok is not None and tok.eos_token_id is not None:
-            eos.add(int(tok.eos_token_id))
-        self.llm_engine = LLMEngine(self.executor, tok, sched, cache, mcfg.vocab_size, eos, config.seed)
-        if spec is not None and spec.adaptive:
-            from mtpspec.spec_decode.adaptive import AdaptiveSpecPolicy, measure_step_costs
-            if costs is None:  # timed on every rank alike (the units hold collectives); rank 0's figures
-                print(f"adaptive speculation: timing the step-cost table (batch sizes up to {sched.max_num_seqs}, "
-                      "k = 0.." + str(spec.num_speculative_tokens) + "; on a CPU this takes a minute or more: a "
-                      "saved one is reused with speculative_config adaptive_cost_table, docs/serving.md) ...",
-                      file=sys.stderr, flush=True)
-                t_cal = time.perf_counter()
-                costs = self.executor.collective_rpc(measure_step_costs)[0]
-                print(f"adaptive speculation: step-cost table timed in {time.perf_counter() - t_cal:.1f} s",
-                      file=sys.stderr, flush=True)
-            self.llm_engine.spec_policy = AdaptiveSpecPolicy(spec.num_speculative_tokens, costs,
-                                                             prompt_reserve=float(spec.adaptive_prompt_reserve))
-            self.llm_engine.defer_mtp_kv = spec.defers_mtp_kv
-            for b in sorted(costs.verify_ms[0]):  # what the policy will weigh, once, in the log
-                print(f"adaptive speculation: batch {b}: step ms for k = 0..: "
-                      + ", ".join(f"{costs.step_ms(b, j):.3f}" for j in costs.ks) + f" ({costs.source})",
-                      file=sys.stderr)
+        try:  # a failure (or Ctrl-C) from here on must not leave the ranks running
+            self._torchrun = isinstance(self.executor, InProcessExecutor) and self.executor.broadcast
+            self._rank = int(os.environ.get("RANK", "0")) if self._torchrun else 0
+            eos = set(mcfg.eos_token_ids) | gen_eos
+            if tok is not None and tok.eos_token_id is not None:
+                eos.add(int(tok.eos_token_id))
+            self.llm_engine = LLMEngine(self.executor, tok, sched, cache, mcfg.vocab_size, eos, config.seed)
+            if spec is not None and spec.adaptive:
+                from mtpspec.spec_decode.adaptive import AdaptiveSpecPolicy, measure_step_costs
+                if costs is None:  # timed on every rank alike (the units hold collectives); rank 0's figures
+                    print(f"adaptive speculation: timing the step-cost table (batch sizes up to {sched.max_num_seqs}, "
+                          "k = 0.." + str(spec.num_speculative_tokens) + "; on a CPU this takes a minute or more: a "
+                          "saved one is reused with speculative_config adaptive_cost_table, docs/serving.md) ...",
+                          file=sys.stderr, flush=True)
+                    t_cal = time.perf_counter()
+                    costs = self.executor.collective_rpc(measure_step_costs)[0]
+                    print(f"adaptive speculation: step-cost table timed in {time.perf_counter() - t_cal:.1f} s",
+                          file=sys.stderr, flush=True)
+                self.llm_engine.spec_policy = AdaptiveSpecPolicy(spec.num_speculative_tokens, costs,
+                                                                 prompt_reserve=float(spec.adaptive_prompt_reserve))
+                self.llm_engine.defer_mtp_kv = spec.defers_mtp_kv
+                for b in sorted(costs.verify_ms[0]):  # what the policy will weigh, once, in the log
+                    print(f"adaptive speculation: batch {b}: step ms for k = 0..: "
+                          + ", ".join(f"{costs.step_ms(b, j):.3f}" for j in costs.ks) + f" ({costs.source})",
+                          file=sys.stderr)
+        except BaseException:
+            # (under torchrun every process is a rank and fails here alike: no stop message to send)
+            if not (isinstance(self.executor, InProcessExecutor) and self.executor.broadcast):
+                self.executor.shutdown()
+            raise
 
     # ------------------------------------------------------------------ API
     def get_tokenizer(self) -> Optional[Tokenizer]:

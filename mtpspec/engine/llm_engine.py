@@ -111,7 +111,7 @@ class LLMEngine:
                 f"the KV cache ({bm.num_blocks} blocks of {cache_config.block_size} tokens) cannot hold one sequence "
                 f"of max_model_len={scheduler_config.max_model_len} tokens plus lookahead ({need} blocks needed); "
                 "lower max_model_len or give the cache more memory (num_kv_blocks, or gpu_memory_utilization on a GPU, "
-                "cpu_kv_cache_gib on a CPU)")
+                "LLM(cpu_kv_cache_gib=...) on a CPU)")
         self.scheduler = Scheduler(scheduler_config, bm, self.eos_token_ids)
         self._rng = random.Random(seed)
         self._ids = itertools.count()

@@ -680,6 +680,8 @@ def add_parser(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    import httpx
+
     from mtpspec.entrypoints.serve import default_model_path
     try:
         arms = parse_arms(args.arms, args.arm)
@@ -698,23 +700,26 @@ def run(args: argparse.Namespace) -> int:
         if args.forced_acceptance:
             common += ["--forced-acceptance", args.forced_acceptance]
         from mtpspec.entrypoints.serve import check_serve_args
-        try:  # a bad flag fails here, before any server starts, named by where it came from
-            check_serve_args(common)
-        except ValueError as exc:
-            raise ValueError(f"--server-args / --model: {exc}") from None
-        for name, arm_flags in arms.items():
+        for name, arm_flags in arms.items():  # a bad flag fails here, before any server starts
             try:
                 check_serve_args(common + arm_flags)
-            except ValueError as exc:
-                raise ValueError(f"arm {name!r} ({' '.join(arm_flags) or 'no flags'}): {exc}") from None
+            except ValueError as exc:  # named by where it came from (some flags are valid only with an arm's)
+                try:
+                    check_serve_args(common)
+                    where = f"arm {name!r} ({' '.join(arm_flags) or 'no flags'})"
+                except ValueError as common_exc:
+                    where = "--server-args / --model" if str(common_exc) == str(exc) else \
+                        f"arm {name!r} ({' '.join(arm_flags) or 'no flags'}) with --server-args"
+                raise ValueError(f"{where}: {exc}") from None
         share = not args.one_arm_at_a_time and not any(
             a.startswith(("--gpu-memory-utilization", "--num-kv-blocks", "--num-gpu-blocks-override")) for a in common)
         res = run_arms(arms, workloads, args.repeats, args.output_dir, common, urls, progress=not args.no_progress,
                        plots=not args.no_plots, share_gpu=share, one_at_a_time=args.one_arm_at_a_time,
                        warmup_rounds=args.warmup_rounds, in_process=args.in_process,
                        forced=args.forced_acceptance if args.in_process else None)
-    except (ValueError, FileNotFoundError, RuntimeError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
+    except (ValueError, FileNotFoundError, RuntimeError, httpx.HTTPError) as exc:
+        what = f"talking to a server: {type(exc).__name__}: {exc}" if isinstance(exc, httpx.HTTPError) else exc
+        print(f"error: {what}", file=sys.stderr)
         partial = os.path.join(args.output_dir, PARTIAL_JSON)
         if os.path.exists(partial):
             print(f"the runs made before it: {partial}", file=sys.stderr)

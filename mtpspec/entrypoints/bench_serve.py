@@ -122,6 +122,8 @@ def output_path_problem(path: Optional[str]) -> Optional[str]:
     folder = os.path.dirname(os.path.abspath(path))
     if os.path.isdir(path):
         return f"{path!r} is a folder; give a file name"
+    if os.path.exists(path):  # an existing file (or /dev/stdout): its own permission counts
+        return None if os.access(path, os.W_OK) else f"cannot write {path!r}"
     if not os.path.isdir(folder):
         return f"no folder {folder!r} for {path!r}"
     if not os.access(folder, os.W_OK):

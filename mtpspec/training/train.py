@@ -412,11 +412,13 @@ def _check_values(cfg: TrainConfig) -> None:
     if cfg.index_topk and cfg.init_from:
         raise ValueError("--index-topk sets a new model's selection size; an --init-from model keeps its own")
     if cfg.device != "auto":  # before the data stage builds anything
-        from mtpspec.engine.arg_utils import check_device
         try:
-            check_device(cfg.device)
-        except ValueError as exc:
-            raise ValueError(f"--device: {exc} (or auto)") from None
+            dev = torch.device(cfg.device)
+        except (RuntimeError, TypeError):
+            raise ValueError(f"--device must be auto, cpu, cuda, cuda:N or another torch device, got "
+                             f"{cfg.device!r}") from None
+        if dev.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"--device {cfg.device}: this torch ({torch.__version__}) sees no CUDA GPU; use cpu")
     if cfg.max_len < 2:
         raise ValueError(f"--max-len must be >= 2 (the longest training document, in tokens), got {cfg.max_len}")
     if not cfg.init_from:  # a new model: its preset must exist (an --init-from model brings its own)
