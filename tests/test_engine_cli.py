@@ -177,3 +177,15 @@ def test_unknown_flags_are_named_by_their_subcommand(argv, needle, capsys):
     with pytest.raises(SystemExit) as info:
         main(argv)
     assert info.value.code == 2 and needle in capsys.readouterr().err
+
+
+def test_ctrl_c_in_a_command_is_exit_130_without_a_traceback(monkeypatch, capsys):
+    """Ctrl-C in `mtpspec generate` (or another command without its own handling) printed
+    ``KeyboardInterrupt``'s traceback; the command's clean-up runs on the way out, then exit 130."""
+    from mtpspec.entrypoints import cli, generate
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(generate, "run", interrupted)
+    assert cli.main(["generate", "--prompt", "x"]) == 130
+    assert capsys.readouterr().err == "mtpspec generate: interrupted\n"

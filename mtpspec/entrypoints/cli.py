@@ -41,7 +41,11 @@ def main(argv: Optional[List[str]] = None) -> int:
                 break
             p = nested[0].choices[chosen]
         p.error(f"unrecognized arguments: {' '.join(extra)}")
-    return int(modules[args.command].run(args) or 0)
+    try:
+        return int(modules[args.command].run(args) or 0)
+    except KeyboardInterrupt:  # Ctrl-C: the command's own clean-up ran on the way out; no traceback
+        print(f"mtpspec {args.command}: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":
