@@ -942,13 +942,34 @@ def test_a_sigint_is_remembered_even_if_its_re_raise_is_lost():
 
 def test_ctrl_c_shuts_the_server_down_without_a_traceback(model_dir):
     """Found by a new-user pass (2026-12-04): Ctrl-C printed uvicorn's re-raised KeyboardInterrupt and
-    a page of Triton leak warnings. Now: a served request first, then SIGINT: one line, exit 130."""
+    a page of Triton leak warnings. Now: a served request first, then SIGINT: one line, exit 130.
+    A stream still open then (a later pass: uvicorn waited out its 5-s graceful timeout, cancelled it
+    with a traceback and cut the stream) ends at once with a 503 "shutting down" error event."""
     import signal
+    import threading
+    import time
     srv = ServerProcess(model_dir, ["--adaptive-speculation"] + SERVER_ARGS)
     try:
         assert _post(srv, "/v1/completions", {"prompt": "hi", "max_tokens": 4}).status_code == 200
+        events, started = [], threading.Event()
+
+        def stream():
+            body = {"prompt": "Count:", "max_tokens": MAX_LEN - 16, "ignore_eos": True, "stream": True}
+            with httpx.stream("POST", srv.url + "/v1/completions", json=body, timeout=60) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: "):
+                        events.append(line[6:])
+                        started.set()
+        t = threading.Thread(target=stream, daemon=True)
+        t.start()
+        assert started.wait(60)
+        t0 = time.monotonic()
         srv.proc.send_signal(signal.SIGINT)
         assert srv.proc.wait(timeout=60) == 130
+        assert time.monotonic() - t0 < 4.5, time.monotonic() - t0  # not the 5-s graceful timeout
+        t.join(10)
+        assert events[-1] == "[DONE]" and "the server is shutting down" in events[-2], events[-3:]
+        assert json.loads(events[-2])["error"]["code"] == 503
         log = srv.log()
         assert "interrupted; the server shut down" in log and "Traceback" not in log and "leaked" not in log, log
     finally:

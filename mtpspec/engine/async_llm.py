@@ -51,6 +51,10 @@ class RequestError(RuntimeError):
     """One request failed inside the engine loop (the message says why)."""
 
 
+class ShuttingDownError(EngineDeadError):
+    """The server is shutting down (Ctrl-C, SIGTERM): requests in flight end with this (a 503)."""
+
+
 class EngineObserver:
     """Called in the engine thread (keep it quick); the default methods do nothing."""
 
@@ -278,6 +282,12 @@ class AsyncLLM:
         """Abort a request (from any thread); its KV blocks are freed before the next step."""
         self._cmds.put(("abort", request_id))
 
+    def fail_all(self, reason: str) -> None:
+        """End every request in flight with :class:`ShuttingDownError` (``reason``; from any thread,
+        e.g. a signal handler): their streams get an error event at once instead of being cut when a
+        graceful shutdown's wait runs out. Requests added later run as usual."""
+        self._cmds.put(("fail_all", reason))
+
     async def call_in_engine(self, fn: Callable[[LLMEngine], Any]) -> Any:
         """Run ``fn(engine)`` in the engine thread between two steps; returns its result."""
         if self.dead is not None:
@@ -362,6 +372,8 @@ class AsyncLLM:
                 self._unpend(live)
                 self.engine.abort_request(cmd[1])
                 self._notify("on_abort", cmd[1])
+        elif kind == "fail_all":
+            self._fail_all(ShuttingDownError(cmd[1]))
         elif kind == "call":
             _, fn, reply = cmd
             try:

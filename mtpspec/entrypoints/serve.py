@@ -263,11 +263,13 @@ def _allreduce_in_use(info: Dict[str, Any], device: Optional[str]) -> str:
     return "nccl" if str(device).startswith("cuda") else "gloo"
 
 
-def _server_class(uvicorn: Any) -> type:
-    """``uvicorn.Server`` that remembers a SIGINT. After its graceful shutdown uvicorn re-raises the
-    signal, but under ``asyncio.run`` that re-raise only cancels the serving task, which may already
-    be finishing: then no ``KeyboardInterrupt`` comes out and Ctrl-C looked like a clean exit
-    (exit 0, seen once in 1,500 test runs under load)."""
+def _server_class(uvicorn: Any, on_exit: Optional[Any] = None) -> type:
+    """``uvicorn.Server`` that remembers a SIGINT and calls ``on_exit()`` on the first exit signal.
+    After its graceful shutdown uvicorn re-raises the signal, but under ``asyncio.run`` that re-raise
+    only cancels the serving task, which may already be finishing: then no ``KeyboardInterrupt``
+    comes out and Ctrl-C looked like a clean exit (exit 0, seen once in 1,500 test runs under load).
+    ``on_exit`` ends the requests in flight (:meth:`AsyncLLM.fail_all`): a long stream would otherwise
+    hold the graceful shutdown for its whole timeout and then be cancelled with a traceback."""
     import signal
 
     class _Server(uvicorn.Server):
@@ -276,6 +278,8 @@ def _server_class(uvicorn: Any) -> type:
         def handle_exit(self, sig: int, frame: Any) -> None:
             if sig == signal.SIGINT:
                 self.got_sigint = True
+            if on_exit is not None and not self.should_exit:
+                on_exit()
             super().handle_exit(sig, frame)
 
     return _Server
@@ -307,8 +311,8 @@ def run(args: argparse.Namespace) -> int:
           f"{info['fusion']}, local argmax {info['local_argmax']}, all-reduce {info['allreduce_backend']}, "
           f"{info['num_kv_blocks']} KV blocks){synth} on "
           f"http://{args.host}:{args.port}", file=sys.stderr, flush=True)
-    server = _server_class(uvicorn)(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                                                   timeout_graceful_shutdown=5))
+    server = _server_class(uvicorn, lambda: engine.fail_all("the server is shutting down"))(
+        uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5))
     stop = threading.Event()
 
     def watch() -> None:  # a dead engine cannot recover: exit (as vLLM does) so a supervisor can restart us
