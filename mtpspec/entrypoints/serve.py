@@ -60,7 +60,10 @@ def llm_kwargs(args: argparse.Namespace) -> Dict[str, Any]:
 
 
 def _int_in(value: str, lo: int, hi: Optional[int] = None) -> int:
-    """``value`` as an int in ``[lo, hi]`` (``hi=None``: no upper bound), else argparse's error."""
+    """``value`` as an int in ``[lo, hi]`` (``hi=None``: no upper bound).
+
+    Raises:
+        argparse.ArgumentTypeError: not an int, or outside the range (argparse names the flag)."""
     try:
         n = int(value)
     except ValueError:
@@ -82,7 +85,10 @@ def positive_int(value: str) -> int:
 
 
 def non_negative_ms(value: str) -> float:
-    """A finite float >= 0 (milliseconds)."""
+    """A finite float >= 0 (milliseconds).
+
+    Raises:
+        argparse.ArgumentTypeError: not a number, negative, NaN or infinite."""
     try:
         x = float(value)
     except ValueError:
