@@ -43,6 +43,7 @@ def trace(llm: Any, prompts: List[List[int]], output_len: int, concurrency: int)
     real_finish = eng._finish
     real_observe = policy.observe_step_time if isinstance(policy, AdaptiveSpecPolicy) else None
     last: List[Any] = [None]  # when the previous step was applied
+    caught = [eng.metrics.spec.num_mtp_catch_up_tokens]  # deferred MTP entries scheduled for catch-up so far
     seen: Dict[str, Any] = {}  # what the policy observed of the step being applied
 
     def observed(batch, k, wall_ms, verify_k=None, num_prefill_tokens=0, num_emitted=None):
@@ -59,7 +60,11 @@ def trace(llm: Any, prompts: List[List[int]], output_len: int, concurrency: int)
         now = time.perf_counter()
         rows.append(dict(t=now, batch=len(out.scheduled), k=out.num_proposed_tokens, v=out.num_spec_tokens,
                          prefill=out.num_prefill_tokens, gap=(now - last[0]) * 1e3 if last[0] else None,
-                         ahead=eng._inflight is not None, wall=None, predicted=None, counted=None))
+                         ahead=eng._inflight is not None, wall=None, predicted=None, counted=None,
+                         # deferred MTP entries scheduled for catch-up since the previous applied step (counted
+                         # when a step is prepared: with a step scheduled ahead, they may be the next row's)
+                         catch_up=eng.metrics.spec.num_mtp_catch_up_tokens - caught[0]))
+        caught[0] = eng.metrics.spec.num_mtp_catch_up_tokens
         rows[-1].update(seen)
         last[0] = now
         return res
@@ -97,9 +102,10 @@ def summarise(rows: List[Dict[str, Any]], context: int = 2, show: int = 6) -> Di
     for key, rs in sorted(groups.items()):
         g = out[key] = dict(n=len(rs), gap_ms=med(r["gap"] for r in rs), wall_ms=med(r["wall"] for r in rs),
                             predicted_ms=med(r["predicted"] for r in rs), counted=sum(1 for r in rs if r["counted"]),
-                            batch=med(r["batch"] for r in rs))
-        print(f"{key:22s} n {g['n']:5d}  gap {g['gap_ms']} ms  policy wall {g['wall_ms']}  predicted "
-              f"{g['predicted_ms']}  counted {g['counted']}  batch {g['batch']}")
+                            batch=med(r["batch"] for r in rs), gap_total_s=round(sum(r["gap"] or 0 for r in rs) / 1e3, 3),
+                            catch_up=sum(r.get("catch_up", 0) for r in rs))
+        print(f"{key:22s} n {g['n']:5d}  gap {g['gap_ms']} ms (total {g['gap_total_s']} s)  policy wall {g['wall_ms']}  "
+              f"predicted {g['predicted_ms']}  counted {g['counted']}  batch {g['batch']}  catch-up {g['catch_up']}")
     picked = [i for i, r in enumerate(rows) if r["k"] == 0 and r["counted"]][:show]
     for i in picked:
         print("--")
