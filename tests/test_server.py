@@ -726,6 +726,8 @@ def test_disconnect_aborts_and_frees_blocks(server):
     total = metric_value(text, "mtpspec:kv_cache_total_blocks")
     aborted0 = metric_value(text, "mtpspec:request_aborted_total")
     gen0 = metric_value(text, "mtpspec:generation_tokens_total")
+    ttft0 = metric_value(text, "mtpspec:time_to_first_token_seconds_count")
+    itl0 = metric_value(text, "mtpspec:inter_token_latency_seconds_count")
     body = {"prompt": "A long story:", "max_tokens": 400, "temperature": 0, "ignore_eos": True, "stream": True}
     with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as s:
         lines = s.iter_lines()
@@ -742,6 +744,9 @@ def test_disconnect_aborts_and_frees_blocks(server):
     after = _metrics(server)
     assert metric_value(after, "mtpspec:num_requests_running") == 0
     assert metric_value(after, "mtpspec:generation_tokens_total") - gen0 < 400
+    # the cut stream's first token and its gaps are counted (vLLM records them per step, finished or not)
+    assert metric_value(after, "mtpspec:time_to_first_token_seconds_count") == ttft0 + 1
+    assert metric_value(after, "mtpspec:inter_token_latency_seconds_count") >= itl0 + 2
     # non-streaming: the client gives up (timeout) and the server aborts the request too
     with pytest.raises(httpx.TimeoutException):
         httpx.post(server.url + "/v1/completions", timeout=0.5,

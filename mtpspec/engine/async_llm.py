@@ -61,8 +61,10 @@ class EngineObserver:
     def on_step(self, engine: LLMEngine, finished: List[RequestOutput]) -> None:
         """After every step, with the requests that finished in it."""
 
-    def on_abort(self, request_id: str) -> None:
-        """A live request was aborted (client gone or cancelled); its blocks are free."""
+    def on_abort(self, request_id: str, output: Optional[RequestOutput] = None) -> None:
+        """A live request was aborted (client gone or cancelled); its blocks are free. ``output``:
+        what it had produced (its ``metrics`` hold the TTFT and inter-token gaps of the tokens it
+        got), ``None`` where the engine no longer knew the request."""
 
     def on_error(self, request_id: str) -> None:
         """A request failed inside the engine loop."""
@@ -370,8 +372,7 @@ class AsyncLLM:
             live = self._live.pop(cmd[1], None)
             if live is not None:
                 self._unpend(live)
-                self.engine.abort_request(cmd[1])
-                self._notify("on_abort", cmd[1])
+                self._notify("on_abort", cmd[1], self.engine.abort_request(cmd[1]))
         elif kind == "fail_all":
             self._fail_all(ShuttingDownError(cmd[1]))
         elif kind == "call":

@@ -2,7 +2,8 @@
 
 Counters come from the engine's own totals (:class:`~mtpspec.spec_decode.metrics.EngineMetrics`),
 read after every step in the engine thread and added as deltas; latencies come from each
-finished request's :class:`~mtpspec.outputs.RequestMetrics`. The engine's per-request sample
+finished request's :class:`~mtpspec.outputs.RequestMetrics` (TTFT and inter-token latency also
+from each aborted one's: the tokens it got). The engine's per-request sample
 lists (``ttft_s``, ``itl_s``, ``tpot_s``) are drained into the histograms after each step so they
 do not grow for the server's lifetime.
 
@@ -23,7 +24,7 @@ metric                                                     meaning
 ``mtpspec:prefix_cache_hits_total``                         of those, tokens the prefix cache served
 ``mtpspec:generation_tokens_total``                         emitted tokens
 ``mtpspec:engine_steps_total``                              engine steps
-``mtpspec:time_to_first_token_seconds`` (histogram)         TTFT per request
+``mtpspec:time_to_first_token_seconds`` (histogram)         TTFT per request (aborted ones too)
 ``mtpspec:inter_token_latency_seconds`` (histogram)         gap between a request's emitting steps
 ``mtpspec:time_per_output_token_seconds`` (histogram)       per-request mean after the first token
 ``mtpspec:e2e_request_latency_seconds`` (histogram)         arrival to finish
@@ -186,8 +187,17 @@ class ServerMetrics(EngineObserver):
                 if rm.first_token_time is not None:
                     self.prefill_time.observe(rm.first_token_time - rm.first_scheduled_time)
 
-    def on_abort(self, request_id: str) -> None:
+    def on_abort(self, request_id: str, output: Optional[RequestOutput] = None) -> None:
+        """Counts the abort; the TTFT and inter-token gaps of the tokens an aborted request got go
+        into their histograms too (vLLM v1 records both per step, whether the request finishes or
+        not), so a stream the client cut still counts its first token."""
         self.aborted.inc()
+        rm = None if output is None else output.metrics
+        if rm is not None:
+            if rm.ttft is not None:
+                self.ttft.observe(rm.ttft)
+            for gap in rm.itl:
+                self.itl.observe(gap)
 
     def on_error(self, request_id: str) -> None:
         self.failed.inc()
