@@ -43,7 +43,10 @@ def trace(llm: Any, prompts: List[List[int]], output_len: int, concurrency: int)
     real_finish = eng._finish
     real_observe = policy.observe_step_time if isinstance(policy, AdaptiveSpecPolicy) else None
     last: List[Any] = [None]  # when the previous step was applied
-    caught = [eng.metrics.spec.num_mtp_catch_up_tokens]  # deferred MTP entries scheduled for catch-up so far
+    def caught_up() -> int:  # deferred MTP entries scheduled for catch-up so far (no spec metrics: plain decoding)
+        return getattr(eng.metrics.spec, "num_mtp_catch_up_tokens", 0)
+
+    caught = [caught_up()]
     seen: Dict[str, Any] = {}  # what the policy observed of the step being applied
 
     def observed(batch, k, wall_ms, verify_k=None, num_prefill_tokens=0, num_emitted=None):
@@ -63,8 +66,8 @@ def trace(llm: Any, prompts: List[List[int]], output_len: int, concurrency: int)
                          ahead=eng._inflight is not None, wall=None, predicted=None, counted=None,
                          # deferred MTP entries scheduled for catch-up since the previous applied step (counted
                          # when a step is prepared: with a step scheduled ahead, they may be the next row's)
-                         catch_up=eng.metrics.spec.num_mtp_catch_up_tokens - caught[0]))
-        caught[0] = eng.metrics.spec.num_mtp_catch_up_tokens
+                         catch_up=caught_up() - caught[0]))
+        caught[0] = caught_up()
         rows[-1].update(seen)
         last[0] = now
         return res

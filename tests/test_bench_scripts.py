@@ -106,7 +106,7 @@ def test_trace_adaptive_steps_smoke(tmp_path):
     """``trace_adaptive_steps.py`` (issue 18: what the adaptive policy measures per step) on the bundled
     GLM-4.5 demo model: every applied step traced once with its k, the policy's samples attached to
     the adaptive engine's steps, and the adaptive engine held at k = 0 proposing k = 0 throughout."""
-    for engine in ("adaptive", "adaptive-k0"):
+    for engine in ("adaptive", "adaptive-k0", "plain"):
         out = tmp_path / f"{engine}.json"
         _run("trace_adaptive_steps.py", "--engine", engine, "--json", str(out))
         res = json.loads(out.read_text())
@@ -118,8 +118,11 @@ def test_trace_adaptive_steps_smoke(tmp_path):
             assert all(0 <= r["k"] <= 3 for r in rows)
             # the policy saw every step after the first
             assert sum(1 for r in rows if r["wall"] is not None) >= len(rows) - 1
-        else:  # held at k = 0: its MTP entries stay deferred, nothing is caught up
-            assert all(r["k"] == 0 for r in rows) and res["mtp_catch_up_rows"] == 0 and not res["eager_mtp_kv"]
+            # the catch-up rows per step add up to the run's (the warm-up's are in the total too)
+            assert 0 <= sum(r["catch_up"] for r in rows) <= res["mtp_catch_up_rows"]
+        else:  # held at k = 0 (its MTP entries stay deferred) or plain decoding: nothing is caught up
+            assert all(r["k"] == 0 and r["catch_up"] == 0 for r in rows) and res["mtp_catch_up_rows"] == 0
+            assert not res["eager_mtp_kv"]
 
 
 def test_profile_step_host_smoke(tmp_path):
