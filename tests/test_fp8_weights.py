@@ -68,6 +68,33 @@ def test_block_quantisation_round_trip() -> None:
                                dequantize_weight_blocks(*quantize_weight_blocks(e[1], (16, 32)), 16, 32))
 
 
+@pytest.mark.parametrize("block", [(100000, 100000), (1 << 40, 1 << 40), (100000, 16)])
+def test_block_larger_than_the_weight_is_one_block_over_the_dim(block) -> None:
+    """A block dim at least the weight's: scales ``ceil(dim / block) = 1`` as the format says, the
+    same codes and scales as a block of exactly that dim, and no block-sized intermediate (a
+    100000 x 100000 block used to pad every weight to 40 GB)."""
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(96, 64, generator=g)
+    q, s = quantize_weight_blocks(w, block)
+    exact = (min(block[0], 96), min(block[1], 64))
+    q1, s1 = quantize_weight_blocks(w, exact)
+    assert tuple(s.shape) == scale_grid(w.shape, block) == (1, 4 if block[1] == 16 else 1)
+    assert torch.equal(q.view(torch.uint8), q1.view(torch.uint8)) and torch.equal(s, s1)
+    if block[1] != 16:
+        assert s[0, 0] == w.abs().max() / 448
+    torch.testing.assert_close(dequantize_weight_blocks(q, s, *block), dequantize_weight_blocks(q1, s1, *exact),
+                               atol=0, rtol=0)
+    e = torch.randn(3, 40, 24, generator=g)  # experts: leading dims kept
+    qe, se = quantize_weight_blocks(e, block)
+    assert tuple(se.shape) == scale_grid(e.shape, block)
+    assert torch.equal(qe.view(torch.uint8), quantize_weight_blocks(e, (min(block[0], 40), min(block[1], 24)))[0]
+                       .view(torch.uint8))
+    x = torch.randn(5, 64, generator=g)  # the reference's activation groups likewise
+    xq, xs = quantize_activations(x, block[1])
+    xq1, xs1 = quantize_activations(x, exact[1])
+    assert torch.equal(xq.view(torch.uint8), xq1.view(torch.uint8)) and torch.equal(xs, xs1)
+
+
 def test_activation_quantisation() -> None:
     x = torch.tensor([[1.0, -3.0, 0.5, 0.0, 0.0, 0.0], [0.0] * 6])
     xq, s = quantize_activations(x, 4)
@@ -421,6 +448,91 @@ def test_writer_cli_errors_modes_and_model_card(tmp_path, capsys) -> None:
         assert err.startswith("error: ") and needle in err and "Traceback" not in err, err
 
 
+_ALLOC_FAILURES = {
+    "cpu": lambda: RuntimeError("[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate "
+                                "memory: you tried to allocate 40000000000 bytes. Error code 12 (Cannot allocate memory)"),
+    "cuda": lambda: torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 37.25 GiB. GPU 0 has a total "
+                                           "capacity of 79.19 GiB of which 1.2 GiB is free."),
+}
+
+
+def _fail_on_call(fn, n, make_exc):
+    """``fn`` that raises ``make_exc()`` on its ``n``-th call (after ``n - 1`` that work)."""
+    calls = [0]
+
+    def wrapped(*a, **kw):
+        calls[0] += 1
+        if calls[0] == n:
+            raise make_exc()
+        return fn(*a, **kw)
+    return wrapped
+
+
+@pytest.mark.parametrize("kind", sorted(_ALLOC_FAILURES))
+def test_writer_allocation_failure_is_one_line_and_writes_nothing(tmp_path, capsys, monkeypatch, kind) -> None:
+    """An allocation failure while quantising (simulated on the 5th weight, after 4 went through)
+    is ``error: ...`` naming the block asked for and the expected one, exit 2, no traceback; the
+    output folder is not created, and an existing one gains no files. Same for ``--dequantize``."""
+    import mtpspec.models.fp8_writer as fw
+    from tiny_models import make_tiny_checkpoint
+    src = str(tmp_path / "src")
+    make_tiny_checkpoint(src)
+    with open(os.path.join(src, "tokenizer.json"), "w") as f:  # an "other file", copied on success
+        f.write("{}")
+    assert fw.main([src, str(tmp_path / "ok")]) == 0
+    capsys.readouterr()
+    with monkeypatch.context() as mp:
+        mp.setattr(fw, "quantize_weight_blocks", _fail_on_call(fw.quantize_weight_blocks, 5, _ALLOC_FAILURES[kind]))
+        dst = tmp_path / "fp8"
+        assert fw.main([src, str(dst), "--block", "100000", "100000"]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: out of memory quantising ") and err.count("\n") == 1, err
+        assert "100000 x 100000" in err and "128 x 128" in err and "Traceback" not in err, err
+        assert ("37.3 GiB" if kind == "cpu" else "37.25 GiB") in err, err  # the failed allocation's size
+        assert not dst.exists()
+        existing = tmp_path / "existing"
+        existing.mkdir()
+        (existing / "notes.txt").write_text("mine")
+        mp.setattr(fw, "quantize_weight_blocks", _fail_on_call(quantize_weight_blocks, 1, _ALLOC_FAILURES[kind]))
+        assert fw.main([src, str(existing)]) == 2
+        assert "out of memory" in capsys.readouterr().err
+        assert sorted(os.listdir(existing)) == ["notes.txt"]
+    with monkeypatch.context() as mp:
+        mp.setattr(fw, "dequantize_weight_blocks", _fail_on_call(fw.dequantize_weight_blocks, 2, _ALLOC_FAILURES[kind]))
+        assert fw.main([str(tmp_path / "ok"), str(tmp_path / "dq"), "--dequantize"]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: out of memory dequantising ") and "128 x 128" in err, err
+        assert not (tmp_path / "dq").exists()
+
+
+def test_writer_other_errors_propagate_and_a_failed_write_is_removed(tmp_path, monkeypatch) -> None:
+    """A RuntimeError that is not an allocation failure is not reworded (nor caught by the CLI);
+    a failure while writing removes what was written: the folder it created, or the files it added."""
+    import mtpspec.models.fp8_writer as fw
+    import mtpspec.models.loader as loader
+    from tiny_models import make_tiny_checkpoint
+    src = str(tmp_path / "src")
+    make_tiny_checkpoint(src)
+    with monkeypatch.context() as mp:
+        mp.setattr(fw, "quantize_weight_blocks", _fail_on_call(quantize_weight_blocks, 1, lambda: RuntimeError("boom")))
+        with pytest.raises(RuntimeError, match="^boom$"):
+            write_fp8_checkpoint(src, str(tmp_path / "a"))
+        assert not (tmp_path / "a").exists()
+    real_save = loader.save_checkpoint
+
+    def save_then_fail(path, *a, **kw):
+        real_save(path, *a, **kw)
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(loader, "save_checkpoint", save_then_fail)
+    with pytest.raises(OSError, match="No space"):
+        write_fp8_checkpoint(src, str(tmp_path / "b"))
+    assert not (tmp_path / "b").exists()
+    (tmp_path / "c").mkdir()
+    (tmp_path / "c" / "notes.txt").write_text("mine")
+    assert fw.main([src, str(tmp_path / "c")]) == 2
+    assert sorted(os.listdir(tmp_path / "c")) == ["notes.txt"]
+
+
 def _fp8_pair(root, family, block=(128, 128), seed=0, tokenizer=False, **overrides):
     """(fp8 folder, dequantised folder, hf model, config) of a tiny checkpoint of ``family``."""
     from test_engine_fixtures import make_model
@@ -475,6 +587,30 @@ def test_fp8_logits_equal_dequantised_checkpoint(pairs, family, no_interp) -> No
     b8 = sum(p.numel() * p.element_size() for p in t8.parameters())
     bq = sum(p.numel() * p.element_size() for p in tq.parameters())
     assert b8 < bq  # fp8 weights: a quarter of float32's bytes (embeddings / lm_head stay float)
+
+
+def test_huge_block_checkpoint_round_trips(pairs, no_interp) -> None:
+    """``--block 100000 100000``: every weight one block (scales ``[1, 1]``, ``[E, 1, 1]``: the
+    format's ``ceil(rows / 100000) x ceil(cols / 100000)``), the codes those of a block of the
+    weight's own size; the loader takes it and its logits equal the dequantised checkpoint's."""
+    block = (100000, 100000)
+    f8, dq, _, _ = pairs("deepseek_v3", block)
+    with open(os.path.join(f8, "config.json")) as f:
+        assert json.load(f)["quantization_config"]["weight_block_size"] == list(block)
+    t = dict(read_checkpoint_tensors(f8))
+    plain = dict(read_checkpoint_tensors(dq))
+    fp8 = [k for k, v in t.items() if v.dtype == F8]
+    assert fp8
+    for k in fp8:
+        s = t[k + "_scale_inv"]
+        assert tuple(s.shape) == scale_grid(t[k].shape, block) and tuple(s.shape[-2:]) == (1, 1), k
+        q1, s1 = quantize_weight_blocks(plain[k], tuple(t[k].shape[-2:]))  # requantising is exact
+        assert torch.equal(t[k].view(torch.uint8), q1.view(torch.uint8)) and torch.equal(s, s1), k
+    t8, m8 = load_models(f8, device="cpu")
+    tq, mq = load_models(dq, device="cpu")
+    assert any(p.dtype == F8 for p in t8.parameters())
+    for got, want in zip(_logits(t8, m8, PROMPT), _logits(tq, mq, PROMPT)):
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("family", ["glm4_moe", "deepseek_v3"])

@@ -15,6 +15,10 @@ embeddings, ``lm_head`` / MTP ``shared_head.head``, norms, the MoE router ``mlp.
 and ``e_score_correction_bias``, the DSA indexer's ``weights_proj`` (DeepSeek-V3.2's reference
 code keeps it in the default dtype). Other files of the folder (tokenizer, ...) are copied,
 except the model card ``README.md``, which describes the source checkpoint, not this one.
+A block dim larger than a weight's dim is one block over that dim (scales ``ceil(out / bn) = 1``
+as in the format; memory as for a block of that dim). Every weight is quantised in memory
+before anything is written: a failure (e.g. out of memory) leaves no output folder that was not
+there before, and no new files in one that was.
 
 :func:`write_dequantized_checkpoint` does the inverse (``float(weight) * scale_inv`` per block,
 in float32 or ``dtype``): the reference model the tests compare an FP8 checkpoint against.
@@ -57,14 +61,48 @@ def quantization_config(block: Sequence[int] = DEFAULT_BLOCK) -> Dict[str, objec
             "weight_block_size": [int(block[0]), int(block[1])]}
 
 
+def _is_allocation_failure(exc: BaseException) -> bool:
+    """Whether ``exc`` is an allocator's out-of-memory error (``MemoryError``, torch's CPU
+    allocator's "can't allocate memory" or ``torch.OutOfMemoryError``, both ``RuntimeError``)."""
+    if isinstance(exc, MemoryError):
+        return True
+    msg = str(exc).lower()
+    return isinstance(exc, RuntimeError) and ("out of memory" in msg or "can't allocate" in msg)
+
+
+def _allocation_error(exc: BaseException, what: str, key: str, shape: Sequence[int],
+                      block: Sequence[int]) -> MemoryError:
+    """A one-line ``MemoryError`` for an allocation failure ``exc`` while doing ``what`` to ``key``."""
+    m = re.search(r"tried to allocate ([0-9]+ bytes|[0-9.]+ ?[KMGT]i?B)", str(exc), re.IGNORECASE)
+    asked = ""
+    if m:
+        amount = m.group(1)
+        if amount.endswith("bytes"):
+            amount = f"{int(amount.split()[0]) / 2 ** 30:.1f} GiB"
+        asked = f" (an allocation of {amount} failed)"
+    return MemoryError(
+        f"out of memory {what} {key} {list(shape)} with block size {int(block[0])} x {int(block[1])}{asked}; "
+        f"expected block sizes like the released checkpoints' 128 x 128 and enough memory for the whole "
+        f"checkpoint, which is held in memory until it is written; nothing was written")
+
+
 def quantize_state_dict(tensors: Dict[str, torch.Tensor], block: Sequence[int] = DEFAULT_BLOCK
                         ) -> Dict[str, torch.Tensor]:
     """``{key: tensor}`` -> the FP8 checkpoint's tensors (quantised weights + ``*_scale_inv``,
-    everything else unchanged)."""
+    everything else unchanged).
+
+    Raises:
+        MemoryError: quantising a weight ran out of memory (one line: the key, its shape, the block).
+    """
     out: Dict[str, torch.Tensor] = {}
     for key, t in tensors.items():
         if should_quantize(key, t):
-            out[key], out[key + "_scale_inv"] = quantize_weight_blocks(t, block)
+            try:
+                out[key], out[key + "_scale_inv"] = quantize_weight_blocks(t, block)
+            except (RuntimeError, MemoryError) as exc:
+                if not _is_allocation_failure(exc):
+                    raise
+                raise _allocation_error(exc, "quantising", key, t.shape, block) from None
         else:
             out[key] = t
     return out
@@ -72,13 +110,22 @@ def quantize_state_dict(tensors: Dict[str, torch.Tensor], block: Sequence[int] =
 
 def dequantize_state_dict(tensors: Dict[str, torch.Tensor], block: Sequence[int],
                           dtype: torch.dtype = torch.float32) -> Dict[str, torch.Tensor]:
-    """Inverse of :func:`quantize_state_dict`: every FP8 tensor times its block scales, in ``dtype``."""
+    """Inverse of :func:`quantize_state_dict`: every FP8 tensor times its block scales, in ``dtype``.
+
+    Raises:
+        MemoryError: dequantising a weight ran out of memory (one line: the key, its shape, the block).
+    """
     out: Dict[str, torch.Tensor] = {}
     for key, t in tensors.items():
         if key.endswith("_scale_inv") and key[:-len("_scale_inv")] in tensors:
             continue
         if t.dtype == FP8_WEIGHT_DTYPE:
-            out[key] = dequantize_weight_blocks(t, tensors[key + "_scale_inv"], block[0], block[1], dtype)
+            try:
+                out[key] = dequantize_weight_blocks(t, tensors[key + "_scale_inv"], block[0], block[1], dtype)
+            except (RuntimeError, MemoryError) as exc:
+                if not _is_allocation_failure(exc):
+                    raise
+                raise _allocation_error(exc, "dequantising", key, t.shape, block) from None
         else:
             out[key] = t
     return out
@@ -102,6 +149,33 @@ def _copy_other_files(src: str, dst: str) -> None:
             shutil.copy2(full, os.path.join(dst, name))
 
 
+def _write(src: str, dst: str, tensors: Dict[str, torch.Tensor], raw: Dict[str, object],
+           max_shard_bytes: Optional[int] = None) -> List[str]:
+    """Copy ``src``'s other files to ``dst`` and save ``tensors`` + ``raw`` there; on a failure,
+    remove ``dst`` if this created it, else the files this added (an existing checkpoint's
+    weights that :func:`~mtpspec.models.loader.save_checkpoint` replaced are not restored)."""
+    from mtpspec.models.loader import save_checkpoint
+    existed = os.path.isdir(dst)
+    before = set(os.listdir(dst)) if existed else set()
+    try:
+        _copy_other_files(src, dst)
+        return save_checkpoint(dst, tensors, raw, max_shard_bytes=max_shard_bytes)
+    except BaseException:
+        if not existed:
+            shutil.rmtree(dst, ignore_errors=True)
+        elif os.path.isdir(dst):
+            for name in set(os.listdir(dst)) - before:
+                full = os.path.join(dst, name)
+                if os.path.isdir(full) and not os.path.islink(full):
+                    shutil.rmtree(full, ignore_errors=True)
+                else:
+                    try:
+                        os.remove(full)
+                    except OSError:
+                        pass
+        raise
+
+
 def write_fp8_checkpoint(src: str, dst: str, block: Sequence[int] = DEFAULT_BLOCK,
                          max_shard_bytes: Optional[int] = None) -> List[str]:
     """Write ``src`` (a float checkpoint folder) as an FP8 block-scaled checkpoint to ``dst``.
@@ -111,14 +185,18 @@ def write_fp8_checkpoint(src: str, dst: str, block: Sequence[int] = DEFAULT_BLOC
         block: ``(block_n, block_k)``, ``(128, 128)`` as the released checkpoints.
         max_shard_bytes: shard the output (see :func:`mtpspec.models.loader.save_checkpoint`).
 
+    Every weight is quantised in memory before ``dst`` is touched; a failure leaves no ``dst``
+    that did not exist before (and no new files in one that did).
+
     Returns:
         The files written.
 
     Raises:
         ValueError: ``src`` is not a checkpoint or already holds FP8 weights, ``dst`` is ``src``,
-            or a block size is not an int >= 1.
+            or a block size is not an int >= 1 (a block larger than a weight is fine: one block
+            over that dim).
+        MemoryError: quantising a weight ran out of memory (nothing written).
     """
-    from mtpspec.models.loader import save_checkpoint
     if len(block) != 2 or any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in block):
         raise ValueError(f"block sizes must be two ints >= 1, got {list(block)!r}")
     if os.path.realpath(src) == os.path.realpath(dst):
@@ -127,26 +205,29 @@ def write_fp8_checkpoint(src: str, dst: str, block: Sequence[int] = DEFAULT_BLOC
     if raw.get("quantization_config") is not None or any(t.dtype == FP8_WEIGHT_DTYPE for t in tensors.values()):
         raise ValueError(f"write_fp8_checkpoint: {src!r} is already quantised")
     raw = dict(raw, quantization_config=quantization_config(block))
-    _copy_other_files(src, dst)
-    return save_checkpoint(dst, quantize_state_dict(tensors, block), raw, max_shard_bytes=max_shard_bytes)
+    quantised = quantize_state_dict(tensors, block)
+    del tensors
+    return _write(src, dst, quantised, raw, max_shard_bytes)
 
 
 def write_dequantized_checkpoint(src: str, dst: str, dtype: torch.dtype = torch.float32) -> List[str]:
     """Write an FP8 checkpoint ``src`` as a plain one (weights dequantised to ``dtype``, no
-    ``quantization_config``) to ``dst``.
+    ``quantization_config``) to ``dst``. Like :func:`write_fp8_checkpoint`, every weight is
+    dequantised in memory before ``dst`` is touched.
 
     Raises:
         ValueError: ``src`` is not an FP8 block-scaled checkpoint.
+        MemoryError: dequantising a weight ran out of memory (nothing written).
     """
     from mtpspec.config import Fp8WeightConfig
-    from mtpspec.models.loader import save_checkpoint
     raw, tensors = _read(src)
     q = Fp8WeightConfig.from_dict(raw.get("quantization_config"))
     if q is None:
         raise ValueError(f"write_dequantized_checkpoint: {src!r} has no quantization_config")
     raw = {k: v for k, v in raw.items() if k != "quantization_config"}
-    _copy_other_files(src, dst)
-    return save_checkpoint(dst, dequantize_state_dict(tensors, q.weight_block_size, dtype), raw)
+    dequantised = dequantize_state_dict(tensors, q.weight_block_size, dtype)
+    del tensors
+    return _write(src, dst, dequantised, raw)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -161,7 +242,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         files = (write_dequantized_checkpoint(a.src, a.dst) if a.dequantize
                  else write_fp8_checkpoint(a.src, a.dst, tuple(a.block), a.max_shard_bytes))
-    except (ValueError, OSError) as exc:
+    except (ValueError, OSError, MemoryError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     print(json.dumps({"dst": a.dst, "files": files}))

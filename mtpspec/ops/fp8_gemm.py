@@ -70,7 +70,11 @@ def scale_grid(shape: Sequence[int], block: Sequence[int]) -> Tuple[int, ...]:
 
 
 def expand_scales(scale: torch.Tensor, n: int, k: int, block_n: int, block_k: int) -> torch.Tensor:
-    """Block scales ``[..., ceil(n / block_n), ceil(k / block_k)]`` repeated to ``[..., n, k]``."""
+    """Block scales ``[..., ceil(n / block_n), ceil(k / block_k)]`` repeated to ``[..., n, k]``.
+
+    A block larger than its dim is repeated only ``n`` (``k``) times: the same result, without
+    a ``block_n``-row (``block_k``-column) intermediate."""
+    block_n, block_k = min(block_n, max(n, 1)), min(block_k, max(k, 1))
     return scale.repeat_interleave(block_n, dim=-2)[..., :n, :].repeat_interleave(block_k, dim=-1)[..., :k]
 
 
@@ -85,7 +89,9 @@ def quantize_weight_blocks(w: torch.Tensor, block: Sequence[int] = DEFAULT_BLOCK
 
     Returns:
         ``(weight [..., N, K] float8_e4m3fn, weight_scale_inv [..., ceil(N / bn), ceil(K / bk)]
-        float32)``; partial edge blocks are quantised over the rows / columns they hold.
+        float32)``; partial edge blocks are quantised over the rows / columns they hold (a block
+        dim at least the weight's is one block over the whole dim: scales ``[..., 1, ...]``, and
+        memory as for a block of exactly that dim, however large the block asked for).
 
     Raises:
         ValueError: fewer than 2 dims or a non-positive block.
@@ -97,6 +103,8 @@ def quantize_weight_blocks(w: torch.Tensor, block: Sequence[int] = DEFAULT_BLOCK
         raise ValueError(f"quantize_weight_blocks: block must be positive, got {list(block)}")
     *lead, n, k = w.shape
     gn, gk = cdiv(n, bn), cdiv(k, bk)
+    # a block over a whole dim pads nothing: clamping it to the dim keeps gn / gk (both 1) and every value
+    bn, bk = min(bn, max(n, 1)), min(bk, max(k, 1))
     wf = w.float()
     pad = F.pad(wf, (0, gk * bk - k, 0, gn * bn - n))
     amax = pad.abs().reshape(*lead, gn, bn, gk, bk).amax(dim=(-3, -1))
@@ -137,6 +145,7 @@ def quantize_activations(x: torch.Tensor, block_k: int) -> Tuple[torch.Tensor, t
     """
     m, k = x.shape
     g = cdiv(k, block_k)
+    block_k = min(block_k, max(k, 1))  # one group over all of K either way (see quantize_weight_blocks)
     xf = x.float()
     amax = F.pad(xf.abs(), (0, g * block_k - k)).reshape(m, g, block_k).amax(-1)
     s = amax.clamp_min(ACT_AMAX_EPS) / FP8_MAX
