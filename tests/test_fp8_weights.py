@@ -890,3 +890,13 @@ def test_spec_decoding_on_fp8_model_kernel_path(pairs, kdev) -> None:
     prompts = mixed_prompts(2, cfg.vocab_size, seed=2)
     plain = _generate(f8, prompts, 0, graph_mode="static", kv_cache_dtype="fp8")
     assert _generate(f8, prompts, 3, graph_mode="static", kv_cache_dtype="fp8") == plain
+
+
+def test_kernel_takes_only_tile_sized_groups():
+    """The Triton kernel dots one group of ``block_k`` columns per ``tl.dot`` step, so only
+    powers of two in 16 .. 256 go to it; a huge power-of-two group (``fp8_writer --block 131072
+    131072`` is accepted) takes the torch path instead of a 131072-column tile."""
+    from mtpspec.ops.fp8_gemm import KERNEL_MAX_BLOCK_K, kernel_supports
+    assert [b for b in (8, 16, 32, 64, 96, 128, 256) if kernel_supports(b)] == [16, 32, 64, 128, 256]
+    assert KERNEL_MAX_BLOCK_K == 256
+    assert not any(kernel_supports(b) for b in (512, 100000, 131072, 1 << 40))

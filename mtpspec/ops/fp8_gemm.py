@@ -425,9 +425,15 @@ if HAS_TRITON:
     _grouped_swap = LazyKernel(_fp8_grouped_swap_kernel)
 
 
+#: The largest group the kernel takes: one ``tl.dot`` K step of ``BLOCK_K`` columns a group, so a
+#: huge group (``fp8_writer --block`` accepts any) would be a huge tile; such groups take the torch path.
+KERNEL_MAX_BLOCK_K = 256
+
+
 def kernel_supports(block_k: int) -> bool:
-    """Whether the kernel takes this group size (a power of two >= 16: one ``tl.dot`` K step)."""
-    return block_k >= 16 and block_k & (block_k - 1) == 0
+    """Whether the kernel takes this group size (a power of two in ``16 .. KERNEL_MAX_BLOCK_K``:
+    one ``tl.dot`` K step)."""
+    return 16 <= block_k <= KERNEL_MAX_BLOCK_K and block_k & (block_k - 1) == 0
 
 
 def _fp8_dot(device: torch.device) -> bool:
