@@ -232,7 +232,7 @@ def test_bench_arms_in_process_repeats_the_same_steps(model_dir, tmp_path):
     p = subprocess.run(cmd, capture_output=True, text=True, env=child_env(), cwd=REPO, timeout=300)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     assert "adaptive / best other arm (k1)" in p.stdout and "SYNTHETIC" in p.stdout
-    assert "run 1's steps by kind (steps x mean wall): decode k1 " in p.stdout
+    assert "run 1's steps by kind (steps x mean wall [mean batch, prompt tokens, catch-up rows]): decode k1 " in p.stdout
     res = json.loads((out / "bench_arms.json").read_text())
     assert res["in_process"] is True and res["warmup_rounds"] == 1
     wl = res["workloads"]["s8"]
@@ -258,7 +258,14 @@ def test_bench_arms_in_process_repeats_the_same_steps(model_dir, tmp_path):
         assert sum(w["steps"] for w in walls.values()) == r0["engine_steps"], (arm, walls)
         assert 0.5 * r0["duration_s"] < sum(w["total_s"] for w in walls.values()) <= r0["duration_s"] + 1e-6, arm
         assert any(kind.startswith("prompt ") for kind in walls) and any(kind.startswith("decode ") for kind in walls)
+        for kind, w in walls.items():  # per step: batch, prompt tokens only in prompt steps, drafts verified
+            assert 1 <= w["mean_batch"] <= 4 and (w["mean_prompt_tokens"] > 0) == kind.startswith("prompt "), kind
+            assert 0 <= w["mean_verify_k"] <= 3 and (w["catch_up_rows"] > 0) == kind.endswith(" +catch-up"), kind
     assert set(wl["arms"]["k1"]["runs"][0]["step_wall"]) <= {"prompt k1", "decode k1"}
+    assert wl["arms"]["k1"]["runs"][0]["step_wall"]["decode k1"]["mean_verify_k"] == 1.0
+    # adaptive: the entries its k = 0 steps deferred are caught up by drafting steps, counted under their own kinds
+    a0 = wl["arms"]["adaptive"]["runs"][0]
+    assert sum(w["catch_up_rows"] for w in a0["step_wall"].values()) == a0["mtp_catch_up_tokens"]
     bad = subprocess.run(cmd[:-2] + ["--base-url", "k1=http://127.0.0.1:1", "--server-args", cmd[-1]],
                          capture_output=True, text=True, env=child_env(), cwd=REPO, timeout=120)
     assert bad.returncode == 2 and "exclude each other" in bad.stderr

@@ -294,6 +294,7 @@ class LLMEngine:
             if self.defer_mtp_kv and out.num_proposed_tokens and seq.mtp_len < s.start_position:
                 si.mtp_lag, si.mtp_lag_token_ids = sequence_lag(seq.mtp_len, s.start_position, seq.all_token_ids)
                 self.metrics.spec.num_mtp_catch_up_tokens += si.mtp_lag
+                out.num_catch_up_rows += si.mtp_lag
             seqs.append(si)
         return StepInput(seqs, next(self._step_id), list(out.block_copies), out.num_spec_tokens,
                          out.num_proposed_tokens, out.defers_mtp)
@@ -481,7 +482,8 @@ class LLMEngine:
         m.num_steps += 1
         m.num_eager_fallbacks += result.num_eager_fallbacks
         m.add_comm(result.comm_bytes)
-        m.add_step_wall(out.num_prefill_tokens > 0, out.num_proposed_tokens, t0, now)
+        m.add_step_wall(out.num_prefill_tokens > 0, out.num_proposed_tokens, t0, now, len(out.scheduled),
+                        out.num_prefill_tokens, out.num_spec_tokens, out.num_catch_up_rows)
         if busy:
             m.busy_time_s += now - t0
         if _LOG_STEPS:

@@ -122,6 +122,9 @@ class SchedulerOutput:
     #: a decode could not grow while scheduled ahead (no preemption then): the next step is
     #: scheduled after this one's tokens are applied, where preemption can free blocks
     needs_sync: bool = False
+    #: deferred MTP entries the step writes before its first pass (set by the engine when it builds
+    #: the step's input: ``SeqInput.mtp_lag`` summed; a metric)
+    num_catch_up_rows: int = 0
 
     @property
     def num_batched_tokens(self) -> int:

@@ -309,8 +309,10 @@ def format_workload(name: str, wl: Dict[str, Any]) -> str:
                 lines.append(f"{'':<{w}} deferred MTP entries written later per run: {caught}")
         walls = data["runs"][0].get("step_wall") if data["runs"] else None
         if walls:  # in-process runs: where run 1's wall time went, per kind of step
-            parts = ", ".join(f"{kind} {v['steps']} x {v['mean_ms']:.2f} ms" for kind, v in sorted(walls.items()))
-            lines.append(f"{'':<{w}} run 1's steps by kind (steps x mean wall): {parts}")
+            parts = ", ".join(f"{kind} {v['steps']} x {v['mean_ms']:.2f} ms" + _kind_detail(v)
+                              for kind, v in sorted(walls.items()))
+            lines.append(f"{'':<{w}} run 1's steps by kind (steps x mean wall [mean batch, prompt tokens, "
+                         f"catch-up rows]): {parts}")
         lines.append("-" * 96)
     for pair, figs in wl["verdicts"].items():
         lines.append(f"{pair}:")
@@ -367,6 +369,19 @@ def rotated(arms: List[str], i: int) -> List[str]:
     k = i % len(arms) if arms else 0
     return arms[k:] + arms[:k]
 
+
+
+def _kind_detail(v: dict) -> str:
+    """`` [B 256, P 418, catch-up 131072]`` of one kind of step (mean batch, mean prompt tokens if
+    any, catch-up rows if any); empty for a record without them (an older JSON)."""
+    if "mean_batch" not in v:
+        return ""
+    bits = [f"B {v['mean_batch']:.0f}"]
+    if v.get("mean_prompt_tokens"):
+        bits.append(f"P {v['mean_prompt_tokens']:.0f}")
+    if v.get("catch_up_rows"):
+        bits.append(f"catch-up {v['catch_up_rows']}")
+    return " [" + ", ".join(bits) + "]"
 
 def versus_best(wl: Dict[str, Any], arm: str = "adaptive") -> Optional[Dict[str, Any]]:
     """Issue 18's goal figure for one workload: ``arm``'s median output tok/s over the best other

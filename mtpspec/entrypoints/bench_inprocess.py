@@ -124,9 +124,18 @@ def run_in_process(llm: Any, cfg: BenchConfig, forced: Optional[str] = None) -> 
         "prefix_cache_hit_rate": m.get("prefix_cache_hit_rate"),
         "adaptive_host_model": _host_model(getattr(eng, "spec_policy", None)),
         # where the run's wall time went, per kind of step (EngineMetrics.step_wall_s)
-        "step_wall": {kind: {"steps": int(n), "total_s": s, "mean_ms": 1e3 * s / n}
-                      for kind, (n, s) in m.get("step_wall_s", {}).items()},
+        "step_wall": {kind: _step_kind(*rec) for kind, rec in m.get("step_wall_s", {}).items()},
     }
+
+
+def _step_kind(steps: float, seconds: float, seqs: float = 0, prompt_tokens: float = 0, verified: float = 0,
+               catch_up: float = 0) -> Dict[str, Any]:
+    """One kind of step of :attr:`~mtpspec.spec_decode.metrics.EngineMetrics.step_wall_s`: its
+    steps, wall seconds and mean ms, and per step its mean batch, prompt tokens and verified drafts
+    per decode, plus the deferred MTP entries it caught up in all."""
+    n = max(int(steps), 1)
+    return {"steps": int(steps), "total_s": seconds, "mean_ms": 1e3 * seconds / n, "mean_batch": seqs / n,
+            "mean_prompt_tokens": prompt_tokens / n, "mean_verify_k": verified / n, "catch_up_rows": int(catch_up)}
 
 
 def _host_model(policy: Any) -> Optional[Dict[str, Any]]:

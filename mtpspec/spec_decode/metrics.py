@@ -128,10 +128,14 @@ class EngineMetrics:
             looked up the prefix cache / that it served (vLLM's counters; recomputes after a
             preemption not counted).
         step_wall_s: per kind of step (``"prompt k<k>"``: it carried prompt tokens, ``"decode
-            k<k>"``: it did not; ``k`` the drafts it proposed), ``[steps, seconds]``: host wall time
-            from the previous step's tokens applied to this step's (the first step after
-            ``LLMEngine.reset_metrics``: from its own start), so it counts the caller's time between
-            steps and any idle time (a diagnostic for saturated benchmarks: where a run's wall time went).
+            k<k>"``: it did not; ``k`` the drafts it proposed; ``" +catch-up"`` appended when it
+            first wrote deferred MTP entries, :mod:`mtpspec.spec_decode.deferred_mtp`), ``[steps,
+            seconds, sequences, prompt tokens, verified drafts, catch-up rows]`` summed over its
+            steps (verified drafts: each step's drafts per decode; catch-up rows: deferred MTP
+            entries written). The seconds are host wall time from the previous step's tokens
+            applied to this step's (the first step after ``LLMEngine.reset_metrics``: from its own
+            start), so they count the caller's time between steps and any idle time (a diagnostic
+            for saturated benchmarks: where a run's wall time went).
     """
 
     spec: Optional[SpecDecodingStats] = None
@@ -151,15 +155,18 @@ class EngineMetrics:
     step_wall_s: Dict[str, List[float]] = field(default_factory=dict)
     last_step_applied: Optional[float] = field(default=None, repr=False)  # perf_counter() s
 
-    def add_step_wall(self, has_prompt: bool, k: int, start: float, now: float) -> None:
+    def add_step_wall(self, has_prompt: bool, k: int, start: float, now: float, num_seqs: int = 0,
+                      num_prompt_tokens: int = 0, verify_k: int = 0, catch_up_rows: int = 0) -> None:
         """Count a step whose tokens were applied at ``now`` (``start``: its own start, used when no
         step was applied since ``LLMEngine.reset_metrics``; both ``time.perf_counter()`` seconds) in
         :attr:`step_wall_s` under ``"prompt k<k>"`` (``has_prompt``) or ``"decode k<k>"``, ``k`` the
-        drafts it proposed."""
+        drafts it proposed (``" +catch-up"`` with ``catch_up_rows``), with its ``num_seqs``,
+        ``num_prompt_tokens``, ``verify_k`` (drafts per decode it verified) and ``catch_up_rows``."""
         since = start if self.last_step_applied is None else self.last_step_applied
-        rec = self.step_wall_s.setdefault(f"{'prompt' if has_prompt else 'decode'} k{k}", [0, 0.0])
-        rec[0] += 1
-        rec[1] += max(0.0, now - since)
+        kind = f"{'prompt' if has_prompt else 'decode'} k{k}{' +catch-up' if catch_up_rows else ''}"
+        rec = self.step_wall_s.setdefault(kind, [0, 0.0, 0, 0, 0, 0])
+        for i, x in enumerate((1, max(0.0, now - since), num_seqs, num_prompt_tokens, verify_k, catch_up_rows)):
+            rec[i] += x
         self.last_step_applied = now
 
     def add_comm(self, delta: Dict[str, int]) -> None:
