@@ -140,10 +140,12 @@ class Scripted:
 
     def __init__(self, ks):
         self.ks, self.i, self.chosen, self.seen, self.prefill, self.times = list(ks), 0, [], [], [], []
-        self.waiting, self.emitted, self.partial = [], [], []
+        self.waiting, self.emitted, self.partial, self.catch_up, self.caught = [], [], [], [], []
 
-    def choose(self, batch, num_prefill_tokens=0, prompts_waiting=False, token_budget=None, num_partial_prefills=0):
+    def choose(self, batch, num_prefill_tokens=0, prompts_waiting=False, token_budget=None, num_partial_prefills=0,
+               catch_up_rows=0, remaining_tokens=None):
         self.prefill.append(num_prefill_tokens)
+        self.catch_up.append((catch_up_rows, remaining_tokens))
         self.partial.append((batch, num_partial_prefills))
         self.waiting.append((prompts_waiting, token_budget))
         k = self.ks[self.i % len(self.ks)]
@@ -154,9 +156,11 @@ class Scripted:
     def observe(self, v, a):
         self.seen.append((v, a))
 
-    def observe_step_time(self, batch, k, wall_ms, verify_k=None, num_prefill_tokens=0, num_emitted=None):
+    def observe_step_time(self, batch, k, wall_ms, verify_k=None, num_prefill_tokens=0, num_emitted=None,
+                          num_catch_up_rows=0):
         self.times.append(num_prefill_tokens)
         self.emitted.append((batch, num_prefill_tokens, num_emitted))
+        self.caught.append((k, num_catch_up_rows))
 
     def end_step(self):
         pass
@@ -551,7 +555,8 @@ def test_a_k0_step_left_in_flight_by_a_sync_step_is_timed_from_its_own_start(mod
     path, cfg, table = model
 
     class Rec(Scripted):
-        def observe_step_time(self, batch, k, wall_ms, verify_k=None, num_prefill_tokens=0, num_emitted=None):
+        def observe_step_time(self, batch, k, wall_ms, verify_k=None, num_prefill_tokens=0, num_emitted=None,
+                              num_catch_up_rows=0):
             self.times.append((k, verify_k, num_prefill_tokens, wall_ms))
 
     with _llm(path, table, enable_chunked_prefill=False, max_num_batched_tokens=48) as llm:
@@ -673,6 +678,73 @@ def test_prompt_cost_samples_are_kept_until_trusted_and_none_before_decode_sampl
     assert pol.prefill_ms_per_token == pytest.approx(0.05)
 
 
+def test_catch_up_cost_is_measured_on_drafting_steps_that_write_deferred_entries() -> None:
+    """A pure-decode drafting step that first writes ``R`` deferred MTP entries samples what one
+    entry costs (its wall beyond the table and its k's host time, over ``R``): the median of the
+    last samples, not fed to the host model; too few rows are no sample. A prompt step's sample
+    then leaves the entries' cost out of its per-prompt-token cost."""
+    from mtpspec.spec_decode.adaptive import CATCH_UP_SAMPLES, MIN_CATCH_UP_ROWS
+    costs = _table(verify=lambda b, k: 1.0 + 0.4 * k, draft=lambda b, k: 0.3 * k)
+    pol = AdaptiveSpecPolicy(3, costs, prior_rate=0.9, prior_weight=1e6, decay=1.0)
+    assert pol.catch_up_ms_per_row() == 0.0  # nothing measured: optimistic
+    pol.observe_step_time(4, 3, costs.step_ms(4, 3) + 1.0, num_catch_up_rows=1000)
+    assert pol.catch_up_ms_per_row() == 0.0  # no pure-decode sample yet: the host time is unknown
+    for _ in range(50):
+        pol.observe_step_time(4, 3, costs.step_ms(4, 3) + 1.0)
+    host = dict(pol.excess_ms), (pol.overhead_ms, pol.overhead_ms_per_seq, pol.overhead_ms_per_token)
+    for per_row in [0.5] + [0.01] * CATCH_UP_SAMPLES:  # a first outlier, then the true cost
+        pol.observe_step_time(4, 3, costs.step_ms(4, 3) + 1.0 + 1000 * per_row, num_catch_up_rows=1000)
+    pol.observe_step_time(4, 3, costs.step_ms(4, 3) + 1.0 + 500.0, num_catch_up_rows=MIN_CATCH_UP_ROWS - 1)
+    assert pol.catch_up_ms_per_row() == pytest.approx(0.01)
+    assert (dict(pol.excess_ms), (pol.overhead_ms, pol.overhead_ms_per_seq, pol.overhead_ms_per_token)) == host
+    # a drafting prompt step of 200 prompt tokens that caught up 1,000 entries: 0.05 ms a prompt token
+    for _ in range(MIN_PROMPT_SAMPLES):
+        pol.observe_step_time(4, 3, costs.step_ms(4, 3) + 1.0 + 200 * 0.05 + 1000 * 0.01, num_prefill_tokens=200,
+                              num_catch_up_rows=1000)
+    assert pol.draft_prefill_ms_per_token == pytest.approx(0.05, rel=1e-6)
+
+
+def test_deferred_entries_make_drafting_pay_their_catch_up_over_the_tokens_left() -> None:
+    """With deferred MTP entries to write, drafting pays ``C = rows x catch_up_ms_per_row`` once,
+    a step's share ``C min(1, E(k) / R)`` with ``R`` the tokens its sequences may still emit: many
+    rows and few tokens left keep ``k = 0``, the same rows before many tokens draft; no rows, the
+    table's choice. A prompt step is not made to re-try drafting while ``C`` exceeds a k = 0 step."""
+    costs = _table(verify=lambda b, k: 1.0 + 0.4 * k, draft=lambda b, k: 0.3 * k)
+    pol = AdaptiveSpecPolicy(3, costs, prior_rate=0.9, prior_weight=1e6, decay=1.0)
+    for k in (3, 0):  # steady runs of each k: 1 ms of host time beyond the table, measured
+        for _ in range(50):
+            pol.observe_step_time(1, k, costs.step_ms(1, k) + 1.0)
+    assert pol.excess_ms[(1, 3)] == pytest.approx(1.0) and pol.host_ms(1, 0.0) == pytest.approx(1.0)
+    for _ in range(8):
+        pol.observe_step_time(1, 3, costs.step_ms(1, 3) + 1.0 + 2000 * 0.002, num_catch_up_rows=2000)
+    q = pol.catch_up_ms_per_row()
+    assert q == pytest.approx(0.002)
+    e = [pol.expected_tokens(k) for k in range(4)]
+    t = [costs.step_ms(1, k) + 1.0 for k in range(4)]  # the table + 1 ms (measured for 0 and 3, the plane's 1 and 2)
+    assert pol.choose(1) == 3
+
+    def want(rows, left):
+        rate = [e[k] / (t[k] + (rows * q * min(1.0, e[k] / left) if k else 0.0)) for k in range(4)]
+        return max(range(4), key=lambda k: (rate[k], -k))
+
+    for rows, left in ((10000, 10.0), (10000, 1000.0), (2000, 10.0), (20, 10.0), (4000, 3.0)):
+        got = pol.choose(1, catch_up_rows=rows, remaining_tokens=left)
+        assert got == want(rows, left), (rows, left, got)
+    # 10,000 rows (20 ms) over 10 tokens left: a k = 3 step's share is 6.9 ms, k = 0; over 1,000 tokens: 0.07 ms
+    assert pol.choose(1, catch_up_rows=10000, remaining_tokens=10.0) == 0
+    assert pol.choose(1, catch_up_rows=10000, remaining_tokens=1000.0) == 3
+    assert pol.choose(1, catch_up_rows=10 ** 6) == 0  # tokens left unknown: all of C
+    # prompt steps where drafting's prompt cost was measured high (k = 0 chosen): the periodic re-try of
+    # drafting happens with few deferred rows and not with rows that cost more than a k = 0 step
+    for _ in range(MIN_PROMPT_SAMPLES):
+        pol.observe_step_time(1, 3, costs.step_ms(1, 3) + 1.0 + 1000 * 0.1, num_prefill_tokens=1000)
+        pol.observe_step_time(1, 0, costs.step_ms(1, 0) + 1.0 + 1000 * 0.02, num_prefill_tokens=1000)
+    for rows, retried in ((10, True), (5000, False)):
+        chosen = [pol.choose(1, 1000, catch_up_rows=rows, remaining_tokens=100.0)
+                  for _ in range(2 * PROMPT_EXPLORE_EVERY + 2)]
+        assert (3 in chosen) == retried and chosen.count(0) >= 2 * PROMPT_EXPLORE_EVERY, (rows, chosen)
+
+
 def test_partial_prompt_chunks_keep_no_drafts_so_they_add_no_value() -> None:
     """Found by review: a step's chunks that do not end their prompt drop their drafts, so only the
     other sequences' tokens count for drafting's value: 1 decode + 7 partial chunks is not 8 decodes."""
@@ -712,6 +784,27 @@ def test_engine_tells_the_policy_each_steps_prompt_tokens(model) -> None:
     assert all(n == 0 for _, n in pol.partial)  # every prompt ended in its step: no chunk drops its drafts
 
 
+def test_engine_tells_the_policy_the_deferred_entries_a_drafting_step_would_write(model) -> None:
+    """Deferred MTP entries: before each choice the engine passes the entries a drafting step would
+    write first and the mean tokens those sequences may still emit; a drafting step then writes
+    exactly those (``num_catch_up_rows`` of its observation) and a step at k = 0 writes none."""
+    path, _, table = model
+    llm = _llm(path, table)
+    try:
+        assert llm.llm_engine.defer_mtp_kv
+        pol = llm.llm_engine.spec_policy = Scripted([0, 0, 0, 3])
+        _greedy(llm, [[5, 6, 7, 8, 9], [3, 4, 5]], n=12)
+    finally:
+        llm.shutdown()
+    assert len(pol.catch_up) == len(pol.chosen) == len(pol.caught) + 1  # the first step is timed by none
+    # drafting steps are never scheduled ahead: their choices and observations come in the same order
+    ahead = [rows for (rows, _), k in zip(pol.catch_up, pol.chosen) if k]
+    assert ahead == [caught for k, caught in pol.caught if k] and max(ahead) > 0  # k = 0 steps deferred some
+    assert all(caught == 0 for k, caught in pol.caught if not k)
+    # tokens left: 12 - emitted (ignore_eos, max_tokens 12), at least 1, never more than 12
+    assert all(left is None if not rows else 1.0 <= left <= 12.0 for rows, left in pol.catch_up)
+
+
 def test_engine_applies_the_prompt_reserve_while_prompts_wait(model) -> None:
     """With ``adaptive_prompt_reserve`` 0.5 and more prompts than sequence slots, every step that
     leaves prompt tokens waiting proposes k = 0 or a k with B (1 + k) <= half the token budget,
@@ -728,8 +821,9 @@ def test_engine_applies_the_prompt_reserve_while_prompts_wait(model) -> None:
         calls = []
         real = pol.choose
 
-        def spy(batch, num_prefill_tokens=0, prompts_waiting=False, token_budget=None, num_partial_prefills=0):
-            k = real(batch, num_prefill_tokens, prompts_waiting, token_budget, num_partial_prefills)
+        def spy(batch, num_prefill_tokens=0, prompts_waiting=False, token_budget=None, num_partial_prefills=0,
+                **catch_up):
+            k = real(batch, num_prefill_tokens, prompts_waiting, token_budget, num_partial_prefills, **catch_up)
             calls.append((batch, prompts_waiting, token_budget, k))
             return k
         pol.choose = spy

@@ -387,10 +387,30 @@ class LLMEngine:
             # prompt): looked at only when the policy keeps a reserve for them
             partial = sum(1 for s in out.scheduled if s.is_partial_prefill)  # their drafts are dropped
             waiting = self.spec_policy.prompt_reserve > 0 and (bool(self.scheduler.waiting) or partial > 0)
+            lag, remaining = self._catch_up_ahead(out) if self.defer_mtp_kv else (0, None)
             out.num_proposed_tokens = self.spec_policy.choose(len(out.scheduled), out.num_prefill_tokens, waiting,
                                                               self.scheduler_config.max_num_batched_tokens,
-                                                              num_partial_prefills=partial)
+                                                              num_partial_prefills=partial, catch_up_rows=lag,
+                                                              remaining_tokens=remaining)
             out.defers_mtp = self.defer_mtp_kv and out.num_proposed_tokens == 0
+
+    def _catch_up_ahead(self, out: SchedulerOutput) -> Tuple[int, Optional[float]]:
+        """``(rows, mean remaining)``: the deferred MTP entries ``out`` would write if it drafted
+        (each sequence's ``start_position - mtp_len``, as :meth:`_step_input` computes them) and
+        the mean number of tokens those sequences may still emit (``max_tokens``, else the model
+        length, less what they hold), ``None`` without such rows."""
+        rows, left, n = 0, 0, 0
+        max_len = self.scheduler_config.max_model_len
+        for s in out.scheduled:
+            seq = s.seq
+            if seq.mtp_len < s.start_position:
+                rows += s.start_position - seq.mtp_len
+                cap = max_len - seq.num_tokens
+                if seq.params.max_tokens is not None:
+                    cap = min(cap, seq.params.max_tokens - len(seq.output_token_ids))
+                left += max(1, cap)
+                n += 1
+        return rows, (left / n if n else None)
 
     def _goes_ahead(self, out: SchedulerOutput, step: StepInput) -> bool:
         """Whether the next step is scheduled ahead of ``out`` (async scheduling, adaptive speculation
@@ -519,7 +539,7 @@ class LLMEngine:
                 emitted = sum(len(ids) for ids in result.new_token_ids)
                 policy.observe_step_time(len(out.scheduled), out.num_proposed_tokens,
                                          (end - max(self._last_step_end, t0)) * 1e3, v, out.num_prefill_tokens,
-                                         emitted)
+                                         emitted, num_catch_up_rows=out.num_catch_up_rows)
             self._last_step_end = end
             policy.end_step()
 

@@ -42,6 +42,12 @@ rate is per position, as vLLM's ``num_accepted_tokens_per_pos`` measures it). Th
   3 layers at 64 sequences: 1.7 ms a step beyond the device at ``k = 0``, 3.4-6.2 ms at ``k = 1 ..
   3``). ``k`` values not measured at a batch size, and now and then those measured long ago whose
   rate is near the best, are tried for a few steps (exploration bursts, :data:`EXPLORE_EVERY`).
+  With deferred MTP entries, a drafting step first writes the entries its sequences' ``k = 0``
+  steps left (:mod:`mtpspec.spec_decode.deferred_mtp`): their cost per entry is measured on the
+  pure-decode steps that write them, and a step's ``t(k)``, ``k >= 1``, carries its share of the
+  entries waiting, ``C min(1, E(k) / R)`` (``R``: the tokens those sequences may still emit), so
+  drafting starts only where the tokens left repay the catch-up (H200, 2026-12-05, Air 3 layers
+  at 256 sequences: 80% of all entries were written late, the adaptive arm at 0.82x plain).
 
 Everything here is host arithmetic on counts the engine already has.
 """
@@ -90,6 +96,12 @@ MEASURED_WEIGHT = 0.1
 PROMPT_SAMPLES = 8
 MIN_PROMPT_SAMPLES = 3
 PROMPT_EXPLORE_EVERY = 32
+#: Deferred MTP entries (:mod:`mtpspec.spec_decode.deferred_mtp`): what writing one costs (ms) is
+#: the median of the last :data:`CATCH_UP_SAMPLES` pure-decode drafting steps that wrote at least
+#: :data:`MIN_CATCH_UP_ROWS` of them (what they took beyond their table cost and measured host time,
+#: per entry); 0 before the first.
+CATCH_UP_SAMPLES = 8
+MIN_CATCH_UP_ROWS = 32
 #: Batch sizes :func:`measure_step_costs` times by default (those up to ``max_num_seqs`` that
 #: the runner has graphs for, plus ``max_num_seqs``); others use the next larger measured one.
 CALIBRATION_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
@@ -226,6 +238,8 @@ class AdaptiveSpecPolicy:
     # beyond their table cost and the host plane (ms; prompt_ms_per_token); prompt-carrying choose()
     # calls; the count of those at which each kind was last proposed
     _prefill_samples: List[List[float]] = field(default_factory=lambda: [[], []], init=False, repr=False)
+    # ms per deferred MTP entry written, of the last CATCH_UP_SAMPLES steps that caught up (catch_up_ms_per_row)
+    _catch_up_samples: List[float] = field(default_factory=list, init=False, repr=False)
     _prompt_steps: int = field(default=0, init=False, repr=False)
     _prompt_last: List[int] = field(default_factory=lambda: [0, 0], init=False, repr=False)
     #: Per (table batch size, proposed ``k``): the running mean of what its pure-decode steps took
@@ -267,7 +281,8 @@ class AdaptiveSpecPolicy:
                 self.accepted[j] += 1.0
 
     def observe_step_time(self, batch: int, k: int, wall_ms: float, verify_k: Optional[int] = None,
-                          num_prefill_tokens: int = 0, num_emitted: Optional[int] = None) -> None:
+                          num_prefill_tokens: int = 0, num_emitted: Optional[int] = None,
+                          num_catch_up_rows: int = 0) -> None:
         """A step of ``batch`` sequences that verified ``verify_k`` (default ``k``) drafts, proposed
         ``k``, carried ``num_prefill_tokens`` prompt tokens and emitted ``num_emitted`` tokens
         (default ``batch``) took ``wall_ms`` from the previous step's end (host included). Without
@@ -281,7 +296,13 @@ class AdaptiveSpecPolicy:
         observed before it proposed ``k`` too, and so did the last :meth:`choose` (with async
         scheduling a ``k = 0`` step is applied after the next step is scheduled and launched, so
         its wall holds that launch: the first step ahead holds its own and the next one's, the
-        last one of a run the launch of a different ``k``'s step)."""
+        last one of a run the launch of a different ``k``'s step).
+
+        ``num_catch_up_rows``: deferred MTP entries the step wrote before its first pass. A
+        pure-decode step with at least :data:`MIN_CATCH_UP_ROWS` of them samples
+        :meth:`catch_up_ms_per_row` (what it took beyond its table cost and its ``k``'s host time,
+        per entry) and nothing else; a prompt step's sample leaves out what its entries cost at
+        the current :meth:`catch_up_ms_per_row`."""
         v = k if verify_k is None else verify_k
         if k not in self.costs.verify_ms or v not in self.costs.verify_ms:
             self._last_k = self._last_k2 = None
@@ -300,13 +321,22 @@ class AdaptiveSpecPolicy:
             # the idle-gap filter only once the kind's cost rests on MIN_PROMPT_SAMPLES samples (one
             # low first sample must not reject every later one: the median handles outliers)
             trusted = len(self._prefill_samples[int(k > 0)]) >= MIN_PROMPT_SAMPLES
-            if 0.0 < wall_ms and (not trusted or wall_ms <= 4.0 * expected + 5.0):
-                per_token = max(0.0, wall_ms - predicted - host) / num_prefill_tokens
+            catch_up = num_catch_up_rows * self.catch_up_ms_per_row()
+            if 0.0 < wall_ms and (not trusted or wall_ms <= 4.0 * (expected + catch_up) + 5.0):
+                per_token = max(0.0, wall_ms - predicted - host - catch_up) / num_prefill_tokens
                 # each kind's cost is 0 until its first sample (the kind not yet measured looks
                 # cheap and is proposed), then the median of its last PROMPT_SAMPLES samples
                 samples = self._prefill_samples[int(k > 0)]
                 samples.append(per_token)
                 del samples[:-PROMPT_SAMPLES]
+            return
+        if num_catch_up_rows and k:  # a transition too: the step's rows were deferred by k = 0 steps
+            self._last_k = self._last_k2 = None
+            if num_catch_up_rows >= MIN_CATCH_UP_ROWS and self._decode_samples and wall_ms > 0.0:
+                host = self.excess_ms.get((self._bucket(batch), k))
+                host = self.host_ms(batch, r) if host is None else host
+                self._catch_up_samples.append(max(0.0, wall_ms - predicted - host) / num_catch_up_rows)
+                del self._catch_up_samples[:-CATCH_UP_SAMPLES]
             return
         if 0.0 < wall_ms <= 4.0 * predicted + 5.0:
             excess = max(0.0, wall_ms - predicted)
@@ -330,6 +360,11 @@ class AdaptiveSpecPolicy:
         ``k = 0`` cost was never measured: H200, 2026-12-05.)"""
         samples = self._prefill_samples[int(drafting)]
         return _median(samples) if samples else 0.0
+
+    def catch_up_ms_per_row(self) -> float:
+        """What writing one deferred MTP entry costs a drafting step (ms, >= 0): the median of the
+        last :data:`CATCH_UP_SAMPLES` samples of :meth:`observe_step_time`, 0 before the first."""
+        return _median(self._catch_up_samples) if self._catch_up_samples else 0.0
 
     @property
     def prefill_ms_per_token(self) -> float:
@@ -394,7 +429,8 @@ class AdaptiveSpecPolicy:
         return e
 
     def choose(self, batch: int, num_prefill_tokens: int = 0, prompts_waiting: bool = False,
-               token_budget: Optional[int] = None, num_partial_prefills: int = 0) -> int:
+               token_budget: Optional[int] = None, num_partial_prefills: int = 0, catch_up_rows: int = 0,
+               remaining_tokens: Optional[float] = None) -> int:
         """The ``k`` in ``0 .. max_k`` (among the table's) for ``batch`` sequences in a step that
         also carries ``num_prefill_tokens`` prompt tokens (smallest ``k`` on ties).
 
@@ -412,8 +448,17 @@ class AdaptiveSpecPolicy:
         before, no prompt sample can be taken; while both kinds lack samples, the one with fewer).
         With :attr:`prompt_reserve` ``r > 0``, ``prompts_waiting`` (prompt tokens left to schedule) and ``token_budget``
         (``max_num_batched_tokens``), only ``k = 0`` and the ``k`` with ``batch * (1 + k) <= (1 -
-        r) * token_budget`` are considered."""
+        r) * token_budget`` are considered.
+
+        Deferred MTP entries: a drafting step first writes the ``catch_up_rows`` entries its
+        sequences' ``k = 0`` steps deferred, ``C = catch_up_rows * catch_up_ms_per_row()`` ms paid
+        once for the rest of those sequences' drafting. So ``t(k)``, ``k >= 1``, carries the share
+        of ``C`` that one step's tokens take of what is left, ``C min(1, E(k) / R)`` (``R``:
+        ``remaining_tokens``, the mean tokens those sequences may still emit; unknown: all of
+        ``C``), and a prompt step is not made to re-try drafting while ``C`` exceeds a ``k = 0``
+        step's cost."""
         rates = self.rates()
+        catch_up_ms = max(0, catch_up_rows) * self.catch_up_ms_per_row()
         n_prompt = max(0, num_prefill_tokens)
         fixed = self.host_ms(batch, 0.0)
         bucket = self._bucket(batch)
@@ -428,10 +473,13 @@ class AdaptiveSpecPolicy:
             e = self.expected_tokens(k, rates)
             host = self.excess_ms.get((bucket, k))  # measured for this k and batch size, else the plane
             host = fixed + per_token * (e - 1.0) if host is None else host
-            cost_of[k] = (e, self.costs.step_ms(batch, k) + host)
+            share = 0.0
+            if k and catch_up_ms:
+                share = catch_up_ms * (min(1.0, e / remaining_tokens) if remaining_tokens else 1.0)
+            cost_of[k] = (e, self.costs.step_ms(batch, k) + host + share)
         if n_prompt:
             self._chosen_k = k = self._choose_prompt_step(batch, max(0, batch - num_partial_prefills), n_prompt,
-                                                          cost_of)
+                                                          cost_of, catch_up_ms)
             return k
         best, best_rate, rate_of = 0, -1.0, {}
         for k, (e, t) in cost_of.items():
@@ -442,9 +490,10 @@ class AdaptiveSpecPolicy:
         return k
 
     def _choose_prompt_step(self, batch: int, n_drafting: int, n_prompt: int,
-                            cost_of: Dict[int, Tuple[float, float]]) -> int:
+                            cost_of: Dict[int, Tuple[float, float]], catch_up_ms: float = 0.0) -> int:
         """:meth:`choose` for a step of ``batch`` sequences (``n_drafting`` of them keep their drafts)
-        carrying ``n_prompt`` prompt tokens, ``cost_of``: ``k -> (E(k), t(k))``."""
+        carrying ``n_prompt`` prompt tokens, ``cost_of``: ``k -> (E(k), t(k))``; ``catch_up_ms``:
+        what its deferred MTP entries would cost a drafting step in all."""
         c_star = min(t / (batch * e) for e, t in cost_of.values())
         per_token = (self.prompt_ms_per_token(False), self.prompt_ms_per_token(True))
         value_of = {k: n_drafting * e * c_star - t - n_prompt * per_token[k > 0] for k, (e, t) in cost_of.items()}
@@ -457,6 +506,8 @@ class AdaptiveSpecPolicy:
         self._prompt_steps = n = self._prompt_steps + 1
         drafting = int(best > 0)
         other = 0 if drafting else best_drafting  # the kind not chosen, if any is allowed
+        if other and 0 in cost_of and catch_up_ms > cost_of[0][1]:
+            other = None  # re-trying drafting would first write more deferred entries than a k = 0 step costs
         have, lack = len(self._prefill_samples[drafting]), len(self._prefill_samples[1 - drafting])
         if other is not None and ((lack < MIN_PROMPT_SAMPLES and lack <= have)
                                   or n - self._prompt_last[1 - drafting] > PROMPT_EXPLORE_EVERY):
@@ -532,7 +583,8 @@ def measure_step_costs(runner, sizes: Optional[Sequence[int]] = None, repeats: i
     Returns:
         the :class:`StepCostTable` (milliseconds) for ``k = 0 .. runner.k`` at each padded size
         (``k = 0``'s draft cost: the MTP KV-only units, or the hidden-state write where the runner
-        defers those entries; their catch-up is paid by the next drafting step and not modelled).
+        defers those entries; their catch-up is paid by the next drafting step, costed online:
+        :meth:`AdaptiveSpecPolicy.catch_up_ms_per_row`).
     """
     import torch
 
