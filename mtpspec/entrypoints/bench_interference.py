@@ -491,7 +491,7 @@ def summarise(raw: Dict[str, Any], cfg: InterferenceConfig, info: Any, decode_le
         problems.append("a decode streamed nothing during the interference window")
     if not base_gaps:
         problems.append("no baseline ITL samples (raise --baseline-s)")
-    preempt = d(m_base, m_end, "mtpspec:preemptions_total")
+    preempt = d(m_base, m_end, "mtpspec:num_preemptions_total")
     if preempt:
         problems.append(f"the server preempted {preempt:.0f} times (its KV cache is too small for this workload)")
     hits = d(m_start, m_end, "mtpspec:prefix_cache_hits_total")

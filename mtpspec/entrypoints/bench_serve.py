@@ -199,7 +199,7 @@ def spec_figures(before: Dict[str, float], after: Dict[str, float], k: int) -> D
         "engine_steps": steps, "server_generation_tokens": d("mtpspec:generation_tokens_total"),
         "collective_bytes_per_step": {op: (b / steps if steps else 0.0) for op, b in sorted(comm.items())},
         "collective_bytes_per_step_total": (sum(comm.values()) / steps) if steps else 0.0,
-        "preemptions": d("mtpspec:preemptions_total"), "eager_fallbacks": d("mtpspec:eager_fallbacks_total"),
+        "preemptions": d("mtpspec:num_preemptions_total"), "eager_fallbacks": d("mtpspec:eager_fallbacks_total"),
         "prefix_cache_hit_rate": (d("mtpspec:prefix_cache_hits_total") / d("mtpspec:prefix_cache_queries_total")
                                   if d("mtpspec:prefix_cache_queries_total") > 0 else None),
     }

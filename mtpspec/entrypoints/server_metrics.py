@@ -12,7 +12,9 @@ metric                                                     meaning
 =========================================================  ===========================================
 ``mtpspec:num_requests_running`` / ``_waiting`` (gauge)     scheduler queues at scrape time
 ``mtpspec:kv_cache_free_blocks`` / ``_total_blocks``        KV blocks (per layer cache)
-``mtpspec:request_success_total{finished_reason}``          finished requests (stop / length)
+``mtpspec:kv_cache_usage_perc`` (gauge)                     KV blocks in use, a fraction (0 .. 1; vLLM's)
+``mtpspec:request_success_total{finished_reason}``          finished requests (stop / length / abort:
+                                                            vLLM's labels)
 ``mtpspec:request_aborted_total``                           aborted (client gone) requests
 ``mtpspec:request_failed_total``                            requests failed inside the engine loop
 ``mtpspec:prompt_tokens_total``                             each sequence's prompt, at its first token
@@ -26,7 +28,8 @@ metric                                                     meaning
 ``mtpspec:engine_steps_total``                              engine steps
 ``mtpspec:time_to_first_token_seconds`` (histogram)         TTFT per request (aborted ones too)
 ``mtpspec:inter_token_latency_seconds`` (histogram)         gap between a request's emitting steps
-``mtpspec:time_per_output_token_seconds`` (histogram)       per-request mean after the first token
+``mtpspec:request_time_per_output_token_seconds`` (hist.)   per-request mean after the first token
+                                                            (vLLM's name for it)
 ``mtpspec:e2e_request_latency_seconds`` (histogram)         arrival to finish
 ``mtpspec:request_queue_time_seconds`` (histogram)          arrival to first scheduled
 ``mtpspec:request_prefill_time_seconds`` (histogram)        first scheduled to first token
@@ -39,7 +42,8 @@ metric                                                     meaning
                                                             drafts per sequence (the histogram of the
                                                             k that adaptive speculation chose)
 ``mtpspec:collective_bytes_total{op}``                      bytes rank 0's collectives sent
-``mtpspec:eager_fallbacks_total`` / ``preemptions_total``   CUDA-graph fall-backs, preemptions
+``mtpspec:eager_fallbacks_total``                           CUDA-graph fall-backs
+``mtpspec:num_preemptions_total``                           recompute preemptions (vLLM's name)
 ``mtpspec:forced_acceptance``                               1 when SYNTHETIC forced acceptance is on
 ``mtpspec:engine_info`` (info)                              model, tp, k, fusion, local argmax, ...
 =========================================================  ===========================================
@@ -100,6 +104,7 @@ class ServerMetrics(EngineObserver):
         self.waiting = named(Gauge, "num_requests_waiting", "Requests waiting to be scheduled")
         self.free_blocks = named(Gauge, "kv_cache_free_blocks", "Free KV-cache blocks")
         self.total_blocks = named(Gauge, "kv_cache_total_blocks", "KV-cache blocks in total")
+        self.usage = named(Gauge, "kv_cache_usage_perc", "KV-cache usage: blocks in use / blocks (0 .. 1)")
         self.success = named(Counter, "request_success", "Finished requests", ["finished_reason"])
         self.aborted = named(Counter, "request_aborted", "Aborted requests (client disconnected)")
         self.failed = named(Counter, "request_failed", "Requests failed inside the engine loop")
@@ -113,8 +118,8 @@ class ServerMetrics(EngineObserver):
         self.steps = named(Counter, "engine_steps", "Engine steps")
         self.ttft = named(Histogram, "time_to_first_token_seconds", "Time to first token", **lat)
         self.itl = named(Histogram, "inter_token_latency_seconds", "Gap between emitting steps of a request", **lat)
-        self.tpot = named(Histogram, "time_per_output_token_seconds", "Mean time per output token after the first",
-                          **lat)
+        self.tpot = named(Histogram, "request_time_per_output_token_seconds",
+                          "Per request: mean time per output token after the first", **lat)
         self.e2e = named(Histogram, "e2e_request_latency_seconds", "Arrival to finish", **lat)
         self.queue_time = named(Histogram, "request_queue_time_seconds", "Arrival to first scheduled", **lat)
         self.prefill_time = named(Histogram, "request_prefill_time_seconds", "First scheduled to first token", **lat)
@@ -131,7 +136,7 @@ class ServerMetrics(EngineObserver):
                               "MTP KV entries deferred by k = 0 steps and written by a later drafting step")
         self.comm = named(Counter, "collective_bytes", "Bytes sent by rank 0's collectives", ["op"])
         self.fallbacks = named(Counter, "eager_fallbacks", "Steps that could not use a CUDA graph")
-        self.preemptions = named(Counter, "preemptions", "Recompute preemptions")
+        self.preemptions = named(Counter, "num_preemptions", "Recompute preemptions")
         g = named(Gauge, "forced_acceptance", "1: SYNTHETIC forced acceptance is on")
         g.set(1 if forced_acceptance else 0)
         Info(p + "engine", "Engine configuration", registry=r).info({k: str(v) for k, v in info.items()})
@@ -192,6 +197,7 @@ class ServerMetrics(EngineObserver):
         into their histograms too (vLLM v1 records both per step, whether the request finishes or
         not), so a stream the client cut still counts its first token."""
         self.aborted.inc()
+        self.success.labels(finished_reason="abort").inc()  # vLLM counts aborts as finished, reason "abort"
         rm = None if output is None else output.metrics
         if rm is not None:
             if rm.ttft is not None:
@@ -216,5 +222,7 @@ class ServerMetrics(EngineObserver):
         self.running.set(stats.num_running)
         self.waiting.set(stats.num_waiting)
         self.free_blocks.set(stats.num_free_blocks)
+        total = stats.num_total_blocks
+        self.usage.set((total - stats.num_free_blocks) / total if total else 0.0)
         self.total_blocks.set(stats.num_total_blocks)
         return generate_latest(self.registry)
