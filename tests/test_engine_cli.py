@@ -189,3 +189,13 @@ def test_ctrl_c_in_a_command_is_exit_130_without_a_traceback(monkeypatch, capsys
     monkeypatch.setattr(generate, "run", interrupted)
     assert cli.main(["generate", "--prompt", "x"]) == 130
     assert capsys.readouterr().err == "mtpspec generate: interrupted\n"
+
+
+def test_version_flag_prints_the_package_version(capsys) -> None:
+    """``mtpspec --version`` (``-v``), as ``vllm --version``: the package version, exit 0."""
+    import mtpspec
+    from mtpspec.entrypoints.cli import main as cli_main
+    for flag in ("--version", "-v"):
+        with pytest.raises(SystemExit) as exc:
+            cli_main([flag])
+        assert exc.value.code == 0 and capsys.readouterr().out.strip() == mtpspec.__version__

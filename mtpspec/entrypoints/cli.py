@@ -20,6 +20,8 @@ SUBCOMMANDS = {
 
 def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="mtpspec", description=__doc__)
+    from mtpspec import __version__
+    parser.add_argument("-v", "--version", action="version", version=__version__)  # as `vllm --version`
     sub = parser.add_subparsers(dest="command", required=True)
     modules = {}
     argv = sys.argv[1:] if argv is None else list(argv)
