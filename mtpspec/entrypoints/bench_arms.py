@@ -46,8 +46,17 @@ one ``LLM.generate`` with every request queued before the first step
 runs go on, ``bench_arms.partial.json`` holds the runs made so far and their settings, for a sweep
 that is killed or fails; a finished sweep removes it) and PNG
 plots (each arm's runs of output tok/s and steps/s with median and spread; acceptance rate per
-draft position) in ``--output-dir``. Synthetic runs (random prompts, ``--ignore-eos``,
+draft position) in ``--output-dir``, made after the JSON is written and the tables printed (a failed plot
+only warns). The plots need matplotlib (``pip install 'mtpspec[bench]'``): without it the sweep stops
+before any server starts unless ``--no-plots`` is given. Synthetic runs (random prompts, ``--ignore-eos``,
 ``--forced-acceptance``) are marked SYNTHETIC in every table, plot title and the JSON.
+
+``--server-args`` is one value, every arm's extra `mtpspec serve` flags: ``--server-args '-tp 2
+--enforce-eager'``, ``--server-args --enforce-eager`` (the word after ``--server-args`` is always its
+value, even when it starts with ``--``) or ``--server-args=...``. It is split as a shell splits words
+(:func:`split_flags`; so are ``--arm`` flags), except that a JSON object or array is kept as written:
+``--server-args '--speculative-config {"num_speculative_tokens": 3}'`` works, as does the JSON in
+single quotes inside the value.
 """
 
 from __future__ import annotations
@@ -55,6 +64,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shlex
 import socket
 import statistics
@@ -147,8 +157,10 @@ def scaled_preset(name: str, scale: float) -> Dict[str, int]:
 def parse_arms(names: str, extra: Sequence[str]) -> Dict[str, List[str]]:
     """Arms to run, in order: ``names`` (comma-separated) from the defaults and ``--arm NAME=FLAGS``.
 
+    ``FLAGS`` are split by :func:`split_flags`.
+
     Raises:
-        ValueError: an unknown arm name or a malformed ``--arm``.
+        ValueError: an unknown arm name, a malformed ``--arm`` or an unclosed quote in its flags.
     """
     table = dict(DEFAULT_ARMS)
     custom = []
@@ -156,7 +168,7 @@ def parse_arms(names: str, extra: Sequence[str]) -> Dict[str, List[str]]:
         name, sep, flags = spec.partition("=")
         if not sep or not name.strip():
             raise ValueError(f"--arm must look like NAME=FLAGS (e.g. 'nofuse=--no-fusion'), got {spec!r}")
-        table[name.strip()] = shlex.split(flags)
+        table[name.strip()] = split_flags(flags)
         custom.append(name.strip())
     wanted = [n.strip() for n in names.split(",") if n.strip()] if names else list(DEFAULT_ARMS)
     for n in custom:
@@ -166,6 +178,93 @@ def parse_arms(names: str, extra: Sequence[str]) -> Dict[str, List[str]]:
     if unknown:
         raise ValueError(f"unknown arm(s) {unknown}; known: {sorted(table)} (define one with --arm NAME=FLAGS)")
     return {n: table[n] for n in wanted}
+
+
+_JSON_WORD = re.compile(r"(-{1,2}[A-Za-z0-9][\w.-]*=)?[{\[]")
+
+
+def _json_end(s: str, i: int) -> Optional[int]:
+    """The index just past the bracketed value (``{...}`` / ``[...]``) that starts at ``s[i]``,
+    brackets inside JSON strings ignored; ``None`` when it is not closed."""
+    depth, in_str, esc = 0, False, False
+    for j in range(i, len(s)):
+        c = s[j]
+        if in_str:
+            esc, in_str = (False, in_str) if esc else (c == "\\", c != '"')
+        elif c == '"':
+            in_str = True
+        elif c in "{[":
+            depth += 1
+        elif c in "}]":
+            depth -= 1
+            if depth == 0:
+                return j + 1
+    return None
+
+
+def split_flags(s: str) -> List[str]:
+    """``--server-args`` / ``--arm`` flags, one string, as a list: split as a POSIX shell splits words
+    (:func:`shlex.split`), except that a word that is a JSON object or array (``{...}``, ``[...]``,
+    or ``--flag={...}``) as written, up to whitespace or the end, is kept verbatim, spaces and
+    double quotes included (the shell's rules would strip its quotes and split it at its spaces):
+    ``'--speculative-config {"num_speculative_tokens": 3}'`` gives ``["--speculative-config",
+    '{"num_speculative_tokens": 3}']``, as does ``--speculative-config '{"num_speculative_tokens": 3}'``
+    (quoted JSON takes the shell's rules). A bracketed word that is not valid JSON takes the shell's rules.
+
+    Raises:
+        ValueError: an unclosed quote (shlex's ``No closing quotation``).
+    """
+    out: List[str] = []
+    i, n = 0, len(s)
+    while i < n:
+        if s[i].isspace():
+            i += 1
+            continue
+        m = _JSON_WORD.match(s, i)
+        if m:
+            end = _json_end(s, m.end() - 1)
+            if end is not None and (end == n or s[end].isspace()):
+                try:
+                    json.loads(s[m.end() - 1:end])
+                    out.append(s[i:end])
+                    i = end
+                    continue
+                except ValueError:
+                    pass
+        lex = shlex.shlex(s[i:], posix=True)  # one word by the shell's rules, as shlex.split reads it
+        lex.whitespace_split, lex.commenters = True, ""
+        word = lex.get_token()
+        if word is None:  # only possible at the end (whitespace was skipped above)
+            break
+        out.append(word)
+        i += lex.instream.tell()
+    return out
+
+
+def join_server_args(argv: Sequence[str]) -> List[str]:
+    """``argv`` with every ``--server-args VALUE`` made ``--server-args=VALUE``: the word after
+    ``--server-args`` is its value even when it starts with ``-`` (argparse would take
+    ``--server-args --enforce-eager`` for two options). Words after ``--`` are left alone."""
+    out: List[str] = []
+    i = 0
+    while i < len(argv):
+        a = argv[i]
+        if a == "--":
+            out.extend(argv[i:])
+            break
+        if a == "--server-args" and i + 1 < len(argv):
+            out.append(f"--server-args={argv[i + 1]}")
+            i += 2
+            continue
+        out.append(a)
+        i += 1
+    return out
+
+
+#: ``--server-args`` with JSON in it, as a shell command line (errors about JSON name it).
+SERVER_ARGS_JSON_FORM = "--server-args '--speculative-config {\"num_speculative_tokens\": 3}'"
+#: How ``--server-args`` is written (its errors name these).
+SERVER_ARGS_FORMS = f"--server-args '--enforce-eager -tp 2', --server-args --enforce-eager, or {SERVER_ARGS_JSON_FORM}"
 
 
 # ---------------------------------------------------------------------------- servers
@@ -461,6 +560,45 @@ def plot_workload(name: str, wl: Dict[str, Any], out_dir: str) -> List[str]:
     return paths
 
 
+def check_plotting() -> None:
+    """Raise RuntimeError, one line naming ``--no-plots`` and the install command, when matplotlib
+    (the ``[bench]`` extra) cannot be imported: checked before any server starts, so a sweep that
+    wants plots does not run for hours and then fail to make them."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot  # noqa: F401
+    except Exception as exc:  # not installed, or broken (a failed import of one of its dependencies)
+        raise RuntimeError(f"the plots need matplotlib, which cannot be imported ({type(exc).__name__}: {exc}): "
+                           "pip install 'mtpspec[bench]' (or pip install matplotlib), or pass --no-plots") from None
+
+
+def write_plots(result: Dict[str, Any], out_dir: str) -> List[str]:
+    """Every workload's PNGs (:func:`plot_workload`) in ``out_dir``; their paths go to
+    ``result["plots"]`` and ``bench_arms.json`` is written again with them. A workload whose plots
+    fail (any error) is one warning line on stderr, the others are still plotted; the JSON is
+    never lost to plotting (:func:`run_arms` writes it before)."""
+    paths: List[str] = []
+    for name, wl in result["workloads"].items():
+        try:
+            paths += plot_workload(name, wl, out_dir)
+        except Exception as exc:
+            print(f"warning: no plots for workload {name!r} ({type(exc).__name__}: {exc}); every figure is in "
+                  f"{os.path.join(out_dir, 'bench_arms.json')}", file=sys.stderr)
+    result["plots"] = paths
+    _write_json(result, out_dir)
+    return paths
+
+
+def _write_json(result: Dict[str, Any], out_dir: str) -> None:
+    """``bench_arms.json`` in ``out_dir``, written whole to a temporary file, then renamed (a write
+    that fails midway leaves the previous copy)."""
+    path = os.path.join(out_dir, "bench_arms.json")
+    with open(path + ".tmp", "w") as f:
+        json.dump(result, f, indent=1)
+    os.replace(path + ".tmp", path)
+
+
 # ---------------------------------------------------------------------------- driver
 def check_workload_lengths(workloads: Dict[str, Any], server_kwargs: Dict[str, Any], arm: str) -> None:
     """Raise ValueError when a workload with a fixed ``input_len`` asks for more than arm ``arm``'s
@@ -496,7 +634,9 @@ def run_arms(arms: Dict[str, List[str]], workloads: Dict[str, BenchConfig], repe
         out_dir: where the JSON, plots and server logs go.
         common: `mtpspec serve` flags every arm gets (``--model`` etc.).
         urls: arm -> base URL of an already running server (those arms start none).
-        progress, plots: progress bars; PNG plots.
+        progress, plots: progress bars; PNG plots (:func:`write_plots`: made after ``bench_arms.json``
+            is written, so a plot that fails only warns; matplotlib is checked before any server
+            starts, :func:`check_plotting`).
         share_gpu: split 85% of the GPU between the servers. They run at the same time and a
             server's ``--gpu-memory-utilization`` counts the memory other processes already use,
             so the i-th server started (0-based) of ``n`` gets ``0.85 * (i + 1) / n``.
@@ -518,12 +658,15 @@ def run_arms(arms: Dict[str, List[str]], workloads: Dict[str, BenchConfig], repe
     Raises:
         ValueError: ``repeats < 1``, a malformed or too small GSM8K dataset, a workload longer
             than an arm's context (:func:`check_workload_lengths`); FileNotFoundError: no GSM8K
-            dataset (all checked before any server starts); RuntimeError: a server did not come up.
+            dataset; RuntimeError: ``plots`` without matplotlib (all checked before any server
+            starts), a server did not come up.
     """
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
     if warmup_rounds < 0:
         raise ValueError(f"warmup_rounds must be >= 0, got {warmup_rounds}")
+    if plots:
+        check_plotting()
     from mtpspec.entrypoints.bench_dataset import load_dataset
     for cfg in workloads.values():  # a missing or bad dataset is reported before any server starts
         if cfg.prompts == "gsm8k":
@@ -656,22 +799,30 @@ def run_arms(arms: Dict[str, List[str]], workloads: Dict[str, BenchConfig], repe
         for e in engines.values():
             e.shutdown()
     result["synthetic"] = any(w["synthetic"] for w in result["workloads"].values())
-    if plots:
-        result["plots"] = [p for name, wl in result["workloads"].items() for p in plot_workload(name, wl, out_dir)]
-    with open(os.path.join(out_dir, "bench_arms.json"), "w") as f:
-        json.dump(result, f, indent=1)
+    _write_json(result, out_dir)  # before any plot: a failed plot must not lose the sweep
     if os.path.exists(partial):
         os.remove(partial)
+    if plots:
+        write_plots(result, out_dir)
     return result
 
 
 def add_parser(sub: Any) -> None:
     p = sub.add_parser("arms", help="A/B of engine arms (one server per arm, interleaved runs, verdicts)",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parse_known_args = p.parse_known_args  # the subcommand's parser gets its words through this
+
+    def parse_known_args_joined(args: Optional[Sequence[str]] = None, namespace: Any = None) -> Any:
+        args = sys.argv[1:] if args is None else list(args)
+        if args and args[-1] == "--server-args":
+            p.error(f"argument --server-args: expected one value, the `mtpspec serve` flags: {SERVER_ARGS_FORMS}")
+        return parse_known_args(join_server_args(args), namespace)
+
+    p.parse_known_args = parse_known_args_joined  # type: ignore[method-assign]
     p.add_argument("--model", default=None, help="checkpoint folder (default: the bundled demo model)")
     p.add_argument("--arms", default="baseline,fusion,both", help="comma-separated arm names, in comparison order")
     p.add_argument("--arm", action="append", default=[], metavar="NAME=FLAGS",
-                   help="define an arm by its `mtpspec serve` flags (repeatable)")
+                   help="define an arm by its `mtpspec serve` flags (repeatable; FLAGS split as --server-args is)")
     p.add_argument("--base-url", action="append", default=[], metavar="NAME=URL",
                    help="use an already running server for arm NAME (repeatable)")
     p.add_argument("--workloads", default="batch1,c64", help=f"comma-separated presets: {', '.join(PRESETS)}")
@@ -682,13 +833,18 @@ def add_parser(sub: Any) -> None:
                         "before the first step (deterministic arrival; no HTTP, TTFT / ITL from the engine)")
     p.add_argument("--warmup-rounds", type=int, default=0,
                    help="untimed whole runs of each workload per arm before the timed ones (default 0)")
-    p.add_argument("--server-args", default="",
-                   help="extra `mtpspec serve` flags for every arm (checked before any server starts), e.g. "
-                        "'--tensor-parallel-size 2' or '-tp 2 --allreduce-backend p2p'")
+    p.add_argument("--server-args", default="", metavar="FLAGS",
+                   help="extra `mtpspec serve` flags for every arm, one value (checked before any server starts): "
+                        "--server-args '-tp 2 --allreduce-backend p2p', --server-args --enforce-eager (the word "
+                        "after --server-args is always its value), --server-args='...'; split as a shell splits "
+                        "words, a JSON object kept as written: --server-args '--speculative-config "
+                        "{\"num_speculative_tokens\": 3}'")
     p.add_argument("--forced-acceptance", default=None, metavar="rate:P|length:N",
                    help="passed to every server (SYNTHETIC, for random-weight models)")
     p.add_argument("--output-dir", default="bench_arms_out", help="JSON, plots and server logs")
-    p.add_argument("--no-plots", action="store_true")
+    p.add_argument("--no-plots", action="store_true",
+                   help="no PNG plots (they need matplotlib: pip install 'mtpspec[bench]'; without it and without "
+                        "this flag the sweep stops before any server starts)")
     p.add_argument("--one-arm-at-a-time", action="store_true",
                    help="one server at a time, arm after arm (models the GPU holds one copy of; runs not interleaved)")
     add_arguments(p)
@@ -698,6 +854,7 @@ def run(args: argparse.Namespace) -> int:
     import httpx
 
     from mtpspec.entrypoints.serve import default_model_path
+    started = time.time()  # a bench_arms.partial.json older than this is an earlier sweep's
     try:
         arms = parse_arms(args.arms, args.arm)
         urls = {}
@@ -711,7 +868,10 @@ def run(args: argparse.Namespace) -> int:
         workloads = {}
         for w in [x.strip() for x in args.workloads.split(",") if x.strip()]:
             workloads[w] = workload_config(w, args)
-        common = ["--model", args.model or default_model_path()] + shlex.split(args.server_args)
+        try:
+            common = ["--model", args.model or default_model_path()] + split_flags(args.server_args)
+        except ValueError as exc:  # an unclosed quote
+            raise ValueError(f"--server-args {args.server_args!r}: {exc}; write it as {SERVER_ARGS_FORMS}") from None
         if args.forced_acceptance:
             common += ["--forced-acceptance", args.forced_acceptance]
         from mtpspec.entrypoints.serve import check_serve_args
@@ -725,22 +885,31 @@ def run(args: argparse.Namespace) -> int:
                 except ValueError as common_exc:
                     where = "--server-args / --model" if str(common_exc) == str(exc) else \
                         f"arm {name!r} ({' '.join(arm_flags) or 'no flags'}) with --server-args"
-                raise ValueError(f"{where}: {exc}") from None
+                hint = ""
+                if "invalid JSON" in str(exc):  # say how the value was split: quotes the shell's rules removed
+                    hint = (f" (--server-args split into {split_flags(args.server_args)}"
+                            + (f", arm {name!r}'s flags {arm_flags}" if where.startswith("arm") else "")
+                            + f"; JSON in --server-args or --arm is kept as written when it is valid JSON, e.g. "
+                              f"{SERVER_ARGS_JSON_FORM})")
+                raise ValueError(f"{where}: {exc}{hint}") from None
+        if not args.no_plots:  # before any server starts: a sweep must not end without its plots
+            check_plotting()
         share = not args.one_arm_at_a_time and not any(
             a.startswith(("--gpu-memory-utilization", "--num-kv-blocks", "--num-gpu-blocks-override")) for a in common)
         res = run_arms(arms, workloads, args.repeats, args.output_dir, common, urls, progress=not args.no_progress,
-                       plots=not args.no_plots, share_gpu=share, one_at_a_time=args.one_arm_at_a_time,
+                       plots=False, share_gpu=share, one_at_a_time=args.one_arm_at_a_time,
                        warmup_rounds=args.warmup_rounds, in_process=args.in_process,
                        forced=args.forced_acceptance if args.in_process else None)
     except (ValueError, FileNotFoundError, RuntimeError, httpx.HTTPError) as exc:
         what = f"talking to a server: {type(exc).__name__}: {exc}" if isinstance(exc, httpx.HTTPError) else exc
         print(f"error: {what}", file=sys.stderr)
         partial = os.path.join(args.output_dir, PARTIAL_JSON)
-        if os.path.exists(partial):
-            print(f"the runs made before it: {partial}", file=sys.stderr)
+        if os.path.exists(partial) and os.path.getmtime(partial) >= started - 1.0:
+            print(f"the runs made before it: {partial}", file=sys.stderr)  # this sweep's, not an earlier one's
         return 2
-    for name, wl in res["workloads"].items():
-        print(format_workload(name, wl))
+    for name, wl in res["workloads"].items():  # the tables (and the JSON, written) before any plot
+        print(format_workload(name, wl), flush=True)
+    plots = [] if args.no_plots else write_plots(res, args.output_dir)
     print(f"\nevery figure: {os.path.join(args.output_dir, 'bench_arms.json')}"
-          + (f"; plots: {', '.join(res.get('plots', []))}" if res.get("plots") else ""))
+          + (f"; plots: {', '.join(plots)}" if plots else ""))
     return 0

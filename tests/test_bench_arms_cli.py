@@ -1,0 +1,169 @@
+"""`mtpspec bench arms` command line: how ``--server-args`` is read, and plots that never cost a
+sweep its JSON or tables (no servers start here: runs are faked or the command stops first)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import pytest
+
+from mtpspec.entrypoints import bench, bench_arms
+from mtpspec.entrypoints.cli import main
+from mtpspec.entrypoints.serve import default_model_path
+
+JSON = '{"adaptive_prompt_reserve": 0.5}'
+
+
+def fake_result(url, cfg, progress=True, desc=""):
+    return {"desc": desc, "synthetic_reasons": [], "output_throughput": 10.0, "steps_per_s": 5.0,
+            "ttft_ms": {"median": 1.0}, "itl_ms": {"median": 2.0}, "acceptance_length": 2.0,
+            "collective_bytes_per_step_total": 0, "acceptance_rate_per_pos": [0.5]}
+
+
+@pytest.fixture
+def no_sweep(monkeypatch):
+    """``run_arms`` replaced: records the server flags every arm would get, runs nothing."""
+    seen = {}
+
+    def fake_run_arms(arms, workloads, repeats, out_dir, common, urls=None, **kw):
+        seen.update(arms=arms, common=common, plots=kw.get("plots"))
+        return {"workloads": {}}
+
+    monkeypatch.setattr(bench_arms, "run_arms", fake_run_arms)
+    return seen
+
+
+def test_split_flags_keeps_json_as_written_and_otherwise_splits_as_a_shell():
+    split = bench_arms.split_flags
+    assert split("--device cpu  -tp 2") == ["--device", "cpu", "-tp", "2"]
+    assert split('--speculative-config {"num_speculative_tokens":3}') == \
+        ["--speculative-config", '{"num_speculative_tokens":3}']
+    assert split('--speculative-config {"num_speculative_tokens": 3, "x": "a }"} -k 3') == \
+        ["--speculative-config", '{"num_speculative_tokens": 3, "x": "a }"}', "-k", "3"]
+    assert split(f"--speculative-config '{JSON}'") == ["--speculative-config", JSON]  # quoted: the shell's rules
+    assert split(f"--speculative-config={JSON}") == [f"--speculative-config={JSON}"]
+    assert split('{\\"a\\":1}') == ['{"a":1}']  # not JSON as written: the shell's rules
+    assert split("--a 'b c' \"d\" ''") == ["--a", "b c", "d", ""]
+    assert split("  ") == [] and split("") == []
+    with pytest.raises(ValueError, match="closing quotation"):
+        split("--a 'b")
+
+
+def test_the_word_after_server_args_is_its_value():
+    p = argparse.ArgumentParser()
+    bench.add_parser(p.add_subparsers(dest="command"))
+    for argv, value in ((["--server-args", "--enforce-eager"], "--enforce-eager"),
+                        (["--server-args=--enforce-eager"], "--enforce-eager"),
+                        (["--server-args", "-tp 2", "--server-args", "-k"], "-k"),  # the last one, as before
+                        (["--server-args", "--device cpu"], "--device cpu")):
+        args = p.parse_args(["bench", "arms", *argv, "--no-plots"])
+        assert args.server_args == value and args.no_plots
+    assert bench_arms.join_server_args(["--x", "--", "--server-args", "--y"]) == ["--x", "--", "--server-args", "--y"]
+
+
+def test_server_args_without_a_value_names_the_accepted_forms(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["bench", "arms", "--no-plots", "--server-args"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "error: argument --server-args: expected one value" in err and "--server-args --enforce-eager" in err
+
+
+def test_server_args_flag_alone_reaches_the_servers(no_sweep, capsys):
+    """``--server-args --enforce-eager`` (argparse used to say 'expected one argument')."""
+    assert main(["bench", "arms", "--server-args", "--enforce-eager", "--no-progress", "--no-plots"]) == 0
+    assert no_sweep["common"] == ["--model", default_model_path(), "--enforce-eager"]
+    assert main(["bench", "arms", "--server-args", "--bogus-flag", "--no-progress", "--no-plots"]) == 2
+    assert capsys.readouterr().err == "error: --server-args / --model: unrecognized arguments: --bogus-flag\n"
+
+
+@pytest.mark.parametrize("value", [f"--speculative-config {JSON}", f"--speculative-config '{JSON}'",
+                                   f"--speculative-config={JSON}"])
+def test_server_args_json_unquoted_or_quoted(no_sweep, value):
+    """The JSON's double quotes survive (shlex used to strip them: 'invalid JSON')."""
+    assert main(["bench", "arms", "--arms", "adaptive", "--server-args", value, "--no-progress", "--no-plots"]) == 0
+    assert no_sweep["common"][2:] in (["--speculative-config", JSON], [f"--speculative-config={JSON}"])
+
+
+def test_arm_flags_json_kept_as_written():
+    arms = bench_arms.parse_arms("r", [f"r=-k 3 --adaptive-speculation --speculative-config {JSON}"])
+    assert arms == {"r": ["-k", "3", "--adaptive-speculation", "--speculative-config", JSON]}
+
+
+def test_bad_json_or_quote_in_server_args_is_one_line_naming_the_form(no_sweep, capsys):
+    assert main(["bench", "arms", "--arms", "adaptive", "--server-args",
+                 "--speculative-config {adaptive_prompt_reserve: 0.5}", "--no-progress", "--no-plots"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: --server-args / --model: --speculative-config: invalid JSON")
+    assert "--server-args split into ['--speculative-config', '{adaptive_prompt_reserve:', '0.5}'];" in err
+    assert bench_arms.SERVER_ARGS_JSON_FORM in err
+    assert main(["bench", "arms", "--server-args", "--device 'cpu", "--no-progress", "--no-plots"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "No closing quotation" in err and "--server-args --enforce-eager" in err
+    assert not no_sweep
+
+
+def test_no_matplotlib_stops_before_any_server_starts(monkeypatch, capsys, tmp_path):
+    """Plots wanted and matplotlib missing: one error line naming the fix, exit 2, nothing run
+    (a finished sweep used to crash in plot_workload and lose bench_arms.json and the tables)."""
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` raises ModuleNotFoundError
+    monkeypatch.setitem(sys.modules, "matplotlib.pyplot", None)
+    ran = []
+    monkeypatch.setattr(bench_arms, "run_benchmark", lambda *a, **k: ran.append(a))
+    monkeypatch.setattr(bench_arms, "ArmServer", lambda *a, **k: ran.append(a))
+    out = tmp_path / "arms"
+    assert main(["bench", "arms", "--server-args", "--device cpu", "--workloads", "s1", "--scale", "0.01",
+                 "--no-progress", "--output-dir", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: the plots need matplotlib"), err
+    assert "pip install 'mtpspec[bench]'" in err and "--no-plots" in err
+    assert not ran and not out.exists()
+    # the library call checks it too, before its first run
+    wl = {"s1": bench_arms.BenchConfig(num_prompts=1, max_concurrency=1, input_len=8, output_len=4, prompts="random")}
+    with pytest.raises(RuntimeError, match="--no-plots"):
+        bench_arms.run_arms({"a": []}, wl, 1, str(out), [], urls={"a": "http://127.0.0.1:1"}, progress=False)
+    assert not ran
+    # --no-plots needs no matplotlib
+    monkeypatch.setattr(bench_arms, "run_benchmark", fake_result)
+    res = bench_arms.run_arms({"a": []}, wl, 1, str(out), [], urls={"a": "http://127.0.0.1:1"}, progress=False,
+                              plots=False)
+    assert "plots" not in res and (out / "bench_arms.json").exists()
+
+
+def test_a_failing_plot_loses_neither_the_json_nor_the_tables(monkeypatch, capsys, tmp_path):
+    monkeypatch.setattr(bench_arms, "run_benchmark", fake_result)
+    seen = {}
+
+    def bad_plot(name, wl, out_dir):
+        seen["json_before_plot"] = json.loads((tmp_path / "bench_arms.json").read_text())
+        seen["stdout_before_plot"] = capsys.readouterr().out
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(bench_arms, "plot_workload", bad_plot)
+    assert main(["bench", "arms", "--arms", "a,b", "--arm", "a=", "--arm", "b=",
+                 "--base-url", "a=http://127.0.0.1:1", "--base-url", "b=http://127.0.0.1:2",
+                 "--workloads", "s1", "--scale", "0.01", "--repeats", "1", "--no-progress",
+                 "--output-dir", str(tmp_path)]) == 0
+    assert "workload s1" in seen["stdout_before_plot"] and "b vs a" in seen["stdout_before_plot"]
+    assert list(seen["json_before_plot"]["workloads"]) == ["s1"]
+    cap = capsys.readouterr()
+    assert cap.err == (f"warning: no plots for workload 's1' (RuntimeError: boom); every figure is in "
+                       f"{tmp_path / 'bench_arms.json'}\n")
+    assert f"every figure: {tmp_path / 'bench_arms.json'}" in cap.out
+    res = json.loads((tmp_path / "bench_arms.json").read_text())
+    assert res["plots"] == [] and list(res["workloads"]) == ["s1"]
+    assert not (tmp_path / bench_arms.PARTIAL_JSON).exists() and not (tmp_path / "bench_arms.json.tmp").exists()
+
+
+def test_plots_are_made_after_the_json_and_listed_in_it(monkeypatch, tmp_path):
+    pytest.importorskip("matplotlib")
+    monkeypatch.setattr(bench_arms, "run_benchmark", fake_result)
+    wl = {"s1": bench_arms.BenchConfig(num_prompts=1, max_concurrency=1, input_len=8, output_len=4, prompts="random")}
+    res = bench_arms.run_arms({"a": [], "b": []}, wl, 1, str(tmp_path), [],
+                              urls={"a": "http://127.0.0.1:1", "b": "http://127.0.0.1:2"}, progress=False)
+    assert res["plots"] == [str(tmp_path / "s1_runs.png"), str(tmp_path / "s1_acceptance.png")]
+    assert json.loads((tmp_path / "bench_arms.json").read_text())["plots"] == res["plots"]
+    for p in res["plots"]:
+        assert open(p, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
