@@ -143,9 +143,9 @@ class Scripted:
         self.waiting, self.emitted, self.partial, self.catch_up, self.caught = [], [], [], [], []
 
     def choose(self, batch, num_prefill_tokens=0, prompts_waiting=False, token_budget=None, num_partial_prefills=0,
-               catch_up_rows=0, remaining_tokens=None):
+               catch_up=()):
         self.prefill.append(num_prefill_tokens)
-        self.catch_up.append((catch_up_rows, remaining_tokens))
+        self.catch_up.append(list(catch_up))
         self.partial.append((batch, num_partial_prefills))
         self.waiting.append((prompts_waiting, token_budget))
         k = self.ks[self.i % len(self.ks)]
@@ -276,6 +276,7 @@ def test_measured_cost_table_on_cpu(model) -> None:
         assert all(t > 0 for d in costs.verify_ms.values() for t in d.values())
         assert all(costs.draft_ms[k][b] > 0 for k in (1, 2) for b in (1, 2))
         assert "measured at start-up" in costs.source
+        assert costs.catch_up_ms_per_row > 0  # adaptive defers MTP entries: their catch-up pass is timed too
         again = llm.llm_engine.executor.collective_rpc(measure_step_costs, (1,), 2)[0]
         assert again.ks == [0, 1, 2] and sorted(again.verify_ms[2]) == [1, 2]  # asked for 1; the largest always
         outs = llm.generate(token_prompts(mixed_prompts(2, cfg.vocab_size, seed=4)),
@@ -678,24 +679,29 @@ def test_prompt_cost_samples_are_kept_until_trusted_and_none_before_decode_sampl
     assert pol.prefill_ms_per_token == pytest.approx(0.05)
 
 
-def test_catch_up_cost_is_measured_on_drafting_steps_that_write_deferred_entries() -> None:
-    """A pure-decode drafting step that first writes ``R`` deferred MTP entries samples what one
-    entry costs (its wall beyond the table and its k's host time, over ``R``): the median of the
-    last samples, not fed to the host model; too few rows are no sample. A prompt step's sample
-    then leaves the entries' cost out of its per-prompt-token cost."""
-    from mtpspec.spec_decode.adaptive import CATCH_UP_SAMPLES, MIN_CATCH_UP_ROWS
+def test_catch_up_cost_per_entry_is_the_table_s_and_catch_up_steps_are_no_host_samples(tmp_path) -> None:
+    """The cost of writing one deferred MTP entry comes with the step-cost table (timed at start-up,
+    saved and loaded with it; 0 for older files); a pure-decode step that caught up entries is a
+    transition (no host sample: its wall holds the catch-up, and with async scheduling it was
+    usually launched ahead), and a prompt step's sample leaves its entries' cost out."""
     costs = _table(verify=lambda b, k: 1.0 + 0.4 * k, draft=lambda b, k: 0.3 * k)
+    costs.catch_up_ms_per_row = 0.01
+    costs.save(str(tmp_path / "t.json"))
+    assert StepCostTable.load(str(tmp_path / "t.json")).catch_up_ms_per_row == 0.01
+    old = json.loads((tmp_path / "t.json").read_text())
+    del old["catch_up_ms_per_row"]
+    (tmp_path / "old.json").write_text(json.dumps(old))
+    assert StepCostTable.load(str(tmp_path / "old.json")).catch_up_ms_per_row == 0.0
+    for bad in (-1.0, float("nan"), "x"):
+        with pytest.raises(ValueError, match="catch_up_ms_per_row"):
+            StepCostTable(costs.verify_ms, costs.draft_ms, "t", bad)
     pol = AdaptiveSpecPolicy(3, costs, prior_rate=0.9, prior_weight=1e6, decay=1.0)
-    assert pol.catch_up_ms_per_row() == 0.0  # nothing measured: optimistic
-    pol.observe_step_time(4, 3, costs.step_ms(4, 3) + 1.0, num_catch_up_rows=1000)
-    assert pol.catch_up_ms_per_row() == 0.0  # no pure-decode sample yet: the host time is unknown
+    assert pol.catch_up_ms_per_row() == 0.01
     for _ in range(50):
         pol.observe_step_time(4, 3, costs.step_ms(4, 3) + 1.0)
     host = dict(pol.excess_ms), (pol.overhead_ms, pol.overhead_ms_per_seq, pol.overhead_ms_per_token)
-    for per_row in [0.5] + [0.01] * CATCH_UP_SAMPLES:  # a first outlier, then the true cost
-        pol.observe_step_time(4, 3, costs.step_ms(4, 3) + 1.0 + 1000 * per_row, num_catch_up_rows=1000)
-    pol.observe_step_time(4, 3, costs.step_ms(4, 3) + 1.0 + 500.0, num_catch_up_rows=MIN_CATCH_UP_ROWS - 1)
-    assert pol.catch_up_ms_per_row() == pytest.approx(0.01)
+    pol.observe_step_time(4, 3, costs.step_ms(4, 3) + 1.0 + 1000 * 0.01, num_catch_up_rows=1000)
+    pol.observe_step_time(4, 3, costs.step_ms(4, 3) + 1.0)  # the steady run starts again after it
     assert (dict(pol.excess_ms), (pol.overhead_ms, pol.overhead_ms_per_seq, pol.overhead_ms_per_token)) == host
     # a drafting prompt step of 200 prompt tokens that caught up 1,000 entries: 0.05 ms a prompt token
     for _ in range(MIN_PROMPT_SAMPLES):
@@ -705,44 +711,49 @@ def test_catch_up_cost_is_measured_on_drafting_steps_that_write_deferred_entries
 
 
 def test_deferred_entries_make_drafting_pay_their_catch_up_over_the_tokens_left() -> None:
-    """With deferred MTP entries to write, drafting pays ``C = rows x catch_up_ms_per_row`` once,
-    a step's share ``C min(1, E(k) / R)`` with ``R`` the tokens its sequences may still emit: many
-    rows and few tokens left keep ``k = 0``, the same rows before many tokens draft; no rows, the
-    table's choice. A prompt step is not made to re-try drafting while ``C`` exceeds a k = 0 step."""
+    """With deferred MTP entries to write, drafting pays each sequence's ``rows q`` once, a step's
+    share ``rows q min(1, E(k) / R)`` with ``R`` the tokens that sequence may still emit: many rows
+    and few tokens left keep ``k = 0``, the same rows before many tokens draft; shares add up per
+    sequence (an old sequence's big lag with few tokens left is not diluted by a young one's); no
+    price (q = 0), no charge. A prompt step is not made to re-try drafting while the entries cost
+    more than a k = 0 step."""
     costs = _table(verify=lambda b, k: 1.0 + 0.4 * k, draft=lambda b, k: 0.3 * k)
+    costs.catch_up_ms_per_row = q = 0.002
     pol = AdaptiveSpecPolicy(3, costs, prior_rate=0.9, prior_weight=1e6, decay=1.0)
     for k in (3, 0):  # steady runs of each k: 1 ms of host time beyond the table, measured
         for _ in range(50):
             pol.observe_step_time(1, k, costs.step_ms(1, k) + 1.0)
     assert pol.excess_ms[(1, 3)] == pytest.approx(1.0) and pol.host_ms(1, 0.0) == pytest.approx(1.0)
-    for _ in range(8):
-        pol.observe_step_time(1, 3, costs.step_ms(1, 3) + 1.0 + 2000 * 0.002, num_catch_up_rows=2000)
-    q = pol.catch_up_ms_per_row()
-    assert q == pytest.approx(0.002)
     e = [pol.expected_tokens(k) for k in range(4)]
     t = [costs.step_ms(1, k) + 1.0 for k in range(4)]  # the table + 1 ms (measured for 0 and 3, the plane's 1 and 2)
     assert pol.choose(1) == 3
 
-    def want(rows, left):
-        rate = [e[k] / (t[k] + (rows * q * min(1.0, e[k] / left) if k else 0.0)) for k in range(4)]
+    def want(lags):
+        rate = [e[k] / (t[k] + (sum(r * q * min(1.0, e[k] / left) for r, left in lags) if k else 0.0))
+                for k in range(4)]
         return max(range(4), key=lambda k: (rate[k], -k))
 
-    for rows, left in ((10000, 10.0), (10000, 1000.0), (2000, 10.0), (20, 10.0), (4000, 3.0)):
-        got = pol.choose(1, catch_up_rows=rows, remaining_tokens=left)
-        assert got == want(rows, left), (rows, left, got)
-    # 10,000 rows (20 ms) over 10 tokens left: a k = 3 step's share is 6.9 ms, k = 0; over 1,000 tokens: 0.07 ms
-    assert pol.choose(1, catch_up_rows=10000, remaining_tokens=10.0) == 0
-    assert pol.choose(1, catch_up_rows=10000, remaining_tokens=1000.0) == 3
-    assert pol.choose(1, catch_up_rows=10 ** 6) == 0  # tokens left unknown: all of C
+    cases = ([(10000, 10.0)], [(10000, 1000.0)], [(2000, 10.0)], [(20, 10.0)], [(4000, 3.0)],
+             [(3000, 5.0), (10, 995.0)], [(3010, 500.0)])
+    for lags in cases:
+        assert pol.choose(1, catch_up=lags) == want(lags), lags
+    # 10,000 entries (20 ms) over 10 tokens left: a k = 3 step's share is 6.9 ms, k = 0; over 1,000 tokens: 0.07 ms
+    assert pol.choose(1, catch_up=[(10000, 10.0)]) == 0 and pol.choose(1, catch_up=[(10000, 1000.0)]) == 3
+    # per sequence: 3,000 entries with 5 tokens left (share 4.1 ms) keep k = 0; their mean with a young sequence's
+    # (3,010 entries over 500 tokens: 0.04 ms) would have drafted
+    assert pol.choose(1, catch_up=[(3000, 5.0), (10, 995.0)]) == 0 and pol.choose(1, catch_up=[(3010, 500.0)]) == 3
+    assert pol.choose(1, catch_up=[(10 ** 6, None)]) == 0  # tokens left unknown: all of it
+    costs.catch_up_ms_per_row = 0.0
+    assert pol.choose(1, catch_up=[(10 ** 6, 1.0)]) == 3  # not priced: no charge
+    costs.catch_up_ms_per_row = q
     # prompt steps where drafting's prompt cost was measured high (k = 0 chosen): the periodic re-try of
     # drafting happens with few deferred rows and not with rows that cost more than a k = 0 step
     for _ in range(MIN_PROMPT_SAMPLES):
         pol.observe_step_time(1, 3, costs.step_ms(1, 3) + 1.0 + 1000 * 0.1, num_prefill_tokens=1000)
         pol.observe_step_time(1, 0, costs.step_ms(1, 0) + 1.0 + 1000 * 0.02, num_prefill_tokens=1000)
-    for rows, retried in ((10, True), (5000, False)):
-        chosen = [pol.choose(1, 1000, catch_up_rows=rows, remaining_tokens=100.0)
-                  for _ in range(2 * PROMPT_EXPLORE_EVERY + 2)]
-        assert (3 in chosen) == retried and chosen.count(0) >= 2 * PROMPT_EXPLORE_EVERY, (rows, chosen)
+    for lags, retried in (([(10, 100.0)], True), ([(5000, 100.0)], False)):
+        chosen = [pol.choose(1, 1000, catch_up=lags) for _ in range(2 * PROMPT_EXPLORE_EVERY + 2)]
+        assert (3 in chosen) == retried and chosen.count(0) >= 2 * PROMPT_EXPLORE_EVERY, (lags, chosen)
 
 
 def test_partial_prompt_chunks_keep_no_drafts_so_they_add_no_value() -> None:
@@ -793,16 +804,18 @@ def test_engine_tells_the_policy_the_deferred_entries_a_drafting_step_would_writ
     try:
         assert llm.llm_engine.defer_mtp_kv
         pol = llm.llm_engine.spec_policy = Scripted([0, 0, 0, 3])
+        assert llm.llm_engine._mean_output_len is None
         _greedy(llm, [[5, 6, 7, 8, 9], [3, 4, 5]], n=12)
+        assert llm.llm_engine._mean_output_len == 12  # the running mean of finished output lengths
     finally:
         llm.shutdown()
     assert len(pol.catch_up) == len(pol.chosen) == len(pol.caught) + 1  # the first step is timed by none
-    # drafting steps are never scheduled ahead: their choices and observations come in the same order
-    ahead = [rows for (rows, _), k in zip(pol.catch_up, pol.chosen) if k]
+    # the policy sees each drafting step's catch-up before it is chosen, and observes it after (in order)
+    ahead = [sum(rows for rows, _ in lags) for lags, k in zip(pol.catch_up, pol.chosen) if k]
     assert ahead == [caught for k, caught in pol.caught if k] and max(ahead) > 0  # k = 0 steps deferred some
     assert all(caught == 0 for k, caught in pol.caught if not k)
-    # tokens left: 12 - emitted (ignore_eos, max_tokens 12), at least 1, never more than 12
-    assert all(left is None if not rows else 1.0 <= left <= 12.0 for rows, left in pol.catch_up)
+    # tokens left per sequence: what max_tokens 12 leaves (ignore_eos), at least 1
+    assert all(rows > 0 and 1.0 <= left <= 12.0 for lags in pol.catch_up for rows, left in lags)
 
 
 def test_engine_applies_the_prompt_reserve_while_prompts_wait(model) -> None:

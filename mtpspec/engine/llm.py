@@ -173,6 +173,10 @@ class LLM:
                     print(f"adaptive speculation: batch {b}: step ms for k = 0..: "
                           + ", ".join(f"{costs.step_ms(b, j):.3f}" for j in costs.ks) + f" ({costs.source})",
                           file=sys.stderr)
+                if spec.defers_mtp_kv:  # what a drafting step pays per entry its k = 0 steps deferred
+                    print(f"adaptive speculation: catch-up of a deferred MTP entry: "
+                          f"{1e3 * costs.catch_up_ms_per_row:.2f} us"
+                          + ("" if costs.catch_up_ms_per_row else " (not in this table: not charged)"), file=sys.stderr)
         except BaseException:
             # (under torchrun every process is a rank and fails here alike: no stop message to send)
             if not (isinstance(self.executor, InProcessExecutor) and self.executor.broadcast):

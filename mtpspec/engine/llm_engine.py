@@ -135,6 +135,9 @@ class LLMEngine:
         # (speculative_config adaptive_defer_mtp_kv; LLM sets it with the policy)
         self.defer_mtp_kv = False
         self._last_step_end: Optional[float] = None  # host clock at the end of the last step (the policy's wall times)
+        #: running mean (weight 1/20) of finished sequences' output lengths: how many tokens a request
+        #: not ignoring EOS is expected to emit (:meth:`_catch_up_ahead`); None before the first
+        self._mean_output_len: Optional[float] = None
 
     # ------------------------------------------------------------------ requests
     def validate_request(self, prompt: PromptType, params: SamplingParams) -> Tuple[Optional[str], List[int]]:
@@ -389,31 +392,31 @@ class LLMEngine:
             waiting = self.spec_policy.prompt_reserve > 0 and (bool(self.scheduler.waiting) or partial > 0)
             # the entries a drafting step would catch up: only where the policy prices them (a loop over the batch)
             priced = getattr(self.spec_policy, "catch_up_ms_per_row", None)
-            lag, remaining = (self._catch_up_ahead(out) if self.defer_mtp_kv and (priced is None or priced() > 0)
-                              else (0, None))
+            lags = self._catch_up_ahead(out) if self.defer_mtp_kv and (priced is None or priced() > 0) else []
             out.num_proposed_tokens = self.spec_policy.choose(len(out.scheduled), out.num_prefill_tokens, waiting,
                                                               self.scheduler_config.max_num_batched_tokens,
-                                                              num_partial_prefills=partial, catch_up_rows=lag,
-                                                              remaining_tokens=remaining)
+                                                              num_partial_prefills=partial, catch_up=lags)
             out.defers_mtp = self.defer_mtp_kv and out.num_proposed_tokens == 0
 
-    def _catch_up_ahead(self, out: SchedulerOutput) -> Tuple[int, Optional[float]]:
-        """``(rows, mean remaining)``: the deferred MTP entries ``out`` would write if it drafted
-        (each sequence's ``start_position - mtp_len``, as :meth:`_step_input` computes them) and
-        the mean number of tokens those sequences may still emit (``max_tokens``, else the model
-        length, less what they hold), ``None`` without such rows."""
-        rows, left, n = 0, 0, 0
-        max_len = self.scheduler_config.max_model_len
+    def _catch_up_ahead(self, out: SchedulerOutput) -> List[Tuple[int, float]]:
+        """``(rows, tokens left)`` of each sequence of ``out`` with deferred MTP entries: the entries
+        a drafting step would write first (``start_position - mtp_len``, as :meth:`_step_input`
+        computes them) and the tokens it is expected to emit still: what ``max_tokens`` and the
+        model length leave, and unless it ignores EOS at most the mean output length of the
+        requests finished so far (:attr:`_mean_output_len`) less what it emitted (at least 1)."""
+        lags = []
+        max_len, mean = self.scheduler_config.max_model_len, self._mean_output_len
         for s in out.scheduled:
             seq = s.seq
             if seq.mtp_len < s.start_position:
-                rows += s.start_position - seq.mtp_len
-                cap = max_len - seq.num_tokens
-                if seq.params.max_tokens is not None:
-                    cap = min(cap, seq.params.max_tokens - len(seq.output_token_ids))
-                left += max(1, cap)
-                n += 1
-        return rows, (left / n if n else None)
+                p, done = seq.params, len(seq.output_token_ids)
+                left = max_len - seq.num_tokens
+                if p.max_tokens is not None:
+                    left = min(left, p.max_tokens - done)
+                if mean is not None and not p.ignore_eos:
+                    left = min(left, mean - done)
+                lags.append((s.start_position - seq.mtp_len, max(1.0, float(left))))
+        return lags
 
     def _goes_ahead(self, out: SchedulerOutput, step: StepInput) -> bool:
         """Whether the next step is scheduled ahead of ``out`` (async scheduling, adaptive speculation
@@ -506,7 +509,8 @@ class LLMEngine:
         m.num_eager_fallbacks += result.num_eager_fallbacks
         m.add_comm(result.comm_bytes)
         m.add_step_wall(out.num_prefill_tokens > 0, out.num_proposed_tokens, t0, now, len(out.scheduled),
-                        out.num_prefill_tokens, out.num_spec_tokens, out.num_catch_up_rows)
+                        out.num_prefill_tokens, out.num_spec_tokens if out.num_decode_tokens else 0,
+                        out.num_catch_up_rows)
         if busy:
             m.busy_time_s += now - t0
         if _LOG_STEPS:
@@ -515,6 +519,9 @@ class LLMEngine:
                            (time.perf_counter() - now) * 1e3, out.num_prefill_tokens, out.num_decode_tokens,
                            len(out.scheduled))
         for seq in finished:
+            n = len(seq.output_token_ids)
+            self._mean_output_len = n if self._mean_output_len is None else self._mean_output_len + (
+                n - self._mean_output_len) / 20
             rm = seq.metrics
             if rm.ttft is not None:
                 m.ttft_s.append(rm.ttft)

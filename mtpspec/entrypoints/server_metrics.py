@@ -13,8 +13,7 @@ metric                                                     meaning
 ``mtpspec:num_requests_running`` / ``_waiting`` (gauge)     scheduler queues at scrape time
 ``mtpspec:kv_cache_free_blocks`` / ``_total_blocks``        KV blocks (per layer cache)
 ``mtpspec:kv_cache_usage_perc`` (gauge)                     KV blocks in use, a fraction (0 .. 1; vLLM's)
-``mtpspec:request_success_total{finished_reason}``          finished requests (stop / length / abort:
-                                                            vLLM's labels)
+``mtpspec:request_success_total{finished_reason}``          finished requests (stop / length)
 ``mtpspec:request_aborted_total``                           aborted (client gone) requests
 ``mtpspec:request_failed_total``                            requests failed inside the engine loop
 ``mtpspec:prompt_tokens_total``                             each sequence's prompt, at its first token
@@ -197,7 +196,6 @@ class ServerMetrics(EngineObserver):
         into their histograms too (vLLM v1 records both per step, whether the request finishes or
         not), so a stream the client cut still counts its first token."""
         self.aborted.inc()
-        self.success.labels(finished_reason="abort").inc()  # vLLM counts aborts as finished, reason "abort"
         rm = None if output is None else output.metrics
         if rm is not None:
             if rm.ttft is not None:

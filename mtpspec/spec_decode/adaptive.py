@@ -43,9 +43,9 @@ rate is per position, as vLLM's ``num_accepted_tokens_per_pos`` measures it). Th
   3``). ``k`` values not measured at a batch size, and now and then those measured long ago whose
   rate is near the best, are tried for a few steps (exploration bursts, :data:`EXPLORE_EVERY`).
   With deferred MTP entries, a drafting step first writes the entries its sequences' ``k = 0``
-  steps left (:mod:`mtpspec.spec_decode.deferred_mtp`): their cost per entry is measured on the
-  pure-decode steps that write them, and a step's ``t(k)``, ``k >= 1``, carries its share of the
-  entries waiting, ``C min(1, E(k) / R)`` (``R``: the tokens those sequences may still emit), so
+  steps left (:mod:`mtpspec.spec_decode.deferred_mtp`): their cost per entry is timed at start-up
+  with the table, and a step's ``t(k)``, ``k >= 1``, carries each sequence's share of its
+  entries' cost, ``rows q min(1, E(k) / R)`` (``R``: the tokens it is expected to emit still), so
   drafting starts only where the tokens left repay the catch-up (H200, 2026-12-05, Air 3 layers
   at 256 sequences: 80% of all entries were written late, the adaptive arm at 0.82x plain).
 
@@ -96,12 +96,9 @@ MEASURED_WEIGHT = 0.1
 PROMPT_SAMPLES = 8
 MIN_PROMPT_SAMPLES = 3
 PROMPT_EXPLORE_EVERY = 32
-#: Deferred MTP entries (:mod:`mtpspec.spec_decode.deferred_mtp`): what writing one costs (ms) is
-#: the median of the last :data:`CATCH_UP_SAMPLES` pure-decode drafting steps that wrote at least
-#: :data:`MIN_CATCH_UP_ROWS` of them (what they took beyond their table cost and measured host time,
-#: per entry); 0 before the first.
-CATCH_UP_SAMPLES = 8
-MIN_CATCH_UP_ROWS = 32
+#: Deferred MTP entries (:mod:`mtpspec.spec_decode.deferred_mtp`): :func:`measure_step_costs` times
+#: the catch-up pass over this many rows (fewer where the cache holds fewer) for its cost per entry.
+CATCH_UP_CALIBRATION_ROWS = 1024
 #: Batch sizes :func:`measure_step_costs` times by default (those up to ``max_num_seqs`` that
 #: the runner has graphs for, plus ``max_num_seqs``); others use the next larger measured one.
 CALIBRATION_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
@@ -116,11 +113,16 @@ class StepCostTable:
         draft_ms: ``{k: {batch: ms}}``, the draft passes proposing ``k`` drafts (``k = 0``: the
             MTP KV-cache writes).
         source: how it was made (``"measured: ..."`` or a file name), for reports.
+        catch_up_ms_per_row: ms to write one deferred MTP entry (the catch-up pass's device time
+            over :data:`CATCH_UP_CALIBRATION_ROWS` rows, per row); 0 where none is deferred.
     """
 
     verify_ms: Dict[int, Dict[int, float]]
     draft_ms: Dict[int, Dict[int, float]]
     source: str = ""
+    #: what writing one deferred MTP entry costs a drafting step (ms; 0: not measured, or the
+    #: runner defers none)
+    catch_up_ms_per_row: float = 0.0
 
     def __post_init__(self) -> None:
         try:
@@ -135,6 +137,14 @@ class StepCostTable:
             name, k, b, t = bad[0]
             raise ValueError(f"step cost table: {name}[{k}][{b}] = {t}: times must be finite, verify > 0 and "
                              "draft >= 0 ms, k >= 0 and batch sizes >= 1")
+        try:
+            self.catch_up_ms_per_row = float(self.catch_up_ms_per_row)
+        except (TypeError, ValueError):
+            raise ValueError(f"step cost table: catch_up_ms_per_row must be a number, got "
+                             f"{self.catch_up_ms_per_row!r}") from None
+        if not (math.isfinite(self.catch_up_ms_per_row) and self.catch_up_ms_per_row >= 0):
+            raise ValueError(f"step cost table: catch_up_ms_per_row must be finite and >= 0, got "
+                             f"{self.catch_up_ms_per_row}")
         if not self.verify_ms or set(self.verify_ms) != set(self.draft_ms):
             raise ValueError(f"step cost table: verify_ms and draft_ms must cover the same k values, got "
                              f"{sorted(self.verify_ms)} and {sorted(self.draft_ms)}")
@@ -172,7 +182,8 @@ class StepCostTable:
         return sizes[i] if i < len(sizes) else sizes[-1]
 
     def as_dict(self) -> Dict[str, object]:
-        return {"verify_ms": self.verify_ms, "draft_ms": self.draft_ms, "source": self.source}
+        return {"verify_ms": self.verify_ms, "draft_ms": self.draft_ms, "source": self.source,
+                "catch_up_ms_per_row": self.catch_up_ms_per_row}
 
     def save(self, path: str) -> None:
         """Write the table as JSON (what :meth:`load` reads)."""
@@ -189,7 +200,7 @@ class StepCostTable:
         try:
             with open(path) as f:
                 d = json.load(f)
-            return cls(d["verify_ms"], d["draft_ms"], d.get("source") or path)
+            return cls(d["verify_ms"], d["draft_ms"], d.get("source") or path, d.get("catch_up_ms_per_row", 0.0))
         except (OSError, KeyError, TypeError, AttributeError, ValueError) as exc:  # JSONDecodeError is a ValueError
             raise ValueError(f"adaptive_cost_table {path!r} is not a valid step cost table "
                              f"({{'verify_ms': {{k: {{batch: ms}}}}, 'draft_ms': ...}}): {exc}") from exc
@@ -238,8 +249,6 @@ class AdaptiveSpecPolicy:
     # beyond their table cost and the host plane (ms; prompt_ms_per_token); prompt-carrying choose()
     # calls; the count of those at which each kind was last proposed
     _prefill_samples: List[List[float]] = field(default_factory=lambda: [[], []], init=False, repr=False)
-    # ms per deferred MTP entry written, of the last CATCH_UP_SAMPLES steps that caught up (catch_up_ms_per_row)
-    _catch_up_samples: List[float] = field(default_factory=list, init=False, repr=False)
     _prompt_steps: int = field(default=0, init=False, repr=False)
     _prompt_last: List[int] = field(default_factory=lambda: [0, 0], init=False, repr=False)
     #: Per (table batch size, proposed ``k``): the running mean of what its pure-decode steps took
@@ -298,11 +307,10 @@ class AdaptiveSpecPolicy:
         its wall holds that launch: the first step ahead holds its own and the next one's, the
         last one of a run the launch of a different ``k``'s step).
 
-        ``num_catch_up_rows``: deferred MTP entries the step wrote before its first pass. A
-        pure-decode step with at least :data:`MIN_CATCH_UP_ROWS` of them samples
-        :meth:`catch_up_ms_per_row` (what it took beyond its table cost and its ``k``'s host time,
-        per entry) and nothing else; a prompt step's sample leaves out what its entries cost at
-        the current :meth:`catch_up_ms_per_row`."""
+        ``num_catch_up_rows``: deferred MTP entries the step wrote before its first pass: a prompt
+        step's sample leaves out what they cost (:meth:`catch_up_ms_per_row`); a pure-decode step
+        that wrote some is a transition, no sample (its wall holds the catch-up, and with async
+        scheduling such a step is usually scheduled ahead, timed without its own launch)."""
         v = k if verify_k is None else verify_k
         if k not in self.costs.verify_ms or v not in self.costs.verify_ms:
             self._last_k = self._last_k2 = None
@@ -330,13 +338,8 @@ class AdaptiveSpecPolicy:
                 samples.append(per_token)
                 del samples[:-PROMPT_SAMPLES]
             return
-        if num_catch_up_rows and k:  # a transition too: the step's rows were deferred by k = 0 steps
+        if num_catch_up_rows and k:  # a transition: the step's rows were deferred by k = 0 steps
             self._last_k = self._last_k2 = None
-            if num_catch_up_rows >= MIN_CATCH_UP_ROWS and self._decode_samples and wall_ms > 0.0:
-                host = self.excess_ms.get((self._bucket(batch), k))
-                host = self.host_ms(batch, r) if host is None else host
-                self._catch_up_samples.append(max(0.0, wall_ms - predicted - host) / num_catch_up_rows)
-                del self._catch_up_samples[:-CATCH_UP_SAMPLES]
             return
         if 0.0 < wall_ms <= 4.0 * predicted + 5.0:
             excess = max(0.0, wall_ms - predicted)
@@ -362,9 +365,9 @@ class AdaptiveSpecPolicy:
         return _median(samples) if samples else 0.0
 
     def catch_up_ms_per_row(self) -> float:
-        """What writing one deferred MTP entry costs a drafting step (ms, >= 0): the median of the
-        last :data:`CATCH_UP_SAMPLES` samples of :meth:`observe_step_time`, 0 before the first."""
-        return _median(self._catch_up_samples) if self._catch_up_samples else 0.0
+        """What writing one deferred MTP entry costs a drafting step (ms, >= 0): the table's
+        :attr:`StepCostTable.catch_up_ms_per_row`, timed at start-up (0: not measured)."""
+        return self.costs.catch_up_ms_per_row
 
     @property
     def prefill_ms_per_token(self) -> float:
@@ -429,8 +432,8 @@ class AdaptiveSpecPolicy:
         return e
 
     def choose(self, batch: int, num_prefill_tokens: int = 0, prompts_waiting: bool = False,
-               token_budget: Optional[int] = None, num_partial_prefills: int = 0, catch_up_rows: int = 0,
-               remaining_tokens: Optional[float] = None) -> int:
+               token_budget: Optional[int] = None, num_partial_prefills: int = 0,
+               catch_up: Sequence[Tuple[int, Optional[float]]] = ()) -> int:
         """The ``k`` in ``0 .. max_k`` (among the table's) for ``batch`` sequences in a step that
         also carries ``num_prefill_tokens`` prompt tokens (smallest ``k`` on ties).
 
@@ -450,15 +453,17 @@ class AdaptiveSpecPolicy:
         (``max_num_batched_tokens``), only ``k = 0`` and the ``k`` with ``batch * (1 + k) <= (1 -
         r) * token_budget`` are considered.
 
-        Deferred MTP entries: a drafting step first writes the ``catch_up_rows`` entries its
-        sequences' ``k = 0`` steps deferred, ``C = catch_up_rows * catch_up_ms_per_row()`` ms paid
-        once for the rest of those sequences' drafting. So ``t(k)``, ``k >= 1``, carries the share
-        of ``C`` that one step's tokens take of what is left, ``C min(1, E(k) / R)`` (``R``:
-        ``remaining_tokens``, the mean tokens those sequences may still emit; unknown: all of
-        ``C``), and a prompt step is not made to re-try drafting while ``C`` exceeds a ``k = 0``
-        step's cost."""
+        Deferred MTP entries: ``catch_up`` lists ``(rows, R)`` per sequence with entries that its
+        ``k = 0`` steps deferred: a drafting step first writes them, ``rows q`` ms (``q`` =
+        :meth:`catch_up_ms_per_row`) paid once for the rest of that sequence's drafting, ``R`` the
+        tokens it is expected to emit still (``None``: unknown). So ``t(k)``, ``k >= 1``, carries
+        each sequence's share of its entries' cost that one step's tokens take of what is left,
+        ``sum rows q min(1, E(k) / R)`` (all of it where ``R`` is unknown), and a prompt step is not
+        made to re-try drafting while ``C = sum rows q`` exceeds a ``k = 0`` step's cost."""
         rates = self.rates()
-        catch_up_ms = max(0, catch_up_rows) * self.catch_up_ms_per_row()
+        q = self.catch_up_ms_per_row()
+        catch_up = [(rows, left) for rows, left in catch_up if rows > 0] if q > 0 else []
+        catch_up_ms = q * sum(rows for rows, _ in catch_up)
         n_prompt = max(0, num_prefill_tokens)
         fixed = self.host_ms(batch, 0.0)
         bucket = self._bucket(batch)
@@ -473,9 +478,7 @@ class AdaptiveSpecPolicy:
             e = self.expected_tokens(k, rates)
             host = self.excess_ms.get((bucket, k))  # measured for this k and batch size, else the plane
             host = fixed + per_token * (e - 1.0) if host is None else host
-            share = 0.0
-            if k and catch_up_ms:
-                share = catch_up_ms * (min(1.0, e / remaining_tokens) if remaining_tokens else 1.0)
+            share = q * sum(rows * (min(1.0, e / left) if left else 1.0) for rows, left in catch_up) if k else 0.0
             cost_of[k] = (e, self.costs.step_ms(batch, k) + host + share)
         if n_prompt:
             self._chosen_k = k = self._choose_prompt_step(batch, max(0, batch - num_partial_prefills), n_prompt,
@@ -565,6 +568,31 @@ def _hidden_write_ms(runner, bp: int, repeats: int) -> float:
     return median_call_ms(lambda: cache.write(rows, slots), repeats, cuda=runner.device.type == "cuda")
 
 
+def _catch_up_ms_per_row(runner, repeats: int) -> float:
+    """Median ms per row of the catch-up pass (:func:`~mtpspec.spec_decode.deferred_mtp.catch_up`:
+    the hidden-state read and the proposer's KV-only pass) over one sequence of
+    ``min(CATCH_UP_CALIBRATION_ROWS, max_num_batched_tokens, cache slots)`` rows at positions 0 ..,
+    in blocks 0 .. (the calibration runs before any request: the entries it writes are never read)."""
+    import torch
+
+    from mtpspec.layers.attention import AttentionMetadata
+    from mtpspec.timing import median_call_ms
+    cache, dev, bs = runner.hidden_cache, runner.device, runner.cache_config.block_size
+    n = min(CATCH_UP_CALIBRATION_ROWS, runner.scheduler_config.max_num_batched_tokens,
+            cache.kv_cache.shape[0] * cache.kv_cache.shape[1])
+    nb = -(-n // bs)
+    i32 = dict(dtype=torch.int32, device=dev)
+    meta = AttentionMetadata(query_start_loc=torch.tensor([0, n], **i32), seq_lens=torch.tensor([n], **i32),
+                             slot_mapping=torch.arange(n, dtype=torch.int64, device=dev),
+                             block_tables=torch.arange(nb, **i32)[None], num_seqs=1, max_query_len=n, max_seq_len=n,
+                             query_lens=[n], seq_lens_list=[n])
+    ids = torch.zeros(n, dtype=torch.int64, device=dev)
+    positions = torch.arange(n, dtype=torch.int64, device=dev)
+    write = runner.proposer.write_kv_rows
+    return median_call_ms(lambda: write(ids, positions, cache.read(meta), meta), repeats,
+                          cuda=dev.type == "cuda") / n
+
+
 def measure_step_costs(runner, sizes: Optional[Sequence[int]] = None, repeats: int = 5) -> StepCostTable:
     """Time one step's units per batch size and ``k`` on this rank (``collective_rpc`` runs it on
     every rank alike: the units hold collectives).
@@ -582,9 +610,10 @@ def measure_step_costs(runner, sizes: Optional[Sequence[int]] = None, repeats: i
 
     Returns:
         the :class:`StepCostTable` (milliseconds) for ``k = 0 .. runner.k`` at each padded size
+        and, where the runner defers MTP entries, the catch-up pass's cost per entry
         (``k = 0``'s draft cost: the MTP KV-only units, or the hidden-state write where the runner
-        defers those entries; their catch-up is paid by the next drafting step, costed online:
-        :meth:`AdaptiveSpecPolicy.catch_up_ms_per_row`).
+        defers those entries; their catch-up, paid by the next drafting step, is timed too:
+        :attr:`StepCostTable.catch_up_ms_per_row`).
     """
     import torch
 
@@ -627,6 +656,7 @@ def measure_step_costs(runner, sizes: Optional[Sequence[int]] = None, repeats: i
                     if fills and k > 2:  # steps 1 .. k - 2 write their row to every other used layer
                         d += (k - 2) * (len(fills) - 1) * sum(fills) / len(fills)
                 draft.setdefault(k, {})[bp] = d
+        catch_up = _catch_up_ms_per_row(runner, repeats) if runner.hidden_cache is not None else 0.0
     events = " (CUDA events)" if runner.device.type == "cuda" else ""
     how = "CUDA-graph replays" if graphed else "static buffers, eager" + events
-    return StepCostTable(verify, draft, f"measured at start-up ({how}, median of {repeats})")
+    return StepCostTable(verify, draft, f"measured at start-up ({how}, median of {repeats})", catch_up)
