@@ -199,3 +199,44 @@ def test_version_flag_prints_the_package_version(capsys) -> None:
         with pytest.raises(SystemExit) as exc:
             cli_main([flag])
         assert exc.value.code == 0 and capsys.readouterr().out.strip() == mtpspec.__version__
+
+
+# ------------------------------------------------------------------ a KV cache larger than memory
+HUGE_KV_BLOCKS = str(10 ** 12)
+
+
+@pytest.mark.parametrize("tp", ["1", "2"])
+def test_generate_kv_cache_larger_than_memory_is_one_error_line(path, tp, capsys) -> None:
+    """Found by a new-user pass: ``--num-kv-blocks 100000000`` (also at ``-tp 2``) ended in a raw
+    ``RuntimeError: ... DefaultCPUAllocator: can't allocate memory``. Now: one ``error:`` line giving
+    the GiB needed and available and naming --num-kv-blocks, exit 2; at tp 2 the ranks are gone."""
+    import multiprocessing
+    assert generate.run(_parse(["--model", path, "-tp", tp, "--prompt", "w1", "--max-tokens", "2",
+                                "--max-model-len", "48", "--num-kv-blocks", HUGE_KV_BLOCKS, "--device", "cpu"])) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1 and "Traceback" not in err, err
+    assert "the KV cache does not fit in memory" in err and "GiB is available" in err and "--num-kv-blocks" in err
+    assert ("error: rank " in err) == (tp == "2")
+    assert not multiprocessing.active_children()
+
+
+def test_serve_kv_cache_larger_than_memory_is_one_error_line(path, capsys) -> None:
+    from mtpspec.entrypoints.cli import main as cli_main
+    assert cli_main(["serve", "--model", path, "--port", "0", "--max-model-len", "48", "--device", "cpu",
+                     "--num-kv-blocks", HUGE_KV_BLOCKS]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: the KV cache does not fit in memory") and err.count("\n") == 1, err
+
+
+def test_a_failed_kv_cache_leaves_no_model_loaded(path) -> None:
+    """The error raised for a KV cache that does not fit keeps no reference to the loaded model
+    (its traceback's frames held the weights while the caller held the exception)."""
+    import gc
+
+    from mtpspec.engine.model_runner import ModelRunner
+    with pytest.raises(ValueError, match="does not fit in memory") as info:
+        LLM(path, max_model_len=48, num_kv_blocks=10 ** 12, device="cpu")
+    gc.collect()
+    assert info.value is not None
+    assert not [o for o in gc.get_objects() if type(o) is ModelRunner]
+

@@ -159,3 +159,81 @@ def _rank(per_rank):
 def test_every_rank_allocates_the_minimum_over_ranks():
     per_rank = [900, 350, 1200]
     assert launch(_rank, 3, per_rank) == [(350, 350)] * 3
+
+
+# ------------------------------------------------------------------ a cache too large for memory
+def test_an_explicit_count_larger_than_memory_is_a_clear_value_error(monkeypatch):
+    """Found by a new-user pass: ``--num-kv-blocks 100000000`` ended in the CPU allocator's raw
+    ``RuntimeError: ... can't allocate memory: you tried to allocate 1843200000000 bytes``. Now the
+    count is checked against the memory available before anything is allocated: a ValueError
+    (the commands' ``error: ...``, exit 2) giving GiB needed and available and the flag to lower."""
+    from mtpspec.engine import kv_cache
+    gib = 1 << 30
+    layers, cpu = _layers(), torch.device("cpu")
+    monkeypatch.setattr(kv_cache, "available_memory_bytes", lambda device: 3 * gib)
+    n = 2 * gib // 16384  # 2 GiB of 16384-byte blocks: fits in 3 GiB
+    assert available_kv_blocks(layers, CacheConfig(block_size=16, num_kv_blocks=n), torch.bfloat16, cpu, 7) == n
+    with pytest.raises(kv_cache.KVCacheMemoryError) as info:
+        available_kv_blocks(layers, CacheConfig(block_size=16, num_kv_blocks=4 * n), torch.bfloat16, cpu, 7)
+    msg = str(info.value)
+    assert isinstance(info.value, ValueError)
+    assert "need 8.00 GiB, but only 3.00 GiB is available on this host" in msg, msg
+    assert "num_kv_blocks (CLI: --num-kv-blocks)" in msg and "\n" not in msg, msg
+    # two CPU ranks of this host each allocate their own cache from the same memory
+    monkeypatch.setattr(kv_cache, "_ranks_sharing_memory", lambda device: 2)
+    with pytest.raises(kv_cache.KVCacheMemoryError, match=r"need 2.00 GiB x 2 ranks on this host = 4.00 GiB"):
+        available_kv_blocks(layers, CacheConfig(block_size=16, num_kv_blocks=n), torch.bfloat16, cpu, 7)
+    # the CPU budget (cpu_kv_cache_gib) is checked too, naming its own setting
+    with pytest.raises(kv_cache.KVCacheMemoryError, match=r"lower cpu_kv_cache_gib .*--num-kv-blocks"):
+        available_kv_blocks(layers, CacheConfig(block_size=16, cpu_kv_cache_gib=2.0), torch.bfloat16, cpu, 10**9)
+    # unknown available memory: nothing to check against
+    monkeypatch.setattr(kv_cache, "available_memory_bytes", lambda device: None)
+    assert available_kv_blocks(layers, CacheConfig(block_size=16, num_kv_blocks=10**8), torch.bfloat16, cpu, 7) \
+        == 10**8
+
+
+def test_an_explicit_count_larger_than_the_gpus_free_memory_names_gpu_memory_utilization(monkeypatch):
+    gib = 1 << 30
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (1 * gib, 80 * gib))
+    with pytest.raises(ValueError, match=r"need 2.00 GiB, but only 1.00 GiB is free on cuda.*--num-kv-blocks.*"
+                                         r"leave it unset so that gpu_memory_utilization \(CLI: "
+                                         r"--gpu-memory-utilization\) sizes it"):
+        available_kv_blocks(_layers(), CacheConfig(block_size=16, num_kv_blocks=2 * gib // 16384), torch.bfloat16,
+                            torch.device("cuda"), 1)
+
+
+def test_available_memory_reads_proc_meminfo():
+    from mtpspec.engine.kv_cache import available_memory_bytes
+    n = available_memory_bytes(torch.device("cpu"))
+    assert n is not None and 0 < n < 1 << 50
+
+
+def test_an_allocator_failure_is_a_clear_error_and_leaves_no_cache(monkeypatch):
+    """Where the check could not see it coming (e.g. memory taken meanwhile), the allocator's own
+    refusal becomes the same kind of one-line ValueError, and the layers allocated before the
+    failing one give their caches back (nothing half-allocated)."""
+    from mtpspec.engine import kv_cache
+    layers = _layers()
+    real = PagedGQABackend.allocate_kv_cache.__func__
+    calls = []
+
+    def refuse_second(cls, spec, num_blocks, device):
+        calls.append(spec)
+        if len(calls) == 2:
+            raise RuntimeError("[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate "
+                               "memory: you tried to allocate 1843200000000 bytes. Error code 12")
+        return real(cls, spec, num_blocks, device)
+
+    monkeypatch.setattr(PagedGQABackend, "allocate_kv_cache", classmethod(refuse_second))
+    with pytest.raises(kv_cache.KVCacheMemoryError) as info:
+        allocate(layers, 5, 16, torch.bfloat16, torch.device("cpu"))
+    msg = str(info.value)
+    assert msg.startswith("out of memory allocating the KV cache: 5 blocks of 16 tokens") and "--num-kv-blocks" in msg
+    assert info.value.__cause__ is None and len(calls) == 2
+    assert all(layer.kv_cache is None for layer in layers)
+    # any other failure passes through unchanged (and still leaves no cache)
+    calls.clear()
+    monkeypatch.setattr(PagedGQABackend, "allocate_kv_cache",
+                        classmethod(lambda cls, spec, n, device: calls.append(spec) or 1 / 0))
+    with pytest.raises(ZeroDivisionError):
+        allocate(layers, 5, 16, torch.bfloat16, torch.device("cpu"))

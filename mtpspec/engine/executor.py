@@ -7,6 +7,7 @@ import os
 import signal
 import threading
 import time
+import traceback
 from typing import Any, Callable, Iterator, List, Optional, Protocol
 
 import torch.distributed as dist
@@ -116,10 +117,27 @@ class InProcessExecutor(Executor):
     """tp 1, or rank 0 under ``torchrun`` (then every message is broadcast to the other ranks first)."""
 
     def __init__(self, cfg: EngineConfig, broadcast: bool = False):
+        """Load the model and size and allocate the KV cache.
+
+        Raises:
+            what :func:`~mtpspec.engine.worker.build_runner` and
+            :func:`~mtpspec.engine.worker.init_cache_min_over_ranks` raise (e.g.
+            :class:`~mtpspec.engine.kv_cache.KVCacheMemoryError`, a ``ValueError``: the KV cache
+            asked for does not fit in memory). A failed load leaves nothing loaded: the exception's
+            traceback keeps no reference to the model (its frames' locals are cleared) and the
+            device's cached memory is released.
+        """
         self.broadcast = broadcast
         self.group = cpu_group() if broadcast else None
-        self.runner = build_runner(cfg)
-        self.num_kv_blocks = init_cache_min_over_ranks(self.runner)
+        self.runner = None
+        try:
+            self.runner = build_runner(cfg)
+            self.num_kv_blocks = init_cache_min_over_ranks(self.runner)
+        except BaseException as exc:
+            self.runner = None
+            traceback.clear_frames(exc.__traceback__)  # its frames hold the half-loaded model
+            release_device_memory()
+            raise
 
     def _send(self, msg: tuple) -> None:
         if self.broadcast:

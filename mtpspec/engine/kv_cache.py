@@ -8,7 +8,8 @@ number of blocks, so one block table serves them all. Nothing here knows a cache
 
 from __future__ import annotations
 
-from typing import List, Sequence, Tuple
+import os
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -16,6 +17,112 @@ from torch import nn
 from mtpspec.engine.config import CacheConfig
 from mtpspec.attention.backends.abstract import AttentionLayerBase
 from mtpspec.layers.attention import collect_attention_layers
+
+
+_GIB = 1 << 30
+
+
+class KVCacheMemoryError(ValueError):
+    """The KV cache asked for does not fit in memory (checked before it is allocated, or the
+    allocator refused it). A ``ValueError``: a setting to change (``num_kv_blocks``,
+    ``gpu_memory_utilization``, ``cpu_kv_cache_gib``), which the commands report as one
+    ``error: ...`` line (exit 2), at any tp (a rank's is a
+    :class:`~mtpspec.engine.executor.WorkerInputError`)."""
+
+
+def available_memory_bytes(device: torch.device) -> Optional[int]:
+    """Memory an allocation on ``device`` can take now, in bytes (``None``: unknown).
+
+    CUDA: the device's free memory (``torch.cuda.mem_get_info``). CPU: ``MemAvailable`` of
+    ``/proc/meminfo`` (free memory plus what the kernel can reclaim; else ``os.sysconf``'s free
+    pages), at most what the process's cgroup limit leaves (v2 ``memory.max`` less
+    ``memory.current``, v1 ``memory.limit_in_bytes`` less ``memory.usage_in_bytes``).
+    """
+    if device.type == "cuda":
+        try:
+            return int(torch.cuda.mem_get_info(device)[0])
+        except (RuntimeError, AssertionError):
+            return None
+    if device.type != "cpu":
+        return None
+    avail: Optional[int] = None
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    avail = int(line.split()[1]) * 1024
+                    break
+    except (OSError, ValueError, IndexError):
+        pass
+    if avail is None:
+        try:
+            avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        except (AttributeError, OSError, ValueError):
+            return None
+    for limit_file, usage_file in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+                                   ("/sys/fs/cgroup/memory/memory.limit_in_bytes",
+                                    "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
+        try:
+            with open(limit_file) as f:
+                limit = f.read().strip()
+            with open(usage_file) as f:
+                usage = int(f.read().strip())
+        except (OSError, ValueError):
+            continue
+        if limit.isdigit() and int(limit) < 1 << 60:  # "max" / a huge v1 value: no limit
+            avail = min(avail, max(0, int(limit) - usage))
+        break
+    return avail
+
+
+def _ranks_sharing_memory(device: torch.device) -> int:
+    """How many ranks allocate their caches from the memory ``device``'s allocation comes from:
+    on CPU, the TP ranks on this host (``LOCAL_WORLD_SIZE`` under ``torchrun``, else the TP
+    group: self-launched ranks share one host); on a GPU, 1 (a GPU per rank)."""
+    if device.type != "cpu":
+        return 1
+    from mtpspec.distributed import get_tensor_model_parallel_world_size
+    world = get_tensor_model_parallel_world_size()
+    local = os.environ.get("LOCAL_WORLD_SIZE", "")
+    return max(1, min(world, int(local))) if local.isdigit() else world
+
+
+def _fix_hint(cfg: CacheConfig, device: torch.device) -> str:
+    """What to change when the cache does not fit: the setting that sized it (the Python API's
+    name and the CLI's flag)."""
+    if cfg.num_kv_blocks is not None:
+        unset = ("so that gpu_memory_utilization (CLI: --gpu-memory-utilization) sizes it" if device.type == "cuda"
+                 else "so that cpu_kv_cache_gib (default 1 GiB; Python API only) sizes it")
+        return f"lower num_kv_blocks (CLI: --num-kv-blocks), or leave it unset {unset}"
+    if device.type == "cuda":
+        return "lower gpu_memory_utilization (CLI: --gpu-memory-utilization) or set num_kv_blocks (CLI: --num-kv-blocks)"
+    return ("lower cpu_kv_cache_gib (Python API: LLM(cpu_kv_cache_gib=...)) or set a smaller num_kv_blocks "
+            "(CLI: --num-kv-blocks)")
+
+
+def check_kv_cache_fits(layers: List[AttentionLayerBase], num_blocks: int, cfg: CacheConfig, dtype: torch.dtype,
+                        device: torch.device) -> None:
+    """Raise :class:`KVCacheMemoryError` when ``num_blocks`` blocks of every layer's cache need more
+    memory than :func:`available_memory_bytes` reports (on CPU: times the ranks of this host,
+    :func:`_ranks_sharing_memory`, each allocating its own cache from the same memory). Nothing
+    is checked where the available memory is unknown.
+
+    Raises:
+        KVCacheMemoryError: the message gives the GiB needed and available and the setting to
+            change (:func:`_fix_hint`).
+    """
+    per_block = bytes_per_block(layers, cfg.block_size, dtype)
+    need = num_blocks * per_block
+    avail = available_memory_bytes(device)
+    ranks = _ranks_sharing_memory(device)
+    if avail is None or need * ranks <= avail:
+        return
+    where = "free on " + str(device) if device.type == "cuda" else "available on this host"
+    each = f" x {ranks} ranks on this host = {need * ranks / _GIB:.2f} GiB" if ranks > 1 else ""
+    raise KVCacheMemoryError(
+        f"the KV cache does not fit in memory: {num_blocks} blocks of {cfg.block_size} tokens ({per_block} bytes "
+        f"each, all layers) need {need / _GIB:.2f} GiB{each}, but only {avail / _GIB:.2f} GiB is {where}; "
+        f"{_fix_hint(cfg, device)}")
 
 
 def bytes_per_block(layers: List[AttentionLayerBase], block_size: int, dtype: torch.dtype) -> int:
@@ -47,10 +154,17 @@ def available_kv_blocks(layers: List[AttentionLayerBase], cfg: CacheConfig, dtyp
     forward the caller ran, over :func:`bytes_per_block`. On CPU: ``cpu_kv_cache_gib`` over :func:`bytes_per_block`, capped at
     ``max_useful_blocks`` (every sequence at full length).
 
+    An explicit count and the CPU budget are checked against the memory available now
+    (:func:`check_kv_cache_fits`; the CUDA budget is sized from it). Every rank checks before the
+    caller's minimum over ranks, so no rank has allocated its cache yet.
+
     Raises:
         RuntimeError: no room for a single block.
+        KVCacheMemoryError: (a ``ValueError``) the explicit count or the CPU budget needs more
+            memory than is available.
     """
     if cfg.num_kv_blocks is not None:
+        check_kv_cache_fits(layers, cfg.num_kv_blocks, cfg, dtype, device)
         return cfg.num_kv_blocks
     per_block = bytes_per_block(layers, cfg.block_size, dtype)
     if device.type == "cuda":
@@ -70,7 +184,19 @@ def available_kv_blocks(layers: List[AttentionLayerBase], cfg: CacheConfig, dtyp
     if n < 1:
         raise RuntimeError(f"no memory left for the KV cache ({per_block} bytes per block){where}; lower "
                            "max_num_seqs / max_num_batched_tokens, raise gpu_memory_utilization, or set num_kv_blocks")
+    if device.type != "cuda":
+        check_kv_cache_fits(layers, n, cfg, dtype, device)
     return n
+
+
+def _is_out_of_memory(exc: BaseException) -> bool:
+    """Whether ``exc`` is an allocator's refusal (CUDA out of memory, the CPU allocator's
+    "can't allocate memory", Python's ``MemoryError``)."""
+    if isinstance(exc, MemoryError) or type(exc).__name__ == "OutOfMemoryError":
+        return True
+    msg = str(exc).lower()
+    return isinstance(exc, RuntimeError) and ("can't allocate memory" in msg or "out of memory" in msg
+                                              or "not enough memory" in msg)
 
 
 def allocate(layers: List[AttentionLayerBase], num_blocks: int, block_size: int, dtype: torch.dtype,
@@ -79,10 +205,36 @@ def allocate(layers: List[AttentionLayerBase], num_blocks: int, block_size: int,
     its spec's dtype (paged GQA: ``[2, num_blocks, block_size, num_kv_heads, head_dim]``);
     returns them in layer order.
 
+    An allocator failure leaves no layer with a cache (those allocated are released) and is
+    raised as :class:`KVCacheMemoryError`.
+
     Raises:
         ValueError: a backend's tensor disagrees with the bytes its spec gave the sizing.
+        KVCacheMemoryError: (a ``ValueError``) the allocator refused a layer's cache.
     """
-    return [layer.allocate_kv_cache(num_blocks, block_size, dtype, device) for layer in layers]
+    caches: List[torch.Tensor] = []
+    try:
+        for layer in layers:
+            caches.append(layer.allocate_kv_cache(num_blocks, block_size, dtype, device))
+    except BaseException as exc:
+        for layer in layers:
+            layer.kv_cache = None
+        caches.clear()
+        if not _is_out_of_memory(exc):
+            raise
+        need = num_blocks * bytes_per_block(layers, block_size, dtype)
+        avail = available_memory_bytes(device)
+        have = f" ({avail / _GIB:.2f} GiB {'free on ' + str(device) if device.type == 'cuda' else 'available'} now)" \
+            if avail is not None else ""
+        flags = ("lower num_kv_blocks (CLI: --num-kv-blocks) or gpu_memory_utilization (CLI: --gpu-memory-utilization)"
+                 if device.type == "cuda" else
+                 "lower num_kv_blocks (CLI: --num-kv-blocks) or cpu_kv_cache_gib (Python API only)")
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        raise KVCacheMemoryError(f"out of memory allocating the KV cache: {num_blocks} blocks of {block_size} tokens "
+                                 f"need {need / _GIB:.2f} GiB on {device}{have}; {flags} ({first})") from None
+    return caches
 
 
 def copy_blocks(layers: List[AttentionLayerBase], copies: Sequence[Tuple[int, int]], device: torch.device) -> None:
