@@ -116,3 +116,56 @@ def test_rank_that_exits_without_reply_is_a_worker_error(tmp_path, monkeypatch, 
     assert (GUARD in str(info.value)) == (not guarded) and ("user_script.py" in str(info.value)) == (not guarded)
     proc.join()
     parent.close()
+
+
+def test_start_up_reads_the_ranks_as_they_reply_and_the_first_failure_wins() -> None:
+    """A rank that fails while starting (e.g. its KV cache does not fit in memory) ends the start-up
+    at once, though a rank before it has not replied: that rank may wait in a collective (the
+    minimum of the block counts) for the failed one, under NCCL until its timeout, and the start-up
+    read the ranks in rank order, so it waited for it (10 minutes by default)."""
+    import multiprocessing as mp
+
+    from mtpspec.engine.executor import MultiprocExecutor, WorkerInputError
+
+    class _Silent:  # a live rank that never replies
+        exitcode = None
+
+        def __init__(self):
+            self.sentinel, self._w = os.pipe()
+
+        def is_alive(self):
+            return True
+
+    ctx = mp.get_context("spawn")
+    pipes = [ctx.Pipe() for _ in range(2)]
+    procs = [_Silent(), _Silent()]
+    ex = object.__new__(MultiprocExecutor)
+    ex.conns, ex.procs, ex._closed, ex._owed = [p for p, _ in pipes], procs, False, []
+    try:
+        pipes[1][1].send(("err", {"traceback": "Traceback ...\nKVCacheMemoryError: too big",
+                                  "message": "the KV cache does not fit in memory", "input_error": True}))
+        t0 = time.monotonic()
+        with pytest.raises(WorkerInputError, match="rank 1: the KV cache does not fit in memory"):
+            ex._recv_all(20)
+        assert time.monotonic() - t0 < 5
+        for r in (1, 0):  # replies in any order come back in rank order
+            pipes[r][1].send(("ready", 10 + r))
+        assert ex._recv_all(20) == [10, 11]
+        # ranks failing alike within the grace period: the lowest rank's error is the one reported
+        import threading
+
+        def err(r):
+            return ("err", {"traceback": "...", "message": f"bad checkpoint ({r})", "input_error": True})
+        pipes[1][1].send(err(1))
+        later = threading.Timer(0.3, lambda: pipes[0][1].send(err(0)))
+        later.start()
+        with pytest.raises(WorkerInputError, match=r"rank 0: bad checkpoint \(0\)"):
+            ex._recv_all(20)
+        later.join()
+    finally:
+        for parent, child in pipes:
+            parent.close()
+            child.close()
+        for p in procs:
+            os.close(p.sentinel)
+            os.close(p._w)

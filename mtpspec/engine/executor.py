@@ -8,6 +8,7 @@ import signal
 import threading
 import time
 import traceback
+from multiprocessing.connection import wait as wait_for_any
 from typing import Any, Callable, Iterator, List, Optional, Protocol
 
 import torch.distributed as dist
@@ -250,11 +251,50 @@ class MultiprocExecutor(Executor):
             self.conns.append(parent)
             self.procs.append(p)
         try:
-            ready = [self._recv(r, start_timeout_s) for r in range(world_size)]
+            ready = self._recv_all(start_timeout_s)
         except BaseException:
             self.shutdown()
             raise
         self.num_kv_blocks = int(ready[0])
+
+    def _recv_all(self, timeout_s: float, grace_s: float = 2.0) -> List[Any]:
+        """Every rank's reply (the start-up's ``ready``), in rank order, read as they come: the first
+        error or death of any rank raises (:meth:`_recv`'s errors) without waiting for the ranks
+        before it, which may wait in a collective for the failed rank until its timeout. A lower
+        rank that fails too within ``grace_s`` seconds is reported instead (ranks that fail alike,
+        e.g. on one checkpoint, report rank 0's error, as when the ranks were read in order)."""
+        deadline = time.monotonic() + timeout_s
+        replies: dict = {}
+        while len(replies) < len(self.conns):
+            pending = [r for r in range(len(self.conns)) if r not in replies]
+            wait_for_any([self.conns[r] for r in pending] + [self.procs[r].sentinel for r in pending], timeout=0.2)
+            for r in pending:
+                if self.conns[r].poll() or not self.procs[r].is_alive():
+                    try:
+                        replies[r] = self._recv(r, timeout_s)
+                    except WorkerError as exc:
+                        raise self._lowest_failure(r, exc, replies, grace_s) from None
+            if len(replies) < len(self.conns) and time.monotonic() > deadline:
+                late = [r for r in range(len(self.conns)) if r not in replies]
+                raise WorkerError(f"rank {late[0]} did not reply within {timeout_s:.0f} s")
+        return [replies[r] for r in range(len(self.conns))]
+
+    def _lowest_failure(self, rank: int, exc: WorkerError, replies: dict, grace_s: float) -> WorkerError:
+        """``exc`` (rank ``rank``'s failure), or that of the lowest rank before it that replies with
+        an error or dies within ``grace_s`` seconds (its reply, if any, goes into ``replies``)."""
+        deadline = time.monotonic() + grace_s
+        for r in range(rank):
+            if r in replies:
+                continue
+            conn, proc = self.conns[r], self.procs[r]
+            while time.monotonic() < deadline and proc.is_alive() and not conn.poll(0.05):
+                pass
+            if conn.poll() or not proc.is_alive():
+                try:
+                    replies[r] = self._recv(r, grace_s)
+                except WorkerError as lower:
+                    return lower
+        return exc
 
     def _recv(self, rank: int, timeout_s: float) -> Any:
         conn, proc = self.conns[rank], self.procs[rank]
