@@ -5,6 +5,9 @@ draft token ids both ways (full-logits all-gather + argmax, and vocab-parallel l
 and the MTP tail both ways (all-reduce then RMSNorm, and ``fused_allreduce_rms_norm``),
 checks that each pair agrees, and prints the bytes each rank sent, from the counters. Logits and
 hidden states in ``--dtype`` (default bfloat16, as a served model's; the README's byte figures).
+CPU ranks are at most the CPU count unless ``--oversubscribe`` is given (exit 2); a rank that dies
+(e.g. killed by the out-of-memory killer) is one ``error: ...`` line, exit 1; a rank's allocation
+that fails (sizes too large for memory) is one ``error: ...`` line, exit 2.
 """
 
 from __future__ import annotations
@@ -71,6 +74,39 @@ def add_parser(sub) -> None:
                    help="dtype of the hidden states, weights and logits (default bfloat16)")
     p.add_argument("--allreduce-backend", default="nccl", choices=["nccl", "p2p"],
                    help="backend of the fused tail (default nccl; p2p needs GPUs, or TRITON_INTERPRET=1 on CPU)")
+    p.add_argument("--oversubscribe", action="store_true",
+                   help="allow more CPU ranks than CPUs (each rank is a process of about 0.5 GB; by default -tp is "
+                        "at most the CPU count when the ranks run on the CPU)")
+
+
+def cpu_count() -> int:
+    """CPUs this process may run on (``os.sched_getaffinity``, else ``os.cpu_count()``)."""
+    import os
+    try:
+        return len(os.sched_getaffinity(0)) or 1
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def _rank_death(exc: RuntimeError) -> str:
+    """The launcher's own error (a rank that died without reporting, a timeout) as one line, with
+    the signal's name and, for SIGKILL, the likely cause."""
+    import re
+    import signal
+    msg = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    m = re.search(r"exit code (-\d+)", msg)
+    if m and -int(m.group(1)) in signal.Signals._value2member_map_:
+        sig = signal.Signals(-int(m.group(1)))
+        msg += f" ({sig.name}" + (": killed, e.g. by the out-of-memory killer when memory runs out; then use fewer "
+                                  "ranks (-tp)" if sig == signal.SIGKILL else "") + ")"
+    return msg
+
+
+def _out_of_memory(exc: BaseException) -> bool:
+    """An allocator's refusal (the CPU allocator's "can't allocate memory", CUDA out of memory)."""
+    msg = str(exc).lower()
+    return isinstance(exc, MemoryError) or type(exc).__name__ == "OutOfMemoryError" or \
+        "can't allocate memory" in msg or "out of memory" in msg
 
 
 def run(args) -> int:
@@ -80,12 +116,29 @@ def run(args) -> int:
         if value < 1:
             print(f"error: {flag} must be >= 1, got {value}", file=sys.stderr)
             return 2
+    from mtpspec.distributed.launcher import RemoteTraceback
+    from mtpspec.distributed.parallel_state import default_backend
+    cpus = cpu_count()
+    if default_backend(args.tp) == "gloo" and args.tp > cpus and not args.oversubscribe:
+        print(f"error: --tensor-parallel-size {args.tp} would start {args.tp} CPU ranks (processes of about 0.5 GB "
+              f"each) on {cpus} CPUs; use at most {cpus}, or pass --oversubscribe", file=sys.stderr)
+        return 2
     try:
         results = launch(_rank_main, args.tp, args.num_seqs, args.hidden_size, args.vocab_size, args.seed,
                          args.allreduce_backend, args.dtype)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except (RuntimeError, MemoryError) as exc:
+        if isinstance(exc.__cause__, RemoteTraceback):  # a rank's own exception
+            if _out_of_memory(exc):
+                first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
+                print(f"error: a rank ran out of memory ({first}); lower --vocab-size, --hidden-size or --num-seqs",
+                      file=sys.stderr)
+                return 2
+            raise  # a bug: its traceback says where
+        print(f"error: {_rank_death(exc)}", file=sys.stderr)  # a rank died (e.g. killed) or the run timed out
+        return 1
     rows, tail_equal, ids_equal = results[0]
     print(f"tp={args.tp}  sequences={args.num_seqs}  hidden={args.hidden_size}  vocab={args.vocab_size}  "
           f"dtype={args.dtype}  "
