@@ -292,6 +292,13 @@ def _server_class(uvicorn: Any, on_exit: Optional[Any] = None) -> type:
 
 
 def run(args: argparse.Namespace) -> int:
+    """Serve until an exit signal or the engine's death.
+
+    Returns 2 (``error: ...``) for a port that cannot be listened on or a bad option (a
+    ``ValueError`` / ``TypeError`` of :func:`build`, e.g. a KV cache that does not fit in memory),
+    0 after SIGTERM. Ctrl-C (exit status 130) and a dead engine (a rank died, a step failed:
+    ``error: ...; the server shut down``, status 1) end the process with ``os._exit`` once the
+    engine is shut down and stdout / stderr are flushed, skipping the interpreter's teardown."""
     import uvicorn
 
     if args.torch_threads:
@@ -345,6 +352,7 @@ def run(args: argparse.Namespace) -> int:
         # (Triton's nanobind types) print leak warnings that read like a crash
         os._exit(130)
     if engine.dead is not None:
-        print(f"error: {engine.dead}; the server shut down", file=sys.stderr)
-        return 1
+        print(f"error: {engine.dead}; the server shut down", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os._exit(1)  # as after Ctrl-C: no interpreter teardown and its native leak warnings (exit status 1)
     return 0
