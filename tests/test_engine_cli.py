@@ -240,3 +240,17 @@ def test_a_failed_kv_cache_leaves_no_model_loaded(path) -> None:
     assert info.value is not None
     assert not [o for o in gc.get_objects() if type(o) is ModelRunner]
 
+
+def test_engine_errors_name_the_cli_flags_too(path, tmp_path, capsys) -> None:
+    """Messages shared by the Python API and the CLI name both spellings (a CLI user was told to
+    'pass prompt_token_ids' and to use ``LLM(cpu_kv_cache_gib=...)``)."""
+    make_model(str(tmp_path / "no_tok"), seed=31, tokenizer=False)
+    assert generate.run(_parse(["--model", str(tmp_path / "no_tok"), "--prompt", "hi", "--max-tokens", "2",
+                                "--max-model-len", "48", "--num-kv-blocks", "64"])) == 2
+    err = capsys.readouterr().err
+    assert "pass prompt_token_ids; CLI: --prompt-token-ids" in err, err
+    assert generate.run(_parse(["--model", path, "--prompt", "w1", "--max-tokens", "2", "--max-model-len", "48",
+                                "--num-kv-blocks", "1"])) == 2
+    err = capsys.readouterr().err
+    assert "cannot hold one sequence" in err and "max_model_len (CLI: --max-model-len)" in err, err
+    assert "num_kv_blocks (CLI: --num-kv-blocks)" in err and "(CLI: --gpu-memory-utilization)" in err, err

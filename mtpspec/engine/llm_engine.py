@@ -110,8 +110,9 @@ class LLMEngine:
             raise ValueError(
                 f"the KV cache ({bm.num_blocks} blocks of {cache_config.block_size} tokens) cannot hold one sequence "
                 f"of max_model_len={scheduler_config.max_model_len} tokens plus lookahead ({need} blocks needed); "
-                "lower max_model_len or give the cache more memory (num_kv_blocks, or gpu_memory_utilization on a GPU, "
-                "LLM(cpu_kv_cache_gib=...) on a CPU)")
+                "lower max_model_len (CLI: --max-model-len) or give the cache more memory: num_kv_blocks (CLI: "
+                "--num-kv-blocks), or on a GPU gpu_memory_utilization (CLI: --gpu-memory-utilization), on a CPU "
+                "LLM(cpu_kv_cache_gib=...) (no CLI flag: use --num-kv-blocks)")
         self.scheduler = Scheduler(scheduler_config, bm, self.eos_token_ids)
         self._rng = random.Random(seed)
         self._ids = itertools.count()
@@ -175,7 +176,8 @@ class LLMEngine:
             if not text:
                 raise ValueError("the prompt is empty")
             if self.tokenizer is None:
-                raise ValueError("text prompts need a tokenizer; the model folder has none (pass prompt_token_ids)")
+                raise ValueError("text prompts need a tokenizer; the model folder has none (pass prompt_token_ids; "
+                                 "CLI: --prompt-token-ids; HTTP: token ids as the 'prompt')")
             try:
                 ids = self.tokenizer.encode(text)
             except TypeError:  # tokenizers' "TextInputSequence must be str": a lone surrogate, as JSON allows
@@ -198,7 +200,8 @@ class LLMEngine:
                              f"{len(ids)} input tokens (at most max_model_len - 1 = {limit - 1}: the context must "
                              "also hold an output token). Please reduce the length of the input.")
         if params.stop_strings and self.tokenizer is None:
-            raise ValueError("stop strings need a tokenizer; the model folder has none (use stop_token_ids)")
+            raise ValueError("stop strings need a tokenizer; the model folder has none (use stop_token_ids, a "
+                             "SamplingParams / request field; `mtpspec generate` has no flag for it)")
         for name, what in (("logprobs", "sample"), ("prompt_logprobs", "prompt")):
             n = self._num_logprobs(getattr(params, name))
             if n is not None and n > MAX_LOGPROBS:
