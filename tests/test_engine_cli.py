@@ -49,6 +49,7 @@ def test_generate_text_summary_and_prompt_file(path, tmp_path, capsys) -> None:
     out = capsys.readouterr().out
     assert out.count("--- [") == 2 and "acceptance length" in out and "eager fall-backs" in out
     assert "draft sampling greedy" in out and "KV cache dtype     auto" in out
+    assert "local argmax " in out  # whether the headline draft path is on (-k turns it on, the JSON form off)
 
 
 def test_generate_errors(path, capsys) -> None:

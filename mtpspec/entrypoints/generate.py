@@ -102,7 +102,7 @@ def _prompts(args: argparse.Namespace) -> List[Any]:
 
 def describe_setup(model: str, llm: Any) -> str:
     """Three lines: the model (folder, architecture), the draft setup (k, DSA index sharing, draft
-    sampling mode) and the KV cache dtype (``--kv-cache-dtype``; ``auto`` = the model dtype)."""
+    sampling mode, vocab-parallel local argmax) and the KV cache dtype (``--kv-cache-dtype``; ``auto`` = the model dtype)."""
     mcfg, spec = llm.model_config, llm.speculative_config
     lines = [f"model              {model} ({mcfg.architecture})"]
     if spec is None:
@@ -113,7 +113,9 @@ def describe_setup(model: str, llm: Any) -> str:
             else "no DSA indexer"
         k = (f"k = 0..{spec.num_speculative_tokens} adaptive ({'deferred' if spec.defers_mtp_kv else 'eager'} MTP KV "
              "at k = 0)" if spec.adaptive else f"k = {spec.num_speculative_tokens}")
-        lines.append(f"speculative        mtp, {k}, {share}, draft sampling {spec.draft_sampling}")
+        argmax = "on" if spec.use_local_argmax_reduction else "off"  # -k turns it on, the JSON form does not
+        lines.append(f"speculative        mtp, {k}, {share}, draft sampling {spec.draft_sampling}, "
+                     f"local argmax {argmax}")
     lines.append(f"KV cache dtype     {llm.engine_config.cache_config.cache_dtype}")
     return "\n".join(lines)
 
