@@ -49,10 +49,10 @@ def trace(llm: Any, prompts: List[List[int]], output_len: int, concurrency: int)
     caught = [caught_up()]
     seen: Dict[str, Any] = {}  # what the policy observed of the step being applied
 
-    def observed(batch, k, wall_ms, verify_k=None, num_prefill_tokens=0, num_emitted=None):
+    def observed(batch, k, wall_ms, verify_k=None, num_prefill_tokens=0, num_emitted=None, **more):
         v = k if verify_k is None else verify_k
         before = dict(policy._excess_n)
-        real_observe(batch, k, wall_ms, verify_k, num_prefill_tokens, num_emitted)
+        real_observe(batch, k, wall_ms, verify_k, num_prefill_tokens, num_emitted, **more)
         known = k in policy.costs.verify_ms and v in policy.costs.verify_ms
         seen.update(wall=wall_ms, counted=policy._excess_n != before,
                     predicted=policy.costs.step_ms(batch, k, v) if known else None)
