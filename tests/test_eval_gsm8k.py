@@ -186,7 +186,13 @@ def test_eval_cli_prompt_too_long_suggests_fewer_shots(capsys):
                          "--num-fewshot", "5", "--max-model-len", "256", "--no-progress", "--arms", "baseline"])
     assert eval_gsm8k.run(args) == 2
     err = capsys.readouterr().err
-    assert "maximum context length is 256 tokens" in err and "try --num-fewshot 4 or fewer" in err
+    assert "maximum context length is 256 tokens" in err and "try --num-fewshot 1 or fewer" in err
+    # the suggestion from the figures in the message: the prompt shared by its shots and its question
+    assert eval_gsm8k.fewer_shots("This model's maximum context length is 2048 tokens. However, your request has 18542 "
+                                  "input tokens", 100) == 10
+    assert eval_gsm8k.fewer_shots("This model's maximum context length is 2048 tokens. However, you requested 2100 "
+                                  "tokens (2090 in the messages, 10 in the completion).", 5) == 4
+    assert eval_gsm8k.fewer_shots("maximum context length", 3) == 2  # no figures: one fewer
 
 
 def test_http_eval_retries_a_full_queue(monkeypatch):

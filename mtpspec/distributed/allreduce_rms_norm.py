@@ -135,14 +135,14 @@ def check_allreduce_backend_supported(name: str, device: torch.device) -> None:
         return
     from mtpspec.ops.triton_utils import HAS_TRITON, interpreter_available, interpreting
     if not HAS_TRITON:
-        raise ValueError("allreduce_backend='p2p' needs Triton, which is not installed; use 'nccl'")
+        raise ValueError("allreduce_backend='p2p' needs Triton, which is not installed; use 'nccl' (CLI: --allreduce-backend nccl)")
     if device.type == "cuda":
         return
     if device.type == "cpu" and interpreting() and interpreter_available():
         return
     raise ValueError(f"allreduce_backend='p2p' runs its Triton kernel on CUDA GPUs, or on CPU only under "
                      f"Triton's interpreter (TRITON_INTERPRET=1 set before triton is imported; tests); "
-                     f"this rank's device is {device}; use allreduce_backend='nccl'")
+                     f"this rank's device is {device}; use allreduce_backend='nccl' (CLI: --allreduce-backend nccl)")
 
 
 def init_allreduce_rms_norm_backend(name: str = "nccl", capacity_bytes: int = DEFAULT_P2P_CAPACITY_BYTES,

@@ -132,7 +132,8 @@ def check_device(device: Optional[str]) -> None:
         raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N' (or None for CUDA when present), got {device!r}")
     import torch
     if device.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError(f"device={device!r} but this torch ({torch.__version__}) sees no CUDA GPU; use device='cpu'")
+        raise ValueError(f"device={device!r} but this torch ({torch.__version__}) sees no CUDA GPU; use device='cpu' "
+                         "(CLI: --device cpu)")
 
 
 def check_p2p_supported(par: ParallelConfig, device: Optional[str]) -> None:
@@ -152,7 +153,8 @@ def check_p2p_supported(par: ParallelConfig, device: Optional[str]) -> None:
         from mtpspec.ops.triton_utils import interpreting
         if not interpreting():
             check_allreduce_backend_supported("p2p", torch.device("cpu"))
-            raise ValueError("allreduce_backend='p2p' on CPU ranks needs TRITON_INTERPRET=1; use 'nccl'")
+            raise ValueError("allreduce_backend='p2p' on CPU ranks needs TRITON_INTERPRET=1; use 'nccl' "
+                             "(CLI: --allreduce-backend nccl)")
 
 
 def parse_speculative_config(value: SpecArg) -> Optional[Dict[str, Any]]:

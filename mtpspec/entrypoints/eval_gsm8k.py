@@ -28,6 +28,7 @@ import argparse
 import asyncio
 import json
 import os
+import re
 import sys
 import time
 from typing import Any, Dict, List, Optional, Sequence, Tuple
@@ -311,6 +312,20 @@ def data_files(data: Optional[str] = None, train: Optional[str] = None) -> Tuple
     return data, resolve_gsm8k("train", train, source)
 
 
+def fewer_shots(message: str, num_fewshot: int) -> int:
+    """The few-shot count to suggest after ``message`` (the engine's or the server's "maximum
+    context length is L tokens ... P input tokens / P in the messages") refused a ``num_fewshot``-shot
+    prompt: with the prompt's tokens shared evenly by its shots and its question, the most shots
+    whose prompt fits in ``L - 1`` tokens (at most ``num_fewshot - 1``, at least 0); without those
+    figures in the message, ``num_fewshot - 1``."""
+    limit = re.search(r"maximum context length is (\d+) tokens", message)
+    used = re.search(r"has (\d+) input tokens|\((\d+) in the messages", message)
+    if not (limit and used):
+        return max(0, num_fewshot - 1)
+    per_part = int(used.group(1) or used.group(2)) / (num_fewshot + 1)  # tokens a shot (or the question) takes
+    return max(0, min(num_fewshot - 1, int((int(limit.group(1)) - 1) / per_part) - 1))
+
+
 def run(args: argparse.Namespace) -> int:
     import httpx
 
@@ -327,7 +342,8 @@ def run(args: argparse.Namespace) -> int:
         hint = ""
         # the few-shot prompt outgrew the context (the engine's and the server's message: vLLM's wording)
         if "maximum context length" in str(exc) and args.num_fewshot > 0:
-            hint = f" (the {args.num_fewshot}-shot prompts are too long for this model: try --num-fewshot {args.num_fewshot - 1} or fewer)"
+            hint = (f" (the {args.num_fewshot}-shot prompts are too long for this model: try --num-fewshot "
+                    f"{fewer_shots(str(exc), args.num_fewshot)} or fewer)")
         print(f"error: {exc}{hint}", file=sys.stderr)
         return 2
     except httpx.HTTPError as exc:  # server unreachable, timed out, bad URL
