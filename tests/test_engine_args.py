@@ -329,3 +329,15 @@ def test_mtp_without_mtp_layers_says_why_and_what_to_do(path, tmp_path):
         with pytest.raises(ValueError, match=f"{want}.*-k 0, speculative_config=None"):
             EngineArgs(model=str(d), device="cpu", speculative_config={"num_speculative_tokens": 1}
                        ).create_engine_config()
+
+
+def test_cpu_kv_cache_gib_flag_sizes_the_cpu_cache() -> None:
+    """``--cpu-kv-cache-gib`` (the CPU KV budget, before only ``LLM(cpu_kv_cache_gib=...)``) reaches the engine
+    config; a non-positive one is a clear error naming it."""
+    import argparse as _ap
+    p = _ap.ArgumentParser()
+    EngineArgs.add_cli_args(p)
+    assert EngineArgs.from_cli_args(p.parse_args(["--cpu-kv-cache-gib", "0.25"])).cpu_kv_cache_gib == 0.25
+    assert EngineArgs.from_cli_args(p.parse_args([])).cpu_kv_cache_gib == 1.0
+    with pytest.raises(ValueError, match=r"cpu_kv_cache_gib \(CLI: --cpu-kv-cache-gib\) must be > 0"):
+        EngineArgs.from_cli_args(p.parse_args(["--cpu-kv-cache-gib", "0"])).create_engine_config()

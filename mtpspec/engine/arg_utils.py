@@ -383,6 +383,9 @@ class EngineArgs:
                        help="tokens per KV block (default: the architecture's, 16; 64 for MLA models)")
         p.add_argument("--num-kv-blocks", "--num-gpu-blocks-override", dest="num_kv_blocks", type=int, default=None,
                        help="KV blocks per layer (default: sized from free memory)")
+        p.add_argument("--cpu-kv-cache-gib", type=float, default=1.0,
+                       help="on a CPU: GiB for the KV cache when --num-kv-blocks is not given (default 1; vLLM's "
+                            "CPU backend reads VLLM_CPU_KVCACHE_SPACE for this)")
         p.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
                        help="KV-cache storage: auto = the model dtype (default); fp8 / fp8_e4m3: E4M3 with a scale "
                             "per layer (1.0), dequantised inside the attention kernels; twice the blocks per byte")

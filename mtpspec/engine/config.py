@@ -51,7 +51,7 @@ class CacheConfig:
         if not 0.0 < float(self.gpu_memory_utilization) <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
         if not float(self.cpu_kv_cache_gib) > 0.0:
-            raise ValueError(f"cpu_kv_cache_gib must be > 0, got {self.cpu_kv_cache_gib!r}")
+            raise ValueError(f"cpu_kv_cache_gib (CLI: --cpu-kv-cache-gib) must be > 0, got {self.cpu_kv_cache_gib!r}")
         if not isinstance(self.enable_prefix_caching, bool):
             raise ValueError(f"enable_prefix_caching must be True or False, got {self.enable_prefix_caching!r}")
         if self.cache_dtype not in KV_CACHE_DTYPES:

@@ -92,11 +92,11 @@ def _fix_hint(cfg: CacheConfig, device: torch.device) -> str:
     name and the CLI's flag)."""
     if cfg.num_kv_blocks is not None:
         unset = ("so that gpu_memory_utilization (CLI: --gpu-memory-utilization) sizes it" if device.type == "cuda"
-                 else "so that cpu_kv_cache_gib (default 1 GiB; Python API only) sizes it")
+                 else "so that cpu_kv_cache_gib (CLI: --cpu-kv-cache-gib; default 1 GiB) sizes it")
         return f"lower num_kv_blocks (CLI: --num-kv-blocks), or leave it unset {unset}"
     if device.type == "cuda":
         return "lower gpu_memory_utilization (CLI: --gpu-memory-utilization) or set num_kv_blocks (CLI: --num-kv-blocks)"
-    return ("lower cpu_kv_cache_gib (Python API: LLM(cpu_kv_cache_gib=...)) or set a smaller num_kv_blocks "
+    return ("lower cpu_kv_cache_gib (CLI: --cpu-kv-cache-gib) or set a smaller num_kv_blocks "
             "(CLI: --num-kv-blocks)")
 
 
@@ -228,7 +228,7 @@ def allocate(layers: List[AttentionLayerBase], num_blocks: int, block_size: int,
             if avail is not None else ""
         flags = ("lower num_kv_blocks (CLI: --num-kv-blocks) or gpu_memory_utilization (CLI: --gpu-memory-utilization)"
                  if device.type == "cuda" else
-                 "lower num_kv_blocks (CLI: --num-kv-blocks) or cpu_kv_cache_gib (Python API only)")
+                 "lower num_kv_blocks (CLI: --num-kv-blocks) or cpu_kv_cache_gib (CLI: --cpu-kv-cache-gib)")
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
         if device.type == "cuda":
             torch.cuda.empty_cache()

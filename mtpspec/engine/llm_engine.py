@@ -112,7 +112,7 @@ class LLMEngine:
                 f"of max_model_len={scheduler_config.max_model_len} tokens plus lookahead ({need} blocks needed); "
                 "lower max_model_len (CLI: --max-model-len) or give the cache more memory: num_kv_blocks (CLI: "
                 "--num-kv-blocks), or on a GPU gpu_memory_utilization (CLI: --gpu-memory-utilization), on a CPU "
-                "LLM(cpu_kv_cache_gib=...) (no CLI flag: use --num-kv-blocks)")
+                "cpu_kv_cache_gib (CLI: --cpu-kv-cache-gib)")
         self.scheduler = Scheduler(scheduler_config, bm, self.eos_token_ids)
         self._rng = random.Random(seed)
         self._ids = itertools.count()
