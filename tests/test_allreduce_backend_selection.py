@@ -150,7 +150,7 @@ def _tp_demo_args(backend: str):
     from mtpspec.entrypoints import tp_demo
     p = argparse.ArgumentParser()
     tp_demo.add_parser(p.add_subparsers(dest="command"))
-    return tp_demo, p.parse_args(["tp-demo", "-tp", "2", "--allreduce-backend", backend, "--num-seqs", "4",
+    return tp_demo, p.parse_args(["tp-demo", "-tp", "2", "--oversubscribe", "--allreduce-backend", backend, "--num-seqs", "4",
                                   "--hidden-size", "64", "--vocab-size", "1000"])
 
 

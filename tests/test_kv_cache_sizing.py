@@ -237,3 +237,30 @@ def test_an_allocator_failure_is_a_clear_error_and_leaves_no_cache(monkeypatch):
                         classmethod(lambda cls, spec, n, device: calls.append(spec) or 1 / 0))
     with pytest.raises(ZeroDivisionError):
         allocate(layers, 5, 16, torch.bfloat16, torch.device("cpu"))
+
+
+def test_cgroup_headroom_counts_the_inactive_page_cache_as_free(monkeypatch) -> None:
+    """Review: a container's cgroup usage counts the page cache (the checkpoint just read), which the
+    kernel reclaims on demand; ``available_memory_bytes`` counts its inactive part as headroom, as
+    docker and the kubelet do, so the default CPU budget is not refused after a load."""
+    import io
+
+    import torch
+
+    import mtpspec.engine.kv_cache as kc
+    gib = 1 << 30
+    files = {"/proc/meminfo": "MemTotal: 67108864 kB\nMemAvailable: 33554432 kB\n",  # 32 GiB on the host
+             "/sys/fs/cgroup/memory.max": f"{8 * gib}\n", "/sys/fs/cgroup/memory.current": f"{7 * gib}\n",
+             "/sys/fs/cgroup/memory.stat": f"anon {2 * gib}\nfile {5 * gib}\ninactive_file {4 * gib}\n"}
+
+    def fake_open(path, *a, **kw):
+        if path not in files:
+            raise OSError(path)
+        return io.StringIO(files[path])
+
+    monkeypatch.setattr(kc, "open", fake_open, raising=False)
+    assert kc.available_memory_bytes(torch.device("cpu")) == 5 * gib  # 8 - (7 - 4 inactive)
+    del files["/sys/fs/cgroup/memory.stat"]
+    assert kc.available_memory_bytes(torch.device("cpu")) == 1 * gib  # no stat: the usage as it is
+    files["/sys/fs/cgroup/memory.max"] = "max\n"
+    assert kc.available_memory_bytes(torch.device("cpu")) == 32 * gib  # no limit: the host's MemAvailable

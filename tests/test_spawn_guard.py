@@ -169,3 +169,36 @@ def test_start_up_reads_the_ranks_as_they_reply_and_the_first_failure_wins() -> 
         for p in procs:
             os.close(p.sentinel)
             os.close(p._w)
+
+
+def test_a_rank_s_input_error_is_not_hidden_by_a_lower_rank_s_broken_collective() -> None:
+    """Review: a rank that fails alone (its KV cache does not fit) closes the process group, and
+    rank 0, waiting in the block-count all-reduce with it, fails a moment later with a connection
+    error; the start-up must report the cause (rank 1's input error, an ``error: ...`` line), not
+    rank 0's. A lower rank's input error still wins over a higher rank's (ranks that fail alike
+    report as rank 0)."""
+    from mtpspec.engine.executor import MultiprocExecutor, WorkerError, WorkerInputError
+
+    class Conn:
+        def poll(self, timeout=None):
+            return True
+
+    class Proc:
+        def is_alive(self):
+            return True
+
+    ex = object.__new__(MultiprocExecutor)
+    ex.conns, ex.procs = [Conn(), Conn()], [Proc(), Proc()]
+    cause = WorkerInputError("rank 1: the KV cache does not fit in memory: ...")
+    for lower, want in ((WorkerError("rank 0 failed: RuntimeError: Connection closed by peer"), cause),
+                        (WorkerInputError("rank 0: the KV cache does not fit in memory: ..."), None)):
+        def recv(rank, timeout_s, lower=lower):
+            raise lower
+        ex._recv = recv
+        got = ex._lowest_failure(1, cause, {}, 0.1)
+        assert got is (want if want is not None else lower), (lower, got)
+    # a lower rank's failure beats a higher rank's when neither is an input error
+    other = WorkerError("rank 1 died")
+    lower = WorkerError("rank 0 failed: RuntimeError: boom")
+    ex._recv = lambda rank, timeout_s: (_ for _ in ()).throw(lower)
+    assert ex._lowest_failure(1, other, {}, 0.1) is lower

@@ -281,7 +281,10 @@ class MultiprocExecutor(Executor):
 
     def _lowest_failure(self, rank: int, exc: WorkerError, replies: dict, grace_s: float) -> WorkerError:
         """``exc`` (rank ``rank``'s failure), or that of the lowest rank before it that replies with
-        an error or dies within ``grace_s`` seconds (its reply, if any, goes into ``replies``)."""
+        an error or dies within ``grace_s`` seconds (its reply, if any, goes into ``replies``), unless
+        ``exc`` is an input error and the lower one is not: a rank that fails alone (its KV cache does
+        not fit, say) closes the process group, and the ranks waiting in a collective with it then
+        fail with a connection error, which must not hide the cause."""
         deadline = time.monotonic() + grace_s
         for r in range(rank):
             if r in replies:
@@ -293,7 +296,8 @@ class MultiprocExecutor(Executor):
                 try:
                     replies[r] = self._recv(r, grace_s)
                 except WorkerError as lower:
-                    return lower
+                    if isinstance(lower, WorkerInputError) or not isinstance(exc, WorkerInputError):
+                        return lower
         return exc
 
     def _recv(self, rank: int, timeout_s: float) -> Any:

@@ -33,14 +33,17 @@ class KVCacheMemoryError(ValueError):
 def available_memory_bytes(device: torch.device) -> Optional[int]:
     """Memory an allocation on ``device`` can take now, in bytes (``None``: unknown).
 
-    CUDA: the device's free memory (``torch.cuda.mem_get_info``). CPU: ``MemAvailable`` of
-    ``/proc/meminfo`` (free memory plus what the kernel can reclaim; else ``os.sysconf``'s free
-    pages), at most what the process's cgroup limit leaves (v2 ``memory.max`` less
-    ``memory.current``, v1 ``memory.limit_in_bytes`` less ``memory.usage_in_bytes``).
+    CUDA: the device's free memory (``torch.cuda.mem_get_info``) plus what torch's caching
+    allocator holds unused. CPU: ``MemAvailable`` of ``/proc/meminfo`` (free memory plus what
+    the kernel can reclaim; else ``os.sysconf``'s free pages), at most what the process's cgroup
+    limit leaves (v2 ``memory.max`` less ``memory.current``, v1 ``memory.limit_in_bytes`` less
+    ``memory.usage_in_bytes``, the inactive page cache of ``memory.stat`` not counted as used).
     """
     if device.type == "cuda":
         try:
-            return int(torch.cuda.mem_get_info(device)[0])
+            # what torch's caching allocator holds but does not use is free to this process too
+            cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+            return int(torch.cuda.mem_get_info(device)[0]) + max(0, int(cached))
         except (RuntimeError, AssertionError):
             return None
     if device.type != "cpu":
@@ -70,7 +73,19 @@ def available_memory_bytes(device: torch.device) -> Optional[int]:
         except (OSError, ValueError):
             continue
         if limit.isdigit() and int(limit) < 1 << 60:  # "max" / a huge v1 value: no limit
-            avail = min(avail, max(0, int(limit) - usage))
+            # the usage counts the page cache (the checkpoint just read, say), which the kernel
+            # reclaims on demand: its inactive part is headroom, as docker / the kubelet count it
+            stat = os.path.join(os.path.dirname(usage_file), "memory.stat")
+            try:
+                with open(stat) as f:
+                    for line in f:
+                        key, _, value = line.partition(" ")
+                        if key in ("inactive_file", "total_inactive_file"):
+                            usage -= int(value)
+                            break
+            except (OSError, ValueError):
+                pass
+            avail = min(avail, max(0, int(limit) - max(0, usage)))
         break
     return avail
 
