@@ -17,6 +17,7 @@ from torch import nn
 from mtpspec.engine.config import CacheConfig
 from mtpspec.attention.backends.abstract import AttentionLayerBase
 from mtpspec.layers.attention import collect_attention_layers
+from mtpspec.memory import is_out_of_memory
 
 
 _GIB = 1 << 30
@@ -204,16 +205,6 @@ def available_kv_blocks(layers: List[AttentionLayerBase], cfg: CacheConfig, dtyp
     return n
 
 
-def _is_out_of_memory(exc: BaseException) -> bool:
-    """Whether ``exc`` is an allocator's refusal (CUDA out of memory, the CPU allocator's
-    "can't allocate memory", Python's ``MemoryError``)."""
-    if isinstance(exc, MemoryError) or type(exc).__name__ == "OutOfMemoryError":
-        return True
-    msg = str(exc).lower()
-    return isinstance(exc, RuntimeError) and ("can't allocate memory" in msg or "out of memory" in msg
-                                              or "not enough memory" in msg)
-
-
 def allocate(layers: List[AttentionLayerBase], num_blocks: int, block_size: int, dtype: torch.dtype,
              device: torch.device) -> List[torch.Tensor]:
     """Attach to each layer a zeroed cache of ``num_blocks`` blocks in its backend's layout and
@@ -235,7 +226,7 @@ def allocate(layers: List[AttentionLayerBase], num_blocks: int, block_size: int,
         for layer in layers:
             layer.kv_cache = None
         caches.clear()
-        if not _is_out_of_memory(exc):
+        if not is_out_of_memory(exc):
             raise
         need = num_blocks * bytes_per_block(layers, block_size, dtype)
         avail = available_memory_bytes(device)

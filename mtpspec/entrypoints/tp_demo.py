@@ -102,13 +102,6 @@ def _rank_death(exc: RuntimeError) -> str:
     return msg
 
 
-def _out_of_memory(exc: BaseException) -> bool:
-    """An allocator's refusal (the CPU allocator's "can't allocate memory", CUDA out of memory)."""
-    msg = str(exc).lower()
-    return isinstance(exc, MemoryError) or type(exc).__name__ == "OutOfMemoryError" or \
-        "can't allocate memory" in msg or "out of memory" in msg
-
-
 def run(args) -> int:
     import sys
     for flag, value in (("--tensor-parallel-size", args.tp), ("--num-seqs", args.num_seqs),
@@ -117,6 +110,7 @@ def run(args) -> int:
             print(f"error: {flag} must be >= 1, got {value}", file=sys.stderr)
             return 2
     from mtpspec.distributed.launcher import RemoteTraceback
+    from mtpspec.memory import is_out_of_memory
     from mtpspec.distributed.parallel_state import default_backend
     cpus = cpu_count()
     if default_backend(args.tp) == "gloo" and args.tp > cpus and not args.oversubscribe:
@@ -131,7 +125,7 @@ def run(args) -> int:
         return 2
     except (RuntimeError, MemoryError) as exc:
         if isinstance(exc.__cause__, RemoteTraceback):  # a rank's own exception
-            if _out_of_memory(exc):
+            if is_out_of_memory(exc):
                 first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
                 print(f"error: a rank ran out of memory ({first}); lower --vocab-size, --hidden-size or --num-seqs",
                       file=sys.stderr)

@@ -36,6 +36,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from mtpspec.memory import is_out_of_memory
 from mtpspec.ops.fp8_gemm import DEFAULT_BLOCK, FP8_WEIGHT_DTYPE, dequantize_weight_blocks, quantize_weight_blocks
 
 #: Checkpoint keys never quantised (matched anywhere in the key).
@@ -59,15 +60,6 @@ def quantization_config(block: Sequence[int] = DEFAULT_BLOCK) -> Dict[str, objec
     """The ``config.json`` entry of an FP8 checkpoint with ``block``."""
     return {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
             "weight_block_size": [int(block[0]), int(block[1])]}
-
-
-def _is_allocation_failure(exc: BaseException) -> bool:
-    """Whether ``exc`` is an allocator's out-of-memory error (``MemoryError``, torch's CPU
-    allocator's "can't allocate memory" or ``torch.OutOfMemoryError``, both ``RuntimeError``)."""
-    if isinstance(exc, MemoryError):
-        return True
-    msg = str(exc).lower()
-    return isinstance(exc, RuntimeError) and ("out of memory" in msg or "can't allocate" in msg)
 
 
 def _allocation_error(exc: BaseException, what: str, key: str, shape: Sequence[int],
@@ -100,7 +92,7 @@ def quantize_state_dict(tensors: Dict[str, torch.Tensor], block: Sequence[int] =
             try:
                 out[key], out[key + "_scale_inv"] = quantize_weight_blocks(t, block)
             except (RuntimeError, MemoryError) as exc:
-                if not _is_allocation_failure(exc):
+                if not is_out_of_memory(exc):
                     raise
                 raise _allocation_error(exc, "quantising", key, t.shape, block) from None
         else:
@@ -123,7 +115,7 @@ def dequantize_state_dict(tensors: Dict[str, torch.Tensor], block: Sequence[int]
             try:
                 out[key] = dequantize_weight_blocks(t, tensors[key + "_scale_inv"], block[0], block[1], dtype)
             except (RuntimeError, MemoryError) as exc:
-                if not _is_allocation_failure(exc):
+                if not is_out_of_memory(exc):
                     raise
                 raise _allocation_error(exc, "dequantising", key, t.shape, block) from None
         else:
