@@ -393,9 +393,7 @@ class LLMEngine:
             # prompt): looked at only when the policy keeps a reserve for them
             partial = sum(1 for s in out.scheduled if s.is_partial_prefill)  # their drafts are dropped
             waiting = self.spec_policy.prompt_reserve > 0 and (bool(self.scheduler.waiting) or partial > 0)
-            # the entries a drafting step would catch up: only where the policy prices them (a loop over the batch)
-            priced = getattr(self.spec_policy, "catch_up_ms_per_row", None)
-            lags = self._catch_up_ahead(out) if self.defer_mtp_kv and (priced is None or priced() > 0) else []
+            lags = self._catch_up_ahead(out) if self.defer_mtp_kv else []  # what a drafting step would catch up
             out.num_proposed_tokens = self.spec_policy.choose(len(out.scheduled), out.num_prefill_tokens, waiting,
                                                               self.scheduler_config.max_num_batched_tokens,
                                                               num_partial_prefills=partial, catch_up=lags)
