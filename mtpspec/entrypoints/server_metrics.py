@@ -178,10 +178,7 @@ class ServerMetrics(EngineObserver):
         for out in finished:
             rm = out.metrics
             self.success.labels(finished_reason=out.outputs[0].finish_reason or "unknown").inc()
-            if rm.ttft is not None:
-                self.ttft.observe(rm.ttft)
-            for gap in rm.itl:
-                self.itl.observe(gap)
+            self._observe_tokens(rm)
             if rm.tpot is not None:
                 self.tpot.observe(rm.tpot)
             if rm.finished_time is not None:
@@ -196,12 +193,15 @@ class ServerMetrics(EngineObserver):
         into their histograms too (vLLM v1 records both per step, whether the request finishes or
         not), so a stream the client cut still counts its first token."""
         self.aborted.inc()
-        rm = None if output is None else output.metrics
-        if rm is not None:
-            if rm.ttft is not None:
-                self.ttft.observe(rm.ttft)
-            for gap in rm.itl:
-                self.itl.observe(gap)
+        if output is not None and output.metrics is not None:
+            self._observe_tokens(output.metrics)
+
+    def _observe_tokens(self, rm: Any) -> None:
+        """A request's TTFT and inter-token gaps (s) into their histograms."""
+        if rm.ttft is not None:
+            self.ttft.observe(rm.ttft)
+        for gap in rm.itl:
+            self.itl.observe(gap)
 
     def on_error(self, request_id: str) -> None:
         self.failed.inc()
