@@ -135,7 +135,8 @@ def check_allreduce_backend_supported(name: str, device: torch.device) -> None:
         return
     from mtpspec.ops.triton_utils import HAS_TRITON, interpreter_available, interpreting
     if not HAS_TRITON:
-        raise ValueError("allreduce_backend='p2p' needs Triton, which is not installed; use 'nccl' (CLI: --allreduce-backend nccl)")
+        raise ValueError("allreduce_backend='p2p' needs Triton, which is not installed; use 'nccl' "
+                         "(CLI: --allreduce-backend nccl)")
     if device.type == "cuda":
         return
     if device.type == "cpu" and interpreting() and interpreter_available():

@@ -469,7 +469,6 @@ def rotated(arms: List[str], i: int) -> List[str]:
     return arms[k:] + arms[:k]
 
 
-
 def _kind_detail(v: dict) -> str:
     """`` [B 256, P 418, catch-up 131072]`` of one kind of step (mean batch, mean prompt tokens if
     any, catch-up rows if any); empty for a record without them (an older JSON)."""
@@ -481,6 +480,7 @@ def _kind_detail(v: dict) -> str:
     if v.get("catch_up_rows"):
         bits.append(f"catch-up {v['catch_up_rows']}")
     return " [" + ", ".join(bits) + "]"
+
 
 def versus_best(wl: Dict[str, Any], arm: str = "adaptive") -> Optional[Dict[str, Any]]:
     """Issue 18's goal figure for one workload: ``arm``'s median output tok/s over the best other

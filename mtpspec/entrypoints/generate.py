@@ -102,7 +102,8 @@ def _prompts(args: argparse.Namespace) -> List[Any]:
 
 def describe_setup(model: str, llm: Any) -> str:
     """Three lines: the model (folder, architecture), the draft setup (k, DSA index sharing, draft
-    sampling mode, vocab-parallel local argmax) and the KV cache dtype (``--kv-cache-dtype``; ``auto`` = the model dtype)."""
+    sampling mode, vocab-parallel local argmax) and the KV cache dtype (``--kv-cache-dtype``;
+    ``auto`` = the model dtype)."""
     mcfg, spec = llm.model_config, llm.speculative_config
     lines = [f"model              {model} ({mcfg.architecture})"]
     if spec is None:
