@@ -74,3 +74,5 @@ def test_cpu_count_is_the_affinity_mask() -> None:
     import os
     n = tp_demo.cpu_count()
     assert 1 <= n <= (os.cpu_count() or n)
+    if hasattr(os, "sched_getaffinity"):  # the CPUs this process may run on, not the machine's
+        assert n == len(os.sched_getaffinity(0))
