@@ -218,16 +218,20 @@ demo-sd)  # issue 16: 2026-12-03's MTP layer saw its 751k completion tokens ~17 
         --speculative-config "{\"method\":\"mtp\",\"num_speculative_tokens\":$1,\"index_share_for_mtp_iteration\":$2}" \
         --gpu-memory-utilization 0.5 --no-progress --json "$OUT/eval_k$1_$2.json"
   done ;;
-demo-pair1)  # issue 16, a new target / MTP pair, part 1: run 4's whole-model continuation (one seed, SEED / LR
-  # override), then its GSM8K strict-match at k = 0 (the goal: >= 0.0167, 22 of 1,319). Keep it only if it holds;
+demo-pair1)  # issue 16, a new target / MTP pair, part 1: run 4's whole-model continuation (one seed, SEED / LR /
+  # MINUTES / MTP_LAMBDA, the MTP loss weight of DeepSeek-V3 eq. 25, override), then its GSM8K strict-match at k = 0
+  # (the goal: >= 0.0167, 22 of 1,319; EVAL_K1=1: and its k = 1 acceptance as trained). Keep it only if it holds;
   # the shards and config land in OUT/pair (carry them to part 2 as .pair/, an ignored folder).
   step 420 continue_target python3 -m mtpspec.entrypoints.cli train --arch glm_moe_dsa \
       --init-from mtpspec/demo_model_glm5 --output-dir /tmp/pair --overwrite-output-dir --indexer-warmup-fraction 0 --warmup-steps 50 \
       --distill-fraction 0 --eval-every 0 --accept-prompts 0 --reserve-seconds 12 --max-minutes ${MINUTES:-6.4} \
-      --lr ${LR:-5e-4} --seed ${SEED:-13} --no-progress
+      --lr ${LR:-5e-4} --seed ${SEED:-13} --mtp-lambda ${MTP_LAMBDA:-0.6} --no-progress
   mkdir -p "$OUT/pair" && cp /tmp/pair/*.json /tmp/pair/*.safetensors "$OUT/pair/" 2>/dev/null
   step 150 eval_k0 python3 -m mtpspec.entrypoints.cli eval gsm8k --model /tmp/pair --dtype float32 --device cuda \
-      --gpu-memory-utilization 0.5 --no-progress --json "$OUT/eval_k0.json" ;;
+      --gpu-memory-utilization 0.5 --no-progress --json "$OUT/eval_k0.json"
+  [ -z "${EVAL_K1:-}" ] || step 120 eval_k1 python3 -m mtpspec.entrypoints.cli eval gsm8k --model /tmp/pair --dtype float32 \
+      --device cuda --speculative-config '{"method":"mtp","num_speculative_tokens":1}' --gpu-memory-utilization 0.5 \
+      --no-progress --json "$OUT/eval_k1.json" ;;
 demo-pair2)  # part 2: run 5 (a)'s MTP self-distillation on part 1's target (PAIR, default .pair), then k = 1
   step 460 self_distill python3 -m mtpspec.entrypoints.cli train --arch glm_moe_dsa --init-from ${PAIR:-.pair} \
       --output-dir /tmp/pair_sd --overwrite-output-dir --indexer-warmup-fraction 0 --freeze-target --mtp-distill 1.0 --mtp-depth 1 \

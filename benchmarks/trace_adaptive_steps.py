@@ -133,6 +133,9 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=256)
     ap.add_argument("--forced-acceptance", default="rate:0.8", help="'none': the real verifier")
     ap.add_argument("--json", help="write the groups and every row here")
+    ap.add_argument("--warmup-full", action="store_true",
+                    help="warm up with the whole traced workload once (every shape the traced run meets: first-time "
+                         "compiles and allocations out of the trace), not a quarter of the prompts for 16 tokens")
     ap.add_argument("--smoke", action="store_true", help="the bundled demo model on the CPU, 4 short prompts")
     a = ap.parse_args()
     from mtpspec import LLM
@@ -161,7 +164,12 @@ def main() -> None:
     vocab = llm.llm_engine.vocab_size
     n = a.num_prompts or 2 * a.concurrency
     prompts = [[rng.randrange(10, vocab) for _ in range(a.input_len)] for _ in range(n)]
-    trace(llm, prompts[: max(1, a.concurrency // 4)], 16, a.concurrency)  # warm-up
+    if a.warmup_full:
+        trace(llm, prompts, a.output_len, a.concurrency)
+        if spec is not None and a.forced_acceptance != "none":  # the same draws in the traced run
+            enable_forced_acceptance(llm, ForcedAcceptance.parse(a.forced_acceptance))
+    else:
+        trace(llm, prompts[: max(1, a.concurrency // 4)], 16, a.concurrency)  # warm-up
     t0 = time.perf_counter()
     rows = trace(llm, prompts, a.output_len, a.concurrency)
     took = time.perf_counter() - t0

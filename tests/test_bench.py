@@ -235,6 +235,7 @@ def test_bench_arms_in_process_repeats_the_same_steps(model_dir, tmp_path):
     assert "run 1's steps by kind (steps x mean wall [mean batch, prompt tokens, catch-up rows]): decode k1 " in p.stdout
     res = json.loads((out / "bench_arms.json").read_text())
     assert res["in_process"] is True and res["warmup_rounds"] == 1
+    assert res["equal_kv_blocks"] > 0  # both arms up at once: the same KV blocks each (equal_kv_blocks)
     wl = res["workloads"]["s8"]
     for arm, d in wl["arms"].items():
         r0, r1 = d["runs"]

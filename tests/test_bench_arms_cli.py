@@ -167,3 +167,65 @@ def test_plots_are_made_after_the_json_and_listed_in_it(monkeypatch, tmp_path):
     assert json.loads((tmp_path / "bench_arms.json").read_text())["plots"] == res["plots"]
     for p in res["plots"]:
         assert open(p, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_equal_kv_blocks_hold_every_workload_whole():
+    """Arms up at once get the same KV token capacity: every workload's concurrent requests whole
+    (prompt + output + lookahead slack, a partial block each) plus 10%; none for natural-length prompts."""
+    cfg = bench_arms.BenchConfig
+    wl = {"s8": cfg(num_prompts=16, max_concurrency=8, input_len=512, output_len=256, prompts="random"),
+          "s256": cfg(num_prompts=512, max_concurrency=256, input_len=512, output_len=256, prompts="random")}
+    blocks = bench_arms.equal_kv_blocks(wl, {"block_size": 16, "model": None})
+    per_seq = -(-(512 + 256 + bench_arms.KV_SLACK_TOKENS) // 16) + 1  # 49 + 1 blocks
+    assert blocks == 256 * per_seq + -(-256 * per_seq // 10)
+    assert blocks * 16 >= 1.1 * 256 * (512 + 256 + 4)  # k = 3 lookahead + the sampled token fit
+    demo = default_model_path()  # block size None: the architecture's default (the GLM-5 demo: MLA, 64)
+    from mtpspec.config import ModelConfig
+    bs = ModelConfig.from_pretrained(demo).arch.default_block_size
+    by_arch = bench_arms.equal_kv_blocks({"s8": wl["s8"]}, {"block_size": None, "model": demo})
+    need = 8 * (-(-(768 + bench_arms.KV_SLACK_TOKENS) // bs) + 1)
+    assert by_arch == need + -(-need // 10)
+    natural = cfg(num_prompts=4, max_concurrency=2, input_len=None, output_len=64)
+    assert bench_arms.equal_kv_blocks({"s8": wl["s8"], "gsm8k": natural}, {"block_size": 16, "model": None}) is None
+
+
+def test_arms_up_at_once_get_the_same_kv_blocks(monkeypatch, tmp_path):
+    """Servers started together get one ``--num-kv-blocks`` each (no GPU share), recorded in the JSON;
+    with a workload of natural-length prompts, the 85% GPU share as before."""
+    started = {}
+
+    class FakeServer:
+        def __init__(self, arm, flags, common, log):
+            started[arm] = list(flags)
+            self.url = f"http://127.0.0.1:{len(started)}"
+
+        def stop(self):
+            pass
+
+    monkeypatch.setattr(bench_arms, "ArmServer", FakeServer)
+    monkeypatch.setattr(bench_arms, "run_benchmark", fake_result)
+    wl = {"s1": bench_arms.BenchConfig(num_prompts=1, max_concurrency=2, input_len=40, output_len=8, prompts="random")}
+    common = ["--block-size", "16"]
+    res = bench_arms.run_arms({"a": [], "b": ["-k", "1"]}, wl, 1, str(tmp_path), common, progress=False,
+                              plots=False, share_gpu=True)
+    blocks = 2 * (-(-(48 + bench_arms.KV_SLACK_TOKENS) // 16) + 1)
+    blocks += -(-blocks // 10)
+    assert res["equal_kv_blocks"] == blocks
+    assert started == {"a": ["--num-kv-blocks", str(blocks)], "b": ["-k", "1", "--num-kv-blocks", str(blocks)]}
+    started.clear()
+    wl["g"] = bench_arms.BenchConfig(num_prompts=1, max_concurrency=1, input_len=None, output_len=8, prompts="random")
+    res = bench_arms.run_arms({"a": [], "b": []}, wl, 1, str(tmp_path / "2"), common, progress=False, plots=False,
+                              share_gpu=True)
+    assert res["equal_kv_blocks"] is None
+    assert started == {"a": ["--gpu-memory-utilization", "0.4250"], "b": ["--gpu-memory-utilization", "0.8500"]}
+
+
+def test_preemption_in_one_arm_only_is_warned_in_the_table():
+    def wl(pre):
+        return {"arms": {arm: {"runs": [{"preemptions": p} for p in runs]} for arm, runs in pre.items()}}
+
+    warn = bench_arms.preemption_warning(wl({"plain": [0, 0], "adaptive": [86, 101]}))
+    assert warn.startswith("WARNING: preemptions in adaptive up to 101") and "--num-kv-blocks" in warn
+    assert bench_arms.preemption_warning(wl({"plain": [0, 0], "adaptive": [0, 0]})) is None
+    assert bench_arms.preemption_warning(wl({"plain": [3, 1], "adaptive": [5, 0]})) is None  # every arm preempted
+    assert bench_arms.preemption_warning({"arms": {"a": {"runs": [{}]}, "b": {"runs": [{"preemptions": 2}]}}}) is None

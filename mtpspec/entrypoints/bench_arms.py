@@ -423,6 +423,9 @@ def format_workload(name: str, wl: Dict[str, Any]) -> str:
         paired = "-" if vs["per_round_median"] is None else f"{vs['per_round_median']:.3f}"
         lines.append(f"{vs['arm']} / best other arm ({vs['best']}), output tok/s medians: {vs['ratio']:.3f}; "
                      f"per interleaved round: [{rounds}], their median {paired}")
+    warn = preemption_warning(wl)
+    if warn:
+        lines.append(warn)
     hs = host_spread(wl)
     if hs is not None:
         lines.append(f"host probe (a fixed Python loop before and after each run): {hs['min_ms']:.1f} to "
@@ -461,6 +464,50 @@ def host_spread(wl: Dict[str, Any]) -> Optional[Dict[str, float]]:
     if not probes:
         return None
     return {"min_ms": min(probes), "max_ms": max(probes), "spread": max(probes) / min(probes)}
+
+
+#: Tokens a running request may hold beyond its prompt and output (speculative lookahead, the
+#: sampled token), counted by :func:`equal_kv_blocks` on top of each request's length.
+KV_SLACK_TOKENS = 16
+
+
+def equal_kv_blocks(workloads: Dict[str, BenchConfig], kwargs: Dict[str, Any]) -> Optional[int]:
+    """KV blocks per layer that hold every workload's concurrent requests whole, plus 10%: the
+    ``--num-kv-blocks`` every arm gets when the arms run at once (so that no arm is preempted for
+    lack of blocks where another is not: a speculative arm's MTP layer and an adaptive arm's
+    hidden-state cache take memory per token that plain decoding does not, and with a share of
+    the GPU each, an arm's token capacity would differ by those bytes). ``max_concurrency x
+    ceil((input_len + output_len + KV_SLACK_TOKENS) / block_size) + 1`` blocks, the largest over
+    workloads; ``None`` when a workload's prompts have no fixed length (natural GSM8K prompts).
+
+    Args:
+        workloads: name -> :class:`BenchConfig`.
+        kwargs: the ``LLM(...)`` keyword arguments of the common flags (``serve.check_serve_args``):
+            ``block_size`` (``None``: the architecture's default) and ``model``.
+    """
+    if not workloads or any(c.input_len is None for c in workloads.values()):
+        return None
+    bs = kwargs.get("block_size")
+    if bs is None:
+        from mtpspec.config import ModelConfig
+        bs = ModelConfig.from_pretrained(kwargs["model"]).arch.default_block_size
+    need = max(c.max_concurrency * (-(-(c.input_len + c.output_len + KV_SLACK_TOKENS) // bs) + 1)
+               for c in workloads.values())
+    return need + -(-need // 10)
+
+
+def preemption_warning(wl: Dict[str, Any]) -> Optional[str]:
+    """A warning when some arm's runs of a workload were preempted and another arm's were not:
+    then the arms differ in KV capacity at this concurrency, not only in speed (recomputed
+    prompts, smaller batches); ``None`` otherwise. Runs without a preemption count are skipped."""
+    per = {arm: [r["preemptions"] for r in d["runs"] if r.get("preemptions") is not None]
+           for arm, d in wl["arms"].items()}
+    hit = {arm: max(v) for arm, v in per.items() if v and max(v) > 0}
+    if not hit or len(hit) == sum(1 for v in per.values() if v):
+        return None
+    said = ", ".join(f"{arm} up to {n:.0f}" for arm, n in hit.items())
+    return (f"WARNING: preemptions in {said} of the runs, none in the other arms: the arms differ in KV capacity "
+            "at this concurrency, not only in speed (give every arm the same --num-kv-blocks)")
 
 
 def rotated(arms: List[str], i: int) -> List[str]:
@@ -637,9 +684,12 @@ def run_arms(arms: Dict[str, List[str]], workloads: Dict[str, BenchConfig], repe
         progress, plots: progress bars; PNG plots (:func:`write_plots`: made after ``bench_arms.json``
             is written, so a plot that fails only warns; matplotlib is checked before any server
             starts, :func:`check_plotting`).
-        share_gpu: split 85% of the GPU between the servers. They run at the same time and a
-            server's ``--gpu-memory-utilization`` counts the memory other processes already use,
-            so the i-th server started (0-based) of ``n`` gets ``0.85 * (i + 1) / n``.
+        share_gpu: the arms run at the same time (servers, or engines in this process) and share
+            the GPU: when every workload's prompt length is fixed, each arm gets the same
+            ``--num-kv-blocks`` (:func:`equal_kv_blocks`: every workload's concurrent requests
+            whole; recorded as ``equal_kv_blocks``), else 85% of the GPU is split between them
+            (a server's ``--gpu-memory-utilization`` counts the memory other processes already
+            use, so the i-th started (0-based) of ``n`` gets ``0.85 * (i + 1) / n``).
         one_at_a_time: one server at a time (for models of which the GPU holds one copy): arm
             after arm, each server started, every workload's runs made, stopped. Not interleaved:
             drift between arms is not spread over them (the JSON says ``"interleaved": false``).
@@ -675,6 +725,9 @@ def run_arms(arms: Dict[str, List[str]], workloads: Dict[str, BenchConfig], repe
     for arm, flags in arms.items():  # and a workload longer than an arm's context
         if arm not in (urls or {}):
             check_workload_lengths(workloads, check_serve_args(common + flags), arm)
+    kv_blocks = None
+    if share_gpu and sum(1 for a in arms if a not in (urls or {})) > 1:
+        kv_blocks = equal_kv_blocks(workloads, check_serve_args(common))
     os.makedirs(out_dir, exist_ok=True)
     partial = os.path.join(out_dir, PARTIAL_JSON)
     if os.path.exists(partial):  # an earlier killed sweep's runs must not pass for this one's
@@ -683,7 +736,8 @@ def run_arms(arms: Dict[str, List[str]], workloads: Dict[str, BenchConfig], repe
     servers: Dict[str, ArmServer] = {}
     result: Dict[str, Any] = {"arms": {a: {"flags": f, "url": urls.get(a)} for a, f in arms.items()},
                               "common_server_args": common, "repeats": repeats, "interleaved": not one_at_a_time,
-                              "warmup_rounds": warmup_rounds, "in_process": in_process, "workloads": {}}
+                              "warmup_rounds": warmup_rounds, "in_process": in_process,
+                              "equal_kv_blocks": kv_blocks, "workloads": {}}
     bar = None
     runs: Dict[str, Dict[str, List[Dict[str, Any]]]] = {w: {a: [] for a in arms} for w in workloads}
 
@@ -705,7 +759,9 @@ def run_arms(arms: Dict[str, List[str]], workloads: Dict[str, BenchConfig], repe
 
     def start(arm: str, i: int, n: int) -> None:
         flags, share = arms[arm], 0.85 * (i + 1) / n
-        if share_gpu and n > 1:
+        if kv_blocks is not None:  # the same token capacity for every arm (equal_kv_blocks)
+            flags = flags + ["--num-kv-blocks", str(kv_blocks)]
+        elif share_gpu and n > 1:
             flags = flags + ["--gpu-memory-utilization", f"{share:.4f}"]
         if in_process:
             from mtpspec.entrypoints.bench_inprocess import open_arm
