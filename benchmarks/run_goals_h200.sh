@@ -12,6 +12,7 @@
 #   bash benchmarks/run_goals_h200.sh serving-deep OUT  # issue 17: prefix-cache TTFT on 40 of Llama-3-70B's 80 layers
 #   bash benchmarks/run_goals_h200.sh adaptive-inproc OUT # issue 18: the adaptive sweep in-process (deterministic arrival)
 #   bash benchmarks/run_goals_h200.sh adaptive-deep OUT # issue 18: the same with LAYERS (4) target layers, 2 warm-ups
+#   bash benchmarks/run_goals_h200.sh gc-trace OUT    # issue 18: s256 traces, start-up heap frozen or not (gc passes timed)
 #   bash benchmarks/run_goals_h200.sh deferral OUT    # issue 18: deferred MTP KV + split prefill first pass on the GPU
 #                                                  # (their tests on the GPU, then the c64 traces: plain, adaptive-k0, adaptive)
 #   bash benchmarks/run_goals_h200.sh pdl OUT           # issue 18: PDL off / on (block, steps), plain decoding, the
@@ -218,6 +219,14 @@ demo-sd)  # issue 16: 2026-12-03's MTP layer saw its 751k completion tokens ~17 
         --speculative-config "{\"method\":\"mtp\",\"num_speculative_tokens\":$1,\"index_share_for_mtp_iteration\":$2}" \
         --gpu-memory-utilization 0.5 --no-progress --json "$OUT/eval_k$1_$2.json"
   done ;;
+gc-trace)  # issue 18: the s256 traces (Air 3 layers, whole-workload warm-up) with the start-up heap frozen (default)
+  # and not (MTPSPEC_GC_FREEZE=0), plain and adaptive: the collector's passes timed (gc.callbacks) beside the step gaps
+  python3 benchmarks/make_dummy_model.py /tmp/air3 --preset air-8l --num-hidden-layers 3 \
+      --max-position-embeddings 2048 || exit 1
+  for e in plain adaptive; do for f in 1 0; do
+    MTPSPEC_GC_FREEZE=$f step 120 trace_${e}_gc$f python3 benchmarks/trace_adaptive_steps.py /tmp/air3 --engine $e \
+        --concurrency 256 --warmup-full --json "$OUT/trace_${e}_freeze$f.json"
+  done; done ;;
 demo-pair1)  # issue 16, a new target / MTP pair, part 1: run 4's whole-model continuation (one seed, SEED / LR /
   # MINUTES / MTP_LAMBDA, the MTP loss weight of DeepSeek-V3 eq. 25, override), then its GSM8K strict-match at k = 0
   # (the goal: >= 0.0167, 22 of 1,319; EVAL_K1=1: and its k = 1 acceptance as trained). Keep it only if it holds;

@@ -21,6 +21,7 @@ be told apart::
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import random
 import statistics
@@ -170,9 +171,23 @@ def main() -> None:
             enable_forced_acceptance(llm, ForcedAcceptance.parse(a.forced_acceptance))
     else:
         trace(llm, prompts[: max(1, a.concurrency // 4)], 16, a.concurrency)  # warm-up
+    gc_ms: Dict[int, List[float]] = {0: [], 1: [], 2: []}  # the collector's passes in the traced run, per generation
+    started: List[float] = []
+
+    def on_gc(phase: str, info: Dict[str, int]) -> None:
+        if phase == "start":
+            started[:] = [time.perf_counter()]
+        elif started:
+            gc_ms[info["generation"]].append((time.perf_counter() - started[0]) * 1e3)
+
+    gc.callbacks.append(on_gc)
     t0 = time.perf_counter()
     rows = trace(llm, prompts, a.output_len, a.concurrency)
     took = time.perf_counter() - t0
+    gc.callbacks.remove(on_gc)
+    gc_passes = {g: {"n": len(v), "total_ms": sum(v), "max_ms": max(v, default=0.0)} for g, v in gc_ms.items()}
+    print(f"garbage collector passes in the traced run (objects frozen at start-up: {gc.get_freeze_count()}): "
+          + ", ".join(f"gen {g} {v['n']} x, {v['total_ms']:.1f} ms, max {v['max_ms']:.1f}" for g, v in gc_passes.items()))
     out_tokens = n * a.output_len
     caught_up = llm.llm_engine.get_metrics().get("num_mtp_catch_up_tokens", 0)  # warm-up included
     print(f"{a.engine}{' (eager MTP KV)' if a.eager_mtp_kv else ''}, forced {a.forced_acceptance}: {len(rows)} steps "
@@ -187,7 +202,7 @@ def main() -> None:
         with open(a.json, "w") as f:
             json.dump({"engine": a.engine, "eager_mtp_kv": a.eager_mtp_kv, "mtp_catch_up_rows": caught_up,
                        "forced": a.forced_acceptance, "groups": groups, "rows": rows,
-                       "seconds": took, "output_tokens_per_s": out_tokens / took}, f)
+                       "seconds": took, "output_tokens_per_s": out_tokens / took, "gc_passes": gc_passes}, f)
 
 
 if __name__ == "__main__":

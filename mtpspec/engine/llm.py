@@ -11,6 +11,7 @@ from mtpspec.config import SpeculativeConfig
 from mtpspec.engine.arg_utils import DEFAULT_MAX_MODEL_LEN, EngineArgs  # noqa: F401 - re-exported
 from mtpspec.engine.detokenizer import Tokenizer, load_tokenizer
 from mtpspec.engine.executor import InProcessExecutor, make_executor
+from mtpspec.engine.gc_heap import freeze_gc_heap, release_gc_heap
 from mtpspec.engine.generation_config import default_sampling_fields, generation_eos_token_ids, load_generation_config
 from mtpspec.engine.llm_engine import LLMEngine, PromptType, ValidatedPrompt
 from mtpspec.engine.worker import follower_loop
@@ -182,6 +183,8 @@ class LLM:
             if not (isinstance(self.executor, InProcessExecutor) and self.executor.broadcast):
                 self.executor.shutdown()
             raise
+        # every start-up object out of the cyclic collector's passes (mtpspec.engine.gc_heap)
+        self._gc_frozen = freeze_gc_heap()
 
     # ------------------------------------------------------------------ API
     def get_tokenizer(self) -> Optional[Tokenizer]:
@@ -341,6 +344,9 @@ class LLM:
         ex = getattr(self, "executor", None)
         if ex is not None:
             ex.shutdown()
+        if getattr(self, "_gc_frozen", False):
+            self._gc_frozen = False
+            release_gc_heap()
 
     def __enter__(self) -> "LLM":
         return self

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from mtpspec.engine.config import EngineConfig
+from mtpspec.engine.gc_heap import freeze_gc_heap
 from mtpspec.engine.model_runner import ModelRunner
 
 
@@ -142,6 +143,7 @@ def spawned_worker_main(rank: int, world_size: int, port: int, cfg: EngineConfig
         init_distributed_environment(world_size, rank, rank, backend=backend)
         runner = build_runner(cfg)
         conn.send(("ready", init_cache_min_over_ranks(runner)))
+        freeze_gc_heap()  # the rank's model, caches and graphs out of the collector's passes (gc_heap)
         while True:
             msg = conn.recv()
             if msg[0] == "stop":

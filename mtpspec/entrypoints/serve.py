@@ -313,12 +313,10 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, TypeError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    # The model, its tokenizer and the graphs are built: move every object alive now out of the
-    # cyclic collector's reach (vLLM does the same). Otherwise a collection of the older
-    # generations walks them all, several ms at random points of a request's path.
-    import gc
-    gc.collect()
-    gc.freeze()
+    # The model, its tokenizer, the graphs and the app are built: every object alive now out of the
+    # cyclic collector's passes (mtpspec.engine.gc_heap; the engine froze its own at start-up)
+    from mtpspec.engine.gc_heap import freeze_gc_heap
+    freeze_gc_heap()
     synth = "  [SYNTHETIC: forced acceptance " + info["forced_acceptance"] + "]" if info["synthetic"] else ""
     print(f"mtpspec serve: {info['model']} (tp {info['tp']}, k {info['num_speculative_tokens']}, fusion "
           f"{info['fusion']}, local argmax {info['local_argmax']}, all-reduce {info['allreduce_backend']}, "

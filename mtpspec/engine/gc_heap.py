@@ -1,0 +1,69 @@
+"""Keep the engine's start-up heap out of the cyclic garbage collector's passes.
+
+A collection of CPython's oldest generation walks every tracked container object alive, and an
+engine leaves hundreds of thousands of them after start-up (modules, parameters, compiled kernels,
+graph handles, the tokenizer, the block pool): the GLM-5 demo engine on a CPU holds ~194,000, one
+pass over them takes ~85 ms (session 25, this repo's 2-core machine), and such passes fire at random
+steps once enough new containers have piled up. An H100 trace of 256 concurrent requests
+(BENCHMARKS.md, session 25) had gaps of 130-165 ms between plain-decoding steps and of 564-592 ms
+in the adaptive engine's (more graphs, a bigger heap), where its steps took 10-20 ms: the size such
+passes would take (not yet confirmed on the GPU by timing the passes, ``gc.callbacks``).
+
+:func:`freeze_gc_heap` collects once and then moves every object alive into the permanent
+generation (``gc.freeze()``, Python 3.7+): later passes walk only what was made after it (a step's
+lists, a request's objects). Reference counting still frees frozen objects; only garbage in
+reference cycles among them waits for :func:`release_gc_heap`. vLLM does the same after its
+engine's start-up (``freeze_gc_heap`` in its engine core and GPU worker; facts from its pull
+requests #14902, #24008, #27896), as does ``mtpspec serve`` after building its app.
+``MTPSPEC_GC_FREEZE=0`` turns it off.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import threading
+
+_lock = threading.RLock()
+_holders = 0  # engines (or servers) of this process that froze the heap and have not released it
+
+
+def gc_freeze_enabled() -> bool:
+    """``False`` when the environment sets ``MTPSPEC_GC_FREEZE=0``."""
+    return os.environ.get("MTPSPEC_GC_FREEZE", "1").strip() != "0"
+
+
+def freeze_gc_heap() -> bool:
+    """Collect, then freeze every object alive (module docstring). Returns whether it froze (the
+    caller then owes one :func:`release_gc_heap`); ``False`` under ``MTPSPEC_GC_FREEZE=0``."""
+    global _holders
+    if not gc_freeze_enabled():
+        return False
+    gc.collect()
+    gc.freeze()
+    with _lock:
+        _holders += 1
+    return True
+
+
+def release_gc_heap() -> None:
+    """Undo one :func:`freeze_gc_heap` (an engine shutting down): unfreeze everything so that
+    the collector can reach the stopped engine's reference cycles, and when another holder in
+    this process still runs, collect and freeze again what is left. (Called from a finalizer
+    during a collection, the nested ``gc.collect()`` does nothing: CPython runs one at a time.)"""
+    global _holders
+    with _lock:
+        _holders = max(0, _holders - 1)
+        again = _holders > 0
+    gc.unfreeze()
+    if again:
+        gc.collect()
+        gc.freeze()
+
+
+def num_gc_heap_holders() -> int:
+    """How many :func:`freeze_gc_heap` calls of this process are not yet released."""
+    return _holders
+
+
+__all__ = ["freeze_gc_heap", "gc_freeze_enabled", "num_gc_heap_holders", "release_gc_heap"]
