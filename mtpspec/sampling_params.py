@@ -18,6 +18,22 @@ def _is_real(x: object) -> bool:
 # Most completions one request may ask for (``n`` / ``best_of``): vLLM's default VLLM_MAX_N_SEQUENCES.
 MAX_N_SEQUENCES = 16384
 
+#: Fields of vLLM's ``SamplingParams`` that mtpspec does not implement, with what to use instead:
+#: passing one raises a ``TypeError`` that says so (not only "unexpected keyword argument").
+VLLM_ONLY_FIELDS = {
+    "min_p": "top_k / top_p",
+    "logits_processors": "logit_bias",
+    "allowed_token_ids": "logit_bias",
+    "bad_words": "logit_bias",
+    "guided_decoding": None,
+    "structured_outputs": None,
+    "truncate_prompt_tokens": "a shorter prompt",
+    "output_kind": None,
+    "detokenize": None,
+    "spaces_between_special_tokens": None,
+    "extra_args": None,
+}
+
 
 @dataclass
 class SamplingParams:
@@ -102,6 +118,20 @@ class SamplingParams:
     prompt_logprobs: Optional[int] = None
     include_stop_str_in_output: bool = False
     _stop_list: List[str] = field(default_factory=list, init=False, repr=False, compare=False)
+
+    def __new__(cls, *args: object, **kwargs: object) -> "SamplingParams":
+        """Names a keyword that is not a field before ``__init__`` sees it (vLLM-only fields:
+        :data:`VLLM_ONLY_FIELDS`). Raises ``TypeError``."""
+        known = cls.__dataclass_fields__
+        for name in kwargs:
+            if name not in known or not known[name].init:
+                fields = ", ".join(f for f, d in known.items() if d.init)
+                if name in VLLM_ONLY_FIELDS:
+                    use = VLLM_ONLY_FIELDS[name]
+                    raise TypeError(f"SamplingParams: {name!r} is a vLLM field mtpspec does not implement"
+                                    + (f" (use {use})" if use else "") + f"; the fields are: {fields}")
+                raise TypeError(f"SamplingParams got an unknown field {name!r}; the fields are: {fields}")
+        return super().__new__(cls)
 
     def __post_init__(self) -> None:
         self._check_num_sequences()

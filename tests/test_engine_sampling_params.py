@@ -202,6 +202,22 @@ def test_bad_values_name_the_field(kwargs, match) -> None:
         SamplingParams(**kwargs)
 
 
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(min_p=0.05), r"'min_p' is a vLLM field mtpspec does not implement \(use top_k / top_p\); the fields are: n, "),
+    (dict(guided_decoding={"json": {}}), r"'guided_decoding' is a vLLM field mtpspec does not implement; the fields"),
+    (dict(tempreature=0.5), r"unknown field 'tempreature'; the fields are: .*temperature"),
+    (dict(_stop_list=["x"]), r"unknown field '_stop_list'"),  # not an argument, though a dataclass field
+])
+def test_fields_it_lacks_are_named_with_the_fields_it_has(kwargs, match) -> None:
+    with pytest.raises(TypeError, match=match):
+        SamplingParams(max_tokens=4, **kwargs)
+    import copy
+    import dataclasses
+    import pickle
+    sp = SamplingParams(temperature=0.5, stop=["a"], max_tokens=4)  # copies and pickles still rebuild it
+    assert pickle.loads(pickle.dumps(sp)) == sp == copy.deepcopy(sp) and dataclasses.replace(sp, top_k=3).top_k == 3
+
+
 def test_engine_checks_logit_bias_ids(model) -> None:
     path, _, cfg, _ = model
     with LLM(path, **KW) as llm:
