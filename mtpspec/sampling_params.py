@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import math
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Union
@@ -123,14 +124,16 @@ class SamplingParams:
         """Names a keyword that is not a field before ``__init__`` sees it (vLLM-only fields:
         :data:`VLLM_ONLY_FIELDS`). Raises ``TypeError``."""
         known = cls.__dataclass_fields__
-        for name in kwargs:
+        # checked where the dataclass __init__ takes the keywords (a plain subclass's own __init__ may take more)
+        checked = "__dataclass_fields__" in cls.__dict__ or cls.__init__ is SamplingParams.__init__
+        for name in kwargs if checked else ():
             if name not in known or not known[name].init:
                 fields = ", ".join(f for f, d in known.items() if d.init)
                 if name in VLLM_ONLY_FIELDS:
                     use = VLLM_ONLY_FIELDS[name]
-                    raise TypeError(f"SamplingParams: {name!r} is a vLLM field mtpspec does not implement"
+                    raise TypeError(f"{cls.__name__}: {name!r} is a vLLM field mtpspec does not implement"
                                     + (f" (use {use})" if use else "") + f"; the fields are: {fields}")
-                raise TypeError(f"SamplingParams got an unknown field {name!r}; the fields are: {fields}")
+                raise TypeError(f"{cls.__name__} got an unknown field {name!r}; the fields are: {fields}")
         return super().__new__(cls)
 
     def __post_init__(self) -> None:
@@ -252,3 +255,8 @@ class SamplingParams:
     def is_greedy(self) -> bool:
         """True when ``temperature == 0`` (argmax decoding)."""
         return self.temperature == 0.0
+
+
+# help(), IDEs and signature-based keyword filters see __init__'s fields, not __new__'s (*args, **kwargs)
+SamplingParams.__signature__ = inspect.signature(SamplingParams.__init__).replace(  # type: ignore[attr-defined]
+    parameters=list(inspect.signature(SamplingParams.__init__).parameters.values())[1:])

@@ -226,7 +226,8 @@ def test_bench_arms_in_process_repeats_the_same_steps(model_dir, tmp_path):
     out = tmp_path / "arms_ip"
     cmd = [sys.executable, "-m", "mtpspec.entrypoints.cli", "bench", "arms", "--model", model_dir, "--in-process",
            "--arms", "k1,adaptive", "--workloads", "s8", "--scale", "0.2", "--repeats", "2", "--warmup", "2",
-           "--warmup-rounds", "1", "--output-dir", str(out), "--no-progress", "--no-plots", "--random-prompts",
+           "--warmup-rounds", "1", "--equal-kv-blocks", "--output-dir", str(out), "--no-progress", "--no-plots",
+           "--random-prompts",
            "--ignore-eos", "--forced-acceptance", "rate:0.7",
            "--server-args", "--device cpu --torch-threads 1 --max-model-len 256 --max-num-seqs 4"]
     p = subprocess.run(cmd, capture_output=True, text=True, env=child_env(), cwd=REPO, timeout=300)
@@ -235,7 +236,8 @@ def test_bench_arms_in_process_repeats_the_same_steps(model_dir, tmp_path):
     assert "run 1's steps by kind (steps x mean wall [mean batch, prompt tokens, catch-up rows]): decode k1 " in p.stdout
     res = json.loads((out / "bench_arms.json").read_text())
     assert res["in_process"] is True and res["warmup_rounds"] == 1
-    assert res["equal_kv_blocks"] > 0  # both arms up at once: the same KV blocks each (equal_kv_blocks)
+    kv = res["equal_kv_blocks"]  # the same KV tokens for both arms (equal_kv_blocks; one block size here)
+    assert set(kv) == {"k1", "adaptive"} and kv["k1"] == kv["adaptive"] > 0
     wl = res["workloads"]["s8"]
     for arm, d in wl["arms"].items():
         r0, r1 = d["runs"]

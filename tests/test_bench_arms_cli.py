@@ -169,29 +169,42 @@ def test_plots_are_made_after_the_json_and_listed_in_it(monkeypatch, tmp_path):
         assert open(p, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
 
 
-def test_equal_kv_blocks_hold_every_workload_whole():
-    """Arms up at once get the same KV token capacity: every workload's concurrent requests whole
-    (prompt + output + lookahead slack, a partial block each) plus 10%; none for natural-length prompts."""
+def test_equal_kv_blocks_give_every_arm_the_same_tokens_and_each_a_whole_workload():
+    """Every arm the same KV token capacity: the most any arm needs (each workload's concurrent
+    requests whole with that arm's lookahead, or one longest sequence) plus 10%, in its own block size."""
     cfg = bench_arms.BenchConfig
     wl = {"s8": cfg(num_prompts=16, max_concurrency=8, input_len=512, output_len=256, prompts="random"),
           "s256": cfg(num_prompts=512, max_concurrency=256, input_len=512, output_len=256, prompts="random")}
-    blocks = bench_arms.equal_kv_blocks(wl, {"block_size": 16, "model": None})
-    per_seq = -(-(512 + 256 + bench_arms.KV_SLACK_TOKENS) // 16) + 1  # 49 + 1 blocks
-    assert blocks == 256 * per_seq + -(-256 * per_seq // 10)
-    assert blocks * 16 >= 1.1 * 256 * (512 + 256 + 4)  # k = 3 lookahead + the sampled token fit
-    demo = default_model_path()  # block size None: the architecture's default (the GLM-5 demo: MLA, 64)
+    kw = {"plain": {"block_size": 16, "max_model_len": 1024, "speculative_config": None, "model": None},
+          "k3": {"block_size": 16, "max_model_len": 1024, "speculative_config": {"num_speculative_tokens": 3},
+                 "model": None},
+          "big": {"block_size": 64, "max_model_len": 1024, "speculative_config": {"num_speculative_tokens": 3},
+                  "model": None}}
+    blocks = bench_arms.equal_kv_blocks(wl, kw)
+    tokens = 256 * (-(-(512 + 256 + 7) // 64) + 1) * 64  # the 64-token-block arm needs the most: 13 + 1 blocks each
+    tokens += -(-tokens // 10)
+    assert blocks == {"plain": -(-tokens // 16), "k3": -(-tokens // 16), "big": -(-tokens // 64)}
+    assert blocks["k3"] * 16 >= 1.1 * 256 * (768 + 7)  # k = 3's lookahead and the token scheduled ahead fit
+    # a small workload: at least one longest sequence (the engine refuses fewer blocks than that)
+    s1 = {"s1": cfg(num_prompts=1, max_concurrency=1, input_len=16, output_len=8, prompts="random")}
+    one = bench_arms.equal_kv_blocks(s1, {"k3": dict(kw["k3"], max_model_len=8192)})["k3"]
+    assert one * 16 >= 8192 + 6 and one == -(-((-(-(8192 + 6) // 16)) * 16 * 11 // 10) // 16)
+    # defaults from the model: block size and max_model_len (at most 8192); natural prompts: max_model_len each
+    demo = default_model_path()
     from mtpspec.config import ModelConfig
-    bs = ModelConfig.from_pretrained(demo).arch.default_block_size
-    by_arch = bench_arms.equal_kv_blocks({"s8": wl["s8"]}, {"block_size": None, "model": demo})
-    need = 8 * (-(-(768 + bench_arms.KV_SLACK_TOKENS) // bs) + 1)
-    assert by_arch == need + -(-need // 10)
-    natural = cfg(num_prompts=4, max_concurrency=2, input_len=None, output_len=64)
-    assert bench_arms.equal_kv_blocks({"s8": wl["s8"], "gsm8k": natural}, {"block_size": 16, "model": None}) is None
+    from mtpspec.engine.arg_utils import DEFAULT_MAX_MODEL_LEN
+    m = ModelConfig.from_pretrained(demo)
+    bs, mml = m.arch.default_block_size, min(m.max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
+    natural = {"g": cfg(num_prompts=4, max_concurrency=4, input_len=None, output_len=64)}
+    got = bench_arms.equal_kv_blocks(natural, {"a": {"block_size": None, "max_model_len": None,
+                                                      "speculative_config": None, "model": demo}})["a"]
+    need = 4 * (-(-(mml + 64 + 1) // bs) + 1) * bs
+    assert got == -(-(need + -(-need // 10)) // bs)
 
 
-def test_arms_up_at_once_get_the_same_kv_blocks(monkeypatch, tmp_path):
-    """Servers started together get one ``--num-kv-blocks`` each (no GPU share), recorded in the JSON;
-    with a workload of natural-length prompts, the 85% GPU share as before."""
+def test_equal_kv_blocks_reach_each_arm_unless_it_sizes_its_own(monkeypatch, tmp_path):
+    """``equal_kv``: ``--num-kv-blocks`` per arm (recorded), no GPU share; an arm with its own KV flag keeps
+    it; without ``equal_kv`` the 85% share as before."""
     started = {}
 
     class FakeServer:
@@ -205,19 +218,27 @@ def test_arms_up_at_once_get_the_same_kv_blocks(monkeypatch, tmp_path):
     monkeypatch.setattr(bench_arms, "ArmServer", FakeServer)
     monkeypatch.setattr(bench_arms, "run_benchmark", fake_result)
     wl = {"s1": bench_arms.BenchConfig(num_prompts=1, max_concurrency=2, input_len=40, output_len=8, prompts="random")}
-    common = ["--block-size", "16"]
-    res = bench_arms.run_arms({"a": [], "b": ["-k", "1"]}, wl, 1, str(tmp_path), common, progress=False,
-                              plots=False, share_gpu=True)
-    blocks = 2 * (-(-(48 + bench_arms.KV_SLACK_TOKENS) // 16) + 1)
-    blocks += -(-blocks // 10)
-    assert res["equal_kv_blocks"] == blocks
-    assert started == {"a": ["--num-kv-blocks", str(blocks)], "b": ["-k", "1", "--num-kv-blocks", str(blocks)]}
+    common = ["--block-size", "16", "--max-model-len", "64"]
+    arms = {"a": ["-k", "0"], "b": ["-k", "1"], "c": ["--num-kv-blocks", "99"]}
+    res = bench_arms.run_arms(arms, wl, 1, str(tmp_path), common, progress=False, plots=False, equal_kv=True)
+    want = bench_arms.equal_kv_blocks(wl, {"a": {"block_size": 16, "max_model_len": 64, "speculative_config": None,
+                                                 "model": None},
+                                           "b": {"block_size": 16, "max_model_len": 64,
+                                                 "speculative_config": {"num_speculative_tokens": 1}, "model": None}})
+    assert res["equal_kv_blocks"] == want and want["a"] == want["b"]
+    assert started == {"a": ["-k", "0", "--num-kv-blocks", str(want["a"])],
+                       "b": ["-k", "1", "--num-kv-blocks", str(want["b"])], "c": ["--num-kv-blocks", "99"]}
     started.clear()
-    wl["g"] = bench_arms.BenchConfig(num_prompts=1, max_concurrency=1, input_len=None, output_len=8, prompts="random")
     res = bench_arms.run_arms({"a": [], "b": []}, wl, 1, str(tmp_path / "2"), common, progress=False, plots=False,
                               share_gpu=True)
     assert res["equal_kv_blocks"] is None
     assert started == {"a": ["--gpu-memory-utilization", "0.4250"], "b": ["--gpu-memory-utilization", "0.8500"]}
+
+
+def test_equal_kv_blocks_flag_conflicts_with_a_common_kv_size(capsys):
+    assert main(["bench", "arms", "--equal-kv-blocks", "--no-plots", "--server-args",
+                 "--gpu-memory-utilization 0.5"]) == 2
+    assert "--equal-kv-blocks sizes every arm's KV cache: drop --gpu-memory-utilization" in capsys.readouterr().err
 
 
 def test_preemption_in_one_arm_only_is_warned_in_the_table():
@@ -225,7 +246,7 @@ def test_preemption_in_one_arm_only_is_warned_in_the_table():
         return {"arms": {arm: {"runs": [{"preemptions": p} for p in runs]} for arm, runs in pre.items()}}
 
     warn = bench_arms.preemption_warning(wl({"plain": [0, 0], "adaptive": [86, 101]}))
-    assert warn.startswith("WARNING: preemptions in adaptive up to 101") and "--num-kv-blocks" in warn
+    assert warn.startswith("WARNING: preemptions in adaptive up to 101") and "--equal-kv-blocks" in warn
     assert bench_arms.preemption_warning(wl({"plain": [0, 0], "adaptive": [0, 0]})) is None
     assert bench_arms.preemption_warning(wl({"plain": [3, 1], "adaptive": [5, 0]})) is None  # every arm preempted
     assert bench_arms.preemption_warning({"arms": {"a": {"runs": [{}]}, "b": {"runs": [{"preemptions": 2}]}}}) is None

@@ -216,6 +216,8 @@ def test_fields_it_lacks_are_named_with_the_fields_it_has(kwargs, match) -> None
     import pickle
     sp = SamplingParams(temperature=0.5, stop=["a"], max_tokens=4)  # copies and pickles still rebuild it
     assert pickle.loads(pickle.dumps(sp)) == sp == copy.deepcopy(sp) and dataclasses.replace(sp, top_k=3).top_k == 3
+    import inspect
+    assert list(inspect.signature(SamplingParams).parameters)[:3] == ["n", "best_of", "temperature"]  # not **kwargs
 
 
 def test_engine_checks_logit_bias_ids(model) -> None:

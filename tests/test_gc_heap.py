@@ -31,25 +31,57 @@ def test_engine_start_up_objects_leave_the_collectors_passes_until_shutdown():
     finally:
         llm.shutdown()
     assert not llm._gc_frozen and gc_heap.num_gc_heap_holders() == held
-    if held == 0:  # no other engine of this process holds the heap: nothing stays frozen
-        assert gc.get_freeze_count() == 0
-        assert id(llm.llm_engine.scheduler) in _tracked_ids()
+    assert gc.get_freeze_count() == 0 and id(llm.llm_engine.scheduler) in _tracked_ids()  # everything unfrozen
     llm.shutdown()  # idempotent: releases once
     assert gc_heap.num_gc_heap_holders() == held
 
 
-def test_release_refreezes_while_another_holder_runs(monkeypatch):
+def test_a_release_unfreezes_and_the_next_generate_freezes_the_others_again():
+    """Shutting one engine down unfreezes everything (its cycles become collectable once dropped); a
+    running engine's next ``generate`` collects and freezes again."""
     held = gc_heap.num_gc_heap_holders()
-    assert gc_heap.freeze_gc_heap() and gc_heap.freeze_gc_heap()
+    a, b = _small_llm(), _small_llm()
     try:
-        assert gc_heap.num_gc_heap_holders() == held + 2
-        gc_heap.release_gc_heap()
-        assert gc_heap.num_gc_heap_holders() == held + 1 and gc.get_freeze_count() > 0
+        a.shutdown()
+        assert gc_heap.num_gc_heap_holders() == held + 1 and gc.get_freeze_count() == 0
+        assert id(b.llm_engine.scheduler) in _tracked_ids()
+        b.generate(["2 +"], SamplingParams(max_tokens=2, temperature=0), use_tqdm=False)
+        assert gc.get_freeze_count() > 0 and id(b.llm_engine.scheduler) not in _tracked_ids()
     finally:
-        gc_heap.release_gc_heap()
+        a.shutdown()
+        b.shutdown()
     assert gc_heap.num_gc_heap_holders() == held
-    if held == 0:
-        assert gc.get_freeze_count() == 0
+
+
+class _ReleasesWhenCollected:
+    """A holder in a reference cycle whose finalizer releases the heap (an ``LLM`` dropped without
+    ``shutdown()``), collected by the re-freeze's own ``gc.collect()``."""
+
+    def __init__(self):
+        self.me, self.held = self, gc_heap.freeze_gc_heap()
+        assert self.held
+
+    def release(self):
+        if self.held:
+            self.held = False
+            gc_heap.release_gc_heap()
+
+    def __del__(self):
+        self.release()
+
+
+def test_a_holder_released_during_the_refreeze_collection_leaves_nothing_frozen():
+    if gc_heap.num_gc_heap_holders():
+        import pytest
+        pytest.skip("another engine of this process holds the heap")
+    keep = _ReleasesWhenCollected()
+    dropped = _ReleasesWhenCollected()
+    keep.__dict__.pop("me")  # keep: acyclic, released explicitly below
+    del dropped  # cyclic garbage, frozen: nothing collects it yet
+    assert gc_heap.num_gc_heap_holders() == 2
+    keep.release()  # unfreeze, re-freeze pending (dropped still counts)
+    gc_heap.refreeze_gc_heap()  # its collection finalizes dropped, which releases the last holder
+    assert gc_heap.num_gc_heap_holders() == 0 and gc.get_freeze_count() == 0
 
 
 def test_freezing_can_be_turned_off(monkeypatch):

@@ -12,7 +12,9 @@ passes would take (not yet confirmed on the GPU by timing the passes, ``gc.callb
 :func:`freeze_gc_heap` collects once and then moves every object alive into the permanent
 generation (``gc.freeze()``, Python 3.7+): later passes walk only what was made after it (a step's
 lists, a request's objects). Reference counting still frees frozen objects; only garbage in
-reference cycles among them waits for :func:`release_gc_heap`. vLLM does the same after its
+reference cycles among them waits for :func:`release_gc_heap`: an ``LLM`` dropped without
+``shutdown()`` (or ``with``) while it sits in a reference cycle is not collected (its finalizer
+never runs) until some engine of the process releases the heap. vLLM does the same after its
 engine's start-up (``freeze_gc_heap`` in its engine core and GPU worker; facts from its pull
 requests #14902, #24008, #27896), as does ``mtpspec serve`` after building its app.
 ``MTPSPEC_GC_FREEZE=0`` turns it off.
@@ -26,6 +28,7 @@ import threading
 
 _lock = threading.RLock()
 _holders = 0  # engines (or servers) of this process that froze the heap and have not released it
+_refreeze = False  # a release left other holders' objects unfrozen: the next freeze point freezes again
 
 
 def gc_freeze_enabled() -> bool:
@@ -36,29 +39,44 @@ def gc_freeze_enabled() -> bool:
 def freeze_gc_heap() -> bool:
     """Collect, then freeze every object alive (module docstring). Returns whether it froze (the
     caller then owes one :func:`release_gc_heap`); ``False`` under ``MTPSPEC_GC_FREEZE=0``."""
-    global _holders
+    global _holders, _refreeze
     if not gc_freeze_enabled():
         return False
-    gc.collect()
-    gc.freeze()
     with _lock:
+        gc.collect()
+        gc.freeze()
         _holders += 1
+        _refreeze = False
     return True
 
 
 def release_gc_heap() -> None:
-    """Undo one :func:`freeze_gc_heap` (an engine shutting down): unfreeze everything so that
-    the collector can reach the stopped engine's reference cycles, and when another holder in
-    this process still runs, collect and freeze again what is left. (Called from a finalizer
-    during a collection, the nested ``gc.collect()`` does nothing: CPython runs one at a time.)"""
-    global _holders
+    """Undo one :func:`freeze_gc_heap` (an engine shutting down): unfreeze everything, so that the
+    collector reaches the stopped engine's reference cycles once its owner drops it. Other holders'
+    objects are frozen again at the next :func:`refreeze_gc_heap` (``LLM.generate`` calls it), not
+    here: the stopped engine is still referenced by its caller at this point and would be frozen
+    with them."""
+    global _holders, _refreeze
     with _lock:
         _holders = max(0, _holders - 1)
-        again = _holders > 0
-    gc.unfreeze()
-    if again:
+        gc.unfreeze()
+        _refreeze = _holders > 0
+
+
+def refreeze_gc_heap() -> None:
+    """After a release that left other holders running: collect (the stopped engines dropped by
+    now) and freeze again. A flag test otherwise; re-checked under the lock, so a finalizer that
+    releases the last holder during the collection leaves nothing frozen."""
+    global _refreeze
+    if not _refreeze:
+        return
+    with _lock:
+        if not _refreeze:
+            return
         gc.collect()
-        gc.freeze()
+        if _holders > 0 and _refreeze:
+            gc.freeze()
+        _refreeze = False
 
 
 def num_gc_heap_holders() -> int:
@@ -66,4 +84,4 @@ def num_gc_heap_holders() -> int:
     return _holders
 
 
-__all__ = ["freeze_gc_heap", "gc_freeze_enabled", "num_gc_heap_holders", "release_gc_heap"]
+__all__ = ["freeze_gc_heap", "gc_freeze_enabled", "num_gc_heap_holders", "refreeze_gc_heap", "release_gc_heap"]

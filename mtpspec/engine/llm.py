@@ -11,7 +11,7 @@ from mtpspec.config import SpeculativeConfig
 from mtpspec.engine.arg_utils import DEFAULT_MAX_MODEL_LEN, EngineArgs  # noqa: F401 - re-exported
 from mtpspec.engine.detokenizer import Tokenizer, load_tokenizer
 from mtpspec.engine.executor import InProcessExecutor, make_executor
-from mtpspec.engine.gc_heap import freeze_gc_heap, release_gc_heap
+from mtpspec.engine.gc_heap import freeze_gc_heap, refreeze_gc_heap, release_gc_heap
 from mtpspec.engine.generation_config import default_sampling_fields, generation_eos_token_ids, load_generation_config
 from mtpspec.engine.llm_engine import LLMEngine, PromptType, ValidatedPrompt
 from mtpspec.engine.worker import follower_loop
@@ -156,6 +156,9 @@ class LLM:
             if tok is not None and tok.eos_token_id is not None:
                 eos.add(int(tok.eos_token_id))
             self.llm_engine = LLMEngine(self.executor, tok, sched, cache, mcfg.vocab_size, eos, config.seed)
+            # every start-up object out of the cyclic collector's passes (mtpspec.engine.gc_heap), before
+            # the adaptive policy's timing (a pass over the heap inside a timed step would skew its table)
+            self._gc_frozen = freeze_gc_heap()
             if spec is not None and spec.adaptive:
                 from mtpspec.spec_decode.adaptive import AdaptiveSpecPolicy, measure_step_costs
                 if costs is None:  # timed on every rank alike (the units hold collectives); rank 0's figures
@@ -182,9 +185,10 @@ class LLM:
             # (under torchrun every process is a rank and fails here alike: no stop message to send)
             if not (isinstance(self.executor, InProcessExecutor) and self.executor.broadcast):
                 self.executor.shutdown()
+            if getattr(self, "_gc_frozen", False):
+                self._gc_frozen = False
+                release_gc_heap()
             raise
-        # every start-up object out of the cyclic collector's passes (mtpspec.engine.gc_heap)
-        self._gc_frozen = freeze_gc_heap()
 
     # ------------------------------------------------------------------ API
     def get_tokenizer(self) -> Optional[Tokenizer]:
@@ -219,6 +223,7 @@ class LLM:
                 parameter, raised before any work starts and naming the prompt's index; nothing
                 is queued, so other requests are unaffected.
         """
+        refreeze_gc_heap()  # after another engine's shutdown: this one's objects out of the collector's passes again
         single = isinstance(prompts, (str, dict, ValidatedPrompt))
         if not single and (isinstance(prompts, bytes) or not hasattr(prompts, "__iter__")):
             raise TypeError(f"prompts must be a string, a {{'prompt_token_ids': [...]}} / {{'prompt': ...}} dict or a "

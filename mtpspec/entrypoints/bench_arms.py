@@ -466,34 +466,56 @@ def host_spread(wl: Dict[str, Any]) -> Optional[Dict[str, float]]:
     return {"min_ms": min(probes), "max_ms": max(probes), "spread": max(probes) / min(probes)}
 
 
-#: Tokens a running request may hold beyond its prompt and output (speculative lookahead, the
-#: sampled token), counted by :func:`equal_kv_blocks` on top of each request's length.
-KV_SLACK_TOKENS = 16
+def _sizes_kv(flags: Sequence[str]) -> bool:
+    """Whether ``flags`` size the KV cache themselves (its blocks or the GPU share)."""
+    return any(f.startswith(("--gpu-memory-utilization", "--num-kv-blocks", "--num-gpu-blocks-override"))
+               for f in flags)
 
 
-def equal_kv_blocks(workloads: Dict[str, BenchConfig], kwargs: Dict[str, Any]) -> Optional[int]:
-    """KV blocks per layer that hold every workload's concurrent requests whole, plus 10%: the
-    ``--num-kv-blocks`` every arm gets when the arms run at once (so that no arm is preempted for
-    lack of blocks where another is not: a speculative arm's MTP layer and an adaptive arm's
-    hidden-state cache take memory per token that plain decoding does not, and with a share of
-    the GPU each, an arm's token capacity would differ by those bytes). ``max_concurrency x
-    ceil((input_len + output_len + KV_SLACK_TOKENS) / block_size) + 1`` blocks, the largest over
-    workloads; ``None`` when a workload's prompts have no fixed length (natural GSM8K prompts).
+def equal_kv_blocks(workloads: Dict[str, BenchConfig], arm_kwargs: Dict[str, Dict[str, Any]]) -> Dict[str, int]:
+    """``--num-kv-blocks`` per arm such that every arm holds the same number of KV tokens, enough
+    for every workload's concurrent requests whole (``bench arms --equal-kv-blocks``): with a share
+    of the GPU each, a speculative arm (its MTP layer's cache) and an adaptive one (its hidden-state
+    cache of deferred entries) hold fewer tokens than plain decoding, and where one arm is
+    preempted and the others are not the comparison measures memory, not speed.
+
+    Per arm (its block size ``bs``, ``k`` drafts, ``max_model_len``): a request holds ``input_len``
+    (``max_model_len`` for prompts of natural length) ``+ output_len + 2k + 1`` slots (a decode's
+    lookahead, ``SchedulerConfig.decode_slots``, and the token scheduled ahead), rounded up to
+    blocks, plus one block; the workload needs ``max_concurrency`` of them, and the engine one
+    sequence of ``max_model_len + 2k`` slots. The largest of those, in tokens, over arms and
+    workloads, plus 10% (the block manager's 1% watermark included), is every arm's capacity.
 
     Args:
         workloads: name -> :class:`BenchConfig`.
-        kwargs: the ``LLM(...)`` keyword arguments of the common flags (``serve.check_serve_args``):
-            ``block_size`` (``None``: the architecture's default) and ``model``.
+        arm_kwargs: arm -> its ``LLM(...)`` keyword arguments (``serve.check_serve_args`` of the
+            common + the arm's flags): ``block_size`` (``None``: the architecture's default),
+            ``max_model_len`` (``None``: the model's, at most ``DEFAULT_MAX_MODEL_LEN``),
+            ``speculative_config``, ``model``.
+
+    Returns:
+        arm -> blocks (empty without arms or workloads).
     """
-    if not workloads or any(c.input_len is None for c in workloads.values()):
-        return None
-    bs = kwargs.get("block_size")
-    if bs is None:
-        from mtpspec.config import ModelConfig
-        bs = ModelConfig.from_pretrained(kwargs["model"]).arch.default_block_size
-    need = max(c.max_concurrency * (-(-(c.input_len + c.output_len + KV_SLACK_TOKENS) // bs) + 1)
-               for c in workloads.values())
-    return need + -(-need // 10)
+    from mtpspec.config import ModelConfig
+    from mtpspec.engine.arg_utils import DEFAULT_MAX_MODEL_LEN
+    shape: Dict[str, Tuple[int, int, int]] = {}
+    tokens = 0
+    for arm, kw in arm_kwargs.items():
+        mcfg = None
+        if kw.get("block_size") is None or kw.get("max_model_len") is None:
+            mcfg = ModelConfig.from_pretrained(kw["model"])
+        bs = kw.get("block_size") or mcfg.arch.default_block_size
+        mml = kw.get("max_model_len") or min(mcfg.max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
+        k = int((kw.get("speculative_config") or {}).get("num_speculative_tokens", 1)) if kw.get(
+            "speculative_config") else 0
+        shape[arm] = (bs, mml, k)
+        blocks = -(-(mml + 2 * k) // bs)  # the engine's own minimum: one longest sequence
+        for c in workloads.values():
+            per_seq = min(c.input_len or mml, mml) + c.output_len + 2 * k + 1
+            blocks = max(blocks, c.max_concurrency * (-(-per_seq // bs) + 1))
+        tokens = max(tokens, blocks * bs)
+    tokens += -(-tokens // 10)
+    return {arm: -(-tokens // bs) for arm, (bs, _, _) in shape.items()}
 
 
 def preemption_warning(wl: Dict[str, Any]) -> Optional[str]:
@@ -506,8 +528,8 @@ def preemption_warning(wl: Dict[str, Any]) -> Optional[str]:
     if not hit or len(hit) == sum(1 for v in per.values() if v):
         return None
     said = ", ".join(f"{arm} up to {n:.0f}" for arm, n in hit.items())
-    return (f"WARNING: preemptions in {said} of the runs, none in the other arms: the arms differ in KV capacity "
-            "at this concurrency, not only in speed (give every arm the same --num-kv-blocks)")
+    return (f"WARNING: preemptions in {said} of the runs, none in the other arms that count them: the arms differ "
+            "in KV capacity at this concurrency, not only in speed (--equal-kv-blocks gives every arm the same)")
 
 
 def rotated(arms: List[str], i: int) -> List[str]:
@@ -667,7 +689,8 @@ def check_workload_lengths(workloads: Dict[str, Any], server_kwargs: Dict[str, A
 def run_arms(arms: Dict[str, List[str]], workloads: Dict[str, BenchConfig], repeats: int, out_dir: str,
              common: List[str], urls: Optional[Dict[str, str]] = None, progress: bool = True,
              plots: bool = True, share_gpu: bool = False, one_at_a_time: bool = False,
-             warmup_rounds: int = 0, in_process: bool = False, forced: Optional[str] = None) -> Dict[str, Any]:
+             warmup_rounds: int = 0, in_process: bool = False, forced: Optional[str] = None,
+             equal_kv: bool = False) -> Dict[str, Any]:
     """Start the servers, run every workload ``repeats`` times per arm interleaved, summarise.
 
     Interleaved: timed round ``i`` of a workload runs every arm once, in the arms' order rotated by
@@ -684,12 +707,15 @@ def run_arms(arms: Dict[str, List[str]], workloads: Dict[str, BenchConfig], repe
         progress, plots: progress bars; PNG plots (:func:`write_plots`: made after ``bench_arms.json``
             is written, so a plot that fails only warns; matplotlib is checked before any server
             starts, :func:`check_plotting`).
-        share_gpu: the arms run at the same time (servers, or engines in this process) and share
-            the GPU: when every workload's prompt length is fixed, each arm gets the same
-            ``--num-kv-blocks`` (:func:`equal_kv_blocks`: every workload's concurrent requests
-            whole; recorded as ``equal_kv_blocks``), else 85% of the GPU is split between them
-            (a server's ``--gpu-memory-utilization`` counts the memory other processes already
-            use, so the i-th started (0-based) of ``n`` gets ``0.85 * (i + 1) / n``).
+        share_gpu: the arms run at the same time and split 85% of the GPU (a server's
+            ``--gpu-memory-utilization`` counts the memory other processes already use, so the
+            i-th started (0-based) of ``n`` gets ``0.85 * (i + 1) / n``; not for an arm whose
+            flags size its KV cache, nor under ``equal_kv``).
+        equal_kv: every arm started here gets ``--num-kv-blocks`` for the same KV token capacity
+            (:func:`equal_kv_blocks`; recorded as ``equal_kv_blocks``, arm -> blocks), except an
+            arm whose flags size its cache. Nothing checks beforehand that the arms' caches fit
+            the GPU together: an arm that does not fit fails to start with the engine's
+            one-line memory error.
         one_at_a_time: one server at a time (for models of which the GPU holds one copy): arm
             after arm, each server started, every workload's runs made, stopped. Not interleaved:
             drift between arms is not spread over them (the JSON says ``"interleaved": false``).
@@ -725,9 +751,10 @@ def run_arms(arms: Dict[str, List[str]], workloads: Dict[str, BenchConfig], repe
     for arm, flags in arms.items():  # and a workload longer than an arm's context
         if arm not in (urls or {}):
             check_workload_lengths(workloads, check_serve_args(common + flags), arm)
-    kv_blocks = None
-    if share_gpu and sum(1 for a in arms if a not in (urls or {})) > 1:
-        kv_blocks = equal_kv_blocks(workloads, check_serve_args(common))
+    kv_blocks: Dict[str, int] = {}
+    if equal_kv:  # arms that set their own KV size keep it
+        kv_blocks = equal_kv_blocks(workloads, {a: check_serve_args(common + f) for a, f in arms.items()
+                                                if a not in (urls or {}) and not _sizes_kv(f)})
     os.makedirs(out_dir, exist_ok=True)
     partial = os.path.join(out_dir, PARTIAL_JSON)
     if os.path.exists(partial):  # an earlier killed sweep's runs must not pass for this one's
@@ -737,7 +764,7 @@ def run_arms(arms: Dict[str, List[str]], workloads: Dict[str, BenchConfig], repe
     result: Dict[str, Any] = {"arms": {a: {"flags": f, "url": urls.get(a)} for a, f in arms.items()},
                               "common_server_args": common, "repeats": repeats, "interleaved": not one_at_a_time,
                               "warmup_rounds": warmup_rounds, "in_process": in_process,
-                              "equal_kv_blocks": kv_blocks, "workloads": {}}
+                              "equal_kv_blocks": kv_blocks or None, "workloads": {}}
     bar = None
     runs: Dict[str, Dict[str, List[Dict[str, Any]]]] = {w: {a: [] for a in arms} for w in workloads}
 
@@ -759,9 +786,9 @@ def run_arms(arms: Dict[str, List[str]], workloads: Dict[str, BenchConfig], repe
 
     def start(arm: str, i: int, n: int) -> None:
         flags, share = arms[arm], 0.85 * (i + 1) / n
-        if kv_blocks is not None:  # the same token capacity for every arm (equal_kv_blocks)
-            flags = flags + ["--num-kv-blocks", str(kv_blocks)]
-        elif share_gpu and n > 1:
+        if arm in kv_blocks:  # the same token capacity for every arm (equal_kv_blocks)
+            flags = flags + ["--num-kv-blocks", str(kv_blocks[arm])]
+        elif share_gpu and n > 1 and not _sizes_kv(flags):
             flags = flags + ["--gpu-memory-utilization", f"{share:.4f}"]
         if in_process:
             from mtpspec.entrypoints.bench_inprocess import open_arm
@@ -887,6 +914,10 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--in-process", action="store_true",
                    help="each arm an LLM in this process, each run one LLM.generate with every request queued "
                         "before the first step (deterministic arrival; no HTTP, TTFT / ITL from the engine)")
+    p.add_argument("--equal-kv-blocks", action="store_true",
+                   help="give every arm --num-kv-blocks for the same KV token capacity, enough for every "
+                        "workload's concurrent requests whole (instead of a share of the GPU each, in which a "
+                        "speculative or adaptive arm holds fewer tokens than plain decoding)")
     p.add_argument("--warmup-rounds", type=int, default=0,
                    help="untimed whole runs of each workload per arm before the timed ones (default 0)")
     p.add_argument("--server-args", default="", metavar="FLAGS",
@@ -950,12 +981,15 @@ def run(args: argparse.Namespace) -> int:
                 raise ValueError(f"{where}: {exc}{hint}") from None
         if not args.no_plots:  # before any server starts: a sweep must not end without its plots
             check_plotting()
-        share = not args.one_arm_at_a_time and not any(
-            a.startswith(("--gpu-memory-utilization", "--num-kv-blocks", "--num-gpu-blocks-override")) for a in common)
+        if args.equal_kv_blocks and _sizes_kv(common):
+            raise ValueError("--equal-kv-blocks sizes every arm's KV cache: drop --gpu-memory-utilization / "
+                             "--num-kv-blocks from --server-args (an arm's own flags may still set them)")
+        share = not args.one_arm_at_a_time and not args.equal_kv_blocks and not _sizes_kv(common)
         res = run_arms(arms, workloads, args.repeats, args.output_dir, common, urls, progress=not args.no_progress,
                        plots=False, share_gpu=share, one_at_a_time=args.one_arm_at_a_time,
                        warmup_rounds=args.warmup_rounds, in_process=args.in_process,
-                       forced=args.forced_acceptance if args.in_process else None)
+                       forced=args.forced_acceptance if args.in_process else None,
+                       equal_kv=args.equal_kv_blocks)
     except (ValueError, FileNotFoundError, RuntimeError, httpx.HTTPError) as exc:
         what = f"talking to a server: {type(exc).__name__}: {exc}" if isinstance(exc, httpx.HTTPError) else exc
         print(f"error: {what}", file=sys.stderr)
