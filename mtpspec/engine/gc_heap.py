@@ -22,6 +22,7 @@ requests #14902, #24008, #27896), as does ``mtpspec serve`` after building its a
 
 from __future__ import annotations
 
+import atexit
 import gc
 import os
 import threading
@@ -29,6 +30,8 @@ import threading
 _lock = threading.RLock()
 _holders = 0  # engines (or servers) of this process that froze the heap and have not released it
 _refreeze = False  # a release left other holders' objects unfrozen: the next freeze point freezes again
+_atexit_set = False  # gc.unfreeze registered to run at exit: objects still frozen when the interpreter tears
+# down are never finalized (native extensions then report them leaked, e.g. nanobind's page about Triton's objects)
 
 
 def gc_freeze_enabled() -> bool:
@@ -39,7 +42,7 @@ def gc_freeze_enabled() -> bool:
 def freeze_gc_heap() -> bool:
     """Collect, then freeze every object alive (module docstring). Returns whether it froze (the
     caller then owes one :func:`release_gc_heap`); ``False`` under ``MTPSPEC_GC_FREEZE=0``."""
-    global _holders, _refreeze
+    global _holders, _refreeze, _atexit_set
     if not gc_freeze_enabled():
         return False
     with _lock:
@@ -47,6 +50,9 @@ def freeze_gc_heap() -> bool:
         gc.freeze()
         _holders += 1
         _refreeze = False
+        if not _atexit_set:  # the interpreter's teardown must see the objects as before the freeze
+            atexit.register(gc.unfreeze)
+            _atexit_set = True
     return True
 
 
