@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-import inspect
+import dataclasses
+import functools
 import math
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence, Union
 
 
 def _is_int(x: object) -> bool:
@@ -119,22 +120,7 @@ class SamplingParams:
     prompt_logprobs: Optional[int] = None
     include_stop_str_in_output: bool = False
     _stop_list: List[str] = field(default_factory=list, init=False, repr=False, compare=False)
-
-    def __new__(cls, *args: object, **kwargs: object) -> "SamplingParams":
-        """Names a keyword that is not a field before ``__init__`` sees it (vLLM-only fields:
-        :data:`VLLM_ONLY_FIELDS`). Raises ``TypeError``."""
-        known = cls.__dataclass_fields__
-        # checked where the dataclass __init__ takes the keywords (a plain subclass's own __init__ may take more)
-        checked = "__dataclass_fields__" in cls.__dict__ or cls.__init__ is SamplingParams.__init__
-        for name in kwargs if checked else ():
-            if name not in known or not known[name].init:
-                fields = ", ".join(f for f, d in known.items() if d.init)
-                if name in VLLM_ONLY_FIELDS:
-                    use = VLLM_ONLY_FIELDS[name]
-                    raise TypeError(f"{cls.__name__}: {name!r} is a vLLM field mtpspec does not implement"
-                                    + (f" (use {use})" if use else "") + f"; the fields are: {fields}")
-                raise TypeError(f"{cls.__name__} got an unknown field {name!r}; the fields are: {fields}")
-        return super().__new__(cls)
+    _stop_src: object = field(default=None, init=False, repr=False, compare=False)  # the stop _stop_list came from
 
     def __post_init__(self) -> None:
         self._check_num_sequences()
@@ -152,7 +138,7 @@ class SamplingParams:
             raise TypeError(f"seed must be an int or None, got {self.seed!r}")
         if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
             raise ValueError(f"max_tokens must be an int >= 1 or None, got {self.max_tokens!r}")
-        self._stop_list = self._check_stop(self.stop)
+        self._stop_list, self._stop_src = self._check_stop(self.stop), self.stop
         ids = self.stop_token_ids
         if ids is not None:
             if isinstance(ids, (str, bytes)) or not isinstance(ids, Sequence):
@@ -238,7 +224,12 @@ class SamplingParams:
 
     @property
     def stop_strings(self) -> List[str]:
-        """``stop`` as a (possibly empty) list."""
+        """``stop`` as a (possibly empty) list (checked again when ``stop`` was set after construction).
+
+        Raises:
+            ValueError / TypeError: a ``stop`` set later that is not a string or a list of them."""
+        if self.stop is not self._stop_src:
+            self._stop_list, self._stop_src = self._check_stop(self.stop), self.stop
         return list(self._stop_list)
 
     @property
@@ -257,6 +248,28 @@ class SamplingParams:
         return self.temperature == 0.0
 
 
-# help(), IDEs and signature-based keyword filters see __init__'s fields, not __new__'s (*args, **kwargs)
-SamplingParams.__signature__ = inspect.signature(SamplingParams.__init__).replace(  # type: ignore[attr-defined]
-    parameters=list(inspect.signature(SamplingParams.__init__).parameters.values())[1:])
+
+def _checked_init(generated: Callable[..., None]) -> Callable[..., None]:
+    """The dataclass ``__init__`` behind a check that names a keyword which is not a field
+    (vLLM-only fields: :data:`VLLM_ONLY_FIELDS`, with what to use instead) and lists the fields,
+    where the generated ``__init__`` would say only "unexpected keyword argument". A subclass
+    whose own ``__init__`` takes more keywords, or a dataclass subclass, is not affected;
+    ``inspect.signature`` still shows the fields (``functools.wraps``)."""
+    fields = [f.name for f in dataclasses.fields(SamplingParams) if f.init]
+
+    @functools.wraps(generated)
+    def __init__(self: "SamplingParams", *args: Any, **kwargs: Any) -> None:
+        for name in kwargs:
+            if name not in fields:
+                what = type(self).__name__
+                if name in VLLM_ONLY_FIELDS:
+                    use = VLLM_ONLY_FIELDS[name]
+                    raise TypeError(f"{what}: {name!r} is a vLLM field mtpspec does not implement"
+                                    + (f" (use {use})" if use else "") + f"; the fields are: {', '.join(fields)}")
+                raise TypeError(f"{what} got an unknown field {name!r}; the fields are: {', '.join(fields)}")
+        generated(self, *args, **kwargs)
+
+    return __init__
+
+
+SamplingParams.__init__ = _checked_init(SamplingParams.__init__)  # type: ignore[method-assign]

@@ -219,7 +219,7 @@ def test_equal_kv_blocks_reach_each_arm_unless_it_sizes_its_own(monkeypatch, tmp
     monkeypatch.setattr(bench_arms, "run_benchmark", fake_result)
     wl = {"s1": bench_arms.BenchConfig(num_prompts=1, max_concurrency=2, input_len=40, output_len=8, prompts="random")}
     common = ["--block-size", "16", "--max-model-len", "64"]
-    arms = {"a": ["-k", "0"], "b": ["-k", "1"], "c": ["--num-kv-blocks", "99"]}
+    arms = {"a": ["-k", "0"], "b": ["-k", "1"], "c": ["--num-kv-blocks", "99"], "d": ["--num-kv", "7"]}  # abbreviated
     res = bench_arms.run_arms(arms, wl, 1, str(tmp_path), common, progress=False, plots=False, equal_kv=True)
     want = bench_arms.equal_kv_blocks(wl, {"a": {"block_size": 16, "max_model_len": 64, "speculative_config": None,
                                                  "model": None},
@@ -227,7 +227,8 @@ def test_equal_kv_blocks_reach_each_arm_unless_it_sizes_its_own(monkeypatch, tmp
                                                  "speculative_config": {"num_speculative_tokens": 1}, "model": None}})
     assert res["equal_kv_blocks"] == want and want["a"] == want["b"]
     assert started == {"a": ["-k", "0", "--num-kv-blocks", str(want["a"])],
-                       "b": ["-k", "1", "--num-kv-blocks", str(want["b"])], "c": ["--num-kv-blocks", "99"]}
+                       "b": ["-k", "1", "--num-kv-blocks", str(want["b"])], "c": ["--num-kv-blocks", "99"],
+                       "d": ["--num-kv", "7"]}
     started.clear()
     res = bench_arms.run_arms({"a": [], "b": []}, wl, 1, str(tmp_path / "2"), common, progress=False, plots=False,
                               share_gpu=True)
@@ -235,9 +236,9 @@ def test_equal_kv_blocks_reach_each_arm_unless_it_sizes_its_own(monkeypatch, tmp
     assert started == {"a": ["--gpu-memory-utilization", "0.4250"], "b": ["--gpu-memory-utilization", "0.8500"]}
 
 
-def test_equal_kv_blocks_flag_conflicts_with_a_common_kv_size(capsys):
-    assert main(["bench", "arms", "--equal-kv-blocks", "--no-plots", "--server-args",
-                 "--gpu-memory-utilization 0.5"]) == 2
+@pytest.mark.parametrize("flag", ["--gpu-memory-utilization 0.5", "--gpu-memory-util 0.5", "--num-kv 40"])
+def test_equal_kv_blocks_flag_conflicts_with_a_common_kv_size(capsys, flag):
+    assert main(["bench", "arms", "--equal-kv-blocks", "--no-plots", "--server-args", flag]) == 2
     assert "--equal-kv-blocks sizes every arm's KV cache: drop --gpu-memory-utilization" in capsys.readouterr().err
 
 

@@ -219,6 +219,35 @@ def test_fields_it_lacks_are_named_with_the_fields_it_has(kwargs, match) -> None
     import inspect
     assert list(inspect.signature(SamplingParams).parameters)[:3] == ["n", "best_of", "temperature"]  # not **kwargs
 
+    @dataclasses.dataclass(init=False)
+    class Aliased(SamplingParams):  # a subclass whose own __init__ takes more keywords is not checked
+        def __init__(self, my_alias=None, **kw):
+            super().__init__(**kw)
+            self.my_alias = my_alias
+
+    assert Aliased(my_alias=3, max_tokens=2).my_alias == 3
+    with pytest.raises(TypeError, match="Aliased: 'min_p' is a vLLM field"):  # its keywords reach the check
+        Aliased(min_p=0.1)
+
+    @dataclasses.dataclass
+    class More(SamplingParams):
+        extra: int = 0
+
+    assert More(extra=2).extra == 2 and "extra" in inspect.signature(More).parameters
+
+
+def test_stop_set_after_construction_is_used() -> None:
+    """Found by a new-user review (2026-12-05): ``sp.stop = [...]`` after construction was ignored (the
+    list checked in ``__post_init__`` was kept); now it is checked again and used, and a bad one raises."""
+    sp = SamplingParams(max_tokens=4)
+    sp.stop = ["is", "was"]
+    assert sp.stop_strings == ["is", "was"]
+    sp.stop = "x"
+    assert sp.stop_strings == ["x"]
+    sp.stop = [3]
+    with pytest.raises((TypeError, ValueError), match="stop"):
+        sp.stop_strings
+
 
 def test_engine_checks_logit_bias_ids(model) -> None:
     path, _, cfg, _ = model

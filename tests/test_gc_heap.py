@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import gc
 
+import pytest
+
 from mtpspec import LLM, SamplingParams, demo_model_path
 from mtpspec.engine import gc_heap
 
@@ -72,7 +74,6 @@ class _ReleasesWhenCollected:
 
 def test_a_holder_released_during_the_refreeze_collection_leaves_nothing_frozen():
     if gc_heap.num_gc_heap_holders():
-        import pytest
         pytest.skip("another engine of this process holds the heap")
     keep = _ReleasesWhenCollected()
     dropped = _ReleasesWhenCollected()
@@ -84,8 +85,9 @@ def test_a_holder_released_during_the_refreeze_collection_leaves_nothing_frozen(
     assert gc_heap.num_gc_heap_holders() == 0 and gc.get_freeze_count() == 0
 
 
-def test_freezing_can_be_turned_off(monkeypatch):
-    monkeypatch.setenv("MTPSPEC_GC_FREEZE", "0")
+@pytest.mark.parametrize("off", ["0", "false", "OFF", " no "])
+def test_freezing_can_be_turned_off(monkeypatch, off):
+    monkeypatch.setenv("MTPSPEC_GC_FREEZE", off)
     held, frozen = gc_heap.num_gc_heap_holders(), gc.get_freeze_count()
     assert not gc_heap.gc_freeze_enabled() and not gc_heap.freeze_gc_heap()
     llm = _small_llm()

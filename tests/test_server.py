@@ -217,7 +217,8 @@ def test_unknown_fields_ignored_with_warning(server):
     ("/v1/completions", "min_p", 0.5), ("/v1/completions", "min_p", 2), ("/v1/completions", "use_beam_search", True),
     ("/v1/completions", "guided_json", {"type": "object"}), ("/v1/chat/completions", "echo", True),
     ("/v1/chat/completions", "continue_final_message", True), ("/v1/chat/completions", "chat_template", "{{ 1/0 }}"),
-    ("/v1/chat/completions", "min_p", 0.1)])
+    ("/v1/chat/completions", "min_p", 0.1), ("/v1/chat/completions", "logits_processors", ["my.module.Proc"]),
+    ("/v1/completions", "return_tokens_as_token_ids", True)])
 def test_vllm_fields_not_served_are_a_400_naming_them(server, endpoint, field, value):
     """Found by a new-user review (2026-12-04): vLLM's ``min_p``, chat ``echo``, ``chat_template``, ...
     were ignored with a log line, so a client got output made without them. Set, they are a 400
@@ -228,7 +229,8 @@ def test_vllm_fields_not_served_are_a_400_naming_them(server, endpoint, field, v
     err = r.json()["error"]
     assert err["param"] == field and "not supported" in err["message"] and repr(value) in err["message"], err
     default = {"min_p": 0.0, "use_beam_search": False, "guided_json": None, "echo": False,
-               "continue_final_message": False, "chat_template": None}[field]
+               "continue_final_message": False, "chat_template": None, "logits_processors": None,
+               "return_tokens_as_token_ids": False}[field]
     r = _post(server, endpoint, {**base, "max_tokens": 2, "temperature": 0, field: default})
     assert r.status_code == 200, r.text
 

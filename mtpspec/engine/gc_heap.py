@@ -17,7 +17,8 @@ reference cycles among them waits for :func:`release_gc_heap`: an ``LLM`` droppe
 never runs) until some engine of the process releases the heap. vLLM does the same after its
 engine's start-up (``freeze_gc_heap`` in its engine core and GPU worker; facts from its pull
 requests #14902, #24008, #27896), as does ``mtpspec serve`` after building its app.
-``MTPSPEC_GC_FREEZE=0`` turns it off.
+``MTPSPEC_GC_FREEZE=0`` turns it off. The freeze is process-wide: releasing it (``shutdown()``) also
+unfreezes what the application froze itself with ``gc.freeze()``.
 """
 
 from __future__ import annotations
@@ -35,8 +36,8 @@ _atexit_set = False  # gc.unfreeze registered to run at exit: objects still froz
 
 
 def gc_freeze_enabled() -> bool:
-    """``False`` when the environment sets ``MTPSPEC_GC_FREEZE=0``."""
-    return os.environ.get("MTPSPEC_GC_FREEZE", "1").strip() != "0"
+    """``False`` when the environment sets ``MTPSPEC_GC_FREEZE`` to ``0`` / ``false`` / ``off`` / ``no``."""
+    return os.environ.get("MTPSPEC_GC_FREEZE", "1").strip().lower() not in ("0", "false", "off", "no")
 
 
 def freeze_gc_heap() -> bool:

@@ -467,9 +467,12 @@ def host_spread(wl: Dict[str, Any]) -> Optional[Dict[str, float]]:
 
 
 def _sizes_kv(flags: Sequence[str]) -> bool:
-    """Whether ``flags`` size the KV cache themselves (its blocks or the GPU share)."""
-    return any(f.startswith(("--gpu-memory-utilization", "--num-kv-blocks", "--num-gpu-blocks-override"))
-               for f in flags)
+    """Whether ``flags`` (`mtpspec serve` flags, abbreviations included) size the KV cache
+    themselves: its blocks, or a GPU share other than the default."""
+    from mtpspec.engine.arg_utils import EngineArgs
+    from mtpspec.entrypoints.serve import parse_serve_flags
+    args = parse_serve_flags(list(flags))
+    return args.num_kv_blocks is not None or args.gpu_memory_utilization != EngineArgs.gpu_memory_utilization
 
 
 def equal_kv_blocks(workloads: Dict[str, BenchConfig], arm_kwargs: Dict[str, Dict[str, Any]]) -> Dict[str, int]:
@@ -771,7 +774,8 @@ def run_arms(arms: Dict[str, List[str]], workloads: Dict[str, BenchConfig], repe
     def save_partial() -> None:
         """The runs made so far and what they ran, in ``PARTIAL_JSON`` (written whole, then renamed:
         a sweep killed mid-write keeps the previous copy); a failed write only warns."""
-        done = {"partial": True, **{k: result[k] for k in ("arms", "common_server_args", "repeats", "interleaved")},
+        done = {"partial": True, **{k: result[k] for k in ("arms", "common_server_args", "repeats", "interleaved",
+                                                            "warmup_rounds", "in_process", "equal_kv_blocks")},
                 "workload_configs": {w: asdict(c) for w, c in workloads.items()},
                 "synthetic": any(r["synthetic_reasons"] for per in runs.values() for rs in per.values() for r in rs),
                 "runs": runs}
@@ -794,7 +798,11 @@ def run_arms(arms: Dict[str, List[str]], workloads: Dict[str, BenchConfig], repe
             from mtpspec.entrypoints.bench_inprocess import open_arm
             from mtpspec.entrypoints.serve import check_serve_args
             print(f"loading arm {arm!r} in this process ...", file=sys.stderr, flush=True)
-            engines[arm] = open_arm(check_serve_args(common + flags), forced)
+            try:
+                engines[arm] = open_arm(check_serve_args(common + flags), forced)
+            except (ValueError, RuntimeError) as exc:  # which arm (its flags) in the one line
+                said = f"arm {arm!r} ({' '.join(flags) or 'no flags of its own'}): {exc}"
+                raise (ValueError(said) if isinstance(exc, ValueError) else RuntimeError(said)) from exc
             return
         print(f"starting the server for arm {arm!r} ...", file=sys.stderr, flush=True)
         try:

@@ -119,6 +119,8 @@ UNSERVED_FIELDS: Dict[str, Callable[[Any], bool]] = {
     "guided_choice": lambda v: v is not None,
     "guided_grammar": lambda v: v is not None,
     "structured_outputs": lambda v: v is not None,
+    "logits_processors": bool,
+    "return_tokens_as_token_ids": bool,  # logprob tokens as "token_id:N": a client parsing ids would break
 }
 
 

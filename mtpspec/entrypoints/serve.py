@@ -134,11 +134,20 @@ def check_serve_args(argv: Any) -> Dict[str, Any]:
     Raises:
         ValueError: an unknown flag, a bad value, or conflicting speculative flags (named).
     """
+    return llm_kwargs(parse_serve_flags(argv))
+
+
+def parse_serve_flags(argv: Any) -> argparse.Namespace:
+    """``argv`` (a list of strings) parsed as ``mtpspec serve``'s flags (abbreviations resolved),
+    without checking how they combine (:func:`check_serve_args` does).
+
+    Raises:
+        ValueError: an unknown flag or a bad value (argparse's message).
+    """
     parser = _RaisingParser(prog="mtpspec", add_help=False)
     sub = parser.add_subparsers(dest="command")
     add_parser(sub)
-    args = parser.parse_args(["serve", *argv])
-    return llm_kwargs(args)
+    return parser.parse_args(["serve", *argv])
 
 
 def engine_info(args: argparse.Namespace, kwargs: Dict[str, Any], forced: Optional[Any]) -> Dict[str, Any]:
