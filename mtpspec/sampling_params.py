@@ -178,6 +178,15 @@ class SamplingParams:
             if self.best_of is not None and self.best_of > 1:
                 raise ValueError(f"best_of must be 1 when using greedy sampling, got {self.best_of}.")
 
+    def check(self) -> None:
+        """Check every field again, as construction does (a field set after construction is checked
+        when the request is submitted: ``LLMEngine.validate_request`` calls this).
+
+        Raises:
+            ValueError / TypeError: as construction, naming the field.
+        """
+        self.__post_init__()
+
     def _check_num_sequences(self) -> None:
         """``n`` and ``best_of`` (vLLM's messages)."""
         for name in ("n", "best_of"):

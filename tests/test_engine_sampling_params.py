@@ -249,6 +249,22 @@ def test_stop_set_after_construction_is_used() -> None:
         sp.stop_strings
 
 
+def test_fields_set_after_construction_are_checked_at_submission(model) -> None:
+    """Found by a new-user review (2026-12-05): ``sp.temperature = -5.0`` after construction failed
+    inside the sampler (AttributeError); it is now the constructor's error, before any work starts."""
+    path, _, _, _ = model
+    with LLM(path, **KW) as llm:
+        sp = SamplingParams(max_tokens=2, temperature=0.5)
+        sp.temperature = -5.0
+        with pytest.raises(ValueError, match=r"prompt 0: temperature must be a finite number >= 0, got -5.0"):
+            llm.generate([{"prompt_token_ids": [5]}], sp, use_tqdm=False)
+        sp.temperature, sp.max_tokens = 0.0, "x"
+        with pytest.raises(ValueError, match=r"max_tokens must be an int >= 1 or None, got 'x'"):
+            llm.generate([{"prompt_token_ids": [5]}], sp, use_tqdm=False)
+        sp.max_tokens = 2  # the engine is unharmed
+        assert len(llm.generate([{"prompt_token_ids": [5]}], sp, use_tqdm=False)[0].outputs[0].token_ids) == 2
+
+
 def test_engine_checks_logit_bias_ids(model) -> None:
     path, _, cfg, _ = model
     with LLM(path, **KW) as llm:

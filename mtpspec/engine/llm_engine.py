@@ -150,12 +150,14 @@ class LLMEngine:
 
         Raises:
             ValueError / TypeError: empty prompt, prompt too long for the context, token id outside
-            ``[0, vocab_size)``, a text prompt or stop strings without a tokenizer, wrong types,
+            ``[0, vocab_size)``, a text prompt or stop strings without a tokenizer, wrong types, a
+            sampling field set after construction to a bad value (:meth:`SamplingParams.check`),
             ``logprobs`` / ``prompt_logprobs`` above :data:`MAX_LOGPROBS` (``-1`` = the whole
             vocabulary), ``logit_bias`` ids outside the vocabulary (vLLM's messages).
         """
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
+        params.check()  # a field set after construction (sp.temperature = -5) fails here, not in the sampler
         if isinstance(prompt, ValidatedPrompt):
             if prompt.params is params:
                 return prompt.text, prompt.token_ids
