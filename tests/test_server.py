@@ -339,6 +339,23 @@ def test_penalties_min_tokens_logit_bias_equal_offline(server, offline):
     assert r.status_code == 400 and "when using `top_logprobs`, `logprobs` must be set to true." in r.text
 
 
+def test_chat_template_kwargs_are_taken(server):
+    """vLLM's ``chat_template_kwargs`` (e.g. ``{"enable_thinking": false}``, which GLM / Qwen clients send)
+    reach the chat template: the plain template has no variables, so the output is the same as without;
+    setting what the server sets is a 400 naming the field (/tokenize too)."""
+    base = {"messages": [{"role": "user", "content": "What is 2 + 3?"}], "max_tokens": 6, "temperature": 0,
+            "return_token_ids": True}
+    ref = _post(server, "/v1/chat/completions", base)
+    got = _post(server, "/v1/chat/completions", {**base, "chat_template_kwargs": {"enable_thinking": False}})
+    assert ref.status_code == got.status_code == 200, got.text
+    assert got.json()["choices"][0]["token_ids"] == ref.json()["choices"][0]["token_ids"]
+    for path, body in [("/v1/chat/completions", base), ("/tokenize", {"messages": base["messages"]})]:
+        bad = _post(server, path, {**body, "chat_template_kwargs": {"tokenize": True}})
+        assert bad.status_code == 400, bad.text
+        err = bad.json()["error"]
+        assert err["param"] == "chat_template_kwargs" and "may not set tokenize" in err["message"], err
+
+
 def test_chat_plain_template(server, offline):
     from mtpspec.entrypoints.chat_template import render_plain
     msgs = [{"role": "system", "content": "Solve it."}, {"role": "user", "content": "What is 2 + 3?"}]

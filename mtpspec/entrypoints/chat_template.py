@@ -22,7 +22,7 @@ lm-evaluation-harness does for GSM8K.
 
 from __future__ import annotations
 
-from typing import Any, List, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 PLAIN_STOP = "Question:"
 
@@ -52,25 +52,41 @@ def render_plain(messages: Sequence[Tuple[str, str]], add_generation_prompt: boo
     return "".join(parts)
 
 
+#: Arguments of ``apply_chat_template`` that ``template_kwargs`` may not set (the renderer sets them).
+RESERVED_TEMPLATE_KWARGS = ("conversation", "messages", "tokenize", "add_generation_prompt", "return_dict",
+                            "chat_template", "tools", "documents")
+
+
 def render_chat(tokenizer: Any, messages: Sequence[Tuple[str, str]],
-                add_generation_prompt: bool = True) -> Tuple[str, List[str]]:
+                add_generation_prompt: bool = True,
+                template_kwargs: Optional[Dict[str, Any]] = None) -> Tuple[str, List[str]]:
     """The prompt text and the default stop strings for a conversation.
 
     Args:
         tokenizer: the engine's tokenizer (or ``None``).
         messages: ``(role, text)`` pairs, oldest first (at least one).
         add_generation_prompt: end with the assistant's turn opener.
+        template_kwargs: more variables for the tokenizer's chat template (vLLM's
+            ``chat_template_kwargs``, e.g. ``{"enable_thinking": False}``); the plain template has
+            no variables and ignores them, as a template ignores variables it does not use.
 
     Returns:
         ``(prompt, stops)``: ``stops`` is ``["Question:"]`` for the plain template, else ``[]``.
 
     Raises:
-        ValueError: no messages, or an unknown role.
+        ValueError: no messages, an unknown role, or ``template_kwargs`` setting one of
+            :data:`RESERVED_TEMPLATE_KWARGS`.
     """
     if not messages:
         raise ValueError("messages must hold at least one message")
+    kwargs = dict(template_kwargs or {})
+    taken = sorted(set(kwargs) & set(RESERVED_TEMPLATE_KWARGS))
+    if taken:
+        raise ValueError(f"chat_template_kwargs may not set {', '.join(taken)} (the server sets "
+                         f"{', '.join(RESERVED_TEMPLATE_KWARGS)}); pass template variables only")
     if has_chat_template(tokenizer):
         conv = [{"role": r, "content": t} for r, t in messages]
-        text = tokenizer.backend.apply_chat_template(conv, tokenize=False, add_generation_prompt=add_generation_prompt)
+        text = tokenizer.backend.apply_chat_template(conv, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                                     **kwargs)
         return str(text), []
     return render_plain(messages, add_generation_prompt), [PLAIN_STOP]

@@ -136,6 +136,9 @@ class ChatCompletionRequest(_Sampling):
     logprobs: bool = False
     top_logprobs: Optional[int] = None
     add_generation_prompt: bool = Field(default=True, description="extension")
+    chat_template_kwargs: Optional[Dict[str, Any]] = Field(
+        default=None, description="extension (vLLM's): more variables for the tokenizer's chat template, e.g. "
+                                  "{\"enable_thinking\": false}")
     best_of: Optional[int] = Field(default=None, description="completions only: a 400 when set")
 
 
@@ -146,6 +149,7 @@ class TokenizeRequest(BaseModel):
     model: Optional[str] = None
     prompt: Optional[str] = None
     messages: Optional[List[ChatMessage]] = None
+    chat_template_kwargs: Optional[Dict[str, Any]] = None
 
 
 class DetokenizeRequest(BaseModel):

@@ -658,8 +658,13 @@ def build_app(ctx: ServerContext) -> FastAPI:
             raise bad_request("give exactly one of 'prompt' or 'messages'")
         if engine.tokenizer is None:
             raise bad_request("this model has no tokenizer")
-        text = req.prompt if req.prompt is not None else \
-            render_chat(engine.tokenizer, [(m.role, m.text()) for m in req.messages])[0]
+        try:
+            text = req.prompt if req.prompt is not None else render_chat(
+                engine.tokenizer, [(m.role, m.text()) for m in req.messages],
+                template_kwargs=req.chat_template_kwargs)[0]
+        except ValueError as exc:
+            raise bad_request(str(exc), "chat_template_kwargs" if "chat_template_kwargs" in str(exc) else "messages") \
+                from None
         ids = await asyncio.to_thread(engine.tokenizer.encode, text) if len(text) >= LONG_TEXT_CHARS else \
             engine.tokenizer.encode(text)
         return {"tokens": ids, "count": len(ids), "max_model_len": engine.max_model_len}
@@ -762,9 +767,10 @@ def build_app(ctx: ServerContext) -> FastAPI:
             raise bad_request("chat completions need a tokenizer; this model has none")
         try:
             text, stops = render_chat(engine.tokenizer, [(m.role, m.text()) for m in req.messages],
-                                      req.add_generation_prompt)
+                                      req.add_generation_prompt, req.chat_template_kwargs)
         except ValueError as exc:
-            raise bad_request(str(exc), "messages") from None
+            raise bad_request(str(exc), "chat_template_kwargs" if "chat_template_kwargs" in str(exc) else "messages") \
+                from None
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         params = _sampling_params(req, max_tokens, stops, logprobs=num_lp, prompt_logprobs=req.prompt_logprobs,
                                   defaults=getattr(engine, "default_sampling_fields", None))
