@@ -257,7 +257,6 @@ class SamplingParams:
         return self.temperature == 0.0
 
 
-
 def _checked_init(generated: Callable[..., None]) -> Callable[..., None]:
     """The dataclass ``__init__`` behind a check that names a keyword which is not a field
     (vLLM-only fields: :data:`VLLM_ONLY_FIELDS`, with what to use instead) and lists the fields,

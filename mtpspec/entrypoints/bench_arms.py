@@ -509,8 +509,8 @@ def equal_kv_blocks(workloads: Dict[str, BenchConfig], arm_kwargs: Dict[str, Dic
             mcfg = ModelConfig.from_pretrained(kw["model"])
         bs = kw.get("block_size") or mcfg.arch.default_block_size
         mml = kw.get("max_model_len") or min(mcfg.max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
-        k = int((kw.get("speculative_config") or {}).get("num_speculative_tokens", 1)) if kw.get(
-            "speculative_config") else 0
+        spec = kw.get("speculative_config")
+        k = int(spec.get("num_speculative_tokens", 1)) if spec else 0  # SpeculativeConfig's default: 1
         shape[arm] = (bs, mml, k)
         blocks = -(-(mml + 2 * k) // bs)  # the engine's own minimum: one longest sequence
         for c in workloads.values():

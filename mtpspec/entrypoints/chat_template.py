@@ -57,6 +57,20 @@ RESERVED_TEMPLATE_KWARGS = ("conversation", "messages", "tokenize", "add_generat
                             "chat_template", "tools", "documents")
 
 
+def check_template_kwargs(template_kwargs: Optional[Dict[str, Any]]) -> Dict[str, Any]:
+    """``template_kwargs`` as a dict (``None``: empty).
+
+    Raises:
+        ValueError: it sets one of :data:`RESERVED_TEMPLATE_KWARGS` (named).
+    """
+    kwargs = dict(template_kwargs or {})
+    taken = sorted(set(kwargs) & set(RESERVED_TEMPLATE_KWARGS))
+    if taken:
+        raise ValueError(f"chat_template_kwargs may not set {', '.join(taken)} (the server sets "
+                         f"{', '.join(RESERVED_TEMPLATE_KWARGS)}); pass template variables only")
+    return kwargs
+
+
 def render_chat(tokenizer: Any, messages: Sequence[Tuple[str, str]],
                 add_generation_prompt: bool = True,
                 template_kwargs: Optional[Dict[str, Any]] = None) -> Tuple[str, List[str]]:
@@ -79,11 +93,7 @@ def render_chat(tokenizer: Any, messages: Sequence[Tuple[str, str]],
     """
     if not messages:
         raise ValueError("messages must hold at least one message")
-    kwargs = dict(template_kwargs or {})
-    taken = sorted(set(kwargs) & set(RESERVED_TEMPLATE_KWARGS))
-    if taken:
-        raise ValueError(f"chat_template_kwargs may not set {', '.join(taken)} (the server sets "
-                         f"{', '.join(RESERVED_TEMPLATE_KWARGS)}); pass template variables only")
+    kwargs = check_template_kwargs(template_kwargs)
     if has_chat_template(tokenizer):
         conv = [{"role": r, "content": t} for r, t in messages]
         text = tokenizer.backend.apply_chat_template(conv, tokenize=False, add_generation_prompt=add_generation_prompt,

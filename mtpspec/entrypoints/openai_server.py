@@ -57,7 +57,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from mtpspec.engine.async_llm import AsyncLLM, EngineDeadError, QueueFullError, RequestError, RequestStream
 from mtpspec.engine.detokenizer import LONG_TEXT_CHARS
 from mtpspec.engine.llm_engine import MAX_LOGPROBS, PromptType, ValidatedPrompt
-from mtpspec.entrypoints.chat_template import render_chat
+from mtpspec.entrypoints.chat_template import check_template_kwargs, render_chat
 from mtpspec.entrypoints.openai_protocol import (
     ChatCompletionRequest, CompletionRequest, DetokenizeRequest, OpenAIError, TokenizeRequest, bad_request)
 from mtpspec.entrypoints.server_metrics import ServerMetrics
@@ -191,6 +191,20 @@ def _model_name(ctx: ServerContext, req: Any) -> str:
     """The ``model`` a response names: the served name the request sent (checked by
     :func:`_check_model`), else the first served name (vLLM's ``_get_model_name``)."""
     return req.model or ctx.served_model_name
+
+
+def _render_chat(tokenizer: Any, messages: Sequence[Any], add_generation_prompt: bool,
+                 template_kwargs: Optional[Dict[str, Any]]) -> Tuple[str, List[str]]:
+    """:func:`render_chat` of a request's ``messages``; a 400 naming ``chat_template_kwargs`` or
+    ``messages`` for what it refuses."""
+    try:
+        check_template_kwargs(template_kwargs)
+    except ValueError as exc:
+        raise bad_request(str(exc), "chat_template_kwargs") from None
+    try:
+        return render_chat(tokenizer, [(m.role, m.text()) for m in messages], add_generation_prompt, template_kwargs)
+    except ValueError as exc:
+        raise bad_request(str(exc), "messages") from None
 
 
 def _check_model(ctx: ServerContext, name: Optional[str]) -> None:
@@ -658,13 +672,8 @@ def build_app(ctx: ServerContext) -> FastAPI:
             raise bad_request("give exactly one of 'prompt' or 'messages'")
         if engine.tokenizer is None:
             raise bad_request("this model has no tokenizer")
-        try:
-            text = req.prompt if req.prompt is not None else render_chat(
-                engine.tokenizer, [(m.role, m.text()) for m in req.messages],
-                template_kwargs=req.chat_template_kwargs)[0]
-        except ValueError as exc:
-            raise bad_request(str(exc), "chat_template_kwargs" if "chat_template_kwargs" in str(exc) else "messages") \
-                from None
+        text = req.prompt if req.prompt is not None else \
+            _render_chat(engine.tokenizer, req.messages, True, req.chat_template_kwargs)[0]
         ids = await asyncio.to_thread(engine.tokenizer.encode, text) if len(text) >= LONG_TEXT_CHARS else \
             engine.tokenizer.encode(text)
         return {"tokens": ids, "count": len(ids), "max_model_len": engine.max_model_len}
@@ -765,12 +774,7 @@ def build_app(ctx: ServerContext) -> FastAPI:
         _check_stream_prompt_logprobs(req)
         if engine.tokenizer is None:
             raise bad_request("chat completions need a tokenizer; this model has none")
-        try:
-            text, stops = render_chat(engine.tokenizer, [(m.role, m.text()) for m in req.messages],
-                                      req.add_generation_prompt, req.chat_template_kwargs)
-        except ValueError as exc:
-            raise bad_request(str(exc), "chat_template_kwargs" if "chat_template_kwargs" in str(exc) else "messages") \
-                from None
+        text, stops = _render_chat(engine.tokenizer, req.messages, req.add_generation_prompt, req.chat_template_kwargs)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         params = _sampling_params(req, max_tokens, stops, logprobs=num_lp, prompt_logprobs=req.prompt_logprobs,
                                   defaults=getattr(engine, "default_sampling_fields", None))
