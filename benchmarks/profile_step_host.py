@@ -53,6 +53,21 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--device", default=None)
     ap.add_argument("--window-detokenizer", action="store_true")
+    ap.add_argument("--adaptive", action="store_true",
+                    help="the adaptive engine (speculative_config adaptive, --k drafts at most; with --rate 0 its "
+                         "policy settles on k = 0: the A/B against --k 0's plain decoding)")
+    ap.add_argument("--propose", type=int, default=None, metavar="N",
+                    help="with --adaptive: a stand-in policy that always proposes N (the engine's cost without "
+                         "the policy's)")
+    ap.add_argument("--cprofile", default=None, metavar="FILE",
+                    help="also cProfile the timed steps; the 25 functions with most own time are printed, the "
+                         "pstats written to FILE")
+    ap.add_argument("--prompt-len", type=int, default=64)
+    ap.add_argument("--max-model-len", type=int, default=4096)
+    ap.add_argument("--max-tokens", type=int, default=3000,
+                    help="per request; with --requests above --batch, finished requests make room for waiting "
+                         "ones, so the timed steps carry prompt chunks (mixed steps)")
+    ap.add_argument("--requests", type=int, default=None, help="requests queued at the start (default --batch)")
     ap.add_argument("--smoke", action="store_true", help="4 sequences, 2 + 3 steps (the CPU test)")
     ap.add_argument("--json", default=None, help="also write the figures here: ms a step, tokens a step, and each "
                     "phase's ms a step (keys as printed, without the indent)")
@@ -70,17 +85,28 @@ def main() -> None:
         args.model = micro_model(tmp)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     spec = {"num_speculative_tokens": args.k} if args.k else None
-    llm = LLM(args.model, speculative_config=spec, max_num_seqs=args.batch, max_model_len=4096, load_format="dummy",
+    if args.adaptive:
+        if not args.k:
+            ap.error("--adaptive needs --k >= 1")
+        spec["adaptive"] = True
+    if args.propose is not None and not (args.adaptive and 0 <= args.propose <= args.k):
+        ap.error(f"--propose {args.propose} needs --adaptive and must lie in [0, --k {args.k}]")
+    llm = LLM(args.model, speculative_config=spec, max_num_seqs=args.batch, max_model_len=args.max_model_len,
+              load_format="dummy",
               dtype="float32" if device == "cpu" else "bfloat16", device=device, async_scheduling=True)
     eng = llm.llm_engine
+    if args.propose is not None:
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        from bench_adaptive_fixed_k import ConstantK
+        eng.spec_policy = ConstantK(args.propose)
     if args.window_detokenizer and eng.tokenizer is not None:
         eng.tokenizer.stream_backend = None
-    if args.k:
+    if args.k:  # --rate 0 with --adaptive: its policy settles on k = 0
         enable_forced_acceptance(eng, ForcedAcceptance.parse(f"rate:{args.rate}"))
     rng = random.Random(0)
-    for i in range(args.batch):
-        eng.add_request({"prompt_token_ids": [rng.randrange(10, eng.vocab_size) for _ in range(64)]},
-                        SamplingParams(max_tokens=3000, temperature=0.0, ignore_eos=True), str(i))
+    for i in range(args.requests or args.batch):
+        eng.add_request({"prompt_token_ids": [rng.randrange(10, eng.vocab_size) for _ in range(args.prompt_len)]},
+                        SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True), str(i))
     for _ in range(args.warmup):
         eng.step()
     spent = collections.defaultdict(float)
@@ -104,23 +130,35 @@ def main() -> None:
     wrap(runner, "_prepare", "  runner._prepare")
     wrap(eng.scheduler, "update_from_output", "update_from_output")
     wrap(scheduler_module, "append_tokens", "  append_tokens")
-    n0 = eng.metrics.num_output_tokens
+    n0, p0 = eng.metrics.num_output_tokens, eng.metrics.num_prompt_tokens
+    prof = None
+    if args.cprofile:
+        import cProfile
+        prof = cProfile.Profile()
+        prof.enable()
     t0 = time.perf_counter()
     for _ in range(args.steps):
         eng.step()
     if device != "cpu":
         torch.cuda.synchronize()
     wall = time.perf_counter() - t0
-    toks = eng.metrics.num_output_tokens - n0
-    print(f"{args.model} on {device}: k={args.k} batch={args.batch} detokenizer="
+    if prof is not None:
+        import pstats
+        prof.disable()
+        prof.dump_stats(args.cprofile)
+        pstats.Stats(prof).sort_stats("tottime").print_stats(25)
+    toks, ptoks = eng.metrics.num_output_tokens - n0, eng.metrics.num_prompt_tokens - p0
+    print(f"{args.model} on {device}: k={args.k}"
+          f"{(' adaptive' + ('' if args.propose is None else f' proposing {args.propose}')) if args.adaptive else ''} batch={args.batch} detokenizer="
           f"{'window' if args.window_detokenizer else 'stream where it applies'}: {wall / args.steps * 1e3:.2f} ms a "
-          f"step, {toks / args.steps:.1f} tokens a step")
+          f"step, {toks / args.steps:.1f} tokens a step, {ptoks / args.steps:.1f} prompt tokens a step")
     for key, s in spent.items():
         print(f"  {key:22s} {s / args.steps * 1e3:8.3f} ms a step {s / max(toks, 1) * 1e6:8.2f} us a token")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": device, "k": args.k, "batch": args.batch, "steps": args.steps,
                        "step_ms": wall / args.steps * 1e3, "tokens_per_step": toks / args.steps,
+                       "prompt_tokens_per_step": ptoks / args.steps, "adaptive": args.adaptive, "propose": args.propose,
                        "phase_ms_per_step": {k.strip(): s / args.steps * 1e3 for k, s in spent.items()}}, f, indent=1)
     if tmp:
         shutil.rmtree(tmp, ignore_errors=True)

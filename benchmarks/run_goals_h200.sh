@@ -12,6 +12,8 @@
 #   bash benchmarks/run_goals_h200.sh serving-deep OUT  # issue 17: prefix-cache TTFT on 40 of Llama-3-70B's 80 layers
 #   bash benchmarks/run_goals_h200.sh adaptive-inproc OUT # issue 18: the adaptive sweep in-process (deterministic arrival)
 #   bash benchmarks/run_goals_h200.sh adaptive-deep OUT # issue 18: the same with LAYERS (4) target layers, 2 warm-ups
+#   bash benchmarks/run_goals_h200.sh graph-mem OUT   # issue 18: CUDA-graph memory beside the KV cache, plain / k3 / adaptive
+#   bash benchmarks/run_goals_h200.sh mixed-host OUT  # issue 18: host phases of mixed steps, plain vs adaptive held at k = 0
 #   bash benchmarks/run_goals_h200.sh gc-trace OUT    # issue 18: s256 traces, start-up heap frozen or not (gc passes timed)
 #   bash benchmarks/run_goals_h200.sh deferral OUT    # issue 18: deferred MTP KV + split prefill first pass on the GPU
 #                                                  # (their tests on the GPU, then the c64 traces: plain, adaptive-k0, adaptive)
@@ -219,6 +221,21 @@ demo-sd)  # issue 16: 2026-12-03's MTP layer saw its 751k completion tokens ~17 
         --speculative-config "{\"method\":\"mtp\",\"num_speculative_tokens\":$1,\"index_share_for_mtp_iteration\":$2}" \
         --gpu-memory-utilization 0.5 --no-progress --json "$OUT/eval_k$1_$2.json"
   done ;;
+graph-mem)  # issue 18: each engine's CUDA graphs beside its KV cache (Air 3 layers, default gpu_memory_utilization);
+  # before the shared verify-logits buffer the adaptive engine's capture ran out of memory on an H100 (2026-12-05)
+  python3 benchmarks/make_dummy_model.py /tmp/air3 --preset air-8l --num-hidden-layers 3 \
+      --max-position-embeddings 2048 || exit 1
+  for e in plain k3 adaptive; do
+    step 120 graph_mem_$e python3 benchmarks/graph_memory.py /tmp/air3 --engine $e --json "$OUT/graph_mem_$e.json"
+  done ;;
+mixed-host)  # issue 18: why an adaptive k = 0 prompt step costs 1-3 ms more than plain's (H100, 2026-12-05): host
+  # phases of mixed steps (prompt chunks + decodes), plain vs the adaptive engine held at k = 0, twice each
+  python3 benchmarks/make_dummy_model.py /tmp/air3 --preset air-8l --num-hidden-layers 3 \
+      --max-position-embeddings 2048 || exit 1
+  for i in 1 2; do for e in "--k 0" "--k 3 --adaptive --propose 0"; do
+    step 120 mixed_host python3 benchmarks/profile_step_host.py /tmp/air3 $e --batch 64 --requests 4000 \
+        --prompt-len 512 --max-tokens 16 --max-model-len 1024 --warmup 40 --steps 200
+  done; done ;;
 gc-trace)  # issue 18: the s256 traces (Air 3 layers, whole-workload warm-up) with the start-up heap frozen (default)
   # and not (MTPSPEC_GC_FREEZE=0), plain and adaptive: the collector's passes timed (gc.callbacks) beside the step gaps
   python3 benchmarks/make_dummy_model.py /tmp/air3 --preset air-8l --num-hidden-layers 3 \

@@ -171,6 +171,8 @@ def main() -> None:
             enable_forced_acceptance(llm, ForcedAcceptance.parse(a.forced_acceptance))
     else:
         trace(llm, prompts[: max(1, a.concurrency // 4)], 16, a.concurrency)  # warm-up
+    llm.reset_prefix_cache()  # the traced run starts cold, whatever the warm-up cached (a warm-up of the whole
+    # workload would otherwise turn a prefix-caching engine's prefills into hits: 2026-12-05, plain 2 prompt steps)
     gc_ms: Dict[int, List[float]] = {0: [], 1: [], 2: []}  # the collector's passes in the traced run, per generation
     started: List[float] = []
 
@@ -193,6 +195,10 @@ def main() -> None:
     print(f"{a.engine}{' (eager MTP KV)' if a.eager_mtp_kv else ''}, forced {a.forced_acceptance}: {len(rows)} steps "
           f"in {took:.2f} s, {out_tokens / took:.0f} output tok/s; proposed k histogram "
           f"{[sum(1 for r in rows if r['k'] == k) for k in range(4)]}; deferred MTP rows caught up: {caught_up}")
+    fwd = getattr(getattr(llm.llm_engine.executor, "runner", None), "fwd", None)
+    capture_failed = getattr(fwd, "capture_failed", None)
+    if capture_failed:  # every decode step ran eagerly: the trace is not the graphed engine's
+        print(f"WARNING: {capture_failed}")
     groups = summarise(rows)
     policy = llm.llm_engine.spec_policy
     if hasattr(policy, "excess_ms"):
@@ -202,7 +208,8 @@ def main() -> None:
         with open(a.json, "w") as f:
             json.dump({"engine": a.engine, "eager_mtp_kv": a.eager_mtp_kv, "mtp_catch_up_rows": caught_up,
                        "forced": a.forced_acceptance, "groups": groups, "rows": rows,
-                       "seconds": took, "output_tokens_per_s": out_tokens / took, "gc_passes": gc_passes}, f)
+                       "seconds": took, "output_tokens_per_s": out_tokens / took, "gc_passes": gc_passes,
+                       "cuda_graph_capture_failed": capture_failed}, f)
 
 
 if __name__ == "__main__":

@@ -251,3 +251,20 @@ def test_preemption_in_one_arm_only_is_warned_in_the_table():
     assert bench_arms.preemption_warning(wl({"plain": [0, 0], "adaptive": [0, 0]})) is None
     assert bench_arms.preemption_warning(wl({"plain": [3, 1], "adaptive": [5, 0]})) is None  # every arm preempted
     assert bench_arms.preemption_warning({"arms": {"a": {"runs": [{}]}, "b": {"runs": [{"preemptions": 2}]}}}) is None
+
+
+def test_eager_decode_steps_are_warned_in_the_table_with_the_capture_failure():
+    """An arm whose decode steps ran eagerly (a capture that ran out of memory: adaptive at s1 ran at
+    0.24x of k = 3 on an H100, 2026-12-05) is named with its reason; none: no warning."""
+    oom = "CUDA graph capture failed (OutOfMemoryError: CUDA out of memory.)"
+    wl = {"arms": {"plain": {"runs": [{"eager_fallbacks": 0.0}, {"eager_fallbacks": 0.0}]},
+                   "adaptive": {"runs": [{"eager_fallbacks": 437.0, "cuda_graph_capture_failed": oom},
+                                         {"eager_fallbacks": 560.0, "cuda_graph_capture_failed": oom}]},
+                   "old": {"runs": [{}]}}}
+    warn = bench_arms.eager_warning(wl)
+    assert warn.startswith("WARNING: decode steps ran eagerly") and "adaptive up to 560 a run" in warn
+    assert oom in warn and "plain" not in warn and "old" not in warn
+    wl["arms"]["adaptive"]["runs"] = [{"eager_fallbacks": 3.0}]  # e.g. batches above the largest graph
+    assert bench_arms.eager_warning(wl).count("adaptive up to 3 a run:") == 1
+    del wl["arms"]["adaptive"]
+    assert bench_arms.eager_warning(wl) is None

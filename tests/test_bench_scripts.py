@@ -135,3 +135,14 @@ def test_profile_step_host_smoke(tmp_path):
                            "append_tokens"}, res
     assert all(v > 0 for v in phases.values()), res
     assert res["step_ms"] > phases["schedule"] and res["tokens_per_step"] > 4, res  # 4 sequences, k = 2, rate 0.8
+
+
+def test_profile_step_host_adaptive_held_at_k0_with_prompt_chunks(tmp_path):
+    """``--adaptive --propose 0`` (the A/B of an adaptive k = 0 step against plain decoding) with more requests
+    than sequence slots and short outputs: the timed steps carry prompt tokens and emit one token a sequence."""
+    out = tmp_path / "host.json"
+    _run("profile_step_host.py", "--k", "2", "--adaptive", "--propose", "0", "--requests", "40", "--max-tokens", "2",
+         "--prompt-len", "16", "--max-model-len", "256", "--json", str(out))
+    res = json.loads(out.read_text())
+    assert res["adaptive"] is True and res["propose"] == 0 and res["prompt_tokens_per_step"] > 0, res
+    assert 0 < res["tokens_per_step"] <= 4, res  # k = 0: at most one token per sequence a step

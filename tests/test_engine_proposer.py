@@ -176,3 +176,32 @@ def test_lifecycle_hooks_bracket_the_two_phases(model) -> None:
         del events[:len(want)]
         steps += 1
     assert steps >= 3
+
+
+def test_graph_units_share_one_logits_buffer(model) -> None:
+    """The graphed path's verify units write their logits into one buffer shared by every batch
+    size and verify width (``GraphedForward.logits_out``; kept per unit in the CUDA-graph pool they
+    took ~13 GB of an adaptive Air engine's graphs and left no room to capture them on an H100),
+    and the tokens equal the eager engine's."""
+    path = model[0]
+    prompts = token_prompts([[5, 6, 7], [8], [9, 10]])
+    sp = SamplingParams(temperature=0.0, max_tokens=8)
+    outs, seen = {}, []
+    for mode in ("static", "off"):
+        with LLM(path, max_model_len=64, block_size=4, num_kv_blocks=64, max_num_seqs=3, seed=0, graph_mode=mode,
+                 speculative_config={"num_speculative_tokens": 2}) as llm:
+            fwd = llm.executor.runner.fwd
+            if mode == "static":
+                buf = fwd.logits_out
+                assert buf is not None and buf.shape[0] >= 3 * (1 + 2)
+                verify = fwd.verify
+
+                def spy(*a, **kw):
+                    hidden, logits = verify(*a, **kw)
+                    if fwd.active is not None:  # a step through the static units
+                        seen.append(logits.untyped_storage().data_ptr() == buf.untyped_storage().data_ptr())
+                    return hidden, logits
+                fwd.verify = spy
+            outs[mode] = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
+    assert seen and all(seen)
+    assert outs["static"] == outs["off"]

@@ -304,3 +304,24 @@ def _bytes_rank(v: int, hsz: int, n: int) -> Tuple[Any, ...]:
     reset_comm_stats()
     ref = lp.compute_logits(head, h).argmax(-1)
     return s_top, comm_stats(), top, ref
+
+
+def test_compute_logits_into_a_given_buffer() -> None:
+    """``out`` (the CUDA-graph units' shared logits buffer): the same logits, written into it (the
+    result is a view of it, padding columns dropped); a buffer of the wrong shape, dtype or layout
+    is a ValueError naming what was expected."""
+    torch.manual_seed(0)
+    head = ParallelLMHead(100, 8)  # tp 1: 100 rows, padded to the partition
+    head.weight.data.normal_()
+    lp, h = LogitsProcessor(97), torch.randn(5, 8)
+    want = lp.compute_logits(head, h)
+    buf = torch.full((5, head.num_embeddings_per_partition), float("nan"))
+    got = lp.compute_logits(head, h, out=buf)
+    assert torch.equal(got, want) and got.shape == (5, 97)
+    assert got.untyped_storage().data_ptr() == buf.untyped_storage().data_ptr()
+    assert torch.equal(buf[:, :97], want)
+    for bad in (torch.empty(4, head.num_embeddings_per_partition), torch.empty(5, 99),
+                torch.empty(5, head.num_embeddings_per_partition, dtype=torch.float64),
+                torch.empty(head.num_embeddings_per_partition, 5).t()):
+        with pytest.raises(ValueError, match="out must be a contiguous"):
+            lp.compute_logits(head, h, out=bad)

@@ -45,6 +45,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from mtpspec.distributed import get_tensor_model_parallel_world_size
 from mtpspec.layers.attention import AttentionMetadata, set_forward_context
 from mtpspec.spec_decode.draft_forward import DraftTokenFn, EagerDraftForward
 from mtpspec.spec_decode.proposer import GraphUnits, Proposer
@@ -97,6 +98,15 @@ class EagerForward(EagerDraftForward):
         return hidden, self.target_model.compute_logits(hidden.index_select(0, sample_rows))
 
 
+def _logits_buffer(target: torch.nn.Module, rows: int, device: torch.device) -> Optional[torch.Tensor]:
+    """``[rows, per_rank vocab]`` in the LM head's dtype for the verify units' logits at tp 1
+    (``None`` at tp > 1, where the all-gather allocates, or for a target without ``lm_head``)."""
+    head = getattr(target, "lm_head", None)
+    if head is None or get_tensor_model_parallel_world_size() > 1:
+        return None
+    return torch.empty(rows, head.num_embeddings_per_partition, dtype=head.weight.dtype, device=device)
+
+
 class GraphedForward(EagerForward):
     """Pure-decode steps through static padded buffers (captured as CUDA graphs in ``"cuda"`` mode).
 
@@ -143,6 +153,9 @@ class GraphedForward(EagerForward):
         self.s_qsl, self.s_seq_lens = z(bmax + 1, dt=torch.int32), z(bmax, dt=torch.int32)
         self.s_hidden = torch.zeros(bmax, hidden_size, dtype=dtype, device=device)
         self.p_sample = z(1)  # the prefill units' sampled row
+        # the verify units' logits, shared by every batch size and width (tp 1): kept per unit in the
+        # graph pool they summed to ~13 GB of an adaptive Air engine's graphs (H100, 2026-12-05)
+        self.logits_out = _logits_buffer(target, tmax, device)
         self.first_rows = z(bmax)  # each sequence's last valid row, for the first pass's draft (firsttop)
         self.graphs: Dict[tuple, Tuple[torch.cuda.CUDAGraph, tuple]] = {}
         self.pool = None
@@ -273,7 +286,9 @@ class GraphedForward(EagerForward):
         def fn(meta: AttentionMetadata) -> tuple:
             with set_forward_context(meta):
                 hidden = self.target_model(self.ids[:rows], self.pos[:rows])
-            return hidden, self.target_model.compute_logits(hidden)
+            if self.logits_out is None:
+                return hidden, self.target_model.compute_logits(hidden)
+            return hidden, self.target_model.compute_logits(hidden, out=self.logits_out[:rows])
         return fn
 
     def _fill_mtp_rows(self, ids: torch.Tensor, hidden: torch.Tensor, rows: int) -> None:
@@ -439,6 +454,9 @@ class GraphedForward(EagerForward):
             self.graphs.clear()
             first = (str(exc).splitlines() or [""])[0]
             self.capture_failed = f"CUDA graph capture failed ({type(exc).__name__}: {first})"
+            if "out of memory" in first.lower():  # the graphs are captured after the KV cache took its share
+                self.capture_failed += ("; leave the graphs room: lower gpu_memory_utilization "
+                                        "(--gpu-memory-utilization) or num_kv_blocks (--num-kv-blocks)")
             logger.warning("%s; decode steps run eagerly", self.capture_failed)
             if torch.cuda.is_available():
                 torch.cuda.synchronize()

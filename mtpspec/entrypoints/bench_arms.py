@@ -423,9 +423,9 @@ def format_workload(name: str, wl: Dict[str, Any]) -> str:
         paired = "-" if vs["per_round_median"] is None else f"{vs['per_round_median']:.3f}"
         lines.append(f"{vs['arm']} / best other arm ({vs['best']}), output tok/s medians: {vs['ratio']:.3f}; "
                      f"per interleaved round: [{rounds}], their median {paired}")
-    warn = preemption_warning(wl)
-    if warn:
-        lines.append(warn)
+    for warn in (preemption_warning(wl), eager_warning(wl)):
+        if warn:
+            lines.append(warn)
     hs = host_spread(wl)
     if hs is not None:
         lines.append(f"host probe (a fixed Python loop before and after each run): {hs['min_ms']:.1f} to "
@@ -533,6 +533,22 @@ def preemption_warning(wl: Dict[str, Any]) -> Optional[str]:
     said = ", ".join(f"{arm} up to {n:.0f}" for arm, n in hit.items())
     return (f"WARNING: preemptions in {said} of the runs, none in the other arms that count them: the arms differ "
             "in KV capacity at this concurrency, not only in speed (--equal-kv-blocks gives every arm the same)")
+
+
+def eager_warning(wl: Dict[str, Any]) -> Optional[str]:
+    """A warning naming the arms whose decode steps ran eagerly instead of through CUDA graphs
+    (``eager_fallbacks`` > 0: a batch above the largest graph, or the capture failed, with its
+    reason where the run recorded it): their figures measure the eager engine; ``None`` otherwise."""
+    bits = []
+    for arm, d in wl["arms"].items():
+        n = max((r.get("eager_fallbacks") or 0 for r in d["runs"]), default=0)
+        if n > 0:
+            why = next((r["cuda_graph_capture_failed"] for r in d["runs"] if r.get("cuda_graph_capture_failed")), None)
+            bits.append(f"{arm} up to {n:.0f} a run" + (f" ({why})" if why else ""))
+    if not bits:
+        return None
+    return "WARNING: decode steps ran eagerly, not through CUDA graphs, in " + "; ".join(bits) + \
+        ": those figures are not the graphed engine's"
 
 
 def rotated(arms: List[str], i: int) -> List[str]:

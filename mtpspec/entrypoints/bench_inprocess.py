@@ -121,11 +121,19 @@ def run_in_process(llm: Any, cfg: BenchConfig, forced: Optional[str] = None) -> 
         "collective_bytes_per_step": {op: b / max(steps, 1) for op, b in sorted(comm.items())},
         "collective_bytes_per_step_total": sum(comm.values()) / max(steps, 1),
         "preemptions": float(m["num_preemptions"]), "eager_fallbacks": float(m["num_eager_fallbacks"]),
+        "cuda_graph_capture_failed": _capture_failed(eng),  # why decode steps ran eagerly, if capture failed
         "prefix_cache_hit_rate": m.get("prefix_cache_hit_rate"),
         "adaptive_host_model": _host_model(getattr(eng, "spec_policy", None)),
         # where the run's wall time went, per kind of step (EngineMetrics.step_wall_s)
         "step_wall": {kind: _step_kind(*rec) for kind, rec in m.get("step_wall_s", {}).items()},
     }
+
+
+def _capture_failed(eng: Any) -> Optional[str]:
+    """The engine's CUDA-graph capture failure (:attr:`GraphedForward.capture_failed`), ``None``
+    when capture succeeded, the engine runs eagerly by choice, or its runner is in other processes."""
+    fwd = getattr(getattr(getattr(eng, "executor", None), "runner", None), "fwd", None)
+    return getattr(fwd, "capture_failed", None)
 
 
 def _step_kind(steps: float, seconds: float, seqs: float = 0, prompt_tokens: float = 0, verified: float = 0,

@@ -311,9 +311,11 @@ class Glm4MoeForCausalLM(nn.Module):
         """
         return self.model(input_ids, positions, inputs_embeds)
 
-    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """Full logits ``[num_tokens, vocab_size]`` from post-norm ``hidden_states`` (one all-gather)."""
-        return self.logits_processor.compute_logits(self.lm_head, hidden_states)
+    def compute_logits(self, hidden_states: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Full logits ``[num_tokens, vocab_size]`` from post-norm ``hidden_states`` (one all-gather);
+        ``out``: the local matmul's ``[num_tokens, per_rank]`` buffer at tp 1
+        (:meth:`LogitsProcessor.compute_logits`)."""
+        return self.logits_processor.compute_logits(self.lm_head, hidden_states, out=out)
 
     def get_top_tokens(self, hidden_states: torch.Tensor, spec_step_idx: int = 0) -> torch.Tensor:
         """Greedy ids ``[num_tokens]`` int64, ``== compute_logits(h).argmax(-1)``, by vocab-parallel
