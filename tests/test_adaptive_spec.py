@@ -1058,3 +1058,37 @@ def test_bench_arms_adaptive_r50_arm_is_adaptive_k3_with_the_reserve() -> None:
     assert spec.pop("adaptive_prompt_reserve") == 0.5 and "adaptive_prompt_reserve" not in ref  # 0: left out
     assert spec == ref and (ref["num_speculative_tokens"], ref["adaptive"], ref["use_local_argmax_reduction"]) == (
         3, True, True)
+
+
+def test_catch_up_cost_per_entry_is_learnt_from_the_steps_that_caught_up() -> None:
+    """The table's cost of a deferred entry (timed at start-up over 1,024 rows) holds until pure-decode
+    steps that caught entries up add to :data:`CATCH_UP_MIN_ROWS` rows; then what they took beyond
+    the table and their host time, over their rows (a ratio of decayed sums), prices drafting. A step
+    much longer than it could be (an idle engine) and a prompt step teach nothing; the steps stay no
+    host samples."""
+    from mtpspec.spec_decode.adaptive import CATCH_UP_MIN_ROWS
+    costs = _table(verify=lambda b, k: 1.0 + 0.4 * k, draft=lambda b, k: 0.3 * k)
+    costs.catch_up_ms_per_row = 0.001
+    pol = AdaptiveSpecPolicy(3, costs, prior_rate=0.9, prior_weight=1e6, decay=1.0)
+    for _ in range(50):
+        pol.observe_step_time(4, 3, costs.step_ms(4, 3) + 1.0)
+    host = dict(pol.excess_ms), (pol.overhead_ms, pol.overhead_ms_per_seq, pol.overhead_ms_per_token)
+    assert pol.excess_ms[(4, 3)] == pytest.approx(1.0)
+    few = CATCH_UP_MIN_ROWS // 2
+    pol.observe_step_time(4, 3, costs.step_ms(4, 3) + 1.0 + few * 0.004, num_catch_up_rows=few)
+    assert pol.catch_up_ms_per_row() == 0.001  # too few rows yet: the table's
+    pol.observe_step_time(4, 3, costs.step_ms(4, 3) + 1.0 + 2 * few * 0.004, num_catch_up_rows=2 * few)
+    assert pol.catch_up_ms_per_row() == pytest.approx(0.004)
+    pol.observe_step_time(4, 3, 1e6, num_catch_up_rows=10 * few)  # an idle gap: ignored
+    pol.observe_step_time(4, 3, costs.step_ms(4, 3) + 1.0 + 1e4, num_prefill_tokens=100, num_catch_up_rows=few)
+    assert pol.catch_up_ms_per_row() == pytest.approx(0.004)
+    # a later catch-up at 0.002 a row over 4x the rows: the sums weigh it by its rows, the older ones by 1/2
+    pol.observe_step_time(4, 3, costs.step_ms(4, 3) + 1.0 + 4 * few * 0.002, num_catch_up_rows=4 * few)
+    old_ms, old_rows = 0.5 * (0.5 * few * 0.004 + 2 * few * 0.004), 0.5 * (0.5 * few + 2 * few)
+    assert pol.catch_up_ms_per_row() == pytest.approx((old_ms + 4 * few * 0.002) / (old_rows + 4 * few))
+    assert (dict(pol.excess_ms), (pol.overhead_ms, pol.overhead_ms_per_seq, pol.overhead_ms_per_token)) == host
+    # what drafting is charged follows: 10,000 rows left for 10 tokens at 0.0025 ms a row outweigh k = 3
+    q = pol.catch_up_ms_per_row()
+    e3, t3 = pol.expected_tokens(3), costs.step_ms(1, 3) + pol.host_ms(1, 0.0)
+    assert (pol.choose(1, catch_up=[(10000, 10.0)]) == 0) == (e3 / (t3 + q * 10000 * min(1.0, e3 / 10.0))
+                                                           < 1.0 / (costs.step_ms(1, 0) + pol.host_ms(1, 0.0)))

@@ -99,6 +99,14 @@ PROMPT_EXPLORE_EVERY = 32
 #: Deferred MTP entries (:mod:`mtpspec.spec_decode.deferred_mtp`): :func:`measure_step_costs` times
 #: the catch-up pass over this many rows (fewer where the cache holds fewer) for its cost per entry.
 CATCH_UP_CALIBRATION_ROWS = 1024
+#: What one deferred entry costs a drafting step is then learnt from the pure-decode steps that
+#: caught some up: their wall beyond the device table and the host time of their ``k``, over their
+#: rows, summed with weight :data:`CATCH_UP_DECAY` per later such step (a ratio of sums: big
+#: catch-ups count more), and used once the sums hold :data:`CATCH_UP_MIN_ROWS` rows (the start-up
+#: figure before; H100, 2026-12-05: 1.02 us timed at start-up over 1,024 rows, 0.7-1.9 us a row in
+#: the s256 run's catch-ups of ~150 k rows).
+CATCH_UP_DECAY = 0.5
+CATCH_UP_MIN_ROWS = 256
 #: Batch sizes :func:`measure_step_costs` times by default (those up to ``max_num_seqs`` that
 #: the runner has graphs for, plus ``max_num_seqs``); others use the next larger measured one.
 CALIBRATION_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
@@ -270,6 +278,8 @@ class AdaptiveSpecPolicy:
     _explore: List[int] = field(default_factory=list, init=False, repr=False)  # ks still to propose in a burst
     # decayed moments over pure-decode steps of (B, r, y): E[B], E[r], E[y], E[BB], E[Br], E[rr], E[By], E[ry]
     _moments: List[float] = field(default_factory=lambda: [0.0] * 8, init=False, repr=False)
+    # decayed sums over pure-decode catch-up steps of (ms beyond the table and host time, rows caught up)
+    _catch_up_sums: List[float] = field(default_factory=lambda: [0.0, 0.0], init=False, repr=False)
 
     def __post_init__(self) -> None:
         if not {0, self.max_k} <= set(self.costs.ks):
@@ -340,6 +350,12 @@ class AdaptiveSpecPolicy:
             return
         if num_catch_up_rows and k:  # a transition: the step's rows were deferred by k = 0 steps
             self._last_k = self._last_k2 = None
+            host = self.excess_ms.get((self._bucket(batch), k))
+            host = self.host_ms(batch, r) if host is None else host
+            if 0.0 < wall_ms <= 4.0 * (predicted + host + num_catch_up_rows * self.catch_up_ms_per_row()) + 5.0:
+                sums = self._catch_up_sums  # what its entries cost: learnt (catch_up_ms_per_row)
+                sums[0] = CATCH_UP_DECAY * sums[0] + max(0.0, wall_ms - predicted - host)
+                sums[1] = CATCH_UP_DECAY * sums[1] + num_catch_up_rows
             return
         if 0.0 < wall_ms <= 4.0 * predicted + 5.0:
             excess = max(0.0, wall_ms - predicted)
@@ -365,9 +381,14 @@ class AdaptiveSpecPolicy:
         return _median(samples) if samples else 0.0
 
     def catch_up_ms_per_row(self) -> float:
-        """What writing one deferred MTP entry costs a drafting step (ms, >= 0): the table's
+        """What writing one deferred MTP entry costs a drafting step (ms, >= 0): learnt from the
+        pure-decode steps that caught entries up once they hold :data:`CATCH_UP_MIN_ROWS` rows
+        (:data:`CATCH_UP_DECAY`; :meth:`observe_step_time`), before that the table's
         :attr:`StepCostTable.catch_up_ms_per_row`, timed at start-up (0: not measured)."""
-        return self.costs.catch_up_ms_per_row
+        extra, rows = self._catch_up_sums
+        if rows < CATCH_UP_MIN_ROWS:
+            return self.costs.catch_up_ms_per_row
+        return extra / rows
 
     @property
     def prefill_ms_per_token(self) -> float:
