@@ -232,9 +232,10 @@ mixed-host)  # issue 18: why an adaptive k = 0 prompt step costs 1-3 ms more tha
   # phases of mixed steps (prompt chunks + decodes), plain vs the adaptive engine held at k = 0, twice each
   python3 benchmarks/make_dummy_model.py /tmp/air3 --preset air-8l --num-hidden-layers 3 \
       --max-position-embeddings 2048 || exit 1
-  for i in 1 2; do for e in "--k 0" "--k 3 --adaptive --propose 0"; do
-    step 120 mixed_host python3 benchmarks/profile_step_host.py /tmp/air3 $e --batch 64 --requests 4000 \
-        --prompt-len 512 --max-tokens 16 --max-model-len 1024 --warmup 40 --steps 200
+  for i in 1 2; do for e in plain adaptive_k0; do
+    flags="--k 0"; [ $e = adaptive_k0 ] && flags="--k 3 --adaptive --propose 0"
+    step 120 mixed_host_${e}_$i python3 benchmarks/profile_step_host.py /tmp/air3 $flags --batch 64 --requests 4000 \
+        --prompt-len 512 --max-tokens 16 --max-model-len 1024 --warmup 40 --steps 200 --json "$OUT/mixed_${e}_$i.json"
   done; done ;;
 gc-trace)  # issue 18: the s256 traces (Air 3 layers, whole-workload warm-up) with the start-up heap frozen (default)
   # and not (MTPSPEC_GC_FREEZE=0), plain and adaptive: the collector's passes timed (gc.callbacks) beside the step gaps
