@@ -42,6 +42,9 @@ class ConstantK:
     def observe_step_time(self, *args, **kwargs) -> None:
         pass
 
+    def observe_catch_up(self, *args) -> None:
+        pass
+
     def end_step(self) -> None:
         pass
 

@@ -234,6 +234,8 @@ class StepOutput:
             per emitted token (``None`` for the whole field when no sequence asked).
         prompt_logprobs: per sequence, ``None`` or one per scored prompt row (the token at
             ``start_position + 1 + i`` for row ``i``).
+        catch_up_ms: device milliseconds of the step's catch-up pass (deferred MTP entries
+            written before its first pass), ``None`` without one (or not reported).
     """
 
     new_token_ids: List[List[int]]
@@ -243,3 +245,4 @@ class StepOutput:
     execute_time_s: float = 0.0
     logprobs: Optional[List[Optional[List[TokenLogprobs]]]] = None
     prompt_logprobs: Optional[List[Optional[List[TokenLogprobs]]]] = None
+    catch_up_ms: Optional[float] = None

@@ -141,6 +141,7 @@ class Scripted:
     def __init__(self, ks):
         self.ks, self.i, self.chosen, self.seen, self.prefill, self.times = list(ks), 0, [], [], [], []
         self.waiting, self.emitted, self.partial, self.catch_up, self.caught = [], [], [], [], []
+        self.timed = []  # (rows, ms) of each timed catch-up
 
     def choose(self, batch, num_prefill_tokens=0, prompts_waiting=False, token_budget=None, num_partial_prefills=0,
                catch_up=()):
@@ -161,6 +162,9 @@ class Scripted:
         self.times.append(num_prefill_tokens)
         self.emitted.append((batch, num_prefill_tokens, num_emitted))
         self.caught.append((k, num_catch_up_rows))
+
+    def observe_catch_up(self, num_rows, ms):
+        self.timed.append((num_rows, ms))
 
     def end_step(self):
         pass
@@ -814,6 +818,11 @@ def test_engine_tells_the_policy_the_deferred_entries_a_drafting_step_would_writ
     ahead = [sum(rows for rows, _ in lags) for lags, k in zip(pol.catch_up, pol.chosen) if k]
     assert ahead == [caught for k, caught in pol.caught if k] and max(ahead) > 0  # k = 0 steps deferred some
     assert all(caught == 0 for k, caught in pol.caught if not k)
+    # and each catch-up's time reaches it once its drafts are taken (host time on this CPU; the last
+    # step's drafts are never taken)
+    caught = [c for k, c in pol.caught if k and c]
+    assert [rows for rows, _ in pol.timed] == caught[:len(pol.timed)] and len(pol.timed) >= len(caught) - 1
+    assert pol.timed and all(ms > 0.0 for _, ms in pol.timed)
     # tokens left per sequence: what max_tokens 12 leaves (ignore_eos), at least 1
     assert all(rows > 0 and 1.0 <= left <= 12.0 for lags in pol.catch_up for rows, left in lags)
 
@@ -1060,35 +1069,29 @@ def test_bench_arms_adaptive_r50_arm_is_adaptive_k3_with_the_reserve() -> None:
         3, True, True)
 
 
-def test_catch_up_cost_per_entry_is_learnt_from_the_steps_that_caught_up() -> None:
-    """The table's cost of a deferred entry (timed at start-up over 1,024 rows) holds until pure-decode
-    steps that caught entries up add to :data:`CATCH_UP_MIN_ROWS` rows; then what they took beyond
-    the table and their host time, over their rows (a ratio of decayed sums), prices drafting. A step
-    much longer than it could be (an idle engine) and a prompt step teach nothing; the steps stay no
-    host samples."""
-    from mtpspec.spec_decode.adaptive import CATCH_UP_MIN_ROWS
+def test_catch_up_cost_per_entry_is_learnt_from_the_timed_catch_ups() -> None:
+    """The table's cost of a deferred entry (timed at start-up over 1,024 rows) holds until
+    :data:`CATCH_UP_MIN_ROWS` rows were timed (``observe_catch_up``: device ms of the catch-up
+    passes); then their ms over their rows, a ratio of sums decayed by :data:`CATCH_UP_DECAY` per
+    catch-up, prices drafting. No rows, a negative or infinite time: nothing learnt; a catch-up
+    step's wall teaches nothing (with async scheduling it holds another step's launch)."""
+    from mtpspec.spec_decode.adaptive import CATCH_UP_DECAY, CATCH_UP_MIN_ROWS
     costs = _table(verify=lambda b, k: 1.0 + 0.4 * k, draft=lambda b, k: 0.3 * k)
     costs.catch_up_ms_per_row = 0.001
     pol = AdaptiveSpecPolicy(3, costs, prior_rate=0.9, prior_weight=1e6, decay=1.0)
-    for _ in range(50):
-        pol.observe_step_time(4, 3, costs.step_ms(4, 3) + 1.0)
-    host = dict(pol.excess_ms), (pol.overhead_ms, pol.overhead_ms_per_seq, pol.overhead_ms_per_token)
-    assert pol.excess_ms[(4, 3)] == pytest.approx(1.0)
+    pol.observe_step_time(4, 3, 1e3 * costs.step_ms(4, 3), num_catch_up_rows=10 * CATCH_UP_MIN_ROWS)
     few = CATCH_UP_MIN_ROWS // 2
-    pol.observe_step_time(4, 3, costs.step_ms(4, 3) + 1.0 + few * 0.004, num_catch_up_rows=few)
-    assert pol.catch_up_ms_per_row() == 0.001  # too few rows yet: the table's
-    pol.observe_step_time(4, 3, costs.step_ms(4, 3) + 1.0 + 2 * few * 0.004, num_catch_up_rows=2 * few)
+    pol.observe_catch_up(few, few * 0.004)
+    for bad in ((0, 1.0), (few, -1.0), (few, float("inf")), (few, float("nan"))):
+        pol.observe_catch_up(*bad)
+    assert pol.catch_up_ms_per_row() == 0.001  # too few rows timed yet: the table's
+    pol.observe_catch_up(few, few * 0.004)
     assert pol.catch_up_ms_per_row() == pytest.approx(0.004)
-    pol.observe_step_time(4, 3, 1e6, num_catch_up_rows=10 * few)  # an idle gap: ignored
-    pol.observe_step_time(4, 3, costs.step_ms(4, 3) + 1.0 + 1e4, num_prefill_tokens=100, num_catch_up_rows=few)
-    assert pol.catch_up_ms_per_row() == pytest.approx(0.004)
-    # a later catch-up at 0.002 a row over 4x the rows: the sums weigh it by its rows, the older ones by 1/2
-    pol.observe_step_time(4, 3, costs.step_ms(4, 3) + 1.0 + 4 * few * 0.002, num_catch_up_rows=4 * few)
-    old_ms, old_rows = 0.5 * (0.5 * few * 0.004 + 2 * few * 0.004), 0.5 * (0.5 * few + 2 * few)
-    assert pol.catch_up_ms_per_row() == pytest.approx((old_ms + 4 * few * 0.002) / (old_rows + 4 * few))
-    assert (dict(pol.excess_ms), (pol.overhead_ms, pol.overhead_ms_per_seq, pol.overhead_ms_per_token)) == host
-    # what drafting is charged follows: 10,000 rows left for 10 tokens at 0.0025 ms a row outweigh k = 3
-    q = pol.catch_up_ms_per_row()
-    e3, t3 = pol.expected_tokens(3), costs.step_ms(1, 3) + pol.host_ms(1, 0.0)
-    assert (pol.choose(1, catch_up=[(10000, 10.0)]) == 0) == (e3 / (t3 + q * 10000 * min(1.0, e3 / 10.0))
-                                                           < 1.0 / (costs.step_ms(1, 0) + pol.host_ms(1, 0.0)))
+    pol.observe_catch_up(4 * few, 4 * few * 0.002)  # weighted by rows, the older ones decayed
+    d = CATCH_UP_DECAY
+    want = (d * (d * few + few) * 0.004 + 4 * few * 0.002) / (d * (d * few + few) + 4 * few)
+    assert pol.catch_up_ms_per_row() == pytest.approx(want)
+    # drafting pays it: 5,000 entries for 100 tokens left tip the choice to k = 0; at the table's price it drafts
+    assert pol.choose(1, catch_up=[(5000, 100.0)]) == 0
+    fresh = AdaptiveSpecPolicy(3, costs, prior_rate=0.9, prior_weight=1e6, decay=1.0)
+    assert fresh.choose(1, catch_up=[(5000, 100.0)]) > 0

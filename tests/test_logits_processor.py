@@ -228,6 +228,18 @@ def _rank(tp: int, cases: List[Dict[str, Any]], big_seed: int) -> Dict[str, Any]
     out["err_dtype"] = _catch(lambda: LogitsProcessor(100).get_top_tokens(head, torch.zeros(3, 8, dtype=torch.float16)))
     out["err_vocab"] = _catch(lambda: LogitsProcessor(101).compute_logits(head, torch.zeros(3, 8)))
     out["err_1d"] = _catch(lambda: LogitsProcessor(100).compute_logits(head, torch.zeros(8)))
+    # into a given [T, tp * per_rank] buffer (the CUDA-graph units' shared one): the same logits, a view of it
+    torch.manual_seed(3)
+    head = ParallelLMHead(100, 8)
+    full = torch.randn(100, 8)
+    head.weight.weight_loader(head.weight, full)
+    h = torch.randn(5, 8)
+    buf = torch.full((5, tp * head.num_embeddings_per_partition), float("nan"))
+    got = LogitsProcessor(97).compute_logits(head, h, out=buf)
+    out["into_buffer"] = (torch.equal(got, LogitsProcessor(97).compute_logits(head, h)),
+                          got.untyped_storage().data_ptr() == buf.untyped_storage().data_ptr(), got.clone())
+    out["err_buffer"] = _catch(lambda: LogitsProcessor(97).compute_logits(
+        head, h, out=torch.empty(5, head.num_embeddings_per_partition + 1)))
     return out
 
 
@@ -284,6 +296,9 @@ def test_get_top_tokens_contract_on_ranks(tp: int) -> None:
         assert res["err_dtype"].startswith("TypeError") and "float16" in res["err_dtype"]
         assert res["err_vocab"].startswith("ValueError") and "101" in res["err_vocab"]
         assert res["err_1d"].startswith("ValueError")
+        same, shared, into = res["into_buffer"]  # written into the given buffer, the same logits at every tp
+        assert same and shared and torch.equal(into, results[0]["into_buffer"][2]), ctx
+        assert res["err_buffer"].startswith("ValueError") and "out must be a contiguous" in res["err_buffer"], ctx
         if tp > 1:  # a draft step at 64 sequences, vocab 151552, bf16: pair bytes < 0.1% of logits bytes
             s_top, s_log, top, ref = res["bytes"]
             assert torch.equal(top, ref), ctx

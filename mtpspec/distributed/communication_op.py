@@ -24,7 +24,7 @@ greedy drafts' pairs stay under ``all_gather``.
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Dict
+from typing import Dict, Optional
 
 import torch
 import torch.distributed as dist
@@ -76,17 +76,23 @@ def tensor_model_parallel_all_reduce(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def tensor_model_parallel_all_gather(x: torch.Tensor, dim: int = -1, counter: str = "all_gather") -> torch.Tensor:
+def tensor_model_parallel_all_gather(x: torch.Tensor, dim: int = -1, counter: str = "all_gather",
+                                     out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Concatenate every rank's ``x`` along ``dim``, in rank order.
 
     Args:
         x: this rank's tensor, the same shape on every rank.
         dim: the dimension to concatenate along (negative counts from the end).
         counter: the op name its bytes are counted under.
+        out: optional contiguous result tensor (tp > 1; the result is written into it, no extra
+            copy); ignored at tp 1, where ``x`` itself is returned.
 
     Returns:
         A tensor whose size along ``dim`` is ``tp * x.shape[dim]``; rank r's part
         occupies ``[r * x.shape[dim], (r + 1) * x.shape[dim])``.
+
+    Raises:
+        ValueError: a 0-d ``x``, or ``out`` of another shape or dtype than the result, or not contiguous.
     """
     g = get_tp_group()
     n = g.world_size
@@ -96,16 +102,22 @@ def tensor_model_parallel_all_gather(x: torch.Tensor, dim: int = -1, counter: st
         raise ValueError("all_gather needs a tensor with at least one dimension")
     dim = dim % x.dim()
     x = x.contiguous()
+    shape = tuple(x.shape[:dim]) + (n * x.shape[dim],) + tuple(x.shape[dim + 1:])
+    if out is not None and (tuple(out.shape) != shape or out.dtype != x.dtype or not out.is_contiguous()):
+        raise ValueError(f"all_gather: out must be a contiguous {list(shape)} {x.dtype} tensor, got "
+                         f"{list(out.shape)} {out.dtype}")
     if g.backend == "nccl":
         flat = torch.empty((n * x.shape[0],) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
         dist.all_gather_into_tensor(flat, x, group=g.device_group)
         parts = flat.view((n,) + tuple(x.shape))
-        out = parts.movedim(0, dim).reshape(
-            tuple(x.shape[:dim]) + (n * x.shape[dim],) + tuple(x.shape[dim + 1:]))
+        if out is None:
+            out = parts.movedim(0, dim).reshape(shape)
+        else:  # the same one copy reshape makes, into out
+            out.view(tuple(x.shape[:dim]) + (n, x.shape[dim]) + tuple(x.shape[dim + 1:])).copy_(parts.movedim(0, dim))
     else:
         parts = [torch.empty_like(x) for _ in range(n)]
         dist.all_gather(parts, x, group=g.device_group)
-        out = torch.cat(parts, dim=dim)
+        out = torch.cat(parts, dim=dim) if out is None else torch.cat(parts, dim=dim, out=out)
     nbytes = x.numel() * x.element_size()
     _count(counter, (n - 1) * nbytes, (n - 1) * nbytes)
     return out

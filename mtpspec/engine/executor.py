@@ -98,6 +98,9 @@ class StepHandle(Protocol):
     def drafts(self) -> List[List[int]]:
         """Per sequence, the ``k`` drafts for the next step (``[]`` without)."""
 
+    def catch_up_ms(self) -> Optional[float]:
+        """Device ms of the step's catch-up pass (deferred MTP entries), ``None`` without one."""
+
 
 class DoneStep:
     """The handle of a step that already finished."""
@@ -112,6 +115,9 @@ class DoneStep:
 
     def drafts(self) -> List[List[int]]:
         return self._drafts
+
+    def catch_up_ms(self) -> Optional[float]:
+        return self._out.catch_up_ms
 
 
 class InProcessExecutor(Executor):

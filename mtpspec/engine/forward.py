@@ -99,12 +99,13 @@ class EagerForward(EagerDraftForward):
 
 
 def _logits_buffer(target: torch.nn.Module, rows: int, device: torch.device) -> Optional[torch.Tensor]:
-    """``[rows, per_rank vocab]`` in the LM head's dtype for the verify units' logits at tp 1
-    (``None`` at tp > 1, where the all-gather allocates, or for a target without ``lm_head``)."""
+    """``[rows, tp * per_rank vocab]`` (the padded vocab) in the LM head's dtype for the verify units'
+    logits (``None`` for a target without ``lm_head``)."""
     head = getattr(target, "lm_head", None)
-    if head is None or get_tensor_model_parallel_world_size() > 1:
+    if head is None:
         return None
-    return torch.empty(rows, head.num_embeddings_per_partition, dtype=head.weight.dtype, device=device)
+    width = get_tensor_model_parallel_world_size() * head.num_embeddings_per_partition
+    return torch.empty(rows, width, dtype=head.weight.dtype, device=device)
 
 
 class GraphedForward(EagerForward):
@@ -153,13 +154,14 @@ class GraphedForward(EagerForward):
         self.s_qsl, self.s_seq_lens = z(bmax + 1, dt=torch.int32), z(bmax, dt=torch.int32)
         self.s_hidden = torch.zeros(bmax, hidden_size, dtype=dtype, device=device)
         self.p_sample = z(1)  # the prefill units' sampled row
-        # the verify units' logits, shared by every batch size and width (tp 1): kept per unit in the
+        # the verify units' logits, shared by every batch size and width: kept per unit in the
         # graph pool they summed to ~13 GB of an adaptive Air engine's graphs (H100, 2026-12-05)
-        self.logits_out = _logits_buffer(target, tmax, device)
+        self.logits_out = _logits_buffer(target, max_num_seqs * (1 + k), device)
         self.first_rows = z(bmax)  # each sequence's last valid row, for the first pass's draft (firsttop)
         self.graphs: Dict[tuple, Tuple[torch.cuda.CUDAGraph, tuple]] = {}
         self.pool = None
         self.capture_failed: Optional[str] = None
+        self._capturing: Optional[tuple] = None  # the unit being captured
         self.active: Optional[int] = None  # padded batch size of the current step, or None (eager)
         self.prefill_rows: Optional[int] = None  # Tp of the current single-sequence prefill step, or None
         self.num_prefill_graph_steps = 0
@@ -431,29 +433,30 @@ class GraphedForward(EagerForward):
             for bp in sorted(self.sizes, reverse=True):
                 for v in self.ks:
                     meta = self.dummy_layout(bp, v)
-                    self.graphs[("verify", bp, v)] = self._capture_one(self._verify_fn(bp, v), meta)
+                    self._capture_as(("verify", bp, v), self._verify_fn(bp, v), meta)
                     if units is None:
                         continue
                     proposer.on_prefill_begin(meta)
                     for key in self.first_pass_keys(bp, v, units):
-                        self.graphs[key] = self._capture_one(self.unit_fn(key, units.draft_fn), meta)
+                        self._capture_as(key, self.unit_fn(key, units.draft_fn), meta)
                     proposer.on_prefill_end(meta)
                     if self.kv_only:
                         for i in units.first_pass_layers:
-                            self.graphs[("kvonly", bp, i, v)] = self._capture_one(
-                                self._kv_only_fn(bp * (1 + v), i), meta)
+                            self._capture_as(("kvonly", bp, i, v), self._kv_only_fn(bp * (1 + v), i), meta)
                 if units is None:
                     continue
                 step_meta = self._meta(bp, host=False, step=True)
                 proposer.on_multi_step_decode_begin(bp, self.k - 1)
                 for i, wt in units.step_units:
                     fn = self._step_fn(bp, i, units.draft_fn if wt else None)
-                    self.graphs[("step", bp, i, wt)] = self._capture_one(fn, step_meta)
+                    self._capture_as(("step", bp, i, wt), fn, step_meta)
                 proposer.on_multi_step_decode_end(bp, self.k - 1)
         except Exception as exc:  # noqa: BLE001 - any capture problem means: run eagerly, say why once
+            done = len(self.graphs)
             self.graphs.clear()
             first = (str(exc).splitlines() or [""])[0]
-            self.capture_failed = f"CUDA graph capture failed ({type(exc).__name__}: {first})"
+            self.capture_failed = (f"CUDA graph capture failed at unit {self._capturing} after {done} units "
+                                   f"({type(exc).__name__}: {first})")
             if "out of memory" in first.lower():  # the graphs are captured after the KV cache took its share
                 self.capture_failed += ("; leave the graphs room: lower gpu_memory_utilization "
                                         "(--gpu-memory-utilization) or num_kv_blocks (--num-kv-blocks)")
@@ -550,6 +553,10 @@ class GraphedForward(EagerForward):
             for i in units.first_pass_layers:
                 self.graphs[("pfirst", tp, i)] = self._capture_one(self._first_fn(1, i, tp), meta)
             proposer.on_prefill_end(meta)
+
+    def _capture_as(self, key: tuple, fn: Callable[[AttentionMetadata], tuple], meta: AttentionMetadata) -> None:
+        self._capturing = key  # named by capture_failed if this one fails
+        self.graphs[key] = self._capture_one(fn, meta)
 
     def _capture_one(self, fn: Callable[[AttentionMetadata], tuple], meta: AttentionMetadata):
         s = torch.cuda.Stream()

@@ -573,6 +573,10 @@ class LLMEngine:
             prev, handle = self._pending_drafts
             self._pending_drafts = None
             drafts = handle.drafts()
+            if self.spec_policy is not None and prev.num_catch_up_rows:  # its catch-up is done: what it took
+                ms = handle.catch_up_ms()
+                if ms is not None:
+                    self.spec_policy.observe_catch_up(prev.num_catch_up_rows, ms)
             for i, sch in enumerate(prev.scheduled):
                 seq = sch.seq
                 if seq.is_finished or seq.is_prefill or sch.is_partial_prefill:

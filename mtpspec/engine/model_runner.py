@@ -115,6 +115,7 @@ class ModelRunner:
         # those rows, paged like the KV caches (spec_decode/deferred_mtp.py)
         self.hidden_cache: Optional[MTPHiddenStateCache] = None
         self.num_mtp_catch_up_rows = 0  # deferred MTP entries written by catch-ups (a counter)
+        self._catch_up_timer: Optional[_CatchUpTimer] = None  # the current step's catch-up, timed
         if spec is not None and spec.defers_mtp_kv:
             self.hidden_cache = MTPHiddenStateCache(target.config.hidden_size, self.kv_dtype)
             self.layers.append(self.hidden_cache)
@@ -180,6 +181,7 @@ class ModelRunner:
         pending = self.launch(step)
         out = pending.output()
         out.draft_token_ids = pending.drafts()
+        out.catch_up_ms = pending.catch_up_ms()
         return out
 
     @torch.inference_mode()
@@ -207,6 +209,7 @@ class ModelRunner:
             self._token_rows = {s.request_id: i for i, s in enumerate(step.seqs) if not s.is_partial_prefill}
         scores = self._score_logprobs(inp, hidden, logits, tokens)
         token_copy = _HostCopy.start(_pack_tokens(tokens, scores))
+        self._catch_up_timer = None
         drafts = self._propose(step, inp, hidden, tokens, last_row, p)
         if drafts is not None:
             self._draft_rows = {s.request_id: i for i, s in enumerate(step.seqs) if not s.is_partial_prefill}
@@ -215,7 +218,7 @@ class ModelRunner:
         comm1 = _bytes_sent(comm_stats())
         delta = {op: comm1[op] - comm0.get(op, 0) for op in comm1 if comm1[op] != comm0.get(op, 0)}
         return PendingStep(step, inp, tuple(tokens.shape), scores, token_copy, draft_copy,
-                           self.fwd.num_eager_fallbacks - fallbacks0, delta, t0)
+                           self.fwd.num_eager_fallbacks - fallbacks0, delta, t0, self._catch_up_timer)
 
     def _step_ks(self, step: StepInput) -> Tuple[int, int]:
         """``(drafts each decode verifies, drafts proposed)`` of ``step`` (default: ``k`` both).
@@ -397,9 +400,11 @@ class ModelRunner:
             if self.hidden_cache is None:
                 raise ValueError(f"step {step.step_id} asks for deferred MTP entries, but this runner keeps no "
                                  "hidden states")
+            timer = _CatchUpTimer(self.device)  # the adaptive policy learns what an entry costs from it
             self.num_mtp_catch_up_rows += catch_up(step, inp, self.hidden_cache, self.proposer.write_kv_rows,
                                                    self.cache_config.block_size,
                                                    self.scheduler_config.max_num_batched_tokens)
+            self._catch_up_timer = timer.stop()
         if p == 0 and inp.k == 0 and inp.next_token_ids is None and tokens.shape[0] == inp.input_ids.shape[0]:
             # one row per sequence (plain-decoding layout): each row's next id is its sampled token
             self.proposer.write_kv_only(inp, hidden, tokens[:, 0], None, self.fwd)
@@ -505,6 +510,35 @@ class _HostCopy:
         return self.host
 
 
+class _CatchUpTimer:
+    """The device time of a step's catch-up pass (deferred MTP entries): CUDA events around it, read
+    once the pass is done; on a CPU the host time of the (synchronous) pass."""
+
+    def __init__(self, device: torch.device):
+        self.events: Optional[Tuple[torch.cuda.Event, torch.cuda.Event]] = None
+        self.ms: Optional[float] = None
+        if device.type == "cuda":
+            self.events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            self.events[0].record()
+        else:
+            self._t0 = time.perf_counter()
+
+    def stop(self) -> "_CatchUpTimer":
+        if self.events is not None:
+            self.events[1].record()
+        else:
+            self.ms = (time.perf_counter() - self._t0) * 1e3
+        return self
+
+    def elapsed_ms(self) -> float:
+        """Milliseconds (waits for the pass's end on CUDA)."""
+        if self.ms is None and self.events is not None:
+            self.events[1].synchronize()
+            self.ms = self.events[0].elapsed_time(self.events[1])
+            self.events = None
+        return self.ms
+
+
 class PendingStep:
     """A step launched by :meth:`ModelRunner.launch`: its tokens and its drafts, each read once ready.
 
@@ -515,13 +549,15 @@ class PendingStep:
 
     def __init__(self, step: StepInput, inp: PreparedStep, shape: Tuple[int, int],
                  scores: Optional[List[Optional[torch.Tensor]]], token_copy: _HostCopy,
-                 draft_copy: Optional[_HostCopy], fallbacks: int, comm: dict, t0: float):
+                 draft_copy: Optional[_HostCopy], fallbacks: int, comm: dict, t0: float,
+                 catch_up: Optional[_CatchUpTimer] = None):
         # host facts only (no runner, no step tensors): a handle kept after the last step holds no model
         self._step, self._partial, self._shape = step, list(inp.host_partial), shape
         self._logprobs_meta = inp.logprobs_meta if scores is not None else None
         self._scores = None if scores is None else [None if t is None else t.shape for t in scores]
         self._token_copy, self._draft_copy = token_copy, draft_copy
         self._fallbacks, self._comm, self._t0 = fallbacks, comm, t0
+        self._catch_up = catch_up
         self._out: Optional[StepOutput] = None
         self._drafts: Optional[List[List[int]]] = None
 
@@ -556,6 +592,11 @@ class PendingStep:
                                                                 host_scores)
         self._out = out
         return out
+
+    def catch_up_ms(self) -> Optional[float]:
+        """Device ms of the step's catch-up pass (its deferred MTP entries), ``None`` without one;
+        waits for the pass (read it with or after :meth:`drafts`, which waits for it anyway)."""
+        return None if self._catch_up is None else self._catch_up.elapsed_ms()
 
     def drafts(self) -> List[List[int]]:
         """Per sequence, the ``k`` drafts for the next step."""

@@ -148,7 +148,8 @@ def _step_kind(steps: float, seconds: float, seqs: float = 0, prompt_tokens: flo
 
 def _host_model(policy: Any) -> Optional[Dict[str, Any]]:
     """The adaptive policy's fitted host time (ms: per step, per sequence, per accepted draft emitted,
-    per prompt token of k = 0 and of drafting steps) and what it measured beyond the device table per (table batch size, k)."""
+    per prompt token of k = 0 and of drafting steps), what it measured beyond the device table per (table batch size, k)
+    and what it charges for catching up one deferred MTP entry (us)."""
     if policy is None:
         return None
     out: Dict[str, Any] = {name: getattr(policy, attr, None) for name, attr in (
@@ -156,6 +157,8 @@ def _host_model(policy: Any) -> Optional[Dict[str, Any]]:
         ("per_token_ms", "overhead_ms_per_token"), ("per_prompt_token_ms", "prefill_ms_per_token"),
         ("per_prompt_token_ms_drafting", "draft_prefill_ms_per_token"))}
     out["measured_ms"] = {f"batch {b} k {k}": v for (b, k), v in sorted(getattr(policy, "excess_ms", {}).items())}
+    rate = getattr(policy, "catch_up_ms_per_row", None)  # what a deferred MTP entry's catch-up costs, as learnt
+    out["catch_up_us_per_row"] = 1e3 * rate() if callable(rate) else None
     return out
 
 

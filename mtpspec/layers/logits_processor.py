@@ -87,10 +87,11 @@ class LogitsProcessor(nn.Module):
         Args:
             lm_head: a ``ParallelLMHead`` (or tied embedding), weight ``[per_rank, H]``.
             hidden_states: ``[num_tokens, H]`` in the head's dtype.
-            out: optional ``[num_tokens, per_rank]`` contiguous tensor in the head's dtype that the
-                local matmul writes (at tp 1 the result is a view of it: the CUDA-graph units of
-                every batch size share one such buffer instead of each keeping its own logits in
-                the graph pool); ignored at tp > 1 (the all-gather allocates).
+            out: optional ``[num_tokens, tp * per_rank]`` contiguous tensor in the head's dtype
+                that receives the logits, padding columns included (at tp 1 the local matmul
+                writes it, at tp > 1 the all-gather; the result is a view of it): the CUDA-graph
+                units of every batch size share one such buffer instead of each keeping its own
+                logits in the graph pool.
 
         Returns:
             ``[num_tokens, vocab_size]`` logits in the head's dtype (a view of the gathered tensor).
@@ -99,15 +100,15 @@ class LogitsProcessor(nn.Module):
             ValueError: wrong hidden shape or vocab size, or ``out`` of the wrong shape / dtype or
                 not contiguous. TypeError: dtype mismatch.
         """
-        if get_tensor_model_parallel_world_size() > 1:
-            out = None
-        if out is not None and (out.shape != (hidden_states.shape[0], lm_head.num_embeddings_per_partition)
+        tp = get_tensor_model_parallel_world_size()
+        width = tp * lm_head.num_embeddings_per_partition
+        if out is not None and (out.shape != (hidden_states.shape[0], width)
                                 or out.dtype != lm_head.weight.dtype or not out.is_contiguous()):
-            raise ValueError(f"LogitsProcessor: out must be a contiguous [{hidden_states.shape[0]}, "
-                             f"{lm_head.num_embeddings_per_partition}] {lm_head.weight.dtype} tensor, got "
-                             f"{list(out.shape)} {out.dtype}{'' if out.is_contiguous() else ' (not contiguous)'}")
-        local = self._local_logits(lm_head, hidden_states, out=out)
-        return tensor_model_parallel_all_gather(local, dim=-1)[:, :self.vocab_size]
+            raise ValueError(f"LogitsProcessor: out must be a contiguous [{hidden_states.shape[0]}, {width}] "
+                             f"{lm_head.weight.dtype} tensor, got {list(out.shape)} {out.dtype}"
+                             f"{'' if out.is_contiguous() else ' (not contiguous)'}")
+        local = self._local_logits(lm_head, hidden_states, out=out if tp == 1 else None)
+        return tensor_model_parallel_all_gather(local, dim=-1, out=out if tp > 1 else None)[:, :self.vocab_size]
 
     def get_top_tokens(self, lm_head: VocabShardedHead, hidden_states: torch.Tensor) -> torch.Tensor:
         """Greedy tokens ``== torch.argmax(compute_logits(lm_head, hidden_states), -1)``, without the logits.

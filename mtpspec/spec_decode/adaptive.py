@@ -99,12 +99,12 @@ PROMPT_EXPLORE_EVERY = 32
 #: Deferred MTP entries (:mod:`mtpspec.spec_decode.deferred_mtp`): :func:`measure_step_costs` times
 #: the catch-up pass over this many rows (fewer where the cache holds fewer) for its cost per entry.
 CATCH_UP_CALIBRATION_ROWS = 1024
-#: What one deferred entry costs a drafting step is then learnt from the pure-decode steps that
-#: caught some up: their wall beyond the device table and the host time of their ``k``, over their
-#: rows, summed with weight :data:`CATCH_UP_DECAY` per later such step (a ratio of sums: big
-#: catch-ups count more), and used once the sums hold :data:`CATCH_UP_MIN_ROWS` rows (the start-up
-#: figure before; H100, 2026-12-05: 1.02 us timed at start-up over 1,024 rows, 0.7-1.9 us a row in
-#: the s256 run's catch-ups of ~150 k rows).
+#: What one deferred entry costs a drafting step is then learnt from the catch-ups themselves, timed
+#: on the device (:meth:`AdaptiveSpecPolicy.observe_catch_up`; a step's wall cannot tell: a drafting
+#: step after a k = 0 step is launched ahead, inside that step's wall): their ms over their rows, summed
+#: with weight :data:`CATCH_UP_DECAY` per later catch-up (a ratio of sums: big catch-ups count more),
+#: used once :data:`CATCH_UP_MIN_ROWS` rows were timed (the start-up figure before; H100, 2026-12-05:
+#: 1.02 us a row timed at start-up over 1,024 rows, 1.40-1.92 us in the s256 run's catch-ups of ~150 k).
 CATCH_UP_DECAY = 0.5
 CATCH_UP_MIN_ROWS = 256
 #: Batch sizes :func:`measure_step_costs` times by default (those up to ``max_num_seqs`` that
@@ -278,8 +278,9 @@ class AdaptiveSpecPolicy:
     _explore: List[int] = field(default_factory=list, init=False, repr=False)  # ks still to propose in a burst
     # decayed moments over pure-decode steps of (B, r, y): E[B], E[r], E[y], E[BB], E[Br], E[rr], E[By], E[ry]
     _moments: List[float] = field(default_factory=lambda: [0.0] * 8, init=False, repr=False)
-    # decayed sums over pure-decode catch-up steps of (ms beyond the table and host time, rows caught up)
+    # decayed sums over timed catch-ups of (ms, rows), and the rows timed in all
     _catch_up_sums: List[float] = field(default_factory=lambda: [0.0, 0.0], init=False, repr=False)
+    _catch_up_rows_timed: int = field(default=0, init=False, repr=False)
 
     def __post_init__(self) -> None:
         if not {0, self.max_k} <= set(self.costs.ks):
@@ -350,12 +351,6 @@ class AdaptiveSpecPolicy:
             return
         if num_catch_up_rows and k:  # a transition: the step's rows were deferred by k = 0 steps
             self._last_k = self._last_k2 = None
-            host = self.excess_ms.get((self._bucket(batch), k))
-            host = self.host_ms(batch, r) if host is None else host
-            if 0.0 < wall_ms <= 4.0 * (predicted + host + num_catch_up_rows * self.catch_up_ms_per_row()) + 5.0:
-                sums = self._catch_up_sums  # what its entries cost: learnt (catch_up_ms_per_row)
-                sums[0] = CATCH_UP_DECAY * sums[0] + max(0.0, wall_ms - predicted - host)
-                sums[1] = CATCH_UP_DECAY * sums[1] + num_catch_up_rows
             return
         if 0.0 < wall_ms <= 4.0 * predicted + 5.0:
             excess = max(0.0, wall_ms - predicted)
@@ -380,15 +375,25 @@ class AdaptiveSpecPolicy:
         samples = self._prefill_samples[int(drafting)]
         return _median(samples) if samples else 0.0
 
+    def observe_catch_up(self, num_rows: int, ms: float) -> None:
+        """A catch-up pass wrote ``num_rows`` deferred MTP entries in ``ms`` of device time (CUDA
+        events around it; host time on a CPU): into :meth:`catch_up_ms_per_row`. Nothing for no rows
+        or a time that is negative or not finite."""
+        if num_rows <= 0 or not (0.0 <= ms < float("inf")):
+            return
+        sums = self._catch_up_sums
+        sums[0] = CATCH_UP_DECAY * sums[0] + ms
+        sums[1] = CATCH_UP_DECAY * sums[1] + num_rows
+        self._catch_up_rows_timed += num_rows
+
     def catch_up_ms_per_row(self) -> float:
-        """What writing one deferred MTP entry costs a drafting step (ms, >= 0): learnt from the
-        pure-decode steps that caught entries up once they hold :data:`CATCH_UP_MIN_ROWS` rows
-        (:data:`CATCH_UP_DECAY`; :meth:`observe_step_time`), before that the table's
-        :attr:`StepCostTable.catch_up_ms_per_row`, timed at start-up (0: not measured)."""
-        extra, rows = self._catch_up_sums
-        if rows < CATCH_UP_MIN_ROWS:
+        """What writing one deferred MTP entry costs a drafting step (ms, >= 0): the timed catch-ups'
+        (:meth:`observe_catch_up`, :data:`CATCH_UP_DECAY`) once :data:`CATCH_UP_MIN_ROWS` rows were
+        timed, before that the table's :attr:`StepCostTable.catch_up_ms_per_row`, timed at start-up
+        (0: not measured)."""
+        if self._catch_up_rows_timed < CATCH_UP_MIN_ROWS:
             return self.costs.catch_up_ms_per_row
-        return extra / rows
+        return self._catch_up_sums[0] / self._catch_up_sums[1]
 
     @property
     def prefill_ms_per_token(self) -> float:
