@@ -251,7 +251,8 @@ def test_bench_arms_in_process_repeats_the_same_steps(model_dir, tmp_path):
     assert len(wl["arms"]["adaptive"]["runs"][0]["num_speculative_tokens_histogram"]) == 4
     host = wl["arms"]["adaptive"]["runs"][0]["adaptive_host_model"]  # the policy's fitted host time, ms
     assert set(host) == {"per_step_ms", "per_seq_ms", "per_token_ms", "per_prompt_token_ms",
-                         "per_prompt_token_ms_drafting", "measured_ms", "catch_up_us_per_row"}
+                         "per_prompt_token_ms_drafting", "measured_ms", "catch_up_us_per_row",
+                         "catch_up_rows_timed"}
     measured = host.pop("measured_ms")  # what the policy measured beyond its device table, per batch size and k
     assert measured and all(key.startswith("batch ") and " k " in key for key in measured)
     assert all(v >= 0.0 for v in host.values()) and wl["arms"]["k1"]["runs"][0]["adaptive_host_model"] is None

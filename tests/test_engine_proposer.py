@@ -205,3 +205,32 @@ def test_graph_units_share_one_logits_buffer(model) -> None:
             outs[mode] = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
     assert seen and all(seen)
     assert outs["static"] == outs["off"]
+
+
+def test_a_failed_capture_names_its_unit_and_how_many_were_captured(model) -> None:
+    """``capture_failed`` says which unit's capture raised and how many units were captured before it
+    (the H100's out-of-memory capture could not be placed, 2026-12-05); a failure between units says
+    so; every graph is dropped (decode steps run eagerly). The capture is driven on the CPU with a
+    stand-in for the CUDA-graph call."""
+    path = model[0]
+    with LLM(path, max_model_len=64, block_size=4, num_kv_blocks=64, max_num_seqs=3, seed=0, graph_mode="static",
+             speculative_config={"num_speculative_tokens": 2}) as llm:
+        runner = llm.executor.runner
+        fwd, calls = runner.fwd, []
+
+        def capture_one(fn, meta):
+            calls.append(fwd._capturing)
+            if len(calls) == 3:
+                raise RuntimeError("CUDA out of memory. Tried to allocate 74.00 MiB\nmore text")
+            return None, None
+        fwd.mode, fwd._capture_one = "cuda", capture_one
+        fwd.capture(runner.proposer)
+        assert fwd.graphs == {} and fwd._capturing == calls[2]
+        assert fwd.capture_failed.startswith(f"CUDA graph capture failed at unit {calls[2]} after 2 units "
+                                             "(RuntimeError: CUDA out of memory. Tried to allocate 74.00 MiB)")
+        assert "--gpu-memory-utilization" in fwd.capture_failed and "more text" not in fwd.capture_failed
+        calls.clear()
+        fwd.dummy_layout, fwd.capture_failed = lambda *a: (_ for _ in ()).throw(RuntimeError("boom")), None
+        fwd.capture(runner.proposer)
+        assert fwd.capture_failed.startswith("CUDA graph capture failed between units after 0 units (RuntimeError: boom)")
+        fwd.mode = "static"

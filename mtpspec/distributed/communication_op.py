@@ -105,7 +105,7 @@ def tensor_model_parallel_all_gather(x: torch.Tensor, dim: int = -1, counter: st
     shape = tuple(x.shape[:dim]) + (n * x.shape[dim],) + tuple(x.shape[dim + 1:])
     if out is not None and (tuple(out.shape) != shape or out.dtype != x.dtype or not out.is_contiguous()):
         raise ValueError(f"all_gather: out must be a contiguous {list(shape)} {x.dtype} tensor, got "
-                         f"{list(out.shape)} {out.dtype}")
+                         f"{list(out.shape)} {out.dtype}{'' if out.is_contiguous() else ' (not contiguous)'}")
     if g.backend == "nccl":
         flat = torch.empty((n * x.shape[0],) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
         dist.all_gather_into_tensor(flat, x, group=g.device_group)

@@ -429,6 +429,7 @@ class GraphedForward(EagerForward):
         if self.mode != "cuda":
             return
         units = proposer.graph_units() if proposer is not None else None
+        self._capturing = None
         try:
             for bp in sorted(self.sizes, reverse=True):
                 for v in self.ks:
@@ -455,7 +456,8 @@ class GraphedForward(EagerForward):
             done = len(self.graphs)
             self.graphs.clear()
             first = (str(exc).splitlines() or [""])[0]
-            self.capture_failed = (f"CUDA graph capture failed at unit {self._capturing} after {done} units "
+            where = (f"at unit {self._capturing}" if self._capturing is not None else "between units")
+            self.capture_failed = (f"CUDA graph capture failed {where} after {done} units "
                                    f"({type(exc).__name__}: {first})")
             if "out of memory" in first.lower():  # the graphs are captured after the KV cache took its share
                 self.capture_failed += ("; leave the graphs room: lower gpu_memory_utilization "
@@ -557,6 +559,7 @@ class GraphedForward(EagerForward):
     def _capture_as(self, key: tuple, fn: Callable[[AttentionMetadata], tuple], meta: AttentionMetadata) -> None:
         self._capturing = key  # named by capture_failed if this one fails
         self.graphs[key] = self._capture_one(fn, meta)
+        self._capturing = None
 
     def _capture_one(self, fn: Callable[[AttentionMetadata], tuple], meta: AttentionMetadata):
         s = torch.cuda.Stream()

@@ -573,10 +573,12 @@ class LLMEngine:
             prev, handle = self._pending_drafts
             self._pending_drafts = None
             drafts = handle.drafts()
-            if self.spec_policy is not None and prev.num_catch_up_rows:  # its catch-up is done: what it took
+            # its catch-up is done: what it took (a policy without observe_catch_up learns nothing from it)
+            observe = getattr(self.spec_policy, "observe_catch_up", None) if prev.num_catch_up_rows else None
+            if observe is not None:
                 ms = handle.catch_up_ms()
                 if ms is not None:
-                    self.spec_policy.observe_catch_up(prev.num_catch_up_rows, ms)
+                    observe(prev.num_catch_up_rows, ms)
             for i, sch in enumerate(prev.scheduled):
                 seq = sch.seq
                 if seq.is_finished or seq.is_prefill or sch.is_partial_prefill:

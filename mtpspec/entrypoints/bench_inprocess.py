@@ -159,6 +159,7 @@ def _host_model(policy: Any) -> Optional[Dict[str, Any]]:
     out["measured_ms"] = {f"batch {b} k {k}": v for (b, k), v in sorted(getattr(policy, "excess_ms", {}).items())}
     rate = getattr(policy, "catch_up_ms_per_row", None)  # what a deferred MTP entry's catch-up costs, as learnt
     out["catch_up_us_per_row"] = 1e3 * rate() if callable(rate) else None
+    out["catch_up_rows_timed"] = getattr(policy, "catch_up_rows_timed", None)  # below 256: the table's figure
     return out
 
 

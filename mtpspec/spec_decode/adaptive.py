@@ -386,6 +386,11 @@ class AdaptiveSpecPolicy:
         sums[1] = CATCH_UP_DECAY * sums[1] + num_rows
         self._catch_up_rows_timed += num_rows
 
+    @property
+    def catch_up_rows_timed(self) -> int:
+        """Deferred entries whose catch-up was timed (:meth:`observe_catch_up`), in all."""
+        return self._catch_up_rows_timed
+
     def catch_up_ms_per_row(self) -> float:
         """What writing one deferred MTP entry costs a drafting step (ms, >= 0): the timed catch-ups'
         (:meth:`observe_catch_up`, :data:`CATCH_UP_DECAY`) once :data:`CATCH_UP_MIN_ROWS` rows were
