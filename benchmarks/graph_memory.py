@@ -18,9 +18,11 @@ GIB = 1 << 30
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("model")
-    ap.add_argument("--engine", choices=["plain", "k3", "adaptive"], default="adaptive")
+    ap = argparse.ArgumentParser(description="What an engine's CUDA graphs take of the GPU beside its KV cache (GPU "
+                                 "only): device memory when the KV cache is sized, before and after the capture")
+    ap.add_argument("model", help="a model folder (random weights: --load-format dummy)")
+    ap.add_argument("--engine", choices=["plain", "k3", "adaptive"], default="adaptive",
+                    help="plain decoding, k = 3, or adaptive speculation (k = 0..3: graphs for every verify width)")
     ap.add_argument("--load-format", default="dummy")
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--json", default=None, help="also write the figures here")

@@ -122,7 +122,9 @@ def summarise(rows: List[Dict[str, Any]], context: int = 2, show: int = 6) -> Di
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description="What the adaptive policy measures, step by step (issue 18): each step's "
+                                 "proposed k, verified drafts v, batch, prompt tokens, wall time and the device "
+                                 "table's prediction; see the module docstring")
     ap.add_argument("model", nargs="?")
     ap.add_argument("--engine", default="adaptive", choices=["plain", "adaptive", "adaptive-k0", "adaptive-k3", "k3"],
                     help="adaptive-kN: the adaptive engine whose policy always proposes N")
@@ -182,6 +184,7 @@ def main() -> None:
         elif started:
             gc_ms[info["generation"]].append((time.perf_counter() - started[0]) * 1e3)
 
+    caught_before = llm.llm_engine.get_metrics().get("num_mtp_catch_up_tokens", 0)  # the warm-up's
     gc.callbacks.append(on_gc)
     t0 = time.perf_counter()
     rows = trace(llm, prompts, a.output_len, a.concurrency)
@@ -191,7 +194,7 @@ def main() -> None:
     print(f"garbage collector passes in the traced run (objects frozen at start-up: {gc.get_freeze_count()}): "
           + ", ".join(f"gen {g} {v['n']} x, {v['total_ms']:.1f} ms, max {v['max_ms']:.1f}" for g, v in gc_passes.items()))
     out_tokens = n * a.output_len
-    caught_up = llm.llm_engine.get_metrics().get("num_mtp_catch_up_tokens", 0)  # warm-up included
+    caught_up = llm.llm_engine.get_metrics().get("num_mtp_catch_up_tokens", 0) - caught_before  # the traced run's
     print(f"{a.engine}{' (eager MTP KV)' if a.eager_mtp_kv else ''}, forced {a.forced_acceptance}: {len(rows)} steps "
           f"in {took:.2f} s, {out_tokens / took:.0f} output tok/s; proposed k histogram "
           f"{[sum(1 for r in rows if r['k'] == k) for k in range(4)]}; deferred MTP rows caught up: {caught_up}")

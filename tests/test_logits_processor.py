@@ -340,3 +340,8 @@ def test_compute_logits_into_a_given_buffer() -> None:
                 torch.empty(head.num_embeddings_per_partition, 5).t()):
         with pytest.raises(ValueError, match="out must be a contiguous"):
             lp.compute_logits(head, h, out=bad)
+    for bad in (torch.empty(5, head.num_embeddings_per_partition, device="meta"), [[0.0]]):
+        with pytest.raises(ValueError, match=r"out must be a contiguous .* on cpu \(\d+: the vocab padded"):
+            lp.compute_logits(head, h, out=bad)
+    with pytest.raises(ValueError, match=r"expected hidden_states \[num_tokens, 8\]"):  # the hidden, not out
+        lp.compute_logits(head, torch.zeros(8), out=buf)

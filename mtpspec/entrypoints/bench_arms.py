@@ -38,7 +38,9 @@ per pair of arms and figure: a difference counts only when the medians differ by
 larger of the two spreads; with an ``adaptive`` arm, its median output tok/s over the best other
 arm's, and the same per round (:func:`versus_best`); the host's speed before and after every run
 (:func:`host_probe_ms`, a fixed Python loop) and its spread over the workload, with a warning when it
-moved by more than ``HOST_SPREAD_WARN`` (differences of host-bound arms below that cannot be read).
+moved by more than ``HOST_SPREAD_WARN`` (differences of host-bound arms below that cannot be read), and
+warnings when one arm alone was preempted (:func:`preemption_warning`) or ran decode steps eagerly
+instead of through CUDA graphs (:func:`eager_warning`).
 ``--warmup-rounds N``: N untimed runs of each
 workload per arm before the timed ones. ``--in-process``: each arm an ``LLM`` in this process, each run
 one ``LLM.generate`` with every request queued before the first step
@@ -941,7 +943,8 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--equal-kv-blocks", action="store_true",
                    help="give every arm --num-kv-blocks for the same KV token capacity, enough for every "
                         "workload's concurrent requests whole (instead of a share of the GPU each, in which a "
-                        "speculative or adaptive arm holds fewer tokens than plain decoding)")
+                        "speculative or adaptive arm holds fewer tokens than plain decoding; arms given by URL "
+                        "keep their server's; nothing checks beforehand that the arms fit together)")
     p.add_argument("--warmup-rounds", type=int, default=0,
                    help="untimed whole runs of each workload per arm before the timed ones (default 0)")
     p.add_argument("--server-args", default="", metavar="FLAGS",

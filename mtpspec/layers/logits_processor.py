@@ -62,6 +62,13 @@ class LogitsProcessor(nn.Module):
 
     def _local_logits(self, lm_head: VocabShardedHead, hidden_states: torch.Tensor,
                       out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        self._check(lm_head, hidden_states)
+        bias: Optional[torch.Tensor] = getattr(lm_head, "bias", None)
+        # up to 16 rows the few-row GEMM (H200: 0.94-0.97x cuBLAS's time at Air width), into ``out`` when
+        # given (the sampled drafts' kept logits): the same values as without it
+        return skinny_gemm.linear(hidden_states, lm_head.weight, bias, out=out)
+
+    def _check(self, lm_head: VocabShardedHead, hidden_states: torch.Tensor) -> None:
         if self.vocab_size > lm_head.org_vocab_size:
             raise ValueError(f"LogitsProcessor: vocab_size {self.vocab_size} exceeds the lm head's "
                              f"{lm_head.org_vocab_size} rows")
@@ -72,10 +79,6 @@ class LogitsProcessor(nn.Module):
         if hidden_states.dtype != lm_head.weight.dtype:
             raise TypeError(f"LogitsProcessor: hidden_states dtype {hidden_states.dtype} != "
                             f"lm head dtype {lm_head.weight.dtype}")
-        bias: Optional[torch.Tensor] = getattr(lm_head, "bias", None)
-        # up to 16 rows the few-row GEMM (H200: 0.94-0.97x cuBLAS's time at Air width), into ``out`` when
-        # given (the sampled drafts' kept logits): the same values as without it
-        return skinny_gemm.linear(hidden_states, lm_head.weight, bias, out=out)
 
     def _num_real(self, lm_head: VocabShardedHead) -> int:
         return max(0, min(self.vocab_size - lm_head.vocab_start_index, lm_head.num_embeddings_per_partition))
@@ -97,16 +100,22 @@ class LogitsProcessor(nn.Module):
             ``[num_tokens, vocab_size]`` logits in the head's dtype (a view of the gathered tensor).
 
         Raises:
-            ValueError: wrong hidden shape or vocab size, or ``out`` of the wrong shape / dtype or
-                not contiguous. TypeError: dtype mismatch.
+            ValueError: wrong hidden shape or vocab size, or ``out`` not a contiguous tensor of that
+                shape, dtype and device. TypeError: dtype mismatch.
         """
         tp = get_tensor_model_parallel_world_size()
         width = tp * lm_head.num_embeddings_per_partition
-        if out is not None and (out.shape != (hidden_states.shape[0], width)
-                                or out.dtype != lm_head.weight.dtype or not out.is_contiguous()):
-            raise ValueError(f"LogitsProcessor: out must be a contiguous [{hidden_states.shape[0]}, {width}] "
-                             f"{lm_head.weight.dtype} tensor, got {list(out.shape)} {out.dtype}"
-                             f"{'' if out.is_contiguous() else ' (not contiguous)'}")
+        if out is not None:
+            self._check(lm_head, hidden_states)  # a bad hidden_states is named as such, not as a bad out
+            if (not isinstance(out, torch.Tensor) or out.shape != (hidden_states.shape[0], width)
+                    or out.dtype != lm_head.weight.dtype or not out.is_contiguous()
+                    or out.device != hidden_states.device):
+                got = (f"{list(out.shape)} {out.dtype} on {out.device}"
+                       f"{'' if out.is_contiguous() else ' (not contiguous)'}"
+                       if isinstance(out, torch.Tensor) else type(out).__name__)
+                raise ValueError(f"LogitsProcessor: out must be a contiguous [{hidden_states.shape[0]}, {width}] "
+                                 f"{lm_head.weight.dtype} tensor on {hidden_states.device} ({width}: the vocab "
+                                 f"padded to tp x {lm_head.num_embeddings_per_partition} columns), got {got}")
         local = self._local_logits(lm_head, hidden_states, out=out if tp == 1 else None)
         return tensor_model_parallel_all_gather(local, dim=-1, out=out if tp > 1 else None)[:, :self.vocab_size]
 
