@@ -256,10 +256,10 @@ def test_block_records_and_hits_stop_at_the_first_block_not_fully_written() -> N
     b0, b1, b2 = a.block_table[:3]
     assert [bm.pool.mtp_upto[b] for b in (b0, b1, b2)] == [4, 2, 0]
     b = _seq(list(range(10, 24)) + [99], "b")
-    hit = bm.find_cache_hit(b)  # ends with block 1, whose positions 6, 7 hold hidden states
-    assert (hit.blocks, hit.copy_src, hit.num_tokens, hit.mtp_tokens) == ([b0, b1], None, 8, 6)
+    hit = bm.find_cache_hit(b)  # block 1's positions 6, 7 and all of block 2's hold hidden states
+    assert (hit.blocks, hit.copy_src, hit.num_tokens, hit.mtp_tokens) == ([b0, b1, b2], None, 12, 6)
     bm.allocate(b, 20, hit)
-    assert (b.num_computed_tokens, b.mtp_len) == (8, 6)
+    assert (b.num_computed_tokens, b.mtp_len) == (12, 6)
     a.mtp_len = 13  # a's catch-up: every block's entries written
     bm.cache_full_blocks(a)
     assert [bm.pool.mtp_upto[x] for x in (b0, b1, b2)] == [4, 4, 4]
@@ -275,13 +275,13 @@ def test_block_records_and_hits_stop_at_the_first_block_not_fully_written() -> N
     assert all(bm.pool.mtp_upto[x] == 0 for x in fresh)
 
 
-def test_a_hit_ends_with_its_first_block_not_fully_written(tiny) -> None:
+def test_a_hit_ends_before_a_block_written_by_drafting_after_deferred_ones(tiny) -> None:
     """Found by review: X and Y share a 9-token prompt and prefill in one step at k = 0 (X's blocks are
     cached, Y's copies stay private). X finishes at k = 0 (its blocks hold no MTP entries), Y drafts
     on, and its third block (written by drafting: no hidden states kept) joins the cache after X's
     two. Z's prompt extends Y's text: a hit through all three blocks would catch up Y's block from
-    hidden states never written. The hit ends with X's first block; Z's drafts then equal those of
-    the engine without deferral."""
+    hidden states never written. The hit goes through X's two blocks (hidden states kept) and ends
+    before Y's; Z's drafts then equal those of the engine without deferral."""
     path, cfg, table = tiny
     prompt = [5, 17, 33, 41, 8, 9, 60, 71, 23]
 
@@ -321,7 +321,9 @@ def test_a_hit_ends_with_its_first_block_not_fully_written(tiny) -> None:
     got, got_drafts, got_hits = run(True)
     want, want_drafts, want_hits = run(False)
     assert got == want and len(want_drafts) >= 3 and got_drafts == want_drafts
-    assert ("Z", 12, 12) in want_hits and ("Z", 4, 0) in got_hits  # X's first block holds no MTP entry
+    # X's two blocks hold no MTP entry (hidden states only): the hit goes through them and stops before Y's,
+    # written by drafting (no hidden states); Z catches X's up
+    assert ("Z", 12, 12) in want_hits and ("Z", 8, 0) in got_hits
 
 
 def test_fork_hit_carries_the_source_lag() -> None:
@@ -422,3 +424,18 @@ def test_catch_up_tokens_reach_the_server_metrics() -> None:
         sm.on_step(SimpleNamespace(metrics=m), [])
     text = sm.render(EngineStats()).decode()
     assert 'mtpspec:spec_decode_num_mtp_catch_up_tokens_total{model_name="tiny"} 19.0' in text
+
+
+def test_an_engine_held_at_k0_hits_whole_cached_prompts(tiny) -> None:
+    """Every step at k = 0 (deferred entries: no block of the first request gets an MTP entry): the
+    second request's hit covers the shared prompt's full blocks, not only the first (H100,
+    2026-12-05: an adaptive engine held at k = 0 prefilled in 304 steps where plain decoding hit);
+    tokens equal plain decoding's."""
+    path, cfg, table = tiny
+    head = mixed_prompts(2, cfg.vocab_size, seed=9)[1][:13]  # three full blocks of 4 + 1
+    prompts = [head + [7], head + [8, 9]]
+    hits = []
+    want = _run(path, table, [0], True, prompts, k=0, max_num_seqs=1)[0]
+    toks, _, rows, metrics = _run(path, table, [0] * 100, True, prompts, hits=hits, max_num_seqs=1)
+    assert toks == want and rows == [0]  # nothing drafted, nothing caught up
+    assert max(t for t, _ in hits) == 12 and all(m == 0 for _, m in hits), hits

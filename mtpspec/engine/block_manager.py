@@ -32,12 +32,15 @@ computed (its logits are needed):
 Adaptive speculation may defer MTP entries (:mod:`mtpspec.spec_decode.deferred_mtp`): each
 block records how many of its leading MTP entries were written (``BlockPool.mtp_upto``, noted by
 :meth:`BlockManager.cache_full_blocks` from ``Sequence.mtp_len``). The positions after them were
-computed by steps that deferred their MTP entries, so the block holds their hidden states. A
-hit ends with its first block not fully written (the blocks after it may come from another
-sequence, one that drafted and kept no hidden states), and its ``mtp_tokens`` stop inside that
-block; the sequence writes the rest itself (its catch-up), into the shared block too: the values
+computed by steps that deferred their MTP entries, so the block holds their hidden states. After
+its first block not fully written, a hit goes on only through blocks with no entry written (each
+computed wholly by deferring steps, so all of its hidden states are kept: a sequence's written
+entries are a prefix of its positions, noted every step); it ends before any other (a block of
+another sequence that drafted keeps no hidden states). Its ``mtp_tokens`` stop inside that first
+block; the sequence writes the rest itself (its catch-up), into the shared blocks too: the values
 the owner would write (same hidden states, same next token), the only writes a shared block
-ever sees.
+ever sees. (An adaptive engine held at k = 0 hit one block of a cached prompt before: H100,
+2026-12-05, 304 prefill steps where plain decoding hit the whole prompts.)
 
 Reference counts let sequences share blocks; freeing a cached block keeps it hit-able until an
 allocation evicts it (least recently freed first, after the never-cached free blocks). The
@@ -164,8 +167,11 @@ class BlockManager:
             hit.blocks.append(block)
         upto = self.pool.mtp_upto
         for j, b in enumerate(hit.blocks):
-            if upto[b] < bs:  # deferred MTP entries: the hit ends with this block (module docstring)
-                hit.blocks, hit.copy_src = hit.blocks[:j + 1], None
+            if upto[b] < bs:  # deferred MTP entries: the hit goes on only through blocks without any written
+                end = j + 1  # (computed wholly by deferring steps: their hidden states are kept; module docstring)
+                while end < len(hit.blocks) and upto[hit.blocks[end]] == 0:
+                    end += 1
+                hit.blocks, hit.copy_src = hit.blocks[:end], None
                 break
         hit.num_tokens = len(hit.blocks) * bs + (bs - 1 if hit.copy_src is not None else 0)
         full = sum(1 for b in hit.blocks if upto[b] == bs)
