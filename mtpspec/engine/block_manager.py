@@ -171,7 +171,8 @@ class BlockManager:
                 end = j + 1  # (computed wholly by deferring steps: their hidden states are kept; module docstring)
                 while end < len(hit.blocks) and upto[hit.blocks[end]] == 0:
                     end += 1
-                hit.blocks, hit.copy_src = hit.blocks[:end], None
+                keep_copy = end == len(hit.blocks) and hit.copy_src is not None and upto[hit.copy_src] == 0
+                hit.blocks, hit.copy_src = hit.blocks[:end], (hit.copy_src if keep_copy else None)
                 break
         hit.num_tokens = len(hit.blocks) * bs + (bs - 1 if hit.copy_src is not None else 0)
         full = sum(1 for b in hit.blocks if upto[b] == bs)

@@ -23,10 +23,11 @@ later, from ``h_p`` kept aside, by the same KV-only pass a ``k = 0`` step would 
   ``max_num_batched_tokens`` rows, before its first pass reads them (:func:`catch_up`). The
   step's own rows then get their entries from its first pass, as without deferral.
 * **Prefix caching**: each block records how many of its leading MTP entries some sequence wrote
-  (:attr:`~mtpspec.engine.block_pool.BlockPool.mtp_upto`); a hit ends with its first block not
-  fully written (its unwritten tail was computed by deferring steps, so the block holds its ``h``;
-  a later block may be another sequence's, written by drafting, without ``h``), and the new
-  sequence catches up from there. Those writes land in a shared block: they are the values the
+  (:attr:`~mtpspec.engine.block_pool.BlockPool.mtp_upto`); after its first block not fully
+  written (its unwritten tail was computed by deferring steps, so the block holds its ``h``) a hit
+  goes on only through blocks with no entry written (computed wholly by deferring steps: all their
+  ``h`` kept) and ends before any other (a later block may be another sequence's, written by
+  drafting, without ``h``); the new sequence catches up from the first unwritten position. Those writes land in a shared block: they are the values the
   owner would write (the same ``h``, the same next token, which the block's cache key holds), so
   a reader sees the same entry either way (at most the GEMM's row blocking apart).
 
