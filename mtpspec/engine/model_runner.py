@@ -115,7 +115,6 @@ class ModelRunner:
         # those rows, paged like the KV caches (spec_decode/deferred_mtp.py)
         self.hidden_cache: Optional[MTPHiddenStateCache] = None
         self.num_mtp_catch_up_rows = 0  # deferred MTP entries written by catch-ups (a counter)
-        self._catch_up_timer: Optional[_CatchUpTimer] = None  # the current step's catch-up, timed
         if spec is not None and spec.defers_mtp_kv:
             self.hidden_cache = MTPHiddenStateCache(target.config.hidden_size, self.kv_dtype)
             self.layers.append(self.hidden_cache)
@@ -209,7 +208,7 @@ class ModelRunner:
             self._token_rows = {s.request_id: i for i, s in enumerate(step.seqs) if not s.is_partial_prefill}
         scores = self._score_logprobs(inp, hidden, logits, tokens)
         token_copy = _HostCopy.start(_pack_tokens(tokens, scores))
-        self._catch_up_timer = None
+        timer = self._catch_up(step, inp, p)
         drafts = self._propose(step, inp, hidden, tokens, last_row, p)
         if drafts is not None:
             self._draft_rows = {s.request_id: i for i, s in enumerate(step.seqs) if not s.is_partial_prefill}
@@ -218,7 +217,7 @@ class ModelRunner:
         comm1 = _bytes_sent(comm_stats())
         delta = {op: comm1[op] - comm0.get(op, 0) for op in comm1 if comm1[op] != comm0.get(op, 0)}
         return PendingStep(step, inp, tuple(tokens.shape), scores, token_copy, draft_copy,
-                           self.fwd.num_eager_fallbacks - fallbacks0, delta, t0, self._catch_up_timer)
+                           self.fwd.num_eager_fallbacks - fallbacks0, delta, t0, timer)
 
     def _step_ks(self, step: StepInput) -> Tuple[int, int]:
         """``(drafts each decode verifies, drafts proposed)`` of ``step`` (default: ``k`` both).
@@ -372,21 +371,40 @@ class ModelRunner:
             return parts[0], last[0]
         return torch.cat(parts), torch.cat(last)
 
+    def _catch_up(self, step: StepInput, inp: PreparedStep, p: int) -> Optional["_CatchUpTimer"]:
+        """A step proposing ``p >= 1`` drafts first writes its sequences' deferred MTP entries
+        (:func:`~mtpspec.spec_decode.deferred_mtp.catch_up`); returns the pass's timer (the adaptive
+        policy learns what an entry costs from it), ``None`` where there was nothing to catch up.
+
+        Raises:
+            ValueError: deferred entries on a runner without the hidden-state cache, or a malformed
+                lag (:func:`~mtpspec.spec_decode.deferred_mtp.lag_rows`).
+        """
+        if self.proposer is None or p == 0 or not any(s.mtp_lag for s in step.seqs):
+            return None
+        if self.hidden_cache is None:
+            raise ValueError(f"step {step.step_id} asks for deferred MTP entries, but this runner keeps no "
+                             "hidden states")
+        timer = _CatchUpTimer(self.device)
+        self.num_mtp_catch_up_rows += catch_up(step, inp, self.hidden_cache, self.proposer.write_kv_rows,
+                                               self.cache_config.block_size,
+                                               self.scheduler_config.max_num_batched_tokens)
+        return timer.stop()
+
     def _propose(self, step: StepInput, inp: PreparedStep, hidden: torch.Tensor, tokens: torch.Tensor,
                  last_row: torch.Tensor, p: int) -> Optional[torch.Tensor]:
         """The next ``p`` drafts ``[B, p]`` int64 from the proposer, or ``None`` without one or
         with ``p = 0`` (then only the draft model's KV caches are written:
         :meth:`~mtpspec.spec_decode.proposer.Proposer.write_kv_only`; or, when the step defers
         them, only the rows' hidden states are kept: :mod:`mtpspec.spec_decode.deferred_mtp`).
-        With ``p >= 1`` the sequences' deferred MTP entries are written first.
+        (With ``p >= 1`` the sequences' deferred MTP entries were written first: :meth:`_catch_up`.)
 
         A partial prefill chunk's newest token is the prompt token after it
         (``inp.next_token_ids``): the MTP first pass writes the same KV entries as a whole
         prefill; the drafts it yields are dropped by :meth:`PendingStep.drafts`.
 
         Raises:
-            ValueError: a step that defers its MTP entries on a runner without the hidden-state
-                cache, or a malformed lag (:func:`~mtpspec.spec_decode.deferred_mtp.lag_rows`).
+            ValueError: a step that defers its MTP entries on a runner without the hidden-state cache.
         """
         if self.proposer is None:
             return None
@@ -396,15 +414,6 @@ class ModelRunner:
                                  "states (speculative_config adaptive with adaptive_defer_mtp_kv)")
             self.hidden_cache.write(hidden, inp.attn_metadata.slot_mapping)
             return None
-        if p > 0 and any(s.mtp_lag for s in step.seqs):
-            if self.hidden_cache is None:
-                raise ValueError(f"step {step.step_id} asks for deferred MTP entries, but this runner keeps no "
-                                 "hidden states")
-            timer = _CatchUpTimer(self.device)  # the adaptive policy learns what an entry costs from it
-            self.num_mtp_catch_up_rows += catch_up(step, inp, self.hidden_cache, self.proposer.write_kv_rows,
-                                                   self.cache_config.block_size,
-                                                   self.scheduler_config.max_num_batched_tokens)
-            self._catch_up_timer = timer.stop()
         if p == 0 and inp.k == 0 and inp.next_token_ids is None and tokens.shape[0] == inp.input_ids.shape[0]:
             # one row per sequence (plain-decoding layout): each row's next id is its sampled token
             self.proposer.write_kv_only(inp, hidden, tokens[:, 0], None, self.fwd)

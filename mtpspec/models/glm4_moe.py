@@ -312,9 +312,10 @@ class Glm4MoeForCausalLM(nn.Module):
         return self.model(input_ids, positions, inputs_embeds)
 
     def compute_logits(self, hidden_states: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """Full logits ``[num_tokens, vocab_size]`` from post-norm ``hidden_states`` (one all-gather);
-        ``out``: the local matmul's ``[num_tokens, per_rank]`` buffer at tp 1
-        (:meth:`LogitsProcessor.compute_logits`)."""
+        """Full logits ``[num_tokens, vocab_size]`` in the head's dtype from post-norm ``hidden_states``
+        ``[num_tokens, H]`` (one all-gather); ``out``: an optional contiguous ``[num_tokens, padded
+        vocab]`` buffer they are written into (:meth:`LogitsProcessor.compute_logits`, whose errors
+        it raises)."""
         return self.logits_processor.compute_logits(self.lm_head, hidden_states, out=out)
 
     def get_top_tokens(self, hidden_states: torch.Tensor, spec_step_idx: int = 0) -> torch.Tensor:

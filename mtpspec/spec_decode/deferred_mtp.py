@@ -27,9 +27,10 @@ later, from ``h_p`` kept aside, by the same KV-only pass a ``k = 0`` step would 
   written (its unwritten tail was computed by deferring steps, so the block holds its ``h``) a hit
   goes on only through blocks with no entry written (computed wholly by deferring steps: all their
   ``h`` kept) and ends before any other (a later block may be another sequence's, written by
-  drafting, without ``h``); the new sequence catches up from the first unwritten position. Those writes land in a shared block: they are the values the
-  owner would write (the same ``h``, the same next token, which the block's cache key holds), so
-  a reader sees the same entry either way (at most the GEMM's row blocking apart).
+  drafting, without ``h``); the new sequence catches up from the first unwritten position. Those
+  writes land in shared blocks: they are the values the owner would write (the same ``h``, the
+  same next token, which the block's cache key holds), so a reader sees the same entry either way
+  (at most the GEMM's row blocking apart).
 
 The result is lossless by construction (drafts never change what verification emits) and the
 drafts equal a non-deferring run's (tested token for token on the CPU).
