@@ -19,7 +19,7 @@ from test_engine_fixtures import make_model, mixed_prompts, token_prompts
 
 from mtpspec import LLM, SamplingParams
 from mtpspec.engine.arg_utils import EngineArgs
-from mtpspec.spec_decode.adaptive import (MIN_PROMPT_SAMPLES, PROMPT_EXPLORE_EVERY, AdaptiveSpecPolicy, StepCostTable,
+from mtpspec.spec_decode.adaptive import (EXPLORE_EVERY, MIN_PROMPT_SAMPLES, PROMPT_EXPLORE_EVERY, AdaptiveSpecPolicy, StepCostTable,
                                          measure_step_costs)
 
 
@@ -146,7 +146,7 @@ class Scripted:
     def choose(self, batch, num_prefill_tokens=0, prompts_waiting=False, token_budget=None, num_partial_prefills=0,
                catch_up=()):
         self.prefill.append(num_prefill_tokens)
-        self.catch_up.append(list(catch_up))
+        self.catch_up.append(list(catch_up() if callable(catch_up) else catch_up))  # the engine passes a function
         self.partial.append((batch, num_partial_prefills))
         self.waiting.append((prompts_waiting, token_budget))
         k = self.ks[self.i % len(self.ks)]
@@ -758,6 +758,39 @@ def test_deferred_entries_make_drafting_pay_their_catch_up_over_the_tokens_left(
     for lags, retried in (([(10, 100.0)], True), ([(5000, 100.0)], False)):
         chosen = [pol.choose(1, 1000, catch_up=lags) for _ in range(2 * PROMPT_EXPLORE_EVERY + 2)]
         assert (3 in chosen) == retried and chosen.count(0) >= 2 * PROMPT_EXPLORE_EVERY, (lags, chosen)
+
+
+def test_the_catch_up_list_is_built_only_where_the_choice_can_depend_on_it() -> None:
+    """The engine passes a function for the catch-up list (``O(batch)`` host work a step): a pure-decode
+    step whose best k is 0 before any catch-up charge does not call it (charges only lower the other
+    k's rates), unless a rate-driven exploration burst may start; a step choosing by the list gets
+    what the list itself gives (many lagging sequences: the same k as the list passed whole)."""
+    costs = _table(verify=lambda b, k: 1.0 + 0.4 * k, draft=lambda b, k: 0.3 * k)
+    costs.catch_up_ms_per_row = 0.002
+    lags = [(600 + i, 50.0 + 3 * i) for i in range(64)] + [(0, 5.0)]
+    calls = []
+
+    def lazy():
+        calls.append(1)
+        return lags
+
+    for rate, best in ((0.05, 0), (0.95, 3)):
+        pols = [AdaptiveSpecPolicy(3, costs, prior_rate=rate, prior_weight=1e6, decay=1.0) for _ in range(2)]
+        for pol in pols:
+            for k in (3, 0):
+                for _ in range(50):
+                    pol.observe_step_time(64, k, costs.step_ms(64, k) + 1.0)
+        calls.clear()
+        got = [pols[0].choose(64, catch_up=lazy) for _ in range(30)]
+        assert got == [pols[1].choose(64, catch_up=lags) for _ in range(30)]
+        assert (len(calls) == 0) == (best == 0) and (best == 0 or len(calls) == 30), (rate, got, len(calls))
+        assert pols[0].choose(64, 500, catch_up=lazy) == pols[1].choose(64, 500, catch_up=lags)  # prompt steps: always
+        assert len(calls) == (1 if best == 0 else 31)
+    if_explore = AdaptiveSpecPolicy(3, costs, prior_rate=0.05, prior_weight=1e6, decay=1.0)
+    if_explore._decode_choices = if_explore._last_burst + EXPLORE_EVERY  # the next choice may start a burst
+    calls.clear()
+    if_explore.choose(64, catch_up=lazy)
+    assert calls == [1]
 
 
 def test_partial_prompt_chunks_keep_no_drafts_so_they_add_no_value() -> None:

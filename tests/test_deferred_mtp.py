@@ -28,7 +28,8 @@ from mtpspec import LLM, SamplingParams
 from mtpspec.config import SpeculativeConfig
 from mtpspec.engine.block_manager import BlockManager
 from mtpspec.engine.sequence import Sequence
-from mtpspec.spec_decode.deferred_mtp import MTPHiddenStateCache, lag_rows, sequence_lag
+from mtpspec.spec_decode import deferred_mtp
+from mtpspec.spec_decode.deferred_mtp import CATCH_UP_CHUNK_ROWS, MTPHiddenStateCache, lag_rows, sequence_lag
 from mtpspec.step_io import SeqInput, StepInput
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -101,7 +102,7 @@ def _shared_prefix_prompts(vocab):
 
 
 @pytest.mark.parametrize("case", ["async", "sync", "chunked", "prefix", "preempt", "static", "cuda"])
-def test_deferred_entries_give_the_drafts_of_eager_kv_writes_and_stay_lossless(tiny, case) -> None:
+def test_deferred_entries_give_the_drafts_of_eager_kv_writes_and_stay_lossless(tiny, case, monkeypatch) -> None:
     """``cuda``: CUDA graphs on a GPU (the catch-up's eager pass inside graphed steps); there the GEMM
     kernel picked per row count moves float32 logits by an ulp, so 90% of the drafts must agree (a
     missing catch-up agrees on ~20%)."""
@@ -117,6 +118,7 @@ def test_deferred_entries_give_the_drafts_of_eager_kv_writes_and_stay_lossless(t
         kw["async_scheduling"] = False
     if case == "chunked":  # 20-token prompts in chunks of 5, catch-ups in chunks of 5 rows
         kw.update(max_num_batched_tokens=5, enable_chunked_prefill=True, max_num_seqs=1)
+        monkeypatch.setattr(deferred_mtp, "CATCH_UP_CHUNK_ROWS", 0)  # chunks of max_num_batched_tokens rows
     if case == "prefix":
         # the first two requests run at k = 0 to the end: their cached blocks hold no MTP entries
         prompts, kw["max_num_seqs"], hits, script = _shared_prefix_prompts(cfg.vocab_size), 2, [], [0] * 18 + SCRIPT
@@ -240,6 +242,35 @@ def test_kv_sizing_counts_the_hidden_state_cache_and_block_copies_carry_it(tiny)
         cache.kv_cache[3].normal_()
         kv_cache.copy_blocks(runner.layers, [(3, 9)], cache.kv_cache.device)
         assert torch.equal(cache.kv_cache[9], cache.kv_cache[3])
+
+
+@pytest.mark.parametrize("family", ["glm4_moe", "deepseek_v3", "glm_moe_dsa"])
+def test_catch_up_chunks_and_the_memory_profile_s_kv_only_pass_writes_nothing(tmp_path, family) -> None:
+    """Catch-ups run in chunks of ``max(max_num_batched_tokens, CATCH_UP_CHUNK_ROWS)`` rows; the CUDA
+    memory profile runs the KV-only pass over that many rows before any cache is attached, with no
+    metadata (here: the caches detached for the pass, as then), which must run and write nothing."""
+    path, table = str(tmp_path / "m"), str(tmp_path / "costs.json")
+    _, cfg = make_model(path, seed=4, family=family)
+    _table(sizes=(1, 2, 4)).save(table)
+    spec = {"num_speculative_tokens": 2, "adaptive": True, "adaptive_cost_table": table}
+    with LLM(path, speculative_config=spec, max_model_len=48, block_size=4, num_kv_blocks=16, max_num_seqs=4,
+             graph_mode="off", device="cpu") as llm:
+        runner = llm.llm_engine.executor.runner
+        assert runner.catch_up_chunk_rows == max(runner.scheduler_config.max_num_batched_tokens, CATCH_UP_CHUNK_ROWS)
+        caches = [layer.kv_cache for layer in runner.layers]
+        for c in caches:
+            c.normal_()
+        before = [c.clone() for c in caches]
+        for layer in runner.layers:
+            layer.kv_cache = None
+        n = 37
+        try:
+            runner.proposer.write_kv_rows(torch.randint(0, cfg.vocab_size, (n,)), torch.arange(n),
+                                          torch.randn(n, cfg.hidden_size), None)
+        finally:
+            for layer, c in zip(runner.layers, caches):
+                layer.kv_cache = c
+        assert all(torch.equal(a, b) for a, b in zip(before, caches))
 
 
 # ------------------------------------------------------------------------------ host-side pieces

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import os
@@ -395,7 +396,8 @@ class LLMEngine:
             # prompt): looked at only when the policy keeps a reserve for them
             partial = sum(1 for s in out.scheduled if s.is_partial_prefill)  # their drafts are dropped
             waiting = self.spec_policy.prompt_reserve > 0 and (bool(self.scheduler.waiting) or partial > 0)
-            lags = self._catch_up_ahead(out) if self.defer_mtp_kv else []  # what a drafting step would catch up
+            # what a drafting step would catch up (built only if the policy's choice can depend on it)
+            lags = functools.partial(self._catch_up_ahead, out) if self.defer_mtp_kv else ()
             out.num_proposed_tokens = self.spec_policy.choose(len(out.scheduled), out.num_prefill_tokens, waiting,
                                                               self.scheduler_config.max_num_batched_tokens,
                                                               num_partial_prefills=partial, catch_up=lags)

@@ -37,7 +37,7 @@ from mtpspec.sample.logprobs import PROMPT_CHUNK_ROWS, score_rows, unpack_rows
 from mtpspec.sample.gumbel import STREAM_RESIDUAL, row_hash
 from mtpspec.sample.rejection_sampler import PLACEHOLDER_TOKEN_ID, RejectionSampler, SampledDrafts
 from mtpspec.sample.sampler import Sampler
-from mtpspec.spec_decode.deferred_mtp import MTPHiddenStateCache, catch_up
+from mtpspec.spec_decode.deferred_mtp import MTPHiddenStateCache, catch_up, catch_up_chunk_rows
 from mtpspec.spec_decode.proposer import Proposer, build_proposer
 from mtpspec.step_io import PreparedStep, StepInput, StepOutput
 
@@ -115,9 +115,11 @@ class ModelRunner:
         # those rows, paged like the KV caches (spec_decode/deferred_mtp.py)
         self.hidden_cache: Optional[MTPHiddenStateCache] = None
         self.num_mtp_catch_up_rows = 0  # deferred MTP entries written by catch-ups (a counter)
+        self.catch_up_chunk_rows = 0  # rows of one catch-up chunk (deferred_mtp.catch_up_chunk_rows)
         if spec is not None and spec.defers_mtp_kv:
             self.hidden_cache = MTPHiddenStateCache(target.config.hidden_size, self.kv_dtype)
             self.layers.append(self.hidden_cache)
+            self.catch_up_chunk_rows = catch_up_chunk_rows(scheduler_config.max_num_batched_tokens)
         self.num_blocks = 0
         if graph_mode == "auto":
             graph_mode = "cuda" if device.type == "cuda" and not _host_sync_layers(target, mtp) else "off"
@@ -142,7 +144,9 @@ class ModelRunner:
 
     @torch.inference_mode()
     def profile_and_count_blocks(self) -> int:
-        """Blocks this rank can hold; on CUDA after a profiling forward of ``max_num_batched_tokens`` tokens."""
+        """Blocks this rank can hold; on CUDA after a profiling forward of ``max_num_batched_tokens``
+        tokens (and, where MTP entries are deferred, a KV-only pass over a catch-up chunk's rows:
+        no cache is attached yet, so nothing is written)."""
         if self.device.type == "cuda" and self.cache_config.num_kv_blocks is None:
             n = min(self.scheduler_config.max_num_batched_tokens, self.max_position)
             ids = torch.zeros(n, dtype=torch.int64, device=self.device)
@@ -152,6 +156,12 @@ class ModelRunner:
             self.target.compute_logits(hidden[: self.scheduler_config.max_num_seqs * (1 + self.k)])
             if self.mtp is not None:
                 self.mtp(ids, pos, hidden, spec_step_idx=0)
+            if self.catch_up_chunk_rows:
+                c = self.catch_up_chunk_rows
+                rows = torch.zeros(c, hidden.shape[-1], dtype=hidden.dtype, device=self.device)  # the cache read
+                self.proposer.write_kv_rows(torch.zeros(c, dtype=torch.int64, device=self.device),
+                                            torch.arange(c, device=self.device) % self.max_position, rows, None)
+                del rows
             torch.cuda.synchronize(self.device)
             del hidden
             torch.cuda.empty_cache()
@@ -387,8 +397,7 @@ class ModelRunner:
                              "hidden states")
         timer = _CatchUpTimer(self.device)
         self.num_mtp_catch_up_rows += catch_up(step, inp, self.hidden_cache, self.proposer.write_kv_rows,
-                                               self.cache_config.block_size,
-                                               self.scheduler_config.max_num_batched_tokens)
+                                               self.cache_config.block_size, self.catch_up_chunk_rows)
         return timer.stop()
 
     def _propose(self, step: StepInput, inp: PreparedStep, hidden: torch.Tensor, tokens: torch.Tensor,

@@ -58,7 +58,9 @@ import bisect
 import json
 import math
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
+
+import numpy as np
 
 #: The host plane's slopes are refitted only along a variable whose spread (standard deviation)
 #: exceeds this share of its mean (or of the batch size's mean, for the accepted drafts), and only
@@ -464,7 +466,8 @@ class AdaptiveSpecPolicy:
 
     def choose(self, batch: int, num_prefill_tokens: int = 0, prompts_waiting: bool = False,
                token_budget: Optional[int] = None, num_partial_prefills: int = 0,
-               catch_up: Sequence[Tuple[int, Optional[float]]] = ()) -> int:
+               catch_up: Union[Sequence[Tuple[int, Optional[float]]],
+                               Callable[[], Sequence[Tuple[int, Optional[float]]]]] = ()) -> int:
         """The ``k`` in ``0 .. max_k`` (among the table's) for ``batch`` sequences in a step that
         also carries ``num_prefill_tokens`` prompt tokens (smallest ``k`` on ties).
 
@@ -490,11 +493,13 @@ class AdaptiveSpecPolicy:
         tokens it is expected to emit still (``None``: unknown). So ``t(k)``, ``k >= 1``, carries
         each sequence's share of its entries' cost that one step's tokens take of what is left,
         ``sum rows q min(1, E(k) / R)`` (all of it where ``R`` is unknown), and a prompt step is not
-        made to re-try drafting while ``C = sum rows q`` exceeds a ``k = 0`` step's cost."""
+        made to re-try drafting while ``C = sum rows q`` exceeds a ``k = 0`` step's cost.
+        ``catch_up`` may be a function returning that list: it is called only where the choice can
+        depend on it (not for a pure-decode step whose best ``k`` is 0 before any catch-up cost, as
+        charging one only lowers the other ``k``'s rates, unless an exploration burst that compares
+        rates may start), so the engine builds the list, ``O(batch)`` host work, only then."""
         rates = self.rates()
         q = self.catch_up_ms_per_row()
-        catch_up = [(rows, left) for rows, left in catch_up if rows > 0] if q > 0 else []
-        catch_up_ms = q * sum(rows for rows, _ in catch_up)
         n_prompt = max(0, num_prefill_tokens)
         fixed = self.host_ms(batch, 0.0)
         bucket = self._bucket(batch)
@@ -502,26 +507,45 @@ class AdaptiveSpecPolicy:
         cap = None
         if self.prompt_reserve > 0 and prompts_waiting and token_budget:
             cap = (1.0 - self.prompt_reserve) * token_budget
-        cost_of: Dict[int, Tuple[float, float]] = {}  # k -> (E(k), t(k))
+        cost_of: Dict[int, Tuple[float, float]] = {}  # k -> (E(k), t(k)) before any catch-up share
         for k in self.costs.ks:
             if k > self.max_k or (k and cap is not None and batch * (1 + k) > cap):
                 continue
             e = self.expected_tokens(k, rates)
             host = self.excess_ms.get((bucket, k))  # measured for this k and batch size, else the plane
             host = fixed + per_token * (e - 1.0) if host is None else host
-            share = q * sum(rows * (min(1.0, e / left) if left else 1.0) for rows, left in catch_up) if k else 0.0
-            cost_of[k] = (e, self.costs.step_ms(batch, k) + host + share)
+            cost_of[k] = (e, self.costs.step_ms(batch, k) + host)
+        catch_up_ms = 0.0
+        if q > 0 and (n_prompt or self._argmax_rate(cost_of) != 0 or self._rates_may_explore()):
+            rows, left = _lag_arrays(catch_up() if callable(catch_up) else catch_up)
+            if rows.size:
+                catch_up_ms = q * float(rows.sum())
+                for k, (e, t) in cost_of.items():
+                    if k:  # each sequence's share of its entries that one step's tokens take of those left
+                        share = np.where(left > 0, np.minimum(1.0, e / np.where(left > 0, left, 1.0)), 1.0)
+                        cost_of[k] = (e, t + q * float(rows @ share))
         if n_prompt:
             self._chosen_k = k = self._choose_prompt_step(batch, max(0, batch - num_partial_prefills), n_prompt,
                                                           cost_of, catch_up_ms)
             return k
-        best, best_rate, rate_of = 0, -1.0, {}
-        for k, (e, t) in cost_of.items():
-            rate = rate_of[k] = e / t
-            if rate > best_rate * (1 + 1e-9):
-                best, best_rate = k, rate
-        self._chosen_k = k = self._explored(bucket, best, best_rate, rate_of)
+        rate_of = {k: e / t for k, (e, t) in cost_of.items()}
+        best = self._argmax_rate(cost_of)
+        self._chosen_k = k = self._explored(bucket, best, rate_of[best], rate_of)
         return k
+
+    @staticmethod
+    def _argmax_rate(cost_of: Dict[int, Tuple[float, float]]) -> int:
+        """The ``k`` of the highest ``E(k) / t(k)`` (the smallest ``k`` on ties)."""
+        best, best_rate = 0, -1.0
+        for k, (e, t) in cost_of.items():
+            if e / t > best_rate * (1 + 1e-9):
+                best, best_rate = k, e / t
+        return best
+
+    def _rates_may_explore(self) -> bool:
+        """Whether this pure-decode choice may start an exploration burst chosen by rates
+        (:meth:`_explored`: no burst under way, :data:`EXPLORE_EVERY` choices since the last)."""
+        return not self._explore and self._decode_choices + 1 - self._last_burst > EXPLORE_EVERY
 
     def _choose_prompt_step(self, batch: int, n_drafting: int, n_prompt: int,
                             cost_of: Dict[int, Tuple[float, float]], catch_up_ms: float = 0.0) -> int:
@@ -584,6 +608,15 @@ class AdaptiveSpecPolicy:
     def _bucket(self, batch: int) -> int:
         """The table's batch size that ``batch`` is costed at (measured host times are kept per bucket)."""
         return self.costs.size_for(batch)
+
+
+def _lag_arrays(catch_up: Sequence[Tuple[int, Optional[float]]]) -> Tuple[np.ndarray, np.ndarray]:
+    """``(rows, left)`` float64 arrays of the pairs with ``rows > 0`` (``left``: 0 where unknown)."""
+    if not catch_up:
+        return np.zeros(0), np.zeros(0)
+    rows, left = (np.array(x, dtype=np.float64) for x in zip(*catch_up))  # None -> nan
+    keep = rows > 0
+    return rows[keep], np.nan_to_num(left[keep], nan=0.0)
 
 
 def _hidden_write_ms(runner, bp: int, repeats: int) -> float:

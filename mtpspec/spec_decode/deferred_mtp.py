@@ -19,9 +19,9 @@ later, from ``h_p`` kept aside, by the same KV-only pass a ``k = 0`` step would 
 * **Catch-up**: a step that drafts (``k >= 1``) first writes the MTP entries of every sequence's
   lag, positions ``[mtp_len, start_position)`` (``SeqInput.mtp_lag`` rows; their next tokens on
   the host, ``SeqInput.mtp_lag_token_ids``, except the last one, the step's own first input
-  token, which may still be pending on the device), in chunks of at most
-  ``max_num_batched_tokens`` rows, before its first pass reads them (:func:`catch_up`). The
-  step's own rows then get their entries from its first pass, as without deferral.
+  token, which may still be pending on the device), in chunks of at most :func:`catch_up_chunk_rows`
+  rows, before its first pass reads them (:func:`catch_up`). The step's own rows then get their
+  entries from its first pass, as without deferral.
 * **Prefix caching**: each block records how many of its leading MTP entries some sequence wrote
   (:attr:`~mtpspec.engine.block_pool.BlockPool.mtp_upto`); after its first block not fully
   written (its unwritten tail was computed by deferring steps, so the block holds its ``h``) a hit
@@ -50,6 +50,21 @@ from mtpspec.step_io import host_to_device
 
 if TYPE_CHECKING:
     from mtpspec.step_io import PreparedStep, StepInput
+
+
+#: Rows of one catch-up chunk at least (:func:`catch_up_chunk_rows`). Each chunk is launched eagerly
+#: with its own host preparation (~1 ms on the H100's host), so chunks of ``max_num_batched_tokens``
+#: rows (1,024 at Air 3 layers, ``max_model_len`` 1,024) made the catch-up host-bound: 150 k rows in
+#: 190 ms, 1.27 us a row (H100, 2026-12-05) where the pass's GEMMs need ~0.12 us a row. At 8,192 rows
+#: a chunk's device time (~1 ms at Air width) covers its host preparation.
+CATCH_UP_CHUNK_ROWS = 8192
+
+
+def catch_up_chunk_rows(max_num_batched_tokens: int) -> int:
+    """Rows of one catch-up chunk: ``max(max_num_batched_tokens, CATCH_UP_CHUNK_ROWS)``. The runner's
+    memory profile runs a KV-only pass of that many rows (``ModelRunner.profile_and_count_blocks``),
+    so the KV cache is sized with room for its activations."""
+    return max(int(max_num_batched_tokens), CATCH_UP_CHUNK_ROWS)
 
 
 class MTPHiddenStateBackend(AttentionBackend):
@@ -247,5 +262,5 @@ def sequence_lag(seq_mtp_len: int, start_position: int,
     return lag, (list(all_token_ids[seq_mtp_len + 1:start_position]) if lag else [])
 
 
-__all__ = ["MTPHiddenStateBackend", "MTPHiddenStateCache", "MTPHiddenStateImpl", "catch_up", "lag_rows",
-           "sequence_lag"]
+__all__ = ["CATCH_UP_CHUNK_ROWS", "MTPHiddenStateBackend", "MTPHiddenStateCache", "MTPHiddenStateImpl", "catch_up",
+           "catch_up_chunk_rows", "lag_rows", "sequence_lag"]

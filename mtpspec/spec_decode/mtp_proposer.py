@@ -277,7 +277,8 @@ class MTPProposer(Proposer):
 
         Args:
             ids, positions: ``[T]`` int64; hidden: ``[T, H]``; meta: the rows' layout (slots,
-                block tables).
+                block tables); ``None``: computed, nothing written (the memory profile's pass,
+                :meth:`~mtpspec.engine.model_runner.ModelRunner.profile_and_count_blocks`).
         """
         fwd = fwd if fwd is not None else EagerDraftForward(self.model)
         self._set_share_mode("off")
