@@ -394,7 +394,8 @@ class LLMEngine:
         if self.spec_policy is not None and out.num_proposed_tokens:
             # prompt tokens left after this step (requests waiting, or a chunk that does not end its
             # prompt): looked at only when the policy keeps a reserve for them
-            partial = sum(1 for s in out.scheduled if s.is_partial_prefill)  # their drafts are dropped
+            # their drafts are dropped (a pure-decode step has none: no O(batch) pass then)
+            partial = sum(1 for s in out.scheduled if s.is_partial_prefill) if out.num_prefill_tokens else 0
             waiting = self.spec_policy.prompt_reserve > 0 and (bool(self.scheduler.waiting) or partial > 0)
             # what a drafting step would catch up (built only if the policy's choice can depend on it)
             lags = functools.partial(self._catch_up_ahead, out) if self.defer_mtp_kv else ()
@@ -542,8 +543,8 @@ class LLMEngine:
         wall time from the later of the last step's end and ``t0`` (``time.perf_counter()`` seconds
         at this step's start) with its number of prompt tokens and of tokens emitted."""
         m, v, policy = self.metrics, out.num_spec_tokens, self.spec_policy
-        for i, sch in enumerate(out.scheduled):
-            if not sch.is_prefill and v:
+        for i, sch in enumerate(out.scheduled if v else ()):
+            if not sch.is_prefill:
                 m.spec.observe(sch.num_accepted_tokens, v)
                 if policy is not None:
                     policy.observe(v, len(result.new_token_ids[i]) - 1)
