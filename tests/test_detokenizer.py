@@ -93,6 +93,30 @@ def test_transformers_fast_tokenizer_streams_only_when_its_decode_is_the_rust_on
     assert _plain_decode_backend(backend) is None
 
 
+def test_special_tokens_added_on_request_as_the_backend_adds_them(tmp_path):
+    """``encode(text, add_special_tokens=True)``: the ids the tokenizer itself gives with its special
+    tokens (a BOS added by the ``tokenizer.json`` post-processor, as DeepSeek-V3's is), through
+    ``tokenizers`` and through transformers alike; default without."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import processors
+    from transformers import AutoTokenizer
+    rust = HFTokenizer.from_file(f"{DEMO}/tokenizer.json")
+    rust.post_processor = processors.TemplateProcessing(single="<|endoftext|> $A",
+                                                        special_tokens=[("<|endoftext|>", 0)])
+    rust.save(str(tmp_path / "tokenizer.json"))
+    text = "Question: 3 + 4 ?"
+    t = Tokenizer(rust)
+    plain = t.encode(text)
+    assert plain == rust.encode(text, add_special_tokens=False).ids and t.encode(text, True) == [0] + plain
+    assert t.encode(text * 2000, True)[0] == 0  # the long-text path (encode_batch) too
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(
+        {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<|endoftext|>", "eos_token": "<|endoftext|>"}))
+    tok = load_tokenizer(str(tmp_path))
+    assert not tok._is_fast_lib
+    hf = AutoTokenizer.from_pretrained(str(tmp_path))
+    assert tok.encode(text) == plain and tok.encode(text, add_special_tokens=True) == hf.encode(text) == [0] + plain
+
+
 def test_a_stream_that_raises_continues_in_the_window(tok):
     """``tokenizers`` raising mid-sequence (its "Invalid prefix encountered"): the rest decodes
     through the window, tokens still pending in the stream included; the whole text is unchanged."""

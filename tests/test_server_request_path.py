@@ -42,9 +42,9 @@ class _Counts:
         tok = eng.tokenizer
         encode, all_ints = tok.encode, llm_engine._all_ints
 
-        def counted_encode(text):
+        def counted_encode(text, *args):
             self.encode += 1
-            return encode(text)
+            return encode(text, *args)
 
         def counted_all_ints(ids):
             self.checks += 1
@@ -131,7 +131,7 @@ def test_offline_generate_tokenizes_once(model_dir, monkeypatch):
         calls = []
         tok = llm.get_tokenizer()
         encode = tok.encode
-        monkeypatch.setattr(tok, "encode", lambda text: calls.append(text) or encode(text))
+        monkeypatch.setattr(tok, "encode", lambda text, *args: calls.append(text) or encode(text, *args))
         out = llm.generate([PROMPT, "Numbers:"], SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)
         assert len(calls) == 2 and [o.prompt for o in out] == [PROMPT, "Numbers:"]
     finally:
@@ -272,3 +272,48 @@ def test_a_lone_surrogate_prompt_is_named(engine):
     r = asyncio.run(post())
     assert r.status_code == 400, r.text
     assert r.json()["error"]["message"] == "the prompt is not valid Unicode text: a lone surrogate U+D800 at character 2"
+
+
+def test_text_prompts_get_the_tokenizer_s_special_tokens_as_vllm_adds_them(tmp_path):
+    """A tokenizer whose post-processor adds a BOS (DeepSeek-V3's does): ``LLM.generate`` and
+    ``/v1/completions`` tokenize text prompts with it (vLLM's default; ``add_special_tokens: false``
+    drops it), chat completions without it (the template writes its own), ``/tokenize`` as vLLM
+    (prompt: with, messages: without, both overridable)."""
+    from tokenizers import Tokenizer, processors
+    path = str(tmp_path / "m")
+    make_served_model(path, seed=5)
+    tok = Tokenizer.from_file(f"{path}/tokenizer.json")
+    bos = 7  # any id: the post-processor puts it first
+    tok.post_processor = processors.TemplateProcessing(single=f"{tok.id_to_token(bos)} $A",
+                                                       special_tokens=[(tok.id_to_token(bos), bos)])
+    tok.save(f"{path}/tokenizer.json")
+    plain = tok.encode(PROMPT, add_special_tokens=False).ids
+    assert tok.encode(PROMPT).ids == [bos] + plain
+    eng = AsyncLLM.from_model(path, device="cpu", max_model_len=256, max_num_seqs=2)
+    try:
+        assert eng.engine.validate_request(PROMPT, SamplingParams())[1] == [bos] + plain
+        assert eng.engine.validate_request(PROMPT, SamplingParams(), add_special_tokens=False)[1] == plain
+        app = _app(eng)
+        body = {"prompt": PROMPT, "max_tokens": 1, "temperature": 0}
+        for extra, want in (({}, [bos] + plain), ({"add_special_tokens": False}, plain)):
+            r = asyncio.run(_post(app, "/v1/completions", {**body, **extra, "return_token_ids": True}))
+            assert r.status_code == 200, r.text
+            assert r.json()["choices"][0]["prompt_token_ids"] == want, extra
+        msgs = [{"role": "user", "content": "Ann has 4 cats."}]
+        r = asyncio.run(_post(app, "/tokenize", {"messages": msgs}))
+        chat_ids = r.json()["tokens"]
+        assert chat_ids[0] != bos
+        assert asyncio.run(_post(app, "/tokenize", {"messages": msgs, "add_special_tokens": True})).json()["tokens"] \
+            == [bos] + chat_ids
+        assert asyncio.run(_post(app, "/tokenize", {"prompt": PROMPT})).json()["tokens"] == [bos] + plain
+        assert asyncio.run(_post(app, "/tokenize", {"prompt": PROMPT, "add_special_tokens": False})).json()[
+            "tokens"] == plain
+        r = asyncio.run(_post(app, "/v1/chat/completions", {"messages": msgs, "max_tokens": 1, "temperature": 0,
+                                                            "return_token_ids": True}))
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["prompt_token_ids"] == chat_ids
+        r = asyncio.run(_post(app, "/v1/chat/completions", {"messages": msgs, "max_tokens": 1, "temperature": 0,
+                                                            "return_token_ids": True, "add_special_tokens": True}))
+        assert r.json()["choices"][0]["prompt_token_ids"] == [bos] + chat_ids
+    finally:
+        eng.shutdown()

@@ -202,14 +202,15 @@ class AsyncLLM:
         """
         return self.engine.validate_request(prompt, params)[1]
 
-    def validated_prompt(self, prompt: PromptType, params: SamplingParams) -> ValidatedPrompt:
+    def validated_prompt(self, prompt: PromptType, params: SamplingParams,
+                         add_special_tokens: bool = True) -> ValidatedPrompt:
         """Check a request once (:meth:`LLMEngine.validated_prompt`); passing the result to
         :meth:`add_request` with the same ``params`` neither tokenizes nor checks it again.
 
         Raises:
             ValueError / TypeError: as ``validate_request``.
         """
-        return self.engine.validated_prompt(prompt, params)
+        return self.engine.validated_prompt(prompt, params, add_special_tokens)
 
     def add_request(self, prompt: PromptType, params: SamplingParams, request_id: Optional[str] = None,
                     arrival_time: Optional[float] = None) -> "RequestStream":

@@ -34,11 +34,16 @@ class Tokenizer:
         #: :class:`IncrementalDetokenizer` then drives through ``tokenizers``' ``DecodeStream``; else None.
         self.stream_backend = backend if self._is_fast_lib else _plain_decode_backend(backend)
 
-    def encode(self, text: str) -> List[int]:
-        """Token ids of ``text`` (no special tokens added). Texts of :data:`LONG_TEXT_CHARS` or
-        more characters go through ``tokenizers``' ``encode_batch`` (the same ids), which releases
-        the GIL while it works: the OpenAI server tokenizes them in a worker thread, so a huge prompt
-        does not stall the event loop and the engine thread (``encode`` holds the GIL throughout)."""
+    def encode(self, text: str, add_special_tokens: bool = False) -> List[int]:
+        """Token ids of ``text``; ``add_special_tokens``: also the special tokens the tokenizer's
+        post-processor adds (e.g. a BOS id: vLLM's default for text prompts of ``LLM.generate`` and
+        ``/v1/completions``; chat templates write theirs into the text). Texts of
+        :data:`LONG_TEXT_CHARS` or more characters go through ``tokenizers``' ``encode_batch`` (the
+        same ids), which releases the GIL while it works: the OpenAI server tokenizes them in a
+        worker thread, so a huge prompt does not stall the event loop and the engine thread
+        (``encode`` holds the GIL throughout)."""
+        if add_special_tokens and not self._is_fast_lib:  # transformers adds them its own way (e.g. add_bos_token)
+            return list(self.backend.encode(text, add_special_tokens=True))
         rust = self.backend if self._is_fast_lib else self._rust
         if rust is not None and not self._is_fast_lib and not (
                 rust.truncation is None and rust.padding is None
@@ -47,8 +52,8 @@ class Tokenizer:
         if rust is None:
             return list(self.backend.encode(text, add_special_tokens=False))
         if len(text) >= LONG_TEXT_CHARS:
-            return rust.encode_batch([text], add_special_tokens=False)[0].ids
-        return rust.encode(text, add_special_tokens=False).ids  # (transformers' encode returns the same)
+            return rust.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+        return rust.encode(text, add_special_tokens=add_special_tokens).ids  # (transformers' encode: the same)
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)

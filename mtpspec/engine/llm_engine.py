@@ -142,8 +142,11 @@ class LLMEngine:
         self._mean_output_len: Optional[float] = None
 
     # ------------------------------------------------------------------ requests
-    def validate_request(self, prompt: PromptType, params: SamplingParams) -> Tuple[Optional[str], List[int]]:
+    def validate_request(self, prompt: PromptType, params: SamplingParams,
+                         add_special_tokens: bool = True) -> Tuple[Optional[str], List[int]]:
         """Check one request without queuing it; returns ``(prompt_text, prompt_token_ids)``.
+        A text prompt is tokenized with the tokenizer's special tokens (``add_special_tokens``,
+        vLLM's default for ``LLM.generate``: e.g. DeepSeek-V3's BOS) or without them.
 
         A prompt may have at most ``max_model_len - 1`` tokens; ``max_tokens`` is not checked
         against the context (generation stops at ``max_model_len`` with ``"length"``; the OpenAI
@@ -182,7 +185,7 @@ class LLMEngine:
                 raise ValueError("text prompts need a tokenizer; the model folder has none (pass prompt_token_ids; "
                                  "CLI: --prompt-token-ids; HTTP: token ids as the 'prompt')")
             try:
-                ids = self.tokenizer.encode(text)
+                ids = self.tokenizer.encode(text, add_special_tokens)
             except TypeError:  # tokenizers' "TextInputSequence must be str": a lone surrogate, as JSON allows
                 try:
                     text.encode("utf-8")
@@ -216,13 +219,14 @@ class LLMEngine:
                                  f"Vocabulary size: {self.vocab_size}")
         return text, list(ids)
 
-    def validated_prompt(self, prompt: PromptType, params: SamplingParams) -> ValidatedPrompt:
+    def validated_prompt(self, prompt: PromptType, params: SamplingParams,
+                         add_special_tokens: bool = True) -> ValidatedPrompt:
         """:meth:`validate_request`, its result kept with ``params`` (see :class:`ValidatedPrompt`).
 
         Raises:
             ValueError / TypeError: as ``validate_request``.
         """
-        text, ids = self.validate_request(prompt, params)
+        text, ids = self.validate_request(prompt, params, add_special_tokens)
         return ValidatedPrompt(text, ids, params)
 
     def _num_logprobs(self, n: Optional[int]) -> Optional[int]:

@@ -11,7 +11,7 @@ served through the engine's parallel sampling (:mod:`mtpspec.engine.parallel_sam
 bad values are 400s with vLLM's messages. The unsupported ``suffix`` is accepted only empty and
 otherwise rejected with a 400 that names it.
 ``presence_penalty``, ``frequency_penalty`` and ``logit_bias`` (OpenAI) and
-``repetition_penalty``, ``min_tokens`` and ``prompt_logprobs`` (vLLM's extensions) are served.
+``repetition_penalty``, ``min_tokens``, ``prompt_logprobs`` and ``add_special_tokens`` (vLLM's extensions) are served.
 """
 
 from __future__ import annotations
@@ -96,6 +96,8 @@ class CompletionRequest(_Sampling):
     """
 
     prompt: Union[str, List[str], List[int], List[List[int]]]
+    add_special_tokens: bool = Field(default=True, description="extension (vLLM's): text prompts tokenized with "
+                                                               "the tokenizer's special tokens (e.g. BOS)")
     max_tokens: Optional[int] = 16
     echo: bool = False
     logprobs: Optional[int] = None
@@ -136,6 +138,9 @@ class ChatCompletionRequest(_Sampling):
     logprobs: bool = False
     top_logprobs: Optional[int] = None
     add_generation_prompt: bool = Field(default=True, description="extension")
+    add_special_tokens: bool = Field(default=False, description="extension (vLLM's): the rendered template "
+                                                                "tokenized with the tokenizer's special tokens "
+                                                                "too (the template writes its own)")
     chat_template_kwargs: Optional[Dict[str, Any]] = Field(
         default=None, description="extension (vLLM's): more variables for the tokenizer's chat template, e.g. "
                                   "{\"enable_thinking\": false}")
@@ -150,6 +155,9 @@ class TokenizeRequest(BaseModel):
     prompt: Optional[str] = None
     messages: Optional[List[ChatMessage]] = None
     chat_template_kwargs: Optional[Dict[str, Any]] = None
+    add_generation_prompt: bool = True
+    # vLLM's defaults: True for a prompt, False for messages (the chat template writes its own)
+    add_special_tokens: Optional[bool] = None
 
 
 class DetokenizeRequest(BaseModel):

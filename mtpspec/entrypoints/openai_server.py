@@ -317,7 +317,7 @@ def _normalise_prompts(prompt: Any) -> List[Dict[str, Any]]:
 
 
 def _validate_all(engine: AsyncLLM, prompts: List[Dict[str, Any]], params: SamplingParams,
-                  field: str = "prompt") -> List[ValidatedPrompt]:
+                  field: str = "prompt", add_special_tokens: bool = True) -> List[ValidatedPrompt]:
     """Tokenize and check every prompt once (:meth:`AsyncLLM.validated_prompt`); the results go
     to :func:`_start` as they are, so nothing is tokenized or checked again.
 
@@ -329,7 +329,7 @@ def _validate_all(engine: AsyncLLM, prompts: List[Dict[str, Any]], params: Sampl
     out = []
     for i, p in enumerate(prompts):
         try:
-            out.append(engine.validated_prompt(p, params))
+            out.append(engine.validated_prompt(p, params, add_special_tokens))
         except (ValueError, TypeError) as exc:
             where = f"prompt {i}: " if len(prompts) > 1 else ""
             msg = str(exc)
@@ -339,14 +339,14 @@ def _validate_all(engine: AsyncLLM, prompts: List[Dict[str, Any]], params: Sampl
 
 
 async def _validated(engine: AsyncLLM, prompts: List[Dict[str, Any]], params: SamplingParams,
-                     field: str = "prompt") -> List[ValidatedPrompt]:
+                     field: str = "prompt", add_special_tokens: bool = True) -> List[ValidatedPrompt]:
     """:func:`_validate_all` in a worker thread when the request's text prompts have
     ``LONG_TEXT_CHARS`` or more characters in all (a huge prompt, or many, must not stall the event
     loop, other requests' streams and ``/health``; a text that long is tokenized with the GIL
     released), else right here (a thread hop costs a short prompt more than its tokenization)."""
     if sum(len(p["prompt"]) for p in prompts if isinstance(p.get("prompt"), str)) >= LONG_TEXT_CHARS:
-        return await asyncio.to_thread(_validate_all, engine, prompts, params, field)
-    return _validate_all(engine, prompts, params, field)
+        return await asyncio.to_thread(_validate_all, engine, prompts, params, field, add_special_tokens)
+    return _validate_all(engine, prompts, params, field, add_special_tokens)
 
 
 def _check_context(engine: AsyncLLM, prompt_ids: List[List[int]], max_tokens: Optional[int], param: str) -> None:
@@ -673,9 +673,10 @@ def build_app(ctx: ServerContext) -> FastAPI:
         if engine.tokenizer is None:
             raise bad_request("this model has no tokenizer")
         text = req.prompt if req.prompt is not None else \
-            _render_chat(engine.tokenizer, req.messages, True, req.chat_template_kwargs)[0]
-        ids = await asyncio.to_thread(engine.tokenizer.encode, text) if len(text) >= LONG_TEXT_CHARS else \
-            engine.tokenizer.encode(text)
+            _render_chat(engine.tokenizer, req.messages, req.add_generation_prompt, req.chat_template_kwargs)[0]
+        special = req.add_special_tokens if req.add_special_tokens is not None else req.prompt is not None
+        ids = await asyncio.to_thread(engine.tokenizer.encode, text, special) if len(text) >= LONG_TEXT_CHARS else \
+            engine.tokenizer.encode(text, special)
         return {"tokens": ids, "count": len(ids), "max_model_len": engine.max_model_len}
 
     @app.post("/detokenize")
@@ -711,7 +712,7 @@ def build_app(ctx: ServerContext) -> FastAPI:
         params = _sampling_params(req, 1 if score_only else req.max_tokens,
                                   logprobs=None if score_only else req.logprobs, prompt_logprobs=prompt_lp,
                                   defaults=getattr(engine, "default_sampling_fields", None))
-        validated = await _validated(engine, prompts, params)
+        validated = await _validated(engine, prompts, params, add_special_tokens=req.add_special_tokens)
         prompt_ids = [v.token_ids for v in validated]
         rid = f"cmpl-{uuid.uuid4().hex}"
         if score_only and prompt_lp is None:
@@ -778,7 +779,7 @@ def build_app(ctx: ServerContext) -> FastAPI:
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         params = _sampling_params(req, max_tokens, stops, logprobs=num_lp, prompt_logprobs=req.prompt_logprobs,
                                   defaults=getattr(engine, "default_sampling_fields", None))
-        validated = await _validated(engine, [{"prompt": text}], params, "messages")
+        validated = await _validated(engine, [{"prompt": text}], params, "messages", req.add_special_tokens)
         _check_context(engine, [validated[0].token_ids], max_tokens,
                        "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens")
         rid = f"chatcmpl-{uuid.uuid4().hex}"
