@@ -551,6 +551,39 @@ def test_measured_host_time_counts_only_steady_runs_of_a_k() -> None:
     assert pol._excess_n[(64, 3)] == 2 and pol.excess_ms[(64, 3)] == pytest.approx(0.5)
 
 
+def test_measured_host_time_moves_with_the_batch_size_inside_a_bucket() -> None:
+    """H100 s256 sweep (2026-12-05): k = 0's host time measured at ~256 sequences (4.4 ms beyond the
+    bucket's graph) was charged whole at 219, where k = 3 had been measured: the device cost is the
+    bucket's padded graph, the host's grows with the sequences. A measured excess is moved along the
+    plane's per-sequence slope from its steps' mean batch size; here host = 0.02 ms a sequence for
+    every k, so the policy must pick what the true costs pick at every batch of the bucket."""
+    sizes = (16, 64, 256)
+    costs = _table(sizes=sizes, verify=lambda b, k: 1.0 + 0.004 * b * (1 + k), draft=lambda b, k: 0.2 * k)
+    pol = AdaptiveSpecPolicy(3, costs, prior_rate=0.6, prior_weight=1e6, decay=1.0)
+    c = 0.02
+
+    def run(k, batch, n=40):
+        pol._chosen_k = k
+        for _ in range(n):
+            pol.observe_step_time(batch, k, costs.step_ms(batch, k) + c * batch, num_emitted=batch)
+
+    for b in (20, 40, 60, 100, 160, 230, 30, 90):  # the plane's slope, from k = 1 steps of many sizes
+        run(1, b, 5)
+    assert pol.overhead_ms_per_seq == pytest.approx(c, rel=0.05)
+    run(0, 256)
+    run(3, 140)
+    run(2, 200)
+    assert pol.excess_batch[(256, 0)] == pytest.approx(256) and pol.excess_batch[(256, 3)] == pytest.approx(140)
+    e = [pol.expected_tokens(k) for k in range(4)]
+    for batch in (130, 160, 200, 230, 256):
+        true = [e[k] / (costs.step_ms(batch, k) + c * batch) for k in range(4)]
+        assert pol.choose(batch) == max(range(4), key=lambda k: (true[k], -k)), batch
+        assert pol._measured_host_ms(256, 0, batch) == pytest.approx(c * batch, rel=0.02)
+    pol.excess_batch.clear()  # without moving (as before): k = 0 charged its ~256-sequence host time at 140,
+    assert pol._measured_host_ms(256, 0, 140) == pytest.approx(c * 256)  # and the choices go wrong
+    assert sum(pol.choose(batch) != want for batch, want in ((130, 2), (200, 2), (256, 2))) >= 2
+
+
 def test_a_k0_step_left_in_flight_by_a_sync_step_is_timed_from_its_own_start(model) -> None:
     """Found by review: with a prompt waiting that cannot be admitted (no chunked prefill, a budget
     the decodes fill), each k = 0 step is applied before the next is scheduled, then the next is

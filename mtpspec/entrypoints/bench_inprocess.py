@@ -149,7 +149,7 @@ def _step_kind(steps: float, seconds: float, seqs: float = 0, prompt_tokens: flo
 def _host_model(policy: Any) -> Optional[Dict[str, Any]]:
     """The adaptive policy's fitted host time (ms: per step, per sequence, per accepted draft emitted,
     per prompt token of k = 0 and of drafting steps), what it measured beyond the device table per (table batch size, k)
-    and what it charges for catching up one deferred MTP entry (us)."""
+    with the mean batch size of those steps, and what it charges for catching up one deferred MTP entry (us)."""
     if policy is None:
         return None
     out: Dict[str, Any] = {name: getattr(policy, attr, None) for name, attr in (
@@ -157,6 +157,8 @@ def _host_model(policy: Any) -> Optional[Dict[str, Any]]:
         ("per_token_ms", "overhead_ms_per_token"), ("per_prompt_token_ms", "prefill_ms_per_token"),
         ("per_prompt_token_ms_drafting", "draft_prefill_ms_per_token"))}
     out["measured_ms"] = {f"batch {b} k {k}": v for (b, k), v in sorted(getattr(policy, "excess_ms", {}).items())}
+    # the mean batch size of the steps behind each (a step of another size is charged along per_seq_ms)
+    out["measured_batch"] = {f"batch {b} k {k}": v for (b, k), v in sorted(getattr(policy, "excess_batch", {}).items())}
     rate = getattr(policy, "catch_up_ms_per_row", None)  # what a deferred MTP entry's catch-up costs, as learnt
     out["catch_up_us_per_row"] = 1e3 * rate() if callable(rate) else None
     out["catch_up_rows_timed"] = getattr(policy, "catch_up_rows_timed", None)  # below 256: the table's figure

@@ -35,7 +35,8 @@ rate is per position, as vLLM's ``num_accepted_tokens_per_pos`` measures it). Th
   their drafts), its tokens valued at ``c*``, the best pure-decode step's ms per token (a drafting
   prompt step is worth its extra time only if its extra tokens come cheaper than decoding them
   later). ``H(B, k)`` is what the steps that proposed ``k`` at
-  ``B``'s table batch size measured beyond the table (a running mean), else the plane's
+  ``B``'s table batch size measured beyond the table (a running mean, moved along the plane's ``c``
+  from their mean batch size to ``B``), else the plane's
   ``a + c B + b B (E(k) - 1)``: the host time of a ``k`` need not lie on one plane with the
   others' (at ``k = 0`` with async scheduling the engine schedules each step ahead of the one in
   flight, as plain decoding does, so its host time overlaps the device's; H200, 2026-12-04, Air
@@ -267,6 +268,11 @@ class AdaptiveSpecPolicy:
     #: run of that ``k``, not a transition (see :meth:`observe_step_time`). Where measured it replaces
     #: the host plane's prediction for that ``k``; the plane predicts the others.
     excess_ms: Dict[Tuple[int, int], float] = field(default_factory=dict)
+    #: The mean batch size of those steps (same weights): a step of another batch size in the same table
+    #: bucket is charged ``excess + c (batch - mean)``, ``c`` the plane's :attr:`overhead_ms_per_seq`
+    #: (the device cost is the bucket's padded graph whatever the batch, the host's grows with it: H100,
+    #: 2026-12-05, s256, a k = 0 excess measured at ~256 sequences, 4.4 ms, charged at 219).
+    excess_batch: Dict[Tuple[int, int], float] = field(default_factory=dict)
     _decode_samples: int = field(default=0, init=False, repr=False)  # pure-decode steps observed
     _excess_n: Dict[Tuple[int, int], int] = field(default_factory=dict, init=False, repr=False)
     _last_k: Optional[int] = field(default=None, init=False, repr=False)  # k the last observed step proposed
@@ -359,8 +365,10 @@ class AdaptiveSpecPolicy:
             if k == self._last_k == self._last_k2 and self._chosen_k in (None, k):  # a steady run of k
                 key = (self._bucket(batch), k)
                 n = self._excess_n[key] = self._excess_n.get(key, 0) + 1
-                prev = self.excess_ms.get(key, 0.0)
-                self.excess_ms[key] = prev + max(1.0 / n, MEASURED_WEIGHT) * (excess - prev)
+                prev, w = self.excess_ms.get(key, 0.0), max(1.0 / n, MEASURED_WEIGHT)
+                self.excess_ms[key] = prev + w * (excess - prev)
+                pb = self.excess_batch.get(key, float(batch))
+                self.excess_batch[key] = pb + w * (batch - pb)
             self._fit_host(float(batch), r, excess)
             self._decode_samples += 1
         self._last_k, self._last_k2 = k, self._last_k
@@ -512,7 +520,7 @@ class AdaptiveSpecPolicy:
             if k > self.max_k or (k and cap is not None and batch * (1 + k) > cap):
                 continue
             e = self.expected_tokens(k, rates)
-            host = self.excess_ms.get((bucket, k))  # measured for this k and batch size, else the plane
+            host = self._measured_host_ms(bucket, k, batch)  # measured for this k and bucket, else the plane
             host = fixed + per_token * (e - 1.0) if host is None else host
             cost_of[k] = (e, self.costs.step_ms(batch, k) + host)
         catch_up_ms = 0.0
@@ -532,6 +540,15 @@ class AdaptiveSpecPolicy:
         best = self._argmax_rate(cost_of)
         self._chosen_k = k = self._explored(bucket, best, rate_of[best], rate_of)
         return k
+
+    def _measured_host_ms(self, bucket: int, k: int, batch: int) -> Optional[float]:
+        """:attr:`excess_ms` of ``(bucket, k)`` moved to ``batch`` sequences along the plane's per-sequence
+        slope (:attr:`excess_batch`), at least 0; ``None`` where not measured."""
+        host = self.excess_ms.get((bucket, k))
+        if host is None:
+            return None
+        b = self.excess_batch.get((bucket, k))
+        return host if b is None else max(0.0, host + self.overhead_ms_per_seq * (batch - b))
 
     @staticmethod
     def _argmax_rate(cost_of: Dict[int, Tuple[float, float]]) -> int:
