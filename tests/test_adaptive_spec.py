@@ -549,6 +549,9 @@ def test_measured_host_time_counts_only_steady_runs_of_a_k() -> None:
     step(3, 3, 0.5, 3)
     assert pol._excess_n[(64, 0)] == 2 and pol.excess_ms[(64, 0)] == pytest.approx(1.0)
     assert pol._excess_n[(64, 3)] == 2 and pol.excess_ms[(64, 3)] == pytest.approx(0.5)
+    # the transitions whose k was measured by then, reported as what switching costs: the last k = 0 step
+    # (2.5 - 1.0) and the second k = 3 step (0.6 - 0.5; the first one's wall is not positive: no sample)
+    assert pol.transition_steps == 2 and pol.transition_extra_ms == pytest.approx((1.5 + 0.1) / 2)
 
 
 def test_measured_host_time_moves_with_the_batch_size_inside_a_bucket() -> None:

@@ -252,9 +252,10 @@ def test_bench_arms_in_process_repeats_the_same_steps(model_dir, tmp_path):
     host = wl["arms"]["adaptive"]["runs"][0]["adaptive_host_model"]  # the policy's fitted host time, ms
     assert set(host) == {"per_step_ms", "per_seq_ms", "per_token_ms", "per_prompt_token_ms",
                          "per_prompt_token_ms_drafting", "measured_ms", "measured_batch", "catch_up_us_per_row",
-                         "catch_up_rows_timed"}
+                         "catch_up_rows_timed", "transition_steps", "transition_extra_ms"}
     measured = host.pop("measured_ms")  # what the policy measured beyond its device table, per batch size and k
     assert measured and all(key.startswith("batch ") and " k " in key for key in measured)
+    assert isinstance(host["transition_steps"], int) and isinstance(host.pop("transition_extra_ms"), float)
     batches = host.pop("measured_batch")  # and the mean batch size of the steps behind each
     assert set(batches) == set(measured) and all(1 <= v <= int(key.split()[1]) for key, v in batches.items())
     assert all(v >= 0.0 for v in host.values()) and wl["arms"]["k1"]["runs"][0]["adaptive_host_model"] is None

@@ -159,6 +159,9 @@ def _host_model(policy: Any) -> Optional[Dict[str, Any]]:
     out["measured_ms"] = {f"batch {b} k {k}": v for (b, k), v in sorted(getattr(policy, "excess_ms", {}).items())}
     # the mean batch size of the steps behind each (a step of another size is charged along per_seq_ms)
     out["measured_batch"] = {f"batch {b} k {k}": v for (b, k), v in sorted(getattr(policy, "excess_batch", {}).items())}
+    # switching k: steps outside a steady run of their k, and their mean ms beyond that k's steady steps
+    out["transition_steps"] = getattr(policy, "transition_steps", None)
+    out["transition_extra_ms"] = getattr(policy, "transition_extra_ms", None)
     rate = getattr(policy, "catch_up_ms_per_row", None)  # what a deferred MTP entry's catch-up costs, as learnt
     out["catch_up_us_per_row"] = 1e3 * rate() if callable(rate) else None
     out["catch_up_rows_timed"] = getattr(policy, "catch_up_rows_timed", None)  # below 256: the table's figure

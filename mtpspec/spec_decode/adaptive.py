@@ -273,6 +273,11 @@ class AdaptiveSpecPolicy:
     #: (the device cost is the bucket's padded graph whatever the batch, the host's grows with it: H100,
     #: 2026-12-05, s256, a k = 0 excess measured at ~256 sequences, 4.4 ms, charged at 219).
     excess_batch: Dict[Tuple[int, int], float] = field(default_factory=dict)
+    #: Pure-decode steps outside a steady run of their k (a switch of k, the first step ahead, ...)
+    #: whose k was measured at their bucket, and their mean excess over that measurement (ms): what
+    #: switching costs; reported (``bench arms``' ``adaptive_host_model``), not charged yet.
+    transition_steps: int = 0
+    transition_extra_ms: float = 0.0
     _decode_samples: int = field(default=0, init=False, repr=False)  # pure-decode steps observed
     _excess_n: Dict[Tuple[int, int], int] = field(default_factory=dict, init=False, repr=False)
     _last_k: Optional[int] = field(default=None, init=False, repr=False)  # k the last observed step proposed
@@ -369,6 +374,11 @@ class AdaptiveSpecPolicy:
                 self.excess_ms[key] = prev + w * (excess - prev)
                 pb = self.excess_batch.get(key, float(batch))
                 self.excess_batch[key] = pb + w * (batch - pb)
+            else:  # a transition: what it took beyond a steady step of its k (a diagnostic, not charged)
+                steady = self._measured_host_ms(self._bucket(batch), k, batch)
+                if steady is not None:
+                    self.transition_steps += 1
+                    self.transition_extra_ms += (excess - steady - self.transition_extra_ms) / self.transition_steps
             self._fit_host(float(batch), r, excess)
             self._decode_samples += 1
         self._last_k, self._last_k2 = k, self._last_k
