@@ -116,9 +116,9 @@ def instrument(engine: Any, stamps: Stamps) -> None:
     tok = engine.tokenizer
     encode = tok.encode
 
-    def timed_encode(text: str) -> List[int]:
+    def timed_encode(text: str, *args) -> List[int]:
         t0 = time.perf_counter()
-        ids = encode(text)
+        ids = encode(text, *args)
         stamps.encode_s = time.perf_counter() - t0
         return ids
     tok.encode = timed_encode

@@ -822,6 +822,7 @@ def test_the_catch_up_list_is_built_only_where_the_choice_can_depend_on_it() -> 
         assert (len(calls) == 0) == (best == 0) and (best == 0 or len(calls) == 30), (rate, got, len(calls))
         assert pols[0].choose(64, 500, catch_up=lazy) == pols[1].choose(64, 500, catch_up=lags)  # prompt steps: always
         assert len(calls) == (1 if best == 0 else 31)
+    assert pols[0].choose(64, 500, catch_up=iter(lags)) == pols[1].choose(64, 500, catch_up=lags)  # any iterable
     if_explore = AdaptiveSpecPolicy(3, costs, prior_rate=0.05, prior_weight=1e6, decay=1.0)
     if_explore._decode_choices = if_explore._last_burst + EXPLORE_EVERY  # the next choice may start a burst
     calls.clear()

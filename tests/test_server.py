@@ -1047,7 +1047,7 @@ def test_long_text_prompts_are_validated_in_a_worker_thread():
     class Engine:
         seen = []
 
-        def validated_prompt(self, prompt, params):
+        def validated_prompt(self, prompt, params, add_special_tokens=True):
             self.seen.append(threading.current_thread() is threading.main_thread())
             return prompt
 

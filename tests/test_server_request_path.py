@@ -317,3 +317,10 @@ def test_text_prompts_get_the_tokenizer_s_special_tokens_as_vllm_adds_them(tmp_p
         assert r.json()["choices"][0]["prompt_token_ids"] == [bos] + chat_ids
     finally:
         eng.shutdown()
+    llm = LLM(path, device="cpu", max_model_len=256, max_num_seqs=2)  # found by review: LLM.chat as the server's chat
+    try:
+        params = SamplingParams(temperature=0, max_tokens=1)
+        assert llm.chat(msgs, params, use_tqdm=False)[0].prompt_token_ids == chat_ids
+        assert llm.generate(PROMPT, params, use_tqdm=False)[0].prompt_token_ids == [bos] + plain
+    finally:
+        llm.shutdown()

@@ -325,8 +325,11 @@ class LLM:
                 raise ValueError(f"conversation {i}: {exc}") from None
             have = [sp.stop] if isinstance(sp.stop, str) else list(sp.stop or [])
             extra = [s for s in stops if s not in have]
-            prompts.append(text)
             params.append(replace(sp, stop=have + extra) if extra else sp)
+            try:  # the template writes its own special tokens (BOS): none added, as vLLM's chat
+                prompts.append(self.llm_engine.validated_prompt(text, params[-1], add_special_tokens=False))
+            except (ValueError, TypeError) as exc:
+                raise type(exc)(f"conversation {i}: {exc}") from None
         return self.generate(prompts, params, use_tqdm=use_tqdm)
 
     def get_metrics(self) -> Dict[str, object]:

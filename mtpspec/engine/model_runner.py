@@ -153,7 +153,8 @@ class ModelRunner:
             pos = torch.arange(n, device=self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
             hidden = self.target(ids, pos)
-            self.target.compute_logits(hidden[: self.scheduler_config.max_num_seqs * (1 + self.k)])
+            # kept through the draft passes: a step's logits are alive while its MTP / catch-up passes run
+            logits = self.target.compute_logits(hidden[: self.scheduler_config.max_num_seqs * (1 + self.k)])
             if self.mtp is not None:
                 self.mtp(ids, pos, hidden, spec_step_idx=0)
             if self.catch_up_chunk_rows:
@@ -163,7 +164,7 @@ class ModelRunner:
                                             torch.arange(c, device=self.device) % self.max_position, rows, None)
                 del rows
             torch.cuda.synchronize(self.device)
-            del hidden
+            del hidden, logits
             torch.cuda.empty_cache()
         return kv_cache.available_kv_blocks(self.layers, self.cache_config, self.cache_dtype, self.device,
                                             self.max_useful_blocks())

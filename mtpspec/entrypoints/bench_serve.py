@@ -305,7 +305,8 @@ def run_benchmark(base_url: str, cfg: BenchConfig, progress: bool = True, desc: 
                              f"max_model_len {info.max_model_len}; lower them (or --scale for presets)")
 
         def tokenize(text: str) -> List[int]:
-            r = client.post(base_url + "/tokenize", json={"prompt": text})
+            # pieces glued into token prompts: no special tokens (as bench_inprocess' tokenizer.encode)
+            r = client.post(base_url + "/tokenize", json={"prompt": text, "add_special_tokens": False})
             r.raise_for_status()
             return r.json()["tokens"]
 

@@ -639,6 +639,7 @@ class AdaptiveSpecPolicy:
 
 def _lag_arrays(catch_up: Sequence[Tuple[int, Optional[float]]]) -> Tuple[np.ndarray, np.ndarray]:
     """``(rows, left)`` float64 arrays of the pairs with ``rows > 0`` (``left``: 0 where unknown)."""
+    catch_up = catch_up if isinstance(catch_up, (list, tuple)) else list(catch_up)  # any iterable
     if not catch_up:
         return np.zeros(0), np.zeros(0)
     rows, left = (np.array(x, dtype=np.float64) for x in zip(*catch_up))  # None -> nan
