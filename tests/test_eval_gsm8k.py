@@ -195,6 +195,19 @@ def test_eval_cli_prompt_too_long_suggests_fewer_shots(capsys):
     assert eval_gsm8k.fewer_shots("maximum context length", 3) == 2  # no figures: one fewer
 
 
+@pytest.mark.parametrize("value", ["0", "-2"])
+def test_eval_cli_max_concurrency_below_1_is_an_error_not_a_hang(capsys, value):
+    """Found by a new-user pass: ``--base-url URL --max-concurrency 0`` sent nothing and waited forever
+    (a semaphore of 0), -2 failed with asyncio's message naming no flag."""
+    import argparse
+    p = argparse.ArgumentParser()
+    eval_gsm8k.add_parser(p.add_subparsers(dest="command"))
+    args = p.parse_args(["eval", "gsm8k", "--base-url", "http://127.0.0.1:9", "--limit", "1", "--no-progress",
+                         "--max-concurrency", value])
+    assert eval_gsm8k.run(args) == 2
+    assert f"--max-concurrency must be an int >= 1, got {value}" in capsys.readouterr().err
+
+
 def test_http_eval_retries_a_full_queue(monkeypatch):
     """A server whose queue is full answers 503 ``server_overloaded`` (``--max-queue-len``); the
     evaluation backs off and retries instead of failing on the first one (a new-user pass: `eval

@@ -219,6 +219,9 @@ def evaluate(sources: Dict[str, Any], data: str, train: str, num_fewshot: int = 
     from mtpspec.data.gsm8k import load_gsm8k
     if max_tokens < 1:
         raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+    if isinstance(concurrency, bool) or not isinstance(concurrency, int) or concurrency < 1:
+        # a semaphore of 0 would send nothing and wait forever
+        raise ValueError(f"--max-concurrency must be an int >= 1, got {concurrency!r}")
     rows = load_gsm8k(data)
     if limit is not None:
         if limit < 1:
