@@ -324,3 +324,52 @@ def test_text_prompts_get_the_tokenizer_s_special_tokens_as_vllm_adds_them(tmp_p
         assert llm.generate(PROMPT, params, use_tqdm=False)[0].prompt_token_ids == [bos] + plain
     finally:
         llm.shutdown()
+
+
+def test_internal_errors_are_json_500s_and_template_or_nesting_errors_400s(tmp_path, engine):
+    """Found by a new-user pass: a chat template raising (its ``raise_exception``) and a body nested
+    100,000 deep were 500s whose connection the server then closed ("connection reset" on the
+    client's next request): Starlette's handler for ``Exception`` re-raises after answering. Now the
+    two are 400s (vLLM's answer to a template error) and any other handler error a JSON 500 that
+    leaves the connection alone (ASGI: the app does not raise)."""
+    app = _app(engine)
+
+    async def boom():
+        raise RuntimeError("kaput")
+    app.add_api_route("/boom", boom, methods=["POST"])
+    r = asyncio.run(_post(app, "/boom", {}))  # httpx's ASGITransport raises what the app raises
+    assert r.status_code == 500 and r.json()["error"]["message"] == "internal error: RuntimeError: kaput"
+
+    async def nested():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as client:
+            return await client.post("/v1/completions", content="[" * 100_000, timeout=60)
+    r = asyncio.run(nested())
+    assert r.status_code == 400 and "nested too deeply" in r.json()["error"]["message"]
+
+    path = str(tmp_path / "m")
+    make_served_model(path, seed=5)
+    template = ("{% for m in messages %}{% if m['role'] == 'system' and not loop.first %}"
+                "{{ raise_exception('System message must be first') }}{% endif %}{{ m['content'] }}\n{% endfor %}")
+    with open(f"{path}/tokenizer_config.json", "w") as f:
+        json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|endoftext|>",
+                   "chat_template": template}, f)
+    eng = AsyncLLM.from_model(path, device="cpu", max_model_len=256, max_num_seqs=2)
+    try:
+        bad = [{"role": "user", "content": "x"}, {"role": "system", "content": "y"}]
+        for route, body in (("/v1/chat/completions", {"messages": bad, "max_tokens": 2}),
+                            ("/v1/chat/completions", {"messages": bad, "max_tokens": 2, "stream": True}),
+                            ("/tokenize", {"messages": bad})):
+            r = asyncio.run(_post(_app(eng), route, body))
+            assert r.status_code == 400, (route, r.text)
+            assert "System message must be first" in r.json()["error"]["message"]
+        good = [{"role": "system", "content": "y"}, {"role": "user", "content": "x"}]
+        r = asyncio.run(_post(_app(eng), "/v1/chat/completions", {"messages": good, "max_tokens": 2}))
+        assert r.status_code == 200, r.text
+    finally:
+        eng.shutdown()
+    llm = LLM(path, device="cpu", max_model_len=256)
+    try:
+        with pytest.raises(ValueError, match="conversation 0: the chat template refused the conversation: System"):
+            llm.chat(bad, SamplingParams(max_tokens=1), use_tqdm=False)
+    finally:
+        llm.shutdown()

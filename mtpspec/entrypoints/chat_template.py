@@ -88,15 +88,20 @@ def render_chat(tokenizer: Any, messages: Sequence[Tuple[str, str]],
         ``(prompt, stops)``: ``stops`` is ``["Question:"]`` for the plain template, else ``[]``.
 
     Raises:
-        ValueError: no messages, an unknown role, or ``template_kwargs`` setting one of
-            :data:`RESERVED_TEMPLATE_KWARGS`.
+        ValueError: no messages, an unknown role, ``template_kwargs`` setting one of
+            :data:`RESERVED_TEMPLATE_KWARGS`, or the tokenizer's template refusing the conversation
+            (its ``raise_exception(...)``, a jinja2 ``TemplateError``: vLLM answers those with a 400).
     """
     if not messages:
         raise ValueError("messages must hold at least one message")
     kwargs = check_template_kwargs(template_kwargs)
     if has_chat_template(tokenizer):
+        from jinja2 import TemplateError
         conv = [{"role": r, "content": t} for r, t in messages]
-        text = tokenizer.backend.apply_chat_template(conv, tokenize=False, add_generation_prompt=add_generation_prompt,
-                                                     **kwargs)
+        try:
+            text = tokenizer.backend.apply_chat_template(conv, tokenize=False,
+                                                         add_generation_prompt=add_generation_prompt, **kwargs)
+        except TemplateError as exc:
+            raise ValueError(f"the chat template refused the conversation: {exc}") from None
         return str(text), []
     return render_plain(messages, add_generation_prompt), [PLAIN_STOP]

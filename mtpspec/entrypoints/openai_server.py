@@ -130,6 +130,8 @@ async def _parse(request: Request, cls: Type[M]) -> M:
         body = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise bad_request(f"the request body is not valid JSON: {exc}") from None
+    except RecursionError:  # e.g. "[" x 100,000: the parser's recursion limit
+        raise bad_request("the request body is not valid JSON: nested too deeply") from None
     if not isinstance(body, dict):
         raise bad_request(f"the request body must be a JSON object, got {type(body).__name__}")
     if body.get("stream_options") is not None and not body.get("stream"):  # vLLM's check and message
@@ -612,6 +614,36 @@ def _stream_error_events(exc: BaseException) -> str:
     return _sse(err.body()) + "data: [DONE]\n\n"
 
 
+class _InternalErrors:
+    """ASGI middleware: an unexpected exception in a handler becomes a JSON 500 (logged with its
+    traceback) on a connection that stays open. Starlette's own handler for ``Exception`` answers too,
+    but then re-raises, and the server closes the connection: a client's next request on it got
+    "connection reset" (a new-user pass: a chat template raising; a body nested 100,000 deep). An
+    exception after the response started (a stream) is re-raised: nothing else can be sent."""
+
+    def __init__(self, app: Any):
+        self.app = app
+
+    async def __call__(self, scope: Dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def tracked(message: Dict[str, Any]) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+        try:
+            await self.app(scope, receive, tracked)
+        except Exception as exc:
+            if started:
+                raise
+            logger.exception("internal error in %s %s", scope.get("method"), scope.get("path"))
+            body = OpenAIError(500, f"internal error: {type(exc).__name__}: {exc}", "server_error").body()
+            await JSONResponse(body, status_code=500)(scope, receive, send)
+
+
 # ---------------------------------------------------------------------------- app
 def build_app(ctx: ServerContext) -> FastAPI:
     """The FastAPI application over ``ctx`` (run it with uvicorn)."""
@@ -634,6 +666,8 @@ def build_app(ctx: ServerContext) -> FastAPI:
     async def _internal_error(_: Request, exc: Exception) -> JSONResponse:
         return JSONResponse(OpenAIError(500, f"internal error: {type(exc).__name__}: {exc}", "server_error").body(),
                             status_code=500)
+
+    app.add_middleware(_InternalErrors)
 
     @app.get("/health")
     async def health() -> Response:
