@@ -341,3 +341,15 @@ def test_cpu_kv_cache_gib_flag_sizes_the_cpu_cache() -> None:
     assert EngineArgs.from_cli_args(p.parse_args([])).cpu_kv_cache_gib == 1.0
     with pytest.raises(ValueError, match=r"cpu_kv_cache_gib \(CLI: --cpu-kv-cache-gib\) must be > 0"):
         EngineArgs.from_cli_args(p.parse_args(["--cpu-kv-cache-gib", "0"])).create_engine_config()
+
+
+def test_a_seed_that_is_not_an_int_and_a_tokenizer_path_without_one_fail_at_construction(path, tmp_path) -> None:
+    """Found by a new-user pass: ``seed="x"`` / ``seed=1.5`` were taken, and ``tokenizer="/nonexistent"``
+    too, until ``generate`` said "the model folder has none" (the folder has one: the path was wrong)."""
+    for seed in ("x", 1.5, True):
+        with pytest.raises(TypeError, match="seed must be an int"):
+            EngineArgs(model=path, seed=seed).create_engine_config()
+    assert EngineArgs(model=path, seed=None).create_engine_config().seed is None  # None: random
+    for tok in ("/nonexistent", str(tmp_path)):
+        with pytest.raises(ValueError, match="no tokenizer there"):
+            LLM(path, tokenizer=tok, max_model_len=48, num_kv_blocks=16)

@@ -487,6 +487,8 @@ class EngineArgs:
             FileNotFoundError, ModelConfigError: no or a bad ``config.json``.
         """
         from mtpspec.engine.config import CacheConfig, EngineConfig, SchedulerConfig
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
+            raise TypeError(f"seed must be an int (or None: random), got {self.seed!r}")
         par = self.parallel_config()
         check_device(self.device)
         check_p2p_supported(par, self.device)

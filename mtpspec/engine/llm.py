@@ -86,7 +86,8 @@ class LLM:
             ``"cuda"`` / ``"cuda:N"``, or ``"cuda"`` on a machine without CUDA, an
             ``allreduce_backend`` other than ``"nccl"`` / ``"p2p"`` (the message lists them),
             ``"p2p"`` at tp > 1 on CPU without ``TRITON_INTERPRET=1`` (before any rank starts; at
-            tp 1 ``"p2p"`` is a no-op), ...). Spawned ranks that cannot set up ``"p2p"`` (e.g. no
+            tp 1 ``"p2p"`` is a no-op), a ``seed`` that is not an int, a ``tokenizer`` folder holding no
+            tokenizer, ...). Spawned ranks that cannot set up ``"p2p"`` (e.g. no
             Triton, peer memory refused) fail with WorkerError carrying the rank's message.
         LocalArgmaxUnsupportedError (tp 1) or WorkerError (tp > 1, with the same message):
             ``use_local_argmax_reduction`` requested from a draft model without ``get_top_tokens``;
@@ -130,6 +131,9 @@ class LLM:
             tok: Optional[Tokenizer] = tokenizer
         else:
             tok = load_tokenizer(tokenizer or model)
+            if tokenizer is not None and tok is None:  # a path given is a path that must hold one (vLLM fails too)
+                raise ValueError(f"tokenizer={tokenizer!r}: no tokenizer there (expected a folder with "
+                                 "tokenizer.json or tokenizer_config.json)")
         gen = load_generation_config(config.model, generation_config)  # a bad file fails before any model loads
         gen_eos = generation_eos_token_ids(gen)
         #: ``SamplingParams`` fields the model's generation_config.json sets (``generation_config``)
