@@ -255,3 +255,24 @@ def test_engine_errors_name_the_cli_flags_too(path, tmp_path, capsys) -> None:
     err = capsys.readouterr().err
     assert "cannot hold one sequence" in err and "max_model_len (CLI: --max-model-len)" in err, err
     assert "num_kv_blocks (CLI: --num-kv-blocks)" in err and "(CLI: --gpu-memory-utilization)" in err, err
+
+
+def test_generate_takes_the_model_s_generation_config_unless_a_flag_is_given(path, tmp_path, capsys) -> None:
+    """Found by a new-user pass: with generation_config.json ``max_new_tokens: 5`` the command still
+    generated its own 64 tokens (its flags always won, though the engine said the file's defaults
+    apply). Flags given > the file > the command's defaults (greedy, 64 tokens)."""
+    import shutil
+    model = str(tmp_path / "m")
+    shutil.copytree(path, model)
+    with open(os.path.join(model, "generation_config.json"), "w") as f:
+        json.dump({"max_new_tokens": 5, "top_k": 1}, f)
+    base = ["--model", model, "--prompt", "w5 w6", "-k", "1", "--max-model-len", "48", "--num-kv-blocks", "64",
+            "--json"]
+
+    def lengths(*extra):
+        assert generate.run(_parse(base + list(extra))) == 0
+        return [len(o["token_ids"]) for o in json.loads(capsys.readouterr().out)["outputs"]]
+    assert lengths() == [5]
+    assert lengths("--max-tokens", "7") == [7]
+    # the command's own 64, cut at the context: 48 - 2 prompt tokens
+    assert lengths("--generation-config", "vllm") == [min(generate.CLI_SAMPLING_DEFAULTS["max_tokens"], 48 - 2)]

@@ -18,6 +18,11 @@ from typing import Any, Dict, List
 from mtpspec import demo_model_path
 
 
+#: The sampling fields of ``mtpspec generate`` where neither a flag nor the model's
+#: generation_config.json sets them: greedy, 64 tokens.
+CLI_SAMPLING_DEFAULTS = {"temperature": 0.0, "top_p": 1.0, "top_k": 0, "max_tokens": 64}
+
+
 def add_parser(sub: Any) -> None:
     p = sub.add_parser("generate", help="complete prompts with MTP speculative decoding",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -35,12 +40,15 @@ def add_parser(sub: Any) -> None:
                    help="GSM8K JSONL, or a folder with test.jsonl, for --gsm8k-question (default: "
                         "$MTPSPEC_GSM8K_DIR, else the GSM8K test split bundled in mtpspec/data/gsm8k)")
     p.add_argument("--stop", action="append", default=None, help="a stop string (repeatable)")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
+    # unset: the model's generation_config.json value (--generation-config auto), else CLI_SAMPLING_DEFAULTS
+    p.add_argument("--temperature", type=float, default=None,
+                   help="0 = greedy (default: the model's generation_config.json, else 0)")
+    p.add_argument("--top-p", type=float, default=None, help="default: generation_config.json's, else 1")
+    p.add_argument("--top-k", type=int, default=None, help="default: generation_config.json's, else 0 (off)")
     p.add_argument("--sampling-seed", type=int, default=None,
                    help="per-request seed (SamplingParams.seed) for every prompt; default: derived from --seed")
-    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--max-tokens", type=int, default=None,
+                   help="default: generation_config.json's max_new_tokens, else 64")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     from mtpspec.engine.arg_utils import EngineArgs
     EngineArgs.add_cli_args(p.add_argument_group("engine (vLLM's flags; mtpspec.engine.arg_utils)"), model=False)
@@ -162,9 +170,13 @@ def run(args: argparse.Namespace) -> int:
         engine_args = EngineArgs.from_cli_args(args)
         engine_args.model = model
         stop = args.stop if args.stop is not None else (["Question:"] if args.gsm8k_question else None)
-        params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                                seed=args.sampling_seed, max_tokens=args.max_tokens, stop=stop)
+        given = {k: v for k, v in (("temperature", args.temperature), ("top_p", args.top_p), ("top_k", args.top_k),
+                                   ("max_tokens", args.max_tokens)) if v is not None}
+        fixed = dict(seed=args.sampling_seed, stop=stop)
+        SamplingParams(**{**CLI_SAMPLING_DEFAULTS, **given, **fixed})  # bad flags fail before the model loads
         llm = LLM(**engine_args.llm_kwargs())
+        # flags given > the model's generation_config.json > this command's defaults
+        params = SamplingParams(**{**CLI_SAMPLING_DEFAULTS, **llm.default_sampling_fields, **given, **fixed})
     except (ValueError, TypeError, FileNotFoundError) as exc:  # FileNotFoundError: e.g. no weights
         print(f"error: {exc}", file=sys.stderr)
         return 2
