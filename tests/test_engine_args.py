@@ -353,3 +353,17 @@ def test_a_seed_that_is_not_an_int_and_a_tokenizer_path_without_one_fail_at_cons
     for tok in ("/nonexistent", str(tmp_path)):
         with pytest.raises(ValueError, match="no tokenizer there"):
             LLM(path, tokenizer=tok, max_model_len=48, num_kv_blocks=16)
+
+
+def test_vllm_s_trust_remote_code_is_accepted_and_a_model_that_is_not_a_path_is_a_clear_error(path) -> None:
+    """vLLM command lines carry ``--trust-remote-code`` (DeepSeek-V3's model card's does): accepted by
+    every command's engine flags and by ``LLM()``, changing nothing; ``LLM(model=None)`` was a raw
+    ``os.stat`` TypeError (a new-user pass)."""
+    p = argparse.ArgumentParser()
+    EngineArgs.add_cli_args(p)
+    args = p.parse_args(["--model", path, "--trust-remote-code"])
+    assert args.trust_remote_code and EngineArgs.from_cli_args(args).model == path
+    with LLM(path, trust_remote_code=True, max_model_len=48, num_kv_blocks=16) as llm:
+        assert llm.model_config.vocab_size > 0
+    with pytest.raises(TypeError, match="model must be a checkpoint folder"):
+        LLM(None)

@@ -195,6 +195,11 @@ def test_eval_cli_prompt_too_long_suggests_fewer_shots(capsys):
     assert eval_gsm8k.fewer_shots("maximum context length", 3) == 2  # no figures: one fewer
 
 
+def test_negative_num_fewshot_is_named() -> None:
+    with pytest.raises(ValueError, match="--num-fewshot must be >= 0, got -1"):
+        eval_gsm8k.build_prompts([{"question": "q", "answer": "a"}], [], -1)
+
+
 @pytest.mark.parametrize("value", ["0", "-2"])
 def test_eval_cli_max_concurrency_below_1_is_an_error_not_a_hang(capsys, value):
     """Found by a new-user pass: ``--base-url URL --max-concurrency 0`` sent nothing and waited forever

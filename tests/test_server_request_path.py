@@ -371,5 +371,19 @@ def test_internal_errors_are_json_500s_and_template_or_nesting_errors_400s(tmp_p
     try:
         with pytest.raises(ValueError, match="conversation 0: the chat template refused the conversation: System"):
             llm.chat(bad, SamplingParams(max_tokens=1), use_tqdm=False)
+        # vLLM's chat_template_kwargs: more variables for the template (here one it tests), as the server takes them
+        with open(f"{path}/tokenizer_config.json", "w") as f:
+            json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|endoftext|>",
+                       "chat_template": "{% if shout %}LOUD {% endif %}{{ messages[0]['content'] }}"}, f)
+    finally:
+        llm.shutdown()
+    llm = LLM(path, device="cpu", max_model_len=256)
+    try:
+        tok, params = llm.get_tokenizer(), SamplingParams(max_tokens=1, temperature=0)
+        got = [llm.chat([{"role": "user", "content": "x"}], params, use_tqdm=False, chat_template_kwargs=kw)[0]
+               for kw in (None, {"shout": True})]
+        assert [o.prompt_token_ids for o in got] == [tok.encode("x"), tok.encode("LOUD x")]
+        with pytest.raises(ValueError, match="add_generation_prompt"):
+            llm.chat([{"role": "user", "content": "x"}], params, chat_template_kwargs={"add_generation_prompt": 1})
     finally:
         llm.shutdown()

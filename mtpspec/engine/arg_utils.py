@@ -46,6 +46,8 @@ flag (vLLM spelling)                  aliases                       default     
 ``--device``                                                        cuda if any cpu / cuda / cuda:N
 ``--enforce-eager``                                                 off         never use CUDA graphs
 ``--seed``                                                          0           engine seed: seeds requests without one
+``--trust-remote-code``                                             off         accepted, changes nothing (no
+                                                                                checkpoint code is ever run)
 ====================================  ============================  ==========  ==========================================
 
 How the shorthand flags combine with ``--speculative-config``: the JSON is read as vLLM reads it
@@ -401,6 +403,9 @@ class EngineArgs:
         p.add_argument("--enforce-eager", action="store_true", help="never use CUDA graphs")
         p.add_argument("--seed", type=int, default=0,
                        help="engine seed: seeds the sampling of requests that give no seed (default 0)")
+        p.add_argument("--trust-remote-code", action="store_true",
+                       help="accepted so vLLM command lines run unchanged; mtpspec runs no code from the checkpoint "
+                            "(its architectures are its own classes: the flag changes nothing)")
         p.add_argument("--load-format", default="auto", choices=list(LOAD_FORMATS),
                        help="auto / safetensors: the checkpoint's weights (default); dummy: random weights from "
                             "config.json alone (benchmarks of shapes without a checkpoint; outputs are noise)")

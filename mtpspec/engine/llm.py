@@ -76,6 +76,8 @@ class LLM:
             ``config.json`` alone, as vLLM's ``load_format="dummy"``; for benchmarks).
         disable_shared_experts_fusion: keep MoE shared experts as their own MLP (default: fused
             into the routed experts' kernels, :class:`~mtpspec.engine.arg_utils.EngineArgs`).
+        trust_remote_code: vLLM's argument, accepted and unused (mtpspec's architectures are its own
+            classes: no code from a checkpoint is ever run).
         generation_config: ``"auto"`` (the model folder's ``generation_config.json``: its EOS ids end
             requests, its sampling settings are :meth:`get_default_sampling_params`), ``"vllm"``
             (its EOS ids only) or a folder holding one (:mod:`mtpspec.engine.generation_config`).
@@ -108,7 +110,11 @@ class LLM:
                  tokenizer: Union[None, str, Tokenizer] = None,
                  seed: Optional[int] = None, enforce_eager: bool = False, graph_mode: Optional[str] = None,
                  load_format: str = "auto", disable_shared_experts_fusion: bool = False,
-                 generation_config: str = "auto"):
+                 generation_config: str = "auto", trust_remote_code: bool = False):
+        if not isinstance(model, (str, os.PathLike)):
+            raise TypeError(f"model must be a checkpoint folder (a path), got {type(model).__name__} "
+                            "(the bundled demo model: mtpspec.demo_model_path())")
+        del trust_remote_code  # vLLM's argument, accepted: mtpspec runs no code from a checkpoint
         args = EngineArgs(
             model=model, tensor_parallel_size=tensor_parallel_size, speculative_config=speculative_config,
             fuse_allreduce_rmsnorm=fuse_allreduce_rmsnorm, sequence_parallel=sequence_parallel,
@@ -280,18 +286,22 @@ class LLM:
 
     def chat(self, messages: Union[Sequence[Dict[str, Any]], Sequence[Sequence[Dict[str, Any]]]],
              sampling_params: Union[None, SamplingParams, Sequence[SamplingParams]] = None, use_tqdm: bool = True,
-             add_generation_prompt: bool = True) -> List[RequestOutput]:
+             add_generation_prompt: bool = True,
+             chat_template_kwargs: Optional[Dict[str, Any]] = None) -> List[RequestOutput]:
         """vLLM's ``LLM.chat``: one conversation (a list of ``{"role", "content"}`` messages, oldest
         first) or a list of conversations, rendered as the OpenAI server renders them (the
-        tokenizer's chat template, else the plain ``Question:`` / ``Answer:`` template, whose stop
-        string ``"Question:"`` is added to the sampling params), then :meth:`generate`.
+        tokenizer's chat template, with ``chat_template_kwargs`` as more template variables, e.g.
+        ``{"enable_thinking": False}``; else the plain ``Question:`` / ``Answer:`` template, whose stop
+        string ``"Question:"`` is added to the sampling params), tokenized without special tokens
+        (the template writes its own), then :meth:`generate`.
 
         ``content``: a string, or a list of ``{"type": "text", "text": ...}`` parts (joined).
 
         Raises:
             ValueError / TypeError: no tokenizer, an empty conversation, a message that is not a
                 dict with a ``role`` and text ``content`` (named by conversation and message index),
-                an unknown role, or as :meth:`generate`.
+                an unknown role, ``chat_template_kwargs`` setting what the renderer sets, the
+                template refusing the conversation, or as :meth:`generate`.
         """
         from dataclasses import replace
 
@@ -324,7 +334,7 @@ class LLM:
                                     f"'content' (a string or text parts), got {m!r}")
                 pairs.append((m["role"], content))
             try:
-                text, stops = render_chat(tok, pairs, add_generation_prompt)
+                text, stops = render_chat(tok, pairs, add_generation_prompt, chat_template_kwargs)
             except ValueError as exc:
                 raise ValueError(f"conversation {i}: {exc}") from None
             have = [sp.stop] if isinstance(sp.stop, str) else list(sp.stop or [])

@@ -51,7 +51,9 @@ def build_prompts(test_rows: Sequence[Dict[str, str]], train_rows: Sequence[Dict
         ValueError: fewer train rows than shots.
     """
     from mtpspec.data.gsm8k import fewshot_prompt
-    if num_fewshot < 0 or len(train_rows) < num_fewshot:
+    if num_fewshot < 0:
+        raise ValueError(f"--num-fewshot must be >= 0, got {num_fewshot}")
+    if len(train_rows) < num_fewshot:
         raise ValueError(f"need {num_fewshot} train rows for the shots, have {len(train_rows)}")
     shots = list(train_rows[:num_fewshot])
     return [fewshot_prompt(shots, r["question"]) for r in test_rows]
