@@ -387,3 +387,28 @@ def test_internal_errors_are_json_500s_and_template_or_nesting_errors_400s(tmp_p
             llm.chat([{"role": "user", "content": "x"}], params, chat_template_kwargs={"add_generation_prompt": 1})
     finally:
         llm.shutdown()
+
+
+def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(engine):
+    """vLLM's ``stream_options.continuous_usage_stats`` (a new-user pass: ignored before): with
+    ``include_usage`` every content chunk carries its prompt's usage so far, growing to the final
+    usage chunk's; without it only the last chunk has usage."""
+    app = _app(engine)
+    for route, body in (("/v1/completions", {"prompt": PROMPT}),
+                        ("/v1/chat/completions", {"messages": [{"role": "user", "content": PROMPT}]})):
+        for continuous in (True, False):
+            opts = {"include_usage": True, "continuous_usage_stats": continuous}
+            r = asyncio.run(_post(app, route, {**body, "max_tokens": 6, "temperature": 0, "ignore_eos": True,
+                                               "stream": True, "stream_options": opts}))
+            assert r.status_code == 200, r.text
+            chunks = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+            content = [c for c in chunks if c["choices"] and "role" not in c["choices"][0].get("delta", {})]
+            final = chunks[-1]["usage"]
+            assert not chunks[-1]["choices"] and final["completion_tokens"] == 6
+            if not continuous:
+                assert all("usage" not in c for c in chunks[:-1]), route
+                continue
+            done = [c["usage"]["completion_tokens"] for c in content]
+            assert done == sorted(done) and done[-1] == 6 and len(done) >= 2, (route, done)
+            assert all(c["usage"]["prompt_tokens"] == final["prompt_tokens"] and c["usage"]["total_tokens"]
+                       == final["prompt_tokens"] + c["usage"]["completion_tokens"] for c in content)

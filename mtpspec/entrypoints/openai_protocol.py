@@ -47,8 +47,12 @@ def bad_request(message: str, param: Optional[str] = None) -> OpenAIError:
 
 
 class StreamOptions(BaseModel):
+    """``include_usage``: a last chunk with the request's usage; ``continuous_usage_stats`` (vLLM's
+    extension, with ``include_usage``): every chunk also carries its prompt's usage so far."""
+
     model_config = ConfigDict(extra="ignore")
     include_usage: bool = False
+    continuous_usage_stats: bool = False
 
 
 class _Sampling(BaseModel):

@@ -501,6 +501,19 @@ def _prompt_logprobs_json(entries: Optional[Sequence[Optional[Dict[int, Logprob]
                                     for t, v in d.items()} for d in entries]
 
 
+def _continuous_usage(req: Any) -> bool:
+    """vLLM's ``stream_options.continuous_usage_stats`` (with ``include_usage``): usage in every chunk."""
+    opts = req.stream_options
+    return opts is not None and opts.include_usage and opts.continuous_usage_stats
+
+
+def _usage_so_far(out: RequestOutput) -> Dict[str, Any]:
+    """One prompt's usage in a stream's chunk (continuous usage stats): its prompt tokens and the
+    tokens its choices have generated so far."""
+    p, c = len(out.prompt_token_ids), sum(len(x.token_ids) for x in out.outputs)
+    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+
+
 def _usage(outs: Sequence[RequestOutput], prompt_tokens_details: bool = False) -> Dict[str, Any]:
     """Prompt tokens once per prompt; completion tokens of every returned choice (vLLM's count:
     with ``best_of > n`` the candidates not returned are not counted).
@@ -905,6 +918,7 @@ async def _completion_sse(ctx: ServerContext, req: CompletionRequest, streams: L
     deltas = [_Delta(_holdback(params)) for _ in range(len(streams) * n)]
     finals: List[Optional[RequestOutput]] = [None] * len(streams)
     echoed = [not req.echo] * (len(streams) * n)
+    continuous = _continuous_usage(req)
 
     def chunk(choices: List[Dict[str, Any]], usage: Optional[Dict[str, Any]] = None) -> str:
         body: Dict[str, Any] = {"id": rid, "object": "text_completion", "created": created,
@@ -948,7 +962,12 @@ async def _completion_sse(ctx: ServerContext, req: CompletionRequest, streams: L
                 if req.return_token_ids:
                     choice["token_ids"] = ids
                 d.done = done
-                yield chunk([choice])
+                usage = None
+                if continuous:
+                    usage = _usage_so_far(out)
+                    if score_only:
+                        usage.update(completion_tokens=0, total_tokens=usage["prompt_tokens"])
+                yield chunk([choice], usage)
         if any(f is None for f in finals):
             return  # the client went away; every request was aborted
         if req.stream_options is not None and req.stream_options.include_usage:
@@ -969,6 +988,7 @@ async def _chat_sse(ctx: ServerContext, req: ChatCompletionRequest, streams: Lis
     created = int(time.time())
     deltas = [_Delta(_holdback(params)) for _ in range(params.n)]
     final: Optional[RequestOutput] = None
+    continuous = _continuous_usage(req)
 
     def chunk(choices: List[Dict[str, Any]], usage: Optional[Dict[str, Any]] = None) -> str:
         body: Dict[str, Any] = {"id": rid, "object": "chat.completion.chunk", "created": created,
@@ -1001,7 +1021,7 @@ async def _chat_sse(ctx: ServerContext, req: ChatCompletionRequest, streams: Lis
                 if req.return_token_ids:
                     choice["token_ids"] = ids
                 d.done = done
-                yield chunk([choice])
+                yield chunk([choice], _usage_so_far(out) if continuous else None)
         if final is None:
             return
         if req.stream_options is not None and req.stream_options.include_usage:
