@@ -398,17 +398,17 @@ def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(engine):
                         ("/v1/chat/completions", {"messages": [{"role": "user", "content": PROMPT}]})):
         for continuous in (True, False):
             opts = {"include_usage": True, "continuous_usage_stats": continuous}
-            r = asyncio.run(_post(app, route, {**body, "max_tokens": 6, "temperature": 0, "ignore_eos": True,
+            r = asyncio.run(_post(app, route, {**body, "max_tokens": 24, "temperature": 0, "ignore_eos": True,
                                                "stream": True, "stream_options": opts}))
             assert r.status_code == 200, r.text
             chunks = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
             content = [c for c in chunks if c["choices"] and "role" not in c["choices"][0].get("delta", {})]
             final = chunks[-1]["usage"]
-            assert not chunks[-1]["choices"] and final["completion_tokens"] == 6
+            assert not chunks[-1]["choices"] and final["completion_tokens"] == 24
             if not continuous:
                 assert all("usage" not in c for c in chunks[:-1]), route
                 continue
             done = [c["usage"]["completion_tokens"] for c in content]
-            assert done == sorted(done) and done[-1] == 6 and len(done) >= 2, (route, done)
+            assert done == sorted(done) and done[-1] == 24 and len(done) >= 2, (route, done)
             assert all(c["usage"]["prompt_tokens"] == final["prompt_tokens"] and c["usage"]["total_tokens"]
                        == final["prompt_tokens"] + c["usage"]["completion_tokens"] for c in content)
