@@ -105,6 +105,14 @@ def test_bad_json_or_quote_in_server_args_is_one_line_naming_the_form(no_sweep, 
     assert not no_sweep
 
 
+@pytest.mark.parametrize("value", ["rate:1.5", "length:-1", "rate:x", "p:0.5"])
+def test_a_bad_forced_acceptance_value_stops_before_any_server_starts(no_sweep, capsys, value):
+    """Found by a new-user pass: ``--forced-acceptance rate:1.5`` started a server before it was refused."""
+    assert main(["bench", "arms", "--forced-acceptance", value, "--no-progress", "--no-plots"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --forced-acceptance: forced") and not no_sweep
+
+
 def test_no_matplotlib_stops_before_any_server_starts(monkeypatch, capsys, tmp_path):
     """Plots wanted and matplotlib missing: one error line naming the fix, exit 2, nothing run
     (a finished sweep used to crash in plot_workload and lose bench_arms.json and the tables)."""

@@ -987,6 +987,11 @@ def run(args: argparse.Namespace) -> int:
         except ValueError as exc:  # an unclosed quote
             raise ValueError(f"--server-args {args.server_args!r}: {exc}; write it as {SERVER_ARGS_FORMS}") from None
         if args.forced_acceptance:
+            from mtpspec.spec_decode.forced_acceptance import ForcedAcceptance
+            try:  # its value too, before any server starts (serve checks it only when it builds the engine)
+                ForcedAcceptance.parse(args.forced_acceptance)
+            except ValueError as exc:
+                raise ValueError(f"--forced-acceptance: {exc}") from None
             common += ["--forced-acceptance", args.forced_acceptance]
         from mtpspec.entrypoints.serve import check_serve_args
         for name, arm_flags in arms.items():  # a bad flag fails here, before any server starts
