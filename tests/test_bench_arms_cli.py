@@ -105,7 +105,7 @@ def test_bad_json_or_quote_in_server_args_is_one_line_naming_the_form(no_sweep, 
     assert not no_sweep
 
 
-@pytest.mark.parametrize("value", ["rate:1.5", "length:-1", "rate:x", "p:0.5"])
+@pytest.mark.parametrize("value", ["rate:1.5", "length:-1", "rate:x", "p:0.5", "length:inf"])
 def test_a_bad_forced_acceptance_value_stops_before_any_server_starts(no_sweep, capsys, value):
     """Found by a new-user pass: ``--forced-acceptance rate:1.5`` started a server before it was refused."""
     assert main(["bench", "arms", "--forced-acceptance", value, "--no-progress", "--no-plots"]) == 2

@@ -350,6 +350,9 @@ def test_a_seed_that_is_not_an_int_and_a_tokenizer_path_without_one_fail_at_cons
         with pytest.raises(TypeError, match="seed must be an int"):
             EngineArgs(model=path, seed=seed).create_engine_config()
     assert EngineArgs(model=path, seed=None).create_engine_config().seed is None  # None: random
+    import numpy as np
+    seed = EngineArgs(model=path, seed=np.int64(3)).create_engine_config().seed  # a numpy int: a Python int
+    assert seed == 3 and type(seed) is int
     for tok in ("/nonexistent", str(tmp_path)):
         with pytest.raises(ValueError, match="no tokenizer there"):
             LLM(path, tokenizer=tok, max_model_len=48, num_kv_blocks=16)

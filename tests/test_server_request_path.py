@@ -348,7 +348,8 @@ def test_internal_errors_are_json_500s_and_template_or_nesting_errors_400s(tmp_p
 
     path = str(tmp_path / "m")
     make_served_model(path, seed=5)
-    template = ("{% for m in messages %}{% if m['role'] == 'system' and not loop.first %}"
+    template = ("{% if oops %}{{ messages[0]['content'] + 1 }}{% endif %}"  # a TypeError inside the template
+                "{% for m in messages %}{% if m['role'] == 'system' and not loop.first %}"
                 "{{ raise_exception('System message must be first') }}{% endif %}{{ m['content'] }}\n{% endfor %}")
     with open(f"{path}/tokenizer_config.json", "w") as f:
         json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|endoftext|>",
@@ -362,6 +363,9 @@ def test_internal_errors_are_json_500s_and_template_or_nesting_errors_400s(tmp_p
             r = asyncio.run(_post(_app(eng), route, body))
             assert r.status_code == 400, (route, r.text)
             assert "System message must be first" in r.json()["error"]["message"]
+        r = asyncio.run(_post(_app(eng), "/v1/chat/completions", {"messages": bad[:1], "max_tokens": 2,
+                                                                  "chat_template_kwargs": {"oops": True}}))
+        assert r.status_code == 400 and "the chat template failed on this conversation: TypeError" in r.text, r.text
         good = [{"role": "system", "content": "y"}, {"role": "user", "content": "x"}]
         r = asyncio.run(_post(_app(eng), "/v1/chat/completions", {"messages": good, "max_tokens": 2}))
         assert r.status_code == 200, r.text
@@ -383,8 +387,10 @@ def test_internal_errors_are_json_500s_and_template_or_nesting_errors_400s(tmp_p
         got = [llm.chat([{"role": "user", "content": "x"}], params, use_tqdm=False, chat_template_kwargs=kw)[0]
                for kw in (None, {"shout": True})]
         assert [o.prompt_token_ids for o in got] == [tok.encode("x"), tok.encode("LOUD x")]
-        with pytest.raises(ValueError, match="add_generation_prompt"):
+        with pytest.raises(ValueError, match="^chat_template_kwargs may not set add_generation_prompt"):
             llm.chat([{"role": "user", "content": "x"}], params, chat_template_kwargs={"add_generation_prompt": 1})
+        with pytest.raises(TypeError, match="chat_template_kwargs must be a dict"):
+            llm.chat([{"role": "user", "content": "x"}], params, chat_template_kwargs="abc")
     finally:
         llm.shutdown()
 
@@ -412,3 +418,45 @@ def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(engine):
             assert done == sorted(done) and done[-1] == 24 and len(done) >= 2, (route, done)
             assert all(c["usage"]["prompt_tokens"] == final["prompt_tokens"] and c["usage"]["total_tokens"]
                        == final["prompt_tokens"] + c["usage"]["completion_tokens"] for c in content)
+            roles = [c for c in chunks if c["choices"] and "role" in c["choices"][0].get("delta", {})]
+            assert all(c["usage"] == {"prompt_tokens": final["prompt_tokens"], "completion_tokens": 0,
+                                      "total_tokens": final["prompt_tokens"]} for c in roles)  # vLLM's, too
+    # found by review, as vLLM: include_usage defaults to true once stream_options is given (null: false);
+    # per-chunk completion_tokens are the chunk's own choice's (n = 2: up to 24, not 48)
+    body = {"prompt": PROMPT, "max_tokens": 24, "temperature": 1.0, "ignore_eos": True, "stream": True, "n": 2}
+    for opts, final_usage, per_chunk in (({}, True, False), ({"continuous_usage_stats": True}, True, True),
+                                         ({"include_usage": None, "continuous_usage_stats": True}, False, False)):
+        r = asyncio.run(_post(app, "/v1/completions", {**body, "stream_options": opts}))
+        assert r.status_code == 200, r.text
+        chunks = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+        assert ("usage" in chunks[-1] and not chunks[-1]["choices"]) == final_usage, opts
+        content = [c for c in chunks if c["choices"]]
+        assert all(("usage" in c) == per_chunk for c in content), opts
+        if per_chunk:
+            for j in (0, 1):
+                own = [c["usage"]["completion_tokens"] for c in content if c["choices"][0]["index"] == j]
+                assert own == sorted(own) and own[-1] == 24, own
+
+
+def test_an_error_inside_a_stream_ends_it_with_an_error_event_and_done(engine, monkeypatch):
+    """Found by review: an exception other than the engine's inside the SSE generators cut the
+    connection (no error event, no [DONE]); vLLM sends both."""
+    from mtpspec.entrypoints import openai_server
+    app, calls = _app(engine), []
+    real = openai_server._Delta.next
+
+    def flaky(self, c):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("decode went wrong")
+        return real(self, c)
+    monkeypatch.setattr(openai_server._Delta, "next", flaky)
+    for route, body in (("/v1/completions", {"prompt": PROMPT}),
+                        ("/v1/chat/completions", {"messages": [{"role": "user", "content": PROMPT}]})):
+        calls.clear()
+        r = asyncio.run(_post(app, route, {**body, "max_tokens": 24, "temperature": 0, "ignore_eos": True,
+                                           "stream": True}))
+        lines = [line for line in r.text.splitlines() if line.startswith("data: ")]
+        assert lines[-1] == "data: [DONE]", route
+        err = json.loads(lines[-2][6:])["error"]
+        assert err["code"] == 500 and "RuntimeError: decode went wrong" in err["message"], route

@@ -62,6 +62,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import numbers
 from dataclasses import dataclass, fields, replace
 from typing import Any, Dict, Optional, Union
 
@@ -492,8 +493,9 @@ class EngineArgs:
             FileNotFoundError, ModelConfigError: no or a bad ``config.json``.
         """
         from mtpspec.engine.config import CacheConfig, EngineConfig, SchedulerConfig
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, numbers.Integral)):
             raise TypeError(f"seed must be an int (or None: random), got {self.seed!r}")
+        seed = None if self.seed is None else int(self.seed)  # a numpy int as a Python int
         par = self.parallel_config()
         check_device(self.device)
         check_p2p_supported(par, self.device)
@@ -527,7 +529,7 @@ class EngineArgs:
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format must be one of {list(LOAD_FORMATS)}, got {self.load_format!r}")
         dtype = None if self.dtype in (None, "auto") else self.dtype  # auto: the checkpoint's, as vLLM
-        return EngineConfig(model, dtype, self.device, mcfg, par, spec, cache, sched, mode, self.seed,
+        return EngineConfig(model, dtype, self.device, mcfg, par, spec, cache, sched, mode, seed,
                             self.load_format, self.disable_shared_experts_fusion)
 
     def llm_kwargs(self) -> Dict[str, Any]:

@@ -305,7 +305,8 @@ class LLM:
         """
         from dataclasses import replace
 
-        from mtpspec.entrypoints.chat_template import render_chat
+        from mtpspec.entrypoints.chat_template import check_template_kwargs, render_chat
+        check_template_kwargs(chat_template_kwargs)  # a bad one is no conversation's fault
         tok = self.get_tokenizer()
         if tok is None:
             raise ValueError("chat needs a tokenizer; the model folder has none")

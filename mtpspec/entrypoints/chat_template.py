@@ -61,8 +61,12 @@ def check_template_kwargs(template_kwargs: Optional[Dict[str, Any]]) -> Dict[str
     """``template_kwargs`` as a dict (``None``: empty).
 
     Raises:
+        TypeError: not a dict (nor ``None``).
         ValueError: it sets one of :data:`RESERVED_TEMPLATE_KWARGS` (named).
     """
+    if template_kwargs is not None and not isinstance(template_kwargs, dict):
+        raise TypeError(f"chat_template_kwargs must be a dict of template variables, got "
+                        f"{type(template_kwargs).__name__}")
     kwargs = dict(template_kwargs or {})
     taken = sorted(set(kwargs) & set(RESERVED_TEMPLATE_KWARGS))
     if taken:
@@ -103,5 +107,7 @@ def render_chat(tokenizer: Any, messages: Sequence[Tuple[str, str]],
                                                          add_generation_prompt=add_generation_prompt, **kwargs)
         except TemplateError as exc:
             raise ValueError(f"the chat template refused the conversation: {exc}") from None
+        except (TypeError, RuntimeError) as exc:  # e.g. a message the template cannot format: vLLM's 400 too
+            raise ValueError(f"the chat template failed on this conversation: {type(exc).__name__}: {exc}") from None
         return str(text), []
     return render_plain(messages, add_generation_prompt), [PLAIN_STOP]

@@ -175,12 +175,12 @@ def run(args: argparse.Namespace) -> int:
         fixed = dict(seed=args.sampling_seed, stop=stop)
         SamplingParams(**{**CLI_SAMPLING_DEFAULTS, **given, **fixed})  # bad flags fail before the model loads
         llm = LLM(**engine_args.llm_kwargs())
-        # flags given > the model's generation_config.json > this command's defaults
-        params = SamplingParams(**{**CLI_SAMPLING_DEFAULTS, **llm.default_sampling_fields, **given, **fixed})
     except (ValueError, TypeError, FileNotFoundError) as exc:  # FileNotFoundError: e.g. no weights
         print(f"error: {exc}", file=sys.stderr)
         return 2
     try:
+        # flags given > the model's generation_config.json > this command's defaults
+        params = SamplingParams(**{**CLI_SAMPLING_DEFAULTS, **llm.default_sampling_fields, **given, **fixed})
         outs = llm.generate(prompts, params, use_tqdm=len(prompts) > 4)
         metrics = llm.get_metrics()
     except (ValueError, TypeError) as exc:

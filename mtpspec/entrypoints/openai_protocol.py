@@ -47,12 +47,13 @@ def bad_request(message: str, param: Optional[str] = None) -> OpenAIError:
 
 
 class StreamOptions(BaseModel):
-    """``include_usage``: a last chunk with the request's usage; ``continuous_usage_stats`` (vLLM's
-    extension, with ``include_usage``): every chunk also carries its prompt's usage so far."""
+    """``include_usage`` (default true, as vLLM: ``stream_options: {}`` asks for usage): a last chunk
+    with the request's usage; ``continuous_usage_stats`` (vLLM's extension, with ``include_usage``):
+    every chunk also carries its choice's usage so far. ``null`` reads as false (as in vLLM)."""
 
     model_config = ConfigDict(extra="ignore")
-    include_usage: bool = False
-    continuous_usage_stats: bool = False
+    include_usage: Optional[bool] = True
+    continuous_usage_stats: Optional[bool] = False
 
 
 class _Sampling(BaseModel):

@@ -53,6 +53,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from mtpspec.engine.async_llm import AsyncLLM, EngineDeadError, QueueFullError, RequestError, RequestStream
 from mtpspec.engine.detokenizer import LONG_TEXT_CHARS
@@ -501,17 +502,22 @@ def _prompt_logprobs_json(entries: Optional[Sequence[Optional[Dict[int, Logprob]
                                     for t, v in d.items()} for d in entries]
 
 
+def _final_usage(req: Any) -> bool:
+    """``stream_options.include_usage`` (vLLM's default: true once ``stream_options`` is given)."""
+    opts = req.stream_options
+    return opts is not None and bool(opts.include_usage)
+
+
 def _continuous_usage(req: Any) -> bool:
     """vLLM's ``stream_options.continuous_usage_stats`` (with ``include_usage``): usage in every chunk."""
-    opts = req.stream_options
-    return opts is not None and opts.include_usage and opts.continuous_usage_stats
+    return _final_usage(req) and bool(req.stream_options.continuous_usage_stats)
 
 
-def _usage_so_far(out: RequestOutput) -> Dict[str, Any]:
-    """One prompt's usage in a stream's chunk (continuous usage stats): its prompt tokens and the
-    tokens its choices have generated so far."""
-    p, c = len(out.prompt_token_ids), sum(len(x.token_ids) for x in out.outputs)
-    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+def _usage_so_far(prompt_tokens: int, completion_tokens: int) -> Dict[str, Any]:
+    """A streamed chunk's usage (continuous usage stats, vLLM's): its prompt's tokens and the tokens of
+    the chunk's choice so far."""
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
 
 
 def _usage(outs: Sequence[RequestOutput], prompt_tokens_details: bool = False) -> Dict[str, Any]:
@@ -649,6 +655,8 @@ class _InternalErrors:
             await send(message)
         try:
             await self.app(scope, receive, tracked)
+        except ClientDisconnect:
+            return  # the client went away while sending its body: no one to answer
         except Exception as exc:
             if started:
                 raise
@@ -832,7 +840,8 @@ def build_app(ctx: ServerContext) -> FastAPI:
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         streams = _start(engine, validated, params, rid, arrival)
         if req.stream:
-            return StreamingResponse(_chat_sse(ctx, req, streams, params, rid, request), media_type="text/event-stream")
+            return StreamingResponse(_chat_sse(ctx, req, streams, params, rid, request,
+                                               len(validated[0].token_ids)), media_type="text/event-stream")
         try:
             outs = await _collect(streams, request)
         except (RequestError, EngineDeadError) as exc:
@@ -964,13 +973,11 @@ async def _completion_sse(ctx: ServerContext, req: CompletionRequest, streams: L
                 d.done = done
                 usage = None
                 if continuous:
-                    usage = _usage_so_far(out)
-                    if score_only:
-                        usage.update(completion_tokens=0, total_tokens=usage["prompt_tokens"])
+                    usage = _usage_so_far(len(out.prompt_token_ids), 0 if score_only else len(c.token_ids))
                 yield chunk([choice], usage)
         if any(f is None for f in finals):
             return  # the client went away; every request was aborted
-        if req.stream_options is not None and req.stream_options.include_usage:
+        if _final_usage(req):
             usage = _usage(finals, ctx.enable_prompt_tokens_details)  # type: ignore[arg-type]
             if score_only:
                 usage.update(completion_tokens=0, total_tokens=usage["prompt_tokens"])
@@ -978,13 +985,18 @@ async def _completion_sse(ctx: ServerContext, req: CompletionRequest, streams: L
         yield "data: [DONE]\n\n"
     except (RequestError, EngineDeadError, OpenAIError) as exc:
         yield _stream_error_events(exc)
+    except Exception as exc:  # anything else mid-stream: an error event and [DONE], not a cut connection (vLLM)
+        logger.exception("error in a streamed completion")
+        yield _stream_error_events(OpenAIError(500, f"internal error: {type(exc).__name__}: {exc}", "server_error"))
     finally:
         await merged.aclose()
 
 
 async def _chat_sse(ctx: ServerContext, req: ChatCompletionRequest, streams: List[RequestStream],
-                    params: SamplingParams, rid: str, request: Request) -> AsyncIterator[str]:
-    """A role chunk per choice, then one chunk per choice that has news."""
+                    params: SamplingParams, rid: str, request: Request,
+                    prompt_tokens: int = 0) -> AsyncIterator[str]:
+    """A role chunk per choice, then one chunk per choice that has news (``prompt_tokens``: the
+    prompt's length, for the role chunks' usage under continuous usage stats)."""
     created = int(time.time())
     deltas = [_Delta(_holdback(params)) for _ in range(params.n)]
     final: Optional[RequestOutput] = None
@@ -1001,7 +1013,7 @@ async def _chat_sse(ctx: ServerContext, req: ChatCompletionRequest, streams: Lis
     try:
         for j in range(params.n):
             yield chunk([{"index": j, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                          "finish_reason": None}])
+                          "finish_reason": None}], _usage_so_far(prompt_tokens, 0) if continuous else None)
         async for _, out in merged:
             if out.finished:
                 final = out
@@ -1021,13 +1033,17 @@ async def _chat_sse(ctx: ServerContext, req: ChatCompletionRequest, streams: Lis
                 if req.return_token_ids:
                     choice["token_ids"] = ids
                 d.done = done
-                yield chunk([choice], _usage_so_far(out) if continuous else None)
+                usage = _usage_so_far(len(out.prompt_token_ids), len(c.token_ids)) if continuous else None
+                yield chunk([choice], usage)
         if final is None:
             return
-        if req.stream_options is not None and req.stream_options.include_usage:
+        if _final_usage(req):
             yield chunk([], _usage([final], ctx.enable_prompt_tokens_details))
         yield "data: [DONE]\n\n"
     except (RequestError, EngineDeadError, OpenAIError) as exc:
         yield _stream_error_events(exc)
+    except Exception as exc:  # anything else mid-stream: an error event and [DONE], not a cut connection (vLLM)
+        logger.exception("error in a streamed chat completion")
+        yield _stream_error_events(OpenAIError(500, f"internal error: {type(exc).__name__}: {exc}", "server_error"))
     finally:
         await merged.aclose()

@@ -23,6 +23,7 @@ replaces each rank runner's ``rejection_sampler``), so no engine file changes.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -46,6 +47,8 @@ class ForcedAcceptance:
     seed: int = 0
 
     def __post_init__(self) -> None:
+        if not math.isfinite(float(self.value)):
+            raise ValueError(f"forced acceptance {self.mode} must be a finite number, got {self.value!r}")
         if self.mode == "rate":
             if not 0.0 <= float(self.value) <= 1.0:
                 raise ValueError(f"forced acceptance rate must be in [0, 1], got {self.value!r}")
