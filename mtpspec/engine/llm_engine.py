@@ -396,14 +396,16 @@ class LLMEngine:
     def _choose_k(self, out: SchedulerOutput) -> None:
         """The adaptive policy's number of drafts for ``out`` to propose (if any policy)."""
         if self.spec_policy is not None and out.num_proposed_tokens:
-            # prompt tokens left after this step (requests waiting, or a chunk that does not end its
-            # prompt): looked at only when the policy keeps a reserve for them
-            # their drafts are dropped (a pure-decode step has none: no O(batch) pass then)
-            partial = sum(1 for s in out.scheduled if s.is_partial_prefill) if out.num_prefill_tokens else 0
+            n_prompt = out.num_prefill_tokens  # O(batch): read once
+            # chunks that do not end their prompt: their drafts are dropped (a pure-decode step has
+            # none: no O(batch) pass then)
+            partial = sum(1 for s in out.scheduled if s.is_partial_prefill) if n_prompt else 0
+            # prompt tokens left after this step (requests waiting, or a partial chunk): looked at
+            # only when the policy keeps a reserve for them
             waiting = self.spec_policy.prompt_reserve > 0 and (bool(self.scheduler.waiting) or partial > 0)
             # what a drafting step would catch up (built only if the policy's choice can depend on it)
             lags = functools.partial(self._catch_up_ahead, out) if self.defer_mtp_kv else ()
-            out.num_proposed_tokens = self.spec_policy.choose(len(out.scheduled), out.num_prefill_tokens, waiting,
+            out.num_proposed_tokens = self.spec_policy.choose(len(out.scheduled), n_prompt, waiting,
                                                               self.scheduler_config.max_num_batched_tokens,
                                                               num_partial_prefills=partial, catch_up=lags)
             out.defers_mtp = self.defer_mtp_kv and out.num_proposed_tokens == 0

@@ -46,6 +46,11 @@ def bad_request(message: str, param: Optional[str] = None) -> OpenAIError:
     return OpenAIError(400, message, "invalid_request_error", param)
 
 
+def internal_error(exc: BaseException) -> OpenAIError:
+    """A 500 ``server_error`` naming the exception's type and message (an unexpected failure in a handler)."""
+    return OpenAIError(500, f"internal error: {type(exc).__name__}: {exc}", "server_error")
+
+
 class StreamOptions(BaseModel):
     """``include_usage`` (default true, as vLLM: ``stream_options: {}`` asks for usage): a last chunk
     with the request's usage; ``continuous_usage_stats`` (vLLM's extension, with ``include_usage``):

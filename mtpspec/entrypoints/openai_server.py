@@ -60,7 +60,8 @@ from mtpspec.engine.detokenizer import LONG_TEXT_CHARS
 from mtpspec.engine.llm_engine import MAX_LOGPROBS, PromptType, ValidatedPrompt
 from mtpspec.entrypoints.chat_template import check_template_kwargs, render_chat
 from mtpspec.entrypoints.openai_protocol import (
-    ChatCompletionRequest, CompletionRequest, DetokenizeRequest, OpenAIError, TokenizeRequest, bad_request)
+    ChatCompletionRequest, CompletionRequest, DetokenizeRequest, OpenAIError, TokenizeRequest, bad_request,
+    internal_error)
 from mtpspec.entrypoints.server_metrics import ServerMetrics
 from mtpspec.outputs import CompletionOutput, Logprob, RequestOutput
 from mtpspec.sampling_params import SamplingParams
@@ -661,7 +662,7 @@ class _InternalErrors:
             if started:
                 raise
             logger.exception("internal error in %s %s", scope.get("method"), scope.get("path"))
-            body = OpenAIError(500, f"internal error: {type(exc).__name__}: {exc}", "server_error").body()
+            body = internal_error(exc).body()
             await JSONResponse(body, status_code=500)(scope, receive, send)
 
 
@@ -683,12 +684,7 @@ def build_app(ctx: ServerContext) -> FastAPI:
         return JSONResponse(OpenAIError(exc.status_code, msg, "invalid_request_error").body(),
                             status_code=exc.status_code, headers=getattr(exc, "headers", None))
 
-    @app.exception_handler(Exception)
-    async def _internal_error(_: Request, exc: Exception) -> JSONResponse:
-        return JSONResponse(OpenAIError(500, f"internal error: {type(exc).__name__}: {exc}", "server_error").body(),
-                            status_code=500)
-
-    app.add_middleware(_InternalErrors)
+    app.add_middleware(_InternalErrors)  # any other exception: a JSON 500 (see the class)
 
     @app.get("/health")
     async def health() -> Response:
@@ -987,7 +983,7 @@ async def _completion_sse(ctx: ServerContext, req: CompletionRequest, streams: L
         yield _stream_error_events(exc)
     except Exception as exc:  # anything else mid-stream: an error event and [DONE], not a cut connection (vLLM)
         logger.exception("error in a streamed completion")
-        yield _stream_error_events(OpenAIError(500, f"internal error: {type(exc).__name__}: {exc}", "server_error"))
+        yield _stream_error_events(internal_error(exc))
     finally:
         await merged.aclose()
 
@@ -1044,6 +1040,6 @@ async def _chat_sse(ctx: ServerContext, req: ChatCompletionRequest, streams: Lis
         yield _stream_error_events(exc)
     except Exception as exc:  # anything else mid-stream: an error event and [DONE], not a cut connection (vLLM)
         logger.exception("error in a streamed chat completion")
-        yield _stream_error_events(OpenAIError(500, f"internal error: {type(exc).__name__}: {exc}", "server_error"))
+        yield _stream_error_events(internal_error(exc))
     finally:
         await merged.aclose()

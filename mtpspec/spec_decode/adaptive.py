@@ -535,12 +535,12 @@ class AdaptiveSpecPolicy:
             cost_of[k] = (e, self.costs.step_ms(batch, k) + host)
         catch_up_ms = 0.0
         if q > 0 and (n_prompt or self._argmax_rate(cost_of) != 0 or self._rates_may_explore()):
-            rows, left = _lag_arrays(catch_up() if callable(catch_up) else catch_up)
+            rows, inv_left = _lag_arrays(catch_up() if callable(catch_up) else catch_up)
             if rows.size:
                 catch_up_ms = q * float(rows.sum())
                 for k, (e, t) in cost_of.items():
                     if k:  # each sequence's share of its entries that one step's tokens take of those left
-                        share = np.where(left > 0, np.minimum(1.0, e / np.where(left > 0, left, 1.0)), 1.0)
+                        share = np.minimum(1.0, e * inv_left)  # inv_left = inf where unknown: all of it
                         cost_of[k] = (e, t + q * float(rows @ share))
         if n_prompt:
             self._chosen_k = k = self._choose_prompt_step(batch, max(0, batch - num_partial_prefills), n_prompt,
@@ -638,13 +638,16 @@ class AdaptiveSpecPolicy:
 
 
 def _lag_arrays(catch_up: Sequence[Tuple[int, Optional[float]]]) -> Tuple[np.ndarray, np.ndarray]:
-    """``(rows, left)`` float64 arrays of the pairs with ``rows > 0`` (``left``: 0 where unknown)."""
+    """``(rows, 1 / left)`` float64 arrays of the pairs with ``rows > 0`` (``1 / left`` is inf where
+    ``left`` is unknown or not positive: a step's share ``min(1, E(k) / left)`` is then all of them)."""
     catch_up = catch_up if isinstance(catch_up, (list, tuple)) else list(catch_up)  # any iterable
     if not catch_up:
         return np.zeros(0), np.zeros(0)
     rows, left = (np.array(x, dtype=np.float64) for x in zip(*catch_up))  # None -> nan
     keep = rows > 0
-    return rows[keep], np.nan_to_num(left[keep], nan=0.0)
+    left = left[keep]
+    with np.errstate(divide="ignore"):
+        return rows[keep], np.where(left > 0, 1.0 / left, np.inf)  # nan > 0 is False
 
 
 def _hidden_write_ms(runner, bp: int, repeats: int) -> float:
