@@ -11,6 +11,7 @@
 #   bash benchmarks/run_goals_h200.sh adaptive-air OUT  # the same at GLM-4.5-Air width, forced acceptance (SYNTHETIC)
 #   bash benchmarks/run_goals_h200.sh serving-deep OUT  # issue 17: prefix-cache TTFT on 40 of Llama-3-70B's 80 layers
 #   bash benchmarks/run_goals_h200.sh adaptive-inproc OUT # issue 18: the adaptive sweep in-process (deterministic arrival)
+#   bash benchmarks/run_goals_h200.sh trace64 OUT    # issue 18: s64 traced step by step, plain / adaptive, 3 rounds each
 #   bash benchmarks/run_goals_h200.sh adaptive-deep OUT # issue 18: the same with LAYERS (4) target layers, 2 warm-ups
 #   bash benchmarks/run_goals_h200.sh graph-mem OUT   # issue 18: CUDA-graph memory beside the KV cache, plain / k3 / adaptive
 #   bash benchmarks/run_goals_h200.sh mixed-host OUT  # issue 18: host phases of mixed steps, plain vs adaptive held at k = 0
@@ -183,6 +184,15 @@ deferral)  # issue 18, session 20's CPU work on the GPU: deferred MTP entries (k
   for e in plain adaptive-k0 adaptive; do  # adaptive: the policy's own choices, catch-ups included
     step 110 "trace_$e" python3 benchmarks/trace_adaptive_steps.py /tmp/air3 --engine $e --concurrency 64 \
         --json "$OUT/trace_c64_$e.json"
+  done ;;
+trace64)  # issue 18: s64 step by step, plain vs adaptive, 3 rounds on one engine each (the adaptive policy's state
+  # carried over as in bench arms --in-process): why adaptive's k = 0 steps took 2.1-2.8 ms against plain's 1.75-2.0
+  # (H100, session 27), what its policy measured, the host time of its choices
+  python3 benchmarks/make_dummy_model.py /tmp/air3 --preset air-8l --num-hidden-layers 3 \
+      --max-position-embeddings 2048 || exit 1
+  for e in plain adaptive; do
+    step 200 "trace64_$e" python3 benchmarks/trace_adaptive_steps.py /tmp/air3 --engine $e --concurrency 64 \
+        --warmup-full --rounds 3 --json "$OUT/trace64_$e.json"
   done ;;
 adaptive-inproc)  # issue 18's adaptive goal with deterministic arrival: `bench arms --in-process` (each arm an LLM in
   # one process, every request of a run queued before the first step, forced acceptance re-armed each run: a round

@@ -49,6 +49,15 @@ def trace(llm: Any, prompts: List[List[int]], output_len: int, concurrency: int)
 
     caught = [caught_up()]
     seen: Dict[str, Any] = {}  # what the policy observed of the step being applied
+    real_choose = eng._choose_k
+    host = [0.0, 0.0]  # ms in _choose_k in all, and at the previous applied step (the policy's own host work)
+
+    def choose(out):
+        t = time.perf_counter()
+        try:
+            return real_choose(out)
+        finally:
+            host[0] += (time.perf_counter() - t) * 1e3
 
     def observed(batch, k, wall_ms, verify_k=None, num_prefill_tokens=0, num_emitted=None, **more):
         v = k if verify_k is None else verify_k
@@ -67,22 +76,25 @@ def trace(llm: Any, prompts: List[List[int]], output_len: int, concurrency: int)
                          ahead=eng._inflight is not None, wall=None, predicted=None, counted=None,
                          # deferred MTP entries scheduled for catch-up since the previous applied step (counted
                          # when a step is prepared: with a step scheduled ahead, they may be the next row's)
-                         catch_up=caught_up() - caught[0]))
-        caught[0] = caught_up()
+                         catch_up=caught_up() - caught[0],
+                         # ms in the engine's _choose_k since the previous applied step (as catch_up: with a
+                         # step scheduled ahead, it may be the next row's choice)
+                         choose_ms=host[0] - host[1]))
+        caught[0], host[1] = caught_up(), host[0]
         rows[-1].update(seen)
         last[0] = now
         return res
 
     sched = eng.scheduler.config
     cap, sched.max_num_seqs = sched.max_num_seqs, concurrency
-    eng._finish = finish
+    eng._finish, eng._choose_k = finish, choose
     if real_observe is not None:
         policy.observe_step_time = observed
     try:
         llm.generate([{"prompt_token_ids": p} for p in prompts],
                      SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True), use_tqdm=False)
     finally:
-        del eng._finish
+        del eng._finish, eng._choose_k
         if real_observe is not None:
             policy.observe_step_time = real_observe
         sched.max_num_seqs = cap
@@ -107,9 +119,11 @@ def summarise(rows: List[Dict[str, Any]], context: int = 2, show: int = 6) -> Di
         g = out[key] = dict(n=len(rs), gap_ms=med(r["gap"] for r in rs), wall_ms=med(r["wall"] for r in rs),
                             predicted_ms=med(r["predicted"] for r in rs), counted=sum(1 for r in rs if r["counted"]),
                             batch=med(r["batch"] for r in rs), gap_total_s=round(sum(r["gap"] or 0 for r in rs) / 1e3, 3),
-                            catch_up=sum(r.get("catch_up", 0) for r in rs))
+                            catch_up=sum(r.get("catch_up", 0) for r in rs),
+                            choose_ms=med(r.get("choose_ms") for r in rs))
         print(f"{key:22s} n {g['n']:5d}  gap {g['gap_ms']} ms (total {g['gap_total_s']} s)  policy wall {g['wall_ms']}  "
-              f"predicted {g['predicted_ms']}  counted {g['counted']}  batch {g['batch']}  catch-up {g['catch_up']}")
+              f"predicted {g['predicted_ms']}  counted {g['counted']}  batch {g['batch']}  catch-up {g['catch_up']}  "
+              f"choose {g['choose_ms']} ms")
     picked = [i for i, r in enumerate(rows) if r["k"] == 0 and r["counted"]][:show]
     for i in picked:
         print("--")
@@ -139,6 +153,9 @@ def main() -> None:
     ap.add_argument("--warmup-full", action="store_true",
                     help="warm up with the whole traced workload once (every shape the traced run meets: first-time "
                          "compiles and allocations out of the trace), not a quarter of the prompts for 16 tokens")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="trace the workload this many times on the same engine (its policy's state carried over, "
+                         "as in bench arms --in-process rounds); rows carry their round")
     ap.add_argument("--smoke", action="store_true", help="the bundled demo model on the CPU, 4 short prompts")
     a = ap.parse_args()
     from mtpspec import LLM
@@ -186,14 +203,26 @@ def main() -> None:
 
     caught_before = llm.llm_engine.get_metrics().get("num_mtp_catch_up_tokens", 0)  # the warm-up's
     gc.callbacks.append(on_gc)
-    t0 = time.perf_counter()
-    rows = trace(llm, prompts, a.output_len, a.concurrency)
-    took = time.perf_counter() - t0
+    if a.rounds < 1:
+        ap.error(f"--rounds must be >= 1, got {a.rounds}")
+    rows, per_round = [], []
+    for i in range(a.rounds):
+        if i:  # each round from the same start: forced-acceptance draws re-armed, prefix cache cold
+            if spec is not None and a.forced_acceptance != "none":
+                enable_forced_acceptance(llm, ForcedAcceptance.parse(a.forced_acceptance))
+            llm.reset_prefix_cache()
+        t0 = time.perf_counter()
+        got = trace(llm, prompts, a.output_len, a.concurrency)
+        per_round.append(time.perf_counter() - t0)
+        rows += [dict(r, round=i) for r in got]
+        print(f"round {i}: {len(got)} steps in {per_round[-1]:.2f} s, {n * a.output_len / per_round[-1]:.0f} output "
+              f"tok/s; proposed k histogram {[sum(1 for r in got if r['k'] == k) for k in range(4)]}")
+    took = sum(per_round)
     gc.callbacks.remove(on_gc)
     gc_passes = {g: {"n": len(v), "total_ms": sum(v), "max_ms": max(v, default=0.0)} for g, v in gc_ms.items()}
     print(f"garbage collector passes in the traced run (objects frozen at start-up: {gc.get_freeze_count()}): "
           + ", ".join(f"gen {g} {v['n']} x, {v['total_ms']:.1f} ms, max {v['max_ms']:.1f}" for g, v in gc_passes.items()))
-    out_tokens = n * a.output_len
+    out_tokens = n * a.output_len * a.rounds
     caught_up = llm.llm_engine.get_metrics().get("num_mtp_catch_up_tokens", 0) - caught_before  # the traced run's
     print(f"{a.engine}{' (eager MTP KV)' if a.eager_mtp_kv else ''}, forced {a.forced_acceptance}: {len(rows)} steps "
           f"in {took:.2f} s, {out_tokens / took:.0f} output tok/s; proposed k histogram "
@@ -211,7 +240,8 @@ def main() -> None:
         with open(a.json, "w") as f:
             json.dump({"engine": a.engine, "eager_mtp_kv": a.eager_mtp_kv, "mtp_catch_up_rows": caught_up,
                        "forced": a.forced_acceptance, "groups": groups, "rows": rows,
-                       "seconds": took, "output_tokens_per_s": out_tokens / took, "gc_passes": gc_passes,
+                       "seconds": took, "round_seconds": per_round, "output_tokens_per_s": out_tokens / took,
+                       "gc_passes": gc_passes,
                        "cuda_graph_capture_failed": capture_failed}, f)
 
 
