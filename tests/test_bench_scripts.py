@@ -108,11 +108,17 @@ def test_trace_adaptive_steps_smoke(tmp_path):
     the adaptive engine's steps, and the adaptive engine held at k = 0 proposing k = 0 throughout."""
     for engine in ("adaptive", "adaptive-k0", "plain"):
         out = tmp_path / f"{engine}.json"
-        _run("trace_adaptive_steps.py", "--engine", engine, "--json", str(out))
+        rounds = ("--rounds", "2") if engine == "adaptive" else ()  # the same engine traced twice, state carried
+        _run("trace_adaptive_steps.py", "--engine", engine, "--json", str(out), *rounds)
         res = json.loads(out.read_text())
         rows = res["rows"]
+        assert len(res["round_seconds"]) == (2 if rounds else 1)
+        assert {r["round"] for r in rows} == set(range(len(res["round_seconds"])))
+        assert all(r["choose_ms"] >= 0 for r in rows) and sum(r["choose_ms"] for r in rows) > 0  # host ms choosing k
         assert rows and sum(g["n"] for g in res["groups"].values()) == len(rows)
-        assert rows[0]["gap"] is None and all(r["gap"] > 0 for r in rows[1:])  # ms since the step before
+        firsts = [i for i, r in enumerate(rows) if i == 0 or r["round"] != rows[i - 1]["round"]]
+        assert all((r["gap"] is None) == (i in firsts) for i, r in enumerate(rows))  # none at a round's first step
+        assert all(r["gap"] > 0 for i, r in enumerate(rows) if i not in firsts)  # ms since the step before
         assert res["output_tokens_per_s"] > 0
         if engine == "adaptive":
             assert all(0 <= r["k"] <= 3 for r in rows)
