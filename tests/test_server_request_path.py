@@ -460,3 +460,34 @@ def test_an_error_inside_a_stream_ends_it_with_an_error_event_and_done(engine, m
         assert lines[-1] == "data: [DONE]", route
         err = json.loads(lines[-2][6:])["error"]
         assert err["code"] == 500 and "RuntimeError: decode went wrong" in err["message"], route
+
+
+@pytest.mark.parametrize("k", [0, 2])
+def test_streamed_echo_logprobs_of_several_choices_equal_non_streamed(model_dir, k):
+    """A new-user pass (2026-12-05): with ``n > 1`` a request's first snapshot was published before any
+    token (its progress, a tuple, was compared with 0), and a stream echoed the prompt with the logprobs
+    known then (``[None]``, or the first prefill chunk's): one prompt entry, every later ``text_offset``
+    short. Each streamed choice carries the whole prompt's entries, as the non-streamed answer does:
+    plain decoding and k = 2, the prompt in 16-token prefill chunks, generating and scoring alone."""
+    spec = {**SPEC, "num_speculative_tokens": k} if k else None
+    eng = AsyncLLM.from_model(model_dir, device="cpu", max_model_len=256, max_num_seqs=4, max_num_batched_tokens=16,
+                              speculative_config=spec)
+    try:
+        app = _app(eng)
+        for max_tokens in (3, 0):
+            body = {"prompt": PROMPT, "max_tokens": max_tokens, "temperature": 1.0, "seed": 1, "n": 2, "echo": True,
+                    "logprobs": 0}
+            full = sorted(asyncio.run(_post(app, "/v1/completions", body)).json()["choices"],
+                          key=lambda c: c["index"])
+            r = asyncio.run(_post(app, "/v1/completions", {**body, "stream": True}))
+            events = [line[len("data: "):] for line in r.text.splitlines() if line.startswith("data: ")]
+            assert events[-1] == "[DONE]"
+            chunks = [json.loads(e)["choices"] for e in events[:-1]]
+            for j, choice in enumerate(full):
+                mine = [c[0] for c in chunks if c and c[0]["index"] == j]
+                merged = {key: sum((c["logprobs"][key] for c in mine), []) for key in choice["logprobs"]}
+                assert merged == choice["logprobs"], (max_tokens, j)
+                assert "".join(c["text"] for c in mine) == choice["text"]
+                assert len(merged["tokens"]) >= 16 and merged["text_offset"][0] == 0
+    finally:
+        eng.shutdown()

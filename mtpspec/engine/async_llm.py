@@ -364,6 +364,8 @@ class AsyncLLM:
             try:
                 self.engine.add_request(prompt, params, request_id=rid, arrival_time=arrival)
                 live.seq = self._find_seq(rid)
+                if live.seq is not None:  # nothing to publish before it moves (a ParentRequest's is a tuple)
+                    live.sent = _progress(live.seq)
                 self._live[rid] = live
             except Exception as exc:  # fails this request only
                 self._unpend(live)

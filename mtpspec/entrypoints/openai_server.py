@@ -943,6 +943,10 @@ async def _completion_sse(ctx: ServerContext, req: CompletionRequest, streams: L
                 d = deltas[j]
                 if d.done:
                     continue
+                if (not echoed[j] and req.logprobs is not None and not c.finished()
+                        and len(out.prompt_logprobs or ()) < len(out.prompt_token_ids)):
+                    continue  # the echo waits for the whole prompt's logprobs (a chunked prefill; n > 1: a
+                    # snapshot taken as another choice moved)
                 text, ids, lps = d.next(c)
                 if score_only:
                     text, ids, lps = "", [], []
