@@ -58,9 +58,12 @@ class SamplingParams:
         top_k: keep the ``top_k`` most-likely tokens (ties broken by sort order); ``0`` or
             ``-1`` = off, otherwise an int >= 1.
         seed: an int makes the request's random draws reproducible: token ``i`` of the
-            sequence is decided by draws that depend only on ``(seed, i)``, so the same
-            request gives the same tokens whatever else is in the batch, after preemption,
-            and on every tensor-parallel rank. ``None``: the engine picks a random seed.
+            sequence is decided by draws that depend only on ``(seed, i)``, whatever else is
+            in the batch, after preemption and on every tensor-parallel rank, so the same
+            request gives the same tokens wherever its logits are the same (a row's logits can
+            differ in the last bits with the batch's row count, even in float32: a draw near a
+            tie of two tokens may then differ; docs/serving.md). ``None``: the engine picks a
+            random seed.
         max_tokens: most tokens to generate, an int >= 1, or ``None`` for "until the context
             (``max_model_len``) is full".
         stop: strings that end generation when they appear in the output text; the text is

@@ -370,3 +370,36 @@ def test_vllm_s_trust_remote_code_is_accepted_and_a_model_that_is_not_a_path_is_
         assert llm.model_config.vocab_size > 0
     with pytest.raises(TypeError, match="model must be a checkpoint folder"):
         LLM(None)
+
+
+def test_underscored_long_options_as_vllm(capsys, monkeypatch) -> None:
+    """A new-user pass (2026-12-05): vLLM's parser takes ``--tensor_parallel_size`` and
+    ``--max_model_len=1024`` as the dashed options; mtpspec's refused them. Values are left alone."""
+    from mtpspec.entrypoints import cli
+    from mtpspec.entrypoints.cli import _dashed
+    assert _dashed(["serve", "--tensor_parallel_size", "1", "--speculative_config", '{"num_speculative_tokens": 2}',
+                    "--max_model_len=1_024", "-k", "3", "--", "--a_b"]) == [
+        "serve", "--tensor-parallel-size", "1", "--speculative-config", '{"num_speculative_tokens": 2}',
+        "--max-model-len=1_024", "-k", "3", "--", "--a_b"]
+    seen = {}
+    monkeypatch.setattr(generate, "run", lambda args: seen.update(vars(args)) or 0)
+    assert cli.main(["generate", "--max_model_len=64", "--num_speculative_tokens", "1", "--prompt", "a_b"]) == 0
+    assert seen["max_model_len"] == 64 and seen["num_speculative_tokens"] == 1 and seen["prompt"] == ["a_b"]
+
+
+def test_tokenizer_flag_reaches_llm(path, tmp_path) -> None:
+    """``--tokenizer FOLDER`` (vLLM's flag) is ``LLM(tokenizer=FOLDER)``; a folder without one is named."""
+    assert _engine(["--tokenizer", "/tok"]).llm_kwargs()["tokenizer"] == "/tok"
+    assert _engine([]).llm_kwargs()["tokenizer"] is None
+    with pytest.raises(ValueError, match="no tokenizer there"):
+        LLM(**_engine(["--model", path, "--device", "cpu", "--tokenizer", str(tmp_path)]).llm_kwargs())
+
+
+def test_serve_takes_vllm_log_flags_and_refuses_an_empty_api_key(capsys) -> None:
+    """``--disable-log-requests`` / ``--disable-log-stats`` (vLLM scripts carry them) are accepted; an empty
+    ``--api-key`` is an error before the model loads."""
+    from mtpspec.entrypoints.cli import main
+    assert main(["serve", "--disable-log-requests", "--disable-log-stats", "--api_key=", "--port", "0",
+                 "--device", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert "--api-key must not be empty" in err and "unrecognized" not in err

@@ -491,3 +491,33 @@ def test_streamed_echo_logprobs_of_several_choices_equal_non_streamed(model_dir,
                 assert len(merged["tokens"]) >= 16 and merged["text_offset"][0] == 0
     finally:
         eng.shutdown()
+
+
+def test_api_key_guards_v1_as_vllm(engine) -> None:
+    """``serve --api-key`` (vLLM's flag; a new-user pass, 2026-12-05, found it refused): every ``/v1``
+    request needs ``Authorization: Bearer <key>``, else a 401 error object; ``/health`` and
+    ``/tokenize`` stay open; an empty key is refused."""
+    from mtpspec.entrypoints.openai_server import ServerContext, build_app
+    from mtpspec.entrypoints.server_metrics import ServerMetrics
+    metrics = ServerMetrics(engine.num_speculative_tokens, {"model": "m"})
+    app = build_app(ServerContext(engine, "m", "m", {"model": "m"}, metrics, api_key="s3cret"))
+    body = {"prompt": PROMPT, "max_tokens": 2, "temperature": 0}
+
+    async def main():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as c:
+            out = {}
+            for name, headers in (("none", {}), ("wrong", {"Authorization": "Bearer nope"}),
+                                  ("bare", {"Authorization": "s3cret"}), ("right", {"Authorization": "Bearer s3cret"})):
+                out[name] = (await c.get("/v1/models", headers=headers),
+                             await c.post("/v1/completions", json=body, headers=headers, timeout=60))
+            out["open"] = (await c.get("/health"), await c.post("/tokenize", json={"prompt": "a b"}))
+            return out
+
+    out = asyncio.run(main())
+    for name in ("none", "wrong", "bare"):
+        for r in out[name]:
+            assert r.status_code == 401, (name, r.text)
+            assert r.json()["error"]["code"] == 401 and "API key" in r.json()["error"]["message"]
+    assert [r.status_code for r in out["right"]] == [200, 200] and [r.status_code for r in out["open"]] == [200, 200]
+    with pytest.raises(ValueError, match="must not be empty"):
+        ServerContext(engine, "m", "m", {"model": "m"}, metrics, api_key="")

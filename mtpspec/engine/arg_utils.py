@@ -43,6 +43,7 @@ flag (vLLM spelling)                  aliases                       default     
                                                                                 generation_config.json: EOS ids,
                                                                                 sampling defaults) | vllm (EOS
                                                                                 ids only) | FOLDER
+``--tokenizer``                                                     model's     a folder holding the tokenizer
 ``--device``                                                        cuda if any cpu / cuda / cuda:N
 ``--enforce-eager``                                                 off         never use CUDA graphs
 ``--seed``                                                          0           engine seed: seeds requests without one
@@ -331,6 +332,7 @@ class EngineArgs:
     load_format: str = "auto"
     disable_shared_experts_fusion: bool = False
     generation_config: str = "auto"
+    tokenizer: Optional[str] = None
 
     # ------------------------------------------------------------------ command line
     @staticmethod
@@ -400,6 +402,9 @@ class EngineArgs:
                             "temperature / top_p / top_k / repetition_penalty / max_new_tokens are the defaults of "
                             "requests that leave them unset, its max_new_tokens caps the server's max_tokens); "
                             "vllm: its EOS ids only; or a folder holding one")
+        p.add_argument("--tokenizer", default=None,
+                       help="a folder to load the tokenizer from (tokenizer.json / tokenizer_config.json; default: the "
+                            "model folder's), as vLLM's --tokenizer")
         p.add_argument("--device", default=None, help="cuda / cuda:N / cpu (default: cuda when present)")
         p.add_argument("--enforce-eager", action="store_true", help="never use CUDA graphs")
         p.add_argument("--seed", type=int, default=0,
@@ -553,4 +558,4 @@ class EngineArgs:
                     enable_prefix_caching=self.enable_prefix_caching, kv_cache_dtype=self.kv_cache_dtype,
                     seed=self.seed, enforce_eager=self.enforce_eager, graph_mode=self.graph_mode,
                     load_format=self.load_format, disable_shared_experts_fusion=self.disable_shared_experts_fusion,
-                    generation_config=self.generation_config)
+                    generation_config=self.generation_config, tokenizer=self.tokenizer)

@@ -24,7 +24,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("-v", "--version", action="version", version=__version__)  # as `vllm --version`
     sub = parser.add_subparsers(dest="command", required=True)
     modules = {}
-    argv = sys.argv[1:] if argv is None else list(argv)
+    argv = _dashed(sys.argv[1:] if argv is None else list(argv))
     chosen = next((a for a in argv if not a.startswith("-")), None)
     for name, mod_name in SUBCOMMANDS.items():
         if chosen in SUBCOMMANDS and name != chosen:  # import only the chosen command: inference never imports training
@@ -48,6 +48,20 @@ def main(argv: Optional[List[str]] = None) -> int:
     except KeyboardInterrupt:  # Ctrl-C: the command's own clean-up ran on the way out; no traceback
         print(f"mtpspec {args.command}: interrupted", file=sys.stderr)
         return 130
+
+
+def _dashed(argv: List[str]) -> List[str]:
+    """``--tensor_parallel_size 2`` / ``--max_model_len=1024`` spelled with dashes, as vLLM's parser takes
+    both: underscores in a long option's name (before any ``=``) become dashes; values, short options and
+    everything after a bare ``--`` are left alone."""
+    out, rest = [], False
+    for a in argv:
+        if not rest and a.startswith("--") and len(a) > 2:
+            name, eq, value = a.partition("=")
+            a = name.replace("_", "-") + eq + value
+        rest = rest or a == "--"
+        out.append(a)
+    return out
 
 
 if __name__ == "__main__":

@@ -42,6 +42,7 @@ prefill (its one sampled token is not returned).
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import logging
 import math
@@ -83,11 +84,21 @@ class ServerContext:
         metrics: the Prometheus metrics (registered as an engine observer here).
         enable_prompt_tokens_details: ``usage.prompt_tokens_details.cached_tokens`` in responses
             (vLLM's ``--enable-prompt-tokens-details``; off by default, as there).
+        api_key: when set, every ``/v1`` request must carry ``Authorization: Bearer <api_key>``
+            (vLLM's ``--api-key``); others get 401. ``/health``, ``/metrics``, ``/version``,
+            ``/tokenize`` and ``/detokenize`` stay open, as in vLLM.
+
+    Raises:
+        ValueError: no served model name, or an empty ``api_key``.
     """
 
     def __init__(self, engine: AsyncLLM, served_model_name: Union[str, Sequence[str]], model_path: str,
-                 info: Dict[str, Any], metrics: ServerMetrics, enable_prompt_tokens_details: bool = False):
+                 info: Dict[str, Any], metrics: ServerMetrics, enable_prompt_tokens_details: bool = False,
+                 api_key: Optional[str] = None):
+        if api_key is not None and not api_key:
+            raise ValueError("--api-key must not be empty")
         self.engine = engine
+        self.api_key = api_key
         self.enable_prompt_tokens_details = enable_prompt_tokens_details
         names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name)
         if not names or not all(isinstance(x, str) and x for x in names):
@@ -666,6 +677,26 @@ class _InternalErrors:
             await JSONResponse(body, status_code=500)(scope, receive, send)
 
 
+class _RequireApiKey:
+    """ASGI middleware of ``--api-key``: an HTTP request whose path starts with ``/v1`` must carry
+    ``Authorization: Bearer <key>`` (compared in constant time), else 401 with an OpenAI-style error
+    body (vLLM guards the same paths; ``OPTIONS`` requests pass, for CORS pre-flights)."""
+
+    def __init__(self, app: Any, api_key: str):
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: Dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope.get("method") != "OPTIONS" and scope.get("path", "").startswith("/v1"):
+            got = dict(scope.get("headers") or []).get(b"authorization", b"")
+            if not hmac.compare_digest(got, self.expected):
+                err = OpenAIError(401, "Unauthorized: a valid API key is needed (header 'Authorization: Bearer "
+                                       "<key>', the server's --api-key)", "authentication_error")
+                await JSONResponse(err.body(), status_code=401)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
 # ---------------------------------------------------------------------------- app
 def build_app(ctx: ServerContext) -> FastAPI:
     """The FastAPI application over ``ctx`` (run it with uvicorn)."""
@@ -685,6 +716,8 @@ def build_app(ctx: ServerContext) -> FastAPI:
                             status_code=exc.status_code, headers=getattr(exc, "headers", None))
 
     app.add_middleware(_InternalErrors)  # any other exception: a JSON 500 (see the class)
+    if ctx.api_key is not None:
+        app.add_middleware(_RequireApiKey, api_key=ctx.api_key)  # outside _InternalErrors: checked first
 
     @app.get("/health")
     async def health() -> Response:

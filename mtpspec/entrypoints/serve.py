@@ -192,6 +192,12 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--enable-prompt-tokens-details", action="store_true",
                    help="vLLM's flag: usage.prompt_tokens_details.cached_tokens (prompt tokens the prefix cache "
                         "served) in responses, when non-zero (default off)")
+    p.add_argument("--api-key", default=None,
+                   help="vLLM's flag: /v1 requests must send 'Authorization: Bearer <key>' (401 otherwise); "
+                        "/health, /metrics, /version, /tokenize and /detokenize stay open (default: no key)")
+    p.add_argument("--disable-log-requests", "--disable-log-stats", dest="_vllm_log_flags", action="store_true",
+                   help="accepted so vLLM command lines run unchanged: mtpspec serve logs neither a line per request "
+                        "nor periodic stats (the flags change nothing; --log-level sets uvicorn's)")
     p.add_argument("--first-output-handoff-ms", type=non_negative_ms, default=0.0,
                    help="after a step with some request's first token (and at most 8 outputs), the engine thread waits "
                         "up to this long for the HTTP thread to send it before preparing the next step (GIL "
@@ -220,6 +226,8 @@ def build(args: argparse.Namespace) -> Any:
         if args.model is not None and args.model != tag:
             raise ValueError(f"the model is given twice: {tag!r} (positional) and --model {args.model!r}")
         args.model = tag
+    if getattr(args, "api_key", None) == "":
+        raise ValueError("--api-key must not be empty (leave it out for a server without a key)")
     forced = ForcedAcceptance.parse(args.forced_acceptance) if args.forced_acceptance else None
     kwargs = llm_kwargs(args)
     from mtpspec.engine.arg_utils import model_path_problem
@@ -261,7 +269,8 @@ def build(args: argparse.Namespace) -> Any:
     metrics = ServerMetrics(engine.num_speculative_tokens, info, forced_acceptance=forced is not None,
                             model_name=name[0])
     ctx = ServerContext(engine, name, kwargs["model"], info, metrics,
-                        enable_prompt_tokens_details=args.enable_prompt_tokens_details)
+                        enable_prompt_tokens_details=args.enable_prompt_tokens_details,
+                        api_key=getattr(args, "api_key", None))
     return build_app(ctx), engine, info
 
 
