@@ -283,3 +283,18 @@ def test_export_round_trip_bias_qk_norm_and_mixed_mtp_head_ties(tmp_path):
     assert exported.keys() == tensors.keys()
     assert "model.layers.1.self_attn.k_proj.bias" in exported and "model.layers.4.shared_head.head.weight" in exported
     assert all(torch.equal(exported[k], tensors[k]) for k in tensors)
+
+
+def test_mtp_layers_beyond_the_config_and_a_tied_head_present_are_named(tmp_path, base, caplog):
+    """A new-user pass (2026-12-05): MTP tensors with ``num_nextn_predict_layers: 0`` were "unexpected"
+    with no hint of the field; with ``tie_word_embeddings`` the checkpoint's own ``lm_head`` was dropped
+    without a word (vLLM drops it too; now a warning names it)."""
+    _, tensors, raw, _ = base
+    save_checkpoint(str(tmp_path / "a"), dict(tensors), {**raw, "num_nextn_predict_layers": 0})
+    with pytest.raises(UnexpectedKeyError, match=r"model\.layers\.3\..*num_nextn_predict_layers must count"):
+        load_target_model(str(tmp_path / "a"), device="cpu")
+    assert "lm_head.weight" in tensors and not raw.get("tie_word_embeddings")
+    save_checkpoint(str(tmp_path / "b"), dict(tensors), {**raw, "tie_word_embeddings": True})
+    with caplog.at_level("WARNING", logger="mtpspec.models.loader"):
+        model = load_target_model(str(tmp_path / "b"), device="cpu")
+    assert model is not None and "'lm_head.weight' is not loaded" in caplog.text

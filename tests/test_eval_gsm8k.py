@@ -255,3 +255,25 @@ def test_http_eval_retries_a_full_queue(monkeypatch):
     calls["n"] = 0
     with pytest.raises(RuntimeError, match="HTTP 503"):
         eval_gsm8k.generate_http("http://x", ["a"], 8, concurrency=1, progress=False)
+
+
+def test_a_test_row_without_its_gold_is_named_and_zero_shots_read_no_train_file(tmp_path) -> None:
+    """A new-user pass (2026-12-05): a ``--data`` row whose answer has no ``#### n`` line was scored 0
+    silently (the same row in ``--train`` is refused); ``--num-fewshot 0`` needed a valid train file."""
+    import json as _json
+    data = tmp_path / "test.jsonl"
+    data.write_text(_json.dumps({"question": "2 + 2?", "answer": "It is 4"}) + "\n")
+    with pytest.raises(ValueError, match=r"question 1's answer has no '#### n' line"):
+        eval_gsm8k.evaluate({"a": "http://127.0.0.1:9"}, str(data), str(tmp_path / "none.jsonl"), num_fewshot=0)
+    data.write_text(_json.dumps({"question": "2 + 2?", "answer": "2 + 2 = 4\n#### 4"}) + "\n")
+    seen = {}
+
+    def fake_http(url, prompts, *a, **kw):
+        seen["prompts"] = list(prompts)
+        return {"texts": [" 2 + 2 = 4\n#### 4"], "token_ids": [[1, 2, 3]]}
+    import unittest.mock
+    with unittest.mock.patch.object(eval_gsm8k, "generate_http", fake_http):
+        res = eval_gsm8k.evaluate({"a": "http://127.0.0.1:9"}, str(data), str(tmp_path / "none.jsonl"),
+                                  num_fewshot=0, progress=False)
+    assert seen["prompts"] == ["Question: 2 + 2?\nAnswer:"]
+    assert res["arms"]["a"]["scores"]["strict-match"]["correct"] == [True]

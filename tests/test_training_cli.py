@@ -90,12 +90,18 @@ def test_bad_runs_are_refused_before_anything_is_written(tmp_path, capsys):
     base = ["train", "--tiny", "--device", "cpu", "--output-dir", str(out)]
     (tmp_path / "other").mkdir()
     (tmp_path / "other" / "config.json").write_text('{"model_type": "deepseek_v3"}')
+    (tmp_path / "badjson").mkdir()
+    (tmp_path / "badjson" / "config.json").write_text('{bad')
     for extra, msg in ((["--log-every", "0"], "--log-every must be >= 1"),
                        (["--max-minutes", "0.2"], "leaves no training time after --reserve-seconds 30"),
                        (["--dtype", "int8"], "--dtype must be auto"), (["--save-dtype", "int8"], "--save-dtype must"),
                        (["--init-from", str(tmp_path / "nowhere")], "there is no config.json"),
                        (["--init-from", str(tmp_path / "other"), "--arch", "glm4_moe"],
-                        "holds a 'deepseek_v3' model; pass --arch deepseek_v3"),
+                        "holds a 'deepseek_v3' model; train continues glm4_moe / glm_moe_dsa (got --arch glm4_moe)"),
+                       # no --arch given: not "--arch must be one of" (a new-user pass, 2026-12-05)
+                       (["--init-from", str(tmp_path / "other")],
+                        "holds a 'deepseek_v3' model; mtpspec train builds and continues glm4_moe / glm_moe_dsa"),
+                       (["--init-from", str(tmp_path / "badjson")], "config.json: not a readable JSON object"),
                        (["--gsm8k-dir", str(tmp_path / "test.jsonl")], "names GSM8K's test split")):
         assert main(base + extra) == 2, extra
         err = capsys.readouterr().err

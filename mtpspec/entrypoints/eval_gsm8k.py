@@ -229,7 +229,12 @@ def evaluate(sources: Dict[str, Any], data: str, train: str, num_fewshot: int = 
         if limit < 1:
             raise ValueError(f"--limit must be >= 1, got {limit}")
         rows = rows[:limit]
-    prompts = build_prompts(rows, load_gsm8k(train), num_fewshot)
+    gold_missing = next((i for i, r in enumerate(rows) if "#### " not in r["answer"]), None)
+    if gold_missing is not None:  # scoring reads the gold number after it (a new-user pass: such rows scored 0)
+        raise ValueError(f"{data}: question {gold_missing + 1}'s answer has no '#### n' line (the gold answer GSM8K "
+                         f"scoring reads), got {rows[gold_missing]['answer'][:80]!r}")
+    # no shots: the train file is not read (it need not exist)
+    prompts = build_prompts(rows, load_gsm8k(train) if num_fewshot else [], num_fewshot)
     answers = [r["answer"] for r in rows]
     arms: Dict[str, Any] = {}
     for name, src in sources.items():

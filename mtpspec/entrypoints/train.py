@@ -21,8 +21,8 @@ def run(args: argparse.Namespace) -> int:
     ``ValueError`` / ``FileNotFoundError``) is one ``error:`` line on stderr and exit status 2, as
     argparse reports its own; an interrupt outside the training loop (which saves) exits 130."""
     from mtpspec.training.train import check_config, config_from_args, train
-    cfg = config_from_args(args)
     try:
+        cfg = config_from_args(args)
         check_config(cfg)
         train(cfg)
     except (ValueError, FileNotFoundError) as e:

@@ -200,6 +200,13 @@ class CheckpointReader:
             raise CorruptCheckpointError(f"cannot read {key!r} from {self._where[key]}: {exc}") from exc
 
 
+def _num_known_layers(*specs: Dict[str, WeightSpec]) -> Optional[int]:
+    """One more than the highest ``model.layers.N.`` index among the specs (target and MTP layers), or
+    ``None`` where none is named so."""
+    ids = [int(m.group(1)) for d in specs for key in d if (m := re.match(r"model\.layers\.(\d+)\.", key))]
+    return max(ids) + 1 if ids else None
+
+
 def _select(reader: CheckpointReader, own: Dict[str, WeightSpec], other: Dict[str, WeightSpec],
             part: str, block: Optional[Tuple[int, int]] = None) -> Dict[str, WeightSpec]:
     """Check names, layouts, shapes and dtypes (FP8 weights and their scales with ``block``); return
@@ -213,6 +220,13 @@ def _select(reader: CheckpointReader, own: Dict[str, WeightSpec], other: Dict[st
                 continue
             if key.endswith(QUANT_SCALE_SUFFIXES):
                 raise UnexpectedKeyError(key, f" (a quantization scale: {QUANTIZED_HINT})")
+            layer = re.match(r"model\.layers\.(\d+)\.", key)
+            n_known = _num_known_layers(own, other)
+            if layer and n_known is not None and int(layer.group(1)) >= n_known:
+                raise UnexpectedKeyError(key, f" (layer {layer.group(1)} is past the {n_known} that config.json "
+                                              "declares, num_hidden_layers + num_nextn_predict_layers: an MTP layer? "
+                                              "num_nextn_predict_layers must count the MTP layers the checkpoint "
+                                              "holds)")
             raise UnexpectedKeyError(key, f" (not a tensor of this {part}'s config; expected names like "
                                           f"{next(iter(own))!r})")
     layouts: Dict[str, Dict[str, List[str]]] = {}
@@ -262,6 +276,10 @@ def _select(reader: CheckpointReader, own: Dict[str, WeightSpec], other: Dict[st
             raise ShapeMismatchError(key, spec.shape, shape)
         if not spec.ignored:
             selected[key] = spec
+        elif key.endswith("lm_head.weight"):  # a new-user pass (2026-12-05): the swap was silent
+            logger.warning("config.json sets tie_word_embeddings: the checkpoint's %r is not loaded, the output "
+                           "layer is embed_tokens (as vLLM ties it; transformers keeps a differing lm_head); set "
+                           "tie_word_embeddings false to use it", key)
     return selected
 
 

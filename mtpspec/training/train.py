@@ -340,8 +340,9 @@ def _check_paths(cfg: TrainConfig) -> None:
         except (OSError, ValueError, AttributeError) as exc:
             raise ValueError(f"{cfg_path}: not a readable JSON object ({exc})") from None
         if model_type != cfg.arch:
-            raise ValueError(f"--init-from {cfg.init_from} holds a {model_type!r} model; pass --arch {model_type} "
-                             f"(got --arch {cfg.arch})")
+            from mtpspec.training.model_setup import ARCHS
+            fix = f"pass --arch {model_type}" if model_type in ARCHS else f"train continues {' / '.join(sorted(ARCHS))}"
+            raise ValueError(f"--init-from {cfg.init_from} holds a {model_type!r} model; {fix} (got --arch {cfg.arch})")
     if cfg.gsm8k_dir and os.path.basename(os.path.normpath(cfg.gsm8k_dir)) == "test.jsonl":
         raise ValueError(f"--gsm8k-dir {cfg.gsm8k_dir!r} names GSM8K's test split; training reads the train split "
                          "(train.jsonl, or a folder holding it): the test split is for evaluation only")
@@ -819,10 +820,17 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
             values[f.name] = v
     cfg_path = os.path.join(values["init_from"], "config.json") if values["init_from"] else ""
     if getattr(args, "arch", None) is None and cfg_path and os.path.isfile(cfg_path):
-        with open(cfg_path) as fh:
-            model_type = json.load(fh).get("model_type")
+        try:
+            with open(cfg_path, encoding="utf-8") as fh:
+                model_type = json.load(fh).get("model_type")
+        except (OSError, ValueError, AttributeError) as exc:
+            raise ValueError(f"{cfg_path}: not a readable JSON object ({exc})") from None
+        from mtpspec.training.model_setup import ARCHS
+        if model_type and model_type not in ARCHS:  # not the --arch check's words: the user gave no --arch
+            raise ValueError(f"--init-from {values['init_from']} holds a {model_type!r} model; mtpspec train builds "
+                             f"and continues {' / '.join(sorted(ARCHS))} models only")
         if model_type:
-            values["arch"] = model_type  # check_config names it if it is not a trainable architecture
+            values["arch"] = model_type
     return TrainConfig(**values)
 
 
