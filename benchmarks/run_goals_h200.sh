@@ -12,6 +12,7 @@
 #   bash benchmarks/run_goals_h200.sh serving-deep OUT  # issue 17: prefix-cache TTFT on 40 of Llama-3-70B's 80 layers
 #   bash benchmarks/run_goals_h200.sh adaptive-inproc OUT # issue 18: the adaptive sweep in-process (deterministic arrival)
 #   bash benchmarks/run_goals_h200.sh trace64 OUT    # issue 18: s64 traced step by step, plain / adaptive, 3 rounds each
+#   bash benchmarks/run_goals_h200.sh profile64 OUT  # issue 18: steady c64 decode steps' kernels, plain / adaptive
 #   bash benchmarks/run_goals_h200.sh adaptive-deep OUT # issue 18: the same with LAYERS (4) target layers, 2 warm-ups
 #   bash benchmarks/run_goals_h200.sh graph-mem OUT   # issue 18: CUDA-graph memory beside the KV cache, plain / k3 / adaptive
 #   bash benchmarks/run_goals_h200.sh mixed-host OUT  # issue 18: host phases of mixed steps, plain vs adaptive held at k = 0
@@ -193,6 +194,13 @@ trace64)  # issue 18: s64 step by step, plain vs adaptive, 3 rounds on one engin
   for e in plain adaptive; do
     step 200 "trace64_$e" python3 benchmarks/trace_adaptive_steps.py /tmp/air3 --engine $e --concurrency 64 \
         --warmup-full --rounds 3 --json "$OUT/trace64_$e.json"
+  done ;;
+profile64)  # issue 18: device work of steady decode steps at 64 sequences, kernel by kernel (torch.profiler):
+  # plain, the adaptive engine held at k = 0, the adaptive engine: is the k = 0 step's extra time device or host?
+  python3 benchmarks/make_dummy_model.py /tmp/air3 --preset air-8l --num-hidden-layers 3 \
+      --max-position-embeddings 2048 || exit 1
+  for e in plain adaptive-k0 adaptive; do
+    step 150 "profile64_$e" python3 benchmarks/profile_decode_gpu.py /tmp/air3 --engine $e --json "$OUT/profile64_$e.json"
   done ;;
 adaptive-inproc)  # issue 18's adaptive goal with deterministic arrival: `bench arms --in-process` (each arm an LLM in
   # one process, every request of a run queued before the first step, forced acceptance re-armed each run: a round

@@ -131,6 +131,17 @@ def test_trace_adaptive_steps_smoke(tmp_path):
             assert not res["eager_mtp_kv"]
 
 
+def test_profile_decode_gpu_smoke(tmp_path):
+    """``profile_decode_gpu.py`` (issue 18: steady decode steps under torch.profiler) on the CPU: the
+    adaptive engine held at k = 0 proposes 0 in every profiled step, and the figures are per step."""
+    out = tmp_path / "p.json"
+    _run("profile_decode_gpu.py", "--engine", "adaptive-k0", "--json", str(out))
+    res = json.loads(out.read_text())
+    assert res["steps"] == 4 and res["wall_ms_per_step"] > 0 and res["kernel_ms_per_step"] == 0  # no CUDA here
+    hist = res["proposed_k_histogram"]
+    assert hist[0] > 0 and sum(hist[1:]) == 0
+
+
 def test_profile_step_host_smoke(tmp_path):
     """Every wrapped host phase is timed (the script wraps engine methods by name: a rename must fail here)."""
     out = tmp_path / "host.json"
