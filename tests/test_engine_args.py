@@ -381,6 +381,10 @@ def test_underscored_long_options_as_vllm(capsys, monkeypatch) -> None:
                     "--max_model_len=1_024", "-k", "3", "--", "--a_b"]) == [
         "serve", "--tensor-parallel-size", "1", "--speculative-config", '{"num_speculative_tokens": 2}',
         "--max-model-len=1_024", "-k", "3", "--", "--a_b"]
+    # a word with a space is a value, as argparse reads it (a review: bench arms --server-args' documented form)
+    for value in ('--speculative-config {"num_speculative_tokens": 3}', "--model /ckpt/glm_air", "--a_b c"):
+        assert _dashed(["bench", "arms", "--server-args", value, "--prompt", value]) == [
+            "bench", "arms", "--server-args", value, "--prompt", value]
     seen = {}
     monkeypatch.setattr(generate, "run", lambda args: seen.update(vars(args)) or 0)
     assert cli.main(["generate", "--max_model_len=64", "--num_speculative_tokens", "1", "--prompt", "a_b"]) == 0

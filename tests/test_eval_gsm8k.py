@@ -277,3 +277,7 @@ def test_a_test_row_without_its_gold_is_named_and_zero_shots_read_no_train_file(
                                   num_fewshot=0, progress=False)
     assert seen["prompts"] == ["Question: 2 + 2?\nAnswer:"]
     assert res["arms"]["a"]["scores"]["strict-match"]["correct"] == [True]
+    # the command line too: no train.jsonl beside the test file (a review found data_files still wanted one)
+    assert eval_gsm8k.data_files(str(data), None, 0) == (str(data), "")
+    with pytest.raises(FileNotFoundError, match="--train"):
+        eval_gsm8k.data_files(str(data), None, 1)

@@ -493,7 +493,7 @@ def test_streamed_echo_logprobs_of_several_choices_equal_non_streamed(model_dir,
         eng.shutdown()
 
 
-def test_api_key_guards_v1_as_vllm(engine) -> None:
+def test_api_key_guards_v1_as_vllm(engine, monkeypatch) -> None:
     """``serve --api-key`` (vLLM's flag; a new-user pass, 2026-12-05, found it refused): every ``/v1``
     request needs ``Authorization: Bearer <key>``, else a 401 error object; ``/health`` and
     ``/tokenize`` stay open; an empty key is refused."""
@@ -511,6 +511,11 @@ def test_api_key_guards_v1_as_vllm(engine) -> None:
                 out[name] = (await c.get("/v1/models", headers=headers),
                              await c.post("/v1/completions", json=body, headers=headers, timeout=60))
             out["open"] = (await c.get("/health"), await c.post("/tokenize", json={"prompt": "a b"}))
+            out["reset"] = (await c.post("/reset_prefix_cache"),
+                            await c.post("/reset_prefix_cache", headers={"Authorization": "Bearer s3cret"}))
+            # two Authorization headers: the first counts (Starlette's reading)
+            two = [("Authorization", "Bearer nope"), ("Authorization", "Bearer s3cret")]
+            out["two"] = (await c.get("/v1/models", headers=two), await c.get("/v1/models", headers=two[::-1]))
             return out
 
     out = asyncio.run(main())
@@ -519,5 +524,12 @@ def test_api_key_guards_v1_as_vllm(engine) -> None:
             assert r.status_code == 401, (name, r.text)
             assert r.json()["error"]["code"] == 401 and "API key" in r.json()["error"]["message"]
     assert [r.status_code for r in out["right"]] == [200, 200] and [r.status_code for r in out["open"]] == [200, 200]
+    assert [r.status_code for r in out["reset"]] == [401, 200] and [r.status_code for r in out["two"]] == [401, 200]
+    # mtpspec's own clients send $OPENAI_API_KEY
+    from mtpspec.entrypoints.bench_serve import api_key_headers
+    monkeypatch.setenv("OPENAI_API_KEY", "s3cret")
+    assert api_key_headers() == {"Authorization": "Bearer s3cret"}
+    monkeypatch.delenv("OPENAI_API_KEY")
+    assert api_key_headers() == {}
     with pytest.raises(ValueError, match="must not be empty"):
         ServerContext(engine, "m", "m", {"model": "m"}, metrics, api_key="")

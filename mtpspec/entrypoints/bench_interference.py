@@ -50,6 +50,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import httpx
 
+from mtpspec.entrypoints.bench_serve import api_key_headers
+
 #: issue 17: interference-window ITL p99 at most this many times its median
 GOAL_RATIO = 2.0
 #: a window's client event-loop lag p99 above this fraction of its ITL median is reported
@@ -297,7 +299,7 @@ async def _decode_worker_async(url: str, bodies: List[Dict[str, Any]], conn: Any
     limits = httpx.Limits(max_connections=n, max_keepalive_connections=n)
     recs = [StreamRecord() for _ in bodies]
     lags: List[Tuple[float, float]] = []
-    async with httpx.AsyncClient(timeout=httpx.Timeout(3600.0), limits=limits) as client:
+    async with httpx.AsyncClient(headers=api_key_headers(), timeout=httpx.Timeout(3600.0), limits=limits) as client:
         tasks = [asyncio.ensure_future(_stream(client, url, body, rec)) for body, rec in zip(bodies, recs)]
         probe = asyncio.ensure_future(_lag_probe(lags))
         try:
@@ -344,7 +346,7 @@ async def _run(url: str, model: str, cfg: InterferenceConfig, decode_len: int, d
     ctx = mp.get_context("spawn")
     n_conn = cfg.num_prefill_clients + 8
     limits = httpx.Limits(max_connections=n_conn, max_keepalive_connections=n_conn)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(3600.0), limits=limits) as client:
+    async with httpx.AsyncClient(headers=api_key_headers(), timeout=httpx.Timeout(3600.0), limits=limits) as client:
         r = await client.post(url + "/reset_prefix_cache")
         if r.status_code != 200:
             raise ValueError(f"POST /reset_prefix_cache answered HTTP {r.status_code}: {r.text[:200]}")
@@ -447,7 +449,7 @@ def run_interference_benchmark(base_url: str, cfg: InterferenceConfig, progress:
     from mtpspec.entrypoints.bench_dataset import random_prompts
     from mtpspec.entrypoints.bench_serve import ServerInfo, server_root
     base_url = server_root(base_url)
-    with httpx.Client(timeout=60.0) as client:
+    with httpx.Client(headers=api_key_headers(), timeout=60.0) as client:
         info = ServerInfo(base_url, client)
     decode_len = check_fits(cfg, info.max_model_len, info.info)
     n_long = cfg.warmup + cfg.num_prefill_clients * cfg.prefill_requests

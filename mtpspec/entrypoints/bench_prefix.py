@@ -27,6 +27,7 @@ from typing import Any, Dict, List, Sequence, Tuple
 import httpx
 
 from mtpspec.data.gsm8k import fewshot_prompt
+from mtpspec.entrypoints.bench_serve import api_key_headers
 
 HITS_METRIC = "mtpspec:prefix_cache_hits_total"
 # Server-side per-request figures, as deltas of these sums around each request (seconds / steps).
@@ -96,7 +97,7 @@ def run_prefix_benchmark(base_url: str, cfg: Any, num_shots: int = 5) -> Dict[st
     base_url = server_root(base_url)
     prompts, prefix = prefix_prompts(load_dataset(cfg.dataset), cfg.warmup + 2 * cfg.num_prompts, num_shots, cfg.seed)
     recs: Dict[str, List[Dict[str, Any]]] = {"hit": [], "miss": []}
-    with httpx.Client(timeout=httpx.Timeout(3600.0)) as client:
+    with httpx.Client(headers=api_key_headers(), timeout=httpx.Timeout(3600.0)) as client:
         info = ServerInfo(base_url, client)
 
         def reset() -> None:

@@ -107,6 +107,14 @@ class RequestRecord:
 
 
 # ---------------------------------------------------------------------------- server access
+def api_key_headers() -> Dict[str, str]:
+    """The ``Authorization`` header mtpspec's own clients (``bench``, ``eval gsm8k --base-url``) send:
+    ``Bearer $OPENAI_API_KEY`` when that variable is set (what vLLM's benchmark clients read), for a
+    server started with ``--api-key``; else none."""
+    key = os.environ.get("OPENAI_API_KEY")
+    return {"Authorization": f"Bearer {key}"} if key else {}
+
+
 def server_root(base_url: str) -> str:
     """The server's root URL: trailing slashes and a trailing ``/v1`` (the form an OpenAI client's
     ``base_url`` takes) removed; the benches add ``/v1/...`` themselves."""
@@ -259,7 +267,7 @@ async def _run_load(url: str, model: str, prompts: Sequence[Any], cfg: BenchConf
     if progress:
         from tqdm import tqdm
         bar = tqdm(total=len(prompts), desc=desc, unit="req", leave=False, dynamic_ncols=True, file=sys.stderr)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(3600.0), limits=limits) as client:
+    async with httpx.AsyncClient(headers=api_key_headers(), timeout=httpx.Timeout(3600.0), limits=limits) as client:
         async def guarded(i: int, p: Any) -> RequestRecord:
             async with sem:
                 rec = await _one(client, url, model, p, cfg, cfg.request_seed(i))
@@ -298,7 +306,7 @@ def run_benchmark(base_url: str, cfg: BenchConfig, progress: bool = True, desc: 
         httpx.HTTPError: the server cannot be reached.
     """
     base_url = server_root(base_url)
-    with httpx.Client(timeout=600.0) as client:
+    with httpx.Client(headers=api_key_headers(), timeout=600.0) as client:
         info = ServerInfo(base_url, client)
         if cfg.input_len is not None and info.max_model_len and cfg.input_len + cfg.output_len > info.max_model_len:
             raise ValueError(f"input_len {cfg.input_len} + output_len {cfg.output_len} exceed the server's "

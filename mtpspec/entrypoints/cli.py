@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import re
 import sys
 from typing import List, Optional
 
@@ -50,14 +51,19 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 130
 
 
+_OPTION_NAME = re.compile(r"--[A-Za-z0-9][A-Za-z0-9_-]*")
+
+
 def _dashed(argv: List[str]) -> List[str]:
     """``--tensor_parallel_size 2`` / ``--max_model_len=1024`` spelled with dashes, as vLLM's parser takes
-    both: underscores in a long option's name (before any ``=``) become dashes; values, short options and
-    everything after a bare ``--`` are left alone."""
+    both: underscores in a long option's name (before any ``=``) become dashes. A word whose part before
+    ``=`` is not an option name (letters, digits, ``-``, ``_``) is a value and left alone, as argparse takes
+    a word with a space for one (``--server-args '--model /ckpt/glm_air'``, ``--prompt '--a_b c'``); so are
+    short options, values after ``=`` and everything after a bare ``--``."""
     out, rest = [], False
     for a in argv:
-        if not rest and a.startswith("--") and len(a) > 2:
-            name, eq, value = a.partition("=")
+        name, eq, value = a.partition("=")
+        if not rest and _OPTION_NAME.fullmatch(name):
             a = name.replace("_", "-") + eq + value
         rest = rest or a == "--"
         out.append(a)

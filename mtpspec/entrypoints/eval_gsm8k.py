@@ -33,6 +33,7 @@ import sys
 import time
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
+from mtpspec.entrypoints.bench_serve import api_key_headers
 from mtpspec.entrypoints.eval_gsm8k_score import STOP_SEQUENCES, score_completions
 
 #: ``--num-fewshot``'s default: lm-eval's 5-shot gsm8k (also the prompt self-distillation copies).
@@ -83,7 +84,7 @@ def generate_http(base_url: str, prompts: Sequence[str], max_tokens: int, concur
 
     from mtpspec.entrypoints.bench_serve import NEUTRAL_SAMPLING, ServerInfo, scrape, server_root, spec_figures
     base_url = server_root(base_url)
-    with httpx.Client(timeout=600) as c:
+    with httpx.Client(headers=api_key_headers(), timeout=600) as c:
         info = ServerInfo(base_url, c)
         before = scrape(base_url, c)
 
@@ -93,7 +94,7 @@ def generate_http(base_url: str, prompts: Sequence[str], max_tokens: int, concur
         if progress:
             from tqdm import tqdm
             bar = tqdm(total=len(prompts), desc=desc, unit="q", dynamic_ncols=True, file=sys.stderr)
-        async with httpx.AsyncClient(timeout=httpx.Timeout(3600.0)) as client:
+        async with httpx.AsyncClient(headers=api_key_headers(), timeout=httpx.Timeout(3600.0)) as client:
             async def one(p: str) -> Dict[str, Any]:
                 async with sem:
                     delay, deadline = 0.05, time.monotonic() + OVERLOAD_RETRY_S
@@ -119,7 +120,7 @@ def generate_http(base_url: str, prompts: Sequence[str], max_tokens: int, concur
     t0 = time.perf_counter()
     choices = asyncio.run(go())
     seconds = time.perf_counter() - t0
-    with httpx.Client(timeout=600) as c:
+    with httpx.Client(headers=api_key_headers(), timeout=600) as c:
         after = scrape(base_url, c)
     k = int(info.info.get("num_speculative_tokens") or 0)
     spec = spec_figures(before, after, k)
@@ -186,7 +187,8 @@ def compare_arms(token_ids: Dict[str, Sequence[Sequence[int]]]) -> Dict[str, Dic
 
 def format_report(res: Dict[str, Any]) -> str:
     c = res["config"]
-    lines = [f"GSM8K: {c['data']} ({res['n']} questions), {c['num_fewshot']}-shot from {c['train']}, greedy, "
+    shots = f"{c['num_fewshot']}-shot from {c['train']}" if c["num_fewshot"] else "0-shot"
+    lines = [f"GSM8K: {c['data']} ({res['n']} questions), {shots}, greedy, "
              f"max_tokens {c['max_tokens']}",
              f"{'arm':<12} {'strict-match':>18} {'flexible-extract':>18} {'acc. length':>12} {'seconds':>9}"]
     for arm, r in res["arms"].items():
@@ -304,10 +306,11 @@ def _sources(args: argparse.Namespace) -> Dict[str, Any]:
     return out
 
 
-def data_files(data: Optional[str] = None, train: Optional[str] = None) -> Tuple[str, str]:
+def data_files(data: Optional[str] = None, train: Optional[str] = None, num_fewshot: int = 1) -> Tuple[str, str]:
     """The test and shots files: ``data`` (file or folder) else ``$MTPSPEC_GSM8K_DIR`` else the
     bundled test split (:func:`mtpspec.data.gsm8k.resolve_gsm8k`); ``train`` (file or folder) else
-    ``train.jsonl`` beside the test file.
+    ``train.jsonl`` beside the test file. With ``num_fewshot`` 0 no shots file is needed: ``train`` is
+    returned as given (``""`` when not), unchecked.
 
     Raises:
         mtpspec.data.gsm8k.GSM8KNotFoundError (a ``FileNotFoundError``): a file is missing; the
@@ -315,6 +318,8 @@ def data_files(data: Optional[str] = None, train: Optional[str] = None) -> Tuple
     """
     from mtpspec.data.gsm8k import resolve_gsm8k
     data = resolve_gsm8k("test", data, "--data")
+    if num_fewshot == 0:
+        return data, train or ""
     if not train:
         train, source = os.path.dirname(os.path.abspath(data)), "--train (default: beside the test file)"
     else:
@@ -345,7 +350,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: --json: {why}", file=sys.stderr)
         return 2
     try:
-        data, train = data_files(args.data, args.train)
+        data, train = data_files(args.data, args.train, args.num_fewshot)
         res = evaluate(_sources(args), data, train, args.num_fewshot, args.limit, args.max_tokens,
                        args.max_concurrency, progress=not args.no_progress)
     except (ValueError, TypeError, FileNotFoundError, RuntimeError) as exc:

@@ -85,8 +85,8 @@ class ServerContext:
         enable_prompt_tokens_details: ``usage.prompt_tokens_details.cached_tokens`` in responses
             (vLLM's ``--enable-prompt-tokens-details``; off by default, as there).
         api_key: when set, every ``/v1`` request must carry ``Authorization: Bearer <api_key>``
-            (vLLM's ``--api-key``); others get 401. ``/health``, ``/metrics``, ``/version``,
-            ``/tokenize`` and ``/detokenize`` stay open, as in vLLM.
+            (vLLM's ``--api-key``), and so must ``/reset_prefix_cache``; others get 401. ``/health``,
+            ``/metrics``, ``/version``, ``/tokenize`` and ``/detokenize`` stay open, as in vLLM.
 
     Raises:
         ValueError: no served model name, or an empty ``api_key``.
@@ -678,17 +678,21 @@ class _InternalErrors:
 
 
 class _RequireApiKey:
-    """ASGI middleware of ``--api-key``: an HTTP request whose path starts with ``/v1`` must carry
-    ``Authorization: Bearer <key>`` (compared in constant time), else 401 with an OpenAI-style error
-    body (vLLM guards the same paths; ``OPTIONS`` requests pass, for CORS pre-flights)."""
+    """ASGI middleware of ``--api-key``: an HTTP request whose path starts with ``/v1`` (vLLM guards
+    the same paths), or ``/reset_prefix_cache`` (it changes the server's state; vLLM serves it in dev
+    mode only), must carry ``Authorization: Bearer <key>`` (compared in constant time), else 401 with an
+    OpenAI-style error body; ``OPTIONS`` requests pass, for CORS pre-flights."""
 
     def __init__(self, app: Any, api_key: str):
         self.app = app
         self.expected = f"Bearer {api_key}".encode()
 
     async def __call__(self, scope: Dict[str, Any], receive: Any, send: Any) -> None:
-        if scope["type"] == "http" and scope.get("method") != "OPTIONS" and scope.get("path", "").startswith("/v1"):
-            got = dict(scope.get("headers") or []).get(b"authorization", b"")
+        path = scope.get("path", "")
+        if scope["type"] == "http" and scope.get("method") != "OPTIONS" and (
+                path.startswith("/v1") or path == "/reset_prefix_cache"):
+            # the first Authorization header, as Starlette's request.headers reads it
+            got = next((v for k, v in scope.get("headers") or [] if k == b"authorization"), b"")
             if not hmac.compare_digest(got, self.expected):
                 err = OpenAIError(401, "Unauthorized: a valid API key is needed (header 'Authorization: Bearer "
                                        "<key>', the server's --api-key)", "authentication_error")

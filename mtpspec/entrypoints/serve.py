@@ -193,8 +193,9 @@ def add_parser(sub: Any) -> None:
                    help="vLLM's flag: usage.prompt_tokens_details.cached_tokens (prompt tokens the prefix cache "
                         "served) in responses, when non-zero (default off)")
     p.add_argument("--api-key", default=None,
-                   help="vLLM's flag: /v1 requests must send 'Authorization: Bearer <key>' (401 otherwise); "
-                        "/health, /metrics, /version, /tokenize and /detokenize stay open (default: no key)")
+                   help="vLLM's flag: /v1 requests (and /reset_prefix_cache) must send 'Authorization: Bearer "
+                        "<key>' (401 otherwise); /health, /metrics, /version, /tokenize and /detokenize stay open; "
+                        "mtpspec's clients (bench, eval --base-url) send $OPENAI_API_KEY (default: no key)")
     p.add_argument("--disable-log-requests", "--disable-log-stats", dest="_vllm_log_flags", action="store_true",
                    help="accepted so vLLM command lines run unchanged: mtpspec serve logs neither a line per request "
                         "nor periodic stats (the flags change nothing; --log-level sets uvicorn's)")

@@ -200,6 +200,13 @@ class CheckpointReader:
             raise CorruptCheckpointError(f"cannot read {key!r} from {self._where[key]}: {exc}") from exc
 
 
+def _differs_from_embedding(reader: CheckpointReader, key: str) -> bool:
+    """Whether checkpoint tensor ``key`` (a tied config's ``lm_head.weight``) differs from
+    ``model.embed_tokens.weight`` (both read whole; only a tied checkpoint that stores both pays it)."""
+    emb = "model.embed_tokens.weight"
+    return emb not in reader or not torch.equal(reader.get(key), reader.get(emb))
+
+
 def _num_known_layers(*specs: Dict[str, WeightSpec]) -> Optional[int]:
     """One more than the highest ``model.layers.N.`` index among the specs (target and MTP layers), or
     ``None`` where none is named so."""
@@ -224,9 +231,9 @@ def _select(reader: CheckpointReader, own: Dict[str, WeightSpec], other: Dict[st
             n_known = _num_known_layers(own, other)
             if layer and n_known is not None and int(layer.group(1)) >= n_known:
                 raise UnexpectedKeyError(key, f" (layer {layer.group(1)} is past the {n_known} that config.json "
-                                              "declares, num_hidden_layers + num_nextn_predict_layers: an MTP layer? "
-                                              "num_nextn_predict_layers must count the MTP layers the checkpoint "
-                                              "holds)")
+                                              "declares, num_hidden_layers + num_nextn_predict_layers: the two must "
+                                              "count the checkpoint's target and MTP layers; an MTP layer past "
+                                              "the target's is counted by num_nextn_predict_layers)")
             raise UnexpectedKeyError(key, f" (not a tensor of this {part}'s config; expected names like "
                                           f"{next(iter(own))!r})")
     layouts: Dict[str, Dict[str, List[str]]] = {}
@@ -276,10 +283,13 @@ def _select(reader: CheckpointReader, own: Dict[str, WeightSpec], other: Dict[st
             raise ShapeMismatchError(key, spec.shape, shape)
         if not spec.ignored:
             selected[key] = spec
-        elif key.endswith("lm_head.weight"):  # a new-user pass (2026-12-05): the swap was silent
-            logger.warning("config.json sets tie_word_embeddings: the checkpoint's %r is not loaded, the output "
-                           "layer is embed_tokens (as vLLM ties it; transformers keeps a differing lm_head); set "
-                           "tie_word_embeddings false to use it", key)
+        elif key.endswith("lm_head.weight") and _differs_from_embedding(reader, key):
+            # a new-user pass (2026-12-05): the swap was silent; an identical copy (e.g. converted from
+            # .bin files) changes nothing and is not worth a word (transformers warns only on a difference)
+            logger.warning("config.json sets tie_word_embeddings: the checkpoint's %r, which differs from "
+                           "model.embed_tokens.weight, is not loaded: the output layer is embed_tokens (as vLLM "
+                           "ties it; transformers keeps a differing lm_head); set tie_word_embeddings false to use it",
+                           key)
     return selected
 
 
