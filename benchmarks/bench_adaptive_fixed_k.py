@@ -49,6 +49,18 @@ class ConstantK:
         pass
 
 
+def bench_llm(model, spec, max_num_seqs: int, smoke: bool):
+    """The engine the adaptive diagnostics build: ``model`` with random weights (``load_format`` dummy),
+    bf16, ``max_model_len`` 1,024, ``max_num_seqs``; with ``smoke`` the bundled GLM-4.5 demo model on
+    the CPU in fp32, 4 sequences, ``max_model_len`` 256 (``model`` ignored)."""
+    if smoke:
+        from mtpspec import demo_model_path
+        return LLM(demo_model_path("glm4_moe"), speculative_config=spec, max_num_seqs=4, max_model_len=256,
+                   device="cpu", dtype="float32")
+    return LLM(model, speculative_config=spec, max_num_seqs=max_num_seqs, max_model_len=1024, load_format="dummy",
+               dtype="bfloat16")
+
+
 def _step_ms(lines):
     return sum(float(p.split()[1]) for line in lines for p in line.split(":")[1].split(";")[0].split(","))
 

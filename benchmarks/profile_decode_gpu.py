@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import sys
 import time
@@ -76,22 +77,17 @@ def main() -> None:
     ap.add_argument("--json")
     ap.add_argument("--smoke", action="store_true", help="the bundled demo model on the CPU, a few steps")
     a = ap.parse_args()
-    from mtpspec import LLM, SamplingParams
+    from mtpspec import SamplingParams
     from mtpspec.spec_decode.forced_acceptance import ForcedAcceptance, enable_forced_acceptance
     spec = None if a.engine == "plain" else {"num_speculative_tokens": 3, "adaptive": True}
+    if not (a.smoke or a.model):
+        ap.error("a model folder is needed (or --smoke)")
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from bench_adaptive_fixed_k import ConstantK, bench_llm
+    llm = bench_llm(a.model, spec, a.concurrency, a.smoke)
     if a.smoke:
-        from mtpspec import demo_model_path
-        llm = LLM(demo_model_path("glm4_moe"), speculative_config=spec, max_num_seqs=4, max_model_len=256,
-                  device="cpu", dtype="float32")
         a.concurrency, a.input_len, a.warmup_steps, a.steps = 4, 16, 4, 4
-    else:
-        if not a.model:
-            ap.error("a model folder is needed (or --smoke)")
-        llm = LLM(a.model, speculative_config=spec, max_num_seqs=a.concurrency, max_model_len=1024,
-                  load_format="dummy", dtype="bfloat16")
     if a.engine == "adaptive-k0":
-        sys.path.insert(0, __file__.rsplit("/", 1)[0])
-        from bench_adaptive_fixed_k import ConstantK
         llm.llm_engine.spec_policy = ConstantK(0)
     if spec is not None:
         enable_forced_acceptance(llm, ForcedAcceptance.parse("rate:0.8"))

@@ -158,23 +158,18 @@ def main() -> None:
                          "as in bench arms --in-process rounds); rows carry their round")
     ap.add_argument("--smoke", action="store_true", help="the bundled demo model on the CPU, 4 short prompts")
     a = ap.parse_args()
-    from mtpspec import LLM
     from mtpspec.spec_decode.forced_acceptance import ForcedAcceptance, enable_forced_acceptance
     spec = None if a.engine == "plain" else {"num_speculative_tokens": 3, "adaptive": a.engine != "k3"}
     if a.eager_mtp_kv:
         if not (spec and spec["adaptive"]):
             ap.error("--eager-mtp-kv is for the adaptive engines")
         spec["adaptive_defer_mtp_kv"] = False
+    if not (a.smoke or a.model):
+        ap.error("a model folder is needed (or --smoke)")
+    from bench_adaptive_fixed_k import bench_llm
+    llm = bench_llm(a.model, spec, max(a.concurrency, 1), a.smoke)
     if a.smoke:
-        from mtpspec import demo_model_path
-        llm = LLM(demo_model_path("glm4_moe"), speculative_config=spec, max_num_seqs=4, max_model_len=256,
-                  device="cpu", dtype="float32")
         a.concurrency, a.num_prompts, a.input_len, a.output_len = 2, 4, 16, 24
-    else:
-        if not a.model:
-            ap.error("a model folder is needed (or --smoke)")
-        llm = LLM(a.model, speculative_config=spec, max_num_seqs=max(a.concurrency, 1), max_model_len=1024,
-                  load_format="dummy", dtype="bfloat16")
     if a.engine.startswith("adaptive-k"):
         from bench_adaptive_fixed_k import ConstantK
         llm.llm_engine.spec_policy = ConstantK(int(a.engine[len("adaptive-k"):]))
