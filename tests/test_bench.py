@@ -252,7 +252,10 @@ def test_bench_arms_in_process_repeats_the_same_steps(model_dir, tmp_path):
     host = wl["arms"]["adaptive"]["runs"][0]["adaptive_host_model"]  # the policy's fitted host time, ms
     assert set(host) == {"per_step_ms", "per_seq_ms", "per_token_ms", "per_prompt_token_ms",
                          "per_prompt_token_ms_drafting", "measured_ms", "measured_batch", "catch_up_us_per_row",
-                         "catch_up_rows_timed", "transition_steps", "transition_extra_ms"}
+                         "catch_up_rows_timed", "transition_steps", "transition_extra_ms", "cost_table", "rates"}
+    table, rates = host.pop("cost_table"), host.pop("rates")  # what the choices rest on: device table, rates
+    assert set(table) == {"verify_ms", "draft_ms"} and set(table["verify_ms"]) == {"0", "1", "2", "3"}  # JSON keys
+    assert len(rates) == 3 and all(0.0 <= r <= 1.0 for r in rates)  # one per draft position
     measured = host.pop("measured_ms")  # what the policy measured beyond its device table, per batch size and k
     assert measured and all(key.startswith("batch ") and " k " in key for key in measured)
     assert isinstance(host["transition_steps"], int) and isinstance(host.pop("transition_extra_ms"), float)

@@ -149,7 +149,9 @@ def _step_kind(steps: float, seconds: float, seqs: float = 0, prompt_tokens: flo
 def _host_model(policy: Any) -> Optional[Dict[str, Any]]:
     """The adaptive policy's fitted host time (ms: per step, per sequence, per accepted draft emitted,
     per prompt token of k = 0 and of drafting steps), what it measured beyond the device table per (table batch size, k)
-    with the mean batch size of those steps, and what it charges for catching up one deferred MTP entry (us)."""
+    with the mean batch size of those steps, what it charges for catching up one deferred MTP entry (us), its
+    device table (``cost_table``: ``verify_ms`` / ``draft_ms`` per k and batch size) and its per-position
+    acceptance rates (``rates``) at the run's end."""
     if policy is None:
         return None
     out: Dict[str, Any] = {name: getattr(policy, attr, None) for name, attr in (
@@ -165,6 +167,13 @@ def _host_model(policy: Any) -> Optional[Dict[str, Any]]:
     rate = getattr(policy, "catch_up_ms_per_row", None)  # what a deferred MTP entry's catch-up costs, as learnt
     out["catch_up_us_per_row"] = 1e3 * rate() if callable(rate) else None
     out["catch_up_rows_timed"] = getattr(policy, "catch_up_rows_timed", None)  # below 256: the table's figure
+    # what the choices rest on besides the host figures: the device table (ms per k and batch size) and the
+    # per-position acceptance rates at the run's end (session 28: the rates a sweep's choices followed could not
+    # be recomputed without them)
+    costs = getattr(policy, "costs", None)
+    out["cost_table"] = None if costs is None else {"verify_ms": costs.verify_ms, "draft_ms": costs.draft_ms}
+    rates = getattr(policy, "rates", None)
+    out["rates"] = rates() if callable(rates) else None
     return out
 
 
