@@ -220,7 +220,7 @@ def evaluate(sources: Dict[str, Any], data: str, train: str, num_fewshot: int = 
     Raises:
         ValueError / FileNotFoundError: bad files or settings; RuntimeError: a request failed.
     """
-    from mtpspec.data.gsm8k import load_gsm8k
+    from mtpspec.data.gsm8k import check_example, load_gsm8k
     if max_tokens < 1:
         raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
     if isinstance(concurrency, bool) or not isinstance(concurrency, int) or concurrency < 1:
@@ -231,10 +231,11 @@ def evaluate(sources: Dict[str, Any], data: str, train: str, num_fewshot: int = 
         if limit < 1:
             raise ValueError(f"--limit must be >= 1, got {limit}")
         rows = rows[:limit]
-    gold_missing = next((i for i, r in enumerate(rows) if "#### " not in r["answer"]), None)
-    if gold_missing is not None:  # scoring reads the gold number after it (a new-user pass: such rows scored 0)
-        raise ValueError(f"{data}: question {gold_missing + 1}'s answer has no '#### n' line (the gold answer GSM8K "
-                         f"scoring reads), got {rows[gold_missing]['answer'][:80]!r}")
+    for i, r in enumerate(rows):  # scoring reads each gold number (a new-user pass: a row without one scored 0)
+        try:
+            check_example(r["question"], r["answer"])
+        except ValueError as exc:
+            raise ValueError(f"{data}: question {i + 1}'s {exc}") from None
     # no shots: the train file is not read (it need not exist)
     prompts = build_prompts(rows, load_gsm8k(train) if num_fewshot else [], num_fewshot)
     answers = [r["answer"] for r in rows]

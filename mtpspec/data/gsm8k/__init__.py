@@ -43,16 +43,22 @@ ENV_VAR = "MTPSPEC_GSM8K_DIR"
 SPLITS = ("train", "test")
 
 
-def _check(question: str, answer: str | None = None) -> None:
+def check_example(question: str, answer: str | None = None) -> None:
+    """A GSM8K row's fields: a non-empty question and (when given) an answer with its ``#### n`` gold line.
+
+    Raises:
+        ValueError: either is not so (the message names the field and shows the value).
+    """
     if not isinstance(question, str) or not question.strip():
         raise ValueError(f"question must be a non-empty string, got {question!r}")
     if answer is not None and (not isinstance(answer, str) or "#### " not in answer):
-        raise ValueError(f"answer must be a GSM8K solution string ending in a '#### n' line, got {answer!r}")
+        raise ValueError(f"answer has no '#### n' line (a GSM8K solution ends in its gold number so; scoring reads "
+                         f"it), got {answer!r}")
 
 
 def format_query(question: str) -> str:
     """``"Question: {question}\\nAnswer:"`` (lm-eval's ``doc_to_text``)."""
-    _check(question)
+    check_example(question)
     return f"Question: {question}\n{ANSWER_PROMPT}"
 
 
@@ -62,7 +68,7 @@ def format_example(question: str, answer: str) -> str:
     Raises:
         ValueError: empty question, or an answer without a ``#### `` line.
     """
-    _check(question, answer)
+    check_example(question, answer)
     return format_query(question) + TARGET_DELIMITER + answer
 
 
