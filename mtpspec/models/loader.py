@@ -207,10 +207,13 @@ def _differs_from_embedding(reader: CheckpointReader, key: str) -> bool:
     return emb not in reader or not torch.equal(reader.get(key), reader.get(emb))
 
 
+_LAYER_KEY = re.compile(r"model\.layers\.(\d+)\.")  # a decoder layer's tensor (target or MTP), its index
+
+
 def _num_known_layers(*specs: Dict[str, WeightSpec]) -> Optional[int]:
     """One more than the highest ``model.layers.N.`` index among the specs (target and MTP layers), or
     ``None`` where none is named so."""
-    ids = [int(m.group(1)) for d in specs for key in d if (m := re.match(r"model\.layers\.(\d+)\.", key))]
+    ids = [int(m.group(1)) for d in specs for key in d if (m := _LAYER_KEY.match(key))]
     return max(ids) + 1 if ids else None
 
 
@@ -227,7 +230,7 @@ def _select(reader: CheckpointReader, own: Dict[str, WeightSpec], other: Dict[st
                 continue
             if key.endswith(QUANT_SCALE_SUFFIXES):
                 raise UnexpectedKeyError(key, f" (a quantization scale: {QUANTIZED_HINT})")
-            layer = re.match(r"model\.layers\.(\d+)\.", key)
+            layer = _LAYER_KEY.match(key)
             n_known = _num_known_layers(own, other)
             if layer and n_known is not None and int(layer.group(1)) >= n_known:
                 raise UnexpectedKeyError(key, f" (layer {layer.group(1)} is past the {n_known} that config.json "

@@ -334,11 +334,7 @@ def _check_paths(cfg: TrainConfig) -> None:
         if not os.path.isfile(cfg_path):
             raise ValueError(f"--init-from {cfg.init_from!r}: expected a saved model folder (config.json, "
                              "safetensors weights, tokenizer.json); there is no config.json")
-        try:
-            with open(cfg_path, encoding="utf-8") as f:
-                model_type = json.load(f).get("model_type")
-        except (OSError, ValueError, AttributeError) as exc:
-            raise ValueError(f"{cfg_path}: not a readable JSON object ({exc})") from None
+        model_type = _model_type(cfg_path)
         if model_type != cfg.arch:
             from mtpspec.training.model_setup import ARCHS
             fix = f"pass --arch {model_type}" if model_type in ARCHS else f"train continues {' / '.join(sorted(ARCHS))}"
@@ -349,6 +345,19 @@ def _check_paths(cfg: TrainConfig) -> None:
     if os.path.isdir(cfg.output_dir) and os.listdir(cfg.output_dir) and not cfg.overwrite_output_dir:
         raise ValueError(f"--output-dir {cfg.output_dir!r} is not empty; pass --overwrite-output-dir to train into "
                          "it (its previous model files are removed first), or choose another folder")
+
+
+def _model_type(cfg_path: str) -> Optional[str]:
+    """``model_type`` of the ``config.json`` at ``cfg_path`` (``None`` when it has none).
+
+    Raises:
+        ValueError: the file cannot be read or is not a JSON object (named).
+    """
+    try:
+        with open(cfg_path, encoding="utf-8") as f:
+            return json.load(f).get("model_type")
+    except (OSError, ValueError, AttributeError) as exc:
+        raise ValueError(f"{cfg_path}: not a readable JSON object ({exc})") from None
 
 
 def check_config(cfg: TrainConfig) -> None:
@@ -820,11 +829,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
             values[f.name] = v
     cfg_path = os.path.join(values["init_from"], "config.json") if values["init_from"] else ""
     if getattr(args, "arch", None) is None and cfg_path and os.path.isfile(cfg_path):
-        try:
-            with open(cfg_path, encoding="utf-8") as fh:
-                model_type = json.load(fh).get("model_type")
-        except (OSError, ValueError, AttributeError) as exc:
-            raise ValueError(f"{cfg_path}: not a readable JSON object ({exc})") from None
+        model_type = _model_type(cfg_path)
         from mtpspec.training.model_setup import ARCHS
         if model_type and model_type not in ARCHS:  # not the --arch check's words: the user gave no --arch
             raise ValueError(f"--init-from {values['init_from']} holds a {model_type!r} model; mtpspec train builds "
