@@ -158,6 +158,8 @@ def main() -> None:
                          "as in bench arms --in-process rounds); rows carry their round")
     ap.add_argument("--smoke", action="store_true", help="the bundled demo model on the CPU, 4 short prompts")
     a = ap.parse_args()
+    if a.rounds < 1:
+        ap.error(f"--rounds must be >= 1, got {a.rounds}")
     from mtpspec.spec_decode.forced_acceptance import ForcedAcceptance, enable_forced_acceptance
     spec = None if a.engine == "plain" else {"num_speculative_tokens": 3, "adaptive": a.engine != "k3"}
     if a.eager_mtp_kv:
@@ -173,16 +175,18 @@ def main() -> None:
     if a.engine.startswith("adaptive-k"):
         from bench_adaptive_fixed_k import ConstantK
         llm.llm_engine.spec_policy = ConstantK(int(a.engine[len("adaptive-k"):]))
-    if spec is not None and a.forced_acceptance != "none":
-        enable_forced_acceptance(llm, ForcedAcceptance.parse(a.forced_acceptance))
+
+    def rearm() -> None:  # forced acceptance from its first draw (each traced run makes the same ones)
+        if spec is not None and a.forced_acceptance != "none":
+            enable_forced_acceptance(llm, ForcedAcceptance.parse(a.forced_acceptance))
+    rearm()
     rng = random.Random(0)
     vocab = llm.llm_engine.vocab_size
     n = a.num_prompts or 2 * a.concurrency
     prompts = [[rng.randrange(10, vocab) for _ in range(a.input_len)] for _ in range(n)]
     if a.warmup_full:
         trace(llm, prompts, a.output_len, a.concurrency)
-        if spec is not None and a.forced_acceptance != "none":  # the same draws in the traced run
-            enable_forced_acceptance(llm, ForcedAcceptance.parse(a.forced_acceptance))
+        rearm()  # the same draws in the traced run
     else:
         trace(llm, prompts[: max(1, a.concurrency // 4)], 16, a.concurrency)  # warm-up
     llm.reset_prefix_cache()  # the traced run starts cold, whatever the warm-up cached (a warm-up of the whole
@@ -198,13 +202,10 @@ def main() -> None:
 
     caught_before = llm.llm_engine.get_metrics().get("num_mtp_catch_up_tokens", 0)  # the warm-up's
     gc.callbacks.append(on_gc)
-    if a.rounds < 1:
-        ap.error(f"--rounds must be >= 1, got {a.rounds}")
     rows, per_round = [], []
     for i in range(a.rounds):
         if i:  # each round from the same start: forced-acceptance draws re-armed, prefix cache cold
-            if spec is not None and a.forced_acceptance != "none":
-                enable_forced_acceptance(llm, ForcedAcceptance.parse(a.forced_acceptance))
+            rearm()
             llm.reset_prefix_cache()
         t0 = time.perf_counter()
         got = trace(llm, prompts, a.output_len, a.concurrency)
