@@ -47,3 +47,90 @@ def test_template_kwargs_may_not_set_what_the_renderer_sets(templated, key):
 def test_the_plain_template_ignores_template_kwargs():
     msgs = [("user", "What is 2 + 3?")]
     assert render_chat(None, msgs, True, {"enable_thinking": False}) == (render_plain(msgs), ["Question:"])
+
+
+# --chat-template (vLLM's serve flag) and LLM.chat(chat_template=...): a template that uses the EOS
+# token, rendered by transformers' own tokenizer class as the reference
+OVERRIDE = ("{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}{{ eos_token }}"
+            "{% if add_generation_prompt %}[assistant]{% endif %}")
+
+
+def _reference(messages, add_generation_prompt=True):
+    import os
+
+    from transformers import PreTrainedTokenizerFast
+    hf = PreTrainedTokenizerFast(tokenizer_file=os.path.join(demo_model_path(), "tokenizer.json"),
+                                 eos_token="<|endoftext|>")
+    conv = [{"role": r, "content": t} for r, t in messages]
+    return hf.apply_chat_template(conv, chat_template=OVERRIDE, tokenize=False,
+                                  add_generation_prompt=add_generation_prompt)
+
+
+def test_load_chat_template_reads_a_file_or_the_template_itself(tmp_path):
+    from mtpspec.entrypoints.chat_template import load_chat_template
+    f = tmp_path / "t.jinja"
+    f.write_text(OVERRIDE, encoding="utf-8")
+    assert load_chat_template(str(f)) == OVERRIDE  # a file: its text, escapes untouched
+    one_line = OVERRIDE.replace("\n", "\\n")  # the single-line form vLLM takes: "\n" escapes decoded
+    assert "\n" not in one_line and load_chat_template(one_line) == OVERRIDE
+    assert load_chat_template("{{ 'é中' }}") == "{{ 'é中' }}"  # non-ASCII kept
+    with pytest.raises(ValueError, match="'no/such.jinja': no such file, and not a Jinja template"):
+        load_chat_template("no/such.jinja")
+    with pytest.raises(ValueError, match=r"not a valid Jinja template \(line 1: "):
+        load_chat_template("{% for m in messages %}{{ m }}")  # no endfor
+    (tmp_path / "empty.jinja").write_text("  \n")
+    with pytest.raises(ValueError, match="empty"):
+        load_chat_template(str(tmp_path / "empty.jinja"))
+
+
+def test_a_chat_template_override_on_a_bare_tokenizer_json_renders_as_transformers():
+    """The bundled demo has only ``tokenizer.json`` (no template of its own): ``--chat-template``
+    must still render as transformers' ``apply_chat_template`` does, ``eos_token`` included."""
+    from mtpspec.engine.detokenizer import load_tokenizer
+    tok = load_tokenizer(demo_model_path())
+    msgs = [("system", "Be brief."), ("user", "2 + 3?"), ("assistant", "5"), ("user", "and 4 + 4?")]
+    assert render_chat(tok, msgs) == (render_plain(msgs), ["Question:"])  # no override: the plain template
+    for gen in (True, False):
+        want = _reference(msgs, gen)
+        assert "<|endoftext|>" in want
+        assert render_chat(tok, msgs, gen, chat_template=OVERRIDE) == (want, [])  # LLM.chat's argument
+        tok.chat_template = OVERRIDE  # serve --chat-template
+        assert render_chat(tok, msgs, gen) == (want, [])
+        tok.chat_template = None
+
+
+def test_serve_chat_template_flag_reaches_chat_completions_and_tokenize():
+    from fastapi.testclient import TestClient
+
+    from mtpspec.engine.detokenizer import load_tokenizer
+    from mtpspec.entrypoints.serve import build, parse_serve_flags
+    base = ["--device", "cpu", "-k", "1", "--max-model-len", "256", "--max-num-seqs", "2"]
+    for bad, why in (("no/such.jinja", "no such file"), ("{% if x %}", "not a valid Jinja template")):
+        with pytest.raises(ValueError, match=why):  # refused before the model loads
+            build(parse_serve_flags(base + ["--chat-template", bad]))
+    app, engine, _ = build(parse_serve_flags(base + ["--chat-template", OVERRIDE.replace("\n", "\\n")]))
+    msgs = [{"role": "user", "content": "What is 2 + 3?"}]
+    want = load_tokenizer(demo_model_path()).encode(_reference([("user", "What is 2 + 3?")]))
+    try:
+        with TestClient(app) as client:
+            r = client.post("/tokenize", json={"messages": msgs})
+            assert r.status_code == 200 and r.json()["tokens"] == want, r.text
+            r = client.post("/v1/chat/completions", json={"messages": msgs, "max_tokens": 3, "temperature": 0})
+            assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == len(want), r.text
+    finally:
+        engine.shutdown()
+
+
+def test_llm_chat_takes_a_chat_template():
+    from mtpspec import LLM, SamplingParams
+    llm = LLM(demo_model_path(), device="cpu", max_model_len=256, max_num_seqs=2)
+    try:
+        msgs = [{"role": "user", "content": "What is 2 + 3?"}]
+        sp = SamplingParams(max_tokens=3, temperature=0)
+        out = llm.chat(msgs, sp, use_tqdm=False, chat_template=OVERRIDE)[0]
+        assert out.prompt == _reference([("user", "What is 2 + 3?")])
+        assert out.prompt_token_ids == llm.get_tokenizer().encode(out.prompt)
+        assert llm.get_tokenizer().chat_template is None  # a call's template is that call's
+        assert llm.chat(msgs, sp, use_tqdm=False)[0].prompt.endswith("Answer:")  # the plain template again
+    finally:
+        llm.shutdown()

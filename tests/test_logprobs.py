@@ -263,3 +263,57 @@ def test_tp2_equals_tp1(model, plain) -> None:
         assert o.outputs[0].token_ids == r.outputs[0].token_ids
         _assert_same(_flat(o.outputs[0].logprobs), _flat(r.outputs[0].logprobs), 1e-4)
         _assert_same(_flat(o.prompt_logprobs), _flat(r.prompt_logprobs), 1e-4)
+
+
+def test_max_logprobs_sets_the_cap_and_minus_one_lifts_it(model) -> None:
+    """vLLM's ``--max-logprobs``: a request above it is refused with vLLM's message; -1 lifts the
+    cap, and ``logprobs=-1`` then scores the whole vocabulary (against transformers' float64
+    log_softmax)."""
+    path, hf, cfg, prompts = model
+    for bad in (-2, True, 1.5):
+        with pytest.raises(ValueError, match="max_logprobs must be an int >= 0, or -1 for no cap"):
+            LLM(path, **KW, max_logprobs=bad)
+    with LLM(path, **KW, max_logprobs=3) as llm:
+        with pytest.raises(ValueError, match="Requested sample logprobs of 4, which is greater than max allowed: 3"):
+            llm.generate([{"prompt_token_ids": [5]}], SamplingParams(max_tokens=2, logprobs=4), use_tqdm=False)
+        o = llm.generate([{"prompt_token_ids": [5]}], SamplingParams(max_tokens=2, logprobs=3), use_tqdm=False)
+        assert all(len(d) in (3, 4) for d in o[0].outputs[0].logprobs)
+    with LLM(path, **KW, max_logprobs=-1, speculative_config={"method": "mtp", "num_speculative_tokens": 2}) as llm:
+        p = prompts[0]
+        o = llm.generate([{"prompt_token_ids": p}], SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True,
+                                                                   logprobs=-1, prompt_logprobs=-1),
+                         use_tqdm=False)[0]
+    ids = p + o.outputs[0].token_ids
+    with torch.no_grad():
+        ref = torch.log_softmax(hf(torch.tensor([ids])).logits[0].double(), dim=-1)
+    entries = list(o.prompt_logprobs[1:]) + list(o.outputs[0].logprobs)
+    assert len(entries) == len(ids) - 1
+    for pos, d in enumerate(entries, start=1):
+        assert sorted(d) == list(range(cfg.vocab_size))  # every id, the chosen one among them
+        got = torch.tensor([d[t].logprob for t in range(cfg.vocab_size)], dtype=torch.float64)
+        torch.testing.assert_close(got, ref[pos - 1], atol=1e-4, rtol=0)
+
+
+def test_serve_max_logprobs_flag() -> None:
+    from fastapi.testclient import TestClient
+
+    from mtpspec import demo_model_path
+    from mtpspec.entrypoints.serve import build, parse_serve_flags
+    app, engine, _ = build(parse_serve_flags(["--model", demo_model_path(), "--device", "cpu", "-k", "1",
+                                              "--max-model-len", "128", "--max-num-seqs", "2",
+                                              "--max-logprobs", "2"]))
+    try:
+        with TestClient(app) as client:
+            body = {"prompt": "Question: 1 + 1?\nAnswer:", "max_tokens": 2, "temperature": 0}
+            r = client.post("/v1/completions", json={**body, "logprobs": 3})
+            assert r.status_code == 400, r.text
+            err = r.json()["error"]
+            assert err["param"] == "logprobs" and "greater than max allowed: 2" in err["message"], err
+            r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "1 + 1?"}],
+                                                          "max_tokens": 2, "logprobs": True, "top_logprobs": 3})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "top_logprobs", r.text
+            r = client.post("/v1/completions", json={**body, "logprobs": 2})
+            assert r.status_code == 200, r.text
+            assert all(len(t) == 2 for t in r.json()["choices"][0]["logprobs"]["top_logprobs"])
+    finally:
+        engine.shutdown()

@@ -44,6 +44,8 @@ flag (vLLM spelling)                  aliases                       default     
                                                                                 sampling defaults) | vllm (EOS
                                                                                 ids only) | FOLDER
 ``--tokenizer``                                                     model's     a folder holding the tokenizer
+``--max-logprobs``                                                  20          most logprobs a request may ask for
+                                                                                per token (-1: no cap)
 ``--device``                                                        cuda if any cpu / cuda / cuda:N
 ``--enforce-eager``                                                 off         never use CUDA graphs
 ``--seed``                                                          0           engine seed: seeds requests without one
@@ -333,6 +335,7 @@ class EngineArgs:
     disable_shared_experts_fusion: bool = False
     generation_config: str = "auto"
     tokenizer: Optional[str] = None
+    max_logprobs: int = 20
 
     # ------------------------------------------------------------------ command line
     @staticmethod
@@ -405,6 +408,9 @@ class EngineArgs:
         p.add_argument("--tokenizer", default=None,
                        help="a folder to load the tokenizer from (tokenizer.json / tokenizer_config.json; default: the "
                             "model folder's), as vLLM's --tokenizer")
+        p.add_argument("--max-logprobs", type=int, default=20,
+                       help="most logprobs / prompt_logprobs (top_logprobs) a request may ask for per token "
+                            "(default 20, vLLM's; -1: no cap, the whole vocabulary may be asked for)")
         p.add_argument("--device", default=None, help="cuda / cuda:N / cpu (default: cuda when present)")
         p.add_argument("--enforce-eager", action="store_true", help="never use CUDA graphs")
         p.add_argument("--seed", type=int, default=0,
@@ -558,4 +564,5 @@ class EngineArgs:
                     enable_prefix_caching=self.enable_prefix_caching, kv_cache_dtype=self.kv_cache_dtype,
                     seed=self.seed, enforce_eager=self.enforce_eager, graph_mode=self.graph_mode,
                     load_format=self.load_format, disable_shared_experts_fusion=self.disable_shared_experts_fusion,
-                    generation_config=self.generation_config, tokenizer=self.tokenizer)
+                    generation_config=self.generation_config, tokenizer=self.tokenizer,
+                    max_logprobs=self.max_logprobs)

@@ -177,6 +177,11 @@ class AsyncLLM:
         return self.engine.vocab_size
 
     @property
+    def max_logprobs(self) -> int:
+        """The most logprobs a request may ask for per token (``--max-logprobs``; -1: no cap)."""
+        return self.engine.max_logprobs
+
+    @property
     def num_speculative_tokens(self) -> int:
         return self.engine.scheduler_config.num_speculative_tokens
 

@@ -20,10 +20,14 @@ class Tokenizer:
 
     Attributes:
         eos_token_id: the EOS id, or ``None``.
+        chat_template: a Jinja chat template that replaces the backend's own (``serve
+            --chat-template``; :func:`mtpspec.entrypoints.chat_template.load_chat_template`), or
+            ``None``.
     """
 
     def __init__(self, backend: Any, eos_token_id: Optional[int] = None):
         self.backend = backend
+        self.chat_template: Optional[str] = None
         self._is_fast_lib = backend.__class__.__module__.startswith("tokenizers")
         self.eos_token_id = eos_token_id if eos_token_id is not None else getattr(backend, "eos_token_id", None)
         # A transformers fast tokenizer's own ``tokenizers.Tokenizer``, when calling it gives the

@@ -81,6 +81,8 @@ class LLM:
         generation_config: ``"auto"`` (the model folder's ``generation_config.json``: its EOS ids end
             requests, its sampling settings are :meth:`get_default_sampling_params`), ``"vllm"``
             (its EOS ids only) or a folder holding one (:mod:`mtpspec.engine.generation_config`).
+        max_logprobs: the most ``logprobs`` / ``prompt_logprobs`` a request may ask for per token
+            (default 20, vLLM's; ``-1``: no cap).
 
     Raises:
         ValueError / TypeError: a bad argument (k out of range, unknown speculative keys, a
@@ -110,11 +112,13 @@ class LLM:
                  tokenizer: Union[None, str, Tokenizer] = None,
                  seed: Optional[int] = None, enforce_eager: bool = False, graph_mode: Optional[str] = None,
                  load_format: str = "auto", disable_shared_experts_fusion: bool = False,
-                 generation_config: str = "auto", trust_remote_code: bool = False):
+                 generation_config: str = "auto", trust_remote_code: bool = False, max_logprobs: int = 20):
         if not isinstance(model, (str, os.PathLike)):
             raise TypeError(f"model must be a checkpoint folder (a path), got {type(model).__name__} "
                             "(the bundled demo model: mtpspec.demo_model_path())")
         del trust_remote_code  # vLLM's argument, accepted: mtpspec runs no code from a checkpoint
+        if isinstance(max_logprobs, bool) or not isinstance(max_logprobs, int) or max_logprobs < -1:
+            raise ValueError(f"max_logprobs must be an int >= 0, or -1 for no cap, got {max_logprobs!r}")
         args = EngineArgs(
             model=model, tensor_parallel_size=tensor_parallel_size, speculative_config=speculative_config,
             fuse_allreduce_rmsnorm=fuse_allreduce_rmsnorm, sequence_parallel=sequence_parallel,
@@ -165,7 +169,8 @@ class LLM:
             eos = set(mcfg.eos_token_ids) | gen_eos
             if tok is not None and tok.eos_token_id is not None:
                 eos.add(int(tok.eos_token_id))
-            self.llm_engine = LLMEngine(self.executor, tok, sched, cache, mcfg.vocab_size, eos, config.seed)
+            self.llm_engine = LLMEngine(self.executor, tok, sched, cache, mcfg.vocab_size, eos, config.seed,
+                                        max_logprobs=max_logprobs)
             # every start-up object out of the cyclic collector's passes (mtpspec.engine.gc_heap), before
             # the adaptive policy's timing (a pass over the heap inside a timed step would skew its table)
             self._gc_frozen = freeze_gc_heap()
@@ -287,13 +292,15 @@ class LLM:
     def chat(self, messages: Union[Sequence[Dict[str, Any]], Sequence[Sequence[Dict[str, Any]]]],
              sampling_params: Union[None, SamplingParams, Sequence[SamplingParams]] = None, use_tqdm: bool = True,
              add_generation_prompt: bool = True,
-             chat_template_kwargs: Optional[Dict[str, Any]] = None) -> List[RequestOutput]:
+             chat_template_kwargs: Optional[Dict[str, Any]] = None,
+             chat_template: Optional[str] = None) -> List[RequestOutput]:
         """vLLM's ``LLM.chat``: one conversation (a list of ``{"role", "content"}`` messages, oldest
         first) or a list of conversations, rendered as the OpenAI server renders them (the
         tokenizer's chat template, with ``chat_template_kwargs`` as more template variables, e.g.
-        ``{"enable_thinking": False}``; else the plain ``Question:`` / ``Answer:`` template, whose stop
-        string ``"Question:"`` is added to the sampling params), tokenized without special tokens
-        (the template writes its own), then :meth:`generate`.
+        ``{"enable_thinking": False}``, or ``chat_template``, a Jinja template used instead of it;
+        else the plain ``Question:`` / ``Answer:`` template, whose stop string ``"Question:"`` is
+        added to the sampling params), tokenized without special tokens (the template writes its
+        own), then :meth:`generate`.
 
         ``content``: a string, or a list of ``{"type": "text", "text": ...}`` parts (joined).
 
@@ -335,7 +342,7 @@ class LLM:
                                     f"'content' (a string or text parts), got {m!r}")
                 pairs.append((m["role"], content))
             try:
-                text, stops = render_chat(tok, pairs, add_generation_prompt, chat_template_kwargs)
+                text, stops = render_chat(tok, pairs, add_generation_prompt, chat_template_kwargs, chat_template)
             except ValueError as exc:
                 raise ValueError(f"conversation {i}: {exc}") from None
             have = [sp.stop] if isinstance(sp.stop, str) else list(sp.stop or [])

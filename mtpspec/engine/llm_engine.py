@@ -55,7 +55,7 @@ class ValidatedPrompt(NamedTuple):
 
 PromptType = Union[str, Dict[str, Any], ValidatedPrompt]
 
-# Most alternatives per position a request may ask for (vLLM's default --max-logprobs).
+# Most alternatives per position a request may ask for by default (vLLM's --max-logprobs default).
 MAX_LOGPROBS = 20
 
 
@@ -89,6 +89,8 @@ class LLMEngine:
         vocab_size: the model's vocabulary size (prompt ids must be below it).
         eos_token_ids: ids that end a request (unless ``ignore_eos``).
         seed: seeds the per-request seeds of requests that give none (``None``: random).
+        max_logprobs: the most logprobs / prompt logprobs a request may ask for per token
+            (``-1``: no cap; vLLM's ``--max-logprobs``, default :data:`MAX_LOGPROBS`).
 
     Raises:
         ValueError: the KV cache cannot hold even one sequence of ``max_model_len`` tokens.
@@ -96,8 +98,9 @@ class LLMEngine:
 
     def __init__(self, executor: Executor, tokenizer: Optional[Tokenizer], scheduler_config: SchedulerConfig,
                  cache_config: CacheConfig, vocab_size: int, eos_token_ids: Collection[int],
-                 seed: Optional[int] = None):
+                 seed: Optional[int] = None, max_logprobs: int = MAX_LOGPROBS):
         self.executor = executor
+        self.max_logprobs = max_logprobs
         self.tokenizer = tokenizer
         self.scheduler_config = scheduler_config
         self.cache_config = cache_config
@@ -156,7 +159,7 @@ class LLMEngine:
             ValueError / TypeError: empty prompt, prompt too long for the context, token id outside
             ``[0, vocab_size)``, a text prompt or stop strings without a tokenizer, wrong types, a
             sampling field set after construction to a bad value (:meth:`SamplingParams.check`),
-            ``logprobs`` / ``prompt_logprobs`` above :data:`MAX_LOGPROBS` (``-1`` = the whole
+            ``logprobs`` / ``prompt_logprobs`` above ``max_logprobs`` (``-1`` = the whole
             vocabulary), ``logit_bias`` ids outside the vocabulary (vLLM's messages).
         """
         if not isinstance(params, SamplingParams):
@@ -210,8 +213,9 @@ class LLMEngine:
                              "SamplingParams / request field; `mtpspec generate` has no flag for it)")
         for name, what in (("logprobs", "sample"), ("prompt_logprobs", "prompt")):
             n = self._num_logprobs(getattr(params, name))
-            if n is not None and n > MAX_LOGPROBS:
-                raise ValueError(f"Requested {what} logprobs of {n}, which is greater than max allowed: {MAX_LOGPROBS}")
+            if n is not None and n > self.max_logprobs != -1:
+                raise ValueError(f"Requested {what} logprobs of {n}, which is greater than max allowed: "
+                                 f"{self.max_logprobs}")
         if params.logit_bias:
             bad = [t for t in params.logit_bias if t >= self.vocab_size]
             if bad:

@@ -1,6 +1,8 @@
 """Chat messages -> one prompt string for ``/v1/chat/completions``.
 
-The tokenizer's own chat template is used when it has one (a ``transformers`` tokenizer with
+The template given by ``serve --chat-template`` (a file or the template itself, as vLLM's flag:
+:func:`load_chat_template`; set as the tokenizer's ``chat_template``) is used when given, else the
+tokenizer's own chat template when it has one (a ``transformers`` tokenizer with
 ``chat_template``, e.g. from ``tokenizer_config.json`` or ``chat_template.jinja``). Otherwise the
 **plain template** below is used; it is written for the bundled demo model, which was trained
 on GSM8K text in lm-evaluation-harness's format, so a chat turn reads like a solved example:
@@ -22,15 +24,58 @@ lm-evaluation-harness does for GSM8K.
 
 from __future__ import annotations
 
+import os
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 PLAIN_STOP = "Question:"
 
 
 def has_chat_template(tokenizer: Any) -> bool:
-    """Whether ``tokenizer`` (an mtpspec ``Tokenizer``) carries a usable chat template."""
+    """Whether ``tokenizer`` (an mtpspec ``Tokenizer``) carries a usable chat template (one given
+    by ``--chat-template``, or the backend's own)."""
+    if getattr(tokenizer, "chat_template", None):
+        return True
     backend = getattr(tokenizer, "backend", None)
     return bool(getattr(backend, "chat_template", None)) and hasattr(backend, "apply_chat_template")
+
+
+#: Characters that mark a ``--chat-template`` value as a template, not a file name (vLLM's test).
+_TEMPLATE_CHARS = "{}\n"
+
+
+def load_chat_template(value: str) -> str:
+    """The Jinja chat template that ``--chat-template value`` names: the text of the file ``value``
+    when one exists, else ``value`` itself when it holds ``{``, ``}`` or a newline (an inline
+    template, as vLLM's flag takes one; its backslash escapes, e.g. ``\\n``, are decoded as vLLM
+    does). Checked by parsing it (Jinja syntax only).
+
+    Raises:
+        ValueError: ``value`` looks like a path but no such file exists, the file cannot be read or
+            is empty, or the template does not parse (the message names the line).
+    """
+    if os.path.isfile(value):
+        try:
+            with open(value, encoding="utf-8") as f:
+                text = f.read()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ValueError(f"--chat-template {value!r}: cannot read the file: {exc}") from None
+        where = f"file {value!r}"
+    elif any(c in value for c in _TEMPLATE_CHARS):
+        # the single-line form: escapes such as \\n are read as Python's (vLLM does the same); other
+        # characters, non-ASCII included, stay as they are
+        text, where = value.encode("latin-1", "backslashreplace").decode("unicode_escape"), "the inline template"
+    else:
+        raise ValueError(f"--chat-template {value!r}: no such file, and not a Jinja template (a template holds "
+                         "'{{ ... }}' or '{% ... %}'); give a template file or the template itself")
+    if not text.strip():
+        raise ValueError(f"--chat-template: {where} is empty")
+    import jinja2
+    try:
+        jinja2.Environment().parse(text)
+    except jinja2.TemplateSyntaxError as exc:
+        raise ValueError(f"--chat-template: {where} is not a valid Jinja template (line {exc.lineno}: "
+                         f"{exc.message})") from None
+    return text
 
 
 def render_plain(messages: Sequence[Tuple[str, str]], add_generation_prompt: bool = True) -> str:
@@ -77,7 +122,8 @@ def check_template_kwargs(template_kwargs: Optional[Dict[str, Any]]) -> Dict[str
 
 def render_chat(tokenizer: Any, messages: Sequence[Tuple[str, str]],
                 add_generation_prompt: bool = True,
-                template_kwargs: Optional[Dict[str, Any]] = None) -> Tuple[str, List[str]]:
+                template_kwargs: Optional[Dict[str, Any]] = None,
+                chat_template: Optional[str] = None) -> Tuple[str, List[str]]:
     """The prompt text and the default stop strings for a conversation.
 
     Args:
@@ -87,6 +133,9 @@ def render_chat(tokenizer: Any, messages: Sequence[Tuple[str, str]],
         template_kwargs: more variables for the tokenizer's chat template (vLLM's
             ``chat_template_kwargs``, e.g. ``{"enable_thinking": False}``); the plain template has
             no variables and ignores them, as a template ignores variables it does not use.
+        chat_template: a Jinja template used instead of the tokenizer's (``LLM.chat``'s
+            ``chat_template``); default: the tokenizer's ``chat_template`` (``--chat-template``),
+            else the backend's own, else the plain template.
 
     Returns:
         ``(prompt, stops)``: ``stops`` is ``["Question:"]`` for the plain template, else ``[]``.
@@ -99,12 +148,21 @@ def render_chat(tokenizer: Any, messages: Sequence[Tuple[str, str]],
     if not messages:
         raise ValueError("messages must hold at least one message")
     kwargs = check_template_kwargs(template_kwargs)
-    if has_chat_template(tokenizer):
+    if chat_template or has_chat_template(tokenizer):
         from jinja2 import TemplateError
         conv = [{"role": r, "content": t} for r, t in messages]
+        template = chat_template or getattr(tokenizer, "chat_template", None)  # None: the backend's own
         try:
-            text = tokenizer.backend.apply_chat_template(conv, tokenize=False,
-                                                         add_generation_prompt=add_generation_prompt, **kwargs)
+            backend = getattr(tokenizer, "backend", None)
+            if hasattr(backend, "apply_chat_template"):  # with its special tokens (bos_token, ...)
+                text = backend.apply_chat_template(conv, tokenize=False, chat_template=template,
+                                                   add_generation_prompt=add_generation_prompt, **kwargs)
+            else:  # a bare tokenizer.json (or none): transformers' renderer, the EOS token as eos_token
+                from transformers.utils.chat_template_utils import render_jinja_template
+                eos = getattr(tokenizer, "eos_token_id", None)
+                special = {"eos_token": backend.id_to_token(eos)} if backend is not None and eos is not None else {}
+                text = render_jinja_template([conv], chat_template=template, add_generation_prompt=add_generation_prompt,
+                                             **special, **kwargs)[0][0]
         except TemplateError as exc:
             raise ValueError(f"the chat template refused the conversation: {exc}") from None
         except (TypeError, RuntimeError) as exc:  # e.g. a message the template cannot format: vLLM's 400 too

@@ -98,7 +98,7 @@ class CompletionRequest(_Sampling):
     ``prompt``: a string, a list of strings, a list of token ids, or a list of token-id lists
     (one choice per prompt, ``index`` = prompt position). ``max_tokens``: default 16; ``None``
     = until the context is full; ``0`` only with ``echo`` (score the prompt, generate nothing).
-    ``logprobs``: 0..20 alternatives per token, from the logits the engine sampled or verified
+    ``logprobs``: 0..``--max-logprobs`` (20) alternatives per token, from the logits the engine sampled or verified
     with (streaming too); with ``echo`` also for the prompt tokens (from the prefill's logits).
     ``n``: choices per prompt (choice ``index`` = prompt position * n + i); ``best_of``: candidates
     per prompt of which the ``n`` with the highest cumulative log-probability are returned (not

@@ -58,7 +58,7 @@ from starlette.requests import ClientDisconnect
 
 from mtpspec.engine.async_llm import AsyncLLM, EngineDeadError, QueueFullError, RequestError, RequestStream
 from mtpspec.engine.detokenizer import LONG_TEXT_CHARS
-from mtpspec.engine.llm_engine import MAX_LOGPROBS, PromptType, ValidatedPrompt
+from mtpspec.engine.llm_engine import PromptType, ValidatedPrompt
 from mtpspec.entrypoints.chat_template import check_template_kwargs, render_chat
 from mtpspec.entrypoints.openai_protocol import (
     ChatCompletionRequest, CompletionRequest, DetokenizeRequest, OpenAIError, TokenizeRequest, bad_request,
@@ -270,15 +270,16 @@ def _logit_bias(bias: Optional[Dict[str, float]]) -> Optional[Dict[int, float]]:
     return out
 
 
-def _check_num_logprobs(n: Optional[int], what: str, param: str, vocab_size: int) -> None:
-    """vLLM's checks: ``N >= 0`` or ``-1`` (the whole vocabulary), at most ``MAX_LOGPROBS``."""
+def _check_num_logprobs(n: Optional[int], what: str, param: str, vocab_size: int, max_logprobs: int) -> None:
+    """vLLM's checks: ``N >= 0`` or ``-1`` (the whole vocabulary), at most ``max_logprobs``
+    (``--max-logprobs``; -1: no cap)."""
     if n is None:
         return
     if n < 0 and n != -1:
         raise bad_request(f"`{param}` must be a positive value or -1.", param)
-    if (vocab_size if n == -1 else n) > MAX_LOGPROBS:
+    if (vocab_size if n == -1 else n) > max_logprobs != -1:
         raise bad_request(f"Requested {what} logprobs of {vocab_size if n == -1 else n}, which is greater than "
-                          f"max allowed: {MAX_LOGPROBS}", param)
+                          f"max allowed: {max_logprobs}", param)
 
 
 def _sampling_params(req: Any, max_tokens: Optional[int], extra_stop: Sequence[str] = (),
@@ -784,8 +785,8 @@ def build_app(ctx: ServerContext) -> FastAPI:
         _check_model(ctx, req.model)
         _check_unsupported(req)
         _check_ranges(req, engine.vocab_size)
-        _check_num_logprobs(req.logprobs, "sample", "logprobs", engine.vocab_size)
-        _check_num_logprobs(req.prompt_logprobs, "prompt", "prompt_logprobs", engine.vocab_size)
+        _check_num_logprobs(req.logprobs, "sample", "logprobs", engine.vocab_size, engine.max_logprobs)
+        _check_num_logprobs(req.prompt_logprobs, "prompt", "prompt_logprobs", engine.vocab_size, engine.max_logprobs)
         _check_stream_prompt_logprobs(req)
         if req.max_tokens == 0 and not req.echo:
             raise bad_request("max_tokens=0 is only allowed with echo=true (prompt scoring)", "max_tokens")
@@ -858,8 +859,8 @@ def build_app(ctx: ServerContext) -> FastAPI:
             if (req.top_logprobs == -1 or req.top_logprobs > 0) and not req.logprobs:
                 raise bad_request("when using `top_logprobs`, `logprobs` must be set to true.", "top_logprobs")
         num_lp = (req.top_logprobs or 0) if req.logprobs else None
-        _check_num_logprobs(num_lp, "sample", "top_logprobs", engine.vocab_size)
-        _check_num_logprobs(req.prompt_logprobs, "prompt", "prompt_logprobs", engine.vocab_size)
+        _check_num_logprobs(num_lp, "sample", "top_logprobs", engine.vocab_size, engine.max_logprobs)
+        _check_num_logprobs(req.prompt_logprobs, "prompt", "prompt_logprobs", engine.vocab_size, engine.max_logprobs)
         _check_stream_prompt_logprobs(req)
         if engine.tokenizer is None:
             raise bad_request("chat completions need a tokenizer; this model has none")

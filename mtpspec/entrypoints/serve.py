@@ -192,6 +192,9 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--enable-prompt-tokens-details", action="store_true",
                    help="vLLM's flag: usage.prompt_tokens_details.cached_tokens (prompt tokens the prefix cache "
                         "served) in responses, when non-zero (default off)")
+    p.add_argument("--chat-template", default=None, metavar="FILE|TEMPLATE",
+                   help="the Jinja chat template for /v1/chat/completions: a file, or the template itself in "
+                        "single-line form (default: the tokenizer's own, else the plain Question:/Answer: template)")
     p.add_argument("--api-key", default=None,
                    help="vLLM's flag: /v1 requests (and /reset_prefix_cache) must send 'Authorization: Bearer "
                         "<key>' (401 otherwise); /health, /metrics, /version, /tokenize and /detokenize stay open; "
@@ -230,6 +233,8 @@ def build(args: argparse.Namespace) -> Any:
     if getattr(args, "api_key", None) == "":
         raise ValueError("--api-key must not be empty (leave it out for a server without a key)")
     forced = ForcedAcceptance.parse(args.forced_acceptance) if args.forced_acceptance else None
+    from mtpspec.entrypoints.chat_template import load_chat_template
+    template = load_chat_template(args.chat_template) if getattr(args, "chat_template", None) else None
     kwargs = llm_kwargs(args)
     from mtpspec.engine.arg_utils import model_path_problem
     why = model_path_problem(kwargs["model"], explicit=bool(args.model))
@@ -240,6 +245,10 @@ def build(args: argparse.Namespace) -> Any:
     except FileNotFoundError as exc:  # e.g. no weights in the folder: a user error like the others
         raise ValueError(str(exc)) from exc
     try:
+        if template is not None:
+            if llm.get_tokenizer() is None:
+                raise ValueError("--chat-template needs a tokenizer; the model folder has none (give --tokenizer)")
+            llm.get_tokenizer().chat_template = template
         if forced is not None and llm.llm_engine.scheduler_config.num_speculative_tokens:
             enable_forced_acceptance(llm, forced)
         elif forced is not None:  # plain decoding (e.g. a bench arms "plain" arm): no drafts to force
