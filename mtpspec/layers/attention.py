@@ -19,6 +19,7 @@ sizes and allocates through :mod:`mtpspec.engine.kv_cache`).
 from __future__ import annotations
 
 import contextlib
+import threading
 from dataclasses import dataclass, field
 from typing import Iterator, List, Optional, Sequence, Type, Union
 
@@ -86,26 +87,29 @@ class ForwardContext:
     attn_metadata: Optional[AttentionMetadata] = None
 
 
-_FORWARD_CONTEXT: Optional[ForwardContext] = None
+# Per thread: the engines of one process (an AsyncLLM's engine thread, an LLM in the caller's thread) each
+# run their forwards in their own thread, so one thread's metadata must never be seen, or restored on
+# exit, by another (a process-wide slot left a finished engine's metadata behind for the next caller).
+_STATE = threading.local()
 
 
 @contextlib.contextmanager
 def set_forward_context(attn_metadata: Optional[AttentionMetadata]) -> Iterator[ForwardContext]:
-    """Make ``attn_metadata`` visible to every :class:`Attention` layer inside the ``with`` block
-    (nested blocks restore the outer context on exit)."""
-    global _FORWARD_CONTEXT
-    prev = _FORWARD_CONTEXT
-    _FORWARD_CONTEXT = ForwardContext(attn_metadata)
+    """Make ``attn_metadata`` visible to every :class:`Attention` layer inside the ``with`` block,
+    in this thread only (nested blocks restore the outer context on exit)."""
+    prev = getattr(_STATE, "ctx", None)
+    ctx = _STATE.ctx = ForwardContext(attn_metadata)
     try:
-        yield _FORWARD_CONTEXT
+        yield ctx
     finally:
-        _FORWARD_CONTEXT = prev
+        _STATE.ctx = prev
 
 
 def get_forward_context() -> ForwardContext:
-    """The current :class:`ForwardContext`; an empty one (``attn_metadata=None``) outside any
-    :func:`set_forward_context` block."""
-    return _FORWARD_CONTEXT if _FORWARD_CONTEXT is not None else ForwardContext(None)
+    """This thread's current :class:`ForwardContext`; an empty one (``attn_metadata=None``) outside
+    any :func:`set_forward_context` block."""
+    ctx = getattr(_STATE, "ctx", None)
+    return ctx if ctx is not None else ForwardContext(None)
 
 
 def write_cache_rows(layer: AttentionLayerBase, a: torch.Tensor, b: torch.Tensor) -> None:
