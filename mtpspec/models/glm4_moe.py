@@ -401,7 +401,8 @@ def target_weight_specs(cfg: ModelConfig, layer_specs: Optional[Callable[..., Di
     s = {"model.embed_tokens.weight": WeightSpec("model.embed_tokens.weight", (v, h)),
          "model.norm.weight": WeightSpec("model.norm.weight", (h,)),
          "lm_head.weight": WeightSpec("lm_head.weight", (v, h), optional=cfg.tie_word_embeddings,
-                                      ignored=cfg.tie_word_embeddings)}
+                                      ignored=cfg.tie_word_embeddings,
+                                      tied_to="model.embed_tokens.weight" if cfg.tie_word_embeddings else None)}
     for i in range(cfg.num_hidden_layers):
         s.update(layer_specs(cfg, i, f"model.layers.{i}.", f"model.layers.{i}."))
     return s

@@ -51,6 +51,9 @@ class WeightSpec:
             whole parameter, or its first ``shape[0]`` rows when it is padded (the vocab).
         tied_head: an MTP layer's own LM head (one such spec per MTP layer, in layer order):
             when it is absent from the checkpoint the layer uses the target's ``lm_head``.
+        tied_to: for an ``ignored`` tensor that a tied config replaces by another (``lm_head.weight``
+            under ``tie_word_embeddings``: ``"model.embed_tokens.weight"``), that tensor's key: the
+            loader warns when the checkpoint stores a copy that differs from it.
     """
 
     param: str
@@ -62,3 +65,4 @@ class WeightSpec:
     ignored: bool = False
     rows: Optional[Tuple[int, int]] = None
     tied_head: bool = False
+    tied_to: Optional[str] = None

@@ -200,11 +200,10 @@ class CheckpointReader:
             raise CorruptCheckpointError(f"cannot read {key!r} from {self._where[key]}: {exc}") from exc
 
 
-def _differs_from_embedding(reader: CheckpointReader, key: str) -> bool:
-    """Whether checkpoint tensor ``key`` (a tied config's ``lm_head.weight``) differs from
-    ``model.embed_tokens.weight`` (both read whole; only a tied checkpoint that stores both pays it)."""
-    emb = "model.embed_tokens.weight"
-    return emb not in reader or not torch.equal(reader.get(key), reader.get(emb))
+def _differs_from(reader: CheckpointReader, key: str, source: str) -> bool:
+    """Whether checkpoint tensor ``key`` (e.g. a tied config's ``lm_head.weight``) differs from the
+    tensor ``source`` it is tied to (both read whole; only a tied checkpoint that stores both pays it)."""
+    return source not in reader or not torch.equal(reader.get(key), reader.get(source))
 
 
 _LAYER_KEY = re.compile(r"model\.layers\.(\d+)\.")  # a decoder layer's tensor (target or MTP), its index
@@ -286,13 +285,13 @@ def _select(reader: CheckpointReader, own: Dict[str, WeightSpec], other: Dict[st
             raise ShapeMismatchError(key, spec.shape, shape)
         if not spec.ignored:
             selected[key] = spec
-        elif key.endswith("lm_head.weight") and _differs_from_embedding(reader, key):
+        elif spec.tied_to is not None and _differs_from(reader, key, spec.tied_to):
             # a new-user pass (2026-12-05): the swap was silent; an identical copy (e.g. converted from
             # .bin files) changes nothing and is not worth a word (transformers warns only on a difference)
             logger.warning("config.json sets tie_word_embeddings: the checkpoint's %r, which differs from "
-                           "model.embed_tokens.weight, is not loaded: the output layer is embed_tokens (as vLLM "
-                           "ties it; transformers keeps a differing lm_head); set tie_word_embeddings false to use it",
-                           key)
+                           "%s, is not loaded: the output layer is %s (as vLLM ties it; transformers keeps a "
+                           "differing lm_head); set tie_word_embeddings false to use it", key, spec.tied_to,
+                           spec.tied_to)
     return selected
 
 
