@@ -33,7 +33,7 @@ def profile_steps(llm: Any, steps: int) -> Dict[str, Any]:
     import torch
     from torch.profiler import ProfilerActivity, profile
     eng = llm.llm_engine
-    cuda = torch.cuda.is_available() and eng.engine_config.device != "cpu"
+    cuda = torch.cuda.is_available() and llm.engine_config.device != "cpu"
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     if cuda:
         torch.cuda.synchronize()
