@@ -1165,3 +1165,32 @@ def test_catch_up_cost_per_entry_is_learnt_from_the_timed_catch_ups() -> None:
     assert pol.choose(1, catch_up=[(5000, 100.0)]) == 0
     fresh = AdaptiveSpecPolicy(3, costs, prior_rate=0.9, prior_weight=1e6, decay=1.0)
     assert fresh.choose(1, catch_up=[(5000, 100.0)]) > 0
+
+
+def test_a_few_slow_steps_do_not_move_a_measured_host_time() -> None:
+    """H100, 2026-12-06, s64: the running mean of k = 0's host time (weight 0.1) went 0.24 -> 1.10 ms
+    within one round while its steps' mean wall rose by 0.1 ms, and the policy left k = 0 for k = 2,
+    18% slower, for the rest of the run. Five slow steps in a steady run of k = 0 (5 ms each, inside
+    the idle-gap filter) now leave its measure, the median of the last MEASURED_WINDOW, and the
+    choice as they were; a lasting change still moves it."""
+    from mtpspec.spec_decode.adaptive import MEASURED_WINDOW
+    costs = StepCostTable({0: {64: 1.0}, 1: {64: 1.6}, 2: {64: 2.4}, 3: {64: 3.1}},
+                          {0: {64: 0.357}, 1: {64: 1.2}, 2: {64: 1.884}, 3: {64: 2.6}}, "synthetic")
+    pol = AdaptiveSpecPolicy(3, costs, prior_rate=0.8)
+    host = {0: 0.24, 1: 0.9, 2: 0.38, 3: 0.5}
+
+    def step(k: int, extra: float = 0.0) -> None:
+        pol.observe_step_time(64, k, costs.step_ms(64, k) + host[k] + extra, k, 0, 64)
+
+    for k in (2, 0):  # steady runs of k = 2, then k = 0 measure both
+        for _ in range(MEASURED_WINDOW + 4):
+            step(k)
+    assert pol.excess_ms[(64, 0)] == pytest.approx(0.24) and pol.excess_ms[(64, 2)] == pytest.approx(0.38)
+    assert pol.choose(64) == 0  # 1 / 1.597 ms against 2.44 / 4.664 ms
+    for _ in range(5):
+        step(0, extra=5.0)
+        assert pol.choose(64) == 0
+    assert pol.excess_ms[(64, 0)] == pytest.approx(0.24)
+    for _ in range(MEASURED_WINDOW):  # k = 0's steps really got 1 ms slower: the measure follows
+        step(0, extra=1.0)
+    assert pol.excess_ms[(64, 0)] == pytest.approx(1.24) and pol.choose(64) == 2

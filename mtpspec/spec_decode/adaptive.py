@@ -35,7 +35,7 @@ rate is per position, as vLLM's ``num_accepted_tokens_per_pos`` measures it). Th
   their drafts), its tokens valued at ``c*``, the best pure-decode step's ms per token (a drafting
   prompt step is worth its extra time only if its extra tokens come cheaper than decoding them
   later). ``H(B, k)`` is what the steps that proposed ``k`` at
-  ``B``'s table batch size measured beyond the table (a running mean, moved along the plane's ``c``
+  ``B``'s table batch size measured beyond the table (the median of its last steps, moved along the plane's ``c``
   from their mean batch size to ``B``), else the plane's
   ``a + c B + b B (E(k) - 1)``: the host time of a ``k`` need not lie on one plane with the
   others' (at ``k = 0`` with async scheduling the engine schedules each step ahead of the one in
@@ -90,7 +90,11 @@ EXPLORE_MARGIN = 0.15
 MIN_MEASURED = 6
 MAX_MEASURING_BURSTS = 3
 STALE_EVERY = 2000
-MEASURED_WEIGHT = 0.1
+#: A measured host time is the median of the (batch size, k)'s last :data:`MEASURED_WINDOW` counted
+#: steps. (A running mean, weight 0.1, let a few slow steps move it by a millisecond: H100,
+#: 2026-12-06, s64, k = 0's measure went 0.24 -> 1.10 ms in one round while its steps' mean wall
+#: rose 0.1 ms, and the policy left k = 0 for k = 2, 18% slower, for the rest of the run.)
+MEASURED_WINDOW = 16
 #: Prompt-carrying steps: each kind's (``k = 0``, drafting) cost per prompt token is the median of
 #: its last :data:`PROMPT_SAMPLES` samples (a first-use outlier, e.g. a kernel compiled in the step,
 #: cannot fix it); a kind with fewer than :data:`MIN_PROMPT_SAMPLES` (and no more than the other
@@ -262,13 +266,13 @@ class AdaptiveSpecPolicy:
     _prefill_samples: List[List[float]] = field(default_factory=lambda: [[], []], init=False, repr=False)
     _prompt_steps: int = field(default=0, init=False, repr=False)
     _prompt_last: List[int] = field(default_factory=lambda: [0, 0], init=False, repr=False)
-    #: Per (table batch size, proposed ``k``): the running mean of what its pure-decode steps took
-    #: beyond the device table (ms), from the steps that proposed the same ``k`` as the two steps
-    #: before them and the step chosen after them (weight ``max(1 / n, MEASURED_WEIGHT)``): a steady
-    #: run of that ``k``, not a transition (see :meth:`observe_step_time`). Where measured it replaces
-    #: the host plane's prediction for that ``k``; the plane predicts the others.
+    #: Per (table batch size, proposed ``k``): the median of what its last :data:`MEASURED_WINDOW`
+    #: pure-decode steps took beyond the device table (ms), of the steps that proposed the same ``k``
+    #: as the two steps before them and the step chosen after them: a steady run of that ``k``, not a
+    #: transition (see :meth:`observe_step_time`). Where measured it replaces the host plane's
+    #: prediction for that ``k``; the plane predicts the others.
     excess_ms: Dict[Tuple[int, int], float] = field(default_factory=dict)
-    #: The mean batch size of those steps (same weights): a step of another batch size in the same table
+    #: The mean batch size of those steps: a step of another batch size in the same table
     #: bucket is charged ``excess + c (batch - mean)``, ``c`` the plane's :attr:`overhead_ms_per_seq`
     #: (the device cost is the bucket's padded graph whatever the batch, the host's grows with it: H100,
     #: 2026-12-05, s256, a k = 0 excess measured at ~256 sequences, 4.4 ms, charged at 219).
@@ -279,7 +283,11 @@ class AdaptiveSpecPolicy:
     transition_steps: int = 0
     transition_extra_ms: float = 0.0
     _decode_samples: int = field(default=0, init=False, repr=False)  # pure-decode steps observed
+    # counted steps per (bucket, k) since its measure was last reset, and the last MEASURED_WINDOW
+    # of them as (excess ms, batch)
     _excess_n: Dict[Tuple[int, int], int] = field(default_factory=dict, init=False, repr=False)
+    _excess_window: Dict[Tuple[int, int], List[Tuple[float, float]]] = field(default_factory=dict, init=False,
+                                                                             repr=False)
     _last_k: Optional[int] = field(default=None, init=False, repr=False)  # k the last observed step proposed
     _last_k2: Optional[int] = field(default=None, init=False, repr=False)  # ... and the one before it
     _chosen_k: Optional[int] = field(default=None, init=False, repr=False)  # what choose() returned last
@@ -369,11 +377,12 @@ class AdaptiveSpecPolicy:
             excess = max(0.0, wall_ms - predicted)
             if k == self._last_k == self._last_k2 and self._chosen_k in (None, k):  # a steady run of k
                 key = (self._bucket(batch), k)
-                n = self._excess_n[key] = self._excess_n.get(key, 0) + 1
-                prev, w = self.excess_ms.get(key, 0.0), max(1.0 / n, MEASURED_WEIGHT)
-                self.excess_ms[key] = prev + w * (excess - prev)
-                pb = self.excess_batch.get(key, float(batch))
-                self.excess_batch[key] = pb + w * (batch - pb)
+                self._excess_n[key] = self._excess_n.get(key, 0) + 1
+                window = self._excess_window.setdefault(key, [])
+                window.append((excess, float(batch)))
+                del window[:-MEASURED_WINDOW]
+                self.excess_ms[key] = _median([e for e, _ in window])
+                self.excess_batch[key] = sum(b for _, b in window) / len(window)
             else:  # a transition: what it took beyond a steady step of its k (a diagnostic, not charged)
                 steady = self._measured_host_ms(self._bucket(batch), k, batch)
                 if steady is not None:
@@ -623,6 +632,7 @@ class AdaptiveSpecPolicy:
                 self._bursts[key] = self._bursts.get(key, 0) + 1
                 if self._excess_n.get(key, 0) >= MIN_MEASURED:  # measured long ago: the burst's steps replace it
                     self._excess_n[key] = 0
+                    self._excess_window.pop(key, None)
                 self._last_burst = n
         k = best
         if self._explore:
