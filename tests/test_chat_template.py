@@ -55,14 +55,14 @@ OVERRIDE = ("{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% end
             "{% if add_generation_prompt %}[assistant]{% endif %}")
 
 
-def _reference(messages, add_generation_prompt=True):
+def _reference(messages, add_generation_prompt=True, template=OVERRIDE):
     import os
 
     from transformers import PreTrainedTokenizerFast
     hf = PreTrainedTokenizerFast(tokenizer_file=os.path.join(demo_model_path(), "tokenizer.json"),
                                  eos_token="<|endoftext|>")
     conv = [{"role": r, "content": t} for r, t in messages]
-    return hf.apply_chat_template(conv, chat_template=OVERRIDE, tokenize=False,
+    return hf.apply_chat_template(conv, chat_template=template, tokenize=False,
                                   add_generation_prompt=add_generation_prompt)
 
 
@@ -81,6 +81,16 @@ def test_load_chat_template_reads_a_file_or_the_template_itself(tmp_path):
     (tmp_path / "empty.jinja").write_text("  \n")
     with pytest.raises(ValueError, match="empty"):
         load_chat_template(str(tmp_path / "empty.jinja"))
+    with pytest.raises(ValueError, match="must not be empty"):
+        load_chat_template("")
+    with pytest.raises(ValueError, match="is a directory"):
+        load_chat_template(str(tmp_path))
+    # compiled as transformers' renderer compiles it: its extensions (loop controls, the generation tag) pass
+    for ok in ("{% for m in messages %}{{ m.content }}{% break %}{% endfor %}",
+               "{% for m in messages %}{% if loop.first %}{% continue %}{% endif %}{{ m.content }}{% endfor %}",
+               "{% for m in messages %}{% generation %}{{ m.content }}{% endgeneration %}{% endfor %}",
+               "{{ raise_exception('refuses every conversation') }}"):  # a refusal is not a syntax error
+        assert load_chat_template(ok) == ok
 
 
 def test_a_chat_template_override_on_a_bare_tokenizer_json_renders_as_transformers():
@@ -99,6 +109,26 @@ def test_a_chat_template_override_on_a_bare_tokenizer_json_renders_as_transforme
         tok.chat_template = None
 
 
+def test_a_template_that_fails_is_the_conversations_error_not_the_engines(tmp_path):
+    """A new-user pass (2026-12-06): a template raising an ordinary Python error (here a division by
+    zero) was a 500 in the server and a bare ZeroDivisionError from ``LLM.chat``; a template that
+    does not parse was called a refusal."""
+    from mtpspec.engine.detokenizer import load_tokenizer
+    from mtpspec.entrypoints.chat_template import resolve_chat_template
+    tok = load_tokenizer(demo_model_path())
+    with pytest.raises(ValueError, match="the chat template failed on this conversation: ZeroDivisionError"):
+        render_chat(tok, [("user", "x")], chat_template="{{ 1 / 0 }}")
+    with pytest.raises(ValueError, match=r"the chat template is not valid Jinja \(line 1: "):
+        render_chat(tok, [("user", "x")], chat_template="{{ x }")
+    f = tmp_path / "t.jinja"
+    f.write_text(OVERRIDE)
+    assert resolve_chat_template(str(f)) == OVERRIDE and resolve_chat_template(OVERRIDE) == OVERRIDE
+    assert resolve_chat_template(None) is None
+
+
+DIVIDES = "{% for m in messages %}{% if m['content'] == 'div' %}{{ 1 / 0 }}{% endif %}{% endfor %}" + OVERRIDE
+
+
 def test_serve_chat_template_flag_reaches_chat_completions_and_tokenize():
     from fastapi.testclient import TestClient
 
@@ -108,15 +138,21 @@ def test_serve_chat_template_flag_reaches_chat_completions_and_tokenize():
     for bad, why in (("no/such.jinja", "no such file"), ("{% if x %}", "not a valid Jinja template")):
         with pytest.raises(ValueError, match=why):  # refused before the model loads
             build(parse_serve_flags(base + ["--chat-template", bad]))
-    app, engine, _ = build(parse_serve_flags(base + ["--chat-template", OVERRIDE.replace("\n", "\\n")]))
+    app, engine, _ = build(parse_serve_flags(base + ["--chat-template", DIVIDES.replace("\n", "\\n")]))
     msgs = [{"role": "user", "content": "What is 2 + 3?"}]
-    want = load_tokenizer(demo_model_path()).encode(_reference([("user", "What is 2 + 3?")]))
+    want = load_tokenizer(demo_model_path()).encode(_reference([("user", "What is 2 + 3?")], template=DIVIDES))
     try:
         with TestClient(app) as client:
             r = client.post("/tokenize", json={"messages": msgs})
             assert r.status_code == 200 and r.json()["tokens"] == want, r.text
             r = client.post("/v1/chat/completions", json={"messages": msgs, "max_tokens": 3, "temperature": 0})
             assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == len(want), r.text
+            # the template fails on one conversation: a 400 naming it, and the server goes on
+            r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "div"}],
+                                                          "max_tokens": 3})
+            assert r.status_code == 400 and "ZeroDivisionError" in r.json()["error"]["message"], r.text
+            r = client.post("/v1/chat/completions", json={"messages": msgs, "max_tokens": 3, "temperature": 0})
+            assert r.status_code == 200, r.text
     finally:
         engine.shutdown()
 

@@ -317,3 +317,26 @@ def test_serve_max_logprobs_flag() -> None:
             assert all(len(t) == 2 for t in r.json()["choices"][0]["logprobs"]["top_logprobs"])
     finally:
         engine.shutdown()
+    # -1 lifts the cap; logprobs / top_logprobs -1 then give the whole vocabulary (a new-user pass, 2026-12-06:
+    # the server's top-N filter read -1 as "rank <= -1" and returned only the chosen token)
+    app, engine, _ = build(parse_serve_flags(["--model", demo_model_path(), "--device", "cpu", "-k", "1",
+                                              "--max-model-len", "128", "--max-num-seqs", "2",
+                                              "--max-logprobs", "-1"]))
+    vocab = engine.vocab_size
+    try:
+        with TestClient(app) as client:
+            r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "1 + 1?"}],
+                                                          "max_tokens": 2, "temperature": 0, "logprobs": True,
+                                                          "top_logprobs": -1})
+            assert r.status_code == 200, r.text
+            content = r.json()["choices"][0]["logprobs"]["content"]
+            assert len(content) == 2 and all(len(c["top_logprobs"]) == vocab for c in content)
+            for c in content:  # most likely first, the chosen (greedy) token the first
+                lps = [t["logprob"] for t in c["top_logprobs"]]
+                assert lps == sorted(lps, reverse=True) and c["top_logprobs"][0]["token"] == c["token"]
+            r = client.post("/v1/completions", json={**body, "logprobs": -1})
+            assert r.status_code == 200, r.text
+            # keyed by token text: tokens whose text coincides share an entry
+            assert all(len(t) > 0.9 * vocab for t in r.json()["choices"][0]["logprobs"]["top_logprobs"])
+    finally:
+        engine.shutdown()

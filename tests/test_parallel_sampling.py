@@ -129,6 +129,17 @@ def test_n_and_best_of_defaults() -> None:
     assert SamplingParams(temperature=0.0, n=1, best_of=1).num_sequences == 1
 
 
+def test_child_seeds_wrap_into_the_int64_range() -> None:
+    """``seed + i`` of a child past 2**63 - 1 wraps to the same 64-bit key (SamplingParams refuses seeds
+    outside int64, as the server does, so the unwrapped sum would fail the request)."""
+    from mtpspec.engine.parallel_sampling import ParentRequest
+    from mtpspec.sample.counter_rng import seed_to_u64
+    parent = ParentRequest("r", SamplingParams(n=3, temperature=1.0, seed=2 ** 63 - 2), 0.0)
+    seeds = [parent.child_params(i).seed for i in range(3)]
+    assert seeds == [2 ** 63 - 2, 2 ** 63 - 1, -2 ** 63]
+    assert [seed_to_u64(s) for s in seeds] == [seed_to_u64(2 ** 63 - 2 + i) for i in range(3)]
+
+
 # ---------------------------------------------------------------------------- n > 1
 @pytest.mark.parametrize("caching", [True, False], ids=["caching", "no-caching"])
 @pytest.mark.parametrize("k", [0, 3])

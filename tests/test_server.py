@@ -1061,19 +1061,26 @@ def test_long_text_prompts_are_validated_in_a_worker_thread():
 
 def test_llm_chat_equals_the_servers_chat_completion(server, offline):
     """``LLM.chat`` (vLLM's) renders a conversation as ``/v1/chat/completions`` does (here the plain
-    template and its ``Question:`` stop): the same greedy text; text parts are joined; bad messages
-    are named."""
+    template and its ``Question:`` stop): the same greedy text; text parts are joined with newlines
+    (vLLM's join), null content is empty, bad messages are named."""
     msgs = [{"role": "user", "content": "Tom has 3 apples and buys 4 more. How many apples does he have?"}]
     r = _post(server, "/v1/chat/completions", {"messages": msgs, "temperature": 0, "max_tokens": 24})
     want = r.json()["choices"][0]["message"]["content"]
     assert len(want) > 10, want
     params = SamplingParams(temperature=0, max_tokens=24)
     assert offline.chat(msgs, params, use_tqdm=False)[0].outputs[0].text == want
-    parts = [{"role": "user", "content": [{"type": "text", "text": msgs[0]["content"][:9]},
-                                          {"type": "text", "text": msgs[0]["content"][9:]}]}]
-    assert [o.outputs[0].text for o in offline.chat([msgs, parts], params, use_tqdm=False)] == [want, want]
+    text = msgs[0]["content"]
+    parts = [{"role": "user", "content": [{"type": "text", "text": text[:9]}, {"type": "text", "text": text[9:]}]}]
+    joined = [{"role": "user", "content": text[:9] + "\n" + text[9:]}]  # vLLM joins text parts with newlines
+    got = offline.chat([msgs, parts, joined], params, use_tqdm=False)
+    assert got[0].outputs[0].text == want and got[1].prompt == got[2].prompt and "\n" + text[9:] in got[1].prompt
+    r = _post(server, "/v1/chat/completions", {"messages": parts, "temperature": 0, "max_tokens": 24})
+    assert r.json()["choices"][0]["message"]["content"] == got[1].outputs[0].text
+    assert offline.chat([{"role": "user"}], params, use_tqdm=False)[0].prompt == "Question: \nAnswer:"  # null content
     with pytest.raises(TypeError, match="conversation 0, message 0: expected a dict with a 'role'"):
-        offline.chat([{"role": "user"}], params)
+        offline.chat([{"content": "x"}], params)
+    with pytest.raises(TypeError, match=r"conversation 0, message 0: content part 1: a text part needs a 'text' string"):
+        offline.chat([{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text"}]}], params)
     with pytest.raises(ValueError, match="conversation 1: "):
         offline.chat([msgs, [{"role": "wizard", "content": "x"}]], params)
     # a bare string / dict is named as such (they were iterated into characters / keys)

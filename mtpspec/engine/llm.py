@@ -302,7 +302,8 @@ class LLM:
         added to the sampling params), tokenized without special tokens (the template writes its
         own), then :meth:`generate`.
 
-        ``content``: a string, or a list of ``{"type": "text", "text": ...}`` parts (joined).
+        ``content``: a string, a list of ``{"type": "text", "text": ...}`` parts (joined with newlines,
+        as vLLM joins them) or ``None`` (empty). ``chat_template``: a template, or a file holding one.
 
         Raises:
             ValueError / TypeError: no tokenizer, an empty conversation, a message that is not a
@@ -312,8 +313,10 @@ class LLM:
         """
         from dataclasses import replace
 
-        from mtpspec.entrypoints.chat_template import check_template_kwargs, render_chat
+        from mtpspec.entrypoints.chat_template import (check_template_kwargs, message_text, render_chat,
+                                                       resolve_chat_template)
         check_template_kwargs(chat_template_kwargs)  # a bad one is no conversation's fault
+        chat_template = resolve_chat_template(chat_template)
         tok = self.get_tokenizer()
         if tok is None:
             raise ValueError("chat needs a tokenizer; the model folder has none")
@@ -333,14 +336,13 @@ class LLM:
         for i, (conv, sp) in enumerate(zip(convs, base)):
             pairs = []
             for j, m in enumerate(conv):
-                content = m.get("content") if isinstance(m, dict) else None
-                if isinstance(content, list) and all(isinstance(x, dict) and x.get("type") == "text"
-                                                     and isinstance(x.get("text"), str) for x in content):
-                    content = "".join(x["text"] for x in content)
-                if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(content, str):
+                if not isinstance(m, dict) or not isinstance(m.get("role"), str):
                     raise TypeError(f"conversation {i}, message {j}: expected a dict with a 'role' string and a text "
-                                    f"'content' (a string or text parts), got {m!r}")
-                pairs.append((m["role"], content))
+                                    f"'content' (a string, text parts or null), got {m!r}")
+                try:
+                    pairs.append((m["role"], message_text(m.get("content"))))
+                except ValueError as exc:
+                    raise TypeError(f"conversation {i}, message {j}: {exc}") from None
             try:
                 text, stops = render_chat(tok, pairs, add_generation_prompt, chat_template_kwargs, chat_template)
             except ValueError as exc:

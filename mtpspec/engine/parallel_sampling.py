@@ -94,7 +94,9 @@ class ParentRequest:
         if logprobs is None and self.num_sequences > self.n:
             logprobs = 0  # the ranking needs each sampled token's logprob
         return dataclasses.replace(
-            p, n=1, best_of=None, seed=None if p.seed is None else p.seed + index, logprobs=logprobs,
+            # seed + index wrapped into the int64 range (the same 64-bit key: seed_to_u64 takes it mod 2**64)
+            p, n=1, best_of=None, seed=None if p.seed is None else (p.seed + index + 2 ** 63) % 2 ** 64 - 2 ** 63,
+            logprobs=logprobs,
             prompt_logprobs=p.prompt_logprobs if index == 0 else None)
 
     @property

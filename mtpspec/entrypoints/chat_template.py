@@ -47,12 +47,19 @@ def load_chat_template(value: str) -> str:
     """The Jinja chat template that ``--chat-template value`` names: the text of the file ``value``
     when one exists, else ``value`` itself when it holds ``{``, ``}`` or a newline (an inline
     template, as vLLM's flag takes one; its backslash escapes, e.g. ``\\n``, are decoded as vLLM
-    does). Checked by parsing it (Jinja syntax only).
+    does). Checked by compiling it as transformers' renderer does (its Jinja extensions, e.g. ``{%
+    break %}``, included).
 
     Raises:
-        ValueError: ``value`` looks like a path but no such file exists, the file cannot be read or
-            is empty, or the template does not parse (the message names the line).
+        ValueError: ``value`` is empty, a directory, looks like a path but no such file exists, the
+            file cannot be read or is empty, or the template does not compile (the message names
+            the line).
     """
+    if not value:
+        raise ValueError("--chat-template must not be empty (leave it out for the tokenizer's own template)")
+    if os.path.isdir(value):
+        raise ValueError(f"--chat-template {value!r} is a directory; give a template file (e.g. its "
+                         "chat_template.jinja) or the template itself")
     if os.path.isfile(value):
         try:
             with open(value, encoding="utf-8") as f:
@@ -69,13 +76,61 @@ def load_chat_template(value: str) -> str:
                          "'{{ ... }}' or '{% ... %}'); give a template file or the template itself")
     if not text.strip():
         raise ValueError(f"--chat-template: {where} is empty")
-    import jinja2
-    try:
-        jinja2.Environment().parse(text)
-    except jinja2.TemplateSyntaxError as exc:
-        raise ValueError(f"--chat-template: {where} is not a valid Jinja template (line {exc.lineno}: "
-                         f"{exc.message})") from None
+    syntax = template_syntax_error(text)
+    if syntax is not None:
+        raise ValueError(f"--chat-template: {where} is not a valid Jinja template ({syntax})")
     return text
+
+
+def template_syntax_error(text: str) -> Optional[str]:
+    """``"line N: message"`` when ``text`` does not compile as a chat template, else ``None``:
+    compiled by rendering a one-message conversation through transformers' renderer (the same
+    environment and extensions as every later render); errors other than syntax (the template
+    refusing that conversation) are the conversation's, not the template's."""
+    from jinja2 import TemplateSyntaxError
+    from transformers.utils.chat_template_utils import render_jinja_template
+    try:
+        render_jinja_template([[{"role": "user", "content": "hi"}]], chat_template=text)
+    except TemplateSyntaxError as exc:
+        return f"line {exc.lineno}: {exc.message}"
+    except Exception:  # noqa: BLE001 (a refusal of the probe conversation is not a syntax error)
+        pass
+    return None
+
+
+def resolve_chat_template(value: Optional[str]) -> Optional[str]:
+    """``LLM.chat``'s ``chat_template``: the text of the file ``value`` when one exists, else
+    ``value`` itself (a template; ``None``: none)."""
+    if value and "\n" not in value and "{" not in value and os.path.isfile(value):
+        with open(value, encoding="utf-8") as f:
+            return f.read()
+    return value
+
+
+def message_text(content: Any) -> str:
+    """A chat message's ``content`` as text: a string as it is, ``None`` as ``""``, a list of
+    ``{"type": "text", "text": ...}`` parts joined with newlines (as vLLM joins them).
+
+    Raises:
+        ValueError: a part that is not a text part with a ``text`` string (named by index), or
+            content of another type.
+    """
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise ValueError(f"content must be a string, a list of text parts or null, got {type(content).__name__}")
+    out = []
+    for i, part in enumerate(content):
+        if not isinstance(part, dict) or part.get("type") != "text":
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            raise ValueError(f"content part {i}: only text parts ({{'type': 'text', 'text': ...}}) are supported, "
+                             f"got {kind!r}")
+        if not isinstance(part.get("text"), str):
+            raise ValueError(f"content part {i}: a text part needs a 'text' string, got {part.get('text')!r}")
+        out.append(part["text"])
+    return "\n".join(out)
 
 
 def render_plain(messages: Sequence[Tuple[str, str]], add_generation_prompt: bool = True) -> str:
@@ -149,7 +204,7 @@ def render_chat(tokenizer: Any, messages: Sequence[Tuple[str, str]],
         raise ValueError("messages must hold at least one message")
     kwargs = check_template_kwargs(template_kwargs)
     if chat_template or has_chat_template(tokenizer):
-        from jinja2 import TemplateError
+        from jinja2 import TemplateError, TemplateSyntaxError
         conv = [{"role": r, "content": t} for r, t in messages]
         template = chat_template or getattr(tokenizer, "chat_template", None)  # None: the backend's own
         try:
@@ -163,9 +218,12 @@ def render_chat(tokenizer: Any, messages: Sequence[Tuple[str, str]],
                 special = {"eos_token": backend.id_to_token(eos)} if backend is not None and eos is not None else {}
                 text = render_jinja_template([conv], chat_template=template, add_generation_prompt=add_generation_prompt,
                                              **special, **kwargs)[0][0]
+        except TemplateSyntaxError as exc:
+            raise ValueError(f"the chat template is not valid Jinja (line {exc.lineno}: {exc.message})") from None
         except TemplateError as exc:
             raise ValueError(f"the chat template refused the conversation: {exc}") from None
-        except (TypeError, RuntimeError) as exc:  # e.g. a message the template cannot format: vLLM's 400 too
+        except Exception as exc:  # noqa: BLE001 (the template's code failed on this conversation: vLLM's 400 too,
+            # e.g. a message it cannot format, a division by zero; never the engine's fault)
             raise ValueError(f"the chat template failed on this conversation: {type(exc).__name__}: {exc}") from None
         return str(text), []
     return render_plain(messages, add_generation_prompt), [PLAIN_STOP]

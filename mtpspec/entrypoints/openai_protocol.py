@@ -121,21 +121,17 @@ class ChatMessage(BaseModel):
     content: Union[str, List[Dict[str, Any]], None] = None
 
     def text(self) -> str:
-        """The message's text (a list of parts: the ``text`` parts concatenated).
+        """The message's text (:func:`~mtpspec.entrypoints.chat_template.message_text`: text parts
+        joined with newlines, as vLLM joins them).
 
         Raises:
-            OpenAIError: a part other than text (images are not supported).
+            OpenAIError: a part other than text (images are not supported), or one without text.
         """
-        if self.content is None:
-            return ""
-        if isinstance(self.content, str):
-            return self.content
-        out = []
-        for part in self.content:
-            if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise bad_request(f"only text content parts are supported, got {part.get('type')!r}", "messages")
-            out.append(part["text"])
-        return "".join(out)
+        from mtpspec.entrypoints.chat_template import message_text
+        try:
+            return message_text(self.content)
+        except ValueError as exc:
+            raise bad_request(str(exc), "messages") from None
 
 
 class ChatCompletionRequest(_Sampling):

@@ -156,7 +156,9 @@ async def _parse(request: Request, cls: Type[M]) -> M:
     ignored = {k for k in body if k not in cls.model_fields}
     for name in sorted(ignored & set(UNSERVED_FIELDS)):  # vLLM serves them; ignoring would change the output
         if UNSERVED_FIELDS[name](body[name]):
-            raise bad_request(f"{name} is not supported by mtpspec serve (got {body[name]!r}); leave it out", name)
+            hint = " (a server-wide template: start the server with --chat-template)" if name == "chat_template" else ""
+            raise bad_request(f"{name} is not supported by mtpspec serve (got {body[name]!r}); leave it out{hint}",
+                              name)
     if ignored:  # as vLLM: unknown fields are ignored, with a warning
         logger.warning("The following fields were present in the request but ignored: %s", ignored)
     try:
@@ -464,7 +466,10 @@ def _entry_text(engine: AsyncLLM, tid: int, lp: Optional[Logprob]) -> str:
 
 
 def _top(entries: Dict[int, Logprob], num: int) -> List[Tuple[int, Logprob]]:
-    """The ``num`` likeliest entries of a ``{id: Logprob}`` (ranks 1 .. num), most likely first."""
+    """The ``num`` likeliest entries of a ``{id: Logprob}`` (ranks 1 .. num; ``-1``: all of them, the
+    whole vocabulary under ``--max-logprobs -1``), most likely first."""
+    if num == -1:
+        num = len(entries)
     return sorted(((t, v) for t, v in entries.items() if v.rank is not None and v.rank <= num),
                   key=lambda x: (x[1].rank, -x[1].logprob))[:num]
 

@@ -180,7 +180,7 @@ def add_parser(sub: Any) -> None:
                    help="the model folder, as `vllm serve MODEL` takes it (same as --model)")
     add_engine_args(p)
     p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
-    p.add_argument("--port", type=port_number, default=8000, help="TCP port, 0..65535 (default 8000)")
+    p.add_argument("--port", type=port_number, default=8000, help="TCP port, 0..65535 (default 8000; 0: any free port, named in the start-up line)")
     p.add_argument("--served-model-name", nargs="+", default=None,
                    help="model name(s) clients send, any of them accepted, a response naming its request's (default: "
                         "--model as given; mtpspec-demo without --model)")
@@ -346,10 +346,22 @@ def run(args: argparse.Namespace) -> int:
     from mtpspec.engine.gc_heap import freeze_gc_heap
     freeze_gc_heap()
     synth = "  [SYNTHETIC: forced acceptance " + info["forced_acceptance"] + "]" if info["synthetic"] else ""
+    sock, port = None, args.port
+    if port == 0:  # any free port: bound here, so that the banner names the one clients must use
+        try:
+            sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET, socket.SOCK_STREAM)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((args.host, 0))
+        except OSError as exc:
+            engine.shutdown()
+            print(f"error: cannot listen on {args.host}:0: {exc.strerror or exc}", file=sys.stderr)
+            return 2
+        port = sock.getsockname()[1]
+    host = f"[{args.host}]" if ":" in args.host else args.host
     print(f"mtpspec serve: {info['model']} (tp {info['tp']}, k {info['num_speculative_tokens']}, fusion "
           f"{info['fusion']}, local argmax {info['local_argmax']}, all-reduce {info['allreduce_backend']}, "
           f"{info['num_kv_blocks']} KV blocks){synth} on "
-          f"http://{args.host}:{args.port}", file=sys.stderr, flush=True)
+          f"http://{host}:{port}", file=sys.stderr, flush=True)
     server = _server_class(uvicorn, lambda: engine.fail_all("the server is shutting down"))(
         uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5))
     stop = threading.Event()
@@ -365,7 +377,7 @@ def run(args: argparse.Namespace) -> int:
     watcher.start()
     interrupted = False
     try:
-        server.run()
+        server.run(sockets=None if sock is None else [sock])
     except KeyboardInterrupt:  # Ctrl-C: uvicorn shut down gracefully, then re-raised the signal
         interrupted = True
     finally:
