@@ -167,6 +167,7 @@ class StepCostTable:
             if not self.verify_ms[k] or set(self.verify_ms[k]) != set(self.draft_ms[k]):
                 raise ValueError(f"step cost table: k={k} needs the same batch sizes in verify_ms and draft_ms")
         self._sizes = {k: sorted(row) for k, row in self.verify_ms.items()}
+        self._step_cache: Dict[Tuple[int, int, int], float] = {}  # (batch, k, verify_k) -> step_ms (a hot path)
 
     @property
     def ks(self) -> List[int]:
@@ -180,10 +181,14 @@ class StepCostTable:
             KeyError: ``k`` or ``verify_k`` not in the table.
         """
         v = k if verify_k is None else verify_k
-        for j in (k, v):
-            if j not in self.verify_ms:
-                raise KeyError(f"step cost table has no k={j} (has {self.ks})")
-        return self.verify_ms[v][self.size_for(batch, v)] + self.draft_ms[k][self.size_for(batch, k)]
+        ms = self._step_cache.get((batch, k, v))
+        if ms is None:
+            for j in (k, v):
+                if j not in self.verify_ms:
+                    raise KeyError(f"step cost table has no k={j} (has {self.ks})")
+            ms = self.verify_ms[v][self.size_for(batch, v)] + self.draft_ms[k][self.size_for(batch, k)]
+            self._step_cache[(batch, k, v)] = ms
+        return ms
 
     def size_for(self, batch: int, k: int = 0) -> int:
         """The batch size measured for ``k`` that ``batch`` sequences are costed at: the smallest
