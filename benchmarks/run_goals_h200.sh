@@ -209,8 +209,8 @@ adaptive-inproc)  # issue 18's adaptive goal with deterministic arrival: `bench 
   python3 benchmarks/make_dummy_model.py /tmp/air3 --preset air-8l --num-hidden-layers 3 \
       --max-position-embeddings 2048 || exit 1
   step ${AIR_TIMEOUT:-330} arms_air3_ip python3 -m mtpspec.entrypoints.cli bench arms --in-process --model /tmp/air3 \
-      --arms ${ARMS:-plain,k1,k2,k3,adaptive} --workloads s1,s8,s64,s256 --repeats ${REPEATS:-3} --warmup-rounds 1 \
-      --equal-kv-blocks --no-plots --no-progress --random-prompts --ignore-eos --forced-acceptance rate:0.8 --server-args \
+      --arms ${ARMS:-plain,k1,k2,k3,adaptive} --workloads ${WORKLOADS:-s1,s8,s64,s256} --repeats ${REPEATS:-3} \
+      --warmup-rounds 1 --equal-kv-blocks --no-plots --no-progress --random-prompts --ignore-eos --forced-acceptance rate:0.8 --server-args \
       "--max-num-seqs 256 --load-format dummy --max-model-len 1024 --dtype bfloat16" --output-dir "$OUT/arms_air3_ip"
   [ -n "${SKIP_DEMO:-}" ] && exit 0  # e.g. ARMS=plain,k1,k3,adaptive REPEATS=2 AIR_TIMEOUT=560 SKIP_DEMO=1 (session 15:
   # five arms x 3 rounds did not fit 330 s)
