@@ -242,6 +242,28 @@ def test_k0_steps_are_scheduled_ahead_as_plain_decoding_and_outputs_do_not_chang
         assert ms["num_preemptions"] > 0
 
 
+def test_a_k0_step_leaves_no_drafts_to_take(model, monkeypatch) -> None:
+    """A step that proposes no drafts leaves none for the next step to take: the engine never waits
+    on its draft handle nor walks its batch for them (H100, 2026-12-06: adaptive k = 0 prompt steps at
+    64 sequences took ~0.4 ms more than plain decoding's, two O(batch) passes among it), and the
+    outputs stay those of plain decoding (prompts arriving between decodes, every transition)."""
+    from mtpspec.engine.model_runner import PendingStep
+    path, cfg, table = model
+    prompts = mixed_prompts(9, cfg.vocab_size, seed=5)  # more than max_num_seqs: prompt steps between decodes
+    with _llm(path, table, k=0) as llm:
+        want = _greedy(llm, prompts)
+    taken = []
+    real = PendingStep.drafts
+    monkeypatch.setattr(PendingStep, "drafts", lambda self: taken.append(self._step.num_proposed_tokens)
+                        or real(self))
+    with _llm(path, table) as llm:
+        eng = llm.llm_engine
+        script = eng.spec_policy = Scripted([0, 0, 2, 0, 0, 0, 3, 0, 1])
+        assert _greedy(llm, prompts) == want
+    assert taken and 0 not in taken and sorted(set(taken)) == [1, 2, 3], taken
+    assert script.chosen.count(0) > len(taken)
+
+
 def test_k0_step_is_plain_decoding_plus_mtp_kv_writes(model) -> None:
     """At k = 0 the target sees one row per sequence and the MTP model runs no forward (only its
     KV-cache writes); a step after it verifies no drafts."""
