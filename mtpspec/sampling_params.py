@@ -139,8 +139,8 @@ class SamplingParams:
             self.top_k = 0
         if self.seed is not None and not _is_int(self.seed):
             raise TypeError(f"seed must be an int or None, got {self.seed!r}")
-        if self.seed is not None and not -2 ** 63 <= self.seed < 2 ** 63:  # as the server (vLLM's int64)
-            raise ValueError(f"seed must be in [-2**63, 2**63 - 1] (an int64), got {self.seed}")
+        if self.seed is not None and not -2 ** 63 <= self.seed < 2 ** 64:  # what torch.Generator.manual_seed takes
+            raise ValueError(f"seed must be in [-2**63, 2**64 - 1] (64 bits), got {self.seed}")
         if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
             raise ValueError(f"max_tokens must be an int >= 1 or None, got {self.max_tokens!r}")
         self._stop_list, self._stop_src = self._check_stop(self.stop), self.stop

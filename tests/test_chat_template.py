@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import functools
 from types import SimpleNamespace
 
 import pytest
@@ -114,7 +115,7 @@ def test_a_template_that_fails_is_the_conversations_error_not_the_engines(tmp_pa
     zero) was a 500 in the server and a bare ZeroDivisionError from ``LLM.chat``; a template that
     does not parse was called a refusal."""
     from mtpspec.engine.detokenizer import load_tokenizer
-    from mtpspec.entrypoints.chat_template import resolve_chat_template
+    from mtpspec.entrypoints.chat_template import load_chat_template
     tok = load_tokenizer(demo_model_path())
     with pytest.raises(ValueError, match="the chat template failed on this conversation: ZeroDivisionError"):
         render_chat(tok, [("user", "x")], chat_template="{{ 1 / 0 }}")
@@ -122,8 +123,14 @@ def test_a_template_that_fails_is_the_conversations_error_not_the_engines(tmp_pa
         render_chat(tok, [("user", "x")], chat_template="{{ x }")
     f = tmp_path / "t.jinja"
     f.write_text(OVERRIDE)
-    assert resolve_chat_template(str(f)) == OVERRIDE and resolve_chat_template(OVERRIDE) == OVERRIDE
-    assert resolve_chat_template(None) is None
+    # LLM.chat's chat_template: a file or the template as given (no escapes decoded); a path that is
+    # not a file is an error, not a one-line template (a review, 2026-12-06)
+    load = functools.partial(load_chat_template, name="chat_template", decode_escapes=False)
+    assert load(str(f)) == OVERRIDE and load(OVERRIDE) == OVERRIDE and load("{{ '\\n' }}") == "{{ '\\n' }}"
+    for bad, why in (("templates/chatml.jinja", "chat_template 'templates/chatml.jinja': no such file"),
+                     (str(tmp_path), "is a directory"), ("", "chat_template must not be empty")):
+        with pytest.raises(ValueError, match=why):
+            load(bad)
 
 
 DIVIDES = "{% for m in messages %}{% if m['content'] == 'div' %}{{ 1 / 0 }}{% endif %}{% endfor %}" + OVERRIDE
@@ -135,7 +142,8 @@ def test_serve_chat_template_flag_reaches_chat_completions_and_tokenize():
     from mtpspec.engine.detokenizer import load_tokenizer
     from mtpspec.entrypoints.serve import build, parse_serve_flags
     base = ["--device", "cpu", "-k", "1", "--max-model-len", "256", "--max-num-seqs", "2"]
-    for bad, why in (("no/such.jinja", "no such file"), ("{% if x %}", "not a valid Jinja template")):
+    for bad, why in (("no/such.jinja", "no such file"), ("{% if x %}", "not a valid Jinja template"),
+                     ("", "must not be empty")):
         with pytest.raises(ValueError, match=why):  # refused before the model loads
             build(parse_serve_flags(base + ["--chat-template", bad]))
     app, engine, _ = build(parse_serve_flags(base + ["--chat-template", DIVIDES.replace("\n", "\\n")]))
@@ -168,5 +176,7 @@ def test_llm_chat_takes_a_chat_template():
         assert out.prompt_token_ids == llm.get_tokenizer().encode(out.prompt)
         assert llm.get_tokenizer().chat_template is None  # a call's template is that call's
         assert llm.chat(msgs, sp, use_tqdm=False)[0].prompt.endswith("Answer:")  # the plain template again
+        with pytest.raises(ValueError, match="chat_template 'no/such.jinja': no such file"):
+            llm.chat(msgs, sp, use_tqdm=False, chat_template="no/such.jinja")
     finally:
         llm.shutdown()

@@ -196,8 +196,9 @@ def test_stop_strings_wait_for_min_tokens(model) -> None:
     (dict(logit_bias={5: float("inf")}), "logit_bias values must be finite numbers"),
     (dict(logit_bias=[5, 1.0]), "logit_bias must be a dict"),
     (dict(presence_penalty="1"), "presence_penalty must be in"),
-    # as the server (a new-user pass, 2026-12-06: offline, seeds 2**64 and 2**70 wrapped to the same draws)
-    (dict(seed=2 ** 64), r"seed must be in \[-2\*\*63, 2\*\*63 - 1\] \(an int64\), got 18446744073709551616"),
+    # 64 bits, what torch.Generator.manual_seed takes (a new-user pass, 2026-12-06: seeds 2**64 and 2**70 wrapped
+    # to the same draws; random.getrandbits(64) stays valid)
+    (dict(seed=2 ** 64), r"seed must be in \[-2\*\*63, 2\*\*64 - 1\] \(64 bits\), got 18446744073709551616"),
     (dict(seed=-2 ** 63 - 1), r"seed must be in \[-2\*\*63"),
 ])
 def test_bad_values_name_the_field(kwargs, match) -> None:

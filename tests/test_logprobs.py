@@ -270,8 +270,8 @@ def test_max_logprobs_sets_the_cap_and_minus_one_lifts_it(model) -> None:
     cap, and ``logprobs=-1`` then scores the whole vocabulary (against transformers' float64
     log_softmax)."""
     path, hf, cfg, prompts = model
-    for bad in (-2, True, 1.5):
-        with pytest.raises(ValueError, match="max_logprobs must be an int >= 0, or -1 for no cap"):
+    for bad, exc in ((-2, ValueError), (True, TypeError), (1.5, TypeError)):
+        with pytest.raises(exc, match="max_logprobs must be an int >= 0, or -1 for no cap"):
             LLM(path, **KW, max_logprobs=bad)
     with LLM(path, **KW, max_logprobs=3) as llm:
         with pytest.raises(ValueError, match="Requested sample logprobs of 4, which is greater than max allowed: 3"):

@@ -117,7 +117,9 @@ class LLM:
             raise TypeError(f"model must be a checkpoint folder (a path), got {type(model).__name__} "
                             "(the bundled demo model: mtpspec.demo_model_path())")
         del trust_remote_code  # vLLM's argument, accepted: mtpspec runs no code from a checkpoint
-        if isinstance(max_logprobs, bool) or not isinstance(max_logprobs, int) or max_logprobs < -1:
+        if isinstance(max_logprobs, bool) or not isinstance(max_logprobs, int):
+            raise TypeError(f"max_logprobs must be an int >= 0, or -1 for no cap, got {max_logprobs!r}")
+        if max_logprobs < -1:
             raise ValueError(f"max_logprobs must be an int >= 0, or -1 for no cap, got {max_logprobs!r}")
         args = EngineArgs(
             model=model, tensor_parallel_size=tensor_parallel_size, speculative_config=speculative_config,
@@ -313,10 +315,11 @@ class LLM:
         """
         from dataclasses import replace
 
-        from mtpspec.entrypoints.chat_template import (check_template_kwargs, message_text, render_chat,
-                                                       resolve_chat_template)
+        from mtpspec.entrypoints.chat_template import (check_template_kwargs, load_chat_template, message_text,
+                                                       render_chat)
         check_template_kwargs(chat_template_kwargs)  # a bad one is no conversation's fault
-        chat_template = resolve_chat_template(chat_template)
+        if chat_template is not None:  # a file or the template (as given: no escapes decoded)
+            chat_template = load_chat_template(chat_template, "chat_template", decode_escapes=False)
         tok = self.get_tokenizer()
         if tok is None:
             raise ValueError("chat needs a tokenizer; the model folder has none")

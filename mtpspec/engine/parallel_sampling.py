@@ -10,7 +10,8 @@ Children (vLLM's rules where vLLM has them):
 
 * request id ``f"{i}_{parent id}"``;
 * sampling params: the parent's with ``n = 1`` and no ``best_of``; with a ``seed``, child ``i``
-  is seeded ``seed + i`` (so child 0 draws what the same request with ``n = 1`` draws); without
+  is seeded ``seed + i`` (wrapped into the int64 range: the same 64-bit key; so child 0 draws what
+  the same request with ``n = 1`` draws); without
   one, every child gets its own engine-drawn seed, so the children's random streams are
   independent;
 * ``prompt_logprobs`` only on child 0: the prompt is the same, so it is scored once;

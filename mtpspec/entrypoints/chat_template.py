@@ -43,12 +43,17 @@ def has_chat_template(tokenizer: Any) -> bool:
 _TEMPLATE_CHARS = "{}\n"
 
 
-def load_chat_template(value: str) -> str:
-    """The Jinja chat template that ``--chat-template value`` names: the text of the file ``value``
-    when one exists, else ``value`` itself when it holds ``{``, ``}`` or a newline (an inline
-    template, as vLLM's flag takes one; its backslash escapes, e.g. ``\\n``, are decoded as vLLM
-    does). Checked by compiling it as transformers' renderer does (its Jinja extensions, e.g. ``{%
-    break %}``, included).
+def load_chat_template(value: str, name: str = "--chat-template", decode_escapes: bool = True) -> str:
+    """The Jinja chat template that ``value`` names: the text of the file ``value`` when one exists,
+    else ``value`` itself when it holds ``{``, ``}`` or a newline (an inline template, as vLLM's
+    ``--chat-template`` takes one; with ``decode_escapes`` its backslash escapes, e.g. ``\\n``, are
+    decoded as vLLM's flag decodes them). Checked by compiling it as transformers' renderer does
+    (its Jinja extensions, e.g. ``{% break %}``, included).
+
+    Args:
+        value: a file or a template.
+        name: what errors call it (``--chat-template``; ``LLM.chat``'s ``chat_template``).
+        decode_escapes: decode an inline template's escapes (the command line's single-line form).
 
     Raises:
         ValueError: ``value`` is empty, a directory, looks like a path but no such file exists, the
@@ -56,29 +61,30 @@ def load_chat_template(value: str) -> str:
             the line).
     """
     if not value:
-        raise ValueError("--chat-template must not be empty (leave it out for the tokenizer's own template)")
+        raise ValueError(f"{name} must not be empty (leave it out for the tokenizer's own template)")
     if os.path.isdir(value):
-        raise ValueError(f"--chat-template {value!r} is a directory; give a template file (e.g. its "
-                         "chat_template.jinja) or the template itself")
+        raise ValueError(f"{name} {value!r} is a directory; give a template file (e.g. its chat_template.jinja) "
+                         "or the template itself")
     if os.path.isfile(value):
         try:
             with open(value, encoding="utf-8") as f:
                 text = f.read()
         except (OSError, UnicodeDecodeError) as exc:
-            raise ValueError(f"--chat-template {value!r}: cannot read the file: {exc}") from None
+            raise ValueError(f"{name} {value!r}: cannot read the file: {exc}") from None
         where = f"file {value!r}"
     elif any(c in value for c in _TEMPLATE_CHARS):
         # the single-line form: escapes such as \\n are read as Python's (vLLM does the same); other
         # characters, non-ASCII included, stay as they are
-        text, where = value.encode("latin-1", "backslashreplace").decode("unicode_escape"), "the inline template"
+        text = value.encode("latin-1", "backslashreplace").decode("unicode_escape") if decode_escapes else value
+        where = "the inline template"
     else:
-        raise ValueError(f"--chat-template {value!r}: no such file, and not a Jinja template (a template holds "
+        raise ValueError(f"{name} {value!r}: no such file, and not a Jinja template (a template holds "
                          "'{{ ... }}' or '{% ... %}'); give a template file or the template itself")
     if not text.strip():
-        raise ValueError(f"--chat-template: {where} is empty")
+        raise ValueError(f"{name}: {where} is empty")
     syntax = template_syntax_error(text)
     if syntax is not None:
-        raise ValueError(f"--chat-template: {where} is not a valid Jinja template ({syntax})")
+        raise ValueError(f"{name}: {where} is not a valid Jinja template ({syntax})")
     return text
 
 
@@ -98,18 +104,12 @@ def template_syntax_error(text: str) -> Optional[str]:
     return None
 
 
-def resolve_chat_template(value: Optional[str]) -> Optional[str]:
-    """``LLM.chat``'s ``chat_template``: the text of the file ``value`` when one exists, else
-    ``value`` itself (a template; ``None``: none)."""
-    if value and "\n" not in value and "{" not in value and os.path.isfile(value):
-        with open(value, encoding="utf-8") as f:
-            return f.read()
-    return value
-
-
 def message_text(content: Any) -> str:
     """A chat message's ``content`` as text: a string as it is, ``None`` as ``""``, a list of
-    ``{"type": "text", "text": ...}`` parts joined with newlines (as vLLM joins them).
+    ``{"type": "text", "text": ...}`` parts joined with newlines (as vLLM joins them for templates
+    that take string content, its "string" content format; mtpspec passes every template the
+    joined string, also those that loop over content parts, which vLLM's "openai" format feeds
+    the list).
 
     Raises:
         ValueError: a part that is not a text part with a ``text`` string (named by index), or

@@ -58,7 +58,7 @@ from starlette.requests import ClientDisconnect
 
 from mtpspec.engine.async_llm import AsyncLLM, EngineDeadError, QueueFullError, RequestError, RequestStream
 from mtpspec.engine.detokenizer import LONG_TEXT_CHARS
-from mtpspec.engine.llm_engine import PromptType, ValidatedPrompt
+from mtpspec.engine.llm_engine import PromptType, ValidatedPrompt, exceeds_max_logprobs
 from mtpspec.entrypoints.chat_template import check_template_kwargs, render_chat
 from mtpspec.entrypoints.openai_protocol import (
     ChatCompletionRequest, CompletionRequest, DetokenizeRequest, OpenAIError, TokenizeRequest, bad_request,
@@ -279,7 +279,7 @@ def _check_num_logprobs(n: Optional[int], what: str, param: str, vocab_size: int
         return
     if n < 0 and n != -1:
         raise bad_request(f"`{param}` must be a positive value or -1.", param)
-    if (vocab_size if n == -1 else n) > max_logprobs != -1:
+    if exceeds_max_logprobs(vocab_size if n == -1 else n, max_logprobs):
         raise bad_request(f"Requested {what} logprobs of {vocab_size if n == -1 else n}, which is greater than "
                           f"max allowed: {max_logprobs}", param)
 

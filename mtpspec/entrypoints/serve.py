@@ -102,18 +102,29 @@ def non_negative_ms(value: str) -> float:
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 
 
-def check_listen(host: str, port: int) -> Optional[str]:
-    """Why ``host:port`` cannot be listened on (``None``: it can), checked before the model loads.
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to ``host:port`` the way uvicorn binds one (IPv6 when ``host`` has a ``:``,
+    ``SO_REUSEADDR`` on as uvicorn sets it, so a port left in TIME_WAIT by a previous server is not
+    refused while a port another process listens on is).
 
-    Binds and closes a socket the way uvicorn will bind it (IPv6 when ``host`` has a ``:``,
-    ``SO_REUSEADDR`` on as uvicorn sets it, so a port left in TIME_WAIT by a previous server is
-    not refused while a port another process listens on is).
+    Raises:
+        OSError: it cannot be bound.
     """
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
     try:
-        with socket.socket(family, socket.SOCK_STREAM) as sock:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            sock.bind((host, port))
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+def check_listen(host: str, port: int) -> Optional[str]:
+    """Why ``host:port`` cannot be listened on (``None``: it can), checked before the model loads
+    (:func:`bind_socket`, then closed)."""
+    try:
+        bind_socket(host, port).close()
     except OSError as exc:
         return exc.strerror or str(exc)
     return None
@@ -234,7 +245,7 @@ def build(args: argparse.Namespace) -> Any:
         raise ValueError("--api-key must not be empty (leave it out for a server without a key)")
     forced = ForcedAcceptance.parse(args.forced_acceptance) if args.forced_acceptance else None
     from mtpspec.entrypoints.chat_template import load_chat_template
-    template = load_chat_template(args.chat_template) if getattr(args, "chat_template", None) else None
+    template = load_chat_template(args.chat_template) if getattr(args, "chat_template", None) is not None else None
     kwargs = llm_kwargs(args)
     from mtpspec.engine.arg_utils import model_path_problem
     why = model_path_problem(kwargs["model"], explicit=bool(args.model))
@@ -349,9 +360,7 @@ def run(args: argparse.Namespace) -> int:
     sock, port = None, args.port
     if port == 0:  # any free port: bound here, so that the banner names the one clients must use
         try:
-            sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET, socket.SOCK_STREAM)
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            sock.bind((args.host, 0))
+            sock = bind_socket(args.host, 0)
         except OSError as exc:
             engine.shutdown()
             print(f"error: cannot listen on {args.host}:0: {exc.strerror or exc}", file=sys.stderr)

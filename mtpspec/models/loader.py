@@ -288,10 +288,10 @@ def _select(reader: CheckpointReader, own: Dict[str, WeightSpec], other: Dict[st
         elif spec.tied_to is not None and _differs_from(reader, key, spec.tied_to):
             # a new-user pass (2026-12-05): the swap was silent; an identical copy (e.g. converted from
             # .bin files) changes nothing and is not worth a word (transformers warns only on a difference)
-            logger.warning("config.json sets tie_word_embeddings: the checkpoint's %r, which differs from "
-                           "%s, is not loaded: the output layer is %s (as vLLM ties it; transformers keeps a "
-                           "differing lm_head); set tie_word_embeddings false to use it", key, spec.tied_to,
-                           spec.tied_to)
+            logger.warning("the checkpoint's %r, which differs from %s it is tied to by config.json "
+                           "(tie_word_embeddings), is not loaded: %s is used in its place (as vLLM ties it; "
+                           "transformers keeps a differing lm_head); set tie_word_embeddings false to use it",
+                           key, spec.tied_to, spec.tied_to)
     return selected
 
 

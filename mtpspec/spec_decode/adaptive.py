@@ -36,7 +36,7 @@ rate is per position, as vLLM's ``num_accepted_tokens_per_pos`` measures it). Th
   prompt step is worth its extra time only if its extra tokens come cheaper than decoding them
   later). ``H(B, k)`` is what the steps that proposed ``k`` at
   ``B``'s table batch size measured beyond the table (the median of its last steps, moved along the plane's ``c``
-  from their mean batch size to ``B``), else the plane's
+  from the median step's batch size to ``B``), else the plane's
   ``a + c B + b B (E(k) - 1)``: the host time of a ``k`` need not lie on one plane with the
   others' (at ``k = 0`` with async scheduling the engine schedules each step ahead of the one in
   flight, as plain decoding does, so its host time overlaps the device's; H200, 2026-12-04, Air
@@ -277,7 +277,7 @@ class AdaptiveSpecPolicy:
     #: transition (see :meth:`observe_step_time`). Where measured it replaces the host plane's
     #: prediction for that ``k``; the plane predicts the others.
     excess_ms: Dict[Tuple[int, int], float] = field(default_factory=dict)
-    #: The mean batch size of those steps: a step of another batch size in the same table
+    #: The batch size of the median step(s): a step of another batch size in the same table
     #: bucket is charged ``excess + c (batch - mean)``, ``c`` the plane's :attr:`overhead_ms_per_seq`
     #: (the device cost is the bucket's padded graph whatever the batch, the host's grows with it: H100,
     #: 2026-12-05, s256, a k = 0 excess measured at ~256 sequences, 4.4 ms, charged at 219).
@@ -386,8 +386,12 @@ class AdaptiveSpecPolicy:
                 window = self._excess_window.setdefault(key, [])
                 window.append((excess, float(batch)))
                 del window[:-MEASURED_WINDOW]
-                self.excess_ms[key] = _median([e for e, _ in window])
-                self.excess_batch[key] = sum(b for _, b in window) / len(window)
+                # the median sample (the two middle ones' mean) and its own batch size, which the excess
+                # is moved from (_measured_host_ms)
+                s = sorted(window)
+                mid = s[(len(s) - 1) // 2:len(s) // 2 + 1]
+                self.excess_ms[key] = sum(e for e, _ in mid) / len(mid)
+                self.excess_batch[key] = sum(b for _, b in mid) / len(mid)
             else:  # a transition: what it took beyond a steady step of its k (a diagnostic, not charged)
                 steady = self._measured_host_ms(self._bucket(batch), k, batch)
                 if steady is not None:
