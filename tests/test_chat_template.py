@@ -180,3 +180,19 @@ def test_llm_chat_takes_a_chat_template():
             llm.chat(msgs, sp, use_tqdm=False, chat_template="no/such.jinja")
     finally:
         llm.shutdown()
+
+
+def test_a_chat_template_override_on_a_transformers_tokenizer_replaces_its_own(templated):
+    """``--chat-template`` over a tokenizer that has a template of its own (tokenizer_config.json):
+    rendered by its ``apply_chat_template`` with the override, not with its own template."""
+    msgs = [("user", "2 + 3?")]
+    conv = [{"role": "user", "content": "2 + 3?"}]
+    own = render_chat(templated, msgs)[0]
+    templated.chat_template = OVERRIDE
+    try:
+        got = render_chat(templated, msgs)
+    finally:
+        templated.chat_template = None
+    want = templated.backend.apply_chat_template(conv, chat_template=OVERRIDE, tokenize=False,
+                                                 add_generation_prompt=True)
+    assert got == (want, []) and want != own and want.startswith("[user] 2 + 3?")

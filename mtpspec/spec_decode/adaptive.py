@@ -278,7 +278,7 @@ class AdaptiveSpecPolicy:
     #: prediction for that ``k``; the plane predicts the others.
     excess_ms: Dict[Tuple[int, int], float] = field(default_factory=dict)
     #: The batch size of the median step(s): a step of another batch size in the same table
-    #: bucket is charged ``excess + c (batch - mean)``, ``c`` the plane's :attr:`overhead_ms_per_seq`
+    #: bucket is charged ``excess + c (batch - that size)``, ``c`` the plane's :attr:`overhead_ms_per_seq`
     #: (the device cost is the bucket's padded graph whatever the batch, the host's grows with it: H100,
     #: 2026-12-05, s256, a k = 0 excess measured at ~256 sequences, 4.4 ms, charged at 219).
     excess_batch: Dict[Tuple[int, int], float] = field(default_factory=dict)
