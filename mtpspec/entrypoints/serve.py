@@ -191,7 +191,8 @@ def add_parser(sub: Any) -> None:
                    help="the model folder, as `vllm serve MODEL` takes it (same as --model)")
     add_engine_args(p)
     p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
-    p.add_argument("--port", type=port_number, default=8000, help="TCP port, 0..65535 (default 8000; 0: any free port, named in the start-up line)")
+    p.add_argument("--port", type=port_number, default=8000,
+                   help="TCP port, 0..65535 (default 8000; 0: any free port, named in the start-up line)")
     p.add_argument("--served-model-name", nargs="+", default=None,
                    help="model name(s) clients send, any of them accepted, a response naming its request's (default: "
                         "--model as given; mtpspec-demo without --model)")
