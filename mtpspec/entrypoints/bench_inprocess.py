@@ -149,7 +149,7 @@ def _step_kind(steps: float, seconds: float, seqs: float = 0, prompt_tokens: flo
 def _host_model(policy: Any) -> Optional[Dict[str, Any]]:
     """The adaptive policy's fitted host time (ms: per step, per sequence, per accepted draft emitted,
     per prompt token of k = 0 and of drafting steps), what it measured beyond the device table per (table batch size, k)
-    with the mean batch size of those steps, what it charges for catching up one deferred MTP entry (us), its
+    with the batch size of the median step, what it charges for catching up one deferred MTP entry (us), its
     device table (``cost_table``: ``verify_ms`` / ``draft_ms`` per k and batch size) and its per-position
     acceptance rates (``rates``) at the run's end."""
     if policy is None:

@@ -226,10 +226,15 @@ class StepCostTable:
                              f"({{'verify_ms': {{k: {{batch: ms}}}}, 'draft_ms': ...}}): {exc}") from exc
 
 
-def _median(xs: Sequence[float]) -> float:
+def _middle(xs: Sequence) -> list:
+    """The middle element of ``xs`` sorted (the two middle ones for an even count; ``xs`` non-empty)."""
     s = sorted(xs)
-    n = len(s)
-    return s[n // 2] if n % 2 else 0.5 * (s[n // 2 - 1] + s[n // 2])
+    return s[(len(s) - 1) // 2:len(s) // 2 + 1]
+
+
+def _median(xs: Sequence[float]) -> float:
+    mid = _middle(xs)
+    return sum(mid) / len(mid)
 
 
 @dataclass
@@ -388,8 +393,7 @@ class AdaptiveSpecPolicy:
                 del window[:-MEASURED_WINDOW]
                 # the median sample (the two middle ones' mean) and its own batch size, which the excess
                 # is moved from (_measured_host_ms)
-                s = sorted(window)
-                mid = s[(len(s) - 1) // 2:len(s) // 2 + 1]
+                mid = _middle(window)
                 self.excess_ms[key] = sum(e for e, _ in mid) / len(mid)
                 self.excess_batch[key] = sum(b for _, b in mid) / len(mid)
             else:  # a transition: what it took beyond a steady step of its k (a diagnostic, not charged)
