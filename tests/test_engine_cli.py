@@ -282,34 +282,16 @@ def test_generate_takes_the_model_s_generation_config_unless_a_flag_is_given(pat
 def test_serve_on_port_0_names_the_port_it_listens_on(tmp_path) -> None:
     """``--port 0`` (any free port; a new-user pass, 2026-12-06): the banner named port 0, so a client
     could not find the server. It names the bound port, and the server answers there."""
-    import re
-    import subprocess
-    import sys
-    import time
-
     import httpx
-    from test_server_fixtures import REPO, child_env
-    log = open(tmp_path / "serve.log", "w+")
-    proc = subprocess.Popen([sys.executable, "-m", "mtpspec.entrypoints.cli", "serve", "--port", "0", "--device", "cpu",
-                             "-k", "1", "--max-model-len", "128", "--max-num-seqs", "2", "--torch-threads", "1"],
-                            stdout=log, stderr=subprocess.STDOUT, env=child_env(), cwd=REPO)
+    from test_server_fixtures import ServerProcess
+
+    from mtpspec import demo_model_path
+    srv = ServerProcess(demo_model_path(), ["-k", "1", "--max-model-len", "128", "--max-num-seqs", "2"],
+                        log=str(tmp_path / "serve.log"), port=0)
     try:
-        port, deadline = None, time.monotonic() + 120
-        while port is None and time.monotonic() < deadline and proc.poll() is None:
-            time.sleep(0.2)
-            m = re.search(r"on http://127\.0\.0\.1:(\d+)", open(tmp_path / "serve.log").read())
-            port = int(m.group(1)) if m else None
-        assert port is not None and port != 0, open(tmp_path / "serve.log").read()
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1.0).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.2)
-        r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json={"prompt": "Question: 1 + 1?\nAnswer:",
-                                                                       "max_tokens": 2}, timeout=30)
+        assert srv.port != 0, srv.log()
+        r = httpx.post(srv.url + "/v1/completions", json={"prompt": "Question: 1 + 1?\nAnswer:", "max_tokens": 2},
+                       timeout=30)
         assert r.status_code == 200, r.text
     finally:
-        proc.terminate()
-        proc.wait(30)
-        log.close()
+        srv.stop()

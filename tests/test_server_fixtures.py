@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -84,18 +85,25 @@ class ServerProcess:
         model: checkpoint folder.
         args: extra ``mtpspec serve`` options.
         log: file for the server's output.
+        port: ``None``: a free port chosen here; ``0``: ``--port 0``, the port the server's start-up
+            line names (then ``log`` must be given).
     """
 
     def __init__(self, model: str, args: Optional[List[str]] = None, log: Optional[str] = None,
-                 start_timeout_s: float = 120.0):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+                 start_timeout_s: float = 120.0, port: Optional[int] = None):
+        self.port = free_port() if port is None else port
         cmd = [sys.executable, "-m", "mtpspec.entrypoints.cli", "serve", "--model", model, "--port", str(self.port),
                "--device", "cpu", "--torch-threads", "1"] + list(args or [])
         self.log_path = log or os.path.join(model, f"server-{self.port}.log")
         self._log = open(self.log_path, "w")
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=child_env(), cwd=REPO)
-        self._wait_ready(start_timeout_s)
+        deadline = time.monotonic() + start_timeout_s
+        while self.port == 0 and time.monotonic() < deadline and self.proc.poll() is None:
+            m = re.search(r" on http://127\.0\.0\.1:(\d+)", self.log())
+            self.port = int(m.group(1)) if m else 0
+            time.sleep(0.2)
+        self.url = f"http://127.0.0.1:{self.port}"
+        self._wait_ready(max(0.0, deadline - time.monotonic()))
 
     def _wait_ready(self, timeout_s: float) -> None:
         import httpx
