@@ -197,8 +197,9 @@ def render_chat(tokenizer: Any, messages: Sequence[Tuple[str, str]],
 
     Raises:
         ValueError: no messages, an unknown role, ``template_kwargs`` setting one of
-            :data:`RESERVED_TEMPLATE_KWARGS`, or the tokenizer's template refusing the conversation
-            (its ``raise_exception(...)``, a jinja2 ``TemplateError``: vLLM answers those with a 400).
+            :data:`RESERVED_TEMPLATE_KWARGS`, a template that does not parse, or the template
+            refusing the conversation (its ``raise_exception(...)``, a jinja2 ``TemplateError``) or
+            failing on it (any other error while rendering): vLLM answers those with a 400.
     """
     if not messages:
         raise ValueError("messages must hold at least one message")
