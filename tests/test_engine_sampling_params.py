@@ -269,12 +269,19 @@ def test_fields_set_after_construction_are_checked_at_submission(model) -> None:
         assert len(llm.generate([{"prompt_token_ids": [5]}], sp, use_tqdm=False)[0].outputs[0].token_ids) == 2
 
 
-def test_engine_checks_logit_bias_ids(model) -> None:
+def test_engine_checks_logit_bias_and_stop_token_ids(model) -> None:
     path, _, cfg, _ = model
     with LLM(path, **KW) as llm:
         with pytest.raises(ValueError, match=rf"prompt 0: token_id\(s\) \[{cfg.vocab_size}\] in logit_bias contain "
                                              rf"out-of-vocab token ids. Vocabulary size: {cfg.vocab_size}"):
             llm.generate([{"prompt_token_ids": [5]}], SamplingParams(logit_bias={cfg.vocab_size: 1.0}), use_tqdm=False)
+        # a stop id the model cannot generate is refused as the server refuses it (400), not silently never matched
+        with pytest.raises(ValueError, match=rf"prompt 1: stop_token_ids \[{cfg.vocab_size + 5}\] are outside the "
+                                             rf"vocabulary \[0, {cfg.vocab_size}\)"):
+            llm.generate([{"prompt_token_ids": [5]}] * 2, [SamplingParams(max_tokens=2),
+                         SamplingParams(stop_token_ids=[3, cfg.vocab_size + 5])], use_tqdm=False)
+        assert len(llm.generate([{"prompt_token_ids": [5]}], SamplingParams(max_tokens=2, stop_token_ids=[
+            cfg.vocab_size - 1]), use_tqdm=False)[0].outputs[0].token_ids) <= 2  # the last id is in the vocabulary
 
 
 def test_tp2_equals_tp1(model, plain) -> None:

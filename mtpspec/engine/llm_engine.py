@@ -166,7 +166,8 @@ class LLMEngine:
             ``[0, vocab_size)``, a text prompt or stop strings without a tokenizer, wrong types, a
             sampling field set after construction to a bad value (:meth:`SamplingParams.check`),
             ``logprobs`` / ``prompt_logprobs`` above ``max_logprobs`` (``-1`` = the whole
-            vocabulary), ``logit_bias`` ids outside the vocabulary (vLLM's messages).
+            vocabulary), ``logit_bias`` or ``stop_token_ids`` ids outside the vocabulary (vLLM's
+            messages for the first).
         """
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
@@ -222,6 +223,9 @@ class LLMEngine:
             if n is not None and exceeds_max_logprobs(n, self.max_logprobs):
                 raise ValueError(f"Requested {what} logprobs of {n}, which is greater than max allowed: "
                                  f"{self.max_logprobs}")
+        bad = [t for t in params.stop_token_ids or () if t >= self.vocab_size]
+        if bad:  # never generated, so never a stop: the caller's mistake (the server's 400 says the same)
+            raise ValueError(f"stop_token_ids {bad} are outside the vocabulary [0, {self.vocab_size})")
         if params.logit_bias:
             bad = [t for t in params.logit_bias if t >= self.vocab_size]
             if bad:
