@@ -196,3 +196,48 @@ def test_a_chat_template_override_on_a_transformers_tokenizer_replaces_its_own(t
     want = templated.backend.apply_chat_template(conv, chat_template=OVERRIDE, tokenize=False,
                                                  add_generation_prompt=True)
     assert got == (want, []) and want != own and want.startswith("[user] 2 + 3?")
+
+
+# vLLM passes every message field to the template (name, tool_calls, tool_call_id, ...) and takes
+# continue_final_message (the last assistant message left open); transformers' renderer is the reference
+FIELDS = ("{% for m in messages %}<{{ m.role }}{% if m.name %} {{ m.name }}{% endif %}>{{ m.content }}"
+          "{% for c in m.tool_calls or [] %}[call {{ c.function.name }}]{% endfor %}"
+          "{% if m.tool_call_id %}[for {{ m.tool_call_id }}]{% endif %}</{{ m.role }}>{% endfor %}"
+          "{% if add_generation_prompt %}<assistant>{% endif %}")
+
+
+def test_message_fields_and_continue_final_message_render_as_transformers():
+    from mtpspec.engine.detokenizer import load_tokenizer
+    tok = load_tokenizer(demo_model_path())
+    conv = [{"role": "user", "name": "ann", "content": "weather?"},
+            {"role": "assistant", "content": "", "tool_calls": [{"id": "c1", "type": "function",
+                                                                 "function": {"name": "get_weather", "arguments": "{}"}}]},
+            {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
+            {"role": "assistant", "content": "It is sun"}]
+    for gen, cont in ((True, False), (False, False), (False, True)):
+        want = _reference_dicts(conv, gen, FIELDS, cont)
+        got, stops = render_chat(tok, conv, gen, chat_template=FIELDS, continue_final_message=cont)
+        assert got == want and stops == []
+    assert "<user ann>weather?" in want and "[call get_weather]" in want and "[for c1]" in want
+    assert want.endswith("It is sun")  # left open: no closing tag
+    # the plain template: the last answer continues from its last character
+    plain = [("user", "2 + 3?"), ("assistant", "2 + 3")]
+    assert render_plain(plain, False, True) == "Question: 2 + 3?\nAnswer: 2 + 3"
+    assert render_chat(None, plain, False, continue_final_message=True) == ("Question: 2 + 3?\nAnswer: 2 + 3",
+                                                                            ["Question:"])
+    with pytest.raises(ValueError, match="Cannot set both `continue_final_message` and `add_generation_prompt`"):
+        render_chat(None, plain, True, continue_final_message=True)
+    with pytest.raises(ValueError, match="continue_final_message needs the last message to be the assistant's.*'user'"):
+        render_chat(tok, plain[:1], False, chat_template=FIELDS, continue_final_message=True)
+    with pytest.raises(ValueError, match="chat_template_kwargs may not set continue_final_message"):
+        render_chat(None, plain, False, {"continue_final_message": True})
+
+
+def _reference_dicts(conv, add_generation_prompt, template, continue_final_message):
+    import os
+
+    from transformers import PreTrainedTokenizerFast
+    hf = PreTrainedTokenizerFast(tokenizer_file=os.path.join(demo_model_path(), "tokenizer.json"))
+    return hf.apply_chat_template(conv, chat_template=template, tokenize=False,
+                                  add_generation_prompt=add_generation_prompt,
+                                  continue_final_message=continue_final_message)

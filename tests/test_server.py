@@ -216,7 +216,7 @@ def test_unknown_fields_ignored_with_warning(server):
 @pytest.mark.parametrize("endpoint,field,value", [
     ("/v1/completions", "min_p", 0.5), ("/v1/completions", "min_p", 2), ("/v1/completions", "use_beam_search", True),
     ("/v1/completions", "guided_json", {"type": "object"}), ("/v1/chat/completions", "echo", True),
-    ("/v1/chat/completions", "continue_final_message", True), ("/v1/chat/completions", "chat_template", "{{ 1/0 }}"),
+    ("/v1/chat/completions", "bad_words", ["x"]), ("/v1/chat/completions", "chat_template", "{{ 1/0 }}"),
     ("/v1/chat/completions", "min_p", 0.1), ("/v1/chat/completions", "logits_processors", ["my.module.Proc"]),
     ("/v1/completions", "return_tokens_as_token_ids", True)])
 def test_vllm_fields_not_served_are_a_400_naming_them(server, endpoint, field, value):
@@ -229,7 +229,7 @@ def test_vllm_fields_not_served_are_a_400_naming_them(server, endpoint, field, v
     err = r.json()["error"]
     assert err["param"] == field and "not supported" in err["message"] and repr(value) in err["message"], err
     default = {"min_p": 0.0, "use_beam_search": False, "guided_json": None, "echo": False,
-               "continue_final_message": False, "chat_template": None, "logits_processors": None,
+               "bad_words": [], "chat_template": None, "logits_processors": None,
                "return_tokens_as_token_ids": False}[field]
     r = _post(server, endpoint, {**base, "max_tokens": 2, "temperature": 0, field: default})
     assert r.status_code == 200, r.text
@@ -1057,6 +1057,30 @@ def test_long_text_prompts_are_validated_in_a_worker_thread():
     assert eng.seen == [True, True]
     asyncio.run(_validated(eng, [{"prompt": "x"}, {"prompt": "y" * LONG_TEXT_CHARS}], params))
     assert eng.seen[2:] == [False, False]
+
+
+def test_continue_final_message_server_and_offline(server, offline):
+    """vLLM's ``continue_final_message``: the last assistant message is left open and the model goes on
+    with it; the server, ``/tokenize`` and ``LLM.chat`` render it alike; vLLM's errors are 400s."""
+    msgs = [{"role": "user", "content": "Tom has 3 apples and buys 4 more. How many?"},
+            {"role": "assistant", "content": "Tom has 3 + 4", "name": "tutor"}]
+    body = {"messages": msgs, "add_generation_prompt": False, "continue_final_message": True, "temperature": 0,
+            "max_tokens": 12, "return_token_ids": True}
+    r = _post(server, "/v1/chat/completions", body)
+    assert r.status_code == 200, r.text
+    params = SamplingParams(temperature=0, max_tokens=12)
+    out = offline.chat(msgs, params, use_tqdm=False, add_generation_prompt=False, continue_final_message=True)[0]
+    assert out.prompt.endswith("Answer: Tom has 3 + 4")
+    assert r.json()["choices"][0]["token_ids"] == out.outputs[0].token_ids
+    tok = _post(server, "/tokenize", {"messages": msgs, "add_generation_prompt": False, "continue_final_message": True})
+    assert tok.json()["tokens"] == out.prompt_token_ids
+    bad = _post(server, "/v1/chat/completions", {**body, "add_generation_prompt": True})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "continue_final_message", bad.text
+    assert "Cannot set both `continue_final_message` and `add_generation_prompt` to True." in bad.text
+    bad = _post(server, "/v1/chat/completions", {**body, "messages": msgs[:1]})
+    assert bad.status_code == 400 and "needs the last message to be the assistant's" in bad.text, bad.text
+    with pytest.raises(ValueError, match="Cannot set both"):
+        offline.chat(msgs, params, continue_final_message=True)
 
 
 def test_llm_chat_equals_the_servers_chat_completion(server, offline):

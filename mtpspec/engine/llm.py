@@ -295,7 +295,8 @@ class LLM:
              sampling_params: Union[None, SamplingParams, Sequence[SamplingParams]] = None, use_tqdm: bool = True,
              add_generation_prompt: bool = True,
              chat_template_kwargs: Optional[Dict[str, Any]] = None,
-             chat_template: Optional[str] = None) -> List[RequestOutput]:
+             chat_template: Optional[str] = None,
+             continue_final_message: bool = False) -> List[RequestOutput]:
         """vLLM's ``LLM.chat``: one conversation (a list of ``{"role", "content"}`` messages, oldest
         first) or a list of conversations, rendered as the OpenAI server renders them (the
         tokenizer's chat template, with ``chat_template_kwargs`` as more template variables, e.g.
@@ -305,12 +306,16 @@ class LLM:
         own), then :meth:`generate`.
 
         ``content``: a string, a list of ``{"type": "text", "text": ...}`` parts (joined with newlines,
-        as vLLM joins them) or ``None`` (empty). ``chat_template``: a template, or a file holding one.
+        as vLLM joins them) or ``None`` (empty); a message's other fields (``name``, ``tool_calls``,
+        ...) reach the template as they are. ``chat_template``: a template, or a file holding one.
+        ``continue_final_message``: leave the last (assistant) message open for the model to go on
+        with it (needs ``add_generation_prompt=False``, as in vLLM).
 
         Raises:
             ValueError / TypeError: no tokenizer, an empty conversation, a message that is not a
                 dict with a ``role`` and text ``content`` (named by conversation and message index),
-                an unknown role, ``chat_template_kwargs`` setting what the renderer sets, the
+                an unknown role, ``continue_final_message`` with ``add_generation_prompt`` or
+                without a final assistant message, ``chat_template_kwargs`` setting what the renderer sets, the
                 template refusing the conversation, or as :meth:`generate`.
         """
         from dataclasses import replace
@@ -318,6 +323,8 @@ class LLM:
         from mtpspec.entrypoints.chat_template import (check_template_kwargs, load_chat_template, message_text,
                                                        render_chat)
         check_template_kwargs(chat_template_kwargs)  # a bad one is no conversation's fault
+        if continue_final_message and add_generation_prompt:
+            raise ValueError("Cannot set both `continue_final_message` and `add_generation_prompt` to True.")
         if chat_template is not None:  # a file or the template (as given: no escapes decoded)
             chat_template = load_chat_template(chat_template, "chat_template", decode_escapes=False)
         tok = self.get_tokenizer()
@@ -343,11 +350,12 @@ class LLM:
                     raise TypeError(f"conversation {i}, message {j}: expected a dict with a 'role' string and a text "
                                     f"'content' (a string, text parts or null), got {m!r}")
                 try:
-                    pairs.append((m["role"], message_text(m.get("content"))))
+                    pairs.append({**m, "content": message_text(m.get("content"))})
                 except ValueError as exc:
                     raise TypeError(f"conversation {i}, message {j}: {exc}") from None
             try:
-                text, stops = render_chat(tok, pairs, add_generation_prompt, chat_template_kwargs, chat_template)
+                text, stops = render_chat(tok, pairs, add_generation_prompt, chat_template_kwargs, chat_template,
+                                           continue_final_message)
             except ValueError as exc:
                 raise ValueError(f"conversation {i}: {exc}") from None
             have = [sp.stop] if isinstance(sp.stop, str) else list(sp.stop or [])

@@ -25,7 +25,7 @@ lm-evaluation-harness does for GSM8K.
 from __future__ import annotations
 
 import os
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 PLAIN_STOP = "Question:"
 
@@ -133,10 +133,44 @@ def message_text(content: Any) -> str:
     return "\n".join(out)
 
 
-def render_plain(messages: Sequence[Tuple[str, str]], add_generation_prompt: bool = True) -> str:
-    """The plain template (see the module docstring) of ``(role, text)`` pairs."""
+Message = Union[Tuple[str, str], Dict[str, Any]]
+
+
+def as_message_dicts(messages: Sequence[Message]) -> List[Dict[str, Any]]:
+    """``messages`` as template messages: a ``(role, text)`` pair becomes ``{"role", "content"}``; a
+    dict is kept with all its fields (``name``, ``tool_calls``, ``tool_call_id``, ... reach the
+    template, as vLLM passes them), its ``content`` already text (:func:`message_text`)."""
+    return [dict(m) if isinstance(m, dict) else {"role": m[0], "content": m[1]} for m in messages]
+
+
+def check_continue_final(messages: Sequence[Dict[str, Any]], add_generation_prompt: bool,
+                         continue_final_message: bool) -> None:
+    """vLLM's rules for ``continue_final_message`` (the last message is left open, for the model to
+    go on with it).
+
+    Raises:
+        ValueError: both it and ``add_generation_prompt`` set, or the last message is not the
+            assistant's.
+    """
+    if not continue_final_message:
+        return
+    if add_generation_prompt:
+        raise ValueError("Cannot set both `continue_final_message` and `add_generation_prompt` to True.")
+    if not messages or messages[-1].get("role") != "assistant":
+        role = messages[-1].get("role") if messages else None
+        raise ValueError(f"continue_final_message needs the last message to be the assistant's (its text is "
+                         f"continued), got role {role!r}")
+
+
+def render_plain(messages: Sequence[Message], add_generation_prompt: bool = True,
+                 continue_final_message: bool = False) -> str:
+    """The plain template (see the module docstring) of ``(role, text)`` pairs (or message dicts);
+    with ``continue_final_message`` the last (assistant) message ends after its text, no blank line."""
+    msgs = as_message_dicts(messages)
+    check_continue_final(msgs, add_generation_prompt, continue_final_message)
     parts: List[str] = []
-    for role, text in messages:
+    for m in msgs:
+        role, text = m.get("role"), m.get("content") or ""
         if role in ("system", "developer"):
             parts.append(f"{text}\n\n")
         elif role == "user":
@@ -147,6 +181,8 @@ def render_plain(messages: Sequence[Tuple[str, str]], add_generation_prompt: boo
             parts.append(f"{text}\n")
         else:
             raise ValueError(f"unknown chat role {role!r}; expected system, developer, user, assistant or tool")
+    if continue_final_message:
+        parts[-1] = parts[-1][:-2]  # "Answer: {text}": the model goes on from its last character
     if add_generation_prompt:
         parts.append("Answer:")
     return "".join(parts)
@@ -154,7 +190,7 @@ def render_plain(messages: Sequence[Tuple[str, str]], add_generation_prompt: boo
 
 #: Arguments of ``apply_chat_template`` that ``template_kwargs`` may not set (the renderer sets them).
 RESERVED_TEMPLATE_KWARGS = ("conversation", "messages", "tokenize", "add_generation_prompt", "return_dict",
-                            "chat_template", "tools", "documents")
+                            "chat_template", "tools", "documents", "continue_final_message")
 
 
 def check_template_kwargs(template_kwargs: Optional[Dict[str, Any]]) -> Dict[str, Any]:
@@ -175,15 +211,18 @@ def check_template_kwargs(template_kwargs: Optional[Dict[str, Any]]) -> Dict[str
     return kwargs
 
 
-def render_chat(tokenizer: Any, messages: Sequence[Tuple[str, str]],
+def render_chat(tokenizer: Any, messages: Sequence[Message],
                 add_generation_prompt: bool = True,
                 template_kwargs: Optional[Dict[str, Any]] = None,
-                chat_template: Optional[str] = None) -> Tuple[str, List[str]]:
+                chat_template: Optional[str] = None,
+                continue_final_message: bool = False) -> Tuple[str, List[str]]:
     """The prompt text and the default stop strings for a conversation.
 
     Args:
         tokenizer: the engine's tokenizer (or ``None``).
-        messages: ``(role, text)`` pairs, oldest first (at least one).
+        messages: ``(role, text)`` pairs or message dicts (``role``, ``content`` as text, and any
+            other fields the template reads: ``name``, ``tool_calls``, ...), oldest first (at least
+            one).
         add_generation_prompt: end with the assistant's turn opener.
         template_kwargs: more variables for the tokenizer's chat template (vLLM's
             ``chat_template_kwargs``, e.g. ``{"enable_thinking": False}``); the plain template has
@@ -191,12 +230,15 @@ def render_chat(tokenizer: Any, messages: Sequence[Tuple[str, str]],
         chat_template: a Jinja template used instead of the tokenizer's (``LLM.chat``'s
             ``chat_template``); default: the tokenizer's ``chat_template`` (``--chat-template``),
             else the backend's own, else the plain template.
+        continue_final_message: leave the last (assistant) message open, for the model to go on
+            with it (vLLM's extension; needs ``add_generation_prompt`` false).
 
     Returns:
         ``(prompt, stops)``: ``stops`` is ``["Question:"]`` for the plain template, else ``[]``.
 
     Raises:
-        ValueError: no messages, an unknown role, ``template_kwargs`` setting one of
+        ValueError: no messages, an unknown role, ``continue_final_message`` with
+            ``add_generation_prompt`` or without a final assistant message, ``template_kwargs`` setting one of
             :data:`RESERVED_TEMPLATE_KWARGS`, a template that does not parse, or the template
             refusing the conversation (its ``raise_exception(...)``, a jinja2 ``TemplateError``) or
             failing on it (any other error while rendering): vLLM answers those with a 400.
@@ -204,9 +246,12 @@ def render_chat(tokenizer: Any, messages: Sequence[Tuple[str, str]],
     if not messages:
         raise ValueError("messages must hold at least one message")
     kwargs = check_template_kwargs(template_kwargs)
+    conv = as_message_dicts(messages)
+    check_continue_final(conv, add_generation_prompt, continue_final_message)
+    if continue_final_message:
+        kwargs["continue_final_message"] = True
     if chat_template or has_chat_template(tokenizer):
         from jinja2 import TemplateError, TemplateSyntaxError
-        conv = [{"role": r, "content": t} for r, t in messages]
         template = chat_template or getattr(tokenizer, "chat_template", None)  # None: the backend's own
         try:
             backend = getattr(tokenizer, "backend", None)
@@ -227,4 +272,4 @@ def render_chat(tokenizer: Any, messages: Sequence[Tuple[str, str]],
             # e.g. a message it cannot format, a division by zero; never the engine's fault)
             raise ValueError(f"the chat template failed on this conversation: {type(exc).__name__}: {exc}") from None
         return str(text), []
-    return render_plain(messages, add_generation_prompt), [PLAIN_STOP]
+    return render_plain(conv, add_generation_prompt, continue_final_message), [PLAIN_STOP]

@@ -120,6 +120,15 @@ class ChatMessage(BaseModel):
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: Union[str, List[Dict[str, Any]], None] = None
 
+    def template_message(self) -> Dict[str, Any]:
+        """The message as a chat template sees it: every field sent (``name``, ``tool_calls``,
+        ``tool_call_id``, ...), ``content`` as :meth:`text`.
+
+        Raises:
+            OpenAIError: as :meth:`text`.
+        """
+        return {**self.model_dump(), "content": self.text()}
+
     def text(self) -> str:
         """The message's text (:func:`~mtpspec.entrypoints.chat_template.message_text`: text parts
         joined with newlines, as vLLM joins them).
@@ -144,6 +153,9 @@ class ChatCompletionRequest(_Sampling):
     logprobs: bool = False
     top_logprobs: Optional[int] = None
     add_generation_prompt: bool = Field(default=True, description="extension")
+    continue_final_message: bool = Field(default=False, description="extension (vLLM's): leave the last (assistant) "
+                                                                    "message open for the model to go on with it; "
+                                                                    "needs add_generation_prompt false")
     add_special_tokens: bool = Field(default=False, description="extension (vLLM's): the rendered template "
                                                                 "tokenized with the tokenizer's special tokens "
                                                                 "too (the template writes its own)")
@@ -162,6 +174,7 @@ class TokenizeRequest(BaseModel):
     messages: Optional[List[ChatMessage]] = None
     chat_template_kwargs: Optional[Dict[str, Any]] = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
     # vLLM's defaults: True for a prompt, False for messages (the chat template writes its own)
     add_special_tokens: Optional[bool] = None
 

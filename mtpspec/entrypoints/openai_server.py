@@ -121,7 +121,6 @@ UNSERVED_FIELDS: Dict[str, Callable[[Any], bool]] = {
     "min_p": lambda v: v not in (None, 0, 0.0),
     "use_beam_search": bool,
     "length_penalty": lambda v: v not in (None, 1, 1.0),
-    "continue_final_message": bool,
     "echo": bool,
     "chat_template": lambda v: v is not None,
     "allowed_token_ids": lambda v: v is not None,
@@ -210,16 +209,20 @@ def _model_name(ctx: ServerContext, req: Any) -> str:
     return req.model or ctx.served_model_name
 
 
-def _render_chat(tokenizer: Any, messages: Sequence[Any], add_generation_prompt: bool,
-                 template_kwargs: Optional[Dict[str, Any]]) -> Tuple[str, List[str]]:
-    """:func:`render_chat` of a request's ``messages``; a 400 naming ``chat_template_kwargs`` or
-    ``messages`` for what it refuses."""
+def _render_chat(tokenizer: Any, req: Any) -> Tuple[str, List[str]]:
+    """:func:`render_chat` of a request's ``messages`` (with its ``add_generation_prompt``,
+    ``continue_final_message`` and ``chat_template_kwargs``); a 400 naming
+    ``chat_template_kwargs``, ``continue_final_message`` or ``messages`` for what it refuses."""
     try:
-        check_template_kwargs(template_kwargs)
+        check_template_kwargs(req.chat_template_kwargs)
     except ValueError as exc:
         raise bad_request(str(exc), "chat_template_kwargs") from None
+    if req.continue_final_message and req.add_generation_prompt:
+        raise bad_request("Cannot set both `continue_final_message` and `add_generation_prompt` to True.",
+                          "continue_final_message")
     try:
-        return render_chat(tokenizer, [(m.role, m.text()) for m in messages], add_generation_prompt, template_kwargs)
+        return render_chat(tokenizer, [m.template_message() for m in req.messages], req.add_generation_prompt,
+                           req.chat_template_kwargs, continue_final_message=req.continue_final_message)
     except ValueError as exc:
         raise bad_request(str(exc), "messages") from None
 
@@ -767,7 +770,7 @@ def build_app(ctx: ServerContext) -> FastAPI:
         if engine.tokenizer is None:
             raise bad_request("this model has no tokenizer")
         text = req.prompt if req.prompt is not None else \
-            _render_chat(engine.tokenizer, req.messages, req.add_generation_prompt, req.chat_template_kwargs)[0]
+            _render_chat(engine.tokenizer, req)[0]
         special = req.add_special_tokens if req.add_special_tokens is not None else req.prompt is not None
         ids = await asyncio.to_thread(engine.tokenizer.encode, text, special) if len(text) >= LONG_TEXT_CHARS else \
             engine.tokenizer.encode(text, special)
@@ -869,7 +872,7 @@ def build_app(ctx: ServerContext) -> FastAPI:
         _check_stream_prompt_logprobs(req)
         if engine.tokenizer is None:
             raise bad_request("chat completions need a tokenizer; this model has none")
-        text, stops = _render_chat(engine.tokenizer, req.messages, req.add_generation_prompt, req.chat_template_kwargs)
+        text, stops = _render_chat(engine.tokenizer, req)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         params = _sampling_params(req, max_tokens, stops, logprobs=num_lp, prompt_logprobs=req.prompt_logprobs,
                                   defaults=getattr(engine, "default_sampling_fields", None))
