@@ -276,3 +276,35 @@ def test_eager_decode_steps_are_warned_in_the_table_with_the_capture_failure():
     assert bench_arms.eager_warning(wl).count("adaptive up to 3 a run:") == 1
     del wl["arms"]["adaptive"]
     assert bench_arms.eager_warning(wl) is None
+
+
+def test_host_retries_run_a_perturbed_round_again_by_its_probes_alone(monkeypatch, tmp_path, capsys):
+    """``--host-retries``: a round whose host probes reach > HOST_SPREAD_WARN x the sweep's fastest is run
+    again, every arm of it (the H100 of 2026-12-06: probes 12 to 24 ms made the adaptive sweep unreadable);
+    the replaced runs are kept apart, the last try stays whatever its probes say."""
+    # probes, two per run (before, after), arms a and b: round 1 fine; round 2 slow, slow again, then fine;
+    # round 3 slow every time (kept after the retries)
+    probes = iter([10, 10, 10, 10] + [10, 15, 10, 10] + [10, 10, 10, 16] + [10, 10, 10, 10] + [20] * 12)
+    monkeypatch.setattr(bench_arms, "host_probe_ms", lambda: next(probes))
+    calls = []
+
+    def fake(url, cfg, progress=True, desc=""):
+        calls.append(desc)
+        return dict(fake_result(url, cfg), output_throughput=float(len(calls)))
+
+    monkeypatch.setattr(bench_arms, "run_benchmark", fake)
+    wl = {"s1": bench_arms.BenchConfig(num_prompts=1, max_concurrency=1, input_len=8, output_len=4, prompts="random")}
+    res = bench_arms.run_arms({"a": [], "b": []}, wl, 3, str(tmp_path), [], progress=False, plots=False,
+                              urls={"a": "http://127.0.0.1:1", "b": "http://127.0.0.1:2"}, host_retries=2)
+    got = res["workloads"]["s1"]
+    assert len(calls) == 2 * (1 + 3 + 3)
+    assert [r["output_throughput"] for r in got["arms"]["a"]["runs"]] == [1.0, 8.0, 13.0]  # round 2's third try
+    assert [r["output_throughput"] for r in got["arms"]["b"]["runs"]] == [2.0, 7.0, 14.0]  # (round 2 rotated: b first)
+    assert [r["run_index"] for r in got["arms"]["a"]["runs"]] == [0, 1, 2]
+    assert [r["output_throughput"] for r in got["host_perturbed_runs"]["a"]] == [4.0, 6.0, 9.0, 11.0]
+    assert res["host_retries"] == 2 and "running the round again" in capsys.readouterr().err
+    table = bench_arms.format_workload("s1", got)
+    assert "rounds run again for a slow host (--host-retries; their runs in host_perturbed_runs): 4" in table
+    with pytest.raises(ValueError, match="host_retries must be >= 0 and needs interleaved rounds"):
+        bench_arms.run_arms({"a": []}, wl, 1, str(tmp_path), [], progress=False, plots=False, one_at_a_time=True,
+                            host_retries=1)

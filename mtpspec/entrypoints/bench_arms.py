@@ -435,6 +435,9 @@ def format_workload(name: str, wl: Dict[str, Any]) -> str:
                      + (f"; WARNING: the host's speed moved by more than {HOST_SPREAD_WARN:.2f}x, so differences "
                         "between arms in host-bound runs smaller than that are not readable"
                         if hs["spread"] > HOST_SPREAD_WARN else ""))
+    redone = len(next(iter(wl.get("host_perturbed_runs", {}).values()), []))
+    if redone:
+        lines.append(f"rounds run again for a slow host (--host-retries; their runs in host_perturbed_runs): {redone}")
     return "\n".join(lines)
 
 
@@ -711,7 +714,7 @@ def run_arms(arms: Dict[str, List[str]], workloads: Dict[str, BenchConfig], repe
              common: List[str], urls: Optional[Dict[str, str]] = None, progress: bool = True,
              plots: bool = True, share_gpu: bool = False, one_at_a_time: bool = False,
              warmup_rounds: int = 0, in_process: bool = False, forced: Optional[str] = None,
-             equal_kv: bool = False) -> Dict[str, Any]:
+             equal_kv: bool = False, host_retries: int = 0) -> Dict[str, Any]:
     """Start the servers, run every workload ``repeats`` times per arm interleaved, summarise.
 
     Interleaved: timed round ``i`` of a workload runs every arm once, in the arms' order rotated by
@@ -748,6 +751,11 @@ def run_arms(arms: Dict[str, List[str]], workloads: Dict[str, BenchConfig], repe
             ``LLM.generate`` with every request queued before the first step
             (:mod:`~mtpspec.entrypoints.bench_inprocess`; ``forced``: the forced-acceptance setting,
             re-armed before each run); ``common`` + the arm's flags are parsed as `mtpspec serve`'s.
+        host_retries: an interleaved round whose host probes (:func:`host_probe_ms`, before and
+            after each run) reach more than :data:`HOST_SPREAD_WARN` times the fastest probe of the
+            sweep so far is run again, all its arms, up to this many times (the last try is kept
+            whatever its probes). The probes alone decide, never the results, so no arm is favoured;
+            the replaced runs are kept in the workload's ``host_perturbed_runs`` (arm -> runs).
 
     Returns:
         Everything, as written to ``bench_arms.json``.
@@ -762,6 +770,9 @@ def run_arms(arms: Dict[str, List[str]], workloads: Dict[str, BenchConfig], repe
         raise ValueError(f"repeats must be >= 1, got {repeats}")
     if warmup_rounds < 0:
         raise ValueError(f"warmup_rounds must be >= 0, got {warmup_rounds}")
+    if host_retries < 0 or (host_retries and one_at_a_time):
+        raise ValueError(f"host_retries must be >= 0 and needs interleaved rounds (not one_at_a_time), got "
+                         f"{host_retries}")
     if plots:
         check_plotting()
     from mtpspec.entrypoints.bench_dataset import load_dataset
@@ -785,9 +796,11 @@ def run_arms(arms: Dict[str, List[str]], workloads: Dict[str, BenchConfig], repe
     result: Dict[str, Any] = {"arms": {a: {"flags": f, "url": urls.get(a)} for a, f in arms.items()},
                               "common_server_args": common, "repeats": repeats, "interleaved": not one_at_a_time,
                               "warmup_rounds": warmup_rounds, "in_process": in_process,
-                              "equal_kv_blocks": kv_blocks or None, "workloads": {}}
+                              "equal_kv_blocks": kv_blocks or None, "host_retries": host_retries, "workloads": {}}
     bar = None
     runs: Dict[str, Dict[str, List[Dict[str, Any]]]] = {w: {a: [] for a in arms} for w in workloads}
+    perturbed: Dict[str, Dict[str, List[Dict[str, Any]]]] = {w: {a: [] for a in arms} for w in workloads}
+    fastest = [float("inf")]  # the fastest host probe of the sweep so far
 
     def save_partial() -> None:
         """The runs made so far and what they ran, in ``PARTIAL_JSON`` (written whole, then renamed:
@@ -879,8 +892,17 @@ def run_arms(arms: Dict[str, List[str]], workloads: Dict[str, BenchConfig], repe
                     for arm in arms:
                         warm(wname, cfg, arm, i)
                 for rep in range(repeats):
-                    for arm in rotated(list(arms), rep):  # interleaved, each round rotated: A B C, B C A, ...
-                        run(wname, cfg, arm, rep)
+                    for attempt in range(host_retries + 1):
+                        for arm in rotated(list(arms), rep):  # interleaved, each round rotated: A B C, B C A, ...
+                            run(wname, cfg, arm, rep)
+                        probes = [p for arm in arms for p in runs[wname][arm][-1]["host_probe_ms"]]
+                        fastest[0] = min(fastest[0], *probes)
+                        if attempt == host_retries or max(probes) <= HOST_SPREAD_WARN * fastest[0]:
+                            break
+                        print(f"{wname} round {rep + 1}: the host probes reached {max(probes):.1f} ms against the "
+                              f"sweep's fastest {fastest[0]:.1f} ms; running the round again", file=sys.stderr)
+                        for arm in arms:  # the whole round, every arm alike
+                            perturbed[wname][arm].append(runs[wname][arm].pop())
         for wname, cfg in workloads.items():
             per_arm = runs[wname]
             reasons = sorted({r for done in per_arm.values() for res in done for r in res["synthetic_reasons"]})
@@ -899,6 +921,8 @@ def run_arms(arms: Dict[str, List[str]], workloads: Dict[str, BenchConfig], repe
             if vs is not None:
                 wl["adaptive_vs_best"] = vs
             wl["host_probe"] = host_spread(wl)
+            if any(perturbed[wname].values()):
+                wl["host_perturbed_runs"] = perturbed[wname]
             result["workloads"][wname] = wl
     finally:
         if bar is not None:
@@ -947,6 +971,10 @@ def add_parser(sub: Any) -> None:
                         "keep their server's; nothing checks beforehand that the arms fit together)")
     p.add_argument("--warmup-rounds", type=int, default=0,
                    help="untimed whole runs of each workload per arm before the timed ones (default 0)")
+    p.add_argument("--host-retries", type=int, default=0, metavar="N",
+                   help="run an interleaved round again (all its arms, up to N times) when its host-speed probes "
+                        f"reach more than {HOST_SPREAD_WARN}x the sweep's fastest (a shared host slowed down); the "
+                        "probes alone decide, never the results (default 0: every round kept)")
     p.add_argument("--server-args", default="", metavar="FLAGS",
                    help="extra `mtpspec serve` flags for every arm, one value (checked before any server starts): "
                         "--server-args '-tp 2 --allreduce-backend p2p', --server-args --enforce-eager (the word "
@@ -1021,7 +1049,7 @@ def run(args: argparse.Namespace) -> int:
                        plots=False, share_gpu=share, one_at_a_time=args.one_arm_at_a_time,
                        warmup_rounds=args.warmup_rounds, in_process=args.in_process,
                        forced=args.forced_acceptance if args.in_process else None,
-                       equal_kv=args.equal_kv_blocks)
+                       equal_kv=args.equal_kv_blocks, host_retries=args.host_retries)
     except (ValueError, FileNotFoundError, RuntimeError, httpx.HTTPError) as exc:
         what = f"talking to a server: {type(exc).__name__}: {exc}" if isinstance(exc, httpx.HTTPError) else exc
         print(f"error: {what}", file=sys.stderr)
