@@ -10,7 +10,8 @@ then ``--steps`` timed. Prints ms a step and us per emitted token of each wrappe
 ``schedule`` (the scheduler), ``step_input`` (the engine's step description), ``runner._prepare``
 (host arrays and the host-to-device copy), ``runner.launch`` (the whole forward: on a CPU it holds
 the model's compute; on a GPU its host part), ``update_from_output`` (applying the tokens: stops,
-counters, block hashes) and within it ``append_tokens`` (stop checks and detokenization).
+counters, block hashes) and within it ``append_tokens`` (stop checks and detokenization),
+``_choose_k`` and ``_observe_spec`` (an adaptive engine's policy: its choice, its bookkeeping).
 ``--window-detokenizer``: the Python window instead of ``tokenizers``' ``DecodeStream`` (the A/B of
 that change). Host times on a shared CPU move from run to run: compare runs of one session.
 """
@@ -42,7 +43,8 @@ def micro_model(folder: str) -> str:
     return folder
 
 
-PHASES = ("schedule", "step_input", "runner.launch", "  runner._prepare", "update_from_output", "  append_tokens")
+PHASES = ("schedule", "_choose_k", "step_input", "runner.launch", "  runner._prepare", "update_from_output",
+          "  append_tokens", "_observe_spec")
 
 
 def main() -> None:
@@ -160,6 +162,8 @@ def run(args: argparse.Namespace, requests: int) -> None:
     wrap(runner, "_prepare", "  runner._prepare")
     wrap(eng.scheduler, "update_from_output", "update_from_output")
     wrap(scheduler_module, "append_tokens", "  append_tokens")
+    wrap(eng, "_choose_k", "_choose_k")  # the adaptive policy's choice (0 without a policy)
+    wrap(eng, "_observe_spec", "_observe_spec")  # its bookkeeping of a speculative engine's step
     n0, p0 = eng.metrics.num_output_tokens, eng.metrics.num_prompt_tokens
     prof = None
     if args.cprofile:

@@ -146,6 +146,8 @@ class LLMEngine:
         # (speculative_config adaptive_defer_mtp_kv; LLM sets it with the policy)
         self.defer_mtp_kv = False
         self._last_step_end: Optional[float] = None  # host clock at the end of the last step (the policy's wall times)
+        # a pure-decode choice of k = 0 held: steps left to propose it without asking, at this batch size
+        self._hold_k0: Tuple[int, int] = (0, 0)
         #: running mean (weight 1/20) of finished sequences' output lengths: how many tokens a request
         #: not ignoring EOS is expected to emit (:meth:`_catch_up_ahead`); None before the first
         self._mean_output_len: Optional[float] = None
@@ -408,9 +410,17 @@ class LLMEngine:
         return self._finish(out, handle, t0, t1)
 
     def _choose_k(self, out: SchedulerOutput) -> None:
-        """The adaptive policy's number of drafts for ``out`` to propose (if any policy)."""
+        """The adaptive policy's number of drafts for ``out`` to propose (if any policy). A
+        pure-decode choice of ``k = 0`` outside an exploration burst is held for the policy's
+        ``hold_k0_steps`` pure-decode steps of the same batch size (``out.policy_held`` on the
+        steps that did not ask; :mod:`mtpspec.spec_decode.adaptive`'s docstring)."""
         if self.spec_policy is not None and out.num_proposed_tokens:
-            n_prompt = out.num_prefill_tokens  # O(batch): read once
+            n_prompt = out.num_prefill_tokens
+            left, held_batch = self._hold_k0
+            if left and not n_prompt and len(out.scheduled) == held_batch:
+                self._hold_k0 = (left - 1, held_batch)
+                out.num_proposed_tokens, out.defers_mtp, out.policy_held = 0, self.defer_mtp_kv, True
+                return
             # chunks that do not end their prompt: their drafts are dropped (a pure-decode step has
             # none: no O(batch) pass then)
             partial = sum(1 for s in out.scheduled if s.is_partial_prefill) if n_prompt else 0
@@ -419,10 +429,15 @@ class LLMEngine:
             waiting = self.spec_policy.prompt_reserve > 0 and (bool(self.scheduler.waiting) or partial > 0)
             # what a drafting step would catch up (built only if the policy's choice can depend on it)
             lags = functools.partial(self._catch_up_ahead, out) if self.defer_mtp_kv else ()
-            out.num_proposed_tokens = self.spec_policy.choose(len(out.scheduled), n_prompt, waiting,
-                                                              self.scheduler_config.max_num_batched_tokens,
-                                                              num_partial_prefills=partial, catch_up=lags)
-            out.defers_mtp = self.defer_mtp_kv and out.num_proposed_tokens == 0
+            out.num_proposed_tokens = k = self.spec_policy.choose(len(out.scheduled), n_prompt, waiting,
+                                                                  self.scheduler_config.max_num_batched_tokens,
+                                                                  num_partial_prefills=partial, catch_up=lags)
+            out.defers_mtp = self.defer_mtp_kv and k == 0
+            hold = getattr(self.spec_policy, "hold_k0_steps", 1)  # a policy without it is asked every step
+            if k == 0 and not n_prompt and hold > 1 and not getattr(self.spec_policy, "exploring", False):
+                self._hold_k0 = (hold - 1, len(out.scheduled))
+            else:
+                self._hold_k0 = (0, 0)
 
     def _catch_up_ahead(self, out: SchedulerOutput) -> List[Tuple[int, float]]:
         """``(rows, tokens left)`` of each sequence of ``out`` with deferred MTP entries: the entries
@@ -574,8 +589,8 @@ class LLMEngine:
         m.spec.observe_step(out.num_proposed_tokens)
         if policy is not None:
             end = time.perf_counter()
-            if self._last_step_end is not None:
-                emitted = sum(len(ids) for ids in result.new_token_ids)
+            if self._last_step_end is not None and not out.policy_held:
+                emitted = sum(map(len, result.new_token_ids))
                 policy.observe_step_time(len(out.scheduled), out.num_proposed_tokens,
                                          (end - max(self._last_step_end, t0)) * 1e3, v, out.num_prefill_tokens,
                                          emitted, num_catch_up_rows=out.num_catch_up_rows)

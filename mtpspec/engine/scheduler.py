@@ -125,20 +125,39 @@ class SchedulerOutput:
     #: deferred MTP entries the step writes before its first pass (set by the engine when it builds
     #: the step's input: ``SeqInput.mtp_lag`` summed; a metric)
     num_catch_up_rows: int = 0
+    #: the engine proposed ``num_proposed_tokens = 0`` without asking its adaptive policy (a held
+    #: ``k = 0`` choice: :attr:`~mtpspec.spec_decode.adaptive.AdaptiveSpecPolicy.hold_k0_steps`);
+    #: the step is not reported to the policy either
+    policy_held: bool = False
+    # (len(scheduled) when counted, prefill rows, decode rows): the counts below read on every step
+    # by the engine (3-5 times; O(batch) each), made in one pass and kept while no row is added
+    _counts: Tuple[int, int, int] = field(default=(-1, 0, 0), init=False, repr=False, compare=False)
+
+    def _rows(self) -> Tuple[int, int]:
+        n, prefill, decode = self._counts
+        if n != len(self.scheduled):  # rows are only appended while scheduling; a row's length is fixed
+            prefill = decode = 0
+            for s in self.scheduled:
+                if s.is_prefill:
+                    prefill += len(s.input_token_ids)
+                else:
+                    decode += len(s.input_token_ids)
+            self._counts = (len(self.scheduled), prefill, decode)
+        return prefill, decode
 
     @property
     def num_batched_tokens(self) -> int:
-        return sum(len(s.input_token_ids) for s in self.scheduled)
+        return sum(self._rows())
 
     @property
     def num_decode_tokens(self) -> int:
         """Target rows of the step's decodes (``1 + k`` each)."""
-        return sum(len(s.input_token_ids) for s in self.scheduled if not s.is_prefill)
+        return self._rows()[1]
 
     @property
     def num_prefill_tokens(self) -> int:
         """Target rows of the step's prefill chunks."""
-        return sum(len(s.input_token_ids) for s in self.scheduled if s.is_prefill)
+        return self._rows()[0]
 
     @property
     def num_partial_prefills(self) -> int:
@@ -342,6 +361,7 @@ class Scheduler:
         v = min((len(sch.input_token_ids) - 1 for sch in decodes), default=k)
         for sch in decodes:
             del sch.input_token_ids[1 + v:]
+        out._counts = (-1, 0, 0)  # rows cut: counted again when read
         out.num_spec_tokens, out.num_proposed_tokens = v, k
 
     def update_from_output(self, out: SchedulerOutput, new_tokens: Seq[Seq[int]],

@@ -50,7 +50,13 @@ rate is per position, as vLLM's ``num_accepted_tokens_per_pos`` measures it). Th
   drafting starts only where the tokens left repay the catch-up (H200, 2026-12-05, Air 3 layers
   at 256 sequences: 80% of all entries were written late, the adaptive arm at 0.82x plain).
 
-Everything here is host arithmetic on counts the engine already has.
+Everything here is host arithmetic on counts the engine already has, yet it is paid on the host
+every step (~40 us a step in the engine on a CPU, against a ~1.6 ms step at 64 sequences whose
+host work the device barely hides): after a pure-decode choice of ``k = 0`` outside an exploration
+burst, the engine proposes ``k = 0`` again for :attr:`AdaptiveSpecPolicy.hold_k0_steps` ``- 1``
+more pure-decode steps of the same batch size without asking or reporting to the policy (a
+``k = 0`` step proposes nothing and verifies nothing: it teaches the rates nothing, and its wall
+is one more sample of what the asked steps measure).
 """
 
 from __future__ import annotations
@@ -70,9 +76,10 @@ MIN_SPREAD = 0.05
 MIN_FIT_SAMPLES = 20
 #: Exploration: a ``k`` whose host time at this batch size is not measured yet (the plane's
 #: prediction alone may be far off; :data:`MIN_MEASURED`), or else at most once every
-#: :data:`EXPLORE_EVERY` pure-decode steps the ``k`` proposed longest ago among those not proposed
-#: at this batch size for that many steps whose predicted rate is within :data:`EXPLORE_MARGIN` of
-#: the best (any rate after :data:`STALE_EVERY` steps), is proposed for
+#: :data:`EXPLORE_EVERY` pure-decode choices (steps that asked the policy: a held ``k = 0`` step,
+#: :data:`HOLD_K0_STEPS`, is none) the ``k`` proposed longest ago among those not proposed at this
+#: batch size for that many choices whose predicted rate is within :data:`EXPLORE_MARGIN` of the
+#: best (any rate after :data:`STALE_EVERY` choices), is proposed for
 #: :data:`EXPLORE_STEPS` steps in a row (counted only where the pipeline holds that ``k`` alone:
 #: the two steps before it proposed it too, and so does the step chosen after it, whose scheduling
 #: and launch a step scheduled ahead is timed with; H200, 2026-12-04: in 4-step bursts the first
@@ -95,6 +102,9 @@ STALE_EVERY = 2000
 #: 2026-12-06, s64, k = 0's measure went 0.24 -> 1.10 ms in one round while its steps' mean wall
 #: rose 0.1 ms, and the policy left k = 0 for k = 2, 18% slower, for the rest of the run.)
 MEASURED_WINDOW = 16
+#: Pure-decode steps the engine proposes ``k = 0`` per choice of it (the asked step included):
+#: :attr:`AdaptiveSpecPolicy.hold_k0_steps`'s default (see the module docstring).
+HOLD_K0_STEPS = 4
 #: Prompt-carrying steps: each kind's (``k = 0``, drafting) cost per prompt token is the median of
 #: its last :data:`PROMPT_SAMPLES` samples (a first-use outlier, e.g. a kernel compiled in the step,
 #: cannot fix it); a kind with fewer than :data:`MIN_PROMPT_SAMPLES` (and no more than the other
@@ -167,11 +177,14 @@ class StepCostTable:
             if not self.verify_ms[k] or set(self.verify_ms[k]) != set(self.draft_ms[k]):
                 raise ValueError(f"step cost table: k={k} needs the same batch sizes in verify_ms and draft_ms")
         self._sizes = {k: sorted(row) for k, row in self.verify_ms.items()}
-        self._step_cache: Dict[Tuple[int, int, int], float] = {}  # (batch, k, verify_k) -> step_ms (a hot path)
+        # the table is fixed: what the policy reads on every step, kept (a hot path)
+        self._ks = tuple(sorted(self.verify_ms))
+        self._step_cache: Dict[Tuple[int, int, int], float] = {}  # (batch, k, verify_k) -> step_ms
+        self._size_cache: Dict[Tuple[int, int], int] = {}  # (batch, k) -> size_for
 
     @property
     def ks(self) -> List[int]:
-        return sorted(self.verify_ms)
+        return list(self._ks)
 
     def step_ms(self, batch: int, k: int, verify_k: Optional[int] = None) -> float:
         """``verify(verify_k) + draft(k)`` (``verify_k`` default ``k``: the steady state) at the
@@ -197,9 +210,12 @@ class StepCostTable:
         Raises:
             KeyError: ``k`` not in the table.
         """
-        sizes = self._sizes[k]
-        i = bisect.bisect_left(sizes, batch)
-        return sizes[i] if i < len(sizes) else sizes[-1]
+        size = self._size_cache.get((batch, k))
+        if size is None:
+            sizes = self._sizes[k]
+            i = bisect.bisect_left(sizes, batch)
+            size = self._size_cache[(batch, k)] = sizes[i] if i < len(sizes) else sizes[-1]
+        return size
 
     def as_dict(self) -> Dict[str, object]:
         return {"verify_ms": self.verify_ms, "draft_ms": self.draft_ms, "source": self.source,
@@ -248,6 +264,8 @@ class AdaptiveSpecPolicy:
         prior_weight: how many observations the prior is worth.
         decay: every step multiplies the observed counts by this (recent steps weigh more).
         prompt_reserve: share of the token budget kept for waiting prompts (``choose``; 0: off).
+        hold_k0_steps: pure-decode steps the engine proposes ``k = 0`` for per choice of it,
+            without asking or reporting them (see the module docstring; 1: every step asked).
 
     Raises:
         ValueError: the table lacks ``k = 0`` or ``max_k``, or parameters out of range.
@@ -260,6 +278,8 @@ class AdaptiveSpecPolicy:
     decay: float = 0.995
     overhead_weight: float = 0.05
     prompt_reserve: float = 0.0
+    #: pure-decode steps at ``k = 0`` per choice of it (1: the policy asked every step; the module docstring)
+    hold_k0_steps: int = HOLD_K0_STEPS
     reached: List[float] = field(default_factory=list)
     accepted: List[float] = field(default_factory=list)
     #: The host time per pure-decode step that the table misses, ``a + c B + b r`` for ``B``
@@ -318,8 +338,10 @@ class AdaptiveSpecPolicy:
             raise ValueError(f"adaptive speculation length needs step costs for k = 0 and k = {self.max_k}, "
                              f"the table has {self.costs.ks}")
         if not (0.0 <= self.prior_rate <= 1.0 and self.prior_weight > 0 and 0.0 < self.decay <= 1.0
-                and 0.0 <= self.prompt_reserve < 1.0):
-            raise ValueError("prior_rate must be in [0, 1], prior_weight > 0, decay in (0, 1], prompt_reserve in [0, 1)")
+                and 0.0 <= self.prompt_reserve < 1.0 and isinstance(self.hold_k0_steps, int)
+                and self.hold_k0_steps >= 1):
+            raise ValueError("prior_rate must be in [0, 1], prior_weight > 0, decay in (0, 1], prompt_reserve in "
+                             "[0, 1), hold_k0_steps an int >= 1")
         self.reached = [0.0] * self.max_k
         self.accepted = [0.0] * self.max_k
 
@@ -464,9 +486,15 @@ class AdaptiveSpecPolicy:
         none before :data:`MIN_FIT_SAMPLES` samples. Then ``a`` = the mean excess less the slopes'
         share, all clipped at 0."""
         m, w = self._moments, (self.overhead_weight if self._decode_samples else 1.0)
-        for i, x in enumerate((nb, r, y, nb * nb, nb * r, r * r, nb * y, r * y)):
-            m[i] += w * (x - m[i])
-        mb, mr, my = m[0], m[1], m[2]
+        # the eight moments of (B, r, y), unrolled (one step's bookkeeping: a hot path)
+        mb = m[0] = m[0] + w * (nb - m[0])
+        mr = m[1] = m[1] + w * (r - m[1])
+        my = m[2] = m[2] + w * (y - m[2])
+        m[3] += w * (nb * nb - m[3])
+        m[4] += w * (nb * r - m[4])
+        m[5] += w * (r * r - m[5])
+        m[6] += w * (nb * y - m[6])
+        m[7] += w * (r * y - m[7])
         sbb, sbr, srr = m[3] - mb * mb, m[4] - mb * mr, m[5] - mr * mr
         sby, sry = m[6] - mb * my, m[7] - mr * my
         tol = (MIN_SPREAD * mb) ** 2
@@ -542,19 +570,26 @@ class AdaptiveSpecPolicy:
         q = self.catch_up_ms_per_row()
         n_prompt = max(0, num_prefill_tokens)
         fixed = self.host_ms(batch, 0.0)
-        bucket = self._bucket(batch)
+        costs = self.costs
+        bucket = costs.size_for(batch)  # _bucket
         per_token = self.overhead_ms_per_token * batch  # b B per accepted draft per sequence
         cap = None
         if self.prompt_reserve > 0 and prompts_waiting and token_budget:
             cap = (1.0 - self.prompt_reserve) * token_budget
+        # E(k) for k = 0 .. max_k in one pass (expected_tokens' sum of running products)
+        expected, e, run = [1.0], 1.0, 1.0
+        for a in rates:
+            run *= a
+            e += run
+            expected.append(e)
         cost_of: Dict[int, Tuple[float, float]] = {}  # k -> (E(k), t(k)) before any catch-up share
-        for k in self.costs.ks:
+        for k in costs._ks:
             if k > self.max_k or (k and cap is not None and batch * (1 + k) > cap):
                 continue
-            e = self.expected_tokens(k, rates)
+            e = expected[k]
             host = self._measured_host_ms(bucket, k, batch)  # measured for this k and bucket, else the plane
             host = fixed + per_token * (e - 1.0) if host is None else host
-            cost_of[k] = (e, self.costs.step_ms(batch, k) + host)
+            cost_of[k] = (e, costs.step_ms(batch, k) + host)
         catch_up_ms = 0.0
         if q > 0 and (n_prompt or self._argmax_rate(cost_of) != 0 or self._rates_may_explore()):
             rows, inv_left = _lag_arrays(catch_up() if callable(catch_up) else catch_up)
@@ -572,6 +607,11 @@ class AdaptiveSpecPolicy:
         best = self._argmax_rate(cost_of)
         self._chosen_k = k = self._explored(bucket, best, rate_of[best], rate_of)
         return k
+
+    @property
+    def exploring(self) -> bool:
+        """An exploration burst is under way (its next steps' ``k`` are set)."""
+        return bool(self._explore)
 
     def _measured_host_ms(self, bucket: int, k: int, batch: int) -> Optional[float]:
         """:attr:`excess_ms` of ``(bucket, k)`` moved to ``batch`` sequences along the plane's per-sequence
@@ -634,8 +674,9 @@ class AdaptiveSpecPolicy:
             # the best after EXPLORE_EVERY steps, whatever its rate after STALE_EVERY (one bad burst
             # must not shut a k out for good)
             stale = [k for k in rate_of if k != best and self._excess_n.get((bucket, k), 0) < MIN_MEASURED
-                     and self._bursts.get((bucket, k), 0) < MAX_MEASURING_BURSTS] or [
-                k for k, r in rate_of.items() if k != best and since > EXPLORE_EVERY and (
+                     and self._bursts.get((bucket, k), 0) < MAX_MEASURING_BURSTS]
+            if not stale and since > EXPLORE_EVERY:
+                stale = [k for k, r in rate_of.items() if k != best and (
                     n - seen.get(k, 0) > STALE_EVERY
                     or (n - seen.get(k, 0) > EXPLORE_EVERY and r >= (1.0 - EXPLORE_MARGIN) * best_rate))]
             if stale:  # the one proposed longest ago
