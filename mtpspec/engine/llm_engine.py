@@ -447,16 +447,17 @@ class LLMEngine:
         requests finished so far (:attr:`_mean_output_len`) less what it emitted (at least 1)."""
         lags = []
         max_len, mean = self.scheduler_config.max_model_len, self._mean_output_len
-        for s in out.scheduled:
+        for s in out.scheduled:  # a hot loop (every prompt step): locals, no properties
             seq = s.seq
-            if seq.mtp_len < s.start_position:
+            lag = s.start_position - seq.mtp_len
+            if lag > 0:
                 p, done = seq.params, len(seq.output_token_ids)
-                left = max_len - seq.num_tokens
-                if p.max_tokens is not None:
-                    left = min(left, p.max_tokens - done)
-                if mean is not None and not p.ignore_eos:
-                    left = min(left, mean - done)
-                lags.append((s.start_position - seq.mtp_len, max(1.0, float(left))))
+                left = max_len - len(seq.prompt_token_ids) - done
+                if p.max_tokens is not None and p.max_tokens - done < left:
+                    left = p.max_tokens - done
+                if mean is not None and not p.ignore_eos and mean - done < left:
+                    left = mean - done
+                lags.append((lag, left if left > 1.0 else 1.0))
         return lags
 
     def _goes_ahead(self, out: SchedulerOutput, step: StepInput) -> bool:
