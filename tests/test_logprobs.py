@@ -298,7 +298,11 @@ def test_serve_max_logprobs_flag() -> None:
     from fastapi.testclient import TestClient
 
     from mtpspec import demo_model_path
-    from mtpspec.entrypoints.serve import build, parse_serve_flags
+    from mtpspec.entrypoints.serve import build, check_serve_args, parse_serve_flags
+    # a bad value is refused with the flags, before any engine is built (serve, bench arms --server-args)
+    with pytest.raises(ValueError, match=r"max_logprobs must be an int >= 0, or -1 for no cap "
+                                         r"\(--max-logprobs\), got -2"):
+        check_serve_args(["--max-logprobs", "-2"])
     app, engine, _ = build(parse_serve_flags(["--model", demo_model_path(), "--device", "cpu", "-k", "1",
                                               "--max-model-len", "128", "--max-num-seqs", "2",
                                               "--max-logprobs", "2"]))

@@ -142,6 +142,19 @@ def check_device(device: Optional[str]) -> None:
                          "(CLI: --device cpu)")
 
 
+def check_max_logprobs(value: Any) -> None:
+    """``max_logprobs`` (``--max-logprobs``) is an int >= 0, or -1 for no cap.
+
+    Raises:
+        TypeError: not an int (a bool included).
+        ValueError: below -1.
+    """
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"max_logprobs must be an int >= 0, or -1 for no cap, got {value!r}")
+    if value < -1:
+        raise ValueError(f"max_logprobs must be an int >= 0, or -1 for no cap (--max-logprobs), got {value!r}")
+
+
 def check_p2p_supported(par: ParallelConfig, device: Optional[str]) -> None:
     """Before any rank starts: ``allreduce_backend="p2p"`` at tp > 1 on CPU ranks needs
     ``TRITON_INTERPRET=1`` (the ranks inherit the environment). The ranks check again at start
@@ -548,9 +561,11 @@ class EngineArgs:
         to a dict or ``None``).
 
         Raises:
-            ValueError: as :meth:`resolved_speculative_config`.
+            ValueError: as :meth:`resolved_speculative_config`; ``max_logprobs`` below -1.
+            TypeError: ``max_logprobs`` not an int.
         """
         spec = self.resolved_speculative_config()
+        check_max_logprobs(self.max_logprobs)  # serve / bench arms: before any engine starts
         return dict(model=self.model_path(), tensor_parallel_size=self.tensor_parallel_size, dtype=self.dtype,
                     device=self.device,
                     speculative_config=None if spec is None else parse_speculative_config(spec),

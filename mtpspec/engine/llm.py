@@ -8,7 +8,7 @@ import time
 from typing import Any, Callable, Dict, List, Optional, Sequence, Union
 
 from mtpspec.config import SpeculativeConfig
-from mtpspec.engine.arg_utils import DEFAULT_MAX_MODEL_LEN, EngineArgs  # noqa: F401 - re-exported
+from mtpspec.engine.arg_utils import DEFAULT_MAX_MODEL_LEN, EngineArgs, check_max_logprobs  # noqa: F401
 from mtpspec.engine.detokenizer import Tokenizer, load_tokenizer
 from mtpspec.engine.executor import InProcessExecutor, make_executor
 from mtpspec.engine.gc_heap import freeze_gc_heap, refreeze_gc_heap, release_gc_heap
@@ -117,10 +117,7 @@ class LLM:
             raise TypeError(f"model must be a checkpoint folder (a path), got {type(model).__name__} "
                             "(the bundled demo model: mtpspec.demo_model_path())")
         del trust_remote_code  # vLLM's argument, accepted: mtpspec runs no code from a checkpoint
-        if isinstance(max_logprobs, bool) or not isinstance(max_logprobs, int):
-            raise TypeError(f"max_logprobs must be an int >= 0, or -1 for no cap, got {max_logprobs!r}")
-        if max_logprobs < -1:
-            raise ValueError(f"max_logprobs must be an int >= 0, or -1 for no cap, got {max_logprobs!r}")
+        check_max_logprobs(max_logprobs)
         args = EngineArgs(
             model=model, tensor_parallel_size=tensor_parallel_size, speculative_config=speculative_config,
             fuse_allreduce_rmsnorm=fuse_allreduce_rmsnorm, sequence_parallel=sequence_parallel,
