@@ -105,6 +105,16 @@ class ParallelConfig:
 MAX_NUM_SPECULATIVE_TOKENS = 16
 
 
+def check_hold_k0_steps(n: object) -> None:
+    """``adaptive_hold_k0_steps``: an int (not a bool) >= 1.
+
+    Raises:
+        ValueError: anything else, naming the value.
+    """
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"speculative_config: adaptive_hold_k0_steps must be an int >= 1, got {n!r}")
+
+
 def check_prompt_reserve(r: object) -> None:
     """``adaptive_prompt_reserve``: a number (not a bool) in ``[0, 1)``.
 
@@ -152,6 +162,10 @@ class SpeculativeConfig:
             proposes only a ``k`` with ``batch * (1 + k) <= (1 - r) * max_num_batched_tokens``
             (``k = 0`` always allowed), so drafts do not take the whole token budget from waiting
             prompts (the GLM-4.5-Air-width s256 loss in BENCHMARKS.md; not yet measured).
+        adaptive_hold_k0_steps: (adaptive only; default 4) after a pure-decode choice of ``k = 0``
+            the engine proposes ``k = 0`` for this many pure-decode steps of that batch size in all
+            without asking the policy (its bookkeeping, ~40 us a step, is host time a 64-sequence
+            step cannot hide; :mod:`mtpspec.spec_decode.adaptive`); 1: the policy is asked every step.
         adaptive_defer_mtp_kv: (adaptive only; ``None``, the default, means True) a step that proposes no drafts
             (``k = 0``) runs no MTP pass at all: it keeps the target's hidden states of its rows
             in a paged cache (``hidden_size`` values per token in the model dtype, counted in
@@ -163,12 +177,14 @@ class SpeculativeConfig:
     Raises:
         ValueError: unknown method, k out of range, an unknown ``draft_sampling``, a non-bool
             ``adaptive``, a cost table or a prompt reserve without ``adaptive``, a prompt reserve
-            outside ``[0, 1)``, a non-bool ``adaptive_defer_mtp_kv``.
+            outside ``[0, 1)``, a non-bool ``adaptive_defer_mtp_kv``, ``adaptive_hold_k0_steps`` not an
+            int >= 1 or given without ``adaptive``.
     """
 
     #: The keys of a ``speculative_config`` dict (vLLM's spelling).
     KEYS = ("method", "num_speculative_tokens", "use_local_argmax_reduction", "index_share_for_mtp_iteration",
-            "draft_sampling", "adaptive", "adaptive_cost_table", "adaptive_prompt_reserve", "adaptive_defer_mtp_kv")
+            "draft_sampling", "adaptive", "adaptive_cost_table", "adaptive_prompt_reserve", "adaptive_defer_mtp_kv",
+            "adaptive_hold_k0_steps")
     #: Values of ``draft_sampling``.
     DRAFT_SAMPLING = ("greedy", "auto")
 
@@ -181,8 +197,13 @@ class SpeculativeConfig:
     adaptive_cost_table: Optional[str] = None
     adaptive_prompt_reserve: float = 0.0
     adaptive_defer_mtp_kv: Optional[bool] = None
+    adaptive_hold_k0_steps: Optional[int] = None  # None: the policy's default (HOLD_K0_STEPS)
 
     def __post_init__(self) -> None:
+        if self.adaptive_hold_k0_steps is not None:
+            check_hold_k0_steps(self.adaptive_hold_k0_steps)
+            if not self.adaptive:
+                raise ValueError("speculative_config: adaptive_hold_k0_steps is given but adaptive is false")
         if self.adaptive_defer_mtp_kv is not None and not isinstance(self.adaptive_defer_mtp_kv, bool):
             raise ValueError(f"speculative_config: adaptive_defer_mtp_kv must be true or false, got "
                              f"{self.adaptive_defer_mtp_kv!r}")

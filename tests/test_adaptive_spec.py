@@ -1269,3 +1269,54 @@ def test_a_k0_choice_is_held_for_hold_k0_steps_pure_decode_steps_of_its_batch_si
     for bad in (0, 2.0):
         with pytest.raises(ValueError, match="hold_k0_steps an int >= 1"):
             AdaptiveSpecPolicy(3, _table(), hold_k0_steps=bad)
+
+
+def test_held_steps_count_in_the_steady_run_and_a_burst_s_k0_is_not_held() -> None:
+    """Review of the hold (2026-12-06): held k = 0 steps are not timed but still k = 0 steps before the next
+    observed one, so that one is in a steady run (without it a run had to last 9 steps to measure k = 0 at
+    all); and the k = 0 of an exploration burst, its last step included, is not the policy's best: never held."""
+    costs = _table(sizes=(64,), verify=lambda b, k: 1.2 + 0.9 * k, draft=lambda b, k: 0.4 * k)
+    pol = AdaptiveSpecPolicy(3, costs)
+
+    def step(k, v, excess):
+        pol._chosen_k = k
+        pol.observe_step_time(64, k, costs.step_ms(64, k, v) + excess, v, 0, 64)
+
+    step(2, 2, 0.5)
+    step(2, 2, 0.5)
+    step(0, 2, 4.0)      # asked: verifies k = 2 drafts, a transition
+    for _ in range(3):
+        pol.observe_held_step()
+    step(0, 0, 1.0)      # asked, after four k = 0 steps: steady
+    assert pol._excess_n[(64, 0)] == 1 and pol.excess_ms[(64, 0)] == pytest.approx(1.0)
+    # a burst of k = 0 (here set by hand) returns k = 0 while "exploring", its last step too
+    pol2 = AdaptiveSpecPolicy(3, _table(draft=lambda b, k: 0.0))  # drafting is free: the best k is 3
+    assert pol2.choose(4) == 3 and not pol2.exploring
+    pol2._explore = [0, 0]
+    assert pol2.choose(4) == 0 and pol2.exploring
+    assert pol2.choose(4) == 0 and pol2.exploring  # the burst's last k = 0: not the policy's best either
+    assert pol2.choose(4) == 3 and not pol2.exploring
+
+
+def test_an_engine_never_holds_an_exploration_burst_s_k0(model) -> None:
+    """The engine with the real policy: a forced k = 0 burst while drafting pays (forced acceptance 1)
+    is proposed for its steps only, none held after it."""
+    from mtpspec.spec_decode.forced_acceptance import ForcedAcceptance, enable_forced_acceptance
+    path, cfg, table = model
+    with _llm(path, table) as llm:
+        eng = llm.llm_engine
+        enable_forced_acceptance(eng, ForcedAcceptance.parse("rate:1.0"))
+        pol, steps, real = eng.spec_policy, [], eng._choose_k
+        burst = [0]
+
+        def spy(out, real=real):
+            if not out.num_prefill_tokens and burst[0] < 3 and pol._decode_choices >= 2:
+                pol._explore, burst[0] = [0, 0], burst[0] + 3  # a 2-step k = 0 burst, set once
+            real(out)
+            steps.append((out.num_prefill_tokens, out.num_proposed_tokens, out.policy_held))
+
+        eng._choose_k = spy
+        _greedy(llm, mixed_prompts(4, cfg.vocab_size, seed=9), n=30)
+    assert not any(held for _, _, held in steps)
+    zeros = [i for i, (p, k, _) in enumerate(steps) if not p and k == 0]
+    assert len(zeros) >= 2 and burst[0] == 3

@@ -284,7 +284,8 @@ def test_host_retries_run_a_perturbed_round_again_by_its_probes_alone(monkeypatc
     the replaced runs are kept apart, the last try stays whatever its probes say."""
     # probes, two per run (before, after), arms a and b: round 1 fine; round 2 slow, slow again, then fine;
     # round 3 slow every time (kept after the retries)
-    probes = iter([10, 10, 10, 10] + [10, 15, 10, 10] + [10, 10, 10, 16] + [10, 10, 10, 10] + [20] * 12)
+    # (the first probe seeds the sweep's fastest, before the first timed round)
+    probes = iter([10] + [10, 10, 10, 10] + [10, 15, 10, 10] + [10, 10, 10, 16] + [10, 10, 10, 10] + [20] * 12)
     monkeypatch.setattr(bench_arms, "host_probe_ms", lambda: next(probes))
     calls = []
 

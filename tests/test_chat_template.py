@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import functools
+import json
 from types import SimpleNamespace
 
 import pytest
@@ -227,8 +228,11 @@ def test_message_fields_and_continue_final_message_render_as_transformers():
                                                                             ["Question:"])
     with pytest.raises(ValueError, match="Cannot set both `continue_final_message` and `add_generation_prompt`"):
         render_chat(None, plain, True, continue_final_message=True)
-    with pytest.raises(ValueError, match="continue_final_message needs the last message to be the assistant's.*'user'"):
-        render_chat(tok, plain[:1], False, chat_template=FIELDS, continue_final_message=True)
+    # any role may be continued, as in vLLM / transformers: the last message is left open
+    assert render_plain(plain[:1], False, True) == "Question: 2 + 3?"
+    assert render_plain([("system", "Be brief."), ("tool", "42")], False, True) == "Be brief.\n\n42"
+    assert render_chat(tok, plain[:1], False, chat_template=FIELDS, continue_final_message=True)[0] == \
+        _reference_dicts([{"role": "user", "content": "2 + 3?"}], False, FIELDS, True)
     with pytest.raises(ValueError, match="chat_template_kwargs may not set continue_final_message"):
         render_chat(None, plain, False, {"continue_final_message": True})
 
@@ -241,3 +245,39 @@ def _reference_dicts(conv, add_generation_prompt, template, continue_final_messa
     return hf.apply_chat_template(conv, chat_template=template, tokenize=False,
                                   add_generation_prompt=add_generation_prompt,
                                   continue_final_message=continue_final_message)
+
+
+# vLLM's _postprocess_messages (facts only): an assistant's tool_calls arguments reach the template as
+# an object, parsed from the JSON string OpenAI clients send; empty / malformed / non-object -> {}
+TOOLS = ("{% for m in messages %}{{ m.role }}:{{ m.content }}{% for c in m.tool_calls or [] %}"
+         "[{{ c.function.name }} {{ c.function.arguments | tojson }}"
+         "{% for k, v in c.function.arguments.items() %} {{ k }}={{ v }}{% endfor %}]{% endfor %}|{% endfor %}")
+
+
+def _call(args, name="f"):
+    return {"id": "c", "type": "function", "function": {"name": name, "arguments": args}}
+
+
+def test_tool_call_arguments_reach_the_template_as_objects(caplog):
+    from mtpspec.engine.detokenizer import load_tokenizer
+    tok = load_tokenizer(demo_model_path())
+    calls = [_call('{"city": "Paris", "n": 2}'), _call({"x": 1}), _call(""), _call(None), _call("{bad json"),
+             _call("[1, 2]")]
+    conv = [{"role": "user", "content": "weather?"}, {"role": "assistant", "content": None, "tool_calls": calls}]
+    sent = json.dumps(conv)
+    got, _ = render_chat(tok, [dict(m, content=m["content"] or "") for m in conv], False, chat_template=TOOLS)
+    assert json.dumps(conv) == sent  # the caller's messages are not changed
+    want = ('user:weather?|assistant:[f {"city": "Paris", "n": 2} city=Paris n=2][f {"x": 1} x=1][f {}][f {}]'
+            '[f {}][f {}]|')
+    assert got == want
+    assert "not valid JSON" in caplog.text and "not a JSON object" in caplog.text
+    # an empty list is dropped (the template's plain assistant path); a user's tool_calls are left alone
+    plain_path = "{% for m in messages %}{{ 'tool_calls' in m }}{% endfor %}"
+    assert render_chat(tok, [{"role": "assistant", "content": "", "tool_calls": []},
+                             {"role": "user", "content": "", "tool_calls": "x"}], False,
+                       chat_template=plain_path)[0] == "FalseTrue"
+    for bad, match in (([1], r"tool_calls entries must be objects \(tool_calls\[0\] is int\)"),
+                       ([{"type": "code", "function": {}}], "only support assistant tool_calls of type 'function'"),
+                       ([{"function": "f"}], "only support assistant tool_calls of type 'function'")):
+        with pytest.raises(ValueError, match=match):
+            render_chat(tok, [{"role": "assistant", "content": "", "tool_calls": bad}], False, chat_template=TOOLS)

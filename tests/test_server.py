@@ -1077,8 +1077,14 @@ def test_continue_final_message_server_and_offline(server, offline):
     bad = _post(server, "/v1/chat/completions", {**body, "add_generation_prompt": True})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "continue_final_message", bad.text
     assert "Cannot set both `continue_final_message` and `add_generation_prompt` to True." in bad.text
-    bad = _post(server, "/v1/chat/completions", {**body, "messages": msgs[:1]})
-    assert bad.status_code == 400 and "needs the last message to be the assistant's" in bad.text, bad.text
+    # any last message may be continued (vLLM): here the user's question, left open
+    r = _post(server, "/tokenize", {"messages": msgs[:1], "add_generation_prompt": False,
+                                    "continue_final_message": True})
+    assert r.status_code == 200 and offline.get_tokenizer().decode(r.json()["tokens"]) == \
+        "Question: " + msgs[0]["content"], r.text
+    bad = _post(server, "/v1/chat/completions", {**body, "messages": [
+        {"role": "assistant", "content": "", "tool_calls": [{"type": "code"}]}]})
+    assert bad.status_code == 400 and "tool_calls of type 'function'" in bad.text, bad.text
     with pytest.raises(ValueError, match="Cannot set both"):
         offline.chat(msgs, params, continue_final_message=True)
 

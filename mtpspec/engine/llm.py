@@ -184,8 +184,10 @@ class LLM:
                     costs = self.executor.collective_rpc(measure_step_costs)[0]
                     print(f"adaptive speculation: step-cost table timed in {time.perf_counter() - t_cal:.1f} s",
                           file=sys.stderr, flush=True)
+                hold = {} if spec.adaptive_hold_k0_steps is None else {"hold_k0_steps": spec.adaptive_hold_k0_steps}
                 self.llm_engine.spec_policy = AdaptiveSpecPolicy(spec.num_speculative_tokens, costs,
-                                                                 prompt_reserve=float(spec.adaptive_prompt_reserve))
+                                                                 prompt_reserve=float(spec.adaptive_prompt_reserve),
+                                                                 **hold)
                 self.llm_engine.defer_mtp_kv = spec.defers_mtp_kv
                 for b in sorted(costs.verify_ms[0]):  # what the policy will weigh, once, in the log
                     print(f"adaptive speculation: batch {b}: step ms for k = 0..: "
@@ -303,16 +305,17 @@ class LLM:
         own), then :meth:`generate`.
 
         ``content``: a string, a list of ``{"type": "text", "text": ...}`` parts (joined with newlines,
-        as vLLM joins them) or ``None`` (empty); a message's other fields (``name``, ``tool_calls``,
-        ...) reach the template as they are. ``chat_template``: a template, or a file holding one.
-        ``continue_final_message``: leave the last (assistant) message open for the model to go on
-        with it (needs ``add_generation_prompt=False``, as in vLLM).
+        as vLLM joins them) or ``None`` (empty); a message's other fields (``name``, ``tool_calls``
+        with their ``arguments`` parsed as vLLM parses them, ...) reach the template.
+        ``chat_template``: a template, or a file holding one. ``continue_final_message``: leave the
+        last message (usually the assistant's) open for the model to go on with it (needs
+        ``add_generation_prompt=False``, as in vLLM).
 
         Raises:
             ValueError / TypeError: no tokenizer, an empty conversation, a message that is not a
                 dict with a ``role`` and text ``content`` (named by conversation and message index),
-                an unknown role, ``continue_final_message`` with ``add_generation_prompt`` or
-                without a final assistant message, ``chat_template_kwargs`` setting what the renderer sets, the
+                an unknown role, ``continue_final_message`` with ``add_generation_prompt``, a malformed
+                ``tool_calls`` entry, ``chat_template_kwargs`` setting what the renderer sets, the
                 template refusing the conversation, or as :meth:`generate`.
         """
         from dataclasses import replace

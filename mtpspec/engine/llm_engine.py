@@ -417,7 +417,7 @@ class LLMEngine:
         if self.spec_policy is not None and out.num_proposed_tokens:
             n_prompt = out.num_prefill_tokens
             left, held_batch = self._hold_k0
-            if left and not n_prompt and len(out.scheduled) == held_batch:
+            if left > 0 and not n_prompt and len(out.scheduled) == held_batch:
                 self._hold_k0 = (left - 1, held_batch)
                 out.num_proposed_tokens, out.defers_mtp, out.policy_held = 0, self.defer_mtp_kv, True
                 return
@@ -433,7 +433,7 @@ class LLMEngine:
                                                                   self.scheduler_config.max_num_batched_tokens,
                                                                   num_partial_prefills=partial, catch_up=lags)
             out.defers_mtp = self.defer_mtp_kv and k == 0
-            hold = getattr(self.spec_policy, "hold_k0_steps", 1)  # a policy without it is asked every step
+            hold = int(getattr(self.spec_policy, "hold_k0_steps", 1))  # a policy without it is asked every step
             if k == 0 and not n_prompt and hold > 1 and not getattr(self.spec_policy, "exploring", False):
                 self._hold_k0 = (hold - 1, len(out.scheduled))
             else:
@@ -457,7 +457,7 @@ class LLMEngine:
                     left = p.max_tokens - done
                 if mean is not None and not p.ignore_eos and mean - done < left:
                     left = mean - done
-                lags.append((lag, left if left > 1.0 else 1.0))
+                lags.append((lag, float(left) if left > 1.0 else 1.0))
         return lags
 
     def _goes_ahead(self, out: SchedulerOutput, step: StepInput) -> bool:
@@ -590,7 +590,11 @@ class LLMEngine:
         m.spec.observe_step(out.num_proposed_tokens)
         if policy is not None:
             end = time.perf_counter()
-            if self._last_step_end is not None and not out.policy_held:
+            if out.policy_held:  # not timed for the policy, but a k = 0 step of the run it is in
+                held = getattr(policy, "observe_held_step", None)
+                if held is not None:
+                    held()
+            elif self._last_step_end is not None:
                 emitted = sum(map(len, result.new_token_ids))
                 policy.observe_step_time(len(out.scheduled), out.num_proposed_tokens,
                                          (end - max(self._last_step_end, t0)) * 1e3, v, out.num_prefill_tokens,
@@ -634,6 +638,7 @@ class LLMEngine:
                     if DRAFT_PENDING in sch.seq.draft_token_ids:
                         raise RuntimeError(f"{sch.seq!r} is scheduled with drafts that were never computed")
                     sch.input_token_ids[1:] = sch.seq.draft_token_ids[:len(sch.input_token_ids) - 1]
+            out.rows_changed()
 
     def _finished_outputs(self, finished: List[Sequence]) -> List[RequestOutput]:
         """Outputs of the requests that finished: a plain sequence's own, a parent's once its last

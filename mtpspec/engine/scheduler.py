@@ -133,9 +133,14 @@ class SchedulerOutput:
     # by the engine (3-5 times; O(batch) each), made in one pass and kept while no row is added
     _counts: Tuple[int, int, int] = field(default=(-1, 0, 0), init=False, repr=False, compare=False)
 
+    def rows_changed(self) -> None:
+        """Rows were cut or rewritten in place (:meth:`Scheduler._cut_drafts`, the engine putting a
+        step's drafts into them): the row counts are made again when next read."""
+        self._counts = (-1, 0, 0)
+
     def _rows(self) -> Tuple[int, int]:
         n, prefill, decode = self._counts
-        if n != len(self.scheduled):  # rows are only appended while scheduling; a row's length is fixed
+        if n != len(self.scheduled):  # a row added, or rows_changed()
             prefill = decode = 0
             for s in self.scheduled:
                 if s.is_prefill:
@@ -361,7 +366,7 @@ class Scheduler:
         v = min((len(sch.input_token_ids) - 1 for sch in decodes), default=k)
         for sch in decodes:
             del sch.input_token_ids[1 + v:]
-        out._counts = (-1, 0, 0)  # rows cut: counted again when read
+        out.rows_changed()
         out.num_spec_tokens, out.num_proposed_tokens = v, k
 
     def update_from_output(self, out: SchedulerOutput, new_tokens: Seq[Seq[int]],

@@ -18,7 +18,8 @@ arm             `mtpspec serve` flags                    what it is
 ``adaptive_r50`` is ``adaptive`` with ``--speculative-config '{"adaptive_prompt_reserve": 0.5}'``:
 half the token budget kept for waiting prompts (docs/serving.md). ``adaptive_eagerkv`` is ``adaptive``
 with ``'{"adaptive_defer_mtp_kv": false}'``: its ``k = 0`` steps write their MTP KV entries
-themselves instead of deferring them (the A/B of the deferral).
+themselves instead of deferring them (the A/B of the deferral). ``adaptive_nohold`` is ``adaptive`` with
+``'{"adaptive_hold_k0_steps": 1}'``: the policy asked every step (the A/B of held ``k = 0`` choices).
 
 Every arm's server is started once (one after another, each on its own free port; with
 ``--base-url NAME=URL`` an already running server is used instead), then each workload runs
@@ -99,6 +100,9 @@ DEFAULT_ARMS: Dict[str, List[str]] = {
     # adaptive whose k = 0 steps write their MTP KV entries (no deferral): the deferral's A/B
     "adaptive_eagerkv": ["-k", "3", "--adaptive-speculation", "--speculative-config",
                          '{"adaptive_defer_mtp_kv": false, "use_local_argmax_reduction": true}'],
+    # adaptive asked every step (no held k = 0 choices): the hold's A/B
+    "adaptive_nohold": ["-k", "3", "--adaptive-speculation", "--speculative-config",
+                        '{"adaptive_hold_k0_steps": 1, "use_local_argmax_reduction": true}'],
 }
 
 PRESETS: Dict[str, Dict[str, int]] = {
@@ -753,8 +757,8 @@ def run_arms(arms: Dict[str, List[str]], workloads: Dict[str, BenchConfig], repe
             re-armed before each run); ``common`` + the arm's flags are parsed as `mtpspec serve`'s.
         host_retries: an interleaved round whose host probes (:func:`host_probe_ms`, before and
             after each run) reach more than :data:`HOST_SPREAD_WARN` times the fastest probe of the
-            sweep so far is run again, all its arms, up to this many times (the last try is kept
-            whatever its probes). The probes alone decide, never the results, so no arm is favoured;
+            sweep so far (one probe is taken before the first timed round) is run again, all its
+            arms, up to this many times (the last try is kept whatever its probes). The probes alone decide, never the results, so no arm is favoured;
             the replaced runs are kept in the workload's ``host_perturbed_runs`` (arm -> runs).
 
     Returns:
@@ -800,7 +804,7 @@ def run_arms(arms: Dict[str, List[str]], workloads: Dict[str, BenchConfig], repe
     bar = None
     runs: Dict[str, Dict[str, List[Dict[str, Any]]]] = {w: {a: [] for a in arms} for w in workloads}
     perturbed: Dict[str, Dict[str, List[Dict[str, Any]]]] = {w: {a: [] for a in arms} for w in workloads}
-    fastest = [float("inf")]  # the fastest host probe of the sweep so far
+    fastest = [float("inf")]  # the fastest host probe of the sweep so far (seeded before the first timed round)
 
     def save_partial() -> None:
         """The runs made so far and what they ran, in ``PARTIAL_JSON`` (written whole, then renamed:
@@ -809,7 +813,7 @@ def run_arms(arms: Dict[str, List[str]], workloads: Dict[str, BenchConfig], repe
                                                             "warmup_rounds", "in_process", "equal_kv_blocks")},
                 "workload_configs": {w: asdict(c) for w, c in workloads.items()},
                 "synthetic": any(r["synthetic_reasons"] for per in runs.values() for rs in per.values() for r in rs),
-                "runs": runs}
+                "runs": runs, "host_retries": host_retries, "host_perturbed_runs": perturbed}
         try:
             with open(partial + ".tmp", "w") as f:
                 json.dump(done, f)
@@ -891,6 +895,8 @@ def run_arms(arms: Dict[str, List[str]], workloads: Dict[str, BenchConfig], repe
                 for i in range(warmup_rounds):
                     for arm in arms:
                         warm(wname, cfg, arm, i)
+                if host_retries and fastest[0] == float("inf"):
+                    fastest[0] = host_probe_ms()  # a sweep starting on a slowed host still has a fast reference
                 for rep in range(repeats):
                     for attempt in range(host_retries + 1):
                         for arm in rotated(list(arms), rep):  # interleaved, each round rotated: A B C, B C A, ...
@@ -900,9 +906,11 @@ def run_arms(arms: Dict[str, List[str]], workloads: Dict[str, BenchConfig], repe
                         if attempt == host_retries or max(probes) <= HOST_SPREAD_WARN * fastest[0]:
                             break
                         print(f"{wname} round {rep + 1}: the host probes reached {max(probes):.1f} ms against the "
-                              f"sweep's fastest {fastest[0]:.1f} ms; running the round again", file=sys.stderr)
+                              f"sweep's fastest so far, {fastest[0]:.1f} ms; running the round again", file=sys.stderr)
                         for arm in arms:  # the whole round, every arm alike
                             perturbed[wname][arm].append(runs[wname][arm].pop())
+                        if bar is not None:
+                            bar.total += len(arms)
         for wname, cfg in workloads.items():
             per_arm = runs[wname]
             reasons = sorted({r for done in per_arm.values() for res in done for r in res["synthetic_reasons"]})
@@ -973,7 +981,7 @@ def add_parser(sub: Any) -> None:
                    help="untimed whole runs of each workload per arm before the timed ones (default 0)")
     p.add_argument("--host-retries", type=int, default=0, metavar="N",
                    help="run an interleaved round again (all its arms, up to N times) when its host-speed probes "
-                        f"reach more than {HOST_SPREAD_WARN}x the sweep's fastest (a shared host slowed down); the "
+                        f"reach more than {HOST_SPREAD_WARN}x the sweep's fastest so far (a shared host slowed down); the "
                         "probes alone decide, never the results (default 0: every round kept)")
     p.add_argument("--server-args", default="", metavar="FLAGS",
                    help="extra `mtpspec serve` flags for every arm, one value (checked before any server starts): "

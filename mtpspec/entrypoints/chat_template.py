@@ -24,10 +24,13 @@ lm-evaluation-harness does for GSM8K.
 
 from __future__ import annotations
 
+import json
+import logging
 import os
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 PLAIN_STOP = "Question:"
+logger = logging.getLogger(__name__)
 
 
 def has_chat_template(tokenizer: Any) -> bool:
@@ -145,44 +148,81 @@ def as_message_dicts(messages: Sequence[Message]) -> List[Dict[str, Any]]:
 
 def check_continue_final(messages: Sequence[Dict[str, Any]], add_generation_prompt: bool,
                          continue_final_message: bool) -> None:
-    """vLLM's rules for ``continue_final_message`` (the last message is left open, for the model to
-    go on with it).
+    """vLLM's rule for ``continue_final_message`` (the last message is left open, for the model to
+    go on with it: usually the assistant's, but any role may be continued, as in vLLM).
 
     Raises:
-        ValueError: both it and ``add_generation_prompt`` set, or the last message is not the
-            assistant's.
+        ValueError: both it and ``add_generation_prompt`` set.
     """
-    if not continue_final_message:
-        return
-    if add_generation_prompt:
+    if continue_final_message and add_generation_prompt:
         raise ValueError("Cannot set both `continue_final_message` and `add_generation_prompt` to True.")
-    if not messages or messages[-1].get("role") != "assistant":
-        role = messages[-1].get("role") if messages else None
-        raise ValueError(f"continue_final_message needs the last message to be the assistant's (its text is "
-                         f"continued), got role {role!r}")
+
+
+def tool_calls_for_template(message: Dict[str, Any]) -> Dict[str, Any]:
+    """``message`` as tool-use chat templates expect it, as vLLM passes it: an assistant message's
+    ``tool_calls[*].function.arguments`` as a dict (OpenAI clients send a JSON string; an empty
+    one, malformed JSON or JSON that is not an object becomes ``{}``, the last two with a warning,
+    so a conversation whose history holds one can go on), an empty ``tool_calls`` list dropped.
+    The caller's dicts are not changed.
+
+    Raises:
+        ValueError: a ``tool_calls`` entry that is not an object, or not of type ``"function"``
+            with a ``function`` object (vLLM's 400s).
+    """
+    calls = message.get("tool_calls")
+    if message.get("role") != "assistant" or not isinstance(calls, list):
+        return message
+    message = dict(message)
+    if not calls:
+        del message["tool_calls"]
+        return message
+    out = []
+    for i, item in enumerate(calls):
+        if not isinstance(item, dict):
+            raise ValueError(f"assistant tool_calls entries must be objects (tool_calls[{i}] is "
+                             f"{type(item).__name__})")
+        fn = item.get("function")
+        if item.get("type", "function") != "function" or not isinstance(fn, dict):
+            raise ValueError(f"chat completions only support assistant tool_calls of type 'function' with a "
+                             f"'function' object (tool_calls[{i}])")
+        args = fn.get("arguments")
+        if isinstance(args, str) and args:
+            try:
+                args = json.loads(args)
+            except json.JSONDecodeError:
+                logger.warning("tool call %r: arguments are not valid JSON (%d chars); passed to the template as {}",
+                               fn.get("name"), len(fn["arguments"]))
+                args = {}
+        if not isinstance(args, dict):
+            if args:  # valid JSON but not an object ("[]", "42", ...): templates need a mapping
+                logger.warning("tool call %r: arguments are a %s, not a JSON object; passed to the template as {}",
+                               fn.get("name"), type(args).__name__)
+            args = {}
+        out.append({**item, "function": {**fn, "arguments": args}})
+    message["tool_calls"] = out
+    return message
+
+
+#: What ends each role's turn in the plain template (left off the last message under
+#: ``continue_final_message``).
+_PLAIN_TURNS = {"system": ("", "\n\n"), "developer": ("", "\n\n"), "user": ("Question: ", "\n"),
+                "assistant": ("Answer: ", "\n\n"), "tool": ("", "\n")}
 
 
 def render_plain(messages: Sequence[Message], add_generation_prompt: bool = True,
                  continue_final_message: bool = False) -> str:
     """The plain template (see the module docstring) of ``(role, text)`` pairs (or message dicts);
-    with ``continue_final_message`` the last (assistant) message ends after its text, no blank line."""
+    with ``continue_final_message`` the last message ends after its text (no line breaks), for the
+    model to go on from its last character."""
     msgs = as_message_dicts(messages)
     check_continue_final(msgs, add_generation_prompt, continue_final_message)
     parts: List[str] = []
-    for m in msgs:
+    for i, m in enumerate(msgs):
         role, text = m.get("role"), m.get("content") or ""
-        if role in ("system", "developer"):
-            parts.append(f"{text}\n\n")
-        elif role == "user":
-            parts.append(f"Question: {text}\n")
-        elif role == "assistant":
-            parts.append(f"Answer: {text}\n\n")
-        elif role == "tool":
-            parts.append(f"{text}\n")
-        else:
+        if role not in _PLAIN_TURNS:
             raise ValueError(f"unknown chat role {role!r}; expected system, developer, user, assistant or tool")
-    if continue_final_message:
-        parts[-1] = parts[-1][:-2]  # "Answer: {text}": the model goes on from its last character
+        head, end = _PLAIN_TURNS[role]
+        parts.append(head + text + ("" if continue_final_message and i == len(msgs) - 1 else end))
     if add_generation_prompt:
         parts.append("Answer:")
     return "".join(parts)
@@ -221,8 +261,8 @@ def render_chat(tokenizer: Any, messages: Sequence[Message],
     Args:
         tokenizer: the engine's tokenizer (or ``None``).
         messages: ``(role, text)`` pairs or message dicts (``role``, ``content`` as text, and any
-            other fields the template reads: ``name``, ``tool_calls``, ...), oldest first (at least
-            one).
+            other fields the template reads: ``name``, ``tool_calls`` (their arguments parsed,
+            :func:`tool_calls_for_template`), ...), oldest first (at least one).
         add_generation_prompt: end with the assistant's turn opener.
         template_kwargs: more variables for the tokenizer's chat template (vLLM's
             ``chat_template_kwargs``, e.g. ``{"enable_thinking": False}``); the plain template has
@@ -230,15 +270,15 @@ def render_chat(tokenizer: Any, messages: Sequence[Message],
         chat_template: a Jinja template used instead of the tokenizer's (``LLM.chat``'s
             ``chat_template``); default: the tokenizer's ``chat_template`` (``--chat-template``),
             else the backend's own, else the plain template.
-        continue_final_message: leave the last (assistant) message open, for the model to go on
-            with it (vLLM's extension; needs ``add_generation_prompt`` false).
+        continue_final_message: leave the last message (usually the assistant's) open, for the
+            model to go on with it (vLLM's extension; needs ``add_generation_prompt`` false).
 
     Returns:
         ``(prompt, stops)``: ``stops`` is ``["Question:"]`` for the plain template, else ``[]``.
 
     Raises:
         ValueError: no messages, an unknown role, ``continue_final_message`` with
-            ``add_generation_prompt`` or without a final assistant message, ``template_kwargs`` setting one of
+            ``add_generation_prompt``, a malformed ``tool_calls`` entry, ``template_kwargs`` setting one of
             :data:`RESERVED_TEMPLATE_KWARGS`, a template that does not parse, or the template
             refusing the conversation (its ``raise_exception(...)``, a jinja2 ``TemplateError``) or
             failing on it (any other error while rendering): vLLM answers those with a 400.
@@ -246,7 +286,7 @@ def render_chat(tokenizer: Any, messages: Sequence[Message],
     if not messages:
         raise ValueError("messages must hold at least one message")
     kwargs = check_template_kwargs(template_kwargs)
-    conv = as_message_dicts(messages)
+    conv = [tool_calls_for_template(m) for m in as_message_dicts(messages)]
     check_continue_final(conv, add_generation_prompt, continue_final_message)
     if continue_final_message:
         kwargs["continue_final_message"] = True

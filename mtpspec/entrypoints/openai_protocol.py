@@ -153,8 +153,9 @@ class ChatCompletionRequest(_Sampling):
     logprobs: bool = False
     top_logprobs: Optional[int] = None
     add_generation_prompt: bool = Field(default=True, description="extension")
-    continue_final_message: bool = Field(default=False, description="extension (vLLM's): leave the last (assistant) "
-                                                                    "message open for the model to go on with it; "
+    continue_final_message: bool = Field(default=False, description="extension (vLLM's): leave the last message "
+                                                                    "(usually the assistant's) open for the model to "
+                                                                    "go on with it; "
                                                                     "needs add_generation_prompt false")
     add_special_tokens: bool = Field(default=False, description="extension (vLLM's): the rendered template "
                                                                 "tokenized with the tokenizer's special tokens "

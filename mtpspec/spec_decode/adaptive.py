@@ -54,9 +54,12 @@ Everything here is host arithmetic on counts the engine already has, yet it is p
 every step (~40 us a step in the engine on a CPU, against a ~1.6 ms step at 64 sequences whose
 host work the device barely hides): after a pure-decode choice of ``k = 0`` outside an exploration
 burst, the engine proposes ``k = 0`` again for :attr:`AdaptiveSpecPolicy.hold_k0_steps` ``- 1``
-more pure-decode steps of the same batch size without asking or reporting to the policy (a
-``k = 0`` step proposes nothing and verifies nothing: it teaches the rates nothing, and its wall
-is one more sample of what the asked steps measure).
+more pure-decode steps of the same batch size without asking the policy or timing them for it (a
+``k = 0`` step proposes nothing and verifies nothing: it teaches the rates nothing; it is only
+counted as a ``k = 0`` step for the steady-run test, :meth:`AdaptiveSpecPolicy.observe_held_step`).
+The measured ``k = 0`` host time then comes from the asked steps alone: with async scheduling a
+step's wall holds the next step's choice, so it is that of a step followed by a held one (no
+``choose``), a quarter of ``choose``'s cost below the mean of all ``k = 0`` steps' walls.
 """
 
 from __future__ import annotations
@@ -327,6 +330,7 @@ class AdaptiveSpecPolicy:
     _last_burst: int = field(default=0, init=False, repr=False)  # _decode_choices at the last burst's start
     _bursts: Dict[Tuple[int, int], int] = field(default_factory=dict, init=False, repr=False)  # per (bucket, k)
     _explore: List[int] = field(default_factory=list, init=False, repr=False)  # ks still to propose in a burst
+    _burst_choice: bool = field(default=False, init=False, repr=False)  # the last pure-decode choice was a burst's
     # decayed moments over pure-decode steps of (B, r, y): E[B], E[r], E[y], E[BB], E[Br], E[rr], E[By], E[ry]
     _moments: List[float] = field(default_factory=lambda: [0.0] * 8, init=False, repr=False)
     # decayed sums over timed catch-ups of (ms, rows), and the rows timed in all
@@ -339,7 +343,7 @@ class AdaptiveSpecPolicy:
                              f"the table has {self.costs.ks}")
         if not (0.0 <= self.prior_rate <= 1.0 and self.prior_weight > 0 and 0.0 < self.decay <= 1.0
                 and 0.0 <= self.prompt_reserve < 1.0 and isinstance(self.hold_k0_steps, int)
-                and self.hold_k0_steps >= 1):
+                and not isinstance(self.hold_k0_steps, bool) and self.hold_k0_steps >= 1):
             raise ValueError("prior_rate must be in [0, 1], prior_weight > 0, decay in (0, 1], prompt_reserve in "
                              "[0, 1), hold_k0_steps an int >= 1")
         self.reached = [0.0] * self.max_k
@@ -610,8 +614,15 @@ class AdaptiveSpecPolicy:
 
     @property
     def exploring(self) -> bool:
-        """An exploration burst is under way (its next steps' ``k`` are set)."""
-        return bool(self._explore)
+        """The last pure-decode choice was an exploration burst's, or a burst's next steps are set:
+        a ``k = 0`` chosen so is not the policy's best and is not held (:attr:`hold_k0_steps`)."""
+        return self._burst_choice or bool(self._explore)
+
+    def observe_held_step(self) -> None:
+        """A pure-decode step that the engine proposed ``k = 0`` for without asking (a held choice,
+        :attr:`hold_k0_steps`; not timed): it still counts as a ``k = 0`` step before the next
+        observed one, so that one is in a steady run of ``k = 0`` (:meth:`observe_step_time`)."""
+        self._last_k, self._last_k2 = 0, self._last_k
 
     def _measured_host_ms(self, bucket: int, k: int, batch: int) -> Optional[float]:
         """:attr:`excess_ms` of ``(bucket, k)`` moved to ``batch`` sequences along the plane's per-sequence
@@ -688,11 +699,11 @@ class AdaptiveSpecPolicy:
                     self._excess_n[key] = 0
                     self._excess_window.pop(key, None)
                 self._last_burst = n
-        k = best
+        k, self._burst_choice = best, False
         if self._explore:
-            k = self._explore.pop()
+            k, self._burst_choice = self._explore.pop(), True
             if k not in rate_of:  # not allowed this step (the prompt reserve): the burst ends
-                k, self._explore = best, []
+                k, self._explore, self._burst_choice = best, [], False
         seen[k] = n
         return k
 
@@ -707,7 +718,7 @@ def _lag_arrays(catch_up: Sequence[Tuple[int, Optional[float]]]) -> Tuple[np.nda
     rows, inv = [], []  # one pass in Python: for a step's few hundred pairs quicker than numpy's conversions
     inf = math.inf
     for r, left in catch_up:  # any iterable
-        if r > 0:
+        if r is not None and r > 0:  # None / nan: no rows
             rows.append(r)
             inv.append(1.0 / left if left is not None and left > 0 else inf)  # nan > 0 is False
     return np.array(rows, dtype=np.float64), np.array(inv, dtype=np.float64)
