@@ -306,6 +306,6 @@ def test_host_retries_run_a_perturbed_round_again_by_its_probes_alone(monkeypatc
     assert res["host_retries"] == 2 and "running the round again" in capsys.readouterr().err
     table = bench_arms.format_workload("s1", got)
     assert "rounds run again for a slow host (--host-retries; their runs in host_perturbed_runs): 4" in table
-    with pytest.raises(ValueError, match="host_retries must be >= 0 and needs interleaved rounds"):
+    with pytest.raises(ValueError, match="--host-retries re-runs interleaved rounds; --one-arm-at-a-time has none"):
         bench_arms.run_arms({"a": []}, wl, 1, str(tmp_path), [], progress=False, plots=False, one_at_a_time=True,
                             host_retries=1)

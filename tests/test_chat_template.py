@@ -271,11 +271,17 @@ def test_tool_call_arguments_reach_the_template_as_objects(caplog):
             '[f {}][f {}]|')
     assert got == want
     assert "not valid JSON" in caplog.text and "not a JSON object" in caplog.text
-    # an empty list is dropped (the template's plain assistant path); a user's tool_calls are left alone
-    plain_path = "{% for m in messages %}{{ 'tool_calls' in m }}{% endfor %}"
-    assert render_chat(tok, [{"role": "assistant", "content": "", "tool_calls": []},
-                             {"role": "user", "content": "", "tool_calls": "x"}], False,
-                       chat_template=plain_path)[0] == "FalseTrue"
+    # vLLM's fields only: an empty or null tool_calls list is dropped (the template's plain assistant
+    # path), a user's tool_calls, a non-string name and unknown fields are left out; reasoning under both names
+    # (transformers' renderer adds its own "thinking" beside reasoning: not ours, not checked)
+    seen = "{% for m in messages %}{{ m | dictsort | map('first') | reject('equalto', 'thinking') | join(',') }};{% endfor %}"
+    got = render_chat(tok, [{"role": "assistant", "content": "", "tool_calls": []},
+                            {"role": "assistant", "content": "", "tool_calls": None, "reasoning_content": "r"},
+                            {"role": "user", "content": "", "tool_calls": "x", "name": 42, "extra": 1},
+                            {"role": "tool", "content": "", "tool_call_id": "c", "name": "f"},
+                            {"role": "developer", "content": ""}], False, chat_template=seen)[0]
+    assert got == ("content,role;content,reasoning,reasoning_content,role;content,role;content,name,role,"
+                   "tool_call_id;content,role,tools;")
     for bad, match in (([1], r"tool_calls entries must be objects \(tool_calls\[0\] is int\)"),
                        ([{"type": "code", "function": {}}], "only support assistant tool_calls of type 'function'"),
                        ([{"function": "f"}], "only support assistant tool_calls of type 'function'")):

@@ -602,7 +602,8 @@ def test_bad_bodies_and_chat_get_400(server):
     for raw in (b"{not json", b"[1, 2]", b"\xff\xfe"):
         r = httpx.post(server.url + "/v1/completions", content=raw, headers={"content-type": "application/json"})
         assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error", r.text
-    for body in ({"messages": []}, {"messages": [{"role": "wizard", "content": "x"}]},
+    for body in ({"messages": []}, {"messages": [{"role": "wizard", "content": "x"}]},  # the plain template's 400
+                 {"messages": [{"role": 7, "content": "x"}]},
                  {"messages": [{"role": "user", "content": "x"}], "top_p": -1}):
         r = _post(server, "/v1/chat/completions", body)
         assert r.status_code == 400 and r.json()["error"]["code"] == 400, (body, r.text)

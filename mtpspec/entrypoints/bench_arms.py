@@ -774,9 +774,10 @@ def run_arms(arms: Dict[str, List[str]], workloads: Dict[str, BenchConfig], repe
         raise ValueError(f"repeats must be >= 1, got {repeats}")
     if warmup_rounds < 0:
         raise ValueError(f"warmup_rounds must be >= 0, got {warmup_rounds}")
-    if host_retries < 0 or (host_retries and one_at_a_time):
-        raise ValueError(f"host_retries must be >= 0 and needs interleaved rounds (not one_at_a_time), got "
-                         f"{host_retries}")
+    if host_retries < 0:
+        raise ValueError(f"--host-retries must be >= 0, got {host_retries}")
+    if host_retries and one_at_a_time:
+        raise ValueError("--host-retries re-runs interleaved rounds; --one-arm-at-a-time has none (leave one out)")
     if plots:
         check_plotting()
     from mtpspec.entrypoints.bench_dataset import load_dataset

@@ -140,9 +140,9 @@ Message = Union[Tuple[str, str], Dict[str, Any]]
 
 
 def as_message_dicts(messages: Sequence[Message]) -> List[Dict[str, Any]]:
-    """``messages`` as template messages: a ``(role, text)`` pair becomes ``{"role", "content"}``; a
-    dict is kept with all its fields (``name``, ``tool_calls``, ``tool_call_id``, ... reach the
-    template, as vLLM passes them), its ``content`` already text (:func:`message_text`)."""
+    """``messages`` as message dicts: a ``(role, text)`` pair becomes ``{"role", "content"}``; a dict
+    is copied, its ``content`` already text (:func:`message_text`; :func:`template_message` picks
+    the fields a template sees)."""
     return [dict(m) if isinstance(m, dict) else {"role": m[0], "content": m[1]} for m in messages]
 
 
@@ -158,24 +158,40 @@ def check_continue_final(messages: Sequence[Dict[str, Any]], add_generation_prom
         raise ValueError("Cannot set both `continue_final_message` and `add_generation_prompt` to True.")
 
 
-def tool_calls_for_template(message: Dict[str, Any]) -> Dict[str, Any]:
-    """``message`` as tool-use chat templates expect it, as vLLM passes it: an assistant message's
-    ``tool_calls[*].function.arguments`` as a dict (OpenAI clients send a JSON string; an empty
-    one, malformed JSON or JSON that is not an object becomes ``{}``, the last two with a warning,
-    so a conversation whose history holds one can go on), an empty ``tool_calls`` list dropped.
-    The caller's dicts are not changed.
+def template_message(message: Dict[str, Any]) -> Dict[str, Any]:
+    """``message`` as chat templates see it, the fields vLLM passes them: ``role``, ``content``,
+    ``name`` (a string), an assistant's ``tool_calls`` (not null; an empty list dropped, so the
+    template takes its plain assistant path; each call's ``function.arguments`` as a dict: OpenAI
+    clients send a JSON string, and an empty one, malformed JSON or JSON that is not an object
+    becomes ``{}``, the last two with a warning, so a conversation whose history holds one can go
+    on) and ``reasoning`` / ``reasoning_content`` (either one given: both), a tool message's
+    ``tool_call_id``, a developer message's ``tools``. Other fields are left out. The caller's
+    dicts are not changed.
 
     Raises:
         ValueError: a ``tool_calls`` entry that is not an object, or not of type ``"function"``
             with a ``function`` object (vLLM's 400s).
     """
-    calls = message.get("tool_calls")
-    if message.get("role") != "assistant" or not isinstance(calls, list):
-        return message
-    message = dict(message)
-    if not calls:
-        del message["tool_calls"]
-        return message
+    role = message.get("role")
+    out: Dict[str, Any] = {"role": role, "content": message.get("content")}
+    if isinstance(message.get("name"), str):
+        out["name"] = message["name"]
+    if role == "assistant":
+        calls = message.get("tool_calls")
+        if calls is not None and not (isinstance(calls, list) and not calls):
+            out["tool_calls"] = _tool_calls(calls) if isinstance(calls, list) else calls
+        reasoning = message.get("reasoning")
+        reasoning = message.get("reasoning_content") if reasoning is None else reasoning
+        if reasoning is not None:
+            out["reasoning"] = out["reasoning_content"] = reasoning
+    elif role == "tool" and "tool_call_id" in message:
+        out["tool_call_id"] = message["tool_call_id"]
+    elif role == "developer":
+        out["tools"] = message.get("tools")
+    return out
+
+
+def _tool_calls(calls: List[Any]) -> List[Dict[str, Any]]:
     out = []
     for i, item in enumerate(calls):
         if not isinstance(item, dict):
@@ -199,8 +215,7 @@ def tool_calls_for_template(message: Dict[str, Any]) -> Dict[str, Any]:
                                fn.get("name"), type(args).__name__)
             args = {}
         out.append({**item, "function": {**fn, "arguments": args}})
-    message["tool_calls"] = out
-    return message
+    return out
 
 
 #: What ends each role's turn in the plain template (left off the last message under
@@ -261,8 +276,8 @@ def render_chat(tokenizer: Any, messages: Sequence[Message],
     Args:
         tokenizer: the engine's tokenizer (or ``None``).
         messages: ``(role, text)`` pairs or message dicts (``role``, ``content`` as text, and any
-            other fields the template reads: ``name``, ``tool_calls`` (their arguments parsed,
-            :func:`tool_calls_for_template`), ...), oldest first (at least one).
+            fields vLLM passes templates: ``name``, ``tool_calls``, ``tool_call_id``, ...:
+            :func:`template_message`), oldest first (at least one).
         add_generation_prompt: end with the assistant's turn opener.
         template_kwargs: more variables for the tokenizer's chat template (vLLM's
             ``chat_template_kwargs``, e.g. ``{"enable_thinking": False}``); the plain template has
@@ -286,7 +301,7 @@ def render_chat(tokenizer: Any, messages: Sequence[Message],
     if not messages:
         raise ValueError("messages must hold at least one message")
     kwargs = check_template_kwargs(template_kwargs)
-    conv = [tool_calls_for_template(m) for m in as_message_dicts(messages)]
+    conv = [template_message(m) for m in as_message_dicts(messages)]
     check_continue_final(conv, add_generation_prompt, continue_final_message)
     if continue_final_message:
         kwargs["continue_final_message"] = True

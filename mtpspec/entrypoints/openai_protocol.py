@@ -117,7 +117,9 @@ class CompletionRequest(_Sampling):
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
-    role: Literal["system", "user", "assistant", "developer", "tool"]
+    #: any role, as vLLM takes any (a template may know ``ipython``, ``function``, ...); the plain
+    #: template knows system, developer, user, assistant and tool, and refuses others with a 400
+    role: str
     content: Union[str, List[Dict[str, Any]], None] = None
 
     def template_message(self) -> Dict[str, Any]:
@@ -127,7 +129,7 @@ class ChatMessage(BaseModel):
         Raises:
             OpenAIError: as :meth:`text`.
         """
-        return {**self.model_dump(), "content": self.text()}
+        return {**self.model_dump(), "content": self.text()}  # template_message() picks the fields
 
     def text(self) -> str:
         """The message's text (:func:`~mtpspec.entrypoints.chat_template.message_text`: text parts
