@@ -1110,8 +1110,16 @@ def test_llm_chat_equals_the_servers_chat_completion(server, offline):
     assert offline.chat([{"role": "user"}], params, use_tqdm=False)[0].prompt == "Question: \nAnswer:"  # null content
     with pytest.raises(TypeError, match="conversation 0, message 0: expected a dict with a 'role'"):
         offline.chat([{"content": "x"}], params)
-    with pytest.raises(TypeError, match=r"conversation 0, message 0: content part 1: a text part needs a 'text' string"):
-        offline.chat([{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text"}]}], params)
+    with pytest.raises(TypeError, match=r"conversation 0, message 0: content part 1: a text part's 'text' must be a "
+                                        r"string, got 5"):
+        offline.chat([{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": 5}]}], params)
+    with pytest.raises(TypeError, match=r"content part 0: only text parts .* got 'image_url'"):
+        offline.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}], params)
+    # vLLM's text kinds join (input_text, output_text, refusal); a part without its text is skipped
+    kinds = [{"type": "input_text", "text": "a"}, {"type": "text"}, {"type": "refusal", "refusal": "b"},
+             {"type": "output_text", "text": "c"}, {"type": "text", "text": None}]
+    assert offline.chat([{"role": "user", "content": kinds}], params, use_tqdm=False)[0].prompt == \
+        "Question: a\nb\nc\nAnswer:"
     with pytest.raises(ValueError, match="conversation 1: "):
         offline.chat([msgs, [{"role": "wizard", "content": "x"}]], params)
     # a bare string / dict is named as such (they were iterated into characters / keys)

@@ -107,16 +107,21 @@ def template_syntax_error(text: str) -> Optional[str]:
     return None
 
 
+#: Content part types whose text joins the message's (vLLM's text kinds; the key holding the text).
+TEXT_PARTS = {"text": "text", "input_text": "text", "output_text": "text", "refusal": "refusal"}
+
+
 def message_text(content: Any) -> str:
     """A chat message's ``content`` as text: a string as it is, ``None`` as ``""``, a list of
-    ``{"type": "text", "text": ...}`` parts joined with newlines (as vLLM joins them for templates
-    that take string content, its "string" content format; mtpspec passes every template the
-    joined string, also those that loop over content parts, which vLLM's "openai" format feeds
-    the list).
+    parts joined with newlines (as vLLM joins them for templates that take string content, its
+    "string" content format; mtpspec passes every template the joined string, also those that
+    loop over content parts, which vLLM's "openai" format feeds the list). Text parts are
+    ``{"type": "text" | "input_text" | "output_text", "text": ...}`` and ``{"type": "refusal",
+    "refusal": ...}``; one whose text is missing or null is skipped with a warning, as vLLM skips it.
 
     Raises:
-        ValueError: a part that is not a text part with a ``text`` string (named by index), or
-            content of another type.
+        ValueError: a part of another type (images and audio are not supported; named by index), a
+            text that is not a string, or content of another type.
     """
     if content is None:
         return ""
@@ -126,13 +131,18 @@ def message_text(content: Any) -> str:
         raise ValueError(f"content must be a string, a list of text parts or null, got {type(content).__name__}")
     out = []
     for i, part in enumerate(content):
-        if not isinstance(part, dict) or part.get("type") != "text":
-            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+        kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+        key = TEXT_PARTS.get(kind) if isinstance(part, dict) else None
+        if key is None:
             raise ValueError(f"content part {i}: only text parts ({{'type': 'text', 'text': ...}}) are supported, "
                              f"got {kind!r}")
-        if not isinstance(part.get("text"), str):
-            raise ValueError(f"content part {i}: a text part needs a 'text' string, got {part.get('text')!r}")
-        out.append(part["text"])
+        text = part.get(key)
+        if text is None:
+            logger.warning("content part %d (type %r) has no %r: skipped", i, kind, key)
+            continue
+        if not isinstance(text, str):
+            raise ValueError(f"content part {i}: a {kind} part's {key!r} must be a string, got {text!r}")
+        out.append(text)
     return "\n".join(out)
 
 
