@@ -207,6 +207,11 @@ adaptive-inproc)  # issue 18's adaptive goal with deterministic arrival: `bench 
   # repeats the same steps; over HTTP the steps of one arm differed 4x between rounds at s256). Air 3 layers, SYNTHETIC
   # rate 0.8, then the demo model on GSM8K prompts. HOST_RETRIES (default 2): a round whose host probes show a slowed
   # host is run again (the H100 of 2026-12-06: probes 12 to 24 ms, every ratio unreadable).
+  # the host first: these goals are host-bound at 64-256 sequences, and some machines' Python runs 3-4x slower
+  # (2026-12-06: probes 41-45 ms against 11-12 ms; HOST_MAX_MS=0 skips the gate)
+  python3 -c "from mtpspec.entrypoints.bench_arms import host_probe_ms as p; import sys; ms = min(p() for _ in range(3)); \
+print(f'host probe {ms:.1f} ms'); sys.exit(3 if ${HOST_MAX_MS:-14} and ms > ${HOST_MAX_MS:-14} else 0)" \
+      || { echo "host too slow for host-bound goals (HOST_MAX_MS=${HOST_MAX_MS:-14}): stopped"; exit 3; }
   python3 benchmarks/make_dummy_model.py /tmp/air3 --preset air-8l --num-hidden-layers 3 \
       --max-position-embeddings 2048 || exit 1
   step ${AIR_TIMEOUT:-330} arms_air3_ip python3 -m mtpspec.entrypoints.cli bench arms --in-process --model /tmp/air3 \
