@@ -287,3 +287,50 @@ def test_tool_call_arguments_reach_the_template_as_objects(caplog):
                        ([{"function": "f"}], "only support assistant tool_calls of type 'function'")):
         with pytest.raises(ValueError, match=match):
             render_chat(tok, [{"role": "assistant", "content": "", "tool_calls": bad}], False, chat_template=TOOLS)
+
+
+TOOLS_TEMPLATE = ("{% if tools %}[tools:{% for t in tools %} {{ t.function.name }}{% endfor %}]{% endif %}"
+                  "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"
+                  "{% if add_generation_prompt %}<assistant>{% endif %}")
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {}}}}
+
+
+def test_tools_reach_the_template_offline_and_with_tool_choice_none_on_the_server():
+    """vLLM's ``tools`` (``LLM.chat(tools=...)``; the server's with ``tool_choice: "none"``, which vLLM still
+    renders) reach the template's ``tools``, as transformers' ``apply_chat_template(tools=...)`` renders them."""
+    import os
+
+    from fastapi.testclient import TestClient
+    from transformers import PreTrainedTokenizerFast
+
+    from mtpspec.engine.detokenizer import load_tokenizer
+    from mtpspec.entrypoints.serve import build, parse_serve_flags
+    hf = PreTrainedTokenizerFast(tokenizer_file=os.path.join(demo_model_path(), "tokenizer.json"))
+    conv = [{"role": "user", "content": "Weather in Paris?"}]
+    want = hf.apply_chat_template(conv, tools=[WEATHER], chat_template=TOOLS_TEMPLATE, tokenize=False,
+                                  add_generation_prompt=True)
+    assert want.startswith("[tools: get_weather]")
+    tok = load_tokenizer(demo_model_path())
+    assert render_chat(tok, conv, chat_template=TOOLS_TEMPLATE, tools=[WEATHER]) == (want, [])
+    assert render_chat(None, conv, tools=[WEATHER]) == render_chat(None, conv)  # the plain template has none
+    for bad in ({"type": "function"}, ["get_weather"]):
+        with pytest.raises(ValueError, match="tools must be a list of tool objects"):
+            render_chat(tok, conv, chat_template=TOOLS_TEMPLATE, tools=bad)
+    base = ["--device", "cpu", "-k", "1", "--max-model-len", "256", "--max-num-seqs", "2"]
+    app, engine, _ = build(parse_serve_flags(base + ["--chat-template", TOOLS_TEMPLATE]))
+    try:
+        with TestClient(app) as client:
+            body = {"messages": conv, "tools": [WEATHER], "max_tokens": 2, "temperature": 0}
+            r = client.post("/v1/chat/completions", json={**body, "tool_choice": "none"})
+            assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == len(tok.encode(want)), r.text
+            r = client.post("/v1/chat/completions", json=body)  # "auto": tool calling is not served
+            assert r.status_code == 400 and r.json()["error"]["param"] == "tools", r.text
+            r = client.post("/tokenize", json={"messages": conv, "tools": [WEATHER]})
+            assert r.status_code == 200 and r.json()["tokens"] == tok.encode(want), r.text
+    finally:
+        engine.shutdown()
+    from mtpspec import LLM, SamplingParams
+    with LLM(demo_model_path(), device="cpu", max_model_len=256, max_num_seqs=2) as llm:
+        out = llm.chat(conv, SamplingParams(max_tokens=2, temperature=0), use_tqdm=False, tools=[WEATHER],
+                       chat_template=TOOLS_TEMPLATE)[0]
+        assert out.prompt == want

@@ -295,7 +295,8 @@ class LLM:
              add_generation_prompt: bool = True,
              chat_template_kwargs: Optional[Dict[str, Any]] = None,
              chat_template: Optional[str] = None,
-             continue_final_message: bool = False) -> List[RequestOutput]:
+             continue_final_message: bool = False,
+             tools: Optional[List[Dict[str, Any]]] = None) -> List[RequestOutput]:
         """vLLM's ``LLM.chat``: one conversation (a list of ``{"role", "content"}`` messages, oldest
         first) or a list of conversations, rendered as the OpenAI server renders them (the
         tokenizer's chat template, with ``chat_template_kwargs`` as more template variables, e.g.
@@ -309,13 +310,16 @@ class LLM:
         with their ``arguments`` parsed as vLLM parses them, ...) reach the template.
         ``chat_template``: a template, or a file holding one. ``continue_final_message``: leave the
         last message (usually the assistant's) open for the model to go on with it (needs
-        ``add_generation_prompt=False``, as in vLLM).
+        ``add_generation_prompt=False``, as in vLLM). ``tools``: OpenAI tool definitions for the
+        template's ``tools`` variable (vLLM's; the plain template ignores them; tool calls in the
+        output are returned as text, not parsed).
 
         Raises:
             ValueError / TypeError: no tokenizer, an empty conversation, a message that is not a
                 dict with a ``role`` and text ``content`` (named by conversation and message index),
                 an unknown role, ``continue_final_message`` with ``add_generation_prompt``, a malformed
-                ``tool_calls`` entry, ``chat_template_kwargs`` setting what the renderer sets, the
+                ``tool_calls`` entry, ``tools`` not a list of objects, ``chat_template_kwargs`` setting
+                what the renderer sets, the
                 template refusing the conversation, or as :meth:`generate`.
         """
         from dataclasses import replace
@@ -355,7 +359,7 @@ class LLM:
                     raise TypeError(f"conversation {i}, message {j}: {exc}") from None
             try:
                 text, stops = render_chat(tok, pairs, add_generation_prompt, chat_template_kwargs, chat_template,
-                                           continue_final_message)
+                                           continue_final_message, tools)
             except ValueError as exc:
                 raise ValueError(f"conversation {i}: {exc}") from None
             have = [sp.stop] if isinstance(sp.stop, str) else list(sp.stop or [])

@@ -280,7 +280,8 @@ def render_chat(tokenizer: Any, messages: Sequence[Message],
                 add_generation_prompt: bool = True,
                 template_kwargs: Optional[Dict[str, Any]] = None,
                 chat_template: Optional[str] = None,
-                continue_final_message: bool = False) -> Tuple[str, List[str]]:
+                continue_final_message: bool = False,
+                tools: Optional[List[Dict[str, Any]]] = None) -> Tuple[str, List[str]]:
     """The prompt text and the default stop strings for a conversation.
 
     Args:
@@ -297,13 +298,17 @@ def render_chat(tokenizer: Any, messages: Sequence[Message],
             else the backend's own, else the plain template.
         continue_final_message: leave the last message (usually the assistant's) open, for the
             model to go on with it (vLLM's extension; needs ``add_generation_prompt`` false).
+        tools: OpenAI tool definitions (``{"type": "function", "function": {...}}``) for the
+            template's ``tools`` variable, as vLLM passes a request's ``tools``; the plain
+            template has none and ignores them. Nothing parses tool calls out of the output.
 
     Returns:
         ``(prompt, stops)``: ``stops`` is ``["Question:"]`` for the plain template, else ``[]``.
 
     Raises:
         ValueError: no messages, an unknown role, ``continue_final_message`` with
-            ``add_generation_prompt``, a malformed ``tool_calls`` entry, ``template_kwargs`` setting one of
+            ``add_generation_prompt``, a malformed ``tool_calls`` entry, ``tools`` not a list of
+            objects, ``template_kwargs`` setting one of
             :data:`RESERVED_TEMPLATE_KWARGS`, a template that does not parse, or the template
             refusing the conversation (its ``raise_exception(...)``, a jinja2 ``TemplateError``) or
             failing on it (any other error while rendering): vLLM answers those with a 400.
@@ -312,6 +317,9 @@ def render_chat(tokenizer: Any, messages: Sequence[Message],
         raise ValueError("messages must hold at least one message")
     kwargs = check_template_kwargs(template_kwargs)
     conv = [template_message(m) for m in as_message_dicts(messages)]
+    if tools is not None and (not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools)):
+        raise ValueError(f"tools must be a list of tool objects ({{'type': 'function', 'function': {{...}}}}), "
+                         f"got {tools!r}"[:300])
     check_continue_final(conv, add_generation_prompt, continue_final_message)
     if continue_final_message:
         kwargs["continue_final_message"] = True
@@ -321,14 +329,14 @@ def render_chat(tokenizer: Any, messages: Sequence[Message],
         try:
             backend = getattr(tokenizer, "backend", None)
             if hasattr(backend, "apply_chat_template"):  # with its special tokens (bos_token, ...)
-                text = backend.apply_chat_template(conv, tokenize=False, chat_template=template,
+                text = backend.apply_chat_template(conv, tools=tools, tokenize=False, chat_template=template,
                                                    add_generation_prompt=add_generation_prompt, **kwargs)
             else:  # a bare tokenizer.json (or none): transformers' renderer, the EOS token as eos_token
                 from transformers.utils.chat_template_utils import render_jinja_template
                 eos = getattr(tokenizer, "eos_token_id", None)
                 special = {"eos_token": backend.id_to_token(eos)} if backend is not None and eos is not None else {}
-                text = render_jinja_template([conv], chat_template=template, add_generation_prompt=add_generation_prompt,
-                                             **special, **kwargs)[0][0]
+                text = render_jinja_template([conv], tools=tools, chat_template=template,
+                                             add_generation_prompt=add_generation_prompt, **special, **kwargs)[0][0]
         except TemplateSyntaxError as exc:
             raise ValueError(f"the chat template is not valid Jinja (line {exc.lineno}: {exc.message})") from None
         except TemplateError as exc:

@@ -155,6 +155,10 @@ class ChatCompletionRequest(_Sampling):
     logprobs: bool = False
     top_logprobs: Optional[int] = None
     add_generation_prompt: bool = Field(default=True, description="extension")
+    tools: Optional[List[Dict[str, Any]]] = Field(
+        default=None, description="tool definitions for the chat template (only with tool_choice \"none\": no "
+                                  "tool calls are parsed out of the output)")
+    tool_choice: Optional[Union[str, Dict[str, Any]]] = None
     continue_final_message: bool = Field(default=False, description="extension (vLLM's): leave the last message "
                                                                     "(usually the assistant's) open for the model to "
                                                                     "go on with it; "
@@ -178,6 +182,7 @@ class TokenizeRequest(BaseModel):
     chat_template_kwargs: Optional[Dict[str, Any]] = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    tools: Optional[List[Dict[str, Any]]] = None
     # vLLM's defaults: True for a prompt, False for messages (the chat template writes its own)
     add_special_tokens: Optional[bool] = None
 

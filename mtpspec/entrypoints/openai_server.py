@@ -148,7 +148,8 @@ async def _parse(request: Request, cls: Type[M]) -> M:
         raise bad_request(f"the request body must be a JSON object, got {type(body).__name__}")
     if body.get("stream_options") is not None and not body.get("stream"):  # vLLM's check and message
         raise bad_request("Stream options can only be defined when `stream=True`.", "stream_options")
-    if body.get("tools") and body.get("tool_choice", "auto") != "none":  # vLLM without tool calling enabled
+    if (body.get("tools") and "tool_choice" in cls.model_fields  # chat: vLLM without tool calling enabled
+            and body.get("tool_choice", "auto") != "none"):
         raise bad_request("tool calling is not supported by mtpspec serve (vLLM: \"auto\" tool choice requires "
                           "--enable-auto-tool-choice and --tool-call-parser to be set); send no `tools`, or "
                           "`tool_choice: \"none\"`", "tools")
@@ -222,7 +223,8 @@ def _render_chat(tokenizer: Any, req: Any) -> Tuple[str, List[str]]:
                           "continue_final_message")
     try:
         return render_chat(tokenizer, [m.template_message() for m in req.messages], req.add_generation_prompt,
-                           req.chat_template_kwargs, continue_final_message=req.continue_final_message)
+                           req.chat_template_kwargs, continue_final_message=req.continue_final_message,
+                           tools=req.tools or None)  # tool_choice "none" (_parse): vLLM still renders them
     except ValueError as exc:
         raise bad_request(str(exc), "messages") from None
 
