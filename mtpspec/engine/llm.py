@@ -174,7 +174,7 @@ class LLM:
             # the adaptive policy's timing (a pass over the heap inside a timed step would skew its table)
             self._gc_frozen = freeze_gc_heap()
             if spec is not None and spec.adaptive:
-                from mtpspec.spec_decode.adaptive import AdaptiveSpecPolicy, measure_step_costs
+                from mtpspec.spec_decode.adaptive import HOLD_K0_STEPS, AdaptiveSpecPolicy, measure_step_costs
                 if costs is None:  # timed on every rank alike (the units hold collectives); rank 0's figures
                     print(f"adaptive speculation: timing the step-cost table (batch sizes up to {sched.max_num_seqs}, "
                           "k = 0.." + str(spec.num_speculative_tokens) + "; on a CPU this takes a minute or more: a "
@@ -184,10 +184,9 @@ class LLM:
                     costs = self.executor.collective_rpc(measure_step_costs)[0]
                     print(f"adaptive speculation: step-cost table timed in {time.perf_counter() - t_cal:.1f} s",
                           file=sys.stderr, flush=True)
-                hold = {} if spec.adaptive_hold_k0_steps is None else {"hold_k0_steps": spec.adaptive_hold_k0_steps}
-                self.llm_engine.spec_policy = AdaptiveSpecPolicy(spec.num_speculative_tokens, costs,
-                                                                 prompt_reserve=float(spec.adaptive_prompt_reserve),
-                                                                 **hold)
+                self.llm_engine.spec_policy = AdaptiveSpecPolicy(
+                    spec.num_speculative_tokens, costs, prompt_reserve=float(spec.adaptive_prompt_reserve),
+                    hold_k0_steps=spec.adaptive_hold_k0_steps or HOLD_K0_STEPS)
                 self.llm_engine.defer_mtp_kv = spec.defers_mtp_kv
                 for b in sorted(costs.verify_ms[0]):  # what the policy will weigh, once, in the log
                     print(f"adaptive speculation: batch {b}: step ms for k = 0..: "
@@ -324,11 +323,10 @@ class LLM:
         """
         from dataclasses import replace
 
-        from mtpspec.entrypoints.chat_template import (check_template_kwargs, load_chat_template, message_text,
-                                                       render_chat)
-        check_template_kwargs(chat_template_kwargs)  # a bad one is no conversation's fault
-        if continue_final_message and add_generation_prompt:
-            raise ValueError("Cannot set both `continue_final_message` and `add_generation_prompt` to True.")
+        from mtpspec.entrypoints.chat_template import (check_continue_final, check_template_kwargs,
+                                                       load_chat_template, message_text, render_chat)
+        check_template_kwargs(chat_template_kwargs)  # a bad one (or pair of flags) is no conversation's fault
+        check_continue_final(add_generation_prompt, continue_final_message)
         if chat_template is not None:  # a file or the template (as given: no escapes decoded)
             chat_template = load_chat_template(chat_template, "chat_template", decode_escapes=False)
         tok = self.get_tokenizer()

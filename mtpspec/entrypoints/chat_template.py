@@ -150,14 +150,13 @@ Message = Union[Tuple[str, str], Dict[str, Any]]
 
 
 def as_message_dicts(messages: Sequence[Message]) -> List[Dict[str, Any]]:
-    """``messages`` as message dicts: a ``(role, text)`` pair becomes ``{"role", "content"}``; a dict
-    is copied, its ``content`` already text (:func:`message_text`; :func:`template_message` picks
-    the fields a template sees)."""
-    return [dict(m) if isinstance(m, dict) else {"role": m[0], "content": m[1]} for m in messages]
+    """``messages`` as message dicts (read, never changed): a ``(role, text)`` pair becomes
+    ``{"role", "content"}``; a dict is taken as it is, its ``content`` already text
+    (:func:`message_text`; :func:`template_message` picks the fields a template sees)."""
+    return [m if isinstance(m, dict) else {"role": m[0], "content": m[1]} for m in messages]
 
 
-def check_continue_final(messages: Sequence[Dict[str, Any]], add_generation_prompt: bool,
-                         continue_final_message: bool) -> None:
+def check_continue_final(add_generation_prompt: bool, continue_final_message: bool) -> None:
     """vLLM's rule for ``continue_final_message`` (the last message is left open, for the model to
     go on with it: usually the assistant's, but any role may be continued, as in vLLM).
 
@@ -239,8 +238,8 @@ def render_plain(messages: Sequence[Message], add_generation_prompt: bool = True
     """The plain template (see the module docstring) of ``(role, text)`` pairs (or message dicts);
     with ``continue_final_message`` the last message ends after its text (no line breaks), for the
     model to go on from its last character."""
+    check_continue_final(add_generation_prompt, continue_final_message)
     msgs = as_message_dicts(messages)
-    check_continue_final(msgs, add_generation_prompt, continue_final_message)
     parts: List[str] = []
     for i, m in enumerate(msgs):
         role, text = m.get("role"), m.get("content") or ""
@@ -320,7 +319,7 @@ def render_chat(tokenizer: Any, messages: Sequence[Message],
     if tools is not None and (not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools)):
         raise ValueError(f"tools must be a list of tool objects ({{'type': 'function', 'function': {{...}}}}), "
                          f"got {tools!r}"[:300])
-    check_continue_final(conv, add_generation_prompt, continue_final_message)
+    check_continue_final(add_generation_prompt, continue_final_message)
     if continue_final_message:
         kwargs["continue_final_message"] = True
     if chat_template or has_chat_template(tokenizer):

@@ -16,7 +16,7 @@ otherwise rejected with a 400 that names it.
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Literal, Optional, Union
+from typing import Any, Dict, List, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -122,14 +122,15 @@ class ChatMessage(BaseModel):
     role: str
     content: Union[str, List[Dict[str, Any]], None] = None
 
-    def template_message(self) -> Dict[str, Any]:
-        """The message as a chat template sees it: every field sent (``name``, ``tool_calls``,
-        ``tool_call_id``, ...), ``content`` as :meth:`text`.
+    def as_dict(self) -> Dict[str, Any]:
+        """Every field sent, ``content`` as :meth:`text` (for
+        :func:`~mtpspec.entrypoints.chat_template.render_chat`, whose ``template_message`` picks
+        the fields a template sees).
 
         Raises:
             OpenAIError: as :meth:`text`.
         """
-        return {**self.model_dump(), "content": self.text()}  # template_message() picks the fields
+        return {**self.model_dump(), "content": self.text()}
 
     def text(self) -> str:
         """The message's text (:func:`~mtpspec.entrypoints.chat_template.message_text`: text parts

@@ -59,7 +59,7 @@ from starlette.requests import ClientDisconnect
 from mtpspec.engine.async_llm import AsyncLLM, EngineDeadError, QueueFullError, RequestError, RequestStream
 from mtpspec.engine.detokenizer import LONG_TEXT_CHARS
 from mtpspec.engine.llm_engine import PromptType, ValidatedPrompt, exceeds_max_logprobs
-from mtpspec.entrypoints.chat_template import check_template_kwargs, render_chat
+from mtpspec.entrypoints.chat_template import check_continue_final, check_template_kwargs, render_chat
 from mtpspec.entrypoints.openai_protocol import (
     ChatCompletionRequest, CompletionRequest, DetokenizeRequest, OpenAIError, TokenizeRequest, bad_request,
     internal_error)
@@ -218,11 +218,12 @@ def _render_chat(tokenizer: Any, req: Any) -> Tuple[str, List[str]]:
         check_template_kwargs(req.chat_template_kwargs)
     except ValueError as exc:
         raise bad_request(str(exc), "chat_template_kwargs") from None
-    if req.continue_final_message and req.add_generation_prompt:
-        raise bad_request("Cannot set both `continue_final_message` and `add_generation_prompt` to True.",
-                          "continue_final_message")
     try:
-        return render_chat(tokenizer, [m.template_message() for m in req.messages], req.add_generation_prompt,
+        check_continue_final(req.add_generation_prompt, req.continue_final_message)
+    except ValueError as exc:
+        raise bad_request(str(exc), "continue_final_message") from None
+    try:
+        return render_chat(tokenizer, [m.as_dict() for m in req.messages], req.add_generation_prompt,
                            req.chat_template_kwargs, continue_final_message=req.continue_final_message,
                            tools=req.tools or None)  # tool_choice "none" (_parse): vLLM still renders them
     except ValueError as exc:
