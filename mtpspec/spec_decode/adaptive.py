@@ -529,12 +529,7 @@ class AdaptiveSpecPolicy:
 
     def expected_tokens(self, k: int, rates: Optional[Sequence[float]] = None) -> float:
         """``E(k) = 1 + sum_{i<=k} prod_{j<=i} alpha_j`` tokens per sequence per step."""
-        rates = self.rates() if rates is None else rates
-        e, run = 1.0, 1.0
-        for j in range(k):
-            run *= rates[j]
-            e += run
-        return e
+        return _expected_tokens((self.rates() if rates is None else rates)[:k])[k]
 
     def choose(self, batch: int, num_prefill_tokens: int = 0, prompts_waiting: bool = False,
                token_budget: Optional[int] = None, num_partial_prefills: int = 0,
@@ -575,17 +570,12 @@ class AdaptiveSpecPolicy:
         n_prompt = max(0, num_prefill_tokens)
         fixed = self.host_ms(batch, 0.0)
         costs = self.costs
-        bucket = costs.size_for(batch)  # _bucket
+        bucket = self._bucket(batch)
         per_token = self.overhead_ms_per_token * batch  # b B per accepted draft per sequence
         cap = None
         if self.prompt_reserve > 0 and prompts_waiting and token_budget:
             cap = (1.0 - self.prompt_reserve) * token_budget
-        # E(k) for k = 0 .. max_k in one pass (expected_tokens' sum of running products)
-        expected, e, run = [1.0], 1.0, 1.0
-        for a in rates:
-            run *= a
-            e += run
-            expected.append(e)
+        expected = _expected_tokens(rates)  # E(k) for k = 0 .. max_k in one pass
         cost_of: Dict[int, Tuple[float, float]] = {}  # k -> (E(k), t(k)) before any catch-up share
         for k in costs._ks:
             if k > self.max_k or (k and cap is not None and batch * (1 + k) > cap):
@@ -710,6 +700,17 @@ class AdaptiveSpecPolicy:
     def _bucket(self, batch: int) -> int:
         """The table's batch size that ``batch`` is costed at (measured host times are kept per bucket)."""
         return self.costs.size_for(batch)
+
+
+def _expected_tokens(rates: Sequence[float]) -> List[float]:
+    """``[E(0), .., E(len(rates))]``, ``E(k) = 1 + sum_{i<=k} prod_{j<=i} rates[j - 1]`` (the running
+    products summed once for every ``k``)."""
+    out, e, run = [1.0], 1.0, 1.0
+    for a in rates:
+        run *= a
+        e += run
+        out.append(e)
+    return out
 
 
 def _lag_arrays(catch_up: Sequence[Tuple[int, Optional[float]]]) -> Tuple[np.ndarray, np.ndarray]:
