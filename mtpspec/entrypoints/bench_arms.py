@@ -758,8 +758,9 @@ def run_arms(arms: Dict[str, List[str]], workloads: Dict[str, BenchConfig], repe
         host_retries: an interleaved round whose host probes (:func:`host_probe_ms`, before and
             after each run) reach more than :data:`HOST_SPREAD_WARN` times the fastest probe of the
             sweep so far (one probe is taken before the first timed round) is run again, all its
-            arms, up to this many times (the last try is kept whatever its probes). The probes alone decide, never the results, so no arm is favoured;
-            the replaced runs are kept in the workload's ``host_perturbed_runs`` (arm -> runs).
+            arms, up to this many times (the last try is kept whatever its probes). The probes alone
+            decide, never the results, so no arm is favoured; the replaced runs are kept in the
+            workload's ``host_perturbed_runs`` (arm -> runs).
 
     Returns:
         Everything, as written to ``bench_arms.json``.
@@ -805,7 +806,7 @@ def run_arms(arms: Dict[str, List[str]], workloads: Dict[str, BenchConfig], repe
     bar = None
     runs: Dict[str, Dict[str, List[Dict[str, Any]]]] = {w: {a: [] for a in arms} for w in workloads}
     perturbed: Dict[str, Dict[str, List[Dict[str, Any]]]] = {w: {a: [] for a in arms} for w in workloads}
-    fastest = [float("inf")]  # the fastest host probe of the sweep so far (seeded before the first timed round)
+    fastest = float("inf")  # the fastest host probe of the sweep so far (seeded before the first timed round)
 
     def save_partial() -> None:
         """The runs made so far and what they ran, in ``PARTIAL_JSON`` (written whole, then renamed:
@@ -896,18 +897,18 @@ def run_arms(arms: Dict[str, List[str]], workloads: Dict[str, BenchConfig], repe
                 for i in range(warmup_rounds):
                     for arm in arms:
                         warm(wname, cfg, arm, i)
-                if host_retries and fastest[0] == float("inf"):
-                    fastest[0] = host_probe_ms()  # a sweep starting on a slowed host still has a fast reference
+                if host_retries and fastest == float("inf"):
+                    fastest = host_probe_ms()  # a sweep starting on a slowed host still has a fast reference
                 for rep in range(repeats):
                     for attempt in range(host_retries + 1):
                         for arm in rotated(list(arms), rep):  # interleaved, each round rotated: A B C, B C A, ...
                             run(wname, cfg, arm, rep)
                         probes = [p for arm in arms for p in runs[wname][arm][-1]["host_probe_ms"]]
-                        fastest[0] = min(fastest[0], *probes)
-                        if attempt == host_retries or max(probes) <= HOST_SPREAD_WARN * fastest[0]:
+                        fastest = min(fastest, *probes)
+                        if attempt == host_retries or max(probes) <= HOST_SPREAD_WARN * fastest:
                             break
                         print(f"{wname} round {rep + 1}: the host probes reached {max(probes):.1f} ms against the "
-                              f"sweep's fastest so far, {fastest[0]:.1f} ms; running the round again", file=sys.stderr)
+                              f"sweep's fastest so far, {fastest:.1f} ms; running the round again", file=sys.stderr)
                         for arm in arms:  # the whole round, every arm alike
                             perturbed[wname][arm].append(runs[wname][arm].pop())
                         if bar is not None:
