@@ -52,12 +52,18 @@ def trace(llm: Any, prompts: List[List[int]], output_len: int, concurrency: int)
     real_choose = eng._choose_k
     host = [0.0, 0.0]  # ms in _choose_k in all, and at the previous applied step (the policy's own host work)
 
+    explored: Dict[int, bool] = {}  # id(step) -> its k came from an exploration (a decode burst, a prompt re-try)
+
     def choose(out):
         t = time.perf_counter()
         try:
             return real_choose(out)
         finally:
             host[0] += (time.perf_counter() - t) * 1e3
+            if real_observe is not None and out.num_prefill_tokens:
+                explored[id(out)] = policy._prompt_explored
+            elif real_observe is not None and not getattr(out, "policy_held", False):
+                explored[id(out)] = policy._burst_choice
 
     def observed(batch, k, wall_ms, verify_k=None, num_prefill_tokens=0, num_emitted=None, **more):
         v = k if verify_k is None else verify_k
@@ -75,6 +81,7 @@ def trace(llm: Any, prompts: List[List[int]], output_len: int, concurrency: int)
                          prefill=out.num_prefill_tokens, gap=(now - last[0]) * 1e3 if last[0] else None,
                          ahead=eng._inflight is not None, wall=None, predicted=None, counted=None,
                          held=getattr(out, "policy_held", False),  # a held k = 0 step: not reported to the policy
+                         explored=explored.pop(id(out), None),  # k from an exploration (None: not asked)
                          # deferred MTP entries scheduled for catch-up since the previous applied step (counted
                          # when a step is prepared: with a step scheduled ahead, they may be the next row's)
                          catch_up=caught_up() - caught[0],
@@ -121,10 +128,11 @@ def summarise(rows: List[Dict[str, Any]], context: int = 2, show: int = 6) -> Di
                             predicted_ms=med(r["predicted"] for r in rs), counted=sum(1 for r in rs if r["counted"]),
                             batch=med(r["batch"] for r in rs), gap_total_s=round(sum(r["gap"] or 0 for r in rs) / 1e3, 3),
                             catch_up=sum(r.get("catch_up", 0) for r in rs),
+                            explored=sum(1 for r in rs if r.get("explored")),
                             choose_ms=med(r.get("choose_ms") for r in rs))
         print(f"{key:22s} n {g['n']:5d}  gap {g['gap_ms']} ms (total {g['gap_total_s']} s)  policy wall {g['wall_ms']}  "
               f"predicted {g['predicted_ms']}  counted {g['counted']}  batch {g['batch']}  catch-up {g['catch_up']}  "
-              f"choose {g['choose_ms']} ms")
+              f"explored {g['explored']}  choose {g['choose_ms']} ms")
     picked = [i for i, r in enumerate(rows) if r["k"] == 0 and r["counted"]][:show]
     for i in picked:
         print("--")

@@ -19,7 +19,8 @@ from test_engine_fixtures import make_model, mixed_prompts, token_prompts
 
 from mtpspec import LLM, SamplingParams
 from mtpspec.engine.arg_utils import EngineArgs
-from mtpspec.spec_decode.adaptive import (EXPLORE_EVERY, MIN_PROMPT_SAMPLES, PROMPT_EXPLORE_EVERY, AdaptiveSpecPolicy, StepCostTable,
+from mtpspec.spec_decode.adaptive import (EXPLORE_EVERY, EXPLORE_RECHECK, EXPLORE_STEPS, MEASURE_MARGIN, MIN_PROMPT_SAMPLES,
+                                         PROMPT_EXPLORE_EVERY, AdaptiveSpecPolicy, StepCostTable,
                                          measure_step_costs)
 
 
@@ -826,8 +827,10 @@ def test_deferred_entries_make_drafting_pay_their_catch_up_over_the_tokens_left(
 def test_the_catch_up_list_is_built_only_where_the_choice_can_depend_on_it() -> None:
     """The engine passes a function for the catch-up list (``O(batch)`` host work a step): a pure-decode
     step whose best k is 0 before any catch-up charge does not call it (charges only lower the other
-    k's rates), unless a rate-driven exploration burst may start; a step choosing by the list gets
-    what the list itself gives (many lagging sequences: the same k as the list passed whole)."""
+    k's rates), unless an exploration burst may start: a rate-driven one, or one for a k not measured
+    at this batch size, whose price the list gives (once per EXPLORE_RECHECK choices where declined);
+    a step choosing by the list gets what the list itself gives (many lagging sequences: the same k as
+    the list passed whole)."""
     costs = _table(verify=lambda b, k: 1.0 + 0.4 * k, draft=lambda b, k: 0.3 * k)
     costs.catch_up_ms_per_row = 0.002
     lags = [(600 + i, 50.0 + 3 * i) for i in range(64)] + [(0, 5.0)]
@@ -846,15 +849,74 @@ def test_the_catch_up_list_is_built_only_where_the_choice_can_depend_on_it() -> 
         calls.clear()
         got = [pols[0].choose(64, catch_up=lazy) for _ in range(30)]
         assert got == [pols[1].choose(64, catch_up=lags) for _ in range(30)]
-        assert (len(calls) == 0) == (best == 0) and (best == 0 or len(calls) == 30), (rate, got, len(calls))
+        # best 0: k = 1, 2 not measured at 64 are priced once (declined: 600+ rows a sequence) and not
+        # again within EXPLORE_RECHECK choices
+        assert len(calls) == (1 if best == 0 else 30), (rate, got, len(calls))
+        assert 30 < EXPLORE_RECHECK
         assert pols[0].choose(64, 500, catch_up=lazy) == pols[1].choose(64, 500, catch_up=lags)  # prompt steps: always
-        assert len(calls) == (1 if best == 0 else 31)
+        assert len(calls) == (2 if best == 0 else 31)
     assert pols[0].choose(64, 500, catch_up=iter(lags)) == pols[1].choose(64, 500, catch_up=lags)  # any iterable
     if_explore = AdaptiveSpecPolicy(3, costs, prior_rate=0.05, prior_weight=1e6, decay=1.0)
     if_explore._decode_choices = if_explore._last_burst + EXPLORE_EVERY  # the next choice may start a burst
     calls.clear()
     if_explore.choose(64, catch_up=lazy)
     assert calls == [1]
+
+
+def test_an_exploration_burst_is_priced_with_the_catch_up_its_first_step_writes() -> None:
+    """A k not measured at a batch size is tried only if its burst, whose first drafting step writes
+    every deferred entry of the batch, rates within MEASURE_MARGIN of the best: with 10 deferred rows a
+    sequence k = 1 (12% below k = 0) is tried and k = 2, 3 (27%, 40% below) are not; with 600 rows a
+    sequence (19 ms of catch-up, 3.2 ms a burst step) nothing is, and the batch's lag list is built once
+    per EXPLORE_RECHECK choices. The same holds for the periodic re-try of a k measured long ago."""
+    costs = _table(verify=lambda b, k: 1.0 + 0.4 * k, draft=lambda b, k: 0.3 * k)  # t(k) = 1 + 0.7 k
+    costs.catch_up_ms_per_row = 0.002
+    e = [1.0, 1.5, 1.75, 1.875]  # E(k) at rate 0.5
+    rate = [e[k] / (1.0 + 0.7 * k) for k in range(4)]
+    assert rate[1] >= (1 - MEASURE_MARGIN) * rate[0] > rate[2] > rate[3]
+    assert e[1] / (1.7 + 16 * 600 * 0.002 / EXPLORE_STEPS) < (1 - MEASURE_MARGIN) * rate[0]
+    for rows, tried in ((10, {0, 1}), (600, {0})):
+        lags = [(rows, 200.0)] * 16
+        calls = []
+
+        def lazy():
+            calls.append(1)
+            return lags
+
+        pol = AdaptiveSpecPolicy(3, costs, prior_rate=0.5, prior_weight=1e6, decay=1.0)
+        chosen = [pol.choose(16, catch_up=lazy) for _ in range(300)]
+        assert set(chosen) == tried, (rows, sorted(set(chosen)))
+        if rows == 600:  # priced once per EXPLORE_RECHECK choices after the first MIN_FIT_SAMPLES
+            assert 2 <= len(calls) <= 300 // EXPLORE_RECHECK + 1, len(calls)
+    # a k measured long ago: re-tried after EXPLORE_EVERY choices only where its burst is within EXPLORE_MARGIN
+    for rows, tried in ((0, True), (600, False)):
+        pol = AdaptiveSpecPolicy(3, costs, prior_rate=0.5, prior_weight=1e6, decay=1.0)
+        for k in (1, 2, 3, 0):  # every k measured at 16: host 0 beyond the table
+            for _ in range(12):
+                pol.observe_step_time(16, k, costs.step_ms(16, k))
+        pol._decode_choices = pol._last_burst + EXPLORE_EVERY  # the next choice may start a burst
+        pol._last_chosen[16] = {0: pol._decode_choices}
+        lags = [(rows, 200.0)] * 16 if rows else []
+        chosen = [pol.choose(16, catch_up=lags) for _ in range(10)]
+        assert (1 in chosen) == tried and not {2, 3} & set(chosen), (rows, chosen)
+
+
+def test_a_prompt_step_drafts_only_if_its_catch_up_pays_where_decoding_goes_back_to_k0() -> None:
+    """Where the best pure-decode k is 0 even before any catch-up charge, the steps after a prompt step
+    go back to k = 0, so a drafting prompt step is charged the whole catch-up of its batch, not the share
+    its own tokens take: a drafting prompt cost measured cheaper than k = 0's (noise) picks drafting with
+    few deferred rows and not with many."""
+    costs = _table(verify=lambda b, k: 1.0 + 0.4 * k, draft=lambda b, k: 0.3 * k)
+    costs.catch_up_ms_per_row = 0.002
+    pol = AdaptiveSpecPolicy(3, costs, prior_rate=0.5, prior_weight=1e6, decay=1.0)
+    for _ in range(30):
+        pol.observe_step_time(16, 0, costs.step_ms(16, 0))
+    for _ in range(MIN_PROMPT_SAMPLES):  # prompt tokens: k = 0 steps 4 us each, drafting ones 2 us
+        pol.observe_step_time(16, 0, costs.step_ms(16, 0) + 1000 * 0.004, num_prefill_tokens=1000)
+        pol.observe_step_time(16, 1, costs.step_ms(16, 1) + 1000 * 0.002, num_prefill_tokens=1000)
+    assert pol.choose(16) == 0  # pure decode: k = 0
+    assert pol.choose(16, 1000, catch_up=[(5, 200.0)] * 16) >= 1  # saves 2 ms of prompt cost, 0.16 ms of catch-up
+    assert pol.choose(16, 1000, catch_up=[(200, 200.0)] * 16) == 0  # 6.4 ms of catch-up: its share alone 0.09 ms
 
 
 def test_partial_prompt_chunks_keep_no_drafts_so_they_add_no_value() -> None:

@@ -94,6 +94,19 @@ MIN_FIT_SAMPLES = 20
 EXPLORE_EVERY = 500
 EXPLORE_STEPS = 6
 EXPLORE_MARGIN = 0.15
+#: A burst is priced as what it runs: its first drafting step writes every deferred MTP entry of
+#: the batch (``C`` ms, :meth:`AdaptiveSpecPolicy.catch_up_ms_per_row` a row), so a ``k`` is tried
+#: only if its burst rate ``E(k) / (t(k) + C / EXPLORE_STEPS)`` is within :data:`EXPLORE_MARGIN`
+#: of the best rate (one proposed long ago) or within :data:`MEASURE_MARGIN` (one not measured at
+#: this batch size yet: the plane may be off). H100, 2026-12-06, s64 (Air 3 layers, forced
+#: acceptance 0.8): 12-15 burst and catch-up steps a run (k = 1-3 at 64 sequences and again at each
+#: smaller batch size while the run drained, each burst first writing 23-33 k deferred entries,
+#: 10-14 ms) were most of the 4.4% the adaptive arm lost to plain decoding; priced so, k = 2 at 64
+#: sequences rates 0.36 against k = 0's 0.62 tokens per ms a sequence (0.54 without the catch-up).
+#: A batch size whose unmeasured ``k`` were all declined is looked at again after
+#: :data:`EXPLORE_RECHECK` pure-decode choices (pricing a burst builds the batch's lag list).
+MEASURE_MARGIN = 0.25
+EXPLORE_RECHECK = 32
 #: A (batch size, k) counts as measured after this many counted steps (two bursts of 3), or after
 #: :data:`MAX_MEASURING_BURSTS` bursts whatever they counted; measured ones not proposed for
 #: :data:`STALE_EVERY` steps are tried again whatever their predicted rate.
@@ -329,8 +342,11 @@ class AdaptiveSpecPolicy:
     _last_chosen: Dict[int, Dict[int, int]] = field(default_factory=dict, init=False, repr=False)
     _last_burst: int = field(default=0, init=False, repr=False)  # _decode_choices at the last burst's start
     _bursts: Dict[Tuple[int, int], int] = field(default_factory=dict, init=False, repr=False)  # per (bucket, k)
+    # bucket -> the pure-decode choice count before which its unmeasured ks are not priced again
+    _declined: Dict[int, int] = field(default_factory=dict, init=False, repr=False)
     _explore: List[int] = field(default_factory=list, init=False, repr=False)  # ks still to propose in a burst
     _burst_choice: bool = field(default=False, init=False, repr=False)  # the last pure-decode choice was a burst's
+    _prompt_explored: bool = field(default=False, init=False, repr=False)  # ... the last prompt step's, the other kind
     # decayed moments over pure-decode steps of (B, r, y): E[B], E[r], E[y], E[BB], E[Br], E[rr], E[By], E[ry]
     _moments: List[float] = field(default_factory=lambda: [0.0] * 8, init=False, repr=False)
     # decayed sums over timed catch-ups of (ms, rows), and the rows timed in all
@@ -584,22 +600,32 @@ class AdaptiveSpecPolicy:
             host = self._measured_host_ms(bucket, k, batch)  # measured for this k and bucket, else the plane
             host = fixed + per_token * (e - 1.0) if host is None else host
             cost_of[k] = (e, costs.step_ms(batch, k) + host)
+        base = dict(cost_of)
+        lags: List[Tuple[np.ndarray, np.ndarray]] = []  # the batch's lag arrays, built once if at all
+
+        def catch_up_all() -> float:  # ms to write every deferred entry of the batch
+            if q <= 0:
+                return 0.0
+            if not lags:
+                lags.append(_lag_arrays(catch_up() if callable(catch_up) else catch_up))
+            return q * float(lags[0][0].sum())
+
         catch_up_ms = 0.0
         if q > 0 and (n_prompt or self._argmax_rate(cost_of) != 0 or self._rates_may_explore()):
-            rows, inv_left = _lag_arrays(catch_up() if callable(catch_up) else catch_up)
+            catch_up_ms = catch_up_all()
+            rows, inv_left = lags[0]
             if rows.size:
-                catch_up_ms = q * float(rows.sum())
                 for k, (e, t) in cost_of.items():
                     if k:  # each sequence's share of its entries that one step's tokens take of those left
                         share = np.minimum(1.0, e * inv_left)  # inv_left = inf where unknown: all of it
                         cost_of[k] = (e, t + q * float(rows @ share))
         if n_prompt:
             self._chosen_k = k = self._choose_prompt_step(batch, max(0, batch - num_partial_prefills), n_prompt,
-                                                          cost_of, catch_up_ms)
+                                                          cost_of, catch_up_ms, base)
             return k
         rate_of = {k: e / t for k, (e, t) in cost_of.items()}
         best = self._argmax_rate(cost_of)
-        self._chosen_k = k = self._explored(bucket, best, rate_of[best], rate_of)
+        self._chosen_k = k = self._explored(bucket, best, rate_of[best], rate_of, base, catch_up_all)
         return k
 
     @property
@@ -638,10 +664,19 @@ class AdaptiveSpecPolicy:
         return not self._explore and self._decode_choices + 1 - self._last_burst > EXPLORE_EVERY
 
     def _choose_prompt_step(self, batch: int, n_drafting: int, n_prompt: int,
-                            cost_of: Dict[int, Tuple[float, float]], catch_up_ms: float = 0.0) -> int:
+                            cost_of: Dict[int, Tuple[float, float]], catch_up_ms: float = 0.0,
+                            base: Optional[Dict[int, Tuple[float, float]]] = None) -> int:
         """:meth:`choose` for a step of ``batch`` sequences (``n_drafting`` of them keep their drafts)
         carrying ``n_prompt`` prompt tokens, ``cost_of``: ``k -> (E(k), t(k))``; ``catch_up_ms``:
-        what its deferred MTP entries would cost a drafting step in all."""
+        what its deferred MTP entries would cost a drafting step in all; ``base``: ``cost_of``
+        before the catch-up shares. Where even without them the best pure-decode ``k`` is 0, the
+        steps after this one go back to ``k = 0`` (and defer again), so a drafting ``k`` is charged
+        all of ``catch_up_ms`` here, not the share its tokens take (that share assumes the
+        sequences keep drafting; H100, 2026-12-06, s256: prompt steps at k = 2-3 first wrote 65-143 k
+        deferred entries, 29-46 ms, for one step's drafts)."""
+        self._prompt_explored = False
+        if base is not None and catch_up_ms > 0 and self._argmax_rate(base) == 0:
+            cost_of = {k: (e, t + (catch_up_ms if k else 0.0)) for k, (e, t) in base.items()}
         c_star = min(t / (batch * e) for e, t in cost_of.values())
         per_token = (self.prompt_ms_per_token(False), self.prompt_ms_per_token(True))
         value_of = {k: n_drafting * e * c_star - t - n_prompt * per_token[k > 0] for k, (e, t) in cost_of.items()}
@@ -657,29 +692,42 @@ class AdaptiveSpecPolicy:
         if other and 0 in cost_of and catch_up_ms > cost_of[0][1]:
             other = None  # re-trying drafting would first write more deferred entries than a k = 0 step costs
         have, lack = len(self._prefill_samples[drafting]), len(self._prefill_samples[1 - drafting])
-        if other is not None and ((lack < MIN_PROMPT_SAMPLES and lack <= have)
-                                  or n - self._prompt_last[1 - drafting] > PROMPT_EXPLORE_EVERY):
+        self._prompt_explored = other is not None and ((lack < MIN_PROMPT_SAMPLES and lack <= have)
+                                                       or n - self._prompt_last[1 - drafting] > PROMPT_EXPLORE_EVERY)
+        if self._prompt_explored:
             best, drafting = other, 1 - drafting
         self._prompt_last[drafting] = n
         return best
 
-    def _explored(self, bucket: int, best: int, best_rate: float, rate_of: Dict[int, float]) -> int:
+    def _explored(self, bucket: int, best: int, best_rate: float, rate_of: Dict[int, float],
+                  base: Optional[Dict[int, Tuple[float, float]]] = None,
+                  catch_up_all: Callable[[], float] = lambda: 0.0) -> int:
         """``best``, or for a pure-decode step at table batch size ``bucket`` the ``k`` of an
-        exploration burst (:data:`EXPLORE_EVERY`)."""
+        exploration burst (:data:`EXPLORE_EVERY`), priced with its catch-up (:data:`MEASURE_MARGIN`:
+        ``base`` is ``k -> (E(k), t(k))`` before catch-up shares, ``catch_up_all()`` the ms of
+        writing every deferred entry of the batch; ``rate_of``'s own rates where ``base`` is None)."""
         self._decode_choices = n = self._decode_choices + 1
         seen = self._last_chosen.setdefault(bucket, {})
         since = n - self._last_burst
         if not self._explore and since > MIN_FIT_SAMPLES:
             # a k measured by too few steps at this batch size (unless bursts keep failing to measure it:
-            # their samples rejected), else one not proposed here for long: within EXPLORE_MARGIN of
-            # the best after EXPLORE_EVERY steps, whatever its rate after STALE_EVERY (one bad burst
-            # must not shut a k out for good)
+            # their samples rejected) whose burst rate is within MEASURE_MARGIN, else one not proposed
+            # here for long: within EXPLORE_MARGIN of the best after EXPLORE_EVERY steps, whatever its
+            # rate after STALE_EVERY (one bad burst must not shut a k out for good)
             stale = [k for k in rate_of if k != best and self._excess_n.get((bucket, k), 0) < MIN_MEASURED
                      and self._bursts.get((bucket, k), 0) < MAX_MEASURING_BURSTS]
+            if stale and n < self._declined.get(bucket, 0):
+                stale = []
+            elif stale:
+                burst = self._burst_rates(stale, rate_of, base, catch_up_all)
+                stale = [k for k in stale if burst[k] >= (1.0 - MEASURE_MARGIN) * best_rate]
+                if not stale:
+                    self._declined[bucket] = n + EXPLORE_RECHECK
             if not stale and since > EXPLORE_EVERY:
-                stale = [k for k, r in rate_of.items() if k != best and (
-                    n - seen.get(k, 0) > STALE_EVERY
-                    or (n - seen.get(k, 0) > EXPLORE_EVERY and r >= (1.0 - EXPLORE_MARGIN) * best_rate))]
+                due = [k for k in rate_of if k != best and n - seen.get(k, 0) > EXPLORE_EVERY]
+                burst = self._burst_rates(due, rate_of, base, catch_up_all) if due else {}
+                stale = [k for k in due if n - seen.get(k, 0) > STALE_EVERY
+                         or burst[k] >= (1.0 - EXPLORE_MARGIN) * best_rate]
             if stale:  # the one proposed longest ago
                 k = min(stale, key=lambda k: (seen.get(k, 0), k))
                 self._explore = [k] * EXPLORE_STEPS
@@ -696,6 +744,16 @@ class AdaptiveSpecPolicy:
                 k, self._explore, self._burst_choice = best, [], False
         seen[k] = n
         return k
+
+    @staticmethod
+    def _burst_rates(ks: Sequence[int], rate_of: Dict[int, float], base: Optional[Dict[int, Tuple[float, float]]],
+                     catch_up_all: Callable[[], float]) -> Dict[int, float]:
+        """Tokens per ms of a burst of each ``k`` in ``ks``: ``E(k) / (t(k) + C / EXPLORE_STEPS)``,
+        ``C = catch_up_all()`` for ``k >= 1`` (asked only if one is), 0 for ``k = 0``."""
+        if base is None:
+            return {k: rate_of[k] for k in ks}
+        c = catch_up_all() / EXPLORE_STEPS if any(ks) else 0.0
+        return {k: base[k][0] / (base[k][1] + (c if k else 0.0)) for k in ks}
 
     def _bucket(self, batch: int) -> int:
         """The table's batch size that ``batch`` is costed at (measured host times are kept per bucket)."""
