@@ -42,7 +42,9 @@ rate is per position, as vLLM's ``num_accepted_tokens_per_pos`` measures it). Th
   flight, as plain decoding does, so its host time overlaps the device's; H200, 2026-12-04, Air
   3 layers at 64 sequences: 1.7 ms a step beyond the device at ``k = 0``, 3.4-6.2 ms at ``k = 1 ..
   3``). ``k`` values not measured at a batch size, and now and then those measured long ago whose
-  rate is near the best, are tried for a few steps (exploration bursts, :data:`EXPLORE_EVERY`).
+  rate is near the best, are tried for a few steps (exploration bursts, :data:`EXPLORE_EVERY`),
+  where the burst, priced with the deferred entries its first drafting step writes, rates near
+  the best (:data:`MEASURE_MARGIN`).
   With deferred MTP entries, a drafting step first writes the entries its sequences' ``k = 0``
   steps left (:mod:`mtpspec.spec_decode.deferred_mtp`): their cost per entry is timed at start-up
   with the table, and a step's ``t(k)``, ``k >= 1``, carries each sequence's share of its
