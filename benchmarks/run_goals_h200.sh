@@ -191,9 +191,11 @@ trace64)  # issue 18: s64 step by step, plain vs adaptive, 3 rounds on one engin
   # (H100, session 27), what its policy measured, the host time of its choices
   python3 benchmarks/make_dummy_model.py /tmp/air3 --preset air-8l --num-hidden-layers 3 \
       --max-position-embeddings 2048 || exit 1
-  for e in plain adaptive; do
-    step 200 "trace64_$e" python3 benchmarks/trace_adaptive_steps.py /tmp/air3 --engine $e --concurrency 64 \
-        --warmup-full --rounds 3 --json "$OUT/trace64_$e.json"
+  # TRACE_CONC (64), TRACE_ENGINES ("plain adaptive"), TRACE_ROUNDS (3) override (e.g. TRACE_CONC=256: where the
+  # s256 adaptive arm's prompt steps drafted, and which steps explored)
+  for e in ${TRACE_ENGINES:-plain adaptive}; do
+    step ${TRACE_TIMEOUT:-200} "trace${TRACE_CONC:-64}_$e" python3 benchmarks/trace_adaptive_steps.py /tmp/air3 --engine $e \
+        --concurrency ${TRACE_CONC:-64} --warmup-full --rounds ${TRACE_ROUNDS:-3} --json "$OUT/trace${TRACE_CONC:-64}_$e.json"
   done ;;
 profile64)  # issue 18: device work of steady decode steps at 64 sequences, kernel by kernel (torch.profiler):
   # plain, the adaptive engine held at k = 0, the adaptive engine: is the k = 0 step's extra time device or host?
