@@ -19,7 +19,7 @@ from test_engine_fixtures import make_model, mixed_prompts, token_prompts
 
 from mtpspec import LLM, SamplingParams
 from mtpspec.engine.arg_utils import EngineArgs
-from mtpspec.spec_decode.adaptive import (EXPLORE_EVERY, EXPLORE_RECHECK, EXPLORE_STEPS, MEASURE_MARGIN, MIN_PROMPT_SAMPLES,
+from mtpspec.spec_decode.adaptive import (CATCH_UP_HORIZON, EXPLORE_EVERY, EXPLORE_RECHECK, EXPLORE_STEPS, MEASURE_MARGIN, MIN_PROMPT_SAMPLES,
                                          PROMPT_EXPLORE_EVERY, AdaptiveSpecPolicy, StepCostTable,
                                          measure_step_costs)
 
@@ -780,8 +780,9 @@ def test_catch_up_cost_per_entry_is_the_table_s_and_catch_up_steps_are_no_host_s
 
 def test_deferred_entries_make_drafting_pay_their_catch_up_over_the_tokens_left() -> None:
     """With deferred MTP entries to write, drafting pays each sequence's ``rows q`` once, a step's
-    share ``rows q min(1, E(k) / R)`` with ``R`` the tokens that sequence may still emit: many rows
-    and few tokens left keep ``k = 0``, the same rows before many tokens draft; shares add up per
+    share ``rows q min(1, max(E(k) / R, 1 / CATCH_UP_HORIZON))`` with ``R`` the tokens that sequence
+    may still emit: many rows and few tokens left keep ``k = 0``, the same rows before many tokens
+    draft unless drafting's lead would not repay them within the horizon; shares add up per
     sequence (an old sequence's big lag with few tokens left is not diluted by a young one's); no
     price (q = 0), no charge. A prompt step is not made to re-try drafting while the entries cost
     more than a k = 0 step."""
@@ -797,7 +798,8 @@ def test_deferred_entries_make_drafting_pay_their_catch_up_over_the_tokens_left(
     assert pol.choose(1) == 3
 
     def want(lags):
-        rate = [e[k] / (t[k] + (sum(r * q * min(1.0, e[k] / left) for r, left in lags) if k else 0.0))
+        rate = [e[k] / (t[k] + (sum(r * q * min(1.0, max(e[k] / left, 1 / CATCH_UP_HORIZON)) for r, left in lags)
+                                if k else 0.0))
                 for k in range(4)]
         return max(range(4), key=lambda k: (rate[k], -k))
 
@@ -806,7 +808,17 @@ def test_deferred_entries_make_drafting_pay_their_catch_up_over_the_tokens_left(
     for lags in cases:
         assert pol.choose(1, catch_up=lags) == want(lags), lags
     # 10,000 entries (20 ms) over 10 tokens left: a k = 3 step's share is 6.9 ms, k = 0; over 1,000 tokens: 0.07 ms
+    # by tokens left, 0.63 ms by the horizon (1 / CATCH_UP_HORIZON of it): k = 3 still 45% ahead
     assert pol.choose(1, catch_up=[(10000, 10.0)]) == 0 and pol.choose(1, catch_up=[(10000, 1000.0)]) == 3
+    # the horizon: at rate 0.5 k = 1 leads k = 0 by 11% (0.556 against 0.5 tokens per ms); the same 10,000
+    # entries over 1,000 tokens left cost a k = 1 step 0.03 ms by tokens left, which would switch, but
+    # 0.63 ms by the horizon (repaid in 32 steps), which keeps k = 0; 500 entries (0.03 ms) switch
+    slow = AdaptiveSpecPolicy(3, costs, prior_rate=0.5, prior_weight=1e6, decay=1.0)
+    for k in (1, 0):
+        for _ in range(50):
+            slow.observe_step_time(1, k, costs.step_ms(1, k) + 1.0)
+    assert slow.choose(1) == 1 and 1.5 / (2.7 + 20 * 1.5 / 1000) > 0.5 > 1.5 / (2.7 + 20 / CATCH_UP_HORIZON)
+    assert slow.choose(1, catch_up=[(10000, 1000.0)]) == 0 and slow.choose(1, catch_up=[(500, 1000.0)]) == 1
     # per sequence: 3,000 entries with 5 tokens left (share 4.1 ms) keep k = 0; their mean with a young sequence's
     # (3,010 entries over 500 tokens: 0.04 ms) would have drafted
     assert pol.choose(1, catch_up=[(3000, 5.0), (10, 995.0)]) == 0 and pol.choose(1, catch_up=[(3010, 500.0)]) == 3

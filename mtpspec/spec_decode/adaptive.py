@@ -48,9 +48,10 @@ rate is per position, as vLLM's ``num_accepted_tokens_per_pos`` measures it). Th
   With deferred MTP entries, a drafting step first writes the entries its sequences' ``k = 0``
   steps left (:mod:`mtpspec.spec_decode.deferred_mtp`): their cost per entry is timed at start-up
   with the table, and a step's ``t(k)``, ``k >= 1``, carries each sequence's share of its
-  entries' cost, ``rows q min(1, E(k) / R)`` (``R``: the tokens it is expected to emit still), so
-  drafting starts only where the tokens left repay the catch-up (H200, 2026-12-05, Air 3 layers
-  at 256 sequences: 80% of all entries were written late, the adaptive arm at 0.82x plain).
+  entries' cost, ``rows q min(1, max(E(k) / R, 1 / H))`` (``R``: the tokens it is expected to emit
+  still; ``H``: :data:`CATCH_UP_HORIZON` steps), so drafting starts only where the tokens left, and
+  soon enough, repay the catch-up (H200, 2026-12-05, Air 3 layers at 256 sequences: 80% of all
+  entries were written late, the adaptive arm at 0.82x plain).
 
 Everything here is host arithmetic on counts the engine already has, yet it is paid on the host
 every step (~40 us a step in the engine on a CPU, against a ~1.6 ms step at 64 sequences whose
@@ -142,6 +143,13 @@ CATCH_UP_CALIBRATION_ROWS = 1024
 #: 1.02 us a row timed at start-up over 1,024 rows, 1.40-1.92 us in the s256 run's catch-ups of ~150 k).
 CATCH_UP_DECAY = 0.5
 CATCH_UP_MIN_ROWS = 256
+#: A drafting step is charged at least ``1 / CATCH_UP_HORIZON`` of each sequence's catch-up, whatever
+#: tokens it has left (:meth:`AdaptiveSpecPolicy.choose`): leaving ``k = 0`` must repay its catch-up
+#: within this many drafting steps, not only by the sequences' end. The share by tokens left alone let
+#: measurement noise flip the choice: H100, 2026-12-06, s256 on a host whose ``k = 0`` and ``k = 3``
+#: rates were within 5%: four switches to ``k = 3`` in two rounds, each first writing 127-152 k
+#: deferred entries (58-73 ms), then back to ``k = 0`` within a few hundred steps.
+CATCH_UP_HORIZON = 32
 #: Batch sizes :func:`measure_step_costs` times by default (those up to ``max_num_seqs`` that
 #: the runner has graphs for, plus ``max_num_seqs``); others use the next larger measured one.
 CALIBRATION_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
@@ -577,7 +585,8 @@ class AdaptiveSpecPolicy:
         :meth:`catch_up_ms_per_row`) paid once for the rest of that sequence's drafting, ``R`` the
         tokens it is expected to emit still (``None``: unknown). So ``t(k)``, ``k >= 1``, carries
         each sequence's share of its entries' cost that one step's tokens take of what is left,
-        ``sum rows q min(1, E(k) / R)`` (all of it where ``R`` is unknown), and a prompt step is not
+        ``sum rows q min(1, max(E(k) / R, 1 / H))`` (all of it where ``R`` is unknown; ``H`` =
+        :data:`CATCH_UP_HORIZON`: leaving ``k = 0`` must repay its catch-up within ``H`` steps), and a prompt step is not
         made to re-try drafting while ``C = sum rows q`` exceeds a ``k = 0`` step's cost.
         ``catch_up`` may be a function returning that list: it is called only where the choice can
         depend on it (not for a pure-decode step whose best ``k`` is 0 before any catch-up cost, as
@@ -619,7 +628,8 @@ class AdaptiveSpecPolicy:
             if rows.size:
                 for k, (e, t) in cost_of.items():
                     if k:  # each sequence's share of its entries that one step's tokens take of those left
-                        share = np.minimum(1.0, e * inv_left)  # inv_left = inf where unknown: all of it
+                        # (inv_left = inf where unknown: all of it), at least 1 / CATCH_UP_HORIZON
+                        share = np.minimum(1.0, np.maximum(e * inv_left, 1.0 / CATCH_UP_HORIZON))
                         cost_of[k] = (e, t + q * float(rows @ share))
         if n_prompt:
             self._chosen_k = k = self._choose_prompt_step(batch, max(0, batch - num_partial_prefills), n_prompt,
