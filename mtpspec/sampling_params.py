@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import numbers
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Union
 
@@ -148,10 +149,10 @@ class SamplingParams:
         if ids is not None:
             if isinstance(ids, (str, bytes)) or not isinstance(ids, Sequence):
                 raise TypeError(f"stop_token_ids must be a list of ints, got {ids!r}")
-            for t in ids:
-                if not _is_int(t) or t < 0:
+            for t in ids:  # numpy integers too (ids taken from an array), kept as Python ints
+                if not (_is_int(t) or (isinstance(t, numbers.Integral) and not isinstance(t, bool))) or t < 0:
                     raise ValueError(f"stop_token_ids must hold ints >= 0, got {t!r} in {list(ids)!r}")
-            self.stop_token_ids = list(ids)
+            self.stop_token_ids = [int(t) for t in ids]
         if not isinstance(self.ignore_eos, bool):
             raise TypeError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
         if not isinstance(self.include_stop_str_in_output, bool):
