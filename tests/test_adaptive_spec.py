@@ -841,6 +841,7 @@ def test_the_catch_up_list_is_built_only_where_the_choice_can_depend_on_it() -> 
     step whose best k is 0 before any catch-up charge does not call it (charges only lower the other
     k's rates), unless an exploration burst may start: a rate-driven one, or one for a k not measured
     at this batch size, whose price the list gives (once per EXPLORE_RECHECK choices where declined);
+    a prompt step calls it only where drafting wins before charges or a re-try of drafting is due;
     a step choosing by the list gets what the list itself gives (many lagging sequences: the same k as
     the list passed whole)."""
     costs = _table(verify=lambda b, k: 1.0 + 0.4 * k, draft=lambda b, k: 0.3 * k)
@@ -865,9 +866,26 @@ def test_the_catch_up_list_is_built_only_where_the_choice_can_depend_on_it() -> 
         # again within EXPLORE_RECHECK choices
         assert len(calls) == (1 if best == 0 else 30), (rate, got, len(calls))
         assert 30 < EXPLORE_RECHECK
-        assert pols[0].choose(64, 500, catch_up=lazy) == pols[1].choose(64, 500, catch_up=lags)  # prompt steps: always
+        # a prompt step with no prompt samples yet: a re-try of drafting is due, so the list is built
+        assert pols[0].choose(64, 500, catch_up=lazy) == pols[1].choose(64, 500, catch_up=lags)
         assert len(calls) == (2 if best == 0 else 31)
     assert pols[0].choose(64, 500, catch_up=iter(lags)) == pols[1].choose(64, 500, catch_up=lags)  # any iterable
+    # prompt steps where k = 0 wins before any charge and no re-try of drafting is due: no list (charges only
+    # lower drafting's value); where drafting wins before charges: the list, and the same k as the whole list
+    for rate, built in ((0.05, False), (0.95, True)):
+        pols = [AdaptiveSpecPolicy(3, costs, prior_rate=rate, prior_weight=1e6, decay=1.0) for _ in range(2)]
+        for pol in pols:
+            for k in (3, 0):
+                for _ in range(50):
+                    pol.observe_step_time(64, k, costs.step_ms(64, k) + 1.0)
+            for _ in range(MIN_PROMPT_SAMPLES):
+                for k in (3, 0):
+                    pol.observe_step_time(64, k, costs.step_ms(64, k) + 1.0 + 500 * 0.001, num_prefill_tokens=500)
+        calls.clear()
+        got = [pols[0].choose(64, 500, catch_up=lazy) for _ in range(PROMPT_EXPLORE_EVERY)]
+        assert got == [pols[1].choose(64, 500, catch_up=lags) for _ in range(PROMPT_EXPLORE_EVERY)]
+        assert len(calls) == (PROMPT_EXPLORE_EVERY if built else 0), (rate, got, len(calls))
+        assert set(got) == ({3} if built else {0})
     if_explore = AdaptiveSpecPolicy(3, costs, prior_rate=0.05, prior_weight=1e6, decay=1.0)
     if_explore._decode_choices = if_explore._last_burst + EXPLORE_EVERY  # the next choice may start a burst
     calls.clear()

@@ -621,20 +621,24 @@ class AdaptiveSpecPolicy:
                 lags.append(_lag_arrays(catch_up() if callable(catch_up) else catch_up))
             return q * float(lags[0][0].sum())
 
-        catch_up_ms = 0.0
-        if q > 0 and (n_prompt or self._argmax_rate(cost_of) != 0 or self._rates_may_explore()):
-            catch_up_ms = catch_up_all()
+        def charged() -> Dict[int, Tuple[float, float]]:  # cost_of with each drafting k's catch-up shares
+            catch_up_all()
             rows, inv_left = lags[0]
+            out = dict(base)
             if rows.size:
-                for k, (e, t) in cost_of.items():
+                for k, (e, t) in base.items():
                     if k:  # each sequence's share of its entries that one step's tokens take of those left
                         # (inv_left = inf where unknown: all of it), at least 1 / CATCH_UP_HORIZON
                         share = np.minimum(1.0, np.maximum(e * inv_left, 1.0 / CATCH_UP_HORIZON))
-                        cost_of[k] = (e, t + q * float(rows @ share))
+                        out[k] = (e, t + q * float(rows @ share))
+            return out
+
         if n_prompt:
             self._chosen_k = k = self._choose_prompt_step(batch, max(0, batch - num_partial_prefills), n_prompt,
-                                                          cost_of, catch_up_ms, base)
+                                                          base, charged if q > 0 else None, catch_up_all)
             return k
+        if q > 0 and (self._argmax_rate(cost_of) != 0 or self._rates_may_explore()):
+            cost_of = charged()
         rate_of = {k: e / t for k, (e, t) in cost_of.items()}
         best = self._argmax_rate(cost_of)
         self._chosen_k = k = self._explored(bucket, best, rate_of[best], rate_of, base, catch_up_all)
@@ -675,30 +679,49 @@ class AdaptiveSpecPolicy:
         (:meth:`_explored`: no burst under way, :data:`EXPLORE_EVERY` choices since the last)."""
         return not self._explore and self._decode_choices + 1 - self._last_burst > EXPLORE_EVERY
 
-    def _choose_prompt_step(self, batch: int, n_drafting: int, n_prompt: int,
-                            cost_of: Dict[int, Tuple[float, float]], catch_up_ms: float = 0.0,
-                            base: Optional[Dict[int, Tuple[float, float]]] = None) -> int:
+    def _choose_prompt_step(self, batch: int, n_drafting: int, n_prompt: int, base: Dict[int, Tuple[float, float]],
+                            charged: Optional[Callable[[], Dict[int, Tuple[float, float]]]] = None,
+                            catch_up_all: Callable[[], float] = lambda: 0.0) -> int:
         """:meth:`choose` for a step of ``batch`` sequences (``n_drafting`` of them keep their drafts)
-        carrying ``n_prompt`` prompt tokens, ``cost_of``: ``k -> (E(k), t(k))``; ``catch_up_ms``:
-        what its deferred MTP entries would cost a drafting step in all; ``base``: ``cost_of``
-        before the catch-up shares. Where even without them the best pure-decode ``k`` is 0, the
-        steps after this one go back to ``k = 0`` (and defer again), so a drafting ``k`` is charged
-        all of ``catch_up_ms`` here, not the share its tokens take (that share assumes the
-        sequences keep drafting; H100, 2026-12-06, s256: prompt steps at k = 2-3 first wrote 65-143 k
-        deferred entries, 29-46 ms, for one step's drafts)."""
+        carrying ``n_prompt`` prompt tokens, ``base``: ``k -> (E(k), t(k))`` before any catch-up
+        charge; ``charged()``: the same with each drafting ``k``'s catch-up shares (``None``: no
+        catch-up is priced); ``catch_up_all()``: the ms of writing every deferred entry of the
+        batch. Where even without charges the best pure-decode ``k`` is 0, the steps after this one
+        go back to ``k = 0`` (and defer again), so a drafting ``k`` is charged all of the catch-up
+        here, not the share its tokens take (that share assumes the sequences keep drafting; H100,
+        2026-12-06, s256: prompt steps at k = 2-3 first wrote 65-143 k deferred entries, 29-46 ms,
+        for one step's drafts). Charges only lower a drafting ``k``'s value against ``k = 0``'s, so
+        the batch's catch-up list is built only where drafting wins without them or a re-try of
+        drafting is due (an ``O(batch)`` pass every prompt step otherwise)."""
         self._prompt_explored = False
-        if base is not None and catch_up_ms > 0 and self._argmax_rate(base) == 0:
-            cost_of = {k: (e, t + (catch_up_ms if k else 0.0)) for k, (e, t) in base.items()}
-        c_star = min(t / (batch * e) for e, t in cost_of.values())
         per_token = (self.prompt_ms_per_token(False), self.prompt_ms_per_token(True))
-        value_of = {k: n_drafting * e * c_star - t - n_prompt * per_token[k > 0] for k, (e, t) in cost_of.items()}
-        tol = 1e-9 * max(abs(v) for v in value_of.values())
-        best = next(k for k, v in value_of.items() if v >= max(value_of.values()) - tol)  # smallest k on ties
-        drafting_values = [v for k, v in value_of.items() if k]
-        best_drafting = next((k for k, v in value_of.items() if k and v >= max(drafting_values) - tol), None)
+
+        def values(cost_of):
+            c_star = min(t / (batch * e) for e, t in cost_of.values())
+            value_of = {k: n_drafting * e * c_star - t - n_prompt * per_token[k > 0] for k, (e, t) in cost_of.items()}
+            tol = 1e-9 * max(abs(v) for v in value_of.values())
+            top = max(value_of.values())
+            best = next(k for k, v in value_of.items() if v >= top - tol)  # smallest k on ties
+            drafting_values = [v for k, v in value_of.items() if k]
+            best_drafting = next((k for k, v in value_of.items() if k and v >= max(drafting_values) - tol), None)
+            return best, best_drafting
+
+        cost_of, catch_up_ms = base, 0.0
+        best, best_drafting = values(base)
+        n = self._prompt_steps + 1
+        retry_due = (best == 0 and best_drafting is not None and self._decode_samples > 0 and (
+            len(self._prefill_samples[1]) < MIN_PROMPT_SAMPLES and len(self._prefill_samples[1]) <= len(
+                self._prefill_samples[0]) or n - self._prompt_last[1] > PROMPT_EXPLORE_EVERY))
+        if charged is not None and (best > 0 or retry_due):
+            catch_up_ms = catch_up_all()
+            if catch_up_ms > 0 and self._argmax_rate(base) == 0:
+                cost_of = {k: (e, t + (catch_up_ms if k else 0.0)) for k, (e, t) in base.items()}
+            else:
+                cost_of = charged()
+            best, best_drafting = values(cost_of)
         if not self._decode_samples:  # no prompt sample can be taken yet (observe_step_time)
             return best
-        self._prompt_steps = n = self._prompt_steps + 1
+        self._prompt_steps = n
         drafting = int(best > 0)
         other = 0 if drafting else best_drafting  # the kind not chosen, if any is allowed
         if other and 0 in cost_of and catch_up_ms > cost_of[0][1]:
