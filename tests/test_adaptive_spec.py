@@ -20,7 +20,7 @@ from test_engine_fixtures import make_model, mixed_prompts, token_prompts
 from mtpspec import LLM, SamplingParams
 from mtpspec.engine.arg_utils import EngineArgs
 from mtpspec.spec_decode.adaptive import (CATCH_UP_HORIZON, EXPLORE_EVERY, EXPLORE_RECHECK, EXPLORE_STEPS, MEASURE_MARGIN, MIN_PROMPT_SAMPLES,
-                                         PROMPT_EXPLORE_EVERY, AdaptiveSpecPolicy, StepCostTable,
+                                         PROMPT_EXPLORE_EVERY, PROMPT_RECHECK, AdaptiveSpecPolicy, StepCostTable,
                                          measure_step_costs)
 
 
@@ -886,6 +886,15 @@ def test_the_catch_up_list_is_built_only_where_the_choice_can_depend_on_it() -> 
         assert got == [pols[1].choose(64, 500, catch_up=lags) for _ in range(PROMPT_EXPLORE_EVERY)]
         assert len(calls) == (PROMPT_EXPLORE_EVERY if built else 0), (rate, got, len(calls))
         assert set(got) == ({3} if built else {0})
+    # a re-try of drafting due (no drafting prompt sample) but blocked by the catch-up (600+ rows a sequence cost
+    # more than a k = 0 step): the list is built once per PROMPT_RECHECK prompt steps, k = 0 every time
+    pol = AdaptiveSpecPolicy(3, costs, prior_rate=0.05, prior_weight=1e6, decay=1.0)
+    for k in (3, 0):
+        for _ in range(50):
+            pol.observe_step_time(64, k, costs.step_ms(64, k) + 1.0)
+    calls.clear()
+    assert {pol.choose(64, 500, catch_up=lazy) for _ in range(4 * PROMPT_RECHECK)} == {0}
+    assert len(calls) == 4 and sum(r for r, _ in lags) * costs.catch_up_ms_per_row > costs.step_ms(64, 0) + 1.0
     if_explore = AdaptiveSpecPolicy(3, costs, prior_rate=0.05, prior_weight=1e6, decay=1.0)
     if_explore._decode_choices = if_explore._last_burst + EXPLORE_EVERY  # the next choice may start a burst
     calls.clear()

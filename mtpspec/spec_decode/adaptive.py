@@ -132,6 +132,10 @@ HOLD_K0_STEPS = 4
 PROMPT_SAMPLES = 8
 MIN_PROMPT_SAMPLES = 3
 PROMPT_EXPLORE_EVERY = 32
+#: A re-try of drafting at a prompt step that its catch-up blocked (the batch's deferred entries cost
+#: more than a ``k = 0`` step) is looked at again only after this many prompt steps: pricing it
+#: builds the batch's catch-up list, an ``O(batch)`` pass (~0.1 ms at 256 sequences on a CPU).
+PROMPT_RECHECK = 8
 #: Deferred MTP entries (:mod:`mtpspec.spec_decode.deferred_mtp`): :func:`measure_step_costs` times
 #: the catch-up pass over this many rows (fewer where the cache holds fewer) for its cost per entry.
 CATCH_UP_CALIBRATION_ROWS = 1024
@@ -322,6 +326,8 @@ class AdaptiveSpecPolicy:
     _prefill_samples: List[List[float]] = field(default_factory=lambda: [[], []], init=False, repr=False)
     _prompt_steps: int = field(default=0, init=False, repr=False)
     _prompt_last: List[int] = field(default_factory=lambda: [0, 0], init=False, repr=False)
+    # the prompt-step count before which a re-try of drafting blocked by its catch-up is not looked at again
+    _prompt_retry_blocked_until: int = field(default=0, init=False, repr=False)
     #: Per (table batch size, proposed ``k``): the median of what its last :data:`MEASURED_WINDOW`
     #: pure-decode steps took beyond the device table (ms), of the steps that proposed the same ``k``
     #: as the two steps before them and the step chosen after them: a steady run of that ``k``, not a
@@ -709,10 +715,12 @@ class AdaptiveSpecPolicy:
         cost_of, catch_up_ms = base, 0.0
         best, best_drafting = values(base)
         n = self._prompt_steps + 1
-        retry_due = (best == 0 and best_drafting is not None and self._decode_samples > 0 and (
-            len(self._prefill_samples[1]) < MIN_PROMPT_SAMPLES and len(self._prefill_samples[1]) <= len(
-                self._prefill_samples[0]) or n - self._prompt_last[1] > PROMPT_EXPLORE_EVERY))
-        if charged is not None and (best > 0 or retry_due):
+        drafts = self._prefill_samples[1]  # a re-try of drafting may be due (the conditions below)
+        retry_due = (self._decode_samples > 0 and n >= self._prompt_retry_blocked_until and (
+            (len(drafts) < MIN_PROMPT_SAMPLES and len(drafts) <= len(self._prefill_samples[0]))
+            or n - self._prompt_last[1] > PROMPT_EXPLORE_EVERY))
+        priced = charged is not None and (best > 0 or (best_drafting is not None and retry_due))
+        if priced:
             catch_up_ms = catch_up_all()
             if catch_up_ms > 0 and self._argmax_rate(base) == 0:
                 cost_of = {k: (e, t + (catch_up_ms if k else 0.0)) for k, (e, t) in base.items()}
@@ -724,8 +732,11 @@ class AdaptiveSpecPolicy:
         self._prompt_steps = n
         drafting = int(best > 0)
         other = 0 if drafting else best_drafting  # the kind not chosen, if any is allowed
-        if other and 0 in cost_of and catch_up_ms > cost_of[0][1]:
+        if other and charged is not None and not priced:
+            other = None  # a re-try of drafting not due (or blocked lately): its catch-up was not priced
+        elif other and 0 in cost_of and catch_up_ms > cost_of[0][1]:
             other = None  # re-trying drafting would first write more deferred entries than a k = 0 step costs
+            self._prompt_retry_blocked_until = n + PROMPT_RECHECK  # (and the list is not built again before)
         have, lack = len(self._prefill_samples[drafting]), len(self._prefill_samples[1 - drafting])
         self._prompt_explored = other is not None and ((lack < MIN_PROMPT_SAMPLES and lack <= have)
                                                        or n - self._prompt_last[1 - drafting] > PROMPT_EXPLORE_EVERY)
