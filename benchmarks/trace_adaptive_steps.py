@@ -52,18 +52,16 @@ def trace(llm: Any, prompts: List[List[int]], output_len: int, concurrency: int)
     real_choose = eng._choose_k
     host = [0.0, 0.0]  # ms in _choose_k in all, and at the previous applied step (the policy's own host work)
 
-    explored: Dict[int, bool] = {}  # id(step) -> its k came from an exploration (a decode burst, a prompt re-try)
-
     def choose(out):
         t = time.perf_counter()
+        asked = real_observe is not None and bool(out.num_proposed_tokens)  # (else _choose_k asks no policy)
         try:
             return real_choose(out)
         finally:
             host[0] += (time.perf_counter() - t) * 1e3
-            if real_observe is not None and out.num_prefill_tokens:
-                explored[id(out)] = policy._prompt_explored
-            elif real_observe is not None and not getattr(out, "policy_held", False):
-                explored[id(out)] = policy._burst_choice
+            # whether its k came from an exploration (a decode burst, a prompt step's re-try); None: not asked
+            if asked and not getattr(out, "policy_held", False):
+                out.trace_explored = policy._prompt_explored if out.num_prefill_tokens else policy._burst_choice
 
     def observed(batch, k, wall_ms, verify_k=None, num_prefill_tokens=0, num_emitted=None, **more):
         v = k if verify_k is None else verify_k
@@ -81,7 +79,7 @@ def trace(llm: Any, prompts: List[List[int]], output_len: int, concurrency: int)
                          prefill=out.num_prefill_tokens, gap=(now - last[0]) * 1e3 if last[0] else None,
                          ahead=eng._inflight is not None, wall=None, predicted=None, counted=None,
                          held=getattr(out, "policy_held", False),  # a held k = 0 step: not reported to the policy
-                         explored=explored.pop(id(out), None),  # k from an exploration (None: not asked)
+                         explored=getattr(out, "trace_explored", None),  # k from an exploration (None: not asked)
                          # deferred MTP entries scheduled for catch-up since the previous applied step (counted
                          # when a step is prepared: with a step scheduled ahead, they may be the next row's)
                          catch_up=caught_up() - caught[0],

@@ -147,6 +147,8 @@ class SamplingParams:
         self._stop_list, self._stop_src = self._check_stop(self.stop), self.stop
         ids = self.stop_token_ids
         if ids is not None:
+            if getattr(ids, "ndim", None) == 1 and hasattr(ids, "tolist"):  # a 1-D numpy array of ids
+                ids = ids.tolist()
             if isinstance(ids, (str, bytes)) or not isinstance(ids, Sequence):
                 raise TypeError(f"stop_token_ids must be a list of ints, got {ids!r}")
             for t in ids:  # numpy integers too (ids taken from an array), kept as Python ints

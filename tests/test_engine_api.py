@@ -67,11 +67,12 @@ def test_bad_sampling_params(kwargs, match) -> None:
 
 
 def test_stop_token_ids_take_numpy_integers_as_python_ints() -> None:
-    """Ids taken from a numpy array work (as in vLLM) and are kept as Python ints; a bool, a float
-    or a negative numpy integer is still refused."""
+    """Ids taken from a numpy array (or the 1-D array itself) work, as in vLLM, and are kept as Python
+    ints; a bool, a float or a negative numpy integer is still refused."""
     import numpy as np
     ids = SamplingParams(stop_token_ids=list(np.array([5, 7], dtype=np.int64)) + [np.int32(9)]).stop_token_ids
     assert ids == [5, 7, 9] and all(type(t) is int for t in ids)
+    assert SamplingParams(stop_token_ids=np.array([3, 4], dtype=np.uint32)).stop_token_ids == [3, 4]  # an array
     for bad in ([True], [5.0], [np.int64(-1)], [np.float32(3)]):
         with pytest.raises((ValueError, TypeError), match="stop_token_ids"):
             SamplingParams(stop_token_ids=bad)

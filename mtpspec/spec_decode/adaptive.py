@@ -81,10 +81,11 @@ import numpy as np
 MIN_SPREAD = 0.05
 MIN_FIT_SAMPLES = 20
 #: Exploration: a ``k`` whose host time at this batch size is not measured yet (the plane's
-#: prediction alone may be far off; :data:`MIN_MEASURED`), or else at most once every
+#: prediction alone may be far off; :data:`MIN_MEASURED`) and whose burst rates within
+#: :data:`MEASURE_MARGIN` of the best, or else at most once every
 #: :data:`EXPLORE_EVERY` pure-decode choices (steps that asked the policy: a held ``k = 0`` step,
 #: :data:`HOLD_K0_STEPS`, is none) the ``k`` proposed longest ago among those not proposed at this
-#: batch size for that many choices whose predicted rate is within :data:`EXPLORE_MARGIN` of the
+#: batch size for that many choices whose burst rates within :data:`EXPLORE_MARGIN` of the
 #: best (any rate after :data:`STALE_EVERY` choices), is proposed for
 #: :data:`EXPLORE_STEPS` steps in a row (counted only where the pipeline holds that ``k`` alone:
 #: the two steps before it proposed it too, and so does the step chosen after it, whose scheduling
@@ -106,8 +107,13 @@ EXPLORE_MARGIN = 0.15
 #: smaller batch size while the run drained, each burst first writing 23-33 k deferred entries,
 #: 10-14 ms) were most of the 4.4% the adaptive arm lost to plain decoding; priced so, k = 2 at 64
 #: sequences rates 0.36 against k = 0's 0.62 tokens per ms a sequence (0.54 without the catch-up).
-#: A batch size whose unmeasured ``k`` were all declined is looked at again after
-#: :data:`EXPLORE_RECHECK` pure-decode choices (pricing a burst builds the batch's lag list).
+#: The price of that: where the plane predicts a ``k`` far worse than it is, or the batch's catch-up
+#: is large, the ``k`` waits for the :data:`STALE_EVERY` re-try (a review's simulation, 64 sequences,
+#: k = 3 truly 20% better than k = 0 but predicted 30% worse, ~15 ms of catch-up: first tried after
+#: 8,000 steps with the hold of 4, where every unmeasured k was tried at once before), or for its
+#: predicted rate to come near the best. A batch size whose bursts were all declined is priced
+#: again only after :data:`EXPLORE_RECHECK` pure-decode choices (pricing builds the batch's lag list,
+#: an ``O(batch)`` pass).
 MEASURE_MARGIN = 0.25
 EXPLORE_RECHECK = 32
 #: A (batch size, k) counts as measured after this many counted steps (two bursts of 3), or after
@@ -592,12 +598,18 @@ class AdaptiveSpecPolicy:
         tokens it is expected to emit still (``None``: unknown). So ``t(k)``, ``k >= 1``, carries
         each sequence's share of its entries' cost that one step's tokens take of what is left,
         ``sum rows q min(1, max(E(k) / R, 1 / H))`` (all of it where ``R`` is unknown; ``H`` =
-        :data:`CATCH_UP_HORIZON`: leaving ``k = 0`` must repay its catch-up within ``H`` steps), and a prompt step is not
-        made to re-try drafting while ``C = sum rows q`` exceeds a ``k = 0`` step's cost.
+        :data:`CATCH_UP_HORIZON`: leaving ``k = 0`` must repay its catch-up within ``H`` steps); a
+        prompt step where the best pure-decode ``k`` is 0 before any charge is charged all of ``C =
+        sum rows q`` for drafting (its sequences go back to ``k = 0`` after it), and is not made to
+        re-try drafting while ``C`` exceeds a ``k = 0`` step's cost; an exploration burst is priced
+        with all of ``C`` spread over its steps (:data:`MEASURE_MARGIN`).
         ``catch_up`` may be a function returning that list: it is called only where the choice can
-        depend on it (not for a pure-decode step whose best ``k`` is 0 before any catch-up cost, as
-        charging one only lowers the other ``k``'s rates, unless an exploration burst that compares
-        rates may start), so the engine builds the list, ``O(batch)`` host work, only then."""
+        depend on it (charges only lower a drafting ``k``'s rate or value against ``k = 0``'s: a
+        pure-decode step whose best ``k`` is 0 before any charge calls it only to price a burst that
+        may start, at most once per :data:`EXPLORE_RECHECK` choices where declined; a prompt step
+        only where drafting wins before charges or a re-try of drafting is due, at most once per
+        :data:`PROMPT_RECHECK` where blocked), so the engine builds the list, ``O(batch)`` host
+        work, only then."""
         rates = self.rates()
         q = self.catch_up_ms_per_row()
         n_prompt = max(0, num_prefill_tokens)
@@ -643,7 +655,7 @@ class AdaptiveSpecPolicy:
             self._chosen_k = k = self._choose_prompt_step(batch, max(0, batch - num_partial_prefills), n_prompt,
                                                           base, charged if q > 0 else None, catch_up_all)
             return k
-        if q > 0 and (self._argmax_rate(cost_of) != 0 or self._rates_may_explore()):
+        if q > 0 and self._argmax_rate(cost_of) != 0:  # (else k = 0 is best and its rate uncharged)
             cost_of = charged()
         rate_of = {k: e / t for k, (e, t) in cost_of.items()}
         best = self._argmax_rate(cost_of)
@@ -679,11 +691,6 @@ class AdaptiveSpecPolicy:
             if e / t > best_rate * (1 + 1e-9):
                 best, best_rate = k, e / t
         return best
-
-    def _rates_may_explore(self) -> bool:
-        """Whether this pure-decode choice may start an exploration burst chosen by rates
-        (:meth:`_explored`: no burst under way, :data:`EXPLORE_EVERY` choices since the last)."""
-        return not self._explore and self._decode_choices + 1 - self._last_burst > EXPLORE_EVERY
 
     def _choose_prompt_step(self, batch: int, n_drafting: int, n_prompt: int, base: Dict[int, Tuple[float, float]],
                             charged: Optional[Callable[[], Dict[int, Tuple[float, float]]]] = None,
@@ -760,20 +767,23 @@ class AdaptiveSpecPolicy:
             # their samples rejected) whose burst rate is within MEASURE_MARGIN, else one not proposed
             # here for long: within EXPLORE_MARGIN of the best after EXPLORE_EVERY steps, whatever its
             # rate after STALE_EVERY (one bad burst must not shut a k out for good)
-            stale = [k for k in rate_of if k != best and self._excess_n.get((bucket, k), 0) < MIN_MEASURED
-                     and self._bursts.get((bucket, k), 0) < MAX_MEASURING_BURSTS]
-            if stale and n < self._declined.get(bucket, 0):
-                stale = []
-            elif stale:
+            declined = n < self._declined.get(bucket, 0)  # priced and declined lately: not priced again yet
+            stale = [] if declined else [
+                k for k in rate_of if k != best and self._excess_n.get((bucket, k), 0) < MIN_MEASURED
+                and self._bursts.get((bucket, k), 0) < MAX_MEASURING_BURSTS]
+            if stale:
                 burst = self._burst_rates(stale, rate_of, base, catch_up_all)
                 stale = [k for k in stale if burst[k] >= (1.0 - MEASURE_MARGIN) * best_rate]
-                if not stale:
-                    self._declined[bucket] = n + EXPLORE_RECHECK
+                declined = not stale
             if not stale and since > EXPLORE_EVERY:
                 due = [k for k in rate_of if k != best and n - seen.get(k, 0) > EXPLORE_EVERY]
-                burst = self._burst_rates(due, rate_of, base, catch_up_all) if due else {}
-                stale = [k for k in due if n - seen.get(k, 0) > STALE_EVERY
-                         or burst[k] >= (1.0 - EXPLORE_MARGIN) * best_rate]
+                stale = [k for k in due if n - seen.get(k, 0) > STALE_EVERY]  # whatever its rate: not priced
+                if not stale and due and not declined:
+                    burst = self._burst_rates(due, rate_of, base, catch_up_all)
+                    stale = [k for k in due if burst[k] >= (1.0 - EXPLORE_MARGIN) * best_rate]
+                    declined = not stale
+            if declined and not stale and n >= self._declined.get(bucket, 0):
+                self._declined[bucket] = n + EXPLORE_RECHECK
             if stale:  # the one proposed longest ago
                 k = min(stale, key=lambda k: (seen.get(k, 0), k))
                 self._explore = [k] * EXPLORE_STEPS
