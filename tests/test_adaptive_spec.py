@@ -903,18 +903,21 @@ def test_the_catch_up_list_is_built_only_where_the_choice_can_depend_on_it() -> 
 
 
 def test_an_exploration_burst_is_priced_with_the_catch_up_its_first_step_writes() -> None:
-    """A k not measured at a batch size is tried only if its burst, whose first drafting step writes
-    every deferred entry of the batch, rates within MEASURE_MARGIN of the best: with 10 deferred rows a
-    sequence k = 1 (12% below k = 0) is tried and k = 2, 3 (27%, 40% below) are not; with 600 rows a
-    sequence (19 ms of catch-up, 3.2 ms a burst step) nothing is, and the batch's lag list is built once
-    per EXPLORE_RECHECK choices. The same holds for the periodic re-try of a k measured long ago."""
-    costs = _table(verify=lambda b, k: 1.0 + 0.4 * k, draft=lambda b, k: 0.3 * k)  # t(k) = 1 + 0.7 k
-    costs.catch_up_ms_per_row = 0.002
+    """A k not measured at a batch size is tried only if its predicted rate is within MEASURE_MARGIN of
+    the best and (k >= 1) its burst's catch-up, the batch's deferred entries that the first drafting step
+    writes, is cheap (C / EXPLORE_STEPS <= MEASURE_CATCH_UP of the best step): with 10 deferred rows a
+    sequence k = 1, 2 (25%, 42% below k = 0) are tried and k = 3 (53% below) is not; with 600 rows a
+    sequence (19 ms of catch-up, 3.2 ms a burst step) none is, and the batch's lag list is built once
+    per EXPLORE_RECHECK choices. A periodic re-try of a k measured long ago: its burst rate, catch-up
+    included, within EXPLORE_MARGIN."""
+    from mtpspec.spec_decode.adaptive import MEASURE_CATCH_UP
+    measuring = _table(verify=lambda b, k: 1.0 + 0.4 * k, draft=lambda b, k: 0.6 * k)  # t(k) = 1 + k
+    measuring.catch_up_ms_per_row = 0.002
     e = [1.0, 1.5, 1.75, 1.875]  # E(k) at rate 0.5
-    rate = [e[k] / (1.0 + 0.7 * k) for k in range(4)]
-    assert rate[1] >= (1 - MEASURE_MARGIN) * rate[0] > rate[2] > rate[3]
-    assert e[1] / (1.7 + 16 * 600 * 0.002 / EXPLORE_STEPS) < (1 - MEASURE_MARGIN) * rate[0]
-    for rows, tried in ((10, {0, 1}), (600, {0})):
+    rate = [e[k] / (1.0 + k) for k in range(4)]
+    assert rate[2] >= (1 - MEASURE_MARGIN) * rate[0] > rate[3]
+    assert 16 * 10 * 0.002 / EXPLORE_STEPS <= MEASURE_CATCH_UP * 1.0 < 16 * 600 * 0.002 / EXPLORE_STEPS
+    for rows, tried in ((10, {0, 1, 2}), (600, {0})):
         lags = [(rows, 200.0)] * 16
         calls = []
 
@@ -922,11 +925,13 @@ def test_an_exploration_burst_is_priced_with_the_catch_up_its_first_step_writes(
             calls.append(1)
             return lags
 
-        pol = AdaptiveSpecPolicy(3, costs, prior_rate=0.5, prior_weight=1e6, decay=1.0)
+        pol = AdaptiveSpecPolicy(3, measuring, prior_rate=0.5, prior_weight=1e6, decay=1.0)
         chosen = [pol.choose(16, catch_up=lazy) for _ in range(300)]
         assert set(chosen) == tried, (rows, sorted(set(chosen)))
         if rows == 600:  # priced once per EXPLORE_RECHECK choices after the first MIN_FIT_SAMPLES
             assert 2 <= len(calls) <= 300 // EXPLORE_RECHECK + 1, len(calls)
+    costs = _table(verify=lambda b, k: 1.0 + 0.4 * k, draft=lambda b, k: 0.3 * k)  # t(k) = 1 + 0.7 k
+    costs.catch_up_ms_per_row = 0.002
     # a k measured long ago: re-tried after EXPLORE_EVERY choices only where its burst is within EXPLORE_MARGIN:
     # 50 rows a sequence (1.6 ms) spread over the burst take k = 1 to 0.763 of k = 0's rate (0.857 at a drafting
     # step's own share, C / 32: within the margin); declined, the batch's list is not built again for

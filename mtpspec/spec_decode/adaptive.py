@@ -43,8 +43,8 @@ rate is per position, as vLLM's ``num_accepted_tokens_per_pos`` measures it). Th
   3 layers at 64 sequences: 1.7 ms a step beyond the device at ``k = 0``, 3.4-6.2 ms at ``k = 1 ..
   3``). ``k`` values not measured at a batch size, and now and then those measured long ago whose
   rate is near the best, are tried for a few steps (exploration bursts, :data:`EXPLORE_EVERY`),
-  where the burst, priced with the deferred entries its first drafting step writes, rates near
-  the best (:data:`MEASURE_MARGIN`).
+  where the deferred entries the burst's first drafting step writes cost little
+  (:data:`MEASURE_MARGIN`).
   With deferred MTP entries, a drafting step first writes the entries its sequences' ``k = 0``
   steps left (:mod:`mtpspec.spec_decode.deferred_mtp`): their cost per entry is timed at start-up
   with the table, and a step's ``t(k)``, ``k >= 1``, carries each sequence's share of its
@@ -81,8 +81,8 @@ import numpy as np
 MIN_SPREAD = 0.05
 MIN_FIT_SAMPLES = 20
 #: Exploration: a ``k`` whose host time at this batch size is not measured yet (the plane's
-#: prediction alone may be far off; :data:`MIN_MEASURED`) and whose burst rates within
-#: :data:`MEASURE_MARGIN` of the best, or else at most once every
+#: prediction alone may be far off; :data:`MIN_MEASURED`) whose rate and catch-up allow it
+#: (:data:`MEASURE_MARGIN`), or else at most once every
 #: :data:`EXPLORE_EVERY` pure-decode choices (steps that asked the policy: a held ``k = 0`` step,
 #: :data:`HOLD_K0_STEPS`, is none) the ``k`` proposed longest ago among those not proposed at this
 #: batch size for that many choices whose burst rates within :data:`EXPLORE_MARGIN` of the
@@ -99,22 +99,23 @@ EXPLORE_EVERY = 500
 EXPLORE_STEPS = 6
 EXPLORE_MARGIN = 0.15
 #: A burst is priced as what it runs: its first drafting step writes every deferred MTP entry of
-#: the batch (``C`` ms, :meth:`AdaptiveSpecPolicy.catch_up_ms_per_row` a row), so a ``k`` is tried
-#: only if its burst rate ``E(k) / (t(k) + C / EXPLORE_STEPS)`` is within :data:`EXPLORE_MARGIN`
-#: of the best rate (one proposed long ago) or within :data:`MEASURE_MARGIN` (one not measured at
-#: this batch size yet: the plane may be off). H100, 2026-12-06, s64 (Air 3 layers, forced
-#: acceptance 0.8): 12-15 burst and catch-up steps a run (k = 1-3 at 64 sequences and again at each
-#: smaller batch size while the run drained, each burst first writing 23-33 k deferred entries,
-#: 10-14 ms) were most of the 4.4% the adaptive arm lost to plain decoding; priced so, k = 2 at 64
-#: sequences rates 0.36 against k = 0's 0.62 tokens per ms a sequence (0.54 without the catch-up).
-#: The price of that: where the plane predicts a ``k`` far worse than it is, or the batch's catch-up
-#: is large, the ``k`` waits for the :data:`STALE_EVERY` re-try (a review's simulation, 64 sequences,
-#: k = 3 truly 20% better than k = 0 but predicted 30% worse, ~15 ms of catch-up: first tried after
-#: 8,000 steps with the hold of 4, where every unmeasured k was tried at once before), or for its
-#: predicted rate to come near the best. A batch size whose bursts were all declined is priced
-#: again only after :data:`EXPLORE_RECHECK` pure-decode choices (pricing builds the batch's lag list,
-#: an ``O(batch)`` pass).
-MEASURE_MARGIN = 0.25
+#: the batch (``C`` ms, :meth:`AdaptiveSpecPolicy.catch_up_ms_per_row` a row). A ``k`` not measured
+#: at this batch size yet is tried if its predicted rate is within :data:`MEASURE_MARGIN` of the best
+#: (wide: the plane may be off) and, for ``k >= 1``, ``C / EXPLORE_STEPS`` is at most
+#: :data:`MEASURE_CATCH_UP` of the best ``k``'s step time; one proposed long ago if its burst rate
+#: ``E(k) / (t(k) + C / EXPLORE_STEPS)`` is within :data:`EXPLORE_MARGIN` of the best. H100,
+#: 2026-12-06, s64 (Air 3 layers, forced acceptance 0.8): 12-15 burst and catch-up steps a run
+#: (k = 1-3 at 64 sequences and again at each smaller batch size while the run drained, each burst
+#: first writing 23-33 k deferred entries, 10-14 ms, 1.5-2.3 ms a burst step against a 1.6 ms k = 0
+#: step) were most of the 4.4% the adaptive arm lost to plain decoding. The price: where the batch's
+#: catch-up is large, an unmeasured ``k`` waits for the :data:`STALE_EVERY` re-try (a review's
+#: simulation, 64 sequences, k = 3 truly 20% better than k = 0 but predicted 30% worse, ~15 ms of
+#: catch-up: first tried after 8,000 steps with the hold of 4), for the catch-up to shrink, or for
+#: its predicted rate to win outright. A batch size whose bursts were all declined is priced again
+#: only after :data:`EXPLORE_RECHECK` pure-decode choices (pricing builds the batch's lag list, an
+#: ``O(batch)`` pass).
+MEASURE_MARGIN = 0.5
+MEASURE_CATCH_UP = 0.25
 EXPLORE_RECHECK = 32
 #: A (batch size, k) counts as measured after this many counted steps (two bursts of 3), or after
 #: :data:`MAX_MEASURING_BURSTS` bursts whatever they counted; measured ones not proposed for
@@ -602,7 +603,7 @@ class AdaptiveSpecPolicy:
         prompt step where the best pure-decode ``k`` is 0 before any charge is charged all of ``C =
         sum rows q`` for drafting (its sequences go back to ``k = 0`` after it), and is not made to
         re-try drafting while ``C`` exceeds a ``k = 0`` step's cost; an exploration burst is priced
-        with all of ``C`` spread over its steps (:data:`MEASURE_MARGIN`).
+        with all of ``C`` (:data:`MEASURE_MARGIN`).
         ``catch_up`` may be a function returning that list: it is called only where the choice can
         depend on it (charges only lower a drafting ``k``'s rate or value against ``k = 0``'s: a
         pure-decode step whose best ``k`` is 0 before any charge calls it only to price a burst that
@@ -756,7 +757,7 @@ class AdaptiveSpecPolicy:
                   base: Optional[Dict[int, Tuple[float, float]]] = None,
                   catch_up_all: Callable[[], float] = lambda: 0.0) -> int:
         """``best``, or for a pure-decode step at table batch size ``bucket`` the ``k`` of an
-        exploration burst (:data:`EXPLORE_EVERY`), priced with its catch-up (:data:`MEASURE_MARGIN`:
+        exploration burst (:data:`EXPLORE_EVERY`), priced with its catch-up (:data:`MEASURE_MARGIN`;
         ``base`` is ``k -> (E(k), t(k))`` before catch-up shares, ``catch_up_all()`` the ms of
         writing every deferred entry of the batch; ``rate_of``'s own rates where ``base`` is None)."""
         self._decode_choices = n = self._decode_choices + 1
@@ -764,16 +765,19 @@ class AdaptiveSpecPolicy:
         since = n - self._last_burst
         if not self._explore and since > MIN_FIT_SAMPLES:
             # a k measured by too few steps at this batch size (unless bursts keep failing to measure it:
-            # their samples rejected) whose burst rate is within MEASURE_MARGIN, else one not proposed
+            # their samples rejected) within MEASURE_MARGIN and a cheap catch-up, else one not proposed
             # here for long: within EXPLORE_MARGIN of the best after EXPLORE_EVERY steps, whatever its
             # rate after STALE_EVERY (one bad burst must not shut a k out for good)
             declined = n < self._declined.get(bucket, 0)  # priced and declined lately: not priced again yet
             stale = [] if declined else [
                 k for k in rate_of if k != best and self._excess_n.get((bucket, k), 0) < MIN_MEASURED
                 and self._bursts.get((bucket, k), 0) < MAX_MEASURING_BURSTS]
-            if stale:
-                burst = self._burst_rates(stale, rate_of, base, catch_up_all)
-                stale = [k for k in stale if burst[k] >= (1.0 - MEASURE_MARGIN) * best_rate]
+            if stale:  # within MEASURE_MARGIN before any catch-up, and a drafting k's catch-up cheap
+                rate = {k: base[k][0] / base[k][1] for k in stale} if base is not None else rate_of
+                stale = [k for k in stale if rate[k] >= (1.0 - MEASURE_MARGIN) * best_rate]
+                if base is not None and any(stale):
+                    cheap = catch_up_all() / EXPLORE_STEPS <= MEASURE_CATCH_UP * base[best][1]
+                    stale = [k for k in stale if k == 0 or cheap]
                 declined = not stale
             if not stale and since > EXPLORE_EVERY:
                 due = [k for k in rate_of if k != best and n - seen.get(k, 0) > EXPLORE_EVERY]
