@@ -1306,6 +1306,16 @@ def test_catch_up_cost_per_entry_is_learnt_from_the_timed_catch_ups() -> None:
     assert pol.catch_up_ms_per_row() == pytest.approx(want)
     # drafting pays it: 5,000 entries for 100 tokens left tip the choice to k = 0; at the table's price it drafts
     assert pol.choose(1, catch_up=[(5000, 100.0)]) == 0
+    # an outlier (kernels compiled in a first catch-up: 11x the table) teaches nothing, unless it keeps coming
+    from mtpspec.spec_decode.adaptive import CATCH_UP_MAX_REJECTED, CATCH_UP_OUTLIER, CATCH_UP_SLACK_MS
+    slow = AdaptiveSpecPolicy(3, costs, prior_rate=0.9, prior_weight=1e6, decay=1.0)
+    rows = 2 * CATCH_UP_MIN_ROWS
+    assert rows * 0.011 > CATCH_UP_OUTLIER * rows * 0.001 + CATCH_UP_SLACK_MS
+    for _ in range(CATCH_UP_MAX_REJECTED):
+        slow.observe_catch_up(rows, rows * 0.011)
+        assert slow.catch_up_rows_timed == 0 and slow.catch_up_ms_per_row() == 0.001
+    slow.observe_catch_up(rows, rows * 0.011)  # the third in a row: the device is that slow
+    assert slow.catch_up_ms_per_row() == pytest.approx(0.011)
     fresh = AdaptiveSpecPolicy(3, costs, prior_rate=0.9, prior_weight=1e6, decay=1.0)
     assert fresh.choose(1, catch_up=[(5000, 100.0)]) > 0
 

@@ -154,6 +154,15 @@ CATCH_UP_CALIBRATION_ROWS = 1024
 #: 1.02 us a row timed at start-up over 1,024 rows, 1.40-1.92 us in the s256 run's catch-ups of ~150 k).
 CATCH_UP_DECAY = 0.5
 CATCH_UP_MIN_ROWS = 256
+#: A timed catch-up above ``CATCH_UP_OUTLIER`` x what the current estimate gives its rows +
+#: ``CATCH_UP_SLACK_MS`` teaches nothing, unless :data:`CATCH_UP_MAX_REJECTED` in a row did not (then
+#: the device, or the host launching the eager pass, is that slow). H100, 2026-12-06, s1: the
+#: warm-up's first catch-ups (kernels compiled in them) timed 528 rows at 14.5 us a row against the
+#: table's 1.29; with no later catch-up to dilute it, every drafting step was charged that price and
+#: the policy stayed at k = 0 for the whole sweep (0.99 of k = 3 where k = 1 had given 1.07).
+CATCH_UP_OUTLIER = 4.0
+CATCH_UP_SLACK_MS = 0.5
+CATCH_UP_MAX_REJECTED = 2
 #: A drafting step is charged at least ``1 / CATCH_UP_HORIZON`` of each sequence's catch-up, whatever
 #: tokens it has left (:meth:`AdaptiveSpecPolicy.choose`): leaving ``k = 0`` must repay its catch-up
 #: within this many drafting steps, not only by the sequences' end. The share by tokens left alone let
@@ -375,6 +384,7 @@ class AdaptiveSpecPolicy:
     # decayed sums over timed catch-ups of (ms, rows), and the rows timed in all
     _catch_up_sums: List[float] = field(default_factory=lambda: [0.0, 0.0], init=False, repr=False)
     _catch_up_rows_timed: int = field(default=0, init=False, repr=False)
+    _catch_up_rejected: int = field(default=0, init=False, repr=False)  # outliers in a row (observe_catch_up)
 
     def __post_init__(self) -> None:
         if not {0, self.max_k} <= set(self.costs.ks):
@@ -485,9 +495,16 @@ class AdaptiveSpecPolicy:
     def observe_catch_up(self, num_rows: int, ms: float) -> None:
         """A catch-up pass wrote ``num_rows`` deferred MTP entries in ``ms`` of device time (CUDA
         events around it; host time on a CPU): into :meth:`catch_up_ms_per_row`. Nothing for no rows
-        or a time that is negative or not finite."""
+        or a time that is negative or not finite, nor for one above :data:`CATCH_UP_OUTLIER` x the
+        current estimate + :data:`CATCH_UP_SLACK_MS` (up to :data:`CATCH_UP_MAX_REJECTED` in a row)."""
         if num_rows <= 0 or not (0.0 <= ms < float("inf")):
             return
+        expected = num_rows * self.catch_up_ms_per_row()
+        if expected > 0 and ms > CATCH_UP_OUTLIER * expected + CATCH_UP_SLACK_MS \
+                and self._catch_up_rejected < CATCH_UP_MAX_REJECTED:
+            self._catch_up_rejected += 1  # a first-use outlier (kernels compiled in it), or launch-bound
+            return
+        self._catch_up_rejected = 0
         sums = self._catch_up_sums
         sums[0] = CATCH_UP_DECAY * sums[0] + ms
         sums[1] = CATCH_UP_DECAY * sums[1] + num_rows
