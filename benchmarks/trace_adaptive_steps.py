@@ -148,7 +148,7 @@ def main() -> None:
                                  "table's prediction; see the module docstring")
     ap.add_argument("model", nargs="?")
     ap.add_argument("--engine", default="adaptive", choices=["plain", "adaptive", "adaptive-k0", "adaptive-k3", "k3"],
-                    help="adaptive-kN: the adaptive engine whose policy always proposes N")
+                    help="adaptive-k0 / adaptive-k3: the adaptive engine whose policy always proposes 0 / 3")
     ap.add_argument("--eager-mtp-kv", action="store_true",
                     help="adaptive engines: k = 0 steps write their MTP KV entries (adaptive_defer_mtp_kv false)")
     ap.add_argument("--concurrency", type=int, default=64)
@@ -163,7 +163,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=1,
                     help="trace the workload this many times on the same engine (its policy's state carried over, "
                          "as in bench arms --in-process rounds); rows carry their round")
-    ap.add_argument("--smoke", action="store_true", help="the bundled demo model on the CPU, 4 short prompts")
+    ap.add_argument("--smoke", action="store_true",
+                    help="the bundled GLM-4.5 demo model on the CPU, 4 short prompts (sets --concurrency, --num-prompts "
+                         "and --output-len itself)")
     a = ap.parse_args()
     if a.rounds < 1:
         ap.error(f"--rounds must be >= 1, got {a.rounds}")

@@ -211,6 +211,10 @@ class SpeculativeConfig:
             raise ValueError(f"speculative_config: adaptive must be true or false, got {self.adaptive!r}")
         if self.adaptive_cost_table is not None and not self.adaptive:
             raise ValueError("speculative_config: adaptive_cost_table is given but adaptive is false")
+        if self.adaptive_cost_table is not None and (not isinstance(self.adaptive_cost_table, str)
+                                                     or not self.adaptive_cost_table.strip()):
+            raise ValueError(f"speculative_config: adaptive_cost_table must be the path of a JSON step cost table "
+                             f"(or null to time one at start-up), got {self.adaptive_cost_table!r}")
         check_prompt_reserve(self.adaptive_prompt_reserve)
         if self.adaptive_prompt_reserve and not self.adaptive:
             raise ValueError("speculative_config: adaptive_prompt_reserve is given but adaptive is false")

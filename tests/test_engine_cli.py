@@ -295,3 +295,18 @@ def test_serve_on_port_0_names_the_port_it_listens_on(tmp_path) -> None:
         assert r.status_code == 200, r.text
     finally:
         srv.stop()
+
+
+def test_generate_summary_shows_steps_per_k_for_adaptive_engines_even_at_full_k() -> None:
+    """An adaptive engine whose every step proposed the full k still prints its steps per k (else the
+    summary reads like a fixed-k run); a fixed-k run's summary has no such line."""
+    m = {"num_output_tokens": 10, "output_tokens_per_s": 5.0, "num_steps": 4,
+         "ttft_s": {"mean": 0.1, "p99": 0.1}, "itl_s": {"mean": 0.01, "p99": 0.01},
+         "num_drafts": 4, "num_draft_tokens": 12, "num_accepted_tokens": 6, "acceptance_length": 2.5,
+         "acceptance_rate": 0.5, "num_accepted_tokens_per_pos": [3, 2, 1], "accepted_length_histogram": [1, 1, 1, 1],
+         "num_speculative_tokens_histogram": [0, 0, 0, 4], "num_mtp_catch_up_tokens": 0, "num_eager_fallbacks": 0,
+         "num_preemptions": 0}
+    assert "steps proposing k  [0, 0, 0, 4]" in generate.format_metrics(m, adaptive=True)
+    assert "steps proposing k" not in generate.format_metrics(m)
+    m["num_speculative_tokens_histogram"] = [1, 0, 0, 3]
+    assert "steps proposing k  [1, 0, 0, 3]" in generate.format_metrics(m)

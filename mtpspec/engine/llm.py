@@ -188,6 +188,11 @@ class LLM:
                     spec.num_speculative_tokens, costs, prompt_reserve=float(spec.adaptive_prompt_reserve),
                     hold_k0_steps=spec.adaptive_hold_k0_steps or HOLD_K0_STEPS)
                 self.llm_engine.defer_mtp_kv = spec.defers_mtp_kv
+                if max(costs.verify_ms[0]) < sched.max_num_seqs:  # a table timed for fewer sequences
+                    print(f"adaptive speculation: warning: the step-cost table ({costs.source}) goes up to batch "
+                          f"{max(costs.verify_ms[0])} but max_num_seqs is {sched.max_num_seqs}: larger batches are "
+                          "priced at its largest; time one at this max_num_seqs (adaptive_cost_table null, or "
+                          "benchmarks/calibrate_spec_costs.py)", file=sys.stderr)
                 for b in sorted(costs.verify_ms[0]):  # what the policy will weigh, once, in the log
                     print(f"adaptive speculation: batch {b}: step ms for k = 0..: "
                           + ", ".join(f"{costs.step_ms(b, j):.3f}" for j in costs.ks) + f" ({costs.source})",

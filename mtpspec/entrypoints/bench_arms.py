@@ -965,7 +965,10 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--model", default=None, help="checkpoint folder (default: the bundled demo model)")
     p.add_argument("--arms", default="baseline,fusion,both", help="comma-separated arm names, in comparison order")
     p.add_argument("--arm", action="append", default=[], metavar="NAME=FLAGS",
-                   help="define an arm by its `mtpspec serve` flags (repeatable; FLAGS split as --server-args is)")
+                   help="define an arm by its `mtpspec serve` flags (repeatable; FLAGS split as --server-args is), "
+                        "e.g. an adaptive arm with a saved step-cost table: 'adtab=--speculative-config "
+                        "{\"num_speculative_tokens\": 3, \"adaptive\": true, \"adaptive_cost_table\": \"costs.json\"}' "
+                        "(--server-args apply to every arm)")
     p.add_argument("--base-url", action="append", default=[], metavar="NAME=URL",
                    help="use an already running server for arm NAME (repeatable)")
     p.add_argument("--workloads", default="batch1,c64", help=f"comma-separated presets: {', '.join(PRESETS)}")

@@ -129,8 +129,9 @@ def describe_setup(model: str, llm: Any) -> str:
     return "\n".join(lines)
 
 
-def format_metrics(m: Dict[str, Any]) -> str:
-    """A compact multi-line summary of :meth:`LLM.get_metrics`."""
+def format_metrics(m: Dict[str, Any], adaptive: bool = False) -> str:
+    """A compact multi-line summary of :meth:`LLM.get_metrics` (``adaptive``: the engine chooses k
+    per step, so the steps per proposed k are shown even where every step proposed the full k)."""
     def f(x: Any, spec: str = ".3f") -> str:
         return "-" if x is None else format(x, spec)
 
@@ -144,7 +145,7 @@ def format_metrics(m: Dict[str, Any]) -> str:
                   f"accepted per pos   {m['num_accepted_tokens_per_pos']}",
                   f"accepted lengths   {m['accepted_length_histogram']}  (histogram over 0..k)"]
         hist = m.get("num_speculative_tokens_histogram") or []
-        if any(hist[:-1]):  # some step proposed fewer than k drafts (adaptive speculation length)
+        if adaptive or any(hist[:-1]):  # adaptive speculation length (or some step proposed fewer than k)
             lines.append(f"steps proposing k  {hist}  (k = 0..{len(hist) - 1}); deferred MTP entries written later: "
                          f"{m.get('num_mtp_catch_up_tokens', 0)}")
     comm = m.get("comm_bytes_per_step") or {}
@@ -206,5 +207,5 @@ def run(args: argparse.Namespace) -> int:
             print(f"    reference answer: {ref}")
     print("--- metrics")
     print(describe_setup(model, llm))
-    print(format_metrics(metrics))
+    print(format_metrics(metrics, adaptive=llm.llm_engine.spec_policy is not None))
     return 0
