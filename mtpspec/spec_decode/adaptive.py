@@ -654,19 +654,21 @@ class AdaptiveSpecPolicy:
             host = self._measured_host_ms(bucket, k, batch)  # measured for this k and bucket, else the plane
             host = fixed + per_token * (e - 1.0) if host is None else host
             cost_of[k] = (e, costs.step_ms(batch, k) + host)
-        base = dict(cost_of)
-        lags: List[Tuple[np.ndarray, np.ndarray]] = []  # the batch's lag arrays, built once if at all
+        base = cost_of  # (never changed in place: charged() makes a new dict)
+        # the batch's lag arrays and the ms of writing all their entries, made once if at all
+        lags: List[Tuple[np.ndarray, np.ndarray, float]] = []
+
+        def lag_arrays() -> Tuple[np.ndarray, np.ndarray, float]:
+            if not lags:
+                rows, inv_left = _lag_arrays(catch_up() if callable(catch_up) else catch_up)
+                lags.append((rows, inv_left, q * float(rows.sum())))
+            return lags[0]
 
         def catch_up_all() -> float:  # ms to write every deferred entry of the batch
-            if q <= 0:
-                return 0.0
-            if not lags:
-                lags.append(_lag_arrays(catch_up() if callable(catch_up) else catch_up))
-            return q * float(lags[0][0].sum())
+            return lag_arrays()[2] if q > 0 else 0.0
 
         def charged() -> Dict[int, Tuple[float, float]]:  # cost_of with each drafting k's catch-up shares
-            catch_up_all()
-            rows, inv_left = lags[0]
+            rows, inv_left, _ = lag_arrays()
             out = dict(base)
             if rows.size:
                 for k, (e, t) in base.items():
@@ -682,9 +684,9 @@ class AdaptiveSpecPolicy:
             return k
         if q > 0 and self._argmax_rate(cost_of) != 0:  # (else k = 0 is best and its rate uncharged)
             cost_of = charged()
-        rate_of = {k: e / t for k, (e, t) in cost_of.items()}
         best = self._argmax_rate(cost_of)
-        self._chosen_k = k = self._explored(bucket, best, rate_of[best], rate_of, base, catch_up_all)
+        e, t = cost_of[best]
+        self._chosen_k = k = self._explored(bucket, best, e / t, base, catch_up_all)
         return k
 
     @property
@@ -718,8 +720,8 @@ class AdaptiveSpecPolicy:
         return best
 
     def _choose_prompt_step(self, batch: int, n_drafting: int, n_prompt: int, base: Dict[int, Tuple[float, float]],
-                            charged: Optional[Callable[[], Dict[int, Tuple[float, float]]]] = None,
-                            catch_up_all: Callable[[], float] = lambda: 0.0) -> int:
+                            charged: Optional[Callable[[], Dict[int, Tuple[float, float]]]],
+                            catch_up_all: Callable[[], float]) -> int:
         """:meth:`choose` for a step of ``batch`` sequences (``n_drafting`` of them keep their drafts)
         carrying ``n_prompt`` prompt tokens, ``base``: ``k -> (E(k), t(k))`` before any catch-up
         charge; ``charged()``: the same with each drafting ``k``'s catch-up shares (``None``: no
@@ -777,13 +779,12 @@ class AdaptiveSpecPolicy:
         self._prompt_last[drafting] = n
         return best
 
-    def _explored(self, bucket: int, best: int, best_rate: float, rate_of: Dict[int, float],
-                  base: Optional[Dict[int, Tuple[float, float]]] = None,
-                  catch_up_all: Callable[[], float] = lambda: 0.0) -> int:
-        """``best``, or for a pure-decode step at table batch size ``bucket`` the ``k`` of an
-        exploration burst (:data:`EXPLORE_EVERY`), priced with its catch-up (:data:`MEASURE_MARGIN`;
-        ``base`` is ``k -> (E(k), t(k))`` before catch-up shares, ``catch_up_all()`` the ms of
-        writing every deferred entry of the batch; ``rate_of``'s own rates where ``base`` is None)."""
+    def _explored(self, bucket: int, best: int, best_rate: float, base: Dict[int, Tuple[float, float]],
+                  catch_up_all: Callable[[], float]) -> int:
+        """``best`` (its rate ``best_rate``), or for a pure-decode step at table batch size ``bucket``
+        the ``k`` of an exploration burst (:data:`EXPLORE_EVERY`), priced with its catch-up
+        (:data:`MEASURE_MARGIN`; ``base``: ``k -> (E(k), t(k))`` of the ``k`` allowed, before
+        catch-up shares; ``catch_up_all()``: the ms of writing every deferred entry of the batch)."""
         self._decode_choices = n = self._decode_choices + 1
         seen = self._last_chosen.setdefault(bucket, {})
         since = n - self._last_burst
@@ -792,25 +793,25 @@ class AdaptiveSpecPolicy:
             # their samples rejected) within MEASURE_MARGIN and a cheap catch-up, else one not proposed
             # here for long: within EXPLORE_MARGIN of the best after EXPLORE_EVERY steps, whatever its
             # rate after STALE_EVERY (one bad burst must not shut a k out for good)
-            declined = n < self._declined.get(bucket, 0)  # priced and declined lately: not priced again yet
-            stale = [] if declined else [
-                k for k in rate_of if k != best and self._excess_n.get((bucket, k), 0) < MIN_MEASURED
-                and self._bursts.get((bucket, k), 0) < MAX_MEASURING_BURSTS]
+            recheck = n >= self._declined.get(bucket, 0)  # (priced and declined lately: not priced again yet)
+            declined = False
+            stale = [k for k in base if k != best and self._excess_n.get((bucket, k), 0) < MIN_MEASURED
+                     and self._bursts.get((bucket, k), 0) < MAX_MEASURING_BURSTS] if recheck else []
             if stale:  # within MEASURE_MARGIN before any catch-up, and a drafting k's catch-up cheap
-                rate = {k: base[k][0] / base[k][1] for k in stale} if base is not None else rate_of
-                stale = [k for k in stale if rate[k] >= (1.0 - MEASURE_MARGIN) * best_rate]
-                if base is not None and any(stale):
+                stale = [k for k in stale if base[k][0] / base[k][1] >= (1.0 - MEASURE_MARGIN) * best_rate]
+                if any(stale):
                     cheap = catch_up_all() / EXPLORE_STEPS <= MEASURE_CATCH_UP * base[best][1]
                     stale = [k for k in stale if k == 0 or cheap]
                 declined = not stale
             if not stale and since > EXPLORE_EVERY:
-                due = [k for k in rate_of if k != best and n - seen.get(k, 0) > EXPLORE_EVERY]
+                due = [k for k in base if k != best and n - seen.get(k, 0) > EXPLORE_EVERY]
                 stale = [k for k in due if n - seen.get(k, 0) > STALE_EVERY]  # whatever its rate: not priced
-                if not stale and due and not declined:
-                    burst = self._burst_rates(due, rate_of, base, catch_up_all)
-                    stale = [k for k in due if burst[k] >= (1.0 - EXPLORE_MARGIN) * best_rate]
+                if not stale and due and recheck and not declined:  # its burst's rate, catch-up spread over it
+                    c = catch_up_all() / EXPLORE_STEPS if any(due) else 0.0
+                    stale = [k for k in due if base[k][0] / (base[k][1] + (c if k else 0.0))
+                             >= (1.0 - EXPLORE_MARGIN) * best_rate]
                     declined = not stale
-            if declined and not stale and n >= self._declined.get(bucket, 0):
+            if declined:
                 self._declined[bucket] = n + EXPLORE_RECHECK
             if stale:  # the one proposed longest ago
                 k = min(stale, key=lambda k: (seen.get(k, 0), k))
@@ -824,20 +825,10 @@ class AdaptiveSpecPolicy:
         k, self._burst_choice = best, False
         if self._explore:
             k, self._burst_choice = self._explore.pop(), True
-            if k not in rate_of:  # not allowed this step (the prompt reserve): the burst ends
+            if k not in base:  # not allowed this step (the prompt reserve): the burst ends
                 k, self._explore, self._burst_choice = best, [], False
         seen[k] = n
         return k
-
-    @staticmethod
-    def _burst_rates(ks: Sequence[int], rate_of: Dict[int, float], base: Optional[Dict[int, Tuple[float, float]]],
-                     catch_up_all: Callable[[], float]) -> Dict[int, float]:
-        """Tokens per ms of a burst of each ``k`` in ``ks``: ``E(k) / (t(k) + C / EXPLORE_STEPS)``,
-        ``C = catch_up_all()`` for ``k >= 1`` (asked only if one is), 0 for ``k = 0``."""
-        if base is None:
-            return {k: rate_of[k] for k in ks}
-        c = catch_up_all() / EXPLORE_STEPS if any(ks) else 0.0
-        return {k: base[k][0] / (base[k][1] + (c if k else 0.0)) for k in ks}
 
     def _bucket(self, batch: int) -> int:
         """The table's batch size that ``batch`` is costed at (measured host times are kept per bucket)."""
