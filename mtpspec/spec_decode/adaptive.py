@@ -749,10 +749,7 @@ class AdaptiveSpecPolicy:
         cost_of, catch_up_ms = base, 0.0
         best, best_drafting = values(base)
         n = self._prompt_steps + 1
-        drafts = self._prefill_samples[1]  # a re-try of drafting may be due (the conditions below)
-        retry_due = (self._decode_samples > 0 and n >= self._prompt_retry_blocked_until and (
-            (len(drafts) < MIN_PROMPT_SAMPLES and len(drafts) <= len(self._prefill_samples[0]))
-            or n - self._prompt_last[1] > PROMPT_EXPLORE_EVERY))
+        retry_due = self._decode_samples > 0 and n >= self._prompt_retry_blocked_until and self._kind_due(1, n)
         priced = charged is not None and (best > 0 or (best_drafting is not None and retry_due))
         if priced:
             catch_up_ms = catch_up_all()
@@ -771,13 +768,18 @@ class AdaptiveSpecPolicy:
         elif other and 0 in cost_of and catch_up_ms > cost_of[0][1]:
             other = None  # re-trying drafting would first write more deferred entries than a k = 0 step costs
             self._prompt_retry_blocked_until = n + PROMPT_RECHECK  # (and the list is not built again before)
-        have, lack = len(self._prefill_samples[drafting]), len(self._prefill_samples[1 - drafting])
-        self._prompt_explored = other is not None and ((lack < MIN_PROMPT_SAMPLES and lack <= have)
-                                                       or n - self._prompt_last[1 - drafting] > PROMPT_EXPLORE_EVERY)
+        self._prompt_explored = other is not None and self._kind_due(1 - drafting, n)
         if self._prompt_explored:
             best, drafting = other, 1 - drafting
         self._prompt_last[drafting] = n
         return best
+
+    def _kind_due(self, kind: int, n: int) -> bool:
+        """Whether prompt step ``n`` is due to propose ``kind`` (0: ``k = 0``, 1: drafting): its prompt
+        cost rests on fewer than :data:`MIN_PROMPT_SAMPLES` samples (and no more than the other kind's),
+        or it was not proposed at the last :data:`PROMPT_EXPLORE_EVERY` prompt steps."""
+        lack, have = len(self._prefill_samples[kind]), len(self._prefill_samples[1 - kind])
+        return (lack < MIN_PROMPT_SAMPLES and lack <= have) or n - self._prompt_last[kind] > PROMPT_EXPLORE_EVERY
 
     def _explored(self, bucket: int, best: int, best_rate: float, base: Dict[int, Tuple[float, float]],
                   catch_up_all: Callable[[], float]) -> int:
