@@ -1,6 +1,7 @@
 """Adaptive speculation length (issue 18): each step proposes 0 .. k drafts.
 
-Contracts: the policy picks ``argmax_k E(k) / T(B, k)`` on a synthetic cost table (checked
+Contracts: the policy picks ``argmax_k E(k) / T(B, k)`` on a synthetic cost table, ``k = 0``'s rate
+counted ``1 + SWITCH_MARGIN`` times (checked
 against Leviathan et al.'s closed form for i.i.d. acceptance); greedy outputs equal plain greedy
 decoding token for token whatever the sequence of chosen k (eager, static graph buffers, async
 on / off, with preemptions); a k = 0 step runs no draft pass and no extra verify rows; the metrics
@@ -20,7 +21,7 @@ from test_engine_fixtures import make_model, mixed_prompts, token_prompts
 from mtpspec import LLM, SamplingParams
 from mtpspec.engine.arg_utils import EngineArgs
 from mtpspec.spec_decode.adaptive import (CATCH_UP_HORIZON, EXPLORE_EVERY, EXPLORE_RECHECK, EXPLORE_STEPS, MEASURE_MARGIN, MIN_PROMPT_SAMPLES,
-                                         PROMPT_EXPLORE_EVERY, PROMPT_RECHECK, AdaptiveSpecPolicy, StepCostTable,
+                                         PROMPT_EXPLORE_EVERY, PROMPT_RECHECK, SWITCH_MARGIN, AdaptiveSpecPolicy, StepCostTable,
                                          measure_step_costs)
 
 
@@ -39,9 +40,24 @@ def test_policy_picks_the_best_k_of_a_synthetic_table(alpha, batch) -> None:
     e = [(k + 1.0) if alpha == 1.0 else (1 - alpha ** (k + 1)) / (1 - alpha) for k in range(4)]
     bp = next((s for s in (1, 4, 16) if s >= batch), 16)
     t = [1.0 + 0.05 * bp * (1 + k) + 0.3 * k for k in range(4)]
-    want = max(range(4), key=lambda k: (e[k] / t[k], -k))
+    want = max(range(4), key=lambda k: (e[k] / t[k] * (1 + SWITCH_MARGIN if k == 0 else 1), -k))
     assert pol.choose(batch) == want
     assert [round(pol.expected_tokens(k), 12) for k in range(4)] == [round(x, 12) for x in e]
+
+
+@pytest.mark.parametrize("gain", [0.01, 0.025, 0.035, 0.08])
+def test_drafting_replaces_k0_only_beyond_the_switch_margin(gain) -> None:
+    """k = 2 predicted ``gain`` above k = 0 (k = 1 and 3 far below): chosen only where the gain exceeds
+    SWITCH_MARGIN; with ``switch_margin=0`` the plain argmax, k = 2, at every gain."""
+    # E(2) = 1 + 0.8 + 0.64 = 2.44 at rate 0.8: T(B, 2) set so that E(2) / T(2) = (1 + gain) / T(0)
+    t0 = 1.0
+    verify = lambda b, k: {0: t0, 1: 5.0, 2: 2.44 * t0 / (1 + gain), 3: 9.0}[k]  # noqa: E731
+    for margin, want in ((SWITCH_MARGIN, 2 if gain > SWITCH_MARGIN else 0), (0.0, 2)):
+        pol = AdaptiveSpecPolicy(3, _table(verify=verify, draft=lambda b, k: 0.0), prior_rate=0.8,
+                                 prior_weight=1e6, decay=1.0, switch_margin=margin)
+        assert [pol.choose(b) for b in (1, 4, 16)] == [want] * 3, (margin, gain)
+    with pytest.raises(ValueError, match="switch_margin"):
+        AdaptiveSpecPolicy(3, _table(), switch_margin=1.0)
 
 
 def test_policy_moves_with_batch_size_and_acceptance() -> None:

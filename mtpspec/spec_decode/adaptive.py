@@ -170,6 +170,15 @@ CATCH_UP_MAX_REJECTED = 2
 #: rates were within 5%: four switches to ``k = 3`` in two rounds, each first writing 127-152 k
 #: deferred entries (58-73 ms), then back to ``k = 0`` within a few hundred steps.
 CATCH_UP_HORIZON = 32
+#: A drafting ``k`` replaces ``k = 0`` only where its rate (tokens per ms, catch-up charges included)
+#: is above ``1 + SWITCH_MARGIN`` times ``k = 0``'s (:attr:`AdaptiveSpecPolicy.switch_margin`).
+#: Drafting has costs that no step's rate holds: the step after a drafting one is not scheduled ahead
+#: of it, a prompt step verifies the drafts in flight, requests end a few steps apart so prompts come
+#: in more, smaller steps. H100, 2026-12-06, s8 (Air 3 layers, forced acceptance 0.8, a normal host):
+#: k = 2 predicted 0.2-1.6% above k = 0 and its decode steps matched plain decoding's per token
+#: (within 2%), yet the adaptive arm ran 0.93x plain decoding; s1's drafting wins were predicted at
+#: 3.7-7.8% (measured: 1.05x).
+SWITCH_MARGIN = 0.03
 #: Batch sizes :func:`measure_step_costs` times by default (those up to ``max_num_seqs`` that
 #: the runner has graphs for, plus ``max_num_seqs``); others use the next larger measured one.
 CALIBRATION_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
@@ -317,6 +326,8 @@ class AdaptiveSpecPolicy:
         prompt_reserve: share of the token budget kept for waiting prompts (``choose``; 0: off).
         hold_k0_steps: pure-decode steps the engine proposes ``k = 0`` for per choice of it,
             without asking or reporting them (see the module docstring; 1: every step asked).
+        switch_margin: a drafting ``k`` is chosen over ``k = 0`` only where its rate is above
+            ``1 + switch_margin`` times ``k = 0``'s (:data:`SWITCH_MARGIN`; 0: plain argmax).
 
     Raises:
         ValueError: the table lacks ``k = 0`` or ``max_k``, or parameters out of range.
@@ -331,6 +342,8 @@ class AdaptiveSpecPolicy:
     prompt_reserve: float = 0.0
     #: pure-decode steps at ``k = 0`` per choice of it (1: the policy asked every step; the module docstring)
     hold_k0_steps: int = HOLD_K0_STEPS
+    #: drafting must beat k = 0's rate by this share (:data:`SWITCH_MARGIN`)
+    switch_margin: float = SWITCH_MARGIN
     reached: List[float] = field(default_factory=list)
     accepted: List[float] = field(default_factory=list)
     #: The host time per pure-decode step that the table misses, ``a + c B + b r`` for ``B``
@@ -397,9 +410,10 @@ class AdaptiveSpecPolicy:
                              f"the table has {self.costs.ks}")
         if not (0.0 <= self.prior_rate <= 1.0 and self.prior_weight > 0 and 0.0 < self.decay <= 1.0
                 and 0.0 <= self.prompt_reserve < 1.0 and isinstance(self.hold_k0_steps, int)
-                and not isinstance(self.hold_k0_steps, bool) and self.hold_k0_steps >= 1):
+                and not isinstance(self.hold_k0_steps, bool) and self.hold_k0_steps >= 1
+                and 0.0 <= self.switch_margin < 1.0):
             raise ValueError("prior_rate must be in [0, 1], prior_weight > 0, decay in (0, 1], prompt_reserve in "
-                             "[0, 1), hold_k0_steps an int >= 1")
+                             "[0, 1), hold_k0_steps an int >= 1, switch_margin in [0, 1)")
         self.reached = [0.0] * self.max_k
         self.accepted = [0.0] * self.max_k
 
@@ -601,7 +615,8 @@ class AdaptiveSpecPolicy:
         """The ``k`` in ``0 .. max_k`` (among the table's) for ``batch`` sequences in a step that
         also carries ``num_prefill_tokens`` prompt tokens (smallest ``k`` on ties).
 
-        A pure-decode step takes the ``k`` maximising ``E(k) / t(k)``, ``t(k) = T(batch, k) + H(k)``
+        A pure-decode step takes the ``k`` maximising ``E(k) / t(k)`` (``k = 0``'s counted ``1 +``
+        :attr:`switch_margin` times), ``t(k) = T(batch, k) + H(k)``
         (``H``: the host time measured for ``k`` at this batch size, else the plane ``a + c batch +
         b batch (E(k) - 1)`` of :meth:`observe_step_time`). A prompt-carrying step pays its prompt
         chunk whatever ``k`` is, so tokens per ms is the wrong measure there; it takes the ``k``
@@ -710,13 +725,14 @@ class AdaptiveSpecPolicy:
         b = self.excess_batch.get((bucket, k))
         return host if b is None else max(0.0, host + self.overhead_ms_per_seq * (batch - b))
 
-    @staticmethod
-    def _argmax_rate(cost_of: Dict[int, Tuple[float, float]]) -> int:
-        """The ``k`` of the highest ``E(k) / t(k)`` (the smallest ``k`` on ties)."""
+    def _argmax_rate(self, cost_of: Dict[int, Tuple[float, float]]) -> int:
+        """The ``k`` of the highest ``E(k) / t(k)`` (the smallest ``k`` on ties), ``k = 0``'s rate
+        counted ``1 +`` :attr:`switch_margin` times (where ``k = 0`` is allowed)."""
         best, best_rate = 0, -1.0
         for k, (e, t) in cost_of.items():
-            if e / t > best_rate * (1 + 1e-9):
-                best, best_rate = k, e / t
+            rate = e / t * (1.0 + self.switch_margin) if k == 0 else e / t
+            if rate > best_rate * (1 + 1e-9):
+                best, best_rate = k, rate
         return best
 
     def _choose_prompt_step(self, batch: int, n_drafting: int, n_prompt: int, base: Dict[int, Tuple[float, float]],
