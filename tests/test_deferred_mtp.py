@@ -405,24 +405,46 @@ def test_config_errors() -> None:
 
 
 def test_cost_table_times_the_hidden_state_write_for_k0_and_no_kv_only_units_are_captured(tiny, monkeypatch) -> None:
-    """With deferral, a k = 0 step's MTP work is the hidden-state write: the start-up timing measures
-    that (not the KV-only units, which are not captured); without it, the KV-only units."""
+    """With deferral, a k = 0 step's MTP work is the hidden-state write: inside the verify units of a
+    graphed runner (its draft cost 0), else timed on its own (not the KV-only units, which are not
+    captured); without deferral, the KV-only units."""
     from mtpspec.engine.forward import GraphedForward
     from mtpspec.spec_decode import adaptive
     path, cfg, _ = tiny
     seen = []
     monkeypatch.setattr(adaptive, "_hidden_write_ms", lambda runner, bp, repeats: seen.append(bp) or 0.125)
-    for defer in (True, False):
+    for defer, mode in ((True, "static"), (True, "off"), (False, "static")):
+        seen.clear()
         spec = {"num_speculative_tokens": 2, "adaptive": True, "adaptive_defer_mtp_kv": defer}
         with LLM(path, speculative_config=spec, max_model_len=48, block_size=4, num_kv_blocks=64, max_num_seqs=2,
-                 graph_mode="static", device="cpu") as llm:
+                 graph_mode=mode, device="cpu") as llm:
             runner = llm.llm_engine.executor.runner
             costs = llm.llm_engine.spec_policy.costs
-            assert isinstance(runner.fwd, GraphedForward) and runner.fwd.kv_only == (not defer)
-            if defer:
+            assert isinstance(runner.fwd, GraphedForward) == (mode == "static")
+            if mode == "static":
+                assert runner.fwd.kv_only == (not defer)
+                assert (runner.fwd.hidden_sink is runner.hidden_cache) and (runner.hidden_cache is not None) == defer
+            if defer and mode == "static":
+                assert costs.draft_ms[0] == {1: 0.0, 2: 0.0} and seen == []
+            elif defer:
                 assert costs.draft_ms[0] == {1: 0.125, 2: 0.125} and seen == [1, 2]
             else:
-                assert all(t != 0.125 and t > 0 for t in costs.draft_ms[0].values()) and seen == [1, 2]
+                assert all(t != 0.125 and t > 0 for t in costs.draft_ms[0].values()) and seen == []
+
+
+@pytest.mark.parametrize("batch,padded", [(1, 1), (3, 4), (4, 4)])
+def test_a_graph_unit_s_padded_write_equals_the_write_of_its_real_rows(batch, padded) -> None:
+    """``write_padded`` (the verify units' hidden-state write, CUDA-graph safe): padding rows (slot -1,
+    values unlike row 0's) leave the cache as :meth:`write` of the real rows alone leaves it."""
+    g = torch.Generator().manual_seed(batch)
+    hidden = torch.randn(padded * 2, 8, generator=g)
+    slots = torch.tensor([5, 9, 2, 14, 7, 3, 11, 0][:batch * 2] + [-1] * (padded - batch) * 2)
+    want, got = MTPHiddenStateCache(8, torch.float32), MTPHiddenStateCache(8, torch.float32)
+    for c in (want, got):
+        c.kv_cache = torch.full((4, 4, 8), 7.5)
+    want.write(hidden[:batch * 2], slots[:batch * 2])
+    got.write_padded(hidden, slots)
+    assert torch.equal(got.kv_cache, want.kv_cache)
 
 
 def test_bench_arms_adaptive_eagerkv_arm_is_adaptive_without_deferral() -> None:

@@ -41,7 +41,7 @@ padded static-buffer path without capture, with host lists; what the CPU tests e
 from __future__ import annotations
 
 import logging
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -50,6 +50,9 @@ from mtpspec.layers.attention import AttentionMetadata, set_forward_context
 from mtpspec.spec_decode.draft_forward import DraftTokenFn, EagerDraftForward
 from mtpspec.spec_decode.proposer import GraphUnits, Proposer
 from mtpspec.timing import median_call_ms
+
+if TYPE_CHECKING:
+    from mtpspec.spec_decode.deferred_mtp import MTPHiddenStateCache
 
 logger = logging.getLogger(__name__)
 
@@ -79,6 +82,8 @@ class EagerForward(EagerDraftForward):
         super().__init__(mtp)
         self.target_model = target
         self.num_eager_fallbacks = 0
+        #: this step's verify wrote its rows' hidden states into :attr:`GraphedForward.hidden_sink`
+        self.wrote_hidden = False
 
     def begin_step(self, pure_decode: bool, num_seqs: int, block_tables: torch.Tensor, num_rows: int = 0,
                    num_sample_rows: int = 0, k: Optional[int] = None) -> None:
@@ -170,6 +175,10 @@ class GraphedForward(EagerForward):
         self.num_mixed_graph_steps = 0  # such steps whose draft steps ran through the step units
         self.num_seqs = 0
         self.num_graph_steps = 0  # steps that ran through the static buffers / graphs
+        # adaptive speculation deferring MTP entries (deferred_mtp.MTPHiddenStateCache): the verify units
+        # write their rows' hidden states there too, set before capture (a k = 0 step then launches nothing
+        # for them: ~10 us of host a step eagerly, on a host-bound step)
+        self.hidden_sink: Optional["MTPHiddenStateCache"] = None
         self._warned = False
 
     # ---------------------------------------------------------------- metadata over the buffers
@@ -199,6 +208,7 @@ class GraphedForward(EagerForward):
     def begin_step(self, pure_decode: bool, num_seqs: int, block_tables: torch.Tensor, num_rows: int = 0,
                    num_sample_rows: int = 0, k: Optional[int] = None) -> None:
         self.active = self.prefill_rows = self.mixed_tables = None
+        self.wrote_hidden = False
         self.mixed = not pure_decode
         self.step_k = self.k if k is None else k
         if not pure_decode:
@@ -273,6 +283,7 @@ class GraphedForward(EagerForward):
         t, v = ids.shape[0], self.step_k
         self._fill_rows(ids, pos, meta, bp * (1 + v), bp)
         hidden, logits = self._run(("verify", bp, v), self._verify_fn(bp, v), bp, step=False)
+        self.wrote_hidden = self.hidden_sink is not None
         return hidden[:t], logits[:t]  # decode: every row is a sample row
 
     def _pverify_fn(self, tp: int) -> Callable[[AttentionMetadata], tuple]:
@@ -288,6 +299,8 @@ class GraphedForward(EagerForward):
         def fn(meta: AttentionMetadata) -> tuple:
             with set_forward_context(meta):
                 hidden = self.target_model(self.ids[:rows], self.pos[:rows])
+            if self.hidden_sink is not None:  # padding rows' slots are -1
+                self.hidden_sink.write_padded(hidden, meta.slot_mapping)
             if self.logits_out is None:
                 return hidden, self.target_model.compute_logits(hidden)
             return hidden, self.target_model.compute_logits(hidden, out=self.logits_out[:rows])

@@ -135,6 +135,8 @@ class ModelRunner:
                                       prefill_capture_sizes(sc.max_num_batched_tokens, sc.max_model_len),
                                       ks=range(self.k + 1) if self.adaptive else None,
                                       kv_only_units=self.hidden_cache is None)
+            # pure-decode verify units write the rows' hidden states themselves (no eager launch a k = 0 step)
+            self.fwd.hidden_sink = self.hidden_cache
 
     # ------------------------------------------------------------------ KV cache
     def max_useful_blocks(self) -> int:
@@ -422,7 +424,8 @@ class ModelRunner:
             if self.hidden_cache is None:
                 raise ValueError(f"step {step.step_id} defers its MTP KV entries, but this runner keeps no hidden "
                                  "states (speculative_config adaptive with adaptive_defer_mtp_kv)")
-            self.hidden_cache.write(hidden, inp.attn_metadata.slot_mapping)
+            if not self.fwd.wrote_hidden:  # (a graphed pure-decode verify wrote them: GraphedForward.hidden_sink)
+                self.hidden_cache.write(hidden, inp.attn_metadata.slot_mapping)
             return None
         if p == 0 and inp.k == 0 and inp.next_token_ids is None and tokens.shape[0] == inp.input_ids.shape[0]:
             # one row per sequence (plain-decoding layout): each row's next id is its sampled token

@@ -933,7 +933,7 @@ def measure_step_costs(runner, sizes: Optional[Sequence[int]] = None, repeats: i
         the :class:`StepCostTable` (milliseconds) for ``k = 0 .. runner.k`` at each padded size
         and, where the runner defers MTP entries, the catch-up pass's cost per entry
         (``k = 0``'s draft cost: the MTP KV-only units, or the hidden-state write where the runner
-        defers those entries; their catch-up, paid by the next drafting step, is timed too:
+        defers those entries, 0 where its verify units write them; their catch-up, paid by the next drafting step, is timed too:
         :attr:`StepCostTable.catch_up_ms_per_row`).
     """
     import torch
@@ -965,8 +965,9 @@ def measure_step_costs(runner, sizes: Optional[Sequence[int]] = None, repeats: i
             for k in range(runner.k + 1):
                 fwd.dummy_layout(bp, k)
                 verify.setdefault(k, {})[bp] = timed(("verify", bp, k))
-                if k == 0 and runner.hidden_cache is not None:  # deferred MTP entries: only the hidden-state write
-                    d = _hidden_write_ms(runner, bp, repeats)
+                if k == 0 and runner.hidden_cache is not None:  # deferred MTP entries: only the hidden-state write,
+                    # inside the verify unit where the runner's graphs write it (GraphedForward.hidden_sink)
+                    d = 0.0 if fwd.hidden_sink is not None else _hidden_write_ms(runner, bp, repeats)
                 elif k == 0:
                     d = sum(timed(("kvonly", bp, i, k)) for i in units.first_pass_layers)
                 else:
