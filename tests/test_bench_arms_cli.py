@@ -309,3 +309,33 @@ def test_host_retries_run_a_perturbed_round_again_by_its_probes_alone(monkeypatc
     with pytest.raises(ValueError, match="--host-retries re-runs interleaved rounds; --one-arm-at-a-time has none"):
         bench_arms.run_arms({"a": []}, wl, 1, str(tmp_path), [], progress=False, plots=False, one_at_a_time=True,
                             host_retries=1)
+
+
+def test_host_max_ms_stops_the_sweep_on_a_slow_host_keeping_its_runs(monkeypatch, tmp_path, capsys):
+    """``--host-max-ms``: a round whose probes' median is above it stops the sweep with a clear error (no
+    retry on that host; the CLI exits 2 and names the partial JSON, whose runs stay); a round at or below it
+    goes on."""
+    # the seed probe, then (before, after) per run, arms a and b: round 1 at 11-12 ms (median 11.5), round 2 at
+    # 12-25 ms (median 22.5 > 14)
+    probes = iter([11] + [11, 12, 12, 11] + [12, 22, 23, 25] + [11] * 20)
+    monkeypatch.setattr(bench_arms, "host_probe_ms", lambda: next(probes))
+    calls = []
+
+    def fake(url, cfg, progress=True, desc=""):
+        calls.append(desc)
+        return dict(fake_result(url, cfg), output_throughput=float(len(calls)))
+
+    monkeypatch.setattr(bench_arms, "run_benchmark", fake)
+    wl = {"s1": bench_arms.BenchConfig(num_prompts=1, max_concurrency=1, input_len=8, output_len=4, prompts="random")}
+    with pytest.raises(RuntimeError, match=r"s1 round 2: the host probes' median, 22.5 ms, is above --host-max-ms 14"):
+        bench_arms.run_arms({"a": [], "b": []}, wl, 3, str(tmp_path), [], progress=False, plots=False,
+                            urls={"a": "http://127.0.0.1:1", "b": "http://127.0.0.1:2"}, host_retries=2,
+                            host_max_ms=14)
+    assert len(calls) == 4  # no retry, no third round
+    partial = json.load(open(tmp_path / bench_arms.PARTIAL_JSON))
+    assert len(partial["runs"]["s1"]["a"]) == 2 and len(partial["runs"]["s1"]["b"]) == 2
+    for bad, match in ((-1.0, "--host-max-ms must be a finite number >= 0"), (float("nan"), "finite number"),
+                       (14.0, "--host-max-ms checks interleaved rounds")):
+        with pytest.raises(ValueError, match=match):
+            bench_arms.run_arms({"a": []}, wl, 1, str(tmp_path), [], progress=False, plots=False,
+                                one_at_a_time=True, host_max_ms=bad)

@@ -66,6 +66,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import re
 import shlex
@@ -718,7 +719,7 @@ def run_arms(arms: Dict[str, List[str]], workloads: Dict[str, BenchConfig], repe
              common: List[str], urls: Optional[Dict[str, str]] = None, progress: bool = True,
              plots: bool = True, share_gpu: bool = False, one_at_a_time: bool = False,
              warmup_rounds: int = 0, in_process: bool = False, forced: Optional[str] = None,
-             equal_kv: bool = False, host_retries: int = 0) -> Dict[str, Any]:
+             equal_kv: bool = False, host_retries: int = 0, host_max_ms: float = 0.0) -> Dict[str, Any]:
     """Start the servers, run every workload ``repeats`` times per arm interleaved, summarise.
 
     Interleaved: timed round ``i`` of a workload runs every arm once, in the arms' order rotated by
@@ -761,6 +762,11 @@ def run_arms(arms: Dict[str, List[str]], workloads: Dict[str, BenchConfig], repe
             arms, up to this many times (the last try is kept whatever its probes). The probes alone
             decide, never the results, so no arm is favoured; the replaced runs are kept in the
             workload's ``host_perturbed_runs`` (arm -> runs).
+        host_max_ms: stop the sweep (``RuntimeError``; the runs made so far stay in the partial
+            JSON) after an interleaved round (any try) whose host probes' median is above this many
+            ms: a host that slow reads no host-bound comparison, and retrying on it spends the
+            device's time for nothing (2026-12-06: a whole 570 s sweep re-ran every round on
+            probes of 19-26 ms against 11-12). 0: never.
 
     Returns:
         Everything, as written to ``bench_arms.json``.
@@ -779,6 +785,10 @@ def run_arms(arms: Dict[str, List[str]], workloads: Dict[str, BenchConfig], repe
         raise ValueError(f"--host-retries must be >= 0, got {host_retries}")
     if host_retries and one_at_a_time:
         raise ValueError("--host-retries re-runs interleaved rounds; --one-arm-at-a-time has none (leave one out)")
+    if not (host_max_ms >= 0 and math.isfinite(host_max_ms)):
+        raise ValueError(f"--host-max-ms must be a finite number >= 0 (0: off), got {host_max_ms}")
+    if host_max_ms and one_at_a_time:
+        raise ValueError("--host-max-ms checks interleaved rounds; --one-arm-at-a-time has none (leave one out)")
     if plots:
         check_plotting()
     from mtpspec.entrypoints.bench_dataset import load_dataset
@@ -904,6 +914,11 @@ def run_arms(arms: Dict[str, List[str]], workloads: Dict[str, BenchConfig], repe
                         for arm in rotated(list(arms), rep):  # interleaved, each round rotated: A B C, B C A, ...
                             run(wname, cfg, arm, rep)
                         probes = [p for arm in arms for p in runs[wname][arm][-1]["host_probe_ms"]]
+                        if host_max_ms and statistics.median(probes) > host_max_ms:
+                            raise RuntimeError(
+                                f"{wname} round {rep + 1}: the host probes' median, {statistics.median(probes):.1f} "
+                                f"ms, is above --host-max-ms {host_max_ms:g}: this host is too slow for host-bound "
+                                "comparisons; the sweep stopped")
                         fastest = min(fastest, *probes)
                         if attempt == host_retries or max(probes) <= HOST_SPREAD_WARN * fastest:
                             break
@@ -988,6 +1003,9 @@ def add_parser(sub: Any) -> None:
                    help="run an interleaved round again (all its arms, up to N times) when its host-speed probes "
                         f"reach more than {HOST_SPREAD_WARN}x the sweep's fastest so far (a shared host slowed down); the "
                         "probes alone decide, never the results (default 0: every round kept)")
+    p.add_argument("--host-max-ms", type=float, default=0.0, metavar="MS",
+                   help="stop the sweep after an interleaved round whose host-speed probes' median is above MS "
+                        "(the runs so far stay in the partial JSON; default 0: never)")
     p.add_argument("--server-args", default="", metavar="FLAGS",
                    help="extra `mtpspec serve` flags for every arm, one value (checked before any server starts): "
                         "--server-args '-tp 2 --allreduce-backend p2p', --server-args --enforce-eager (the word "
@@ -1062,7 +1080,8 @@ def run(args: argparse.Namespace) -> int:
                        plots=False, share_gpu=share, one_at_a_time=args.one_arm_at_a_time,
                        warmup_rounds=args.warmup_rounds, in_process=args.in_process,
                        forced=args.forced_acceptance if args.in_process else None,
-                       equal_kv=args.equal_kv_blocks, host_retries=args.host_retries)
+                       equal_kv=args.equal_kv_blocks, host_retries=args.host_retries,
+                       host_max_ms=args.host_max_ms)
     except (ValueError, FileNotFoundError, RuntimeError, httpx.HTTPError) as exc:
         what = f"talking to a server: {type(exc).__name__}: {exc}" if isinstance(exc, httpx.HTTPError) else exc
         print(f"error: {what}", file=sys.stderr)
