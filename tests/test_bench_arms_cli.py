@@ -278,15 +278,11 @@ def test_eager_decode_steps_are_warned_in_the_table_with_the_capture_failure():
     assert bench_arms.eager_warning(wl) is None
 
 
-def test_host_retries_run_a_perturbed_round_again_by_its_probes_alone(monkeypatch, tmp_path, capsys):
-    """``--host-retries``: a round whose host probes reach > HOST_SPREAD_WARN x the sweep's fastest is run
-    again, every arm of it (the H100 of 2026-12-06: probes 12 to 24 ms made the adaptive sweep unreadable);
-    the replaced runs are kept apart, the last try stays whatever its probes say."""
-    # probes, two per run (before, after), arms a and b: round 1 fine; round 2 slow, slow again, then fine;
-    # round 3 slow every time (kept after the retries)
-    # (the first probe seeds the sweep's fastest, before the first timed round)
-    probes = iter([10] + [10, 10, 10, 10] + [10, 15, 10, 10] + [10, 10, 10, 16] + [10, 10, 10, 10] + [20] * 12)
-    monkeypatch.setattr(bench_arms, "host_probe_ms", lambda: next(probes))
+def _probed_fake_sweep(monkeypatch, probes):
+    """``host_probe_ms`` returns ``probes`` in turn, ``run_benchmark`` a result whose throughput counts the
+    calls (recorded in the returned list); and a one-prompt workload ``s1``."""
+    it = iter(probes)
+    monkeypatch.setattr(bench_arms, "host_probe_ms", lambda: next(it))
     calls = []
 
     def fake(url, cfg, progress=True, desc=""):
@@ -294,7 +290,19 @@ def test_host_retries_run_a_perturbed_round_again_by_its_probes_alone(monkeypatc
         return dict(fake_result(url, cfg), output_throughput=float(len(calls)))
 
     monkeypatch.setattr(bench_arms, "run_benchmark", fake)
-    wl = {"s1": bench_arms.BenchConfig(num_prompts=1, max_concurrency=1, input_len=8, output_len=4, prompts="random")}
+    return calls, {"s1": bench_arms.BenchConfig(num_prompts=1, max_concurrency=1, input_len=8, output_len=4,
+                                                prompts="random")}
+
+
+def test_host_retries_run_a_perturbed_round_again_by_its_probes_alone(monkeypatch, tmp_path, capsys):
+    """``--host-retries``: a round whose host probes reach > HOST_SPREAD_WARN x the sweep's fastest is run
+    again, every arm of it (the H100 of 2026-12-06: probes 12 to 24 ms made the adaptive sweep unreadable);
+    the replaced runs are kept apart, the last try stays whatever its probes say."""
+    # probes, two per run (before, after), arms a and b: round 1 fine; round 2 slow, slow again, then fine;
+    # round 3 slow every time (kept after the retries)
+    # (the first probe seeds the sweep's fastest, before the first timed round)
+    probes = [10] + [10, 10, 10, 10] + [10, 15, 10, 10] + [10, 10, 10, 16] + [10, 10, 10, 10] + [20] * 12
+    calls, wl = _probed_fake_sweep(monkeypatch, probes)
     res = bench_arms.run_arms({"a": [], "b": []}, wl, 3, str(tmp_path), [], progress=False, plots=False,
                               urls={"a": "http://127.0.0.1:1", "b": "http://127.0.0.1:2"}, host_retries=2)
     got = res["workloads"]["s1"]
@@ -313,20 +321,10 @@ def test_host_retries_run_a_perturbed_round_again_by_its_probes_alone(monkeypatc
 
 def test_host_max_ms_stops_the_sweep_on_a_slow_host_keeping_its_runs(monkeypatch, tmp_path, capsys):
     """``--host-max-ms``: a round whose probes' median is above it stops the sweep with a clear error (no
-    retry on that host; the CLI exits 2 and names the partial JSON, whose runs stay); a round at or below it
-    goes on."""
+    retry on that host; the runs made stay in the partial JSON); a round at or below it goes on."""
     # the seed probe, then (before, after) per run, arms a and b: round 1 at 11-12 ms (median 11.5), round 2 at
     # 12-25 ms (median 22.5 > 14)
-    probes = iter([11] + [11, 12, 12, 11] + [12, 22, 23, 25] + [11] * 20)
-    monkeypatch.setattr(bench_arms, "host_probe_ms", lambda: next(probes))
-    calls = []
-
-    def fake(url, cfg, progress=True, desc=""):
-        calls.append(desc)
-        return dict(fake_result(url, cfg), output_throughput=float(len(calls)))
-
-    monkeypatch.setattr(bench_arms, "run_benchmark", fake)
-    wl = {"s1": bench_arms.BenchConfig(num_prompts=1, max_concurrency=1, input_len=8, output_len=4, prompts="random")}
+    calls, wl = _probed_fake_sweep(monkeypatch, [11] + [11, 12, 12, 11] + [12, 22, 23, 25] + [11] * 20)
     with pytest.raises(RuntimeError, match=r"s1 round 2: the host probes' median, 22.5 ms, is above --host-max-ms 14"):
         bench_arms.run_arms({"a": [], "b": []}, wl, 3, str(tmp_path), [], progress=False, plots=False,
                             urls={"a": "http://127.0.0.1:1", "b": "http://127.0.0.1:2"}, host_retries=2,
