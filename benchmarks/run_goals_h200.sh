@@ -40,7 +40,8 @@ set -u
 part=${1:?serving or kernels}; OUT=${2:?output folder}
 mkdir -p "$OUT"
 export PYTHONPATH=${PYTHONPATH:-$PWD} PYTHONUNBUFFERED=1
-step() { local t=$1 name=$2; shift 2; echo "=== $name ($(date +%T))"; timeout "$t" "$@" 2>&1 | tail -n 45; echo "=== $name rc=${PIPESTATUS[0]}"; }
+step() { local t=$1 name=$2; shift 2; echo "=== $name ($(date +%T))"; timeout "$t" "$@" 2>&1 | tail -n 45
+  local rc=${PIPESTATUS[0]}; echo "=== $name rc=$rc"; return "$rc"; }
 case $part in
 serving)
   # one line per engine step in serve.log (host phases), to find where TTFT goes
@@ -221,6 +222,8 @@ print(f'host probe {ms:.1f} ms (median of 5)'); sys.exit(3 if ${HOST_MAX_MS:-14}
       --arms ${ARMS:-plain,k1,k2,k3,adaptive} --workloads ${WORKLOADS:-s1,s8,s64,s256} --repeats ${REPEATS:-3} \
       --host-retries ${HOST_RETRIES:-2} --host-max-ms ${HOST_MAX_MS:-14} --warmup-rounds 1 --equal-kv-blocks --no-plots --no-progress --random-prompts --ignore-eos --forced-acceptance rate:0.8 --server-args \
       "--max-num-seqs 256 --load-format dummy --max-model-len 1024 --dtype bfloat16" --output-dir "$OUT/arms_air3_ip"
+  # exit 2: bench arms stopped with an error (e.g. --host-max-ms: a slow host), which the demo sweep would meet too
+  [ $? -eq 2 ] && { echo "the Air sweep stopped (exit 2, above): no demo sweep"; exit 2; }
   [ -n "${SKIP_DEMO:-}" ] && exit 0  # e.g. ARMS=plain,k1,k3,adaptive REPEATS=2 AIR_TIMEOUT=560 SKIP_DEMO=1 (session 15:
   # five arms x 3 rounds did not fit 330 s)
   step ${DEMO_TIMEOUT:-230} arms_demo_ip python3 -m mtpspec.entrypoints.cli bench arms --in-process \

@@ -995,6 +995,25 @@ def test_a_prompt_step_drafts_only_if_its_catch_up_pays_where_decoding_goes_back
     assert pol.choose(16, 1000, catch_up=[(200, 200.0)] * 16) == 0  # 6.4 ms of catch-up: its share alone 0.2 ms
 
 
+def test_a_drafting_gain_inside_the_switch_margin_counts_as_k0_at_prompt_steps_too() -> None:
+    """Pure decoding's k = 2 predicted 2% above k = 0 (inside SWITCH_MARGIN): the steps after a prompt step
+    stay at k = 0, so a drafting prompt step is charged its batch's whole catch-up (6.4 ms: k = 0), not the
+    share its tokens take (0.2 ms: drafting, as with ``switch_margin=0``)."""
+    verify = lambda b, k: {0: 1.0, 1: 5.0, 2: 2.44 / 1.02, 3: 9.0}[k]  # noqa: E731  (E(2) = 2.44 at rate 0.8)
+    got = []
+    for margin in (SWITCH_MARGIN, 0.0):
+        costs = _table(verify=verify, draft=lambda b, k: 0.0)
+        costs.catch_up_ms_per_row = 0.002
+        pol = AdaptiveSpecPolicy(3, costs, prior_rate=0.8, prior_weight=1e6, decay=1.0, switch_margin=margin)
+        for _ in range(30):
+            pol.observe_step_time(16, 0, costs.step_ms(16, 0))
+        for _ in range(MIN_PROMPT_SAMPLES):  # prompt tokens: k = 0 steps 4 us each, drafting ones 2 us
+            pol.observe_step_time(16, 0, costs.step_ms(16, 0) + 1000 * 0.004, num_prefill_tokens=1000)
+            pol.observe_step_time(16, 2, costs.step_ms(16, 2) + 1000 * 0.002, num_prefill_tokens=1000)
+        got.append((pol.choose(16), pol.choose(16, 1000, catch_up=[(200, 200.0)] * 16)))
+    assert got[0] == (0, 0) and got[1][0] == 2 and got[1][1] >= 1
+
+
 def test_partial_prompt_chunks_keep_no_drafts_so_they_add_no_value() -> None:
     """Found by review: a step's chunks that do not end their prompt drop their drafts, so only the
     other sequences' tokens count for drafting's value: 1 decode + 7 partial chunks is not 8 decodes."""

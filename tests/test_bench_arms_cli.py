@@ -322,9 +322,9 @@ def test_host_retries_run_a_perturbed_round_again_by_its_probes_alone(monkeypatc
 def test_host_max_ms_stops_the_sweep_on_a_slow_host_keeping_its_runs(monkeypatch, tmp_path, capsys):
     """``--host-max-ms``: a round whose probes' median is above it stops the sweep with a clear error (no
     retry on that host; the runs made stay in the partial JSON); a round at or below it goes on."""
-    # the seed probe, then (before, after) per run, arms a and b: round 1 at 11-12 ms (median 11.5), round 2 at
-    # 12-25 ms (median 22.5 > 14)
-    calls, wl = _probed_fake_sweep(monkeypatch, [11] + [11, 12, 12, 11] + [12, 22, 23, 25] + [11] * 20)
+    # the seed probe, then (before, after) per run, arms a and b: round 1 at 14 ms (the limit: goes on), round 2
+    # at 14-25 ms (median 22.5 > 14)
+    calls, wl = _probed_fake_sweep(monkeypatch, [14] + [14, 14, 14, 14] + [14, 22, 23, 25] + [11] * 20)
     with pytest.raises(RuntimeError, match=r"s1 round 2: the host probes' median, 22.5 ms, is above --host-max-ms 14"):
         bench_arms.run_arms({"a": [], "b": []}, wl, 3, str(tmp_path), [], progress=False, plots=False,
                             urls={"a": "http://127.0.0.1:1", "b": "http://127.0.0.1:2"}, host_retries=2,
@@ -332,6 +332,7 @@ def test_host_max_ms_stops_the_sweep_on_a_slow_host_keeping_its_runs(monkeypatch
     assert len(calls) == 4  # no retry, no third round
     partial = json.load(open(tmp_path / bench_arms.PARTIAL_JSON))
     assert len(partial["runs"]["s1"]["a"]) == 2 and len(partial["runs"]["s1"]["b"]) == 2
+    assert partial["host_max_ms"] == 14
     for bad, match in ((-1.0, "--host-max-ms must be a finite number >= 0"), (float("nan"), "finite number"),
                        (14.0, "--host-max-ms checks interleaved rounds")):
         with pytest.raises(ValueError, match=match):

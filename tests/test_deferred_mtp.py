@@ -101,7 +101,7 @@ def _shared_prefix_prompts(vocab):
     return [head + p[:3] for p in base[2:6]] + [head + base[6][:5], base[0], head + base[7][:2]]
 
 
-@pytest.mark.parametrize("case", ["async", "sync", "chunked", "prefix", "preempt", "static", "cuda"])
+@pytest.mark.parametrize("case", ["async", "sync", "chunked", "prefix", "preempt", "static", "static1", "cuda"])
 def test_deferred_entries_give_the_drafts_of_eager_kv_writes_and_stay_lossless(tiny, case, monkeypatch) -> None:
     """``cuda``: CUDA graphs on a GPU (the catch-up's eager pass inside graphed steps); there the GEMM
     kernel picked per row count moves float32 logits by an ulp, so 90% of the drafts must agree (a
@@ -126,6 +126,8 @@ def test_deferred_entries_give_the_drafts_of_eager_kv_writes_and_stay_lossless(t
         kw["num_kv_blocks"] = 18
     if case == "static":
         kw["graph_mode"] = "static"
+    if case == "static1":  # one sequence at a time: its prompts run the single-sequence prefill units (pverify)
+        kw.update(graph_mode="static", max_num_seqs=1)
     want = _run(path, table, script, True, prompts, k=0, **kw)[0]
     deferred = _run(path, table, script, True, prompts, hits=hits, **kw)
     eager = _run(path, table, script, False, prompts, **kw)
@@ -214,6 +216,40 @@ def test_a_deferring_k0_step_runs_no_mtp_pass_and_keeps_the_target_hidden_states
     assert per_step[2][1] == 0 and per_step[2][0][:2] == ["kv_only", "kv_only"] and "forward" in per_step[2][0]
     assert caught_up[:3] == [0, 0, sum(len(p) + 1 for p in prompts)]
     assert per_step[3] == ([], 1)
+
+
+def test_a_graphed_deferring_decode_step_writes_the_hidden_states_inside_its_verify_unit(tiny) -> None:
+    """Static graph buffers: a pure-decode k = 0 step's verify unit writes its rows' target hidden states
+    (no eager write after it; ``wrote_hidden``), exactly at the rows' slots; prompt steps (prefill units,
+    mixed steps) write them eagerly."""
+    path, cfg, table = tiny
+    spec = {"num_speculative_tokens": 3, "adaptive": True, "adaptive_cost_table": table}
+    prompts = mixed_prompts(3, cfg.vocab_size, seed=2)
+    with LLM(path, speculative_config=spec, max_model_len=48, block_size=4, max_num_seqs=4, num_kv_blocks=64,
+             graph_mode="static", async_scheduling=False, device="cpu") as llm:
+        eng = llm.llm_engine
+        runner, fwd = eng.executor.runner, eng.executor.runner.fwd
+        eng.spec_policy = Scripted([0] * 40)
+        target_out, writes = [], []
+        runner.target.register_forward_hook(lambda mod, args, out: target_out.append(out.clone()))
+        write = runner.hidden_cache.write
+        runner.hidden_cache.write = lambda h, slots: (writes.append(slots.clone()), write(h, slots))[1]
+        for i, p in enumerate(token_prompts(prompts)):
+            eng.add_request(p, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), str(i))
+        cache = runner.hidden_cache.kv_cache.view(-1, cfg.hidden_size)
+        graphed = eager = 0
+        while eng.has_unfinished_requests():
+            writes.clear(), target_out.clear()
+            eng.step()
+            if fwd.active is not None:  # a pure-decode step through the static buffers
+                graphed += 1
+                b = fwd.num_seqs
+                assert fwd.wrote_hidden and writes == []
+                assert torch.equal(cache[fwd.slots[:b]], target_out[0][:b])
+            else:
+                eager += 1
+                assert not fwd.wrote_hidden and len(writes) == 1
+    assert graphed >= 5 and eager >= 1
 
 
 def test_with_deferral_off_a_k0_step_writes_its_mtp_entries_and_keeps_no_hidden_states(tiny) -> None:

@@ -6,7 +6,8 @@ batch up to ``max_num_seqs``, and per verify width ``v`` of ``ks``: ``k`` alone,
 under adaptive speculation length):
 
 * ``verify``: target forward over ``Bp x (1 + v)`` rows + ``compute_logits`` of every row
-  (``v = 0``: the plain decode step);
+  (``v = 0``: the plain decode step); with deferred MTP entries (:attr:`GraphedForward.hidden_sink`)
+  also the rows' hidden states into their cache;
 * ``firsttop`` (the first used MTP layer): the MTP first pass over the same rows, then each
   sequence's last valid row and its draft token (the proposer's ``draft_fn``), so the first draft's
   LM head and argmax run inside the graph; ``first`` (each further used layer): the first pass alone;

@@ -812,7 +812,8 @@ def run_arms(arms: Dict[str, List[str]], workloads: Dict[str, BenchConfig], repe
     result: Dict[str, Any] = {"arms": {a: {"flags": f, "url": urls.get(a)} for a, f in arms.items()},
                               "common_server_args": common, "repeats": repeats, "interleaved": not one_at_a_time,
                               "warmup_rounds": warmup_rounds, "in_process": in_process,
-                              "equal_kv_blocks": kv_blocks or None, "host_retries": host_retries, "workloads": {}}
+                              "equal_kv_blocks": kv_blocks or None, "host_retries": host_retries,
+                              "host_max_ms": host_max_ms, "workloads": {}}
     bar = None
     runs: Dict[str, Dict[str, List[Dict[str, Any]]]] = {w: {a: [] for a in arms} for w in workloads}
     perturbed: Dict[str, Dict[str, List[Dict[str, Any]]]] = {w: {a: [] for a in arms} for w in workloads}
@@ -825,7 +826,8 @@ def run_arms(arms: Dict[str, List[str]], workloads: Dict[str, BenchConfig], repe
                                                             "warmup_rounds", "in_process", "equal_kv_blocks")},
                 "workload_configs": {w: asdict(c) for w, c in workloads.items()},
                 "synthetic": any(r["synthetic_reasons"] for per in runs.values() for rs in per.values() for r in rs),
-                "runs": runs, "host_retries": host_retries, "host_perturbed_runs": perturbed}
+                "runs": runs, "host_retries": host_retries, "host_max_ms": host_max_ms,
+                "host_perturbed_runs": perturbed}
         try:
             with open(partial + ".tmp", "w") as f:
                 json.dump(done, f)

@@ -3,12 +3,14 @@
 A step that proposes ``k`` drafts per sequence costs, in the steady state where the next step
 verifies them, ``T(B, k) = verify(B, k) + draft(B, k)``: the target over ``B x (1 + k)`` rows
 and the draft passes (the MTP first pass over the same rows and ``k - 1`` single-row steps; for
-``k = 0`` only the MTP layers' KV-cache writes). It emits ``E(k) = 1 + sum_{i=1..k} prod_{j<=i}
+``k = 0`` only the MTP layers' KV-cache writes, or with deferred MTP entries the hidden-state write,
+inside the graphed verify: 0). It emits ``E(k) = 1 + sum_{i=1..k} prod_{j<=i}
 alpha_j`` tokens per sequence on average, ``alpha_j`` being the probability that draft ``j`` is
 accepted given that drafts ``1 .. j - 1`` were (Leviathan et al., "Fast Inference from
 Transformers via Speculative Decoding", ICML 2023, sec. 3.1, eq. 1 has the i.i.d. case; here the
 rate is per position, as vLLM's ``num_accepted_tokens_per_pos`` measures it). The policy picks
-``argmax_k E(k) / T(B, k)`` (the smallest ``k`` on ties).
+``argmax_k E(k) / T(B, k)`` (the smallest ``k`` on ties; ``k = 0``'s rate counted ``1 +``
+:data:`SWITCH_MARGIN` times).
 
 * :class:`StepCostTable`: ``T`` per padded batch size and ``k``, measured at start-up
   (:func:`measure_step_costs`: the runner's graph units replayed, or the same calls eagerly
@@ -30,7 +32,7 @@ rate is per position, as vLLM's ``num_accepted_tokens_per_pos`` measures it). Th
   with deferred MTP entries (:mod:`mtpspec.spec_decode.deferred_mtp`), catches up the decodes'
   lags, which a ``k = 0`` step leaves for later or for never (H200, 2026-12-05, Air 3 layers at
   64 sequences: prompt steps at ``k = 3`` took 2.3x those at ``k = 0``). The choice for a
-  pure-decode step: ``argmax_k E(k) / (T(B, k) + H(B, k))``; for a step carrying ``P`` prompt
+  pure-decode step: ``argmax_k E(k) / (T(B, k) + H(B, k))`` (with the margin); for a step carrying ``P`` prompt
   tokens, ``argmax_k n E(k) c* - T(B, k) - H(B, k) - P p(k)`` (``n``: its sequences that keep
   their drafts), its tokens valued at ``c*``, the best pure-decode step's ms per token (a drafting
   prompt step is worth its extra time only if its extra tokens come cheaper than decoding them
