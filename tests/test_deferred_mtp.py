@@ -183,24 +183,35 @@ def test_tp2_gloo_ranks(tiny) -> None:
     _check(want, _run(path, table, SCRIPT, True, prompts, **kw), _run(path, table, SCRIPT, False, prompts, **kw))
 
 
-def test_a_deferring_k0_step_runs_no_mtp_pass_and_keeps_the_target_hidden_states(tiny) -> None:
+def _spied_deferring_engine(tiny, graph_mode, script, num_prompts, seed, max_tokens):
+    """An adaptive ``LLM`` (CPU, sync scheduling) under a scripted choice of k with ``num_prompts`` requests
+    queued, and the lists its steps fill: the target's outputs and the slots of each eager hidden-state write."""
     path, cfg, table = tiny
     spec = {"num_speculative_tokens": 3, "adaptive": True, "adaptive_cost_table": table}
-    prompts = mixed_prompts(2, cfg.vocab_size, seed=1)
-    with LLM(path, speculative_config=spec, max_model_len=48, block_size=4, max_num_seqs=4, num_kv_blocks=64,
-             graph_mode="off", async_scheduling=False, device="cpu") as llm:
+    llm = LLM(path, speculative_config=spec, max_model_len=48, block_size=4, max_num_seqs=4, num_kv_blocks=64,
+              graph_mode=graph_mode, async_scheduling=False, device="cpu")
+    eng, runner = llm.llm_engine, llm.llm_engine.executor.runner
+    eng.spec_policy = Scripted(script)
+    target_out, writes = [], []
+    runner.target.register_forward_hook(lambda mod, args, out: target_out.append(out.clone()))
+    write = runner.hidden_cache.write
+    runner.hidden_cache.write = lambda h, slots: (writes.append(slots.clone()), write(h, slots))[1]
+    for i, p in enumerate(token_prompts(mixed_prompts(num_prompts, cfg.vocab_size, seed=seed))):
+        eng.add_request(p, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True), str(i))
+    return llm, target_out, writes
+
+
+def test_a_deferring_k0_step_runs_no_mtp_pass_and_keeps_the_target_hidden_states(tiny) -> None:
+    cfg = tiny[1]
+    prompts = mixed_prompts(2, cfg.vocab_size, seed=1)  # the helper's requests
+    llm, target_out, writes = _spied_deferring_engine(tiny, "off", [0, 0, 3, 0], 2, 1, 12)
+    with llm:
         eng = llm.llm_engine
         runner = eng.executor.runner
-        eng.spec_policy = Scripted([0, 0, 3, 0])
-        calls, target_out, writes = [], [], []
+        calls = []
         runner.mtp.register_forward_hook(lambda mod, args, out: calls.append("forward"))
         kv_only = runner.mtp.forward_kv_only
         runner.mtp.forward_kv_only = lambda *a, **k: (calls.append("kv_only"), kv_only(*a, **k))[1]
-        runner.target.register_forward_hook(lambda mod, args, out: target_out.append(out.clone()))
-        write = runner.hidden_cache.write
-        runner.hidden_cache.write = lambda h, slots: (writes.append(slots.clone()), write(h, slots))[1]
-        for i, p in enumerate(token_prompts(prompts)):
-            eng.add_request(p, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True), str(i))
         per_step, caught_up = [], []
         cache = runner.hidden_cache.kv_cache.view(-1, cfg.hidden_size)
         while eng.has_unfinished_requests():
@@ -222,20 +233,11 @@ def test_a_graphed_deferring_decode_step_writes_the_hidden_states_inside_its_ver
     """Static graph buffers: a pure-decode k = 0 step's verify unit writes its rows' target hidden states
     (no eager write after it; ``wrote_hidden``), exactly at the rows' slots; prompt steps (prefill units,
     mixed steps) write them eagerly."""
-    path, cfg, table = tiny
-    spec = {"num_speculative_tokens": 3, "adaptive": True, "adaptive_cost_table": table}
-    prompts = mixed_prompts(3, cfg.vocab_size, seed=2)
-    with LLM(path, speculative_config=spec, max_model_len=48, block_size=4, max_num_seqs=4, num_kv_blocks=64,
-             graph_mode="static", async_scheduling=False, device="cpu") as llm:
+    cfg = tiny[1]
+    llm, target_out, writes = _spied_deferring_engine(tiny, "static", [0] * 40, 3, 2, 8)
+    with llm:
         eng = llm.llm_engine
         runner, fwd = eng.executor.runner, eng.executor.runner.fwd
-        eng.spec_policy = Scripted([0] * 40)
-        target_out, writes = [], []
-        runner.target.register_forward_hook(lambda mod, args, out: target_out.append(out.clone()))
-        write = runner.hidden_cache.write
-        runner.hidden_cache.write = lambda h, slots: (writes.append(slots.clone()), write(h, slots))[1]
-        for i, p in enumerate(token_prompts(prompts)):
-            eng.add_request(p, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), str(i))
         cache = runner.hidden_cache.kv_cache.view(-1, cfg.hidden_size)
         graphed = eager = 0
         while eng.has_unfinished_requests():
