@@ -115,6 +115,16 @@ def check_hold_k0_steps(n: object) -> None:
         raise ValueError(f"speculative_config: adaptive_hold_k0_steps must be an int >= 1, got {n!r}")
 
 
+def check_switch_margin(m: object) -> None:
+    """``adaptive_switch_margin``: a number (not a bool) in ``[0, 1)``.
+
+    Raises:
+        ValueError: anything else, naming the value.
+    """
+    if isinstance(m, bool) or not isinstance(m, (int, float)) or not 0.0 <= m < 1.0:
+        raise ValueError(f"speculative_config: adaptive_switch_margin must be a number in [0, 1), got {m!r}")
+
+
 def check_prompt_reserve(r: object) -> None:
     """``adaptive_prompt_reserve``: a number (not a bool) in ``[0, 1)``.
 
@@ -166,6 +176,10 @@ class SpeculativeConfig:
             the engine proposes ``k = 0`` for this many pure-decode steps of that batch size in all
             without asking the policy (its bookkeeping, ~40 us a step, is host time a 64-sequence
             step cannot hide; :mod:`mtpspec.spec_decode.adaptive`); 1: the policy is asked every step.
+        adaptive_switch_margin: (adaptive only; ``None``, the default, means
+            :data:`~mtpspec.spec_decode.adaptive.SWITCH_MARGIN`, 0.03) a drafting ``k`` replaces
+            ``k = 0`` only where its predicted rate is above ``1 +`` this times ``k = 0``'s; 0: the
+            plain argmax (the A/B of the margin).
         adaptive_defer_mtp_kv: (adaptive only; ``None``, the default, means True) a step that proposes no drafts
             (``k = 0``) runs no MTP pass at all: it keeps the target's hidden states of its rows
             in a paged cache (``hidden_size`` values per token in the model dtype, counted in
@@ -178,13 +192,14 @@ class SpeculativeConfig:
         ValueError: unknown method, k out of range, an unknown ``draft_sampling``, a non-bool
             ``adaptive``, a cost table or a prompt reserve without ``adaptive``, a prompt reserve
             outside ``[0, 1)``, a non-bool ``adaptive_defer_mtp_kv``, ``adaptive_hold_k0_steps`` not an
-            int >= 1 or given without ``adaptive``.
+            int >= 1 or given without ``adaptive``, ``adaptive_switch_margin`` outside ``[0, 1)`` or
+            given without ``adaptive``.
     """
 
     #: The keys of a ``speculative_config`` dict (vLLM's spelling).
     KEYS = ("method", "num_speculative_tokens", "use_local_argmax_reduction", "index_share_for_mtp_iteration",
             "draft_sampling", "adaptive", "adaptive_cost_table", "adaptive_prompt_reserve", "adaptive_defer_mtp_kv",
-            "adaptive_hold_k0_steps")
+            "adaptive_hold_k0_steps", "adaptive_switch_margin")
     #: Values of ``draft_sampling``.
     DRAFT_SAMPLING = ("greedy", "auto")
 
@@ -198,8 +213,13 @@ class SpeculativeConfig:
     adaptive_prompt_reserve: float = 0.0
     adaptive_defer_mtp_kv: Optional[bool] = None
     adaptive_hold_k0_steps: Optional[int] = None  # None: the policy's default (HOLD_K0_STEPS)
+    adaptive_switch_margin: Optional[float] = None  # None: the policy's default (SWITCH_MARGIN)
 
     def __post_init__(self) -> None:
+        if self.adaptive_switch_margin is not None:
+            check_switch_margin(self.adaptive_switch_margin)
+            if not self.adaptive:
+                raise ValueError("speculative_config: adaptive_switch_margin is given but adaptive is false")
         if self.adaptive_hold_k0_steps is not None:
             check_hold_k0_steps(self.adaptive_hold_k0_steps)
             if not self.adaptive:

@@ -128,12 +128,17 @@ def test_cli_flags_and_config_errors(tmp_path) -> None:
                        ('{"adaptive_hold_k0_steps": 2}', "adaptive_hold_k0_steps is given but adaptive is false"),
                        ('{"adaptive": true, "adaptive_hold_k0_steps": 0}', "must be an int >= 1, got 0"),
                        ('{"adaptive": true, "adaptive_hold_k0_steps": 1.5}', "must be an int >= 1, got 1.5"),
+                       ('{"adaptive_switch_margin": 0.05}', "adaptive_switch_margin is given but adaptive is false"),
+                       ('{"adaptive": true, "adaptive_switch_margin": -0.01}', r"switch_margin must be a number in "
+                                                                                r"\[0, 1\), got -0.01"),
+                       ('{"adaptive": true, "adaptive_switch_margin": true}', "got True"),
                        ('{"adaptive": true, "adaptive_cost_table": ""}', "must be the path of a JSON step cost table"),
                        ('{"adaptive": true, "adaptive_cost_table": 3}', "adaptive_cost_table must be a file name")):
         with pytest.raises(ValueError, match=match):
             EngineArgs(speculative_config=bad).resolved_speculative_config()
-    spec = EngineArgs(speculative_config='{"adaptive": true, "adaptive_hold_k0_steps": 1}').resolved_speculative_config()
-    assert spec.adaptive_hold_k0_steps == 1
+    spec = EngineArgs(speculative_config='{"adaptive": true, "adaptive_hold_k0_steps": 1, "adaptive_switch_margin": '
+                                         '0.05}').resolved_speculative_config()
+    assert spec.adaptive_hold_k0_steps == 1 and spec.adaptive_switch_margin == 0.05
 
 
 def test_prompt_reserve_keeps_a_share_of_the_token_budget_for_waiting_prompts() -> None:
@@ -1451,12 +1456,14 @@ def test_a_k0_choice_is_held_for_hold_k0_steps_pure_decode_steps_of_its_batch_si
         assert len(pol.chosen) == len(steps) - n_held  # held steps never ask the policy
         assert len(pol.times) == len(steps) - n_held - 1  # nor are reported (the first step has no wall)
     assert AdaptiveSpecPolicy(3, _table()).hold_k0_steps == 4
-    with _llm(path, table, k=2) as llm:  # the default, and speculative_config's key
-        assert llm.llm_engine.spec_policy.hold_k0_steps == 4
+    with _llm(path, table, k=2) as llm:  # the defaults, and speculative_config's keys
+        pol = llm.llm_engine.spec_policy
+        assert pol.hold_k0_steps == 4 and pol.switch_margin == SWITCH_MARGIN
     with LLM(path, speculative_config={"num_speculative_tokens": 2, "adaptive": True, "adaptive_cost_table": table,
-                                       "adaptive_hold_k0_steps": 1}, max_model_len=48, block_size=4,
-             max_num_seqs=4, num_kv_blocks=256) as llm:
-        assert llm.llm_engine.spec_policy.hold_k0_steps == 1
+                                       "adaptive_hold_k0_steps": 1, "adaptive_switch_margin": 0},
+             max_model_len=48, block_size=4, max_num_seqs=4, num_kv_blocks=256) as llm:
+        pol = llm.llm_engine.spec_policy
+        assert pol.hold_k0_steps == 1 and pol.switch_margin == 0.0
     for bad in (0, 2.0):
         with pytest.raises(ValueError, match="hold_k0_steps an int >= 1"):
             AdaptiveSpecPolicy(3, _table(), hold_k0_steps=bad)

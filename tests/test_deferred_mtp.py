@@ -486,12 +486,16 @@ def test_a_graph_unit_s_padded_write_equals_the_write_of_its_real_rows(batch, pa
 
 
 def test_bench_arms_adaptive_eagerkv_arm_is_adaptive_without_deferral() -> None:
+    """(and ``adaptive_m0`` is adaptive without the switch margin)"""
     from mtpspec.entrypoints.bench_arms import DEFAULT_ARMS
     from mtpspec.entrypoints.serve import check_serve_args
-    spec = check_serve_args(DEFAULT_ARMS["adaptive_eagerkv"])["speculative_config"]
     ref = check_serve_args(DEFAULT_ARMS["adaptive"])["speculative_config"]
-    assert spec.pop("adaptive_defer_mtp_kv") is False and "adaptive_defer_mtp_kv" not in ref
-    assert spec == ref
+    for arm, key, value in (("adaptive_eagerkv", "adaptive_defer_mtp_kv", False),
+                            ("adaptive_m0", "adaptive_switch_margin", 0)):
+        spec = check_serve_args(DEFAULT_ARMS[arm])["speculative_config"]
+        got = spec.pop(key)
+        assert got == value and type(got) is type(value) and key not in ref, arm
+        assert spec == ref, arm
     from mtpspec.entrypoints.serve import engine_info  # /v1/models tells the two apart
     kw = dict(model="m", tensor_parallel_size=1, fuse_allreduce_rmsnorm=True, sequence_parallel=False,
               allreduce_backend="nccl", max_num_seqs=4, enable_chunked_prefill=True, max_num_batched_tokens=None,

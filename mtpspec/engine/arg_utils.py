@@ -71,7 +71,7 @@ from typing import Any, Dict, Optional, Union
 
 from mtpspec.config import (ALLREDUCE_BACKENDS, KV_CACHE_DTYPES, LOAD_FORMATS, MAX_NUM_SPECULATIVE_TOKENS,
                             ModelConfig, ParallelConfig, SpeculativeConfig, check_hold_k0_steps,
-                            check_prompt_reserve)
+                            check_prompt_reserve, check_switch_margin)
 
 #: ``max_model_len`` when none is given: the model's ``max_position_embeddings``, at most this
 #: (without chunked prefill one step may hold a whole ``max_model_len`` prompt).
@@ -251,6 +251,8 @@ def parse_speculative_config(value: SpecArg) -> Optional[Dict[str, Any]]:
     check_prompt_reserve(out.get("adaptive_prompt_reserve", 0.0))  # "needs adaptive": after the flags merge
     if out.get("adaptive_hold_k0_steps") is not None:  # "needs adaptive": after the flags merge
         check_hold_k0_steps(out["adaptive_hold_k0_steps"])
+    if out.get("adaptive_switch_margin") is not None:  # likewise
+        check_switch_margin(out["adaptive_switch_margin"])
     if out.get("adaptive_defer_mtp_kv") is not None and not isinstance(out["adaptive_defer_mtp_kv"], bool):
         raise ValueError(f"speculative_config: adaptive_defer_mtp_kv must be true or false, got "
                          f"{out['adaptive_defer_mtp_kv']!r}")

@@ -174,7 +174,8 @@ class LLM:
             # the adaptive policy's timing (a pass over the heap inside a timed step would skew its table)
             self._gc_frozen = freeze_gc_heap()
             if spec is not None and spec.adaptive:
-                from mtpspec.spec_decode.adaptive import HOLD_K0_STEPS, AdaptiveSpecPolicy, measure_step_costs
+                from mtpspec.spec_decode.adaptive import (HOLD_K0_STEPS, SWITCH_MARGIN, AdaptiveSpecPolicy,
+                                                          measure_step_costs)
                 if costs is None:  # timed on every rank alike (the units hold collectives); rank 0's figures
                     print(f"adaptive speculation: timing the step-cost table (batch sizes up to {sched.max_num_seqs}, "
                           "k = 0.." + str(spec.num_speculative_tokens) + "; on a CPU this takes a minute or more: a "
@@ -186,7 +187,9 @@ class LLM:
                           file=sys.stderr, flush=True)
                 self.llm_engine.spec_policy = AdaptiveSpecPolicy(
                     spec.num_speculative_tokens, costs, prompt_reserve=float(spec.adaptive_prompt_reserve),
-                    hold_k0_steps=spec.adaptive_hold_k0_steps or HOLD_K0_STEPS)
+                    hold_k0_steps=spec.adaptive_hold_k0_steps or HOLD_K0_STEPS,
+                    switch_margin=SWITCH_MARGIN if spec.adaptive_switch_margin is None
+                    else float(spec.adaptive_switch_margin))
                 self.llm_engine.defer_mtp_kv = spec.defers_mtp_kv
                 if max(costs.verify_ms[0]) < sched.max_num_seqs:  # a table timed for fewer sequences
                     print(f"adaptive speculation: warning: the step-cost table ({costs.source}) goes up to batch "

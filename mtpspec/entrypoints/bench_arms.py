@@ -20,6 +20,8 @@ half the token budget kept for waiting prompts (docs/serving.md). ``adaptive_eag
 with ``'{"adaptive_defer_mtp_kv": false}'``: its ``k = 0`` steps write their MTP KV entries
 themselves instead of deferring them (the A/B of the deferral). ``adaptive_nohold`` is ``adaptive`` with
 ``'{"adaptive_hold_k0_steps": 1}'``: the policy asked every step (the A/B of held ``k = 0`` choices).
+``adaptive_m0`` is ``adaptive`` with ``'{"adaptive_switch_margin": 0}'``: drafting chosen wherever it rates above
+``k = 0`` (the A/B of the switch margin).
 
 Every arm's server is started once (one after another, each on its own free port; with
 ``--base-url NAME=URL`` an already running server is used instead), then each workload runs
@@ -104,6 +106,9 @@ DEFAULT_ARMS: Dict[str, List[str]] = {
     # adaptive asked every step (no held k = 0 choices): the hold's A/B
     "adaptive_nohold": ["-k", "3", "--adaptive-speculation", "--speculative-config",
                         '{"adaptive_hold_k0_steps": 1, "use_local_argmax_reduction": true}'],
+    # adaptive without the switch margin (drafting wherever it rates above k = 0): the margin's A/B
+    "adaptive_m0": ["-k", "3", "--adaptive-speculation", "--speculative-config",
+                    '{"adaptive_switch_margin": 0, "use_local_argmax_reduction": true}'],
 }
 
 PRESETS: Dict[str, Dict[str, int]] = {
