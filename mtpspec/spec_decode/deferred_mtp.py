@@ -149,22 +149,21 @@ class MTPHiddenStateCache(AttentionLayerBase):
         self.impl.do_kv_cache_update(self, hidden, None, self.kv_cache, slot_mapping[:n])
 
     def write_padded(self, hidden: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-        """:meth:`write` for a graph unit's padded rows: ``hidden [n, H]`` at ``slot_mapping [n]``,
-        whose padding rows have slot ``-1`` and whose row 0 is real. A padding row is written at row
-        0's slot, then row 0 again (an ``index_copy_`` with repeated indices keeps any one of their
-        rows), so the result is that of :meth:`write` over the real rows alone; three kernels and no
-        host sync (fit for CUDA-graph capture).
+        """:meth:`write` for a graph unit's padded rows: ``hidden [n, H]`` (any float dtype; stored in
+        :attr:`dtype`) at ``slot_mapping [n]`` (int64), whose padding rows have slot ``-1`` and whose
+        row 0 is real. A padding row is written at row 0's slot, then row 0 again (an ``index_copy_``
+        with repeated indices keeps any one of their rows), so the result is that of :meth:`write`
+        over the real rows alone; no host sync (fit for CUDA-graph capture).
 
         Raises:
             RuntimeError: the cache is not allocated.
         """
         if self.kv_cache is None:
             raise RuntimeError("the hidden-state cache is not allocated")
-        flat = self.kv_cache.view(-1, self.kv_cache.shape[-1])
-        rows = hidden if hidden.dtype == flat.dtype else hidden.to(flat.dtype)
         first = slot_mapping[:1]
-        flat.index_copy_(0, torch.where(slot_mapping >= 0, slot_mapping, first), rows)
-        flat.index_copy_(0, first, rows[:1])
+        self.impl.do_kv_cache_update(self, hidden, None, self.kv_cache, torch.where(slot_mapping >= 0, slot_mapping,
+                                                                                    first))
+        self.impl.do_kv_cache_update(self, hidden[:1], None, self.kv_cache, first)
 
     def read(self, meta: AttentionMetadata) -> torch.Tensor:
         """The rows at ``meta.slot_mapping [n]``: ``[n, H]`` in :attr:`dtype`. No host sync.
