@@ -152,7 +152,7 @@ class SamplingParams:
             if isinstance(ids, (str, bytes)) or not isinstance(ids, Sequence):
                 raise TypeError(f"stop_token_ids must be a list of ints, got {ids!r}")
             for t in ids:  # numpy integers too (ids taken from an array), kept as Python ints
-                if not (_is_int(t) or (isinstance(t, numbers.Integral) and not isinstance(t, bool))) or t < 0:
+                if not isinstance(t, numbers.Integral) or isinstance(t, bool) or t < 0:
                     raise ValueError(f"stop_token_ids must hold ints >= 0, got {t!r} in {list(ids)!r}")
             self.stop_token_ids = [int(t) for t in ids]
         if not isinstance(self.ignore_eos, bool):
