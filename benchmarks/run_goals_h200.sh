@@ -216,12 +216,13 @@ adaptive-inproc)  # issue 18's adaptive goal with deterministic arrival: `bench 
   python3 -c "from mtpspec.entrypoints.bench_arms import host_probe_ms as p; import sys; ms = sorted(p() for _ in range(5))[2]; \
 print(f'host probe {ms:.1f} ms (median of 5)'); sys.exit(3 if ${HOST_MAX_MS:-14} and ms > ${HOST_MAX_MS:-14} else 0)" \
       || { echo "host too slow for host-bound goals (HOST_MAX_MS=${HOST_MAX_MS:-14}): stopped"; exit 3; }
-  python3 benchmarks/make_dummy_model.py /tmp/air3 --preset air-8l --num-hidden-layers 3 \
+  # SKIP_AIR=1: the demo sweep alone (five arms: the two sweeps do not fit one 600-s call)
+  [ -z "${SKIP_AIR:-}" ] && { python3 benchmarks/make_dummy_model.py /tmp/air3 --preset air-8l --num-hidden-layers 3 \
       --max-position-embeddings 2048 || exit 1
   step ${AIR_TIMEOUT:-330} arms_air3_ip python3 -m mtpspec.entrypoints.cli bench arms --in-process --model /tmp/air3 \
       --arms ${ARMS:-plain,k1,k2,k3,adaptive} --workloads ${WORKLOADS:-s1,s8,s64,s256} --repeats ${REPEATS:-3} \
       --host-retries ${HOST_RETRIES:-2} --host-max-ms ${HOST_MAX_MS:-14} --warmup-rounds 1 --equal-kv-blocks --no-plots --no-progress --random-prompts --ignore-eos --forced-acceptance rate:0.8 --server-args \
-      "--max-num-seqs 256 --load-format dummy --max-model-len 1024 --dtype bfloat16" --output-dir "$OUT/arms_air3_ip"
+      "--max-num-seqs 256 --load-format dummy --max-model-len 1024 --dtype bfloat16" --output-dir "$OUT/arms_air3_ip"; }
   # exit 2: bench arms stopped with an error (e.g. --host-max-ms: a slow host), which the demo sweep would meet too
   [ $? -eq 2 ] && { echo "the Air sweep stopped (exit 2, above): no demo sweep"; exit 2; }
   [ -n "${SKIP_DEMO:-}" ] && exit 0  # e.g. ARMS=plain,k1,k3,adaptive REPEATS=2 AIR_TIMEOUT=560 SKIP_DEMO=1 (session 15:
