@@ -95,3 +95,54 @@ def test_make_dummy_model_layer_override(tmp_path):
     p = subprocess.run([sys.executable, script, str(tmp_path / "bad"), "--num-hidden-layers", "0"],
                        capture_output=True, text=True, env=env, timeout=120)
     assert p.returncode == 2 and "--num-hidden-layers must be >= 1" in p.stderr
+
+
+def test_sharing_weights_holds_equal_parameters_once(config_only):
+    """``loader.sharing_weights`` (``bench arms --in-process``): later loads of the same model reuse the
+    first loads' parameter tensors (a plain target first, then target + MTP: the MTP layer's are
+    recorded then), a different dtype or a parameter whose values differ is not shared, nothing is
+    shared outside the context; engines built under it generate what an unshared engine does."""
+    from mtpspec import LLM, SamplingParams
+    from mtpspec.models.loader import sharing_weights
+    kw = dict(device="cpu", load_format="dummy")
+    reg = {}
+    with sharing_weights(reg):
+        t0, _ = load_models(config_only, dtype="float32", load_mtp=False, **kw)
+        t1, m1 = load_models(config_only, dtype="float32", **kw)
+        t2, m2 = load_models(config_only, dtype="float32", **kw)
+        h, _ = load_models(config_only, dtype="bfloat16", load_mtp=False, **kw)
+    first = {id(p) for p in t0.parameters()}
+    assert all(id(p) in first for p in list(t1.parameters()) + list(t2.parameters()))
+    mtp_own = {id(p) for p in m1.parameters()} - first
+    assert mtp_own and all(id(p) in first | mtp_own for p in m2.parameters())
+    assert not any(id(p) in first for p in h.parameters())  # another dtype: its own tensors
+    assert not any(id(p) in first for p in load_models(config_only, dtype="float32", load_mtp=False, **kw)[0]
+                   .parameters())  # outside the context
+    name, p0 = next(iter(t0.named_parameters()))
+    with torch.no_grad():
+        p0.add_(1.0)  # the recorded tensor no longer equals a fresh load's: that one is not shared
+    with sharing_weights(reg):
+        t3, _ = load_models(config_only, dtype="float32", load_mtp=False, **kw)
+    got = dict(t3.named_parameters())
+    assert got[name] is not p0 and torch.equal(got[name] + 1.0, p0)
+    assert sum(id(p) in first for p in t3.parameters()) == len(first) - 1
+
+    prompts = [{"prompt_token_ids": [3, 4, 5, 6, 7, 8, 9, 10]}, {"prompt_token_ids": [11, 5, 2]}]
+    sp = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    spec = {"method": "mtp", "num_speculative_tokens": 2}
+
+    params = []
+
+    def tokens(**extra):
+        llm = LLM(config_only, dtype="float32", max_num_seqs=4, **kw, **extra)
+        try:
+            params.append(list(llm.llm_engine.executor.runner.target.parameters()))  # kept alive: ids stay unique
+            return [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
+        finally:
+            llm.shutdown()
+
+    alone = tokens(speculative_config=spec)
+    with sharing_weights({}):
+        assert tokens() == alone == tokens(speculative_config=spec)
+    ids = [{id(p) for p in ps} for ps in params]
+    assert ids[1] == ids[2] and not ids[0] & ids[1]  # the engines' own models shared theirs

@@ -47,7 +47,9 @@ instead of through CUDA graphs (:func:`eager_warning`).
 ``--warmup-rounds N``: N untimed runs of each
 workload per arm before the timed ones. ``--in-process``: each arm an ``LLM`` in this process, each run
 one ``LLM.generate`` with every request queued before the first step
-(:mod:`~mtpspec.entrypoints.bench_inprocess`). Output: tables on stdout, ``bench_arms.json`` (every figure; while the
+(:mod:`~mtpspec.entrypoints.bench_inprocess`); the arms hold the model's weights once
+(:func:`mtpspec.models.loader.sharing_weights`; each arm's own memory is its KV cache, graphs and
+activations). Output: tables on stdout, ``bench_arms.json`` (every figure; while the
 runs go on, ``bench_arms.partial.json`` holds the runs made so far and their settings, for a sweep
 that is killed or fails; a finished sweep removes it) and PNG
 plots (each arm's runs of output tok/s and steps/s with median and spread; acceptance rate per
@@ -841,6 +843,7 @@ def run_arms(arms: Dict[str, List[str]], workloads: Dict[str, BenchConfig], repe
             print(f"warning: could not save the runs so far to {partial}: {exc}", file=sys.stderr)
 
     engines: Dict[str, Any] = {}
+    shared_weights: Dict[str, Any] = {}  # in-process arms of one model hold its weights once (loader.sharing_weights)
 
     def start(arm: str, i: int, n: int) -> None:
         flags, share = arms[arm], 0.85 * (i + 1) / n
@@ -852,8 +855,10 @@ def run_arms(arms: Dict[str, List[str]], workloads: Dict[str, BenchConfig], repe
             from mtpspec.entrypoints.bench_inprocess import open_arm
             from mtpspec.entrypoints.serve import check_serve_args
             print(f"loading arm {arm!r} in this process ...", file=sys.stderr, flush=True)
+            from mtpspec.models.loader import sharing_weights
             try:
-                engines[arm] = open_arm(check_serve_args(common + flags), forced)
+                with sharing_weights(shared_weights):
+                    engines[arm] = open_arm(check_serve_args(common + flags), forced)
             except (ValueError, RuntimeError) as exc:  # which arm (its flags) in the one line
                 said = f"arm {arm!r} ({' '.join(flags) or 'no flags of its own'}): {exc}"
                 raise (ValueError(said) if isinstance(exc, ValueError) else RuntimeError(said)) from exc
@@ -963,6 +968,7 @@ def run_arms(arms: Dict[str, List[str]], workloads: Dict[str, BenchConfig], repe
             s.stop()
         for e in engines.values():
             e.shutdown()
+        shared_weights.clear()
     result["synthetic"] = any(w["synthetic"] for w in result["workloads"].values())
     _write_json(result, out_dir)  # before any plot: a failed plot must not lose the sweep
     if os.path.exists(partial):
@@ -998,7 +1004,8 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--repeats", type=int, default=3, help="runs per arm and workload (default 3)")
     p.add_argument("--in-process", action="store_true",
                    help="each arm an LLM in this process, each run one LLM.generate with every request queued "
-                        "before the first step (deterministic arrival; no HTTP, TTFT / ITL from the engine)")
+                        "before the first step (deterministic arrival; no HTTP, TTFT / ITL from the engine); arms "
+                        "of one model hold its weights once (parameters equal in value are shared)")
     p.add_argument("--equal-kv-blocks", action="store_true",
                    help="give every arm --num-kv-blocks for the same KV token capacity, enough for every "
                         "workload's concurrent requests whole (instead of a share of the GPU each, in which a "

@@ -389,6 +389,56 @@ def _resolve(dtype: Optional[Union[torch.dtype, str]], device: Optional[Union[st
     return dtype, dev
 
 
+#: While :func:`sharing_weights` is active: name -> parameter of the models loaded so far (see there).
+_SHARED_WEIGHTS: Optional[Dict[str, torch.Tensor]] = None
+
+
+@contextlib.contextmanager
+def sharing_weights(registry: Dict[str, torch.Tensor]) -> Iterator[None]:
+    """Within, :func:`load_models` makes the models it builds share parameters with the earlier loads
+    recorded in ``registry`` (a dict the caller keeps across calls, e.g. for several engines of one
+    model in one process: ``bench arms --in-process``): after each load, every parameter whose
+    name (qualified by the checkpoint folder, load format, dtype, device, TP rank and shared-experts
+    fusion), shape, dtype and values equal a recorded one's is replaced by that tensor (the new copy
+    is freed), and the others are recorded. Values are compared (``torch.equal``), so sharing never
+    changes what a model computes; only the memory of identical weights is held once. Parameters
+    only (buffers and caches stay per model). Not thread-safe; one registry at a time."""
+    global _SHARED_WEIGHTS
+    prev, _SHARED_WEIGHTS = _SHARED_WEIGHTS, registry
+    try:
+        yield
+    finally:
+        _SHARED_WEIGHTS = prev
+
+
+def _share_weights(key: str, models: Sequence[Tuple[str, Optional[nn.Module]]]) -> int:
+    """Replace the parameters of ``models`` (prefix, model) by equal ones of :data:`_SHARED_WEIGHTS`
+    (recording the rest); returns how many were replaced. No-op outside :func:`sharing_weights`."""
+    reg = _SHARED_WEIGHTS
+    if reg is None:
+        return 0
+    shared = 0
+    with torch.no_grad():
+        for prefix, model in models:
+            if model is None:
+                continue
+            for mod_name, mod in model.named_modules():
+                for pname, p in list(mod._parameters.items()):
+                    if p is None:
+                        continue
+                    name = f"{key}|{prefix}.{mod_name}.{pname}"
+                    old = reg.get(name)
+                    if old is p:
+                        continue
+                    if (old is not None and old.shape == p.shape and old.dtype == p.dtype and old.device == p.device
+                            and type(old) is type(p) and torch.equal(old, p)):
+                        mod._parameters[pname] = old
+                        shared += 1
+                    else:
+                        reg[name] = p
+    return shared
+
+
 def load_models(model_path: str, dtype: Optional[Union[torch.dtype, str]] = None,
                 device: Optional[Union[str, torch.device]] = None, load_mtp: bool = True,
                 fuse_allreduce_rmsnorm: bool = True, sequence_parallel: bool = False,
@@ -446,6 +496,7 @@ def load_models(model_path: str, dtype: Optional[Union[torch.dtype, str]] = None
             initialize_dummy_weights(mtp, skip=list(target.parameters()))
         if fuse_shared_experts:
             _fuse_shared_experts(target, mtp)
+        _share_weights(_share_key(model_path, load_format, dtype, dev, fuse_shared_experts), [("t", target), ("m", mtp)])
         return target.eval(), None if mtp is None else mtp.eval()
     t_specs, m_specs = arch.target_weight_specs(cfg), arch.mtp_weight_specs(cfg)
     block = tuple(cfg.quantization.weight_block_size) if cfg.quantization is not None else None
@@ -471,7 +522,14 @@ def load_models(model_path: str, dtype: Optional[Union[torch.dtype, str]] = None
             mtp.eval()
     if fuse_shared_experts:
         _fuse_shared_experts(target, mtp)
+    _share_weights(_share_key(model_path, load_format, dtype, dev, fuse_shared_experts), [("t", target), ("m", mtp)])
     return target.eval(), mtp
+
+
+def _share_key(model_path: str, load_format: str, dtype: torch.dtype, dev: Any, fuse: bool) -> str:
+    """What must match for two loads' parameters to be shared (:func:`sharing_weights`), besides names."""
+    tp = get_tp_group()
+    return f"{os.path.realpath(model_path)}|{load_format}|{dtype}|{torch.device(dev)}|{tp.rank_in_group}/{tp.world_size}|{fuse}"
 
 
 def _fuse_shared_experts(*models: Optional[nn.Module]) -> int:
