@@ -216,31 +216,29 @@ class SpeculativeConfig:
     adaptive_switch_margin: Optional[float] = None  # None: the policy's default (SWITCH_MARGIN)
 
     def __post_init__(self) -> None:
-        if self.adaptive_switch_margin is not None:
-            check_switch_margin(self.adaptive_switch_margin)
-            if not self.adaptive:
-                raise ValueError("speculative_config: adaptive_switch_margin is given but adaptive is false")
-        if self.adaptive_hold_k0_steps is not None:
-            check_hold_k0_steps(self.adaptive_hold_k0_steps)
-            if not self.adaptive:
-                raise ValueError("speculative_config: adaptive_hold_k0_steps is given but adaptive is false")
-        if self.adaptive_defer_mtp_kv is not None and not isinstance(self.adaptive_defer_mtp_kv, bool):
-            raise ValueError(f"speculative_config: adaptive_defer_mtp_kv must be true or false, got "
-                             f"{self.adaptive_defer_mtp_kv!r}")
         if not isinstance(self.adaptive, bool):
             raise ValueError(f"speculative_config: adaptive must be true or false, got {self.adaptive!r}")
-        if self.adaptive_cost_table is not None and not self.adaptive:
-            raise ValueError("speculative_config: adaptive_cost_table is given but adaptive is false")
+        # each adaptive_* key's own value first, then that it needs adaptive
         if self.adaptive_cost_table is not None and (not isinstance(self.adaptive_cost_table, str)
                                                      or not self.adaptive_cost_table.strip()):
             raise ValueError(f"speculative_config: adaptive_cost_table must be the path of a JSON step cost table "
                              f"(or null to time one at start-up), got {self.adaptive_cost_table!r}")
         check_prompt_reserve(self.adaptive_prompt_reserve)
-        if self.adaptive_prompt_reserve and not self.adaptive:
-            raise ValueError("speculative_config: adaptive_prompt_reserve is given but adaptive is false")
-        if self.adaptive_defer_mtp_kv is not None and not self.adaptive:
-            raise ValueError("speculative_config: adaptive_defer_mtp_kv is given but adaptive is false (it only "
-                             "applies to adaptive speculation)")
+        if self.adaptive_defer_mtp_kv is not None and not isinstance(self.adaptive_defer_mtp_kv, bool):
+            raise ValueError(f"speculative_config: adaptive_defer_mtp_kv must be true or false, got "
+                             f"{self.adaptive_defer_mtp_kv!r}")
+        if self.adaptive_hold_k0_steps is not None:
+            check_hold_k0_steps(self.adaptive_hold_k0_steps)
+        if self.adaptive_switch_margin is not None:
+            check_switch_margin(self.adaptive_switch_margin)
+        given = [name for name, on in (("adaptive_cost_table", self.adaptive_cost_table is not None),
+                                       ("adaptive_prompt_reserve", bool(self.adaptive_prompt_reserve)),
+                                       ("adaptive_defer_mtp_kv", self.adaptive_defer_mtp_kv is not None),
+                                       ("adaptive_hold_k0_steps", self.adaptive_hold_k0_steps is not None),
+                                       ("adaptive_switch_margin", self.adaptive_switch_margin is not None)) if on]
+        if given and not self.adaptive:
+            raise ValueError(f"speculative_config: {given[0]} is given but adaptive is false (the adaptive_* keys "
+                             "apply to adaptive speculation only)")
         if isinstance(self.method, str) and self.method.endswith("_mtp"):
             # vLLM's older per-model names (deepseek_mtp, glm4_moe_mtp, ...) mean "mtp" there too
             self.method = "mtp"
