@@ -61,14 +61,14 @@ def trace(llm: Any, prompts: List[List[int]], output_len: int, concurrency: int)
             host[0] += (time.perf_counter() - t) * 1e3
             # whether its k came from an exploration (a decode burst, a prompt step's re-try); None: not asked
             if asked and not getattr(out, "policy_held", False):
-                out.trace_explored = policy._prompt_explored if out.num_prefill_tokens else policy._burst_choice
+                out.trace_explored = policy.last_choice_explored
 
     def observed(batch, k, wall_ms, verify_k=None, num_prefill_tokens=0, num_emitted=None, **more):
         v = k if verify_k is None else verify_k
-        before = dict(policy._excess_n)
+        before = policy.steady_steps
         real_observe(batch, k, wall_ms, verify_k, num_prefill_tokens, num_emitted, **more)
         known = k in policy.costs.verify_ms and v in policy.costs.verify_ms
-        seen.update(wall=wall_ms, counted=policy._excess_n != before,
+        seen.update(wall=wall_ms, counted=policy.steady_steps != before,
                     predicted=policy.costs.step_ms(batch, k, v) if known else None)
 
     def finish(out, *args, **kwargs):  # _finish -> _observe_spec -> observe_step_time: the same step

@@ -604,6 +604,7 @@ def test_measured_host_time_counts_only_steady_runs_of_a_k() -> None:
     step(3, 3, 0.5, 3)
     assert pol._excess_n[(64, 0)] == 2 and pol.excess_ms[(64, 0)] == pytest.approx(1.0)
     assert pol._excess_n[(64, 3)] == 2 and pol.excess_ms[(64, 3)] == pytest.approx(0.5)
+    assert pol.steady_steps == 2 + 2  # the counted steps, in all (what trace_adaptive_steps.py compares)
     # the transitions whose k was measured by then, reported as what switching costs: the last k = 0 step
     # (2.5 - 1.0) and the second k = 3 step (0.6 - 0.5; the first one's wall is not positive: no sample)
     assert pol.transition_steps == 2 and pol.transition_extra_ms == pytest.approx((1.5 + 0.1) / 2)
@@ -1489,11 +1490,12 @@ def test_held_steps_count_in_the_steady_run_and_a_burst_s_k0_is_not_held() -> No
     assert pol._excess_n[(64, 0)] == 1 and pol.excess_ms[(64, 0)] == pytest.approx(1.0)
     # a burst of k = 0 (here set by hand) returns k = 0 while "exploring", its last step too
     pol2 = AdaptiveSpecPolicy(3, _table(draft=lambda b, k: 0.0))  # drafting is free: the best k is 3
-    assert pol2.choose(4) == 3 and not pol2.exploring
+    assert pol2.choose(4) == 3 and not pol2.exploring and not pol2.last_choice_explored
     pol2._explore = [0, 0]
-    assert pol2.choose(4) == 0 and pol2.exploring
+    assert pol2.choose(4) == 0 and pol2.exploring and pol2.last_choice_explored
     assert pol2.choose(4) == 0 and pol2.exploring  # the burst's last k = 0: not the policy's best either
-    assert pol2.choose(4) == 3 and not pol2.exploring
+    assert pol2.last_choice_explored  # (what trace_adaptive_steps.py reports per step)
+    assert pol2.choose(4) == 3 and not pol2.exploring and not pol2.last_choice_explored
 
 
 def test_an_engine_never_holds_an_exploration_burst_s_k0(model) -> None:

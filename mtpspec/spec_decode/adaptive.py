@@ -380,6 +380,8 @@ class AdaptiveSpecPolicy:
     #: switching costs; reported (``bench arms``' ``adaptive_host_model``), not charged yet.
     transition_steps: int = 0
     transition_extra_ms: float = 0.0
+    #: Pure-decode steps counted in :attr:`excess_ms` (steady runs of their k), in all.
+    steady_steps: int = 0
     _decode_samples: int = field(default=0, init=False, repr=False)  # pure-decode steps observed
     # counted steps per (bucket, k) since its measure was last reset, and the last MEASURED_WINDOW
     # of them as (excess ms, batch)
@@ -399,6 +401,7 @@ class AdaptiveSpecPolicy:
     _explore: List[int] = field(default_factory=list, init=False, repr=False)  # ks still to propose in a burst
     _burst_choice: bool = field(default=False, init=False, repr=False)  # the last pure-decode choice was a burst's
     _prompt_explored: bool = field(default=False, init=False, repr=False)  # ... the last prompt step's, the other kind
+    _last_prompt: bool = field(default=False, init=False, repr=False)  # the last choice was a prompt step's
     # decayed moments over pure-decode steps of (B, r, y): E[B], E[r], E[y], E[BB], E[Br], E[rr], E[By], E[ry]
     _moments: List[float] = field(default_factory=lambda: [0.0] * 8, init=False, repr=False)
     # decayed sums over timed catch-ups of (ms, rows), and the rows timed in all
@@ -486,6 +489,7 @@ class AdaptiveSpecPolicy:
             if k == self._last_k == self._last_k2 and self._chosen_k in (None, k):  # a steady run of k
                 key = (self._bucket(batch), k)
                 self._excess_n[key] = self._excess_n.get(key, 0) + 1
+                self.steady_steps += 1
                 window = self._excess_window.setdefault(key, [])
                 window.append((excess, float(batch)))
                 del window[:-MEASURED_WINDOW]
@@ -695,6 +699,7 @@ class AdaptiveSpecPolicy:
                         out[k] = (e, t + q * float(rows @ share))
             return out
 
+        self._last_prompt = bool(n_prompt)
         if n_prompt:
             self._chosen_k = k = self._choose_prompt_step(batch, max(0, batch - num_partial_prefills), n_prompt,
                                                           base, charged if q > 0 else None, catch_up_all)
@@ -711,6 +716,12 @@ class AdaptiveSpecPolicy:
         """The last pure-decode choice was an exploration burst's, or a burst's next steps are set:
         a ``k = 0`` chosen so is not the policy's best and is not held (:attr:`hold_k0_steps`)."""
         return self._burst_choice or bool(self._explore)
+
+    @property
+    def last_choice_explored(self) -> bool:
+        """The last :meth:`choose` proposed a ``k`` other than its best by design: an exploration
+        burst's (pure decode) or a re-try of the other kind (``k = 0`` vs drafting) at a prompt step."""
+        return self._prompt_explored if self._last_prompt else self._burst_choice
 
     def observe_held_step(self) -> None:
         """A pure-decode step that the engine proposed ``k = 0`` for without asking (a held choice,
