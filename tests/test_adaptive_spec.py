@@ -643,42 +643,6 @@ def test_measured_host_time_moves_with_the_batch_size_inside_a_bucket() -> None:
     assert sum(pol.choose(batch) != want for batch, want in ((130, 2), (200, 2), (256, 2))) >= 2
 
 
-def test_a_k0_prompt_step_is_left_in_flight_as_plain_decoding_leaves_it(model) -> None:
-    """H100, 2026-12-06 (Air 3 layers): the adaptive engine's k = 0 prompt steps took 0.3-0.6 ms more
-    than plain decoding's, which leaves every step in flight when its call returns (the caller's
-    output processing runs under it). With async scheduling a k = 0 step that holds a prompt chunk
-    is left in flight too, marked not plain: the next call applies it before it schedules the next
-    step (none is built ahead of a prompt chunk). A prompt step that proposes drafts is applied in
-    its own call; outputs equal the engine without async scheduling."""
-    path, cfg, table = model
-    sp = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
-    got = []
-    for on in (True, False):
-        with _llm(path, table, async_scheduling=on) as llm:
-            eng = llm.llm_engine
-            eng.spec_policy = Scripted([0])
-            eng.add_request({"prompt_token_ids": [5, 6, 7, 8]}, sp, "a")
-            out = eng.step()
-            if on:
-                assert out == [] and eng._inflight is not None and not eng._inflight.plain
-                assert eng._inflight.out.num_prefill_tokens == 4
-                eng.step()  # applies the prompt step first, then the next one is built from its token
-                assert eng.scheduler.running[0].output_token_ids  # (the first token is applied)
-            else:
-                assert eng._inflight is None
-            eng.spec_policy = Scripted([2])
-            eng.add_request({"prompt_token_ids": [9, 10, 11]}, sp, "b")
-            while eng.scheduler.waiting:
-                eng.step()
-            assert eng._inflight is None or eng._inflight.out.num_proposed_tokens == 0
-            done = {}
-            while eng.has_unfinished_requests():
-                for o in eng.step():
-                    done[o.request_id] = o.outputs[0].token_ids
-            got.append(done)
-    assert got[0] == got[1] and len(got[0]["a"]) == len(got[0]["b"]) == 5
-
-
 def test_a_k0_step_left_in_flight_by_a_sync_step_is_timed_from_its_own_start(model) -> None:
     """Found by review: with a prompt waiting that cannot be admitted (no chunked prefill, a budget
     the decodes fill), each k = 0 step is applied before the next is scheduled, then the next is

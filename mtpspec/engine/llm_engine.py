@@ -387,8 +387,7 @@ class LLMEngine:
     def _step_sync(self) -> List[Sequence]:
         """One step applied before the next is scheduled (its draft passes may still run); returns
         the sequences that finished. An adaptive step at ``k = 0`` that verifies no drafts either
-        is left in flight instead (:meth:`_goes_ahead`): the next step is scheduled ahead of it, or
-        (prompt chunks) after the next call applies it."""
+        is left in flight instead (:meth:`_goes_ahead`): the next step is scheduled ahead of it."""
         t0 = time.perf_counter()
         out = self.scheduler.schedule()
         on_device = self._drafts_stay_on_device(out)
@@ -405,8 +404,7 @@ class LLMEngine:
         if on_device:  # the host's copy of the last step's drafts, while this step runs
             self._take_drafts()
         if self._goes_ahead(out, step):
-            plain = all(not si.is_prefill and si.logits_params is None for si in step.seqs)
-            self._inflight = _InFlight(out, handle, plain, t0)
+            self._inflight = _InFlight(out, handle, True, t0)
             m.busy_time_s += time.perf_counter() - t0
             return []
         return self._finish(out, handle, t0, t1)
@@ -463,18 +461,14 @@ class LLMEngine:
         return lags
 
     def _goes_ahead(self, out: SchedulerOutput, step: StepInput) -> bool:
-        """Whether ``out`` is left in flight when its call returns (async scheduling, adaptive
-        speculation length): it verifies and proposes no drafts, so it is a plain-decoding step, left
-        in flight as plain decoding leaves every step (:meth:`_step_ahead`; issue 18: ``k = 0`` must
-        cost nothing beyond plain decoding, whose host work overlaps the device's this way). If it
-        also holds only decodes whose logits do not depend on their outputs, the next step is
-        scheduled ahead of it; else (prompt chunks: H100, 2026-12-06, the adaptive engine's k = 0
-        prompt steps took 0.3-0.6 ms more than plain decoding's, whose prompt steps were left in
-        flight under the host's output processing) the next call applies it first."""
-        if self.spec_policy is None or not self.scheduler_config.async_scheduling or out.num_proposed_tokens:
-            return False
-        # (a step without decodes verifies nothing, whatever num_spec_tokens says: Scheduler._cut_drafts)
-        return out.num_spec_tokens == 0 or all(si.is_prefill for si in step.seqs)
+        """Whether the next step is scheduled ahead of ``out`` (async scheduling, adaptive speculation
+        length): ``out`` verifies and proposes no drafts and holds only decodes whose logits do not
+        depend on their outputs, so it is a plain-decoding step, and the next one is built as
+        plain decoding builds it (:meth:`_step_ahead`; issue 18: ``k = 0`` must cost nothing
+        beyond plain decoding, whose host work overlaps the device's this way)."""
+        return (self.spec_policy is not None and self.scheduler_config.async_scheduling
+                and out.num_spec_tokens == 0 and out.num_proposed_tokens == 0
+                and all(not si.is_prefill and si.logits_params is None for si in step.seqs))
 
     def _step_ahead(self) -> List[RequestOutput]:
         """Plain decoding (``k = 0``, or adaptive steps at ``k = 0``) with async scheduling: schedule
