@@ -236,6 +236,7 @@ def test_bench_arms_in_process_repeats_the_same_steps(model_dir, tmp_path):
     assert "run 1's steps by kind (steps x mean wall [mean batch, prompt tokens, catch-up rows]): decode k1 " in p.stdout
     res = json.loads((out / "bench_arms.json").read_text())
     assert res["in_process"] is True and res["warmup_rounds"] == 1
+    assert res["shared_weights"] is True  # coexisting arms, KV caches sized in blocks: the weights held once
     kv = res["equal_kv_blocks"]  # the same KV tokens for both arms (equal_kv_blocks; one block size here)
     assert set(kv) == {"k1", "adaptive"} and kv["k1"] == kv["adaptive"] > 0
     wl = res["workloads"]["s8"]

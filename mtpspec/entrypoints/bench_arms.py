@@ -47,9 +47,10 @@ instead of through CUDA graphs (:func:`eager_warning`).
 ``--warmup-rounds N``: N untimed runs of each
 workload per arm before the timed ones. ``--in-process``: each arm an ``LLM`` in this process, each run
 one ``LLM.generate`` with every request queued before the first step
-(:mod:`~mtpspec.entrypoints.bench_inprocess`); the arms hold the model's weights once
+(:mod:`~mtpspec.entrypoints.bench_inprocess`); with ``--equal-kv-blocks`` (and tp 1: spawned ranks load
+in their own processes) the arms hold the model's weights once
 (:func:`mtpspec.models.loader.sharing_weights`; each arm's own memory is its KV cache, graphs and
-activations). Output: tables on stdout, ``bench_arms.json`` (every figure; while the
+activations; recorded as ``shared_weights``). Output: tables on stdout, ``bench_arms.json`` (every figure; while the
 runs go on, ``bench_arms.partial.json`` holds the runs made so far and their settings, for a sweep
 that is killed or fails; a finished sweep removes it) and PNG
 plots (each arm's runs of output tok/s and steps/s with median and spread; acceptance rate per
@@ -69,6 +70,7 @@ single quotes inside the value.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -830,7 +832,8 @@ def run_arms(arms: Dict[str, List[str]], workloads: Dict[str, BenchConfig], repe
         """The runs made so far and what they ran, in ``PARTIAL_JSON`` (written whole, then renamed:
         a sweep killed mid-write keeps the previous copy); a failed write only warns."""
         done = {"partial": True, **{k: result[k] for k in ("arms", "common_server_args", "repeats", "interleaved",
-                                                            "warmup_rounds", "in_process", "equal_kv_blocks")},
+                                                            "warmup_rounds", "in_process", "equal_kv_blocks",
+                                                            "shared_weights")},
                 "workload_configs": {w: asdict(c) for w, c in workloads.items()},
                 "synthetic": any(r["synthetic_reasons"] for per in runs.values() for rs in per.values() for r in rs),
                 "runs": runs, "host_retries": host_retries, "host_max_ms": host_max_ms,
@@ -843,7 +846,11 @@ def run_arms(arms: Dict[str, List[str]], workloads: Dict[str, BenchConfig], repe
             print(f"warning: could not save the runs so far to {partial}: {exc}", file=sys.stderr)
 
     engines: Dict[str, Any] = {}
-    shared_weights: Dict[str, Any] = {}  # in-process arms of one model hold its weights once (loader.sharing_weights)
+    # in-process arms of one model hold its weights once (loader.sharing_weights) where they coexist and each
+    # KV cache is sized in blocks (--equal-kv-blocks); a spawned rank (tp > 1) loads in its own process: no sharing
+    shared_weights: Dict[str, Any] = {}
+    share_weights = in_process and not one_at_a_time and all(a in kv_blocks for a in arms if a not in urls)
+    result["shared_weights"] = share_weights
 
     def start(arm: str, i: int, n: int) -> None:
         flags, share = arms[arm], 0.85 * (i + 1) / n
@@ -857,7 +864,9 @@ def run_arms(arms: Dict[str, List[str]], workloads: Dict[str, BenchConfig], repe
             print(f"loading arm {arm!r} in this process ...", file=sys.stderr, flush=True)
             from mtpspec.models.loader import sharing_weights
             try:
-                with sharing_weights(shared_weights):
+                # only arms that coexist, each KV cache sized in blocks: a share of the GPU each
+                # (--gpu-memory-utilization) assumes each arm holds its own weights
+                with sharing_weights(shared_weights) if share_weights else contextlib.nullcontext():
                     engines[arm] = open_arm(check_serve_args(common + flags), forced)
             except (ValueError, RuntimeError) as exc:  # which arm (its flags) in the one line
                 said = f"arm {arm!r} ({' '.join(flags) or 'no flags of its own'}): {exc}"
@@ -1004,8 +1013,9 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--repeats", type=int, default=3, help="runs per arm and workload (default 3)")
     p.add_argument("--in-process", action="store_true",
                    help="each arm an LLM in this process, each run one LLM.generate with every request queued "
-                        "before the first step (deterministic arrival; no HTTP, TTFT / ITL from the engine); arms "
-                        "of one model hold its weights once (parameters equal in value are shared)")
+                        "before the first step (deterministic arrival; no HTTP, TTFT / ITL from the engine); with "
+                        "--equal-kv-blocks (tp 1) the arms hold the model's weights once (parameters equal in "
+                        "value are shared)")
     p.add_argument("--equal-kv-blocks", action="store_true",
                    help="give every arm --num-kv-blocks for the same KV token capacity, enough for every "
                         "workload's concurrent requests whole (instead of a share of the GPU each, in which a "

@@ -381,7 +381,7 @@ class AdaptiveSpecPolicy:
     transition_steps: int = 0
     transition_extra_ms: float = 0.0
     #: Pure-decode steps counted in :attr:`excess_ms` (steady runs of their k), in all.
-    steady_steps: int = 0
+    steady_steps: int = field(default=0, init=False)
     _decode_samples: int = field(default=0, init=False, repr=False)  # pure-decode steps observed
     # counted steps per (bucket, k) since its measure was last reset, and the last MEASURED_WINDOW
     # of them as (excess ms, batch)
