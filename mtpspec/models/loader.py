@@ -402,7 +402,9 @@ def sharing_weights(registry: Dict[str, torch.Tensor]) -> Iterator[None]:
     fusion), shape, dtype and values equal a recorded one's is replaced by that tensor (the new copy
     is freed), and the others are recorded. Values are compared (``torch.equal``), so sharing never
     changes what a model computes; only the memory of identical weights is held once. Parameters
-    only (buffers and caches stay per model). Not thread-safe; one registry at a time."""
+    only (buffers and caches stay per model). The registry keeps the tensors alive until the caller
+    clears it (an engine's shutdown releases only its own references). Loads in other processes
+    (spawned TP ranks) do not see it. Not thread-safe; one registry at a time."""
     global _SHARED_WEIGHTS
     prev, _SHARED_WEIGHTS = _SHARED_WEIGHTS, registry
     try:
