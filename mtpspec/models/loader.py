@@ -498,7 +498,8 @@ def load_models(model_path: str, dtype: Optional[Union[torch.dtype, str]] = None
             initialize_dummy_weights(mtp, skip=list(target.parameters()))
         if fuse_shared_experts:
             _fuse_shared_experts(target, mtp)
-        _share_weights(_share_key(model_path, load_format, dtype, dev, fuse_shared_experts), [("t", target), ("m", mtp)])
+        _share_weights(_share_key(model_path, load_format, dtype, dev, fuse_shared_experts),
+                       [("t", target), ("m", mtp)])
         return target.eval(), None if mtp is None else mtp.eval()
     t_specs, m_specs = arch.target_weight_specs(cfg), arch.mtp_weight_specs(cfg)
     block = tuple(cfg.quantization.weight_block_size) if cfg.quantization is not None else None
@@ -531,7 +532,8 @@ def load_models(model_path: str, dtype: Optional[Union[torch.dtype, str]] = None
 def _share_key(model_path: str, load_format: str, dtype: torch.dtype, dev: Any, fuse: bool) -> str:
     """What must match for two loads' parameters to be shared (:func:`sharing_weights`), besides names."""
     tp = get_tp_group()
-    return f"{os.path.realpath(model_path)}|{load_format}|{dtype}|{torch.device(dev)}|{tp.rank_in_group}/{tp.world_size}|{fuse}"
+    return (f"{os.path.realpath(model_path)}|{load_format}|{dtype}|{torch.device(dev)}|"
+            f"{tp.rank_in_group}/{tp.world_size}|{fuse}")
 
 
 def _fuse_shared_experts(*models: Optional[nn.Module]) -> int:
