@@ -218,6 +218,23 @@ def test_bench_arms_one_at_a_time_plain_vs_adaptive(model_dir, tmp_path):
     assert len(hist) == 4 and sum(hist) > 0  # the steps per chosen k reached the client
 
 
+@pytest.mark.parametrize("mode", ["one-at-a-time", "gpu-shares"])
+def test_bench_arms_in_process_shares_weights_only_among_coexisting_block_sized_arms(model_dir, tmp_path, mode):
+    """In-process arms hold the model's weights once only where they coexist and ``--equal-kv-blocks``
+    sizes their KV caches (``shared_weights`` in the JSON): one arm at a time would keep an arm's
+    weights after its shutdown, and a share of the GPU each assumes each arm holds its own."""
+    out = tmp_path / "arms_share"
+    extra = ["--one-arm-at-a-time", "--equal-kv-blocks"] if mode == "one-at-a-time" else []
+    cmd = [sys.executable, "-m", "mtpspec.entrypoints.cli", "bench", "arms", "--model", model_dir, "--in-process",
+           "--arms", "plain,k1", "--workloads", "s8", "--scale", "0.05", "--repeats", "1", "--warmup", "0",
+           "--output-dir", str(out), "--no-progress", "--no-plots", *extra,
+           "--server-args", "--device cpu --torch-threads 1 --max-model-len 256 --max-num-seqs 4"]
+    p = subprocess.run(cmd, capture_output=True, text=True, env=child_env(), cwd=REPO, timeout=300)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    res = json.loads((out / "bench_arms.json").read_text())
+    assert res["in_process"] is True and res["shared_weights"] is False
+
+
 def test_bench_arms_in_process_repeats_the_same_steps(model_dir, tmp_path):
     """``--in-process``: each arm an ``LLM`` here, each run one ``generate`` with every request queued
     before the first step and the workload's concurrency as the running cap: under forced acceptance
