@@ -185,7 +185,8 @@ def test_tp2_gloo_ranks(tiny) -> None:
 
 def _spied_deferring_engine(tiny, graph_mode, script, num_prompts, seed, max_tokens):
     """An adaptive ``LLM`` (CPU, sync scheduling) under a scripted choice of k with ``num_prompts`` requests
-    queued, and the lists its steps fill: the target's outputs and the slots of each eager hidden-state write."""
+    queued, their prompts, and the lists its steps fill: the target's outputs and the slots of each eager
+    hidden-state write."""
     path, cfg, table = tiny
     spec = {"num_speculative_tokens": 3, "adaptive": True, "adaptive_cost_table": table}
     llm = LLM(path, speculative_config=spec, max_model_len=48, block_size=4, max_num_seqs=4, num_kv_blocks=64,
@@ -196,15 +197,15 @@ def _spied_deferring_engine(tiny, graph_mode, script, num_prompts, seed, max_tok
     runner.target.register_forward_hook(lambda mod, args, out: target_out.append(out.clone()))
     write = runner.hidden_cache.write
     runner.hidden_cache.write = lambda h, slots: (writes.append(slots.clone()), write(h, slots))[1]
-    for i, p in enumerate(token_prompts(mixed_prompts(num_prompts, cfg.vocab_size, seed=seed))):
+    prompts = mixed_prompts(num_prompts, cfg.vocab_size, seed=seed)
+    for i, p in enumerate(token_prompts(prompts)):
         eng.add_request(p, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True), str(i))
-    return llm, target_out, writes
+    return llm, prompts, target_out, writes
 
 
 def test_a_deferring_k0_step_runs_no_mtp_pass_and_keeps_the_target_hidden_states(tiny) -> None:
     cfg = tiny[1]
-    prompts = mixed_prompts(2, cfg.vocab_size, seed=1)  # the helper's requests
-    llm, target_out, writes = _spied_deferring_engine(tiny, "off", [0, 0, 3, 0], 2, 1, 12)
+    llm, prompts, target_out, writes = _spied_deferring_engine(tiny, "off", [0, 0, 3, 0], 2, 1, 12)
     with llm:
         eng = llm.llm_engine
         runner = eng.executor.runner
@@ -234,7 +235,7 @@ def test_a_graphed_deferring_decode_step_writes_the_hidden_states_inside_its_ver
     (no eager write after it; ``wrote_hidden``), exactly at the rows' slots; prompt steps (prefill units,
     mixed steps) write them eagerly."""
     cfg = tiny[1]
-    llm, target_out, writes = _spied_deferring_engine(tiny, "static", [0] * 40, 3, 2, 8)
+    llm, _, target_out, writes = _spied_deferring_engine(tiny, "static", [0] * 40, 3, 2, 8)
     with llm:
         eng = llm.llm_engine
         runner, fwd = eng.executor.runner, eng.executor.runner.fwd
