@@ -413,13 +413,12 @@ def sharing_weights(registry: Dict[str, torch.Tensor]) -> Iterator[None]:
         _SHARED_WEIGHTS = prev
 
 
-def _share_weights(key: str, models: Sequence[Tuple[str, Optional[nn.Module]]]) -> int:
+def _share_weights(key: str, models: Sequence[Tuple[str, Optional[nn.Module]]]) -> None:
     """Replace the parameters of ``models`` (prefix, model) by equal ones of :data:`_SHARED_WEIGHTS`
-    (recording the rest); returns how many were replaced. No-op outside :func:`sharing_weights`."""
+    (recording the rest). No-op outside :func:`sharing_weights`."""
     reg = _SHARED_WEIGHTS
     if reg is None:
-        return 0
-    shared = 0
+        return
     with torch.no_grad():
         for prefix, model in models:
             if model is None:
@@ -435,10 +434,8 @@ def _share_weights(key: str, models: Sequence[Tuple[str, Optional[nn.Module]]]) 
                     if (old is not None and old.shape == p.shape and old.dtype == p.dtype and old.device == p.device
                             and type(old) is type(p) and torch.equal(old, p)):
                         mod._parameters[pname] = old
-                        shared += 1
                     else:
                         reg[name] = p
-    return shared
 
 
 def load_models(model_path: str, dtype: Optional[Union[torch.dtype, str]] = None,
