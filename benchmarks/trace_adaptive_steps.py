@@ -48,7 +48,6 @@ def trace(llm: Any, prompts: List[List[int]], output_len: int, concurrency: int)
         return getattr(eng.metrics.spec, "num_mtp_catch_up_tokens", 0)
 
     caught = [caught_up()]
-    seen: Dict[str, Any] = {}  # what the policy observed of the step being applied
     real_choose = eng._choose_k
     host = [0.0, 0.0]  # ms in _choose_k in all, and at the previous applied step (the policy's own host work)
 
@@ -68,11 +67,11 @@ def trace(llm: Any, prompts: List[List[int]], output_len: int, concurrency: int)
         before = policy.steady_steps
         real_observe(batch, k, wall_ms, verify_k, num_prefill_tokens, num_emitted, **more)
         known = k in policy.costs.verify_ms and v in policy.costs.verify_ms
-        seen.update(wall=wall_ms, counted=policy.steady_steps != before,
+        # the step applied last (the engine times it when the call applying it returns)
+        rows[-1].update(wall=wall_ms, counted=policy.steady_steps != before,
                     predicted=policy.costs.step_ms(batch, k, v) if known else None)
 
-    def finish(out, *args, **kwargs):  # _finish -> _observe_spec -> observe_step_time: the same step
-        seen.clear()
+    def finish(out, *args, **kwargs):
         res = real_finish(out, *args, **kwargs)
         now = time.perf_counter()
         rows.append(dict(t=now, batch=len(out.scheduled), k=out.num_proposed_tokens, v=out.num_spec_tokens,
@@ -87,7 +86,6 @@ def trace(llm: Any, prompts: List[List[int]], output_len: int, concurrency: int)
                          # step scheduled ahead, it may be the next row's choice)
                          choose_ms=host[0] - host[1]))
         caught[0], host[1] = caught_up(), host[0]
-        rows[-1].update(seen)
         last[0] = now
         return res
 

@@ -643,39 +643,80 @@ def test_measured_host_time_moves_with_the_batch_size_inside_a_bucket() -> None:
     assert sum(pol.choose(batch) != want for batch, want in ((130, 2), (200, 2), (256, 2))) >= 2
 
 
-def test_a_k0_step_left_in_flight_by_a_sync_step_is_timed_from_its_own_start(model) -> None:
-    """Found by review: with a prompt waiting that cannot be admitted (no chunked prefill, a budget
-    the decodes fill), each k = 0 step is applied before the next is scheduled, then the next is
-    left in flight by the synchronous path; its scheduling and launch belong to its measured wall
-    time (here a 30 ms scheduler), not to no step at all."""
+def test_every_adaptive_step_is_left_in_flight_and_applied_by_the_next_call(model) -> None:
+    """With async scheduling the adaptive engine leaves every step in flight when its call returns,
+    as plain decoding does (prompt steps and drafting steps too: H100, 2026-12-06, Air 3 layers, the
+    adaptive engine's k = 0 prompt steps took 0.6 ms more than plain decoding's, applied in the
+    call that launched them with the device idle under the caller's work), and the next call applies
+    it before it returns: one step applied per call, none a step late (review of f10e2de, reverted:
+    a call that applied a prompt step then ran a drafting step synchronously). Outputs equal the
+    engine without async scheduling (greedy and seeded, stops, penalties, an abort, prompts
+    arriving between decodes)."""
+    from test_async_scheduling import _params
+    path, cfg, table = model
+    prompts = token_prompts(mixed_prompts(7, cfg.vocab_size, seed=77))
+    ks = [0, 2, 0, 0, 3, 1, 0, 3, 3, 0, 2]
+    got = []
+    for on in (False, True):
+        with _llm(path, table, async_scheduling=on) as llm:
+            eng = llm.llm_engine
+            eng.spec_policy = Scripted(ks)
+            for i, p in enumerate(prompts[:4]):
+                eng.add_request(p, _params(i, cfg.vocab_size), request_id=str(i))
+            done, calls, kinds = {}, 0, set()
+            while eng.has_unfinished_requests():
+                before = eng.metrics.num_steps
+                for o in eng.step():
+                    done[o.request_id] = o.outputs[0].token_ids
+                calls += 1
+                if on:
+                    assert eng.metrics.num_steps - before == (calls > 1), calls  # the step of the last call
+                    fl = eng._inflight
+                    if eng.has_unfinished_requests():
+                        assert fl is not None
+                        kinds.add((fl.out.num_prefill_tokens > 0, fl.out.num_proposed_tokens > 0))
+                if calls == 3:
+                    for i, p in enumerate(prompts[4:], start=4):
+                        eng.add_request(p, _params(i, cfg.vocab_size), request_id=str(i))
+            got.append(done)
+            if on:
+                assert kinds == {(False, False), (False, True), (True, False), (True, True)}, kinds
+    assert got[0] == got[1] and len(got[0]) == len(prompts)
+
+
+def test_an_adaptive_step_is_timed_over_the_call_that_applies_it(model) -> None:
+    """A step's wall time for the policy is the call that applies it: with async scheduling that call
+    also schedules and launches the next step (here a 30 ms scheduler: every wall holds it, k = 0
+    steps scheduled ahead and the rest alike, prompt steps too), and the caller's time between calls
+    (here 80 ms), which the device spends on the step in flight, is in none."""
     import time as _time
     path, cfg, table = model
 
     class Rec(Scripted):
         def observe_step_time(self, batch, k, wall_ms, verify_k=None, num_prefill_tokens=0, num_emitted=None,
                               num_catch_up_rows=0):
-            self.times.append((k, verify_k, num_prefill_tokens, wall_ms))
+            self.times.append((k, num_prefill_tokens, wall_ms))
 
-    with _llm(path, table, enable_chunked_prefill=False, max_num_batched_tokens=48) as llm:
-        eng = llm.llm_engine
-        pol = eng.spec_policy = Rec([0])
-        real = eng.scheduler.schedule
-        eng.scheduler.schedule = lambda *a, **kw: (_time.sleep(0.03), real(*a, **kw))[1]
-        for i in range(3):
-            eng.add_request({"prompt_token_ids": [5 + i, 6, 7]}, SamplingParams(temperature=0.0, max_tokens=30,
-                                                                                  ignore_eos=True), str(i))
-        for _ in range(4):
-            eng.step()
-        # 46 prompt tokens: 48 - 3 decodes x 1 row (at k = 0 they hold no drafts) leaves 45, so it waits
-        # with a sequence slot free
-        eng.add_request({"prompt_token_ids": list(range(3, 49))}, SamplingParams(temperature=0.0, max_tokens=2), "w")
-        n0 = len(pol.times)
-        for _ in range(8):
-            eng.step()
-        walls = [t for k, v, p, t in pol.times[n0:] if k == 0 and v == 0 and p == 0]
-        assert eng.scheduler.waiting and len(walls) >= 4 and min(walls[1:]) >= 25.0, walls
-        while eng.has_unfinished_requests():
-            eng.step()
+    for on in (True, False):
+        with _llm(path, table, async_scheduling=on) as llm:
+            eng = llm.llm_engine
+            pol = eng.spec_policy = Rec([0, 0, 2, 0, 3, 0, 0, 1])
+            real = eng.scheduler.schedule
+            eng.scheduler.schedule = lambda *a, **kw: (_time.sleep(0.03), real(*a, **kw))[1]
+            for i in range(3):
+                eng.add_request({"prompt_token_ids": [5 + i, 6, 7]}, SamplingParams(temperature=0.0, max_tokens=12,
+                                                                                      ignore_eos=True), str(i))
+            calls = 0
+            while eng.has_unfinished_requests():
+                eng.step()
+                calls += 1
+                if calls == 4:
+                    eng.add_request({"prompt_token_ids": [9, 10]}, SamplingParams(temperature=0.0, max_tokens=4), "w")
+                _time.sleep(0.08)
+            walls = [t for _, _, t in pol.times]
+            assert len(walls) >= 8 and {k for k, _, _ in pol.times} == {0, 1, 2, 3}
+            assert any(p for _, p, _ in pol.times)
+            assert min(walls) >= 25.0 and max(walls) < 75.0, pol.times
 
 
 def test_a_prompt_chunk_that_every_k_pays_does_not_change_the_choice() -> None:

@@ -73,16 +73,12 @@ def _all_ints(ids: Union[List[Any], Tuple[Any, ...]]) -> bool:
 
 class _InFlight(NamedTuple):
     """A launched step whose tokens are not applied yet (:meth:`LLMEngine._step_ahead`): its
-    scheduler output, handle, whether it held only decodes whose logits do not depend on
-    their outputs (no prefill chunk, no ``logits_params``), and for a step that
-    :meth:`LLMEngine._step_sync` left in flight its start (``perf_counter`` s: the adaptive
-    policy times it from there; a step launched ahead is timed from the start of the call that
-    applies it)."""
+    scheduler output, handle, and whether it held only decodes whose logits do not depend on
+    their outputs (no prefill chunk, no ``logits_params``)."""
 
     out: SchedulerOutput
     handle: Any
     plain: bool
-    t0: Optional[float] = None
 
 
 class LLMEngine:
@@ -146,6 +142,8 @@ class LLMEngine:
         # (speculative_config adaptive_defer_mtp_kv; LLM sets it with the policy)
         self.defer_mtp_kv = False
         self._last_step_end: Optional[float] = None  # host clock at the end of the last step (the policy's wall times)
+        # the step applied in this call, timed for the policy when the call returns (_observe_spec, _time_step)
+        self._untimed: Optional[Tuple[SchedulerOutput, int, float]] = None
         # a pure-decode choice of k = 0 held: steps left to propose it without asking, at this batch size
         self._hold_k0: Tuple[int, int] = (0, 0)
         #: running mean (weight 1/20) of finished sequences' output lengths: how many tokens a request
@@ -378,36 +376,47 @@ class LLMEngine:
         passes still run on the device; the next step is scheduled and sent to the ranks with
         :data:`~mtpspec.engine.scheduler.DRAFT_PENDING` drafts, which the ranks fill from the
         drafts they computed (no host wait between the steps), unless a decode needs its drafts
-        on the host (:meth:`_drafts_stay_on_device`). Same outputs either way.
+        on the host (:meth:`_drafts_stay_on_device`). Plain decoding and the adaptive
+        speculation length leave every step in flight instead (:meth:`_step_ahead`). Same
+        outputs either way.
         """
-        if self._ahead or self._inflight is not None:
-            return self._step_ahead()
-        return self._finished_outputs(self._step_sync())
+        self._untimed = None
+        if self._ahead or self._inflight is not None or (
+                self.spec_policy is not None and self.scheduler_config.async_scheduling):
+            outs = self._step_ahead()
+        else:
+            outs = self._finished_outputs(self._step_sync())
+        if self._untimed is not None:
+            self._time_step()
+        return outs
 
-    def _step_sync(self) -> List[Sequence]:
-        """One step applied before the next is scheduled (its draft passes may still run); returns
-        the sequences that finished. An adaptive step at ``k = 0`` that verifies no drafts either
-        is left in flight instead (:meth:`_goes_ahead`): the next step is scheduled ahead of it."""
-        t0 = time.perf_counter()
+    def _launch(self) -> Optional[Tuple[SchedulerOutput, Any, StepInput]]:
+        """Schedule the next step after the last one's tokens are applied and launch it, with the
+        last step's drafts taken on the host before (a decode needs them there) or after the launch
+        (they stay on the device); ``None`` when nothing is scheduled."""
         out = self.scheduler.schedule()
         on_device = self._drafts_stay_on_device(out)
         if not on_device:
             self._take_drafts(out)
-        m = self.metrics
-        m.num_preemptions += len(out.preempted)
+        self.metrics.num_preemptions += len(out.preempted)
         if out.is_empty:
-            return []
-        t1 = time.perf_counter()
+            return None
         self._choose_k(out)
         step = self._step_input(out)
         handle = self.executor.execute_async(step)
         if on_device:  # the host's copy of the last step's drafts, while this step runs
             self._take_drafts()
-        if self._goes_ahead(out, step):
-            self._inflight = _InFlight(out, handle, True, t0)
-            m.busy_time_s += time.perf_counter() - t0
+        return out, handle, step
+
+    def _step_sync(self) -> List[Sequence]:
+        """One step applied before the next is scheduled (its draft passes may still run); returns
+        the sequences that finished."""
+        t0 = time.perf_counter()
+        launched = self._launch()
+        if launched is None:
             return []
-        return self._finish(out, handle, t0, t1)
+        out, handle, _ = launched
+        return self._finish(out, handle, t0, time.perf_counter())
 
     def _choose_k(self, out: SchedulerOutput) -> None:
         """The adaptive policy's number of drafts for ``out`` to propose (if any policy). A
@@ -460,52 +469,48 @@ class LLMEngine:
                 lags.append((lag, float(left) if left > 1.0 else 1.0))
         return lags
 
-    def _goes_ahead(self, out: SchedulerOutput, step: StepInput) -> bool:
-        """Whether the next step is scheduled ahead of ``out`` (async scheduling, adaptive speculation
-        length): ``out`` verifies and proposes no drafts and holds only decodes whose logits do not
-        depend on their outputs, so it is a plain-decoding step, and the next one is built as
-        plain decoding builds it (:meth:`_step_ahead`; issue 18: ``k = 0`` must cost nothing
-        beyond plain decoding, whose host work overlaps the device's this way)."""
-        return (self.spec_policy is not None and self.scheduler_config.async_scheduling
-                and out.num_spec_tokens == 0 and out.num_proposed_tokens == 0
-                and all(not si.is_prefill and si.logits_params is None for si in step.seqs))
-
     def _step_ahead(self) -> List[RequestOutput]:
-        """Plain decoding (``k = 0``, or adaptive steps at ``k = 0``) with async scheduling: schedule
-        and launch the next step while the one in flight runs, its decodes one position ahead with
-        their newest token :data:`~mtpspec.engine.scheduler.TOKEN_PENDING` (each rank takes it from the step in flight
-        on the device), then apply the step in flight's tokens; returns what finished in it. A
-        decode that finishes there (EOS, a stop) had one row in the next step computed for nothing;
-        that row is dropped. The step in flight is applied first (no step ahead) when requests wait
-        for admission and a sequence slot is free, when it held prefill chunks or preemptions, when
-        a decode's logits depend on its output tokens (penalties, ``min_tokens``, ...:
-        :meth:`_logits_params`), when a decode could not grow ahead or when it proposed drafts (an
-        adaptive step: then :meth:`_step_sync` runs the next step). A step left holding only
-        rows of requests that just finished is waited for and dropped. Same outputs either way
-        (greedy and seeded; an aborted request may lose the token of the step in flight)."""
+        """Async scheduling for plain decoding (``k = 0``) and the adaptive speculation length:
+        every step is left in flight when its call returns, so the caller's work between calls runs
+        under it. The next call schedules and launches the next step while the one in flight runs,
+        its decodes one position ahead with their newest token
+        :data:`~mtpspec.engine.scheduler.TOKEN_PENDING` (each rank takes it from the step in
+        flight on the device), then applies the step in flight's tokens; returns what finished in
+        it. A decode that finishes there (EOS, a stop) had one row in the next step computed for
+        nothing; that row is dropped. The step in flight is applied first, and the next one
+        scheduled after it (:meth:`_launch`), when requests wait for admission and a sequence slot
+        is free, when it held prefill chunks or preemptions, when a decode's logits depend on its
+        output tokens (penalties, ``min_tokens``, ...: :meth:`_logits_params`), when a decode could
+        not grow ahead or when it verified or proposed drafts (an adaptive step: the next one's
+        rows depend on what it accepted). A step left holding only rows of requests that just
+        finished is waited for and dropped. Same outputs either way (greedy and seeded; an aborted
+        request may lose the token of the step in flight). A step is timed for the adaptive policy
+        over the call that applies it (:meth:`_time_step`): one scheduling and launch in each step's
+        time whichever way it went, the caller's time between calls in none."""
         t0 = time.perf_counter()
         prev, self._inflight = self._inflight, None
         finished: List[Sequence] = []
         try:
             if prev is not None and not self._can_step_ahead(prev):
-                # timed from this call's start, as a step of _step_sync times itself (the adaptive
-                # policy's step walls exclude the host's time between engine calls alike for every k),
-                # or from its own start when _step_sync left it in flight (its scheduling and launch)
-                finished = self._finish(prev.out, prev.handle, t0 if prev.t0 is None else prev.t0, t0, busy=False)
+                finished = self._finish(prev.out, prev.handle, t0, t0, busy=False)
                 prev = None
-                if not self._ahead:  # adaptive speculation length: back to the speculative step
-                    self.metrics.busy_time_s += time.perf_counter() - t0
-                    return self._finished_outputs(finished + self._step_sync())
-            out = self.scheduler.schedule(pending=[id(s.seq) for s in prev.out.scheduled] if prev else None)
-            self.metrics.num_preemptions += len(out.preempted)
-            t1 = time.perf_counter()
-            if not out.is_empty:
-                self._choose_k(out)  # adaptive: any k (the step after one that proposes drafts is not ahead)
-                step = self._step_input(out)
-                plain = all(not si.is_prefill and si.logits_params is None for si in step.seqs)
-                self._inflight = _InFlight(out, self.executor.execute_async(step), plain)
-            if prev is not None:
-                finished += self._finish(prev.out, prev.handle, t0 if prev.t0 is None else prev.t0, t1, busy=False)
+            if prev is None and not self._ahead:  # adaptive: the next step after the tokens it builds on
+                launched = self._launch()
+                if launched is not None:
+                    out, handle, step = launched
+                    plain = all(not si.is_prefill and si.logits_params is None for si in step.seqs)
+                    self._inflight = _InFlight(out, handle, plain)
+            else:
+                out = self.scheduler.schedule(pending=[id(s.seq) for s in prev.out.scheduled] if prev else None)
+                self.metrics.num_preemptions += len(out.preempted)
+                t1 = time.perf_counter()
+                if not out.is_empty:
+                    self._choose_k(out)  # adaptive: any k
+                    step = self._step_input(out)
+                    plain = all(not si.is_prefill and si.logits_params is None for si in step.seqs)
+                    self._inflight = _InFlight(out, self.executor.execute_async(step), plain)
+                if prev is not None:
+                    finished += self._finish(prev.out, prev.handle, t0, t1, busy=False)
             if self._inflight is not None and all(s.seq.is_finished for s in self._inflight.out.scheduled):
                 self._inflight.handle.output()  # only rows of requests that just finished: wait, drop, count nothing
                 self._inflight = None
@@ -578,9 +583,9 @@ class LLMEngine:
     def _observe_spec(self, out: SchedulerOutput, result, t0: float) -> None:
         """Count a speculative step's drafts in the metrics (emitted accepted drafts only, see
         :meth:`Scheduler.update_from_output`) and feed the adaptive policy, if any: per-decode
-        accepted counts (the verifier's: a stop inside the block is no rejection) and the step's
-        wall time from the later of the last step's end and ``t0`` (``time.perf_counter()`` seconds
-        at this step's start) with its number of prompt tokens and of tokens emitted."""
+        accepted counts (the verifier's: a stop inside the block is no rejection) now, and the
+        step's wall time from ``t0`` (``time.perf_counter()`` seconds at the start of the call
+        applying it) when the call returns (:meth:`_time_step`)."""
         m, v, policy = self.metrics, out.num_spec_tokens, self.spec_policy
         for i, sch in enumerate(out.scheduled if v else ()):
             if not sch.is_prefill:
@@ -589,18 +594,29 @@ class LLMEngine:
                     policy.observe(v, len(result.new_token_ids[i]) - 1)
         m.spec.observe_step(out.num_proposed_tokens)
         if policy is not None:
-            end = time.perf_counter()
             if out.policy_held:  # not timed for the policy, but a k = 0 step of the run it is in
                 held = getattr(policy, "observe_held_step", None)
                 if held is not None:
                     held()
-            elif self._last_step_end is not None:
-                emitted = sum(map(len, result.new_token_ids))
-                policy.observe_step_time(len(out.scheduled), out.num_proposed_tokens,
-                                         (end - max(self._last_step_end, t0)) * 1e3, v, out.num_prefill_tokens,
-                                         emitted, num_catch_up_rows=out.num_catch_up_rows)
-            self._last_step_end = end
+                self._last_step_end = time.perf_counter()
+            else:
+                self._untimed = (out, sum(map(len, result.new_token_ids)), t0)
             policy.end_step()
+
+    def _time_step(self) -> None:
+        """Tell the adaptive policy what the step applied in this call took: from the start of the
+        call (or the end of the last step, if later) to its end, host included; the first step is
+        not timed. With async scheduling the call also scheduled and launched the next step (before
+        applying this one's tokens or after), so each step's time holds one launch, and the
+        caller's time between calls, which the device spends on the step in flight, none."""
+        out, emitted, t0 = self._untimed
+        self._untimed = None
+        end = time.perf_counter()
+        if self._last_step_end is not None:
+            self.spec_policy.observe_step_time(len(out.scheduled), out.num_proposed_tokens,
+                                               (end - max(self._last_step_end, t0)) * 1e3, out.num_spec_tokens,
+                                               out.num_prefill_tokens, emitted, num_catch_up_rows=out.num_catch_up_rows)
+        self._last_step_end = end
 
     def _drafts_stay_on_device(self, out: SchedulerOutput) -> bool:
         """Whether ``out``'s decodes may read the last step's drafts on the ranks: async scheduling,

@@ -446,14 +446,14 @@ class AdaptiveSpecPolicy:
 
         :attr:`excess_ms` counts a step only inside a steady run of its ``k``: the two steps
         observed before it proposed ``k`` too, and so did the last :meth:`choose` (with async
-        scheduling a ``k = 0`` step is applied after the next step is scheduled and launched, so
-        its wall holds that launch: the first step ahead holds its own and the next one's, the
-        last one of a run the launch of a different ``k``'s step).
+        scheduling a step's wall is the engine call that applies it, which also schedules and
+        launches the next step, before applying it for a ``k = 0`` step scheduled ahead, after it
+        otherwise: the last step of a run holds a different ``k``'s launch, and the step after a
+        switch a different wait).
 
         ``num_catch_up_rows``: deferred MTP entries the step wrote before its first pass: a prompt
         step's sample leaves out what they cost (:meth:`catch_up_ms_per_row`); a pure-decode step
-        that wrote some is a transition, no sample (its wall holds the catch-up, and with async
-        scheduling such a step is usually scheduled ahead, timed without its own launch)."""
+        that wrote some is a transition, no sample (its wall holds the catch-up)."""
         v = k if verify_k is None else verify_k
         if k not in self.costs.verify_ms or v not in self.costs.verify_ms:
             self._last_k = self._last_k2 = None
