@@ -20,7 +20,7 @@ from test_engine_fixtures import make_model, mixed_prompts, token_prompts
 
 from mtpspec import LLM, SamplingParams
 from mtpspec.engine.arg_utils import EngineArgs
-from mtpspec.spec_decode.adaptive import (CATCH_UP_HORIZON, EXPLORE_EVERY, EXPLORE_RECHECK, EXPLORE_STEPS, MEASURE_MARGIN, MIN_PROMPT_SAMPLES,
+from mtpspec.spec_decode.adaptive import (CATCH_UP_HORIZON, EXPLORE_EVERY, EXPLORE_RECHECK, EXPLORE_STEPS, MEASURE_MARGIN, MIN_MEASURED, MIN_PROMPT_SAMPLES,
                                          PROMPT_EXPLORE_EVERY, PROMPT_RECHECK, SWITCH_MARGIN, AdaptiveSpecPolicy, StepCostTable,
                                          measure_step_costs)
 
@@ -1561,3 +1561,95 @@ def test_an_engine_never_holds_an_exploration_burst_s_k0(model) -> None:
     assert not any(held for _, _, held in steps)
     zeros = [i for i, (p, k, _) in enumerate(steps) if not p and k == 0]
     assert len(zeros) >= 2 and burst[0] == 3
+
+
+def _decode_loop(pol, costs, host, batch=64):
+    """A simulated engine at ``batch`` sequences: each step proposes ``pol.choose``'s k, verifies the last
+    step's, and takes the table's device time plus ``host(k)`` ms."""
+    last = [0]
+
+    def run(n):
+        ks = []
+        for _ in range(n):
+            k = pol.choose(batch)
+            pol.observe_step_time(batch, k, costs.step_ms(batch, k, last[0]) + host(k), last[0], 0, batch)
+            last[0] = k
+            ks.append(k)
+        return ks
+    return run
+
+
+@pytest.mark.parametrize("recheck", [True, False])
+def test_a_k_displaced_by_its_own_slow_steps_is_measured_again(recheck, monkeypatch) -> None:
+    """H100, 2026-12-06, s64 (a host whose probes read 23 ms, then 11-12): k = 0's measure read 1.01 ms
+    where a steady host gave 0.23-0.27, k = 3 took over, and k = 0 came back only with its next
+    EXPLORE_EVERY burst: k = 3 in all three rounds, 0.81x plain decoding. A slow spell of k = 0's own
+    steps moves its measure (a lasting change must), then RECHECK_AFTER choices after k = 0 lost the
+    best its window is emptied and exploration measures it again, at the host's speed of then: k = 0
+    is back within a few hundred steps (without the re-check, not within 400). A k displaced by another
+    k's new measure (not by its own steps) is not re-checked."""
+    from mtpspec.spec_decode import adaptive
+    if not recheck:
+        monkeypatch.setattr(adaptive, "RECHECK_AFTER", 10 ** 9)
+    costs = StepCostTable({0: {64: 1.0}, 1: {64: 1.6}, 2: {64: 2.4}, 3: {64: 3.1}},
+                          {0: {64: 0.357}, 1: {64: 1.2}, 2: {64: 1.884}, 3: {64: 2.6}}, "synthetic")
+    pol = AdaptiveSpecPolicy(3, costs, prior_rate=0.8, hold_k0_steps=1)
+    host = {0: 0.24, 1: 0.9, 2: 0.38, 3: 0.5}
+    slow = [0.0]
+    run = _decode_loop(pol, costs, lambda k: host[k] + (slow[0] if k == 0 else 0.0))
+    ks = run(300)
+    assert ks[-50:].count(0) >= 45 and all(pol._excess_n.get((64, k), 0) >= MIN_MEASURED for k in range(4))
+    slow[0] = 1.0  # k = 0's steps 1 ms slower for a while
+    ks = run(40)
+    assert ks[-10:] == [2] * 10 and pol._best_at[64] == 2
+    assert (64, 0) in pol._recheck_due  # (RECHECK_AFTER patched: capped at EXPLORE_EVERY)
+    slow[0] = 0.0
+    ks = run(400)
+    back = next((i for i in range(len(ks) - 30) if ks[i:i + 30] == [0] * 30), None)
+    if recheck:
+        assert back is not None and back < adaptive.RECHECK_AFTER + 4 * EXPLORE_STEPS + 60, ks
+        assert ks[-50:].count(0) >= 45
+    else:
+        assert back is None and ks[-50:].count(2) >= 45
+    # k = 2 displaced by k = 0's new measure (k = 0 proposed last there): nothing scheduled for k = 2
+    assert (64, 2) not in pol._recheck_due
+
+
+@pytest.mark.parametrize("recheck", [True, False])
+def test_a_prompt_kind_displaced_by_its_own_slow_steps_is_sampled_again(recheck, monkeypatch) -> None:
+    """The same for the prompt steps' kinds (H100, 2026-12-06, s256: k = 0 prompt steps read 0.017 ms a
+    prompt token against 0.006 in the other rounds and 366 of 380 prompt steps drafted, 0.96x plain):
+    PROMPT_RECHECK_AFTER prompt steps after k = 0 lost the best to drafting by its own samples, its
+    samples are dropped and it is sampled anew; without that, one re-try every PROMPT_EXPLORE_EVERY
+    prompt steps adds one sample to a median of PROMPT_SAMPLES."""
+    from mtpspec.spec_decode import adaptive
+    after = adaptive.PROMPT_RECHECK_AFTER
+    if not recheck:
+        monkeypatch.setattr(adaptive, "PROMPT_RECHECK_AFTER", 10 ** 9)  # (capped at PROMPT_EXPLORE_EVERY)
+    costs = _table(verify=lambda b, k: 1.0 + 0.4 * k, draft=lambda b, k: 0.3 * k)
+    pol = AdaptiveSpecPolicy(3, costs, prior_rate=0.9, prior_weight=1e6, decay=1.0)
+    for _ in range(50):
+        pol.observe_step_time(1, 3, costs.step_ms(1, 3) + 1.0)
+    k0_cost = [0.02]
+
+    def prompt_steps(n):
+        ks = []
+        for _ in range(n):
+            k = pol.choose(1, 1000)
+            per_token = 0.05 if k else k0_cost[0]
+            pol.observe_step_time(1, k, costs.step_ms(1, k) + 1.0 + 1000 * per_token, num_prefill_tokens=1000)
+            ks.append(k)
+        return ks
+
+    ks = prompt_steps(20)
+    assert ks[-10:] == [0] * 10
+    k0_cost[0] = 0.08  # a slow spell of k = 0's prompt steps (not 4x + 5 ms its cost: no idle gap)
+    ks = prompt_steps(12)
+    assert ks[-3:] == [3] * 3 and pol._prompt_recheck is not None and pol._prompt_recheck[0] == 0
+    k0_cost[0] = 0.02
+    ks = prompt_steps(after + 10)
+    if recheck:
+        assert ks[-6:] == [0] * 6, ks
+        assert pol.prompt_ms_per_token(False) == pytest.approx(0.02)
+    else:
+        assert ks[-6:] == [3] * 6, ks

@@ -130,6 +130,21 @@ STALE_EVERY = 2000
 #: 2026-12-06, s64, k = 0's measure went 0.24 -> 1.10 ms in one round while its steps' mean wall
 #: rose 0.1 ms, and the policy left k = 0 for k = 2, 18% slower, for the rest of the run.)
 MEASURED_WINDOW = 16
+#: A measured ``k`` that stops being the best at a batch size (displaced by another ``k`` on the
+#: measures) is measured again: ``RECHECK_AFTER`` pure-decode choices later its window is emptied,
+#: so exploration bursts (:data:`MIN_MEASURED`) take it anew; each later re-check of it waits twice as
+#: long (at most :data:`EXPLORE_EVERY`). A window filled while the host ran slow otherwise kept its
+#: ``k`` out until its next :data:`EXPLORE_EVERY` burst: H100, 2026-12-06, s64 (Air 3 layers, forced
+#: acceptance 0.8, a host whose probes read 23 ms in that round's first runs, 11-12 after), k = 0's
+#: measure read 1.01 ms where it read 0.23-0.27 on a steady host, the policy ran k = 3 in all three
+#: rounds (0.81x plain decoding) while k = 0 was tried 4-19 times a round.
+RECHECK_AFTER = 64
+#: The same for the prompt steps' two kinds (``k = 0``, drafting): the kind a switch of the best kind
+#: displaced has its samples dropped this many prompt steps later (twice as many each later time, at
+#: most :data:`PROMPT_EXPLORE_EVERY`), so it is sampled anew (:data:`MIN_PROMPT_SAMPLES`). Same run,
+#: s256: k = 0 prompt steps' cost read 0.017 ms a prompt token against 0.006 in the other rounds, and
+#: 366 of its 380 prompt steps drafted (0.96x plain decoding).
+PROMPT_RECHECK_AFTER = 8
 #: Pure-decode steps the engine proposes ``k = 0`` per choice of it (the asked step included):
 #: :attr:`AdaptiveSpecPolicy.hold_k0_steps`'s default (see the module docstring).
 HOLD_K0_STEPS = 4
@@ -399,6 +414,16 @@ class AdaptiveSpecPolicy:
     # bucket -> the pure-decode choice count before which its unmeasured ks are not priced again
     _declined: Dict[int, int] = field(default_factory=dict, init=False, repr=False)
     _explore: List[int] = field(default_factory=list, init=False, repr=False)  # ks still to propose in a burst
+    # re-checks of displaced ks (RECHECK_AFTER): table batch size -> its last best k; (bucket, k) -> the
+    # choice count at which its window is emptied; (bucket, k) -> re-checks scheduled so far
+    _best_at: Dict[int, int] = field(default_factory=dict, init=False, repr=False)
+    _recheck_due: Dict[Tuple[int, int], int] = field(default_factory=dict, init=False, repr=False)
+    _rechecks: Dict[Tuple[int, int], int] = field(default_factory=dict, init=False, repr=False)
+    # the same for prompt kinds (PROMPT_RECHECK_AFTER): the last best kind, (kind, prompt step count) of
+    # the scheduled re-check, re-checks scheduled per kind
+    _prompt_best: Optional[int] = field(default=None, init=False, repr=False)
+    _prompt_recheck: Optional[Tuple[int, int]] = field(default=None, init=False, repr=False)
+    _prompt_rechecks: List[int] = field(default_factory=lambda: [0, 0], init=False, repr=False)
     _burst_choice: bool = field(default=False, init=False, repr=False)  # the last pure-decode choice was a burst's
     _prompt_explored: bool = field(default=False, init=False, repr=False)  # ... the last prompt step's, the other kind
     _last_prompt: bool = field(default=False, init=False, repr=False)  # the last choice was a prompt step's
@@ -791,6 +816,7 @@ class AdaptiveSpecPolicy:
             return best
         self._prompt_steps = n
         drafting = int(best > 0)
+        self._recheck_prompt_kind(drafting, n)
         other = 0 if drafting else best_drafting  # the kind not chosen, if any is allowed
         if other and charged is not None and not priced:
             other = None  # a re-try of drafting not due (or blocked lately): its catch-up was not priced
@@ -802,6 +828,47 @@ class AdaptiveSpecPolicy:
             best, drafting = other, 1 - drafting
         self._prompt_last[drafting] = n
         return best
+
+    def _recheck_prompt_kind(self, best_kind: int, n: int) -> None:
+        """Prompt step ``n``'s best kind is ``best_kind``: where it displaced the other kind, sampled
+        :data:`MIN_PROMPT_SAMPLES` times and proposed last (its own samples displaced it), schedule that kind's re-check (:data:`PROMPT_RECHECK_AFTER`);
+        a re-check due drops its kind's samples (it is proposed and sampled anew: :meth:`_kind_due`)."""
+        prev, self._prompt_best = self._prompt_best, best_kind
+        # (only where its own samples displaced it: it was the kind proposed last)
+        if prev is not None and prev != best_kind and self._prompt_recheck is None \
+                and self._prompt_last[prev] >= self._prompt_last[1 - prev] \
+                and len(self._prefill_samples[prev]) >= MIN_PROMPT_SAMPLES:
+            level = self._prompt_rechecks[prev]
+            self._prompt_rechecks[prev] = level + 1
+            self._prompt_recheck = (prev, n + min(PROMPT_EXPLORE_EVERY, PROMPT_RECHECK_AFTER << level))
+        due = self._prompt_recheck
+        if due is not None and (due[0] == best_kind or n >= due[1]):
+            self._prompt_recheck = None
+            if due[0] != best_kind:  # (best again meanwhile: its own steps re-measure it)
+                self._prefill_samples[due[0]].clear()
+
+    def _recheck(self, bucket: int, best: int, n: int, seen: Dict[int, int]) -> None:
+        """Pure-decode choice ``n`` at table batch size ``bucket`` found ``best`` the best ``k``:
+        where it displaced a measured ``k`` that was proposed last here (``seen``: ``k`` -> the choice
+        count it was last proposed at; its own steps displaced it), schedule that one's re-check
+        (:data:`RECHECK_AFTER`); a re-check due empties its ``k``'s window and burst count
+        (exploration measures it anew)."""
+        prev = self._best_at.get(bucket)
+        if prev != best:
+            self._best_at[bucket] = best
+            self._recheck_due.pop((bucket, best), None)  # (best again: its own steps re-measure it)
+            key = (bucket, prev)
+            if prev is not None and key not in self._recheck_due and self._excess_n.get(key, 0) >= MIN_MEASURED \
+                    and seen.get(prev, -1) >= max(seen.values(), default=-1):
+                level = self._rechecks.get(key, 0)
+                self._rechecks[key] = level + 1
+                self._recheck_due[key] = n + min(EXPLORE_EVERY, RECHECK_AFTER << level)
+        if self._recheck_due:
+            for key in [key for key, due in self._recheck_due.items() if key[0] == bucket and n >= due]:
+                del self._recheck_due[key]
+                self._excess_n[key] = 0
+                self._excess_window.pop(key, None)
+                self._bursts.pop(key, None)
 
     def _kind_due(self, kind: int, n: int) -> bool:
         """Whether prompt step ``n`` is due to propose ``kind`` (0: ``k = 0``, 1: drafting): its prompt
@@ -818,6 +885,7 @@ class AdaptiveSpecPolicy:
         catch-up shares; ``catch_up_all()``: the ms of writing every deferred entry of the batch)."""
         self._decode_choices = n = self._decode_choices + 1
         seen = self._last_chosen.setdefault(bucket, {})
+        self._recheck(bucket, best, n, seen)
         since = n - self._last_burst
         if not self._explore and since > MIN_FIT_SAMPLES:
             # a k measured by too few steps at this batch size (unless bursts keep failing to measure it:
