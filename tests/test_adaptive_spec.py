@@ -684,6 +684,45 @@ def test_every_adaptive_step_is_left_in_flight_and_applied_by_the_next_call(mode
     assert got[0] == got[1] and len(got[0]) == len(prompts)
 
 
+def test_requests_finished_before_a_failed_launch_are_returned_and_the_error_raised_next(model) -> None:
+    """Found by review: a call that applies a step and then launches the next one lost the requests that
+    step finished when the launch raised (they finished, were freed, and the caller got only the error).
+    They are returned by that call now, the error raised by the next; the engine then goes on and the
+    other request's tokens equal a clean run's."""
+    path, cfg, table = model
+    sp = lambda n: SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)  # noqa: E731
+    with _llm(path, table) as llm:
+        want = llm.generate([{"prompt_token_ids": [8, 6, 7]}], sp(30), use_tqdm=False)[0].outputs[0].token_ids
+    with _llm(path, table) as llm:
+        eng = llm.llm_engine
+        eng.spec_policy = Scripted([3])
+        eng.add_request({"prompt_token_ids": [5, 6, 7]}, sp(3), "a")
+        eng.add_request({"prompt_token_ids": [8, 6, 7]}, sp(30), "b")
+        seq_a = next(s for s in eng.scheduler.waiting if s.request_id == "a")
+        real, fail = eng.executor.execute_async, [False, False]
+
+        def launch(step):
+            if fail[0]:
+                fail[0] = False
+                raise RuntimeError("launch failed")
+            if not fail[1] and any(si.request_id == "a" for si in step.seqs) and len(seq_a.output_token_ids) >= 2:
+                fail[0] = fail[1] = True  # this step finishes "a": the launch after it fails
+            return real(step)
+
+        eng.executor.execute_async = launch
+        got = {}
+        while not fail[1] or fail[0]:
+            for o in eng.step():
+                got[o.request_id] = o.outputs[0].token_ids
+        assert seq_a.is_finished and len(got["a"]) == 3  # returned by the call whose launch failed
+        with pytest.raises(RuntimeError, match="launch failed"):
+            eng.step()
+        while eng.has_unfinished_requests():
+            for o in eng.step():
+                got[o.request_id] = o.outputs[0].token_ids
+    assert got["b"] == want
+
+
 def test_an_adaptive_step_is_timed_over_the_call_that_applies_it(model) -> None:
     """A step's wall time for the policy is the call that applies it: with async scheduling that call
     also schedules and launches the next step (here a 30 ms scheduler: every wall holds it, k = 0

@@ -144,6 +144,8 @@ class LLMEngine:
         self._last_step_end: Optional[float] = None  # host clock at the end of the last step (the policy's wall times)
         # the step applied in this call, timed for the policy when the call returns (_observe_spec, _time_step)
         self._untimed: Optional[Tuple[SchedulerOutput, int, float]] = None
+        # an error of a call that also returned finished requests, raised by the next call (_step_ahead)
+        self._deferred_error: Optional[Exception] = None
         # a pure-decode choice of k = 0 held: steps left to propose it without asking, at this batch size
         self._hold_k0: Tuple[int, int] = (0, 0)
         #: running mean (weight 1/20) of finished sequences' output lengths: how many tokens a request
@@ -381,6 +383,9 @@ class LLMEngine:
         outputs either way.
         """
         self._untimed = None
+        if self._deferred_error is not None:
+            exc, self._deferred_error = self._deferred_error, None
+            raise exc
         if self._ahead or self._inflight is not None or (
                 self.spec_policy is not None and self.scheduler_config.async_scheduling):
             outs = self._step_ahead()
@@ -514,9 +519,13 @@ class LLMEngine:
             if self._inflight is not None and all(s.seq.is_finished for s in self._inflight.out.scheduled):
                 self._inflight.handle.output()  # only rows of requests that just finished: wait, drop, count nothing
                 self._inflight = None
-        except BaseException:
+        except BaseException as exc:
             self._inflight = None  # a failed step leaves nothing in flight (a dead engine must not look busy)
-            raise
+            if not finished or not isinstance(exc, Exception):
+                raise
+            # the step applied here finished requests, then the next one failed to launch: they are
+            # returned now, the error raised by the next call (as when they finished a call earlier)
+            self._deferred_error = exc
         self.metrics.busy_time_s += time.perf_counter() - t0
         return self._finished_outputs(finished)
 

@@ -130,20 +130,23 @@ STALE_EVERY = 2000
 #: 2026-12-06, s64, k = 0's measure went 0.24 -> 1.10 ms in one round while its steps' mean wall
 #: rose 0.1 ms, and the policy left k = 0 for k = 2, 18% slower, for the rest of the run.)
 MEASURED_WINDOW = 16
-#: A measured ``k`` that stops being the best at a batch size (displaced by another ``k`` on the
-#: measures) is measured again: ``RECHECK_AFTER`` pure-decode choices later its window is emptied,
-#: so exploration bursts (:data:`MIN_MEASURED`) take it anew; each later re-check of it waits twice as
-#: long (at most :data:`EXPLORE_EVERY`). A window filled while the host ran slow otherwise kept its
-#: ``k`` out until its next :data:`EXPLORE_EVERY` burst: H100, 2026-12-06, s64 (Air 3 layers, forced
-#: acceptance 0.8, a host whose probes read 23 ms in that round's first runs, 11-12 after), k = 0's
-#: measure read 1.01 ms where it read 0.23-0.27 on a steady host, the policy ran k = 3 in all three
-#: rounds (0.81x plain decoding) while k = 0 was tried 4-19 times a round.
+#: A measured ``k`` that stops being the best at a batch size (displaced by another ``k`` on its own
+#: steps' measures: it was the ``k`` proposed last there) is measured again: ``RECHECK_AFTER``
+#: pure-decode choices later its window is emptied, so exploration bursts (:data:`MIN_MEASURED`) take
+#: it anew; each later re-check of it waits twice as long per re-check done (at most
+#: :data:`EXPLORE_EVERY`; one cancelled because its ``k`` became the best again does not count). What
+#: slowed its steps is not asked: an acceptance drop is re-checked too (a burst, ~6 steps). A window
+#: filled while the host ran slow otherwise kept its ``k`` out until its next :data:`EXPLORE_EVERY`
+#: burst: H100, 2026-12-06, s64 (Air 3 layers, forced acceptance 0.8, a host whose probes read 23 ms
+#: in that round's first runs, 11-12 after), k = 0's measure read 1.01 ms where it read 0.23-0.27 on
+#: a steady host, the policy ran k = 3 in all three rounds (0.81x plain decoding) while k = 0 was
+#: tried 4-19 times a round.
 RECHECK_AFTER = 64
 #: The same for the prompt steps' two kinds (``k = 0``, drafting): the kind a switch of the best kind
 #: displaced has its samples dropped this many prompt steps later (twice as many each later time, at
 #: most :data:`PROMPT_EXPLORE_EVERY`), so it is sampled anew (:data:`MIN_PROMPT_SAMPLES`). Same run,
 #: s256: k = 0 prompt steps' cost read 0.017 ms a prompt token against 0.006 in the other rounds, and
-#: 366 of its 380 prompt steps drafted (0.96x plain decoding).
+#: 386 of its 398 prompt steps drafted (0.96x plain decoding).
 PROMPT_RECHECK_AFTER = 8
 #: Pure-decode steps the engine proposes ``k = 0`` per choice of it (the asked step included):
 #: :attr:`AdaptiveSpecPolicy.hold_k0_steps`'s default (see the module docstring).
@@ -415,12 +418,12 @@ class AdaptiveSpecPolicy:
     _declined: Dict[int, int] = field(default_factory=dict, init=False, repr=False)
     _explore: List[int] = field(default_factory=list, init=False, repr=False)  # ks still to propose in a burst
     # re-checks of displaced ks (RECHECK_AFTER): table batch size -> its last best k; (bucket, k) -> the
-    # choice count at which its window is emptied; (bucket, k) -> re-checks scheduled so far
+    # choice count at which its window is emptied; (bucket, k) -> re-checks done so far
     _best_at: Dict[int, int] = field(default_factory=dict, init=False, repr=False)
     _recheck_due: Dict[Tuple[int, int], int] = field(default_factory=dict, init=False, repr=False)
     _rechecks: Dict[Tuple[int, int], int] = field(default_factory=dict, init=False, repr=False)
     # the same for prompt kinds (PROMPT_RECHECK_AFTER): the last best kind, (kind, prompt step count) of
-    # the scheduled re-check, re-checks scheduled per kind
+    # the scheduled re-check, re-checks done per kind
     _prompt_best: Optional[int] = field(default=None, init=False, repr=False)
     _prompt_recheck: Optional[Tuple[int, int]] = field(default=None, init=False, repr=False)
     _prompt_rechecks: List[int] = field(default_factory=lambda: [0, 0], init=False, repr=False)
@@ -839,13 +842,13 @@ class AdaptiveSpecPolicy:
                 and self._prompt_last[prev] >= self._prompt_last[1 - prev] \
                 and len(self._prefill_samples[prev]) >= MIN_PROMPT_SAMPLES:
             level = self._prompt_rechecks[prev]
-            self._prompt_rechecks[prev] = level + 1
             self._prompt_recheck = (prev, n + min(PROMPT_EXPLORE_EVERY, PROMPT_RECHECK_AFTER << level))
         due = self._prompt_recheck
         if due is not None and (due[0] == best_kind or n >= due[1]):
             self._prompt_recheck = None
-            if due[0] != best_kind:  # (best again meanwhile: its own steps re-measure it)
+            if due[0] != best_kind:  # (best again meanwhile: its own steps re-measure it, no re-check counted)
                 self._prefill_samples[due[0]].clear()
+                self._prompt_rechecks[due[0]] += 1
 
     def _recheck(self, bucket: int, best: int, n: int, seen: Dict[int, int]) -> None:
         """Pure-decode choice ``n`` at table batch size ``bucket`` found ``best`` the best ``k``:
@@ -860,12 +863,11 @@ class AdaptiveSpecPolicy:
             key = (bucket, prev)
             if prev is not None and key not in self._recheck_due and self._excess_n.get(key, 0) >= MIN_MEASURED \
                     and seen.get(prev, -1) >= max(seen.values(), default=-1):
-                level = self._rechecks.get(key, 0)
-                self._rechecks[key] = level + 1
-                self._recheck_due[key] = n + min(EXPLORE_EVERY, RECHECK_AFTER << level)
+                self._recheck_due[key] = n + min(EXPLORE_EVERY, RECHECK_AFTER << self._rechecks.get(key, 0))
         if self._recheck_due:
             for key in [key for key, due in self._recheck_due.items() if key[0] == bucket and n >= due]:
                 del self._recheck_due[key]
+                self._rechecks[key] = self._rechecks.get(key, 0) + 1  # (a cancelled one is not counted)
                 self._excess_n[key] = 0
                 self._excess_window.pop(key, None)
                 self._bursts.pop(key, None)
