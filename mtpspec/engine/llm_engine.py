@@ -489,7 +489,7 @@ class LLMEngine:
         not grow ahead or when it verified or proposed drafts (an adaptive step: the next one's
         rows depend on what it accepted). A step left holding only rows of requests that just
         finished is waited for and dropped. Same outputs either way (greedy and seeded; an aborted
-        request may lose the token of the step in flight). A step is timed for the adaptive policy
+        request may lose the tokens of the step in flight). A step is timed for the adaptive policy
         over the call that applies it (:meth:`_time_step`): one scheduling and launch in each step's
         time whichever way it went, the caller's time between calls in none."""
         t0 = time.perf_counter()
