@@ -482,16 +482,19 @@ def test_a_few_odd_steps_do_not_pin_the_policy_to_plain_decoding() -> None:
     assert MIN_FIT_SAMPLES > 2 and chosen[-200:].count(3) >= 200 - 2 * EXPLORE_STEPS
 
 
-def _simulate(pol, costs, wall, batch, alpha, steps, fixed_k=None, seed=0):
+def _simulate(pol, costs, wall, batch, alpha, steps, fixed_k=None, seed=0, chosen=None):
     """Tokens per ms of ``steps`` pure-decode steps of ``batch`` sequences, each draft accepted with
     probability ``alpha`` given the earlier ones, the step taking ``wall(k_verified, k, r)`` ms (r:
-    accepted drafts emitted); ``pol`` (if any) chooses k unless ``fixed_k``, and observes the steps."""
+    accepted drafts emitted); ``pol`` (if any) chooses k unless ``fixed_k``, and observes the steps;
+    each step's k is appended to ``chosen`` (if given)."""
     import random
     rng = random.Random(seed)
     tokens = ms = 0.0
     v = 0
     for _ in range(steps):
         k = pol.choose(batch) if fixed_k is None else fixed_k
+        if chosen is not None:
+            chosen.append(k)
         accepted = [next((j for j in range(v) if rng.random() >= alpha), v) for _ in range(batch)]
         if pol is not None and v:
             for a in accepted:
@@ -1602,22 +1605,6 @@ def test_an_engine_never_holds_an_exploration_burst_s_k0(model) -> None:
     assert len(zeros) >= 2 and burst[0] == 3
 
 
-def _decode_loop(pol, costs, host, batch=64):
-    """A simulated engine at ``batch`` sequences: each step proposes ``pol.choose``'s k, verifies the last
-    step's, and takes the table's device time plus ``host(k)`` ms."""
-    last = [0]
-
-    def run(n):
-        ks = []
-        for _ in range(n):
-            k = pol.choose(batch)
-            pol.observe_step_time(batch, k, costs.step_ms(batch, k, last[0]) + host(k), last[0], 0, batch)
-            last[0] = k
-            ks.append(k)
-        return ks
-    return run
-
-
 @pytest.mark.parametrize("recheck", [True, False])
 def test_a_k_displaced_by_its_own_slow_steps_is_measured_again(recheck, monkeypatch) -> None:
     """H100, 2026-12-06, s64 (a host whose probes read 23 ms, then 11-12): k = 0's measure read 1.01 ms
@@ -1635,7 +1622,12 @@ def test_a_k_displaced_by_its_own_slow_steps_is_measured_again(recheck, monkeypa
     pol = AdaptiveSpecPolicy(3, costs, prior_rate=0.8, hold_k0_steps=1)
     host = {0: 0.24, 1: 0.9, 2: 0.38, 3: 0.5}
     slow = [0.0]
-    run = _decode_loop(pol, costs, lambda k: host[k] + (slow[0] if k == 0 else 0.0))
+
+    def run(n):  # n steps of the simulated engine; the ks chosen
+        ks = []
+        _simulate(pol, costs, lambda v, k, r: costs.step_ms(64, k, v) + host[k] + (slow[0] if k == 0 else 0.0),
+                  64, 0.8, n, seed=n, chosen=ks)
+        return ks
     ks = run(300)
     assert ks[-50:].count(0) >= 45 and all(pol._excess_n.get((64, k), 0) >= MIN_MEASURED for k in range(4))
     slow[0] = 1.0  # k = 0's steps 1 ms slower for a while
