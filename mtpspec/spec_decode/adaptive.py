@@ -834,10 +834,10 @@ class AdaptiveSpecPolicy:
 
     def _recheck_prompt_kind(self, best_kind: int, n: int) -> None:
         """Prompt step ``n``'s best kind is ``best_kind``: where it displaced the other kind, sampled
-        :data:`MIN_PROMPT_SAMPLES` times and proposed last (its own samples displaced it), schedule that kind's re-check (:data:`PROMPT_RECHECK_AFTER`);
-        a re-check due drops its kind's samples (it is proposed and sampled anew: :meth:`_kind_due`)."""
+        :data:`MIN_PROMPT_SAMPLES` times and proposed last (its own samples displaced it), schedule
+        that kind's re-check (:data:`PROMPT_RECHECK_AFTER`); a re-check due drops its kind's samples
+        (it is proposed and sampled anew: :meth:`_kind_due`)."""
         prev, self._prompt_best = self._prompt_best, best_kind
-        # (only where its own samples displaced it: it was the kind proposed last)
         if prev is not None and prev != best_kind and self._prompt_recheck is None \
                 and self._prompt_last[prev] >= self._prompt_last[1 - prev] \
                 and len(self._prefill_samples[prev]) >= MIN_PROMPT_SAMPLES:
@@ -868,9 +868,14 @@ class AdaptiveSpecPolicy:
             for key in [key for key, due in self._recheck_due.items() if key[0] == bucket and n >= due]:
                 del self._recheck_due[key]
                 self._rechecks[key] = self._rechecks.get(key, 0) + 1  # (a cancelled one is not counted)
-                self._excess_n[key] = 0
-                self._excess_window.pop(key, None)
+                self._forget_measure(key)
                 self._bursts.pop(key, None)
+
+    def _forget_measure(self, key: Tuple[int, int]) -> None:
+        """Empty the window of ``(bucket, k)``: its next counted steps measure it anew (its
+        :attr:`excess_ms` stands until the first of them)."""
+        self._excess_n[key] = 0
+        self._excess_window.pop(key, None)
 
     def _kind_due(self, kind: int, n: int) -> bool:
         """Whether prompt step ``n`` is due to propose ``kind`` (0: ``k = 0``, 1: drafting): its prompt
@@ -920,8 +925,7 @@ class AdaptiveSpecPolicy:
                 key = (bucket, k)
                 self._bursts[key] = self._bursts.get(key, 0) + 1
                 if self._excess_n.get(key, 0) >= MIN_MEASURED:  # measured long ago: the burst's steps replace it
-                    self._excess_n[key] = 0
-                    self._excess_window.pop(key, None)
+                    self._forget_measure(key)
                 self._last_burst = n
         k, self._burst_choice = best, False
         if self._explore:
