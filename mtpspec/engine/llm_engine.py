@@ -141,7 +141,7 @@ class LLMEngine:
         # with a policy: its k = 0 steps write no MTP KV entries, the next drafting step catches up
         # (speculative_config adaptive_defer_mtp_kv; LLM sets it with the policy)
         self.defer_mtp_kv = False
-        self._last_step_end: Optional[float] = None  # host clock at the end of the last step (the policy's wall times)
+        self._stepped = False  # a step was applied (the policy does not time the first one: _time_step)
         # the step applied in this call, timed for the policy when the call returns (_observe_spec, _time_step)
         self._untimed: Optional[Tuple[SchedulerOutput, int, float]] = None
         # an error of a call that also returned finished requests, raised by the next call (_step_ahead)
@@ -607,25 +607,23 @@ class LLMEngine:
                 held = getattr(policy, "observe_held_step", None)
                 if held is not None:
                     held()
-                self._last_step_end = time.perf_counter()
+                self._stepped = True
             else:
                 self._untimed = (out, sum(map(len, result.new_token_ids)), t0)
             policy.end_step()
 
     def _time_step(self) -> None:
         """Tell the adaptive policy what the step applied in this call took: from the start of the
-        call (or the end of the last step, if later) to its end, host included; the first step is
-        not timed. With async scheduling the call also scheduled and launched the next step (before
+        call to its end, host included (one step is applied per call); the first step is not timed. With async scheduling the call also scheduled and launched the next step (before
         applying this one's tokens or after), so each step's time holds one launch, and the
         caller's time between calls, which the device spends on the step in flight, none."""
         out, emitted, t0 = self._untimed
         self._untimed = None
-        end = time.perf_counter()
-        if self._last_step_end is not None:
+        if self._stepped:
             self.spec_policy.observe_step_time(len(out.scheduled), out.num_proposed_tokens,
-                                               (end - max(self._last_step_end, t0)) * 1e3, out.num_spec_tokens,
+                                               (time.perf_counter() - t0) * 1e3, out.num_spec_tokens,
                                                out.num_prefill_tokens, emitted, num_catch_up_rows=out.num_catch_up_rows)
-        self._last_step_end = end
+        self._stepped = True
 
     def _drafts_stay_on_device(self, out: SchedulerOutput) -> bool:
         """Whether ``out``'s decodes may read the last step's drafts on the ranks: async scheduling,
