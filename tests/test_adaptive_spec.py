@@ -103,6 +103,12 @@ def test_cost_table_file_and_errors(tmp_path) -> None:
             StepCostTable.load(str(tmp_path / "bad.json"))
     with pytest.raises(ValueError, match="same k values"):
         StepCostTable({0: {1: 1.0}}, {1: {1: 1.0}})
+    # a JSON true is an int to Python: refused as a time, and as a catch-up cost (fresh-user report, session 35)
+    (tmp_path / "bad.json").write_text(json.dumps({"verify_ms": {"0": {"1": True}}, "draft_ms": {"0": {"1": 0.0}}}))
+    with pytest.raises(ValueError, match="bad.json.*times numbers: got True, a bool"):
+        StepCostTable.load(str(tmp_path / "bad.json"))
+    with pytest.raises(ValueError, match="catch_up_ms_per_row must be a number, got True"):
+        StepCostTable({0: {1: 1.0}}, {0: {1: 0.0}}, catch_up_ms_per_row=True)
     with pytest.raises(ValueError, match="k = 0 and k = 3"):
         AdaptiveSpecPolicy(3, StepCostTable({1: {1: 1.0}, 3: {1: 1.0}}, {1: {1: 1.0}, 3: {1: 1.0}}))
 
@@ -759,6 +765,30 @@ def test_an_adaptive_step_is_timed_over_the_call_that_applies_it(model) -> None:
             assert len(walls) >= 8 and {k for k, _, _ in pol.times} == {0, 1, 2, 3}
             assert any(p for _, p, _ in pol.times)
             assert min(walls) >= 25.0 and max(walls) < 75.0, pol.times
+
+
+@pytest.mark.parametrize("k", [0, 3])
+def test_the_first_step_s_wall_starts_at_the_call_that_launched_it(model, k) -> None:
+    """``step_wall_s`` counts a step from the previous step's tokens applied to its own; the first
+    step after a reset from the start of the call that launched it. A step left in flight is
+    applied by the next call, so timing the first one from that call's start dropped its launch
+    (here a 30 ms scheduler; the fresh-user report of session 35: prompt steps of 0.03 ms on a
+    CPU, whose launch is the whole forward)."""
+    import time as _time
+    path, _, table = model
+    with _llm(path, table, k=k) as llm:
+        eng = llm.llm_engine
+        real = eng.scheduler.schedule
+        eng.scheduler.schedule = lambda *a, **kw: (_time.sleep(0.03), real(*a, **kw))[1]
+        eng.add_request({"prompt_token_ids": [5, 6, 7]}, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True),
+                        "0")
+        eng.step()
+        assert eng._inflight is not None  # the prompt step is left in flight (async scheduling)
+        while eng.has_unfinished_requests():
+            eng.step()
+        walls = eng.metrics.step_wall_s
+        (prompt,) = [v for kind, v in walls.items() if kind.startswith("prompt")]
+        assert prompt[0] == 1 and prompt[1] >= 0.025, walls
 
 
 def test_a_prompt_chunk_that_every_k_pays_does_not_change_the_choice() -> None:

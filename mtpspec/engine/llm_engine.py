@@ -73,12 +73,14 @@ def _all_ints(ids: Union[List[Any], Tuple[Any, ...]]) -> bool:
 
 class _InFlight(NamedTuple):
     """A launched step whose tokens are not applied yet (:meth:`LLMEngine._step_ahead`): its
-    scheduler output, handle, and whether it held only decodes whose logits do not depend on
-    their outputs (no prefill chunk, no ``logits_params``)."""
+    scheduler output, handle, whether it held only decodes whose logits do not depend on
+    their outputs (no prefill chunk, no ``logits_params``), and the start of the call that
+    launched it (``time.perf_counter()`` s: the first step's start in ``step_wall_s``)."""
 
     out: SchedulerOutput
     handle: Any
     plain: bool
+    launched: float
 
 
 class LLMEngine:
@@ -497,14 +499,14 @@ class LLMEngine:
         finished: List[Sequence] = []
         try:
             if prev is not None and not self._can_step_ahead(prev):
-                finished = self._finish(prev.out, prev.handle, t0, t0, busy=False)
+                finished = self._finish(prev.out, prev.handle, t0, t0, busy=False, launched=prev.launched)
                 prev = None
             if prev is None and not self._ahead:  # adaptive: the next step after the tokens it builds on
                 launched = self._launch()
                 if launched is not None:
                     out, handle, step = launched
                     plain = all(not si.is_prefill and si.logits_params is None for si in step.seqs)
-                    self._inflight = _InFlight(out, handle, plain)
+                    self._inflight = _InFlight(out, handle, plain, t0)
             else:
                 out = self.scheduler.schedule(pending=[id(s.seq) for s in prev.out.scheduled] if prev else None)
                 self.metrics.num_preemptions += len(out.preempted)
@@ -513,9 +515,9 @@ class LLMEngine:
                     self._choose_k(out)  # adaptive: any k
                     step = self._step_input(out)
                     plain = all(not si.is_prefill and si.logits_params is None for si in step.seqs)
-                    self._inflight = _InFlight(out, self.executor.execute_async(step), plain)
+                    self._inflight = _InFlight(out, self.executor.execute_async(step), plain, t0)
                 if prev is not None:
-                    finished += self._finish(prev.out, prev.handle, t0, t1, busy=False)
+                    finished += self._finish(prev.out, prev.handle, t0, t1, busy=False, launched=prev.launched)
             if self._inflight is not None and all(s.seq.is_finished for s in self._inflight.out.scheduled):
                 self._inflight.handle.output()  # only rows of requests that just finished: wait, drop, count nothing
                 self._inflight = None
@@ -536,10 +538,11 @@ class LLMEngine:
                 and not prev.out.preempted and not prev.out.needs_sync)
 
     def _finish(self, out: SchedulerOutput, handle: Any, t0: float, t1: Optional[float] = None,
-                busy: bool = True) -> List[Sequence]:
+                busy: bool = True, launched: Optional[float] = None) -> List[Sequence]:
         """Wait for ``out``'s tokens and apply them (stops, metrics, log-probabilities); returns
         the sequences that finished. ``busy``: count ``t0`` .. now as engine busy time (the
-        caller counts it otherwise: :meth:`_step_ahead`, whose steps overlap)."""
+        caller counts it otherwise: :meth:`_step_ahead`, whose steps overlap). ``launched``: the
+        start of the call that launched it (default ``t0``), where the first step's wall starts."""
         m = self.metrics
         t1 = t0 if t1 is None else t1
         result = handle.output()
@@ -567,7 +570,8 @@ class LLMEngine:
         m.num_steps += 1
         m.num_eager_fallbacks += result.num_eager_fallbacks
         m.add_comm(result.comm_bytes)
-        m.add_step_wall(out.num_prefill_tokens > 0, out.num_proposed_tokens, t0, now, len(out.scheduled),
+        m.add_step_wall(out.num_prefill_tokens > 0, out.num_proposed_tokens, t0 if launched is None else launched,
+                        now, len(out.scheduled),
                         out.num_prefill_tokens, out.num_spec_tokens if out.num_decode_tokens else 0,
                         out.num_catch_up_rows)
         if busy:

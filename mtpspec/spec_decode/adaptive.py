@@ -225,9 +225,15 @@ class StepCostTable:
     catch_up_ms_per_row: float = 0.0
 
     def __post_init__(self) -> None:
+        def num(x, kind):  # a bool is an int to Python, not a time or a size to a table
+            if isinstance(x, bool):
+                raise TypeError(f"got {x!r}, a bool")
+            return kind(x)
         try:
-            self.verify_ms = {int(k): {int(b): float(t) for b, t in d.items()} for k, d in self.verify_ms.items()}
-            self.draft_ms = {int(k): {int(b): float(t) for b, t in d.items()} for k, d in self.draft_ms.items()}
+            self.verify_ms = {num(k, int): {num(b, int): num(t, float) for b, t in d.items()}
+                              for k, d in self.verify_ms.items()}
+            self.draft_ms = {num(k, int): {num(b, int): num(t, float) for b, t in d.items()}
+                             for k, d in self.draft_ms.items()}
         except (TypeError, ValueError, AttributeError) as exc:
             raise ValueError(f"step cost table: keys must be ints (k, batch size) and times numbers: {exc}") from None
         bad = [(name, k, b, t) for name, table in (("verify_ms", self.verify_ms), ("draft_ms", self.draft_ms))
@@ -238,7 +244,7 @@ class StepCostTable:
             raise ValueError(f"step cost table: {name}[{k}][{b}] = {t}: times must be finite, verify > 0 and "
                              "draft >= 0 ms, k >= 0 and batch sizes >= 1")
         try:
-            self.catch_up_ms_per_row = float(self.catch_up_ms_per_row)
+            self.catch_up_ms_per_row = num(self.catch_up_ms_per_row, float)
         except (TypeError, ValueError):
             raise ValueError(f"step cost table: catch_up_ms_per_row must be a number, got "
                              f"{self.catch_up_ms_per_row!r}") from None

@@ -133,9 +133,9 @@ class EngineMetrics:
             seconds, sequences, prompt tokens, verified drafts, catch-up rows]`` summed over its
             steps (verified drafts: each step's drafts per decode; catch-up rows: deferred MTP
             entries written). The seconds are host wall time from the previous step's tokens
-            applied to this step's (the first step after ``LLMEngine.reset_metrics``: from its own
-            start), so they count the caller's time between steps and any idle time (a diagnostic
-            for saturated benchmarks: where a run's wall time went).
+            applied to this step's (the first step after ``LLMEngine.reset_metrics``: from the
+            start of the call that launched it), so they count the caller's time between steps and
+            any idle time (a diagnostic for saturated benchmarks: where a run's wall time went).
     """
 
     spec: Optional[SpecDecodingStats] = None
