@@ -1670,8 +1670,10 @@ def test_a_k_displaced_by_its_own_slow_steps_is_measured_again(recheck, monkeypa
     if recheck:
         assert back is not None and back < adaptive.RECHECK_AFTER + 4 * EXPLORE_STEPS + 60, ks
         assert ks[-50:].count(0) >= 45
+        assert pol.rechecks_done == {"batch 64 k 0": 1}  # what bench arms reports (adaptive_host_model)
     else:
         assert back is None and ks[-50:].count(2) >= 45
+        assert pol.rechecks_done == {}
     # k = 2 displaced by k = 0's new measure (k = 0 proposed last there): nothing scheduled for k = 2
     assert (64, 2) not in pol._recheck_due
 
@@ -1712,5 +1714,6 @@ def test_a_prompt_kind_displaced_by_its_own_slow_steps_is_sampled_again(recheck,
     if recheck:
         assert ks[-6:] == [0] * 6, ks
         assert pol.prompt_ms_per_token(False) == pytest.approx(0.02)
+        assert pol.rechecks_done == {"prompt k0": 1}
     else:
         assert ks[-6:] == [3] * 6, ks

@@ -270,7 +270,10 @@ def test_bench_arms_in_process_repeats_the_same_steps(model_dir, tmp_path):
     host = wl["arms"]["adaptive"]["runs"][0]["adaptive_host_model"]  # the policy's fitted host time, ms
     assert set(host) == {"per_step_ms", "per_seq_ms", "per_token_ms", "per_prompt_token_ms",
                          "per_prompt_token_ms_drafting", "measured_ms", "measured_batch", "catch_up_us_per_row",
-                         "catch_up_rows_timed", "transition_steps", "transition_extra_ms", "cost_table", "rates"}
+                         "catch_up_rows_timed", "transition_steps", "transition_extra_ms", "cost_table", "rates",
+                         "rechecks"}
+    rechecks = host.pop("rechecks")  # re-checks done, per "batch B k K" / "prompt k0" / "prompt drafting"
+    assert isinstance(rechecks, dict) and all(isinstance(n, int) and n > 0 for n in rechecks.values())
     table, rates = host.pop("cost_table"), host.pop("rates")  # what the choices rest on: device table, rates
     assert set(table) == {"verify_ms", "draft_ms"} and set(table["verify_ms"]) == {"0", "1", "2", "3"}  # JSON keys
     assert len(rates) == 3 and all(0.0 <= r <= 1.0 for r in rates)  # one per draft position

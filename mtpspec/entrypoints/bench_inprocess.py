@@ -150,8 +150,9 @@ def _host_model(policy: Any) -> Optional[Dict[str, Any]]:
     """The adaptive policy's fitted host time (ms: per step, per sequence, per accepted draft emitted,
     per prompt token of k = 0 and of drafting steps), what it measured beyond the device table per (table batch size, k)
     with the batch size of the median step, what it charges for catching up one deferred MTP entry (us), its
-    device table (``cost_table``: ``verify_ms`` / ``draft_ms`` per k and batch size) and its per-position
-    acceptance rates (``rates``) at the run's end."""
+    device table (``cost_table``: ``verify_ms`` / ``draft_ms`` per k and batch size), its per-position
+    acceptance rates (``rates``) at the run's end and the re-checks it did (``rechecks``: measures emptied
+    because their k or prompt kind was displaced by its own steps)."""
     if policy is None:
         return None
     out: Dict[str, Any] = {name: getattr(policy, attr, None) for name, attr in (
@@ -164,6 +165,8 @@ def _host_model(policy: Any) -> Optional[Dict[str, Any]]:
     # switching k: steps outside a steady run of their k, and their mean ms beyond that k's steady steps
     out["transition_steps"] = getattr(policy, "transition_steps", None)
     out["transition_extra_ms"] = getattr(policy, "transition_extra_ms", None)
+    # measures emptied because their k (or prompt kind) was displaced by its own steps (RECHECK_AFTER)
+    out["rechecks"] = getattr(policy, "rechecks_done", None)
     rate = getattr(policy, "catch_up_ms_per_row", None)  # what a deferred MTP entry's catch-up costs, as learnt
     out["catch_up_us_per_row"] = 1e3 * rate() if callable(rate) else None
     out["catch_up_rows_timed"] = getattr(policy, "catch_up_rows_timed", None)  # below 256: the table's figure

@@ -752,6 +752,15 @@ class AdaptiveSpecPolicy:
         return self._burst_choice or bool(self._explore)
 
     @property
+    def rechecks_done(self) -> Dict[str, int]:
+        """The re-checks that emptied a measure so far: ``{"batch B k K": n}`` for pure-decode ``k``
+        at table batch size ``B`` (:data:`RECHECK_AFTER`), ``"prompt k0"`` / ``"prompt drafting"``
+        for the prompt steps' kinds (:data:`PROMPT_RECHECK_AFTER`); only those done at least once."""
+        out = {f"batch {b} k {k}": n for (b, k), n in sorted(self._rechecks.items()) if n}
+        out.update({f"prompt {kind}": n for kind, n in zip(("k0", "drafting"), self._prompt_rechecks) if n})
+        return out
+
+    @property
     def last_choice_explored(self) -> bool:
         """The last :meth:`choose` proposed a ``k`` other than its best by design: an exploration
         burst's (pure decode) or a re-try of the other kind (``k = 0`` vs drafting) at a prompt step."""
