@@ -571,9 +571,8 @@ class LLMEngine:
         m.num_eager_fallbacks += result.num_eager_fallbacks
         m.add_comm(result.comm_bytes)
         m.add_step_wall(out.num_prefill_tokens > 0, out.num_proposed_tokens, t0 if launched is None else launched,
-                        now, len(out.scheduled),
-                        out.num_prefill_tokens, out.num_spec_tokens if out.num_decode_tokens else 0,
-                        out.num_catch_up_rows)
+                        now, len(out.scheduled), out.num_prefill_tokens,
+                        out.num_spec_tokens if out.num_decode_tokens else 0, out.num_catch_up_rows)
         if busy:
             m.busy_time_s += now - t0
         if _LOG_STEPS:
