@@ -80,7 +80,7 @@ class _InFlight(NamedTuple):
     out: SchedulerOutput
     handle: Any
     plain: bool
-    launched: float
+    launch_t0: float
 
 
 class LLMEngine:
@@ -499,7 +499,7 @@ class LLMEngine:
         finished: List[Sequence] = []
         try:
             if prev is not None and not self._can_step_ahead(prev):
-                finished = self._finish(prev.out, prev.handle, t0, t0, busy=False, launched=prev.launched)
+                finished = self._finish(prev.out, prev.handle, t0, t0, busy=False, launch_t0=prev.launch_t0)
                 prev = None
             if prev is None and not self._ahead:  # adaptive: the next step after the tokens it builds on
                 launched = self._launch()
@@ -517,7 +517,7 @@ class LLMEngine:
                     plain = all(not si.is_prefill and si.logits_params is None for si in step.seqs)
                     self._inflight = _InFlight(out, self.executor.execute_async(step), plain, t0)
                 if prev is not None:
-                    finished += self._finish(prev.out, prev.handle, t0, t1, busy=False, launched=prev.launched)
+                    finished += self._finish(prev.out, prev.handle, t0, t1, busy=False, launch_t0=prev.launch_t0)
             if self._inflight is not None and all(s.seq.is_finished for s in self._inflight.out.scheduled):
                 self._inflight.handle.output()  # only rows of requests that just finished: wait, drop, count nothing
                 self._inflight = None
@@ -538,10 +538,10 @@ class LLMEngine:
                 and not prev.out.preempted and not prev.out.needs_sync)
 
     def _finish(self, out: SchedulerOutput, handle: Any, t0: float, t1: Optional[float] = None,
-                busy: bool = True, launched: Optional[float] = None) -> List[Sequence]:
+                busy: bool = True, launch_t0: Optional[float] = None) -> List[Sequence]:
         """Wait for ``out``'s tokens and apply them (stops, metrics, log-probabilities); returns
         the sequences that finished. ``busy``: count ``t0`` .. now as engine busy time (the
-        caller counts it otherwise: :meth:`_step_ahead`, whose steps overlap). ``launched``: the
+        caller counts it otherwise: :meth:`_step_ahead`, whose steps overlap). ``launch_t0``: the
         start of the call that launched it (default ``t0``), where the first step's wall starts."""
         m = self.metrics
         t1 = t0 if t1 is None else t1
@@ -570,7 +570,7 @@ class LLMEngine:
         m.num_steps += 1
         m.num_eager_fallbacks += result.num_eager_fallbacks
         m.add_comm(result.comm_bytes)
-        m.add_step_wall(out.num_prefill_tokens > 0, out.num_proposed_tokens, t0 if launched is None else launched,
+        m.add_step_wall(out.num_prefill_tokens > 0, out.num_proposed_tokens, t0 if launch_t0 is None else launch_t0,
                         now, len(out.scheduled), out.num_prefill_tokens,
                         out.num_spec_tokens if out.num_decode_tokens else 0, out.num_catch_up_rows)
         if busy:
@@ -617,9 +617,10 @@ class LLMEngine:
 
     def _time_step(self) -> None:
         """Tell the adaptive policy what the step applied in this call took: from the start of the
-        call to its end, host included (one step is applied per call); the first step is not timed. With async scheduling the call also scheduled and launched the next step (before
-        applying this one's tokens or after), so each step's time holds one launch, and the
-        caller's time between calls, which the device spends on the step in flight, none."""
+        call to its end, host included (one step is applied per call); the first step is not timed.
+        With async scheduling the call also scheduled and launched the next step (before applying
+        this one's tokens or after), so each step's time holds one launch, and the caller's time
+        between calls, which the device spends on the step in flight, none."""
         out, emitted, t0 = self._untimed
         self._untimed = None
         if self._stepped:

@@ -756,7 +756,7 @@ class AdaptiveSpecPolicy:
         """The re-checks that emptied a measure so far: ``{"batch B k K": n}`` for pure-decode ``k``
         at table batch size ``B`` (:data:`RECHECK_AFTER`), ``"prompt k0"`` / ``"prompt drafting"``
         for the prompt steps' kinds (:data:`PROMPT_RECHECK_AFTER`); only those done at least once."""
-        out = {f"batch {b} k {k}": n for (b, k), n in sorted(self._rechecks.items()) if n}
+        out = {f"batch {b} k {k}": n for (b, k), n in sorted(self._rechecks.items())}  # (counted when done)
         out.update({f"prompt {kind}": n for kind, n in zip(("k0", "drafting"), self._prompt_rechecks) if n})
         return out
 
