@@ -12,6 +12,7 @@
 #   bash benchmarks/run_goals_h200.sh serving-deep OUT  # issue 17: prefix-cache TTFT on 40 of Llama-3-70B's 80 layers
 #   bash benchmarks/run_goals_h200.sh adaptive-inproc OUT # issue 18: the adaptive sweep in-process (deterministic arrival)
 #   bash benchmarks/run_goals_h200.sh trace64 OUT    # issue 18: s64 traced step by step, plain / adaptive, 3 rounds each
+#   bash benchmarks/run_goals_h200.sh profile-arms OUT # issue 18: s64 plain / adaptive under cProfile, diffed per step
 #   bash benchmarks/run_goals_h200.sh profile64 OUT  # issue 18: steady c64 decode steps' kernels, plain / adaptive
 #   bash benchmarks/run_goals_h200.sh adaptive-deep OUT # issue 18: the same with LAYERS (4) target layers, 2 warm-ups
 #   bash benchmarks/run_goals_h200.sh graph-mem OUT   # issue 18: CUDA-graph memory beside the KV cache, plain / k3 / adaptive
@@ -197,6 +198,20 @@ trace64)  # issue 18: s64 step by step, plain vs adaptive, 3 rounds on one engin
   for e in ${TRACE_ENGINES:-plain adaptive}; do
     step ${TRACE_TIMEOUT:-200} "trace${TRACE_CONC:-64}_$e" python3 benchmarks/trace_adaptive_steps.py /tmp/air3 --engine $e \
         --concurrency ${TRACE_CONC:-64} --warmup-full --rounds ${TRACE_ROUNDS:-3} --json "$OUT/trace${TRACE_CONC:-64}_$e.json"
+  done ;;
+profile-arms)  # issue 18: where the adaptive arm's host time goes at s64 against plain decoding's: bench arms
+  # --in-process (plain, adaptive; 1 warm-up round, PROF_REPEATS (2) timed, each under cProfile:
+  # MTPSPEC_BENCH_PROFILE_DIR), then benchmarks/diff_profiles.py per round (us per engine step)
+  python3 benchmarks/make_dummy_model.py /tmp/air3 --preset air-8l --num-hidden-layers 3 \
+      --max-position-embeddings 2048 || exit 1
+  MTPSPEC_BENCH_PROFILE_DIR="$OUT/prof" step ${PROF_TIMEOUT:-300} arms_profiled python3 -m mtpspec.entrypoints.cli bench arms \
+      --in-process --model /tmp/air3 --arms ${PROF_ARMS:-plain,adaptive} --workloads ${PROF_WORKLOADS:-s64} \
+      --repeats ${PROF_REPEATS:-2} --warmup-rounds 1 --equal-kv-blocks --no-plots --no-progress --random-prompts \
+      --ignore-eos --forced-acceptance rate:0.8 --server-args "--max-num-seqs 256 --load-format dummy --max-model-len 1024 \
+      --dtype bfloat16" --output-dir "$OUT/arms_profiled"
+  for n in $(seq 0 $(( ${PROF_REPEATS:-2} - 1 ))); do
+    echo "=== round $n: adaptive - plain, us per engine step (546)"
+    python3 benchmarks/diff_profiles.py "$OUT/prof/k0_$n.pstats" "$OUT/prof/k3_adaptive_$n.pstats" --per 546 --top 45
   done ;;
 profile64)  # issue 18: device work of steady decode steps at 64 sequences, kernel by kernel (torch.profiler):
   # plain, the adaptive engine held at k = 0, the adaptive engine: is the k = 0 step's extra time device or host?

@@ -1531,11 +1531,12 @@ class Holding(Scripted):
 
 
 @pytest.mark.parametrize("async_scheduling", [True, False])
-def test_a_k0_choice_is_held_for_hold_k0_steps_pure_decode_steps_of_its_batch_size(model, async_scheduling) -> None:
-    """The policy's bookkeeping costs ~40 us a step on the host (a CPU; ~4% of a 64-sequence step on an
-    H100 host): after a pure-decode choice of k = 0 the engine proposes k = 0 for ``hold_k0_steps - 1``
-    more pure-decode steps of the same batch size without asking the policy or reporting the steps to it;
-    a prompt step, a new batch size or an exploration burst asks again. Lossless whatever is held."""
+def test_a_k0_choice_is_held_for_hold_k0_steps_steps_of_its_bucket(model, async_scheduling) -> None:
+    """A choice and its timing cost ~70 us on the host (a CPU; 1.5-3% of a 64-sequence step on an H100
+    host): after a pure-decode choice of k = 0 the engine proposes k = 0 for ``hold_k0_steps - 1`` more
+    steps, prompt steps among them, while the batch stays in the choice's bucket (a stand-in policy
+    without ``bucket``: the same batch size), without asking the policy or reporting the steps to it; a
+    batch outside it or an exploration burst asks again. Lossless whatever is held."""
     path, cfg, table = model
     prompts = mixed_prompts(6, cfg.vocab_size, seed=5)
     with _llm(path, table, k=0) as llm:
@@ -1554,10 +1555,10 @@ def test_a_k0_choice_is_held_for_hold_k0_steps_pure_decode_steps_of_its_batch_si
             got = _greedy(llm, prompts)
         assert got == want
         # the rule, replayed: held iff the last asked step chose 0 with no prompt tokens at this batch size,
-        # not exploring, and fewer than hold - 1 steps were held since
+        # not exploring, and fewer than hold - 1 steps were held since (prompt steps too)
         left, batch, expect = 0, None, []
         for b, prefill, k, held in steps:
-            h = bool(left and not prefill and b == batch)
+            h = bool(left and b == batch)
             expect.append(h)
             if h:
                 left -= 1
@@ -1569,10 +1570,10 @@ def test_a_k0_choice_is_held_for_hold_k0_steps_pure_decode_steps_of_its_batch_si
         assert all(k == 0 for _, _, k, held in steps if held)
         assert len(pol.chosen) == len(steps) - n_held  # held steps never ask the policy
         assert len(pol.times) == len(steps) - n_held - 1  # nor are reported (the first step has no wall)
-    assert AdaptiveSpecPolicy(3, _table()).hold_k0_steps == 4
+    assert AdaptiveSpecPolicy(3, _table()).hold_k0_steps == 16
     with _llm(path, table, k=2) as llm:  # the defaults, and speculative_config's keys
         pol = llm.llm_engine.spec_policy
-        assert pol.hold_k0_steps == 4 and pol.switch_margin == SWITCH_MARGIN
+        assert pol.hold_k0_steps == 16 and pol.switch_margin == SWITCH_MARGIN
     with LLM(path, speculative_config={"num_speculative_tokens": 2, "adaptive": True, "adaptive_cost_table": table,
                                        "adaptive_hold_k0_steps": 1, "adaptive_switch_margin": 0},
              max_model_len=48, block_size=4, max_num_seqs=4, num_kv_blocks=256) as llm:
@@ -1581,6 +1582,63 @@ def test_a_k0_choice_is_held_for_hold_k0_steps_pure_decode_steps_of_its_batch_si
     for bad in (0, 2.0):
         with pytest.raises(ValueError, match="hold_k0_steps an int >= 1"):
             AdaptiveSpecPolicy(3, _table(), hold_k0_steps=bad)
+
+
+def test_the_real_policy_s_hold_spans_its_bucket_and_prompt_steps(model, monkeypatch) -> None:
+    """With the real policy (forced acceptance 0: k = 0 best) requests of different lengths finish and
+    waiting ones are admitted while a k = 0 choice is held: the hold goes on through batch sizes of
+    the same bucket of the table (3 and 4 sequences: bucket 4) and through prompt steps, each held
+    prompt step told to the policy as such (the next step is a transition for its timing); an asked
+    prompt step's k = 0 starts a hold too (the bucket's pure-decode choice is k = 0: a wave of
+    admissions would ask at each step; seen with a hold of 3, which leaves prompt steps asked, and no
+    exploration bursts, which hold nothing); the tokens are those of plain decoding."""
+    from mtpspec.spec_decode import adaptive
+    from mtpspec.spec_decode.forced_acceptance import ForcedAcceptance, enable_forced_acceptance
+    path, cfg, table = model
+    prompts = token_prompts(mixed_prompts(9, cfg.vocab_size, seed=21))
+    params = [SamplingParams(temperature=0.0, max_tokens=6 + 3 * i, ignore_eos=True) for i in range(len(prompts))]
+    with _llm(path, table, k=0) as llm:
+        want = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    for hold in (16, 3):
+        with _llm(path, table) as llm:
+            eng = llm.llm_engine
+            enable_forced_acceptance(eng, ForcedAcceptance.parse("rate:0.0"))
+            pol, steps, real = eng.spec_policy, [], eng._choose_k
+            assert pol.hold_k0_steps == 16  # (the default)
+            pol.hold_k0_steps = hold
+            if hold == 3:
+                pol.prior_rate = 0.0  # (rates left alone drift back to the prior: a k = 1 choice now and then)
+                monkeypatch.setattr(adaptive, "MEASURE_MARGIN", 0.0)
+                monkeypatch.setattr(adaptive, "EXPLORE_EVERY", 10 ** 6)
+            told, real_held = [], pol.observe_held_step
+
+            def spy(out, real=real, steps=steps):
+                real(out)
+                steps.append((len(out.scheduled), out.num_prefill_tokens, out.num_proposed_tokens, out.policy_held))
+
+            def held(n=0, told=told, real_held=real_held):
+                told.append(n)
+                real_held(n)
+
+            eng._choose_k, pol.observe_held_step = spy, held
+            got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        assert got == want
+        held_steps = [(b, prefill) for b, prefill, _, h in steps if h]
+        assert all(k == 0 for _, _, k, h in steps if h)
+        assert any(prefill for _, prefill in held_steps), steps  # prompt steps inside a hold
+        # every held step's batch is in the bucket of the asked step that began its hold, and some differ from it
+        asked_batch, moved = None, False
+        for b, prefill, k, h in steps:
+            if h:
+                assert pol.bucket(b) == pol.bucket(asked_batch), steps
+                moved |= b != asked_batch
+            else:
+                asked_batch = b
+        assert moved, steps
+        assert sorted(told) == sorted(prefill for _, prefill in held_steps)  # each held step told, prompt tokens too
+        if hold == 3:  # an asked prompt step's k = 0 that started a hold
+            assert any(p and not h and k == 0 and nxt[3]
+                       for (_, p, k, h), nxt in zip(steps, steps[1:])), repr(steps)
 
 
 def test_held_steps_count_in_the_steady_run_and_a_burst_s_k0_is_not_held() -> None:
@@ -1601,6 +1659,13 @@ def test_held_steps_count_in_the_steady_run_and_a_burst_s_k0_is_not_held() -> No
         pol.observe_held_step()
     step(0, 0, 1.0)      # asked, after four k = 0 steps: steady
     assert pol._excess_n[(64, 0)] == 1 and pol.excess_ms[(64, 0)] == pytest.approx(1.0)
+    pol.observe_held_step()
+    pol.observe_held_step(300)  # a held prompt step: the next step is a transition (not scheduled ahead)
+    step(0, 0, 3.0)
+    assert pol._excess_n[(64, 0)] == 1 and pol.excess_ms[(64, 0)] == pytest.approx(1.0)
+    pol.observe_held_step()
+    step(0, 0, 1.2)      # k = 0 twice again: steady
+    assert pol._excess_n[(64, 0)] == 2
     # a burst of k = 0 (here set by hand) returns k = 0 while "exploring", its last step too
     pol2 = AdaptiveSpecPolicy(3, _table(draft=lambda b, k: 0.0))  # drafting is free: the best k is 3
     assert pol2.choose(4) == 3 and not pol2.exploring and not pol2.last_choice_explored

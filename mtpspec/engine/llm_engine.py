@@ -427,33 +427,48 @@ class LLMEngine:
 
     def _choose_k(self, out: SchedulerOutput) -> None:
         """The adaptive policy's number of drafts for ``out`` to propose (if any policy). A
-        pure-decode choice of ``k = 0`` outside an exploration burst is held for the policy's
-        ``hold_k0_steps`` pure-decode steps of the same batch size (``out.policy_held`` on the
-        steps that did not ask; :mod:`mtpspec.spec_decode.adaptive`'s docstring)."""
-        if self.spec_policy is not None and out.num_proposed_tokens:
-            n_prompt = out.num_prefill_tokens
-            left, held_batch = self._hold_k0
-            if left > 0 and not n_prompt and len(out.scheduled) == held_batch:
-                self._hold_k0 = (left - 1, held_batch)
+        pure-decode choice of ``k = 0`` outside an exploration burst (or a prompt step's, where the
+        policy's pure-decode choice at that bucket is ``k = 0``:
+        :meth:`~mtpspec.spec_decode.adaptive.AdaptiveSpecPolicy.k0_is_best`) is held for the
+        policy's ``hold_k0_steps`` steps (the asked one included) while the batch stays in the
+        choice's bucket (:meth:`~mtpspec.spec_decode.adaptive.AdaptiveSpecPolicy.bucket`; a
+        policy without one: the same batch size), prompt steps among them (``out.policy_held`` on
+        the steps that did not ask; :mod:`mtpspec.spec_decode.adaptive`'s docstring)."""
+        policy = self.spec_policy
+        if policy is not None and out.num_proposed_tokens:
+            left, held_key = self._hold_k0
+            if left > 0 and self._hold_key(len(out.scheduled)) == held_key:
+                self._hold_k0 = (left - 1, held_key)
                 out.num_proposed_tokens, out.defers_mtp, out.policy_held = 0, self.defer_mtp_kv, True
                 return
+            n_prompt = out.num_prefill_tokens
             # chunks that do not end their prompt: their drafts are dropped (a pure-decode step has
             # none: no O(batch) pass then)
             partial = sum(1 for s in out.scheduled if s.is_partial_prefill) if n_prompt else 0
             # prompt tokens left after this step (requests waiting, or a partial chunk): looked at
             # only when the policy keeps a reserve for them
-            waiting = self.spec_policy.prompt_reserve > 0 and (bool(self.scheduler.waiting) or partial > 0)
+            waiting = policy.prompt_reserve > 0 and (bool(self.scheduler.waiting) or partial > 0)
             # what a drafting step would catch up (built only if the policy's choice can depend on it)
             lags = functools.partial(self._catch_up_ahead, out) if self.defer_mtp_kv else ()
-            out.num_proposed_tokens = k = self.spec_policy.choose(len(out.scheduled), n_prompt, waiting,
-                                                                  self.scheduler_config.max_num_batched_tokens,
-                                                                  num_partial_prefills=partial, catch_up=lags)
+            out.num_proposed_tokens = k = policy.choose(len(out.scheduled), n_prompt, waiting,
+                                                        self.scheduler_config.max_num_batched_tokens,
+                                                        num_partial_prefills=partial, catch_up=lags)
             out.defers_mtp = self.defer_mtp_kv and k == 0
-            hold = int(getattr(self.spec_policy, "hold_k0_steps", 1))  # a policy without it is asked every step
-            if k == 0 and not n_prompt and hold > 1 and not getattr(self.spec_policy, "exploring", False):
-                self._hold_k0 = (hold - 1, len(out.scheduled))
+            hold = int(getattr(policy, "hold_k0_steps", 1))  # a policy without it is asked every step
+            # a prompt step's k = 0 holds where the bucket's pure-decode choice is k = 0 too (a run of
+            # prompt steps, e.g. a wave of admissions, would otherwise ask at each)
+            best0 = getattr(policy, "k0_is_best", None) if n_prompt else None
+            if k == 0 and hold > 1 and not getattr(policy, "exploring", False) and (
+                    not n_prompt or (best0 is not None and best0(len(out.scheduled)))):
+                self._hold_k0 = (hold - 1, self._hold_key(len(out.scheduled)))
             else:
                 self._hold_k0 = (0, 0)
+
+    def _hold_key(self, batch: int) -> int:
+        """What a held ``k = 0`` choice is kept for: the policy's bucket of ``batch`` (where it has
+        ``bucket``), else ``batch`` itself."""
+        bucket = getattr(self.spec_policy, "bucket", None)
+        return batch if bucket is None else bucket(batch)
 
     def _catch_up_ahead(self, out: SchedulerOutput) -> List[Tuple[int, float]]:
         """``(rows, tokens left)`` of each sequence of ``out`` with deferred MTP entries: the entries
@@ -606,10 +621,10 @@ class LLMEngine:
                     policy.observe(v, len(result.new_token_ids[i]) - 1)
         m.spec.observe_step(out.num_proposed_tokens)
         if policy is not None:
-            if out.policy_held:  # not timed for the policy, but a k = 0 step of the run it is in
+            if out.policy_held:  # not timed for the policy, but a k = 0 step of the run it is in (or a prompt step)
                 held = getattr(policy, "observe_held_step", None)
                 if held is not None:
-                    held()
+                    held(out.num_prefill_tokens)
                 self._stepped = True
             else:
                 self._untimed = (out, sum(map(len, result.new_token_ids)), t0)

@@ -15,10 +15,20 @@ A run's result has the fields of :func:`~mtpspec.entrypoints.bench_serve.run_ben
 mean time per output token after the first (its TPOT: no stream to time chunk by chunk), acceptance and
 its per-position rates, the chosen-k histogram, engine steps, collective bytes), from the engine's
 counters over the run.
+
+``MTPSPEC_BENCH_PROFILE_DIR=DIR``: each timed run (not its warm-up) also runs under ``cProfile`` and
+writes ``DIR/<arm>_<n>.pstats`` (``<arm>``: ``k<K>``, ``_adaptive`` for an adaptive engine; ``n``
+counts that arm's runs in this process) and ``DIR/<arm>_<n>.gc.json`` (Python's garbage collections
+during the run: count and ms per generation, from ``gc.callbacks``). For where an arm's host time
+goes; the profiler slows the host (about 1.5-2x), so those runs' figures are not comparable with
+unprofiled ones.
 """
 
 from __future__ import annotations
 
+import gc
+import json
+import os
 import time
 from dataclasses import asdict
 from typing import Any, Dict, List, Optional
@@ -40,6 +50,47 @@ def _arm_forced(llm: Any, forced: Optional[str]) -> None:
     from mtpspec.spec_decode.forced_acceptance import ForcedAcceptance, enable_forced_acceptance
     if forced and llm.llm_engine.scheduler_config.num_speculative_tokens:
         enable_forced_acceptance(llm, ForcedAcceptance.parse(forced))  # a fresh generator: the same draws each run
+
+
+class _Profiler:
+    """``cProfile`` + garbage-collection timing of one timed run (``MTPSPEC_BENCH_PROFILE_DIR``)."""
+
+    _runs: Dict[str, int] = {}
+
+    def __init__(self, folder: str, tag: str):
+        import cProfile
+        n = self._runs[tag] = self._runs.get(tag, -1) + 1
+        self.path = os.path.join(folder, f"{tag}_{n}")
+        self.gc = {str(g): [0, 0.0] for g in range(3)}  # generation -> [collections, ms]
+        self._t = 0.0
+        self.prof = cProfile.Profile()
+        gc.callbacks.append(self._on_gc)
+        self.prof.enable()
+
+    @classmethod
+    def start(cls, llm: Any) -> Optional["_Profiler"]:
+        folder = os.environ.get("MTPSPEC_BENCH_PROFILE_DIR")
+        if not folder:
+            return None
+        os.makedirs(folder, exist_ok=True)
+        eng = llm.llm_engine
+        tag = f"k{eng.scheduler_config.num_speculative_tokens}" + ("_adaptive" if eng.spec_policy is not None else "")
+        return cls(folder, tag)
+
+    def _on_gc(self, phase: str, info: Dict[str, int]) -> None:
+        if phase == "start":
+            self._t = time.perf_counter()
+        else:
+            g = self.gc[str(info["generation"])]
+            g[0] += 1
+            g[1] += (time.perf_counter() - self._t) * 1e3
+
+    def stop(self) -> None:
+        self.prof.disable()
+        gc.callbacks.remove(self._on_gc)
+        self.prof.dump_stats(self.path + ".pstats")
+        with open(self.path + ".gc.json", "w") as f:
+            json.dump({"collections_and_ms_by_generation": self.gc}, f)
 
 
 def _generate(llm: Any, prompts: List[Any], cfg: BenchConfig, output_len: int) -> List[Any]:
@@ -78,9 +129,14 @@ def run_in_process(llm: Any, cfg: BenchConfig, forced: Optional[str] = None) -> 
         llm.reset_prefix_cache()  # a run starts cold
         _arm_forced(llm, forced)
         llm.reset_metrics()
+        profiler = _Profiler.start(llm)
         started_at = time.time()
         t0, cpu0 = time.perf_counter(), time.process_time()
-        outs = _generate(llm, prompts, cfg, cfg.output_len)
+        try:
+            outs = _generate(llm, prompts, cfg, cfg.output_len)
+        finally:
+            if profiler is not None:
+                profiler.stop()
         duration, cpu_s = time.perf_counter() - t0, time.process_time() - cpu0
     finally:
         sched_cfg.max_num_seqs = cap

@@ -56,15 +56,22 @@ rate is per position, as vLLM's ``num_accepted_tokens_per_pos`` measures it). Th
   entries were written late, the adaptive arm at 0.82x plain).
 
 Everything here is host arithmetic on counts the engine already has, yet it is paid on the host
-every step (~40 us a step in the engine on a CPU, against a ~1.6 ms step at 64 sequences whose
-host work the device barely hides): after a pure-decode choice of ``k = 0`` outside an exploration
-burst, the engine proposes ``k = 0`` again for :attr:`AdaptiveSpecPolicy.hold_k0_steps` ``- 1``
-more pure-decode steps of the same batch size without asking the policy or timing them for it (a
-``k = 0`` step proposes nothing and verifies nothing: it teaches the rates nothing; it is only
-counted as a ``k = 0`` step for the steady-run test, :meth:`AdaptiveSpecPolicy.observe_held_step`).
-The measured ``k = 0`` host time then comes from the asked steps alone: with async scheduling a
-step's wall holds the next step's choice, so it is that of a step followed by a held one (no
-``choose``), a quarter of ``choose``'s cost below the mean of all ``k = 0`` steps' walls.
+(a choice and the step's timing ~70 us on this repo's CPU, against a ~1.9 ms step at 64 sequences
+whose host work the device does not hide): after a pure-decode choice of ``k = 0`` outside an
+exploration burst (or a prompt step's, where the bucket's pure-decode choice is ``k = 0``:
+:meth:`AdaptiveSpecPolicy.k0_is_best`), the engine proposes ``k = 0`` again for
+:attr:`AdaptiveSpecPolicy.hold_k0_steps` ``- 1`` more steps while the batch stays in the choice's
+bucket (:meth:`AdaptiveSpecPolicy.bucket`), prompt-carrying steps among them, without asking the
+policy or timing them for it (a ``k = 0`` step proposes nothing and verifies nothing: it teaches
+the rates nothing; a held pure-decode step is only counted as a ``k = 0`` step for the steady-run
+test, a held prompt step as a transition, :meth:`AdaptiveSpecPolicy.observe_held_step`). With a
+hold of 4 steps of one batch size, broken by every prompt step, 45% of the steps of an s64-like
+run asked the policy (a CPU count; ~1.5-3% of a 64-sequence step on an H100's host); now 8%. A
+prompt step inside a hold skips what an asked one weighs (a re-try of drafting: at 64 sequences
+its catch-up, tens of thousands of deferred entries, blocks it anyway). The measured ``k = 0``
+host time then comes from the asked steps alone: with async scheduling a step's wall holds the
+next step's choice, so it is that of a step followed by a held one (no ``choose``). Exploration
+bursts and re-checks count asked choices, so a longer hold also spaces them further apart in steps.
 """
 
 from __future__ import annotations
@@ -112,8 +119,8 @@ EXPLORE_MARGIN = 0.15
 #: step) were most of the 4.4% the adaptive arm lost to plain decoding. The price: where the batch's
 #: catch-up is large, an unmeasured ``k`` waits for the :data:`STALE_EVERY` re-try (a review's
 #: simulation, 64 sequences, k = 3 truly 20% better than k = 0 but predicted 30% worse, ~15 ms of
-#: catch-up: first tried after 8,000 steps with the hold of 4), for the catch-up to shrink, or for
-#: its predicted rate to win outright. A batch size whose bursts were all declined is priced again
+#: catch-up: first tried after 8,000 steps with the hold of 4, ~32,000 with :data:`HOLD_K0_STEPS` of
+#: 16), for the catch-up to shrink, or for its predicted rate to win outright. A batch size whose bursts were all declined is priced again
 #: only after :data:`EXPLORE_RECHECK` pure-decode choices (pricing builds the batch's lag list, an
 #: ``O(batch)`` pass).
 MEASURE_MARGIN = 0.5
@@ -148,9 +155,10 @@ RECHECK_AFTER = 64
 #: s256: k = 0 prompt steps' cost read 0.017 ms a prompt token against 0.006 in the other rounds, and
 #: 386 of its 398 prompt steps drafted (0.96x plain decoding).
 PROMPT_RECHECK_AFTER = 8
-#: Pure-decode steps the engine proposes ``k = 0`` per choice of it (the asked step included):
-#: :attr:`AdaptiveSpecPolicy.hold_k0_steps`'s default (see the module docstring).
-HOLD_K0_STEPS = 4
+#: Steps the engine proposes ``k = 0`` per pure-decode choice of it (the asked step included) while
+#: the batch stays in its bucket: :attr:`AdaptiveSpecPolicy.hold_k0_steps`'s default (see the module
+#: docstring; 4 before session 36, each prompt step and batch-size change asking again).
+HOLD_K0_STEPS = 16
 #: Prompt-carrying steps: each kind's (``k = 0``, drafting) cost per prompt token is the median of
 #: its last :data:`PROMPT_SAMPLES` samples (a first-use outlier, e.g. a kernel compiled in the step,
 #: cannot fix it); a kind with fewer than :data:`MIN_PROMPT_SAMPLES` (and no more than the other
@@ -350,8 +358,9 @@ class AdaptiveSpecPolicy:
         prior_weight: how many observations the prior is worth.
         decay: every step multiplies the observed counts by this (recent steps weigh more).
         prompt_reserve: share of the token budget kept for waiting prompts (``choose``; 0: off).
-        hold_k0_steps: pure-decode steps the engine proposes ``k = 0`` for per choice of it,
-            without asking or reporting them (see the module docstring; 1: every step asked).
+        hold_k0_steps: steps the engine proposes ``k = 0`` for per pure-decode choice of it while
+            the batch stays in its bucket, without asking or reporting them (see the module
+            docstring; 1: every step asked).
         switch_margin: a drafting ``k`` is chosen over ``k = 0`` only where its rate is above
             ``1 + switch_margin`` times ``k = 0``'s (:data:`SWITCH_MARGIN`; 0: plain argmax).
 
@@ -366,7 +375,7 @@ class AdaptiveSpecPolicy:
     decay: float = 0.995
     overhead_weight: float = 0.05
     prompt_reserve: float = 0.0
-    #: pure-decode steps at ``k = 0`` per choice of it (1: the policy asked every step; the module docstring)
+    #: steps at ``k = 0`` per pure-decode choice of it (1: the policy asked every step; the module docstring)
     hold_k0_steps: int = HOLD_K0_STEPS
     #: drafting must beat k = 0's rate by this share (:data:`SWITCH_MARGIN`)
     switch_margin: float = SWITCH_MARGIN
@@ -521,7 +530,7 @@ class AdaptiveSpecPolicy:
         if 0.25 * predicted <= wall_ms <= 4.0 * predicted + 5.0 and wall_ms > 0.0:
             excess = max(0.0, wall_ms - predicted)
             if k == self._last_k == self._last_k2 and self._chosen_k in (None, k):  # a steady run of k
-                key = (self._bucket(batch), k)
+                key = (self.bucket(batch), k)
                 self._excess_n[key] = self._excess_n.get(key, 0) + 1
                 self.steady_steps += 1
                 window = self._excess_window.setdefault(key, [])
@@ -533,7 +542,7 @@ class AdaptiveSpecPolicy:
                 self.excess_ms[key] = sum(e for e, _ in mid) / len(mid)
                 self.excess_batch[key] = sum(b for _, b in mid) / len(mid)
             else:  # a transition: what it took beyond a steady step of its k (a diagnostic, not charged)
-                steady = self._measured_host_ms(self._bucket(batch), k, batch)
+                steady = self._measured_host_ms(self.bucket(batch), k, batch)
                 if steady is not None:
                     self.transition_steps += 1
                     self.transition_extra_ms += (excess - steady - self.transition_extra_ms) / self.transition_steps
@@ -695,7 +704,7 @@ class AdaptiveSpecPolicy:
         n_prompt = max(0, num_prefill_tokens)
         fixed = self.host_ms(batch, 0.0)
         costs = self.costs
-        bucket = self._bucket(batch)
+        bucket = self.bucket(batch)
         per_token = self.overhead_ms_per_token * batch  # b B per accepted draft per sequence
         cap = None
         if self.prompt_reserve > 0 and prompts_waiting and token_budget:
@@ -766,11 +775,28 @@ class AdaptiveSpecPolicy:
         burst's (pure decode) or a re-try of the other kind (``k = 0`` vs drafting) at a prompt step."""
         return self._prompt_explored if self._last_prompt else self._burst_choice
 
-    def observe_held_step(self) -> None:
-        """A pure-decode step that the engine proposed ``k = 0`` for without asking (a held choice,
-        :attr:`hold_k0_steps`; not timed): it still counts as a ``k = 0`` step before the next
-        observed one, so that one is in a steady run of ``k = 0`` (:meth:`observe_step_time`)."""
-        self._last_k, self._last_k2 = 0, self._last_k
+    def observe_held_step(self, num_prefill_tokens: int = 0) -> None:
+        """A step that the engine proposed ``k = 0`` for without asking (a held choice,
+        :attr:`hold_k0_steps`; not timed): a pure-decode one still counts as a ``k = 0`` step before
+        the next observed one, so that one is in a steady run of ``k = 0``; one carrying
+        ``num_prefill_tokens`` prompt tokens makes the next one a transition, as an observed
+        prompt step does (:meth:`observe_step_time`)."""
+        if num_prefill_tokens > 0:
+            self._last_k = self._last_k2 = None
+        else:
+            self._last_k, self._last_k2 = 0, self._last_k
+
+    def k0_is_best(self, batch: int) -> bool:
+        """The last pure-decode choice at ``batch``'s bucket found ``k = 0`` the best (before any
+        exploration burst): a prompt step's choice of ``k = 0`` there may start a hold
+        (:attr:`hold_k0_steps`), as that choice would."""
+        return self._best_at.get(self.bucket(batch)) == 0
+
+    def bucket(self, batch: int) -> int:
+        """The table batch size ``batch`` sequences are costed at: measured host times, exploration
+        and re-checks are kept per bucket, and a held ``k = 0`` choice (:attr:`hold_k0_steps`) is
+        kept while the batch stays in it."""
+        return self.costs.size_for(batch)
 
     def _measured_host_ms(self, bucket: int, k: int, batch: int) -> Optional[float]:
         """:attr:`excess_ms` of ``(bucket, k)`` moved to ``batch`` sequences along the plane's per-sequence
@@ -949,10 +975,6 @@ class AdaptiveSpecPolicy:
                 k, self._explore, self._burst_choice = best, [], False
         seen[k] = n
         return k
-
-    def _bucket(self, batch: int) -> int:
-        """The table's batch size that ``batch`` is costed at (measured host times are kept per bucket)."""
-        return self.costs.size_for(batch)
 
 
 def _expected_tokens(rates: Sequence[float]) -> List[float]:
