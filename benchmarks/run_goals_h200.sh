@@ -209,7 +209,7 @@ profile-arms)  # issue 18: where the adaptive arm's host time goes at s64 agains
       --repeats ${PROF_REPEATS:-2} --warmup-rounds 1 --equal-kv-blocks --no-plots --no-progress --random-prompts \
       --ignore-eos --forced-acceptance rate:0.8 --server-args "--max-num-seqs 256 --load-format dummy --max-model-len 1024 \
       --dtype bfloat16" --output-dir "$OUT/arms_profiled"
-  for n in $(seq 0 $(( ${PROF_REPEATS:-2} - 1 ))); do
+  for n in $(seq 1 ${PROF_REPEATS:-2}); do  # (run 0: the warm-up round)
     echo "=== round $n: adaptive - plain, us per engine step (546)"
     python3 benchmarks/diff_profiles.py "$OUT/prof/k0_$n.pstats" "$OUT/prof/k3_adaptive_$n.pstats" --per 546 --top 45
   done ;;

@@ -247,9 +247,20 @@ def test_bench_arms_in_process_repeats_the_same_steps(model_dir, tmp_path):
            "--random-prompts",
            "--ignore-eos", "--forced-acceptance", "rate:0.7",
            "--server-args", "--device cpu --torch-threads 1 --max-model-len 256 --max-num-seqs 4"]
-    p = subprocess.run(cmd, capture_output=True, text=True, env=child_env(), cwd=REPO, timeout=300)
+    prof = tmp_path / "prof"  # each run also profiled (the warm-up round's first), then two runs diffed
+    p = subprocess.run(cmd, capture_output=True, text=True, env=dict(child_env(), MTPSPEC_BENCH_PROFILE_DIR=str(prof)),
+                       cwd=REPO, timeout=300)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     assert "adaptive / best other arm (k1)" in p.stdout and "SYNTHETIC" in p.stdout
+    assert sorted(os.listdir(prof)) == sorted(f"{arm}_{n}.{ext}" for arm in ("k1", "k3_adaptive") for n in range(3)
+                                              for ext in ("pstats", "gc.json"))
+    d = subprocess.run([sys.executable, os.path.join(REPO, "benchmarks", "diff_profiles.py"), str(prof / "k1_1.pstats"),
+                        str(prof / "k3_adaptive_1.pstats"), "--per", "10", "--top", "5"],
+                       capture_output=True, text=True, env=child_env(), cwd=REPO, timeout=120)
+    assert d.returncode == 0, d.stderr[-3000:]
+    lines = d.stdout.splitlines()  # totals, a gc line per side, column names, the 5 largest differences
+    assert len(lines) == 9 and lines[0].startswith("profiled own time:") and lines[1].startswith("gc (a): gen 0:") \
+        and lines[2].startswith("gc (b): gen 0:") and lines[3].split()[:3] == ["b", "-", "a"], d.stdout
     assert "run 1's steps by kind (steps x mean wall [mean batch, prompt tokens, catch-up rows]): decode k1 " in p.stdout
     res = json.loads((out / "bench_arms.json").read_text())
     assert res["in_process"] is True and res["warmup_rounds"] == 1

@@ -16,9 +16,10 @@ mean time per output token after the first (its TPOT: no stream to time chunk by
 its per-position rates, the chosen-k histogram, engine steps, collective bytes), from the engine's
 counters over the run.
 
-``MTPSPEC_BENCH_PROFILE_DIR=DIR``: each timed run (not its warm-up) also runs under ``cProfile`` and
-writes ``DIR/<arm>_<n>.pstats`` (``<arm>``: ``k<K>``, ``_adaptive`` for an adaptive engine; ``n``
-counts that arm's runs in this process) and ``DIR/<arm>_<n>.gc.json`` (Python's garbage collections
+``MTPSPEC_BENCH_PROFILE_DIR=DIR``: each run (its timed part, not its warm-up prompts; ``bench arms
+--warmup-rounds`` runs too, numbered first) also runs under ``cProfile`` and writes
+``DIR/<arm>_<n>.pstats`` (``<arm>``: ``k<K>``, ``_adaptive`` for an adaptive engine; ``n`` counts
+that arm's runs in this process from 0) and ``DIR/<arm>_<n>.gc.json`` (Python's garbage collections
 during the run: count and ms per generation, from ``gc.callbacks``). For where an arm's host time
 goes; the profiler slows the host (about 1.5-2x), so those runs' figures are not comparable with
 unprofiled ones.
