@@ -1,8 +1,8 @@
 """Where two runs' host time differs, function by function (issue 18: the adaptive arm's k = 0 steps
 against plain decoding's).
 
-    MTPSPEC_BENCH_PROFILE_DIR=prof python -m mtpspec.entrypoints.cli bench arms --in-process ...
-    python benchmarks/diff_profiles.py prof/k0_1.pstats prof/k3_adaptive_1.pstats [--per N] [--top 40]
+    MTPSPEC_BENCH_PROFILE_DIR=prof python -m mtpspec.entrypoints.cli bench arms --in-process --arms plain,adaptive ...
+    python benchmarks/diff_profiles.py prof/s64_plain_1.pstats prof/s64_adaptive_1.pstats [--per N] [--top 40]
 
 Reads two ``cProfile`` dumps (``MTPSPEC_BENCH_PROFILE_DIR``, :mod:`mtpspec.entrypoints.bench_inprocess`)
 and prints each side's total profiled time, then the functions whose own time (``tottime``, not

@@ -211,7 +211,7 @@ profile-arms)  # issue 18: where the adaptive arm's host time goes at s64 agains
       --dtype bfloat16" --output-dir "$OUT/arms_profiled"
   for n in $(seq 1 ${PROF_REPEATS:-2}); do  # (run 0: the warm-up round)
     echo "=== round $n: adaptive - plain, us per engine step (546)"
-    python3 benchmarks/diff_profiles.py "$OUT/prof/k0_$n.pstats" "$OUT/prof/k3_adaptive_$n.pstats" --per 546 --top 45
+    python3 benchmarks/diff_profiles.py "$OUT/prof/s64_plain_$n.pstats" "$OUT/prof/s64_adaptive_$n.pstats" --per 546 --top 45
   done ;;
 profile64)  # issue 18: device work of steady decode steps at 64 sequences, kernel by kernel (torch.profiler):
   # plain, the adaptive engine held at k = 0, the adaptive engine: is the k = 0 step's extra time device or host?

@@ -1591,7 +1591,8 @@ def test_the_real_policy_s_hold_spans_its_bucket_and_prompt_steps(model, monkeyp
     prompt step told to the policy as such (the next step is a transition for its timing); an asked
     prompt step's k = 0 starts a hold too (the bucket's pure-decode choice is k = 0: a wave of
     admissions would ask at each step; seen with a hold of 3, which leaves prompt steps asked, and no
-    exploration bursts, which hold nothing); the tokens are those of plain decoding."""
+    exploration bursts, which hold nothing); an idle engine's next run asks first; the tokens are those
+    of plain decoding."""
     from mtpspec.spec_decode import adaptive
     from mtpspec.spec_decode.forced_acceptance import ForcedAcceptance, enable_forced_acceptance
     path, cfg, table = model
@@ -1622,6 +1623,10 @@ def test_the_real_policy_s_hold_spans_its_bucket_and_prompt_steps(model, monkeyp
 
             eng._choose_k, pol.observe_held_step = spy, held
             got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+            n = len(steps)
+            assert llm.generate(prompts[:1], params[:1], use_tqdm=False)  # a new run after the engine went idle:
+            assert not steps[n][3], steps[n:]  # its first step asks (the last run ended at batch 1, its bucket)
+            del steps[n:], told[sum(h for *_, h in steps):]
         assert got == want
         held_steps = [(b, prefill) for b, prefill, _, h in steps if h]
         assert all(k == 0 for _, _, k, h in steps if h)

@@ -252,10 +252,10 @@ def test_bench_arms_in_process_repeats_the_same_steps(model_dir, tmp_path):
                        cwd=REPO, timeout=300)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     assert "adaptive / best other arm (k1)" in p.stdout and "SYNTHETIC" in p.stdout
-    assert sorted(os.listdir(prof)) == sorted(f"{arm}_{n}.{ext}" for arm in ("k1", "k3_adaptive") for n in range(3)
+    assert sorted(os.listdir(prof)) == sorted(f"s8_{arm}_{n}.{ext}" for arm in ("k1", "adaptive") for n in range(3)
                                               for ext in ("pstats", "gc.json"))
-    d = subprocess.run([sys.executable, os.path.join(REPO, "benchmarks", "diff_profiles.py"), str(prof / "k1_1.pstats"),
-                        str(prof / "k3_adaptive_1.pstats"), "--per", "10", "--top", "5"],
+    d = subprocess.run([sys.executable, os.path.join(REPO, "benchmarks", "diff_profiles.py"),
+                        str(prof / "s8_k1_1.pstats"), str(prof / "s8_adaptive_1.pstats"), "--per", "10", "--top", "5"],
                        capture_output=True, text=True, env=child_env(), cwd=REPO, timeout=120)
     assert d.returncode == 0, d.stderr[-3000:]
     lines = d.stdout.splitlines()  # totals, a gc line per side, column names, the 5 largest differences

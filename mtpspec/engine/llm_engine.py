@@ -407,6 +407,7 @@ class LLMEngine:
             self._take_drafts(out)
         self.metrics.num_preemptions += len(out.preempted)
         if out.is_empty:
+            self._hold_k0 = (0, 0)  # idle: the next run's first steps ask the policy (no hold carried over)
             return None
         self._choose_k(out)
         step = self._step_input(out)
@@ -428,7 +429,7 @@ class LLMEngine:
     def _choose_k(self, out: SchedulerOutput) -> None:
         """The adaptive policy's number of drafts for ``out`` to propose (if any policy). A
         pure-decode choice of ``k = 0`` outside an exploration burst (or a prompt step's, where the
-        policy's pure-decode choice at that bucket is ``k = 0``:
+        policy's pure-decode choice would be ``k = 0`` too:
         :meth:`~mtpspec.spec_decode.adaptive.AdaptiveSpecPolicy.k0_is_best`) is held for the
         policy's ``hold_k0_steps`` steps (the asked one included) while the batch stays in the
         choice's bucket (:meth:`~mtpspec.spec_decode.adaptive.AdaptiveSpecPolicy.bucket`; a
@@ -455,7 +456,7 @@ class LLMEngine:
                                                         num_partial_prefills=partial, catch_up=lags)
             out.defers_mtp = self.defer_mtp_kv and k == 0
             hold = int(getattr(policy, "hold_k0_steps", 1))  # a policy without it is asked every step
-            # a prompt step's k = 0 holds where the bucket's pure-decode choice is k = 0 too (a run of
+            # a prompt step's k = 0 holds where the pure-decode choice would be k = 0 too (a run of
             # prompt steps, e.g. a wave of admissions, would otherwise ask at each)
             best0 = getattr(policy, "k0_is_best", None) if n_prompt else None
             if k == 0 and hold > 1 and not getattr(policy, "exploring", False) and (
@@ -526,7 +527,9 @@ class LLMEngine:
                 out = self.scheduler.schedule(pending=[id(s.seq) for s in prev.out.scheduled] if prev else None)
                 self.metrics.num_preemptions += len(out.preempted)
                 t1 = time.perf_counter()
-                if not out.is_empty:
+                if out.is_empty:
+                    self._hold_k0 = (0, 0)  # (as in _launch)
+                else:
                     self._choose_k(out)  # adaptive: any k
                     step = self._step_input(out)
                     plain = all(not si.is_prefill and si.logits_params is None for si in step.seqs)
@@ -742,5 +745,6 @@ class LLMEngine:
         return self.scheduler.block_manager.reset_prefix_cache()
 
     def reset_metrics(self) -> None:
+        self._hold_k0 = (0, 0)  # a measured run starts asking the adaptive policy, as after an idle spell
         k = self.scheduler_config.num_speculative_tokens
         self.metrics = EngineMetrics(spec=SpecDecodingStats(k) if k else None)

@@ -883,18 +883,18 @@ def run_arms(arms: Dict[str, List[str]], workloads: Dict[str, BenchConfig], repe
         urls[arm] = servers[arm].url
         result["arms"][arm]["url"] = urls[arm]
 
-    def one(cfg: BenchConfig, arm: str, desc: str) -> Dict[str, Any]:
+    def one(wname: str, cfg: BenchConfig, arm: str, desc: str) -> Dict[str, Any]:
         if in_process:
             from mtpspec.entrypoints.bench_inprocess import run_in_process
-            return run_in_process(engines[arm], cfg, forced)
+            return run_in_process(engines[arm], cfg, forced, profile_tag=f"{wname}_{arm}")
         return run_benchmark(urls[arm], cfg, progress=progress, desc=desc)
 
     def warm(wname: str, cfg: BenchConfig, arm: str, i: int) -> None:
-        one(cfg, arm, f"{wname} {arm} warm-up #{i + 1}")
+        one(wname, cfg, arm, f"{wname} {arm} warm-up #{i + 1}")
 
     def run(wname: str, cfg: BenchConfig, arm: str, rep: int) -> None:
         before = host_probe_ms()
-        res = one(cfg, arm, f"{wname} {arm} #{rep + 1}")
+        res = one(wname, cfg, arm, f"{wname} {arm} #{rep + 1}")
         res["host_probe_ms"] = [before, host_probe_ms()]
         res["run_index"] = rep
         runs[wname][arm].append(res)

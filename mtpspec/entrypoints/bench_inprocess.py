@@ -18,8 +18,8 @@ counters over the run.
 
 ``MTPSPEC_BENCH_PROFILE_DIR=DIR``: each run (its timed part, not its warm-up prompts; ``bench arms
 --warmup-rounds`` runs too, numbered first) also runs under ``cProfile`` and writes
-``DIR/<arm>_<n>.pstats`` (``<arm>``: ``k<K>``, ``_adaptive`` for an adaptive engine; ``n`` counts
-that arm's runs in this process from 0) and ``DIR/<arm>_<n>.gc.json`` (Python's garbage collections
+``DIR/<tag>_<n>.pstats`` (``<tag>``: ``bench arms``' ``<workload>_<arm>``, else ``k<K>`` with
+``_adaptive`` for an adaptive engine; ``n`` counts that tag's runs in this process from 0) and ``DIR/<arm>_<n>.gc.json`` (Python's garbage collections
 during the run: count and ms per generation, from ``gc.callbacks``). For where an arm's host time
 goes; the profiler slows the host (about 1.5-2x), so those runs' figures are not comparable with
 unprofiled ones.
@@ -30,6 +30,7 @@ from __future__ import annotations
 import gc
 import json
 import os
+import sys
 import time
 from dataclasses import asdict
 from typing import Any, Dict, List, Optional
@@ -54,7 +55,7 @@ def _arm_forced(llm: Any, forced: Optional[str]) -> None:
 
 
 class _Profiler:
-    """``cProfile`` + garbage-collection timing of one timed run (``MTPSPEC_BENCH_PROFILE_DIR``)."""
+    """``cProfile`` + garbage-collection timing of one run (``MTPSPEC_BENCH_PROFILE_DIR``)."""
 
     _runs: Dict[str, int] = {}
 
@@ -65,17 +66,18 @@ class _Profiler:
         self.gc = {str(g): [0, 0.0] for g in range(3)}  # generation -> [collections, ms]
         self._t = 0.0
         self.prof = cProfile.Profile()
+        self.prof.enable()  # (raises where another profiler is active: nothing installed yet)
         gc.callbacks.append(self._on_gc)
-        self.prof.enable()
 
     @classmethod
-    def start(cls, llm: Any) -> Optional["_Profiler"]:
+    def start(cls, llm: Any, tag: Optional[str]) -> Optional["_Profiler"]:
         folder = os.environ.get("MTPSPEC_BENCH_PROFILE_DIR")
         if not folder:
             return None
         os.makedirs(folder, exist_ok=True)
-        eng = llm.llm_engine
-        tag = f"k{eng.scheduler_config.num_speculative_tokens}" + ("_adaptive" if eng.spec_policy is not None else "")
+        if tag is None:
+            eng = llm.llm_engine
+            tag = f"k{eng.scheduler_config.num_speculative_tokens}" + ("_adaptive" if eng.spec_policy is not None else "")
         return cls(folder, tag)
 
     def _on_gc(self, phase: str, info: Dict[str, int]) -> None:
@@ -87,11 +89,16 @@ class _Profiler:
             g[1] += (time.perf_counter() - self._t) * 1e3
 
     def stop(self) -> None:
+        """Uninstall, then write the dumps (a failed write only warns: the run's own error, if any,
+        stays the one raised)."""
         self.prof.disable()
         gc.callbacks.remove(self._on_gc)
-        self.prof.dump_stats(self.path + ".pstats")
-        with open(self.path + ".gc.json", "w") as f:
-            json.dump({"collections_and_ms_by_generation": self.gc}, f)
+        try:
+            self.prof.dump_stats(self.path + ".pstats")
+            with open(self.path + ".gc.json", "w") as f:
+                json.dump({"collections_and_ms_by_generation": self.gc}, f)
+        except OSError as exc:
+            print(f"warning: MTPSPEC_BENCH_PROFILE_DIR: could not write {self.path}.*: {exc}", file=sys.stderr)
 
 
 def _generate(llm: Any, prompts: List[Any], cfg: BenchConfig, output_len: int) -> List[Any]:
@@ -102,9 +109,11 @@ def _generate(llm: Any, prompts: List[Any], cfg: BenchConfig, output_len: int) -
     return llm.generate(inputs, sps, use_tqdm=False)
 
 
-def run_in_process(llm: Any, cfg: BenchConfig, forced: Optional[str] = None) -> Dict[str, Any]:
+def run_in_process(llm: Any, cfg: BenchConfig, forced: Optional[str] = None,
+                   profile_tag: Optional[str] = None) -> Dict[str, Any]:
     """One workload on ``llm``: warm-up prompts first (``cfg.warmup`` of them, ``cfg.warmup_output_len``
     tokens), then every timed prompt queued at once with at most ``cfg.max_concurrency`` running.
+    ``profile_tag``: the run's name in ``MTPSPEC_BENCH_PROFILE_DIR`` (the module docstring).
 
     Raises:
         ValueError: ``max_concurrency`` above the engine's ``max_num_seqs``, or a workload longer
@@ -130,7 +139,7 @@ def run_in_process(llm: Any, cfg: BenchConfig, forced: Optional[str] = None) -> 
         llm.reset_prefix_cache()  # a run starts cold
         _arm_forced(llm, forced)
         llm.reset_metrics()
-        profiler = _Profiler.start(llm)
+        profiler = _Profiler.start(llm, profile_tag)
         started_at = time.time()
         t0, cpu0 = time.perf_counter(), time.process_time()
         try:

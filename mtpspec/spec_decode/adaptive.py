@@ -58,7 +58,7 @@ rate is per position, as vLLM's ``num_accepted_tokens_per_pos`` measures it). Th
 Everything here is host arithmetic on counts the engine already has, yet it is paid on the host
 (a choice and the step's timing ~70 us on this repo's CPU, against a ~1.9 ms step at 64 sequences
 whose host work the device does not hide): after a pure-decode choice of ``k = 0`` outside an
-exploration burst (or a prompt step's, where the bucket's pure-decode choice is ``k = 0``:
+exploration burst (or a prompt step's, where the pure-decode choice would be ``k = 0`` too:
 :meth:`AdaptiveSpecPolicy.k0_is_best`), the engine proposes ``k = 0`` again for
 :attr:`AdaptiveSpecPolicy.hold_k0_steps` ``- 1`` more steps while the batch stays in the choice's
 bucket (:meth:`AdaptiveSpecPolicy.bucket`), prompt-carrying steps among them, without asking the
@@ -435,6 +435,8 @@ class AdaptiveSpecPolicy:
     # re-checks of displaced ks (RECHECK_AFTER): table batch size -> its last best k; (bucket, k) -> the
     # choice count at which its window is emptied; (bucket, k) -> re-checks done so far
     _best_at: Dict[int, int] = field(default_factory=dict, init=False, repr=False)
+    # (batch, whether k = 0 was the best pure-decode k) of the last prompt step's choice (k0_is_best)
+    _prompt_k0_best: Optional[Tuple[int, bool]] = field(default=None, init=False, repr=False)
     _recheck_due: Dict[Tuple[int, int], int] = field(default_factory=dict, init=False, repr=False)
     _rechecks: Dict[Tuple[int, int], int] = field(default_factory=dict, init=False, repr=False)
     # the same for prompt kinds (PROMPT_RECHECK_AFTER): the last best kind, (kind, prompt step count) of
@@ -744,6 +746,8 @@ class AdaptiveSpecPolicy:
 
         self._last_prompt = bool(n_prompt)
         if n_prompt:
+            # (k0_is_best: the pure-decode choice at these rates, before charges, which only lower drafting)
+            self._prompt_k0_best = (batch, self._argmax_rate(base) == 0)
             self._chosen_k = k = self._choose_prompt_step(batch, max(0, batch - num_partial_prefills), n_prompt,
                                                           base, charged if q > 0 else None, catch_up_all)
             return k
@@ -787,10 +791,13 @@ class AdaptiveSpecPolicy:
             self._last_k, self._last_k2 = 0, self._last_k
 
     def k0_is_best(self, batch: int) -> bool:
-        """The last pure-decode choice at ``batch``'s bucket found ``k = 0`` the best (before any
-        exploration burst): a prompt step's choice of ``k = 0`` there may start a hold
-        (:attr:`hold_k0_steps`), as that choice would."""
-        return self._best_at.get(self.bucket(batch)) == 0
+        """The last prompt step's :meth:`choose` (at ``batch`` sequences) found ``k = 0`` the best
+        pure-decode ``k`` at the current rates and costs, before any catch-up charge (charges only
+        lower a drafting ``k``'s rate): its ``k = 0`` may start a hold (:attr:`hold_k0_steps`), as
+        a pure-decode choice of ``k = 0`` would. (The bucket's last pure-decode best instead could
+        be long stale: a review's case held k = 0 at a bucket last visited when acceptance was 0.)"""
+        last = self._prompt_k0_best
+        return last is not None and last[0] == batch and last[1]
 
     def bucket(self, batch: int) -> int:
         """The table batch size ``batch`` sequences are costed at: measured host times, exploration
