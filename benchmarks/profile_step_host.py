@@ -163,6 +163,15 @@ def run(args: argparse.Namespace, requests: int) -> None:
     wrap(eng.scheduler, "update_from_output", "update_from_output")
     wrap(scheduler_module, "append_tokens", "  append_tokens")
     wrap(eng, "_choose_k", "_choose_k")  # the adaptive policy's choice (0 without a policy)
+    asked = [0, 0]  # timed steps that asked the adaptive policy / that it held at k = 0 (hold_k0_steps)
+    choose_k = eng._choose_k
+
+    def count(out):
+        wants = eng.spec_policy is not None and bool(out.num_proposed_tokens)  # (as _choose_k decides)
+        choose_k(out)
+        asked[0] += wants and not out.policy_held
+        asked[1] += bool(out.policy_held)
+    eng._choose_k = count
     wrap(eng, "_observe_spec", "_observe_spec")  # its bookkeeping of a speculative engine's step
     n0, p0 = eng.metrics.num_output_tokens, eng.metrics.num_prompt_tokens
     prof = None
@@ -190,6 +199,8 @@ def run(args: argparse.Namespace, requests: int) -> None:
           f" batch={args.batch} requests={requests} detokenizer="
           f"{'window' if args.window_detokenizer else 'stream where it applies'}: {wall / args.steps * 1e3:.2f} ms a "
           f"step, {toks / args.steps:.1f} tokens a step, {ptoks / args.steps:.1f} prompt tokens a step")
+    if args.adaptive:
+        print(f"  the policy was asked at {asked[0]} of the {args.steps} timed steps, {asked[1]} held at k = 0")
     for key in PHASES:
         s = spent[key]
         print(f"  {key:22s} {s / args.steps * 1e3:8.3f} ms a step {s / toks * 1e6:8.2f} us a token")
@@ -201,7 +212,9 @@ def run(args: argparse.Namespace, requests: int) -> None:
             json.dump({"device": device, **settings, "requests": requests,
                        "step_ms": wall / args.steps * 1e3, "tokens_per_step": toks / args.steps,
                        "prompt_tokens_per_step": ptoks / args.steps,
-                       "phase_ms_per_step": {k.strip(): s / args.steps * 1e3 for k, s in spent.items()}}, f, indent=1)
+                       "phase_ms_per_step": {k.strip(): s / args.steps * 1e3 for k, s in spent.items()},
+                       "policy_asked_steps": asked[0] if args.adaptive else None,
+                       "held_k0_steps": asked[1] if args.adaptive else None}, f, indent=1)
 
 
 if __name__ == "__main__":
