@@ -151,6 +151,33 @@ def test_serve_bad_or_busy_port_exits_2_before_loading(capsys) -> None:
     assert f"error: cannot listen on 127.0.0.1:{port}: " in err and "no model" not in err, err
 
 
+def test_serve_holds_its_port_while_the_model_loads(capsys, monkeypatch) -> None:
+    """The port is bound before the model loads and held through the load (a -tp 2 server's ranks pick
+    free ports meanwhile: a CPU test run failed with "address already in use" when one of them took the
+    port checked and released before); a failed load releases it."""
+    import socket
+    from mtpspec.entrypoints import serve
+    from mtpspec.entrypoints.cli import main
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    seen = []
+
+    def build(args):  # the load: is the port taken now?
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as other:
+            try:
+                other.bind(("127.0.0.1", port))
+                seen.append("free")
+            except OSError:
+                seen.append("held")
+        raise ValueError("no model here")
+
+    monkeypatch.setattr(serve, "build", build)
+    assert main(["serve", "--port", str(port)]) == 2
+    assert seen == ["held"] and "error: no model here" in capsys.readouterr().err
+    serve.bind_socket("127.0.0.1", port).close()  # released after the failed load
+
+
 def test_chunked_prefill_flags(path) -> None:
     """vLLM's spellings: on by default, ``--no-enable-chunked-prefill`` keeps whole-prompt prefills
     (and then the budget must hold ``max_model_len``), ``--long-prefill-token-threshold`` caps a

@@ -120,16 +120,6 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-def check_listen(host: str, port: int) -> Optional[str]:
-    """Why ``host:port`` cannot be listened on (``None``: it can), checked before the model loads
-    (:func:`bind_socket`, then closed)."""
-    try:
-        bind_socket(host, port).close()
-    except OSError as exc:
-        return exc.strerror or str(exc)
-    return None
-
-
 class _RaisingParser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # type: ignore[override]
         raise ValueError(message)
@@ -344,29 +334,29 @@ def run(args: argparse.Namespace) -> int:
     if args.torch_threads:
         import torch
         torch.set_num_threads(args.torch_threads)
-    why = check_listen(args.host, args.port)
-    if why is not None:
-        print(f"error: cannot listen on {args.host}:{args.port}: {why}", file=sys.stderr)
+    # the port is bound before the model loads and held until uvicorn listens on it (as vLLM does): a
+    # tensor-parallel launch picks free ports for its ranks meanwhile, and a port only checked and
+    # released could be handed to them (a CPU test run, 2026-12-06: "address already in use" at -tp 2)
+    try:
+        sock = bind_socket(args.host, args.port)
+    except OSError as exc:
+        print(f"error: cannot listen on {args.host}:{args.port}: {exc.strerror or exc}", file=sys.stderr)
         return 2
     try:
         app, engine, info = build(args)
     except (ValueError, TypeError) as exc:
+        sock.close()
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except BaseException:
+        sock.close()
+        raise
     # The model, its tokenizer, the graphs and the app are built: every object alive now out of the
     # cyclic collector's passes (mtpspec.engine.gc_heap; the engine froze its own at start-up)
     from mtpspec.engine.gc_heap import freeze_gc_heap
     freeze_gc_heap()
     synth = "  [SYNTHETIC: forced acceptance " + info["forced_acceptance"] + "]" if info["synthetic"] else ""
-    sock, port = None, args.port
-    if port == 0:  # any free port: bound here, so that the banner names the one clients must use
-        try:
-            sock = bind_socket(args.host, 0)
-        except OSError as exc:
-            engine.shutdown()
-            print(f"error: cannot listen on {args.host}:0: {exc.strerror or exc}", file=sys.stderr)
-            return 2
-        port = sock.getsockname()[1]
+    port = sock.getsockname()[1]  # (port 0: the free one bound above, which the banner names)
     host = f"[{args.host}]" if ":" in args.host else args.host
     print(f"mtpspec serve: {info['model']} (tp {info['tp']}, k {info['num_speculative_tokens']}, fusion "
           f"{info['fusion']}, local argmax {info['local_argmax']}, all-reduce {info['allreduce_backend']}, "
@@ -387,7 +377,7 @@ def run(args: argparse.Namespace) -> int:
     watcher.start()
     interrupted = False
     try:
-        server.run(sockets=None if sock is None else [sock])
+        server.run(sockets=[sock])
     except KeyboardInterrupt:  # Ctrl-C: uvicorn shut down gracefully, then re-raised the signal
         interrupted = True
     finally:
