@@ -120,9 +120,9 @@ EXPLORE_MARGIN = 0.15
 #: catch-up is large, an unmeasured ``k`` waits for the :data:`STALE_EVERY` re-try (a review's
 #: simulation, 64 sequences, k = 3 truly 20% better than k = 0 but predicted 30% worse, ~15 ms of
 #: catch-up: first tried after 8,000 steps with the hold of 4, ~32,000 with :data:`HOLD_K0_STEPS` of
-#: 16), for the catch-up to shrink, or for its predicted rate to win outright. A batch size whose bursts were all declined is priced again
-#: only after :data:`EXPLORE_RECHECK` pure-decode choices (pricing builds the batch's lag list, an
-#: ``O(batch)`` pass).
+#: 16), for the catch-up to shrink, or for its predicted rate to win outright. A batch size whose
+#: bursts were all declined is priced again only after :data:`EXPLORE_RECHECK` pure-decode choices
+#: (pricing builds the batch's lag list, an ``O(batch)`` pass).
 MEASURE_MARGIN = 0.5
 MEASURE_CATCH_UP = 0.25
 EXPLORE_RECHECK = 32
