@@ -27,7 +27,7 @@ def own_times(path: str):
 
 def label(key) -> str:
     file, line, func = key
-    return f"{os.path.basename(file) if file != '~' else ''}:{line}({func})" if file != "~" else func
+    return func if file == "~" else f"{os.path.basename(file)}:{line}({func})"  # ("~": a built-in)
 
 
 def main() -> None:

@@ -173,10 +173,10 @@ class SpeculativeConfig:
             (``k = 0`` always allowed), so drafts do not take the whole token budget from waiting
             prompts (the GLM-4.5-Air-width s256 loss in BENCHMARKS.md; not yet measured).
         adaptive_hold_k0_steps: (adaptive only; default 16) after a pure-decode choice of ``k = 0``
-            (or a prompt step's, where the pure-decode choice would be ``k = 0``) the engine proposes ``k = 0``
-            for this many steps in all (prompt steps among them) while the batch stays in that
-            choice's bucket, without asking the policy (a choice and its
-            timing, ~70 us on a CPU, is host time a 64-sequence step cannot hide;
+            (or a prompt step's, where the pure-decode choice would be ``k = 0``) the engine
+            proposes ``k = 0`` for this many steps in all (prompt steps among them) while the batch
+            stays in that choice's bucket, without asking the policy (a choice and its timing, ~70
+            us on a CPU, is host time a 64-sequence step cannot hide;
             :mod:`mtpspec.spec_decode.adaptive`); 1: the policy is asked every step.
         adaptive_switch_margin: (adaptive only; ``None``, the default, means
             :data:`~mtpspec.spec_decode.adaptive.SWITCH_MARGIN`, 0.03) a drafting ``k`` replaces

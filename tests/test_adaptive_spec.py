@@ -1589,10 +1589,10 @@ def test_the_real_policy_s_hold_spans_its_bucket_and_prompt_steps(model, monkeyp
     waiting ones are admitted while a k = 0 choice is held: the hold goes on through batch sizes of
     the same bucket of the table (3 and 4 sequences: bucket 4) and through prompt steps, each held
     prompt step told to the policy as such (the next step is a transition for its timing); an asked
-    prompt step's k = 0 starts a hold too (the bucket's pure-decode choice is k = 0: a wave of
-    admissions would ask at each step; seen with a hold of 3, which leaves prompt steps asked, and no
-    exploration bursts, which hold nothing); an idle engine's next run asks first; the tokens are those
-    of plain decoding."""
+    prompt step's k = 0 starts a hold too where the pure-decode choice at its rates is k = 0 (a wave
+    of admissions would ask at each step; seen with a hold of 3, which leaves prompt steps asked, and
+    no exploration bursts, which hold nothing); an idle engine's next run asks first; the tokens are
+    those of plain decoding."""
     from mtpspec.spec_decode import adaptive
     from mtpspec.spec_decode.forced_acceptance import ForcedAcceptance, enable_forced_acceptance
     path, cfg, table = model
@@ -1623,10 +1623,11 @@ def test_the_real_policy_s_hold_spans_its_bucket_and_prompt_steps(model, monkeyp
 
             eng._choose_k, pol.observe_held_step = spy, held
             got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-            n = len(steps)
+            steps_run, told_run = list(steps), list(told)  # (the checks below are about this run)
             assert llm.generate(prompts[:1], params[:1], use_tqdm=False)  # a new run after the engine went idle:
-            assert not steps[n][3], steps[n:]  # its first step asks (the last run ended at batch 1, its bucket)
-            del steps[n:], told[sum(h for *_, h in steps):]
+            assert not steps[len(steps_run)][3], steps[len(steps_run):]  # its first step asks (the last run
+            # ended at batch 1, its bucket)
+            steps, told = steps_run, told_run
         assert got == want
         held_steps = [(b, prefill) for b, prefill, _, h in steps if h]
         assert all(k == 0 for _, _, k, h in steps if h)

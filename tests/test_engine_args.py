@@ -175,7 +175,8 @@ def test_serve_holds_its_port_while_the_model_loads(capsys, monkeypatch) -> None
     monkeypatch.setattr(serve, "build", build)
     assert main(["serve", "--port", str(port)]) == 2
     assert seen == ["held"] and "error: no model here" in capsys.readouterr().err
-    serve.bind_socket("127.0.0.1", port).close()  # released after the failed load
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as again:  # released after the failed load (a plain
+        again.bind(("127.0.0.1", port))  # bind: with SO_REUSEADDR it would pass beside a socket left bound)
 
 
 def test_chunked_prefill_flags(path) -> None:

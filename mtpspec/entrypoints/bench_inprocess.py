@@ -19,10 +19,10 @@ counters over the run.
 ``MTPSPEC_BENCH_PROFILE_DIR=DIR``: each run (its timed part, not its warm-up prompts; ``bench arms
 --warmup-rounds`` runs too, numbered first) also runs under ``cProfile`` and writes
 ``DIR/<tag>_<n>.pstats`` (``<tag>``: ``bench arms``' ``<workload>_<arm>``, else ``k<K>`` with
-``_adaptive`` for an adaptive engine; ``n`` counts that tag's runs in this process from 0) and ``DIR/<arm>_<n>.gc.json`` (Python's garbage collections
-during the run: count and ms per generation, from ``gc.callbacks``). For where an arm's host time
-goes; the profiler slows the host (about 1.5-2x), so those runs' figures are not comparable with
-unprofiled ones.
+``_adaptive`` for an adaptive engine; ``n`` counts that tag's runs in this process from 0) and
+``DIR/<tag>_<n>.gc.json`` (Python's garbage collections during the run: count and ms per
+generation, from ``gc.callbacks``). For where an arm's host time goes; the profiler slows the host
+(about 1.5-2x), so those runs' figures are not comparable with unprofiled ones.
 """
 
 from __future__ import annotations
