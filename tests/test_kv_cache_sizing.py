@@ -264,3 +264,22 @@ def test_cgroup_headroom_counts_the_inactive_page_cache_as_free(monkeypatch) -> 
     assert kc.available_memory_bytes(torch.device("cpu")) == 1 * gib  # no stat: the usage as it is
     files["/sys/fs/cgroup/memory.max"] = "max\n"
     assert kc.available_memory_bytes(torch.device("cpu")) == 32 * gib  # no limit: the host's MemAvailable
+
+
+def test_the_cpu_cache_holds_max_num_seqs_full_sequences_beside_the_watermark():
+    """The CPU cache is capped at every sequence at full length; the block manager keeps 1% of the
+    blocks from new sequences, so the cap must add that share: at ``max_num_seqs=1`` and 4,096 tokens
+    (257 blocks of 16) the engine refused to start ('259 blocks needed')."""
+    from mtpspec import LLM, SamplingParams, demo_model_path
+    from mtpspec.engine.block_manager import blocks_with_watermark
+    for useful in (1, 99, 100, 257, 12345):
+        n = blocks_with_watermark(useful)
+        assert n - int(0.01 * n) >= useful > (n - 1) - int(0.01 * (n - 1))
+    llm = LLM(demo_model_path("glm4_moe"), dtype="float32", device="cpu", max_num_seqs=1, max_model_len=4096)
+    try:
+        bm, sc = llm.llm_engine.scheduler.block_manager, llm.llm_engine.scheduler_config
+        assert bm.num_blocks - bm.watermark_blocks == bm.blocks_for(sc.decode_slots(4096)) >= 256
+        out = llm.generate(["hi"], SamplingParams(max_tokens=2, temperature=0.0))
+        assert len(out[0].outputs[0].token_ids) == 2
+    finally:
+        llm.shutdown()

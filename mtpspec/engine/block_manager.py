@@ -56,6 +56,17 @@ from typing import List, Optional, Tuple
 from mtpspec.engine.block_pool import BlockKey, BlockPool, hash_block_tokens
 from mtpspec.engine.sequence import Sequence
 
+WATERMARK = 0.01  # the default share of blocks a new sequence may not take
+
+
+def blocks_with_watermark(useful: int, watermark: float = WATERMARK) -> int:
+    """The fewest blocks ``n`` with ``n - int(watermark * n) >= useful``: a cache of ``useful`` blocks
+    beside :class:`BlockManager`'s watermark (``0 <= watermark < 1``)."""
+    n = useful + int(watermark * useful)
+    while n - int(watermark * n) < useful:
+        n += 1
+    return n
+
 
 @dataclass
 class CacheHit:
@@ -95,7 +106,7 @@ class BlockManager:
         pool: the :class:`~mtpspec.engine.block_pool.BlockPool`.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, watermark: float = 0.01, enable_caching: bool = False,
+    def __init__(self, num_blocks: int, block_size: int, watermark: float = WATERMARK, enable_caching: bool = False,
                  key_next_token: bool = True):
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"need num_blocks >= 1 and block_size >= 1, got {num_blocks}, {block_size}")

@@ -27,6 +27,7 @@ import torch
 from mtpspec.config import SpeculativeConfig
 from mtpspec.distributed import comm_stats, get_tp_group
 from mtpspec.engine import kv_cache
+from mtpspec.engine.block_manager import blocks_with_watermark
 from mtpspec.engine.config import CacheConfig, SchedulerConfig
 from mtpspec.engine.forward import EagerForward, GraphedForward, prefill_capture_sizes
 from mtpspec.engine.input_prep import prepare_step
@@ -140,9 +141,11 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ KV cache
     def max_useful_blocks(self) -> int:
+        """Blocks for every sequence at full length, plus the block manager's watermark (without it a
+        CPU cache capped here could not admit one sequence of ``max_model_len`` at ``max_num_seqs`` 1)."""
         sc = self.scheduler_config
         per_seq = -(-sc.decode_slots(sc.max_model_len) // self.cache_config.block_size)
-        return sc.max_num_seqs * per_seq
+        return blocks_with_watermark(sc.max_num_seqs * per_seq)
 
     @torch.inference_mode()
     def profile_and_count_blocks(self) -> int:
