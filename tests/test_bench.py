@@ -486,7 +486,7 @@ def test_parse_metrics_keys_leave_out_the_model_name_label():
     assert not any("model_name" in key for key in keys)
 
 
-def test_server_root_json_path_and_a_url_that_is_not_a_server_root(tmp_path, capsys):
+def test_server_root_json_path_and_a_url_that_is_not_a_server_root(tmp_path, capsys, monkeypatch):
     """An OpenAI client's base URL (``.../v1``) names the same server (a new-user pass got
     ``KeyError: 'data'`` from it); ``/v1/models`` without a model list is a clear error; a
     ``--json`` path that cannot be written fails before the run, not after it."""
@@ -501,6 +501,15 @@ def test_server_root_json_path_and_a_url_that_is_not_a_server_root(tmp_path, cap
     page = httpx.MockTransport(lambda req: httpx.Response(404, json={"detail": "Not Found"}))
     with httpx.Client(transport=page) as c, pytest.raises(ValueError, match="answered HTTP 404 without a model list"):
         ServerInfo("http://h:1/v1", c)
+    # a server started with --api-key: the key, not the URL, is what is wrong
+    locked = httpx.MockTransport(lambda req: httpx.Response(401, json={"error": "Unauthorized"}))
+    monkeypatch.delenv("OPENAI_API_KEY", raising=False)
+    with httpx.Client(transport=locked) as c, pytest.raises(ValueError, match="HTTP 401: the server wants an API key "
+                                                            r"\(its --api-key\) and this client sent no key"):
+        ServerInfo("http://h:1", c)
+    monkeypatch.setenv("OPENAI_API_KEY", "wrong")
+    with httpx.Client(transport=locked) as c, pytest.raises(ValueError, match=r"sent the key in \$OPENAI_API_KEY"):
+        ServerInfo("http://h:1", c)
     assert output_path_problem(None) is None and output_path_problem(str(tmp_path / "r.json")) is None
     assert "no folder" in output_path_problem(str(tmp_path / "missing" / "r.json"))
     assert "is a folder" in output_path_problem(str(tmp_path))

@@ -143,11 +143,16 @@ class ServerInfo:
     """What ``/v1/models`` says about the server.
 
     Raises:
-        ValueError: ``/v1/models`` did not answer with a model list (not a server root URL).
+        ValueError: ``/v1/models`` refused the API key (HTTP 401 / 403: ``$OPENAI_API_KEY`` missing or
+            wrong) or did not answer with a model list (not a server root URL).
     """
 
     def __init__(self, base_url: str, client: httpx.Client):
         r = client.get(base_url + "/v1/models")
+        if r.status_code in (401, 403):
+            sent = "sent the key in $OPENAI_API_KEY" if os.environ.get("OPENAI_API_KEY") else "sent no key"
+            raise ValueError(f"GET {base_url}/v1/models answered HTTP {r.status_code}: the server wants an API key "
+                             f"(its --api-key) and this client {sent}; set OPENAI_API_KEY to the server's key")
         try:
             data = r.json()["data"][0]
         except (ValueError, KeyError, IndexError, TypeError):
