@@ -116,7 +116,9 @@ def test_serve_flags_checked_and_info(path) -> None:
                         # checked before the model loads (a new-user pass: tracebacks after it had)
                         (["--log-level", "LOUD"], "invalid choice: 'loud'"), (["--torch-threads", "-3"], ">= 1"),
                         (["--torch-threads", "0"], ">= 1"), (["--max-queue-len", "0"], ">= 1"),
-                        (["--first-output-handoff-ms", "nan"], "finite number >= 0")):
+                        (["--first-output-handoff-ms", "nan"], "finite number >= 0"),
+                        # the model's split too (bench arms started a server to learn it, a new-user pass)
+                        (["-tp", "3"], "num_attention_heads=8 is not divisible by tensor_parallel_size=3")):
         with pytest.raises(ValueError, match=match):
             check_serve_args(argv)
     p = argparse.ArgumentParser()

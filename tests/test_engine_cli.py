@@ -10,7 +10,7 @@ import pytest
 
 from test_engine_fixtures import make_model
 
-from mtpspec import LLM, SamplingParams
+from mtpspec import LLM, SamplingParams, demo_model_path
 from mtpspec.entrypoints import generate
 
 
@@ -61,7 +61,7 @@ def test_generate_errors(path, capsys) -> None:
     assert "num_speculative_tokens" in capsys.readouterr().err
 
 
-def test_generate_bad_model_paths_and_prompt_files_say_what_is_wrong(path, tmp_path, capsys) -> None:
+def test_generate_bad_model_paths_and_prompt_files_say_what_is_wrong(path, tmp_path, capsys, monkeypatch) -> None:
     """Each bad --model / --prompt-file is one `error:` line (exit 2) naming what is wrong; no traceback."""
     import shutil
     no_cfg = tmp_path / "no_cfg"
@@ -85,6 +85,9 @@ def test_generate_bad_model_paths_and_prompt_files_say_what_is_wrong(path, tmp_p
     with pytest.raises(SystemExit) as info:
         generate.run(_parse(["--model", path, "--prompt-file", str(tmp_path / "missing.txt")]))
     assert info.value.code == 2 and "--prompt-file: cannot read" in capsys.readouterr().err
+    monkeypatch.chdir(tmp_path)  # the README's repo-relative demo path, run from another folder
+    assert generate.run(_parse(["--model", "mtpspec/demo_model"])) == 2
+    assert f"the bundled model is at {demo_model_path('glm4_moe')!r}" in capsys.readouterr().err
 
 
 def test_generate_corrupt_tokenizer_is_a_clear_error(path, tmp_path, capsys) -> None:
@@ -158,7 +161,6 @@ def test_generate_bad_prompt_sources_exit_2_with_error(argv, needle, capsys):
 
 
 def test_generate_help_names_the_real_default_model(capsys):
-    from mtpspec import demo_model_path
     from mtpspec.entrypoints.cli import main
     with pytest.raises(SystemExit):
         main(["generate", "--help"])

@@ -97,6 +97,11 @@ def model_path_problem(model: str, explicit: bool = True) -> Optional[str]:
                 "as transformers' save_pretrained writes it)")
     if os.path.exists(model):
         return f"--model {model!r} is a file; it takes a checkpoint folder (config.json and *.safetensors)"
+    from mtpspec import DEMO_MODELS, demo_model_path
+    for arch, folder in DEMO_MODELS.items():  # the README's repo-relative path, run from another folder
+        if os.path.normpath(model) == os.path.join("mtpspec", folder):
+            return (f"no folder {model!r} here ({os.getcwd()}): that path is relative to the repository's root; the "
+                    f"bundled model is at {demo_model_path(arch)!r} (or leave --model out for the default)")
     if model.count("/") == 1 and not model.startswith((".", "/", "~")):
         return (f"no folder {model!r}: mtpspec loads local checkpoint folders and does not download Hugging Face "
                 f"Hub ids (e.g. `huggingface-cli download {model} --local-dir DIR`, then --model DIR)")

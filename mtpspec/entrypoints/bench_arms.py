@@ -876,7 +876,7 @@ def run_arms(arms: Dict[str, List[str]], workloads: Dict[str, BenchConfig], repe
         try:
             servers[arm] = ArmServer(arm, flags, common, os.path.join(out_dir, f"server_{arm}.log"))
         except RuntimeError as exc:
-            if share_gpu and n > 1:  # every server up at once, each with a share of the GPU
+            if share_gpu and n > 1 and "memory" in str(exc):  # all up at once, each with a share of the GPU
                 raise RuntimeError(f"{exc}\n(the {n} servers share the GPU, this one {share:.0%} of it: "
                                    "for a model the GPU holds one copy of, use --one-arm-at-a-time)") from None
             raise

@@ -133,9 +133,14 @@ def check_serve_args(argv: Any) -> Dict[str, Any]:
         The ``LLM(...)`` keyword arguments those flags give (``model`` resolved).
 
     Raises:
-        ValueError: an unknown flag, a bad value, or conflicting speculative flags (named).
+        ValueError: an unknown flag, a bad value, conflicting speculative flags (named), or a model
+            whose config.json cannot be split over the flags' ``--tensor-parallel-size``.
     """
-    return llm_kwargs(parse_serve_flags(argv))
+    kwargs = llm_kwargs(parse_serve_flags(argv))
+    if os.path.isfile(os.path.join(kwargs["model"], "config.json")):  # a missing one: the server says so
+        from mtpspec.config import ModelConfig
+        ModelConfig.from_pretrained(kwargs["model"]).verify_tensor_parallel(kwargs.get("tensor_parallel_size") or 1)
+    return kwargs
 
 
 def parse_serve_flags(argv: Any) -> argparse.Namespace:
