@@ -45,8 +45,10 @@ def _collectives(tp, seed):
         for dim in (0, 1, -1):
             out[f"all_gather_flat_{dim}"] = tensor_model_parallel_all_gather(x[rank], dim=dim)
         out["all_gather_flat_3d"] = tensor_model_parallel_all_gather(y[rank][:, :4], dim=1)
+        _gather_into_out(out, "flat", x[rank], y[rank][:, :4], tp)  # the CUDA-graph verify logits' path
     finally:
         g.backend = saved
+    _gather_into_out(out, "cat", x[rank], y[rank][:, :4], tp)
     reset_comm_stats()
     out["reduce_scatter_0"] = tensor_model_parallel_reduce_scatter(y[rank].transpose(0, 1).contiguous(), dim=0)
     out["reduce_scatter_1"] = tensor_model_parallel_reduce_scatter(y[rank], dim=1)
@@ -59,6 +61,17 @@ def _collectives(tp, seed):
         with pytest.raises(ValueError, match="not divisible"):
             tensor_model_parallel_reduce_scatter(torch.zeros(tp + 1, 2), dim=0)
     return out
+
+
+def _gather_into_out(out, tag, x, y, tp):
+    """All-gathers written into a preallocated ``out`` (NaN-filled: a row left unwritten shows)."""
+    for name, t, dim in (("0", x, 0), ("1", x, 1), ("-1", x, -1), ("3d", y, 1)):
+        shape = list(t.shape)
+        shape[dim] *= tp
+        buf = torch.full(shape, float("nan"), dtype=t.dtype)
+        res = tensor_model_parallel_all_gather(t, dim=dim, out=buf)
+        assert tp == 1 or res is buf, "tp > 1 writes the result into out"
+        out[f"all_gather_{tag}_out_{name}"] = res
 
 
 @pytest.mark.parametrize("tp", [1, 2, 3, 4])
@@ -78,6 +91,10 @@ def test_collectives_match_single_process(tp):
         assert torch.equal(out["all_gather_3d"], torch.cat([y[r][:, :4] for r in range(tp)], 1))
         for dim, cat_dim in ((0, 0), (1, 1), (-1, 1)):
             assert torch.equal(out[f"all_gather_flat_{dim}"], torch.cat(list(x), cat_dim))
+            for tag in ("flat", "cat"):
+                assert torch.equal(out[f"all_gather_{tag}_out_{dim}"], torch.cat(list(x), cat_dim)), (tag, dim)
+        for tag in ("flat", "cat"):
+            assert torch.equal(out[f"all_gather_{tag}_out_3d"], torch.cat([y[r][:, :4] for r in range(tp)], 1))
         assert torch.equal(out["all_gather_flat_3d"], torch.cat([y[r][:, :4] for r in range(tp)], 1))
         full = y.sum(0)
         torch.testing.assert_close(out["reduce_scatter_1"], full[:, 4 * rank:4 * rank + 4])
