@@ -53,10 +53,10 @@ class _Norm(torch.nn.Module):
 # Inputs and references (shared by the ranks and the parent)
 # ------------------------------------------------------------------------------------------
 
-def _inputs(seed: int, tp: int, n: int, dtype: torch.dtype):
+def _inputs(seed: int, tp: int, n: int, dtype: torch.dtype, hidden: Optional[int] = None):
     """Every rank's partial sums ``[tp, n, hidden]``, a residual ``[n, hidden]`` (10x larger, as
-    in a deep residual stream) and a weight, all in ``dtype``."""
-    hidden = HIDDEN[dtype]
+    in a deep residual stream) and a weight, all in ``dtype``; ``hidden`` defaults to ``HIDDEN``'s."""
+    hidden = hidden or HIDDEN[dtype]
     g = torch.Generator().manual_seed(seed)
     parts = torch.randn(tp, n, hidden, generator=g, dtype=torch.float64) * 3
     residual = torch.randn(n, hidden, generator=g, dtype=torch.float64) * 10
@@ -159,14 +159,18 @@ def _rank_main(tp: int, seed: int, absent: int) -> Dict[str, object]:
     extra = []
     multi = P2PAllReduceRMSNorm(CAP_BYTES, max_programs=2, max_block_rows=2)
     two_pass = P2PAllReduceRMSNorm(CAP_BYTES, max_fused_hidden=16)
-    for be, n, name, use_res in [(multi, 7, "fp32", True), (multi, 4, "bf16", False),
-                                 (two_pass, 2, "bf16", True), (two_pass, 1, "fp16", False)]:
+    # Rows that are not whole 16-byte vectors (hidden 7, 37, 65: the masked tail of every row).
+    odd = P2PAllReduceRMSNorm(CAP_BYTES)
+    for be, n, name, use_res, hidden in [(multi, 7, "fp32", True, None), (multi, 4, "bf16", False, None),
+                                         (two_pass, 2, "bf16", True, None), (two_pass, 1, "fp16", False, None),
+                                         (odd, 9, "fp32", True, 7), (odd, 4, "fp32", False, 65),
+                                         (odd, 9, "bf16", True, 37), (two_pass, 3, "bf16", False, 37)]:
         s = seed + 99 + n
-        parts, residual, weight = _inputs(s, tp, n, DTYPES[name])
+        parts, residual, weight = _inputs(s, tp, n, DTYPES[name], hidden)
         y, new_res = be(parts[rank].clone(), residual if use_res else None, weight, EPS)
-        extra.append((n, name, use_res, s, y, new_res))
+        extra.append((n, name, use_res, s, hidden, y, new_res))
     out["extra"] = extra
-    out["guards"] = [b.guards_intact() for b in (backend, multi, two_pass)]
+    out["guards"] = [b.guards_intact() for b in (backend, multi, two_pass, odd)]
 
     # A peer that never arrives: the others give up after a bounded spin, with a clear error.
     lonely = P2PAllReduceRMSNorm(CAP_BYTES, max_spins=1000)
@@ -263,16 +267,16 @@ def test_p2p_allreduce_rms_norm_ranks(interp, tp):
         assert res["max_bytes"] == CAP_BYTES
         assert res["usage"].get(P2P) == counts[P2P]
         assert res["state"][0].item() == launches, "one epoch per launch, none for 0 tokens"
-        assert res["guards"] == [True, True, True], "a rank wrote past a slot"
+        assert res["guards"] == [True, True, True, True], "a rank wrote past a slot"
 
-    # Multi-program and two-pass launches.
-    for i, (n, name, use_res, s, y, new_res) in enumerate(results[0]["extra"]):
-        parts, residual, weight = _inputs(s, tp, n, DTYPES[name])
+    # Multi-program and two-pass launches, and rows of odd widths.
+    for i, (n, name, use_res, s, hidden, y, new_res) in enumerate(results[0]["extra"]):
+        parts, residual, weight = _inputs(s, tp, n, DTYPES[name], hidden)
         y_ref, s_ref = _exact(parts, residual if use_res else None, weight)
-        assert torch.equal(new_res, s_ref), (n, name)
+        assert torch.equal(new_res, s_ref), (n, name, hidden)
         torch.testing.assert_close(y, y_ref, rtol=ULP[DTYPES[name]], atol=1e-6)
         for other in results[1:]:
-            assert torch.equal(other["extra"][i][4], y) and torch.equal(other["extra"][i][5], new_res)
+            assert torch.equal(other["extra"][i][5], y) and torch.equal(other["extra"][i][6], new_res)
 
     # The absent peer: every other rank raised PeerTimeoutError naming it, with NaN outputs;
     # the second call failed at once (sticky) and pushed nothing.
