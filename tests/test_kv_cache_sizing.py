@@ -275,6 +275,8 @@ def test_the_cpu_cache_holds_max_num_seqs_full_sequences_beside_the_watermark():
     for useful in (1, 99, 100, 257, 12345):
         n = blocks_with_watermark(useful)
         assert n - int(0.01 * n) >= useful > (n - 1) - int(0.01 * (n - 1))
+    with pytest.raises(ValueError, match=r"watermark must be in \[0, 1\)"):
+        blocks_with_watermark(10, 1.0)
     llm = LLM(demo_model_path("glm4_moe"), dtype="float32", device="cpu", max_num_seqs=1, max_model_len=4096)
     try:
         bm, sc = llm.llm_engine.scheduler.block_manager, llm.llm_engine.scheduler_config

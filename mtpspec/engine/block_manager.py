@@ -61,7 +61,13 @@ WATERMARK = 0.01  # the default share of blocks a new sequence may not take
 
 def blocks_with_watermark(useful: int, watermark: float = WATERMARK) -> int:
     """The fewest blocks ``n`` with ``n - int(watermark * n) >= useful``: a cache of ``useful`` blocks
-    beside :class:`BlockManager`'s watermark (``0 <= watermark < 1``)."""
+    beside :class:`BlockManager`'s watermark.
+
+    Raises:
+        ValueError: ``watermark`` outside ``[0, 1)`` (no cache size would leave ``useful`` blocks).
+    """
+    if not 0 <= watermark < 1:
+        raise ValueError(f"watermark must be in [0, 1), got {watermark!r}")
     n = useful + int(watermark * useful)
     while n - int(watermark * n) < useful:
         n += 1
