@@ -164,12 +164,17 @@ def run(args: argparse.Namespace, requests: int) -> None:
     wrap(scheduler_module, "append_tokens", "  append_tokens")
     wrap(eng, "_choose_k", "_choose_k")  # the adaptive policy's choice (0 without a policy)
     asked = [0, 0]  # timed steps that asked the adaptive policy / that it held at k = 0 (hold_k0_steps)
-    choose_k = eng._choose_k
+    policy, choose_k = eng.spec_policy, eng._choose_k
+    if policy is not None:  # its one caller is _choose_k, once per asked step
+        choose = policy.choose
+
+        def counted_choose(*a, **kw):
+            asked[0] += 1
+            return choose(*a, **kw)
+        policy.choose = counted_choose
 
     def count(out):
-        wants = eng.spec_policy is not None and bool(out.num_proposed_tokens)  # (as _choose_k decides)
         choose_k(out)
-        asked[0] += wants and not out.policy_held
         asked[1] += bool(out.policy_held)
     eng._choose_k = count
     wrap(eng, "_observe_spec", "_observe_spec")  # its bookkeeping of a speculative engine's step
