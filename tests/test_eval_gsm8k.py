@@ -6,6 +6,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -281,3 +282,24 @@ def test_a_test_row_without_its_gold_is_named_and_zero_shots_read_no_train_file(
     assert eval_gsm8k.data_files(str(data), None, 0) == (str(data), "")
     with pytest.raises(FileNotFoundError, match="--train"):
         eval_gsm8k.data_files(str(data), None, 1)
+
+
+def test_arms_refuse_flags_they_would_override():
+    """A new-user pass (2026-12-07): ``--arms both --no-fusion`` ran fusion on and labelled it "both";
+    a ``use_local_argmax_reduction`` in ``--speculative-config`` was overwritten the same way, and
+    ``--arms baseline,baseline`` was merged into one arm. Each is now an error naming the flag."""
+    import argparse
+    p = argparse.ArgumentParser()
+    eval_gsm8k.add_parser(p.add_subparsers(dest="command"))
+    base = ["eval", "gsm8k", "-k", "1", "--limit", "1", "--no-progress"]
+    for extra, msg in ((["--arms", "both", "--no-fusion"], "drop --no-fusion, or drop --arms"),
+                       (["--arms", "fusion", "--no-local-argmax"], "drop --no-local-argmax"),
+                       (["--arms", "both", "--speculative-config",
+                         '{"method": "mtp", "num_speculative_tokens": 1, "use_local_argmax_reduction": true}'],
+                        "drop --speculative-config's use_local_argmax_reduction"),
+                       (["--arms", "baseline,baseline"], "names 'baseline' twice")):
+        with pytest.raises(ValueError, match=re.escape(msg)):
+            eval_gsm8k._sources(p.parse_args(base + extra))
+    got = eval_gsm8k._sources(p.parse_args(base + ["--arms", "baseline,both"]))
+    assert [(a["fuse_allreduce_rmsnorm"], a["speculative_config"]["use_local_argmax_reduction"])
+            for a in got.values()] == [eval_gsm8k.ARM_FLAGS["baseline"], eval_gsm8k.ARM_FLAGS["both"]]

@@ -135,3 +135,52 @@ def test_sigterm_stops_training_like_ctrl_c(monkeypatch):
     with pytest.raises(KeyboardInterrupt, match="signal 15"):
         train_mod.train(train_mod.TrainConfig())
     assert seen["handler"] is not before and signal.getsignal(signal.SIGTERM) is before
+
+
+def test_a_run_that_fails_keeps_the_model_it_would_replace(tmp_path, capsys):
+    """A new-user pass (2026-12-07): ``--init-from`` and ``--output-dir`` the same folder emptied that
+    folder before failing; with ``--overwrite-output-dir`` a data error found after start-up (a
+    malformed ``--gsm8k-dir``, a ``--max-len`` no document fits) removed the previous model first.
+    Now the same folder is refused up front, and the model and data are read before anything is
+    removed; an output path that is a file or empty, a negative ``--gsm8k-limit`` and no limit at
+    all (``--max-steps 0 --max-minutes 0``) are one-line errors."""
+    from mtpspec.entrypoints.cli import main
+    from mtpspec.training.train import TrainConfig, check_config
+    out = tmp_path / "model"
+    out.mkdir()
+    files = {"config.json": '{"model_type": "glm4_moe"}', "model.safetensors": "weights", "tokenizer.json": "{}"}
+    for name, text in files.items():
+        (out / name).write_text(text)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("not json\n")
+    base = ["train", "--tiny", "--device", "cpu", "--max-steps", "2", "--no-progress", "--overwrite-output-dir"]
+    for extra, msg in ((["--init-from", str(out), "--output-dir", str(out)],
+                        "--init-from and --output-dir are the same folder"),
+                       (["--init-from", str(out) + "/.", "--output-dir", str(out)], "are the same folder"),
+                       (["--output-dir", str(out), "--gsm8k-dir", str(bad)], "not a JSON line")):
+        assert main(base + extra) == 2, extra
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and msg in err and "Traceback" not in err, err
+        assert {p.name: p.read_text() for p in out.iterdir()} == files, extra
+    (tmp_path / "a_file").write_text("x")
+    for cfg, msg in ((TrainConfig(output_dir=str(tmp_path / "a_file")), "is a file; give a folder"),
+                     (TrainConfig(output_dir=""), "--output-dir must name a folder"),
+                     (TrainConfig(output_dir=str(tmp_path / "n"), gsm8k_limit=-5), "--gsm8k-limit must be >= 0"),
+                     (TrainConfig(output_dir=str(tmp_path / "n"), max_steps=0, max_minutes=0),
+                      "set no limit at all")):
+        with pytest.raises(ValueError, match=msg):
+            check_config(cfg)
+    check_config(TrainConfig(output_dir=str(tmp_path / "n"), max_steps=0, max_minutes=5))
+
+
+def test_an_interrupted_run_saves_and_exits_130(monkeypatch, capsys):
+    """A run stopped by Ctrl-C / SIGTERM inside the training loop saves the model and reports
+    ``stop_reason`` "interrupted"; the command then exits 130, not 0, so a script can tell it from a
+    finished run (a new-user pass, 2026-12-07)."""
+    from mtpspec.training import train as train_mod
+    monkeypatch.setattr(train_mod, "train", lambda cfg: {"stop_reason": "interrupted", "steps": 7})
+    monkeypatch.setattr(train_mod, "check_config", lambda cfg: None)
+    assert entry.run(_parse(["--output-dir", "somewhere"])) == 130
+    assert "the model trained so far (7 steps) is saved in somewhere" in capsys.readouterr().err
+    monkeypatch.setattr(train_mod, "train", lambda cfg: {"stop_reason": "max_steps", "steps": 7})
+    assert entry.run(_parse(["--output-dir", "somewhere"])) == 0

@@ -104,6 +104,16 @@ def test_mtp_only_distillation_from_a_checkpoint(run, tmp_path):
     assert sum(x[0] for x in last) / 4 < first[0], (first, last)
 
 
+def test_max_steps_zero_is_no_step_limit(run, tmp_path):
+    """``--max-steps 0`` is "no limit" as its help says (a new-user pass: it trained 0 steps and exited
+    0): the time budget ends the run, after at least one step."""
+    src, _ = run
+    cfg = _mtp_only_config(src, str(tmp_path / "timed"), max_steps=0, eval_every=0, eval_docs=0)
+    cfg.max_minutes, cfg.reserve_seconds = 0.06, 1.0  # ~2.6 s of training
+    summary = _train_one_thread(cfg)
+    assert summary["stop_reason"] == "time_budget" and summary["steps"] >= 1, summary
+
+
 def test_one_run_with_a_distillation_phase(run, tmp_path):
     """``--distill-fraction``: the first (1 - f) of the budget is the plain recipe (so with the
     fixture's settings and 24 / (1 - 0.25) = 32 steps, the target after phase 1 is bit-identical to

@@ -394,7 +394,7 @@ def verdict(a: Dict[str, Any], b: Dict[str, Any], higher_is_better: bool, repeat
 def _f(x: Any) -> str:
     if x is None:
         return "-"
-    return f"{x:,.0f}" if abs(x) >= 1000 else f"{x:.3g}" if abs(x) < 10 else f"{x:.1f}"
+    return f"{x:,.0f}" if abs(x) >= 1000 else f"{x:#.3g}" if abs(x) < 10 else f"{x:.1f}"  # 2.00 beside 3.15
 
 
 def format_workload(name: str, wl: Dict[str, Any]) -> str:

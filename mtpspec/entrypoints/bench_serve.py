@@ -417,11 +417,17 @@ def format_result(res: Dict[str, Any]) -> str:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """Workload options shared by ``bench serve`` and ``bench arms``."""
-    p.add_argument("--num-prompts", type=int, default=None, help="requests per run")
-    p.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight")
+    p.add_argument("--num-prompts", type=int, default=None,
+                   help="requests per run (default: bench serve 64, with --shared-prefix 32; bench arms: the "
+                        "workload's)")
+    p.add_argument("--max-concurrency", type=int, default=None,
+                   help="most requests in flight (default: bench serve 8, with --shared-prefix 1; bench arms: the "
+                        "workload's)")
     p.add_argument("--input-len", type=int, default=None,
                    help="prompt tokens (default: natural GSM8K 5-shot prompts; 1024 for random prompts)")
-    p.add_argument("--output-len", type=int, default=None, help="max_tokens per request")
+    p.add_argument("--output-len", type=int, default=None,
+                   help="max_tokens per request (default: bench serve 256, with --shared-prefix 8; bench arms: the "
+                        "workload's)")
     p.add_argument("--dataset", default=None,
                    help="GSM8K JSONL file, or a folder with test.jsonl, for prompts (default: $MTPSPEC_GSM8K_DIR, "
                         "else the GSM8K test split bundled in mtpspec/data/gsm8k)")
@@ -447,8 +453,9 @@ def add_parser(sub: Any) -> None:
     add_arguments(p)
     p.add_argument("--json", default=None, help="write every figure to this JSON file")
     p.add_argument("--shared-prefix", action="store_true",
-                   help="prefix-cache TTFT: GSM8K few-shot prompts sharing one few-shot prefix (hits) against "
-                        "prompts with their own examples (misses), one request at a time; reports TTFT of each "
+                   help="prefix-cache TTFT: GSM8K few-shot prompts sharing one few-shot prefix, one request at "
+                        "a time in pairs: the server's prefix cache emptied (POST /reset_prefix_cache), then a "
+                        "miss (computed whole) and a hit (the next question, prefix cached); reports TTFT of each "
                         "and hit / miss (defaults: 32 of each, output-len 8)")
     p.add_argument("--num-shots", type=int, default=5, help="solved examples per prompt with --shared-prefix (default 5)")
     from mtpspec.entrypoints.bench_interference import add_arguments as add_interference_arguments

@@ -188,7 +188,7 @@ def compare_arms(token_ids: Dict[str, Sequence[Sequence[int]]]) -> Dict[str, Dic
 def format_report(res: Dict[str, Any]) -> str:
     c = res["config"]
     shots = f"{c['num_fewshot']}-shot from {c['train']}" if c["num_fewshot"] else "0-shot"
-    lines = [f"GSM8K: {c['data']} ({res['n']} questions), {shots}, greedy, "
+    lines = [f"GSM8K: {c['data']} ({res['n']} question{'' if res['n'] == 1 else 's'}), {shots}, greedy, "
              f"max_tokens {c['max_tokens']}",
              f"{'arm':<12} {'strict-match':>18} {'flexible-extract':>18} {'acc. length':>12} {'seconds':>9}"]
     for arm, r in res["arms"].items():
@@ -295,16 +295,38 @@ def _sources(args: argparse.Namespace) -> Dict[str, Any]:
         raise ValueError(why + " (or --base-url URL)")
     if not args.arms:
         return {"model": base}
+    # each arm sets the fused tail and the local argmax itself: a flag that sets either would be overridden
+    set_by_flags = [f for f, on in (("--no-fusion", getattr(args, "no_fusion", False)),
+                                    ("--no-local-argmax", getattr(args, "no_local_argmax", False)),
+                                    ("--speculative-config's use_local_argmax_reduction",
+                                     "use_local_argmax_reduction" in _json_keys(getattr(args, "speculative_config", None))))
+                    if on]
+    if set_by_flags:
+        per_arm = "; ".join(f"{n}: fusion {f}, local argmax {la}" for n, (f, la) in ARM_FLAGS.items())
+        raise ValueError(f"--arms sets the fused tail and the local argmax per arm ({per_arm}); drop "
+                         f"{' and '.join(set_by_flags)}, or drop --arms for one run with them")
     out = {}
     for name in [a.strip() for a in args.arms.split(",") if a.strip()]:
         if name not in ARM_FLAGS:
             raise ValueError(f"unknown arm {name!r}; expected some of {list(ARM_FLAGS)}")
+        if name in out:
+            raise ValueError(f"--arms names {name!r} twice ({args.arms!r}); name each arm once")
         if base["speculative_config"] is None:
             raise ValueError("--arms compare draft-path variants; they need -k >= 1")
         fusion, local = ARM_FLAGS[name]
         spec = dict(base["speculative_config"], use_local_argmax_reduction=local)
         out[name] = dict(base, fuse_allreduce_rmsnorm=fusion, speculative_config=spec)
     return out
+
+
+def _json_keys(text: Optional[str]) -> Tuple[str, ...]:
+    """The keys of a ``--speculative-config`` JSON object (none for ``None``, or for text that is
+    not a JSON object: the engine's own parse reports that)."""
+    try:
+        obj = json.loads(text) if text else None
+    except ValueError:
+        return ()
+    return tuple(obj) if isinstance(obj, dict) else ()
 
 
 def data_files(data: Optional[str] = None, train: Optional[str] = None, num_fewshot: int = 1) -> Tuple[str, str]:

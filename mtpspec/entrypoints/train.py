@@ -19,12 +19,18 @@ def run(args: argparse.Namespace) -> int:
     """Train; a flag error (``check_config``, before any data or model is built) or a bad input
     found later (a missing or corrupt ``--init-from`` checkpoint, no GSM8K train split, ...:
     ``ValueError`` / ``FileNotFoundError``) is one ``error:`` line on stderr and exit status 2, as
-    argparse reports its own; an interrupt outside the training loop (which saves) exits 130."""
+    argparse reports its own. An interrupt (Ctrl-C, SIGTERM) exits 130: inside the training loop
+    after saving the model trained so far (``stop_reason`` ``"interrupted"`` in summary.json), so a
+    script can tell a stopped run from a finished one; outside it with nothing complete written."""
     from mtpspec.training.train import check_config, config_from_args, train
     try:
         cfg = config_from_args(args)
         check_config(cfg)
-        train(cfg)
+        summary = train(cfg)
+        if summary.get("stop_reason") == "interrupted":
+            print(f"interrupted: the model trained so far ({summary.get('steps')} steps) is saved in "
+                  f"{cfg.output_dir}; exit status 130", file=sys.stderr)
+            return 130
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

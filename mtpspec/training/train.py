@@ -342,6 +342,15 @@ def _check_paths(cfg: TrainConfig) -> None:
     if cfg.gsm8k_dir and os.path.basename(os.path.normpath(cfg.gsm8k_dir)) == "test.jsonl":
         raise ValueError(f"--gsm8k-dir {cfg.gsm8k_dir!r} names GSM8K's test split; training reads the train split "
                          "(train.jsonl, or a folder holding it): the test split is for evaluation only")
+    if not cfg.output_dir:
+        raise ValueError("--output-dir must name a folder (the trained model is written there), got ''")
+    if os.path.exists(cfg.output_dir) and not os.path.isdir(cfg.output_dir):
+        raise ValueError(f"--output-dir {cfg.output_dir!r} is a file; give a folder (new or empty, or with "
+                         "--overwrite-output-dir one holding an earlier model)")
+    if cfg.init_from and os.path.realpath(cfg.init_from) == os.path.realpath(cfg.output_dir):
+        raise ValueError(f"--init-from and --output-dir are the same folder ({cfg.init_from!r}): a run replaces its "
+                         "output folder's model files, so it would overwrite the model it starts from; write to "
+                         "another folder and move it afterwards")
     if os.path.isdir(cfg.output_dir) and os.listdir(cfg.output_dir) and not cfg.overwrite_output_dir:
         raise ValueError(f"--output-dir {cfg.output_dir!r} is not empty; pass --overwrite-output-dir to train into "
                          "it (its previous model files are removed first), or choose another folder")
@@ -407,9 +416,13 @@ def _check_values(cfg: TrainConfig) -> None:
             ("--distill-depth", cfg.distill_depth, cfg.distill_depth >= 1, ">= 1"),
             ("--tokens-per-batch", cfg.tokens_per_batch, cfg.tokens_per_batch > 0, "> 0"),
             ("--max-steps", cfg.max_steps, cfg.max_steps >= 0, ">= 0 (0: no limit)"),
-            ("--max-minutes", cfg.max_minutes, cfg.max_minutes >= 0, ">= 0 (0: no limit)")):
+            ("--max-minutes", cfg.max_minutes, cfg.max_minutes >= 0, ">= 0 (0: no limit)"),
+            ("--gsm8k-limit", cfg.gsm8k_limit, cfg.gsm8k_limit >= 0, ">= 0 (0: every row)")):
         if not ok:  # also catches nan
             raise ValueError(f"{flag} must be {want}, got {value}")
+    if cfg.max_steps == 0 and cfg.max_minutes == 0:
+        raise ValueError("--max-steps 0 and --max-minutes 0 set no limit at all: training would never stop; give "
+                         "a step count, a time budget, or both")
     if cfg.freeze_target and not cfg.init_from:
         raise ValueError("--freeze-target needs --init-from: it keeps a trained target fixed, and a new model's "
                          "target would stay random")
@@ -581,12 +594,11 @@ def _train(cfg: TrainConfig, log=_log) -> Dict[str, Any]:
     device = _resolve_device(cfg)
     dtype = _resolve_dtype(cfg, device)
     save_dtype = DTYPES[cfg.save_dtype]
-    _clear_previous_model(cfg.output_dir)
-    os.makedirs(cfg.output_dir, exist_ok=True)
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
 
+    # the starting model and the data first: a bad input found there leaves --output-dir as it was
     if cfg.init_from:
         target, mtp, config_dict, tok = load_initial_model(cfg.init_from, device, dtype, cfg.max_len)
         tok, train_docs, val_docs, val_rows, data_stats = prepare_data(cfg, log, tok=tok)
@@ -596,6 +608,8 @@ def _train(cfg: TrainConfig, log=_log) -> Dict[str, Any]:
         config_dict = make_config_dict(cfg.preset, tok.get_vocab_size(), eot_id(tok), arch=cfg.arch,
                                        max_position_embeddings=max(4096, cfg.max_len), **extra)
         target, mtp = build_models(ModelConfig.from_dict(config_dict), device, dtype, seed=cfg.seed)
+    _clear_previous_model(cfg.output_dir)
+    os.makedirs(cfg.output_dir, exist_ok=True)
     dsa = None
     if cfg.arch == "glm_moe_dsa":
         from mtpspec.training.dsa import DsaTraining
@@ -636,10 +650,11 @@ def _train(cfg: TrainConfig, log=_log) -> Dict[str, Any]:
     train_start = time.time()
     train_deadline = deadline - cfg.reserve_seconds
     train_budget = max(train_deadline - train_start, 1e-6)
+    max_steps = cfg.max_steps or sys.maxsize  # 0: no step limit (check_config then demands --max-minutes)
     # Phase 1 takes the first (1 - distill_fraction) of the steps or time; phase 2 (the MTP layers
     # only, distilled) the rest.
     phase = _Phase(cfg.lr, cfg.warmup_steps, cfg.mtp_depth, cfg.mtp_distill, 0, train_start,
-                   round((1.0 - cfg.distill_fraction) * cfg.max_steps),
+                   round((1.0 - cfg.distill_fraction) * max_steps),
                    train_start + (1.0 - cfg.distill_fraction) * train_budget)
     phase_no = 1
     # DSA: dense attention (indexer warm-up) for the first indexer_warmup_fraction of the steps or
@@ -649,7 +664,7 @@ def _train(cfg: TrainConfig, log=_log) -> Dict[str, Any]:
         dsa_info = {"index_topk": int(config_dict["index_topk"]), "warmup_fraction": cfg.indexer_warmup_fraction,
                     "kl_weight": cfg.indexer_kl_weight, "kl_row_stride": cfg.indexer_kl_row_stride,
                     "sparse_start": None}
-    warm_end_step = round(cfg.indexer_warmup_fraction * cfg.max_steps)
+    warm_end_step = round(cfg.indexer_warmup_fraction * max_steps)
     warm_end_time = train_start + cfg.indexer_warmup_fraction * train_budget
     bar = None
     if cfg.progress:
@@ -664,7 +679,7 @@ def _train(cfg: TrainConfig, log=_log) -> Dict[str, Any]:
     v: Dict[str, float] = {}
     vs = _val_self(target, mtp, val_self, device, cfg, dsa, jlog, 0, 0, log)  # the starting point
     try:
-        while step < cfg.max_steps:
+        while step < max_steps:
             now = time.time()
             if now >= train_deadline:
                 stop_reason = "time_budget"
@@ -689,7 +704,7 @@ def _train(cfg: TrainConfig, log=_log) -> Dict[str, Any]:
                         log("warning: the self-distillation documents took the rest of the time budget; phase 2 "
                             "gets no steps (raise --max-minutes or lower --self-distill-seconds)")
                 phase = _Phase(cfg.distill_lr, cfg.distill_warmup_steps, cfg.distill_depth, 1.0, step, now,
-                               cfg.max_steps, train_deadline)
+                               max_steps, train_deadline)
                 phase2 = {"start_step": step, "start_tokens": tokens, "start_train_s": round(now - train_start, 1)}
                 jlog.write({"kind": "phase", "phase": 2, "step": step, "tokens": tokens,
                             "elapsed_s": round(now - start, 2)})
