@@ -35,6 +35,7 @@
 #                                                  # with it on / off, engine step wall vs graph sum (8 layers)
 #   bash benchmarks/run_goals_h200.sh demo-pair1 OUT  # issue 16: a new target (run 4's continuation) + its strict-match
 #   bash benchmarks/run_goals_h200.sh demo-pair2 OUT  # issue 16: its MTP layer self-distilled (run 5 a) + k = 1
+#   bash benchmarks/run_goals_h200.sh l2-ceiling OUT  # issue 14: L2 -> shared-memory TMA ceiling (bench_tma_l2.py)
 #   bash benchmarks/run_goals_h200.sh demo-sd OUT   # issue 16: the demo model's MTP layer self-distilled on GSM8K +
 #                                                  # generated prompts (target frozen), then GSM8K k = 1 / 3 fp32
 set -u
@@ -44,6 +45,8 @@ export PYTHONPATH=${PYTHONPATH:-$PWD} PYTHONUNBUFFERED=1
 step() { local t=$1 name=$2; shift 2; echo "=== $name ($(date +%T))"; timeout "$t" "$@" 2>&1 | tail -n 45
   local rc=${PIPESTATUS[0]}; echo "=== $name rc=$rc"; return "$rc"; }
 case $part in
+l2-ceiling)  # issue 14: TMA copies from L2 / HBM into shared memory, every SM at once, beside the matmul rate
+  step 120 tma_l2 python3 benchmarks/bench_tma_l2.py --json "$OUT/tma_l2.json" ;;
 serving)
   # one line per engine step in serve.log (host phases), to find where TTFT goes
   MTPSPEC_LOG_STEPS=1 step 480 serving_goals bash benchmarks/run_serving_goals.sh "$OUT" dense-70b-16l
