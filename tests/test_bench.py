@@ -540,3 +540,12 @@ def test_bench_arms_names_where_a_bad_server_flag_came_from(capsys, tmp_path):
                  "--server-args", "--device cpu", "--workloads", "s1", "--scale", "0.01", "--no-progress",
                  "--no-plots", "--output-dir", str(tmp_path / "arms")]) == 2
     assert capsys.readouterr().err.startswith("error: talking to a server: ConnectError")
+
+
+def test_bench_serve_shared_prefix_refuses_a_concurrency(capsys):
+    """``--shared-prefix`` sends one request at a time; a ``--max-concurrency`` above 1 was silently
+    ignored (a review, 2026-12-07): now an error before any request."""
+    from mtpspec.entrypoints.cli import main
+    assert main(["bench", "serve", "--base-url", "http://127.0.0.1:9", "--shared-prefix", "--max-concurrency", "4",
+                 "--no-progress"]) == 2
+    assert "--shared-prefix sends one request at a time" in capsys.readouterr().err

@@ -297,7 +297,8 @@ def test_arms_refuse_flags_they_would_override():
                        (["--arms", "both", "--speculative-config",
                          '{"method": "mtp", "num_speculative_tokens": 1, "use_local_argmax_reduction": true}'],
                         "drop --speculative-config's use_local_argmax_reduction"),
-                       (["--arms", "baseline,baseline"], "names 'baseline' twice")):
+                       (["--arms", "baseline,baseline"], "names 'baseline' twice"),
+                       (["--arms", ","], "names no arm"), (["--arms", ""], "names no arm")):
         with pytest.raises(ValueError, match=re.escape(msg)):
             eval_gsm8k._sources(p.parse_args(base + extra))
     got = eval_gsm8k._sources(p.parse_args(base + ["--arms", "baseline,both"]))

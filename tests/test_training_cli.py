@@ -126,7 +126,7 @@ def test_sigterm_stops_training_like_ctrl_c(monkeypatch):
     from mtpspec.training import train as train_mod
     seen = {}
 
-    def fake_train(cfg, log):
+    def fake_train(cfg, log, stage=None):
         seen["handler"] = signal.getsignal(signal.SIGTERM)
         os.kill(os.getpid(), signal.SIGTERM)
         return "not reached"
@@ -163,7 +163,14 @@ def test_a_run_that_fails_keeps_the_model_it_would_replace(tmp_path, capsys):
         assert err.startswith("error: ") and msg in err and "Traceback" not in err, err
         assert {p.name: p.read_text() for p in out.iterdir()} == files, extra
     (tmp_path / "a_file").write_text("x")
+    os.symlink(tmp_path / "nowhere", tmp_path / "dangling")
     for cfg, msg in ((TrainConfig(output_dir=str(tmp_path / "a_file")), "is a file; give a folder"),
+                     (TrainConfig(output_dir=str(tmp_path / "a_file" / "sub" / "x")), "cannot be made: .* is a file"),
+                     (TrainConfig(output_dir=str(tmp_path / "dangling")), "symbolic link to nothing"),
+                     (TrainConfig(output_dir=str(tmp_path / "n"), max_minutes=float("inf")),
+                      "--max-minutes must be finite"),
+                     (TrainConfig(output_dir=str(tmp_path / "n"), reserve_seconds=-1.0),
+                      "--reserve-seconds must be finite and >= 0"),
                      (TrainConfig(output_dir=""), "--output-dir must name a folder"),
                      (TrainConfig(output_dir=str(tmp_path / "n"), gsm8k_limit=-5), "--gsm8k-limit must be >= 0"),
                      (TrainConfig(output_dir=str(tmp_path / "n"), max_steps=0, max_minutes=0),
@@ -171,6 +178,30 @@ def test_a_run_that_fails_keeps_the_model_it_would_replace(tmp_path, capsys):
         with pytest.raises(ValueError, match=msg):
             check_config(cfg)
     check_config(TrainConfig(output_dir=str(tmp_path / "n"), max_steps=0, max_minutes=5))
+    # --overwrite-output-dir removes the model's files only, not a user's other .safetensors
+    from mtpspec.training.train import _clear_previous_model
+    for name in ("model.safetensors", "model-00001-of-00002.safetensors", "other.safetensors"):
+        (out / name).write_text("w")
+    _clear_previous_model(str(out))
+    assert sorted(p.name for p in out.iterdir()) == ["other.safetensors"]
+
+
+@pytest.mark.parametrize("stage, want", [("prepare", "--output-dir is as it was"),
+                                         ("cleared", "the earlier model files in --output-dir were removed"),
+                                         ("saved", "after the model was saved")])
+def test_an_interrupt_outside_the_loop_says_what_is_on_disk(monkeypatch, capsys, stage, want):
+    """Ctrl-C / SIGTERM outside the training loop: exit 130 and a message that matches how far the
+    run got (a review: "nothing complete was written" was printed after the model was saved, and
+    while the earlier model was still intact)."""
+    from mtpspec.training import train as train_mod
+
+    def interrupted(cfg, stage=None, at=stage):
+        stage["stage"] = at
+        raise KeyboardInterrupt
+    monkeypatch.setattr(train_mod, "train", interrupted)
+    monkeypatch.setattr(train_mod, "check_config", lambda cfg: None)
+    assert entry.run(_parse(["--output-dir", "somewhere"])) == 130
+    assert want in capsys.readouterr().err
 
 
 def test_an_interrupted_run_saves_and_exits_130(monkeypatch, capsys):
@@ -178,9 +209,9 @@ def test_an_interrupted_run_saves_and_exits_130(monkeypatch, capsys):
     ``stop_reason`` "interrupted"; the command then exits 130, not 0, so a script can tell it from a
     finished run (a new-user pass, 2026-12-07)."""
     from mtpspec.training import train as train_mod
-    monkeypatch.setattr(train_mod, "train", lambda cfg: {"stop_reason": "interrupted", "steps": 7})
+    monkeypatch.setattr(train_mod, "train", lambda cfg, stage=None: {"stop_reason": "interrupted", "steps": 7})
     monkeypatch.setattr(train_mod, "check_config", lambda cfg: None)
     assert entry.run(_parse(["--output-dir", "somewhere"])) == 130
     assert "the model trained so far (7 steps) is saved in somewhere" in capsys.readouterr().err
-    monkeypatch.setattr(train_mod, "train", lambda cfg: {"stop_reason": "max_steps", "steps": 7})
+    monkeypatch.setattr(train_mod, "train", lambda cfg, stage=None: {"stop_reason": "max_steps", "steps": 7})
     assert entry.run(_parse(["--output-dir", "somewhere"])) == 0

@@ -114,6 +114,54 @@ def test_max_steps_zero_is_no_step_limit(run, tmp_path):
     assert summary["stop_reason"] == "time_budget" and summary["steps"] >= 1, summary
 
 
+def test_self_distillation_data_is_made_before_the_old_model_goes(run, tmp_path, monkeypatch):
+    """A frozen target's self-distillation documents are generated before ``--output-dir``'s earlier
+    model is removed: a failure (or an interrupt) there leaves it as it was (a review: the folder
+    was emptied first)."""
+    from mtpspec.training import train as train_mod
+    src, _ = run
+    out = tmp_path / "keep"
+    out.mkdir()
+    files = {"config.json": "{}", "model.safetensors": "old weights", "notes.txt": "mine"}
+    for name, text in files.items():
+        (out / name).write_text(text)
+
+    def fails(*a, **k):
+        raise ValueError("generation failed")
+    monkeypatch.setattr(train_mod, "self_distill_data", fails)
+    cfg = _mtp_only_config(src, str(out), max_steps=2, eval_every=0, eval_docs=0, overwrite_output_dir=True,
+                           self_distill_prompts=4)
+    with pytest.raises(ValueError, match="generation failed"):
+        _train_one_thread(cfg)
+    assert {p.name: p.read_text() for p in out.iterdir()} == files
+
+
+def test_an_interrupted_run_saves_and_skips_the_final_checks(run, tmp_path, monkeypatch):
+    """Ctrl-C / SIGTERM in the loop: the model trained so far is saved, ``stop_reason``
+    "interrupted", and the final validation and acceptance estimate are skipped (a scheduler's
+    grace period is short; a review found them run in full after the interrupt)."""
+    from mtpspec.training import step as step_mod
+    src, _ = run
+    real, calls = step_mod.forward_loss, []
+
+    def interrupt_at_3(*a, **k):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real(*a, **k)
+    monkeypatch.setattr(step_mod, "forward_loss", interrupt_at_3)
+    from mtpspec.training import quick_eval
+    monkeypatch.setattr(quick_eval, "validation_metrics", lambda *a, **k: pytest.fail("final validation ran"))
+    out = str(tmp_path / "stopped")
+    cfg = _mtp_only_config(src, out, max_steps=50, eval_every=0, eval_docs=6)
+    cfg.accept_prompts = 1  # (the helper's 0: here the estimate would run, were it not skipped)
+    summary = _train_one_thread(cfg)
+    assert summary["stop_reason"] == "interrupted" and summary["steps"] == 2, summary
+    assert summary["acceptance_holdout_zero_shot"] == {}
+    from mtpspec.models import load_models
+    load_models(out, dtype=torch.float32, device="cpu")
+
+
 def test_one_run_with_a_distillation_phase(run, tmp_path):
     """``--distill-fraction``: the first (1 - f) of the budget is the plain recipe (so with the
     fixture's settings and 24 / (1 - 0.25) = 32 steps, the target after phase 1 is bit-identical to

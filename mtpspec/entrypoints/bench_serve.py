@@ -418,11 +418,11 @@ def format_result(res: Dict[str, Any]) -> str:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """Workload options shared by ``bench serve`` and ``bench arms``."""
     p.add_argument("--num-prompts", type=int, default=None,
-                   help="requests per run (default: bench serve 64, with --shared-prefix 32; bench arms: the "
-                        "workload's)")
+                   help="requests per run (default: bench serve 64, with --shared-prefix 32 miss / hit pairs; "
+                        "bench arms: the workload's)")
     p.add_argument("--max-concurrency", type=int, default=None,
-                   help="most requests in flight (default: bench serve 8, with --shared-prefix 1; bench arms: the "
-                        "workload's)")
+                   help="most requests in flight (default: bench serve 8; bench arms: the workload's; "
+                        "--shared-prefix sends one at a time)")
     p.add_argument("--input-len", type=int, default=None,
                    help="prompt tokens (default: natural GSM8K 5-shot prompts; 1024 for random prompts)")
     p.add_argument("--output-len", type=int, default=None,
@@ -494,6 +494,9 @@ def run(args: argparse.Namespace) -> int:
             print(bench_interference.format_interference_result(res))
         elif args.shared_prefix:
             from mtpspec.entrypoints.bench_prefix import format_prefix_result, run_prefix_benchmark
+            if args.max_concurrency not in (None, 1):
+                raise ValueError(f"--max-concurrency {args.max_concurrency}: --shared-prefix sends one request at a "
+                                 "time (TTFT without queueing); drop it")
             cfg = config_from_args(args, {"num_prompts": 32, "max_concurrency": 1, "output_len": 8})
             res = run_prefix_benchmark(args.base_url, cfg, args.num_shots)
             print(format_prefix_result(res))

@@ -293,8 +293,10 @@ def _sources(args: argparse.Namespace) -> Dict[str, Any]:
     why = model_path_problem(base["model"] or default_model_path(), explicit=bool(base["model"]))
     if why is not None:
         raise ValueError(why + " (or --base-url URL)")
-    if not args.arms:
+    if args.arms is None:
         return {"model": base}
+    if not [a for a in args.arms.split(",") if a.strip()]:
+        raise ValueError(f"--arms {args.arms!r} names no arm; expected some of {list(ARM_FLAGS)}, comma-separated")
     # each arm sets the fused tail and the local argmax itself: a flag that sets either would be overridden
     set_by_flags = [f for f, on in (("--no-fusion", getattr(args, "no_fusion", False)),
                                     ("--no-local-argmax", getattr(args, "no_local_argmax", False)),

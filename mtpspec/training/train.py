@@ -56,6 +56,7 @@ import dataclasses
 import json
 import os
 import random
+import re
 import sys
 import tempfile
 import time
@@ -344,10 +345,19 @@ def _check_paths(cfg: TrainConfig) -> None:
                          "(train.jsonl, or a folder holding it): the test split is for evaluation only")
     if not cfg.output_dir:
         raise ValueError("--output-dir must name a folder (the trained model is written there), got ''")
+    if os.path.lexists(cfg.output_dir) and not os.path.exists(cfg.output_dir):
+        raise ValueError(f"--output-dir {cfg.output_dir!r} is a symbolic link to nothing; give a folder")
     if os.path.exists(cfg.output_dir) and not os.path.isdir(cfg.output_dir):
         raise ValueError(f"--output-dir {cfg.output_dir!r} is a file; give a folder (new or empty, or with "
                          "--overwrite-output-dir one holding an earlier model)")
-    if cfg.init_from and os.path.realpath(cfg.init_from) == os.path.realpath(cfg.output_dir):
+    above = os.path.dirname(os.path.abspath(cfg.output_dir))
+    while not os.path.exists(above):  # the folder is made with its parents: the nearest existing one
+        above = os.path.dirname(above)
+    if not os.path.isdir(above):
+        raise ValueError(f"--output-dir {cfg.output_dir!r} cannot be made: {above!r} is a file, not a folder")
+    if cfg.init_from and (os.path.realpath(cfg.init_from) == os.path.realpath(cfg.output_dir) or (
+            os.path.isdir(cfg.init_from) and os.path.isdir(cfg.output_dir)
+            and os.path.samefile(cfg.init_from, cfg.output_dir))):  # (samefile: a bind mount too)
         raise ValueError(f"--init-from and --output-dir are the same folder ({cfg.init_from!r}): a run replaces its "
                          "output folder's model files, so it would overwrite the model it starts from; write to "
                          "another folder and move it afterwards")
@@ -417,8 +427,9 @@ def _check_values(cfg: TrainConfig) -> None:
             ("--distill-depth", cfg.distill_depth, cfg.distill_depth >= 1, ">= 1"),
             ("--tokens-per-batch", cfg.tokens_per_batch, cfg.tokens_per_batch > 0, "> 0"),
             ("--max-steps", cfg.max_steps, cfg.max_steps >= 0, ">= 0 (0: no limit)"),
-            ("--max-minutes", cfg.max_minutes, cfg.max_minutes >= 0, ">= 0 (0: no limit)"),
-            ("--gsm8k-limit", cfg.gsm8k_limit, cfg.gsm8k_limit >= 0, ">= 0 (0: every row)")):
+            ("--max-minutes", cfg.max_minutes, 0 <= cfg.max_minutes < float("inf"), "finite and >= 0 (0: no limit)"),
+            ("--gsm8k-limit", cfg.gsm8k_limit, cfg.gsm8k_limit >= 0, ">= 0 (0: every row)"),
+            ("--reserve-seconds", cfg.reserve_seconds, 0 <= cfg.reserve_seconds < float("inf"), "finite and >= 0")):
         if not ok:  # also catches nan
             raise ValueError(f"{flag} must be {want}, got {value}")
     if cfg.max_steps == 0 and cfg.max_minutes == 0:
@@ -551,33 +562,46 @@ _MODEL_FILES = ("config.json", "generation_config.json", "tokenizer.json", "toke
                 "special_tokens_map.json", "model.safetensors.index.json", "summary.json", "train_log.jsonl")
 
 
+#: The weight files :func:`~mtpspec.models.save_checkpoint` writes (one file, or shards); other
+#: ``.safetensors`` files in the folder are the user's and stay.
+_WEIGHT_FILE = re.compile(r"model(-\d+-of-\d+)?\.safetensors")
+
+
 def _clear_previous_model(folder: str) -> None:
     if not os.path.isdir(folder):
         return
     for name in os.listdir(folder):
-        if name in _MODEL_FILES or name.endswith(".safetensors"):
+        if name in _MODEL_FILES or _WEIGHT_FILE.fullmatch(name):
             os.remove(os.path.join(folder, name))
 
 
-def train(cfg: TrainConfig, log=_log) -> Dict[str, Any]:
+def train(cfg: TrainConfig, log=_log, stage: Optional[Dict[str, str]] = None) -> Dict[str, Any]:
     """Run the recipe (module docstring); returns the summary dict (also written to summary.json).
     SIGTERM (``timeout``, ``kill``, a scheduler's pre-emption) stops training as Ctrl-C does: the
-    model trained so far is saved, ``stop_reason`` ``"interrupted"``."""
+    model trained so far is saved, ``stop_reason`` ``"interrupted"`` (the final checks skipped).
+    ``stage``: a dict the run keeps its progress in (``"stage"``: ``"prepare"`` / ``"cleared"`` /
+    ``"saved"``, see :func:`_train`), for a caller that catches an interrupt outside the loop."""
     import signal
     import threading
     if threading.current_thread() is not threading.main_thread():
-        return _train(cfg, log)
+        return _train(cfg, log, stage)
 
     def stop(signum, frame):
         raise KeyboardInterrupt(f"signal {signum}")
     previous = signal.signal(signal.SIGTERM, stop)
     try:
-        return _train(cfg, log)
+        return _train(cfg, log, stage)
     finally:
         signal.signal(signal.SIGTERM, previous)
 
 
-def _train(cfg: TrainConfig, log=_log) -> Dict[str, Any]:
+def _train(cfg: TrainConfig, log=_log, stage: Optional[Dict[str, str]] = None) -> Dict[str, Any]:
+    """The recipe (:func:`train`). ``stage["stage"]`` tells an interrupted caller how far it got:
+    ``"prepare"`` (``--output-dir`` untouched), ``"cleared"`` (its earlier model files removed, the
+    new model not saved yet), ``"saved"`` (the model written; the final checks and summary.json
+    may be missing)."""
+    stage = {} if stage is None else stage
+    stage["stage"] = "prepare"
     from mtpspec.config import ModelConfig
     from mtpspec.training.model_setup import build_models, count_parameters, make_config_dict
     from mtpspec.training.optim import MasterWeightAdamW, RouterBalancer
@@ -609,8 +633,6 @@ def _train(cfg: TrainConfig, log=_log) -> Dict[str, Any]:
         config_dict = make_config_dict(cfg.preset, tok.get_vocab_size(), eot_id(tok), arch=cfg.arch,
                                        max_position_embeddings=max(4096, cfg.max_len), **extra)
         target, mtp = build_models(ModelConfig.from_dict(config_dict), device, dtype, seed=cfg.seed)
-    _clear_previous_model(cfg.output_dir)
-    os.makedirs(cfg.output_dir, exist_ok=True)
     dsa = None
     if cfg.arch == "glm_moe_dsa":
         from mtpspec.training.dsa import DsaTraining
@@ -645,6 +667,10 @@ def _train(cfg: TrainConfig, log=_log) -> Dict[str, Any]:
 
     if _self_distill_on(cfg) and cfg.freeze_target:  # frozen from the start: the --init-from weights
         self_distill_setup()
+    # everything read and built: only now the earlier model in --output-dir goes
+    _clear_previous_model(cfg.output_dir)
+    os.makedirs(cfg.output_dir, exist_ok=True)
+    stage["stage"] = "cleared"
     pads = pad_fraction(train_docs, cfg.tokens_per_batch, cfg.max_len)
     log_path = os.path.join(cfg.output_dir, "train_log.jsonl")
     jlog = JsonlLog(log_path)
@@ -757,7 +783,11 @@ def _train(cfg: TrainConfig, log=_log) -> Dict[str, Any]:
         f"({tokens / max(train_seconds, 1e-9):.0f} tokens/s)")
 
     written = save_model(cfg.output_dir, target, mtp, config_dict, tok, save_dtype, cfg.max_shard_mib)
-    if val_batches and not (cfg.eval_every and step % cfg.eval_every == 0 and step):
+    stage["stage"] = "saved"
+    interrupted = stop_reason == "interrupted"  # stop soon: no final checks (a scheduler's grace period is short)
+    if interrupted:
+        log("interrupted: the model is saved; the final validation and acceptance estimate are skipped")
+    if val_batches and not interrupted and not (cfg.eval_every and step % cfg.eval_every == 0 and step):
         final_val = validation_metrics(target, mtp, val_batches, device, cfg.mtp_lambda, cfg.mtp_depth, dsa=dsa)
         jlog.write({"kind": "val", "step": step, "tokens": tokens, **final_val})
         final_val_self = _val_self(target, mtp, val_self, device, cfg, dsa, jlog, step, tokens, log)
@@ -769,7 +799,7 @@ def _train(cfg: TrainConfig, log=_log) -> Dict[str, Any]:
     # The acceptance estimate runs the layers' own (engine) forward: DSA through the indexer ops.
     with (dsa.inference() if dsa is not None else contextlib.nullcontext()):
         for k in (1, 3):
-            if prompts and time.time() < deadline - 5:
+            if prompts and not interrupted and time.time() < deadline - 5:
                 accept[f"k{k}"] = acceptance_summary(target, mtp, prompts, k, cfg.accept_max_new, eot, device,
                                                      deadline=deadline - 2)
     jlog.close()
@@ -859,8 +889,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     p = argparse.ArgumentParser(prog="python -m mtpspec.training.train", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(p)
-    train(config_from_args(p.parse_args(argv)))
-    return 0
+    from mtpspec.entrypoints.train import run  # its error lines and exit statuses (2, 130)
+    return run(p.parse_args(argv))
 
 
 if __name__ == "__main__":
