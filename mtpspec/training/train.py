@@ -386,7 +386,8 @@ def check_config(cfg: TrainConfig) -> None:
         ValueError: an unknown ``--arch``; ``--lr`` / ``--distill-lr`` <= 0, ``--mtp-distill``
             outside ``[0, 1]``, a negative ``--mtp-lambda`` / ``--max-steps`` / ``--max-minutes`` /
             ``--gsm8k-limit``, both limits 0 (no limit at all), a depth or ``--tokens-per-batch``
-            below 1; an ``--output-dir`` that is empty, a file, or ``--init-from``'s folder; ``--freeze-target`` without ``--init-from``;
+            below 1; an ``--output-dir`` that is empty, a file, a link to nothing, under a file, or
+            ``--init-from``'s folder; ``--freeze-target`` without ``--init-from``;
             ``--index-topk`` below 0 or given for an architecture
             without an indexer (or with ``--init-from``, whose model keeps its own), a
             ``--distill-fraction`` outside ``[0, 1)``; for ``glm_moe_dsa`` an
