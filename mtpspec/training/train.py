@@ -42,7 +42,11 @@ much smaller model on the CPU in a few minutes. Steps:
    used, then write ``config.json``, ``model.safetensors`` (bf16, Hugging Face layout; tied
    ``lm_head`` and MTP ``shared_head.head`` are omitted, the loader ties them) and
    ``tokenizer.json``, plus ``train_log.jsonl`` (one JSON record per logged step and
-   validation) and ``summary.json``.
+   validation) and ``summary.json``. ``--max-steps 0``: no step limit (``--max-minutes`` then
+   ends the run). With ``--overwrite-output-dir`` the folder's earlier model files (its own
+   ``config.json``, weights, tokenizer, logs; nothing else) are removed only once the data, the
+   starting model and any self-distillation documents are ready. Ctrl-C / SIGTERM in the loop:
+   the model trained so far is saved, the final checks skipped, exit status 130.
 
 The GLM-5-architecture recipe (9 minutes on one H200, the defaults otherwise):
 ``mtpspec train --arch glm_moe_dsa --output-dir out/glm_moe_dsa_demo``.
