@@ -298,11 +298,12 @@ def _sources(args: argparse.Namespace) -> Dict[str, Any]:
     if not [a for a in args.arms.split(",") if a.strip()]:
         raise ValueError(f"--arms {args.arms!r} names no arm; expected some of {list(ARM_FLAGS)}, comma-separated")
     # each arm sets the fused tail and the local argmax itself: a flag that sets either would be overridden
+    from mtpspec.engine.arg_utils import parse_speculative_config  # (llm_kwargs checked the JSON already)
+    spec_keys = parse_speculative_config(getattr(args, "speculative_config", None)) or {}
     set_by_flags = [f for f, on in (("--no-fusion", getattr(args, "no_fusion", False)),
                                     ("--no-local-argmax", getattr(args, "no_local_argmax", False)),
                                     ("--speculative-config's use_local_argmax_reduction",
-                                     "use_local_argmax_reduction" in _json_keys(getattr(args, "speculative_config", None))))
-                    if on]
+                                     "use_local_argmax_reduction" in spec_keys)) if on]
     if set_by_flags:
         per_arm = "; ".join(f"{n}: fusion {f}, local argmax {la}" for n, (f, la) in ARM_FLAGS.items())
         raise ValueError(f"--arms sets the fused tail and the local argmax per arm ({per_arm}); drop "
@@ -319,16 +320,6 @@ def _sources(args: argparse.Namespace) -> Dict[str, Any]:
         spec = dict(base["speculative_config"], use_local_argmax_reduction=local)
         out[name] = dict(base, fuse_allreduce_rmsnorm=fusion, speculative_config=spec)
     return out
-
-
-def _json_keys(text: Optional[str]) -> Tuple[str, ...]:
-    """The keys of a ``--speculative-config`` JSON object (none for ``None``, or for text that is
-    not a JSON object: the engine's own parse reports that)."""
-    try:
-        obj = json.loads(text) if text else None
-    except ValueError:
-        return ()
-    return tuple(obj) if isinstance(obj, dict) else ()
 
 
 def data_files(data: Optional[str] = None, train: Optional[str] = None, num_fewshot: int = 1) -> Tuple[str, str]:

@@ -359,9 +359,8 @@ def _check_paths(cfg: TrainConfig) -> None:
         above = os.path.dirname(above)
     if not os.path.isdir(above):
         raise ValueError(f"--output-dir {cfg.output_dir!r} cannot be made: {above!r} is a file, not a folder")
-    if cfg.init_from and (os.path.realpath(cfg.init_from) == os.path.realpath(cfg.output_dir) or (
-            os.path.isdir(cfg.init_from) and os.path.isdir(cfg.output_dir)
-            and os.path.samefile(cfg.init_from, cfg.output_dir))):  # (samefile: a bind mount too)
+    # (--init-from holds a config.json by now; samefile: any spelling, a link or a bind mount)
+    if cfg.init_from and os.path.isdir(cfg.output_dir) and os.path.samefile(cfg.init_from, cfg.output_dir):
         raise ValueError(f"--init-from and --output-dir are the same folder ({cfg.init_from!r}): a run replaces its "
                          "output folder's model files, so it would overwrite the model it starts from; write to "
                          "another folder and move it afterwards")
