@@ -147,6 +147,8 @@ def test_gsm8k_question_reads_the_bundled_gsm8k(monkeypatch, capsys):
 @pytest.mark.parametrize("argv,needle", [
     (["--prompt-token-ids", "1,,2"], "no empty items"),
     (["--prompt-token-ids", "abc"], "comma-separated ints"),
+    (["--prompt-token-ids=1,--5"], "comma-separated ints"),  # was a ValueError traceback
+    (["--prompt-token-ids", "1,\u00b2"], "comma-separated ints"),  # '²'.isdigit() is True, int('²') fails
     (["--gsm8k-data", "/no/such/file.jsonl", "--gsm8k-question", "0"],
      "error: --gsm8k-data: no file or folder at '/no/such/file.jsonl' (expected a GSM8K JSONL file, or a folder "
      "holding test.jsonl)"),

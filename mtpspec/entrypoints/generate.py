@@ -100,10 +100,11 @@ def _prompts(args: argparse.Namespace) -> List[Any]:
     if args.prompt_token_ids:
         out = []
         for s in args.prompt_token_ids:
-            items = [x.strip() for x in s.split(",")]
-            if not all(x.lstrip("-").isdigit() for x in items):
+            try:  # int() itself decides ("--5", "²" pass an isdigit() test and then fail int())
+                ids = [int(x) for x in s.split(",")]
+            except ValueError:
                 _usage_error(f"--prompt-token-ids: expected comma-separated ints with no empty items, got {s!r}")
-            out.append({"prompt_token_ids": [int(x) for x in items]})
+            out.append({"prompt_token_ids": ids})
         return out
     return args.prompt or ["The capital of France is"]
 
