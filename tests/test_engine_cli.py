@@ -207,6 +207,19 @@ def test_version_flag_prints_the_package_version(capsys) -> None:
         assert exc.value.code == 0 and capsys.readouterr().out.strip() == mtpspec.__version__
 
 
+def test_python_m_mtpspec_runs_the_cli() -> None:
+    """``python -m mtpspec`` is the ``mtpspec`` command (it was "No module named mtpspec.__main__")."""
+    import subprocess
+    import sys
+
+    import mtpspec
+    root = os.path.dirname(os.path.dirname(os.path.abspath(mtpspec.__file__)))
+    env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    r = subprocess.run([sys.executable, "-m", "mtpspec", "--version"], capture_output=True, text=True, env=env,
+                       timeout=120)
+    assert r.returncode == 0 and r.stdout.strip() == mtpspec.__version__, r.stderr
+
+
 # ------------------------------------------------------------------ a KV cache larger than memory
 HUGE_KV_BLOCKS = str(10 ** 12)
 
