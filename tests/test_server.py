@@ -573,6 +573,22 @@ def test_validation_errors_name_the_field(server):
         assert set(err) == {"message", "type", "param", "code"}
 
 
+def test_null_stream_echo_and_chat_logprobs_read_as_false(server):
+    """OpenAI's API types ``stream``, ``echo`` and chat's ``logprobs`` "boolean or null" (vLLM:
+    ``Optional[bool] = False``): a client that sends ``null`` gets the default, not a 400 (it was
+    "stream: Input should be a valid boolean"); a non-boolean is still a 400."""
+    want = _post(server, "/v1/completions", {"prompt": "hi", "max_tokens": 3, "temperature": 0}).json()
+    r = _post(server, "/v1/completions", {"prompt": "hi", "max_tokens": 3, "temperature": 0, "stream": None,
+                                          "echo": None, "logprobs": None})
+    assert r.status_code == 200 and r.headers["content-type"].startswith("application/json"), r.text
+    assert r.json()["choices"][0]["text"] == want["choices"][0]["text"] and r.json()["choices"][0]["logprobs"] is None
+    msgs = [{"role": "user", "content": "x"}]
+    r = _post(server, "/v1/chat/completions", {"messages": msgs, "max_tokens": 2, "stream": None, "logprobs": None})
+    assert r.status_code == 200 and r.json()["choices"][0]["logprobs"] is None, r.text
+    r = _post(server, "/v1/completions", {"prompt": "hi", "stream": "yes"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "stream", r.text
+
+
 @pytest.mark.parametrize("body,needle", BAD_COMPLETIONS)
 def test_bad_completion_requests_get_400(server, body, needle):
     r = _post(server, "/v1/completions", body)

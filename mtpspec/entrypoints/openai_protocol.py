@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
 class OpenAIError(Exception):
@@ -61,11 +61,25 @@ class StreamOptions(BaseModel):
     continuous_usage_stats: Optional[bool] = False
 
 
+#: boolean fields OpenAI's API documents as "boolean or null" (completions' ``logprobs`` is an int or
+#: null and stays one: leaving it out means null there too)
+_NULL_MEANS_DEFAULT = ("stream", "echo", "logprobs")
+
+
 class _Sampling(BaseModel):
     """Fields shared by both endpoints. Strict types: ``"12"`` or ``true`` for ``max_tokens`` and
     ``"yes"`` for a flag are 400s, not coerced (an int is still accepted where a float is)."""
 
     model_config = ConfigDict(extra="ignore", strict=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_reads_as_default(cls, data: Any) -> Any:
+        """``stream``, ``echo`` and chat's ``logprobs`` are "boolean or null" in OpenAI's API (vLLM:
+        ``Optional[bool] = False``): ``null`` means the default (false), not a 400."""
+        if isinstance(data, dict) and any(data.get(k, False) is None for k in _NULL_MEANS_DEFAULT):
+            data = {k: v for k, v in data.items() if not (k in _NULL_MEANS_DEFAULT and v is None)}
+        return data
 
     model: Optional[str] = None
     # unset (None): the model's generation_config.json default, else 1.0
