@@ -276,6 +276,15 @@ def test_echo_logprobs_match_transformers(server, model_dir):
     chunks = _stream(server, "/v1/completions", {"prompt": prompt, "max_tokens": 0, "echo": True})
     assert [c["choices"][0]["text"] for c in chunks] == [prompt]
     assert chunks[0]["choices"][0]["finish_reason"] == "length"
+    # streamed prompt scoring with n > 1: one chunk per choice, each its echo + logprobs and finish reason
+    body = {"prompt": prompt, "max_tokens": 0, "echo": True, "logprobs": 1, "n": 3, "temperature": 1.0}
+    chunks = _stream(server, "/v1/completions", body)
+    assert sorted(c["choices"][0]["index"] for c in chunks) == [0, 1, 2], chunks
+    for c in chunks:
+        ch = c["choices"][0]
+        assert ch["text"] == prompt and ch["finish_reason"] == "length", ch
+        assert ch["logprobs"]["token_logprobs"] == lp0 or all(
+            math.isclose(a, b, abs_tol=1e-4) for a, b in zip(ch["logprobs"]["token_logprobs"][1:], lp0[1:]))
 
 
 def _stream(srv, path, body):

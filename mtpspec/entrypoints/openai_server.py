@@ -996,6 +996,9 @@ async def _completion_sse(ctx: ServerContext, req: CompletionRequest, streams: L
                         and len(out.prompt_logprobs or ()) < len(out.prompt_token_ids)):
                     continue  # the echo waits for the whole prompt's logprobs (a chunked prefill; n > 1: a
                     # snapshot taken as another choice moved)
+                if score_only and not c.finished():
+                    continue  # prompt scoring: one chunk per choice, its echo with its finish reason (n > 1: a
+                    # later choice's echo came with finish_reason null, then an empty chunk with "length")
                 text, ids, lps = d.next(c)
                 if score_only:
                     text, ids, lps = "", [], []
