@@ -342,6 +342,28 @@ def test_abort_mid_prefill_aborts_running_and_waiting_children(model) -> None:
         assert bm.num_free_blocks == free
 
 
+@pytest.mark.parametrize("k", [0, 3])
+def test_an_abort_that_leaves_the_engine_idle_frees_every_block(model, k) -> None:
+    """An ``n > 1`` request aborted with nothing else to run, at every step of its start (the fork
+    step copies child 0's partial last prompt block): every block is free once the engine is idle.
+    The copy's source stayed pinned until the next schedule, which an idle engine never runs, so
+    ``/metrics`` showed one block in use with no request left (a new-user pass, 2026-12-07)."""
+    path, _, _ = model
+    with _llm(path, k) as llm:
+        eng = llm.llm_engine
+        bm = eng.scheduler.block_manager
+        free = bm.num_free_blocks
+        for steps in range(5):
+            rid = f"a{steps}"
+            eng.add_request({"prompt_token_ids": PROMPTS[1]}, _sp(3, n=3, max_tokens=40), request_id=rid)
+            for _ in range(steps):
+                eng.step()
+            assert eng.abort_request(rid).finished
+            while eng.has_unfinished_requests():
+                eng.step()
+            assert bm.num_free_blocks == free and not bm._pinned, steps
+
+
 # ---------------------------------------------------------------------------- scheduler only (simulated greedy model)
 def _family(num_blocks: int, max_tokens: int = 4, caching: bool = False, other: bool = False):
     """A scheduler (block size 4, chunks of 4 tokens, k = 0) holding [a 7-token request "o"

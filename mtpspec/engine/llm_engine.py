@@ -299,9 +299,19 @@ class LLMEngine:
             for seq in parent.children:
                 if not seq.is_finished:
                     self.scheduler.abort(seq.request_id)
+            self._unpin_if_idle()
             return parent.to_output()
         seq = self.scheduler.abort(request_id)
+        self._unpin_if_idle()
         return None if seq is None else seq.to_output()
+
+    def _unpin_if_idle(self) -> None:
+        """With nothing waiting, running or in flight, unpin the last step's block-copy sources
+        (:meth:`BlockManager.release_pinned`; their copies ran). The scheduler unpins them when it
+        schedules the next step, which an idle engine never does: an ``n > 1`` request aborted right
+        after its siblings forked child 0 left that block in use while idle."""
+        if not self.has_unfinished_requests():
+            self.scheduler.block_manager.release_pinned()
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished() or self._inflight is not None
@@ -395,6 +405,7 @@ class LLMEngine:
             outs = self._finished_outputs(self._step_sync())
         if self._untimed is not None:
             self._time_step()
+        self._unpin_if_idle()
         return outs
 
     def _launch(self) -> Optional[Tuple[SchedulerOutput, Any, StepInput]]:
