@@ -607,6 +607,16 @@ def test_bad_completion_requests_get_400(server, body, needle):
     assert needle in err["message"] or needle == err["param"], err
 
 
+def test_empty_model_name_is_the_served_model(server):
+    """``"model": ""`` reads as no model, as in vLLM (``_is_model_supported``: ``if not model_name:
+    return True``); it was a 404 "The model `` does not exist". The response names the served model."""
+    r = _post(server, "/v1/completions", {"prompt": "hi", "max_tokens": 2, "model": ""})
+    assert r.status_code == 200 and r.json()["model"] == server_model_name(server), r.text
+    r = _post(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 2,
+                                               "model": ""})
+    assert r.status_code == 200 and r.json()["model"] == server_model_name(server), r.text
+
+
 def test_unknown_model_is_vllms_404(server):
     for path, body in (("/v1/completions", {"prompt": "hi", "model": "gpt-4"}),
                        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "model": "other"})):

@@ -231,7 +231,9 @@ def _render_chat(tokenizer: Any, req: Any) -> Tuple[str, List[str]]:
 
 
 def _check_model(ctx: ServerContext, name: Optional[str]) -> None:
-    if name is not None and name not in ctx.served_model_names:
+    """404 for a ``model`` the server does not serve; none (``null``, absent) or an empty one is the
+    first served name, as vLLM's ``_is_model_supported`` takes it (``if not model_name: return True``)."""
+    if name and name not in ctx.served_model_names:
         # vLLM's answer: 404 NotFoundError "The model `X` does not exist."
         names = ", ".join(f"`{n}`" for n in ctx.served_model_names)
         raise OpenAIError(404, f"The model `{name}` does not exist. This server serves {names}.",
