@@ -467,6 +467,38 @@ def test_host_plane_separates_per_step_per_sequence_and_per_token_costs() -> Non
     assert plain.overhead_ms_per_token == 0.0 and plain.overhead_ms_per_seq == pytest.approx(c, rel=1e-6)
 
 
+def test_the_trace_keeps_each_sample_and_choice_with_what_it_rested_on(monkeypatch) -> None:
+    """``trace`` (off by default, ``MTPSPEC_ADAPTIVE_TRACE``): one record per step-time sample (the
+    step's figures, steady or not, the host plane after it), per pure-decode choice (each ``k``'s
+    ``(E(k), t(k))``, the best and the chosen ``k``) and per prompt-step choice; at most TRACE_MAX,
+    the oldest dropped."""
+    import mtpspec.spec_decode.adaptive as adaptive
+    costs = _table(sizes=(8,))
+    assert AdaptiveSpecPolicy(3, costs).trace is None
+    pol = AdaptiveSpecPolicy(3, costs, decay=1.0, trace=[])
+    for i in range(4):  # steady from the third k = 2 step on
+        pol.observe_step_time(8, 2, costs.step_ms(8, 2) + 0.5, num_emitted=8 + i)
+    samples = [r for r in pol.trace if r["kind"] == "sample"]
+    assert [r["steady"] for r in samples] == [False, False, True, True]
+    last = samples[-1]
+    assert (last["batch"], last["k"], last["v"], last["r"]) == (8, 2, 2, 3.0)
+    assert last["wall_ms"] == pytest.approx(costs.step_ms(8, 2) + 0.5) and last["excess_ms"] == pytest.approx(0.5)
+    assert last["table_ms"] == pytest.approx(costs.step_ms(8, 2))
+    assert last["plane"] == (pol.overhead_ms, pol.overhead_ms_per_seq, pol.overhead_ms_per_token)
+    k = pol.choose(8)
+    choice = pol.trace[-1]
+    assert choice["kind"] == "choice" and choice["k"] == k and choice["batch"] == 8 and set(choice["cost_of"]) == {0, 1, 2, 3}
+    e, t = choice["cost_of"][choice["best"]]
+    assert e == pytest.approx(pol.expected_tokens(choice["best"]))
+    assert t == pytest.approx(costs.step_ms(8, choice["best"]) + (0.5 if choice["best"] == 2 else pol.host_ms(8, 8 * (e - 1))))
+    pol.choose(8, num_prefill_tokens=100)
+    assert pol.trace[-1]["kind"] == "prompt choice" and pol.trace[-1]["prompt_tokens"] == 100
+    monkeypatch.setattr(adaptive, "TRACE_MAX", 5)
+    for _ in range(10):
+        pol.choose(8)
+    assert len(pol.trace) == 5 and all(r["kind"] == "choice" for r in pol.trace)
+
+
 def test_a_few_odd_steps_do_not_pin_the_policy_to_plain_decoding() -> None:
     """A constant 3 ms of host time a step (k = 3 is best) and one slow step early on: no slope is
     fitted before MIN_FIT_SAMPLES steps, one that cannot be measured later (one k, one batch size)

@@ -248,8 +248,8 @@ def test_bench_arms_in_process_repeats_the_same_steps(model_dir, tmp_path):
            "--ignore-eos", "--forced-acceptance", "rate:0.7",
            "--server-args", "--device cpu --torch-threads 1 --max-model-len 256 --max-num-seqs 4"]
     prof = tmp_path / "prof"  # each run also profiled (the warm-up round's first), then two runs diffed
-    p = subprocess.run(cmd, capture_output=True, text=True, env=dict(child_env(), MTPSPEC_BENCH_PROFILE_DIR=str(prof)),
-                       cwd=REPO, timeout=300)
+    p = subprocess.run(cmd, capture_output=True, text=True, env=dict(child_env(), MTPSPEC_BENCH_PROFILE_DIR=str(prof),
+                                                                      MTPSPEC_ADAPTIVE_TRACE="1"), cwd=REPO, timeout=300)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     assert "adaptive / best other arm (k1)" in p.stdout and "SYNTHETIC" in p.stdout
     assert sorted(os.listdir(prof)) == sorted(f"s8_{arm}_{n}.{ext}" for arm in ("k1", "adaptive") for n in range(3)
@@ -294,6 +294,12 @@ def test_bench_arms_in_process_repeats_the_same_steps(model_dir, tmp_path):
     batches = host.pop("measured_batch")  # and the mean batch size of the steps behind each
     assert set(batches) == set(measured) and all(1 <= v <= int(key.split()[1]) for key, v in batches.items())
     assert all(v >= 0.0 for v in host.values()) and wl["arms"]["k1"]["runs"][0]["adaptive_host_model"] is None
+    for run in wl["arms"]["adaptive"]["runs"]:  # MTPSPEC_ADAPTIVE_TRACE: the policy's records, this run's alone
+        trace, start = run["adaptive_trace"], run["adaptive_trace_timed_from"]
+        kinds = {r["kind"] for r in trace[start:]}
+        assert 0 <= start < len(trace) and "prompt choice" in kinds and kinds <= {"sample", "choice", "prompt choice"}
+        assert all(r["k"] in range(4) for r in trace)
+    assert "adaptive_trace" not in wl["arms"]["k1"]["runs"][0]
     assert "adaptive_vs_best" in wl and 0.0 < wl["arms"]["k1"]["runs"][0]["host_cpu_s"]
     for arm, d in wl["arms"].items():  # where each run's wall time went: every step counted, no more than the run
         r0 = d["runs"][0]

@@ -189,7 +189,8 @@ class LLM:
                     spec.num_speculative_tokens, costs, prompt_reserve=float(spec.adaptive_prompt_reserve),
                     hold_k0_steps=spec.adaptive_hold_k0_steps or HOLD_K0_STEPS,
                     switch_margin=SWITCH_MARGIN if spec.adaptive_switch_margin is None
-                    else float(spec.adaptive_switch_margin))
+                    else float(spec.adaptive_switch_margin),
+                    trace=[] if os.environ.get("MTPSPEC_ADAPTIVE_TRACE", "") not in ("", "0") else None)
                 self.llm_engine.defer_mtp_kv = spec.defers_mtp_kv
                 if max(costs.verify_ms[0]) < sched.max_num_seqs:  # a table timed for fewer sequences
                     print(f"adaptive speculation: warning: the step-cost table ({costs.source}) goes up to batch "

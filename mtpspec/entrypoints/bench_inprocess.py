@@ -23,6 +23,10 @@ counters over the run.
 ``DIR/<tag>_<n>.gc.json`` (Python's garbage collections during the run: count and ms per
 generation, from ``gc.callbacks``). For where an arm's host time goes; the profiler slows the host
 (about 1.5-2x), so those runs' figures are not comparable with unprofiled ones.
+
+``MTPSPEC_ADAPTIVE_TRACE=1``: an adaptive arm's result also has ``adaptive_trace``, the policy's
+step-time samples and choices over the run, warm-up included (``adaptive_trace_timed_from``: the
+first record of the timed part; :attr:`~mtpspec.spec_decode.adaptive.AdaptiveSpecPolicy.trace`).
 """
 
 from __future__ import annotations
@@ -133,12 +137,17 @@ def run_in_process(llm: Any, cfg: BenchConfig, forced: Optional[str] = None,
                             (lambda text: tok.encode(text)) if tok is not None else None, cfg.dataset, cfg.seed)
     warm, prompts = prompts[:cfg.warmup], prompts[cfg.warmup:]
     sched_cfg.max_num_seqs = cfg.max_concurrency
+    trace = getattr(getattr(eng, "spec_policy", None), "trace", None)  # MTPSPEC_ADAPTIVE_TRACE: this run's records
+    if trace is not None:
+        trace.clear()
+    timed_from = 0
     try:
         if warm:
             _generate(llm, warm, cfg, cfg.warmup_output_len or cfg.output_len)
         llm.reset_prefix_cache()  # a run starts cold
         _arm_forced(llm, forced)
         llm.reset_metrics()
+        timed_from = len(trace) if trace is not None else 0
         profiler = _Profiler.start(llm, profile_tag)
         started_at = time.time()
         t0, cpu0 = time.perf_counter(), time.process_time()
@@ -192,6 +201,9 @@ def run_in_process(llm: Any, cfg: BenchConfig, forced: Optional[str] = None,
         "adaptive_host_model": _host_model(getattr(eng, "spec_policy", None)),
         # where the run's wall time went, per kind of step (EngineMetrics.step_wall_s)
         "step_wall": {kind: _step_kind(*rec) for kind, rec in m.get("step_wall_s", {}).items()},
+        # MTPSPEC_ADAPTIVE_TRACE: the policy's samples and choices over the run, its warm-up's first
+        # (AdaptiveSpecPolicy.trace; records from adaptive_trace_timed_from on are the timed run's)
+        **({"adaptive_trace": list(trace), "adaptive_trace_timed_from": timed_from} if trace is not None else {}),
     }
 
 

@@ -159,6 +159,8 @@ PROMPT_RECHECK_AFTER = 8
 #: the batch stays in its bucket: :attr:`AdaptiveSpecPolicy.hold_k0_steps`'s default (see the module
 #: docstring; 4 before session 36, each prompt step and batch-size change asking again).
 HOLD_K0_STEPS = 16
+#: Records :attr:`AdaptiveSpecPolicy.trace` keeps at most (its oldest dropped first)
+TRACE_MAX = 50_000
 #: Prompt-carrying steps: each kind's (``k = 0``, drafting) cost per prompt token is the median of
 #: its last :data:`PROMPT_SAMPLES` samples (a first-use outlier, e.g. a kernel compiled in the step,
 #: cannot fix it); a kind with fewer than :data:`MIN_PROMPT_SAMPLES` (and no more than the other
@@ -453,6 +455,15 @@ class AdaptiveSpecPolicy:
     _catch_up_sums: List[float] = field(default_factory=lambda: [0.0, 0.0], init=False, repr=False)
     _catch_up_rows_timed: int = field(default=0, init=False, repr=False)
     _catch_up_rejected: int = field(default=0, init=False, repr=False)  # outliers in a row (observe_catch_up)
+    #: ``None`` (the default: nothing kept), or a list the policy appends one dict to per step-time
+    #: sample (:meth:`observe_step_time`: ``"sample"`` with the step's batch, ``k``, verified ``v``, wall,
+    #: table and excess ms, extra tokens ``r``, whether it was in a steady run of its ``k`` and the host
+    #: plane after it) and per pure-decode choice (:meth:`choose`: ``"choice"`` with the batch, the ``k``
+    #: chosen, each ``k``'s ``(E(k), t(k))`` before catch-up shares, whether a burst chose it): what
+    #: the choices rested on, step by step (``MTPSPEC_ADAPTIVE_TRACE=1`` turns it on in
+    #: :class:`~mtpspec.engine.llm.LLM`; ``bench arms --in-process`` writes it per run). At most
+    #: :data:`TRACE_MAX` records.
+    trace: Optional[List[Dict[str, object]]] = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if not {0, self.max_k} <= set(self.costs.ks):
@@ -550,6 +561,11 @@ class AdaptiveSpecPolicy:
                     self.transition_extra_ms += (excess - steady - self.transition_extra_ms) / self.transition_steps
             self._fit_host(float(batch), r, excess)
             self._decode_samples += 1
+            if self.trace is not None:
+                self._record({"kind": "sample", "batch": batch, "k": k, "v": v, "wall_ms": wall_ms,
+                              "table_ms": predicted, "excess_ms": excess, "r": r,
+                              "steady": k == self._last_k == self._last_k2 and self._chosen_k in (None, k),
+                              "plane": (self.overhead_ms, self.overhead_ms_per_seq, self.overhead_ms_per_token)})
         self._last_k, self._last_k2 = k, self._last_k
 
     def prompt_ms_per_token(self, drafting: bool) -> float:
@@ -750,13 +766,25 @@ class AdaptiveSpecPolicy:
             self._prompt_k0_best = (batch, self._argmax_rate(base) == 0)
             self._chosen_k = k = self._choose_prompt_step(batch, max(0, batch - num_partial_prefills), n_prompt,
                                                           base, charged if q > 0 else None, catch_up_all)
+            if self.trace is not None:
+                self._record({"kind": "prompt choice", "batch": batch, "prompt_tokens": n_prompt, "k": k,
+                              "explored": self._prompt_explored, "cost_of": {j: base[j] for j in base}})
             return k
         if q > 0 and self._argmax_rate(cost_of) != 0:  # (else k = 0 is best and its rate uncharged)
             cost_of = charged()
         best = self._argmax_rate(cost_of)
         e, t = cost_of[best]
         self._chosen_k = k = self._explored(bucket, best, e / t, base, catch_up_all)
+        if self.trace is not None:
+            self._record({"kind": "choice", "batch": batch, "k": k, "best": best, "burst": self._burst_choice,
+                          "cost_of": {j: base[j] for j in base}, "charged": cost_of is not base})
         return k
+
+    def _record(self, rec: Dict[str, object]) -> None:
+        """Append ``rec`` to :attr:`trace` (the oldest records go past :data:`TRACE_MAX`)."""
+        self.trace.append(rec)
+        if len(self.trace) > TRACE_MAX:
+            del self.trace[:len(self.trace) - TRACE_MAX]
 
     @property
     def exploring(self) -> bool:
