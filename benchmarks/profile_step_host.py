@@ -163,7 +163,7 @@ def run(args: argparse.Namespace, requests: int) -> None:
     wrap(eng.scheduler, "update_from_output", "update_from_output")
     wrap(scheduler_module, "append_tokens", "  append_tokens")
     wrap(eng, "_choose_k", "_choose_k")  # the adaptive policy's choice (0 without a policy)
-    asked = [0, 0]  # timed steps that asked the adaptive policy / that it held at k = 0 (hold_k0_steps)
+    asked = [0, 0]  # timed steps that asked the adaptive policy / that it held (hold_k0_steps, hold_draft_steps)
     policy, choose_k = eng.spec_policy, eng._choose_k
     if policy is not None:  # its one caller is _choose_k, once per asked step
         choose = policy.choose
@@ -205,7 +205,7 @@ def run(args: argparse.Namespace, requests: int) -> None:
           f"{'window' if args.window_detokenizer else 'stream where it applies'}: {wall / args.steps * 1e3:.2f} ms a "
           f"step, {toks / args.steps:.1f} tokens a step, {ptoks / args.steps:.1f} prompt tokens a step")
     if args.adaptive:
-        print(f"  the policy was asked at {asked[0]} of the {args.steps} timed steps, {asked[1]} held at k = 0")
+        print(f"  the policy was asked at {asked[0]} of the {args.steps} timed steps, {asked[1]} held")
     for key in PHASES:
         s = spent[key]
         print(f"  {key:22s} {s / args.steps * 1e3:8.3f} ms a step {s / toks * 1e6:8.2f} us a token")
@@ -219,7 +219,7 @@ def run(args: argparse.Namespace, requests: int) -> None:
                        "prompt_tokens_per_step": ptoks / args.steps,
                        "phase_ms_per_step": {k.strip(): s / args.steps * 1e3 for k, s in spent.items()},
                        "policy_asked_steps": asked[0] if args.adaptive else None,
-                       "held_k0_steps": asked[1] if args.adaptive else None}, f, indent=1)
+                       "held_steps": asked[1] if args.adaptive else None}, f, indent=1)
 
 
 if __name__ == "__main__":

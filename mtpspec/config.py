@@ -105,14 +105,14 @@ class ParallelConfig:
 MAX_NUM_SPECULATIVE_TOKENS = 16
 
 
-def check_hold_k0_steps(n: object) -> None:
-    """``adaptive_hold_k0_steps``: an int (not a bool) >= 1.
+def check_hold_k0_steps(n: object, name: str = "adaptive_hold_k0_steps") -> None:
+    """``adaptive_hold_k0_steps`` (or ``name``: ``adaptive_hold_draft_steps``): an int (not a bool) >= 1.
 
     Raises:
-        ValueError: anything else, naming the value.
+        ValueError: anything else, naming the key and the value.
     """
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise ValueError(f"speculative_config: adaptive_hold_k0_steps must be an int >= 1, got {n!r}")
+        raise ValueError(f"speculative_config: {name} must be an int >= 1, got {n!r}")
 
 
 def check_switch_margin(m: object) -> None:
@@ -178,6 +178,10 @@ class SpeculativeConfig:
             stays in that choice's bucket, without asking the policy (a choice and its timing, ~70
             us on a CPU, is host time a 64-sequence step cannot hide;
             :mod:`mtpspec.spec_decode.adaptive`); 1: the policy is asked every step.
+        adaptive_hold_draft_steps: (adaptive only; default 16) the same for a pure-decode choice of a
+            drafting ``k`` (outside an exploration burst): the engine proposes that ``k`` for this
+            many pure-decode steps in all while the batch stays in the choice's bucket (a prompt
+            step asks again); acceptance is still counted every step. 1: asked every step.
         adaptive_switch_margin: (adaptive only; ``None``, the default, means
             :data:`~mtpspec.spec_decode.adaptive.SWITCH_MARGIN`, 0.03) a drafting ``k`` replaces
             ``k = 0`` only where its predicted rate is above ``1 +`` this times ``k = 0``'s; 0: the
@@ -193,15 +197,15 @@ class SpeculativeConfig:
     Raises:
         ValueError: unknown method, k out of range, an unknown ``draft_sampling``, a non-bool
             ``adaptive``, a cost table or a prompt reserve without ``adaptive``, a prompt reserve
-            outside ``[0, 1)``, a non-bool ``adaptive_defer_mtp_kv``, ``adaptive_hold_k0_steps`` not an
-            int >= 1 or given without ``adaptive``, ``adaptive_switch_margin`` outside ``[0, 1)`` or
+            outside ``[0, 1)``, a non-bool ``adaptive_defer_mtp_kv``, ``adaptive_hold_k0_steps`` or
+            ``adaptive_hold_draft_steps`` not an int >= 1 or given without ``adaptive``, ``adaptive_switch_margin`` outside ``[0, 1)`` or
             given without ``adaptive``.
     """
 
     #: The keys of a ``speculative_config`` dict (vLLM's spelling).
     KEYS = ("method", "num_speculative_tokens", "use_local_argmax_reduction", "index_share_for_mtp_iteration",
             "draft_sampling", "adaptive", "adaptive_cost_table", "adaptive_prompt_reserve", "adaptive_defer_mtp_kv",
-            "adaptive_hold_k0_steps", "adaptive_switch_margin")
+            "adaptive_hold_k0_steps", "adaptive_hold_draft_steps", "adaptive_switch_margin")
     #: Values of ``draft_sampling``.
     DRAFT_SAMPLING = ("greedy", "auto")
 
@@ -215,6 +219,7 @@ class SpeculativeConfig:
     adaptive_prompt_reserve: float = 0.0
     adaptive_defer_mtp_kv: Optional[bool] = None
     adaptive_hold_k0_steps: Optional[int] = None  # None: the policy's default (HOLD_K0_STEPS)
+    adaptive_hold_draft_steps: Optional[int] = None  # None: the policy's default (HOLD_DRAFT_STEPS)
     adaptive_switch_margin: Optional[float] = None  # None: the policy's default (SWITCH_MARGIN)
 
     def __post_init__(self) -> None:
@@ -231,12 +236,15 @@ class SpeculativeConfig:
                              f"{self.adaptive_defer_mtp_kv!r}")
         if self.adaptive_hold_k0_steps is not None:
             check_hold_k0_steps(self.adaptive_hold_k0_steps)
+        if self.adaptive_hold_draft_steps is not None:
+            check_hold_k0_steps(self.adaptive_hold_draft_steps, "adaptive_hold_draft_steps")
         if self.adaptive_switch_margin is not None:
             check_switch_margin(self.adaptive_switch_margin)
         given = [name for name, on in (("adaptive_cost_table", self.adaptive_cost_table is not None),
                                        ("adaptive_prompt_reserve", bool(self.adaptive_prompt_reserve)),
                                        ("adaptive_defer_mtp_kv", self.adaptive_defer_mtp_kv is not None),
                                        ("adaptive_hold_k0_steps", self.adaptive_hold_k0_steps is not None),
+                                       ("adaptive_hold_draft_steps", self.adaptive_hold_draft_steps is not None),
                                        ("adaptive_switch_margin", self.adaptive_switch_margin is not None)) if on]
         if given and not self.adaptive:
             raise ValueError(f"speculative_config: {given[0]} is given but adaptive is false (the adaptive_* keys "

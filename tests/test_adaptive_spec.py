@@ -433,8 +433,9 @@ def test_host_cost_per_emitted_token_is_fitted_and_moves_the_choice_to_plain_dec
         pol = AdaptiveSpecPolicy(3, costs, prior_rate=0.8, prior_weight=1.0, decay=1.0)
         for _ in range(50):
             pol.observe(3, 3)  # forced acceptance: every draft accepted, E(3) ~ 4
-        for i in range(600):  # steps of k = 1..3 whose acceptance varies: n = 64 .. 256 tokens
-            k, n = 1 + i % 3, 64 * (1 + (i * 7) % 4)
+        for i in range(600):  # runs of 6 steps of k = 1..3 (the plane takes steady runs), every draft accepted
+            k = 1 + (i // 6) % 3
+            n = 64 * (k + 1)  # n = 128 .. 256 tokens
             pol.observe_step_time(64, k, costs.step_ms(64, k) + a + b * n, num_emitted=n if with_counts else None)
         return pol
     pol = fed(True)  # one batch size: a and c B are one term, a + 64 b here
@@ -443,8 +444,8 @@ def test_host_cost_per_emitted_token_is_fitted_and_moves_the_choice_to_plain_dec
     e = [pol.expected_tokens(k) for k in range(4)]
     t = [costs.step_ms(64, k) + a + b * 64 * e[k] for k in range(4)]
     assert pol.choose(64) == max(range(4), key=lambda k: (e[k] / t[k], -k)) == 0
-    old = fed(False)  # the same steps as one fixed overhead (their mean excess, ~4.8 ms): k = 3
-    assert old.overhead_ms_per_token == 0.0 and old.overhead_ms > 4.0 and old.choose(64) == 3
+    old = fed(False)  # the same steps as one fixed overhead (their mean excess, ~5.7 ms), k = 0 charged it too
+    assert old.overhead_ms_per_token == 0.0 and old.overhead_ms > 4.0 and old.choose(64) != 0
 
 
 def test_host_plane_separates_per_step_per_sequence_and_per_token_costs() -> None:
@@ -497,6 +498,21 @@ def test_the_trace_keeps_each_sample_and_choice_with_what_it_rested_on(monkeypat
     for _ in range(10):
         pol.choose(8)
     assert len(pol.trace) == 5 and all(r["kind"] == "choice" for r in pol.trace)
+
+
+def test_a_transition_step_s_excess_is_not_in_the_host_plane() -> None:
+    """Only steps inside a steady run of their k feed the host plane: a transition's excess belongs to
+    its switch. H100, 2026-12-07 (the demo model, 8 sequences, ``MTPSPEC_ADAPTIVE_TRACE``): one k = 0
+    step verifying a drafting prompt step's drafts took 0.67 ms over its table with 5 drafts emitted,
+    the plane read it as 0.04-0.13 ms a token, and k = 0 was held for a whole run against k3's 8% lead."""
+    costs = _table(sizes=(8,), verify=lambda b, k: 0.907 + 0.035 * k, draft=lambda b, k: 0.27 * k)
+    pol = AdaptiveSpecPolicy(3, costs, prior_rate=0.8, prior_weight=1e6, decay=1.0, trace=[])
+    for _ in range(30):  # a steady run of k = 0 at its table cost
+        pol.observe_step_time(8, 0, costs.step_ms(8, 0))
+    assert pol.choose(8) == 3  # E(3) / T(8, 3) = 2.95 / 1.82 against 1 / 0.907
+    pol.observe_step_time(8, 0, costs.step_ms(8, 0, 1) + 0.667, verify_k=1, num_emitted=13)
+    assert not pol.trace[-1]["steady"] and pol.trace[-1]["excess_ms"] == pytest.approx(0.667)
+    assert pol.overhead_ms_per_token == 0.0 and pol.overhead_ms == 0.0 and pol.choose(8) == 3
 
 
 def test_a_few_odd_steps_do_not_pin_the_policy_to_plain_decoding() -> None:
@@ -911,8 +927,8 @@ def test_prompt_cost_samples_are_kept_until_trusted_and_none_before_decode_sampl
     pol = AdaptiveSpecPolicy(3, costs, prior_rate=0.9, prior_weight=1e6, decay=1.0)
     # the pure-decode best (E / T for k = 0..3: 1, 1.118, 1.129, 1.109), never the other kind: nothing to explore yet
     assert [pol.choose(1, 1000) for _ in range(5)] == [2] * 5
-    for _ in range(50):
-        pol.observe_step_time(1, 3, costs.step_ms(1, 3) + 1.0)
+    for _ in range(50):  # a steady run of the chosen k
+        pol.observe_step_time(1, 2, costs.step_ms(1, 2) + 1.0)
     for per_token in (0.001, 0.05, 0.05, 0.05):  # a low first sample, then the true cost (50x: no rejection)
         pol.observe_step_time(1, 0, costs.step_ms(1, 0) + 1.0 + 1000 * per_token, num_prefill_tokens=1000)
     assert pol.prefill_ms_per_token == pytest.approx(0.05)
@@ -1436,11 +1452,14 @@ def test_step_cost_of_a_transition_and_its_overhead_sample() -> None:
     costs = _table(verify=lambda b, k: 1.0 + 0.5 * k, draft=lambda b, k: 0.25 * k)
     assert costs.step_ms(1, 0, 3) == pytest.approx(1.0 + 1.5 + 0.0)
     assert costs.step_ms(1, 3, 0) == pytest.approx(1.0 + 0.75)
-    pol = AdaptiveSpecPolicy(3, costs, decay=1.0, overhead_weight=1.0)
+    pol = AdaptiveSpecPolicy(3, costs, decay=1.0, overhead_weight=1.0, trace=[])
     pol.observe_step_time(1, 0, 2.5, verify_k=3)  # exactly verify(3) + draft(0): no overhead
-    assert pol.overhead_ms == pytest.approx(0.0)
-    pol.observe_step_time(1, 0, 2.5)  # as if it had verified 0: 1.5 ms "overhead"
-    assert pol.overhead_ms == pytest.approx(1.5)
+    assert pol.trace[-1]["excess_ms"] == pytest.approx(0.0) and not pol.trace[-1]["steady"]
+    assert pol._fit_samples == 0  # a transition: not in the host plane (its excess is its switch's)
+    for _ in range(3):  # as if each had verified 0: 1.5 ms of host time; from the second on, a steady run of k = 0
+        pol.observe_step_time(1, 0, 2.5)
+    assert [r["steady"] for r in pol.trace] == [False, False, True, True]
+    assert pol.trace[-1]["excess_ms"] == pytest.approx(1.5) and pol.overhead_ms == pytest.approx(1.5)
 
 
 def test_calibration_script_writes_a_table_the_engine_reads(model, tmp_path, capfd) -> None:
@@ -1562,6 +1581,69 @@ class Holding(Scripted):
         self.hold_k0_steps, self.exploring = hold, exploring
 
 
+class HoldingDrafts(Scripted):
+    """:class:`Scripted` that asks the engine to hold its drafting choices (``hold_draft_steps``)."""
+
+    def __init__(self, ks, hold):
+        super().__init__(ks)
+        self.hold_k0_steps, self.hold_draft_steps, self.exploring = 1, hold, False
+
+
+def test_a_drafting_choice_is_held_for_hold_draft_steps_pure_decode_steps(model) -> None:
+    """A drafting step asked the policy too (~85 us on an H100 host: the demo model's k = 3 decode steps at 8
+    sequences, 2.056 ms against the fixed-k3 engine's 1.971): after a pure-decode choice of k >= 1 the
+    engine proposes that k for ``hold_draft_steps - 1`` more pure-decode steps of the same batch size
+    (a stand-in without ``bucket``), never over a prompt step, nor while prompts wait under a prompt
+    reserve, nor above what the scheduler allows; the held steps are not timed for the policy. Lossless."""
+    path, cfg, table = model
+    prompts = mixed_prompts(6, cfg.vocab_size, seed=7)
+    with _llm(path, table, k=0) as llm:
+        want = _greedy(llm, prompts, n=20)
+    with _llm(path, table) as llm:
+        eng = llm.llm_engine
+        hold = 4
+        pol = eng.spec_policy = HoldingDrafts([2, 3, 1, 0, 2, 2, 1, 3, 0], hold)
+        steps, real = [], eng._choose_k
+
+        def spy(out, real=real, steps=steps):
+            allowed, waiting = out.num_proposed_tokens, bool(eng.scheduler.waiting)
+            real(out)
+            steps.append((len(out.scheduled), out.num_prefill_tokens, allowed, waiting, out.num_proposed_tokens,
+                          out.policy_held))
+
+        eng._choose_k = spy
+        got = _greedy(llm, prompts, n=20)
+    assert got == want
+    left, batch, held_k, expect = 0, None, 0, []  # the rule, replayed
+    for b, prefill, allowed, waiting, k, held in steps:
+        if not allowed:  # nothing to propose: neither asked nor held
+            expect.append(False)
+            continue
+        h = bool(left and b == batch and held_k <= allowed and not prefill and not waiting)
+        expect.append(h)
+        if h:
+            left -= 1
+            assert k == held_k
+        else:
+            left, batch, held_k = (hold - 1, b, k) if k > 0 and not prefill else (0, None, 0)
+    assert [s[5] for s in steps] == expect
+    n_held = sum(expect)
+    assert n_held > 0 and all(k > 0 and not p for _, p, _, _, k, h in steps if h), steps
+    assert len(pol.chosen) == sum(1 for s in steps if s[2]) - n_held  # held steps never ask
+    assert len(pol.times) < len(pol.chosen)  # nor are timed (the asked ones are, the first excepted)
+    assert AdaptiveSpecPolicy(3, _table()).hold_draft_steps == 16
+    with LLM(path, speculative_config={"num_speculative_tokens": 2, "adaptive": True, "adaptive_cost_table": table,
+                                       "adaptive_hold_draft_steps": 1},
+             max_model_len=48, block_size=4, max_num_seqs=4, num_kv_blocks=256) as llm:
+        assert llm.llm_engine.spec_policy.hold_draft_steps == 1 and llm.llm_engine.spec_policy.hold_k0_steps == 16
+    for bad in (0, True):
+        with pytest.raises(ValueError, match="adaptive_hold_draft_steps must be an int >= 1"):
+            EngineArgs(speculative_config=json.dumps({"adaptive": True, "adaptive_hold_draft_steps": bad})
+                       ).resolved_speculative_config()
+    with pytest.raises(ValueError, match="adaptive_hold_draft_steps is given but adaptive is false"):
+        EngineArgs(speculative_config='{"adaptive_hold_draft_steps": 2}').resolved_speculative_config()
+
+
 @pytest.mark.parametrize("async_scheduling", [True, False])
 def test_a_k0_choice_is_held_for_hold_k0_steps_steps_of_its_bucket(model, async_scheduling) -> None:
     """A choice and its timing cost ~70 us on the host (a CPU; 1.5-3% of a 64-sequence step on an H100
@@ -1612,7 +1694,7 @@ def test_a_k0_choice_is_held_for_hold_k0_steps_steps_of_its_bucket(model, async_
         pol = llm.llm_engine.spec_policy
         assert pol.hold_k0_steps == 1 and pol.switch_margin == 0.0
     for bad in (0, 2.0):
-        with pytest.raises(ValueError, match="hold_k0_steps an int >= 1"):
+        with pytest.raises(ValueError, match="hold_k0_steps and hold_draft_steps ints >= 1"):
             AdaptiveSpecPolicy(3, _table(), hold_k0_steps=bad)
 
 
@@ -1638,7 +1720,7 @@ def test_the_real_policy_s_hold_spans_its_bucket_and_prompt_steps(model, monkeyp
             enable_forced_acceptance(eng, ForcedAcceptance.parse("rate:0.0"))
             pol, steps, real = eng.spec_policy, [], eng._choose_k
             assert pol.hold_k0_steps == 16  # (the default)
-            pol.hold_k0_steps = hold
+            pol.hold_k0_steps, pol.hold_draft_steps = hold, 1  # (k = 0's hold here; drafting's: its own test)
             if hold == 3:
                 pol.prior_rate = 0.0  # (rates left alone drift back to the prior: a k = 1 choice now and then)
                 monkeypatch.setattr(adaptive, "MEASURE_MARGIN", 0.0)
@@ -1649,9 +1731,9 @@ def test_the_real_policy_s_hold_spans_its_bucket_and_prompt_steps(model, monkeyp
                 real(out)
                 steps.append((len(out.scheduled), out.num_prefill_tokens, out.num_proposed_tokens, out.policy_held))
 
-            def held(n=0, told=told, real_held=real_held):
+            def held(n=0, k=0, told=told, real_held=real_held):
                 told.append(n)
-                real_held(n)
+                real_held(n, k)
 
             eng._choose_k, pol.observe_held_step = spy, held
             got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
@@ -1723,6 +1805,7 @@ def test_an_engine_never_holds_an_exploration_burst_s_k0(model) -> None:
         eng = llm.llm_engine
         enable_forced_acceptance(eng, ForcedAcceptance.parse("rate:1.0"))
         pol, steps, real = eng.spec_policy, [], eng._choose_k
+        pol.hold_draft_steps = 1  # (drafting steps asked: the k = 0 burst lands where this test expects it)
         burst = [0]
 
         def spy(out, real=real):

@@ -254,8 +254,9 @@ def parse_speculative_config(value: SpecArg) -> Optional[Dict[str, Any]]:
         raise ValueError(f"speculative_config: adaptive_cost_table must be a file name and needs adaptive=true, "
                          f"got {table!r} with adaptive={ad!r}")
     check_prompt_reserve(out.get("adaptive_prompt_reserve", 0.0))  # "needs adaptive": after the flags merge
-    if out.get("adaptive_hold_k0_steps") is not None:  # "needs adaptive": after the flags merge
-        check_hold_k0_steps(out["adaptive_hold_k0_steps"])
+    for key in ("adaptive_hold_k0_steps", "adaptive_hold_draft_steps"):  # "needs adaptive": after the flags merge
+        if out.get(key) is not None:
+            check_hold_k0_steps(out[key], key)
     if out.get("adaptive_switch_margin") is not None:  # likewise
         check_switch_margin(out["adaptive_switch_margin"])
     if out.get("adaptive_defer_mtp_kv") is not None and not isinstance(out["adaptive_defer_mtp_kv"], bool):

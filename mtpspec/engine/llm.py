@@ -174,8 +174,8 @@ class LLM:
             # the adaptive policy's timing (a pass over the heap inside a timed step would skew its table)
             self._gc_frozen = freeze_gc_heap()
             if spec is not None and spec.adaptive:
-                from mtpspec.spec_decode.adaptive import (HOLD_K0_STEPS, SWITCH_MARGIN, AdaptiveSpecPolicy,
-                                                          measure_step_costs)
+                from mtpspec.spec_decode.adaptive import (HOLD_DRAFT_STEPS, HOLD_K0_STEPS, SWITCH_MARGIN,
+                                                          AdaptiveSpecPolicy, measure_step_costs)
                 if costs is None:  # timed on every rank alike (the units hold collectives); rank 0's figures
                     print(f"adaptive speculation: timing the step-cost table (batch sizes up to {sched.max_num_seqs}, "
                           "k = 0.." + str(spec.num_speculative_tokens) + "; on a CPU this takes a minute or more: a "
@@ -188,6 +188,7 @@ class LLM:
                 self.llm_engine.spec_policy = AdaptiveSpecPolicy(
                     spec.num_speculative_tokens, costs, prompt_reserve=float(spec.adaptive_prompt_reserve),
                     hold_k0_steps=spec.adaptive_hold_k0_steps or HOLD_K0_STEPS,
+                    hold_draft_steps=spec.adaptive_hold_draft_steps or HOLD_DRAFT_STEPS,
                     switch_margin=SWITCH_MARGIN if spec.adaptive_switch_margin is None
                     else float(spec.adaptive_switch_margin),
                     trace=[] if os.environ.get("MTPSPEC_ADAPTIVE_TRACE", "") not in ("", "0") else None)

@@ -148,8 +148,8 @@ class LLMEngine:
         self._untimed: Optional[Tuple[SchedulerOutput, int, float]] = None
         # an error of a call that also returned finished requests, raised by the next call (_step_ahead)
         self._deferred_error: Optional[Exception] = None
-        # a pure-decode choice of k = 0 held: steps left to propose it without asking, at this batch size
-        self._hold_k0: Tuple[int, int] = (0, 0)
+        # a held choice: (steps left to propose it without asking, its bucket, its k)
+        self._hold: Tuple[int, int, int] = (0, 0, 0)
         #: running mean (weight 1/20) of finished sequences' output lengths: how many tokens a request
         #: not ignoring EOS is expected to emit (:meth:`_catch_up_ahead`); None before the first
         self._mean_output_len: Optional[float] = None
@@ -418,7 +418,7 @@ class LLMEngine:
             self._take_drafts(out)
         self.metrics.num_preemptions += len(out.preempted)
         if out.is_empty:
-            self._hold_k0 = (0, 0)  # idle: the next run's first steps ask the policy (no hold carried over)
+            self._hold = (0, 0, 0)  # idle: the next run's first steps ask the policy (no hold carried over)
             return None
         self._choose_k(out)
         step = self._step_input(out)
@@ -444,14 +444,19 @@ class LLMEngine:
         :meth:`~mtpspec.spec_decode.adaptive.AdaptiveSpecPolicy.k0_is_best`) is held for the
         policy's ``hold_k0_steps`` steps (the asked one included) while the batch stays in the
         choice's bucket (:meth:`~mtpspec.spec_decode.adaptive.AdaptiveSpecPolicy.bucket`; a
-        policy without one: the same batch size), prompt steps among them (``out.policy_held`` on
-        the steps that did not ask; :mod:`mtpspec.spec_decode.adaptive`'s docstring)."""
+        policy without one: the same batch size), prompt steps among them; a pure-decode choice of
+        a drafting ``k`` outside a burst for its ``hold_draft_steps`` pure-decode steps likewise (a
+        prompt step, or waiting prompts under a prompt reserve, ask again). ``out.policy_held`` on
+        the steps that did not ask (:mod:`mtpspec.spec_decode.adaptive`'s docstring)."""
         policy = self.spec_policy
         if policy is not None and out.num_proposed_tokens:
-            left, held_key = self._hold_k0
-            if left > 0 and self._hold_key(len(out.scheduled)) == held_key:
-                self._hold_k0 = (left - 1, held_key)
-                out.num_proposed_tokens, out.defers_mtp, out.policy_held = 0, self.defer_mtp_kv, True
+            left, held_key, held_k = self._hold
+            if left > 0 and self._hold_key(len(out.scheduled)) == held_key and held_k <= out.num_proposed_tokens \
+                    and (not held_k or not (out.num_prefill_tokens or (getattr(policy, "prompt_reserve", 0) > 0
+                                                                       and self.scheduler.waiting))):
+                self._hold = (left - 1, held_key, held_k)
+                out.num_proposed_tokens, out.policy_held = held_k, True
+                out.defers_mtp = self.defer_mtp_kv and held_k == 0
                 return
             n_prompt = out.num_prefill_tokens
             # chunks that do not end their prompt: their drafts are dropped (a pure-decode step has
@@ -467,14 +472,18 @@ class LLMEngine:
                                                         num_partial_prefills=partial, catch_up=lags)
             out.defers_mtp = self.defer_mtp_kv and k == 0
             hold = int(getattr(policy, "hold_k0_steps", 1))  # a policy without it is asked every step
+            hold_draft = int(getattr(policy, "hold_draft_steps", 1))
+            exploring = getattr(policy, "exploring", False)
             # a prompt step's k = 0 holds where the pure-decode choice would be k = 0 too (a run of
             # prompt steps, e.g. a wave of admissions, would otherwise ask at each)
             best0 = getattr(policy, "k0_is_best", None) if n_prompt else None
-            if k == 0 and hold > 1 and not getattr(policy, "exploring", False) and (
+            if k == 0 and hold > 1 and not exploring and (
                     not n_prompt or (best0 is not None and best0(len(out.scheduled)))):
-                self._hold_k0 = (hold - 1, self._hold_key(len(out.scheduled)))
+                self._hold = (hold - 1, self._hold_key(len(out.scheduled)), 0)
+            elif k > 0 and hold_draft > 1 and not exploring and not n_prompt:
+                self._hold = (hold_draft - 1, self._hold_key(len(out.scheduled)), k)
             else:
-                self._hold_k0 = (0, 0)
+                self._hold = (0, 0, 0)
 
     def _hold_key(self, batch: int) -> int:
         """What a held ``k = 0`` choice is kept for: the policy's bucket of ``batch`` (where it has
@@ -539,7 +548,7 @@ class LLMEngine:
                 self.metrics.num_preemptions += len(out.preempted)
                 t1 = time.perf_counter()
                 if out.is_empty:
-                    self._hold_k0 = (0, 0)  # (as in _launch)
+                    self._hold = (0, 0, 0)  # (as in _launch)
                 else:
                     self._choose_k(out)  # adaptive: any k
                     step = self._step_input(out)
@@ -635,10 +644,10 @@ class LLMEngine:
                     policy.observe(v, len(result.new_token_ids[i]) - 1)
         m.spec.observe_step(out.num_proposed_tokens)
         if policy is not None:
-            if out.policy_held:  # not timed for the policy, but a k = 0 step of the run it is in (or a prompt step)
+            if out.policy_held:  # not timed for the policy, but a step of the run of its k (or a prompt step)
                 held = getattr(policy, "observe_held_step", None)
                 if held is not None:
-                    held(out.num_prefill_tokens)
+                    held(out.num_prefill_tokens, out.num_proposed_tokens)
                 self._stepped = True
             else:
                 self._untimed = (out, sum(map(len, result.new_token_ids)), t0)
@@ -756,6 +765,6 @@ class LLMEngine:
         return self.scheduler.block_manager.reset_prefix_cache()
 
     def reset_metrics(self) -> None:
-        self._hold_k0 = (0, 0)  # a measured run starts asking the adaptive policy, as after an idle spell
+        self._hold = (0, 0, 0)  # a measured run starts asking the adaptive policy, as after an idle spell
         k = self.scheduler_config.num_speculative_tokens
         self.metrics = EngineMetrics(spec=SpecDecodingStats(k) if k else None)

@@ -125,9 +125,9 @@ class SchedulerOutput:
     #: deferred MTP entries the step writes before its first pass (set by the engine when it builds
     #: the step's input: ``SeqInput.mtp_lag`` summed; a metric)
     num_catch_up_rows: int = 0
-    #: the engine proposed ``num_proposed_tokens = 0`` without asking its adaptive policy (a held
-    #: ``k = 0`` choice: :attr:`~mtpspec.spec_decode.adaptive.AdaptiveSpecPolicy.hold_k0_steps`);
-    #: the step is not reported to the policy either
+    #: the engine proposed ``num_proposed_tokens`` without asking its adaptive policy (a held
+    #: choice: :attr:`~mtpspec.spec_decode.adaptive.AdaptiveSpecPolicy.hold_k0_steps`, ``hold_draft_steps``);
+    #: the step is not timed for the policy either (its acceptance is counted)
     policy_held: bool = False
     # (len(scheduled) when counted, prefill rows, decode rows): the counts below read on every step
     # by the engine (3-5 times; O(batch) each), made in one pass and kept while no row is added

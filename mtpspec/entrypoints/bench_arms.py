@@ -19,7 +19,8 @@ arm             `mtpspec serve` flags                    what it is
 half the token budget kept for waiting prompts (docs/serving.md). ``adaptive_eagerkv`` is ``adaptive``
 with ``'{"adaptive_defer_mtp_kv": false}'``: its ``k = 0`` steps write their MTP KV entries
 themselves instead of deferring them (the A/B of the deferral). ``adaptive_nohold`` is ``adaptive`` with
-``'{"adaptive_hold_k0_steps": 1}'``: the policy asked every step (the A/B of held ``k = 0`` choices).
+``'{"adaptive_hold_k0_steps": 1, "adaptive_hold_draft_steps": 1}'``: the policy asked every step (the A/B of
+held choices).
 ``adaptive_m0`` is ``adaptive`` with ``'{"adaptive_switch_margin": 0}'``: drafting chosen wherever it rates above
 ``k = 0`` (the A/B of the switch margin).
 
@@ -107,9 +108,10 @@ DEFAULT_ARMS: Dict[str, List[str]] = {
     # adaptive whose k = 0 steps write their MTP KV entries (no deferral): the deferral's A/B
     "adaptive_eagerkv": ["-k", "3", "--adaptive-speculation", "--speculative-config",
                          '{"adaptive_defer_mtp_kv": false, "use_local_argmax_reduction": true}'],
-    # adaptive asked every step (no held k = 0 choices): the hold's A/B
+    # adaptive asked every step (no held choices): the holds' A/B
     "adaptive_nohold": ["-k", "3", "--adaptive-speculation", "--speculative-config",
-                        '{"adaptive_hold_k0_steps": 1, "use_local_argmax_reduction": true}'],
+                        '{"adaptive_hold_k0_steps": 1, "adaptive_hold_draft_steps": 1, '
+                        '"use_local_argmax_reduction": true}'],
     # adaptive without the switch margin (drafting wherever it rates above k = 0): the margin's A/B
     "adaptive_m0": ["-k", "3", "--adaptive-speculation", "--speculative-config",
                     '{"adaptive_switch_margin": 0, "use_local_argmax_reduction": true}'],

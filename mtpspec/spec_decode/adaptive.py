@@ -72,6 +72,16 @@ its catch-up, tens of thousands of deferred entries, blocks it anyway). The meas
 host time then comes from the asked steps alone: with async scheduling a step's wall holds the
 next step's choice, so it is that of a step followed by a held one (no ``choose``). Exploration
 bursts and re-checks count asked choices, so a longer hold also spaces them further apart in steps.
+A pure-decode choice of a drafting ``k`` (outside a burst) is held the same way for
+:attr:`AdaptiveSpecPolicy.hold_draft_steps` pure-decode steps (a prompt step, or prompts waiting
+under a prompt reserve, ask again): the held steps' acceptance is still counted, only the choice
+and the step's timing are skipped (H100, 2026-12-07: the demo model's k = 3 decode steps at 8
+sequences took 2.056 ms under the policy asked every step, 1.971 in the fixed-k3 engine).
+
+Only steps inside a steady run of their ``k`` feed the host plane, as they alone feed the measured
+host times: a transition's excess belongs to its switch (the same run: one ``k = 0`` step verifying
+a drafting prompt step's drafts, 0.67 ms over its table with 5 drafts emitted, read as 0.04 ms a
+token more, held that run at ``k = 0`` against the k3 arm's 8% lead).
 """
 
 from __future__ import annotations
@@ -159,6 +169,11 @@ PROMPT_RECHECK_AFTER = 8
 #: the batch stays in its bucket: :attr:`AdaptiveSpecPolicy.hold_k0_steps`'s default (see the module
 #: docstring; 4 before session 36, each prompt step and batch-size change asking again).
 HOLD_K0_STEPS = 16
+#: Pure-decode steps the engine proposes a drafting ``k`` per choice of it (the asked step included)
+#: while the batch stays in its bucket: :attr:`AdaptiveSpecPolicy.hold_draft_steps`'s default. Before
+#: session 39 every drafting step asked: ~85 us a step on an H100 host (the demo model, 8 sequences:
+#: 2.056 ms a k = 3 decode step against the fixed-k3 engine's 1.971, 2026-12-07).
+HOLD_DRAFT_STEPS = 16
 #: Records :attr:`AdaptiveSpecPolicy.trace` keeps at most (its oldest dropped first)
 TRACE_MAX = 50_000
 #: Prompt-carrying steps: each kind's (``k = 0``, drafting) cost per prompt token is the median of
@@ -363,6 +378,9 @@ class AdaptiveSpecPolicy:
         hold_k0_steps: steps the engine proposes ``k = 0`` for per pure-decode choice of it while
             the batch stays in its bucket, without asking or reporting them (see the module
             docstring; 1: every step asked).
+        hold_draft_steps: the same for a pure-decode choice of a drafting ``k`` (outside a burst):
+            the engine proposes it for this many pure-decode steps while the batch stays in its
+            bucket, a prompt step asking again; the held steps' acceptance is still observed.
         switch_margin: a drafting ``k`` is chosen over ``k = 0`` only where its rate is above
             ``1 + switch_margin`` times ``k = 0``'s (:data:`SWITCH_MARGIN`; 0: plain argmax).
 
@@ -379,6 +397,8 @@ class AdaptiveSpecPolicy:
     prompt_reserve: float = 0.0
     #: steps at ``k = 0`` per pure-decode choice of it (1: the policy asked every step; the module docstring)
     hold_k0_steps: int = HOLD_K0_STEPS
+    #: pure-decode steps at a drafting ``k`` per choice of it (:data:`HOLD_DRAFT_STEPS`)
+    hold_draft_steps: int = HOLD_DRAFT_STEPS
     #: drafting must beat k = 0's rate by this share (:data:`SWITCH_MARGIN`)
     switch_margin: float = SWITCH_MARGIN
     reached: List[float] = field(default_factory=list)
@@ -418,6 +438,7 @@ class AdaptiveSpecPolicy:
     #: Pure-decode steps counted in :attr:`excess_ms` (steady runs of their k), in all.
     steady_steps: int = field(default=0, init=False)
     _decode_samples: int = field(default=0, init=False, repr=False)  # pure-decode steps observed
+    _fit_samples: int = field(default=0, init=False, repr=False)  # ... of them in the plane (steady runs)
     # counted steps per (bucket, k) since its measure was last reset, and the last MEASURED_WINDOW
     # of them as (excess ms, batch)
     _excess_n: Dict[Tuple[int, int], int] = field(default_factory=dict, init=False, repr=False)
@@ -470,11 +491,12 @@ class AdaptiveSpecPolicy:
             raise ValueError(f"adaptive speculation length needs step costs for k = 0 and k = {self.max_k}, "
                              f"the table has {self.costs.ks}")
         if not (0.0 <= self.prior_rate <= 1.0 and self.prior_weight > 0 and 0.0 < self.decay <= 1.0
-                and 0.0 <= self.prompt_reserve < 1.0 and isinstance(self.hold_k0_steps, int)
-                and not isinstance(self.hold_k0_steps, bool) and self.hold_k0_steps >= 1
+                and 0.0 <= self.prompt_reserve < 1.0
+                and all(isinstance(n, int) and not isinstance(n, bool) and n >= 1
+                        for n in (self.hold_k0_steps, self.hold_draft_steps))
                 and 0.0 <= self.switch_margin < 1.0):
             raise ValueError("prior_rate must be in [0, 1], prior_weight > 0, decay in (0, 1], prompt_reserve in "
-                             "[0, 1), hold_k0_steps an int >= 1, switch_margin in [0, 1)")
+                             "[0, 1), hold_k0_steps and hold_draft_steps ints >= 1, switch_margin in [0, 1)")
         self.reached = [0.0] * self.max_k
         self.accepted = [0.0] * self.max_k
 
@@ -542,7 +564,8 @@ class AdaptiveSpecPolicy:
             return
         if 0.25 * predicted <= wall_ms <= 4.0 * predicted + 5.0 and wall_ms > 0.0:
             excess = max(0.0, wall_ms - predicted)
-            if k == self._last_k == self._last_k2 and self._chosen_k in (None, k):  # a steady run of k
+            steady = k == self._last_k == self._last_k2 and self._chosen_k in (None, k)
+            if steady:  # a steady run of k
                 key = (self.bucket(batch), k)
                 self._excess_n[key] = self._excess_n.get(key, 0) + 1
                 self.steady_steps += 1
@@ -555,11 +578,14 @@ class AdaptiveSpecPolicy:
                 self.excess_ms[key] = sum(e for e, _ in mid) / len(mid)
                 self.excess_batch[key] = sum(b for _, b in mid) / len(mid)
             else:  # a transition: what it took beyond a steady step of its k (a diagnostic, not charged)
-                steady = self._measured_host_ms(self.bucket(batch), k, batch)
-                if steady is not None:
+                measured = self._measured_host_ms(self.bucket(batch), k, batch)
+                if measured is not None:
                     self.transition_steps += 1
-                    self.transition_extra_ms += (excess - steady - self.transition_extra_ms) / self.transition_steps
-            self._fit_host(float(batch), r, excess)
+                    self.transition_extra_ms += (excess - measured - self.transition_extra_ms) / self.transition_steps
+            if steady:  # the plane too (a transition's excess is its switch's: H100, 2026-12-07, one k = 0 step
+                # verifying a prompt step's drafts, 0.67 ms over its table with r = 5, took b from 0.073 to 0.110
+                # ms a token and held the demo model's s8 at k = 0 against k3's 8% lead)
+                self._fit_host(float(batch), r, excess)
             self._decode_samples += 1
             if self.trace is not None:
                 self._record({"kind": "sample", "batch": batch, "k": k, "v": v, "wall_ms": wall_ms,
@@ -633,7 +659,7 @@ class AdaptiveSpecPolicy:
         :attr:`decay` a sample, so a slope learnt from a few odd steps cannot pin the choice);
         none before :data:`MIN_FIT_SAMPLES` samples. Then ``a`` = the mean excess less the slopes'
         share, all clipped at 0."""
-        m, w = self._moments, (self.overhead_weight if self._decode_samples else 1.0)
+        m, w = self._moments, (self.overhead_weight if self._fit_samples else 1.0)
         # the eight moments of (B, r, y), unrolled (one step's bookkeeping: a hot path)
         mb = m[0] = m[0] + w * (nb - m[0])
         mr = m[1] = m[1] + w * (r - m[1])
@@ -646,8 +672,9 @@ class AdaptiveSpecPolicy:
         sbb, sbr, srr = m[3] - mb * mb, m[4] - mb * mr, m[5] - mr * mr
         sby, sry = m[6] - mb * my, m[7] - mr * my
         tol = (MIN_SPREAD * mb) ** 2
-        b_ok = sbb > tol and self._decode_samples + 1 >= MIN_FIT_SAMPLES
-        r_ok = srr > tol and self._decode_samples + 1 >= MIN_FIT_SAMPLES
+        self._fit_samples += 1
+        b_ok = sbb > tol and self._fit_samples >= MIN_FIT_SAMPLES
+        r_ok = srr > tol and self._fit_samples >= MIN_FIT_SAMPLES
         det = sbb * srr - sbr * sbr
         if b_ok and r_ok and det > MIN_SPREAD * sbb * srr:
             c, b = (srr * sby - sbr * sry) / det, (sbb * sry - sbr * sby) / det
@@ -807,16 +834,16 @@ class AdaptiveSpecPolicy:
         burst's (pure decode) or a re-try of the other kind (``k = 0`` vs drafting) at a prompt step."""
         return self._prompt_explored if self._last_prompt else self._burst_choice
 
-    def observe_held_step(self, num_prefill_tokens: int = 0) -> None:
-        """A step that the engine proposed ``k = 0`` for without asking (a held choice,
-        :attr:`hold_k0_steps`; not timed): a pure-decode one still counts as a ``k = 0`` step before
-        the next observed one, so that one is in a steady run of ``k = 0``; one carrying
-        ``num_prefill_tokens`` prompt tokens makes the next one a transition, as an observed
-        prompt step does (:meth:`observe_step_time`)."""
+    def observe_held_step(self, num_prefill_tokens: int = 0, k: int = 0) -> None:
+        """A step that the engine proposed ``k`` for without asking (a held choice,
+        :attr:`hold_k0_steps`, :attr:`hold_draft_steps`; not timed): a pure-decode one still counts
+        as a step of ``k`` before the next observed one, so that one is in a steady run of ``k``;
+        one carrying ``num_prefill_tokens`` prompt tokens makes the next one a transition, as an
+        observed prompt step does (:meth:`observe_step_time`)."""
         if num_prefill_tokens > 0:
             self._last_k = self._last_k2 = None
         else:
-            self._last_k, self._last_k2 = 0, self._last_k
+            self._last_k, self._last_k2 = k, self._last_k
 
     def k0_is_best(self, batch: int) -> bool:
         """The last prompt step's :meth:`choose` (at ``batch`` sequences) found ``k = 0`` the best
