@@ -77,7 +77,7 @@ def trace(llm: Any, prompts: List[List[int]], output_len: int, concurrency: int)
         rows.append(dict(t=now, batch=len(out.scheduled), k=out.num_proposed_tokens, v=out.num_spec_tokens,
                          prefill=out.num_prefill_tokens, gap=(now - last[0]) * 1e3 if last[0] else None,
                          ahead=eng._inflight is not None, wall=None, predicted=None, counted=None,
-                         held=getattr(out, "policy_held", False),  # a held k = 0 step: not reported to the policy
+                         held=getattr(out, "policy_held", False),  # a held step (any k): not timed for the policy
                          explored=getattr(out, "trace_explored", None),  # k from an exploration (None: not asked)
                          # deferred MTP entries scheduled for catch-up since the previous applied step (counted
                          # when a step is prepared: with a step scheduled ahead, they may be the next row's)

@@ -179,9 +179,10 @@ class SpeculativeConfig:
             us on a CPU, is host time a 64-sequence step cannot hide;
             :mod:`mtpspec.spec_decode.adaptive`); 1: the policy is asked every step.
         adaptive_hold_draft_steps: (adaptive only; default 16) the same for a pure-decode choice of a
-            drafting ``k`` (outside an exploration burst): the engine proposes that ``k`` for this
-            many pure-decode steps in all while the batch stays in the choice's bucket (a prompt
-            step asks again); acceptance is still counted every step. 1: asked every step.
+            drafting ``k`` (outside an exploration burst) once that ``k``'s host time is measured at
+            the batch's bucket: the engine proposes that ``k`` for this many pure-decode steps in all
+            while the batch stays in the choice's bucket (a prompt step, or prompts waiting under a
+            prompt reserve, ask again); acceptance is still counted every step. 1: asked every step.
         adaptive_switch_margin: (adaptive only; ``None``, the default, means
             :data:`~mtpspec.spec_decode.adaptive.SWITCH_MARGIN`, 0.03) a drafting ``k`` replaces
             ``k = 0`` only where its predicted rate is above ``1 +`` this times ``k = 0``'s; 0: the

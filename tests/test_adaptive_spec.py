@@ -1903,3 +1903,62 @@ def test_a_prompt_kind_displaced_by_its_own_slow_steps_is_sampled_again(recheck,
         assert pol.rechecks_done == {"prompt k0": 1}
     else:
         assert ks[-6:] == [3] * 6, ks
+
+
+def _engine_rule_run(pol, wall, batch, alpha, steps, seed=0):
+    """``steps`` pure-decode steps of ``batch`` sequences under the engine's own choice-and-hold rule
+    (:meth:`LLMEngine._choose_k` on a stand-in engine), observed in the engine's order (a step's
+    acceptance, held steps told as such, then the next choice, then the step's time); the ks proposed."""
+    import random
+    from types import SimpleNamespace
+    from mtpspec.engine.llm_engine import LLMEngine
+    rng = random.Random(seed)
+    eng = SimpleNamespace(spec_policy=pol, _hold=(0, 0, 0), defer_mtp_kv=False, scheduler=SimpleNamespace(waiting=[]),
+                          scheduler_config=SimpleNamespace(max_num_batched_tokens=8192))
+    eng._hold_key = lambda b: LLMEngine._hold_key(eng, b)
+    ks, prev = [], None  # prev: (k, verified, accepted drafts emitted, held)
+    for _ in range(steps):
+        if prev is not None and prev[3]:
+            pol.observe_held_step(0, prev[0])
+        out = SimpleNamespace(num_proposed_tokens=pol.max_k, scheduled=[None] * batch, num_prefill_tokens=0,
+                              defers_mtp=False, policy_held=False)
+        LLMEngine._choose_k(eng, out)
+        k, v = out.num_proposed_tokens, (prev[0] if prev else 0)
+        if prev is not None and not prev[3]:  # timed after the next step's choice, as _time_step
+            pol.observe_step_time(batch, prev[0], wall(prev[1], prev[0], prev[2]), prev[1], 0, batch + prev[2])
+        accepted = [next((j for j in range(v) if rng.random() >= alpha), v) for _ in range(batch)]
+        for a in accepted if v else ():
+            pol.observe(v, a)
+        pol.end_step()
+        ks.append(k)
+        prev = (k, v, sum(accepted), out.policy_held)
+    return ks
+
+
+def test_a_drafting_k_is_held_only_once_measured_at_its_bucket() -> None:
+    """Review of the drafting hold (session 39): a drafting k priced by the host plane alone (not measured
+    at this bucket) and held ran two holds (32 steps) before its own steps' measure could displace it
+    (the asked step's sample comes in after the next choice): on a host-bound engine where k = 0 is best
+    (the figures of the simulated-engine test above), k = 2, 3 and 1 each ran 32 steps of the first 120 at 64
+    sequences. Held only once measured (holds_draft), each is asked again until its steady steps measure
+    it, a few steps each; once measured, a drafting choice is held as before."""
+    dev = {0: 1.18, 1: 2.30, 2: 3.52, 3: 4.74}
+    costs = StepCostTable({k: {64: dev[k] * 0.8} for k in dev}, {k: {64: dev[k] * 0.2} for k in dev}, "synthetic")
+
+    def host_bound(v, k, r):
+        if v == 0 and k == 0:
+            return 2.9  # scheduled ahead of the step in flight
+        return costs.step_ms(64, k, v) + 1.7 + 0.016 * 64 * max(v, k) + 0.012 * r
+
+    pol = AdaptiveSpecPolicy(3, costs, prior_rate=0.8)
+    assert pol.hold_draft_steps == 16 and not pol.holds_draft(64, 2)
+    ks = _engine_rule_run(pol, host_bound, 64, 0.8, 120)
+    assert sum(1 for k in ks if k) <= 20, ks
+    assert ks[-40:] == [0] * 40, ks
+    # a measured drafting k is held (device-bound: k = 3 is best)
+    costs2 = _table(sizes=(8,), verify=lambda b, k: 0.907 + 0.035 * k, draft=lambda b, k: 0.27 * k)
+    pol2, asked = AdaptiveSpecPolicy(3, costs2, prior_rate=0.8), []
+    real = pol2.choose
+    pol2.choose = lambda *a, **kw: asked.append(1) or real(*a, **kw)
+    ks2 = _engine_rule_run(pol2, lambda v, k, r: costs2.step_ms(8, k, v) + 0.2, 8, 0.8, 200)
+    assert pol2.holds_draft(8, 3) and ks2[-100:].count(3) >= 90 and len(asked) <= 40, (len(asked), ks2)  # (bursts asked)

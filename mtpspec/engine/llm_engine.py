@@ -445,8 +445,10 @@ class LLMEngine:
         policy's ``hold_k0_steps`` steps (the asked one included) while the batch stays in the
         choice's bucket (:meth:`~mtpspec.spec_decode.adaptive.AdaptiveSpecPolicy.bucket`; a
         policy without one: the same batch size), prompt steps among them; a pure-decode choice of
-        a drafting ``k`` outside a burst for its ``hold_draft_steps`` pure-decode steps likewise (a
-        prompt step, or waiting prompts under a prompt reserve, ask again). ``out.policy_held`` on
+        a drafting ``k`` outside a burst, once measured at that bucket
+        (:meth:`~mtpspec.spec_decode.adaptive.AdaptiveSpecPolicy.holds_draft`), for its
+        ``hold_draft_steps`` pure-decode steps likewise (a prompt step, or waiting prompts under a
+        prompt reserve, ask again). ``out.policy_held`` on
         the steps that did not ask (:mod:`mtpspec.spec_decode.adaptive`'s docstring)."""
         policy = self.spec_policy
         if policy is not None and out.num_proposed_tokens:
@@ -477,10 +479,13 @@ class LLMEngine:
             # a prompt step's k = 0 holds where the pure-decode choice would be k = 0 too (a run of
             # prompt steps, e.g. a wave of admissions, would otherwise ask at each)
             best0 = getattr(policy, "k0_is_best", None) if n_prompt else None
+            # a drafting k is held only once measured at this bucket (a policy without holds_draft: always)
+            measured = getattr(policy, "holds_draft", None) if k > 0 and hold_draft > 1 else None
             if k == 0 and hold > 1 and not exploring and (
                     not n_prompt or (best0 is not None and best0(len(out.scheduled)))):
                 self._hold = (hold - 1, self._hold_key(len(out.scheduled)), 0)
-            elif k > 0 and hold_draft > 1 and not exploring and not n_prompt:
+            elif k > 0 and hold_draft > 1 and not exploring and not n_prompt and (
+                    measured is None or measured(len(out.scheduled), k)):
                 self._hold = (hold_draft - 1, self._hold_key(len(out.scheduled)), k)
             else:
                 self._hold = (0, 0, 0)

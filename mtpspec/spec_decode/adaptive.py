@@ -72,7 +72,9 @@ its catch-up, tens of thousands of deferred entries, blocks it anyway). The meas
 host time then comes from the asked steps alone: with async scheduling a step's wall holds the
 next step's choice, so it is that of a step followed by a held one (no ``choose``). Exploration
 bursts and re-checks count asked choices, so a longer hold also spaces them further apart in steps.
-A pure-decode choice of a drafting ``k`` (outside a burst) is held the same way for
+A pure-decode choice of a drafting ``k`` (outside a burst) whose host time is measured at the
+batch's bucket (:meth:`AdaptiveSpecPolicy.holds_draft`; one the plane alone prices is asked again
+until measured) is held the same way for
 :attr:`AdaptiveSpecPolicy.hold_draft_steps` pure-decode steps (a prompt step, or prompts waiting
 under a prompt reserve, ask again): the held steps' acceptance is still counted, only the choice
 and the step's timing are skipped (H100, 2026-12-07: the demo model's k = 3 decode steps at 8
@@ -378,9 +380,10 @@ class AdaptiveSpecPolicy:
         hold_k0_steps: steps the engine proposes ``k = 0`` for per pure-decode choice of it while
             the batch stays in its bucket, without asking or reporting them (see the module
             docstring; 1: every step asked).
-        hold_draft_steps: the same for a pure-decode choice of a drafting ``k`` (outside a burst):
-            the engine proposes it for this many pure-decode steps while the batch stays in its
-            bucket, a prompt step asking again; the held steps' acceptance is still observed.
+        hold_draft_steps: the same for a pure-decode choice of a drafting ``k`` (outside a burst)
+            whose host time is measured at the batch's bucket (:meth:`holds_draft`): the engine
+            proposes it for this many pure-decode steps while the batch stays in its bucket, a
+            prompt step asking again; the held steps' acceptance is still observed.
         switch_margin: a drafting ``k`` is chosen over ``k = 0`` only where its rate is above
             ``1 + switch_margin`` times ``k = 0``'s (:data:`SWITCH_MARGIN`; 0: plain argmax).
 
@@ -844,6 +847,15 @@ class AdaptiveSpecPolicy:
             self._last_k = self._last_k2 = None
         else:
             self._last_k, self._last_k2 = k, self._last_k
+
+    def holds_draft(self, batch: int, k: int) -> bool:
+        """Whether a pure-decode choice of drafting ``k`` at ``batch`` sequences may be held
+        (:attr:`hold_draft_steps`): only once that ``k``'s host time is measured at ``batch``'s
+        bucket (:attr:`excess_ms`). A ``k`` priced by the host plane alone is asked again every step
+        until its own steady steps measure it: held, a wrong guess ran for two holds (the asked
+        step's sample comes in after the next choice; a review's simulation of s64 on a host-bound
+        engine: each of k = 2, 3, 1 ran 32 steps before k = 0 won, 2% of the run)."""
+        return (self.bucket(batch), k) in self.excess_ms
 
     def k0_is_best(self, batch: int) -> bool:
         """The last prompt step's :meth:`choose` (at ``batch`` sequences) found ``k = 0`` the best
