@@ -448,8 +448,8 @@ class LLMEngine:
         a drafting ``k`` outside a burst, once measured at that bucket
         (:meth:`~mtpspec.spec_decode.adaptive.AdaptiveSpecPolicy.holds_draft`), for its
         ``hold_draft_steps`` pure-decode steps likewise (a prompt step, or waiting prompts under a
-        prompt reserve, ask again). ``out.policy_held`` on
-        the steps that did not ask (:mod:`mtpspec.spec_decode.adaptive`'s docstring)."""
+        prompt reserve, ask again). ``out.policy_held`` on the steps that did not ask
+        (:mod:`mtpspec.spec_decode.adaptive`'s docstring)."""
         policy = self.spec_policy
         if policy is not None and out.num_proposed_tokens:
             left, held_key, held_k = self._hold
@@ -491,7 +491,7 @@ class LLMEngine:
                 self._hold = (0, 0, 0)
 
     def _hold_key(self, batch: int) -> int:
-        """What a held ``k = 0`` choice is kept for: the policy's bucket of ``batch`` (where it has
+        """What a held choice is kept for: the policy's bucket of ``batch`` (where it has
         ``bucket``), else ``batch`` itself."""
         bucket = getattr(self.spec_policy, "bucket", None)
         return batch if bucket is None else bucket(batch)
