@@ -285,3 +285,65 @@ def test_ctrl_c_while_llm_starts_stops_the_ranks(setup, monkeypatch) -> None:
     with pytest.raises(KeyboardInterrupt):
         LLM(path, tensor_parallel_size=2, speculative_config={"num_speculative_tokens": 3, "adaptive": True}, **LLM_KW)
     assert len(seen) == 1 and seen[0]._closed and not any(p.is_alive() for p in seen[0].procs)
+
+
+def kill_rank_0(runner: Any) -> bool:
+    """Runs on each rank: rank 0 dies of SIGKILL (as from the out-of-memory killer)."""
+    import os
+    import signal
+    if dist.get_rank() == 0:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return True
+
+
+def test_a_killed_rank_is_named_once_with_its_signal(setup) -> None:
+    """A rank killed by a signal (SIGKILL: the out-of-memory killer, ``kill -9``) wrote nothing, so the
+    error said ``rank 0 died (exit code -9, SIGKILL); rank 0 exited (exit code -9) without a reply; its
+    output above says why``: the same death twice, and output that is not there. Now one clause."""
+    import os
+    import signal
+
+    from mtpspec.engine.executor import WorkerError
+    path, _, prompts, _, _ = setup
+    with LLM(path, tensor_parallel_size=2, speculative_config={"num_speculative_tokens": 2}, **LLM_KW) as llm:
+        procs = llm.llm_engine.executor.procs
+        with pytest.raises(WorkerError) as info:  # killed while it serves a message
+            llm.collective_rpc(kill_rank_0)
+        msg = str(info.value)
+        assert msg == "rank 0 died (exit code -9, SIGKILL) without a reply", msg
+        assert not any(p.is_alive() for p in procs)
+    with LLM(path, tensor_parallel_size=2, **LLM_KW) as llm:  # killed while idle
+        procs = llm.llm_engine.executor.procs
+        os.kill(procs[1].pid, signal.SIGKILL)
+        procs[1].join(timeout=10)
+        with pytest.raises(WorkerError) as info:
+            llm.generate(token_prompts(prompts), SP, use_tqdm=False)
+        msg = str(info.value)
+        assert msg.startswith("rank 1 died (exit code -9, SIGKILL)") and msg.count("rank 1 ") == 1, msg
+        assert "output above" not in msg, msg
+
+
+def test_ranks_start_again_on_another_port_when_theirs_was_taken(setup, monkeypatch) -> None:
+    """The rendezvous port is picked free, then bound by rank 0's store a few seconds later; a process
+    that took it meanwhile made the launch fail (``DistNetworkError ... EADDRINUSE``, a traceback) with
+    nothing wrong in the command. The ranks now start again on a newly picked port."""
+    import socket
+
+    from mtpspec.distributed import launcher
+    path, _, prompts, ref, _ = setup
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen(8)
+    picks = []
+    real = launcher.find_free_port
+
+    def first_one_taken() -> int:
+        picks.append(taken.getsockname()[1] if not picks else real())
+        return picks[-1]
+    monkeypatch.setattr(launcher, "find_free_port", first_one_taken)
+    try:
+        with LLM(path, tensor_parallel_size=2, **LLM_KW) as llm:
+            outs = llm.generate(token_prompts(prompts), SP, use_tqdm=False)
+    finally:
+        taken.close()
+    assert len(picks) == 2 and [o.outputs[0].token_ids for o in outs] == ref

@@ -195,6 +195,12 @@ class InProcessExecutor(Executor):
             release_device_memory()
 
 
+def exit_text(code: Optional[int]) -> str:
+    """``exit code N``, with the signal's name for a process a signal ended (``exit code -9, SIGKILL``)."""
+    named = code is not None and code < 0 and -code in signal.Signals._value2member_map_
+    return f"exit code {code}" + (f", {signal.Signals(-code).name}" if named else "")
+
+
 @contextlib.contextmanager
 def sigint_held() -> Iterator[None]:
     """Hold SIGINT off for the block (in the main thread, where Python runs its handler; a signal
@@ -221,6 +227,17 @@ def release_device_memory() -> None:
         torch.cuda.empty_cache()
 
 
+#: start-ups of the spawned ranks, each on a newly picked port, while rank 0 finds its port taken
+PORT_ATTEMPTS = 3
+
+
+def _port_taken(exc: "WorkerError") -> bool:
+    """Whether a rank failed to start because the rendezvous port was taken meanwhile (torch's
+    ``DistNetworkError ... EADDRINUSE``)."""
+    text = f"{exc}\n{exc.rank_traceback}"
+    return "EADDRINUSE" in text or "address already in use" in text.lower()
+
+
 class MultiprocExecutor(Executor):
     """Spawns ``world_size`` persistent ranks and feeds them steps through pipes.
 
@@ -243,24 +260,30 @@ class MultiprocExecutor(Executor):
         from mtpspec.distributed.launcher import check_main_guard, find_free_port
         check_main_guard(f"tensor_parallel_size={world_size} spawns its ranks as new processes")
         ctx = mp.get_context("spawn")
-        port = find_free_port()
         threads = max(1, (os.cpu_count() or 1) // world_size)
         self.step_timeout_s = step_timeout_s
-        self.conns, self.procs = [], []
-        self._closed = False
-        self._owed: List[int] = []  # ranks whose reply to the last message is still unread
-        for rank in range(world_size):
-            parent, child = ctx.Pipe()
-            p = ctx.Process(target=spawned_worker_main, args=(rank, world_size, port, cfg, child, threads), daemon=True)
-            p.start()
-            child.close()
-            self.conns.append(parent)
-            self.procs.append(p)
-        try:
-            ready = self._recv_all(start_timeout_s)
-        except BaseException:
-            self.shutdown()
-            raise
+        for attempt in range(1, PORT_ATTEMPTS + 1):
+            # the port was free when picked, but another process may bind it before rank 0's store does
+            port = find_free_port()
+            self.conns, self.procs = [], []
+            self._closed = False
+            self._owed: List[int] = []  # ranks whose reply to the last message is still unread
+            for rank in range(world_size):
+                parent, child = ctx.Pipe()
+                p = ctx.Process(target=spawned_worker_main, args=(rank, world_size, port, cfg, child, threads),
+                                daemon=True)
+                p.start()
+                child.close()
+                self.conns.append(parent)
+                self.procs.append(p)
+            try:
+                ready = self._recv_all(start_timeout_s)
+                break
+            except BaseException as exc:
+                self.shutdown()
+                if attempt < PORT_ATTEMPTS and isinstance(exc, WorkerError) and _port_taken(exc):
+                    continue
+                raise
         self.num_kv_blocks = int(ready[0])
 
     def _recv_all(self, timeout_s: float, grace_s: float = 2.0) -> List[Any]:
@@ -313,7 +336,7 @@ class MultiprocExecutor(Executor):
             if not proc.is_alive():
                 if conn.poll(0.5):
                     break
-                raise WorkerError(f"rank {rank} died (exit code {proc.exitcode}) without a reply" + main_guard_hint())
+                raise WorkerError(f"rank {rank} died ({exit_text(proc.exitcode)}) without a reply" + main_guard_hint())
             if time.monotonic() > deadline:
                 raise WorkerError(f"rank {rank} did not reply within {timeout_s:.0f} s")
         with sigint_held():  # a reply is read whole and struck off _owed, or not at all
@@ -321,7 +344,10 @@ class MultiprocExecutor(Executor):
                 kind, payload = conn.recv()
             except EOFError:  # the rank closed its pipe (exited) without a reply
                 proc.join(timeout=5)
-                raise WorkerError(f"rank {rank} exited (exit code {proc.exitcode}) without a reply; its output "
+                code = proc.exitcode
+                if code is not None and code < 0:  # killed by a signal: it wrote nothing about it
+                    raise WorkerError(f"rank {rank} died ({exit_text(code)}) without a reply") from None
+                raise WorkerError(f"rank {rank} exited ({exit_text(code)}) without a reply; its output "
                                   "above says why" + main_guard_hint()) from None
             if self._owed and self._owed[0] == rank:
                 self._owed.pop(0)
@@ -351,6 +377,9 @@ class MultiprocExecutor(Executor):
         except BaseException as exc:
             dead = self.dead_ranks()
             self.shutdown()
+            if dead and isinstance(exc, WorkerError) and str(exc).startswith(dead.split(" (")[0] + " ") \
+                    and dead.count("rank ") == 1:  # exc is already the one dead rank's own report
+                raise
             if dead and isinstance(exc, WorkerError) and not isinstance(exc, WorkerInputError):
                 # another rank's death surfaces as a collective error on the survivors: name the dead one
                 err = WorkerError(f"{dead}; {exc.summary}")
@@ -366,10 +395,7 @@ class MultiprocExecutor(Executor):
         out = []
         for r, p in enumerate(self.procs):
             if not p.is_alive() and p.exitcode is not None:
-                code = p.exitcode
-                named = code < 0 and -code in signal.Signals._value2member_map_
-                sig = f", {signal.Signals(-code).name}" if named else ""
-                out.append(f"rank {r} died (exit code {code}{sig})")
+                out.append(f"rank {r} died ({exit_text(p.exitcode)})")
         return ", ".join(out)
 
     def execute(self, step: StepInput) -> StepOutput:
