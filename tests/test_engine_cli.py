@@ -327,3 +327,22 @@ def test_generate_summary_shows_steps_per_k_for_adaptive_engines_even_at_full_k(
     assert "steps proposing k" not in generate.format_metrics(m)
     m["num_speculative_tokens_histogram"] = [1, 0, 0, 3]
     assert "steps proposing k  [1, 0, 0, 3]" in generate.format_metrics(m)
+
+
+def test_a_failed_rank_is_its_traceback_and_one_error_line_not_the_driver_s_traceback(monkeypatch, capsys):
+    """A rank that died or crashed under `mtpspec generate -tp 2` (or `eval gsm8k`) ended the command
+    with the driver's traceback (engine -> executor frames) around the rank's; `serve` and `tp-demo`
+    already said ``error: ...``. Now: the rank's traceback (where it failed), then one error line, exit 1."""
+    from mtpspec.engine.executor import WorkerError
+    from mtpspec.entrypoints import cli, generate
+
+    def rank_failed(args):
+        err = WorkerError("rank 1 died (exit code -9, SIGKILL); rank 0 failed: RuntimeError: Connection reset by peer")
+        err.rank_traceback = "Traceback (most recent call last):\n  File \"worker.py\", line 1\nRuntimeError: reset\n"
+        raise err
+    monkeypatch.setattr(generate, "run", rank_failed)
+    assert cli.main(["generate", "--prompt", "x"]) == 1
+    err = capsys.readouterr().err
+    assert err.endswith("\nerror: rank 1 died (exit code -9, SIGKILL); rank 0 failed: RuntimeError: Connection "
+                        "reset by peer\n"), err
+    assert err.count("Traceback") == 1 and "RuntimeError: reset" in err and "cli.py" not in err, err

@@ -49,6 +49,17 @@ def main(argv: Optional[List[str]] = None) -> int:
     except KeyboardInterrupt:  # Ctrl-C: the command's own clean-up ran on the way out; no traceback
         print(f"mtpspec {args.command}: interrupted", file=sys.stderr)
         return 130
+    except Exception as exc:
+        # a rank died or failed (rank input errors are ValueErrors, the commands' own: exit 2); the module
+        # is loaded when one was raised, and commands that never start ranks need not import torch here
+        worker_error = getattr(sys.modules.get("mtpspec.engine.executor"), "WorkerError", None)
+        if worker_error is None or not isinstance(exc, worker_error) or isinstance(exc, ValueError):
+            raise
+        # the rank's traceback says where; the driver's own frames (engine -> executor) add nothing
+        if exc.rank_traceback:
+            print(f"the failing rank's traceback:\n{exc.rank_traceback.rstrip()}", file=sys.stderr)
+        print(f"error: {exc.summary}", file=sys.stderr)
+        return 1
 
 
 _OPTION_NAME = re.compile(r"--[A-Za-z0-9][A-Za-z0-9_-]*")
