@@ -346,3 +346,34 @@ def test_a_failed_rank_is_its_traceback_and_one_error_line_not_the_driver_s_trac
     assert err.endswith("\nerror: rank 1 died (exit code -9, SIGKILL); rank 0 failed: RuntimeError: Connection "
                         "reset by peer\n"), err
     assert err.count("Traceback") == 1 and "RuntimeError: reset" in err and "cli.py" not in err, err
+
+
+def test_generate_under_torchrun_prints_on_rank_0_only(path) -> None:
+    """`torchrun --nproc-per-node 2 -m mtpspec generate -tp 2` printed the completions once per rank,
+    the second time with zero metrics (rank 0 schedules: "output tokens 0 (- tok/s over 0 steps)");
+    with --json two objects, one of them without acceptance figures. Now rank 0 alone prints."""
+    import subprocess
+    import sys
+
+    from mtpspec.distributed.launcher import find_free_port
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                                        os.environ.get("PYTHONPATH", "")])}
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+                        str(find_free_port()), "-m", "mtpspec", "generate", "--model", path, "-tp", "2", "-k", "2",
+                        "--prompt", "w5 w6", "--max-tokens", "4", "--max-model-len", "48", "--num-kv-blocks", "64",
+                        "--device", "cpu", "--json"], capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    lines = [x for x in r.stdout.splitlines() if x.strip()]
+    assert len(lines) == 1, r.stdout
+    assert json.loads(lines[0])["metrics"]["num_drafts"] > 0
+
+
+def test_torchrun_follower_is_a_rank_other_than_0_of_a_torchrun_launch(monkeypatch) -> None:
+    from mtpspec.distributed.launcher import torchrun_follower
+    for env, want in (({}, False), ({"WORLD_SIZE": "2", "RANK": "0"}, False), ({"WORLD_SIZE": "2", "RANK": "1"}, True),
+                      ({"WORLD_SIZE": "1", "RANK": "0"}, False), ({"WORLD_SIZE": "2"}, False)):
+        for k in ("WORLD_SIZE", "RANK"):
+            monkeypatch.delenv(k, raising=False)
+        for k, v in env.items():
+            monkeypatch.setenv(k, v)
+        assert torchrun_follower() is want, env

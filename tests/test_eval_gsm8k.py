@@ -146,6 +146,24 @@ def test_eval_cli_unreachable_server_is_a_clear_error(capsys):
     assert err.startswith("error: talking to " + url) and "ConnectError" in err
 
 
+def test_eval_cli_under_torchrun_reports_on_rank_0_only(monkeypatch, tmp_path, capsys):
+    """Under `torchrun ... -m mtpspec eval gsm8k -tp 2` every rank printed the report (the followers'
+    with no acceptance length: their engines do not schedule) and wrote --json to the same file."""
+    import argparse
+    p = argparse.ArgumentParser()
+    eval_gsm8k.add_parser(p.add_subparsers(dest="command"))
+    out = tmp_path / "res.json"
+    args = p.parse_args(["eval", "gsm8k", "--data", os.path.join(GSM8K_DIR, "test.jsonl"), "--limit", "1",
+                         "--num-fewshot", "1", "--no-progress", "--json", str(out)])
+    monkeypatch.setattr(eval_gsm8k, "evaluate", lambda *a, **k: {"fake": True})
+    monkeypatch.setattr(eval_gsm8k, "format_report", lambda res: "REPORT")
+    for rank, printed in (("1", False), ("0", True)):
+        monkeypatch.setenv("WORLD_SIZE", "2")
+        monkeypatch.setenv("RANK", rank)
+        assert eval_gsm8k.run(args) == 0
+        assert ("REPORT" in capsys.readouterr().out) == printed and out.exists() == printed, rank
+
+
 def test_lm_eval_local_completions_against_server(server, tmp_path):
     name = httpx.get(server.url + "/v1/models").json()["data"][0]["id"]
     out = tmp_path / "lm_eval_out"

@@ -31,6 +31,15 @@ class RemoteTraceback(Exception):
         return self.tb
 
 
+def torchrun_follower() -> bool:
+    """Whether this process is a rank other than 0 of a ``torchrun`` launch (``WORLD_SIZE`` > 1 and
+    ``RANK`` set, as :func:`~mtpspec.engine.executor.make_executor` reads them): every rank runs the
+    command and gets the same outputs, so only rank 0 reports them (vLLM's torchrun example prints on
+    rank 0 alone); a follower's engine metrics are empty (rank 0 schedules)."""
+    world = int(os.environ.get("WORLD_SIZE", "0") or 0)
+    return world > 1 and "RANK" in os.environ and int(os.environ["RANK"] or 0) != 0
+
+
 def find_free_port() -> int:
     """A TCP port on 127.0.0.1 that was free a moment ago."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:

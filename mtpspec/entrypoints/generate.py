@@ -190,6 +190,9 @@ def run(args: argparse.Namespace) -> int:
         return 2
     finally:
         llm.shutdown()
+    from mtpspec.distributed.launcher import torchrun_follower
+    if torchrun_follower():  # under torchrun rank 0 prints (every rank printed, the others zero metrics)
+        return 0
     if args.json:
         import json
         print(json.dumps({"outputs": [{"prompt": o.prompt, "prompt_token_ids": o.prompt_token_ids,
