@@ -146,6 +146,19 @@ def test_eval_cli_unreachable_server_is_a_clear_error(capsys):
     assert err.startswith("error: talking to " + url) and "ConnectError" in err
 
 
+def test_eval_cli_help_states_every_default():
+    """`mtpspec eval gsm8k --help` listed --num-fewshot and --max-tokens without a word (defaults 5 and 256)."""
+    import argparse
+    p = argparse.ArgumentParser()
+    eval_gsm8k.add_parser(p.add_subparsers(dest="command"))
+    sub = next(a for a in p._actions if isinstance(a, argparse._SubParsersAction)).choices["eval"]
+    gsm = next(a for a in sub._actions if isinstance(a, argparse._SubParsersAction)).choices["gsm8k"]
+    own = {"--num-fewshot", "--limit", "--max-tokens", "--max-concurrency"}
+    for a in gsm._actions:
+        if own & set(a.option_strings):
+            assert "default" in (a.help or ""), a.option_strings
+
+
 def test_eval_cli_under_torchrun_reports_on_rank_0_only(monkeypatch, tmp_path, capsys):
     """Under `torchrun ... -m mtpspec eval gsm8k -tp 2` every rank printed the report (the followers'
     with no acceptance length: their engines do not schedule) and wrote --json to the same file."""

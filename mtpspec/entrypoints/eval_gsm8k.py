@@ -267,10 +267,11 @@ def add_parser(sub: Any) -> None:
                         "else the copy bundled in mtpspec/data/gsm8k)")
     g.add_argument("--train", default=None,
                    help="JSONL of the shots, or a folder with train.jsonl (default: train.jsonl beside the test file)")
-    g.add_argument("--num-fewshot", type=int, default=DEFAULT_NUM_FEWSHOT)
-    g.add_argument("--limit", type=int, default=None, help="first N questions only")
-    g.add_argument("--max-tokens", type=int, default=256)
-    g.add_argument("--max-concurrency", type=int, default=32, help="requests in flight per server")
+    g.add_argument("--num-fewshot", type=int, default=DEFAULT_NUM_FEWSHOT,
+                   help=f"solved train examples before each question (default {DEFAULT_NUM_FEWSHOT})")
+    g.add_argument("--limit", type=int, default=None, help="first N questions only (default: all)")
+    g.add_argument("--max-tokens", type=int, default=256, help="most tokens per completion (default 256, lm-eval's)")
+    g.add_argument("--max-concurrency", type=int, default=32, help="requests in flight per server (default 32)")
     g.add_argument("--json", default=None, help="write every completion and score to this file")
     g.add_argument("--no-progress", action="store_true")
 
