@@ -347,3 +347,23 @@ def test_ranks_start_again_on_another_port_when_theirs_was_taken(setup, monkeypa
     finally:
         taken.close()
     assert len(picks) == 2 and [o.outputs[0].token_ids for o in outs] == ref
+
+
+def test_shutdown_ends_a_frozen_rank(setup, monkeypatch) -> None:
+    """A rank stopped by SIGSTOP (frozen): the other rank's collective timed out and the command printed
+    its error, but shutdown's SIGTERM does not end a stopped process, and at exit multiprocessing joined
+    the daemonic rank without a timeout: `mtpspec generate -tp 2` never exited. Shutdown now ends it
+    with SIGKILL after SIGTERM."""
+    import os
+    import signal
+    import time
+
+    from mtpspec.engine import executor
+    path, _, _, _, _ = setup
+    monkeypatch.setattr(executor, "SHUTDOWN_JOIN_S", 1.0)
+    llm = LLM(path, tensor_parallel_size=2, **LLM_KW)
+    procs = llm.llm_engine.executor.procs
+    os.kill(procs[1].pid, signal.SIGSTOP)
+    t0 = time.monotonic()
+    llm.shutdown()
+    assert not any(p.is_alive() for p in procs) and time.monotonic() - t0 < 15

@@ -227,6 +227,9 @@ def release_device_memory() -> None:
         torch.cuda.empty_cache()
 
 
+#: seconds :meth:`MultiprocExecutor.shutdown` waits for each rank to exit before SIGTERM (then SIGKILL)
+SHUTDOWN_JOIN_S = 10.0
+
 #: start-ups of the spawned ranks, each on a newly picked port, while rank 0 finds its port taken
 PORT_ATTEMPTS = 3
 
@@ -419,9 +422,12 @@ class MultiprocExecutor(Executor):
         for c in self.conns:
             c.close()
         for p in self.procs:
-            p.join(timeout=10)
+            p.join(timeout=SHUTDOWN_JOIN_S)
             if p.is_alive():
                 p.terminate()
+                p.join(timeout=5)
+            if p.is_alive():  # a stopped (SIGSTOP) or otherwise frozen rank outlives SIGTERM; at exit
+                p.kill()      # multiprocessing would join it without a timeout: the command never ended
                 p.join(timeout=5)
 
 
