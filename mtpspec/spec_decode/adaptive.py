@@ -593,7 +593,7 @@ class AdaptiveSpecPolicy:
             if self.trace is not None:
                 self._record({"kind": "sample", "batch": batch, "k": k, "v": v, "wall_ms": wall_ms,
                               "table_ms": predicted, "excess_ms": excess, "r": r,
-                              "steady": k == self._last_k == self._last_k2 and self._chosen_k in (None, k),
+                              "steady": steady,
                               "plane": (self.overhead_ms, self.overhead_ms_per_seq, self.overhead_ms_per_token)})
         self._last_k, self._last_k2 = k, self._last_k
 
@@ -798,7 +798,7 @@ class AdaptiveSpecPolicy:
                                                           base, charged if q > 0 else None, catch_up_all)
             if self.trace is not None:
                 self._record({"kind": "prompt choice", "batch": batch, "prompt_tokens": n_prompt, "k": k,
-                              "explored": self._prompt_explored, "cost_of": {j: base[j] for j in base}})
+                              "explored": self._prompt_explored, "cost_of": dict(base)})
             return k
         if q > 0 and self._argmax_rate(cost_of) != 0:  # (else k = 0 is best and its rate uncharged)
             cost_of = charged()
@@ -807,7 +807,7 @@ class AdaptiveSpecPolicy:
         self._chosen_k = k = self._explored(bucket, best, e / t, base, catch_up_all)
         if self.trace is not None:
             self._record({"kind": "choice", "batch": batch, "k": k, "best": best, "burst": self._burst_choice,
-                          "cost_of": {j: base[j] for j in base}, "charged": cost_of is not base})
+                          "cost_of": dict(base), "charged": cost_of is not base})
         return k
 
     def _record(self, rec: Dict[str, object]) -> None:
