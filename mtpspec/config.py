@@ -105,8 +105,9 @@ class ParallelConfig:
 MAX_NUM_SPECULATIVE_TOKENS = 16
 
 
-def check_hold_k0_steps(n: object, name: str = "adaptive_hold_k0_steps") -> None:
-    """``adaptive_hold_k0_steps`` (or ``name``: ``adaptive_hold_draft_steps``): an int (not a bool) >= 1.
+def check_hold_steps(n: object, name: str) -> None:
+    """``name`` (``adaptive_hold_k0_steps`` or ``adaptive_hold_draft_steps``) set to ``n``: an int (not a
+    bool) >= 1.
 
     Raises:
         ValueError: anything else, naming the key and the value.
@@ -199,8 +200,8 @@ class SpeculativeConfig:
         ValueError: unknown method, k out of range, an unknown ``draft_sampling``, a non-bool
             ``adaptive``, a cost table or a prompt reserve without ``adaptive``, a prompt reserve
             outside ``[0, 1)``, a non-bool ``adaptive_defer_mtp_kv``, ``adaptive_hold_k0_steps`` or
-            ``adaptive_hold_draft_steps`` not an int >= 1 or given without ``adaptive``, ``adaptive_switch_margin`` outside ``[0, 1)`` or
-            given without ``adaptive``.
+            ``adaptive_hold_draft_steps`` not an int >= 1 or given without ``adaptive``,
+            ``adaptive_switch_margin`` outside ``[0, 1)`` or given without ``adaptive``.
     """
 
     #: The keys of a ``speculative_config`` dict (vLLM's spelling).
@@ -236,9 +237,9 @@ class SpeculativeConfig:
             raise ValueError(f"speculative_config: adaptive_defer_mtp_kv must be true or false, got "
                              f"{self.adaptive_defer_mtp_kv!r}")
         if self.adaptive_hold_k0_steps is not None:
-            check_hold_k0_steps(self.adaptive_hold_k0_steps)
+            check_hold_steps(self.adaptive_hold_k0_steps, "adaptive_hold_k0_steps")
         if self.adaptive_hold_draft_steps is not None:
-            check_hold_k0_steps(self.adaptive_hold_draft_steps, "adaptive_hold_draft_steps")
+            check_hold_steps(self.adaptive_hold_draft_steps, "adaptive_hold_draft_steps")
         if self.adaptive_switch_margin is not None:
             check_switch_margin(self.adaptive_switch_margin)
         given = [name for name, on in (("adaptive_cost_table", self.adaptive_cost_table is not None),

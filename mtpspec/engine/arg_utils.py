@@ -70,7 +70,7 @@ from dataclasses import dataclass, fields, replace
 from typing import Any, Dict, Optional, Union
 
 from mtpspec.config import (ALLREDUCE_BACKENDS, KV_CACHE_DTYPES, LOAD_FORMATS, MAX_NUM_SPECULATIVE_TOKENS,
-                            ModelConfig, ParallelConfig, SpeculativeConfig, check_hold_k0_steps,
+                            ModelConfig, ParallelConfig, SpeculativeConfig, check_hold_steps,
                             check_prompt_reserve, check_switch_margin)
 
 #: ``max_model_len`` when none is given: the model's ``max_position_embeddings``, at most this
@@ -256,7 +256,7 @@ def parse_speculative_config(value: SpecArg) -> Optional[Dict[str, Any]]:
     check_prompt_reserve(out.get("adaptive_prompt_reserve", 0.0))  # "needs adaptive": after the flags merge
     for key in ("adaptive_hold_k0_steps", "adaptive_hold_draft_steps"):  # "needs adaptive": after the flags merge
         if out.get(key) is not None:
-            check_hold_k0_steps(out[key], key)
+            check_hold_steps(out[key], key)
     if out.get("adaptive_switch_margin") is not None:  # likewise
         check_switch_margin(out["adaptive_switch_margin"])
     if out.get("adaptive_defer_mtp_kv") is not None and not isinstance(out["adaptive_defer_mtp_kv"], bool):
