@@ -31,13 +31,18 @@ class RemoteTraceback(Exception):
         return self.tb
 
 
-def torchrun_follower() -> bool:
-    """Whether this process is a rank other than 0 of a ``torchrun`` launch (``WORLD_SIZE`` > 1 and
-    ``RANK`` set, as :func:`~mtpspec.engine.executor.make_executor` reads them): every rank runs the
-    command and gets the same outputs, so only rank 0 reports them (vLLM's torchrun example prints on
-    rank 0 alone); a follower's engine metrics are empty (rank 0 schedules)."""
+def torchrun_world() -> int:
+    """The number of ranks of the ``torchrun`` launch this process is one of (``WORLD_SIZE`` > 1 with
+    ``RANK`` set), else 0 (:func:`~mtpspec.engine.executor.make_executor` then spawns its own ranks)."""
     world = int(os.environ.get("WORLD_SIZE", "0") or 0)
-    return world > 1 and "RANK" in os.environ and int(os.environ["RANK"] or 0) != 0
+    return world if world > 1 and "RANK" in os.environ else 0
+
+
+def torchrun_follower() -> bool:
+    """Whether this process is a rank other than 0 of a ``torchrun`` launch (:func:`torchrun_world`):
+    every rank runs the command and gets the same outputs, so only rank 0 reports them (vLLM's
+    torchrun example prints on rank 0 alone); a follower's engine metrics are empty (rank 0 schedules)."""
+    return bool(torchrun_world()) and int(os.environ["RANK"] or 0) != 0
 
 
 def find_free_port() -> int:

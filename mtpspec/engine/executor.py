@@ -441,8 +441,9 @@ def make_executor(cfg: EngineConfig, tensor_parallel_size: Optional[int] = None)
     """
     if tensor_parallel_size is None:
         tensor_parallel_size = cfg.parallel_config.tensor_parallel_size
-    world = int(os.environ.get("WORLD_SIZE", "0") or 0)
-    if world > 1 and "RANK" in os.environ:
+    from mtpspec.distributed.launcher import torchrun_world
+    world = torchrun_world()
+    if world:
         if world != tensor_parallel_size:
             raise ValueError(f"under torchrun WORLD_SIZE={world} but tensor_parallel_size={tensor_parallel_size}")
         from mtpspec.distributed import get_tp_group, init_distributed_environment
