@@ -46,6 +46,7 @@ import torch
 from mtpspec.attention.backends.abstract import AttentionBackend, AttentionImpl, AttentionLayerBase
 from mtpspec.attention.kv_cache_interface import AttentionSpec
 from mtpspec.layers.attention import AttentionMetadata
+from mtpspec.ops.slot_scatter import scatter_rows_to_slots
 from mtpspec.step_io import host_to_device
 
 if TYPE_CHECKING:
@@ -151,19 +152,16 @@ class MTPHiddenStateCache(AttentionLayerBase):
     def write_padded(self, hidden: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         """:meth:`write` for a graph unit's padded rows: ``hidden [n, H]`` (any float dtype; stored in
         :attr:`dtype`) at ``slot_mapping [n]`` (int64), whose padding rows have slot ``-1`` and whose
-        row 0 is real. A padding row is written at row 0's slot, then row 0 again (an ``index_copy_``
-        with repeated indices keeps any one of their rows), so the result is that of :meth:`write`
-        over the real rows alone; no host sync (fit for CUDA-graph capture).
+        row 0 is real: the result is that of :meth:`write` over the real rows alone, in one kernel
+        (:func:`~mtpspec.ops.slot_scatter.scatter_rows_to_slots`); no host sync (fit for CUDA-graph
+        capture).
 
         Raises:
             RuntimeError: the cache is not allocated.
         """
         if self.kv_cache is None:
             raise RuntimeError("the hidden-state cache is not allocated")
-        first = slot_mapping[:1]
-        self.impl.do_kv_cache_update(self, hidden, None, self.kv_cache, torch.where(slot_mapping >= 0, slot_mapping,
-                                                                                    first))
-        self.impl.do_kv_cache_update(self, hidden[:1], None, self.kv_cache, first)
+        scatter_rows_to_slots(self.kv_cache.view(-1, self.kv_cache.shape[-1]), hidden, slot_mapping[:hidden.shape[0]])
 
     def read(self, meta: AttentionMetadata) -> torch.Tensor:
         """The rows at ``meta.slot_mapping [n]``: ``[n, H]`` in :attr:`dtype`. No host sync.
