@@ -1962,3 +1962,25 @@ def test_a_drafting_k_is_held_only_once_measured_at_its_bucket() -> None:
     pol2.choose = lambda *a, **kw: asked.append(1) or real(*a, **kw)
     ks2 = _engine_rule_run(pol2, lambda v, k, r: costs2.step_ms(8, k, v) + 0.2, 8, 0.8, 200)
     assert pol2.holds_draft(8, 3) and ks2[-100:].count(3) >= 90 and len(asked) <= 40, (len(asked), ks2)  # (bursts asked)
+
+
+@pytest.mark.parametrize("floor", ["on", "off"])
+def test_no_burst_tries_a_smaller_k_that_could_not_win_without_any_host_time(floor, monkeypatch) -> None:
+    """H100, 2026-12-07, the demo model at 8 sequences (its start-up table: 0.911 / 1.323 / 1.601 /
+    1.796 ms at k = 0 .. 3; acceptance 0.86 a position): k = 3 is best (~1.66 tokens a ms with 0.15 ms
+    of host), and k = 1 at most 1.86 / (0.9 * 1.323) = 1.56 even with no host time, k = 0 at most
+    1.26: neither is ever burst-tried; k = 2 (at most 1.80) may win, and is measured. With the floor
+    off (DEVICE_FLOOR_SHARE ~0: every k may win) k = 1 was tried, 6 steps a burst."""
+    from mtpspec.spec_decode import adaptive
+    if floor == "off":
+        monkeypatch.setattr(adaptive, "DEVICE_FLOOR_SHARE", 1e-9)
+    dev = {0: 0.911, 1: 1.323, 2: 1.601, 3: 1.796}
+    costs = StepCostTable({k: {8: dev[k] * 0.8} for k in dev}, {k: {8: dev[k] * 0.2} for k in dev}, "synthetic")
+    pol = AdaptiveSpecPolicy(3, costs, prior_rate=0.86)
+    chosen = []
+    _simulate(pol, costs, lambda v, k, r: costs.step_ms(8, k, v) + 0.15, 8, 0.86, 400, seed=3, chosen=chosen)
+    assert chosen[-100:].count(3) >= 95, chosen[-100:]
+    if floor == "on":
+        assert 1 not in chosen and 0 not in chosen and 2 in chosen, sorted(set(chosen))
+    else:
+        assert chosen.count(1) >= adaptive.EXPLORE_STEPS, sorted(set(chosen))

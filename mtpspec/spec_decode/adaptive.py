@@ -137,6 +137,14 @@ EXPLORE_MARGIN = 0.15
 #: (pricing builds the batch's lag list, an ``O(batch)`` pass).
 MEASURE_MARGIN = 0.5
 MEASURE_CATCH_UP = 0.25
+#: No burst (of any kind) tries a ``k`` below the best that could not beat the best even with no host
+#: time at all: ``E(k) / (DEVICE_FLOOR_SHARE * T(batch, k))`` (``T``: the table's device ms; the share
+#: leaves room for steps faster than their start-up timing) below the best's rate. ``E(k)`` of a
+#: ``k`` below the best rests on the positions the best's own verifications measure, and ``T`` on no
+#: host model, so no error of the host plane can hide a ``k`` that wins. H100, 2026-12-07, the demo
+#: model at 8 sequences: k = 1 (E 1.86, table 1.32 ms: at most 1.56 tokens a ms) was burst-tried at a
+#: k = 3 best of 1.66, 6 of a round's 172 steps at 60% of k = 3's rate, ~1.4% of the round.
+DEVICE_FLOOR_SHARE = 0.9
 EXPLORE_RECHECK = 32
 #: A (batch size, k) counts as measured after this many counted steps (two bursts of 3), or after
 #: :data:`MAX_MEASURING_BURSTS` bursts whatever they counted; measured ones not proposed for
@@ -1032,6 +1040,9 @@ class AdaptiveSpecPolicy:
                     stale = [k for k in due if base[k][0] / (base[k][1] + (c if k else 0.0))
                              >= (1.0 - EXPLORE_MARGIN) * best_rate]
                     declined = not stale
+            if stale:  # none that could not win even without host time (DEVICE_FLOOR_SHARE)
+                stale = [k for k in stale if self._could_win(bucket, k, best, best_rate, base)]
+                declined = declined or not stale
             if declined:
                 self._declined[bucket] = n + EXPLORE_RECHECK
             if stale:  # the one proposed longest ago
@@ -1049,6 +1060,19 @@ class AdaptiveSpecPolicy:
                 k, self._explore, self._burst_choice = best, [], False
         seen[k] = n
         return k
+
+
+    def _could_win(self, bucket: int, k: int, best: int, best_rate: float,
+                   base: Dict[int, Tuple[float, float]]) -> bool:
+        """Whether ``k`` could beat ``best`` (rate ``best_rate``) at table batch size ``bucket`` whatever
+        its host time: a ``k`` above the best always may (its further positions' rates are not measured
+        by the best's verifications); one below only if ``E(k)`` over :data:`DEVICE_FLOOR_SHARE` of its
+        table device time (``k = 0``'s rate counted ``1 +`` :attr:`switch_margin` times, as in
+        :meth:`_argmax_rate`) reaches ``best_rate``."""
+        if k >= best:
+            return True
+        bound = base[k][0] / (DEVICE_FLOOR_SHARE * self.costs.step_ms(bucket, k))
+        return bound * (1.0 + self.switch_margin if k == 0 else 1.0) >= best_rate
 
 
 def _expected_tokens(rates: Sequence[float]) -> List[float]:
