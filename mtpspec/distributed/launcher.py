@@ -14,7 +14,7 @@ import queue as queue_mod
 import socket
 import time
 import traceback
-from typing import Any, Callable, List, Optional
+from typing import Any, Callable, List, Optional, Tuple
 
 import torch
 import torch.multiprocessing as mp
@@ -50,6 +50,17 @@ def find_free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+#: start-ups of the ranks (:func:`launch`, :class:`~mtpspec.engine.executor.MultiprocExecutor`), each on a
+#: newly picked port, while rank 0 finds its port taken
+PORT_ATTEMPTS = 3
+
+
+def port_taken(text: str) -> bool:
+    """Whether a rank's error (its message and traceback) says that the rendezvous port was taken after it
+    was picked (torch's ``DistNetworkError ... EADDRINUSE``)."""
+    return "EADDRINUSE" in text or "address already in use" in text.lower()
 
 
 def _main_guard_spans(path: str) -> Optional[List[range]]:
@@ -177,16 +188,39 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, backend: Optiona
         The first exception a rank raised (chronologically, which is the root cause when
         other ranks then fail waiting for it), chained to a :class:`RemoteTraceback` that
         holds the rank's traceback. ``RuntimeError`` if a rank dies without reporting or
-        the run exceeds ``timeout_s``; every rank is terminated before raising.
+        the run exceeds ``timeout_s``; every rank is terminated before raising. A rank that
+        finds the rendezvous port taken (``EADDRINUSE``: another process bound it after it was
+        picked) starts the ranks again on a new port, up to :data:`PORT_ATTEMPTS` times in all.
         ``RuntimeError`` from :func:`check_main_guard` (nothing spawned) when called at import
         time of a main script without ``if __name__ == "__main__":``.
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     check_main_guard(f"launch(world_size={world_size}) spawns its ranks as new processes")
+    deadline = time.monotonic() + timeout_s
+    for attempt in range(1, PORT_ATTEMPTS + 1):
+        # the port was free when picked, but another process may bind it before rank 0's store does
+        results, first_error = _run_ranks(fn, world_size, args, backend, dist_timeout_s, find_free_port(),
+                                          deadline, timeout_s)
+        if first_error is None or attempt == PORT_ATTEMPTS or \
+                not port_taken(f"{first_error[0]}\n{first_error[1]}"):
+            break
+    if first_error is not None:
+        exc, tb, rank = first_error
+        raise exc from RemoteTraceback(f"\n--- traceback of rank {rank} ---\n{tb}")
+    return results
+
+
+def _run_ranks(fn: Callable[..., Any], world_size: int, args: tuple, backend: Optional[str], dist_timeout_s: float,
+               port: int, deadline: float, timeout_s: float) -> Tuple[List[Any], Optional[tuple]]:
+    """One start of :func:`launch`'s ranks on ``port``: every rank's result in rank order and ``None``, or
+    ``(exception, traceback text, rank)`` of the first rank that raised (every rank is ended then).
+
+    Raises:
+        RuntimeError: a rank died without reporting, or ``deadline`` (``time.monotonic()``) passed.
+    """
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    port = find_free_port()
     threads = max(1, (os.cpu_count() or 1) // world_size)
     procs = [ctx.Process(target=_worker, daemon=True,
                          args=(r, world_size, port, backend, dist_timeout_s, fn, args, q, threads))
@@ -196,7 +230,6 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, backend: Optiona
     results: List[Any] = [None] * world_size
     done = [False] * world_size
     first_error = None
-    deadline = time.monotonic() + timeout_s
     try:
         while not all(done):
             try:
@@ -229,7 +262,4 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, backend: Optiona
             p.join(timeout=10)
             if p.is_alive():
                 p.kill()
-    if first_error is not None:
-        exc, tb, rank = first_error
-        raise exc from RemoteTraceback(f"\n--- traceback of rank {rank} ---\n{tb}")
-    return results
+    return results, first_error

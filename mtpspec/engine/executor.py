@@ -14,7 +14,7 @@ from typing import Any, Callable, Iterator, List, Optional, Protocol
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from mtpspec.distributed.launcher import main_guard_hint
+from mtpspec.distributed.launcher import PORT_ATTEMPTS, main_guard_hint, port_taken
 from mtpspec.engine.config import EngineConfig
 from mtpspec.step_io import StepInput, StepOutput
 from mtpspec.engine.worker import (
@@ -230,15 +230,11 @@ def release_device_memory() -> None:
 #: seconds :meth:`MultiprocExecutor.shutdown` waits for each rank to exit before SIGTERM (then SIGKILL)
 SHUTDOWN_JOIN_S = 10.0
 
-#: start-ups of the spawned ranks, each on a newly picked port, while rank 0 finds its port taken
-PORT_ATTEMPTS = 3
-
 
 def _port_taken(exc: "WorkerError") -> bool:
     """Whether a rank failed to start because the rendezvous port was taken meanwhile (torch's
-    ``DistNetworkError ... EADDRINUSE``)."""
-    text = f"{exc}\n{exc.rank_traceback}"
-    return "EADDRINUSE" in text or "address already in use" in text.lower()
+    ``DistNetworkError ... EADDRINUSE``: :func:`~mtpspec.distributed.launcher.port_taken`)."""
+    return port_taken(f"{exc}\n{exc.rank_traceback}")
 
 
 class MultiprocExecutor(Executor):
