@@ -197,6 +197,59 @@ def test_ctrl_c_in_a_command_is_exit_130_without_a_traceback(monkeypatch, capsys
     assert capsys.readouterr().err == "mtpspec generate: interrupted\n"
 
 
+def _session_processes(sid: int) -> dict:
+    """``{pid: (state, command line)}`` of the processes of session ``sid`` (from ``/proc``)."""
+    out = {}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:  # exited meanwhile
+            continue
+        if int(fields[3]) == sid:  # state, ppid, pgrp, session
+            out[int(pid)] = (fields[0], cmd)
+    return out
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads /proc")
+def test_ctrl_c_while_tp_ranks_start_prints_one_line_and_no_rank_tracebacks() -> None:
+    """Ctrl-C (SIGINT to the terminal's process group) during `mtpspec generate -tp 2`'s start-up printed
+    every rank's ``KeyboardInterrupt`` traceback (the ranks ignored SIGINT only once their entry point ran,
+    not while they still imported torch). Now the ranks start with SIGINT blocked: the command prints its
+    one line, exits 130, and leaves no process behind."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                                        os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.Popen([sys.executable, "-m", "mtpspec", "generate", "--model", demo_model_path(), "-tp", "2",
+                             "--device", "cpu", "--prompt", "hi", "--max-tokens", "4"], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while sum("spawn_main" in cmd for _, cmd in _session_processes(proc.pid).values()) < 2:  # ranks importing
+            assert proc.poll() is None and time.monotonic() < deadline, "the ranks did not start"
+            time.sleep(0.02)
+        os.killpg(proc.pid, signal.SIGINT)
+        t0 = time.monotonic()
+        _, err = proc.communicate(timeout=60)
+        assert time.monotonic() - t0 < 30
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 130 and "Traceback" not in err and "KeyboardInterrupt" not in err, err
+    assert err.strip().splitlines()[-1] == "mtpspec generate: interrupted", err
+    deadline = time.monotonic() + 10  # the resource tracker exits when it sees the driver gone
+    while any(state != "Z" for state, _ in _session_processes(proc.pid).values()) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert all(state == "Z" for state, _ in _session_processes(proc.pid).values()), _session_processes(proc.pid)
+
+
 def test_version_flag_prints_the_package_version(capsys) -> None:
     """``mtpspec --version`` (``-v``), as ``vllm --version``: the package version, exit 0."""
     import mtpspec

@@ -204,7 +204,8 @@ def exit_text(code: Optional[int]) -> str:
 @contextlib.contextmanager
 def sigint_held() -> Iterator[None]:
     """Hold SIGINT off for the block (in the main thread, where Python runs its handler; a signal
-    arriving meanwhile is delivered, as ``KeyboardInterrupt``, when the block ends)."""
+    arriving meanwhile is delivered, as ``KeyboardInterrupt``, when the block ends). A process started
+    in the block starts with SIGINT blocked (a signal mask survives fork and exec)."""
     if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "pthread_sigmask"):
         yield
         return
@@ -252,6 +253,8 @@ class MultiprocExecutor(Executor):
             raised a ``ValueError`` / ``TypeError`` (e.g. a checkpoint or config error).
         RuntimeError: called at import time of a main script without ``if __name__ == "__main__":``
             (:func:`~mtpspec.distributed.launcher.check_main_guard`; nothing is spawned).
+        KeyboardInterrupt: Ctrl-C while the ranks start (they ignore SIGINT, so they print nothing
+            of it): they are ended (SIGTERM) first.
     """
 
     def __init__(self, cfg: EngineConfig, world_size: int, start_timeout_s: float = 600.0,
@@ -267,18 +270,24 @@ class MultiprocExecutor(Executor):
             self.conns, self.procs = [], []
             self._closed = False
             self._owed: List[int] = []  # ranks whose reply to the last message is still unread
-            for rank in range(world_size):
-                parent, child = ctx.Pipe()
-                p = ctx.Process(target=spawned_worker_main, args=(rank, world_size, port, cfg, child, threads),
-                                daemon=True)
-                p.start()
-                child.close()
-                self.conns.append(parent)
-                self.procs.append(p)
             try:
+                for rank in range(world_size):
+                    parent, child = ctx.Pipe()
+                    p = ctx.Process(target=spawned_worker_main, args=(rank, world_size, port, cfg, child, threads),
+                                    daemon=True)
+                    # the rank starts with SIGINT blocked until spawned_worker_main ignores it: a Ctrl-C while it
+                    # still imports printed its traceback; and a started rank is always one shutdown ends
+                    with sigint_held():
+                        p.start()
+                        self.conns.append(parent)
+                        self.procs.append(p)
+                    child.close()
                 ready = self._recv_all(start_timeout_s)
                 break
             except BaseException as exc:
+                if isinstance(exc, KeyboardInterrupt):  # the ranks ignore SIGINT and would load on: end them now
+                    for p in self.procs:
+                        p.terminate()
                 self.shutdown()
                 if attempt < PORT_ATTEMPTS and isinstance(exc, WorkerError) and _port_taken(exc):
                     continue

@@ -124,7 +124,8 @@ def spawned_worker_main(rank: int, world_size: int, port: int, cfg: EngineConfig
 
     Replies to every message: rank 0 with the result, the others with ``("ok", None)`` (an
     acknowledgement; rpc results come back from every rank). SIGINT is ignored (the driver's to
-    handle: :class:`~mtpspec.engine.executor.MultiprocExecutor`). Any exception is sent back as
+    handle: :class:`~mtpspec.engine.executor.MultiprocExecutor`; it was blocked from the process's start
+    (:func:`~mtpspec.engine.executor.sigint_held`), and is unblocked here). Any exception is sent back as
     ``("err", {"traceback", "message", "input_error"})`` (``input_error``: a ``ValueError``
     / ``TypeError``, e.g. a bad checkpoint or config, which the driver re-raises as a
     :class:`~mtpspec.engine.executor.WorkerInputError`) and ends the worker.
@@ -133,6 +134,8 @@ def spawned_worker_main(rank: int, world_size: int, port: int, cfg: EngineConfig
     # the step and aborts its requests, or shuts the ranks down); a rank dying here would take the
     # engine with it. A driver that is gone closes the pipe, which ends this loop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if hasattr(signal, "pthread_sigmask"):  # blocked since the start (sigint_held); a pending one is dropped
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(threads)
