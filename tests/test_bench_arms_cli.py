@@ -63,6 +63,23 @@ def test_the_word_after_server_args_is_its_value():
     assert bench_arms.join_server_args(["--x", "--", "--server-args", "--y"]) == ["--x", "--", "--server-args", "--y"]
 
 
+def test_help_shows_every_option_default(capsys):
+    """`mtpspec bench arms --help` gave no default for --arms, --workloads, --scale, --output-dir (nor bench
+    serve's --temperature); every option with a value of its own says it, as the other commands write it."""
+    with pytest.raises(SystemExit) as info:
+        main(["bench", "arms", "--help"])
+    out = " ".join(capsys.readouterr().out.split())  # argparse wraps the lines
+    assert info.value.code == 0
+    for text in ("(default: baseline,fusion,both)", "(default 3)", "(default: batch1,c64)", "(default 1)",
+                 "(default: bench_arms_out)", "(default 0: greedy)"):
+        assert text in out, text
+    sub = argparse.ArgumentParser().add_subparsers()
+    bench_arms.add_parser(sub)
+    for a in sub.choices["arms"]._actions:
+        if a.nargs != 0 and a.default not in (None, "", []):  # flags and options without a value of their own
+            assert "default" in (a.help or ""), a.option_strings
+
+
 def test_server_args_without_a_value_names_the_accepted_forms(capsys):
     with pytest.raises(SystemExit) as e:
         main(["bench", "arms", "--no-plots", "--server-args"])

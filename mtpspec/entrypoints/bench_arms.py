@@ -1002,7 +1002,8 @@ def add_parser(sub: Any) -> None:
 
     p.parse_known_args = parse_known_args_joined  # type: ignore[method-assign]
     p.add_argument("--model", default=None, help="checkpoint folder (default: the bundled demo model)")
-    p.add_argument("--arms", default="baseline,fusion,both", help="comma-separated arm names, in comparison order")
+    p.add_argument("--arms", default="baseline,fusion,both",
+                   help="comma-separated arm names, in comparison order (default: baseline,fusion,both)")
     p.add_argument("--arm", action="append", default=[], metavar="NAME=FLAGS",
                    help="define an arm by its `mtpspec serve` flags (repeatable; FLAGS split as --server-args is), "
                         "e.g. an adaptive arm with a saved step-cost table: 'adtab=--speculative-config "
@@ -1010,8 +1011,10 @@ def add_parser(sub: Any) -> None:
                         "(--server-args apply to every arm)")
     p.add_argument("--base-url", action="append", default=[], metavar="NAME=URL",
                    help="use an already running server for arm NAME (repeatable)")
-    p.add_argument("--workloads", default="batch1,c64", help=f"comma-separated presets: {', '.join(PRESETS)}")
-    p.add_argument("--scale", type=float, default=1.0, help="multiply the presets' lengths and prompt counts (0, 1]")
+    p.add_argument("--workloads", default="batch1,c64",
+                   help=f"comma-separated presets: {', '.join(PRESETS)} (default: batch1,c64)")
+    p.add_argument("--scale", type=float, default=1.0,
+                   help="multiply the presets' lengths and prompt counts, in (0, 1] (default 1)")
     p.add_argument("--repeats", type=int, default=3, help="runs per arm and workload (default 3)")
     p.add_argument("--in-process", action="store_true",
                    help="each arm an LLM in this process, each run one LLM.generate with every request queued "
@@ -1040,7 +1043,8 @@ def add_parser(sub: Any) -> None:
                         "{\"num_speculative_tokens\": 3}'")
     p.add_argument("--forced-acceptance", default=None, metavar="rate:P|length:N",
                    help="passed to every server (SYNTHETIC, for random-weight models)")
-    p.add_argument("--output-dir", default="bench_arms_out", help="JSON, plots and server logs")
+    p.add_argument("--output-dir", default="bench_arms_out",
+                   help="JSON, plots and server logs (default: bench_arms_out)")
     p.add_argument("--no-plots", action="store_true",
                    help="no PNG plots (they need matplotlib: pip install 'mtpspec[bench]'; without it and without "
                         "this flag the sweep stops before any server starts)")

@@ -433,7 +433,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "else the GSM8K test split bundled in mtpspec/data/gsm8k)")
     p.add_argument("--random-prompts", action="store_true", help="random token ids (SYNTHETIC: distorts acceptance)")
     p.add_argument("--ignore-eos", action="store_true", help="generate output-len tokens regardless of EOS (SYNTHETIC)")
-    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--temperature", type=float, default=0.0, help="every request's (default 0: greedy)")
     p.add_argument("--seed", type=int, default=0, help="seeds the prompts' selection and request i's sampling "
                    "(seed + i; default 0)")
     p.add_argument("--no-request-seeds", dest="request_seeds", action="store_false",
