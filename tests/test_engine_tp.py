@@ -323,6 +323,54 @@ def test_a_killed_rank_is_named_once_with_its_signal(setup) -> None:
         assert "output above" not in msg, msg
 
 
+def test_a_dead_rank_s_own_report_is_raised_as_is_whatever_its_wording() -> None:
+    """A step's error that is the one dead rank's own report is raised as is; another rank's error is
+    prefixed with the death. The report was told by its message starting with ``rank R `` (R the dead
+    rank), so rewording a message would have named the same death twice; now its ``rank`` tells."""
+    from mtpspec.engine.executor import MultiprocExecutor, WorkerError
+
+    class Conn:
+        def send(self, msg):
+            pass
+
+        def close(self):
+            pass
+
+    class Proc:
+        def __init__(self, exitcode):
+            self.exitcode = exitcode
+
+        def is_alive(self):
+            return self.exitcode is None
+
+        def join(self, timeout=None):
+            pass
+
+        def terminate(self):
+            self.exitcode = -15
+        kill = terminate
+
+    def failing(err):  # rank 1 was SIGKILLed; the step's first reply raises err
+        ex = MultiprocExecutor.__new__(MultiprocExecutor)
+        ex.conns, ex.procs, ex._closed, ex._owed = [Conn(), Conn()], [Proc(None), Proc(-9)], False, []
+        ex.step_timeout_s = 1.0
+
+        def recv(rank, timeout_s):
+            raise err
+        ex._recv = recv
+        with pytest.raises(WorkerError) as info:
+            ex.collective_rpc(len)
+        return info.value
+
+    own = WorkerError("the process of rank 1 is gone (exit code -9, SIGKILL)")
+    own.rank = 1
+    assert failing(own) is own
+    other = WorkerError("rank 0 failed:\nRuntimeError: Connection reset by peer")
+    other.rank = 0
+    err = failing(other)
+    assert str(err).startswith("rank 1 died (exit code -9, SIGKILL); rank 0 failed") and err.__cause__ is other, err
+
+
 def test_ranks_start_again_on_another_port_when_theirs_was_taken(setup, monkeypatch) -> None:
     """The rendezvous port is picked free, then bound by rank 0's store a few seconds later; a process
     that took it meanwhile made the launch fail (``DistNetworkError ... EADDRINUSE``, a traceback) with

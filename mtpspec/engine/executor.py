@@ -24,9 +24,16 @@ from mtpspec.engine.worker import (
 
 class WorkerError(RuntimeError):
     """A rank failed; the message holds its traceback (``rank_traceback``: the traceback alone).
-    :attr:`summary` is one line for clients (the traceback belongs in the server log)."""
+    :attr:`rank` is the rank whose own error or death it reports (``None``: the executor's, or several
+    ranks'). :attr:`summary` is one line for clients (the traceback belongs in the server log)."""
 
     rank_traceback: str = ""
+    rank: Optional[int] = None
+
+    def __init__(self, message: str, rank: Optional[int] = None):
+        super().__init__(message)
+        if rank is not None:
+            self.rank = rank
 
     @property
     def summary(self) -> str:
@@ -49,11 +56,11 @@ class WorkerInputError(WorkerError, ValueError):
 def rank_error(rank: int, payload: Any) -> WorkerError:
     """The exception for a rank's ``("err", payload)`` reply (:func:`~mtpspec.engine.worker.spawned_worker_main`)."""
     if not isinstance(payload, dict):
-        return WorkerError(f"rank {rank} failed:\n{payload}")
+        return WorkerError(f"rank {rank} failed:\n{payload}", rank=rank)
     if payload.get("input_error"):
-        err: WorkerError = WorkerInputError(f"rank {rank}: {payload['message']}")
+        err: WorkerError = WorkerInputError(f"rank {rank}: {payload['message']}", rank=rank)
     else:
-        err = WorkerError(f"rank {rank} failed:\n{payload['traceback']}")
+        err = WorkerError(f"rank {rank} failed:\n{payload['traceback']}", rank=rank)
     err.rank_traceback = payload["traceback"]
     return err
 
@@ -313,7 +320,7 @@ class MultiprocExecutor(Executor):
                         raise self._lowest_failure(r, exc, replies, grace_s) from None
             if len(replies) < len(self.conns) and time.monotonic() > deadline:
                 late = [r for r in range(len(self.conns)) if r not in replies]
-                raise WorkerError(f"rank {late[0]} did not reply within {timeout_s:.0f} s")
+                raise WorkerError(f"rank {late[0]} did not reply within {timeout_s:.0f} s", rank=late[0])
         return [replies[r] for r in range(len(self.conns))]
 
     def _lowest_failure(self, rank: int, exc: WorkerError, replies: dict, grace_s: float) -> WorkerError:
@@ -344,9 +351,10 @@ class MultiprocExecutor(Executor):
             if not proc.is_alive():
                 if conn.poll(0.5):
                     break
-                raise WorkerError(f"rank {rank} died ({exit_text(proc.exitcode)}) without a reply" + main_guard_hint())
+                raise WorkerError(f"rank {rank} died ({exit_text(proc.exitcode)}) without a reply" + main_guard_hint(),
+                                  rank=rank)
             if time.monotonic() > deadline:
-                raise WorkerError(f"rank {rank} did not reply within {timeout_s:.0f} s")
+                raise WorkerError(f"rank {rank} did not reply within {timeout_s:.0f} s", rank=rank)
         with sigint_held():  # a reply is read whole and struck off _owed, or not at all
             try:
                 kind, payload = conn.recv()
@@ -354,9 +362,9 @@ class MultiprocExecutor(Executor):
                 proc.join(timeout=5)
                 code = proc.exitcode
                 if code is not None and code < 0:  # killed by a signal: it wrote nothing about it
-                    raise WorkerError(f"rank {rank} died ({exit_text(code)}) without a reply") from None
+                    raise WorkerError(f"rank {rank} died ({exit_text(code)}) without a reply", rank=rank) from None
                 raise WorkerError(f"rank {rank} exited ({exit_text(code)}) without a reply; its output "
-                                  "above says why" + main_guard_hint()) from None
+                                  "above says why" + main_guard_hint(), rank=rank) from None
             if self._owed and self._owed[0] == rank:
                 self._owed.pop(0)
         if kind == "err":
@@ -383,11 +391,11 @@ class MultiprocExecutor(Executor):
         except KeyboardInterrupt:  # the ranks finish the message; its replies stay owed (see above)
             raise
         except BaseException as exc:
-            dead = self.dead_ranks()
+            dead_ranks = self._dead()
+            dead = ", ".join(self._death(r) for r in dead_ranks)
             self.shutdown()
-            if dead and isinstance(exc, WorkerError) and str(exc).startswith(dead.split(" (")[0] + " ") \
-                    and dead.count("rank ") == 1:  # exc is already the one dead rank's own report
-                raise
+            if isinstance(exc, WorkerError) and exc.rank is not None and dead_ranks == [exc.rank]:
+                raise  # exc is already the one dead rank's own report
             if dead and isinstance(exc, WorkerError) and not isinstance(exc, WorkerInputError):
                 # another rank's death surfaces as a collective error on the survivors: name the dead one
                 err = WorkerError(f"{dead}; {exc.summary}")
@@ -397,14 +405,17 @@ class MultiprocExecutor(Executor):
                 raise WorkerError(f"{dead or 'a rank is gone'}; its pipe broke: {type(exc).__name__}: {exc}") from exc
             raise
 
+    def _dead(self) -> List[int]:
+        """The ranks whose process exited (none once shut down: its ranks exited on purpose)."""
+        if self._closed:
+            return []
+        return [r for r, p in enumerate(self.procs) if not p.is_alive() and p.exitcode is not None]
+
+    def _death(self, rank: int) -> str:
+        return f"rank {rank} died ({exit_text(self.procs[rank].exitcode)})"
+
     def dead_ranks(self) -> str:
-        if self._closed:  # shut down: its ranks exited on purpose
-            return ""
-        out = []
-        for r, p in enumerate(self.procs):
-            if not p.is_alive() and p.exitcode is not None:
-                out.append(f"rank {r} died ({exit_text(p.exitcode)})")
-        return ", ".join(out)
+        return ", ".join(self._death(r) for r in self._dead())
 
     def execute(self, step: StepInput) -> StepOutput:
         return self._broadcast(("step", step))[0]
