@@ -36,6 +36,8 @@
 #   bash benchmarks/run_goals_h200.sh demo-pair1 OUT  # issue 16: a new target (run 4's continuation) + its strict-match
 #   bash benchmarks/run_goals_h200.sh demo-pair2 OUT  # issue 16: its MTP layer self-distilled (run 5 a) + k = 1
 #   bash benchmarks/run_goals_h200.sh l2-ceiling OUT  # issue 14: L2 -> shared-memory TMA ceiling (bench_tma_l2.py)
+#   bash benchmarks/run_goals_h200.sh phases OUT      # issue 18: fixed k3 vs the adaptive engine held at k = 3, batch 1,
+#                                                  # the engine's host phases per step (phase_times_k3_vs_adaptive.py)
 #   bash benchmarks/run_goals_h200.sh demo-sd OUT   # issue 16: the demo model's MTP layer self-distilled on GSM8K +
 #                                                  # generated prompts (target frozen), then GSM8K k = 1 / 3 fp32
 set -u
@@ -45,6 +47,9 @@ export PYTHONPATH=${PYTHONPATH:-$PWD} PYTHONUNBUFFERED=1
 step() { local t=$1 name=$2; shift 2; echo "=== $name ($(date +%T))"; timeout "$t" "$@" 2>&1 | tail -n 45
   local rc=${PIPESTATUS[0]}; echo "=== $name rc=$rc"; return "$rc"; }
 case $part in
+phases)  # issue 18: the adaptive engine's k = 3 decode steps took 1.67 ms against fixed k3's 1.62 (H100, s1, demo
+  # model, the same kernels): where the host's 50 us a step go
+  step 200 phases python3 benchmarks/phase_times_k3_vs_adaptive.py --json "$OUT/phases.json" ;;
 l2-ceiling)  # issue 14: TMA copies from L2 / HBM into shared memory, every SM at once, beside the matmul rate
   step 120 tma_l2 python3 benchmarks/bench_tma_l2.py --json "$OUT/tma_l2.json" ;;
 serving)

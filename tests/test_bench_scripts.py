@@ -164,3 +164,17 @@ def test_profile_step_host_adaptive_held_at_k0_with_prompt_chunks(tmp_path):
     res = json.loads(out.read_text())
     assert res["adaptive"] is True and res["propose"] == 0 and res["prompt_tokens_per_step"] > 0, res
     assert 0 < res["tokens_per_step"] <= 4, res  # k = 0: at most one token per sequence a step
+
+
+def test_phase_times_k3_vs_adaptive_smoke(tmp_path):
+    """``phase_times_k3_vs_adaptive.py`` (issue 18: where the adaptive engine's k = 3 decode steps lose
+    their ~3% to fixed k3) on the CPU: both engines time the same phases, and the adaptive one, held
+    at k = 3, proposed 3 drafts in its steps."""
+    out = tmp_path / "phases.json"
+    _run("phase_times_k3_vs_adaptive.py", "--json", str(out))
+    res = json.loads(out.read_text())["median"]
+    for name in ("k3", "adaptive@k3"):
+        r = res[name]
+        assert r["steps"] > 1 and r["us_per_step"] > 0 and r["execute_async (launch)"] > 0, (name, r)
+        assert r["proposed_k3_steps"] >= r["steps"] - 1, (name, r)
+    assert res["adaptive@k3"]["_time_step"] > 0 and res["k3"].get("_time_step", 0.0) == 0.0

@@ -1,0 +1,120 @@
+"""Where a batch-1 decode step's host time goes: the fixed-k3 engine against the adaptive engine held
+at k = 3 (a constant policy), both in one process (issue 18: the adaptive arm's k = 3 decode steps took
+1.67 ms against fixed k3's 1.62 on an H100, 2026-12-07, with the same device kernels).
+
+Each engine generates ``--requests`` requests of ``--output-len`` tokens, one at a time (concurrency 1,
+random prompt ids, greedy, ignore_eos), ``--rounds`` times interleaved; the engine's phases are timed with
+``time.perf_counter`` wrappers (the same wrappers on both): scheduling, launching a step (the runner's
+host work up to the last launch), waiting for a step's tokens, applying them, taking the drafts (waits
+for the draft passes), and the caller's time between ``step()`` calls. Prints us per engine step::
+
+    PYTHONPATH=$PWD python3 benchmarks/phase_times_k3_vs_adaptive.py [--model DIR] [--json OUT]
+
+``--smoke``: on the CPU, one request of 16 tokens, one round, a synthetic step-cost table (no timing).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import random
+import sys
+import tempfile
+import time
+
+import mtpspec.engine.llm_engine as le
+from mtpspec import LLM, SamplingParams
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_adaptive_fixed_k import ConstantK  # noqa: E402
+
+ACC: collections.Counter = collections.Counter()
+
+
+def _wrap(obj, name: str, label: str) -> None:
+    f = getattr(obj, name)
+
+    def g(*a, **k):
+        t = time.perf_counter()
+        try:
+            return f(*a, **k)
+        finally:
+            ACC[label] += time.perf_counter() - t
+    setattr(obj, name, g)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default=None, help="checkpoint folder (default: the bundled GLM-5 demo model, glm_moe_dsa)")
+    ap.add_argument("--requests", type=int, default=4)
+    ap.add_argument("--output-len", type=int, default=256)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--json")
+    ap.add_argument("--smoke", action="store_true", help="CPU, 1 request of 16 tokens, 1 round, a synthetic table")
+    a = ap.parse_args()
+    from mtpspec import demo_model_path
+    model = a.model or demo_model_path()
+    common = dict(max_num_seqs=4, max_model_len=1024, seed=0)
+    adaptive = {"num_speculative_tokens": 3, "adaptive": True}
+    if a.smoke:
+        a.requests, a.output_len, a.rounds = 1, 16, 1
+        common["device"] = "cpu"
+        sizes = {str(b): 1.0 for b in (1, 2, 4)}  # (the policy is replaced: any table will do)
+        table = os.path.join(tempfile.mkdtemp(), "costs.json")
+        with open(table, "w") as f:
+            json.dump({"verify_ms": {str(k): sizes for k in range(4)}, "draft_ms": {str(k): sizes for k in range(4)}}, f)
+        adaptive["adaptive_cost_table"] = table
+    engines = {"k3": LLM(model, speculative_config={"num_speculative_tokens": 3}, **common),
+               "adaptive@k3": LLM(model, speculative_config=adaptive, **common)}
+    engines["adaptive@k3"].llm_engine.spec_policy = ConstantK(3)
+    for name in ("_launch", "_finish", "_take_drafts", "_choose_k", "_step_input", "_time_step", "_observe_spec"):
+        _wrap(le.LLMEngine, name, name)
+    rng = random.Random(0)
+    prompts = [{"prompt_token_ids": [rng.randrange(10, 9000) for _ in range(512)]} for _ in range(a.requests)]
+    sp = SamplingParams(max_tokens=a.output_len, temperature=0.0, ignore_eos=True)
+    res = {n: collections.defaultdict(list) for n in engines}
+    for rnd in range(a.rounds + 1):
+        for name, llm in engines.items():
+            eng = llm.llm_engine
+            execu = eng.executor
+            if not hasattr(execu, "_phase_wrapped"):
+                _wrap(execu, "execute_async", "execute_async (launch)")
+                execu._phase_wrapped = True
+            for p in prompts:
+                eng.add_request(p, sp)
+            ACC.clear()
+            steps, between, t_end = 0, 0.0, None
+            t0 = time.perf_counter()
+            while eng.has_unfinished_requests():
+                t = time.perf_counter()
+                if t_end is not None:
+                    between += t - t_end
+                eng.step()
+                t_end = time.perf_counter()
+                steps += 1
+            wall = time.perf_counter() - t0
+            if rnd:
+                r = res[name]
+                r["proposed_k3_steps"].append(llm.get_metrics()["num_speculative_tokens_histogram"][3])
+                r["us_per_step"].append(wall / steps * 1e6)
+                r["steps"].append(steps)
+                r["caller_us"].append(between / steps * 1e6)
+                for k, v in ACC.items():
+                    r[k].append(v / steps * 1e6)
+            print(f"round {rnd} {name:12s} {steps} steps, {wall / steps * 1e3:.3f} ms a step", flush=True)
+    out = {n: {k: sorted(v)[len(v) // 2] for k, v in r.items()} for n, r in res.items()}
+    keys = sorted({k for r in out.values() for k in r})
+    print(f"{'median over rounds, us per step':34s}" + "".join(f"{n:>14s}" for n in out))
+    for k in keys:
+        print(f"{k:34s}" + "".join(f"{out[n].get(k, 0.0):14.1f}" for n in out))
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"median": out, "rounds": {n: dict(r) for n, r in res.items()}}, f, indent=1)
+    for llm in engines.values():
+        llm.shutdown()
+
+
+if __name__ == "__main__":
+    main()
