@@ -2,8 +2,8 @@
 at k = 3 (a constant policy), both in one process (issue 18: the adaptive arm's k = 3 decode steps took
 1.67 ms against fixed k3's 1.62 on an H100, 2026-12-07, with the same device kernels).
 
-Each engine generates ``--requests`` requests of ``--output-len`` tokens, one at a time (concurrency 1,
-random prompt ids, greedy, ignore_eos), ``--rounds`` times interleaved; the engine's phases are timed with
+Each engine generates ``--requests`` requests of ``--output-len`` tokens, ``--concurrency`` at a time
+(``max_num_seqs``; default 1; random 512-token prompts, greedy, ignore_eos), ``--rounds`` times interleaved; the engine's phases are timed with
 ``time.perf_counter`` wrappers (the same wrappers on both): scheduling, launching a step (the runner's
 host work up to the last launch), waiting for a step's tokens, applying them, taking the drafts (waits
 for the draft passes), and the caller's time between ``step()`` calls. Prints us per engine step::
@@ -49,6 +49,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default=None, help="checkpoint folder (default: the bundled GLM-5 demo model, glm_moe_dsa)")
     ap.add_argument("--requests", type=int, default=4)
+    ap.add_argument("--concurrency", type=int, default=1, help="max_num_seqs (e.g. 64 with --requests 128)")
     ap.add_argument("--output-len", type=int, default=256)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--json")
@@ -56,12 +57,12 @@ def main() -> None:
     a = ap.parse_args()
     from mtpspec import demo_model_path
     model = a.model or demo_model_path()
-    common = dict(max_num_seqs=4, max_model_len=1024, seed=0)
+    common = dict(max_num_seqs=a.concurrency, max_model_len=1024, seed=0)
     adaptive = {"num_speculative_tokens": 3, "adaptive": True}
     if a.smoke:
         a.requests, a.output_len, a.rounds = 1, 16, 1
         common["device"] = "cpu"
-        sizes = {str(b): 1.0 for b in (1, 2, 4)}  # (the policy is replaced: any table will do)
+        sizes = {str(b): 1.0 for b in (1, 2, 4, 8)}  # (the policy is replaced: any table will do)
         table = os.path.join(tempfile.mkdtemp(), "costs.json")
         with open(table, "w") as f:
             json.dump({"verify_ms": {str(k): sizes for k in range(4)}, "draft_ms": {str(k): sizes for k in range(4)}}, f)

@@ -61,3 +61,34 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(prev)
+
+
+class BusyPort:
+    """A port a listening socket holds, and ``launcher.find_free_port`` patched to pick it: :meth:`first`
+    (then free ports), :meth:`always`; :attr:`picks`: the ports picked so far."""
+
+    def __init__(self, monkeypatch, sock) -> None:
+        from mtpspec.distributed import launcher
+        self._mp, self._launcher, self._real = monkeypatch, launcher, launcher.find_free_port
+        self.port = sock.getsockname()[1]
+        self.picks: list = []
+
+    def _pick(self, always: bool) -> int:
+        self.picks.append(self.port if always or not self.picks else self._real())
+        return self.picks[-1]
+
+    def first(self) -> None:
+        self._mp.setattr(self._launcher, "find_free_port", lambda: self._pick(False))
+
+    def always(self) -> None:
+        self._mp.setattr(self._launcher, "find_free_port", lambda: self._pick(True))
+
+
+@pytest.fixture
+def busy_port(monkeypatch):
+    """A rendezvous port taken between its pick and rank 0's bind (EADDRINUSE): :class:`BusyPort`."""
+    import socket
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen(8)
+        yield BusyPort(monkeypatch, sock)

@@ -167,38 +167,20 @@ def test_missing_peer_raises_after_timeout_instead_of_hanging():
     assert time.monotonic() - t0 < 45
 
 
-def test_launch_starts_again_on_another_port_when_theirs_was_taken(monkeypatch):
+def test_launch_starts_again_on_another_port_when_theirs_was_taken(busy_port):
     """The rendezvous port is picked free, then bound by rank 0's store a moment later; a process that
     took it meanwhile made ``launch`` raise ``DistNetworkError ... EADDRINUSE`` with nothing wrong in the
     call. The ranks now start again on a newly picked port (as ``MultiprocExecutor``'s do), at most
     ``PORT_ATTEMPTS`` times."""
-    import socket
-
     from mtpspec.distributed import launcher
-    taken = socket.socket()
-    taken.bind(("127.0.0.1", 0))
-    taken.listen(8)
-    picks = []
-    real = launcher.find_free_port
-
-    def first_one_taken() -> int:
-        picks.append(taken.getsockname()[1] if not picks else real())
-        return picks[-1]
-
-    def always_taken() -> int:
-        picks.append(taken.getsockname()[1])
-        return picks[-1]
-    try:
-        monkeypatch.setattr(launcher, "find_free_port", first_one_taken)
-        assert launch(_rank_id, 2) == [0, 10] and len(picks) == 2
-        picks.clear()
-        monkeypatch.setattr(launcher, "find_free_port", always_taken)
-        with pytest.raises(Exception) as info:
-            launch(_rank_id, 2)
-        assert launcher.port_taken(f"{info.value}\n{info.value.__cause__}"), info.value
-        assert len(picks) == launcher.PORT_ATTEMPTS
-    finally:
-        taken.close()
+    busy_port.first()
+    assert launch(_rank_id, 2) == [0, 10] and len(busy_port.picks) == 2
+    busy_port.picks.clear()
+    busy_port.always()
+    with pytest.raises(Exception) as info:
+        launch(_rank_id, 2)
+    assert launcher.port_taken(f"{info.value}\n{info.value.__cause__}"), info.value
+    assert len(busy_port.picks) == launcher.PORT_ATTEMPTS
 
 
 def test_runs_under_torchrun(tmp_path):

@@ -371,30 +371,15 @@ def test_a_dead_rank_s_own_report_is_raised_as_is_whatever_its_wording() -> None
     assert str(err).startswith("rank 1 died (exit code -9, SIGKILL); rank 0 failed") and err.__cause__ is other, err
 
 
-def test_ranks_start_again_on_another_port_when_theirs_was_taken(setup, monkeypatch) -> None:
+def test_ranks_start_again_on_another_port_when_theirs_was_taken(setup, busy_port) -> None:
     """The rendezvous port is picked free, then bound by rank 0's store a few seconds later; a process
     that took it meanwhile made the launch fail (``DistNetworkError ... EADDRINUSE``, a traceback) with
     nothing wrong in the command. The ranks now start again on a newly picked port."""
-    import socket
-
-    from mtpspec.distributed import launcher
     path, _, prompts, ref, _ = setup
-    taken = socket.socket()
-    taken.bind(("127.0.0.1", 0))
-    taken.listen(8)
-    picks = []
-    real = launcher.find_free_port
-
-    def first_one_taken() -> int:
-        picks.append(taken.getsockname()[1] if not picks else real())
-        return picks[-1]
-    monkeypatch.setattr(launcher, "find_free_port", first_one_taken)
-    try:
-        with LLM(path, tensor_parallel_size=2, **LLM_KW) as llm:
-            outs = llm.generate(token_prompts(prompts), SP, use_tqdm=False)
-    finally:
-        taken.close()
-    assert len(picks) == 2 and [o.outputs[0].token_ids for o in outs] == ref
+    busy_port.first()
+    with LLM(path, tensor_parallel_size=2, **LLM_KW) as llm:
+        outs = llm.generate(token_prompts(prompts), SP, use_tqdm=False)
+    assert len(busy_port.picks) == 2 and [o.outputs[0].token_ids for o in outs] == ref
 
 
 def test_shutdown_ends_a_frozen_rank(setup, monkeypatch) -> None:
