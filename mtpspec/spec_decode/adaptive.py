@@ -137,6 +137,7 @@ EXPLORE_MARGIN = 0.15
 #: (pricing builds the batch's lag list, an ``O(batch)`` pass).
 MEASURE_MARGIN = 0.5
 MEASURE_CATCH_UP = 0.25
+EXPLORE_RECHECK = 32
 #: No burst (of any kind) tries a ``k`` below the best that could not beat the best even with no host
 #: time at all: ``E(k) / (DEVICE_FLOOR_SHARE * T(batch, k))`` (``T``: the table's device ms; the share
 #: leaves room for steps faster than their start-up timing) below the best's rate. ``E(k)`` of a
@@ -145,7 +146,6 @@ MEASURE_CATCH_UP = 0.25
 #: model at 8 sequences: k = 1 (E 1.86, table 1.32 ms: at most 1.56 tokens a ms) was burst-tried at a
 #: k = 3 best of 1.66, 6 of a round's 172 steps at 60% of k = 3's rate, ~1.4% of the round.
 DEVICE_FLOOR_SHARE = 0.9
-EXPLORE_RECHECK = 32
 #: A (batch size, k) counts as measured after this many counted steps (two bursts of 3), or after
 #: :data:`MAX_MEASURING_BURSTS` bursts whatever they counted; measured ones not proposed for
 #: :data:`STALE_EVERY` steps are tried again whatever their predicted rate.
@@ -1021,7 +1021,8 @@ class AdaptiveSpecPolicy:
             # a k measured by too few steps at this batch size (unless bursts keep failing to measure it:
             # their samples rejected) within MEASURE_MARGIN and a cheap catch-up, else one not proposed
             # here for long: within EXPLORE_MARGIN of the best after EXPLORE_EVERY steps, whatever its
-            # rate after STALE_EVERY (one bad burst must not shut a k out for good)
+            # rate after STALE_EVERY (one bad burst must not shut a k out for good); never a k below the best
+            # that could not win even with no host time (_could_win)
             recheck = n >= self._declined.get(bucket, 0)  # (priced and declined lately: not priced again yet)
             declined = False
             stale = [k for k in base if k != best and self._excess_n.get((bucket, k), 0) < MIN_MEASURED
@@ -1060,7 +1061,6 @@ class AdaptiveSpecPolicy:
                 k, self._explore, self._burst_choice = best, [], False
         seen[k] = n
         return k
-
 
     def _could_win(self, bucket: int, k: int, best: int, best_rate: float,
                    base: Dict[int, Tuple[float, float]]) -> bool:
