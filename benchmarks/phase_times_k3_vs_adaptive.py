@@ -6,7 +6,11 @@ Each engine generates ``--requests`` requests of ``--output-len`` tokens, ``--co
 (``max_num_seqs``; default 1; random 512-token prompts, greedy, ignore_eos), ``--rounds`` times interleaved; the engine's phases are timed with
 ``time.perf_counter`` wrappers (the same wrappers on both): scheduling, launching a step (the runner's
 host work up to the last launch), waiting for a step's tokens, applying them, taking the drafts (waits
-for the draft passes), and the caller's time between ``step()`` calls. Prints us per engine step::
+for the draft passes), and the caller's time between ``step()`` calls; on a GPU also the device's idle
+time between steps: CUDA events recorded just before and just after each step's launch (the runner's
+``launch``), so ``start(N) - end(N - 1)`` is the time the stream waited for the host to queue step N
+(``device_gap_us``) and ``end(N) - start(N)`` the time from then to the end of its draft passes
+(``device_span_us``). Prints us per engine step::
 
     PYTHONPATH=$PWD python3 benchmarks/phase_times_k3_vs_adaptive.py [--model DIR] [--json OUT]
 
@@ -43,6 +47,42 @@ def _wrap(obj, name: str, label: str) -> None:
         finally:
             ACC[label] += time.perf_counter() - t
     setattr(obj, name, g)
+
+
+def _time_launches(eng) -> list:
+    """``[(start, end)]`` CUDA events around each step launch of ``eng``'s in-process runner from now on
+    (nothing on a CPU or another executor)."""
+    import torch
+    events: list = []
+    runner = getattr(eng.executor, "runner", None)
+    device = getattr(getattr(runner, "device", None), "type", "cpu")
+    if runner is None or device != "cuda":
+        return events
+    real = getattr(runner, "_phase_real_launch", None) or runner.launch
+    runner._phase_real_launch = real
+
+    def launch(step):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        try:
+            return real(step)
+        finally:
+            b.record()
+            events.append((a, b))
+    runner.launch = launch
+    return events
+
+
+def _device_gaps(events: list):
+    """Mean device idle before a step's launch (``start(N) - end(N - 1)``) and mean span from its start
+    to the end of its launched work, in us, over steps 2..; ``(None, None)`` without events."""
+    if len(events) < 3:
+        return None, None
+    import torch
+    torch.cuda.synchronize()
+    gaps = [events[i - 1][1].elapsed_time(events[i][0]) * 1e3 for i in range(1, len(events))]
+    spans = [a.elapsed_time(b) * 1e3 for a, b in events[1:]]
+    return sum(gaps) / len(gaps), sum(spans) / len(spans)
 
 
 def main() -> None:
@@ -86,6 +126,7 @@ def main() -> None:
             for p in prompts:
                 eng.add_request(p, sp)
             ACC.clear()
+            events = _time_launches(eng)
             steps, between, t_end = 0, 0.0, None
             t0 = time.perf_counter()
             while eng.has_unfinished_requests():
@@ -96,6 +137,7 @@ def main() -> None:
                 t_end = time.perf_counter()
                 steps += 1
             wall = time.perf_counter() - t0
+            gap_us, span_us = _device_gaps(events)
             if rnd:
                 r = res[name]
                 r["proposed_k3_steps"].append(llm.get_metrics()["num_speculative_tokens_histogram"][3])
@@ -104,6 +146,9 @@ def main() -> None:
                 r["caller_us"].append(between / steps * 1e6)
                 for k, v in ACC.items():
                     r[k].append(v / steps * 1e6)
+                if gap_us is not None:
+                    r["device_gap_us"].append(gap_us)
+                    r["device_span_us"].append(span_us)
             print(f"round {rnd} {name:12s} {steps} steps, {wall / steps * 1e3:.3f} ms a step", flush=True)
     out = {n: {k: sorted(v)[len(v) // 2] for k, v in r.items()} for n, r in res.items()}
     keys = sorted({k for r in out.values() for k in r})
