@@ -355,3 +355,19 @@ def test_host_max_ms_stops_the_sweep_on_a_slow_host_keeping_its_runs(monkeypatch
         with pytest.raises(ValueError, match=match):
             bench_arms.run_arms({"a": []}, wl, 1, str(tmp_path), [], progress=False, plots=False,
                                 one_at_a_time=True, host_max_ms=bad)
+
+
+@pytest.mark.parametrize("argv, said", [
+    (["--arms", ","], "error: --arms ',' names no arm; expected some of"),
+    (["--arms", "plain,k3,plain"], "error: --arms names ['plain'] more than once ('plain,k3,plain'); name each arm "
+                                   "once (for an A/A run give the copy its own name: --arm 'plain2=...'"),
+])
+def test_arms_naming_no_arm_or_one_twice_is_one_line_before_any_run(no_sweep, capsys, argv, said):
+    """Found by a new-user pass: ``--arms ,`` loaded nothing and crashed in the first round with a
+    TypeError traceback; ``--arms plain,plain`` ran one arm, silently, with nothing to compare."""
+    assert main(["bench", "arms", *argv, "--workloads", "s1", "--no-progress", "--no-plots"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(said), err
+    assert not no_sweep
+    # only --arm's arms: still fine
+    assert list(bench_arms.parse_arms(",", ["x=-k 1"])) == ["x"]

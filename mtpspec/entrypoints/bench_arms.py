@@ -178,7 +178,8 @@ def parse_arms(names: str, extra: Sequence[str]) -> Dict[str, List[str]]:
     ``FLAGS`` are split by :func:`split_flags`.
 
     Raises:
-        ValueError: an unknown arm name, a malformed ``--arm`` or an unclosed quote in its flags.
+        ValueError: an unknown arm name, an arm named twice, no arm at all (``--arms ,``), a malformed
+            ``--arm`` or an unclosed quote in its flags.
     """
     table = dict(DEFAULT_ARMS)
     custom = []
@@ -195,6 +196,12 @@ def parse_arms(names: str, extra: Sequence[str]) -> Dict[str, List[str]]:
     unknown = [n for n in wanted if n not in table]
     if unknown:
         raise ValueError(f"unknown arm(s) {unknown}; known: {sorted(table)} (define one with --arm NAME=FLAGS)")
+    if not wanted:  # (the sweep crashed on its first round with a TypeError)
+        raise ValueError(f"--arms {names!r} names no arm; expected some of {sorted(table)}, comma-separated")
+    twice = sorted({n for n in wanted if wanted.count(n) > 1})
+    if twice:  # (ran once, silently: no comparison); an A/A run needs a second name
+        raise ValueError(f"--arms names {twice} more than once ({names!r}); name each arm once (for an A/A "
+                         f"run give the copy its own name: --arm '{twice[0]}2=...' with the same flags)")
     return {n: table[n] for n in wanted}
 
 
