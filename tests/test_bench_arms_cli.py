@@ -371,3 +371,17 @@ def test_arms_naming_no_arm_or_one_twice_is_one_line_before_any_run(no_sweep, ca
     assert not no_sweep
     # only --arm's arms: still fine
     assert list(bench_arms.parse_arms(",", ["x=-k 1"])) == ["x"]
+
+
+@pytest.mark.parametrize("value, said", [
+    (",", "error: --workloads ',' names no workload; expected some of ['batch1', 'c64', 's1',"),
+    ("s1,s8,s1", "error: --workloads names ['s1'] more than once ('s1,s8,s1'); name each workload once"),
+])
+def test_workloads_naming_none_or_one_twice_is_one_line_before_any_run(no_sweep, capsys, value, said):
+    """Found by a new-user pass: ``--workloads ,`` loaded every arm, ran nothing and exited 0 with an
+    empty ``bench_arms.json``; ``--workloads s1,s1`` ran s1 once, silently."""
+    assert main(["bench", "arms", "--workloads", value, "--no-progress", "--no-plots"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(said), err
+    assert not no_sweep
+    assert bench_arms.parse_workloads(" s1 , s8 ") == ["s1", "s8"]

@@ -205,6 +205,25 @@ def parse_arms(names: str, extra: Sequence[str]) -> Dict[str, List[str]]:
     return {n: table[n] for n in wanted}
 
 
+def parse_workloads(names: str) -> List[str]:
+    """``--workloads`` (comma-separated preset names) as a list, in order.
+
+    Raises:
+        ValueError: no workload at all (``--workloads ,``: the sweep loaded every arm, ran nothing and
+            exited 0) or one named twice (it ran once, silently); an unknown name is left to
+            :func:`scaled_preset`.
+    """
+    wanted = [w.strip() for w in names.split(",") if w.strip()]
+    if not wanted:
+        raise ValueError(f"--workloads {names!r} names no workload; expected some of {list(PRESETS)}, "
+                         "comma-separated")
+    twice = sorted({w for w in wanted if wanted.count(w) > 1})
+    if twice:
+        raise ValueError(f"--workloads names {twice} more than once ({names!r}); name each workload once "
+                         "(--repeats runs each more often)")
+    return wanted
+
+
 _JSON_WORD = re.compile(r"(-{1,2}[A-Za-z0-9][\w.-]*=)?[{\[]")
 
 
@@ -1076,7 +1095,7 @@ def run(args: argparse.Namespace) -> int:
         if urls and args.in_process:
             raise ValueError("--base-url and --in-process exclude each other (a URL is another process's server)")
         workloads = {}
-        for w in [x.strip() for x in args.workloads.split(",") if x.strip()]:
+        for w in parse_workloads(args.workloads):
             workloads[w] = workload_config(w, args)
         try:
             common = ["--model", args.model or default_model_path()] + split_flags(args.server_args)
