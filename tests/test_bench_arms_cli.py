@@ -385,3 +385,20 @@ def test_workloads_naming_none_or_one_twice_is_one_line_before_any_run(no_sweep,
     assert err.count("\n") == 1 and err.startswith(said), err
     assert not no_sweep
     assert bench_arms.parse_workloads(" s1 , s8 ") == ["s1", "s8"]
+
+
+def test_in_process_workload_wider_than_max_num_seqs_stops_before_any_arm_loads(monkeypatch, tmp_path, capsys):
+    """Found by a new-user pass: ``--in-process --workloads s1,s256`` loaded every arm, ran s1, then
+    stopped at s256 ("concurrency ... exceeds the engine's max_num_seqs 64") without naming the flag."""
+    from mtpspec.entrypoints import bench_inprocess
+    loaded = []
+    monkeypatch.setattr(bench_inprocess, "open_arm", lambda *a, **k: loaded.append(a))
+    assert main(["bench", "arms", "--in-process", "--arms", "plain,k3", "--workloads", "s1,s256", "--scale", "0.3",
+                 "--server-args", "--device cpu", "--no-progress", "--no-plots", "--output-dir", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err == ("error: workload 's256': concurrency 154 exceeds arm 'plain''s max_num_seqs=64; raise it with "
+                   "--server-args '--max-num-seqs 154' (or lower --scale / --max-concurrency)\n"), err
+    assert not loaded
+    wl = {"s256": bench_arms.BenchConfig(num_prompts=154, max_concurrency=154, input_len=8, output_len=4,
+                                         prompts="random")}
+    bench_arms.check_workload_concurrency(wl, {"max_num_seqs": 154}, "plain")  # wide enough: no error

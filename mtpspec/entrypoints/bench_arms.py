@@ -752,6 +752,19 @@ def check_workload_lengths(workloads: Dict[str, Any], server_kwargs: Dict[str, A
                              f"--server-args")
 
 
+def check_workload_concurrency(workloads: Dict[str, Any], server_kwargs: Dict[str, Any], arm: str) -> None:
+    """Raise ValueError when an ``--in-process`` workload runs more requests at once than arm
+    ``arm``'s ``max_num_seqs`` (its flags', else the engine default), which
+    :func:`~mtpspec.entrypoints.bench_inprocess.run_in_process` refuses: checked before any arm loads,
+    not after the workloads before it have run."""
+    cap = server_kwargs.get("max_num_seqs")
+    for name, cfg in workloads.items():
+        if cap is not None and cfg.max_concurrency > cap:
+            raise ValueError(f"workload {name!r}: concurrency {cfg.max_concurrency} exceeds arm {arm!r}'s "
+                             f"max_num_seqs={cap}; raise it with --server-args '--max-num-seqs "
+                             f"{cfg.max_concurrency}' (or lower --scale / --max-concurrency)")
+
+
 def run_arms(arms: Dict[str, List[str]], workloads: Dict[str, BenchConfig], repeats: int, out_dir: str,
              common: List[str], urls: Optional[Dict[str, str]] = None, progress: bool = True,
              plots: bool = True, share_gpu: bool = False, one_at_a_time: bool = False,
@@ -810,7 +823,8 @@ def run_arms(arms: Dict[str, List[str]], workloads: Dict[str, BenchConfig], repe
 
     Raises:
         ValueError: ``repeats < 1``, a malformed or too small GSM8K dataset, a workload longer
-            than an arm's context (:func:`check_workload_lengths`); FileNotFoundError: no GSM8K
+            than an arm's context (:func:`check_workload_lengths`), an ``in_process`` workload wider than
+            an arm's ``max_num_seqs`` (:func:`check_workload_concurrency`); FileNotFoundError: no GSM8K
             dataset; RuntimeError: ``plots`` without matplotlib (all checked before any server
             starts), a server did not come up.
     """
@@ -833,9 +847,12 @@ def run_arms(arms: Dict[str, List[str]], workloads: Dict[str, BenchConfig], repe
         if cfg.prompts == "gsm8k":
             load_dataset(cfg.dataset, 6 if cfg.input_len is None else 1)
     from mtpspec.entrypoints.serve import check_serve_args
-    for arm, flags in arms.items():  # and a workload longer than an arm's context
+    for arm, flags in arms.items():  # and a workload longer than an arm's context (or, in-process, wider)
         if arm not in (urls or {}):
-            check_workload_lengths(workloads, check_serve_args(common + flags), arm)
+            kwargs = check_serve_args(common + flags)
+            check_workload_lengths(workloads, kwargs, arm)
+            if in_process:
+                check_workload_concurrency(workloads, kwargs, arm)
     kv_blocks: Dict[str, int] = {}
     if equal_kv:  # arms that set their own KV size keep it
         kv_blocks = equal_kv_blocks(workloads, {a: check_serve_args(common + f) for a, f in arms.items()
