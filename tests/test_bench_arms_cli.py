@@ -402,3 +402,18 @@ def test_in_process_workload_wider_than_max_num_seqs_stops_before_any_arm_loads(
     wl = {"s256": bench_arms.BenchConfig(num_prompts=154, max_concurrency=154, input_len=8, output_len=4,
                                          prompts="random")}
     bench_arms.check_workload_concurrency(wl, {"max_num_seqs": 154}, "plain")  # wide enough: no error
+
+
+@pytest.mark.parametrize("value", ["-1", "nan", "inf"])
+def test_a_bad_temperature_stops_before_any_server_starts(monkeypatch, capsys, tmp_path, value):
+    """Found by a new-user pass: ``bench arms --temperature -1`` started (or loaded) every arm, then
+    failed in the first run; ``bench serve`` sent its warm-up first."""
+    loaded = []
+    monkeypatch.setattr(bench_arms, "ArmServer", lambda *a, **k: loaded.append(a))
+    assert main(["bench", "arms", "--arms", "plain,k3", "--workloads", "s1", "--scale", "0.05", "--temperature", value,
+                 "--server-args", "--device cpu", "--no-progress", "--no-plots", "--output-dir", str(tmp_path)]) == 2
+    assert capsys.readouterr().err == f"error: temperature must be a finite number >= 0, got {float(value)!r}\n"
+    assert not loaded
+    assert main(["bench", "serve", "--base-url", "http://127.0.0.1:1", "--temperature", value, "--no-progress"]) == 2
+    assert capsys.readouterr().err == f"error: temperature must be a finite number >= 0, got {float(value)!r}\n"
+    assert bench_arms.BenchConfig(temperature=0.7).temperature == 0.7

@@ -58,6 +58,10 @@ class BenchConfig:
         request_seeds: request ``i`` carries ``seed + i`` as its own sampling seed (reproducible
             sampled runs); ``False``: no request seed (the server's engine seed draws them; under
             adaptive speculation a seeded request keeps argmax drafts, docs/serving.md).
+
+    Raises:
+        ValueError: a count or length below 1, a negative warm-up, an unknown ``prompts``, or a
+            temperature that is negative or not finite.
     """
 
     num_prompts: int = 64
@@ -84,6 +88,10 @@ class BenchConfig:
             raise ValueError(f"prompts must be 'gsm8k' or 'random', got {self.prompts!r}")
         if self.warmup < 0:
             raise ValueError(f"warmup must be >= 0, got {self.warmup}")
+        if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)) \
+                or not (math.isfinite(self.temperature) and self.temperature >= 0):
+            # (SamplingParams' rule; bench arms checked it only once every arm was up)
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
         if self.warmup_output_len is not None and (not isinstance(self.warmup_output_len, int)
                                                    or self.warmup_output_len < 1):
             raise ValueError(f"warmup_output_len must be an int >= 1 or None, got {self.warmup_output_len!r}")
