@@ -555,3 +555,20 @@ def test_bench_serve_shared_prefix_refuses_a_concurrency(capsys):
     assert main(["bench", "serve", "--base-url", "http://127.0.0.1:9", "--shared-prefix", "--max-concurrency", "4",
                  "--no-progress"]) == 2
     assert "--shared-prefix sends one request at a time" in capsys.readouterr().err
+
+
+def test_bench_serve_output_len_above_the_context_is_named_before_any_request(monkeypatch):
+    """Found by a new-user pass: ``bench serve --output-len 5000`` against a 4,096-token server sent every
+    request, then said the natural prompts did not fit and to pass --input-len, which cannot help."""
+    from mtpspec.entrypoints import bench_serve
+
+    class Info:
+        def __init__(self, base_url, client):
+            self.max_model_len, self.vocab_size, self.model, self.info = 512, 100, "m", {}
+
+    monkeypatch.setattr(bench_serve, "ServerInfo", Info)
+    monkeypatch.setattr(bench_serve, "_run_load", lambda *a, **k: pytest.fail("a request was sent"))
+    for out in (512, 5000):
+        with pytest.raises(ValueError, match=rf"^output_len {out} leaves no room for a prompt in the server's "
+                                             r"max_model_len 512; lower --output-len$"):
+            run_benchmark("http://127.0.0.1:1", BenchConfig(num_prompts=1, output_len=out, warmup=0), progress=False)

@@ -314,7 +314,7 @@ def run_benchmark(base_url: str, cfg: BenchConfig, progress: bool = True, desc: 
 
     Raises:
         ValueError: the workload does not fit the server's context (``input_len + output_len >
-            max_model_len``), or no request succeeded (natural prompts longer than the context:
+            max_model_len``, or ``output_len >= max_model_len`` with natural prompts), or no request succeeded (natural prompts longer than the context:
             the message says to pass ``input_len``).
         httpx.HTTPError: the server cannot be reached.
     """
@@ -324,6 +324,10 @@ def run_benchmark(base_url: str, cfg: BenchConfig, progress: bool = True, desc: 
         if cfg.input_len is not None and info.max_model_len and cfg.input_len + cfg.output_len > info.max_model_len:
             raise ValueError(f"input_len {cfg.input_len} + output_len {cfg.output_len} exceed the server's "
                              f"max_model_len {info.max_model_len}; lower them (or --scale for presets)")
+        if cfg.input_len is None and info.max_model_len and cfg.output_len >= info.max_model_len:
+            # (every request failed, and the hint blamed the prompts: --input-len could not help)
+            raise ValueError(f"output_len {cfg.output_len} leaves no room for a prompt in the server's max_model_len "
+                             f"{info.max_model_len}; lower --output-len")
 
         def tokenize(text: str) -> List[int]:
             # pieces glued into token prompts: no special tokens (as bench_inprocess' tokenizer.encode)
