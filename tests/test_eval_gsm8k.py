@@ -335,3 +335,17 @@ def test_arms_refuse_flags_they_would_override():
     got = eval_gsm8k._sources(p.parse_args(base + ["--arms", "baseline,both"]))
     assert [(a["fuse_allreduce_rmsnorm"], a["speculative_config"]["use_local_argmax_reduction"])
             for a in got.values()] == [eval_gsm8k.ARM_FLAGS["baseline"], eval_gsm8k.ARM_FLAGS["both"]]
+
+
+def test_base_url_naming_one_arm_twice_is_an_error():
+    """Found by a new-user pass: ``--base-url a=URL1 --base-url a=URL2`` (or an unnamed URL given the
+    name ``server1`` of a named one) kept the last, silently: one arm evaluated, nothing compared."""
+    import argparse
+    p = argparse.ArgumentParser()
+    eval_gsm8k.add_parser(p.add_subparsers(dest="command"))
+    for urls, name in ((["a=http://h:1", "a=http://h:2"], "a"), (["server1=http://h:1", "http://h:2"], "server1")):
+        args = p.parse_args(["eval", "gsm8k", *[w for u in urls for w in ("--base-url", u)]])
+        with pytest.raises(ValueError, match=re.escape(f"--base-url names the arm {name!r} twice")):
+            eval_gsm8k._sources(args)
+    args = p.parse_args(["eval", "gsm8k", "--base-url", "a=http://h:1", "--base-url", "http://h:2"])
+    assert eval_gsm8k._sources(args) == {"a": "http://h:1", "server1": "http://h:2"}

@@ -277,6 +277,12 @@ def add_parser(sub: Any) -> None:
 
 
 def _sources(args: argparse.Namespace) -> Dict[str, Any]:
+    """Arm name -> base URL (``--base-url``) or ``LLM`` keyword arguments (``--model`` / ``--arms``).
+
+    Raises:
+        ValueError: ``--base-url`` with ``--model`` / ``--arms``, an arm named twice (by ``--base-url
+            NAME=URL`` or ``--arms``), an unknown or no arm, a flag an arm would override, a bad model path.
+    """
     from mtpspec.entrypoints.serve import default_model_path, llm_kwargs
     if args.base_url:
         if args.arms or args.model:
@@ -284,10 +290,12 @@ def _sources(args: argparse.Namespace) -> Dict[str, Any]:
         out = {}
         for i, spec in enumerate(args.base_url):
             name, sep, url = spec.partition("=")
-            if sep and not name.startswith("http"):
-                out[name] = url
-            else:
-                out[f"server{i}" if len(args.base_url) > 1 else "server"] = spec
+            if not (sep and not name.startswith("http")):
+                name, url = (f"server{i}" if len(args.base_url) > 1 else "server"), spec
+            if name in out:  # (the later one replaced the earlier, silently: one arm evaluated)
+                raise ValueError(f"--base-url names the arm {name!r} twice ({out[name]} and {url}); give each "
+                                 "server its own NAME=URL")
+            out[name] = url
         return out
     base = llm_kwargs(args)
     from mtpspec.engine.arg_utils import model_path_problem
