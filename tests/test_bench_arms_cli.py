@@ -417,3 +417,12 @@ def test_a_bad_temperature_stops_before_any_server_starts(monkeypatch, capsys, t
     assert main(["bench", "serve", "--base-url", "http://127.0.0.1:1", "--temperature", value, "--no-progress"]) == 2
     assert capsys.readouterr().err == f"error: temperature must be a finite number >= 0, got {float(value)!r}\n"
     assert bench_arms.BenchConfig(temperature=0.7).temperature == 0.7
+
+
+def test_base_url_naming_one_arm_twice_is_an_error(no_sweep, capsys):
+    """Found by a new-user pass: ``--base-url k3=URL1 --base-url k3=URL2`` kept the last, silently."""
+    assert main(["bench", "arms", "--arms", "plain,k3", "--base-url", "k3=http://h:1", "--base-url", "k3=http://h:2",
+                 "--workloads", "s1", "--no-progress", "--no-plots"]) == 2
+    assert capsys.readouterr().err == ("error: --base-url names the arm 'k3' twice (http://h:1 and http://h:2); "
+                                       "one server per arm\n")
+    assert not no_sweep
