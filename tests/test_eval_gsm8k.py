@@ -219,6 +219,12 @@ def test_eval_cli_prompt_too_long_suggests_fewer_shots(capsys):
     assert eval_gsm8k.run(args) == 2
     err = capsys.readouterr().err
     assert "maximum context length is 256 tokens" in err and "try --num-fewshot 1 or fewer" in err
+    # a context that holds no shot: "try --num-fewshot 0", not "0 or fewer" (a new-user pass)
+    args = p.parse_args(["eval", "gsm8k", "--data", os.path.join(GSM8K_DIR, "test.jsonl"), "--limit", "1",
+                         "--num-fewshot", "5", "--max-model-len", "100", "--no-progress", "--arms", "baseline"])
+    assert eval_gsm8k.run(args) == 2
+    err = capsys.readouterr().err
+    assert err.endswith("(the 5-shot prompts are too long for this model: try --num-fewshot 0)\n"), err
     # the suggestion from the figures in the message: the prompt shared by its shots and its question
     assert eval_gsm8k.fewer_shots("This model's maximum context length is 2048 tokens. However, your request has 18542 "
                                   "input tokens", 100) == 10

@@ -382,8 +382,9 @@ def run(args: argparse.Namespace) -> int:
         hint = ""
         # the few-shot prompt outgrew the context (the engine's and the server's message: vLLM's wording)
         if "maximum context length" in str(exc) and args.num_fewshot > 0:
+            shots = fewer_shots(str(exc), args.num_fewshot)  # (0 was "try --num-fewshot 0 or fewer")
             hint = (f" (the {args.num_fewshot}-shot prompts are too long for this model: try --num-fewshot "
-                    f"{fewer_shots(str(exc), args.num_fewshot)} or fewer)")
+                    f"{shots}{' or fewer' if shots else ''})")
         print(f"error: {exc}{hint}", file=sys.stderr)
         return 2
     except httpx.HTTPError as exc:  # server unreachable, timed out, bad URL
