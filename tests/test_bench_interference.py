@@ -183,3 +183,18 @@ def test_whole_prompt_prefill_stalls_the_decodes(tmp_path):
     assert inter["max"] > 5 * res["itl_ms"]["baseline"]["median"]
     # 4 prompts, each whole in one step (several decode-only steps may run between them)
     assert res["engine_steps"]["interference"] < 4 * math.ceil(900 / BUDGET)
+
+
+@pytest.mark.parametrize("argv, said", [
+    (["--prefill-interference", "--num-decodes", "2", "--num-prompts", "3", "--input-len", "64"],
+     "error: --prefill-interference ignores --num-prompts, --input-len; drop them (its own flags: --num-decodes, "),
+    (["--prefill-interference", "--no-request-seeds"], "error: --prefill-interference ignores --no-request-seeds; drop it"),
+    (["--shared-prefix", "--random-prompts", "--temperature", "0.5"],
+     "error: --shared-prefix ignores --random-prompts, --temperature; drop them\n"),
+])
+def test_flags_the_chosen_workload_ignores_are_refused(capsys, argv, said):
+    """Found by a new-user pass: ``--prefill-interference --num-prompts 3 --input-len 64`` (or
+    ``--shared-prefix --random-prompts``) ran, those flags silently ignored."""
+    from mtpspec.entrypoints.cli import main
+    assert main(["bench", "serve", "--base-url", "http://127.0.0.1:1", *argv]) == 2
+    assert capsys.readouterr().err.startswith(said)

@@ -486,6 +486,25 @@ def config_from_args(args: argparse.Namespace, defaults: Dict[str, Any]) -> Benc
     return BenchConfig(**kw)
 
 
+#: ``bench serve`` options each other workload does not read: ``--prefill-interference`` builds its own random
+#: prompts and lengths (its own flags); ``--shared-prefix`` sends GSM8K few-shot text, greedy, seeded per request.
+UNREAD_BY = {"prefill_interference": ("num_prompts", "max_concurrency", "input_len", "output_len", "dataset",
+                                      "random_prompts", "ignore_eos", "request_seeds"),
+             "shared_prefix": ("input_len", "random_prompts", "ignore_eos", "temperature", "request_seeds")}
+
+
+def unread_flags(args: argparse.Namespace) -> List[str]:
+    """The ``bench serve`` options given (``--flag-name``) that the chosen ``--prefill-interference`` /
+    ``--shared-prefix`` workload would ignore (:data:`UNREAD_BY`); empty for the default workload."""
+    unset = {"random_prompts": False, "ignore_eos": False, "temperature": 0.0, "request_seeds": True}
+    spelled = {"request_seeds": "--no-request-seeds"}
+    for workload, names in UNREAD_BY.items():
+        if getattr(args, workload, False):
+            return [spelled.get(n, "--" + n.replace("_", "-")) for n in names
+                    if getattr(args, n, None) != unset.get(n, None)]
+    return []
+
+
 def run(args: argparse.Namespace) -> int:
     from mtpspec.entrypoints import bench_interference
     misplaced = bench_interference.misplaced_flags(args)
@@ -494,6 +513,13 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if args.shared_prefix and args.prefill_interference:
         print("error: --shared-prefix and --prefill-interference are two workloads; pick one", file=sys.stderr)
+        return 2
+    unread = unread_flags(args)
+    if unread:  # (they were ignored, silently)
+        workload = "--prefill-interference" if args.prefill_interference else "--shared-prefix"
+        print(f"error: {workload} ignores {', '.join(unread)}; drop {'it' if len(unread) == 1 else 'them'}"
+              + (" (its own flags: --num-decodes, --decode-input-len, --prefill-input-len, ...: --help)"
+                 if args.prefill_interference else ""), file=sys.stderr)
         return 2
     why = output_path_problem(args.json)
     if why is not None:
