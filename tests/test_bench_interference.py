@@ -188,7 +188,8 @@ def test_whole_prompt_prefill_stalls_the_decodes(tmp_path):
 @pytest.mark.parametrize("argv, said", [
     (["--prefill-interference", "--num-decodes", "2", "--num-prompts", "3", "--input-len", "64"],
      "error: --prefill-interference ignores --num-prompts, --input-len; drop them (its own flags: --num-decodes, "),
-    (["--prefill-interference", "--no-request-seeds"], "error: --prefill-interference ignores --no-request-seeds; drop it"),
+    (["--prefill-interference", "--no-request-seeds"],
+     "error: --prefill-interference ignores --no-request-seeds; drop it"),
     (["--shared-prefix", "--random-prompts", "--temperature", "0.5"],
      "error: --shared-prefix ignores --random-prompts, --temperature; drop them\n"),
 ])

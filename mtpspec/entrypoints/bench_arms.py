@@ -1109,7 +1109,8 @@ def run(args: argparse.Namespace) -> int:
             if not sep or name not in arms:
                 raise ValueError(f"--base-url must be NAME=URL with NAME one of {list(arms)}, got {spec!r}")
             if name in urls:  # (the later one replaced the earlier, silently)
-                raise ValueError(f"--base-url names the arm {name!r} twice ({urls[name]} and {url}); one server per arm")
+                raise ValueError(f"--base-url names the arm {name!r} twice ({urls[name]} and {url}); "
+                                 "one server per arm")
             urls[name] = url
         if urls and args.in_process:
             raise ValueError("--base-url and --in-process exclude each other (a URL is another process's server)")

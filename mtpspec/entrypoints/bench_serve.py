@@ -314,8 +314,8 @@ def run_benchmark(base_url: str, cfg: BenchConfig, progress: bool = True, desc: 
 
     Raises:
         ValueError: the workload does not fit the server's context (``input_len + output_len >
-            max_model_len``, or ``output_len >= max_model_len`` with natural prompts), or no request succeeded (natural prompts longer than the context:
-            the message says to pass ``input_len``).
+            max_model_len``, or ``output_len >= max_model_len`` with natural prompts), or no request
+            succeeded (natural prompts longer than the context: the message says to pass ``input_len``).
         httpx.HTTPError: the server cannot be reached.
     """
     base_url = server_root(base_url)
