@@ -406,7 +406,7 @@ def test_bench_arms_warmup_rounds_interleave_untimed_and_adaptive_vs_best(tmp_pa
                               plots=False, warmup_rounds=1)
     assert calls == ["s1 a warm-up #1", "s1 adaptive warm-up #1", "s1 a #1", "s1 adaptive #1", "s1 adaptive #2",
                      "s1 a #2"]  # round 2 rotated
-    assert bench_arms.rotated(["a", "b", "c"], 4) == ["b", "c", "a"] and bench_arms.rotated([], 3) == []
+    assert bench_arms.round_order([], 3) == [] and bench_arms.round_order(["a"], 5) == ["a"]
     assert res["warmup_rounds"] == 1 and len(res["workloads"]["s1"]["arms"]["a"]["runs"]) == 2
     vs = res["workloads"]["s1"]["adaptive_vs_best"]
     assert vs["best"] == "a" and vs["ratio"] == pytest.approx(112.0 / 110.0)  # medians of two runs: means
@@ -572,3 +572,24 @@ def test_bench_serve_output_len_above_the_context_is_named_before_any_request(mo
         with pytest.raises(ValueError, match=rf"^output_len {out} leaves no room for a prompt in the server's "
                                              r"max_model_len 512; lower --output-len$"):
             run_benchmark("http://127.0.0.1:1", BenchConfig(num_prompts=1, output_len=out, warmup=0), progress=False)
+
+
+@pytest.mark.parametrize("n", [2, 3, 4, 5, 6])
+def test_round_orders_are_carry_over_balanced(n) -> None:
+    """``bench_arms.round_order``: over n rounds (2n for odd n) each arm runs equally often in each position
+    and right after each other arm equally often (a rotation ran arm j + 1 after arm j in every round:
+    session 40's adaptive arm always followed k3); the 4-arm sweep's adaptive arm follows three different
+    arms in its first three rounds."""
+    from collections import Counter
+    arms = [f"a{j}" for j in range(n)]
+    rounds = [bench_arms.round_order(arms, i) for i in range(n if n % 2 == 0 else 2 * n)]
+    assert all(sorted(r) == arms for r in rounds)
+    positions = Counter((pos, a) for r in rounds for pos, a in enumerate(r))
+    assert set(positions.values()) == {len(rounds) // n}
+    pairs = Counter((r[j], r[j + 1]) for r in rounds for j in range(n - 1))
+    assert len(pairs) == n * (n - 1) and len(set(pairs.values())) == 1
+    assert bench_arms.round_order(arms, len(rounds)) == rounds[0]  # periodic
+    sweep = ["plain", "k1", "k3", "adaptive"]
+    before = {r[r.index("adaptive") - 1] for r in (bench_arms.round_order(sweep, i) for i in range(3))
+              if r.index("adaptive")}
+    assert len(before) >= 2, before

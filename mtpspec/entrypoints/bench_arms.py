@@ -1,4 +1,4 @@
-"""`mtpspec bench arms`: A/B/C of engine arms, one server per arm, runs interleaved A B C, B C A, ...
+"""`mtpspec bench arms`: A/B/C of engine arms, one server per arm, runs interleaved (a Williams order per round)
 
 Arms (``--arms``, default all three; ``--arm NAME=FLAGS`` adds or redefines one):
 
@@ -26,8 +26,8 @@ held choices).
 
 Every arm's server is started once (one after another, each on its own free port; with
 ``--base-url NAME=URL`` an already running server is used instead), then each workload runs
-``--repeats`` times per arm, interleaved (rounds A B C, B C A, C A B, ...), so that drift (thermals, other
-load) hits every arm alike. Workload presets (``--scale`` shrinks lengths and prompt counts for
+``--repeats`` times per arm, interleaved (each round every arm once, in a carry-over balanced order:
+:func:`round_order`), so that drift (thermals, other load) hits every arm alike. Workload presets (``--scale`` shrinks lengths and prompt counts for
 small machines; explicit ``--input-len`` etc. override):
 
 * ``batch1``: 8192 tokens in, 1024 out, 8 prompts, concurrency 1;
@@ -598,10 +598,29 @@ def eager_warning(wl: Dict[str, Any]) -> Optional[str]:
         ": those figures are not the graphed engine's"
 
 
-def rotated(arms: List[str], i: int) -> List[str]:
-    """``arms`` rotated left by ``i`` (the order of interleaved round ``i``)."""
-    k = i % len(arms) if arms else 0
-    return arms[k:] + arms[:k]
+def round_order(arms: List[str], i: int) -> List[str]:
+    """The order of ``arms`` in interleaved round ``i``: a Williams design (E. J. Williams 1949, "Experimental
+    designs balanced for the estimation of residual effects of treatments", Aust. J. Sci. Res. A 2:149-168),
+    so that no arm always runs right after the same one. Even ``n`` arms: row ``i mod n`` of the square
+    whose first row is ``0, 1, n-1, 2, n-2, ...`` and row ``r`` adds ``r`` (mod ``n``): over ``n`` rounds
+    each arm runs once in each position and after each other arm once. Odd ``n``: that square's rows and
+    their reversals alternate (round ``2j``: row ``j``, ``2j + 1``: row ``j`` reversed), balanced over
+    ``2n`` rounds. (A plain rotation, A B C D, B C D A, ..., ran D after C in every round: session 40's
+    adaptive arm always followed k3.) Two arms: A B, B A."""
+    n = len(arms)
+    if n < 2:
+        return list(arms)
+    first, lo, hi = [0], 1, n - 1
+    while len(first) < n:
+        if len(first) % 2:
+            first, lo = first + [lo], lo + 1
+        else:
+            first, hi = first + [hi], hi - 1
+    shift = i % n if n % 2 == 0 else (i // 2) % n
+    row = [(x + shift) % n for x in first]
+    if n % 2 and i % 2:
+        row.reverse()
+    return [arms[x] for x in row]
 
 
 def _kind_detail(v: dict) -> str:
@@ -772,9 +791,10 @@ def run_arms(arms: Dict[str, List[str]], workloads: Dict[str, BenchConfig], repe
              equal_kv: bool = False, host_retries: int = 0, host_max_ms: float = 0.0) -> Dict[str, Any]:
     """Start the servers, run every workload ``repeats`` times per arm interleaved, summarise.
 
-    Interleaved: timed round ``i`` of a workload runs every arm once, in the arms' order rotated by
-    ``i`` (A B C, B C A, C A B, ...; warm-up rounds keep the order), so over ``len(arms)`` rounds each
-    arm runs once in each position and a drift of the host's speed spreads over the arms.
+    Interleaved: timed round ``i`` of a workload runs every arm once, in :func:`round_order`'s order
+    ``i`` (warm-up rounds keep the arms' order), so over ``len(arms)`` rounds (twice that for an odd
+    count) each arm runs once in each position and right after each other arm equally often, and a drift
+    of the host's speed spreads over the arms.
 
     Args:
         arms: name -> `mtpspec serve` flags, in comparison order.
@@ -977,7 +997,7 @@ def run_arms(arms: Dict[str, List[str]], workloads: Dict[str, BenchConfig], repe
                     fastest = host_probe_ms()  # a sweep starting on a slowed host still has a fast reference
                 for rep in range(repeats):
                     for attempt in range(host_retries + 1):
-                        for arm in rotated(list(arms), rep):  # interleaved, each round rotated: A B C, B C A, ...
+                        for arm in round_order(list(arms), rep):  # interleaved, carry-over balanced
                             run(wname, cfg, arm, rep)
                         probes = [p for arm in arms for p in runs[wname][arm][-1]["host_probe_ms"]]
                         if host_max_ms and statistics.median(probes) > host_max_ms:
