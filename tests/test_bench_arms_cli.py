@@ -412,10 +412,10 @@ def test_a_bad_temperature_stops_before_any_server_starts(monkeypatch, capsys, t
     monkeypatch.setattr(bench_arms, "ArmServer", lambda *a, **k: loaded.append(a))
     assert main(["bench", "arms", "--arms", "plain,k3", "--workloads", "s1", "--scale", "0.05", "--temperature", value,
                  "--server-args", "--device cpu", "--no-progress", "--no-plots", "--output-dir", str(tmp_path)]) == 2
-    assert capsys.readouterr().err == f"error: temperature must be a finite number >= 0, got {float(value)!r}\n"
+    assert capsys.readouterr().err == f"error: --temperature must be a finite number >= 0, got {float(value)!r}\n"
     assert not loaded
     assert main(["bench", "serve", "--base-url", "http://127.0.0.1:1", "--temperature", value, "--no-progress"]) == 2
-    assert capsys.readouterr().err == f"error: temperature must be a finite number >= 0, got {float(value)!r}\n"
+    assert capsys.readouterr().err == f"error: --temperature must be a finite number >= 0, got {float(value)!r}\n"
     assert bench_arms.BenchConfig(temperature=0.7).temperature == 0.7
 
 
@@ -426,3 +426,18 @@ def test_base_url_naming_one_arm_twice_is_an_error(no_sweep, capsys):
     assert capsys.readouterr().err == ("error: --base-url names the arm 'k3' twice (http://h:1 and http://h:2); "
                                        "one server per arm\n")
     assert not no_sweep
+
+
+def test_bad_counts_name_their_flags(capsys, tmp_path):
+    """Found by a new-user pass: ``bench serve --num-prompts 0`` said ``num_prompts must be ...`` and
+    ``bench arms --repeats 0`` ``repeats must be ...`` (field and argument names, not the flags)."""
+    for argv, want in ((["bench", "serve", "--base-url", "http://127.0.0.1:1", "--num-prompts", "0"],
+                        "error: --num-prompts must be an int >= 1, got 0\n"),
+                       (["bench", "serve", "--base-url", "http://127.0.0.1:1", "--output-len", "-3"],
+                        "error: --output-len must be an int >= 1, got -3\n"),
+                       (["bench", "arms", "--repeats", "0", "--no-plots", "--output-dir", str(tmp_path)],
+                        "error: --repeats must be >= 1, got 0\n"),
+                       (["bench", "arms", "--workloads", "s1", "--max-concurrency", "0", "--no-plots",
+                         "--output-dir", str(tmp_path)], "error: --max-concurrency must be an int >= 1, got 0\n")):
+        assert main(argv + ["--no-progress"]) == 2, argv
+        assert capsys.readouterr().err == want, argv

@@ -1122,6 +1122,8 @@ def run(args: argparse.Namespace) -> int:
     from mtpspec.entrypoints.serve import default_model_path
     started = time.time()  # a bench_arms.partial.json older than this is an earlier sweep's
     try:
+        if args.repeats < 1:  # (run_arms' own check names its argument)
+            raise ValueError(f"--repeats must be >= 1, got {args.repeats}")
         arms = parse_arms(args.arms, args.arm)
         urls = {}
         for spec in args.base_url:

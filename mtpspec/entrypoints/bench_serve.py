@@ -474,7 +474,17 @@ def add_parser(sub: Any) -> None:
     add_interference_arguments(p)
 
 
+#: :class:`BenchConfig` fields set from a ``bench serve`` flag of the same name: their errors name the flag
+FLAG_FIELDS = ("num_prompts", "max_concurrency", "input_len", "output_len", "warmup", "temperature")
+
+
 def config_from_args(args: argparse.Namespace, defaults: Dict[str, Any]) -> BenchConfig:
+    """The :class:`BenchConfig` of ``bench serve`` / ``bench arms`` flags, ``defaults`` for those not given.
+
+    Raises:
+        ValueError: :class:`BenchConfig`'s, naming the flag (``--num-prompts must be an int >= 1, got 0``)
+            where the field is one of :data:`FLAG_FIELDS`.
+    """
     pick = lambda name: getattr(args, name) if getattr(args, name) is not None else defaults.get(name)  # noqa: E731
     kw = dict(num_prompts=pick("num_prompts"), max_concurrency=pick("max_concurrency"), input_len=pick("input_len"),
               output_len=pick("output_len"), prompts="random" if args.random_prompts else "gsm8k",
@@ -483,7 +493,14 @@ def config_from_args(args: argparse.Namespace, defaults: Dict[str, Any]) -> Benc
               warmup=args.warmup if args.warmup is not None else defaults.get("warmup", 1),
               warmup_output_len=defaults.get("warmup_output_len") if args.warmup is None else None)
     kw["max_concurrency"] = min(kw["max_concurrency"], kw["num_prompts"])
-    return BenchConfig(**kw)
+    try:
+        return BenchConfig(**kw)
+    except ValueError as exc:
+        msg = str(exc)
+        field = next((f for f in FLAG_FIELDS if msg.startswith(f + " ")), None)
+        if field is None:
+            raise
+        raise ValueError("--" + field.replace("_", "-") + msg[len(field):]) from None
 
 
 #: ``bench serve`` options each other workload does not read: ``--prefill-interference`` builds its own random
