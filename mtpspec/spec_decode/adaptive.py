@@ -1025,7 +1025,9 @@ class AdaptiveSpecPolicy:
             # that could not win even with no host time (_could_win)
             recheck = n >= self._declined.get(bucket, 0)  # (priced and declined lately: not priced again yet)
             declined = False
-            stale = [k for k in base if k != best and self._excess_n.get((bucket, k), 0) < MIN_MEASURED
+            # the ks a burst may try at all, before any pricing (which may build the batch's lag list)
+            winnable = [k for k in base if k != best and self._could_win(bucket, k, best, best_rate, base)]
+            stale = [k for k in winnable if self._excess_n.get((bucket, k), 0) < MIN_MEASURED
                      and self._bursts.get((bucket, k), 0) < MAX_MEASURING_BURSTS] if recheck else []
             if stale:  # within MEASURE_MARGIN before any catch-up, and a drafting k's catch-up cheap
                 stale = [k for k in stale if base[k][0] / base[k][1] >= (1.0 - MEASURE_MARGIN) * best_rate]
@@ -1034,16 +1036,13 @@ class AdaptiveSpecPolicy:
                     stale = [k for k in stale if k == 0 or cheap]
                 declined = not stale
             if not stale and since > EXPLORE_EVERY:
-                due = [k for k in base if k != best and n - seen.get(k, 0) > EXPLORE_EVERY]
+                due = [k for k in winnable if n - seen.get(k, 0) > EXPLORE_EVERY]
                 stale = [k for k in due if n - seen.get(k, 0) > STALE_EVERY]  # whatever its rate: not priced
                 if not stale and due and recheck and not declined:  # its burst's rate, catch-up spread over it
                     c = catch_up_all() / EXPLORE_STEPS if any(due) else 0.0
                     stale = [k for k in due if base[k][0] / (base[k][1] + (c if k else 0.0))
                              >= (1.0 - EXPLORE_MARGIN) * best_rate]
                     declined = not stale
-            if stale:  # none that could not win even without host time (DEVICE_FLOOR_SHARE)
-                stale = [k for k in stale if self._could_win(bucket, k, best, best_rate, base)]
-                declined = declined or not stale
             if declined:
                 self._declined[bucket] = n + EXPLORE_RECHECK
             if stale:  # the one proposed longest ago
