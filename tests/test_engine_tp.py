@@ -7,6 +7,8 @@ References are single-process (tp 1) plain greedy runs of the same checkpoint.
 from __future__ import annotations
 
 import json
+import os
+import signal
 from typing import Any, List
 
 import pytest
@@ -400,3 +402,48 @@ def test_shutdown_ends_a_frozen_rank(setup, monkeypatch) -> None:
     t0 = time.monotonic()
     llm.shutdown()
     assert not any(p.is_alive() for p in procs) and time.monotonic() - t0 < 15
+
+
+_SPAWN_MASK_SCRIPT = '''
+import multiprocessing as mp
+import signal
+import sys
+
+from mtpspec.engine import executor
+
+
+def report(conn):
+    conn.send(signal.SIGINT in signal.pthread_sigmask(signal.SIG_BLOCK, []))
+
+
+if __name__ == "__main__":
+    held = getattr(executor, sys.argv[1])
+    ctx = mp.get_context("spawn")
+    seen = []
+    for _ in range(2):  # the first start also starts the resource tracker
+        parent, child = ctx.Pipe()
+        p = ctx.Process(target=report, args=(child,))
+        with held():
+            p.start()
+        seen.append(parent.recv())
+        p.join()
+    print(seen)
+'''
+
+
+@pytest.mark.skipif(not hasattr(signal, "pthread_sigmask"), reason="needs pthread_sigmask")
+def test_a_process_spawned_while_sigint_is_held_starts_with_it_blocked(tmp_path) -> None:
+    """CI saw a rank print a ``KeyboardInterrupt`` traceback from its ``site`` import after Ctrl-C, although
+    ranks start with SIGINT blocked: the first spawn starts ``multiprocessing``'s resource tracker, whose
+    start *unblocks* SIGINT in the parent, so the rank spawned right after started with it deliverable.
+    ``sigint_held_for_spawn`` starts the tracker first. A fresh process (no tracker yet): with plain
+    ``sigint_held`` the first child read ``False`` (CPython 3.11)."""
+    import subprocess
+    import sys
+    script = tmp_path / "spawn_mask.py"
+    script.write_text(_SPAWN_MASK_SCRIPT)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
+    out = subprocess.run([sys.executable, str(script), "sigint_held_for_spawn"], capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[True, True]", (out.stdout, out.stderr)

@@ -223,6 +223,23 @@ def sigint_held() -> Iterator[None]:
         signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
+@contextlib.contextmanager
+def sigint_held_for_spawn() -> Iterator[None]:
+    """:func:`sigint_held` for a block that starts processes (``multiprocessing`` spawn): each starts with
+    SIGINT blocked from its first instruction, so a Ctrl-C while it still imports prints nothing there.
+
+    The ``multiprocessing`` resource tracker is started first, outside the held block: its start
+    (``ResourceTracker.ensure_running``, called by a spawn ``Process.start``) blocks SIGINT for its
+    own spawn and then *unblocks* it rather than restoring the mask, so a tracker started inside the
+    block let the process spawned next start with SIGINT deliverable (CI saw a rank's
+    ``KeyboardInterrupt`` traceback from its ``site`` import).
+    """
+    from multiprocessing import resource_tracker
+    resource_tracker.ensure_running()
+    with sigint_held():
+        yield
+
+
 def release_device_memory() -> None:
     """Collect garbage, then return the CUDA caching allocator's free blocks to the device (the
     KV sizing reads the device's free memory, which counts cached blocks as used)."""
@@ -284,7 +301,7 @@ class MultiprocExecutor(Executor):
                                     daemon=True)
                     # the rank starts with SIGINT blocked until spawned_worker_main ignores it: a Ctrl-C while it
                     # still imports printed its traceback; and a started rank is always one shutdown ends
-                    with sigint_held():
+                    with sigint_held_for_spawn():
                         p.start()
                         self.conns.append(parent)
                         self.procs.append(p)
