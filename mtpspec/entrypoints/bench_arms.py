@@ -82,10 +82,9 @@ import statistics
 import subprocess
 import sys
 import time
-from dataclasses import asdict
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from mtpspec.entrypoints.bench_serve import BenchConfig, add_arguments, config_from_args, run_benchmark
+from mtpspec.entrypoints.bench_serve import BenchConfig, add_arguments, config_from_args, format_rate, run_benchmark
 
 #: max_tokens of each warm-up request (the default warm-up is two waves at the workload's concurrency).
 WARMUP_OUTPUT_LEN = 16
@@ -430,7 +429,9 @@ def format_workload(name: str, wl: Dict[str, Any]) -> str:
     synth = "   [SYNTHETIC: " + ", ".join(wl["synthetic_reasons"]) + "]" if wl["synthetic"] else ""
     c = wl["config"]
     lines = ["=" * 96, f"workload {name}: in {c['input_len'] or 'natural'}, out {c['output_len']}, "
-             f"{c['num_prompts']} prompts, concurrency {c['max_concurrency']}, {wl['repeats']} runs/arm{synth}",
+             f"{c['num_prompts']} prompts, concurrency {c['max_concurrency']}"
+             + ("" if c.get("request_rate", "inf") == "inf" else f", rate {format_rate(c)}")
+             + f", {wl['repeats']} runs/arm{synth}",
              "=" * 96]
     w = max([10] + [len(arm) for arm in wl["arms"]])  # the arm column fits the longest name
     head = f"{'arm':<{w}} {'run':>4} " + " ".join(f"{FIGURES[k][0]:>14}" for k in FIGURES)
@@ -899,7 +900,7 @@ def run_arms(arms: Dict[str, List[str]], workloads: Dict[str, BenchConfig], repe
         done = {"partial": True, **{k: result[k] for k in ("arms", "common_server_args", "repeats", "interleaved",
                                                             "warmup_rounds", "in_process", "equal_kv_blocks",
                                                             "shared_weights")},
-                "workload_configs": {w: asdict(c) for w, c in workloads.items()},
+                "workload_configs": {w: c.as_json() for w, c in workloads.items()},
                 "synthetic": any(r["synthetic_reasons"] for per in runs.values() for rs in per.values() for r in rs),
                 "runs": runs, "host_retries": host_retries, "host_max_ms": host_max_ms,
                 "host_perturbed_runs": perturbed}
@@ -1017,7 +1018,7 @@ def run_arms(arms: Dict[str, List[str]], workloads: Dict[str, BenchConfig], repe
         for wname, cfg in workloads.items():
             per_arm = runs[wname]
             reasons = sorted({r for done in per_arm.values() for res in done for r in res["synthetic_reasons"]})
-            wl: Dict[str, Any] = {"config": asdict(cfg), "repeats": repeats, "synthetic": bool(reasons),
+            wl: Dict[str, Any] = {"config": cfg.as_json(), "repeats": repeats, "synthetic": bool(reasons),
                                   "synthetic_reasons": reasons, "arms": {}, "verdicts": {}}
             for arm, done in per_arm.items():
                 wl["arms"][arm] = {"runs": done, "summary": summarise(done)}
@@ -1139,6 +1140,9 @@ def run(args: argparse.Namespace) -> int:
         workloads = {}
         for w in parse_workloads(args.workloads):
             workloads[w] = workload_config(w, args)
+        if args.in_process and args.request_rate != math.inf:
+            raise ValueError(f"--request-rate {args.request_rate:g}: --in-process queues every request before the "
+                             "first step (no arrivals to pace); drop one")
         try:
             common = ["--model", args.model or default_model_path()] + split_flags(args.server_args)
         except ValueError as exc:  # an unclosed quote

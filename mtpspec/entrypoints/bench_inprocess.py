@@ -36,7 +36,6 @@ import json
 import os
 import sys
 import time
-from dataclasses import asdict
 from typing import Any, Dict, List, Optional
 
 from mtpspec.entrypoints.bench_serve import BenchConfig, _ms
@@ -178,7 +177,7 @@ def run_in_process(llm: Any, cfg: BenchConfig, forced: Optional[str] = None,
     itl = [o.metrics.tpot for o in outs if o.metrics.tpot is not None]
     return {
         "synthetic": bool(reasons), "synthetic_reasons": reasons, "in_process": True,
-        "server": {"num_speculative_tokens": k, "max_num_seqs": cap}, "config": asdict(cfg),
+        "server": {"num_speculative_tokens": k, "max_num_seqs": cap}, "config": cfg.as_json(),
         "started_at": started_at, "duration_s": duration,
         "host_cpu_s": cpu_s,  # this process's CPU time over the run (all threads)
         "completed": len(outs), "failed": 0, "errors": [],

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import asdict
 from typing import Any, Dict, List, Sequence, Tuple
 
 import httpx
@@ -145,7 +144,7 @@ def run_prefix_benchmark(base_url: str, cfg: Any, num_shots: int = 5) -> Dict[st
     if hit["ttft_ms"]["median"] and miss["ttft_ms"]["median"]:
         ratio = hit["ttft_ms"]["median"] / miss["ttft_ms"]["median"]
     return {"server": {"base_url": base_url, "model": info.model, "max_model_len": info.max_model_len, **info.info},
-            "config": {**asdict(cfg), "num_shots": num_shots}, "shared_prefix_tokens": prefix_tokens,
+            "config": {**cfg.as_json(), "num_shots": num_shots}, "shared_prefix_tokens": prefix_tokens,
             "hit": hit, "miss": miss, "ttft_hit_over_miss": ratio,
             "requests": {k: [{"ttft_s": r["ttft"], "prompt_tokens": r["prompt_tokens"],
                               "cached_tokens": r["cached_tokens"],

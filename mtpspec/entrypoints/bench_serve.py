@@ -3,7 +3,8 @@
 Sends ``num_prompts`` streaming ``/v1/completions`` requests, at most ``max_concurrency`` at a
 time, and measures on the client:
 
-* output tokens/s: output tokens (from each request's ``usage``) over the run's wall time;
+* output tokens/s: output tokens (from each request's ``usage``) over the run's wall time; requests/s:
+  completed requests over it;
 * TTFT: request sent -> first streamed chunk with tokens; ITL: gap between a request's
   consecutive chunks (one chunk per engine step, which may carry several tokens under
   speculation); TPOT: per request ``(latency - TTFT) / (output tokens - 1)``; median and p99.
@@ -16,6 +17,18 @@ and from the server's ``/metrics`` before and after the run (deltas):
   that speculation luck cannot pass for speed); also the engine's own steps/s;
 * collective bytes per engine step (rank 0, by op);
 * the prefix cache's hit rate (prompt tokens served from it / looked up).
+
+Arrivals (vLLM's ``--request-rate`` / ``--burstiness``): by default every request is sent at once and
+only ``--max-concurrency`` limits them (a closed loop). With ``--request-rate R`` request ``i`` is sent
+at its arrival time (:func:`arrival_times`: gaps drawn from a gamma distribution of shape
+``--burstiness`` and mean ``1 / R``, seeded by ``--seed``, scaled so that the last goes at
+``num_prompts / R``, as vLLM does); an arrival finding ``--max-concurrency`` requests in flight waits
+for one to end (both limits apply, as in vLLM; without ``--max-concurrency`` a rate has no
+concurrency limit). TTFT counts from the send, not the arrival. The warm-up is never paced.
+
+vLLM's flag spellings are accepted too: ``--dataset-name {gsm8k,random}`` (random: ``--random-prompts``),
+``--dataset-path`` (``--dataset``), ``--random-input-len`` (``--input-len``), ``--random-output-len``
+(``--output-len``); both spellings of one option with different values are an error.
 
 Each run starts with an empty prefix cache (``POST /reset_prefix_cache`` before its warm-up), so
 repeated runs of the same prompts (``bench arms --repeats``) do the same prefill work.
@@ -36,10 +49,11 @@ import asyncio
 import json
 import math
 import os
+import random
 import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Dict, List, Optional, Sequence
 
 import httpx
@@ -58,10 +72,13 @@ class BenchConfig:
         request_seeds: request ``i`` carries ``seed + i`` as its own sampling seed (reproducible
             sampled runs); ``False``: no request seed (the server's engine seed draws them; under
             adaptive speculation a seeded request keeps argmax drafts, docs/serving.md).
+        request_rate: arrivals per second (``inf``: all at once; :func:`arrival_times`), burstiness: the
+            shape of their gaps' gamma distribution (1: Poisson arrivals).
 
     Raises:
-        ValueError: a count or length below 1, a negative warm-up, an unknown ``prompts``, or a
-            temperature that is negative or not finite.
+        ValueError: a count or length below 1, a negative warm-up, an unknown ``prompts``, a
+            temperature that is negative or not finite, a request rate not > 0 or a burstiness not
+            finite and > 0.
     """
 
     num_prompts: int = 64
@@ -76,6 +93,8 @@ class BenchConfig:
     request_seeds: bool = True
     warmup: int = 1
     warmup_output_len: Optional[int] = None
+    request_rate: float = math.inf
+    burstiness: float = 1.0
 
     def __post_init__(self) -> None:
         for name in ("num_prompts", "max_concurrency", "output_len"):
@@ -95,6 +114,11 @@ class BenchConfig:
         if self.warmup_output_len is not None and (not isinstance(self.warmup_output_len, int)
                                                    or self.warmup_output_len < 1):
             raise ValueError(f"warmup_output_len must be an int >= 1 or None, got {self.warmup_output_len!r}")
+        _check_arrivals(self.request_rate, self.burstiness)
+
+    def as_json(self) -> Dict[str, Any]:
+        """The fields as a dict for JSON, an infinite ``request_rate`` written ``"inf"`` (as vLLM's results)."""
+        return {**asdict(self), "request_rate": "inf" if self.request_rate == math.inf else self.request_rate}
 
     def request_seed(self, i: int) -> Optional[int]:
         """Request ``i``'s own sampling seed: ``seed + i``, or ``None`` without :attr:`request_seeds`."""
@@ -232,6 +256,36 @@ def spec_figures(before: Dict[str, float], after: Dict[str, float], k: int) -> D
 NEUTRAL_SAMPLING = {"top_p": 1.0, "top_k": 0, "repetition_penalty": 1.0}
 
 
+def _check_arrivals(rate: Any, burstiness: Any) -> None:
+    number = lambda x: isinstance(x, (int, float)) and not isinstance(x, bool)  # noqa: E731
+    if not (number(rate) and rate > 0):  # (nan fails it too)
+        raise ValueError(f"request_rate must be a number > 0 in requests/s (inf: all at once), got {rate!r}")
+    if not (number(burstiness) and 0 < burstiness < math.inf):
+        raise ValueError(f"burstiness must be a finite number > 0 (1: Poisson arrivals), got {burstiness!r}")
+
+
+def arrival_times(n: int, rate: float, burstiness: float = 1.0, seed: int = 0) -> List[float]:
+    """When each of ``n`` requests is sent, in seconds from the run's start (vLLM's arrivals).
+
+    The gaps are drawn from a gamma distribution of shape ``burstiness`` and mean ``1 / rate`` (variance
+    ``1 / (burstiness * rate**2)``: 1 is a Poisson process, below 1 burstier, above 1 more regular) by a
+    ``random.Random(seed)``, then all scaled by one factor so that the last request goes at exactly
+    ``n / rate`` s (as vLLM does: the offered load is ``rate`` whatever the draws). ``rate`` inf: all at 0.
+
+    Raises:
+        ValueError: ``rate`` not > 0 (in requests/s), or ``burstiness`` not finite and > 0.
+    """
+    _check_arrivals(rate, burstiness)
+    if rate == math.inf:
+        return [0.0] * n
+    rng, t, out = random.Random(seed), 0.0, []
+    for _ in range(n):
+        t += rng.gammavariate(burstiness, 1.0 / (rate * burstiness))
+        out.append(t)
+    scale = n / rate / t if t > 0 else 0.0
+    return [x * scale for x in out]
+
+
 async def _one(client: httpx.AsyncClient, url: str, model: str, prompt: Any, cfg: BenchConfig,
                seed: Optional[int]) -> RequestRecord:
     rec = RequestRecord()
@@ -280,8 +334,14 @@ async def _run_load(url: str, model: str, prompts: Sequence[Any], cfg: BenchConf
     if progress:
         from tqdm import tqdm
         bar = tqdm(total=len(prompts), desc=desc, unit="req", leave=False, dynamic_ncols=True, file=sys.stderr)
+    send_at = arrival_times(len(prompts), cfg.request_rate, cfg.burstiness, cfg.seed)
+    loop = asyncio.get_running_loop()
     async with httpx.AsyncClient(headers=api_key_headers(), timeout=httpx.Timeout(3600.0), limits=limits) as client:
+        start = loop.time()
+
         async def guarded(i: int, p: Any) -> RequestRecord:
+            if send_at[i] > 0:  # its arrival; then, as in vLLM, a --max-concurrency slot
+                await asyncio.sleep(start + send_at[i] - loop.time())
             async with sem:
                 rec = await _one(client, url, model, p, cfg, cfg.request_seed(i))
             if bar is not None:
@@ -341,8 +401,8 @@ def run_benchmark(base_url: str, cfg: BenchConfig, progress: bool = True, desc: 
         warm, prompts = prompts[:cfg.warmup], prompts[cfg.warmup:]
         client.post(base_url + "/reset_prefix_cache")  # a run starts cold (older servers: 404, ignored)
         if warm:
-            wcfg = BenchConfig(**{**asdict(cfg), "num_prompts": len(warm),
-                                  "output_len": cfg.warmup_output_len or cfg.output_len})
+            wcfg = replace(cfg, num_prompts=len(warm), output_len=cfg.warmup_output_len or cfg.output_len,
+                           request_rate=math.inf)  # never paced
             asyncio.run(_run_load(base_url, info.model, warm, wcfg, False, "warmup"))
         before = scrape(base_url, client)
         started_at = time.time()
@@ -374,7 +434,7 @@ def run_benchmark(base_url: str, cfg: BenchConfig, progress: bool = True, desc: 
     return {
         "synthetic": bool(reasons), "synthetic_reasons": reasons,
         "server": {"base_url": base_url, "model": info.model, "max_model_len": info.max_model_len, **info.info},
-        "config": asdict(cfg), "started_at": started_at,
+        "config": cfg.as_json(), "started_at": started_at,
         "duration_s": duration, "completed": len(ok), "failed": len(recs) - len(ok),
         "errors": sorted({r.error for r in recs if not r.ok})[:5],
         "total_input_tokens": sum(r.input_tokens for r in ok), "total_output_tokens": out_tokens,
@@ -394,6 +454,14 @@ def _f(x: Any, spec: str = ".2f") -> str:
     return "-" if x is None else format(x, spec)
 
 
+def format_rate(config: Dict[str, Any]) -> str:
+    """A run config's (:meth:`BenchConfig.as_json`) arrivals: ``inf (all at once)`` or ``4 req/s, burstiness 1 (Poisson)``."""
+    rate, b = config.get("request_rate", "inf"), config.get("burstiness", 1.0)
+    if rate in ("inf", math.inf):
+        return "inf (all at once)"
+    return f"{rate:g} req/s, burstiness {b:g}" + (" (Poisson)" if b == 1 else "")
+
+
 def format_result(res: Dict[str, Any]) -> str:
     """A compact table of one run (SYNTHETIC runs say so in the title)."""
     title = "mtpspec bench serve"
@@ -409,7 +477,9 @@ def format_result(res: Dict[str, Any]) -> str:
         f"server                      {s.get('model')}  ({arm})",
         f"workload                    {res['completed']} ok / {res['failed']} failed, concurrency {c['max_concurrency']}, "
         f"in {c['input_len'] or 'natural'}, out {c['output_len']}, prompts {c['prompts']}",
+        f"request rate                {format_rate(c)}",
         f"duration                    {res['duration_s']:.2f} s",
+        f"request throughput          {res['request_throughput']:.2f} req/s  (completed)",
         f"input / output tokens       {res['total_input_tokens']} / {res['total_output_tokens']}  "
         f"(mean out {res['mean_output_len']:.1f})",
         f"output throughput           {res['output_throughput']:.2f} tok/s",
@@ -433,8 +503,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="requests per run (default: bench serve 64, with --shared-prefix 32 miss / hit pairs; "
                         "bench arms: the workload's)")
     p.add_argument("--max-concurrency", type=int, default=None,
-                   help="most requests in flight (default: bench serve 8; bench arms: the workload's; "
-                        "--shared-prefix sends one at a time)")
+                   help="most requests in flight (default: bench serve 8, with --request-rate no limit; bench arms: "
+                        "the workload's; --shared-prefix sends one at a time)")
     p.add_argument("--input-len", type=int, default=None,
                    help="prompt tokens (default: natural GSM8K 5-shot prompts; 1024 for random prompts)")
     p.add_argument("--output-len", type=int, default=None,
@@ -444,10 +514,28 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="GSM8K JSONL file, or a folder with test.jsonl, for prompts (default: $MTPSPEC_GSM8K_DIR, "
                         "else the GSM8K test split bundled in mtpspec/data/gsm8k)")
     p.add_argument("--random-prompts", action="store_true", help="random token ids (SYNTHETIC: distorts acceptance)")
+    p.add_argument("--request-rate", type=float, default=math.inf, metavar="R",
+                   help="arrivals per second: request i is sent at its arrival time, the gaps drawn (seeded by "
+                        "--seed) from a gamma distribution of shape --burstiness and mean 1/R, scaled so that the "
+                        "last arrives at num-prompts / R (vLLM's rule); an arrival finding --max-concurrency "
+                        "requests in flight waits for one (both limits apply). bench serve: R without "
+                        "--max-concurrency has no concurrency limit; bench arms: every workload's timed runs at R, "
+                        "its concurrency still the limit (refused with --in-process, which queues every request "
+                        "at once). Warm-ups are not paced (default inf: all at once, only --max-concurrency limits)")
+    p.add_argument("--burstiness", type=float, default=1.0, metavar="B",
+                   help="shape of the gamma distribution of --request-rate's gaps: 1 Poisson arrivals, below 1 "
+                        "burstier, above 1 more regular; finite > 0, only with --request-rate (default 1)")
+    vllm = p.add_argument_group("vLLM's spellings (vllm bench serve)", "the same options as above; both spellings "
+                                "of one option with different values are an error")
+    vllm.add_argument("--dataset-name", choices=("gsm8k", "random"), default=None,
+                      help="random: --random-prompts; gsm8k: GSM8K prompts (mtpspec's default; vLLM's is random)")
+    vllm.add_argument("--dataset-path", default=None, metavar="PATH", help="--dataset")
+    vllm.add_argument("--random-input-len", type=int, default=None, metavar="N", help="--input-len")
+    vllm.add_argument("--random-output-len", type=int, default=None, metavar="N", help="--output-len")
     p.add_argument("--ignore-eos", action="store_true", help="generate output-len tokens regardless of EOS (SYNTHETIC)")
     p.add_argument("--temperature", type=float, default=0.0, help="every request's (default 0: greedy)")
-    p.add_argument("--seed", type=int, default=0, help="seeds the prompts' selection and request i's sampling "
-                   "(seed + i; default 0)")
+    p.add_argument("--seed", type=int, default=0, help="seeds the prompts' selection, request i's sampling "
+                   "(seed + i) and --request-rate's arrivals (default 0)")
     p.add_argument("--no-request-seeds", dest="request_seeds", action="store_false",
                    help="send requests without a seed of their own (under adaptive speculation a seeded request "
                         "keeps argmax drafts: docs/serving.md)")
@@ -475,50 +563,99 @@ def add_parser(sub: Any) -> None:
 
 
 #: :class:`BenchConfig` fields set from a ``bench serve`` flag of the same name: their errors name the flag
-FLAG_FIELDS = ("num_prompts", "max_concurrency", "input_len", "output_len", "warmup", "temperature")
+FLAG_FIELDS = ("num_prompts", "max_concurrency", "input_len", "output_len", "warmup", "temperature", "request_rate",
+               "burstiness")
+#: vLLM's spellings of ``bench serve`` options: the alias' dest -> the option's (``--dataset-name``: :func:`_prompts`)
+ALIASES = {"dataset_path": "dataset", "random_input_len": "input_len", "random_output_len": "output_len"}
+
+
+def _flag(dest: str) -> str:
+    return "--" + dest.replace("_", "-")
+
+
+def _given(args: argparse.Namespace, dest: str) -> Any:
+    """``dest``'s value, from its flag or its vLLM spelling (``None``: neither given).
+
+    Raises:
+        ValueError: both spellings given, with different values."""
+    value = getattr(args, dest)
+    alias = next((a for a, d in ALIASES.items() if d == dest), None)
+    other = getattr(args, alias, None) if alias else None
+    if value is not None and other is not None and value != other:
+        raise ValueError(f"{_flag(dest)} {value} and {_flag(alias)} {other} disagree ({_flag(alias)} is vLLM's "
+                         f"spelling of {_flag(dest)}); give one")
+    return other if value is None else value
+
+
+def _prompts(args: argparse.Namespace) -> str:
+    """``"random"`` or ``"gsm8k"``, from ``--random-prompts`` / ``--dataset-name``.
+
+    Raises:
+        ValueError: ``--random-prompts`` with ``--dataset-name gsm8k``."""
+    name = getattr(args, "dataset_name", None)
+    if args.random_prompts and name == "gsm8k":
+        raise ValueError("--random-prompts and --dataset-name gsm8k disagree (--dataset-name random is vLLM's "
+                         "spelling of --random-prompts); give one")
+    return "random" if args.random_prompts else name or "gsm8k"
 
 
 def config_from_args(args: argparse.Namespace, defaults: Dict[str, Any]) -> BenchConfig:
-    """The :class:`BenchConfig` of ``bench serve`` / ``bench arms`` flags, ``defaults`` for those not given.
+    """The :class:`BenchConfig` of ``bench serve`` / ``bench arms`` flags, ``defaults`` for those not given
+    (a ``max_concurrency`` of ``None``: no limit, ``num_prompts``).
 
     Raises:
         ValueError: :class:`BenchConfig`'s, naming the flag (``--num-prompts must be an int >= 1, got 0``)
-            where the field is one of :data:`FLAG_FIELDS`.
+            where the field is one of :data:`FLAG_FIELDS`; both spellings of an option (:data:`ALIASES`) with
+            different values; ``--burstiness`` without ``--request-rate``.
     """
-    pick = lambda name: getattr(args, name) if getattr(args, name) is not None else defaults.get(name)  # noqa: E731
+    def pick(name: str) -> Any:
+        value = _given(args, name)
+        return defaults.get(name) if value is None else value
+
     kw = dict(num_prompts=pick("num_prompts"), max_concurrency=pick("max_concurrency"), input_len=pick("input_len"),
-              output_len=pick("output_len"), prompts="random" if args.random_prompts else "gsm8k",
-              dataset=args.dataset, ignore_eos=args.ignore_eos, temperature=args.temperature, seed=args.seed,
+              output_len=pick("output_len"), prompts=_prompts(args), dataset=_given(args, "dataset"),
+              ignore_eos=args.ignore_eos, temperature=args.temperature, seed=args.seed,
               request_seeds=args.request_seeds,
               warmup=args.warmup if args.warmup is not None else defaults.get("warmup", 1),
-              warmup_output_len=defaults.get("warmup_output_len") if args.warmup is None else None)
-    kw["max_concurrency"] = min(kw["max_concurrency"], kw["num_prompts"])
+              warmup_output_len=defaults.get("warmup_output_len") if args.warmup is None else None,
+              request_rate=args.request_rate, burstiness=args.burstiness)
+    conc, n = kw["max_concurrency"], kw["num_prompts"]
+    kw["max_concurrency"] = n if conc is None else min(conc, n)
     try:
-        return BenchConfig(**kw)
+        cfg = BenchConfig(**kw)
     except ValueError as exc:
         msg = str(exc)
         field = next((f for f in FLAG_FIELDS if msg.startswith(f + " ")), None)
         if field is None:
             raise
-        raise ValueError("--" + field.replace("_", "-") + msg[len(field):]) from None
+        raise ValueError(_flag(field) + msg[len(field):]) from None
+    if cfg.burstiness != 1.0 and cfg.request_rate == math.inf:  # (vLLM ignores it silently)
+        raise ValueError(f"--burstiness {cfg.burstiness:g} shapes the gaps between --request-rate's arrivals; "
+                         "give a --request-rate (default inf: all at once, no gaps)")
+    return cfg
 
 
 #: ``bench serve`` options each other workload does not read: ``--prefill-interference`` builds its own random
 #: prompts and lengths (its own flags); ``--shared-prefix`` sends GSM8K few-shot text, greedy, seeded per request.
-UNREAD_BY = {"prefill_interference": ("num_prompts", "max_concurrency", "input_len", "output_len", "dataset",
-                                      "random_prompts", "ignore_eos", "request_seeds"),
-             "shared_prefix": ("input_len", "random_prompts", "ignore_eos", "temperature", "request_seeds")}
+#: Neither sends at a --request-rate (the first sends one request at a time, the second at its own times).
+UNREAD_BY = {"prefill_interference": ("num_prompts", "max_concurrency", "input_len", "random_input_len", "output_len",
+                                      "random_output_len", "dataset", "dataset_path", "random_prompts",
+                                      "dataset_name", "ignore_eos", "request_seeds", "request_rate", "burstiness"),
+             "shared_prefix": ("input_len", "random_input_len", "random_prompts", "dataset_name", "ignore_eos",
+                               "temperature", "request_seeds", "request_rate", "burstiness")}
 
 
 def unread_flags(args: argparse.Namespace) -> List[str]:
     """The ``bench serve`` options given (``--flag-name``) that the chosen ``--prefill-interference`` /
-    ``--shared-prefix`` workload would ignore (:data:`UNREAD_BY`); empty for the default workload."""
-    unset = {"random_prompts": False, "ignore_eos": False, "temperature": 0.0, "request_seeds": True}
+    ``--shared-prefix`` workload would ignore (:data:`UNREAD_BY`); empty for the default workload. An option
+    at its default value passes (``--temperature 0``; ``--dataset-name gsm8k`` with ``--shared-prefix``)."""
+    unset = {"random_prompts": (False,), "ignore_eos": (False,), "temperature": (0.0,), "request_seeds": (True,),
+             "request_rate": (math.inf,), "burstiness": (1.0,),
+             "dataset_name": (None, "gsm8k") if getattr(args, "shared_prefix", False) else (None,)}
     spelled = {"request_seeds": "--no-request-seeds"}
     for workload, names in UNREAD_BY.items():
         if getattr(args, workload, False):
-            return [spelled.get(n, "--" + n.replace("_", "-")) for n in names
-                    if getattr(args, n, None) != unset.get(n, None)]
+            return [spelled.get(n, _flag(n)) for n in names if getattr(args, n, None) not in unset.get(n, (None,))]
     return []
 
 
@@ -556,7 +693,8 @@ def run(args: argparse.Namespace) -> int:
             res = run_prefix_benchmark(args.base_url, cfg, args.num_shots)
             print(format_prefix_result(res))
         else:
-            cfg = config_from_args(args, {"num_prompts": 64, "max_concurrency": 8, "output_len": 256})
+            cfg = config_from_args(args, {"num_prompts": 64, "output_len": 256,  # a rate alone: no limit (vLLM's)
+                                          "max_concurrency": 8 if args.request_rate == math.inf else None})
             res = run_benchmark(args.base_url, cfg, progress=not args.no_progress)
             print(format_result(res))
     except httpx.TransportError as exc:
