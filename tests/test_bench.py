@@ -88,6 +88,15 @@ def test_bench_serve_cli_random_prompts_marked_synthetic(forced_server, tmp_path
     assert p.returncode == 2 and "max_model_len" in p.stderr
 
 
+def test_bench_serve_at_a_request_rate_against_a_server(forced_server):
+    """The open loop end to end: 4 arrivals at 8 req/s (the last at 0.5 s), at most 2 in flight."""
+    cfg = BenchConfig(num_prompts=4, max_concurrency=2, input_len=16, output_len=4, prompts="random", warmup=0,
+                      request_rate=8.0, burstiness=2.0)
+    res = run_benchmark(forced_server.url, cfg, progress=False)
+    assert res["completed"] == 4 and res["duration_s"] >= 4 / 8.0
+    assert res["config"]["request_rate"] == 8.0 and res["request_throughput"] == pytest.approx(4 / res["duration_s"])
+
+
 def test_bench_serve_natural_prompts_longer_than_the_context_say_to_pass_input_len(forced_server):
     """Natural GSM8K 5-shot prompts (this tiny BPE: thousands of tokens) against a 512-token server:
     every request fails, and the error says how to run the benchmark (``--input-len``)."""
@@ -593,3 +602,189 @@ def test_round_orders_are_carry_over_balanced(n) -> None:
     before = {r[r.index("adaptive") - 1] for r in (bench_arms.round_order(sweep, i) for i in range(3))
               if r.index("adaptive")}
     assert len(before) >= 2, before
+
+
+# ---------------------------------------------------------------------------- --request-rate / --burstiness
+def test_arrival_times_are_seeded_gamma_gaps_scaled_to_the_rate():
+    """vLLM's arrivals: gaps of a gamma distribution of shape B (CV^2 = 1 / B; B = 1 exponential: Poisson),
+    seeded, scaled so that the last request goes at n / R (so the mean gap is 1 / R); inf: no waits."""
+    import math
+    import statistics
+
+    from mtpspec.entrypoints.bench_serve import arrival_times
+    t = arrival_times(8, 4.0, 1.0, seed=3)
+    assert t == arrival_times(8, 4.0, 1.0, seed=3) != arrival_times(8, 4.0, 1.0, seed=4)
+    assert 0 < t[0] and all(a < b for a, b in zip(t, t[1:])) and t[-1] == pytest.approx(8 / 4.0)
+    assert arrival_times(5, math.inf, 0.3) == [0.0] * 5 and arrival_times(0, 2.0) == []
+    n, rate = 40_000, 20.0
+    for b in (0.25, 1.0, 4.0):
+        t = arrival_times(n, rate, b, seed=1)
+        gaps = [t[0]] + [y - x for x, y in zip(t, t[1:])]
+        assert statistics.fmean(gaps) == pytest.approx(1 / rate, rel=1e-9)
+        assert statistics.pvariance(gaps) * rate ** 2 == pytest.approx(1 / b, rel=0.1), b  # gamma: var = 1/(B R^2)
+        if b == 1.0:  # exponential: P(gap < mean) = 1 - 1/e
+            assert sum(g < 1 / rate for g in gaps) / n == pytest.approx(1 - math.exp(-1), abs=0.01)
+    for rate, b in ((0.0, 1.0), (-1.0, 1.0), (math.nan, 1.0), (2.0, 0.0), (2.0, math.inf), (2.0, math.nan)):
+        with pytest.raises(ValueError, match="request_rate must be a number > 0|burstiness must be a finite"):
+            arrival_times(3, rate, b)
+
+
+def _fake_completions(monkeypatch, hold_s: float = 0.0):
+    """``/v1/completions`` in process (httpx's MockTransport): records each request's arrival
+    (``time.perf_counter``) and the most in flight at once; each holds ``hold_s`` before its one token."""
+    import asyncio
+    seen = {"sent": [], "live": 0, "most": 0}
+
+    async def handler(request: httpx.Request) -> httpx.Response:
+        seen["sent"].append(time.perf_counter())
+        seen["live"] += 1
+        seen["most"] = max(seen["most"], seen["live"])
+        await asyncio.sleep(hold_s)
+        seen["live"] -= 1
+        return httpx.Response(200, text='data: {"choices": [{"token_ids": [5]}]}\n\ndata: {"choices": [], "usage": '
+                                        '{"prompt_tokens": 3, "completion_tokens": 1}}\n\ndata: [DONE]\n\n')
+
+    real = httpx.AsyncClient
+    monkeypatch.setattr(httpx, "AsyncClient", lambda *a, **kw: real(*a, transport=httpx.MockTransport(handler), **kw))
+    return seen
+
+
+def _load(cfg: BenchConfig, n: int):
+    import asyncio
+
+    from mtpspec.entrypoints import bench_serve
+    return asyncio.run(bench_serve._run_load("http://x", "m", [[1, 2, 3]] * n, cfg, False, "t"))
+
+
+def test_a_request_rate_spaces_the_requests_by_their_arrival_times(monkeypatch):
+    from mtpspec.entrypoints.bench_serve import arrival_times
+    seen = _fake_completions(monkeypatch)
+    cfg = BenchConfig(num_prompts=6, max_concurrency=6, output_len=1, request_rate=10.0, burstiness=4.0, seed=2)
+    t0 = time.perf_counter()
+    assert all(r.ok for r in _load(cfg, 6))
+    want = arrival_times(6, 10.0, 4.0, seed=2)
+    for got, at in zip(sorted(seen["sent"]), want):  # never early; late by at most a loop's slack
+        assert at - 0.005 <= got - t0 <= at + 0.15, (got - t0, at)
+    assert want[-1] == pytest.approx(0.6)
+    seen["sent"].clear()
+    _load(BenchConfig(num_prompts=6, max_concurrency=6, output_len=1), 6)  # inf: all at once
+    assert max(seen["sent"]) - min(seen["sent"]) < 0.1
+
+
+def test_a_request_rate_and_max_concurrency_both_limit(monkeypatch):
+    """As in vLLM: a request arriving while --max-concurrency are in flight waits for one to end."""
+    from mtpspec.entrypoints.bench_serve import arrival_times
+    seen = _fake_completions(monkeypatch, hold_s=0.15)
+    cfg = BenchConfig(num_prompts=6, max_concurrency=2, output_len=1, request_rate=40.0, seed=5)
+    t0 = time.perf_counter()
+    recs = _load(cfg, 6)
+    assert all(r.ok for r in recs) and seen["most"] == 2
+    sent = sorted(s - t0 for s in seen["sent"])
+    assert all(s >= at - 0.005 for s, at in zip(sent, arrival_times(6, 40.0, 1.0, seed=5)))  # the rate: never early
+    assert sent[-1] >= 2 * 0.15 - 0.01 > 6 / 40.0  # the concurrency: three waves of two, not the rate's 0.15 s
+    assert all(r.ttft < 0.15 + 0.1 for r in recs)  # TTFT counts from the send, not the arrival
+
+
+def test_bench_serve_reports_the_rate_and_the_achieved_request_throughput(monkeypatch):
+    from mtpspec.entrypoints import bench_serve
+
+    class Info:
+        def __init__(self, base_url, client):
+            self.max_model_len, self.vocab_size, self.model, self.info, self.forced_acceptance = 512, 100, "m", {}, None
+
+    _fake_completions(monkeypatch)
+    real = httpx.Client
+    monkeypatch.setattr(httpx, "Client", lambda *a, **kw: real(*a, transport=httpx.MockTransport(
+        lambda req: httpx.Response(200, json={})), **kw))  # POST /reset_prefix_cache
+    monkeypatch.setattr(bench_serve, "ServerInfo", Info)
+    monkeypatch.setattr(bench_serve, "scrape", lambda url, c: {})
+    cfg = BenchConfig(num_prompts=5, max_concurrency=5, input_len=3, output_len=1, prompts="random", warmup=2,
+                      request_rate=25.0, burstiness=2.0)
+    rates, real_load = [], bench_serve._run_load
+
+    async def spy(base_url, model, prompts, cfg, progress, desc):
+        rates.append((desc, cfg.request_rate))
+        return await real_load(base_url, model, prompts, cfg, progress, desc)
+
+    monkeypatch.setattr(bench_serve, "_run_load", spy)
+    res = run_benchmark("http://x", cfg, progress=False)
+    assert rates == [("warmup", float("inf")), ("bench", 25.0)]  # the warm-up is not paced
+    assert res["config"]["request_rate"] == 25.0 and res["config"]["burstiness"] == 2.0
+    assert res["completed"] == 5 and res["duration_s"] >= 5 / 25.0  # the last arrival at n / R
+    assert res["request_throughput"] == pytest.approx(5 / res["duration_s"]) and res["request_throughput"] <= 25.0
+    text = bench_serve.format_result(res)
+    assert "request rate                25 req/s, burstiness 2\n" in text and "request throughput" in text
+    res = run_benchmark("http://x", BenchConfig(num_prompts=2, max_concurrency=2, input_len=3, output_len=1,
+                                                prompts="random", warmup=0), progress=False)
+    assert res["config"]["request_rate"] == "inf"  # vLLM's form: JSON has no infinity
+    assert json.loads(json.dumps(res, allow_nan=False))["config"]["request_rate"] == "inf"
+    assert "request rate                inf (all at once)" in bench_serve.format_result(res)
+
+
+@pytest.mark.parametrize("argv, err", [
+    (["--request-rate", "0"], "--request-rate must be a number > 0 in requests/s (inf: all at once), got 0.0"),
+    (["--request-rate", "-2"], "--request-rate must be a number > 0 in requests/s (inf: all at once), got -2.0"),
+    (["--request-rate", "nan"], "--request-rate must be a number > 0 in requests/s (inf: all at once), got nan"),
+    (["--request-rate", "2", "--burstiness", "0"],
+     "--burstiness must be a finite number > 0 (1: Poisson arrivals), got 0.0"),
+    (["--request-rate", "2", "--burstiness", "inf"],
+     "--burstiness must be a finite number > 0 (1: Poisson arrivals), got inf"),
+    (["--burstiness", "0.5"], "--burstiness 0.5 shapes the gaps between --request-rate's arrivals; give a "
+                              "--request-rate (default inf: all at once, no gaps)"),
+    (["--input-len", "16", "--random-input-len", "32"],
+     "--input-len 16 and --random-input-len 32 disagree (--random-input-len is vLLM's spelling of --input-len); "
+     "give one"),
+    (["--output-len", "8", "--random-output-len", "9"],
+     "--output-len 8 and --random-output-len 9 disagree (--random-output-len is vLLM's spelling of --output-len); "
+     "give one"),
+    (["--dataset", "a.jsonl", "--dataset-path", "b.jsonl"],
+     "--dataset a.jsonl and --dataset-path b.jsonl disagree (--dataset-path is vLLM's spelling of --dataset); "
+     "give one"),
+    (["--random-prompts", "--dataset-name", "gsm8k"], "--random-prompts and --dataset-name gsm8k disagree "
+                                                      "(--dataset-name random is vLLM's spelling of --random-prompts); give one"),
+    (["--shared-prefix", "--request-rate", "2", "--burstiness", "3"],
+     "--shared-prefix ignores --request-rate, --burstiness; drop them"),
+    (["--shared-prefix", "--dataset-name", "random", "--random-input-len", "8"],
+     "--shared-prefix ignores --random-input-len, --dataset-name; drop them"),
+])
+def test_bad_arrivals_and_disagreeing_spellings_are_one_line_naming_the_flags(capsys, argv, err):
+    from mtpspec.entrypoints.cli import main
+    assert main(["bench", "serve", "--base-url", "http://127.0.0.1:1", "--no-progress", *argv]) == 2
+    assert capsys.readouterr().err == f"error: {err}\n"
+
+
+def test_vllm_spellings_and_a_rate_without_max_concurrency(monkeypatch):
+    """vLLM's spellings set the same fields; one given twice with one value is fine. A rate alone has no
+    concurrency limit (vLLM's default), the closed loop keeps bench serve's 8."""
+    import argparse
+
+    from mtpspec.entrypoints import bench_serve
+    from mtpspec.entrypoints.cli import main
+    p = argparse.ArgumentParser()
+    bench_serve.add_arguments(p)
+    d = {"num_prompts": 64, "max_concurrency": 8, "output_len": 256}
+    cfg = bench_serve.config_from_args(p.parse_args(
+        ["--dataset-name", "random", "--dataset-path", "x.jsonl", "--random-input-len", "16", "--input-len", "16",
+         "--random-output-len", "4"]), d)
+    assert (cfg.prompts, cfg.dataset, cfg.input_len, cfg.output_len) == ("random", "x.jsonl", 16, 4)
+    assert bench_serve.config_from_args(p.parse_args(["--dataset-name", "gsm8k"]), d).prompts == "gsm8k"
+    assert bench_serve.config_from_args(p.parse_args(["--random-prompts", "--dataset-name", "random"]), d).prompts \
+        == "random"
+    seen = []
+
+    def fake_run(url, cfg, progress=True, desc=""):
+        seen.append(cfg)
+        raise ValueError("stop")
+
+    monkeypatch.setattr(bench_serve, "run_benchmark", fake_run)
+    for argv, conc in (([], 8), (["--request-rate", "3"], 20), (["--request-rate", "3", "--max-concurrency", "2"], 2)):
+        assert main(["bench", "serve", "--base-url", "http://h:1", "--num-prompts", "20", "--no-progress", *argv]) == 2
+        assert (seen[-1].max_concurrency, seen[-1].request_rate) == (conc, float(argv[1]) if argv else float("inf"))
+    # the other workloads: --dataset-name gsm8k is what --shared-prefix reads; --prefill-interference reads neither
+    args = argparse.ArgumentParser()
+    bench_serve.add_parser(args.add_subparsers(dest="command"))
+    parse = lambda *a: args.parse_args(["serve", "--base-url", "http://h:1", *a])  # noqa: E731
+    assert bench_serve.unread_flags(parse("--shared-prefix", "--dataset-name", "gsm8k", "--dataset-path", "x")) == []
+    assert bench_serve.unread_flags(parse("--prefill-interference", "--dataset-name", "gsm8k", "--random-output-len",
+                                          "3", "--request-rate", "2")) == \
+        ["--random-output-len", "--dataset-name", "--request-rate"]

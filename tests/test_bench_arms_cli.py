@@ -441,3 +441,33 @@ def test_bad_counts_name_their_flags(capsys, tmp_path):
                          "--output-dir", str(tmp_path)], "error: --max-concurrency must be an int >= 1, got 0\n")):
         assert main(argv + ["--no-progress"]) == 2, argv
         assert capsys.readouterr().err == want, argv
+
+
+def test_a_request_rate_reaches_every_workload_and_is_refused_in_process(monkeypatch, capsys, tmp_path):
+    """``bench arms --request-rate R``: every workload's runs arrive at R, its concurrency still the limit
+    (both apply, as in vLLM); ``--in-process`` queues every request at once, so a rate there is an error."""
+    p = argparse.ArgumentParser()
+    bench_arms.add_arguments(p)
+    p.add_argument("--scale", type=float, default=1.0)
+    for name in ("s8", "c64"):
+        cfg = bench_arms.workload_config(name, p.parse_args(["--request-rate", "3", "--burstiness", "0.5"]))
+        assert (cfg.request_rate, cfg.burstiness) == (3.0, 0.5)
+        assert cfg.max_concurrency == bench_arms.PRESETS[name]["max_concurrency"]
+    assert bench_arms.workload_config("s8", p.parse_args([])).request_rate == float("inf")
+    loaded = []
+    from mtpspec.entrypoints import bench_inprocess
+    monkeypatch.setattr(bench_inprocess, "open_arm", lambda *a, **k: loaded.append(a))
+    assert main(["bench", "arms", "--in-process", "--arms", "plain", "--workloads", "s1", "--request-rate", "2",
+                 "--server-args", "--device cpu", "--no-progress", "--no-plots", "--output-dir", str(tmp_path)]) == 2
+    assert capsys.readouterr().err == ("error: --request-rate 2: --in-process queues every request before the first "
+                                       "step (no arrivals to pace); drop one\n")
+    assert not loaded
+    assert main(["bench", "arms", "--workloads", "s1", "--request-rate", "0", "--no-progress", "--no-plots",
+                 "--output-dir", str(tmp_path)]) == 2
+    assert capsys.readouterr().err == "error: --request-rate must be a number > 0 in requests/s (inf: all at once), " \
+                                      "got 0.0\n"
+    wl = {"config": bench_arms.BenchConfig(request_rate=2.5).as_json(), "repeats": 1, "synthetic": False,
+          "synthetic_reasons": [], "arms": {}, "verdicts": {}}
+    assert "concurrency 8, rate 2.5 req/s, burstiness 1 (Poisson), 1 runs/arm" in bench_arms.format_workload("s", wl)
+    wl["config"] = bench_arms.BenchConfig().as_json()
+    assert "concurrency 8, 1 runs/arm" in bench_arms.format_workload("s", wl)
