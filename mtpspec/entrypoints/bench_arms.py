@@ -36,6 +36,10 @@ small machines; explicit ``--input-len`` etc. override):
   512 prompts): the speculation-length sweep (``--arms plain,k1,k2,k3,adaptive``; the server needs
   ``--max-num-seqs 256`` for ``s256``).
 
+A workload is a concurrency level; ``--request-rate R`` (vLLM's open-loop arrivals, ``bench serve``'s flag)
+paces every workload's timed runs at R, with the same seeded arrival times for every arm, the workload's
+concurrency still the limit (both apply, as in vLLM); refused with ``--in-process``.
+
 Reported per workload and arm: every run's figures (:mod:`mtpspec.entrypoints.bench_serve`),
 their median and spread (max - min over runs), collective bytes per engine step, and a verdict
 per pair of arms and figure: a difference counts only when the medians differ by more than the
