@@ -740,8 +740,9 @@ def test_bench_serve_reports_the_rate_and_the_achieved_request_throughput(monkey
     (["--dataset", "a.jsonl", "--dataset-path", "b.jsonl"],
      "--dataset a.jsonl and --dataset-path b.jsonl disagree (--dataset-path is vLLM's spelling of --dataset); "
      "give one"),
-    (["--random-prompts", "--dataset-name", "gsm8k"], "--random-prompts and --dataset-name gsm8k disagree "
-                                                      "(--dataset-name random is vLLM's spelling of --random-prompts); give one"),
+    (["--random-prompts", "--dataset-name", "gsm8k"],
+     "--random-prompts and --dataset-name gsm8k disagree (--dataset-name random is vLLM's spelling of "
+     "--random-prompts); give one"),
     (["--shared-prefix", "--request-rate", "2", "--burstiness", "3"],
      "--shared-prefix ignores --request-rate, --burstiness; drop them"),
     (["--shared-prefix", "--dataset-name", "random", "--random-input-len", "8"],

@@ -455,7 +455,8 @@ def _f(x: Any, spec: str = ".2f") -> str:
 
 
 def format_rate(config: Dict[str, Any]) -> str:
-    """A run config's (:meth:`BenchConfig.as_json`) arrivals: ``inf (all at once)`` or ``4 req/s, burstiness 1 (Poisson)``."""
+    """A run config's (:meth:`BenchConfig.as_json`) arrivals: ``inf (all at once)`` or
+    ``4 req/s, burstiness 1 (Poisson)``."""
     rate, b = config.get("request_rate", "inf"), config.get("burstiness", 1.0)
     if rate in ("inf", math.inf):
         return "inf (all at once)"
@@ -637,7 +638,7 @@ def config_from_args(args: argparse.Namespace, defaults: Dict[str, Any]) -> Benc
 
 #: ``bench serve`` options each other workload does not read: ``--prefill-interference`` builds its own random
 #: prompts and lengths (its own flags); ``--shared-prefix`` sends GSM8K few-shot text, greedy, seeded per request.
-#: Neither sends at a --request-rate (the first sends one request at a time, the second at its own times).
+#: Neither paces by --request-rate: --shared-prefix sends one request at a time, --prefill-interference at its own.
 UNREAD_BY = {"prefill_interference": ("num_prompts", "max_concurrency", "input_len", "random_input_len", "output_len",
                                       "random_output_len", "dataset", "dataset_path", "random_prompts",
                                       "dataset_name", "ignore_eos", "request_seeds", "request_rate", "burstiness"),
