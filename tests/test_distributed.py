@@ -183,6 +183,33 @@ def test_launch_starts_again_on_another_port_when_theirs_was_taken(busy_port):
     assert len(busy_port.picks) == launcher.PORT_ATTEMPTS
 
 
+def test_start_on_free_port_starts_again_only_while_the_port_was_taken():
+    """The loop ``launch`` and ``MultiprocExecutor`` share: a newly picked port per start, again only for an error
+    ``taken`` accepts (never past ``PORT_ATTEMPTS`` starts); any other error, ``KeyboardInterrupt``
+    included, is raised at once."""
+    from mtpspec.distributed import launcher
+    ports = []
+
+    def start(fails, error):
+        def run(port):
+            ports.append(port)
+            if len(ports) <= fails:
+                raise error
+            return port
+        return run
+
+    taken = lambda exc: isinstance(exc, RuntimeError) and launcher.port_taken(str(exc))  # noqa: E731
+    assert launcher.start_on_free_port(start(1, RuntimeError("EADDRINUSE")), taken) == ports[-1]
+    assert len(ports) == 2
+    for fails, error, starts in [(99, RuntimeError("address already in use"), launcher.PORT_ATTEMPTS),
+                                 (99, RuntimeError("another error"), 1), (99, ValueError("EADDRINUSE"), 1),
+                                 (99, KeyboardInterrupt(), 1)]:
+        ports.clear()
+        with pytest.raises(type(error)) as info:
+            launcher.start_on_free_port(start(fails, error), taken)
+        assert info.value is error and len(ports) == starts, (error, ports)
+
+
 def test_runs_under_torchrun(tmp_path):
     script = tmp_path / "tr.py"
     script.write_text(textwrap.dedent("""

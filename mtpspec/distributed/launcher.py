@@ -14,7 +14,7 @@ import queue as queue_mod
 import socket
 import time
 import traceback
-from typing import Any, Callable, List, Optional, Tuple
+from typing import Any, Callable, List, Optional, Tuple, TypeVar
 
 import torch
 import torch.multiprocessing as mp
@@ -53,7 +53,7 @@ def find_free_port() -> int:
 
 
 #: start-ups of the ranks (:func:`launch`, :class:`~mtpspec.engine.executor.MultiprocExecutor`), each on a
-#: newly picked port, while rank 0 finds its port taken
+#: newly picked port, while rank 0 finds its port taken (:func:`start_on_free_port`)
 PORT_ATTEMPTS = 3
 
 
@@ -61,6 +61,30 @@ def port_taken(text: str) -> bool:
     """Whether a rank's error (its message and traceback) says that the rendezvous port was taken after it
     was picked (torch's ``DistNetworkError ... EADDRINUSE``)."""
     return "EADDRINUSE" in text or "address already in use" in text.lower()
+
+
+_T = TypeVar("_T")
+
+
+def start_on_free_port(start: Callable[[int], _T], taken: Callable[[BaseException], bool]) -> _T:
+    """``start(port)`` on a newly picked free port (:func:`find_free_port`); when it raises an exception
+    that ``taken`` says means rank 0 found the port taken meanwhile (:func:`port_taken`), again on a new
+    port, up to :data:`PORT_ATTEMPTS` times in all. ``start`` ends the ranks it started before it raises.
+
+    Returns:
+        What ``start`` returns.
+
+    Raises:
+        What ``start`` raised: any exception ``taken`` rejects, or the last attempt's.
+    """
+    # the port was free when picked, but another process may bind it before rank 0's store does
+    for _ in range(PORT_ATTEMPTS - 1):
+        try:
+            return start(find_free_port())
+        except BaseException as exc:
+            if not taken(exc):
+                raise
+    return start(find_free_port())  # the last attempt: whatever it raises is final
 
 
 def _main_guard_spans(path: str) -> Optional[List[range]]:
@@ -198,17 +222,18 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, backend: Optiona
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     check_main_guard(f"launch(world_size={world_size}) spawns its ranks as new processes")
     deadline = time.monotonic() + timeout_s
-    for attempt in range(1, PORT_ATTEMPTS + 1):
-        # the port was free when picked, but another process may bind it before rank 0's store does
-        results, first_error = _run_ranks(fn, world_size, args, backend, dist_timeout_s, find_free_port(),
-                                          deadline, timeout_s)
-        if first_error is None or attempt == PORT_ATTEMPTS or \
-                not port_taken(f"{first_error[0]}\n{first_error[1]}"):
-            break
-    if first_error is not None:
-        exc, tb, rank = first_error
-        raise exc from RemoteTraceback(f"\n--- traceback of rank {rank} ---\n{tb}")
-    return results
+
+    def start(port: int) -> List[Any]:
+        results, first_error = _run_ranks(fn, world_size, args, backend, dist_timeout_s, port, deadline, timeout_s)
+        if first_error is not None:
+            exc, tb, rank = first_error
+            raise exc from RemoteTraceback(f"\n--- traceback of rank {rank} ---\n{tb}")
+        return results
+
+    def taken(exc: BaseException) -> bool:  # a rank's own error (chained above), not _run_ranks' RuntimeErrors
+        return isinstance(exc.__cause__, RemoteTraceback) and port_taken(f"{exc}\n{exc.__cause__.tb}")
+
+    return start_on_free_port(start, taken)
 
 
 def _run_ranks(fn: Callable[..., Any], world_size: int, args: tuple, backend: Optional[str], dist_timeout_s: float,

@@ -14,7 +14,7 @@ from typing import Any, Callable, Iterator, List, Optional, Protocol
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from mtpspec.distributed.launcher import PORT_ATTEMPTS, main_guard_hint, port_taken
+from mtpspec.distributed.launcher import main_guard_hint, port_taken, start_on_free_port
 from mtpspec.engine.config import EngineConfig
 from mtpspec.step_io import StepInput, StepOutput
 from mtpspec.engine.worker import (
@@ -283,14 +283,13 @@ class MultiprocExecutor(Executor):
 
     def __init__(self, cfg: EngineConfig, world_size: int, start_timeout_s: float = 600.0,
                  step_timeout_s: float = 600.0):
-        from mtpspec.distributed.launcher import check_main_guard, find_free_port
+        from mtpspec.distributed.launcher import check_main_guard
         check_main_guard(f"tensor_parallel_size={world_size} spawns its ranks as new processes")
         ctx = mp.get_context("spawn")
         threads = max(1, (os.cpu_count() or 1) // world_size)
         self.step_timeout_s = step_timeout_s
-        for attempt in range(1, PORT_ATTEMPTS + 1):
-            # the port was free when picked, but another process may bind it before rank 0's store does
-            port = find_free_port()
+
+        def start(port: int) -> List[Any]:
             self.conns, self.procs = [], []
             self._closed = False
             self._owed: List[int] = []  # ranks whose reply to the last message is still unread
@@ -306,16 +305,15 @@ class MultiprocExecutor(Executor):
                         self.conns.append(parent)
                         self.procs.append(p)
                     child.close()
-                ready = self._recv_all(start_timeout_s)
-                break
+                return self._recv_all(start_timeout_s)
             except BaseException as exc:
                 if isinstance(exc, KeyboardInterrupt):  # the ranks ignore SIGINT and would load on: end them now
                     for p in self.procs:
                         p.terminate()
                 self.shutdown()
-                if attempt < PORT_ATTEMPTS and isinstance(exc, WorkerError) and _port_taken(exc):
-                    continue
                 raise
+
+        ready = start_on_free_port(start, lambda exc: isinstance(exc, WorkerError) and _port_taken(exc))
         self.num_kv_blocks = int(ready[0])
 
     def _recv_all(self, timeout_s: float, grace_s: float = 2.0) -> List[Any]:
