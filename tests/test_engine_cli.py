@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from test_engine_fixtures import make_model
+from test_engine_fixtures import make_model, repo_env
 
 from mtpspec import LLM, SamplingParams, demo_model_path
 from mtpspec.entrypoints import generate
@@ -224,8 +224,7 @@ def test_ctrl_c_while_tp_ranks_start_prints_one_line_and_no_rank_tracebacks() ->
     import sys
     import time
 
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                                                        os.environ.get("PYTHONPATH", "")])}
+    env = repo_env()
     proc = subprocess.Popen([sys.executable, "-m", "mtpspec", "generate", "--model", demo_model_path(), "-tp", "2",
                              "--device", "cpu", "--prompt", "hi", "--max-tokens", "4"], stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
@@ -266,9 +265,7 @@ def test_python_m_mtpspec_runs_the_cli() -> None:
     import sys
 
     import mtpspec
-    root = os.path.dirname(os.path.dirname(os.path.abspath(mtpspec.__file__)))
-    env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    r = subprocess.run([sys.executable, "-m", "mtpspec", "--version"], capture_output=True, text=True, env=env,
+    r = subprocess.run([sys.executable, "-m", "mtpspec", "--version"], capture_output=True, text=True, env=repo_env(),
                        timeout=120)
     assert r.returncode == 0 and r.stdout.strip() == mtpspec.__version__, r.stderr
 
@@ -409,8 +406,7 @@ def test_generate_under_torchrun_prints_on_rank_0_only(path) -> None:
     import sys
 
     from mtpspec.distributed.launcher import find_free_port
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                                                        os.environ.get("PYTHONPATH", "")])}
+    env = repo_env()
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
                         str(find_free_port()), "-m", "mtpspec", "generate", "--model", path, "-tp", "2", "-k", "2",
                         "--prompt", "w5 w6", "--max-tokens", "4", "--max-model-len", "48", "--num-kv-blocks", "64",

@@ -6,6 +6,7 @@
   plain-decoding reference run) with a deterministic fraction of the tokens corrupted, so
   verification sees every accepted length ``0 .. k`` (random MTP layers alone almost never
   agree with the target).
+* :func:`repo_env` is the environment of a child process that imports this checkout's ``mtpspec``.
 """
 
 from __future__ import annotations
@@ -18,6 +19,16 @@ from typing import Dict, List, Sequence, Tuple
 import torch
 
 torch.set_num_threads(1)  # the CI box has 2 cores shared by several processes
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def repo_env(**extra: str) -> Dict[str, str]:
+    """``os.environ`` with ``extra`` set and the repository root first on ``PYTHONPATH`` (then the
+    inherited entries, if any): for a child process (``subprocess``) that must import this checkout."""
+    env = {**os.environ, **extra}
+    env["PYTHONPATH"] = os.pathsep.join([REPO] + [p for p in [env.get("PYTHONPATH")] if p])
+    return env
 
 
 def make_model(path: str, seed: int = 0, num_mtp_layers: int = 1, tokenizer: bool = True, **overrides) -> Tuple:

@@ -7,14 +7,13 @@ References are single-process (tp 1) plain greedy runs of the same checkpoint.
 from __future__ import annotations
 
 import json
-import os
 import signal
 from typing import Any, List
 
 import pytest
 import torch.distributed as dist
 
-from test_engine_fixtures import OracleDrafts, make_model, mixed_prompts, token_prompts
+from test_engine_fixtures import OracleDrafts, make_model, mixed_prompts, repo_env, token_prompts
 
 from mtpspec import LLM, SamplingParams
 
@@ -442,8 +441,7 @@ def test_a_process_spawned_while_sigint_is_held_starts_with_it_blocked(tmp_path)
     import sys
     script = tmp_path / "spawn_mask.py"
     script.write_text(_SPAWN_MASK_SCRIPT)
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
-    out = subprocess.run([sys.executable, str(script), "sigint_held_for_spawn"], capture_output=True, text=True, env=env, timeout=120)
+    out = subprocess.run([sys.executable, str(script), "sigint_held_for_spawn"], capture_output=True, text=True,
+                         env=repo_env(), timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[True, True]", (out.stdout, out.stderr)
