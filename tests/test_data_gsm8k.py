@@ -14,6 +14,8 @@ import sys
 
 import pytest
 
+from test_engine_fixtures import repo_env
+
 from mtpspec.data import gsm8k
 from mtpspec.data.gsm8k import (GSM8KNotFoundError, bundled_gsm8k_dir, fewshot_prompt, format_query, load_gsm8k,
                                 load_split, resolve_gsm8k, training_document)
@@ -195,7 +197,7 @@ for m in mods:
 import mtpspec.data.gsm8k
 print(json.dumps(sorted(k for k in sys.modules if k.startswith("mtpspec"))))
 """
-    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env = repo_env()
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=REPO, timeout=120)
     assert p.returncode == 0, p.stderr
     loaded = json.loads(p.stdout.strip().splitlines()[-1])
@@ -212,7 +214,7 @@ args = argparse.Namespace(gsm8k_data=None, gsm8k_question=[0, 2], prompt_file=No
 training = any(k.startswith("mtpspec.training") for k in sys.modules)
 print(json.dumps({"prompts": gen._prompts(args), "training": training}))
 """
-    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env = repo_env()
     env.pop(gsm8k.ENV_VAR, None)
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=str(tmp_path),
                        timeout=120)
@@ -258,7 +260,7 @@ except SystemExit as e:
     code = e.code
 print(json.dumps([code, sorted(k for k in sys.modules if k.startswith("mtpspec.training"))]))
 """
-    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env = repo_env()
     runs = {"generate": ["generate", "--gsm8k-data", "/no/such/gsm8k", "--gsm8k-question", "0"],
             "serve": ["serve", "--help"], "bench arms": ["bench", "arms", "--help"],
             "bench serve": ["bench", "serve", "--help"], "eval": ["eval", "gsm8k", "--help"],

@@ -6,12 +6,13 @@ checks that it issues bulk tensor copies, warpgroup MMAs and register reallocati
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 
 import pytest
 import torch
+
+from test_engine_fixtures import repo_env
 
 from mtpspec.ops import mla_gluon
 from mtpspec.ops.mla_attention import mla_attention, mla_attention_ref
@@ -201,9 +202,8 @@ def test_gluon_kernel_compiles_for_hopper() -> None:
     each fits an sm_90 program's 227 KB of shared memory, and its code has the copies (bulk tensor
     copies dense, 16-byte ``cp.async`` gathers sparse), warpgroup MMAs and per-partition register
     counts the design depends on."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in [env.get("PYTHONPATH")] if p])
+    env = repo_env()
+    env.pop("TRITON_INTERPRET", None)
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
     proc = subprocess.run([sys.executable, "-c", _COMPILE], env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]

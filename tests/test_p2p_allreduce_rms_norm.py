@@ -19,6 +19,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from test_engine_fixtures import repo_env
+
 from mtpspec.distributed import get_tensor_model_parallel_rank, launch
 from mtpspec.distributed.peer_memory import allocate_peer_buffers
 from mtpspec.distributed.allreduce_rms_norm import (NcclAllReduceThenAddRMSNorm, backend_usage,
@@ -403,9 +405,8 @@ def test_compiles_for_sm90_with_release_acquire():
     pytest.importorskip("triton")
     import json
 
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in [env.get("PYTHONPATH")] if p])
+    env = repo_env()
+    env.pop("TRITON_INTERPRET", None)
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
     proc = subprocess.run([sys.executable, "-c", _PTX_CHECK], env=env, capture_output=True, text=True)
     if proc.returncode != 0:

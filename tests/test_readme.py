@@ -7,6 +7,8 @@ import re
 import subprocess
 import sys
 
+from test_engine_fixtures import repo_env
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -21,10 +23,8 @@ def _python_snippet() -> str:
 def test_readme_python_snippet_runs_as_written(tmp_path):
     script = tmp_path / "example.py"
     script.write_text(_python_snippet(), encoding="utf-8")
-    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""),
-               OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True,
-                          text=True, timeout=600)
+    proc = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=repo_env(OMP_NUM_THREADS="1"),
+                          capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     lines = proc.stdout.strip().splitlines()
     assert len(lines) == 3, proc.stdout

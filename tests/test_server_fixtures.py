@@ -19,6 +19,8 @@ from typing import List, Optional
 
 import torch
 
+from test_engine_fixtures import repo_env
+
 from mtpspec.data.gsm8k import bundled_gsm8k_dir
 
 torch.set_num_threads(1)  # the CI box has 2 cores shared by the test process and the server processes
@@ -71,11 +73,8 @@ def free_port() -> int:
 
 
 def child_env() -> dict:
-    env = dict(os.environ)
-    env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false",
-               HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1", NO_PROXY="127.0.0.1,localhost")
-    env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
-    return env
+    return repo_env(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false",
+                    HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1", NO_PROXY="127.0.0.1,localhost")
 
 
 class ServerProcess:

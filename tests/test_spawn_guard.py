@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from test_engine_fixtures import make_model
+from test_engine_fixtures import make_model, repo_env
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GUARD = 'if __name__ == "__main__":'
@@ -29,8 +29,7 @@ def _run_script(folder, name: str, body: str, timeout_s: float = 240.0):
     path = os.path.join(folder, name)
     with open(path, "w") as f:
         f.write(textwrap.dedent(body))
-    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false",
-               PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env = repo_env(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
     t0 = time.monotonic()
     res = subprocess.run([sys.executable, path], cwd=folder, env=env, capture_output=True, text=True,
                          timeout=timeout_s)  # a hang fails the test (TimeoutExpired)

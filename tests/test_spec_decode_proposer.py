@@ -12,6 +12,8 @@ from typing import List
 import pytest
 import torch
 
+from test_engine_fixtures import repo_env
+
 import mtpspec.spec_decode
 from mtpspec.config import SpeculativeConfig
 from mtpspec.spec_decode.mtp_proposer import MTPProposer
@@ -29,8 +31,8 @@ def test_spec_decode_modules_do_not_import_engine() -> None:
             "from mtpspec.spec_decode.proposer import get_proposer_cls\n"
             "get_proposer_cls('mtp')\n"
             "print(sorted(m for m in sys.modules if m == 'mtpspec.engine' or m.startswith('mtpspec.engine.')))\n")
-    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=REPO, timeout=120)
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=repo_env(), cwd=REPO,
+                       timeout=120)
     assert p.returncode == 0, p.stderr
     assert p.stdout.strip().splitlines()[-1] == "[]", p.stdout
 
