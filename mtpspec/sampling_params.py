@@ -20,6 +20,8 @@ def _is_real(x: object) -> bool:
 
 # Most completions one request may ask for (``n`` / ``best_of``): vLLM's default VLLM_MAX_N_SEQUENCES.
 MAX_N_SEQUENCES = 16384
+#: temperatures below this are greedy (vLLM's ``_SAMPLING_EPS``)
+_GREEDY_BELOW = 1e-5
 
 #: Fields of vLLM's ``SamplingParams`` that mtpspec does not implement, with what to use instead:
 #: passing one raises a ``TypeError`` that says so (not only "unexpected keyword argument").
@@ -53,7 +55,8 @@ class SamplingParams:
             ``[n, 16384]``, or ``None`` (= ``n``). ``best_of > 1`` needs sampling
             (``temperature > 0``).
         temperature: softmax temperature, a finite float >= 0. ``0`` means greedy (argmax of
-            the raw logits; ``top_p``, ``top_k`` and ``seed`` are then ignored).
+            the raw logits; ``top_p``, ``top_k`` and ``seed`` are then ignored); below ``1e-5``
+            (vLLM's ``_SAMPLING_EPS``) it is set to ``0``, greedy, as vLLM treats it.
         top_p: nucleus sampling, in ``(0, 1]``: keep the smallest set of most-likely tokens
             whose probability sums to at least ``top_p`` (always at least one). ``1`` = off.
         top_k: keep the ``top_k`` most-likely tokens (ties broken by sort order); ``0`` or
@@ -130,7 +133,9 @@ class SamplingParams:
         self._check_num_sequences()
         if not _is_real(self.temperature) or not math.isfinite(self.temperature) or self.temperature < 0:
             raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
-        self.temperature = float(self.temperature)
+        # vLLM's _SAMPLING_EPS: greedy below it (a float32 temperature tensor held 1e-46 as 0, which
+        # sampled at temperature 1)
+        self.temperature = float(self.temperature) if self.temperature >= _GREEDY_BELOW else 0.0
         if not _is_real(self.top_p) or not math.isfinite(self.top_p) or not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be a finite number in (0, 1], got {self.top_p!r}")
         self.top_p = float(self.top_p)

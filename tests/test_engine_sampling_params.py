@@ -291,3 +291,14 @@ def test_tp2_equals_tp1(model, plain) -> None:
     got, _, _ = _run(path, prompts, _sp("mixed"), k=3, hook=OracleDrafts(oracle, cfg.vocab_size, corrupt=0.3),
                      tensor_parallel_size=2)
     assert got == plain["mixed"]
+
+
+def test_temperature_below_vllm_eps_is_greedy() -> None:
+    """Found by a new-user pass (2026-12-07): ``temperature: 1e-46`` (> 0, so sampling) became 0 in the
+    sampler's float32 tensor, whose ``t > 0`` test then divided by 1: the request was sampled at
+    temperature 1. As vLLM (``_SAMPLING_EPS``), a temperature below 1e-5 is greedy."""
+    for t in (1e-46, 1e-320, 9.9e-6):
+        assert SamplingParams(temperature=t).temperature == 0.0
+        with pytest.raises(ValueError, match="n must be 1 when using greedy sampling, got 2."):
+            SamplingParams(temperature=t, n=2)
+    assert SamplingParams(temperature=1e-5).temperature == 1e-5
