@@ -533,3 +533,48 @@ def test_api_key_guards_v1_as_vllm(engine, monkeypatch) -> None:
     assert api_key_headers() == {}
     with pytest.raises(ValueError, match="must not be empty"):
         ServerContext(engine, "m", "m", {"model": "m"}, metrics, api_key="")
+
+
+def test_request_ids_token_strs_documents_and_refused_vllm_fields(engine, monkeypatch) -> None:
+    """Found by a new-user pass (2026-12-07), each silently ignored before: vLLM's ``request_id`` body
+    field and ``X-Request-Id`` header name the response (``cmpl-<id>``; two requests with one id do not
+    collide in the engine), ``/tokenize``'s ``return_token_strs`` gives ``token_strs``, chat
+    ``documents`` reach the template; ``priority``, ``cache_salt``, ``structural_tag`` and
+    ``prompt_embeds`` (vLLM serves them; ignoring them changes the output or its isolation) are 400s."""
+    app = _app(engine)
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "temperature": 0}
+
+    async def main():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as c:
+            two = await asyncio.gather(*(c.post("/v1/completions", json={"prompt": [5, 6], "max_tokens": 3,
+                                                                          "request_id": "abc"}, timeout=60)
+                                         for _ in range(2)))
+            hdr = await c.post("/v1/chat/completions", json={**chat, "request_id": "body"}, timeout=60,
+                               headers={"X-Request-Id": "hdr"})
+            stream = await c.post("/v1/chat/completions", json={**chat, "stream": True, "request_id": "s1"}, timeout=60)
+            plain = await c.post("/v1/completions", json={"prompt": [5], "max_tokens": 1}, timeout=60)
+            toks = await c.post("/tokenize", json={"prompt": "a b", "return_token_strs": True})
+            refused = {f: await c.post("/v1/completions", json={"prompt": [5], "max_tokens": 1, f: v})
+                       for f, v in (("priority", 1), ("cache_salt", "s"), ("structural_tag", "{}"),
+                                    ("prompt_embeds", "AAAA"))}
+            ok = await c.post("/v1/completions", json={"prompt": [5], "max_tokens": 1, "priority": 0}, timeout=60)
+            return two, hdr, stream, plain, toks, refused, ok
+
+    two, hdr, stream, plain, toks, refused, ok = asyncio.run(main())
+    assert [r.status_code for r in two] == [200, 200] and [r.json()["id"] for r in two] == ["cmpl-abc"] * 2
+    assert hdr.json()["id"] == "chatcmpl-hdr"  # the header wins, as vLLM's _base_request_id
+    chunks = [json.loads(line[6:]) for line in stream.text.splitlines() if line.startswith("data: {")]
+    assert chunks and all(ch["id"] == "chatcmpl-s1" for ch in chunks)
+    assert plain.json()["id"].startswith("cmpl-") and len(plain.json()["id"]) == 5 + 32
+    ids = engine.tokenizer.encode("a b")
+    assert toks.json()["tokens"] == ids and toks.json()["token_strs"] == engine.tokenizer.convert_ids_to_tokens(ids)
+    assert "".join(toks.json()["token_strs"]).replace("\u0120", " ") == "a b"
+    for field, r in refused.items():
+        assert r.status_code == 400 and r.json()["error"]["param"] == field, (field, r.text)
+    assert ok.status_code == 200, ok.text
+    monkeypatch.setattr(engine.tokenizer, "chat_template",
+                        "{% for d in documents or [] %}[{{ d.title }}] {% endfor %}{{ messages[0]['content'] }}",
+                        raising=False)
+    body = {**chat, "return_token_ids": True}
+    docs = asyncio.run(_post(app, "/v1/chat/completions", {**body, "documents": [{"title": "T", "text": "x"}]}))
+    assert docs.json()["choices"][0]["prompt_token_ids"] == engine.tokenizer.encode("[T] hi"), docs.text

@@ -62,6 +62,14 @@ class Tokenizer:
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
+    def convert_ids_to_tokens(self, ids: Sequence[int]) -> List[str]:
+        """Each id's token string in the vocabulary (``"Ġworld"``, not decoded text), as transformers'
+        ``convert_ids_to_tokens``."""
+        b = self.backend
+        if hasattr(b, "convert_ids_to_tokens"):
+            return list(b.convert_ids_to_tokens(list(ids)))
+        return [b.id_to_token(t) for t in ids]
+
 
 # Strings a transformers tokenizer and its ``tokenizers.Tokenizer`` must encode alike before the
 # latter is called directly (spaces, newlines, digits, punctuation, non-ASCII).

@@ -280,7 +280,8 @@ def render_chat(tokenizer: Any, messages: Sequence[Message],
                 template_kwargs: Optional[Dict[str, Any]] = None,
                 chat_template: Optional[str] = None,
                 continue_final_message: bool = False,
-                tools: Optional[List[Dict[str, Any]]] = None) -> Tuple[str, List[str]]:
+                tools: Optional[List[Dict[str, Any]]] = None,
+                documents: Optional[List[Dict[str, Any]]] = None) -> Tuple[str, List[str]]:
     """The prompt text and the default stop strings for a conversation.
 
     Args:
@@ -300,6 +301,8 @@ def render_chat(tokenizer: Any, messages: Sequence[Message],
         tools: OpenAI tool definitions (``{"type": "function", "function": {...}}``) for the
             template's ``tools`` variable, as vLLM passes a request's ``tools``; the plain
             template has none and ignores them. Nothing parses tool calls out of the output.
+        documents: the template's ``documents`` variable (RAG), as vLLM passes a request's
+            ``documents``; the plain template ignores them.
 
     Returns:
         ``(prompt, stops)``: ``stops`` is ``["Question:"]`` for the plain template, else ``[]``.
@@ -328,13 +331,14 @@ def render_chat(tokenizer: Any, messages: Sequence[Message],
         try:
             backend = getattr(tokenizer, "backend", None)
             if hasattr(backend, "apply_chat_template"):  # with its special tokens (bos_token, ...)
-                text = backend.apply_chat_template(conv, tools=tools, tokenize=False, chat_template=template,
+                text = backend.apply_chat_template(conv, tools=tools, documents=documents, tokenize=False,
+                                                   chat_template=template,
                                                    add_generation_prompt=add_generation_prompt, **kwargs)
             else:  # a bare tokenizer.json (or none): transformers' renderer, the EOS token as eos_token
                 from transformers.utils.chat_template_utils import render_jinja_template
                 eos = getattr(tokenizer, "eos_token_id", None)
                 special = {"eos_token": backend.id_to_token(eos)} if backend is not None and eos is not None else {}
-                text = render_jinja_template([conv], tools=tools, chat_template=template,
+                text = render_jinja_template([conv], tools=tools, documents=documents, chat_template=template,
                                              add_generation_prompt=add_generation_prompt, **special, **kwargs)[0][0]
         except TemplateSyntaxError as exc:
             raise ValueError(f"the chat template is not valid Jinja (line {exc.lineno}: {exc.message})") from None

@@ -104,6 +104,8 @@ class _Sampling(BaseModel):
     return_token_ids: bool = Field(default=False, description="extension: token ids in every choice")
     include_stop_str_in_output: bool = Field(default=False, description="extension: keep a matched stop string")
     response_format: Optional[Dict[str, Any]] = Field(default=None, description='only {"type": "text"}')
+    request_id: Optional[str] = Field(default=None, description="extension (vLLM's): the response's id is "
+                                                                "<cmpl|chatcmpl>-<request_id>")
 
 
 class CompletionRequest(_Sampling):
@@ -185,6 +187,8 @@ class ChatCompletionRequest(_Sampling):
         default=None, description="extension (vLLM's): more variables for the tokenizer's chat template, e.g. "
                                   "{\"enable_thinking\": false}")
     best_of: Optional[int] = Field(default=None, description="completions only: a 400 when set")
+    documents: Optional[List[Dict[str, str]]] = Field(
+        default=None, description="extension (vLLM's): documents for the chat template's `documents` variable (RAG)")
 
 
 class TokenizeRequest(BaseModel):
@@ -200,6 +204,8 @@ class TokenizeRequest(BaseModel):
     tools: Optional[List[Dict[str, Any]]] = None
     # vLLM's defaults: True for a prompt, False for messages (the chat template writes its own)
     add_special_tokens: Optional[bool] = None
+    return_token_strs: Optional[bool] = Field(default=False, description="vLLM's: also each token's string, "
+                                                                         "`token_strs`")
 
 
 class DetokenizeRequest(BaseModel):

@@ -133,6 +133,10 @@ UNSERVED_FIELDS: Dict[str, Callable[[Any], bool]] = {
     "structured_outputs": lambda v: v is not None,
     "logits_processors": bool,
     "return_tokens_as_token_ids": bool,  # logprob tokens as "token_id:N": a client parsing ids would break
+    "structural_tag": lambda v: v is not None,
+    "prompt_embeds": lambda v: v is not None,
+    "priority": lambda v: v not in (None, 0),  # vLLM refuses it too without --scheduling-policy priority
+    "cache_salt": lambda v: v is not None,  # a client relying on a salted (isolated) prefix cache must know
 }
 
 
@@ -210,6 +214,13 @@ def _model_name(ctx: ServerContext, req: Any) -> str:
     return req.model or ctx.served_model_name
 
 
+def _response_id(prefix: str, request: Request, req: Any) -> str:
+    """A response's ``id`` as vLLM's: ``prefix-`` and the ``X-Request-Id`` header, else the body's
+    ``request_id``, else a random hex id. The engine's request ids get a random suffix more
+    (:func:`_start`), so two requests sending the same id do not collide."""
+    return f"{prefix}-{request.headers.get('x-request-id') or getattr(req, 'request_id', None) or uuid.uuid4().hex}"
+
+
 def _render_chat(tokenizer: Any, req: Any) -> Tuple[str, List[str]]:
     """:func:`render_chat` of a request's ``messages`` (with its ``add_generation_prompt``,
     ``continue_final_message`` and ``chat_template_kwargs``); a 400 naming
@@ -225,7 +236,8 @@ def _render_chat(tokenizer: Any, req: Any) -> Tuple[str, List[str]]:
     try:
         return render_chat(tokenizer, [m.as_dict() for m in req.messages], req.add_generation_prompt,
                            req.chat_template_kwargs, continue_final_message=req.continue_final_message,
-                           tools=req.tools or None)  # tool_choice "none" (_parse): vLLM still renders them
+                           tools=req.tools or None,  # tool_choice "none" (_parse): vLLM still renders them
+                           documents=getattr(req, "documents", None))
     except ValueError as exc:
         raise bad_request(str(exc), "messages") from None
 
@@ -402,6 +414,7 @@ def _start(engine: AsyncLLM, prompts: Sequence[PromptType], params: SamplingPara
     if room is not None and len(prompts) > room:  # refused whole, nothing queued or aborted
         raise OpenAIError(503, f"the server queue is full ({cap - room} requests waiting, max_queue_len={cap}; "
                           f"this request needs room for {len(prompts)}); retry later", "server_overloaded")
+    rid = f"{rid}-{uuid.uuid4().hex[:8]}"  # unique, whatever request_id a client sent (_response_id)
     try:
         for i, p in enumerate(prompts):
             streams.append(engine.add_request(p, params, request_id=f"{rid}-{i}", arrival_time=arrival))
@@ -779,7 +792,10 @@ def build_app(ctx: ServerContext) -> FastAPI:
         special = req.add_special_tokens if req.add_special_tokens is not None else req.prompt is not None
         ids = await asyncio.to_thread(engine.tokenizer.encode, text, special) if len(text) >= LONG_TEXT_CHARS else \
             engine.tokenizer.encode(text, special)
-        return {"tokens": ids, "count": len(ids), "max_model_len": engine.max_model_len}
+        out: Dict[str, Any] = {"tokens": ids, "count": len(ids), "max_model_len": engine.max_model_len}
+        if req.return_token_strs:  # vLLM's: each id's token string (the vocabulary's, not decoded text)
+            out["token_strs"] = engine.tokenizer.convert_ids_to_tokens(ids)
+        return out
 
     @app.post("/detokenize")
     async def detokenize(request: Request) -> Dict[str, Any]:
@@ -816,7 +832,7 @@ def build_app(ctx: ServerContext) -> FastAPI:
                                   defaults=getattr(engine, "default_sampling_fields", None))
         validated = await _validated(engine, prompts, params, add_special_tokens=req.add_special_tokens)
         prompt_ids = [v.token_ids for v in validated]
-        rid = f"cmpl-{uuid.uuid4().hex}"
+        rid = _response_id("cmpl", request, req)
         if score_only and prompt_lp is None:
             return _maybe_one_event(req, _echo_only(ctx, req, prompts, prompt_ids, rid, params.n))
         if not score_only:
@@ -884,7 +900,7 @@ def build_app(ctx: ServerContext) -> FastAPI:
         validated = await _validated(engine, [{"prompt": text}], params, "messages", req.add_special_tokens)
         _check_context(engine, [validated[0].token_ids], max_tokens,
                        "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens")
-        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        rid = _response_id("chatcmpl", request, req)
         streams = _start(engine, validated, params, rid, arrival)
         if req.stream:
             return StreamingResponse(_chat_sse(ctx, req, streams, params, rid, request,
