@@ -72,9 +72,11 @@ class SamplingParams:
             (``max_model_len``) is full".
         stop: strings that end generation when they appear in the output text; the text is
             cut before the stop string (the token that completed it stays in ``token_ids``).
-        stop_token_ids: token ids that end generation (kept in ``token_ids``, not in text).
+        stop_token_ids: token ids that end generation (kept in ``token_ids``, not in text unless
+            ``include_stop_str_in_output``).
         include_stop_str_in_output: keep the matched stop string at the end of the text (vLLM's
-            flag; the text is then cut after it). Default ``False``.
+            flag; the text is then cut after it), and the text of a stop token id or EOS (as vLLM's
+            detokenizer; an EOS special token is still dropped by ``skip_special_tokens``). Default ``False``.
         ignore_eos: keep generating past the model's EOS token.
         skip_special_tokens: drop special tokens when detokenizing.
         presence_penalty: subtracted from the logit of every token that occurs in the output so

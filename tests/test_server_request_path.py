@@ -578,3 +578,29 @@ def test_request_ids_token_strs_documents_and_refused_vllm_fields(engine, monkey
     body = {**chat, "return_token_ids": True}
     docs = asyncio.run(_post(app, "/v1/chat/completions", {**body, "documents": [{"title": "T", "text": "x"}]}))
     assert docs.json()["choices"][0]["prompt_token_ids"] == engine.tokenizer.encode("[T] hi"), docs.text
+
+
+def test_include_stop_str_in_output_keeps_a_stop_token_s_text(engine) -> None:
+    """Found by a new-user pass (2026-12-07): with ``stop_token_ids`` and ``include_stop_str_in_output``
+    the stop token's text was left out, as without the flag; vLLM's detokenizer adds it then (it skips
+    it only when the flag is off)."""
+    app = _app(engine)
+    base = {"prompt": PROMPT, "max_tokens": 30, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+    ids = asyncio.run(_post(app, "/v1/completions", base)).json()["choices"][0]["token_ids"]
+    dec = engine.tokenizer.decode
+    # a stop token at its first occurrence whose text is whole (the random model emits partial UTF-8 bytes too)
+    stop_id = next(t for i, t in enumerate(ids) if i and t not in ids[:i] and dec([t]).isprintable())
+    texts = {}
+    for keep in (False, True):
+        for stream in (False, True):
+            body = {**base, "stop_token_ids": [stop_id], "include_stop_str_in_output": keep, "stream": stream}
+            r = asyncio.run(_post(app, "/v1/completions", body))
+            chunks = ([json.loads(line[6:])["choices"][0] for line in r.text.splitlines() if line.startswith("data: {")]
+                      if stream else r.json()["choices"])
+            texts[keep, stream] = "".join(ch["text"] for ch in chunks)
+            assert chunks[-1]["finish_reason"] == "stop" and chunks[-1]["stop_reason"] == stop_id
+    # with the flag the text goes on to the stop token's (a held-back partial byte before it decodes with it)
+    kept = texts[True, False]
+    assert kept == texts[True, True] and kept.startswith(texts[False, False]) and kept.endswith(dec([stop_id]))
+    assert len(kept) > len(texts[False, False]), texts
+    assert texts[False, True] == texts[False, False]

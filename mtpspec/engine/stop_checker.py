@@ -13,7 +13,8 @@ def append_tokens(seq: Sequence, token_ids: Seq[int], eos_token_ids: Collection[
     ``eos_token_ids``: the model's EOS ids (any of them ends the request).
 
     Order of checks per token (after appending it): EOS (unless ``ignore_eos``) or a stop token
-    id -> ``"stop"`` (the id stays in ``output_token_ids``, not in the text); a stop string in
+    id -> ``"stop"`` (the id stays in ``output_token_ids``; its text is added only with
+    ``include_stop_str_in_output``, as vLLM's detokenizer does); a stop string in
     the text -> ``"stop"`` (text cut before it, or after it with ``include_stop_str_in_output``); ``max_tokens`` reached or the sequence
     reached ``max_model_len`` -> ``"length"``. Tokens after the finishing one are dropped.
 
@@ -35,6 +36,8 @@ def append_tokens(seq: Sequence, token_ids: Seq[int], eos_token_ids: Collection[
         if n_out >= p.min_tokens and (is_eos or (p.stop_token_ids and tok in p.stop_token_ids)):
             seq.finish_reason = "stop"
             seq.stop_reason = None if is_eos else int(tok)
+            if p.include_stop_str_in_output and seq.detokenizer is not None:
+                seq.output_text += seq.detokenizer.add(int(tok))  # EOS: "" unless special tokens are kept
             return i + 1
         if seq.detokenizer is not None:
             before = len(seq.output_text)
