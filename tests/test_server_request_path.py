@@ -604,3 +604,30 @@ def test_include_stop_str_in_output_keeps_a_stop_token_s_text(engine) -> None:
     assert kept == texts[True, True] and kept.startswith(texts[False, False]) and kept.endswith(dec([stop_id]))
     assert len(kept) > len(texts[False, False]), texts
     assert texts[False, True] == texts[False, False]
+
+
+def test_cors_as_vllm(engine) -> None:
+    """Found by a new-user pass (2026-12-07): no CORS headers, so a browser page could not call the
+    server (a pre-flight got 405). As vLLM: every origin by default (pre-flights answered, a 401 of
+    ``--api-key`` readable too), ``--allowed-origins`` narrows it."""
+    from mtpspec.entrypoints.openai_server import ServerContext, build_app
+    from mtpspec.entrypoints.serve import json_str_list
+    from mtpspec.entrypoints.server_metrics import ServerMetrics
+    metrics = ServerMetrics(engine.num_speculative_tokens, {"model": "m"})
+    pre = {"Origin": "http://ui.example", "Access-Control-Request-Method": "POST",
+           "Access-Control-Request-Headers": "authorization,content-type"}
+
+    async def main(app):
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as c:
+            return (await c.options("/v1/completions", headers=pre),
+                    await c.get("/v1/models", headers={"Origin": "http://ui.example"}))
+
+    flight, models = asyncio.run(main(build_app(ServerContext(engine, "m", "m", {}, metrics, api_key="k"))))
+    assert flight.status_code == 200 and flight.headers["access-control-allow-origin"] == "*", flight.text
+    assert models.status_code == 401 and models.headers["access-control-allow-origin"] == "*"
+    narrow = {"allow_origins": json_str_list('["http://other"]'), "allow_credentials": False,
+              "allow_methods": ["*"], "allow_headers": ["*"]}
+    flight, models = asyncio.run(main(build_app(ServerContext(engine, "m", "m", {}, metrics, cors=narrow))))
+    assert flight.status_code == 400 and "access-control-allow-origin" not in models.headers
+    with pytest.raises(Exception, match="JSON list of strings"):
+        json_str_list("http://a")

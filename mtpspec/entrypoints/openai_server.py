@@ -51,6 +51,7 @@ import uuid
 from typing import Any, AsyncIterator, Callable, Dict, List, Optional, Sequence, Tuple, Type, TypeVar, Union
 
 from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -87,6 +88,9 @@ class ServerContext:
         api_key: when set, every ``/v1`` request must carry ``Authorization: Bearer <api_key>``
             (vLLM's ``--api-key``), and so must ``/reset_prefix_cache``; others get 401. ``/health``,
             ``/metrics``, ``/version``, ``/tokenize`` and ``/detokenize`` stay open, as in vLLM.
+        cors: Starlette ``CORSMiddleware`` keywords (``allow_origins``, ``allow_credentials``,
+            ``allow_methods``, ``allow_headers``); ``None``: vLLM's defaults, every origin, method and
+            header, no credentials (``serve --allowed-origins`` ...).
 
     Raises:
         ValueError: no served model name, or an empty ``api_key``.
@@ -94,11 +98,13 @@ class ServerContext:
 
     def __init__(self, engine: AsyncLLM, served_model_name: Union[str, Sequence[str]], model_path: str,
                  info: Dict[str, Any], metrics: ServerMetrics, enable_prompt_tokens_details: bool = False,
-                 api_key: Optional[str] = None):
+                 api_key: Optional[str] = None, cors: Optional[Dict[str, Any]] = None):
         if api_key is not None and not api_key:
             raise ValueError("--api-key must not be empty")
         self.engine = engine
         self.api_key = api_key
+        self.cors = cors if cors is not None else {"allow_origins": ["*"], "allow_credentials": False,
+                                                   "allow_methods": ["*"], "allow_headers": ["*"]}
         self.enable_prompt_tokens_details = enable_prompt_tokens_details
         names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name)
         if not names or not all(isinstance(x, str) and x for x in names):
@@ -749,6 +755,8 @@ def build_app(ctx: ServerContext) -> FastAPI:
     app.add_middleware(_InternalErrors)  # any other exception: a JSON 500 (see the class)
     if ctx.api_key is not None:
         app.add_middleware(_RequireApiKey, api_key=ctx.api_key)  # outside _InternalErrors: checked first
+    # outermost: answers CORS pre-flights, and a browser sees every response (a 401 too), as vLLM's
+    app.add_middleware(CORSMiddleware, **ctx.cors)
 
     @app.get("/health")
     async def health() -> Response:

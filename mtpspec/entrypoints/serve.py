@@ -20,6 +20,7 @@ rate or a fixed length: SYNTHETIC, for kernel A/B runs on random-weight models o
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import socket
 import sys
@@ -95,6 +96,20 @@ def non_negative_ms(value: str) -> float:
         x = -1.0
     if not 0.0 <= x < float("inf"):
         raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {value!r}")
+    return x
+
+
+def json_str_list(value: str) -> list:
+    """A JSON list of strings (vLLM's ``--allowed-origins '["http://a.b"]'`` and the other CORS lists).
+
+    Raises:
+        argparse.ArgumentTypeError: not JSON, or not a list of strings."""
+    try:
+        x = json.loads(value)
+    except ValueError:
+        x = None
+    if not isinstance(x, list) or not all(isinstance(v, str) for v in x):
+        raise argparse.ArgumentTypeError(f"must be a JSON list of strings, e.g. '[\"*\"]', got {value!r}")
     return x
 
 
@@ -206,6 +221,11 @@ def add_parser(sub: Any) -> None:
                    help="vLLM's flag: /v1 requests (and /reset_prefix_cache) must send 'Authorization: Bearer "
                         "<key>' (401 otherwise); /health, /metrics, /version, /tokenize and /detokenize stay open; "
                         "mtpspec's clients (bench, eval --base-url) send $OPENAI_API_KEY (default: no key)")
+    for flag, what in (("--allowed-origins", "origins"), ("--allowed-methods", "methods"),
+                       ("--allowed-headers", "headers")):
+        p.add_argument(flag, type=json_str_list, default=["*"],
+                       help=f"vLLM's CORS flag: the allowed {what}, a JSON list (default '[\"*\"]')")
+    p.add_argument("--allow-credentials", action="store_true", help="vLLM's CORS flag: allow credentials")
     p.add_argument("--disable-log-requests", "--disable-log-stats", dest="_vllm_log_flags", action="store_true",
                    help="accepted so vLLM command lines run unchanged: mtpspec serve logs neither a line per request "
                         "nor periodic stats (the flags change nothing; --log-level sets uvicorn's)")
@@ -287,7 +307,9 @@ def build(args: argparse.Namespace) -> Any:
                             model_name=name[0])
     ctx = ServerContext(engine, name, kwargs["model"], info, metrics,
                         enable_prompt_tokens_details=args.enable_prompt_tokens_details,
-                        api_key=getattr(args, "api_key", None))
+                        api_key=getattr(args, "api_key", None),
+                        cors={"allow_origins": args.allowed_origins, "allow_credentials": args.allow_credentials,
+                              "allow_methods": args.allowed_methods, "allow_headers": args.allowed_headers})
     return build_app(ctx), engine, info
 
 
