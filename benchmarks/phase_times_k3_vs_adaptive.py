@@ -1,6 +1,9 @@
 """Where a batch-1 decode step's host time goes: the fixed-k3 engine against the adaptive engine held
-at k = 3 (a constant policy), both in one process (issue 18: the adaptive arm's k = 3 decode steps took
-1.67 ms against fixed k3's 1.62 on an H100, 2026-12-07, with the same device kernels).
+at k = 3 (a constant policy), in one process (issue 18: the adaptive arm's k = 3 decode steps took
+1.67 ms against fixed k3's 1.62 on an H100, 2026-12-07, with the same device kernels). Two more
+engines split the difference: ``k3+ahead`` (the fixed engine on the adaptive engine's host path: each
+step left in flight, by a constant policy) and ``adaptive@k3,nodefer`` (``adaptive_defer_mtp_kv``
+off: no hidden-state cache write in its verify).
 
 Each engine generates ``--requests`` requests of ``--output-len`` tokens, ``--concurrency`` at a time
 (``max_num_seqs``; default 1; random 512-token prompts, greedy, ignore_eos), ``--rounds`` times interleaved; the engine's phases are timed with
@@ -107,9 +110,17 @@ def main() -> None:
         with open(table, "w") as f:
             json.dump({"verify_ms": {str(k): sizes for k in range(4)}, "draft_ms": {str(k): sizes for k in range(4)}}, f)
         adaptive["adaptive_cost_table"] = table
+    # the 2 x 2 (+1) split of the adaptive engine's extra time: the host path (k3: a step applied before the
+    # next is scheduled; "+ahead": the adaptive engine's step left in flight, forced on the fixed engine by a
+    # constant policy) x the runner (fixed: graphs of k = 3 only; adaptive: graphs of k = 0..3, and with
+    # deferred MTP entries its verify writes the hidden-state cache too)
     engines = {"k3": LLM(model, speculative_config={"num_speculative_tokens": 3}, **common),
+               "k3+ahead": LLM(model, speculative_config={"num_speculative_tokens": 3}, **common),
+               "adaptive@k3,nodefer": LLM(model, speculative_config={**adaptive, "adaptive_defer_mtp_kv": False},
+                                          **common),
                "adaptive@k3": LLM(model, speculative_config=adaptive, **common)}
-    engines["adaptive@k3"].llm_engine.spec_policy = ConstantK(3)
+    for name in ("k3+ahead", "adaptive@k3,nodefer", "adaptive@k3"):
+        engines[name].llm_engine.spec_policy = ConstantK(3)
     for name in ("_launch", "_finish", "_take_drafts", "_choose_k", "_step_input", "_time_step", "_observe_spec"):
         _wrap(le.LLMEngine, name, name)
     rng = random.Random(0)
@@ -149,12 +160,12 @@ def main() -> None:
                 if gap_us is not None:
                     r["device_gap_us"].append(gap_us)
                     r["device_span_us"].append(span_us)
-            print(f"round {rnd} {name:12s} {steps} steps, {wall / steps * 1e3:.3f} ms a step", flush=True)
+            print(f"round {rnd} {name:20s} {steps} steps, {wall / steps * 1e3:.3f} ms a step", flush=True)
     out = {n: {k: sorted(v)[len(v) // 2] for k, v in r.items()} for n, r in res.items()}
     keys = sorted({k for r in out.values() for k in r})
-    print(f"{'median over rounds, us per step':34s}" + "".join(f"{n:>14s}" for n in out))
+    print(f"{'median over rounds, us per step':34s}" + "".join(f"{n:>21s}" for n in out))
     for k in keys:
-        print(f"{k:34s}" + "".join(f"{out[n].get(k, 0.0):14.1f}" for n in out))
+        print(f"{k:34s}" + "".join(f"{out[n].get(k, 0.0):21.1f}" for n in out))
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"median": out, "rounds": {n: dict(r) for n, r in res.items()}}, f, indent=1)

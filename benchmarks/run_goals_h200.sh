@@ -37,7 +37,7 @@
 #   bash benchmarks/run_goals_h200.sh demo-pair2 OUT  # issue 16: its MTP layer self-distilled (run 5 a) + k = 1
 #   bash benchmarks/run_goals_h200.sh l2-ceiling OUT  # issue 14: L2 -> shared-memory TMA ceiling (bench_tma_l2.py)
 #   bash benchmarks/run_goals_h200.sh phases OUT      # issue 18: fixed k3 vs the adaptive engine held at k = 3, batch 1,
-#                                                  # the engine's host phases per step (phase_times_k3_vs_adaptive.py)
+#                                                  # the engine's host phases per step (phase_times_k3_vs_adaptive.py); with k3+ahead and adaptive@k3,nodefer splitting the host path from the runner
 #   bash benchmarks/run_goals_h200.sh demo-sd OUT   # issue 16: the demo model's MTP layer self-distilled on GSM8K +
 #                                                  # generated prompts (target frozen), then GSM8K k = 1 / 3 fp32
 set -u
@@ -49,9 +49,9 @@ step() { local t=$1 name=$2; shift 2; echo "=== $name ($(date +%T))"; timeout "$
 case $part in
 phases)  # issue 18: the adaptive engine's k = 3 decode steps took 1.67 ms against fixed k3's 1.62 (H100, s1, demo
   # model, the same kernels): where the host's 50 us a step go
-  step 200 phases_c1 python3 benchmarks/phase_times_k3_vs_adaptive.py --json "$OUT/phases_c1.json"
+  step 300 phases_c1 python3 benchmarks/phase_times_k3_vs_adaptive.py --json "$OUT/phases_c1.json"
   # and at 64 sequences (the adaptive engine held at k = 3 was 0.960 of fixed k3 there: host-bound steps)
-  step 200 phases_c64 python3 benchmarks/phase_times_k3_vs_adaptive.py --concurrency 64 --requests 128 --rounds 2 \
+  step 300 phases_c64 python3 benchmarks/phase_times_k3_vs_adaptive.py --concurrency 64 --requests 128 --rounds 2 \
       --json "$OUT/phases_c64.json" ;;
 l2-ceiling)  # issue 14: TMA copies from L2 / HBM into shared memory, every SM at once, beside the matmul rate
   step 120 tma_l2 python3 benchmarks/bench_tma_l2.py --json "$OUT/tma_l2.json" ;;
