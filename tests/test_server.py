@@ -634,6 +634,14 @@ def test_bad_bodies_and_chat_get_400(server):
     r = _post(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": [tool],
                                                "tool_choice": "none", "max_tokens": 2})
     assert r.status_code == 200, r.text
+    for choice in ("auto", "required", {"type": "function", "function": {"name": "f"}}):  # vLLM's 400: no tools
+        r = _post(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                                                   "tool_choice": choice, "max_tokens": 2})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "tool_choice", (choice, r.text)
+        assert r.json()["error"]["message"] == "When using `tool_choice`, `tools` must be set.", r.text
+    r = _post(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tool_choice": "none",
+                                               "max_tokens": 2})
+    assert r.status_code == 200, r.text
     for raw in (b"{not json", b"[1, 2]", b"\xff\xfe"):
         r = httpx.post(server.url + "/v1/completions", content=raw, headers={"content-type": "application/json"})
         assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error", r.text

@@ -158,6 +158,9 @@ async def _parse(request: Request, cls: Type[M]) -> M:
         raise bad_request(f"the request body must be a JSON object, got {type(body).__name__}")
     if body.get("stream_options") is not None and not body.get("stream"):  # vLLM's check and message
         raise bad_request("Stream options can only be defined when `stream=True`.", "stream_options")
+    if "tool_choice" in cls.model_fields and body.get("tool_choice") not in (None, "none") \
+            and body.get("tools") is None:  # vLLM's check and message
+        raise bad_request("When using `tool_choice`, `tools` must be set.", "tool_choice")
     if (body.get("tools") and "tool_choice" in cls.model_fields  # chat: vLLM without tool calling enabled
             and body.get("tool_choice", "auto") != "none"):
         raise bad_request("tool calling is not supported by mtpspec serve (vLLM: \"auto\" tool choice requires "
