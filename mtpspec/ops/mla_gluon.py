@@ -245,7 +245,8 @@ if HAS_GLUON:
         row_l: gl.constexpr = gl.SliceLayout(1, s_layout)
         col_l: gl.constexpr = gl.SliceLayout(0, s_layout)
         row, head, row_ok, q_pos = _row_info(rb, q_start, q_len, ctx, NUM_HEADS, BLOCK_M, SPARSE, row_l)
-        m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=row_l)
+        k_full = _full_keys(ctx, rb, k_hi, NUM_HEADS, BLOCK_M)
+        m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=row_l)  # raw score units (_exp_scaled)
         l_i = gl.zeros([BLOCK_M], gl.float32, layout=row_l)
         o = gl.zeros([BLOCK_M, HALF], gl.float32, layout=o_layout)
         for i in range(n_tiles):
@@ -267,13 +268,12 @@ if HAS_GLUON:
             sc = warpgroup_mma_wait(0, deps=[sc])
             if SPARSE:  # (the gather zero-filled unused entries' rows)
                 ok = row_ok[:, None] & ((slot >= 0) & (slot < n_slots))[None, :]
-                sc = gl.where(ok, sc * qk_scale, float("-inf"))
+                sc = gl.where(ok, sc, float("-inf"))
             else:
-                sc = _causal_scores(sc, start, k_hi, row_ok, q_pos, qk_scale, s_layout, BLOCK_N)
+                sc = _causal_scores(sc, start, k_full, k_hi, row_ok, q_pos, s_layout, BLOCK_N)
             m_new = gl.maximum(m_i, gl.max(sc, axis=1))
-            m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
-            p = gl.exp2(sc - m_safe[:, None])
-            alpha = gl.exp2(m_i - m_safe)
+            p, m_safe = _exp_scaled(sc, m_new, qk_scale)
+            alpha = gl.exp2(m_i * qk_scale - m_safe)
             l_i = l_i * alpha + gl.sum(p, axis=1)
             m_i = m_new
             b = i % P_BUFS
@@ -286,6 +286,7 @@ if HAS_GLUON:
             o = warpgroup_mma(pbuf.index(b), kbuf0.index(s), o, is_async=True)
             o = warpgroup_mma_wait(0, deps=[o])
             mbarrier.arrive(k_free.index(s), count=1)
+        m_i = m_i * qk_scale  # the split's max in scaled (log2) units, as combine_splits reads it
         mlbuf.index(0).store(m_i)
         mlbuf.index(1).store(l_i)
         mbarrier.arrive(done, count=1)
@@ -345,12 +346,35 @@ if HAS_GLUON:
         return warpgroup_mma(q_rope, kbufr.index(s).permute((1, 0)), sc, is_async=True)
 
     @gluon.jit
-    def _causal_scores(sc, start, k_hi, row_ok, q_pos, qk_scale, s_layout: gl.constexpr, BLOCK_N: gl.constexpr):
-        """Scaled, causally masked scores of the dense tile at key ``start`` (-inf past ``k_hi``, after
-        a row's query position and in padding rows); both schedules."""
-        offs_n = start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-        ok = row_ok[:, None] & (offs_n[None, :] < k_hi) & (offs_n[None, :] <= q_pos[:, None])
-        return gl.where(ok, sc * qk_scale, float("-inf"))
+    def _full_keys(ctx, rb, k_hi, NUM_HEADS: gl.constexpr, BLOCK_M: gl.constexpr):
+        """Dense: the keys below this one are seen by every row of row block ``rb`` (before ``k_hi``
+        and at or before the block's first query position ``ctx + rb * BLOCK_M // NUM_HEADS``; the
+        later rows, padding rows too, see more), so a tile below it needs no mask."""
+        return gl.minimum(k_hi, ctx + (rb * BLOCK_M) // NUM_HEADS + 1)
+
+    @gluon.jit
+    def _causal_scores(sc, start, k_full, k_hi, row_ok, q_pos, s_layout: gl.constexpr, BLOCK_N: gl.constexpr):
+        """Causally masked raw (unscaled) scores of the dense tile at key ``start``: -inf past ``k_hi``,
+        after a row's query position and in padding rows, on a tile that reaches past ``k_full`` (the
+        last one or two of a program, :func:`_full_keys`); the other tiles unmasked (FlashMLA masks
+        only its last tiles: ~130 instructions a tile a warp of iota / compare / select saved). Every
+        key of an unmasked tile is a real cache row (finite), and a padding row's zero query gives it
+        finite scores whose output is never stored; both schedules."""
+        if start + BLOCK_N > k_full:
+            offs_n = start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+            ok = row_ok[:, None] & (offs_n[None, :] < k_hi) & (offs_n[None, :] <= q_pos[:, None])
+            sc = gl.where(ok, sc, float("-inf"))
+        return sc
+
+    @gluon.jit
+    def _exp_scaled(s, m_new, qk_scale):
+        """``(exp2((s - m_new) qk_scale), m_new qk_scale)`` a row, the running max ``m_new`` kept in raw
+        score units and the scale folded into the exponent's argument: one FMA an element
+        (``s * qk_scale - m``) instead of a multiply and a subtract (FlashMLA's form); a row whose
+        max is still -inf (every key masked) takes 0 as its scaled max (its ``p`` are 0). ``qk_scale``
+        > 0 (softmax scale x log2 e), so the raw max is the max of the scaled scores."""
+        ms = gl.where(m_new == float("-inf"), 0.0, m_new * qk_scale)
+        return gl.exp2(s * qk_scale - ms[:, None]), ms
 
     @gluon.jit
     def _zero_tail(buf, start, k_hi, BLOCK_N: gl.constexpr, HALF: gl.constexpr):
@@ -393,8 +417,9 @@ if HAS_GLUON:
         orow_l: gl.constexpr = gl.SliceLayout(1, o_layout)
         dtype: gl.constexpr = pbuf.dtype
         row, head, row_ok, q_pos = _row_info(rb, q_start, q_len, ctx, NUM_HEADS, BLOCK_M, False, row_l)
+        k_full = _full_keys(ctx, rb, k_hi, NUM_HEADS, BLOCK_M)
         q_rope = _q_rope_regs(qp_ptr, row, head, row_ok, stride_qpt, stride_qph, qr_layout, ROPE)
-        m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=row_l)
+        m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=row_l)  # raw score units (_exp_scaled)
         l_i = gl.zeros([BLOCK_M], gl.float32, layout=row_l)
         o = gl.zeros([BLOCK_M, HALF], gl.float32, layout=o_layout)
         sc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
@@ -408,11 +433,10 @@ if HAS_GLUON:
             start_a = k_lo + 2 * j * BLOCK_N
             has_b = 2 * j + 1 < n_tiles
             # softmax of A against the running max m_i (after the previous pair's B)
-            sa = _causal_scores(sc, start_a, k_hi, row_ok, q_pos, qk_scale, s_layout, BLOCK_N)
+            sa = _causal_scores(sc, start_a, k_full, k_hi, row_ok, q_pos, s_layout, BLOCK_N)
             m0 = gl.maximum(m_i, gl.max(sa, axis=1))
-            m0s = gl.where(m0 == float("-inf"), 0.0, m0)
-            p0 = gl.exp2(sa - m0s[:, None])
-            sc0 = gl.exp2(m_i - m0s)
+            p0, m0s = _exp_scaled(sa, m0, qk_scale)
+            sc0 = gl.exp2(m_i * qk_scale - m0s)
             l_i = l_i * sc0 + gl.sum(p0, axis=1)
             pb = p0.to(dtype)
             mbarrier.wait(p0_free, ph ^ 1)  # warpgroup 1's products of the previous P_A are done
@@ -453,8 +477,8 @@ if HAS_GLUON:
         mbarrier.arrive(l0_ready, count=1)
         mbarrier.wait(l1_ready, 0)
         l_i = l_i + sl1.load(row_l)
-        _store_half(o, m_i, l_i, out_ptr, part_acc_ptr, part_ml_ptr, row, head, row_ok, split, 0, stride_ot,
-                    stride_oh, stride_pt, stride_ph, o_layout, SPLIT, True, HALF, LORA)
+        _store_half(o, m_i * qk_scale, l_i, out_ptr, part_acc_ptr, part_ml_ptr, row, head, row_ok, split, 0,
+                    stride_ot, stride_oh, stride_pt, stride_ph, o_layout, SPLIT, True, HALF, LORA)
 
     @gluon.jit
     def _seesaw_wg1(qbuf, qp_ptr, kbuf0, kbuf1, kbufr, pbuf, sm0, ss0, sm1, ss1, sl0, sl1, ready_l,
@@ -472,6 +496,7 @@ if HAS_GLUON:
         orow_l: gl.constexpr = gl.SliceLayout(1, o_layout)
         dtype: gl.constexpr = pbuf.dtype
         row, head, row_ok, q_pos = _row_info(rb, q_start, q_len, ctx, NUM_HEADS, BLOCK_M, False, row_l)
+        k_full = _full_keys(ctx, rb, k_hi, NUM_HEADS, BLOCK_M)
         q_rope = _q_rope_regs(qp_ptr, row, head, row_ok, stride_qpt, stride_qph, qr_layout, ROPE)
         l_i = gl.zeros([BLOCK_M], gl.float32, layout=row_l)
         o = gl.zeros([BLOCK_M, HALF], gl.float32, layout=o_layout)
@@ -494,11 +519,10 @@ if HAS_GLUON:
             _zero_tail(kbuf1.index(z), start_a, k_hi, BLOCK_N, HALF)
             if has_b:  # ... under B's softmax against A's max
                 o = warpgroup_mma(pbuf.index(z), kbuf1.index(z), o, is_async=True)
-                sb = _causal_scores(sc, start_a + BLOCK_N, k_hi, row_ok, q_pos, qk_scale, s_layout, BLOCK_N)
+                sb = _causal_scores(sc, start_a + BLOCK_N, k_full, k_hi, row_ok, q_pos, s_layout, BLOCK_N)
                 m1 = gl.maximum(m0, gl.max(sb, axis=1))
-                m1s = gl.where(m1 == float("-inf"), 0.0, m1)
-                p1 = gl.exp2(sb - m1s[:, None])
-                sc1 = gl.exp2(m0 - m1s)
+                p1, m1s = _exp_scaled(sb, m1, qk_scale)
+                sc1 = gl.exp2(m0 * qk_scale - m1s)
                 pb = p1.to(dtype)
                 pbuf.index(z + 1).store(pb)
                 sm1.store(m1)
