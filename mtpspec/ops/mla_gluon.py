@@ -31,7 +31,11 @@ A second dense schedule, ``"seesaw"`` (:data:`DENSE_SCHEDULE`; FlashMLA's, facts
 key tiles in pairs: warpgroup 0 computes the scores and softmax of the first, warpgroup 1 of the
 second against the first's row max, so one softmax runs under the other warpgroup's products; each
 warpgroup accumulates its value half over both tiles (its own ``P`` from registers, the other's
-from shared memory) and refills the key halves it read last (no producer partition).
+from shared memory) and refills the key halves it read last (no producer partition); ``"seesaw-r1"``
+orders each pair as FlashMLA does (one rescale of warpgroup 1's half of O a pair, not two).
+Both schedules mask only the tiles that reach past the row block's first query position or the
+split's end (FlashMLA masks its last tiles only) and fold the softmax scale into the exponent's
+FMA, the running max kept in raw score units (scaled once, where ``m`` is stored).
 
 Sparse MLA (DeepSeek Sparse Attention, DeepSeek-V3.2 paper, sec. 2.1; the operation of
 :func:`mtpspec.ops.sparse_mla_attention.sparse_mla_attention`): the same two warpgroups over 64
@@ -96,7 +100,11 @@ SPARSE_PRODUCER_REGS = 112
 #: last, so its 8 warps get 256 registers a thread). H200, 64 x 8,192 (2026-12-04, BENCHMARKS.md):
 #: the seesaw is 4-10% slower over scattered cache blocks (its refills start later, two slots only)
 #: and 2-4% faster where the keys sit in L2, so ``"split"`` is the default
-#: (``MTPSPEC_MLA_SCHEDULE=seesaw`` selects the other).
+#: (``MTPSPEC_MLA_SCHEDULE=seesaw`` selects the other). ``"seesaw-r1"``: the seesaw in FlashMLA's
+#: order within a pair (warpgroup 1's softmax of B first, ``P_A`` stored by warpgroup 0 at B's max,
+#: warpgroup 1's half of O rescaled once a pair instead of twice; compiled for sm_90, not yet run on
+#: a GPU: it takes 128 FMULs a pair off warpgroup 1 but queues ``P_A V_R(A)`` behind B's softmax,
+#: where ``"seesaw"`` runs it under that softmax).
 DENSE_SCHEDULE = os.environ.get("MTPSPEC_MLA_SCHEDULE", "split")
 SEESAW_WG1_REGS = 256
 #: Sparse launch shape (H200 sweeps, 2026-12-04, BENCHMARKS.md): 64-key tiles in 2 slots with one P
@@ -403,12 +411,15 @@ if HAS_GLUON:
 
     @gluon.jit
     def _seesaw_wg0(qbuf, qp_ptr, kbuf0, kbuf1, kbufr, pbuf, sm0, ss0, sm1, ss1, sl0, sl1, ready_l,
-                    ready_r, a_ready, b_ready, p0_free, l0_ready, l1_ready, k0_desc, k1_desc, kr_desc, bt_row,
+                    ready_r, a_ready, b_ready, p0_free, pa_ready, l0_ready, l1_ready, k0_desc, k1_desc, kr_desc, bt_row,
                     out_ptr, part_acc_ptr, part_ml_ptr, rb, split, q_start, q_len, ctx, k_lo, k_hi, n_tiles,
                     qk_scale, stride_qpt, stride_qph, stride_ot, stride_oh, stride_pt, stride_ph,
                     NUM_HEADS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HALF: gl.constexpr,
-                    LORA: gl.constexpr, ROPE: gl.constexpr, SPLIT: gl.constexpr, CACHE_BLOCK: gl.constexpr):
-        """Warpgroup 0: scores + softmax of tiles A = 2j, the left value half of every tile."""
+                    LORA: gl.constexpr, ROPE: gl.constexpr, SPLIT: gl.constexpr, CACHE_BLOCK: gl.constexpr,
+                    ONE_RESCALE: gl.constexpr):
+        """Warpgroup 0: scores + softmax of tiles A = 2j, the left value half of every tile.
+        ``ONE_RESCALE``: ``P_A`` goes to shared memory only once B's softmax is known, at B's max
+        (``P_A sc1``, FlashMLA's order), so warpgroup 1 rescales its half of O once a pair."""
         s_layout: gl.constexpr = _wgmma_layout(BLOCK_N)
         o_layout: gl.constexpr = _wgmma_layout(HALF)
         qr_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2)
@@ -440,7 +451,8 @@ if HAS_GLUON:
             l_i = l_i * sc0 + gl.sum(p0, axis=1)
             pb = p0.to(dtype)
             mbarrier.wait(p0_free, ph ^ 1)  # warpgroup 1's products of the previous P_A are done
-            pbuf.index(z).store(pb)
+            if not ONE_RESCALE:
+                pbuf.index(z).store(pb)
             sm0.store(m0)
             ss0.store(sc0)
             fence_async_shared()
@@ -454,7 +466,20 @@ if HAS_GLUON:
             _seesaw_load(k0_desc, k0_desc, bt_row, k_lo, 2 * j + 2, n_tiles, kbuf0, kbuf0, ready_l, 0, 0, BLOCK_N,
                          CACHE_BLOCK, False)
             m_i = m0
-            if has_b:  # O_L = sc1 O_L + P_B V_L(B), P_B from shared memory
+            if ONE_RESCALE:  # P_A at B's max for warpgroup 1 (sc1 = 1 without B), then as below
+                sc1 = gl.full([BLOCK_M], 1.0, gl.float32, layout=row_l)
+                if has_b:
+                    mbarrier.wait(b_ready, ph)
+                    sc1 = ss1.load(row_l)
+                    m_i = sm1.load(row_l)
+                pbuf.index(z).store((p0 * sc1[:, None]).to(dtype))
+                fence_async_shared()
+                mbarrier.arrive(pa_ready, count=1)
+                if has_b:
+                    l_i = l_i * sc1
+                    o = o * gl.convert_layout(sc1, orow_l)[:, None]
+                    _zero_tail(kbuf0.index(z + 1), start_a + BLOCK_N, k_hi, BLOCK_N, HALF)
+            elif has_b:  # O_L = sc1 O_L + P_B V_L(B), P_B from shared memory
                 mbarrier.wait(b_ready, ph)
                 sc1 = ss1.load(row_l)
                 m_i = sm1.load(row_l)
@@ -482,12 +507,17 @@ if HAS_GLUON:
 
     @gluon.jit
     def _seesaw_wg1(qbuf, qp_ptr, kbuf0, kbuf1, kbufr, pbuf, sm0, ss0, sm1, ss1, sl0, sl1, ready_l,
-                    ready_r, a_ready, b_ready, p0_free, l0_ready, l1_ready, k0_desc, k1_desc, kr_desc, bt_row,
+                    ready_r, a_ready, b_ready, p0_free, pa_ready, l0_ready, l1_ready, k0_desc, k1_desc, kr_desc, bt_row,
                     out_ptr, part_acc_ptr, part_ml_ptr, rb, split, q_start, q_len, ctx, k_lo, k_hi, n_tiles,
                     qk_scale, stride_qpt, stride_qph, stride_ot, stride_oh, stride_pt, stride_ph,
                     NUM_HEADS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HALF: gl.constexpr,
-                    LORA: gl.constexpr, ROPE: gl.constexpr, SPLIT: gl.constexpr, CACHE_BLOCK: gl.constexpr):
-        """Warpgroup 1: scores + softmax of tiles B = 2j + 1, the right value half of every tile."""
+                    LORA: gl.constexpr, ROPE: gl.constexpr, SPLIT: gl.constexpr, CACHE_BLOCK: gl.constexpr,
+                    ONE_RESCALE: gl.constexpr):
+        """Warpgroup 1: scores + softmax of tiles B = 2j + 1, the right value half of every tile.
+        ``ONE_RESCALE``: B's softmax first, then ``O_R = sc0 sc1 O_R + P_B V_R(B) + (P_A sc1)
+        V_R(A)`` (one rescale of the 64 x 256 accumulator a pair, not two; ``P_A sc1`` from
+        warpgroup 0, ``pa_ready``); otherwise ``P_A V_R(A)`` at A's max runs under B's softmax and
+        O_R is rescaled by ``sc0`` and again by ``sc1``."""
         s_layout: gl.constexpr = _wgmma_layout(BLOCK_N)
         o_layout: gl.constexpr = _wgmma_layout(HALF)
         qr_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2)
@@ -510,42 +540,79 @@ if HAS_GLUON:
             ph = j & 1
             start_a = k_lo + 2 * j * BLOCK_N
             has_b = 2 * j + 1 < n_tiles
-            # O_R = sc0 O_R + P_A V_R(A), P_A from warpgroup 0 ...
             mbarrier.wait(a_ready, ph)
             m0 = sm0.load(row_l)
             sc0 = ss0.load(row_l)
-            l_i = l_i * sc0
-            o = o * gl.convert_layout(sc0, orow_l)[:, None]
-            _zero_tail(kbuf1.index(z), start_a, k_hi, BLOCK_N, HALF)
-            if has_b:  # ... under B's softmax against A's max
-                o = warpgroup_mma(pbuf.index(z), kbuf1.index(z), o, is_async=True)
-                sb = _causal_scores(sc, start_a + BLOCK_N, k_full, k_hi, row_ok, q_pos, s_layout, BLOCK_N)
-                m1 = gl.maximum(m0, gl.max(sb, axis=1))
-                p1, m1s = _exp_scaled(sb, m1, qk_scale)
-                sc1 = gl.exp2(m0 * qk_scale - m1s)
-                pb = p1.to(dtype)
-                pbuf.index(z + 1).store(pb)
-                sm1.store(m1)
-                ss1.store(sc1)
-                fence_async_shared()
-                mbarrier.arrive(b_ready, count=1)
-                o = warpgroup_mma_wait(0, deps=[o])
-                mbarrier.arrive(p0_free, count=1)
-                _seesaw_load(k1_desc, kr_desc, bt_row, k_lo, 2 * j + 2, n_tiles, kbuf1, kbufr, ready_r, HALF, LORA,
-                             BLOCK_N, CACHE_BLOCK, True)
-                # O_R = sc1 O_R + P_B V_R(B), P_B from registers
-                l_i = l_i * sc1 + gl.sum(p1, axis=1)
-                o = o * gl.convert_layout(sc1, orow_l)[:, None]
-                _zero_tail(kbuf1.index(z + 1), start_a + BLOCK_N, k_hi, BLOCK_N, HALF)
-                pa = gl.convert_layout(pb, pa_layout)
-                o = warpgroup_mma(pa, kbuf1.index(z + 1), o, is_async=True)
-                o, pa = warpgroup_mma_wait(0, deps=[o, pa])
-                _seesaw_load(k1_desc, kr_desc, bt_row, k_lo, 2 * j + 3, n_tiles, kbuf1, kbufr, ready_r, HALF, LORA,
-                             BLOCK_N, CACHE_BLOCK, True)
-            else:
-                o = warpgroup_mma(pbuf.index(z), kbuf1.index(z), o, is_async=True)
-                o = warpgroup_mma_wait(0, deps=[o])
-                mbarrier.arrive(p0_free, count=1)
+            if ONE_RESCALE:
+                if has_b:  # B's softmax against A's max first: warpgroup 0 waits for it
+                    sb = _causal_scores(sc, start_a + BLOCK_N, k_full, k_hi, row_ok, q_pos, s_layout, BLOCK_N)
+                    m1 = gl.maximum(m0, gl.max(sb, axis=1))
+                    p1, m1s = _exp_scaled(sb, m1, qk_scale)
+                    sc1 = gl.exp2(m0 * qk_scale - m1s)
+                    pb = p1.to(dtype)
+                    pbuf.index(z + 1).store(pb)
+                    sm1.store(m1)
+                    ss1.store(sc1)
+                    fence_async_shared()
+                    mbarrier.arrive(b_ready, count=1)
+                    # O_R = sc0 sc1 O_R + P_B V_R(B) (P_B from registers) + (P_A sc1) V_R(A) (from warpgroup 0);
+                    # A is a full tile here (only a program's last tile is partial)
+                    sc01 = sc0 * sc1
+                    l_i = l_i * sc01 + gl.sum(p1, axis=1)
+                    o = o * gl.convert_layout(sc01, orow_l)[:, None]
+                    _zero_tail(kbuf1.index(z + 1), start_a + BLOCK_N, k_hi, BLOCK_N, HALF)
+                    pa = gl.convert_layout(pb, pa_layout)
+                    o = warpgroup_mma(pa, kbuf1.index(z + 1), o, is_async=True)
+                    mbarrier.wait(pa_ready, ph)
+                    o = warpgroup_mma(pbuf.index(z), kbuf1.index(z), o, is_async=True)
+                    pa = warpgroup_mma_wait(1, deps=[pa])  # P_B V_R(B) done: B's right half is free
+                    _seesaw_load(k1_desc, kr_desc, bt_row, k_lo, 2 * j + 3, n_tiles, kbuf1, kbufr, ready_r, HALF, LORA,
+                                 BLOCK_N, CACHE_BLOCK, True)
+                    o = warpgroup_mma_wait(0, deps=[o])
+                    mbarrier.arrive(p0_free, count=1)
+                    _seesaw_load(k1_desc, kr_desc, bt_row, k_lo, 2 * j + 2, n_tiles, kbuf1, kbufr, ready_r, HALF, LORA,
+                                 BLOCK_N, CACHE_BLOCK, True)
+                else:  # a last tile A alone: O_R = sc0 O_R + P_A V_R(A)
+                    l_i = l_i * sc0
+                    o = o * gl.convert_layout(sc0, orow_l)[:, None]
+                    _zero_tail(kbuf1.index(z), start_a, k_hi, BLOCK_N, HALF)
+                    mbarrier.wait(pa_ready, ph)
+                    o = warpgroup_mma(pbuf.index(z), kbuf1.index(z), o, is_async=True)
+                    o = warpgroup_mma_wait(0, deps=[o])
+                    mbarrier.arrive(p0_free, count=1)
+            else:  # O_R = sc0 O_R + P_A V_R(A), P_A from warpgroup 0 ...
+                l_i = l_i * sc0
+                o = o * gl.convert_layout(sc0, orow_l)[:, None]
+                _zero_tail(kbuf1.index(z), start_a, k_hi, BLOCK_N, HALF)
+                if has_b:  # ... under B's softmax against A's max
+                    o = warpgroup_mma(pbuf.index(z), kbuf1.index(z), o, is_async=True)
+                    sb = _causal_scores(sc, start_a + BLOCK_N, k_full, k_hi, row_ok, q_pos, s_layout, BLOCK_N)
+                    m1 = gl.maximum(m0, gl.max(sb, axis=1))
+                    p1, m1s = _exp_scaled(sb, m1, qk_scale)
+                    sc1 = gl.exp2(m0 * qk_scale - m1s)
+                    pb = p1.to(dtype)
+                    pbuf.index(z + 1).store(pb)
+                    sm1.store(m1)
+                    ss1.store(sc1)
+                    fence_async_shared()
+                    mbarrier.arrive(b_ready, count=1)
+                    o = warpgroup_mma_wait(0, deps=[o])
+                    mbarrier.arrive(p0_free, count=1)
+                    _seesaw_load(k1_desc, kr_desc, bt_row, k_lo, 2 * j + 2, n_tiles, kbuf1, kbufr, ready_r, HALF, LORA,
+                                 BLOCK_N, CACHE_BLOCK, True)
+                    # O_R = sc1 O_R + P_B V_R(B), P_B from registers
+                    l_i = l_i * sc1 + gl.sum(p1, axis=1)
+                    o = o * gl.convert_layout(sc1, orow_l)[:, None]
+                    _zero_tail(kbuf1.index(z + 1), start_a + BLOCK_N, k_hi, BLOCK_N, HALF)
+                    pa = gl.convert_layout(pb, pa_layout)
+                    o = warpgroup_mma(pa, kbuf1.index(z + 1), o, is_async=True)
+                    o, pa = warpgroup_mma_wait(0, deps=[o, pa])
+                    _seesaw_load(k1_desc, kr_desc, bt_row, k_lo, 2 * j + 3, n_tiles, kbuf1, kbufr, ready_r, HALF, LORA,
+                                 BLOCK_N, CACHE_BLOCK, True)
+                else:
+                    o = warpgroup_mma(pbuf.index(z), kbuf1.index(z), o, is_async=True)
+                    o = warpgroup_mma_wait(0, deps=[o])
+                    mbarrier.arrive(p0_free, count=1)
             if 2 * j + 3 < n_tiles:  # the next B's scores
                 sc = _seesaw_scores(qbuf, z, q_rope, kbuf0, kbuf1, kbufr, ready_l, ready_r, z + 1, (j + 1) & 1,
                                     s_layout, BLOCK_M, BLOCK_N)
@@ -581,7 +648,7 @@ if HAS_GLUON:
                            stride_qph, stride_ot, stride_oh, stride_bt, stride_pt, stride_ph,
                            NUM_HEADS: gl.constexpr, CACHE_BLOCK: gl.constexpr, SPLIT: gl.constexpr,
                            BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HALF: gl.constexpr, LORA: gl.constexpr,
-                           ROPE: gl.constexpr, WG1_REGS: gl.constexpr):
+                           ROPE: gl.constexpr, WG1_REGS: gl.constexpr, ONE_RESCALE: gl.constexpr):
         # program (row block rb, key split, sequence), as _mla_ws_kernel
         rb = gl.program_id(0)
         split = gl.program_id(1)
@@ -612,6 +679,7 @@ if HAS_GLUON:
         a_ready = gl.allocate_shared_memory(gl.int64, [1], bar)
         b_ready = gl.allocate_shared_memory(gl.int64, [1], bar)
         p0_free = gl.allocate_shared_memory(gl.int64, [1], bar)
+        pa_ready = gl.allocate_shared_memory(gl.int64, [1], bar)  # ONE_RESCALE: P_A (at B's max) stored
         l0_ready = gl.allocate_shared_memory(gl.int64, [1], bar)
         l1_ready = gl.allocate_shared_memory(gl.int64, [1], bar)
         for i in gl.static_range(2):
@@ -620,6 +688,7 @@ if HAS_GLUON:
         mbarrier.init(a_ready, count=1)
         mbarrier.init(b_ready, count=1)
         mbarrier.init(p0_free, count=1)
+        mbarrier.init(pa_ready, count=1)
         mbarrier.init(l0_ready, count=1)
         mbarrier.init(l1_ready, count=1)
         # the query's latent rows, once (zero past the program's real rows); m = -inf for warpgroup 1
@@ -639,15 +708,17 @@ if HAS_GLUON:
         fence_async_shared()
         gl.warp_specialize([
             (_seesaw_wg0, (qbuf, qp_ptr, kbuf0, kbuf1, kbufr, pbuf, sm0, ss0, sm1, ss1, sl0, sl1,
-                           ready_l, ready_r, a_ready, b_ready, p0_free, l0_ready, l1_ready, k0_desc, k1_desc, kr_desc,
+                           ready_l, ready_r, a_ready, b_ready, p0_free, pa_ready, l0_ready, l1_ready, k0_desc,
+                           k1_desc, kr_desc,
                            bt_row, out_ptr, part_acc_ptr, part_ml_ptr, rb, split, q_start, q_len, ctx, k_lo, k_hi,
                            n_tiles, qk_scale, stride_qpt, stride_qph, stride_ot, stride_oh, stride_pt, stride_ph,
-                           NUM_HEADS, BLOCK_M, BLOCK_N, HALF, LORA, ROPE, SPLIT, CACHE_BLOCK)),
+                           NUM_HEADS, BLOCK_M, BLOCK_N, HALF, LORA, ROPE, SPLIT, CACHE_BLOCK, ONE_RESCALE)),
             (_seesaw_wg1, (qbuf, qp_ptr, kbuf0, kbuf1, kbufr, pbuf, sm0, ss0, sm1, ss1, sl0, sl1,
-                           ready_l, ready_r, a_ready, b_ready, p0_free, l0_ready, l1_ready, k0_desc, k1_desc, kr_desc,
+                           ready_l, ready_r, a_ready, b_ready, p0_free, pa_ready, l0_ready, l1_ready, k0_desc,
+                           k1_desc, kr_desc,
                            bt_row, out_ptr, part_acc_ptr, part_ml_ptr, rb, split, q_start, q_len, ctx, k_lo, k_hi,
                            n_tiles, qk_scale, stride_qpt, stride_qph, stride_ot, stride_oh, stride_pt, stride_ph,
-                           NUM_HEADS, BLOCK_M, BLOCK_N, HALF, LORA, ROPE, SPLIT, CACHE_BLOCK)),
+                           NUM_HEADS, BLOCK_M, BLOCK_N, HALF, LORA, ROPE, SPLIT, CACHE_BLOCK, ONE_RESCALE)),
         ], [4], [WG1_REGS])
 
     @gluon.jit
@@ -841,22 +912,23 @@ def launch(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, o
     and runs the combine. No host sync.
     ``block_n`` / ``stages`` / ``p_bufs``: tuning overrides (keys per tile, key-tile ring slots, P
     buffers; the ``"split"`` schedule's); they must fit the 227 KB of shared memory (the compile
-    fails otherwise). ``schedule``: ``"seesaw"`` or ``"split"`` (default :data:`DENSE_SCHEDULE`),
-    else ValueError."""
+    fails otherwise). ``schedule``: ``"seesaw"``, ``"seesaw-r1"`` or ``"split"`` (default
+    :data:`DENSE_SCHEDULE`), else ValueError."""
     nh = q_latent.shape[1]
     if schedule is None:
         schedule = DENSE_SCHEDULE
-    if schedule == "seesaw":
+    if schedule in ("seesaw", "seesaw-r1"):
         k0, k1, kr = descriptors(kv_cache, BLOCK_N)
         _mla_seesaw_kernel[(row_blocks, num_splits, seq_lens.shape[0])](
             q_latent, q_pe, k0, k1, kr, out, part_acc, part_ml, query_start_loc, seq_lens, block_tables, qk_scale,
             num_splits, q_latent.stride(0), q_latent.stride(1), q_pe.stride(0), q_pe.stride(1), out.stride(0),
             out.stride(1), block_tables.stride(0), nh * num_splits, num_splits,
             NUM_HEADS=nh, CACHE_BLOCK=kv_cache.shape[1], SPLIT=num_splits > 1, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
-            HALF=HALF, LORA=LORA, ROPE=ROPE, WG1_REGS=SEESAW_WG1_REGS, num_warps=4)
+            HALF=HALF, LORA=LORA, ROPE=ROPE, WG1_REGS=SEESAW_WG1_REGS, ONE_RESCALE=schedule == "seesaw-r1",
+            num_warps=4)
         return
     if schedule != "split":
-        raise ValueError(f"launch: schedule must be 'seesaw' or 'split', got {schedule!r}")
+        raise ValueError(f"launch: schedule must be 'seesaw', 'seesaw-r1' or 'split', got {schedule!r}")
     k0, k1, kr = descriptors(kv_cache, block_n)
     _mla_ws_kernel[(row_blocks, num_splits, seq_lens.shape[0])](
         q_latent, q_pe, k0, k1, kr, out, part_acc, part_ml, query_start_loc, seq_lens, block_tables, qk_scale,
