@@ -268,3 +268,40 @@ def test_plain_decoding_metrics_have_the_headline_figures(path) -> None:
         m = llm.get_metrics()
     assert m["acceptance_length"] is None and m["acceptance_rate"] is None and "num_drafts" not in m
     assert m["num_output_tokens"] == 10
+
+
+def test_vllm_lora_priority_and_pooling_are_clear_refusals(llm) -> None:
+    """vLLM's ``lora_request`` / ``priority`` arguments and its pooling / beam-search methods: a
+    ValueError naming them before any work (they were a TypeError "unexpected keyword argument" and
+    an AttributeError); their "nothing asked" values are accepted."""
+    good = {"prompt_token_ids": [5, 6, 7]}
+    steps = llm.get_metrics()["num_steps"]
+    for kw in (dict(lora_request=object()), dict(lora_request=[None, object()]), dict(priority=[1])):
+        with pytest.raises(ValueError, match="LoRA" if "lora_request" in kw else "priority"):
+            llm.generate([good], GREEDY, use_tqdm=False, **kw)
+    with pytest.raises(ValueError, match="LoRA"):
+        llm.chat([{"role": "user", "content": "w5"}], GREEDY, lora_request=object())
+    for name in ("encode", "embed", "classify", "score", "reward", "beam_search"):
+        with pytest.raises(ValueError, match=rf"LLM\.{name}\(\) is not supported"):
+            getattr(llm, name)([good])
+    assert llm.get_metrics()["num_steps"] == steps and not llm.llm_engine.has_unfinished_requests()
+    assert llm.generate([good], GREEDY, use_tqdm=False, lora_request=None, priority=[0])[0].finished
+
+
+def test_use_tqdm_callable_is_the_progress_bar(llm) -> None:
+    """vLLM's ``use_tqdm`` may be a tqdm-like callable: it makes the bar (it was ignored: a plain tqdm)."""
+    bars = []
+
+    class Bar:
+        def __init__(self, total, **kw):
+            self.total, self.n, self.closed = total, 0, False
+            bars.append(self)
+
+        def update(self, n):
+            self.n += n
+
+        def close(self):
+            self.closed = True
+
+    llm.generate([{"prompt_token_ids": [5, 6, 7]}, {"prompt_token_ids": [8]}], GREEDY, use_tqdm=Bar)
+    assert [(b.total, b.n, b.closed) for b in bars] == [(2, 2, True)]

@@ -32,6 +32,34 @@ def _params_list(sampling_params: Any) -> List[SamplingParams]:
     return list(sampling_params)
 
 
+def _refuse_lora_and_priority(lora_request: Any, priority: Optional[Sequence[int]]) -> None:
+    """vLLM's per-request ``lora_request`` / ``priority``, refused unless they ask for nothing.
+
+    Raises:
+        ValueError: a LoRA request (a non-``None`` one, or a list holding one), or a ``priority`` other
+            than 0 (vLLM refuses those too without ``scheduling_policy="priority"``).
+    """
+    loras = lora_request if isinstance(lora_request, (list, tuple)) else [lora_request]
+    if any(x is not None for x in loras):
+        raise ValueError("lora_request: mtpspec does not serve LoRA adapters (no enable_lora); pass None")
+    if priority is not None and any(p != 0 for p in priority):
+        raise ValueError(f"priority {list(priority)!r}: mtpspec schedules first come, first served (vLLM's "
+                         "default policy, which refuses a priority too); pass None or zeros")
+
+
+def _unsupported(name: str, instead: str) -> Callable[..., Any]:
+    """An ``LLM`` method of vLLM's that mtpspec does not have: it raises a ``ValueError`` naming
+    itself and what to use instead (not an ``AttributeError``)."""
+    def method(self: "LLM", *args: Any, **kwargs: Any) -> Any:
+        raise ValueError(f"LLM.{name}() is not supported by mtpspec ({instead})")
+    method.__name__ = method.__qualname__ = name
+    method.__doc__ = f"vLLM's ``LLM.{name}``, not supported.\n\nRaises:\n    ValueError: always ({instead})."
+    return method
+
+
+_POOLING = "a pooling model's API: mtpspec runs generative models only; use generate or chat"
+
+
 class LLM:
     """Generate from a GLM-4.5-family checkpoint, optionally with MTP speculative decoding.
 
@@ -227,13 +255,16 @@ class LLM:
 
     def generate(self, prompts: Union[PromptType, Sequence[PromptType]],
                  sampling_params: Union[None, SamplingParams, Sequence[SamplingParams]] = None,
-                 use_tqdm: bool = True) -> List[RequestOutput]:
+                 use_tqdm: Union[bool, Callable[..., Any]] = True, lora_request: Any = None,
+                 priority: Optional[Sequence[int]] = None) -> List[RequestOutput]:
         """Run every prompt to completion; outputs in prompt order.
 
         Args:
             prompts: a string, ``{"prompt_token_ids": [...]}`` / ``{"prompt": "..."}``, or a list of them.
             sampling_params: one for all prompts, one per prompt, or ``None`` (defaults).
-            use_tqdm: show a progress bar (stderr) over finished requests.
+            use_tqdm: show a progress bar (stderr) over finished requests; a callable (vLLM's) is
+                the bar's class, called as ``tqdm`` is.
+            lora_request, priority: vLLM's; only ``None`` (and priorities of 0) are accepted.
 
         ``SamplingParams(n=..., best_of=...)``: each output holds ``n`` completions (``index``
         0 .. n - 1; see :mod:`mtpspec.engine.parallel_sampling`).
@@ -245,9 +276,10 @@ class LLM:
 
         Raises:
             ValueError / TypeError: a bad prompt (e.g. ``max_model_len`` tokens or more) or
-                parameter, raised before any work starts and naming the prompt's index; nothing
-                is queued, so other requests are unaffected.
+                parameter, a ``lora_request`` or a ``priority`` other than 0, raised before any work
+                starts and naming the prompt's index; nothing is queued, so other requests are unaffected.
         """
+        _refuse_lora_and_priority(lora_request, priority)
         refreeze_gc_heap()  # after another engine's shutdown: this one's objects out of the collector's passes again
         single = isinstance(prompts, (str, dict, ValidatedPrompt))
         if not single and (isinstance(prompts, bytes) or not hasattr(prompts, "__iter__")):
@@ -276,7 +308,7 @@ class LLM:
         bar = None
         if use_tqdm and len(plist) > 1:
             from tqdm import tqdm
-            bar = tqdm(total=len(plist), desc="generate", unit="req", dynamic_ncols=True)
+            bar = (use_tqdm if callable(use_tqdm) else tqdm)(total=len(plist), desc="generate", unit="req", dynamic_ncols=True)
         try:
             while len(done) < len(ids):
                 for out in eng.step():
@@ -300,12 +332,13 @@ class LLM:
         return outputs
 
     def chat(self, messages: Union[Sequence[Dict[str, Any]], Sequence[Sequence[Dict[str, Any]]]],
-             sampling_params: Union[None, SamplingParams, Sequence[SamplingParams]] = None, use_tqdm: bool = True,
+             sampling_params: Union[None, SamplingParams, Sequence[SamplingParams]] = None,
+             use_tqdm: Union[bool, Callable[..., Any]] = True,
              add_generation_prompt: bool = True,
              chat_template_kwargs: Optional[Dict[str, Any]] = None,
              chat_template: Optional[str] = None,
              continue_final_message: bool = False,
-             tools: Optional[List[Dict[str, Any]]] = None) -> List[RequestOutput]:
+             tools: Optional[List[Dict[str, Any]]] = None, lora_request: Any = None) -> List[RequestOutput]:
         """vLLM's ``LLM.chat``: one conversation (a list of ``{"role", "content"}`` messages, oldest
         first) or a list of conversations, rendered as the OpenAI server renders them (the
         tokenizer's chat template, with ``chat_template_kwargs`` as more template variables, e.g.
@@ -329,10 +362,11 @@ class LLM:
                 an unknown role, ``continue_final_message`` with ``add_generation_prompt``, a malformed
                 ``tool_calls`` entry, ``tools`` not a list of objects, ``chat_template_kwargs`` setting
                 what the renderer sets, the
-                template refusing the conversation, or as :meth:`generate`.
+                template refusing the conversation, a ``lora_request``, or as :meth:`generate`.
         """
         from dataclasses import replace
 
+        _refuse_lora_and_priority(lora_request, None)
         from mtpspec.entrypoints.chat_template import (check_continue_final, check_template_kwargs,
                                                        load_chat_template, message_text, render_chat)
         check_template_kwargs(chat_template_kwargs)  # a bad one (or pair of flags) is no conversation's fault
@@ -378,6 +412,13 @@ class LLM:
             except (ValueError, TypeError) as exc:
                 raise type(exc)(f"conversation {i}: {exc}") from None
         return self.generate(prompts, params, use_tqdm=use_tqdm)
+
+    encode = _unsupported("encode", _POOLING)
+    embed = _unsupported("embed", _POOLING)
+    classify = _unsupported("classify", _POOLING)
+    score = _unsupported("score", _POOLING)
+    reward = _unsupported("reward", _POOLING)
+    beam_search = _unsupported("beam_search", "sample several completions with SamplingParams(n=..., best_of=...)")
 
     def get_metrics(self) -> Dict[str, object]:
         """Engine totals: acceptance counters, throughput, TTFT / ITL, eager fall-backs, bytes per step."""
