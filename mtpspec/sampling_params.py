@@ -24,7 +24,9 @@ MAX_N_SEQUENCES = 16384
 _GREEDY_BELOW = 1e-5
 
 #: Fields of vLLM's ``SamplingParams`` that mtpspec does not implement, with what to use instead:
-#: passing one raises a ``TypeError`` that says so (not only "unexpected keyword argument").
+#: passing one raises a ``TypeError`` that says so (not only "unexpected keyword argument"), unless
+#: its value asks for nothing (:func:`_asks_nothing`: ``min_p=0``, as Qwen's recommended settings
+#: spell it, ``guided_decoding=None``, ``detokenize=True``, ...), which is accepted and dropped.
 VLLM_ONLY_FIELDS = {
     "min_p": "top_k / top_p",
     "logits_processors": "logit_bias",
@@ -38,6 +40,16 @@ VLLM_ONLY_FIELDS = {
     "spaces_between_special_tokens": None,
     "extra_args": None,
 }
+
+
+def _asks_nothing(name: str, value: object) -> bool:
+    """Whether a :data:`VLLM_ONLY_FIELDS` value is vLLM's "off": ``None``, an empty list, ``min_p``
+    0, ``detokenize`` / ``spaces_between_special_tokens`` true."""
+    if value is None or (isinstance(value, (list, tuple, dict)) and not value):
+        return True
+    if name == "min_p":
+        return _is_real(value) and value == 0
+    return name in ("detokenize", "spaces_between_special_tokens") and value is True
 
 
 @dataclass
@@ -107,6 +119,9 @@ class SamplingParams:
     Raises:
         ValueError / TypeError: on construction, for any value out of range, non-finite or of
         the wrong type; the message names the field, the value and what was expected.
+        TypeError: an unknown field, or a vLLM field mtpspec does not implement
+        (:data:`VLLM_ONLY_FIELDS`) set to a value other than vLLM's "off" (``min_p=0``,
+        ``guided_decoding=None``, ``detokenize=True``, ...: accepted and dropped).
     """
 
     n: int = 1
@@ -282,8 +297,10 @@ def _checked_init(generated: Callable[..., None]) -> Callable[..., None]:
 
     @functools.wraps(generated)
     def __init__(self: "SamplingParams", *args: Any, **kwargs: Any) -> None:
-        for name in kwargs:
-            if name not in fields:
+        for name in list(kwargs):
+            if name in VLLM_ONLY_FIELDS and _asks_nothing(name, kwargs[name]):
+                del kwargs[name]  # vLLM's default value: nothing to implement
+            elif name not in fields:
                 what = type(self).__name__
                 if name in VLLM_ONLY_FIELDS:
                     use = VLLM_ONLY_FIELDS[name]

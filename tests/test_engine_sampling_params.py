@@ -240,6 +240,19 @@ def test_fields_it_lacks_are_named_with_the_fields_it_has(kwargs, match) -> None
     assert More(extra=2).extra == 2 and "extra" in inspect.signature(More).parameters
 
 
+def test_vllm_fields_at_their_off_value_are_accepted() -> None:
+    """A vLLM field mtpspec lacks, given the value that asks for nothing (Qwen's recommended
+    ``min_p=0``, ``guided_decoding=None``, ...), is dropped: it was a TypeError, so settings copied
+    from vLLM failed; any other value still is one."""
+    sp = SamplingParams(temperature=0.6, top_p=0.95, top_k=20, min_p=0, guided_decoding=None, structured_outputs=None,
+                        logits_processors=[], bad_words=None, detokenize=True, spaces_between_special_tokens=True,
+                        truncate_prompt_tokens=None, extra_args=None)
+    assert sp == SamplingParams(temperature=0.6, top_p=0.95, top_k=20)
+    for kw in (dict(min_p=0.1), dict(min_p=False), dict(detokenize=False), dict(bad_words=["x"])):
+        with pytest.raises(TypeError, match=f"'{next(iter(kw))}' is a vLLM field"):
+            SamplingParams(**kw)
+
+
 def test_stop_set_after_construction_is_used() -> None:
     """Found by a new-user review (2026-12-05): ``sp.stop = [...]`` after construction was ignored (the
     list checked in ``__post_init__`` was kept); now it is checked again and used, and a bad one raises."""
