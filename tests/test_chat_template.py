@@ -334,3 +334,25 @@ def test_tools_reach_the_template_offline_and_with_tool_choice_none_on_the_serve
         out = llm.chat(conv, SamplingParams(max_tokens=2, temperature=0), use_tqdm=False, tools=[WEATHER],
                        chat_template=TOOLS_TEMPLATE)[0]
         assert out.prompt == want
+
+
+def test_get_tokenizer_apply_chat_template_and_len_as_transformers(templated):
+    """vLLM's idiom ``llm.get_tokenizer().apply_chat_template(msgs, tokenize=False,
+    add_generation_prompt=True)`` then ``generate``: mtpspec's tokenizer had no such method (nor
+    ``len``). It renders as ``LLM.chat`` (transformers' defaults: tokenize, no generation prompt)."""
+    from mtpspec.engine.detokenizer import Tokenizer, load_tokenizer
+    hf = templated.backend
+    tok = Tokenizer(hf)
+    conv = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": [{"type": "text", "text": "2?"}]}]
+    flat = [conv[0], {"role": "user", "content": "2?"}]
+    for kw in (dict(tokenize=False, add_generation_prompt=True), dict(tokenize=False, enable_thinking=False),
+               dict(add_generation_prompt=True, enable_thinking=False), {}):
+        assert tok.apply_chat_template(conv, **kw) == hf.apply_chat_template(flat, return_dict=False, **kw)
+    assert len(tok) == len(hf)
+    demo = load_tokenizer(demo_model_path())  # a bare tokenizer.json without a template: the plain one
+    assert demo.apply_chat_template(conv, tokenize=False, add_generation_prompt=True) == render_plain(flat)
+    assert demo.apply_chat_template(conv, add_generation_prompt=True) == demo.encode(render_plain(flat))
+    assert len(demo) == demo.backend.get_vocab_size(with_added_tokens=True)
+    assert demo.apply_chat_template(conv, return_dict=False) == demo.apply_chat_template(conv)
+    with pytest.raises(ValueError, match="list of"):
+        demo.apply_chat_template("hi")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Union
 
 #: Text prompts of at least this many characters are tokenized with the GIL released (and, in the
 #: OpenAI server, in a worker thread): a ~16 K-character prompt takes ~10 ms on a CPU core.
@@ -61,6 +61,38 @@ class Tokenizer:
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def __len__(self) -> int:
+        """The vocabulary's size with the added tokens (transformers' ``len(tokenizer)``)."""
+        b = self.backend
+        return b.get_vocab_size(with_added_tokens=True) if self._is_fast_lib else len(b)
+
+    def apply_chat_template(self, conversation: Sequence[Dict[str, Any]], tokenize: bool = True,
+                            add_generation_prompt: bool = False, chat_template: Optional[str] = None,
+                            tools: Optional[List[Dict[str, Any]]] = None,
+                            documents: Optional[List[Dict[str, Any]]] = None,
+                            continue_final_message: bool = False, **kwargs: Any) -> Union[str, List[int]]:
+        """transformers' method (vLLM users' ``llm.get_tokenizer().apply_chat_template(...)``, then
+        ``llm.generate``), with its defaults: one conversation rendered as ``LLM.chat`` renders it
+        (this tokenizer's chat template, else the plain ``Question:`` / ``Answer:`` template: pass
+        its stop string ``"Question:"`` to ``generate`` yourself, or use ``LLM.chat``), ``kwargs``
+        as more template variables; the text, or with ``tokenize`` its ids (a list, as with
+        ``return_dict=False``; no special tokens added: the template writes its own).
+
+        Raises:
+            ValueError: a message that is not a dict with a ``role``, non-text content,
+                ``return_dict=True``, or as :func:`mtpspec.entrypoints.chat_template.render_chat`.
+        """
+        from mtpspec.entrypoints.chat_template import message_text, render_chat
+        if kwargs.pop("return_dict", False):
+            raise ValueError("apply_chat_template: return_dict=True is not supported (ids come as a list)")
+        if isinstance(conversation, (str, bytes, dict)) or any(not isinstance(m, dict) or "role" not in m
+                                                               for m in conversation):
+            raise ValueError("conversation must be a list of {'role', 'content'} message dicts")
+        msgs = [{**m, "content": message_text(m.get("content"))} for m in conversation]
+        text, _ = render_chat(self, msgs, add_generation_prompt, kwargs, chat_template, continue_final_message,
+                              tools, documents)
+        return self.encode(text) if tokenize else text
 
     def convert_ids_to_tokens(self, ids: Sequence[int]) -> List[str]:
         """Each id's token string in the vocabulary (``"Ġworld"``, not decoded text), as transformers'
