@@ -305,3 +305,12 @@ def test_use_tqdm_callable_is_the_progress_bar(llm) -> None:
 
     llm.generate([{"prompt_token_ids": [5, 6, 7]}, {"prompt_token_ids": [8]}], GREEDY, use_tqdm=Bar)
     assert [(b.total, b.n, b.closed) for b in bars] == [(2, 2, True)]
+
+
+def test_a_hub_id_or_missing_folder_says_mtpspec_loads_local_folders(tmp_path) -> None:
+    """``LLM("org/name")``, vLLM's usual form, said only "no config.json in 'org/name'"; now the
+    message says mtpspec does not download Hub ids and how to get the folder (as the CLI does)."""
+    with pytest.raises(FileNotFoundError, match=r"does not download Hugging Face Hub ids .*then pass DIR as model\)"):
+        LLM("zai-org/GLM-4.5-Air")
+    with pytest.raises(FileNotFoundError, match="has no config.json: model takes a checkpoint folder"):
+        LLM(tmp_path)

@@ -83,9 +83,10 @@ GRAPH_MODES = ("auto", "off", "cuda", "static")
 SpecArg = Union[None, str, Dict[str, Any], SpeculativeConfig]
 
 
-def model_path_problem(model: str, explicit: bool = True) -> Optional[str]:
+def model_path_problem(model: str, explicit: bool = True, arg: str = "--model") -> Optional[str]:
     """Why ``model`` is not a checkpoint folder mtpspec can load, or ``None`` when it has a
-    ``config.json``. ``explicit``: the user named it (``--model``), else it is the bundled default.
+    ``config.json``. ``explicit``: the user named it (``--model``), else it is the bundled default;
+    ``arg``: how the message names the argument (``LLM``'s ``"model"``).
     (The weights are checked when they load.)"""
     import os
     if os.path.isfile(os.path.join(model, "config.json")):
@@ -93,10 +94,10 @@ def model_path_problem(model: str, explicit: bool = True) -> Optional[str]:
     if not explicit:
         return f"the bundled demo model is not at {model!r}; pass --model PATH (a checkpoint folder)"
     if os.path.isdir(model):
-        return (f"{model!r} has no config.json: --model takes a checkpoint folder (config.json and *.safetensors, "
+        return (f"{model!r} has no config.json: {arg} takes a checkpoint folder (config.json and *.safetensors, "
                 "as transformers' save_pretrained writes it)")
     if os.path.exists(model):
-        return f"--model {model!r} is a file; it takes a checkpoint folder (config.json and *.safetensors)"
+        return f"{arg} {model!r} is a file; it takes a checkpoint folder (config.json and *.safetensors)"
     from mtpspec import DEMO_MODELS, demo_model_path
     for arch, folder in DEMO_MODELS.items():  # the README's repo-relative path, run from another folder
         if os.path.normpath(model) == os.path.join("mtpspec", folder):
@@ -104,8 +105,8 @@ def model_path_problem(model: str, explicit: bool = True) -> Optional[str]:
                     f"bundled model is at {demo_model_path(arch)!r} (or leave --model out for the default)")
     if model.count("/") == 1 and not model.startswith((".", "/", "~")):
         return (f"no folder {model!r}: mtpspec loads local checkpoint folders and does not download Hugging Face "
-                f"Hub ids (e.g. `huggingface-cli download {model} --local-dir DIR`, then --model DIR)")
-    return f"no folder {model!r} (--model takes a local checkpoint folder)"
+                f"Hub ids (e.g. `huggingface-cli download {model} --local-dir DIR`, then pass DIR as {arg})")
+    return f"no folder {model!r} ({arg} takes a local checkpoint folder)"
 
 
 def human_readable_int(value: str) -> int:

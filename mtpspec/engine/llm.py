@@ -8,7 +8,8 @@ import time
 from typing import Any, Callable, Dict, List, Optional, Sequence, Union
 
 from mtpspec.config import SpeculativeConfig
-from mtpspec.engine.arg_utils import DEFAULT_MAX_MODEL_LEN, EngineArgs, check_max_logprobs  # noqa: F401
+from mtpspec.engine.arg_utils import (DEFAULT_MAX_MODEL_LEN, EngineArgs, check_max_logprobs,  # noqa: F401
+                                      model_path_problem)
 from mtpspec.engine.detokenizer import Tokenizer, load_tokenizer
 from mtpspec.engine.executor import InProcessExecutor, make_executor
 from mtpspec.engine.gc_heap import freeze_gc_heap, refreeze_gc_heap, release_gc_heap
@@ -124,6 +125,8 @@ class LLM:
         LocalArgmaxUnsupportedError (tp 1) or WorkerError (tp > 1, with the same message):
             ``use_local_argmax_reduction`` requested from a draft model without ``get_top_tokens``;
             the message names the model class.
+        FileNotFoundError: ``model`` is no folder with a ``config.json`` (a Hugging Face Hub id: the
+            message says to download it first; mtpspec loads local folders only).
         ModelConfigError / CheckpointError: see :mod:`mtpspec.models.loader` (a checkpoint is read
             by the ranks: at tp > 1 a WorkerInputError, also a ValueError, with the rank's message).
     """
@@ -145,6 +148,9 @@ class LLM:
             raise TypeError(f"model must be a checkpoint folder (a path), got {type(model).__name__} "
                             "(the bundled demo model: mtpspec.demo_model_path())")
         del trust_remote_code  # vLLM's argument, accepted: mtpspec runs no code from a checkpoint
+        why = model_path_problem(os.fspath(model), arg="model")
+        if why is not None:  # e.g. a Hub id: say so, not only "no config.json"
+            raise FileNotFoundError(why)
         check_max_logprobs(max_logprobs)
         args = EngineArgs(
             model=model, tensor_parallel_size=tensor_parallel_size, speculative_config=speculative_config,
