@@ -427,7 +427,14 @@ class LLM:
     beam_search = _unsupported("beam_search", "sample several completions with SamplingParams(n=..., best_of=...)")
 
     def get_metrics(self) -> Dict[str, object]:
-        """Engine totals: acceptance counters, throughput, TTFT / ITL, eager fall-backs, bytes per step."""
+        """Engine totals: acceptance counters, throughput, TTFT / ITL, eager fall-backs, bytes per step.
+
+        A dict, not vLLM's list of ``Metric`` objects: vLLM's ``vllm:spec_decode_num_drafts`` /
+        ``_num_draft_tokens`` / ``_num_accepted_tokens`` (counters) and
+        ``_num_accepted_tokens_per_pos`` (a vector) are ``m["num_drafts"]``,
+        ``m["num_draft_tokens"]``, ``m["num_accepted_tokens"]`` and ``m["num_accepted_tokens_per_pos"]``
+        (absent without speculative decoding); ``m["acceptance_length"]`` is vLLM's mean
+        acceptance length, ``1 + accepted / drafts``."""
         return self.llm_engine.get_metrics()
 
     def reset_metrics(self) -> None:
