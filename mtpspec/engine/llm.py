@@ -314,7 +314,8 @@ class LLM:
         bar = None
         if use_tqdm and len(plist) > 1:
             from tqdm import tqdm
-            bar = (use_tqdm if callable(use_tqdm) else tqdm)(total=len(plist), desc="generate", unit="req", dynamic_ncols=True)
+            make_bar = use_tqdm if callable(use_tqdm) else tqdm
+            bar = make_bar(total=len(plist), desc="generate", unit="req", dynamic_ncols=True)
         try:
             while len(done) < len(ids):
                 for out in eng.step():
