@@ -35,6 +35,8 @@
 #                                                  # with it on / off, engine step wall vs graph sum (8 layers)
 #   bash benchmarks/run_goals_h200.sh demo-pair1 OUT  # issue 16: a new target (run 4's continuation) + its strict-match
 #   bash benchmarks/run_goals_h200.sh demo-pair2 OUT  # issue 16: its MTP layer self-distilled (run 5 a) + k = 1
+#   bash benchmarks/run_goals_h200.sh mla-sched OUT   # issue 14: MLA GPU tests, then split / seesaw / seesaw-r1 at 128 heads
+#                                                  # (OLD_MLA=file: the kernel before session 41, in the same call)
 #   bash benchmarks/run_goals_h200.sh l2-ceiling OUT  # issue 14: L2 -> shared-memory TMA ceiling (bench_tma_l2.py)
 #   bash benchmarks/run_goals_h200.sh phases OUT      # issue 18: fixed k3 vs the adaptive engine held at k = 3, batch 1,
 #                                                  # the engine's host phases per step (phase_times_k3_vs_adaptive.py); with k3+ahead and adaptive@k3,nodefer splitting the host path from the runner
@@ -53,6 +55,22 @@ phases)  # issue 18: the adaptive engine's k = 3 decode steps took 1.67 ms again
   # and at 64 sequences (the adaptive engine held at k = 3 was 0.960 of fixed k3 there: host-bound steps)
   step 300 phases_c64 python3 benchmarks/phase_times_k3_vs_adaptive.py --concurrency 64 --requests 128 --rounds 2 \
       --json "$OUT/phases_c64.json" ;;
+mla-sched)  # issue 14: session 41's blind kernel changes (last-tile masks, scale folded into exp2's FMA, seesaw-r1),
+  # compiled for sm_90 on a CPU only: the GPU tests first, then the three dense schedules at 128 heads, HBM and keys in
+  # L2; OLD_MLA=<a copy of mla_gluon.py before them (git show fb8d411:mtpspec/ops/mla_gluon.py)> times it in the same call
+  step 400 mla_tests python3 -m pytest -q -x tests/test_mla_gluon.py tests/test_mla_attention.py \
+      tests/test_sparse_mla_attention.py
+  for where in hbm l2; do
+    extra=""; [ "$where" = l2 ] && extra="--shared-blocks 8"
+    step 150 "mla_sched_$where" python3 benchmarks/bench_mla_attention.py --no-compile --no-sdpa --heads 128 \
+        --query-lens 1,4 --impls gluon:split,gluon:seesaw,gluon:seesaw-r1 $extra --out "$OUT/mla_sched_$where.json"
+    if [ -n "${OLD_MLA:-}" ]; then
+      cp mtpspec/ops/mla_gluon.py "$OUT/.mla_new.py" && cp "$OLD_MLA" mtpspec/ops/mla_gluon.py
+      step 150 "mla_old_$where" python3 benchmarks/bench_mla_attention.py --no-compile --no-sdpa --heads 128 \
+          --query-lens 1,4 --impls gluon:split,gluon:seesaw $extra --out "$OUT/mla_old_$where.json"
+      cp "$OUT/.mla_new.py" mtpspec/ops/mla_gluon.py && rm "$OUT/.mla_new.py"
+    fi
+  done ;;
 l2-ceiling)  # issue 14: TMA copies from L2 / HBM into shared memory, every SM at once, beside the matmul rate
   step 120 tma_l2 python3 benchmarks/bench_tma_l2.py --json "$OUT/tma_l2.json" ;;
 serving)
