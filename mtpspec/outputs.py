@@ -15,7 +15,8 @@ class Logprob:
             the target's logits, before penalties, temperature, top-k and top-p), float32 math.
         rank: 1-based rank in that distribution: how many tokens have a log-probability ``>=``
             this one's (vLLM's definition; ties count against the token).
-        decoded_token: the token's text alone (``None`` without a tokenizer).
+        decoded_token: the token's text alone (``None`` without a tokenizer, or with
+            ``SamplingParams(detokenize=False)``).
     """
 
     logprob: float
@@ -104,7 +105,8 @@ class CompletionOutput:
     Attributes:
         index: the completion's index in its request, ``0 .. n - 1`` (``SamplingParams.n``; with
             ``best_of > n``: the rank by ``cumulative_logprob``, 0 the highest).
-        text: detokenized output, cut before a matched stop string ("" without a tokenizer).
+        text: detokenized output, cut before a matched stop string ("" without a tokenizer, or
+            with ``SamplingParams(detokenize=False)``).
         token_ids: generated ids; a stop token / EOS that ended the request is included; tokens
             accepted after a stop are not.
         finish_reason: ``"stop"`` (EOS, stop token or stop string), ``"length"`` (``max_tokens``

@@ -26,7 +26,7 @@ _GREEDY_BELOW = 1e-5
 #: Fields of vLLM's ``SamplingParams`` that mtpspec does not implement, with what to use instead:
 #: passing one raises a ``TypeError`` that says so (not only "unexpected keyword argument"), unless
 #: its value asks for nothing (:func:`_asks_nothing`: ``min_p=0``, as Qwen's recommended settings
-#: spell it, ``guided_decoding=None``, ``detokenize=True``, ...), which is accepted and dropped.
+#: spell it, ``guided_decoding=None``, ``spaces_between_special_tokens=True``, ...), which is accepted and dropped.
 VLLM_ONLY_FIELDS = {
     "min_p": "top_k / top_p",
     "logits_processors": "logit_bias",
@@ -36,7 +36,6 @@ VLLM_ONLY_FIELDS = {
     "structured_outputs": None,
     "truncate_prompt_tokens": "a shorter prompt",
     "output_kind": None,
-    "detokenize": None,
     "spaces_between_special_tokens": None,
     "extra_args": None,
 }
@@ -44,12 +43,12 @@ VLLM_ONLY_FIELDS = {
 
 def _asks_nothing(name: str, value: object) -> bool:
     """Whether a :data:`VLLM_ONLY_FIELDS` value is vLLM's "off": ``None``, an empty list, ``min_p``
-    0, ``detokenize`` / ``spaces_between_special_tokens`` true."""
+    0, ``spaces_between_special_tokens`` true."""
     if value is None or (isinstance(value, (list, tuple, dict)) and not value):
         return True
     if name == "min_p":
         return _is_real(value) and value == 0
-    return name in ("detokenize", "spaces_between_special_tokens") and value is True
+    return name == "spaces_between_special_tokens" and value is True
 
 
 @dataclass
@@ -91,6 +90,9 @@ class SamplingParams:
             detokenizer; an EOS special token is still dropped by ``skip_special_tokens``). Default ``False``.
         ignore_eos: keep generating past the model's EOS token.
         skip_special_tokens: drop special tokens when detokenizing.
+        detokenize: ``False`` (vLLM's): no text is made, saving the per-token decoding on the host:
+            ``text`` is ``""`` and the logprob entries' ``decoded_token`` is ``None``; the token ids
+            are the same. Stop strings need it ``True`` (a ``ValueError``, vLLM's message).
         presence_penalty: subtracted from the logit of every token that occurs in the output so
             far, in ``[-2, 2]`` (vLLM / OpenAI). ``0`` = off.
         frequency_penalty: subtracted once per occurrence in the output so far, in ``[-2, 2]``.
@@ -118,10 +120,12 @@ class SamplingParams:
 
     Raises:
         ValueError / TypeError: on construction, for any value out of range, non-finite or of
-        the wrong type; the message names the field, the value and what was expected.
+        the wrong type; the message names the field, the value and what was expected. ``stop``
+        with ``detokenize=False`` is a ValueError (vLLM's "stop strings are only supported when
+        detokenize is True").
         TypeError: an unknown field, or a vLLM field mtpspec does not implement
         (:data:`VLLM_ONLY_FIELDS`) set to a value other than vLLM's "off" (``min_p=0``,
-        ``guided_decoding=None``, ``detokenize=True``, ...: accepted and dropped).
+        ``guided_decoding=None``, ...: accepted and dropped).
     """
 
     n: int = 1
@@ -143,6 +147,7 @@ class SamplingParams:
     logprobs: Optional[int] = None
     prompt_logprobs: Optional[int] = None
     include_stop_str_in_output: bool = False
+    detokenize: bool = True
     _stop_list: List[str] = field(default_factory=list, init=False, repr=False, compare=False)
     _stop_src: object = field(default=None, init=False, repr=False, compare=False)  # the stop _stop_list came from
 
@@ -179,8 +184,11 @@ class SamplingParams:
             self.stop_token_ids = [int(t) for t in ids]
         if not isinstance(self.ignore_eos, bool):
             raise TypeError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
-        if not isinstance(self.include_stop_str_in_output, bool):
-            raise TypeError(f"include_stop_str_in_output must be a bool, got {self.include_stop_str_in_output!r}")
+        for name in ("include_stop_str_in_output", "detokenize"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if self._stop_list and not self.detokenize:  # vLLM's message
+            raise ValueError("stop strings are only supported when detokenize is True. Set detokenize=True to use stop.")
         for name in ("presence_penalty", "frequency_penalty"):
             v = getattr(self, name)
             if not _is_real(v) or not -2.0 <= v <= 2.0:  # NaN fails the range test

@@ -245,10 +245,10 @@ def test_vllm_fields_at_their_off_value_are_accepted() -> None:
     ``min_p=0``, ``guided_decoding=None``, ...), is dropped: it was a TypeError, so settings copied
     from vLLM failed; any other value still is one."""
     sp = SamplingParams(temperature=0.6, top_p=0.95, top_k=20, min_p=0, guided_decoding=None, structured_outputs=None,
-                        logits_processors=[], bad_words=None, detokenize=True, spaces_between_special_tokens=True,
+                        logits_processors=[], bad_words=None, spaces_between_special_tokens=True,
                         truncate_prompt_tokens=None, extra_args=None)
     assert sp == SamplingParams(temperature=0.6, top_p=0.95, top_k=20)
-    for kw in (dict(min_p=0.1), dict(min_p=False), dict(detokenize=False), dict(bad_words=["x"])):
+    for kw in (dict(min_p=0.1), dict(min_p=False), dict(bad_words=["x"])):
         with pytest.raises(TypeError, match=f"'{next(iter(kw))}' is a vLLM field"):
             SamplingParams(**kw)
 
@@ -315,3 +315,50 @@ def test_temperature_below_vllm_eps_is_greedy() -> None:
         with pytest.raises(ValueError, match="n must be 1 when using greedy sampling, got 2."):
             SamplingParams(temperature=t, n=2)
     assert SamplingParams(temperature=1e-5).temperature == 1e-5
+
+
+@pytest.mark.parametrize("k", [0, 2])
+def test_detokenize_false_gives_the_same_ids_and_no_text(model, plain, k, monkeypatch) -> None:
+    """vLLM's ``detokenize=False`` (was a TypeError): the same greedy token ids, with and without
+    speculative decoding; ``text`` is "" and no logprob entry carries a decoded token; the
+    sequence's detokenizer is never run (its per-token host cost is saved)."""
+    from mtpspec.engine.detokenizer import IncrementalDetokenizer
+    path, _, _, prompts = model
+    calls = []
+    add = IncrementalDetokenizer.add
+    monkeypatch.setattr(IncrementalDetokenizer, "add", lambda self, tok: calls.append(tok) or add(self, tok))
+    sp = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=2, prompt_logprobs=1,
+                        detokenize=False)
+    got, _, outs = _run(path, prompts, sp, k=k)
+    assert got == plain["none"] and not calls
+    for o in outs:
+        c = o.outputs[0]
+        assert c.text == "" and len(c.logprobs) == len(c.token_ids)
+        assert all(lp.decoded_token is None for d in c.logprobs + o.prompt_logprobs[1:] for lp in d.values())
+    sp = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=2)
+    _, _, outs = _run(path, prompts[:1], sp, k=k)
+    c = outs[0].outputs[0]  # the tokenizer is there: detokenize=True makes text
+    assert c.text and calls and all(lp.decoded_token is not None for d in c.logprobs for lp in d.values())
+
+
+def test_detokenize_false_refuses_stop_strings(model) -> None:
+    """vLLM's rule and message; also for ``stop`` set after construction (checked at submission)
+    and for ``LLM.chat``'s plain template, whose answers end at a stop string."""
+    msg = "stop strings are only supported when detokenize is True"
+    with pytest.raises(ValueError, match=msg):
+        SamplingParams(stop=["x"], detokenize=False)
+    with pytest.raises(TypeError, match="detokenize must be a bool"):
+        SamplingParams(detokenize="false")
+    SamplingParams(stop_token_ids=[3], detokenize=False)  # stop ids need no text
+    path, _, _, _ = model
+    with LLM(path, **KW) as llm:
+        sp = SamplingParams(max_tokens=2, detokenize=False)
+        sp.stop = "w5"
+        with pytest.raises(ValueError, match=msg):
+            llm.generate([{"prompt_token_ids": [5]}], sp, use_tqdm=False)
+        with pytest.raises(ValueError, match="conversation 0: the plain Question: / Answer: template .* stop strings need "
+                                             "detokenize=True"):
+            llm.chat([{"role": "user", "content": "w5 w6"}], SamplingParams(max_tokens=2, detokenize=False))
+        out = llm.chat([{"role": "user", "content": "w5 w6"}], SamplingParams(max_tokens=2, detokenize=False),
+                       chat_template="{% for m in messages %}{{ m.content }} {% endfor %}", use_tqdm=False)
+        assert out[0].outputs[0].text == "" and len(out[0].outputs[0].token_ids) == 2

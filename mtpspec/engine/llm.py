@@ -369,7 +369,8 @@ class LLM:
                 an unknown role, ``continue_final_message`` with ``add_generation_prompt``, a malformed
                 ``tool_calls`` entry, ``tools`` not a list of objects, ``chat_template_kwargs`` setting
                 what the renderer sets, the
-                template refusing the conversation, a ``lora_request``, or as :meth:`generate`.
+                template refusing the conversation, a ``lora_request``, the plain template (whose stop
+                string needs text) with ``detokenize=False``, or as :meth:`generate`.
         """
         from dataclasses import replace
 
@@ -413,6 +414,10 @@ class LLM:
                 raise ValueError(f"conversation {i}: {exc}") from None
             have = [sp.stop] if isinstance(sp.stop, str) else list(sp.stop or [])
             extra = [s for s in stops if s not in have]
+            if extra and not sp.detokenize:
+                raise ValueError(f"conversation {i}: the plain Question: / Answer: template (the tokenizer has no chat "
+                                 f"template) ends answers at the stop string {extra[0]!r}, and stop strings need "
+                                 "detokenize=True (or pass chat_template=...)")
             params.append(replace(sp, stop=have + extra) if extra else sp)
             try:  # the template writes its own special tokens (BOS): none added, as vLLM's chat
                 prompts.append(self.llm_engine.validated_prompt(text, params[-1], add_special_tokens=False))

@@ -284,7 +284,9 @@ class LLMEngine:
     def _sequence(self, rid: str, text: Optional[str], ids: List[int], params: SamplingParams,
                   arrival: float) -> Sequence:
         seed = params.seed if params.seed is not None else self._rng.getrandbits(64)
-        detok = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens) if self.tokenizer else None
+        detok = None  # none: no text (detokenize=False, or no tokenizer); stop_checker then appends ids only
+        if self.tokenizer is not None and params.detokenize:
+            detok = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
         return Sequence(rid, text, ids, params, seed_to_u64(seed), arrival, detok)
 
     def get_parent(self, request_id: str) -> Optional[ParentRequest]:
@@ -730,12 +732,14 @@ class LLMEngine:
             text = self._token_texts[tid] = self.tokenizer.decode([tid], skip_special_tokens=False)
         return text
 
-    def _logprob_dict(self, token: int, lp: TokenLogprobs) -> Dict[int, Logprob]:
-        """vLLM's layout: the chosen token first (its rank), then the top-N (ranks 1 .. N)."""
-        d = {token: Logprob(lp.logprob, lp.rank, self._token_text(token))}
+    def _logprob_dict(self, token: int, lp: TokenLogprobs, decode: bool = True) -> Dict[int, Logprob]:
+        """vLLM's layout: the chosen token first (its rank), then the top-N (ranks 1 .. N); each
+        ``decoded_token`` ``None`` unless ``decode`` (the request's ``detokenize``)."""
+        text = self._token_text if decode else lambda t: None
+        d = {token: Logprob(lp.logprob, lp.rank, text(token))}
         for r, (t, v) in enumerate(zip(lp.top_token_ids, lp.top_logprobs), start=1):
             if t not in d:
-                d[t] = Logprob(v, r, self._token_text(t))
+                d[t] = Logprob(v, r, text(t))
         return d
 
     def _store_logprobs(self, out: SchedulerOutput, result: StepOutput, before: Dict[int, int]) -> None:
@@ -746,13 +750,13 @@ class LLMEngine:
             if result.prompt_logprobs is not None and result.prompt_logprobs[i] is not None:
                 # row j scored the token after it (a partial chunk's last row: the next chunk's first)
                 toks = sch.input_token_ids[1:] + ([sch.next_token_id] if sch.is_partial_prefill else [])
-                seq.prompt_logprobs.extend(self._logprob_dict(toks[j], lp)
+                seq.prompt_logprobs.extend(self._logprob_dict(toks[j], lp, seq.params.detokenize)
                                            for j, lp in enumerate(result.prompt_logprobs[i]))
             if result.logprobs is None or result.logprobs[i] is None or seq.output_logprobs is None:
                 continue
             new = seq.output_token_ids[before[id(seq)]:]
             for tok, lp in zip(new, result.logprobs[i]):
-                seq.output_logprobs.append(self._logprob_dict(tok, lp))
+                seq.output_logprobs.append(self._logprob_dict(tok, lp, seq.params.detokenize))
                 seq.cumulative_logprob += lp.logprob
 
     def _checked_drafts(self, drafts: List[int], k: int) -> List[int]:
