@@ -437,3 +437,33 @@ def test_serve_takes_vllm_log_flags_and_refuses_an_empty_api_key(capsys) -> None
                  "--device", "cpu"]) == 2
     err = capsys.readouterr().err
     assert "--api-key must not be empty" in err and "unrecognized" not in err
+
+
+def test_vllm_only_llm_arguments_at_their_default_are_accepted_others_named(path) -> None:
+    """vLLM's ``LLM(...)`` arguments mtpspec lacks were "unexpected keyword argument" even at their
+    default (``pipeline_parallel_size=1``, copied from vLLM scripts); now dropped there, and any other
+    value is a TypeError naming the argument and what mtpspec does instead (before anything loads)."""
+    from mtpspec.engine.arg_utils import VLLM_ONLY_ARGS
+    defaults = dict(revision=None, tokenizer_revision=None, code_revision=None, tokenizer_mode="auto",
+                    quantization=None, enable_lora=False, max_lora_rank=16, pipeline_parallel_size=1,
+                    swap_space=4, cpu_offload_gb=0, hf_overrides={}, distributed_executor_backend=None,
+                    disable_log_stats=True, logits_processors=[], scheduling_policy="fcfs")
+    assert set(defaults) <= set(VLLM_ONLY_ARGS)
+    with LLM(path, max_model_len=48, num_kv_blocks=16, **defaults) as llm:
+        assert llm.generate([{"prompt_token_ids": [5]}], SamplingParams(max_tokens=2), use_tqdm=False)
+    LLM(path, max_model_len=48, num_kv_blocks=16, disable_log_stats=False).shutdown()  # mtpspec logs none either way
+    for kw, match in [(dict(pipeline_parallel_size=2), "runs tensor parallelism only"),
+                      (dict(quantization="fp8"), "quantizes nothing on load"),
+                      (dict(enable_lora=True), "serves no LoRA adapters"),
+                      (dict(enable_lora=0), r"accepted only as False"),  # not a bool: not vLLM's default
+                      (dict(revision="main"), "downloads nothing"),
+                      (dict(swap_space=16), "recomputes a preempted sequence"),
+                      (dict(cpu_offload_gb=8), "keeps every weight on the device"),
+                      (dict(hf_overrides={"num_hidden_layers": 1}), "reads config.json as it is"),
+                      (dict(distributed_executor_backend="ray"), "one process per rank"),
+                      (dict(disable_log_stats="yes"), "accepted only as True or False")]:
+        name = next(iter(kw))
+        with pytest.raises(TypeError, match=rf"LLM\({name}=.*: a vLLM argument mtpspec does not implement; .*{match}"):
+            LLM("/no/such/folder", **kw)  # refused before the path is looked at
+    with pytest.raises(TypeError, match="LLM\\(\\) got an unexpected keyword argument 'max_num_seq'"):
+        LLM(path, max_num_seq=4)

@@ -67,7 +67,7 @@ import argparse
 import json
 import numbers
 from dataclasses import dataclass, fields, replace
-from typing import Any, Dict, Optional, Union
+from typing import Any, Dict, Optional, Tuple, Union
 
 from mtpspec.config import (ALLREDUCE_BACKENDS, KV_CACHE_DTYPES, LOAD_FORMATS, MAX_NUM_SPECULATIVE_TOKENS,
                             ModelConfig, ParallelConfig, SpeculativeConfig, check_hold_steps,
@@ -81,6 +81,64 @@ DEFAULT_CLI_NUM_SPECULATIVE_TOKENS = 3
 GRAPH_MODES = ("auto", "off", "cuda", "static")
 
 SpecArg = Union[None, str, Dict[str, Any], SpeculativeConfig]
+
+_LORA = "serves no LoRA adapters: merge the adapter into the checkpoint's weights"
+_HUB = "loads a local checkpoint folder and downloads nothing: check the revision out there"
+#: Arguments of vLLM's ``LLM(...)`` / ``EngineArgs`` that mtpspec does not implement: name -> (the
+#: values that ask for nothing, vLLM's defaults: accepted and dropped; what mtpspec does instead).
+#: Another value is a TypeError saying so (:func:`drop_vllm_only_args`), as ``SamplingParams``'
+#: :data:`~mtpspec.sampling_params.VLLM_ONLY_FIELDS`.
+VLLM_ONLY_ARGS: Dict[str, Tuple[Tuple[Any, ...], str]] = {
+    "revision": ((None,), _HUB),
+    "tokenizer_revision": ((None,), _HUB),
+    "code_revision": ((None,), "runs no code from a checkpoint (its architectures are its own classes)"),
+    "download_dir": ((None,), _HUB),
+    "tokenizer_mode": (("auto", "hf"), "loads the folder's tokenizer.json with the tokenizers library (tokenizer=...)"),
+    "skip_tokenizer_init": ((False,), "loads the tokenizer when the folder has one; for token ids only, pass "
+                                      "token-id prompts and SamplingParams(detokenize=False)"),
+    "quantization": ((None,), "reads quantization_config from the checkpoint's config.json (FP8 block-scaled "
+                              "weights load as stored) and quantizes nothing on load"),
+    "enable_lora": ((False,), _LORA),
+    "max_lora_rank": ((16,), _LORA),
+    "max_loras": ((1,), _LORA),
+    "pipeline_parallel_size": ((1,), "runs tensor parallelism only (tensor_parallel_size)"),
+    "data_parallel_size": ((1,), "runs one engine per LLM: start one per process for data parallelism"),
+    "enable_expert_parallel": ((False,), "shards the experts with tensor parallelism (tensor_parallel_size)"),
+    "distributed_executor_backend": ((None, "mp"), "starts one process per rank (multiprocessing), or runs under "
+                                                   "torchrun"),
+    "swap_space": ((4, 4.0, 0, 0.0), "recomputes a preempted sequence's KV cache (no CPU swap space)"),
+    "cpu_offload_gb": ((0, 0.0), "keeps every weight on the device: use a larger tensor_parallel_size"),
+    "kv_cache_memory_bytes": ((None,), "sizes the KV cache from gpu_memory_utilization, or num_kv_blocks"),
+    "hf_overrides": ((None,), "reads config.json as it is: edit a copy of the checkpoint folder"),
+    "compilation_config": ((None,), "captures its own CUDA graphs (enforce_eager / graph_mode)"),
+    "chat_template": ((None,), "takes the template per call: LLM.chat(..., chat_template=...)"),
+    "logits_processors": ((None,), "takes per-request SamplingParams(logit_bias=...)"),
+    "scheduling_policy": (("fcfs",), "schedules first come, first served"),
+    "disable_log_stats": ((True, False), "logs no periodic stats either way"),
+}
+
+
+def drop_vllm_only_args(kwargs: Dict[str, Any], what: str = "LLM") -> None:
+    """Remove from ``kwargs`` the :data:`VLLM_ONLY_ARGS` that ask for nothing (``None``, an empty
+    dict or list, or a listed value of the same type: ``pipeline_parallel_size=1``,
+    ``enable_lora=False``, ...).
+
+    Raises:
+        TypeError: any other value of such an argument (naming it, the value and what mtpspec does
+            instead), or a name that is not one of them (Python's "unexpected keyword argument").
+    """
+    for name in list(kwargs):
+        value = kwargs[name]
+        if name not in VLLM_ONLY_ARGS:
+            raise TypeError(f"{what}() got an unexpected keyword argument {name!r}")
+        offs, instead = VLLM_ONLY_ARGS[name]
+        if (None in offs and isinstance(value, (dict, list)) and not value) or any(value is o or (type(value) is type(o) and value == o)
+                                                       for o in offs):
+            del kwargs[name]
+        else:
+            ok = " or ".join(repr(o) for o in offs if not isinstance(o, float))
+            raise TypeError(f"{what}({name}={value!r}): a vLLM argument mtpspec does not implement; mtpspec {instead} "
+                            f"(accepted only as {ok})")
 
 
 def model_path_problem(model: str, explicit: bool = True, arg: str = "--model") -> Optional[str]:

@@ -9,7 +9,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Union
 
 from mtpspec.config import SpeculativeConfig
 from mtpspec.engine.arg_utils import (DEFAULT_MAX_MODEL_LEN, EngineArgs, check_max_logprobs,  # noqa: F401
-                                      model_path_problem)
+                                      drop_vllm_only_args, model_path_problem)
 from mtpspec.engine.detokenizer import Tokenizer, load_tokenizer
 from mtpspec.engine.executor import InProcessExecutor, make_executor
 from mtpspec.engine.gc_heap import freeze_gc_heap, refreeze_gc_heap, release_gc_heap
@@ -112,8 +112,15 @@ class LLM:
             (its EOS ids only) or a folder holding one (:mod:`mtpspec.engine.generation_config`).
         max_logprobs: the most ``logprobs`` / ``prompt_logprobs`` a request may ask for per token
             (default 20, vLLM's; ``-1``: no cap).
+        **vllm_args: vLLM's arguments that mtpspec does not implement
+            (:data:`~mtpspec.engine.arg_utils.VLLM_ONLY_ARGS`: ``revision``, ``quantization``,
+            ``enable_lora``, ``pipeline_parallel_size``, ``swap_space``, ``cpu_offload_gb``, ...),
+            accepted and ignored at vLLM's default (``pipeline_parallel_size=1``, ``quantization=None``,
+            ...); ``disable_log_stats`` either way (mtpspec logs no periodic stats).
 
     Raises:
+        TypeError: a vLLM argument of ``vllm_args`` set to anything but its default (naming it and what
+            mtpspec does instead), or an unknown keyword argument.
         ValueError / TypeError: a bad argument (k out of range, unknown speculative keys, a
             ``max_model_len`` above the model's positions, a ``device`` other than ``"cpu"`` /
             ``"cuda"`` / ``"cuda:N"``, or ``"cuda"`` on a machine without CUDA, an
@@ -143,7 +150,9 @@ class LLM:
                  tokenizer: Union[None, str, Tokenizer] = None,
                  seed: Optional[int] = None, enforce_eager: bool = False, graph_mode: Optional[str] = None,
                  load_format: str = "auto", disable_shared_experts_fusion: bool = False,
-                 generation_config: str = "auto", trust_remote_code: bool = False, max_logprobs: int = 20):
+                 generation_config: str = "auto", trust_remote_code: bool = False, max_logprobs: int = 20,
+                 **vllm_args: Any):
+        drop_vllm_only_args(vllm_args)  # vLLM's pipeline_parallel_size=1, quantization=None, ...: nothing to do
         if not isinstance(model, (str, os.PathLike)):
             raise TypeError(f"model must be a checkpoint folder (a path), got {type(model).__name__} "
                             "(the bundled demo model: mtpspec.demo_model_path())")
