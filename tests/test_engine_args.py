@@ -467,3 +467,25 @@ def test_vllm_only_llm_arguments_at_their_default_are_accepted_others_named(path
             LLM("/no/such/folder", **kw)  # refused before the path is looked at
     with pytest.raises(TypeError, match="LLM\\(\\) got an unexpected keyword argument 'max_num_seq'"):
         LLM(path, max_num_seq=4)
+
+
+def test_bool_flags_refuse_other_values(path) -> None:
+    """``LLM(enforce_eager="false")`` turned CUDA graphs off (a non-empty string is true), and
+    ``disable_shared_experts_fusion`` / ``trust_remote_code`` took anything: every bool argument of
+    ``LLM(...)`` / ``EngineArgs`` now refuses a non-bool, naming it; numpy bools are taken as bools."""
+    import numpy as np
+    from dataclasses import fields
+    flags = [f.name for f in fields(EngineArgs) if f.type == "bool"]
+    assert {"enforce_eager", "enable_prefix_caching", "async_scheduling", "enable_chunked_prefill",
+            "disable_shared_experts_fusion", "sequence_parallel", "fuse_allreduce_rmsnorm"} <= set(flags)
+    for name in flags:
+        for bad in ("false", 0, 1, None):
+            with pytest.raises(ValueError, match=f"{name} must be True or False, got {bad!r}"):
+                EngineArgs(**{name: bad})
+    for name in ("enforce_eager", "disable_shared_experts_fusion", "trust_remote_code"):
+        with pytest.raises(ValueError, match=f"{name} must be True or False, got 'false'"):
+            LLM(path, max_model_len=48, num_kv_blocks=16, **{name: "false"})
+    args = EngineArgs(model=path, enforce_eager=np.bool_(True), enable_prefix_caching=np.True_)
+    assert args.enforce_eager is True and args.enable_prefix_caching is True
+    with LLM(path, max_model_len=48, num_kv_blocks=16, enforce_eager=np.bool_(True), trust_remote_code=np.False_) as llm:
+        assert llm.engine_config.graph_mode == "off"

@@ -207,6 +207,18 @@ def check_device(device: Optional[str]) -> None:
                          "(CLI: --device cpu)")
 
 
+def check_bool(value: Any, name: str) -> bool:
+    """``value`` as a Python bool: a bool or a numpy bool (``enforce_eager="false"`` must not turn it on).
+
+    Raises:
+        ValueError: anything else (a string, 0 / 1, None), naming ``name`` (the configs' message).
+    """
+    import numpy as np
+    if not isinstance(value, (bool, np.bool_)):
+        raise ValueError(f"{name} must be True or False, got {value!r}")
+    return bool(value)
+
+
 def check_max_logprobs(value: Any) -> None:
     """``max_logprobs`` (``--max-logprobs``) is an int >= 0, or -1 for no cap.
 
@@ -386,6 +398,10 @@ class EngineArgs:
         disable_shared_experts_fusion: keep each MoE's shared experts as their own MLP (SGLang's
             ``--disable-shared-experts-fusion``); by default they run inside the routed experts'
             kernels as extra experts of weight 1 (fewer launches per MoE layer).
+
+    Raises:
+        ValueError: on construction, a bool field (``enforce_eager``, ``enable_prefix_caching``,
+            ``async_scheduling``, ...) that is neither a bool nor a numpy bool, naming it.
     """
 
     model: Optional[str] = None
@@ -419,6 +435,11 @@ class EngineArgs:
     generation_config: str = "auto"
     tokenizer: Optional[str] = None
     max_logprobs: int = 20
+
+    def __post_init__(self) -> None:
+        for f in fields(self):  # every flag (a bool field): a bool, or a numpy bool made one
+            if f.type == "bool":
+                setattr(self, f.name, check_bool(getattr(self, f.name), f.name))
 
     # ------------------------------------------------------------------ command line
     @staticmethod

@@ -8,8 +8,8 @@ import time
 from typing import Any, Callable, Dict, List, Optional, Sequence, Union
 
 from mtpspec.config import SpeculativeConfig
-from mtpspec.engine.arg_utils import (DEFAULT_MAX_MODEL_LEN, EngineArgs, check_max_logprobs,  # noqa: F401
-                                      drop_vllm_only_args, model_path_problem)
+from mtpspec.engine.arg_utils import (DEFAULT_MAX_MODEL_LEN, EngineArgs, check_bool,  # noqa: F401
+                                      check_max_logprobs, drop_vllm_only_args, model_path_problem)
 from mtpspec.engine.detokenizer import Tokenizer, load_tokenizer
 from mtpspec.engine.executor import InProcessExecutor, make_executor
 from mtpspec.engine.gc_heap import freeze_gc_heap, refreeze_gc_heap, release_gc_heap
@@ -123,7 +123,9 @@ class LLM:
             mtpspec does instead), or an unknown keyword argument.
         ValueError / TypeError: a bad argument (k out of range, unknown speculative keys, a
             ``max_model_len`` above the model's positions, a ``device`` other than ``"cpu"`` /
-            ``"cuda"`` / ``"cuda:N"``, or ``"cuda"`` on a machine without CUDA, an
+            ``"cuda"`` / ``"cuda:N"``, or ``"cuda"`` on a machine without CUDA, a flag
+            (``enforce_eager``, ``enable_prefix_caching``, ``trust_remote_code``, ...) that is not a
+            bool (numpy bools are accepted), an
             ``allreduce_backend`` other than ``"nccl"`` / ``"p2p"`` (the message lists them),
             ``"p2p"`` at tp > 1 on CPU without ``TRITON_INTERPRET=1`` (before any rank starts; at
             tp 1 ``"p2p"`` is a no-op), a ``seed`` that is not an int, a ``tokenizer`` folder holding no
@@ -156,7 +158,7 @@ class LLM:
         if not isinstance(model, (str, os.PathLike)):
             raise TypeError(f"model must be a checkpoint folder (a path), got {type(model).__name__} "
                             "(the bundled demo model: mtpspec.demo_model_path())")
-        del trust_remote_code  # vLLM's argument, accepted: mtpspec runs no code from a checkpoint
+        check_bool(trust_remote_code, "trust_remote_code")  # vLLM's argument, accepted: mtpspec runs no checkpoint code
         why = model_path_problem(os.fspath(model), arg="model")
         if why is not None:  # e.g. a Hub id: say so, not only "no config.json"
             raise FileNotFoundError(why)
