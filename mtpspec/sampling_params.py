@@ -188,7 +188,8 @@ class SamplingParams:
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self._stop_list and not self.detokenize:  # vLLM's message
-            raise ValueError("stop strings are only supported when detokenize is True. Set detokenize=True to use stop.")
+            raise ValueError("stop strings are only supported when detokenize is True. "
+                             "Set detokenize=True to use stop.")
         for name in ("presence_penalty", "frequency_penalty"):
             v = getattr(self, name)
             if not _is_real(v) or not -2.0 <= v <= 2.0:  # NaN fails the range test

@@ -487,5 +487,6 @@ def test_bool_flags_refuse_other_values(path) -> None:
             LLM(path, max_model_len=48, num_kv_blocks=16, **{name: "false"})
     args = EngineArgs(model=path, enforce_eager=np.bool_(True), enable_prefix_caching=np.True_)
     assert args.enforce_eager is True and args.enable_prefix_caching is True
-    with LLM(path, max_model_len=48, num_kv_blocks=16, enforce_eager=np.bool_(True), trust_remote_code=np.False_) as llm:
+    with LLM(path, max_model_len=48, num_kv_blocks=16, enforce_eager=np.bool_(True),
+             trust_remote_code=np.False_) as llm:
         assert llm.engine_config.graph_mode == "off"

@@ -356,8 +356,8 @@ def test_detokenize_false_refuses_stop_strings(model) -> None:
         sp.stop = "w5"
         with pytest.raises(ValueError, match=msg):
             llm.generate([{"prompt_token_ids": [5]}], sp, use_tqdm=False)
-        with pytest.raises(ValueError, match="conversation 0: the plain Question: / Answer: template .* stop strings need "
-                                             "detokenize=True"):
+        with pytest.raises(ValueError, match="conversation 0: the plain Question: / Answer: template .* stop "
+                                             "strings need detokenize=True"):
             llm.chat([{"role": "user", "content": "w5 w6"}], SamplingParams(max_tokens=2, detokenize=False))
         out = llm.chat([{"role": "user", "content": "w5 w6"}], SamplingParams(max_tokens=2, detokenize=False),
                        chat_template="{% for m in messages %}{{ m.content }} {% endfor %}", use_tqdm=False)

@@ -132,8 +132,8 @@ def drop_vllm_only_args(kwargs: Dict[str, Any], what: str = "LLM") -> None:
         if name not in VLLM_ONLY_ARGS:
             raise TypeError(f"{what}() got an unexpected keyword argument {name!r}")
         offs, instead = VLLM_ONLY_ARGS[name]
-        if (None in offs and isinstance(value, (dict, list)) and not value) or any(value is o or (type(value) is type(o) and value == o)
-                                                       for o in offs):
+        empty = None in offs and isinstance(value, (dict, list)) and not value  # hf_overrides={}, ...
+        if empty or any(value is o or (type(value) is type(o) and value == o) for o in offs):
             del kwargs[name]
         else:
             ok = " or ".join(repr(o) for o in offs if not isinstance(o, float))
