@@ -524,7 +524,6 @@ if HAS_GLUON:
         pa_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
         row_l: gl.constexpr = gl.SliceLayout(1, s_layout)
         orow_l: gl.constexpr = gl.SliceLayout(1, o_layout)
-        dtype: gl.constexpr = pbuf.dtype
         row, head, row_ok, q_pos = _row_info(rb, q_start, q_len, ctx, NUM_HEADS, BLOCK_M, False, row_l)
         k_full = _full_keys(ctx, rb, k_hi, NUM_HEADS, BLOCK_M)
         q_rope = _q_rope_regs(qp_ptr, row, head, row_ok, stride_qpt, stride_qph, qr_layout, ROPE)
@@ -545,16 +544,8 @@ if HAS_GLUON:
             sc0 = ss0.load(row_l)
             if ONE_RESCALE:
                 if has_b:  # B's softmax against A's max first: warpgroup 0 waits for it
-                    sb = _causal_scores(sc, start_a + BLOCK_N, k_full, k_hi, row_ok, q_pos, s_layout, BLOCK_N)
-                    m1 = gl.maximum(m0, gl.max(sb, axis=1))
-                    p1, m1s = _exp_scaled(sb, m1, qk_scale)
-                    sc1 = gl.exp2(m0 * qk_scale - m1s)
-                    pb = p1.to(dtype)
-                    pbuf.index(z + 1).store(pb)
-                    sm1.store(m1)
-                    ss1.store(sc1)
-                    fence_async_shared()
-                    mbarrier.arrive(b_ready, count=1)
+                    p1, sc1, pb = _seesaw_b_softmax(sc, start_a + BLOCK_N, k_full, k_hi, row_ok, q_pos, m0, qk_scale,
+                                                    pbuf.index(z + 1), sm1, ss1, b_ready, s_layout, BLOCK_N)
                     # O_R = sc0 sc1 O_R + P_B V_R(B) (P_B from registers) + (P_A sc1) V_R(A) (from warpgroup 0);
                     # A is a full tile here (only a program's last tile is partial)
                     sc01 = sc0 * sc1
@@ -586,16 +577,8 @@ if HAS_GLUON:
                 _zero_tail(kbuf1.index(z), start_a, k_hi, BLOCK_N, HALF)
                 if has_b:  # ... under B's softmax against A's max
                     o = warpgroup_mma(pbuf.index(z), kbuf1.index(z), o, is_async=True)
-                    sb = _causal_scores(sc, start_a + BLOCK_N, k_full, k_hi, row_ok, q_pos, s_layout, BLOCK_N)
-                    m1 = gl.maximum(m0, gl.max(sb, axis=1))
-                    p1, m1s = _exp_scaled(sb, m1, qk_scale)
-                    sc1 = gl.exp2(m0 * qk_scale - m1s)
-                    pb = p1.to(dtype)
-                    pbuf.index(z + 1).store(pb)
-                    sm1.store(m1)
-                    ss1.store(sc1)
-                    fence_async_shared()
-                    mbarrier.arrive(b_ready, count=1)
+                    p1, sc1, pb = _seesaw_b_softmax(sc, start_a + BLOCK_N, k_full, k_hi, row_ok, q_pos, m0, qk_scale,
+                                                    pbuf.index(z + 1), sm1, ss1, b_ready, s_layout, BLOCK_N)
                     o = warpgroup_mma_wait(0, deps=[o])
                     mbarrier.arrive(p0_free, count=1)
                     _seesaw_load(k1_desc, kr_desc, bt_row, k_lo, 2 * j + 2, n_tiles, kbuf1, kbufr, ready_r, HALF, LORA,
@@ -623,6 +606,24 @@ if HAS_GLUON:
         l_i = l_i + sl0.load(row_l)
         _store_half(o, l_i, l_i, out_ptr, part_acc_ptr, part_ml_ptr, row, head, row_ok, split, HALF, stride_ot,
                     stride_oh, stride_pt, stride_ph, o_layout, SPLIT, False, HALF, LORA)
+
+    @gluon.jit
+    def _seesaw_b_softmax(sc, start_b, k_full, k_hi, row_ok, q_pos, m0, qk_scale, p_slot, sm1, ss1, b_ready,
+                          s_layout: gl.constexpr, BLOCK_N: gl.constexpr):
+        """Warpgroup 1's softmax of a pair's tile B (scores ``sc``, keys from ``start_b``) against A's max
+        ``m0``: P_B into ``p_slot``, B's max and A -> B rescale into ``sm1`` / ``ss1``, then ``b_ready``;
+        returns ``(p1, sc1, P_B in the cache dtype)`` (both seesaw orders)."""
+        sb = _causal_scores(sc, start_b, k_full, k_hi, row_ok, q_pos, s_layout, BLOCK_N)
+        m1 = gl.maximum(m0, gl.max(sb, axis=1))
+        p1, m1s = _exp_scaled(sb, m1, qk_scale)
+        sc1 = gl.exp2(m0 * qk_scale - m1s)
+        pb = p1.to(p_slot.dtype)
+        p_slot.store(pb)
+        sm1.store(m1)
+        ss1.store(sc1)
+        fence_async_shared()
+        mbarrier.arrive(b_ready, count=1)
+        return p1, sc1, pb
 
     @gluon.jit
     def _seesaw_load(desc_a, desc_b, bt_row, k_lo, tile, n_tiles, buf_a, buf_b, ready, col_a, col_b,
