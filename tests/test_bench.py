@@ -789,3 +789,17 @@ def test_vllm_spellings_and_a_rate_without_max_concurrency(monkeypatch):
     assert bench_serve.unread_flags(parse("--prefill-interference", "--dataset-name", "gsm8k", "--random-output-len",
                                           "3", "--request-rate", "2")) == \
         ["--random-output-len", "--dataset-name", "--request-rate"]
+
+
+def test_arrival_times_stay_finite_when_the_gaps_underflow():
+    """A small burstiness (gamma shape 0.001, accepted: finite and > 0) draws gaps that underflow to
+    subnormal numbers: the factor ``(n / R) / t`` overflowed to inf, so a request's arrival was inf (the run
+    slept forever) and one of gap 0 nan (sent at once). Each arrival is its fraction of the last, times n / R."""
+    import math
+
+    from mtpspec.entrypoints.bench_serve import arrival_times
+    for seed in range(200):
+        for n in (1, 2, 4):
+            t = arrival_times(n, 1.0, 0.001, seed=seed)
+            assert all(math.isfinite(x) and 0.0 <= x <= n for x in t), (seed, n, t)
+            assert t[-1] in (0.0, float(n)), (seed, n, t)  # 0: every gap underflowed to 0 (vLLM: no scaling)

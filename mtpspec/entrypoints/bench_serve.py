@@ -270,7 +270,8 @@ def arrival_times(n: int, rate: float, burstiness: float = 1.0, seed: int = 0) -
     The gaps are drawn from a gamma distribution of shape ``burstiness`` and mean ``1 / rate`` (variance
     ``1 / (burstiness * rate**2)``: 1 is a Poisson process, below 1 burstier, above 1 more regular) by a
     ``random.Random(seed)``, then all scaled by one factor so that the last request goes at exactly
-    ``n / rate`` s (as vLLM does: the offered load is ``rate`` whatever the draws). ``rate`` inf: all at 0.
+    ``n / rate`` s (as vLLM does: the offered load is ``rate`` whatever the draws). ``rate`` inf: all at 0;
+    all at 0 too where every gap underflowed to 0 (a burstiness of ~0.001 and a few requests; vLLM's rule).
 
     Raises:
         ValueError: ``rate`` not > 0 (in requests/s), or ``burstiness`` not finite and > 0.
@@ -282,8 +283,11 @@ def arrival_times(n: int, rate: float, burstiness: float = 1.0, seed: int = 0) -
     for _ in range(n):
         t += rng.gammavariate(burstiness, 1.0 / (rate * burstiness))
         out.append(t)
-    scale = n / rate / t if t > 0 else 0.0
-    return [x * scale for x in out]
+    if t == 0:  # every gap underflowed to 0 (a tiny burstiness): all at once, as vLLM (no scaling)
+        return [0.0] * n
+    # each its fraction of the last, times n / rate: a factor (n / rate) / t overflowed to inf where t was
+    # subnormal (the run then slept forever on that arrival)
+    return [x / t * (n / rate) for x in out]
 
 
 async def _one(client: httpx.AsyncClient, url: str, model: str, prompt: Any, cfg: BenchConfig,
