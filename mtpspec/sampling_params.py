@@ -42,9 +42,10 @@ VLLM_ONLY_FIELDS = {
 
 
 def _asks_nothing(name: str, value: object) -> bool:
-    """Whether a :data:`VLLM_ONLY_FIELDS` value is vLLM's "off": ``None``, an empty list, ``min_p``
-    0, ``spaces_between_special_tokens`` true."""
-    if value is None or (isinstance(value, (list, tuple, dict)) and not value):
+    """Whether a :data:`VLLM_ONLY_FIELDS` value is vLLM's "off": ``None``, an empty list (not an empty
+    ``allowed_token_ids``: no token allowed, which vLLM refuses), ``min_p`` 0, ``spaces_between_special_tokens``
+    true."""
+    if value is None or (isinstance(value, (list, tuple, dict)) and not value and name != "allowed_token_ids"):
         return True
     if name == "min_p":
         return _is_real(value) and value == 0

@@ -362,3 +362,11 @@ def test_detokenize_false_refuses_stop_strings(model) -> None:
         out = llm.chat([{"role": "user", "content": "w5 w6"}], SamplingParams(max_tokens=2, detokenize=False),
                        chat_template="{% for m in messages %}{{ m.content }} {% endfor %}", use_tqdm=False)
         assert out[0].outputs[0].text == "" and len(out[0].outputs[0].token_ids) == 2
+
+
+def test_an_empty_allowed_token_ids_is_not_vllm_s_off_value() -> None:
+    """``allowed_token_ids=[]`` allows no token (vLLM refuses it: "allowed_token_ids is not None and empty!");
+    dropped as an "off" value it sampled from the whole vocabulary. ``None`` is the off value."""
+    with pytest.raises(TypeError, match="'allowed_token_ids' is a vLLM field"):
+        SamplingParams(allowed_token_ids=[])
+    assert SamplingParams(allowed_token_ids=None) == SamplingParams()
