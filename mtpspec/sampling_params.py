@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import math
 import numbers
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Union
+
+logger = logging.getLogger(__name__)
 
 
 def _is_int(x: object) -> bool:
@@ -20,8 +23,8 @@ def _is_real(x: object) -> bool:
 
 # Most completions one request may ask for (``n`` / ``best_of``): vLLM's default VLLM_MAX_N_SEQUENCES.
 MAX_N_SEQUENCES = 16384
-#: temperatures below this are greedy (vLLM's ``_SAMPLING_EPS``)
-_GREEDY_BELOW = 1e-5
+#: a temperature in (0, this) is raised to it, with a warning (vLLM's ``_MAX_TEMP``)
+_MIN_TEMPERATURE = 1e-2
 
 #: Fields of vLLM's ``SamplingParams`` that mtpspec does not implement, with what to use instead:
 #: passing one raises a ``TypeError`` that says so (not only "unexpected keyword argument"), unless
@@ -156,9 +159,13 @@ class SamplingParams:
         self._check_num_sequences()
         if not _is_real(self.temperature) or not math.isfinite(self.temperature) or self.temperature < 0:
             raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
-        # vLLM's _SAMPLING_EPS: greedy below it (a float32 temperature tensor held 1e-46 as 0, which
-        # sampled at temperature 1)
-        self.temperature = float(self.temperature) if self.temperature >= _GREEDY_BELOW else 0.0
+        # as vLLM: a tiny temperature is raised to 0.01 (a float32 temperature tensor held 1e-46 as 0, which
+        # sampled at temperature 1); only 0 is greedy
+        self.temperature = float(self.temperature)
+        if 0.0 < self.temperature < _MIN_TEMPERATURE:
+            logger.warning("temperature %s is below %s, which may cause numerical errors: set to %s",
+                           self.temperature, _MIN_TEMPERATURE, _MIN_TEMPERATURE)
+            self.temperature = _MIN_TEMPERATURE
         if not _is_real(self.top_p) or not math.isfinite(self.top_p) or not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be a finite number in (0, 1], got {self.top_p!r}")
         self.top_p = float(self.top_p)

@@ -306,15 +306,15 @@ def test_tp2_equals_tp1(model, plain) -> None:
     assert got == plain["mixed"]
 
 
-def test_temperature_below_vllm_eps_is_greedy() -> None:
+def test_a_tiny_temperature_is_raised_to_vllm_s_minimum() -> None:
     """Found by a new-user pass (2026-12-07): ``temperature: 1e-46`` (> 0, so sampling) became 0 in the
     sampler's float32 tensor, whose ``t > 0`` test then divided by 1: the request was sampled at
-    temperature 1. As vLLM (``_SAMPLING_EPS``), a temperature below 1e-5 is greedy."""
-    for t in (1e-46, 1e-320, 9.9e-6):
-        assert SamplingParams(temperature=t).temperature == 0.0
-        with pytest.raises(ValueError, match="n must be 1 when using greedy sampling, got 2."):
-            SamplingParams(temperature=t, n=2)
-    assert SamplingParams(temperature=1e-5).temperature == 1e-5
+    temperature 1. As vLLM (``_MAX_TEMP``), a temperature in (0, 0.01) is raised to 0.01 (sampling, so
+    ``n > 1`` stays allowed); 0 alone is greedy."""
+    for t in (1e-46, 1e-320, 9.9e-6, 0.005):
+        assert SamplingParams(temperature=t).temperature == 0.01
+        assert SamplingParams(temperature=t, n=2).n == 2
+    assert SamplingParams(temperature=0.01).temperature == 0.01 and SamplingParams(temperature=0.0).temperature == 0
 
 
 @pytest.mark.parametrize("k", [0, 2])
