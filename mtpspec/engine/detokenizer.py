@@ -80,16 +80,18 @@ class Tokenizer:
         ``return_dict=False``; no special tokens added: the template writes its own).
 
         Raises:
-            ValueError: a message that is not a dict with a ``role``, non-text content,
+            ValueError: a message that is not a dict with a ``role`` string, non-text content,
                 ``return_dict=True``, or as :func:`mtpspec.entrypoints.chat_template.render_chat`.
         """
-        from mtpspec.entrypoints.chat_template import message_text, render_chat
+        from mtpspec.entrypoints.chat_template import render_chat, text_messages
         if kwargs.pop("return_dict", False):
             raise ValueError("apply_chat_template: return_dict=True is not supported (ids come as a list)")
-        if isinstance(conversation, (str, bytes, dict)) or any(not isinstance(m, dict) or "role" not in m
-                                                               for m in conversation):
+        if isinstance(conversation, (str, bytes, dict)):
             raise ValueError("conversation must be a list of {'role', 'content'} message dicts")
-        msgs = [{**m, "content": message_text(m.get("content"))} for m in conversation]
+        try:
+            msgs = text_messages(conversation)
+        except TypeError as exc:
+            raise ValueError(f"conversation must be a list of {{'role', 'content'}} message dicts: {exc}") from None
         text, _ = render_chat(self, msgs, add_generation_prompt, kwargs, chat_template, continue_final_message,
                               tools, documents)
         return self.encode(text) if tokenize else text

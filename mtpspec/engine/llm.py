@@ -387,7 +387,7 @@ class LLM:
 
         _refuse_lora_and_priority(lora_request, None)
         from mtpspec.entrypoints.chat_template import (check_continue_final, check_template_kwargs,
-                                                       load_chat_template, message_text, render_chat)
+                                                       load_chat_template, render_chat, text_messages)
         check_template_kwargs(chat_template_kwargs)  # a bad one (or pair of flags) is no conversation's fault
         check_continue_final(add_generation_prompt, continue_final_message)
         if chat_template is not None:  # a file or the template (as given: no escapes decoded)
@@ -409,15 +409,10 @@ class LLM:
                 raise ValueError(f"got {len(base)} sampling params for {len(convs)} conversations")
         prompts, params = [], []
         for i, (conv, sp) in enumerate(zip(convs, base)):
-            pairs = []
-            for j, m in enumerate(conv):
-                if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-                    raise TypeError(f"conversation {i}, message {j}: expected a dict with a 'role' string and a text "
-                                    f"'content' (a string, text parts or null), got {m!r}")
-                try:
-                    pairs.append({**m, "content": message_text(m.get("content"))})
-                except ValueError as exc:
-                    raise TypeError(f"conversation {i}, message {j}: {exc}") from None
+            try:
+                pairs = text_messages(conv)
+            except TypeError as exc:
+                raise TypeError(f"conversation {i}, {exc}") from None
             try:
                 text, stops = render_chat(tok, pairs, add_generation_prompt, chat_template_kwargs, chat_template,
                                            continue_final_message, tools)

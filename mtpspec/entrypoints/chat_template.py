@@ -111,6 +111,26 @@ def template_syntax_error(text: str) -> Optional[str]:
 TEXT_PARTS = {"text": "text", "input_text": "text", "output_text": "text", "refusal": "refusal"}
 
 
+def text_messages(conversation: Sequence[Dict[str, Any]]) -> List[Dict[str, Any]]:
+    """One conversation's messages, each with its ``content`` as text (:func:`message_text`), for
+    :func:`render_chat` (``LLM.chat`` and ``Tokenizer.apply_chat_template``).
+
+    Raises:
+        TypeError: a message that is not a dict with a ``role`` string, or content
+            :func:`message_text` refuses; named ``message j: ...``.
+    """
+    out = []
+    for j, m in enumerate(conversation):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise TypeError(f"message {j}: expected a dict with a 'role' string and a text 'content' (a string, "
+                            f"text parts or null), got {m!r}")
+        try:
+            out.append({**m, "content": message_text(m.get("content"))})
+        except ValueError as exc:
+            raise TypeError(f"message {j}: {exc}") from None
+    return out
+
+
 def message_text(content: Any) -> str:
     """A chat message's ``content`` as text: a string as it is, ``None`` as ``""``, a list of
     parts joined with newlines (as vLLM joins them for templates that take string content, its
