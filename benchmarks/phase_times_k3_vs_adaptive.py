@@ -100,7 +100,10 @@ def main() -> None:
     a = ap.parse_args()
     from mtpspec import demo_model_path
     model = a.model or demo_model_path()
-    common = dict(max_num_seqs=a.concurrency, max_model_len=1024, seed=0)
+    # four engines share one device: each gets a KV cache of its own, sized for every sequence's whole length
+    # (the memory-sized default would give the first engine 90% of the device and leave the others none)
+    common = dict(max_num_seqs=a.concurrency, max_model_len=1024, seed=0,  # (blocks of at least 16 tokens)
+                  num_kv_blocks=a.concurrency * (1024 // 16 + 1) + 16)
     adaptive = {"num_speculative_tokens": 3, "adaptive": True}
     if a.smoke:
         a.requests, a.output_len, a.rounds = 1, 16, 1
