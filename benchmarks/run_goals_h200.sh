@@ -37,6 +37,7 @@
 #   bash benchmarks/run_goals_h200.sh demo-pair2 OUT  # issue 16: its MTP layer self-distilled (run 5 a) + k = 1
 #   bash benchmarks/run_goals_h200.sh mla-sched OUT   # issue 14: MLA GPU tests, then split / seesaw / seesaw-r1 at 128 heads
 #                                                  # (OLD_MLA=file: the kernel before session 41, in the same call)
+#   bash benchmarks/run_goals_h200.sh mla-ncu OUT     # issue 14: Nsight Compute on the dense kernel at 128 heads (stalls per SASS line)
 #   bash benchmarks/run_goals_h200.sh l2-ceiling OUT  # issue 14: L2 -> shared-memory TMA ceiling (bench_tma_l2.py)
 #   bash benchmarks/run_goals_h200.sh phases OUT      # issue 18: fixed k3 vs the adaptive engine held at k = 3, batch 1,
 #                                                  # the engine's host phases per step (phase_times_k3_vs_adaptive.py); with k3+ahead and adaptive@k3,nodefer splitting the host path from the runner
@@ -71,6 +72,21 @@ mla-sched)  # issue 14: session 41's blind kernel changes (last-tile masks, scal
       cp "$OUT/.mla_new.py" mtpspec/ops/mla_gluon.py && rm "$OUT/.mla_new.py"
     fi
   done ;;
+mla-ncu)  # issue 14: Nsight Compute on the dense Gluon kernel at 128 heads (split x 4 and x 1 from HBM, seesaw x 4 in
+  # L2): speed of light, warp states, and the sampled stall reasons per SASS instruction (CSV, gzip)
+  ncu --version | tail -1
+  for c in "split 4 0" "split 1 0" "seesaw 4 8"; do
+    set -- $c; name=$1_128x$2_sb$3
+    step 120 "ncu_$name" ncu --clock-control none --kernel-name regex:"_mla_(ws|seesaw)_kernel" --launch-skip 3 --launch-count 1 \
+        --set full --import-source no -f -o "$OUT/$name" python3 benchmarks/profile_mla_ncu.py --schedule $1 \
+        --heads 128 --q $2 --shared-blocks $3
+    ncu --import "$OUT/$name.ncu-rep" --page details > "$OUT/$name.details.txt" 2>&1
+    grep -E "Duration|Compute \(SM\) Throughput|Memory Throughput|DRAM Throughput|Issue Slots Busy|Executed Ipc A|No Eligible|Registers Per|Achieved Occupancy|Warp Cycles Per Issued|L2 Hit Rate|Stall" "$OUT/$name.details.txt" | head -30
+    ncu --import "$OUT/$name.ncu-rep" --page raw --csv 2>/dev/null | gzip > "$OUT/$name.raw.csv.gz"
+    ncu --import "$OUT/$name.ncu-rep" --page source --print-source sass --csv 2>/dev/null | gzip > "$OUT/$name.sass.csv.gz"
+    ls -la "$OUT/$name".* | awk '{print $5, $9}'
+  done
+  gzip -f "$OUT"/*.ncu-rep ;;
 l2-ceiling)  # issue 14: TMA copies from L2 / HBM into shared memory, every SM at once, beside the matmul rate
   step 120 tma_l2 python3 benchmarks/bench_tma_l2.py --json "$OUT/tma_l2.json" ;;
 serving)

@@ -178,3 +178,12 @@ def test_phase_times_k3_vs_adaptive_smoke(tmp_path):
         assert r["steps"] > 1 and r["us_per_step"] > 0 and r["execute_async (launch)"] > 0, (name, r)
         assert r["proposed_k3_steps"] >= r["steps"] - 1, (name, r)
     assert res["adaptive@k3"]["_time_step"] > 0 and res["k3"].get("_time_step", 0.0) == 0.0
+
+
+def test_profile_mla_ncu_imports_and_refuses_without_a_gpu():
+    """The Nsight Compute driver (GPU only) imports its case from bench_mla_attention; on a CPU it
+    stops with a message saying why instead of a traceback."""
+    env = dict(os.environ, PYTHONPATH=ROOT, CUDA_VISIBLE_DEVICES="")
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "profile_mla_ncu.py"), "--q", "1"],
+                          capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 1 and "needs a GPU" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
