@@ -6,7 +6,7 @@ bf16 latent cache 512 + 64, blocks shuffled; ``--shared-blocks N``: keys in L2):
     ncu --clock-control none --kernel-name regex:"_mla_(ws|seesaw)_kernel" --launch-skip 3 --launch-count 1 --set full \\
         --import-source no -o OUT/split_128x4 python3 benchmarks/profile_mla_ncu.py --heads 128 --q 4
 
-``--schedule`` picks the dense Gluon schedule (``split``, ``split-ahead``, ``seesaw``, ``seesaw-r1``); ``--impl`` the
+``--schedule`` picks the dense Gluon schedule (``split``, ``seesaw``, ``seesaw-r1``); ``--impl`` the
 kernel (``gluon`` by default; ``triton``). Launches ``--launches`` times (default 5) and checks the last
 output against the torch reference on the first 2 sequences (prints the max abs error). GPU only.
 ``benchmarks/run_goals_h200.sh mla-ncu OUT`` runs the profiles and prints their summaries.
@@ -33,7 +33,7 @@ def main() -> None:
     p.add_argument("--q", type=int, default=4, help="query rows per sequence (1 + k)")
     p.add_argument("--seqs", type=int, default=64)
     p.add_argument("--context", type=int, default=8192)
-    p.add_argument("--schedule", default="split", choices=("split", "split-ahead", "seesaw", "seesaw-r1"))
+    p.add_argument("--schedule", default="split", choices=("split", "seesaw", "seesaw-r1"))
     p.add_argument("--impl", default="gluon")
     p.add_argument("--shared-blocks", type=int, default=0)
     p.add_argument("--launches", type=int, default=5)

@@ -58,7 +58,7 @@ CASES = [  # heads, query rows per sequence, sequence lengths (partial last tile
 ]
 
 
-@pytest.fixture(params=["seesaw", "seesaw-r1", "split", "split-ahead"])
+@pytest.fixture(params=["seesaw", "seesaw-r1", "split"])
 def schedule(request, monkeypatch):
     """The dense schedules of the Gluon kernel (:data:`mtpspec.ops.mla_gluon.DENSE_SCHEDULE`)."""
     monkeypatch.setattr(mla_gluon, "DENSE_SCHEDULE", request.param)
@@ -162,14 +162,13 @@ sig = dict(ql_ptr="*bf16", qp_ptr="*bf16", k0_desc=desc([m.BLOCK_N, m.HALF]), k1
 for n in "stride_qlt stride_qlh stride_qpt stride_qph stride_ot stride_oh stride_bt stride_pt stride_ph".split():
     sig[n] = "i32"
 out = []
-for fn, heads, split, once in ((m._mla_ws_kernel, 16, True, False), (m._mla_ws_kernel, 128, False, False),
-                               (m._mla_ws_kernel, 16, True, True), (m._mla_ws_kernel, 128, False, True),
+for fn, heads, split, once in ((m._mla_ws_kernel, 16, True, None), (m._mla_ws_kernel, 128, False, None),
                                (m._mla_seesaw_kernel, 16, True, False), (m._mla_seesaw_kernel, 128, False, False),
                                (m._mla_seesaw_kernel, 16, True, True), (m._mla_seesaw_kernel, 128, False, True)):
     cx = dict(NUM_HEADS=heads, CACHE_BLOCK=64, SPLIT=split, BLOCK_M=m.BLOCK_M, BLOCK_N=m.BLOCK_N, HALF=m.HALF,
               LORA=m.LORA, ROPE=m.ROPE)
     if fn is m._mla_ws_kernel:
-        cx.update(STAGES=m.STAGES, P_BUFS=m.P_BUFS, WG1_REGS=m.WG1_REGS, PRODUCER_REGS=m.PRODUCER_REGS, QK_AHEAD=once)
+        cx.update(STAGES=m.STAGES, P_BUFS=m.P_BUFS, WG1_REGS=m.WG1_REGS, PRODUCER_REGS=m.PRODUCER_REGS)
     else:
         cx.update(WG1_REGS=m.SEESAW_WG1_REGS, ONE_RESCALE=once)
     full = {k: sig.get(k, "constexpr") for k in fn.arg_names}
@@ -200,7 +199,7 @@ print(json.dumps(out))
 
 def test_gluon_kernel_compiles_for_hopper() -> None:
     """Ahead-of-time sm_90 compile (a child process, Triton imported without its interpreter) of
-    the dense schedules (split, split-ahead, seesaw, seesaw-r1) at 16 heads (split) and 128 heads (one split) and the sparse
+    the dense schedules (split, seesaw, seesaw-r1) at 16 heads (split) and 128 heads (one split) and the sparse
     kernel at 128 heads:
     each fits an sm_90 program's 227 KB of shared memory, and its code has the copies (bulk tensor
     copies dense, 16-byte ``cp.async`` gathers sparse), warpgroup MMAs and per-partition register

@@ -242,38 +242,12 @@ if HAS_GLUON:
         return (q_start + tok).to(gl.int64), r % NUM_HEADS, tok < q_len, ctx + tok
 
     @gluon.jit
-    def _split_scores(qbuf0, qbuf1, qbufr, kbuf0, kbuf1, kbufr, k_ready, i, start, k_hi, n_tiles,
-                      s_layout: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                      HALF: gl.constexpr):
-        """Dense tile ``i`` (keys from ``start``) once its slot has landed: a partial last tile's stale
-        value rows zeroed (both halves), then ``Q K^T`` issued async (3 wgmma groups). ``i >= n_tiles``:
-        no wait and no zeroing, the products read the slot's stale keys (a phantom, never read: the
-        async accumulator is loop-carried, and an ``if`` around the issue would have to yield it; Gluon
-        refused that where the other branch held a tensor)."""
-        s = i % STAGES
-        if i < n_tiles:
-            mbarrier.wait(k_ready.index(s), (i // STAGES) & 1)
-            _zero_tail(kbuf0.index(s), start, k_hi, BLOCK_N, HALF)
-            _zero_tail(kbuf1.index(s), start, k_hi, BLOCK_N, HALF)
-        sc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
-        sc = warpgroup_mma(qbuf0, kbuf0.index(s).permute((1, 0)), sc, use_acc=False, is_async=True)
-        sc = warpgroup_mma(qbuf1, kbuf1.index(s).permute((1, 0)), sc, is_async=True)
-        return warpgroup_mma(qbufr, kbufr.index(s).permute((1, 0)), sc, is_async=True)
-
-    @gluon.jit
     def _softmax_wg(qbuf0, qbuf1, qbufr, kbuf0, kbuf1, kbufr, pbuf, abuf, mlbuf, k_ready, k_free, p_ready, p_free,
                     done, out_ptr, part_acc_ptr, part_ml_ptr, slots_row, n_slots, rb, split, q_start, q_len, ctx,
                     k_lo, k_hi, n_tiles, qk_scale, stride_ot, stride_oh, stride_pt, stride_ph,
                     NUM_HEADS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                     P_BUFS: gl.constexpr, HALF: gl.constexpr, LORA: gl.constexpr, SPLIT: gl.constexpr,
-                    SPARSE: gl.constexpr, QK_AHEAD: gl.constexpr):
-        """The split schedule's warpgroup 0: each tile's scores, softmax and P, and the left value half.
-        ``QK_AHEAD`` (dense only, schedule ``"split-ahead"``): tile ``i + 1``'s score products are
-        issued right after tile ``i``'s ``P V``, before waiting for it (``wait(3)``: that ``P V`` done,
-        the 3 score groups may still run; then the slot is released), so the tensor cores go from
-        ``P V`` to the next scores without the warpgroup's round trip (wait, release, loop, slot wait,
-        issue) in between (ncu, H100, 2026-12-07: the warpgroup's samples were 42% score products, 31%
-        ``P V`` and 26% softmax, run one after another; the tensor pipe 65% busy)."""
+                    SPARSE: gl.constexpr):
         s_layout: gl.constexpr = _wgmma_layout(BLOCK_N)
         o_layout: gl.constexpr = _wgmma_layout(HALF)
         row_l: gl.constexpr = gl.SliceLayout(1, s_layout)
@@ -283,29 +257,23 @@ if HAS_GLUON:
         m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=row_l)  # raw score units (_exp_scaled)
         l_i = gl.zeros([BLOCK_M], gl.float32, layout=row_l)
         o = gl.zeros([BLOCK_M, HALF], gl.float32, layout=o_layout)
-        if QK_AHEAD:  # tile 0's scores (a program without tiles: a phantom product, never read)
-            acc = _split_scores(qbuf0, qbuf1, qbufr, kbuf0, kbuf1, kbufr, k_ready, 0, k_lo, k_hi, n_tiles, s_layout,
-                                BLOCK_M, BLOCK_N, STAGES, HALF)
         for i in range(n_tiles):
             s = i % STAGES
+            mbarrier.wait(k_ready.index(s), (i // STAGES) & 1)
+            if SPARSE:  # gathered by cp.async (generic proxy) and read by wgmma (async proxy)
+                fence_async_shared()
             start = k_lo + i * BLOCK_N
             offs_n = start + gl.arange(0, BLOCK_N, layout=col_l)
-            if QK_AHEAD:
-                sc = warpgroup_mma_wait(0, deps=[acc])
-            else:
-                mbarrier.wait(k_ready.index(s), (i // STAGES) & 1)
-                if SPARSE:  # gathered by cp.async (generic proxy) and read by wgmma (async proxy)
-                    fence_async_shared()
-                if SPARSE:  # the selection is the mask: its load in flight under the score products
-                    slot = gl.load(slots_row + offs_n, mask=offs_n < k_hi, other=-1)
-                if not SPARSE:  # a split's partial last tile: zero its stale value rows (both halves)
-                    _zero_tail(kbuf0.index(s), start, k_hi, BLOCK_N, HALF)
-                    _zero_tail(kbuf1.index(s), start, k_hi, BLOCK_N, HALF)
-                sc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
-                sc = warpgroup_mma(qbuf0, kbuf0.index(s).permute((1, 0)), sc, use_acc=False, is_async=True)
-                sc = warpgroup_mma(qbuf1, kbuf1.index(s).permute((1, 0)), sc, is_async=True)
-                sc = warpgroup_mma(qbufr, kbufr.index(s).permute((1, 0)), sc, is_async=True)
-                sc = warpgroup_mma_wait(0, deps=[sc])
+            if SPARSE:  # the selection is the mask: its load in flight under the score products
+                slot = gl.load(slots_row + offs_n, mask=offs_n < k_hi, other=-1)
+            if not SPARSE:  # a split's partial last tile: zero its stale value rows (both halves)
+                _zero_tail(kbuf0.index(s), start, k_hi, BLOCK_N, HALF)
+                _zero_tail(kbuf1.index(s), start, k_hi, BLOCK_N, HALF)
+            sc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
+            sc = warpgroup_mma(qbuf0, kbuf0.index(s).permute((1, 0)), sc, use_acc=False, is_async=True)
+            sc = warpgroup_mma(qbuf1, kbuf1.index(s).permute((1, 0)), sc, is_async=True)
+            sc = warpgroup_mma(qbufr, kbufr.index(s).permute((1, 0)), sc, is_async=True)
+            sc = warpgroup_mma_wait(0, deps=[sc])
             if SPARSE:  # (the gather zero-filled unused entries' rows)
                 ok = row_ok[:, None] & ((slot >= 0) & (slot < n_slots))[None, :]
                 sc = gl.where(ok, sc, float("-inf"))
@@ -324,15 +292,8 @@ if HAS_GLUON:
             mbarrier.arrive(p_ready.index(b), count=1)
             o = o * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
             o = warpgroup_mma(pbuf.index(b), kbuf0.index(s), o, is_async=True)
-            if QK_AHEAD:  # the next tile's scores queued behind this P V (after the last tile: a phantom)
-                acc = _split_scores(qbuf0, qbuf1, qbufr, kbuf0, kbuf1, kbufr, k_ready, i + 1, start + BLOCK_N, k_hi,
-                                    n_tiles, s_layout, BLOCK_M, BLOCK_N, STAGES, HALF)
-                o = warpgroup_mma_wait(3, deps=[o])  # this P V done; the 3 score groups may still run
-            else:
-                o = warpgroup_mma_wait(0, deps=[o])
+            o = warpgroup_mma_wait(0, deps=[o])
             mbarrier.arrive(k_free.index(s), count=1)
-        if QK_AHEAD:  # the phantom scores past the last tile
-            acc = warpgroup_mma_wait(0, deps=[acc])
         m_i = m_i * qk_scale  # the split's max in scaled (log2) units, as combine_splits reads it
         mlbuf.index(0).store(m_i)
         mlbuf.index(1).store(l_i)
@@ -824,7 +785,7 @@ if HAS_GLUON:
                 NUM_HEADS: gl.constexpr, CACHE_BLOCK: gl.constexpr, SPLIT: gl.constexpr, SPARSE: gl.constexpr,
                 BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, P_BUFS: gl.constexpr,
                 HALF: gl.constexpr, LORA: gl.constexpr, ROPE: gl.constexpr, WG1_REGS: gl.constexpr,
-                PRODUCER_REGS: gl.constexpr, AHEAD: gl.constexpr, QK_AHEAD: gl.constexpr):
+                PRODUCER_REGS: gl.constexpr, AHEAD: gl.constexpr):
         """One program over keys ``[k_lo, k_hi)`` (dense: cache positions; sparse: entries of the
         token row's selection): shared memory, barriers, the query rows, then the partitions."""
         n_tiles = gl.maximum(gl.cdiv(k_hi - k_lo, BLOCK_N), 0)
@@ -872,7 +833,7 @@ if HAS_GLUON:
             (_softmax_wg, (qbuf0, qbuf1, qbufr, kbuf0, kbuf1, kbufr, pbuf, abuf, mlbuf, k_ready, k_free, p_ready,
                            p_free, done, out_ptr, part_acc_ptr, part_ml_ptr, slots_row, n_slots, rb, split, q_start,
                            q_len, ctx, k_lo, k_hi, n_tiles, qk_scale, stride_ot, stride_oh, stride_pt, stride_ph,
-                           NUM_HEADS, BLOCK_M, BLOCK_N, STAGES, P_BUFS, HALF, LORA, SPLIT, SPARSE, QK_AHEAD)),
+                           NUM_HEADS, BLOCK_M, BLOCK_N, STAGES, P_BUFS, HALF, LORA, SPLIT, SPARSE)),
             (_value_wg, (kbuf1, pbuf, abuf, mlbuf, k_ready, k_free, p_ready, p_free, done, out_ptr, part_acc_ptr,
                          part_ml_ptr, rb, split, q_start, q_len, ctx, n_tiles, stride_ot, stride_oh, stride_pt,
                          stride_ph, NUM_HEADS, BLOCK_M, STAGES, P_BUFS, HALF, LORA, SPLIT, SPARSE)),
@@ -888,7 +849,7 @@ if HAS_GLUON:
                        NUM_HEADS: gl.constexpr, CACHE_BLOCK: gl.constexpr, SPLIT: gl.constexpr,
                        BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, P_BUFS: gl.constexpr,
                        HALF: gl.constexpr, LORA: gl.constexpr, ROPE: gl.constexpr, WG1_REGS: gl.constexpr,
-                       PRODUCER_REGS: gl.constexpr, QK_AHEAD: gl.constexpr):
+                       PRODUCER_REGS: gl.constexpr):
         # dense: program (row block rb, key split, sequence); keys = the causal context of its rows
         rb = gl.program_id(0)
         split = gl.program_id(1)
@@ -902,7 +863,7 @@ if HAS_GLUON:
                 out_ptr, part_acc_ptr, part_ml_ptr, rb, split, q_start, q_len, ctx, k_lo, k_hi, qk_scale, stride_qlt,
                 stride_qlh, stride_qpt, stride_qph, 0, 0, stride_ot, stride_oh, stride_pt, stride_ph, NUM_HEADS,
                 CACHE_BLOCK, SPLIT, False, BLOCK_M, BLOCK_N, STAGES, P_BUFS, HALF, LORA, ROPE, WG1_REGS,
-                PRODUCER_REGS, 1, QK_AHEAD)
+                PRODUCER_REGS, 1)
 
     @gluon.jit
     def _sparse_mla_ws_kernel(ql_ptr, qp_ptr, kv_ptr, slots_ptr, out_ptr, part_acc_ptr, part_ml_ptr, qk_scale,
@@ -923,7 +884,7 @@ if HAS_GLUON:
                 out_ptr, part_acc_ptr, part_ml_ptr, hb, split, t, 1, 0, k_lo, k_hi, qk_scale, stride_qlt,
                 stride_qlh, stride_qpt, stride_qph, stride_kb, stride_ks, stride_ot, stride_oh, stride_pt, stride_ph,
                 NUM_HEADS, CACHE_BLOCK, SPLIT, True, BLOCK_M, BLOCK_N, STAGES, P_BUFS, HALF, LORA, ROPE, WG1_REGS,
-                PRODUCER_REGS, AHEAD, False)
+                PRODUCER_REGS, AHEAD)
 
 
 def descriptors(kv_cache: torch.Tensor, block_n: int = BLOCK_N):
@@ -952,8 +913,8 @@ def launch(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, o
     and runs the combine. No host sync.
     ``block_n`` / ``stages`` / ``p_bufs``: tuning overrides (keys per tile, key-tile ring slots, P
     buffers; the ``"split"`` schedule's); they must fit the 227 KB of shared memory (the compile
-    fails otherwise). ``schedule``: ``"split"``, ``"split-ahead"`` (:func:`_softmax_wg`'s ``QK_AHEAD``),
-    ``"seesaw"`` or ``"seesaw-r1"`` (default :data:`DENSE_SCHEDULE`), else ValueError."""
+    fails otherwise). ``schedule``: ``"seesaw"``, ``"seesaw-r1"`` or ``"split"`` (default
+    :data:`DENSE_SCHEDULE`), else ValueError."""
     nh = q_latent.shape[1]
     if schedule is None:
         schedule = DENSE_SCHEDULE
@@ -967,8 +928,8 @@ def launch(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, o
             HALF=HALF, LORA=LORA, ROPE=ROPE, WG1_REGS=SEESAW_WG1_REGS, ONE_RESCALE=schedule == "seesaw-r1",
             num_warps=4)
         return
-    if schedule not in ("split", "split-ahead"):
-        raise ValueError(f"launch: schedule must be 'split', 'split-ahead', 'seesaw' or 'seesaw-r1', got {schedule!r}")
+    if schedule != "split":
+        raise ValueError(f"launch: schedule must be 'seesaw', 'seesaw-r1' or 'split', got {schedule!r}")
     k0, k1, kr = descriptors(kv_cache, block_n)
     _mla_ws_kernel[(row_blocks, num_splits, seq_lens.shape[0])](
         q_latent, q_pe, k0, k1, kr, out, part_acc, part_ml, query_start_loc, seq_lens, block_tables, qk_scale,
@@ -976,7 +937,7 @@ def launch(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, o
         out.stride(1), block_tables.stride(0), nh * num_splits, num_splits,
         NUM_HEADS=nh, CACHE_BLOCK=kv_cache.shape[1], SPLIT=num_splits > 1, BLOCK_M=BLOCK_M, BLOCK_N=block_n,
         STAGES=stages, P_BUFS=p_bufs, HALF=HALF, LORA=LORA, ROPE=ROPE, WG1_REGS=WG1_REGS, PRODUCER_REGS=PRODUCER_REGS,
-        QK_AHEAD=schedule == "split-ahead", num_warps=4)
+        num_warps=4)
 
 
 def dense_plan(num_seqs: int, max_query_len: int, num_heads: int, max_seq_len: int, sms: int,
