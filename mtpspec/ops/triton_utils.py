@@ -27,6 +27,45 @@ except ImportError:  # triton is optional off Linux; every op then runs its torc
     tl = None  # type: ignore[assignment]
     HAS_TRITON = False
 
+
+def _fix_interpreter_index() -> bool:
+    """Backport of triton-lang/triton#9172 to an older interpreter; True when it was applied.
+
+    Triton's interpreter holds every runtime scalar (a program id, an int argument, ...) as a
+    1-element numpy array and converts one to a Python int, for ``range(lo, hi, step)`` over
+    runtime bounds, with ``int(data)``: NumPy >= 2.4 raises ``TypeError: only 0-dimensional arrays
+    can be converted to Python scalars`` there (issue triton-lang/triton#9171; Triton 3.6's
+    interpreter, fixed upstream as ``int(data.squeeze())``, as Triton 3.9 has it). Every kernel
+    with a loop over runtime bounds failed under such an interpreter. This wraps the interpreter's
+    ``_patch_lang_tensor`` to install the fixed ``__index__`` instead, only where its source still
+    has the old conversion (an interpreter written otherwise is left as it is) and only when the
+    interpreter is loaded (triton imported with ``TRITON_INTERPRET=1``; compiled kernels never use it).
+    """
+    import inspect
+    import sys
+    interp = sys.modules.get("triton.runtime.interpreter")
+    orig = getattr(interp, "_patch_lang_tensor", None)
+    if orig is None or getattr(orig, "_mtpspec_index_fix", False):
+        return False
+    try:
+        src = inspect.getsource(orig)
+    except (OSError, TypeError):
+        return False
+    if 'scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data))' not in src:
+        return False
+
+    def _patch_lang_tensor(tensor, scope):
+        orig(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
+
+    _patch_lang_tensor._mtpspec_index_fix = True  # type: ignore[attr-defined]
+    interp._patch_lang_tensor = _patch_lang_tensor
+    return True
+
+
+if HAS_TRITON:
+    _fix_interpreter_index()
+
 #: Activation dtypes the kernels accept.
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
