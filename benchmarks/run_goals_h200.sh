@@ -84,9 +84,11 @@ mla-ncu)  # issue 14: Nsight Compute on the dense Gluon kernel at 128 heads (spl
     grep -E "Duration|Compute \(SM\) Throughput|Memory Throughput|DRAM Throughput|Issue Slots Busy|Executed Ipc A|No Eligible|Registers Per|Achieved Occupancy|Warp Cycles Per Issued|L2 Hit Rate|Stall" "$OUT/$name.details.txt" | head -30
     ncu --import "$OUT/$name.ncu-rep" --page raw --csv 2>/dev/null | gzip > "$OUT/$name.raw.csv.gz"
     ncu --import "$OUT/$name.ncu-rep" --page source --print-source sass --csv 2>/dev/null | gzip > "$OUT/$name.sass.csv.gz"
+    # one file a profile (the device returns at most 8 files a call; the .ncu-rep needs ncu to read)
+    (cd "$OUT" && tar czf "$name.tgz" "$name.details.txt" "$name.raw.csv.gz" "$name.sass.csv.gz" && \
+        rm -f "$name.details.txt" "$name.raw.csv.gz" "$name.sass.csv.gz" "$name.ncu-rep")
     ls -la "$OUT/$name".* | awk '{print $5, $9}'
-  done
-  gzip -f "$OUT"/*.ncu-rep ;;
+  done ;;
 l2-ceiling)  # issue 14: TMA copies from L2 / HBM into shared memory, every SM at once, beside the matmul rate
   step 120 tma_l2 python3 benchmarks/bench_tma_l2.py --json "$OUT/tma_l2.json" ;;
 serving)
