@@ -72,10 +72,12 @@ mla-sched)  # issue 14: session 41's blind kernel changes (last-tile masks, scal
       cp "$OUT/.mla_new.py" mtpspec/ops/mla_gluon.py && rm "$OUT/.mla_new.py"
     fi
   done ;;
-mla-ncu)  # issue 14: Nsight Compute on the dense Gluon kernel at 128 heads (split x 4 and x 1 from HBM, seesaw x 4 in
-  # L2): speed of light, warp states, and the sampled stall reasons per SASS instruction (CSV, gzip)
+mla-ncu)  # issue 14: Nsight Compute on the dense Gluon kernel at 128 heads: speed of light, warp states, and the sampled
+  # stall reasons per SASS instruction (CSV, gzip). NCU_CASES="schedule rows shared-blocks; ..." (default: the seesaw from
+  # HBM at x 4 and x 1, where it loses to split, and split x 4 from HBM; session 42 profiled split x 1 / seesaw x 4 in L2)
   ncu --version | tail -1
-  for c in "split 4 0" "split 1 0" "seesaw 4 8"; do
+  IFS=';' read -ra cases <<< "${NCU_CASES:-seesaw 4 0;seesaw 1 0;split 4 0}"
+  for c in "${cases[@]}"; do
     set -- $c; name=$1_128x$2_sb$3
     step 120 "ncu_$name" ncu --clock-control none --kernel-name regex:"_mla_(ws|seesaw)_kernel" --launch-skip 3 --launch-count 1 \
         --set full --import-source no -f -o "$OUT/$name" python3 benchmarks/profile_mla_ncu.py --schedule $1 \

@@ -187,3 +187,18 @@ def test_profile_mla_ncu_imports_and_refuses_without_a_gpu():
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "profile_mla_ncu.py"), "--q", "1"],
                           capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 1 and "needs a GPU" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+
+
+def test_ncu_sass_stalls_reads_a_recorded_profile():
+    """The stall-sampling reader on the H100 profile kept in benchmarks/results (session 42): the
+    samples add up, and the softmax warpgroup's score wait is among the top lines."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import ncu_sass_stalls as ns
+    path = os.path.join(ROOT, "benchmarks", "results", "ncu_mla_split_128x1_sb0_h100_2026-12-07s42.sass.csv.gz")
+    header, rows = ns.read(path)
+    s = ns.summary(header, rows, top=10, ranges=[(0, len(rows))])
+    assert s["total"] == 26908 and s["ranges"][0]["samples"] == s["total"]
+    # the reasons the page has columns for (no gmma column: those samples are in the total only)
+    assert 0.9 * s["total"] <= sum(n for n, _ in s["reasons"]) <= s["total"]
+    assert [ln["samples"] for ln in s["lines"]] == sorted((ln["samples"] for ln in s["lines"]), reverse=True)
+    assert any("DEPBAR" in ln["sass"] for ln in s["lines"][:6])
