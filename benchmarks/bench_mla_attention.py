@@ -77,7 +77,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--sweep", action="store_true", help="time the kernel over launch configurations")
     p.add_argument("--impls", default="triton,gluon",
                    help="kernels timed side by side (mla_attention's impl=...; 'gluon' where supported; "
-                        "'gluon:split' / 'gluon:seesaw' / 'gluon:seesaw-r1' pick the Gluon kernel's dense "
+                        "'gluon:split' / 'gluon:split-pv' / 'gluon:seesaw' / 'gluon:seesaw-r1' pick the Gluon kernel's dense "
                         "schedule)")
     p.add_argument("--no-compile", action="store_true")
     p.add_argument("--no-sdpa", action="store_true")

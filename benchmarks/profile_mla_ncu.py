@@ -8,7 +8,7 @@ bf16 latent cache 512 + 64, blocks shuffled; ``--shared-blocks N``: keys in L2):
 
 ``--sparse``: the sparse kernel (issue 15) on :mod:`bench_sparse_mla`'s case instead (64 sequences x 32,768
 tokens, ``index_topk`` 2,048 random causal positions a row; kernel regex ``_sparse_mla_ws_kernel`` for gluon).
-``--schedule`` picks the dense Gluon schedule (``split``, ``seesaw``, ``seesaw-r1``); ``--impl`` the
+``--schedule`` picks the dense Gluon schedule (``split``, ``split-pv``, ``seesaw``, ``seesaw-r1``); ``--impl`` the
 kernel (``gluon`` by default; ``triton``). Launches ``--launches`` times (default 5) and checks the last
 output against the torch reference on the first 2 sequences (prints the max abs error). GPU only.
 ``benchmarks/run_goals_h200.sh mla-ncu OUT`` runs the profiles and prints their summaries.
@@ -35,7 +35,7 @@ def main() -> None:
     p.add_argument("--q", type=int, default=4, help="query rows per sequence (1 + k)")
     p.add_argument("--seqs", type=int, default=64)
     p.add_argument("--context", type=int, default=8192)
-    p.add_argument("--schedule", default="split", choices=("split", "seesaw", "seesaw-r1"))
+    p.add_argument("--schedule", default="split", choices=("split", "split-pv", "seesaw", "seesaw-r1"))
     p.add_argument("--impl", default="gluon")
     p.add_argument("--shared-blocks", type=int, default=0)
     p.add_argument("--launches", type=int, default=5)

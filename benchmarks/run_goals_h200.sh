@@ -35,7 +35,7 @@
 #                                                  # with it on / off, engine step wall vs graph sum (8 layers)
 #   bash benchmarks/run_goals_h200.sh demo-pair1 OUT  # issue 16: a new target (run 4's continuation) + its strict-match
 #   bash benchmarks/run_goals_h200.sh demo-pair2 OUT  # issue 16: its MTP layer self-distilled (run 5 a) + k = 1
-#   bash benchmarks/run_goals_h200.sh mla-sched OUT   # issue 14: MLA GPU tests, then split / seesaw / seesaw-r1 at 128 heads
+#   bash benchmarks/run_goals_h200.sh mla-sched OUT   # issue 14: MLA GPU tests, then split / split-pv / seesaw / seesaw-r1 at 128 heads
 #                                                  # (OLD_MLA=file: the kernel before session 41, in the same call)
 #   bash benchmarks/run_goals_h200.sh mla-ncu OUT     # issue 14: Nsight Compute on the dense kernel at 128 heads (stalls per SASS line)
 #   bash benchmarks/run_goals_h200.sh l2-ceiling OUT  # issue 14: L2 -> shared-memory TMA ceiling (bench_tma_l2.py)
@@ -56,15 +56,16 @@ phases)  # issue 18: the adaptive engine's k = 3 decode steps took 1.67 ms again
   # and at 64 sequences (the adaptive engine held at k = 3 was 0.960 of fixed k3 there: host-bound steps)
   step 300 phases_c64 python3 benchmarks/phase_times_k3_vs_adaptive.py --concurrency 64 --requests 128 --rounds 2 \
       --json "$OUT/phases_c64.json" ;;
-mla-sched)  # issue 14: session 41's blind kernel changes (last-tile masks, scale folded into exp2's FMA, seesaw-r1),
-  # compiled for sm_90 on a CPU only: the GPU tests first, then the three dense schedules at 128 heads, HBM and keys in
-  # L2; OLD_MLA=<a copy of mla_gluon.py before them (git show fb8d411:mtpspec/ops/mla_gluon.py)> times it in the same call
+mla-sched)  # issue 14: the GPU tests first (every dense schedule, session 42's split-pv among them, compiled for sm_90 on
+  # a CPU only), then the four dense schedules at 128 heads, HBM and keys in L2; OLD_MLA=<a copy of mla_gluon.py from
+  # another commit> times that file's split / seesaw in the same call
   step 400 mla_tests python3 -m pytest -q -x tests/test_mla_gluon.py tests/test_mla_attention.py \
       tests/test_sparse_mla_attention.py
   for where in hbm l2; do
     extra=""; [ "$where" = l2 ] && extra="--shared-blocks 8"
     step 150 "mla_sched_$where" python3 benchmarks/bench_mla_attention.py --no-compile --no-sdpa --heads 128 \
-        --query-lens 1,4 --impls gluon:split,gluon:seesaw,gluon:seesaw-r1 $extra --out "$OUT/mla_sched_$where.json"
+        --query-lens 1,4 --impls gluon:split,gluon:split-pv,gluon:seesaw,gluon:seesaw-r1 $extra \
+        --out "$OUT/mla_sched_$where.json"
     if [ -n "${OLD_MLA:-}" ]; then
       cp mtpspec/ops/mla_gluon.py "$OUT/.mla_new.py" && cp "$OLD_MLA" mtpspec/ops/mla_gluon.py
       step 150 "mla_old_$where" python3 benchmarks/bench_mla_attention.py --no-compile --no-sdpa --heads 128 \

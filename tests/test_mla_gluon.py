@@ -58,7 +58,7 @@ CASES = [  # heads, query rows per sequence, sequence lengths (partial last tile
 ]
 
 
-@pytest.fixture(params=["seesaw", "seesaw-r1", "split"])
+@pytest.fixture(params=["seesaw", "seesaw-r1", "split", "split-pv"])
 def schedule(request, monkeypatch):
     """The dense schedules of the Gluon kernel (:data:`mtpspec.ops.mla_gluon.DENSE_SCHEDULE`)."""
     monkeypatch.setattr(mla_gluon, "DENSE_SCHEDULE", request.param)
@@ -162,13 +162,14 @@ sig = dict(ql_ptr="*bf16", qp_ptr="*bf16", k0_desc=desc([m.BLOCK_N, m.HALF]), k1
 for n in "stride_qlt stride_qlh stride_qpt stride_qph stride_ot stride_oh stride_bt stride_pt stride_ph".split():
     sig[n] = "i32"
 out = []
-for fn, heads, split, once in ((m._mla_ws_kernel, 16, True, None), (m._mla_ws_kernel, 128, False, None),
+for fn, heads, split, once in ((m._mla_ws_kernel, 16, True, False), (m._mla_ws_kernel, 128, False, False),
+                               (m._mla_ws_kernel, 16, True, True), (m._mla_ws_kernel, 128, False, True),
                                (m._mla_seesaw_kernel, 16, True, False), (m._mla_seesaw_kernel, 128, False, False),
                                (m._mla_seesaw_kernel, 16, True, True), (m._mla_seesaw_kernel, 128, False, True)):
     cx = dict(NUM_HEADS=heads, CACHE_BLOCK=64, SPLIT=split, BLOCK_M=m.BLOCK_M, BLOCK_N=m.BLOCK_N, HALF=m.HALF,
               LORA=m.LORA, ROPE=m.ROPE)
     if fn is m._mla_ws_kernel:
-        cx.update(STAGES=m.STAGES, P_BUFS=m.P_BUFS, WG1_REGS=m.WG1_REGS, PRODUCER_REGS=m.PRODUCER_REGS)
+        cx.update(STAGES=m.STAGES, P_BUFS=m.P_BUFS, WG1_REGS=m.WG1_REGS, PRODUCER_REGS=m.PRODUCER_REGS, PV_LAG=once)
     else:
         cx.update(WG1_REGS=m.SEESAW_WG1_REGS, ONE_RESCALE=once)
     full = {k: sig.get(k, "constexpr") for k in fn.arg_names}
@@ -199,7 +200,7 @@ print(json.dumps(out))
 
 def test_gluon_kernel_compiles_for_hopper() -> None:
     """Ahead-of-time sm_90 compile (a child process, Triton imported without its interpreter) of
-    the dense schedules (split, seesaw, seesaw-r1) at 16 heads (split) and 128 heads (one split) and the sparse
+    the dense schedules (split, split-pv, seesaw, seesaw-r1) at 16 heads (split) and 128 heads (one split) and the sparse
     kernel at 128 heads:
     each fits an sm_90 program's 227 KB of shared memory, and its code has the copies (bulk tensor
     copies dense, 16-byte ``cp.async`` gathers sparse), warpgroup MMAs and per-partition register
@@ -271,6 +272,17 @@ def test_gluon_sparse_gathers_further_ahead(stages, ahead) -> None:
                            False)
         ref = sparse_mla_attention_ref(ql, qp, cache, slots, scale).float()
         assert (out.float() - ref).abs().max().item() < 4e-3
+
+
+def test_dense_launch_rejects_unknown_schedules_and_split_pv_shapes() -> None:
+    """Checked before any launch: an unknown schedule names the four; ``split-pv`` (two key slots,
+    one P buffer by design: its left halves are released one tile late) refuses other shapes."""
+    x = torch.zeros(1, 1, 1)
+    with pytest.raises(ValueError, match="'split', 'split-pv', 'seesaw' or 'seesaw-r1'"):
+        mla_gluon.launch(x, x, x, x, x, x, x, x, x, 1.0, 1, 1, schedule="pv")
+    for stages, p_bufs in ((3, 1), (2, 2)):
+        with pytest.raises(ValueError, match="2 stages and 1 P buffer"):
+            mla_gluon.launch(x, x, x, x, x, x, x, x, x, 1.0, 1, 1, stages=stages, p_bufs=p_bufs, schedule="split-pv")
 
 
 def test_sparse_launch_rejects_a_producer_that_would_hang() -> None:

@@ -33,6 +33,9 @@ second against the first's row max, so one softmax runs under the other warpgrou
 warpgroup accumulates its value half over both tiles (its own ``P`` from registers, the other's
 from shared memory) and refills the key halves it read last (no producer partition); ``"seesaw-r1"``
 orders each pair as FlashMLA does (one rescale of warpgroup 1's half of O a pair, not two).
+A third, ``"split-pv"``, keeps the split schedule's warpgroups and lags warpgroup 0's value half one
+tile (FlashAttention-3's intra-warpgroup overlap): tile i's softmax runs while tile i - 1's left value
+product does, each tile's left latent half released apart from its right half + rope.
 Both schedules mask only the tiles that reach past the row block's first query position or the
 split's end (FlashMLA masks its last tiles only) and fold the softmax scale into the exponent's
 FMA, the running max kept in raw score units (scaled once, where ``m`` is stored).
@@ -105,6 +108,9 @@ SPARSE_PRODUCER_REGS = 112
 #: warpgroup 1's half of O rescaled once a pair instead of twice; compiled for sm_90, not yet run on
 #: a GPU: it takes 128 FMULs a pair off warpgroup 1 but queues ``P_A V_R(A)`` behind B's softmax,
 #: where ``"seesaw"`` runs it under that softmax).
+#: ``"split-pv"``: the split schedule with warpgroup 0's value product one tile behind, under the next
+#: tile's softmax (session 42's profile: the split kernel's tensor cores idle through each softmax);
+#: compiled for sm_90 only, not yet run on a GPU (its softmax warpgroup spills ~20 values a tile to L1).
 DENSE_SCHEDULE = os.environ.get("MTPSPEC_MLA_SCHEDULE", "split")
 SEESAW_WG1_REGS = 256
 #: Sparse launch shape (H200 sweeps, 2026-12-04, BENCHMARKS.md): 64-key tiles in 2 slots with one P
@@ -328,6 +334,127 @@ if HAS_GLUON:
         row, head, row_ok, q_pos = _row_info(rb, q_start, q_len, ctx, NUM_HEADS, BLOCK_M, SPARSE, row_l)
         _store_half(o, m_i, l_i, out_ptr, part_acc_ptr, part_ml_ptr, row, head, row_ok, split, HALF, stride_ot,
                     stride_oh, stride_pt, stride_ph, o_layout, SPLIT, False, HALF, LORA)
+
+    # ------------------------------------------------------------------ dense, "split-pv" schedule
+    # The split schedule's warpgroups with the softmax warpgroup's value half one tile behind
+    # (FlashAttention-3's intra-warpgroup overlap, Shah et al. 2024, sec. 3.2, on MLA's shared key /
+    # value tiles): it issues tile i's scores, then tile i - 1's left value product, and runs tile
+    # i's softmax while that product runs; the value warpgroup's right half of tile i - 1 runs under
+    # tile i's scores. Two slots still suffice because a tile's halves are released apart: the right
+    # half + rope after tile i's scores and the value warpgroup's product (``k_free``, count 2), the
+    # left half after the lagged product (``free_l``); the producer refills the right half first and
+    # the scores read it first. Opt-in (DENSE_SCHEDULE); the ncu profile it answers is in
+    # BENCHMARKS.md (session 42: the split kernel's softmax ran with the tensor cores idle).
+
+    @gluon.jit
+    def _pv_producer(k0_desc, k1_desc, kr_desc, bt_row, k_lo, n_tiles, kbuf0, kbuf1, kbufr, k_ready, k_free,
+                     ready_l, free_l, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CACHE_BLOCK: gl.constexpr,
+                     HALF: gl.constexpr, LORA: gl.constexpr):
+        """Tile ``i``'s right latent half + rope into slot ``i % STAGES`` once the slot's are free
+        (``k_ready``), then its left half once that is free (``ready_l``)."""
+        for i in range(n_tiles):
+            s = i % STAGES
+            phase = ((i // STAGES) & 1) ^ 1  # a fresh slot passes at once
+            start = k_lo + i * BLOCK_N
+            blk = gl.load(bt_row + start // CACHE_BLOCK)
+            r0 = (blk * CACHE_BLOCK + start % CACHE_BLOCK).to(gl.int32)
+            mbarrier.wait(k_free.index(s), phase)
+            mbarrier.expect(k_ready.index(s), k1_desc.block_type.nbytes + kr_desc.block_type.nbytes)
+            _tma_load(k1_desc, [r0, HALF], k_ready.index(s), kbuf1.index(s))
+            _tma_load(kr_desc, [r0, LORA], k_ready.index(s), kbufr.index(s))
+            mbarrier.wait(free_l.index(s), phase)
+            mbarrier.expect(ready_l.index(s), k0_desc.block_type.nbytes)
+            _tma_load(k0_desc, [r0, 0], ready_l.index(s), kbuf0.index(s))
+
+    @gluon.jit
+    def _pv_scores(qbuf0, qbuf1, qbufr, kbuf0, kbuf1, kbufr, k_ready, ready_l, i, start, k_hi,
+                   s_layout: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                   HALF: gl.constexpr):
+        """Tile ``i``'s ``Q K^T`` issued async (3 wgmma groups): the right half + rope once landed,
+        then the left half (refilled last); a partial last tile's stale value rows zeroed first."""
+        s = i % STAGES
+        phase = (i // STAGES) & 1
+        mbarrier.wait(k_ready.index(s), phase)
+        _zero_tail(kbuf1.index(s), start, k_hi, BLOCK_N, HALF)
+        sc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
+        sc = warpgroup_mma(qbuf1, kbuf1.index(s).permute((1, 0)), sc, use_acc=False, is_async=True)
+        sc = warpgroup_mma(qbufr, kbufr.index(s).permute((1, 0)), sc, is_async=True)
+        mbarrier.wait(ready_l.index(s), phase)
+        _zero_tail(kbuf0.index(s), start, k_hi, BLOCK_N, HALF)
+        return warpgroup_mma(qbuf0, kbuf0.index(s).permute((1, 0)), sc, is_async=True)
+
+    @gluon.jit
+    def _pv_softmax(sc, m_i, l_i, start, k_hi, k_full, row_ok, q_pos, qk_scale, dtype: gl.constexpr,
+                    s_layout: gl.constexpr, BLOCK_N: gl.constexpr):
+        """One tile's online softmax from its raw scores: ``(p, alpha, m, l)``, ``p`` already in the P
+        buffer's 16-bit ``dtype`` (half the registers while the lagged value product runs)."""
+        sc = _causal_scores(sc, start, k_full, k_hi, row_ok, q_pos, s_layout, BLOCK_N)
+        m_new = gl.maximum(m_i, gl.max(sc, axis=1))
+        p, m_safe = _exp_scaled(sc, m_new, qk_scale)
+        alpha = gl.exp2(m_i * qk_scale - m_safe)
+        return p.to(dtype), alpha, m_new, l_i * alpha + gl.sum(p, axis=1)
+
+    @gluon.jit
+    def _pv_store_p(p, alpha, i, pbuf, abuf, p_ready, p_free):
+        """Tile ``i``'s P and alpha into the one P buffer, once the value warpgroup has read tile
+        ``i - 1``'s (the caller's own read of it is done)."""
+        mbarrier.wait(p_free.index(0), (i & 1) ^ 1)
+        pbuf.index(0).store(p)
+        abuf.index(0).store(alpha)
+        fence_async_shared()
+        mbarrier.arrive(p_ready.index(0), count=1)
+
+    @gluon.jit
+    def _pv_softmax_wg(qbuf0, qbuf1, qbufr, kbuf0, kbuf1, kbufr, pbuf, abuf, mlbuf, k_ready, k_free, ready_l,
+                       free_l, p_ready, p_free, done, out_ptr, part_acc_ptr, part_ml_ptr, rb, split, q_start, q_len,
+                       ctx, k_lo, k_hi, n_tiles, qk_scale, stride_ot, stride_oh, stride_pt, stride_ph,
+                       NUM_HEADS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                       HALF: gl.constexpr, LORA: gl.constexpr, SPLIT: gl.constexpr):
+        """``"split-pv"``'s warpgroup 0: tile i's scores and softmax, tile i - 1's left value half
+        under them (one P buffer: the value warpgroup reads tile i's P after tile i - 1's)."""
+        s_layout: gl.constexpr = _wgmma_layout(BLOCK_N)
+        o_layout: gl.constexpr = _wgmma_layout(HALF)
+        row_l: gl.constexpr = gl.SliceLayout(1, s_layout)
+        o_row: gl.constexpr = gl.SliceLayout(1, o_layout)
+        row, head, row_ok, q_pos = _row_info(rb, q_start, q_len, ctx, NUM_HEADS, BLOCK_M, False, row_l)
+        k_full = _full_keys(ctx, rb, k_hi, NUM_HEADS, BLOCK_M)
+        m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=row_l)  # raw score units (_exp_scaled)
+        l_i = gl.zeros([BLOCK_M], gl.float32, layout=row_l)
+        alpha = gl.zeros([BLOCK_M], gl.float32, layout=row_l)
+        o = gl.zeros([BLOCK_M, HALF], gl.float32, layout=o_layout)
+        if n_tiles > 0:  # tile 0: scores and softmax, no value product yet
+            acc = _pv_scores(qbuf0, qbuf1, qbufr, kbuf0, kbuf1, kbufr, k_ready, ready_l, 0, k_lo, k_hi, s_layout,
+                             BLOCK_M, BLOCK_N, STAGES, HALF)
+            sc = warpgroup_mma_wait(0, deps=[acc])
+            mbarrier.arrive(k_free.index(0), count=1)  # its right half + rope: read by the scores
+            p, alpha, m_i, l_i = _pv_softmax(sc, m_i, l_i, k_lo, k_hi, k_full, row_ok, q_pos, qk_scale, pbuf.dtype,
+                                             s_layout, BLOCK_N)
+            _pv_store_p(p, alpha, 0, pbuf, abuf, p_ready, p_free)
+        for i in range(1, n_tiles):
+            s = i % STAGES
+            sp = (i - 1) % STAGES
+            acc = _pv_scores(qbuf0, qbuf1, qbufr, kbuf0, kbuf1, kbufr, k_ready, ready_l, i, k_lo + i * BLOCK_N, k_hi,
+                             s_layout, BLOCK_M, BLOCK_N, STAGES, HALF)
+            o = o * gl.convert_layout(alpha, o_row)[:, None]  # to tile i - 1's max, then its P V
+            oa = warpgroup_mma(pbuf.index(0), kbuf0.index(sp), o, is_async=True)
+            sc = warpgroup_mma_wait(1, deps=[acc])  # the scores done; the value product may still run
+            mbarrier.arrive(k_free.index(s), count=1)
+            # tile i's softmax under tile i - 1's value product; its P stored once that product is done
+            p, alpha, m_i, l_i = _pv_softmax(sc, m_i, l_i, k_lo + i * BLOCK_N, k_hi, k_full, row_ok, q_pos, qk_scale,
+                                             pbuf.dtype, s_layout, BLOCK_N)
+            o = warpgroup_mma_wait(0, deps=[oa])
+            mbarrier.arrive(free_l.index(sp), count=1)  # tile i - 1's left half: its scores and products done
+            _pv_store_p(p, alpha, i, pbuf, abuf, p_ready, p_free)
+        if n_tiles > 0:  # the last tile's left value half
+            o = o * gl.convert_layout(alpha, o_row)[:, None]
+            oa = warpgroup_mma(pbuf.index(0), kbuf0.index((n_tiles - 1) % STAGES), o, is_async=True)
+            o = warpgroup_mma_wait(0, deps=[oa])
+        m_i = m_i * qk_scale  # the split's max in scaled (log2) units, as combine_splits reads it
+        mlbuf.index(0).store(m_i)
+        mlbuf.index(1).store(l_i)
+        mbarrier.arrive(done, count=1)
+        _store_half(o, m_i, l_i, out_ptr, part_acc_ptr, part_ml_ptr, row, head, row_ok, split, 0, stride_ot,
+                    stride_oh, stride_pt, stride_ph, o_layout, SPLIT, True, HALF, LORA)
 
     # ------------------------------------------------------------------ dense, "seesaw" schedule
     # FlashMLA's dense decode schedule (DeepSeek 2025; facts only, own code): the two warpgroups take
@@ -785,9 +912,10 @@ if HAS_GLUON:
                 NUM_HEADS: gl.constexpr, CACHE_BLOCK: gl.constexpr, SPLIT: gl.constexpr, SPARSE: gl.constexpr,
                 BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, P_BUFS: gl.constexpr,
                 HALF: gl.constexpr, LORA: gl.constexpr, ROPE: gl.constexpr, WG1_REGS: gl.constexpr,
-                PRODUCER_REGS: gl.constexpr, AHEAD: gl.constexpr):
+                PRODUCER_REGS: gl.constexpr, AHEAD: gl.constexpr, PV_LAG: gl.constexpr):
         """One program over keys ``[k_lo, k_hi)`` (dense: cache positions; sparse: entries of the
-        token row's selection): shared memory, barriers, the query rows, then the partitions."""
+        token row's selection): shared memory, barriers, the query rows, then the partitions
+        (``PV_LAG``, dense only: the ``"split-pv"`` schedule's)."""
         n_tiles = gl.maximum(gl.cdiv(k_hi - k_lo, BLOCK_N), 0)
         dtype: gl.constexpr = ql_ptr.dtype.element_ty
         nvmma: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
@@ -814,6 +942,12 @@ if HAS_GLUON:
             mbarrier.init(p_ready.index(i), count=1)
             mbarrier.init(p_free.index(i), count=1)
         mbarrier.init(done, count=1)
+        if PV_LAG:  # the left latent half's own ready / free barriers (k_ready / k_free: the right half + rope)
+            ready_l = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+            free_l = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+            for i in gl.static_range(STAGES):
+                mbarrier.init(ready_l.index(i), count=1)
+                mbarrier.init(free_l.index(i), count=1)
 
         # the query rows, once (zero past the program's real rows)
         ld: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
@@ -829,6 +963,19 @@ if HAS_GLUON:
                             mask=ok, other=0.0))
         fence_async_shared()
 
+        if PV_LAG:
+            gl.warp_specialize([
+                (_pv_softmax_wg, (qbuf0, qbuf1, qbufr, kbuf0, kbuf1, kbufr, pbuf, abuf, mlbuf, k_ready, k_free, ready_l,
+                                  free_l, p_ready, p_free, done, out_ptr, part_acc_ptr, part_ml_ptr, rb, split, q_start,
+                                  q_len, ctx, k_lo, k_hi, n_tiles, qk_scale, stride_ot, stride_oh, stride_pt,
+                                  stride_ph, NUM_HEADS, BLOCK_M, BLOCK_N, STAGES, HALF, LORA, SPLIT)),
+                (_value_wg, (kbuf1, pbuf, abuf, mlbuf, k_ready, k_free, p_ready, p_free, done, out_ptr, part_acc_ptr,
+                             part_ml_ptr, rb, split, q_start, q_len, ctx, n_tiles, stride_ot, stride_oh, stride_pt,
+                             stride_ph, NUM_HEADS, BLOCK_M, STAGES, P_BUFS, HALF, LORA, SPLIT, False)),
+                (_pv_producer, (k0_desc, k1_desc, kr_desc, bt_row, k_lo, n_tiles, kbuf0, kbuf1, kbufr, k_ready, k_free,
+                                ready_l, free_l, BLOCK_N, STAGES, CACHE_BLOCK, HALF, LORA)),
+            ], [4, 1], [WG1_REGS, PRODUCER_REGS])
+            return
         gl.warp_specialize([  # (one call: its arguments must be literal tuples to stay constexpr)
             (_softmax_wg, (qbuf0, qbuf1, qbufr, kbuf0, kbuf1, kbufr, pbuf, abuf, mlbuf, k_ready, k_free, p_ready,
                            p_free, done, out_ptr, part_acc_ptr, part_ml_ptr, slots_row, n_slots, rb, split, q_start,
@@ -849,7 +996,7 @@ if HAS_GLUON:
                        NUM_HEADS: gl.constexpr, CACHE_BLOCK: gl.constexpr, SPLIT: gl.constexpr,
                        BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, P_BUFS: gl.constexpr,
                        HALF: gl.constexpr, LORA: gl.constexpr, ROPE: gl.constexpr, WG1_REGS: gl.constexpr,
-                       PRODUCER_REGS: gl.constexpr):
+                       PRODUCER_REGS: gl.constexpr, PV_LAG: gl.constexpr):
         # dense: program (row block rb, key split, sequence); keys = the causal context of its rows
         rb = gl.program_id(0)
         split = gl.program_id(1)
@@ -863,7 +1010,7 @@ if HAS_GLUON:
                 out_ptr, part_acc_ptr, part_ml_ptr, rb, split, q_start, q_len, ctx, k_lo, k_hi, qk_scale, stride_qlt,
                 stride_qlh, stride_qpt, stride_qph, 0, 0, stride_ot, stride_oh, stride_pt, stride_ph, NUM_HEADS,
                 CACHE_BLOCK, SPLIT, False, BLOCK_M, BLOCK_N, STAGES, P_BUFS, HALF, LORA, ROPE, WG1_REGS,
-                PRODUCER_REGS, 1)
+                PRODUCER_REGS, 1, PV_LAG)
 
     @gluon.jit
     def _sparse_mla_ws_kernel(ql_ptr, qp_ptr, kv_ptr, slots_ptr, out_ptr, part_acc_ptr, part_ml_ptr, qk_scale,
@@ -884,7 +1031,7 @@ if HAS_GLUON:
                 out_ptr, part_acc_ptr, part_ml_ptr, hb, split, t, 1, 0, k_lo, k_hi, qk_scale, stride_qlt,
                 stride_qlh, stride_qpt, stride_qph, stride_kb, stride_ks, stride_ot, stride_oh, stride_pt, stride_ph,
                 NUM_HEADS, CACHE_BLOCK, SPLIT, True, BLOCK_M, BLOCK_N, STAGES, P_BUFS, HALF, LORA, ROPE, WG1_REGS,
-                PRODUCER_REGS, AHEAD)
+                PRODUCER_REGS, AHEAD, False)
 
 
 def descriptors(kv_cache: torch.Tensor, block_n: int = BLOCK_N):
@@ -913,8 +1060,8 @@ def launch(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, o
     and runs the combine. No host sync.
     ``block_n`` / ``stages`` / ``p_bufs``: tuning overrides (keys per tile, key-tile ring slots, P
     buffers; the ``"split"`` schedule's); they must fit the 227 KB of shared memory (the compile
-    fails otherwise). ``schedule``: ``"seesaw"``, ``"seesaw-r1"`` or ``"split"`` (default
-    :data:`DENSE_SCHEDULE`), else ValueError."""
+    fails otherwise). ``schedule``: ``"split"``, ``"split-pv"`` (2 stages, 1 P buffer), ``"seesaw"`` or
+    ``"seesaw-r1"`` (default :data:`DENSE_SCHEDULE`), else ValueError."""
     nh = q_latent.shape[1]
     if schedule is None:
         schedule = DENSE_SCHEDULE
@@ -928,8 +1075,10 @@ def launch(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, o
             HALF=HALF, LORA=LORA, ROPE=ROPE, WG1_REGS=SEESAW_WG1_REGS, ONE_RESCALE=schedule == "seesaw-r1",
             num_warps=4)
         return
-    if schedule != "split":
-        raise ValueError(f"launch: schedule must be 'seesaw', 'seesaw-r1' or 'split', got {schedule!r}")
+    if schedule not in ("split", "split-pv"):
+        raise ValueError(f"launch: schedule must be 'split', 'split-pv', 'seesaw' or 'seesaw-r1', got {schedule!r}")
+    if schedule == "split-pv" and (stages != 2 or p_bufs != 1):
+        raise ValueError(f"launch: the 'split-pv' schedule takes 2 stages and 1 P buffer, got {stages} and {p_bufs}")
     k0, k1, kr = descriptors(kv_cache, block_n)
     _mla_ws_kernel[(row_blocks, num_splits, seq_lens.shape[0])](
         q_latent, q_pe, k0, k1, kr, out, part_acc, part_ml, query_start_loc, seq_lens, block_tables, qk_scale,
@@ -937,7 +1086,7 @@ def launch(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, o
         out.stride(1), block_tables.stride(0), nh * num_splits, num_splits,
         NUM_HEADS=nh, CACHE_BLOCK=kv_cache.shape[1], SPLIT=num_splits > 1, BLOCK_M=BLOCK_M, BLOCK_N=block_n,
         STAGES=stages, P_BUFS=p_bufs, HALF=HALF, LORA=LORA, ROPE=ROPE, WG1_REGS=WG1_REGS, PRODUCER_REGS=PRODUCER_REGS,
-        num_warps=4)
+        PV_LAG=schedule == "split-pv", num_warps=4)
 
 
 def dense_plan(num_seqs: int, max_query_len: int, num_heads: int, max_seq_len: int, sms: int,
