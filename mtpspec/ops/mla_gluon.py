@@ -110,7 +110,7 @@ SPARSE_PRODUCER_REGS = 112
 #: where ``"seesaw"`` runs it under that softmax).
 #: ``"split-pv"``: the split schedule with warpgroup 0's value product one tile behind, under the next
 #: tile's softmax (session 42's profile: the split kernel's tensor cores idle through each softmax);
-#: compiled for sm_90 only, not yet run on a GPU (its softmax warpgroup spills ~20 values a tile to L1).
+#: compiled for sm_90 only, not yet run on a GPU (its softmax warpgroup keeps 1-2 spilled values in local memory a tile).
 DENSE_SCHEDULE = os.environ.get("MTPSPEC_MLA_SCHEDULE", "split")
 SEESAW_WG1_REGS = 256
 #: Sparse launch shape (H200 sweeps, 2026-12-04, BENCHMARKS.md): 64-key tiles in 2 slots with one P
@@ -371,16 +371,20 @@ if HAS_GLUON:
                    s_layout: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                    HALF: gl.constexpr):
         """Tile ``i``'s ``Q K^T`` issued async (3 wgmma groups): the right half + rope once landed,
-        then the left half (refilled last); a partial last tile's stale value rows zeroed first."""
+        then the left half (refilled last). A partial last tile waits for both halves and zeroes
+        their stale value rows before any product (zeroing with the score products in flight made
+        ptxas spill ~20 values a tile for the whole loop)."""
         s = i % STAGES
         phase = (i // STAGES) & 1
         mbarrier.wait(k_ready.index(s), phase)
-        _zero_tail(kbuf1.index(s), start, k_hi, BLOCK_N, HALF)
+        if start + BLOCK_N > k_hi:
+            mbarrier.wait(ready_l.index(s), phase)
+            _zero_tail(kbuf1.index(s), start, k_hi, BLOCK_N, HALF)
+            _zero_tail(kbuf0.index(s), start, k_hi, BLOCK_N, HALF)
         sc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
         sc = warpgroup_mma(qbuf1, kbuf1.index(s).permute((1, 0)), sc, use_acc=False, is_async=True)
         sc = warpgroup_mma(qbufr, kbufr.index(s).permute((1, 0)), sc, is_async=True)
-        mbarrier.wait(ready_l.index(s), phase)
-        _zero_tail(kbuf0.index(s), start, k_hi, BLOCK_N, HALF)
+        mbarrier.wait(ready_l.index(s), phase)  # (at once after a partial tile's wait)
         return warpgroup_mma(qbuf0, kbuf0.index(s).permute((1, 0)), sc, is_async=True)
 
     @gluon.jit
