@@ -258,7 +258,8 @@ SHUTDOWN_JOIN_S = 10.0
 
 def _port_taken(exc: "WorkerError") -> bool:
     """Whether a rank failed to start because the rendezvous port was taken meanwhile (torch's
-    ``DistNetworkError ... EADDRINUSE``: :func:`~mtpspec.distributed.launcher.port_taken`)."""
+    ``DistNetworkError ... EADDRINUSE``) or the ranks' gloo mesh failed to connect while they
+    rendezvoused: :func:`~mtpspec.distributed.launcher.port_taken`; either way the ranks start again."""
     return port_taken(f"{exc}\n{exc.rank_traceback}")
 
 
