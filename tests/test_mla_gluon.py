@@ -162,16 +162,16 @@ sig = dict(ql_ptr="*bf16", qp_ptr="*bf16", k0_desc=desc([m.BLOCK_N, m.HALF]), k1
 for n in "stride_qlt stride_qlh stride_qpt stride_qph stride_ot stride_oh stride_bt stride_pt stride_ph".split():
     sig[n] = "i32"
 out = []
-for fn, heads, split, once in ((m._mla_ws_kernel, 16, True, False), (m._mla_ws_kernel, 128, False, False),
-                               (m._mla_ws_kernel, 16, True, True), (m._mla_ws_kernel, 128, False, True),
-                               (m._mla_seesaw_kernel, 16, True, False), (m._mla_seesaw_kernel, 128, False, False),
-                               (m._mla_seesaw_kernel, 16, True, True), (m._mla_seesaw_kernel, 128, False, True)):
+for fn, heads, split, variant in ((m._mla_ws_kernel, 16, True, False), (m._mla_ws_kernel, 128, False, False),
+                                  (m._mla_ws_kernel, 16, True, True), (m._mla_ws_kernel, 128, False, True),
+                                  (m._mla_seesaw_kernel, 16, True, False), (m._mla_seesaw_kernel, 128, False, False),
+                                  (m._mla_seesaw_kernel, 16, True, True), (m._mla_seesaw_kernel, 128, False, True)):
     cx = dict(NUM_HEADS=heads, CACHE_BLOCK=64, SPLIT=split, BLOCK_M=m.BLOCK_M, BLOCK_N=m.BLOCK_N, HALF=m.HALF,
               LORA=m.LORA, ROPE=m.ROPE)
     if fn is m._mla_ws_kernel:
-        cx.update(STAGES=m.STAGES, P_BUFS=m.P_BUFS, WG1_REGS=m.WG1_REGS, PRODUCER_REGS=m.PRODUCER_REGS, PV_LAG=once)
+        cx.update(STAGES=m.STAGES, P_BUFS=m.P_BUFS, WG1_REGS=m.WG1_REGS, PRODUCER_REGS=m.PRODUCER_REGS, PV_LAG=variant)
     else:
-        cx.update(WG1_REGS=m.SEESAW_WG1_REGS, ONE_RESCALE=once)
+        cx.update(WG1_REGS=m.SEESAW_WG1_REGS, ONE_RESCALE=variant)
     full = {k: sig.get(k, "constexpr") for k in fn.arg_names}
     attrs = {(fn.arg_names.index(k),): [["tt.divisibility", 16]] for k, v in full.items() if v.startswith("*")}
     ck = triton.compile(GluonASTSource(fn, full, cx, attrs), target=GPUTarget("cuda", 90, 32),
@@ -280,9 +280,9 @@ def test_dense_launch_rejects_unknown_schedules_and_split_pv_shapes() -> None:
     x = torch.zeros(1, 1, 1)
     with pytest.raises(ValueError, match="'split', 'split-pv', 'seesaw' or 'seesaw-r1'"):
         mla_gluon.launch(x, x, x, x, x, x, x, x, x, 1.0, 1, 1, schedule="pv")
-    for stages, p_bufs in ((3, 1), (2, 2)):
+    for stages, p_bufs, schedule in ((3, 1, "split-pv"), (2, 2, "split-pv")):
         with pytest.raises(ValueError, match="2 stages and 1 P buffer"):
-            mla_gluon.launch(x, x, x, x, x, x, x, x, x, 1.0, 1, 1, stages=stages, p_bufs=p_bufs, schedule="split-pv")
+            mla_gluon.launch(x, x, x, x, x, x, x, x, x, 1.0, 1, 1, stages=stages, p_bufs=p_bufs, schedule=schedule)
 
 
 def test_sparse_launch_rejects_a_producer_that_would_hang() -> None:

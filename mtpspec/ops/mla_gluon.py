@@ -388,15 +388,20 @@ if HAS_GLUON:
         return warpgroup_mma(qbuf0, kbuf0.index(s).permute((1, 0)), sc, is_async=True)
 
     @gluon.jit
-    def _pv_softmax(sc, m_i, l_i, start, k_hi, k_full, row_ok, q_pos, qk_scale, dtype: gl.constexpr,
-                    s_layout: gl.constexpr, BLOCK_N: gl.constexpr):
-        """One tile's online softmax from its raw scores: ``(p, alpha, m, l)``, ``p`` already in the P
-        buffer's 16-bit ``dtype`` (half the registers while the lagged value product runs)."""
+    def _pv_exp(sc, m_i, start, k_hi, k_full, row_ok, q_pos, qk_scale, s_layout: gl.constexpr,
+                BLOCK_N: gl.constexpr):
+        """A tile's online softmax, first step: masked raw scores -> ``(p, m_new, m_safe)``."""
         sc = _causal_scores(sc, start, k_full, k_hi, row_ok, q_pos, s_layout, BLOCK_N)
         m_new = gl.maximum(m_i, gl.max(sc, axis=1))
         p, m_safe = _exp_scaled(sc, m_new, qk_scale)
+        return p, m_new, m_safe
+
+    @gluon.jit
+    def _pv_sum(p, m_i, m_safe, l_i, qk_scale, dtype: gl.constexpr):
+        """... second step: ``(p, alpha, l)``, ``p`` in the P buffer's 16-bit ``dtype`` (half the
+        registers while the lagged value product runs)."""
         alpha = gl.exp2(m_i * qk_scale - m_safe)
-        return p.to(dtype), alpha, m_new, l_i * alpha + gl.sum(p, axis=1)
+        return p.to(dtype), alpha, l_i * alpha + gl.sum(p, axis=1)
 
     @gluon.jit
     def _pv_store_p(p, alpha, i, pbuf, abuf, p_ready, p_free):
@@ -431,8 +436,9 @@ if HAS_GLUON:
                              BLOCK_M, BLOCK_N, STAGES, HALF)
             sc = warpgroup_mma_wait(0, deps=[acc])
             mbarrier.arrive(k_free.index(0), count=1)  # its right half + rope: read by the scores
-            p, alpha, m_i, l_i = _pv_softmax(sc, m_i, l_i, k_lo, k_hi, k_full, row_ok, q_pos, qk_scale, pbuf.dtype,
-                                             s_layout, BLOCK_N)
+            p, m_new, m_safe = _pv_exp(sc, m_i, k_lo, k_hi, k_full, row_ok, q_pos, qk_scale, s_layout, BLOCK_N)
+            p, alpha, l_i = _pv_sum(p, m_i, m_safe, l_i, qk_scale, pbuf.dtype)
+            m_i = m_new
             _pv_store_p(p, alpha, 0, pbuf, abuf, p_ready, p_free)
         for i in range(1, n_tiles):
             s = i % STAGES
@@ -444,8 +450,15 @@ if HAS_GLUON:
             sc = warpgroup_mma_wait(1, deps=[acc])  # the scores done; the value product may still run
             mbarrier.arrive(k_free.index(s), count=1)
             # tile i's softmax under tile i - 1's value product; its P stored once that product is done
-            p, alpha, m_i, l_i = _pv_softmax(sc, m_i, l_i, k_lo + i * BLOCK_N, k_hi, k_full, row_ok, q_pos, qk_scale,
-                                             pbuf.dtype, s_layout, BLOCK_N)
+            p, m_new, m_safe = _pv_exp(sc, m_i, k_lo + i * BLOCK_N, k_hi, k_full, row_ok, q_pos, qk_scale, s_layout,
+                                       BLOCK_N)
+            p, alpha, l_i = _pv_sum(p, m_i, m_safe, l_i, qk_scale, pbuf.dtype)
+            m_i = m_new
+            # the running sum stored first anchors the wait after the softmax: ptxas schedules the wgmma wait
+            # (no register operands in PTX) as early as it may, and without a shared-memory store before it
+            # put it at the top of the max (Triton 3.9, sm_90 SASS), so the softmax waited for the product
+            # it is meant to run under; the value warpgroup reads mlbuf only after `done` (the end's store wins)
+            mlbuf.index(1).store(l_i)
             o = warpgroup_mma_wait(0, deps=[oa])
             mbarrier.arrive(free_l.index(sp), count=1)  # tile i - 1's left half: its scores and products done
             _pv_store_p(p, alpha, i, pbuf, abuf, p_ready, p_free)
