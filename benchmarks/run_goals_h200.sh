@@ -61,6 +61,8 @@ mla-sched)  # issue 14: the GPU tests first (every dense schedule, session 42's 
   # another commit> times that file's split / seesaw in the same call
   step 400 mla_tests python3 -m pytest -q -x tests/test_mla_gluon.py tests/test_mla_attention.py \
       tests/test_sparse_mla_attention.py
+  # where the device's ptxas put the wgmma waits among the softmax (split-pv's wait must follow it)
+  python3 benchmarks/sass_order.py --triton-cache --kernel _mla_ws_kernel 2>&1 | cut -c1-2500 | head -12
   for where in hbm l2; do
     extra=""; [ "$where" = l2 ] && extra="--shared-blocks 8"
     step 150 "mla_sched_$where" python3 benchmarks/bench_mla_attention.py --no-compile --no-sdpa --heads 128 \

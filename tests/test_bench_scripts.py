@@ -202,3 +202,24 @@ def test_ncu_sass_stalls_reads_a_recorded_profile():
     assert 0.9 * s["total"] <= sum(n for n, _ in s["reasons"]) <= s["total"]
     assert [ln["samples"] for ln in s["lines"]] == sorted((ln["samples"] for ln in s["lines"]), reverse=True)
     assert any("DEPBAR" in ln["sass"] for ln in s["lines"][:6])
+
+
+def test_sass_order_reads_waits_and_softmax_runs():
+    """benchmarks/sass_order.py on a SASS excerpt (cuobjdump's format): predicates dropped, a wait keeps
+    its group count, runs counted, other opcodes left out."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import sass_order
+    sass = """
+        /*0100*/                   HGMMA.64x256x16.F32.BF16 R24, gdesc[UR52].tnspB, R24, gsb0 ;   /* 0x0 */
+        /*0110*/                   WARPGROUP.DEPBAR.LE gsb0, 0x1 ;                      /* 0x0 */
+        /*0120*/              @!P5 SYNCS.ARRIVE.TRANS64.A1T0 RZ, [R5+URZ+0x38430], RZ ; /* 0x0 */
+        /*0130*/                   FMNMX R0, R152, R153, !PT ;                          /* 0x0 */
+        /*0140*/                   FMNMX R1, R154, R155, !PT ;                          /* 0x0 */
+        /*0150*/                   IMAD R2, R3, 0x4, R4 ;                               /* 0x0 */
+        /*0160*/                   MUFU.EX2 R152, R152 ;                                /* 0x0 */
+        /*0170*/                   STS [R11+0x38100], R7 ;                              /* 0x0 */
+        /*0180*/                   WARPGROUP.DEPBAR.LE gsb0, 0x0 ;                      /* 0x0 */
+    """
+    assert sass_order.runs(sass_order.ops(sass)) == [
+        "1 HGMMA.64x256x16", "1 WARPGROUP.DEPBAR.LE(0x1)", "1 SYNCS.ARRIVE.TRANS64.A1T0", "2 FMNMX", "1 MUFU.EX2",
+        "1 STS", "1 WARPGROUP.DEPBAR.LE(0x0)"]
