@@ -248,6 +248,31 @@ if HAS_GLUON:
         return (q_start + tok).to(gl.int64), r % NUM_HEADS, tok < q_len, ctx + tok
 
     @gluon.jit
+    def _wg0_state(rb, q_start, q_len, ctx, k_hi, NUM_HEADS: gl.constexpr, BLOCK_M: gl.constexpr, SPARSE: gl.constexpr,
+                   s_layout: gl.constexpr, o_layout: gl.constexpr, HALF: gl.constexpr):
+        """Warpgroup 0's rows and starting state (split schedules): ``(row, head, row_ok, q_pos, k_full,
+        m = -inf in raw score units, l = 0, O's left half = 0)``."""
+        row_l: gl.constexpr = gl.SliceLayout(1, s_layout)
+        row, head, row_ok, q_pos = _row_info(rb, q_start, q_len, ctx, NUM_HEADS, BLOCK_M, SPARSE, row_l)
+        k_full = _full_keys(ctx, rb, k_hi, NUM_HEADS, BLOCK_M)
+        m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=row_l)  # raw score units (_exp_scaled)
+        l_i = gl.zeros([BLOCK_M], gl.float32, layout=row_l)
+        return row, head, row_ok, q_pos, k_full, m_i, l_i, gl.zeros([BLOCK_M, HALF], gl.float32, layout=o_layout)
+
+    @gluon.jit
+    def _wg0_finish(o, m_i, l_i, qk_scale, mlbuf, done, out_ptr, part_acc_ptr, part_ml_ptr, row, head, row_ok, split,
+                    stride_ot, stride_oh, stride_pt, stride_ph, o_layout: gl.constexpr, SPLIT: gl.constexpr,
+                    HALF: gl.constexpr, LORA: gl.constexpr):
+        """Warpgroup 0's end (split schedules): the max (in scaled log2 units, as combine_splits reads
+        it) and sum handed to warpgroup 1 through ``mlbuf`` / ``done``, then its half of O stored."""
+        m_i = m_i * qk_scale
+        mlbuf.index(0).store(m_i)
+        mlbuf.index(1).store(l_i)
+        mbarrier.arrive(done, count=1)
+        _store_half(o, m_i, l_i, out_ptr, part_acc_ptr, part_ml_ptr, row, head, row_ok, split, 0, stride_ot,
+                    stride_oh, stride_pt, stride_ph, o_layout, SPLIT, True, HALF, LORA)
+
+    @gluon.jit
     def _softmax_wg(qbuf0, qbuf1, qbufr, kbuf0, kbuf1, kbufr, pbuf, abuf, mlbuf, k_ready, k_free, p_ready, p_free,
                     done, out_ptr, part_acc_ptr, part_ml_ptr, slots_row, n_slots, rb, split, q_start, q_len, ctx,
                     k_lo, k_hi, n_tiles, qk_scale, stride_ot, stride_oh, stride_pt, stride_ph,
@@ -256,13 +281,9 @@ if HAS_GLUON:
                     SPARSE: gl.constexpr):
         s_layout: gl.constexpr = _wgmma_layout(BLOCK_N)
         o_layout: gl.constexpr = _wgmma_layout(HALF)
-        row_l: gl.constexpr = gl.SliceLayout(1, s_layout)
         col_l: gl.constexpr = gl.SliceLayout(0, s_layout)
-        row, head, row_ok, q_pos = _row_info(rb, q_start, q_len, ctx, NUM_HEADS, BLOCK_M, SPARSE, row_l)
-        k_full = _full_keys(ctx, rb, k_hi, NUM_HEADS, BLOCK_M)
-        m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=row_l)  # raw score units (_exp_scaled)
-        l_i = gl.zeros([BLOCK_M], gl.float32, layout=row_l)
-        o = gl.zeros([BLOCK_M, HALF], gl.float32, layout=o_layout)
+        row, head, row_ok, q_pos, k_full, m_i, l_i, o = _wg0_state(rb, q_start, q_len, ctx, k_hi, NUM_HEADS, BLOCK_M,
+                                                                   SPARSE, s_layout, o_layout, HALF)
         for i in range(n_tiles):
             s = i % STAGES
             mbarrier.wait(k_ready.index(s), (i // STAGES) & 1)
@@ -300,12 +321,8 @@ if HAS_GLUON:
             o = warpgroup_mma(pbuf.index(b), kbuf0.index(s), o, is_async=True)
             o = warpgroup_mma_wait(0, deps=[o])
             mbarrier.arrive(k_free.index(s), count=1)
-        m_i = m_i * qk_scale  # the split's max in scaled (log2) units, as combine_splits reads it
-        mlbuf.index(0).store(m_i)
-        mlbuf.index(1).store(l_i)
-        mbarrier.arrive(done, count=1)
-        _store_half(o, m_i, l_i, out_ptr, part_acc_ptr, part_ml_ptr, row, head, row_ok, split, 0, stride_ot,
-                    stride_oh, stride_pt, stride_ph, o_layout, SPLIT, True, HALF, LORA)
+        _wg0_finish(o, m_i, l_i, qk_scale, mlbuf, done, out_ptr, part_acc_ptr, part_ml_ptr, row, head, row_ok, split,
+                    stride_ot, stride_oh, stride_pt, stride_ph, o_layout, SPLIT, HALF, LORA)
 
     @gluon.jit
     def _value_wg(kbuf1, pbuf, abuf, mlbuf, k_ready, k_free, p_ready, p_free, done, out_ptr, part_acc_ptr,
@@ -423,14 +440,10 @@ if HAS_GLUON:
         under them (one P buffer: the value warpgroup reads tile i's P after tile i - 1's)."""
         s_layout: gl.constexpr = _wgmma_layout(BLOCK_N)
         o_layout: gl.constexpr = _wgmma_layout(HALF)
-        row_l: gl.constexpr = gl.SliceLayout(1, s_layout)
         o_row: gl.constexpr = gl.SliceLayout(1, o_layout)
-        row, head, row_ok, q_pos = _row_info(rb, q_start, q_len, ctx, NUM_HEADS, BLOCK_M, False, row_l)
-        k_full = _full_keys(ctx, rb, k_hi, NUM_HEADS, BLOCK_M)
-        m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=row_l)  # raw score units (_exp_scaled)
-        l_i = gl.zeros([BLOCK_M], gl.float32, layout=row_l)
-        alpha = gl.zeros([BLOCK_M], gl.float32, layout=row_l)
-        o = gl.zeros([BLOCK_M, HALF], gl.float32, layout=o_layout)
+        row, head, row_ok, q_pos, k_full, m_i, l_i, o = _wg0_state(rb, q_start, q_len, ctx, k_hi, NUM_HEADS, BLOCK_M,
+                                                                   False, s_layout, o_layout, HALF)
+        alpha = gl.zeros_like(l_i)
         if n_tiles > 0:  # tile 0: scores and softmax, no value product yet
             acc = _pv_scores(qbuf0, qbuf1, qbufr, kbuf0, kbuf1, kbufr, k_ready, ready_l, 0, k_lo, k_hi, s_layout,
                              BLOCK_M, BLOCK_N, STAGES, HALF)
@@ -466,12 +479,8 @@ if HAS_GLUON:
             o = o * gl.convert_layout(alpha, o_row)[:, None]
             oa = warpgroup_mma(pbuf.index(0), kbuf0.index((n_tiles - 1) % STAGES), o, is_async=True)
             o = warpgroup_mma_wait(0, deps=[oa])
-        m_i = m_i * qk_scale  # the split's max in scaled (log2) units, as combine_splits reads it
-        mlbuf.index(0).store(m_i)
-        mlbuf.index(1).store(l_i)
-        mbarrier.arrive(done, count=1)
-        _store_half(o, m_i, l_i, out_ptr, part_acc_ptr, part_ml_ptr, row, head, row_ok, split, 0, stride_ot,
-                    stride_oh, stride_pt, stride_ph, o_layout, SPLIT, True, HALF, LORA)
+        _wg0_finish(o, m_i, l_i, qk_scale, mlbuf, done, out_ptr, part_acc_ptr, part_ml_ptr, row, head, row_ok, split,
+                    stride_ot, stride_oh, stride_pt, stride_ph, o_layout, SPLIT, HALF, LORA)
 
     # ------------------------------------------------------------------ dense, "seesaw" schedule
     # FlashMLA's dense decode schedule (DeepSeek 2025; facts only, own code): the two warpgroups take
