@@ -199,7 +199,7 @@ def test_start_on_free_port_starts_again_only_while_the_port_was_taken():
             return port
         return run
 
-    taken = lambda exc: isinstance(exc, RuntimeError) and launcher.port_taken(str(exc))  # noqa: E731
+    taken = lambda exc: isinstance(exc, RuntimeError) and launcher.restartable(str(exc))  # noqa: E731
     assert launcher.start_on_free_port(start(1, RuntimeError("EADDRINUSE")), taken) == ports[-1]
     assert len(ports) == 2
     mesh = RuntimeError("Gloo connectFullMesh failed with [pair.cc:553] Connection closed by peer [127.0.0.1]:45230\n"

@@ -59,12 +59,21 @@ PORT_ATTEMPTS = 3
 
 def port_taken(text: str) -> bool:
     """Whether a rank's error (its message and traceback) says that the rendezvous port was taken after it
-    was picked (torch's ``DistNetworkError ... EADDRINUSE``), or that the ranks' gloo mesh failed to connect
-    inside ``init_process_group`` (``Gloo connectFullMesh failed ... Connection closed by peer``: seen once in
-    ~1,800 tests on a loaded 2-core machine, gone on the next start; a known flake of torch's own gloo tests,
-    pytorch/pytorch#53270). Both happen before any rank runs the caller's code, so starting again is safe."""
-    return ("EADDRINUSE" in text or "address already in use" in text.lower()
-            or ("connectFullMesh failed" in text and "init_process_group" in text))
+    was picked (torch's ``DistNetworkError ... EADDRINUSE``)."""
+    return "EADDRINUSE" in text or "address already in use" in text.lower()
+
+
+def mesh_failed(text: str) -> bool:
+    """Whether a rank's error says that the ranks' gloo mesh failed to connect inside ``init_process_group``
+    (``Gloo connectFullMesh failed ... Connection closed by peer``: seen once in ~1,800 tests on a loaded
+    2-core machine, gone on the next start; a known flake of torch's own gloo tests, pytorch/pytorch#53270)."""
+    return "connectFullMesh failed" in text and "init_process_group" in text
+
+
+def restartable(text: str) -> bool:
+    """Whether a rank's error is one the ranks start again after, on a new port (:func:`start_on_free_port`):
+    :func:`port_taken` or :func:`mesh_failed`, both before any rank ran the caller's code."""
+    return port_taken(text) or mesh_failed(text)
 
 
 _T = TypeVar("_T")
@@ -72,7 +81,7 @@ _T = TypeVar("_T")
 
 def start_on_free_port(start: Callable[[int], _T], taken: Callable[[BaseException], bool]) -> _T:
     """``start(port)`` on a newly picked free port (:func:`find_free_port`); when it raises an exception
-    that ``taken`` says means rank 0 found the port taken meanwhile (:func:`port_taken`), again on a new
+    that ``taken`` says the ranks may start again after (:func:`restartable`), again on a new
     port, up to :data:`PORT_ATTEMPTS` times in all. ``start`` ends the ranks it started before it raises.
 
     Returns:
@@ -235,7 +244,7 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, backend: Optiona
         return results
 
     def taken(exc: BaseException) -> bool:  # a rank's own error (chained above), not _run_ranks' RuntimeErrors
-        return isinstance(exc.__cause__, RemoteTraceback) and port_taken(f"{exc}\n{exc.__cause__.tb}")
+        return isinstance(exc.__cause__, RemoteTraceback) and restartable(f"{exc}\n{exc.__cause__.tb}")
 
     return start_on_free_port(start, taken)
 

@@ -14,7 +14,7 @@ from typing import Any, Callable, Iterator, List, Optional, Protocol
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from mtpspec.distributed.launcher import main_guard_hint, port_taken, start_on_free_port
+from mtpspec.distributed.launcher import main_guard_hint, restartable, start_on_free_port
 from mtpspec.engine.config import EngineConfig
 from mtpspec.step_io import StepInput, StepOutput
 from mtpspec.engine.worker import (
@@ -256,11 +256,11 @@ def release_device_memory() -> None:
 SHUTDOWN_JOIN_S = 10.0
 
 
-def _port_taken(exc: "WorkerError") -> bool:
+def _restartable(exc: "WorkerError") -> bool:
     """Whether a rank failed to start because the rendezvous port was taken meanwhile (torch's
     ``DistNetworkError ... EADDRINUSE``) or the ranks' gloo mesh failed to connect while they
-    rendezvoused: :func:`~mtpspec.distributed.launcher.port_taken`; either way the ranks start again."""
-    return port_taken(f"{exc}\n{exc.rank_traceback}")
+    rendezvoused: :func:`~mtpspec.distributed.launcher.restartable`; either way the ranks start again."""
+    return restartable(f"{exc}\n{exc.rank_traceback}")
 
 
 class MultiprocExecutor(Executor):
@@ -314,7 +314,7 @@ class MultiprocExecutor(Executor):
                 self.shutdown()
                 raise
 
-        ready = start_on_free_port(start, lambda exc: isinstance(exc, WorkerError) and _port_taken(exc))
+        ready = start_on_free_port(start, lambda exc: isinstance(exc, WorkerError) and _restartable(exc))
         self.num_kv_blocks = int(ready[0])
 
     def _recv_all(self, timeout_s: float, grace_s: float = 2.0) -> List[Any]:

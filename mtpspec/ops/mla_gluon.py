@@ -368,7 +368,9 @@ if HAS_GLUON:
                      ready_l, free_l, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CACHE_BLOCK: gl.constexpr,
                      HALF: gl.constexpr, LORA: gl.constexpr):
         """Tile ``i``'s right latent half + rope into slot ``i % STAGES`` once the slot's are free
-        (``k_ready``), then its left half once that is free (``ready_l``)."""
+        (``k_free``), completing ``k_ready``; then its left half once that is free (``free_l``),
+        completing ``ready_l``. (The copies are :func:`_seesaw_load`'s two kinds, written out here
+        to look the tile's cache row up once.)"""
         for i in range(n_tiles):
             s = i % STAGES
             phase = ((i // STAGES) & 1) ^ 1  # a fresh slot passes at once
@@ -1087,7 +1089,11 @@ def launch(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, o
     ``block_n`` / ``stages`` / ``p_bufs``: tuning overrides (keys per tile, key-tile ring slots, P
     buffers; the ``"split"`` schedule's); they must fit the 227 KB of shared memory (the compile
     fails otherwise). ``schedule``: ``"split"``, ``"split-pv"`` (2 stages, 1 P buffer), ``"seesaw"`` or
-    ``"seesaw-r1"`` (default :data:`DENSE_SCHEDULE`), else ValueError."""
+    ``"seesaw-r1"`` (default :data:`DENSE_SCHEDULE`).
+
+    Raises:
+        ValueError: an unknown ``schedule``, or ``"split-pv"`` with other than 2 stages and 1 P buffer
+            (both before any launch)."""
     nh = q_latent.shape[1]
     if schedule is None:
         schedule = DENSE_SCHEDULE
