@@ -275,14 +275,29 @@ def test_gluon_sparse_gathers_further_ahead(stages, ahead) -> None:
 
 
 def test_dense_launch_rejects_unknown_schedules_and_split_pv_shapes() -> None:
-    """Checked before any launch: an unknown schedule names the four; ``split-pv`` (two key slots,
+    """Checked before any launch: an unknown schedule names the five; ``split-pv`` (two key slots,
     one P buffer by design: its left halves are released one tile late) refuses other shapes."""
     x = torch.zeros(1, 1, 1)
-    with pytest.raises(ValueError, match="'split', 'split-pv', 'seesaw' or 'seesaw-r1'"):
+    with pytest.raises(ValueError, match="'auto', 'split', 'split-pv', 'seesaw' or 'seesaw-r1'"):
         mla_gluon.launch(x, x, x, x, x, x, x, x, x, 1.0, 1, 1, schedule="pv")
     for stages, p_bufs, schedule in ((3, 1, "split-pv"), (2, 2, "split-pv")):
         with pytest.raises(ValueError, match="2 stages and 1 P buffer"):
             mla_gluon.launch(x, x, x, x, x, x, x, x, x, 1.0, 1, 1, stages=stages, p_bufs=p_bufs, schedule=schedule)
+
+
+def test_dense_schedule_auto() -> None:
+    """``"auto"``: split-pv from PV_ROW_BLOCKS row blocks a sequence (128 heads x 2 and 4 query rows,
+    the compute-bound shapes), split below (16 heads; 128 heads x 1) and for launch shapes split-pv
+    cannot take; a named schedule is kept."""
+    plan = mla_gluon.dense_plan
+    assert mla_gluon.PV_ROW_BLOCKS == 4
+    assert mla_gluon.dense_schedule(plan(64, 4, 128, 8192, 132)["row_blocks"]) == "split-pv"
+    assert mla_gluon.dense_schedule(plan(64, 2, 128, 8192, 132)["row_blocks"]) == "split-pv"
+    assert mla_gluon.dense_schedule(plan(64, 1, 128, 8192, 132)["row_blocks"]) == "split"
+    assert mla_gluon.dense_schedule(plan(64, 4, 16, 8192, 132)["row_blocks"]) == "split"
+    assert mla_gluon.dense_schedule(8, pv_shape=False) == "split"
+    for named in ("split", "seesaw", "seesaw-r1", "split-pv"):
+        assert mla_gluon.dense_schedule(8, named) == named and mla_gluon.dense_schedule(1, named) == named
 
 
 def test_sparse_launch_rejects_a_producer_that_would_hang() -> None:

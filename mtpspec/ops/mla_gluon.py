@@ -110,8 +110,12 @@ SPARSE_PRODUCER_REGS = 112
 #: where ``"seesaw"`` runs it under that softmax).
 #: ``"split-pv"``: the split schedule with warpgroup 0's value product one tile behind, under the next
 #: tile's softmax (session 42's profile: the split kernel's tensor cores idle through each softmax);
-#: compiled for sm_90 only, not yet run on a GPU (its softmax warpgroup keeps 1-2 spilled values in local memory a tile).
-DENSE_SCHEDULE = os.environ.get("MTPSPEC_MLA_SCHEDULE", "split")
+#: H100, 64 x 8,192 (2026-12-07, BENCHMARKS.md): 5% faster than ``"split"`` at 128 heads x 4 (HBM and
+#: L2), 4% slower at 128 x 1 from HBM (its left half's refill starts a softmax later), 6% faster there
+#: from L2. ``"auto"`` (the default) takes ``"split-pv"`` from :data:`PV_ROW_BLOCKS` row blocks a
+#: sequence on (the compute-bound shapes), ``"split"`` below.
+DENSE_SCHEDULE = os.environ.get("MTPSPEC_MLA_SCHEDULE", "auto")
+PV_ROW_BLOCKS = 4
 SEESAW_WG1_REGS = 256
 #: Sparse launch shape (H200 sweeps, 2026-12-04, BENCHMARKS.md): 64-key tiles in 2 slots with one P
 #: buffer (224 KiB, the dense shape), the gathering threads' copies completing each tile's barrier
@@ -1088,15 +1092,15 @@ def launch(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, o
     and runs the combine. No host sync.
     ``block_n`` / ``stages`` / ``p_bufs``: tuning overrides (keys per tile, key-tile ring slots, P
     buffers; the ``"split"`` schedule's); they must fit the 227 KB of shared memory (the compile
-    fails otherwise). ``schedule``: ``"split"``, ``"split-pv"`` (2 stages, 1 P buffer), ``"seesaw"`` or
-    ``"seesaw-r1"`` (default :data:`DENSE_SCHEDULE`).
+    fails otherwise). ``schedule``: ``"auto"`` (:func:`dense_schedule`), ``"split"``, ``"split-pv"`` (2
+    stages, 1 P buffer), ``"seesaw"`` or ``"seesaw-r1"`` (default :data:`DENSE_SCHEDULE`).
 
     Raises:
         ValueError: an unknown ``schedule``, or ``"split-pv"`` with other than 2 stages and 1 P buffer
             (both before any launch)."""
     nh = q_latent.shape[1]
-    if schedule is None:
-        schedule = DENSE_SCHEDULE
+    schedule = dense_schedule(row_blocks, DENSE_SCHEDULE if schedule is None else schedule,
+                              pv_shape=stages == 2 and p_bufs == 1)
     if schedule in ("seesaw", "seesaw-r1"):
         k0, k1, kr = descriptors(kv_cache, BLOCK_N)
         _mla_seesaw_kernel[(row_blocks, num_splits, seq_lens.shape[0])](
@@ -1108,7 +1112,8 @@ def launch(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, o
             num_warps=4)
         return
     if schedule not in ("split", "split-pv"):
-        raise ValueError(f"launch: schedule must be 'split', 'split-pv', 'seesaw' or 'seesaw-r1', got {schedule!r}")
+        raise ValueError(f"launch: schedule must be 'auto', 'split', 'split-pv', 'seesaw' or 'seesaw-r1', "
+                         f"got {schedule!r}")
     if schedule == "split-pv" and (stages != 2 or p_bufs != 1):
         raise ValueError(f"launch: the 'split-pv' schedule takes 2 stages and 1 P buffer, got {stages} and {p_bufs}")
     k0, k1, kr = descriptors(kv_cache, block_n)
@@ -1119,6 +1124,17 @@ def launch(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, o
         NUM_HEADS=nh, CACHE_BLOCK=kv_cache.shape[1], SPLIT=num_splits > 1, BLOCK_M=BLOCK_M, BLOCK_N=block_n,
         STAGES=stages, P_BUFS=p_bufs, HALF=HALF, LORA=LORA, ROPE=ROPE, WG1_REGS=WG1_REGS, PRODUCER_REGS=PRODUCER_REGS,
         PV_LAG=schedule == "split-pv", num_warps=4)
+
+
+def dense_schedule(row_blocks: int, schedule: str = "auto", pv_shape: bool = True) -> str:
+    """The dense schedule :func:`launch` runs: ``schedule`` itself unless ``"auto"``, then ``"split-pv"``
+    for ``row_blocks >= PV_ROW_BLOCKS`` (query rows x heads of a sequence > 192: the tensor cores'
+    time above the keys' read, where overlapping the value product with the softmax pays) and
+    ``"split"`` below or where the launch shape is not split-pv's (``pv_shape`` False: other than 2
+    key slots and 1 P buffer). See :data:`DENSE_SCHEDULE` for the timings."""
+    if schedule != "auto":
+        return schedule
+    return "split-pv" if pv_shape and row_blocks >= PV_ROW_BLOCKS else "split"
 
 
 def dense_plan(num_seqs: int, max_query_len: int, num_heads: int, max_seq_len: int, sms: int,
