@@ -78,7 +78,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--impls", default="triton,gluon",
                    help="kernels timed side by side (mla_attention's impl=...; 'gluon' where supported; "
                         "'gluon:split' / 'gluon:split-pv' / 'gluon:seesaw' / 'gluon:seesaw-r1' pick the Gluon kernel's dense "
-                        "schedule)")
+                        "schedule; a suffix '@N' its L2 prefetch distance in key tiles, e.g. 'gluon:split-pv@2')")
     p.add_argument("--no-compile", action="store_true")
     p.add_argument("--no-sdpa", action="store_true")
     p.add_argument("--out", default=None, help="write the results as JSON here")
@@ -281,16 +281,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             row["impls"] = {}
             for name in [x for x in a.impls.split(",") if x]:
                 impl, _, schedule = name.partition(":")  # "gluon:split" / "gluon:seesaw": the dense schedule
-                keep = mla_gluon.DENSE_SCHEDULE
+                schedule, _, ahead = schedule.partition("@")  # "gluon:split-pv@2": L2 prefetch 2 tiles ahead
+                keep, keep_ahead = mla_gluon.DENSE_SCHEDULE, mla_gluon.L2_AHEAD
                 try:
                     mla_gluon.DENSE_SCHEDULE = schedule or keep
+                    mla_gluon.L2_AHEAD = int(ahead) if ahead else keep_ahead
                     err = c.check(a.check_seqs, impl=impl)
                     ms = time_graph(timer, c.kernel(impl=impl))["ms"]
                     row["impls"][name] = dict(ms=ms, x_floor=ms / row["floor_ms"], max_abs_err=err)
                 except Exception as e:  # e.g. gluon on a GPU it does not support
                     row["impls"][name] = dict(error=f"{type(e).__name__}: {e}"[:300])
                 finally:
-                    mla_gluon.DENSE_SCHEDULE = keep
+                    mla_gluon.DENSE_SCHEDULE, mla_gluon.L2_AHEAD = keep, keep_ahead
                 print(f"  impl {name}: {row['impls'][name]}")
             if a.sweep:
                 rows = sweep(c, timer, a.smoke)

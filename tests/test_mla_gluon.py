@@ -58,10 +58,13 @@ CASES = [  # heads, query rows per sequence, sequence lengths (partial last tile
 ]
 
 
-@pytest.fixture(params=["seesaw", "seesaw-r1", "split", "split-pv"])
+@pytest.fixture(params=["seesaw", "seesaw-r1", "split", "split-pv", "split@2", "split-pv@1"])
 def schedule(request, monkeypatch):
-    """The dense schedules of the Gluon kernel (:data:`mtpspec.ops.mla_gluon.DENSE_SCHEDULE`)."""
-    monkeypatch.setattr(mla_gluon, "DENSE_SCHEDULE", request.param)
+    """The dense schedules of the Gluon kernel (:data:`mtpspec.ops.mla_gluon.DENSE_SCHEDULE`); ``@N``:
+    with the L2 prefetch ``N`` key tiles ahead (:data:`mtpspec.ops.mla_gluon.L2_AHEAD`)."""
+    name, _, ahead = request.param.partition("@")
+    monkeypatch.setattr(mla_gluon, "DENSE_SCHEDULE", name)
+    monkeypatch.setattr(mla_gluon, "L2_AHEAD", int(ahead or 0))
     return request.param
 
 
@@ -157,7 +160,7 @@ from triton.experimental.gluon._runtime import GluonASTSource
 lay = m.gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
 desc = lambda shape: "tensordesc<bf16[%d, %d],%r>" % (shape[0], shape[1], lay)
 sig = dict(ql_ptr="*bf16", qp_ptr="*bf16", k0_desc=desc([m.BLOCK_N, m.HALF]), k1_desc=desc([m.BLOCK_N, m.HALF]),
-           kr_desc=desc([m.BLOCK_N, m.ROPE]), out_ptr="*bf16", part_acc_ptr="*fp32", part_ml_ptr="*fp32",
+           kr_desc=desc([m.BLOCK_N, m.ROPE]), kv_ptr="*bf16", out_ptr="*bf16", part_acc_ptr="*fp32", part_ml_ptr="*fp32",
            qsl_ptr="*i32", seq_lens_ptr="*i32", bt_ptr="*i32", qk_scale="fp32", num_splits="i32")
 for n in "stride_qlt stride_qlh stride_qpt stride_qph stride_ot stride_oh stride_bt stride_pt stride_ph".split():
     sig[n] = "i32"
@@ -169,7 +172,8 @@ for fn, heads, split, variant in ((m._mla_ws_kernel, 16, True, False), (m._mla_w
     cx = dict(NUM_HEADS=heads, CACHE_BLOCK=64, SPLIT=split, BLOCK_M=m.BLOCK_M, BLOCK_N=m.BLOCK_N, HALF=m.HALF,
               LORA=m.LORA, ROPE=m.ROPE)
     if fn is m._mla_ws_kernel:
-        cx.update(STAGES=m.STAGES, P_BUFS=m.P_BUFS, WG1_REGS=m.WG1_REGS, PRODUCER_REGS=m.PRODUCER_REGS, PV_LAG=variant)
+        cx.update(STAGES=m.STAGES, P_BUFS=m.P_BUFS, WG1_REGS=m.WG1_REGS, PRODUCER_REGS=m.PRODUCER_REGS, PV_LAG=variant,
+                  L2_AHEAD=2)
     else:
         cx.update(WG1_REGS=m.SEESAW_WG1_REGS, ONE_RESCALE=variant)
     full = {k: sig.get(k, "constexpr") for k in fn.arg_names}
@@ -178,7 +182,8 @@ for fn, heads, split, variant in ((m._mla_ws_kernel, 16, True, False), (m._mla_w
                         options=dict(num_warps=4))
     ptx = ck.asm["ptx"]
     out.append(dict(shared=ck.metadata.shared, wgmma=ptx.count("wgmma.mma_async"),
-                    bulk=ptx.count("cp.async.bulk.tensor"), setmaxnreg=ptx.count("setmaxnreg")))
+                    bulk=ptx.count("cp.async.bulk.tensor"), setmaxnreg=ptx.count("setmaxnreg"),
+                    prefetch=ptx.count("cp.async.bulk.prefetch.L2") if fn is m._mla_ws_kernel else None))
 fn = m._sparse_mla_ws_kernel  # gathers: 16-byte cp.async (the launch specialises the 16-divisible strides)
 sig = dict(ql_ptr="*bf16", qp_ptr="*bf16", kv_ptr="*bf16", slots_ptr="*i32", out_ptr="*bf16", part_acc_ptr="*fp32",
            part_ml_ptr="*fp32", qk_scale="fp32", num_topk="i32", n_slots="i32", num_splits="i32")
@@ -201,7 +206,7 @@ print(json.dumps(out))
 def test_gluon_kernel_compiles_for_hopper() -> None:
     """Ahead-of-time sm_90 compile (a child process, Triton imported without its interpreter) of
     the dense schedules (split, split-pv, seesaw, seesaw-r1) at 16 heads (split) and 128 heads (one split) and the sparse
-    kernel at 128 heads:
+    kernel at 128 heads (split and split-pv with their L2 prefetch 2 tiles ahead):
     each fits an sm_90 program's 227 KB of shared memory, and its code has the copies (bulk tensor
     copies dense, 16-byte ``cp.async`` gathers sparse), warpgroup MMAs and per-partition register
     counts the design depends on."""
@@ -216,6 +221,7 @@ def test_gluon_kernel_compiles_for_hopper() -> None:
     for rep in reports:
         assert rep["shared"] <= 227 * 1024, rep
         assert rep["bulk"] >= 3 and rep["wgmma"] >= 4 and rep["setmaxnreg"] >= 2, rep
+        assert rep.get("prefetch") in (None, 2), rep  # dense, L2_AHEAD 2: the first tile's and the loop's
 
 
 def _sparse_problem(heads, tokens, topk, seed=0, block_size=64, nblocks=40, device="cuda"):
@@ -283,6 +289,8 @@ def test_dense_launch_rejects_unknown_schedules_and_split_pv_shapes() -> None:
     for stages, p_bufs, schedule in ((3, 1, "split-pv"), (2, 2, "split-pv")):
         with pytest.raises(ValueError, match="2 stages and 1 P buffer"):
             mla_gluon.launch(x, x, x, x, x, x, x, x, x, 1.0, 1, 1, stages=stages, p_bufs=p_bufs, schedule=schedule)
+    with pytest.raises(ValueError, match=r"l2_ahead must be >= 0 \(key tiles\), got -1"):
+        mla_gluon.launch(x, x, x, x, x, x, x, x, x, 1.0, 1, 1, l2_ahead=-1)
 
 
 def test_dense_schedule_auto() -> None:

@@ -116,6 +116,11 @@ SPARSE_PRODUCER_REGS = 112
 #: sequence on (the compute-bound shapes), ``"split"`` below.
 DENSE_SCHEDULE = os.environ.get("MTPSPEC_MLA_SCHEDULE", "auto")
 PV_ROW_BLOCKS = 4
+#: Dense (split / split-pv): the producer's L2 prefetch distance in key tiles (0: none). Built blind
+#: (session 43): the split-pv schedule's left latent half is refilled one softmax before its scores
+#: read it, so from HBM the copy's latency shows (4% slower than split at 128 x 1 on an H100, 6%
+#: faster with the keys in L2); a bulk L2 prefetch of tile i + L2_AHEAD as tile i is issued hides it.
+L2_AHEAD = int(os.environ.get("MTPSPEC_MLA_L2_AHEAD", "0"))
 SEESAW_WG1_REGS = 256
 #: Sparse launch shape (H200 sweeps, 2026-12-04, BENCHMARKS.md): 64-key tiles in 2 slots with one P
 #: buffer (224 KiB, the dense shape), the gathering threads' copies completing each tile's barrier
@@ -189,15 +194,45 @@ if HAS_GLUON:
         return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, n, 16])
 
     @gluon.jit
-    def _producer(k0_desc, k1_desc, kr_desc, bt_row, k_lo, n_tiles, kbuf0, kbuf1, kbufr, k_ready, k_free,
+    def _tile_row(bt_row, start, CACHE_BLOCK: gl.constexpr):
+        """The flat cache row of dense key ``start`` (through the sequence's block table row ``bt_row``),
+        int32: TMA coordinates are 32-bit (int64 tables too)."""
+        blk = gl.load(bt_row + start // CACHE_BLOCK)
+        return (blk * CACHE_BLOCK + start % CACHE_BLOCK).to(gl.int32)
+
+    @gluon.jit
+    def _prefetch_l2(kv_ptr, bt_row, k_lo, tile, n_tiles, BLOCK_N: gl.constexpr, CACHE_BLOCK: gl.constexpr,
+                     ROW: gl.constexpr):
+        """Dense key tile ``tile`` (if it exists) into L2: its ``BLOCK_N`` cache rows of ``ROW`` values
+        are contiguous (a tile never spans two cache blocks), so one bulk prefetch
+        (``cp.async.bulk.prefetch.L2``, PTX ISA 8.0, sm_90) of the whole tile, the same address in
+        every lane of the producer's warp (ptxas issues a uniform instruction once per distinct
+        address: once). No barrier, no shared memory: the bulk tensor copy of the tile, issued
+        later, then reads L2 instead of waiting on HBM (the split-pv schedule's left half has a
+        short refill window)."""
+        if tile < n_tiles:
+            r0 = _tile_row(bt_row, k_lo + tile * BLOCK_N, CACHE_BLOCK)
+            lane_l: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
+            ptrs = kv_ptr + (r0.to(gl.int64) * ROW + gl.zeros([32], gl.int64, lane_l))
+            nbytes = gl.full([32], BLOCK_N * ROW * kv_ptr.dtype.element_ty.primitive_bitwidth // 8, gl.int32, lane_l)
+            gl.inline_asm_elementwise("cp.async.bulk.prefetch.L2.global [$1], $2;\n\tmov.u32 $0, 0;", "=r,l,r",
+                                      [ptrs, nbytes], dtype=gl.int32, is_pure=False, pack=1)
+
+    @gluon.jit
+    def _producer(k0_desc, k1_desc, kr_desc, kv_ptr, bt_row, k_lo, n_tiles, kbuf0, kbuf1, kbufr, k_ready, k_free,
                   BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CACHE_BLOCK: gl.constexpr, HALF: gl.constexpr,
-                  LORA: gl.constexpr):
+                  LORA: gl.constexpr, ROPE: gl.constexpr, L2_AHEAD: gl.constexpr):
+        """Dense: tile ``i`` (its latent halves and rope) into slot ``i % STAGES`` once both warpgroups
+        freed it (``k_free``), completing ``k_ready``; with ``L2_AHEAD`` > 0, tile ``i + L2_AHEAD``
+        prefetched into L2 before the wait (:func:`_prefetch_l2`)."""
+        for j in gl.static_range(1, L2_AHEAD):  # the first tiles' prefetches (tile 0: its copy follows at once)
+            _prefetch_l2(kv_ptr, bt_row, k_lo, j, n_tiles, BLOCK_N, CACHE_BLOCK, LORA + ROPE)
         for i in range(n_tiles):
             s = i % STAGES
+            if L2_AHEAD > 0:
+                _prefetch_l2(kv_ptr, bt_row, k_lo, i + L2_AHEAD, n_tiles, BLOCK_N, CACHE_BLOCK, LORA + ROPE)
             mbarrier.wait(k_free.index(s), ((i // STAGES) & 1) ^ 1)  # a fresh slot passes at once
-            start = k_lo + i * BLOCK_N
-            blk = gl.load(bt_row + start // CACHE_BLOCK)
-            r0 = (blk * CACHE_BLOCK + start % CACHE_BLOCK).to(gl.int32)  # TMA coordinates: 32-bit (int64 tables)
+            r0 = _tile_row(bt_row, k_lo + i * BLOCK_N, CACHE_BLOCK)
             bar = k_ready.index(s)
             mbarrier.expect(bar, k0_desc.block_type.nbytes * 2 + kr_desc.block_type.nbytes)
             _tma_load(k0_desc, [r0, 0], bar, kbuf0.index(s))
@@ -368,19 +403,22 @@ if HAS_GLUON:
     # BENCHMARKS.md (session 42: the split kernel's softmax ran with the tensor cores idle).
 
     @gluon.jit
-    def _pv_producer(k0_desc, k1_desc, kr_desc, bt_row, k_lo, n_tiles, kbuf0, kbuf1, kbufr, k_ready, k_free,
-                     ready_l, free_l, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CACHE_BLOCK: gl.constexpr,
-                     HALF: gl.constexpr, LORA: gl.constexpr):
+    def _pv_producer(k0_desc, k1_desc, kr_desc, kv_ptr, bt_row, k_lo, n_tiles, kbuf0, kbuf1, kbufr, k_ready,
+                     k_free, ready_l, free_l, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CACHE_BLOCK: gl.constexpr,
+                     HALF: gl.constexpr, LORA: gl.constexpr, ROPE: gl.constexpr, L2_AHEAD: gl.constexpr):
         """Tile ``i``'s right latent half + rope into slot ``i % STAGES`` once the slot's are free
         (``k_free``), completing ``k_ready``; then its left half once that is free (``free_l``),
-        completing ``ready_l``. (The copies are :func:`_seesaw_load`'s two kinds, written out here
+        completing ``ready_l``; with ``L2_AHEAD`` > 0, tile ``i + L2_AHEAD`` prefetched into L2 first
+        (:func:`_prefetch_l2`). (The copies are :func:`_seesaw_load`'s two kinds, written out here
         to look the tile's cache row up once.)"""
+        for j in gl.static_range(1, L2_AHEAD):  # the first tiles' prefetches (tile 0: its copy follows at once)
+            _prefetch_l2(kv_ptr, bt_row, k_lo, j, n_tiles, BLOCK_N, CACHE_BLOCK, LORA + ROPE)
         for i in range(n_tiles):
             s = i % STAGES
             phase = ((i // STAGES) & 1) ^ 1  # a fresh slot passes at once
-            start = k_lo + i * BLOCK_N
-            blk = gl.load(bt_row + start // CACHE_BLOCK)
-            r0 = (blk * CACHE_BLOCK + start % CACHE_BLOCK).to(gl.int32)
+            if L2_AHEAD > 0:
+                _prefetch_l2(kv_ptr, bt_row, k_lo, i + L2_AHEAD, n_tiles, BLOCK_N, CACHE_BLOCK, LORA + ROPE)
+            r0 = _tile_row(bt_row, k_lo + i * BLOCK_N, CACHE_BLOCK)
             mbarrier.wait(k_free.index(s), phase)
             mbarrier.expect(k_ready.index(s), k1_desc.block_type.nbytes + kr_desc.block_type.nbytes)
             _tma_load(k1_desc, [r0, HALF], k_ready.index(s), kbuf1.index(s))
@@ -791,9 +829,7 @@ if HAS_GLUON:
         latent half (``TWO`` false), or the right half and the rope part, completing ``ready``."""
         if tile < n_tiles:
             s = tile % 2
-            start = k_lo + tile * BLOCK_N
-            blk = gl.load(bt_row + start // CACHE_BLOCK)
-            r0 = (blk * CACHE_BLOCK + start % CACHE_BLOCK).to(gl.int32)  # TMA coordinates: 32-bit
+            r0 = _tile_row(bt_row, k_lo + tile * BLOCK_N, CACHE_BLOCK)
             if TWO:
                 mbarrier.expect(ready.index(s), desc_a.block_type.nbytes + desc_b.block_type.nbytes)
                 _tma_load(desc_a, [r0, col_a], ready.index(s), buf_a.index(s))
@@ -928,14 +964,15 @@ if HAS_GLUON:
                         kbuf1, kbufr, k_ready, k_free, stride_kb, stride_ks, BLOCK_N: gl.constexpr,
                         STAGES: gl.constexpr, CACHE_BLOCK: gl.constexpr, HALF: gl.constexpr, LORA: gl.constexpr,
                         ROPE: gl.constexpr, SPARSE: gl.constexpr, AHEAD: gl.constexpr):
-        """The producer partition: :func:`_gather_producer` (sparse, 4 warps) or :func:`_producer`
-        (dense, 1 warp)."""
+        """The producer partition: :func:`_gather_producer` (sparse, 4 warps; ``AHEAD``: the tiles its
+        copies run behind their issue) or :func:`_producer` (dense, 1 warp; ``AHEAD``: its L2
+        prefetch distance in tiles, 0 none)."""
         if SPARSE:
             _gather_producer(kv_ptr, slots_row, n_slots, k_lo, k_hi, n_tiles, kbuf0, kbuf1, kbufr, k_ready, k_free,
                              stride_kb, stride_ks, BLOCK_N, STAGES, CACHE_BLOCK, HALF, LORA, ROPE, AHEAD)
         else:
-            _producer(k0_desc, k1_desc, kr_desc, bt_row, k_lo, n_tiles, kbuf0, kbuf1, kbufr, k_ready, k_free, BLOCK_N,
-                      STAGES, CACHE_BLOCK, HALF, LORA)
+            _producer(k0_desc, k1_desc, kr_desc, kv_ptr, bt_row, k_lo, n_tiles, kbuf0, kbuf1, kbufr, k_ready, k_free,
+                      BLOCK_N, STAGES, CACHE_BLOCK, HALF, LORA, ROPE, AHEAD)
 
     @gluon.jit
     def _attend(ql_ptr, qp_ptr, k0_desc, k1_desc, kr_desc, kv_ptr, slots_row, n_slots, bt_row, out_ptr, part_acc_ptr,
@@ -947,7 +984,7 @@ if HAS_GLUON:
                 PRODUCER_REGS: gl.constexpr, AHEAD: gl.constexpr, PV_LAG: gl.constexpr):
         """One program over keys ``[k_lo, k_hi)`` (dense: cache positions; sparse: entries of the
         token row's selection): shared memory, barriers, the query rows, then the partitions
-        (``PV_LAG``, dense only: the ``"split-pv"`` schedule's)."""
+        (``PV_LAG``, dense only: the ``"split-pv"`` schedule's; ``AHEAD``: :func:`_load_partition`'s)."""
         n_tiles = gl.maximum(gl.cdiv(k_hi - k_lo, BLOCK_N), 0)
         dtype: gl.constexpr = ql_ptr.dtype.element_ty
         nvmma: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
@@ -1004,8 +1041,8 @@ if HAS_GLUON:
                 (_value_wg, (kbuf1, pbuf, abuf, mlbuf, k_ready, k_free, p_ready, p_free, done, out_ptr, part_acc_ptr,
                              part_ml_ptr, rb, split, q_start, q_len, ctx, n_tiles, stride_ot, stride_oh, stride_pt,
                              stride_ph, NUM_HEADS, BLOCK_M, STAGES, P_BUFS, HALF, LORA, SPLIT, False)),
-                (_pv_producer, (k0_desc, k1_desc, kr_desc, bt_row, k_lo, n_tiles, kbuf0, kbuf1, kbufr, k_ready, k_free,
-                                ready_l, free_l, BLOCK_N, STAGES, CACHE_BLOCK, HALF, LORA)),
+                (_pv_producer, (k0_desc, k1_desc, kr_desc, kv_ptr, bt_row, k_lo, n_tiles, kbuf0, kbuf1, kbufr, k_ready,
+                                k_free, ready_l, free_l, BLOCK_N, STAGES, CACHE_BLOCK, HALF, LORA, ROPE, AHEAD)),
             ], [4, 1], [WG1_REGS, PRODUCER_REGS])
             return
         gl.warp_specialize([  # (one call: its arguments must be literal tuples to stay constexpr)
@@ -1022,13 +1059,13 @@ if HAS_GLUON:
         ], [4, 4 if SPARSE else 1], [WG1_REGS, PRODUCER_REGS])
 
     @gluon.jit
-    def _mla_ws_kernel(ql_ptr, qp_ptr, k0_desc, k1_desc, kr_desc, out_ptr, part_acc_ptr, part_ml_ptr, qsl_ptr,
+    def _mla_ws_kernel(ql_ptr, qp_ptr, k0_desc, k1_desc, kr_desc, kv_ptr, out_ptr, part_acc_ptr, part_ml_ptr, qsl_ptr,
                        seq_lens_ptr, bt_ptr, qk_scale, num_splits, stride_qlt, stride_qlh, stride_qpt, stride_qph,
                        stride_ot, stride_oh, stride_bt, stride_pt, stride_ph,
                        NUM_HEADS: gl.constexpr, CACHE_BLOCK: gl.constexpr, SPLIT: gl.constexpr,
                        BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, P_BUFS: gl.constexpr,
                        HALF: gl.constexpr, LORA: gl.constexpr, ROPE: gl.constexpr, WG1_REGS: gl.constexpr,
-                       PRODUCER_REGS: gl.constexpr, PV_LAG: gl.constexpr):
+                       PRODUCER_REGS: gl.constexpr, PV_LAG: gl.constexpr, L2_AHEAD: gl.constexpr):
         # dense: program (row block rb, key split, sequence); keys = the causal context of its rows
         rb = gl.program_id(0)
         split = gl.program_id(1)
@@ -1038,11 +1075,11 @@ if HAS_GLUON:
         if rb * BLOCK_M >= q_len * NUM_HEADS:  # past this sequence's rows (padding sequences: all)
             return
         ctx, k_lo, k_hi = _dense_keys(seq_lens_ptr, seq, rb, split, num_splits, q_len, NUM_HEADS, BLOCK_M, BLOCK_N)
-        _attend(ql_ptr, qp_ptr, k0_desc, k1_desc, kr_desc, ql_ptr, qsl_ptr, 0, bt_ptr + seq.to(gl.int64) * stride_bt,
+        _attend(ql_ptr, qp_ptr, k0_desc, k1_desc, kr_desc, kv_ptr, qsl_ptr, 0, bt_ptr + seq.to(gl.int64) * stride_bt,
                 out_ptr, part_acc_ptr, part_ml_ptr, rb, split, q_start, q_len, ctx, k_lo, k_hi, qk_scale, stride_qlt,
                 stride_qlh, stride_qpt, stride_qph, 0, 0, stride_ot, stride_oh, stride_pt, stride_ph, NUM_HEADS,
                 CACHE_BLOCK, SPLIT, False, BLOCK_M, BLOCK_N, STAGES, P_BUFS, HALF, LORA, ROPE, WG1_REGS,
-                PRODUCER_REGS, 1, PV_LAG)
+                PRODUCER_REGS, L2_AHEAD, PV_LAG)
 
     @gluon.jit
     def _sparse_mla_ws_kernel(ql_ptr, qp_ptr, kv_ptr, slots_ptr, out_ptr, part_acc_ptr, part_ml_ptr, qk_scale,
@@ -1081,7 +1118,8 @@ def descriptors(kv_cache: torch.Tensor, block_n: int = BLOCK_N):
 def launch(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor,
            part_acc: torch.Tensor, part_ml: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
            block_tables: torch.Tensor, qk_scale: float, row_blocks: int, num_splits: int, block_n: int = BLOCK_N,
-           stages: int = STAGES, p_bufs: int = P_BUFS, schedule: Optional[str] = None) -> None:
+           stages: int = STAGES, p_bufs: int = P_BUFS, schedule: Optional[str] = None,
+           l2_ahead: Optional[int] = None) -> None:
     """Launch the dense kernel over ``(row_blocks, num_splits, num_seqs)`` programs (64 (query row,
     head) pairs each). Tensors as :func:`mtpspec.ops.mla_attention.mla_attention` takes them:
     ``q_latent [T, H, 512]`` / ``q_pe [T, H, 64]`` fp16 or bf16, ``kv_cache [num_blocks, block_size,
@@ -1092,13 +1130,17 @@ def launch(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, o
     and runs the combine. No host sync.
     ``block_n`` / ``stages`` / ``p_bufs``: tuning overrides (keys per tile, key-tile ring slots, P
     buffers; the ``"split"`` schedule's); they must fit the 227 KB of shared memory (the compile
-    fails otherwise). ``schedule``: ``"auto"`` (:func:`dense_schedule`), ``"split"``, ``"split-pv"`` (2
+    fails otherwise). ``l2_ahead``: the L2 prefetch distance in tiles (split / split-pv; default
+    :data:`L2_AHEAD`, 0 none). ``schedule``: ``"auto"`` (:func:`dense_schedule`), ``"split"``, ``"split-pv"`` (2
     stages, 1 P buffer), ``"seesaw"`` or ``"seesaw-r1"`` (default :data:`DENSE_SCHEDULE`).
 
     Raises:
-        ValueError: an unknown ``schedule``, or ``"split-pv"`` with other than 2 stages and 1 P buffer
-            (both before any launch)."""
+        ValueError: an unknown ``schedule``, ``"split-pv"`` with other than 2 stages and 1 P buffer, or a
+            negative ``l2_ahead`` (each before any launch)."""
     nh = q_latent.shape[1]
+    l2_ahead = L2_AHEAD if l2_ahead is None else int(l2_ahead)
+    if l2_ahead < 0:
+        raise ValueError(f"launch: l2_ahead must be >= 0 (key tiles), got {l2_ahead}")
     schedule = dense_schedule(row_blocks, DENSE_SCHEDULE if schedule is None else schedule,
                               pv_shape=stages == 2 and p_bufs == 1)
     if schedule in ("seesaw", "seesaw-r1"):
@@ -1118,12 +1160,12 @@ def launch(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, o
         raise ValueError(f"launch: the 'split-pv' schedule takes 2 stages and 1 P buffer, got {stages} and {p_bufs}")
     k0, k1, kr = descriptors(kv_cache, block_n)
     _mla_ws_kernel[(row_blocks, num_splits, seq_lens.shape[0])](
-        q_latent, q_pe, k0, k1, kr, out, part_acc, part_ml, query_start_loc, seq_lens, block_tables, qk_scale,
+        q_latent, q_pe, k0, k1, kr, kv_cache, out, part_acc, part_ml, query_start_loc, seq_lens, block_tables, qk_scale,
         num_splits, q_latent.stride(0), q_latent.stride(1), q_pe.stride(0), q_pe.stride(1), out.stride(0),
         out.stride(1), block_tables.stride(0), nh * num_splits, num_splits,
         NUM_HEADS=nh, CACHE_BLOCK=kv_cache.shape[1], SPLIT=num_splits > 1, BLOCK_M=BLOCK_M, BLOCK_N=block_n,
         STAGES=stages, P_BUFS=p_bufs, HALF=HALF, LORA=LORA, ROPE=ROPE, WG1_REGS=WG1_REGS, PRODUCER_REGS=PRODUCER_REGS,
-        PV_LAG=schedule == "split-pv", num_warps=4)
+        PV_LAG=schedule == "split-pv", L2_AHEAD=int(l2_ahead), num_warps=4)
 
 
 def dense_schedule(row_blocks: int, schedule: str = "auto", pv_shape: bool = True) -> str:
