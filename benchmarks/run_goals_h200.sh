@@ -47,8 +47,10 @@ set -u
 part=${1:?serving or kernels}; OUT=${2:?output folder}
 mkdir -p "$OUT"
 export PYTHONPATH=${PYTHONPATH:-$PWD} PYTHONUNBUFFERED=1
-step() { local t=$1 name=$2; shift 2; echo "=== $name ($(date +%T))"; timeout "$t" "$@" 2>&1 | tail -n 45
+step() { local t=$1 name=$2; shift 2; echo "=== $name ($(date +%T))"; timeout "$t" "$@" 2>&1 | tail -n 45 | tee /tmp/.step_tail
   local rc=${PIPESTATUS[0]}; echo "=== $name rc=$rc"; return "$rc"; }
+# the last step's pytest summary line ("N passed ...", "N failed ...") or its exit status
+step_summary() { grep -E '[0-9]+ (passed|failed|error)' /tmp/.step_tail | tail -n 1 || true; }
 case $part in
 phases)  # issue 18: the adaptive engine's k = 3 decode steps took 1.67 ms against fixed k3's 1.62 (H100, s1, demo
   # model, the same kernels): where the host's 50 us a step go
@@ -56,17 +58,19 @@ phases)  # issue 18: the adaptive engine's k = 3 decode steps took 1.67 ms again
   # and at 64 sequences (the adaptive engine held at k = 3 was 0.960 of fixed k3 there: host-bound steps)
   step 300 phases_c64 python3 benchmarks/phase_times_k3_vs_adaptive.py --concurrency 64 --requests 128 --rounds 2 \
       --json "$OUT/phases_c64.json" ;;
-mla-sched)  # issue 14: the GPU tests first (every dense schedule, session 42's split-pv among them, compiled for sm_90 on
-  # a CPU only), then the four dense schedules at 128 heads, HBM and keys in L2; OLD_MLA=<a copy of mla_gluon.py from
-  # another commit> times that file's split / seesaw in the same call
+mla-sched)  # issue 14: the GPU tests first (every dense schedule, split-pv and the L2 prefetch among them; their
+  # summary printed again at the end, where the output's tail keeps it), then the four dense schedules at 128 heads
+  # (split and split-pv also with session 43's L2 prefetch two tiles ahead, "@2"), HBM and keys in L2;
+  # OLD_MLA=<a copy of mla_gluon.py from another commit> times that file's split / seesaw in the same call
   step 400 mla_tests python3 -m pytest -q -x tests/test_mla_gluon.py tests/test_mla_attention.py \
       tests/test_sparse_mla_attention.py
+  MLA_TESTS="$(step_summary)"
   # where the device's ptxas put the wgmma waits among the softmax (split-pv's wait must follow it)
-  python3 benchmarks/sass_order.py --triton-cache --kernel _mla_ws_kernel 2>&1 | cut -c1-2500 | head -12
+  python3 benchmarks/sass_order.py --triton-cache --kernel _mla_ws_kernel 2>&1 | cut -c1-1500 | head -4
   for where in hbm l2; do
     extra=""; [ "$where" = l2 ] && extra="--shared-blocks 8"
     step 150 "mla_sched_$where" python3 benchmarks/bench_mla_attention.py --no-compile --no-sdpa --heads 128 \
-        --query-lens 1,4 --impls gluon:split,gluon:split-pv,gluon:seesaw,gluon:seesaw-r1 $extra \
+        --query-lens 1,4 --impls gluon:split,gluon:split-pv,gluon:split@2,gluon:split-pv@2,gluon:seesaw,gluon:seesaw-r1 $extra \
         --out "$OUT/mla_sched_$where.json"
     if [ -n "${OLD_MLA:-}" ]; then
       cp mtpspec/ops/mla_gluon.py "$OUT/.mla_new.py" && cp "$OLD_MLA" mtpspec/ops/mla_gluon.py
@@ -74,7 +78,8 @@ mla-sched)  # issue 14: the GPU tests first (every dense schedule, session 42's 
           --query-lens 1,4 --impls gluon:split,gluon:seesaw $extra --out "$OUT/mla_old_$where.json"
       cp "$OUT/.mla_new.py" mtpspec/ops/mla_gluon.py && rm "$OUT/.mla_new.py"
     fi
-  done ;;
+  done
+  echo "mla_tests: $MLA_TESTS" ;;
 mla-ncu)  # issue 14: Nsight Compute on the dense Gluon kernel at 128 heads: speed of light, warp states, and the sampled
   # stall reasons per SASS instruction (CSV, gzip). NCU_CASES="schedule rows shared-blocks; ..." (schedule "sparse": the
   # sparse kernel, issue 15, 32,768-token context, top-2,048). Default: the seesaw from HBM at x 4 and x 1, where it loses

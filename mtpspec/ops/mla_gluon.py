@@ -112,9 +112,11 @@ SPARSE_PRODUCER_REGS = 112
 #: tile's softmax (session 42's profile: the split kernel's tensor cores idle through each softmax);
 #: H100, 64 x 8,192 (2026-12-07, BENCHMARKS.md): 5% faster than ``"split"`` at 128 heads x 4 (HBM and
 #: L2), 4% slower at 128 x 1 from HBM (its left half's refill starts a softmax later), 6% faster there
-#: from L2. ``"auto"`` (the default) takes ``"split-pv"`` from :data:`PV_ROW_BLOCKS` row blocks a
-#: sequence on (the compute-bound shapes), ``"split"`` below.
-DENSE_SCHEDULE = os.environ.get("MTPSPEC_MLA_SCHEDULE", "auto")
+#: from L2. ``"auto"`` takes ``"split-pv"`` from :data:`PV_ROW_BLOCKS` row blocks a sequence on (the
+#: compute-bound shapes), ``"split"`` below; opt-in until split-pv's GPU tests are seen to pass (the
+#: session-43 run's test summary was lost from its output; its outputs matched the reference at
+#: 128 x 1 and 128 x 4, full tiles only).
+DENSE_SCHEDULE = os.environ.get("MTPSPEC_MLA_SCHEDULE", "split")
 PV_ROW_BLOCKS = 4
 #: Dense (split / split-pv): the producer's L2 prefetch distance in key tiles (0: none). Built blind
 #: (session 43): the split-pv schedule's left latent half is refilled one softmax before its scores
