@@ -221,7 +221,7 @@ def test_gluon_kernel_compiles_for_hopper() -> None:
     for rep in reports:
         assert rep["shared"] <= 227 * 1024, rep
         assert rep["bulk"] >= 3 and rep["wgmma"] >= 4 and rep["setmaxnreg"] >= 2, rep
-        assert rep.get("prefetch") in (None, 2), rep  # dense, L2_AHEAD 2: the first tile's and the loop's
+        assert rep.get("prefetch") is None or rep["prefetch"] >= 2, rep  # dense, L2_AHEAD 2: tile 0's two, the loop's
 
 
 def _sparse_problem(heads, tokens, topk, seed=0, block_size=64, nblocks=40, device="cuda"):

@@ -221,25 +221,33 @@ if HAS_GLUON:
                                       [ptrs, nbytes], dtype=gl.int32, is_pure=False, pack=1)
 
     @gluon.jit
+    def _prefetch_ahead(kv_ptr, bt_row, k_lo, i, n_tiles, BLOCK_N: gl.constexpr, CACHE_BLOCK: gl.constexpr,
+                        ROW: gl.constexpr, L2_AHEAD: gl.constexpr):
+        """After tile ``i``'s copies were issued: tile ``i + L2_AHEAD`` into L2 (tiles 1 to ``L2_AHEAD``
+        after tile 0's), so the block-table load each prefetch waits on never delays a copy."""
+        if L2_AHEAD > 0:
+            if i == 0:
+                for j in gl.static_range(1, L2_AHEAD):
+                    _prefetch_l2(kv_ptr, bt_row, k_lo, j, n_tiles, BLOCK_N, CACHE_BLOCK, ROW)
+            _prefetch_l2(kv_ptr, bt_row, k_lo, i + L2_AHEAD, n_tiles, BLOCK_N, CACHE_BLOCK, ROW)
+
+    @gluon.jit
     def _producer(k0_desc, k1_desc, kr_desc, kv_ptr, bt_row, k_lo, n_tiles, kbuf0, kbuf1, kbufr, k_ready, k_free,
                   BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CACHE_BLOCK: gl.constexpr, HALF: gl.constexpr,
                   LORA: gl.constexpr, ROPE: gl.constexpr, L2_AHEAD: gl.constexpr):
         """Dense: tile ``i`` (its latent halves and rope) into slot ``i % STAGES`` once both warpgroups
-        freed it (``k_free``), completing ``k_ready``; with ``L2_AHEAD`` > 0, tile ``i + L2_AHEAD``
-        prefetched into L2 before the wait (:func:`_prefetch_l2`)."""
-        for j in gl.static_range(1, L2_AHEAD):  # the first tiles' prefetches (tile 0: its copy follows at once)
-            _prefetch_l2(kv_ptr, bt_row, k_lo, j, n_tiles, BLOCK_N, CACHE_BLOCK, LORA + ROPE)
+        freed it (``k_free``), completing ``k_ready``; with ``L2_AHEAD`` > 0, then tile ``i + L2_AHEAD``
+        prefetched into L2 (:func:`_prefetch_ahead`)."""
         for i in range(n_tiles):
             s = i % STAGES
-            if L2_AHEAD > 0:
-                _prefetch_l2(kv_ptr, bt_row, k_lo, i + L2_AHEAD, n_tiles, BLOCK_N, CACHE_BLOCK, LORA + ROPE)
+            r0 = _tile_row(bt_row, k_lo + i * BLOCK_N, CACHE_BLOCK)  # its load under the wait (as _pv_producer)
             mbarrier.wait(k_free.index(s), ((i // STAGES) & 1) ^ 1)  # a fresh slot passes at once
-            r0 = _tile_row(bt_row, k_lo + i * BLOCK_N, CACHE_BLOCK)
             bar = k_ready.index(s)
             mbarrier.expect(bar, k0_desc.block_type.nbytes * 2 + kr_desc.block_type.nbytes)
             _tma_load(k0_desc, [r0, 0], bar, kbuf0.index(s))
             _tma_load(k1_desc, [r0, HALF], bar, kbuf1.index(s))
             _tma_load(kr_desc, [r0, LORA], bar, kbufr.index(s))
+            _prefetch_ahead(kv_ptr, bt_row, k_lo, i, n_tiles, BLOCK_N, CACHE_BLOCK, LORA + ROPE, L2_AHEAD)
 
     @gluon.jit
     def _store_half(o, m_i, l_i, out_ptr, part_acc_ptr, part_ml_ptr, row, head, row_ok, split, col0,
@@ -410,16 +418,12 @@ if HAS_GLUON:
                      HALF: gl.constexpr, LORA: gl.constexpr, ROPE: gl.constexpr, L2_AHEAD: gl.constexpr):
         """Tile ``i``'s right latent half + rope into slot ``i % STAGES`` once the slot's are free
         (``k_free``), completing ``k_ready``; then its left half once that is free (``free_l``),
-        completing ``ready_l``; with ``L2_AHEAD`` > 0, tile ``i + L2_AHEAD`` prefetched into L2 first
-        (:func:`_prefetch_l2`). (The copies are :func:`_seesaw_load`'s two kinds, written out here
+        completing ``ready_l``; with ``L2_AHEAD`` > 0, then tile ``i + L2_AHEAD`` prefetched into L2
+        (:func:`_prefetch_ahead`). (The copies are :func:`_seesaw_load`'s two kinds, written out here
         to look the tile's cache row up once.)"""
-        for j in gl.static_range(1, L2_AHEAD):  # the first tiles' prefetches (tile 0: its copy follows at once)
-            _prefetch_l2(kv_ptr, bt_row, k_lo, j, n_tiles, BLOCK_N, CACHE_BLOCK, LORA + ROPE)
         for i in range(n_tiles):
             s = i % STAGES
             phase = ((i // STAGES) & 1) ^ 1  # a fresh slot passes at once
-            if L2_AHEAD > 0:
-                _prefetch_l2(kv_ptr, bt_row, k_lo, i + L2_AHEAD, n_tiles, BLOCK_N, CACHE_BLOCK, LORA + ROPE)
             r0 = _tile_row(bt_row, k_lo + i * BLOCK_N, CACHE_BLOCK)
             mbarrier.wait(k_free.index(s), phase)
             mbarrier.expect(k_ready.index(s), k1_desc.block_type.nbytes + kr_desc.block_type.nbytes)
@@ -428,6 +432,7 @@ if HAS_GLUON:
             mbarrier.wait(free_l.index(s), phase)
             mbarrier.expect(ready_l.index(s), k0_desc.block_type.nbytes)
             _tma_load(k0_desc, [r0, 0], ready_l.index(s), kbuf0.index(s))
+            _prefetch_ahead(kv_ptr, bt_row, k_lo, i, n_tiles, BLOCK_N, CACHE_BLOCK, LORA + ROPE, L2_AHEAD)
 
     @gluon.jit
     def _pv_scores(qbuf0, qbuf1, qbufr, kbuf0, kbuf1, kbufr, k_ready, ready_l, i, start, k_hi,
