@@ -38,6 +38,7 @@
 #   bash benchmarks/run_goals_h200.sh mla-sched OUT   # issue 14: MLA GPU tests, then split / split-pv / seesaw / seesaw-r1 at 128 heads
 #                                                  # (OLD_MLA=file: the kernel before session 41, in the same call)
 #   bash benchmarks/run_goals_h200.sh mla-ncu OUT     # issue 14: Nsight Compute on the dense kernel at 128 heads (stalls per SASS line)
+#   bash benchmarks/run_goals_h200.sh mla-goal OUT    # issue 14: the goal table (16 / 128 heads x 1 / 4; SDPA, torch.compile beside)
 #   bash benchmarks/run_goals_h200.sh l2-ceiling OUT  # issue 14: L2 -> shared-memory TMA ceiling (bench_tma_l2.py)
 #   bash benchmarks/run_goals_h200.sh phases OUT      # issue 18: fixed k3 vs the adaptive engine held at k = 3, batch 1,
 #                                                  # the engine's host phases per step (phase_times_k3_vs_adaptive.py); with k3+ahead and adaptive@k3,nodefer splitting the host path from the runner
@@ -80,6 +81,11 @@ mla-sched)  # issue 14: the GPU tests first (every dense schedule, split-pv and 
     fi
   done
   echo "mla_tests: $MLA_TESTS" ;;
+mla-goal)  # issue 14's goal table (for an H200): 16 / 128 heads x 1 / 4 query rows over 64 x 8,192 tokens, the dense
+  # variants (split, split-pv, each with the L2 prefetch two tiles ahead, and "auto") beside SDPA over expanded K/V and
+  # torch.compile of the torch reference, in one process
+  step 500 mla_goal python3 benchmarks/bench_mla_attention.py --heads 16,128 --query-lens 1,4 \
+      --impls gluon:split,gluon:split-pv,gluon:split@2,gluon:split-pv@2,gluon:auto --out "$OUT/mla_goal.json" ;;
 mla-ncu)  # issue 14: Nsight Compute on the dense Gluon kernel at 128 heads: speed of light, warp states, and the sampled
   # stall reasons per SASS instruction (CSV, gzip). NCU_CASES="schedule rows shared-blocks; ..." (schedule "sparse": the
   # sparse kernel, issue 15, 32,768-token context, top-2,048). Default: the seesaw from HBM at x 4 and x 1, where it loses
