@@ -39,6 +39,7 @@ def main() -> None:
     p.add_argument("--impl", default="gluon")
     p.add_argument("--shared-blocks", type=int, default=0)
     p.add_argument("--launches", type=int, default=5)
+    p.add_argument("--l2-ahead", type=int, default=0, help="dense: the producer's L2 prefetch distance (tiles)")
     p.add_argument("--sparse", action="store_true", help="the sparse MLA kernel (bench_sparse_mla's case)")
     p.add_argument("--topk", type=int, default=2048)
     a = p.parse_args()
@@ -49,12 +50,12 @@ def main() -> None:
     ns = argparse.Namespace(seqs=a.seqs, context=a.context, block_size=64, kv_lora_rank=512, rope=64, nope=128,
                             v_head_dim=128, shared_blocks=a.shared_blocks, kv_cache_dtype="auto")
     c = Case(ns, a.heads, a.q, torch.device("cuda"), torch.bfloat16)
-    mla_gluon.DENSE_SCHEDULE = a.schedule
+    mla_gluon.DENSE_SCHEDULE, mla_gluon.L2_AHEAD = a.schedule, a.l2_ahead
     fn = c.kernel(impl=a.impl)
     for _ in range(a.launches):
         fn()
     torch.cuda.synchronize()
-    print(f"{a.impl}:{a.schedule} {a.heads} heads x {a.q}: max abs err vs reference (2 sequences) "
+    print(f"{a.impl}:{a.schedule}@{a.l2_ahead} {a.heads} heads x {a.q}: max abs err vs reference (2 sequences) "
           f"{c.check(2, impl=a.impl):.2e}")
 
 
