@@ -91,6 +91,19 @@ def test_speculative_errors_name_the_key(argv, match) -> None:
         _spec(argv)
 
 
+def test_vllm_model_key_null_or_the_target(path, tmp_path) -> None:
+    """vLLM's ``model`` key: null or the target (its path, or another spelling of the same folder) is
+    taken and dropped; another model is refused, naming both (MTP drafts with the target's layers)."""
+    base = ["--model", path, "--speculative-config"]
+    for model in ("null", json.dumps(path), json.dumps(path + "/")):
+        assert _spec(base + ['{"method": "mtp", "model": %s, "num_speculative_tokens": 2}' % model]) == \
+            SpeculativeConfig("mtp", 2, False)
+    other = str(tmp_path)
+    for model in (json.dumps(other), "3"):
+        with pytest.raises(ValueError, match=r"speculative_config: model must be null or the target model \("):
+            _spec(base + ['{"model": %s, "num_speculative_tokens": 2}' % model])
+
+
 @pytest.mark.parametrize("k", ["17", "-1", "99"])
 def test_k_range_message_includes_zero(k) -> None:
     with pytest.raises(ValueError, match=r"^-k/--num-speculative-tokens \(num_speculative_tokens\) must be an int in "

@@ -66,6 +66,7 @@ from __future__ import annotations
 import argparse
 import json
 import numbers
+import os
 from dataclasses import dataclass, fields, replace
 from typing import Any, Dict, Optional, Tuple, Union
 
@@ -253,17 +254,20 @@ def check_p2p_supported(par: ParallelConfig, device: Optional[str]) -> None:
                              "(CLI: --allreduce-backend nccl)")
 
 
-def parse_speculative_config(value: SpecArg) -> Optional[Dict[str, Any]]:
+def parse_speculative_config(value: SpecArg, target: Optional[str] = None) -> Optional[Dict[str, Any]]:
     """A ``speculative_config`` as a plain dict (or ``None``), keys and values checked.
 
     Args:
         value: ``None``; a JSON string (``--speculative-config``; ``"null"`` = none); a dict; or a
-            :class:`~mtpspec.config.SpeculativeConfig`.
+            :class:`~mtpspec.config.SpeculativeConfig`. vLLM's ``model`` key is taken and dropped
+            when it is ``null`` or names the target (MTP drafts come from the target's own
+            checkpoint; vLLM fills it with the target for ``method: "mtp"``).
+        target: the model the engine serves (path); given, a ``model`` other than it is refused.
 
     Raises:
         ValueError: invalid JSON, not an object, an unknown key (named, with the accepted keys),
             or a bad value (named: ``method`` must be ``"mtp"``, ``num_speculative_tokens`` an int in
-            [1, 16], ``use_local_argmax_reduction`` a bool).
+            [1, 16], ``use_local_argmax_reduction`` a bool, ``model`` null or the target).
         TypeError: ``value`` of another type.
     """
     if value is None:
@@ -292,10 +296,15 @@ def parse_speculative_config(value: SpecArg) -> Optional[Dict[str, Any]]:
     if not isinstance(value, dict):
         raise TypeError(f"speculative_config must be a dict, SpeculativeConfig, JSON string or None, "
                         f"got {type(value).__name__}")
-    unknown = [key for key in value if key not in SpeculativeConfig.KEYS]
+    unknown = [key for key in value if key not in SpeculativeConfig.KEYS and key != "model"]
     if unknown:
         raise ValueError(f"unknown speculative_config keys: {unknown}; expected some of {list(SpeculativeConfig.KEYS)}")
     out = dict(value)
+    draft = out.pop("model", None)
+    if draft is not None and (not isinstance(draft, str) or (target is not None and not _same_model(draft, target))):
+        raise ValueError(f"speculative_config: model must be null or the target model{f' ({target!r})' if target else ''}"
+                         f", got {draft!r}: mtpspec drafts with the target checkpoint's own MTP layers "
+                         "(method 'mtp'), not a separate draft model")
     if isinstance(out.get("method"), str) and out["method"].endswith("_mtp"):
         out["method"] = "mtp"  # vLLM's older per-model names (deepseek_mtp, glm4_moe_mtp, ...)
     if "method" in out and out["method"] != "mtp":
@@ -355,6 +364,16 @@ def resolve_index_share(spec: Optional[SpeculativeConfig], mcfg: ModelConfig) ->
         return replace(spec, index_share_for_mtp_iteration=False)
     ckpt = bool(getattr(mcfg.arch, "index_share_for_mtp_iteration", None) or False)
     return replace(spec, index_share_for_mtp_iteration=ckpt if want is None else want)
+
+
+def _same_model(a: str, b: str) -> bool:
+    """Whether two model arguments name the same checkpoint: equal strings, or one folder."""
+    if a == b:
+        return True
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return False
 
 
 def check_num_speculative_tokens(k: Any) -> None:
@@ -560,7 +579,7 @@ class EngineArgs:
             ValueError: a bad JSON key / value, ``-k`` outside [0, 16], or a shorthand that
                 contradicts the JSON (both named).
         """
-        spec = parse_speculative_config(self.speculative_config)
+        spec = parse_speculative_config(self.speculative_config, target=self.model_path())
         k = self.num_speculative_tokens
         if k is not None:
             check_num_speculative_tokens(k)
