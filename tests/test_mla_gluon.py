@@ -205,8 +205,8 @@ print(json.dumps(out))
 
 def test_gluon_kernel_compiles_for_hopper() -> None:
     """Ahead-of-time sm_90 compile (a child process, Triton imported without its interpreter) of
-    the dense schedules (split, split-pv, seesaw, seesaw-r1) at 16 heads (split) and 128 heads (one split) and the sparse
-    kernel at 128 heads (split and split-pv with their L2 prefetch 2 tiles ahead):
+    the dense schedules (split, split-pv, seesaw, seesaw-r1; split and split-pv with their L2 prefetch 2 tiles ahead)
+    at 16 heads (split) and 128 heads (one split) and the sparse kernel at 128 heads:
     each fits an sm_90 program's 227 KB of shared memory, and its code has the copies (bulk tensor
     copies dense, 16-byte ``cp.async`` gathers sparse), warpgroup MMAs and per-partition register
     counts the design depends on."""

@@ -121,7 +121,7 @@ PV_ROW_BLOCKS = 4
 #: Dense (split / split-pv): the producer's L2 prefetch distance in key tiles (0: none). Built blind
 #: (session 43): the split-pv schedule's left latent half is refilled one softmax before its scores
 #: read it, so from HBM the copy's latency shows (4% slower than split at 128 x 1 on an H100, 6%
-#: faster with the keys in L2); a bulk L2 prefetch of tile i + L2_AHEAD as tile i is issued hides it.
+#: faster with the keys in L2); a bulk L2 prefetch of tile i + L2_AHEAD, issued after tile i's copies, hides it.
 L2_AHEAD = int(os.environ.get("MTPSPEC_MLA_L2_AHEAD", "0"))
 SEESAW_WG1_REGS = 256
 #: Sparse launch shape (H200 sweeps, 2026-12-04, BENCHMARKS.md): 64-key tiles in 2 slots with one P
@@ -1172,7 +1172,7 @@ def launch(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, o
         out.stride(1), block_tables.stride(0), nh * num_splits, num_splits,
         NUM_HEADS=nh, CACHE_BLOCK=kv_cache.shape[1], SPLIT=num_splits > 1, BLOCK_M=BLOCK_M, BLOCK_N=block_n,
         STAGES=stages, P_BUFS=p_bufs, HALF=HALF, LORA=LORA, ROPE=ROPE, WG1_REGS=WG1_REGS, PRODUCER_REGS=PRODUCER_REGS,
-        PV_LAG=schedule == "split-pv", L2_AHEAD=int(l2_ahead), num_warps=4)
+        PV_LAG=schedule == "split-pv", L2_AHEAD=l2_ahead, num_warps=4)
 
 
 def dense_schedule(row_blocks: int, schedule: str = "auto", pv_shape: bool = True) -> str:
