@@ -39,6 +39,7 @@
 #                                                  # (OLD_MLA=file: the kernel before session 41, in the same call)
 #   bash benchmarks/run_goals_h200.sh mla-ncu OUT     # issue 14: Nsight Compute on the dense kernel at 128 heads (stalls per SASS line)
 #   bash benchmarks/run_goals_h200.sh mla-goal OUT    # issue 14: the goal table (16 / 128 heads x 1 / 4; SDPA, torch.compile beside)
+#   bash benchmarks/run_goals_h200.sh sparse-costs OUT # issue 15: the sparse kernel's fixed cost a program vs a key tile
 #   bash benchmarks/run_goals_h200.sh l2-ceiling OUT  # issue 14: L2 -> shared-memory TMA ceiling (bench_tma_l2.py)
 #   bash benchmarks/run_goals_h200.sh phases OUT      # issue 18: fixed k3 vs the adaptive engine held at k = 3, batch 1,
 #                                                  # the engine's host phases per step (phase_times_k3_vs_adaptive.py); with k3+ahead and adaptive@k3,nodefer splitting the host path from the runner
@@ -108,6 +109,9 @@ mla-ncu)  # issue 14: Nsight Compute on the dense Gluon kernel at 128 heads: spe
         rm -f "$name.details.txt" "$name.raw.csv.gz" "$name.sass.csv.gz" "$name.ncu-rep")
     ls -la "$OUT/$name".* | awk '{print $5, $9}'
   done ;;
+sparse-costs)  # issue 15: the sparse kernel's fixed cost a program against its cost a key tile (16 / 128 heads x 1
+  # row, top-512..4,096, 1 / 2 / 4 splits; CUPTI kernel times, queued and synchronised replays)
+  step 300 sparse_costs python3 benchmarks/sparse_mla_costs.py --json "$OUT/sparse_costs.json" ;;
 l2-ceiling)  # issue 14: TMA copies from L2 / HBM into shared memory, every SM at once, beside the matmul rate
   step 120 tma_l2 python3 benchmarks/bench_tma_l2.py --json "$OUT/tma_l2.json" ;;
 serving)
