@@ -556,13 +556,14 @@ def test_kernels_compile_for_hopper() -> None:
                "stride_ot", "stride_oh", "stride_bt", "stride_pt", "stride_ph"]
     attn_sig.update({s: "i32" for s in strides})
 
-    def combine_spec(block_s):  # 64 heads of 128: BLOCK_S 32 -> 1 head per program, 4 -> 8
+    def combine_spec(block_s, all_rows=False):  # 64 heads of 128: BLOCK_S 32 -> 1 head per program, 4 -> 8
         ints = ["num_seqs", "num_splits", "num_heads", "stride_ot", "stride_oh", "stride_pt", "stride_ph"]
         return {"module": "mtpspec.ops.paged_attention", "kernel": "_combine",
                 "signature": dict({"out_ptr": "*bf16", "part_acc_ptr": "*fp32", "part_ml_ptr": "*fp32",
                                    "qsl_ptr": "*i32"}, **{n: "i32" for n in ints}),
                 "constexprs": dict(HEAD_DIM=128, BLOCK_D=128, BLOCK_S=block_s,
-                                   BLOCK_H=pa.combine_block_h(64, block_s, 128), BF16_BY_BITS=False),
+                                   BLOCK_H=pa.combine_block_h(64, block_s, 128), BF16_BY_BITS=False,
+                                   ALL_ROWS=all_rows),
                 "aligned": ["out_ptr", "part_acc_ptr", "part_ml_ptr", "stride_ot", "stride_oh"],
                 "num_warps": pa.NUM_WARPS}
     specs = [{"module": "mtpspec.ops.paged_attention", "kernel": "_attn", "signature": attn_sig,
@@ -597,7 +598,7 @@ def test_kernels_compile_for_hopper() -> None:
                "aligned": ["inter_ptr", "w_ptr", "y_ptr", "inter_size", "stride_it", "stride_we", "stride_wn",
                            "stride_yt"], "num_warps": 4}]
     specs += [
-        combine_spec(4),
+        combine_spec(4), combine_spec(4, all_rows=True),  # the sparse MLA op's combine: every row real
         {"module": "mtpspec.ops.rotary", "kernel": "_rope",  # GLM-4.5's partial rotary on a fused qkv's slices
          "signature": {"q_ptr": "*bf16", "k_ptr": "*bf16", "qo_ptr": "*bf16", "ko_ptr": "*bf16", "pos_ptr": "*i64",
                        "cs_ptr": "*fp32", "num_heads": "i32", "num_kv_heads": "i32", "q_blocks": "i32",

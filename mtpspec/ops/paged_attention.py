@@ -250,10 +250,11 @@ if HAS_TRITON:
     def _combine_kernel(out_ptr, part_acc_ptr, part_ml_ptr, qsl_ptr, num_seqs, num_splits, num_heads,
                         stride_ot, stride_oh, stride_pt, stride_ph,
                         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
-                        BLOCK_H: tl.constexpr, BF16_BY_BITS: tl.constexpr, PDL: tl.constexpr):
+                        BLOCK_H: tl.constexpr, BF16_BY_BITS: tl.constexpr, ALL_ROWS: tl.constexpr,
+                        PDL: tl.constexpr):
         pdl_begin(PDL)
         # One program per (row, block of BLOCK_H heads): merge the splits' (m, l, acc); padding
-        # rows get zeros.
+        # rows get zeros (ALL_ROWS: every row is real, query_start_loc is not read).
         t = tl.program_id(0)
         h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
         h_ok = h < num_heads
@@ -268,8 +269,11 @@ if HAS_TRITON:
         acc = tl.load(part_acc_ptr + base[:, :, None] * BLOCK_D + offs_d[None, None, :], mask=ld[:, :, None],
                       other=0.0)
         # (integer limits, not broadcast scalar booleans: Triton's interpreter rejects those in masks)
-        n_valid = num_splits * (t < tl.load(qsl_ptr + num_seqs)).to(tl.int32)
-        ok = h_ok[:, None] & (offs_s < n_valid)[None, :]
+        if ALL_ROWS:
+            ok = ld
+        else:
+            n_valid = num_splits * (t < tl.load(qsl_ptr + num_seqs)).to(tl.int32)
+            ok = h_ok[:, None] & (offs_s < n_valid)[None, :]
         m = tl.where(ok, m, float("-inf"))
         l = tl.where(ok, l, 0.0)
         acc = tl.where(ok[:, :, None], acc, 0.0)
@@ -344,20 +348,23 @@ def combine_block_h(num_heads: int, block_s: int, block_d: int) -> int:
     return max(1, min(1 << (cap.bit_length() - 1), next_power_of_2(num_heads)))
 
 
-def combine_splits(out: torch.Tensor, part_acc: torch.Tensor, part_ml: torch.Tensor, query_start_loc: torch.Tensor,
-                   num_seqs: int, num_splits: int, head_dim: int, block_d: int, bf16_by_bits: bool) -> None:
+def combine_splits(out: torch.Tensor, part_acc: torch.Tensor, part_ml: torch.Tensor,
+                   query_start_loc: Optional[torch.Tensor], num_seqs: int, num_splits: int, head_dim: int,
+                   block_d: int, bf16_by_bits: bool) -> None:
     """Launch the split combine into ``out`` ``[T, num_heads, >= head_dim]`` from the scratch of
     :func:`~mtpspec.ops.paged_common.split_outputs` (fp32 ``[T, num_heads, num_splits]`` (m, l)
     pairs and ``block_d``-wide accumulators; ``out`` in the query's dtype); rows at or past
-    ``query_start_loc[num_seqs]`` get zeros. No host sync.
+    ``query_start_loc[num_seqs]`` get zeros; ``query_start_loc=None``: every row is real (nothing
+    read for it, so a caller without one launches no kernel to make it). No host sync.
     Shared by the paged, MLA and sparse MLA attentions."""
     t, nh = out.shape[0], out.shape[1]
     block_s = next_power_of_2(num_splits)
     block_h = combine_block_h(nh, block_s, block_d)
-    _combine[(t, cdiv(nh, block_h))](out, part_acc, part_ml, query_start_loc, num_seqs, num_splits, nh,
-                                      out.stride(0), out.stride(1), nh * num_splits, num_splits, HEAD_DIM=head_dim,
-                                      BLOCK_D=block_d, BLOCK_S=block_s, BLOCK_H=block_h, BF16_BY_BITS=bf16_by_bits,
-                                      num_warps=NUM_WARPS)
+    all_rows = query_start_loc is None
+    _combine[(t, cdiv(nh, block_h))](out, part_acc, part_ml, part_ml if all_rows else query_start_loc, num_seqs,
+                                      num_splits, nh, out.stride(0), out.stride(1), nh * num_splits, num_splits,
+                                      HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=block_s, BLOCK_H=block_h,
+                                      BF16_BY_BITS=bf16_by_bits, ALL_ROWS=all_rows, num_warps=NUM_WARPS)
 
 
 # ---------------------------------------------------------------- public ops

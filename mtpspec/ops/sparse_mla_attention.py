@@ -402,10 +402,8 @@ def sparse_mla_attention(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: t
 def _combine(out: torch.Tensor, part_acc: torch.Tensor, part_ml: torch.Tensor, num_splits: int, block_l: int,
              bf16_interp: bool) -> None:
     """Merge the splits' partials into ``out`` (nothing to do for one split); every row is real."""
-    if num_splits > 1:
-        # the combine's padding-row test reads query_start_loc[num_seqs]: one entry = T, every row real
-        n_rows = torch.full((1,), out.shape[0], dtype=torch.int32, device=out.device)
-        combine_splits(out, part_acc, part_ml, n_rows, 0, num_splits, out.shape[2], block_l, bf16_interp)
+    if num_splits > 1:  # every row real: no query_start_loc (a one-element fill kernel a call, before)
+        combine_splits(out, part_acc, part_ml, None, 0, num_splits, out.shape[2], block_l, bf16_interp)
 
 
 __all__ = ["positions_to_slots", "sparse_mla_attention", "sparse_mla_attention_plan", "sparse_mla_attention_ref"]
