@@ -10,6 +10,7 @@ per-kernel totals; :func:`kernel_counts`: its kernels' time and launches per ste
 
 from __future__ import annotations
 
+import time
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
@@ -31,6 +32,27 @@ class Timer:
 
     def eager(self, fn: Callable[[], Any]) -> float:
         return median_call_ms(fn, self.iters, self.warmup, self.cuda)
+
+    def queued(self, fn: Callable[[], Any]) -> float:
+        """Milliseconds a call of ``fn`` with ``iters`` calls queued back to back between two CUDA
+        events and one sync at the end (as ``triton.testing.do_bench`` times): a short call's
+        launch latency hidden behind the previous call, as inside an engine step's graph; the
+        host's ``perf_counter`` mean on the CPU."""
+        for _ in range(self.warmup):
+            fn()
+        if not self.cuda:
+            t0 = time.perf_counter()
+            for _ in range(self.iters):
+                fn()
+            return (time.perf_counter() - t0) * 1e3 / self.iters
+        torch.cuda.synchronize()
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for _ in range(self.iters):
+            fn()
+        b.record()
+        b.synchronize()
+        return a.elapsed_time(b) / self.iters
 
     def graph(self, fn: Callable[[], Any], why_chars: int = 70) -> Tuple[Optional[float], Optional[str]]:
         """``(median replay ms, None)``, or ``(None, why)`` when capture is impossible (CPU, or an
