@@ -6,7 +6,8 @@ paged latent cache ``[blocks, --block-size, kv_lora_rank + rope]`` (bf16, blocks
 (DeepSeek-V3 at tp 8) and 128 heads (tp 1), kv_lora_rank 512 + rope 64. Per configuration:
 
 * ``kernel_ms``: :func:`mtpspec.ops.mla_attention.mla_attention` (attention + split combine; the
-  KV write is not included), median CUDA-graph replay; checked first against the torch
+  KV write is not included), median CUDA-graph replay, each synchronised (``kernel_queued_ms``:
+  the mean of replays queued back to back, the launch latency hidden); checked first against the torch
   reference on the first sequences (``max_abs_err``).
 * floor: ``max(latent cache bytes (+ queries and outputs) / read bandwidth, FLOPs / bf16 matmul
   rate)``, both measured in this run. Read bandwidth: the larger of a 4 GiB ``x.sum()``
