@@ -297,6 +297,25 @@ if HAS_GLUON:
         return (q_start + tok).to(gl.int64), r % NUM_HEADS, tok < q_len, ctx + tok
 
     @gluon.jit
+    def _load_q(qbuf0, qbuf1, qbufr, ql_ptr, qp_ptr, rb, q_start, q_len, ctx, stride_qlt, stride_qlh, stride_qpt,
+                stride_qph, NUM_HEADS: gl.constexpr, BLOCK_M: gl.constexpr, SPARSE: gl.constexpr, HALF: gl.constexpr,
+                ROPE: gl.constexpr):
+        """The program's query rows into shared memory (zeros past its real rows), by the softmax
+        warpgroup at its start: under the producer's first copies, not before the partitions start."""
+        ld: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+        row, head, row_ok, q_pos = _row_info(rb, q_start, q_len, ctx, NUM_HEADS, BLOCK_M, SPARSE,
+                                             gl.SliceLayout(1, ld))
+        ok = row_ok[:, None]
+        cols = gl.arange(0, HALF, layout=gl.SliceLayout(0, ld))
+        ql_rows = ql_ptr + row[:, None] * stride_qlt + head[:, None] * stride_qlh
+        qbuf0.store(gl.load(ql_rows + cols[None, :], mask=ok, other=0.0))
+        qbuf1.store(gl.load(ql_rows + HALF + cols[None, :], mask=ok, other=0.0))
+        rcols = gl.arange(0, ROPE, layout=gl.SliceLayout(0, ld))
+        qbufr.store(gl.load(qp_ptr + row[:, None] * stride_qpt + head[:, None] * stride_qph + rcols[None, :],
+                            mask=ok, other=0.0))
+        fence_async_shared()
+
+    @gluon.jit
     def _wg0_state(rb, q_start, q_len, ctx, k_hi, NUM_HEADS: gl.constexpr, BLOCK_M: gl.constexpr, SPARSE: gl.constexpr,
                    s_layout: gl.constexpr, o_layout: gl.constexpr, HALF: gl.constexpr):
         """Warpgroup 0's rows and starting state (split schedules): ``(row, head, row_ok, q_pos, k_full,
@@ -322,12 +341,15 @@ if HAS_GLUON:
                     stride_oh, stride_pt, stride_ph, o_layout, SPLIT, True, HALF, LORA)
 
     @gluon.jit
-    def _softmax_wg(qbuf0, qbuf1, qbufr, kbuf0, kbuf1, kbufr, pbuf, abuf, mlbuf, k_ready, k_free, p_ready, p_free,
-                    done, out_ptr, part_acc_ptr, part_ml_ptr, slots_row, n_slots, rb, split, q_start, q_len, ctx,
-                    k_lo, k_hi, n_tiles, qk_scale, stride_ot, stride_oh, stride_pt, stride_ph,
+    def _softmax_wg(ql_ptr, qp_ptr, qbuf0, qbuf1, qbufr, kbuf0, kbuf1, kbufr, pbuf, abuf, mlbuf, k_ready, k_free,
+                    p_ready, p_free, done, out_ptr, part_acc_ptr, part_ml_ptr, slots_row, n_slots, rb, split, q_start,
+                    q_len, ctx, k_lo, k_hi, n_tiles, qk_scale, stride_qlt, stride_qlh, stride_qpt, stride_qph,
+                    stride_ot, stride_oh, stride_pt, stride_ph,
                     NUM_HEADS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                    P_BUFS: gl.constexpr, HALF: gl.constexpr, LORA: gl.constexpr, SPLIT: gl.constexpr,
-                    SPARSE: gl.constexpr):
+                    P_BUFS: gl.constexpr, HALF: gl.constexpr, LORA: gl.constexpr, ROPE: gl.constexpr,
+                    SPLIT: gl.constexpr, SPARSE: gl.constexpr):
+        _load_q(qbuf0, qbuf1, qbufr, ql_ptr, qp_ptr, rb, q_start, q_len, ctx, stride_qlt, stride_qlh, stride_qpt,
+                stride_qph, NUM_HEADS, BLOCK_M, SPARSE, HALF, ROPE)
         s_layout: gl.constexpr = _wgmma_layout(BLOCK_N)
         o_layout: gl.constexpr = _wgmma_layout(HALF)
         col_l: gl.constexpr = gl.SliceLayout(0, s_layout)
@@ -482,13 +504,16 @@ if HAS_GLUON:
         mbarrier.arrive(p_ready.index(0), count=1)
 
     @gluon.jit
-    def _pv_softmax_wg(qbuf0, qbuf1, qbufr, kbuf0, kbuf1, kbufr, pbuf, abuf, mlbuf, k_ready, k_free, ready_l,
-                       free_l, p_ready, p_free, done, out_ptr, part_acc_ptr, part_ml_ptr, rb, split, q_start, q_len,
-                       ctx, k_lo, k_hi, n_tiles, qk_scale, stride_ot, stride_oh, stride_pt, stride_ph,
+    def _pv_softmax_wg(ql_ptr, qp_ptr, qbuf0, qbuf1, qbufr, kbuf0, kbuf1, kbufr, pbuf, abuf, mlbuf, k_ready, k_free,
+                       ready_l, free_l, p_ready, p_free, done, out_ptr, part_acc_ptr, part_ml_ptr, rb, split, q_start,
+                       q_len, ctx, k_lo, k_hi, n_tiles, qk_scale, stride_qlt, stride_qlh, stride_qpt, stride_qph,
+                       stride_ot, stride_oh, stride_pt, stride_ph,
                        NUM_HEADS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                       HALF: gl.constexpr, LORA: gl.constexpr, SPLIT: gl.constexpr):
+                       HALF: gl.constexpr, LORA: gl.constexpr, ROPE: gl.constexpr, SPLIT: gl.constexpr):
         """``"split-pv"``'s warpgroup 0: tile i's scores and softmax, tile i - 1's left value half
         under them (one P buffer: the value warpgroup reads tile i's P after tile i - 1's)."""
+        _load_q(qbuf0, qbuf1, qbufr, ql_ptr, qp_ptr, rb, q_start, q_len, ctx, stride_qlt, stride_qlh, stride_qpt,
+                stride_qph, NUM_HEADS, BLOCK_M, False, HALF, ROPE)
         s_layout: gl.constexpr = _wgmma_layout(BLOCK_N)
         o_layout: gl.constexpr = _wgmma_layout(HALF)
         o_row: gl.constexpr = gl.SliceLayout(1, o_layout)
@@ -990,7 +1015,7 @@ if HAS_GLUON:
                 HALF: gl.constexpr, LORA: gl.constexpr, ROPE: gl.constexpr, WG1_REGS: gl.constexpr,
                 PRODUCER_REGS: gl.constexpr, AHEAD: gl.constexpr, PV_LAG: gl.constexpr):
         """One program over keys ``[k_lo, k_hi)`` (dense: cache positions; sparse: entries of the
-        token row's selection): shared memory, barriers, the query rows, then the partitions
+        token row's selection): shared memory, barriers, then the partitions (the softmax one loads the query rows)
         (``PV_LAG``, dense only: the ``"split-pv"`` schedule's; ``AHEAD``: :func:`_load_partition`'s)."""
         n_tiles = gl.maximum(gl.cdiv(k_hi - k_lo, BLOCK_N), 0)
         dtype: gl.constexpr = ql_ptr.dtype.element_ty
@@ -1025,26 +1050,14 @@ if HAS_GLUON:
                 mbarrier.init(ready_l.index(i), count=1)
                 mbarrier.init(free_l.index(i), count=1)
 
-        # the query rows, once (zero past the program's real rows)
-        ld: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
-        row, head, row_ok, q_pos = _row_info(rb, q_start, q_len, ctx, NUM_HEADS, BLOCK_M, SPARSE,
-                                             gl.SliceLayout(1, ld))
-        ok = row_ok[:, None]
-        cols = gl.arange(0, HALF, layout=gl.SliceLayout(0, ld))
-        ql_rows = ql_ptr + row[:, None] * stride_qlt + head[:, None] * stride_qlh
-        qbuf0.store(gl.load(ql_rows + cols[None, :], mask=ok, other=0.0))
-        qbuf1.store(gl.load(ql_rows + HALF + cols[None, :], mask=ok, other=0.0))
-        rcols = gl.arange(0, ROPE, layout=gl.SliceLayout(0, ld))
-        qbufr.store(gl.load(qp_ptr + row[:, None] * stride_qpt + head[:, None] * stride_qph + rcols[None, :],
-                            mask=ok, other=0.0))
-        fence_async_shared()
-
+        # (the query rows: loaded by the softmax warpgroup, _load_q, while the producer's first copies fly)
         if PV_LAG:
             gl.warp_specialize([
-                (_pv_softmax_wg, (qbuf0, qbuf1, qbufr, kbuf0, kbuf1, kbufr, pbuf, abuf, mlbuf, k_ready, k_free, ready_l,
-                                  free_l, p_ready, p_free, done, out_ptr, part_acc_ptr, part_ml_ptr, rb, split, q_start,
-                                  q_len, ctx, k_lo, k_hi, n_tiles, qk_scale, stride_ot, stride_oh, stride_pt,
-                                  stride_ph, NUM_HEADS, BLOCK_M, BLOCK_N, STAGES, HALF, LORA, SPLIT)),
+                (_pv_softmax_wg, (ql_ptr, qp_ptr, qbuf0, qbuf1, qbufr, kbuf0, kbuf1, kbufr, pbuf, abuf, mlbuf, k_ready,
+                                  k_free, ready_l, free_l, p_ready, p_free, done, out_ptr, part_acc_ptr, part_ml_ptr,
+                                  rb, split, q_start, q_len, ctx, k_lo, k_hi, n_tiles, qk_scale, stride_qlt,
+                                  stride_qlh, stride_qpt, stride_qph, stride_ot, stride_oh, stride_pt, stride_ph,
+                                  NUM_HEADS, BLOCK_M, BLOCK_N, STAGES, HALF, LORA, ROPE, SPLIT)),
                 (_value_wg, (kbuf1, pbuf, abuf, mlbuf, k_ready, k_free, p_ready, p_free, done, out_ptr, part_acc_ptr,
                              part_ml_ptr, rb, split, q_start, q_len, ctx, n_tiles, stride_ot, stride_oh, stride_pt,
                              stride_ph, NUM_HEADS, BLOCK_M, STAGES, P_BUFS, HALF, LORA, SPLIT, False)),
@@ -1053,10 +1066,11 @@ if HAS_GLUON:
             ], [4, 1], [WG1_REGS, PRODUCER_REGS])
             return
         gl.warp_specialize([  # (one call: its arguments must be literal tuples to stay constexpr)
-            (_softmax_wg, (qbuf0, qbuf1, qbufr, kbuf0, kbuf1, kbufr, pbuf, abuf, mlbuf, k_ready, k_free, p_ready,
-                           p_free, done, out_ptr, part_acc_ptr, part_ml_ptr, slots_row, n_slots, rb, split, q_start,
-                           q_len, ctx, k_lo, k_hi, n_tiles, qk_scale, stride_ot, stride_oh, stride_pt, stride_ph,
-                           NUM_HEADS, BLOCK_M, BLOCK_N, STAGES, P_BUFS, HALF, LORA, SPLIT, SPARSE)),
+            (_softmax_wg, (ql_ptr, qp_ptr, qbuf0, qbuf1, qbufr, kbuf0, kbuf1, kbufr, pbuf, abuf, mlbuf, k_ready,
+                           k_free, p_ready, p_free, done, out_ptr, part_acc_ptr, part_ml_ptr, slots_row, n_slots, rb,
+                           split, q_start, q_len, ctx, k_lo, k_hi, n_tiles, qk_scale, stride_qlt, stride_qlh,
+                           stride_qpt, stride_qph, stride_ot, stride_oh, stride_pt, stride_ph,
+                           NUM_HEADS, BLOCK_M, BLOCK_N, STAGES, P_BUFS, HALF, LORA, ROPE, SPLIT, SPARSE)),
             (_value_wg, (kbuf1, pbuf, abuf, mlbuf, k_ready, k_free, p_ready, p_free, done, out_ptr, part_acc_ptr,
                          part_ml_ptr, rb, split, q_start, q_len, ctx, n_tiles, stride_ot, stride_oh, stride_pt,
                          stride_ph, NUM_HEADS, BLOCK_M, STAGES, P_BUFS, HALF, LORA, SPLIT, SPARSE)),
