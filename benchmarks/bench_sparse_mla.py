@@ -75,8 +75,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--check-seqs", type=int, default=2, help="sequences checked against the torch reference")
     p.add_argument("--sweep", action="store_true", help="time the kernels over launch configurations")
-    p.add_argument("--impls", default="triton,gluon",
-                   help="sparse kernels timed side by side (sparse_mla_attention's impl=...; 'gluon' where supported)")
+    p.add_argument("--impls", default="triton,gluon,gluon-km",
+                   help="sparse kernels timed side by side (sparse_mla_attention's impl=...; 'gluon' where supported, "
+                        "'gluon-km' at <= 32 heads)")
     p.add_argument("--no-compile", action="store_true")
     p.add_argument("--no-dense", action="store_true")
     p.add_argument("--no-indexer", action="store_true")

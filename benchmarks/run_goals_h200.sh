@@ -39,7 +39,7 @@
 #                                                  # (OLD_MLA=file: the kernel before session 41, in the same call)
 #   bash benchmarks/run_goals_h200.sh mla-ncu OUT     # issue 14: Nsight Compute on the dense kernel at 128 heads (stalls per SASS line)
 #   bash benchmarks/run_goals_h200.sh mla-goal OUT    # issue 14: the goal table (16 / 128 heads x 1 / 4; SDPA, torch.compile beside)
-#   bash benchmarks/run_goals_h200.sh mla-s44 OUT      # MLA GPU tests, sparse-costs, dense schedules at 128 heads (HBM)
+#   bash benchmarks/run_goals_h200.sh mla-s44 OUT      # MLA GPU tests, sparse-costs (+ keys-as-M), the sparse table
 #   bash benchmarks/run_goals_h200.sh sparse-costs OUT # issue 15: the sparse kernel's fixed cost a program vs a key tile
 #   bash benchmarks/run_goals_h200.sh l2-ceiling OUT  # issue 14: L2 -> shared-memory TMA ceiling (bench_tma_l2.py)
 #   bash benchmarks/run_goals_h200.sh phases OUT      # issue 18: fixed k3 vs the adaptive engine held at k = 3, batch 1,
@@ -111,15 +111,17 @@ mla-ncu)  # issue 14: Nsight Compute on the dense Gluon kernel at 128 heads: spe
     ls -la "$OUT/$name".* | awk '{print $5, $9}'
   done ;;
 mla-s44)  # session 44, one call: the MLA GPU tests (sessions 43-44's blind changes: split-pv, the L2 prefetch, the
-  # query rows loaded by the softmax warpgroup, the sparse combine without a fill), the sparse kernel's fixed cost
-  # a program against its cost a tile, then the dense schedules at 128 heads from HBM (summary of the tests at the end)
+  # query rows loaded by the softmax warpgroup, the sparse combine without a fill, the keys-as-M sparse kernel), the
+  # sparse kernels' fixed cost a program against their cost a tile, and the sparse table at 16 / 128 heads with the
+  # keys-as-M kernel beside (summary of the tests at the end); the dense schedules: part mla-sched
   step 240 mla_tests python3 -m pytest -q -x tests/test_mla_gluon.py tests/test_mla_attention.py \
       tests/test_sparse_mla_attention.py
   MLA_TESTS="$(step_summary)"
-  step 150 sparse_costs python3 benchmarks/sparse_mla_costs.py --json "$OUT/sparse_costs.json"
-  step 150 mla_sched_hbm python3 benchmarks/bench_mla_attention.py --no-compile --no-sdpa --heads 128 \
-      --query-lens 1,4 --impls gluon:split,gluon:split-pv,gluon:split@2,gluon:split-pv@2,gluon:auto \
-      --out "$OUT/mla_sched_hbm.json"
+  step 120 sparse_costs python3 benchmarks/sparse_mla_costs.py --json "$OUT/sparse_costs.json"
+  step 60 sparse_costs_km python3 benchmarks/sparse_mla_costs.py --heads 16 --impl gluon-km \
+      --json "$OUT/sparse_costs_km.json"
+  step 120 sparse_table python3 benchmarks/bench_sparse_mla.py --no-compile --no-dense --no-indexer \
+      --out "$OUT/sparse_table.json"
   echo "mla_tests: $MLA_TESTS" ;;
 sparse-costs)  # issue 15: the sparse kernel's fixed cost a program against its cost a key tile (16 / 128 heads x 1
   # row, top-512..4,096, 1 / 2 / 4 splits; CUPTI kernel times, queued and synchronised replays)

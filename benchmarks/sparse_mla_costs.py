@@ -112,7 +112,7 @@ def time_calls(timer: Timer, fns: List[Callable[[], Any]], iters: int) -> Dict[s
     prof = timer.kernel_profile(graphs[0], replays=iters)
     kernels = {}
     for name, us, n in prof["kernels"]:
-        short = "kernel" if "sparse_mla" in name else ("combine" if "combine" in name else name[:40])
+        short = "combine" if "combine" in name else ("kernel" if "sparse" in name else name[:40])
         kernels[short] = kernels.get(short, 0.0) + us
     return {"sync_us": sync_ms(graphs, iters) * 1e3, "queued_us": queued_ms(graphs, iters) * 1e3,
             "busy_us": prof["busy_ms"] * 1e3, "span_us": (prof["span_ms"] or 0.0) * 1e3, "kernels_us": kernels}

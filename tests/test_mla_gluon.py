@@ -14,7 +14,7 @@ import torch
 
 from test_engine_fixtures import repo_env
 
-from mtpspec.ops import mla_gluon
+from mtpspec.ops import mla_gluon, mla_gluon_km
 from mtpspec.ops.mla_attention import mla_attention, mla_attention_ref
 
 ON_HOPPER = (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9 and mla_gluon.HAS_GLUON)
@@ -345,3 +345,130 @@ def test_resolve_impl(monkeypatch) -> None:
         r("op", "gluon", True, True, "x")
     monkeypatch.setattr(mla_gluon, "USE_GLUON", False)
     assert r("op", None, True, False, "x") == "triton" and r("op", "gluon", True, False, "x") == "gluon"
+
+
+# ---------------------------------------------------------------- keys as M (few heads): mla_gluon_km
+
+_COMPILE_KM = r"""
+import json, sys
+from triton.backends.compiler import GPUTarget
+import triton
+from mtpspec.ops import mla_gluon_km as k
+if not k.mg.HAS_GLUON:
+    print(json.dumps({"skip": "Triton without Gluon's Hopper API"}))
+    sys.exit(0)
+from triton.experimental.gluon._runtime import GluonASTSource
+fn = k._sparse_km_kernel
+sig = dict(ql_ptr="*bf16", qp_ptr="*bf16", kv_ptr="*bf16", slots_ptr="*i32", out_ptr="*bf16", part_acc_ptr="*fp32",
+           part_ml_ptr="*fp32", qk_scale="fp32", num_topk="i32", n_slots="i32", num_splits="i32")
+div = "stride_qlt stride_qlh stride_qpt stride_qph stride_kb stride_ks stride_ot stride_oh".split()
+for n in div + "stride_st stride_pt stride_ph".split():
+    sig[n] = "i32"
+out = []
+for heads, split in ((16, True), (32, False), (8, True)):
+    cx = dict(NUM_HEADS=heads, NH=k.padded_heads(heads), CACHE_BLOCK=64, SPLIT=split, BLOCK_N=k.KM_BLOCK_N,
+              STAGES=k.KM_STAGES, HALF=k.mg.HALF, LORA=k.mg.LORA, ROPE=k.mg.ROPE, PRODUCER_REGS=k.KM_PRODUCER_REGS)
+    full = {n: sig.get(n, "constexpr") for n in fn.arg_names}
+    attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n, v in full.items()
+             if v.startswith("*") or n in div}
+    ck = triton.compile(GluonASTSource(fn, full, cx, attrs), target=GPUTarget("cuda", 90, 32),
+                        options=dict(num_warps=4))
+    ptx = ck.asm["ptx"]
+    out.append(dict(heads=heads, shared=ck.metadata.shared, wgmma=ptx.count("wgmma.mma_async"),
+                    n16=ptx.count("m64n16k16"), n32=ptx.count("m64n32k16"), gathers=ptx.count("cp.async.cg"),
+                    setmaxnreg=ptx.count("setmaxnreg")))
+print(json.dumps(out))
+"""
+
+
+def test_gluon_km_kernel_compiles_for_hopper() -> None:
+    """Ahead-of-time sm_90 compile of the keys-as-M sparse kernel at 16 heads (split), 32 (one split)
+    and 8 (padded to 16): within an sm_90 program's 227 KB of shared memory; per key tile 36 score
+    MMAs (576 / 16 k-steps) and 32 value MMAs (512 / 64 row blocks x 64 / 16 k-steps), all of shape
+    m64 n{heads padded} k16 (the heads on N: the point of the layout); 16-byte gathers; register
+    reallocation between the partitions."""
+    env = repo_env()
+    env.pop("TRITON_INTERPRET", None)
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    proc = subprocess.run([sys.executable, "-c", _COMPILE_KM], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    reports = json.loads(proc.stdout.strip().splitlines()[-1])
+    if isinstance(reports, dict):
+        pytest.skip(reports["skip"])
+    for rep in reports:
+        n_key = "n32" if rep["heads"] > 16 else "n16"
+        assert rep["shared"] <= 227 * 1024, rep
+        assert rep["wgmma"] == 68 and rep[n_key] == 68, rep
+        assert rep["gathers"] >= 3 and rep["setmaxnreg"] >= 2, rep
+
+
+def test_km_plan_padding_and_dispatch_rules() -> None:
+    """Heads pad to a power of two >= 16 (the MMA's N), at most KM_MAX_HEADS; one wave of programs
+    by default; ``impl="gluon-km"`` with too many heads, or where Gluon cannot run, is an error
+    naming what it needs; an unknown impl names the four."""
+    from mtpspec.ops.sparse_mla_attention import sparse_mla_attention
+    assert [mla_gluon_km.padded_heads(h) for h in (1, 8, 16, 17, 32)] == [16, 16, 16, 32, 32]
+    assert mla_gluon_km.KM_MAX_HEADS == 32
+    assert mla_gluon_km.km_supported(32) == mla_gluon.HAS_GLUON and not mla_gluon_km.km_supported(33)
+    assert mla_gluon_km.km_plan(64, 2048, 132) == {"num_splits": 2}
+    assert mla_gluon_km.km_plan(256, 2048, 132) == {"num_splits": 1}
+    assert mla_gluon_km.km_plan(1, 300, 132) == {"num_splits": 2}  # ceil(300 / 256)
+    assert mla_gluon_km.km_plan(64, 2048, 132, num_splits=5) == {"num_splits": 5}
+    with pytest.raises(ValueError, match="num_splits must be >= 1"):
+        mla_gluon_km.km_plan(64, 2048, 132, num_splits=0)
+    x = torch.zeros(1, 1, 1)
+    with pytest.raises(ValueError, match="1 to 32 heads, got 64"):
+        mla_gluon_km.launch_sparse_km(torch.zeros(2, 64, 512), x, x, x, x, x, x, 1.0, 1)
+    big = _sparse_problem(64, 1, 8, nblocks=1, device="cpu")
+    with pytest.raises(ValueError, match="impl='gluon-km' takes 1 to 32 heads, got 64"):
+        sparse_mla_attention(*big, impl="gluon-km")
+    args = _sparse_problem(16, 2, 20, nblocks=2, device="cpu")
+    args = (args[0].float(), args[1].float(), torch.nan_to_num(args[2].float()), args[3], args[4])
+    with pytest.raises(ValueError, match="impl='gluon-km' needs what impl='gluon' does: a compute-capability-9"):
+        sparse_mla_attention(*args, impl="gluon-km")
+    with pytest.raises(ValueError, match="'triton', 'gluon' or 'gluon-km'"):
+        sparse_mla_attention(*args, impl="km")
+
+
+@pytest.mark.skipif(not ON_HOPPER, reason="needs a compute-capability-9 GPU and Triton's Gluon")
+@pytest.mark.parametrize("heads,tokens,topk", [(16, 4, 100), (16, 3, 700), (32, 2, 2048), (8, 3, 300), (1, 2, 64),
+                                               (20, 2, 130)])
+@pytest.mark.parametrize("num_splits", [1, 3, None])
+def test_gluon_km_matches_reference(heads, tokens, topk, num_splits) -> None:
+    """The keys-as-M kernel against the torch reference (and as close as the heads-as-M Gluon
+    kernel): unused entries (-1, past the cache) anywhere in a row, NaN in every unselected cache
+    slot, a row with one valid entry, splits with no valid entry, head counts padded to 16 / 32."""
+    from mtpspec.ops.sparse_mla_attention import sparse_mla_attention, sparse_mla_attention_ref
+    args = _sparse_problem(heads, tokens, topk)
+    got = sparse_mla_attention(*args, num_splits=num_splits, impl="gluon-km").float()
+    ref = sparse_mla_attention_ref(*args).float()
+    other = sparse_mla_attention(*args, num_splits=num_splits, impl="gluon").float()
+    assert torch.isfinite(got).all()
+    err, other_err = (got - ref).abs().max().item(), (other - ref).abs().max().item()
+    assert err <= max(2 * other_err, 4e-3), (err, other_err)
+
+
+@pytest.mark.skipif(not ON_HOPPER, reason="needs a compute-capability-9 GPU and Triton's Gluon")
+def test_gluon_km_in_a_cuda_graph_and_by_default(monkeypatch) -> None:
+    """Captured in a CUDA graph and replayed on new inputs (the slots and queries read on the
+    device); ``MTPSPEC_MLA_SPARSE_KM`` (USE_KM) makes ``impl=None`` take it at <= 32 heads only."""
+    from mtpspec.ops.sparse_mla_attention import sparse_mla_attention, sparse_mla_attention_ref
+    ql, qp, cache, slots, scale = _sparse_problem(16, 64, 512)
+    ql2, qp2, _, slots2, _ = _sparse_problem(16, 64, 512, seed=1)
+    out = sparse_mla_attention(ql, qp, cache, slots, scale, impl="gluon-km")
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = sparse_mla_attention(ql, qp, cache, slots, scale, impl="gluon-km")
+    ql.copy_(ql2), qp.copy_(qp2), slots.copy_(slots2)
+    g.replay()
+    torch.cuda.synchronize()
+    ref = sparse_mla_attention_ref(ql, qp, cache, slots, scale).float()
+    assert (out.float() - ref).abs().max().item() < 4e-3
+    launched = []
+    monkeypatch.setattr(mla_gluon_km, "USE_KM", True)
+    monkeypatch.setattr(mla_gluon_km, "launch_sparse_km", lambda *a, **k: launched.append("km"))
+    monkeypatch.setattr(mla_gluon, "launch_sparse", lambda *a, **k: launched.append("heads"))
+    sparse_mla_attention(ql, qp, cache, slots, scale)
+    big = _sparse_problem(64, 2, 100)
+    sparse_mla_attention(*big)
+    assert launched == ["km", "heads"]

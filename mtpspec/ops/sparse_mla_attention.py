@@ -47,7 +47,7 @@ from typing import Optional
 
 import torch
 
-from mtpspec.ops import mla_gluon
+from mtpspec.ops import mla_gluon, mla_gluon_km
 from mtpspec.ops.argmax import num_sms
 from mtpspec.ops.kv_quant import check_cache_dtype, dequantize_cache, is_fp8
 from mtpspec.ops.mla_attention import FP8_BLOCK_N
@@ -338,9 +338,13 @@ def sparse_mla_attention(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: t
             :func:`sparse_mla_attention_plan` and the module constants).
         k_scale: an fp8 cache's per-layer scale (ignored for other caches).
         impl: ``"gluon"``: the warp-specialised Hopper kernel (:func:`mtpspec.ops.mla_gluon.launch_sparse`,
-            ValueError where not :func:`~mtpspec.ops.mla_gluon.sparse_supported`); ``"triton"``: this
-            module's kernel; ``None``: the Gluon kernel where it is supported (any head count; fewer
-            than 64 pad one head block), no launch override is given and ``MTPSPEC_MLA_GLUON`` is not ``0``.
+            ValueError where not :func:`~mtpspec.ops.mla_gluon.sparse_supported`); ``"gluon-km"``: the
+            Hopper kernel with the keys as the MMA's M dimension for at most 32 heads
+            (:func:`mtpspec.ops.mla_gluon_km.launch_sparse_km`; ValueError for more heads or where
+            ``"gluon"`` cannot run); ``"triton"``: this module's kernel; ``None``: a Gluon kernel where
+            one is supported (any head count; fewer than 64 pad one head block; ``"gluon-km"`` at <= 32
+            heads with ``MTPSPEC_MLA_SPARSE_KM=1``), no launch override is given and
+            ``MTPSPEC_MLA_GLUON`` is not ``0``.
 
     Returns:
         ``o_latent [T, num_heads, kv_lora_rank]`` in q's dtype; rows with no valid slot are zeros.
@@ -352,19 +356,37 @@ def sparse_mla_attention(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: t
     :func:`sparse_mla_attention_ref`. No host sync, CUDA-graph capturable.
     """
     _check_sparse_inputs(q_latent, q_pe, kv_cache, topk_slots)
+    nh = q_latent.shape[1]
+    if impl not in (None, "triton", "gluon", "gluon-km"):
+        raise ValueError(f"sparse_mla_attention: impl must be None, 'triton', 'gluon' or 'gluon-km', got {impl!r}")
+    if impl == "gluon-km" and not 1 <= nh <= mla_gluon_km.KM_MAX_HEADS:
+        raise ValueError(f"sparse_mla_attention: impl='gluon-km' takes 1 to {mla_gluon_km.KM_MAX_HEADS} heads, "
+                         f"got {nh}")
     gluon_ok = impl != "triton" and mla_gluon.sparse_supported(q_latent, q_pe, kv_cache, topk_slots)
-    choice = mla_gluon.resolve_impl("sparse_mla_attention", impl, gluon_ok,
+    if impl == "gluon-km" and not (gluon_ok and mla_gluon_km.km_supported(nh)):
+        raise ValueError("sparse_mla_attention: impl='gluon-km' needs what impl='gluon' does: a compute-capability-9 "
+                         "GPU, Triton's Gluon (no interpreter), 16-bit q and cache of one dtype, kv_lora_rank "
+                         f"{mla_gluon.LORA} + rope {mla_gluon.ROPE} and 16-byte-aligned cache rows")
+    choice = mla_gluon.resolve_impl("sparse_mla_attention", "gluon" if impl == "gluon-km" else impl, gluon_ok,
                                     (block_m, block_n, num_warps, num_stages) != (None,) * 4,
                                     "16-byte-aligned cache rows")
     if not use_triton(q_latent, q_pe, kv_cache):
         return sparse_mla_attention_ref(q_latent, q_pe, kv_cache, topk_slots, scale, k_scale)
-    t, nh, r = q_latent.shape
+    t, _, r = q_latent.shape
     rope = q_pe.shape[2]
     k = topk_slots.shape[1]
     if t == 0:
         return torch.empty_like(q_latent)
     if k == 0:
         return torch.zeros_like(q_latent)
+    km = impl == "gluon-km" or (impl is None and mla_gluon_km.USE_KM and mla_gluon_km.km_supported(nh))
+    if choice in ("gluon", "auto") and km:  # keys as the MMA's M: few heads (opt-in, not yet run on a GPU)
+        s = mla_gluon_km.km_plan(t, k, num_sms(q_latent.device), num_splits)["num_splits"]
+        out, part_acc, part_ml = split_outputs(q_latent, s, r)
+        mla_gluon_km.launch_sparse_km(q_latent, q_pe, kv_cache, topk_slots, out, part_acc, part_ml,
+                                      float(scale) * _LOG2E, s)
+        _combine(out, part_acc, part_ml, s, r, False)
+        return out
     if choice in ("gluon", "auto"):  # any head count (H200, 16 heads: 0.065 / 0.192 ms vs Triton 0.072 / 0.196)
         gp = mla_gluon.sparse_plan(t, nh, k, num_sms(q_latent.device), num_splits)
         s = gp["num_splits"]
