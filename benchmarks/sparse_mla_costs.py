@@ -14,8 +14,8 @@ tiles themselves near the bandwidth's pace. This script measures it instead of i
   ``sync_us``, each replay between two CUDA events with a host sync after it (what
   ``benchmarks/_timing.Timer`` and the bench scripts report: the graph launch's latency
   included); ``queued_us``, ``--iters`` replays queued between two events (launch latency hidden
-  behind the previous replay); CUPTI per kernel (``Timer.kernel_profile``: the kernel, the combine,
-  the first-kernel-to-last span).
+  behind the previous replay); CUPTI per kernel (torch.profiler over ``--iters`` replays, the
+  graphs in turn: the kernel, the combine, their busy union).
 * A least-squares line per (heads, splits) of the kernel's CUPTI time against key tiles per
   program (``topk / splits / 64``): ``fixed_us + tile_us * tiles``, printed with the floor
   ``bytes / read bandwidth`` of the same tiles (1,152 B a key, the bandwidth measured in the run).
@@ -43,7 +43,7 @@ import torch  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from benchmarks._timing import Timer, read_bandwidth  # noqa: E402
+from benchmarks._timing import Timer, cuda_kernel_times, kernel_counts, read_bandwidth  # noqa: E402
 from benchmarks.bench_mla_attention import copy_read_bandwidth, git_commit  # noqa: E402
 from benchmarks.bench_sparse_mla import Paged  # noqa: E402
 import mtpspec.ops.sparse_mla_attention as sp  # noqa: E402
@@ -109,13 +109,19 @@ def time_calls(timer: Timer, fns: List[Callable[[], Any]], iters: int) -> Dict[s
         if g is None:
             raise RuntimeError(f"capture failed: {why}")
         graphs.append(g)
-    prof = timer.kernel_profile(graphs[0], replays=iters)
+    from torch.profiler import ProfilerActivity, profile
+    queued_ms(graphs, 2 * len(graphs))  # warm
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for i in range(iters):  # the graphs in turn (one graph's rows would sit in L2 for a small selection)
+            graphs[i % len(graphs)].replay()
+            torch.cuda.synchronize()
+    busy_ms = cuda_kernel_times(prof)[0]
     kernels = {}
-    for name, us, n in prof["kernels"]:
+    for name, (us, _n) in kernel_counts(prof, iters).items():
         short = "combine" if "combine" in name else ("kernel" if "sparse" in name else name[:40])
         kernels[short] = kernels.get(short, 0.0) + us
     return {"sync_us": sync_ms(graphs, iters) * 1e3, "queued_us": queued_ms(graphs, iters) * 1e3,
-            "busy_us": prof["busy_ms"] * 1e3, "span_us": (prof["span_ms"] or 0.0) * 1e3, "kernels_us": kernels}
+            "busy_us": busy_ms / iters * 1e3, "kernels_us": kernels}
 
 
 def fit(xs: List[float], ys: List[float]) -> Optional[Dict[str, float]]:
