@@ -16,8 +16,8 @@ so the MMA's N is the head count padded to 16 or 32 (:data:`KM_MAX_HEADS`) and a
 the tensor cores a quarter (16 heads) of the 64-row product. Operands: the gathered key tile
 (shared memory, the latent halves and the rope part, as the other sparse kernel's producer
 :func:`mtpspec.ops.mla_gluon._gather_producer` fills them) is the A operand of the scores and,
-read transposed (16-bit wgmma takes an MN-major A from shared memory), of the values; Q and P
-(stored as ``P [heads, keys]``) are the B operands. One consumer warpgroup (scores, softmax,
+read transposed (16-bit wgmma takes an MN-major A from shared memory), of the values; Q (read
+K-major) and P^T (stored ``[keys, heads]``, read MN-major) are the B operands. One consumer warpgroup (scores, softmax,
 values; the O^T accumulator is 4 x heads fp32 registers a thread) and the 4-warp gathering
 producer; programs ``(split, token row)``; the split partials and :func:`combine_splits` as the
 other sparse kernel. The online softmax is FlashAttention-2's (Dao 2023, Algorithm 1) with its
@@ -128,12 +128,12 @@ if mg.HAS_GLUON:
             alpha = gl.exp2(m_i * qk_scale - m_safe)
             l_i = l_i * alpha + gl.sum(p, axis=0)
             m_i = m_new
-            pbuf.store(gl.permute(p.to(dtype), (1, 0)))  # P [heads, keys]: the B operand read K-major
+            pbuf.store(p.to(dtype))  # P^T [keys, heads]: the B operand, heads contiguous (MN-major)
             fence_async_shared()
             o0 = o0 * alpha[None, :]
             o1 = o1 * alpha[None, :]
-            o0 = warpgroup_mma(kbuf0.index(s).permute((1, 0)), pbuf.permute((1, 0)), o0, is_async=True)
-            o1 = warpgroup_mma(kbuf1.index(s).permute((1, 0)), pbuf.permute((1, 0)), o1, is_async=True)
+            o0 = warpgroup_mma(kbuf0.index(s).permute((1, 0)), pbuf, o0, is_async=True)
+            o1 = warpgroup_mma(kbuf1.index(s).permute((1, 0)), pbuf, o1, is_async=True)
             o0, o1 = warpgroup_mma_wait(0, deps=[o0, o1])
             mbarrier.arrive(k_free.index(s), count=1)
 
@@ -173,14 +173,14 @@ if mg.HAS_GLUON:
         n_tiles = gl.maximum(gl.cdiv(k_hi - k_lo, BLOCK_N), 0)
         dtype: gl.constexpr = ql_ptr.dtype.element_ty
         nvmma: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
-        p_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=2 * BLOCK_N, element_bitwidth=16, rank=2)
+        p_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=2 * NH, element_bitwidth=16, rank=2)
         qbuf0 = gl.allocate_shared_memory(dtype, [NH, HALF], nvmma)
         qbuf1 = gl.allocate_shared_memory(dtype, [NH, HALF], nvmma)
         qbufr = gl.allocate_shared_memory(dtype, [NH, ROPE], nvmma)
         kbuf0 = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HALF], nvmma)
         kbuf1 = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HALF], nvmma)
         kbufr = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, ROPE], nvmma)
-        pbuf = gl.allocate_shared_memory(dtype, [NH, BLOCK_N], p_layout)
+        pbuf = gl.allocate_shared_memory(dtype, [BLOCK_N, NH], p_layout)
         k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         k_free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(STAGES):
