@@ -19,7 +19,7 @@ the tensor cores a quarter (16 heads) of the 64-row product. Operands: the gathe
 read transposed (16-bit wgmma takes an MN-major A from shared memory), of the values; Q (read
 K-major) and P^T (stored ``[keys, heads]``, read MN-major) are the B operands. One consumer warpgroup (scores, softmax,
 values; the O^T accumulator is 4 x heads fp32 registers a thread) and the 4-warp gathering
-producer; programs ``(split, token row)``; the split partials and :func:`combine_splits` as the
+producer; programs ``(token row, split)``; the split partials and :func:`combine_splits` as the
 other sparse kernel. The online softmax is FlashAttention-2's (Dao 2023, Algorithm 1) with its
 statistics per column; the scores' mask is the selection (an entry ``< 0`` or past the cache is
 unused; the producer zero-fills its row).
@@ -106,7 +106,9 @@ if mg.HAS_GLUON:
         key_l: gl.constexpr = gl.SliceLayout(1, acc_l)
         head_l: gl.constexpr = gl.SliceLayout(0, acc_l)
         m_i = gl.full([NH], float("-inf"), gl.float32, layout=head_l)  # raw score units
-        l_i = gl.zeros([NH], gl.float32, layout=head_l)
+        # the running sums stay per key row (summed over the keys once, after the loop): one cross-warp
+        # reduction a tile (the max), not two
+        l_rows = gl.zeros([BLOCK_N, NH], gl.float32, layout=acc_l)
         o0 = gl.zeros([HALF, NH], gl.float32, layout=acc_l)
         o1 = gl.zeros([HALF, NH], gl.float32, layout=acc_l)
         for i in range(n_tiles):
@@ -126,7 +128,7 @@ if mg.HAS_GLUON:
             m_safe = gl.where(m_new == float("-inf"), 0.0, m_new * qk_scale)  # a head with no key yet: p = 0
             p = gl.exp2(sc * qk_scale - m_safe[None, :])
             alpha = gl.exp2(m_i * qk_scale - m_safe)
-            l_i = l_i * alpha + gl.sum(p, axis=0)
+            l_rows = l_rows * alpha[None, :] + p
             m_i = m_new
             pbuf.store(p.to(dtype))  # P^T [keys, heads]: the B operand, heads contiguous (MN-major)
             fence_async_shared()
@@ -143,7 +145,7 @@ if mg.HAS_GLUON:
         hh = gl.arange(0, NH, layout=gl.SliceLayout(0, st_l))
         cc = gl.arange(0, HALF, layout=gl.SliceLayout(1, st_l))
         h_ok = hh < NUM_HEADS
-        l_st = gl.convert_layout(l_i, gl.SliceLayout(0, st_l))
+        l_st = gl.convert_layout(gl.sum(l_rows, axis=0), gl.SliceLayout(0, st_l))
         if SPLIT:
             pbase = t.to(gl.int64) * stride_pt + hh * stride_ph + split
             dst = part_acc_ptr + pbase[None, :] * LORA + cc[:, None]
@@ -164,9 +166,10 @@ if mg.HAS_GLUON:
                           NUM_HEADS: gl.constexpr, NH: gl.constexpr, CACHE_BLOCK: gl.constexpr, SPLIT: gl.constexpr,
                           BLOCK_N: gl.constexpr, STAGES: gl.constexpr, HALF: gl.constexpr, LORA: gl.constexpr,
                           ROPE: gl.constexpr, PRODUCER_REGS: gl.constexpr):
-        # program (split of the selection, token row t): all of the row's heads
-        split = gl.program_id(0)
-        t = gl.program_id(1)
+        # program (token row t, split of its selection): all of the row's heads (rows on the grid's x,
+        # whose limit is 2^31 - 1: prefill-sized batches)
+        t = gl.program_id(0)
+        split = gl.program_id(1)
         chunk = gl.cdiv(gl.cdiv(num_topk, num_splits), BLOCK_N) * BLOCK_N
         k_lo = split * chunk
         k_hi = gl.minimum(k_lo + chunk, num_topk)
@@ -201,7 +204,7 @@ def launch_sparse_km(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch
                      out: torch.Tensor, part_acc: torch.Tensor, part_ml: torch.Tensor, qk_scale: float,
                      num_splits: int, stages: int = KM_STAGES) -> None:
     """Sparse MLA of ``T`` token rows of at most :data:`KM_MAX_HEADS` heads, keys on the MMA's M
-    dimension: ``(num_splits, T)`` programs. Tensors as :func:`mtpspec.ops.mla_gluon.launch_sparse`
+    dimension: ``(T, num_splits)`` programs. Tensors as :func:`mtpspec.ops.mla_gluon.launch_sparse`
     takes them (``q_latent [T, H, 512]`` / ``q_pe [T, H, 64]`` fp16 or bf16, ``kv_cache [num_blocks,
     block_size, 576]`` of that dtype, ``topk_slots [T, K]`` int32 / int64 global slots, ``< 0`` or
     past the cache unused; ``out`` / ``part_acc`` / ``part_ml`` from
@@ -216,7 +219,7 @@ def launch_sparse_km(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch
         raise ValueError(f"launch_sparse_km: 1 to {KM_MAX_HEADS} heads, got {nh}")
     if num_splits < 1 or stages < 1:
         raise ValueError(f"launch_sparse_km: need num_splits >= 1 and stages >= 1, got {num_splits}, {stages}")
-    _sparse_km_kernel[(num_splits, t)](
+    _sparse_km_kernel[(t, num_splits)](
         q_latent, q_pe, kv_cache, topk_slots, out, part_acc, part_ml, qk_scale, topk_slots.shape[1],
         kv_cache.shape[0] * kv_cache.shape[1], num_splits, q_latent.stride(0), q_latent.stride(1), q_pe.stride(0),
         q_pe.stride(1), kv_cache.stride(0), kv_cache.stride(1), topk_slots.stride(0), out.stride(0), out.stride(1),
