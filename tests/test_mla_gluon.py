@@ -419,6 +419,8 @@ def test_km_plan_padding_and_dispatch_rules() -> None:
     x = torch.zeros(1, 1, 1)
     with pytest.raises(ValueError, match="1 to 32 heads, got 64"):
         mla_gluon_km.launch_sparse_km(torch.zeros(2, 64, 512), x, x, x, x, x, x, 1.0, 1)
+    with pytest.raises(ValueError, match="stages 1 or 2"):
+        mla_gluon_km.launch_sparse_km(torch.zeros(2, 16, 512), x, x, x, x, x, x, 1.0, 1, stages=3)
     big = _sparse_problem(64, 1, 8, nblocks=1, device="cpu")
     with pytest.raises(ValueError, match="impl='gluon-km' takes 1 to 32 heads, got 64"):
         sparse_mla_attention(*big, impl="gluon-km")

@@ -213,12 +213,13 @@ def launch_sparse_km(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch
     combine for ``num_splits > 1``.
 
     Raises:
-        ValueError: more than :data:`KM_MAX_HEADS` heads, ``num_splits < 1`` or ``stages < 1``."""
+        ValueError: more than :data:`KM_MAX_HEADS` heads, ``num_splits < 1`` or ``stages`` not 1 or 2."""
     t, nh = q_latent.shape[0], q_latent.shape[1]
     if not km_supported(nh):
         raise ValueError(f"launch_sparse_km: 1 to {KM_MAX_HEADS} heads, got {nh}")
-    if num_splits < 1 or stages < 1:
-        raise ValueError(f"launch_sparse_km: need num_splits >= 1 and stages >= 1, got {num_splits}, {stages}")
+    if num_splits < 1 or stages not in (1, 2):
+        raise ValueError(f"launch_sparse_km: need num_splits >= 1 and stages 1 or 2 (three 72 KiB key tiles "
+                         f"overflow shared memory), got {num_splits}, {stages}")
     _sparse_km_kernel[(t, num_splits)](
         q_latent, q_pe, kv_cache, topk_slots, out, part_acc, part_ml, qk_scale, topk_slots.shape[1],
         kv_cache.shape[0] * kv_cache.shape[1], num_splits, q_latent.stride(0), q_latent.stride(1), q_pe.stride(0),
