@@ -91,15 +91,17 @@ mla-goal)  # issue 14's goal table (for an H200): 16 / 128 heads x 1 / 4 query r
 mla-ncu)  # issue 14: Nsight Compute on the dense Gluon kernel at 128 heads: speed of light, warp states, and the sampled
   # stall reasons per SASS instruction (CSV, gzip). NCU_CASES="schedule rows shared-blocks [heads [l2-ahead]]; ..."
   # (heads 128, l2-ahead 0 unless given; schedule "sparse": the sparse kernel, issue 15, 32,768-token context,
-  # top-2,048). Default: the seesaw from HBM at x 4 and x 1, where it loses
+  # top-2,048; "sparse-km": the keys-as-M sparse kernel, <= 32 heads). Default: the seesaw from HBM at x 4 and x 1, where it loses
   # to split, and sparse x 4 (session 42 profiled split x 1 / x 4 and the seesaw x 4 in L2)
   ncu --version | tail -1
   IFS=';' read -ra cases <<< "${NCU_CASES:-seesaw 4 0;seesaw 1 0;sparse 4 0}"
   for c in "${cases[@]}"; do
     set -- $c; heads=${4:-128}; ahead=${5:-0}; name=$1_${heads}x$2_sb$3; [ "$ahead" != 0 ] && name=${name}_l2a$ahead
     if [ "$1" = sparse ]; then args="--sparse --context 32768"
+    elif [ "$1" = sparse-km ]; then args="--sparse --context 32768 --impl gluon-km"
     else args="--schedule $1 --shared-blocks $3 --l2-ahead $ahead"; fi
-    step 120 "ncu_$name" ncu --clock-control none --kernel-name regex:"_mla_(ws|seesaw)_kernel" --launch-skip 3 --launch-count 1 \
+    step 120 "ncu_$name" ncu --clock-control none --kernel-name regex:"_mla_(ws|seesaw)_kernel|_sparse_km_kernel" \
+        --launch-skip 3 --launch-count 1 \
         --set full --import-source no -f -o "$OUT/$name" python3 benchmarks/profile_mla_ncu.py $args --heads $heads --q $2
     ncu --import "$OUT/$name.ncu-rep" --page details > "$OUT/$name.details.txt" 2>&1
     grep -E "Duration|Compute \(SM\) Throughput|Memory Throughput|DRAM Throughput|Issue Slots Busy|Executed Ipc A|No Eligible|Registers Per|Achieved Occupancy|Warp Cycles Per Issued|L2 Hit Rate|Stall" "$OUT/$name.details.txt" | head -30
