@@ -457,7 +457,7 @@ class EngineArgs:
 
     def __post_init__(self) -> None:
         for f in fields(self):  # every flag (a bool field): a bool, or a numpy bool made one
-            if f.type == "bool":
+            if f.type in (bool, "bool"):  # a string under `from __future__ import annotations`, else the type
                 setattr(self, f.name, check_bool(getattr(self, f.name), f.name))
 
     # ------------------------------------------------------------------ command line
