@@ -62,6 +62,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--iters", type=int, default=40)
     p.add_argument("--block-size", type=int, default=64)
     p.add_argument("--impl", default=None, help="sparse_mla_attention's impl (default: its own choice)")
+    p.add_argument("--km-stages", type=int, default=None, help="the keys-as-M kernel's key-tile slots (impl gluon-km)")
     p.add_argument("--json", default=None)
     p.add_argument("--smoke", action="store_true")
     a = p.parse_args(argv)
@@ -139,6 +140,9 @@ def fit(xs: List[float], ys: List[float]) -> Optional[Dict[str, float]]:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     a = parse_args(argv)
+    if a.km_stages is not None:
+        import mtpspec.ops.mla_gluon_km as km
+        km.KM_STAGES = a.km_stages
     device = torch.device("cuda" if torch.cuda.is_available() and not a.smoke else "cpu")
     dtype = torch.bfloat16
     timer = Timer(device, a.iters, warmup=0 if a.smoke else 3)

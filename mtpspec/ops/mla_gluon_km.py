@@ -31,6 +31,7 @@ impl="gluon-km")``).
 from __future__ import annotations
 
 import os
+from typing import Optional
 
 import torch
 
@@ -202,7 +203,7 @@ if mg.HAS_GLUON:
 
 def launch_sparse_km(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, topk_slots: torch.Tensor,
                      out: torch.Tensor, part_acc: torch.Tensor, part_ml: torch.Tensor, qk_scale: float,
-                     num_splits: int, stages: int = KM_STAGES) -> None:
+                     num_splits: int, stages: Optional[int] = None) -> None:
     """Sparse MLA of ``T`` token rows of at most :data:`KM_MAX_HEADS` heads, keys on the MMA's M
     dimension: ``(T, num_splits)`` programs. Tensors as :func:`mtpspec.ops.mla_gluon.launch_sparse`
     takes them (``q_latent [T, H, 512]`` / ``q_pe [T, H, 64]`` fp16 or bf16, ``kv_cache [num_blocks,
@@ -210,11 +211,13 @@ def launch_sparse_km(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch
     past the cache unused; ``out`` / ``part_acc`` / ``part_ml`` from
     :func:`~mtpspec.ops.paged_common.split_outputs` with ``BLOCK_L = 512``); ``qk_scale`` = softmax
     scale x log2(e). The caller checked :func:`~mtpspec.ops.mla_gluon.sparse_supported` and runs the
-    combine for ``num_splits > 1``.
+    combine for ``num_splits > 1``. ``stages``: key-tile slots (default :data:`KM_STAGES`; 1 leaves
+    room for two programs an SM).
 
     Raises:
         ValueError: more than :data:`KM_MAX_HEADS` heads, ``num_splits < 1`` or ``stages`` not 1 or 2."""
     t, nh = q_latent.shape[0], q_latent.shape[1]
+    stages = KM_STAGES if stages is None else stages
     if not km_supported(nh):
         raise ValueError(f"launch_sparse_km: 1 to {KM_MAX_HEADS} heads, got {nh}")
     if num_splits < 1 or stages not in (1, 2):
