@@ -215,14 +215,17 @@ def launch_sparse_km(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch
     room for two programs an SM).
 
     Raises:
-        ValueError: more than :data:`KM_MAX_HEADS` heads, ``num_splits < 1`` or ``stages`` not 1 or 2."""
+        ValueError: more than :data:`KM_MAX_HEADS` heads, ``num_splits < 1``, ``stages`` not 1 or 2, or
+            no Gluon."""
     t, nh = q_latent.shape[0], q_latent.shape[1]
     stages = KM_STAGES if stages is None else stages
-    if not km_supported(nh):
+    if not 1 <= nh <= KM_MAX_HEADS:
         raise ValueError(f"launch_sparse_km: 1 to {KM_MAX_HEADS} heads, got {nh}")
     if num_splits < 1 or stages not in (1, 2):
         raise ValueError(f"launch_sparse_km: need num_splits >= 1 and stages 1 or 2 (three 72 KiB key tiles "
                          f"overflow shared memory), got {num_splits}, {stages}")
+    if not mg.HAS_GLUON:
+        raise ValueError("launch_sparse_km: needs Triton's Gluon (Hopper API)")
     _sparse_km_kernel[(t, num_splits)](
         q_latent, q_pe, kv_cache, topk_slots, out, part_acc, part_ml, qk_scale, topk_slots.shape[1],
         kv_cache.shape[0] * kv_cache.shape[1], num_splits, q_latent.stride(0), q_latent.stride(1), q_pe.stride(0),
