@@ -114,16 +114,17 @@ mla-ncu)  # issue 14: Nsight Compute on the dense Gluon kernel at 128 heads: spe
   done ;;
 mla-s44)  # session 44, one call: the MLA GPU tests (sessions 43-44's blind changes: split-pv, the L2 prefetch, the
   # query rows loaded by the softmax warpgroup, the sparse combine without a fill, the keys-as-M sparse kernel), the
-  # sparse kernels' fixed cost a program against their cost a tile, the keys-as-M kernel's with 2 and 1 key-tile
-  # slots (summary of the tests at the end); the sparse table: part sparse-table; the dense schedules: mla-sched
+  # sparse kernels' fixed cost a program against their cost a tile, the keys-as-M kernel's, and the sparse table at
+  # 16 heads (summary of the tests at the end); at 128 heads too: part sparse-table; the dense schedules: mla-sched
   step 240 mla_tests python3 -m pytest -q -x tests/test_mla_gluon.py tests/test_mla_attention.py \
       tests/test_sparse_mla_attention.py
   MLA_TESTS="$(step_summary)"
   step 120 sparse_costs python3 benchmarks/sparse_mla_costs.py --json "$OUT/sparse_costs.json"
-  for st in 2 1; do  # the keys-as-M kernel with 2 key-tile slots (1 program an SM) and 1 (room for 2)
-    step 60 sparse_costs_km$st python3 benchmarks/sparse_mla_costs.py --heads 16 --impl gluon-km --km-stages $st \
-        --json "$OUT/sparse_costs_km$st.json"
-  done
+  # the keys-as-M kernel (one program an SM: its 255 registers a thread fill the register file, whatever the slots)
+  step 60 sparse_costs_km python3 benchmarks/sparse_mla_costs.py --heads 16 --impl gluon-km \
+      --json "$OUT/sparse_costs_km.json"
+  step 100 sparse_table python3 benchmarks/bench_sparse_mla.py --no-compile --no-dense --no-indexer --heads 16 \
+      --out "$OUT/sparse_table16.json"
   echo "mla_tests: $MLA_TESTS" ;;
 sparse-table)  # issue 15's table: sparse MLA at 16 / 128 heads x 1 / 4 rows (Triton, Gluon, keys-as-M Gluon)
   step 200 sparse_table python3 benchmarks/bench_sparse_mla.py --no-compile --no-dense --no-indexer \
