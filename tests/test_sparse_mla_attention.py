@@ -271,3 +271,24 @@ def test_bench_smoke(tmp_path) -> None:
     res = json.loads(out.read_text())
     assert res["smoke"] and len(res["sparse"]) == 4 and len(res["indexer"]) == 2
     assert all(r["max_abs_err"] < 1e-2 and r["kernel_ms"] > 0 for r in res["sparse"] + res["indexer"])
+
+
+def test_costs_script_smoke_and_fit(tmp_path) -> None:
+    """``benchmarks/sparse_mla_costs.py --smoke`` runs (tiny shapes, CPU) and writes its rows; its
+    least-squares line recovers an exact ``fixed + tile * tiles`` and refuses a single x."""
+    out = tmp_path / "costs.json"
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "sparse_mla_costs.py"), "--smoke",
+                           "--json", str(out)], capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    import json
+    res = json.loads(out.read_text())
+    assert len(res["rows"]) == 2 and all(r["max_abs_err"] < 1e-2 and r["host_us"] > 0 for r in res["rows"])
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    try:
+        from sparse_mla_costs import fit
+    finally:
+        sys.path.pop(0)
+    f = fit([4.0, 8.0, 16.0, 32.0], [12.0 + 2.5 * x for x in (4.0, 8.0, 16.0, 32.0)])
+    assert abs(f["fixed_us"] - 12.0) < 1e-9 and abs(f["tile_us"] - 2.5) < 1e-9 and f["max_resid_us"] < 1e-9
+    assert fit([8.0, 8.0], [1.0, 2.0]) is None
