@@ -39,7 +39,7 @@
 #                                                  # (OLD_MLA=file: the kernel before session 41, in the same call)
 #   bash benchmarks/run_goals_h200.sh mla-ncu OUT     # issue 14: Nsight Compute on the dense kernel at 128 heads (stalls per SASS line)
 #   bash benchmarks/run_goals_h200.sh mla-goal OUT    # issue 14: the goal table (16 / 128 heads x 1 / 4; SDPA, torch.compile beside)
-#   bash benchmarks/run_goals_h200.sh mla-s44 OUT      # MLA GPU tests, sparse-costs (+ keys-as-M), the sparse table
+#   bash benchmarks/run_goals_h200.sh mla-s44 OUT      # MLA GPU tests, sparse-costs (+ keys-as-M), dense at 128 heads
 #   bash benchmarks/run_goals_h200.sh sparse-costs OUT # issue 15: the sparse kernel's fixed cost a program vs a key tile
 #   bash benchmarks/run_goals_h200.sh l2-ceiling OUT  # issue 14: L2 -> shared-memory TMA ceiling (bench_tma_l2.py)
 #   bash benchmarks/run_goals_h200.sh phases OUT      # issue 18: fixed k3 vs the adaptive engine held at k = 3, batch 1,
@@ -114,8 +114,8 @@ mla-ncu)  # issue 14: Nsight Compute on the dense Gluon kernel at 128 heads: spe
   done ;;
 mla-s44)  # session 44, one call: the MLA GPU tests (sessions 43-44's blind changes: split-pv, the L2 prefetch, the
   # query rows loaded by the softmax warpgroup, the sparse combine without a fill, the keys-as-M sparse kernel), the
-  # sparse kernels' fixed cost a program against their cost a tile, the keys-as-M kernel's, and the sparse table at
-  # 16 heads (summary of the tests at the end); at 128 heads too: part sparse-table; the dense schedules: mla-sched
+  # sparse kernels' fixed cost a program against their cost a tile, the keys-as-M kernel's, and the dense schedules
+  # at 128 heads from HBM (summary of the tests at the end); the sparse table: part sparse-table; more: mla-sched
   step 240 mla_tests python3 -m pytest -q -x tests/test_mla_gluon.py tests/test_mla_attention.py \
       tests/test_sparse_mla_attention.py
   MLA_TESTS="$(step_summary)"
@@ -123,8 +123,8 @@ mla-s44)  # session 44, one call: the MLA GPU tests (sessions 43-44's blind chan
   # the keys-as-M kernel (one program an SM: its 255 registers a thread fill the register file, whatever the slots)
   step 60 sparse_costs_km python3 benchmarks/sparse_mla_costs.py --heads 16 --impl gluon-km \
       --json "$OUT/sparse_costs_km.json"
-  step 100 sparse_table python3 benchmarks/bench_sparse_mla.py --no-compile --no-dense --no-indexer --heads 16 \
-      --out "$OUT/sparse_table16.json"
+  step 110 mla_dense128 python3 benchmarks/bench_mla_attention.py --no-compile --no-sdpa --heads 128 \
+      --query-lens 1,4 --impls gluon:split,gluon:split-pv,gluon:split-pv@2,gluon:auto --out "$OUT/mla_dense128.json"
   echo "mla_tests: $MLA_TESTS" ;;
 sparse-table)  # issue 15's table: sparse MLA at 16 / 128 heads x 1 / 4 rows (Triton, Gluon, keys-as-M Gluon)
   step 200 sparse_table python3 benchmarks/bench_sparse_mla.py --no-compile --no-dense --no-indexer \
