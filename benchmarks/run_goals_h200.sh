@@ -126,6 +126,18 @@ mla-s44)  # session 44, one call: the MLA GPU tests (sessions 43-44's blind chan
   step 110 mla_dense128 python3 benchmarks/bench_mla_attention.py --no-compile --no-sdpa --heads 128 \
       --query-lens 1,4 --impls gluon:split,gluon:split-pv,gluon:split-pv@2,gluon:auto --out "$OUT/mla_dense128.json"
   echo "mla_tests: $MLA_TESTS" ;;
+mla-s44-short)  # mla-s44 cut to ~6 minutes (little device time left): the tests, both sparse kernels' costs at 16
+  # heads (1 / 2 splits), split vs split-pv@2 at 128 heads
+  step 200 mla_tests python3 -m pytest -q -x tests/test_mla_gluon.py tests/test_mla_attention.py \
+      tests/test_sparse_mla_attention.py
+  MLA_TESTS="$(step_summary)"
+  for impl in gluon gluon-km; do
+    step 50 "sparse_costs16_$impl" python3 benchmarks/sparse_mla_costs.py --heads 16 --splits 1,2 --impl $impl \
+        --json "$OUT/sparse_costs16_$impl.json"
+  done
+  step 80 mla_dense128 python3 benchmarks/bench_mla_attention.py --no-compile --no-sdpa --heads 128 \
+      --query-lens 1,4 --impls gluon:split,gluon:split-pv@2 --out "$OUT/mla_dense128.json"
+  echo "mla_tests: $MLA_TESTS" ;;
 sparse-table)  # issue 15's table: sparse MLA at 16 / 128 heads x 1 / 4 rows (Triton, Gluon, keys-as-M Gluon)
   step 200 sparse_table python3 benchmarks/bench_sparse_mla.py --no-compile --no-dense --no-indexer \
       --out "$OUT/sparse_table.json" ;;
