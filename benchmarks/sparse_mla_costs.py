@@ -191,7 +191,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 # the bandwidth floor of the gathered rows (+ the queries and outputs)
                 row["floor_us"] = (pg.t * topk * key_bytes + pg.t * heads * (2 * a.kv_lora_rank + a.rope) * 2) / bw * 1e6
                 out["rows"].append(row)
-                print(json.dumps(row), flush=True)
+                if "kernels_us" in row:
+                    k = row["kernels_us"]
+                    print(f"H={heads} topk={topk} splits={splits}: kernel {k.get('kernel', 0):.1f} us, combine "
+                          f"{k.get('combine', 0):.1f}, busy {row['busy_us']:.1f}, queued {row['queued_us']:.1f}, sync "
+                          f"{row['sync_us']:.1f}, floor {row['floor_us']:.1f}; err {err:.1e}", flush=True)
+                else:
+                    print(json.dumps(row), flush=True)
         del cache, ql, qp
         if device.type == "cuda":
             torch.cuda.empty_cache()
