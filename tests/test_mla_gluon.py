@@ -403,19 +403,19 @@ def test_gluon_km_kernel_compiles_for_hopper() -> None:
 
 
 def test_km_plan_padding_and_dispatch_rules() -> None:
-    """Heads pad to a power of two >= 16 (the MMA's N), at most KM_MAX_HEADS; one wave of programs
-    by default; ``impl="gluon-km"`` with too many heads, or where Gluon cannot run, is an error
+    """Heads pad to a power of two >= 16 (the MMA's N), at most KM_MAX_HEADS; one head block's plan
+    (one wave of programs) by default; ``impl="gluon-km"`` with too many heads, or where Gluon cannot run, is an error
     naming what it needs; an unknown impl names the four."""
     from mtpspec.ops.sparse_mla_attention import sparse_mla_attention
     assert [mla_gluon_km.padded_heads(h) for h in (1, 8, 16, 17, 32)] == [16, 16, 16, 32, 32]
     assert mla_gluon_km.KM_MAX_HEADS == 32
     assert mla_gluon_km.km_supported(32) == mla_gluon.HAS_GLUON and not mla_gluon_km.km_supported(33)
-    assert mla_gluon_km.km_plan(64, 2048, 132) == {"num_splits": 2}
-    assert mla_gluon_km.km_plan(256, 2048, 132) == {"num_splits": 1}
-    assert mla_gluon_km.km_plan(1, 300, 132) == {"num_splits": 2}  # ceil(300 / 256)
-    assert mla_gluon_km.km_plan(64, 2048, 132, num_splits=5) == {"num_splits": 5}
+    assert mla_gluon.sparse_plan(64, 1, 2048, 132)["num_splits"] == 2
+    assert mla_gluon.sparse_plan(256, 1, 2048, 132)["num_splits"] == 1
+    assert mla_gluon.sparse_plan(1, 1, 300, 132)["num_splits"] == 2  # ceil(300 / 256)
+    assert mla_gluon.sparse_plan(64, 1, 2048, 132, num_splits=5)["num_splits"] == 5
     with pytest.raises(ValueError, match="num_splits must be >= 1"):
-        mla_gluon_km.km_plan(64, 2048, 132, num_splits=0)
+        mla_gluon.sparse_plan(64, 1, 2048, 132, num_splits=0)
     x = torch.zeros(1, 1, 1)
     with pytest.raises(ValueError, match="1 to 32 heads, got 64"):
         mla_gluon_km.launch_sparse_km(torch.zeros(2, 64, 512), x, x, x, x, x, x, 1.0, 1)

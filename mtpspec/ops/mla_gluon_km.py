@@ -19,7 +19,8 @@ the tensor cores a quarter (16 heads) of the 64-row product. Operands: the gathe
 read transposed (16-bit wgmma takes an MN-major A from shared memory), of the values; Q (read
 K-major) and P^T (stored ``[keys, heads]``, read MN-major) are the B operands. One consumer warpgroup (scores, softmax,
 values; the O^T accumulator is 4 x heads fp32 registers a thread) and the 4-warp gathering
-producer; programs ``(token row, split)``; the split partials and :func:`combine_splits` as the
+producer; programs ``(token row, split)`` (the splits: :func:`mtpspec.ops.mla_gluon.sparse_plan` for one
+head block); the split partials and :func:`combine_splits` as the
 other sparse kernel. The online softmax is FlashAttention-2's (Dao 2023, Algorithm 1) with its
 statistics per column; the scores' mask is the selection (an entry ``< 0`` or past the cache is
 unused; the producer zero-fills its row).
@@ -36,6 +37,7 @@ from typing import Optional
 import torch
 
 from mtpspec.ops import mla_gluon as mg
+from mtpspec.ops.triton_utils import next_power_of_2
 
 #: Head counts this kernel takes (the MMA's N, padded to a power of two >= 16); above it the
 #: O^T accumulator (4 x N fp32 registers a thread) would not fit beside the scores.
@@ -49,28 +51,12 @@ USE_KM = os.environ.get("MTPSPEC_MLA_SPARSE_KM", "0") == "1"
 
 def padded_heads(num_heads: int) -> int:
     """The MMA's N for ``num_heads`` heads: a power of two >= 16."""
-    n = 16
-    while n < num_heads:
-        n *= 2
-    return n
+    return max(16, next_power_of_2(num_heads))
 
 
 def km_supported(num_heads: int) -> bool:
     """Whether :func:`launch_sparse_km` takes ``num_heads`` heads (1 to :data:`KM_MAX_HEADS`)."""
     return mg.HAS_GLUON and 1 <= num_heads <= KM_MAX_HEADS
-
-
-def km_plan(num_tokens: int, topk: int, sms: int, num_splits=None) -> dict:
-    """``dict(num_splits)``: unless given, the splits that fill one wave of programs (one per SM:
-    ``sms // num_tokens``), at most ``ceil(topk / 256)`` and 32, at least 1.
-
-    Raises:
-        ValueError: a given ``num_splits`` below 1."""
-    if num_splits is None:
-        num_splits = max(1, min(sms // max(1, num_tokens), -(-max(1, topk) // 256), 32))
-    elif int(num_splits) < 1:
-        raise ValueError(f"num_splits must be >= 1, got {num_splits}")
-    return dict(num_splits=int(num_splits))
 
 
 if mg.HAS_GLUON:
@@ -89,17 +75,9 @@ if mg.HAS_GLUON:
         column-wise online softmax and the transposed value products; then O^T / l (or the split's
         partials) stored."""
         dtype: gl.constexpr = ql_ptr.dtype.element_ty
-        ld: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
-        hq = gl.arange(0, NH, layout=gl.SliceLayout(1, ld))
-        hq_ok = (hq < NUM_HEADS)[:, None]
-        cols = gl.arange(0, HALF, layout=gl.SliceLayout(0, ld))
-        ql_rows = ql_ptr + t.to(gl.int64) * stride_qlt + hq[:, None] * stride_qlh
-        qbuf0.store(gl.load(ql_rows + cols[None, :], mask=hq_ok, other=0.0))
-        qbuf1.store(gl.load(ql_rows + HALF + cols[None, :], mask=hq_ok, other=0.0))
-        rcols = gl.arange(0, ROPE, layout=gl.SliceLayout(0, ld))
-        qbufr.store(gl.load(qp_ptr + t.to(gl.int64) * stride_qpt + hq[:, None] * stride_qph + rcols[None, :],
-                            mask=hq_ok, other=0.0))
-        fence_async_shared()
+        # the token row's NH query rows (heads past NUM_HEADS zero): the heads-as-M kernel's sparse rows
+        mg._load_q(qbuf0, qbuf1, qbufr, ql_ptr, qp_ptr, 0, t, 1, 0, stride_qlt, stride_qlh, stride_qpt, stride_qph,
+                   NUM_HEADS, NH, True, HALF, ROPE)
 
         # one accumulator layout for S^T [BLOCK_N, NH] and O^T [HALF, NH]: rows (keys / latent
         # columns) over the 4 warps, heads along N, so the softmax's per-head factors need no shuffle

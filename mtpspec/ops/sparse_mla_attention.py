@@ -379,20 +379,18 @@ def sparse_mla_attention(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: t
         return torch.empty_like(q_latent)
     if k == 0:
         return torch.zeros_like(q_latent)
-    km = impl == "gluon-km" or (impl is None and mla_gluon_km.USE_KM and mla_gluon_km.km_supported(nh))
-    if choice in ("gluon", "auto") and km:  # keys as the MMA's M: few heads (opt-in, not yet run on a GPU)
-        s = mla_gluon_km.km_plan(t, k, num_sms(q_latent.device), num_splits)["num_splits"]
-        out, part_acc, part_ml = split_outputs(q_latent, s, r)
-        mla_gluon_km.launch_sparse_km(q_latent, q_pe, kv_cache, topk_slots, out, part_acc, part_ml,
-                                      float(scale) * _LOG2E, s)
-        _combine(out, part_acc, part_ml, s, r, False)
-        return out
     if choice in ("gluon", "auto"):  # any head count (H200, 16 heads: 0.065 / 0.192 ms vs Triton 0.072 / 0.196)
-        gp = mla_gluon.sparse_plan(t, nh, k, num_sms(q_latent.device), num_splits)
+        # keys as the MMA's M for few heads (opt-in, not yet run on a GPU): one head block
+        km = impl == "gluon-km" or (impl is None and mla_gluon_km.USE_KM and mla_gluon_km.km_supported(nh))
+        gp = mla_gluon.sparse_plan(t, 1 if km else nh, k, num_sms(q_latent.device), num_splits)
         s = gp["num_splits"]
         out, part_acc, part_ml = split_outputs(q_latent, s, r)
-        mla_gluon.launch_sparse(q_latent, q_pe, kv_cache, topk_slots, out, part_acc, part_ml, float(scale) * _LOG2E,
-                                gp["head_blocks"], s)
+        if km:
+            mla_gluon_km.launch_sparse_km(q_latent, q_pe, kv_cache, topk_slots, out, part_acc, part_ml,
+                                          float(scale) * _LOG2E, s)
+        else:
+            mla_gluon.launch_sparse(q_latent, q_pe, kv_cache, topk_slots, out, part_acc, part_ml,
+                                    float(scale) * _LOG2E, gp["head_blocks"], s)
         _combine(out, part_acc, part_ml, s, r, False)
         return out
     plan = sparse_mla_attention_plan(t, nh, k, num_sms(q_latent.device), num_splits, block_m)
