@@ -11,10 +11,10 @@ tiles themselves near the bandwidth's pace. This script measures it instead of i
   with ``num_splits``: the kernel, the combine, and the combine's one-element fill) is captured in a
   CUDA graph, one graph per each of ``--rotate`` different random selections (so the rows gathered
   by consecutive replays differ and a small selection does not sit in L2), and timed three ways:
-  ``sync_us``, each replay between two CUDA events with a host sync after it (what
-  ``benchmarks/_timing.Timer`` and the bench scripts report: the graph launch's latency
-  included); ``queued_us``, ``--iters`` replays queued between two events (launch latency hidden
-  behind the previous replay); CUPTI per kernel (torch.profiler over ``--iters`` replays, the
+  ``sync_us``, each replay between two CUDA events with a host sync after it
+  (``benchmarks/_timing.Timer.eager``, what the bench scripts report: the graph launch's latency
+  included); ``queued_us``, ``--iters`` replays queued between two events (``Timer.queued``: launch
+  latency hidden behind the previous replay); CUPTI per kernel (torch.profiler over ``--iters`` replays, the
   graphs in turn: the kernel, the combine, their busy union).
 * A least-squares line per (heads, splits) of the kernel's CUPTI time against key tiles per
   program (``topk / splits / 64``): ``fixed_us + tile_us * tiles``, printed with the floor
@@ -35,6 +35,7 @@ if "--smoke" in sys.argv:  # Triton's interpreter must be on before triton is fi
     os.environ["TRITON_INTERPRET"] = "1"
 
 import argparse  # noqa: E402
+import itertools  # noqa: E402
 import json  # noqa: E402
 import time  # noqa: E402
 from typing import Any, Callable, Dict, List, Optional, Sequence  # noqa: E402
@@ -73,33 +74,6 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     return a
 
 
-def queued_ms(graphs: List[Any], iters: int) -> float:
-    """Milliseconds a replay with ``iters`` replays (the graphs in turn) queued between two events."""
-    for g in graphs:
-        g.replay()
-    torch.cuda.synchronize()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    for i in range(iters):
-        graphs[i % len(graphs)].replay()
-    b.record()
-    b.synchronize()
-    return a.elapsed_time(b) / iters
-
-
-def sync_ms(graphs: List[Any], iters: int) -> float:
-    """Median milliseconds of one replay between two events, synchronised after each (Timer's way)."""
-    ts = []
-    for i in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graphs[i % len(graphs)].replay()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b))
-    return sorted(ts)[len(ts) // 2]
-
-
 def time_calls(timer: Timer, fns: List[Callable[[], Any]], iters: int) -> Dict[str, Any]:
     """sync / queued / CUPTI microseconds of the calls ``fns`` (one graph each), replayed in turn."""
     if not timer.cuda:  # the smoke test: host time of the eager calls
@@ -111,7 +85,9 @@ def time_calls(timer: Timer, fns: List[Callable[[], Any]], iters: int) -> Dict[s
             raise RuntimeError(f"capture failed: {why}")
         graphs.append(g)
     from torch.profiler import ProfilerActivity, profile
-    queued_ms(graphs, 2 * len(graphs))  # warm
+    turn = itertools.cycle(graphs)
+    replay = lambda: next(turn).replay()  # noqa: E731 - the graphs in turn
+    sync_ms, queued_ms = timer.eager(replay), timer.queued(replay)  # (each warms up first)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for i in range(iters):  # the graphs in turn (one graph's rows would sit in L2 for a small selection)
             graphs[i % len(graphs)].replay()
@@ -121,7 +97,7 @@ def time_calls(timer: Timer, fns: List[Callable[[], Any]], iters: int) -> Dict[s
     for name, (us, _n) in kernel_counts(prof, iters).items():
         short = "combine" if "combine" in name else ("kernel" if "sparse" in name else name[:40])
         kernels[short] = kernels.get(short, 0.0) + us
-    return {"sync_us": sync_ms(graphs, iters) * 1e3, "queued_us": queued_ms(graphs, iters) * 1e3,
+    return {"sync_us": sync_ms * 1e3, "queued_us": queued_ms * 1e3,
             "busy_us": busy_ms / iters * 1e3, "kernels_us": kernels}
 
 
